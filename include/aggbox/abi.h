@@ -1,0 +1,201 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * AggBox ABI, version 1: the wire headers of ../../docs/PROTOCOL.md and the
+ * map keys/values shared by the BPF programs (src/bpf/) and the Rust control
+ * plane (src/abi.rs mirrors this file; tests/abi_layout.rs compiles this
+ * header and checks every offset against the Rust mirror).
+ *
+ * Rules (katran balancer_structs.h / xdp-tools *_kern_user.h style):
+ * fixed-width types only, explicit padding, the byte order of every field in
+ * a comment, and a _Static_assert on every size. Wire fields are big-endian
+ * (network order); map fields are host order unless marked otherwise.
+ */
+#ifndef AGGBOX_ABI_H
+#define AGGBOX_ABI_H
+
+#ifndef __VMLINUX_H__
+#include <linux/types.h>
+#endif
+
+/* ---------------------------------------------------------------------------
+ * Wire format
+ * ------------------------------------------------------------------------- */
+
+#define AGGBOX_MAGIC_AGG   0x41474731u /* "AGG1": contribution or result */
+#define AGGBOX_MAGIC_BCAST 0x41474231u /* "AGB1": broadcast data */
+#define AGGBOX_MAGIC_ACK   0x41474B31u /* "AGK1": acknowledgement */
+
+/* AGG1 `op`: 0..4 run in the kernel, 5..8 on the user-space path. */
+enum aggbox_op {
+	AGGBOX_OP_SUM   = 0,
+	AGGBOX_OP_COUNT = 1,
+	AGGBOX_OP_MAX   = 2,
+	AGGBOX_OP_MIN   = 3,
+	AGGBOX_OP_AVG   = 4,
+	AGGBOX_OP_PROD  = 5,
+	AGGBOX_OP_BAND  = 6,
+	AGGBOX_OP_BOR   = 7,
+	AGGBOX_OP_BXOR  = 8,
+};
+#define AGGBOX_OP_LAST_KERNEL AGGBOX_OP_AVG
+#define AGGBOX_OP_LAST        AGGBOX_OP_BXOR
+
+/* AGG1 `flags` */
+#define AGGBOX_AGG_F_LAST_FRAGMENT 0x01
+#define AGGBOX_AGG_F_RESULT        0x02
+#define AGGBOX_AGG_F_OVERFLOW      0x04
+#define AGGBOX_AGG_F_FLOAT32       0x08
+#define AGGBOX_AGG_F_KNOWN         0x0f /* any other bit set: invalid */
+
+/* AGG1 `rank` of a RESULT datagram */
+#define AGGBOX_RESULT_RANK 0xffff
+
+/* AGB1 `flags` */
+#define AGGBOX_BCAST_F_FORWARD 0x01
+#define AGGBOX_BCAST_F_KNOWN   0x01
+
+/* AGK1 `kind` and `flags` */
+#define AGGBOX_ACK_KIND_AGG   0
+#define AGGBOX_ACK_KIND_BCAST 1
+#define AGGBOX_ACK_F_FINAL    0x01
+#define AGGBOX_ACK_F_KNOWN    0x01
+#define AGGBOX_ACK_MAX_BITS   1024
+
+/* Aggregation message header; `count` int32 elements follow. */
+struct aggbox_agg_hdr {
+	__be32 magic;    /* big-endian: AGGBOX_MAGIC_AGG */
+	__be16 job;      /* big-endian: job id */
+	__be16 rank;     /* big-endian: sender's rank, AGGBOX_RESULT_RANK on results */
+	__be32 seq;      /* big-endian: sender's datagram sequence number */
+	__be32 round;    /* big-endian: reduction generation */
+	__be32 frag_off; /* big-endian: element index of payload[0] */
+	__u8   op;       /* enum aggbox_op */
+	__u8   flags;    /* AGGBOX_AGG_F_* */
+	__be16 count;    /* big-endian: payload elements, >= 1 */
+};
+_Static_assert(sizeof(struct aggbox_agg_hdr) == 24, "AGG1 header is 24 bytes");
+
+/* Broadcast message header; opaque payload follows. */
+struct aggbox_bcast_hdr {
+	__be32 magic; /* big-endian: AGGBOX_MAGIC_BCAST */
+	__be32 mask;  /* big-endian: bit i = deliver to destination i of the group */
+	__be32 seq;   /* big-endian: root's sequence number for this group */
+	__be16 group; /* big-endian: broadcast group id */
+	__u8   flags; /* AGGBOX_BCAST_F_* */
+	__u8   hops;  /* hops travelled from the root */
+};
+_Static_assert(sizeof(struct aggbox_bcast_hdr) == 16, "AGB1 header is 16 bytes");
+
+/* Acknowledgement header; ceil(nbits / 8) bitmap bytes follow (LSB first). */
+struct aggbox_ack_hdr {
+	__be32 magic;    /* big-endian: AGGBOX_MAGIC_ACK */
+	__be16 id;       /* big-endian: job (aggregation) or group (broadcast) */
+	__be16 rank;     /* big-endian: acknowledged sender's rank / receiver's index */
+	__be32 base_seq; /* big-endian: first sequence number covered */
+	__be16 nbits;    /* big-endian: sequence numbers covered, 1..=1024 */
+	__u8   kind;     /* AGGBOX_ACK_KIND_* */
+	__u8   flags;    /* AGGBOX_ACK_F_* */
+};
+_Static_assert(sizeof(struct aggbox_ack_hdr) == 16, "AGK1 header is 16 bytes");
+
+/* ---------------------------------------------------------------------------
+ * Drop reasons and counters (cilium drop_reasons.h style)
+ *
+ * Every datagram the XDP program looks at ends in exactly one outcome. Drop
+ * reasons are negative so they can never be confused with an XDP verdict
+ * (0..4); the stats map is indexed by aggbox_outcome_index().
+ * ------------------------------------------------------------------------- */
+
+enum aggbox_drop_reason {
+	AGGBOX_DROP_TRUNCATED_HEADER  = -130, /* UDP payload shorter than 24 bytes */
+	AGGBOX_DROP_INVALID_OP        = -131, /* op > AGGBOX_OP_LAST */
+	AGGBOX_DROP_RESERVED_FLAG     = -132, /* a flag bit outside AGGBOX_AGG_F_KNOWN */
+	AGGBOX_DROP_ZERO_COUNT        = -133, /* count == 0 */
+	AGGBOX_DROP_COUNT_TOO_LARGE   = -134, /* count larger than the datagram holds */
+	AGGBOX_DROP_COUNT_TOO_SMALL   = -135, /* datagram longer than 24 + 4 * count */
+	AGGBOX_DROP_UNKNOWN_JOB       = -136, /* job not configured on this node */
+	AGGBOX_DROP_RANK_OUT_OF_RANGE = -137, /* rank >= workers */
+	AGGBOX_DROP_SOURCE_MISMATCH   = -138, /* IPv4 source is not the rank's address */
+	AGGBOX_DROP_BEYOND_VECTOR     = -139, /* frag_off + count > vector_len */
+	AGGBOX_DROP_RETRANSMISSION    = -140, /* rank already contributed to the slot */
+	AGGBOX_DROP_STALE_ROUND       = -141, /* round older than the job's window */
+	AGGBOX_DROP_SLOT_POOL_FULL    = -142, /* no free slot and no user-space path */
+	AGGBOX_DROP_MISSED_TAIL_CALL  = -143, /* prog array slot empty: a bug */
+	AGGBOX_DROP_SLOT_MISMATCH     = -144, /* op/count differ from the slot's first contribution */
+	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 fragment: AggBox forbids IP fragmentation */
+	AGGBOX_DROP_TOO_LARGE         = -146, /* count above what this build aggregates in the kernel */
+};
+#define AGGBOX_DROP_FIRST AGGBOX_DROP_TRUNCATED_HEADER
+#define AGGBOX_DROP_LAST  AGGBOX_DROP_TOO_LARGE
+
+/* Outcomes that are not drops. */
+enum aggbox_outcome {
+	AGGBOX_OUTCOME_NOT_AGGBOX   = 0, /* passed to the stack untouched */
+	AGGBOX_OUTCOME_ACCEPTED     = 1, /* contribution valid and absorbed */
+	AGGBOX_OUTCOME_RESULT       = 2, /* contribution completed a slot: RESULT emitted */
+	AGGBOX_OUTCOME_TO_USERSPACE = 3, /* handed to the user-space path */
+	AGGBOX_OUTCOME_OTHER_AGGBOX = 4, /* AGB1/AGK1 or AGG1 to a non-job port: passed */
+	AGGBOX_OUTCOME_COUNT_OK     = 5,
+};
+
+/* stats map index: outcomes first, then one entry per drop reason */
+#define AGGBOX_STATS_DROP_BASE AGGBOX_OUTCOME_COUNT_OK
+#define AGGBOX_STATS_MAX (AGGBOX_STATS_DROP_BASE + (AGGBOX_DROP_FIRST - AGGBOX_DROP_LAST) + 1)
+
+/* One per-CPU counter pair per outcome. */
+struct aggbox_stat {
+	__u64 packets; /* host order */
+	__u64 bytes;   /* host order: UDP payload bytes */
+};
+_Static_assert(sizeof(struct aggbox_stat) == 16, "stat is 16 bytes");
+
+/* ---------------------------------------------------------------------------
+ * Job configuration (written by the control plane, read by XDP)
+ * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_MAX_JOBS
+#define AGGBOX_MAX_JOBS 256
+#endif
+#ifndef AGGBOX_MAX_RANKS
+#define AGGBOX_MAX_RANKS 256 /* per job; the contributor bitmap is this wide */
+#endif
+
+/* Key of the jobs map. */
+struct aggbox_job_key {
+	__u16 job; /* host order */
+	__u16 pad; /* zero */
+};
+_Static_assert(sizeof(struct aggbox_job_key) == 4, "job key is 4 bytes");
+
+/* Value of the jobs map: how this node aggregates one job. */
+struct aggbox_job {
+	__u16 port;        /* host order: UDP port contributions arrive on */
+	__u16 result_port; /* host order: local UDP port RESULTs are delivered to */
+	__u16 workers;     /* host order: ranks 0..workers-1, 1..=AGGBOX_MAX_RANKS */
+	__u16 result_group;/* host order: broadcast group for RESULTs, 0xffff = none */
+	__u32 vector_len;  /* host order: 0 = unbounded */
+	__u32 slots;       /* host order: bound on outstanding slots of this job */
+	__u32 flags;       /* host order: AGGBOX_JOB_F_* */
+	__u32 weight_sum;  /* host order: sum of rank weights (AVG divisor) */
+};
+_Static_assert(sizeof(struct aggbox_job) == 24, "job is 24 bytes");
+
+#define AGGBOX_JOB_F_USERSPACE_ONLY 0x01 /* every contribution goes to user space */
+#define AGGBOX_JOB_F_HAS_PARENT     0x02 /* results go upstream, not to result_port */
+#define AGGBOX_NO_GROUP             0xffff
+
+/* Key of the ranks map: the paper's KEY, job << 16 | rank. */
+struct aggbox_rank_key {
+	__u16 job;  /* host order */
+	__u16 rank; /* host order */
+};
+_Static_assert(sizeof(struct aggbox_rank_key) == 4, "rank key is 4 bytes");
+
+/* Value of the ranks map. */
+struct aggbox_rank {
+	__be32 addr;  /* big-endian: IPv4 source address this rank sends from */
+	__s32  weight;/* host order: SUM/AVG weight, default 1 */
+};
+_Static_assert(sizeof(struct aggbox_rank) == 8, "rank is 8 bytes");
+
+#endif /* AGGBOX_ABI_H */

@@ -1,0 +1,15 @@
+//! AggBox: in-kernel aggregation and broadcast for distributed communication.
+//!
+//! The library holds everything; `src/main.rs` (the `aggbox` binary) is a thin
+//! command line over it.
+//!
+//! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map structs).
+//! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
+//! - [`reducer`]: the reference reducer, oracle for the kernel path and core of
+//!   the socket baseline.
+//! - [`dataplane`]: loads the BPF skeletons, attaches, configures, reads counters.
+
+pub mod abi;
+pub mod dataplane;
+pub mod proto;
+pub mod reducer;
