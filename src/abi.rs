@@ -300,6 +300,65 @@ pub struct Rank {
 }
 const _: () = assert!(core::mem::size_of::<Rank>() == 8);
 
+/// `struct aggbox_port_key` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PortKey {
+    pub port: u16,
+    pub pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<PortKey>() == 4);
+
+/// `struct aggbox_port` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Port {
+    pub jobs: u32,
+}
+const _: () = assert!(core::mem::size_of::<Port>() == 4);
+
+/// Elements one slot holds (`AGGBOX_MAX_ELEMS`).
+pub const MAX_ELEMS: u32 = 384;
+/// Elements one program of the tail-call chain processes (`AGGBOX_CHUNK_ELEMS`).
+pub const CHUNK_ELEMS: u32 = 32;
+/// Slots of all jobs together (`AGGBOX_MAX_SLOTS`).
+pub const MAX_SLOTS: u32 = 4096;
+/// Completed-slot markers kept (`AGGBOX_MAX_COMPLETED`).
+pub const MAX_COMPLETED: u32 = 65536;
+/// Rounds older than the newest completed round minus this are stale.
+pub const ROUND_WINDOW: u32 = 64;
+
+/// `enum aggbox_call`: index of each program in the tail-call prog array.
+pub const CALL_SLOT: u32 = 0;
+/// See [`CALL_SLOT`].
+pub const CALL_ADD: u32 = 1;
+/// See [`CALL_SLOT`].
+pub const CALL_RESULT: u32 = 2;
+/// Size of the prog array.
+pub const CALL_MAX: u32 = 3;
+
+/// `struct aggbox_slot_key` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SlotKey {
+    pub job: u16,
+    pub pad: u16,
+    pub round: u32,
+    pub frag_off: u32,
+}
+const _: () = assert!(core::mem::size_of::<SlotKey>() == 12);
+
+/// `struct aggbox_job_state` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct JobState {
+    pub active_slots: u32,
+    pub newest_round: u32,
+    pub completed: u32,
+    pub result_seq: u32,
+}
+const _: () = assert!(core::mem::size_of::<JobState>() == 16);
+
 // SAFETY: every type above is repr(C), made only of integers, and valid for
 // any bit pattern, which is all `plain` requires.
 unsafe impl Plain for AggHdr {}
@@ -310,6 +369,10 @@ unsafe impl Plain for JobKey {}
 unsafe impl Plain for Job {}
 unsafe impl Plain for RankKey {}
 unsafe impl Plain for Rank {}
+unsafe impl Plain for PortKey {}
+unsafe impl Plain for Port {}
+unsafe impl Plain for SlotKey {}
+unsafe impl Plain for JobState {}
 
 /// View of a plain value as bytes, for map updates.
 pub fn as_bytes<T: Plain>(value: &T) -> &[u8] {
@@ -349,5 +412,9 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
     fields!(out, "aggbox_rank", Rank, [addr, weight]);
+    fields!(out, "aggbox_port_key", PortKey, [port, pad]);
+    fields!(out, "aggbox_port", Port, [jobs]);
+    fields!(out, "aggbox_slot_key", SlotKey, [job, pad, round, frag_off]);
+    fields!(out, "aggbox_job_state", JobState, [active_slots, newest_round, completed, result_seq]);
     out
 }

@@ -1,1 +1,747 @@
-//! (being written)
+//! The dataplane loader: opens and loads the AggBox XDP skeleton, attaches it
+//! to an interface, writes job configuration into its maps and reads its
+//! counters back.
+//!
+//! Map layout (see `src/bpf/aggbox_xdp.bpf.c` and `docs/DATAPLANE.md`):
+//!
+//! | map     | key                       | value                  | written by |
+//! |---------|---------------------------|------------------------|------------|
+//! | `ports` | [`abi::PortKey`]          | [`abi::Port`]          | control plane |
+//! | `jobs`  | [`abi::JobKey`]           | [`abi::Job`]           | control plane |
+//! | `ranks` | [`abi::RankKey`]          | [`abi::Rank`]          | control plane |
+//! | `stats` | `u32` outcome index       | [`abi::Stat`] per CPU  | XDP |
+//! | `job_state` | [`abi::JobKey`]       | [`abi::JobState`]      | control plane creates, XDP updates |
+//! | `slots` | [`abi::SlotKey`]          | slot (BPF-only, `src/bpf/slot.h`) | XDP |
+//! | `completed` | [`abi::SlotKey`]      | `u32` marker (LRU)     | XDP |
+//! | `progs` | `u32` `abi::CALL_*`       | program fd             | control plane, once at load |
+//! | `scratch`, `slot_init` | `u32` 0    | per-CPU scratch        | XDP |
+//!
+//! Errors inside this module are typed ([`DataplaneError`]); callers at the
+//! edges may wrap them in `anyhow`.
+
+use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, OpenObject};
+
+use crate::abi;
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/aggbox_xdp.skel.rs"));
+}
+use skel::{AggboxXdpSkel, AggboxXdpSkelBuilder};
+
+/// Largest rank weight magnitude accepted by [`Dataplane::set_job`].
+///
+/// The kernel accumulates `weight * value` in a signed 64-bit integer per
+/// element. With at most [`abi::MAX_RANKS`] (2^8) ranks, `|value| <= 2^31` and
+/// `|weight| <= 2^23`, the sum stays below 2^62 and can never wrap.
+pub const MAX_WEIGHT: i32 = 1 << 23;
+
+/// Errors of the dataplane loader.
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    /// Opening, loading or verifying the BPF object failed.
+    #[error("loading the XDP program: {0}")]
+    Load(#[source] libbpf_rs::Error),
+    /// A map operation failed.
+    #[error("map `{map}`: {source}")]
+    Map {
+        /// Name of the map.
+        map: &'static str,
+        /// The libbpf error.
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    /// Attaching the XDP program to the interface failed in every mode tried.
+    #[error("attaching XDP to ifindex {ifindex}: {source}")]
+    Attach {
+        /// Interface index.
+        ifindex: u32,
+        /// Last OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A job configuration was rejected before touching any map.
+    #[error("job {job}: {reason}")]
+    InvalidJob {
+        /// Job id.
+        job: u16,
+        /// What is wrong.
+        reason: String,
+    },
+    /// BPF_PROG_TEST_RUN failed.
+    #[error("BPF_PROG_TEST_RUN: {0}")]
+    TestRun(#[source] libbpf_rs::Error),
+    /// Pinning failed.
+    #[error("pinning {path}: {source}")]
+    Pin {
+        /// Pin path.
+        path: String,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Result type of this module.
+pub type Result<T, E = DataplaneError> = std::result::Result<T, E>;
+
+/// How the XDP program is attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XdpMode {
+    /// Driver (native) mode, `XDP_FLAGS_DRV_MODE`.
+    Native,
+    /// Generic (skb) mode, `XDP_FLAGS_SKB_MODE`: works everywhere, slower.
+    Generic,
+}
+
+impl XdpMode {
+    fn flags(self) -> u32 {
+        match self {
+            XdpMode::Native => libbpf_sys::XDP_FLAGS_DRV_MODE,
+            XdpMode::Generic => libbpf_sys::XDP_FLAGS_SKB_MODE,
+        }
+    }
+}
+
+/// A BPF link holding the XDP program on an interface; detaches when dropped
+/// (unless pinned).
+#[derive(Debug)]
+pub struct XdpLink {
+    fd: OwnedFd,
+    ifindex: u32,
+    mode: XdpMode,
+}
+
+impl XdpLink {
+    /// The mode the program ended up attached in.
+    pub fn mode(&self) -> XdpMode {
+        self.mode
+    }
+
+    /// Interface index the link is attached to.
+    pub fn ifindex(&self) -> u32 {
+        self.ifindex
+    }
+
+    /// Pin the link to a bpffs path so it outlives this process.
+    pub fn pin(&self, path: &Path) -> Result<()> {
+        pin_fd(self.fd.as_raw_fd(), path)
+    }
+
+    /// Detach now (same as dropping the link, but explicit).
+    pub fn detach(self) -> Result<()> {
+        // SAFETY: plain syscall wrapper on a link fd we own.
+        let rc = unsafe { libbpf_sys::bpf_link_detach(self.fd.as_raw_fd()) };
+        if rc < 0 {
+            return Err(DataplaneError::Attach {
+                ifindex: self.ifindex,
+                source: std::io::Error::from_raw_os_error(-rc),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl AsFd for XdpLink {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn pin_fd(fd: RawFd, path: &Path) -> Result<()> {
+    let display = path.display().to_string();
+    let cpath = std::ffi::CString::new(display.clone()).map_err(|_| DataplaneError::Pin {
+        path: display.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
+    })?;
+    // SAFETY: valid fd and NUL-terminated path.
+    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd, cpath.as_ptr()) };
+    if rc < 0 {
+        return Err(DataplaneError::Pin {
+            path: display,
+            source: std::io::Error::from_raw_os_error(-rc),
+        });
+    }
+    Ok(())
+}
+
+/// One aggregation job as the control plane configures it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct JobConfig {
+    /// Job id (the AGG1 `job` field).
+    pub id: u16,
+    /// UDP port the contributions arrive on.
+    pub port: u16,
+    /// Local UDP port RESULT datagrams are delivered to.
+    pub result_port: u16,
+    /// IPv4 source address of each rank; rank i sends from `ranks[i]`.
+    /// Its length is the number of workers (1..=[`abi::MAX_RANKS`]).
+    pub ranks: Vec<Ipv4Addr>,
+    /// Weight of each rank for SUM/AVG; empty means all 1. Each weight must
+    /// satisfy `|w| <= MAX_WEIGHT` and the sum must be positive.
+    pub weights: Vec<i32>,
+    /// Vector length; `frag_off + count` beyond it is rejected. 0 = unbounded.
+    pub vector_len: u32,
+    /// Bound on outstanding slots of this job; 0 = the build's maximum.
+    pub slots: u32,
+    /// `abi::JOB_F_*` flags.
+    pub flags: u32,
+    /// Broadcast group RESULTs also go to, if any.
+    pub result_group: Option<u16>,
+}
+
+impl JobConfig {
+    /// The weight of each rank (defaults applied).
+    pub fn effective_weights(&self) -> Vec<i32> {
+        if self.weights.is_empty() {
+            vec![1; self.ranks.len()]
+        } else {
+            self.weights.clone()
+        }
+    }
+
+    fn validate(&self) -> Result<abi::Job> {
+        let bad = |reason: String| DataplaneError::InvalidJob {
+            job: self.id,
+            reason,
+        };
+        let workers = self.ranks.len();
+        if workers == 0 || workers > abi::MAX_RANKS as usize {
+            return Err(bad(format!(
+                "{workers} ranks; a job has 1..={} ranks",
+                abi::MAX_RANKS
+            )));
+        }
+        if !self.weights.is_empty() && self.weights.len() != workers {
+            return Err(bad(format!(
+                "{} weights for {workers} ranks",
+                self.weights.len()
+            )));
+        }
+        let weights = self.effective_weights();
+        if let Some(w) = weights
+            .iter()
+            .find(|w| w.unsigned_abs() > MAX_WEIGHT as u32)
+        {
+            return Err(bad(format!(
+                "weight {w} outside -{MAX_WEIGHT}..={MAX_WEIGHT}"
+            )));
+        }
+        let sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
+        if sum <= 0 {
+            return Err(bad(format!(
+                "weights sum to {sum}; the AVG divisor must be positive"
+            )));
+        }
+        if self.port == 0 {
+            return Err(bad("port 0".to_string()));
+        }
+        Ok(abi::Job {
+            port: self.port,
+            result_port: self.result_port,
+            workers: workers as u16,
+            result_group: self.result_group.unwrap_or(abi::NO_GROUP),
+            vector_len: self.vector_len,
+            slots: self.slots,
+            flags: self.flags,
+            weight_sum: sum as u32,
+        })
+    }
+}
+
+/// One counter pair, summed over CPUs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counter {
+    /// Datagrams.
+    pub packets: u64,
+    /// UDP payload bytes (0 for frames without a UDP header).
+    pub bytes: u64,
+}
+
+/// Snapshot of the `stats` map, summed over CPUs.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Stats {
+    /// Counters of the non-drop outcomes, keyed by their label.
+    pub outcomes: BTreeMap<&'static str, Counter>,
+    /// Counters of the drop reasons, keyed by their label.
+    pub drops: BTreeMap<&'static str, Counter>,
+}
+
+impl Stats {
+    /// Counter of one outcome.
+    pub fn outcome(&self, outcome: abi::Outcome) -> Counter {
+        self.outcomes
+            .get(outcome.label())
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Counter of one drop reason.
+    pub fn drop(&self, reason: abi::DropReason) -> Counter {
+        self.drops.get(reason.label()).copied().unwrap_or_default()
+    }
+
+    /// Packets of every drop reason together.
+    pub fn dropped_packets(&self) -> u64 {
+        self.drops.values().map(|c| c.packets).sum()
+    }
+
+    /// Packets of every outcome and drop reason together.
+    pub fn total_packets(&self) -> u64 {
+        self.outcomes.values().map(|c| c.packets).sum::<u64>() + self.dropped_packets()
+    }
+}
+
+/// The loaded AggBox XDP object: programs and maps.
+pub struct Dataplane {
+    // Field order matters: the skeleton borrows `_object` and must drop first.
+    skel: AggboxXdpSkel<'static>,
+    _object: Box<MaybeUninit<OpenObject>>,
+}
+
+impl std::fmt::Debug for Dataplane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dataplane").finish_non_exhaustive()
+    }
+}
+
+impl Dataplane {
+    /// Open and load (verify) the XDP skeleton. Needs root (CAP_BPF).
+    pub fn load() -> Result<Self> {
+        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
+        // SAFETY: the box's heap allocation never moves and lives as long as
+        // `Dataplane`, whose field order drops the skeleton before the box;
+        // no other reference to the allocation is ever created.
+        let object_ref: &'static mut MaybeUninit<OpenObject> =
+            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let open = AggboxXdpSkelBuilder::default()
+            .open(object_ref)
+            .map_err(DataplaneError::Load)?;
+        let skel = open.load().map_err(DataplaneError::Load)?;
+        let dataplane = Dataplane {
+            skel,
+            _object: object,
+        };
+        dataplane.fill_prog_arrays()?;
+        Ok(dataplane)
+    }
+
+    /// Fill the tail-call program array `progs` (the one place that does
+    /// it): index `abi::CALL_*` -> the chain's programs.
+    fn fill_prog_arrays(&self) -> Result<()> {
+        let progs = &self.skel.progs;
+        let chain = [
+            (abi::CALL_SLOT, progs.aggbox_slot.as_fd().as_raw_fd()),
+            (abi::CALL_ADD, progs.aggbox_add.as_fd().as_raw_fd()),
+            (abi::CALL_RESULT, progs.aggbox_result.as_fd().as_raw_fd()),
+        ];
+        debug_assert_eq!(chain.len() as u32, abi::CALL_MAX);
+        for (index, fd) in chain {
+            self.skel
+                .maps
+                .progs
+                .update(
+                    &index.to_ne_bytes(),
+                    &(fd as u32).to_ne_bytes(),
+                    MapFlags::ANY,
+                )
+                .map_err(|source| DataplaneError::Map {
+                    map: "progs",
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Remove program `index` (`abi::CALL_*`) from the tail-call array.
+    /// Fault injection for tests: every datagram reaching that stage is then
+    /// dropped and counted as `missed_tail_call`.
+    pub fn unset_tail_call(&self, index: u32) -> Result<()> {
+        delete_ignore_missing(&self.skel.maps.progs, "progs", &index.to_ne_bytes())
+    }
+
+    /// Attach the XDP entry program to `ifindex` with a BPF link. In
+    /// [`XdpMode::Native`] a driver without native XDP falls back to generic
+    /// mode; the second value then carries a warning to show the operator.
+    pub fn attach_xdp(&self, ifindex: u32, mode: XdpMode) -> Result<(XdpLink, Option<String>)> {
+        match self.link_xdp(ifindex, mode) {
+            Ok(link) => Ok((link, None)),
+            Err(native_err) if mode == XdpMode::Native => {
+                let link = self
+                    .link_xdp(ifindex, XdpMode::Generic)
+                    .map_err(|source| DataplaneError::Attach { ifindex, source })?;
+                let warning = format!("native XDP unavailable on ifindex {ifindex} ({native_err}); attached in generic mode");
+                Ok((link, Some(warning)))
+            }
+            Err(source) => Err(DataplaneError::Attach { ifindex, source }),
+        }
+    }
+
+    fn link_xdp(&self, ifindex: u32, mode: XdpMode) -> std::io::Result<XdpLink> {
+        let prog_fd = self.skel.progs.aggbox_xdp.as_fd().as_raw_fd();
+        // SAFETY: zeroed opts are valid; sz set as libbpf requires.
+        let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+        opts.flags = mode.flags();
+        // SAFETY: valid program fd, opts initialised above.
+        let fd = unsafe {
+            libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, libbpf_sys::BPF_XDP, &opts)
+        };
+        if fd < 0 {
+            return Err(std::io::Error::from_raw_os_error(-fd));
+        }
+        // SAFETY: the kernel just returned this fd to us; we own it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(XdpLink { fd, ifindex, mode })
+    }
+
+    /// Configure (or reconfigure) job `id`: writes its ranks, the job and its
+    /// port. `id` must equal `job.id`.
+    pub fn set_job(&self, id: u16, job: &JobConfig) -> Result<()> {
+        if id != job.id {
+            return Err(DataplaneError::InvalidJob {
+                job: id,
+                reason: format!("config carries id {}", job.id),
+            });
+        }
+        let value = job.validate()?;
+        let maps = &self.skel.maps;
+        let key = abi::JobKey { job: id, pad: 0 };
+        let old = self.job(id)?;
+
+        // Ranks first, so that the job never points at missing ranks.
+        for (rank, (addr, weight)) in job.ranks.iter().zip(job.effective_weights()).enumerate() {
+            let rkey = abi::RankKey {
+                job: id,
+                rank: rank as u16,
+            };
+            let rval = abi::Rank {
+                addr: u32::from_ne_bytes(addr.octets()),
+                weight,
+            };
+            maps.ranks
+                .update(abi::as_bytes(&rkey), abi::as_bytes(&rval), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "ranks",
+                    source,
+                })?;
+        }
+        maps.jobs
+            .update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "jobs",
+                source,
+            })?;
+
+        match old {
+            Some(old) if old.port == value.port => {}
+            Some(old) => {
+                self.port_add(value.port, 1)?;
+                self.port_add(old.port, -1)?;
+            }
+            None => self.port_add(value.port, 1)?,
+        }
+        if let Some(old) = old {
+            for rank in value.workers..old.workers {
+                self.delete_rank(id, rank)?;
+            }
+        }
+        self.reset_job_state(id)?;
+        Ok(())
+    }
+
+    /// Remove job `id` (no-op if unknown).
+    pub fn remove_job(&self, id: u16) -> Result<()> {
+        let Some(old) = self.job(id)? else {
+            return Ok(());
+        };
+        let key = abi::JobKey { job: id, pad: 0 };
+        delete_ignore_missing(&self.skel.maps.jobs, "jobs", abi::as_bytes(&key))?;
+        for rank in 0..old.workers {
+            self.delete_rank(id, rank)?;
+        }
+        self.port_add(old.port, -1)?;
+        self.clear_job_state(id)?;
+        Ok(())
+    }
+
+    /// The job as written in the `jobs` map, if configured.
+    pub fn job(&self, id: u16) -> Result<Option<abi::Job>> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        let raw = self
+            .skel
+            .maps
+            .jobs
+            .lookup(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "jobs",
+                source,
+            })?;
+        Ok(raw.and_then(|bytes| abi::from_bytes::<abi::Job>(&bytes)))
+    }
+
+    fn delete_rank(&self, id: u16, rank: u16) -> Result<()> {
+        let rkey = abi::RankKey { job: id, rank };
+        delete_ignore_missing(&self.skel.maps.ranks, "ranks", abi::as_bytes(&rkey))
+    }
+
+    fn port_add(&self, port: u16, delta: i64) -> Result<()> {
+        let map = &self.skel.maps.ports;
+        let key = abi::PortKey { port, pad: 0 };
+        let cur = map
+            .lookup(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "ports",
+                source,
+            })?
+            .and_then(|b| abi::from_bytes::<abi::Port>(&b))
+            .map(|p| i64::from(p.jobs))
+            .unwrap_or(0);
+        let new = (cur + delta).max(0);
+        if new == 0 {
+            delete_ignore_missing(map, "ports", abi::as_bytes(&key))
+        } else {
+            let value = abi::Port { jobs: new as u32 };
+            map.update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "ports",
+                    source,
+                })
+        }
+    }
+
+    /// Create the kernel's runtime state of a job if it has none yet (a
+    /// reconfigured job keeps its slots and counters).
+    fn reset_job_state(&self, id: u16) -> Result<()> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        let zero = abi::JobState::default();
+        match self.skel.maps.job_state.update(
+            abi::as_bytes(&key),
+            abi::as_bytes(&zero),
+            MapFlags::NO_EXIST,
+        ) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => Ok(()),
+            Err(source) => Err(DataplaneError::Map {
+                map: "job_state",
+                source,
+            }),
+        }
+    }
+
+    /// Drop the kernel's runtime state of a removed job: its state, its
+    /// slots and its completed markers.
+    fn clear_job_state(&self, id: u16) -> Result<()> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        delete_ignore_missing(&self.skel.maps.job_state, "job_state", abi::as_bytes(&key))?;
+        for (map, name) in [
+            (&self.skel.maps.slots, "slots"),
+            (&self.skel.maps.completed, "completed"),
+        ] {
+            let keys: Vec<Vec<u8>> = map
+                .keys()
+                .filter(|k| abi::from_bytes::<abi::SlotKey>(k).is_some_and(|k| k.job == id))
+                .collect();
+            for k in keys {
+                delete_ignore_missing(map, name, &k)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel's runtime state of job `id` (slots in use, newest
+    /// completed round, completions, next RESULT seq).
+    pub fn job_state(&self, id: u16) -> Result<Option<abi::JobState>> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        let raw = self
+            .skel
+            .maps
+            .job_state
+            .lookup(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "job_state",
+                source,
+            })?;
+        Ok(raw.and_then(|bytes| abi::from_bytes::<abi::JobState>(&bytes)))
+    }
+
+    /// Number of slots in the pool (all jobs), for tests and status.
+    pub fn slots_in_use(&self) -> usize {
+        self.skel.maps.slots.keys().count()
+    }
+
+    /// Read the `stats` map and sum every counter over CPUs.
+    pub fn stats(&self) -> Result<Stats> {
+        let map = &self.skel.maps.stats;
+        let mut stats = Stats::default();
+        let read = |idx: u32| -> Result<Counter> {
+            let per_cpu = map
+                .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "stats",
+                    source,
+                })?
+                .unwrap_or_default();
+            let mut sum = Counter::default();
+            for raw in per_cpu {
+                if let Some(stat) = abi::from_bytes::<abi::Stat>(&raw) {
+                    sum.packets += stat.packets;
+                    sum.bytes += stat.bytes;
+                }
+            }
+            Ok(sum)
+        };
+        for outcome in abi::Outcome::ALL {
+            stats
+                .outcomes
+                .insert(outcome.label(), read(outcome as u32)?);
+        }
+        for reason in abi::DropReason::ALL {
+            stats
+                .drops
+                .insert(reason.label(), read(reason.stats_index())?);
+        }
+        Ok(stats)
+    }
+
+    /// Run the XDP entry program once on `frame` with BPF_PROG_TEST_RUN;
+    /// returns the XDP verdict and the frame as the program left it.
+    pub fn test_run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+        self.test_runner()?.run(frame)
+    }
+
+    /// A handle that runs the XDP entry program with BPF_PROG_TEST_RUN and
+    /// can be sent to other threads (each may pin itself to a CPU).
+    pub fn test_runner(&self) -> Result<TestRunner> {
+        let fd = self
+            .skel
+            .progs
+            .aggbox_xdp
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
+        Ok(TestRunner { fd })
+    }
+
+    /// Id, size, verifier cost and run statistics of every program of the
+    /// chain (what `bpftool prog show` prints).
+    pub fn programs(&self) -> Result<Vec<ProgramFacts>> {
+        let progs = &self.skel.progs;
+        let list = [
+            ("aggbox_xdp", progs.aggbox_xdp.as_fd().as_raw_fd()),
+            ("aggbox_slot", progs.aggbox_slot.as_fd().as_raw_fd()),
+            ("aggbox_add", progs.aggbox_add.as_fd().as_raw_fd()),
+            ("aggbox_result", progs.aggbox_result.as_fd().as_raw_fd()),
+        ];
+        let mut out = Vec::new();
+        for (name, fd) in list {
+            // SAFETY: zeroed info is valid; no output arrays are requested.
+            let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+            // SAFETY: valid fd, info/len describe a live buffer.
+            let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd, &mut info, &mut len) };
+            if rc < 0 {
+                let err = std::io::Error::from_raw_os_error(-rc);
+                return Err(DataplaneError::Load(libbpf_rs::Error::from(err)));
+            }
+            out.push(ProgramFacts {
+                name,
+                id: info.id,
+                xlated_insns: info.xlated_prog_len / 8,
+                verified_insns: info.verified_insns,
+                run_cnt: info.run_cnt,
+                run_time_ns: info.run_time_ns,
+            });
+        }
+        Ok(out)
+    }
+
+    /// File descriptor of the XDP entry program.
+    pub fn xdp_prog_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.skel.progs.aggbox_xdp.as_fd()
+    }
+}
+
+/// Kernel facts about one loaded program of the chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramFacts {
+    /// Program name (`aggbox_xdp`, `aggbox_slot`, `aggbox_add`, `aggbox_result`).
+    pub name: &'static str,
+    /// Kernel program id.
+    pub id: u32,
+    /// Instructions after the verifier's rewrites (xlated).
+    pub xlated_insns: u32,
+    /// Instructions the verifier processed to accept the program.
+    pub verified_insns: u32,
+    /// Runs so far (needs `kernel.bpf_stats_enabled=1`).
+    pub run_cnt: u64,
+    /// Total run time in ns (needs `kernel.bpf_stats_enabled=1`).
+    pub run_time_ns: u64,
+}
+
+/// A duplicated descriptor of the XDP entry program for BPF_PROG_TEST_RUN
+/// (`Send + Sync`; the dataplane's maps stay shared with it).
+#[derive(Debug)]
+pub struct TestRunner {
+    fd: OwnedFd,
+}
+
+impl TestRunner {
+    /// Run the program once on `frame`; returns the verdict and output frame.
+    pub fn run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+        let mut out = vec![0u8; frame.len() + 256];
+        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
+        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
+        opts.data_in = frame.as_ptr().cast();
+        opts.data_size_in = frame.len() as u32;
+        opts.data_out = out.as_mut_ptr().cast();
+        opts.data_size_out = out.len() as u32;
+        opts.repeat = 1;
+        // SAFETY: valid program fd and opts pointing at live buffers.
+        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.fd.as_raw_fd(), &mut opts) };
+        if rc < 0 {
+            let err = std::io::Error::from_raw_os_error(-rc);
+            return Err(DataplaneError::TestRun(libbpf_rs::Error::from(err)));
+        }
+        out.truncate(opts.data_size_out as usize);
+        Ok((opts.retval, out))
+    }
+}
+
+fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
+    match map.delete(key) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(DataplaneError::Map { map: name, source }),
+    }
+}
+
+// Pinning of the object's maps, used by `node::attach` so that `aggbox status`
+// and `aggbox detach` can reach the maps from another process.
+impl Dataplane {
+    /// Pin every map of the object as `dir/<map name>` (`dir` must be on a
+    /// bpffs and exist). Internal maps (`.bss`, `.rodata`, ...) are skipped.
+    pub fn pin_maps(&self, dir: &Path) -> Result<()> {
+        use libbpf_rs::skel::Skel;
+        for map in self.skel.object().maps() {
+            let name = map.name().to_string_lossy().into_owned();
+            if name.starts_with('.')
+                || name.contains(".bss")
+                || name.contains(".rodata")
+                || name.contains(".data")
+            {
+                continue;
+            }
+            pin_fd(map.as_fd().as_raw_fd(), &dir.join(&name))?;
+        }
+        Ok(())
+    }
+}

@@ -10,6 +10,10 @@
 //! - [`dataplane`]: loads the BPF skeletons, attaches, configures, reads counters.
 
 pub mod abi;
+pub mod config;
 pub mod dataplane;
 pub mod proto;
 pub mod reducer;
+pub mod node;
+pub mod testbed;
+pub mod tools;

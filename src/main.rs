@@ -1,3 +1,258 @@
-fn main() -> anyhow::Result<()> {
+//! `aggbox`: the AggBox node command line (INTERFACE.md). Thin: every command
+//! calls the library.
+
+use std::net::{SocketAddrV4, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+use aggbox::abi::Op;
+use aggbox::config::Config;
+use aggbox::dataplane::XdpMode;
+use aggbox::{node, tools};
+
+/// In-kernel aggregation and broadcast for distributed communication.
+///
+/// A node runs `aggbox attach IFACE --config FILE` (as root, in the
+/// foreground or as a service): the XDP program on IFACE then aggregates the
+/// contributions of the configured jobs and the application on this host
+/// receives one RESULT datagram per fragment. `aggbox status` shows what is
+/// attached and the per-reason counters; `aggbox detach IFACE` cleans up
+/// after a crash. `contribute` and `listen` send and receive test traffic.
+#[derive(Parser, Debug)]
+#[command(name = "aggbox", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Load the BPF programs, attach them to IFACE, write the config's jobs
+    /// into the maps, pin everything under PIN_ROOT/IFACE and serve until
+    /// SIGINT/SIGTERM, which detaches everything and exits 0.
+    Attach {
+        /// Interface to attach to, e.g. eth0.
+        iface: String,
+        /// TOML configuration (see deploy/aggbox.example.toml); without it
+        /// no jobs are configured and every datagram passes.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Where pins live; must be on a bpffs.
+        #[arg(long, default_value = node::DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        /// XDP attach mode: native falls back to generic with a warning.
+        #[arg(long, value_enum, default_value_t = ModeArg::Native)]
+        xdp_mode: ModeArg,
+    },
+    /// Remove everything AggBox attached or pinned for IFACE (also after kill -9).
+    Detach {
+        /// Interface.
+        iface: String,
+        /// Where pins live.
+        #[arg(long, default_value = node::DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+    },
+    /// What is attached, jobs and counters (every attached interface if IFACE is omitted).
+    Status {
+        /// Interface.
+        iface: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// Where pins live.
+        #[arg(long, default_value = node::DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+    },
+    /// Send one contribution vector to an aggregator (test traffic; no retransmission).
+    Contribute {
+        /// Aggregator address and job port, e.g. 10.77.0.11:7000.
+        #[arg(long)]
+        to: SocketAddrV4,
+        /// Job id.
+        #[arg(long)]
+        job: u16,
+        /// This sender's rank.
+        #[arg(long)]
+        rank: u16,
+        /// Reduction round.
+        #[arg(long, default_value_t = 1)]
+        round: u32,
+        /// Operation: sum, count, max, min, avg (kernel) or prod, band, bor, bxor.
+        #[arg(long, default_value = "sum")]
+        op: String,
+        /// Vector length (values from the deterministic test pattern of this rank).
+        #[arg(long, conflicts_with = "values")]
+        elements: Option<u32>,
+        /// Explicit values, comma-separated.
+        #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
+        values: Vec<i32>,
+        /// Interface MTU the datagrams must fit.
+        #[arg(long, default_value_t = 1500)]
+        mtu: usize,
+        /// First sequence number.
+        #[arg(long, default_value_t = 0)]
+        seq: u32,
+    },
+    /// Receive a job's RESULT datagrams on a UDP port and print the reduced
+    /// vector; with --workers, compare it with the reference reducer's result
+    /// for the test pattern that `contribute --elements` sends.
+    Listen {
+        /// UDP port (the job's result_port).
+        #[arg(long)]
+        port: u16,
+        /// Job id.
+        #[arg(long)]
+        job: u16,
+        /// Elements to wait for.
+        #[arg(long)]
+        elements: u32,
+        /// Seconds to wait.
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+        /// Compare with the test pattern of this many ranks.
+        #[arg(long)]
+        workers: Option<u16>,
+        /// Operation of the comparison.
+        #[arg(long, default_value = "sum")]
+        op: String,
+    },
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum ModeArg {
+    Native,
+    Generic,
+}
+
+fn parse_op(name: &str) -> Result<Op> {
+    Op::from_name(name).ok_or_else(|| anyhow!("unknown op {name:?} (sum, count, max, min, avg, prod, band, bor, bxor)"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let text = format!("{err:#}");
+            if text.starts_with("aggbox:") {
+                eprintln!("{text}");
+            } else {
+                eprintln!("aggbox: {text}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Attach { iface, config, pin_root, xdp_mode } => attach(&iface, config.as_deref(), &pin_root, xdp_mode),
+        Command::Detach { iface, pin_root } => {
+            if node::detach(&iface, &pin_root)? {
+                println!("aggbox: detached from {iface}");
+            } else {
+                println!("aggbox: nothing attached to {iface}");
+            }
+            Ok(())
+        }
+        Command::Status { iface, json, pin_root } => {
+            let statuses = node::status(iface.as_deref(), &pin_root)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&statuses)?);
+            } else if statuses.is_empty() {
+                println!("aggbox: nothing attached (no state under {})", pin_root.display());
+            } else {
+                for s in &statuses {
+                    print!("{}", node::format_status(s));
+                }
+            }
+            Ok(())
+        }
+        Command::Contribute { to, job, rank, round, op, elements, values, mtu, seq } => {
+            let op = parse_op(&op)?;
+            let values = match elements {
+                Some(n) => tools::pattern_vector(rank, n),
+                None if values.is_empty() => bail!("give --elements N or --values v1,v2,..."),
+                None => values,
+            };
+            let socket = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
+            let c = tools::Contribution { job, rank, round, op, first_seq: seq, per_datagram: tools::elements_per_datagram(mtu) };
+            let sent = tools::contribute(&socket, to, &c, &values)?;
+            println!("rank {rank}: sent {} elements in {sent} datagrams to {to} (job {job}, round {round}, {})", values.len(), op.name());
+            Ok(())
+        }
+        Command::Listen { port, job, elements, timeout, workers, op } => listen(port, job, elements, timeout, workers, &op),
+    }
+}
+
+fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeArg) -> Result<()> {
+    let config = match config_path {
+        Some(path) => Config::load(path).map_err(|e| anyhow!("aggbox: {e}"))?,
+        None => Config::default(),
+    };
+    let mode = match mode {
+        ModeArg::Native => XdpMode::Native,
+        ModeArg::Generic => XdpMode::Generic,
+    };
+    // Install the signal handler before attaching so a signal that arrives
+    // while attaching still leads to a clean detach.
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    ctrlc::set_handler(move || {
+        let _ = stop_tx.send(());
+    })
+    .context("installing the SIGINT/SIGTERM handler")?;
+
+    let attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
+    for warning in &attachment.warnings {
+        eprintln!("aggbox: warning: {warning}");
+    }
+    eprintln!(
+        "aggbox: XDP in {} mode on {iface}, {} job(s), pinned under {}",
+        attachment.record.xdp_mode,
+        config.jobs.len(),
+        attachment.pin_dir().display()
+    );
+    println!("aggbox: attached to {iface}");
+    // stdout may be a pipe read by a supervisor: make the line visible now.
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+
+    let _ = stop_rx.recv();
+    attachment.detach()?;
+    println!("aggbox: detached from {iface}");
+    Ok(())
+}
+
+fn listen(port: u16, job: u16, elements: u32, timeout: f64, workers: Option<u16>, op: &str) -> Result<()> {
+    let op = parse_op(op)?;
+    let socket = tools::bind_any(port)?;
+    let got = tools::collect_results(&socket, job, elements, Duration::from_secs_f64(timeout))?;
+    println!(
+        "received {} RESULT datagram(s) for job {job}: {} of {elements} elements{}{}",
+        got.datagrams,
+        elements as usize - got.missing.iter().map(|(a, b)| (b - a) as usize).sum::<usize>(),
+        if got.overflow { ", OVERFLOW" } else { "" },
+        if got.last_fragment_seen { ", last fragment seen" } else { "" },
+    );
+    let head = |v: &[i32]| v.iter().take(8).map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+    println!("  result    [{} ...]", head(&got.values));
+    if !got.missing.is_empty() {
+        bail!("missing elements {:?} after {timeout} s", got.missing);
+    }
+    if let Some(workers) = workers {
+        let expected = tools::expected_pattern_result(op, workers, elements, &[])?;
+        let want = expected.ints().ok_or_else(|| anyhow!("reference reducer returned floats"))?;
+        println!("  reference [{} ...]  ({} of {workers} ranks' test vectors)", head(want), op.name());
+        let wrong = got.values.iter().zip(want).filter(|(a, b)| a != b).count();
+        if wrong > 0 || got.overflow != expected.overflow {
+            bail!("{wrong} element(s) differ from the reference reducer");
+        }
+        println!("  all {elements} elements equal the reference reducer's result");
+    }
     Ok(())
 }

@@ -198,4 +198,70 @@ struct aggbox_rank {
 };
 _Static_assert(sizeof(struct aggbox_rank) == 8, "rank is 8 bytes");
 
+/* ---------------------------------------------------------------------------
+ * Ports (written by the control plane, read by XDP)
+ * ------------------------------------------------------------------------- */
+
+/* Key of the ports map: a UDP destination port some job listens on. */
+struct aggbox_port_key {
+	__u16 port; /* host order */
+	__u16 pad;  /* zero */
+};
+_Static_assert(sizeof(struct aggbox_port_key) == 4, "port key is 4 bytes");
+
+/* Value of the ports map. */
+struct aggbox_port {
+	__u32 jobs; /* host order: number of configured jobs listening on the port */
+};
+_Static_assert(sizeof(struct aggbox_port) == 4, "port is 4 bytes");
+
+/* ---------------------------------------------------------------------------
+ * In-kernel aggregation state (XDP writes; the control plane creates and
+ * reads the per-job state, fills the tail-call array)
+ * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_MAX_ELEMS
+#define AGGBOX_MAX_ELEMS 384 /* elements one slot holds (>= 362, a 1500-byte MTU datagram) */
+#endif
+#ifndef AGGBOX_CHUNK_ELEMS
+#define AGGBOX_CHUNK_ELEMS 32 /* elements one program of the tail-call chain processes */
+#endif
+#define AGGBOX_MAX_CHUNKS (AGGBOX_MAX_ELEMS / AGGBOX_CHUNK_ELEMS)
+_Static_assert(AGGBOX_MAX_ELEMS % AGGBOX_CHUNK_ELEMS == 0, "whole chunks");
+#ifndef AGGBOX_MAX_SLOTS
+#define AGGBOX_MAX_SLOTS 4096 /* slots of all jobs together */
+#endif
+#ifndef AGGBOX_MAX_COMPLETED
+#define AGGBOX_MAX_COMPLETED 65536 /* completed-slot markers kept (LRU) */
+#endif
+#ifndef AGGBOX_ROUND_WINDOW
+#define AGGBOX_ROUND_WINDOW 64 /* rounds older than newest completed - window are stale */
+#endif
+
+/* Tail-call chain: index of each program in the prog array (cilium tailcall.h). */
+enum aggbox_call {
+	AGGBOX_CALL_SLOT   = 0, /* find or create the slot, claim the rank's bit */
+	AGGBOX_CALL_ADD    = 1, /* add one chunk of the payload into the slot */
+	AGGBOX_CALL_RESULT = 2, /* write one chunk of the result, then emit RESULT */
+	AGGBOX_CALL_MAX    = 3,
+};
+
+/* Key of the slots map (and of the completed map). */
+struct aggbox_slot_key {
+	__u16 job;      /* host order */
+	__u16 pad;      /* zero */
+	__u32 round;    /* host order */
+	__u32 frag_off; /* host order */
+};
+_Static_assert(sizeof(struct aggbox_slot_key) == 12, "slot key is 12 bytes");
+
+/* Value of the job_state map: runtime state of one job. */
+struct aggbox_job_state {
+	__u32 active_slots; /* host order: slots of this job in the pool (atomic) */
+	__u32 newest_round; /* host order: newest completed round (valid if completed != 0) */
+	__u32 completed;    /* host order: slots completed (atomic) */
+	__u32 result_seq;   /* host order: seq of the next RESULT (atomic) */
+};
+_Static_assert(sizeof(struct aggbox_job_state) == 16, "job state is 16 bytes");
+
 #endif /* AGGBOX_ABI_H */

@@ -1,0 +1,68 @@
+# AggBox: `make demo` and `make test` are the two entry points (README.md).
+# Every target that needs system packages depends on `deps`, which installs
+# only what is missing, so a new Debian 12 machine needs nothing else.
+
+SHELL        := /bin/bash
+CARGO        ?= cargo
+PROFILE      ?= release
+CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
+BIN          := target/$(PROFILE)/aggbox
+APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
+                iproute2 ethtool iputils-ping tcpdump prometheus gcc
+DEPS_STAMP   := target/.deps-ok
+
+.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help
+
+all: build
+
+help:
+	@echo "make deps    install the Debian packages the build and tests need (idempotent)"
+	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
+	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
+	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
+	@echo "make fmt     format the Rust sources"
+	@echo "make clean   remove build outputs"
+
+# Installs only what is missing: dpkg-query answers in milliseconds, so a
+# second run costs nothing and prints nothing.
+deps:
+	@missing=""; \
+	for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "deps: installing$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "deps: need root to install packages:$$missing" >&2; exit 1; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq >/dev/null && \
+	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { echo "deps: apt-get install failed" >&2; exit 1; }; \
+	fi; \
+	command -v $(CARGO) >/dev/null || { echo "deps: cargo not found (install the Rust toolchain)" >&2; exit 1; }
+
+build: deps
+	$(CARGO) build $(CARGO_FLAGS) --all-targets
+
+# Unit tests need nothing special; the BPF and netns tests need root and a
+# kernel with BTF and fail with a clear message otherwise (never skip).
+test: deps
+	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
+	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
+	$(CARGO) build $(CARGO_FLAGS) --all-targets
+	$(CARGO) test $(CARGO_FLAGS) --no-fail-fast
+
+demo: build
+	@if [ "$$(id -u)" != 0 ]; then echo "make demo: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	scripts/demo.sh $(BIN)
+
+fmt:
+	$(CARGO) fmt
+
+fmt-check:
+	$(CARGO) fmt -- --check
+
+clippy:
+	$(CARGO) clippy --all-targets
+
+clean:
+	$(CARGO) clean
+	rm -rf results

@@ -1,0 +1,614 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * AggBox XDP aggregator: parse and validate AGG1 contributions (PROTOCOL.md,
+ * "Semantics at the aggregator").
+ *
+ * Ethernet [+ one VLAN tag] / IPv4 (IHL honoured) / UDP to a job port / AGG1.
+ * Anything else goes to the stack untouched (outcome NOT_AGGBOX). Every
+ * datagram ends in aggbox_exit() (stats.h), which counts the outcome or the
+ * drop reason and returns the verdict.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "aggbox/abi.h"
+
+/* A valid contribution that does not complete its slot is absorbed. */
+#define AGGBOX_ACCEPTED_VERDICT XDP_DROP
+
+#include "parse.h"
+#include "stats.h"
+#include "slot.h"
+#include "tailcall.h"
+
+/* Internal code of a chain stage: more chunks to go (never counted). */
+#define AGGBOX_CONTINUE 100
+
+#define EEXIST 17
+#define INT32_MAX_ ((__s64)0x7fffffff)
+#define INT32_MIN_ (-(__s64)0x80000000)
+
+#ifndef MAX_PORTS
+#define MAX_PORTS 256
+#endif
+#ifndef MAX_RANK_ENTRIES
+#define MAX_RANK_ENTRIES (AGGBOX_MAX_JOBS * AGGBOX_MAX_RANKS)
+#endif
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/*
+ * ports: UDP destination ports (host order) on which some job listens ->
+ * number of jobs on that port. Written by the control plane
+ * (Dataplane::set_job / remove_job); read here to tell AggBox traffic from
+ * the rest before touching the payload.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, struct aggbox_port_key);
+	__type(value, struct aggbox_port);
+} ports SEC(".maps");
+
+/*
+ * jobs: job id -> how this node aggregates it (workers, vector length,
+ * slot bound, flags, AVG divisor). Written by the control plane
+ * (Dataplane::set_job / remove_job), read-only here.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, struct aggbox_job_key);
+	__type(value, struct aggbox_job);
+} jobs SEC(".maps");
+
+/*
+ * ranks: (job, rank) -> the rank's IPv4 source address and weight. Written
+ * by the control plane with the job (Dataplane::set_job), read-only here.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_RANK_ENTRIES);
+	__type(key, struct aggbox_rank_key);
+	__type(value, struct aggbox_rank);
+} ranks SEC(".maps");
+
+/*
+ * scratch: per-packet state handed from one program of the tail-call chain
+ * to the next (offsets, slot key, op, weight, chunk index). Written and read
+ * by the XDP programs only; one entry per CPU is safe because a chain runs
+ * start to end on one CPU with preemption disabled.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct aggbox_scratch);
+} scratch SEC(".maps");
+
+/*
+ * slots: the slot pool, (job, round, frag_off) -> running reduction of one
+ * fragment with its contributor bitmap and spin lock. Created, updated and
+ * deleted (on completion) by the XDP programs; the control plane deletes the
+ * slots of a removed job. Bounded per job by job.slots through
+ * job_state.active_slots and globally by AGGBOX_MAX_SLOTS.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_SLOTS);
+	__type(key, struct aggbox_slot_key);
+	__type(value, struct aggbox_slot);
+} slots SEC(".maps");
+
+/*
+ * slot_init: per-CPU template a new slot is copied from (a slot is too big
+ * for the stack). Only its key/op/count/workers/weight_sum are ever written,
+ * so bitmap, counters and accumulators stay zero. XDP only.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct aggbox_slot_init);
+} slot_init SEC(".maps");
+
+/*
+ * completed: keys of recently completed slots (LRU). Written by the XDP
+ * program that completes a slot, before it deletes the slot, so that a late
+ * retransmission never starts a new slot for a finished fragment.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, AGGBOX_MAX_COMPLETED);
+	__type(key, struct aggbox_slot_key);
+	__type(value, __u32);
+} completed SEC(".maps");
+
+/*
+ * job_state: job id -> runtime state (slots in use, newest completed round,
+ * completions, RESULT seq counter). Created zeroed by the control plane in
+ * set_job (and by XDP if missing), updated atomically by the XDP programs,
+ * deleted by remove_job.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, struct aggbox_job_key);
+	__type(value, struct aggbox_job_state);
+} job_state SEC(".maps");
+
+/*
+ * Validate one AGG1 contribution in the order of PROTOCOL.md. Returns an
+ * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
+ * once known.
+ */
+static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scratch *s)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct hdr_cursor nh = { .pos = data };
+	struct aggbox_port_key port_key = {};
+	struct aggbox_job_key job_key = {};
+	struct aggbox_rank_key rank_key = {};
+	struct aggbox_agg_hdr *agg;
+	struct aggbox_rank *rank;
+	struct aggbox_job *job;
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udph;
+	__u32 avail, count, plen;
+	__u64 end;
+	int proto, len;
+	__u16 frag, l3;
+
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	if (proto != ETH_P_IP)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	l3 = proto_is_vlan(bpf_ntohs(eth->h_proto)) ? sizeof(*eth) + sizeof(struct vlan_hdr) : sizeof(*eth);
+	proto = parse_iphdr(&nh, data_end, &iph);
+	if (proto != IPPROTO_UDP_)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+
+	frag = bpf_ntohs(iph->frag_off);
+	/* A non-first fragment carries no UDP header: its port is unknown. */
+	if (frag & IP_OFFSET)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+
+	len = parse_udphdr(&nh, data_end, &udph);
+	if (len < 0)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	s->bytes = len;
+
+	port_key.port = bpf_ntohs(udph->dest);
+	if (!bpf_map_lookup_elem(&ports, &port_key))
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+
+	/* First fragment of a fragmented datagram to a job port. */
+	if (frag & IP_MF)
+		return AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT;
+
+	agg = nh.pos;
+	avail = data_end - nh.pos; /* bytes the frame holds past the UDP header */
+	plen = len;                /* bytes the UDP header announces */
+	if (plen < 4 || avail < 4 || (void *)agg + 4 > data_end)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+
+	switch (agg->magic) {
+	case bpf_htonl(AGGBOX_MAGIC_AGG):
+		break;
+	case bpf_htonl(AGGBOX_MAGIC_BCAST):
+	case bpf_htonl(AGGBOX_MAGIC_ACK):
+		return AGGBOX_OUTCOME_OTHER_AGGBOX;
+	default:
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	}
+
+	/* The frame must hold the whole datagram its UDP header announces. */
+	if (plen < sizeof(*agg) || plen > avail)
+		return AGGBOX_DROP_TRUNCATED_HEADER;
+	if ((void *)(agg + 1) > data_end)
+		return AGGBOX_DROP_TRUNCATED_HEADER;
+
+	if (agg->flags & ~AGGBOX_AGG_F_KNOWN)
+		return AGGBOX_DROP_RESERVED_FLAG;
+	if (agg->op > AGGBOX_OP_LAST)
+		return AGGBOX_DROP_INVALID_OP;
+	count = bpf_ntohs(agg->count);
+	if (count == 0)
+		return AGGBOX_DROP_ZERO_COUNT;
+	if (sizeof(*agg) + 4 * count > plen)
+		return AGGBOX_DROP_COUNT_TOO_LARGE;
+	if (sizeof(*agg) + 4 * count < plen)
+		return AGGBOX_DROP_COUNT_TOO_SMALL;
+
+	job_key.job = bpf_ntohs(agg->job);
+	job = bpf_map_lookup_elem(&jobs, &job_key);
+	if (!job)
+		return AGGBOX_DROP_UNKNOWN_JOB;
+
+	rank_key.job = job_key.job;
+	rank_key.rank = bpf_ntohs(agg->rank);
+	if (rank_key.rank >= job->workers)
+		return AGGBOX_DROP_RANK_OUT_OF_RANGE;
+	rank = bpf_map_lookup_elem(&ranks, &rank_key);
+	if (!rank || rank->addr != iph->saddr)
+		return AGGBOX_DROP_SOURCE_MISMATCH;
+
+	end = (__u64)bpf_ntohl(agg->frag_off) + count;
+	if (job->vector_len && end > job->vector_len)
+		return AGGBOX_DROP_BEYOND_VECTOR;
+
+	if ((agg->flags & AGGBOX_AGG_F_FLOAT32) || agg->op > AGGBOX_OP_LAST_KERNEL ||
+	    (job->flags & AGGBOX_JOB_F_USERSPACE_ONLY))
+		return AGGBOX_OUTCOME_TO_USERSPACE;
+
+	s->ip_off = l3;
+	s->udp_off = l3 + iph->ihl * 4;
+	s->agg_off = s->udp_off + sizeof(*udph);
+	s->key.job = job_key.job;
+	s->key.pad = 0;
+	s->key.round = bpf_ntohl(agg->round);
+	s->key.frag_off = bpf_ntohl(agg->frag_off);
+	s->count = count;
+	s->op = agg->op;
+	s->flags = agg->flags;
+	s->overflow = 0;
+	s->result_flags = 0;
+	s->chunk = 0;
+	s->rank = rank_key.rank;
+	s->workers = job->workers;
+	s->result_port = job->result_port;
+	s->weight = rank->weight;
+	s->weight_sum = job->weight_sum;
+	s->slots = job->slots;
+	return AGGBOX_OUTCOME_ACCEPTED;
+}
+
+/* CALL_* entry: parse, validate, then hand a kernel-op contribution on. */
+SEC("xdp")
+int aggbox_xdp(struct xdp_md *ctx)
+{
+	__u32 zero = 0;
+	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
+	int code;
+
+	if (!s)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0); /* cannot happen */
+	s->bytes = 0;
+	code = aggbox_classify(ctx, s);
+	if (code == AGGBOX_OUTCOME_ACCEPTED) {
+		if (s->count > AGGBOX_MAX_ELEMS) {
+			code = AGGBOX_DROP_TOO_LARGE;
+		} else {
+			aggbox_tail_call(ctx, AGGBOX_CALL_SLOT);
+			code = AGGBOX_DROP_MISSED_TAIL_CALL;
+		}
+	}
+	return aggbox_exit(code, s->bytes);
+}
+
+/* ---------------------------------------------------------------------------
+ * CALL_SLOT: find or create the slot, reject stale rounds and
+ * retransmissions, claim the rank's bit.
+ * ------------------------------------------------------------------------- */
+
+static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
+{
+	struct aggbox_job_key key = { .job = job };
+	struct aggbox_job_state zero = {};
+	struct aggbox_job_state *js;
+
+	js = bpf_map_lookup_elem(&job_state, &key);
+	if (js)
+		return js;
+	bpf_map_update_elem(&job_state, &key, &zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&job_state, &key);
+}
+
+static __always_inline int slot_claim(struct aggbox_scratch *s)
+{
+	struct aggbox_job_state *js = job_state_of(s->key.job);
+	struct aggbox_slot_init *init;
+	struct aggbox_slot *slot;
+	__u32 zero = 0, limit, word, bit;
+	int err, code;
+
+	if (!js)
+		return AGGBOX_DROP_SLOT_POOL_FULL;
+	/* Serial-number comparison: rounds may wrap. */
+	if (js->completed && (__s32)(js->newest_round - s->key.round) > AGGBOX_ROUND_WINDOW)
+		return AGGBOX_DROP_STALE_ROUND;
+
+	slot = bpf_map_lookup_elem(&slots, &s->key);
+	if (!slot) {
+		/* Completion writes `completed` before it deletes the slot. */
+		if (bpf_map_lookup_elem(&completed, &s->key))
+			return AGGBOX_DROP_RETRANSMISSION;
+		limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
+		if (__sync_fetch_and_add(&js->active_slots, 1) >= limit) {
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			return AGGBOX_DROP_SLOT_POOL_FULL;
+		}
+		init = bpf_map_lookup_elem(&slot_init, &zero);
+		if (!init) {
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			return AGGBOX_DROP_SLOT_POOL_FULL;
+		}
+		init->b.key = s->key;
+		init->b.workers = s->workers;
+		init->b.op = s->op;
+		init->b.count = s->count;
+		init->b.weight_sum = s->weight_sum;
+		err = bpf_map_update_elem(&slots, &s->key, init, BPF_NOEXIST);
+		if (err) {
+			/* Lost the race to another CPU (-EEXIST) or the pool is full. */
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			if (err != -EEXIST)
+				return AGGBOX_DROP_SLOT_POOL_FULL;
+		}
+		slot = bpf_map_lookup_elem(&slots, &s->key);
+		if (!slot)
+			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
+	}
+
+	word = (s->rank >> 5) & (AGGBOX_BITMAP_WORDS - 1);
+	bit = 1u << (s->rank & 31);
+	bpf_spin_lock(&slot->lock);
+	if (slot->b.key.job != s->key.job || slot->b.key.round != s->key.round ||
+	    slot->b.key.frag_off != s->key.frag_off) {
+		/* The element was completed, deleted and reused meanwhile. */
+		code = AGGBOX_DROP_RETRANSMISSION;
+	} else if (slot->b.op != s->op || slot->b.count != s->count) {
+		code = AGGBOX_DROP_SLOT_MISMATCH;
+	} else if (slot->b.bitmap[word] & bit) {
+		code = AGGBOX_DROP_RETRANSMISSION;
+	} else {
+		slot->b.bitmap[word] |= bit;
+		slot->b.claimed++;
+		slot->b.flags |= s->flags & AGGBOX_AGG_F_LAST_FRAGMENT;
+		code = AGGBOX_OUTCOME_ACCEPTED;
+	}
+	bpf_spin_unlock(&slot->lock);
+	return code;
+}
+
+SEC("xdp")
+int aggbox_slot(struct xdp_md *ctx)
+{
+	__u32 zero = 0;
+	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
+	int code;
+
+	if (!s)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
+	code = slot_claim(s);
+	if (code == AGGBOX_OUTCOME_ACCEPTED) {
+		s->chunk = 0;
+		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
+		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+	}
+	return aggbox_exit(code, s->bytes);
+}
+
+/* ---------------------------------------------------------------------------
+ * CALL_ADD: add chunk s->chunk of the payload into the slot.
+ *
+ * One spin lock acquisition per chunk of AGGBOX_CHUNK_ELEMS elements: plain
+ * s64 loads/stores inside, instead of one atomic per element (and MAX/MIN,
+ * which have no atomic form, need a lock anyway). The last chunk also counts
+ * the contribution as done under the same lock, so exactly one contribution
+ * sees done == workers and completes the slot.
+ * ------------------------------------------------------------------------- */
+
+static __always_inline int add_chunk(struct xdp_md *ctx, struct aggbox_scratch *s)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_slot *slot;
+	__u32 chunk = s->chunk, base, count = s->count, off = s->agg_off, n, j;
+	__s64 w = s->weight;
+	__u8 op = s->op;
+	__be32 *vals;
+	int code = AGGBOX_CONTINUE, first;
+
+	if (chunk >= AGGBOX_MAX_CHUNKS || count > AGGBOX_MAX_ELEMS || off > 128)
+		return AGGBOX_DROP_MISSED_TAIL_CALL; /* chain state corrupt: a bug */
+	base = chunk * AGGBOX_CHUNK_ELEMS;
+	if (base >= count)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	n = count - base;
+	if (n > AGGBOX_CHUNK_ELEMS)
+		n = AGGBOX_CHUNK_ELEMS;
+	vals = data + off + sizeof(struct aggbox_agg_hdr) + base * 4;
+
+	slot = bpf_map_lookup_elem(&slots, &s->key);
+	if (!slot)
+		return AGGBOX_DROP_SLOT_MISMATCH; /* removed by the control plane */
+
+	bpf_spin_lock(&slot->lock);
+	first = slot->b.chunk_seen[chunk] == 0;
+	slot->b.chunk_seen[chunk]++;
+	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+		__u32 idx = base + j;
+		__s64 v, *a;
+
+		if (j >= n || idx >= AGGBOX_MAX_ELEMS)
+			break;
+		if ((void *)(vals + j + 1) > data_end)
+			break;
+		v = (__s32)bpf_ntohl(vals[j]);
+		a = &slot->b.acc[idx];
+		switch (op) {
+		case AGGBOX_OP_SUM:
+		case AGGBOX_OP_AVG:
+			*a += w * v;
+			break;
+		case AGGBOX_OP_COUNT:
+			*a += v != 0;
+			break;
+		case AGGBOX_OP_MAX:
+			if (first || v > *a)
+				*a = v;
+			break;
+		default: /* AGGBOX_OP_MIN */
+			if (first || v < *a)
+				*a = v;
+			break;
+		}
+	}
+	if (base + AGGBOX_CHUNK_ELEMS >= count) {
+		slot->b.done++;
+		code = slot->b.done == slot->b.workers ? AGGBOX_OUTCOME_RESULT : AGGBOX_OUTCOME_ACCEPTED;
+		s->result_flags = AGGBOX_AGG_F_RESULT | (slot->b.flags & AGGBOX_AGG_F_LAST_FRAGMENT);
+	}
+	bpf_spin_unlock(&slot->lock);
+	if (code == AGGBOX_CONTINUE)
+		s->chunk = chunk + 1;
+	return code;
+}
+
+SEC("xdp")
+int aggbox_add(struct xdp_md *ctx)
+{
+	__u32 zero = 0;
+	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
+	int code;
+
+	if (!s)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
+	code = add_chunk(ctx, s);
+	if (code == AGGBOX_CONTINUE) {
+		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
+		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+	} else if (code == AGGBOX_OUTCOME_RESULT) {
+		s->chunk = 0;
+		s->overflow = 0;
+		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
+		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+	}
+	return aggbox_exit(code, s->bytes);
+}
+
+/* ---------------------------------------------------------------------------
+ * CALL_RESULT: the completing contribution rewrites its own packet into the
+ * RESULT, one chunk per program, then releases the slot. No lock: every
+ * other contribution of the slot is done and retransmissions only read the
+ * bitmap.
+ * ------------------------------------------------------------------------- */
+
+static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scratch *s)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_job_state *js = job_state_of(s->key.job);
+	struct aggbox_agg_hdr *agg;
+	struct udphdr *udph;
+	__u32 one = 1, seq = 0, cur, udp_off = s->udp_off, i;
+
+	if (udp_off > 128)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	udph = data + udp_off;
+	agg = (void *)(udph + 1);
+	if ((void *)(agg + 1) > data_end)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+
+	if (js)
+		seq = __sync_fetch_and_add(&js->result_seq, 1);
+	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
+	agg->seq = bpf_htonl(seq);
+	agg->flags = s->result_flags | (s->overflow ? AGGBOX_AGG_F_OVERFLOW : 0);
+	udph->dest = bpf_htons(s->result_port);
+	udph->check = 0;
+
+	/* Release: the marker first, so the key can never get a new slot. */
+	bpf_map_update_elem(&completed, &s->key, &one, BPF_ANY);
+	bpf_map_delete_elem(&slots, &s->key);
+	if (js) {
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		for (i = 0; i < 4; i++) {
+			cur = js->newest_round;
+			if (js->completed && (__s32)(s->key.round - cur) <= 0)
+				break;
+			if (__sync_val_compare_and_swap(&js->newest_round, cur, s->key.round) == cur)
+				break;
+		}
+		__sync_fetch_and_add(&js->completed, 1);
+	}
+	return AGGBOX_OUTCOME_RESULT;
+}
+
+static __always_inline int result_chunk(struct xdp_md *ctx, struct aggbox_scratch *s)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_slot *slot;
+	__u32 chunk = s->chunk, base, count = s->count, off = s->agg_off, n, j, ws;
+	__u8 op, overflow = 0;
+	__be32 *vals;
+
+	if (chunk >= AGGBOX_MAX_CHUNKS || count > AGGBOX_MAX_ELEMS || off > 128)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	base = chunk * AGGBOX_CHUNK_ELEMS;
+	if (base >= count)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	n = count - base;
+	if (n > AGGBOX_CHUNK_ELEMS)
+		n = AGGBOX_CHUNK_ELEMS;
+	vals = data + off + sizeof(struct aggbox_agg_hdr) + base * 4;
+
+	slot = bpf_map_lookup_elem(&slots, &s->key);
+	if (!slot)
+		return AGGBOX_DROP_SLOT_MISMATCH;
+	op = slot->b.op;
+	ws = slot->b.weight_sum ? slot->b.weight_sum : 1;
+
+	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+		__u32 idx = base + j;
+		__s64 r;
+
+		if (j >= n || idx >= AGGBOX_MAX_ELEMS)
+			break;
+		if ((void *)(vals + j + 1) > data_end)
+			break;
+		r = slot->b.acc[idx];
+		if (op == AGGBOX_OP_AVG) {
+			/* truncation toward zero; BPF v3 has unsigned division only */
+			__u64 u = r < 0 ? -(__u64)r : (__u64)r;
+
+			u /= ws;
+			r = r < 0 ? -(__s64)u : (__s64)u;
+		}
+		if (r > INT32_MAX_) {
+			r = INT32_MAX_;
+			overflow = 1;
+		} else if (r < INT32_MIN_) {
+			r = INT32_MIN_;
+			overflow = 1;
+		}
+		vals[j] = bpf_htonl((__u32)r);
+	}
+	s->overflow |= overflow;
+	if (base + AGGBOX_CHUNK_ELEMS < count) {
+		s->chunk = chunk + 1;
+		return AGGBOX_CONTINUE;
+	}
+	return finish_result(ctx, s);
+}
+
+SEC("xdp")
+int aggbox_result(struct xdp_md *ctx)
+{
+	__u32 zero = 0;
+	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
+	int code;
+
+	if (!s)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
+	code = result_chunk(ctx, s);
+	if (code == AGGBOX_CONTINUE) {
+		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
+		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+	}
+	return aggbox_exit(code, s->bytes);
+}

@@ -1,0 +1,436 @@
+//! The node's control plane: attach AggBox to an interface, pin its state,
+//! detach (also after a crash), and read status back from the pins.
+//!
+//! Pins live under `PIN_ROOT/IFACE/` (default `/sys/fs/bpf/aggbox/IFACE/`):
+//! one file per map, `link_xdp` for the XDP link, and `state.json` saying who
+//! attached, when and how. The XDP link pin is what keeps the program attached
+//! after the attaching process dies, and what `detach` removes.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use serde::{Deserialize, Serialize};
+
+use crate::abi;
+use crate::config::Config;
+use crate::dataplane::{self, Dataplane, XdpLink, XdpMode};
+
+/// Default root of AggBox's pins (INTERFACE.md).
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/aggbox";
+/// File name of the pinned XDP link inside an interface's pin directory.
+pub const XDP_LINK_PIN: &str = "link_xdp";
+/// Pin name of the one-entry array map holding the attach record as JSON
+/// (bpffs holds only BPF objects, so the record lives in a map of its own).
+pub const STATE_FILE: &str = "state";
+/// Room for the JSON attach record.
+const STATE_VALUE_SIZE: u32 = 4096;
+/// `statfs` magic of a bpffs mount.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// What `attach` records next to its pins, read by `status` and `detach`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AttachRecord {
+    /// Interface name.
+    pub iface: String,
+    /// Interface index at attach time.
+    pub ifindex: u32,
+    /// "native" or "generic".
+    pub xdp_mode: String,
+    /// Process that attached and serves the node (0 once it has exited cleanly).
+    pub pid: u32,
+    /// Seconds since the epoch.
+    pub attached_at: u64,
+    /// Config file used, if any.
+    pub config: Option<String>,
+    /// Jobs written into the maps.
+    pub jobs: Vec<u16>,
+}
+
+/// Everything needed before loading anything: fails with one clear line.
+pub fn preflight(iface: &str) -> Result<u32> {
+    if !nix::unistd::Uid::effective().is_root() {
+        bail!("aggbox: must run as root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN are needed)");
+    }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        bail!("aggbox: the kernel has no BTF (/sys/kernel/btf/vmlinux is missing); AggBox needs CONFIG_DEBUG_INFO_BTF=y");
+    }
+    ifindex(iface)
+}
+
+/// Interface index of `iface` in the current network namespace.
+pub fn ifindex(iface: &str) -> Result<u32> {
+    let name = CString::new(iface).map_err(|_| anyhow!("aggbox: bad interface name {iface:?}"))?;
+    // SAFETY: a valid NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        bail!("aggbox: no such interface: {iface}");
+    }
+    Ok(index)
+}
+
+/// The directory holding `iface`'s pins.
+pub fn pin_dir(pin_root: &Path, iface: &str) -> PathBuf {
+    pin_root.join(iface)
+}
+
+/// Make sure `pin_root` is on a bpffs, mounting one at /sys/fs/bpf when the
+/// root is under it and nothing is mounted there yet (the usual case on a
+/// fresh host and inside `ip netns exec`).
+pub fn ensure_bpffs(pin_root: &Path) -> Result<()> {
+    let sys_fs_bpf = Path::new("/sys/fs/bpf");
+    if pin_root.starts_with(sys_fs_bpf) && !is_bpffs(sys_fs_bpf) {
+        fs::create_dir_all(sys_fs_bpf).ok();
+        nix::mount::mount(Some("bpf"), sys_fs_bpf, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+            .context("aggbox: mounting bpffs on /sys/fs/bpf")?;
+    }
+    fs::create_dir_all(pin_root).with_context(|| format!("aggbox: creating {}", pin_root.display()))?;
+    if !is_bpffs(pin_root) {
+        bail!("aggbox: {} is not on a bpffs (mount -t bpf bpf DIR)", pin_root.display());
+    }
+    Ok(())
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+        .unwrap_or(false)
+}
+
+/// Convert a configured job to what the data plane stores.
+pub fn dataplane_job(job: &crate::config::JobConfig) -> dataplane::JobConfig {
+    let mut flags = 0;
+    if job.userspace_only {
+        flags |= abi::JOB_F_USERSPACE_ONLY;
+    }
+    if job.parent.is_some() {
+        flags |= abi::JOB_F_HAS_PARENT;
+    }
+    dataplane::JobConfig {
+        id: job.id,
+        port: job.port,
+        result_port: job.result_port,
+        ranks: job.workers.clone(),
+        weights: job.weights.clone(),
+        vector_len: job.vector_len.unwrap_or(0),
+        slots: job.slots,
+        flags,
+        result_group: job.result_group,
+    }
+}
+
+/// A live attachment: the loaded programs, the link, and where it is pinned.
+/// Dropping it without [`Attachment::detach`] leaves the pinned state behind
+/// (as after a crash); `aggbox detach` or the next attach cleans it up.
+pub struct Attachment {
+    /// The loaded data plane (maps can be updated while attached).
+    pub dataplane: Dataplane,
+    link: Option<XdpLink>,
+    dir: PathBuf,
+    /// The attach record written to `state.json`.
+    pub record: AttachRecord,
+    /// Warnings for the operator (e.g. generic XDP fallback).
+    pub warnings: Vec<String>,
+}
+
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attachment").field("dir", &self.dir).field("record", &self.record).finish_non_exhaustive()
+    }
+}
+
+/// Attach AggBox to `iface` with `config`, pinning under `pin_root`.
+///
+/// Stale state from a process that is gone is replaced; state of a process
+/// that is still alive is an error (two attaches on one interface would fight
+/// over the maps). On any failure everything made so far is undone, so the
+/// interface is left as it was.
+pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root: &Path, mode: XdpMode) -> Result<Attachment> {
+    let index = preflight(iface)?;
+    ensure_bpffs(pin_root)?;
+    let dir = pin_dir(pin_root, iface);
+    let mut warnings = Vec::new();
+    if dir.exists() {
+        if let Some(record) = read_record(&dir) {
+            if record.pid != 0 && record.pid != std::process::id() && process_alive(record.pid) {
+                bail!("aggbox: {iface} is already attached by pid {} (run `aggbox detach {iface}` to take it over)", record.pid);
+            }
+        }
+        detach_dir(&dir).with_context(|| format!("aggbox: removing stale state in {}", dir.display()))?;
+        warnings.push(format!("replaced stale AggBox state in {}", dir.display()));
+    }
+
+    let dataplane = Dataplane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
+    for job in &config.jobs {
+        dataplane.set_job(job.id, &dataplane_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
+    }
+    let (link, warning) = dataplane.attach_xdp(index, mode).map_err(|e| anyhow!("aggbox: {e}"))?;
+    warnings.extend(warning);
+
+    let record = AttachRecord {
+        iface: iface.to_string(),
+        ifindex: index,
+        xdp_mode: match link.mode() {
+            XdpMode::Native => "native".into(),
+            XdpMode::Generic => "generic".into(),
+        },
+        pid: std::process::id(),
+        attached_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        config: config_path.map(|p| p.display().to_string()),
+        jobs: config.jobs.iter().map(|j| j.id).collect(),
+    };
+    let mut attachment = Attachment { dataplane, link: Some(link), dir: dir.clone(), record, warnings };
+    if let Err(err) = attachment.pin() {
+        // The link is not pinned yet (or only partly): dropping it detaches.
+        let _ = detach_dir(&dir);
+        return Err(err);
+    }
+    Ok(attachment)
+}
+
+impl Attachment {
+    fn pin(&mut self) -> Result<()> {
+        fs::create_dir_all(&self.dir).with_context(|| format!("aggbox: creating {}", self.dir.display()))?;
+        self.dataplane.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
+        if let Some(link) = &self.link {
+            link.pin(&self.dir.join(XDP_LINK_PIN)).map_err(|e| anyhow!("aggbox: {e}"))?;
+        }
+        write_record(&self.dir, &self.record)
+    }
+
+    /// Where this attachment's pins are.
+    pub fn pin_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Detach everything and remove the pins.
+    pub fn detach(mut self) -> Result<()> {
+        let link = self.link.take();
+        let result = detach_dir(&self.dir);
+        drop(link);
+        result
+    }
+}
+
+/// Remove what `attach` left for `iface` (after a crash or from another
+/// shell). Returns false when nothing was attached.
+pub fn detach(iface: &str, pin_root: &Path) -> Result<bool> {
+    if !nix::unistd::Uid::effective().is_root() {
+        bail!("aggbox: must run as root to detach");
+    }
+    let dir = pin_dir(pin_root, iface);
+    if !dir.exists() {
+        return Ok(false);
+    }
+    detach_dir(&dir)?;
+    Ok(true)
+}
+
+/// Force-detach the pinned XDP link (even if a live process holds its fd)
+/// and delete every pin in `dir`, then `dir` itself.
+fn detach_dir(dir: &Path) -> Result<()> {
+    let link_pin = dir.join(XDP_LINK_PIN);
+    if link_pin.exists() {
+        let fd = obj_get(&link_pin).with_context(|| format!("opening pinned link {}", link_pin.display()))?;
+        // SAFETY: fd is a valid BPF link descriptor we own.
+        let rc = unsafe { libbpf_sys::bpf_link_detach(fd.as_raw_fd()) };
+        // ENOLINK/EINVAL: already detached (its interface vanished); fine.
+        if rc < 0 && -rc != libc::ENOLINK && -rc != libc::EINVAL {
+            return Err(io::Error::from_raw_os_error(-rc)).context("detaching the XDP link");
+        }
+    }
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+    }
+    fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    Ok(())
+}
+
+fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid C string.
+    let fd = unsafe { libbpf_sys::bpf_obj_get(c.as_ptr()) };
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(-fd));
+    }
+    // SAFETY: the kernel returned a fresh fd that we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn write_record(dir: &Path, record: &AttachRecord) -> Result<()> {
+    let mut json = serde_json::to_vec(record)?;
+    if json.len() >= STATE_VALUE_SIZE as usize {
+        bail!("aggbox: attach record of {} bytes does not fit the state map", json.len());
+    }
+    json.resize(STATE_VALUE_SIZE as usize, 0);
+    // SAFETY: zeroed opts with sz set are what libbpf expects.
+    let mut opts: libbpf_sys::bpf_map_create_opts = unsafe { std::mem::zeroed() };
+    opts.sz = std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _;
+    let mut map = MapHandle::create(libbpf_rs::MapType::Array, Some("aggbox_state"), 4, STATE_VALUE_SIZE, 1, &opts)
+        .context("aggbox: creating the state map")?;
+    map.update(&0u32.to_ne_bytes(), &json, MapFlags::ANY).context("aggbox: writing the state map")?;
+    let path = dir.join(STATE_FILE);
+    map.pin(&path).with_context(|| format!("aggbox: pinning {}", path.display()))?;
+    Ok(())
+}
+
+fn read_record(dir: &Path) -> Option<AttachRecord> {
+    let map = MapHandle::from_pinned_path(dir.join(STATE_FILE)).ok()?;
+    let raw = map.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).ok()??;
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    serde_json::from_slice(&raw[..end]).ok()
+}
+
+fn process_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// One configured job as read back from the pinned `jobs` map.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct JobStatus {
+    /// Job id.
+    pub id: u16,
+    /// Contribution port.
+    pub port: u16,
+    /// Result port.
+    pub result_port: u16,
+    /// Number of ranks.
+    pub workers: u16,
+    /// Vector length (0 = unbounded).
+    pub vector_len: u32,
+    /// Slot bound.
+    pub slots: u32,
+    /// Rank source addresses.
+    pub ranks: Vec<Ipv4Addr>,
+}
+
+/// Status of one attached interface, read from its pins.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeStatus {
+    /// The attach record.
+    pub attach: AttachRecord,
+    /// Whether the attaching process is still running.
+    pub serving: bool,
+    /// Configured jobs.
+    pub jobs: Vec<JobStatus>,
+    /// Datagrams per outcome (summed over CPUs).
+    pub outcomes: BTreeMap<String, u64>,
+    /// Dropped datagrams per reason (summed over CPUs).
+    pub drops: BTreeMap<String, u64>,
+}
+
+/// Status of `iface`, or of every interface with pins under `pin_root`.
+pub fn status(iface: Option<&str>, pin_root: &Path) -> Result<Vec<NodeStatus>> {
+    let dirs: Vec<PathBuf> = match iface {
+        Some(name) => {
+            let dir = pin_dir(pin_root, name);
+            if !dir.join(STATE_FILE).exists() {
+                bail!("aggbox: {name} is not attached (no state under {})", dir.display());
+            }
+            vec![dir]
+        }
+        None => match fs::read_dir(pin_root) {
+            Ok(entries) => entries.flatten().map(|e| e.path()).filter(|p| p.join(STATE_FILE).exists()).collect(),
+            Err(_) => Vec::new(),
+        },
+    };
+    dirs.iter().map(|dir| status_of(dir)).collect()
+}
+
+fn status_of(dir: &Path) -> Result<NodeStatus> {
+    let attach = read_record(dir).ok_or_else(|| anyhow!("aggbox: unreadable {}", dir.join(STATE_FILE).display()))?;
+    let stats_map = MapHandle::from_pinned_path(dir.join("stats")).with_context(|| format!("opening {}/stats", dir.display()))?;
+    let read = |index: u32| -> Result<u64> {
+        let per_cpu = stats_map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
+        Ok(per_cpu.iter().filter_map(|raw| abi::from_bytes::<abi::Stat>(raw)).map(|s| s.packets).sum())
+    };
+    let mut outcomes = BTreeMap::new();
+    for outcome in abi::Outcome::ALL {
+        outcomes.insert(outcome.label().to_string(), read(outcome as u32)?);
+    }
+    let mut drops = BTreeMap::new();
+    for reason in abi::DropReason::ALL {
+        drops.insert(reason.label().to_string(), read(reason.stats_index())?);
+    }
+
+    let jobs_map = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
+    let ranks_map = MapHandle::from_pinned_path(dir.join("ranks")).with_context(|| format!("opening {}/ranks", dir.display()))?;
+    let mut jobs = Vec::new();
+    for key in jobs_map.keys() {
+        let Some(job_key) = abi::from_bytes::<abi::JobKey>(&key) else { continue };
+        let Some(job) = jobs_map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Job>(&v)) else {
+            continue;
+        };
+        let mut ranks = Vec::new();
+        for rank in 0..job.workers {
+            let rkey = abi::RankKey { job: job_key.job, rank };
+            if let Some(r) = ranks_map.lookup(abi::as_bytes(&rkey), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Rank>(&v)) {
+                ranks.push(Ipv4Addr::from(r.addr.to_ne_bytes()));
+            }
+        }
+        jobs.push(JobStatus {
+            id: job_key.job,
+            port: job.port,
+            result_port: job.result_port,
+            workers: job.workers,
+            vector_len: job.vector_len,
+            slots: job.slots,
+            ranks,
+        });
+    }
+    jobs.sort_by_key(|j| j.id);
+    let serving = attach.pid != 0 && process_alive(attach.pid);
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops })
+}
+
+/// Human-readable status table.
+pub fn format_status(status: &NodeStatus) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let a = &status.attach;
+    let _ = writeln!(
+        s,
+        "{}: ifindex {}, XDP {} mode, attached by pid {} ({})",
+        a.iface,
+        a.ifindex,
+        a.xdp_mode,
+        a.pid,
+        if status.serving { "serving" } else { "not running: stale, `aggbox detach` cleans up" }
+    );
+    let _ = writeln!(s, "  jobs:");
+    if status.jobs.is_empty() {
+        let _ = writeln!(s, "    (none)");
+    }
+    for job in &status.jobs {
+        let _ = writeln!(
+            s,
+            "    job {:5}  port {:5} -> results on {:5}  workers {:3}  vector_len {}  slots {}",
+            job.id,
+            job.port,
+            job.result_port,
+            job.workers,
+            if job.vector_len == 0 { "-".to_string() } else { job.vector_len.to_string() },
+            job.slots
+        );
+    }
+    let _ = writeln!(s, "  datagrams by outcome:");
+    for (name, count) in &status.outcomes {
+        let _ = writeln!(s, "    {name:<28} {count:>12}");
+    }
+    let _ = writeln!(s, "  dropped by reason:");
+    for (name, count) in &status.drops {
+        let _ = writeln!(s, "    {name:<28} {count:>12}");
+    }
+    s
+}

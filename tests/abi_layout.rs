@@ -1,0 +1,160 @@
+//! Proves that `src/abi.rs` and `include/aggbox/abi.h` agree: every struct
+//! size, every field offset and size, and every constant, compiled from the C
+//! header with the host C compiler and compared with the Rust mirror.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+
+use aggbox::abi::{self, DropReason, Outcome};
+
+/// Constants compared by value: (C expression, Rust value).
+fn constants() -> Vec<(String, i64)> {
+    let mut out: Vec<(String, i64)> = vec![
+        ("AGGBOX_MAGIC_AGG".into(), abi::MAGIC_AGG as i64),
+        ("AGGBOX_MAGIC_BCAST".into(), abi::MAGIC_BCAST as i64),
+        ("AGGBOX_MAGIC_ACK".into(), abi::MAGIC_ACK as i64),
+        ("AGGBOX_AGG_F_LAST_FRAGMENT".into(), abi::AGG_F_LAST_FRAGMENT as i64),
+        ("AGGBOX_AGG_F_RESULT".into(), abi::AGG_F_RESULT as i64),
+        ("AGGBOX_AGG_F_OVERFLOW".into(), abi::AGG_F_OVERFLOW as i64),
+        ("AGGBOX_AGG_F_FLOAT32".into(), abi::AGG_F_FLOAT32 as i64),
+        ("AGGBOX_AGG_F_KNOWN".into(), abi::AGG_F_KNOWN as i64),
+        ("AGGBOX_RESULT_RANK".into(), abi::RESULT_RANK as i64),
+        ("AGGBOX_BCAST_F_FORWARD".into(), abi::BCAST_F_FORWARD as i64),
+        ("AGGBOX_BCAST_F_KNOWN".into(), abi::BCAST_F_KNOWN as i64),
+        ("AGGBOX_ACK_KIND_AGG".into(), abi::ACK_KIND_AGG as i64),
+        ("AGGBOX_ACK_KIND_BCAST".into(), abi::ACK_KIND_BCAST as i64),
+        ("AGGBOX_ACK_F_FINAL".into(), abi::ACK_F_FINAL as i64),
+        ("AGGBOX_ACK_F_KNOWN".into(), abi::ACK_F_KNOWN as i64),
+        ("AGGBOX_ACK_MAX_BITS".into(), abi::ACK_MAX_BITS as i64),
+        ("AGGBOX_MAX_JOBS".into(), abi::MAX_JOBS as i64),
+        ("AGGBOX_MAX_RANKS".into(), abi::MAX_RANKS as i64),
+        ("AGGBOX_JOB_F_USERSPACE_ONLY".into(), abi::JOB_F_USERSPACE_ONLY as i64),
+        ("AGGBOX_JOB_F_HAS_PARENT".into(), abi::JOB_F_HAS_PARENT as i64),
+        ("AGGBOX_NO_GROUP".into(), abi::NO_GROUP as i64),
+        ("AGGBOX_OUTCOME_COUNT_OK".into(), abi::OUTCOME_COUNT_OK as i64),
+        ("AGGBOX_STATS_DROP_BASE".into(), abi::STATS_DROP_BASE as i64),
+        ("AGGBOX_STATS_MAX".into(), abi::STATS_MAX as i64),
+        ("AGGBOX_OP_LAST".into(), abi::Op::Bxor as i64),
+        ("AGGBOX_OP_LAST_KERNEL".into(), abi::Op::Avg as i64),
+        ("AGGBOX_DROP_FIRST".into(), DropReason::ALL[0] as i64),
+        ("AGGBOX_DROP_LAST".into(), DropReason::ALL[DropReason::ALL.len() - 1] as i64),
+    ];
+    for op in abi::Op::ALL {
+        out.push((format!("AGGBOX_OP_{}", op.name()), op as i64));
+    }
+    for reason in DropReason::ALL {
+        // The C enumerator names follow the Rust variant names in SCREAMING case.
+        let name = format!("{reason:?}");
+        let mut screaming = String::new();
+        for (i, ch) in name.chars().enumerate() {
+            if ch.is_uppercase() && i > 0 {
+                screaming.push('_');
+            }
+            screaming.push(ch.to_ascii_uppercase());
+        }
+        let c_name = match reason {
+            DropReason::IpFragment => "AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT".to_string(),
+            _ => format!("AGGBOX_DROP_{screaming}"),
+        };
+        out.push((c_name, reason as i64));
+    }
+    for outcome in Outcome::ALL {
+        out.push((format!("AGGBOX_OUTCOME_{}", outcome.label().to_uppercase()), outcome as i64));
+    }
+    out
+}
+
+#[test]
+fn rust_mirror_matches_c_header_field_by_field() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempdir();
+    let src = dir.join("layout.c");
+    let bin = dir.join("layout");
+
+    let mut c = String::from(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <aggbox/abi.h>\n\
+         #define FIELD(s, f) printf(\"%s %s %zu %zu\\n\", #s, #f, offsetof(struct s, f), sizeof(((struct s *)0)->f))\n\
+         int main(void) {\n",
+    );
+    let layout = abi::layout();
+    for (strukt, field, _, _) in &layout {
+        if *field == "sizeof" {
+            c.push_str(&format!("printf(\"{strukt} sizeof 0 %zu\\n\", sizeof(struct {strukt}));\n"));
+        } else {
+            c.push_str(&format!("FIELD({strukt}, {field});\n"));
+        }
+    }
+    for (name, _) in constants() {
+        c.push_str(&format!("printf(\"const {name} %lld\\n\", (long long)({name}));\n"));
+    }
+    c.push_str("return 0;\n}\n");
+    fs::write(&src, c).expect("write layout.c");
+
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .arg("-std=c11")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg("-I")
+        .arg(root.join("include"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&bin)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}` (needed to check the ABI): {e}"));
+    assert!(status.success(), "compiling the ABI layout probe against include/aggbox/abi.h failed");
+    let out = Command::new(&bin).output().expect("run layout probe");
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).expect("utf8");
+
+    let mut c_fields: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
+    let mut c_consts: BTreeMap<String, i64> = BTreeMap::new();
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if parts[0] == "const" {
+            c_consts.insert(parts[1].to_string(), parts[2].parse().expect("const value"));
+        } else {
+            c_fields.insert(
+                (parts[0].to_string(), parts[1].to_string()),
+                (parts[2].parse().expect("offset"), parts[3].parse().expect("size")),
+            );
+        }
+    }
+
+    let mut mismatches = Vec::new();
+    for (strukt, field, offset, size) in layout {
+        let c = c_fields[&(strukt.to_string(), field.to_string())];
+        if c != (offset, size) {
+            mismatches.push(format!("struct {strukt}.{field}: C (offset {}, size {}) vs Rust (offset {offset}, size {size})", c.0, c.1));
+        }
+    }
+    for (name, value) in constants() {
+        let c = c_consts[&name];
+        if c != value {
+            mismatches.push(format!("{name}: C {c} vs Rust {value}"));
+        }
+    }
+    assert!(mismatches.is_empty(), "ABI drift between abi.h and abi.rs:\n{}", mismatches.join("\n"));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn every_drop_reason_has_its_own_stats_slot() {
+    let mut seen = std::collections::BTreeSet::new();
+    for reason in DropReason::ALL {
+        let index = reason.stats_index();
+        assert!(index >= abi::STATS_DROP_BASE && index < abi::STATS_MAX, "{reason:?} index {index}");
+        assert!(seen.insert(index), "{reason:?} shares a stats slot");
+    }
+    for outcome in Outcome::ALL {
+        assert!((outcome as u32) < abi::STATS_DROP_BASE);
+    }
+}
+
+fn tempdir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("aggbox-abi-{}", std::process::id()));
+    fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}

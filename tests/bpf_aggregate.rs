@@ -1,0 +1,373 @@
+//! In-kernel aggregation through BPF_PROG_TEST_RUN: every case of
+//! shared/spec/vectors/aggregation.json with its RESULT datagrams compared
+//! byte for byte, plus retransmission, stale round, slot pool, slot
+//! mismatch, too-large and missed-tail-call rows.
+//!
+//! Needs root: run with `sudo -E cargo test --test bpf_aggregate`.
+
+mod bpf_common;
+
+use std::net::Ipv4Addr;
+
+use aggbox::abi::{self, DropReason, Outcome};
+use aggbox::dataplane::{Dataplane, JobConfig};
+use bpf_common::*;
+
+/// A RESULT frame checked for everything but its payload; returns
+/// (frag_off, flags, seq, payload).
+fn check_result_frame(input: &[u8], out: &[u8], job: u16, round: u32) -> (u32, u8, u32, Vec<u8>) {
+    assert_eq!(out.len(), input.len(), "RESULT is rewritten in place");
+    assert_eq!(out[..14], input[..14], "Ethernet header untouched");
+    let ip = &out[14..34];
+    assert_eq!(ip[..10], input[14..24], "IPv4 header untouched");
+    assert_eq!(
+        ip[12..20],
+        input[26..34],
+        "addresses untouched (destination is the aggregator)"
+    );
+    assert_eq!(ipv4_checksum(ip), 0, "valid IPv4 header checksum");
+    let udp = &out[34..42];
+    assert_eq!(udp[..2], input[34..36], "UDP source port kept");
+    assert_eq!(
+        u16::from_be_bytes([udp[2], udp[3]]),
+        RESULT_PORT,
+        "UDP destination = job.result_port"
+    );
+    assert_eq!(udp[4..6], input[38..40], "UDP length kept");
+    assert_eq!(udp[6..8], [0, 0], "UDP checksum 0");
+    let a = &out[PAYLOAD_OFF..];
+    let inp = &input[PAYLOAD_OFF..];
+    assert_eq!(
+        u32::from_be_bytes(a[0..4].try_into().unwrap()),
+        abi::MAGIC_AGG
+    );
+    assert_eq!(u16::from_be_bytes([a[4], a[5]]), job, "job");
+    assert_eq!(
+        u16::from_be_bytes([a[6], a[7]]),
+        abi::RESULT_RANK,
+        "rank 0xFFFF"
+    );
+    assert_eq!(
+        u32::from_be_bytes(a[12..16].try_into().unwrap()),
+        round,
+        "round"
+    );
+    assert_eq!(a[16..21], inp[16..21], "frag_off and op kept");
+    assert_eq!(a[22..24], inp[22..24], "count kept");
+    let seq = u32::from_be_bytes(a[8..12].try_into().unwrap());
+    (
+        u32::from_be_bytes(a[16..20].try_into().unwrap()),
+        a[21],
+        seq,
+        a[24..].to_vec(),
+    )
+}
+
+#[test]
+fn spec_vectors_results_byte_for_byte() {
+    let vectors = spec_vectors("aggregation.json");
+    let cases = vectors["cases"].as_array().expect("cases");
+    let mut total_results = 0;
+    for case in cases {
+        let name = case["name"].as_str().expect("name");
+        let round = case["round"].as_u64().expect("round") as u32;
+        let dp = load();
+        let job = job_from_vector(&case["job"]);
+        dp.set_job(job.id, &job)
+            .unwrap_or_else(|e| panic!("{name}: set_job: {e}"));
+        let mut got = Vec::new();
+        for (i, dgram) in case["datagrams"]
+            .as_array()
+            .expect("datagrams")
+            .iter()
+            .enumerate()
+        {
+            let src: Ipv4Addr = dgram["src"].as_str().unwrap().parse().unwrap();
+            let payload = unhex(dgram["hex"].as_str().unwrap());
+            let frame = Frame::udp(src, payload.clone()).build();
+            let before = dp.stats().unwrap();
+            let (verdict, out) = dp.test_run(&frame).expect("test_run");
+            let d = deltas(&before, &dp.stats().unwrap());
+            if d == vec![(Outcome::Result.label(), 1, payload.len() as u64)] {
+                assert_eq!(verdict, XDP_PASS, "{name}[{i}]: RESULT passes to the stack");
+                got.push(check_result_frame(&frame, &out, job.id, round));
+            } else if dgram["accept"].as_bool().unwrap() {
+                assert_eq!(
+                    d,
+                    vec![(Outcome::Accepted.label(), 1, payload.len() as u64)],
+                    "{name}[{i}]"
+                );
+                assert_eq!(verdict, XDP_DROP, "{name}[{i}]: absorbed");
+            } else {
+                let reason = why_to_reason(dgram["why"].as_str().unwrap());
+                assert_eq!(
+                    d,
+                    vec![(reason.label(), 1, payload.len() as u64)],
+                    "{name}[{i}]"
+                );
+                assert_eq!(verdict, XDP_DROP, "{name}[{i}]");
+            }
+        }
+        let want = case["results"].as_array().expect("results");
+        assert_eq!(got.len(), want.len(), "{name}: number of RESULTs");
+        for w in want {
+            let frag_off = w["frag_off"].as_u64().unwrap() as u32;
+            let flags = w["flags"].as_u64().unwrap() as u8;
+            let payload = unhex(w["hex"].as_str().unwrap());
+            let matching: Vec<_> = got.iter().filter(|g| g.0 == frag_off).collect();
+            assert_eq!(
+                matching.len(),
+                1,
+                "{name}: exactly one RESULT for frag_off {frag_off}"
+            );
+            assert_eq!(matching[0].1, flags, "{name} frag_off {frag_off}: flags");
+            assert_eq!(
+                matching[0].3, payload,
+                "{name} frag_off {frag_off}: payload"
+            );
+        }
+        let mut seqs: Vec<u32> = got.iter().map(|g| g.2).collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        assert_eq!(seqs.len(), got.len(), "{name}: RESULT seqs are distinct");
+        assert_eq!(dp.slots_in_use(), 0, "{name}: every slot released");
+        assert_eq!(
+            dp.job_state(job.id).unwrap().unwrap().active_slots,
+            0,
+            "{name}: slot counter back to 0"
+        );
+        // Every contribution again, after completion: all retransmissions.
+        for dgram in case["datagrams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["accept"].as_bool().unwrap())
+        {
+            let src: Ipv4Addr = dgram["src"].as_str().unwrap().parse().unwrap();
+            let payload = unhex(dgram["hex"].as_str().unwrap());
+            let before = dp.stats().unwrap();
+            let (verdict, _) = dp
+                .test_run(&Frame::udp(src, payload.clone()).build())
+                .unwrap();
+            assert_eq!(verdict, XDP_DROP);
+            assert_eq!(
+                deltas(&before, &dp.stats().unwrap()),
+                vec![(DropReason::Retransmission.label(), 1, payload.len() as u64)],
+                "{name}: late retransmission"
+            );
+        }
+        assert_eq!(
+            dp.slots_in_use(),
+            0,
+            "{name}: a retransmission never starts a slot"
+        );
+        total_results += got.len();
+    }
+    assert!(total_results > 0);
+}
+
+const JOB: u16 = 21;
+
+fn addr(rank: u16) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 1, rank as u8 + 1)
+}
+
+fn job(workers: u16, slots: u32) -> JobConfig {
+    JobConfig {
+        id: JOB,
+        port: JOB_PORT,
+        result_port: RESULT_PORT,
+        ranks: (0..workers).map(addr).collect(),
+        weights: vec![],
+        vector_len: 0,
+        slots,
+        flags: 0,
+        result_group: None,
+    }
+}
+
+type Deltas = Vec<(&'static str, u64, u64)>;
+
+fn send(dp: &Dataplane, a: &Agg) -> (u32, Deltas, Vec<u8>) {
+    let before = dp.stats().unwrap();
+    let (verdict, out) = dp
+        .test_run(&Frame::udp(addr(a.rank), a.bytes()).build())
+        .unwrap();
+    let d = deltas(&before, &dp.stats().unwrap())
+        .into_iter()
+        .map(|(l, p, _)| (l, p, 0))
+        .collect();
+    (verdict, d, out)
+}
+
+fn contrib(rank: u16, round: u32, frag_off: u32, values: Vec<i32>) -> Agg {
+    let mut a = Agg::new(JOB, rank, abi::Op::Sum as u8, values);
+    a.round = round;
+    a.frag_off = frag_off;
+    a.seq = round * 100 + rank as u32;
+    a
+}
+
+fn one(label: &'static str) -> Deltas {
+    vec![(label, 1, 0)]
+}
+
+#[test]
+fn stale_round_is_dropped_and_never_added() {
+    let dp = load();
+    dp.set_job(JOB, &job(2, 0)).unwrap();
+    assert_eq!(send(&dp, &contrib(0, 1000, 0, vec![1])).1, one("accepted"));
+    let (v, d, out) = send(&dp, &contrib(1, 1000, 0, vec![2]));
+    assert_eq!((v, d), (XDP_PASS, one("result")));
+    assert_eq!(out[PAYLOAD_OFF + 24..], 3i32.to_be_bytes());
+    let old = 1000 - abi::ROUND_WINDOW - 1;
+    assert_eq!(
+        send(&dp, &contrib(0, old, 0, vec![5])).1,
+        one(DropReason::StaleRound.label())
+    );
+    assert_eq!(dp.slots_in_use(), 0);
+    // inside the window: still aggregated
+    assert_eq!(
+        send(&dp, &contrib(0, old + 1, 0, vec![5])).1,
+        one("accepted")
+    );
+    assert_eq!(dp.job_state(JOB).unwrap().unwrap().newest_round, 1000);
+}
+
+#[test]
+fn slot_pool_bound_per_job() {
+    let dp = load();
+    dp.set_job(JOB, &job(2, 2)).unwrap();
+    assert_eq!(send(&dp, &contrib(0, 1, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send(&dp, &contrib(0, 1, 1, vec![1])).1, one("accepted"));
+    assert_eq!(
+        send(&dp, &contrib(0, 1, 2, vec![1])).1,
+        one(DropReason::SlotPoolFull.label())
+    );
+    assert_eq!(dp.slots_in_use(), 2);
+    // completing one frees its slot
+    assert_eq!(send(&dp, &contrib(1, 1, 0, vec![1])).1, one("result"));
+    assert_eq!(send(&dp, &contrib(0, 1, 2, vec![1])).1, one("accepted"));
+    assert_eq!(dp.job_state(JOB).unwrap().unwrap().active_slots, 2);
+    dp.remove_job(JOB).unwrap();
+    assert_eq!(dp.slots_in_use(), 0, "remove_job frees the job's slots");
+}
+
+#[test]
+fn slot_mismatch_and_retransmission_before_completion() {
+    let dp = load();
+    dp.set_job(JOB, &job(3, 0)).unwrap();
+    assert_eq!(send(&dp, &contrib(0, 5, 0, vec![1, 2])).1, one("accepted"));
+    assert_eq!(
+        send(&dp, &contrib(0, 5, 0, vec![1, 2])).1,
+        one(DropReason::Retransmission.label())
+    );
+    let mut max = contrib(1, 5, 0, vec![1, 2]);
+    max.op = abi::Op::Max as u8;
+    assert_eq!(send(&dp, &max).1, one(DropReason::SlotMismatch.label()));
+    assert_eq!(
+        send(&dp, &contrib(1, 5, 0, vec![1, 2, 3])).1,
+        one(DropReason::SlotMismatch.label())
+    );
+    assert_eq!(
+        send(&dp, &contrib(1, 5, 0, vec![10, 20])).1,
+        one("accepted")
+    );
+    let mut last = contrib(2, 5, 0, vec![100, 200]);
+    last.flags = abi::AGG_F_LAST_FRAGMENT;
+    let (v, d, out) = send(&dp, &last);
+    assert_eq!((v, d), (XDP_PASS, one("result")));
+    assert_eq!(
+        out[PAYLOAD_OFF + 21],
+        abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT
+    );
+    assert_eq!(
+        out[PAYLOAD_OFF + 24..],
+        [111i32.to_be_bytes(), 222i32.to_be_bytes()].concat()
+    );
+}
+
+#[test]
+fn weighted_avg_truncates_toward_zero_and_clamps() {
+    let dp = load();
+    let mut j = job(2, 0);
+    j.weights = vec![1, 2];
+    dp.set_job(JOB, &j).unwrap();
+    let mut a = contrib(0, 1, 0, vec![-7, 7, i32::MAX, i32::MIN]);
+    a.op = abi::Op::Avg as u8;
+    let mut b = contrib(1, 1, 0, vec![0, 0, i32::MAX, i32::MIN]);
+    b.op = abi::Op::Avg as u8;
+    assert_eq!(send(&dp, &a).1, one("accepted"));
+    let (_, d, out) = send(&dp, &b);
+    assert_eq!(d, one("result"));
+    let want: Vec<u8> = [-2i32, 2, i32::MAX, i32::MIN]
+        .iter()
+        .flat_map(|v| v.to_be_bytes())
+        .collect();
+    assert_eq!(out[PAYLOAD_OFF + 24..], want[..]);
+    assert_eq!(
+        out[PAYLOAD_OFF + 21] & abi::AGG_F_OVERFLOW,
+        0,
+        "AVG of int32 values never overflows"
+    );
+    // SUM of the same clamps with OVERFLOW
+    let mut a = contrib(0, 2, 0, vec![i32::MAX, i32::MIN]);
+    a.op = abi::Op::Sum as u8;
+    let mut b = contrib(1, 2, 0, vec![1, -1]);
+    b.op = abi::Op::Sum as u8;
+    send(&dp, &a);
+    let (_, d, out) = send(&dp, &b);
+    assert_eq!(d, one("result"));
+    assert_eq!(
+        out[PAYLOAD_OFF + 24..],
+        [i32::MAX.to_be_bytes(), i32::MIN.to_be_bytes()].concat()
+    );
+    assert_ne!(out[PAYLOAD_OFF + 21] & abi::AGG_F_OVERFLOW, 0);
+}
+
+#[test]
+fn count_above_kernel_limit_is_too_large() {
+    let dp = load();
+    dp.set_job(JOB, &job(2, 0)).unwrap();
+    let a = contrib(0, 1, 0, vec![1; abi::MAX_ELEMS as usize + 1]);
+    assert_eq!(send(&dp, &a).1, one(DropReason::TooLarge.label()));
+    let a = contrib(0, 1, 0, vec![1; abi::MAX_ELEMS as usize]);
+    assert_eq!(send(&dp, &a).1, one("accepted"));
+}
+
+#[test]
+fn missed_tail_call_is_counted() {
+    for (index, sends) in [
+        (abi::CALL_SLOT, 1),
+        (abi::CALL_ADD, 1),
+        (abi::CALL_RESULT, 2),
+    ] {
+        let dp = load();
+        dp.set_job(JOB, &job(2, 0)).unwrap();
+        dp.unset_tail_call(index).unwrap();
+        let values = vec![1; 100];
+        let mut last = Vec::new();
+        for rank in 0..sends {
+            last = send(&dp, &contrib(rank, 1, 0, values.clone())).1;
+        }
+        assert_eq!(
+            last,
+            one(DropReason::MissedTailCall.label()),
+            "CALL {index}"
+        );
+    }
+}
+
+/// Prints the verifier cost of every program (recorded in docs/DATAPLANE.md)
+/// and checks the chain is far from the verifier's limits.
+#[test]
+fn program_sizes() {
+    let dp = load();
+    for p in dp.programs().expect("programs") {
+        println!(
+            "{:<14} xlated {:>4} insns, verifier processed {:>6} insns",
+            p.name, p.xlated_insns, p.verified_insns
+        );
+        assert!(p.verified_insns > 0 && p.verified_insns < 200_000, "{p:?}");
+    }
+}

@@ -1,0 +1,298 @@
+//! Shared helpers of the BPF_PROG_TEST_RUN tests (`tests/bpf_*.rs`): a packet
+//! builder (Ethernet / IPv4 / UDP / AGG1), the root check and the spec
+//! vectors loader.
+#![allow(dead_code)]
+
+use std::net::Ipv4Addr;
+
+use aggbox::abi::{self, DropReason};
+use aggbox::dataplane::{Dataplane, JobConfig};
+
+/// XDP verdicts (uapi `enum xdp_action`).
+pub const XDP_DROP: u32 = 1;
+/// XDP_PASS.
+pub const XDP_PASS: u32 = 2;
+
+/// Address of the aggregator in every test frame.
+pub const AGG_ADDR: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+/// UDP port the test jobs listen on.
+pub const JOB_PORT: u16 = 7000;
+/// UDP port the test jobs deliver results to.
+pub const RESULT_PORT: u16 = 7001;
+/// UDP source port of every test contribution.
+pub const SRC_PORT: u16 = 40000;
+
+/// Fail (never skip) when the tests cannot use BPF.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the BPF_PROG_TEST_RUN tests need root (CAP_BPF + CAP_NET_ADMIN); run them with sudo: \
+         `sudo -E cargo test --test bpf_xdp`"
+    );
+}
+
+/// Load a fresh dataplane or fail with the verifier's message.
+pub fn load() -> Dataplane {
+    require_root();
+    match Dataplane::load() {
+        Ok(dp) => dp,
+        Err(err) => panic!("loading the XDP program failed: {err:#?}"),
+    }
+}
+
+/// IPv4 header checksum (RFC 1071) over `hdr`.
+pub fn ipv4_checksum(hdr: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for chunk in hdr.chunks(2) {
+        let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
+        sum += u32::from(word);
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Describes one test frame; `build()` turns it into bytes.
+#[derive(Debug, Clone)]
+pub struct Frame {
+    pub ethertype: u16,
+    pub vlan: Option<u16>,
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub protocol: u8,
+    /// IPv4 option bytes (multiple of 4).
+    pub ip_options: Vec<u8>,
+    /// IPv4 flags + fragment offset field (host order).
+    pub frag: u16,
+    pub sport: u16,
+    pub dport: u16,
+    pub payload: Vec<u8>,
+    /// Override of the UDP length field (default 8 + payload).
+    pub udp_len: Option<u16>,
+    /// Bytes appended after the datagram (Ethernet padding).
+    pub trailer: usize,
+}
+
+impl Frame {
+    /// A UDP datagram from `src` to the aggregator's job port.
+    pub fn udp(src: Ipv4Addr, payload: Vec<u8>) -> Frame {
+        Frame {
+            ethertype: 0x0800,
+            vlan: None,
+            src,
+            dst: AGG_ADDR,
+            protocol: 17,
+            ip_options: Vec::new(),
+            frag: 0x4000, // DF
+            sport: SRC_PORT,
+            dport: JOB_PORT,
+            payload,
+            udp_len: None,
+            trailer: 0,
+        }
+    }
+
+    /// The frame's bytes (valid IPv4 header checksum, UDP checksum 0).
+    pub fn build(&self) -> Vec<u8> {
+        let mut f = Vec::with_capacity(64 + self.payload.len());
+        f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x01]); // dst MAC
+        f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x02]); // src MAC
+        if let Some(tci) = self.vlan {
+            f.extend_from_slice(&0x8100u16.to_be_bytes());
+            f.extend_from_slice(&tci.to_be_bytes());
+        }
+        f.extend_from_slice(&self.ethertype.to_be_bytes());
+        if self.ethertype != 0x0800 {
+            // ARP-ish body
+            f.extend_from_slice(&[0u8; 28]);
+            return f;
+        }
+        let ihl = 5 + self.ip_options.len() / 4;
+        let l4_len = if self.protocol == 17 {
+            8 + self.payload.len()
+        } else {
+            self.payload.len()
+        };
+        let tot_len = (ihl * 4 + l4_len) as u16;
+        let ip_start = f.len();
+        f.push(0x40 | ihl as u8);
+        f.push(0);
+        f.extend_from_slice(&tot_len.to_be_bytes());
+        f.extend_from_slice(&0x1234u16.to_be_bytes());
+        f.extend_from_slice(&self.frag.to_be_bytes());
+        f.push(64);
+        f.push(self.protocol);
+        f.extend_from_slice(&[0, 0]);
+        f.extend_from_slice(&self.src.octets());
+        f.extend_from_slice(&self.dst.octets());
+        f.extend_from_slice(&self.ip_options);
+        let csum = ipv4_checksum(&f[ip_start..]);
+        f[ip_start + 10..ip_start + 12].copy_from_slice(&csum.to_be_bytes());
+        if self.protocol == 17 {
+            let udp_len = self.udp_len.unwrap_or((8 + self.payload.len()) as u16);
+            f.extend_from_slice(&self.sport.to_be_bytes());
+            f.extend_from_slice(&self.dport.to_be_bytes());
+            f.extend_from_slice(&udp_len.to_be_bytes());
+            f.extend_from_slice(&[0, 0]);
+        }
+        f.extend_from_slice(&self.payload);
+        f.extend(std::iter::repeat(0u8).take(self.trailer));
+        f
+    }
+}
+
+/// Offset of the UDP payload in a frame built without VLAN and IP options.
+pub const PAYLOAD_OFF: usize = 14 + 20 + 8;
+
+/// An AGG1 datagram.
+#[derive(Debug, Clone)]
+pub struct Agg {
+    pub job: u16,
+    pub rank: u16,
+    pub seq: u32,
+    pub round: u32,
+    pub frag_off: u32,
+    pub op: u8,
+    pub flags: u8,
+    pub count: u16,
+    pub values: Vec<i32>,
+}
+
+impl Agg {
+    /// A contribution of `values` (count = values.len()).
+    pub fn new(job: u16, rank: u16, op: u8, values: Vec<i32>) -> Agg {
+        Agg {
+            job,
+            rank,
+            seq: 1,
+            round: 1,
+            frag_off: 0,
+            op,
+            flags: 0,
+            count: values.len() as u16,
+            values,
+        }
+    }
+
+    /// The datagram's bytes.
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut p = Vec::with_capacity(24 + 4 * self.values.len());
+        p.extend_from_slice(&abi::MAGIC_AGG.to_be_bytes());
+        p.extend_from_slice(&self.job.to_be_bytes());
+        p.extend_from_slice(&self.rank.to_be_bytes());
+        p.extend_from_slice(&self.seq.to_be_bytes());
+        p.extend_from_slice(&self.round.to_be_bytes());
+        p.extend_from_slice(&self.frag_off.to_be_bytes());
+        p.push(self.op);
+        p.push(self.flags);
+        p.extend_from_slice(&self.count.to_be_bytes());
+        for v in &self.values {
+            p.extend_from_slice(&v.to_be_bytes());
+        }
+        p
+    }
+}
+
+/// Decode hex (no separators).
+pub fn unhex(s: &str) -> Vec<u8> {
+    assert!(s.len() % 2 == 0, "odd hex length");
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
+        .collect()
+}
+
+/// Map a spec vector `why` string to the drop reason the kernel counts.
+pub fn why_to_reason(why: &str) -> DropReason {
+    match why {
+        "truncated header" => DropReason::TruncatedHeader,
+        "invalid op" => DropReason::InvalidOp,
+        "reserved flag bit set" => DropReason::ReservedFlag,
+        "zero count" => DropReason::ZeroCount,
+        "count larger than datagram" => DropReason::CountTooLarge,
+        "count smaller than datagram" => DropReason::CountTooSmall,
+        "unknown job" => DropReason::UnknownJob,
+        "rank out of range" => DropReason::RankOutOfRange,
+        "source address does not match rank" => DropReason::SourceMismatch,
+        "beyond vector length" | "frag_off + count beyond vector_len" => DropReason::BeyondVector,
+        "retransmission" => DropReason::Retransmission,
+        "stale round" => DropReason::StaleRound,
+        other => {
+            panic!("spec vector `why` string {other:?} has no drop reason mapping; add it here")
+        }
+    }
+}
+
+/// Load `shared/spec/vectors/<name>`; a missing file fails the test.
+pub fn spec_vectors(name: &str) -> serde_json::Value {
+    let path = format!(
+        "{}/../shared/spec/vectors/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!("spec vectors {path} missing or unreadable ({e}); they are required")
+    });
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("spec vectors {path}: invalid JSON: {e}"))
+}
+
+/// JobConfig of a spec vector case's `job` object.
+pub fn job_from_vector(job: &serde_json::Value) -> JobConfig {
+    let id = job["id"].as_u64().expect("job.id") as u16;
+    let ranks = job["rank_ips"]
+        .as_array()
+        .expect("job.rank_ips")
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .expect("rank ip")
+                .parse::<Ipv4Addr>()
+                .expect("rank ip parses")
+        })
+        .collect::<Vec<_>>();
+    let weights = job
+        .get("weights")
+        .and_then(|w| w.as_array())
+        .map(|w| {
+            w.iter()
+                .map(|v| v.as_i64().expect("weight") as i32)
+                .collect()
+        })
+        .unwrap_or_default();
+    let workers = job["workers"].as_u64().expect("job.workers") as usize;
+    assert_eq!(workers, ranks.len(), "vector job: workers vs rank_ips");
+    JobConfig {
+        id,
+        port: JOB_PORT,
+        result_port: RESULT_PORT,
+        ranks,
+        weights,
+        vector_len: job.get("vector_len").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+        slots: 0,
+        flags: 0,
+        result_group: None,
+    }
+}
+
+/// The counter deltas between two stats snapshots, as (label, packets, bytes),
+/// only those that changed.
+pub fn deltas(
+    before: &aggbox::dataplane::Stats,
+    after: &aggbox::dataplane::Stats,
+) -> Vec<(&'static str, u64, u64)> {
+    let mut out = Vec::new();
+    for (label, a) in after.outcomes.iter().chain(after.drops.iter()) {
+        let b = before
+            .outcomes
+            .get(label)
+            .or_else(|| before.drops.get(label))
+            .copied()
+            .unwrap_or_default();
+        if a.packets != b.packets || a.bytes != b.bytes {
+            out.push((*label, a.packets - b.packets, a.bytes - b.bytes));
+        }
+    }
+    out
+}

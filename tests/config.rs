@@ -1,0 +1,795 @@
+//! The config file: the shipped example and the INTERFACE.md example parse,
+//! defaults are applied, and every validation error names file, line and key.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+
+use aggbox::config::{AckMode, Config, ConfigError, GroupConfig, NodeConfig, ParentConfig};
+
+/// The example of spec/INTERFACE.md, verbatim.
+const INTERFACE_EXAMPLE: &str = r#"[node]
+metrics = "127.0.0.1:9435"   # Prometheus exposition at http://ADDR/metrics; "off" disables
+ack_mode = "group"           # "group" | "packet"
+ack_group = 1024             # group size for group ACKs
+
+[[job]]                      # one reduction group served by this node as aggregator
+id = 7                       # u16, the AGG1 `job` field
+port = 7000                  # UDP port the contributions are sent to
+workers = ["10.77.0.11", "10.77.0.12", "10.77.0.13"]   # rank i sends from address i
+weights = [1, 1, 2]          # optional, default all 1
+result_port = 7001           # RESULT datagrams go to this node's own address, this UDP port
+result_group = 3             # optional: also broadcast each RESULT to broadcast group 3 (in-kernel allreduce)
+vector_len = 1048576         # optional: reject frag_off + count beyond it
+slots = 4096                 # optional: bound on outstanding fragments of this job
+# parent = { addr = "10.77.9.1", port = 7000, job = 7, rank = 2 }   # intermediate aggregator: send results upstream
+
+[[group]]                    # one broadcast group for which this node sends or forwards
+id = 3                       # u16, the AGB1 `group` field
+members = ["10.77.0.11:7200", "10.77.0.12:7200"]   # index i = mask bit i, at most 32
+"#;
+
+fn ip(s: &str) -> Ipv4Addr {
+    s.parse().expect("test address")
+}
+
+fn sock(s: &str) -> SocketAddrV4 {
+    s.parse().expect("test socket address")
+}
+
+fn parse(text: &str) -> Config {
+    match Config::parse(text, "config.toml") {
+        Ok(c) => c,
+        Err(e) => panic!("config should parse, got: {e}"),
+    }
+}
+
+/// Parses `text` as `config.toml`, expects an error, and checks its place and
+/// key exactly and that the message mentions `needle`.
+fn expect_error(text: &str, line: usize, key: &str, needle: &str) -> ConfigError {
+    let e = match Config::parse(text, "config.toml") {
+        Ok(c) => panic!("config should be rejected, parsed as {c:?}"),
+        Err(e) => e,
+    };
+    let shown = e.to_string();
+    assert_eq!(e.origin, "config.toml", "{shown}");
+    assert_eq!(e.line, Some(line), "{shown}");
+    assert_eq!(e.key.as_deref(), Some(key), "{shown}");
+    assert!(
+        shown.starts_with(&format!("config.toml:{line}: {key}: ")),
+        "bad prefix: {shown}"
+    );
+    assert!(
+        shown.contains(needle),
+        "{shown:?} should contain {needle:?}"
+    );
+    assert!(!shown.contains('\n'), "one line: {shown:?}");
+    e
+}
+
+/// A valid job for tests that only vary something else.
+const JOB7: &str = r#"[[job]]
+id = 7
+port = 7000
+workers = ["10.77.0.11", "10.77.0.12"]
+result_port = 7001
+"#;
+
+fn check_interface_example(c: &Config) {
+    assert_eq!(
+        c.node,
+        NodeConfig {
+            metrics: Some("127.0.0.1:9435".parse::<SocketAddr>().expect("addr")),
+            ack_mode: AckMode::Group,
+            ack_group: 1024,
+        }
+    );
+    assert_eq!(c.jobs.len(), 1);
+    let job = &c.jobs[0];
+    assert_eq!(job.id, 7);
+    assert_eq!(job.port, 7000);
+    assert_eq!(
+        job.workers,
+        vec![ip("10.77.0.11"), ip("10.77.0.12"), ip("10.77.0.13")]
+    );
+    assert_eq!(job.weights, vec![1, 1, 2]);
+    assert_eq!(job.weight_sum(), 4);
+    assert_eq!(job.result_port, 7001);
+    assert_eq!(job.result_group, Some(3));
+    assert_eq!(job.vector_len, Some(1_048_576));
+    assert_eq!(job.slots, 4096);
+    assert_eq!(job.parent, None);
+    assert_eq!(job.rank_of(ip("10.77.0.13")), Some(2));
+    assert_eq!(job.rank_of(ip("10.77.0.14")), None);
+    assert_eq!(
+        c.groups,
+        vec![GroupConfig {
+            id: 3,
+            members: vec![sock("10.77.0.11:7200"), sock("10.77.0.12:7200")]
+        }]
+    );
+    assert_eq!(c.job(7).map(|j| j.port), Some(7000));
+    assert_eq!(c.group(3).map(|g| g.members.len()), Some(2));
+    assert!(c.job(8).is_none() && c.group(4).is_none());
+}
+
+#[test]
+fn interface_example_parses() {
+    let c = parse(INTERFACE_EXAMPLE);
+    check_interface_example(&c);
+    assert!(!c.jobs[0].userspace_only);
+    assert_eq!(c.jobs[0].window, 4);
+}
+
+#[test]
+fn interface_example_with_parent_uncommented_parses() {
+    let text = INTERFACE_EXAMPLE.replace("# parent = {", "parent = {");
+    let c = parse(&text);
+    assert_eq!(
+        c.jobs[0].parent,
+        Some(ParentConfig {
+            addr: ip("10.77.9.1"),
+            port: 7000,
+            job: 7,
+            rank: 2
+        })
+    );
+}
+
+fn example_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/aggbox.example.toml")
+}
+
+#[test]
+fn shipped_example_loads() {
+    let c = match Config::load(&example_path()) {
+        Ok(c) => c,
+        Err(e) => panic!("deploy/aggbox.example.toml must be valid: {e}"),
+    };
+    // Same content as the INTERFACE.md example, plus the project's keys.
+    check_interface_example(&c);
+    assert_eq!(c.jobs[0].window, 4);
+    assert!(!c.jobs[0].userspace_only);
+}
+
+#[test]
+fn shipped_example_parent_line_is_valid() {
+    let text = std::fs::read_to_string(example_path()).expect("read example");
+    let text = text.replace("# parent = {", "parent = {");
+    let c = parse(&text);
+    assert_eq!(
+        c.jobs[0].parent,
+        Some(ParentConfig {
+            addr: ip("10.77.9.1"),
+            port: 7000,
+            job: 7,
+            rank: 2
+        })
+    );
+}
+
+#[test]
+fn empty_file_is_the_default_config() {
+    let c = parse("");
+    assert_eq!(c, Config::default());
+    assert!(c.jobs.is_empty() && c.groups.is_empty());
+    assert_eq!(
+        c.node.metrics,
+        Some("127.0.0.1:9435".parse().expect("addr"))
+    );
+    assert_eq!(c.node.ack_mode, AckMode::Group);
+    assert_eq!(c.node.ack_group, 1024);
+}
+
+#[test]
+fn job_defaults_are_applied() {
+    let c = parse(JOB7);
+    let job = &c.jobs[0];
+    assert_eq!(job.weights, vec![1, 1]);
+    assert_eq!(job.weight_sum(), 2);
+    assert_eq!(job.result_group, None);
+    assert_eq!(job.vector_len, None);
+    assert_eq!(job.slots, 4096);
+    assert_eq!(job.parent, None);
+    assert!(!job.userspace_only);
+    assert_eq!(job.window, 4);
+    assert_eq!(c.node, NodeConfig::default());
+}
+
+#[test]
+fn node_and_project_keys_are_read() {
+    let text = r#"[node]
+metrics = "off"
+ack_mode = "packet"
+ack_group = 64
+
+[[job]]
+id = 65535
+port = 65535
+workers = ["127.0.0.1"]
+weights = [0x10]
+result_port = 1
+userspace_only = true
+window = 16
+slots = 1
+vector_len = 4294967295
+"#;
+    let c = parse(text);
+    assert_eq!(c.node.metrics, None);
+    assert_eq!(c.node.ack_mode, AckMode::Packet);
+    assert_eq!(c.node.ack_mode.to_string(), "packet");
+    assert_eq!(c.node.ack_group, 64);
+    let job = &c.jobs[0];
+    assert_eq!((job.id, job.port, job.result_port), (65535, 65535, 1));
+    assert_eq!(job.weights, vec![16]);
+    assert!(job.userspace_only);
+    assert_eq!(
+        (job.window, job.slots, job.vector_len),
+        (16, 1, Some(u32::MAX))
+    );
+}
+
+#[test]
+fn metrics_accepts_ipv6() {
+    let c = parse("[node]\nmetrics = \"[::1]:9500\"\n");
+    assert_eq!(c.node.metrics, Some("[::1]:9500".parse().expect("addr")));
+}
+
+#[test]
+fn zero_weight_is_allowed_when_the_sum_is_positive() {
+    let text = JOB7.replace("result_port", "weights = [0, 3]\nresult_port");
+    assert_eq!(parse(&text).jobs[0].weights, vec![0, 3]);
+}
+
+#[test]
+fn several_jobs_may_share_a_result_port() {
+    let text = format!(
+        "{JOB7}{}",
+        JOB7.replace("id = 7", "id = 8")
+            .replace("port = 7000", "port = 7100")
+    );
+    let c = parse(&text);
+    assert_eq!(c.jobs.len(), 2);
+    assert_eq!(c.jobs[1].result_port, 7001);
+}
+
+#[test]
+fn limits_are_accepted_at_the_edge() {
+    let workers: Vec<String> = (0..256)
+        .map(|i| format!("\"10.1.{}.{}\"", i / 200, i % 200 + 1))
+        .collect();
+    let members: Vec<String> = (0..32)
+        .map(|i| format!("\"10.2.0.{}:7200\"", i + 1))
+        .collect();
+    let text = format!(
+        "[[job]]\nid = 1\nport = 7000\nworkers = [{}]\nresult_port = 7001\n\n[[group]]\nid = 1\nmembers = [{}]\n",
+        workers.join(", "),
+        members.join(", ")
+    );
+    let c = parse(&text);
+    assert_eq!(c.jobs[0].workers.len(), 256);
+    assert_eq!(c.jobs[0].weight_sum(), 256);
+    assert_eq!(c.groups[0].members.len(), 32);
+}
+
+// ---------------------------------------------------------------------------
+// Errors: one per validation rule, exact file:line: key.
+// ---------------------------------------------------------------------------
+
+#[test]
+fn bad_worker_address_is_named_exactly() {
+    let text = format!(
+        "{JOB7}\n[[job]]\nid = 8\nport = 7100\nworkers = [\"10.77.0.21\", \"10.77.0.22\", \"10.77.0.23\", \"10.77.0.300\"]\nresult_port = 7101\n"
+    );
+    let e = expect_error(&text, 10, "job[1].workers[3]", "");
+    assert_eq!(
+        e.to_string(),
+        r#"config.toml:10: job[1].workers[3]: "10.77.0.300" is not an IPv4 address"#
+    );
+}
+
+#[test]
+fn worker_in_multiline_array_reports_its_own_line() {
+    let text = r#"[[job]]
+id = 7
+port = 7000
+workers = [
+  "10.77.0.11",
+  "10.77.0.x",
+]
+result_port = 7001
+"#;
+    expect_error(
+        text,
+        6,
+        "job[0].workers[1]",
+        r#""10.77.0.x" is not an IPv4 address"#,
+    );
+}
+
+#[test]
+fn worker_must_be_unicast() {
+    let text = JOB7.replace("\"10.77.0.12\"", "\"0.0.0.0\"");
+    expect_error(&text, 4, "job[0].workers[1]", "unspecified");
+    let text = JOB7.replace("\"10.77.0.12\"", "\"224.0.0.1\"");
+    expect_error(&text, 4, "job[0].workers[1]", "multicast");
+}
+
+#[test]
+fn duplicate_worker_address_is_rejected() {
+    let text = r#"[[job]]
+id = 7
+port = 7000
+workers = [
+  "10.77.0.11",
+  "10.77.0.12",
+  "10.77.0.11",
+]
+result_port = 7001
+"#;
+    expect_error(
+        text,
+        7,
+        "job[0].workers[2]",
+        "is also job[0].workers[0] (line 5)",
+    );
+}
+
+#[test]
+fn empty_workers_are_rejected() {
+    let text = JOB7.replace(r#"["10.77.0.11", "10.77.0.12"]"#, "[]");
+    expect_error(&text, 4, "job[0].workers", "at least one rank");
+}
+
+#[test]
+fn more_than_256_workers_are_rejected() {
+    let workers: Vec<String> = (0..257)
+        .map(|i| format!("\"10.1.{}.{}\"", i / 200, i % 200 + 1))
+        .collect();
+    let text = format!(
+        "[[job]]\nid = 1\nport = 7000\nworkers = [{}]\nresult_port = 7001\n",
+        workers.join(", ")
+    );
+    expect_error(&text, 4, "job[0].workers", "257 workers, at most 256");
+}
+
+#[test]
+fn weights_must_match_workers() {
+    let text = JOB7.replace("result_port", "weights = [1, 1, 1]\nresult_port");
+    expect_error(&text, 5, "job[0].weights", "3 weights for 2 workers");
+}
+
+#[test]
+fn negative_weight_is_rejected() {
+    let text = JOB7.replace("result_port", "weights = [2, -1]\nresult_port");
+    expect_error(
+        &text,
+        5,
+        "job[0].weights[1]",
+        "-1 is not a weight (0..=2147483647",
+    );
+}
+
+#[test]
+fn weights_summing_to_zero_are_rejected() {
+    let text = JOB7.replace("result_port", "weights = [0, 0]\nresult_port");
+    expect_error(&text, 5, "job[0].weights", "sum to 0");
+}
+
+#[test]
+fn weight_sum_must_fit_u32() {
+    // Each weight is a valid i32, but three of them overflow the u32 sum.
+    let text = r#"[[job]]
+id = 7
+port = 7000
+workers = ["10.77.0.11", "10.77.0.12", "10.77.0.13"]
+weights = [2147483647, 2147483647, 2147483647]
+result_port = 7001
+"#;
+    expect_error(
+        text,
+        5,
+        "job[0].weights",
+        "sum to 6442450941, more than the kernel's u32 weight_sum holds (4294967295)",
+    );
+}
+
+#[test]
+fn weight_must_be_an_integer() {
+    let text = JOB7.replace("result_port", "weights = [1, 1.5]\nresult_port");
+    expect_error(
+        &text,
+        5,
+        "job[0].weights[1]",
+        "expected an integer, found the float 1.5",
+    );
+}
+
+#[test]
+fn duplicate_job_ids_are_rejected() {
+    let text = format!(
+        "{JOB7}\n{}",
+        JOB7.replace("port = 7000", "port = 7100")
+            .replace("7001", "7101")
+    );
+    expect_error(
+        &text,
+        8,
+        "job[1].id",
+        "job 7 is already defined by job[0] (line 2)",
+    );
+}
+
+#[test]
+fn duplicate_job_ports_are_rejected() {
+    let text = format!(
+        "{JOB7}\n{}",
+        JOB7.replace("id = 7", "id = 8").replace("7001", "7101")
+    );
+    expect_error(
+        &text,
+        9,
+        "job[1].port",
+        "port 7000 already serves job 7 (line 3)",
+    );
+}
+
+#[test]
+fn result_port_equal_to_job_port_is_rejected() {
+    let text = JOB7.replace("result_port = 7001", "result_port = 7000");
+    expect_error(
+        &text,
+        5,
+        "job[0].result_port",
+        "7000 is this job's own contribution port",
+    );
+}
+
+#[test]
+fn result_port_equal_to_another_jobs_port_is_rejected() {
+    // The first job's results would land on the second job's port.
+    let text = format!(
+        "{}\n{}",
+        JOB7.replace("result_port = 7001", "result_port = 7100"),
+        JOB7.replace("id = 7", "id = 8")
+            .replace("port = 7000", "port = 7100")
+            .replace("7001", "7101")
+    );
+    expect_error(
+        &text,
+        5,
+        "job[0].result_port",
+        "7100 is the contribution port of job 8 (line 9)",
+    );
+}
+
+#[test]
+fn result_group_must_be_configured() {
+    let text = JOB7.replace("result_port = 7001", "result_port = 7001\nresult_group = 4");
+    let text = format!("{text}\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\"]\n");
+    expect_error(
+        &text,
+        6,
+        "job[0].result_group",
+        "there is no [[group]] with id 4",
+    );
+}
+
+#[test]
+fn result_group_65535_is_reserved() {
+    let text = JOB7.replace(
+        "result_port = 7001",
+        "result_port = 7001\nresult_group = 65535",
+    );
+    expect_error(&text, 6, "job[0].result_group", "reserved");
+}
+
+#[test]
+fn job_port_must_be_a_udp_port() {
+    let text = JOB7.replace("port = 7000", "port = 0");
+    expect_error(&text, 3, "job[0].port", "0 is not a UDP port (1..=65535)");
+    let text = JOB7.replace("port = 7000", "port = 70000");
+    expect_error(
+        &text,
+        3,
+        "job[0].port",
+        "70000 is not a UDP port (1..=65535)",
+    );
+    let text = JOB7.replace("result_port = 7001", "result_port = -1");
+    expect_error(&text, 5, "job[0].result_port", "-1 is not a UDP port");
+}
+
+#[test]
+fn job_id_must_fit_u16() {
+    let text = JOB7.replace("id = 7", "id = 65536");
+    expect_error(&text, 2, "job[0].id", "65536 is not a job id (0..=65535)");
+}
+
+#[test]
+fn wrong_type_is_named() {
+    let text = JOB7.replace("id = 7", "id = \"7\"");
+    expect_error(
+        &text,
+        2,
+        "job[0].id",
+        "expected an integer, found the string \"7\"",
+    );
+    let text = JOB7.replace(r#"["10.77.0.11", "10.77.0.12"]"#, "\"10.77.0.11\"");
+    expect_error(&text, 4, "job[0].workers", "expected an array");
+    let text = format!("{JOB7}userspace_only = \"yes\"\n");
+    expect_error(&text, 6, "job[0].userspace_only", "expected a boolean");
+    let text = format!("{JOB7}window = 1979-05-27\n");
+    expect_error(&text, 6, "job[0].window", "found the datetime 1979-05-27");
+}
+
+#[test]
+fn missing_required_key_is_reported_on_the_table_header() {
+    let text = format!(
+        "{JOB7}\n{}",
+        JOB7.replace("id = 7", "id = 8")
+            .replace("port = 7000\n", "")
+    );
+    expect_error(&text, 7, "job[1].port", "required key is missing");
+    let text = "[[group]]\nid = 1\n";
+    expect_error(text, 1, "group[0].members", "required key is missing");
+}
+
+#[test]
+fn unknown_key_in_job_is_rejected() {
+    let text = format!("{JOB7}slotz = 8\n");
+    expect_error(
+        &text,
+        6,
+        "job[0].slotz",
+        "unknown key; expected one of: id, port, workers",
+    );
+}
+
+#[test]
+fn unknown_key_in_node_is_rejected() {
+    expect_error(
+        "[node]\nmetrics = \"off\"\nack_grop = 8\n",
+        3,
+        "node.ack_grop",
+        "unknown key",
+    );
+}
+
+#[test]
+fn unknown_top_level_table_is_rejected() {
+    expect_error(
+        "[node]\n\n[[jobs]]\nid = 1\n",
+        3,
+        "jobs",
+        "expected one of: node, job, group",
+    );
+}
+
+#[test]
+fn unknown_key_in_parent_is_rejected() {
+    let text =
+        format!("{JOB7}parent = {{ addr = \"10.77.9.1\", port = 7000, job = 7, rnak = 2 }}\n");
+    expect_error(&text, 6, "job[0].parent.rnak", "unknown key");
+}
+
+#[test]
+fn parent_fields_are_validated() {
+    let text =
+        format!("{JOB7}parent = {{ addr = \"10.77.9.256\", port = 7000, job = 7, rank = 2 }}\n");
+    expect_error(
+        &text,
+        6,
+        "job[0].parent.addr",
+        "\"10.77.9.256\" is not an IPv4 address",
+    );
+    let text =
+        format!("{JOB7}parent = {{ addr = \"10.77.9.1\", port = 7000, job = 7, rank = 65535 }}\n");
+    expect_error(
+        &text,
+        6,
+        "job[0].parent.rank",
+        "65535 marks RESULT datagrams",
+    );
+    let text = format!("{JOB7}parent = {{ addr = \"10.77.9.1\", port = 0, job = 7, rank = 1 }}\n");
+    expect_error(&text, 6, "job[0].parent.port", "0 is not a UDP port");
+    let text = format!("{JOB7}parent = {{ addr = \"10.77.9.1\", port = 7000, rank = 1 }}\n");
+    expect_error(&text, 6, "job[0].parent.job", "required key is missing");
+    let text = format!("{JOB7}parent = \"10.77.9.1\"\n");
+    expect_error(&text, 6, "job[0].parent", "expected a table");
+}
+
+#[test]
+fn job_as_plain_table_is_rejected() {
+    expect_error("[job]\nid = 7\n", 1, "job", "write [[job]]");
+}
+
+#[test]
+fn too_many_jobs_are_rejected() {
+    let mut text = String::new();
+    for i in 0..257u32 {
+        text += &format!(
+            "[[job]]\nid = {i}\nport = {}\nworkers = [\"10.0.0.1\"]\nresult_port = 1\n",
+            10_000 + i
+        );
+    }
+    // Job 256 starts on line 256 * 5 + 1.
+    expect_error(&text, 1281, "job[256]", "more than 256 jobs");
+}
+
+#[test]
+fn vector_len_slots_window_must_be_positive() {
+    let text = format!("{JOB7}vector_len = 0\n");
+    expect_error(&text, 6, "job[0].vector_len", "0 is not a vector length");
+    let text = format!("{JOB7}slots = 0\n");
+    expect_error(&text, 6, "job[0].slots", "0 is not a slot count");
+    let text = format!("{JOB7}window = 0\n");
+    expect_error(&text, 6, "job[0].window", "0 is not a window");
+    let text = format!("{JOB7}slots = 4294967296\n");
+    expect_error(&text, 6, "job[0].slots", "4294967296 is not a slot count");
+}
+
+const GROUP3: &str = r#"[[group]]
+id = 3
+members = ["10.77.0.11:7200", "10.77.0.12:7200"]
+"#;
+
+#[test]
+fn duplicate_group_ids_are_rejected() {
+    let text = format!("{GROUP3}\n{GROUP3}");
+    expect_error(
+        &text,
+        6,
+        "group[1].id",
+        "group 3 is already defined by group[0] (line 2)",
+    );
+}
+
+#[test]
+fn more_than_32_members_are_rejected() {
+    let members: Vec<String> = (0..33)
+        .map(|i| format!("\"10.2.0.{}:7200\"", i + 1))
+        .collect();
+    let text = format!("[[group]]\nid = 3\nmembers = [{}]\n", members.join(", "));
+    expect_error(&text, 3, "group[0].members", "33 members, at most 32");
+}
+
+#[test]
+fn empty_members_are_rejected() {
+    let text = GROUP3.replace(r#"["10.77.0.11:7200", "10.77.0.12:7200"]"#, "[]");
+    expect_error(&text, 3, "group[0].members", "at least one destination");
+}
+
+#[test]
+fn bad_member_is_rejected() {
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"10.77.0.12\"");
+    expect_error(
+        &text,
+        3,
+        "group[0].members[1]",
+        "\"10.77.0.12\" is not an IPv4 address and UDP port",
+    );
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"10.77.0.12:0\"");
+    expect_error(&text, 3, "group[0].members[1]", "0 is not a UDP port");
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"10.77.0.12:72000\"");
+    expect_error(
+        &text,
+        3,
+        "group[0].members[1]",
+        "is not an IPv4 address and UDP port",
+    );
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"255.255.255.255:7200\"");
+    expect_error(&text, 3, "group[0].members[1]", "broadcast address");
+}
+
+#[test]
+fn duplicate_member_is_rejected() {
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"10.77.0.11:7200\"");
+    expect_error(
+        &text,
+        3,
+        "group[0].members[1]",
+        "is also group[0].members[0] (line 3)",
+    );
+}
+
+#[test]
+fn unknown_key_in_group_is_rejected() {
+    let text = format!("{GROUP3}mask = 3\n");
+    expect_error(&text, 4, "group[0].mask", "expected one of: id, members");
+}
+
+#[test]
+fn ack_group_must_be_1_to_1024() {
+    expect_error(
+        "[node]\nack_group = 0\n",
+        2,
+        "node.ack_group",
+        "0 is not an ACK group size (1..=1024",
+    );
+    expect_error(
+        "[node]\nack_group = 1025\n",
+        2,
+        "node.ack_group",
+        "at most 1024 sequence numbers",
+    );
+}
+
+#[test]
+fn ack_mode_must_be_known() {
+    expect_error(
+        "[node]\nack_mode = \"grop\"\n",
+        2,
+        "node.ack_mode",
+        "\"grop\" is not an ACK mode",
+    );
+}
+
+#[test]
+fn metrics_must_be_an_address_or_off() {
+    expect_error(
+        "[node]\nmetrics = \"localhost\"\n",
+        2,
+        "node.metrics",
+        "neither \"off\" nor an address",
+    );
+    expect_error(
+        "[node]\nmetrics = \"127.0.0.1:0\"\n",
+        2,
+        "node.metrics",
+        "port 0",
+    );
+    expect_error(
+        "[node]\nmetrics = false\n",
+        2,
+        "node.metrics",
+        "expected a string",
+    );
+}
+
+#[test]
+fn toml_syntax_error_gets_file_line_and_key() {
+    let text =
+        format!("{JOB7}[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\" \"10.77.0.12:7200\"]\n");
+    let e = expect_error(&text, 8, "group[0].members", "");
+    assert!(e.message.contains("array"), "{e}");
+}
+
+#[test]
+fn toml_duplicate_key_gets_file_and_line() {
+    let text = format!("{JOB7}port = 7002\n");
+    let e = match Config::parse(&text, "config.toml") {
+        Ok(c) => panic!("duplicate key accepted: {c:?}"),
+        Err(e) => e,
+    };
+    assert_eq!(e.line, Some(6), "{e}");
+    assert!(
+        e.to_string().starts_with("config.toml:6: job[0].port: "),
+        "{e}"
+    );
+    assert!(e.message.contains("duplicate key"), "{e}");
+}
+
+#[test]
+fn load_names_the_file() {
+    let dir = std::env::temp_dir().join(format!("aggbox-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, "[node]\nack_mode = \"fast\"\n").expect("write");
+    let e = Config::load(&path).expect_err("bad config");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}:2: node.ack_mode: \"fast\" is not an ACK mode (\"group\" or \"packet\")",
+            path.display()
+        )
+    );
+
+    let missing = dir.join("missing.toml");
+    let e = Config::load(&missing).expect_err("missing file");
+    assert_eq!(e.line, None);
+    assert!(
+        e.to_string()
+            .starts_with(&format!("{}: cannot read: ", missing.display())),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
