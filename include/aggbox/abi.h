@@ -264,4 +264,127 @@ struct aggbox_job_state {
 };
 _Static_assert(sizeof(struct aggbox_job_state) == 16, "job state is 16 bytes");
 
+/* ---------------------------------------------------------------------------
+ * Broadcast (TC data plane, src/bpf/aggbox_tc.bpf.c; docs/BROADCAST.md)
+ *
+ * The control plane writes group tables (struct aggbox_group) into the
+ * bcast_groups map; the TC egress program turns one AGB1 datagram sent by the
+ * application into one copy per masked destination; the TC ingress program
+ * re-broadcasts FORWARD datagrams to a tree node's children.
+ * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_BCAST_MAX_DESTS
+#define AGGBOX_BCAST_MAX_DESTS 32 /* destinations per group table (mask bits) */
+#endif
+#ifndef AGGBOX_BCAST_MAX_GROUPS
+#define AGGBOX_BCAST_MAX_GROUPS 1024 /* group tables per node (root + forwarding) */
+#endif
+#ifndef AGGBOX_BCAST_MAX_NEIGH
+#define AGGBOX_BCAST_MAX_NEIGH 4096 /* next-hop cache entries (LRU) */
+#endif
+#ifndef AGGBOX_BCAST_MAX_HOPS
+#define AGGBOX_BCAST_MAX_HOPS 16 /* a datagram with hops >= this is not forwarded again */
+#endif
+#define AGGBOX_BCAST_DEFAULT_NEIGH_TTL_S 3600 /* next-hop cache entries go stale after this */
+
+/*
+ * skb->mark values the TC programs put on their own copies so that a copy
+ * re-entering the egress hook (bpf_clone_redirect runs dev_queue_xmit, which
+ * runs clsact egress again) is recognised and passed, never copied again.
+ */
+#define AGGBOX_BCAST_MARK_COPY  0xa6b10001u /* finished copy: pass */
+#define AGGBOX_BCAST_MARK_NEIGH 0xa6b10002u /* copy whose neighbour is unresolved: bpf_redirect_neigh it */
+#define AGGBOX_BCAST_MARK_DONE  0xa6b10003u /* copy already sent through the neighbour path: pass */
+
+/* bcast_groups key port: the root table (egress), or "any receiving port" (ingress). */
+#define AGGBOX_BCAST_PORT_ANY 0
+
+/* Key of the bcast_groups map. */
+struct aggbox_group_key {
+	__u16 group; /* host order: AGB1 group id */
+	__u16 port;  /* host order: AGGBOX_BCAST_PORT_ANY, or the UDP port this
+		      * node receives the group on (a tree node's own member port) */
+};
+_Static_assert(sizeof(struct aggbox_group_key) == 4, "group key is 4 bytes");
+
+/* One destination of a group table. */
+struct aggbox_group_dest {
+	__be32 addr; /* big-endian: IPv4 destination address */
+	__be16 port; /* big-endian: UDP destination port */
+	__u16  pad;  /* zero */
+};
+_Static_assert(sizeof(struct aggbox_group_dest) == 8, "group dest is 8 bytes");
+
+/* Value of the bcast_groups map: destination i = mask bit i. */
+struct aggbox_group {
+	__u32 count; /* host order: destinations in use, 1..=AGGBOX_BCAST_MAX_DESTS */
+	__u32 flags; /* host order: zero (reserved) */
+	struct aggbox_group_dest dests[AGGBOX_BCAST_MAX_DESTS];
+};
+_Static_assert(sizeof(struct aggbox_group) == 8 + 8 * AGGBOX_BCAST_MAX_DESTS, "group is 264 bytes");
+
+/* Key of the bcast_neigh next-hop cache. */
+struct aggbox_neigh_key {
+	__be32 addr;    /* big-endian: IPv4 destination */
+	__u32  ifindex; /* host order: interface the lookup was made for */
+};
+_Static_assert(sizeof(struct aggbox_neigh_key) == 8, "neigh key is 8 bytes");
+
+/* User-visible part of a bcast_neigh value (the BPF value adds a bpf_timer). */
+struct aggbox_neigh {
+	__u8  dmac[6];    /* next-hop MAC */
+	__u8  smac[6];    /* source MAC of the egress interface */
+	__u32 ifindex;    /* host order: egress interface */
+	__u32 flags;      /* host order: AGGBOX_NEIGH_F_* */
+	__u32 pad;        /* zero */
+	__u64 updated_ns; /* host order: bpf_ktime_get_ns() of the last resolution */
+};
+_Static_assert(sizeof(struct aggbox_neigh) == 32, "neigh is 32 bytes");
+#define AGGBOX_NEIGH_F_STALE 0x01 /* set by the bpf_timer: re-resolve on next use */
+
+/* Value of the bcast_config array (one entry, written by the loader). */
+struct aggbox_bcast_config {
+	__u64 neigh_ttl_ns; /* host order: next-hop cache lifetime; 0 = never stale */
+};
+_Static_assert(sizeof(struct aggbox_bcast_config) == 8, "bcast config is 8 bytes");
+
+/*
+ * Counters of the TC programs (bcast_stats, per CPU, struct aggbox_stat,
+ * indexed by this enum). "Datagram" counters: every packet a TC program sees
+ * ends in exactly one of them (bcast_exit()). "Copy" counters: events per
+ * destination of a datagram, several per datagram.
+ */
+enum aggbox_bcast_stat {
+	/* datagram outcomes */
+	AGGBOX_BCAST_NOT_AGGBOX      = 0,  /* not an AGB1 datagram: passed untouched */
+	AGGBOX_BCAST_OWN_COPY        = 1,  /* our own copy re-entering the hook: passed */
+	AGGBOX_BCAST_UNKNOWN_GROUP   = 2,  /* AGB1 of a group without a table here: passed untouched */
+	AGGBOX_BCAST_MALFORMED       = 3,  /* AGB1 magic but truncated / reserved flags: passed untouched */
+	AGGBOX_BCAST_IP_FRAGMENT     = 4,  /* AGB1 in an IPv4 fragment (forbidden): passed untouched */
+	AGGBOX_BCAST_EMPTY_MASK      = 5,  /* egress: no mask bit names a destination: dropped */
+	AGGBOX_BCAST_BROADCAST       = 6,  /* egress: datagram turned into its copies */
+	AGGBOX_BCAST_FORWARDED       = 7,  /* ingress: re-broadcast to children and delivered locally */
+	AGGBOX_BCAST_LOCAL_ONLY      = 8,  /* ingress: configured group, no FORWARD / not for this host: delivered */
+	AGGBOX_BCAST_HOPS_LIMIT      = 9,  /* ingress: hops >= AGGBOX_BCAST_MAX_HOPS: delivered, not forwarded */
+	/* copy events */
+	AGGBOX_BCAST_COPY_SENT       = 10, /* copy sent with a known next-hop MAC */
+	AGGBOX_BCAST_NEIGH_MISS      = 11, /* copy sent through bpf_redirect_neigh (NO_NEIGH) */
+	AGGBOX_BCAST_CACHE_HIT       = 12, /* next hop taken from bcast_neigh */
+	AGGBOX_BCAST_FIB_LOOKUP      = 13, /* bpf_fib_lookup called (miss or stale entry) */
+	AGGBOX_BCAST_FWD_DISABLED    = 14, /* FIB: forwarding disabled; copy sent through the neighbour path */
+	AGGBOX_BCAST_FIB_ERROR       = 15, /* FIB: no route / blackhole / frag needed...: copy not sent */
+	AGGBOX_BCAST_CLONE_FAILED    = 16, /* bpf_clone_redirect failed: copy not sent */
+	AGGBOX_BCAST_REWRITE_FAILED  = 17, /* a store/checksum helper failed: copy not sent */
+	AGGBOX_BCAST_STAT_MAX        = 18,
+};
+
+/* Value of the bcast_gstats per-CPU hash (key struct aggbox_group_key, port 0). */
+struct aggbox_bcast_group_stat {
+	__u64 datagrams;    /* host order: datagrams broadcast (egress) or forwarded (ingress) */
+	__u64 copies;       /* host order: copies sent */
+	__u64 neigh_misses; /* host order: copies sent through the neighbour path */
+	__u64 bytes;        /* host order: UDP payload bytes of the datagrams */
+};
+_Static_assert(sizeof(struct aggbox_bcast_group_stat) == 32, "group stat is 32 bytes");
+
 #endif /* AGGBOX_ABI_H */
