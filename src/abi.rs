@@ -416,5 +416,215 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_port", Port, [jobs]);
     fields!(out, "aggbox_slot_key", SlotKey, [job, pad, round, frag_off]);
     fields!(out, "aggbox_job_state", JobState, [active_slots, newest_round, completed, result_seq]);
+    bcast_layout(&mut out);
     out
+}
+
+// ---------------------------------------------------------------------------
+// Broadcast (TC data plane): mirror of the "Broadcast" part of abi.h.
+// ---------------------------------------------------------------------------
+
+/// Destinations per group table (`AGGBOX_BCAST_MAX_DESTS`, the AGB1 mask width).
+pub const BCAST_MAX_DESTS: u32 = 32;
+/// Group tables per node (`AGGBOX_BCAST_MAX_GROUPS`).
+pub const BCAST_MAX_GROUPS: u32 = 1024;
+/// Next-hop cache entries (`AGGBOX_BCAST_MAX_NEIGH`).
+pub const BCAST_MAX_NEIGH: u32 = 4096;
+/// A datagram with `hops >=` this is delivered but not forwarded again.
+pub const BCAST_MAX_HOPS: u32 = 16;
+/// Default lifetime of a next-hop cache entry, seconds.
+pub const BCAST_DEFAULT_NEIGH_TTL_S: u32 = 3600;
+/// `skb->mark` of a finished copy.
+pub const BCAST_MARK_COPY: u32 = 0xa6b1_0001;
+/// `skb->mark` of a copy whose neighbour is unresolved.
+pub const BCAST_MARK_NEIGH: u32 = 0xa6b1_0002;
+/// `skb->mark` of a copy sent through the neighbour path.
+pub const BCAST_MARK_DONE: u32 = 0xa6b1_0003;
+/// `aggbox_group_key.port` of the root table / any receiving port.
+pub const BCAST_PORT_ANY: u16 = 0;
+/// `aggbox_neigh.flags`: marked stale by the entry's bpf_timer.
+pub const NEIGH_F_STALE: u32 = 0x01;
+
+/// `struct aggbox_group_key` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupKey {
+    pub group: u16,
+    pub port: u16,
+}
+const _: () = assert!(core::mem::size_of::<GroupKey>() == 4);
+
+/// `struct aggbox_group_dest`: `addr` and `port` big-endian (as on the wire).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GroupDest {
+    pub addr: u32,
+    pub port: u16,
+    pub pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<GroupDest>() == 8);
+
+/// `struct aggbox_group` (host order count/flags).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    pub count: u32,
+    pub flags: u32,
+    pub dests: [GroupDest; BCAST_MAX_DESTS as usize],
+}
+const _: () = assert!(core::mem::size_of::<Group>() == 8 + 8 * BCAST_MAX_DESTS as usize);
+
+/// `struct aggbox_neigh_key`: `addr` big-endian, `ifindex` host order.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct NeighKey {
+    pub addr: u32,
+    pub ifindex: u32,
+}
+const _: () = assert!(core::mem::size_of::<NeighKey>() == 8);
+
+/// `struct aggbox_neigh`: the user-visible part of a `bcast_neigh` value
+/// (the BPF value appends a 16-byte `struct bpf_timer`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Neigh {
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
+    pub ifindex: u32,
+    pub flags: u32,
+    pub pad: u32,
+    pub updated_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<Neigh>() == 32);
+
+/// `struct aggbox_bcast_config` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BcastConfig {
+    pub neigh_ttl_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<BcastConfig>() == 8);
+
+/// `struct aggbox_bcast_group_stat` (per-CPU value of `bcast_gstats`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BcastGroupStat {
+    pub datagrams: u64,
+    pub copies: u64,
+    pub neigh_misses: u64,
+    pub bytes: u64,
+}
+const _: () = assert!(core::mem::size_of::<BcastGroupStat>() == 32);
+
+/// `enum aggbox_bcast_stat`: index of each counter in `bcast_stats`.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BcastStat {
+    NotAggbox = 0,
+    OwnCopy = 1,
+    UnknownGroup = 2,
+    Malformed = 3,
+    IpFragment = 4,
+    EmptyMask = 5,
+    Broadcast = 6,
+    Forwarded = 7,
+    LocalOnly = 8,
+    HopsLimit = 9,
+    CopySent = 10,
+    NeighMiss = 11,
+    CacheHit = 12,
+    FibLookup = 13,
+    FwdDisabled = 14,
+    FibError = 15,
+    CloneFailed = 16,
+    RewriteFailed = 17,
+}
+
+/// `AGGBOX_BCAST_STAT_MAX`.
+pub const BCAST_STAT_MAX: u32 = 18;
+
+impl BcastStat {
+    pub const ALL: [BcastStat; 18] = [
+        BcastStat::NotAggbox,
+        BcastStat::OwnCopy,
+        BcastStat::UnknownGroup,
+        BcastStat::Malformed,
+        BcastStat::IpFragment,
+        BcastStat::EmptyMask,
+        BcastStat::Broadcast,
+        BcastStat::Forwarded,
+        BcastStat::LocalOnly,
+        BcastStat::HopsLimit,
+        BcastStat::CopySent,
+        BcastStat::NeighMiss,
+        BcastStat::CacheHit,
+        BcastStat::FibLookup,
+        BcastStat::FwdDisabled,
+        BcastStat::FibError,
+        BcastStat::CloneFailed,
+        BcastStat::RewriteFailed,
+    ];
+
+    /// Label used in metrics and status (snake case; the C name is
+    /// `AGGBOX_BCAST_` + its upper case).
+    pub fn label(self) -> &'static str {
+        match self {
+            BcastStat::NotAggbox => "not_aggbox",
+            BcastStat::OwnCopy => "own_copy",
+            BcastStat::UnknownGroup => "unknown_group",
+            BcastStat::Malformed => "malformed",
+            BcastStat::IpFragment => "ip_fragment",
+            BcastStat::EmptyMask => "empty_mask",
+            BcastStat::Broadcast => "broadcast",
+            BcastStat::Forwarded => "forwarded",
+            BcastStat::LocalOnly => "local_only",
+            BcastStat::HopsLimit => "hops_limit",
+            BcastStat::CopySent => "copy_sent",
+            BcastStat::NeighMiss => "neigh_miss",
+            BcastStat::CacheHit => "cache_hit",
+            BcastStat::FibLookup => "fib_lookup",
+            BcastStat::FwdDisabled => "fwd_disabled",
+            BcastStat::FibError => "fib_error",
+            BcastStat::CloneFailed => "clone_failed",
+            BcastStat::RewriteFailed => "rewrite_failed",
+        }
+    }
+
+    /// Whether this counter is a per-datagram outcome (exactly one per
+    /// packet the TC programs see) rather than a per-copy event.
+    pub fn is_datagram_outcome(self) -> bool {
+        (self as u32) < BcastStat::CopySent as u32
+    }
+}
+
+// SAFETY: as above: repr(C), integers only, any bit pattern valid.
+unsafe impl Plain for GroupKey {}
+unsafe impl Plain for GroupDest {}
+unsafe impl Plain for Group {}
+unsafe impl Plain for NeighKey {}
+unsafe impl Plain for Neigh {}
+unsafe impl Plain for BcastConfig {}
+unsafe impl Plain for BcastGroupStat {}
+
+/// Field offsets of the broadcast structs (part of [`layout`]).
+fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
+    macro_rules! fields {
+        ($cname:literal, $ty:ty, [$($f:ident),*]) => {
+            out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
+            $(
+                out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
+                    size_of_field(|s: &$ty| &s.$f)));
+            )*
+        };
+    }
+    fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
+        core::mem::size_of::<F>()
+    }
+    fields!("aggbox_group_key", GroupKey, [group, port]);
+    fields!("aggbox_group_dest", GroupDest, [addr, port, pad]);
+    fields!("aggbox_group", Group, [count, flags, dests]);
+    fields!("aggbox_neigh_key", NeighKey, [addr, ifindex]);
+    fields!("aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
+    fields!("aggbox_bcast_config", BcastConfig, [neigh_ttl_ns]);
+    fields!("aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
 }

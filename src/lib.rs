@@ -14,6 +14,7 @@ pub mod config;
 pub mod dataplane;
 pub mod proto;
 pub mod reducer;
+pub mod metrics;
 pub mod node;
 pub mod testbed;
 pub mod tools;

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use aggbox::abi::Op;
 use aggbox::config::Config;
 use aggbox::dataplane::XdpMode;
-use aggbox::{node, tools};
+use aggbox::{metrics, node, tools};
 
 /// In-kernel aggregation and broadcast for distributed communication.
 ///
@@ -48,6 +48,10 @@ enum Command {
         /// XDP attach mode: native falls back to generic with a warning.
         #[arg(long, value_enum, default_value_t = ModeArg::Native)]
         xdp_mode: ModeArg,
+        /// Turn on kernel BPF run-time statistics while attached (a few ns
+        /// per program run), exported as aggbox_program_run_seconds_total.
+        #[arg(long)]
+        bpf_stats: bool,
     },
     /// Remove everything AggBox attached or pinned for IFACE (also after kill -9).
     Detach {
@@ -151,7 +155,9 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Attach { iface, config, pin_root, xdp_mode } => attach(&iface, config.as_deref(), &pin_root, xdp_mode),
+        Command::Attach { iface, config, pin_root, xdp_mode, bpf_stats } => {
+            attach(&iface, config.as_deref(), &pin_root, xdp_mode, bpf_stats)
+        }
         Command::Detach { iface, pin_root } => {
             if node::detach(&iface, &pin_root)? {
                 println!("aggbox: detached from {iface}");
@@ -190,7 +196,7 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeArg) -> Result<()> {
+fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeArg, bpf_stats: bool) -> Result<()> {
     let config = match config_path {
         Some(path) => Config::load(path).map_err(|e| anyhow!("aggbox: {e}"))?,
         None => Config::default(),
@@ -207,10 +213,31 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
     })
     .context("installing the SIGINT/SIGTERM handler")?;
 
+    // Bind the metrics port first: a port in use must fail the attach while
+    // the interface is still untouched.
+    let metrics_listener = config.node.metrics.map(metrics::bind).transpose()?;
+    let _bpf_stats = if bpf_stats { Some(metrics::enable_bpf_stats()?) } else { None };
+
     let attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
     for warning in &attachment.warnings {
         eprintln!("aggbox: warning: {warning}");
     }
+    let _metrics_server = match metrics_listener {
+        Some(listener) => {
+            let programs = attachment
+                .dataplane
+                .programs()
+                .map_err(|e| anyhow!("aggbox: {e}"))?
+                .into_iter()
+                .map(|p| metrics::ProgramRef { name: p.name.to_string(), id: p.id })
+                .collect();
+            let source = metrics::source_for(iface, attachment.pin_dir(), programs);
+            let server = metrics::MetricsServer::start(listener, vec![source])?;
+            eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
+            Some(server)
+        }
+        None => None,
+    };
     eprintln!(
         "aggbox: XDP in {} mode on {iface}, {} job(s), pinned under {}",
         attachment.record.xdp_mode,
@@ -224,7 +251,9 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
 
     let _ = stop_rx.recv();
     attachment.detach()?;
-    println!("aggbox: detached from {iface}");
+    // The supervisor may have stopped reading stdout by now: a closed pipe
+    // must not turn a clean detach into a panic.
+    let _ = writeln!(std::io::stdout(), "aggbox: detached from {iface}");
     Ok(())
 }
 

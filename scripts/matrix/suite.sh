@@ -131,6 +131,7 @@ for entry in "${tests[@]}"; do
     secs=$(elapsed "$t0")
     sed 's/^/   | /' "$log"
     # "test result: ok. 12 passed; 0 failed; 0 ignored; ..."
+    passed=0 failed=0 ignored=0
     read -r passed failed ignored < <(awk '/^test result:/ {
             for (i = 1; i <= NF; i++) {
                 if ($(i+1) ~ /^passed;?$/) p += $i

@@ -1,0 +1,483 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * AggBox broadcast data plane (PROTOCOL.md "Broadcast message AGB1",
+ * docs/BROADCAST.md). Two TC (clsact) programs:
+ *
+ * aggbox_tc_egress (root): the application sends ONE AGB1 datagram (to any
+ *   address whose neighbour resolves on the egress interface; by convention
+ *   the group's first member). For every mask bit i whose destination exists
+ *   in the group's table, the program rewrites the datagram in place for
+ *   destination i (IPv4 daddr + header checksum, UDP dport, UDP checksum
+ *   updated incrementally, next-hop MACs) and sends a copy with
+ *   bpf_clone_redirect() to the egress interface. The original datagram
+ *   itself becomes the copy of the LAST masked destination (no extra clone;
+ *   returned with TC_ACT_OK, or redirected). Copies are produced by one
+ *   bounded loop over the 32 mask bits in this one program: no recursion
+ *   (a clone-per-pass design re-enters dev_queue_xmit nested and hits
+ *   XMIT_RECURSION_LIMIT = 8 long before 32 copies).
+ *
+ * aggbox_tc_ingress (tree node): an AGB1 datagram for this host with
+ *   FORWARD set, of a group this node has a table for, is copied to every
+ *   destination of that table with hops + 1 (clones to the egress
+ *   interface), then its headers are restored and it is delivered locally.
+ *
+ * Re-entry: bpf_clone_redirect() runs dev_queue_xmit(), which runs the clsact
+ * egress hook again on the clone. Every copy carries skb->mark =
+ * AGGBOX_BCAST_MARK_* (set on the original just before the clone, restored
+ * right after), so the egress program passes it (OWN_COPY) instead of copying
+ * it again. A copy whose neighbour is unresolved carries MARK_NEIGH: on
+ * re-entry it is handed to bpf_redirect_neigh() (marked DONE first, because
+ * the neighbour path transmits it through this hook once more).
+ *
+ * Checksums: the UDP checksum is updated with bpf_l4_csum_replace(), which is
+ * right in every skb->ip_summed state: CHECKSUM_NONE (full checksum, e.g.
+ * TX offload off, BPF_PROG_TEST_RUN) gets a correct full checksum;
+ * CHECKSUM_PARTIAL (locally generated with TX offload) gets its pseudo-header
+ * seed updated, so whoever completes it (NIC, skb_checksum_help) writes the
+ * right one; a checksum of 0 (sender disabled it) stays 0
+ * (BPF_F_MARK_MANGLED_0). Writing 0 is NOT an option under CHECKSUM_PARTIAL:
+ * BPF cannot reset ip_summed, and the completion would then write a checksum
+ * without pseudo-header: a wrong one.
+ *
+ * Every packet either program sees ends in bcast_exit(): exactly one
+ * datagram counter per packet; copy events are counted on the way.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "aggbox/abi.h"
+#include "parse.h"
+
+#define TC_ACT_OK       0
+#define TC_ACT_SHOT     2
+#define TC_ACT_REDIRECT 7
+#define PACKET_HOST_    0
+
+/* Offsets inside the headers (bytes). */
+#define IP_CSUM_OFF   10
+#define IP_DADDR_OFF  16
+#define UDP_DPORT_OFF 2
+#define UDP_CSUM_OFF  6
+#define AGB1_MASK_OFF 4
+#define AGB1_FLAGS_OFF 14 /* flags (1 byte) + hops (1 byte): one 16-bit word */
+
+/* Linear bytes the parser wants: Ethernet + VLAN + IPv4 with options + UDP + AGB1. */
+#define PARSE_PULL_LEN (14 + 4 + 60 + 8 + 16)
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/*
+ * bcast_stats: one struct aggbox_stat per enum aggbox_bcast_stat, per CPU.
+ * Written only by the TC programs; read and summed over CPUs by the control
+ * plane (BroadcastPlane::stats).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, AGGBOX_BCAST_STAT_MAX);
+	__type(key, __u32);
+	__type(value, struct aggbox_stat);
+} bcast_stats SEC(".maps");
+
+/* Count one event of `bytes` UDP payload bytes. */
+static __always_inline void bcast_count(__u32 stat, __u32 bytes)
+{
+	struct aggbox_stat *st = bpf_map_lookup_elem(&bcast_stats, &stat);
+
+	if (!st)
+		return;
+	/* per-CPU value, TC runs with migration disabled: plain adds */
+	st->packets += 1;
+	st->bytes += bytes;
+}
+
+/* The one exit path of both programs: count the datagram outcome, return the verdict. */
+static __always_inline int bcast_exit(__u32 stat, __u32 bytes, int verdict)
+{
+	bcast_count(stat, bytes);
+	return verdict;
+}
+
+#include "fib.h"
+
+/*
+ * bcast_groups: (group, receiving port) -> destination table (destination i =
+ * mask bit i). Port AGGBOX_BCAST_PORT_ANY (0) is the root table used by the
+ * egress program, and the table a tree node uses for datagrams arriving on any
+ * port; a non-zero port is a tree node's table for datagrams arriving on that
+ * port (a host with several members of one group). Written by the control
+ * plane (BroadcastPlane::set_group / set_forwarding / remove_group).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_BCAST_MAX_GROUPS);
+	__type(key, struct aggbox_group_key);
+	__type(value, struct aggbox_group);
+} bcast_groups SEC(".maps");
+
+/*
+ * bcast_gstats: per-group counters, per CPU, same key as bcast_groups.
+ * Entries are created (zeroed) and deleted by the control plane with the
+ * group; the TC programs only add to existing entries.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, AGGBOX_BCAST_MAX_GROUPS);
+	__type(key, struct aggbox_group_key);
+	__type(value, struct aggbox_bcast_group_stat);
+} bcast_gstats SEC(".maps");
+
+/* A parsed AGB1 datagram: offsets and the header fields the programs need. */
+struct agb1_pkt {
+	__u32  l3_off;
+	__u32  udp_off;
+	__u32  payload_len; /* UDP payload bytes */
+	__u16  tot_len;     /* IPv4 total length, host order */
+	__be32 saddr;
+	__be32 daddr;
+	__be16 dport;
+	__u16  group;       /* host order */
+	__u32  mask;        /* host order */
+	__u8   flags;
+	__u8   hops;
+	__u8   macs[12];    /* destination + source MAC as received */
+};
+
+/*
+ * Parse Ethernet [+ VLAN] / IPv4 / UDP / AGB1 (xdp-tools cursor style).
+ * Returns -1 when the packet is not AGB1 at all, or the stat code of a
+ * malformed AGB1 datagram, or 0 with `p` filled.
+ */
+static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	struct hdr_cursor nh = { .pos = data };
+	struct aggbox_bcast_hdr *b;
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udp;
+	int proto, len;
+
+	if (data + PARSE_PULL_LEN > data_end && skb->len > (__u32)(data_end - data)) {
+		/* headers in paged data: make them linear (as far as they go) */
+		bpf_skb_pull_data(skb, skb->len < PARSE_PULL_LEN ? skb->len : PARSE_PULL_LEN);
+		data = (void *)(long)skb->data;
+		data_end = (void *)(long)skb->data_end;
+		nh.pos = data;
+	}
+
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	if (proto != ETH_P_IP)
+		return -1;
+	p->l3_off = nh.pos - data;
+	proto = parse_iphdr(&nh, data_end, &iph);
+	if (proto != IPPROTO_UDP_)
+		return -1;
+	p->udp_off = nh.pos - data;
+	len = parse_udphdr(&nh, data_end, &udp);
+	if (len < 0)
+		return -1;
+	b = nh.pos;
+	if ((void *)&b->mask > data_end)
+		return -1;
+	if (b->magic != bpf_htonl(AGGBOX_MAGIC_BCAST))
+		return -1;
+	/* From here on it is AGB1: every failure is counted. */
+	if (iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+		return AGGBOX_BCAST_IP_FRAGMENT;
+	if ((void *)(b + 1) > data_end || len < (int)sizeof(*b))
+		return AGGBOX_BCAST_MALFORMED;
+	if (p->udp_off + sizeof(*udp) + (__u32)len > skb->len)
+		return AGGBOX_BCAST_MALFORMED;
+	if (b->flags & ~AGGBOX_BCAST_F_KNOWN)
+		return AGGBOX_BCAST_MALFORMED;
+
+	p->payload_len = len;
+	p->tot_len = bpf_ntohs(iph->tot_len);
+	p->saddr = iph->saddr;
+	p->daddr = iph->daddr;
+	p->dport = udp->dest;
+	p->group = bpf_ntohs(b->group);
+	p->mask = bpf_ntohl(b->mask);
+	p->flags = b->flags;
+	p->hops = b->hops;
+	__builtin_memcpy(p->macs, eth->h_dest, 6);
+	__builtin_memcpy(p->macs + 6, eth->h_source, 6);
+	return 0;
+}
+
+/* The headers as they are now in the skb (tracked across rewrites). */
+struct rewrite_state {
+	__u32  l3_off;
+	__u32  udp_off;
+	__be32 daddr;
+	__be16 dport;
+};
+
+/* Point the datagram at (daddr, dport), fixing the IPv4 and UDP checksums. */
+static __always_inline int rewrite_dest(struct __sk_buff *skb, struct rewrite_state *st,
+					__be32 daddr, __be16 dport)
+{
+	__u32 ip_csum = st->l3_off + IP_CSUM_OFF;
+	__u32 udp_csum = st->udp_off + UDP_CSUM_OFF;
+
+	if (daddr != st->daddr) {
+		if (bpf_l3_csum_replace(skb, ip_csum, st->daddr, daddr, sizeof(daddr)))
+			return -1;
+		if (bpf_l4_csum_replace(skb, udp_csum, st->daddr, daddr,
+					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(daddr)))
+			return -1;
+		if (bpf_skb_store_bytes(skb, st->l3_off + IP_DADDR_OFF, &daddr, sizeof(daddr), 0))
+			return -1;
+		st->daddr = daddr;
+	}
+	if (dport != st->dport) {
+		if (bpf_l4_csum_replace(skb, udp_csum, st->dport, dport,
+					BPF_F_MARK_MANGLED_0 | sizeof(dport)))
+			return -1;
+		if (bpf_skb_store_bytes(skb, st->udp_off + UDP_DPORT_OFF, &dport, sizeof(dport), 0))
+			return -1;
+		st->dport = dport;
+	}
+	return 0;
+}
+
+/* Replace the 16-bit AGB1 flags+hops word, keeping the UDP checksum right. */
+static __always_inline int rewrite_flags_hops(struct __sk_buff *skb, struct rewrite_state *st,
+					      __be16 from, __be16 to)
+{
+	__u32 off = st->udp_off + sizeof(struct udphdr) + AGB1_FLAGS_OFF;
+
+	if (bpf_l4_csum_replace(skb, st->udp_off + UDP_CSUM_OFF, from, to,
+				BPF_F_MARK_MANGLED_0 | sizeof(to)))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &to, sizeof(to), 0);
+}
+
+/* How a copy leaves. */
+enum copy_kind {
+	COPY_CLONE = 0, /* bpf_clone_redirect a copy; the original stays ours */
+	COPY_LAST  = 1, /* the original itself is the copy: returns its verdict */
+};
+
+/*
+ * Prepare the copy for `dest` and send it. For COPY_CLONE returns 0 when a
+ * copy left, -1 otherwise; for COPY_LAST returns the TC verdict of the
+ * original. Counts COPY_SENT or NEIGH_MISS per copy sent, failures by kind.
+ */
+static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state *st,
+				     struct agb1_pkt *p, struct aggbox_group_dest *dest,
+				     int kind, __u32 *neigh_misses)
+{
+	__u8 zero_mac[6] = {};
+	struct bcast_nh nh = {};
+	__u32 hook_ifindex = skb->ifindex;
+	__u32 mark;
+	int res, rc;
+
+	res = nh_resolve(skb, hook_ifindex, p->saddr, dest->addr, p->tot_len, &nh);
+	if (res == NH_ERROR)
+		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+
+	if (rewrite_dest(skb, st, dest->addr, dest->port))
+		goto rewrite_failed;
+	if (res == NH_OK) {
+		if (bpf_skb_store_bytes(skb, 0, nh.dmac, 6, 0) ||
+		    bpf_skb_store_bytes(skb, 6, nh.smac, 6, 0))
+			goto rewrite_failed;
+	} else {
+		/* the neighbour path writes the real MAC; never leave a
+		 * multicast one (bpf_redirect_neigh drops those) */
+		if (bpf_skb_store_bytes(skb, 0, zero_mac, 6, 0))
+			goto rewrite_failed;
+	}
+
+	if (kind == COPY_LAST) {
+		if (res == NH_NEIGH) {
+			bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
+			*neigh_misses += 1;
+			skb->mark = AGGBOX_BCAST_MARK_DONE;
+			return bpf_redirect_neigh(nh.ifindex, NULL, 0, 0);
+		}
+		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
+		if (nh.ifindex == hook_ifindex)
+			return TC_ACT_OK;
+		skb->mark = AGGBOX_BCAST_MARK_COPY;
+		return bpf_redirect(nh.ifindex, 0);
+	}
+
+	mark = skb->mark;
+	skb->mark = res == NH_OK ? AGGBOX_BCAST_MARK_COPY : AGGBOX_BCAST_MARK_NEIGH;
+	rc = bpf_clone_redirect(skb, nh.ifindex, 0);
+	skb->mark = mark;
+	if (rc) {
+		bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
+		return -1;
+	}
+	if (res == NH_OK) {
+		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
+	} else {
+		bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
+		*neigh_misses += 1;
+	}
+	return 0;
+
+rewrite_failed:
+	bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+	return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+}
+
+static __always_inline void group_count(struct aggbox_group_key *key, __u32 copies,
+					__u32 neigh_misses, __u32 bytes)
+{
+	struct aggbox_bcast_group_stat *gs = bpf_map_lookup_elem(&bcast_gstats, key);
+
+	if (!gs)
+		return;
+	gs->datagrams += 1;
+	gs->copies += copies;
+	gs->neigh_misses += neigh_misses;
+	gs->bytes += bytes;
+}
+
+/* A copy of ours coming back through the egress hook. */
+static __always_inline int own_copy_egress(struct __sk_buff *skb, __u32 mark)
+{
+	if (mark == AGGBOX_BCAST_MARK_NEIGH) {
+		/* the neighbour path transmits it through this hook again */
+		skb->mark = AGGBOX_BCAST_MARK_DONE;
+		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, bpf_redirect_neigh(skb->ifindex, NULL, 0, 0));
+	}
+	return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
+}
+
+static __always_inline int is_own_mark(__u32 mark)
+{
+	return mark == AGGBOX_BCAST_MARK_COPY || mark == AGGBOX_BCAST_MARK_NEIGH ||
+	       mark == AGGBOX_BCAST_MARK_DONE;
+}
+
+SEC("tc")
+int aggbox_tc_egress(struct __sk_buff *skb)
+{
+	struct aggbox_group_key key = {};
+	struct rewrite_state st = {};
+	struct aggbox_group *g;
+	struct agb1_pkt p = {};
+	__u32 eff, count, copies = 0, neigh_misses = 0;
+	int code, verdict = TC_ACT_SHOT;
+	__u32 mark = skb->mark;
+
+	if (is_own_mark(mark))
+		return own_copy_egress(skb, mark);
+
+	code = parse_agb1(skb, &p);
+	if (code < 0)
+		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
+	if (code > 0)
+		return bcast_exit(code, 0, TC_ACT_OK);
+
+	key.group = p.group;
+	key.port = AGGBOX_BCAST_PORT_ANY;
+	g = bpf_map_lookup_elem(&bcast_groups, &key);
+	if (!g)
+		return bcast_exit(AGGBOX_BCAST_UNKNOWN_GROUP, p.payload_len, TC_ACT_OK);
+
+	count = g->count;
+	if (count > AGGBOX_BCAST_MAX_DESTS)
+		count = AGGBOX_BCAST_MAX_DESTS;
+	eff = count >= 32 ? p.mask : p.mask & ((1u << count) - 1);
+	if (!eff)
+		return bcast_exit(AGGBOX_BCAST_EMPTY_MASK, p.payload_len, TC_ACT_SHOT);
+
+	st.l3_off = p.l3_off;
+	st.udp_off = p.udp_off;
+	st.daddr = p.daddr;
+	st.dport = p.dport;
+
+	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
+		if (!(eff & (1u << i)))
+			continue;
+		/* no higher bit left: the original becomes this copy */
+		if (i == 31 || !(eff >> (i + 1))) {
+			verdict = send_copy(skb, &st, &p, &g->dests[i], COPY_LAST, &neigh_misses);
+			if (verdict != TC_ACT_SHOT)
+				copies++;
+			break;
+		}
+		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses) == 0)
+			copies++;
+	}
+
+	group_count(&key, copies, neigh_misses, p.payload_len);
+	return bcast_exit(AGGBOX_BCAST_BROADCAST, p.payload_len, verdict);
+}
+
+SEC("tc")
+int aggbox_tc_ingress(struct __sk_buff *skb)
+{
+	struct aggbox_group_key key = {};
+	struct rewrite_state st = {};
+	struct aggbox_group *g;
+	struct agb1_pkt p = {};
+	__u32 count, copies = 0, neigh_misses = 0;
+	__be16 word, fwd_word;
+	int code;
+
+	if (is_own_mark(skb->mark))
+		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
+
+	code = parse_agb1(skb, &p);
+	if (code < 0)
+		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
+	if (code > 0)
+		return bcast_exit(code, 0, TC_ACT_OK);
+
+	key.group = p.group;
+	key.port = bpf_ntohs(p.dport);
+	g = bpf_map_lookup_elem(&bcast_groups, &key);
+	if (!g) {
+		key.port = AGGBOX_BCAST_PORT_ANY;
+		g = bpf_map_lookup_elem(&bcast_groups, &key);
+	}
+	if (!g)
+		return bcast_exit(AGGBOX_BCAST_UNKNOWN_GROUP, p.payload_len, TC_ACT_OK);
+	/* a bridge floods unknown unicast: only datagrams for this host count */
+	if (!(p.flags & AGGBOX_BCAST_F_FORWARD) || skb->pkt_type != PACKET_HOST_)
+		return bcast_exit(AGGBOX_BCAST_LOCAL_ONLY, p.payload_len, TC_ACT_OK);
+	if (p.hops >= AGGBOX_BCAST_MAX_HOPS)
+		return bcast_exit(AGGBOX_BCAST_HOPS_LIMIT, p.payload_len, TC_ACT_OK);
+
+	st.l3_off = p.l3_off;
+	st.udp_off = p.udp_off;
+	st.daddr = p.daddr;
+	st.dport = p.dport;
+
+	/* children see hops + 1; every other byte of the AGB1 header unchanged */
+	word = bpf_htons(((__u16)p.flags << 8) | p.hops);
+	fwd_word = bpf_htons(((__u16)p.flags << 8) | (__u8)(p.hops + 1));
+	if (rewrite_flags_hops(skb, &st, word, fwd_word)) {
+		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+		return bcast_exit(AGGBOX_BCAST_LOCAL_ONLY, p.payload_len, TC_ACT_SHOT);
+	}
+
+	count = g->count;
+	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
+		if (i >= count)
+			break;
+		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses) == 0)
+			copies++;
+	}
+
+	/* back to the datagram as it arrived, for local delivery */
+	if (rewrite_dest(skb, &st, p.daddr, p.dport) ||
+	    rewrite_flags_hops(skb, &st, fwd_word, word) ||
+	    bpf_skb_store_bytes(skb, 0, p.macs, sizeof(p.macs), 0)) {
+		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+		return bcast_exit(AGGBOX_BCAST_FORWARDED, p.payload_len, TC_ACT_SHOT);
+	}
+
+	group_count(&key, copies, neigh_misses, p.payload_len);
+	return bcast_exit(AGGBOX_BCAST_FORWARDED, p.payload_len, TC_ACT_OK);
+}

@@ -1,0 +1,169 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Next-hop resolution for the broadcast TC programs: bpf_fib_lookup() with
+ * the TC context, results cached in bcast_neigh, each cache entry carrying a
+ * bpf_timer that marks it stale after bcast_config.neigh_ttl_ns (default
+ * AGGBOX_BCAST_DEFAULT_NEIGH_TTL_S, set by the loader). A stale or missing
+ * entry is re-resolved by the next datagram that needs it: the timer callback
+ * has no packet context and cannot call bpf_fib_lookup() itself.
+ *
+ * Outcomes of nh_resolve():
+ *   NH_OK     next-hop MAC known: the copy gets it written in and is cloned
+ *   NH_NEIGH  neighbour not resolved (NO_NEIGH), or FIB says forwarding is
+ *             disabled: the copy leaves through bpf_redirect_neigh(), which
+ *             resolves the neighbour in the stack (counted NEIGH_MISS)
+ *   NH_ERROR  no usable route (unreachable, blackhole, local, frag needed):
+ *             the copy is not sent (counted FIB_ERROR)
+ */
+#ifndef AGGBOX_FIB_H
+#define AGGBOX_FIB_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include "aggbox/abi.h"
+
+#define AF_INET_        2
+#define CLOCK_MONOTONIC_ 1
+#define NS_PER_SEC      1000000000ull
+
+enum bcast_nh_result {
+	NH_OK    = 0,
+	NH_NEIGH = 1,
+	NH_ERROR = 2,
+};
+
+/* What a copy needs to leave: MACs and egress interface. */
+struct bcast_nh {
+	__u8  dmac[6];
+	__u8  smac[6];
+	__u32 ifindex;
+};
+
+/* BPF-side value of bcast_neigh: the ABI part plus its staleness timer. */
+struct neigh_entry {
+	struct aggbox_neigh n;
+	struct bpf_timer timer;
+};
+
+/*
+ * bcast_neigh: (destination IPv4, interface) -> next-hop MACs and egress
+ * interface, from bpf_fib_lookup(). Written by the TC programs on a miss or a
+ * stale entry; entries are marked stale by their own bpf_timer; read (and
+ * optionally flushed) by the control plane (BroadcastPlane::neigh_cache).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, AGGBOX_BCAST_MAX_NEIGH);
+	__type(key, struct aggbox_neigh_key);
+	__type(value, struct neigh_entry);
+} bcast_neigh SEC(".maps");
+
+/*
+ * bcast_config: one struct aggbox_bcast_config (next-hop cache lifetime).
+ * Written by the loader (BroadcastPlane::load_with / set_neigh_ttl), read
+ * here.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct aggbox_bcast_config);
+} bcast_config SEC(".maps");
+
+/* bpf_timer callback: no packet context, so it only marks the entry stale. */
+static int neigh_stale_cb(void *map, struct aggbox_neigh_key *key, struct neigh_entry *e)
+{
+	__sync_fetch_and_or(&e->n.flags, AGGBOX_NEIGH_F_STALE);
+	return 0;
+}
+
+static __always_inline __u64 neigh_ttl_ns(void)
+{
+	__u32 zero = 0;
+	struct aggbox_bcast_config *cfg = bpf_map_lookup_elem(&bcast_config, &zero);
+
+	if (!cfg)
+		return AGGBOX_BCAST_DEFAULT_NEIGH_TTL_S * NS_PER_SEC;
+	return cfg->neigh_ttl_ns;
+}
+
+/* Store a fresh resolution and (re)arm its staleness timer. */
+static __always_inline void neigh_store(struct aggbox_neigh_key *key, struct bcast_nh *nh)
+{
+	struct neigh_entry *e = bpf_map_lookup_elem(&bcast_neigh, key);
+	__u64 ttl = neigh_ttl_ns();
+
+	if (!e) {
+		struct neigh_entry fresh = {};
+
+		/* -EEXIST when another CPU inserted it first: use theirs */
+		bpf_map_update_elem(&bcast_neigh, key, &fresh, BPF_NOEXIST);
+		e = bpf_map_lookup_elem(&bcast_neigh, key);
+		if (!e)
+			return;
+		/* -EBUSY when another CPU initialised it first: fine */
+		bpf_timer_init(&e->timer, &bcast_neigh, CLOCK_MONOTONIC_);
+		bpf_timer_set_callback(&e->timer, neigh_stale_cb);
+	}
+	__builtin_memcpy(e->n.dmac, nh->dmac, 6);
+	__builtin_memcpy(e->n.smac, nh->smac, 6);
+	e->n.ifindex = nh->ifindex;
+	e->n.updated_ns = bpf_ktime_get_ns();
+	e->n.flags = 0;
+	if (ttl)
+		bpf_timer_start(&e->timer, ttl, 0);
+}
+
+/*
+ * Next hop of `daddr` for a copy leaving a packet seen on `ifindex`
+ * (`saddr` and `tot_len` of the datagram feed the FIB's source and MTU
+ * checks). Counts CACHE_HIT / FIB_LOOKUP / FWD_DISABLED / FIB_ERROR via
+ * bcast_count(), which the including program defines.
+ */
+static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be32 saddr,
+				      __be32 daddr, __u16 tot_len, struct bcast_nh *nh)
+{
+	struct aggbox_neigh_key key = { .addr = daddr, .ifindex = ifindex };
+	struct neigh_entry *e = bpf_map_lookup_elem(&bcast_neigh, &key);
+	struct bpf_fib_lookup fib = {};
+	int rc;
+
+	if (e && !(e->n.flags & AGGBOX_NEIGH_F_STALE)) {
+		__builtin_memcpy(nh->dmac, e->n.dmac, 6);
+		__builtin_memcpy(nh->smac, e->n.smac, 6);
+		nh->ifindex = e->n.ifindex;
+		bcast_count(AGGBOX_BCAST_CACHE_HIT, 0);
+		return NH_OK;
+	}
+
+	bcast_count(AGGBOX_BCAST_FIB_LOOKUP, 0);
+	fib.family = AF_INET_;
+	fib.l4_protocol = IPPROTO_UDP_;
+	fib.tot_len = tot_len;
+	fib.ifindex = ifindex;
+	fib.ipv4_src = saddr;
+	fib.ipv4_dst = daddr;
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	switch (rc) {
+	case BPF_FIB_LKUP_RET_SUCCESS:
+		__builtin_memcpy(nh->dmac, fib.dmac, 6);
+		__builtin_memcpy(nh->smac, fib.smac, 6);
+		nh->ifindex = fib.ifindex;
+		neigh_store(&key, nh);
+		return NH_OK;
+	case BPF_FIB_LKUP_RET_NO_NEIGH:
+		nh->ifindex = fib.ifindex ? fib.ifindex : ifindex;
+		return NH_NEIGH;
+	case BPF_FIB_LKUP_RET_FWD_DISABLED:
+		/* the loader refuses to attach in this state; if someone turns
+		 * forwarding off later, copies still leave through the stack */
+		bcast_count(AGGBOX_BCAST_FWD_DISABLED, 0);
+		nh->ifindex = ifindex;
+		return NH_NEIGH;
+	default:
+		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
+		return NH_ERROR;
+	}
+}
+
+#endif /* AGGBOX_FIB_H */

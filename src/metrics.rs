@@ -1,0 +1,328 @@
+//! Prometheus exposition of a node's counters (`[node] metrics`, default
+//! `http://127.0.0.1:9435/metrics`).
+//!
+//! Kernel counters are absolute values in pinned maps, so each scrape reads
+//! the maps and builds the metric families directly (no shadow counters that
+//! could drift); in-process metrics (user-space path histograms) live in
+//! [`registry`] and are appended to every scrape.
+//!
+//! Names follow Prometheus conventions: `aggbox_` prefix, `_total` on
+//! counters, base units (seconds, bytes), labels for the dimension.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::{Encoder, Registry, TextEncoder};
+
+use crate::abi;
+
+/// The process-wide registry for in-process metrics (user-space path
+/// counters and histograms); its families are appended to every scrape.
+pub fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Registry::new)
+}
+
+/// A BPF program whose run count and run time are exported.
+#[derive(Debug, Clone)]
+pub struct ProgramRef {
+    /// Program name (label value).
+    pub name: String,
+    /// Kernel program id.
+    pub id: u32,
+}
+
+/// Where a scrape reads the kernel's counters: one interface's pin directory.
+#[derive(Debug, Clone)]
+pub struct KernelSource {
+    /// Interface name (label value).
+    pub iface: String,
+    /// The interface's pin directory (maps `stats`, `jobs`, `job_state`).
+    pub pin_dir: PathBuf,
+    /// Programs to report run statistics for.
+    pub programs: Vec<ProgramRef>,
+}
+
+fn label(name: &str, value: &str) -> LabelPair {
+    let mut l = LabelPair::new();
+    l.set_name(name.to_string());
+    l.set_value(value.to_string());
+    l
+}
+
+/// Builder for one metric family.
+struct Family {
+    family: MetricFamily,
+}
+
+impl Family {
+    fn new(name: &str, help: &str, kind: MetricType) -> Family {
+        let mut family = MetricFamily::default();
+        family.set_name(name.to_string());
+        family.set_help(help.to_string());
+        family.set_field_type(kind);
+        Family { family }
+    }
+
+    fn counter(name: &str, help: &str) -> Family {
+        Family::new(name, help, MetricType::COUNTER)
+    }
+
+    fn gauge(name: &str, help: &str) -> Family {
+        Family::new(name, help, MetricType::GAUGE)
+    }
+
+    fn push(&mut self, labels: &[(&str, &str)], value: f64) {
+        let mut m = Metric::default();
+        m.set_label(labels.iter().map(|(k, v)| label(k, v)).collect());
+        match self.family.get_field_type() {
+            MetricType::COUNTER => {
+                let mut c = Counter::default();
+                c.set_value(value);
+                m.set_counter(c);
+            }
+            _ => {
+                let mut g = Gauge::default();
+                g.set_value(value);
+                m.set_gauge(g);
+            }
+        }
+        self.family.mut_metric().push(m);
+    }
+}
+
+fn sum_percpu(map: &MapHandle, index: u32) -> Result<abi::Stat> {
+    let per_cpu = map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
+    let mut total = abi::Stat::default();
+    for raw in per_cpu {
+        if let Some(s) = abi::from_bytes::<abi::Stat>(&raw) {
+            total.packets += s.packets;
+            total.bytes += s.bytes;
+        }
+    }
+    Ok(total)
+}
+
+/// Run count and total run time (ns) of program `id`; zeros unless
+/// `kernel.bpf_stats_enabled` is on (or `aggbox attach --bpf-stats`).
+pub fn program_run_stats(id: u32) -> Result<(u64, u64, u32)> {
+    // SAFETY: plain syscall wrapper.
+    let fd = unsafe { libbpf_sys::bpf_prog_get_fd_by_id(id) };
+    if fd < 0 {
+        return Err(std::io::Error::from_raw_os_error(-fd)).context("bpf_prog_get_fd_by_id");
+    }
+    // SAFETY: fresh fd from the kernel, owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: zeroed info is a valid out-parameter; len set to its size.
+    let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: valid fd, info buffer of `len` bytes.
+    let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) };
+    if rc < 0 {
+        return Err(std::io::Error::from_raw_os_error(-rc)).context("bpf_prog_get_info_by_fd");
+    }
+    Ok((info.run_cnt, info.run_time_ns, info.xlated_prog_len / 8))
+}
+
+/// Read every kernel metric of `source` into metric families.
+pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
+    let iface = source.iface.as_str();
+    let dir = &source.pin_dir;
+    let stats = MapHandle::from_pinned_path(dir.join("stats")).with_context(|| format!("opening {}/stats", dir.display()))?;
+
+    let mut datagrams = Family::counter("aggbox_datagrams_total", "Datagrams seen by the XDP program on a job port or passed, by outcome.");
+    let mut payload = Family::counter("aggbox_payload_bytes_total", "UDP payload bytes of the datagrams of aggbox_datagrams_total, by outcome.");
+    for outcome in abi::Outcome::ALL {
+        let s = sum_percpu(&stats, outcome as u32)?;
+        datagrams.push(&[("iface", iface), ("outcome", outcome.label())], s.packets as f64);
+        payload.push(&[("iface", iface), ("outcome", outcome.label())], s.bytes as f64);
+    }
+    let mut drops = Family::counter("aggbox_dropped_total", "Datagrams dropped by the XDP program, by reason.");
+    for reason in abi::DropReason::ALL {
+        let s = sum_percpu(&stats, reason.stats_index())?;
+        drops.push(&[("iface", iface), ("reason", reason.label())], s.packets as f64);
+    }
+
+    let mut results = Family::counter("aggbox_job_results_total", "Slots of a job completed in the kernel (RESULT datagrams emitted).");
+    let mut active = Family::gauge("aggbox_job_slots_active", "Slots of a job currently in the kernel's pool.");
+    let mut limit = Family::gauge("aggbox_job_slots_limit", "Bound on the slots of a job.");
+    let mut occupancy = Family::gauge("aggbox_job_slot_occupancy_ratio", "Active slots of a job over its bound.");
+    let mut round = Family::gauge("aggbox_job_newest_round", "Newest completed round of a job.");
+    let mut workers = Family::gauge("aggbox_job_workers", "Ranks configured for a job.");
+    let jobs = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
+    let job_state = MapHandle::from_pinned_path(dir.join("job_state")).ok();
+    let mut job_list: BTreeMap<u16, abi::Job> = BTreeMap::new();
+    for key in jobs.keys() {
+        if let (Some(k), Some(v)) = (
+            abi::from_bytes::<abi::JobKey>(&key),
+            jobs.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Job>(&v)),
+        ) {
+            job_list.insert(k.job, v);
+        }
+    }
+    for (id, job) in &job_list {
+        let id_text = id.to_string();
+        let labels = [("iface", iface), ("job", id_text.as_str())];
+        let key = abi::JobKey { job: *id, pad: 0 };
+        let state = match &job_state {
+            Some(map) => map.lookup(abi::as_bytes(&key), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::JobState>(&v)),
+            None => None,
+        }
+        .unwrap_or_default();
+        results.push(&labels, state.completed as f64);
+        active.push(&labels, state.active_slots as f64);
+        let bound = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
+        limit.push(&labels, bound as f64);
+        occupancy.push(&labels, state.active_slots as f64 / bound.max(1) as f64);
+        round.push(&labels, state.newest_round as f64);
+        workers.push(&labels, job.workers as f64);
+    }
+
+    let mut runs = Family::counter("aggbox_program_runs_total", "Runs of a BPF program (needs bpf_stats: aggbox attach --bpf-stats).");
+    let mut run_time = Family::counter("aggbox_program_run_seconds_total", "Time spent in a BPF program (needs bpf_stats).");
+    let mut insns = Family::gauge("aggbox_program_instructions", "Instructions of a BPF program after verification (xlated).");
+    for prog in &source.programs {
+        if let Ok((count, ns, xlated)) = program_run_stats(prog.id) {
+            let labels = [("iface", iface), ("program", prog.name.as_str())];
+            runs.push(&labels, count as f64);
+            run_time.push(&labels, ns as f64 / 1e9);
+            insns.push(&labels, xlated as f64);
+        }
+    }
+
+    Ok([datagrams, payload, drops, results, active, limit, occupancy, round, workers, runs, run_time, insns]
+        .into_iter()
+        .map(|f| f.family)
+        .filter(|f| !f.get_metric().is_empty())
+        .collect())
+}
+
+/// The text exposition of one scrape: kernel families plus [`registry`].
+pub fn render(sources: &[KernelSource]) -> Result<String> {
+    let mut families = Vec::new();
+    for source in sources {
+        families.extend(kernel_families(source)?);
+    }
+    families.extend(registry().gather());
+    let mut out = Vec::new();
+    TextEncoder::new().encode(&families, &mut out)?;
+    Ok(String::from_utf8(out)?)
+}
+
+/// A running `/metrics` HTTP endpoint; stops when dropped.
+pub struct MetricsServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    addr: SocketAddr,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+/// Bind the metrics address (before attaching anything, so that a port in
+/// use fails the attach with the interface untouched).
+pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr).with_context(|| format!("aggbox: metrics address {addr} unavailable (port in use?)"))
+}
+
+impl MetricsServer {
+    /// Serve `GET /metrics` on `listener` from `sources` on a thread.
+    pub fn start(listener: TcpListener, sources: Vec<KernelSource>) -> Result<MetricsServer> {
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let thread = std::thread::Builder::new().name("aggbox-metrics".into()).spawn(move || {
+            while !stop_flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let _ = serve_one(stream, &sources);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        })?;
+        Ok(MetricsServer { stop, thread: Some(thread), addr })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_one(stream: TcpStream, sources: &[KernelSource]) -> Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut request_line = String::new();
+    reader.read_line(&mut request_line)?;
+    // Drain the request headers (we answer every request the same way).
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 || line == "\r\n" || line == "\n" {
+            break;
+        }
+    }
+    let mut parts = request_line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let mut stream = stream;
+    if method != "GET" || (path != "/metrics" && !path.starts_with("/metrics?")) {
+        let body = "not found: metrics are at /metrics\n";
+        write!(stream, "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
+        return Ok(());
+    }
+    match render(sources) {
+        Ok(body) => write!(
+            stream,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?,
+        Err(e) => {
+            let body = format!("error reading counters: {e:#}\n");
+            write!(stream, "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?
+        }
+    }
+    Ok(())
+}
+
+/// Turn on kernel-wide BPF run-time statistics while the returned fd lives
+/// (BPF_ENABLE_STATS); they cost a few ns per program run, so it is opt-in.
+pub fn enable_bpf_stats() -> Result<OwnedFd> {
+    // SAFETY: plain syscall wrapper.
+    let fd = unsafe { libbpf_sys::bpf_enable_stats(libbpf_sys::BPF_STATS_RUN_TIME) };
+    if fd < 0 {
+        return Err(std::io::Error::from_raw_os_error(-fd)).context("aggbox: enabling BPF run-time statistics");
+    }
+    // SAFETY: fresh fd owned here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Pin directory helper re-exported for callers building a [`KernelSource`].
+pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>) -> KernelSource {
+    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs }
+}

@@ -1,0 +1,168 @@
+//! Scrapes a live `aggbox attach` in a testbed namespace: the exposition
+//! passes `promtool check metrics`, and the counters move with real traffic
+//! (needs root: network namespaces, BPF).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddrV4, TcpStream, UdpSocket};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aggbox::abi::Op;
+use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use aggbox::tools;
+
+const JOB: u16 = 21;
+const PORT: u16 = 7100;
+const RESULT_PORT: u16 = 7101;
+const METRICS_PORT: u16 = 9435;
+const ELEMENTS: u32 = 800;
+
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/metrics.rs needs root (network namespaces and BPF); run `sudo -E cargo test --test metrics`"
+    );
+}
+
+/// Kills the attach process on drop (by pid: only the process we started).
+struct Attach {
+    child: Child,
+    pin_root: std::path::PathBuf,
+}
+
+impl Drop for Attach {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = nix::mount::umount(&self.pin_root);
+        let _ = std::fs::remove_dir_all(&self.pin_root);
+    }
+}
+
+fn scrape(netns: &str) -> String {
+    in_netns(netns, || {
+        let mut stream = TcpStream::connect(("127.0.0.1", METRICS_PORT)).expect("connect to /metrics");
+        stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(stream, "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("read response");
+        assert!(response.starts_with("HTTP/1.1 200"), "bad response: {response}");
+        response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).expect("body")
+    })
+    .expect("enter namespace")
+}
+
+fn value(exposition: &str, name_and_labels: &str) -> f64 {
+    exposition
+        .lines()
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name_and_labels} in:\n{exposition}"))
+}
+
+#[test]
+fn metrics_are_valid_and_move_with_traffic() {
+    require_root();
+    let bed = Testbed::up(TestbedConfig { hosts: 3, ..Default::default() }).expect("testbed");
+    let agg = bed.host(0);
+    let senders = [bed.host(1), bed.host(2)];
+
+    let pin_root = std::env::temp_dir().join(format!("aggbox-metrics-test-{}", std::process::id()));
+    std::fs::create_dir_all(&pin_root).unwrap();
+    nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount bpffs");
+    let config = pin_root.with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\n\n[[job]]\nid = {JOB}\nport = {PORT}\nworkers = [\"{}\", \"{}\"]\nresult_port = {RESULT_PORT}\n",
+            senders[0].addr, senders[1].addr
+        ),
+    )
+    .unwrap();
+
+    let child = Command::new("ip")
+        .args(["netns", "exec", &agg.netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--bpf-stats", "--config"])
+        .arg(&config)
+        .arg("--pin-root")
+        .arg(&pin_root)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn aggbox attach");
+    let mut attach = Attach { child, pin_root: pin_root.clone() };
+    let mut line = String::new();
+    BufReader::new(attach.child.stdout.take().unwrap()).read_line(&mut line).expect("read attach output");
+    assert_eq!(line.trim(), "aggbox: attached to eth0");
+
+    let before = scrape(&agg.netns);
+    assert_eq!(value(&before, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+
+    // promtool is the reference linter for the exposition format and names.
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (from the prometheus package; `make deps` installs it)");
+    promtool.stdin.take().unwrap().write_all(before.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // One reduction from both ranks, plus one spoofed datagram.
+    let results = bed
+        .in_host(0, || {
+            let socket = tools::bind_any(RESULT_PORT).unwrap();
+            socket
+        })
+        .unwrap();
+    let to = SocketAddrV4::new(agg.addr, PORT);
+    for (rank, sender) in senders.iter().enumerate() {
+        let netns = sender.netns.clone();
+        in_netns(&netns, move || {
+            let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let c = tools::Contribution { job: JOB, rank: rank as u16, round: 1, op: Op::Sum, first_seq: 0, per_datagram: 362 };
+            tools::contribute(&socket, to, &c, &tools::pattern_vector(rank as u16, ELEMENTS)).unwrap();
+        })
+        .unwrap();
+    }
+    // Rank 1's vector again from rank 0's host: wrong source address.
+    in_netns(&senders[0].netns.clone(), move || {
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let c = tools::Contribution { job: JOB, rank: 1, round: 2, op: Op::Sum, first_seq: 0, per_datagram: 362 };
+        tools::contribute(&socket, to, &c, &[1, 2, 3]).unwrap();
+    })
+    .unwrap();
+    let got = tools::collect_results(&results, JOB, ELEMENTS, Duration::from_secs(10)).unwrap();
+    assert!(got.missing.is_empty(), "missing result elements {:?}", got.missing);
+    let expected = tools::expected_pattern_result(Op::Sum, 2, ELEMENTS, &[]).unwrap();
+    assert_eq!(got.values, expected.ints().unwrap());
+
+    let after = scrape(&agg.netns);
+    let fragments = ELEMENTS.div_ceil(362) as f64;
+    assert_eq!(value(&after, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), fragments);
+    assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"result\"}"), fragments);
+    assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"accepted\"}"), fragments);
+    assert_eq!(value(&after, "aggbox_dropped_total{iface=\"eth0\",reason=\"source_mismatch\"}"), 1.0);
+    assert_eq!(value(&after, &format!("aggbox_job_slots_active{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    // --bpf-stats was given: the entry program's run count covers every datagram.
+    assert!(value(&after, "aggbox_program_runs_total{iface=\"eth0\",program=\"aggbox_xdp\"}") >= 2.0 * fragments + 1.0);
+
+    drop(attach);
+    let _ = std::fs::remove_file(&config);
+    drop(bed);
+}
