@@ -8,7 +8,7 @@ PROFILE      ?= release
 CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
-                iproute2 ethtool iputils-ping tcpdump prometheus gcc
+                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
 DEPS_STAMP   := target/.deps-ok
 
 .PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help
