@@ -5,8 +5,9 @@
 #   1. load: every program of every BPF object (the exact bytes embedded in
 #      the skeletons) through the kernel's verifier with bpftool, and the
 #      instruction counts of each program (xlated, jited, verified);
-#   2. the BPF_PROG_TEST_RUN suites: every cargo integration test binary
-#      named bpf_* (found with `cargo test --no-run --message-format=json`);
+#   2. the test binaries: every cargo integration test named bpf_* (the
+#      BPF_PROG_TEST_RUN suites) or netns_* (end to end over veths), found
+#      with `cargo test --no-run --message-format=json`;
 #   3. the netns end to end: scripts/demo.sh (and every scripts/demo-*.sh),
 #      a real aggregation over veths with XDP attached.
 # "host" is the running kernel, checked directly. Every other entry is a
@@ -30,9 +31,12 @@
 #   MATRIX_MEM            guest memory in MiB (default 2048)
 #   MATRIX_ROW_TIMEOUT    seconds for one guest row, boot to power-off (default 2400)
 #   MATRIX_TEST_TIMEOUT   seconds for one test binary or netns script (default 900)
+#   MATRIX_TESTS          regex of the test binaries to run (default "^(bpf|netns)_")
 #   MATRIX_MODULES        modules loaded in the guest, with their dependencies
 #                         (default "veth bridge cls_bpf sch_ingress act_bpf")
-#   MATRIX_NO_BUILD=1     use the build outputs as they are (no cargo run)
+#   MATRIX_NO_BUILD=1     use the newest build outputs in target/release as they are
+#                         (no cargo run; for a tree that does not build right now)
+#   MATRIX_EXTRA_OBJS     more BPF object files (space-separated) to load on every kernel
 #   MATRIX_KEEP=1         keep the work folder (initramfs, plan) for debugging
 # Exit status: 0 when every row passed, 1 when a row failed (the reason of
 # each failure is printed under the table and in summary.md), 2 on a usage
@@ -53,6 +57,7 @@ ROW_TIMEOUT=${MATRIX_ROW_TIMEOUT:-2400}
 TEST_TIMEOUT=${MATRIX_TEST_TIMEOUT:-900}
 MODULES=${MATRIX_MODULES:-veth bridge cls_bpf sch_ingress act_bpf}
 CARGO=${CARGO:-cargo}
+TEST_PATTERN=${MATRIX_TESTS:-^(bpf|netns)_}
 
 if [ $# -gt 0 ]; then
     KERNEL_LIST=("$@")
@@ -139,8 +144,8 @@ else
     say "MATRIX_NO_BUILD=1: using the build outputs in target/release as they are"
     : >"$WORK/cargo-bin.json"
     : >"$WORK/cargo-test.json"
-    for exe in $(ls -t "$ROOT"/target/release/deps/bpf_* 2>/dev/null); do
-        case $exe in *.d) continue ;; esac
+    for exe in $(ls -t "$ROOT"/target/release/deps/ 2>/dev/null | sed "s|^|$ROOT/target/release/deps/|"); do
+        case $(basename "$exe") in *.*) continue ;; esac
         [ -x "$exe" ] && [ -f "$exe" ] || continue
         name=$(basename "$exe")
         name=${name%-*}
@@ -159,14 +164,16 @@ AGGBOX=$(grep '"reason":"compiler-artifact"' "$WORK/cargo-bin.json" | grep '"kin
 [ -n "$AGGBOX" ] && [ -x "$AGGBOX" ] || AGGBOX=$ROOT/target/release/aggbox
 [ -x "$AGGBOX" ] || die "no aggbox binary ($AGGBOX)"
 
-# Test binaries: integration tests named bpf_*.
+# Test binaries: the integration tests whose name matches MATRIX_TESTS:
+# bpf_* (BPF_PROG_TEST_RUN suites) and netns_* (end to end over veths).
 TESTS=()
 while IFS= read -r line; do
     name=$(json_field name <<<"$(grep -o '"target":{[^}]*}' <<<"$line")")
     exe=$(json_field executable <<<"$line")
-    case $name in bpf_*) [ -x "$exe" ] && TESTS+=("$name"$'\t'"$exe") ;; esac
+    [[ $name =~ $TEST_PATTERN ]] && [ -x "$exe" ] && TESTS+=("$name"$'\t'"$exe")
 done < <(grep '"reason":"compiler-artifact"' "$WORK/cargo-test.json" | grep '"kind":\["test"\]' | grep '"executable":"/')
-[ ${#TESTS[@]} -gt 0 ] || die "no bpf_* test binaries found in cargo's output ($WORK/cargo-test.json)"
+mapfile -t TESTS < <(printf '%s\n' "${TESTS[@]}" | sort)
+[ ${#TESTS[@]} -gt 0 ] || die "no test binaries matching $TEST_PATTERN in cargo's output ($WORK/cargo-test.json)"
 
 # BPF objects: the bytes of each skeleton's embedded object (DATA in
 # OUT_DIR/*.skel.rs), so what is loaded here is exactly what aggbox loads.
@@ -188,6 +195,15 @@ for skel in "$OUT_DIR"/*.skel.rs; do
     OBJS+=("$stem"$'\t'"$obj"$'\t'"$progs")
 done
 [ ${#OBJS[@]} -gt 0 ] || die "no skeletons found in $OUT_DIR"
+# Extra objects to put through the same verifier check (e.g. a candidate fix).
+for obj in ${MATRIX_EXTRA_OBJS:-}; do
+    [ -f "$obj" ] || die "MATRIX_EXTRA_OBJS: no such file: $obj"
+    stem=$(basename "$obj" .o)
+    stem=${stem%.bpf}
+    cp "$obj" "$WORK/objs/$stem.bpf.o"
+    progs=$(readelf -sW "$obj" | awk '$4 == "FUNC" && $5 == "GLOBAL" { print $8 }' | paste -sd, -)
+    OBJS+=("$stem"$'\t'"$WORK/objs/$stem.bpf.o"$'\t'"$progs")
+done
 
 gcc -O2 -static -Wall -o "$WORK/bin/proginfo" "$HERE/matrix/proginfo.c" 2>"$WORK/gcc.log" \
     || { cat "$WORK/gcc.log" >&2; die "cannot build scripts/matrix/proginfo.c (gcc, libc6-dev)"; }
@@ -313,27 +329,33 @@ build_probe() { # -> $WORK/probe.cpio: boots, prints a marker, powers off
 
 # ---------------------------------------------------------------- kernels
 
+# The package-name regex of SPEC: a series (6.1) matches 6.1.0-57 but not
+# 6.12.x; anything else is a prefix of the version (6.1.0-57, 6.12.117+deb12).
+pkg_regex() {
+    local spec=$1 re
+    re="^linux-image-${spec//./\\.}"
+    if [[ $spec =~ ^[0-9]+\.[0-9]+$ ]]; then re+="[.-][0-9]"; fi
+    re+=".*-cloud-amd64\$"
+    printf '%s' "${re//+/\\+}"
+}
+
+# Newest cached package name that matches SPEC.
+resolve_package_cached() {
+    ls "$CACHE"/debs/ 2>/dev/null | sed -n 's/^\(linux-image-[^_]*\)_.*\.deb$/\1/p' \
+        | grep -E "$(pkg_regex "$1")" | sort -V | tail -n 1
+}
+
 # Newest package name that matches SPEC, from apt's lists or else the cache.
 resolve_package() {
     local spec=$1 re names
-    case $spec in
-        [0-9]*.[0-9]*) ;;
-        *) return 1 ;;
-    esac
-    if [[ $spec =~ ^[0-9]+\.[0-9]+$ ]]; then
-        re="^linux-image-${spec//./\\.}[.-][0-9].*-cloud-amd64\$"
-    else
-        re="^linux-image-${spec//./\\.}.*-cloud-amd64\$"
-        re=${re//+/\\+}
-    fi
+    [[ $spec =~ ^[0-9]+\.[0-9]+ ]] || return 1
+    re=$(pkg_regex "$spec")
     names=$(apt-cache pkgnames linux-image- 2>/dev/null | grep -E "$re")
-    if [ -z "$names" ] && [ $apt_updated = 0 ] && [ -z "$(ls "$CACHE"/debs/*.deb 2>/dev/null)" ]; then
+    if [ -z "$names" ] && [ $apt_updated = 0 ] && [ -z "$(resolve_package_cached "$spec")" ]; then
         apt_update_once
         names=$(apt-cache pkgnames linux-image- 2>/dev/null | grep -E "$re")
     fi
-    if [ -z "$names" ]; then
-        names=$(ls "$CACHE"/debs/ 2>/dev/null | sed -n 's/^\(linux-image-[^_]*\)_.*\.deb$/\1/p' | grep -E "$re")
-    fi
+    [ -n "$names" ] || names=$(resolve_package_cached "$spec")
     [ -n "$names" ] || return 1
     sort -V <<<"$names" | tail -n 1
 }
@@ -351,9 +373,16 @@ fetch_kernel() {
     deb=$(ls -t "$CACHE/debs/${pkg}"_*.deb 2>/dev/null | head -n 1)
     if [ -z "$deb" ]; then
         say "[$spec] apt-get download $pkg"
-        (cd "$CACHE/debs" && apt-get download -o APT::Sandbox::User=root -qq "$pkg" >"$WORK/download.log" 2>&1) \
-            || { K_ERR="apt-get download $pkg failed: $(tail -n 1 "$WORK/download.log")"; return 1; }
-        deb=$(ls -t "$CACHE/debs/${pkg}"_*.deb 2>/dev/null | head -n 1)
+        if (cd "$CACHE/debs" && apt-get download -o APT::Sandbox::User=root -qq "$pkg" >"$WORK/download.log" 2>&1); then
+            deb=$(ls -t "$CACHE/debs/${pkg}"_*.deb 2>/dev/null | head -n 1)
+        else
+            # Offline, or the archive dropped it: an older cached package of the series will do.
+            local older
+            older=$(apt_updated=1 resolve_package_cached "$spec")
+            [ -n "$older" ] && deb=$(ls -t "$CACHE/debs/${older}"_*.deb 2>/dev/null | head -n 1)
+            [ -n "$deb" ] || { K_ERR="apt-get download $pkg failed: $(tail -n 1 "$WORK/download.log")"; return 1; }
+            say "[$spec] warning: apt-get download $pkg failed; using the cached $(basename "$deb")"
+        fi
     else
         say "[$spec] using cached $(basename "$deb")"
     fi
@@ -419,9 +448,11 @@ choose_accel() {
     K_ACCEL=tcg
     [ -r /dev/kvm ] && [ -w /dev/kvm ] || return
     [ -f "$WORK/probe.cpio" ] || build_probe
-    if timeout 60 "$QEMU" -nodefaults -no-user-config -display none -no-reboot -accel kvm -cpu host -m 256 \
+    # (In a subshell that waits, so that bash's "Aborted" notice for QEMU's
+    # SIGABRT goes to probe.err too.)
+    if (timeout 60 "$QEMU" -nodefaults -no-user-config -display none -no-reboot -accel kvm -cpu host -m 256 \
         -kernel "$K_IMAGE" -initrd "$WORK/probe.cpio" -append "console=ttyS0 panic=-1 quiet" \
-        -serial "file:$WORK/probe.log" >"$WORK/probe.err" 2>&1 && grep -q MATRIX-PROBE-OK "$WORK/probe.log"; then
+        -serial "file:$WORK/probe.log"; exit $?) >"$WORK/probe.err" 2>&1 && grep -q MATRIX-PROBE-OK "$WORK/probe.log"; then
         K_ACCEL=kvm
     else
         say "[$1] KVM cannot run this kernel here ($(head -n 1 "$WORK/probe.err" | cut -c1-100)); using TCG"

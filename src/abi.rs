@@ -223,15 +223,18 @@ pub enum Outcome {
     Result = 2,
     ToUserspace = 3,
     OtherAggbox = 4,
+    /// For the user-space path, but no AF_XDP socket on the RX queue: passed.
+    UserspaceUnavailable = 5,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::NotAggbox,
         Outcome::Accepted,
         Outcome::Result,
         Outcome::ToUserspace,
         Outcome::OtherAggbox,
+        Outcome::UserspaceUnavailable,
     ];
 
     pub fn label(self) -> &'static str {
@@ -241,11 +244,12 @@ impl Outcome {
             Outcome::Result => "result",
             Outcome::ToUserspace => "to_userspace",
             Outcome::OtherAggbox => "other_aggbox",
+            Outcome::UserspaceUnavailable => "userspace_unavailable",
         }
     }
 }
 
-pub const OUTCOME_COUNT_OK: u32 = 5;
+pub const OUTCOME_COUNT_OK: u32 = 6;
 pub const STATS_DROP_BASE: u32 = OUTCOME_COUNT_OK;
 pub const STATS_MAX: u32 = STATS_DROP_BASE + DropReason::ALL.len() as u32;
 
@@ -359,6 +363,81 @@ pub struct JobState {
 }
 const _: () = assert!(core::mem::size_of::<JobState>() == 16);
 
+/// RX queues that can have an AF_XDP socket (`AGGBOX_MAX_QUEUES`).
+pub const MAX_QUEUES: u32 = 64;
+/// Entries of the `slot_owner` map (`AGGBOX_MAX_OWNERS`).
+pub const MAX_OWNERS: u32 = 2 * MAX_SLOTS;
+
+/// `enum aggbox_handoff_reason`: why a datagram went to user space.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HandoffReason {
+    /// Op 5..8.
+    Op = 0,
+    /// FLOAT32 payload.
+    Float32 = 1,
+    /// Job flagged [`JOB_F_USERSPACE_ONLY`].
+    UserspaceOnly = 2,
+    /// New slot while the slot pool is full.
+    PoolFull = 3,
+    /// New slot of a job in overload ([`HANDOFF_F_OVERLOAD`]).
+    Overload = 4,
+    /// Slot already owned by user space.
+    Owned = 5,
+}
+
+impl HandoffReason {
+    pub const ALL: [HandoffReason; 6] = [
+        HandoffReason::Op,
+        HandoffReason::Float32,
+        HandoffReason::UserspaceOnly,
+        HandoffReason::PoolFull,
+        HandoffReason::Overload,
+        HandoffReason::Owned,
+    ];
+
+    /// Label used in metrics (snake case).
+    pub fn label(self) -> &'static str {
+        match self {
+            HandoffReason::Op => "op",
+            HandoffReason::Float32 => "float32",
+            HandoffReason::UserspaceOnly => "userspace_only",
+            HandoffReason::PoolFull => "pool_full",
+            HandoffReason::Overload => "overload",
+            HandoffReason::Owned => "owned",
+        }
+    }
+}
+/// Size of the `handoff_stats` map (`AGGBOX_HANDOFF_MAX`).
+pub const HANDOFF_MAX: u32 = 6;
+
+/// `slot_owner` value: the kernel serves the slot.
+pub const OWNER_KERNEL: u32 = 1;
+/// `slot_owner` value: user space serves the slot.
+pub const OWNER_USERSPACE: u32 = 2;
+
+/// `struct aggbox_slot_owner` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SlotOwner {
+    pub owner: u32,
+}
+const _: () = assert!(core::mem::size_of::<SlotOwner>() == 4);
+
+/// `job_handoff` flag: new slots of the job go to user space.
+pub const HANDOFF_F_OVERLOAD: u32 = 0x01;
+
+/// `struct aggbox_job_handoff` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct JobHandoff {
+    pub flags: u32,
+    pub newest_round: u32,
+    pub completed: u32,
+    pub pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<JobHandoff>() == 16);
+
 // SAFETY: every type above is repr(C), made only of integers, and valid for
 // any bit pattern, which is all `plain` requires.
 unsafe impl Plain for AggHdr {}
@@ -373,6 +452,8 @@ unsafe impl Plain for PortKey {}
 unsafe impl Plain for Port {}
 unsafe impl Plain for SlotKey {}
 unsafe impl Plain for JobState {}
+unsafe impl Plain for SlotOwner {}
+unsafe impl Plain for JobHandoff {}
 
 /// View of a plain value as bytes, for map updates.
 pub fn as_bytes<T: Plain>(value: &T) -> &[u8] {
@@ -416,6 +497,8 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_port", Port, [jobs]);
     fields!(out, "aggbox_slot_key", SlotKey, [job, pad, round, frag_off]);
     fields!(out, "aggbox_job_state", JobState, [active_slots, newest_round, completed, result_seq]);
+    fields!(out, "aggbox_slot_owner", SlotOwner, [owner]);
+    fields!(out, "aggbox_job_handoff", JobHandoff, [flags, newest_round, completed, pad]);
     bcast_layout(&mut out);
     out
 }
@@ -538,13 +621,14 @@ pub enum BcastStat {
     FibError = 15,
     CloneFailed = 16,
     RewriteFailed = 17,
+    LocalCopy = 18,
 }
 
 /// `AGGBOX_BCAST_STAT_MAX`.
-pub const BCAST_STAT_MAX: u32 = 18;
+pub const BCAST_STAT_MAX: u32 = 19;
 
 impl BcastStat {
-    pub const ALL: [BcastStat; 18] = [
+    pub const ALL: [BcastStat; 19] = [
         BcastStat::NotAggbox,
         BcastStat::OwnCopy,
         BcastStat::UnknownGroup,
@@ -563,6 +647,7 @@ impl BcastStat {
         BcastStat::FibError,
         BcastStat::CloneFailed,
         BcastStat::RewriteFailed,
+        BcastStat::LocalCopy,
     ];
 
     /// Label used in metrics and status (snake case; the C name is
@@ -587,6 +672,7 @@ impl BcastStat {
             BcastStat::FibError => "fib_error",
             BcastStat::CloneFailed => "clone_failed",
             BcastStat::RewriteFailed => "rewrite_failed",
+            BcastStat::LocalCopy => "local_copy",
         }
     }
 

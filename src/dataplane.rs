@@ -15,6 +15,10 @@
 //! | `completed` | [`abi::SlotKey`]      | `u32` marker (LRU)     | XDP |
 //! | `progs` | `u32` `abi::CALL_*`       | program fd             | control plane, once at load |
 //! | `scratch`, `slot_init` | `u32` 0    | per-CPU scratch        | XDP |
+//! | `xsks`  | `u32` RX queue            | AF_XDP socket fd (XSKMAP) | user-space path |
+//! | `slot_owner` | [`abi::SlotKey`]     | [`abi::SlotOwner`]     | XDP decides, the completing path deletes |
+//! | `job_handoff` | [`abi::JobKey`]     | [`abi::JobHandoff`]    | user-space path |
+//! | `handoff_stats` | `u32` reason      | [`abi::Stat`] per CPU  | XDP |
 //!
 //! Errors inside this module are typed ([`DataplaneError`]); callers at the
 //! edges may wrap them in `anyhow`.
@@ -541,9 +545,11 @@ impl Dataplane {
     fn clear_job_state(&self, id: u16) -> Result<()> {
         let key = abi::JobKey { job: id, pad: 0 };
         delete_ignore_missing(&self.skel.maps.job_state, "job_state", abi::as_bytes(&key))?;
+        delete_ignore_missing(&self.skel.maps.job_handoff, "job_handoff", abi::as_bytes(&key))?;
         for (map, name) in [
             (&self.skel.maps.slots, "slots"),
             (&self.skel.maps.completed, "completed"),
+            (&self.skel.maps.slot_owner, "slot_owner"),
         ] {
             let keys: Vec<Vec<u8>> = map
                 .keys()
@@ -570,6 +576,11 @@ impl Dataplane {
                 source,
             })?;
         Ok(raw.and_then(|bytes| abi::from_bytes::<abi::JobState>(&bytes)))
+    }
+
+    /// Number of `slot_owner` entries (all jobs), for tests and status.
+    pub fn slot_owners_in_use(&self) -> usize {
+        self.skel.maps.slot_owner.keys().count()
     }
 
     /// Number of slots in the pool (all jobs), for tests and status.
@@ -609,6 +620,62 @@ impl Dataplane {
                 .insert(reason.label(), read(reason.stats_index())?);
         }
         Ok(stats)
+    }
+
+    /// Datagrams redirected to user space, by [`abi::HandoffReason`] label,
+    /// summed over CPUs (their sum equals the `to_userspace` outcome).
+    pub fn handoff_stats(&self) -> Result<BTreeMap<&'static str, Counter>> {
+        let map = &self.skel.maps.handoff_stats;
+        let mut out = BTreeMap::new();
+        for reason in abi::HandoffReason::ALL {
+            let per_cpu = map
+                .lookup_percpu(&(reason as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "handoff_stats",
+                    source,
+                })?
+                .unwrap_or_default();
+            let mut sum = Counter::default();
+            for raw in per_cpu {
+                if let Some(stat) = abi::from_bytes::<abi::Stat>(&raw) {
+                    sum.packets += stat.packets;
+                    sum.bytes += stat.bytes;
+                }
+            }
+            out.insert(reason.label(), sum);
+        }
+        Ok(out)
+    }
+
+    /// Register the AF_XDP socket `xsk_fd` (bound to this interface's RX
+    /// queue `queue`) in the `xsks` XSKMAP: from now on what the kernel
+    /// hands to user space from that queue is redirected to it.
+    pub fn register_xsk(&self, queue: u32, xsk_fd: RawFd) -> Result<()> {
+        self.kernel_maps()?.register_xsk(queue, xsk_fd)
+    }
+
+    /// Remove queue `queue`'s socket from the `xsks` map (no-op if none).
+    pub fn unregister_xsk(&self, queue: u32) -> Result<()> {
+        delete_ignore_missing(&self.skel.maps.xsks, "xsks", &queue.to_ne_bytes())
+    }
+
+    /// Duplicated descriptors of the maps the user-space path shares with
+    /// the XDP program (`Send + Sync`, usable from its threads).
+    pub fn kernel_maps(&self) -> Result<KernelMaps> {
+        let maps = &self.skel.maps;
+        let dup = |fd: std::os::fd::BorrowedFd<'_>, map: &'static str| {
+            fd.try_clone_to_owned().map_err(|e| DataplaneError::Map {
+                map,
+                source: libbpf_rs::Error::from(e),
+            })
+        };
+        Ok(KernelMaps {
+            xsks: dup(maps.xsks.as_fd(), "xsks")?,
+            slot_owner: dup(maps.slot_owner.as_fd(), "slot_owner")?,
+            completed: dup(maps.completed.as_fd(), "completed")?,
+            job_state: dup(maps.job_state.as_fd(), "job_state")?,
+            job_handoff: dup(maps.job_handoff.as_fd(), "job_handoff")?,
+        })
     }
 
     /// Run the XDP entry program once on `frame` with BPF_PROG_TEST_RUN;
@@ -713,6 +780,148 @@ impl TestRunner {
         }
         out.truncate(opts.data_size_out as usize);
         Ok((opts.retval, out))
+    }
+}
+
+/// The maps the user-space path shares with the XDP program, as duplicated
+/// descriptors (`Send + Sync`): see [`Dataplane::kernel_maps`].
+#[derive(Debug)]
+pub struct KernelMaps {
+    xsks: OwnedFd,
+    slot_owner: OwnedFd,
+    completed: OwnedFd,
+    job_state: OwnedFd,
+    job_handoff: OwnedFd,
+}
+
+fn raw_lookup<K: plain::Plain, V: plain::Plain + Default>(fd: &OwnedFd, key: &K) -> Option<V> {
+    let mut value = V::default();
+    // SAFETY: key/value point at live plain structs of the map's sizes.
+    let rc = unsafe {
+        libbpf_sys::bpf_map_lookup_elem(
+            fd.as_raw_fd(),
+            (key as *const K).cast(),
+            (&mut value as *mut V).cast(),
+        )
+    };
+    (rc == 0).then_some(value)
+}
+
+fn raw_update<K: plain::Plain, V: plain::Plain>(
+    fd: &OwnedFd,
+    map: &'static str,
+    key: &K,
+    value: &V,
+    flags: u64,
+) -> Result<()> {
+    // SAFETY: key/value point at live plain structs of the map's sizes.
+    let rc = unsafe {
+        libbpf_sys::bpf_map_update_elem(
+            fd.as_raw_fd(),
+            (key as *const K).cast(),
+            (value as *const V).cast(),
+            flags,
+        )
+    };
+    if rc < 0 {
+        return Err(DataplaneError::Map {
+            map,
+            source: libbpf_rs::Error::from(std::io::Error::from_raw_os_error(-rc)),
+        });
+    }
+    Ok(())
+}
+
+fn raw_delete<K: plain::Plain>(fd: &OwnedFd, key: &K) {
+    // SAFETY: key points at a live plain struct of the map's key size.
+    // ENOENT (already gone) is the only expected failure and is fine.
+    unsafe {
+        libbpf_sys::bpf_map_delete_elem(fd.as_raw_fd(), (key as *const K).cast());
+    }
+}
+
+impl KernelMaps {
+    /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
+    pub fn register_xsk(&self, queue: u32, xsk_fd: RawFd) -> Result<()> {
+        raw_update(&self.xsks, "xsks", &queue, &(xsk_fd as u32), 0)
+    }
+
+    /// Remove `xsks[queue]`.
+    pub fn unregister_xsk(&self, queue: u32) {
+        raw_delete(&self.xsks, &queue);
+    }
+
+    /// Which path owns slot `key` (`abi::OWNER_*`), if decided.
+    pub fn slot_owner(&self, key: &abi::SlotKey) -> Option<u32> {
+        raw_lookup::<_, abi::SlotOwner>(&self.slot_owner, key).map(|o| o.owner)
+    }
+
+    /// Forget who owns slot `key` (after its `completed` marker is written).
+    pub fn delete_slot_owner(&self, key: &abi::SlotKey) {
+        raw_delete(&self.slot_owner, key);
+    }
+
+    /// Every `slot_owner` entry.
+    pub fn slot_owners(&self) -> Vec<(abi::SlotKey, u32)> {
+        let mut out = Vec::new();
+        let mut key = abi::SlotKey::default();
+        let mut first = true;
+        loop {
+            let mut next = abi::SlotKey::default();
+            let prev: *const std::ffi::c_void = if first {
+                std::ptr::null()
+            } else {
+                (&key as *const abi::SlotKey).cast()
+            };
+            // SAFETY: prev is null or a live key; next is a live key buffer.
+            let rc = unsafe {
+                libbpf_sys::bpf_map_get_next_key(
+                    self.slot_owner.as_raw_fd(),
+                    prev,
+                    (&mut next as *mut abi::SlotKey).cast(),
+                )
+            };
+            if rc != 0 || out.len() > abi::MAX_OWNERS as usize {
+                break;
+            }
+            first = false;
+            key = next;
+            if let Some(owner) = self.slot_owner(&key) {
+                out.push((key, owner));
+            }
+        }
+        out
+    }
+
+    /// Write the kernel's completed marker for `key`, so a late
+    /// retransmission is never aggregated again by either path.
+    pub fn mark_completed(&self, key: &abi::SlotKey) -> Result<()> {
+        raw_update(&self.completed, "completed", key, &1u32, 0)
+    }
+
+    /// Whether the kernel's completed marker for `key` exists.
+    pub fn is_completed(&self, key: &abi::SlotKey) -> bool {
+        raw_lookup::<_, u32>(&self.completed, key).is_some()
+    }
+
+    /// The kernel's runtime state of job `id`.
+    pub fn job_state(&self, id: u16) -> Option<abi::JobState> {
+        raw_lookup(&self.job_state, &abi::JobKey { job: id, pad: 0 })
+    }
+
+    /// The user-space path's state of job `id` as the kernel sees it.
+    pub fn job_handoff(&self, id: u16) -> Option<abi::JobHandoff> {
+        raw_lookup(&self.job_handoff, &abi::JobKey { job: id, pad: 0 })
+    }
+
+    /// Write the user-space path's state of job `id`.
+    pub fn set_job_handoff(&self, id: u16, value: &abi::JobHandoff) -> Result<()> {
+        raw_update(&self.job_handoff, "job_handoff", &abi::JobKey { job: id, pad: 0 }, value, 0)
+    }
+
+    /// Delete job `id`'s user-space state (overload off).
+    pub fn delete_job_handoff(&self, id: u16) {
+        raw_delete(&self.job_handoff, &abi::JobKey { job: id, pad: 0 });
     }
 }
 

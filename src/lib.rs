@@ -8,8 +8,10 @@
 //! - [`reducer`]: the reference reducer, oracle for the kernel path and core of
 //!   the socket baseline.
 //! - [`dataplane`]: loads the BPF skeletons, attaches, configures, reads counters.
+//! - [`xsk`], [`userspace`]: the AF_XDP socket and the user-space aggregation path.
 
 pub mod abi;
+pub mod broadcast;
 pub mod config;
 pub mod dataplane;
 pub mod proto;
@@ -18,3 +20,5 @@ pub mod metrics;
 pub mod node;
 pub mod testbed;
 pub mod tools;
+pub mod userspace;
+pub mod xsk;

@@ -2,9 +2,10 @@
 //! detach (also after a crash), and read status back from the pins.
 //!
 //! Pins live under `PIN_ROOT/IFACE/` (default `/sys/fs/bpf/aggbox/IFACE/`):
-//! one file per map, `link_xdp` for the XDP link, and `state.json` saying who
-//! attached, when and how. The XDP link pin is what keeps the program attached
-//! after the attaching process dies, and what `detach` removes.
+//! one file per map, `link_xdp` for the XDP link, `link_xdp_lo` for the link
+//! on `lo` when a worker runs on this host (see [`attach`]), and `state` saying
+//! who attached, when and how. The XDP link pins are what keep the program
+//! attached after the attaching process dies, and what `detach` removes.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -27,6 +28,13 @@ use crate::dataplane::{self, Dataplane, XdpLink, XdpMode};
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/aggbox";
 /// File name of the pinned XDP link inside an interface's pin directory.
 pub const XDP_LINK_PIN: &str = "link_xdp";
+/// File name of the pinned XDP link on the loopback interface, present when a
+/// configured worker address is local to the node's namespace (see [`attach`]).
+pub const LO_LINK_PIN: &str = "link_xdp_lo";
+/// Every link pin `detach` removes, in detach order.
+const LINK_PINS: [&str; 2] = [XDP_LINK_PIN, LO_LINK_PIN];
+/// The loopback interface.
+const LOOPBACK: &str = "lo";
 /// Pin name of the one-entry array map holding the attach record as JSON
 /// (bpffs holds only BPF objects, so the record lives in a map of its own).
 pub const STATE_FILE: &str = "state";
@@ -52,6 +60,10 @@ pub struct AttachRecord {
     pub config: Option<String>,
     /// Jobs written into the maps.
     pub jobs: Vec<u16>,
+    /// Whether the XDP program is also attached to `lo` (generic mode) for
+    /// workers on this host; absent in records of older versions.
+    #[serde(default)]
+    pub lo_xdp: bool,
 }
 
 /// Everything needed before loading anything: fails with one clear line.
@@ -133,6 +145,8 @@ pub struct Attachment {
     /// The loaded data plane (maps can be updated while attached).
     pub dataplane: Dataplane,
     link: Option<XdpLink>,
+    /// The same program on `lo`, for workers on this host.
+    lo_link: Option<XdpLink>,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -174,6 +188,33 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
     let (link, warning) = dataplane.attach_xdp(index, mode).map_err(|e| anyhow!("aggbox: {e}"))?;
     warnings.extend(warning);
 
+    // A worker on this host: its datagrams to the node's own address are
+    // routed through `lo` and never meet IFACE's XDP program. The one fix is
+    // to run the same program (same maps, so the same slots, dedup bitmap and
+    // exactly-once completion) on `lo` too; `lo` has no native XDP, so this
+    // link is generic mode. Its RESULT is passed up the same way and reaches
+    // the result port. If this fails, `link` is dropped unpinned: IFACE is
+    // left as it was.
+    let local = local_workers(config)?;
+    let lo_link = match local.first() {
+        Some(&(job, rank, addr)) if iface != LOOPBACK => {
+            let lo_index = ifindex(LOOPBACK)?;
+            let (lo_link, _) = dataplane.attach_xdp(lo_index, XdpMode::Generic).map_err(|e| {
+                anyhow!(
+                    "aggbox: attaching to {LOOPBACK} for the worker(s) on this host (job {job} rank {rank} at {addr}{}): {e}{}",
+                    if local.len() > 1 { format!(" and {} more", local.len() - 1) } else { String::new() },
+                    if matches!(&e, dataplane::DataplaneError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY)) {
+                        " (lo already has an XDP program: another AggBox attachment in this namespace?)"
+                    } else {
+                        ""
+                    }
+                )
+            })?;
+            Some(lo_link)
+        }
+        _ => None,
+    };
+
     let record = AttachRecord {
         iface: iface.to_string(),
         ifindex: index,
@@ -188,8 +229,9 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
             .unwrap_or(0),
         config: config_path.map(|p| p.display().to_string()),
         jobs: config.jobs.iter().map(|j| j.id).collect(),
+        lo_xdp: lo_link.is_some(),
     };
-    let mut attachment = Attachment { dataplane, link: Some(link), dir: dir.clone(), record, warnings };
+    let mut attachment = Attachment { dataplane, link: Some(link), lo_link, dir: dir.clone(), record, warnings };
     if let Err(err) = attachment.pin() {
         // The link is not pinned yet (or only partly): dropping it detaches.
         let _ = detach_dir(&dir);
@@ -205,6 +247,9 @@ impl Attachment {
         if let Some(link) = &self.link {
             link.pin(&self.dir.join(XDP_LINK_PIN)).map_err(|e| anyhow!("aggbox: {e}"))?;
         }
+        if let Some(link) = &self.lo_link {
+            link.pin(&self.dir.join(LO_LINK_PIN)).map_err(|e| anyhow!("aggbox: {e}"))?;
+        }
         write_record(&self.dir, &self.record)
     }
 
@@ -215,9 +260,9 @@ impl Attachment {
 
     /// Detach everything and remove the pins.
     pub fn detach(mut self) -> Result<()> {
-        let link = self.link.take();
+        let links = (self.link.take(), self.lo_link.take());
         let result = detach_dir(&self.dir);
-        drop(link);
+        drop(links);
         result
     }
 }
@@ -236,17 +281,20 @@ pub fn detach(iface: &str, pin_root: &Path) -> Result<bool> {
     Ok(true)
 }
 
-/// Force-detach the pinned XDP link (even if a live process holds its fd)
-/// and delete every pin in `dir`, then `dir` itself.
+/// Force-detach the pinned XDP links (even if a live process holds their
+/// fds) and delete every pin in `dir`, then `dir` itself.
 fn detach_dir(dir: &Path) -> Result<()> {
-    let link_pin = dir.join(XDP_LINK_PIN);
-    if link_pin.exists() {
+    for name in LINK_PINS {
+        let link_pin = dir.join(name);
+        if !link_pin.exists() {
+            continue;
+        }
         let fd = obj_get(&link_pin).with_context(|| format!("opening pinned link {}", link_pin.display()))?;
         // SAFETY: fd is a valid BPF link descriptor we own.
         let rc = unsafe { libbpf_sys::bpf_link_detach(fd.as_raw_fd()) };
         // ENOLINK/EINVAL: already detached (its interface vanished); fine.
         if rc < 0 && -rc != libc::ENOLINK && -rc != libc::EINVAL {
-            return Err(io::Error::from_raw_os_error(-rc)).context("detaching the XDP link");
+            return Err(io::Error::from_raw_os_error(-rc)).with_context(|| format!("detaching the XDP link {}", link_pin.display()));
         }
     }
     for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
@@ -255,6 +303,29 @@ fn detach_dir(dir: &Path) -> Result<()> {
     }
     fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
     Ok(())
+}
+
+/// IPv4 addresses on any interface of the current network namespace.
+pub fn local_ipv4_addrs() -> Result<Vec<Ipv4Addr>> {
+    let addrs = nix::ifaddrs::getifaddrs().context("aggbox: listing this host's addresses (getifaddrs)")?;
+    let mut out: Vec<Ipv4Addr> = addrs
+        .filter_map(|ifa| ifa.address.and_then(|a| a.as_sockaddr_in().map(|sin| sin.ip())))
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// The configured workers `(job, rank, address)` whose address is local to
+/// this network namespace: their datagrams to this node go through `lo`.
+pub fn local_workers(config: &Config) -> Result<Vec<(u16, usize, Ipv4Addr)>> {
+    let local = local_ipv4_addrs()?;
+    Ok(config
+        .jobs
+        .iter()
+        .flat_map(|job| job.workers.iter().enumerate().map(move |(rank, addr)| (job.id, rank, *addr)))
+        .filter(|(_, _, addr)| addr.is_loopback() || local.contains(addr))
+        .collect())
 }
 
 fn obj_get(path: &Path) -> io::Result<OwnedFd> {
@@ -408,6 +479,9 @@ pub fn format_status(status: &NodeStatus) -> String {
         a.pid,
         if status.serving { "serving" } else { "not running: stale, `aggbox detach` cleans up" }
     );
+    if a.lo_xdp {
+        let _ = writeln!(s, "  also on lo (XDP generic mode): a worker runs on this host");
+    }
     let _ = writeln!(s, "  jobs:");
     if status.jobs.is_empty() {
         let _ = writeln!(s, "    (none)");

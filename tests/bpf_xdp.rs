@@ -295,7 +295,9 @@ fn table() -> Vec<Row> {
         Expect::Drop(DropReason::BeyondVector),
     ));
 
-    // User-space path.
+    // User-space path, no AF_XDP socket registered: passed to the stack and
+    // counted as userspace_unavailable (tests/bpf_handoff.rs covers the
+    // redirect with a socket).
     let mut a = valid();
     a.flags = abi::AGG_F_FLOAT32;
     rows.push(agg_row(
@@ -303,7 +305,7 @@ fn table() -> Vec<Row> {
         &a,
         src,
         XDP_PASS,
-        Expect::Outcome(Outcome::ToUserspace),
+        Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
     let mut a = valid();
     a.op = abi::Op::Prod as u8;
@@ -312,7 +314,7 @@ fn table() -> Vec<Row> {
         &a,
         src,
         XDP_PASS,
-        Expect::Outcome(Outcome::ToUserspace),
+        Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
     let mut a = valid();
     a.op = abi::Op::Bxor as u8;
@@ -321,7 +323,7 @@ fn table() -> Vec<Row> {
         &a,
         src,
         XDP_PASS,
-        Expect::Outcome(Outcome::ToUserspace),
+        Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
     let mut a = valid();
     a.job = JOB_US;
@@ -330,7 +332,7 @@ fn table() -> Vec<Row> {
         &a,
         src,
         XDP_PASS,
-        Expect::Outcome(Outcome::ToUserspace),
+        Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
 
     // Valid contributions, in several encapsulations.

@@ -135,7 +135,9 @@ enum aggbox_outcome {
 	AGGBOX_OUTCOME_RESULT       = 2, /* contribution completed a slot: RESULT emitted */
 	AGGBOX_OUTCOME_TO_USERSPACE = 3, /* handed to the user-space path */
 	AGGBOX_OUTCOME_OTHER_AGGBOX = 4, /* AGB1/AGK1 or AGG1 to a non-job port: passed */
-	AGGBOX_OUTCOME_COUNT_OK     = 5,
+	AGGBOX_OUTCOME_USERSPACE_UNAVAILABLE = 5, /* for the user-space path, but no AF_XDP
+						   * socket on this RX queue: passed */
+	AGGBOX_OUTCOME_COUNT_OK     = 6,
 };
 
 /* stats map index: outcomes first, then one entry per drop reason */
@@ -375,10 +377,11 @@ enum aggbox_bcast_stat {
 	AGGBOX_BCAST_FIB_ERROR       = 15, /* FIB: no route / blackhole / frag needed...: copy not sent */
 	AGGBOX_BCAST_CLONE_FAILED    = 16, /* bpf_clone_redirect failed: copy not sent */
 	AGGBOX_BCAST_REWRITE_FAILED  = 17, /* a store/checksum helper failed: copy not sent */
-	AGGBOX_BCAST_STAT_MAX        = 18,
+	AGGBOX_BCAST_LOCAL_COPY      = 18, /* destination on this host: copy looped into our ingress */
+	AGGBOX_BCAST_STAT_MAX        = 19,
 };
 
-/* Value of the bcast_gstats per-CPU hash (key struct aggbox_group_key, port 0). */
+/* Value of the bcast_gstats per-CPU hash (same key as bcast_groups). */
 struct aggbox_bcast_group_stat {
 	__u64 datagrams;    /* host order: datagrams broadcast (egress) or forwarded (ingress) */
 	__u64 copies;       /* host order: copies sent */
@@ -386,5 +389,53 @@ struct aggbox_bcast_group_stat {
 	__u64 bytes;        /* host order: UDP payload bytes of the datagrams */
 };
 _Static_assert(sizeof(struct aggbox_bcast_group_stat) == 32, "group stat is 32 bytes");
+
+/* ---------------------------------------------------------------------------
+ * Hand-off to the user-space path (AF_XDP; src/xsk.rs, src/userspace.rs,
+ * docs/USERSPACE.md)
+ *
+ * What the kernel does not aggregate is redirected with bpf_redirect_map()
+ * into the `xsks` XSKMAP (key: RX queue index, value: AF_XDP socket fd),
+ * when a socket is registered for the queue the frame arrived on.
+ * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_MAX_QUEUES
+#define AGGBOX_MAX_QUEUES 64 /* RX queues with an AF_XDP socket (xsks entries) */
+#endif
+#ifndef AGGBOX_MAX_OWNERS
+#define AGGBOX_MAX_OWNERS (2 * AGGBOX_MAX_SLOTS) /* slot_owner entries */
+#endif
+
+/* Why a datagram was handed to user space (index of the handoff_stats map). */
+enum aggbox_handoff_reason {
+	AGGBOX_HANDOFF_OP             = 0, /* op 5..8 (PROD, BAND, BOR, BXOR) */
+	AGGBOX_HANDOFF_FLOAT32        = 1, /* FLOAT32 payload */
+	AGGBOX_HANDOFF_USERSPACE_ONLY = 2, /* job flagged AGGBOX_JOB_F_USERSPACE_ONLY */
+	AGGBOX_HANDOFF_POOL_FULL      = 3, /* new slot, the job's (or the global) slot pool is full */
+	AGGBOX_HANDOFF_OVERLOAD       = 4, /* new slot of a job in overload (AGGBOX_HANDOFF_F_OVERLOAD) */
+	AGGBOX_HANDOFF_OWNED          = 5, /* slot already owned by user space */
+	AGGBOX_HANDOFF_MAX            = 6,
+};
+
+/* Value of the slot_owner map (key struct aggbox_slot_key): which path serves
+ * a slot. Inserted with BPF_NOEXIST by whichever path decides first, so a
+ * fragment is never split between the kernel and user space. */
+#define AGGBOX_OWNER_KERNEL    1
+#define AGGBOX_OWNER_USERSPACE 2
+struct aggbox_slot_owner {
+	__u32 owner; /* host order: AGGBOX_OWNER_* */
+};
+_Static_assert(sizeof(struct aggbox_slot_owner) == 4, "slot owner is 4 bytes");
+
+/* Value of the job_handoff map (key struct aggbox_job_key): written by the
+ * user-space path only, read by XDP. */
+#define AGGBOX_HANDOFF_F_OVERLOAD 0x01 /* new slots of the job go to user space */
+struct aggbox_job_handoff {
+	__u32 flags;        /* host order: AGGBOX_HANDOFF_F_* */
+	__u32 newest_round; /* host order: newest round completed in user space (valid if completed != 0) */
+	__u32 completed;    /* host order: slots completed in user space */
+	__u32 pad;          /* zero */
+};
+_Static_assert(sizeof(struct aggbox_job_handoff) == 16, "job handoff is 16 bytes");
 
 #endif /* AGGBOX_ABI_H */

@@ -53,6 +53,7 @@
 #define TC_ACT_SHOT     2
 #define TC_ACT_REDIRECT 7
 #define PACKET_HOST_    0
+#define LOOPBACK_IFINDEX_ 1 /* lo is ifindex 1 in every network namespace */
 
 /* Offsets inside the headers (bytes). */
 #define IP_CSUM_OFF   10
@@ -268,7 +269,8 @@ enum copy_kind {
  */
 static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state *st,
 				     struct agb1_pkt *p, struct aggbox_group_dest *dest,
-				     int kind, __u32 *neigh_misses)
+				     int kind, __u32 *neigh_misses, const __u8 *local_mac,
+				     __be32 local_addr)
 {
 	__u8 zero_mac[6] = {};
 	struct bcast_nh nh = {};
@@ -277,11 +279,48 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 	int res, rc;
 
 	res = nh_resolve(skb, hook_ifindex, p->saddr, dest->addr, p->tot_len, &nh);
+	if (res == NH_LOCAL && dest->addr != local_addr) {
+		/* NOT_FWDED for an address that is not ours on this datagram:
+		 * no route (or another local address: not supported) */
+		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
+		res = NH_ERROR;
+	}
 	if (res == NH_ERROR)
 		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
 
 	if (rewrite_dest(skb, st, dest->addr, dest->port))
 		goto rewrite_failed;
+	if (res == NH_LOCAL) {
+		/*
+		 * A member on this host: the copy is redirected into an
+		 * interface's INGRESS (dev_forward_skb drops the output route
+		 * the clone still carries; an egress redirect into lo would
+		 * keep it and the stack would discard the packet). At egress
+		 * the datagram's source is our own address, which the stack
+		 * drops as martian when it arrives on eth0 (accept_local=0):
+		 * use lo's ingress, whose MAC is all-zero. At ingress the
+		 * source is the remote root: use our own ingress, addressed
+		 * to our MAC, exactly like the datagram that just arrived.
+		 * Either way the destination MAC makes it PACKET_HOST.
+		 */
+		__u32 lo_ifindex = local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
+		__u64 lo_flags = BPF_F_INGRESS;
+
+		if (bpf_skb_store_bytes(skb, 0, local_mac ? local_mac : zero_mac, 6, 0))
+			goto rewrite_failed;
+		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);
+		mark = skb->mark;
+		skb->mark = AGGBOX_BCAST_MARK_COPY;
+		if (kind == COPY_LAST)
+			return bpf_redirect(lo_ifindex, lo_flags);
+		rc = bpf_clone_redirect(skb, lo_ifindex, lo_flags);
+		skb->mark = mark;
+		if (rc) {
+			bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
+			return -1;
+		}
+		return 0;
+	}
 	if (res == NH_OK) {
 		if (bpf_skb_store_bytes(skb, 0, nh.dmac, 6, 0) ||
 		    bpf_skb_store_bytes(skb, 6, nh.smac, 6, 0))
@@ -401,12 +440,14 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 			continue;
 		/* no higher bit left: the original becomes this copy */
 		if (i == 31 || !(eff >> (i + 1))) {
-			verdict = send_copy(skb, &st, &p, &g->dests[i], COPY_LAST, &neigh_misses);
+			verdict = send_copy(skb, &st, &p, &g->dests[i], COPY_LAST, &neigh_misses,
+					    NULL, p.saddr);
 			if (verdict != TC_ACT_SHOT)
 				copies++;
 			break;
 		}
-		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses) == 0)
+		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses, NULL,
+			      p.saddr) == 0)
 			copies++;
 	}
 
@@ -466,7 +507,10 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
 		if (i >= count)
 			break;
-		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses) == 0)
+		/* ingress: the arriving frame was addressed to our MAC
+		 * (egress passes NULL: local copies go through lo) */
+		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses, p.macs,
+			      p.daddr) == 0)
 			copies++;
 	}
 

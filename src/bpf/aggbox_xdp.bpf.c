@@ -21,6 +21,7 @@
 #include "stats.h"
 #include "slot.h"
 #include "tailcall.h"
+#include "handoff.h"
 
 /* Internal code of a chain stage: more chunks to go (never counted). */
 #define AGGBOX_CONTINUE 100
@@ -139,6 +140,34 @@ struct {
 } job_state SEC(".maps");
 
 /*
+ * slot_owner: (job, round, frag_off) -> which path serves the slot
+ * (AGGBOX_OWNER_KERNEL / AGGBOX_OWNER_USERSPACE). Inserted with BPF_NOEXIST
+ * by the XDP program that decides where a NEW slot lives, so every
+ * contribution of one fragment goes to the same path; deleted by the path
+ * that completes the slot (after it wrote `completed`), by the user-space
+ * path when it stops, and by the control plane with the job.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_OWNERS);
+	__type(key, struct aggbox_slot_key);
+	__type(value, struct aggbox_slot_owner);
+} slot_owner SEC(".maps");
+
+/*
+ * job_handoff: job id -> user-space path state the kernel honours: the
+ * OVERLOAD flag (new slots of the job go to user space) and the newest
+ * round completed in user space (stale-round rule across both paths).
+ * Written by the user-space path (src/userspace.rs) only; read here.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, struct aggbox_job_key);
+	__type(value, struct aggbox_job_handoff);
+} job_handoff SEC(".maps");
+
+/*
  * Validate one AGG1 contribution in the order of PROTOCOL.md. Returns an
  * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
  * once known.
@@ -239,9 +268,18 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	if (job->vector_len && end > job->vector_len)
 		return AGGBOX_DROP_BEYOND_VECTOR;
 
-	if ((agg->flags & AGGBOX_AGG_F_FLOAT32) || agg->op > AGGBOX_OP_LAST_KERNEL ||
-	    (job->flags & AGGBOX_JOB_F_USERSPACE_ONLY))
+	if (job->flags & AGGBOX_JOB_F_USERSPACE_ONLY) {
+		s->handoff = AGGBOX_HANDOFF_USERSPACE_ONLY;
 		return AGGBOX_OUTCOME_TO_USERSPACE;
+	}
+	if (agg->flags & AGGBOX_AGG_F_FLOAT32) {
+		s->handoff = AGGBOX_HANDOFF_FLOAT32;
+		return AGGBOX_OUTCOME_TO_USERSPACE;
+	}
+	if (agg->op > AGGBOX_OP_LAST_KERNEL) {
+		s->handoff = AGGBOX_HANDOFF_OP;
+		return AGGBOX_OUTCOME_TO_USERSPACE;
+	}
 
 	s->ip_off = l3;
 	s->udp_off = l3 + iph->ihl * 4;
@@ -276,7 +314,10 @@ int aggbox_xdp(struct xdp_md *ctx)
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0); /* cannot happen */
 	s->bytes = 0;
+	s->handoff = AGGBOX_HANDOFF_OP;
 	code = aggbox_classify(ctx, s);
+	if (code == AGGBOX_OUTCOME_TO_USERSPACE)
+		return aggbox_handoff(ctx, s->handoff, AGGBOX_OUTCOME_USERSPACE_UNAVAILABLE, s->bytes);
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		if (s->count > AGGBOX_MAX_ELEMS) {
 			code = AGGBOX_DROP_TOO_LARGE;
@@ -306,47 +347,144 @@ static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
 	return bpf_map_lookup_elem(&job_state, &key);
 }
 
-static __always_inline int slot_claim(struct aggbox_scratch *s)
+/* Internal code of slot_claim: hand the contribution to user space
+ * (reason in s->handoff); never counted under this value. */
+#define AGGBOX_HANDOFF_CODE 101
+
+/*
+ * Create the slot of s->key. `reserved`: the caller already holds one
+ * job_state.active_slots reservation for it (else one is taken here, past
+ * the bound: the slot is kernel-owned already and must exist). Returns 0
+ * when the slot exists (made here or by another CPU), else a drop reason.
+ */
+static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_job_state *js, int reserved)
 {
-	struct aggbox_job_state *js = job_state_of(s->key.job);
 	struct aggbox_slot_init *init;
+	__u32 zero = 0;
+	int err;
+
+	if (!reserved)
+		__sync_fetch_and_add(&js->active_slots, 1);
+	init = bpf_map_lookup_elem(&slot_init, &zero);
+	if (!init) {
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		return AGGBOX_DROP_SLOT_POOL_FULL;
+	}
+	init->b.key = s->key;
+	init->b.workers = s->workers;
+	init->b.op = s->op;
+	init->b.count = s->count;
+	init->b.weight_sum = s->weight_sum;
+	err = bpf_map_update_elem(&slots, &s->key, init, BPF_NOEXIST);
+	if (err) {
+		/* Lost the race to another CPU (-EEXIST) or the map is full. */
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		return err == -EEXIST ? 0 : AGGBOX_DROP_SLOT_POOL_FULL;
+	}
+	/*
+	 * Completion writes `completed` before it deletes the slot; if the
+	 * fragment completed between our lookups and this insert, undo it.
+	 */
+	if (bpf_map_lookup_elem(&completed, &s->key)) {
+		bpf_map_delete_elem(&slots, &s->key);
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		return AGGBOX_DROP_RETRANSMISSION;
+	}
+	return 0;
+}
+
+/*
+ * A contribution whose slot is not in the pool: decide (once per fragment,
+ * through slot_owner) whether the kernel or user space serves it. Returns 0
+ * when a kernel slot exists now, AGGBOX_HANDOFF_CODE, or a drop reason.
+ */
+static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch *s,
+				      struct aggbox_job_state *js, struct aggbox_job_handoff *ho)
+{
+	struct aggbox_slot_owner mine = { .owner = AGGBOX_OWNER_KERNEL };
+	struct aggbox_slot_owner *owner;
+	__u32 limit;
+	int err, reserved = 0;
+
+	if (bpf_map_lookup_elem(&completed, &s->key))
+		return AGGBOX_DROP_RETRANSMISSION;
+	owner = bpf_map_lookup_elem(&slot_owner, &s->key);
+	if (!owner) {
+		limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
+		if (ho && (ho->flags & AGGBOX_HANDOFF_F_OVERLOAD) && aggbox_has_xsk(ctx)) {
+			mine.owner = AGGBOX_OWNER_USERSPACE;
+			s->handoff = AGGBOX_HANDOFF_OVERLOAD;
+		} else if (__sync_fetch_and_add(&js->active_slots, 1) >= limit) {
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			if (!aggbox_has_xsk(ctx))
+				return AGGBOX_DROP_SLOT_POOL_FULL;
+			mine.owner = AGGBOX_OWNER_USERSPACE;
+			s->handoff = AGGBOX_HANDOFF_POOL_FULL;
+		} else {
+			reserved = 1;
+		}
+		err = bpf_map_update_elem(&slot_owner, &s->key, &mine, BPF_NOEXIST);
+		if (!err) {
+			if (mine.owner == AGGBOX_OWNER_USERSPACE)
+				return AGGBOX_HANDOFF_CODE;
+			err = slot_create(s, js, reserved);
+			if (err == AGGBOX_DROP_SLOT_POOL_FULL) {
+				/* Global pool full: user space takes it, or it is dropped. */
+				if (aggbox_has_xsk(ctx)) {
+					mine.owner = AGGBOX_OWNER_USERSPACE;
+					bpf_map_update_elem(&slot_owner, &s->key, &mine, BPF_EXIST);
+					s->handoff = AGGBOX_HANDOFF_POOL_FULL;
+					return AGGBOX_HANDOFF_CODE;
+				}
+				bpf_map_delete_elem(&slot_owner, &s->key);
+			} else if (err == AGGBOX_DROP_RETRANSMISSION) {
+				bpf_map_delete_elem(&slot_owner, &s->key);
+			}
+			return err;
+		}
+		if (reserved)
+			__sync_fetch_and_sub(&js->active_slots, 1);
+		if (err != -EEXIST)
+			return AGGBOX_DROP_SLOT_POOL_FULL; /* slot_owner full */
+		/* Another CPU decided first: follow it. */
+		owner = bpf_map_lookup_elem(&slot_owner, &s->key);
+		if (!owner)
+			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
+	}
+	if (owner->owner == AGGBOX_OWNER_USERSPACE) {
+		s->handoff = AGGBOX_HANDOFF_OWNED;
+		return AGGBOX_HANDOFF_CODE;
+	}
+	/* Kernel-owned: the slot exists, or its creator is about to insert it. */
+	if (bpf_map_lookup_elem(&slots, &s->key))
+		return 0;
+	return slot_create(s, js, 0);
+}
+
+static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch *s)
+{
+	struct aggbox_job_key jkey = { .job = s->key.job };
+	struct aggbox_job_state *js = job_state_of(s->key.job);
+	struct aggbox_job_handoff *ho;
 	struct aggbox_slot *slot;
-	__u32 zero = 0, limit, word, bit;
-	int err, code;
+	__u32 word, bit;
+	int code;
 
 	if (!js)
 		return AGGBOX_DROP_SLOT_POOL_FULL;
-	/* Serial-number comparison: rounds may wrap. */
+	ho = bpf_map_lookup_elem(&job_handoff, &jkey);
+	/* Serial-number comparison: rounds may wrap. Either path's newest
+	 * completed round makes older rounds stale. */
 	if (js->completed && (__s32)(js->newest_round - s->key.round) > AGGBOX_ROUND_WINDOW)
+		return AGGBOX_DROP_STALE_ROUND;
+	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > AGGBOX_ROUND_WINDOW)
 		return AGGBOX_DROP_STALE_ROUND;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
 	if (!slot) {
-		/* Completion writes `completed` before it deletes the slot. */
-		if (bpf_map_lookup_elem(&completed, &s->key))
-			return AGGBOX_DROP_RETRANSMISSION;
-		limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
-		if (__sync_fetch_and_add(&js->active_slots, 1) >= limit) {
-			__sync_fetch_and_sub(&js->active_slots, 1);
-			return AGGBOX_DROP_SLOT_POOL_FULL;
-		}
-		init = bpf_map_lookup_elem(&slot_init, &zero);
-		if (!init) {
-			__sync_fetch_and_sub(&js->active_slots, 1);
-			return AGGBOX_DROP_SLOT_POOL_FULL;
-		}
-		init->b.key = s->key;
-		init->b.workers = s->workers;
-		init->b.op = s->op;
-		init->b.count = s->count;
-		init->b.weight_sum = s->weight_sum;
-		err = bpf_map_update_elem(&slots, &s->key, init, BPF_NOEXIST);
-		if (err) {
-			/* Lost the race to another CPU (-EEXIST) or the pool is full. */
-			__sync_fetch_and_sub(&js->active_slots, 1);
-			if (err != -EEXIST)
-				return AGGBOX_DROP_SLOT_POOL_FULL;
-		}
+		code = slot_place(ctx, s, js, ho);
+		if (code)
+			return code;
 		slot = bpf_map_lookup_elem(&slots, &s->key);
 		if (!slot)
 			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
@@ -382,7 +520,9 @@ int aggbox_slot(struct xdp_md *ctx)
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	code = slot_claim(s);
+	code = slot_claim(ctx, s);
+	if (code == AGGBOX_HANDOFF_CODE)
+		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes);
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		s->chunk = 0;
 		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
@@ -524,6 +664,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	/* Release: the marker first, so the key can never get a new slot. */
 	bpf_map_update_elem(&completed, &s->key, &one, BPF_ANY);
 	bpf_map_delete_elem(&slots, &s->key);
+	bpf_map_delete_elem(&slot_owner, &s->key);
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		for (i = 0; i < 4; i++) {

@@ -12,7 +12,11 @@
  *   NH_NEIGH  neighbour not resolved (NO_NEIGH), or FIB says forwarding is
  *             disabled: the copy leaves through bpf_redirect_neigh(), which
  *             resolves the neighbour in the stack (counted NEIGH_MISS)
- *   NH_ERROR  no usable route (unreachable, blackhole, local, frag needed):
+ *   NH_LOCAL  FIB: NOT_FWDED: a local (or broadcast) route, but also "no
+ *             route at all" (-ENETUNREACH maps to NOT_FWDED too). The caller
+ *             treats it as local only when the destination is this host's own
+ *             address on the datagram (see send_copy), else as FIB_ERROR
+ *   NH_ERROR  no usable route (unreachable, blackhole, frag needed...):
  *             the copy is not sent (counted FIB_ERROR)
  */
 #ifndef AGGBOX_FIB_H
@@ -30,6 +34,7 @@ enum bcast_nh_result {
 	NH_OK    = 0,
 	NH_NEIGH = 1,
 	NH_ERROR = 2,
+	NH_LOCAL = 3,
 };
 
 /* What a copy needs to leave: MACs and egress interface. */
@@ -160,6 +165,10 @@ static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be
 		bcast_count(AGGBOX_BCAST_FWD_DISABLED, 0);
 		nh->ifindex = ifindex;
 		return NH_NEIGH;
+	case BPF_FIB_LKUP_RET_NOT_FWDED:
+		/* local route, or no route: send_copy() decides */
+		nh->ifindex = ifindex;
+		return NH_LOCAL;
 	default:
 		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
 		return NH_ERROR;

@@ -62,6 +62,7 @@ struct aggbox_scratch {
 	__s32 weight;
 	__u32 weight_sum;
 	__u32 slots;       /* the job's slot bound (0 = AGGBOX_MAX_SLOTS) */
+	__u32 handoff;     /* enum aggbox_handoff_reason when handed to user space */
 };
 
 #endif /* AGGBOX_SLOT_H */

@@ -1,0 +1,927 @@
+//! The broadcast data plane: loads the TC skeleton (`src/bpf/aggbox_tc.bpf.c`),
+//! attaches its egress and ingress programs to an interface (clsact), writes
+//! group tables, reads counters, and plans broadcast trees for groups larger
+//! than one table. See `docs/BROADCAST.md`.
+//!
+//! Map layout:
+//!
+//! | map            | type             | key                    | value                         | written by |
+//! |----------------|------------------|------------------------|-------------------------------|------------|
+//! | `bcast_groups` | hash             | [`abi::GroupKey`]      | [`abi::Group`]                | control plane |
+//! | `bcast_neigh`  | LRU hash         | [`abi::NeighKey`]      | [`abi::Neigh`] + `bpf_timer`  | TC programs (timer marks stale) |
+//! | `bcast_config` | array (1)        | `u32` 0                | [`abi::BcastConfig`]          | loader |
+//! | `bcast_stats`  | per-CPU array    | `u32` [`abi::BcastStat`] | [`abi::Stat`]               | TC programs |
+//! | `bcast_gstats` | per-CPU hash     | [`abi::GroupKey`]      | [`abi::BcastGroupStat`]       | control plane creates, TC adds |
+//!
+//! Errors inside this module are typed ([`BroadcastError`]).
+
+use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::time::Duration;
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
+
+use crate::abi;
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/aggbox_tc.skel.rs"));
+}
+use skel::{AggboxTcSkel, AggboxTcSkelBuilder};
+
+/// TC filter handle of both AggBox programs (fixed, so that a later
+/// `aggbox detach` can find and remove them: [`detach_stale`]).
+pub const TC_HANDLE: u32 = 0xa6b1;
+/// TC filter priority of both AggBox programs.
+pub const TC_PRIORITY: u32 = 0xa6b1;
+
+/// TC verdicts (uapi `pkt_cls.h`).
+pub const TC_ACT_OK: i32 = 0;
+/// TC_ACT_SHOT.
+pub const TC_ACT_SHOT: i32 = 2;
+/// TC_ACT_REDIRECT.
+pub const TC_ACT_REDIRECT: i32 = 7;
+
+/// Errors of the broadcast loader.
+#[derive(Debug, thiserror::Error)]
+pub enum BroadcastError {
+    /// Opening, loading or verifying the BPF object failed.
+    #[error("loading the TC broadcast programs: {0}")]
+    Load(#[source] libbpf_rs::Error),
+    /// A map operation failed.
+    #[error("map `{map}`: {source}")]
+    Map {
+        /// Name of the map.
+        map: &'static str,
+        /// The libbpf error.
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    /// Creating the clsact qdisc or attaching a filter failed.
+    #[error("attaching TC {what} to ifindex {ifindex}: {source}")]
+    Attach {
+        /// What was being attached.
+        what: &'static str,
+        /// Interface index.
+        ifindex: u32,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// IPv4 forwarding is off on the interface: bpf_fib_lookup() would
+    /// return FWD_DISABLED for every destination.
+    #[error(
+        "IPv4 forwarding is off on {ifname} in this network namespace \
+         (net.ipv4.conf.{ifname}.forwarding = 0): the broadcast program resolves next hops \
+         with bpf_fib_lookup, which fails with FWD_DISABLED then; enable it with \
+         `sysctl -w net.ipv4.ip_forward=1` (or net.ipv4.conf.{ifname}.forwarding=1)"
+    )]
+    ForwardingDisabled {
+        /// Interface name.
+        ifname: String,
+    },
+    /// Already attached / not attached / wrong namespace.
+    #[error("{0}")]
+    State(String),
+    /// A group table was rejected before touching any map.
+    #[error("group {group}: {reason}")]
+    InvalidGroup {
+        /// Group id.
+        group: u16,
+        /// What is wrong.
+        reason: String,
+    },
+    /// BPF_PROG_TEST_RUN failed.
+    #[error("BPF_PROG_TEST_RUN: {0}")]
+    TestRun(#[source] std::io::Error),
+    /// Pinning failed.
+    #[error("pinning {path}: {source}")]
+    Pin {
+        /// Pin path.
+        path: String,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Some other OS error (reading sysctls, interface names).
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Result type of this module.
+pub type Result<T, E = BroadcastError> = std::result::Result<T, E>;
+
+fn map_err(map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> BroadcastError {
+    move |source| BroadcastError::Map { map, source }
+}
+
+/// Load-time options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BroadcastOptions {
+    /// Lifetime of a next-hop cache entry: a bpf_timer marks it stale after
+    /// this, and the next datagram re-resolves it. `Duration::ZERO` = never.
+    pub neigh_ttl: Duration,
+}
+
+impl Default for BroadcastOptions {
+    fn default() -> Self {
+        BroadcastOptions {
+            neigh_ttl: Duration::from_secs(u64::from(abi::BCAST_DEFAULT_NEIGH_TTL_S)),
+        }
+    }
+}
+
+/// One counter pair, summed over CPUs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counter {
+    /// Events (datagrams or copies).
+    pub packets: u64,
+    /// UDP payload bytes (datagram outcomes only).
+    pub bytes: u64,
+}
+
+/// Snapshot of `bcast_stats`, summed over CPUs.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BroadcastStats {
+    /// Every counter by its label ([`abi::BcastStat::label`]).
+    pub counters: BTreeMap<&'static str, Counter>,
+}
+
+impl BroadcastStats {
+    /// One counter.
+    pub fn get(&self, stat: abi::BcastStat) -> Counter {
+        self.counters.get(stat.label()).copied().unwrap_or_default()
+    }
+
+    /// Packets of one counter.
+    pub fn packets(&self, stat: abi::BcastStat) -> u64 {
+        self.get(stat).packets
+    }
+
+    /// Packets of every per-datagram outcome together (= packets the
+    /// programs saw).
+    pub fn datagrams(&self) -> u64 {
+        abi::BcastStat::ALL
+            .iter()
+            .filter(|s| s.is_datagram_outcome())
+            .map(|s| self.packets(*s))
+            .sum()
+    }
+}
+
+/// One entry of the next-hop cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NeighEntry {
+    /// Destination.
+    pub addr: Ipv4Addr,
+    /// Interface the lookup was made for.
+    pub lookup_ifindex: u32,
+    /// What the FIB said (MACs, egress interface, stale flag, time).
+    pub neigh: abi::Neigh,
+}
+
+impl NeighEntry {
+    /// Marked stale by its timer (re-resolved on next use).
+    pub fn is_stale(&self) -> bool {
+        self.neigh.flags & abi::NEIGH_F_STALE != 0
+    }
+}
+
+/// Result of one BPF_PROG_TEST_RUN of a TC program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcRun {
+    /// The TC verdict (`TC_ACT_*`).
+    pub verdict: i32,
+    /// The packet as the program left it.
+    pub data: Vec<u8>,
+    /// `skb->mark` after the run.
+    pub mark: u32,
+}
+
+/// Which TC program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcProgram {
+    /// `aggbox_tc_egress`: root broadcast.
+    Egress,
+    /// `aggbox_tc_ingress`: tree forwarding.
+    Ingress,
+}
+
+#[derive(Debug)]
+struct Attachment {
+    ifindex: u32,
+    netns_ino: u64,
+    created_qdisc: bool,
+    egress: TcHook,
+    ingress: TcHook,
+}
+
+/// The loaded broadcast object: TC programs and maps, and where they are
+/// attached.
+pub struct BroadcastPlane {
+    attachment: Option<Attachment>,
+    // Field order matters: the skeleton borrows `_object` and must drop first.
+    skel: AggboxTcSkel<'static>,
+    _object: Box<MaybeUninit<OpenObject>>,
+}
+
+// SAFETY: the skeleton holds a libbpf object (heap memory and file
+// descriptors) with no thread affinity; libbpf-rs marks `Object` and
+// `OpenObject` Send likewise. Mutation goes through `&mut self`.
+unsafe impl Send for BroadcastPlane {}
+// SAFETY: every `&self` method only reads the skeleton's program/map
+// descriptors and makes syscalls on them (map lookups/updates, test runs),
+// which the kernel serialises; nothing is mutated through `&self`.
+unsafe impl Sync for BroadcastPlane {}
+
+impl std::fmt::Debug for BroadcastPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BroadcastPlane")
+            .field("attachment", &self.attachment)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BroadcastPlane {
+    /// Open and load (verify) the TC skeleton with default options (next-hop
+    /// cache lifetime 3600 s). Needs root (CAP_BPF + CAP_NET_ADMIN).
+    pub fn load() -> Result<Self> {
+        Self::load_with(&BroadcastOptions::default())
+    }
+
+    /// Open and load with `options`.
+    pub fn load_with(options: &BroadcastOptions) -> Result<Self> {
+        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
+        // SAFETY: the box's heap allocation never moves and lives as long as
+        // `BroadcastPlane`, whose field order drops the skeleton before the
+        // box; no other reference to the allocation is ever created.
+        let object_ref: &'static mut MaybeUninit<OpenObject> =
+            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let open = AggboxTcSkelBuilder::default()
+            .open(object_ref)
+            .map_err(BroadcastError::Load)?;
+        let skel = open.load().map_err(BroadcastError::Load)?;
+        let plane = BroadcastPlane {
+            attachment: None,
+            skel,
+            _object: object,
+        };
+        plane.set_neigh_ttl(options.neigh_ttl)?;
+        Ok(plane)
+    }
+
+    /// Change the next-hop cache lifetime. Applies to entries resolved from
+    /// now on (an entry's timer is armed when it is resolved).
+    pub fn set_neigh_ttl(&self, ttl: Duration) -> Result<()> {
+        let cfg = abi::BcastConfig {
+            neigh_ttl_ns: u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX),
+        };
+        self.skel
+            .maps
+            .bcast_config
+            .update(&0u32.to_ne_bytes(), abi::as_bytes(&cfg), MapFlags::ANY)
+            .map_err(map_err("bcast_config"))
+    }
+
+    /// Drop every next-hop cache entry (the next datagrams re-resolve).
+    pub fn flush_neigh_cache(&self) -> Result<()> {
+        let map = &self.skel.maps.bcast_neigh;
+        let keys: Vec<Vec<u8>> = map.keys().collect();
+        for k in keys {
+            delete_ignore_missing(map, "bcast_neigh", &k)?;
+        }
+        Ok(())
+    }
+
+    /// The next-hop cache.
+    pub fn neigh_cache(&self) -> Result<Vec<NeighEntry>> {
+        let map = &self.skel.maps.bcast_neigh;
+        let mut out = Vec::new();
+        for k in map.keys() {
+            let Some(key) = abi::from_bytes::<abi::NeighKey>(&k) else {
+                continue;
+            };
+            let Some(raw) = map.lookup(&k, MapFlags::ANY).map_err(map_err("bcast_neigh"))? else {
+                continue;
+            };
+            let Some(neigh) = abi::from_bytes::<abi::Neigh>(&raw) else {
+                continue;
+            };
+            out.push(NeighEntry {
+                addr: Ipv4Addr::from(u32::from_be(key.addr)),
+                lookup_ifindex: key.ifindex,
+                neigh,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Attach the egress (root broadcast) and ingress (tree forwarding)
+    /// programs to `ifindex` in the calling thread's network namespace.
+    /// Creates the clsact qdisc only if absent and remembers whether it did.
+    /// Refuses with [`BroadcastError::ForwardingDisabled`] when IPv4
+    /// forwarding is off on the interface. A stale AggBox filter (same
+    /// handle and priority) is replaced.
+    pub fn attach(&mut self, ifindex: u32) -> Result<()> {
+        if let Some(a) = &self.attachment {
+            return Err(BroadcastError::State(format!(
+                "already attached to ifindex {}",
+                a.ifindex
+            )));
+        }
+        check_ip_forward(ifindex)?;
+        let netns_ino = current_netns_ino()?;
+
+        // clsact: create it only if absent, and remember.
+        // SAFETY: zeroed bpf_tc_hook with sz set is what libbpf expects.
+        let mut raw: libbpf_sys::bpf_tc_hook = unsafe { std::mem::zeroed() };
+        raw.sz = std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _;
+        raw.ifindex = ifindex as i32;
+        raw.attach_point = libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS;
+        // SAFETY: valid hook struct.
+        let rc = unsafe { libbpf_sys::bpf_tc_hook_create(&mut raw) };
+        let created_qdisc = match rc {
+            0 => true,
+            rc if -rc == libc::EEXIST => false,
+            rc => {
+                return Err(BroadcastError::Attach {
+                    what: "clsact qdisc",
+                    ifindex,
+                    source: std::io::Error::from_raw_os_error(-rc),
+                })
+            }
+        };
+
+        let hook = |fd: BorrowedFd<'_>, point| {
+            let mut h = TcHook::new(fd);
+            h.ifindex(ifindex as i32)
+                .attach_point(point)
+                .handle(TC_HANDLE)
+                .priority(TC_PRIORITY)
+                .replace(true);
+            h
+        };
+        let mut egress = hook(self.skel.progs.aggbox_tc_egress.as_fd(), TC_EGRESS);
+        let mut ingress = hook(self.skel.progs.aggbox_tc_ingress.as_fd(), TC_INGRESS);
+        let undo_qdisc = |created: bool| {
+            if created {
+                let mut all = TcHook::new(self.skel.progs.aggbox_tc_egress.as_fd());
+                all.ifindex(ifindex as i32)
+                    .attach_point(libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS);
+                let _ = all.destroy();
+            }
+        };
+        if let Err(e) = egress.attach() {
+            undo_qdisc(created_qdisc);
+            return Err(BroadcastError::Attach {
+                what: "egress program",
+                ifindex,
+                source: to_io(e),
+            });
+        }
+        if let Err(e) = ingress.attach() {
+            let _ = egress.detach();
+            undo_qdisc(created_qdisc);
+            return Err(BroadcastError::Attach {
+                what: "ingress program",
+                ifindex,
+                source: to_io(e),
+            });
+        }
+        self.attachment = Some(Attachment {
+            ifindex,
+            netns_ino,
+            created_qdisc,
+            egress,
+            ingress,
+        });
+        Ok(())
+    }
+
+    /// Where the programs are attached: `(ifindex, created the clsact qdisc)`.
+    pub fn attached(&self) -> Option<(u32, bool)> {
+        self.attachment.as_ref().map(|a| (a.ifindex, a.created_qdisc))
+    }
+
+    /// Remove what [`attach`](Self::attach) created: both filters, and the
+    /// clsact qdisc if attach created it. Must run in the network namespace
+    /// attach ran in. No-op when not attached.
+    pub fn detach(&mut self) -> Result<()> {
+        let Some(a) = self.attachment.as_mut() else {
+            return Ok(());
+        };
+        if current_netns_ino()? != a.netns_ino {
+            return Err(BroadcastError::State(format!(
+                "detach must run in the network namespace attach ran in (ifindex {})",
+                a.ifindex
+            )));
+        }
+        let ifindex = a.ifindex;
+        let mut first_err = None;
+        for (what, hook) in [("egress program", &mut a.egress), ("ingress program", &mut a.ingress)] {
+            if let Err(e) = hook.detach() {
+                let e = to_io(e);
+                if e.raw_os_error() != Some(libc::ENOENT) {
+                    first_err.get_or_insert(BroadcastError::Attach {
+                        what,
+                        ifindex,
+                        source: e,
+                    });
+                }
+            }
+        }
+        if a.created_qdisc {
+            let mut all = TcHook::new(self.skel.progs.aggbox_tc_egress.as_fd());
+            all.ifindex(ifindex as i32)
+                .attach_point(libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS);
+            if let Err(e) = all.destroy() {
+                let e = to_io(e);
+                if e.raw_os_error() != Some(libc::ENOENT) && e.raw_os_error() != Some(libc::EINVAL) {
+                    first_err.get_or_insert(BroadcastError::Attach {
+                        what: "clsact qdisc (removing)",
+                        ifindex,
+                        source: e,
+                    });
+                }
+            }
+        }
+        self.attachment = None;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Write the root table of group `id`: mask bit i goes to `members[i]`
+    /// (1..=32 members). Also the table a tree node uses for FORWARD
+    /// datagrams of `id` arriving on any port.
+    pub fn set_group(&self, id: u16, members: &[SocketAddrV4]) -> Result<()> {
+        self.write_group(id, abi::BCAST_PORT_ANY, members)
+    }
+
+    /// Write a tree node's table: FORWARD datagrams of group `id` arriving
+    /// on UDP port `receive_port` (this node's own member port, non-zero)
+    /// are re-broadcast to `children` with hops + 1.
+    pub fn set_forwarding(&self, id: u16, receive_port: u16, children: &[SocketAddrV4]) -> Result<()> {
+        if receive_port == 0 {
+            return Err(BroadcastError::InvalidGroup {
+                group: id,
+                reason: "forwarding table for port 0: use set_group".into(),
+            });
+        }
+        self.write_group(id, receive_port, children)
+    }
+
+    fn write_group(&self, id: u16, port: u16, members: &[SocketAddrV4]) -> Result<()> {
+        let bad = |reason: String| BroadcastError::InvalidGroup { group: id, reason };
+        if members.is_empty() || members.len() > abi::BCAST_MAX_DESTS as usize {
+            return Err(bad(format!(
+                "{} destinations; a table has 1..={}",
+                members.len(),
+                abi::BCAST_MAX_DESTS
+            )));
+        }
+        if let Some(m) = members.iter().find(|m| m.port() == 0 || m.ip().is_unspecified()) {
+            return Err(bad(format!("destination {m} has no address or port")));
+        }
+        let mut value = abi::Group {
+            count: members.len() as u32,
+            ..Default::default()
+        };
+        for (d, m) in value.dests.iter_mut().zip(members) {
+            d.addr = u32::from_ne_bytes(m.ip().octets());
+            d.port = m.port().to_be();
+        }
+        let key = abi::GroupKey { group: id, port };
+        // counters first, so the programs find them with the table
+        let zeros = vec![vec![0u8; std::mem::size_of::<abi::BcastGroupStat>()]; num_possible_cpus()?];
+        match self
+            .skel
+            .maps
+            .bcast_gstats
+            .update_percpu(abi::as_bytes(&key), &zeros, MapFlags::NO_EXIST)
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(map_err("bcast_gstats")(e)),
+        }
+        self.skel
+            .maps
+            .bcast_groups
+            .update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
+            .map_err(map_err("bcast_groups"))
+    }
+
+    /// Remove every table of group `id` (root and forwarding) and its
+    /// counters. No-op if unknown.
+    pub fn remove_group(&self, id: u16) -> Result<()> {
+        for (map, name) in [
+            (&self.skel.maps.bcast_groups, "bcast_groups"),
+            (&self.skel.maps.bcast_gstats, "bcast_gstats"),
+        ] {
+            let keys: Vec<Vec<u8>> = map
+                .keys()
+                .filter(|k| abi::from_bytes::<abi::GroupKey>(k).is_some_and(|k| k.group == id))
+                .collect();
+            for k in keys {
+                delete_ignore_missing(map, name, &k)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The table of `(id, port)` as written (port 0 = root table).
+    pub fn group(&self, id: u16, port: u16) -> Result<Option<Vec<SocketAddrV4>>> {
+        let key = abi::GroupKey { group: id, port };
+        let raw = self
+            .skel
+            .maps
+            .bcast_groups
+            .lookup(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(map_err("bcast_groups"))?;
+        Ok(raw.and_then(|b| abi::from_bytes::<abi::Group>(&b)).map(|g| {
+            g.dests
+                .iter()
+                .take(g.count.min(abi::BCAST_MAX_DESTS) as usize)
+                .map(|d| SocketAddrV4::new(Ipv4Addr::from(d.addr.to_ne_bytes()), u16::from_be(d.port)))
+                .collect()
+        }))
+    }
+
+    /// Read `bcast_stats`, every counter summed over CPUs.
+    pub fn stats(&self) -> Result<BroadcastStats> {
+        let map = &self.skel.maps.bcast_stats;
+        let mut stats = BroadcastStats::default();
+        for stat in abi::BcastStat::ALL {
+            let per_cpu = map
+                .lookup_percpu(&(stat as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(map_err("bcast_stats"))?
+                .unwrap_or_default();
+            let mut sum = Counter::default();
+            for raw in per_cpu {
+                if let Some(s) = abi::from_bytes::<abi::Stat>(&raw) {
+                    sum.packets += s.packets;
+                    sum.bytes += s.bytes;
+                }
+            }
+            stats.counters.insert(stat.label(), sum);
+        }
+        Ok(stats)
+    }
+
+    /// Per-group counters of table `(id, port)`, summed over CPUs.
+    pub fn group_stats(&self, id: u16, port: u16) -> Result<Option<abi::BcastGroupStat>> {
+        let key = abi::GroupKey { group: id, port };
+        let Some(per_cpu) = self
+            .skel
+            .maps
+            .bcast_gstats
+            .lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(map_err("bcast_gstats"))?
+        else {
+            return Ok(None);
+        };
+        let mut sum = abi::BcastGroupStat::default();
+        for raw in per_cpu {
+            if let Some(s) = abi::from_bytes::<abi::BcastGroupStat>(&raw) {
+                sum.datagrams += s.datagrams;
+                sum.copies += s.copies;
+                sum.neigh_misses += s.neigh_misses;
+                sum.bytes += s.bytes;
+            }
+        }
+        Ok(Some(sum))
+    }
+
+    /// Pin every map of the object as `dir/<map name>` (`dir` must exist on
+    /// a bpffs). Internal maps (`.bss`, `.rodata`, ...) are skipped. The
+    /// names (`bcast_*`) do not collide with the XDP object's.
+    pub fn pin_maps(&self, dir: &Path) -> Result<()> {
+        use libbpf_rs::skel::Skel;
+        for map in self.skel.object().maps() {
+            let name = map.name().to_string_lossy().into_owned();
+            if name.starts_with('.') || name.contains(".bss") || name.contains(".rodata") || name.contains(".data") {
+                continue;
+            }
+            let path = dir.join(&name);
+            let display = path.display().to_string();
+            let cpath = std::ffi::CString::new(display.clone()).map_err(|_| BroadcastError::Pin {
+                path: display.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
+            })?;
+            // SAFETY: valid fd and NUL-terminated path.
+            let rc = unsafe { libbpf_sys::bpf_obj_pin(map.as_fd().as_raw_fd(), cpath.as_ptr()) };
+            if rc < 0 {
+                return Err(BroadcastError::Pin {
+                    path: display,
+                    source: std::io::Error::from_raw_os_error(-rc),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// File descriptor of one of the programs.
+    pub fn prog_fd(&self, prog: TcProgram) -> BorrowedFd<'_> {
+        match prog {
+            TcProgram::Egress => self.skel.progs.aggbox_tc_egress.as_fd(),
+            TcProgram::Ingress => self.skel.progs.aggbox_tc_ingress.as_fd(),
+        }
+    }
+
+    /// Run one program once on `frame` with BPF_PROG_TEST_RUN. `ifindex`
+    /// (> 1) makes the test skb belong to that device (else loopback);
+    /// `mark` is its `skb->mark`. Copies the program clones are really sent
+    /// (to the device the next hop says): run this only inside a namespace
+    /// that contains them (the tests use a testbed host).
+    pub fn test_run(&self, prog: TcProgram, frame: &[u8], ifindex: u32, mark: u32) -> Result<TcRun> {
+        let fd = self.prog_fd(prog).as_raw_fd();
+        let mut out = vec![0u8; frame.len() + 256];
+        // __sk_buff prefix: mark at byte 8, ifindex at byte 40 (uapi bpf.h).
+        let mut ctx_in = [0u32; 12];
+        ctx_in[2] = mark;
+        ctx_in[10] = ifindex;
+        let mut ctx_out = [0u32; 64];
+        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
+        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
+        opts.data_in = frame.as_ptr().cast();
+        opts.data_size_in = frame.len() as u32;
+        opts.data_out = out.as_mut_ptr().cast();
+        opts.data_size_out = out.len() as u32;
+        opts.ctx_in = ctx_in.as_ptr().cast();
+        opts.ctx_size_in = std::mem::size_of_val(&ctx_in) as u32;
+        opts.ctx_out = ctx_out.as_mut_ptr().cast();
+        opts.ctx_size_out = std::mem::size_of_val(&ctx_out) as u32;
+        opts.repeat = 1;
+        // SAFETY: valid program fd and opts pointing at live buffers.
+        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(fd, &mut opts) };
+        if rc < 0 {
+            return Err(BroadcastError::TestRun(std::io::Error::from_raw_os_error(-rc)));
+        }
+        out.truncate(opts.data_size_out as usize);
+        Ok(TcRun {
+            verdict: opts.retval as i32,
+            data: out,
+            mark: ctx_out[2],
+        })
+    }
+}
+
+impl Drop for BroadcastPlane {
+    /// Detaches when still attached and dropped in the namespace it was
+    /// attached in; elsewhere the filters stay (use [`detach_stale`] or let
+    /// the namespace go).
+    fn drop(&mut self) {
+        if let Some(a) = &self.attachment {
+            if current_netns_ino().ok() == Some(a.netns_ino) {
+                let _ = self.detach();
+            }
+        }
+    }
+}
+
+/// Remove AggBox TC filters (handle [`TC_HANDLE`], priority
+/// [`TC_PRIORITY`]) from `ifindex` in the calling thread's namespace, e.g.
+/// after `kill -9`. Leaves the clsact qdisc (another process's state may
+/// use it). Returns how many filters were removed.
+pub fn detach_stale(ifindex: u32) -> Result<usize> {
+    let mut removed = 0;
+    for point in [libbpf_sys::BPF_TC_EGRESS, libbpf_sys::BPF_TC_INGRESS] {
+        // SAFETY: zeroed structs with sz set, as libbpf expects.
+        let mut hook: libbpf_sys::bpf_tc_hook = unsafe { std::mem::zeroed() };
+        hook.sz = std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _;
+        hook.ifindex = ifindex as i32;
+        hook.attach_point = point;
+        let mut opts: libbpf_sys::bpf_tc_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_tc_opts>() as _;
+        opts.handle = TC_HANDLE;
+        opts.priority = TC_PRIORITY;
+        // SAFETY: valid structs.
+        let rc = unsafe { libbpf_sys::bpf_tc_detach(&hook, &opts) };
+        match rc {
+            0 => removed += 1,
+            rc if -rc == libc::ENOENT || -rc == libc::EINVAL => {}
+            rc => {
+                return Err(BroadcastError::Attach {
+                    what: "stale filter (removing)",
+                    ifindex,
+                    source: std::io::Error::from_raw_os_error(-rc),
+                })
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Fail with [`BroadcastError::ForwardingDisabled`] unless IPv4 forwarding
+/// is on for `ifindex` in the calling thread's network namespace.
+pub fn check_ip_forward(ifindex: u32) -> Result<()> {
+    let ifname = ifname(ifindex)?;
+    let path = format!("/proc/sys/net/ipv4/conf/{ifname}/forwarding");
+    let text = std::fs::read_to_string(&path).map_err(|source| BroadcastError::Io {
+        context: format!("reading {path}"),
+        source,
+    })?;
+    if text.trim() == "1" {
+        Ok(())
+    } else {
+        Err(BroadcastError::ForwardingDisabled { ifname })
+    }
+}
+
+/// Whether copies for a member on this very host can be delivered at the
+/// root: such a copy is looped into lo's ingress carrying this host's own
+/// source address, which the stack drops as martian unless
+/// `net.ipv4.conf.lo.accept_local=1` (calling thread's namespace). Forwarding
+/// nodes do not need it (their copies keep the root's source). The error
+/// says how to fix it; call this when a root table lists a local address.
+pub fn check_local_delivery() -> Result<()> {
+    let path = "/proc/sys/net/ipv4/conf/lo/accept_local";
+    let text = std::fs::read_to_string(path).map_err(|source| BroadcastError::Io {
+        context: format!("reading {path}"),
+        source,
+    })?;
+    if text.trim() == "1" {
+        Ok(())
+    } else {
+        Err(BroadcastError::State(
+            "a broadcast group lists a member on this host, but net.ipv4.conf.lo.accept_local = 0: \
+             its copies (looped through lo with this host's own source address) would be dropped \
+             as martian; enable it with `sysctl -w net.ipv4.conf.lo.accept_local=1`"
+                .into(),
+        ))
+    }
+}
+
+/// Name of interface `ifindex` in the calling thread's namespace.
+pub fn ifname(ifindex: u32) -> Result<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return Err(BroadcastError::Io {
+            context: format!("no interface with index {ifindex} in this network namespace"),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name into buf.
+    let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    Ok(name.to_string_lossy().into_owned())
+}
+
+/// Index of interface `name` in the calling thread's namespace.
+pub fn ifindex(name: &str) -> Result<u32> {
+    let cname = std::ffi::CString::new(name).map_err(|_| BroadcastError::Io {
+        context: format!("interface name {name:?}"),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in name"),
+    })?;
+    // SAFETY: NUL-terminated name.
+    let idx = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+    if idx == 0 {
+        return Err(BroadcastError::Io {
+            context: format!("no interface {name} in this network namespace"),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(idx)
+}
+
+fn current_netns_ino() -> Result<u64> {
+    std::fs::metadata("/proc/thread-self/ns/net")
+        .map(|m| m.ino())
+        .map_err(|source| BroadcastError::Io {
+            context: "reading /proc/thread-self/ns/net".into(),
+            source,
+        })
+}
+
+fn num_possible_cpus() -> Result<usize> {
+    libbpf_rs::num_possible_cpus().map_err(|e| BroadcastError::Io {
+        context: "counting possible CPUs".into(),
+        source: to_io(e),
+    })
+}
+
+fn to_io(e: libbpf_rs::Error) -> std::io::Error {
+    let kind = e.kind();
+    let text = e.to_string();
+    // libbpf-rs keeps the errno in its message; recover the common ones.
+    let errno = match kind {
+        libbpf_rs::ErrorKind::NotFound => Some(libc::ENOENT),
+        libbpf_rs::ErrorKind::AlreadyExists => Some(libc::EEXIST),
+        libbpf_rs::ErrorKind::PermissionDenied => Some(libc::EPERM),
+        libbpf_rs::ErrorKind::InvalidInput => Some(libc::EINVAL),
+        _ => None,
+    };
+    match errno {
+        Some(n) => std::io::Error::from_raw_os_error(n),
+        None => std::io::Error::other(text),
+    }
+}
+
+fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
+    match map.delete(key) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(BroadcastError::Map { map: name, source }),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tree planner
+// ---------------------------------------------------------------------------
+
+/// A node of a broadcast tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TreeNode {
+    /// The sender: its table is the group's root table (port 0).
+    Root,
+    /// A member that forwards: its table is keyed by its own port.
+    Member(SocketAddrV4),
+}
+
+/// What one node of a broadcast tree does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePlan {
+    /// The node.
+    pub node: TreeNode,
+    /// Depth: 0 for the root, 1 for its children, ...
+    pub level: usize,
+    /// Who it sends (root) or forwards (member) to: mask bit i = children[i].
+    pub children: Vec<SocketAddrV4>,
+}
+
+impl NodePlan {
+    /// Port of this node's `bcast_groups` key: 0 for the root, the member's
+    /// own port for a forwarding member.
+    pub fn table_port(&self) -> u16 {
+        match self.node {
+            TreeNode::Root => abi::BCAST_PORT_ANY,
+            TreeNode::Member(m) => m.port(),
+        }
+    }
+
+    /// The AGB1 mask that reaches every child (what the root sends with).
+    pub fn full_mask(&self) -> u32 {
+        match self.children.len() {
+            0 => 0,
+            n if n >= 32 => u32::MAX,
+            n => (1u32 << n) - 1,
+        }
+    }
+
+    /// Write this node's table into `plane` (the plane of the node's host).
+    pub fn apply(&self, plane: &BroadcastPlane, group: u16) -> Result<()> {
+        match self.node {
+            TreeNode::Root => plane.set_group(group, &self.children),
+            TreeNode::Member(m) => plane.set_forwarding(group, m.port(), &self.children),
+        }
+    }
+}
+
+/// Plan a broadcast tree over `members` with at most `fanout` children per
+/// node (clamped to 1..=32): the root sends to the first `fanout` members,
+/// member j forwards to members `fanout + j·fanout ..`, breadth first, so
+/// the depth is the least possible, ⌈log_fanout⌉-ish. Returns the root's
+/// plan first, then every member that has children, in member order.
+/// Leaves need no table. The root sends with FORWARD set when the tree has
+/// more than one level.
+pub fn plan_tree(members: &[SocketAddrV4], fanout: usize) -> Vec<NodePlan> {
+    let fanout = fanout.clamp(1, abi::BCAST_MAX_DESTS as usize);
+    let n = members.len();
+    let mut plans = vec![NodePlan {
+        node: TreeNode::Root,
+        level: 0,
+        children: members[..fanout.min(n)].to_vec(),
+    }];
+    // level of member j: root's children are level 1
+    let mut level = vec![1usize; n];
+    for j in 0..n {
+        let start = fanout + j * fanout;
+        if start >= n {
+            break;
+        }
+        let end = (start + fanout).min(n);
+        for k in start..end {
+            level[k] = level[j] + 1;
+        }
+        plans.push(NodePlan {
+            node: TreeNode::Member(members[j]),
+            level: level[j],
+            children: members[start..end].to_vec(),
+        });
+    }
+    plans
+}

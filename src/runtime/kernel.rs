@@ -1,0 +1,183 @@
+//! Kernel backend, aggregator side: the node's XDP program reduces the
+//! contributions; the aggregator's runtime receives the RESULT datagrams on the
+//! job's `result_port` and acknowledges contributions on the kernel's behalf.
+//!
+//! Who acknowledges (decision): the aggregator-side runtime. A RESULT for
+//! (round, frag_off) proves that every rank's contribution to that fragment
+//! arrived, so the runtime acknowledges, for every rank, the seq of that
+//! fragment. That works because all ranks number their contributions alike:
+//! a communicator's contribution seq starts at the same value on every rank
+//! (0, or what [`crate::runtime::CommunicatorBuilder::resume`] gives) and
+//! every reduction call advances it by the call's fragment count, whether the
+//! call succeeded or not; fragment `i` of a call is `seq_base + i` on every
+//! rank. The ACKs go through the same [`RecvTracker`] (per-packet or group
+//! mode) as every other ACK, fanned out to each rank's address.
+//!
+//! Trade-offs: nothing in the kernel or the node daemon is needed, and an ACK
+//! means more than "the kernel saw it" (the fragment is reduced); but a
+//! fragment that stays incomplete (one rank's contribution lost) is
+//! acknowledged to nobody, so every rank retransmits it after its timeout and
+//! the kernel deduplicates what it already has (per-rank bitmap in the slot).
+//! Because the runtime cannot see those retransmissions, the ACKs of a finished
+//! round are re-sent a few times (at 5, 10, 20, 40 ms) in case the last ones
+//! were lost. With allreduce, a worker also treats each result fragment it
+//! receives as the acknowledgement of its contribution to that fragment.
+//!
+//! Flow control: a worker's window is capped at the job's `slots`, so the
+//! kernel's slot pool cannot run out because of one job's senders.
+
+use std::net::SocketAddrV4;
+use std::time::{Duration, Instant};
+
+use crate::proto::{AggHeader, SeqBitmap};
+use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
+use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, Verdict};
+
+#[derive(Debug)]
+struct Done {
+    round: u32,
+    frag_off: u32,
+    values: Vec<i32>,
+    overflow: bool,
+}
+
+/// The aggregator side of the kernel backend (see the module docs).
+#[derive(Debug)]
+pub struct KernelAggregator {
+    peers: Vec<SocketAddrV4>,
+    per: usize,
+    cfg: ReliabilityConfig,
+    behalf: RecvTracker,
+    round: u32,
+    seq_base: u32,
+    done: Vec<Done>,
+    pool: Vec<Vec<i32>>,
+    /// ACKs of the current round, re-sent after it ends.
+    round_acks: Vec<SeqBitmap>,
+    linger: Vec<SeqBitmap>,
+    linger_at: Option<Instant>,
+    linger_step: u32,
+    results: u64,
+}
+
+impl KernelAggregator {
+    /// For ranks at `peers` (rank r = `peers[r]`), `per` elements per
+    /// fragment.
+    pub fn new(peers: Vec<SocketAddrV4>, per: usize, cfg: ReliabilityConfig, first_round: u32, first_seq: u32) -> KernelAggregator {
+        KernelAggregator {
+            peers,
+            per: per.max(1),
+            cfg,
+            behalf: RecvTracker::new(cfg),
+            round: first_round,
+            seq_base: first_seq,
+            done: Vec::new(),
+            pool: Vec::new(),
+            round_acks: Vec::new(),
+            linger: Vec::new(),
+            linger_at: None,
+            linger_step: 0,
+            results: 0,
+        }
+    }
+
+    /// RESULT datagrams received.
+    pub fn results(&self) -> u64 {
+        self.results
+    }
+
+    fn fan_out(peers: &[SocketAddrV4], io: &mut AckIo, bm: &SeqBitmap) {
+        for (r, &to) in peers.iter().enumerate() {
+            io.send(to, r as u16, bm);
+        }
+    }
+}
+
+impl Backend for KernelAggregator {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Kernel
+    }
+
+    fn expect_round(&mut self, round: u32, seq_base: u32, now: Instant) {
+        self.linger = std::mem::take(&mut self.round_acks);
+        self.linger_step = 0;
+        self.linger_at = (!self.linger.is_empty()).then(|| now + Duration::from_millis(5));
+        self.round = round;
+        self.seq_base = seq_base;
+        let pool = &mut self.pool;
+        self.done.retain_mut(|d| {
+            let keep = (d.round.wrapping_sub(round) as i32) >= 0;
+            if !keep {
+                pool.push(std::mem::take(&mut d.values));
+            }
+            keep
+        });
+        let _ = self.cfg;
+    }
+
+    fn on_agg(&mut self, hdr: &AggHeader, payload: &[u8], _from: SocketAddrV4, now: Instant, io: &mut AckIo) {
+        if !hdr.is_result() || hdr.is_float() || hdr.round != self.round {
+            return;
+        }
+        if hdr.frag_off as usize % self.per != 0 {
+            return;
+        }
+        let seq = self.seq_base.wrapping_add(hdr.frag_off / self.per as u32);
+        let peers = &self.peers;
+        let acks = &mut self.round_acks;
+        let mut emit = |bm: &SeqBitmap| {
+            acks.push(*bm);
+            Self::fan_out(peers, io, bm);
+        };
+        if self.behalf.check(seq) == Verdict::Duplicate {
+            return; // the kernel emits one RESULT per slot; ignore copies
+        }
+        self.behalf.record(seq, hdr.is_last_fragment(), now, &mut emit);
+        self.results += 1;
+        let mut values = self.pool.pop().unwrap_or_default();
+        values.resize(hdr.count as usize, 0);
+        crate::proto::read_i32_be(payload, &mut values);
+        self.done.push(Done { round: hdr.round, frag_off: hdr.frag_off, values, overflow: hdr.has_overflow() });
+    }
+
+    fn poll(&mut self, now: Instant, io: &mut AckIo) -> Option<Instant> {
+        let peers = &self.peers;
+        let acks = &mut self.round_acks;
+        let mut next = self.behalf.poll(now, &mut |bm| {
+            acks.push(*bm);
+            Self::fan_out(peers, io, bm);
+        });
+        if let Some(at) = self.linger_at {
+            if at <= now {
+                for bm in &self.linger {
+                    Self::fan_out(peers, io, bm);
+                }
+                self.linger_step += 1;
+                self.linger_at = (self.linger_step < 4).then(|| now + Duration::from_millis(5 << self.linger_step));
+            }
+            if let Some(at) = self.linger_at {
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
+        }
+        next
+    }
+
+    fn take_completed(&mut self, round: u32, f: &mut dyn FnMut(Completed<'_>)) {
+        let mut k = 0;
+        while k < self.done.len() {
+            if self.done[k].round == round {
+                let d = self.done.swap_remove(k);
+                f(Completed { frag_off: d.frag_off, values: &d.values, overflow: d.overflow });
+                self.pool.push(d.values);
+            } else {
+                k += 1;
+            }
+        }
+    }
+
+    fn fragment_state(&self, _round: u32, _frag_off: u32) -> FragmentState {
+        // The per-rank bitmaps live in the kernel's slot map; the runtime
+        // does not read them.
+        FragmentState::default()
+    }
+}

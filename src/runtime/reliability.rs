@@ -1,0 +1,828 @@
+//! The one sequence / acknowledgement / retransmission module of AggBox
+//! (`DESIGN.md`, "Where reliability lives"). Every reliable path of the
+//! runtime uses it: worker contributions (`AGG1`), broadcast data (`AGB1`) and
+//! the acknowledgements the aggregator sends for contributions, on both the
+//! socket and the kernel backend.
+//!
+//! - [`SendWindow`]: the sender side. Gives every new datagram the next `seq`,
+//!   keeps a copy in a reused buffer until every destination acknowledged it,
+//!   limits the datagrams in flight to a window, retransmits only what is
+//!   missing and only to who misses it, with a timeout from
+//!   [`RttEstimator`] (Jacobson/Karels SRTT/RTTVAR, RFC 6298) that doubles on
+//!   every retransmission of the same datagram (exponential back-off). An
+//!   `AGK1` whose bitmap shows a hole below a received seq triggers a selective
+//!   retransmission of the hole at most once per smoothed RTT.
+//! - [`RecvTracker`]: the receiver side, one per sender. Classifies each
+//!   arriving seq as new or duplicate (duplicates are re-acknowledged, never
+//!   delivered), and produces `AGK1` bitmaps per [`AckMode`]: per-packet mode
+//!   acknowledges each datagram with `nbits = 1`; group mode (group size G,
+//!   default 1024) acknowledges a group once it is complete, at the end of a
+//!   message (a datagram flagged as last), or, when arrivals are left
+//!   unacknowledged for `ack_delay` (a gap that did not fill, or a sender that
+//!   stopped inside a group), with a selective bitmap of what the group has.
+//!
+//! Invariant that bounds the receiver's memory: a sender never has more than
+//! `window <= G` datagrams in flight ([`ReliabilityConfig::validate`] enforces
+//! it), so when a tracker sees a seq at least `2G` past the start of its oldest
+//! group, every hole of that group was abandoned by the sender (its call failed
+//! at its deadline) and the group is dropped. A tracker therefore holds at most
+//! three groups. A seq more than [`SESSION_RESET_DISTANCE`] away from the
+//! tracker's floor (a restarted sender, which starts at a fresh random group)
+//! resets the tracker.
+//!
+//! Memory (asserted in the unit tests, see `docs/RUNTIME.md`): a receiver keeps
+//! `size_of::<GroupState>()` = 160 bytes per group of 1024 datagrams per sender
+//! (a 1024-bit [`SeqBitmap`] plus ACK timing); a sender keeps 40 bytes of
+//! bookkeeping per datagram in flight ([`SendWindow::ENTRY_BYTES`], 40 KiB per
+//! 1024) plus the datagram copy itself (at most the MTU, ~1.5 MiB per 1024 at
+//! MTU 1500; the buffers are allocated once and reused).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::config::AckMode;
+use crate::proto::{group_of, SeqBitmap, DEFAULT_GROUP_SIZE};
+
+/// Distance (in seq numbers) from a tracker's floor beyond which a datagram is
+/// taken as the start of a new sender session and resets the tracker.
+pub const SESSION_RESET_DISTANCE: u32 = 1 << 24;
+
+/// Settings of the reliability layer, shared by senders and receivers of one
+/// communicator (they must agree on `ack_mode` and `group_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReliabilityConfig {
+    /// Per-packet or group acknowledgements.
+    pub ack_mode: AckMode,
+    /// Group size G of group mode, 1..=1024 (also the tracker's bitmap size).
+    pub group_size: u32,
+    /// Datagrams in flight per sender, 1..=`group_size`.
+    pub window: u32,
+    /// Retransmission timeout before the first RTT sample.
+    pub initial_rto: Duration,
+    /// Lower bound of the retransmission timeout.
+    pub min_rto: Duration,
+    /// Upper bound of the retransmission timeout (also caps the back-off).
+    pub max_rto: Duration,
+    /// Group mode: how long arrivals may stay unacknowledged before a
+    /// selective ACK is sent.
+    pub ack_delay: Duration,
+}
+
+impl Default for ReliabilityConfig {
+    /// Group mode with G = 1024, a window of 256, RTO 20 ms before the first
+    /// sample and within [2 ms, 1 s], ACK delay 1 ms.
+    fn default() -> Self {
+        ReliabilityConfig {
+            ack_mode: AckMode::Group,
+            group_size: DEFAULT_GROUP_SIZE,
+            window: 256,
+            initial_rto: Duration::from_millis(20),
+            min_rto: Duration::from_millis(2),
+            max_rto: Duration::from_secs(1),
+            ack_delay: Duration::from_millis(1),
+        }
+    }
+}
+
+impl ReliabilityConfig {
+    /// Checks the ranges: G in 1..=1024, window in 1..=G, min_rto <= max_rto.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.group_size == 0 || self.group_size > 1024 {
+            return Err(format!("ack group size {} outside 1..=1024", self.group_size));
+        }
+        if self.window == 0 || self.window > self.group_size {
+            return Err(format!(
+                "window {} outside 1..=group size {} (a sender may not have more than G datagrams in flight)",
+                self.window, self.group_size
+            ));
+        }
+        if self.min_rto > self.max_rto || self.min_rto.is_zero() {
+            return Err("need 0 < min_rto <= max_rto".into());
+        }
+        Ok(())
+    }
+}
+
+/// Jacobson/Karels retransmission timeout estimator (RFC 6298):
+/// `SRTT += (R - SRTT)/8`, `RTTVAR += (|SRTT - R| - RTTVAR)/4`,
+/// `RTO = SRTT + max(1 ms, 4 RTTVAR)`, clamped to `[min_rto, max_rto]`.
+#[derive(Debug, Clone, Copy)]
+pub struct RttEstimator {
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    rto: Duration,
+    min_rto: Duration,
+    max_rto: Duration,
+    samples: u64,
+}
+
+impl RttEstimator {
+    /// Before any sample the RTO is `initial` (clamped).
+    pub fn new(initial: Duration, min_rto: Duration, max_rto: Duration) -> RttEstimator {
+        RttEstimator {
+            srtt: None,
+            rttvar: Duration::ZERO,
+            rto: initial.clamp(min_rto, max_rto),
+            min_rto,
+            max_rto,
+            samples: 0,
+        }
+    }
+
+    /// Feeds one RTT measurement (only from datagrams sent once: Karn).
+    pub fn sample(&mut self, r: Duration) {
+        self.samples += 1;
+        match self.srtt {
+            None => {
+                self.srtt = Some(r);
+                self.rttvar = r / 2;
+            }
+            Some(s) => {
+                let diff = if s > r { s - r } else { r - s };
+                self.rttvar = (self.rttvar * 3 + diff) / 4;
+                self.srtt = Some((s * 7 + r) / 8);
+            }
+        }
+        let s = self.srtt.unwrap_or(r);
+        let var = (self.rttvar * 4).max(Duration::from_millis(1));
+        self.rto = (s + var).clamp(self.min_rto, self.max_rto);
+    }
+
+    /// Current RTO.
+    pub fn rto(&self) -> Duration {
+        self.rto
+    }
+
+    /// Smoothed RTT, `None` before the first sample.
+    pub fn srtt(&self) -> Option<Duration> {
+        self.srtt
+    }
+
+    /// Samples taken so far.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// The timeout of a datagram already retransmitted `retries` times:
+    /// `RTO * 2^retries`, capped at `max_rto`.
+    pub fn backoff(&self, retries: u16) -> Duration {
+        let mult = 1u32 << retries.min(16);
+        self.rto.saturating_mul(mult).min(self.max_rto)
+    }
+}
+
+/// Counters of one [`SendWindow`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SendStats {
+    /// New datagrams sent (each counted once, whatever the destinations).
+    pub sent: u64,
+    /// Retransmissions (one per datagram per destination).
+    pub retransmitted: u64,
+    /// Of those, triggered by a selective ACK rather than a timeout.
+    pub fast_retransmitted: u64,
+    /// ACK datagrams applied.
+    pub acks: u64,
+}
+
+/// One datagram in flight.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Destinations (bit i = destination i) that have not acknowledged it.
+    pending: u64,
+    /// Index of its buffer in `bufs`.
+    buf: u32,
+    /// Retransmissions so far (0 = sent once: eligible for RTT samples).
+    retries: u16,
+    first_sent: Instant,
+    last_sent: Instant,
+}
+
+/// Sender side of the reliability layer: seq assignment, a window of
+/// datagrams in flight kept for retransmission, ACK processing, RTT
+/// estimation and timeouts. Up to 64 destinations per window (a bit each).
+///
+/// Transmission goes through a caller-supplied `tx(dest, bytes)` closure, so
+/// the window knows nothing of sockets (and is unit-testable).
+#[derive(Debug)]
+pub struct SendWindow {
+    cfg: ReliabilityConfig,
+    next_seq: u32,
+    /// Seq of `entries[0]`; entries hold `base..next_seq` contiguously.
+    base: u32,
+    entries: VecDeque<Entry>,
+    bufs: Vec<Vec<u8>>,
+    free: Vec<u32>,
+    rtt: RttEstimator,
+    stats: SendStats,
+    ndest: usize,
+    window: usize,
+}
+
+impl SendWindow {
+    /// Bytes of bookkeeping per datagram in flight (excluding the datagram copy).
+    pub const ENTRY_BYTES: usize = std::mem::size_of::<Entry>();
+
+    /// A window for `ndest` (1..=64) destinations, first seq `first_seq`.
+    pub fn new(cfg: ReliabilityConfig, ndest: usize, first_seq: u32) -> SendWindow {
+        SendWindow {
+            cfg,
+            next_seq: first_seq,
+            base: first_seq,
+            entries: VecDeque::with_capacity(cfg.window as usize),
+            bufs: Vec::new(),
+            free: Vec::new(),
+            rtt: RttEstimator::new(cfg.initial_rto, cfg.min_rto, cfg.max_rto),
+            stats: SendStats::default(),
+            ndest: ndest.clamp(1, 64),
+            window: cfg.window as usize,
+        }
+    }
+
+    /// Lowers (or restores, up to the configured one) the window, e.g. to the
+    /// kernel aggregator's slots per job.
+    pub fn set_window(&mut self, window: usize) {
+        self.window = window.clamp(1, self.cfg.window as usize);
+    }
+
+    /// Current window.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Seq the next new datagram gets.
+    pub fn next_seq(&self) -> u32 {
+        self.next_seq
+    }
+
+    /// Moves the seq counter; only allowed while nothing is in flight.
+    pub fn set_next_seq(&mut self, seq: u32) {
+        debug_assert!(self.entries.is_empty());
+        if self.entries.is_empty() {
+            self.next_seq = seq;
+            self.base = seq;
+        }
+    }
+
+    /// Room in the window for another new datagram.
+    pub fn can_send(&self) -> bool {
+        self.entries.len() < self.window
+    }
+
+    /// Nothing in flight: every datagram sent was acknowledged by every
+    /// destination (or forgotten).
+    pub fn is_idle(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Datagrams in flight.
+    pub fn in_flight(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Union of the destinations that still owe an acknowledgement.
+    pub fn unacked_dests(&self) -> u64 {
+        self.entries.iter().fold(0, |m, e| m | e.pending)
+    }
+
+    /// The RTT estimator.
+    pub fn rtt(&self) -> &RttEstimator {
+        &self.rtt
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SendStats {
+        self.stats
+    }
+
+    fn alloc_buf(&mut self) -> u32 {
+        if let Some(i) = self.free.pop() {
+            self.bufs[i as usize].clear();
+            return i;
+        }
+        self.bufs.push(Vec::with_capacity(1536));
+        (self.bufs.len() - 1) as u32
+    }
+
+    /// Sends a new datagram to the destinations in `dests`: `build(seq, buf)`
+    /// writes it into a reused buffer, then `tx` is called once per
+    /// destination. Returns the seq, or the build error (nothing is sent or
+    /// kept then). Call only when [`SendWindow::can_send`].
+    pub fn send<E>(
+        &mut self,
+        dests: u64,
+        now: Instant,
+        build: impl FnOnce(u32, &mut Vec<u8>) -> Result<(), E>,
+        tx: &mut impl FnMut(usize, &[u8]),
+    ) -> Result<u32, E> {
+        let seq = self.next_seq;
+        let b = self.alloc_buf();
+        if let Err(e) = build(seq, &mut self.bufs[b as usize]) {
+            self.free.push(b);
+            return Err(e);
+        }
+        let dests = dests & mask_of(self.ndest);
+        for d in 0..self.ndest {
+            if dests & (1 << d) != 0 {
+                tx(d, &self.bufs[b as usize]);
+            }
+        }
+        if self.entries.is_empty() {
+            self.base = seq;
+        }
+        self.entries.push_back(Entry {
+            pending: dests,
+            buf: b,
+            retries: 0,
+            first_sent: now,
+            last_sent: now,
+        });
+        self.next_seq = seq.wrapping_add(1);
+        self.stats.sent += 1;
+        self.retire();
+        Ok(seq)
+    }
+
+    fn index_of(&self, seq: u32) -> Option<usize> {
+        let off = seq.wrapping_sub(self.base) as usize;
+        (off < self.entries.len()).then_some(off)
+    }
+
+    fn retire(&mut self) {
+        while let Some(e) = self.entries.front() {
+            if e.pending != 0 {
+                break;
+            }
+            self.free.push(e.buf);
+            self.entries.pop_front();
+            self.base = self.base.wrapping_add(1);
+        }
+    }
+
+    /// Marks `seq` acknowledged by `dest` (an implicit acknowledgement, e.g.
+    /// the result of a fragment proves the contribution arrived).
+    pub fn ack_seq(&mut self, dest: usize, seq: u32) {
+        if let Some(i) = self.index_of(seq) {
+            self.entries[i].pending &= !(1u64 << dest.min(63));
+            self.retire();
+        }
+    }
+
+    /// Drops everything in flight (the call failed); the seq counter goes on.
+    pub fn forget_all(&mut self) {
+        while let Some(e) = self.entries.pop_front() {
+            self.free.push(e.buf);
+        }
+        self.base = self.next_seq;
+    }
+
+    /// Applies an `AGK1` bitmap from destination `dest`: acknowledges every
+    /// seq it has, samples the RTT from the newest datagram it acknowledges
+    /// that was sent only once, and retransmits (to `dest` only) the holes
+    /// below its highest received seq that have been in flight longer than
+    /// the smoothed RTT.
+    pub fn on_ack(&mut self, dest: usize, bm: &SeqBitmap, now: Instant, tx: &mut impl FnMut(usize, &[u8])) {
+        if dest >= self.ndest {
+            return;
+        }
+        self.stats.acks += 1;
+        let bit = 1u64 << dest;
+        let mut sample: Option<Instant> = None;
+        let mut highest: Option<u32> = None;
+        for seq in bm.received() {
+            if let Some(i) = self.index_of(seq) {
+                let e = &mut self.entries[i];
+                if e.pending & bit != 0 {
+                    e.pending &= !bit;
+                    if e.retries == 0 {
+                        sample = Some(sample.map_or(e.first_sent, |s: Instant| s.max(e.first_sent)));
+                    }
+                }
+                highest = Some(seq);
+            }
+        }
+        if let Some(sent) = sample {
+            self.rtt.sample(now.saturating_duration_since(sent));
+        }
+        if let Some(hi) = highest {
+            let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
+            let hi_off = hi.wrapping_sub(self.base) as usize;
+            for seq in bm.missing() {
+                let Some(i) = self.index_of(seq) else { continue };
+                if i >= hi_off {
+                    continue;
+                }
+                let e = &mut self.entries[i];
+                if e.pending & bit != 0 && now.saturating_duration_since(e.last_sent) > srtt {
+                    e.last_sent = now;
+                    e.retries = e.retries.saturating_add(1);
+                    self.stats.retransmitted += 1;
+                    self.stats.fast_retransmitted += 1;
+                    tx(dest, &self.bufs[e.buf as usize]);
+                }
+            }
+        }
+        self.retire();
+    }
+
+    /// Retransmits every datagram whose timeout (`RTO * 2^retries`) expired,
+    /// to the destinations that have not acknowledged it. Returns when the
+    /// next timeout is due, `None` when nothing is in flight.
+    pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        for e in self.entries.iter_mut() {
+            if e.pending == 0 {
+                continue;
+            }
+            let mut due = e.last_sent + self.rtt.backoff(e.retries);
+            if due <= now {
+                for d in 0..self.ndest {
+                    if e.pending & (1 << d) != 0 {
+                        tx(d, &self.bufs[e.buf as usize]);
+                        self.stats.retransmitted += 1;
+                    }
+                }
+                e.retries = e.retries.saturating_add(1);
+                e.last_sent = now;
+                due = now + self.rtt.backoff(e.retries);
+            }
+            next = Some(next.map_or(due, |n| n.min(due)));
+        }
+        next
+    }
+}
+
+fn mask_of(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
+/// What a receiver makes of an arriving seq.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not seen before: deliver it, then [`RecvTracker::record`] it.
+    New,
+    /// Seen before (or settled): do not deliver; [`RecvTracker::reack`] it.
+    Duplicate,
+}
+
+/// ACK state of one group of G sequence numbers at a receiver.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupState {
+    bitmap: SeqBitmap,
+    /// Arrivals since this group's last ACK.
+    unacked: u16,
+    /// When the oldest unacknowledged arrival came.
+    first_unacked: Option<Instant>,
+}
+
+/// Receiver side of the reliability layer for one sender: dedup and ACK
+/// generation (see the module docs). ACKs are handed to an `emit(&SeqBitmap)`
+/// closure that encodes and sends the `AGK1`.
+#[derive(Debug, Clone)]
+pub struct RecvTracker {
+    cfg: ReliabilityConfig,
+    started: bool,
+    /// Base seq of `groups[0]`; everything below is settled.
+    floor: u32,
+    groups: VecDeque<GroupState>,
+    duplicates: u64,
+}
+
+impl RecvTracker {
+    /// Bytes kept per group of G sequence numbers.
+    pub const GROUP_BYTES: usize = std::mem::size_of::<GroupState>();
+
+    /// Most groups a tracker holds at once (see the module docs).
+    pub const MAX_GROUPS: usize = 3;
+
+    /// An empty tracker; it starts at the group of the first seq it sees.
+    pub fn new(cfg: ReliabilityConfig) -> RecvTracker {
+        RecvTracker {
+            cfg,
+            started: false,
+            floor: 0,
+            groups: VecDeque::with_capacity(Self::MAX_GROUPS + 1),
+            duplicates: 0,
+        }
+    }
+
+    /// Groups currently held.
+    pub fn groups_held(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Duplicates seen so far.
+    pub fn duplicates(&self) -> u64 {
+        self.duplicates
+    }
+
+    fn g(&self) -> u32 {
+        self.cfg.group_size.max(1)
+    }
+
+    fn new_group(&self, base: u32) -> GroupState {
+        let bitmap = SeqBitmap::new(base, self.g() as u16).unwrap_or_else(|_| {
+            // group_size is validated to 1..=1024; fall back to one bit.
+            SeqBitmap::new(base, 1).expect("nbits 1 is valid")
+        });
+        GroupState { bitmap, unacked: 0, first_unacked: None }
+    }
+
+    fn reset_at(&mut self, seq: u32) {
+        self.groups.clear();
+        self.floor = group_of(seq, self.g()).1;
+        self.started = true;
+    }
+
+    /// Classifies `seq` without recording it. A seq from a new sender session
+    /// (far from everything seen) resets the tracker first.
+    pub fn check(&mut self, seq: u32) -> Verdict {
+        if !self.started {
+            self.reset_at(seq);
+            return Verdict::New;
+        }
+        let ahead = seq.wrapping_sub(self.floor);
+        let behind = self.floor.wrapping_sub(seq);
+        if ahead >= SESSION_RESET_DISTANCE && behind >= SESSION_RESET_DISTANCE {
+            self.reset_at(seq);
+            return Verdict::New;
+        }
+        if behind > 0 && behind < SESSION_RESET_DISTANCE {
+            return Verdict::Duplicate;
+        }
+        let gi = (ahead / self.g()) as usize;
+        match self.groups.get(gi) {
+            Some(g) if g.bitmap.get(seq) => Verdict::Duplicate,
+            _ => Verdict::New,
+        }
+    }
+
+    /// Records a [`Verdict::New`] seq and sends whatever ACK the mode calls
+    /// for now; `last` marks the last datagram of a message (ACK at once).
+    pub fn record(&mut self, seq: u32, last: bool, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) {
+        if !self.started {
+            self.reset_at(seq);
+        }
+        let g = self.g();
+        // Evict groups whose holes the sender must have abandoned.
+        while seq.wrapping_sub(self.floor) >= 2 * g && seq.wrapping_sub(self.floor) < SESSION_RESET_DISTANCE {
+            if let Some(front) = self.groups.pop_front() {
+                if front.unacked > 0 && self.cfg.ack_mode == AckMode::Group {
+                    emit(&front.bitmap);
+                }
+            }
+            self.floor = self.floor.wrapping_add(g);
+        }
+        let ahead = seq.wrapping_sub(self.floor);
+        if ahead >= SESSION_RESET_DISTANCE {
+            return; // behind the floor: settled already
+        }
+        let gi = (ahead / g) as usize;
+        while self.groups.len() <= gi {
+            let base = self.floor.wrapping_add(g * self.groups.len() as u32);
+            let ng = self.new_group(base);
+            self.groups.push_back(ng);
+        }
+        let mode = self.cfg.ack_mode;
+        let grp = &mut self.groups[gi];
+        grp.bitmap.set(seq);
+        match mode {
+            AckMode::Packet => {
+                if let Ok(mut one) = SeqBitmap::new(seq, 1) {
+                    one.set(seq);
+                    emit(&one);
+                }
+            }
+            AckMode::Group => {
+                grp.unacked = grp.unacked.saturating_add(1);
+                grp.first_unacked.get_or_insert(now);
+                if grp.bitmap.is_complete() || last {
+                    emit(&grp.bitmap);
+                    grp.unacked = 0;
+                    grp.first_unacked = None;
+                }
+            }
+        }
+        self.pop_settled();
+    }
+
+    fn pop_settled(&mut self) {
+        while let Some(f) = self.groups.front() {
+            if f.bitmap.is_complete() && f.unacked == 0 {
+                self.groups.pop_front();
+                self.floor = self.floor.wrapping_add(self.g());
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// Re-acknowledges a [`Verdict::Duplicate`] (its earlier ACK may have been
+    /// lost): the group's bitmap when the group is still held, else `seq` alone.
+    pub fn reack(&mut self, seq: u32, emit: &mut impl FnMut(&SeqBitmap)) {
+        self.duplicates += 1;
+        if self.cfg.ack_mode == AckMode::Group {
+            let ahead = seq.wrapping_sub(self.floor);
+            if ahead < SESSION_RESET_DISTANCE {
+                if let Some(g) = self.groups.get((ahead / self.g()) as usize) {
+                    emit(&g.bitmap);
+                    return;
+                }
+            }
+        }
+        if let Ok(mut one) = SeqBitmap::new(seq, 1) {
+            one.set(seq);
+            emit(&one);
+        }
+    }
+
+    /// Group mode: sends the selective ACK of every group whose arrivals have
+    /// waited `ack_delay`. Returns when the next one is due.
+    pub fn poll(&mut self, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        for g in self.groups.iter_mut() {
+            if let Some(t) = g.first_unacked {
+                let due = t + self.cfg.ack_delay;
+                if due <= now {
+                    emit(&g.bitmap);
+                    g.unacked = 0;
+                    g.first_unacked = None;
+                } else {
+                    next = Some(next.map_or(due, |n: Instant| n.min(due)));
+                }
+            }
+        }
+        self.pop_settled();
+        next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(mode: AckMode, g: u32, window: u32) -> ReliabilityConfig {
+        ReliabilityConfig { ack_mode: mode, group_size: g, window, ..Default::default() }
+    }
+
+    #[test]
+    fn memory_per_group_of_1024() {
+        // Receiver: one GroupState per 1024 datagrams per sender.
+        assert_eq!(RecvTracker::GROUP_BYTES, 160, "GroupState grew: update docs/RUNTIME.md");
+        // Sender: bookkeeping per datagram in flight.
+        assert_eq!(SendWindow::ENTRY_BYTES, 40, "Entry grew: update docs/RUNTIME.md");
+        assert_eq!(1024 * SendWindow::ENTRY_BYTES, 40 * 1024);
+        // A tracker never holds more than MAX_GROUPS groups, whatever it sees.
+        let mut t = RecvTracker::new(cfg(AckMode::Group, 1024, 1024));
+        let now = Instant::now();
+        for s in (0..100_000u32).filter(|s| s % 7 != 3) {
+            if t.check(s) == Verdict::New {
+                t.record(s, false, now, &mut |_| {});
+            }
+            assert!(t.groups_held() <= RecvTracker::MAX_GROUPS);
+        }
+    }
+
+    #[test]
+    fn rtt_estimator_jacobson_karels() {
+        let mut r = RttEstimator::new(Duration::from_millis(20), Duration::from_millis(2), Duration::from_secs(1));
+        assert_eq!(r.rto(), Duration::from_millis(20));
+        r.sample(Duration::from_millis(10));
+        assert_eq!(r.srtt(), Some(Duration::from_millis(10)));
+        // RTO = 10 + 4 * 5
+        assert_eq!(r.rto(), Duration::from_millis(30));
+        for _ in 0..50 {
+            r.sample(Duration::from_millis(10));
+        }
+        assert!(r.rto() < Duration::from_millis(13), "{:?}", r.rto());
+        assert_eq!(r.backoff(1), r.rto() * 2);
+        assert_eq!(r.backoff(30), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn window_retransmits_only_missing_to_who_misses() {
+        let c = cfg(AckMode::Group, 1024, 8);
+        let mut w = SendWindow::new(c, 3, 100);
+        let t0 = Instant::now();
+        let mut sent: Vec<(usize, u32)> = Vec::new();
+        for i in 0..8u32 {
+            assert!(w.can_send());
+            let seq = w
+                .send::<()>(0b111, t0, |s, b| {
+                    b.extend_from_slice(&s.to_be_bytes());
+                    Ok(())
+                }, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))))
+                .unwrap();
+            assert_eq!(seq, 100 + i);
+        }
+        assert!(!w.can_send());
+        assert_eq!(sent.len(), 24);
+        // dest 0 and 1 have everything; dest 2 misses 103.
+        let mut all = SeqBitmap::new(100, 8).unwrap();
+        for s in 100..108 {
+            all.set(s);
+        }
+        let mut part = all;
+        part = {
+            let mut p = SeqBitmap::new(100, 8).unwrap();
+            for s in part.received().filter(|&s| s != 103) {
+                p.set(s);
+            }
+            p
+        };
+        sent.clear();
+        let t1 = t0 + Duration::from_millis(5);
+        w.on_ack(0, &all, t1, &mut |d, _| sent.push((d, 0)));
+        w.on_ack(1, &all, t1, &mut |d, _| sent.push((d, 0)));
+        // Selective: 103 in flight longer than srtt (5 ms sample) only after 5 ms.
+        w.on_ack(2, &part, t1, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        assert!(sent.is_empty());
+        assert_eq!(w.in_flight(), 5); // 103..107 (107 acked behind the hole)
+        assert_eq!(w.unacked_dests(), 0b100);
+        // Timeout: only 103, only to dest 2.
+        let t2 = t0 + Duration::from_secs(2);
+        let next = w.poll(t2, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        assert_eq!(sent, vec![(2, 103)]);
+        assert!(next.unwrap() > t2);
+        assert_eq!(w.stats().retransmitted, 1);
+        // Back-off: the second timeout is twice the first.
+        let rto = w.rtt().rto();
+        sent.clear();
+        w.poll(t2 + rto + Duration::from_micros(10), &mut |d, _| sent.push((d, 0)));
+        assert!(sent.is_empty(), "backed off: not due after one RTO");
+        w.poll(t2 + 2 * rto + Duration::from_micros(10), &mut |d, _| sent.push((d, 0)));
+        assert_eq!(sent.len(), 1);
+        let mut one = SeqBitmap::new(103, 1).unwrap();
+        one.set(103);
+        w.on_ack(2, &one, t2, &mut |_, _| {});
+        assert!(w.is_idle());
+        assert!(w.can_send());
+    }
+
+    #[test]
+    fn tracker_dedups_and_acks_groups() {
+        let c = cfg(AckMode::Group, 16, 16);
+        let mut t = RecvTracker::new(c);
+        let now = Instant::now();
+        let mut acks: Vec<SeqBitmap> = Vec::new();
+        for s in 0..16u32 {
+            if s == 5 {
+                continue;
+            }
+            assert_eq!(t.check(s), Verdict::New);
+            t.record(s, false, now, &mut |b| acks.push(*b));
+        }
+        assert!(acks.is_empty(), "group incomplete, no timeout yet");
+        assert_eq!(t.check(3), Verdict::Duplicate);
+        // The gap does not fill: a selective ACK after ack_delay.
+        t.poll(now + Duration::from_millis(5), &mut |b| acks.push(*b));
+        assert_eq!(acks.len(), 1);
+        assert_eq!(acks[0].missing().collect::<Vec<_>>(), vec![5]);
+        t.record(5, false, now, &mut |b| acks.push(*b));
+        assert_eq!(acks.len(), 2);
+        assert!(acks[1].is_complete());
+        assert_eq!(t.groups_held(), 0);
+        // Settled seqs are duplicates and re-acknowledged alone.
+        assert_eq!(t.check(5), Verdict::Duplicate);
+        t.reack(5, &mut |b| acks.push(*b));
+        assert_eq!((acks[2].base_seq(), acks[2].nbits()), (5, 1));
+        // Last datagram of a message: ACK at once.
+        assert_eq!(t.check(16), Verdict::New);
+        t.record(16, true, now, &mut |b| acks.push(*b));
+        assert_eq!(acks.len(), 4);
+    }
+
+    #[test]
+    fn tracker_packet_mode_and_session_reset() {
+        let mut t = RecvTracker::new(cfg(AckMode::Packet, 1024, 64));
+        let now = Instant::now();
+        let mut acks = Vec::new();
+        t.check(5000);
+        t.record(5000, false, now, &mut |b: &SeqBitmap| acks.push(*b));
+        assert_eq!(acks.len(), 1);
+        assert_eq!(acks[0].nbits(), 1);
+        // A restarted sender far away: new session.
+        assert_eq!(t.check(0x8000_0000), Verdict::New);
+        t.record(0x8000_0000, false, now, &mut |b| acks.push(*b));
+        assert_eq!(t.check(0x8000_0000), Verdict::Duplicate);
+        assert_eq!(t.check(5000), Verdict::New);
+    }
+
+    #[test]
+    fn tracker_drops_abandoned_holes() {
+        let mut t = RecvTracker::new(cfg(AckMode::Group, 8, 8));
+        let now = Instant::now();
+        for s in [0u32, 1, 2] {
+            t.check(s);
+            t.record(s, false, now, &mut |_| {});
+        }
+        // Sender gave up on 3..8 and moved on: 16 is 2G past group 0.
+        assert_eq!(t.check(16), Verdict::New);
+        t.record(16, false, now, &mut |_| {});
+        assert_eq!(t.check(3), Verdict::Duplicate, "abandoned holes are settled");
+        assert_eq!(t.check(9), Verdict::New);
+    }
+}

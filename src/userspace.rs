@@ -1,0 +1,694 @@
+//! The user-space aggregation path: what the XDP program hands over through
+//! AF_XDP (ops 5..8, FLOAT32 payloads, jobs flagged `userspace_only`, new
+//! slots while the kernel's slot pool is full or the job is in overload) is
+//! aggregated here with the same semantics as the kernel (PROTOCOL.md,
+//! "Semantics at the aggregator") and the [`crate::reducer::Accumulator`],
+//! and each RESULT is delivered where the kernel would deliver it: a UDP
+//! datagram to the node's own address (the contribution's destination) on
+//! the job's `result_port`.
+//!
+//! One worker thread polls one [`XskSocket`] per RX queue of the interface,
+//! owns every user-space slot (no locks on the data path), and every
+//! [`UserspaceOptions::tick`] also runs the overload watcher (the paper's
+//! "transfer to user space" rule) and garbage-collects stale slots.
+//!
+//! A fragment is served by exactly one path: the XDP program records, with
+//! one `BPF_NOEXIST` insert into `slot_owner`, which path serves each new
+//! slot of a kernel op; every later contribution of that fragment follows
+//! the record (see docs/USERSPACE.md). This path writes the kernel's
+//! `completed` marker before it deletes its `slot_owner` record, so a late
+//! retransmission is recognised by either path and never starts a new slot.
+//!
+//! Start it inside the interface's network namespace (sockets and AF_XDP
+//! bindings are made in the calling thread's namespace), after the jobs are
+//! written into the maps; see [`UserspacePath::start`].
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+
+use crate::abi::{self, DropReason};
+use crate::config::Config;
+use crate::dataplane::{Dataplane, KernelMaps};
+use crate::proto;
+use crate::reducer::Accumulator;
+use crate::xsk::{self, XskConfig, XskSocket, XskStats};
+
+/// Tunables of the user-space path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UserspaceOptions {
+    /// Overload threshold: fraction of the job's `slots` bound. A job whose
+    /// kernel slot pool holds at least `ceil(fraction * slots)` slots for
+    /// longer than [`Self::overload_hold`] is put in overload: its NEW slots
+    /// go to user space until the pool drains below the threshold.
+    pub overload_fraction: f64,
+    /// How long the pool must stay above the threshold.
+    pub overload_hold: Duration,
+    /// Most user-space slots per job (beyond: `slot_pool_full` drops).
+    pub max_slots_per_job: usize,
+    /// Completed keys remembered per job for retransmission detection.
+    pub completed_per_job: usize,
+    /// Period of the overload watcher and stale-slot collection.
+    pub tick: Duration,
+    /// Sizes of each AF_XDP socket.
+    pub xsk: XskConfig,
+}
+
+impl Default for UserspaceOptions {
+    fn default() -> Self {
+        UserspaceOptions {
+            overload_fraction: 0.9,
+            overload_hold: Duration::from_millis(50),
+            max_slots_per_job: 16384,
+            completed_per_job: abi::MAX_COMPLETED as usize,
+            tick: Duration::from_millis(2),
+            xsk: XskConfig::default(),
+        }
+    }
+}
+
+/// Upper bounds (seconds) of the latency histogram's buckets; a last,
+/// implicit bucket holds everything above the largest bound.
+pub const LATENCY_BOUNDS_S: [f64; 16] = [
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
+    250e-3, 500e-3, 1.0,
+];
+
+/// Latency from the arrival of a slot's first contribution to its RESULT.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LatencyHistogram {
+    /// Per-bucket counts (not cumulative): `counts[i]` counts latencies
+    /// `<= LATENCY_BOUNDS_S[i]` and above the previous bound;
+    /// `counts[LATENCY_BOUNDS_S.len()]` the rest.
+    pub counts: Vec<u64>,
+    /// Sum of all latencies, seconds.
+    pub sum_s: f64,
+    /// Number of latencies recorded (= RESULTs).
+    pub count: u64,
+}
+
+impl LatencyHistogram {
+    fn record(&mut self, d: Duration) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; LATENCY_BOUNDS_S.len() + 1];
+        }
+        let s = d.as_secs_f64();
+        let i = LATENCY_BOUNDS_S
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(LATENCY_BOUNDS_S.len());
+        self.counts[i] += 1;
+        self.sum_s += s;
+        self.count += 1;
+    }
+
+    /// Cumulative counts per bound (Prometheus `le` buckets), `+Inf` last.
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut acc = 0;
+        let mut out = Vec::new();
+        for (i, &c) in self.counts.iter().enumerate() {
+            acc += c;
+            out.push((LATENCY_BOUNDS_S.get(i).copied().unwrap_or(f64::INFINITY), acc));
+        }
+        out
+    }
+}
+
+/// Counters of the user-space path (a snapshot, for metrics and status).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct UserspaceStats {
+    /// Frames received from the AF_XDP sockets.
+    pub received: u64,
+    /// Their UDP payload bytes (0 for frames that did not parse).
+    pub received_bytes: u64,
+    /// Contributions added to a slot (including the completing ones).
+    pub accepted: u64,
+    /// RESULT datagrams sent.
+    pub results: u64,
+    /// RESULTs that could not be sent (sendto failed).
+    pub result_send_errors: u64,
+    /// Dropped contributions by [`DropReason::label`].
+    pub drops: BTreeMap<&'static str, u64>,
+    /// First contribution → RESULT latency.
+    pub latency: LatencyHistogram,
+    /// Slots currently held in user space (all jobs).
+    pub slots_in_use: usize,
+    /// Times a job entered overload.
+    pub overload_events: u64,
+    /// Jobs in overload right now.
+    pub jobs_in_overload: Vec<u16>,
+    /// Stale user-space slots collected (never completed).
+    pub stale_slots_collected: u64,
+    /// Kernel counters of each AF_XDP socket, by RX queue.
+    pub xsk: BTreeMap<u32, XskStats>,
+}
+
+impl UserspaceStats {
+    /// Packets dropped for `reason`.
+    pub fn drop(&self, reason: DropReason) -> u64 {
+        self.drops.get(reason.label()).copied().unwrap_or(0)
+    }
+
+    /// All dropped packets.
+    pub fn dropped(&self) -> u64 {
+        self.drops.values().sum()
+    }
+
+    fn count_drop(&mut self, reason: DropReason) {
+        *self.drops.entry(reason.label()).or_insert(0) += 1;
+    }
+}
+
+/// The running user-space path: its worker thread and its sockets.
+pub struct UserspacePath {
+    stop: Arc<AtomicBool>,
+    stats: Arc<Mutex<UserspaceStats>>,
+    worker: Option<JoinHandle<()>>,
+    queues: Vec<u32>,
+    maps: Arc<KernelMaps>,
+    jobs: Vec<u16>,
+}
+
+impl std::fmt::Debug for UserspacePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserspacePath")
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One configured job as this path needs it.
+#[derive(Debug, Clone)]
+struct JobInfo {
+    ranks: Vec<(u32, i32)>, // (IPv4 address as in the packet, weight)
+    weight_sum: i64,
+    result_port: u16,
+    vector_len: u32,
+    slots: u32,
+    userspace_only: bool,
+}
+
+/// One user-space slot.
+#[derive(Debug)]
+struct Slot {
+    acc: Accumulator,
+    bitmap: [u64; 4],
+    done: u16,
+    last: bool,
+    first_at: Instant,
+    /// The kernel recorded this slot in `slot_owner`: completion writes its
+    /// `completed` marker and removes the record.
+    kernel_owned_record: bool,
+}
+
+/// Runtime state of one job on this path.
+#[derive(Debug, Default)]
+struct JobRt {
+    slots: HashMap<(u32, u32), Slot>,
+    completed: HashSet<(u32, u32)>,
+    completed_fifo: VecDeque<(u32, u32)>,
+    newest: Option<u32>,
+    kernel_newest: Option<u32>,
+    result_seq: u32,
+    handoff: abi::JobHandoff,
+    above_since: Option<Instant>,
+}
+
+fn serial_newer(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+impl JobRt {
+    fn is_stale(&self, round: u32) -> bool {
+        let stale = |newest: Option<u32>| {
+            newest.is_some_and(|n| (n.wrapping_sub(round) as i32) > abi::ROUND_WINDOW as i32)
+        };
+        stale(self.newest) || stale(self.kernel_newest)
+    }
+}
+
+struct Worker {
+    jobs: HashMap<u16, JobInfo>,
+    rt: HashMap<u16, JobRt>,
+    maps: Arc<KernelMaps>,
+    sockets: Vec<XskSocket>,
+    result_sock: UdpSocket,
+    stats: Arc<Mutex<UserspaceStats>>,
+    local: UserspaceStats,
+    opts: UserspaceOptions,
+    out: Vec<u8>,
+}
+
+/// A parsed frame: addresses and the UDP payload's range.
+struct Parsed {
+    saddr: u32,
+    daddr: u32,
+    payload: std::ops::Range<usize>,
+}
+
+/// Ethernet [+ one VLAN tag] / IPv4 (IHL honoured) / UDP, as the XDP
+/// program parses it; the UDP payload length comes from the UDP header.
+fn parse_frame(f: &[u8]) -> Option<Parsed> {
+    let mut off = 14;
+    let mut proto = u16::from_be_bytes([*f.get(12)?, *f.get(13)?]);
+    if proto == 0x8100 || proto == 0x88a8 {
+        proto = u16::from_be_bytes([*f.get(16)?, *f.get(17)?]);
+        off += 4;
+    }
+    if proto != 0x0800 {
+        return None;
+    }
+    let ip = f.get(off..off + 20)?;
+    if ip[0] >> 4 != 4 || ip[9] != 17 {
+        return None;
+    }
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    if ihl < 20 {
+        return None;
+    }
+    let saddr = u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]);
+    let daddr = u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]);
+    let udp = off + ihl;
+    let h = f.get(udp..udp + 8)?;
+    let ulen = usize::from(u16::from_be_bytes([h[4], h[5]]));
+    if ulen < 8 || udp + ulen > f.len() {
+        return None;
+    }
+    Some(Parsed {
+        saddr,
+        daddr,
+        payload: udp + 8..udp + ulen,
+    })
+}
+
+impl Worker {
+    fn handle(&mut self, frame: &[u8]) {
+        self.local.received += 1;
+        let Some(p) = parse_frame(frame) else {
+            self.local.count_drop(DropReason::TruncatedHeader);
+            return;
+        };
+        let payload = &frame[p.payload.clone()];
+        self.local.received_bytes += payload.len() as u64;
+        let result = self.contribute(&p, payload);
+        if let Err(reason) = result {
+            self.local.count_drop(reason);
+        }
+    }
+
+    fn contribute(&mut self, p: &Parsed, dgram: &[u8]) -> Result<(), DropReason> {
+        let (hdr, values) = proto::split_agg(dgram)
+            .map_err(|e| e.drop_reason().unwrap_or(DropReason::TruncatedHeader))?;
+        let job = self.jobs.get(&hdr.job).ok_or(DropReason::UnknownJob)?;
+        let &(addr, weight) = job
+            .ranks
+            .get(usize::from(hdr.rank))
+            .ok_or(DropReason::RankOutOfRange)?;
+        if addr != p.saddr {
+            return Err(DropReason::SourceMismatch);
+        }
+        if job.vector_len != 0
+            && u64::from(hdr.frag_off) + u64::from(hdr.count) > u64::from(job.vector_len)
+        {
+            return Err(DropReason::BeyondVector);
+        }
+        let workers = job.ranks.len() as u16;
+        let float = hdr.is_float();
+        let kernel_record = !job.userspace_only && !float && hdr.op.runs_in_kernel();
+        let rt = self.rt.entry(hdr.job).or_default();
+        if rt.is_stale(hdr.round) {
+            return Err(DropReason::StaleRound);
+        }
+        let key = (hdr.round, hdr.frag_off);
+        if rt.completed.contains(&key) {
+            return Err(DropReason::Retransmission);
+        }
+        if !rt.slots.contains_key(&key) {
+            if rt.slots.len() >= self.opts.max_slots_per_job {
+                return Err(DropReason::SlotPoolFull);
+            }
+            let acc = Accumulator::new(hdr.op, usize::from(hdr.count), float)
+                .map_err(|_| DropReason::InvalidOp)?;
+            rt.slots.insert(
+                key,
+                Slot {
+                    acc,
+                    bitmap: [0; 4],
+                    done: 0,
+                    last: false,
+                    first_at: Instant::now(),
+                    kernel_owned_record: kernel_record,
+                },
+            );
+        }
+        let Some(slot) = rt.slots.get_mut(&key) else {
+            return Err(DropReason::SlotPoolFull);
+        };
+        if slot.acc.op() != hdr.op
+            || slot.acc.count() != usize::from(hdr.count)
+            || slot.acc.is_float() != float
+        {
+            return Err(DropReason::SlotMismatch);
+        }
+        let (word, bit) = (usize::from(hdr.rank / 64), 1u64 << (hdr.rank % 64));
+        if slot.bitmap[word] & bit != 0 {
+            return Err(DropReason::Retransmission);
+        }
+        slot.acc
+            .add_be_bytes(values, weight)
+            .map_err(|_| DropReason::SlotMismatch)?;
+        slot.bitmap[word] |= bit;
+        slot.done += 1;
+        slot.last |= hdr.is_last_fragment();
+        self.local.accepted += 1;
+        if slot.done < workers {
+            return Ok(());
+        }
+
+        // Complete: exactly once, the slot leaves the map here.
+        let Some(slot) = rt.slots.remove(&key) else {
+            return Ok(());
+        };
+        let weight_sum = job.weight_sum;
+        let result_port = job.result_port;
+        let res = match slot.acc.finish_with_weight_sum(weight_sum) {
+            Ok(r) => r,
+            Err(_) => return Err(DropReason::SlotMismatch),
+        };
+        let seq = rt.result_seq;
+        rt.result_seq = rt.result_seq.wrapping_add(1);
+        let mut flags = abi::AGG_F_RESULT | res.flags();
+        if slot.last {
+            flags |= abi::AGG_F_LAST_FRAGMENT;
+        }
+        let out_hdr = proto::AggHeader {
+            job: hdr.job,
+            rank: abi::RESULT_RANK,
+            seq,
+            round: hdr.round,
+            frag_off: hdr.frag_off,
+            op: hdr.op,
+            flags,
+            count: hdr.count,
+        };
+        self.out.clear();
+        proto::write_agg_header(&out_hdr, &mut self.out);
+        res.write_be(&mut self.out);
+
+        // Release order (as in the kernel): completed marker, then the
+        // ownership record, so no contribution can start a new slot.
+        let skey = abi::SlotKey {
+            job: hdr.job,
+            pad: 0,
+            round: hdr.round,
+            frag_off: hdr.frag_off,
+        };
+        if slot.kernel_owned_record {
+            let _ = self.maps.mark_completed(&skey);
+            self.maps.delete_slot_owner(&skey);
+        }
+        rt.completed.insert(key);
+        rt.completed_fifo.push_back(key);
+        while rt.completed_fifo.len() > self.opts.completed_per_job {
+            if let Some(old) = rt.completed_fifo.pop_front() {
+                rt.completed.remove(&old);
+            }
+        }
+        if rt.newest.map_or(true, |n| serial_newer(hdr.round, n)) {
+            rt.newest = Some(hdr.round);
+            rt.handoff.newest_round = hdr.round;
+            rt.handoff.completed = rt.handoff.completed.wrapping_add(1).max(1);
+            let _ = self.maps.set_job_handoff(hdr.job, &rt.handoff);
+        }
+
+        let dst = SocketAddrV4::new(Ipv4Addr::from(u32::from_be(p.daddr)), result_port);
+        match self.result_sock.send_to(&self.out, dst) {
+            Ok(_) => self.local.results += 1,
+            Err(_) => self.local.result_send_errors += 1,
+        }
+        self.local.latency.record(slot.first_at.elapsed());
+        Ok(())
+    }
+
+    /// Overload watcher, kernel newest round, stale-slot collection.
+    fn tick(&mut self, now: Instant) {
+        for (&id, job) in &self.jobs {
+            let rt = self.rt.entry(id).or_default();
+            let state = self.maps.job_state(id);
+            if let Some(js) = state {
+                if js.completed != 0 {
+                    rt.kernel_newest = Some(js.newest_round);
+                }
+            }
+            if !job.userspace_only {
+                let limit = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
+                let threshold = ((self.opts.overload_fraction * f64::from(limit)).ceil() as u32).max(1);
+                let active = state.map(|s| s.active_slots).unwrap_or(0);
+                let overloaded = rt.handoff.flags & abi::HANDOFF_F_OVERLOAD != 0;
+                if active >= threshold {
+                    let since = *rt.above_since.get_or_insert(now);
+                    if !overloaded && now.duration_since(since) >= self.opts.overload_hold {
+                        rt.handoff.flags |= abi::HANDOFF_F_OVERLOAD;
+                        let _ = self.maps.set_job_handoff(id, &rt.handoff);
+                        self.local.overload_events += 1;
+                    }
+                } else {
+                    rt.above_since = None;
+                    if overloaded {
+                        rt.handoff.flags &= !abi::HANDOFF_F_OVERLOAD;
+                        let _ = self.maps.set_job_handoff(id, &rt.handoff);
+                    }
+                }
+            }
+            // Slots of stale rounds can never complete: collect them.
+            let stale: Vec<(u32, u32)> = rt
+                .slots
+                .keys()
+                .filter(|(round, _)| rt.is_stale(*round))
+                .copied()
+                .collect();
+            for key in stale {
+                if let Some(slot) = rt.slots.remove(&key) {
+                    if slot.kernel_owned_record {
+                        self.maps.delete_slot_owner(&abi::SlotKey {
+                            job: id,
+                            pad: 0,
+                            round: key.0,
+                            frag_off: key.1,
+                        });
+                    }
+                    self.local.stale_slots_collected += 1;
+                }
+            }
+        }
+        self.publish();
+    }
+
+    fn publish(&mut self) {
+        self.local.slots_in_use = self.rt.values().map(|r| r.slots.len()).sum();
+        self.local.jobs_in_overload = self
+            .rt
+            .iter()
+            .filter(|(_, r)| r.handoff.flags & abi::HANDOFF_F_OVERLOAD != 0)
+            .map(|(&id, _)| id)
+            .collect();
+        self.local.jobs_in_overload.sort_unstable();
+        for s in &self.sockets {
+            if let Ok(st) = s.stats() {
+                self.local.xsk.insert(s.queue(), st);
+            }
+        }
+        if let Ok(mut shared) = self.stats.lock() {
+            *shared = self.local.clone();
+        }
+    }
+
+    fn run(mut self, stop: Arc<AtomicBool>) {
+        let mut pfds: Vec<libc::pollfd> = self
+            .sockets
+            .iter()
+            .map(|s| libc::pollfd {
+                fd: s.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let timeout_ms = self.opts.tick.as_millis().clamp(1, 1000) as libc::c_int;
+        let mut next_tick = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            // SAFETY: pfds is a live array of pollfd of the length passed.
+            unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+            let mut sockets = std::mem::take(&mut self.sockets);
+            loop {
+                let mut got = 0;
+                for s in sockets.iter_mut() {
+                    got += s.recv(256, |frame| self.handle(frame));
+                }
+                if got == 0 {
+                    break;
+                }
+            }
+            self.sockets = sockets;
+            let now = Instant::now();
+            if now >= next_tick {
+                self.tick(now);
+                next_tick = now + self.opts.tick;
+            }
+        }
+        self.publish();
+    }
+}
+
+impl UserspacePath {
+    /// Start the user-space path on `iface` with default options; see
+    /// [`UserspacePath::start_with`].
+    pub fn start(iface: &str, dataplane: &Dataplane, config: &Config) -> Result<UserspacePath> {
+        Self::start_with(iface, dataplane, config, UserspaceOptions::default())
+    }
+
+    /// Open one AF_XDP socket per RX queue of `iface`, register them in the
+    /// `xsks` map and start the worker thread. Call it in the interface's
+    /// network namespace, after the jobs of `config` are written into
+    /// `dataplane` (before or after the XDP program is attached).
+    pub fn start_with(
+        iface: &str,
+        dataplane: &Dataplane,
+        config: &Config,
+        opts: UserspaceOptions,
+    ) -> Result<UserspacePath> {
+        let cname = std::ffi::CString::new(iface).map_err(|_| anyhow!("bad interface name {iface:?}"))?;
+        // SAFETY: NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+        if ifindex == 0 {
+            return Err(anyhow!("user-space path: no interface {iface}"));
+        }
+        let maps = Arc::new(dataplane.kernel_maps()?);
+        let nqueues = xsk::rx_queue_count(iface);
+        let mut sockets = Vec::new();
+        let mut queues = Vec::new();
+        for q in 0..nqueues {
+            let sock = XskSocket::open(ifindex, q, opts.xsk)
+                .with_context(|| format!("user-space path on {iface} queue {q}"))?;
+            sockets.push(sock);
+            queues.push(q);
+        }
+        let result_sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+            .context("user-space path: result socket")?;
+
+        let mut jobs = HashMap::new();
+        for j in &config.jobs {
+            let weights = if j.weights.len() == j.workers.len() {
+                j.weights.clone()
+            } else {
+                vec![1; j.workers.len()]
+            };
+            jobs.insert(
+                j.id,
+                JobInfo {
+                    ranks: j
+                        .workers
+                        .iter()
+                        .zip(&weights)
+                        .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
+                        .collect(),
+                    weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
+                    result_port: j.result_port,
+                    vector_len: j.vector_len.unwrap_or(0),
+                    slots: j.slots,
+                    userspace_only: j.userspace_only,
+                },
+            );
+        }
+        let job_ids: Vec<u16> = jobs.keys().copied().collect();
+        for &id in &job_ids {
+            maps.delete_job_handoff(id);
+        }
+
+        let stats = Arc::new(Mutex::new(UserspaceStats::default()));
+        let worker = Worker {
+            jobs,
+            rt: HashMap::new(),
+            maps: Arc::clone(&maps),
+            sockets,
+            result_sock,
+            stats: Arc::clone(&stats),
+            local: UserspaceStats::default(),
+            opts,
+            out: Vec::with_capacity(2048),
+        };
+        // Register only once the sockets are bound; the worker drains them.
+        let fds: Vec<(u32, i32)> = worker.sockets.iter().map(|s| (s.queue(), s.fd())).collect();
+        for (q, fd) in &fds {
+            if let Err(e) = maps.register_xsk(*q, *fd) {
+                for (q, _) in &fds {
+                    maps.unregister_xsk(*q);
+                }
+                return Err(anyhow!("user-space path: registering queue {q}: {e}"));
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let handle = std::thread::Builder::new()
+            .name("aggbox-userspace".into())
+            .spawn(move || worker.run(stop2))
+            .context("user-space path: spawning the worker")?;
+        Ok(UserspacePath {
+            stop,
+            stats,
+            worker: Some(handle),
+            queues,
+            maps,
+            jobs: job_ids,
+        })
+    }
+
+    /// RX queues with a socket.
+    pub fn queues(&self) -> &[u32] {
+        &self.queues
+    }
+
+    /// A snapshot of the counters (refreshed every tick).
+    pub fn stats(&self) -> UserspaceStats {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Stop: unregister the sockets (the kernel falls back to its own
+    /// behaviour), join the worker, close the sockets, clear the overload
+    /// flags and forget the slots user space owned (their fragments are
+    /// lost; a retransmission starts over in the kernel).
+    pub fn stop(mut self) -> UserspaceStats {
+        self.shutdown();
+        self.stats()
+    }
+
+    fn shutdown(&mut self) {
+        for &q in &self.queues {
+            self.maps.unregister_xsk(q);
+        }
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.worker.take() {
+            let _ = h.join();
+        }
+        for &id in &self.jobs {
+            self.maps.delete_job_handoff(id);
+        }
+        for (key, owner) in self.maps.slot_owners() {
+            if owner == abi::OWNER_USERSPACE {
+                self.maps.delete_slot_owner(&key);
+            }
+        }
+    }
+}
+
+impl Drop for UserspacePath {
+    fn drop(&mut self) {
+        if self.worker.is_some() {
+            self.shutdown();
+        }
+    }
+}

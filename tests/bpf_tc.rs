@@ -1,0 +1,443 @@
+//! BPF_PROG_TEST_RUN cases for the broadcast TC programs
+//! (`src/bpf/aggbox_tc.bpf.c`), katran-fixture style: {input frame, group
+//! table, skb mark} -> {verdict, output frame, counters}.
+//!
+//! The runs happen inside host 0 of a two-host testbed with static
+//! neighbours, with the test skb on host 0's eth0: bpf_fib_lookup resolves
+//! host 1 there, and the copies the program clones (which BPF_PROG_TEST_RUN
+//! really transmits) stay inside the testbed. With a mask of one destination
+//! no clone is made: the original becomes the copy and comes back in
+//! `data_out`, so its bytes (addresses, ports, MACs, checksums) are checked
+//! here with an independent checksum routine.
+//!
+//! Needs root; fails (never skips) otherwise.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use aggbox::abi::{self, BcastStat};
+use aggbox::broadcast::{self, plan_tree, BroadcastPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
+use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+
+const GROUP: u16 = 9;
+const SPORT: u16 = 40000;
+
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the TC BPF_PROG_TEST_RUN tests need root (CAP_BPF + CAP_NET_ADMIN); run them with sudo: \
+         `sudo -E cargo test --test bpf_tc`"
+    );
+}
+
+fn fold(mut sum: u32) -> u16 {
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum as u16
+}
+
+fn sum16(bytes: &[u8]) -> u32 {
+    bytes
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum()
+}
+
+/// RFC 768 checksum of a UDP datagram (header with its checksum field as
+/// it is + payload) — 0 when the stored checksum is right (or 0xffff/0).
+fn udp_verify(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
+    let mut sum = sum16(&src.octets()) + sum16(&dst.octets()) + 17 + udp.len() as u32;
+    sum += sum16(udp);
+    !fold(sum)
+}
+
+/// Checksum to store in a UDP header whose checksum field is zero.
+fn udp_checksum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
+    match udp_verify(src, dst, udp) {
+        0 => 0xffff,
+        c => c,
+    }
+}
+
+fn ip_checksum(hdr: &[u8]) -> u16 {
+    !fold(sum16(hdr))
+}
+
+#[derive(Clone)]
+struct Frame {
+    dmac: [u8; 6],
+    smac: [u8; 6],
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    dport: u16,
+    frag: u16,
+    payload: Vec<u8>,
+    udp_csum: bool,
+}
+
+impl Frame {
+    fn build(&self) -> Vec<u8> {
+        let mut f = Vec::new();
+        f.extend_from_slice(&self.dmac);
+        f.extend_from_slice(&self.smac);
+        f.extend_from_slice(&0x0800u16.to_be_bytes());
+        let tot = (20 + 8 + self.payload.len()) as u16;
+        let mut ip = vec![0x45, 0];
+        ip.extend_from_slice(&tot.to_be_bytes());
+        ip.extend_from_slice(&0x4242u16.to_be_bytes());
+        ip.extend_from_slice(&self.frag.to_be_bytes());
+        ip.extend_from_slice(&[64, 17, 0, 0]);
+        ip.extend_from_slice(&self.src.octets());
+        ip.extend_from_slice(&self.dst.octets());
+        let c = ip_checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        f.extend_from_slice(&ip);
+        let mut udp = Vec::new();
+        udp.extend_from_slice(&SPORT.to_be_bytes());
+        udp.extend_from_slice(&self.dport.to_be_bytes());
+        udp.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(&self.payload);
+        if self.udp_csum {
+            let c = udp_checksum(self.src, self.dst, &udp);
+            udp[6..8].copy_from_slice(&c.to_be_bytes());
+        }
+        f.extend_from_slice(&udp);
+        f
+    }
+}
+
+fn agb1(mask: u32, seq: u32, group: u16, flags: u8, hops: u8, body: usize) -> Vec<u8> {
+    let mut d = Vec::new();
+    d.extend_from_slice(&abi::MAGIC_BCAST.to_be_bytes());
+    d.extend_from_slice(&mask.to_be_bytes());
+    d.extend_from_slice(&seq.to_be_bytes());
+    d.extend_from_slice(&group.to_be_bytes());
+    d.push(flags);
+    d.push(hops);
+    d.extend((0..body).map(|i| (i * 7 + seq as usize) as u8));
+    d
+}
+
+/// Parsed view of an output frame (no VLAN, IHL 5).
+struct Out<'a>(&'a [u8]);
+
+impl Out<'_> {
+    fn dmac(&self) -> [u8; 6] {
+        self.0[0..6].try_into().unwrap()
+    }
+    fn smac(&self) -> [u8; 6] {
+        self.0[6..12].try_into().unwrap()
+    }
+    fn src(&self) -> Ipv4Addr {
+        Ipv4Addr::new(self.0[26], self.0[27], self.0[28], self.0[29])
+    }
+    fn dst(&self) -> Ipv4Addr {
+        Ipv4Addr::new(self.0[30], self.0[31], self.0[32], self.0[33])
+    }
+    fn dport(&self) -> u16 {
+        u16::from_be_bytes([self.0[36], self.0[37]])
+    }
+    fn udp_csum(&self) -> u16 {
+        u16::from_be_bytes([self.0[40], self.0[41]])
+    }
+    fn udp(&self) -> &[u8] {
+        &self.0[34..]
+    }
+    fn payload(&self) -> &[u8] {
+        &self.0[42..]
+    }
+    fn check_checksums(&self) {
+        assert_eq!(fold(sum16(&self.0[14..34])), 0xffff, "IPv4 header checksum");
+        if self.udp_csum() != 0 {
+            assert_eq!(udp_verify(self.src(), self.dst(), self.udp()), 0, "UDP checksum (full)");
+        }
+    }
+}
+
+struct Fixture {
+    tb: Testbed,
+    plane: BroadcastPlane,
+    eth0: u32,
+    h0_mac: [u8; 6],
+    h1: SocketAddrV4,
+    h1_mac: [u8; 6],
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        require_root();
+        let tb = Testbed::up(TestbedConfig {
+            hosts: 2,
+            static_neigh: true,
+            ..Default::default()
+        })
+        .expect("testbed");
+        let plane = BroadcastPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
+        let eth0 = in_netns(&tb.host(0).netns, || broadcast::ifindex("eth0"))
+            .expect("netns")
+            .expect("eth0");
+        let (h0, h1) = (tb.host(0), tb.host(1));
+        Fixture {
+            eth0,
+            h0_mac: h0.mac,
+            h1: SocketAddrV4::new(h1.addr, 7200),
+            h1_mac: h1.mac,
+            plane,
+            tb,
+        }
+    }
+
+    fn frame(&self, payload: Vec<u8>) -> Frame {
+        let (h0, h1) = (self.tb.host(0), self.tb.host(1));
+        Frame {
+            dmac: h1.mac,
+            smac: h0.mac,
+            src: h0.addr,
+            dst: h1.addr,
+            dport: 7999,
+            frag: 0x4000,
+            payload,
+            udp_csum: true,
+        }
+    }
+
+    fn run(&self, prog: TcProgram, frame: &[u8], mark: u32) -> broadcast::TcRun {
+        in_netns(&self.tb.host(0).netns, || self.plane.test_run(prog, frame, self.eth0, mark))
+            .expect("netns")
+            .expect("test_run")
+    }
+
+    fn delta(&self, before: &broadcast::BroadcastStats, stat: BcastStat) -> u64 {
+        self.plane.stats().expect("stats").packets(stat) - before.packets(stat)
+    }
+}
+
+#[test]
+fn egress_rewrites_the_copy_for_one_destination() {
+    let fx = Fixture::new();
+    let other = SocketAddrV4::new(fx.h1.ip().to_owned(), 7300);
+    fx.plane.set_group(GROUP, &[fx.h1, other]).expect("set_group");
+
+    for (mask, want_port) in [(0b01u32, 7200u16), (0b10, 7300)] {
+        for udp_csum in [true, false] {
+            for body in [0usize, 1, 47, 1456] {
+                let payload = agb1(mask, 5, GROUP, 0, 3, body);
+                let mut f = fx.frame(payload.clone());
+                // the app sent it somewhere else entirely
+                f.dst = Ipv4Addr::new(10, 77, 0, 200);
+                f.dmac = [0x02, 0, 0, 0, 0, 0x99];
+                f.udp_csum = udp_csum;
+                let before = fx.plane.stats().expect("stats");
+                let run = fx.run(TcProgram::Egress, &f.build(), 0);
+                assert_eq!(run.verdict, TC_ACT_OK, "the original leaves as the copy");
+                let out = Out(&run.data);
+                assert_eq!(out.dst(), *fx.h1.ip());
+                assert_eq!(out.dport(), want_port);
+                assert_eq!(out.src(), f.src, "source untouched");
+                assert_eq!(out.dmac(), fx.h1_mac, "next-hop MAC from bpf_fib_lookup / cache");
+                assert_eq!(out.smac(), fx.h0_mac);
+                assert_eq!(out.payload(), &payload[..], "AGB1 header and payload unchanged");
+                out.check_checksums();
+                if udp_csum {
+                    assert_ne!(out.udp_csum(), 0);
+                } else {
+                    assert_eq!(out.udp_csum(), 0, "a disabled checksum stays disabled");
+                }
+                assert_eq!(fx.delta(&before, BcastStat::Broadcast), 1);
+                assert_eq!(fx.delta(&before, BcastStat::CopySent), 1);
+                assert_eq!(run.mark, 0);
+            }
+        }
+    }
+    // the first lookup went to the FIB, the rest hit the cache
+    let st = fx.plane.stats().expect("stats");
+    assert_eq!(st.packets(BcastStat::FibLookup), 1);
+    assert!(st.packets(BcastStat::CacheHit) >= 15);
+    let cache = fx.plane.neigh_cache().expect("cache");
+    assert_eq!(cache.len(), 1);
+    assert_eq!(cache[0].addr, *fx.h1.ip());
+    assert_eq!(cache[0].neigh.dmac, fx.h1_mac);
+    assert_eq!(cache[0].neigh.ifindex, fx.eth0);
+    let gs = fx.plane.group_stats(GROUP, 0).expect("gstats").expect("exists");
+    assert_eq!(gs.datagrams, 16);
+    assert_eq!(gs.copies, 16);
+}
+
+#[test]
+fn egress_verdicts_for_other_traffic_and_bad_datagrams() {
+    let fx = Fixture::new();
+    fx.plane.set_group(GROUP, &[fx.h1]).expect("set_group");
+    let cases: Vec<(&str, Frame, u32, i32, BcastStat)> = vec![
+        ("plain UDP", fx.frame(b"hello world, not aggbox".to_vec()), 0, TC_ACT_OK, BcastStat::NotAggbox),
+        ("AGG1", fx.frame({
+            let mut p = agb1(1, 1, GROUP, 0, 0, 8);
+            p[..4].copy_from_slice(&abi::MAGIC_AGG.to_be_bytes());
+            p
+        }), 0, TC_ACT_OK, BcastStat::NotAggbox),
+        ("unknown group", fx.frame(agb1(1, 1, GROUP + 1, 0, 0, 8)), 0, TC_ACT_OK, BcastStat::UnknownGroup),
+        ("truncated AGB1", fx.frame(agb1(1, 1, GROUP, 0, 0, 0)[..10].to_vec()), 0, TC_ACT_OK, BcastStat::Malformed),
+        ("reserved flag", fx.frame(agb1(1, 1, GROUP, 0x80, 0, 8)), 0, TC_ACT_OK, BcastStat::Malformed),
+        ("IP fragment", Frame { frag: 0x2000, ..fx.frame(agb1(1, 1, GROUP, 0, 0, 8)) }, 0, TC_ACT_OK, BcastStat::IpFragment),
+        ("empty mask", fx.frame(agb1(0, 1, GROUP, 0, 0, 8)), 0, TC_ACT_SHOT, BcastStat::EmptyMask),
+        ("mask beyond the table", fx.frame(agb1(0xfffe, 1, GROUP, 0, 0, 8)), 0, TC_ACT_SHOT, BcastStat::EmptyMask),
+        ("own copy", fx.frame(agb1(1, 1, GROUP, 0, 0, 8)), abi::BCAST_MARK_COPY, TC_ACT_OK, BcastStat::OwnCopy),
+        ("own copy, neighbour path done", fx.frame(agb1(1, 1, GROUP, 0, 0, 8)), abi::BCAST_MARK_DONE, TC_ACT_OK, BcastStat::OwnCopy),
+    ];
+    for (name, frame, mark, verdict, stat) in cases {
+        let bytes = frame.build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Egress, &bytes, mark);
+        assert_eq!(run.verdict, verdict, "{name}: verdict");
+        if verdict == TC_ACT_OK {
+            assert_eq!(run.data, bytes, "{name}: untouched");
+        }
+        assert_eq!(fx.delta(&before, stat), 1, "{name}: counted as {stat:?}");
+        let after = fx.plane.stats().expect("stats");
+        assert_eq!(after.datagrams() - before.datagrams(), 1, "{name}: exactly one outcome");
+    }
+
+    // a copy whose neighbour is unresolved re-enters with MARK_NEIGH and is
+    // handed to bpf_redirect_neigh, marked DONE
+    let run = fx.run(TcProgram::Egress, &fx.frame(agb1(1, 1, GROUP, 0, 0, 8)).build(), abi::BCAST_MARK_NEIGH);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT);
+    assert_eq!(run.mark, abi::BCAST_MARK_DONE);
+}
+
+#[test]
+fn egress_unresolved_neighbour_goes_through_the_neighbour_path() {
+    let fx = Fixture::new();
+    // 10.77.0.77 is on the link but nobody has it: NO_NEIGH
+    let ghost = SocketAddrV4::new(Ipv4Addr::new(10, 77, 0, 77), 7200);
+    fx.plane.set_group(GROUP, &[ghost]).expect("set_group");
+    let payload = agb1(1, 1, GROUP, 0, 0, 100);
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &fx.frame(payload.clone()).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect_neigh");
+    assert_eq!(run.mark, abi::BCAST_MARK_DONE, "its next pass through egress is let go");
+    let out = Out(&run.data);
+    assert_eq!(out.dst(), *ghost.ip());
+    assert_eq!(out.dport(), 7200);
+    assert_eq!(out.dmac(), [0; 6], "never a stale or multicast MAC");
+    assert_eq!(out.payload(), &payload[..]);
+    out.check_checksums();
+    assert_eq!(fx.delta(&before, BcastStat::NeighMiss), 1);
+    assert!(fx.plane.neigh_cache().expect("cache").is_empty(), "unresolved next hops are not cached");
+
+    // a destination on this very host (the datagram's own source address):
+    // looped through lo (all-zero MAC), where a local source is no martian
+    let here = SocketAddrV4::new(fx.tb.host(0).addr, 7300);
+    fx.plane.set_group(GROUP, &[here]).expect("set_group");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &fx.frame(payload.clone()).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect(lo)");
+    assert_eq!(run.mark, abi::BCAST_MARK_COPY);
+    let out = Out(&run.data);
+    assert_eq!((out.dst(), out.dport()), (*here.ip(), 7300));
+    assert_eq!(out.dmac(), [0; 6], "lo's MAC");
+    out.check_checksums();
+    assert_eq!(fx.delta(&before, BcastStat::LocalCopy), 1);
+
+    // a destination with no route at all: that copy is not sent
+    let nowhere = SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 1), 7200);
+    fx.plane.set_group(GROUP, &[nowhere]).expect("set_group");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &fx.frame(payload).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_SHOT);
+    assert_eq!(fx.delta(&before, BcastStat::FibError), 1);
+}
+
+#[test]
+fn egress_several_destinations_clone_and_the_original_takes_the_last() {
+    let fx = Fixture::new();
+    let members: Vec<SocketAddrV4> = (0..32).map(|p| SocketAddrV4::new(*fx.h1.ip(), 7200 + p)).collect();
+    fx.plane.set_group(GROUP, &members).expect("set_group");
+    for mask in [0b11u32, 0x8000_0001, u32::MAX] {
+        let payload = agb1(mask, 2, GROUP, 0, 0, 64);
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Egress, &fx.frame(payload.clone()).build(), 0);
+        assert_eq!(run.verdict, TC_ACT_OK);
+        let last = 31 - mask.leading_zeros() as u16;
+        let out = Out(&run.data);
+        assert_eq!(out.dport(), 7200 + last, "the original is the copy of the highest mask bit");
+        assert_eq!(out.payload(), &payload[..]);
+        out.check_checksums();
+        assert_eq!(
+            fx.delta(&before, BcastStat::CopySent),
+            u64::from(mask.count_ones()),
+            "mask {mask:#x}: one copy per bit (clones really sent into the testbed)"
+        );
+        assert_eq!(fx.delta(&before, BcastStat::CloneFailed), 0);
+    }
+}
+
+#[test]
+fn ingress_forwards_with_hops_plus_one_and_delivers_the_original() {
+    let fx = Fixture::new();
+    let h0 = fx.tb.host(0);
+    // host 0 is a tree node receiving the group on port 7400, with host 1 as child
+    fx.plane.set_forwarding(GROUP, 7400, &[fx.h1]).expect("set_forwarding");
+    let mk = |flags: u8, hops: u8| {
+        let mut f = fx.frame(agb1(0x3, 7, GROUP, flags, hops, 200));
+        f.src = Ipv4Addr::new(10, 77, 0, 250); // the root
+        f.dst = h0.addr;
+        f.dport = 7400;
+        f.dmac = h0.mac;
+        f.smac = [0x02, 0, 0, 0, 0, 0x42];
+        f
+    };
+    let cases = [
+        ("FORWARD", mk(abi::BCAST_F_FORWARD, 0), BcastStat::Forwarded, 1u64),
+        ("FORWARD, deep", mk(abi::BCAST_F_FORWARD, abi::BCAST_MAX_HOPS as u8), BcastStat::HopsLimit, 0),
+        ("no FORWARD", mk(0, 0), BcastStat::LocalOnly, 0),
+        ("other port, no table", Frame { dport: 7401, ..mk(abi::BCAST_F_FORWARD, 0) }, BcastStat::UnknownGroup, 0),
+        ("not for this host", Frame { dmac: [0x02, 0, 0, 0, 0, 0x55], ..mk(abi::BCAST_F_FORWARD, 0) }, BcastStat::LocalOnly, 0),
+    ];
+    for (name, f, stat, copies) in cases {
+        let bytes = f.build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_OK, "{name}: delivered locally");
+        assert_eq!(run.data, bytes, "{name}: the local copy is the datagram as it arrived");
+        assert_eq!(fx.delta(&before, stat), 1, "{name}: {stat:?}");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), copies, "{name}: copies to children");
+    }
+    let gs = fx.plane.group_stats(GROUP, 7400).expect("gstats").expect("exists");
+    assert_eq!((gs.datagrams, gs.copies), (1, 1));
+}
+
+#[test]
+fn plan_tree_shapes() {
+    let members: Vec<SocketAddrV4> = (0..100u16).map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250) as u8 + 1), 7000 + i)).collect();
+    // up to 32: one level
+    let p = plan_tree(&members[..32], 32);
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].children, members[..32].to_vec());
+    assert_eq!(p[0].full_mask(), u32::MAX);
+    // 40 with fanout 8: root -> 8, four forwarders -> 8 each
+    let p = plan_tree(&members[..40], 8);
+    assert_eq!(p.len(), 5);
+    assert_eq!(p[0].children, members[..8].to_vec());
+    for (j, plan) in p[1..].iter().enumerate() {
+        assert_eq!(plan.node, TreeNode::Member(members[j]));
+        assert_eq!(plan.level, 1);
+        assert_eq!(plan.table_port(), members[j].port());
+        assert_eq!(plan.children, members[8 + 8 * j..16 + 8 * j].to_vec());
+    }
+    // every member reached exactly once, depth grows logarithmically
+    for (n, fanout) in [(1usize, 1usize), (7, 2), (100, 3), (100, 32), (33, 32), (100, 50)] {
+        let p = plan_tree(&members[..n], fanout);
+        let mut reached: Vec<SocketAddrV4> = p.iter().flat_map(|x| x.children.clone()).collect();
+        reached.sort();
+        let mut want = members[..n].to_vec();
+        want.sort();
+        assert_eq!(reached, want, "n {n} fanout {fanout}");
+        assert!(p.iter().all(|x| x.children.len() <= fanout.min(32)));
+        assert!(p.iter().all(|x| match x.node {
+            TreeNode::Root => x.level == 0,
+            TreeNode::Member(m) => !x.children.contains(&m),
+        }));
+    }
+}

@@ -1,0 +1,526 @@
+//! In-kernel broadcast end to end, on network-namespace testbeds
+//! (`aggbox::testbed`): a root host whose TC egress program turns one AGB1
+//! datagram into one copy per masked member, receivers that must get every
+//! datagram meant for them exactly once and byte-identical, trees beyond 32
+//! members through TC ingress forwarding, and checksums the receiving kernels
+//! accept (UdpInCsumErrors stays 0).
+//!
+//! Needs root; fails (never skips) otherwise. Run alone:
+//! `sudo -E cargo test --test netns_broadcast`.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::time::{Duration, Instant};
+
+use aggbox::abi::{self, BcastStat};
+use aggbox::broadcast::{self, plan_tree, BroadcastError, BroadcastOptions, BroadcastPlane, TreeNode};
+use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+
+const GROUP: u16 = 3;
+const PORT: u16 = 7200;
+
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the netns broadcast tests need root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); \
+         run them with sudo: `sudo -E cargo test --test netns_broadcast`"
+    );
+}
+
+/// AGB1 datagram: header + `body_len` bytes derived from `seq`.
+fn agb1(mask: u32, seq: u32, group: u16, flags: u8, total_len: usize) -> Vec<u8> {
+    let mut d = Vec::with_capacity(total_len);
+    d.extend_from_slice(&abi::MAGIC_BCAST.to_be_bytes());
+    d.extend_from_slice(&mask.to_be_bytes());
+    d.extend_from_slice(&seq.to_be_bytes());
+    d.extend_from_slice(&group.to_be_bytes());
+    d.push(flags);
+    d.push(0);
+    let mut x = seq.wrapping_mul(2_654_435_761).wrapping_add(12345);
+    while d.len() < total_len {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        d.push(x as u8);
+    }
+    d
+}
+
+fn seq_of(d: &[u8]) -> u32 {
+    u32::from_be_bytes([d[8], d[9], d[10], d[11]])
+}
+
+/// Load a plane (main thread) and attach it to eth0 of `netns`.
+fn plane_on(netns: &str, options: &BroadcastOptions) -> BroadcastPlane {
+    let mut plane = match BroadcastPlane::load_with(options) {
+        Ok(p) => p,
+        Err(e) => panic!("loading the TC broadcast programs failed: {e:#?}"),
+    };
+    in_netns(netns, || -> Result<(), BroadcastError> {
+        let idx = broadcast::ifindex("eth0")?;
+        plane.attach(idx)
+    })
+    .expect("enter namespace")
+    .unwrap_or_else(|e| panic!("attach in {netns}: {e}"));
+    plane
+}
+
+fn bind_in(netns: &str, addr: SocketAddrV4) -> UdpSocket {
+    let sock = in_netns(netns, || UdpSocket::bind(addr))
+        .expect("enter namespace")
+        .unwrap_or_else(|e| panic!("bind {addr} in {netns}: {e}"));
+    sock.set_read_timeout(Some(Duration::from_millis(30))).expect("timeout");
+    sock
+}
+
+/// Everything queued on `sock` (stops at the first empty 30 ms).
+fn drain(sock: &UdpSocket) -> Vec<(Vec<u8>, std::net::SocketAddr)> {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while let Ok((n, from)) = sock.recv_from(&mut buf) {
+        out.push((buf[..n].to_vec(), from));
+    }
+    out
+}
+
+/// `Udp:` counters of the namespace (from /proc/thread-self/net/snmp).
+fn udp_snmp(netns: &str) -> BTreeMap<String, u64> {
+    let text = in_netns(netns, || std::fs::read_to_string("/proc/thread-self/net/snmp"))
+        .expect("enter namespace")
+        .expect("read snmp");
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("Udp:")).collect();
+    assert_eq!(lines.len(), 2, "Udp lines in /proc/net/snmp");
+    lines[0]
+        .split_whitespace()
+        .zip(lines[1].split_whitespace())
+        .skip(1)
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap_or(0)))
+        .collect()
+}
+
+/// Sender socket on the root, with a distinct source port.
+fn sender(tb: &Testbed) -> UdpSocket {
+    let h0 = tb.host(0);
+    in_netns(&h0.netns, || UdpSocket::bind((h0.addr, 0)))
+        .expect("enter namespace")
+        .expect("bind sender")
+}
+
+struct Sent {
+    seq: u32,
+    mask: u32,
+    data: Vec<u8>,
+}
+
+/// Check that receiver i got exactly the datagrams whose mask has bit i,
+/// each once and byte-identical, from the root's address.
+fn check_exactly_once(receivers: &[(SocketAddrV4, UdpSocket)], sent: &[Sent], root: Ipv4Addr) {
+    for (i, (member, sock)) in receivers.iter().enumerate() {
+        let got = drain(sock);
+        let mut by_seq: BTreeMap<u32, usize> = BTreeMap::new();
+        for (d, from) in &got {
+            assert_eq!(from.ip(), std::net::IpAddr::V4(root), "receiver {member}: source address");
+            let seq = seq_of(d);
+            *by_seq.entry(seq).or_default() += 1;
+            let s = sent
+                .iter()
+                .find(|s| s.seq == seq)
+                .unwrap_or_else(|| panic!("receiver {member} got unknown seq {seq}"));
+            assert_eq!(d, &s.data, "receiver {member}: seq {seq} not byte-identical");
+        }
+        for s in sent {
+            let want = if i < 32 && s.mask & (1 << i) != 0 { 1 } else { 0 };
+            let have = by_seq.get(&s.seq).copied().unwrap_or(0);
+            assert_eq!(
+                have, want,
+                "receiver {i} ({member}) got seq {} (mask {:#x}) {have} times, expected {want}",
+                s.seq, s.mask
+            );
+        }
+    }
+}
+
+fn send_all(tx: &UdpSocket, to: SocketAddrV4, sent: &[Sent]) {
+    for s in sent {
+        tx.send_to(&s.data, to).expect("send");
+        // let ARP / neighbour resolution interleave like a real sender would
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn root_broadcast_reaches_every_masked_receiver_exactly_once() {
+    require_root();
+    // 1 root + 9 receivers, cold neighbour tables, TX checksum offload on
+    // (locally generated datagrams are CHECKSUM_PARTIAL).
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 10,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let plane = plane_on(&root.netns, &BroadcastOptions::default());
+    let members: Vec<SocketAddrV4> = (1..10).map(|i| SocketAddrV4::new(tb.host(i).addr, PORT)).collect();
+    plane.set_group(GROUP, &members).expect("set_group");
+    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.clone()));
+    let receivers: Vec<(SocketAddrV4, UdpSocket)> = members
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (*m, bind_in(&tb.host(i + 1).netns, *m)))
+        .collect();
+    let before: Vec<_> = (1..10).map(|i| udp_snmp(&tb.host(i).netns)).collect();
+
+    let masks: [u32; 9] = [0x1ff, 0x001, 0x100, 0x155, 0x1fe, 0xffff_ffff, 0x0aa, 0x1ff, 0x010];
+    let sizes = [64usize, 1472, 200, 1000, 16, 512, 1471, 64, 1472];
+    let sent: Vec<Sent> = masks
+        .iter()
+        .zip(sizes)
+        .enumerate()
+        .map(|(k, (&mask, len))| Sent {
+            seq: k as u32,
+            mask,
+            data: agb1(mask, k as u32, GROUP, 0, len),
+        })
+        .collect();
+    let tx = sender(&tb);
+    // the application sends to the first member: a real neighbour on the
+    // egress interface (the mask decides who really gets it)
+    send_all(&tx, members[0], &sent);
+    std::thread::sleep(Duration::from_millis(500));
+    check_exactly_once(&receivers, &sent, root.addr);
+
+    // an empty mask is dropped; nobody sees it
+    let empty = Sent {
+        seq: 100,
+        mask: 0,
+        data: agb1(0, 100, GROUP, 0, 100),
+    };
+    tx.send_to(&empty.data, members[0]).expect("send");
+    std::thread::sleep(Duration::from_millis(200));
+    check_exactly_once(&receivers, std::slice::from_ref(&empty), root.addr);
+
+    // non-AggBox traffic and other groups go through untouched
+    tx.send_to(b"plain datagram, not AGB1", members[0]).expect("send");
+    let other = agb1(0x1ff, 200, GROUP + 1, 0, 80);
+    tx.send_to(&other, members[0]).expect("send");
+    std::thread::sleep(Duration::from_millis(200));
+    let got0 = drain(&receivers[0].1);
+    assert_eq!(got0.len(), 2, "member 0 gets the plain datagram and the unknown group's");
+    assert_eq!(got0[0].0, b"plain datagram, not AGB1");
+    assert_eq!(got0[1].0, other);
+    for (m, s) in &receivers[1..] {
+        assert!(drain(s).is_empty(), "{m} got traffic not meant for it");
+    }
+
+    let copies: u32 = sent.iter().map(|s| (s.mask & 0x1ff).count_ones()).sum();
+    let st = plane.stats().expect("stats");
+    eprintln!("root stats: {st:?}");
+    assert_eq!(st.packets(BcastStat::Broadcast), sent.len() as u64);
+    assert_eq!(st.packets(BcastStat::EmptyMask), 1);
+    assert_eq!(st.packets(BcastStat::UnknownGroup), 1);
+    assert!(st.packets(BcastStat::NotAggbox) >= 1);
+    assert_eq!(
+        st.packets(BcastStat::CopySent) + st.packets(BcastStat::NeighMiss),
+        u64::from(copies),
+        "every copy counted once"
+    );
+    assert!(st.packets(BcastStat::NeighMiss) >= 1, "cold neighbour table: some copies go through the neighbour path");
+    assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::CloneFailed) + st.packets(BcastStat::RewriteFailed), 0);
+    let gs = plane.group_stats(GROUP, 0).expect("group stats").expect("group counters exist");
+    assert_eq!(gs.datagrams, sent.len() as u64);
+    assert_eq!(gs.copies, u64::from(copies));
+    // every other neighbour has been resolved and cached by now
+    let cache = plane.neigh_cache().expect("neigh cache");
+    assert!(!cache.is_empty(), "next hops are cached");
+    for e in &cache {
+        assert!(!e.is_stale());
+        let host = members.iter().position(|m| *m.ip() == e.addr).expect("cached address is a member") + 1;
+        assert_eq!(e.neigh.dmac, tb.host(host).mac, "cached MAC of {}", e.addr);
+    }
+
+    for (i, b) in before.iter().enumerate() {
+        let after = udp_snmp(&tb.host(i + 1).netns);
+        assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors on receiver {i}");
+        assert_eq!(after["InErrors"], b["InErrors"], "UdpInErrors on receiver {i}");
+    }
+    drop(plane);
+}
+
+#[test]
+fn full_checksums_with_tx_offload_off_and_stale_next_hops_re_resolve() {
+    require_root();
+    // TX offload off: datagrams carry full checksums (CHECKSUM_NONE), so the
+    // receivers really verify what the program wrote.
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 5,
+        tx_csum_off: true,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let plane = plane_on(
+        &root.netns,
+        &BroadcastOptions {
+            neigh_ttl: Duration::from_millis(700),
+        },
+    );
+    let members: Vec<SocketAddrV4> = (1..5).map(|i| SocketAddrV4::new(tb.host(i).addr, PORT + i as u16)).collect();
+    plane.set_group(GROUP, &members).expect("set_group");
+    let receivers: Vec<(SocketAddrV4, UdpSocket)> = members
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (*m, bind_in(&tb.host(i + 1).netns, *m)))
+        .collect();
+    let before: Vec<_> = (1..5).map(|i| udp_snmp(&tb.host(i).netns)).collect();
+    let tx = sender(&tb);
+
+    let mut sent = Vec::new();
+    for (k, len) in (16..=1472).step_by(97).chain([1472]).enumerate() {
+        let mask = if k % 3 == 0 { 0xf } else { 0xf ^ (1 << (k % 4)) };
+        sent.push(Sent {
+            seq: k as u32,
+            mask,
+            data: agb1(mask, k as u32, GROUP, 0, len),
+        });
+    }
+    send_all(&tx, members[3], &sent);
+    std::thread::sleep(Duration::from_millis(400));
+    check_exactly_once(&receivers, &sent, root.addr);
+    for (i, b) in before.iter().enumerate() {
+        let after = udp_snmp(&tb.host(i + 1).netns);
+        assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors on receiver {i} (full checksums)");
+        let expected = sent.iter().filter(|s| s.mask & (1 << i) != 0).count() as u64;
+        assert_eq!(after["InDatagrams"] - b["InDatagrams"], expected, "UdpInDatagrams on receiver {i}");
+    }
+
+    // next hops go stale after the TTL and the next datagram re-resolves them
+    let lookups = plane.stats().expect("stats").packets(BcastStat::FibLookup);
+    assert!(plane.neigh_cache().expect("cache").iter().all(|e| !e.is_stale()));
+    std::thread::sleep(Duration::from_millis(1200));
+    let cache = plane.neigh_cache().expect("cache");
+    assert!(!cache.is_empty() && cache.iter().all(|e| e.is_stale()), "timer marked entries stale: {cache:?}");
+    let again = Sent {
+        seq: 999,
+        mask: 0xf,
+        data: agb1(0xf, 999, GROUP, 0, 300),
+    };
+    tx.send_to(&again.data, members[0]).expect("send");
+    std::thread::sleep(Duration::from_millis(200));
+    check_exactly_once(&receivers, std::slice::from_ref(&again), root.addr);
+    let st = plane.stats().expect("stats");
+    assert!(st.packets(BcastStat::FibLookup) >= lookups + 4, "stale entries re-resolved: {st:?}");
+    assert!(plane.neigh_cache().expect("cache").iter().all(|e| !e.is_stale()));
+}
+
+#[test]
+fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
+    require_root();
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 2,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let h0 = tb.host(0);
+    let h1 = tb.host(1);
+    let tc_qdiscs = |host: usize| {
+        let out = tb.run_in(host, &["tc", "qdisc", "show", "dev", "eth0"]).expect("tc");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+
+    // forwarding off: a clear error, nothing attached
+    let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.ip_forward=0"]).expect("sysctl");
+    assert!(out.status.success());
+    let mut plane = BroadcastPlane::load().expect("load");
+    let err = in_netns(&h0.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+        .expect("netns")
+        .expect_err("attach must refuse with forwarding off");
+    let msg = err.to_string();
+    assert!(matches!(err, BroadcastError::ForwardingDisabled { .. }), "{msg}");
+    assert!(msg.contains("ip_forward=1"), "the error says how to fix it: {msg}");
+    assert!(!tc_qdiscs(0).contains("clsact"), "nothing attached");
+
+    // forwarding on, no qdisc: attach creates clsact, detach removes it
+    tb.run_in(0, &["sysctl", "-qw", "net.ipv4.ip_forward=1"]).expect("sysctl");
+    in_netns(&h0.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+        .expect("netns")
+        .expect("attach");
+    assert_eq!(plane.attached().map(|a| a.1), Some(true), "created the qdisc");
+    assert!(tc_qdiscs(0).contains("clsact"));
+    let filters = tb.run_in(0, &["tc", "filter", "show", "dev", "eth0", "egress"]).expect("tc");
+    assert!(String::from_utf8_lossy(&filters.stdout).contains("aggbox_tc_egres"), "{}", String::from_utf8_lossy(&filters.stdout));
+    // detach from another namespace is refused, not misapplied
+    assert!(plane.detach().is_err());
+    in_netns(&h0.netns, || plane.detach()).expect("netns").expect("detach");
+    assert!(!tc_qdiscs(0).contains("clsact"), "the qdisc it created is gone");
+
+    // an existing clsact stays (no matchall/u32 modules here to add a
+    // foreign filter; the qdisc itself is what detach must not remove)
+    let out = tb.run_in(1, &["tc", "qdisc", "add", "dev", "eth0", "clsact"]).expect("tc");
+    assert!(out.status.success(), "tc qdisc add: {}", String::from_utf8_lossy(&out.stderr));
+    in_netns(&h1.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+        .expect("netns")
+        .expect("attach");
+    assert_eq!(plane.attached().map(|a| a.1), Some(false), "did not create the qdisc");
+    in_netns(&h1.netns, || plane.detach()).expect("netns").expect("detach");
+    assert!(tc_qdiscs(1).contains("clsact"), "the pre-existing qdisc stays");
+    let filters = tb.run_in(1, &["tc", "filter", "show", "dev", "eth0", "ingress"]).expect("tc");
+    let filters = String::from_utf8_lossy(&filters.stdout);
+    assert!(!filters.contains("aggbox"), "{filters}");
+
+    // stale filters (process gone) can be removed by handle/priority
+    let mut p2 = BroadcastPlane::load().expect("load");
+    in_netns(&h1.netns, || p2.attach(broadcast::ifindex("eth0").expect("eth0")))
+        .expect("netns")
+        .expect("attach");
+    std::mem::forget(p2); // like kill -9: nothing detaches
+    let removed = in_netns(&h1.netns, || broadcast::detach_stale(broadcast::ifindex("eth0").expect("eth0")))
+        .expect("netns")
+        .expect("detach_stale");
+    assert_eq!(removed, 2);
+}
+
+#[test]
+fn two_level_tree_reaches_forty_receivers_exactly_once() {
+    require_root();
+    // host 0 = root; hosts 1..=10 each hold 4 members (ports 7200..7203)
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 11,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let members: Vec<SocketAddrV4> = (1..=10)
+        .flat_map(|h| (0..4).map(move |p| (h, p)))
+        .map(|(h, p)| SocketAddrV4::new(tb.host(h).addr, PORT + p))
+        .collect();
+    let host_of = |m: &SocketAddrV4| (1..=10).find(|&h| tb.host(h).addr == *m.ip()).expect("member host");
+    let plans = plan_tree(&members, 8);
+    assert_eq!(plans[0].node, TreeNode::Root);
+    assert_eq!(plans[0].children.len(), 8);
+    assert!(plans.iter().all(|p| p.level <= 1), "two levels: {plans:?}");
+
+    // one plane per host that sends or forwards
+    let mut planes: BTreeMap<usize, BroadcastPlane> = BTreeMap::new();
+    planes.insert(0, plane_on(&root.netns, &BroadcastOptions::default()));
+    for plan in &plans {
+        let host = match plan.node {
+            TreeNode::Root => 0,
+            TreeNode::Member(m) => host_of(&m),
+        };
+        let plane = planes
+            .entry(host)
+            .or_insert_with(|| plane_on(&tb.host(host).netns, &BroadcastOptions::default()));
+        plan.apply(plane, GROUP).expect("apply plan");
+    }
+    let receivers: Vec<(SocketAddrV4, UdpSocket)> =
+        members.iter().map(|m| (*m, bind_in(&tb.host(host_of(m)).netns, *m))).collect();
+    let level2: Vec<SocketAddrV4> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
+    let before: Vec<_> = (1..=10).map(|h| udp_snmp(&tb.host(h).netns)).collect();
+
+    let tx = sender(&tb);
+    let mask = plans[0].full_mask();
+    let sent: Vec<Vec<u8>> = [64usize, 1472, 333, 1000, 64]
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| agb1(mask, k as u32, GROUP, abi::BCAST_F_FORWARD, len))
+        .collect();
+    for d in &sent {
+        tx.send_to(d, plans[0].children[0]).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let deadline = Instant::now() + Duration::from_millis(800);
+    std::thread::sleep(deadline - Instant::now());
+
+    for (m, sock) in &receivers {
+        let got = drain(sock);
+        let mut seqs: Vec<u32> = got.iter().map(|(d, _)| seq_of(d)).collect();
+        seqs.sort_unstable();
+        assert_eq!(seqs, (0..sent.len() as u32).collect::<Vec<_>>(), "member {m}: each datagram exactly once");
+        let hops = u8::from(level2.contains(m));
+        for (d, from) in &got {
+            assert_eq!(from.ip(), std::net::IpAddr::V4(root.addr), "{m}: source stays the root");
+            let mut want = sent[seq_of(d) as usize].clone();
+            want[15] = hops;
+            assert_eq!(d, &want, "{m}: datagram identical except hops = {hops}");
+        }
+    }
+    for (i, b) in before.iter().enumerate() {
+        let after = udp_snmp(&tb.host(i + 1).netns);
+        assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors on host {}", i + 1);
+    }
+    let forwarded: u64 = planes
+        .iter()
+        .filter(|(h, _)| **h != 0)
+        .map(|(_, p)| p.stats().expect("stats").packets(BcastStat::Forwarded))
+        .sum();
+    assert_eq!(forwarded, (sent.len() * (plans.len() - 1)) as u64, "each forwarder forwards each datagram once");
+}
+
+#[test]
+fn members_on_the_sending_or_forwarding_host_get_their_copy() {
+    require_root();
+    // a member beside the root (e.g. a worker beside the aggregator) and a
+    // child on its forwarder's own host: copies for this host are looped
+    // into the interface's ingress instead of going on the wire
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 3,
+        tx_csum_off: true,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let (h0, h1, h2) = (tb.host(0), tb.host(1), tb.host(2));
+    // a copy looped back to the root's own host carries a local source
+    // address: the stack takes it as martian unless lo accepts it
+    let err = in_netns(&h0.netns, broadcast::check_local_delivery).expect("netns").expect_err("off by default");
+    assert!(err.to_string().contains("accept_local=1"), "{err}");
+    let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.conf.lo.accept_local=1"]).expect("sysctl");
+    assert!(out.status.success());
+    in_netns(&h0.netns, broadcast::check_local_delivery).expect("netns").expect("on now");
+    let root_plane = plane_on(&h0.netns, &BroadcastOptions::default());
+    let fwd_plane = plane_on(&h1.netns, &BroadcastOptions::default());
+    let forwarder = SocketAddrV4::new(h1.addr, 7200);
+    let beside_root = SocketAddrV4::new(h0.addr, 7300);
+    let beside_forwarder = SocketAddrV4::new(h1.addr, 7201);
+    let far = SocketAddrV4::new(h2.addr, 7200);
+    root_plane.set_group(GROUP, &[beside_root, forwarder]).expect("root table");
+    fwd_plane.set_forwarding(GROUP, 7200, &[beside_forwarder, far]).expect("forwarding table");
+    let rx = [
+        (beside_root, bind_in(&h0.netns, beside_root), 0u8),
+        (forwarder, bind_in(&h1.netns, forwarder), 0),
+        (beside_forwarder, bind_in(&h1.netns, beside_forwarder), 1),
+        (far, bind_in(&h2.netns, far), 1),
+    ];
+    let before: Vec<_> = [&h0, &h1, &h2].iter().map(|h| udp_snmp(&h.netns)).collect();
+    let tx = sender(&tb);
+    let sent: Vec<Vec<u8>> = (0..4u32)
+        .map(|k| agb1(0b11, k, GROUP, abi::BCAST_F_FORWARD, 64 + 400 * k as usize))
+        .collect();
+    // mask order: the original becomes the last copy (the forwarder), the
+    // local member gets a clone looped into ingress
+    for d in &sent {
+        tx.send_to(d, forwarder).expect("send");
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    std::thread::sleep(Duration::from_millis(400));
+    for (m, sock, hops) in &rx {
+        let got = drain(sock);
+        let mut seqs: Vec<u32> = got.iter().map(|(d, _)| seq_of(d)).collect();
+        seqs.sort_unstable();
+        assert_eq!(seqs, vec![0, 1, 2, 3], "{m}: each datagram exactly once");
+        for (d, from) in &got {
+            assert_eq!(from.ip(), std::net::IpAddr::V4(h0.addr), "{m}: source stays the root");
+            let mut want = sent[seq_of(d) as usize].clone();
+            want[15] = *hops;
+            assert_eq!(d, &want, "{m}: identical except hops = {hops}");
+        }
+    }
+    for (h, b) in [&h0, &h1, &h2].iter().zip(&before) {
+        let after = udp_snmp(&h.netns);
+        assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors in {}", h.netns);
+    }
+    assert_eq!(root_plane.stats().expect("stats").packets(BcastStat::LocalCopy), 4);
+    assert_eq!(fwd_plane.stats().expect("stats").packets(BcastStat::LocalCopy), 4);
+    assert_eq!(fwd_plane.stats().expect("stats").packets(BcastStat::Forwarded), 4);
+}
