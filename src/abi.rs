@@ -622,13 +622,15 @@ pub enum BcastStat {
     CloneFailed = 16,
     RewriteFailed = 17,
     LocalCopy = 18,
+    ResultBroadcast = 19,
+    ResultUpstream = 20,
 }
 
 /// `AGGBOX_BCAST_STAT_MAX`.
-pub const BCAST_STAT_MAX: u32 = 19;
+pub const BCAST_STAT_MAX: u32 = 21;
 
 impl BcastStat {
-    pub const ALL: [BcastStat; 19] = [
+    pub const ALL: [BcastStat; 21] = [
         BcastStat::NotAggbox,
         BcastStat::OwnCopy,
         BcastStat::UnknownGroup,
@@ -648,6 +650,8 @@ impl BcastStat {
         BcastStat::CloneFailed,
         BcastStat::RewriteFailed,
         BcastStat::LocalCopy,
+        BcastStat::ResultBroadcast,
+        BcastStat::ResultUpstream,
     ];
 
     /// Label used in metrics and status (snake case; the C name is
@@ -673,6 +677,8 @@ impl BcastStat {
             BcastStat::CloneFailed => "clone_failed",
             BcastStat::RewriteFailed => "rewrite_failed",
             BcastStat::LocalCopy => "local_copy",
+            BcastStat::ResultBroadcast => "result_broadcast",
+            BcastStat::ResultUpstream => "result_upstream",
         }
     }
 
@@ -680,6 +686,7 @@ impl BcastStat {
     /// packet the TC programs see) rather than a per-copy event.
     pub fn is_datagram_outcome(self) -> bool {
         (self as u32) < BcastStat::CopySent as u32
+            || matches!(self, BcastStat::ResultBroadcast | BcastStat::ResultUpstream)
     }
 }
 
@@ -691,6 +698,7 @@ unsafe impl Plain for NeighKey {}
 unsafe impl Plain for Neigh {}
 unsafe impl Plain for BcastConfig {}
 unsafe impl Plain for BcastGroupStat {}
+unsafe impl Plain for ResultRoute {}
 
 /// Field offsets of the broadcast structs (part of [`layout`]).
 fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
@@ -713,4 +721,39 @@ fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
     fields!("aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
     fields!("aggbox_bcast_config", BcastConfig, [neigh_ttl_ns]);
     fields!("aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
+    fields!(
+        "aggbox_result_route",
+        ResultRoute,
+        [result_port, group, flags, parent_addr, parent_port, parent_job, parent_rank, pad]
+    );
 }
+
+// ---------------------------------------------------------------------------
+// Routes of RESULT datagrams (TC ingress): mirror of the "Routes of RESULT
+// datagrams" part of abi.h.
+// ---------------------------------------------------------------------------
+
+/// `result_routes` entries (`AGGBOX_MAX_RESULT_ROUTES`).
+pub const MAX_RESULT_ROUTES: u32 = MAX_JOBS;
+/// `aggbox_result_route.flags`: copy each RESULT to every member of `group`.
+pub const ROUTE_F_GROUP: u32 = 0x01;
+/// `aggbox_result_route.flags`: send each RESULT upstream to the parent.
+pub const ROUTE_F_PARENT: u32 = 0x02;
+/// Every defined `aggbox_result_route.flags` bit.
+pub const ROUTE_F_KNOWN: u32 = 0x03;
+
+/// `struct aggbox_result_route` (value of `result_routes`, key [`JobKey`]):
+/// `parent_addr` and `parent_port` big-endian, the rest host order.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ResultRoute {
+    pub result_port: u16,
+    pub group: u16,
+    pub flags: u32,
+    pub parent_addr: u32,
+    pub parent_port: u16,
+    pub parent_job: u16,
+    pub parent_rank: u16,
+    pub pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<ResultRoute>() == 20);

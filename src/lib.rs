@@ -16,6 +16,7 @@ pub mod config;
 pub mod dataplane;
 pub mod proto;
 pub mod reducer;
+pub mod runtime;
 pub mod metrics;
 pub mod node;
 pub mod testbed;

@@ -231,7 +231,7 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
                 .into_iter()
                 .map(|p| metrics::ProgramRef { name: p.name.to_string(), id: p.id })
                 .collect();
-            let source = metrics::source_for(iface, attachment.pin_dir(), programs);
+            let source = metrics::source_for(iface, attachment.pin_dir(), programs, None);
             let server = metrics::MetricsServer::start(listener, vec![source])?;
             eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
             Some(server)

@@ -42,15 +42,27 @@ pub struct ProgramRef {
     pub id: u32,
 }
 
+/// Snapshot of the user-space path's counters, taken at each scrape.
+pub type UserspaceStatsFn = std::sync::Arc<dyn Fn() -> crate::userspace::UserspaceStats + Send + Sync>;
+
 /// Where a scrape reads the kernel's counters: one interface's pin directory.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct KernelSource {
     /// Interface name (label value).
     pub iface: String,
-    /// The interface's pin directory (maps `stats`, `jobs`, `job_state`).
+    /// The interface's pin directory (maps `stats`, `jobs`, `job_state`,
+    /// `handoff_stats`, and `bcast_*` when the broadcast plane is attached).
     pub pin_dir: PathBuf,
     /// Programs to report run statistics for.
     pub programs: Vec<ProgramRef>,
+    /// The user-space path of this interface, if running.
+    pub userspace: Option<UserspaceStatsFn>,
+}
+
+impl std::fmt::Debug for KernelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelSource").field("iface", &self.iface).field("pin_dir", &self.pin_dir).finish_non_exhaustive()
+    }
 }
 
 fn label(name: &str, value: &str) -> LabelPair {
@@ -200,11 +212,118 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         }
     }
 
-    Ok([datagrams, payload, drops, results, active, limit, occupancy, round, workers, runs, run_time, insns]
-        .into_iter()
-        .map(|f| f.family)
-        .filter(|f| !f.get_metric().is_empty())
-        .collect())
+    let mut families = vec![datagrams, payload, drops, results, active, limit, occupancy, round, workers, runs, run_time, insns];
+
+    if let Ok(handoff) = MapHandle::from_pinned_path(dir.join("handoff_stats")) {
+        let mut f = Family::counter("aggbox_userspace_handoffs_total", "Datagrams the XDP program redirected to the user-space path, by reason.");
+        for reason in abi::HandoffReason::ALL {
+            let s = sum_percpu(&handoff, reason as u32)?;
+            f.push(&[("iface", iface), ("reason", reason.label())], s.packets as f64);
+        }
+        families.push(f);
+    }
+    families.extend(broadcast_families(source)?);
+    if let Some(userspace) = &source.userspace {
+        families.extend(userspace_families(iface, &userspace()));
+    }
+    Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
+}
+
+/// Broadcast counters, when the TC plane's maps are pinned next to the XDP ones.
+fn broadcast_families(source: &KernelSource) -> Result<Vec<Family>> {
+    let iface = source.iface.as_str();
+    let Ok(stats) = MapHandle::from_pinned_path(source.pin_dir.join("bcast_stats")) else {
+        return Ok(Vec::new());
+    };
+    let mut datagrams = Family::counter("aggbox_broadcast_datagrams_total", "AGB1 and other datagrams seen by the TC programs, by outcome.");
+    let mut events = Family::counter("aggbox_broadcast_copy_events_total", "Per-copy events of the TC programs (copies sent, neighbour misses, cache hits, FIB lookups, failures).");
+    for stat in abi::BcastStat::ALL {
+        let s = sum_percpu(&stats, stat as u32)?;
+        let labels = [("iface", iface), ("event", stat.label())];
+        if stat.is_datagram_outcome() {
+            datagrams.push(&[("iface", iface), ("outcome", stat.label())], s.packets as f64);
+        } else {
+            events.push(&labels, s.packets as f64);
+        }
+    }
+    let mut out = vec![datagrams, events];
+    if let Ok(gstats) = MapHandle::from_pinned_path(source.pin_dir.join("bcast_gstats")) {
+        let mut g_datagrams = Family::counter("aggbox_group_datagrams_total", "Datagrams broadcast (root) or forwarded (tree node) for a group.");
+        let mut g_copies = Family::counter("aggbox_group_copies_total", "Copies sent for a group.");
+        let mut g_misses = Family::counter("aggbox_group_neighbour_misses_total", "Copies of a group sent through the neighbour path (next hop unresolved).");
+        let mut g_bytes = Family::counter("aggbox_group_payload_bytes_total", "UDP payload bytes broadcast for a group.");
+        for key in gstats.keys() {
+            let Some(k) = abi::from_bytes::<abi::GroupKey>(&key) else { continue };
+            let per_cpu = gstats.lookup_percpu(&key, MapFlags::ANY)?.unwrap_or_default();
+            let mut total = abi::BcastGroupStat::default();
+            for raw in per_cpu {
+                if let Some(v) = abi::from_bytes::<abi::BcastGroupStat>(&raw) {
+                    total.datagrams += v.datagrams;
+                    total.copies += v.copies;
+                    total.neigh_misses += v.neigh_misses;
+                    total.bytes += v.bytes;
+                }
+            }
+            let (group, port) = (k.group.to_string(), k.port.to_string());
+            let labels = [("iface", iface), ("group", group.as_str()), ("port", port.as_str())];
+            g_datagrams.push(&labels, total.datagrams as f64);
+            g_copies.push(&labels, total.copies as f64);
+            g_misses.push(&labels, total.neigh_misses as f64);
+            g_bytes.push(&labels, total.bytes as f64);
+        }
+        out.extend([g_datagrams, g_copies, g_misses, g_bytes]);
+    }
+    Ok(out)
+}
+
+/// The user-space path's counters and its latency histogram.
+fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<Family> {
+    let labels = [("iface", iface)];
+    let mut received = Family::counter("aggbox_userspace_received_total", "Frames received by the user-space path (AF_XDP).");
+    received.push(&labels, s.received as f64);
+    let mut accepted = Family::counter("aggbox_userspace_accepted_total", "Contributions the user-space path added to a slot.");
+    accepted.push(&labels, s.accepted as f64);
+    let mut results = Family::counter("aggbox_userspace_results_total", "RESULT datagrams sent by the user-space path.");
+    results.push(&labels, s.results as f64);
+    let mut send_errors = Family::counter("aggbox_userspace_result_send_errors_total", "RESULT datagrams the user-space path failed to send.");
+    send_errors.push(&labels, s.result_send_errors as f64);
+    let mut drops = Family::counter("aggbox_userspace_dropped_total", "Contributions dropped by the user-space path, by reason.");
+    for reason in abi::DropReason::ALL {
+        drops.push(&[("iface", iface), ("reason", reason.label())], s.drop(reason) as f64);
+    }
+    let mut slots = Family::gauge("aggbox_userspace_slots_active", "Slots held by the user-space path.");
+    slots.push(&labels, s.slots_in_use as f64);
+    let mut overload = Family::counter("aggbox_userspace_overload_events_total", "Times a job's new slots were handed to user space because its kernel pool stayed full.");
+    overload.push(&labels, s.overload_events as f64);
+    let mut in_overload = Family::gauge("aggbox_userspace_jobs_in_overload", "Jobs whose new slots currently go to user space.");
+    in_overload.push(&labels, s.jobs_in_overload.len() as f64);
+
+    let mut latency = MetricFamily::default();
+    latency.set_name("aggbox_userspace_result_latency_seconds".to_string());
+    latency.set_help("Time from a slot's first contribution to its RESULT on the user-space path.".to_string());
+    latency.set_field_type(MetricType::HISTOGRAM);
+    let mut h = prometheus::proto::Histogram::default();
+    let cumulative = s.latency.cumulative();
+    let mut buckets = Vec::new();
+    let mut total = 0;
+    for (bound, count) in cumulative {
+        total = count;
+        if bound.is_finite() {
+            let mut b = prometheus::proto::Bucket::default();
+            b.set_upper_bound(bound);
+            b.set_cumulative_count(count);
+            buckets.push(b);
+        }
+    }
+    h.set_bucket(buckets);
+    h.set_sample_count(total);
+    h.set_sample_sum(s.latency.sum_s);
+    let mut m = Metric::default();
+    m.set_label(vec![label("iface", iface)]);
+    m.set_histogram(h);
+    latency.mut_metric().push(m);
+
+    vec![received, accepted, results, send_errors, drops, slots, overload, in_overload, Family { family: latency }]
 }
 
 /// The text exposition of one scrape: kernel families plus [`registry`].
@@ -323,6 +442,6 @@ pub fn enable_bpf_stats() -> Result<OwnedFd> {
 }
 
 /// Pin directory helper re-exported for callers building a [`KernelSource`].
-pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>) -> KernelSource {
-    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs }
+pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>, userspace: Option<UserspaceStatsFn>) -> KernelSource {
+    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace }
 }

@@ -110,6 +110,8 @@ pub fn ensure_bpffs(pin_root: &Path) -> Result<()> {
     Ok(())
 }
 
+// `f_type`'s width differs between architectures: the cast is needed on some.
+#[allow(clippy::unnecessary_cast)]
 fn is_bpffs(path: &Path) -> bool {
     nix::sys::statfs::statfs(path)
         .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)

@@ -657,6 +657,13 @@ impl UserspacePath {
         self.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// A `Send + Sync` function returning [`UserspacePath::stats`], for the
+    /// metrics endpoint (which runs on its own thread).
+    pub fn stats_fn(&self) -> crate::metrics::UserspaceStatsFn {
+        let stats = Arc::clone(&self.stats);
+        Arc::new(move || stats.lock().map(|s| s.clone()).unwrap_or_default())
+    }
+
     /// Stop: unregister the sockets (the kernel falls back to its own
     /// behaviour), join the worker, close the sockets, clear the overload
     /// flags and forget the slots user space owned (their fragments are

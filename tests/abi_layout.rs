@@ -50,6 +50,21 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_OWNER_KERNEL".into(), abi::OWNER_KERNEL as i64),
         ("AGGBOX_OWNER_USERSPACE".into(), abi::OWNER_USERSPACE as i64),
         ("AGGBOX_HANDOFF_F_OVERLOAD".into(), abi::HANDOFF_F_OVERLOAD as i64),
+        ("AGGBOX_BCAST_MAX_DESTS".into(), abi::BCAST_MAX_DESTS as i64),
+        ("AGGBOX_BCAST_MAX_GROUPS".into(), abi::BCAST_MAX_GROUPS as i64),
+        ("AGGBOX_BCAST_MAX_NEIGH".into(), abi::BCAST_MAX_NEIGH as i64),
+        ("AGGBOX_BCAST_MAX_HOPS".into(), abi::BCAST_MAX_HOPS as i64),
+        ("AGGBOX_BCAST_DEFAULT_NEIGH_TTL_S".into(), abi::BCAST_DEFAULT_NEIGH_TTL_S as i64),
+        ("AGGBOX_BCAST_MARK_COPY".into(), abi::BCAST_MARK_COPY as i64),
+        ("AGGBOX_BCAST_MARK_NEIGH".into(), abi::BCAST_MARK_NEIGH as i64),
+        ("AGGBOX_BCAST_MARK_DONE".into(), abi::BCAST_MARK_DONE as i64),
+        ("AGGBOX_BCAST_PORT_ANY".into(), abi::BCAST_PORT_ANY as i64),
+        ("AGGBOX_NEIGH_F_STALE".into(), abi::NEIGH_F_STALE as i64),
+        ("AGGBOX_BCAST_STAT_MAX".into(), abi::BCAST_STAT_MAX as i64),
+        ("AGGBOX_MAX_RESULT_ROUTES".into(), abi::MAX_RESULT_ROUTES as i64),
+        ("AGGBOX_ROUTE_F_GROUP".into(), abi::ROUTE_F_GROUP as i64),
+        ("AGGBOX_ROUTE_F_PARENT".into(), abi::ROUTE_F_PARENT as i64),
+        ("AGGBOX_ROUTE_F_KNOWN".into(), abi::ROUTE_F_KNOWN as i64),
         ("AGGBOX_DROP_FIRST".into(), DropReason::ALL[0] as i64),
         ("AGGBOX_DROP_LAST".into(), DropReason::ALL[DropReason::ALL.len() - 1] as i64),
     ];
@@ -71,6 +86,9 @@ fn constants() -> Vec<(String, i64)> {
             _ => format!("AGGBOX_DROP_{screaming}"),
         };
         out.push((c_name, reason as i64));
+    }
+    for stat in abi::BcastStat::ALL {
+        out.push((format!("AGGBOX_BCAST_{}", stat.label().to_uppercase()), stat as i64));
     }
     for outcome in Outcome::ALL {
         out.push((format!("AGGBOX_OUTCOME_{}", outcome.label().to_uppercase()), outcome as i64));

@@ -43,9 +43,17 @@ struct Bed {
 impl Bed {
     fn up(senders: usize) -> Bed {
         require_root();
-        let tb = Testbed::up(TestbedConfig { hosts: senders + 1, static_neigh: true, ..Default::default() })
-            .unwrap_or_else(|e| panic!("building the testbed: {e}"));
-        Bed { work: TempDir::new("cli-work"), pins: Bpffs::mount("cli-pins"), tb }
+        let tb = Testbed::up(TestbedConfig {
+            hosts: senders + 1,
+            static_neigh: true,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("building the testbed: {e}"));
+        Bed {
+            work: TempDir::new("cli-work"),
+            pins: Bpffs::mount("cli-pins"),
+            tb,
+        }
     }
 
     fn agg_ns(&self) -> String {
@@ -88,7 +96,9 @@ impl Bed {
     fn aggbox(&self, host: usize, args: &[&str]) -> Output {
         let mut cmd = vec![BIN];
         cmd.extend_from_slice(args);
-        self.tb.run_in(host, &cmd).unwrap_or_else(|e| panic!("running aggbox {args:?}: {e}"))
+        self.tb
+            .run_in(host, &cmd)
+            .unwrap_or_else(|e| panic!("running aggbox {args:?}: {e}"))
     }
 
     /// Start `aggbox attach eth0` in host 0 (stdout and stderr to files).
@@ -110,7 +120,11 @@ impl Bed {
             .stderr(std::fs::File::create(&err).expect("stderr file"))
             .spawn()
             .unwrap_or_else(|e| panic!("starting aggbox attach: {e}"));
-        Daemon { child: Some(child), out, err }
+        Daemon {
+            child: Some(child),
+            out,
+            err,
+        }
     }
 
     /// Start attach and wait for `aggbox: attached to eth0` on stdout.
@@ -127,7 +141,16 @@ impl Bed {
         let senders = self.tb.len() - 1;
         let elements = ELEMENTS.to_string();
         let workers = senders.to_string();
-        let mut listen_cmd = vec![BIN, "listen", "--port", "7001", "--job", "7", "--elements", &elements];
+        let mut listen_cmd = vec![
+            BIN,
+            "listen",
+            "--port",
+            "7001",
+            "--job",
+            "7",
+            "--elements",
+            &elements,
+        ];
         listen_cmd.extend(["--workers", &workers, "--op", "sum", "--timeout", "10"]);
         let listen = self
             .tb
@@ -150,13 +173,38 @@ impl Bed {
             let rank = i.to_string();
             let out = self.aggbox(
                 i + 1,
-                &["contribute", "--to", &to, "--job", "7", "--rank", &rank, "--round", &round_s, "--op", "sum", "--elements", &elements],
+                &[
+                    "contribute",
+                    "--to",
+                    &to,
+                    "--job",
+                    "7",
+                    "--rank",
+                    &rank,
+                    "--round",
+                    &round_s,
+                    "--op",
+                    "sum",
+                    "--elements",
+                    &elements,
+                ],
             );
-            assert!(out.status.success(), "aggbox contribute (rank {rank}): {}", text(&out));
+            assert!(
+                out.status.success(),
+                "aggbox contribute (rank {rank}): {}",
+                text(&out)
+            );
         }
-        let out = listen.0.take().expect("child").wait_with_output().expect("waiting for aggbox listen");
+        let out = listen
+            .0
+            .take()
+            .expect("child")
+            .wait_with_output()
+            .expect("waiting for aggbox listen");
         assert!(
-            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("elements equal the reference reducer's result"),
+            out.status.success()
+                && String::from_utf8_lossy(&out.stdout)
+                    .contains("elements equal the reference reducer's result"),
             "aggbox listen got the exact result: {}",
             text(&out)
         );
@@ -164,10 +212,16 @@ impl Bed {
 
     /// `aggbox status eth0 --json` in host 0, parsed (the one interface's object).
     fn status_json(&self) -> Value {
-        let out = self.aggbox(0, &["status", "eth0", "--json", "--pin-root", self.pin_root()]);
+        let out = self.aggbox(
+            0,
+            &["status", "eth0", "--json", "--pin-root", self.pin_root()],
+        );
         assert!(out.status.success(), "aggbox status --json: {}", text(&out));
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status --json is JSON ({e}): {}", text(&out)));
-        let arr = v.as_array().unwrap_or_else(|| panic!("status --json is an array: {v}"));
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("status --json is JSON ({e}): {}", text(&out)));
+        let arr = v
+            .as_array()
+            .unwrap_or_else(|| panic!("status --json is an array: {v}"));
         assert_eq!(arr.len(), 1, "one interface attached: {v}");
         arr[0].clone()
     }
@@ -175,11 +229,27 @@ impl Bed {
     /// After the attachment is gone: no pins, no XDP on eth0 or lo, the
     /// programs / maps / links it made are freed, normal UDP passes.
     fn assert_clean(&self, objects: &BpfObjects) {
-        assert!(!self.iface_pins().exists(), "pins left: {:?}", dir_entries(&self.iface_pins()));
-        assert_eq!(dir_entries(&self.pins.path), Vec::<String>::new(), "pin root empty");
+        assert!(
+            !self.iface_pins().exists(),
+            "pins left: {:?}",
+            dir_entries(&self.iface_pins())
+        );
+        assert_eq!(
+            dir_entries(&self.pins.path),
+            Vec::<String>::new(),
+            "pin root empty"
+        );
         let ns = self.agg_ns();
-        assert!(!has_xdp(&ns, "eth0"), "no XDP left on eth0:\n{}", link_show(&ns, "eth0"));
-        assert!(!has_xdp(&ns, "lo"), "no XDP left on lo:\n{}", link_show(&ns, "lo"));
+        assert!(
+            !has_xdp(&ns, "eth0"),
+            "no XDP left on eth0:\n{}",
+            link_show(&ns, "eth0")
+        );
+        assert!(
+            !has_xdp(&ns, "lo"),
+            "no XDP left on lo:\n{}",
+            link_show(&ns, "lo")
+        );
         objects.assert_gone();
         self.assert_udp_passes();
     }
@@ -187,13 +257,29 @@ impl Bed {
     /// Plain UDP and an AGG1 contribution to the job port reach a normal
     /// socket on the aggregator (the interface is back to normal).
     fn assert_udp_passes(&self) {
-        let rx = self.tb.in_host(0, || UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PORT))).expect("netns").expect("bind job port");
-        rx.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let rx = self
+            .tb
+            .in_host(0, || {
+                UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PORT))
+            })
+            .expect("netns")
+            .expect("bind job port");
+        rx.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
         let h1 = self.tb.host(1);
         let tx = bind_in(&self.tb, 1, h1.addr);
         let to = SocketAddrV4::new(self.agg_addr(), PORT);
         let agg1 = {
-            let hdr = aggbox::proto::AggHeader { job: JOB, rank: 0, seq: 0, round: 1, frag_off: 0, op: aggbox::abi::Op::Sum, flags: 0, count: 1 };
+            let hdr = aggbox::proto::AggHeader {
+                job: JOB,
+                rank: 0,
+                seq: 0,
+                round: 1,
+                frag_off: 0,
+                op: aggbox::abi::Op::Sum,
+                flags: 0,
+                count: 1,
+            };
             let mut b = Vec::new();
             aggbox::proto::encode_agg_into(&hdr, &[5], &mut b).expect("encode");
             b
@@ -201,8 +287,14 @@ impl Bed {
         for payload in [&b"plain udp after detach"[..], &agg1[..]] {
             tx.send_to(payload, to).expect("send");
             let mut buf = [0u8; 2048];
-            let (n, from) = rx.recv_from(&mut buf).unwrap_or_else(|e| panic!("UDP to {to} after detach did not arrive: {e}"));
-            assert_eq!((&buf[..n], from.ip()), (payload, std::net::IpAddr::V4(h1.addr)), "UDP passes unchanged");
+            let (n, from) = rx
+                .recv_from(&mut buf)
+                .unwrap_or_else(|e| panic!("UDP to {to} after detach did not arrive: {e}"));
+            assert_eq!(
+                (&buf[..n], from.ip()),
+                (payload, std::net::IpAddr::V4(h1.addr)),
+                "UDP passes unchanged"
+            );
         }
     }
 }
@@ -245,20 +337,40 @@ impl Daemon {
             if self.stdout().contains("aggbox: attached to eth0") {
                 break;
             }
-            if let Some(status) = self.child.as_mut().expect("running").try_wait().expect("try_wait") {
-                panic!("aggbox attach exited ({status}) before attaching:\nstdout: {}\nstderr: {}", self.stdout(), self.stderr());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .expect("running")
+                .try_wait()
+                .expect("try_wait")
+            {
+                panic!(
+                    "aggbox attach exited ({status}) before attaching:\nstdout: {}\nstderr: {}",
+                    self.stdout(),
+                    self.stderr()
+                );
             }
-            assert!(Instant::now() < deadline, "aggbox attach did not attach within {UP_TIMEOUT:?}:\nstderr: {}", self.stderr());
+            assert!(
+                Instant::now() < deadline,
+                "aggbox attach did not attach within {UP_TIMEOUT:?}:\nstderr: {}",
+                self.stderr()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         // `ip netns exec` execs the command: the child is aggbox itself, so
         // signals sent to it reach aggbox.
-        let comm = std::fs::read_to_string(format!("/proc/{}/comm", self.pid())).unwrap_or_default();
-        assert_eq!(comm.trim(), "aggbox", "the attach child is the aggbox process");
+        let comm =
+            std::fs::read_to_string(format!("/proc/{}/comm", self.pid())).unwrap_or_default();
+        assert_eq!(
+            comm.trim(),
+            "aggbox",
+            "the attach child is the aggbox process"
+        );
     }
 
     fn signal(&self, sig: Signal) {
-        kill(Pid::from_raw(self.pid() as i32), sig).unwrap_or_else(|e| panic!("kill -{sig} {}: {e}", self.pid()));
+        kill(Pid::from_raw(self.pid() as i32), sig)
+            .unwrap_or_else(|e| panic!("kill -{sig} {}: {e}", self.pid()));
     }
 
     /// Wait for the process to exit (bounded); returns its status.
@@ -270,7 +382,10 @@ impl Daemon {
                 self.child = None;
                 return status;
             }
-            assert!(Instant::now() < deadline, "aggbox attach did not exit within {EXIT_TIMEOUT:?}");
+            assert!(
+                Instant::now() < deadline,
+                "aggbox attach did not exit within {EXIT_TIMEOUT:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -286,12 +401,23 @@ impl Drop for Daemon {
 }
 
 fn text(out: &Output) -> String {
-    format!("exit {}\nstdout: {}\nstderr: {}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "exit {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 fn udp_port_bound(netns: &str, port: u16) -> bool {
-    let out = Command::new("ip").args(["netns", "exec", netns, "ss", "-Hlun"]).output().expect("ss (iproute2)");
-    String::from_utf8_lossy(&out.stdout).lines().any(|l| l.split_whitespace().any(|f| f.ends_with(&format!(":{port}"))))
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns, "ss", "-Hlun"])
+        .output()
+        .expect("ss (iproute2)");
+    String::from_utf8_lossy(&out.stdout).lines().any(|l| {
+        l.split_whitespace()
+            .any(|f| f.ends_with(&format!(":{port}")))
+    })
 }
 
 /// `bpftool -j ARGS`, parsed. Listing can fail when an object vanishes while
@@ -300,34 +426,45 @@ fn udp_port_bound(netns: &str, port: u16) -> bool {
 fn bpftool_json(args: &[&str]) -> Value {
     let mut last = None;
     for _ in 0..5 {
-        let out = Command::new("bpftool").arg("-j").args(args).output().expect("run bpftool (it is required)");
+        let out = Command::new("bpftool")
+            .arg("-j")
+            .args(args)
+            .output()
+            .expect("run bpftool (it is required)");
         if out.status.success() {
-            return serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bpftool {args:?} JSON: {e}"));
+            return serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|e| panic!("bpftool {args:?} JSON: {e}"));
         }
         last = Some(out);
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("bpftool {args:?}: {}", last.map(|o| text(&o)).unwrap_or_default())
+    panic!(
+        "bpftool {args:?}: {}",
+        last.map(|o| text(&o)).unwrap_or_default()
+    )
 }
 
-/// Ids of every BPF map in the system, by BPF_MAP_GET_NEXT_ID only.
-///
-/// Deliberately not `bpftool map show`: that opens every map by id, and a
-/// prog_array opened (BPF_MAP_GET_FD_BY_ID) while its last user reference is
-/// going away has its user count raised from 0 and dropped again; the
-/// kernel's `prog_array_map_clear()` then takes a map reference and calls
-/// `schedule_work()` a second time while the first clear is still queued, and
-/// that reference is never dropped: the `progs` array leaks (measured on
-/// 6.18: running `bpftool map show` in a loop during `aggbox attach`'s SIGINT
-/// teardown leaked it every time). Listing ids opens nothing.
-fn map_ids_alive() -> BTreeSet<u64> {
+/// Id of the XDP program attached to `iface` in `netns`, from `ip link`.
+fn xdp_prog_id(netns: &str, iface: &str) -> u64 {
+    let text = link_show(netns, iface);
+    let at = text
+        .find("prog/xdp id ")
+        .unwrap_or_else(|| panic!("no XDP program on {iface}:\n{text}"));
+    text[at + "prog/xdp id ".len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("program id")
+}
+
+/// Ids given by a BPF_*_GET_NEXT_ID walk (opens nothing).
+fn walk_ids(next_id: unsafe extern "C" fn(u32, *mut u32) -> libc::c_int) -> BTreeSet<u64> {
     let mut out = BTreeSet::new();
     let mut id = 0u32;
     loop {
         let mut next = 0u32;
         // SAFETY: plain syscall wrapper writing one u32.
-        let rc = unsafe { libbpf_sys::bpf_map_get_next_id(id, &mut next) };
-        if rc != 0 {
+        if unsafe { next_id(id, &mut next) } != 0 {
             return out;
         }
         out.insert(u64::from(next));
@@ -335,15 +472,80 @@ fn map_ids_alive() -> BTreeSet<u64> {
     }
 }
 
-fn ids(v: &Value, key: &str) -> BTreeSet<u64> {
-    v.as_array().into_iter().flatten().filter_map(|o| o.get(key).and_then(Value::as_u64)).collect()
+/// Every BPF program id in the system.
+fn prog_ids_alive() -> BTreeSet<u64> {
+    walk_ids(libbpf_sys::bpf_prog_get_next_id)
 }
 
-/// Id of the XDP program attached to `iface` in `netns`, from `ip link`.
-fn xdp_prog_id(netns: &str, iface: &str) -> u64 {
-    let text = link_show(netns, iface);
-    let at = text.find("prog/xdp id ").unwrap_or_else(|| panic!("no XDP program on {iface}:\n{text}"));
-    text[at + "prog/xdp id ".len()..].split_whitespace().next().and_then(|s| s.parse().ok()).expect("program id")
+/// Every BPF link id in the system.
+fn link_ids_alive() -> BTreeSet<u64> {
+    walk_ids(libbpf_sys::bpf_link_get_next_id)
+}
+
+/// Every BPF map id in the system.
+///
+/// Nothing here opens a map (not `bpftool map show`, nor `bpftool prog show`,
+/// which opens each program's maps to look for metadata): a prog_array opened
+/// by id while its last user reference is going away has its user count
+/// raised from 0 and dropped again, and the kernel's `prog_array_map_clear()`
+/// then does `bpf_map_inc(); schedule_work()` a second time while the first
+/// clear is still queued: `schedule_work` returns false and that reference is
+/// never put, so the `progs` array leaks (kernel/bpf/arraymap.c; reproduced on
+/// 6.18 by running `bpftool map show` in a loop during `aggbox attach`'s
+/// SIGINT teardown: leaked 3 times out of 3). Programs and links are opened by
+/// id only while this attachment holds them, which has no such race.
+fn map_ids_alive() -> BTreeSet<u64> {
+    walk_ids(libbpf_sys::bpf_map_get_next_id)
+}
+
+/// Name and map ids of program `id` (opening a program by id is harmless).
+fn prog_info(id: u64) -> Option<(String, BTreeSet<u64>)> {
+    // SAFETY: plain syscall wrapper.
+    let fd = unsafe { libbpf_sys::bpf_prog_get_fd_by_id(id as u32) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the kernel returned a fresh fd that we own.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    use std::os::fd::AsRawFd;
+    let mut maps = vec![0u32; 64];
+    // SAFETY: zeroed info is valid; map_ids points at a live buffer of nr_map_ids u32s.
+    let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    info.nr_map_ids = maps.len() as u32;
+    info.map_ids = maps.as_mut_ptr() as u64;
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: valid fd; info/len describe a live buffer.
+    if unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) } != 0 {
+        return None;
+    }
+    let n = (info.nr_map_ids as usize).min(maps.len());
+    let name: String = info
+        .name
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8 as char)
+        .collect();
+    Some((name, maps[..n].iter().map(|&m| u64::from(m)).collect()))
+}
+
+/// The program a link holds.
+fn link_prog(id: u64) -> Option<u64> {
+    // SAFETY: plain syscall wrapper.
+    let fd = unsafe { libbpf_sys::bpf_link_get_fd_by_id(id as u32) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the kernel returned a fresh fd that we own.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    use std::os::fd::AsRawFd;
+    // SAFETY: zeroed info is valid.
+    let mut info: libbpf_sys::bpf_link_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_link_info>() as u32;
+    // SAFETY: valid fd; info/len describe a live buffer.
+    if unsafe { libbpf_sys::bpf_link_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) } != 0 {
+        return None;
+    }
+    Some(u64::from(info.prog_id))
 }
 
 /// The kernel objects one attachment made: its programs (the XDP entry
@@ -359,49 +561,67 @@ struct BpfObjects {
 impl BpfObjects {
     fn of(bed: &Bed) -> BpfObjects {
         let entry = xdp_prog_id(&bed.agg_ns(), "eth0");
-        let all = bpftool_json(&["prog", "show"]);
-        let map_ids = |p: &Value| -> BTreeSet<u64> {
-            p.get("map_ids").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_u64).collect()
-        };
-        let entry_prog = all
-            .as_array()
+        let (name, mut maps) =
+            prog_info(entry).unwrap_or_else(|| panic!("program {entry} of eth0 exists"));
+        assert_eq!(name, "aggbox_xdp", "eth0 runs aggbox_xdp");
+        let progs: BTreeSet<u64> = prog_ids_alive()
             .into_iter()
-            .flatten()
-            .find(|p| p.get("id").and_then(Value::as_u64) == Some(entry))
-            .unwrap_or_else(|| panic!("bpftool prog show lists program {entry}"));
-        assert_eq!(entry_prog.get("name").and_then(Value::as_str), Some("aggbox_xdp"), "eth0 runs aggbox_xdp: {entry_prog}");
-        let mut maps = map_ids(entry_prog);
-        let progs: BTreeSet<u64> = all
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|p| !map_ids(p).is_disjoint(&maps))
-            .filter_map(|p| p.get("id").and_then(Value::as_u64))
+            .filter(|&id| {
+                prog_info(id)
+                    .is_some_and(|(n, m)| n.starts_with("aggbox_") && !m.is_disjoint(&maps))
+            })
             .collect();
-        assert!(progs.len() >= 4, "the entry program and its tail-call chain: {progs:?}");
-        let state = bpftool_json(&["map", "show", "pinned", bed.iface_pins().join("state").to_str().expect("utf-8")]);
-        maps.insert(state.get("id").and_then(Value::as_u64).expect("state map id"));
-        let links: BTreeSet<u64> = bpftool_json(&["link", "show"])
-            .as_array()
+        assert!(
+            progs.len() >= 4,
+            "the entry program and its tail-call chain: {progs:?}"
+        );
+        // bpftool agrees (safe while the attachment holds everything).
+        let shown = bpftool_json(&["prog", "show", "id", &entry.to_string()]);
+        assert_eq!(
+            shown.get("name").and_then(Value::as_str),
+            Some("aggbox_xdp"),
+            "bpftool prog show id {entry}: {shown}"
+        );
+        let state = bpftool_json(&[
+            "map",
+            "show",
+            "pinned",
+            bed.iface_pins().join("state").to_str().expect("utf-8"),
+        ]);
+        maps.insert(
+            state
+                .get("id")
+                .and_then(Value::as_u64)
+                .expect("state map id"),
+        );
+        let links: BTreeSet<u64> = link_ids_alive()
             .into_iter()
-            .flatten()
-            .filter(|l| l.get("prog_id").and_then(Value::as_u64).is_some_and(|p| progs.contains(&p)))
-            .filter_map(|l| l.get("id").and_then(Value::as_u64))
+            .filter(|&l| link_prog(l).is_some_and(|p| progs.contains(&p)))
             .collect();
-        assert!(!links.is_empty(), "the XDP link is listed by bpftool link show");
+        assert!(!links.is_empty(), "the XDP link exists");
+        for l in &links {
+            let shown = bpftool_json(&["link", "show", "id", &l.to_string()]);
+            assert_eq!(
+                shown.get("type").and_then(Value::as_str),
+                Some("xdp"),
+                "bpftool link show id {l}: {shown}"
+            );
+        }
         BpfObjects { progs, maps, links }
     }
 
     /// Ids of these objects that still exist.
     fn alive(&self) -> (BTreeSet<u64>, BTreeSet<u64>, BTreeSet<u64>) {
-        let p = &ids(&bpftool_json(&["prog", "show"]), "id") & &self.progs;
-        let m = &map_ids_alive() & &self.maps;
-        let l = &ids(&bpftool_json(&["link", "show"]), "id") & &self.links;
-        (p, m, l)
+        (
+            &prog_ids_alive() & &self.progs,
+            &map_ids_alive() & &self.maps,
+            &link_ids_alive() & &self.links,
+        )
     }
 
     /// Every program, map and link is freed (the kernel frees them
-    /// asynchronously after the last reference goes: bounded wait).
+    /// asynchronously after the last reference goes: bounded wait), and
+    /// bpftool finds none of them.
     fn assert_gone(&self) {
         wait_until(Duration::from_secs(10), || {
             let (p, m, l) = self.alive();
@@ -412,36 +632,73 @@ impl BpfObjects {
             p.is_empty() && m.is_empty() && l.is_empty(),
             "BPF objects of the attachment left behind: programs {p:?}, maps {m:?}, links {l:?} (of {self:?})"
         );
+        for (kind, ids) in [
+            ("prog", &self.progs),
+            ("link", &self.links),
+            ("map", &self.maps),
+        ] {
+            for id in ids {
+                let out = Command::new("bpftool")
+                    .args([kind, "show", "id", &id.to_string()])
+                    .output()
+                    .expect("bpftool");
+                assert!(
+                    !out.status.success(),
+                    "bpftool {kind} show id {id} still finds it: {}",
+                    text(&out)
+                );
+            }
+        }
     }
 }
 
 fn json_u64(v: &Value, path: &[&str]) -> u64 {
     let mut cur = v;
     for p in path {
-        cur = cur.get(*p).unwrap_or_else(|| panic!("status JSON has {path:?}: {v}"));
+        cur = cur
+            .get(*p)
+            .unwrap_or_else(|| panic!("status JSON has {path:?}: {v}"));
     }
-    cur.as_u64().unwrap_or_else(|| panic!("{path:?} is a number: {v}"))
+    cur.as_u64()
+        .unwrap_or_else(|| panic!("{path:?} is a number: {v}"))
 }
 
 #[test]
 fn attach_status_traffic_then_sigint_detaches_everything() {
     let bed = Bed::up(3);
     let config = bed.config("job.toml", &bed.sender_addrs());
-    let progs_before = ids(&bpftool_json(&["prog", "show"]), "id");
+    let progs_before = prog_ids_alive();
     let mut d = bed.attach("a", Some(&config));
-    assert!(d.stdout().lines().any(|l| l == "aggbox: attached to eth0"), "the attach line: {}", d.stdout());
+    assert!(
+        d.stdout().lines().any(|l| l == "aggbox: attached to eth0"),
+        "the attach line: {}",
+        d.stdout()
+    );
     assert!(has_xdp(&bed.agg_ns(), "eth0"), "eth0 has XDP");
-    assert!(!has_xdp(&bed.agg_ns(), "lo"), "no local worker: lo untouched");
+    assert!(
+        !has_xdp(&bed.agg_ns(), "lo"),
+        "no local worker: lo untouched"
+    );
     let pinned = dir_entries(&bed.iface_pins());
     for name in ["link_xdp", "state", "jobs", "stats", "slots"] {
-        assert!(pinned.iter().any(|p| p == name), "{name} pinned: {pinned:?}");
+        assert!(
+            pinned.iter().any(|p| p == name),
+            "{name} pinned: {pinned:?}"
+        );
     }
     let objects = BpfObjects::of(&bed);
-    assert!(objects.progs.is_disjoint(&progs_before), "the attach loaded new programs");
+    assert!(
+        objects.progs.is_disjoint(&progs_before),
+        "the attach loaded new programs"
+    );
 
     let before = bed.status_json();
     assert_eq!(before["serving"], Value::Bool(true), "{before}");
-    assert_eq!(json_u64(&before, &["attach", "pid"]), u64::from(d.pid()), "{before}");
+    assert_eq!(
+        json_u64(&before, &["attach", "pid"]),
+        u64::from(d.pid()),
+        "{before}"
+    );
     assert_eq!(before["jobs"][0]["id"], Value::from(JOB), "{before}");
     assert_eq!(before["jobs"][0]["workers"], Value::from(3), "{before}");
     let accepted0 = json_u64(&before, &["outcomes", "accepted"]);
@@ -451,20 +708,49 @@ fn attach_status_traffic_then_sigint_detaches_everything() {
 
     let after = bed.status_json();
     // 3 ranks × 3 fragments: 2 accepted and 1 completing per fragment.
-    assert_eq!(json_u64(&after, &["outcomes", "accepted"]) - accepted0, 6, "{after}");
-    assert_eq!(json_u64(&after, &["outcomes", "result"]) - results0, 3, "{after}");
+    assert_eq!(
+        json_u64(&after, &["outcomes", "accepted"]) - accepted0,
+        6,
+        "{after}"
+    );
+    assert_eq!(
+        json_u64(&after, &["outcomes", "result"]) - results0,
+        3,
+        "{after}"
+    );
     let human = bed.aggbox(0, &["status", "eth0", "--pin-root", bed.pin_root()]);
     let h = String::from_utf8_lossy(&human.stdout);
     assert!(human.status.success(), "status: {}", text(&human));
-    assert!(h.contains(&format!("attached by pid {} (serving)", d.pid())), "human status shows the pid: {h}");
-    assert!(h.contains("job     7") && h.contains("port  7000") && h.contains("results on  7001"), "human status shows the job: {h}");
-    let accepted_line = h.lines().find(|l| l.trim_start().starts_with("accepted")).unwrap_or_else(|| panic!("accepted row: {h}"));
-    assert_eq!(accepted_line.split_whitespace().last(), Some("6"), "human status counts the traffic: {h}");
+    assert!(
+        h.contains(&format!("attached by pid {} (serving)", d.pid())),
+        "human status shows the pid: {h}"
+    );
+    assert!(
+        h.contains("job     7") && h.contains("port  7000") && h.contains("results on  7001"),
+        "human status shows the job: {h}"
+    );
+    let accepted_line = h
+        .lines()
+        .find(|l| l.trim_start().starts_with("accepted"))
+        .unwrap_or_else(|| panic!("accepted row: {h}"));
+    assert_eq!(
+        accepted_line.split_whitespace().last(),
+        Some("6"),
+        "human status counts the traffic: {h}"
+    );
 
     d.signal(Signal::SIGINT);
     let status = d.wait_exit();
-    assert!(status.success(), "SIGINT: exit 0, got {status}; stderr: {}", d.stderr());
-    assert!(d.stdout().contains("aggbox: detached from eth0"), "{}", d.stdout());
+    assert!(
+        status.success(),
+        "SIGINT: exit 0, got {status}; stderr: {}",
+        d.stderr()
+    );
+    assert!(
+        d.stdout().contains("aggbox: detached from eth0"),
+        "{}",
+        d.stdout()
+    );
     bed.assert_clean(&objects);
 }
 
@@ -477,27 +763,55 @@ fn kill9_then_detach_cleans_up_also_the_lo_link() {
     let config = bed.config("job.toml", &workers);
     let mut d = bed.attach("a", Some(&config));
     let ns = bed.agg_ns();
-    assert!(link_show(&ns, "lo").contains("xdpgeneric"), "lo has the program (generic):\n{}", link_show(&ns, "lo"));
+    assert!(
+        link_show(&ns, "lo").contains("xdpgeneric"),
+        "lo has the program (generic):\n{}",
+        link_show(&ns, "lo")
+    );
     let objects = BpfObjects::of(&bed);
-    assert_eq!(objects.links.len(), 2, "two links: eth0 and lo: {objects:?}");
+    assert_eq!(
+        objects.links.len(),
+        2,
+        "two links: eth0 and lo: {objects:?}"
+    );
 
     d.signal(Signal::SIGKILL);
     let status = d.wait_exit();
     assert!(!status.success(), "kill -9: {status}");
     // The pins keep everything attached after the crash.
-    assert!(has_xdp(&ns, "eth0") && has_xdp(&ns, "lo"), "still attached after kill -9");
+    assert!(
+        has_xdp(&ns, "eth0") && has_xdp(&ns, "lo"),
+        "still attached after kill -9"
+    );
     let st = bed.status_json();
-    assert_eq!(st["serving"], Value::Bool(false), "status sees the attaching process gone: {st}");
+    assert_eq!(
+        st["serving"],
+        Value::Bool(false),
+        "status sees the attaching process gone: {st}"
+    );
     let human = bed.aggbox(0, &["status", "eth0", "--pin-root", bed.pin_root()]);
-    assert!(String::from_utf8_lossy(&human.stdout).contains("stale"), "human status says stale: {}", text(&human));
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("stale"),
+        "human status says stale: {}",
+        text(&human)
+    );
 
     let out = bed.aggbox(0, &["detach", "eth0", "--pin-root", bed.pin_root()]);
     assert!(out.status.success(), "aggbox detach: {}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("aggbox: detached from eth0"), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("aggbox: detached from eth0"),
+        "{}",
+        text(&out)
+    );
     bed.assert_clean(&objects);
     // A second detach finds nothing and still succeeds.
     let again = bed.aggbox(0, &["detach", "eth0", "--pin-root", bed.pin_root()]);
-    assert!(again.status.success() && String::from_utf8_lossy(&again.stdout).contains("nothing attached"), "{}", text(&again));
+    assert!(
+        again.status.success()
+            && String::from_utf8_lossy(&again.stdout).contains("nothing attached"),
+        "{}",
+        text(&again)
+    );
 }
 
 #[test]
@@ -508,22 +822,34 @@ fn kill9_then_attach_replaces_stale_state_and_works() {
     let stale = BpfObjects::of(&bed);
     first.signal(Signal::SIGKILL);
     first.wait_exit();
-    assert!(has_xdp(&bed.agg_ns(), "eth0"), "still attached after kill -9");
+    assert!(
+        has_xdp(&bed.agg_ns(), "eth0"),
+        "still attached after kill -9"
+    );
 
     let mut second = bed.attach("second", Some(&config));
     assert!(
-        second.stderr().contains("warning: replaced stale AggBox state"),
+        second
+            .stderr()
+            .contains("warning: replaced stale AggBox state"),
         "the new attach warns that it replaced stale state: {}",
         second.stderr()
     );
     stale.assert_gone();
     let fresh = BpfObjects::of(&bed);
-    assert!(fresh.progs.is_disjoint(&stale.progs), "new programs: {fresh:?} vs {stale:?}");
+    assert!(
+        fresh.progs.is_disjoint(&stale.progs),
+        "new programs: {fresh:?} vs {stale:?}"
+    );
     bed.traffic_exact(1);
     bed.traffic_exact(2);
 
     second.signal(Signal::SIGINT);
-    assert!(second.wait_exit().success(), "SIGINT: exit 0; stderr: {}", second.stderr());
+    assert!(
+        second.wait_exit().success(),
+        "SIGINT: exit 0; stderr: {}",
+        second.stderr()
+    );
     bed.assert_clean(&fresh);
 }
 
@@ -534,24 +860,50 @@ fn second_attach_fails_and_leaves_the_first_working() {
     let mut first = bed.attach("first", Some(&config));
     let objects = BpfObjects::of(&bed);
 
-    let out = bed.aggbox(0, &["attach", "eth0", "--config", config.to_str().expect("utf-8"), "--pin-root", bed.pin_root()]);
+    let out = bed.aggbox(
+        0,
+        &[
+            "attach",
+            "eth0",
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--pin-root",
+            bed.pin_root(),
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a second attach fails: {}", text(&out));
+    assert!(
+        !out.status.success(),
+        "a second attach fails: {}",
+        text(&out)
+    );
     assert!(
         err.contains(&format!("eth0 is already attached by pid {}", first.pid())),
         "a clear message naming the first attach's pid: {}",
         text(&out)
     );
     assert_eq!(err.trim().lines().count(), 1, "one line on stderr: {err}");
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("attached to"), "{}", text(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("attached to"),
+        "{}",
+        text(&out)
+    );
 
     // The first is untouched: same program on eth0, still serving, traffic exact.
-    assert_eq!(BpfObjects::of(&bed).progs, objects.progs, "the first attach's programs still run");
+    assert_eq!(
+        BpfObjects::of(&bed).progs,
+        objects.progs,
+        "the first attach's programs still run"
+    );
     assert_eq!(bed.status_json()["attach"]["pid"], Value::from(first.pid()));
     bed.traffic_exact(1);
 
     first.signal(Signal::SIGINT);
-    assert!(first.wait_exit().success(), "SIGINT: exit 0; stderr: {}", first.stderr());
+    assert!(
+        first.wait_exit().success(),
+        "SIGINT: exit 0; stderr: {}",
+        first.stderr()
+    );
     bed.assert_clean(&objects);
 }
 
@@ -572,20 +924,55 @@ fn bad_config_and_missing_interface_fail_cleanly() {
         let path = bed.work.file(&format!("bad{i}.toml"));
         std::fs::write(&path, text_).expect("write config");
         let p = path.to_str().expect("utf-8");
-        let out = bed.aggbox(0, &["attach", "eth0", "--config", p, "--pin-root", bed.pin_root()]);
+        let out = bed.aggbox(
+            0,
+            &[
+                "attach",
+                "eth0",
+                "--config",
+                p,
+                "--pin-root",
+                bed.pin_root(),
+            ],
+        );
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "bad config {i} fails: {}", text(&out));
-        assert!(err.contains(&format!("{p}:{line}: {key}")), "stderr names file:line:key ({p}:{line}: {key}): {}", text(&out));
+        assert!(
+            !out.status.success(),
+            "bad config {i} fails: {}",
+            text(&out)
+        );
+        assert!(
+            err.contains(&format!("{p}:{line}: {key}")),
+            "stderr names file:line:key ({p}:{line}: {key}): {}",
+            text(&out)
+        );
         assert_eq!(err.trim().lines().count(), 1, "one line on stderr: {err}");
-        assert!(!has_xdp(&ns, "eth0"), "bad config leaves eth0 untouched:\n{}", link_show(&ns, "eth0"));
+        assert!(
+            !has_xdp(&ns, "eth0"),
+            "bad config leaves eth0 untouched:\n{}",
+            link_show(&ns, "eth0")
+        );
         assert!(!bed.iface_pins().exists(), "bad config pins nothing");
     }
 
     let out = bed.aggbox(0, &["attach", "nosuch0", "--pin-root", bed.pin_root()]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "attach to a missing interface fails: {}", text(&out));
-    assert_eq!(err.trim(), "aggbox: no such interface: nosuch0", "{}", text(&out));
-    assert_eq!(dir_entries(&bed.pins.path), Vec::<String>::new(), "nothing pinned");
+    assert!(
+        !out.status.success(),
+        "attach to a missing interface fails: {}",
+        text(&out)
+    );
+    assert_eq!(
+        err.trim(),
+        "aggbox: no such interface: nosuch0",
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        dir_entries(&bed.pins.path),
+        Vec::<String>::new(),
+        "nothing pinned"
+    );
     assert!(!has_xdp(&ns, "eth0"));
     bed.assert_udp_passes();
 }

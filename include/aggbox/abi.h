@@ -378,7 +378,10 @@ enum aggbox_bcast_stat {
 	AGGBOX_BCAST_CLONE_FAILED    = 16, /* bpf_clone_redirect failed: copy not sent */
 	AGGBOX_BCAST_REWRITE_FAILED  = 17, /* a store/checksum helper failed: copy not sent */
 	AGGBOX_BCAST_LOCAL_COPY      = 18, /* destination on this host: copy looped into our ingress */
-	AGGBOX_BCAST_STAT_MAX        = 19,
+	/* datagram outcomes of RESULT routing (ingress; struct aggbox_result_route) */
+	AGGBOX_BCAST_RESULT_BROADCAST = 19, /* RESULT copied to its job's result group, then delivered locally */
+	AGGBOX_BCAST_RESULT_UPSTREAM  = 20, /* RESULT rewritten into a contribution and sent to the parent */
+	AGGBOX_BCAST_STAT_MAX        = 21,
 };
 
 /* Value of the bcast_gstats per-CPU hash (same key as bcast_groups). */
@@ -389,6 +392,39 @@ struct aggbox_bcast_group_stat {
 	__u64 bytes;        /* host order: UDP payload bytes of the datagrams */
 };
 _Static_assert(sizeof(struct aggbox_bcast_group_stat) == 32, "group stat is 32 bytes");
+
+/* ---------------------------------------------------------------------------
+ * Routes of RESULT datagrams (TC ingress, src/bpf/aggbox_tc.bpf.c;
+ * docs/BROADCAST.md "RESULTs: in-kernel allreduce and trees of aggregators")
+ *
+ * The XDP aggregator passes each RESULT up the stack addressed to this node,
+ * UDP port job.result_port; it then meets the TC ingress program on the same
+ * interface. A job with a route in the result_routes map (key struct
+ * aggbox_job_key, written by the control plane) has its RESULTs cloned to
+ * every member of a broadcast group (allreduce) and/or rewritten into this
+ * node's contribution to a parent aggregator (multi-level aggregation).
+ * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_MAX_RESULT_ROUTES
+#define AGGBOX_MAX_RESULT_ROUTES AGGBOX_MAX_JOBS /* result_routes entries */
+#endif
+
+#define AGGBOX_ROUTE_F_GROUP  0x01 /* copy each RESULT, unchanged, to every member of `group` */
+#define AGGBOX_ROUTE_F_PARENT 0x02 /* send each RESULT upstream as this node's contribution */
+#define AGGBOX_ROUTE_F_KNOWN  0x03
+
+/* Value of the result_routes map. */
+struct aggbox_result_route {
+	__u16  result_port; /* host order: UDP port the job's RESULTs arrive on (job.result_port) */
+	__u16  group;       /* host order: broadcast group whose root table (port 0) gets copies; F_GROUP */
+	__u32  flags;       /* host order: AGGBOX_ROUTE_F_* */
+	__be32 parent_addr; /* big-endian: IPv4 address of the parent aggregator; F_PARENT */
+	__be16 parent_port; /* big-endian: UDP port of the parent job's contributions; F_PARENT */
+	__u16  parent_job;  /* host order: job id at the parent; F_PARENT */
+	__u16  parent_rank; /* host order: this node's rank in the parent job (never 0xffff); F_PARENT */
+	__u16  pad;         /* zero */
+};
+_Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 bytes");
 
 /* ---------------------------------------------------------------------------
  * Hand-off to the user-space path (AF_XDP; src/xsk.rs, src/userspace.rs,

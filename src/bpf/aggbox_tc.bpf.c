@@ -20,6 +20,12 @@
  *   FORWARD set, of a group this node has a table for, is copied to every
  *   destination of that table with hops + 1 (clones to the egress
  *   interface), then its headers are restored and it is delivered locally.
+ *   It also routes the AGG1 RESULT datagrams the XDP aggregator passes up
+ *   the stack (result_routes): in-kernel allreduce (a copy of each RESULT,
+ *   unchanged but for the IPv4 source = this node, to every member of the
+ *   job's result group; the original is delivered locally) and trees of
+ *   aggregators (the RESULT rewritten into this node's contribution to its
+ *   parent's job and redirected out, not delivered locally).
  *
  * Re-entry: bpf_clone_redirect() runs dev_queue_xmit(), which runs the clsact
  * egress hook again on the clone. Every copy carries skb->mark =
@@ -61,10 +67,14 @@
 #define UDP_DPORT_OFF 2
 #define UDP_CSUM_OFF  6
 #define AGB1_MASK_OFF 4
+#define IP_SADDR_OFF  12
 #define AGB1_FLAGS_OFF 14 /* flags (1 byte) + hops (1 byte): one 16-bit word */
+#define AGG1_JOB_OFF   4  /* job (2 bytes) + rank (2 bytes): one 32-bit word */
+#define AGG1_OP_OFF    20 /* op (1 byte) + flags (1 byte): one 16-bit word */
 
-/* Linear bytes the parser wants: Ethernet + VLAN + IPv4 with options + UDP + AGB1. */
-#define PARSE_PULL_LEN (14 + 4 + 60 + 8 + 16)
+/* Linear bytes the parser wants: Ethernet + VLAN + IPv4 with options + UDP +
+ * the longer of the AGB1 (16) and AGG1 (24) headers. */
+#define PARSE_PULL_LEN (14 + 4 + 60 + 8 + 24)
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -128,6 +138,68 @@ struct {
 	__type(value, struct aggbox_bcast_group_stat);
 } bcast_gstats SEC(".maps");
 
+/*
+ * result_routes: job -> where its RESULT datagrams go besides (or instead
+ * of) the local result port: a broadcast group (allreduce) and/or a parent
+ * aggregator (trees of aggregators). Written by the control plane
+ * (BroadcastPlane::set_result_route / set_parent_route / remove_*); read by
+ * the ingress program.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_RESULT_ROUTES);
+	__type(key, struct aggbox_job_key);
+	__type(value, struct aggbox_result_route);
+} result_routes SEC(".maps");
+
+/* Ethernet [+ VLAN] / IPv4 / UDP as parsed; packet pointers valid until the
+ * next helper that may change the packet. */
+struct udp_view {
+	void *data;
+	void *data_end;
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udp;
+	void *payload;
+	int len; /* UDP payload length announced by the UDP header */
+};
+
+/*
+ * Parse Ethernet [+ VLAN] / IPv4 / UDP (xdp-tools cursor style), pulling the
+ * headers into the linear area when they are paged. Returns 0 with `v`
+ * filled, or -1 when the packet is not IPv4/UDP (or too short).
+ */
+static __always_inline int parse_udp(struct __sk_buff *skb, struct udp_view *v)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	struct hdr_cursor nh = { .pos = data };
+	int proto, len;
+
+	if (data + PARSE_PULL_LEN > data_end && skb->len > (__u32)(data_end - data)) {
+		/* headers in paged data: make them linear (as far as they go) */
+		bpf_skb_pull_data(skb, skb->len < PARSE_PULL_LEN ? skb->len : PARSE_PULL_LEN);
+		data = (void *)(long)skb->data;
+		data_end = (void *)(long)skb->data_end;
+		nh.pos = data;
+	}
+
+	proto = parse_ethhdr(&nh, data_end, &v->eth);
+	if (proto != ETH_P_IP)
+		return -1;
+	proto = parse_iphdr(&nh, data_end, &v->iph);
+	if (proto != IPPROTO_UDP_)
+		return -1;
+	len = parse_udphdr(&nh, data_end, &v->udp);
+	if (len < 0)
+		return -1;
+	v->data = data;
+	v->data_end = data_end;
+	v->payload = nh.pos;
+	v->len = len;
+	return 0;
+}
+
 /* A parsed AGB1 datagram: offsets and the header fields the programs need. */
 struct agb1_pkt {
 	__u32  l3_off;
@@ -145,41 +217,23 @@ struct agb1_pkt {
 };
 
 /*
- * Parse Ethernet [+ VLAN] / IPv4 / UDP / AGB1 (xdp-tools cursor style).
- * Returns -1 when the packet is not AGB1 at all, or the stat code of a
- * malformed AGB1 datagram, or 0 with `p` filled.
+ * AGB1 on top of a parsed UDP datagram. Returns -1 when the packet is not
+ * AGB1 at all, or the stat code of a malformed AGB1 datagram, or 0 with `p`
+ * filled.
  */
-static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p)
+static __always_inline int parse_agb1_view(struct __sk_buff *skb, struct udp_view *v,
+					   struct agb1_pkt *p)
 {
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
-	struct hdr_cursor nh = { .pos = data };
-	struct aggbox_bcast_hdr *b;
-	struct ethhdr *eth;
-	struct iphdr *iph;
-	struct udphdr *udp;
-	int proto, len;
+	void *data = v->data;
+	void *data_end = v->data_end;
+	struct aggbox_bcast_hdr *b = v->payload;
+	struct ethhdr *eth = v->eth;
+	struct iphdr *iph = v->iph;
+	struct udphdr *udp = v->udp;
+	int len = v->len;
 
-	if (data + PARSE_PULL_LEN > data_end && skb->len > (__u32)(data_end - data)) {
-		/* headers in paged data: make them linear (as far as they go) */
-		bpf_skb_pull_data(skb, skb->len < PARSE_PULL_LEN ? skb->len : PARSE_PULL_LEN);
-		data = (void *)(long)skb->data;
-		data_end = (void *)(long)skb->data_end;
-		nh.pos = data;
-	}
-
-	proto = parse_ethhdr(&nh, data_end, &eth);
-	if (proto != ETH_P_IP)
-		return -1;
-	p->l3_off = nh.pos - data;
-	proto = parse_iphdr(&nh, data_end, &iph);
-	if (proto != IPPROTO_UDP_)
-		return -1;
-	p->udp_off = nh.pos - data;
-	len = parse_udphdr(&nh, data_end, &udp);
-	if (len < 0)
-		return -1;
-	b = nh.pos;
+	p->l3_off = (void *)iph - data;
+	p->udp_off = (void *)udp - data;
 	if ((void *)&b->mask > data_end)
 		return -1;
 	if (b->magic != bpf_htonl(AGGBOX_MAGIC_BCAST))
@@ -208,13 +262,97 @@ static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p)
 	return 0;
 }
 
+/* Parse Ethernet [+ VLAN] / IPv4 / UDP / AGB1 (see parse_agb1_view). */
+static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p)
+{
+	struct udp_view v = {};
+
+	if (parse_udp(skb, &v))
+		return -1;
+	return parse_agb1_view(skb, &v, p);
+}
+
+/* A RESULT datagram of the XDP aggregator, as it arrives at TC ingress. */
+struct agg_result {
+	__u32  l3_off;
+	__u32  udp_off;
+	__u32  payload_len; /* UDP payload bytes */
+	__u16  tot_len;     /* IPv4 total length, host order */
+	__be32 saddr;       /* the completing contributor's address */
+	__be32 daddr;       /* this node's address */
+	__be16 dport;       /* the job's result port */
+	__u16  job;         /* host order */
+	__u32  job_rank;    /* job + rank words as in the packet (memory order) */
+	__u16  op_flags;    /* op + flags word as in the packet (memory order) */
+	__u8   op;
+	__u8   flags;
+	__u8   macs[12];    /* destination + source MAC as received */
+};
+
+/*
+ * AGG1 RESULT on top of a parsed UDP datagram: magic AGG1, rank 0xffff,
+ * RESULT set, not an IP fragment, the datagram fully in the frame. Returns 0
+ * with `r` filled, -1 otherwise (anything else is not ours to route: the XDP
+ * program validated contributions, the stack gets the rest untouched).
+ */
+static __always_inline int parse_agg_result(struct __sk_buff *skb, struct udp_view *v,
+					    struct agg_result *r)
+{
+	struct aggbox_agg_hdr *h = v->payload;
+
+	if ((void *)(h + 1) > v->data_end)
+		return -1;
+	if (h->magic != bpf_htonl(AGGBOX_MAGIC_AGG) || h->rank != bpf_htons(AGGBOX_RESULT_RANK) ||
+	    !(h->flags & AGGBOX_AGG_F_RESULT))
+		return -1;
+	if (v->iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+		return -1;
+	if (v->len < (int)sizeof(*h))
+		return -1;
+	r->l3_off = (void *)v->iph - v->data;
+	r->udp_off = (void *)v->udp - v->data;
+	if (r->udp_off + sizeof(struct udphdr) + (__u32)v->len > skb->len)
+		return -1;
+	r->payload_len = v->len;
+	r->tot_len = bpf_ntohs(v->iph->tot_len);
+	r->saddr = v->iph->saddr;
+	r->daddr = v->iph->daddr;
+	r->dport = v->udp->dest;
+	r->job = bpf_ntohs(h->job);
+	__builtin_memcpy(&r->job_rank, &h->job, sizeof(r->job_rank));
+	__builtin_memcpy(&r->op_flags, &h->op, sizeof(r->op_flags));
+	r->op = h->op;
+	r->flags = h->flags;
+	__builtin_memcpy(r->macs, v->eth->h_dest, 6);
+	__builtin_memcpy(r->macs + 6, v->eth->h_source, 6);
+	return 0;
+}
+
 /* The headers as they are now in the skb (tracked across rewrites). */
 struct rewrite_state {
 	__u32  l3_off;
 	__u32  udp_off;
+	__be32 saddr;
 	__be32 daddr;
 	__be16 dport;
 };
+
+/* Replace the IPv4 source address, fixing the IPv4 and UDP checksums. */
+static __always_inline int rewrite_src(struct __sk_buff *skb, struct rewrite_state *st,
+				       __be32 saddr)
+{
+	if (saddr == st->saddr)
+		return 0;
+	if (bpf_l3_csum_replace(skb, st->l3_off + IP_CSUM_OFF, st->saddr, saddr, sizeof(saddr)))
+		return -1;
+	if (bpf_l4_csum_replace(skb, st->udp_off + UDP_CSUM_OFF, st->saddr, saddr,
+				BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(saddr)))
+		return -1;
+	if (bpf_skb_store_bytes(skb, st->l3_off + IP_SADDR_OFF, &saddr, sizeof(saddr), 0))
+		return -1;
+	st->saddr = saddr;
+	return 0;
+}
 
 /* Point the datagram at (daddr, dport), fixing the IPv4 and UDP checksums. */
 static __always_inline int rewrite_dest(struct __sk_buff *skb, struct rewrite_state *st,
@@ -262,24 +400,38 @@ enum copy_kind {
 	COPY_LAST  = 1, /* the original itself is the copy: returns its verdict */
 };
 
+/* Where the copies of one datagram come from. */
+struct copy_src {
+	__be32 saddr;            /* source of the copies (FIB source check) */
+	__u16  tot_len;          /* IPv4 total length (FIB MTU check) */
+	__u8   ingress;          /* running at TC ingress: the original must be
+				  * redirected to leave (TC_ACT_OK delivers it) */
+	const __u8 *local_mac;   /* non-NULL: copies for this host go into the
+				  * hook's own ingress addressed to this MAC (the
+				  * source is remote); NULL: through lo (the source
+				  * is this host's own address) */
+	__be32 local_addr;       /* this host's address on the datagram */
+};
+
 /*
  * Prepare the copy for `dest` and send it. For COPY_CLONE returns 0 when a
  * copy left, -1 otherwise; for COPY_LAST returns the TC verdict of the
  * original. Counts COPY_SENT or NEIGH_MISS per copy sent, failures by kind.
  */
 static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state *st,
-				     struct agb1_pkt *p, struct aggbox_group_dest *dest,
-				     int kind, __u32 *neigh_misses, const __u8 *local_mac,
-				     __be32 local_addr)
+				     const struct copy_src *src, __be32 daddr, __be16 dport,
+				     int kind, __u32 *neigh_misses)
 {
+	const __u8 *local_mac = src->local_mac;
+	__be32 local_addr = src->local_addr;
 	__u8 zero_mac[6] = {};
 	struct bcast_nh nh = {};
 	__u32 hook_ifindex = skb->ifindex;
 	__u32 mark;
 	int res, rc;
 
-	res = nh_resolve(skb, hook_ifindex, p->saddr, dest->addr, p->tot_len, &nh);
-	if (res == NH_LOCAL && dest->addr != local_addr) {
+	res = nh_resolve(skb, hook_ifindex, src->saddr, daddr, src->tot_len, &nh);
+	if (res == NH_LOCAL && daddr != local_addr) {
 		/* NOT_FWDED for an address that is not ours on this datagram:
 		 * no route (or another local address: not supported) */
 		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
@@ -288,7 +440,7 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 	if (res == NH_ERROR)
 		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
 
-	if (rewrite_dest(skb, st, dest->addr, dest->port))
+	if (rewrite_dest(skb, st, daddr, dport))
 		goto rewrite_failed;
 	if (res == NH_LOCAL) {
 		/*
@@ -340,7 +492,7 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 			return bpf_redirect_neigh(nh.ifindex, NULL, 0, 0);
 		}
 		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
-		if (nh.ifindex == hook_ifindex)
+		if (nh.ifindex == hook_ifindex && !src->ingress)
 			return TC_ACT_OK;
 		skb->mark = AGGBOX_BCAST_MARK_COPY;
 		return bpf_redirect(nh.ifindex, 0);
@@ -402,6 +554,7 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 {
 	struct aggbox_group_key key = {};
 	struct rewrite_state st = {};
+	struct copy_src src = {};
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
 	__u32 eff, count, copies = 0, neigh_misses = 0;
@@ -432,22 +585,27 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 
 	st.l3_off = p.l3_off;
 	st.udp_off = p.udp_off;
+	st.saddr = p.saddr;
 	st.daddr = p.daddr;
 	st.dport = p.dport;
+	/* egress: copies for this host go through lo (our own source) */
+	src.saddr = p.saddr;
+	src.tot_len = p.tot_len;
+	src.local_addr = p.saddr;
 
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
 		if (!(eff & (1u << i)))
 			continue;
 		/* no higher bit left: the original becomes this copy */
 		if (i == 31 || !(eff >> (i + 1))) {
-			verdict = send_copy(skb, &st, &p, &g->dests[i], COPY_LAST, &neigh_misses,
-					    NULL, p.saddr);
+			verdict = send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port,
+					    COPY_LAST, &neigh_misses);
 			if (verdict != TC_ACT_SHOT)
 				copies++;
 			break;
 		}
-		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses, NULL,
-			      p.saddr) == 0)
+		if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
+			      &neigh_misses) == 0)
 			copies++;
 	}
 
@@ -455,11 +613,119 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	return bcast_exit(AGGBOX_BCAST_BROADCAST, p.payload_len, verdict);
 }
 
+/*
+ * Route one RESULT of the XDP aggregator (see the file comment and
+ * docs/BROADCAST.md). The copies and the upstream contribution carry this
+ * node's address (the RESULT's destination) as IPv4 source; everything else
+ * of a copy but destination address, port and MACs is the RESULT as it came.
+ */
+static __always_inline int route_result(struct __sk_buff *skb, struct agg_result *r)
+{
+	struct aggbox_job_key jk = { .job = r->job };
+	struct aggbox_group_key gkey = {};
+	struct aggbox_result_route *route;
+	struct aggbox_result_route rt;
+	struct rewrite_state st = {};
+	struct copy_src src = {};
+	struct aggbox_group *g = NULL;
+	__u32 count, copies = 0, neigh_misses = 0;
+	int verdict;
+
+	route = bpf_map_lookup_elem(&result_routes, &jk);
+	/* only RESULTs for this host, at the job's result port, are routed */
+	if (!route || route->result_port != bpf_ntohs(r->dport) || skb->pkt_type != PACKET_HOST_)
+		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
+	__builtin_memcpy(&rt, route, sizeof(rt));
+	if (rt.flags & AGGBOX_ROUTE_F_GROUP) {
+		gkey.group = rt.group;
+		gkey.port = AGGBOX_BCAST_PORT_ANY;
+		g = bpf_map_lookup_elem(&bcast_groups, &gkey);
+	}
+	if (!g && !(rt.flags & AGGBOX_ROUTE_F_PARENT))
+		/* group table not written (yet): local delivery only */
+		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_OK);
+
+	st.l3_off = r->l3_off;
+	st.udp_off = r->udp_off;
+	st.saddr = r->saddr;
+	st.daddr = r->daddr;
+	st.dport = r->dport;
+	/* the source is now our own address: copies for this host go through lo */
+	src.saddr = r->daddr;
+	src.tot_len = r->tot_len;
+	src.ingress = 1;
+	src.local_mac = NULL;
+	src.local_addr = r->daddr;
+
+	if (rewrite_src(skb, &st, r->daddr)) {
+		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+		return bcast_exit((rt.flags & AGGBOX_ROUTE_F_PARENT) ? AGGBOX_BCAST_RESULT_UPSTREAM
+								  : AGGBOX_BCAST_RESULT_BROADCAST,
+				  r->payload_len, TC_ACT_SHOT);
+	}
+
+	if (g) {
+		/* allreduce: the mask covers all members */
+		count = g->count;
+		for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
+			if (i >= count)
+				break;
+			if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
+				      &neigh_misses) == 0)
+				copies++;
+		}
+		group_count(&gkey, copies, neigh_misses, r->payload_len);
+	}
+
+	if (rt.flags & AGGBOX_ROUTE_F_PARENT) {
+		/*
+		 * Tree of aggregators: the original becomes this node's
+		 * contribution to the parent's job: job, rank, flags without
+		 * RESULT (LAST_FRAGMENT and OVERFLOW kept); seq, round,
+		 * frag_off, op, count and payload unchanged. It leaves by the
+		 * interface the FIB names and is not delivered locally.
+		 */
+		__be16 job_be = bpf_htons(rt.parent_job);
+		__be16 rank_be = bpf_htons(rt.parent_rank);
+		__u8 op_flags[2] = { r->op, r->flags & (__u8)~AGGBOX_AGG_F_RESULT };
+		__u32 agg_off = st.udp_off + sizeof(struct udphdr);
+		__u32 job_rank;
+		__u16 new_op_flags;
+
+		__builtin_memcpy(&job_rank, &job_be, 2);
+		__builtin_memcpy((__u8 *)&job_rank + 2, &rank_be, 2);
+		__builtin_memcpy(&new_op_flags, op_flags, 2);
+		if (bpf_l4_csum_replace(skb, st.udp_off + UDP_CSUM_OFF, r->job_rank, job_rank,
+					BPF_F_MARK_MANGLED_0 | sizeof(job_rank)) ||
+		    bpf_skb_store_bytes(skb, agg_off + AGG1_JOB_OFF, &job_rank, sizeof(job_rank), 0) ||
+		    bpf_l4_csum_replace(skb, st.udp_off + UDP_CSUM_OFF, r->op_flags, new_op_flags,
+					BPF_F_MARK_MANGLED_0 | sizeof(new_op_flags)) ||
+		    bpf_skb_store_bytes(skb, agg_off + AGG1_OP_OFF, &new_op_flags,
+					sizeof(new_op_flags), 0)) {
+			bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+			return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, TC_ACT_SHOT);
+		}
+		verdict = send_copy(skb, &st, &src, rt.parent_addr, rt.parent_port, COPY_LAST,
+				    &neigh_misses);
+		return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, verdict);
+	}
+
+	/* back to the RESULT as it arrived, for the local application */
+	if (rewrite_dest(skb, &st, r->daddr, r->dport) || rewrite_src(skb, &st, r->saddr) ||
+	    bpf_skb_store_bytes(skb, 0, r->macs, sizeof(r->macs), 0)) {
+		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_SHOT);
+	}
+	return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_OK);
+}
+
 SEC("tc")
 int aggbox_tc_ingress(struct __sk_buff *skb)
 {
 	struct aggbox_group_key key = {};
 	struct rewrite_state st = {};
+	struct copy_src src = {};
+	struct udp_view v = {};
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
 	__u32 count, copies = 0, neigh_misses = 0;
@@ -469,9 +735,16 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	if (is_own_mark(skb->mark))
 		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
 
-	code = parse_agb1(skb, &p);
-	if (code < 0)
+	if (parse_udp(skb, &v))
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
+	code = parse_agb1_view(skb, &v, &p);
+	if (code < 0) {
+		struct agg_result r = {};
+
+		if (parse_agg_result(skb, &v, &r))
+			return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
+		return route_result(skb, &r);
+	}
 	if (code > 0)
 		return bcast_exit(code, 0, TC_ACT_OK);
 
@@ -492,8 +765,16 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 
 	st.l3_off = p.l3_off;
 	st.udp_off = p.udp_off;
+	st.saddr = p.saddr;
 	st.daddr = p.daddr;
 	st.dport = p.dport;
+	/* ingress: the arriving frame was addressed to our MAC, its source is
+	 * the remote root: copies for this host go into our own ingress */
+	src.saddr = p.saddr;
+	src.tot_len = p.tot_len;
+	src.ingress = 1;
+	src.local_mac = p.macs;
+	src.local_addr = p.daddr;
 
 	/* children see hops + 1; every other byte of the AGB1 header unchanged */
 	word = bpf_htons(((__u16)p.flags << 8) | p.hops);
@@ -507,10 +788,8 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
 		if (i >= count)
 			break;
-		/* ingress: the arriving frame was addressed to our MAC
-		 * (egress passes NULL: local copies go through lo) */
-		if (send_copy(skb, &st, &p, &g->dests[i], COPY_CLONE, &neigh_misses, p.macs,
-			      p.daddr) == 0)
+		if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
+			      &neigh_misses) == 0)
 			copies++;
 	}
 

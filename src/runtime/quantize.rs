@@ -149,13 +149,14 @@ mod tests {
         let n = vectors[0].len();
         let mut q = Vec::new();
         let mut acc = vec![0i64; n];
+        let mut clamped_any = false;
         for v in vectors {
-            quantize_into(v, scale, &mut q).unwrap();
+            clamped_any |= quantize_into(v, scale, &mut q).unwrap();
             for (a, &x) in acc.iter_mut().zip(&q) {
                 *a += x as i64;
             }
         }
-        let overflow = acc.iter().any(|&a| a > i32::MAX as i64 || a < i32::MIN as i64);
+        let overflow = clamped_any || acc.iter().any(|&a| a > i32::MAX as i64 || a < i32::MIN as i64);
         let clamped: Vec<i32> = acc.iter().map(|&a| a.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect();
         let mut out = vec![0f32; n];
         dequantize_into(&clamped, scale, &mut out);
@@ -214,14 +215,15 @@ mod tests {
         eprintln!("normal(0,1e-3) fixed 1e8: max err {max_f:e}");
         assert!(!ovf_f && max_f < 1e-7);
 
-        // Heavy tails: Student-t(2) scaled by 1e-2.
-        let heavy: Vec<Vec<f32>> = (0..workers).map(|_| (0..n).map(|_| (rng.student_t(2) * 1e-2) as f32).collect()).collect();
+        // Heavy tails: Student-t(2), unscaled (max |x| in the hundreds).
+        let heavy: Vec<Vec<f32>> = (0..workers).map(|_| (0..n).map(|_| rng.student_t(2) as f32).collect()).collect();
         let m = heavy.iter().map(|v| max_abs(v).unwrap()).fold(0f32, f32::max);
         let s = adaptive_scale(m, workers as u16);
         let (max_e, mean_e, ovf) = sum_error(&heavy, s);
-        eprintln!("student-t(2)*1e-2: max|x| {m:e} S {s:e} max err {max_e:e} mean err {mean_e:e}");
+        eprintln!("student-t(2): max|x| {m:e} S {s:e} max err {max_e:e} mean err {mean_e:e}");
         assert!(!ovf);
-        assert!(max_e <= 0.5 * workers as f64 / s * 1.01 + 1e-6, "{max_e}");
+        // quantization bound plus the final f32 rounding of results up to workers * m
+        assert!(max_e <= 0.5 * workers as f64 / s + (m as f64 * workers as f64) * 2f64.powi(-24), "{max_e}");
         // The fixed default overflows on them: that must be visible.
         let (_, _, ovf_f) = sum_error(&heavy, DEFAULT_SCALE);
         assert!(ovf_f, "fixed 1e8 on heavy tails should overflow");

@@ -32,8 +32,8 @@
 //!
 //! Memory (asserted in the unit tests, see `docs/RUNTIME.md`): a receiver keeps
 //! `size_of::<GroupState>()` = 160 bytes per group of 1024 datagrams per sender
-//! (a 1024-bit [`SeqBitmap`] plus ACK timing); a sender keeps 40 bytes of
-//! bookkeeping per datagram in flight ([`SendWindow::ENTRY_BYTES`], 40 KiB per
+//! (a 1024-bit [`SeqBitmap`] plus ACK timing); a sender keeps 48 bytes of
+//! bookkeeping per datagram in flight ([`SendWindow::ENTRY_BYTES`] = 48, 48 KiB per
 //! 1024) plus the datagram copy itself (at most the MTU, ~1.5 MiB per 1024 at
 //! MTU 1500; the buffers are allocated once and reused).
 
@@ -673,8 +673,8 @@ mod tests {
         // Receiver: one GroupState per 1024 datagrams per sender.
         assert_eq!(RecvTracker::GROUP_BYTES, 160, "GroupState grew: update docs/RUNTIME.md");
         // Sender: bookkeeping per datagram in flight.
-        assert_eq!(SendWindow::ENTRY_BYTES, 40, "Entry grew: update docs/RUNTIME.md");
-        assert_eq!(1024 * SendWindow::ENTRY_BYTES, 40 * 1024);
+        assert_eq!(SendWindow::ENTRY_BYTES, 48, "Entry grew: update docs/RUNTIME.md");
+        assert_eq!(1024 * SendWindow::ENTRY_BYTES, 48 * 1024);
         // A tracker never holds more than MAX_GROUPS groups, whatever it sees.
         let mut t = RecvTracker::new(cfg(AckMode::Group, 1024, 1024));
         let now = Instant::now();

@@ -47,9 +47,16 @@ impl Bpffs {
     pub fn mount(tag: &str) -> Bpffs {
         let n = MOUNT_COUNTER.fetch_add(1, Ordering::Relaxed);
         let path = PathBuf::from(format!("/tmp/aggbox-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
-        nix::mount::mount(Some("bpf"), &path, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
-            .unwrap_or_else(|e| panic!("mounting bpffs on {}: {e}", path.display()));
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
+        nix::mount::mount(
+            Some("bpf"),
+            &path,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap_or_else(|e| panic!("mounting bpffs on {}: {e}", path.display()));
         Bpffs { path }
     }
 }
@@ -71,7 +78,8 @@ impl TempDir {
     pub fn new(tag: &str) -> TempDir {
         let n = MOUNT_COUNTER.fetch_add(1, Ordering::Relaxed);
         let path = PathBuf::from(format!("/tmp/aggbox-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
         TempDir { path }
     }
 
@@ -144,7 +152,12 @@ pub fn spread_ranks(tb: &Testbed, hosts: &[usize], ranks: usize) -> Vec<(usize, 
                 h.addr
             } else {
                 *h.extra_addrs.get(k - 1).unwrap_or_else(|| {
-                    panic!("rank {r} needs extra address {} of host {}, which has {}", k - 1, h.index, h.extra_addrs.len())
+                    panic!(
+                        "rank {r} needs extra address {} of host {}, which has {}",
+                        k - 1,
+                        h.index,
+                        h.extra_addrs.len()
+                    )
                 })
             };
             (h.index, addr)
@@ -161,15 +174,20 @@ pub fn bind_in(tb: &Testbed, host: usize, addr: Ipv4Addr) -> UdpSocket {
 
 /// One socket per rank, bound to the rank's address in its host.
 pub fn rank_sockets(tb: &Testbed, placement: &[(usize, Ipv4Addr)]) -> Vec<UdpSocket> {
-    placement.iter().map(|&(host, addr)| bind_in(tb, host, addr)).collect()
+    placement
+        .iter()
+        .map(|&(host, addr)| bind_in(tb, host, addr))
+        .collect()
 }
 
 /// A socket bound to `0.0.0.0:port` in the namespace `netns` (the
 /// application's result socket), with a large receive buffer.
 pub fn result_socket_in(netns: &str, port: u16) -> UdpSocket {
-    let socket = in_netns(netns, || UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)))
-        .unwrap_or_else(|e| panic!("entering {netns}: {e}"))
-        .unwrap_or_else(|e| panic!("binding 0.0.0.0:{port} in {netns}: {e}"));
+    let socket = in_netns(netns, || {
+        UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))
+    })
+    .unwrap_or_else(|e| panic!("entering {netns}: {e}"))
+    .unwrap_or_else(|e| panic!("binding 0.0.0.0:{port} in {netns}: {e}"));
     let size: libc::c_int = 4 << 20;
     // SAFETY: valid socket fd and option buffer. SO_RCVBUFFORCE (root) ignores rmem_max.
     unsafe {
@@ -187,7 +205,8 @@ pub fn result_socket_in(netns: &str, port: u16) -> UdpSocket {
 
 /// Deterministic pseudo-random number for (seed, a, b).
 pub fn mix(seed: u64, a: u64, b: u64) -> u64 {
-    let mut x = seed ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    let mut x =
+        seed ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     x ^= x >> 33;
     x = x.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
     x ^= x >> 33;
@@ -262,8 +281,12 @@ pub struct RoundReport {
 
 /// Expected RESULT of one fragment: header flags and payload.
 fn expected_fragment(r: &Round, off: usize, count: usize, last: bool) -> (u8, Vec<i32>) {
-    let slices: Vec<(&[i32], i32)> =
-        r.vectors.iter().zip(r.weights).map(|(v, &w)| (&v[off..off + count], w)).collect();
+    let slices: Vec<(&[i32], i32)> = r
+        .vectors
+        .iter()
+        .zip(r.weights)
+        .map(|(v, &w)| (&v[off..off + count], w))
+        .collect();
     let res = reducer::reduce(r.op, &slices).unwrap_or_else(|e| panic!("reference reducer: {e}"));
     let mut flags = abi::AGG_F_RESULT | res.flags();
     if last {
@@ -273,7 +296,13 @@ fn expected_fragment(r: &Round, off: usize, count: usize, last: bool) -> (u8, Ve
 }
 
 /// Encode rank `rank`'s datagram of fragment `f`.
-fn datagram(r: &Round, seq_base: &[u32], rank: usize, f: usize, frags: &[(usize, usize)]) -> Vec<u8> {
+fn datagram(
+    r: &Round,
+    seq_base: &[u32],
+    rank: usize,
+    f: usize,
+    frags: &[(usize, usize)],
+) -> Vec<u8> {
     let (off, count) = frags[f];
     let hdr = AggHeader {
         job: r.job,
@@ -282,16 +311,23 @@ fn datagram(r: &Round, seq_base: &[u32], rank: usize, f: usize, frags: &[(usize,
         round: r.round,
         frag_off: off as u32,
         op: r.op,
-        flags: if f + 1 == frags.len() { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+        flags: if f + 1 == frags.len() {
+            abi::AGG_F_LAST_FRAGMENT
+        } else {
+            0
+        },
         count: count as u16,
     };
     let mut buf = Vec::with_capacity(abi::AGG_HDR_LEN + 4 * count);
-    proto::encode_agg_into(&hdr, &r.vectors[rank][off..off + count], &mut buf).expect("encode AGG1");
+    proto::encode_agg_into(&hdr, &r.vectors[rank][off..off + count], &mut buf)
+        .expect("encode AGG1");
     buf
 }
 
 fn send(socket: &UdpSocket, buf: &[u8], to: SocketAddrV4) {
-    socket.send_to(buf, to).unwrap_or_else(|e| panic!("sending to {to} from {:?}: {e}", socket.local_addr()));
+    socket
+        .send_to(buf, to)
+        .unwrap_or_else(|e| panic!("sending to {to} from {:?}: {e}", socket.local_addr()));
 }
 
 /// How long a fragment may go without its RESULT before every rank's
@@ -304,21 +340,37 @@ pub const RESEND_AFTER: Duration = Duration::from_millis(400);
 /// (header fields, flags, payload). Panics on a wrong or second RESULT, a
 /// RESULT of another round, or when `timeout` passes first. `seqs` holds each
 /// rank's next sequence number and is advanced.
-pub fn run_round(senders: &[UdpSocket], rx: &UdpSocket, r: &Round, seqs: &mut [u32], timeout: Duration) -> RoundReport {
+pub fn run_round(
+    senders: &[UdpSocket],
+    rx: &UdpSocket,
+    r: &Round,
+    seqs: &mut [u32],
+    timeout: Duration,
+) -> RoundReport {
     let ranks = r.vectors.len();
     assert_eq!(senders.len(), ranks, "one socket per rank");
     assert_eq!(r.weights.len(), ranks, "one weight per rank");
     let n = r.vectors[0].len();
-    let frags: Vec<(usize, usize)> =
-        (0..n).step_by(PER_DATAGRAM).map(|off| (off, PER_DATAGRAM.min(n - off))).collect();
-    let by_off: BTreeMap<u32, usize> = frags.iter().enumerate().map(|(f, &(off, _))| (off as u32, f)).collect();
+    let frags: Vec<(usize, usize)> = (0..n)
+        .step_by(PER_DATAGRAM)
+        .map(|off| (off, PER_DATAGRAM.min(n - off)))
+        .collect();
+    let by_off: BTreeMap<u32, usize> = frags
+        .iter()
+        .enumerate()
+        .map(|(f, &(off, _))| (off as u32, f))
+        .collect();
     let expected: Vec<(u8, Vec<i32>)> = frags
         .iter()
         .enumerate()
         .map(|(f, &(off, count))| expected_fragment(r, off, count, f + 1 == frags.len()))
         .collect();
 
-    let mut report = RoundReport { fragments: frags.len(), contributions: (ranks * frags.len()) as u64, ..Default::default() };
+    let mut report = RoundReport {
+        fragments: frags.len(),
+        contributions: (ranks * frags.len()) as u64,
+        ..Default::default()
+    };
     let mut done = vec![false; frags.len()];
     let mut sent_at: Vec<Option<Instant>> = vec![None; frags.len()];
     let mut next = 0usize;
@@ -357,12 +409,25 @@ pub fn run_round(senders: &[UdpSocket], rx: &UdpSocket, r: &Round, seqs: &mut [u
             frags.len(),
             frags.iter().enumerate().filter(|(f, _)| !done[*f]).map(|(_, &(off, _))| off).collect::<Vec<_>>()
         );
-        let oldest = sent_at.iter().zip(&done).filter(|(_, d)| !**d).filter_map(|(t, _)| *t).min();
-        let wait = oldest.map_or(deadline - now, |t| (t + RESEND_AFTER).saturating_duration_since(now));
-        rx.set_read_timeout(Some(wait.clamp(Duration::from_millis(1), deadline - now))).expect("set_read_timeout");
+        let oldest = sent_at
+            .iter()
+            .zip(&done)
+            .filter(|(_, d)| !**d)
+            .filter_map(|(t, _)| *t)
+            .min();
+        let wait = oldest.map_or(deadline - now, |t| {
+            (t + RESEND_AFTER).saturating_duration_since(now)
+        });
+        rx.set_read_timeout(Some(wait.clamp(Duration::from_millis(1), deadline - now)))
+            .expect("set_read_timeout");
         let len = match rx.recv(&mut buf) {
             Ok(len) => len,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
                 // Loss recovery: resend every rank's contribution of the
                 // fragments whose RESULT is late.
                 let now = Instant::now();
@@ -380,22 +445,49 @@ pub fn run_round(senders: &[UdpSocket], rx: &UdpSocket, r: &Round, seqs: &mut [u
             }
             Err(e) => panic!("receiving RESULTs: {e}"),
         };
-        let (hdr, be) = proto::split_agg(&buf[..len])
-            .unwrap_or_else(|e| panic!("a datagram on the result port is not a valid AGG1 message ({e}): {:02x?}", &buf[..len.min(32)]));
-        assert!(hdr.is_result(), "a non-RESULT AGG1 datagram reached the result port: {hdr:?}");
+        let (hdr, be) = proto::split_agg(&buf[..len]).unwrap_or_else(|e| {
+            panic!(
+                "a datagram on the result port is not a valid AGG1 message ({e}): {:02x?}",
+                &buf[..len.min(32)]
+            )
+        });
+        assert!(
+            hdr.is_result(),
+            "a non-RESULT AGG1 datagram reached the result port: {hdr:?}"
+        );
         assert_eq!(hdr.job, r.job, "RESULT of another job: {hdr:?}");
-        assert_eq!(hdr.round, r.round, "RESULT of round {} during round {} (a second RESULT?): {hdr:?}", hdr.round, r.round);
-        let f = *by_off.get(&hdr.frag_off).unwrap_or_else(|| panic!("RESULT for an unknown frag_off: {hdr:?}"));
-        assert!(!done[f], "a second RESULT for job {} round {} frag_off {}: {hdr:?}", r.job, r.round, hdr.frag_off);
+        assert_eq!(
+            hdr.round, r.round,
+            "RESULT of round {} during round {} (a second RESULT?): {hdr:?}",
+            hdr.round, r.round
+        );
+        let f = *by_off
+            .get(&hdr.frag_off)
+            .unwrap_or_else(|| panic!("RESULT for an unknown frag_off: {hdr:?}"));
+        assert!(
+            !done[f],
+            "a second RESULT for job {} round {} frag_off {}: {hdr:?}",
+            r.job, r.round, hdr.frag_off
+        );
         let (flags, want) = &expected[f];
         assert_eq!(hdr.rank, abi::RESULT_RANK, "RESULT rank: {hdr:?}");
         assert_eq!(hdr.op, r.op, "RESULT op: {hdr:?}");
         assert_eq!(hdr.count as usize, frags[f].1, "RESULT count: {hdr:?}");
-        assert_eq!(hdr.flags, *flags, "RESULT flags of frag_off {} ({}): {hdr:?}", hdr.frag_off, r.op.name());
+        assert_eq!(
+            hdr.flags,
+            *flags,
+            "RESULT flags of frag_off {} ({}): {hdr:?}",
+            hdr.frag_off,
+            r.op.name()
+        );
         payload.resize(hdr.count as usize, 0);
         proto::read_i32_be(be, &mut payload);
         if payload != *want {
-            let first = payload.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            let first = payload
+                .iter()
+                .zip(want)
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
             panic!(
                 "job {} round {} {} frag_off {}: RESULT differs from the reference reducer at element {} (got {}, want {}); {} of {} elements differ",
                 r.job,
@@ -446,7 +538,11 @@ pub fn assert_no_more_results(rx: &UdpSocket, quiet: Duration) {
             "an unexpected datagram reached the result port after the last round: {:?}",
             proto::split_agg(&buf[..len]).map(|(h, _)| h)
         ),
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
         Err(e) => panic!("receiving: {e}"),
     }
 }
@@ -471,7 +567,11 @@ pub fn link_show(netns: &str, iface: &str) -> String {
         .args(["-n", netns, "-d", "link", "show", iface])
         .output()
         .expect("run ip (iproute2 is required)");
-    assert!(out.status.success(), "ip -n {netns} link show {iface}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ip -n {netns} link show {iface}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 

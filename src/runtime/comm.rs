@@ -1,0 +1,1288 @@
+//! The [`Communicator`]: one participant of a job (a worker rank, or the
+//! aggregator's application), its builder, and the progress engine behind it.
+//!
+//! Every communicator owns one UDP socket and one progress thread. The thread
+//! runs the calls in the order they were issued (blocking calls and
+//! [`Work`] handles alike) and, between calls, keeps serving the socket: it
+//! acknowledges late retransmissions, keeps early data of the next call, and
+//! (aggregator) keeps reducing contributions that arrive before the
+//! application asks for them. All participants must issue the same sequence
+//! of collective calls; each call is one *round*.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixDatagram;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::abi::{self, Op};
+use crate::config::{AckMode, Config};
+use crate::proto::{self, AckKind, AckMessage, AggHeader, BcastHeader, MessageKind, SeqBitmap};
+use crate::runtime::backend::{send_ack, AckIo, Backend, BackendKind};
+use crate::runtime::fragment::{elements_per_datagram, fragment_range, fragments, Coverage, BCAST_SUBHDR, SUBHDR_OVERFLOW};
+use crate::runtime::kernel::KernelAggregator;
+use crate::runtime::quantize::{self, Quantization};
+use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, SendWindow, Verdict};
+use crate::runtime::socket::SocketAggregator;
+use crate::runtime::work::Work;
+use crate::runtime::{CommError, Partial, Peer, TimeoutInfo};
+
+/// Who a communicator is in its job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Participant {
+    /// Worker `rank` (0..workers): contributes to reductions.
+    Worker(u16),
+    /// The aggregator's application: receives reduction results (and, for
+    /// the socket backend, runs the user-space aggregator).
+    Aggregator,
+}
+
+impl Participant {
+    fn index(self, workers: u16) -> usize {
+        match self {
+            Participant::Worker(r) => r as usize,
+            Participant::Aggregator => workers as usize,
+        }
+    }
+
+    fn peer(self) -> Peer {
+        match self {
+            Participant::Worker(r) => Peer::Rank(r),
+            Participant::Aggregator => Peer::Aggregator,
+        }
+    }
+}
+
+/// Options of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// Deadline of the call, from its start; `None` = the communicator's.
+    pub deadline: Option<Duration>,
+    /// On a reduction timeout, put the partial result (with contributor
+    /// counts) into the error.
+    pub partial: bool,
+}
+
+impl CallOptions {
+    /// Options with a deadline.
+    pub fn deadline(d: Duration) -> CallOptions {
+        CallOptions { deadline: Some(d), partial: false }
+    }
+}
+
+/// Everything a communicator needs, validated by the builder.
+#[derive(Debug, Clone)]
+pub struct CommConfig {
+    /// Job id (also the broadcast group id).
+    pub job: u16,
+    /// Worker data addresses, by rank.
+    pub peers: Vec<SocketAddrV4>,
+    /// This participant.
+    pub me: Participant,
+    /// The aggregator node's address.
+    pub aggregator: Ipv4Addr,
+    /// The job's contribution port on the aggregator.
+    pub job_port: u16,
+    /// Kernel backend: the job's result port (the aggregator application's
+    /// socket). Unused by the socket backend.
+    pub result_port: u16,
+    /// Backend.
+    pub backend: BackendKind,
+    /// Path MTU; fragments are sized from it.
+    pub mtu: usize,
+    /// Reliability settings.
+    pub reliability: ReliabilityConfig,
+    /// Socket backend: slots of the user-space aggregator. Kernel backend:
+    /// the job's `slots`, which caps the contribution window.
+    pub slots: u32,
+    /// Default per-call deadline.
+    pub deadline: Duration,
+    /// Float quantization.
+    pub quantization: Quantization,
+    /// Round of the first call.
+    pub first_round: u32,
+    /// Contribution seq of the first call (same on every rank).
+    pub first_agg_seq: u32,
+    /// Most datagrams kept for a later call (early broadcast data).
+    pub stash_limit: usize,
+}
+
+impl CommConfig {
+    fn workers(&self) -> u16 {
+        self.peers.len() as u16
+    }
+
+    fn participants(&self) -> usize {
+        self.peers.len() + 1
+    }
+
+    /// Socket address of participant index `i`.
+    fn addr_of(&self, i: usize) -> SocketAddrV4 {
+        if i < self.peers.len() {
+            self.peers[i]
+        } else {
+            match self.backend {
+                BackendKind::Socket => SocketAddrV4::new(self.aggregator, self.job_port),
+                BackendKind::Kernel => SocketAddrV4::new(self.aggregator, self.result_port),
+            }
+        }
+    }
+
+    fn contrib_target(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(self.aggregator, self.job_port)
+    }
+}
+
+/// Builds a [`Communicator`].
+#[derive(Debug, Clone)]
+pub struct CommunicatorBuilder {
+    cfg: CommConfig,
+}
+
+impl CommunicatorBuilder {
+    /// A job `job` whose workers listen at `peers` (rank r at `peers[r]`),
+    /// with the aggregator at `aggregator:job_port`; this participant is `me`.
+    pub fn new(job: u16, peers: Vec<SocketAddrV4>, aggregator: Ipv4Addr, job_port: u16, me: Participant) -> CommunicatorBuilder {
+        CommunicatorBuilder {
+            cfg: CommConfig {
+                job,
+                peers,
+                me,
+                aggregator,
+                job_port,
+                result_port: 0,
+                backend: BackendKind::Socket,
+                mtu: 1500,
+                reliability: ReliabilityConfig::default(),
+                slots: 1024,
+                deadline: Duration::from_secs(10),
+                quantization: Quantization::default(),
+                first_round: 0,
+                first_agg_seq: 0,
+                stash_limit: 4096,
+            },
+        }
+    }
+
+    /// From a node configuration: job `job_id` of `config` (workers' addresses,
+    /// port, result port, slots, ACK mode and group), each worker's data
+    /// socket on `data_port`, the aggregator at `aggregator`.
+    pub fn from_config(config: &Config, job_id: u16, aggregator: Ipv4Addr, data_port: u16, me: Participant) -> Result<CommunicatorBuilder, CommError> {
+        let job = config.job(job_id).ok_or_else(|| CommError::Config(format!("no job {job_id} in the configuration")))?;
+        let peers = job.workers.iter().map(|&a| SocketAddrV4::new(a, data_port)).collect();
+        let mut b = CommunicatorBuilder::new(job_id, peers, aggregator, job.port, me)
+            .result_port(job.result_port)
+            .slots(job.slots)
+            .ack_mode(config.node.ack_mode)
+            .group_size(config.node.ack_group as u32);
+        b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
+        Ok(b)
+    }
+
+    /// Backend (default socket).
+    pub fn backend(mut self, b: BackendKind) -> Self {
+        self.cfg.backend = b;
+        self
+    }
+    /// Kernel backend: the job's result port.
+    pub fn result_port(mut self, p: u16) -> Self {
+        self.cfg.result_port = p;
+        self
+    }
+    /// Path MTU (default 1500).
+    pub fn mtu(mut self, mtu: usize) -> Self {
+        self.cfg.mtu = mtu;
+        self
+    }
+    /// Datagrams in flight per sender (default 256, at most the group size).
+    pub fn window(mut self, w: u32) -> Self {
+        self.cfg.reliability.window = w;
+        self
+    }
+    /// Per-packet or group ACKs (default group).
+    pub fn ack_mode(mut self, m: AckMode) -> Self {
+        self.cfg.reliability.ack_mode = m;
+        self
+    }
+    /// ACK group size G (default 1024).
+    pub fn group_size(mut self, g: u32) -> Self {
+        self.cfg.reliability.group_size = g;
+        self
+    }
+    /// All reliability settings at once.
+    pub fn reliability(mut self, r: ReliabilityConfig) -> Self {
+        self.cfg.reliability = r;
+        self
+    }
+    /// Aggregator slots (socket) / the kernel job's slots (window cap).
+    pub fn slots(mut self, s: u32) -> Self {
+        self.cfg.slots = s;
+        self
+    }
+    /// Default per-call deadline (default 10 s).
+    pub fn deadline(mut self, d: Duration) -> Self {
+        self.cfg.deadline = d;
+        self
+    }
+    /// Float quantization (default fixed 1e8).
+    pub fn quantization(mut self, q: Quantization) -> Self {
+        self.cfg.quantization = q;
+        self
+    }
+    /// Joins a job already running (a replacement for a failed participant):
+    /// the round and contribution seq of its next call, as
+    /// [`Communicator::position`] reports them on a surviving participant.
+    pub fn resume(mut self, round: u32, agg_seq: u32) -> Self {
+        self.cfg.first_round = round;
+        self.cfg.first_agg_seq = agg_seq;
+        self
+    }
+
+    /// Validates, binds the socket and starts the progress thread. The
+    /// socket is bound to this participant's address (a worker's
+    /// `peers[rank]`; the aggregator's `aggregator:job_port` for the socket
+    /// backend, `aggregator:result_port` for the kernel backend).
+    pub fn build(self) -> Result<Communicator, CommError> {
+        let cfg = self.cfg;
+        cfg.reliability.validate().map_err(CommError::Config)?;
+        if cfg.peers.is_empty() {
+            return Err(CommError::Config("a job needs at least one worker".into()));
+        }
+        if cfg.participants() > 64 {
+            return Err(CommError::Config(format!("{} participants: at most 63 workers per communicator", cfg.participants())));
+        }
+        if let Participant::Worker(r) = cfg.me {
+            if r as usize >= cfg.peers.len() {
+                return Err(CommError::Config(format!("rank {r} but {} workers", cfg.peers.len())));
+            }
+        }
+        if cfg.backend == BackendKind::Kernel && cfg.result_port == 0 {
+            return Err(CommError::Config("the kernel backend needs the job's result port".into()));
+        }
+        if cfg.mtu < 28 + abi::AGG_HDR_LEN + 4 {
+            return Err(CommError::Config(format!("MTU {} too small", cfg.mtu)));
+        }
+        let me = cfg.addr_of(cfg.me.index(cfg.workers()));
+        let sock = UdpSocket::bind(me).map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
+        sock.set_nonblocking(true)?;
+        set_buffers(&sock, 8 << 20);
+        let (waker_tx, waker_rx) = UnixDatagram::pair()?;
+        waker_rx.set_nonblocking(true)?;
+        let (tx, rx) = mpsc::channel::<Request>();
+        let round = Arc::new(AtomicU32::new(cfg.first_round));
+        let agg_seq = Arc::new(AtomicU32::new(cfg.first_agg_seq));
+        let closing = Arc::new(AtomicBool::new(false));
+        let engine = Engine::new(cfg.clone(), sock, waker_rx, round.clone(), agg_seq.clone(), closing.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))
+            .spawn(move || engine.run(rx))?;
+        Ok(Communicator { cfg, tx, waker: waker_tx, thread: Some(thread), round, agg_seq, closing })
+    }
+}
+
+fn set_buffers(sock: &UdpSocket, bytes: i32) {
+    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+        // SAFETY: valid fd, pointer to an int of the right size.
+        unsafe {
+            libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, &bytes as *const i32 as *const libc::c_void, 4);
+        }
+    }
+}
+
+/// Result of an int reduction as the caller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReduceOutput {
+    /// The vector: the result where this participant gets it, else the input.
+    pub values: Vec<i32>,
+    /// Whether this participant got the result (aggregator for reduce,
+    /// everyone for allreduce).
+    pub has_result: bool,
+    /// Some element was clamped (OVERFLOW).
+    pub overflow: bool,
+}
+
+pub(crate) enum Request {
+    Bcast { root: usize, data: Vec<u8>, opts: CallOptions, reply: mpsc::Sender<Result<Vec<u8>, CommError>> },
+    Reduce { all: bool, op: Op, data: Vec<i32>, opts: CallOptions, reply: mpsc::Sender<Result<ReduceOutput, CommError>> },
+    ReduceF32 { all: bool, mean: bool, data: Vec<f32>, opts: CallOptions, reply: mpsc::Sender<Result<Vec<f32>, CommError>> },
+}
+
+/// One participant of a job: broadcast, reduce and allreduce over the
+/// socket or the kernel backend (see the module docs and `docs/RUNTIME.md`).
+///
+/// Blocking calls copy the caller's slice in and out; the `i*` forms take
+/// owned vectors and return a [`Work`] handle. Calls run one at a time, in
+/// issue order. Dropping the communicator stops its thread and closes its
+/// socket.
+#[derive(Debug)]
+pub struct Communicator {
+    cfg: CommConfig,
+    tx: mpsc::Sender<Request>,
+    waker: UnixDatagram,
+    thread: Option<JoinHandle<()>>,
+    round: Arc<AtomicU32>,
+    agg_seq: Arc<AtomicU32>,
+    closing: Arc<AtomicBool>,
+}
+
+impl Communicator {
+    /// Starts a builder; see [`CommunicatorBuilder::new`].
+    pub fn builder(job: u16, peers: Vec<SocketAddrV4>, aggregator: Ipv4Addr, job_port: u16, me: Participant) -> CommunicatorBuilder {
+        CommunicatorBuilder::new(job, peers, aggregator, job_port, me)
+    }
+
+    /// This participant.
+    pub fn participant(&self) -> Participant {
+        self.cfg.me
+    }
+
+    /// This worker's rank, `None` for the aggregator.
+    pub fn rank(&self) -> Option<u16> {
+        match self.cfg.me {
+            Participant::Worker(r) => Some(r),
+            Participant::Aggregator => None,
+        }
+    }
+
+    /// Number of workers.
+    pub fn workers(&self) -> u16 {
+        self.cfg.workers()
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &CommConfig {
+        &self.cfg
+    }
+
+    /// (round, contribution seq) the next call will use once every issued
+    /// call finished; give them to [`CommunicatorBuilder::resume`] to
+    /// replace a failed participant.
+    pub fn position(&self) -> (u32, u32) {
+        (self.round.load(Ordering::SeqCst), self.agg_seq.load(Ordering::SeqCst))
+    }
+
+    fn submit(&self, req: Request) -> Result<(), CommError> {
+        self.tx.send(req).map_err(|_| CommError::Closed)?;
+        let _ = self.waker.send(&[1]);
+        Ok(())
+    }
+
+    fn root_index(&self, root: Participant) -> Result<usize, CommError> {
+        if let Participant::Worker(r) = root {
+            if r >= self.workers() {
+                return Err(CommError::Config(format!("root rank {r} but {} workers", self.workers())));
+            }
+        }
+        Ok(root.index(self.workers()))
+    }
+
+    /// Non-blocking broadcast of bytes from `root`: the root's `data` is sent,
+    /// every other participant's `data` (same length) is overwritten.
+    pub fn ibroadcast(&self, data: Vec<u8>, root: Participant, opts: CallOptions) -> Work<Vec<u8>> {
+        let (reply, rx) = mpsc::channel();
+        match self.root_index(root) {
+            Ok(root) => match self.submit(Request::Bcast { root, data, opts, reply }) {
+                Ok(()) => Work::pending(rx),
+                Err(e) => Work::ready(Err(e)),
+            },
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    /// Broadcast of bytes from `root`, in place (every participant passes a
+    /// buffer of the same length); blocks until this participant's part is
+    /// done: a receiver has every byte, the root has every acknowledgement.
+    pub fn broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
+        self.broadcast_with(buf, root, CallOptions::default())
+    }
+
+    /// [`Communicator::broadcast`] with options.
+    pub fn broadcast_with(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<(), CommError> {
+        let out = self.ibroadcast(buf.to_vec(), root, opts).wait()?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Broadcast of an int32 vector (sent big-endian).
+    pub fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
+        let mut bytes = Vec::with_capacity(buf.len() * 4);
+        proto::write_i32_be(buf, &mut bytes);
+        let out = self.ibroadcast(bytes, root, CallOptions::default()).wait()?;
+        proto::read_i32_be(&out, buf);
+        Ok(())
+    }
+
+    /// Broadcast of a float32 vector (bit patterns, sent big-endian).
+    pub fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
+        let mut bytes = Vec::with_capacity(buf.len() * 4);
+        proto::write_f32_be(buf, &mut bytes);
+        let out = self.ibroadcast(bytes, root, CallOptions::default()).wait()?;
+        proto::read_f32_be(&out, buf);
+        Ok(())
+    }
+
+    /// Non-blocking int reduction (`all`: allreduce). Workers pass their
+    /// contribution; the aggregator passes a vector of the same length that
+    /// receives the result.
+    pub fn ireduce_i32(&self, data: Vec<i32>, op: Op, all: bool, opts: CallOptions) -> Work<ReduceOutput> {
+        let (reply, rx) = mpsc::channel();
+        match self.submit(Request::Reduce { all, op, data, opts, reply }) {
+            Ok(()) => Work::pending(rx),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    /// Reduce to the aggregator: a worker's `buf` is its contribution (left
+    /// unchanged); the aggregator's `buf` receives the result. Returns
+    /// whether the result was clamped (OVERFLOW) — only the aggregator knows,
+    /// workers get `false`.
+    pub fn reduce_i32(&self, buf: &mut [i32], op: Op) -> Result<bool, CommError> {
+        self.reduce_i32_with(buf, op, CallOptions::default())
+    }
+
+    /// [`Communicator::reduce_i32`] with options.
+    pub fn reduce_i32_with(&self, buf: &mut [i32], op: Op, opts: CallOptions) -> Result<bool, CommError> {
+        let out = self.ireduce_i32(buf.to_vec(), op, false, opts).wait()?;
+        if out.has_result {
+            buf.copy_from_slice(&out.values);
+        }
+        Ok(out.overflow)
+    }
+
+    /// Allreduce: every participant's `buf` receives the result (workers
+    /// contribute theirs). Returns whether it was clamped (OVERFLOW).
+    pub fn allreduce_i32(&self, buf: &mut [i32], op: Op) -> Result<bool, CommError> {
+        self.allreduce_i32_with(buf, op, CallOptions::default())
+    }
+
+    /// [`Communicator::allreduce_i32`] with options.
+    pub fn allreduce_i32_with(&self, buf: &mut [i32], op: Op, opts: CallOptions) -> Result<bool, CommError> {
+        let out = self.ireduce_i32(buf.to_vec(), op, true, opts).wait()?;
+        buf.copy_from_slice(&out.values);
+        Ok(out.overflow)
+    }
+
+    /// Non-blocking float SUM (or mean) reduction through quantization
+    /// (see [`crate::runtime::quantize`]).
+    pub fn ireduce_f32(&self, data: Vec<f32>, all: bool, mean: bool, opts: CallOptions) -> Work<Vec<f32>> {
+        let (reply, rx) = mpsc::channel();
+        match self.submit(Request::ReduceF32 { all, mean, data, opts, reply }) {
+            Ok(()) => Work::pending(rx),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    /// Float SUM to the aggregator through quantization (the aggregator's
+    /// `buf` receives it; workers' are unchanged).
+    pub fn reduce_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let out = self.ireduce_f32(buf.to_vec(), false, false, CallOptions::default()).wait()?;
+        if self.cfg.me == Participant::Aggregator {
+            buf.copy_from_slice(&out);
+        }
+        Ok(())
+    }
+
+    /// Float allreduce SUM through quantization; `mean` divides by the
+    /// number of workers.
+    pub fn allreduce_f32(&self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
+        let out = self.ireduce_f32(buf.to_vec(), true, mean, CallOptions::default()).wait()?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Closing the channel stops the thread (a call in progress fails with
+        // `Closed`); the waker makes it notice.
+        self.closing.store(true, Ordering::SeqCst);
+        let (dead_tx, _) = mpsc::channel();
+        let tx = std::mem::replace(&mut self.tx, dead_tx);
+        drop(tx);
+        let _ = self.waker.send(&[0]);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The progress engine
+// ---------------------------------------------------------------------------
+
+struct Contrib {
+    data: Vec<i32>,
+    op: Op,
+    next: usize,
+    nfrags: usize,
+    seq_base: u32,
+}
+
+struct BcastOut {
+    /// Bytes to send (plain broadcast); empty when forwarding results.
+    bytes: Vec<u8>,
+    len_bytes: usize,
+    queue: VecDeque<u32>,
+    overflow: Coverage,
+    dests: u64,
+}
+
+struct BcastIn {
+    root: usize,
+    data: Vec<u8>,
+    cov: Coverage,
+    overflow: bool,
+}
+
+struct Collect {
+    out: Vec<i32>,
+    cov: Coverage,
+    overflow: bool,
+}
+
+struct OpState {
+    name: &'static str,
+    round: u32,
+    contrib: Option<Contrib>,
+    bout: Option<BcastOut>,
+    bin: Option<BcastIn>,
+    collect: Option<Collect>,
+}
+
+struct Stashed {
+    buf: Vec<u8>,
+    from: usize,
+    round: u32,
+}
+
+struct Engine {
+    cfg: CommConfig,
+    sock: UdpSocket,
+    waker: UnixDatagram,
+    me: usize,
+    per: usize,
+    chunk: usize,
+    addrs: Vec<SocketAddrV4>,
+    index: HashMap<SocketAddrV4, usize>,
+    agg_tx: SendWindow,
+    bc_tx: SendWindow,
+    bc_rx: Vec<RecvTracker>,
+    backend: Option<Box<dyn Backend>>,
+    stash: Vec<Stashed>,
+    stash_pool: Vec<Vec<u8>>,
+    rxbuf: Vec<u8>,
+    ackbuf: Vec<u8>,
+    acks_sent: u64,
+    round: u32,
+    agg_seq: u32,
+    round_pub: Arc<AtomicU32>,
+    agg_seq_pub: Arc<AtomicU32>,
+    spare_cov: Vec<Coverage>,
+    closing: Arc<AtomicBool>,
+}
+
+fn random_group_base(g: u32) -> u32 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    let seq = x as u32;
+    seq - seq % g.max(1)
+}
+
+fn tx_to(sock: &UdpSocket, to: SocketAddrV4, b: &[u8]) {
+    // A failed send is a lost datagram; retransmission takes care of it.
+    let _ = sock.send_to(b, to);
+}
+
+impl Engine {
+    fn new(cfg: CommConfig, sock: UdpSocket, waker: UnixDatagram, round_pub: Arc<AtomicU32>, agg_seq_pub: Arc<AtomicU32>, closing: Arc<AtomicBool>) -> Engine {
+        let n = cfg.participants();
+        let addrs: Vec<SocketAddrV4> = (0..n).map(|i| cfg.addr_of(i)).collect();
+        let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
+        let me = cfg.me.index(cfg.workers());
+        let per = elements_per_datagram(cfg.mtu);
+        let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
+        if cfg.backend == BackendKind::Kernel {
+            agg_tx.set_window(cfg.slots as usize);
+        }
+        let bc_tx = SendWindow::new(cfg.reliability, n, random_group_base(cfg.reliability.group_size));
+        let bc_rx = (0..n).map(|_| RecvTracker::new(cfg.reliability)).collect();
+        let backend: Option<Box<dyn Backend>> = match (cfg.me, cfg.backend) {
+            (Participant::Aggregator, BackendKind::Socket) => Some(Box::new(SocketAggregator::new(
+                cfg.peers.clone(),
+                cfg.reliability,
+                cfg.slots as usize,
+                cfg.first_round,
+            ))),
+            (Participant::Aggregator, BackendKind::Kernel) => Some(Box::new(KernelAggregator::new(
+                cfg.peers.clone(),
+                per,
+                cfg.reliability,
+                cfg.first_round,
+                cfg.first_agg_seq,
+            ))),
+            _ => None,
+        };
+        Engine {
+            me,
+            per,
+            chunk: per * 4,
+            addrs,
+            index,
+            agg_tx,
+            bc_tx,
+            bc_rx,
+            backend,
+            stash: Vec::new(),
+            stash_pool: Vec::new(),
+            rxbuf: vec![0u8; 65536],
+            ackbuf: Vec::with_capacity(256),
+            acks_sent: 0,
+            round: cfg.first_round,
+            agg_seq: cfg.first_agg_seq,
+            round_pub,
+            agg_seq_pub,
+            spare_cov: Vec::new(),
+            closing,
+            sock,
+            waker,
+            cfg,
+        }
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Request>) {
+        let now = Instant::now();
+        if let Some(b) = self.backend.as_mut() {
+            b.expect_round(self.round, self.agg_seq, now);
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(req) => self.execute(req),
+                Err(mpsc::TryRecvError::Disconnected) => return,
+                Err(mpsc::TryRecvError::Empty) => {
+                    let now = Instant::now();
+                    let next = self.timers(now, &mut None);
+                    let until = next.unwrap_or(now + Duration::from_millis(100)).min(now + Duration::from_millis(100));
+                    self.wait_and_drain(until, &mut None);
+                }
+            }
+        }
+    }
+
+    fn cov(&mut self, n: usize) -> Coverage {
+        let mut c = self.spare_cov.pop().unwrap_or_default();
+        c.reset(n);
+        c
+    }
+
+    fn execute(&mut self, req: Request) {
+        match req {
+            Request::Bcast { root, data, opts, reply } => {
+                let r = self.broadcast(root, data, opts);
+                let _ = reply.send(r);
+            }
+            Request::Reduce { all, op, data, opts, reply } => {
+                let r = self.reduce(all, op, data, opts);
+                let _ = reply.send(r);
+            }
+            Request::ReduceF32 { all, mean, data, opts, reply } => {
+                let r = self.reduce_f32(all, mean, data, opts);
+                let _ = reply.send(r);
+            }
+        }
+    }
+
+    fn deadline(&self, opts: &CallOptions) -> Instant {
+        Instant::now() + opts.deadline.unwrap_or(self.cfg.deadline)
+    }
+
+    fn new_op(&self, name: &'static str) -> OpState {
+        OpState { name, round: self.round, contrib: None, bout: None, bin: None, collect: None }
+    }
+
+    fn all_but(&self, i: usize) -> u64 {
+        let n = self.cfg.participants();
+        let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        all & !(1u64 << i)
+    }
+
+    fn broadcast(&mut self, root: usize, data: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, CommError> {
+        let deadline = self.deadline(&opts);
+        let mut st = self.new_op("broadcast");
+        let n = fragments(data.len(), self.chunk);
+        if root == self.me {
+            let mut q = VecDeque::with_capacity(n);
+            q.extend(0..n as u32);
+            let ovf = self.cov(0);
+            st.bout = Some(BcastOut { len_bytes: data.len(), bytes: data, queue: q, overflow: ovf, dests: self.all_but(self.me) });
+        } else {
+            let cov = self.cov(n);
+            st.bin = Some(BcastIn { root, data, cov, overflow: false });
+        }
+        let res = self.run_op(&mut st, deadline, opts);
+        let out = st.bout.take().map(|b| b.bytes).or_else(|| st.bin.take().map(|b| b.data)).unwrap_or_default();
+        self.finish_op(&mut st, res.is_err(), 0);
+        res.map(|()| out)
+    }
+
+    fn reduce(&mut self, all: bool, op: Op, data: Vec<i32>, opts: CallOptions) -> Result<ReduceOutput, CommError> {
+        let deadline = self.deadline(&opts);
+        let mut st = self.new_op(if all { "allreduce" } else { "reduce" });
+        let n = fragments(data.len(), self.per);
+        let len = data.len();
+        let is_agg = self.cfg.me == Participant::Aggregator;
+        if is_agg {
+            let cov = self.cov(n);
+            st.collect = Some(Collect { out: data, cov, overflow: false });
+            if all {
+                let ovf = self.cov(n);
+                st.bout = Some(BcastOut { bytes: Vec::new(), len_bytes: len * 4, queue: VecDeque::new(), overflow: ovf, dests: self.all_but(self.me) });
+            }
+        } else {
+            self.agg_tx.set_next_seq(self.agg_seq);
+            st.contrib = Some(Contrib { data, op, next: 0, nfrags: n, seq_base: self.agg_seq });
+            if all {
+                let cov = self.cov(n);
+                st.bin = Some(BcastIn { root: self.cfg.workers() as usize, data: vec![0u8; len * 4], cov, overflow: false });
+            }
+        }
+        let res = self.run_op(&mut st, deadline, opts);
+        let out = if let Some(c) = st.collect.take() {
+            ReduceOutput { values: c.out, has_result: true, overflow: c.overflow }
+        } else {
+            let c = st.contrib.take().map(|c| c.data).unwrap_or_default();
+            match st.bin.take() {
+                Some(b) => {
+                    let mut v = c;
+                    proto::read_i32_be(&b.data, &mut v);
+                    ReduceOutput { values: v, has_result: true, overflow: b.overflow }
+                }
+                None => ReduceOutput { values: c, has_result: false, overflow: false },
+            }
+        };
+        self.finish_op(&mut st, res.is_err(), n);
+        res.map(|()| out)
+    }
+
+    fn reduce_f32(&mut self, all: bool, mean: bool, data: Vec<f32>, opts: CallOptions) -> Result<Vec<f32>, CommError> {
+        let workers = self.cfg.workers();
+        let is_agg = self.cfg.me == Participant::Aggregator;
+        let mut scale = match self.cfg.quantization {
+            Quantization::Fixed(s) | Quantization::FixedOrAdaptive(s) => s,
+            Quantization::Adaptive => self.agree_scale(&data, is_agg, opts)?,
+        };
+        let mut q = Vec::with_capacity(data.len());
+        for attempt in 0..2 {
+            if is_agg {
+                q.clear();
+                q.resize(data.len(), 0);
+            } else {
+                quantize::quantize_into(&data, scale, &mut q).map_err(|e| CommError::Config(e.to_string()))?;
+            }
+            let out = self.reduce(all, Op::Sum, std::mem::take(&mut q), opts)?;
+            if out.has_result && out.overflow {
+                // Everyone who got the result knows; for reduce only the
+                // aggregator does, so only allreduce can rerun in lockstep.
+                if attempt == 0 && all && matches!(self.cfg.quantization, Quantization::FixedOrAdaptive(_)) {
+                    scale = self.agree_scale(&data, is_agg, opts)?;
+                    continue;
+                }
+                return Err(CommError::Overflow { round: self.round.wrapping_sub(1), scale });
+            }
+            if !out.has_result {
+                return Ok(data);
+            }
+            let div = if mean { scale * workers as f64 } else { scale };
+            let mut res = vec![0f32; data.len()];
+            quantize::dequantize_into(&out.values, div, &mut res);
+            return Ok(res);
+        }
+        Err(CommError::Overflow { round: self.round.wrapping_sub(1), scale })
+    }
+
+    /// One-element MAX allreduce of max|x| (as float bits) → the adaptive scale.
+    fn agree_scale(&mut self, data: &[f32], is_agg: bool, opts: CallOptions) -> Result<f64, CommError> {
+        let m = if is_agg { 0.0 } else { quantize::max_abs(data).map_err(|e| CommError::Config(e.to_string()))? };
+        let out = self.reduce(true, Op::Max, vec![m.to_bits() as i32], opts)?;
+        let agreed = f32::from_bits(out.values[0] as u32);
+        Ok(quantize::adaptive_scale(agreed, self.cfg.workers()))
+    }
+
+    fn finish_op(&mut self, st: &mut OpState, failed: bool, nfrags: usize) {
+        if failed {
+            self.agg_tx.forget_all();
+            self.bc_tx.forget_all();
+        }
+        for c in [st.bin.take().map(|b| b.cov), st.collect.take().map(|c| c.cov), st.bout.take().map(|b| b.overflow)].into_iter().flatten() {
+            self.spare_cov.push(c);
+        }
+        self.round = self.round.wrapping_add(1);
+        self.agg_seq = self.agg_seq.wrapping_add(nfrags as u32);
+        self.round_pub.store(self.round, Ordering::SeqCst);
+        self.agg_seq_pub.store(self.agg_seq, Ordering::SeqCst);
+        let now = Instant::now();
+        if let Some(b) = self.backend.as_mut() {
+            b.expect_round(self.round, self.agg_seq, now);
+        }
+        let r = self.round;
+        let pool = &mut self.stash_pool;
+        self.stash.retain_mut(|s| {
+            let keep = (s.round.wrapping_sub(r) as i32) >= 0;
+            if !keep {
+                pool.push(std::mem::take(&mut s.buf));
+            }
+            keep
+        });
+    }
+
+    fn run_op(&mut self, st: &mut OpState, deadline: Instant, opts: CallOptions) -> Result<(), CommError> {
+        // Data that arrived before the call started.
+        let stash = std::mem::take(&mut self.stash);
+        let mut keep = Vec::new();
+        let mut op = Some(&mut *st);
+        for s in stash {
+            if s.round == st_round(&op) {
+                if let Some(o) = op.as_deref_mut() {
+                    self.deliver_bcast(o, s.from, &s.buf);
+                }
+                self.stash_pool.push(s.buf);
+            } else {
+                keep.push(s);
+            }
+        }
+        self.stash = keep;
+        self.drain_completed(st);
+        loop {
+            let now = Instant::now();
+            self.pump(st, now);
+            if self.is_done(st) {
+                return Ok(());
+            }
+            if now >= deadline {
+                return Err(self.timeout_error(st, opts));
+            }
+            if self.closing.load(Ordering::SeqCst) {
+                return Err(CommError::Closed);
+            }
+            let mut op = Some(&mut *st);
+            let next = self.timers(now, &mut op);
+            let until = next.map_or(deadline, |n| n.min(deadline));
+            self.wait_and_drain(until, &mut op);
+        }
+    }
+
+    fn is_done(&mut self, st: &mut OpState) -> bool {
+        if let Some(b) = &st.bin {
+            if !b.cov.is_complete() {
+                return false;
+            }
+            if st.contrib.is_some() {
+                // allreduce worker: the result proves every contribution arrived.
+                self.agg_tx.forget_all();
+                return true;
+            }
+        }
+        if let Some(c) = &st.contrib {
+            if c.next < c.nfrags || !self.agg_tx.is_idle() {
+                return false;
+            }
+        }
+        if let Some(c) = &st.collect {
+            if !c.cov.is_complete() {
+                return false;
+            }
+        }
+        if let Some(b) = &st.bout {
+            let total = fragments(b.len_bytes, self.chunk);
+            let sent_all = if st.collect.is_some() { st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) && b.queue.is_empty() } else { b.queue.is_empty() && total == total };
+            if !sent_all || !self.bc_tx.is_idle() {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn timeout_error(&mut self, st: &mut OpState, opts: CallOptions) -> CommError {
+        let workers = self.cfg.workers();
+        let mut missing: Vec<Peer> = Vec::new();
+        let mut missing_known = true;
+        let (mut arrived, mut expected) = (0usize, 0usize);
+        let mut partial = None;
+        let mut what = String::new();
+        if let Some(c) = &st.contrib {
+            if st.bin.is_none() && (c.next < c.nfrags || !self.agg_tx.is_idle()) {
+                missing.push(Peer::Aggregator);
+                arrived = c.nfrags - self.agg_tx.in_flight().min(c.nfrags) - (c.nfrags - c.next);
+                expected = c.nfrags;
+                what = "contribution fragments acknowledged".into();
+            }
+        }
+        if let Some(b) = &st.bin {
+            if !b.cov.is_complete() {
+                missing.push(index_peer(b.root, workers));
+                arrived = b.cov.have();
+                expected = b.cov.total();
+                what = "fragments received".into();
+            }
+        }
+        if let Some(c) = &st.collect {
+            if !c.cov.is_complete() {
+                arrived = c.cov.have();
+                expected = c.cov.total();
+                what = "fragments reduced".into();
+                let mut seen_missing = vec![false; workers as usize];
+                let mut contributors = vec![workers; c.cov.total()];
+                let mut values = if opts.partial { Some(c.out.clone()) } else { None };
+                if let Some(be) = self.backend.as_ref() {
+                    for i in c.cov.missing() {
+                        let off = (i * self.per) as u32;
+                        let fs = be.fragment_state(st.round, off);
+                        match &fs.contributors {
+                            Some(ranks) => {
+                                contributors[i] = ranks.len() as u16;
+                                for r in 0..workers {
+                                    if !ranks.contains(&r) {
+                                        seen_missing[r as usize] = true;
+                                    }
+                                }
+                            }
+                            None => {
+                                missing_known = false;
+                                contributors[i] = 0;
+                            }
+                        }
+                        if let Some(v) = values.as_mut() {
+                            let range = fragment_range(i, v.len(), self.per);
+                            match &fs.partial {
+                                Some(p) if p.len() == range.len() => v[range].copy_from_slice(p),
+                                _ => v[range].fill(0),
+                            }
+                        }
+                    }
+                }
+                missing.extend((0..workers).filter(|&r| seen_missing[r as usize]).map(Peer::Rank));
+                if let Some(values) = values {
+                    partial = Some(Partial { values, contributors, per_fragment: self.per });
+                }
+            }
+        }
+        if let Some(_b) = &st.bout {
+            let pend = self.bc_tx.unacked_dests();
+            if pend != 0 || st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) {
+                for i in 0..self.cfg.participants() {
+                    if pend & (1 << i) != 0 {
+                        let p = index_peer(i, workers);
+                        if !missing.contains(&p) {
+                            missing.push(p);
+                        }
+                    }
+                }
+                if what.is_empty() {
+                    what = "broadcast fragments acknowledged by everyone".into();
+                    let total = fragments(st.bout.as_ref().map_or(0, |b| b.len_bytes), self.chunk);
+                    expected = total;
+                    arrived = total - self.bc_tx.in_flight().min(total) - st.bout.as_ref().map_or(0, |b| b.queue.len()).min(total);
+                }
+            }
+        }
+        CommError::Timeout(Box::new(TimeoutInfo {
+            op: st.name,
+            round: st.round,
+            missing,
+            missing_known,
+            arrived,
+            expected,
+            what,
+            partial,
+        }))
+    }
+
+    /// Sends new datagrams while the windows allow.
+    fn pump(&mut self, st: &mut OpState, now: Instant) {
+        let job = self.cfg.job;
+        if let Some(c) = st.contrib.as_mut() {
+            let rank = match self.cfg.me {
+                Participant::Worker(r) => r,
+                Participant::Aggregator => abi::RESULT_RANK,
+            };
+            let target = self.cfg.contrib_target();
+            let sock = &self.sock;
+            while c.next < c.nfrags && self.agg_tx.can_send() {
+                let r = fragment_range(c.next, c.data.len(), self.per);
+                let mut hdr = AggHeader {
+                    job,
+                    rank,
+                    seq: 0,
+                    round: st.round,
+                    frag_off: r.start as u32,
+                    op: c.op,
+                    flags: if c.next + 1 == c.nfrags { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+                    count: r.len() as u16,
+                };
+                let payload = &c.data[r];
+                let res = self.agg_tx.send(1, now, |seq, buf| {
+                    hdr.seq = seq;
+                    proto::encode_agg_into(&hdr, payload, buf)
+                }, &mut |_, b| tx_to(sock, target, b));
+                debug_assert!(res.map_or(true, |s| s == c.seq_base.wrapping_add(c.next as u32)));
+                c.next += 1;
+            }
+        }
+        if let Some(b) = st.bout.as_mut() {
+            let sock = &self.sock;
+            let addrs = &self.addrs;
+            let total = fragments(b.len_bytes, self.chunk);
+            while self.bc_tx.can_send() {
+                let Some(&i) = b.queue.front() else { break };
+                let i = i as usize;
+                let start = i * self.chunk;
+                let end = (start + self.chunk).min(b.len_bytes);
+                let ovf = if b.overflow.contains(i) { SUBHDR_OVERFLOW } else { 0 };
+                let mask = (b.dests & 0xffff_ffff) as u32;
+                let hdr = BcastHeader { mask, seq: 0, group: job, flags: 0, hops: 0 };
+                let round = st.round;
+                let (bytes, ints) = match st.collect.as_ref() {
+                    Some(c) => (&[][..], Some(&c.out[start / 4..end / 4])),
+                    None => (&b.bytes[start..end], None),
+                };
+                let _ = self.bc_tx.send::<()>(b.dests, now, |seq, buf| {
+                    let h = BcastHeader { seq, ..hdr };
+                    buf.extend_from_slice(&proto::bcast_header_bytes(&h));
+                    buf.extend_from_slice(&round.to_be_bytes());
+                    buf.extend_from_slice(&((start as u32) | ovf).to_be_bytes());
+                    match ints {
+                        Some(v) => proto::write_i32_be(v, buf),
+                        None => buf.extend_from_slice(bytes),
+                    }
+                    Ok(())
+                }, &mut |d, bytes| tx_to(sock, addrs[d], bytes));
+                let _ = total;
+                b.queue.pop_front();
+            }
+        }
+    }
+
+    /// Retransmission and ACK timers; returns the next due time.
+    fn timers(&mut self, now: Instant, _op: &mut Option<&mut OpState>) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut merge = |t: Option<Instant>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n: Instant| n.min(t)));
+            }
+        };
+        let sock = &self.sock;
+        let target = self.cfg.contrib_target();
+        merge(self.agg_tx.poll(now, &mut |_, b| tx_to(sock, target, b)));
+        let addrs = &self.addrs;
+        merge(self.bc_tx.poll(now, &mut |d, b| tx_to(sock, addrs[d], b)));
+        let (job, me) = (self.cfg.job, self.me as u16);
+        let ackbuf = &mut self.ackbuf;
+        for (i, t) in self.bc_rx.iter_mut().enumerate() {
+            merge(t.poll(now, &mut |bm| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, addrs[i])));
+        }
+        if let Some(b) = self.backend.as_mut() {
+            let mut io = AckIo { sock, buf: ackbuf, job, sent: &mut self.acks_sent };
+            merge(b.poll(now, &mut io));
+        }
+        next
+    }
+
+    /// Waits for a datagram (or a new request) until `until`, then handles
+    /// everything queued on the socket.
+    fn wait_and_drain(&mut self, until: Instant, op: &mut Option<&mut OpState>) {
+        let now = Instant::now();
+        let wait = until.saturating_duration_since(now);
+        let mut fds = [
+            libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.waker.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        let nfds = 2;
+        // SAFETY: fds and ts are valid for the call.
+        unsafe {
+            libc::ppoll(fds.as_mut_ptr(), nfds, &ts, std::ptr::null());
+        }
+        if fds[1].revents != 0 {
+            let mut b = [0u8; 64];
+            while self.waker.recv(&mut b).is_ok() {}
+        }
+        let mut buf = std::mem::take(&mut self.rxbuf);
+        for _ in 0..4096 {
+            match self.sock.recv_from(&mut buf) {
+                Ok((len, std::net::SocketAddr::V4(from))) => {
+                    self.handle(&buf[..len], from, op);
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => break, // e.g. ICMP port unreachable reported on a later recv
+            }
+        }
+        self.rxbuf = buf;
+        if let Some(st) = op.as_deref_mut() {
+            self.drain_completed(st);
+        }
+    }
+
+    fn handle(&mut self, d: &[u8], from: SocketAddrV4, op: &mut Option<&mut OpState>) {
+        let now = Instant::now();
+        match proto::classify(d) {
+            Some(MessageKind::Ack) => {
+                let Ok(a) = AckMessage::decode(d) else { return };
+                if a.id != self.cfg.job {
+                    return;
+                }
+                let sock = &self.sock;
+                match a.kind {
+                    AckKind::Aggregation => {
+                        if self.cfg.me == Participant::Worker(a.rank) {
+                            let target = self.cfg.contrib_target();
+                            self.agg_tx.on_ack(0, &a.bitmap, now, &mut |_, b| tx_to(sock, target, b));
+                        }
+                    }
+                    AckKind::Broadcast => {
+                        let dest = a.rank as usize;
+                        if dest < self.addrs.len() && self.addrs[dest] == from {
+                            let addrs = &self.addrs;
+                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| tx_to(sock, addrs[d], b));
+                        }
+                    }
+                }
+            }
+            Some(MessageKind::Bcast) => {
+                let Ok((h, payload)) = proto::split_bcast(d) else { return };
+                if h.group != self.cfg.job || payload.len() < BCAST_SUBHDR {
+                    return;
+                }
+                let Some(&idx) = self.index.get(&from) else { return };
+                if idx == self.me {
+                    return;
+                }
+                let round = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                let (job, me) = (self.cfg.job, self.me as u16);
+                let sock = &self.sock;
+                let ackbuf = &mut self.ackbuf;
+                let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
+                match self.bc_rx[idx].check(h.seq) {
+                    Verdict::Duplicate => self.bc_rx[idx].reack(h.seq, &mut emit),
+                    Verdict::New => {
+                        let cur = op.as_ref().map_or(self.round, |o| o.round);
+                        let wanted = op.as_ref().is_some_and(|o| o.round == round && o.bin.as_ref().is_some_and(|b| b.root == idx));
+                        let last;
+                        if wanted {
+                            let o = op.as_deref_mut().expect("wanted implies an op");
+                            last = self.deliver_bcast(o, idx, payload);
+                        } else if (round.wrapping_sub(cur) as i32) > 0 || (op.is_none() && round == cur) {
+                            // Early data of a later call: keep it (and ACK it) if there is room.
+                            if self.stash.len() >= self.cfg.stash_limit {
+                                return;
+                            }
+                            let mut b = self.stash_pool.pop().unwrap_or_default();
+                            b.clear();
+                            b.extend_from_slice(payload);
+                            self.stash.push(Stashed { buf: b, from: idx, round });
+                            last = false;
+                        } else {
+                            last = false; // old or unexpected: acknowledge and drop
+                        }
+                        let sock = &self.sock;
+                        let ackbuf = &mut self.ackbuf;
+                        let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
+                        self.bc_rx[idx].record(h.seq, last, now, &mut emit);
+                    }
+                }
+            }
+            Some(MessageKind::Agg) => {
+                let Some(b) = self.backend.as_mut() else { return };
+                let Ok((h, payload)) = proto::split_agg(d) else { return };
+                if h.job != self.cfg.job {
+                    return;
+                }
+                let mut io = AckIo { sock: &self.sock, buf: &mut self.ackbuf, job: self.cfg.job, sent: &mut self.acks_sent };
+                b.on_agg(&h, payload, from, now, &mut io);
+            }
+            None => {}
+        }
+    }
+
+    /// Places one broadcast fragment (payload after the AGB1 header) into the
+    /// receiving call; returns whether it completed the message.
+    fn deliver_bcast(&mut self, st: &mut OpState, from: usize, payload: &[u8]) -> bool {
+        let Some(b) = st.bin.as_mut() else { return false };
+        if b.root != from || payload.len() < BCAST_SUBHDR {
+            return false;
+        }
+        let raw = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+        let off = (raw & !SUBHDR_OVERFLOW) as usize;
+        let data = &payload[BCAST_SUBHDR..];
+        if off % self.chunk != 0 || off + data.len() > b.data.len() {
+            return false;
+        }
+        let i = off / self.chunk;
+        let expect = fragment_range(i, b.data.len(), self.chunk).len();
+        if data.len() != expect {
+            return false;
+        }
+        if b.cov.insert(i) {
+            b.data[off..off + data.len()].copy_from_slice(data);
+            b.overflow |= raw & SUBHDR_OVERFLOW != 0;
+            if let Some(c) = st.contrib.as_ref() {
+                // allreduce: the result of fragment i acknowledges our contribution to it.
+                self.agg_tx.ack_seq(0, c.seq_base.wrapping_add(i as u32));
+            }
+        }
+        b.cov.is_complete()
+    }
+
+    /// Moves completed fragments of the collecting call into its output
+    /// (and, for allreduce, queues them for broadcast).
+    fn drain_completed(&mut self, st: &mut OpState) {
+        let Some(c) = st.collect.as_mut() else { return };
+        let Some(be) = self.backend.as_mut() else { return };
+        let per = self.per;
+        let bout = st.bout.as_mut();
+        let mut queue = bout;
+        be.take_completed(st.round, &mut |done| {
+            let off = done.frag_off as usize;
+            if off % per != 0 {
+                return;
+            }
+            let i = off / per;
+            let range = fragment_range(i, c.out.len(), per);
+            if range.len() != done.values.len() || !c.cov.insert(i) {
+                return;
+            }
+            c.out[range].copy_from_slice(done.values);
+            c.overflow |= done.overflow;
+            if let Some(b) = queue.as_deref_mut() {
+                if done.overflow {
+                    b.overflow.insert(i);
+                }
+                b.queue.push_back(i as u32);
+            }
+        });
+    }
+}
+
+fn st_round(op: &Option<&mut OpState>) -> u32 {
+    op.as_ref().map_or(0, |o| o.round)
+}
+
+fn index_peer(i: usize, workers: u16) -> Peer {
+    if i < workers as usize {
+        Peer::Rank(i as u16)
+    } else {
+        Peer::Aggregator
+    }
+}
+
+#[allow(dead_code)]
+fn participant_peer(p: Participant) -> Peer {
+    p.peer()
+}

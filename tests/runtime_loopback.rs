@@ -1,0 +1,263 @@
+//! Runtime over loopback (no root needed): socket backend broadcast, reduce
+//! and allreduce of several sizes, non-blocking handles, float allreduce, and
+//! a participant that never answers.
+
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::time::{Duration, Instant};
+
+use aggbox::abi::Op;
+use aggbox::config::AckMode;
+use aggbox::reducer;
+use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization};
+use aggbox::tools::pattern_vector;
+
+const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let socks: Vec<UdpSocket> = (0..n).map(|_| UdpSocket::bind((LO, 0)).unwrap()).collect();
+    socks.iter().map(|s| s.local_addr().unwrap().port()).collect()
+}
+
+struct Job {
+    agg: Communicator,
+    workers: Vec<Communicator>,
+}
+
+fn job(n: usize, tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Job {
+    let ports = free_ports(n + 1);
+    let peers: Vec<SocketAddrV4> = ports[1..].iter().map(|&p| SocketAddrV4::new(LO, p)).collect();
+    let b = |me| tweak(Communicator::builder(7, peers.clone(), LO, ports[0], me).deadline(Duration::from_secs(10)));
+    let agg = b(Participant::Aggregator).build().unwrap();
+    let workers = (0..n).map(|r| b(Participant::Worker(r as u16)).build().unwrap()).collect();
+    Job { agg, workers }
+}
+
+fn expected(op: Op, n: usize, len: usize) -> Vec<i32> {
+    let v: Vec<Vec<i32>> = (0..n).map(|r| pattern_vector(r as u16, len as u32)).collect();
+    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
+    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
+}
+
+fn run_allreduce(j: &Job, op: Op, len: usize) {
+    let want = expected(op, j.workers.len(), len);
+    std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let mut out = vec![0i32; len];
+            j.agg.allreduce_i32(&mut out, op).unwrap();
+            out
+        });
+        let hs: Vec<_> = j
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(r, w)| {
+                s.spawn(move || {
+                    let mut v = pattern_vector(r as u16, len as u32);
+                    w.allreduce_i32(&mut v, op).unwrap();
+                    v
+                })
+            })
+            .collect();
+        assert_eq!(a.join().unwrap(), want, "aggregator, len {len}");
+        for h in hs {
+            assert_eq!(h.join().unwrap(), want, "worker, len {len}");
+        }
+    });
+}
+
+#[test]
+fn runtime_loopback_allreduce_sizes_and_ops() {
+    let j = job(3, |b| b);
+    for len in [1usize, 361, 362, 363, 5000, 100_000] {
+        run_allreduce(&j, Op::Sum, len);
+    }
+    for op in [Op::Max, Op::Min, Op::Count, Op::Bxor] {
+        run_allreduce(&j, op, 1000);
+    }
+}
+
+#[test]
+fn runtime_loopback_packet_mode_small_window() {
+    let j = job(2, |b| b.ack_mode(AckMode::Packet).window(8).group_size(64));
+    for len in [1usize, 2000, 30_000] {
+        run_allreduce(&j, Op::Sum, len);
+    }
+}
+
+#[test]
+fn runtime_loopback_reduce_and_broadcast() {
+    let j = job(3, |b| b);
+    let len = 50_000;
+    let want = expected(Op::Sum, 3, len);
+    std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let mut out = vec![0i32; len];
+            j.agg.reduce_i32(&mut out, Op::Sum).unwrap();
+            out
+        });
+        for (r, w) in j.workers.iter().enumerate() {
+            s.spawn(move || {
+                let mut v = pattern_vector(r as u16, len as u32);
+                let before = v.clone();
+                w.reduce_i32(&mut v, Op::Sum).unwrap();
+                assert_eq!(v, before, "a worker's buffer is its contribution");
+            });
+        }
+        assert_eq!(a.join().unwrap(), want);
+    });
+    // Broadcast from a worker and from the aggregator, bytes of odd length.
+    for root in [Participant::Worker(1), Participant::Aggregator] {
+        let msg: Vec<u8> = (0..123_457u32).map(|i| (i * 7 + 3) as u8).collect();
+        std::thread::scope(|s| {
+            let all: Vec<&Communicator> = std::iter::once(&j.agg).chain(j.workers.iter()).collect();
+            let hs: Vec<_> = all
+                .into_iter()
+                .map(|c| {
+                    let msg = msg.clone();
+                    s.spawn(move || {
+                        let mut buf = if c.participant() == root { msg } else { vec![0u8; 123_457] };
+                        c.broadcast(&mut buf, root).unwrap();
+                        buf
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap(), msg);
+            }
+        });
+    }
+}
+
+#[test]
+fn runtime_loopback_nonblocking_and_f32() {
+    let j = job(2, |b| b.quantization(Quantization::Adaptive));
+    // Two allreduces in flight at once, completed in order.
+    let len = 20_000;
+    let w1: Vec<_> = (0..2).map(|r| j.workers[r].ireduce_i32(pattern_vector(r as u16, len as u32), Op::Sum, true, CallOptions::default())).collect();
+    let w2: Vec<_> = (0..2).map(|r| j.workers[r].ireduce_i32(vec![r as i32 + 1; len], Op::Max, true, CallOptions::default())).collect();
+    let a1 = j.agg.ireduce_i32(vec![0; len], Op::Sum, true, CallOptions::default());
+    let a2 = j.agg.ireduce_i32(vec![0; len], Op::Max, true, CallOptions::default());
+    let t0 = Instant::now();
+    while !a2.is_completed() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(a1.is_completed(), "issue order");
+    let want = expected(Op::Sum, 2, len);
+    assert_eq!(a1.wait().unwrap().values, want);
+    assert_eq!(a2.wait().unwrap().values, vec![2; len]);
+    for w in w1 {
+        assert_eq!(w.wait().unwrap().values, want);
+    }
+    for w in w2 {
+        assert_eq!(w.wait().unwrap().values, vec![2; len]);
+    }
+    // Float allreduce through adaptive quantization vs f64.
+    let xs: Vec<Vec<f32>> = (0..2).map(|r| (0..len).map(|i| ((i as f32 * 0.37 + r as f32).sin() * 3.0)).collect()).collect();
+    let outs = std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let mut o = vec![0f32; len];
+            j.agg.allreduce_f32(&mut o, false).unwrap();
+            o
+        });
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let x = xs[r].clone();
+                let w = &j.workers[r];
+                s.spawn(move || {
+                    let mut x = x;
+                    w.allreduce_f32(&mut x, false).unwrap();
+                    x
+                })
+            })
+            .collect();
+        let mut v = vec![a.join().unwrap()];
+        v.extend(hs.into_iter().map(|h| h.join().unwrap()));
+        v
+    });
+    for o in &outs {
+        assert_eq!(o, &outs[0], "everyone gets the same floats");
+    }
+    for i in 0..len {
+        let exact = xs[0][i] as f64 + xs[1][i] as f64;
+        assert!((outs[0][i] as f64 - exact).abs() < 1e-6, "{i}: {} vs {exact}", outs[0][i]);
+    }
+}
+
+#[test]
+fn runtime_loopback_fixed_scale_overflow_is_an_error() {
+    let j = job(2, |b| b.quantization(Quantization::Fixed(1e8)));
+    let len = 100;
+    let errs = std::thread::scope(|s| {
+        let a = s.spawn(|| j.agg.allreduce_f32(&mut vec![0f32; len], false));
+        let hs: Vec<_> = j.workers.iter().map(|w| s.spawn(move || w.allreduce_f32(&mut vec![15.0f32; len], false))).collect();
+        let mut v = vec![a.join().unwrap()];
+        v.extend(hs.into_iter().map(|h| h.join().unwrap()));
+        v
+    });
+    for e in errs {
+        assert!(matches!(e, Err(CommError::Overflow { .. })), "{e:?}");
+    }
+    // FixedOrAdaptive reruns at a safe scale instead.
+    let j = job(2, |b| b.quantization(Quantization::FixedOrAdaptive(1e8)));
+    let outs = std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let mut o = vec![0f32; len];
+            j.agg.allreduce_f32(&mut o, false).map(|_| o)
+        });
+        let hs: Vec<_> = j.workers.iter().map(|w| s.spawn(move || {
+            let mut x = vec![15.0f32; len];
+            w.allreduce_f32(&mut x, false).map(|_| x)
+        })).collect();
+        let mut v = vec![a.join().unwrap()];
+        v.extend(hs.into_iter().map(|h| h.join().unwrap()));
+        v
+    });
+    for o in outs {
+        assert_eq!(o.unwrap(), vec![30.0f32; len]);
+    }
+}
+
+#[test]
+fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
+    let j = job(3, |b| b);
+    let len = 3000;
+    let opts = CallOptions { deadline: Some(Duration::from_millis(800)), partial: true };
+    // Rank 2 does not take part in this call.
+    let t0 = Instant::now();
+    let (agg_res, w_res) = std::thread::scope(|s| {
+        let a = s.spawn(|| j.agg.ireduce_i32(vec![0; len], Op::Sum, true, opts).wait());
+        let hs: Vec<_> = (0..2).map(|r| {
+            let w = &j.workers[r];
+            s.spawn(move || w.ireduce_i32(pattern_vector(r as u16, len as u32), Op::Sum, true, opts).wait())
+        }).collect();
+        (a.join().unwrap(), hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>())
+    });
+    let el = t0.elapsed();
+    assert!(el < Duration::from_secs(3), "{el:?}");
+    let e = agg_res.unwrap_err();
+    let t = e.timeout().expect("timeout");
+    assert_eq!(t.missing, vec![Peer::Rank(2)], "{e}");
+    let p = t.partial.as_ref().expect("partial asked for");
+    assert!(p.contributors.iter().all(|&c| c == 2), "{:?}", p.contributors);
+    let want01 = expected(Op::Sum, 2, len);
+    assert_eq!(p.values, want01, "partial = sum of ranks 0 and 1");
+    eprintln!("aggregator: {e}");
+    for r in w_res {
+        let e = r.unwrap_err();
+        eprintln!("worker: {e}");
+        assert_eq!(e.timeout().unwrap().missing, vec![Peer::Aggregator]);
+    }
+    // Rank 2 skipped a call: it is replaced by a new communicator that
+    // resumes at the survivors' position (or it could call and fail itself).
+    let (round, seq) = j.workers[0].position();
+    let peers = j.workers.iter().map(|w| w.config().peers.clone()).next().unwrap();
+    let cfg = j.workers[2].config().clone();
+    let Job { agg, mut workers } = j;
+    workers.pop();
+    let r2 = CommunicatorBuilder::new(cfg.job, peers, cfg.aggregator, cfg.job_port, Participant::Worker(2)).resume(round, seq).build().unwrap();
+    workers.push(r2);
+    let j = Job { agg, workers };
+    run_allreduce(&j, Op::Sum, len);
+    run_allreduce(&j, Op::Sum, 10);
+}

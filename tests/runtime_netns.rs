@@ -1,0 +1,363 @@
+//! Runtime over a netns testbed with loss, bursts, reordering and duplication
+//! (a random-drop / duplicate cls_bpf program on the switch namespace's
+//! ports, since this kernel has no netem), socket backend: every receiver
+//! gets every byte exactly once and in order, every reduction equals the
+//! reference reducer's, within a bounded time. Also a peer killed mid-call.
+//!
+//! Needs root (skipped with a message otherwise). Host 0 is the aggregator,
+//! hosts 1..=3 are workers 0..=2.
+
+use std::net::SocketAddrV4;
+use std::time::{Duration, Instant};
+
+use aggbox::abi::Op;
+use aggbox::reducer;
+use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer};
+use aggbox::testbed::{Testbed, TestbedConfig};
+use aggbox::tools::pattern_vector;
+
+const WORKERS: usize = 3;
+const JOB_PORT: u16 = 7400;
+const DATA_PORT: u16 = 7500;
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+struct Bed {
+    tb: Testbed,
+    agg: Option<Communicator>,
+    workers: Vec<Option<Communicator>>,
+}
+
+impl Bed {
+    fn up(tweak: fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Bed {
+        let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
+        let mut bed = Bed { tb, agg: None, workers: Vec::new() };
+        let agg = bed.build(Participant::Aggregator, tweak, None);
+        bed.agg = Some(agg);
+        for r in 0..WORKERS {
+            let w = bed.build(Participant::Worker(r as u16), tweak, None);
+            bed.workers.push(Some(w));
+        }
+        bed
+    }
+
+    fn peers(&self) -> Vec<SocketAddrV4> {
+        (1..=WORKERS).map(|h| SocketAddrV4::new(self.tb.host(h).addr, DATA_PORT)).collect()
+    }
+
+    fn build(&self, me: Participant, tweak: fn(CommunicatorBuilder) -> CommunicatorBuilder, resume: Option<(u32, u32)>) -> Communicator {
+        let host = match me {
+            Participant::Aggregator => 0,
+            Participant::Worker(r) => r as usize + 1,
+        };
+        let mut b = Communicator::builder(1, self.peers(), self.tb.host(0).addr, JOB_PORT, me).deadline(Duration::from_secs(20));
+        if let Some((round, seq)) = resume {
+            b = b.resume(round, seq);
+        }
+        let b = tweak(b);
+        self.tb.in_host(host, move || b.build()).expect("netns").expect("build")
+    }
+
+    fn all(&self) -> Vec<&Communicator> {
+        std::iter::once(self.agg.as_ref().unwrap()).chain(self.workers.iter().flatten()).collect()
+    }
+
+    /// Random loss and duplication on every switch port's egress (netem is
+    /// not built into this kernel; cls_bpf is): `loss` and `dup` are
+    /// probabilities per datagram in [0, 0.5).
+    fn impair(&self, loss: f64, dup: f64) {
+        for i in 0..=WORKERS {
+            let port = self.tb.switch_port(i);
+            self.tb_switch(move || impair::set(&port, loss, dup));
+        }
+    }
+
+    fn clear(&self) {
+        self.impair(0.0, 0.0);
+    }
+
+    fn tb_switch(&self, f: impl FnOnce() + Send) {
+        aggbox::testbed::in_netns(&self.tb.switch_netns(), f).expect("switch netns");
+    }
+}
+
+/// A hand-assembled TC (cls_bpf, direct-action) program: drop with
+/// probability `loss`, else clone the packet to the same port's egress
+/// (a duplicate) with probability `dup`.
+mod impair {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Insn {
+        code: u8,
+        regs: u8,
+        off: i16,
+        imm: i32,
+    }
+
+    const fn ins(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+        Insn { code, regs: (src << 4) | dst, off, imm }
+    }
+
+    #[repr(C)]
+    struct ProgLoadAttr {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        pad: [u8; 128],
+    }
+
+    fn threshold(p: f64) -> i32 {
+        (p.clamp(0.0, 0.4999) * 4_294_967_296.0) as i32
+    }
+
+    fn load(ifindex: u32, loss: f64, dup: f64) -> OwnedFd {
+        let prog = [
+            ins(0xbf, 6, 1, 0, 0),                 // r6 = r1 (skb)
+            ins(0x85, 0, 0, 0, 7),                 // call get_prandom_u32
+            ins(0xa5, 0, 0, 1, threshold(loss)),   // if r0 < T_loss (unsigned) goto drop
+            ins(0x05, 0, 0, 2, 0),                 // goto dup
+            ins(0xb7, 0, 0, 0, 2),                 // drop: r0 = TC_ACT_SHOT
+            ins(0x95, 0, 0, 0, 0),                 // exit
+            ins(0x85, 0, 0, 0, 7),                 // dup: call get_prandom_u32
+            ins(0xa5, 0, 0, 1, threshold(dup)),    // if r0 < T_dup goto clone
+            ins(0x05, 0, 0, 4, 0),                 // goto pass
+            ins(0xbf, 1, 6, 0, 0),                 // clone: r1 = skb
+            ins(0xb7, 2, 0, 0, ifindex as i32),    // r2 = ifindex
+            ins(0xb7, 3, 0, 0, 0),                 // r3 = 0 (egress)
+            ins(0x85, 0, 0, 0, 13),                // call clone_redirect
+            ins(0xb7, 0, 0, 0, 0),                 // pass: r0 = TC_ACT_OK
+            ins(0x95, 0, 0, 0, 0),                 // exit
+        ];
+        let license = b"GPL\0";
+        let mut log = vec![0u8; 65536];
+        let attr = ProgLoadAttr {
+            prog_type: 3, // BPF_PROG_TYPE_SCHED_CLS
+            insn_cnt: prog.len() as u32,
+            insns: prog.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            log_level: 1,
+            log_size: log.len() as u32,
+            log_buf: log.as_mut_ptr() as u64,
+            kern_version: 0,
+            prog_flags: 0,
+            pad: [0; 128],
+        };
+        // SAFETY: attr points at live buffers for the duration of the call.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, 5 /* BPF_PROG_LOAD */, &attr as *const _ as usize, std::mem::size_of::<ProgLoadAttr>()) };
+        assert!(fd >= 0, "BPF_PROG_LOAD: {} {}", std::io::Error::last_os_error(), String::from_utf8_lossy(&log).trim_end_matches('\0'));
+        // SAFETY: a fresh fd we own.
+        unsafe { OwnedFd::from_raw_fd(fd as i32) }
+    }
+
+    /// Runs in the switch namespace: replaces port's impairment.
+    pub fn set(port: &str, loss: f64, dup: f64) {
+        let _ = std::process::Command::new("tc").args(["qdisc", "del", "dev", port, "clsact"]).output();
+        if loss <= 0.0 && dup <= 0.0 {
+            return;
+        }
+        let name = std::ffi::CString::new(port).unwrap();
+        // SAFETY: valid C string.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert!(ifindex > 0, "no interface {port}");
+        let fd = load(ifindex, loss, dup);
+        let mut b = libbpf_rs::TcHookBuilder::new(fd.as_fd());
+        b.ifindex(ifindex as i32).replace(true).handle(1).priority(1);
+        let mut hook = b.hook(libbpf_rs::TC_EGRESS);
+        hook.create().ok();
+        hook.attach().expect("attach impairment");
+    }
+}
+
+fn expected(op: Op, len: usize) -> Vec<i32> {
+    let v: Vec<Vec<i32>> = (0..WORKERS).map(|r| pattern_vector(r as u16, len as u32)).collect();
+    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
+    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
+}
+
+fn allreduce(bed: &Bed, len: usize, all: bool) {
+    let want = expected(Op::Sum, len);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut v = match c.rank() {
+                        Some(r) => pattern_vector(r, len as u32),
+                        None => vec![0; len],
+                    };
+                    let r = if all { c.allreduce_i32(&mut v, Op::Sum) } else { c.reduce_i32(&mut v, Op::Sum) };
+                    r.unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
+                    (c.participant(), v)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (p, v) = h.join().unwrap();
+            if all || p == Participant::Aggregator {
+                assert!(v == want, "{p:?} len {len}: result differs from the reference reducer");
+            }
+        }
+    });
+}
+
+fn broadcast(bed: &Bed, len: usize, root: Participant) {
+    let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .map(|c| {
+                let msg = msg.clone();
+                s.spawn(move || {
+                    let mut buf = if c.participant() == root { msg } else { vec![0u8; len] };
+                    c.broadcast(&mut buf, root).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
+                    buf
+                })
+            })
+            .collect();
+        for h in hs {
+            assert!(h.join().unwrap() == msg, "broadcast of {len} bytes differs");
+        }
+    });
+}
+
+fn scenario(bed: &Bed, label: &str) {
+    let t0 = Instant::now();
+    for len in [1usize, 362, 20_000] {
+        broadcast(bed, len * 4, Participant::Worker(0));
+        allreduce(bed, len, false);
+        allreduce(bed, len, true);
+    }
+    broadcast(bed, 300_000, Participant::Aggregator);
+    allreduce(bed, 100_000, true);
+    eprintln!("{label}: {:?}", t0.elapsed());
+}
+
+#[test]
+fn runtime_netns_random_loss() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let bed = Bed::up(|b| b);
+    scenario(&bed, "no loss");
+    for (label, loss) in [("0.01%", 0.0001), ("1%", 0.01), ("5%", 0.05)] {
+        bed.impair(loss, 0.0);
+        let t0 = Instant::now();
+        scenario(&bed, &format!("loss {label}"));
+        assert!(t0.elapsed() < Duration::from_secs(25));
+    }
+    bed.clear();
+}
+
+#[test]
+fn runtime_netns_burst_loss() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let bed = Bed::up(|b| b);
+    // A 10 % loss window of 300 ms in the middle of a large allreduce.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(20));
+            bed.impair(0.10, 0.0);
+            std::thread::sleep(Duration::from_millis(300));
+            bed.clear();
+        });
+        allreduce(&bed, 400_000, true);
+    });
+    allreduce(&bed, 1000, true);
+    bed.clear();
+}
+
+#[test]
+fn runtime_netns_duplicate() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let bed = Bed::up(|b| b);
+    bed.impair(0.0, 0.05);
+    scenario(&bed, "duplicate 5%");
+    bed.impair(0.02, 0.10);
+    scenario(&bed, "loss 2% + duplicate 10%");
+    bed.clear();
+}
+
+#[test]
+fn runtime_netns_packet_mode_loss() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let bed = Bed::up(|b| b.ack_mode(aggbox::config::AckMode::Packet).window(64));
+    bed.impair(0.01, 0.0);
+    scenario(&bed, "packet mode, loss 1%");
+    bed.clear();
+}
+
+#[test]
+fn runtime_netns_peer_killed_mid_call() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let mut bed = Bed::up(|b| b);
+    allreduce(&bed, 1000, true);
+    let len = 400_000;
+    let opts = CallOptions { deadline: Some(Duration::from_secs(2)), partial: false };
+    let t0 = Instant::now();
+    let victim = bed.workers[2].take().unwrap();
+    let results = std::thread::scope(|s| {
+        // Rank 2 starts the call, then dies (its communicator and socket go away).
+        s.spawn(move || {
+            let w = victim.ireduce_i32(pattern_vector(2, len as u32), Op::Sum, true, opts);
+            std::thread::sleep(Duration::from_millis(15));
+            drop(victim);
+            let r = w.wait();
+            assert!(matches!(r, Err(CommError::Closed)) || r.is_ok(), "{r:?}");
+        });
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let v = match c.rank() {
+                        Some(r) => pattern_vector(r, len as u32),
+                        None => vec![0; len],
+                    };
+                    (c.participant(), c.ireduce_i32(v, Op::Sum, true, opts).wait())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    for (p, r) in results {
+        let e = r.expect_err("a dead rank cannot make the call succeed");
+        eprintln!("{p:?}: {e}");
+        let t = e.timeout().expect("timeout error");
+        match p {
+            Participant::Aggregator => assert!(t.missing.contains(&Peer::Rank(2)), "{e}"),
+            Participant::Worker(_) => assert_eq!(t.missing, vec![Peer::Aggregator], "{e}"),
+        }
+    }
+    // Replace rank 2 at the survivors' position; the next calls work.
+    let pos = bed.workers[0].as_ref().unwrap().position();
+    let w2 = bed.build(Participant::Worker(2), |b| b, Some(pos));
+    bed.workers[2] = Some(w2);
+    allreduce(&bed, 5000, true);
+    broadcast(&bed, 10_000, Participant::Worker(2));
+}
