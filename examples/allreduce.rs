@@ -20,7 +20,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ports: Vec<u16> = probes.iter().map(|s| s.local_addr().map(|a| a.port())).collect::<Result<_, _>>()?;
     drop(probes);
     let peers: Vec<SocketAddrV4> = ports[1..].iter().map(|&p| SocketAddrV4::new(lo, p)).collect();
-    let build = |me| Communicator::builder(1, peers.clone(), lo, ports[0], me).quantization(Quantization::Adaptive).build();
+    let build = |me| {
+        Communicator::builder(1, peers.clone(), lo, ports[0], me)
+            .quantization(Quantization::Adaptive)
+            .deadline(std::time::Duration::from_secs(300))
+            .build()
+    };
     let agg = build(Participant::Aggregator)?;
     let comms: Vec<Communicator> = (0..workers).map(|r| build(Participant::Worker(r as u16))).collect::<Result<_, _>>()?;
 

@@ -283,8 +283,10 @@ pub struct Job {
     pub slots: u32,
     pub flags: u32,
     pub weight_sum: u32,
+    pub window: u32,
+    pub pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<Job>() == 24);
+const _: () = assert!(core::mem::size_of::<Job>() == 32);
 
 /// `struct aggbox_rank_key` (host order).
 #[repr(C)]
@@ -490,7 +492,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
-    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum]);
+    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, pad]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
     fields!(out, "aggbox_rank", Rank, [addr, weight]);
     fields!(out, "aggbox_port_key", PortKey, [port, pad]);

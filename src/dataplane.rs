@@ -199,6 +199,9 @@ pub struct JobConfig {
     pub flags: u32,
     /// Broadcast group RESULTs also go to, if any.
     pub result_group: Option<u16>,
+    /// Rounds older than the newest completed round minus `window` are
+    /// stale; 0 = the build's default (`abi::ROUND_WINDOW`).
+    pub window: u32,
 }
 
 impl JobConfig {
@@ -256,6 +259,8 @@ impl JobConfig {
             slots: self.slots,
             flags: self.flags,
             weight_sum: sum as u32,
+            window: self.window,
+            pad: 0,
         })
     }
 }

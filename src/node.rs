@@ -137,6 +137,7 @@ pub fn dataplane_job(job: &crate::config::JobConfig) -> dataplane::JobConfig {
         slots: job.slots,
         flags,
         result_group: job.result_group,
+        window: job.window,
     }
 }
 

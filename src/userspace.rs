@@ -191,6 +191,8 @@ struct JobInfo {
     vector_len: u32,
     slots: u32,
     userspace_only: bool,
+    /// Round window (never 0): the same staleness rule as the kernel's.
+    window: u32,
 }
 
 /// One user-space slot.
@@ -224,10 +226,9 @@ fn serial_newer(a: u32, b: u32) -> bool {
 }
 
 impl JobRt {
-    fn is_stale(&self, round: u32) -> bool {
-        let stale = |newest: Option<u32>| {
-            newest.is_some_and(|n| (n.wrapping_sub(round) as i32) > abi::ROUND_WINDOW as i32)
-        };
+    fn is_stale(&self, round: u32, window: u32) -> bool {
+        let window = window.min(i32::MAX as u32) as i32;
+        let stale = |newest: Option<u32>| newest.is_some_and(|n| (n.wrapping_sub(round) as i32) > window);
         stale(self.newest) || stale(self.kernel_newest)
     }
 }
@@ -321,7 +322,7 @@ impl Worker {
         let float = hdr.is_float();
         let kernel_record = !job.userspace_only && !float && hdr.op.runs_in_kernel();
         let rt = self.rt.entry(hdr.job).or_default();
-        if rt.is_stale(hdr.round) {
+        if rt.is_stale(hdr.round, job.window) {
             return Err(DropReason::StaleRound);
         }
         let key = (hdr.round, hdr.frag_off);
@@ -469,7 +470,7 @@ impl Worker {
             let stale: Vec<(u32, u32)> = rt
                 .slots
                 .keys()
-                .filter(|(round, _)| rt.is_stale(*round))
+                .filter(|(round, _)| rt.is_stale(*round, job.window))
                 .copied()
                 .collect();
             for key in stale {
@@ -601,6 +602,7 @@ impl UserspacePath {
                     vector_len: j.vector_len.unwrap_or(0),
                     slots: j.slots,
                     userspace_only: j.userspace_only,
+                    window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
                 },
             );
         }

@@ -183,6 +183,7 @@ fn job(workers: u16, slots: u32) -> JobConfig {
         slots,
         flags: 0,
         result_group: None,
+        window: 0,
     }
 }
 
@@ -232,6 +233,20 @@ fn stale_round_is_dropped_and_never_added() {
         one("accepted")
     );
     assert_eq!(dp.job_state(JOB).unwrap().unwrap().newest_round, 1000);
+}
+
+#[test]
+fn per_job_round_window_from_config() {
+    let dp = load();
+    let mut j = job(2, 0);
+    j.window = 2;
+    dp.set_job(JOB, &j).unwrap();
+    assert_eq!(send(&dp, &contrib(0, 10, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send(&dp, &contrib(1, 10, 0, vec![2])).1, one("result"));
+    // 10 - 7 = 3 > window 2: stale; 10 - 8 = 2: still live.
+    assert_eq!(send(&dp, &contrib(0, 7, 0, vec![5])).1, one(DropReason::StaleRound.label()));
+    assert_eq!(send(&dp, &contrib(0, 8, 0, vec![5])).1, one("accepted"));
+    assert_eq!(dp.job(JOB).unwrap().unwrap().window, 2);
 }
 
 #[test]

@@ -92,6 +92,7 @@ fn one_slot_from_many_cpus_completes_exactly_once() {
         slots: SLOTS,
         flags: 0,
         result_group: None,
+        window: 0,
     };
     dp.set_job(JOB, &job).expect("set_job");
     let ncpu = std::thread::available_parallelism()

@@ -34,6 +34,7 @@ fn job(id: u16, slots: u32, flags: u32) -> JobConfig {
         slots,
         flags,
         result_group: None,
+        window: 0,
     }
 }
 

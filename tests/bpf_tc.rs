@@ -441,3 +441,219 @@ fn plan_tree_shapes() {
         }));
     }
 }
+
+// ---------------------------------------------------------------------------
+// RESULT routing at TC ingress: in-kernel allreduce and trees of aggregators
+// ---------------------------------------------------------------------------
+
+const JOB: u16 = 7;
+const RESULT_PORT: u16 = 7001;
+
+/// AGG1 datagram: header + `count` elements derived from `seq`.
+fn agg1(job: u16, rank: u16, seq: u32, flags: u8, count: u16) -> Vec<u8> {
+    let mut d = Vec::new();
+    d.extend_from_slice(&abi::MAGIC_AGG.to_be_bytes());
+    d.extend_from_slice(&job.to_be_bytes());
+    d.extend_from_slice(&rank.to_be_bytes());
+    d.extend_from_slice(&seq.to_be_bytes());
+    d.extend_from_slice(&42u32.to_be_bytes()); // round
+    d.extend_from_slice(&362u32.to_be_bytes()); // frag_off
+    d.push(0); // SUM
+    d.push(flags);
+    d.extend_from_slice(&count.to_be_bytes());
+    for i in 0..u32::from(count) {
+        d.extend_from_slice(&((i as i32 - 100) * 1_000_003 + seq as i32).to_be_bytes());
+    }
+    d
+}
+
+/// A RESULT as the XDP aggregator passes it up: from the completing
+/// contributor (10.77.0.250) to host 0, UDP port RESULT_PORT.
+fn result_frame(fx: &Fixture, payload: Vec<u8>, udp_csum: bool) -> Frame {
+    let h0 = fx.tb.host(0);
+    Frame {
+        dmac: h0.mac,
+        smac: [0x02, 0, 0, 0, 0, 0x42],
+        src: Ipv4Addr::new(10, 77, 0, 250),
+        dst: h0.addr,
+        dport: RESULT_PORT,
+        frag: 0x4000,
+        payload,
+        udp_csum,
+    }
+}
+
+#[test]
+fn ingress_result_is_copied_to_its_group_and_delivered_unchanged() {
+    let fx = Fixture::new();
+    let h0 = fx.tb.host(0);
+    let members = [fx.h1, SocketAddrV4::new(*fx.h1.ip(), 7300)];
+    fx.plane.set_group(GROUP, &members).expect("set_group");
+    fx.plane.set_result_route(JOB, RESULT_PORT, GROUP).expect("set_result_route");
+    let info = fx.plane.result_route(JOB).expect("read").expect("route");
+    assert_eq!((info.result_port, info.group, info.parent), (RESULT_PORT, Some(GROUP), None));
+    // receivers on host 1: the copies BPF_PROG_TEST_RUN's clones really send
+    let rx: Vec<std::net::UdpSocket> = members
+        .iter()
+        .map(|m| {
+            let s = in_netns(&fx.tb.host(1).netns, || std::net::UdpSocket::bind(m)).expect("netns").expect("bind");
+            s.set_read_timeout(Some(std::time::Duration::from_millis(300))).expect("timeout");
+            s
+        })
+        .collect();
+    let before_snmp = fx.tb.run_in(1, &["cat", "/proc/net/snmp"]).expect("snmp");
+
+    for (k, (udp_csum, count)) in [(false, 1u16), (true, 1), (false, 362), (true, 362), (true, 17)].into_iter().enumerate() {
+        let payload = agg1(JOB, abi::RESULT_RANK, k as u32, abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT, count);
+        let bytes = result_frame(&fx, payload.clone(), udp_csum).build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_OK, "row {k}: the RESULT is delivered locally");
+        assert_eq!(run.data, bytes, "row {k}: the local RESULT is exactly the one that arrived");
+        assert_eq!(fx.delta(&before, BcastStat::ResultBroadcast), 1, "row {k}");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), 2, "row {k}: one copy per member");
+        let after = fx.plane.stats().expect("stats");
+        assert_eq!(after.datagrams() - before.datagrams(), 1, "row {k}: exactly one outcome");
+        for (m, s) in members.iter().zip(&rx) {
+            let mut buf = vec![0u8; 4096];
+            let (n, from) = s.recv_from(&mut buf).unwrap_or_else(|e| panic!("row {k}: member {m} got no copy: {e}"));
+            assert_eq!(&buf[..n], &payload[..], "row {k}: {m}: AGG1 header and payload unchanged");
+            assert_eq!(from.ip(), std::net::IpAddr::V4(h0.addr), "row {k}: {m}: source = this node");
+            assert_eq!(from.port(), SPORT, "row {k}: {m}: source port kept");
+        }
+    }
+    let gs = fx.plane.group_stats(GROUP, 0).expect("gstats").expect("exists");
+    assert_eq!((gs.datagrams, gs.copies), (5, 10));
+    // the receiving kernel verified the full checksums the copies carry
+    let after_snmp = fx.tb.run_in(1, &["cat", "/proc/net/snmp"]).expect("snmp");
+    let csum_errors = |o: &std::process::Output| {
+        let t = String::from_utf8_lossy(&o.stdout).to_string();
+        let l: Vec<&str> = t.lines().filter(|l| l.starts_with("Udp:")).collect();
+        let i = l[0].split_whitespace().position(|w| w == "InCsumErrors").expect("field");
+        l[1].split_whitespace().nth(i).expect("value").parse::<u64>().expect("number")
+    };
+    assert_eq!(csum_errors(&after_snmp), csum_errors(&before_snmp), "UdpInCsumErrors on the members' host");
+
+    // not routed: untouched, passed, counted not_aggbox
+    let rows: Vec<(&str, Frame)> = vec![
+        ("other port", Frame { dport: RESULT_PORT + 1, ..result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 1, abi::AGG_F_RESULT, 4), true) }),
+        ("other job", result_frame(&fx, agg1(JOB + 1, abi::RESULT_RANK, 1, abi::AGG_F_RESULT, 4), true)),
+        ("a contribution", result_frame(&fx, agg1(JOB, 3, 1, 0, 4), true)),
+        ("rank 0xffff without RESULT", result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 1, 0, 4), true)),
+        ("not for this host", Frame { dmac: [0x02, 0, 0, 0, 0, 0x55], ..result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 1, abi::AGG_F_RESULT, 4), true) }),
+        ("IP fragment", Frame { frag: 0x2000, ..result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 1, abi::AGG_F_RESULT, 4), true) }),
+        ("truncated AGG1", result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 1, abi::AGG_F_RESULT, 4)[..20].to_vec(), true)),
+    ];
+    for (name, f) in rows {
+        let bytes = f.build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_OK, "{name}");
+        assert_eq!(run.data, bytes, "{name}: untouched");
+        assert_eq!(fx.delta(&before, BcastStat::NotAggbox), 1, "{name}: not_aggbox");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), 0, "{name}: no copies");
+    }
+    for s in &rx {
+        let mut buf = [0u8; 64];
+        s.set_read_timeout(Some(std::time::Duration::from_millis(50))).expect("timeout");
+        assert!(s.recv_from(&mut buf).is_err(), "no copy of an unrouted datagram");
+    }
+
+    // route removed: local delivery only
+    fx.plane.remove_result_route(JOB).expect("remove");
+    assert_eq!(fx.plane.result_route(JOB).expect("read"), None);
+    let bytes = result_frame(&fx, agg1(JOB, abi::RESULT_RANK, 9, abi::AGG_F_RESULT, 4), true).build();
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &bytes, 0);
+    assert_eq!((run.verdict, run.data == bytes), (TC_ACT_OK, true));
+    assert_eq!(fx.delta(&before, BcastStat::NotAggbox), 1);
+}
+
+#[test]
+fn ingress_result_goes_upstream_as_this_nodes_contribution() {
+    let fx = Fixture::new();
+    let h0 = fx.tb.host(0);
+    let parent = broadcast::ParentRoute { addr: *fx.h1.ip(), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
+    fx.plane.set_parent_route(JOB, &parent).expect("set_parent_route");
+    assert_eq!(fx.plane.result_route(JOB).expect("read").expect("route").parent, Some(parent));
+
+    let flag_rows = [
+        (abi::AGG_F_RESULT, 0u8),
+        (abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT, abi::AGG_F_LAST_FRAGMENT),
+        (abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW | abi::AGG_F_LAST_FRAGMENT, abi::AGG_F_OVERFLOW | abi::AGG_F_LAST_FRAGMENT),
+    ];
+    for (flags, want_flags) in flag_rows {
+        for udp_csum in [false, true] {
+            for count in [1u16, 100, 362] {
+                let payload = agg1(JOB, abi::RESULT_RANK, 77, flags, count);
+                let f = result_frame(&fx, payload.clone(), udp_csum);
+                let before = fx.plane.stats().expect("stats");
+                let run = fx.run(TcProgram::Ingress, &f.build(), 0);
+                let row = format!("flags {flags:#x} csum {udp_csum} count {count}");
+                assert_eq!(run.verdict, TC_ACT_REDIRECT, "{row}: redirected out, not delivered locally");
+                let out = Out(&run.data);
+                assert_eq!(out.src(), h0.addr, "{row}: source = this node");
+                assert_eq!(out.dst(), parent.addr, "{row}");
+                assert_eq!(out.dport(), parent.port, "{row}");
+                assert_eq!(out.dmac(), fx.h1_mac, "{row}: next-hop MAC");
+                assert_eq!(out.smac(), fx.h0_mac, "{row}");
+                let mut want = payload.clone();
+                want[4..6].copy_from_slice(&parent.job.to_be_bytes());
+                want[6..8].copy_from_slice(&parent.rank.to_be_bytes());
+                want[21] = want_flags;
+                assert_eq!(out.payload(), &want[..], "{row}: job, rank, flags rewritten; seq, round, frag_off, op, count, payload kept");
+                out.check_checksums();
+                assert_eq!(out.udp_csum() != 0, udp_csum, "{row}: a zero checksum stays zero, a full one stays full");
+                assert_eq!(fx.delta(&before, BcastStat::ResultUpstream), 1, "{row}");
+                assert_eq!(fx.delta(&before, BcastStat::CopySent), 1, "{row}");
+                assert_eq!(run.mark, abi::BCAST_MARK_COPY, "{row}: passes our egress hook untouched");
+            }
+        }
+    }
+
+    // group + parent: the group gets copies of the RESULT, the original goes upstream
+    let member = SocketAddrV4::new(*fx.h1.ip(), 7300);
+    fx.plane.set_group(GROUP, &[member]).expect("set_group");
+    fx.plane.set_result_route(JOB, RESULT_PORT, GROUP).expect("set_result_route");
+    let info = fx.plane.result_route(JOB).expect("read").expect("route");
+    assert_eq!((info.group, info.parent), (Some(GROUP), Some(parent)));
+    let rx = in_netns(&fx.tb.host(1).netns, || std::net::UdpSocket::bind(member)).expect("netns").expect("bind");
+    rx.set_read_timeout(Some(std::time::Duration::from_millis(300))).expect("timeout");
+    let payload = agg1(JOB, abi::RESULT_RANK, 78, abi::AGG_F_RESULT, 50);
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &result_frame(&fx, payload.clone(), true).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT);
+    assert_eq!(Out(&run.data).dport(), parent.port);
+    assert_eq!(fx.delta(&before, BcastStat::ResultUpstream), 1);
+    assert_eq!(fx.delta(&before, BcastStat::CopySent), 2);
+    let mut buf = vec![0u8; 4096];
+    let (n, from) = rx.recv_from(&mut buf).expect("the group member got its copy");
+    assert_eq!((&buf[..n], from.ip()), (&payload[..], std::net::IpAddr::V4(h0.addr)), "the RESULT itself, from this node");
+
+    // a mismatching result port is refused; bad parents are refused
+    assert!(fx.plane.set_result_route(JOB, RESULT_PORT + 1, GROUP).is_err());
+    for bad in [
+        broadcast::ParentRoute { port: 0, ..parent },
+        broadcast::ParentRoute { rank: abi::RESULT_RANK, ..parent },
+        broadcast::ParentRoute { addr: Ipv4Addr::UNSPECIFIED, ..parent },
+        broadcast::ParentRoute { result_port: 0, ..parent },
+    ] {
+        assert!(fx.plane.set_parent_route(JOB + 1, &bad).is_err(), "{bad:?}");
+    }
+    fx.plane.remove_parent_route(JOB).expect("remove parent");
+    let info = fx.plane.result_route(JOB).expect("read").expect("route");
+    assert_eq!((info.group, info.parent), (Some(GROUP), None), "the group route stays");
+
+    // parent with an unresolved neighbour: the neighbour path
+    fx.plane.remove_result_route(JOB).expect("remove");
+    let ghost = broadcast::ParentRoute { addr: Ipv4Addr::new(10, 77, 0, 77), ..parent };
+    fx.plane.set_parent_route(JOB, &ghost).expect("set_parent_route");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &result_frame(&fx, payload, true).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect_neigh");
+    assert_eq!(run.mark, abi::BCAST_MARK_DONE);
+    let out = Out(&run.data);
+    assert_eq!((out.src(), out.dst(), out.dmac()), (h0.addr, ghost.addr, [0; 6]));
+    out.check_checksums();
+    assert_eq!(fx.delta(&before, BcastStat::NeighMiss), 1);
+}

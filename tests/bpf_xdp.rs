@@ -44,6 +44,7 @@ fn test_job() -> JobConfig {
         slots: 64,
         flags: 0,
         result_group: None,
+        window: 0,
     }
 }
 

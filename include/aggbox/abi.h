@@ -179,8 +179,11 @@ struct aggbox_job {
 	__u32 slots;       /* host order: bound on outstanding slots of this job */
 	__u32 flags;       /* host order: AGGBOX_JOB_F_* */
 	__u32 weight_sum;  /* host order: sum of rank weights (AVG divisor) */
+	__u32 window;      /* host order: rounds older than newest completed - window
+			    * are stale; 0 = AGGBOX_ROUND_WINDOW */
+	__u32 pad;         /* zero */
 };
-_Static_assert(sizeof(struct aggbox_job) == 24, "job is 24 bytes");
+_Static_assert(sizeof(struct aggbox_job) == 32, "job is 32 bytes");
 
 #define AGGBOX_JOB_F_USERSPACE_ONLY 0x01 /* every contribution goes to user space */
 #define AGGBOX_JOB_F_HAS_PARENT     0x02 /* results go upstream, not to result_port */

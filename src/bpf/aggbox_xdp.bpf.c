@@ -300,6 +300,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->weight = rank->weight;
 	s->weight_sum = job->weight_sum;
 	s->slots = job->slots;
+	s->window = job->window ? job->window : AGGBOX_ROUND_WINDOW;
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
 
@@ -475,9 +476,9 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 	ho = bpf_map_lookup_elem(&job_handoff, &jkey);
 	/* Serial-number comparison: rounds may wrap. Either path's newest
 	 * completed round makes older rounds stale. */
-	if (js->completed && (__s32)(js->newest_round - s->key.round) > AGGBOX_ROUND_WINDOW)
+	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
 		return AGGBOX_DROP_STALE_ROUND;
-	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > AGGBOX_ROUND_WINDOW)
+	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window)
 		return AGGBOX_DROP_STALE_ROUND;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);

@@ -63,6 +63,7 @@ struct aggbox_scratch {
 	__u32 weight_sum;
 	__u32 slots;       /* the job's slot bound (0 = AGGBOX_MAX_SLOTS) */
 	__u32 handoff;     /* enum aggbox_handoff_reason when handed to user space */
+	__u32 window;      /* the job's round window (never 0) */
 };
 
 #endif /* AGGBOX_SLOT_H */

@@ -900,8 +900,7 @@ impl Engine {
             }
         }
         if let Some(b) = &st.bout {
-            let total = fragments(b.len_bytes, self.chunk);
-            let sent_all = if st.collect.is_some() { st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) && b.queue.is_empty() } else { b.queue.is_empty() && total == total };
+            let sent_all = b.queue.is_empty() && st.collect.as_ref().is_none_or(|c| c.cov.is_complete());
             if !sent_all || !self.bc_tx.is_idle() {
                 return false;
             }
@@ -1038,7 +1037,6 @@ impl Engine {
         if let Some(b) = st.bout.as_mut() {
             let sock = &self.sock;
             let addrs = &self.addrs;
-            let total = fragments(b.len_bytes, self.chunk);
             while self.bc_tx.can_send() {
                 let Some(&i) = b.queue.front() else { break };
                 let i = i as usize;
@@ -1063,7 +1061,6 @@ impl Engine {
                     }
                     Ok(())
                 }, &mut |d, bytes| tx_to(sock, addrs[d], bytes));
-                let _ = total;
                 b.queue.pop_front();
             }
         }

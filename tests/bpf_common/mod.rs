@@ -273,6 +273,7 @@ pub fn job_from_vector(job: &serde_json::Value) -> JobConfig {
         slots: 0,
         flags: 0,
         result_group: None,
+        window: 0,
     }
 }
 

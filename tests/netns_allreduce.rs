@@ -1,0 +1,300 @@
+//! In-kernel allreduce and trees of aggregators end to end, on
+//! network-namespace testbeds (`aggbox::testbed`): the XDP aggregator of a
+//! live `aggbox attach` completes each slot and passes its RESULT up the
+//! stack, and the TC ingress program of the broadcast plane
+//! (`src/bpf/aggbox_tc.bpf.c`, `result_routes`) copies it to every worker
+//! (allreduce) or rewrites it into the node's contribution to its parent
+//! (two-level tree). `aggbox attach` does not attach the TC programs yet, so
+//! each test loads and attaches a `BroadcastPlane` itself in the aggregator's
+//! namespace and writes the group and routes (what `node.rs` will do from
+//! the config's `result_group` and `parent`).
+//!
+//! Needs root; fails (never skips) otherwise. Run alone:
+//! `sudo -E cargo test --test netns_allreduce`.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aggbox::abi::{BcastStat, Op};
+use aggbox::broadcast::{self, BroadcastError, BroadcastOptions, BroadcastPlane, ParentRoute};
+use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use aggbox::tools;
+
+const ELEMENTS: u32 = 800; // 3 fragments of at most 362 elements
+const PER_DATAGRAM: usize = 362;
+const MEMBER_PORT: u16 = 7200;
+
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/netns_allreduce.rs needs root (network namespaces, BPF, TC); \
+         run it with sudo: `sudo -E cargo test --test netns_allreduce`"
+    );
+}
+
+fn fragments() -> usize {
+    (ELEMENTS as usize).div_ceil(PER_DATAGRAM)
+}
+
+/// A running `aggbox attach eth0` in a namespace, with a private bpffs pin
+/// root; interrupted (by pid: only the process we started) and cleaned up
+/// on drop.
+struct Attach {
+    child: Child,
+    pin_root: PathBuf,
+    config: PathBuf,
+}
+
+impl Attach {
+    fn start(netns: &str, tag: &str, config_text: &str) -> Attach {
+        let pin_root = std::env::temp_dir().join(format!("aggbox-allreduce-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&pin_root).expect("pin root");
+        nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+            .expect("mount bpffs");
+        let config = pin_root.with_extension("toml");
+        std::fs::write(&config, config_text).expect("write config");
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--config"])
+            .arg(&config)
+            .arg("--pin-root")
+            .arg(&pin_root)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn aggbox attach");
+        let mut attach = Attach { child, pin_root, config };
+        let mut line = String::new();
+        BufReader::new(attach.child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read attach output");
+        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns} ({tag})");
+        attach
+    }
+}
+
+impl Drop for Attach {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = nix::mount::umount(&self.pin_root);
+        let _ = std::fs::remove_dir_all(&self.pin_root);
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// Load a broadcast plane and attach it to eth0 of `netns`.
+fn plane_on(netns: &str) -> BroadcastPlane {
+    let mut plane = BroadcastPlane::load_with(&BroadcastOptions::default())
+        .unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
+    in_netns(netns, || -> Result<(), BroadcastError> { plane.attach(broadcast::ifindex("eth0")?) })
+        .expect("enter namespace")
+        .unwrap_or_else(|e| panic!("attach TC in {netns}: {e}"));
+    plane
+}
+
+fn job_toml(id: u16, port: u16, workers: &[Ipv4Addr], result_port: u16, extra: &str) -> String {
+    let workers: Vec<String> = workers.iter().map(|w| format!("\"{w}\"")).collect();
+    format!(
+        "[[job]]\nid = {id}\nport = {port}\nworkers = [{}]\nresult_port = {result_port}\n{extra}\n",
+        workers.join(", ")
+    )
+}
+
+/// `rank` sends `values` for `job` to `to` from its own namespace.
+fn contribute(netns: &str, to: SocketAddrV4, job: u16, rank: u16, round: u32, op: Op, values: Vec<i32>) {
+    in_netns(netns, move || {
+        let socket = UdpSocket::bind("0.0.0.0:0").expect("bind sender");
+        let c = tools::Contribution { job, rank, round, op, first_seq: round * 16, per_datagram: PER_DATAGRAM };
+        tools::contribute(&socket, to, &c, &values).expect("contribute");
+    })
+    .expect("enter namespace");
+}
+
+fn bind_in(netns: &str, port: u16) -> UdpSocket {
+    in_netns(netns, || tools::bind_any(port))
+        .expect("enter namespace")
+        .unwrap_or_else(|e| panic!("bind port {port} in {netns}: {e:#}"))
+}
+
+/// Collect one round's RESULTs on `sock`, check them against `expected`
+/// and that each fragment came exactly once (nothing more follows).
+fn expect_results(who: &str, sock: &UdpSocket, job: u16, expected: &[i32]) {
+    let got = tools::collect_results(sock, job, ELEMENTS, Duration::from_secs(5)).expect("collect results");
+    assert!(got.missing.is_empty(), "{who}: missing result elements {:?}", got.missing);
+    assert_eq!(got.values, expected, "{who}: RESULT differs from the reference reducer");
+    assert_eq!(got.datagrams, fragments(), "{who}: one RESULT per fragment");
+    assert_eq!(got.ignored, 0, "{who}: nothing else on the port");
+    assert!(got.last_fragment_seen, "{who}: LAST_FRAGMENT carried through");
+    // exactly once: no duplicate follows
+    sock.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+    let mut buf = [0u8; 2048];
+    if let Ok((n, from)) = sock.recv_from(&mut buf) {
+        panic!("{who}: unexpected extra datagram of {n} bytes from {from}");
+    }
+}
+
+/// `Udp:` counters of a namespace.
+fn udp_snmp(netns: &str) -> BTreeMap<String, u64> {
+    let text = in_netns(netns, || std::fs::read_to_string("/proc/thread-self/net/snmp"))
+        .expect("enter namespace")
+        .expect("read snmp");
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("Udp:")).collect();
+    lines[0]
+        .split_whitespace()
+        .zip(lines[1].split_whitespace())
+        .skip(1)
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap_or(0)))
+        .collect()
+}
+
+fn allreduce(tag: &str, tx_csum_off: bool) {
+    require_root();
+    const JOB: u16 = 7;
+    const PORT: u16 = 7000;
+    const RESULT_PORT: u16 = 7001;
+    const GROUP: u16 = 3;
+    // host 0 = aggregator, hosts 1..=4 = workers (ranks 0..=3)
+    let tb = Testbed::up(TestbedConfig { hosts: 5, tx_csum_off, ..Default::default() }).expect("testbed");
+    let agg = tb.host(0);
+    let workers: Vec<Ipv4Addr> = (1..=4).map(|i| tb.host(i).addr).collect();
+    let _attach = Attach::start(
+        &agg.netns,
+        tag,
+        &format!("[node]\nmetrics = \"off\"\n\n{}", job_toml(JOB, PORT, &workers, RESULT_PORT, "")),
+    );
+    let plane = plane_on(&agg.netns);
+    let members: Vec<SocketAddrV4> = workers.iter().map(|w| SocketAddrV4::new(*w, MEMBER_PORT)).collect();
+    plane.set_group(GROUP, &members).expect("set_group");
+    plane.set_result_route(JOB, RESULT_PORT, GROUP).expect("set_result_route");
+
+    let local = bind_in(&agg.netns, RESULT_PORT);
+    let member_socks: Vec<UdpSocket> = (1..=4).map(|i| bind_in(&tb.host(i).netns, MEMBER_PORT)).collect();
+    let before: Vec<_> = (1..=4).map(|i| udp_snmp(&tb.host(i).netns)).collect();
+
+    let to = SocketAddrV4::new(agg.addr, PORT);
+    for (round, op) in [(1u32, Op::Sum), (2, Op::Max), (3, Op::Sum)] {
+        for rank in 0..4u16 {
+            contribute(&tb.host(usize::from(rank) + 1).netns, to, JOB, rank, round, op, tools::pattern_vector(rank, ELEMENTS));
+        }
+        let expected = tools::expected_pattern_result(op, 4, ELEMENTS, &[]).expect("reference");
+        let expected = expected.ints().expect("integer result").to_vec();
+        expect_results(&format!("round {round}: aggregator's local socket"), &local, JOB, &expected);
+        for (i, s) in member_socks.iter().enumerate() {
+            expect_results(&format!("round {round}: worker {i} ({})", members[i]), s, JOB, &expected);
+        }
+    }
+
+    let rounds = 3u64;
+    let frags = fragments() as u64;
+    let st = plane.stats().expect("stats");
+    eprintln!("aggregator TC stats: {st:?}");
+    assert_eq!(st.packets(BcastStat::ResultBroadcast), rounds * frags, "one routed RESULT per fragment and round");
+    assert_eq!(
+        st.packets(BcastStat::CopySent) + st.packets(BcastStat::NeighMiss),
+        4 * rounds * frags,
+        "one copy per worker and RESULT"
+    );
+    assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::CloneFailed) + st.packets(BcastStat::RewriteFailed), 0);
+    let gs = plane.group_stats(GROUP, 0).expect("group stats").expect("exists");
+    assert_eq!((gs.datagrams, gs.copies), (rounds * frags, 4 * rounds * frags));
+    for (i, b) in before.iter().enumerate() {
+        let after = udp_snmp(&tb.host(i + 1).netns);
+        assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors on worker {i}");
+    }
+    drop(plane);
+}
+
+#[test]
+fn allreduce_every_worker_and_the_aggregator_receive_each_result_once() {
+    allreduce("ar", false);
+}
+
+#[test]
+fn allreduce_with_full_checksums() {
+    // TX offload off: contributions carry full checksums (CHECKSUM_NONE at
+    // the aggregator), so the receivers verify what the programs wrote
+    allreduce("arcsum", true);
+}
+
+#[test]
+fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
+    require_root();
+    const LEAF_JOB: u16 = 11;
+    const LEAF_PORT: u16 = 7000;
+    const LEAF_RESULT_PORT: u16 = 7001;
+    const ROOT_JOB: u16 = 20;
+    const ROOT_PORT: u16 = 7500;
+    const ROOT_RESULT_PORT: u16 = 7501;
+    // host 0 = root aggregator; hosts 1, 2 = leaf aggregators (root ranks 0, 1);
+    // hosts 3, 4 = workers of leaf 1; hosts 5, 6 = workers of leaf 2
+    let tb = Testbed::up(TestbedConfig { hosts: 7, ..Default::default() }).expect("testbed");
+    let root = tb.host(0);
+    let leaves = [tb.host(1), tb.host(2)];
+    let leaf_workers = [[3usize, 4], [5, 6]];
+
+    let _root_attach = Attach::start(
+        &root.netns,
+        "root",
+        &format!(
+            "[node]\nmetrics = \"off\"\n\n{}",
+            job_toml(ROOT_JOB, ROOT_PORT, &[leaves[0].addr, leaves[1].addr], ROOT_RESULT_PORT, "")
+        ),
+    );
+    let mut leaf_attach = Vec::new();
+    let mut leaf_planes = Vec::new();
+    for (l, leaf) in leaves.iter().enumerate() {
+        let workers: Vec<Ipv4Addr> = leaf_workers[l].iter().map(|&h| tb.host(h).addr).collect();
+        let parent = format!("parent = {{ addr = \"{}\", port = {ROOT_PORT}, job = {ROOT_JOB}, rank = {l} }}", root.addr);
+        leaf_attach.push(Attach::start(
+            &leaf.netns,
+            &format!("leaf{l}"),
+            &format!("[node]\nmetrics = \"off\"\n\n{}", job_toml(LEAF_JOB, LEAF_PORT, &workers, LEAF_RESULT_PORT, &parent)),
+        ));
+        let plane = plane_on(&leaf.netns);
+        let route = ParentRoute { addr: root.addr, port: ROOT_PORT, job: ROOT_JOB, rank: l as u16, result_port: LEAF_RESULT_PORT };
+        plane.set_parent_route(LEAF_JOB, &route).expect("set_parent_route");
+        leaf_planes.push(plane);
+    }
+    let root_results = bind_in(&root.netns, ROOT_RESULT_PORT);
+    // results go upstream, not to the leaves' local ports
+    let leaf_locals: Vec<UdpSocket> = leaves.iter().map(|l| bind_in(&l.netns, LEAF_RESULT_PORT)).collect();
+
+    for (round, op) in [(1u32, Op::Sum), (2, Op::Sum), (3, Op::Max)] {
+        // global worker g (0..4) sends pattern_vector(g) as rank g % 2 of its leaf
+        for (l, hosts) in leaf_workers.iter().enumerate() {
+            let to = SocketAddrV4::new(leaves[l].addr, LEAF_PORT);
+            for (rank, &h) in hosts.iter().enumerate() {
+                let g = (2 * l + rank) as u16;
+                contribute(&tb.host(h).netns, to, LEAF_JOB, rank as u16, round, op, tools::pattern_vector(g, ELEMENTS));
+            }
+        }
+        let expected = tools::expected_pattern_result(op, 4, ELEMENTS, &[]).expect("reference");
+        let expected = expected.ints().expect("integer result").to_vec();
+        expect_results(&format!("round {round} ({op:?}): root's result port"), &root_results, ROOT_JOB, &expected);
+    }
+    for (l, s) in leaf_locals.iter().enumerate() {
+        s.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+        let mut buf = [0u8; 2048];
+        assert!(s.recv_from(&mut buf).is_err(), "leaf {l}: a RESULT that went upstream is not delivered locally");
+    }
+    for (l, plane) in leaf_planes.iter().enumerate() {
+        let st = plane.stats().expect("stats");
+        assert_eq!(st.packets(BcastStat::ResultUpstream), 3 * fragments() as u64, "leaf {l}: {st:?}");
+        assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::RewriteFailed), 0, "leaf {l}: {st:?}");
+    }
+    drop(leaf_planes);
+    drop(leaf_attach);
+}
