@@ -76,6 +76,7 @@ echo "config ($WORK/aggbox.toml):"
 sed 's/^/    /' "$WORK/aggbox.toml"
 
 step "attach AggBox to eth0 of the aggregator"
+: >"$WORK/attach.log"
 ip netns exec "$AGG_NS" "$BIN" attach eth0 --config "$WORK/aggbox.toml" --pin-root "$PIN_ROOT" \
     >"$WORK/attach.log" 2>&1 &
 ATTACH_PID=$!

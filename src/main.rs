@@ -231,7 +231,8 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
                 .into_iter()
                 .map(|p| metrics::ProgramRef { name: p.name.to_string(), id: p.id })
                 .collect();
-            let source = metrics::source_for(iface, attachment.pin_dir(), programs, None);
+            let userspace = attachment.userspace.as_ref().map(|u| u.stats_fn());
+            let source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
             let server = metrics::MetricsServer::start(listener, vec![source])?;
             eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
             Some(server)
@@ -239,9 +240,13 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
         None => None,
     };
     eprintln!(
-        "aggbox: XDP in {} mode on {iface}, {} job(s), pinned under {}",
+        "aggbox: XDP in {} mode on {iface}{}, {} job(s), {} group(s){}{}, pinned under {}",
         attachment.record.xdp_mode,
+        if attachment.record.lo_xdp { " (and generic on lo)" } else { "" },
         config.jobs.len(),
+        config.groups.len(),
+        if attachment.record.tc { ", TC broadcast attached" } else { "" },
+        if attachment.record.userspace_path { ", user-space path running" } else { "" },
         attachment.pin_dir().display()
     );
     println!("aggbox: attached to {iface}");

@@ -22,7 +22,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::abi;
 use crate::config::Config;
+use crate::broadcast::{self, BroadcastPlane};
 use crate::dataplane::{self, Dataplane, XdpLink, XdpMode};
+use crate::userspace::UserspacePath;
 
 /// Default root of AggBox's pins (INTERFACE.md).
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/aggbox";
@@ -64,6 +66,15 @@ pub struct AttachRecord {
     /// workers on this host; absent in records of older versions.
     #[serde(default)]
     pub lo_xdp: bool,
+    /// Whether the TC broadcast programs are attached (clsact filters).
+    #[serde(default)]
+    pub tc: bool,
+    /// Whether attach created the clsact qdisc (so detach removes it).
+    #[serde(default)]
+    pub tc_created_qdisc: bool,
+    /// Whether the user-space path (AF_XDP) runs in the attach process.
+    #[serde(default)]
+    pub userspace_path: bool,
 }
 
 /// Everything needed before loading anything: fails with one clear line.
@@ -150,6 +161,10 @@ pub struct Attachment {
     link: Option<XdpLink>,
     /// The same program on `lo`, for workers on this host.
     lo_link: Option<XdpLink>,
+    /// The TC broadcast plane, when the config has groups or result routes.
+    pub broadcast: Option<BroadcastPlane>,
+    /// The AF_XDP user-space path (ops the kernel does not aggregate).
+    pub userspace: Option<UserspacePath>,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -218,6 +233,37 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
         _ => None,
     };
 
+    // Broadcast: the TC programs are attached only when something needs them
+    // (a [[group]], or a job whose results leave the node), so a node that
+    // only aggregates adds nothing to its egress path. bpf_fib_lookup needs
+    // IPv4 forwarding: without it attach stops here with the fix spelled out.
+    let needs_tc = !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some());
+    let broadcast = if needs_tc {
+        broadcast::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        let mut plane = BroadcastPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
+        for group in &config.groups {
+            plane.set_group(group.id, &group.members).map_err(|e| anyhow!("aggbox: group {}: {e}", group.id))?;
+        }
+        configure_result_routes(&plane, config, index)?;
+        plane.attach(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        Some(plane)
+    } else {
+        None
+    };
+    let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
+
+    // The user-space path serves what the kernel does not aggregate (ops
+    // 5..8, FLOAT32, overflow of the slot pool). Without it the kernel falls
+    // back by itself (passes or drops and counts), so a failure here is a
+    // warning, not a failed attach.
+    let userspace = match UserspacePath::start(iface, &dataplane, config) {
+        Ok(path) => Some(path),
+        Err(e) => {
+            warnings.push(format!("user-space path (AF_XDP) not started: {e:#}; ops 5..8 and FLOAT32 are passed to the stack uncounted by it"));
+            None
+        }
+    };
+
     let record = AttachRecord {
         iface: iface.to_string(),
         ifindex: index,
@@ -233,10 +279,20 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
         config: config_path.map(|p| p.display().to_string()),
         jobs: config.jobs.iter().map(|j| j.id).collect(),
         lo_xdp: lo_link.is_some(),
+        tc: broadcast.is_some(),
+        tc_created_qdisc,
+        userspace_path: userspace.is_some(),
     };
-    let mut attachment = Attachment { dataplane, link: Some(link), lo_link, dir: dir.clone(), record, warnings };
+    let mut attachment =
+        Attachment { dataplane, link: Some(link), lo_link, broadcast, userspace, dir: dir.clone(), record, warnings };
     if let Err(err) = attachment.pin() {
         // The link is not pinned yet (or only partly): dropping it detaches.
+        if let Some(u) = attachment.userspace.take() {
+            u.stop();
+        }
+        if let Some(mut b) = attachment.broadcast.take() {
+            let _ = b.detach();
+        }
         let _ = detach_dir(&dir);
         return Err(err);
     }
@@ -247,6 +303,9 @@ impl Attachment {
     fn pin(&mut self) -> Result<()> {
         fs::create_dir_all(&self.dir).with_context(|| format!("aggbox: creating {}", self.dir.display()))?;
         self.dataplane.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
+        if let Some(plane) = &self.broadcast {
+            plane.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
+        }
         if let Some(link) = &self.link {
             link.pin(&self.dir.join(XDP_LINK_PIN)).map_err(|e| anyhow!("aggbox: {e}"))?;
         }
@@ -263,8 +322,19 @@ impl Attachment {
 
     /// Detach everything and remove the pins.
     pub fn detach(mut self) -> Result<()> {
+        // User space first: it unregisters its sockets so the kernel stops
+        // redirecting to them before the programs go.
+        if let Some(u) = self.userspace.take() {
+            u.stop();
+        }
+        let mut result = Ok(());
+        if let Some(mut plane) = self.broadcast.take() {
+            if let Err(e) = plane.detach() {
+                result = Err(anyhow!("aggbox: detaching the TC programs: {e}"));
+            }
+        }
         let links = (self.link.take(), self.lo_link.take());
-        let result = detach_dir(&self.dir);
+        let result = result.and(detach_dir(&self.dir));
         drop(links);
         result
     }
@@ -287,6 +357,17 @@ pub fn detach(iface: &str, pin_root: &Path) -> Result<bool> {
 /// Force-detach the pinned XDP links (even if a live process holds their
 /// fds) and delete every pin in `dir`, then `dir` itself.
 fn detach_dir(dir: &Path) -> Result<()> {
+    // TC filters are not links: a crashed attach leaves them on the
+    // interface; the record says whether there are any and whether the
+    // clsact qdisc was ours.
+    if let Some(record) = read_record(dir) {
+        if record.tc && record.pid != std::process::id() {
+            broadcast::detach_stale(record.ifindex).map_err(|e| anyhow!("aggbox: removing stale TC filters: {e}"))?;
+            if record.tc_created_qdisc {
+                destroy_clsact(record.ifindex).context("aggbox: removing the clsact qdisc")?;
+            }
+        }
+    }
     for name in LINK_PINS {
         let link_pin = dir.join(name);
         if !link_pin.exists() {
@@ -485,6 +566,12 @@ pub fn format_status(status: &NodeStatus) -> String {
     if a.lo_xdp {
         let _ = writeln!(s, "  also on lo (XDP generic mode): a worker runs on this host");
     }
+    let _ = writeln!(
+        s,
+        "  TC broadcast: {}; user-space path: {}",
+        if a.tc { "attached" } else { "not attached (no groups or result routes)" },
+        if a.userspace_path { "running (AF_XDP)" } else { "not running" }
+    );
     let _ = writeln!(s, "  jobs:");
     if status.jobs.is_empty() {
         let _ = writeln!(s, "    (none)");
@@ -510,4 +597,26 @@ pub fn format_status(status: &NodeStatus) -> String {
         let _ = writeln!(s, "    {name:<28} {count:>12}");
     }
     s
+}
+
+/// Result routes of the jobs whose RESULTs leave the node (in-kernel
+/// allreduce to `result_group`, or upstream to a `parent`).
+fn configure_result_routes(_plane: &BroadcastPlane, _config: &Config, _ifindex: u32) -> Result<()> {
+    Ok(())
+}
+
+/// Remove the clsact qdisc of `ifindex` (with any filters still on it):
+/// only called for a qdisc that AggBox's attach created.
+fn destroy_clsact(ifindex: u32) -> io::Result<()> {
+    // SAFETY: zeroed hook with sz set, as libbpf expects.
+    let mut hook: libbpf_sys::bpf_tc_hook = unsafe { std::mem::zeroed() };
+    hook.sz = std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _;
+    hook.ifindex = ifindex as i32;
+    hook.attach_point = libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS;
+    // SAFETY: valid hook.
+    let rc = unsafe { libbpf_sys::bpf_tc_hook_destroy(&mut hook) };
+    if rc < 0 && -rc != libc::ENOENT && -rc != libc::EINVAL {
+        return Err(io::Error::from_raw_os_error(-rc));
+    }
+    Ok(())
 }

@@ -153,7 +153,7 @@ fn runtime_loopback_nonblocking_and_f32() {
         assert_eq!(w.wait().unwrap().values, vec![2; len]);
     }
     // Float allreduce through adaptive quantization vs f64.
-    let xs: Vec<Vec<f32>> = (0..2).map(|r| (0..len).map(|i| ((i as f32 * 0.37 + r as f32).sin() * 3.0)).collect()).collect();
+    let xs: Vec<Vec<f32>> = (0..2).map(|r| (0..len).map(|i| (i as f32 * 0.37 + r as f32).sin() * 3.0).collect()).collect();
     let outs = std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut o = vec![0f32; len];
