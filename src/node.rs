@@ -240,6 +240,7 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
     let needs_tc = !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some());
     let broadcast = if needs_tc {
         broadcast::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        check_local_members(config)?;
         let mut plane = BroadcastPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
         for group in &config.groups {
             plane.set_group(group.id, &group.members).map_err(|e| anyhow!("aggbox: group {}: {e}", group.id))?;
@@ -483,6 +484,25 @@ pub struct NodeStatus {
     pub outcomes: BTreeMap<String, u64>,
     /// Dropped datagrams per reason (summed over CPUs).
     pub drops: BTreeMap<String, u64>,
+    /// Datagrams handed to the user-space path, by reason.
+    pub handoffs: BTreeMap<String, u64>,
+    /// TC broadcast counters by label (empty when TC is not attached).
+    pub broadcast: BTreeMap<String, u64>,
+}
+
+/// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
+/// `(index, label)`; empty when the map is not pinned.
+fn pinned_percpu_counts(path: &Path, entries: impl Iterator<Item = (u32, &'static str)>) -> Result<BTreeMap<String, u64>> {
+    let mut out = BTreeMap::new();
+    let Ok(map) = MapHandle::from_pinned_path(path) else {
+        return Ok(out);
+    };
+    for (index, label) in entries {
+        let per_cpu = map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
+        let packets: u64 = per_cpu.iter().filter_map(|raw| abi::from_bytes::<abi::Stat>(raw)).map(|s| s.packets).sum();
+        out.insert(label.to_string(), packets);
+    }
+    Ok(out)
 }
 
 /// Status of `iface`, or of every interface with pins under `pin_root`.
@@ -546,7 +566,13 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     }
     jobs.sort_by_key(|j| j.id);
     let serving = attach.pid != 0 && process_alive(attach.pid);
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops })
+    let handoffs = pinned_percpu_counts(&dir.join("handoff_stats"), abi::HandoffReason::ALL.iter().map(|r| (*r as u32, r.label())))?;
+    let broadcast = if attach.tc {
+        pinned_percpu_counts(&dir.join("bcast_stats"), abi::BcastStat::ALL.iter().map(|s| (*s as u32, s.label())))?
+    } else {
+        BTreeMap::new()
+    };
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast })
 }
 
 /// Human-readable status table.
@@ -596,12 +622,49 @@ pub fn format_status(status: &NodeStatus) -> String {
     for (name, count) in &status.drops {
         let _ = writeln!(s, "    {name:<28} {count:>12}");
     }
+    if status.handoffs.values().any(|&c| c > 0) {
+        let _ = writeln!(s, "  handed to user space by reason:");
+        for (name, count) in &status.handoffs {
+            let _ = writeln!(s, "    {name:<28} {count:>12}");
+        }
+    }
+    if !status.broadcast.is_empty() {
+        let _ = writeln!(s, "  broadcast (TC) counters:");
+        for (name, count) in &status.broadcast {
+            let _ = writeln!(s, "    {name:<28} {count:>12}");
+        }
+    }
     s
 }
 
 /// Result routes of the jobs whose RESULTs leave the node (in-kernel
 /// allreduce to `result_group`, or upstream to a `parent`).
-fn configure_result_routes(_plane: &BroadcastPlane, _config: &Config, _ifindex: u32) -> Result<()> {
+fn configure_result_routes(plane: &BroadcastPlane, config: &Config, _ifindex: u32) -> Result<()> {
+    for job in &config.jobs {
+        if let Some(group) = job.result_group {
+            plane
+                .set_result_route(job.id, job.result_port, group)
+                .map_err(|e| anyhow!("aggbox: job {}: result_group {group}: {e}", job.id))?;
+        }
+        if let Some(parent) = &job.parent {
+            plane
+                .set_parent_route(job.id, &broadcast::ParentRoute::from_config(job, parent))
+                .map_err(|e| anyhow!("aggbox: job {}: parent {}:{}: {e}", job.id, parent.addr, parent.port))?;
+        }
+    }
+    Ok(())
+}
+
+/// A group member on this host receives its copy through `lo`, which needs
+/// `accept_local` (the copy carries one of this host's addresses as source).
+fn check_local_members(config: &Config) -> Result<()> {
+    let local = local_ipv4_addrs()?;
+    for group in &config.groups {
+        if let Some(member) = group.members.iter().find(|m| local.contains(m.ip())) {
+            broadcast::check_local_delivery()
+                .map_err(|e| anyhow!("aggbox: group {} member {member} is on this host: {e}", group.id))?;
+        }
+    }
     Ok(())
 }
 

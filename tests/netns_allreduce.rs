@@ -4,10 +4,10 @@
 //! stack, and the TC ingress program of the broadcast plane
 //! (`src/bpf/aggbox_tc.bpf.c`, `result_routes`) copies it to every worker
 //! (allreduce) or rewrites it into the node's contribution to its parent
-//! (two-level tree). `aggbox attach` does not attach the TC programs yet, so
-//! each test loads and attaches a `BroadcastPlane` itself in the aggregator's
-//! namespace and writes the group and routes (what `node.rs` will do from
-//! the config's `result_group` and `parent`).
+//! (two-level tree). Everything is configured the way an operator does it:
+//! `[[group]]`, `result_group` and `parent` in the config of `aggbox attach`,
+//! which attaches the TC programs and writes the routes; the counters are
+//! read back through `aggbox::node::status` from the pins.
 //!
 //! Needs root; fails (never skips) otherwise. Run alone:
 //! `sudo -E cargo test --test netns_allreduce`.
@@ -20,7 +20,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aggbox::abi::{BcastStat, Op};
-use aggbox::broadcast::{self, BroadcastError, BroadcastOptions, BroadcastPlane, ParentRoute};
 use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::tools;
 
@@ -95,14 +94,17 @@ impl Drop for Attach {
     }
 }
 
-/// Load a broadcast plane and attach it to eth0 of `netns`.
-fn plane_on(netns: &str) -> BroadcastPlane {
-    let mut plane = BroadcastPlane::load_with(&BroadcastOptions::default())
-        .unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
-    in_netns(netns, || -> Result<(), BroadcastError> { plane.attach(broadcast::ifindex("eth0")?) })
-        .expect("enter namespace")
-        .unwrap_or_else(|e| panic!("attach TC in {netns}: {e}"));
-    plane
+impl Attach {
+    /// The TC counters of this attachment, by label, from its pins.
+    fn broadcast_counts(&self) -> BTreeMap<String, u64> {
+        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
+        assert!(status[0].attach.tc, "aggbox attach attached the TC programs");
+        status[0].broadcast.clone()
+    }
+}
+
+fn count(counts: &BTreeMap<String, u64>, stat: BcastStat) -> u64 {
+    counts.get(stat.label()).copied().unwrap_or_else(|| panic!("no counter {} in {counts:?}", stat.label()))
 }
 
 fn job_toml(id: u16, port: u16, workers: &[Ipv4Addr], result_port: u16, extra: &str) -> String {
@@ -170,15 +172,17 @@ fn allreduce(tag: &str, tx_csum_off: bool) {
     let tb = Testbed::up(TestbedConfig { hosts: 5, tx_csum_off, ..Default::default() }).expect("testbed");
     let agg = tb.host(0);
     let workers: Vec<Ipv4Addr> = (1..=4).map(|i| tb.host(i).addr).collect();
-    let _attach = Attach::start(
+    let members: Vec<SocketAddrV4> = workers.iter().map(|w| SocketAddrV4::new(*w, MEMBER_PORT)).collect();
+    let member_list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+    let attach = Attach::start(
         &agg.netns,
         tag,
-        &format!("[node]\nmetrics = \"off\"\n\n{}", job_toml(JOB, PORT, &workers, RESULT_PORT, "")),
+        &format!(
+            "[node]\nmetrics = \"off\"\n\n{}\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
+            job_toml(JOB, PORT, &workers, RESULT_PORT, &format!("result_group = {GROUP}")),
+            member_list.join(", ")
+        ),
     );
-    let plane = plane_on(&agg.netns);
-    let members: Vec<SocketAddrV4> = workers.iter().map(|w| SocketAddrV4::new(*w, MEMBER_PORT)).collect();
-    plane.set_group(GROUP, &members).expect("set_group");
-    plane.set_result_route(JOB, RESULT_PORT, GROUP).expect("set_result_route");
 
     let local = bind_in(&agg.netns, RESULT_PORT);
     let member_socks: Vec<UdpSocket> = (1..=4).map(|i| bind_in(&tb.host(i).netns, MEMBER_PORT)).collect();
@@ -199,22 +203,20 @@ fn allreduce(tag: &str, tx_csum_off: bool) {
 
     let rounds = 3u64;
     let frags = fragments() as u64;
-    let st = plane.stats().expect("stats");
-    eprintln!("aggregator TC stats: {st:?}");
-    assert_eq!(st.packets(BcastStat::ResultBroadcast), rounds * frags, "one routed RESULT per fragment and round");
+    let st = attach.broadcast_counts();
+    eprintln!("aggregator TC counters: {st:?}");
+    assert_eq!(count(&st, BcastStat::ResultBroadcast), rounds * frags, "one routed RESULT per fragment and round");
     assert_eq!(
-        st.packets(BcastStat::CopySent) + st.packets(BcastStat::NeighMiss),
+        count(&st, BcastStat::CopySent) + count(&st, BcastStat::NeighMiss),
         4 * rounds * frags,
         "one copy per worker and RESULT"
     );
-    assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::CloneFailed) + st.packets(BcastStat::RewriteFailed), 0);
-    let gs = plane.group_stats(GROUP, 0).expect("group stats").expect("exists");
-    assert_eq!((gs.datagrams, gs.copies), (rounds * frags, 4 * rounds * frags));
+    assert_eq!(count(&st, BcastStat::FibError) + count(&st, BcastStat::CloneFailed) + count(&st, BcastStat::RewriteFailed), 0);
     for (i, b) in before.iter().enumerate() {
         let after = udp_snmp(&tb.host(i + 1).netns);
         assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "UdpInCsumErrors on worker {i}");
     }
-    drop(plane);
+    drop(attach);
 }
 
 #[test]
@@ -254,7 +256,6 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
         ),
     );
     let mut leaf_attach = Vec::new();
-    let mut leaf_planes = Vec::new();
     for (l, leaf) in leaves.iter().enumerate() {
         let workers: Vec<Ipv4Addr> = leaf_workers[l].iter().map(|&h| tb.host(h).addr).collect();
         let parent = format!("parent = {{ addr = \"{}\", port = {ROOT_PORT}, job = {ROOT_JOB}, rank = {l} }}", root.addr);
@@ -263,10 +264,6 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
             &format!("leaf{l}"),
             &format!("[node]\nmetrics = \"off\"\n\n{}", job_toml(LEAF_JOB, LEAF_PORT, &workers, LEAF_RESULT_PORT, &parent)),
         ));
-        let plane = plane_on(&leaf.netns);
-        let route = ParentRoute { addr: root.addr, port: ROOT_PORT, job: ROOT_JOB, rank: l as u16, result_port: LEAF_RESULT_PORT };
-        plane.set_parent_route(LEAF_JOB, &route).expect("set_parent_route");
-        leaf_planes.push(plane);
     }
     let root_results = bind_in(&root.netns, ROOT_RESULT_PORT);
     // results go upstream, not to the leaves' local ports
@@ -290,11 +287,10 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
         let mut buf = [0u8; 2048];
         assert!(s.recv_from(&mut buf).is_err(), "leaf {l}: a RESULT that went upstream is not delivered locally");
     }
-    for (l, plane) in leaf_planes.iter().enumerate() {
-        let st = plane.stats().expect("stats");
-        assert_eq!(st.packets(BcastStat::ResultUpstream), 3 * fragments() as u64, "leaf {l}: {st:?}");
-        assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::RewriteFailed), 0, "leaf {l}: {st:?}");
+    for (l, attach) in leaf_attach.iter().enumerate() {
+        let st = attach.broadcast_counts();
+        assert_eq!(count(&st, BcastStat::ResultUpstream), 3 * fragments() as u64, "leaf {l}: {st:?}");
+        assert_eq!(count(&st, BcastStat::FibError) + count(&st, BcastStat::RewriteFailed), 0, "leaf {l}: {st:?}");
     }
-    drop(leaf_planes);
     drop(leaf_attach);
 }
