@@ -11,6 +11,7 @@
 //! - [`xsk`], [`userspace`]: the AF_XDP socket and the user-space aggregation path.
 
 pub mod abi;
+pub mod bench;
 pub mod broadcast;
 pub mod config;
 pub mod dataplane;

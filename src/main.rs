@@ -125,6 +125,25 @@ enum Command {
         #[arg(long, default_value = "sum")]
         op: String,
     },
+    /// Run the evaluation benchmarks (docs/BENCHMARKS.md) on a netns testbed
+    /// and write raw results, plots and REPORT.md (needs root).
+    Bench {
+        /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model.
+        #[arg(default_value = "all")]
+        experiments: Vec<String>,
+        /// CI smoke sizes (a few minutes; asserts correctness, never speed).
+        #[arg(long)]
+        quick: bool,
+        /// Output directory.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
+        /// Repetitions per point (default 3, quick 2).
+        #[arg(long, default_value_t = 0)]
+        reps: usize,
+        /// Do not run scripts/plot.py.
+        #[arg(long)]
+        no_plot: bool,
+    },
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum)]
@@ -193,6 +212,9 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Listen { port, job, elements, timeout, workers, op } => listen(port, job, elements, timeout, workers, &op),
+        Command::Bench { experiments, quick, out, reps, no_plot } => {
+            aggbox::bench::run(&experiments, &aggbox::bench::BenchOptions { quick, out_dir: out, reps, plot: !no_plot })
+        }
     }
 }
 

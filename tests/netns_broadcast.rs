@@ -297,7 +297,10 @@ fn full_checksums_with_tx_offload_off_and_stale_next_hops_re_resolve() {
 
     // next hops go stale after the TTL and the next datagram re-resolves them
     let lookups = plane.stats().expect("stats").packets(BcastStat::FibLookup);
-    assert!(plane.neigh_cache().expect("cache").iter().all(|e| !e.is_stale()));
+    // (Whether entries are still fresh at this point depends on how long the
+    // sends above took on a loaded machine, so only their presence is
+    // checked; staleness is checked after waiting well past the TTL.)
+    assert!(!plane.neigh_cache().expect("cache").is_empty(), "next hops were cached");
     std::thread::sleep(Duration::from_millis(1200));
     let cache = plane.neigh_cache().expect("cache");
     assert!(!cache.is_empty() && cache.iter().all(|e| e.is_stale()), "timer marked entries stale: {cache:?}");

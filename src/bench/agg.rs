@@ -1,0 +1,994 @@
+//! Experiment 1: aggregation throughput, and the harness the other
+//! aggregation experiments reuse.
+//!
+//! Testbed: host 0 is the aggregator, hosts 1..=S the senders (one rank
+//! each). Every sender thread owns a UDP socket in its host's namespace,
+//! connected to `host0:JOB_PORT`, and sends its vector as AGG1 contributions
+//! (full-MTU fragments of 362 int32) in `sendmmsg` batches of 32.
+//!
+//! Aggregators compared in the same run (same senders, same pacing):
+//! - `kernel`: AggBox (`node::attach` on host 0's eth0, native XDP); the
+//!   application is a `recvmmsg` socket on the job's `result_port`.
+//! - `plain`: the plain user-space UDP aggregator: one socket, one `recv`
+//!   per datagram, `reducer::Accumulator` per fragment.
+//! - `tuned`: `recvmmsg` batches of 64 on 2 `SO_REUSEPORT` sockets (steered
+//!   by receiving CPU) with one thread each, a sharded slot table.
+//! - `drop`: the ceiling, `src/bpf/bench_drop.bpf.c` counting and dropping
+//!   every contribution in XDP (no pacing: the senders go flat out).
+//!
+//! Pacing (slot pool): a sender may be at most `window` fragments ahead of
+//! the number of completed fragments, which bounds the fragments in
+//! progress (kernel slots) by `window` < the job's 4096 slots. A fragment
+//! that does not complete for 30 ms (a datagram lost in a full queue) is
+//! resent by every sender; the aggregators deduplicate, and resends are
+//! counted. Every result is checked against the reference values (sums of
+//! `tools::pattern_value`), in every mode.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::mem::MaybeUninit;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, OpenObject};
+use serde::Serialize;
+
+use super::net::{self, RecvBatch};
+use super::{progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary};
+use crate::abi::{self, Op};
+use crate::config::Config;
+use crate::dataplane::XdpMode;
+use crate::node;
+use crate::proto::{self, AggHeader};
+use crate::reducer::Accumulator;
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::tools;
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod drop_skel {
+    include!(concat!(env!("OUT_DIR"), "/bench_drop.skel.rs"));
+}
+
+/// Job id of the benchmark job.
+pub const JOB: u16 = 1;
+/// Contribution port.
+pub const JOB_PORT: u16 = 7000;
+/// RESULT port of the kernel path.
+pub const RESULT_PORT: u16 = 7001;
+/// Elements per full-MTU (1500) contribution.
+pub const PER: usize = 362;
+/// Datagrams per `sendmmsg`.
+pub const BATCH: usize = 32;
+/// Distinct payload blocks per rank (fragment k carries block k % NBLK).
+const NBLK: u64 = 61;
+/// A fragment not completed for this long is resent.
+const STALL: Duration = Duration::from_millis(30);
+
+/// Aggregator under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// AggBox XDP.
+    Kernel,
+    /// One recv per datagram, reducer::Accumulator.
+    Plain,
+    /// recvmmsg + SO_REUSEPORT threads.
+    Tuned,
+    /// XDP count-and-drop ceiling.
+    Drop,
+}
+
+impl Mode {
+    /// Name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Kernel => "kernel",
+            Mode::Plain => "plain",
+            Mode::Tuned => "tuned",
+            Mode::Drop => "drop",
+        }
+    }
+}
+
+/// What the senders send and what the result must be.
+pub trait Workload: Sync {
+    /// Elements per sender.
+    fn elements(&self) -> u64;
+    /// Append rank `rank`'s payload of fragment `frag` (`count` elements) as big-endian int32.
+    fn payload(&self, rank: u16, frag: u64, count: usize, out: &mut Vec<u8>);
+    /// Whether a reduced fragment is right (big-endian int32); may store it.
+    fn check(&self, frag: u64, result_be: &[u8]) -> bool;
+}
+
+/// The throughput workload: fragment k of rank r carries block k % 61 of
+/// `tools::pattern_vector(r, ..)`; results are checked in full.
+pub struct Pattern {
+    elements: u64,
+    blocks: Vec<Vec<Vec<u8>>>,
+    expected: Vec<Vec<u8>>,
+}
+
+impl Pattern {
+    /// `senders` ranks of `elements` each.
+    pub fn new(senders: usize, elements: u64) -> Pattern {
+        let blocks: Vec<Vec<Vec<u8>>> = (0..senders)
+            .map(|r| {
+                (0..NBLK)
+                    .map(|b| {
+                        let v: Vec<i32> = (0..PER).map(|i| tools::pattern_value(r as u16, (b as usize * PER + i) as u32)).collect();
+                        let mut out = Vec::with_capacity(4 * PER);
+                        proto::write_i32_be(&v, &mut out);
+                        out
+                    })
+                    .collect()
+            })
+            .collect();
+        let expected = (0..NBLK)
+            .map(|b| {
+                let v: Vec<i32> = (0..PER)
+                    .map(|i| (0..senders).map(|r| tools::pattern_value(r as u16, (b as usize * PER + i) as u32)).sum())
+                    .collect();
+                let mut out = Vec::with_capacity(4 * PER);
+                proto::write_i32_be(&v, &mut out);
+                out
+            })
+            .collect();
+        Pattern { elements, blocks, expected }
+    }
+}
+
+impl Workload for Pattern {
+    fn elements(&self) -> u64 {
+        self.elements
+    }
+    fn payload(&self, rank: u16, frag: u64, count: usize, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.blocks[rank as usize][(frag % NBLK) as usize][..4 * count]);
+    }
+    fn check(&self, frag: u64, result_be: &[u8]) -> bool {
+        let e = &self.expected[(frag % NBLK) as usize];
+        result_be.len() <= e.len() && result_be == &e[..result_be.len()]
+    }
+}
+
+/// Completion state shared by senders and the aggregator of one run.
+struct Shared {
+    frags: u64,
+    done: Vec<AtomicU64>,
+    completed: AtomicU64,
+    wrong: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn new(frags: u64) -> Shared {
+        Shared {
+            frags,
+            done: (0..frags.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            completed: AtomicU64::new(0),
+            wrong: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        }
+    }
+    fn is_done(&self, k: u64) -> bool {
+        self.done[(k / 64) as usize].load(Ordering::Relaxed) & (1 << (k % 64)) != 0
+    }
+    /// Mark fragment k complete; true the first time.
+    fn mark(&self, k: u64) -> bool {
+        if k >= self.frags {
+            return false;
+        }
+        let bit = 1u64 << (k % 64);
+        let old = self.done[(k / 64) as usize].fetch_or(bit, Ordering::AcqRel);
+        if old & bit == 0 {
+            self.completed.fetch_add(1, Ordering::AcqRel);
+            true
+        } else {
+            false
+        }
+    }
+    fn finished(&self) -> bool {
+        self.completed.load(Ordering::Acquire) >= self.frags || self.stop.load(Ordering::Relaxed)
+    }
+}
+
+/// Parameters of one run.
+#[derive(Debug, Clone, Copy)]
+pub struct RunSpec {
+    /// Round number (distinct per run of one attachment).
+    pub round: u32,
+    /// Fragments a sender may be ahead of the completed count (0 = unpaced).
+    pub window: u64,
+    /// Give up after this long.
+    pub deadline: Duration,
+    /// Datagrams per second per sender (None = as fast as possible).
+    pub rate_per_sender: Option<f64>,
+}
+
+/// Outcome of one run.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct RunResult {
+    /// Aggregator.
+    pub mode: String,
+    /// Senders.
+    pub senders: usize,
+    /// Elements per sender.
+    pub elements_per_sender: u64,
+    /// Bytes of all contributions' payloads together.
+    pub total_bytes: u64,
+    /// Fragments (per sender).
+    pub fragments: u64,
+    /// Seconds from the start barrier to the last completed fragment
+    /// (drop: to the last datagram sent + drain).
+    pub secs: f64,
+    /// Aggregated elements per second: senders × elements / secs ("ops/s").
+    pub elems_per_s: f64,
+    /// Contributions sent (first copies).
+    pub sent: u64,
+    /// Contributions resent after a stall.
+    pub resent: u64,
+    /// Fragments whose result was wrong.
+    pub wrong: u64,
+    /// Fragments completed.
+    pub completed: u64,
+    /// Whether every fragment completed with the right result.
+    pub ok: bool,
+    /// Contributions the drop program counted (drop mode).
+    pub dropped_counted: u64,
+    /// Δ run time of the XDP programs (ns), summed over the chain (bpf_stats).
+    pub xdp_run_ns: u64,
+    /// Δ runs of the XDP entry program.
+    pub xdp_runs: u64,
+    /// Per-program (name, Δruns, Δns).
+    pub xdp_programs: Vec<(String, u64, u64)>,
+    /// CPU seconds of the aggregator's user-space threads.
+    pub agg_thread_cpu_s: f64,
+    /// /proc/stat Δ over the run: busy fraction of all CPUs (0..1).
+    pub sys_busy: f64,
+    /// /proc/stat Δ: softirq fraction of all CPUs.
+    pub sys_softirq: f64,
+    /// Error text when not ok.
+    pub error: Option<String>,
+}
+
+/// A testbed with one aggregator host and `senders` sender hosts.
+pub struct Harness {
+    /// The testbed.
+    pub tb: Testbed,
+    /// Sender sockets (rank r = host r+1), connected to host0:JOB_PORT.
+    pub senders: Vec<UdpSocket>,
+    bpffs: PrivateBpffs,
+}
+
+impl Harness {
+    /// Build the testbed (static neighbours) and the sender sockets.
+    pub fn new(senders: usize) -> Result<Harness> {
+        let tb = Testbed::up(TestbedConfig { hosts: senders + 1, static_neigh: true, ..Default::default() })?;
+        let agg = tb.host(0).addr;
+        let mut socks = Vec::new();
+        for r in 0..senders {
+            let h = tb.host(r + 1);
+            let s = in_netns(&h.netns, || -> std::io::Result<UdpSocket> {
+                let s = UdpSocket::bind(SocketAddrV4::new(h.addr, 0))?;
+                s.connect(SocketAddrV4::new(agg, JOB_PORT))?;
+                Ok(s)
+            })??;
+            net::set_sndbuf(&s, 4 << 20)?;
+            socks.push(s);
+        }
+        Ok(Harness { tb, senders: socks, bpffs: PrivateBpffs::mount("agg")? })
+    }
+
+    /// Sender addresses (rank order).
+    pub fn worker_addrs(&self) -> Vec<Ipv4Addr> {
+        (0..self.senders.len()).map(|r| self.tb.host(r + 1).addr).collect()
+    }
+
+    /// Config text of the benchmark job.
+    pub fn config_text(&self) -> String {
+        let workers: Vec<String> = self.worker_addrs().iter().map(|a| format!("\"{a}\"")).collect();
+        format!(
+            "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nresult_port = {RESULT_PORT}\nworkers = [{}]\nslots = 4096\nwindow = 4\n",
+            workers.join(", ")
+        )
+    }
+
+    /// Run `f` with the aggregator of `mode` in place on host 0; `f` gets an
+    /// [`Aggregator`] to run workloads with. Attach/detach happens here.
+    pub fn with_mode<T>(&self, mode: Mode, f: impl FnOnce(&mut Aggregator<'_>) -> Result<T> + Send) -> Result<T>
+    where
+        T: Send,
+    {
+        let netns = self.tb.host(0).netns.clone();
+        let text = self.config_text();
+        let pins = self.bpffs.path.clone();
+        in_netns(&netns, || -> Result<T> {
+            match mode {
+                Mode::Kernel => {
+                    let config = Config::parse(&text, "bench.toml").map_err(|e| anyhow!("bench config: {e}"))?;
+                    let att = node::attach("eth0", &config, None, &pins, XdpMode::Native)?;
+                    for w in &att.warnings {
+                        progress(format!("  attach warning: {w}"));
+                    }
+                    let rx = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, RESULT_PORT))?;
+                    net::set_rcvbuf(&rx, 32 << 20)?;
+                    rx.set_read_timeout(Some(Duration::from_millis(10)))?;
+                    let mut a = Aggregator { h: self, mode, rx: vec![rx], att: Some(&att), drop: None };
+                    let out = f(&mut a);
+                    drop(a);
+                    att.detach()?;
+                    out
+                }
+                Mode::Plain | Mode::Tuned => {
+                    let n = if mode == Mode::Plain { 1 } else { 2 };
+                    let mut rx = Vec::new();
+                    for _ in 0..n {
+                        let s = net::reuseport_socket(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, JOB_PORT))?;
+                        net::set_rcvbuf(&s, 32 << 20)?;
+                        s.set_read_timeout(Some(Duration::from_millis(10)))?;
+                        rx.push(s);
+                    }
+                    if mode == Mode::Tuned {
+                        net::reuseport_by_cpu(&rx[0])?;
+                    }
+                    let mut a = Aggregator { h: self, mode, rx, att: None, drop: None };
+                    f(&mut a)
+                }
+                Mode::Drop => {
+                    let mut obj = MaybeUninit::<OpenObject>::uninit();
+                    let open = drop_skel::BenchDropSkelBuilder::default().open(&mut obj).context("opening bench_drop")?;
+                    let skel = open.load().context("loading bench_drop")?;
+                    skel.maps
+                        .bench_cfg
+                        .update(&0u32.to_ne_bytes(), &u32::from(JOB_PORT).to_ne_bytes(), MapFlags::ANY)
+                        .context("bench_cfg")?;
+                    let ifindex = node::ifindex("eth0")?;
+                    let link = skel.progs.bench_drop.attach_xdp(ifindex as i32).context("attaching bench_drop")?;
+                    let counts = &skel.maps.bench_counts;
+                    let read = move || -> u64 {
+                        counts
+                            .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
+                            .ok()
+                            .flatten()
+                            .map(|v| v.iter().map(|c| u64::from_ne_bytes(c[..8].try_into().unwrap_or([0; 8]))).sum())
+                            .unwrap_or(0)
+                    };
+                    let prog_id = {
+                        use std::os::fd::AsFd;
+                        prog_id(skel.progs.bench_drop.as_fd())
+                    };
+                    let mut a = Aggregator { h: self, mode, rx: vec![], att: None, drop: Some((Box::new(read), prog_id)) };
+                    let out = f(&mut a);
+                    drop(a);
+                    drop(link);
+                    out
+                }
+            }
+        })?
+    }
+}
+
+fn prog_id(fd: std::os::fd::BorrowedFd<'_>) -> u32 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: zeroed info is valid; no arrays requested.
+    let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: valid fd and buffer.
+    let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) };
+    if rc < 0 {
+        0
+    } else {
+        info.id
+    }
+}
+
+type DropReader<'a> = (Box<dyn Fn() -> u64 + 'a>, u32);
+
+/// An aggregator in place on host 0 (see [`Harness::with_mode`]).
+pub struct Aggregator<'a> {
+    h: &'a Harness,
+    /// Mode.
+    pub mode: Mode,
+    rx: Vec<UdpSocket>,
+    /// The AggBox attachment (kernel mode).
+    pub att: Option<&'a node::Attachment>,
+    drop: Option<DropReader<'a>>,
+}
+
+fn prog_stats(a: &Aggregator<'_>) -> Vec<(String, u64, u64)> {
+    if let Some(att) = a.att {
+        return att.dataplane.programs().map(|v| v.into_iter().map(|p| (p.name.to_string(), p.run_cnt, p.run_time_ns)).collect()).unwrap_or_default();
+    }
+    if let Some((_, id)) = &a.drop {
+        if let Ok((cnt, ns, _)) = crate::metrics::program_run_stats(*id) {
+            return vec![("bench_drop".into(), cnt, ns)];
+        }
+    }
+    vec![]
+}
+
+impl Aggregator<'_> {
+    /// Run one workload through this aggregator.
+    pub fn run(&mut self, w: &dyn Workload, spec: RunSpec) -> RunResult {
+        match self.run_inner(w, spec) {
+            Ok(r) => r,
+            Err(e) => RunResult { mode: self.mode.name().into(), error: Some(format!("{e:#}")), ..Default::default() },
+        }
+    }
+
+    fn run_inner(&mut self, w: &dyn Workload, spec: RunSpec) -> Result<RunResult> {
+        let senders = self.h.senders.len();
+        let elements = w.elements();
+        let frags = elements.div_ceil(PER as u64);
+        let shared = Shared::new(frags);
+        let barrier = Barrier::new(senders + self.rx.len().max(1) + 1);
+        let mode = self.mode;
+        let window = if mode == Mode::Drop { 0 } else { spec.window };
+        let drop_before = self.drop.as_ref().map(|(f, _)| f()).unwrap_or(0);
+        let prog_before = prog_stats(self);
+        // Drain anything queued from an earlier run.
+        for s in &self.rx {
+            s.set_nonblocking(true)?;
+            let mut b = [0u8; 2048];
+            while s.recv(&mut b).is_ok() {}
+            s.set_nonblocking(false)?;
+        }
+        let sent = AtomicU64::new(0);
+        let resent = AtomicU64::new(0);
+        let agg_cpu = Mutex::new(0f64);
+        let tables: Vec<Mutex<HashMap<u64, (Accumulator, u64)>>> = (0..64).map(|_| Mutex::new(HashMap::new())).collect();
+        let all_ranks: u64 = if senders >= 64 { u64::MAX } else { (1u64 << senders) - 1 };
+        let stat0;
+        let t0;
+        let mut t_end = None;
+        {
+            let shared = &shared;
+            let barrier = &barrier;
+            let sent = &sent;
+            let resent = &resent;
+            let agg_cpu = &agg_cpu;
+            let tables = &tables;
+            let rx = &self.rx;
+            let (s0, start, end) = std::thread::scope(|scope| -> Result<(super::net::ProcStat, Instant, Option<Instant>)> {
+                let mut handles = Vec::new();
+                for (r, sock) in self.h.senders.iter().enumerate() {
+                    handles.push(scope.spawn(move || sender(sock, r as u16, w, shared, window, spec, barrier, sent, resent)));
+                }
+                let mut agg_handles = Vec::new();
+                if mode == Mode::Drop {
+                    agg_handles.push(scope.spawn(move || -> Result<()> {
+                        barrier.wait();
+                        Ok(())
+                    }));
+                }
+                for (i, sock) in rx.iter().enumerate() {
+                    let one = mode == Mode::Plain;
+                    agg_handles.push(scope.spawn(move || -> Result<()> {
+                        barrier.wait();
+                        let c0 = net::thread_cpu_time();
+                        let r = match mode {
+                            Mode::Kernel => collect_results(sock, w, shared, spec.round),
+                            _ => user_aggregate(sock, one, w, shared, spec.round, tables, all_ranks, i),
+                        };
+                        *agg_cpu.lock().unwrap_or_else(|e| e.into_inner()) += (net::thread_cpu_time() - c0).as_secs_f64();
+                        r
+                    }));
+                }
+                let s0 = super::net::ProcStat::now();
+                barrier.wait();
+                let start = Instant::now();
+                let deadline = start + spec.deadline;
+                let mut end = None;
+                if mode != Mode::Drop {
+                    while !shared.finished() {
+                        if Instant::now() > deadline {
+                            shared.stop.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    if shared.completed.load(Ordering::Acquire) >= frags {
+                        end = Some(Instant::now());
+                    }
+                    shared.stop.store(true, Ordering::Relaxed);
+                }
+                let mut errs = Vec::new();
+                for h in handles {
+                    match h.join() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => errs.push(format!("{e:#}")),
+                        Err(_) => errs.push("sender panicked".into()),
+                    }
+                }
+                if mode == Mode::Drop {
+                    end = Some(Instant::now());
+                    shared.stop.store(true, Ordering::Relaxed);
+                }
+                for h in agg_handles {
+                    match h.join() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => errs.push(format!("{e:#}")),
+                        Err(_) => errs.push("aggregator panicked".into()),
+                    }
+                }
+                if !errs.is_empty() {
+                    bail!("{}", errs.join("; "));
+                }
+                Ok((s0, start, end))
+            })?;
+            stat0 = s0;
+            t0 = start;
+            t_end = t_end.or(end);
+        }
+        let stat = super::net::ProcStat::now().since(&stat0);
+        if mode == Mode::Drop {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let prog_after = prog_stats(self);
+        let mut xdp_programs = Vec::new();
+        let (mut run_ns, mut runs) = (0u64, 0u64);
+        for (i, (name, cnt, ns)) in prog_after.iter().enumerate() {
+            let (c0, n0) = prog_before.get(i).map(|p| (p.1, p.2)).unwrap_or((0, 0));
+            let (dc, dn) = (cnt.saturating_sub(c0), ns.saturating_sub(n0));
+            run_ns += dn;
+            if i == 0 {
+                runs = dc;
+            }
+            xdp_programs.push((name.clone(), dc, dn));
+        }
+        let agg_thread_cpu_s = *agg_cpu.lock().unwrap_or_else(|e| e.into_inner());
+        let dropped = self.drop.as_ref().map(|(f, _)| f()).unwrap_or(0).saturating_sub(drop_before);
+        let completed = shared.completed.load(Ordering::Acquire);
+        let wrong = shared.wrong.load(Ordering::Acquire);
+        let ok = if mode == Mode::Drop { t_end.is_some() } else { completed == frags && wrong == 0 };
+        let secs = t_end.map(|e| (e - t0).as_secs_f64()).unwrap_or(f64::NAN);
+        let elems = if mode == Mode::Drop { dropped as f64 * PER as f64 } else { (senders as u64 * elements) as f64 };
+        let total = stat.total().max(1) as f64;
+        let busy = (stat.total() - stat.idle) as f64 / total;
+        let error = if ok {
+            None
+        } else {
+            Some(format!("completed {completed} of {frags} fragments, {wrong} wrong (deadline {:?})", spec.deadline))
+        };
+        Ok(RunResult {
+            mode: mode.name().into(),
+            senders,
+            elements_per_sender: elements,
+            total_bytes: senders as u64 * elements * 4,
+            fragments: frags,
+            secs,
+            elems_per_s: elems / secs,
+            sent: sent.load(Ordering::Relaxed),
+            resent: resent.load(Ordering::Relaxed),
+            wrong,
+            completed,
+            ok,
+            dropped_counted: dropped,
+            xdp_run_ns: run_ns,
+            xdp_runs: runs,
+            xdp_programs,
+            agg_thread_cpu_s,
+            sys_busy: busy,
+            sys_softirq: stat.softirq as f64 / total,
+            error,
+        })
+    }
+}
+
+fn build(w: &dyn Workload, rank: u16, round: u32, frag: u64, frags: u64, elements: u64, seq: u32, out: &mut Vec<u8>) {
+    let off = frag * PER as u64;
+    let count = (elements - off).min(PER as u64) as usize;
+    let hdr = AggHeader {
+        job: JOB,
+        rank,
+        seq,
+        round,
+        frag_off: off as u32,
+        op: Op::Sum,
+        flags: if frag + 1 == frags { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+        count: count as u16,
+    };
+    out.clear();
+    out.extend_from_slice(&proto::agg_header_bytes(&hdr));
+    w.payload(rank, frag, count, out);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sender(
+    sock: &UdpSocket,
+    rank: u16,
+    w: &dyn Workload,
+    shared: &Shared,
+    window: u64,
+    spec: RunSpec,
+    barrier: &Barrier,
+    sent: &AtomicU64,
+    resent: &AtomicU64,
+) -> Result<()> {
+    let elements = w.elements();
+    let frags = shared.frags;
+    let mut bufs: Vec<Vec<u8>> = (0..BATCH).map(|_| Vec::with_capacity(1500)).collect();
+    let mut seq = 0u32;
+    let mut next = 0u64;
+    let mut scan_low = 0u64;
+    let mut last_completed = 0u64;
+    let mut last_progress = Instant::now();
+    barrier.wait();
+    let start = Instant::now();
+    // Resend this rank's contributions to incomplete fragments in [scan_low, upto).
+    let resend = |scan_low: &mut u64, upto: u64, bufs: &mut Vec<Vec<u8>>, seq: &mut u32| -> Result<()> {
+        while *scan_low < upto && shared.is_done(*scan_low) {
+            *scan_low += 1;
+        }
+        let mut k = *scan_low;
+        let mut n = 0;
+        let mut budget = window.max(BATCH as u64);
+        while k < upto && budget > 0 {
+            if !shared.is_done(k) {
+                build(w, rank, spec.round, k, frags, elements, *seq, &mut bufs[n]);
+                *seq = seq.wrapping_add(1);
+                n += 1;
+                budget -= 1;
+                if n == BATCH {
+                    let refs: Vec<&[u8]> = bufs[..n].iter().map(|b| b.as_slice()).collect();
+                    net::send_batch(sock, &refs)?;
+                    resent.fetch_add(n as u64, Ordering::Relaxed);
+                    n = 0;
+                }
+            }
+            k += 1;
+        }
+        if n > 0 {
+            let refs: Vec<&[u8]> = bufs[..n].iter().map(|b| b.as_slice()).collect();
+            net::send_batch(sock, &refs)?;
+            resent.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    };
+    while next < frags {
+        if shared.stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if window > 0 {
+            let c = shared.completed.load(Ordering::Acquire);
+            if c != last_completed {
+                last_completed = c;
+                last_progress = Instant::now();
+            }
+            if next + BATCH as u64 > c + window && next + 1 > c + window / 2 {
+                if last_progress.elapsed() > STALL {
+                    resend(&mut scan_low, next, &mut bufs, &mut seq)?;
+                    last_progress = Instant::now();
+                }
+                std::thread::yield_now();
+                continue;
+            }
+        }
+        if let Some(rate) = spec.rate_per_sender {
+            let due = start + Duration::from_secs_f64(next as f64 / rate);
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep((due - now).min(Duration::from_millis(5)));
+                continue;
+            }
+        }
+        let n = (frags - next).min(BATCH as u64) as usize;
+        for (i, b) in bufs.iter_mut().take(n).enumerate() {
+            build(w, rank, spec.round, next + i as u64, frags, elements, seq, b);
+            seq = seq.wrapping_add(1);
+        }
+        let refs: Vec<&[u8]> = bufs[..n].iter().map(|b| b.as_slice()).collect();
+        net::send_batch(sock, &refs)?;
+        sent.fetch_add(n as u64, Ordering::Relaxed);
+        next += n as u64;
+    }
+    if window == 0 {
+        return Ok(());
+    }
+    // Tail: resend what stalls until everything completed or the run stops.
+    last_progress = Instant::now();
+    while !shared.finished() {
+        let c = shared.completed.load(Ordering::Acquire);
+        if c != last_completed {
+            last_completed = c;
+            last_progress = Instant::now();
+        }
+        if last_progress.elapsed() > STALL {
+            resend(&mut scan_low, frags, &mut bufs, &mut seq)?;
+            last_progress = Instant::now();
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
+}
+
+fn collect_results(sock: &UdpSocket, w: &dyn Workload, shared: &Shared, round: u32) -> Result<()> {
+    let mut batch = RecvBatch::new(64, 2048);
+    while !shared.finished() {
+        let n = batch.recv(sock, false)?;
+        for i in 0..n {
+            let Ok((hdr, be)) = proto::split_agg(batch.get(i)) else { continue };
+            if hdr.job != JOB || hdr.round != round || !hdr.is_result() {
+                continue;
+            }
+            let k = u64::from(hdr.frag_off) / PER as u64;
+            if shared.is_done(k) {
+                continue;
+            }
+            if w.check(k, be) {
+                shared.mark(k);
+            } else {
+                shared.wrong.fetch_add(1, Ordering::Relaxed);
+                shared.mark(k);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn user_aggregate(
+    sock: &UdpSocket,
+    one: bool,
+    w: &dyn Workload,
+    shared: &Shared,
+    round: u32,
+    tables: &[Mutex<HashMap<u64, (Accumulator, u64)>>],
+    all_ranks: u64,
+    _worker: usize,
+) -> Result<()> {
+    let mut batch = RecvBatch::new(if one { 1 } else { 64 }, 2048);
+    let mut free: Vec<Accumulator> = Vec::new();
+    let mut out = Vec::with_capacity(4 * PER);
+    while !shared.finished() {
+        let n = batch.recv(sock, one)?;
+        for i in 0..n {
+            let Ok((hdr, be)) = proto::split_agg(batch.get(i)) else { continue };
+            if hdr.job != JOB || hdr.round != round || hdr.is_result() || hdr.rank >= 64 {
+                continue;
+            }
+            let k = u64::from(hdr.frag_off) / PER as u64;
+            if shared.is_done(k) {
+                continue; // late resend of a completed fragment
+            }
+            let bit = 1u64 << hdr.rank;
+            let mut table = tables[(k % tables.len() as u64) as usize].lock().unwrap_or_else(|e| e.into_inner());
+            let entry = match table.entry(k) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let acc = match free.pop() {
+                        Some(mut a) => {
+                            a.reset(hdr.op, hdr.count as usize, false)?;
+                            a
+                        }
+                        None => Accumulator::new(hdr.op, hdr.count as usize, false)?,
+                    };
+                    v.insert((acc, 0))
+                }
+            };
+            if entry.1 & bit != 0 {
+                continue; // duplicate
+            }
+            entry.0.add_be_bytes(be, 1)?;
+            entry.1 |= bit;
+            if entry.1 == all_ranks {
+                let Some((acc, _)) = table.remove(&k) else { continue };
+                drop(table);
+                let result = acc.finish()?;
+                out.clear();
+                result.write_be(&mut out);
+                if !w.check(k, &out) {
+                    shared.wrong.fetch_add(1, Ordering::Relaxed);
+                }
+                shared.mark(k);
+                free.push(acc);
+            }
+        }
+    }
+    for t in tables {
+        t.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+    Ok(())
+}
+
+/// One row of the throughput table.
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    mode: String,
+    total_mb: u64,
+    runs: Vec<RunResult>,
+    elems_per_s: Summary,
+    xdp_ns_per_contribution: Option<Summary>,
+}
+
+/// Experiment 1.
+pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
+    let senders = 4;
+    let sizes_mb: Vec<u64> = if opts.quick { vec![1, 8] } else { vec![8, 32, 128, 512] };
+    let reps = opts.reps();
+    let modes = [Mode::Drop, Mode::Kernel, Mode::Plain, Mode::Tuned];
+    let _stats = crate::metrics::enable_bpf_stats()?;
+    progress(format!("agg: testbed 1 aggregator + {senders} senders; sizes {sizes_mb:?} MB total; {reps} reps; modes drop, kernel, plain, tuned"));
+    let h = Harness::new(senders)?;
+    let mut runs: Vec<(Mode, u64, RunResult)> = Vec::new();
+    let mut round = 1u32;
+    for rep in 0..reps {
+        for mode in modes {
+            let res = h.with_mode(mode, |a| -> Result<Vec<(u64, RunResult)>> {
+                let mut out = Vec::new();
+                for &mb in &sizes_mb {
+                    let elements = mb * (1 << 20) / 4 / senders as u64;
+                    let wl = Pattern::new(senders, elements);
+                    let spec = RunSpec { round, window: 2048, deadline: Duration::from_secs(60 + mb / 2), rate_per_sender: None };
+                    round += 1;
+                    let r = a.run(&wl, spec);
+                    progress(format!(
+                        "agg rep {}/{reps} {:6} {:4} MB: {:>14} elements/s in {:.3}s{}{}{}",
+                        rep + 1,
+                        mode.name(),
+                        mb,
+                        thousands(r.elems_per_s),
+                        r.secs,
+                        if r.resent > 0 { format!(", {} resent", r.resent) } else { String::new() },
+                        if r.xdp_runs > 0 { format!(", XDP {:.0} ns/run", r.xdp_run_ns as f64 / r.xdp_runs as f64) } else { String::new() },
+                        r.error.as_deref().map(|e| format!(" ERROR {e}")).unwrap_or_default()
+                    ));
+                    out.push((mb, r));
+                }
+                Ok(out)
+            })?;
+            runs.extend(res.into_iter().map(|(mb, r)| (mode, mb, r)));
+        }
+    }
+    drop(h);
+    let failed: Vec<String> = runs
+        .iter()
+        .filter(|(_, _, r)| !r.ok)
+        .map(|(m, mb, r)| format!("{} {mb} MB: {}", m.name(), r.error.clone().unwrap_or_default()))
+        .collect();
+
+    // Table.
+    let mut points = Vec::new();
+    let mut csv = Csv::new(&[
+        "mode", "total_mb", "rep", "senders", "elements_per_sender", "secs", "elems_per_s", "sent", "resent", "wrong", "ok",
+        "xdp_runs", "xdp_run_ns", "xdp_ns_per_run", "agg_thread_cpu_s", "sys_busy", "sys_softirq",
+    ]);
+    for mode in modes {
+        for &mb in &sizes_mb {
+            let rs: Vec<RunResult> = runs.iter().filter(|(m, s, _)| *m == mode && *s == mb).map(|(_, _, r)| r.clone()).collect();
+            for (i, r) in rs.iter().enumerate() {
+                csv.row(vec![
+                    mode.name().into(),
+                    mb.to_string(),
+                    i.to_string(),
+                    r.senders.to_string(),
+                    r.elements_per_sender.to_string(),
+                    format!("{:.6}", r.secs),
+                    format!("{:.0}", r.elems_per_s),
+                    r.sent.to_string(),
+                    r.resent.to_string(),
+                    r.wrong.to_string(),
+                    r.ok.to_string(),
+                    r.xdp_runs.to_string(),
+                    r.xdp_run_ns.to_string(),
+                    format!("{:.1}", if r.xdp_runs > 0 { r.xdp_run_ns as f64 / r.xdp_runs as f64 } else { f64::NAN }),
+                    format!("{:.4}", r.agg_thread_cpu_s),
+                    format!("{:.4}", r.sys_busy),
+                    format!("{:.4}", r.sys_softirq),
+                ]);
+            }
+            let eps = summarize(&rs.iter().filter(|r| r.ok).map(|r| r.elems_per_s).collect::<Vec<_>>());
+            let xdp = if mode == Mode::Kernel || mode == Mode::Drop {
+                Some(summarize(
+                    &rs.iter().filter(|r| r.xdp_runs > 0).map(|r| r.xdp_run_ns as f64 / r.xdp_runs as f64).collect::<Vec<_>>(),
+                ))
+            } else {
+                None
+            };
+            points.push(Point { mode: mode.name().into(), total_mb: mb, runs: rs, elems_per_s: eps, xdp_ns_per_contribution: xdp });
+        }
+    }
+    csv.write(&opts.out_dir.join("agg_throughput.csv"))?;
+    super::write_json(&opts.out_dir.join("agg_throughput.json"), &points)?;
+
+    let get = |mode: Mode, mb: u64| points.iter().find(|p| p.mode == mode.name() && p.total_mb == mb);
+    let largest = *sizes_mb.last().unwrap_or(&8);
+    let mut md = String::new();
+    let _ = writeln!(md, "## 1. Aggregation throughput (4 senders)\n");
+    let _ = writeln!(
+        md,
+        "Aggregated elements per second (\"ops/s\" = 4 × elements per sender / time from the start to the last reduced fragment at the application), \
+         int32 SUM, full-MTU contributions (362 elements), sendmmsg batches of 32, senders at most 2048 fragments ahead of the completed count \
+         (the kernel job has 4096 slots). Every reduced fragment is checked against the reference values in every mode. \
+         Median over {reps} runs, [min – max].\n"
+    );
+    let _ = writeln!(md, "| total data | AggBox XDP | plain UDP (recv/datagram) | tuned UDP (recvmmsg, 2 REUSEPORT threads) | XDP count-and-drop ceiling | AggBox / plain | AggBox / tuned | AggBox / ceiling |");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let fmt = |p: Option<&Point>| {
+        p.map(|p| format!("{} [{} – {}]", thousands(p.elems_per_s.median), thousands(p.elems_per_s.min), thousands(p.elems_per_s.max)))
+            .unwrap_or_else(|| "–".into())
+    };
+    let med = |p: Option<&Point>| p.map(|p| p.elems_per_s.median).unwrap_or(f64::NAN);
+    for &mb in &sizes_mb {
+        let (k, p, t, d) = (get(Mode::Kernel, mb), get(Mode::Plain, mb), get(Mode::Tuned, mb), get(Mode::Drop, mb));
+        let _ = writeln!(
+            md,
+            "| {mb} MB | {} | {} | {} | {} | {:.2}× | {:.2}× | {:.0} % |",
+            fmt(k),
+            fmt(p),
+            fmt(t),
+            fmt(d),
+            med(k) / med(p),
+            med(k) / med(t),
+            100.0 * med(k) / med(d)
+        );
+    }
+    let k = get(Mode::Kernel, largest);
+    let p = get(Mode::Plain, largest);
+    let ratio = med(k) / med(p);
+    let _ = writeln!(
+        md,
+        "\n**Paper (Fig. 7, 512 MB, 4 senders):** AggBox 212,288,843 ops/s vs socket baseline 54,025,990 ops/s = **3.9×**. \
+         **Ours ({largest} MB):** AggBox {} vs plain {} = **{ratio:.2}×** (tuned: {:.2}×).\n",
+        thousands(med(k)),
+        thousands(med(p)),
+        med(k) / med(get(Mode::Tuned, largest))
+    );
+    let xdp = k.and_then(|p| p.xdp_ns_per_contribution);
+    let dropns = get(Mode::Drop, largest).and_then(|p| p.xdp_ns_per_contribution);
+    if let Some(x) = xdp {
+        let progs: Vec<String> = k
+            .and_then(|p| p.runs.first())
+            .map(|r| r.xdp_programs.iter().map(|(n, c, ns)| format!("{n}: {c} runs, {ns} ns")).collect())
+            .unwrap_or_default();
+        let _ = writeln!(
+            md,
+            "**XDP run time per full-MTU contribution** (bpf_stats, Δ run time summed over the 4 chain programs / Δ runs of the entry program, \
+             {largest} MB runs): median **{:.0} ns** [min {:.0} – max {:.0}] (goal < 1 µs: {}). Tail-called programs run inside the entry \
+             program's accounting, so their own counters stay 0 (first run: {}). The count-and-drop program costs {:.0} ns per datagram on the same path.\n",
+            x.median,
+            x.min,
+            x.max,
+            if x.median < 1000.0 { "met" } else { "NOT met" },
+            progs.join("; "),
+            dropns.map(|d| d.median).unwrap_or(f64::NAN)
+        );
+        ctx.xdp_ns_per_contribution = Some(x.median);
+    }
+    ctx.kernel_elems_per_s = Some(med(k));
+    let d = med(get(Mode::Drop, largest));
+    let _ = writeln!(
+        md,
+        "**Where we are behind and why.** The absolute rate is bounded by this VM, not by the XDP program: senders, bridge and aggregator share 2 vCPUs, \
+         and the count-and-drop ceiling (the same senders into an XDP program that only parses and drops) reaches {} elements/s \
+         ({} contributions/s). AggBox reaches {:.0} % of that ceiling; at {:.0} ns of XDP time per contribution the program itself could absorb \
+         ~{:.1} M contributions/s per core, so the senders (sendmmsg + veth + bridge, all in softirq on the same 2 vCPUs) are the bottleneck. \
+         The paper's 212 M ops/s needs ~586 k contributions/s of 362 elements, above this VM's measured sender ceiling. \
+         The ratio against the baseline is smaller than the paper's 3.9× partly because the baseline here also runs with 4 fast local senders \
+         sharing its CPUs (the plain aggregator's recv loop competes with the senders for the same 2 vCPUs).\n",
+        thousands(d),
+        thousands(d / PER as f64),
+        100.0 * med(k) / d,
+        xdp.map(|x| x.median).unwrap_or(f64::NAN),
+        xdp.map(|x| 1e3 / x.median).unwrap_or(f64::NAN),
+    );
+    let _ = writeln!(md, "Plot: `agg_throughput.png`. Raw: `agg_throughput.csv`, `agg_throughput.json`.\n");
+    if !failed.is_empty() {
+        let _ = writeln!(md, "**Failed runs:** {}\n", failed.join("; "));
+    }
+    let headline = vec![
+        format!("agg {largest} MB: kernel {} plain {} tuned {} drop {} elements/s; kernel/plain {ratio:.2}x", thousands(med(k)), thousands(med(p)), thousands(med(get(Mode::Tuned, largest))), thousands(d)),
+        format!("XDP ns/contribution: {:.0}", xdp.map(|x| x.median).unwrap_or(f64::NAN)),
+    ];
+    if opts.quick && !failed.is_empty() {
+        bail!("correctness: {}", failed.join("; "));
+    }
+    let _ = std::fs::write(
+        opts.out_dir.join("agg_summary.txt"),
+        format!("{}\n", headline.join("\n")),
+    );
+    Ok(Section { name: "agg".into(), markdown: md, headline })
+}

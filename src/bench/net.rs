@@ -1,0 +1,277 @@
+//! Socket and accounting helpers of the benchmarks: `sendmmsg` / `recvmmsg`
+//! batches, socket options, per-thread and system CPU time.
+
+use std::io;
+use std::net::UdpSocket;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+/// Send every datagram of `bufs` on the connected `socket` with `sendmmsg`
+/// (retrying the rest after a partial send). Returns datagrams sent.
+pub fn send_batch(socket: &UdpSocket, bufs: &[&[u8]]) -> io::Result<usize> {
+    let mut iov: Vec<libc::iovec> =
+        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+    // SAFETY: zeroed mmsghdr is valid (no name, no control).
+    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len()).map(|_| unsafe { std::mem::zeroed() }).collect();
+    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 1;
+    }
+    let mut done = 0;
+    let mut spins = 0;
+    while done < msgs.len() {
+        // SAFETY: msgs[done..] point at live iovecs over live buffers.
+        let rc = unsafe { libc::sendmmsg(socket.as_raw_fd(), msgs[done..].as_mut_ptr(), (msgs.len() - done) as u32, 0) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) if spins < 100_000 => {
+                    spins += 1;
+                    std::thread::yield_now();
+                    continue;
+                }
+                _ => return Err(e),
+            }
+        }
+        done += rc as usize;
+    }
+    Ok(done)
+}
+
+/// A reusable `recvmmsg` batch of `n` buffers of `size` bytes.
+pub struct RecvBatch {
+    bufs: Vec<Vec<u8>>,
+    iov: Vec<libc::iovec>,
+    msgs: Vec<libc::mmsghdr>,
+    lens: Vec<usize>,
+}
+
+// SAFETY: the raw pointers point into `bufs`, owned by the batch.
+unsafe impl Send for RecvBatch {}
+
+impl RecvBatch {
+    /// `n` buffers of `size` bytes.
+    pub fn new(n: usize, size: usize) -> RecvBatch {
+        let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size]).collect();
+        let iov: Vec<libc::iovec> =
+            bufs.iter_mut().map(|b| libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+        // SAFETY: zeroed mmsghdr is valid.
+        let msgs = (0..n).map(|_| unsafe { std::mem::zeroed() }).collect();
+        RecvBatch { bufs, iov, msgs, lens: vec![0; n] }
+    }
+
+    /// Receive up to the batch size (blocking until at least one, or the
+    /// socket's read timeout: then `Ok(0)`). `one` = plain `recv` of one datagram.
+    pub fn recv(&mut self, socket: &UdpSocket, one: bool) -> io::Result<usize> {
+        if one {
+            return match socket.recv(&mut self.bufs[0]) {
+                Ok(n) => {
+                    self.lens[0] = n;
+                    Ok(1)
+                }
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Ok(0),
+                Err(e) => Err(e),
+            };
+        }
+        for (m, v) in self.msgs.iter_mut().zip(self.iov.iter_mut()) {
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+            m.msg_len = 0;
+        }
+        // SAFETY: msgs point at iovecs over owned buffers; MSG_WAITFORONE returns after the first.
+        let rc = unsafe {
+            libc::recvmmsg(socket.as_raw_fd(), self.msgs.as_mut_ptr(), self.msgs.len() as u32, libc::MSG_WAITFORONE, std::ptr::null_mut())
+        };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted => Ok(0),
+                _ => Err(e),
+            };
+        }
+        for i in 0..rc as usize {
+            self.lens[i] = self.msgs[i].msg_len as usize;
+        }
+        Ok(rc as usize)
+    }
+
+    /// Datagram `i` of the last receive.
+    pub fn get(&self, i: usize) -> &[u8] {
+        &self.bufs[i][..self.lens[i]]
+    }
+}
+
+fn setsockopt_int(socket: &impl AsRawFd, level: i32, opt: i32, value: i32) -> io::Result<()> {
+    // SAFETY: valid fd and a c_int option.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            level,
+            opt,
+            (&value as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Receive buffer of `bytes` (SO_RCVBUFFORCE: root ignores rmem_max).
+pub fn set_rcvbuf(socket: &impl AsRawFd, bytes: i32) -> io::Result<()> {
+    setsockopt_int(socket, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, bytes)
+}
+
+/// Send buffer of `bytes` (SO_SNDBUFFORCE).
+pub fn set_sndbuf(socket: &impl AsRawFd, bytes: i32) -> io::Result<()> {
+    setsockopt_int(socket, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, bytes)
+}
+
+/// Turn on SO_TIMESTAMPNS (kernel receive timestamps, CLOCK_REALTIME).
+pub fn set_timestampns(socket: &impl AsRawFd) -> io::Result<()> {
+    setsockopt_int(socket, libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, 1)
+}
+
+/// A UDP socket bound to `addr` with SO_REUSEPORT (created in the calling
+/// thread's namespace).
+pub fn reuseport_socket(addr: std::net::SocketAddrV4) -> io::Result<UdpSocket> {
+    // SAFETY: plain socket(2).
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd owned here.
+    let sock = unsafe { <UdpSocket as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
+    let sa = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*addr.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: valid sockaddr_in.
+    let rc = unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
+/// Steer a SO_REUSEPORT group by the receiving CPU (classic BPF `ld cpu;
+/// ret a`): socket i of the group gets what CPU i received, so each worker
+/// thread serves one CPU's packets without sharing a queue.
+pub fn reuseport_by_cpu(socket: &impl AsRawFd) -> io::Result<()> {
+    const SKF_AD_OFF: u32 = 0xffff_f000;
+    const SKF_AD_CPU: u32 = 36;
+    let code = [
+        libc::sock_filter { code: 0x20, jt: 0, jf: 0, k: SKF_AD_OFF + SKF_AD_CPU }, // BPF_LD|BPF_W|BPF_ABS
+        libc::sock_filter { code: 0x16, jt: 0, jf: 0, k: 0 },                     // BPF_RET|BPF_A
+    ];
+    let prog = libc::sock_fprog { len: code.len() as u16, filter: code.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: valid fd and sock_fprog over a live array.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_REUSEPORT_CBPF,
+            (&prog as *const libc::sock_fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// CPU time (user + system) of the calling thread.
+pub fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// CLOCK_REALTIME now, in ns.
+pub fn realtime_ns() -> i128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
+}
+
+/// Kernel thread id of the calling thread.
+pub fn gettid() -> i32 {
+    // SAFETY: no preconditions.
+    unsafe { libc::gettid() }
+}
+
+/// utime + stime of thread `tid` of this process, in clock ticks.
+pub fn task_ticks(tid: i32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+    // Fields after the ")" of comm: state is field 3; utime 14, stime 15.
+    let Some(rest) = text.rsplit_once(')').map(|(_, r)| r) else { return 0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| f.get(i - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    get(14) + get(15)
+}
+
+/// Clock ticks per second (USER_HZ).
+pub fn ticks_per_s() -> f64 {
+    // SAFETY: no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// The aggregate `cpu` line of /proc/stat (ticks): user, nice, system,
+/// idle, iowait, irq, softirq, steal.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcStat {
+    /// user + nice.
+    pub user: u64,
+    /// system.
+    pub system: u64,
+    /// idle + iowait.
+    pub idle: u64,
+    /// irq.
+    pub irq: u64,
+    /// softirq.
+    pub softirq: u64,
+    /// steal.
+    pub steal: u64,
+}
+
+impl ProcStat {
+    /// Read /proc/stat now.
+    pub fn now() -> ProcStat {
+        let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let line = text.lines().next().unwrap_or("");
+        let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+        let g = |i: usize| v.get(i).copied().unwrap_or(0);
+        ProcStat { user: g(0) + g(1), system: g(2), idle: g(3) + g(4), irq: g(5), softirq: g(6), steal: g(7) }
+    }
+
+    /// `self - earlier`.
+    pub fn since(&self, earlier: &ProcStat) -> ProcStat {
+        ProcStat {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+            idle: self.idle.saturating_sub(earlier.idle),
+            irq: self.irq.saturating_sub(earlier.irq),
+            softirq: self.softirq.saturating_sub(earlier.softirq),
+            steal: self.steal.saturating_sub(earlier.steal),
+        }
+    }
+
+    /// All ticks.
+    pub fn total(&self) -> u64 {
+        self.user + self.system + self.idle + self.irq + self.softirq + self.steal
+    }
+}
