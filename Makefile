@@ -11,7 +11,7 @@ APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
                 iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help
+.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
 all: build
 
@@ -20,6 +20,7 @@ help:
 	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
+	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -53,6 +54,36 @@ test: deps
 demo: build
 	@if [ "$$(id -u)" != 0 ]; then echo "make demo: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	scripts/demo.sh $(BIN)
+
+# Kernel-version matrix (docs/MATRIX.md): the host kernel, then Debian's 6.1
+# and 6.12 cloud kernels under QEMU; `make matrix KERNELS="6.1 6.12"` picks
+# the rows. Builds what it runs itself; results in results/matrix/.
+matrix: deps
+	@if [ "$$(id -u)" != 0 ]; then echo "make matrix: needs root (BPF, network namespaces, QEMU)" >&2; exit 1; fi
+	scripts/matrix.sh $(KERNELS)
+
+# Benchmarks (docs/BENCHMARKS.md): aggbox bench all writes raw CSV/JSON,
+# PNG plots (scripts/plot.py) and results/REPORT.md. matplotlib is needed
+# only here, so it is installed by bench-deps, not by deps.
+BENCH_ARGS ?=
+BENCH_PACKAGES := python3-matplotlib
+bench-deps:
+	@missing=""; \
+	for p in $(BENCH_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "bench-deps: installing$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "bench-deps: need root to install packages:$$missing" >&2; exit 1; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq >/dev/null && \
+	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { echo "bench-deps: apt-get install failed" >&2; exit 1; }; \
+	fi
+
+bench: deps bench-deps
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	$(CARGO) build $(CARGO_FLAGS)
+	$(BIN) bench all --out results $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt

@@ -527,6 +527,19 @@ summarize_row() {
         why=$(grep -v '^libbpf:' <<<"${loadlog[$o]:-}" | grep -v '^$' \
             | grep -v '^processed \|^verification time\|^stack depth\|^Error:' | tail -n 3 | paste -sd'|' -)
         reasons+=("${who:-$o} ($o.bpf.o) rejected by the verifier: ${why:-see $rowdir/console.log}")
+        local e2 oname opath oprogs p2
+        for e2 in "${OBJS[@]}"; do
+            IFS=$'\t' read -r oname opath oprogs <<<"$e2"
+            [ "$oname" = "$o" ] || continue
+            for p2 in ${oprogs//,/ }; do
+                if [ "$p2" = "$who" ]; then
+                    printf '%s\t%s\tREJECTED\n' "$spec" "$p2" >>"$WORK/progtable"
+                    progs_md+="${progs_md:+, }$p2 REJECTED"
+                else
+                    printf '%s\t%s\tnot loaded\n' "$spec" "$p2" >>"$WORK/progtable"
+                fi
+            done
+        done
         printf '\n### %s: %s rejected by the verifier\n\n```\n%s```\n' "$spec" "${who:-$o}" "${loadlog[$o]:-}" \
             >>"$WORK/failure-details.md"
     done
@@ -660,7 +673,8 @@ done
         for p in $(cut -f2 "$WORK/progtable" | awk '!seen[$0]++'); do
             printf '| %s |' "$p"
             for r in "${ROW_NAMES[@]}"; do
-                printf ' %s |' "$(awk -F'\t' -v r="$r" -v p="$p" '$1 == r && $2 == p { printf "%s / %s / %s", $3, $4, $5 }' "$WORK/progtable")"
+                printf ' %s |' "$(awk -F'\t' -v r="$r" -v p="$p" '$1 == r && $2 == p {
+                    if (NF >= 5) printf "%s / %s / %s", $3, $4, $5; else printf "%s", $3 }' "$WORK/progtable")"
             done
             printf '\n'
         done

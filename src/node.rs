@@ -85,7 +85,81 @@ pub fn preflight(iface: &str) -> Result<u32> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("aggbox: the kernel has no BTF (/sys/kernel/btf/vmlinux is missing); AggBox needs CONFIG_DEBUG_INFO_BTF=y");
     }
+    let release = nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default();
+    if let Some(version) = kernel_version(&release) {
+        check_kernel_version(&release, version)?;
+    }
     ifindex(iface)
+}
+
+/// Kernel features AggBox's programs use, with the release that brought
+/// each: the newest of them is the hard floor.
+pub const KERNEL_FEATURES: &[(&str, (u32, u32))] = &[
+    ("bpf_spin_lock in map values", (5, 1)),
+    ("link-based XDP attach", (5, 9)),
+    ("bpf_redirect_neigh", (5, 10)),
+    ("BPF atomics (-mcpu=v3)", (5, 12)),
+    ("bpf_timer", (5, 15)),
+    ("bpf_loop", (5, 17)),
+    ("XDP multi-buffer (xdp.frags, bpf_xdp_load_bytes)", (5, 18)),
+];
+
+/// The oldest kernel the kernel-version matrix (`make matrix`) tests.
+pub const MIN_TESTED_KERNEL: (u32, u32) = (6, 1);
+
+/// `major.minor` of a kernel release string such as `6.1.0-57-cloud-amd64`.
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+/// Refuse kernels that lack a feature the programs use, naming it; kernels
+/// between that floor and the oldest tested one only get a warning.
+pub fn check_kernel_version(release: &str, version: (u32, u32)) -> Result<()> {
+    let missing: Vec<String> = KERNEL_FEATURES
+        .iter()
+        .filter(|(_, since)| version < *since)
+        .map(|(name, (a, b))| format!("{name} ({a}.{b})"))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "aggbox: kernel {release} is too old: AggBox needs {} (minimum supported kernel {}.{}, see README)",
+            missing.join(", "),
+            MIN_TESTED_KERNEL.0,
+            MIN_TESTED_KERNEL.1
+        );
+    }
+    if version < MIN_TESTED_KERNEL {
+        eprintln!(
+            "aggbox: warning: kernel {release} has every feature AggBox uses but is older than {}.{}, the oldest kernel it is tested on",
+            MIN_TESTED_KERNEL.0, MIN_TESTED_KERNEL.1
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod kernel_version_tests {
+    use super::*;
+
+    #[test]
+    fn parses_release_strings() {
+        assert_eq!(kernel_version("6.1.0-57-cloud-amd64"), Some((6, 1)));
+        assert_eq!(kernel_version("6.18.44-fc-v509"), Some((6, 18)));
+        assert_eq!(kernel_version("5.15.0"), Some((5, 15)));
+        assert_eq!(kernel_version("garbage"), None);
+    }
+
+    #[test]
+    fn old_kernels_are_refused_with_the_missing_features() {
+        let err = check_kernel_version("5.15.0-91-generic", (5, 15)).unwrap_err().to_string();
+        assert!(err.contains("bpf_loop (5.17)") && err.contains("XDP multi-buffer"), "{err}");
+        assert!(!err.contains("bpf_timer"), "5.15 has bpf_timer: {err}");
+        assert!(check_kernel_version("5.18.0", (5, 18)).is_ok());
+        assert!(check_kernel_version("6.18.44", (6, 18)).is_ok());
+    }
 }
 
 /// Interface index of `iface` in the current network namespace.

@@ -91,13 +91,19 @@ for entry in "${objs[@]}"; do
     echo "== load $name ($path) with $bpftool"
     t0=$(now)
     log=$WORK/load-$name.log
-    if "$bpftool" -d prog loadall "$path" "$PIN/$name" >"$log" 2>&1; then
+    # Not `bpftool -d`: that asks for the verbose verifier log from the start,
+    # and a program that hits the 1M-instruction limit then fails on a log
+    # buffer the kernel refuses, with no log at all. Plain libbpf retries a
+    # failed load with log level 1 and prints that log.
+    if "$bpftool" prog loadall "$path" "$PIN/$name" >"$log" 2>&1; then
         emit load "$name" ok "$(elapsed "$t0")"
-        pins=()
-        for p in "$PIN/$name"/*; do [ -e "$p" ] && pins+=("$p"); done
-        "$proginfo" "${pins[@]}" | while IFS=$'\t' read -r pname _type xl jit ver; do
-            emit prog "$name" "$pname" "$xl" "$jit" "$ver"
-            printf '   %-16s xlated %5s insns  jited %6s bytes  verified %7s insns\n' "$pname" "$xl" "$jit" "$ver"
+        # bpftool pins each program under its full name (the kernel keeps 15 characters).
+        for p in "$PIN/$name"/*; do
+            [ -e "$p" ] || continue
+            IFS=$'\t' read -r _kname _type xl jit ver < <("$proginfo" "$p")
+            pname=$(basename "$p")
+            emit prog "$name" "$pname" "${xl:-0}" "${jit:-0}" "${ver:-0}"
+            printf '   %-18s xlated %5s insns  jited %6s bytes  verified %7s insns\n' "$pname" "$xl" "$jit" "$ver"
         done
         rm -rf "${PIN:?}/$name"
     else
