@@ -16,10 +16,11 @@
 //! Everything else (fragmentation, windows, broadcast, retransmission) is the
 //! same code for both, in [`crate::runtime::comm`].
 
-use std::net::{SocketAddrV4, UdpSocket};
+use std::net::SocketAddrV4;
 use std::time::Instant;
 
 use crate::proto::{AckKind, AckMessage, AggHeader, SeqBitmap};
+use crate::runtime::transport::Net;
 
 /// Which backend a communicator uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -45,8 +46,8 @@ impl BackendKind {
 /// socket, encoding into a reused buffer.
 #[derive(Debug)]
 pub struct AckIo<'a> {
-    /// The aggregator participant's socket.
-    pub sock: &'a UdpSocket,
+    /// The aggregator participant's transport.
+    pub sock: &'a Net,
     /// Reused encode buffer.
     pub buf: &'a mut Vec<u8>,
     /// Job id (the ACK's `id`).
@@ -65,11 +66,11 @@ impl AckIo<'_> {
 
 /// Encodes and sends one `AGK1` (send errors count as loss: the peer
 /// retransmits).
-pub fn send_ack(sock: &UdpSocket, buf: &mut Vec<u8>, id: u16, rank: u16, kind: AckKind, bm: &SeqBitmap, to: SocketAddrV4) {
+pub fn send_ack(sock: &Net, buf: &mut Vec<u8>, id: u16, rank: u16, kind: AckKind, bm: &SeqBitmap, to: SocketAddrV4) {
     buf.clear();
     let msg = AckMessage { id, rank, kind, flags: 0, bitmap: *bm };
     if msg.encode_into(buf).is_ok() {
-        let _ = sock.send_to(buf, to);
+        sock.tx(to, buf);
     }
 }
 
@@ -97,13 +98,6 @@ pub struct FragmentState {
 pub trait Backend: Send + std::fmt::Debug {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
-
-    /// Whether a root's broadcast can go through the node's TC program. Both
-    /// backends say false today: the kernel backend's broadcast uses the
-    /// socket path until the TC broadcast engine is available.
-    fn tc_broadcast(&self) -> bool {
-        false
-    }
 
     /// The round the aggregator collects next starts at contribution seq
     /// `seq_base` (all ranks use the same seq for the same fragment). Older

@@ -29,6 +29,7 @@ use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::quantize::{self, Quantization};
 use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, SendWindow, Verdict};
 use crate::runtime::socket::SocketAggregator;
+use crate::runtime::transport::{CommStats, Counters, ImpairedTransport, Impairment, Net, Transport, UdpTransport};
 use crate::runtime::work::Work;
 use crate::runtime::{CommError, Partial, Peer, TimeoutInfo};
 
@@ -110,6 +111,28 @@ pub struct CommConfig {
     pub first_agg_seq: u32,
     /// Most datagrams kept for a later call (early broadcast data).
     pub stash_limit: usize,
+    /// Kernel backend: the job has a `result_group` of the workers, so the
+    /// node's TC program copies every RESULT to every worker (in-kernel
+    /// allreduce): the aggregator's runtime does not forward results, it
+    /// only retransmits the ones a worker did not acknowledge.
+    pub kernel_result_group: bool,
+    /// Kernel backend: this participant's node runs the TC broadcast program
+    /// with this group; its broadcasts (as root) go out as one datagram per
+    /// fragment that the program copies to the members.
+    pub tc_group: Option<TcGroup>,
+    /// Test hook: impair what this communicator receives (see
+    /// [`crate::runtime::transport`]); `None` in production.
+    pub impairment: Option<Impairment>,
+}
+
+/// A broadcast group configured on this participant's node (`[[group]]`):
+/// its id and member table (mask bit i = `members[i]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcGroup {
+    /// Group id (the `AGB1` `group`).
+    pub id: u16,
+    /// Members in table order; every other participant must be one.
+    pub members: Vec<SocketAddrV4>,
 }
 
 impl CommConfig {
@@ -165,13 +188,20 @@ impl CommunicatorBuilder {
                 first_round: 0,
                 first_agg_seq: 0,
                 stash_limit: 4096,
+                kernel_result_group: false,
+                tc_group: None,
+                impairment: None,
             },
         }
     }
 
     /// From a node configuration: job `job_id` of `config` (workers' addresses,
     /// port, result port, slots, ACK mode and group), each worker's data
-    /// socket on `data_port`, the aggregator at `aggregator`.
+    /// socket on `data_port`, the aggregator at `aggregator`. When the job has
+    /// a `result_group`, the kernel backend uses it
+    /// ([`CommunicatorBuilder::kernel_result_group`]), and the aggregator
+    /// broadcasts through that group's TC table when its members are exactly
+    /// the workers' data sockets ([`CommunicatorBuilder::tc_broadcast`]).
     pub fn from_config(config: &Config, job_id: u16, aggregator: Ipv4Addr, data_port: u16, me: Participant) -> Result<CommunicatorBuilder, CommError> {
         let job = config.job(job_id).ok_or_else(|| CommError::Config(format!("no job {job_id} in the configuration")))?;
         let peers = job.workers.iter().map(|&a| SocketAddrV4::new(a, data_port)).collect();
@@ -181,9 +211,25 @@ impl CommunicatorBuilder {
             .ack_mode(config.node.ack_mode)
             .group_size(config.node.ack_group as u32);
         b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
+        if let Some(g) = job.result_group {
+            b.cfg.kernel_result_group = true;
+            if let Some(group) = config.group(g) {
+                let mut members = group.members.clone();
+                members.sort();
+                let mut peers = b.cfg.peers.clone();
+                peers.sort();
+                if me == Participant::Aggregator && members == peers {
+                    b.cfg.tc_group = Some(TcGroup { id: g, members: group.members.clone() });
+                }
+            }
+        }
         Ok(b)
     }
 
+    /// The configuration built so far.
+    pub fn config(&self) -> &CommConfig {
+        &self.cfg
+    }
     /// Backend (default socket).
     pub fn backend(mut self, b: BackendKind) -> Self {
         self.cfg.backend = b;
@@ -212,6 +258,25 @@ impl CommunicatorBuilder {
     /// ACK group size G (default 1024).
     pub fn group_size(mut self, g: u32) -> Self {
         self.cfg.reliability.group_size = g;
+        self
+    }
+    /// Kernel backend: the job's RESULTs reach every worker through the
+    /// node's `result_group` (see [`CommConfig::kernel_result_group`]).
+    pub fn kernel_result_group(mut self, on: bool) -> Self {
+        self.cfg.kernel_result_group = on;
+        self
+    }
+    /// Kernel backend: broadcasts from this participant go through its
+    /// node's TC program, group `id` with member table `members` (every other
+    /// participant's socket address must be a member).
+    pub fn tc_broadcast(mut self, id: u16, members: Vec<SocketAddrV4>) -> Self {
+        self.cfg.tc_group = Some(TcGroup { id, members });
+        self
+    }
+    /// Test hook: receive through an [`ImpairedTransport`] (drop, duplicate,
+    /// reorder; see [`crate::runtime::transport`]).
+    pub fn impairment(mut self, imp: Impairment) -> Self {
+        self.cfg.impairment = Some(imp);
         self
     }
     /// All reliability settings at once.
@@ -267,29 +332,52 @@ impl CommunicatorBuilder {
         if cfg.mtu < 28 + abi::AGG_HDR_LEN + 4 {
             return Err(CommError::Config(format!("MTU {} too small", cfg.mtu)));
         }
+        if let Some(g) = &cfg.tc_group {
+            if g.members.is_empty() || g.members.len() > 32 {
+                return Err(CommError::Config(format!("TC group {} has {} members (1..=32)", g.id, g.members.len())));
+            }
+            let me = cfg.me.index(cfg.workers());
+            for i in (0..cfg.participants()).filter(|&i| i != me) {
+                let a = cfg.addr_of(i);
+                if !g.members.contains(&a) {
+                    return Err(CommError::Config(format!("TC group {}: participant {a} is not a member", g.id)));
+                }
+            }
+        }
         let me = cfg.addr_of(cfg.me.index(cfg.workers()));
         let sock = UdpSocket::bind(me).map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
         sock.set_nonblocking(true)?;
         set_buffers(&sock, 8 << 20);
+        let transport: Box<dyn Transport> = match &cfg.impairment {
+            None => Box::new(UdpTransport(sock)),
+            Some(imp) => Box::new(ImpairedTransport::new(UdpTransport(sock), imp.clone())),
+        };
+        let counters = Arc::new(Counters::default());
+        let net = Net { t: transport, c: counters.clone() };
         let (waker_tx, waker_rx) = UnixDatagram::pair()?;
         waker_rx.set_nonblocking(true)?;
         let (tx, rx) = mpsc::channel::<Request>();
         let round = Arc::new(AtomicU32::new(cfg.first_round));
         let agg_seq = Arc::new(AtomicU32::new(cfg.first_agg_seq));
         let closing = Arc::new(AtomicBool::new(false));
-        let engine = Engine::new(cfg.clone(), sock, waker_rx, round.clone(), agg_seq.clone(), closing.clone());
+        let engine = Engine::new(cfg.clone(), net, waker_rx, round.clone(), agg_seq.clone(), closing.clone());
         let thread = std::thread::Builder::new()
             .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))
             .spawn(move || engine.run(rx))?;
-        Ok(Communicator { cfg, tx, waker: waker_tx, thread: Some(thread), round, agg_seq, closing })
+        Ok(Communicator { cfg, tx, waker: waker_tx, thread: Some(thread), round, agg_seq, closing, counters })
     }
 }
 
+/// Socket buffers of `bytes`: the `*FORCE` options (beyond `rmem_max` /
+/// `wmem_max`, with CAP_NET_ADMIN) first, else the capped ones.
 fn set_buffers(sock: &UdpSocket, bytes: i32) {
-    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+    for (force, opt) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
         // SAFETY: valid fd, pointer to an int of the right size.
         unsafe {
-            libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, &bytes as *const i32 as *const libc::c_void, 4);
+            let p = &bytes as *const i32 as *const libc::c_void;
+            if libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, force, p, 4) != 0 {
+                libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, p, 4);
+            }
         }
     }
 }
@@ -328,9 +416,16 @@ pub struct Communicator {
     round: Arc<AtomicU32>,
     agg_seq: Arc<AtomicU32>,
     closing: Arc<AtomicBool>,
+    counters: Arc<Counters>,
 }
 
 impl Communicator {
+    /// Counters since the communicator was built: data datagrams sent and
+    /// retransmitted, ACKs sent and received, duplicates, bytes delivered.
+    pub fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+
     /// Starts a builder; see [`CommunicatorBuilder::new`].
     pub fn builder(job: u16, peers: Vec<SocketAddrV4>, aggregator: Ipv4Addr, job_port: u16, me: Participant) -> CommunicatorBuilder {
         CommunicatorBuilder::new(job, peers, aggregator, job_port, me)
@@ -537,6 +632,9 @@ struct BcastIn {
     data: Vec<u8>,
     cov: Coverage,
     overflow: bool,
+    /// The data are RESULTs copied by the node's TC program (`AGG1`), not
+    /// `AGB1` forwarded by the aggregator's runtime.
+    results: bool,
 }
 
 struct Collect {
@@ -548,6 +646,10 @@ struct Collect {
 struct OpState {
     name: &'static str,
     round: u32,
+    op: Op,
+    /// Aggregator, kernel allreduce through the result group: completed
+    /// fragments are registered in `res_tx` (the kernel sent them).
+    rout: bool,
     contrib: Option<Contrib>,
     bout: Option<BcastOut>,
     bin: Option<BcastIn>,
@@ -560,9 +662,39 @@ struct Stashed {
     round: u32,
 }
 
+/// The TC broadcast route of a root: where its one datagram goes and which
+/// table bit each participant has.
+struct TcRoute {
+    id: u16,
+    first: SocketAddrV4,
+    bit_of: Vec<u32>,
+    scratch: Vec<u8>,
+}
+
+impl TcRoute {
+    fn mask(&self, dests: u64) -> u32 {
+        (0..self.bit_of.len()).filter(|&d| dests & (1 << d) != 0).fold(0, |m, d| m | self.bit_of[d])
+    }
+
+    /// One datagram to the first member with `mask` written into the `AGB1`
+    /// header: the TC program copies it to the masked members.
+    fn send(&mut self, net: &Net, bytes: &[u8], mask: u32, retx: bool) {
+        self.scratch.clear();
+        self.scratch.extend_from_slice(bytes);
+        if self.scratch.len() >= 8 {
+            self.scratch[4..8].copy_from_slice(&mask.to_be_bytes());
+        }
+        if retx {
+            net.retx(self.first, &self.scratch);
+        } else {
+            net.tx(self.first, &self.scratch);
+        }
+    }
+}
+
 struct Engine {
     cfg: CommConfig,
-    sock: UdpSocket,
+    net: Net,
     waker: UnixDatagram,
     me: usize,
     per: usize,
@@ -572,6 +704,22 @@ struct Engine {
     agg_tx: SendWindow,
     bc_tx: SendWindow,
     bc_rx: Vec<RecvTracker>,
+    /// The `AGB1` group each sender used last (the id its ACKs carry).
+    bc_group: Vec<u16>,
+    /// Aggregator, kernel allreduce via the result group: results held until
+    /// every worker acknowledged them (seq = contribution seq), resent by
+    /// unicast to who misses them.
+    res_tx: SendWindow,
+    /// Aggregator: result ACKs (worker, bitmap) that named seqs not
+    /// registered yet (the worker got the kernel's copy before this runtime
+    /// took the RESULT); applied when they are. Bounded FIFO.
+    res_early: VecDeque<(usize, SeqBitmap)>,
+    /// Worker: acknowledges the results it receives (seq = contribution seq).
+    res_rx: RecvTracker,
+    /// Worker: (round, contribution seq base, fragments) of recent reductions,
+    /// to re-acknowledge late result retransmissions.
+    recent: VecDeque<(u32, u32, usize)>,
+    tc: Option<TcRoute>,
     backend: Option<Box<dyn Backend>>,
     stash: Vec<Stashed>,
     stash_pool: Vec<Vec<u8>>,
@@ -596,13 +744,17 @@ fn random_group_base(g: u32) -> u32 {
     seq - seq % g.max(1)
 }
 
-fn tx_to(sock: &UdpSocket, to: SocketAddrV4, b: &[u8]) {
+fn tx_to(net: &Net, to: SocketAddrV4, b: &[u8]) {
     // A failed send is a lost datagram; retransmission takes care of it.
-    let _ = sock.send_to(b, to);
+    net.tx(to, b);
+}
+
+fn retx_to(net: &Net, to: SocketAddrV4, b: &[u8]) {
+    net.retx(to, b);
 }
 
 impl Engine {
-    fn new(cfg: CommConfig, sock: UdpSocket, waker: UnixDatagram, round_pub: Arc<AtomicU32>, agg_seq_pub: Arc<AtomicU32>, closing: Arc<AtomicBool>) -> Engine {
+    fn new(cfg: CommConfig, net: Net, waker: UnixDatagram, round_pub: Arc<AtomicU32>, agg_seq_pub: Arc<AtomicU32>, closing: Arc<AtomicBool>) -> Engine {
         let n = cfg.participants();
         let addrs: Vec<SocketAddrV4> = (0..n).map(|i| cfg.addr_of(i)).collect();
         let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
@@ -614,6 +766,17 @@ impl Engine {
         }
         let bc_tx = SendWindow::new(cfg.reliability, n, random_group_base(cfg.reliability.group_size));
         let bc_rx = (0..n).map(|_| RecvTracker::new(cfg.reliability)).collect();
+        let res_tx = SendWindow::new(cfg.reliability, cfg.peers.len(), cfg.first_agg_seq);
+        let res_rx = RecvTracker::new(cfg.reliability);
+        let tc = match (&cfg.tc_group, cfg.backend) {
+            (Some(g), BackendKind::Kernel) => Some(TcRoute {
+                id: g.id,
+                first: g.members[0],
+                bit_of: addrs.iter().map(|a| g.members.iter().position(|m| m == a).map_or(0, |i| 1u32 << i)).collect(),
+                scratch: Vec::with_capacity(2048),
+            }),
+            _ => None,
+        };
         let backend: Option<Box<dyn Backend>> = match (cfg.me, cfg.backend) {
             (Participant::Aggregator, BackendKind::Socket) => Some(Box::new(SocketAggregator::new(
                 cfg.peers.clone(),
@@ -639,6 +802,12 @@ impl Engine {
             agg_tx,
             bc_tx,
             bc_rx,
+            bc_group: vec![cfg.job; n],
+            res_tx,
+            res_early: VecDeque::new(),
+            res_rx,
+            recent: VecDeque::new(),
+            tc,
             backend,
             stash: Vec::new(),
             stash_pool: Vec::new(),
@@ -651,7 +820,7 @@ impl Engine {
             agg_seq_pub,
             spare_cov: Vec::new(),
             closing,
-            sock,
+            net,
             waker,
             cfg,
         }
@@ -704,7 +873,7 @@ impl Engine {
     }
 
     fn new_op(&self, name: &'static str) -> OpState {
-        OpState { name, round: self.round, contrib: None, bout: None, bin: None, collect: None }
+        OpState { name, round: self.round, op: Op::Sum, rout: false, contrib: None, bout: None, bin: None, collect: None }
     }
 
     fn all_but(&self, i: usize) -> u64 {
@@ -724,7 +893,7 @@ impl Engine {
             st.bout = Some(BcastOut { len_bytes: data.len(), bytes: data, queue: q, overflow: ovf, dests: self.all_but(self.me) });
         } else {
             let cov = self.cov(n);
-            st.bin = Some(BcastIn { root, data, cov, overflow: false });
+            st.bin = Some(BcastIn { root, data, cov, overflow: false, results: false });
         }
         let res = self.run_op(&mut st, deadline, opts);
         let out = st.bout.take().map(|b| b.bytes).or_else(|| st.bin.take().map(|b| b.data)).unwrap_or_default();
@@ -738,10 +907,15 @@ impl Engine {
         let n = fragments(data.len(), self.per);
         let len = data.len();
         let is_agg = self.cfg.me == Participant::Aggregator;
+        st.op = op;
+        let in_kernel = all && self.cfg.backend == BackendKind::Kernel && self.cfg.kernel_result_group;
         if is_agg {
             let cov = self.cov(n);
             st.collect = Some(Collect { out: data, cov, overflow: false });
-            if all {
+            if in_kernel {
+                self.res_tx.set_next_seq(self.agg_seq);
+                st.rout = true;
+            } else if all {
                 let ovf = self.cov(n);
                 st.bout = Some(BcastOut { bytes: Vec::new(), len_bytes: len * 4, queue: VecDeque::new(), overflow: ovf, dests: self.all_but(self.me) });
             }
@@ -750,10 +924,16 @@ impl Engine {
             st.contrib = Some(Contrib { data, op, next: 0, nfrags: n, seq_base: self.agg_seq });
             if all {
                 let cov = self.cov(n);
-                st.bin = Some(BcastIn { root: self.cfg.workers() as usize, data: vec![0u8; len * 4], cov, overflow: false });
+                st.bin = Some(BcastIn { root: self.cfg.workers() as usize, data: vec![0u8; len * 4], cov, overflow: false, results: in_kernel });
             }
         }
         let res = self.run_op(&mut st, deadline, opts);
+        if let Some(c) = st.contrib.as_ref() {
+            self.recent.push_back((st.round, c.seq_base, c.nfrags));
+            if self.recent.len() > 8 {
+                self.recent.pop_front();
+            }
+        }
         let out = if let Some(c) = st.collect.take() {
             ReduceOutput { values: c.out, has_result: true, overflow: c.overflow }
         } else {
@@ -819,7 +999,9 @@ impl Engine {
         if failed {
             self.agg_tx.forget_all();
             self.bc_tx.forget_all();
+            self.res_tx.forget_all();
         }
+
         for c in [st.bin.take().map(|b| b.cov), st.collect.take().map(|c| c.cov), st.bout.take().map(|b| b.overflow)].into_iter().flatten() {
             self.spare_cov.push(c);
         }
@@ -898,6 +1080,9 @@ impl Engine {
             if !c.cov.is_complete() {
                 return false;
             }
+            if st.rout && !self.res_tx.is_idle() {
+                return false;
+            }
         }
         if let Some(b) = &st.bout {
             let sent_all = b.queue.is_empty() && st.collect.as_ref().map_or(true, |c| c.cov.is_complete());
@@ -972,6 +1157,14 @@ impl Engine {
                 }
             }
         }
+        if st.rout && st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) {
+            let pend = self.res_tx.unacked_dests();
+            missing.extend((0..workers).filter(|&r| pend & (1 << r) != 0).map(Peer::Rank));
+            let total = st.collect.as_ref().map_or(0, |c| c.cov.total());
+            expected = total;
+            arrived = total - self.res_tx.in_flight().min(total);
+            what = "result fragments acknowledged by every worker".into();
+        }
         if let Some(_b) = &st.bout {
             let pend = self.bc_tx.unacked_dests();
             if pend != 0 || st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) {
@@ -1012,7 +1205,7 @@ impl Engine {
                 Participant::Aggregator => abi::RESULT_RANK,
             };
             let target = self.cfg.contrib_target();
-            let sock = &self.sock;
+            let sock = &self.net;
             while c.next < c.nfrags && self.agg_tx.can_send() {
                 let r = fragment_range(c.next, c.data.len(), self.per);
                 let mut hdr = AggHeader {
@@ -1035,16 +1228,20 @@ impl Engine {
             }
         }
         if let Some(b) = st.bout.as_mut() {
-            let sock = &self.sock;
+            let sock = &self.net;
             let addrs = &self.addrs;
+            let mut tc = self.tc.as_mut();
             while self.bc_tx.can_send() {
                 let Some(&i) = b.queue.front() else { break };
                 let i = i as usize;
                 let start = i * self.chunk;
                 let end = (start + self.chunk).min(b.len_bytes);
                 let ovf = if b.overflow.contains(i) { SUBHDR_OVERFLOW } else { 0 };
-                let mask = (b.dests & 0xffff_ffff) as u32;
-                let hdr = BcastHeader { mask, seq: 0, group: job, flags: 0, hops: 0 };
+                let (mut mask, group) = match tc.as_deref() {
+                    Some(t) => (t.mask(b.dests), t.id),
+                    None => ((b.dests & 0xffff_ffff) as u32, job),
+                };
+                let hdr = BcastHeader { mask, seq: 0, group, flags: 0, hops: 0 };
                 let round = st.round;
                 let (bytes, ints) = match st.collect.as_ref() {
                     Some(c) => (&[][..], Some(&c.out[start / 4..end / 4])),
@@ -1060,7 +1257,16 @@ impl Engine {
                         None => buf.extend_from_slice(bytes),
                     }
                     Ok(())
-                }, &mut |d, bytes| tx_to(sock, addrs[d], bytes));
+                }, &mut |d, bytes| match tc.as_deref_mut() {
+                    // One datagram with the full mask: the TC program copies it.
+                    Some(t) => {
+                        if mask != 0 {
+                            t.send(sock, bytes, mask, false);
+                            mask = 0;
+                        }
+                    }
+                    None => tx_to(sock, addrs[d], bytes),
+                });
                 b.queue.pop_front();
             }
         }
@@ -1074,15 +1280,28 @@ impl Engine {
                 next = Some(next.map_or(t, |n: Instant| n.min(t)));
             }
         };
-        let sock = &self.sock;
+        let sock = &self.net;
         let target = self.cfg.contrib_target();
-        merge(self.agg_tx.poll(now, &mut |_, b| tx_to(sock, target, b)));
+        merge(self.agg_tx.poll(now, &mut |_, b| retx_to(sock, target, b)));
         let addrs = &self.addrs;
-        merge(self.bc_tx.poll(now, &mut |d, b| tx_to(sock, addrs[d], b)));
+        let mut tc = self.tc.as_mut();
+        merge(self.bc_tx.poll(now, &mut |d, b| match tc.as_deref_mut() {
+            Some(t) => {
+                let m = t.bit_of[d];
+                t.send(sock, b, m, true);
+            }
+            None => retx_to(sock, addrs[d], b),
+        }));
+        merge(self.res_tx.poll(now, &mut |d, b| retx_to(sock, addrs[d], b)));
         let (job, me) = (self.cfg.job, self.me as u16);
         let ackbuf = &mut self.ackbuf;
         for (i, t) in self.bc_rx.iter_mut().enumerate() {
-            merge(t.poll(now, &mut |bm| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, addrs[i])));
+            let id = self.bc_group[i];
+            merge(t.poll(now, &mut |bm| send_ack(sock, ackbuf, id, me, AckKind::Broadcast, bm, addrs[i])));
+        }
+        if let Participant::Worker(_) = self.cfg.me {
+            let agg = addrs[self.cfg.workers() as usize];
+            merge(self.res_rx.poll(now, &mut |bm| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg)));
         }
         if let Some(b) = self.backend.as_mut() {
             let mut io = AckIo { sock, buf: ackbuf, job, sent: &mut self.acks_sent };
@@ -1097,7 +1316,7 @@ impl Engine {
         let now = Instant::now();
         let wait = until.saturating_duration_since(now);
         let mut fds = [
-            libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.net.t.raw_fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.waker.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         ];
         let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
@@ -1112,8 +1331,9 @@ impl Engine {
         }
         let mut buf = std::mem::take(&mut self.rxbuf);
         for _ in 0..4096 {
-            match self.sock.recv_from(&mut buf) {
+            match self.net.t.recv_from(&mut buf) {
                 Ok((len, std::net::SocketAddr::V4(from))) => {
+                    self.net.c.received(&buf[..len]);
                     self.handle(&buf[..len], from, op);
                 }
                 Ok(_) => {}
@@ -1132,42 +1352,69 @@ impl Engine {
         match proto::classify(d) {
             Some(MessageKind::Ack) => {
                 let Ok(a) = AckMessage::decode(d) else { return };
-                if a.id != self.cfg.job {
+                if a.id != self.cfg.job && self.tc.as_ref().is_none_or(|t| t.id != a.id) {
                     return;
                 }
-                let sock = &self.sock;
+                let sock = &self.net;
                 match a.kind {
                     AckKind::Aggregation => {
                         if self.cfg.me == Participant::Worker(a.rank) {
                             let target = self.cfg.contrib_target();
-                            self.agg_tx.on_ack(0, &a.bitmap, now, &mut |_, b| tx_to(sock, target, b));
+                            self.agg_tx.on_ack(0, &a.bitmap, now, &mut |_, b| retx_to(sock, target, b));
+                        } else if self.cfg.me == Participant::Aggregator
+                            && (a.rank as usize) < self.cfg.peers.len()
+                            && self.addrs[a.rank as usize] == from
+                        {
+                            // A worker acknowledges results (in-kernel allreduce).
+                            let addrs = &self.addrs;
+                            self.res_tx.on_ack(a.rank as usize, &a.bitmap, now, &mut |d, b| retx_to(sock, addrs[d], b));
+                            let res_tx = &self.res_tx;
+                            if res_tx.is_idle() || a.bitmap.received().any(|q| !res_tx.is_known(q)) {
+                                if self.res_early.len() >= 256 {
+                                    self.res_early.pop_front();
+                                }
+                                self.res_early.push_back((a.rank as usize, a.bitmap));
+                            }
                         }
                     }
                     AckKind::Broadcast => {
                         let dest = a.rank as usize;
                         if dest < self.addrs.len() && self.addrs[dest] == from {
                             let addrs = &self.addrs;
-                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| tx_to(sock, addrs[d], b));
+                            let mut tc = self.tc.as_mut();
+                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| match tc.as_deref_mut() {
+                                Some(t) => {
+                                    let m = t.bit_of[d];
+                                    t.send(sock, b, m, true);
+                                }
+                                None => retx_to(sock, addrs[d], b),
+                            });
                         }
                     }
                 }
             }
             Some(MessageKind::Bcast) => {
                 let Ok((h, payload)) = proto::split_bcast(d) else { return };
-                if h.group != self.cfg.job || payload.len() < BCAST_SUBHDR {
+                if payload.len() < BCAST_SUBHDR {
                     return;
                 }
+                // Any group id: the source socket identifies the root (a TC
+                // root uses its node's group id); ACKs carry the same id.
                 let Some(&idx) = self.index.get(&from) else { return };
                 if idx == self.me {
                     return;
                 }
+                self.bc_group[idx] = h.group;
                 let round = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-                let (job, me) = (self.cfg.job, self.me as u16);
-                let sock = &self.sock;
+                let (job, me) = (h.group, self.me as u16);
+                let sock = &self.net;
                 let ackbuf = &mut self.ackbuf;
                 let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
                 match self.bc_rx[idx].check(h.seq) {
-                    Verdict::Duplicate => self.bc_rx[idx].reack(h.seq, &mut emit),
+                    Verdict::Duplicate => {
+                        self.net.c.duplicate();
+                        self.bc_rx[idx].reack(h.seq, &mut emit)
+                    }
                     Verdict::New => {
                         let cur = op.as_ref().map_or(self.round, |o| o.round);
                         let wanted = op.as_ref().is_some_and(|o| o.round == round && o.bin.as_ref().is_some_and(|b| b.root == idx));
@@ -1188,7 +1435,7 @@ impl Engine {
                         } else {
                             last = false; // old or unexpected: acknowledge and drop
                         }
-                        let sock = &self.sock;
+                        let sock = &self.net;
                         let ackbuf = &mut self.ackbuf;
                         let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
                         self.bc_rx[idx].record(h.seq, last, now, &mut emit);
@@ -1196,13 +1443,25 @@ impl Engine {
                 }
             }
             Some(MessageKind::Agg) => {
-                let Some(b) = self.backend.as_mut() else { return };
                 let Ok((h, payload)) = proto::split_agg(d) else { return };
                 if h.job != self.cfg.job {
                     return;
                 }
-                let mut io = AckIo { sock: &self.sock, buf: &mut self.ackbuf, job: self.cfg.job, sent: &mut self.acks_sent };
+                let Some(b) = self.backend.as_mut() else {
+                    if h.is_result() && *from.ip() == self.cfg.aggregator {
+                        self.on_result(&h, payload, now, op);
+                    }
+                    return;
+                };
+                let mut io = AckIo { sock: &self.net, buf: &mut self.ackbuf, job: self.cfg.job, sent: &mut self.acks_sent };
                 b.on_agg(&h, payload, from, now, &mut io);
+                if h.is_result() {
+                    // Take it into the call at once (an in-kernel allreduce
+                    // registers it before the workers' ACKs of it arrive).
+                    if let Some(st) = op.as_deref_mut() {
+                        self.drain_completed(st);
+                    }
+                }
             }
             None => {}
         }
@@ -1227,6 +1486,7 @@ impl Engine {
             return false;
         }
         if b.cov.insert(i) {
+            self.net.c.delivered(data.len());
             b.data[off..off + data.len()].copy_from_slice(data);
             b.overflow |= raw & SUBHDR_OVERFLOW != 0;
             if let Some(c) = st.contrib.as_ref() {
@@ -1237,6 +1497,67 @@ impl Engine {
         b.cov.is_complete()
     }
 
+    /// Worker: a RESULT from the aggregator's node (a TC copy of the
+    /// in-kernel allreduce, or the aggregator runtime's retransmission).
+    /// Fragment i of a reduction is contribution seq `seq_base + i`: the
+    /// result acknowledges our contribution and is acknowledged (`AGK1`
+    /// kind aggregation, our rank) to the aggregator's runtime under that seq.
+    fn on_result(&mut self, h: &AggHeader, payload: &[u8], now: Instant, op: &mut Option<&mut OpState>) {
+        if h.is_float() || h.frag_off as usize % self.per != 0 {
+            return;
+        }
+        let i = h.frag_off as usize / self.per;
+        let me = self.me as u16;
+        let (job, agg) = (self.cfg.job, self.addrs[self.cfg.workers() as usize]);
+        let current = op.as_deref_mut().filter(|o| o.round == h.round && o.contrib.is_some());
+        if let Some(o) = current {
+            let Some(c) = o.contrib.as_ref() else { return };
+            if i >= c.nfrags {
+                return;
+            }
+            let seq = c.seq_base.wrapping_add(i as u32);
+            // Whatever the call, the result proves our contribution arrived.
+            self.agg_tx.ack_seq(0, seq);
+            let Some(b) = o.bin.as_mut().filter(|b| b.results) else { return };
+            let off = h.frag_off as usize * 4;
+            if payload.len() != h.count as usize * 4 || off + payload.len() > b.data.len() {
+                return;
+            }
+            let sock = &self.net;
+            let ackbuf = &mut self.ackbuf;
+            let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
+            if self.res_rx.check(seq) == Verdict::Duplicate {
+                self.net.c.duplicate();
+                self.res_rx.reack(seq, &mut emit);
+                return;
+            }
+            if b.cov.insert(i) {
+                b.data[off..off + payload.len()].copy_from_slice(payload);
+                b.overflow |= h.has_overflow();
+                self.net.c.delivered(payload.len());
+            }
+            let last = b.cov.is_complete();
+            self.res_rx.record(seq, last, now, &mut emit);
+            return;
+        }
+        // A late copy or retransmission of a finished reduction's result: our
+        // acknowledgement was lost, send it again.
+        let Some(&(_, base, n)) = self.recent.iter().find(|r| r.0 == h.round) else { return };
+        if i >= n {
+            return;
+        }
+        let seq = base.wrapping_add(i as u32);
+        let sock = &self.net;
+        let ackbuf = &mut self.ackbuf;
+        let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
+        self.net.c.duplicate();
+        if self.res_rx.check(seq) == Verdict::Duplicate {
+            self.res_rx.reack(seq, &mut emit);
+        } else {
+            self.res_rx.record(seq, true, now, &mut emit);
+        }
+    }
+
     /// Moves completed fragments of the collecting call into its output
     /// (and, for allreduce, queues them for broadcast).
     fn drain_completed(&mut self, st: &mut OpState) {
@@ -1245,6 +1566,14 @@ impl Engine {
         let per = self.per;
         let bout = st.bout.as_mut();
         let mut queue = bout;
+        let res_tx = st.rout.then_some(&mut self.res_tx);
+        let mut res_tx = res_tx;
+        let (job, round, op, seq_base) = (self.cfg.job, st.round, st.op, self.agg_seq);
+        let nfrags = c.cov.total();
+        let all_workers = (1u64 << self.cfg.peers.len().min(63)) - 1;
+        let now = Instant::now();
+        let counters = &self.net.c;
+        let mut registered = false;
         be.take_completed(st.round, &mut |done| {
             let off = done.frag_off as usize;
             if off % per != 0 {
@@ -1257,6 +1586,27 @@ impl Engine {
             }
             c.out[range].copy_from_slice(done.values);
             c.overflow |= done.overflow;
+            counters.delivered(done.values.len() * 4);
+            if let Some(w) = res_tx.as_deref_mut() {
+                // The kernel already sent this result to every worker; keep it
+                // until each acknowledges it (retransmitted by unicast).
+                let hdr = AggHeader {
+                    job,
+                    rank: abi::RESULT_RANK,
+                    seq: 0,
+                    round,
+                    frag_off: done.frag_off,
+                    op,
+                    flags: abi::AGG_F_RESULT
+                        | if i + 1 == nfrags { abi::AGG_F_LAST_FRAGMENT } else { 0 }
+                        | if done.overflow { abi::AGG_F_OVERFLOW } else { 0 },
+                    count: done.values.len() as u16,
+                };
+                let _ = w.send_at(seq_base.wrapping_add(i as u32), all_workers, now, |seq, buf| {
+                    proto::encode_agg_into(&AggHeader { seq, ..hdr }, done.values, buf)
+                }, &mut |_, _| {});
+                registered = true;
+            }
             if let Some(b) = queue.as_deref_mut() {
                 if done.overflow {
                     b.overflow.insert(i);
@@ -1264,6 +1614,11 @@ impl Engine {
                 b.queue.push_back(i as u32);
             }
         });
+        if registered {
+            for (d, bm) in &self.res_early {
+                self.res_tx.ack_early(*d, bm);
+            }
+        }
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
 //! - [`socket`], [`kernel`]: the aggregator side of each backend.
 //! - [`comm`]: the communicator, its builder and its progress engine.
+//! - [`transport`]: the datagram transport, counters ([`CommStats`]) and the
+//!   impairment test hook (drop / duplicate / reorder).
 //! - [`work`]: non-blocking handles.
 //!
 //! `docs/RUNTIME.md` has the design, the failure behaviour and the numbers.
@@ -24,12 +26,14 @@ pub mod kernel;
 pub mod quantize;
 pub mod reliability;
 pub mod socket;
+pub mod transport;
 pub mod work;
 
 pub use backend::BackendKind;
-pub use comm::{CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput};
+pub use comm::{CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup};
 pub use quantize::Quantization;
 pub use reliability::ReliabilityConfig;
+pub use transport::{CommStats, ImpairControl, Impairment};
 pub use work::Work;
 
 use std::fmt;

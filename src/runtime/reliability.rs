@@ -193,6 +193,9 @@ struct Entry {
     buf: u32,
     /// Retransmissions so far (0 = sent once: eligible for RTT samples).
     retries: u16,
+    /// A placeholder for a seq not registered yet ([`SendWindow::send_at`]):
+    /// no buffer, blocks retirement until filled.
+    reserved: bool,
     first_sent: Instant,
     last_sent: Instant,
 }
@@ -333,6 +336,7 @@ impl SendWindow {
             pending: dests,
             buf: b,
             retries: 0,
+            reserved: false,
             first_sent: now,
             last_sent: now,
         });
@@ -342,6 +346,63 @@ impl SendWindow {
         Ok(seq)
     }
 
+    /// Registers datagram `seq` out of order, e.g. a result whose first
+    /// transmission the kernel made (so `tx` may do nothing): seqs between the
+    /// window's start and `seq` not registered yet are held as placeholders
+    /// (they block retirement until filled or [`SendWindow::forget_all`]).
+    /// Ignores a seq already registered or retired, or further than 2^24
+    /// ahead. Does not look at the window limit: the caller does not choose
+    /// when these datagrams exist (the number held is bounded by the
+    /// senders whose results they are; see docs/RUNTIME.md).
+    pub fn send_at<E>(
+        &mut self,
+        seq: u32,
+        dests: u64,
+        now: Instant,
+        build: impl FnOnce(u32, &mut Vec<u8>) -> Result<(), E>,
+        tx: &mut impl FnMut(usize, &[u8]),
+    ) -> Result<(), E> {
+        if self.entries.is_empty() && seq.wrapping_sub(self.next_seq) >= SESSION_RESET_DISTANCE {
+            return Ok(()); // behind the window: retired already
+        }
+        let off = seq.wrapping_sub(self.base);
+        if off >= SESSION_RESET_DISTANCE {
+            return Ok(());
+        }
+        let off = off as usize;
+        if off < self.entries.len() && !self.entries[off].reserved {
+            return Ok(()); // registered already
+        }
+        let b = self.alloc_buf();
+        if let Err(e) = build(seq, &mut self.bufs[b as usize]) {
+            self.free.push(b);
+            return Err(e);
+        }
+        let dests = dests & mask_of(self.ndest);
+        for d in 0..self.ndest {
+            if dests & (1 << d) != 0 {
+                tx(d, &self.bufs[b as usize]);
+            }
+        }
+        let entry = Entry { pending: dests, buf: b, retries: 0, reserved: false, first_sent: now, last_sent: now };
+        if self.entries.is_empty() {
+            self.base = self.next_seq;
+        }
+        let off = seq.wrapping_sub(self.base) as usize;
+        while self.entries.len() < off {
+            self.entries.push_back(Entry { pending: 0, buf: u32::MAX, retries: 0, reserved: true, first_sent: now, last_sent: now });
+        }
+        if off < self.entries.len() {
+            self.entries[off] = entry;
+        } else {
+            self.entries.push_back(entry);
+            self.next_seq = seq.wrapping_add(1);
+        }
+        self.stats.sent += 1;
+        self.retire();
+        Ok(())
+    }
+
     fn index_of(&self, seq: u32) -> Option<usize> {
         let off = seq.wrapping_sub(self.base) as usize;
         (off < self.entries.len()).then_some(off)
@@ -349,7 +410,7 @@ impl SendWindow {
 
     fn retire(&mut self) {
         while let Some(e) = self.entries.front() {
-            if e.pending != 0 {
+            if e.pending != 0 || e.reserved {
                 break;
             }
             self.free.push(e.buf);
@@ -367,10 +428,36 @@ impl SendWindow {
         }
     }
 
+    /// Whether `seq` was registered (sent or retired) rather than not yet
+    /// known (ahead of the window, or a placeholder of [`SendWindow::send_at`]).
+    pub fn is_known(&self, seq: u32) -> bool {
+        match self.index_of(seq) {
+            Some(i) => !self.entries[i].reserved,
+            None => seq.wrapping_sub(self.base) >= SESSION_RESET_DISTANCE,
+        }
+    }
+
+    /// Applies an acknowledgement that arrived before the datagrams it names
+    /// were registered ([`SendWindow::send_at`]): clears them for `dest`
+    /// without an RTT sample or a selective retransmission.
+    pub fn ack_early(&mut self, dest: usize, bm: &SeqBitmap) {
+        if dest >= self.ndest {
+            return;
+        }
+        for seq in bm.received() {
+            if let Some(i) = self.index_of(seq) {
+                self.entries[i].pending &= !(1u64 << dest);
+            }
+        }
+        self.retire();
+    }
+
     /// Drops everything in flight (the call failed); the seq counter goes on.
     pub fn forget_all(&mut self) {
         while let Some(e) = self.entries.pop_front() {
-            self.free.push(e.buf);
+            if !e.reserved {
+                self.free.push(e.buf);
+            }
         }
         self.base = self.next_seq;
     }
@@ -760,6 +847,49 @@ mod tests {
         w.on_ack(2, &one, t2, &mut |_, _| {});
         assert!(w.is_idle());
         assert!(w.can_send());
+    }
+
+    #[test]
+    fn send_at_registers_out_of_order() {
+        let c = cfg(AckMode::Group, 64, 8);
+        let mut w = SendWindow::new(c, 2, 0);
+        w.set_next_seq(1000);
+        let t0 = Instant::now();
+        let build = |s: u32, b: &mut Vec<u8>| -> Result<(), ()> {
+            b.extend_from_slice(&s.to_be_bytes());
+            Ok(())
+        };
+        let mut sent = 0;
+        // 1002 first (placeholders 1000, 1001), then 1000, then 1001; nothing sent.
+        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
+        assert_eq!(w.in_flight(), 3);
+        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
+        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1).unwrap(); // again: ignored
+        assert_eq!(sent, 4, "tx once per destination of 1002 and 1000, not for the repeat");
+        let mut all = SeqBitmap::new(1000, 3).unwrap();
+        for s in [1000, 1002] {
+            all.set(s);
+        }
+        w.on_ack(0, &all, t0, &mut |_, _| {});
+        w.on_ack(1, &all, t0, &mut |_, _| {});
+        assert!(!w.is_idle(), "placeholder 1001 still open");
+        // Timeout: 1001 is a placeholder, nothing to resend.
+        let mut resent = Vec::new();
+        w.poll(t0 + Duration::from_secs(2), &mut |d, b| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        assert!(resent.is_empty());
+        w.send_at(1001, 0b11, t0, build, &mut |_, _| {}).unwrap();
+        w.poll(t0 + Duration::from_secs(4), &mut |d, b| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        assert_eq!(resent, vec![(0, 1001), (1, 1001)]);
+        let mut one = SeqBitmap::new(1001, 1).unwrap();
+        one.set(1001);
+        w.on_ack(0, &one, t0, &mut |_, _| {});
+        w.on_ack(1, &one, t0, &mut |_, _| {});
+        assert!(w.is_idle());
+        // Retired seqs are ignored.
+        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
+        assert!(w.is_idle());
+        assert_eq!(sent, 4);
+        assert_eq!(w.next_seq(), 1003);
     }
 
     #[test]

@@ -1,0 +1,397 @@
+//! The kernel backend against a live `aggbox attach` (XDP aggregator + TC
+//! broadcast plane) on a netns testbed: host 0 runs `aggbox attach eth0
+//! --config` with the job, a `[[group]]` of the workers and `result_group`;
+//! the aggregator application and the workers are communicators built with
+//! `CommunicatorBuilder::from_config(...).backend(BackendKind::Kernel)`.
+//!
+//! - reduce: the XDP program reduces, the aggregator runtime gets the RESULTs
+//!   and acknowledges the contributions on the kernel's behalf;
+//! - allreduce: the TC ingress program copies every RESULT to every worker
+//!   (in-kernel allreduce); the workers acknowledge results to the aggregator
+//!   runtime, which resends (unicast) only what a worker misses;
+//! - broadcast from the aggregator: one `AGB1` per fragment with the full
+//!   mask, copied by the TC egress program; resends are masked `AGB1`s;
+//!   broadcast from a worker uses the socket path (its host has no TC).
+//!
+//! Loss: the random-drop cls_bpf program of tests/runtime_netns.rs on the
+//! switch ports (0, 1 %, 5 %, and a 10 % burst). Every result equals the
+//! reference reducer's, every receiver gets every byte exactly once.
+//!
+//! Needs root; fails (never skips) otherwise:
+//! `sudo -E cargo test --release --test runtime_kernel`.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aggbox::abi::{BcastStat, Op};
+use aggbox::config::Config;
+use aggbox::reducer;
+use aggbox::runtime::{BackendKind, CommStats, Communicator, CommunicatorBuilder, Participant};
+use aggbox::testbed::{Testbed, TestbedConfig};
+use aggbox::tools::pattern_vector;
+
+const WORKERS: usize = 3;
+const JOB: u16 = 7;
+const JOB_PORT: u16 = 7400;
+const RESULT_PORT: u16 = 7401;
+const GROUP: u16 = 3;
+const DATA_PORT: u16 = 7500;
+
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/runtime_kernel.rs needs root (network namespaces, XDP, TC): \
+         `sudo -E cargo test --release --test runtime_kernel`"
+    );
+}
+
+/// A running `aggbox attach eth0` in a namespace with a private bpffs pin
+/// root; stopped (by its pid) and cleaned up on drop.
+struct Attach {
+    child: Child,
+    pin_root: PathBuf,
+    config: PathBuf,
+}
+
+impl Attach {
+    fn start(netns: &str, tag: &str, config_text: &str) -> Attach {
+        let pin_root = std::env::temp_dir().join(format!("aggbox-rtkernel-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&pin_root).expect("pin root");
+        nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount bpffs");
+        let config = pin_root.with_extension("toml");
+        std::fs::write(&config, config_text).expect("write config");
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--config"])
+            .arg(&config)
+            .arg("--pin-root")
+            .arg(&pin_root)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn aggbox attach");
+        let mut attach = Attach { child, pin_root, config };
+        let mut line = String::new();
+        BufReader::new(attach.child.stdout.take().expect("stdout")).read_line(&mut line).expect("read attach output");
+        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns}");
+        attach
+    }
+
+    fn broadcast_counts(&self) -> BTreeMap<String, u64> {
+        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
+        status[0].broadcast.clone()
+    }
+
+    fn outcomes(&self) -> BTreeMap<String, u64> {
+        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
+        status[0].outcomes.clone()
+    }
+}
+
+impl Drop for Attach {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = nix::mount::umount(&self.pin_root);
+        let _ = std::fs::remove_dir_all(&self.pin_root);
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+struct Bed {
+    // Field order: communicators first, then the attachment, then the testbed.
+    agg: Communicator,
+    workers: Vec<Communicator>,
+    attach: Attach,
+    tb: Testbed,
+}
+
+impl Bed {
+    fn up(tag: &str, tweak: fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Bed {
+        let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
+        let workers: Vec<Ipv4Addr> = (1..=WORKERS).map(|h| tb.host(h).addr).collect();
+        let list = |f: &dyn Fn(&Ipv4Addr) -> String| workers.iter().map(f).collect::<Vec<_>>().join(", ");
+        let text = format!(
+            "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nworkers = [{}]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
+            list(&|w| format!("\"{w}\"")),
+            list(&|w| format!("\"{w}:{DATA_PORT}\"")),
+        );
+        let attach = Attach::start(&tb.host(0).netns, tag, &text);
+        let config = Config::parse(&text, "runtime_kernel").expect("config");
+        let agg_addr = tb.host(0).addr;
+        let build = |host: usize, me: Participant| {
+            let b = CommunicatorBuilder::from_config(&config, JOB, agg_addr, DATA_PORT, me)
+                .expect("from_config")
+                .backend(BackendKind::Kernel)
+                .deadline(Duration::from_secs(20));
+            let b = tweak(b);
+            tb.in_host(host, move || b.build()).expect("netns").expect("build")
+        };
+        let agg = build(0, Participant::Aggregator);
+        assert!(agg.config().tc_group.is_some(), "the aggregator broadcasts through the TC group");
+        assert!(agg.config().kernel_result_group);
+        let workers = (0..WORKERS).map(|r| build(r + 1, Participant::Worker(r as u16))).collect();
+        Bed { agg, workers, attach, tb }
+    }
+
+    fn all(&self) -> Vec<&Communicator> {
+        std::iter::once(&self.agg).chain(self.workers.iter()).collect()
+    }
+
+    fn impair(&self, loss: f64) {
+        for i in 0..=WORKERS {
+            let port = self.tb.switch_port(i);
+            aggbox::testbed::in_netns(&self.tb.switch_netns(), move || impair::set(&port, loss, 0.0)).expect("switch netns");
+        }
+    }
+
+    fn stats(&self) -> Vec<CommStats> {
+        self.all().iter().map(|c| c.stats()).collect()
+    }
+}
+
+/// A hand-assembled TC (cls_bpf, direct-action) program: drop with
+/// probability `loss`, else clone the packet to the same port's egress
+/// (a duplicate) with probability `dup`.
+mod impair {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Insn {
+        code: u8,
+        regs: u8,
+        off: i16,
+        imm: i32,
+    }
+
+    const fn ins(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+        Insn { code, regs: (src << 4) | dst, off, imm }
+    }
+
+    #[repr(C)]
+    struct ProgLoadAttr {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        pad: [u8; 128],
+    }
+
+    fn threshold(p: f64) -> i32 {
+        (p.clamp(0.0, 0.4999) * 4_294_967_296.0) as i32
+    }
+
+    fn load(ifindex: u32, loss: f64, dup: f64) -> OwnedFd {
+        let prog = [
+            ins(0xbf, 6, 1, 0, 0),                 // r6 = r1 (skb)
+            ins(0x85, 0, 0, 0, 7),                 // call get_prandom_u32
+            ins(0xa5, 0, 0, 1, threshold(loss)),   // if r0 < T_loss (unsigned) goto drop
+            ins(0x05, 0, 0, 2, 0),                 // goto dup
+            ins(0xb7, 0, 0, 0, 2),                 // drop: r0 = TC_ACT_SHOT
+            ins(0x95, 0, 0, 0, 0),                 // exit
+            ins(0x85, 0, 0, 0, 7),                 // dup: call get_prandom_u32
+            ins(0xa5, 0, 0, 1, threshold(dup)),    // if r0 < T_dup goto clone
+            ins(0x05, 0, 0, 4, 0),                 // goto pass
+            ins(0xbf, 1, 6, 0, 0),                 // clone: r1 = skb
+            ins(0xb7, 2, 0, 0, ifindex as i32),    // r2 = ifindex
+            ins(0xb7, 3, 0, 0, 0),                 // r3 = 0 (egress)
+            ins(0x85, 0, 0, 0, 13),                // call clone_redirect
+            ins(0xb7, 0, 0, 0, 0),                 // pass: r0 = TC_ACT_OK
+            ins(0x95, 0, 0, 0, 0),                 // exit
+        ];
+        let license = b"GPL\0";
+        let mut log = vec![0u8; 65536];
+        let attr = ProgLoadAttr {
+            prog_type: 3, // BPF_PROG_TYPE_SCHED_CLS
+            insn_cnt: prog.len() as u32,
+            insns: prog.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            log_level: 1,
+            log_size: log.len() as u32,
+            log_buf: log.as_mut_ptr() as u64,
+            kern_version: 0,
+            prog_flags: 0,
+            pad: [0; 128],
+        };
+        // SAFETY: attr points at live buffers for the duration of the call.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, 5 /* BPF_PROG_LOAD */, &attr as *const _ as usize, std::mem::size_of::<ProgLoadAttr>()) };
+        assert!(fd >= 0, "BPF_PROG_LOAD: {} {}", std::io::Error::last_os_error(), String::from_utf8_lossy(&log).trim_end_matches('\0'));
+        // SAFETY: a fresh fd we own.
+        unsafe { OwnedFd::from_raw_fd(fd as i32) }
+    }
+
+    /// Runs in the switch namespace: replaces port's impairment.
+    pub fn set(port: &str, loss: f64, dup: f64) {
+        let _ = std::process::Command::new("tc").args(["qdisc", "del", "dev", port, "clsact"]).output();
+        if loss <= 0.0 && dup <= 0.0 {
+            return;
+        }
+        let name = std::ffi::CString::new(port).unwrap();
+        // SAFETY: valid C string.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert!(ifindex > 0, "no interface {port}");
+        let fd = load(ifindex, loss, dup);
+        let mut b = libbpf_rs::TcHookBuilder::new(fd.as_fd());
+        b.ifindex(ifindex as i32).replace(true).handle(1).priority(1);
+        let mut hook = b.hook(libbpf_rs::TC_EGRESS);
+        hook.create().ok();
+        hook.attach().expect("attach impairment");
+    }
+}
+
+fn expected(op: Op, len: usize) -> Vec<i32> {
+    let v: Vec<Vec<i32>> = (0..WORKERS).map(|r| pattern_vector(r as u16, len as u32)).collect();
+    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
+    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
+}
+
+fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {
+    let want = expected(op, len);
+    let before = bed.stats();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut v = match c.rank() {
+                        Some(r) => pattern_vector(r, len as u32),
+                        None => vec![0; len],
+                    };
+                    let r = if all { c.allreduce_i32(&mut v, op) } else { c.reduce_i32(&mut v, op) };
+                    r.unwrap_or_else(|e| panic!("{:?} {op:?} len {len} all {all}: {e}", c.participant()));
+                    (c.participant(), v)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (p, v) = h.join().unwrap();
+            if all || p == Participant::Aggregator {
+                assert!(v == want, "{p:?} {op:?} len {len}: result differs from the reference reducer");
+            }
+        }
+    });
+    // Each participant that gets the result got each of its bytes once.
+    for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
+        if all || i == 0 {
+            assert_eq!(a.bytes_delivered - b.bytes_delivered, len as u64 * 4, "participant {i}: delivered bytes");
+        }
+    }
+}
+
+fn broadcast(bed: &Bed, len: usize, root: Participant) {
+    let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let before = bed.stats();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .map(|c| {
+                let msg = msg.clone();
+                s.spawn(move || {
+                    let mut buf = if c.participant() == root { msg } else { vec![0u8; len] };
+                    c.broadcast(&mut buf, root).unwrap_or_else(|e| panic!("{:?}: broadcast of {len}: {e}", c.participant()));
+                    buf
+                })
+            })
+            .collect();
+        for h in hs {
+            assert!(h.join().unwrap() == msg, "broadcast of {len} bytes differs");
+        }
+    });
+    for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
+        let is_root = match root {
+            Participant::Aggregator => i == 0,
+            Participant::Worker(r) => i == r as usize + 1,
+        };
+        if !is_root {
+            assert_eq!(a.bytes_delivered - b.bytes_delivered, len as u64, "participant {i}: every byte exactly once");
+        }
+    }
+}
+
+fn scenario(bed: &Bed, label: &str) {
+    let t0 = Instant::now();
+    let before = bed.stats();
+    for len in [1usize, 362, 20_000] {
+        broadcast(bed, len * 4, Participant::Aggregator);
+        broadcast(bed, len * 4, Participant::Worker(1));
+        reduce(bed, Op::Sum, len, false);
+        reduce(bed, Op::Sum, len, true);
+        reduce(bed, Op::Max, len, true);
+    }
+    broadcast(bed, 400_000, Participant::Aggregator);
+    reduce(bed, Op::Sum, 100_000, true);
+    reduce(bed, Op::Sum, 100_000, false);
+    let after = bed.stats();
+    let d = |i: usize, f: fn(&CommStats) -> u64| f(&after[i]) - f(&before[i]);
+    eprintln!(
+        "{label}: {:?}; aggregator sent {} data ({} retransmitted), {} acks, received {} acks; workers retransmitted {:?}",
+        t0.elapsed(),
+        d(0, |s| s.data_sent),
+        d(0, |s| s.retransmitted),
+        d(0, |s| s.acks_sent),
+        d(0, |s| s.acks_received),
+        (1..=WORKERS).map(|i| d(i, |s| s.retransmitted)).collect::<Vec<_>>(),
+    );
+}
+
+#[test]
+fn kernel_backend_live_attach_reduce_allreduce_broadcast_under_loss() {
+    require_root();
+    let bed = Bed::up("loss", |b| b);
+    scenario(&bed, "no loss");
+    let st = bed.attach.broadcast_counts();
+    let out = bed.attach.outcomes();
+    eprintln!("TC counters: {st:?}\nXDP outcomes: {out:?}");
+    assert!(st[BcastStat::ResultBroadcast.label()] > 0, "RESULTs went through the result group: {st:?}");
+    assert!(st[BcastStat::Broadcast.label()] > 0, "broadcasts went through TC egress: {st:?}");
+    assert!(out["result"] > 0, "the XDP program reduced: {out:?}");
+    for (label, loss) in [("1%", 0.01), ("5%", 0.05)] {
+        bed.impair(loss);
+        let before = bed.stats();
+        scenario(&bed, &format!("loss {label}"));
+        let retx: u64 = bed.stats().iter().zip(&before).map(|(a, b)| a.retransmitted - b.retransmitted).sum();
+        assert!(retx > 0, "loss {label}: something was retransmitted");
+    }
+    bed.impair(0.0);
+}
+
+#[test]
+fn kernel_backend_live_attach_burst_and_packet_mode() {
+    require_root();
+    let bed = Bed::up("burst", |b| b.ack_mode(aggbox::config::AckMode::Packet).window(64));
+    bed.impair(0.01);
+    reduce(&bed, Op::Sum, 20_000, true);
+    broadcast(&bed, 80_000, Participant::Aggregator);
+    bed.impair(0.0);
+    // A 10 % loss window of 300 ms in the middle of a large allreduce.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(20));
+            bed.impair(0.10);
+            std::thread::sleep(Duration::from_millis(300));
+            bed.impair(0.0);
+        });
+        reduce(&bed, Op::Sum, 400_000, true);
+    });
+    reduce(&bed, Op::Sum, 1000, true);
+}
