@@ -125,6 +125,39 @@ enum Command {
         #[arg(long, default_value = "sum")]
         op: String,
     },
+    /// Send one AGB1 broadcast datagram (test traffic). Sent to one member
+    /// of the group (by convention the first); on a node running `aggbox
+    /// attach` with that [[group]], the TC program delivers a copy to every
+    /// member whose mask bit is set.
+    SendBroadcast {
+        /// A member of the group, e.g. 10.77.0.12:7200.
+        #[arg(long)]
+        to: SocketAddrV4,
+        /// Broadcast group id.
+        #[arg(long)]
+        group: u16,
+        /// Destination mask (bit i = member i; 0x... for hex); default all 32.
+        #[arg(long, default_value_t = u32::MAX, value_parser = parse_mask)]
+        mask: u32,
+        /// Sequence number.
+        #[arg(long, default_value_t = 0)]
+        seq: u32,
+        /// Payload text.
+        #[arg(long)]
+        text: String,
+    },
+    /// Receive AGB1 broadcast datagrams on a UDP port and print them.
+    ListenBroadcast {
+        /// UDP port (this member's port in the group).
+        #[arg(long)]
+        port: u16,
+        /// Datagrams to wait for.
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+        /// Seconds to wait.
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+    },
     /// Run the evaluation benchmarks (docs/BENCHMARKS.md) on a netns testbed
     /// and write raw results, plots and REPORT.md (needs root).
     Bench {
@@ -150,6 +183,14 @@ enum Command {
 enum ModeArg {
     Native,
     Generic,
+}
+
+fn parse_mask(text: &str) -> Result<u32, String> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|e| format!("bad mask {text:?}: {e}"))
 }
 
 fn parse_op(name: &str) -> Result<Op> {
@@ -212,6 +253,31 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Listen { port, job, elements, timeout, workers, op } => listen(port, job, elements, timeout, workers, &op),
+        Command::SendBroadcast { to, group, mask, seq, text } => {
+            let socket = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
+            let len = tools::send_broadcast(&socket, to, group, mask, seq, text.as_bytes())?;
+            println!("sent ONE AGB1 datagram of {len} bytes (group {group}, seq {seq}, mask {mask:#010x}) to {to}");
+            Ok(())
+        }
+        Command::ListenBroadcast { port, count, timeout } => {
+            let socket = tools::bind_any(port)?;
+            let got = tools::collect_broadcasts(&socket, count, Duration::from_secs_f64(timeout))?;
+            for b in &got {
+                println!(
+                    "port {port}: AGB1 from {} group {} seq {} mask {:#010x} hops {}: {:?}",
+                    b.from,
+                    b.header.group,
+                    b.header.seq,
+                    b.header.mask,
+                    b.header.hops,
+                    String::from_utf8_lossy(&b.payload)
+                );
+            }
+            if got.len() < count {
+                bail!("port {port}: received {} of {count} broadcast datagram(s) in {timeout} s", got.len());
+            }
+            Ok(())
+        }
         Command::Bench { experiments, quick, out, reps, no_plot } => {
             aggbox::bench::run(&experiments, &aggbox::bench::BenchOptions { quick, out_dir: out, reps, plot: !no_plot })
         }

@@ -170,3 +170,49 @@ pub fn expected_pattern_result(op: Op, workers: u16, elements: u32, weights: &[i
 pub fn bind_any(port: u16) -> Result<UdpSocket> {
     UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)).with_context(|| format!("binding UDP port {port}"))
 }
+
+/// Send one AGB1 datagram for `group` to `to` (a member of the group, by
+/// convention the first: the root's TC program re-addresses a copy to every
+/// member whose `mask` bit is set). Returns the datagram's length.
+pub fn send_broadcast(socket: &UdpSocket, to: SocketAddrV4, group: u16, mask: u32, seq: u32, payload: &[u8]) -> Result<usize> {
+    let hdr = proto::BcastHeader { mask, seq, group, flags: 0, hops: 0 };
+    let mut buf = Vec::with_capacity(abi::BCAST_HDR_LEN + payload.len());
+    proto::encode_bcast_into(&hdr, payload, &mut buf)?;
+    socket.send_to(&buf, to).with_context(|| format!("sending to {to}"))?;
+    Ok(buf.len())
+}
+
+/// One AGB1 datagram as a receiver got it.
+#[derive(Debug, Clone)]
+pub struct ReceivedBroadcast {
+    /// Who sent this copy (the root node's address).
+    pub from: std::net::SocketAddr,
+    /// The AGB1 header.
+    pub header: proto::BcastHeader,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// Receive up to `count` AGB1 datagrams on `socket` within `timeout`;
+/// anything that is not AGB1 is skipped.
+pub fn collect_broadcasts(socket: &UdpSocket, count: usize, timeout: Duration) -> Result<Vec<ReceivedBroadcast>> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while out.len() < count {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        socket.set_read_timeout(Some(deadline - now))?;
+        let (len, from) = match socket.recv_from(&mut buf) {
+            Ok(x) => x,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
+            Err(e) => return Err(e.into()),
+        };
+        if let Ok((header, payload)) = proto::split_bcast(&buf[..len]) {
+            out.push(ReceivedBroadcast { from, header, payload: payload.to_vec() });
+        }
+    }
+    Ok(out)
+}
