@@ -323,10 +323,16 @@ pub struct Port {
 }
 const _: () = assert!(core::mem::size_of::<Port>() == 4);
 
-/// Elements one slot holds (`AGGBOX_MAX_ELEMS`).
-pub const MAX_ELEMS: u32 = 384;
-/// Elements one program of the tail-call chain processes (`AGGBOX_CHUNK_ELEMS`).
-pub const CHUNK_ELEMS: u32 = 32;
+/// Largest `count` the kernel aggregates (`AGGBOX_MAX_ELEMS`): every legal
+/// IPv4 datagram (at most 16370 elements) fits.
+pub const MAX_ELEMS: u32 = 16384;
+/// Elements of one slot block: one spin-lock acquisition, one
+/// `bpf_xdp_load_bytes` (`AGGBOX_CHUNK_ELEMS`).
+pub const CHUNK_ELEMS: u32 = 256;
+/// Chunks one program run of the tail-call chain processes (`AGGBOX_PROG_CHUNKS`).
+pub const PROG_CHUNKS: u32 = 8;
+/// Slot blocks of all jobs together (`AGGBOX_MAX_BLOCKS`).
+pub const MAX_BLOCKS: u32 = 2 * MAX_SLOTS;
 /// Slots of all jobs together (`AGGBOX_MAX_SLOTS`).
 pub const MAX_SLOTS: u32 = 4096;
 /// Completed-slot markers kept (`AGGBOX_MAX_COMPLETED`).

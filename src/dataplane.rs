@@ -11,7 +11,8 @@
 //! | `ranks` | [`abi::RankKey`]          | [`abi::Rank`]          | control plane |
 //! | `stats` | `u32` outcome index       | [`abi::Stat`] per CPU  | XDP |
 //! | `job_state` | [`abi::JobKey`]       | [`abi::JobState`]      | control plane creates, XDP updates |
-//! | `slots` | [`abi::SlotKey`]          | slot (BPF-only, `src/bpf/slot.h`) | XDP |
+//! | `slots` | [`abi::SlotKey`]          | slot header (BPF-only, `src/bpf/slot.h`) | XDP |
+//! | `blocks` | (SlotKey, chunk index)   | one chunk of s64 accumulators (BPF-only) | XDP |
 //! | `completed` | [`abi::SlotKey`]      | `u32` marker (LRU)     | XDP |
 //! | `progs` | `u32` `abi::CALL_*`       | program fd             | control plane, once at load |
 //! | `scratch`, `slot_init` | `u32` 0    | per-CPU scratch        | XDP |
@@ -424,6 +425,12 @@ impl Dataplane {
         let maps = &self.skel.maps;
         let key = abi::JobKey { job: id, pad: 0 };
         let old = self.job(id)?;
+        // The old membership (address and weight of each rank), to tell a
+        // membership change from a reconfiguration that keeps it.
+        let old_ranks: Vec<Option<abi::Rank>> = match &old {
+            Some(o) => (0..o.workers).map(|rank| self.rank(id, rank)).collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
 
         // Ranks first, so that the job never points at missing ranks.
         for (rank, (addr, weight)) in job.ranks.iter().zip(job.effective_weights()).enumerate() {
@@ -461,9 +468,54 @@ impl Dataplane {
             for rank in value.workers..old.workers {
                 self.delete_rank(id, rank)?;
             }
+            let new_ranks: Vec<Option<abi::Rank>> = job
+                .ranks
+                .iter()
+                .zip(job.effective_weights())
+                .map(|(addr, weight)| {
+                    Some(abi::Rank {
+                        addr: u32::from_ne_bytes(addr.octets()),
+                        weight,
+                    })
+                })
+                .collect();
+            if new_ranks != old_ranks {
+                // Membership changed: the rounds in flight hold contributions
+                // (and rank bits, and a worker count) of the old membership.
+                // Release them, so that none of it can complete or be mixed
+                // into a round of the new membership.
+                self.discard_job_slots(id)?;
+            }
         }
         self.reset_job_state(id)?;
         Ok(())
+    }
+
+    fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
+        let rkey = abi::RankKey { job: id, rank };
+        let raw = self
+            .skel
+            .maps
+            .ranks
+            .lookup(abi::as_bytes(&rkey), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "ranks",
+                source,
+            })?;
+        Ok(raw.and_then(|b| abi::from_bytes::<abi::Rank>(&b)))
+    }
+
+    /// Release every kernel slot of job `id` that is not completing (with
+    /// `aggbox_reclaim`, so `active_slots` stays exact); returns how many.
+    pub fn discard_job_slots(&self, id: u16) -> Result<usize> {
+        let maps = self.kernel_maps()?;
+        let mut n = 0;
+        for key in maps.slot_keys().into_iter().filter(|k| k.job == id) {
+            if maps.reclaim_slot(&key)? == Reclaim::Reclaimed {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// Remove job `id` (no-op if unknown).
@@ -553,6 +605,8 @@ impl Dataplane {
         delete_ignore_missing(&self.skel.maps.job_handoff, "job_handoff", abi::as_bytes(&key))?;
         for (map, name) in [
             (&self.skel.maps.slots, "slots"),
+            // key (SlotKey, chunk index): the SlotKey prefix names the job
+            (&self.skel.maps.blocks, "blocks"),
             (&self.skel.maps.completed, "completed"),
             (&self.skel.maps.slot_owner, "slot_owner"),
         ] {
@@ -591,6 +645,13 @@ impl Dataplane {
     /// Number of slots in the pool (all jobs), for tests and status.
     pub fn slots_in_use(&self) -> usize {
         self.skel.maps.slots.keys().count()
+    }
+
+    /// Number of slot blocks (chunks of `abi::CHUNK_ELEMS` accumulators) in
+    /// the pool (all jobs), for tests and status: a slot of `count` elements
+    /// holds `ceil(count / CHUNK_ELEMS)` of them (docs/JUMBO.md).
+    pub fn blocks_in_use(&self) -> usize {
+        self.skel.maps.blocks.keys().count()
     }
 
     /// Read the `stats` map and sum every counter over CPUs.
@@ -680,7 +741,39 @@ impl Dataplane {
             completed: dup(maps.completed.as_fd(), "completed")?,
             job_state: dup(maps.job_state.as_fd(), "job_state")?,
             job_handoff: dup(maps.job_handoff.as_fd(), "job_handoff")?,
+            slots: dup(maps.slots.as_fd(), "slots")?,
+            reclaim: self
+                .skel
+                .progs
+                .aggbox_reclaim
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
         })
+    }
+
+    /// Release the kernel slot `key` with the `aggbox_reclaim` program (see
+    /// [`Reclaim`]); `active_slots` of its job is given back atomically by
+    /// the kernel.
+    pub fn reclaim_slot(&self, key: &abi::SlotKey) -> Result<Reclaim> {
+        self.kernel_maps()?.reclaim_slot(key)
+    }
+
+    /// Release every kernel slot whose round is stale (older than its job's
+    /// newest completed round, of either path, minus the job's window):
+    /// such a slot can never complete, since the stale-round rule drops all
+    /// later contributions to it. Returns how many were released. The
+    /// user-space path calls the same thing every `reclaim_every`.
+    pub fn reclaim_stale_slots(&self) -> Result<usize> {
+        let maps = self.kernel_maps()?;
+        let mut windows = BTreeMap::new();
+        for raw in self.skel.maps.jobs.keys() {
+            let Some(k) = abi::from_bytes::<abi::JobKey>(&raw) else { continue };
+            if let Some(job) = self.job(k.job)? {
+                windows.insert(k.job, job.window);
+            }
+        }
+        Ok(maps.reclaim_stale_slots(|job| windows.get(&job).copied()))
     }
 
     /// Run the XDP entry program once on `frame` with BPF_PROG_TEST_RUN;
@@ -797,6 +890,8 @@ pub struct KernelMaps {
     completed: OwnedFd,
     job_state: OwnedFd,
     job_handoff: OwnedFd,
+    slots: OwnedFd,
+    reclaim: OwnedFd,
 }
 
 fn raw_lookup<K: plain::Plain, V: plain::Plain + Default>(fd: &OwnedFd, key: &K) -> Option<V> {
@@ -845,7 +940,91 @@ fn raw_delete<K: plain::Plain>(fd: &OwnedFd, key: &K) {
     }
 }
 
+/// What [`Dataplane::reclaim_slot`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reclaim {
+    /// The slot was poisoned, deleted and its reservation given back.
+    Reclaimed,
+    /// No such slot (completed or reclaimed meanwhile).
+    Absent,
+    /// All its contributions are done: it is completing; left alone.
+    Busy,
+}
+
 impl KernelMaps {
+    /// Release kernel slot `key` (see [`Dataplane::reclaim_slot`]).
+    pub fn reclaim_slot(&self, key: &abi::SlotKey) -> Result<Reclaim> {
+        let mut frame = [0u8; 14 + std::mem::size_of::<abi::SlotKey>()];
+        frame[14..].copy_from_slice(abi::as_bytes(key));
+        let runner = TestRunner {
+            fd: self
+                .reclaim
+                .try_clone()
+                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+        };
+        let (verdict, _) = runner.run(&frame)?;
+        Ok(match verdict {
+            2 => Reclaim::Reclaimed,
+            1 => Reclaim::Absent,
+            _ => Reclaim::Busy,
+        })
+    }
+
+    /// Every key of the kernel's slot pool.
+    pub fn slot_keys(&self) -> Vec<abi::SlotKey> {
+        let mut out = Vec::new();
+        let mut key = abi::SlotKey::default();
+        let mut first = true;
+        loop {
+            let mut next = abi::SlotKey::default();
+            let prev: *const std::ffi::c_void = if first {
+                std::ptr::null()
+            } else {
+                (&key as *const abi::SlotKey).cast()
+            };
+            // SAFETY: prev is null or a live key; next is a live key buffer.
+            let rc = unsafe {
+                libbpf_sys::bpf_map_get_next_key(self.slots.as_raw_fd(), prev, (&mut next as *mut abi::SlotKey).cast())
+            };
+            if rc != 0 || out.len() > abi::MAX_SLOTS as usize {
+                break;
+            }
+            first = false;
+            key = next;
+            out.push(key);
+        }
+        out
+    }
+
+    /// Release every kernel slot of a stale round. `window(job)` is the
+    /// job's configured window (`None`: job unknown, its slots are left to
+    /// `remove_job`; 0: the build default). A round is stale when either
+    /// path's newest completed round is more than `window` ahead of it
+    /// (serial arithmetic), exactly the rule the XDP program drops by.
+    pub fn reclaim_stale_slots(&self, window: impl Fn(u16) -> Option<u32>) -> usize {
+        let mut newest: BTreeMap<u16, (Option<u32>, Option<u32>, i32)> = BTreeMap::new();
+        let mut reclaimed = 0;
+        for key in self.slot_keys() {
+            let entry = match newest.get(&key.job) {
+                Some(e) => *e,
+                None => {
+                    let Some(w) = window(key.job) else { continue };
+                    let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
+                    let k = self.job_state(key.job).filter(|s| s.completed != 0).map(|s| s.newest_round);
+                    let u = self.job_handoff(key.job).filter(|h| h.completed != 0).map(|h| h.newest_round);
+                    newest.insert(key.job, (k, u, w));
+                    (k, u, w)
+                }
+            };
+            let (k, u, w) = entry;
+            let stale = |n: Option<u32>| n.is_some_and(|n| (n.wrapping_sub(key.round) as i32) > w);
+            if (stale(k) || stale(u)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
+                reclaimed += 1;
+            }
+        }
+        reclaimed
+    }
+
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
     pub fn register_xsk(&self, queue: u32, xsk_fd: RawFd) -> Result<()> {
         raw_update(&self.xsks, "xsks", &queue, &(xsk_fd as u32), 0)

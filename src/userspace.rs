@@ -55,6 +55,10 @@ pub struct UserspaceOptions {
     pub completed_per_job: usize,
     /// Period of the overload watcher and stale-slot collection.
     pub tick: Duration,
+    /// Period of the reclamation of the kernel's stale slots (slots of
+    /// rounds older than the job's newest completed round - window, which
+    /// can never complete): see `Dataplane::reclaim_stale_slots`.
+    pub reclaim_every: Duration,
     /// Sizes of each AF_XDP socket.
     pub xsk: XskConfig,
 }
@@ -67,6 +71,7 @@ impl Default for UserspaceOptions {
             max_slots_per_job: 16384,
             completed_per_job: abi::MAX_COMPLETED as usize,
             tick: Duration::from_millis(2),
+            reclaim_every: Duration::from_millis(100),
             xsk: XskConfig::default(),
         }
     }
@@ -144,6 +149,8 @@ pub struct UserspaceStats {
     pub jobs_in_overload: Vec<u16>,
     /// Stale user-space slots collected (never completed).
     pub stale_slots_collected: u64,
+    /// Stale kernel slots released (`aggbox_reclaim`), never completed.
+    pub kernel_slots_reclaimed: u64,
     /// Kernel counters of each AF_XDP socket, by RX queue.
     pub xsk: BTreeMap<u32, XskStats>,
 }
@@ -243,6 +250,7 @@ struct Worker {
     local: UserspaceStats,
     opts: UserspaceOptions,
     out: Vec<u8>,
+    last_reclaim: Instant,
 }
 
 /// A parsed frame: addresses and the UDP payload's range.
@@ -487,6 +495,14 @@ impl Worker {
                 }
             }
         }
+        // Kernel slots of stale rounds can never complete either: release
+        // them (and their share of the job's slot bound) in the kernel.
+        if now.duration_since(self.last_reclaim) >= self.opts.reclaim_every {
+            self.last_reclaim = now;
+            let jobs = &self.jobs;
+            let n = self.maps.reclaim_stale_slots(|id| jobs.get(&id).map(|j| j.window));
+            self.local.kernel_slots_reclaimed += n as u64;
+        }
         self.publish();
     }
 
@@ -622,6 +638,7 @@ impl UserspacePath {
             local: UserspaceStats::default(),
             opts,
             out: Vec::with_capacity(2048),
+            last_reclaim: Instant::now(),
         };
         // Register only once the sockets are bound; the worker drains them.
         let fds: Vec<(u32, i32)> = worker.sockets.iter().map(|s| (s.queue(), s.fd())).collect();

@@ -15,6 +15,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// `sockaddr_xdp.sxdp_flags`: multi-buffer RX/TX (linux/if_xdp.h, 6.6+).
+const XDP_USE_SG: u16 = 1 << 4;
+/// `xdp_desc.options`: more descriptors of the same packet follow.
+const XDP_PKT_CONTD: u32 = 1 << 0;
+
 /// Sizes of one socket's UMEM and rings (powers of two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct XskConfig {
@@ -130,6 +135,10 @@ pub struct XskSocket {
     frame_size: u32,
     ifindex: u32,
     queue: u32,
+    /// Bound with XDP_USE_SG (multi-buffer packets are reassembled).
+    multi_buffer: bool,
+    /// Pieces of a multi-buffer packet received so far.
+    pending: Vec<u8>,
 }
 
 // SAFETY: the raw pointers refer to mappings owned by this value; it is used
@@ -272,9 +281,13 @@ impl XskSocket {
         }
         fill.producer().store(cfg.frames, Ordering::Release);
 
-        let sa = libc::sockaddr_xdp {
+        // Copy mode with multi-buffer RX (XDP_USE_SG, kernel 6.6+): frames
+        // larger than one UMEM frame (jumbo MTU) are delivered in pieces;
+        // without it the kernel drops them. Kernels without it refuse the
+        // flag (EINVAL / EOPNOTSUPP): then bind without it.
+        let mut sa = libc::sockaddr_xdp {
             sxdp_family: libc::AF_XDP as u16,
-            sxdp_flags: libc::XDP_COPY,
+            sxdp_flags: libc::XDP_COPY | XDP_USE_SG,
             sxdp_ifindex: ifindex,
             sxdp_queue_id: queue,
             sxdp_shared_umem_fd: 0,
@@ -295,6 +308,12 @@ impl XskSocket {
                 break;
             }
             let err = io::Error::last_os_error();
+            if sa.sxdp_flags & XDP_USE_SG != 0
+                && matches!(err.raw_os_error(), Some(libc::EINVAL) | Some(libc::EOPNOTSUPP))
+            {
+                sa.sxdp_flags &= !XDP_USE_SG;
+                continue;
+            }
             if err.raw_os_error() == Some(libc::EBUSY) && tries < 30 {
                 tries += 1;
                 std::thread::sleep(std::time::Duration::from_millis(100));
@@ -317,7 +336,15 @@ impl XskSocket {
             frame_size: cfg.frame_size,
             ifindex,
             queue,
+            multi_buffer: sa.sxdp_flags & XDP_USE_SG != 0,
+            pending: Vec::new(),
         })
+    }
+
+    /// Whether the socket receives packets larger than one UMEM frame
+    /// (bound with XDP_USE_SG; kernel 6.6+).
+    pub fn multi_buffer(&self) -> bool {
+        self.multi_buffer
     }
 
     /// The socket descriptor (to register in the XSKMAP and to poll).
@@ -363,7 +390,18 @@ impl XskSocket {
                 // kernel does not write this frame until it is refilled.
                 let frame =
                     unsafe { std::slice::from_raw_parts(self.umem.cast::<u8>().add(addr), len) };
-                f(frame);
+                // Multi-buffer (XDP_USE_SG): a packet larger than one UMEM
+                // frame arrives as several descriptors, all but the last
+                // flagged XDP_PKT_CONTD; reassemble it (docs/JUMBO.md).
+                if desc.options & XDP_PKT_CONTD != 0 {
+                    self.pending.extend_from_slice(frame);
+                } else if !self.pending.is_empty() {
+                    self.pending.extend_from_slice(frame);
+                    f(&self.pending);
+                    self.pending.clear();
+                } else {
+                    f(frame);
+                }
             }
             let base = desc.addr & !(u64::from(self.frame_size) - 1);
             let fidx = fill_prod.wrapping_add(i) & self.fill.mask;

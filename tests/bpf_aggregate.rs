@@ -342,12 +342,17 @@ fn weighted_avg_truncates_toward_zero_and_clamps() {
 
 #[test]
 fn count_above_kernel_limit_is_too_large() {
+    // AGGBOX_MAX_ELEMS (16384) covers every IPv4 datagram (at most 16370
+    // elements); the largest one, a multi-buffer frame, is aggregated.
     let dp = load();
     dp.set_job(JOB, &job(2, 0)).unwrap();
-    let a = contrib(0, 1, 0, vec![1; abi::MAX_ELEMS as usize + 1]);
-    assert_eq!(send(&dp, &a).1, one(DropReason::TooLarge.label()));
-    let a = contrib(0, 1, 0, vec![1; abi::MAX_ELEMS as usize]);
+    let a = contrib(0, 1, 0, vec![1; 16370]);
     assert_eq!(send(&dp, &a).1, one("accepted"));
+    // A count above the build's limit cannot be a legal datagram: the UDP
+    // length cannot hold it, so it is larger than what the datagram holds.
+    let mut a = contrib(1, 1, 0, vec![1; 4]);
+    a.count = (abi::MAX_ELEMS + 1) as u16;
+    assert_eq!(send(&dp, &a).1, one(DropReason::CountTooLarge.label()));
 }
 
 #[test]

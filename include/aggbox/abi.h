@@ -225,16 +225,34 @@ _Static_assert(sizeof(struct aggbox_port) == 4, "port is 4 bytes");
  * reads the per-job state, fills the tail-call array)
  * ------------------------------------------------------------------------- */
 
+/*
+ * Payload sizes (docs/JUMBO.md). A slot is a small header (the `slots` map)
+ * plus ceil(count / AGGBOX_CHUNK_ELEMS) blocks of AGGBOX_CHUNK_ELEMS s64
+ * accumulators (the `blocks` map), so slot memory follows the datagram size:
+ * 2 blocks at MTU 1500 (362 elements), 9 at MTU 9000 (2242), 64 for the
+ * largest IPv4 datagram (16370). One chunk = one block = one spin-lock
+ * acquisition and one bpf_xdp_load_bytes/store_bytes. One program run of the
+ * chain processes up to AGGBOX_PROG_CHUNKS chunks with bpf_loop.
+ */
 #ifndef AGGBOX_MAX_ELEMS
-#define AGGBOX_MAX_ELEMS 384 /* elements one slot holds (>= 362, a 1500-byte MTU datagram) */
+#define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4 datagram) */
 #endif
 #ifndef AGGBOX_CHUNK_ELEMS
-#define AGGBOX_CHUNK_ELEMS 32 /* elements one program of the tail-call chain processes */
+#define AGGBOX_CHUNK_ELEMS 256 /* elements of one slot block (one lock, one load/store) */
 #endif
 #define AGGBOX_MAX_CHUNKS (AGGBOX_MAX_ELEMS / AGGBOX_CHUNK_ELEMS)
 _Static_assert(AGGBOX_MAX_ELEMS % AGGBOX_CHUNK_ELEMS == 0, "whole chunks");
+#ifndef AGGBOX_PROG_CHUNKS
+#define AGGBOX_PROG_CHUNKS 8 /* chunks one program run of the chain processes (bpf_loop) */
+#endif
+/* Tail-call budget (kernel MAX_TAIL_CALL_CNT = 33): slot + adds + results. */
+_Static_assert(1 + 2 * ((AGGBOX_MAX_CHUNKS + AGGBOX_PROG_CHUNKS - 1) / AGGBOX_PROG_CHUNKS) <= 33,
+	       "tail-call budget");
 #ifndef AGGBOX_MAX_SLOTS
 #define AGGBOX_MAX_SLOTS 4096 /* slots of all jobs together */
+#endif
+#ifndef AGGBOX_MAX_BLOCKS
+#define AGGBOX_MAX_BLOCKS (2 * AGGBOX_MAX_SLOTS) /* slot blocks of all jobs together (16 MiB) */
 #endif
 #ifndef AGGBOX_MAX_COMPLETED
 #define AGGBOX_MAX_COMPLETED 65536 /* completed-slot markers kept (LRU) */
@@ -246,8 +264,8 @@ _Static_assert(AGGBOX_MAX_ELEMS % AGGBOX_CHUNK_ELEMS == 0, "whole chunks");
 /* Tail-call chain: index of each program in the prog array (cilium tailcall.h). */
 enum aggbox_call {
 	AGGBOX_CALL_SLOT   = 0, /* find or create the slot, claim the rank's bit */
-	AGGBOX_CALL_ADD    = 1, /* add one chunk of the payload into the slot */
-	AGGBOX_CALL_RESULT = 2, /* write one chunk of the result, then emit RESULT */
+	AGGBOX_CALL_ADD    = 1, /* add up to AGGBOX_PROG_CHUNKS chunks of the payload into the slot */
+	AGGBOX_CALL_RESULT = 2, /* write up to AGGBOX_PROG_CHUNKS chunks of the result, then emit RESULT */
 	AGGBOX_CALL_MAX    = 3,
 };
 

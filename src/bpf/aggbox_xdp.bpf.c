@@ -103,16 +103,92 @@ struct {
 } slots SEC(".maps");
 
 /*
- * slot_init: per-CPU template a new slot is copied from (a slot is too big
- * for the stack). Only its key/op/count/workers/weight_sum are ever written,
- * so bitmap, counters and accumulators stay zero. XDP only.
+ * blocks: the accumulators of the slots, (slot key, chunk index) -> one
+ * chunk of AGGBOX_CHUNK_ELEMS s64 accumulators with its own spin lock. A
+ * slot of `count` elements has ceil(count / AGGBOX_CHUNK_ELEMS) blocks,
+ * created before its header is inserted into `slots` and deleted by the
+ * program that completes it (docs/JUMBO.md). XDP only; the control plane
+ * deletes the blocks of a removed job.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AGGBOX_MAX_BLOCKS);
+	__type(key, struct aggbox_block_key);
+	__type(value, struct aggbox_block);
+} blocks SEC(".maps");
+
+/*
+ * slot_init: per-CPU templates a new slot header and its blocks are copied
+ * from (a block is too big for the stack). Only keys, indexes and the
+ * header's op/count/workers/weight_sum are ever written, so bitmaps,
+ * counters and accumulators stay zero. XDP only.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, struct aggbox_slot_init);
+	__type(value, struct aggbox_init);
 } slot_init SEC(".maps");
+
+/* Chunks of a fragment of `count` elements (count <= AGGBOX_MAX_ELEMS). */
+static __always_inline __u32 chunks_of(__u32 count)
+{
+	return (count + AGGBOX_CHUNK_ELEMS - 1) / AGGBOX_CHUNK_ELEMS;
+}
+
+/* bpf_loop context of block creation and deletion. */
+struct blocks_loop {
+	struct aggbox_slot_key key;
+	__u32 failed;
+};
+
+/* bpf_loop callback: create block `index` of bl->key (an existing one, made
+ * by a CPU racing us to create the same slot, is fine). */
+static long block_create_cb(__u64 index, void *data)
+{
+	struct blocks_loop *bl = data;
+	struct aggbox_block_key bkey = {};
+	struct aggbox_init *init;
+	__u32 zero = 0;
+	int err;
+
+	init = bpf_map_lookup_elem(&slot_init, &zero);
+	if (!init) {
+		bl->failed = 1;
+		return 1;
+	}
+	bkey.slot = bl->key;
+	bkey.index = (__u32)index;
+	init->block.b.key = bl->key;
+	init->block.b.index = (__u32)index;
+	err = bpf_map_update_elem(&blocks, &bkey, &init->block, BPF_NOEXIST);
+	if (err && err != -EEXIST) {
+		bl->failed = 1; /* blocks pool full */
+		return 1;
+	}
+	return 0;
+}
+
+/* bpf_loop callback: delete block `index` of bl->key. */
+static long block_delete_cb(__u64 index, void *data)
+{
+	struct blocks_loop *bl = data;
+	struct aggbox_block_key bkey = {};
+
+	bkey.slot = bl->key;
+	bkey.index = (__u32)index;
+	bpf_map_delete_elem(&blocks, &bkey);
+	return 0;
+}
+
+/* Delete the blocks of a slot of `count` elements. */
+static __always_inline void blocks_delete(const struct aggbox_slot_key *key, __u32 count)
+{
+	struct blocks_loop bl = {};
+
+	bl.key = *key;
+	bpf_loop(chunks_of(count), block_delete_cb, &bl, 0);
+}
 
 /*
  * completed: keys of recently completed slots (LRU). Written by the XDP
@@ -218,7 +294,10 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 		return AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT;
 
 	agg = nh.pos;
-	avail = data_end - nh.pos; /* bytes the frame holds past the UDP header */
+	/* Bytes the frame holds past the UDP header, fragments included
+	 * (multi-buffer XDP: the headers are in the linear part, the payload
+	 * may run on into fragments). */
+	avail = bpf_xdp_get_buff_len(ctx) - (__u32)(nh.pos - data);
 	plen = len;                /* bytes the UDP header announces */
 	if (plen < 4 || avail < 4 || (void *)agg + 4 > data_end)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
@@ -304,8 +383,11 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
 
-/* CALL_* entry: parse, validate, then hand a kernel-op contribution on. */
-SEC("xdp")
+/* CALL_* entry: parse, validate, then hand a kernel-op contribution on.
+ * Every program of the chain is "xdp.frags" (BPF_F_XDP_HAS_FRAGS): frames
+ * larger than a page arrive as multi-buffer xdp_buffs and the payload is
+ * read and written with bpf_xdp_load_bytes / bpf_xdp_store_bytes. */
+SEC("xdp.frags")
 int aggbox_xdp(struct xdp_md *ctx)
 {
 	__u32 zero = 0;
@@ -360,8 +442,9 @@ static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
  */
 static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_job_state *js, int reserved)
 {
-	struct aggbox_slot_init *init;
-	__u32 zero = 0;
+	struct blocks_loop bl = {};
+	struct aggbox_init *init;
+	__u32 zero = 0, nb;
 	int err;
 
 	if (!reserved)
@@ -371,14 +454,32 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return AGGBOX_DROP_SLOT_POOL_FULL;
 	}
-	init->b.key = s->key;
-	init->b.workers = s->workers;
-	init->b.op = s->op;
-	init->b.count = s->count;
-	init->b.weight_sum = s->weight_sum;
-	err = bpf_map_update_elem(&slots, &s->key, init, BPF_NOEXIST);
+	/*
+	 * Blocks first, then the header: whoever finds the header in `slots`
+	 * finds every block of it.
+	 */
+	nb = chunks_of(s->count);
+	bl.key = s->key;
+	bpf_loop(nb, block_create_cb, &bl, 0);
+	if (bl.failed) {
+		/* Blocks pool full. Leave the blocks to a CPU that made the
+		 * header meanwhile (it shares them). */
+		if (!bpf_map_lookup_elem(&slots, &s->key))
+			blocks_delete(&s->key, s->count);
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		return AGGBOX_DROP_SLOT_POOL_FULL;
+	}
+	init->slot.b.key = s->key;
+	init->slot.b.workers = s->workers;
+	init->slot.b.op = s->op;
+	init->slot.b.count = s->count;
+	init->slot.b.weight_sum = s->weight_sum;
+	err = bpf_map_update_elem(&slots, &s->key, &init->slot, BPF_NOEXIST);
 	if (err) {
-		/* Lost the race to another CPU (-EEXIST) or the map is full. */
+		/* Lost the race to another CPU (-EEXIST: it uses the same
+		 * blocks) or the map is full. */
+		if (err != -EEXIST && !bpf_map_lookup_elem(&slots, &s->key))
+			blocks_delete(&s->key, s->count);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return err == -EEXIST ? 0 : AGGBOX_DROP_SLOT_POOL_FULL;
 	}
@@ -387,8 +488,12 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	 * fragment completed between our lookups and this insert, undo it.
 	 */
 	if (bpf_map_lookup_elem(&completed, &s->key)) {
-		bpf_map_delete_elem(&slots, &s->key);
-		__sync_fetch_and_sub(&js->active_slots, 1);
+		/* Give the reservation back only if our delete removed it: a
+		 * completion or aggbox_reclaim that deleted it gave it back. */
+		if (!bpf_map_delete_elem(&slots, &s->key)) {
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			blocks_delete(&s->key, s->count);
+		}
 		return AGGBOX_DROP_RETRANSMISSION;
 	}
 	return 0;
@@ -512,7 +617,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 	return code;
 }
 
-SEC("xdp")
+SEC("xdp.frags")
 int aggbox_slot(struct xdp_md *ctx)
 {
 	__u32 zero = 0;
@@ -533,96 +638,210 @@ int aggbox_slot(struct xdp_md *ctx)
 }
 
 /* ---------------------------------------------------------------------------
- * CALL_ADD: add chunk s->chunk of the payload into the slot.
+ * CALL_ADD: add chunks s->chunk.. of the payload into the slot's blocks.
  *
- * One spin lock acquisition per chunk of AGGBOX_CHUNK_ELEMS elements: plain
- * s64 loads/stores inside, instead of one atomic per element (and MAX/MIN,
- * which have no atomic form, need a lock anyway). The last chunk also counts
- * the contribution as done under the same lock, so exactly one contribution
- * sees done == workers and completes the slot.
+ * One program run processes up to AGGBOX_PROG_CHUNKS chunks with bpf_loop,
+ * then tail-calls itself for the rest (tail-call budget: docs/JUMBO.md).
+ * Per chunk: bpf_xdp_load_bytes copies its AGGBOX_CHUNK_ELEMS elements (from
+ * the linear part or the fragments of a multi-buffer frame) into the per-CPU
+ * scratch buffer, then one spin-lock acquisition of the chunk's block adds
+ * them with plain s64 loads/stores (MAX/MIN, which have no atomic form, need
+ * a lock anyway). After the last chunk the slot header's lock counts the
+ * contribution as done: exactly one contribution sees done == workers and
+ * completes the slot.
  * ------------------------------------------------------------------------- */
 
-static __always_inline int add_chunk(struct xdp_md *ctx, struct aggbox_scratch *s)
-{
-	void *data_end = (void *)(long)ctx->data_end;
-	void *data = (void *)(long)ctx->data;
-	struct aggbox_slot *slot;
-	__u32 chunk = s->chunk, base, count = s->count, off = s->agg_off, n, j;
-	__s64 w = s->weight;
-	__u8 op = s->op;
-	__be32 *vals;
-	int code = AGGBOX_CONTINUE, first;
+/* bpf_loop context of the add and result stages (the drop reason that
+ * stops a loop goes to scratch.stop). */
+struct chain_loop {
+	struct xdp_md *ctx;
+};
 
-	if (chunk >= AGGBOX_MAX_CHUNKS || count > AGGBOX_MAX_ELEMS || off > 128)
-		return AGGBOX_DROP_MISSED_TAIL_CALL; /* chain state corrupt: a bug */
-	base = chunk * AGGBOX_CHUNK_ELEMS;
-	if (base >= count)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	n = count - base;
+/*
+ * Check the chain state of chunk s->chunk; returns its element count
+ * (1..AGGBOX_CHUNK_ELEMS) or 0 when the state is corrupt (a bug).
+ */
+static __always_inline __u32 chunk_elems(struct aggbox_scratch *s, __u32 *base)
+{
+	__u32 chunk = s->chunk, count = s->count, n;
+
+	if (chunk >= AGGBOX_MAX_CHUNKS || count > AGGBOX_MAX_ELEMS || s->agg_off > 128)
+		return 0;
+	*base = chunk * AGGBOX_CHUNK_ELEMS;
+	if (*base >= count)
+		return 0;
+	n = count - *base;
 	if (n > AGGBOX_CHUNK_ELEMS)
 		n = AGGBOX_CHUNK_ELEMS;
-	vals = data + off + sizeof(struct aggbox_agg_hdr) + base * 4;
+	return n;
+}
+
+/* Packet bytes of n elements, 4..4*AGGBOX_CHUNK_ELEMS or 0 if n is out of
+ * range; the barrier keeps the compiler from folding the check away from
+ * the helper call (the verifier needs the bound on the register it gets). */
+static __always_inline __u32 chunk_bytes(__u32 n)
+{
+	__u32 len = n * 4;
+
+	asm volatile("" : "+r"(len));
+	if (len < 4 || len > 4 * AGGBOX_CHUNK_ELEMS)
+		return 0;
+	return len;
+}
+
+static __always_inline int block_matches(struct aggbox_block *blk, struct aggbox_scratch *s, __u32 chunk)
+{
+	return blk->b.key.job == s->key.job && blk->b.key.round == s->key.round &&
+	       blk->b.key.frag_off == s->key.frag_off && blk->b.index == chunk;
+}
+
+/* bpf_loop callback: add chunk s->chunk into its block. */
+static long add_chunk_cb(__u64 index, void *data)
+{
+	struct chain_loop *lp = data;
+	struct aggbox_block_key bkey = {};
+	struct aggbox_scratch *s;
+	struct aggbox_block *blk;
+	__u32 zero = 0, chunk, base = 0, n, j, off, len;
+	__s64 w;
+	__u8 op;
+	int first;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return 1; /* cannot happen: the caller found it */
+	chunk = s->chunk;
+	n = chunk_elems(s, &base);
+	if (n == 0 || n > AGGBOX_CHUNK_ELEMS || base > AGGBOX_MAX_ELEMS) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* chain state corrupt: a bug */
+		return 1;
+	}
+	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
+	len = chunk_bytes(n);
+	if (!len || bpf_xdp_load_bytes(lp->ctx, off, s->buf, len)) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: a bug */
+		return 1;
+	}
+	bkey.slot = s->key;
+	bkey.index = chunk;
+	blk = bpf_map_lookup_elem(&blocks, &bkey);
+	if (!blk) {
+		s->stop = AGGBOX_DROP_SLOT_MISMATCH; /* removed by the control plane */
+		return 1;
+	}
+	w = s->weight;
+	op = s->op;
+
+	bpf_spin_lock(&blk->lock);
+	if (!block_matches(blk, s, chunk)) {
+		/* The slot was released (reclaimed, job removed) and the
+		 * element reused meanwhile. */
+		bpf_spin_unlock(&blk->lock);
+		s->stop = AGGBOX_DROP_RETRANSMISSION;
+		return 1;
+	}
+	first = blk->b.seen == 0;
+	blk->b.seen++;
+	/*
+	 * One loop per op, each over the whole block: elements past n add
+	 * stale scratch bytes into accumulators that are never read (a slot
+	 * holds `count` elements, its last block only the first n of them),
+	 * and a loop without a data-dependent exit is one straight path for
+	 * the verifier (256 iterations walked once, not once per exit point).
+	 */
+	if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) {
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+			blk->b.acc[j] += w * (__s32)bpf_ntohl(s->buf[j]);
+		}
+	} else if (op == AGGBOX_OP_COUNT) {
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+			blk->b.acc[j] += s->buf[j] != 0;
+		}
+	} else if (op == AGGBOX_OP_MAX) {
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+			__s64 v;
+
+			v = (__s32)bpf_ntohl(s->buf[j]);
+			if (first || v > blk->b.acc[j])
+				blk->b.acc[j] = v;
+		}
+	} else { /* AGGBOX_OP_MIN */
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+			__s64 v;
+
+			v = (__s32)bpf_ntohl(s->buf[j]);
+			if (first || v < blk->b.acc[j])
+				blk->b.acc[j] = v;
+		}
+	}
+	bpf_spin_unlock(&blk->lock);
+	s->chunk = chunk + 1;
+	return 0;
+}
+
+/*
+ * Count the contribution as done in the slot header. Returns RESULT for
+ * the one contribution that completes the slot, ACCEPTED for the others.
+ */
+static __always_inline int slot_done(struct aggbox_scratch *s)
+{
+	struct aggbox_slot *slot;
+	int code;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
 	if (!slot)
 		return AGGBOX_DROP_SLOT_MISMATCH; /* removed by the control plane */
-
 	bpf_spin_lock(&slot->lock);
-	first = slot->b.chunk_seen[chunk] == 0;
-	slot->b.chunk_seen[chunk]++;
-	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-		__u32 idx = base + j;
-		__s64 v, *a;
-
-		if (j >= n || idx >= AGGBOX_MAX_ELEMS)
-			break;
-		if ((void *)(vals + j + 1) > data_end)
-			break;
-		v = (__s32)bpf_ntohl(vals[j]);
-		a = &slot->b.acc[idx];
-		switch (op) {
-		case AGGBOX_OP_SUM:
-		case AGGBOX_OP_AVG:
-			*a += w * v;
-			break;
-		case AGGBOX_OP_COUNT:
-			*a += v != 0;
-			break;
-		case AGGBOX_OP_MAX:
-			if (first || v > *a)
-				*a = v;
-			break;
-		default: /* AGGBOX_OP_MIN */
-			if (first || v < *a)
-				*a = v;
-			break;
-		}
-	}
-	if (base + AGGBOX_CHUNK_ELEMS >= count) {
+	if (slot->b.key.job != s->key.job || slot->b.key.round != s->key.round ||
+	    slot->b.key.frag_off != s->key.frag_off) {
+		code = AGGBOX_DROP_RETRANSMISSION; /* released and reused meanwhile */
+	} else {
 		slot->b.done++;
 		code = slot->b.done == slot->b.workers ? AGGBOX_OUTCOME_RESULT : AGGBOX_OUTCOME_ACCEPTED;
 		s->result_flags = AGGBOX_AGG_F_RESULT | (slot->b.flags & AGGBOX_AGG_F_LAST_FRAGMENT);
+		s->weight_sum = slot->b.weight_sum;
 	}
 	bpf_spin_unlock(&slot->lock);
-	if (code == AGGBOX_CONTINUE)
-		s->chunk = chunk + 1;
 	return code;
 }
 
-SEC("xdp")
+/* Chunks left to this program run (0 when the chain state is corrupt). */
+static __always_inline __u32 chunks_this_run(struct aggbox_scratch *s, __u32 *total)
+{
+	__u32 left;
+
+	if (s->count > AGGBOX_MAX_ELEMS)
+		return 0;
+	*total = chunks_of(s->count);
+	if (s->chunk >= *total)
+		return 0;
+	left = *total - s->chunk;
+	return left > AGGBOX_PROG_CHUNKS ? AGGBOX_PROG_CHUNKS : left;
+}
+
+SEC("xdp.frags")
 int aggbox_add(struct xdp_md *ctx)
 {
-	__u32 zero = 0;
+	struct chain_loop lp = { .ctx = ctx };
+	__u32 zero = 0, todo, total = 0;
 	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
 	int code;
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	code = add_chunk(ctx, s);
-	if (code == AGGBOX_CONTINUE) {
+	todo = chunks_this_run(s, &total);
+	if (!todo)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+	s->stop = 0;
+	bpf_loop(todo, add_chunk_cb, &lp, 0);
+	if (s->stop)
+		return aggbox_exit(s->stop, s->bytes);
+	if (s->chunk < total) {
 		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
-		code = AGGBOX_DROP_MISSED_TAIL_CALL;
-	} else if (code == AGGBOX_OUTCOME_RESULT) {
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+	}
+	code = slot_done(s);
+	if (code == AGGBOX_OUTCOME_RESULT) {
 		s->chunk = 0;
 		s->overflow = 0;
 		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
@@ -633,9 +852,10 @@ int aggbox_add(struct xdp_md *ctx)
 
 /* ---------------------------------------------------------------------------
  * CALL_RESULT: the completing contribution rewrites its own packet into the
- * RESULT, one chunk per program, then releases the slot. No lock: every
- * other contribution of the slot is done and retransmissions only read the
- * bitmap.
+ * RESULT, AGGBOX_PROG_CHUNKS chunks per program run (bpf_xdp_store_bytes
+ * from the scratch buffer), then releases the slot. No lock: every other
+ * contribution of the slot is done and retransmissions only read the
+ * header's bitmap.
  * ------------------------------------------------------------------------- */
 
 static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scratch *s)
@@ -666,6 +886,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	bpf_map_update_elem(&completed, &s->key, &one, BPF_ANY);
 	bpf_map_delete_elem(&slots, &s->key);
 	bpf_map_delete_elem(&slot_owner, &s->key);
+	blocks_delete(&s->key, s->count);
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		for (i = 0; i < 4; i++) {
@@ -680,77 +901,167 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	return AGGBOX_OUTCOME_RESULT;
 }
 
-static __always_inline int result_chunk(struct xdp_md *ctx, struct aggbox_scratch *s)
+/* Clamp to int32; a clamped element of the fragment (`real`: not one of the
+ * never-read accumulators past count) sets s->overflow (map memory: no
+ * verifier state per value). */
+static __always_inline __s64 clamp_i32(struct aggbox_scratch *s, __s64 r, int real)
 {
-	void *data_end = (void *)(long)ctx->data_end;
-	void *data = (void *)(long)ctx->data;
-	struct aggbox_slot *slot;
-	__u32 chunk = s->chunk, base, count = s->count, off = s->agg_off, n, j, ws;
-	__u8 op, overflow = 0;
-	__be32 *vals;
+	if (r > INT32_MAX_) {
+		if (real)
+			s->overflow = 1;
+		return INT32_MAX_;
+	}
+	if (r < INT32_MIN_) {
+		if (real)
+			s->overflow = 1;
+		return INT32_MIN_;
+	}
+	return r;
+}
 
-	if (chunk >= AGGBOX_MAX_CHUNKS || count > AGGBOX_MAX_ELEMS || off > 128)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	base = chunk * AGGBOX_CHUNK_ELEMS;
-	if (base >= count)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	n = count - base;
-	if (n > AGGBOX_CHUNK_ELEMS)
-		n = AGGBOX_CHUNK_ELEMS;
-	vals = data + off + sizeof(struct aggbox_agg_hdr) + base * 4;
+/* bpf_loop callback: write chunk s->chunk of the result into the packet. */
+static long result_chunk_cb(__u64 index, void *data)
+{
+	struct chain_loop *lp = data;
+	struct aggbox_block_key bkey = {};
+	struct aggbox_scratch *s;
+	struct aggbox_block *blk;
+	__u32 zero = 0, chunk, base = 0, n, j, off, ws, len;
 
-	slot = bpf_map_lookup_elem(&slots, &s->key);
-	if (!slot)
-		return AGGBOX_DROP_SLOT_MISMATCH;
-	op = slot->b.op;
-	ws = slot->b.weight_sum ? slot->b.weight_sum : 1;
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return 1; /* cannot happen: the caller found it */
+	chunk = s->chunk;
+	n = chunk_elems(s, &base);
+	if (n == 0 || n > AGGBOX_CHUNK_ELEMS || base > AGGBOX_MAX_ELEMS) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
+		return 1;
+	}
+	bkey.slot = s->key;
+	bkey.index = chunk;
+	blk = bpf_map_lookup_elem(&blocks, &bkey);
+	if (!blk) {
+		s->stop = AGGBOX_DROP_SLOT_MISMATCH;
+		return 1;
+	}
+	ws = s->weight_sum ? s->weight_sum : 1;
+	s->chunk_n = n;
 
-	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-		__u32 idx = base + j;
-		__s64 r;
-
-		if (j >= n || idx >= AGGBOX_MAX_ELEMS)
-			break;
-		if ((void *)(vals + j + 1) > data_end)
-			break;
-		r = slot->b.acc[idx];
-		if (op == AGGBOX_OP_AVG) {
+	/* Whole block, no data-dependent exit (see add_chunk_cb); only the
+	 * first n results are stored into the packet. */
+	if (s->op == AGGBOX_OP_AVG) {
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+			__s64 r = blk->b.acc[j];
 			/* truncation toward zero; BPF v3 has unsigned division only */
 			__u64 u = r < 0 ? -(__u64)r : (__u64)r;
 
 			u /= ws;
 			r = r < 0 ? -(__s64)u : (__s64)u;
+			s->buf[j] = bpf_htonl((__u32)clamp_i32(s, r, j < *(volatile __u32 *)&s->chunk_n));
 		}
-		if (r > INT32_MAX_) {
-			r = INT32_MAX_;
-			overflow = 1;
-		} else if (r < INT32_MIN_) {
-			r = INT32_MIN_;
-			overflow = 1;
-		}
-		vals[j] = bpf_htonl((__u32)r);
+	} else {
+		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++)
+			s->buf[j] = bpf_htonl((__u32)clamp_i32(s, blk->b.acc[j], j < *(volatile __u32 *)&s->chunk_n));
 	}
-	s->overflow |= overflow;
-	if (base + AGGBOX_CHUNK_ELEMS < count) {
-		s->chunk = chunk + 1;
-		return AGGBOX_CONTINUE;
+	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
+	len = chunk_bytes(n);
+	if (!len || bpf_xdp_store_bytes(lp->ctx, off, s->buf, len)) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
+		return 1;
 	}
-	return finish_result(ctx, s);
+	s->chunk = chunk + 1;
+	return 0;
 }
 
-SEC("xdp")
+SEC("xdp.frags")
 int aggbox_result(struct xdp_md *ctx)
 {
-	__u32 zero = 0;
+	struct chain_loop lp = { .ctx = ctx };
+	__u32 zero = 0, todo, total = 0;
 	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
-	int code;
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	code = result_chunk(ctx, s);
-	if (code == AGGBOX_CONTINUE) {
+	todo = chunks_this_run(s, &total);
+	if (!todo)
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+	s->stop = 0;
+	bpf_loop(todo, result_chunk_cb, &lp, 0);
+	if (s->stop)
+		return aggbox_exit(s->stop, s->bytes);
+	if (s->chunk < total) {
 		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
-		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	}
-	return aggbox_exit(code, s->bytes);
+	return aggbox_exit(finish_result(ctx, s), s->bytes);
+}
+
+/* ---------------------------------------------------------------------------
+ * aggbox_reclaim: release the slot of a round that can never complete.
+ *
+ * Not attached anywhere and not in the tail-call array: the control plane
+ * runs it with BPF_PROG_TEST_RUN (Dataplane::reclaim_slot, from the daemon's
+ * periodic tick) on a frame of an Ethernet header's 14 bytes followed by a
+ * struct aggbox_slot_key (host order), for slots whose round is stale (older
+ * than the job's newest completed round - window): the stale-round rule
+ * drops every later contribution to them, so they would hold their share of
+ * the job's slot bound forever. Doing it here, not with a map delete from
+ * user space, keeps job_state.active_slots exact: only the kernel updates it,
+ * atomically.
+ *
+ * Under the slot's lock: a slot whose contributions are all done is
+ * completing (finish_result deletes it and gives its reservation back) and
+ * is left alone; otherwise it is poisoned (workers = 0xffff, so no
+ * contributor still in the chain can complete it; the stored key changed, so
+ * a contributor that looked it up before the delete sees a reused element
+ * and counts a retransmission). Then it is deleted with its slot_owner
+ * record, and the reservation is given back only if this delete removed it.
+ *
+ * Verdicts: XDP_PASS reclaimed, XDP_DROP no such slot, XDP_TX completing or
+ * reused (left alone), XDP_ABORTED malformed request.
+ * ------------------------------------------------------------------------- */
+SEC("xdp")
+int aggbox_reclaim(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_slot_key *in = data + sizeof(struct ethhdr);
+	struct aggbox_job_key jkey = {};
+	struct aggbox_slot_key key;
+	struct aggbox_job_state *js;
+	struct aggbox_slot *slot;
+	__u32 count;
+	int busy = 0;
+
+	if ((void *)(in + 1) > data_end)
+		return XDP_ABORTED;
+	key.job = in->job;
+	key.pad = 0;
+	key.round = in->round;
+	key.frag_off = in->frag_off;
+	slot = bpf_map_lookup_elem(&slots, &key);
+	if (!slot)
+		return XDP_DROP;
+	bpf_spin_lock(&slot->lock);
+	count = slot->b.count;
+	if (slot->b.key.job != key.job || slot->b.key.round != key.round ||
+	    slot->b.key.frag_off != key.frag_off || slot->b.done >= slot->b.workers) {
+		busy = 1;
+	} else {
+		slot->b.workers = 0xffff;
+		slot->b.key.round = ~key.round;
+	}
+	bpf_spin_unlock(&slot->lock);
+	if (busy)
+		return XDP_TX;
+	if (bpf_map_delete_elem(&slots, &key))
+		return XDP_DROP;
+	bpf_map_delete_elem(&slot_owner, &key);
+	if (count <= AGGBOX_MAX_ELEMS)
+		blocks_delete(&key, count);
+	jkey.job = key.job;
+	js = bpf_map_lookup_elem(&job_state, &jkey);
+	if (js)
+		__sync_fetch_and_sub(&js->active_slots, 1);
+	return XDP_PASS;
 }

@@ -12,7 +12,15 @@
 
 #define AGGBOX_BITMAP_WORDS (AGGBOX_MAX_RANKS / 32)
 
-/* Everything of a slot but its lock. */
+/*
+ * A slot is a header (value of the `slots` map: lock, contributor bitmap,
+ * completion count) plus one block per chunk of AGGBOX_CHUNK_ELEMS elements
+ * (value of the `blocks` map, key (slot key, chunk index)): slot memory
+ * follows the fragment's count (docs/JUMBO.md). Each block has its own spin
+ * lock, taken once per contribution per chunk.
+ */
+
+/* Everything of a slot header but its lock. */
 struct aggbox_slot_body {
 	struct aggbox_slot_key key; /* copy of the map key: detects a reused element */
 	__u16 workers;              /* contributions that complete the slot */
@@ -24,24 +32,56 @@ struct aggbox_slot_body {
 	__u16 pad;
 	__u32 weight_sum;           /* AVG divisor, from the job at creation */
 	__u32 bitmap[AGGBOX_BITMAP_WORDS];   /* bit r: rank r has contributed */
-	__u16 chunk_seen[AGGBOX_MAX_CHUNKS]; /* contributions added per chunk */
-	__s64 acc[AGGBOX_MAX_ELEMS];         /* running result, never wraps */
 };
 
 /* Value of the slots map. */
 struct aggbox_slot {
-	struct bpf_spin_lock lock; /* taken once per chunk, see docs/DATAPLANE.md */
+	struct bpf_spin_lock lock; /* rank claim and completion count */
 	__u32 pad;
 	struct aggbox_slot_body b;
 };
 
-/* Same layout without the lock type: per-CPU maps cannot hold a spin lock. */
+/* Key of the blocks map. */
+struct aggbox_block_key {
+	struct aggbox_slot_key slot;
+	__u32 index;                /* chunk index: elements [index*CHUNK, (index+1)*CHUNK) */
+};
+
+/* Everything of a block but its lock. */
+struct aggbox_block_body {
+	struct aggbox_slot_key key; /* copy of the slot key: detects a reused element */
+	__u32 index;                /* copy of the chunk index */
+	__u32 seen;                 /* contributions added into this chunk (MAX/MIN first writer) */
+	__u32 pad;
+	__s64 acc[AGGBOX_CHUNK_ELEMS]; /* running result, never wraps */
+};
+
+/* Value of the blocks map. */
+struct aggbox_block {
+	struct bpf_spin_lock lock; /* taken once per chunk, see docs/DATAPLANE.md */
+	__u32 pad;
+	struct aggbox_block_body b;
+};
+
+/* Same layouts without the lock type: per-CPU maps cannot hold a spin lock. */
 struct aggbox_slot_init {
 	__u32 lock;
 	__u32 pad;
 	struct aggbox_slot_body b;
 };
 _Static_assert(sizeof(struct aggbox_slot) == sizeof(struct aggbox_slot_init), "init mirrors slot");
+struct aggbox_block_init {
+	__u32 lock;
+	__u32 pad;
+	struct aggbox_block_body b;
+};
+_Static_assert(sizeof(struct aggbox_block) == sizeof(struct aggbox_block_init), "init mirrors block");
+
+/* Value of the per-CPU slot_init template map. */
+struct aggbox_init {
+	struct aggbox_slot_init slot;
+	struct aggbox_block_init block;
+};
 
 /* Per-packet state handed from one program of the chain to the next. */
 struct aggbox_scratch {
@@ -55,7 +95,7 @@ struct aggbox_scratch {
 	__u8  flags;       /* the contribution's flags */
 	__u8  overflow;    /* result stage: some element was clamped */
 	__u8  result_flags;/* result stage: flags of the RESULT */
-	__u16 chunk;       /* chunk the next program processes */
+	__u16 chunk;       /* chunk the next callback processes */
 	__u16 rank;
 	__u16 workers;
 	__u16 result_port; /* host order */
@@ -64,6 +104,14 @@ struct aggbox_scratch {
 	__u32 slots;       /* the job's slot bound (0 = AGGBOX_MAX_SLOTS) */
 	__u32 handoff;     /* enum aggbox_handoff_reason when handed to user space */
 	__u32 window;      /* the job's round window (never 0) */
+	__s32 stop;        /* drop reason that stopped a bpf_loop callback, or 0
+			    * (kept here, not on the caller's stack: distinct
+			    * constants there multiply the verifier's walks) */
+	__u32 chunk_n;     /* elements of the chunk in buf (read volatile in loops:
+			    * a register bound would fork the verifier per element) */
+	__u32 pad2;
+	__be32 buf[AGGBOX_CHUNK_ELEMS]; /* one chunk of payload: bpf_xdp_load_bytes /
+					 * store_bytes go through here */
 };
 
 #endif /* AGGBOX_SLOT_H */
