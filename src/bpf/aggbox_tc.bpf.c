@@ -14,7 +14,10 @@
  *   returned with TC_ACT_OK, or redirected). Copies are produced by one
  *   bounded loop over the 32 mask bits in this one program: no recursion
  *   (a clone-per-pass design re-enters dev_queue_xmit nested and hits
- *   XMIT_RECURSION_LIMIT = 8 long before 32 copies).
+ *   XMIT_RECURSION_LIMIT = 8 long before 32 copies). Each iteration is one
+ *   call of the global function copy_to_member(), which the verifier checks
+ *   once instead of once per iteration and path (see there: 6.1 rejected the
+ *   inlined loop at its 1M-instruction limit).
  *
  * aggbox_tc_ingress (tree node): an AGB1 datagram for this host with
  *   FORWARD set, of a group this node has a table for, is copied to every
@@ -335,6 +338,7 @@ struct rewrite_state {
 	__be32 saddr;
 	__be32 daddr;
 	__be16 dport;
+	__u16  pad;  /* explicit: see struct copy_state */
 };
 
 /* Replace the IPv4 source address, fixing the IPv4 and UDP checksums. */
@@ -400,37 +404,73 @@ enum copy_kind {
 	COPY_LAST  = 1, /* the original itself is the copy: returns its verdict */
 };
 
-/* Where the copies of one datagram come from. */
-struct copy_src {
+/*
+ * The copies of one datagram: where they come from, which destinations get
+ * one, the headers as they are now, and what was sent. The one argument of
+ * copy_to_member() and send_copy() besides the skb and the destination.
+ *
+ * Those two are global BPF functions (see send_copy), and the verifier types
+ * a global function's pointer argument from BTF as plain memory of the
+ * struct's size: only scalars can travel in it (no MAC pointer: the MAC
+ * itself), and the caller's stack must be initialised over all of it. So
+ * there is no implicit padding (every hole is a named field), and callers
+ * memset it before filling it in.
+ */
+struct copy_state {
+	struct rewrite_state st; /* in/out: the headers as they are now */
 	__be32 saddr;            /* source of the copies (FIB source check) */
+	__be32 local_addr;       /* this host's address on the datagram */
+	__u32  mask;             /* the destinations (bit i = dests[i]) that get a copy */
 	__u16  tot_len;          /* IPv4 total length (FIB MTU check) */
 	__u8   ingress;          /* running at TC ingress: the original must be
 				  * redirected to leave (TC_ACT_OK delivers it) */
-	const __u8 *local_mac;   /* non-NULL: copies for this host go into the
-				  * hook's own ingress addressed to this MAC (the
-				  * source is remote); NULL: through lo (the source
+	__u8   original_last;    /* 1: the original itself is the copy of the
+				  * highest mask bit (egress); 0: every
+				  * destination gets a clone (ingress) */
+	__u8   has_local_mac;    /* 1: copies for this host go into the hook's
+				  * own ingress addressed to local_mac (the
+				  * source is remote); 0: through lo (the source
 				  * is this host's own address) */
-	__be32 local_addr;       /* this host's address on the datagram */
+	__u8   local_mac[6];
+	__u8   pad;
+	__u32  copies;           /* out: copies sent */
+	__u32  neigh_misses;     /* out: of which through the neighbour path */
 };
+_Static_assert(sizeof(struct copy_state) == 52, "struct copy_state has implicit padding");
 
 /*
- * Prepare the copy for `dest` and send it. For COPY_CLONE returns 0 when a
- * copy left, -1 otherwise; for COPY_LAST returns the TC verdict of the
+ * Prepare the copy for (daddr, dport) and send it. For COPY_CLONE returns 0
+ * when a copy left, -1 otherwise; for COPY_LAST returns the TC verdict of the
  * original. Counts COPY_SENT or NEIGH_MISS per copy sent, failures by kind.
+ *
+ * A GLOBAL function (non-static, __noinline), on purpose: the verifier checks
+ * a global function once, on its own, with arguments it knows nothing about
+ * (any skb, any copy_state, any kind), and at each call only checks the
+ * arguments. Inlined into the copy loops, its branches (cache hit or FIB,
+ * four next-hop outcomes, clone or last, rewrite failures) were explored
+ * again for every loop iteration and every combination of earlier outcomes:
+ * Linux 6.1, whose state pruning is weaker, gave up on aggbox_tc_egress at
+ * the 1M-instruction limit. Packet pointers are invalid after it returns (it
+ * rewrites and clones the skb): callers use only skb helpers afterwards.
+ * Counts the copy in cs->copies (and cs->neigh_misses) when it left.
  */
-static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state *st,
-				     const struct copy_src *src, __be32 daddr, __be16 dport,
-				     int kind, __u32 *neigh_misses)
+__noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 daddr,
+			 __be16 dport, int kind)
 {
-	const __u8 *local_mac = src->local_mac;
-	__be32 local_addr = src->local_addr;
 	__u8 zero_mac[6] = {};
 	struct bcast_nh nh = {};
-	__u32 hook_ifindex = skb->ifindex;
+	struct rewrite_state *st;
+	__be32 local_addr;
+	__u32 hook_ifindex;
 	__u32 mark;
 	int res, rc;
 
-	res = nh_resolve(skb, hook_ifindex, src->saddr, daddr, src->tot_len, &nh);
+	if (!cs)	/* a global function's pointer argument may be NULL to the verifier */
+		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+	st = &cs->st;
+	local_addr = cs->local_addr;
+	hook_ifindex = skb->ifindex;
+	res = nh_resolve(skb, hook_ifindex, cs->saddr, daddr, cs->tot_len, &nh);
 	if (res == NH_LOCAL && daddr != local_addr) {
 		/* NOT_FWDED for an address that is not ours on this datagram:
 		 * no route (or another local address: not supported) */
@@ -455,22 +495,25 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 		 * to our MAC, exactly like the datagram that just arrived.
 		 * Either way the destination MAC makes it PACKET_HOST.
 		 */
-		__u32 lo_ifindex = local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
+		__u32 lo_ifindex = cs->has_local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
 		__u64 lo_flags = BPF_F_INGRESS;
 
-		if (bpf_skb_store_bytes(skb, 0, local_mac ? local_mac : zero_mac, 6, 0))
+		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : zero_mac, 6, 0))
 			goto rewrite_failed;
 		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);
 		mark = skb->mark;
 		skb->mark = AGGBOX_BCAST_MARK_COPY;
-		if (kind == COPY_LAST)
+		if (kind == COPY_LAST) {
+			cs->copies += 1;
 			return bpf_redirect(lo_ifindex, lo_flags);
+		}
 		rc = bpf_clone_redirect(skb, lo_ifindex, lo_flags);
 		skb->mark = mark;
 		if (rc) {
 			bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
 			return -1;
 		}
+		cs->copies += 1;
 		return 0;
 	}
 	if (res == NH_OK) {
@@ -485,14 +528,15 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 	}
 
 	if (kind == COPY_LAST) {
+		cs->copies += 1;
 		if (res == NH_NEIGH) {
 			bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
-			*neigh_misses += 1;
+			cs->neigh_misses += 1;
 			skb->mark = AGGBOX_BCAST_MARK_DONE;
 			return bpf_redirect_neigh(nh.ifindex, NULL, 0, 0);
 		}
 		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
-		if (nh.ifindex == hook_ifindex && !src->ingress)
+		if (nh.ifindex == hook_ifindex && !cs->ingress)
 			return TC_ACT_OK;
 		skb->mark = AGGBOX_BCAST_MARK_COPY;
 		return bpf_redirect(nh.ifindex, 0);
@@ -506,17 +550,60 @@ static __always_inline int send_copy(struct __sk_buff *skb, struct rewrite_state
 		bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
 		return -1;
 	}
+	cs->copies += 1;
 	if (res == NH_OK) {
 		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
 	} else {
 		bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
-		*neigh_misses += 1;
+		cs->neigh_misses += 1;
 	}
 	return 0;
 
 rewrite_failed:
 	bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 	return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+}
+
+/* copy_to_member(): go on with the next destination. */
+#define COPY_NEXT (-1)
+/* copy_to_member(): no destination left after this one (clones only). */
+#define COPY_END  (-2)
+
+/*
+ * One iteration of the copy loops: destination i of group table `g` gets its
+ * copy if bit i of cs->mask is set. Returns COPY_NEXT to go on, COPY_END when
+ * no higher bit is left, or, when cs->original_last and i is the highest
+ * bit, the verdict of the original, which became that copy.
+ *
+ * Global for the same reason as send_copy(), and it holds the loop's
+ * branches too (mask bit, last bit, copy sent or not): the loops in the
+ * programs are then one call and one test per iteration. A loop body with a
+ * few branches and no state worth keeping is what 6.1's verifier handles
+ * worst: inside a loop it records a state for pruning only every 20 jumps or
+ * 100 instructions, so every combination of outcomes between two records is
+ * walked separately. It rejected aggbox_tc_egress (1M instructions) with
+ * send_copy() global but these branches still in the loop.
+ */
+__noinline int copy_to_member(struct __sk_buff *skb, struct copy_state *cs,
+			      const struct aggbox_group *g, __u32 i)
+{
+	__u32 rest;
+
+	if (!cs || !g || i >= AGGBOX_BCAST_MAX_DESTS)
+		return COPY_END;
+	if (!(cs->mask & (1u << i)))
+		return COPY_NEXT;
+	rest = i == 31 ? 0 : cs->mask >> (i + 1);
+	if (!rest && cs->original_last)
+		return send_copy(skb, cs, g->dests[i].addr, g->dests[i].port, COPY_LAST);
+	send_copy(skb, cs, g->dests[i].addr, g->dests[i].port, COPY_CLONE);
+	return rest ? COPY_NEXT : COPY_END;
+}
+
+/* The mask naming every destination of a table of `count`. */
+static __always_inline __u32 members_mask(__u32 count)
+{
+	return count >= 32 ? ~0u : (1u << count) - 1;
 }
 
 static __always_inline void group_count(struct aggbox_group_key *key, __u32 copies,
@@ -553,11 +640,10 @@ SEC("tc")
 int aggbox_tc_egress(struct __sk_buff *skb)
 {
 	struct aggbox_group_key key = {};
-	struct rewrite_state st = {};
-	struct copy_src src = {};
+	struct copy_state cs;
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
-	__u32 eff, count, copies = 0, neigh_misses = 0;
+	__u32 eff, count;
 	int code, verdict = TC_ACT_SHOT;
 	__u32 mark = skb->mark;
 
@@ -579,37 +665,35 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	count = g->count;
 	if (count > AGGBOX_BCAST_MAX_DESTS)
 		count = AGGBOX_BCAST_MAX_DESTS;
-	eff = count >= 32 ? p.mask : p.mask & ((1u << count) - 1);
+	eff = p.mask & members_mask(count);
 	if (!eff)
 		return bcast_exit(AGGBOX_BCAST_EMPTY_MASK, p.payload_len, TC_ACT_SHOT);
 
-	st.l3_off = p.l3_off;
-	st.udp_off = p.udp_off;
-	st.saddr = p.saddr;
-	st.daddr = p.daddr;
-	st.dport = p.dport;
+	/* all of it initialised: send_copy() is a global function (see there) */
+	__builtin_memset(&cs, 0, sizeof(cs));
+	cs.st.l3_off = p.l3_off;
+	cs.st.udp_off = p.udp_off;
+	cs.st.saddr = p.saddr;
+	cs.st.daddr = p.daddr;
+	cs.st.dport = p.dport;
 	/* egress: copies for this host go through lo (our own source) */
-	src.saddr = p.saddr;
-	src.tot_len = p.tot_len;
-	src.local_addr = p.saddr;
+	cs.saddr = p.saddr;
+	cs.tot_len = p.tot_len;
+	cs.local_addr = p.saddr;
+	/* the original becomes the copy of the highest bit (eff is not 0: the
+	 * loop always ends with its verdict) */
+	cs.mask = eff;
+	cs.original_last = 1;
 
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
-		if (!(eff & (1u << i)))
-			continue;
-		/* no higher bit left: the original becomes this copy */
-		if (i == 31 || !(eff >> (i + 1))) {
-			verdict = send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port,
-					    COPY_LAST, &neigh_misses);
-			if (verdict != TC_ACT_SHOT)
-				copies++;
+		verdict = copy_to_member(skb, &cs, g, i);
+		if (verdict != COPY_NEXT)
 			break;
-		}
-		if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
-			      &neigh_misses) == 0)
-			copies++;
 	}
+	if (verdict < 0)	/* COPY_END: cannot happen with original_last */
+		verdict = TC_ACT_SHOT;
 
-	group_count(&key, copies, neigh_misses, p.payload_len);
+	group_count(&key, cs.copies, cs.neigh_misses, p.payload_len);
 	return bcast_exit(AGGBOX_BCAST_BROADCAST, p.payload_len, verdict);
 }
 
@@ -625,10 +709,8 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	struct aggbox_group_key gkey = {};
 	struct aggbox_result_route *route;
 	struct aggbox_result_route rt;
-	struct rewrite_state st = {};
-	struct copy_src src = {};
+	struct copy_state cs;
 	struct aggbox_group *g = NULL;
-	__u32 count, copies = 0, neigh_misses = 0;
 	int verdict;
 
 	route = bpf_map_lookup_elem(&result_routes, &jk);
@@ -645,19 +727,21 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 		/* group table not written (yet): local delivery only */
 		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_OK);
 
-	st.l3_off = r->l3_off;
-	st.udp_off = r->udp_off;
-	st.saddr = r->saddr;
-	st.daddr = r->daddr;
-	st.dport = r->dport;
+	/* all of it initialised: send_copy() is a global function (see there) */
+	__builtin_memset(&cs, 0, sizeof(cs));
+	cs.st.l3_off = r->l3_off;
+	cs.st.udp_off = r->udp_off;
+	cs.st.saddr = r->saddr;
+	cs.st.daddr = r->daddr;
+	cs.st.dport = r->dport;
 	/* the source is now our own address: copies for this host go through lo */
-	src.saddr = r->daddr;
-	src.tot_len = r->tot_len;
-	src.ingress = 1;
-	src.local_mac = NULL;
-	src.local_addr = r->daddr;
+	cs.saddr = r->daddr;
+	cs.tot_len = r->tot_len;
+	cs.ingress = 1;
+	cs.has_local_mac = 0;
+	cs.local_addr = r->daddr;
 
-	if (rewrite_src(skb, &st, r->daddr)) {
+	if (rewrite_src(skb, &cs.st, r->daddr)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 		return bcast_exit((rt.flags & AGGBOX_ROUTE_F_PARENT) ? AGGBOX_BCAST_RESULT_UPSTREAM
 								  : AGGBOX_BCAST_RESULT_BROADCAST,
@@ -665,16 +749,13 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	}
 
 	if (g) {
-		/* allreduce: the mask covers all members */
-		count = g->count;
+		/* allreduce: the mask covers all members, each gets a clone */
+		cs.mask = members_mask(g->count);
 		for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
-			if (i >= count)
+			if (copy_to_member(skb, &cs, g, i) != COPY_NEXT)
 				break;
-			if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
-				      &neigh_misses) == 0)
-				copies++;
 		}
-		group_count(&gkey, copies, neigh_misses, r->payload_len);
+		group_count(&gkey, cs.copies, cs.neigh_misses, r->payload_len);
 	}
 
 	if (rt.flags & AGGBOX_ROUTE_F_PARENT) {
@@ -688,30 +769,29 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 		__be16 job_be = bpf_htons(rt.parent_job);
 		__be16 rank_be = bpf_htons(rt.parent_rank);
 		__u8 op_flags[2] = { r->op, r->flags & (__u8)~AGGBOX_AGG_F_RESULT };
-		__u32 agg_off = st.udp_off + sizeof(struct udphdr);
+		__u32 agg_off = cs.st.udp_off + sizeof(struct udphdr);
 		__u32 job_rank;
 		__u16 new_op_flags;
 
 		__builtin_memcpy(&job_rank, &job_be, 2);
 		__builtin_memcpy((__u8 *)&job_rank + 2, &rank_be, 2);
 		__builtin_memcpy(&new_op_flags, op_flags, 2);
-		if (bpf_l4_csum_replace(skb, st.udp_off + UDP_CSUM_OFF, r->job_rank, job_rank,
+		if (bpf_l4_csum_replace(skb, cs.st.udp_off + UDP_CSUM_OFF, r->job_rank, job_rank,
 					BPF_F_MARK_MANGLED_0 | sizeof(job_rank)) ||
 		    bpf_skb_store_bytes(skb, agg_off + AGG1_JOB_OFF, &job_rank, sizeof(job_rank), 0) ||
-		    bpf_l4_csum_replace(skb, st.udp_off + UDP_CSUM_OFF, r->op_flags, new_op_flags,
+		    bpf_l4_csum_replace(skb, cs.st.udp_off + UDP_CSUM_OFF, r->op_flags, new_op_flags,
 					BPF_F_MARK_MANGLED_0 | sizeof(new_op_flags)) ||
 		    bpf_skb_store_bytes(skb, agg_off + AGG1_OP_OFF, &new_op_flags,
 					sizeof(new_op_flags), 0)) {
 			bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 			return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, TC_ACT_SHOT);
 		}
-		verdict = send_copy(skb, &st, &src, rt.parent_addr, rt.parent_port, COPY_LAST,
-				    &neigh_misses);
+		verdict = send_copy(skb, &cs, rt.parent_addr, rt.parent_port, COPY_LAST);
 		return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, verdict);
 	}
 
 	/* back to the RESULT as it arrived, for the local application */
-	if (rewrite_dest(skb, &st, r->daddr, r->dport) || rewrite_src(skb, &st, r->saddr) ||
+	if (rewrite_dest(skb, &cs.st, r->daddr, r->dport) || rewrite_src(skb, &cs.st, r->saddr) ||
 	    bpf_skb_store_bytes(skb, 0, r->macs, sizeof(r->macs), 0)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_SHOT);
@@ -723,12 +803,10 @@ SEC("tc")
 int aggbox_tc_ingress(struct __sk_buff *skb)
 {
 	struct aggbox_group_key key = {};
-	struct rewrite_state st = {};
-	struct copy_src src = {};
+	struct copy_state cs;
 	struct udp_view v = {};
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
-	__u32 count, copies = 0, neigh_misses = 0;
 	__be16 word, fwd_word;
 	int code;
 
@@ -763,44 +841,45 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	if (p.hops >= AGGBOX_BCAST_MAX_HOPS)
 		return bcast_exit(AGGBOX_BCAST_HOPS_LIMIT, p.payload_len, TC_ACT_OK);
 
-	st.l3_off = p.l3_off;
-	st.udp_off = p.udp_off;
-	st.saddr = p.saddr;
-	st.daddr = p.daddr;
-	st.dport = p.dport;
+	/* all of it initialised: send_copy() is a global function (see there) */
+	__builtin_memset(&cs, 0, sizeof(cs));
+	cs.st.l3_off = p.l3_off;
+	cs.st.udp_off = p.udp_off;
+	cs.st.saddr = p.saddr;
+	cs.st.daddr = p.daddr;
+	cs.st.dport = p.dport;
 	/* ingress: the arriving frame was addressed to our MAC, its source is
 	 * the remote root: copies for this host go into our own ingress */
-	src.saddr = p.saddr;
-	src.tot_len = p.tot_len;
-	src.ingress = 1;
-	src.local_mac = p.macs;
-	src.local_addr = p.daddr;
+	cs.saddr = p.saddr;
+	cs.tot_len = p.tot_len;
+	cs.ingress = 1;
+	cs.has_local_mac = 1;
+	__builtin_memcpy(cs.local_mac, p.macs, 6);
+	cs.local_addr = p.daddr;
 
 	/* children see hops + 1; every other byte of the AGB1 header unchanged */
 	word = bpf_htons(((__u16)p.flags << 8) | p.hops);
 	fwd_word = bpf_htons(((__u16)p.flags << 8) | (__u8)(p.hops + 1));
-	if (rewrite_flags_hops(skb, &st, word, fwd_word)) {
+	if (rewrite_flags_hops(skb, &cs.st, word, fwd_word)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 		return bcast_exit(AGGBOX_BCAST_LOCAL_ONLY, p.payload_len, TC_ACT_SHOT);
 	}
 
-	count = g->count;
+	/* every destination of the table gets a clone */
+	cs.mask = members_mask(g->count);
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
-		if (i >= count)
+		if (copy_to_member(skb, &cs, g, i) != COPY_NEXT)
 			break;
-		if (send_copy(skb, &st, &src, g->dests[i].addr, g->dests[i].port, COPY_CLONE,
-			      &neigh_misses) == 0)
-			copies++;
 	}
 
 	/* back to the datagram as it arrived, for local delivery */
-	if (rewrite_dest(skb, &st, p.daddr, p.dport) ||
-	    rewrite_flags_hops(skb, &st, fwd_word, word) ||
+	if (rewrite_dest(skb, &cs.st, p.daddr, p.dport) ||
+	    rewrite_flags_hops(skb, &cs.st, fwd_word, word) ||
 	    bpf_skb_store_bytes(skb, 0, p.macs, sizeof(p.macs), 0)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 		return bcast_exit(AGGBOX_BCAST_FORWARDED, p.payload_len, TC_ACT_SHOT);
 	}
 
-	group_count(&key, copies, neigh_misses, p.payload_len);
+	group_count(&key, cs.copies, cs.neigh_misses, p.payload_len);
 	return bcast_exit(AGGBOX_BCAST_FORWARDED, p.payload_len, TC_ACT_OK);
 }
