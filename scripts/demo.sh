@@ -98,7 +98,7 @@ step "attach AggBox to eth0 of the aggregator"
 ip netns exec "$AGG_NS" "$BIN" attach eth0 --config "$WORK/aggbox.toml" --pin-root "$PIN_ROOT" \
     >"$WORK/attach.log" 2>&1 &
 ATTACH_PID=$!
-for _ in $(seq 1 100); do
+for _ in $(seq 1 600); do   # up to 60 s: a loaded or emulated machine verifies slowly
     grep -q "aggbox: attached to eth0" "$WORK/attach.log" && break
     kill -0 "$ATTACH_PID" 2>/dev/null || { cat "$WORK/attach.log" >&2; exit 1; }
     sleep 0.1
