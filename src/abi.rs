@@ -371,6 +371,63 @@ pub struct JobState {
 }
 const _: () = assert!(core::mem::size_of::<JobState>() == 16);
 
+/// `struct aggbox_job_stats` (per-CPU value of `job_stats`, key [`JobKey`],
+/// host order): what became of one job's datagrams once its job was known.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct JobStats {
+    /// Contributions absorbed into a slot.
+    pub accepted: u64,
+    /// Contributions that completed a slot (RESULT emitted).
+    pub results: u64,
+    /// RESULTs with the OVERFLOW flag.
+    pub overflow_results: u64,
+    /// Retransmissions (duplicate contributions) dropped.
+    pub retransmissions: u64,
+    /// Contributions of a stale round dropped.
+    pub stale: u64,
+    /// Datagrams redirected to the user-space path.
+    pub handed_to_userspace: u64,
+    /// Every other drop reason once the job is known.
+    pub dropped: u64,
+    /// UDP payload bytes of the datagrams above.
+    pub bytes: u64,
+}
+const _: () = assert!(core::mem::size_of::<JobStats>() == 64);
+
+impl JobStats {
+    /// Add another (per-CPU) value into this one.
+    pub fn add(&mut self, o: &JobStats) {
+        self.accepted += o.accepted;
+        self.results += o.results;
+        self.overflow_results += o.overflow_results;
+        self.retransmissions += o.retransmissions;
+        self.stale += o.stale;
+        self.handed_to_userspace += o.handed_to_userspace;
+        self.dropped += o.dropped;
+        self.bytes += o.bytes;
+    }
+
+    /// Datagrams counted (every category but `overflow_results`, which is
+    /// a subset of `results`).
+    pub fn datagrams(&self) -> u64 {
+        self.accepted + self.results + self.retransmissions + self.stale + self.handed_to_userspace + self.dropped
+    }
+
+    /// `(outcome label, datagrams)` of the `aggbox_job_contributions_total`
+    /// metric family.
+    pub fn by_outcome(&self) -> [(&'static str, u64); 6] {
+        [
+            ("accepted", self.accepted),
+            ("result", self.results),
+            ("retransmission", self.retransmissions),
+            ("stale", self.stale),
+            ("to_userspace", self.handed_to_userspace),
+            ("dropped", self.dropped),
+        ]
+    }
+}
+
 /// RX queues that can have an AF_XDP socket (`AGGBOX_MAX_QUEUES`).
 pub const MAX_QUEUES: u32 = 64;
 /// Entries of the `slot_owner` map (`AGGBOX_MAX_OWNERS`).
@@ -460,6 +517,7 @@ unsafe impl Plain for PortKey {}
 unsafe impl Plain for Port {}
 unsafe impl Plain for SlotKey {}
 unsafe impl Plain for JobState {}
+unsafe impl Plain for JobStats {}
 unsafe impl Plain for SlotOwner {}
 unsafe impl Plain for JobHandoff {}
 
@@ -505,6 +563,12 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_port", Port, [jobs]);
     fields!(out, "aggbox_slot_key", SlotKey, [job, pad, round, frag_off]);
     fields!(out, "aggbox_job_state", JobState, [active_slots, newest_round, completed, result_seq]);
+    fields!(
+        out,
+        "aggbox_job_stats",
+        JobStats,
+        [accepted, results, overflow_results, retransmissions, stale, handed_to_userspace, dropped, bytes]
+    );
     fields!(out, "aggbox_slot_owner", SlotOwner, [owner]);
     fields!(out, "aggbox_job_handoff", JobHandoff, [flags, newest_round, completed, pad]);
     bcast_layout(&mut out);

@@ -20,6 +20,7 @@
 //! | `slot_owner` | [`abi::SlotKey`]     | [`abi::SlotOwner`]     | XDP decides, the completing path deletes |
 //! | `job_handoff` | [`abi::JobKey`]     | [`abi::JobHandoff`]    | user-space path |
 //! | `handoff_stats` | `u32` reason      | [`abi::Stat`] per CPU  | XDP |
+//! | `job_stats` | [`abi::JobKey`]       | [`abi::JobStats`] per CPU | control plane creates/deletes, XDP counts |
 //!
 //! Errors inside this module are typed ([`DataplaneError`]); callers at the
 //! edges may wrap them in `anyhow`.
@@ -488,7 +489,45 @@ impl Dataplane {
             }
         }
         self.reset_job_state(id)?;
+        self.create_job_stats(id)?;
         Ok(())
+    }
+
+    /// Create job `id`'s zeroed per-CPU counters (`job_stats`) if it has
+    /// none yet: a reconfigured job keeps counting where it was.
+    fn create_job_stats(&self, id: u16) -> Result<()> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        let map = &self.skel.maps.job_stats;
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| DataplaneError::Map {
+            map: "job_stats",
+            source,
+        })?;
+        let zero = abi::JobStats::default();
+        let values: Vec<Vec<u8>> = (0..ncpu).map(|_| abi::as_bytes(&zero).to_vec()).collect();
+        match map.update_percpu(abi::as_bytes(&key), &values, MapFlags::NO_EXIST) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => Ok(()),
+            Err(source) => Err(DataplaneError::Map {
+                map: "job_stats",
+                source,
+            }),
+        }
+    }
+
+    /// Job `id`'s counters (`job_stats`) summed over CPUs; `None` when the
+    /// job is not configured.
+    pub fn job_stats(&self, id: u16) -> Result<Option<abi::JobStats>> {
+        let key = abi::JobKey { job: id, pad: 0 };
+        let per_cpu = self
+            .skel
+            .maps
+            .job_stats
+            .lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "job_stats",
+                source,
+            })?;
+        Ok(per_cpu.map(|values| sum_job_stats(&values)))
     }
 
     fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
@@ -603,6 +642,7 @@ impl Dataplane {
         let key = abi::JobKey { job: id, pad: 0 };
         delete_ignore_missing(&self.skel.maps.job_state, "job_state", abi::as_bytes(&key))?;
         delete_ignore_missing(&self.skel.maps.job_handoff, "job_handoff", abi::as_bytes(&key))?;
+        delete_ignore_missing(&self.skel.maps.job_stats, "job_stats", abi::as_bytes(&key))?;
         for (map, name) in [
             (&self.skel.maps.slots, "slots"),
             // key (SlotKey, chunk index): the SlotKey prefix names the job
@@ -1107,6 +1147,17 @@ impl KernelMaps {
     pub fn delete_job_handoff(&self, id: u16) {
         raw_delete(&self.job_handoff, &abi::JobKey { job: id, pad: 0 });
     }
+}
+
+/// Sum the per-CPU values of one `job_stats` entry.
+pub fn sum_job_stats(per_cpu: &[Vec<u8>]) -> abi::JobStats {
+    let mut total = abi::JobStats::default();
+    for raw in per_cpu {
+        if let Some(v) = abi::from_bytes::<abi::JobStats>(raw) {
+            total.add(&v);
+        }
+    }
+    total
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {

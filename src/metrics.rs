@@ -51,7 +51,7 @@ pub struct KernelSource {
     /// Interface name (label value).
     pub iface: String,
     /// The interface's pin directory (maps `stats`, `jobs`, `job_state`,
-    /// `handoff_stats`, and `bcast_*` when the broadcast plane is attached).
+    /// `job_stats`, `handoff_stats`, and `bcast_*` when the broadcast plane is attached).
     pub pin_dir: PathBuf,
     /// Programs to report run statistics for.
     pub programs: Vec<ProgramRef>,
@@ -173,6 +173,13 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     let mut workers = Family::gauge("aggbox_job_workers", "Ranks configured for a job.");
     let jobs = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
     let job_state = MapHandle::from_pinned_path(dir.join("job_state")).ok();
+    let job_stats = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
+    let mut contributions = Family::counter(
+        "aggbox_job_contributions_total",
+        "Datagrams of a job counted by the XDP program once the job was known, by outcome.",
+    );
+    let mut overflow_results = Family::counter("aggbox_job_overflow_results_total", "RESULTs of a job emitted with the OVERFLOW flag (some element clamped).");
+    let mut job_bytes = Family::counter("aggbox_job_payload_bytes_total", "UDP payload bytes of the datagrams of aggbox_job_contributions_total.");
     let mut job_list: BTreeMap<u16, abi::Job> = BTreeMap::new();
     for key in jobs.keys() {
         if let (Some(k), Some(v)) = (
@@ -198,6 +205,16 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         occupancy.push(&labels, state.active_slots as f64 / bound.max(1) as f64);
         round.push(&labels, state.newest_round as f64);
         workers.push(&labels, job.workers as f64);
+        if let Some(map) = &job_stats {
+            if let Some(per_cpu) = map.lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)? {
+                let js = crate::dataplane::sum_job_stats(&per_cpu);
+                for (outcome, n) in js.by_outcome() {
+                    contributions.push(&[("iface", iface), ("job", id_text.as_str()), ("outcome", outcome)], n as f64);
+                }
+                overflow_results.push(&labels, js.overflow_results as f64);
+                job_bytes.push(&labels, js.bytes as f64);
+            }
+        }
     }
 
     let mut runs = Family::counter("aggbox_program_runs_total", "Runs of a BPF program (needs bpf_stats: aggbox attach --bpf-stats).");
@@ -212,7 +229,23 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         }
     }
 
-    let mut families = vec![datagrams, payload, drops, results, active, limit, occupancy, round, workers, runs, run_time, insns];
+    let mut families = vec![
+        datagrams,
+        payload,
+        drops,
+        results,
+        active,
+        limit,
+        occupancy,
+        round,
+        workers,
+        contributions,
+        overflow_results,
+        job_bytes,
+        runs,
+        run_time,
+        insns,
+    ];
 
     if let Ok(handoff) = MapHandle::from_pinned_path(dir.join("handoff_stats")) {
         let mut f = Family::counter("aggbox_userspace_handoffs_total", "Datagrams the XDP program redirected to the user-space path, by reason.");

@@ -543,6 +543,10 @@ pub struct JobStatus {
     pub slots: u32,
     /// Rank source addresses.
     pub ranks: Vec<Ipv4Addr>,
+    /// The job's XDP counters (`job_stats`, summed over CPUs); `None` when
+    /// the pinned map or the job's entry is missing (attached by an older
+    /// build).
+    pub counters: Option<abi::JobStats>,
 }
 
 /// Status of one attached interface, read from its pins.
@@ -615,6 +619,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
 
     let jobs_map = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
     let ranks_map = MapHandle::from_pinned_path(dir.join("ranks")).with_context(|| format!("opening {}/ranks", dir.display()))?;
+    let job_stats_map = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
     let mut jobs = Vec::new();
     for key in jobs_map.keys() {
         let Some(job_key) = abi::from_bytes::<abi::JobKey>(&key) else { continue };
@@ -636,6 +641,10 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
             vector_len: job.vector_len,
             slots: job.slots,
             ranks,
+            counters: match &job_stats_map {
+                Some(map) => map.lookup_percpu(&key, MapFlags::ANY)?.map(|v| crate::dataplane::sum_job_stats(&v)),
+                None => None,
+            },
         });
     }
     jobs.sort_by_key(|j| j.id);
@@ -687,6 +696,13 @@ pub fn format_status(status: &NodeStatus) -> String {
             if job.vector_len == 0 { "-".to_string() } else { job.vector_len.to_string() },
             job.slots
         );
+        if let Some(c) = &job.counters {
+            let _ = writeln!(
+                s,
+                "      counters: accepted {} result {} (overflow {}) retransmission {} stale {} to_userspace {} dropped {}  payload {} B",
+                c.accepted, c.results, c.overflow_results, c.retransmissions, c.stale, c.handed_to_userspace, c.dropped, c.bytes
+            );
+        }
     }
     let _ = writeln!(s, "  datagrams by outcome:");
     for (name, count) in &status.outcomes {

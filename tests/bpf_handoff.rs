@@ -119,6 +119,15 @@ fn ops_float_and_userspace_only_are_redirected() {
     dp.unregister_xsk(0).unwrap();
     let (v, _) = run(&dp, R0, &prod);
     assert_eq!(v, XDP_PASS, "socket gone: back to the fallback");
+
+    // Per job: only the redirected datagrams count as handed to user space
+    // (the passed ones without a socket are global only).
+    let j1 = dp.job_stats(1).unwrap().expect("job 1 counters");
+    assert_eq!((j1.handed_to_userspace, j1.dropped, j1.accepted), (2, 1, 1), "{j1:?}");
+    let sum = |v: &[&Agg]| v.iter().map(|a| a.bytes().len() as u64).sum::<u64>();
+    assert_eq!(j1.bytes, sum(&[&prod, &float, &prod]) + 28, "{j1:?}");
+    let j2 = dp.job_stats(2).unwrap().expect("job 2 counters");
+    assert_eq!((j2.handed_to_userspace, j2.datagrams(), j2.bytes), (1, 1, sum(&[&us_only])), "{j2:?}");
 }
 
 #[test]

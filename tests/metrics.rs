@@ -60,6 +60,32 @@ fn scrape(netns: &str) -> String {
     .expect("enter namespace")
 }
 
+/// Outcome labels of `aggbox_job_contributions_total`.
+const JOB_OUTCOMES: [&str; 6] = ["accepted", "result", "retransmission", "stale", "to_userspace", "dropped"];
+
+fn job_sample(outcome: &str) -> String {
+    format!("aggbox_job_contributions_total{{iface=\"eth0\",job=\"{JOB}\",outcome=\"{outcome}\"}}")
+}
+
+/// promtool is the reference linter for the exposition format and names.
+fn promtool_check(exposition: &str) {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (from the prometheus package; `make deps` installs it)");
+    promtool.stdin.take().unwrap().write_all(exposition.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn value(exposition: &str, name_and_labels: &str) -> f64 {
     exposition
         .lines()
@@ -106,22 +132,11 @@ fn metrics_are_valid_and_move_with_traffic() {
     let before = scrape(&agg.netns);
     assert_eq!(value(&before, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
 
-    // promtool is the reference linter for the exposition format and names.
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (from the prometheus package; `make deps` installs it)");
-    promtool.stdin.take().unwrap().write_all(before.as_bytes()).unwrap();
-    let out = promtool.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for outcome in JOB_OUTCOMES {
+        assert_eq!(value(&before, &job_sample(outcome)), 0.0, "{outcome}");
+    }
+    assert_eq!(value(&before, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    promtool_check(&before);
 
     // One reduction from both ranks, plus one spoofed datagram.
     let results = bed
@@ -152,8 +167,39 @@ fn metrics_are_valid_and_move_with_traffic() {
     let expected = tools::expected_pattern_result(Op::Sum, 2, ELEMENTS, &[]).unwrap();
     assert_eq!(got.values, expected.ints().unwrap());
 
-    let after = scrape(&agg.netns);
+    // Rank 0's vector once more: every fragment is complete, so each
+    // datagram is a retransmission of the job.
+    in_netns(&senders[0].netns.clone(), move || {
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let c = tools::Contribution { job: JOB, rank: 0, round: 1, op: Op::Sum, first_seq: 100, per_datagram: 362 };
+        tools::contribute(&socket, to, &c, &tools::pattern_vector(0, ELEMENTS)).unwrap();
+    })
+    .unwrap();
     let fragments = ELEMENTS.div_ceil(362) as f64;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let after = loop {
+        let after = scrape(&agg.netns);
+        if value(&after, &job_sample("retransmission")) >= fragments || Instant::now() > deadline {
+            break after;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    promtool_check(&after);
+    // Per job: both ranks' datagrams (accepted or completing), the
+    // retransmissions, the spoofed one dropped; payload = 24-byte header +
+    // 4 bytes per element of each datagram.
+    assert_eq!(value(&after, &job_sample("accepted")), fragments);
+    assert_eq!(value(&after, &job_sample("result")), fragments);
+    assert_eq!(value(&after, &job_sample("retransmission")), fragments);
+    assert_eq!(value(&after, &job_sample("dropped")), 1.0);
+    assert_eq!(value(&after, &job_sample("stale")), 0.0);
+    assert_eq!(value(&after, &job_sample("to_userspace")), 0.0);
+    assert_eq!(value(&after, &format!("aggbox_job_overflow_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    let vector_bytes = 24.0 * fragments + 4.0 * ELEMENTS as f64;
+    assert_eq!(
+        value(&after, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",job=\"{JOB}\"}}")),
+        3.0 * vector_bytes + (24.0 + 3.0 * 4.0)
+    );
     assert_eq!(value(&after, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), fragments);
     assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"result\"}"), fragments);
     assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"accepted\"}"), fragments);

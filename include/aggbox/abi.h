@@ -287,6 +287,26 @@ struct aggbox_job_state {
 };
 _Static_assert(sizeof(struct aggbox_job_state) == 16, "job state is 16 bytes");
 
+/*
+ * Per-CPU value of the job_stats map (key struct aggbox_job_key): what
+ * became of the datagrams of one configured job. Created zeroed by the
+ * control plane with the job, deleted with it; counted by XDP at the single
+ * exit (stats.h) once the datagram's job is known. Drops before that
+ * (truncated, reserved flag, bad op or count, unknown job) are global only,
+ * and so is the USERSPACE_UNAVAILABLE outcome (passed to the stack).
+ */
+struct aggbox_job_stats {
+	__u64 accepted;            /* host order: contributions absorbed into a slot */
+	__u64 results;             /* host order: contributions that completed a slot (RESULT emitted) */
+	__u64 overflow_results;    /* host order: RESULTs with AGGBOX_AGG_F_OVERFLOW */
+	__u64 retransmissions;     /* host order: AGGBOX_DROP_RETRANSMISSION */
+	__u64 stale;               /* host order: AGGBOX_DROP_STALE_ROUND */
+	__u64 handed_to_userspace; /* host order: redirected to the user-space path */
+	__u64 dropped;             /* host order: every other drop reason once the job is known */
+	__u64 bytes;               /* host order: UDP payload bytes of the datagrams above */
+};
+_Static_assert(sizeof(struct aggbox_job_stats) == 64, "job stats is 64 bytes");
+
 /* ---------------------------------------------------------------------------
  * Broadcast (TC data plane, src/bpf/aggbox_tc.bpf.c; docs/BROADCAST.md)
  *

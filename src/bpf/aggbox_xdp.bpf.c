@@ -18,8 +18,8 @@
 #define AGGBOX_ACCEPTED_VERDICT XDP_DROP
 
 #include "parse.h"
-#include "stats.h"
 #include "slot.h"
+#include "stats.h"
 #include "tailcall.h"
 #include "handoff.h"
 
@@ -75,18 +75,7 @@ struct {
 	__type(value, struct aggbox_rank);
 } ranks SEC(".maps");
 
-/*
- * scratch: per-packet state handed from one program of the tail-call chain
- * to the next (offsets, slot key, op, weight, chunk index). Written and read
- * by the XDP programs only; one entry per CPU is safe because a chain runs
- * start to end on one CPU with preemption disabled.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct aggbox_scratch);
-} scratch SEC(".maps");
+/* scratch: slot.h (stats.h reads its job_known / key.job at the exit). */
 
 /*
  * slots: the slot pool, (job, round, frag_off) -> running reduction of one
@@ -334,6 +323,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	job = bpf_map_lookup_elem(&jobs, &job_key);
 	if (!job)
 		return AGGBOX_DROP_UNKNOWN_JOB;
+	/* From here on every outcome is the job's too (job_stats, stats.h). */
+	s->key.job = job_key.job;
+	s->job_known = 1;
 
 	rank_key.job = job_key.job;
 	rank_key.rank = bpf_ntohs(agg->rank);
@@ -396,6 +388,7 @@ int aggbox_xdp(struct xdp_md *ctx)
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0); /* cannot happen */
+	s->job_known = 0; /* never count the previous packet's job */
 	s->bytes = 0;
 	s->handoff = AGGBOX_HANDOFF_OP;
 	code = aggbox_classify(ctx, s);

@@ -8,6 +8,7 @@
 #define AGGBOX_SLOT_H
 
 #include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
 
 #define AGGBOX_BITMAP_WORDS (AGGBOX_MAX_RANKS / 32)
@@ -109,9 +110,24 @@ struct aggbox_scratch {
 			    * constants there multiply the verifier's walks) */
 	__u32 chunk_n;     /* elements of the chunk in buf (read volatile in loops:
 			    * a register bound would fork the verifier per element) */
-	__u32 pad2;
+	__u32 job_known;   /* 1 once aggbox_classify found key.job configured;
+			    * 0 at the start of every entry run, so a previous
+			    * packet's job is never counted (stats.h) */
 	__be32 buf[AGGBOX_CHUNK_ELEMS]; /* one chunk of payload: bpf_xdp_load_bytes /
 					 * store_bytes go through here */
 };
+
+/*
+ * scratch: per-packet state handed from one program of the tail-call chain
+ * to the next (offsets, slot key, op, weight, chunk index, job_known).
+ * Written and read by the XDP programs only; one entry per CPU is safe
+ * because a chain runs start to end on one CPU with preemption disabled.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct aggbox_scratch);
+} scratch SEC(".maps");
 
 #endif /* AGGBOX_SLOT_H */

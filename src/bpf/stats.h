@@ -5,7 +5,8 @@
  * Every program of the XDP chain ends in exactly one place that calls
  * aggbox_exit(): it counts the outcome or drop reason once and turns it into
  * the XDP verdict. Drop reasons are negative (enum aggbox_drop_reason), so
- * they can never be mistaken for a verdict or an outcome.
+ * they can never be mistaken for a verdict or an outcome. Once the
+ * datagram's job is known it is also counted under that job (job_stats).
  */
 #ifndef AGGBOX_STATS_H
 #define AGGBOX_STATS_H
@@ -13,6 +14,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
+#include "slot.h"
 
 /*
  * stats: one struct aggbox_stat per outcome and per drop reason, per CPU,
@@ -35,12 +37,80 @@ static __always_inline __u32 aggbox_outcome_index(int code)
 	return AGGBOX_STATS_DROP_BASE + (__u32)(AGGBOX_DROP_FIRST - code);
 }
 
-/* Count one datagram of `bytes` UDP payload bytes under `code`. */
+/*
+ * job_stats: job id -> struct aggbox_job_stats, per CPU. Created zeroed by
+ * the control plane in set_job (BPF_NOEXIST: a reconfigured job keeps its
+ * counters) and deleted by remove_job; XDP only increments existing entries
+ * (aggbox_count_job). Summed over CPUs by Dataplane::job_stats and the
+ * metrics scrape (aggbox_job_*_total).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, struct aggbox_job_key);
+	__type(value, struct aggbox_job_stats);
+} job_stats SEC(".maps");
+
+/*
+ * Count one datagram under its job, if this entry run got far enough to know
+ * it (scratch.job_known, reset at the start of every aggbox_xdp run and set
+ * once the jobs lookup succeeded): drops before that stay global only.
+ *
+ * A global (noinline, non-static) function: the verifier checks it once,
+ * with `code` unknown, instead of once per inlined aggbox_exit() site and
+ * per path reaching it. Returns 1 when counted, 0 otherwise.
+ */
+__attribute__((noinline)) int aggbox_count_job(int code, __u32 bytes)
+{
+	struct aggbox_job_key key = {};
+	struct aggbox_job_stats *js;
+	struct aggbox_scratch *s;
+	__u32 zero = 0;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s || !s->job_known)
+		return 0;
+	key.job = s->key.job;
+	js = bpf_map_lookup_elem(&job_stats, &key);
+	if (!js)
+		return 0; /* job removed meanwhile */
+	/* per-CPU value, XDP runs with migration disabled: plain adds */
+	switch (code) {
+	case AGGBOX_OUTCOME_ACCEPTED:
+		js->accepted += 1;
+		break;
+	case AGGBOX_OUTCOME_RESULT:
+		js->results += 1;
+		if (s->overflow)
+			js->overflow_results += 1;
+		break;
+	case AGGBOX_OUTCOME_TO_USERSPACE:
+		js->handed_to_userspace += 1;
+		break;
+	case AGGBOX_DROP_RETRANSMISSION:
+		js->retransmissions += 1;
+		break;
+	case AGGBOX_DROP_STALE_ROUND:
+		js->stale += 1;
+		break;
+	default:
+		if (code >= 0)
+			return 0; /* USERSPACE_UNAVAILABLE (passed): global only */
+		js->dropped += 1;
+		break;
+	}
+	js->bytes += bytes;
+	return 1;
+}
+
+/* Count one datagram of `bytes` UDP payload bytes under `code` (globally,
+ * and under its job when known). */
 static __always_inline void aggbox_count(int code, __u32 bytes)
 {
 	__u32 idx = aggbox_outcome_index(code);
 	struct aggbox_stat *st = bpf_map_lookup_elem(&stats, &idx);
 
+	aggbox_count_job(code, bytes);
 	if (!st)
 		return;
 	/* per-CPU value, XDP runs with migration disabled: plain adds */
