@@ -58,7 +58,16 @@ impl BenchOptions {
 }
 
 /// Names of the experiments, in the order `all` runs them.
-pub const EXPERIMENTS: [&str; 8] = ["agg", "bcast", "cpu", "gemm", "ps", "wordcount", "bcast-apps", "model"];
+pub const EXPERIMENTS: [&str; 8] = [
+    "agg",
+    "bcast",
+    "cpu",
+    "gemm",
+    "ps",
+    "wordcount",
+    "bcast-apps",
+    "model",
+];
 
 static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
 
@@ -66,7 +75,12 @@ static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
 pub fn progress(msg: impl AsRef<str>) {
     let t0 = START.get_or_init(Instant::now);
     let mut err = std::io::stderr().lock();
-    let _ = writeln!(err, "[bench {:7.1}s] {}", t0.elapsed().as_secs_f64(), msg.as_ref());
+    let _ = writeln!(
+        err,
+        "[bench {:7.1}s] {}",
+        t0.elapsed().as_secs_f64(),
+        msg.as_ref()
+    );
 }
 
 /// Median and spread of repeated measurements.
@@ -106,7 +120,16 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 pub fn summarize(samples: &[f64]) -> Summary {
     let mut v: Vec<f64> = samples.iter().copied().filter(|x| !x.is_nan()).collect();
     if v.is_empty() {
-        return Summary { n: 0, median: f64::NAN, p10: f64::NAN, p90: f64::NAN, p99: f64::NAN, min: f64::NAN, max: f64::NAN, mean: f64::NAN };
+        return Summary {
+            n: 0,
+            median: f64::NAN,
+            p10: f64::NAN,
+            p90: f64::NAN,
+            p99: f64::NAN,
+            min: f64::NAN,
+            max: f64::NAN,
+            mean: f64::NAN,
+        };
     }
     v.sort_by(|a, b| a.total_cmp(b));
     Summary {
@@ -142,7 +165,10 @@ pub struct Csv {
 impl Csv {
     /// A table with these columns.
     pub fn new(header: &[&str]) -> Csv {
-        Csv { header: header.iter().map(|s| s.to_string()).collect(), rows: Vec::new() }
+        Csv {
+            header: header.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
     }
 
     /// Append a row (values formatted by the caller).
@@ -190,7 +216,9 @@ pub struct MachineFacts {
 }
 
 fn read_trim(path: &str) -> String {
-    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Collect [`MachineFacts`].
@@ -228,7 +256,9 @@ pub fn machine_facts(opts: &BenchOptions) -> MachineFacts {
     MachineFacts {
         kernel,
         cpu_model,
-        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        cpus: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
         mem_gib: mem_kb / 1024.0 / 1024.0,
         loadavg_at_start: read_trim("/proc/loadavg"),
         started,
@@ -252,13 +282,17 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
         } else if let Some(n) = EXPERIMENTS.iter().find(|n| **n == w.as_str()) {
             names.push(n);
         } else {
-            bail!("unknown experiment {w:?}; one of: all, {}", EXPERIMENTS.join(", "));
+            bail!(
+                "unknown experiment {w:?}; one of: all, {}",
+                EXPERIMENTS.join(", ")
+            );
         }
     }
     if names.is_empty() {
         names.extend(EXPERIMENTS);
     }
-    std::fs::create_dir_all(&opts.out_dir).with_context(|| format!("creating {}", opts.out_dir.display()))?;
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
     let facts = machine_facts(opts);
     write_json(&opts.out_dir.join("machine.json"), &facts)?;
     progress(format!(
@@ -284,14 +318,20 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
         };
         match r {
             Ok(section) => {
-                progress(format!("=== {name} done in {:.1}s ===", t.elapsed().as_secs_f64()));
+                progress(format!(
+                    "=== {name} done in {:.1}s ===",
+                    t.elapsed().as_secs_f64()
+                ));
                 for h in &section.headline {
                     progress(format!("  {h}"));
                 }
                 sections.push(section);
             }
             Err(e) => {
-                progress(format!("=== {name} FAILED after {:.1}s: {e:#} ===", t.elapsed().as_secs_f64()));
+                progress(format!(
+                    "=== {name} FAILED after {:.1}s: {e:#} ===",
+                    t.elapsed().as_secs_f64()
+                ));
                 failures.push(format!("{name}: {e:#}"));
                 sections.push(Section {
                     name: name.to_string(),
@@ -308,9 +348,16 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
         plot(&opts.out_dir);
     }
     write_report(opts, &facts, &sections, &failures)?;
-    progress(format!("report: {}", opts.out_dir.join("REPORT.md").display()));
+    progress(format!(
+        "report: {}",
+        opts.out_dir.join("REPORT.md").display()
+    ));
     if !failures.is_empty() {
-        bail!("{} experiment(s) failed: {}", failures.len(), failures.join("; "));
+        bail!(
+            "{} experiment(s) failed: {}",
+            failures.len(),
+            failures.join("; ")
+        );
     }
     Ok(())
 }
@@ -336,14 +383,26 @@ fn plot(dir: &Path) {
         return;
     }
     progress("plotting (scripts/plot.py)");
-    match std::process::Command::new("python3").arg(&script).arg(dir).status() {
+    // Debian's python3-matplotlib lives in the system interpreter; a python3
+    // earlier on PATH (pyenv, venv) may not see it.
+    let python = if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    };
+    match std::process::Command::new(python).arg(&script).arg(dir).status() {
         Ok(s) if s.success() => {}
         Ok(s) => progress(format!("plots: scripts/plot.py exited {s} (is python3-matplotlib installed? `make bench` installs it)")),
         Err(e) => progress(format!("plots skipped: python3: {e}")),
     }
 }
 
-fn write_report(opts: &BenchOptions, facts: &MachineFacts, sections: &[Section], failures: &[String]) -> Result<()> {
+fn write_report(
+    opts: &BenchOptions,
+    facts: &MachineFacts,
+    sections: &[Section],
+    failures: &[String],
+) -> Result<()> {
     let mut md = String::new();
     let _ = writeln!(md, "# AggBox evaluation report\n");
     let _ = writeln!(
@@ -358,7 +417,16 @@ fn write_report(opts: &BenchOptions, facts: &MachineFacts, sections: &[Section],
     let _ = writeln!(md, "| memory | {:.1} GiB |", facts.mem_gib);
     let _ = writeln!(md, "| started | {} |", facts.started);
     let _ = writeln!(md, "| load average at start | {} |", facts.loadavg_at_start);
-    let _ = writeln!(md, "| mode | {} , {} repetitions per point |", if facts.quick { "--quick (CI smoke sizes: correctness only, numbers not meaningful)" } else { "full" }, facts.reps);
+    let _ = writeln!(
+        md,
+        "| mode | {} , {} repetitions per point |",
+        if facts.quick {
+            "--quick (CI smoke sizes: correctness only, numbers not meaningful)"
+        } else {
+            "full"
+        },
+        facts.reps
+    );
     let _ = writeln!(
         md,
         "\nEverything runs on this one VM: senders, aggregator and receivers are network namespaces joined by veth pairs to a bridge, \
@@ -375,7 +443,11 @@ fn write_report(opts: &BenchOptions, facts: &MachineFacts, sections: &[Section],
         md.push('\n');
     }
     let done: Vec<&str> = sections.iter().map(|s| s.name.as_str()).collect();
-    let missing: Vec<&str> = EXPERIMENTS.iter().copied().filter(|e| !done.contains(e)).collect();
+    let missing: Vec<&str> = EXPERIMENTS
+        .iter()
+        .copied()
+        .filter(|e| !done.contains(e))
+        .collect();
     if !missing.is_empty() {
         let _ = writeln!(md, "## Not run in this report\n\n{}\n", missing.join(", "));
     }
@@ -416,10 +488,19 @@ impl PrivateBpffs {
     pub fn mount(tag: &str) -> Result<PrivateBpffs> {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = PathBuf::from(format!("/tmp/aggbox-bench-{tag}-{}-{n}", std::process::id()));
+        let path = PathBuf::from(format!(
+            "/tmp/aggbox-bench-{tag}-{}-{n}",
+            std::process::id()
+        ));
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
-        nix::mount::mount(Some("bpf"), &path, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
-            .with_context(|| format!("mounting bpffs on {}", path.display()))?;
+        nix::mount::mount(
+            Some("bpf"),
+            &path,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .with_context(|| format!("mounting bpffs on {}", path.display()))?;
         Ok(PrivateBpffs { path })
     }
 }

@@ -9,10 +9,17 @@ use std::time::Duration;
 /// Send every datagram of `bufs` on the connected `socket` with `sendmmsg`
 /// (retrying the rest after a partial send). Returns datagrams sent.
 pub fn send_batch(socket: &UdpSocket, bufs: &[&[u8]]) -> io::Result<usize> {
-    let mut iov: Vec<libc::iovec> =
-        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+    let mut iov: Vec<libc::iovec> = bufs
+        .iter()
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
     // SAFETY: zeroed mmsghdr is valid (no name, no control).
-    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len()).map(|_| unsafe { std::mem::zeroed() }).collect();
+    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len())
+        .map(|_| unsafe { std::mem::zeroed() })
+        .collect();
     for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
         m.msg_hdr.msg_iov = v;
         m.msg_hdr.msg_iovlen = 1;
@@ -21,7 +28,14 @@ pub fn send_batch(socket: &UdpSocket, bufs: &[&[u8]]) -> io::Result<usize> {
     let mut spins = 0;
     while done < msgs.len() {
         // SAFETY: msgs[done..] point at live iovecs over live buffers.
-        let rc = unsafe { libc::sendmmsg(socket.as_raw_fd(), msgs[done..].as_mut_ptr(), (msgs.len() - done) as u32, 0) };
+        let rc = unsafe {
+            libc::sendmmsg(
+                socket.as_raw_fd(),
+                msgs[done..].as_mut_ptr(),
+                (msgs.len() - done) as u32,
+                0,
+            )
+        };
         if rc < 0 {
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
@@ -53,11 +67,21 @@ impl RecvBatch {
     /// `n` buffers of `size` bytes.
     pub fn new(n: usize, size: usize) -> RecvBatch {
         let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size]).collect();
-        let iov: Vec<libc::iovec> =
-            bufs.iter_mut().map(|b| libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+        let iov: Vec<libc::iovec> = bufs
+            .iter_mut()
+            .map(|b| libc::iovec {
+                iov_base: b.as_mut_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            })
+            .collect();
         // SAFETY: zeroed mmsghdr is valid.
         let msgs = (0..n).map(|_| unsafe { std::mem::zeroed() }).collect();
-        RecvBatch { bufs, iov, msgs, lens: vec![0; n] }
+        RecvBatch {
+            bufs,
+            iov,
+            msgs,
+            lens: vec![0; n],
+        }
     }
 
     /// Receive up to the batch size (blocking until at least one, or the
@@ -69,7 +93,14 @@ impl RecvBatch {
                     self.lens[0] = n;
                     Ok(1)
                 }
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Ok(0),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    Ok(0)
+                }
                 Err(e) => Err(e),
             };
         }
@@ -80,12 +111,20 @@ impl RecvBatch {
         }
         // SAFETY: msgs point at iovecs over owned buffers; MSG_WAITFORONE returns after the first.
         let rc = unsafe {
-            libc::recvmmsg(socket.as_raw_fd(), self.msgs.as_mut_ptr(), self.msgs.len() as u32, libc::MSG_WAITFORONE, std::ptr::null_mut())
+            libc::recvmmsg(
+                socket.as_raw_fd(),
+                self.msgs.as_mut_ptr(),
+                self.msgs.len() as u32,
+                libc::MSG_WAITFORONE,
+                std::ptr::null_mut(),
+            )
         };
         if rc < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted => Ok(0),
+                io::ErrorKind::WouldBlock
+                | io::ErrorKind::TimedOut
+                | io::ErrorKind::Interrupted => Ok(0),
                 _ => Err(e),
             };
         }
@@ -148,11 +187,19 @@ pub fn reuseport_socket(addr: std::net::SocketAddrV4) -> io::Result<UdpSocket> {
     let sa = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: addr.port().to_be(),
-        sin_addr: libc::in_addr { s_addr: u32::from(*addr.ip()).to_be() },
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
         sin_zero: [0; 8],
     };
     // SAFETY: valid sockaddr_in.
-    let rc = unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+    let rc = unsafe {
+        libc::bind(
+            fd,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as u32,
+        )
+    };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -166,10 +213,23 @@ pub fn reuseport_by_cpu(socket: &impl AsRawFd) -> io::Result<()> {
     const SKF_AD_OFF: u32 = 0xffff_f000;
     const SKF_AD_CPU: u32 = 36;
     let code = [
-        libc::sock_filter { code: 0x20, jt: 0, jf: 0, k: SKF_AD_OFF + SKF_AD_CPU }, // BPF_LD|BPF_W|BPF_ABS
-        libc::sock_filter { code: 0x16, jt: 0, jf: 0, k: 0 },                     // BPF_RET|BPF_A
+        libc::sock_filter {
+            code: 0x20,
+            jt: 0,
+            jf: 0,
+            k: SKF_AD_OFF + SKF_AD_CPU,
+        }, // BPF_LD|BPF_W|BPF_ABS
+        libc::sock_filter {
+            code: 0x16,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        }, // BPF_RET|BPF_A
     ];
-    let prog = libc::sock_fprog { len: code.len() as u16, filter: code.as_ptr() as *mut libc::sock_filter };
+    let prog = libc::sock_fprog {
+        len: code.len() as u16,
+        filter: code.as_ptr() as *mut libc::sock_filter,
+    };
     // SAFETY: valid fd and sock_fprog over a live array.
     let rc = unsafe {
         libc::setsockopt(
@@ -189,7 +249,10 @@ pub fn reuseport_by_cpu(socket: &impl AsRawFd) -> io::Result<()> {
 
 /// CPU time (user + system) of the calling thread.
 pub fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
@@ -197,7 +260,10 @@ pub fn thread_cpu_time() -> Duration {
 
 /// CLOCK_REALTIME now, in ns.
 pub fn realtime_ns() -> i128 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
@@ -213,9 +279,15 @@ pub fn gettid() -> i32 {
 pub fn task_ticks(tid: i32) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
     // Fields after the ")" of comm: state is field 3; utime 14, stime 15.
-    let Some(rest) = text.rsplit_once(')').map(|(_, r)| r) else { return 0 };
+    let Some(rest) = text.rsplit_once(')').map(|(_, r)| r) else {
+        return 0;
+    };
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let get = |i: usize| f.get(i - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let get = |i: usize| {
+        f.get(i - 3)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     get(14) + get(15)
 }
 
@@ -253,9 +325,20 @@ impl ProcStat {
     pub fn now() -> ProcStat {
         let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
         let line = text.lines().next().unwrap_or("");
-        let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
         let g = |i: usize| v.get(i).copied().unwrap_or(0);
-        ProcStat { user: g(0) + g(1), system: g(2), idle: g(3) + g(4), irq: g(5), softirq: g(6), steal: g(7) }
+        ProcStat {
+            user: g(0) + g(1),
+            system: g(2),
+            idle: g(3) + g(4),
+            irq: g(5),
+            softirq: g(6),
+            steal: g(7),
+        }
     }
 
     /// `self - earlier`.
@@ -274,4 +357,87 @@ impl ProcStat {
     pub fn total(&self) -> u64 {
         self.user + self.system + self.idle + self.irq + self.softirq + self.steal
     }
+}
+
+/// Non-blocking `recvmsg` of one datagram with its SO_TIMESTAMPNS kernel
+/// receive time (ns, CLOCK_REALTIME) when the socket has timestamps on.
+/// `Ok(None)` when nothing is queued.
+pub fn recv_timestamped(
+    socket: &UdpSocket,
+    buf: &mut [u8],
+) -> io::Result<Option<(usize, Option<i128>)>> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 16];
+    // SAFETY: zeroed msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: msg points at live buffers.
+    let rc = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::WouldBlock {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    let mut ts = None;
+    // SAFETY: walking the control buffer the kernel filled, with the libc macros.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                let t = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::timespec);
+                if t.tv_sec != 0 {
+                    ts = Some(t.tv_sec as i128 * 1_000_000_000 + t.tv_nsec as i128);
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok(Some((rc as usize, ts)))
+}
+
+/// Pin the calling thread to `cpu` (best effort).
+pub fn pin_to_cpu(cpu: usize) -> bool {
+    // SAFETY: cpu_set_t is plain data; CPU_SET within its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// Wait until one of `sockets` is readable or `timeout` passes.
+pub fn poll_any(sockets: &[&UdpSocket], timeout: Duration) -> io::Result<bool> {
+    let mut fds: Vec<libc::pollfd> = sockets
+        .iter()
+        .map(|s| libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: valid pollfd array.
+    let rc = unsafe {
+        libc::poll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        )
+    };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    Ok(rc > 0)
 }

@@ -58,7 +58,15 @@ pub struct KernelAggregator {
     linger_at: Option<Instant>,
     linger_step: u32,
     results: u64,
+    /// RESULTs of a round this application has not called yet: the workers
+    /// may start the next reduction first, and the kernel sends its RESULT
+    /// only once (retransmissions of a completed slot are dropped), so an
+    /// early RESULT is kept and taken when its round begins.
+    early: Vec<(AggHeader, Vec<u8>, SocketAddrV4)>,
 }
+
+/// Early RESULTs kept at most (a few rounds' worth of fragments).
+const EARLY_RESULTS_MAX: usize = 65536;
 
 impl KernelAggregator {
     /// For ranks at `peers` (rank r = `peers[r]`), `per` elements per
@@ -78,6 +86,7 @@ impl KernelAggregator {
             linger_at: None,
             linger_step: 0,
             results: 0,
+            early: Vec::new(),
         }
     }
 
@@ -104,6 +113,8 @@ impl Backend for KernelAggregator {
         self.linger_at = (!self.linger.is_empty()).then(|| now + Duration::from_millis(5));
         self.round = round;
         self.seq_base = seq_base;
+        // Early RESULTs of rounds before this one can no longer be taken.
+        self.early.retain(|(h, _, _)| (h.round.wrapping_sub(round) as i32) >= 0);
         let pool = &mut self.pool;
         self.done.retain_mut(|d| {
             let keep = (d.round.wrapping_sub(round) as i32) >= 0;
@@ -115,8 +126,15 @@ impl Backend for KernelAggregator {
         let _ = self.cfg;
     }
 
-    fn on_agg(&mut self, hdr: &AggHeader, payload: &[u8], _from: SocketAddrV4, now: Instant, io: &mut AckIo) {
-        if !hdr.is_result() || hdr.is_float() || hdr.round != self.round {
+    fn on_agg(&mut self, hdr: &AggHeader, payload: &[u8], from: SocketAddrV4, now: Instant, io: &mut AckIo) {
+        if !hdr.is_result() || hdr.is_float() {
+            return;
+        }
+        if hdr.round != self.round {
+            // A later round than the one in progress: keep it for then.
+            if (hdr.round.wrapping_sub(self.round) as i32) > 0 && self.early.len() < EARLY_RESULTS_MAX {
+                self.early.push((*hdr, payload.to_vec(), from));
+            }
             return;
         }
         if hdr.frag_off as usize % self.per != 0 {
@@ -141,6 +159,14 @@ impl Backend for KernelAggregator {
     }
 
     fn poll(&mut self, now: Instant, io: &mut AckIo) -> Option<Instant> {
+        if self.early.iter().any(|(h, _, _)| h.round == self.round) {
+            let round = self.round;
+            let (now_due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.early).into_iter().partition(|(h, _, _)| h.round == round);
+            self.early = later;
+            for (hdr, payload, from) in now_due {
+                self.on_agg(&hdr, &payload, from, now, io);
+            }
+        }
         let peers = &self.peers;
         let acks = &mut self.round_acks;
         let mut next = self.behalf.poll(now, &mut |bm| {

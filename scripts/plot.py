@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Plots of `aggbox bench` results: python3 scripts/plot.py RESULTS_DIR.
+
+Reads the JSON files the benchmark writes and saves one PNG per experiment
+next to them. Missing files are skipped (an experiment that did not run).
+Needs python3-matplotlib (`make bench` installs it).
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(d, name):
+    p = os.path.join(d, name)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        return json.load(f)
+
+
+def save(fig, d, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(d, name), dpi=120)
+    plt.close(fig)
+    print("plot:", os.path.join(d, name))
+
+
+def err(s):
+    """(median, [below, above]) from a Summary with min/max."""
+    return s["median"], [s["median"] - s["min"], s["max"] - s["median"]]
+
+
+def agg(d):
+    pts = load(d, "agg_throughput.json")
+    if not pts:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {"kernel": "AggBox XDP", "plain": "plain UDP", "tuned": "tuned UDP (recvmmsg)", "drop": "XDP count-and-drop ceiling"}
+    for mode in ["kernel", "plain", "tuned", "drop"]:
+        ps = [p for p in pts if p["mode"] == mode and p["elems_per_s"]["n"] > 0]
+        if not ps:
+            continue
+        x = [p["total_mb"] for p in ps]
+        y = [p["elems_per_s"]["median"] / 1e6 for p in ps]
+        lo = [(p["elems_per_s"]["median"] - p["elems_per_s"]["min"]) / 1e6 for p in ps]
+        hi = [(p["elems_per_s"]["max"] - p["elems_per_s"]["median"]) / 1e6 for p in ps]
+        ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=labels[mode],
+                    linestyle="--" if mode == "drop" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("total data from 4 senders (MB)")
+    ax.set_ylabel("aggregated elements/s (millions)")
+    ax.set_title("Aggregation throughput (median, min-max)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, d, "agg_throughput.png")
+
+
+def bcast(d):
+    pts = load(d, "bcast_latency.json")
+    if not pts:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = {"aggbox_tc": "AggBox TC", "per_dest_sendto": "per-destination sendto"}
+    colors = {"aggbox_tc": "tab:blue", "per_dest_sendto": "tab:orange"}
+    for mode in ["aggbox_tc", "per_dest_sendto"]:
+        ps = sorted([p for p in pts if p["mode"] == mode and p["payload"] == 1472], key=lambda p: p["receivers"])
+        if ps:
+            x = [p["receivers"] for p in ps]
+            axes[0].plot(x, [p["latency_us"]["mean"] for p in ps], marker="o", color=colors[mode], label=names[mode] + " mean")
+            axes[0].plot(x, [p["latency_us"]["p99"] for p in ps], marker="x", color=colors[mode], linestyle="--", label=names[mode] + " p99")
+        ps = sorted([p for p in pts if p["mode"] == mode and p["receivers"] == 9], key=lambda p: p["payload"])
+        if ps:
+            x = [p["payload"] for p in ps]
+            axes[1].plot(x, [p["latency_us"]["mean"] for p in ps], marker="o", color=colors[mode], label=names[mode] + " mean")
+            axes[1].plot(x, [p["latency_us"]["p99"] for p in ps], marker="x", color=colors[mode], linestyle="--", label=names[mode] + " p99")
+    axes[0].set_xlabel("receivers (1472-byte payload)")
+    axes[1].set_xlabel("UDP payload bytes (9 receivers)")
+    for ax in axes:
+        ax.set_ylabel("root send -> last receiver (µs)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Broadcast latency")
+    save(fig, d, "bcast_latency.png")
+
+
+def cpu(d):
+    pts = load(d, "cpu_usage.json")
+    if not pts:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode, label, color in [("kernel", "AggBox XDP", "tab:blue"), ("plain", "plain UDP", "tab:orange")]:
+        ps = sorted([p for p in pts if p["mode"] == mode], key=lambda p: p["senders"])
+        if ps:
+            ax.plot([p["senders"] for p in ps], [p["agg_cpu_pct"]["median"] for p in ps], marker="o", color=color, label=label + " (aggregator)")
+            ax.plot([p["senders"] for p in ps], [p["sys_busy_pct"]["median"] for p in ps], marker="x", color=color, linestyle=":", label=label + " (whole VM)")
+    ax.set_xlabel("senders")
+    ax.set_ylabel("CPU (% of one CPU / of the VM)")
+    ax.set_title("Aggregator CPU usage at a fixed per-sender rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, d, "cpu_usage.png")
+
+
+def simple_modes(d, name, out, xkey, ykey, xlabel, ylabel, title, logx=False, logy=False):
+    pts = load(d, name)
+    if not pts:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    modes = sorted(set(p["mode"] for p in pts))
+    groups = sorted(set(p.get("group", "") for p in pts))
+    for g in groups:
+        for mode in modes:
+            ps = sorted([p for p in pts if p["mode"] == mode and p.get("group", "") == g], key=lambda p: p[xkey])
+            if not ps:
+                continue
+            y = [p[ykey]["median"] for p in ps]
+            lo = [p[ykey]["median"] - p[ykey]["min"] for p in ps]
+            hi = [p[ykey]["max"] - p[ykey]["median"] for p in ps]
+            ax.errorbar([p[xkey] for p in ps], y, yerr=[lo, hi], marker="o", capsize=3,
+                        label=(f"{g} " if g else "") + mode)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, d, out)
+
+
+def training(d):
+    t = load(d, "ps_training.json")
+    if not t:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = {"loss_f32": "-", "loss_quantized": "--", "loss_aggbox": ":"}
+    for k, label in [("loss_f32", "f32 allreduce (in process)"), ("loss_quantized", "quantized int32 allreduce (in process)"),
+                     ("loss_aggbox", "quantized allreduce over AggBox XDP (runtime, 4 namespaces)")]:
+        if t.get(k):
+            ax.plot(range(len(t[k])), t[k], label=label, linestyle=styles[k], linewidth=2 if k == "loss_aggbox" else 1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Logistic regression, data-parallel workers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, d, "ps_training.png")
+
+
+def model(d):
+    m = load(d, "scale_model.json")
+    if not m:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for curve in m["curves"]:
+        ax.plot(curve["workers"], [t * 1e3 for t in curve["time_s"]], label=f"fan-in {curve['fanin']}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("predicted aggregation time (ms)")
+    ax.set_title(m.get("title", "Scale model"), fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    save(fig, d, "scale_model.png")
+
+
+def main():
+    d = sys.argv[1] if len(sys.argv) > 1 else "results"
+    agg(d)
+    bcast(d)
+    cpu(d)
+    simple_modes(d, "gemm.json", "gemm.png", "n", "secs", "matrix size N", "time per operation (s)", "Aggregate 4 matrices + GEMM", logx=True, logy=True)
+    simple_modes(d, "ps.json", "ps.png", "workers", "secs", "workers", "aggregation time (s)", "Parameter server gradient aggregation")
+    simple_modes(d, "wordcount.json", "wordcount.png", "mappers", "words_per_s", "mappers", "words/s", "MapReduce word count")
+    simple_modes(d, "bcast_apps.json", "bcast_apps.png", "size", "bcast_us", "input size", "broadcast latency per step (µs)", "Broadcast applications", logx=True)
+    training(d)
+    model(d)
+
+
+if __name__ == "__main__":
+    main()
