@@ -207,3 +207,59 @@ impl Backend for KernelAggregator {
         FragmentState::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{self, Op};
+    use crate::runtime::transport::{Counters, Net, UdpTransport};
+    use std::sync::Arc;
+
+    fn result(round: u32, frag_off: u32, values: &[i32]) -> (AggHeader, Vec<u8>) {
+        let hdr = AggHeader {
+            job: 7,
+            rank: abi::RESULT_RANK,
+            seq: 0,
+            round,
+            frag_off,
+            op: Op::Sum,
+            flags: abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT,
+            count: values.len() as u16,
+        };
+        let mut payload = Vec::new();
+        crate::proto::write_i32_be(values, &mut payload);
+        (hdr, payload)
+    }
+
+    /// Workers may start round r+1 before this application calls it; the
+    /// kernel sends that RESULT once, so it must be kept until the round
+    /// begins (and never taken for the round in progress).
+    #[test]
+    fn result_of_a_later_round_is_kept_until_that_round() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
+        let net = Net { t: Box::new(UdpTransport(socket)), c: Arc::new(Counters::default()) };
+        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
+        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100);
+        let now = Instant::now();
+        let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
+        {
+            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            agg.on_agg(&hdr, &payload, peer, now, &mut io);
+            agg.poll(now, &mut io);
+        }
+        let mut round1 = Vec::new();
+        agg.take_completed(1, &mut |c| round1.push(c.values.to_vec()));
+        assert!(round1.is_empty(), "a round-2 RESULT is not round 1's");
+
+        agg.expect_round(2, 101, now);
+        {
+            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            agg.poll(now, &mut io);
+        }
+        let mut round2 = Vec::new();
+        agg.take_completed(2, &mut |c| round2.push((c.frag_off, c.values.to_vec())));
+        assert_eq!(round2, vec![(0, vec![5, 6, 7, 8])]);
+        assert!(sent > 0, "the kept RESULT is acknowledged to the workers once its round begins");
+    }
+}
