@@ -8,7 +8,8 @@
 # rounds of two jobs interleaved with mutated datagrams, every input checked
 # against the model), the isolation/quota tests, the straggler/reclamation
 # tests (reclaimer racing contributions on both CPUs), the decoder fuzz loop,
-# and a churn pass (attach/detach, kill -9, detach under a blasting sender).
+# a churn pass (attach/detach, kill -9, detach under a blasting sender), and
+# the runtime under 0.01/1/5 % loss, a 10 % burst and duplication.
 # Between passes it records the kernel's BPF object counts, memory and
 # leftover test namespaces; at the end it fails if a test run failed and
 # reports growth of programs, links or testbed namespaces across the run.
@@ -21,7 +22,7 @@ DEADLINE=$(( $(date +%s) + MINUTES * 60 ))
 LOG=${SOAK_LOG:-/tmp/aggbox-soak-$$.log}
 FUZZ_INPUTS=${SOAK_FUZZ_INPUTS:-400000}
 CHURN_CYCLES=${SOAK_CHURN_CYCLES:-10}
-TESTS=(fuzz_bpf isolation stragglers fuzz_decoders churn)
+TESTS=(fuzz_bpf isolation stragglers fuzz_decoders churn runtime_netns)
 
 [ "$(id -u)" = 0 ] || { echo "soak: needs root" >&2; exit 1; }
 echo "soak: ${MINUTES} min, log ${LOG}"
