@@ -2,8 +2,8 @@
 //! is attached.
 //!
 //! The schema is the one of `spec/INTERFACE.md` (`[node]`, `[[job]]`,
-//! `[[group]]`) plus two job keys this project adds, `userspace_only` and
-//! `window`. `deploy/aggbox.example.toml` is a commented, valid example.
+//! `[[group]]`) plus three job keys this project adds, `userspace_only`,
+//! `window` and `userspace_slots`. `deploy/aggbox.example.toml` is a commented, valid example.
 //!
 //! # Why a hand-written walk instead of `#[derive(Deserialize)]`
 //!
@@ -78,6 +78,9 @@ pub const DEFAULT_SLOTS: u32 = 4096;
 
 /// Default `window` of a job: completed rounds kept before a round is stale.
 pub const DEFAULT_WINDOW: u32 = 4;
+
+/// Default bound on a job's slots on the user-space path.
+pub const DEFAULT_USERSPACE_SLOTS: u32 = 16384;
 
 /// Largest `window`: rounds are u32 sequence numbers compared modulo 2^32,
 /// which is only unambiguous for distances below 2^31.
@@ -182,6 +185,11 @@ pub struct JobConfig {
     pub userspace_only: bool,
     /// Completed rounds kept: a round older than newest − window is stale.
     pub window: u32,
+    /// Bound on the slots this job may hold on the user-space path (what
+    /// the kernel hands over when its pool is full or overloaded, and every
+    /// slot of ops 5..8 / FLOAT32), so one job cannot take that path's
+    /// memory from the others.
+    pub userspace_slots: u32,
 }
 
 impl JobConfig {
@@ -448,6 +456,7 @@ const JOB_KEYS: &[&str] = &[
     "parent",
     "userspace_only",
     "window",
+    "userspace_slots",
 ];
 
 fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<ParsedJob, ConfigError> {
@@ -538,6 +547,18 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         )? as u32,
         None => DEFAULT_WINDOW,
     };
+    let userspace_slots = match t.take("userspace_slots") {
+        Some(v) => int_in(
+            src,
+            &t.key("userspace_slots"),
+            &v,
+            1,
+            i64::from(u32::MAX),
+            "a slot count",
+            "",
+        )? as u32,
+        None => DEFAULT_USERSPACE_SLOTS,
+    };
 
     Ok(ParsedJob {
         config: JobConfig {
@@ -552,6 +573,7 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
             parent,
             userspace_only,
             window,
+            userspace_slots,
         },
         path: t.path,
         id_at: id_v.span().start,

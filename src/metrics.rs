@@ -326,6 +326,13 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
     }
     let mut slots = Family::gauge("aggbox_userspace_slots_active", "Slots held by the user-space path.");
     slots.push(&labels, s.slots_in_use as f64);
+    let mut job_slots = Family::gauge("aggbox_userspace_job_slots_active", "Slots a job holds on the user-space path.");
+    let mut job_limit = Family::gauge("aggbox_userspace_job_slots_limit", "Bound on the slots a job may hold on the user-space path (config userspace_slots).");
+    for (job, (used, limit)) in &s.slots_by_job {
+        let job = job.to_string();
+        job_slots.push(&[("iface", iface), ("job", job.as_str())], *used as f64);
+        job_limit.push(&[("iface", iface), ("job", job.as_str())], *limit as f64);
+    }
     let mut overload = Family::counter("aggbox_userspace_overload_events_total", "Times a job's new slots were handed to user space because its kernel pool stayed full.");
     overload.push(&labels, s.overload_events as f64);
     let mut in_overload = Family::gauge("aggbox_userspace_jobs_in_overload", "Jobs whose new slots currently go to user space.");
@@ -356,7 +363,7 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
     m.set_histogram(h);
     latency.mut_metric().push(m);
 
-    vec![received, accepted, results, send_errors, drops, slots, overload, in_overload, Family { family: latency }]
+    vec![received, accepted, results, send_errors, drops, slots, job_slots, job_limit, overload, in_overload, Family { family: latency }]
 }
 
 /// The text exposition of one scrape: kernel families plus [`registry`].

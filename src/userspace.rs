@@ -143,6 +143,8 @@ pub struct UserspaceStats {
     pub latency: LatencyHistogram,
     /// Slots currently held in user space (all jobs).
     pub slots_in_use: usize,
+    /// Slots held per job, with the job's bound: (in use, limit).
+    pub slots_by_job: BTreeMap<u16, (usize, usize)>,
     /// Times a job entered overload.
     pub overload_events: u64,
     /// Jobs in overload right now.
@@ -200,6 +202,8 @@ struct JobInfo {
     userspace_only: bool,
     /// Round window (never 0): the same staleness rule as the kernel's.
     window: u32,
+    /// This job's bound on user-space slots (config `userspace_slots`).
+    userspace_slots: usize,
 }
 
 /// One user-space slot.
@@ -338,7 +342,8 @@ impl Worker {
             return Err(DropReason::Retransmission);
         }
         if !rt.slots.contains_key(&key) {
-            if rt.slots.len() >= self.opts.max_slots_per_job {
+            // The job's own bound (config), under the path's overall cap.
+            if rt.slots.len() >= job.userspace_slots.min(self.opts.max_slots_per_job) {
                 return Err(DropReason::SlotPoolFull);
             }
             let acc = Accumulator::new(hdr.op, usize::from(hdr.count), float)
@@ -508,6 +513,14 @@ impl Worker {
 
     fn publish(&mut self) {
         self.local.slots_in_use = self.rt.values().map(|r| r.slots.len()).sum();
+        self.local.slots_by_job = self
+            .jobs
+            .iter()
+            .map(|(id, job)| {
+                let used = self.rt.get(id).map_or(0, |r| r.slots.len());
+                (*id, (used, job.userspace_slots.min(self.opts.max_slots_per_job)))
+            })
+            .collect();
         self.local.jobs_in_overload = self
             .rt
             .iter()
@@ -619,6 +632,7 @@ impl UserspacePath {
                     slots: j.slots,
                     userspace_only: j.userspace_only,
                     window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
+                    userspace_slots: j.userspace_slots as usize,
                 },
             );
         }

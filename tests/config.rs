@@ -192,7 +192,15 @@ fn job_defaults_are_applied() {
     assert_eq!(job.parent, None);
     assert!(!job.userspace_only);
     assert_eq!(job.window, 4);
+    assert_eq!(job.userspace_slots, aggbox::config::DEFAULT_USERSPACE_SLOTS);
     assert_eq!(c.node, NodeConfig::default());
+}
+
+#[test]
+fn userspace_slots_is_read_and_bounded() {
+    let c = parse(&format!("{JOB7}userspace_slots = 64\n"));
+    assert_eq!(c.jobs[0].userspace_slots, 64);
+    expect_error(&format!("{JOB7}userspace_slots = 0\n"), 6, "job[0].userspace_slots", "0 is not a slot count");
 }
 
 #[test]

@@ -130,6 +130,7 @@ fn job(id: u16, port: u16, workers: usize) -> JobConfig {
         parent: None,
         userspace_only: false,
         window: 4,
+        userspace_slots: aggbox::config::DEFAULT_USERSPACE_SLOTS,
     }
 }
 
@@ -592,4 +593,27 @@ fn userspace_only_job_is_served_in_userspace() {
     assert_eq!(st.results, 20);
     assert_eq!(st.drop(DropReason::Retransmission), 2);
     assert_eq!(bed.dp.slots_in_use(), 0);
+}
+
+/// One job's user-space slots are bounded by its own `userspace_slots`
+/// (config): a job holding incomplete fragments past its bound gets
+/// `slot_pool_full`, while another job on the same path still completes.
+#[test]
+fn userspace_slots_bound_is_per_job_from_config() {
+    const WORKERS: usize = 2;
+    let greedy = JobConfig { userspace_only: true, userspace_slots: 3, ..job(13, 7600, WORKERS) };
+    let other = JobConfig { userspace_only: true, ..job(14, 7700, WORKERS) };
+    let bed = Bed::up(vec![greedy.clone(), other.clone()], WORKERS, UserspaceOptions::default());
+    let senders = bed.senders(WORKERS);
+    // Only rank 0 of the greedy job: 5 fragments that can never complete.
+    let _ = send_sum_round(&senders[..1], &greedy, 1, 5, 16, &[0]);
+    std::thread::sleep(Duration::from_millis(200));
+    let st = bed.us().stats();
+    assert_eq!(st.drop(DropReason::SlotPoolFull), 2, "fragments past the job's bound of 3: {st:?}");
+    assert_eq!(st.slots_by_job.get(&greedy.id), Some(&(3, 3)), "{st:?}");
+    // The other job is not starved.
+    let rx = result_socket(other.result_port);
+    let want = send_sum_round(&senders, &other, 1, 10, 16, &[0, 1]);
+    let got = collect(&rx, want.len());
+    check(&got, &want, "other job beside a job at its user-space bound");
 }
