@@ -2,9 +2,9 @@
 //! passes `promtool check metrics`, and the counters move with real traffic
 //! (needs root: network namespaces, BPF).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream, UdpSocket};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
@@ -24,28 +24,8 @@ fn require_root() {
     );
 }
 
-/// Kills the attach process on drop (by pid: only the process we started).
-struct Attach {
-    child: Child,
-    pin_root: std::path::PathBuf,
-}
-
-impl Drop for Attach {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGINT);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = nix::mount::umount(&self.pin_root);
-        let _ = std::fs::remove_dir_all(&self.pin_root);
-    }
-}
+mod live_attach;
+use live_attach::LiveAttach;
 
 fn scrape(netns: &str) -> String {
     in_netns(netns, || {
@@ -102,32 +82,11 @@ fn metrics_are_valid_and_move_with_traffic() {
     let agg = bed.host(0);
     let senders = [bed.host(1), bed.host(2)];
 
-    let pin_root = std::env::temp_dir().join(format!("aggbox-metrics-test-{}", std::process::id()));
-    std::fs::create_dir_all(&pin_root).unwrap();
-    nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount bpffs");
-    let config = pin_root.with_extension("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\n\n[[job]]\nid = {JOB}\nport = {PORT}\nworkers = [\"{}\", \"{}\"]\nresult_port = {RESULT_PORT}\n",
-            senders[0].addr, senders[1].addr
-        ),
-    )
-    .unwrap();
-
-    let child = Command::new("ip")
-        .args(["netns", "exec", &agg.netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--bpf-stats", "--config"])
-        .arg(&config)
-        .arg("--pin-root")
-        .arg(&pin_root)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn aggbox attach");
-    let mut attach = Attach { child, pin_root: pin_root.clone() };
-    let mut line = String::new();
-    BufReader::new(attach.child.stdout.take().unwrap()).read_line(&mut line).expect("read attach output");
-    assert_eq!(line.trim(), "aggbox: attached to eth0");
+    let config = format!(
+        "[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\n\n[[job]]\nid = {JOB}\nport = {PORT}\nworkers = [\"{}\", \"{}\"]\nresult_port = {RESULT_PORT}\n",
+        senders[0].addr, senders[1].addr
+    );
+    let attach = LiveAttach::start(&agg.netns, "metrics", &config, &["--bpf-stats"]);
 
     let before = scrape(&agg.netns);
     assert_eq!(value(&before, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);

@@ -13,11 +13,8 @@
 //! `sudo -E cargo test --test netns_allreduce`.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aggbox::abi::{BcastStat, Op};
 use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
@@ -39,69 +36,8 @@ fn fragments() -> usize {
     (ELEMENTS as usize).div_ceil(PER_DATAGRAM)
 }
 
-/// A running `aggbox attach eth0` in a namespace, with a private bpffs pin
-/// root; interrupted (by pid: only the process we started) and cleaned up
-/// on drop.
-struct Attach {
-    child: Child,
-    pin_root: PathBuf,
-    config: PathBuf,
-}
-
-impl Attach {
-    fn start(netns: &str, tag: &str, config_text: &str) -> Attach {
-        let pin_root = std::env::temp_dir().join(format!("aggbox-allreduce-{}-{tag}", std::process::id()));
-        std::fs::create_dir_all(&pin_root).expect("pin root");
-        nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
-            .expect("mount bpffs");
-        let config = pin_root.with_extension("toml");
-        std::fs::write(&config, config_text).expect("write config");
-        let child = Command::new("ip")
-            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--config"])
-            .arg(&config)
-            .arg("--pin-root")
-            .arg(&pin_root)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn aggbox attach");
-        let mut attach = Attach { child, pin_root, config };
-        let mut line = String::new();
-        BufReader::new(attach.child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("read attach output");
-        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns} ({tag})");
-        attach
-    }
-}
-
-impl Drop for Attach {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = nix::mount::umount(&self.pin_root);
-        let _ = std::fs::remove_dir_all(&self.pin_root);
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
-
-impl Attach {
-    /// The TC counters of this attachment, by label, from its pins.
-    fn broadcast_counts(&self) -> BTreeMap<String, u64> {
-        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
-        assert!(status[0].attach.tc, "aggbox attach attached the TC programs");
-        status[0].broadcast.clone()
-    }
-}
+mod live_attach;
+use live_attach::LiveAttach as Attach;
 
 fn count(counts: &BTreeMap<String, u64>, stat: BcastStat) -> u64 {
     counts.get(stat.label()).copied().unwrap_or_else(|| panic!("no counter {} in {counts:?}", stat.label()))
@@ -182,6 +118,7 @@ fn allreduce(tag: &str, tx_csum_off: bool) {
             job_toml(JOB, PORT, &workers, RESULT_PORT, &format!("result_group = {GROUP}")),
             member_list.join(", ")
         ),
+        &[],
     );
 
     let local = bind_in(&agg.netns, RESULT_PORT);
@@ -254,6 +191,7 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
             "[node]\nmetrics = \"off\"\n\n{}",
             job_toml(ROOT_JOB, ROOT_PORT, &[leaves[0].addr, leaves[1].addr], ROOT_RESULT_PORT, "")
         ),
+        &[],
     );
     let mut leaf_attach = Vec::new();
     for (l, leaf) in leaves.iter().enumerate() {
@@ -263,6 +201,7 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
             &leaf.netns,
             &format!("leaf{l}"),
             &format!("[node]\nmetrics = \"off\"\n\n{}", job_toml(LEAF_JOB, LEAF_PORT, &workers, LEAF_RESULT_PORT, &parent)),
+            &[],
         ));
     }
     let root_results = bind_in(&root.netns, ROOT_RESULT_PORT);

@@ -20,11 +20,7 @@
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --release --test runtime_kernel`.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aggbox::abi::{BcastStat, Op};
@@ -49,66 +45,8 @@ fn require_root() {
     );
 }
 
-/// A running `aggbox attach eth0` in a namespace with a private bpffs pin
-/// root; stopped (by its pid) and cleaned up on drop.
-struct Attach {
-    child: Child,
-    pin_root: PathBuf,
-    config: PathBuf,
-}
-
-impl Attach {
-    fn start(netns: &str, tag: &str, config_text: &str) -> Attach {
-        let pin_root = std::env::temp_dir().join(format!("aggbox-rtkernel-{}-{tag}", std::process::id()));
-        std::fs::create_dir_all(&pin_root).expect("pin root");
-        nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>).expect("mount bpffs");
-        let config = pin_root.with_extension("toml");
-        std::fs::write(&config, config_text).expect("write config");
-        let child = Command::new("ip")
-            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0", "--config"])
-            .arg(&config)
-            .arg("--pin-root")
-            .arg(&pin_root)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn aggbox attach");
-        let mut attach = Attach { child, pin_root, config };
-        let mut line = String::new();
-        BufReader::new(attach.child.stdout.take().expect("stdout")).read_line(&mut line).expect("read attach output");
-        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns}");
-        attach
-    }
-
-    fn broadcast_counts(&self) -> BTreeMap<String, u64> {
-        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
-        status[0].broadcast.clone()
-    }
-
-    fn outcomes(&self) -> BTreeMap<String, u64> {
-        let status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
-        status[0].outcomes.clone()
-    }
-}
-
-impl Drop for Attach {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = nix::mount::umount(&self.pin_root);
-        let _ = std::fs::remove_dir_all(&self.pin_root);
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
+mod live_attach;
+use live_attach::LiveAttach as Attach;
 
 struct Bed {
     // Field order: communicators first, then the attachment, then the testbed.
@@ -128,7 +66,7 @@ impl Bed {
             list(&|w| format!("\"{w}\"")),
             list(&|w| format!("\"{w}:{DATA_PORT}\"")),
         );
-        let attach = Attach::start(&tb.host(0).netns, tag, &text);
+        let attach = Attach::start(&tb.host(0).netns, tag, &text, &[]);
         let config = Config::parse(&text, "runtime_kernel").expect("config");
         let agg_addr = tb.host(0).addr;
         let build = |host: usize, me: Participant| {

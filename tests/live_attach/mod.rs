@@ -1,0 +1,87 @@
+//! A live `aggbox attach eth0` inside a testbed namespace, with a private
+//! bpffs pin root, for the integration tests that drive the real binary
+//! (tests/metrics.rs, tests/netns_allreduce.rs, tests/runtime_kernel.rs).
+//! It is stopped (SIGINT, by the pid of the process the test started) and
+//! cleaned up on drop.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running attachment.
+pub struct LiveAttach {
+    pub child: Child,
+    pub pin_root: PathBuf,
+    config: PathBuf,
+}
+
+impl LiveAttach {
+    /// Write `config_text`, mount a private bpffs, start `aggbox attach eth0`
+    /// in `netns` with `extra_args`, and wait for its "attached" line.
+    pub fn start(netns: &str, tag: &str, config_text: &str, extra_args: &[&str]) -> LiveAttach {
+        let pin_root = std::env::temp_dir().join(format!("aggbox-live-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&pin_root).expect("pin root");
+        nix::mount::mount(Some("bpf"), &pin_root, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+            .expect("mount bpffs");
+        let config = pin_root.with_extension("toml");
+        std::fs::write(&config, config_text).expect("write config");
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0"])
+            .args(extra_args)
+            .arg("--config")
+            .arg(&config)
+            .arg("--pin-root")
+            .arg(&pin_root)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn aggbox attach");
+        let mut attach = LiveAttach { child, pin_root, config };
+        let mut line = String::new();
+        BufReader::new(attach.child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read attach output");
+        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns} ({tag})");
+        attach
+    }
+
+    /// The node's status, read from the pins.
+    pub fn status(&self) -> aggbox::node::NodeStatus {
+        let mut status = aggbox::node::status(Some("eth0"), &self.pin_root).expect("status from the pins");
+        status.remove(0)
+    }
+
+    /// The TC counters by label.
+    pub fn broadcast_counts(&self) -> BTreeMap<String, u64> {
+        let status = self.status();
+        assert!(status.attach.tc, "aggbox attach attached the TC programs");
+        status.broadcast
+    }
+
+    /// The XDP datagram counters by outcome.
+    pub fn outcomes(&self) -> BTreeMap<String, u64> {
+        self.status().outcomes
+    }
+}
+
+impl Drop for LiveAttach {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = nix::mount::umount(&self.pin_root);
+        let _ = std::fs::remove_dir_all(&self.pin_root);
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
