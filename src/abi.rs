@@ -430,6 +430,10 @@ impl JobStats {
 
 /// RX queues that can have an AF_XDP socket (`AGGBOX_MAX_QUEUES`).
 pub const MAX_QUEUES: u32 = 64;
+/// Bytes the kernel keeps in front of each AF_XDP UMEM frame
+/// (XDP_PACKET_HEADROOM, `AGGBOX_XSK_RX_HEADROOM`): a socket without
+/// multi-buffer takes frames of at most frame size - UMEM headroom - this.
+pub const XSK_RX_HEADROOM: u32 = 256;
 /// Entries of the `slot_owner` map (`AGGBOX_MAX_OWNERS`).
 pub const MAX_OWNERS: u32 = 2 * MAX_SLOTS;
 

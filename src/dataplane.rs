@@ -17,6 +17,7 @@
 //! | `progs` | `u32` `abi::CALL_*`       | program fd             | control plane, once at load |
 //! | `scratch`, `slot_init` | `u32` 0    | per-CPU scratch        | XDP |
 //! | `xsks`  | `u32` RX queue            | AF_XDP socket fd (XSKMAP) | user-space path |
+//! | `xsk_limits` | `u32` 0              | `u32` longest frame redirected (0 = any) | user-space path |
 //! | `slot_owner` | [`abi::SlotKey`]     | [`abi::SlotOwner`]     | XDP decides, the completing path deletes |
 //! | `job_handoff` | [`abi::JobKey`]     | [`abi::JobHandoff`]    | user-space path |
 //! | `handoff_stats` | `u32` reason      | [`abi::Stat`] per CPU  | XDP |
@@ -760,6 +761,13 @@ impl Dataplane {
         self.kernel_maps()?.register_xsk(queue, xsk_fd)
     }
 
+    /// Set the longest frame (bytes) the XDP program redirects to the
+    /// `xsks` sockets (`xsk_limits`; 0 = no limit). A longer frame keeps the
+    /// fallback, as with no socket registered (docs/JUMBO.md).
+    pub fn set_xsk_limit(&self, limit: u32) -> Result<()> {
+        self.kernel_maps()?.set_xsk_limit(limit)
+    }
+
     /// Remove queue `queue`'s socket from the `xsks` map (no-op if none).
     pub fn unregister_xsk(&self, queue: u32) -> Result<()> {
         delete_ignore_missing(&self.skel.maps.xsks, "xsks", &queue.to_ne_bytes())
@@ -777,6 +785,7 @@ impl Dataplane {
         };
         Ok(KernelMaps {
             xsks: dup(maps.xsks.as_fd(), "xsks")?,
+            xsk_limits: dup(maps.xsk_limits.as_fd(), "xsk_limits")?,
             slot_owner: dup(maps.slot_owner.as_fd(), "slot_owner")?,
             completed: dup(maps.completed.as_fd(), "completed")?,
             job_state: dup(maps.job_state.as_fd(), "job_state")?,
@@ -926,6 +935,7 @@ impl TestRunner {
 #[derive(Debug)]
 pub struct KernelMaps {
     xsks: OwnedFd,
+    xsk_limits: OwnedFd,
     slot_owner: OwnedFd,
     completed: OwnedFd,
     job_state: OwnedFd,
@@ -1068,6 +1078,12 @@ impl KernelMaps {
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
     pub fn register_xsk(&self, queue: u32, xsk_fd: RawFd) -> Result<()> {
         raw_update(&self.xsks, "xsks", &queue, &(xsk_fd as u32), 0)
+    }
+
+    /// Write `xsk_limits[0]`: the longest frame redirected to the sockets
+    /// (0 = no limit).
+    pub fn set_xsk_limit(&self, limit: u32) -> Result<()> {
+        raw_update(&self.xsk_limits, "xsk_limits", &0u32, &limit, 0)
     }
 
     /// Remove `xsks[queue]`.

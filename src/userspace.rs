@@ -181,6 +181,7 @@ pub struct UserspacePath {
     queues: Vec<u32>,
     maps: Arc<KernelMaps>,
     jobs: Vec<u16>,
+    multi_buffer: bool,
 }
 
 impl std::fmt::Debug for UserspacePath {
@@ -654,6 +655,12 @@ impl UserspacePath {
             out: Vec::with_capacity(2048),
             last_reclaim: Instant::now(),
         };
+        // Sockets without multi-buffer AF_XDP (kernels before 6.6) lose a
+        // frame longer than one UMEM frame inside the redirect: have the
+        // XDP program keep such frames on its fallback (xsk_limits).
+        let limit = worker.sockets.iter().filter_map(|s| s.max_frame()).min().unwrap_or(0);
+        let multi_buffer = limit == 0;
+        maps.set_xsk_limit(limit).context("user-space path: writing xsk_limits")?;
         // Register only once the sockets are bound; the worker drains them.
         let fds: Vec<(u32, i32)> = worker.sockets.iter().map(|s| (s.queue(), s.fd())).collect();
         for (q, fd) in &fds {
@@ -677,7 +684,15 @@ impl UserspacePath {
             queues,
             maps,
             jobs: job_ids,
+            multi_buffer,
         })
+    }
+
+    /// Whether every socket is bound with XDP_USE_SG (multi-buffer AF_XDP,
+    /// Linux 6.6+). When not, frames longer than one UMEM frame are not
+    /// redirected: they keep the kernel's fallback (`userspace_unavailable`).
+    pub fn multi_buffer(&self) -> bool {
+        self.multi_buffer
     }
 
     /// RX queues with a socket.
@@ -710,6 +725,7 @@ impl UserspacePath {
         for &q in &self.queues {
             self.maps.unregister_xsk(q);
         }
+        let _ = self.maps.set_xsk_limit(0);
         self.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.worker.take() {
             let _ = h.join();

@@ -287,7 +287,12 @@ impl XskSocket {
         // flag (EINVAL / EOPNOTSUPP): then bind without it.
         let mut sa = libc::sockaddr_xdp {
             sxdp_family: libc::AF_XDP as u16,
-            sxdp_flags: libc::XDP_COPY | XDP_USE_SG,
+            // AGGBOX_XSK_NO_SG (tests): bind as a kernel before 6.6 would.
+            sxdp_flags: if std::env::var_os("AGGBOX_XSK_NO_SG").is_some() {
+                libc::XDP_COPY
+            } else {
+                libc::XDP_COPY | XDP_USE_SG
+            },
             sxdp_ifindex: ifindex,
             sxdp_queue_id: queue,
             sxdp_shared_umem_fd: 0,
@@ -345,6 +350,13 @@ impl XskSocket {
     /// (bound with XDP_USE_SG; kernel 6.6+).
     pub fn multi_buffer(&self) -> bool {
         self.multi_buffer
+    }
+
+    /// The longest frame (bytes) this socket receives: `None` with
+    /// multi-buffer, else the UMEM frame size minus its headroom (0) minus
+    /// the XDP_PACKET_HEADROOM the kernel keeps (`abi::XSK_RX_HEADROOM`).
+    pub fn max_frame(&self) -> Option<u32> {
+        (!self.multi_buffer).then(|| self.frame_size.saturating_sub(crate::abi::XSK_RX_HEADROOM).max(1))
     }
 
     /// The socket descriptor (to register in the XSKMAP and to poll).

@@ -39,6 +39,7 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_OP_LAST".into(), abi::Op::Bxor as i64),
         ("AGGBOX_OP_LAST_KERNEL".into(), abi::Op::Avg as i64),
         ("AGGBOX_MAX_QUEUES".into(), abi::MAX_QUEUES as i64),
+        ("AGGBOX_XSK_RX_HEADROOM".into(), abi::XSK_RX_HEADROOM as i64),
         ("AGGBOX_MAX_ELEMS".into(), abi::MAX_ELEMS as i64),
         ("AGGBOX_CHUNK_ELEMS".into(), abi::CHUNK_ELEMS as i64),
         ("AGGBOX_PROG_CHUNKS".into(), abi::PROG_CHUNKS as i64),

@@ -131,6 +131,39 @@ fn ops_float_and_userspace_only_are_redirected() {
 }
 
 #[test]
+fn xsk_limit_keeps_longer_frames_on_the_fallback() {
+    // Sockets without multi-buffer AF_XDP (kernels before 6.6) would lose a
+    // frame longer than one UMEM frame in the redirect: with `xsk_limits`
+    // set, such a frame keeps the fallback as if no socket were registered.
+    let (_tb, sock) = with_socket();
+    let dp = load();
+    dp.set_job(1, &job(1, 0, 0)).unwrap();
+    dp.register_xsk(0, sock.fd()).unwrap();
+    let prod = Agg::new(1, 0, abi::Op::Prod as u8, vec![1, 2, 3]);
+    let len = Frame::udp(R0, prod.bytes()).build().len() as u32;
+
+    for (limit, redirected) in [(0, true), (len, true), (len - 1, false), (1, false), (0, true)] {
+        dp.set_xsk_limit(limit).unwrap();
+        let (v, d) = run(&dp, R0, &prod);
+        if redirected {
+            assert_eq!(v, XDP_REDIRECT, "limit {limit}, frame {len}");
+            assert_eq!(d, to_us(&prod), "limit {limit}");
+        } else {
+            assert_eq!(v, XDP_PASS, "limit {limit}, frame {len}: not redirected");
+            assert_eq!(
+                d,
+                vec![(Outcome::UserspaceUnavailable.label(), 1, prod.bytes().len() as u64)],
+                "limit {limit}"
+            );
+        }
+    }
+    assert_eq!(handoffs(&dp, HandoffReason::Op), 3, "only the redirected ones count");
+    // The socket's own limit: none with multi-buffer, else one UMEM frame.
+    assert_eq!(sock.max_frame(), (!sock.multi_buffer()).then_some(2048 - abi::XSK_RX_HEADROOM));
+    dp.unregister_xsk(0).unwrap();
+}
+
+#[test]
 fn pool_exhaustion_hands_new_slots_over_and_keeps_fragments_whole() {
     let (_tb, sock) = with_socket();
     let dp = load();

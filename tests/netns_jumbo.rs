@@ -83,7 +83,7 @@ fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, 
     let want = expected.ints().expect("int result").to_vec();
     let netns = tb.host(0).netns;
 
-    let (values, elapsed, stats) = tb
+    let (values, elapsed, stats, fallback) = tb
         .in_host(0, || {
             let config = Config::parse(&text, "jumbo.toml").unwrap_or_else(|e| panic!("config: {e}\n{text}"));
             let att = node::attach("eth0", &config, None, &pins.path, XdpMode::Native)
@@ -92,6 +92,39 @@ fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, 
                 eprintln!("attach warning: {w}");
             }
             let _stats_fd = aggbox::metrics::enable_bpf_stats().expect("bpf stats");
+            // Kernels without multi-buffer AF_XDP (before 6.6): the XDP
+            // program keeps frames longer than one UMEM frame on the
+            // fallback (xsk_limits): passed and counted, never redirected.
+            let fallback = !op.runs_in_kernel()
+                && !att.userspace.as_ref().expect("user-space path started").multi_buffer();
+            if !op.runs_in_kernel() {
+                eprintln!(
+                    "MTU {mtu}: AF_XDP sockets {}",
+                    if fallback {
+                        "WITHOUT multi-buffer (kernel < 6.6): jumbo frames stay on the userspace_unavailable fallback"
+                    } else {
+                        "with multi-buffer (XDP_USE_SG): jumbo frames are redirected and reassembled"
+                    }
+                );
+            }
+            if fallback {
+                // One datagram at a time (no veth ring overflow): each must
+                // be counted by the fallback outcome.
+                for f in 0..fragments {
+                    for (rank, socket) in senders.iter().enumerate() {
+                        resend(socket, to, rank as u16, op, per, elements, f);
+                    }
+                }
+                let want = (fragments * SENDERS) as u64;
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let mut stats = att.dataplane.stats().expect("stats");
+                while stats.outcome(Outcome::UserspaceUnavailable).packets < want && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                    stats = att.dataplane.stats().expect("stats");
+                }
+                att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
+                return (Vec::new(), 0.0, stats, true);
+            }
             let start = Instant::now();
             std::thread::scope(|scope| {
                 for (rank, socket) in senders.iter().enumerate() {
@@ -152,11 +185,24 @@ fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, 
             assert_eq!(att.dataplane.slots_in_use(), 0, "no slot left");
             assert_eq!(att.dataplane.blocks_in_use(), 0, "no block left");
             att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
-            (values, elapsed, stats)
+            (values, elapsed, stats, false)
         })
         .unwrap_or_else(|e| panic!("entering host 0: {e}"));
 
     assert!(!has_xdp(&netns, "eth0"), "detached");
+    if fallback {
+        eprintln!("MTU {mtu}: fallback: {stats:?}");
+        assert_eq!(stats.outcome(Outcome::ToUserspace).packets, 0, "nothing redirected: {stats:?}");
+        assert_eq!(
+            stats.outcome(Outcome::UserspaceUnavailable).packets,
+            (fragments * SENDERS) as u64,
+            "every jumbo datagram counted as userspace_unavailable: {stats:?}"
+        );
+        for reason in DropReason::ALL {
+            assert_eq!(stats.drop(reason).packets, 0, "{reason:?}: {stats:?}");
+        }
+        return (fragments, 0.0);
+    }
     eprintln!(
         "MTU {mtu}: {fragments} fragments of {per} elements, accepted {}, result {}, retransmission {}",
         stats.outcome(Outcome::Accepted).packets,

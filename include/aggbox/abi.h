@@ -474,7 +474,14 @@ _Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 byt
  * What the kernel does not aggregate is redirected with bpf_redirect_map()
  * into the `xsks` XSKMAP (key: RX queue index, value: AF_XDP socket fd),
  * when a socket is registered for the queue the frame arrived on.
+ * `xsk_limits` (ARRAY, 1 entry, key 0, value u32) bounds the frames
+ * redirected: 0 = no limit (every socket multi-buffer, XDP_USE_SG), else a
+ * longer frame keeps the fallback as if no socket were registered.
  * ------------------------------------------------------------------------- */
+
+#ifndef AGGBOX_XSK_RX_HEADROOM
+#define AGGBOX_XSK_RX_HEADROOM 256 /* XDP_PACKET_HEADROOM the kernel keeps in each UMEM frame */
+#endif
 
 #ifndef AGGBOX_MAX_QUEUES
 #define AGGBOX_MAX_QUEUES 64 /* RX queues with an AF_XDP socket (xsks entries) */

@@ -39,6 +39,23 @@ struct {
 	__type(value, struct aggbox_stat);
 } handoff_stats SEC(".maps");
 
+/*
+ * xsk_limits[0]: the longest frame (bytes, bpf_xdp_get_buff_len) the
+ * registered sockets can take, or 0 for no limit. Written by
+ * UserspacePath::start (src/userspace.rs): 0 when every socket is bound
+ * with XDP_USE_SG (multi-buffer AF_XDP, Linux 6.6+), else the UMEM frame
+ * size minus headroom minus XDP_PACKET_HEADROOM (AGGBOX_XSK_RX_HEADROOM).
+ * A longer frame would be lost by the kernel inside the redirect, so
+ * aggbox_handoff() treats it as if no socket were registered
+ * (docs/JUMBO.md "Kernels without multi-buffer AF_XDP").
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} xsk_limits SEC(".maps");
+
 /* Whether an AF_XDP socket is registered for the frame's RX queue. */
 static __always_inline int aggbox_has_xsk(struct xdp_md *ctx)
 {
@@ -56,8 +73,14 @@ static __always_inline int aggbox_handoff(struct xdp_md *ctx, __u32 reason, int 
 {
 	__u32 q = ctx->rx_queue_index;
 	struct aggbox_stat *st;
+	__u32 zero = 0, *limit;
 
 	if (q >= AGGBOX_MAX_QUEUES || !bpf_map_lookup_elem(&xsks, &q))
+		return aggbox_exit(fallback, bytes);
+	/* Sockets without multi-buffer: a frame longer than one UMEM frame
+	 * would be lost in the redirect; keep the fallback instead. */
+	limit = bpf_map_lookup_elem(&xsk_limits, &zero);
+	if (limit && *limit && bpf_xdp_get_buff_len(ctx) > *limit)
 		return aggbox_exit(fallback, bytes);
 	aggbox_count(AGGBOX_OUTCOME_TO_USERSPACE, bytes);
 	st = bpf_map_lookup_elem(&handoff_stats, &reason);
