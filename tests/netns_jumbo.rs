@@ -266,14 +266,3 @@ fn mtu_9000_userspace_op_through_multibuffer_af_xdp() {
     let (fragments, secs) = reduce_at_mtu(9000, 20 * 2237, Op::Prod);
     eprintln!("MTU 9000 PROD (user space): {fragments} fragments in {secs:.3} s");
 }
-
-/// Measurement, not a test (docs/JUMBO.md "Numbers"): a 21.8 M-element SUM
-/// from 4 senders at MTU 1500, 9000 and 65535.
-/// `cargo test --release --test netns_jumbo measure -- --ignored --nocapture --test-threads=1`
-#[test]
-#[ignore]
-fn measure_21m_elements() {
-    for mtu in [1500, 9000, 65535] {
-        reduce_at_mtu_with(mtu, 21_800_000, Op::Sum, false);
-    }
-}
