@@ -532,17 +532,7 @@ impl Dataplane {
     }
 
     fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
-        let rkey = abi::RankKey { job: id, rank };
-        let raw = self
-            .skel
-            .maps
-            .ranks
-            .lookup(abi::as_bytes(&rkey), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "ranks",
-                source,
-            })?;
-        Ok(raw.and_then(|b| abi::from_bytes::<abi::Rank>(&b)))
+        lookup_plain(&self.skel.maps.ranks, "ranks", &abi::RankKey { job: id, rank })
     }
 
     /// Release every kernel slot of job `id` that is not completing (with
@@ -575,17 +565,7 @@ impl Dataplane {
 
     /// The job as written in the `jobs` map, if configured.
     pub fn job(&self, id: u16) -> Result<Option<abi::Job>> {
-        let key = abi::JobKey { job: id, pad: 0 };
-        let raw = self
-            .skel
-            .maps
-            .jobs
-            .lookup(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "jobs",
-                source,
-            })?;
-        Ok(raw.and_then(|bytes| abi::from_bytes::<abi::Job>(&bytes)))
+        lookup_plain(&self.skel.maps.jobs, "jobs", &abi::JobKey { job: id, pad: 0 })
     }
 
     fn delete_rank(&self, id: u16, rank: u16) -> Result<()> {
@@ -596,13 +576,7 @@ impl Dataplane {
     fn port_add(&self, port: u16, delta: i64) -> Result<()> {
         let map = &self.skel.maps.ports;
         let key = abi::PortKey { port, pad: 0 };
-        let cur = map
-            .lookup(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "ports",
-                source,
-            })?
-            .and_then(|b| abi::from_bytes::<abi::Port>(&b))
+        let cur = lookup_plain::<_, abi::Port, _>(map, "ports", &key)?
             .map(|p| i64::from(p.jobs))
             .unwrap_or(0);
         let new = (cur + delta).max(0);
@@ -665,17 +639,7 @@ impl Dataplane {
     /// The kernel's runtime state of job `id` (slots in use, newest
     /// completed round, completions, next RESULT seq).
     pub fn job_state(&self, id: u16) -> Result<Option<abi::JobState>> {
-        let key = abi::JobKey { job: id, pad: 0 };
-        let raw = self
-            .skel
-            .maps
-            .job_state
-            .lookup(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "job_state",
-                source,
-            })?;
-        Ok(raw.and_then(|bytes| abi::from_bytes::<abi::JobState>(&bytes)))
+        lookup_plain(&self.skel.maps.job_state, "job_state", &abi::JobKey { job: id, pad: 0 })
     }
 
     /// Number of `slot_owner` entries (all jobs), for tests and status.
@@ -1174,6 +1138,14 @@ pub fn sum_job_stats(per_cpu: &[Vec<u8>]) -> abi::JobStats {
         }
     }
     total
+}
+
+/// Look `key` up in `map` and read the value as `V` (`None` when absent).
+fn lookup_plain<K: plain::Plain, V: plain::Plain + Default, M: MapCore>(map: &M, name: &'static str, key: &K) -> Result<Option<V>> {
+    let raw = map
+        .lookup(abi::as_bytes(key), MapFlags::ANY)
+        .map_err(|source| DataplaneError::Map { map: name, source })?;
+    Ok(raw.and_then(|bytes| abi::from_bytes::<V>(&bytes)))
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
