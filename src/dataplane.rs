@@ -874,6 +874,13 @@ pub struct TestRunner {
 impl TestRunner {
     /// Run the program once on `frame`; returns the verdict and output frame.
     pub fn run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+        self.run_timed(frame).map(|(verdict, out, _)| (verdict, out))
+    }
+
+    /// [`TestRunner::run`] plus the kernel's measured run time of the whole
+    /// chain in nanoseconds (BPF_PROG_TEST_RUN's `duration`, which excludes
+    /// the copies in and out): what `benches/xdp_chain.rs` reports.
+    pub fn run_timed(&self, frame: &[u8]) -> Result<(u32, Vec<u8>, u32)> {
         let mut out = vec![0u8; frame.len() + 256];
         // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
         let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
@@ -890,7 +897,7 @@ impl TestRunner {
             return Err(DataplaneError::TestRun(libbpf_rs::Error::from(err)));
         }
         out.truncate(opts.data_size_out as usize);
-        Ok((opts.retval, out))
+        Ok((opts.retval, out, opts.duration))
     }
 }
 

@@ -19,7 +19,6 @@ use nix::unistd::Pid;
 const JOB: u16 = 33;
 const WORKERS: u16 = 16;
 const SLOTS: u32 = 300;
-const ELEMS: usize = 362; // a full 1500-byte MTU datagram: 12 chunks
 const THREADS: usize = 4;
 const OPS: [abi::Op; 5] = [
     abi::Op::Sum,
@@ -49,12 +48,12 @@ fn value(slot: u32, rank: u16, i: usize) -> i32 {
     }
 }
 
-fn expected(slot: u32) -> (u8, Vec<u8>) {
+fn expected(slot: u32, elems: usize) -> (u8, Vec<u8>) {
     let op = OPS[(slot as usize) % OPS.len()];
     let weight_sum: i64 = (0..WORKERS).map(|r| i64::from(weight(r))).sum();
     let mut overflow = false;
-    let mut out = Vec::with_capacity(ELEMS * 4);
-    for i in 0..ELEMS {
+    let mut out = Vec::with_capacity(elems * 4);
+    for i in 0..elems {
         let vals: Vec<i64> = (0..WORKERS).map(|r| i64::from(value(slot, r, i))).collect();
         let r: i64 = match op {
             abi::Op::Sum => (0..WORKERS)
@@ -79,8 +78,22 @@ fn expected(slot: u32) -> (u8, Vec<u8>) {
     (flags, out)
 }
 
+/// A full 1500-byte MTU datagram: 2 chunks.
 #[test]
 fn one_slot_from_many_cpus_completes_exactly_once() {
+    slots_from_many_cpus(362);
+}
+
+/// A 16 KB multi-buffer frame: 16 chunks, so the contributions of one slot
+/// interleave chunk by chunk across CPUs and the last adder of a chunk (which
+/// writes that chunk's RESULT values early) is often not the contribution
+/// that completes the slot.
+#[test]
+fn jumbo_slots_from_many_cpus_complete_exactly_once() {
+    slots_from_many_cpus(4000);
+}
+
+fn slots_from_many_cpus(elems: usize) {
     let dp = load();
     let job = JobConfig {
         id: JOB,
@@ -116,10 +129,10 @@ fn one_slot_from_many_cpus_completes_exactly_once() {
                         JOB,
                         rank,
                         op,
-                        (0..ELEMS).map(|i| value(slot, rank, i)).collect(),
+                        (0..elems).map(|i| value(slot, rank, i)).collect(),
                     );
                     a.round = 7;
-                    a.frag_off = slot * ELEMS as u32;
+                    a.frag_off = slot * elems as u32;
                     a.seq = slot;
                     frames.push(Frame::udp(addr(rank), a.bytes()).build());
                 }
@@ -147,7 +160,7 @@ fn one_slot_from_many_cpus_completes_exactly_once() {
             let a = &out[PAYLOAD_OFF..];
             let frag_off = u32::from_be_bytes(a[16..20].try_into().unwrap());
             by_slot
-                .entry(frag_off / ELEMS as u32)
+                .entry(frag_off / elems as u32)
                 .or_default()
                 .push(out);
         }
@@ -164,7 +177,7 @@ fn one_slot_from_many_cpus_completes_exactly_once() {
     for (slot, outs) in &by_slot {
         assert_eq!(outs.len(), 1, "slot {slot}: exactly one RESULT");
         let a = &outs[0][PAYLOAD_OFF..];
-        let (flags, payload) = expected(*slot);
+        let (flags, payload) = expected(*slot, elems);
         assert_eq!(u16::from_be_bytes([a[6], a[7]]), abi::RESULT_RANK);
         assert_eq!(a[21], flags, "slot {slot}: flags");
         assert!(

@@ -624,6 +624,7 @@ int aggbox_slot(struct xdp_md *ctx)
 		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes);
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		s->chunk = 0;
+		s->finalized = 0;
 		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
 		code = AGGBOX_DROP_MISSED_TAIL_CALL;
 	}
@@ -688,6 +689,121 @@ static __always_inline int block_matches(struct aggbox_block *blk, struct aggbox
 	       blk->b.key.frag_off == s->key.frag_off && blk->b.index == chunk;
 }
 
+/*
+ * The element loops of the add stage. Each runs over the whole block with
+ * no data-dependent exit: elements past the chunk's n add stale scratch
+ * bytes into accumulators that are never read (a slot holds `count`
+ * elements, its last block only the first n of them), and a loop without
+ * an early exit is one straight path for the verifier.
+ *
+ * Two elements per 64-bit load: after bswap64 the first big-endian int32 is
+ * the high half (one arithmetic shift sign-extends it) and the second the
+ * low half; that halves loads and byte swaps. The common cases get their own
+ * loops: the first contributor of a block stores instead of adding (the
+ * block was created zeroed, so the result is the same without the load),
+ * and weight 1 needs no multiplication. Unrolled by 4 pairs so the loop
+ * counter and branch are paid once per 8 elements (the verifier walks the
+ * same 256 elements either way).
+ */
+#define PAIR_FIRST(y) ((__s64)(y) >> 32)
+#define PAIR_SECOND(y) ((__s64)((y) << 32) >> 32)
+#define PAIRS (AGGBOX_CHUNK_ELEMS / 2)
+
+static __always_inline void add_block(__s64 *acc, const __u64 *src, __u8 op, __s64 w, int first)
+{
+	__u32 j;
+
+	if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) {
+		if (w == 1 && first) {
+#pragma clang loop unroll_count(4)
+			for (j = 0; j < PAIRS; j++) {
+				__u64 y = __builtin_bswap64(src[j]);
+
+				acc[2 * j] = PAIR_FIRST(y);
+				acc[2 * j + 1] = PAIR_SECOND(y);
+			}
+		} else if (w == 1) {
+#pragma clang loop unroll_count(4)
+			for (j = 0; j < PAIRS; j++) {
+				__u64 y = __builtin_bswap64(src[j]);
+
+				acc[2 * j] += PAIR_FIRST(y);
+				acc[2 * j + 1] += PAIR_SECOND(y);
+			}
+		} else {
+#pragma clang loop unroll_count(4)
+			for (j = 0; j < PAIRS; j++) {
+				__u64 y = __builtin_bswap64(src[j]);
+
+				acc[2 * j] += w * PAIR_FIRST(y);
+				acc[2 * j + 1] += w * PAIR_SECOND(y);
+			}
+		}
+	} else if (op == AGGBOX_OP_COUNT) {
+#pragma clang loop unroll_count(4)
+		for (j = 0; j < PAIRS; j++) {
+			__u64 y = src[j]; /* nonzero test: byte order does not matter */
+
+			acc[2 * j] += (__u32)y != 0;
+			acc[2 * j + 1] += (y >> 32) != 0;
+		}
+	} else if (first) { /* MAX or MIN: the first value is the running one */
+#pragma clang loop unroll_count(4)
+		for (j = 0; j < PAIRS; j++) {
+			__u64 y = __builtin_bswap64(src[j]);
+
+			acc[2 * j] = PAIR_FIRST(y);
+			acc[2 * j + 1] = PAIR_SECOND(y);
+		}
+	} else if (op == AGGBOX_OP_MAX) {
+#pragma clang loop unroll_count(4)
+		for (j = 0; j < PAIRS; j++) {
+			__u64 y = __builtin_bswap64(src[j]);
+			__s64 a = PAIR_FIRST(y), b = PAIR_SECOND(y);
+
+			if (a > acc[2 * j])
+				acc[2 * j] = a;
+			if (b > acc[2 * j + 1])
+				acc[2 * j + 1] = b;
+		}
+	} else { /* AGGBOX_OP_MIN */
+#pragma clang loop unroll_count(4)
+		for (j = 0; j < PAIRS; j++) {
+			__u64 y = __builtin_bswap64(src[j]);
+			__s64 a = PAIR_FIRST(y), b = PAIR_SECOND(y);
+
+			if (a < acc[2 * j])
+				acc[2 * j] = a;
+			if (b < acc[2 * j + 1])
+				acc[2 * j + 1] = b;
+		}
+	}
+}
+
+/*
+ * The result stage's common case: write the block's accumulators as
+ * big-endian int32, two per 64-bit store, and return 1 when every one of
+ * them fit (no clamping, no OVERFLOW). Overflow is rare, so it is detected
+ * once per block (OR of each value XOR its int32 truncation) instead of
+ * with two compares per element; on 0 the caller redoes the block with the
+ * exact clamping loop, which also ignores accumulators past the chunk's n
+ * (stale ones may well exceed int32).
+ */
+static __always_inline int result_block_fits(const __s64 *acc, __u64 *dst)
+{
+	__u64 wide = 0;
+	__u32 j;
+
+#pragma clang loop unroll_count(4)
+	for (j = 0; j < PAIRS; j++) {
+		__s64 a = acc[2 * j], b = acc[2 * j + 1];
+
+		wide |= (a ^ (__s64)(__s32)a) | (b ^ (__s64)(__s32)b);
+		dst[j] = __builtin_bswap64(((__u64)a << 32) | (__u32)b);
+	}
+	return wide == 0;
+}
+
 /* bpf_loop callback: add chunk s->chunk into its block. */
 static long add_chunk_cb(__u64 index, void *data)
 {
@@ -695,10 +811,10 @@ static long add_chunk_cb(__u64 index, void *data)
 	struct aggbox_block_key bkey = {};
 	struct aggbox_scratch *s;
 	struct aggbox_block *blk;
-	__u32 zero = 0, chunk, base = 0, n, j, off, len;
+	__u32 zero = 0, chunk, base = 0, n, off, len;
 	__s64 w;
 	__u8 op;
-	int first;
+	int first, last;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
 	if (!s)
@@ -734,40 +850,25 @@ static long add_chunk_cb(__u64 index, void *data)
 		return 1;
 	}
 	first = blk->b.seen == 0;
-	blk->b.seen++;
-	/*
-	 * One loop per op, each over the whole block: elements past n add
-	 * stale scratch bytes into accumulators that are never read (a slot
-	 * holds `count` elements, its last block only the first n of them),
-	 * and a loop without a data-dependent exit is one straight path for
-	 * the verifier (256 iterations walked once, not once per exit point).
-	 */
-	if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) {
-		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-			blk->b.acc[j] += w * (__s32)bpf_ntohl(s->buf[j]);
-		}
-	} else if (op == AGGBOX_OP_COUNT) {
-		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-			blk->b.acc[j] += s->buf[j] != 0;
-		}
-	} else if (op == AGGBOX_OP_MAX) {
-		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-			__s64 v;
-
-			v = (__s32)bpf_ntohl(s->buf[j]);
-			if (first || v > blk->b.acc[j])
-				blk->b.acc[j] = v;
-		}
-	} else { /* AGGBOX_OP_MIN */
-		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-			__s64 v;
-
-			v = (__s32)bpf_ntohl(s->buf[j]);
-			if (first || v < blk->b.acc[j])
-				blk->b.acc[j] = v;
-		}
-	}
+	last = ++blk->b.seen == s->workers;
+	add_block(blk->b.acc, (const __u64 *)s->buf, op, w, first);
 	bpf_spin_unlock(&blk->lock);
+	/*
+	 * The last adder of a block writes its result into this packet now,
+	 * while the accumulators are in cache, instead of the result stage
+	 * looking the block up and reading it again. The block is final: every
+	 * rank has added it and a retransmission never gets past the slot's
+	 * bitmap. Usually this contribution then also completes the slot and
+	 * the result stage skips the chunk (bit in s->finalized); if another
+	 * contribution completes it (interleaved on another CPU), that one
+	 * writes the chunk itself and this packet is dropped anyway. AVG (a
+	 * division by the weight sum) and a block with a clamped value are left
+	 * to the result stage.
+	 */
+	if (last && op != AGGBOX_OP_AVG && chunk < AGGBOX_MAX_CHUNKS &&
+	    result_block_fits(blk->b.acc, (__u64 *)s->buf) &&
+	    !bpf_xdp_store_bytes(lp->ctx, off, s->buf, len))
+		s->finalized |= 1ULL << chunk;
 	s->chunk = chunk + 1;
 	return 0;
 }
@@ -930,6 +1031,10 @@ static long result_chunk_cb(__u64 index, void *data)
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
 		return 1;
 	}
+	if (chunk < AGGBOX_MAX_CHUNKS && (s->finalized >> chunk) & 1) {
+		s->chunk = chunk + 1; /* written by this packet's add stage */
+		return 0;
+	}
 	bkey.slot = s->key;
 	bkey.index = chunk;
 	blk = bpf_map_lookup_elem(&blocks, &bkey);
@@ -952,6 +1057,8 @@ static long result_chunk_cb(__u64 index, void *data)
 			r = r < 0 ? -(__s64)u : (__s64)u;
 			s->buf[j] = bpf_htonl((__u32)clamp_i32(s, r, j < *(volatile __u32 *)&s->chunk_n));
 		}
+	} else if (result_block_fits(blk->b.acc, (__u64 *)s->buf)) {
+		/* every accumulator fit in int32: nothing was clamped */
 	} else {
 		for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++)
 			s->buf[j] = bpf_htonl((__u32)clamp_i32(s, blk->b.acc[j], j < *(volatile __u32 *)&s->chunk_n));

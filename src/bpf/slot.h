@@ -85,6 +85,8 @@ struct aggbox_init {
 };
 
 /* Per-packet state handed from one program of the chain to the next. */
+_Static_assert(AGGBOX_MAX_CHUNKS <= 64, "scratch.finalized has a bit per chunk");
+
 struct aggbox_scratch {
 	struct aggbox_slot_key key;
 	__u32 bytes;       /* UDP payload bytes, for the stats */
@@ -113,8 +115,12 @@ struct aggbox_scratch {
 	__u32 job_known;   /* 1 once aggbox_classify found key.job configured;
 			    * 0 at the start of every entry run, so a previous
 			    * packet's job is never counted (stats.h) */
-	__be32 buf[AGGBOX_CHUNK_ELEMS]; /* one chunk of payload: bpf_xdp_load_bytes /
-					 * store_bytes go through here */
+	__u64 finalized;   /* chunks whose RESULT values the add stage already
+			    * wrote into this packet (bit i = chunk i) */
+	__be32 buf[AGGBOX_CHUNK_ELEMS] __attribute__((aligned(8)));
+			   /* one chunk of payload: bpf_xdp_load_bytes /
+			    * store_bytes go through here; 8-aligned for the
+			    * two-elements-per-load loops */
 };
 
 /*

@@ -1,0 +1,103 @@
+//! Kernel run time of the XDP aggregation chain per contribution and per
+//! element, by element count and op, measured with BPF_PROG_TEST_RUN's
+//! `duration` (the kernel's own clock around the program, tail calls
+//! included; no packet copies). 4 ranks per fragment, split by role: the
+//! first contribution creates the slot and its accumulator blocks, the
+//! middle ones only add, the last one completes the fragment, writes the
+//! RESULT and releases the slot.
+//!
+//! Needs root (loads the programs): `sudo cargo bench --bench xdp_chain
+//! [-- FRAGMENTS]`. Speed lives here, not in the tests.
+
+#![allow(dead_code)]
+
+#[path = "../tests/bpf_common/mod.rs"]
+mod bpf_common;
+
+use std::net::Ipv4Addr;
+
+use aggbox::abi::{self, Op};
+use aggbox::dataplane::JobConfig;
+use bpf_common::*;
+
+const JOB: u16 = 9;
+const WORKERS: u16 = 4;
+
+fn addr(rank: u16) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 3, rank as u8 + 1)
+}
+
+fn main() {
+    let fragments: u32 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(200);
+    let dp = load();
+    dp.set_job(
+        JOB,
+        &JobConfig {
+            id: JOB,
+            port: JOB_PORT,
+            result_port: RESULT_PORT,
+            ranks: (0..WORKERS).map(addr).collect(),
+            weights: vec![],
+            vector_len: 0,
+            slots: 0,
+            flags: 0,
+            result_group: None,
+            window: 0,
+        },
+    )
+    .expect("configure the job");
+    let runner = dp.test_runner().expect("test runner");
+    println!("count  op     creating ns (ns/element)   adding ns (ns/element)   completing ns (ns/element)   mean ns/element");
+    let mut round = 1u32;
+    for count in [362usize, 2242, 16370] {
+        for op in [Op::Sum, Op::Max] {
+            // Values whose sums stay within int32 (overflow is the rare slow path).
+            let values: Vec<i32> = (0..count as i32).map(|i| (i * 7919) % 100_000 - 50_000).collect();
+            let frames: Vec<Vec<u8>> = (0..WORKERS)
+                .map(|rank| {
+                    let mut a = Agg::new(JOB, rank, op as u8, values.clone());
+                    a.round = round;
+                    a.flags = abi::AGG_F_LAST_FRAGMENT;
+                    Frame::udp(addr(rank), a.bytes()).build()
+                })
+                .collect();
+            let mut by_role = [0u64; 3];
+            for frag in 0..fragments {
+                for (rank, frame) in frames.iter().enumerate() {
+                    // Patch round and frag_off (AGG1 offsets 12 and 16 after
+                    // Ethernet 14 + IPv4 20 + UDP 8) instead of rebuilding.
+                    let mut f = frame.clone();
+                    f[42 + 12..42 + 16].copy_from_slice(&round.to_be_bytes());
+                    f[42 + 16..42 + 20].copy_from_slice(&(frag * count as u32).to_be_bytes());
+                    let (verdict, _, ns) = runner.run_timed(&f).expect("test run");
+                    let role = if rank + 1 == WORKERS as usize {
+                        assert_eq!(verdict, XDP_PASS, "RESULT");
+                        2
+                    } else {
+                        assert_eq!(verdict, XDP_DROP, "absorbed");
+                        usize::from(rank > 0)
+                    };
+                    by_role[role] += ns as u64;
+                }
+            }
+            let per = |role: usize| {
+                let contributions = fragments as u64 * if role == 1 { WORKERS as u64 - 2 } else { 1 };
+                by_role[role] as f64 / contributions as f64
+            };
+            let (c, a, l) = (per(0), per(1), per(2));
+            let mean = by_role.iter().sum::<u64>() as f64 / (fragments as f64 * WORKERS as f64 * count as f64);
+            let e = count as f64;
+            println!(
+                "{count:5}  {:4}  {c:10.0} ({:5.2})         {a:10.0} ({:5.2})       {l:10.0} ({:5.2})            {mean:5.2}",
+                format!("{op:?}"),
+                c / e,
+                a / e,
+                l / e
+            );
+            round += 1;
+        }
+    }
+}
