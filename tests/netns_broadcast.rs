@@ -527,3 +527,68 @@ fn members_on_the_sending_or_forwarding_host_get_their_copy() {
     assert_eq!(fwd_plane.stats().expect("stats").packets(BcastStat::LocalCopy), 4);
     assert_eq!(fwd_plane.stats().expect("stats").packets(BcastStat::Forwarded), 4);
 }
+
+/// Jumbo frames (issue "Large frames", docs/JUMBO.md): at MTU 9000 and at
+/// 65535 (the largest veth and IPv4 MTU, a 65507-byte UDP payload), one
+/// datagram from the root becomes one byte-identical copy per member with
+/// checksums the receivers accept. Large copies are nonlinear skbs, so this
+/// exercises bpf_clone_redirect and the header rewrite beyond the page-sized
+/// datagrams of the other tests.
+#[test]
+fn jumbo_broadcast_at_mtu_9000_and_65535_reaches_every_member_exactly_once() {
+    require_root();
+    for mtu in [9000u32, 65535] {
+        let tb = Testbed::up(TestbedConfig {
+            hosts: 5,
+            mtu,
+            ..Default::default()
+        })
+        .expect("testbed");
+        let root = tb.host(0);
+        let plane = plane_on(&root.netns, &BroadcastOptions::default());
+        let members: Vec<SocketAddrV4> = (1..5).map(|i| SocketAddrV4::new(tb.host(i).addr, PORT)).collect();
+        plane.set_group(GROUP, &members).expect("set_group");
+        let receivers: Vec<(SocketAddrV4, UdpSocket)> = members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (*m, bind_in(&tb.host(i + 1).netns, *m)))
+            .collect();
+        let before: Vec<_> = (1..5).map(|i| udp_snmp(&tb.host(i).netns)).collect();
+        let largest = mtu as usize - 28; // IPv4 + UDP headers
+        let sizes = [largest, 1472, largest - 1, 4097, 16, largest / 2 + 3];
+        let masks = [0xf_u32, 0x1, 0xa, 0xf, 0x6, 0xf];
+        let tx = sender(&tb);
+        let mut copies = 0u64;
+        for (k, (&len, &mask)) in sizes.iter().zip(&masks).enumerate() {
+            let sent = Sent {
+                seq: k as u32,
+                mask,
+                data: agb1(mask, k as u32, GROUP, 0, len),
+            };
+            // One datagram at a time: four 64 KB copies would overflow a
+            // default receive buffer if they queued up.
+            tx.send_to(&sent.data, members[0]).expect("send");
+            std::thread::sleep(Duration::from_millis(50));
+            check_exactly_once(&receivers, std::slice::from_ref(&sent), root.addr);
+            copies += u64::from(mask.count_ones());
+        }
+        let st = plane.stats().expect("stats");
+        assert_eq!(st.packets(BcastStat::Broadcast), sizes.len() as u64, "MTU {mtu}");
+        assert_eq!(
+            st.packets(BcastStat::CopySent) + st.packets(BcastStat::NeighMiss),
+            copies,
+            "MTU {mtu}: every copy counted once"
+        );
+        assert_eq!(
+            st.packets(BcastStat::FibError) + st.packets(BcastStat::CloneFailed) + st.packets(BcastStat::RewriteFailed),
+            0,
+            "MTU {mtu}"
+        );
+        for (i, b) in before.iter().enumerate() {
+            let after = udp_snmp(&tb.host(i + 1).netns);
+            assert_eq!(after["InCsumErrors"], b["InCsumErrors"], "MTU {mtu}: UdpInCsumErrors on receiver {i}");
+            assert_eq!(after["InErrors"], b["InErrors"], "MTU {mtu}: UdpInErrors on receiver {i}");
+        }
+        drop(plane);
+    }
+}
