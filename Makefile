@@ -64,9 +64,11 @@ matrix: deps
 
 # Benchmarks (docs/BENCHMARKS.md): aggbox bench all writes raw CSV/JSON,
 # PNG plots (scripts/plot.py) and results/REPORT.md. matplotlib is needed
-# only here, so it is installed by bench-deps, not by deps.
+# only here, so it is installed by bench-deps, not by deps; so is
+# python3-torch (1.13 in Debian 12): torch.distributed Gloo, the baseline of
+# `aggbox bench large` (scripts/gloo_allreduce.py).
 BENCH_ARGS ?=
-BENCH_PACKAGES := python3-matplotlib
+BENCH_PACKAGES := python3-matplotlib python3-torch
 bench-deps:
 	@missing=""; \
 	for p in $(BENCH_PACKAGES); do \

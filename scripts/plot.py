@@ -170,6 +170,51 @@ def model(d):
     save(fig, d, "scale_model.png")
 
 
+def large(d):
+    """`aggbox bench large`: elements/s per backend and MTU, one panel per size."""
+    out = load(d, os.path.join("large", "large.json"))
+    if not out or not out.get("points"):
+        return
+    pts = [p for p in out["points"] if p["ok"]]
+    if not pts:
+        return
+    sizes = sorted(set(p["elements"] for p in out["points"]))
+    mtus = sorted(set(p["mtu"] for p in out["points"]))
+    backends = [b for b in ["kernel", "socket", "gloo"] if any(p["backend"] == b for p in out["points"])]
+    labels = {"kernel": "AggBox kernel backend (XDP + TC result group)", "socket": "AggBox socket backend", "gloo": "torch.distributed Gloo"}
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(backends))
+    for ax, n in zip(axes[0], sizes):
+        for i, b in enumerate(backends):
+            xs, ys, lo, hi = [], [], [], []
+            for j, m in enumerate(mtus):
+                p = next((p for p in pts if p["backend"] == b and p["mtu"] == m and p["elements"] == n), None)
+                if p is None:
+                    if any(q["backend"] == b and q["mtu"] == m and q["elements"] == n for q in out["points"]):
+                        ax.annotate("failed", (j + (i - (len(backends) - 1) / 2) * width, 0.02),
+                                    xycoords=("data", "axes fraction"), rotation=90, ha="center", va="bottom",
+                                    fontsize=8, color="tab:red")
+                    continue
+                e = p["elems_per_s"]
+                xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                ys.append(e["median"] / 1e6)
+                lo.append((e["median"] - e["min"]) / 1e6)
+                hi.append((e["max"] - e["median"]) / 1e6)
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=labels[b])
+        ax.set_xticks(range(len(mtus)))
+        ax.set_xticklabels([str(m) for m in mtus])
+        ax.set_xlabel("MTU (bytes)")
+        ax.set_ylabel("elements/s per vector (millions)")
+        ax.set_title(f"all-reduce of {n:,} int32, 4 workers")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    g = out.get("goal")
+    if g:
+        fig.suptitle(f"Large frames (median, min-max); kernel vs Gloo at {g['elements']:,}: {g['ratio_best']:.2f}x "
+                     f"(goal 2x {'met' if g['met'] else 'not met'})", fontsize=10)
+    save(fig, d, os.path.join("large", "large.png"))
+
+
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "results"
     agg(d)
@@ -181,6 +226,7 @@ def main():
     simple_modes(d, "bcast_apps.json", "bcast_apps.png", "size", "bcast_us", "input size", "broadcast latency per step (µs)", "Broadcast applications", logx=True)
     training(d)
     model(d)
+    large(d)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ enum Command {
     /// Run the evaluation benchmarks (docs/BENCHMARKS.md) on a netns testbed
     /// and write raw results, plots and REPORT.md (needs root).
     Bench {
-        /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model.
+        /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model, large.
         #[arg(default_value = "all")]
         experiments: Vec<String>,
         /// CI smoke sizes (a few minutes; asserts correctness, never speed).
@@ -194,7 +194,9 @@ fn parse_mask(text: &str) -> Result<u32, String> {
 }
 
 fn parse_op(name: &str) -> Result<Op> {
-    Op::from_name(name).ok_or_else(|| anyhow!("unknown op {name:?} (sum, count, max, min, avg, prod, band, bor, bxor)"))
+    Op::from_name(name).ok_or_else(|| {
+        anyhow!("unknown op {name:?} (sum, count, max, min, avg, prod, band, bor, bxor)")
+    })
 }
 
 fn main() -> ExitCode {
@@ -215,9 +217,13 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Attach { iface, config, pin_root, xdp_mode, bpf_stats } => {
-            attach(&iface, config.as_deref(), &pin_root, xdp_mode, bpf_stats)
-        }
+        Command::Attach {
+            iface,
+            config,
+            pin_root,
+            xdp_mode,
+            bpf_stats,
+        } => attach(&iface, config.as_deref(), &pin_root, xdp_mode, bpf_stats),
         Command::Detach { iface, pin_root } => {
             if node::detach(&iface, &pin_root)? {
                 println!("aggbox: detached from {iface}");
@@ -226,12 +232,19 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Status { iface, json, pin_root } => {
+        Command::Status {
+            iface,
+            json,
+            pin_root,
+        } => {
             let statuses = node::status(iface.as_deref(), &pin_root)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&statuses)?);
             } else if statuses.is_empty() {
-                println!("aggbox: nothing attached (no state under {})", pin_root.display());
+                println!(
+                    "aggbox: nothing attached (no state under {})",
+                    pin_root.display()
+                );
             } else {
                 for s in &statuses {
                     print!("{}", node::format_status(s));
@@ -239,7 +252,17 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Contribute { to, job, rank, round, op, elements, values, mtu, seq } => {
+        Command::Contribute {
+            to,
+            job,
+            rank,
+            round,
+            op,
+            elements,
+            values,
+            mtu,
+            seq,
+        } => {
             let op = parse_op(&op)?;
             let values = match elements {
                 Some(n) => tools::pattern_vector(rank, n),
@@ -247,19 +270,43 @@ fn run(cli: Cli) -> Result<()> {
                 None => values,
             };
             let socket = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
-            let c = tools::Contribution { job, rank, round, op, first_seq: seq, per_datagram: tools::elements_per_datagram(mtu) };
+            let c = tools::Contribution {
+                job,
+                rank,
+                round,
+                op,
+                first_seq: seq,
+                per_datagram: tools::elements_per_datagram(mtu),
+            };
             let sent = tools::contribute(&socket, to, &c, &values)?;
             println!("rank {rank}: sent {} elements in {sent} datagrams to {to} (job {job}, round {round}, {})", values.len(), op.name());
             Ok(())
         }
-        Command::Listen { port, job, elements, timeout, workers, op } => listen(port, job, elements, timeout, workers, &op),
-        Command::SendBroadcast { to, group, mask, seq, text } => {
+        Command::Listen {
+            port,
+            job,
+            elements,
+            timeout,
+            workers,
+            op,
+        } => listen(port, job, elements, timeout, workers, &op),
+        Command::SendBroadcast {
+            to,
+            group,
+            mask,
+            seq,
+            text,
+        } => {
             let socket = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
             let len = tools::send_broadcast(&socket, to, group, mask, seq, text.as_bytes())?;
             println!("sent ONE AGB1 datagram of {len} bytes (group {group}, seq {seq}, mask {mask:#010x}) to {to}");
             Ok(())
         }
-        Command::ListenBroadcast { port, count, timeout } => {
+        Command::ListenBroadcast {
+            port,
+            count,
+            timeout,
+        } => {
             let socket = tools::bind_any(port)?;
             let got = tools::collect_broadcasts(&socket, count, Duration::from_secs_f64(timeout))?;
             for b in &got {
@@ -274,17 +321,38 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             if got.len() < count {
-                bail!("port {port}: received {} of {count} broadcast datagram(s) in {timeout} s", got.len());
+                bail!(
+                    "port {port}: received {} of {count} broadcast datagram(s) in {timeout} s",
+                    got.len()
+                );
             }
             Ok(())
         }
-        Command::Bench { experiments, quick, out, reps, no_plot } => {
-            aggbox::bench::run(&experiments, &aggbox::bench::BenchOptions { quick, out_dir: out, reps, plot: !no_plot })
-        }
+        Command::Bench {
+            experiments,
+            quick,
+            out,
+            reps,
+            no_plot,
+        } => aggbox::bench::run(
+            &experiments,
+            &aggbox::bench::BenchOptions {
+                quick,
+                out_dir: out,
+                reps,
+                plot: !no_plot,
+            },
+        ),
     }
 }
 
-fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeArg, bpf_stats: bool) -> Result<()> {
+fn attach(
+    iface: &str,
+    config_path: Option<&Path>,
+    pin_root: &Path,
+    mode: ModeArg,
+    bpf_stats: bool,
+) -> Result<()> {
     let config = match config_path {
         Some(path) => Config::load(path).map_err(|e| anyhow!("aggbox: {e}"))?,
         None => Config::default(),
@@ -304,7 +372,11 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
     // Bind the metrics port first: a port in use must fail the attach while
     // the interface is still untouched.
     let metrics_listener = config.node.metrics.map(metrics::bind).transpose()?;
-    let _bpf_stats = if bpf_stats { Some(metrics::enable_bpf_stats()?) } else { None };
+    let _bpf_stats = if bpf_stats {
+        Some(metrics::enable_bpf_stats()?)
+    } else {
+        None
+    };
 
     let attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
     for warning in &attachment.warnings {
@@ -317,7 +389,10 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
                 .programs()
                 .map_err(|e| anyhow!("aggbox: {e}"))?
                 .into_iter()
-                .map(|p| metrics::ProgramRef { name: p.name.to_string(), id: p.id })
+                .map(|p| metrics::ProgramRef {
+                    name: p.name.to_string(),
+                    id: p.id,
+                })
                 .collect();
             let userspace = attachment.userspace.as_ref().map(|u| u.stats_fn());
             let source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
@@ -330,11 +405,23 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
     eprintln!(
         "aggbox: XDP in {} mode on {iface}{}, {} job(s), {} group(s){}{}, pinned under {}",
         attachment.record.xdp_mode,
-        if attachment.record.lo_xdp { " (and generic on lo)" } else { "" },
+        if attachment.record.lo_xdp {
+            " (and generic on lo)"
+        } else {
+            ""
+        },
         config.jobs.len(),
         config.groups.len(),
-        if attachment.record.tc { ", TC broadcast attached" } else { "" },
-        if attachment.record.userspace_path { ", user-space path running" } else { "" },
+        if attachment.record.tc {
+            ", TC broadcast attached"
+        } else {
+            ""
+        },
+        if attachment.record.userspace_path {
+            ", user-space path running"
+        } else {
+            ""
+        },
         attachment.pin_dir().display()
     );
     println!("aggbox: attached to {iface}");
@@ -350,26 +437,54 @@ fn attach(iface: &str, config_path: Option<&Path>, pin_root: &Path, mode: ModeAr
     Ok(())
 }
 
-fn listen(port: u16, job: u16, elements: u32, timeout: f64, workers: Option<u16>, op: &str) -> Result<()> {
+fn listen(
+    port: u16,
+    job: u16,
+    elements: u32,
+    timeout: f64,
+    workers: Option<u16>,
+    op: &str,
+) -> Result<()> {
     let op = parse_op(op)?;
     let socket = tools::bind_any(port)?;
     let got = tools::collect_results(&socket, job, elements, Duration::from_secs_f64(timeout))?;
     println!(
         "received {} RESULT datagram(s) for job {job}: {} of {elements} elements{}{}",
         got.datagrams,
-        elements as usize - got.missing.iter().map(|(a, b)| (b - a) as usize).sum::<usize>(),
+        elements as usize
+            - got
+                .missing
+                .iter()
+                .map(|(a, b)| (b - a) as usize)
+                .sum::<usize>(),
         if got.overflow { ", OVERFLOW" } else { "" },
-        if got.last_fragment_seen { ", last fragment seen" } else { "" },
+        if got.last_fragment_seen {
+            ", last fragment seen"
+        } else {
+            ""
+        },
     );
-    let head = |v: &[i32]| v.iter().take(8).map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+    let head = |v: &[i32]| {
+        v.iter()
+            .take(8)
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!("  result    [{} ...]", head(&got.values));
     if !got.missing.is_empty() {
         bail!("missing elements {:?} after {timeout} s", got.missing);
     }
     if let Some(workers) = workers {
         let expected = tools::expected_pattern_result(op, workers, elements, &[])?;
-        let want = expected.ints().ok_or_else(|| anyhow!("reference reducer returned floats"))?;
-        println!("  reference [{} ...]  ({} of {workers} ranks' test vectors)", head(want), op.name());
+        let want = expected
+            .ints()
+            .ok_or_else(|| anyhow!("reference reducer returned floats"))?;
+        println!(
+            "  reference [{} ...]  ({} of {workers} ranks' test vectors)",
+            head(want),
+            op.name()
+        );
         let wrong = got.values.iter().zip(want).filter(|(a, b)| a != b).count();
         if wrong > 0 || got.overflow != expected.overflow {
             bail!("{wrong} element(s) differ from the reference reducer");

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use aggbox::abi::Op;
 use aggbox::config::AckMode;
 use aggbox::reducer;
-use aggbox::runtime::{CommStats, Communicator, CommunicatorBuilder, ImpairControl, Impairment, Participant};
+use aggbox::runtime::{
+    CommStats, Communicator, CommunicatorBuilder, ImpairControl, Impairment, Participant,
+};
 use aggbox::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -25,16 +27,42 @@ struct Job {
     control: ImpairControl,
 }
 
-fn job(seed: u64, window: usize, loss: f64, dup: f64, tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Job {
-    let socks: Vec<UdpSocket> = (0..=WORKERS).map(|_| UdpSocket::bind((LO, 0)).unwrap()).collect();
-    let ports: Vec<u16> = socks.iter().map(|s| s.local_addr().unwrap().port()).collect();
+fn job(
+    seed: u64,
+    window: usize,
+    loss: f64,
+    dup: f64,
+    tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
+) -> Job {
+    let socks: Vec<UdpSocket> = (0..=WORKERS)
+        .map(|_| UdpSocket::bind((LO, 0)).unwrap())
+        .collect();
+    let ports: Vec<u16> = socks
+        .iter()
+        .map(|s| s.local_addr().unwrap().port())
+        .collect();
     drop(socks);
-    let peers: Vec<SocketAddrV4> = ports[1..].iter().map(|&p| SocketAddrV4::new(LO, p)).collect();
+    let peers: Vec<SocketAddrV4> = ports[1..]
+        .iter()
+        .map(|&p| SocketAddrV4::new(LO, p))
+        .collect();
     let control = ImpairControl::new(loss, dup);
     let mut all = Vec::new();
-    for (i, me) in std::iter::once(Participant::Aggregator).chain((0..WORKERS as u16).map(Participant::Worker)).enumerate() {
-        let imp = Impairment { seed: seed * 31 + i as u64, reorder_window: window, control: control.clone() };
-        let b = Communicator::builder(9, peers.clone(), LO, ports[0], me).deadline(Duration::from_secs(20)).impairment(imp);
+    for (i, me) in std::iter::once(Participant::Aggregator)
+        .chain((0..WORKERS as u16).map(Participant::Worker))
+        .enumerate()
+    {
+        let imp = Impairment {
+            seed: seed * 31 + i as u64,
+            reorder_window: window,
+            control: control.clone(),
+        };
+        // MTU 1500, not loopback's discovered 65535: the impairment counts
+        // below assume datagrams of 362 elements.
+        let b = Communicator::builder(9, peers.clone(), LO, ports[0], me)
+            .mtu(1500)
+            .deadline(Duration::from_secs(20))
+            .impairment(imp);
         all.push(tweak(b).build().unwrap());
     }
     Job { all, control }
@@ -45,7 +73,9 @@ fn stats(j: &Job) -> Vec<CommStats> {
 }
 
 fn expected(op: Op, len: usize) -> Vec<i32> {
-    let v: Vec<Vec<i32>> = (0..WORKERS).map(|r| pattern_vector(r as u16, len as u32)).collect();
+    let v: Vec<Vec<i32>> = (0..WORKERS)
+        .map(|r| pattern_vector(r as u16, len as u32))
+        .collect();
     let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
     reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
 }
@@ -63,7 +93,11 @@ fn reduce(j: &Job, op: Op, len: usize, all: bool) {
                         Some(r) => pattern_vector(r, len as u32),
                         None => vec![0; len],
                     };
-                    let r = if all { c.allreduce_i32(&mut v, op) } else { c.reduce_i32(&mut v, op) };
+                    let r = if all {
+                        c.allreduce_i32(&mut v, op)
+                    } else {
+                        c.reduce_i32(&mut v, op)
+                    };
                     r.unwrap_or_else(|e| panic!("{:?} len {len} all {all}: {e}", c.participant()));
                     (c.participant(), v)
                 })
@@ -72,19 +106,28 @@ fn reduce(j: &Job, op: Op, len: usize, all: bool) {
         for h in hs {
             let (p, v) = h.join().unwrap();
             if all || p == Participant::Aggregator {
-                assert!(v == want, "{p:?} {op:?} len {len}: differs from the reference reducer");
+                assert!(
+                    v == want,
+                    "{p:?} {op:?} len {len}: differs from the reference reducer"
+                );
             }
         }
     });
     for (i, (a, b)) in stats(j).iter().zip(before).enumerate() {
         if all || i == 0 {
-            assert_eq!(a.bytes_delivered - b.bytes_delivered, 4 * len as u64, "participant {i}: result bytes delivered once");
+            assert_eq!(
+                a.bytes_delivered - b.bytes_delivered,
+                4 * len as u64,
+                "participant {i}: result bytes delivered once"
+            );
         }
     }
 }
 
 fn broadcast(j: &Job, len: usize, root: usize) {
-    let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    let msg: Vec<u8> = (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
     let root_p = j.all[root].participant();
     let before = stats(j);
     std::thread::scope(|s| {
@@ -94,19 +137,32 @@ fn broadcast(j: &Job, len: usize, root: usize) {
             .map(|c| {
                 let msg = msg.clone();
                 s.spawn(move || {
-                    let mut buf = if c.participant() == root_p { msg } else { vec![0u8; len] };
-                    c.broadcast(&mut buf, root_p).unwrap_or_else(|e| panic!("{:?}: broadcast of {len}: {e}", c.participant()));
+                    let mut buf = if c.participant() == root_p {
+                        msg
+                    } else {
+                        vec![0u8; len]
+                    };
+                    c.broadcast(&mut buf, root_p).unwrap_or_else(|e| {
+                        panic!("{:?}: broadcast of {len}: {e}", c.participant())
+                    });
                     buf
                 })
             })
             .collect();
         for h in hs {
-            assert!(h.join().unwrap() == msg, "broadcast of {len} bytes: not every byte in order");
+            assert!(
+                h.join().unwrap() == msg,
+                "broadcast of {len} bytes: not every byte in order"
+            );
         }
     });
     for (i, (a, b)) in stats(j).iter().zip(before).enumerate() {
         if i != root {
-            assert_eq!(a.bytes_delivered - b.bytes_delivered, len as u64, "participant {i}: every byte exactly once");
+            assert_eq!(
+                a.bytes_delivered - b.bytes_delivered,
+                len as u64,
+                "participant {i}: every byte exactly once"
+            );
         }
     }
 }
@@ -123,7 +179,11 @@ fn scenario(j: &Job, label: &str) {
     let st = stats(j);
     let retx: u64 = st.iter().map(|s| s.retransmitted).sum();
     let dups: u64 = st.iter().map(|s| s.duplicates_received).sum();
-    eprintln!("{label}: {:?}, hook {:?}, retransmitted {retx}, duplicates seen {dups}", t0.elapsed(), j.control.stats());
+    eprintln!(
+        "{label}: {:?}, hook {:?}, retransmitted {retx}, duplicates seen {dups}",
+        t0.elapsed(),
+        j.control.stats()
+    );
 }
 
 #[test]
@@ -132,7 +192,10 @@ fn runtime_reordering_windows() {
         let j = job(seed, window, 0.0, 0.0, |b| b);
         scenario(&j, &format!("reorder window {window}"));
         let h = j.control.stats();
-        assert!(h.reordered > 1000, "window {window}: the hook reordered ({h:?})");
+        assert!(
+            h.reordered > 1000,
+            "window {window}: the hook reordered ({h:?})"
+        );
         assert_eq!(h.dropped + h.duplicated, 0);
     }
 }
@@ -152,7 +215,10 @@ fn runtime_reordering_duplication_and_loss() {
     let j = job(5, 32, 0.02, 0.05, |b| b);
     scenario(&j, "reorder 32 + duplicate 5% + loss 2%");
     let h = j.control.stats();
-    assert!(h.reordered > 0 && h.duplicated > 0 && h.dropped > 0, "{h:?}");
+    assert!(
+        h.reordered > 0 && h.duplicated > 0 && h.dropped > 0,
+        "{h:?}"
+    );
     let retx: u64 = stats(&j).iter().map(|s| s.retransmitted).sum();
     assert!(retx > 0);
 }

@@ -20,6 +20,7 @@ pub mod agg;
 pub mod apps;
 pub mod bcast;
 pub mod cpu;
+pub mod large;
 pub mod model;
 pub mod net;
 
@@ -58,7 +59,7 @@ impl BenchOptions {
 }
 
 /// Names of the experiments, in the order `all` runs them.
-pub const EXPERIMENTS: [&str; 8] = [
+pub const EXPERIMENTS: [&str; 9] = [
     "agg",
     "bcast",
     "cpu",
@@ -67,6 +68,7 @@ pub const EXPERIMENTS: [&str; 8] = [
     "wordcount",
     "bcast-apps",
     "model",
+    "large",
 ];
 
 static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -314,6 +316,7 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
             "wordcount" => apps::run_wordcount(opts, &mut ctx),
             "bcast-apps" => apps::run_bcast_apps(opts, &mut ctx),
             "model" => model::run(opts, &mut ctx),
+            "large" => large::run(opts, &mut ctx),
             _ => unreachable!("names are checked above"),
         };
         match r {
@@ -335,7 +338,15 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
                 failures.push(format!("{name}: {e:#}"));
                 sections.push(Section {
                     name: name.to_string(),
-                    markdown: format!("## {name}\n\n**FAILED**: `{e:#}`\n"),
+                    // An experiment that measured before failing keeps its table.
+                    markdown: match e.downcast_ref::<large::Failed>() {
+                        Some(f) => format!(
+                            "{}\n**FAILED**: `{}`\n",
+                            f.markdown,
+                            f.summary.replace('`', "'")
+                        ),
+                        None => format!("## {name}\n\n**FAILED**: `{e:#}`\n"),
+                    },
                     headline: vec![],
                 });
             }

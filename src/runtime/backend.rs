@@ -59,16 +59,38 @@ pub struct AckIo<'a> {
 impl AckIo<'_> {
     /// Sends one aggregation ACK for `rank`'s datagrams to `to`.
     pub fn send(&mut self, to: SocketAddrV4, rank: u16, bm: &SeqBitmap) {
-        send_ack(self.sock, self.buf, self.job, rank, AckKind::Aggregation, bm, to);
+        send_ack(
+            self.sock,
+            self.buf,
+            self.job,
+            rank,
+            AckKind::Aggregation,
+            bm,
+            to,
+        );
         *self.sent += 1;
     }
 }
 
 /// Encodes and sends one `AGK1` (send errors count as loss: the peer
 /// retransmits).
-pub fn send_ack(sock: &Net, buf: &mut Vec<u8>, id: u16, rank: u16, kind: AckKind, bm: &SeqBitmap, to: SocketAddrV4) {
+pub fn send_ack(
+    sock: &Net,
+    buf: &mut Vec<u8>,
+    id: u16,
+    rank: u16,
+    kind: AckKind,
+    bm: &SeqBitmap,
+    to: SocketAddrV4,
+) {
     buf.clear();
-    let msg = AckMessage { id, rank, kind, flags: 0, bitmap: *bm };
+    let msg = AckMessage {
+        id,
+        rank,
+        kind,
+        flags: 0,
+        bitmap: *bm,
+    };
     if msg.encode_into(buf).is_ok() {
         sock.tx(to, buf);
     }
@@ -104,8 +126,20 @@ pub trait Backend: Send + std::fmt::Debug {
     /// rounds are stale from now on.
     fn expect_round(&mut self, round: u32, seq_base: u32, now: Instant);
 
+    /// A reduction with `op` needs up to `n` slots of `count` elements:
+    /// prepare them now (the socket aggregator makes its accumulators), so
+    /// later calls of the same size allocate nothing. Default: nothing.
+    fn reserve(&mut self, _op: crate::abi::Op, _count: usize, _n: usize) {}
+
     /// One valid `AGG1` datagram arrived at the aggregator's socket.
-    fn on_agg(&mut self, hdr: &AggHeader, payload_be: &[u8], from: SocketAddrV4, now: Instant, io: &mut AckIo);
+    fn on_agg(
+        &mut self,
+        hdr: &AggHeader,
+        payload_be: &[u8],
+        from: SocketAddrV4,
+        now: Instant,
+        io: &mut AckIo,
+    );
 
     /// Timers (delayed ACKs); returns when the next is due.
     fn poll(&mut self, now: Instant, io: &mut AckIo) -> Option<Instant>;

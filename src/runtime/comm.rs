@@ -24,12 +24,19 @@ use crate::abi::{self, Op};
 use crate::config::{AckMode, Config};
 use crate::proto::{self, AckKind, AckMessage, AggHeader, BcastHeader, MessageKind, SeqBitmap};
 use crate::runtime::backend::{send_ack, AckIo, Backend, BackendKind};
-use crate::runtime::fragment::{elements_per_datagram, fragment_range, fragments, Coverage, BCAST_SUBHDR, SUBHDR_OVERFLOW};
+use crate::runtime::fragment;
+use crate::runtime::fragment::{
+    byte_window, elements_per_fragment, fragment_range, fragments, kernel_window, Coverage,
+    BCAST_SUBHDR, SUBHDR_OVERFLOW,
+};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::quantize::{self, Quantization};
-use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, SendWindow, Verdict};
+use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdict};
 use crate::runtime::socket::SocketAggregator;
-use crate::runtime::transport::{CommStats, Counters, ImpairedTransport, Impairment, Net, Transport, UdpTransport};
+use crate::runtime::transport::{
+    CommStats, Counters, ImpairedTransport, Impairment, Net, RecvMeta, Transport, UdpTransport,
+    BATCH_MAX, RECV_SLOT,
+};
 use crate::runtime::work::Work;
 use crate::runtime::{CommError, Partial, Peer, TimeoutInfo};
 
@@ -72,7 +79,10 @@ pub struct CallOptions {
 impl CallOptions {
     /// Options with a deadline.
     pub fn deadline(d: Duration) -> CallOptions {
-        CallOptions { deadline: Some(d), partial: false }
+        CallOptions {
+            deadline: Some(d),
+            partial: false,
+        }
     }
 }
 
@@ -94,7 +104,12 @@ pub struct CommConfig {
     pub result_port: u16,
     /// Backend.
     pub backend: BackendKind,
-    /// Path MTU; fragments are sized from it.
+    /// Path MTU; fragments are sized from it
+    /// ([`crate::runtime::fragment::elements_per_fragment`]). 0 (the
+    /// builder's default) = discover it when the communicator is built: the
+    /// smallest route MTU to the aggregator and every peer
+    /// ([`crate::runtime::pmtu`]; 1500 if no route answers). A built
+    /// communicator's [`Communicator::config`] holds the value in use.
     pub mtu: usize,
     /// Reliability settings.
     pub reliability: ReliabilityConfig,
@@ -170,7 +185,13 @@ pub struct CommunicatorBuilder {
 impl CommunicatorBuilder {
     /// A job `job` whose workers listen at `peers` (rank r at `peers[r]`),
     /// with the aggregator at `aggregator:job_port`; this participant is `me`.
-    pub fn new(job: u16, peers: Vec<SocketAddrV4>, aggregator: Ipv4Addr, job_port: u16, me: Participant) -> CommunicatorBuilder {
+    pub fn new(
+        job: u16,
+        peers: Vec<SocketAddrV4>,
+        aggregator: Ipv4Addr,
+        job_port: u16,
+        me: Participant,
+    ) -> CommunicatorBuilder {
         CommunicatorBuilder {
             cfg: CommConfig {
                 job,
@@ -180,7 +201,7 @@ impl CommunicatorBuilder {
                 job_port,
                 result_port: 0,
                 backend: BackendKind::Socket,
-                mtu: 1500,
+                mtu: 0,
                 reliability: ReliabilityConfig::default(),
                 slots: 1024,
                 deadline: Duration::from_secs(10),
@@ -202,9 +223,21 @@ impl CommunicatorBuilder {
     /// ([`CommunicatorBuilder::kernel_result_group`]), and the aggregator
     /// broadcasts through that group's TC table when its members are exactly
     /// the workers' data sockets ([`CommunicatorBuilder::tc_broadcast`]).
-    pub fn from_config(config: &Config, job_id: u16, aggregator: Ipv4Addr, data_port: u16, me: Participant) -> Result<CommunicatorBuilder, CommError> {
-        let job = config.job(job_id).ok_or_else(|| CommError::Config(format!("no job {job_id} in the configuration")))?;
-        let peers = job.workers.iter().map(|&a| SocketAddrV4::new(a, data_port)).collect();
+    pub fn from_config(
+        config: &Config,
+        job_id: u16,
+        aggregator: Ipv4Addr,
+        data_port: u16,
+        me: Participant,
+    ) -> Result<CommunicatorBuilder, CommError> {
+        let job = config
+            .job(job_id)
+            .ok_or_else(|| CommError::Config(format!("no job {job_id} in the configuration")))?;
+        let peers = job
+            .workers
+            .iter()
+            .map(|&a| SocketAddrV4::new(a, data_port))
+            .collect();
         let mut b = CommunicatorBuilder::new(job_id, peers, aggregator, job.port, me)
             .result_port(job.result_port)
             .slots(job.slots)
@@ -219,7 +252,10 @@ impl CommunicatorBuilder {
                 let mut peers = b.cfg.peers.clone();
                 peers.sort();
                 if me == Participant::Aggregator && members == peers {
-                    b.cfg.tc_group = Some(TcGroup { id: g, members: group.members.clone() });
+                    b.cfg.tc_group = Some(TcGroup {
+                        id: g,
+                        members: group.members.clone(),
+                    });
                 }
             }
         }
@@ -240,7 +276,8 @@ impl CommunicatorBuilder {
         self.cfg.result_port = p;
         self
     }
-    /// Path MTU (default 1500).
+    /// Path MTU; overrides the discovery (default 0 = discover the path MTU
+    /// to the aggregator and the peers when building, see [`CommConfig::mtu`]).
     pub fn mtu(mut self, mtu: usize) -> Self {
         self.cfg.mtu = mtu;
         self
@@ -313,65 +350,132 @@ impl CommunicatorBuilder {
     /// `peers[rank]`; the aggregator's `aggregator:job_port` for the socket
     /// backend, `aggregator:result_port` for the kernel backend).
     pub fn build(self) -> Result<Communicator, CommError> {
-        let cfg = self.cfg;
+        let mut cfg = self.cfg;
+        if cfg.mtu == 0 {
+            cfg.mtu = discover_mtu(&cfg);
+        }
         cfg.reliability.validate().map_err(CommError::Config)?;
         if cfg.peers.is_empty() {
             return Err(CommError::Config("a job needs at least one worker".into()));
         }
         if cfg.participants() > 64 {
-            return Err(CommError::Config(format!("{} participants: at most 63 workers per communicator", cfg.participants())));
+            return Err(CommError::Config(format!(
+                "{} participants: at most 63 workers per communicator",
+                cfg.participants()
+            )));
         }
         if let Participant::Worker(r) = cfg.me {
             if r as usize >= cfg.peers.len() {
-                return Err(CommError::Config(format!("rank {r} but {} workers", cfg.peers.len())));
+                return Err(CommError::Config(format!(
+                    "rank {r} but {} workers",
+                    cfg.peers.len()
+                )));
             }
         }
         if cfg.backend == BackendKind::Kernel && cfg.result_port == 0 {
-            return Err(CommError::Config("the kernel backend needs the job's result port".into()));
+            return Err(CommError::Config(
+                "the kernel backend needs the job's result port".into(),
+            ));
         }
         if cfg.mtu < 28 + abi::AGG_HDR_LEN + 4 {
             return Err(CommError::Config(format!("MTU {} too small", cfg.mtu)));
         }
         if let Some(g) = &cfg.tc_group {
             if g.members.is_empty() || g.members.len() > 32 {
-                return Err(CommError::Config(format!("TC group {} has {} members (1..=32)", g.id, g.members.len())));
+                return Err(CommError::Config(format!(
+                    "TC group {} has {} members (1..=32)",
+                    g.id,
+                    g.members.len()
+                )));
             }
             let me = cfg.me.index(cfg.workers());
             for i in (0..cfg.participants()).filter(|&i| i != me) {
                 let a = cfg.addr_of(i);
                 if !g.members.contains(&a) {
-                    return Err(CommError::Config(format!("TC group {}: participant {a} is not a member", g.id)));
+                    return Err(CommError::Config(format!(
+                        "TC group {}: participant {a} is not a member",
+                        g.id
+                    )));
                 }
             }
         }
         let me = cfg.addr_of(cfg.me.index(cfg.workers()));
-        let sock = UdpSocket::bind(me).map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
+        let sock = UdpSocket::bind(me)
+            .map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
         sock.set_nonblocking(true)?;
-        set_buffers(&sock, 8 << 20);
+        // 8 MiB, more for jumbo datagrams: at least 256 of them. The kernel
+        // backend's aggregator gets 64 MiB: the kernel sends each RESULT
+        // once and the workers are clocked by their own copies, so a backlog
+        // its socket cannot hold is lost for good (measured: 21.8 M elements
+        // at MTU 9000 overflowed 8 MiB).
+        let dgram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
+        let mut rcv = (8usize << 20).max(256 * dgram);
+        if cfg.backend == BackendKind::Kernel && cfg.me == Participant::Aggregator {
+            rcv = rcv.max(64 << 20);
+        }
+        set_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
         let transport: Box<dyn Transport> = match &cfg.impairment {
             None => Box::new(UdpTransport(sock)),
             Some(imp) => Box::new(ImpairedTransport::new(UdpTransport(sock), imp.clone())),
         };
         let counters = Arc::new(Counters::default());
-        let net = Net { t: transport, c: counters.clone() };
+        let net = Net {
+            t: transport,
+            c: counters.clone(),
+        };
         let (waker_tx, waker_rx) = UnixDatagram::pair()?;
         waker_rx.set_nonblocking(true)?;
         let (tx, rx) = mpsc::channel::<Request>();
         let round = Arc::new(AtomicU32::new(cfg.first_round));
         let agg_seq = Arc::new(AtomicU32::new(cfg.first_agg_seq));
         let closing = Arc::new(AtomicBool::new(false));
-        let engine = Engine::new(cfg.clone(), net, waker_rx, round.clone(), agg_seq.clone(), closing.clone());
+        let engine = Engine::new(
+            cfg.clone(),
+            net,
+            waker_rx,
+            round.clone(),
+            agg_seq.clone(),
+            closing.clone(),
+        );
         let thread = std::thread::Builder::new()
             .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))
             .spawn(move || engine.run(rx))?;
-        Ok(Communicator { cfg, tx, waker: waker_tx, thread: Some(thread), round, agg_seq, closing, counters })
+        Ok(Communicator {
+            cfg,
+            tx,
+            waker: waker_tx,
+            thread: Some(thread),
+            round,
+            agg_seq,
+            closing,
+            counters,
+        })
     }
+}
+
+/// The path MTU of a communicator with `cfg.mtu == 0`: the smallest route
+/// MTU to the aggregator and every other participant (1500 when none of
+/// them has a route).
+fn discover_mtu(cfg: &CommConfig) -> usize {
+    let me = match cfg.me {
+        Participant::Worker(r) => {
+            Some(*cfg.peers[(r as usize).min(cfg.peers.len().saturating_sub(1))].ip())
+        }
+        Participant::Aggregator => None,
+    };
+    let others = std::iter::once(cfg.aggregator)
+        .chain(cfg.peers.iter().map(|p| *p.ip()))
+        .filter(|a| Some(*a) != me || *a == cfg.aggregator);
+    crate::runtime::pmtu::min_path_mtu(others).unwrap_or(1500)
 }
 
 /// Socket buffers of `bytes`: the `*FORCE` options (beyond `rmem_max` /
 /// `wmem_max`, with CAP_NET_ADMIN) first, else the capped ones.
 fn set_buffers(sock: &UdpSocket, bytes: i32) {
-    for (force, opt) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
+    for (force, opt) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
         // SAFETY: valid fd, pointer to an int of the right size.
         unsafe {
             let p = &bytes as *const i32 as *const libc::c_void;
@@ -395,9 +499,74 @@ pub struct ReduceOutput {
 }
 
 pub(crate) enum Request {
-    Bcast { root: usize, data: Vec<u8>, opts: CallOptions, reply: mpsc::Sender<Result<Vec<u8>, CommError>> },
-    Reduce { all: bool, op: Op, data: Vec<i32>, opts: CallOptions, reply: mpsc::Sender<Result<ReduceOutput, CommError>> },
-    ReduceF32 { all: bool, mean: bool, data: Vec<f32>, opts: CallOptions, reply: mpsc::Sender<Result<Vec<f32>, CommError>> },
+    Bcast {
+        root: usize,
+        data: Vec<u8>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<Vec<u8>, CommError>>,
+    },
+    Reduce {
+        all: bool,
+        op: Op,
+        data: Vec<i32>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<ReduceOutput, CommError>>,
+    },
+    ReduceF32 {
+        all: bool,
+        mean: bool,
+        data: Vec<f32>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<Vec<f32>, CommError>>,
+    },
+    /// A blocking float reduction on the caller's slice (see [`RawF32`]).
+    ReduceF32In {
+        all: bool,
+        mean: bool,
+        data: RawF32,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<(), CommError>>,
+    },
+}
+
+/// The caller's `&mut [f32]` of a blocking float reduction, lent to the
+/// progress thread for the duration of the call, so floats are quantized
+/// straight from it into datagram buffers and results dequantized straight
+/// into it (no copy in, no copy out, no per-call vector).
+///
+/// Soundness: the blocking caller holds the exclusive borrow and waits on
+/// the reply channel; the engine uses the pointer only while executing the
+/// request, and the reply (or the request's drop, if the thread is gone)
+/// happens after its last use, so the caller's wait returns only then.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawF32 {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: see the type's docs: one thread uses it at a time, while the
+// owner waits.
+unsafe impl Send for RawF32 {}
+
+impl RawF32 {
+    fn of(s: &mut [f32]) -> RawF32 {
+        RawF32 {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+
+    /// SAFETY: no `&mut` to the same memory may be alive while the result is.
+    unsafe fn slice<'a>(self) -> &'a [f32] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// SAFETY: no other reference to the same memory may be alive while the
+    /// result is.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut<'a>(self) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
 }
 
 /// One participant of a job: broadcast, reduce and allreduce over the
@@ -426,8 +595,20 @@ impl Communicator {
         self.counters.snapshot()
     }
 
+    /// System-call batching since the communicator was built (`sendmmsg` /
+    /// `recvmmsg` batches and the datagrams in them).
+    pub fn io_stats(&self) -> crate::runtime::IoStats {
+        self.counters.io_snapshot()
+    }
+
     /// Starts a builder; see [`CommunicatorBuilder::new`].
-    pub fn builder(job: u16, peers: Vec<SocketAddrV4>, aggregator: Ipv4Addr, job_port: u16, me: Participant) -> CommunicatorBuilder {
+    pub fn builder(
+        job: u16,
+        peers: Vec<SocketAddrV4>,
+        aggregator: Ipv4Addr,
+        job_port: u16,
+        me: Participant,
+    ) -> CommunicatorBuilder {
         CommunicatorBuilder::new(job, peers, aggregator, job_port, me)
     }
 
@@ -458,7 +639,10 @@ impl Communicator {
     /// call finished; give them to [`CommunicatorBuilder::resume`] to
     /// replace a failed participant.
     pub fn position(&self) -> (u32, u32) {
-        (self.round.load(Ordering::SeqCst), self.agg_seq.load(Ordering::SeqCst))
+        (
+            self.round.load(Ordering::SeqCst),
+            self.agg_seq.load(Ordering::SeqCst),
+        )
     }
 
     fn submit(&self, req: Request) -> Result<(), CommError> {
@@ -470,7 +654,10 @@ impl Communicator {
     fn root_index(&self, root: Participant) -> Result<usize, CommError> {
         if let Participant::Worker(r) = root {
             if r >= self.workers() {
-                return Err(CommError::Config(format!("root rank {r} but {} workers", self.workers())));
+                return Err(CommError::Config(format!(
+                    "root rank {r} but {} workers",
+                    self.workers()
+                )));
             }
         }
         Ok(root.index(self.workers()))
@@ -481,7 +668,12 @@ impl Communicator {
     pub fn ibroadcast(&self, data: Vec<u8>, root: Participant, opts: CallOptions) -> Work<Vec<u8>> {
         let (reply, rx) = mpsc::channel();
         match self.root_index(root) {
-            Ok(root) => match self.submit(Request::Bcast { root, data, opts, reply }) {
+            Ok(root) => match self.submit(Request::Bcast {
+                root,
+                data,
+                opts,
+                reply,
+            }) {
                 Ok(()) => Work::pending(rx),
                 Err(e) => Work::ready(Err(e)),
             },
@@ -497,7 +689,12 @@ impl Communicator {
     }
 
     /// [`Communicator::broadcast`] with options.
-    pub fn broadcast_with(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<(), CommError> {
+    pub fn broadcast_with(
+        &self,
+        buf: &mut [u8],
+        root: Participant,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
         let out = self.ibroadcast(buf.to_vec(), root, opts).wait()?;
         buf.copy_from_slice(&out);
         Ok(())
@@ -507,7 +704,9 @@ impl Communicator {
     pub fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
         let mut bytes = Vec::with_capacity(buf.len() * 4);
         proto::write_i32_be(buf, &mut bytes);
-        let out = self.ibroadcast(bytes, root, CallOptions::default()).wait()?;
+        let out = self
+            .ibroadcast(bytes, root, CallOptions::default())
+            .wait()?;
         proto::read_i32_be(&out, buf);
         Ok(())
     }
@@ -516,7 +715,9 @@ impl Communicator {
     pub fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
         let mut bytes = Vec::with_capacity(buf.len() * 4);
         proto::write_f32_be(buf, &mut bytes);
-        let out = self.ibroadcast(bytes, root, CallOptions::default()).wait()?;
+        let out = self
+            .ibroadcast(bytes, root, CallOptions::default())
+            .wait()?;
         proto::read_f32_be(&out, buf);
         Ok(())
     }
@@ -524,9 +725,21 @@ impl Communicator {
     /// Non-blocking int reduction (`all`: allreduce). Workers pass their
     /// contribution; the aggregator passes a vector of the same length that
     /// receives the result.
-    pub fn ireduce_i32(&self, data: Vec<i32>, op: Op, all: bool, opts: CallOptions) -> Work<ReduceOutput> {
+    pub fn ireduce_i32(
+        &self,
+        data: Vec<i32>,
+        op: Op,
+        all: bool,
+        opts: CallOptions,
+    ) -> Work<ReduceOutput> {
         let (reply, rx) = mpsc::channel();
-        match self.submit(Request::Reduce { all, op, data, opts, reply }) {
+        match self.submit(Request::Reduce {
+            all,
+            op,
+            data,
+            opts,
+            reply,
+        }) {
             Ok(()) => Work::pending(rx),
             Err(e) => Work::ready(Err(e)),
         }
@@ -541,7 +754,12 @@ impl Communicator {
     }
 
     /// [`Communicator::reduce_i32`] with options.
-    pub fn reduce_i32_with(&self, buf: &mut [i32], op: Op, opts: CallOptions) -> Result<bool, CommError> {
+    pub fn reduce_i32_with(
+        &self,
+        buf: &mut [i32],
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
         let out = self.ireduce_i32(buf.to_vec(), op, false, opts).wait()?;
         if out.has_result {
             buf.copy_from_slice(&out.values);
@@ -556,7 +774,12 @@ impl Communicator {
     }
 
     /// [`Communicator::allreduce_i32`] with options.
-    pub fn allreduce_i32_with(&self, buf: &mut [i32], op: Op, opts: CallOptions) -> Result<bool, CommError> {
+    pub fn allreduce_i32_with(
+        &self,
+        buf: &mut [i32],
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
         let out = self.ireduce_i32(buf.to_vec(), op, true, opts).wait()?;
         buf.copy_from_slice(&out.values);
         Ok(out.overflow)
@@ -564,9 +787,21 @@ impl Communicator {
 
     /// Non-blocking float SUM (or mean) reduction through quantization
     /// (see [`crate::runtime::quantize`]).
-    pub fn ireduce_f32(&self, data: Vec<f32>, all: bool, mean: bool, opts: CallOptions) -> Work<Vec<f32>> {
+    pub fn ireduce_f32(
+        &self,
+        data: Vec<f32>,
+        all: bool,
+        mean: bool,
+        opts: CallOptions,
+    ) -> Work<Vec<f32>> {
         let (reply, rx) = mpsc::channel();
-        match self.submit(Request::ReduceF32 { all, mean, data, opts, reply }) {
+        match self.submit(Request::ReduceF32 {
+            all,
+            mean,
+            data,
+            opts,
+            reply,
+        }) {
             Ok(()) => Work::pending(rx),
             Err(e) => Work::ready(Err(e)),
         }
@@ -575,19 +810,49 @@ impl Communicator {
     /// Float SUM to the aggregator through quantization (the aggregator's
     /// `buf` receives it; workers' are unchanged).
     pub fn reduce_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        let out = self.ireduce_f32(buf.to_vec(), false, false, CallOptions::default()).wait()?;
-        if self.cfg.me == Participant::Aggregator {
-            buf.copy_from_slice(&out);
-        }
-        Ok(())
+        self.reduce_f32_in(buf, false, false, CallOptions::default())
     }
 
     /// Float allreduce SUM through quantization; `mean` divides by the
-    /// number of workers.
+    /// number of workers. Zero-copy: a worker's floats are quantized straight
+    /// from `buf` into datagram buffers and the result is dequantized straight
+    /// into `buf` as its fragments arrive; after the first call of a size
+    /// nothing is allocated per call (docs/RUNTIME.md). On an error `buf`
+    /// may hold part of the result.
     pub fn allreduce_f32(&self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
-        let out = self.ireduce_f32(buf.to_vec(), true, mean, CallOptions::default()).wait()?;
-        buf.copy_from_slice(&out);
-        Ok(())
+        self.reduce_f32_in(buf, true, mean, CallOptions::default())
+    }
+
+    /// [`Communicator::allreduce_f32`] / [`Communicator::reduce_f32`] with
+    /// options (`all`: allreduce).
+    pub fn reduce_f32_with(
+        &self,
+        buf: &mut [f32],
+        all: bool,
+        mean: bool,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
+        self.reduce_f32_in(buf, all, mean, opts)
+    }
+
+    fn reduce_f32_in(
+        &self,
+        buf: &mut [f32],
+        all: bool,
+        mean: bool,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
+        let (reply, rx) = mpsc::channel();
+        // The engine uses `buf` until it replies (or drops the request);
+        // `buf` stays borrowed here until then.
+        self.submit(Request::ReduceF32In {
+            all,
+            mean,
+            data: RawF32::of(buf),
+            opts,
+            reply,
+        })?;
+        rx.recv().unwrap_or(Err(CommError::Closed))
     }
 }
 
@@ -610,8 +875,67 @@ impl Drop for Communicator {
 // The progress engine
 // ---------------------------------------------------------------------------
 
+/// What a worker contributes: int32s, or floats quantized at `scale` as
+/// each fragment is encoded.
+enum Src {
+    I32(Vec<i32>),
+    F32 {
+        x: RawF32,
+        scale: f64,
+    },
+    /// The aggregator's side of a float reduction: only the length.
+    Len(usize),
+}
+
+impl Src {
+    fn len(&self) -> usize {
+        match self {
+            Src::I32(v) => v.len(),
+            Src::F32 { x, .. } => x.len,
+            Src::Len(n) => *n,
+        }
+    }
+}
+
+/// Where a receiving call writes what arrives: bytes (broadcast, int
+/// results, big-endian) or floats dequantized with `div` on arrival.
+enum Sink {
+    Bytes(Vec<u8>),
+    F32 { out: RawF32, div: f64 },
+}
+
+impl Sink {
+    fn len_bytes(&self) -> usize {
+        match self {
+            Sink::Bytes(b) => b.len(),
+            Sink::F32 { out, .. } => out.len * 4,
+        }
+    }
+
+    /// Writes `data` at byte offset `off` (in range, 4-aligned for floats).
+    fn put(&mut self, off: usize, data: &[u8]) {
+        match self {
+            Sink::Bytes(b) => b[off..off + data.len()].copy_from_slice(data),
+            Sink::F32 { out, div } => {
+                // SAFETY: the engine holds no other reference into `out`
+                // while this one lives (RawF32's contract).
+                let o = unsafe { out.slice_mut() };
+                quantize::dequantize_be_into(data, *div, &mut o[off / 4..(off + data.len()) / 4]);
+            }
+        }
+    }
+}
+
+/// What a reduction call leaves: the aggregator's result vector, the
+/// contribution source back, a worker's received result.
+struct Reduced {
+    values: Option<(Vec<i32>, bool)>,
+    src: Option<Src>,
+    sink: Option<(Sink, bool)>,
+}
+
 struct Contrib {
-    data: Vec<i32>,
+    src: Src,
     op: Op,
     next: usize,
     nfrags: usize,
@@ -629,7 +953,7 @@ struct BcastOut {
 
 struct BcastIn {
     root: usize,
-    data: Vec<u8>,
+    sink: Sink,
     cov: Coverage,
     overflow: bool,
     /// The data are RESULTs copied by the node's TC program (`AGG1`), not
@@ -673,7 +997,9 @@ struct TcRoute {
 
 impl TcRoute {
     fn mask(&self, dests: u64) -> u32 {
-        (0..self.bit_of.len()).filter(|&d| dests & (1 << d) != 0).fold(0, |m, d| m | self.bit_of[d])
+        (0..self.bit_of.len())
+            .filter(|&d| dests & (1 << d) != 0)
+            .fold(0, |m, d| m | self.bit_of[d])
     }
 
     /// One datagram to the first member with `mask` written into the `AGB1`
@@ -691,6 +1017,16 @@ impl TcRoute {
         }
     }
 }
+
+/// Which send window a queued first transmission is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TxWin {
+    Agg,
+    Bcast,
+}
+
+/// Datagrams per receive batch (`recvmmsg`), each in a [`RECV_SLOT`] slot.
+const RECV_BATCH: usize = 32;
 
 struct Engine {
     cfg: CommConfig,
@@ -724,6 +1060,10 @@ struct Engine {
     stash: Vec<Stashed>,
     stash_pool: Vec<Vec<u8>>,
     rxbuf: Vec<u8>,
+    rxmeta: Vec<RecvMeta>,
+    /// New datagrams registered by `pump`, sent by `flush_tx`: (window, seq,
+    /// destination).
+    txq: Vec<(TxWin, u32, SocketAddrV4)>,
     ackbuf: Vec<u8>,
     acks_sent: u64,
     round: u32,
@@ -731,11 +1071,21 @@ struct Engine {
     round_pub: Arc<AtomicU32>,
     agg_seq_pub: Arc<AtomicU32>,
     spare_cov: Vec<Coverage>,
+    /// Reused per-call buffers (kept between calls of the same size): a
+    /// worker's int result bytes, the aggregator's int32 result, a float
+    /// result held for a possible rerun, the forwarding queue.
+    spare_bytes: Vec<u8>,
+    spare_i32: Vec<i32>,
+    spare_f32: Vec<f32>,
+    spare_queue: VecDeque<u32>,
     closing: Arc<AtomicBool>,
 }
 
 fn random_group_base(g: u32) -> u32 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
@@ -744,27 +1094,38 @@ fn random_group_base(g: u32) -> u32 {
     seq - seq % g.max(1)
 }
 
-fn tx_to(net: &Net, to: SocketAddrV4, b: &[u8]) {
-    // A failed send is a lost datagram; retransmission takes care of it.
-    net.tx(to, b);
-}
-
 fn retx_to(net: &Net, to: SocketAddrV4, b: &[u8]) {
     net.retx(to, b);
 }
 
 impl Engine {
-    fn new(cfg: CommConfig, net: Net, waker: UnixDatagram, round_pub: Arc<AtomicU32>, agg_seq_pub: Arc<AtomicU32>, closing: Arc<AtomicBool>) -> Engine {
+    fn new(
+        cfg: CommConfig,
+        net: Net,
+        waker: UnixDatagram,
+        round_pub: Arc<AtomicU32>,
+        agg_seq_pub: Arc<AtomicU32>,
+        closing: Arc<AtomicBool>,
+    ) -> Engine {
         let n = cfg.participants();
         let addrs: Vec<SocketAddrV4> = (0..n).map(|i| cfg.addr_of(i)).collect();
         let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
         let me = cfg.me.index(cfg.workers());
-        let per = elements_per_datagram(cfg.mtu);
+        let per = elements_per_fragment(cfg.mtu);
+        let datagram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
+        let window = byte_window(cfg.reliability.window as usize, datagram);
         let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
-        if cfg.backend == BackendKind::Kernel {
-            agg_tx.set_window(cfg.slots as usize);
-        }
-        let bc_tx = SendWindow::new(cfg.reliability, n, random_group_base(cfg.reliability.group_size));
+        agg_tx.set_window(match cfg.backend {
+            // The kernel's slot and block pools bound the fragments in flight.
+            BackendKind::Kernel => kernel_window(window, cfg.slots as usize, per),
+            BackendKind::Socket => window,
+        });
+        let mut bc_tx = SendWindow::new(
+            cfg.reliability,
+            n,
+            random_group_base(cfg.reliability.group_size),
+        );
+        bc_tx.set_window(window);
         let bc_rx = (0..n).map(|_| RecvTracker::new(cfg.reliability)).collect();
         let res_tx = SendWindow::new(cfg.reliability, cfg.peers.len(), cfg.first_agg_seq);
         let res_rx = RecvTracker::new(cfg.reliability);
@@ -772,25 +1133,37 @@ impl Engine {
             (Some(g), BackendKind::Kernel) => Some(TcRoute {
                 id: g.id,
                 first: g.members[0],
-                bit_of: addrs.iter().map(|a| g.members.iter().position(|m| m == a).map_or(0, |i| 1u32 << i)).collect(),
+                bit_of: addrs
+                    .iter()
+                    .map(|a| {
+                        g.members
+                            .iter()
+                            .position(|m| m == a)
+                            .map_or(0, |i| 1u32 << i)
+                    })
+                    .collect(),
                 scratch: Vec::with_capacity(2048),
             }),
             _ => None,
         };
         let backend: Option<Box<dyn Backend>> = match (cfg.me, cfg.backend) {
-            (Participant::Aggregator, BackendKind::Socket) => Some(Box::new(SocketAggregator::new(
-                cfg.peers.clone(),
-                cfg.reliability,
-                cfg.slots as usize,
-                cfg.first_round,
-            ))),
-            (Participant::Aggregator, BackendKind::Kernel) => Some(Box::new(KernelAggregator::new(
-                cfg.peers.clone(),
-                per,
-                cfg.reliability,
-                cfg.first_round,
-                cfg.first_agg_seq,
-            ))),
+            (Participant::Aggregator, BackendKind::Socket) => {
+                Some(Box::new(SocketAggregator::new(
+                    cfg.peers.clone(),
+                    cfg.reliability,
+                    cfg.slots as usize,
+                    cfg.first_round,
+                )))
+            }
+            (Participant::Aggregator, BackendKind::Kernel) => {
+                Some(Box::new(KernelAggregator::new(
+                    cfg.peers.clone(),
+                    per,
+                    cfg.reliability,
+                    cfg.first_round,
+                    cfg.first_agg_seq,
+                )))
+            }
             _ => None,
         };
         Engine {
@@ -811,7 +1184,9 @@ impl Engine {
             backend,
             stash: Vec::new(),
             stash_pool: Vec::new(),
-            rxbuf: vec![0u8; 65536],
+            rxbuf: vec![0u8; RECV_SLOT * RECV_BATCH],
+            rxmeta: vec![RecvMeta::default(); RECV_BATCH],
+            txq: Vec::with_capacity(BATCH_MAX),
             ackbuf: Vec::with_capacity(256),
             acks_sent: 0,
             round: cfg.first_round,
@@ -819,6 +1194,10 @@ impl Engine {
             round_pub,
             agg_seq_pub,
             spare_cov: Vec::new(),
+            spare_bytes: Vec::new(),
+            spare_i32: Vec::new(),
+            spare_f32: Vec::new(),
+            spare_queue: VecDeque::new(),
             closing,
             net,
             waker,
@@ -838,7 +1217,9 @@ impl Engine {
                 Err(mpsc::TryRecvError::Empty) => {
                     let now = Instant::now();
                     let next = self.timers(now, &mut None);
-                    let until = next.unwrap_or(now + Duration::from_millis(100)).min(now + Duration::from_millis(100));
+                    let until = next
+                        .unwrap_or(now + Duration::from_millis(100))
+                        .min(now + Duration::from_millis(100));
                     self.wait_and_drain(until, &mut None);
                 }
             }
@@ -853,16 +1234,44 @@ impl Engine {
 
     fn execute(&mut self, req: Request) {
         match req {
-            Request::Bcast { root, data, opts, reply } => {
+            Request::Bcast {
+                root,
+                data,
+                opts,
+                reply,
+            } => {
                 let r = self.broadcast(root, data, opts);
                 let _ = reply.send(r);
             }
-            Request::Reduce { all, op, data, opts, reply } => {
-                let r = self.reduce(all, op, data, opts);
+            Request::Reduce {
+                all,
+                op,
+                data,
+                opts,
+                reply,
+            } => {
+                let r = self.reduce_i32(all, op, data, opts);
                 let _ = reply.send(r);
             }
-            Request::ReduceF32 { all, mean, data, opts, reply } => {
+            Request::ReduceF32 {
+                all,
+                mean,
+                mut data,
+                opts,
+                reply,
+            } => {
+                let r = self.reduce_f32(all, mean, RawF32::of(&mut data), opts);
+                let _ = reply.send(r.map(|()| data));
+            }
+            Request::ReduceF32In {
+                all,
+                mean,
+                data,
+                opts,
+                reply,
+            } => {
                 let r = self.reduce_f32(all, mean, data, opts);
+                // Last use of `data` was above: the caller may take its slice back.
                 let _ = reply.send(r);
             }
         }
@@ -873,7 +1282,16 @@ impl Engine {
     }
 
     fn new_op(&self, name: &'static str) -> OpState {
-        OpState { name, round: self.round, op: Op::Sum, rout: false, contrib: None, bout: None, bin: None, collect: None }
+        OpState {
+            name,
+            round: self.round,
+            op: Op::Sum,
+            rout: false,
+            contrib: None,
+            bout: None,
+            bin: None,
+            collect: None,
+        }
     }
 
     fn all_but(&self, i: usize) -> u64 {
@@ -882,7 +1300,12 @@ impl Engine {
         all & !(1u64 << i)
     }
 
-    fn broadcast(&mut self, root: usize, data: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, CommError> {
+    fn broadcast(
+        &mut self,
+        root: usize,
+        data: Vec<u8>,
+        opts: CallOptions,
+    ) -> Result<Vec<u8>, CommError> {
         let deadline = self.deadline(&opts);
         let mut st = self.new_op("broadcast");
         let n = fragments(data.len(), self.chunk);
@@ -890,41 +1313,166 @@ impl Engine {
             let mut q = VecDeque::with_capacity(n);
             q.extend(0..n as u32);
             let ovf = self.cov(0);
-            st.bout = Some(BcastOut { len_bytes: data.len(), bytes: data, queue: q, overflow: ovf, dests: self.all_but(self.me) });
+            st.bout = Some(BcastOut {
+                len_bytes: data.len(),
+                bytes: data,
+                queue: q,
+                overflow: ovf,
+                dests: self.all_but(self.me),
+            });
         } else {
             let cov = self.cov(n);
-            st.bin = Some(BcastIn { root, data, cov, overflow: false, results: false });
+            st.bin = Some(BcastIn {
+                root,
+                sink: Sink::Bytes(data),
+                cov,
+                overflow: false,
+                results: false,
+            });
         }
         let res = self.run_op(&mut st, deadline, opts);
-        let out = st.bout.take().map(|b| b.bytes).or_else(|| st.bin.take().map(|b| b.data)).unwrap_or_default();
+        let out = st
+            .bout
+            .take()
+            .map(|b| b.bytes)
+            .or_else(|| {
+                st.bin.take().map(|b| {
+                    self.spare_cov.push(b.cov);
+                    match b.sink {
+                        Sink::Bytes(v) => v,
+                        Sink::F32 { .. } => Vec::new(),
+                    }
+                })
+            })
+            .unwrap_or_default();
         self.finish_op(&mut st, res.is_err(), 0);
         res.map(|()| out)
     }
 
-    fn reduce(&mut self, all: bool, op: Op, data: Vec<i32>, opts: CallOptions) -> Result<ReduceOutput, CommError> {
+    fn reduce_i32(
+        &mut self,
+        all: bool,
+        op: Op,
+        data: Vec<i32>,
+        opts: CallOptions,
+    ) -> Result<ReduceOutput, CommError> {
+        let r = self.reduce(all, op, Src::I32(data), None, opts)?;
+        if let Some((values, overflow)) = r.values {
+            return Ok(ReduceOutput {
+                values,
+                has_result: true,
+                overflow,
+            });
+        }
+        let c = match r.src {
+            Some(Src::I32(v)) => v,
+            _ => Vec::new(),
+        };
+        match r.sink {
+            Some((Sink::Bytes(b), overflow)) => {
+                let mut v = c;
+                proto::read_i32_be(&b, &mut v);
+                self.spare_bytes = b;
+                Ok(ReduceOutput {
+                    values: v,
+                    has_result: true,
+                    overflow,
+                })
+            }
+            _ => Ok(ReduceOutput {
+                values: c,
+                has_result: false,
+                overflow: false,
+            }),
+        }
+    }
+
+    /// One reduction round. `src`: a worker's contribution (the aggregator
+    /// passes its output vector as `Src::I32`, or `Src::Len`: a reused one);
+    /// `sink`: where a worker's allreduce result goes (default: a reused
+    /// byte buffer).
+    fn reduce(
+        &mut self,
+        all: bool,
+        op: Op,
+        src: Src,
+        sink: Option<Sink>,
+        opts: CallOptions,
+    ) -> Result<Reduced, CommError> {
         let deadline = self.deadline(&opts);
         let mut st = self.new_op(if all { "allreduce" } else { "reduce" });
-        let n = fragments(data.len(), self.per);
-        let len = data.len();
+        let len = src.len();
+        let n = fragments(len, self.per);
         let is_agg = self.cfg.me == Participant::Aggregator;
         st.op = op;
-        let in_kernel = all && self.cfg.backend == BackendKind::Kernel && self.cfg.kernel_result_group;
+        let in_kernel =
+            all && self.cfg.backend == BackendKind::Kernel && self.cfg.kernel_result_group;
+        let mut src = Some(src);
         if is_agg {
+            let out = match src.take() {
+                Some(Src::I32(v)) => v,
+                _ => {
+                    let mut v = std::mem::take(&mut self.spare_i32);
+                    v.clear();
+                    v.resize(len, 0);
+                    v
+                }
+            };
+            if let Some(b) = self.backend.as_mut() {
+                let (full, last) = (len / self.per, len % self.per);
+                b.reserve(op, self.per, full);
+                if last > 0 {
+                    b.reserve(op, last, 1);
+                }
+            }
             let cov = self.cov(n);
-            st.collect = Some(Collect { out: data, cov, overflow: false });
+            st.collect = Some(Collect {
+                out,
+                cov,
+                overflow: false,
+            });
             if in_kernel {
                 self.res_tx.set_next_seq(self.agg_seq);
                 st.rout = true;
             } else if all {
                 let ovf = self.cov(n);
-                st.bout = Some(BcastOut { bytes: Vec::new(), len_bytes: len * 4, queue: VecDeque::new(), overflow: ovf, dests: self.all_but(self.me) });
+                let mut queue = std::mem::take(&mut self.spare_queue);
+                queue.clear();
+                st.bout = Some(BcastOut {
+                    bytes: Vec::new(),
+                    len_bytes: len * 4,
+                    queue,
+                    overflow: ovf,
+                    dests: self.all_but(self.me),
+                });
             }
         } else {
             self.agg_tx.set_next_seq(self.agg_seq);
-            st.contrib = Some(Contrib { data, op, next: 0, nfrags: n, seq_base: self.agg_seq });
+            let Some(src) = src.take() else {
+                return Err(CommError::Closed);
+            };
+            st.contrib = Some(Contrib {
+                src,
+                op,
+                next: 0,
+                nfrags: n,
+                seq_base: self.agg_seq,
+            });
             if all {
                 let cov = self.cov(n);
-                st.bin = Some(BcastIn { root: self.cfg.workers() as usize, data: vec![0u8; len * 4], cov, overflow: false, results: in_kernel });
+                let sink = sink.unwrap_or_else(|| {
+                    let mut b = std::mem::take(&mut self.spare_bytes);
+                    b.clear();
+                    b.resize(len * 4, 0);
+                    Sink::Bytes(b)
+                });
+                st.bin = Some(BcastIn {
+                    root: self.cfg.workers() as usize,
+                    sink,
+                    cov,
+                    overflow: false,
+                    results: in_kernel,
+                });
             }
         }
         let res = self.run_op(&mut st, deadline, opts);
@@ -934,64 +1482,135 @@ impl Engine {
                 self.recent.pop_front();
             }
         }
-        let out = if let Some(c) = st.collect.take() {
-            ReduceOutput { values: c.out, has_result: true, overflow: c.overflow }
-        } else {
-            let c = st.contrib.take().map(|c| c.data).unwrap_or_default();
-            match st.bin.take() {
-                Some(b) => {
-                    let mut v = c;
-                    proto::read_i32_be(&b.data, &mut v);
-                    ReduceOutput { values: v, has_result: true, overflow: b.overflow }
-                }
-                None => ReduceOutput { values: c, has_result: false, overflow: false },
-            }
+        let values = st.collect.take().map(|c| {
+            self.spare_cov.push(c.cov);
+            (c.out, c.overflow)
+        });
+        let sink = st.bin.take().map(|b| {
+            self.spare_cov.push(b.cov);
+            (b.sink, b.overflow)
+        });
+        if let Some(b) = st.bout.take() {
+            self.spare_cov.push(b.overflow);
+            self.spare_queue = b.queue;
+        }
+        let out = Reduced {
+            values,
+            src: st.contrib.take().map(|c| c.src).or(src),
+            sink,
         };
         self.finish_op(&mut st, res.is_err(), n);
         res.map(|()| out)
     }
 
-    fn reduce_f32(&mut self, all: bool, mean: bool, data: Vec<f32>, opts: CallOptions) -> Result<Vec<f32>, CommError> {
+    /// A float SUM (or mean) reduction through quantization on `x` (see
+    /// [`RawF32`]): a worker quantizes each fragment from `x` straight into
+    /// its datagram and (allreduce) dequantizes each result fragment straight
+    /// into `x`; the aggregator reduces into a reused int32 vector and
+    /// dequantizes it into `x`. With `FixedOrAdaptive` the first attempt's
+    /// result goes to a reused buffer (the input is needed for a rerun).
+    fn reduce_f32(
+        &mut self,
+        all: bool,
+        mean: bool,
+        x: RawF32,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
         let workers = self.cfg.workers();
         let is_agg = self.cfg.me == Participant::Aggregator;
-        let mut scale = match self.cfg.quantization {
-            Quantization::Fixed(s) | Quantization::FixedOrAdaptive(s) => s,
-            Quantization::Adaptive => self.agree_scale(&data, is_agg, opts)?,
-        };
-        let mut q = Vec::with_capacity(data.len());
-        for attempt in 0..2 {
-            if is_agg {
-                q.clear();
-                q.resize(data.len(), 0);
-            } else {
-                quantize::quantize_into(&data, scale, &mut q).map_err(|e| CommError::Config(e.to_string()))?;
+        let len = x.len;
+        let q = self.cfg.quantization;
+        let mut scale = match q {
+            Quantization::Fixed(s) | Quantization::FixedOrAdaptive(s) => {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(CommError::Config(
+                        quantize::QuantizeError::BadScale(s).to_string(),
+                    ));
+                }
+                if !is_agg {
+                    // SAFETY: no other reference into x lives now.
+                    quantize::check_finite(unsafe { x.slice() })
+                        .map_err(|e| CommError::Config(e.to_string()))?;
+                }
+                s
             }
-            let out = self.reduce(all, Op::Sum, std::mem::take(&mut q), opts)?;
-            if out.has_result && out.overflow {
+            Quantization::Adaptive => self.agree_scale(x, is_agg, opts)?,
+        };
+        for attempt in 0..2 {
+            let rerun = attempt == 0 && all && matches!(q, Quantization::FixedOrAdaptive(_));
+            let div = if mean { scale * workers as f64 } else { scale };
+            let mut tmp = (rerun && !is_agg).then(|| {
+                let mut o = std::mem::take(&mut self.spare_f32);
+                o.clear();
+                o.resize(len, 0.0);
+                o
+            });
+            let sink = (all && !is_agg).then(|| Sink::F32 {
+                out: tmp.as_deref_mut().map_or(x, RawF32::of),
+                div,
+            });
+            let src = if is_agg {
+                Src::Len(len)
+            } else {
+                Src::F32 { x, scale }
+            };
+            let r = self.reduce(all, Op::Sum, src, sink, opts)?;
+            let (has_result, overflow) = match (&r.values, &r.sink) {
+                (Some((_, o)), _) | (None, Some((_, o))) => (true, *o),
+                _ => (false, false),
+            };
+            let values = r.values.map(|(v, _)| v);
+            if has_result && overflow {
+                if let Some(v) = values {
+                    self.spare_i32 = v;
+                }
+                if let Some(o) = tmp {
+                    self.spare_f32 = o;
+                }
                 // Everyone who got the result knows; for reduce only the
                 // aggregator does, so only allreduce can rerun in lockstep.
-                if attempt == 0 && all && matches!(self.cfg.quantization, Quantization::FixedOrAdaptive(_)) {
-                    scale = self.agree_scale(&data, is_agg, opts)?;
+                if rerun {
+                    scale = self.agree_scale(x, is_agg, opts)?;
                     continue;
                 }
-                return Err(CommError::Overflow { round: self.round.wrapping_sub(1), scale });
+                return Err(CommError::Overflow {
+                    round: self.round.wrapping_sub(1),
+                    scale,
+                });
             }
-            if !out.has_result {
-                return Ok(data);
+            if let Some(v) = values {
+                // SAFETY: no other reference into x lives now.
+                quantize::dequantize_into(&v, div, unsafe { x.slice_mut() });
+                self.spare_i32 = v;
             }
-            let div = if mean { scale * workers as f64 } else { scale };
-            let mut res = vec![0f32; data.len()];
-            quantize::dequantize_into(&out.values, div, &mut res);
-            return Ok(res);
+            if let Some(o) = tmp {
+                // SAFETY: as above.
+                unsafe { x.slice_mut() }.copy_from_slice(&o);
+                self.spare_f32 = o;
+            }
+            return Ok(());
         }
-        Err(CommError::Overflow { round: self.round.wrapping_sub(1), scale })
+        Err(CommError::Overflow {
+            round: self.round.wrapping_sub(1),
+            scale,
+        })
     }
 
     /// One-element MAX allreduce of max|x| (as float bits) → the adaptive scale.
-    fn agree_scale(&mut self, data: &[f32], is_agg: bool, opts: CallOptions) -> Result<f64, CommError> {
-        let m = if is_agg { 0.0 } else { quantize::max_abs(data).map_err(|e| CommError::Config(e.to_string()))? };
-        let out = self.reduce(true, Op::Max, vec![m.to_bits() as i32], opts)?;
-        let agreed = f32::from_bits(out.values[0] as u32);
+    fn agree_scale(
+        &mut self,
+        x: RawF32,
+        is_agg: bool,
+        opts: CallOptions,
+    ) -> Result<f64, CommError> {
+        // SAFETY: no other reference into x lives now.
+        let m = if is_agg {
+            0.0
+        } else {
+            quantize::max_abs(unsafe { x.slice() }).map_err(|e| CommError::Config(e.to_string()))?
+        };
+        let out = self.reduce_i32(true, Op::Max, vec![m.to_bits() as i32], opts)?;
+        let agreed = f32::from_bits(out.values.first().copied().unwrap_or(0) as u32);
         Ok(quantize::adaptive_scale(agreed, self.cfg.workers()))
     }
 
@@ -1002,7 +1621,14 @@ impl Engine {
             self.res_tx.forget_all();
         }
 
-        for c in [st.bin.take().map(|b| b.cov), st.collect.take().map(|c| c.cov), st.bout.take().map(|b| b.overflow)].into_iter().flatten() {
+        for c in [
+            st.bin.take().map(|b| b.cov),
+            st.collect.take().map(|c| c.cov),
+            st.bout.take().map(|b| b.overflow),
+        ]
+        .into_iter()
+        .flatten()
+        {
             self.spare_cov.push(c);
         }
         self.round = self.round.wrapping_add(1);
@@ -1024,7 +1650,12 @@ impl Engine {
         });
     }
 
-    fn run_op(&mut self, st: &mut OpState, deadline: Instant, opts: CallOptions) -> Result<(), CommError> {
+    fn run_op(
+        &mut self,
+        st: &mut OpState,
+        deadline: Instant,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
         // Data that arrived before the call started.
         let stash = std::mem::take(&mut self.stash);
         let mut keep = Vec::new();
@@ -1085,7 +1716,8 @@ impl Engine {
             }
         }
         if let Some(b) = &st.bout {
-            let sent_all = b.queue.is_empty() && st.collect.as_ref().map_or(true, |c| c.cov.is_complete());
+            let sent_all =
+                b.queue.is_empty() && st.collect.as_ref().map_or(true, |c| c.cov.is_complete());
             if !sent_all || !self.bc_tx.is_idle() {
                 return false;
             }
@@ -1123,7 +1755,11 @@ impl Engine {
                 what = "fragments reduced".into();
                 let mut seen_missing = vec![false; workers as usize];
                 let mut contributors = vec![workers; c.cov.total()];
-                let mut values = if opts.partial { Some(c.out.clone()) } else { None };
+                let mut values = if opts.partial {
+                    Some(c.out.clone())
+                } else {
+                    None
+                };
                 if let Some(be) = self.backend.as_ref() {
                     for i in c.cov.missing() {
                         let off = (i * self.per) as u32;
@@ -1151,15 +1787,27 @@ impl Engine {
                         }
                     }
                 }
-                missing.extend((0..workers).filter(|&r| seen_missing[r as usize]).map(Peer::Rank));
+                missing.extend(
+                    (0..workers)
+                        .filter(|&r| seen_missing[r as usize])
+                        .map(Peer::Rank),
+                );
                 if let Some(values) = values {
-                    partial = Some(Partial { values, contributors, per_fragment: self.per });
+                    partial = Some(Partial {
+                        values,
+                        contributors,
+                        per_fragment: self.per,
+                    });
                 }
             }
         }
         if st.rout && st.collect.as_ref().is_some_and(|c| c.cov.is_complete()) {
             let pend = self.res_tx.unacked_dests();
-            missing.extend((0..workers).filter(|&r| pend & (1 << r) != 0).map(Peer::Rank));
+            missing.extend(
+                (0..workers)
+                    .filter(|&r| pend & (1 << r) != 0)
+                    .map(Peer::Rank),
+            );
             let total = st.collect.as_ref().map_or(0, |c| c.cov.total());
             expected = total;
             arrived = total - self.res_tx.in_flight().min(total);
@@ -1180,7 +1828,9 @@ impl Engine {
                     what = "broadcast fragments acknowledged by everyone".into();
                     let total = fragments(st.bout.as_ref().map_or(0, |b| b.len_bytes), self.chunk);
                     expected = total;
-                    arrived = total - self.bc_tx.in_flight().min(total) - st.bout.as_ref().map_or(0, |b| b.queue.len()).min(total);
+                    arrived = total
+                        - self.bc_tx.in_flight().min(total)
+                        - st.bout.as_ref().map_or(0, |b| b.queue.len()).min(total);
                 }
             }
         }
@@ -1205,9 +1855,8 @@ impl Engine {
                 Participant::Aggregator => abi::RESULT_RANK,
             };
             let target = self.cfg.contrib_target();
-            let sock = &self.net;
             while c.next < c.nfrags && self.agg_tx.can_send() {
-                let r = fragment_range(c.next, c.data.len(), self.per);
+                let r = fragment_range(c.next, c.src.len(), self.per);
                 let mut hdr = AggHeader {
                     job,
                     rank,
@@ -1215,61 +1864,132 @@ impl Engine {
                     round: st.round,
                     frag_off: r.start as u32,
                     op: c.op,
-                    flags: if c.next + 1 == c.nfrags { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+                    flags: if c.next + 1 == c.nfrags {
+                        abi::AGG_F_LAST_FRAGMENT
+                    } else {
+                        0
+                    },
                     count: r.len() as u16,
                 };
-                let payload = &c.data[r];
-                let res = self.agg_tx.send(1, now, |seq, buf| {
-                    hdr.seq = seq;
-                    proto::encode_agg_into(&hdr, payload, buf)
-                }, &mut |_, b| tx_to(sock, target, b));
+                let src = &c.src;
+                let res = self.agg_tx.send(
+                    1,
+                    now,
+                    |seq, buf| {
+                        hdr.seq = seq;
+                        match src {
+                            Src::I32(v) => proto::encode_agg_into(&hdr, &v[r], buf),
+                            Src::F32 { x, scale } => {
+                                // Quantized straight into the datagram buffer.
+                                // SAFETY: no reference into x lives while this
+                                // one does (results land only in fragments
+                                // already sent, and not now).
+                                let xs = unsafe { x.slice() };
+                                proto::write_agg_header(&hdr, buf);
+                                quantize::quantize_be_into(&xs[r], *scale, buf);
+                                Ok(())
+                            }
+                            Src::Len(_) => proto::encode_agg_into(&hdr, &[], buf),
+                        }
+                    },
+                    &mut |_, _| {},
+                );
                 debug_assert!(res.map_or(true, |s| s == c.seq_base.wrapping_add(c.next as u32)));
+                if let Ok(seq) = res {
+                    self.txq.push((TxWin::Agg, seq, target));
+                }
                 c.next += 1;
             }
         }
         if let Some(b) = st.bout.as_mut() {
-            let sock = &self.net;
             let addrs = &self.addrs;
-            let mut tc = self.tc.as_mut();
+            let tc = self.tc.as_ref();
+            let txq = &mut self.txq;
             while self.bc_tx.can_send() {
                 let Some(&i) = b.queue.front() else { break };
                 let i = i as usize;
                 let start = i * self.chunk;
                 let end = (start + self.chunk).min(b.len_bytes);
-                let ovf = if b.overflow.contains(i) { SUBHDR_OVERFLOW } else { 0 };
+                let ovf = if b.overflow.contains(i) {
+                    SUBHDR_OVERFLOW
+                } else {
+                    0
+                };
                 let (mut mask, group) = match tc.as_deref() {
                     Some(t) => (t.mask(b.dests), t.id),
                     None => ((b.dests & 0xffff_ffff) as u32, job),
                 };
-                let hdr = BcastHeader { mask, seq: 0, group, flags: 0, hops: 0 };
+                let hdr = BcastHeader {
+                    mask,
+                    seq: 0,
+                    group,
+                    flags: 0,
+                    hops: 0,
+                };
                 let round = st.round;
                 let (bytes, ints) = match st.collect.as_ref() {
                     Some(c) => (&[][..], Some(&c.out[start / 4..end / 4])),
                     None => (&b.bytes[start..end], None),
                 };
-                let _ = self.bc_tx.send::<()>(b.dests, now, |seq, buf| {
-                    let h = BcastHeader { seq, ..hdr };
-                    buf.extend_from_slice(&proto::bcast_header_bytes(&h));
-                    buf.extend_from_slice(&round.to_be_bytes());
-                    buf.extend_from_slice(&((start as u32) | ovf).to_be_bytes());
-                    match ints {
-                        Some(v) => proto::write_i32_be(v, buf),
-                        None => buf.extend_from_slice(bytes),
-                    }
-                    Ok(())
-                }, &mut |d, bytes| match tc.as_deref_mut() {
-                    // One datagram with the full mask: the TC program copies it.
-                    Some(t) => {
-                        if mask != 0 {
-                            t.send(sock, bytes, mask, false);
-                            mask = 0;
+                let mark = txq.len();
+                let res = self.bc_tx.send::<()>(
+                    b.dests,
+                    now,
+                    |seq, buf| {
+                        let h = BcastHeader { seq, ..hdr };
+                        buf.extend_from_slice(&proto::bcast_header_bytes(&h));
+                        buf.extend_from_slice(&round.to_be_bytes());
+                        buf.extend_from_slice(&((start as u32) | ovf).to_be_bytes());
+                        match ints {
+                            Some(v) => proto::write_i32_be(v, buf),
+                            None => buf.extend_from_slice(bytes),
                         }
-                    }
-                    None => tx_to(sock, addrs[d], bytes),
-                });
+                        Ok(())
+                    },
+                    &mut |d, _| match tc {
+                        // One datagram with the full mask (already in its
+                        // header) to the first member: the TC program copies it.
+                        Some(t) => {
+                            if mask != 0 {
+                                txq.push((TxWin::Bcast, 0, t.first));
+                                mask = 0;
+                            }
+                        }
+                        None => txq.push((TxWin::Bcast, 0, addrs[d])),
+                    },
+                );
+                match res {
+                    Ok(seq) => txq[mark..].iter_mut().for_each(|e| e.1 = seq),
+                    Err(()) => txq.truncate(mark),
+                }
                 b.queue.pop_front();
             }
         }
+        self.flush_tx();
+    }
+
+    /// Sends the new datagrams [`Engine::pump`] registered, in batches
+    /// (`sendmmsg`), straight from the send windows' buffers.
+    fn flush_tx(&mut self) {
+        const NONE: (&[u8], SocketAddrV4) = (&[], SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+        let mut msgs = [NONE; BATCH_MAX];
+        for chunk in self.txq.chunks(BATCH_MAX) {
+            let mut n = 0;
+            for &(w, seq, to) in chunk {
+                let win = match w {
+                    TxWin::Agg => &self.agg_tx,
+                    TxWin::Bcast => &self.bc_tx,
+                };
+                if let Some(b) = win.bytes_of(seq) {
+                    msgs[n] = (b, to);
+                    n += 1;
+                }
+            }
+            if n > 0 {
+                self.net.tx_batch(&msgs[..n]);
+            }
+        }
+        self.txq.clear();
     }
 
     /// Retransmission and ACK timers; returns the next due time.
@@ -1292,19 +2012,31 @@ impl Engine {
             }
             None => retx_to(sock, addrs[d], b),
         }));
-        merge(self.res_tx.poll(now, &mut |d, b| retx_to(sock, addrs[d], b)));
+        merge(
+            self.res_tx
+                .poll(now, &mut |d, b| retx_to(sock, addrs[d], b)),
+        );
         let (job, me) = (self.cfg.job, self.me as u16);
         let ackbuf = &mut self.ackbuf;
         for (i, t) in self.bc_rx.iter_mut().enumerate() {
             let id = self.bc_group[i];
-            merge(t.poll(now, &mut |bm| send_ack(sock, ackbuf, id, me, AckKind::Broadcast, bm, addrs[i])));
+            merge(t.poll(now, &mut |bm| {
+                send_ack(sock, ackbuf, id, me, AckKind::Broadcast, bm, addrs[i])
+            }));
         }
         if let Participant::Worker(_) = self.cfg.me {
             let agg = addrs[self.cfg.workers() as usize];
-            merge(self.res_rx.poll(now, &mut |bm| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg)));
+            merge(self.res_rx.poll(now, &mut |bm| {
+                send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg)
+            }));
         }
         if let Some(b) = self.backend.as_mut() {
-            let mut io = AckIo { sock, buf: ackbuf, job, sent: &mut self.acks_sent };
+            let mut io = AckIo {
+                sock,
+                buf: ackbuf,
+                job,
+                sent: &mut self.acks_sent,
+            };
             merge(b.poll(now, &mut io));
         }
         next
@@ -1316,10 +2048,21 @@ impl Engine {
         let now = Instant::now();
         let wait = until.saturating_duration_since(now);
         let mut fds = [
-            libc::pollfd { fd: self.net.t.raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: self.waker.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd: self.net.t.raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.waker.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
-        let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
         let nfds = 2;
         // SAFETY: fds and ts are valid for the call.
         unsafe {
@@ -1330,18 +2073,31 @@ impl Engine {
             while self.waker.recv(&mut b).is_ok() {}
         }
         let mut buf = std::mem::take(&mut self.rxbuf);
-        for _ in 0..4096 {
-            match self.net.t.recv_from(&mut buf) {
-                Ok((len, std::net::SocketAddr::V4(from))) => {
-                    self.net.c.received(&buf[..len]);
-                    self.handle(&buf[..len], from, op);
+        let mut meta = std::mem::take(&mut self.rxmeta);
+        let mut drained = 0;
+        while drained < 4096 {
+            match self.net.t.recv_batch(&mut buf, RECV_SLOT, &mut meta) {
+                Ok(0) => break,
+                Ok(n) => {
+                    self.net.c.recv_batch(n);
+                    drained += n;
+                    for (k, m) in meta[..n].iter().enumerate() {
+                        let d = &buf[k * RECV_SLOT..k * RECV_SLOT + m.len];
+                        if let std::net::SocketAddr::V4(from) = m.from {
+                            self.net.c.received(d);
+                            self.handle(d, from, op);
+                        }
+                    }
+                    if n < meta.len() {
+                        break; // the socket is empty
+                    }
                 }
-                Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(_) => break, // e.g. ICMP port unreachable reported on a later recv
             }
         }
         self.rxbuf = buf;
+        self.rxmeta = meta;
         if let Some(st) = op.as_deref_mut() {
             self.drain_completed(st);
         }
@@ -1360,16 +2116,21 @@ impl Engine {
                     AckKind::Aggregation => {
                         if self.cfg.me == Participant::Worker(a.rank) {
                             let target = self.cfg.contrib_target();
-                            self.agg_tx.on_ack(0, &a.bitmap, now, &mut |_, b| retx_to(sock, target, b));
+                            self.agg_tx
+                                .on_ack(0, &a.bitmap, now, &mut |_, b| retx_to(sock, target, b));
                         } else if self.cfg.me == Participant::Aggregator
                             && (a.rank as usize) < self.cfg.peers.len()
                             && self.addrs[a.rank as usize] == from
                         {
                             // A worker acknowledges results (in-kernel allreduce).
                             let addrs = &self.addrs;
-                            self.res_tx.on_ack(a.rank as usize, &a.bitmap, now, &mut |d, b| retx_to(sock, addrs[d], b));
+                            self.res_tx
+                                .on_ack(a.rank as usize, &a.bitmap, now, &mut |d, b| {
+                                    retx_to(sock, addrs[d], b)
+                                });
                             let res_tx = &self.res_tx;
-                            if res_tx.is_idle() || a.bitmap.received().any(|q| !res_tx.is_known(q)) {
+                            if res_tx.is_idle() || a.bitmap.received().any(|q| !res_tx.is_known(q))
+                            {
                                 if self.res_early.len() >= 256 {
                                     self.res_early.pop_front();
                                 }
@@ -1382,7 +2143,9 @@ impl Engine {
                         if dest < self.addrs.len() && self.addrs[dest] == from {
                             let addrs = &self.addrs;
                             let mut tc = self.tc.as_mut();
-                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| match tc.as_deref_mut() {
+                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| match tc
+                                .as_deref_mut()
+                            {
                                 Some(t) => {
                                     let m = t.bit_of[d];
                                     t.send(sock, b, m, true);
@@ -1394,13 +2157,17 @@ impl Engine {
                 }
             }
             Some(MessageKind::Bcast) => {
-                let Ok((h, payload)) = proto::split_bcast(d) else { return };
+                let Ok((h, payload)) = proto::split_bcast(d) else {
+                    return;
+                };
                 if payload.len() < BCAST_SUBHDR {
                     return;
                 }
                 // Any group id: the source socket identifies the root (a TC
                 // root uses its node's group id); ACKs carry the same id.
-                let Some(&idx) = self.index.get(&from) else { return };
+                let Some(&idx) = self.index.get(&from) else {
+                    return;
+                };
                 if idx == self.me {
                     return;
                 }
@@ -1409,7 +2176,8 @@ impl Engine {
                 let (job, me) = (h.group, self.me as u16);
                 let sock = &self.net;
                 let ackbuf = &mut self.ackbuf;
-                let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
+                let mut emit =
+                    |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
                 match self.bc_rx[idx].check(h.seq) {
                     Verdict::Duplicate => {
                         self.net.c.duplicate();
@@ -1417,12 +2185,16 @@ impl Engine {
                     }
                     Verdict::New => {
                         let cur = op.as_ref().map_or(self.round, |o| o.round);
-                        let wanted = op.as_ref().is_some_and(|o| o.round == round && o.bin.as_ref().is_some_and(|b| b.root == idx));
+                        let wanted = op.as_ref().is_some_and(|o| {
+                            o.round == round && o.bin.as_ref().is_some_and(|b| b.root == idx)
+                        });
                         let last;
                         if wanted {
                             let o = op.as_deref_mut().expect("wanted implies an op");
                             last = self.deliver_bcast(o, idx, payload);
-                        } else if (round.wrapping_sub(cur) as i32) > 0 || (op.is_none() && round == cur) {
+                        } else if (round.wrapping_sub(cur) as i32) > 0
+                            || (op.is_none() && round == cur)
+                        {
                             // Early data of a later call: keep it (and ACK it) if there is room.
                             if self.stash.len() >= self.cfg.stash_limit {
                                 return;
@@ -1430,20 +2202,28 @@ impl Engine {
                             let mut b = self.stash_pool.pop().unwrap_or_default();
                             b.clear();
                             b.extend_from_slice(payload);
-                            self.stash.push(Stashed { buf: b, from: idx, round });
+                            self.stash.push(Stashed {
+                                buf: b,
+                                from: idx,
+                                round,
+                            });
                             last = false;
                         } else {
                             last = false; // old or unexpected: acknowledge and drop
                         }
                         let sock = &self.net;
                         let ackbuf = &mut self.ackbuf;
-                        let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from);
+                        let mut emit = |bm: &SeqBitmap| {
+                            send_ack(sock, ackbuf, job, me, AckKind::Broadcast, bm, from)
+                        };
                         self.bc_rx[idx].record(h.seq, last, now, &mut emit);
                     }
                 }
             }
             Some(MessageKind::Agg) => {
-                let Ok((h, payload)) = proto::split_agg(d) else { return };
+                let Ok((h, payload)) = proto::split_agg(d) else {
+                    return;
+                };
                 if h.job != self.cfg.job {
                     return;
                 }
@@ -1453,7 +2233,12 @@ impl Engine {
                     }
                     return;
                 };
-                let mut io = AckIo { sock: &self.net, buf: &mut self.ackbuf, job: self.cfg.job, sent: &mut self.acks_sent };
+                let mut io = AckIo {
+                    sock: &self.net,
+                    buf: &mut self.ackbuf,
+                    job: self.cfg.job,
+                    sent: &mut self.acks_sent,
+                };
                 b.on_agg(&h, payload, from, now, &mut io);
                 if h.is_result() {
                     // Take it into the call at once (an in-kernel allreduce
@@ -1470,24 +2255,31 @@ impl Engine {
     /// Places one broadcast fragment (payload after the AGB1 header) into the
     /// receiving call; returns whether it completed the message.
     fn deliver_bcast(&mut self, st: &mut OpState, from: usize, payload: &[u8]) -> bool {
-        let Some(b) = st.bin.as_mut() else { return false };
+        let Some(b) = st.bin.as_mut() else {
+            return false;
+        };
         if b.root != from || payload.len() < BCAST_SUBHDR {
             return false;
         }
         let raw = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
         let off = (raw & !SUBHDR_OVERFLOW) as usize;
         let data = &payload[BCAST_SUBHDR..];
-        if off % self.chunk != 0 || off + data.len() > b.data.len() {
+        if off % self.chunk != 0 || off + data.len() > b.sink.len_bytes() {
             return false;
         }
         let i = off / self.chunk;
-        let expect = fragment_range(i, b.data.len(), self.chunk).len();
+        let expect = fragment_range(i, b.sink.len_bytes(), self.chunk).len();
         if data.len() != expect {
+            return false;
+        }
+        if st.contrib.as_ref().is_some_and(|c| i >= c.next) {
+            // A result of a fragment this worker has not sent yet cannot be
+            // right (and would overwrite floats not yet quantized).
             return false;
         }
         if b.cov.insert(i) {
             self.net.c.delivered(data.len());
-            b.data[off..off + data.len()].copy_from_slice(data);
+            b.sink.put(off, data);
             b.overflow |= raw & SUBHDR_OVERFLOW != 0;
             if let Some(c) = st.contrib.as_ref() {
                 // allreduce: the result of fragment i acknowledges our contribution to it.
@@ -1502,14 +2294,22 @@ impl Engine {
     /// Fragment i of a reduction is contribution seq `seq_base + i`: the
     /// result acknowledges our contribution and is acknowledged (`AGK1`
     /// kind aggregation, our rank) to the aggregator's runtime under that seq.
-    fn on_result(&mut self, h: &AggHeader, payload: &[u8], now: Instant, op: &mut Option<&mut OpState>) {
+    fn on_result(
+        &mut self,
+        h: &AggHeader,
+        payload: &[u8],
+        now: Instant,
+        op: &mut Option<&mut OpState>,
+    ) {
         if h.is_float() || h.frag_off as usize % self.per != 0 {
             return;
         }
         let i = h.frag_off as usize / self.per;
         let me = self.me as u16;
         let (job, agg) = (self.cfg.job, self.addrs[self.cfg.workers() as usize]);
-        let current = op.as_deref_mut().filter(|o| o.round == h.round && o.contrib.is_some());
+        let current = op
+            .as_deref_mut()
+            .filter(|o| o.round == h.round && o.contrib.is_some());
         if let Some(o) = current {
             let Some(c) = o.contrib.as_ref() else { return };
             if i >= c.nfrags {
@@ -1517,22 +2317,31 @@ impl Engine {
             }
             let seq = c.seq_base.wrapping_add(i as u32);
             // Whatever the call, the result proves our contribution arrived.
+            // (Workers are therefore clocked by the kernel, not by the
+            // aggregator runtime: its socket buffer must hold the backlog,
+            // see `build`.)
             self.agg_tx.ack_seq(0, seq);
-            let Some(b) = o.bin.as_mut().filter(|b| b.results) else { return };
+            let Some(b) = o.bin.as_mut().filter(|b| b.results) else {
+                return;
+            };
             let off = h.frag_off as usize * 4;
-            if payload.len() != h.count as usize * 4 || off + payload.len() > b.data.len() {
+            if payload.len() != h.count as usize * 4
+                || off + payload.len() > b.sink.len_bytes()
+                || i >= c.next
+            {
                 return;
             }
             let sock = &self.net;
             let ackbuf = &mut self.ackbuf;
-            let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
+            let mut emit =
+                |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
             if self.res_rx.check(seq) == Verdict::Duplicate {
                 self.net.c.duplicate();
                 self.res_rx.reack(seq, &mut emit);
                 return;
             }
             if b.cov.insert(i) {
-                b.data[off..off + payload.len()].copy_from_slice(payload);
+                b.sink.put(off, payload);
                 b.overflow |= h.has_overflow();
                 self.net.c.delivered(payload.len());
             }
@@ -1542,14 +2351,17 @@ impl Engine {
         }
         // A late copy or retransmission of a finished reduction's result: our
         // acknowledgement was lost, send it again.
-        let Some(&(_, base, n)) = self.recent.iter().find(|r| r.0 == h.round) else { return };
+        let Some(&(_, base, n)) = self.recent.iter().find(|r| r.0 == h.round) else {
+            return;
+        };
         if i >= n {
             return;
         }
         let seq = base.wrapping_add(i as u32);
         let sock = &self.net;
         let ackbuf = &mut self.ackbuf;
-        let mut emit = |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
+        let mut emit =
+            |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
         self.net.c.duplicate();
         if self.res_rx.check(seq) == Verdict::Duplicate {
             self.res_rx.reack(seq, &mut emit);
@@ -1562,7 +2374,9 @@ impl Engine {
     /// (and, for allreduce, queues them for broadcast).
     fn drain_completed(&mut self, st: &mut OpState) {
         let Some(c) = st.collect.as_mut() else { return };
-        let Some(be) = self.backend.as_mut() else { return };
+        let Some(be) = self.backend.as_mut() else {
+            return;
+        };
         let per = self.per;
         let bout = st.bout.as_mut();
         let mut queue = bout;
@@ -1598,13 +2412,25 @@ impl Engine {
                     frag_off: done.frag_off,
                     op,
                     flags: abi::AGG_F_RESULT
-                        | if i + 1 == nfrags { abi::AGG_F_LAST_FRAGMENT } else { 0 }
-                        | if done.overflow { abi::AGG_F_OVERFLOW } else { 0 },
+                        | if i + 1 == nfrags {
+                            abi::AGG_F_LAST_FRAGMENT
+                        } else {
+                            0
+                        }
+                        | if done.overflow {
+                            abi::AGG_F_OVERFLOW
+                        } else {
+                            0
+                        },
                     count: done.values.len() as u16,
                 };
-                let _ = w.send_at(seq_base.wrapping_add(i as u32), all_workers, now, |seq, buf| {
-                    proto::encode_agg_into(&AggHeader { seq, ..hdr }, done.values, buf)
-                }, &mut |_, _| {});
+                let _ = w.send_at(
+                    seq_base.wrapping_add(i as u32),
+                    all_workers,
+                    now,
+                    |seq, buf| proto::encode_agg_into(&AggHeader { seq, ..hdr }, done.values, buf),
+                    &mut |_, _| {},
+                );
                 registered = true;
             }
             if let Some(b) = queue.as_deref_mut() {

@@ -28,6 +28,47 @@ pub fn elements_per_datagram(mtu: usize) -> usize {
     (mtu.saturating_sub(IP_UDP_HDR + crate::abi::AGG_HDR_LEN) / 4).clamp(1, u16::MAX as usize)
 }
 
+/// Elements per fragment at `mtu`: [`elements_per_datagram`] capped at the
+/// kernel aggregator's per-frame limit (`abi::MAX_ELEMS`, 16384), so every
+/// fragment the runtime sends can be reduced by the XDP program.
+pub fn elements_per_fragment(mtu: usize) -> usize {
+    elements_per_datagram(mtu).min(crate::abi::MAX_ELEMS as usize)
+}
+
+/// Accumulator blocks (`abi::CHUNK_ELEMS` = 256 elements each) one slot of
+/// `per` elements holds in the kernel: `ceil(per / 256)` (2 at MTU 1500, 9 at
+/// 9000, 64 at 65535).
+pub fn blocks_per_fragment(per: usize) -> usize {
+    per.max(1).div_ceil(crate::abi::CHUNK_ELEMS as usize)
+}
+
+/// Fragments a kernel-backend worker may have in flight: at most the
+/// configured `window`, the job's `slots` (each fragment in flight is one
+/// slot), and the node's accumulator block pool (`abi::MAX_BLOCKS` = 8192
+/// blocks of all jobs) divided by the blocks one fragment holds, so that
+/// large frames cannot exhaust the pool: 256 (the default window) at MTU
+/// 1500 and 9000 (pool bound 4096 / 910), 128 at 65535. All ranks send the
+/// same fragments, and a fragment leaves a worker's window only once it is
+/// reduced, so the slots open at once are those of one window. At least 1.
+pub fn kernel_window(window: usize, slots: usize, per: usize) -> usize {
+    let pool = crate::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
+    window.min(slots).min(pool).max(1)
+}
+
+/// Bytes one sender may have in flight (unacknowledged datagrams), so that a
+/// few senders' windows fit the receivers' 8 MiB socket buffers whatever the
+/// datagram size.
+pub const WINDOW_BYTES: usize = 2 << 20;
+
+/// The window in datagrams of `datagram_bytes` each under [`WINDOW_BYTES`]:
+/// `min(window, WINDOW_BYTES / datagram_bytes)`, at least 8 (and at most
+/// `window`): no limit at MTU 1500 (1424 > 256), 233 at 9000, 32 at 65535.
+pub fn byte_window(window: usize, datagram_bytes: usize) -> usize {
+    window
+        .min((WINDOW_BYTES / datagram_bytes.max(1)).max(8))
+        .max(1)
+}
+
 /// Number of fragments of a vector of `len` elements, `per` each (0 for an
 /// empty vector).
 pub fn fragments(len: usize, per: usize) -> usize {
@@ -116,7 +157,54 @@ mod tests {
         assert_eq!(fragments(363, 362), 2);
         assert_eq!(fragment_range(1, 363, 362), 362..363);
         // AGB1 header + sub-header == AGG1 header: same datagram size.
-        assert_eq!(crate::abi::BCAST_HDR_LEN + BCAST_SUBHDR, crate::abi::AGG_HDR_LEN);
+        assert_eq!(
+            crate::abi::BCAST_HDR_LEN + BCAST_SUBHDR,
+            crate::abi::AGG_HDR_LEN
+        );
+    }
+
+    #[test]
+    fn jumbo_sizing_arithmetic() {
+        // Elements per fragment: the MTU's, capped at the kernel's frame limit.
+        assert_eq!(elements_per_fragment(1500), 362);
+        assert_eq!(elements_per_fragment(9000), 2237);
+        assert_eq!(elements_per_fragment(65535), 16370);
+        assert!(elements_per_fragment(65535) <= crate::abi::MAX_ELEMS as usize);
+        assert_eq!(
+            elements_per_fragment(200_000),
+            crate::abi::MAX_ELEMS as usize
+        );
+        // A fragment at the largest MTU fits one IPv4 datagram.
+        assert!(28 + crate::abi::AGG_HDR_LEN + 4 * elements_per_fragment(65535) <= 65535);
+        // Blocks per slot: ceil(per / 256).
+        assert_eq!(crate::abi::CHUNK_ELEMS, 256);
+        assert_eq!(crate::abi::MAX_BLOCKS, 8192);
+        assert_eq!(blocks_per_fragment(362), 2);
+        assert_eq!(blocks_per_fragment(2237), 9);
+        assert_eq!(blocks_per_fragment(16370), 64);
+        assert_eq!(blocks_per_fragment(256), 1);
+        assert_eq!(blocks_per_fragment(257), 2);
+        // Kernel window: min(window, slots, 8192 / blocks).
+        assert_eq!(kernel_window(256, 1024, 362), 256);
+        assert_eq!(kernel_window(1024, 4096, 362), 1024);
+        assert_eq!(kernel_window(1024, 4096, 2237), 910);
+        assert_eq!(kernel_window(256, 4096, 16370), 128);
+        assert_eq!(kernel_window(256, 64, 16370), 64);
+        assert_eq!(kernel_window(0, 0, 16370), 1);
+        for mtu in [576usize, 1500, 4000, 9000, 16000, 65535] {
+            let per = elements_per_fragment(mtu);
+            let w = kernel_window(1024, 4096, per);
+            assert!(
+                w * blocks_per_fragment(per) <= crate::abi::MAX_BLOCKS as usize,
+                "MTU {mtu}: pool exhausted"
+            );
+        }
+        // Byte budget of a window.
+        assert_eq!(byte_window(256, 1500), 256);
+        assert_eq!(byte_window(256, 9000), 233);
+        assert_eq!(byte_window(256, 65535), 32);
+        assert_eq!(byte_window(4, 65535), 4);
+        assert_eq!(byte_window(256, 10 << 20), 8);
     }
 
     #[test]

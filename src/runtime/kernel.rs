@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use crate::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
-use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, Verdict};
+use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
 #[derive(Debug)]
 struct Done {
@@ -71,7 +71,13 @@ const EARLY_RESULTS_MAX: usize = 65536;
 impl KernelAggregator {
     /// For ranks at `peers` (rank r = `peers[r]`), `per` elements per
     /// fragment.
-    pub fn new(peers: Vec<SocketAddrV4>, per: usize, cfg: ReliabilityConfig, first_round: u32, first_seq: u32) -> KernelAggregator {
+    pub fn new(
+        peers: Vec<SocketAddrV4>,
+        per: usize,
+        cfg: ReliabilityConfig,
+        first_round: u32,
+        first_seq: u32,
+    ) -> KernelAggregator {
         KernelAggregator {
             peers,
             per: per.max(1),
@@ -114,7 +120,8 @@ impl Backend for KernelAggregator {
         self.round = round;
         self.seq_base = seq_base;
         // Early RESULTs of rounds before this one can no longer be taken.
-        self.early.retain(|(h, _, _)| (h.round.wrapping_sub(round) as i32) >= 0);
+        self.early
+            .retain(|(h, _, _)| (h.round.wrapping_sub(round) as i32) >= 0);
         let pool = &mut self.pool;
         self.done.retain_mut(|d| {
             let keep = (d.round.wrapping_sub(round) as i32) >= 0;
@@ -126,13 +133,22 @@ impl Backend for KernelAggregator {
         let _ = self.cfg;
     }
 
-    fn on_agg(&mut self, hdr: &AggHeader, payload: &[u8], from: SocketAddrV4, now: Instant, io: &mut AckIo) {
+    fn on_agg(
+        &mut self,
+        hdr: &AggHeader,
+        payload: &[u8],
+        from: SocketAddrV4,
+        now: Instant,
+        io: &mut AckIo,
+    ) {
         if !hdr.is_result() || hdr.is_float() {
             return;
         }
         if hdr.round != self.round {
             // A later round than the one in progress: keep it for then.
-            if (hdr.round.wrapping_sub(self.round) as i32) > 0 && self.early.len() < EARLY_RESULTS_MAX {
+            if (hdr.round.wrapping_sub(self.round) as i32) > 0
+                && self.early.len() < EARLY_RESULTS_MAX
+            {
                 self.early.push((*hdr, payload.to_vec(), from));
             }
             return;
@@ -150,18 +166,26 @@ impl Backend for KernelAggregator {
         if self.behalf.check(seq) == Verdict::Duplicate {
             return; // the kernel emits one RESULT per slot; ignore copies
         }
-        self.behalf.record(seq, hdr.is_last_fragment(), now, &mut emit);
+        self.behalf
+            .record(seq, hdr.is_last_fragment(), now, &mut emit);
         self.results += 1;
         let mut values = self.pool.pop().unwrap_or_default();
         values.resize(hdr.count as usize, 0);
         crate::proto::read_i32_be(payload, &mut values);
-        self.done.push(Done { round: hdr.round, frag_off: hdr.frag_off, values, overflow: hdr.has_overflow() });
+        self.done.push(Done {
+            round: hdr.round,
+            frag_off: hdr.frag_off,
+            values,
+            overflow: hdr.has_overflow(),
+        });
     }
 
     fn poll(&mut self, now: Instant, io: &mut AckIo) -> Option<Instant> {
         if self.early.iter().any(|(h, _, _)| h.round == self.round) {
             let round = self.round;
-            let (now_due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.early).into_iter().partition(|(h, _, _)| h.round == round);
+            let (now_due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.early)
+                .into_iter()
+                .partition(|(h, _, _)| h.round == round);
             self.early = later;
             for (hdr, payload, from) in now_due {
                 self.on_agg(&hdr, &payload, from, now, io);
@@ -179,7 +203,8 @@ impl Backend for KernelAggregator {
                     Self::fan_out(peers, io, bm);
                 }
                 self.linger_step += 1;
-                self.linger_at = (self.linger_step < 4).then(|| now + Duration::from_millis(5 << self.linger_step));
+                self.linger_at = (self.linger_step < 4)
+                    .then(|| now + Duration::from_millis(5 << self.linger_step));
             }
             if let Some(at) = self.linger_at {
                 next = Some(next.map_or(at, |n: Instant| n.min(at)));
@@ -193,7 +218,11 @@ impl Backend for KernelAggregator {
         while k < self.done.len() {
             if self.done[k].round == round {
                 let d = self.done.swap_remove(k);
-                f(Completed { frag_off: d.frag_off, values: &d.values, overflow: d.overflow });
+                f(Completed {
+                    frag_off: d.frag_off,
+                    values: &d.values,
+                    overflow: d.overflow,
+                });
                 self.pool.push(d.values);
             } else {
                 k += 1;
@@ -237,14 +266,22 @@ mod tests {
     #[test]
     fn result_of_a_later_round_is_kept_until_that_round() {
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
-        let net = Net { t: Box::new(UdpTransport(socket)), c: Arc::new(Counters::default()) };
+        let net = Net {
+            t: Box::new(UdpTransport(socket)),
+            c: Arc::new(Counters::default()),
+        };
         let (mut buf, mut sent) = (Vec::new(), 0u64);
         let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
         let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100);
         let now = Instant::now();
         let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
         {
-            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            let mut io = AckIo {
+                sock: &net,
+                buf: &mut buf,
+                job: 7,
+                sent: &mut sent,
+            };
             agg.on_agg(&hdr, &payload, peer, now, &mut io);
             agg.poll(now, &mut io);
         }
@@ -254,12 +291,20 @@ mod tests {
 
         agg.expect_round(2, 101, now);
         {
-            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            let mut io = AckIo {
+                sock: &net,
+                buf: &mut buf,
+                job: 7,
+                sent: &mut sent,
+            };
             agg.poll(now, &mut io);
         }
         let mut round2 = Vec::new();
         agg.take_completed(2, &mut |c| round2.push((c.frag_off, c.values.to_vec())));
         assert_eq!(round2, vec![(0, vec![5, 6, 7, 8])]);
-        assert!(sent > 0, "the kept RESULT is acknowledged to the workers once its round begins");
+        assert!(
+            sent > 0,
+            "the kept RESULT is acknowledged to the workers once its round begins"
+        );
     }
 }

@@ -9,7 +9,8 @@
 //! (contributions reduced by the node's XDP aggregator).
 //!
 //! - [`reliability`]: the one seq/ACK/retransmit module every path uses.
-//! - [`fragment`]: MTU-sized fragments and reassembly.
+//! - [`fragment`]: MTU-sized fragments, window sizing and reassembly.
+//! - [`pmtu`]: path MTU discovery (the default `mtu`).
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
 //! - [`socket`], [`kernel`]: the aggregator side of each backend.
 //! - [`comm`]: the communicator, its builder and its progress engine.
@@ -23,6 +24,7 @@ pub mod backend;
 pub mod comm;
 pub mod fragment;
 pub mod kernel;
+pub mod pmtu;
 pub mod quantize;
 pub mod reliability;
 pub mod socket;
@@ -30,10 +32,12 @@ pub mod transport;
 pub mod work;
 
 pub use backend::BackendKind;
-pub use comm::{CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup};
+pub use comm::{
+    CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
+};
 pub use quantize::Quantization;
 pub use reliability::ReliabilityConfig;
-pub use transport::{CommStats, ImpairControl, Impairment};
+pub use transport::{CommStats, ImpairControl, Impairment, IoStats};
 pub use work::Work;
 
 use std::fmt;
@@ -131,7 +135,14 @@ impl CommError {
 
 fn fmt_missing(m: &[Peer], known: bool) -> String {
     if m.is_empty() {
-        return if known { "nobody".into() } else { "unknown ranks (kernel backend)".into() };
+        return if known {
+            "nobody".into()
+        } else {
+            "unknown ranks (kernel backend)".into()
+        };
     }
-    m.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+    m.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -84,6 +84,53 @@ pub fn dequantize_into(r: &[i32], divisor: f64, out: &mut [f32]) {
     }
 }
 
+/// `round_half_even(x * scale)` clamped to int32, appended big-endian to
+/// `out` (a datagram being encoded): the quantization of one fragment
+/// straight into its datagram buffer, with no int32 vector in between.
+/// Non-finite values must have been rejected before ([`check_finite`] or
+/// [`max_abs`]); here NaN becomes 0. Returns whether any element was clamped.
+pub fn quantize_be_into(x: &[f32], scale: f64, out: &mut Vec<u8>) -> bool {
+    let start = out.len();
+    out.resize(start + 4 * x.len(), 0);
+    let mut clamped = false;
+    for (o, &v) in out[start..].chunks_exact_mut(4).zip(x) {
+        let q = (v as f64 * scale).round_ties_even();
+        let c = q.clamp(i32::MIN as f64, i32::MAX as f64);
+        clamped |= c != q;
+        o.copy_from_slice(&(c as i32).to_be_bytes());
+    }
+    clamped
+}
+
+/// `r / divisor` for big-endian int32s `be` (a datagram's payload) into
+/// `out` (as many elements as both have): dequantization straight out of
+/// the datagram buffer into the caller's vector.
+pub fn dequantize_be_into(be: &[u8], divisor: f64, out: &mut [f32]) {
+    // Dividing by a power of two is multiplying by its exact inverse (the
+    // adaptive scales): the same result as `dequantize_into`, faster.
+    let (m, e) = (divisor.abs(), divisor.abs().log2());
+    if divisor.is_finite() && m > 0.0 && e.fract() == 0.0 && e.abs() < 1000.0 {
+        let inv = 1.0 / divisor;
+        for (o, b) in out.iter_mut().zip(be.chunks_exact(4)) {
+            *o = (i32::from_be_bytes([b[0], b[1], b[2], b[3]]) as f64 * inv) as f32;
+        }
+    } else {
+        for (o, b) in out.iter_mut().zip(be.chunks_exact(4)) {
+            *o = (i32::from_be_bytes([b[0], b[1], b[2], b[3]]) as f64 / divisor) as f32;
+        }
+    }
+}
+
+/// The index of the first NaN or infinity, if any.
+pub fn check_finite(x: &[f32]) -> Result<(), QuantizeError> {
+    if x.iter().all(|v| v.is_finite()) {
+        return Ok(());
+    }
+    Err(QuantizeError::NotFinite(
+        x.iter().position(|v| !v.is_finite()).unwrap_or(0),
+    ))
+}
+
 /// Largest |x| of a vector (0 for an empty one), or the index of a NaN or
 /// infinity.
 pub fn max_abs(x: &[f32]) -> Result<f32, QuantizeError> {
@@ -156,8 +203,14 @@ mod tests {
                 *a += x as i64;
             }
         }
-        let overflow = clamped_any || acc.iter().any(|&a| a > i32::MAX as i64 || a < i32::MIN as i64);
-        let clamped: Vec<i32> = acc.iter().map(|&a| a.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect();
+        let overflow = clamped_any
+            || acc
+                .iter()
+                .any(|&a| a > i32::MAX as i64 || a < i32::MIN as i64);
+        let clamped: Vec<i32> = acc
+            .iter()
+            .map(|&a| a.clamp(i32::MIN as i64, i32::MAX as i64) as i32)
+            .collect();
         let mut out = vec![0f32; n];
         dequantize_into(&clamped, scale, &mut out);
         let (mut max_err, mut sum_err) = (0f64, 0f64);
@@ -177,8 +230,14 @@ mod tests {
         assert_eq!(q, [0, 2, 2, 0, -2]);
         assert!(quantize_into(&[30.0, -30.0], 1e8, &mut q).unwrap());
         assert_eq!(q, [i32::MAX, i32::MIN]);
-        assert_eq!(quantize_into(&[f32::NAN], 1.0, &mut q), Err(QuantizeError::NotFinite(0)));
-        assert_eq!(quantize_into(&[1.0], 0.0, &mut q), Err(QuantizeError::BadScale(0.0)));
+        assert_eq!(
+            quantize_into(&[f32::NAN], 1.0, &mut q),
+            Err(QuantizeError::NotFinite(0))
+        );
+        assert_eq!(
+            quantize_into(&[1.0], 0.0, &mut q),
+            Err(QuantizeError::BadScale(0.0))
+        );
         let mut out = [0f32; 2];
         dequantize_into(&[300_000_000, -50_000_000], 1e8, &mut out);
         assert_eq!(out, [3.0, -0.5]);
@@ -186,9 +245,20 @@ mod tests {
 
     #[test]
     fn adaptive_scale_never_overflows() {
-        for &(m, w) in &[(1.0f32, 1u16), (1e-3, 8), (300.0, 8), (1e6, 256), (3.5, 7), (0.0, 4), (1e-30, 2)] {
+        for &(m, w) in &[
+            (1.0f32, 1u16),
+            (1e-3, 8),
+            (300.0, 8),
+            (1e6, 256),
+            (3.5, 7),
+            (0.0, 4),
+            (1e-30, 2),
+        ] {
             let s = adaptive_scale(m, w);
-            assert!(w as f64 * (m as f64 * s + 0.5) < 2f64.powi(31), "m {m} w {w} s {s}");
+            assert!(
+                w as f64 * (m as f64 * s + 0.5) < 2f64.powi(31),
+                "m {m} w {w} s {s}"
+            );
             assert_eq!(s.log2().fract(), 0.0, "power of two");
             // and it is the largest such power of two (unless capped)
             if s < 2f64.powi(40) {
@@ -203,8 +273,13 @@ mod tests {
         let n = 100_000;
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         // Gradient-like: normal(0, 1e-3).
-        let normal: Vec<Vec<f32>> = (0..workers).map(|_| (0..n).map(|_| (rng.normal() * 1e-3) as f32).collect()).collect();
-        let m = normal.iter().map(|v| max_abs(v).unwrap()).fold(0f32, f32::max);
+        let normal: Vec<Vec<f32>> = (0..workers)
+            .map(|_| (0..n).map(|_| (rng.normal() * 1e-3) as f32).collect())
+            .collect();
+        let m = normal
+            .iter()
+            .map(|v| max_abs(v).unwrap())
+            .fold(0f32, f32::max);
         let s = adaptive_scale(m, workers as u16);
         let (max_e, mean_e, ovf) = sum_error(&normal, s);
         eprintln!("normal(0,1e-3): max|x| {m:e} S {s:e} max err {max_e:e} mean err {mean_e:e}");
@@ -216,14 +291,22 @@ mod tests {
         assert!(!ovf_f && max_f < 1e-7);
 
         // Heavy tails: Student-t(2), unscaled (max |x| in the hundreds).
-        let heavy: Vec<Vec<f32>> = (0..workers).map(|_| (0..n).map(|_| rng.student_t(2) as f32).collect()).collect();
-        let m = heavy.iter().map(|v| max_abs(v).unwrap()).fold(0f32, f32::max);
+        let heavy: Vec<Vec<f32>> = (0..workers)
+            .map(|_| (0..n).map(|_| rng.student_t(2) as f32).collect())
+            .collect();
+        let m = heavy
+            .iter()
+            .map(|v| max_abs(v).unwrap())
+            .fold(0f32, f32::max);
         let s = adaptive_scale(m, workers as u16);
         let (max_e, mean_e, ovf) = sum_error(&heavy, s);
         eprintln!("student-t(2): max|x| {m:e} S {s:e} max err {max_e:e} mean err {mean_e:e}");
         assert!(!ovf);
         // quantization bound plus the final f32 rounding of results up to workers * m
-        assert!(max_e <= 0.5 * workers as f64 / s + (m as f64 * workers as f64) * 2f64.powi(-24), "{max_e}");
+        assert!(
+            max_e <= 0.5 * workers as f64 / s + (m as f64 * workers as f64) * 2f64.powi(-24),
+            "{max_e}"
+        );
         // The fixed default overflows on them: that must be visible.
         let (_, _, ovf_f) = sum_error(&heavy, DEFAULT_SCALE);
         assert!(ovf_f, "fixed 1e8 on heavy tails should overflow");

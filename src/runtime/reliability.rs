@@ -88,7 +88,10 @@ impl ReliabilityConfig {
     /// Checks the ranges: G in 1..=1024, window in 1..=G, min_rto <= max_rto.
     pub fn validate(&self) -> Result<(), String> {
         if self.group_size == 0 || self.group_size > 1024 {
-            return Err(format!("ack group size {} outside 1..=1024", self.group_size));
+            return Err(format!(
+                "ack group size {} outside 1..=1024",
+                self.group_size
+            ));
         }
         if self.window == 0 || self.window > self.group_size {
             return Err(format!(
@@ -384,13 +387,27 @@ impl SendWindow {
                 tx(d, &self.bufs[b as usize]);
             }
         }
-        let entry = Entry { pending: dests, buf: b, retries: 0, reserved: false, first_sent: now, last_sent: now };
+        let entry = Entry {
+            pending: dests,
+            buf: b,
+            retries: 0,
+            reserved: false,
+            first_sent: now,
+            last_sent: now,
+        };
         if self.entries.is_empty() {
             self.base = self.next_seq;
         }
         let off = seq.wrapping_sub(self.base) as usize;
         while self.entries.len() < off {
-            self.entries.push_back(Entry { pending: 0, buf: u32::MAX, retries: 0, reserved: true, first_sent: now, last_sent: now });
+            self.entries.push_back(Entry {
+                pending: 0,
+                buf: u32::MAX,
+                retries: 0,
+                reserved: true,
+                first_sent: now,
+                last_sent: now,
+            });
         }
         if off < self.entries.len() {
             self.entries[off] = entry;
@@ -417,6 +434,13 @@ impl SendWindow {
             self.entries.pop_front();
             self.base = self.base.wrapping_add(1);
         }
+    }
+
+    /// The bytes of datagram `seq` while it is in flight (to send a batch of
+    /// new datagrams after registering them).
+    pub fn bytes_of(&self, seq: u32) -> Option<&[u8]> {
+        let e = self.entries.get(self.index_of(seq)?)?;
+        (!e.reserved).then(|| self.bufs[e.buf as usize].as_slice())
     }
 
     /// Marks `seq` acknowledged by `dest` (an implicit acknowledgement, e.g.
@@ -467,7 +491,13 @@ impl SendWindow {
     /// that was sent only once, and retransmits (to `dest` only) the holes
     /// below its highest received seq that have been in flight longer than
     /// the smoothed RTT.
-    pub fn on_ack(&mut self, dest: usize, bm: &SeqBitmap, now: Instant, tx: &mut impl FnMut(usize, &[u8])) {
+    pub fn on_ack(
+        &mut self,
+        dest: usize,
+        bm: &SeqBitmap,
+        now: Instant,
+        tx: &mut impl FnMut(usize, &[u8]),
+    ) {
         if dest >= self.ndest {
             return;
         }
@@ -481,7 +511,8 @@ impl SendWindow {
                 if e.pending & bit != 0 {
                     e.pending &= !bit;
                     if e.retries == 0 {
-                        sample = Some(sample.map_or(e.first_sent, |s: Instant| s.max(e.first_sent)));
+                        sample =
+                            Some(sample.map_or(e.first_sent, |s: Instant| s.max(e.first_sent)));
                     }
                 }
                 highest = Some(seq);
@@ -494,7 +525,9 @@ impl SendWindow {
             let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
             let hi_off = hi.wrapping_sub(self.base) as usize;
             for seq in bm.missing() {
-                let Some(i) = self.index_of(seq) else { continue };
+                let Some(i) = self.index_of(seq) else {
+                    continue;
+                };
                 if i >= hi_off {
                     continue;
                 }
@@ -615,7 +648,11 @@ impl RecvTracker {
             // group_size is validated to 1..=1024; fall back to one bit.
             SeqBitmap::new(base, 1).expect("nbits 1 is valid")
         });
-        GroupState { bitmap, unacked: 0, first_unacked: None }
+        GroupState {
+            bitmap,
+            unacked: 0,
+            first_unacked: None,
+        }
     }
 
     fn reset_at(&mut self, seq: u32) {
@@ -649,13 +686,21 @@ impl RecvTracker {
 
     /// Records a [`Verdict::New`] seq and sends whatever ACK the mode calls
     /// for now; `last` marks the last datagram of a message (ACK at once).
-    pub fn record(&mut self, seq: u32, last: bool, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) {
+    pub fn record(
+        &mut self,
+        seq: u32,
+        last: bool,
+        now: Instant,
+        emit: &mut impl FnMut(&SeqBitmap),
+    ) {
         if !self.started {
             self.reset_at(seq);
         }
         let g = self.g();
         // Evict groups whose holes the sender must have abandoned.
-        while seq.wrapping_sub(self.floor) >= 2 * g && seq.wrapping_sub(self.floor) < SESSION_RESET_DISTANCE {
+        while seq.wrapping_sub(self.floor) >= 2 * g
+            && seq.wrapping_sub(self.floor) < SESSION_RESET_DISTANCE
+        {
             if let Some(front) = self.groups.pop_front() {
                 if front.unacked > 0 && self.cfg.ack_mode == AckMode::Group {
                     emit(&front.bitmap);
@@ -752,15 +797,28 @@ mod tests {
     use super::*;
 
     fn cfg(mode: AckMode, g: u32, window: u32) -> ReliabilityConfig {
-        ReliabilityConfig { ack_mode: mode, group_size: g, window, ..Default::default() }
+        ReliabilityConfig {
+            ack_mode: mode,
+            group_size: g,
+            window,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn memory_per_group_of_1024() {
         // Receiver: one GroupState per 1024 datagrams per sender.
-        assert_eq!(RecvTracker::GROUP_BYTES, 160, "GroupState grew: update docs/RUNTIME.md");
+        assert_eq!(
+            RecvTracker::GROUP_BYTES,
+            160,
+            "GroupState grew: update docs/RUNTIME.md"
+        );
         // Sender: bookkeeping per datagram in flight.
-        assert_eq!(SendWindow::ENTRY_BYTES, 48, "Entry grew: update docs/RUNTIME.md");
+        assert_eq!(
+            SendWindow::ENTRY_BYTES,
+            48,
+            "Entry grew: update docs/RUNTIME.md"
+        );
         assert_eq!(1024 * SendWindow::ENTRY_BYTES, 48 * 1024);
         // A tracker never holds more than MAX_GROUPS groups, whatever it sees.
         let mut t = RecvTracker::new(cfg(AckMode::Group, 1024, 1024));
@@ -775,7 +833,11 @@ mod tests {
 
     #[test]
     fn rtt_estimator_jacobson_karels() {
-        let mut r = RttEstimator::new(Duration::from_millis(20), Duration::from_millis(2), Duration::from_secs(1));
+        let mut r = RttEstimator::new(
+            Duration::from_millis(20),
+            Duration::from_millis(2),
+            Duration::from_secs(1),
+        );
         assert_eq!(r.rto(), Duration::from_millis(20));
         r.sample(Duration::from_millis(10));
         assert_eq!(r.srtt(), Some(Duration::from_millis(10)));
@@ -798,10 +860,15 @@ mod tests {
         for i in 0..8u32 {
             assert!(w.can_send());
             let seq = w
-                .send::<()>(0b111, t0, |s, b| {
-                    b.extend_from_slice(&s.to_be_bytes());
-                    Ok(())
-                }, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))))
+                .send::<()>(
+                    0b111,
+                    t0,
+                    |s, b| {
+                        b.extend_from_slice(&s.to_be_bytes());
+                        Ok(())
+                    },
+                    &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))),
+                )
                 .unwrap();
             assert_eq!(seq, 100 + i);
         }
@@ -825,22 +892,30 @@ mod tests {
         w.on_ack(0, &all, t1, &mut |d, _| sent.push((d, 0)));
         w.on_ack(1, &all, t1, &mut |d, _| sent.push((d, 0)));
         // Selective: 103 in flight longer than srtt (5 ms sample) only after 5 ms.
-        w.on_ack(2, &part, t1, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        w.on_ack(2, &part, t1, &mut |d, b| {
+            sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
         assert!(sent.is_empty());
         assert_eq!(w.in_flight(), 5); // 103..107 (107 acked behind the hole)
         assert_eq!(w.unacked_dests(), 0b100);
         // Timeout: only 103, only to dest 2.
         let t2 = t0 + Duration::from_secs(2);
-        let next = w.poll(t2, &mut |d, b| sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        let next = w.poll(t2, &mut |d, b| {
+            sent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
         assert_eq!(sent, vec![(2, 103)]);
         assert!(next.unwrap() > t2);
         assert_eq!(w.stats().retransmitted, 1);
         // Back-off: the second timeout is twice the first.
         let rto = w.rtt().rto();
         sent.clear();
-        w.poll(t2 + rto + Duration::from_micros(10), &mut |d, _| sent.push((d, 0)));
+        w.poll(t2 + rto + Duration::from_micros(10), &mut |d, _| {
+            sent.push((d, 0))
+        });
         assert!(sent.is_empty(), "backed off: not due after one RTO");
-        w.poll(t2 + 2 * rto + Duration::from_micros(10), &mut |d, _| sent.push((d, 0)));
+        w.poll(t2 + 2 * rto + Duration::from_micros(10), &mut |d, _| {
+            sent.push((d, 0))
+        });
         assert_eq!(sent.len(), 1);
         let mut one = SeqBitmap::new(103, 1).unwrap();
         one.set(103);
@@ -861,11 +936,17 @@ mod tests {
         };
         let mut sent = 0;
         // 1002 first (placeholders 1000, 1001), then 1000, then 1001; nothing sent.
-        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
+        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1)
+            .unwrap();
         assert_eq!(w.in_flight(), 3);
-        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
-        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1).unwrap(); // again: ignored
-        assert_eq!(sent, 4, "tx once per destination of 1002 and 1000, not for the repeat");
+        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1)
+            .unwrap();
+        w.send_at(1002, 0b11, t0, build, &mut |_, _| sent += 1)
+            .unwrap(); // again: ignored
+        assert_eq!(
+            sent, 4,
+            "tx once per destination of 1002 and 1000, not for the repeat"
+        );
         let mut all = SeqBitmap::new(1000, 3).unwrap();
         for s in [1000, 1002] {
             all.set(s);
@@ -875,10 +956,14 @@ mod tests {
         assert!(!w.is_idle(), "placeholder 1001 still open");
         // Timeout: 1001 is a placeholder, nothing to resend.
         let mut resent = Vec::new();
-        w.poll(t0 + Duration::from_secs(2), &mut |d, b| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        w.poll(t0 + Duration::from_secs(2), &mut |d, b| {
+            resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
         assert!(resent.is_empty());
         w.send_at(1001, 0b11, t0, build, &mut |_, _| {}).unwrap();
-        w.poll(t0 + Duration::from_secs(4), &mut |d, b| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+        w.poll(t0 + Duration::from_secs(4), &mut |d, b| {
+            resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
         assert_eq!(resent, vec![(0, 1001), (1, 1001)]);
         let mut one = SeqBitmap::new(1001, 1).unwrap();
         one.set(1001);
@@ -886,7 +971,8 @@ mod tests {
         w.on_ack(1, &one, t0, &mut |_, _| {});
         assert!(w.is_idle());
         // Retired seqs are ignored.
-        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1).unwrap();
+        w.send_at(1000, 0b11, t0, build, &mut |_, _| sent += 1)
+            .unwrap();
         assert!(w.is_idle());
         assert_eq!(sent, 4);
         assert_eq!(w.next_seq(), 1003);
@@ -952,7 +1038,11 @@ mod tests {
         // Sender gave up on 3..8 and moved on: 16 is 2G past group 0.
         assert_eq!(t.check(16), Verdict::New);
         t.record(16, false, now, &mut |_| {});
-        assert_eq!(t.check(3), Verdict::Duplicate, "abandoned holes are settled");
+        assert_eq!(
+            t.check(3),
+            Verdict::Duplicate,
+            "abandoned holes are settled"
+        );
         assert_eq!(t.check(9), Verdict::New);
     }
 }

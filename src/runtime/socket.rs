@@ -22,7 +22,7 @@ use std::time::Instant;
 use crate::proto::AggHeader;
 use crate::reducer::{Accumulator, ReduceValues};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
-use crate::runtime::reliability::{ReliabilityConfig, RecvTracker, Verdict};
+use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
 #[derive(Debug)]
 struct Slot {
@@ -72,7 +72,12 @@ pub struct SocketAggregator {
 impl SocketAggregator {
     /// An aggregator for `peers.len()` ranks (rank r sends from `peers[r]`),
     /// with at most `slots` slots.
-    pub fn new(peers: Vec<SocketAddrV4>, cfg: ReliabilityConfig, slots: usize, first_round: u32) -> SocketAggregator {
+    pub fn new(
+        peers: Vec<SocketAddrV4>,
+        cfg: ReliabilityConfig,
+        slots: usize,
+        first_round: u32,
+    ) -> SocketAggregator {
         SocketAggregator {
             workers: peers.len() as u16,
             trackers: (0..peers.len()).map(|_| RecvTracker::new(cfg)).collect(),
@@ -108,7 +113,20 @@ impl SocketAggregator {
             return None;
         }
         let words = (self.workers as usize).div_ceil(64);
-        let i = if let Some(i) = self.free.pop() {
+        // A free slot of the same shape keeps its accumulator's allocation.
+        let same = self.free.iter().rposition(|&i| {
+            let a = &self.slots[i].acc;
+            a.op() == hdr.op && a.count() == hdr.count as usize
+        });
+        // Otherwise a new slot (a slot of another shape would be reallocated
+        // anyway, and is kept for its shape), up to 2 × the limit in all.
+        let steal = || self.slots.len() >= 2 * self.limit;
+        let pick = match same {
+            Some(k) => Some(self.free.swap_remove(k)),
+            None if steal() => self.free.pop(),
+            None => None,
+        };
+        let i = if let Some(i) = pick {
             let s = &mut self.slots[i];
             if s.acc.reset(hdr.op, hdr.count as usize, false).is_err() {
                 self.free.push(i);
@@ -164,7 +182,10 @@ impl SocketAggregator {
             self.stats.duplicates += 1;
             return true;
         }
-        if s.acc.op() != hdr.op || s.acc.count() != hdr.count as usize || s.acc.add_be_bytes(payload, 1).is_err() {
+        if s.acc.op() != hdr.op
+            || s.acc.count() != hdr.count as usize
+            || s.acc.add_be_bytes(payload, 1).is_err()
+        {
             self.stats.invalid += 1;
             return true;
         }
@@ -193,6 +214,35 @@ impl Backend for SocketAggregator {
         BackendKind::Socket
     }
 
+    fn reserve(&mut self, op: crate::abi::Op, count: usize, n: usize) {
+        // Enough free or used slots of this shape for the call, made now, so
+        // that later calls of the same size allocate nothing.
+        let n = n.min(self.limit);
+        let mut have = self
+            .slots
+            .iter()
+            .filter(|s| s.acc.op() == op && s.acc.count() == count)
+            .count();
+        let words = (self.workers as usize).div_ceil(64);
+        while have < n && self.slots.len() < 2 * self.limit {
+            let Ok(acc) = Accumulator::new(op, count, false) else {
+                return;
+            };
+            self.slots.push(Slot {
+                round: 0,
+                frag_off: 0,
+                acc,
+                ranks: vec![0; words],
+                contributors: 0,
+                done: false,
+                result: Vec::with_capacity(count),
+                overflow: false,
+            });
+            self.free.push(self.slots.len() - 1);
+            have += 1;
+        }
+    }
+
     fn expect_round(&mut self, round: u32, _seq_base: u32, _now: Instant) {
         self.next_round = round;
         let stale: Vec<usize> = self
@@ -206,10 +256,18 @@ impl Backend for SocketAggregator {
         }
         let slots = &self.slots;
         let index = &self.index;
-        self.done.retain(|&i| index.get(&(slots[i].round, slots[i].frag_off)) == Some(&i));
+        self.done
+            .retain(|&i| index.get(&(slots[i].round, slots[i].frag_off)) == Some(&i));
     }
 
-    fn on_agg(&mut self, hdr: &AggHeader, payload: &[u8], from: SocketAddrV4, now: Instant, io: &mut AckIo) {
+    fn on_agg(
+        &mut self,
+        hdr: &AggHeader,
+        payload: &[u8],
+        from: SocketAddrV4,
+        now: Instant,
+        io: &mut AckIo,
+    ) {
         let r = hdr.rank as usize;
         if hdr.is_result() || hdr.is_float() || r >= self.peers.len() || self.peers[r] != from {
             self.stats.invalid += 1;
@@ -246,7 +304,11 @@ impl Backend for SocketAggregator {
             let i = self.done[k];
             if self.slots[i].round == round {
                 let s = &self.slots[i];
-                f(Completed { frag_off: s.frag_off, values: &s.result, overflow: s.overflow });
+                f(Completed {
+                    frag_off: s.frag_off,
+                    values: &s.result,
+                    overflow: s.overflow,
+                });
                 self.done.swap_remove(k);
                 self.free_slot(i);
             } else {
@@ -257,12 +319,24 @@ impl Backend for SocketAggregator {
 
     fn fragment_state(&self, round: u32, frag_off: u32) -> FragmentState {
         match self.index.get(&(round, frag_off)) {
-            None => FragmentState { contributors: Some(Vec::new()), partial: None },
+            None => FragmentState {
+                contributors: Some(Vec::new()),
+                partial: None,
+            },
             Some(&i) => {
                 let s = &self.slots[i];
-                let ranks = (0..self.workers).filter(|&r| s.ranks[r as usize / 64] & (1 << (r % 64)) != 0).collect();
-                let partial = s.acc.finish().ok().and_then(|r| r.ints().map(|v| v.to_vec()));
-                FragmentState { contributors: Some(ranks), partial }
+                let ranks = (0..self.workers)
+                    .filter(|&r| s.ranks[r as usize / 64] & (1 << (r % 64)) != 0)
+                    .collect();
+                let partial = s
+                    .acc
+                    .finish()
+                    .ok()
+                    .and_then(|r| r.ints().map(|v| v.to_vec()));
+                FragmentState {
+                    contributors: Some(ranks),
+                    partial,
+                }
             }
         }
     }

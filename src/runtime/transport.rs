@@ -23,7 +23,38 @@ use std::sync::Arc;
 
 use crate::abi;
 
+/// Most datagrams one batched system call carries ([`Transport::send_batch`],
+/// [`Transport::recv_batch`]); longer batches are split.
+pub const BATCH_MAX: usize = 64;
+
+/// Bytes of one receive slot of [`Transport::recv_batch`]: the largest UDP
+/// datagram fits, whatever the MTU (a slot's pages are touched only as far
+/// as its datagram reaches).
+pub const RECV_SLOT: usize = 65536;
+
+/// Length and source of one datagram received by [`Transport::recv_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecvMeta {
+    /// Bytes of the datagram (in its slot).
+    pub len: usize,
+    /// Its source.
+    pub from: SocketAddr,
+}
+
+impl Default for RecvMeta {
+    fn default() -> Self {
+        RecvMeta {
+            len: 0,
+            from: SocketAddr::V4(SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)),
+        }
+    }
+}
+
 /// A datagram transport: what the progress engine sends and receives with.
+///
+/// The batch methods have defaults that loop over `send_to` / `recv_from`
+/// (so a wrapper such as [`ImpairedTransport`] only implements those);
+/// [`UdpTransport`] implements them with `sendmmsg` / `recvmmsg`.
 pub trait Transport: Send + fmt::Debug {
     /// Sends one datagram to `to` (errors count as loss).
     fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize>;
@@ -31,11 +62,86 @@ pub trait Transport: Send + fmt::Debug {
     fn recv_from(&mut self, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)>;
     /// The file descriptor to wait on for readability.
     fn raw_fd(&self) -> RawFd;
+
+    /// Sends every datagram of `msgs` (bytes, destination), in order; returns
+    /// how many the socket took (the others count as lost: a full socket
+    /// buffer, an ICMP error reported on this send).
+    fn send_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) -> usize {
+        msgs.iter()
+            .filter(|(b, to)| self.send_to(b, *to).is_ok())
+            .count()
+    }
+
+    /// Receives up to `meta.len()` datagrams without blocking, datagram `k`
+    /// into `buf[k * slot..(k + 1) * slot]` with its length and source in
+    /// `meta[k]`; returns how many (`WouldBlock` when none).
+    fn recv_batch(
+        &mut self,
+        buf: &mut [u8],
+        slot: usize,
+        meta: &mut [RecvMeta],
+    ) -> io::Result<usize> {
+        let n = meta.len().min(buf.len() / slot.max(1));
+        let mut got = 0;
+        while got < n {
+            match self.recv_from(&mut buf[got * slot..(got + 1) * slot]) {
+                Ok((len, from)) => {
+                    meta[got] = RecvMeta { len, from };
+                    got += 1;
+                }
+                Err(e) if got == 0 => return Err(e),
+                Err(_) => break,
+            }
+        }
+        Ok(got)
+    }
+
+    /// Sends `buf` as datagrams of `segment` bytes (the last may be shorter)
+    /// to `to`; [`UdpTransport`] hands it to the kernel as one UDP GSO
+    /// super-datagram (`UDP_SEGMENT`), segmented after the stack. Returns the
+    /// bytes sent. Not used on the kernel backend's contribution path (see
+    /// `docs/RUNTIME.md`, "Batched I/O and what XDP sees").
+    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddrV4) -> io::Result<usize> {
+        let mut sent = 0;
+        for c in buf.chunks(segment.max(1)) {
+            sent += self.send_to(c, to)?;
+        }
+        Ok(sent)
+    }
 }
 
-/// The production transport: a non-blocking UDP socket, unchanged.
+/// The production transport: a non-blocking UDP socket, batches through
+/// `sendmmsg` / `recvmmsg`.
 #[derive(Debug)]
 pub struct UdpTransport(pub UdpSocket);
+
+fn sockaddr_of(a: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*a.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn addr_of(sa: &libc::sockaddr_in) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(
+        u32::from_be(sa.sin_addr.s_addr).into(),
+        u16::from_be(sa.sin_port),
+    ))
+}
+
+/// `UDP_SEGMENT` (linux/udp.h), the UDP GSO segment size option / cmsg.
+pub const UDP_SEGMENT: libc::c_int = 103;
+
+/// Largest UDP payload of one IPv4 datagram (65535 − 20 − 8), also the
+/// most one UDP GSO send carries.
+pub const UDP_MAX_PAYLOAD: usize = 65507;
+
+/// Most segments of one UDP GSO send (`UDP_MAX_SEGMENTS`).
+pub const UDP_MAX_SEGMENTS: usize = 64;
 
 impl Transport for UdpTransport {
     fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize> {
@@ -46,6 +152,153 @@ impl Transport for UdpTransport {
     }
     fn raw_fd(&self) -> RawFd {
         self.0.as_raw_fd()
+    }
+
+    fn send_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) -> usize {
+        let mut total = 0;
+        for chunk in msgs.chunks(BATCH_MAX) {
+            // SAFETY (zeroed): plain C structs, all-zero is valid.
+            let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            for (k, (b, to)) in chunk.iter().enumerate() {
+                addrs[k] = sockaddr_of(*to);
+                iovs[k] = libc::iovec {
+                    iov_base: b.as_ptr() as *mut libc::c_void,
+                    iov_len: b.len(),
+                };
+            }
+            for k in 0..chunk.len() {
+                hdrs[k].msg_hdr.msg_name =
+                    &mut addrs[k] as *mut libc::sockaddr_in as *mut libc::c_void;
+                hdrs[k].msg_hdr.msg_namelen =
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
+                hdrs[k].msg_hdr.msg_iovlen = 1;
+            }
+            let mut off = 0;
+            while off < chunk.len() {
+                // SAFETY: hdrs[off..len] point at live iovecs / addresses whose
+                // buffers (`chunk`'s slices) outlive the call.
+                let r = unsafe {
+                    libc::sendmmsg(
+                        self.0.as_raw_fd(),
+                        hdrs.as_mut_ptr().add(off),
+                        (chunk.len() - off) as libc::c_uint,
+                        0,
+                    )
+                };
+                if r > 0 {
+                    off += r as usize;
+                    total += r as usize;
+                } else {
+                    // The datagram at `off` failed (e.g. ENOBUFS, or an ICMP
+                    // error reported here): count it lost and go on.
+                    if r < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    off += 1;
+                }
+            }
+        }
+        total
+    }
+
+    fn recv_batch(
+        &mut self,
+        buf: &mut [u8],
+        slot: usize,
+        meta: &mut [RecvMeta],
+    ) -> io::Result<usize> {
+        let n = meta.len().min(buf.len() / slot.max(1)).min(BATCH_MAX);
+        if n == 0 {
+            return Ok(0);
+        }
+        // SAFETY (zeroed): plain C structs, all-zero is valid.
+        let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+        let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
+        let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
+        let base = buf.as_mut_ptr();
+        for k in 0..n {
+            // SAFETY: k * slot + slot <= buf.len().
+            iovs[k] = libc::iovec {
+                iov_base: unsafe { base.add(k * slot) } as *mut libc::c_void,
+                iov_len: slot,
+            };
+        }
+        for k in 0..n {
+            hdrs[k].msg_hdr.msg_name = &mut addrs[k] as *mut libc::sockaddr_in as *mut libc::c_void;
+            hdrs[k].msg_hdr.msg_namelen =
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
+            hdrs[k].msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: every header points at a live slot of `buf` and an address.
+        let r = unsafe {
+            libc::recvmmsg(
+                self.0.as_raw_fd(),
+                hdrs.as_mut_ptr(),
+                n as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let r = r as usize;
+        for k in 0..r {
+            meta[k] = RecvMeta {
+                len: (hdrs[k].msg_len as usize).min(slot),
+                from: addr_of(&addrs[k]),
+            };
+        }
+        Ok(r)
+    }
+
+    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddrV4) -> io::Result<usize> {
+        let segment = segment.clamp(1, u16::MAX as usize);
+        let mut sent = 0;
+        // One super-datagram: at most 64 segments and one IPv4 datagram's
+        // payload (65507 bytes) in all.
+        let per_send = (UDP_MAX_PAYLOAD / segment).clamp(1, UDP_MAX_SEGMENTS);
+        for chunk in buf.chunks(segment * per_send) {
+            if chunk.len() <= segment {
+                sent += self.0.send_to(chunk, to)?;
+                continue;
+            }
+            let mut addr = sockaddr_of(to);
+            let mut iov = libc::iovec {
+                iov_base: chunk.as_ptr() as *mut libc::c_void,
+                iov_len: chunk.len(),
+            };
+            // SAFETY: CMSG_SPACE is a pure size computation.
+            let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+            let mut control = [0u64; 4]; // 32 bytes, aligned, >= CMSG_SPACE(2)
+                                         // SAFETY: zeroed msghdr is valid; fields set below.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_name = &mut addr as *mut libc::sockaddr_in as *mut libc::c_void;
+            msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+            msg.msg_controllen = space as _;
+            // SAFETY: the control buffer holds one cmsg of a u16.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&msg);
+                (*c).cmsg_level = libc::SOL_UDP;
+                (*c).cmsg_type = UDP_SEGMENT;
+                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, segment as u16);
+            }
+            // SAFETY: msg points at live buffers for the call.
+            let r = unsafe { libc::sendmsg(self.0.as_raw_fd(), &msg, 0) };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            sent += r as usize;
+        }
+        Ok(sent)
     }
 }
 
@@ -69,12 +322,17 @@ impl ImpairControl {
 
     /// Sets the drop and duplication probabilities per received datagram.
     pub fn set(&self, loss: f64, duplicate: f64) {
-        self.loss_ppm.store((loss.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
-        self.dup_ppm.store((duplicate.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
+        self.loss_ppm
+            .store((loss.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
+        self.dup_ppm
+            .store((duplicate.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
     }
 
     fn get(&self) -> (u64, u64) {
-        (self.loss_ppm.load(Ordering::Relaxed), self.dup_ppm.load(Ordering::Relaxed))
+        (
+            self.loss_ppm.load(Ordering::Relaxed),
+            self.dup_ppm.load(Ordering::Relaxed),
+        )
     }
 
     /// What every transport using this control did so far.
@@ -100,7 +358,11 @@ pub struct Impairment {
 impl Impairment {
     /// Reordering within `window`, loss and duplication probabilities, seed.
     pub fn new(seed: u64, reorder_window: usize, loss: f64, duplicate: f64) -> Impairment {
-        Impairment { seed, reorder_window: reorder_window.max(1), control: ImpairControl::new(loss, duplicate) }
+        Impairment {
+            seed,
+            reorder_window: reorder_window.max(1),
+            control: ImpairControl::new(loss, duplicate),
+        }
     }
 }
 
@@ -150,7 +412,6 @@ pub struct ImpairedTransport<T: Transport> {
     arrivals: u64,
     stats: Arc<ImpairCounters>,
 }
-
 
 /// Shared counters of an [`ImpairedTransport`].
 #[derive(Debug, Default)]
@@ -278,6 +539,20 @@ pub struct CommStats {
     pub bytes_delivered: u64,
 }
 
+/// System-call batching of one communicator, see
+/// [`crate::runtime::Communicator::io_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// Batches of first transmissions handed to [`Transport::send_batch`].
+    pub send_batches: u64,
+    /// Datagrams in those batches.
+    pub batched_datagrams: u64,
+    /// Non-empty [`Transport::recv_batch`] calls.
+    pub recv_batches: u64,
+    /// Datagrams they returned.
+    pub received_datagrams: u64,
+}
+
 /// Shared atomic counters behind [`CommStats`].
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -288,6 +563,10 @@ pub struct Counters {
     acks_received: AtomicU64,
     duplicates_received: AtomicU64,
     bytes_delivered: AtomicU64,
+    batches: AtomicU64,
+    batched: AtomicU64,
+    recv_batches: AtomicU64,
+    recv_datagrams: AtomicU64,
 }
 
 impl Counters {
@@ -302,6 +581,23 @@ impl Counters {
             acks_received: l(&self.acks_received),
             duplicates_received: l(&self.duplicates_received),
             bytes_delivered: l(&self.bytes_delivered),
+        }
+    }
+
+    /// One non-empty receive batch of `n` datagrams.
+    pub fn recv_batch(&self, n: usize) {
+        self.recv_batches.fetch_add(1, Ordering::Relaxed);
+        self.recv_datagrams.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The batching counters.
+    pub fn io_snapshot(&self) -> IoStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IoStats {
+            send_batches: l(&self.batches),
+            batched_datagrams: l(&self.batched),
+            recv_batches: l(&self.recv_batches),
+            received_datagrams: l(&self.recv_datagrams),
         }
     }
 
@@ -326,7 +622,8 @@ impl Counters {
 }
 
 fn is_ack(bytes: &[u8]) -> bool {
-    bytes.len() >= 4 && u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) == abi::MAGIC_ACK
+    bytes.len() >= 4
+        && u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) == abi::MAGIC_ACK
 }
 
 /// The engine's view of the network: a transport and the counters.
@@ -348,6 +645,21 @@ impl Net {
             self.c.data_sent.fetch_add(1, Ordering::Relaxed);
         }
         let _ = self.t.send_to(bytes, to);
+    }
+
+    /// Sends first transmissions of data datagrams in one batch
+    /// ([`Transport::send_batch`]: one `sendmmsg` per 64 on a UDP socket).
+    pub fn tx_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+        let acks = msgs.iter().filter(|(b, _)| is_ack(b)).count() as u64;
+        self.c.acks_sent.fetch_add(acks, Ordering::Relaxed);
+        self.c
+            .data_sent
+            .fetch_add(msgs.len() as u64 - acks, Ordering::Relaxed);
+        self.c.batches.fetch_add(1, Ordering::Relaxed);
+        self.c
+            .batched
+            .fetch_add(msgs.len() as u64, Ordering::Relaxed);
+        let _ = self.t.send_batch(msgs);
     }
 
     /// Sends a retransmission of a data datagram.

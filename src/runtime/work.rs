@@ -16,11 +16,17 @@ pub struct Work<T> {
 
 impl<T> Work<T> {
     pub(crate) fn pending(rx: mpsc::Receiver<Result<T, CommError>>) -> Work<T> {
-        Work { rx: Some(rx), done: Mutex::new(None) }
+        Work {
+            rx: Some(rx),
+            done: Mutex::new(None),
+        }
     }
 
     pub(crate) fn ready(r: Result<T, CommError>) -> Work<T> {
-        Work { rx: None, done: Mutex::new(Some(r)) }
+        Work {
+            rx: None,
+            done: Mutex::new(Some(r)),
+        }
     }
 
     /// Whether the call finished (successfully or not); never blocks.

@@ -1,0 +1,1439 @@
+//! Experiment 9 (`large`): all-reduce of large vectors at large frames.
+//!
+//! 4 workers all-reduce (SUM) a vector of 1 M and 21.8 M int32 elements
+//! (21.8 M = ResNet-34's parameters) on the netns testbed at MTU 1500, 9000
+//! and the largest frame that works (veth's 65535, where one AGG1 datagram
+//! carries 16370 elements, below the XDP program's `abi::MAX_ELEMS`):
+//!
+//! - `kernel`: AggBox kernel backend. Host 0 is an attached node
+//!   (`node::attach`, native XDP + TC) with a job of the 4 workers whose
+//!   RESULTs the TC program copies to every worker in-kernel
+//!   (`result_group`); the 4 workers and the aggregator application are
+//!   `runtime::Communicator`s built with `CommunicatorBuilder::from_config`.
+//! - `socket`: the same API and configuration with the socket backend (the
+//!   aggregator application reduces in user space and forwards results).
+//! - `gloo`: torch.distributed with the Gloo backend (Debian's
+//!   python3-torch), one `scripts/gloo_allreduce.py` process per worker
+//!   namespace (`ip netns exec`, `GLOO_SOCKET_IFNAME=eth0`, master = worker
+//!   0), `dist.all_reduce` on an int32 tensor.
+//!
+//! Every point: one warm-up call, then `reps` timed calls. All participants
+//! meet at a barrier before each call; the time of a call is from the
+//! earliest start to the latest return over all participants (for AggBox the
+//! aggregator application included, whose call ends when every worker has
+//! acknowledged every result). Every call's result is checked element by
+//! element against the known sum of the inputs on every participant (the
+//! Gloo ranks check in Python and report the int64 sum of their result, which
+//! is checked here as well). Output: `DIR/large/large.csv` (one row per call),
+//! `DIR/large/large.json` (summaries, node counters, the goal),
+//! `DIR/large/large.png` (scripts/plot.py) and a REPORT.md section.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Read as _;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+
+use super::{
+    progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
+};
+use crate::abi::{self, Op};
+use crate::config::Config;
+use crate::dataplane::XdpMode;
+use crate::node;
+use crate::runtime::{BackendKind, CallOptions, Communicator, CommunicatorBuilder, Participant};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::tools;
+
+/// Workers of the job (ranks; hosts 1..=4 of the testbed, host 0 is the
+/// aggregator node).
+pub const WORKERS: usize = 4;
+const JOB: u16 = 9;
+const JOB_PORT: u16 = 7900;
+const RESULT_PORT: u16 = 7901;
+const GROUP: u16 = 9;
+const DATA_PORT: u16 = 7950;
+const GLOO_PORT: u16 = 29_500;
+/// Testbed prefix of this experiment (no other test uses it).
+const PREFIX: &str = "lg";
+/// Vector sizes of the full run (elements per worker).
+pub const SIZES: [u64; 2] = [1_000_000, 21_800_000];
+/// The size the goal is stated for.
+const GOAL_SIZE: u64 = 21_800_000;
+/// Goal: the kernel backend at least this many times faster than Gloo.
+const GOAL_RATIO: f64 = 2.0;
+/// veth's (and the IPv4 datagram's) largest MTU.
+const ETH_MAX_MTU: u32 = 65_535;
+/// Per-call deadline of the runtime calls: 30 s + 4 µs per element (a
+/// 21.8 M-element call gets ~2 min, far beyond anything measured).
+fn call_deadline(n: u64) -> Duration {
+    Duration::from_secs(30) + Duration::from_secs_f64(4e-6 * n as f64)
+}
+
+/// The largest frame AggBox's XDP program aggregates in one datagram:
+/// `count` ≤ `abi::MAX_ELEMS`, i.e. MTU ≤ IPv4 + UDP + AGG1 header + 4 ×
+/// MAX_ELEMS, capped by the largest IPv4 datagram / veth MTU (65535).
+pub fn largest_aggbox_mtu() -> u32 {
+    let by_elems = (20 + 8 + abi::AGG_HDR_LEN) as u32 + 4 * abi::MAX_ELEMS;
+    by_elems.min(ETH_MAX_MTU)
+}
+
+/// Job slots that keep the job's fragments in flight within the kernel's
+/// block pool: `MAX_BLOCKS / ⌈per datagram / CHUNK_ELEMS⌉` (docs/JUMBO.md),
+/// at most `MAX_SLOTS`. The kernel runtime caps a worker's window at it.
+pub fn slots_for_mtu(mtu: u32) -> u32 {
+    let per = tools::elements_per_datagram(mtu as usize) as u32;
+    let blocks = per.div_ceil(abi::CHUNK_ELEMS).max(1);
+    (abi::MAX_BLOCKS / blocks).clamp(1, abi::MAX_SLOTS)
+}
+
+/// The experiment failed (a wrong result, a failed call, a missing
+/// prerequisite) after measuring what it could: `markdown` is its report
+/// section, with the table of what was measured and the failures.
+#[derive(Debug)]
+pub struct Failed {
+    /// The REPORT.md section.
+    pub markdown: String,
+    /// One line: what failed.
+    pub summary: String,
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.summary)
+    }
+}
+
+impl std::error::Error for Failed {}
+
+/// Input of rank `r` in call `k`: `((i + 1000 r) mod 2001) − 1000 + k`
+/// (the same formula as scripts/gloo_allreduce.py).
+fn fill_input(buf: &mut [i32], rank: usize, k: usize) {
+    let mut j = (1000 * rank) % 2001;
+    let k = k as i32;
+    for x in buf.iter_mut() {
+        *x = j as i32 - 1000 + k;
+        j += 1;
+        if j == 2001 {
+            j = 0;
+        }
+    }
+}
+
+/// Σ over the ranks of the inputs of call 0; call k adds `WORKERS × k`.
+fn expected_base(n: usize) -> Vec<i32> {
+    let mut out = vec![0i32; n];
+    let mut tmp = vec![0i32; n];
+    for r in 0..WORKERS {
+        fill_input(&mut tmp, r, 0);
+        for (o, t) in out.iter_mut().zip(&tmp) {
+            *o += *t;
+        }
+    }
+    out
+}
+
+/// Elements of `got` that differ from `base + WORKERS × k`, and the first.
+fn mismatches(got: &[i32], base: &[i32], k: usize) -> (usize, Option<usize>) {
+    let add = (WORKERS * k) as i32;
+    let mut bad = 0;
+    let mut first = None;
+    for (i, (g, b)) in got.iter().zip(base).enumerate() {
+        if *g != b.wrapping_add(add) {
+            bad += 1;
+            first.get_or_insert(i);
+        }
+    }
+    if got.len() != base.len() {
+        bad += got.len().abs_diff(base.len());
+    }
+    (bad, first)
+}
+
+/// A barrier that a failing participant can break (a `std::sync::Barrier`
+/// would leave the others waiting forever).
+struct Gate {
+    state: Mutex<(usize, u64, bool)>,
+    cv: Condvar,
+    parties: usize,
+}
+
+impl Gate {
+    fn new(parties: usize) -> Gate {
+        Gate {
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+            parties,
+        }
+    }
+
+    /// Wait for every party; false when the gate was broken.
+    fn wait(&self) -> bool {
+        let mut s = match self.state.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        if s.2 {
+            return false;
+        }
+        s.0 += 1;
+        if s.0 == self.parties {
+            s.0 = 0;
+            s.1 += 1;
+            self.cv.notify_all();
+            return true;
+        }
+        let gen = s.1;
+        while s.1 == gen && !s.2 {
+            s = match self.cv.wait(s) {
+                Ok(s) => s,
+                Err(p) => p.into_inner(),
+            };
+        }
+        !s.2 || s.1 != gen
+    }
+
+    fn abort(&self) {
+        let mut s = match self.state.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        s.2 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// One timed call (seconds).
+#[derive(Debug, Clone, Copy, Serialize)]
+struct CallTime {
+    /// Earliest start → latest return over all participants.
+    all: f64,
+    /// Earliest start → latest return over the workers only.
+    workers: f64,
+}
+
+/// `calls` allreduces of `n` elements (call 0 = warm-up) on every
+/// participant at once; every participant's result checked.
+fn runtime_calls(
+    agg: &Communicator,
+    workers: &[Communicator],
+    n: usize,
+    calls: usize,
+    base: &[i32],
+) -> Result<Vec<CallTime>> {
+    let parts: Vec<(&Communicator, Option<usize>)> = std::iter::once((agg, None))
+        .chain(workers.iter().enumerate().map(|(r, c)| (c, Some(r))))
+        .collect();
+    let gate = Gate::new(parts.len());
+    let gate = &gate;
+    let spans: Vec<Vec<(Instant, Instant)>> = std::thread::scope(
+        |s| -> Result<Vec<Vec<(Instant, Instant)>>> {
+            let hs: Vec<_> = parts
+            .iter()
+            .map(|&(c, rank)| {
+                s.spawn(move || -> Result<Vec<(Instant, Instant)>> {
+                    let who = match rank {
+                        Some(r) => format!("worker {r}"),
+                        None => "aggregator".to_string(),
+                    };
+                    let mut buf = vec![0i32; n];
+                    let mut out = Vec::with_capacity(calls);
+                    for k in 0..calls {
+                        match rank {
+                            Some(r) => fill_input(&mut buf, r, k),
+                            None => buf.iter_mut().for_each(|x| *x = 0),
+                        }
+                        if !gate.wait() {
+                            bail!("{who}: stopped before call {k}: another participant failed");
+                        }
+                        let t0 = Instant::now();
+                        let r = c.allreduce_i32_with(&mut buf, Op::Sum, CallOptions::deadline(call_deadline(n as u64)));
+                        let t1 = Instant::now();
+                        if let Err(e) = r {
+                            gate.abort();
+                            bail!("{who}: allreduce_i32 of {n} elements, call {k}: {e}");
+                        }
+                        let (bad, first) = mismatches(&buf, base, k);
+                        if bad > 0 {
+                            gate.abort();
+                            let i = first.unwrap_or(0);
+                            bail!(
+                                "{who}: call {k}: {bad} of {n} elements wrong (first at {i}: got {}, expected {})",
+                                buf.get(i).copied().unwrap_or_default(),
+                                base.get(i).copied().unwrap_or_default().wrapping_add((WORKERS * k) as i32)
+                            );
+                        }
+                        out.push((t0, t1));
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+            let mut all = Vec::new();
+            let mut errors: Vec<anyhow::Error> = Vec::new();
+            for h in hs {
+                match h.join() {
+                    Ok(Ok(v)) => all.push(v),
+                    Ok(Err(e)) => errors.push(e),
+                    Err(_) => {
+                        gate.abort();
+                        errors.push(anyhow!("a participant thread panicked"));
+                    }
+                }
+            }
+            // The participant that failed first says why; the others only say
+            // they were stopped.
+            // Every participant's failure (the first one says why, the others
+            // may only say they were stopped: both help diagnose).
+            if errors.is_empty() {
+                Ok(all)
+            } else {
+                errors.sort_by_key(|e| format!("{e}").contains("another participant failed"));
+                Err(anyhow!(
+                    "{}",
+                    errors
+                        .iter()
+                        .map(|e| format!("{e:#}"))
+                        .collect::<Vec<_>>()
+                        .join(" | ")
+                ))
+            }
+        },
+    )?;
+    Ok((0..calls)
+        .map(|k| {
+            let start = spans.iter().map(|v| v[k].0).min();
+            let end_all = spans.iter().map(|v| v[k].1).max();
+            let end_workers = spans.iter().skip(1).map(|v| v[k].1).max();
+            match (start, end_all, end_workers) {
+                (Some(s), Some(a), Some(w)) => CallTime {
+                    all: (a - s).as_secs_f64(),
+                    workers: (w - s).as_secs_f64(),
+                },
+                _ => CallTime {
+                    all: f64::NAN,
+                    workers: f64::NAN,
+                },
+            }
+        })
+        .collect())
+}
+
+/// One measured point (backend × MTU × size).
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    backend: String,
+    mtu: u32,
+    elements: u64,
+    /// Elements per datagram (AggBox backends; Gloo uses TCP).
+    elements_per_datagram: Option<usize>,
+    /// Time per call (s), timed calls only.
+    secs: Summary,
+    /// Elements per vector / time per call.
+    elems_per_s: Summary,
+    /// 4 × elements per vector / time per call (all contributions).
+    contributed_per_s: Summary,
+    /// The warm-up call (s).
+    warmup_secs: f64,
+    /// Time per call to the last worker only (s).
+    worker_secs: Summary,
+    ok: bool,
+    error: Option<String>,
+    /// Node counters (non-zero deltas) over this point (kernel backend).
+    node_counters: BTreeMap<String, u64>,
+}
+
+impl Point {
+    fn new(
+        backend: &str,
+        mtu: u32,
+        elements: u64,
+        times: &[CallTime],
+        error: Option<String>,
+    ) -> Point {
+        let timed: Vec<&CallTime> = times.iter().skip(1).collect();
+        let secs: Vec<f64> = timed.iter().map(|t| t.all).collect();
+        let worker: Vec<f64> = timed.iter().map(|t| t.workers).collect();
+        let eps: Vec<f64> = secs.iter().map(|s| elements as f64 / s).collect();
+        let cps: Vec<f64> = eps.iter().map(|e| WORKERS as f64 * e).collect();
+        Point {
+            backend: backend.into(),
+            mtu,
+            elements,
+            elements_per_datagram: (backend != "gloo")
+                .then(|| tools::elements_per_datagram(mtu as usize)),
+            secs: summarize(&secs),
+            elems_per_s: summarize(&eps),
+            contributed_per_s: summarize(&cps),
+            warmup_secs: times.first().map(|t| t.all).unwrap_or(f64::NAN),
+            worker_secs: summarize(&worker),
+            ok: error.is_none() && !secs.is_empty(),
+            error,
+            node_counters: BTreeMap::new(),
+        }
+    }
+}
+
+/// Non-zero counters of the node on host 0 (outcomes, `drop:`, `handoff:`,
+/// `tc:`), as `aggbox status` shows them.
+fn node_counters(netns: &str, pins: &Path) -> BTreeMap<String, u64> {
+    let st = in_netns(netns, || node::status(Some("eth0"), pins))
+        .ok()
+        .and_then(|r| r.ok());
+    let mut out = BTreeMap::new();
+    if let Some(s) = st.and_then(|mut v| {
+        if v.is_empty() {
+            None
+        } else {
+            Some(v.remove(0))
+        }
+    }) {
+        for (k, v) in s.outcomes {
+            out.insert(k, v);
+        }
+        for (k, v) in s.drops {
+            out.insert(format!("drop:{k}"), v);
+        }
+        for (k, v) in s.handoffs {
+            out.insert(format!("handoff:{k}"), v);
+        }
+        for (k, v) in s.broadcast {
+            out.insert(format!("tc:{k}"), v);
+        }
+    }
+    out
+}
+
+/// UDP counters of a host's namespace (`/proc/net/snmp`, the `Udp:` rows):
+/// `RcvbufErrors` says datagrams were dropped because a socket's receive
+/// buffer was full.
+fn udp_counters(netns: &str) -> BTreeMap<String, u64> {
+    let text = in_netns(netns, || {
+        std::fs::read_to_string("/proc/thread-self/net/snmp")
+    })
+    .ok()
+    .and_then(|r| r.ok())
+    .unwrap_or_default();
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("Udp:")).collect();
+    let mut out = BTreeMap::new();
+    if let [names, values] = rows[..] {
+        for (n, v) in names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .skip(1)
+        {
+            if let Ok(v) = v.parse::<u64>() {
+                if matches!(
+                    n,
+                    "InDatagrams" | "InErrors" | "RcvbufErrors" | "SndbufErrors"
+                ) {
+                    out.insert(n.to_string(), v);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Node counters of host 0 plus the UDP counters of host 0 (`h0:udp:`) and
+/// of the workers summed (`workers:udp:`).
+fn all_counters(tb: &Testbed, pins: &Path, kernel: bool) -> BTreeMap<String, u64> {
+    let mut out = if kernel {
+        node_counters(&tb.host(0).netns, pins)
+    } else {
+        BTreeMap::new()
+    };
+    for (k, v) in udp_counters(&tb.host(0).netns) {
+        out.insert(format!("h0:udp:{k}"), v);
+    }
+    for h in 1..=WORKERS {
+        for (k, v) in udp_counters(&tb.host(h).netns) {
+            *out.entry(format!("workers:udp:{k}")).or_insert(0) += v;
+        }
+    }
+    out
+}
+
+fn counter_delta(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.saturating_sub(before.get(k).copied().unwrap_or(0)),
+            )
+        })
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
+fn counters_line(c: &BTreeMap<String, u64>) -> String {
+    if c.is_empty() {
+        return "(none)".into();
+    }
+    c.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The node configuration: the job of the 4 workers, its result group
+/// (RESULT copied to every worker's data socket by TC) and slots sized to
+/// the block pool at this MTU.
+fn config_text(tb: &Testbed, mtu: u32) -> String {
+    let workers: Vec<Ipv4Addr> = (1..=WORKERS).map(|h| tb.host(h).addr).collect();
+    let list =
+        |f: &dyn Fn(&Ipv4Addr) -> String| workers.iter().map(f).collect::<Vec<_>>().join(", ");
+    format!(
+        "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nworkers = [{}]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nslots = {}\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
+        list(&|w| format!("\"{w}\"")),
+        slots_for_mtu(mtu),
+        list(&|w| format!("\"{w}:{DATA_PORT}\"")),
+    )
+}
+
+/// The AggBox backends at one MTU: attach (kernel), build the communicators
+/// from the configuration, run every size. A failure at one size skips the
+/// larger ones of this backend and MTU.
+fn runtime_phase(
+    tb: &Testbed,
+    mtu: u32,
+    kernel: bool,
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+) -> Result<Vec<Point>> {
+    let backend = if kernel { "kernel" } else { "socket" };
+    let text = config_text(tb, mtu);
+    let config = Config::parse(&text, "large.toml").map_err(|e| anyhow!("bench config: {e}"))?;
+    let agg = tb.host(0);
+    let bpffs = PrivateBpffs::mount("large")?;
+    let pins = bpffs.path.clone();
+    let att = if kernel {
+        let c = config.clone();
+        let p = pins.clone();
+        let a = in_netns(&agg.netns, move || {
+            node::attach("eth0", &c, None, &p, XdpMode::Native)
+        })?
+        .with_context(|| format!("attaching AggBox to host 0's eth0 at MTU {mtu}"))?;
+        for w in &a.warnings {
+            progress(format!("large: attach warning: {w}"));
+        }
+        Some(a)
+    } else {
+        None
+    };
+    let mut points = Vec::new();
+    let result = (|| -> Result<()> {
+        let build = |host: usize, me: Participant| -> Result<Communicator> {
+            let b = CommunicatorBuilder::from_config(&config, JOB, agg.addr, DATA_PORT, me)
+                .map_err(|e| anyhow!("from_config: {e}"))?
+                .backend(if kernel {
+                    BackendKind::Kernel
+                } else {
+                    BackendKind::Socket
+                })
+                .mtu(mtu as usize)
+                .deadline(call_deadline(sizes.iter().copied().max().unwrap_or(0)));
+            tb.in_host(host, move || b.build())?.map_err(|e| {
+                anyhow!("building the {me:?} communicator ({backend} backend, MTU {mtu}): {e}")
+            })
+        };
+        let aggc = build(0, Participant::Aggregator)?;
+        let workers: Vec<Communicator> = (0..WORKERS)
+            .map(|r| build(r + 1, Participant::Worker(r as u16)))
+            .collect::<Result<_>>()?;
+        if kernel && !aggc.config().kernel_result_group {
+            bail!("the kernel backend does not use the job's result_group");
+        }
+        let mut failed_at: Option<u64> = None;
+        for &n in sizes {
+            if let Some(f) = failed_at {
+                points.push(Point::new(
+                    backend,
+                    mtu,
+                    n,
+                    &[],
+                    Some(format!(
+                        "skipped: the {} -element point failed",
+                        thousands(f as f64)
+                    )),
+                ));
+                continue;
+            }
+            let base = &bases[&n];
+            let before = all_counters(tb, &pins, kernel);
+            progress(format!(
+                "large: MTU {mtu}, {} elements, {backend} backend: warm-up + {reps} calls",
+                thousands(n as f64)
+            ));
+            let r = runtime_calls(&aggc, &workers, n as usize, reps + 1, base);
+            let after = all_counters(tb, &pins, kernel);
+            let mut p = match r {
+                Ok(times) => {
+                    for (k, t) in times.iter().enumerate() {
+                        csv_row(csv, backend, mtu, n, k, t.all, t.workers, true);
+                    }
+                    Point::new(backend, mtu, n, &times, None)
+                }
+                Err(e) => {
+                    failed_at = Some(n);
+                    Point::new(backend, mtu, n, &[], Some(format!("{e:#}")))
+                }
+            };
+            p.node_counters = counter_delta(&before, &after);
+            report_point(&p);
+            points.push(p);
+        }
+        Ok(())
+    })();
+    // The TC detach must run in the namespace the attach ran in.
+    let detached = match att {
+        Some(att) => in_netns(&agg.netns, move || att.detach())
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r)
+            .context("detaching AggBox from host 0"),
+        None => Ok(()),
+    };
+    drop(bpffs);
+    if let Err(e) = result {
+        points.extend(
+            sizes
+                .iter()
+                .skip(points.len())
+                .map(|&n| Point::new(backend, mtu, n, &[], Some(format!("{e:#}")))),
+        );
+    }
+    if let Err(e) = detached {
+        // What was measured stands; the failed detach is reported.
+        points.push(Point::new(backend, mtu, 0, &[], Some(format!("{e:#}"))));
+    }
+    Ok(points)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn csv_row(
+    csv: &mut Csv,
+    backend: &str,
+    mtu: u32,
+    n: u64,
+    k: usize,
+    all: f64,
+    workers: f64,
+    ok: bool,
+) {
+    csv.row(vec![
+        backend.into(),
+        mtu.to_string(),
+        n.to_string(),
+        if backend == "gloo" {
+            String::new()
+        } else {
+            tools::elements_per_datagram(mtu as usize).to_string()
+        },
+        k.to_string(),
+        (k == 0).to_string(),
+        format!("{all:.6}"),
+        format!("{workers:.6}"),
+        format!("{:.0}", n as f64 / all),
+        format!("{:.0}", WORKERS as f64 * n as f64 / all),
+        ok.to_string(),
+    ]);
+}
+
+fn report_point(p: &Point) {
+    match &p.error {
+        None => progress(format!(
+            "large: MTU {} {} elements {}: {:.3} s/call [{:.3}–{:.3}] (warm-up {:.3} s), {} elements/s, {} contributed/s{}",
+            p.mtu,
+            thousands(p.elements as f64),
+            p.backend,
+            p.secs.median,
+            p.secs.min,
+            p.secs.max,
+            p.warmup_secs,
+            thousands(p.elems_per_s.median),
+            thousands(p.contributed_per_s.median),
+            if p.node_counters.is_empty() { String::new() } else { format!("; node: {}", counters_line(&p.node_counters)) }
+        )),
+        Some(e) => progress(format!(
+            "large: MTU {} {} elements {}: FAILED: {e}{}",
+            p.mtu,
+            thousands(p.elements as f64),
+            p.backend,
+            if p.node_counters.is_empty() { String::new() } else { format!("; node counters: {}", counters_line(&p.node_counters)) }
+        )),
+    }
+}
+
+// ------------------------------------------------------------------ Gloo ----
+
+fn python() -> &'static str {
+    // Debian's python3-torch lives in the system interpreter.
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
+/// `Ok(version)` when `import torch` works, else why not.
+pub fn torch_available() -> std::result::Result<String, String> {
+    match std::process::Command::new(python())
+        .args(["-c", "import torch, torch.distributed as d; assert d.is_available() and d.is_gloo_available(); print(torch.__version__)"])
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).trim().to_string()),
+        Ok(o) => Err(format!(
+            "{} -c 'import torch' failed: {}",
+            python(),
+            String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").trim()
+        )),
+        Err(e) => Err(format!("{}: {e}", python())),
+    }
+}
+
+fn gloo_script() -> PathBuf {
+    crate::testbed::script_path().with_file_name("gloo_allreduce.py")
+}
+
+/// Kill (by pid) and reap the children that still run.
+fn kill_children(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        if let Ok(None) = c.try_wait() {
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+}
+
+/// Gloo at one MTU: 4 processes (one per worker namespace) run every size.
+fn gloo_phase(
+    tb: &Testbed,
+    mtu: u32,
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+) -> Vec<Point> {
+    let fail_all = |e: String| -> Vec<Point> {
+        let pts: Vec<Point> = sizes
+            .iter()
+            .map(|&n| Point::new("gloo", mtu, n, &[], Some(e.clone())))
+            .collect();
+        pts.iter().for_each(report_point);
+        pts
+    };
+    let script = gloo_script();
+    if !script.exists() {
+        return fail_all(format!("{} not found", script.display()));
+    }
+    let master = tb.host(1).addr;
+    let sizes_arg = sizes
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let calls: u64 = (reps + 1) as u64;
+    // Generous: start-up (torch import: seconds on this VM) + 2 µs per
+    // element and call (Gloo runs at well over 1 M elements/s here).
+    let limit = Duration::from_secs(120)
+        + Duration::from_secs_f64(2e-6 * sizes.iter().sum::<u64>() as f64 * calls as f64);
+    progress(format!(
+        "large: MTU {mtu}, Gloo: 4 processes ({}), sizes {sizes_arg}, warm-up + {reps} calls each, limit {:.0} s",
+        script.display(),
+        limit.as_secs_f64()
+    ));
+    let mut children: Vec<Child> = Vec::new();
+    let mut readers = Vec::new();
+    for r in 0..WORKERS {
+        let rank = r.to_string();
+        let port = GLOO_PORT.to_string();
+        let reps_s = reps.to_string();
+        let timeout = format!("{:.0}", limit.as_secs_f64());
+        let script_s = script.to_string_lossy().to_string();
+        let master_s = master.to_string();
+        let args: Vec<&str> = vec![
+            python(),
+            &script_s,
+            "--rank",
+            &rank,
+            "--world",
+            "4",
+            "--master-addr",
+            &master_s,
+            "--master-port",
+            &port,
+            "--sizes",
+            &sizes_arg,
+            "--reps",
+            &reps_s,
+            "--warmup",
+            "1",
+            "--timeout",
+            &timeout,
+        ];
+        let spawned = tb
+            .command_in(r + 1, &args)
+            .map_err(|e| anyhow!("{e}"))
+            .and_then(|mut c| {
+                c.env("GLOO_SOCKET_IFNAME", "eth0")
+                    .env("OMP_NUM_THREADS", "1")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .map_err(|e| anyhow!("starting {args:?} in host {}: {e}", r + 1))
+            });
+        match spawned {
+            Ok(mut child) => {
+                let out = child.stdout.take();
+                let err = child.stderr.take();
+                readers.push(std::thread::spawn(move || {
+                    let mut o = String::new();
+                    let mut e = String::new();
+                    let eh = err.map(|mut s| {
+                        std::thread::spawn(move || {
+                            let mut e = String::new();
+                            let _ = s.read_to_string(&mut e);
+                            e
+                        })
+                    });
+                    if let Some(mut s) = out {
+                        let _ = s.read_to_string(&mut o);
+                    }
+                    if let Some(h) = eh {
+                        e = h.join().unwrap_or_default();
+                    }
+                    (o, e)
+                }));
+                children.push(child);
+            }
+            Err(e) => {
+                kill_children(&mut children);
+                return fail_all(format!("{e:#}"));
+            }
+        }
+    }
+    let t0 = Instant::now();
+    let mut timed_out = false;
+    loop {
+        let done = children
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))));
+        if done {
+            break;
+        }
+        if t0.elapsed() > limit {
+            timed_out = true;
+            progress(format!(
+                "large: Gloo at MTU {mtu} did not finish in {:.0} s; killing pids {:?}",
+                limit.as_secs_f64(),
+                children.iter().map(|c| c.id()).collect::<Vec<_>>()
+            ));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    kill_children(&mut children);
+    let statuses: Vec<String> = children
+        .iter_mut()
+        .map(|c| {
+            c.try_wait()
+                .ok()
+                .flatten()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "?".into())
+        })
+        .collect();
+    let outputs: Vec<(String, String)> = readers
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    let mut ranks: Vec<serde_json::Value> = Vec::new();
+    let mut problems: Vec<String> = Vec::new();
+    for (r, (o, e)) in outputs.iter().enumerate() {
+        let v = o
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok());
+        match v {
+            Some(v) => {
+                if let Some(err) = v.get("error").and_then(|x| x.as_str()) {
+                    problems.push(format!("rank {r}: {err}"));
+                }
+                ranks.push(v);
+            }
+            None => {
+                let tail: String = e.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+                problems.push(format!(
+                    "rank {r} ({}): no JSON result; stderr: {tail}",
+                    statuses[r]
+                ));
+                ranks.push(serde_json::Value::Null);
+            }
+        }
+    }
+    if timed_out {
+        problems.insert(0, format!("timed out after {:.0} s", limit.as_secs_f64()));
+    }
+    let mut points = Vec::new();
+    for (si, &n) in sizes.iter().enumerate() {
+        let base = &bases[&n];
+        let base_sum: i64 = base.iter().map(|&x| x as i64).sum();
+        let mut times = Vec::new();
+        let mut err: Option<String> = None;
+        for k in 0..reps + 1 {
+            let mut t0s = Vec::new();
+            let mut t1s = Vec::new();
+            for (r, v) in ranks.iter().enumerate() {
+                let call = v
+                    .get("points")
+                    .and_then(|p| p.get(si))
+                    .and_then(|p| p.get("calls"))
+                    .and_then(|c| c.get(k));
+                let Some(call) = call else {
+                    err.get_or_insert_with(|| format!("rank {r}: no result for call {k}"));
+                    continue;
+                };
+                let wrong = call
+                    .get("wrong")
+                    .and_then(|x| x.as_u64())
+                    .unwrap_or(u64::MAX);
+                let sum = call.get("sum").and_then(|x| x.as_i64());
+                let want = base_sum + (WORKERS * k) as i64 * n as i64;
+                if wrong != 0 {
+                    err.get_or_insert_with(|| {
+                        format!("rank {r} call {k}: {wrong} of {n} elements wrong")
+                    });
+                }
+                if sum != Some(want) {
+                    err.get_or_insert_with(|| {
+                        format!("rank {r} call {k}: result sums to {sum:?}, expected {want}")
+                    });
+                }
+                match (
+                    call.get("t0").and_then(|x| x.as_f64()),
+                    call.get("t1").and_then(|x| x.as_f64()),
+                ) {
+                    (Some(a), Some(b)) => {
+                        t0s.push(a);
+                        t1s.push(b);
+                    }
+                    _ => {
+                        err.get_or_insert_with(|| format!("rank {r} call {k}: no times"));
+                    }
+                }
+            }
+            if err.is_some() {
+                break;
+            }
+            let s = t0s.iter().copied().fold(f64::INFINITY, f64::min);
+            let e = t1s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            times.push(CallTime {
+                all: e - s,
+                workers: e - s,
+            });
+        }
+        if err.is_some() && !problems.is_empty() {
+            err = Some(format!(
+                "{}; {}",
+                problems.join("; "),
+                err.unwrap_or_default()
+            ));
+        }
+        let p = match err {
+            None => {
+                for (k, t) in times.iter().enumerate() {
+                    csv_row(csv, "gloo", mtu, n, k, t.all, t.workers, true);
+                }
+                Point::new("gloo", mtu, n, &times, None)
+            }
+            Some(e) => Point::new("gloo", mtu, n, &[], Some(e)),
+        };
+        report_point(&p);
+        points.push(p);
+    }
+    if points.iter().all(|p| p.ok) && !problems.is_empty() {
+        // Every point measured and checked, but a rank said something went
+        // wrong afterwards (e.g. at teardown): keep it visible.
+        progress(format!("large: Gloo at MTU {mtu}: {}", problems.join("; ")));
+    }
+    points
+}
+
+// ------------------------------------------------------------ experiment ----
+
+/// Testbed at `mtu` (5 hosts: aggregator + 4 workers), with the veth MTU
+/// read back from host 1.
+fn testbed(mtu: u32) -> Result<Testbed> {
+    let tb = Testbed::up(TestbedConfig {
+        hosts: WORKERS + 1,
+        prefix: Some(PREFIX.into()),
+        mtu,
+        static_neigh: true,
+        ..Default::default()
+    })
+    .with_context(|| format!("testbed at MTU {mtu}"))?;
+    let o = tb.run_in(1, &["cat", "/sys/class/net/eth0/mtu"])?;
+    let got: u32 = String::from_utf8_lossy(&o.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0);
+    if got != mtu {
+        bail!("testbed at MTU {mtu}: host 1's eth0 has MTU {got}");
+    }
+    Ok(tb)
+}
+
+/// The largest working MTU: the computed limit first, then lower ones, the
+/// first testbed that comes up with it wins (and is used for the run).
+fn largest_testbed() -> Result<(u32, Testbed, Vec<String>)> {
+    let mut tried = Vec::new();
+    for mtu in [largest_aggbox_mtu(), 65_000, 32_768, 16_000] {
+        match testbed(mtu) {
+            Ok(tb) => return Ok((mtu, tb, tried)),
+            Err(e) => {
+                progress(format!("large: MTU {mtu} does not work here: {e:#}"));
+                tried.push(format!("{mtu}: {e:#}"));
+            }
+        }
+    }
+    bail!("no large MTU works: {}", tried.join("; "))
+}
+
+#[derive(Debug, Serialize)]
+struct Output<'a> {
+    workers: usize,
+    reps: usize,
+    largest_mtu: Option<u32>,
+    largest_mtu_note: String,
+    gloo: String,
+    goal: Option<Goal>,
+    failures: &'a [String],
+    points: &'a [Point],
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Goal {
+    statement: String,
+    elements: u64,
+    /// Per MTU: Gloo time / kernel time.
+    ratio_by_mtu: BTreeMap<u32, f64>,
+    /// Best Gloo time (any MTU) / best kernel time (any MTU).
+    ratio_best: f64,
+    kernel_best_mtu: u32,
+    gloo_best_mtu: u32,
+    met: bool,
+}
+
+fn goal(points: &[Point]) -> Option<Goal> {
+    let ok = |b: &str| -> Vec<&Point> {
+        points
+            .iter()
+            .filter(|p| p.ok && p.backend == b && p.elements == GOAL_SIZE)
+            .collect()
+    };
+    let (k, g) = (ok("kernel"), ok("gloo"));
+    let best = |v: &[&Point]| {
+        v.iter()
+            .min_by(|a, b| a.secs.median.total_cmp(&b.secs.median))
+            .map(|p| (p.mtu, p.secs.median))
+    };
+    let ((km, kt), (gm, gt)) = (best(&k)?, best(&g)?);
+    let mut by_mtu = BTreeMap::new();
+    for kp in &k {
+        if let Some(gp) = g.iter().find(|g| g.mtu == kp.mtu) {
+            by_mtu.insert(kp.mtu, gp.secs.median / kp.secs.median);
+        }
+    }
+    let ratio = gt / kt;
+    Some(Goal {
+        statement: format!(
+            "AggBox kernel backend at least {GOAL_RATIO}× faster than Gloo on {} elements",
+            thousands(GOAL_SIZE as f64)
+        ),
+        elements: GOAL_SIZE,
+        ratio_by_mtu: by_mtu,
+        ratio_best: ratio,
+        kernel_best_mtu: km,
+        gloo_best_mtu: gm,
+        met: ratio >= GOAL_RATIO,
+    })
+}
+
+/// Experiment 9.
+pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
+    let dir = opts.out_dir.join("large");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let reps = if opts.reps > 0 {
+        opts.reps
+    } else if opts.quick {
+        2
+    } else {
+        3
+    };
+    let sizes: Vec<u64> = if opts.quick {
+        vec![SIZES[0]]
+    } else {
+        SIZES.to_vec()
+    };
+    let torch = torch_available();
+    let gloo_note = match &torch {
+        Ok(v) => format!("torch {v} (Gloo)"),
+        Err(e) => format!("torch not importable: {e}"),
+    };
+    match &torch {
+        Ok(v) => progress(format!("large: Gloo baseline with torch {v} ({})", python())),
+        Err(e) if opts.quick => progress(format!("large: Gloo baseline SKIPPED (quick mode): {e}; install it with `apt-get install -y python3-torch` (make bench-deps)")),
+        Err(e) => bail!("large: the Gloo baseline needs torch.distributed: {e}; install it with `apt-get install -y python3-torch` (make bench-deps)"),
+    }
+    let mut bases: BTreeMap<u64, Vec<i32>> = BTreeMap::new();
+    for &n in &sizes {
+        bases.insert(n, expected_base(n as usize));
+    }
+    let mut csv = Csv::new(&[
+        "backend",
+        "mtu",
+        "elements",
+        "elements_per_datagram",
+        "call",
+        "warmup",
+        "secs",
+        "worker_secs",
+        "elems_per_s",
+        "contributed_per_s",
+        "ok",
+    ]);
+    let mut points: Vec<Point> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let mut largest: Option<u32> = None;
+    let mut largest_note = String::new();
+    let mut mtus: Vec<Option<u32>> = vec![Some(1500), Some(9000)];
+    if !opts.quick {
+        mtus.push(None); // the largest working one
+    }
+    for m in mtus {
+        let (mtu, tb) = match m {
+            Some(mtu) => match testbed(mtu) {
+                Ok(tb) => (mtu, tb),
+                Err(e) => {
+                    failures.push(format!("MTU {mtu}: {e:#}"));
+                    continue;
+                }
+            },
+            None => match largest_testbed() {
+                Ok((mtu, tb, tried)) => {
+                    largest = Some(mtu);
+                    largest_note = format!(
+                        "largest MTU {mtu} = min(veth/IPv4 maximum {ETH_MAX_MTU}, IPv4 + UDP + AGG1 header + 4 × MAX_ELEMS ({}) = {}): {} elements per datagram, {} slots ({} blocks of {} per slot, {} blocks){}",
+                        abi::MAX_ELEMS,
+                        (20 + 8 + abi::AGG_HDR_LEN) as u32 + 4 * abi::MAX_ELEMS,
+                        tools::elements_per_datagram(mtu as usize),
+                        slots_for_mtu(mtu),
+                        (tools::elements_per_datagram(mtu as usize) as u32).div_ceil(abi::CHUNK_ELEMS),
+                        abi::CHUNK_ELEMS,
+                        abi::MAX_BLOCKS,
+                        if tried.is_empty() { String::new() } else { format!("; tried first: {}", tried.join("; ")) }
+                    );
+                    progress(format!("large: {largest_note}"));
+                    (mtu, tb)
+                }
+                Err(e) => {
+                    failures.push(format!("largest MTU: {e:#}"));
+                    continue;
+                }
+            },
+        };
+        progress(format!(
+            "large: === MTU {mtu}: {} elements/datagram, job slots {} ===",
+            tools::elements_per_datagram(mtu as usize),
+            slots_for_mtu(mtu)
+        ));
+        for kernel in [true, false] {
+            match runtime_phase(&tb, mtu, kernel, &sizes, reps, &bases, &mut csv) {
+                Ok(ps) => points.extend(ps),
+                Err(e) => {
+                    let b = if kernel { "kernel" } else { "socket" };
+                    progress(format!("large: MTU {mtu} {b} backend: FAILED: {e:#}"));
+                    for &n in &sizes {
+                        points.push(Point::new(b, mtu, n, &[], Some(format!("{e:#}"))));
+                    }
+                }
+            }
+        }
+        if torch.is_ok() {
+            points.extend(gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv));
+        }
+        if let Err(e) = tb.down() {
+            progress(format!("large: testbed teardown at MTU {mtu}: {e}"));
+        }
+        // Keep what was measured so far on disk.
+        csv.write(&dir.join("large.csv"))?;
+    }
+    for p in points.iter().filter(|p| !p.ok) {
+        failures.push(format!(
+            "{} MTU {} {} elements: {}",
+            p.backend,
+            p.mtu,
+            p.elements,
+            p.error.clone().unwrap_or_default()
+        ));
+    }
+    let goal = goal(&points);
+    csv.write(&dir.join("large.csv"))?;
+    super::write_json(
+        &dir.join("large.json"),
+        &Output {
+            workers: WORKERS,
+            reps,
+            largest_mtu: largest,
+            largest_mtu_note: largest_note.clone(),
+            gloo: gloo_note.clone(),
+            goal: goal.clone(),
+            failures: &failures,
+            points: &points,
+        },
+    )?;
+    let md = markdown(
+        opts,
+        reps,
+        &sizes,
+        &points,
+        &failures,
+        goal.as_ref(),
+        &largest_note,
+        &torch,
+    );
+    let mut headline = Vec::new();
+    match &goal {
+        Some(g) => headline.push(format!(
+            "large: kernel vs Gloo on {} elements: {:.2}× (best MTU each: kernel {}, Gloo {}); goal ≥ {GOAL_RATIO}×: {}",
+            thousands(g.elements as f64),
+            g.ratio_best,
+            g.kernel_best_mtu,
+            g.gloo_best_mtu,
+            if g.met { "met" } else { "NOT met" }
+        )),
+        None => headline.push("large: goal not evaluated (no 21.8 M-element kernel and Gloo points)".into()),
+    }
+    for p in points.iter().filter(|p| p.ok) {
+        headline.push(format!(
+            "large: {} MTU {} {}: {:.3} s/call, {} elements/s",
+            p.backend,
+            p.mtu,
+            thousands(p.elements as f64),
+            p.secs.median,
+            thousands(p.elems_per_s.median)
+        ));
+    }
+    if !failures.is_empty() {
+        return Err(anyhow::Error::new(Failed {
+            markdown: md,
+            summary: format!("{} failure(s): {}", failures.len(), failures.join("; ")),
+        }));
+    }
+    Ok(Section {
+        name: "large".into(),
+        markdown: md,
+        headline,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn markdown(
+    opts: &BenchOptions,
+    reps: usize,
+    sizes: &[u64],
+    points: &[Point],
+    failures: &[String],
+    goal: Option<&Goal>,
+    largest_note: &str,
+    torch: &std::result::Result<String, String>,
+) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "## 9. Large frames: all-reduce of 1 M and 21.8 M int32 elements, 4 workers\n"
+    );
+    let _ = writeln!(
+        md,
+        "4 worker namespaces all-reduce (SUM) an int32 vector per call. `kernel`: AggBox kernel backend, host 0 attached (native XDP \
+         aggregates, the TC program copies every RESULT to the 4 workers: `result_group`), communicators from the node configuration \
+         (`CommunicatorBuilder::from_config`, `.mtu(MTU)`), job slots = block pool / blocks per datagram; `socket`: the same API and \
+         configuration with the user-space aggregator on host 0; `gloo`: torch.distributed Gloo ({}), one process per worker namespace \
+         (`scripts/gloo_allreduce.py`, TCP over the same veths). One warm-up call, then {reps} timed calls per point; all participants meet \
+         at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
+         application included). elements/s = elements per vector / time per call; contributed/s = 4 × that. Every call's result is \
+         checked element by element on every participant. Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
+        match torch {
+            Ok(v) => format!("torch {v}"),
+            Err(e) => format!("**not run**: {e}"),
+        },
+        sizes.iter().map(|n| thousands(*n as f64)).collect::<Vec<_>>().join(", ")
+    );
+    if !largest_note.is_empty() {
+        let _ = writeln!(md, "Largest frame: {largest_note}.\n");
+    }
+    let _ = writeln!(md, "| elements | MTU | elements/datagram | backend | s per call, median [min–max] | elements/s | contributed elements/s | warm-up s |");
+    let _ = writeln!(md, "|---:|---:|---:|---|---|---:|---:|---:|");
+    let mut sorted: Vec<&Point> = points.iter().collect();
+    let order = |b: &str| match b {
+        "kernel" => 0,
+        "socket" => 1,
+        _ => 2,
+    };
+    sorted.sort_by_key(|p| (p.elements, p.mtu, order(&p.backend)));
+    for p in &sorted {
+        let per = p
+            .elements_per_datagram
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "TCP".into());
+        if p.ok {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {per} | {} | {:.3} [{:.3}–{:.3}] | {} | {} | {:.3} |",
+                thousands(p.elements as f64),
+                p.mtu,
+                p.backend,
+                p.secs.median,
+                p.secs.min,
+                p.secs.max,
+                thousands(p.elems_per_s.median),
+                thousands(p.contributed_per_s.median),
+                p.warmup_secs
+            );
+        } else {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {per} | {} | **FAILED** | | | |",
+                thousands(p.elements as f64),
+                p.mtu,
+                p.backend
+            );
+        }
+    }
+    let _ = writeln!(md);
+    match goal {
+        Some(g) => {
+            let per_mtu = g
+                .ratio_by_mtu
+                .iter()
+                .map(|(m, r)| format!("MTU {m}: {r:.2}×"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let _ = writeln!(
+                md,
+                "**Goal: {}** — **{}**: Gloo's best time / the kernel backend's best time = **{:.2}×** (kernel at MTU {}, Gloo at MTU {}), measured in this run; at the same MTU: {per_mtu}.\n",
+                g.statement,
+                if g.met { "met" } else { "not met" },
+                g.ratio_best,
+                g.kernel_best_mtu,
+                g.gloo_best_mtu
+            );
+        }
+        None => {
+            let _ = writeln!(
+                md,
+                "**Goal: AggBox kernel backend at least {GOAL_RATIO}× faster than Gloo on {} elements** — not evaluated in this run{}.\n",
+                thousands(GOAL_SIZE as f64),
+                if opts.quick { " (--quick has no 21.8 M-element point)" } else { " (a kernel or Gloo 21.8 M-element point is missing)" }
+            );
+        }
+    }
+    let counters: Vec<&Point> = sorted
+        .iter()
+        .copied()
+        .filter(|p| p.backend != "gloo" && !p.node_counters.is_empty())
+        .collect();
+    if !counters.is_empty() {
+        let _ = writeln!(
+            md,
+            "Counters during each AggBox point (warm-up included; non-zero only): the node's XDP outcomes, `drop:` reasons and `tc:` \
+             counters on host 0 (kernel backend), and the UDP counters (`/proc/net/snmp`) of host 0 (`h0:udp:`) and of the 4 workers \
+             summed (`workers:udp:`); `RcvbufErrors` = datagrams dropped on a full socket receive buffer:\n"
+        );
+        for p in counters {
+            let _ = writeln!(
+                md,
+                "- {} {} elements, MTU {}: `{}`",
+                p.backend,
+                thousands(p.elements as f64),
+                p.mtu,
+                counters_line(&p.node_counters)
+            );
+        }
+        let _ = writeln!(md);
+    }
+    if !failures.is_empty() {
+        let _ = writeln!(md, "**Failures:**\n");
+        for f in failures {
+            let _ = writeln!(md, "- `{}`", f.replace('`', "'"));
+        }
+        let _ = writeln!(md);
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inputs_and_expected_sum_match_the_python_formula() {
+        let n = 5000;
+        let base = expected_base(n);
+        for i in [0usize, 1, 1000, 2000, 2001, 4999] {
+            let want: i32 = (0..WORKERS)
+                .map(|r| ((i + 1000 * r) % 2001) as i32 - 1000)
+                .sum();
+            assert_eq!(base[i], want, "element {i}");
+        }
+        let mut v = vec![0; n];
+        fill_input(&mut v, 3, 7);
+        assert_eq!(v[10], ((10 + 3000) % 2001) as i32 - 1000 + 7);
+        let mut sum = base.clone();
+        sum.iter_mut().for_each(|x| *x += 4 * 2);
+        assert_eq!(mismatches(&sum, &base, 2), (0, None));
+        sum[17] += 1;
+        assert_eq!(mismatches(&sum, &base, 2), (1, Some(17)));
+    }
+
+    #[test]
+    fn largest_mtu_and_slots() {
+        assert_eq!(largest_aggbox_mtu(), 65_535);
+        assert_eq!(tools::elements_per_datagram(65_535), 16_370);
+        assert!(tools::elements_per_datagram(65_535) as u32 <= abi::MAX_ELEMS);
+        assert_eq!(slots_for_mtu(1500), 4096);
+        assert_eq!(slots_for_mtu(9000), 910);
+        assert_eq!(slots_for_mtu(65_535), 128);
+    }
+
+    #[test]
+    fn gate_breaks() {
+        let g = Gate::new(2);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| g.wait());
+            std::thread::sleep(Duration::from_millis(20));
+            g.abort();
+            assert!(!h.join().unwrap());
+        });
+        let g = Gate::new(2);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| g.wait() && g.wait());
+            assert!(g.wait() && g.wait());
+            assert!(h.join().unwrap());
+        });
+    }
+}

@@ -1,0 +1,135 @@
+//! Path MTU discovery for a communicator (`CommConfig::mtu` = 0, the
+//! default): the MTU of the route to each other participant, read with a
+//! connected UDP socket and `getsockopt(IP_MTU)` (the kernel's route MTU,
+//! including a PMTU learned from ICMP), falling back to the MTU of the
+//! interface that owns the route's source address (`SIOCGIFMTU`). The
+//! communicator uses the smallest over the aggregator and every peer, capped
+//! at [`MAX_IPV4_MTU`] (a loopback route says 65536; an IPv4 datagram is at
+//! most 65535 bytes). It must run in the network namespace the communicator's
+//! socket lives in (the builder calls it from `build`).
+
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+
+/// Largest IPv4 datagram (the total-length field).
+pub const MAX_IPV4_MTU: usize = 65535;
+
+/// MTU of the route to `to` (see the module docs). Errors when there is no
+/// route and no interface owns the would-be source address.
+pub fn path_mtu(to: Ipv4Addr) -> io::Result<usize> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+    // Port 9 (discard): connect only selects the route, nothing is sent.
+    sock.connect(SocketAddrV4::new(to, 9))?;
+    if let Some(m) = ip_mtu(&sock) {
+        return Ok(m.min(MAX_IPV4_MTU));
+    }
+    let local = match sock.local_addr()? {
+        std::net::SocketAddr::V4(a) => *a.ip(),
+        std::net::SocketAddr::V6(_) => return Err(io::Error::other("IPv6 source address")),
+    };
+    interface_mtu_of(local).map(|m| m.min(MAX_IPV4_MTU))
+}
+
+/// `getsockopt(IP_MTU)` of a connected socket.
+fn ip_mtu(sock: &UdpSocket) -> Option<usize> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: valid fd, pointer and length of an int.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_MTU,
+            &mut v as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && v > 0).then_some(v as usize)
+}
+
+/// MTU of the interface that holds address `addr`.
+pub fn interface_mtu_of(addr: Ipv4Addr) -> io::Result<usize> {
+    let ifs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
+    for i in ifs {
+        let Some(a) = i
+            .address
+            .as_ref()
+            .and_then(|a| a.as_sockaddr_in().map(|s| s.ip()))
+        else {
+            continue;
+        };
+        if a == addr {
+            return interface_mtu(&i.interface_name);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("no interface holds {addr}"),
+    ))
+}
+
+/// `SIOCGIFMTU` of interface `name`.
+pub fn interface_mtu(name: &str) -> io::Result<usize> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+    // SAFETY: ifreq is plain data; zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("interface name {name:?} too long"),
+        ));
+    }
+    for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: valid fd and a valid ifreq for SIOCGIFMTU.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU as _, &mut req) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    usize::try_from(mtu).map_err(|_| io::Error::other(format!("interface {name}: MTU {mtu}")))
+}
+
+/// The smallest path MTU to any of `to` (the communicator's other
+/// participants); destinations without a route are skipped; `None` when none
+/// has one.
+pub fn min_path_mtu(to: impl IntoIterator<Item = Ipv4Addr>) -> Option<usize> {
+    let mut seen: Vec<Ipv4Addr> = Vec::new();
+    let mut best: Option<usize> = None;
+    for a in to {
+        if seen.contains(&a) {
+            continue;
+        }
+        seen.push(a);
+        if let Ok(m) = path_mtu(a) {
+            best = Some(best.map_or(m, |b| b.min(m)));
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_route_mtu_is_capped_at_the_ipv4_maximum() {
+        // lo has MTU 65536 on Linux; a datagram can be at most 65535 bytes.
+        let m = path_mtu(Ipv4Addr::LOCALHOST).expect("route to 127.0.0.1");
+        assert!(m >= 1280 && m <= MAX_IPV4_MTU, "{m}");
+        let lo = interface_mtu("lo").expect("SIOCGIFMTU lo");
+        assert_eq!(m, lo.min(MAX_IPV4_MTU));
+        assert_eq!(
+            interface_mtu_of(Ipv4Addr::LOCALHOST).expect("lo holds 127.0.0.1"),
+            lo
+        );
+        assert_eq!(
+            min_path_mtu([Ipv4Addr::LOCALHOST, Ipv4Addr::LOCALHOST]),
+            Some(m)
+        );
+    }
+}
