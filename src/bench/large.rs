@@ -1074,6 +1074,15 @@ fn goal(points: &[Point]) -> Option<Goal> {
 }
 
 /// Experiment 9.
+/// A comma-separated list of numbers from environment variable `name`, for
+/// running part of the experiment while investigating
+/// (`AGGBOX_LARGE_MTUS=65535` (0 = the largest working one),
+/// `AGGBOX_LARGE_SIZES=21800000`, `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo`).
+fn env_list(name: &str) -> Option<Vec<u64>> {
+    let v = std::env::var(name).ok()?;
+    Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+}
+
 pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let dir = opts.out_dir.join("large");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -1084,11 +1093,15 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     } else {
         3
     };
-    let sizes: Vec<u64> = if opts.quick {
+    let sizes: Vec<u64> = if let Some(list) = env_list("AGGBOX_LARGE_SIZES") {
+        list
+    } else if opts.quick {
         vec![SIZES[0]]
     } else {
         SIZES.to_vec()
     };
+    let backends = std::env::var("AGGBOX_LARGE_BACKENDS").unwrap_or_else(|_| "kernel,socket,gloo".into());
+    let want = |b: &str| backends.split(',').any(|x| x.trim() == b);
     let torch = torch_available();
     let gloo_note = match &torch {
         Ok(v) => format!("torch {v} (Gloo)"),
@@ -1123,6 +1136,9 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let mut mtus: Vec<Option<u32>> = vec![Some(1500), Some(9000)];
     if !opts.quick {
         mtus.push(None); // the largest working one
+    }
+    if let Some(list) = env_list("AGGBOX_LARGE_MTUS") {
+        mtus = list.into_iter().map(|m| if m == 0 { None } else { Some(m as u32) }).collect();
     }
     for m in mtus {
         let (mtu, tb) = match m {
@@ -1162,6 +1178,9 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             slots_for_mtu(mtu)
         ));
         for kernel in [true, false] {
+            if !want(if kernel { "kernel" } else { "socket" }) {
+                continue;
+            }
             match runtime_phase(&tb, mtu, kernel, &sizes, reps, &bases, &mut csv) {
                 Ok(ps) => points.extend(ps),
                 Err(e) => {
@@ -1173,7 +1192,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                 }
             }
         }
-        if torch.is_ok() {
+        if torch.is_ok() && want("gloo") {
             points.extend(gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv));
         }
         if let Err(e) = tb.down() {

@@ -2331,19 +2331,29 @@ impl Engine {
             {
                 return;
             }
+            // The fragment's coverage, not the ACK tracker, decides whether
+            // the data is new: the tracker evicts a group with holes once
+            // results run 2 groups ahead (the kernel sends results as fast as
+            // contributions complete, unbounded by any window), and then
+            // calls the retransmission of such a hole a duplicate. Dropping
+            // it would leave the hole forever while the re-ACK tells the
+            // aggregator it arrived.
+            let fresh = b.cov.insert(i);
+            if fresh {
+                b.sink.put(off, payload);
+                b.overflow |= h.has_overflow();
+                self.net.c.delivered(payload.len());
+            }
             let sock = &self.net;
             let ackbuf = &mut self.ackbuf;
             let mut emit =
                 |bm: &SeqBitmap| send_ack(sock, ackbuf, job, me, AckKind::Aggregation, bm, agg);
             if self.res_rx.check(seq) == Verdict::Duplicate {
-                self.net.c.duplicate();
+                if !fresh {
+                    self.net.c.duplicate();
+                }
                 self.res_rx.reack(seq, &mut emit);
                 return;
-            }
-            if b.cov.insert(i) {
-                b.sink.put(off, payload);
-                b.overflow |= h.has_overflow();
-                self.net.c.delivered(payload.len());
             }
             let last = b.cov.is_complete();
             self.res_rx.record(seq, last, now, &mut emit);
