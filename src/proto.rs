@@ -282,11 +282,19 @@ pub fn read_f32_be(be: &[u8], out: &mut [f32]) {
 /// Appends `values` as big-endian int32 to `out`.
 #[inline]
 pub fn write_i32_be(values: &[i32], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.resize(start + 4 * values.len(), 0);
-    for (c, v) in out[start..].chunks_exact_mut(4).zip(values) {
-        c.copy_from_slice(&v.to_be_bytes());
+    // Written straight into the spare capacity (no zeroing pass first).
+    let n = 4 * values.len();
+    out.reserve(n);
+    let spare = &mut out.spare_capacity_mut()[..n];
+    for (c, v) in spare.chunks_exact_mut(4).zip(values) {
+        let b = v.to_be_bytes();
+        c[0].write(b[0]);
+        c[1].write(b[1]);
+        c[2].write(b[2]);
+        c[3].write(b[3]);
     }
+    // SAFETY: the n bytes after len were all written above.
+    unsafe { out.set_len(out.len() + n) };
 }
 
 /// Appends `values` as big-endian float32 to `out`.

@@ -16,8 +16,12 @@
 //!   counting global allocator around the second call of a 1 M-element
 //!   allreduce_f32 (socket backend, loopback, 4 workers + aggregator in this
 //!   process).
+//! - `allreduce_i32_allocates_nothing_per_call_after_warm_up` (no root): the
+//!   same for the blocking `allreduce_i32` / `reduce_i32` (the caller's slice
+//!   lent to the engine), results exact.
 //! - `quantize_and_fragment_throughput` (no root): prints GB/s of the
-//!   quantize+encode path against a plain memory copy (nothing asserted).
+//!   quantize+encode path and of the int32 big-endian encode / decode
+//!   against a plain memory copy (nothing asserted).
 //!
 //! The tests of this file run one at a time (`SERIAL`), so that the
 //! allocation counts see only their own calls.
@@ -561,6 +565,76 @@ fn loopback_job(workers: usize, q: Quantization) -> Vec<Communicator> {
         .collect()
 }
 
+/// What the counting allocator saw during `f`.
+#[derive(Debug, Clone, Copy)]
+struct Counts {
+    n: u64,
+    bytes: u64,
+    largest: u64,
+    large: u64,
+}
+
+fn counted(f: impl FnOnce()) -> Counts {
+    ALLOCS.store(0, Ordering::SeqCst);
+    ALLOC_BYTES.store(0, Ordering::SeqCst);
+    LARGEST.store(0, Ordering::SeqCst);
+    LARGE.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    f();
+    COUNTING.store(false, Ordering::SeqCst);
+    Counts {
+        n: ALLOCS.load(Ordering::SeqCst),
+        bytes: ALLOC_BYTES.load(Ordering::SeqCst),
+        largest: LARGEST.load(Ordering::SeqCst),
+        large: LARGE.load(Ordering::SeqCst),
+    }
+}
+
+/// Elements per fragment and fragments of a `len`-element call of the job.
+fn frag_shape(comms: &[Communicator], len: usize) -> (usize, u64) {
+    let per = elements_per_fragment(comms[0].config().mtu);
+    (per, len.div_ceil(per) as u64)
+}
+
+/// Nothing of the vector's size is allocated during a warm call: no copy
+/// of the input, no int32 vector, no result vector, on any participant.
+/// What remains: the scope's threads and reply channels (small), and the
+/// socket aggregator's reference reducer, whose `Accumulator::finish`
+/// returns each completed fragment's result in a new vector (one per
+/// fragment, src/reducer.rs; see docs/RUNTIME.md).
+fn assert_warm(what: &str, c: Counts, per: usize, nfrags: u64) {
+    eprintln!(
+        "{what} ({nfrags} fragments of {per}) on {} participants: {} allocations \
+         ({} of >= 4 KiB), {} bytes, largest {}",
+        WORKERS + 1,
+        c.n,
+        c.large,
+        c.bytes,
+        c.largest
+    );
+    // One datagram: the fragment's payload plus its headers (a buffer for
+    // a datagram stashed or received early may be allocated whole).
+    assert!(
+        c.largest <= 4 * per as u64 + 64,
+        "{what}: an allocation of {} bytes (> one datagram) during a warm call",
+        c.largest
+    );
+    // The socket aggregator's one result vector per fragment, plus slack
+    // for what timing decides (datagrams of the next call stashed early,
+    // retransmission buffers): twice that. A copy of the vector on each of
+    // the 5 participants would still be 5 vectors' worth.
+    assert!(
+        c.large <= 2 * nfrags,
+        "{what}: {} allocations of >= 4 KiB during a warm call of {nfrags} fragments",
+        c.large
+    );
+    assert!(
+        c.bytes <= 2 * nfrags * 4 * per as u64 + (256 << 10),
+        "{what}: {} bytes allocated during a warm call",
+        c.bytes
+    );
+}
+
 fn run_f32(comms: &[Communicator], bufs: &mut [Vec<f32>]) {
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -600,27 +674,8 @@ fn allreduce_f32_allocates_nothing_per_call_after_warm_up() {
             .collect();
         run_f32(&comms, &mut bufs); // warm-up: buffers of this size are allocated
         fresh(&mut bufs);
-        ALLOCS.store(0, Ordering::SeqCst);
-        ALLOC_BYTES.store(0, Ordering::SeqCst);
-        LARGEST.store(0, Ordering::SeqCst);
-        LARGE.store(0, Ordering::SeqCst);
-        COUNTING.store(true, Ordering::SeqCst);
-        run_f32(&comms, &mut bufs);
-        COUNTING.store(false, Ordering::SeqCst);
-        let (n, bytes, largest, large) = (
-            ALLOCS.load(Ordering::SeqCst),
-            ALLOC_BYTES.load(Ordering::SeqCst),
-            LARGEST.load(Ordering::SeqCst),
-            LARGE.load(Ordering::SeqCst),
-        );
-        let per = comms[0].config().mtu;
-        let per = elements_per_fragment(per);
-        let nfrags = LEN.div_ceil(per) as u64;
-        eprintln!(
-            "{q:?}: second allreduce_f32 of {LEN} floats ({nfrags} fragments of {per}) on {} participants: {n} allocations \
-             ({large} of >= 4 KiB), {bytes} bytes, largest {largest}",
-            WORKERS + 1
-        );
+        let c = counted(|| run_f32(&comms, &mut bufs));
+        let (per, nfrags) = frag_shape(&comms, LEN);
         for (p, b) in bufs.iter().enumerate() {
             for (i, (g, w)) in b.iter().zip(&want).enumerate() {
                 let tol = if matches!(q, Quantization::Fixed(_)) {
@@ -634,24 +689,82 @@ fn allreduce_f32_allocates_nothing_per_call_after_warm_up() {
                 );
             }
         }
-        // Nothing of the vector's size (4 MB) is allocated: no copy of the
-        // input, no int32 vector, no result vector, on any participant. What
-        // remains: the scope's threads and reply channels (small), and the
-        // socket aggregator's reference reducer, whose `Accumulator::finish`
-        // returns each completed fragment's result in a new vector (one per
-        // fragment, src/reducer.rs; see docs/RUNTIME.md).
-        assert!(
-            largest <= 4 * per as u64,
-            "{q:?}: an allocation of {largest} bytes (> one fragment) during a warm call"
+        assert_warm(
+            &format!("{q:?}: second allreduce_f32 of {LEN} floats"),
+            c,
+            per,
+            nfrags,
         );
-        assert!(
-            large <= nfrags,
-            "{q:?}: {large} allocations of >= 4 KiB during a warm call of {nfrags} fragments"
-        );
-        assert!(
-            bytes <= nfrags * 4 * per as u64 + (256 << 10),
-            "{q:?}: {bytes} bytes allocated during a warm call"
-        );
+    }
+}
+
+/// One blocking int call on every participant (`all`: allreduce, else
+/// reduce); the aggregator's flag (OVERFLOW) is returned.
+fn run_i32(comms: &[Communicator], bufs: &mut [Vec<i32>], all: bool) -> bool {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(c, b)| {
+                s.spawn(move || {
+                    let r = if all {
+                        c.allreduce_i32(b, Op::Sum)
+                    } else {
+                        c.reduce_i32(b, Op::Sum)
+                    };
+                    r.unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()))
+                })
+            })
+            .collect();
+        let flags: Vec<bool> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        flags[0]
+    })
+}
+
+#[test]
+fn allreduce_i32_allocates_nothing_per_call_after_warm_up() {
+    let _g = serial();
+    const LEN: usize = 1_000_000;
+    let comms = loopback_job(WORKERS, Quantization::Fixed(1.0));
+    let inputs: Vec<Vec<i32>> = (0..WORKERS)
+        .map(|r| {
+            (0..LEN)
+                .map(|i| ((i * 7919 + r * 104_729) % 2_000_001) as i32 - 1_000_000)
+                .collect()
+        })
+        .collect();
+    let want: Vec<i32> = (0..LEN)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect();
+    let fresh = |bufs: &mut Vec<Vec<i32>>| {
+        bufs[0].iter_mut().for_each(|x| *x = 0);
+        for (r, x) in inputs.iter().enumerate() {
+            bufs[r + 1].copy_from_slice(x);
+        }
+    };
+    let mut bufs: Vec<Vec<i32>> = std::iter::once(vec![0i32; LEN])
+        .chain(inputs.iter().cloned())
+        .collect();
+    let (per, nfrags) = frag_shape(&comms, LEN);
+    for all in [true, false] {
+        let name = if all { "allreduce_i32" } else { "reduce_i32" };
+        fresh(&mut bufs);
+        assert!(!run_i32(&comms, &mut bufs, all), "{name}: OVERFLOW"); // warm-up
+        fresh(&mut bufs);
+        let mut overflow = true;
+        let c = counted(|| overflow = run_i32(&comms, &mut bufs, all));
+        assert!(!overflow, "{name}: OVERFLOW");
+        for (p, b) in bufs.iter().enumerate() {
+            // reduce: workers' buffers are left unchanged.
+            let want = if all || p == 0 { &want } else { &inputs[p - 1] };
+            if let Some(i) = (0..LEN).find(|&i| b[i] != want[i]) {
+                panic!(
+                    "{name} participant {p}: element {i} is {}, want {}",
+                    b[i], want[i]
+                );
+            }
+        }
+        assert_warm(&format!("second {name} of {LEN} int32"), c, per, nfrags);
     }
 }
 
@@ -716,7 +829,34 @@ fn quantize_and_fragment_throughput() {
         }
         sink = sink.wrapping_add(z[0].to_bits() as u64);
     });
+    let xi: Vec<i32> = x.iter().map(|v| (v * 1e6) as i32).collect();
+    let t_ie = best(&mut || {
+        for chunk in xi.chunks(per) {
+            dgram.clear();
+            proto::write_i32_be(chunk, &mut dgram);
+            sink = sink.wrapping_add(dgram[dgram.len() - 1] as u64);
+        }
+    });
+    let mut zi = vec![0i32; LEN];
+    let ipayload = {
+        let mut b = Vec::new();
+        proto::write_i32_be(&xi[..per], &mut b);
+        b
+    };
+    let t_id = best(&mut || {
+        for chunk in zi.chunks_mut(per) {
+            let n = chunk.len();
+            proto::read_i32_be(&ipayload[..4 * n], chunk);
+        }
+        sink = sink.wrapping_add(zi[0] as u64);
+    });
     let gb = (LEN * 4) as f64 / 1e9;
+    eprintln!(
+        "{LEN} int32 ({:.1} MB) at {per} per datagram: big-endian encode {:.2} GB/s, decode {:.2} GB/s [{sink}]",
+        gb * 1e3,
+        gb / t_ie,
+        gb / t_id
+    );
     eprintln!(
         "{LEN} floats ({:.1} MB) at {per} per datagram: quantize+encode {:.2} GB/s, dequantize {:.2} GB/s, memcpy {:.2} GB/s (read+write) [{sink}]",
         gb * 1e3,

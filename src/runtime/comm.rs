@@ -519,6 +519,15 @@ pub(crate) enum Request {
         opts: CallOptions,
         reply: mpsc::Sender<Result<Vec<f32>, CommError>>,
     },
+    /// A blocking int reduction on the caller's slice (see [`Raw`]); replies
+    /// whether the result was clamped (OVERFLOW).
+    ReduceI32In {
+        all: bool,
+        op: Op,
+        data: RawI32,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<bool, CommError>>,
+    },
     /// A blocking float reduction on the caller's slice (see [`RawF32`]).
     ReduceF32In {
         all: bool,
@@ -529,42 +538,59 @@ pub(crate) enum Request {
     },
 }
 
-/// The caller's `&mut [f32]` of a blocking float reduction, lent to the
-/// progress thread for the duration of the call, so floats are quantized
-/// straight from it into datagram buffers and results dequantized straight
-/// into it (no copy in, no copy out, no per-call vector).
+/// The caller's slice of a blocking reduction (`&mut [f32]`: [`RawF32`],
+/// `&mut [i32]`: [`RawI32`]), lent to the progress thread for the duration
+/// of the call, so elements are encoded (floats quantized) straight from it
+/// into datagram buffers and results decoded straight into it (no copy in,
+/// no copy out, no per-call vector).
 ///
 /// Soundness: the blocking caller holds the exclusive borrow and waits on
 /// the reply channel; the engine uses the pointer only while executing the
 /// request, and the reply (or the request's drop, if the thread is gone)
 /// happens after its last use, so the caller's wait returns only then.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RawF32 {
-    ptr: *mut f32,
+/// The engine also lends an owned vector this way (the aggregator's result
+/// vector of a `Vec` call): it keeps the vector, unresized, until the call
+/// is over.
+#[derive(Debug)]
+pub(crate) struct Raw<T> {
+    ptr: *mut T,
     len: usize,
 }
 
+impl<T> Clone for Raw<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Raw<T> {}
+
+/// A lent `&mut [f32]` (see [`Raw`]).
+pub(crate) type RawF32 = Raw<f32>;
+/// A lent `&mut [i32]` (see [`Raw`]).
+pub(crate) type RawI32 = Raw<i32>;
+
 // SAFETY: see the type's docs: one thread uses it at a time, while the
 // owner waits.
-unsafe impl Send for RawF32 {}
+unsafe impl<T: Send> Send for Raw<T> {}
 
-impl RawF32 {
-    fn of(s: &mut [f32]) -> RawF32 {
-        RawF32 {
+impl<T> Raw<T> {
+    fn of(s: &mut [T]) -> Raw<T> {
+        Raw {
             ptr: s.as_mut_ptr(),
             len: s.len(),
         }
     }
 
     /// SAFETY: no `&mut` to the same memory may be alive while the result is.
-    unsafe fn slice<'a>(self) -> &'a [f32] {
+    unsafe fn slice<'a>(self) -> &'a [T] {
         std::slice::from_raw_parts(self.ptr, self.len)
     }
 
     /// SAFETY: no other reference to the same memory may be alive while the
     /// result is.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice_mut<'a>(self) -> &'a mut [f32] {
+    unsafe fn slice_mut<'a>(self) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
@@ -572,8 +598,10 @@ impl RawF32 {
 /// One participant of a job: broadcast, reduce and allreduce over the
 /// socket or the kernel backend (see the module docs and `docs/RUNTIME.md`).
 ///
-/// Blocking calls copy the caller's slice in and out; the `i*` forms take
-/// owned vectors and return a [`Work`] handle. Calls run one at a time, in
+/// Blocking int and float reductions work on the caller's slice in place
+/// (lent to the progress thread for the call); blocking
+/// broadcasts copy it in and out; the `i*` forms take owned vectors and
+/// return a [`Work`] handle. Calls run one at a time, in
 /// issue order. Dropping the communicator stops its thread and closes its
 /// socket.
 #[derive(Debug)]
@@ -760,15 +788,15 @@ impl Communicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<bool, CommError> {
-        let out = self.ireduce_i32(buf.to_vec(), op, false, opts).wait()?;
-        if out.has_result {
-            buf.copy_from_slice(&out.values);
-        }
-        Ok(out.overflow)
+        self.reduce_i32_in(buf, false, op, opts)
     }
 
     /// Allreduce: every participant's `buf` receives the result (workers
     /// contribute theirs). Returns whether it was clamped (OVERFLOW).
+    /// Zero-copy: fragments are encoded straight from `buf` and results
+    /// decoded straight into it; after the first call of a size nothing of
+    /// the vector's size is allocated per call. On an error `buf` may hold
+    /// part of the result.
     pub fn allreduce_i32(&self, buf: &mut [i32], op: Op) -> Result<bool, CommError> {
         self.allreduce_i32_with(buf, op, CallOptions::default())
     }
@@ -780,9 +808,33 @@ impl Communicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<bool, CommError> {
-        let out = self.ireduce_i32(buf.to_vec(), op, true, opts).wait()?;
-        buf.copy_from_slice(&out.values);
-        Ok(out.overflow)
+        self.reduce_i32_in(buf, true, op, opts)
+    }
+
+    /// Zero-copy int reduction on `buf` (see [`Raw`]): a worker encodes each
+    /// fragment straight from `buf` into its datagram; results (an allreduce
+    /// worker's as they arrive, the aggregator's as fragments complete) are
+    /// written straight into `buf`; after the first call of a size nothing
+    /// of the vector's size is allocated per call. On an error `buf` may
+    /// hold part of the result.
+    fn reduce_i32_in(
+        &self,
+        buf: &mut [i32],
+        all: bool,
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
+        let (reply, rx) = mpsc::channel();
+        // The engine uses `buf` until it replies (or drops the request);
+        // `buf` stays borrowed here until then.
+        self.submit(Request::ReduceI32In {
+            all,
+            op,
+            data: RawI32::of(buf),
+            opts,
+            reply,
+        })?;
+        rx.recv().unwrap_or(Err(CommError::Closed))
     }
 
     /// Non-blocking float SUM (or mean) reduction through quantization
@@ -879,6 +931,9 @@ impl Drop for Communicator {
 /// each fragment is encoded.
 enum Src {
     I32(Vec<i32>),
+    /// A blocking call's slice (see [`Raw`]); the aggregator's receives the
+    /// result.
+    RawI32(RawI32),
     F32 {
         x: RawF32,
         scale: f64,
@@ -891,6 +946,7 @@ impl Src {
     fn len(&self) -> usize {
         match self {
             Src::I32(v) => v.len(),
+            Src::RawI32(x) => x.len,
             Src::F32 { x, .. } => x.len,
             Src::Len(n) => *n,
         }
@@ -898,9 +954,11 @@ impl Src {
 }
 
 /// Where a receiving call writes what arrives: bytes (broadcast, int
-/// results, big-endian) or floats dequantized with `div` on arrival.
+/// results of a `Vec` call, big-endian), int32s decoded from big-endian on
+/// arrival, or floats dequantized with `div` on arrival.
 enum Sink {
     Bytes(Vec<u8>),
+    I32(RawI32),
     F32 { out: RawF32, div: f64 },
 }
 
@@ -908,6 +966,7 @@ impl Sink {
     fn len_bytes(&self) -> usize {
         match self {
             Sink::Bytes(b) => b.len(),
+            Sink::I32(out) => out.len * 4,
             Sink::F32 { out, .. } => out.len * 4,
         }
     }
@@ -916,6 +975,11 @@ impl Sink {
     fn put(&mut self, off: usize, data: &[u8]) {
         match self {
             Sink::Bytes(b) => b[off..off + data.len()].copy_from_slice(data),
+            Sink::I32(out) => {
+                // SAFETY: as for F32 below.
+                let o = unsafe { out.slice_mut() };
+                proto::read_i32_be(data, &mut o[off / 4..(off + data.len()) / 4]);
+            }
             Sink::F32 { out, div } => {
                 // SAFETY: the engine holds no other reference into `out`
                 // while this one lives (RawF32's contract).
@@ -962,7 +1026,9 @@ struct BcastIn {
 }
 
 struct Collect {
-    out: Vec<i32>,
+    /// The result vector: the caller's slice (a blocking int call) or an
+    /// owned vector `reduce` keeps until the call is over (see [`Raw`]).
+    out: RawI32,
     cov: Coverage,
     overflow: bool,
 }
@@ -1253,6 +1319,17 @@ impl Engine {
                 let r = self.reduce_i32(all, op, data, opts);
                 let _ = reply.send(r);
             }
+            Request::ReduceI32In {
+                all,
+                op,
+                data,
+                opts,
+                reply,
+            } => {
+                let r = self.reduce_i32_in(all, op, data, opts);
+                // Last use of `data` was above: the caller may take its slice back.
+                let _ = reply.send(r);
+            }
             Request::ReduceF32 {
                 all,
                 mean,
@@ -1340,7 +1417,7 @@ impl Engine {
                     self.spare_cov.push(b.cov);
                     match b.sink {
                         Sink::Bytes(v) => v,
-                        Sink::F32 { .. } => Vec::new(),
+                        Sink::I32(_) | Sink::F32 { .. } => Vec::new(),
                     }
                 })
             })
@@ -1387,8 +1464,30 @@ impl Engine {
         }
     }
 
+    /// A blocking int reduction on the caller's slice `x` (see [`Raw`]):
+    /// a worker encodes its fragments straight from `x`; an allreduce
+    /// worker's result fragments and the aggregator's completed fragments
+    /// are written straight into `x`. Returns whether the result was
+    /// clamped (OVERFLOW; a reduce worker gets `false`).
+    fn reduce_i32_in(
+        &mut self,
+        all: bool,
+        op: Op,
+        x: RawI32,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
+        let is_agg = self.cfg.me == Participant::Aggregator;
+        let sink = (all && !is_agg).then_some(Sink::I32(x));
+        let r = self.reduce(all, op, Src::RawI32(x), sink, opts)?;
+        Ok(match (r.values, r.sink) {
+            (Some((_, o)), _) | (None, Some((_, o))) => o,
+            _ => false,
+        })
+    }
+
     /// One reduction round. `src`: a worker's contribution (the aggregator
-    /// passes its output vector as `Src::I32`, or `Src::Len`: a reused one);
+    /// passes its output vector as `Src::I32`, the caller's slice as
+    /// `Src::RawI32`, or `Src::Len`: a reused vector);
     /// `sink`: where a worker's allreduce result goes (default: a reused
     /// byte buffer).
     fn reduce(
@@ -1408,14 +1507,18 @@ impl Engine {
         let in_kernel =
             all && self.cfg.backend == BackendKind::Kernel && self.cfg.kernel_result_group;
         let mut src = Some(src);
+        // The aggregator's owned result vector (kept, unresized, until the
+        // call is over: `Collect::out` points into it).
+        let mut owned: Option<Vec<i32>> = None;
         if is_agg {
             let out = match src.take() {
-                Some(Src::I32(v)) => v,
+                Some(Src::RawI32(x)) => x,
+                Some(Src::I32(v)) => RawI32::of(owned.insert(v)),
                 _ => {
                     let mut v = std::mem::take(&mut self.spare_i32);
                     v.clear();
                     v.resize(len, 0);
-                    v
+                    RawI32::of(owned.insert(v))
                 }
             };
             if let Some(b) = self.backend.as_mut() {
@@ -1484,7 +1587,8 @@ impl Engine {
         }
         let values = st.collect.take().map(|c| {
             self.spare_cov.push(c.cov);
-            (c.out, c.overflow)
+            // Empty for the caller's slice (the result is already in it).
+            (owned.take().unwrap_or_default(), c.overflow)
         });
         let sink = st.bin.take().map(|b| {
             self.spare_cov.push(b.cov);
@@ -1756,7 +1860,8 @@ impl Engine {
                 let mut seen_missing = vec![false; workers as usize];
                 let mut contributors = vec![workers; c.cov.total()];
                 let mut values = if opts.partial {
-                    Some(c.out.clone())
+                    // SAFETY: no `&mut` into c.out lives now.
+                    Some(unsafe { c.out.slice() }.to_vec())
                 } else {
                     None
                 };
@@ -1879,6 +1984,12 @@ impl Engine {
                         hdr.seq = seq;
                         match src {
                             Src::I32(v) => proto::encode_agg_into(&hdr, &v[r], buf),
+                            Src::RawI32(x) => {
+                                // Encoded straight from the caller's slice.
+                                // SAFETY: as for F32 below.
+                                let xs = unsafe { x.slice() };
+                                proto::encode_agg_into(&hdr, &xs[r], buf)
+                            }
                             Src::F32 { x, scale } => {
                                 // Quantized straight into the datagram buffer.
                                 // SAFETY: no reference into x lives while this
@@ -1928,7 +2039,8 @@ impl Engine {
                 };
                 let round = st.round;
                 let (bytes, ints) = match st.collect.as_ref() {
-                    Some(c) => (&[][..], Some(&c.out[start / 4..end / 4])),
+                    // SAFETY: nothing writes into c.out while this lives.
+                    Some(c) => (&[][..], Some(&unsafe { c.out.slice() }[start / 4..end / 4])),
                     None => (&b.bytes[start..end], None),
                 };
                 let mark = txq.len();
@@ -2404,11 +2516,13 @@ impl Engine {
                 return;
             }
             let i = off / per;
-            let range = fragment_range(i, c.out.len(), per);
+            let range = fragment_range(i, c.out.len, per);
             if range.len() != done.values.len() || !c.cov.insert(i) {
                 return;
             }
-            c.out[range].copy_from_slice(done.values);
+            // SAFETY: no other reference into c.out lives now.
+            let out = unsafe { c.out.slice_mut() };
+            out[range].copy_from_slice(done.values);
             c.overflow |= done.overflow;
             counters.delivered(done.values.len() * 4);
             if let Some(w) = res_tx.as_deref_mut() {

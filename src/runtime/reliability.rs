@@ -444,12 +444,26 @@ impl SendWindow {
     }
 
     /// Marks `seq` acknowledged by `dest` (an implicit acknowledgement, e.g.
-    /// the result of a fragment proves the contribution arrived).
+    /// the result of a fragment proves the contribution arrived), with an RTT
+    /// sample when it was sent once (Karn). With the kernel backend this is
+    /// how most contributions are acknowledged: without the sample the RTO
+    /// stayed at its initial value while results took longer than that to
+    /// come back (they wait for the slowest worker), and the workers resent
+    /// contributions the kernel had already reduced.
     pub fn ack_seq(&mut self, dest: usize, seq: u32) {
-        if let Some(i) = self.index_of(seq) {
-            self.entries[i].pending &= !(1u64 << dest.min(63));
-            self.retire();
+        let Some(i) = self.index_of(seq) else {
+            return;
+        };
+        let bit = 1u64 << dest.min(63);
+        let e = &mut self.entries[i];
+        if e.pending & bit != 0 {
+            e.pending &= !bit;
+            if e.retries == 0 && !e.reserved {
+                let sent = e.first_sent;
+                self.rtt.sample(Instant::now().saturating_duration_since(sent));
+            }
         }
+        self.retire();
     }
 
     /// Whether `seq` was registered (sent or retired) rather than not yet
