@@ -1186,6 +1186,9 @@ impl Engine {
             BackendKind::Kernel => kernel_window(window, cfg.slots as usize, per),
             BackendKind::Socket => window,
         });
+        // The kernel's results acknowledge contributions; their holes are
+        // not this worker's losses.
+        agg_tx.set_holes_are_losses(cfg.backend == BackendKind::Socket);
         let mut bc_tx = SendWindow::new(
             cfg.reliability,
             n,

@@ -108,7 +108,7 @@ impl ReliabilityConfig {
 
 /// Jacobson/Karels retransmission timeout estimator (RFC 6298):
 /// `SRTT += (R - SRTT)/8`, `RTTVAR += (|SRTT - R| - RTTVAR)/4`,
-/// `RTO = SRTT + max(1 ms, 4 RTTVAR)`, clamped to `[min_rto, max_rto]`.
+/// `RTO = SRTT + max(1 ms, 4 RTTVAR, SRTT)`, clamped to `[min_rto, max_rto]`.
 #[derive(Debug, Clone, Copy)]
 pub struct RttEstimator {
     srtt: Option<Duration>,
@@ -147,7 +147,12 @@ impl RttEstimator {
             }
         }
         let s = self.srtt.unwrap_or(r);
-        let var = (self.rttvar * 4).max(Duration::from_millis(1));
+        // At least 2 · SRTT: with steady samples RTTVAR decays to ~0 and
+        // RFC 6298's SRTT + 4·RTTVAR sat 1 ms above SRTT, so any scheduling
+        // stall of a progress thread (2 vCPUs, several threads, softirqs)
+        // fired timeouts for a whole window of datagrams that were not lost
+        // (measured: 15–20 % of a 21.8 M-element allreduce resent at MTU 1500).
+        let var = (self.rttvar * 4).max(s).max(Duration::from_millis(1));
         self.rto = (s + var).clamp(self.min_rto, self.max_rto);
     }
 
@@ -222,6 +227,9 @@ pub struct SendWindow {
     stats: SendStats,
     ndest: usize,
     window: usize,
+    /// Whether a hole in an ACK's bitmap means this sender's datagram was
+    /// lost (see [`SendWindow::set_holes_are_losses`]).
+    holes_are_losses: bool,
 }
 
 impl SendWindow {
@@ -241,7 +249,19 @@ impl SendWindow {
             stats: SendStats::default(),
             ndest: ndest.clamp(1, 64),
             window: cfg.window as usize,
+            holes_are_losses: true,
         }
+    }
+
+    /// `false` when an ACK's holes do not show this sender's losses, so only
+    /// timeouts retransmit: a kernel-backend worker's contributions are
+    /// acknowledged (by the aggregator on the kernel's behalf) when each
+    /// fragment's RESULT arrives, and a RESULT is missing whenever *any*
+    /// worker's contribution to it is late or lost. Retransmitting every such
+    /// hole made each worker resend what the kernel had already reduced
+    /// (measured: 40 % of the datagrams at 21.8 M elements, MTU 1500).
+    pub fn set_holes_are_losses(&mut self, on: bool) {
+        self.holes_are_losses = on;
     }
 
     /// Lowers (or restores, up to the configured one) the window, e.g. to the
@@ -535,7 +555,7 @@ impl SendWindow {
         if let Some(sent) = sample {
             self.rtt.sample(now.saturating_duration_since(sent));
         }
-        if let Some(hi) = highest {
+        if let Some(hi) = highest.filter(|_| self.holes_are_losses) {
             let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
             let hi_off = hi.wrapping_sub(self.base) as usize;
             for seq in bm.missing() {
@@ -860,7 +880,12 @@ mod tests {
         for _ in 0..50 {
             r.sample(Duration::from_millis(10));
         }
-        assert!(r.rto() < Duration::from_millis(13), "{:?}", r.rto());
+        // steady samples: RTTVAR decays, the floor 2 · SRTT holds
+        assert!(
+            r.rto() >= Duration::from_millis(20) && r.rto() < Duration::from_millis(21),
+            "{:?}",
+            r.rto()
+        );
         assert_eq!(r.backoff(1), r.rto() * 2);
         assert_eq!(r.backoff(30), Duration::from_secs(1));
     }
