@@ -510,6 +510,14 @@ impl SendWindow {
         self.retire();
     }
 
+    /// [`SendWindow::ack_early`] for one seq and the destinations of `bits`.
+    pub fn ack_early_bits(&mut self, seq: u32, bits: u64) {
+        if let Some(i) = self.index_of(seq) {
+            self.entries[i].pending &= !bits;
+            self.retire();
+        }
+    }
+
     /// Drops everything in flight (the call failed); the seq counter goes on.
     pub fn forget_all(&mut self) {
         while let Some(e) = self.entries.pop_front() {
