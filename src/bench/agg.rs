@@ -1281,12 +1281,17 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
          (the same senders into an XDP program that only parses and drops) is {} elements/s ({} contributions/s), far below the ~586 k \
          full-MTU contributions/s that the paper's 212 M ops/s implies; AggBox reaches {:.0} % of this ceiling. \
          (2) XDP cost: {:.0} ns per contribution against the < 1 µs goal and {:.0} ns for count-and-drop. The chain (src/bpf/aggbox_xdp.bpf.c) \
-         processes a 362-element payload in 32-element tail calls (12 programs per contribution), each re-looking up the slot in the `slots` hash \
-         map and taking its `bpf_spin_lock`, with the op `switch` inside the per-element loop; the completing contribution also writes the RESULT. \
-         At {:.0} ns the aggregator spends ~{:.0} % of one CPU on XDP at the measured rate, CPU the senders would otherwise use; so on this VM \
-         the kernel path is only {ratio:.2}× the plain user-space aggregator (paper: 3.9×), whose per-datagram CPU cost (measured above) is \
-         of the same order. Bringing the chain under 1 µs (bigger chunks, one lookup per contribution, op-specialised loops) is the data plane's \
-         open item; the baselines also run against senders that share their CPUs.\n",
+         handles a 362-element payload as 2 chunks of 256 elements (`bpf_loop` inside `aggbox_add` / `aggbox_result`, op-specialised loops, \
+         two elements per load): per contribution the job and rank lookups, the slot's hash lookup and lock and three tail calls; per chunk a \
+         `bpf_xdp_load_bytes`, the block's hash lookup and lock. The first contribution of a fragment also creates the slot and its blocks in hash \
+         maps, the completing one writes the RESULT and deletes them. In isolation (`benches/xdp_chain.rs`, BPF_PROG_TEST_RUN's clock) a \
+         contribution that only adds costs ~0.9 µs and one that creates or completes a slot ~2 µs (mean ~1.4 µs); under this traffic both CPUs \
+         contend for the same slots and blocks with cold caches, and bpf_stats measures the figure above. At this size the per-contribution \
+         fixed work dominates (at 64 KB frames the per-element cost is ~1.3 ns, docs/JUMBO.md). At {:.0} ns the aggregator spends ~{:.0} % of \
+         one CPU on XDP at the measured rate, CPU the senders would otherwise use; so on this VM the kernel path is only {ratio:.2}× the plain \
+         user-space aggregator (paper: 3.9×), whose per-datagram CPU cost (measured above) is of the same order. Next for the data plane: \
+         blocks from a pre-allocated array with a free-index queue instead of a hash insert and delete per block and fragment; the baselines \
+         also run against senders that share their CPUs.\n",
         thousands(d),
         thousands(d / PER as f64),
         100.0 * med(k) / d,
