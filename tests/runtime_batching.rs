@@ -28,6 +28,8 @@
 //!
 //! `sudo -E cargo test --release --test runtime_batching -- --nocapture`
 
+mod common_runtime;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,13 +39,11 @@ use std::time::{Duration, Instant};
 use aggbox::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
 use aggbox::proto::{self, AggHeader};
-use aggbox::reducer;
 use aggbox::runtime::fragment::{blocks_per_fragment, elements_per_fragment, kernel_window};
 use aggbox::runtime::quantize;
 use aggbox::runtime::transport::{Transport, UdpTransport};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
 use aggbox::testbed::{Testbed, TestbedConfig};
-use aggbox::tools::pattern_vector;
 
 mod common_netns;
 mod live_attach;
@@ -374,44 +374,8 @@ impl Bed {
 }
 
 fn int_reduction(bed: &Bed, op: Op, len: usize, all: bool) -> f64 {
-    let v: Vec<Vec<i32>> = (0..WORKERS)
-        .map(|r| pattern_vector(r as u16, len as u32))
-        .collect();
-    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
-    let want = reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec();
     let t0 = Instant::now();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bed
-            .all()
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut v = match c.rank() {
-                        Some(r) => pattern_vector(r, len as u32),
-                        None => vec![0; len],
-                    };
-                    let r = if all {
-                        c.allreduce_i32(&mut v, op)
-                    } else {
-                        c.reduce_i32(&mut v, op)
-                    };
-                    r.unwrap_or_else(|e| panic!("{:?} {op:?} len {len}: {e}", c.participant()));
-                    (c.participant(), v)
-                })
-            })
-            .collect();
-        for h in hs {
-            let (p, v) = h.join().unwrap();
-            if all || p == Participant::Aggregator {
-                if let Some(i) = v.iter().zip(&want).position(|(a, b)| a != b) {
-                    panic!(
-                        "{p:?} {op:?} len {len}: element {i} is {}, reducer says {}",
-                        v[i], want[i]
-                    );
-                }
-            }
-        }
-    });
+    common_runtime::int_reduction(&bed.all(), WORKERS, op, len, all);
     t0.elapsed().as_secs_f64()
 }
 

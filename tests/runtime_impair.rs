@@ -8,16 +8,16 @@
 //! reference, each receiver gets every byte exactly once (counted by
 //! `Communicator::stats`), and the hook really reordered / duplicated.
 
+mod common_runtime;
+
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
 use aggbox::config::AckMode;
-use aggbox::reducer;
 use aggbox::runtime::{
     CommStats, Communicator, CommunicatorBuilder, ImpairControl, Impairment, Participant,
 };
-use aggbox::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 const WORKERS: usize = 3;
@@ -72,47 +72,10 @@ fn stats(j: &Job) -> Vec<CommStats> {
     j.all.iter().map(|c| c.stats()).collect()
 }
 
-fn expected(op: Op, len: usize) -> Vec<i32> {
-    let v: Vec<Vec<i32>> = (0..WORKERS)
-        .map(|r| pattern_vector(r as u16, len as u32))
-        .collect();
-    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
-    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
-}
-
 fn reduce(j: &Job, op: Op, len: usize, all: bool) {
-    let want = expected(op, len);
     let before = stats(j);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = j
-            .all
-            .iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut v = match c.rank() {
-                        Some(r) => pattern_vector(r, len as u32),
-                        None => vec![0; len],
-                    };
-                    let r = if all {
-                        c.allreduce_i32(&mut v, op)
-                    } else {
-                        c.reduce_i32(&mut v, op)
-                    };
-                    r.unwrap_or_else(|e| panic!("{:?} len {len} all {all}: {e}", c.participant()));
-                    (c.participant(), v)
-                })
-            })
-            .collect();
-        for h in hs {
-            let (p, v) = h.join().unwrap();
-            if all || p == Participant::Aggregator {
-                assert!(
-                    v == want,
-                    "{p:?} {op:?} len {len}: differs from the reference reducer"
-                );
-            }
-        }
-    });
+    let comms: Vec<&Communicator> = j.all.iter().collect();
+    common_runtime::int_reduction(&comms, WORKERS, op, len, all);
     for (i, (a, b)) in stats(j).iter().zip(before).enumerate() {
         if all || i == 0 {
             assert_eq!(

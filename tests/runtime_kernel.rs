@@ -20,15 +20,15 @@
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --release --test runtime_kernel`.
 
+mod common_runtime;
+
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::{BcastStat, Op};
 use aggbox::config::Config;
-use aggbox::reducer;
 use aggbox::runtime::{BackendKind, CommStats, Communicator, CommunicatorBuilder, Participant};
 use aggbox::testbed::{Testbed, TestbedConfig};
-use aggbox::tools::pattern_vector;
 
 const WORKERS: usize = 3;
 const JOB: u16 = 7;
@@ -107,38 +107,9 @@ impl Bed {
 
 mod impair;
 
-fn expected(op: Op, len: usize) -> Vec<i32> {
-    let v: Vec<Vec<i32>> = (0..WORKERS).map(|r| pattern_vector(r as u16, len as u32)).collect();
-    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
-    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
-}
-
 fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {
-    let want = expected(op, len);
     let before = bed.stats();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bed
-            .all()
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut v = match c.rank() {
-                        Some(r) => pattern_vector(r, len as u32),
-                        None => vec![0; len],
-                    };
-                    let r = if all { c.allreduce_i32(&mut v, op) } else { c.reduce_i32(&mut v, op) };
-                    r.unwrap_or_else(|e| panic!("{:?} {op:?} len {len} all {all}: {e}", c.participant()));
-                    (c.participant(), v)
-                })
-            })
-            .collect();
-        for h in hs {
-            let (p, v) = h.join().unwrap();
-            if all || p == Participant::Aggregator {
-                assert!(v == want, "{p:?} {op:?} len {len}: result differs from the reference reducer");
-            }
-        }
-    });
+    common_runtime::int_reduction(&bed.all(), WORKERS, op, len, all);
     // Each participant that gets the result got each of its bytes once.
     for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
         if all || i == 0 {

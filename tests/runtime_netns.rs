@@ -7,11 +7,12 @@
 //! Needs root (skipped with a message otherwise). Host 0 is the aggregator,
 //! hosts 1..=3 are workers 0..=2.
 
+mod common_runtime;
+
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
-use aggbox::reducer;
 use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer};
 use aggbox::testbed::{Testbed, TestbedConfig};
 use aggbox::tools::pattern_vector;
@@ -85,37 +86,8 @@ impl Bed {
 
 mod impair;
 
-fn expected(op: Op, len: usize) -> Vec<i32> {
-    let v: Vec<Vec<i32>> = (0..WORKERS).map(|r| pattern_vector(r as u16, len as u32)).collect();
-    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
-    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
-}
-
 fn allreduce(bed: &Bed, len: usize, all: bool) {
-    let want = expected(Op::Sum, len);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bed
-            .all()
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut v = match c.rank() {
-                        Some(r) => pattern_vector(r, len as u32),
-                        None => vec![0; len],
-                    };
-                    let r = if all { c.allreduce_i32(&mut v, Op::Sum) } else { c.reduce_i32(&mut v, Op::Sum) };
-                    r.unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
-                    (c.participant(), v)
-                })
-            })
-            .collect();
-        for h in hs {
-            let (p, v) = h.join().unwrap();
-            if all || p == Participant::Aggregator {
-                assert!(v == want, "{p:?} len {len}: result differs from the reference reducer");
-            }
-        }
-    });
+    common_runtime::int_reduction(&bed.all(), WORKERS, Op::Sum, len, all);
 }
 
 fn broadcast(bed: &Bed, len: usize, root: Participant) {

@@ -828,16 +828,26 @@ impl Communicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<bool, CommError> {
-        let (reply, rx) = mpsc::channel();
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        self.submit(Request::ReduceI32In {
+        let data = RawI32::of(buf);
+        self.call(|reply| Request::ReduceI32In {
             all,
             op,
-            data: RawI32::of(buf),
+            data,
             opts,
             reply,
-        })?;
+        })
+    }
+
+    /// Submits the request `make(reply)` and waits for its reply (`Closed`
+    /// when the progress thread is gone).
+    fn call<T>(
+        &self,
+        make: impl FnOnce(mpsc::Sender<Result<T, CommError>>) -> Request,
+    ) -> Result<T, CommError> {
+        let (reply, rx) = mpsc::channel();
+        self.submit(make(reply))?;
         rx.recv().unwrap_or(Err(CommError::Closed))
     }
 
@@ -898,17 +908,16 @@ impl Communicator {
         mean: bool,
         opts: CallOptions,
     ) -> Result<(), CommError> {
-        let (reply, rx) = mpsc::channel();
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        self.submit(Request::ReduceF32In {
+        let data = RawF32::of(buf);
+        self.call(|reply| Request::ReduceF32In {
             all,
             mean,
-            data: RawF32::of(buf),
+            data,
             opts,
             reply,
-        })?;
-        rx.recv().unwrap_or(Err(CommError::Closed))
+        })
     }
 }
 

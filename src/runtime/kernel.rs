@@ -46,7 +46,6 @@ struct Done {
 pub struct KernelAggregator {
     peers: Vec<SocketAddrV4>,
     per: usize,
-    cfg: ReliabilityConfig,
     behalf: RecvTracker,
     round: u32,
     seq_base: u32,
@@ -81,7 +80,6 @@ impl KernelAggregator {
         KernelAggregator {
             peers,
             per: per.max(1),
-            cfg,
             behalf: RecvTracker::new(cfg),
             round: first_round,
             seq_base: first_seq,
@@ -130,7 +128,6 @@ impl Backend for KernelAggregator {
             }
             keep
         });
-        let _ = self.cfg;
     }
 
     fn on_agg(

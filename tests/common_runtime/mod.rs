@@ -1,0 +1,60 @@
+//! Shared by the runtime tests (`tests/runtime_*.rs`): every participant of
+//! a job runs the same int32 reduction of the test pattern at once, and the
+//! results are checked against the reference reducer.
+#![allow(dead_code)]
+
+use aggbox::abi::Op;
+use aggbox::reducer;
+use aggbox::runtime::{Communicator, Participant};
+use aggbox::tools::pattern_vector;
+
+/// The reference result of `op` over the pattern vectors of `workers` ranks.
+pub fn expected(op: Op, workers: usize, len: usize) -> Vec<i32> {
+    let v: Vec<Vec<i32>> = (0..workers)
+        .map(|r| pattern_vector(r as u16, len as u32))
+        .collect();
+    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
+    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
+}
+
+/// Runs `allreduce_i32` (`all`) or `reduce_i32` of `len` pattern elements
+/// on every communicator at once (the aggregator contributes zeros) and
+/// checks every result that participant gets against `expected`: all of
+/// them for allreduce, the aggregator's for reduce. Panics with the
+/// participant and the first differing element.
+pub fn int_reduction(comms: &[&Communicator], workers: usize, op: Op, len: usize, all: bool) {
+    let want = expected(op, workers, len);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|&c| {
+                s.spawn(move || {
+                    let mut v = match c.rank() {
+                        Some(r) => pattern_vector(r, len as u32),
+                        None => vec![0; len],
+                    };
+                    let r = if all {
+                        c.allreduce_i32(&mut v, op)
+                    } else {
+                        c.reduce_i32(&mut v, op)
+                    };
+                    r.unwrap_or_else(|e| {
+                        panic!("{:?} {op:?} len {len} all {all}: {e}", c.participant())
+                    });
+                    (c.participant(), v)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (p, v) = h.join().unwrap();
+            if all || p == Participant::Aggregator {
+                if let Some(i) = v.iter().zip(&want).position(|(a, b)| a != b) {
+                    panic!(
+                        "{p:?} {op:?} len {len}: element {i} is {}, the reference reducer says {}",
+                        v[i], want[i]
+                    );
+                }
+            }
+        }
+    });
+}
