@@ -60,8 +60,6 @@ const RESULT_PORT: u16 = 7901;
 const GROUP: u16 = 9;
 const DATA_PORT: u16 = 7950;
 const GLOO_PORT: u16 = 29_500;
-/// Testbed prefix of this experiment (no other test uses it).
-const PREFIX: &str = "lg";
 /// Vector sizes of the full run (elements per worker).
 pub const SIZES: [u64; 2] = [1_000_000, 21_800_000];
 /// The size the goal is stated for.
@@ -980,7 +978,9 @@ fn gloo_phase(
 fn testbed(mtu: u32) -> Result<Testbed> {
     let tb = Testbed::up(TestbedConfig {
         hosts: WORKERS + 1,
-        prefix: Some(PREFIX.into()),
+        // A prefix unique to this process (the default): two runs at once
+        // must not tear down each other's namespaces.
+        prefix: None,
         mtu,
         static_neigh: true,
         ..Default::default()
