@@ -320,9 +320,13 @@ build_userland() { # -> $WORK/userland.cpio
     [ -d "$ROOT/deploy" ] && cp -a "$ROOT/deploy" "$st$ROOT/"
     cp -a "$ROOT/Cargo.toml" "$st$ROOT/"
     if [ -d "$ROOT/../shared/spec/vectors" ]; then
-        d=$(readlink -f "$ROOT/../shared/spec")
-        mkdir -p "$st$d/vectors"
-        cp -a "$ROOT/../shared/spec/vectors/." "$st$d/vectors/"
+        # The tests read ROOT/../shared/spec/vectors as written; stage it at
+        # that path and, if shared/ is a symlink, at its target too.
+        for d in $(realpath -s -m "$ROOT/../shared/spec") $(readlink -f "$ROOT/../shared/spec"); do
+            [ -d "$st$d/vectors" ] && continue
+            mkdir -p "$st$d/vectors"
+            cp -a "$ROOT/../shared/spec/vectors/." "$st$d/vectors/"
+        done
     else
         say "warning: $ROOT/../shared/spec/vectors is missing: the vector tests will fail"
     fi
