@@ -68,6 +68,7 @@ matrix: deps
 # python3-torch (1.13 in Debian 12): torch.distributed Gloo, the baseline of
 # `aggbox bench large` (scripts/gloo_allreduce.py).
 BENCH_ARGS ?=
+BENCH_OUT ?= results
 BENCH_PACKAGES := python3-matplotlib python3-torch
 bench-deps:
 	@missing=""; \
@@ -85,7 +86,7 @@ bench-deps:
 bench: deps bench-deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
-	$(BIN) bench all --out results $(BENCH_ARGS)
+	$(BIN) bench all --out $(BENCH_OUT) $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt
