@@ -88,37 +88,9 @@ fn reduce(j: &Job, op: Op, len: usize, all: bool) {
 }
 
 fn broadcast(j: &Job, len: usize, root: usize) {
-    let msg: Vec<u8> = (0..len as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    let root_p = j.all[root].participant();
     let before = stats(j);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = j
-            .all
-            .iter()
-            .map(|c| {
-                let msg = msg.clone();
-                s.spawn(move || {
-                    let mut buf = if c.participant() == root_p {
-                        msg
-                    } else {
-                        vec![0u8; len]
-                    };
-                    c.broadcast(&mut buf, root_p).unwrap_or_else(|e| {
-                        panic!("{:?}: broadcast of {len}: {e}", c.participant())
-                    });
-                    buf
-                })
-            })
-            .collect();
-        for h in hs {
-            assert!(
-                h.join().unwrap() == msg,
-                "broadcast of {len} bytes: not every byte in order"
-            );
-        }
-    });
+    let comms: Vec<&Communicator> = j.all.iter().collect();
+    common_runtime::broadcast(&comms, len, j.all[root].participant());
     for (i, (a, b)) in stats(j).iter().zip(before).enumerate() {
         if i != root {
             assert_eq!(

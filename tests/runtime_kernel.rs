@@ -119,25 +119,8 @@ fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {
 }
 
 fn broadcast(bed: &Bed, len: usize, root: Participant) {
-    let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     let before = bed.stats();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bed
-            .all()
-            .into_iter()
-            .map(|c| {
-                let msg = msg.clone();
-                s.spawn(move || {
-                    let mut buf = if c.participant() == root { msg } else { vec![0u8; len] };
-                    c.broadcast(&mut buf, root).unwrap_or_else(|e| panic!("{:?}: broadcast of {len}: {e}", c.participant()));
-                    buf
-                })
-            })
-            .collect();
-        for h in hs {
-            assert!(h.join().unwrap() == msg, "broadcast of {len} bytes differs");
-        }
-    });
+    common_runtime::broadcast(&bed.all(), len, root);
     for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
         let is_root = match root {
             Participant::Aggregator => i == 0,

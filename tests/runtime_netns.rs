@@ -4,7 +4,7 @@
 //! gets every byte exactly once and in order, every reduction equals the
 //! reference reducer's, within a bounded time. Also a peer killed mid-call.
 //!
-//! Needs root (skipped with a message otherwise). Host 0 is the aggregator,
+//! Needs root: fails (never skips) otherwise. Host 0 is the aggregator,
 //! hosts 1..=3 are workers 0..=2.
 
 mod common_runtime;
@@ -21,8 +21,12 @@ const WORKERS: usize = 3;
 const JOB_PORT: u16 = 7400;
 const DATA_PORT: u16 = 7500;
 
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "the netns runtime tests need root (network namespaces, cls_bpf): \
+         run them with sudo: `sudo -E cargo test --test runtime_netns`"
+    );
 }
 
 struct Bed {
@@ -91,24 +95,7 @@ fn allreduce(bed: &Bed, len: usize, all: bool) {
 }
 
 fn broadcast(bed: &Bed, len: usize, root: Participant) {
-    let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bed
-            .all()
-            .into_iter()
-            .map(|c| {
-                let msg = msg.clone();
-                s.spawn(move || {
-                    let mut buf = if c.participant() == root { msg } else { vec![0u8; len] };
-                    c.broadcast(&mut buf, root).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
-                    buf
-                })
-            })
-            .collect();
-        for h in hs {
-            assert!(h.join().unwrap() == msg, "broadcast of {len} bytes differs");
-        }
-    });
+    common_runtime::broadcast(&bed.all(), len, root);
 }
 
 fn scenario(bed: &Bed, label: &str) {
@@ -125,10 +112,7 @@ fn scenario(bed: &Bed, label: &str) {
 
 #[test]
 fn runtime_netns_random_loss() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    require_root();
     let bed = Bed::up(|b| b);
     scenario(&bed, "no loss");
     for (label, loss) in [("0.01%", 0.0001), ("1%", 0.01), ("5%", 0.05)] {
@@ -142,10 +126,7 @@ fn runtime_netns_random_loss() {
 
 #[test]
 fn runtime_netns_burst_loss() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    require_root();
     let bed = Bed::up(|b| b);
     // A 10 % loss window of 300 ms in the middle of a large allreduce.
     std::thread::scope(|s| {
@@ -163,10 +144,7 @@ fn runtime_netns_burst_loss() {
 
 #[test]
 fn runtime_netns_duplicate() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    require_root();
     let bed = Bed::up(|b| b);
     bed.impair(0.0, 0.05);
     scenario(&bed, "duplicate 5%");
@@ -177,10 +155,7 @@ fn runtime_netns_duplicate() {
 
 #[test]
 fn runtime_netns_packet_mode_loss() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    require_root();
     let bed = Bed::up(|b| b.ack_mode(aggbox::config::AckMode::Packet).window(64));
     bed.impair(0.01, 0.0);
     scenario(&bed, "packet mode, loss 1%");
@@ -189,10 +164,7 @@ fn runtime_netns_packet_mode_loss() {
 
 #[test]
 fn runtime_netns_peer_killed_mid_call() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    require_root();
     let mut bed = Bed::up(|b| b);
     allreduce(&bed, 1000, true);
     let len = 400_000;

@@ -1,6 +1,7 @@
 //! Shared by the runtime tests (`tests/runtime_*.rs`): every participant of
-//! a job runs the same int32 reduction of the test pattern at once, and the
-//! results are checked against the reference reducer.
+//! a job runs the same call at once (an int32 reduction of the test pattern,
+//! or a broadcast), and what each gets is checked (against the reference
+//! reducer, or byte for byte against what the root sent).
 #![allow(dead_code)]
 
 use aggbox::abi::Op;
@@ -55,6 +56,38 @@ pub fn int_reduction(comms: &[&Communicator], workers: usize, op: Op, len: usize
                     );
                 }
             }
+        }
+    });
+}
+
+/// Broadcasts `len` bytes of a fixed pattern from `root` with every
+/// communicator at once; every participant must end with exactly the root's
+/// bytes, in order.
+pub fn broadcast(comms: &[&Communicator], len: usize, root: Participant) {
+    let msg: Vec<u8> = (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|&c| {
+                let msg = msg.clone();
+                s.spawn(move || {
+                    let mut buf = if c.participant() == root {
+                        msg
+                    } else {
+                        vec![0u8; len]
+                    };
+                    c.broadcast(&mut buf, root).unwrap_or_else(|e| {
+                        panic!("{:?}: broadcast of {len} from {root:?}: {e}", c.participant())
+                    });
+                    (c.participant(), buf)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (p, got) = h.join().unwrap();
+            assert!(got == msg, "{p:?}: broadcast of {len} bytes from {root:?}: not every byte in order");
         }
     });
 }
