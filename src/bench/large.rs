@@ -1421,7 +1421,7 @@ mod tests {
         }
         let mut v = vec![0; n];
         fill_input(&mut v, 3, 7);
-        assert_eq!(v[10], ((10 + 3000) % 2001) as i32 - 1000 + 7);
+        assert_eq!(v[10], ((10 + 3000) % 2001) - 1000 + 7);
         let mut sum = base.clone();
         sum.iter_mut().for_each(|x| *x += 4 * 2);
         assert_eq!(mismatches(&sum, &base, 2), (0, None));

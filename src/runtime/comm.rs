@@ -2044,7 +2044,7 @@ impl Engine {
                 } else {
                     0
                 };
-                let (mut mask, group) = match tc.as_deref() {
+                let (mut mask, group) = match tc {
                     Some(t) => (t.mask(b.dests), t.id),
                     None => ((b.dests & 0xffff_ffff) as u32, job),
                 };

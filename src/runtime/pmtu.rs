@@ -120,7 +120,7 @@ mod tests {
     fn loopback_route_mtu_is_capped_at_the_ipv4_maximum() {
         // lo has MTU 65536 on Linux; a datagram can be at most 65535 bytes.
         let m = path_mtu(Ipv4Addr::LOCALHOST).expect("route to 127.0.0.1");
-        assert!(m >= 1280 && m <= MAX_IPV4_MTU, "{m}");
+        assert!((1280..=MAX_IPV4_MTU).contains(&m), "{m}");
         let lo = interface_mtu("lo").expect("SIOCGIFMTU lo");
         assert_eq!(m, lo.min(MAX_IPV4_MTU));
         assert_eq!(
