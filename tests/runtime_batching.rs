@@ -31,7 +31,7 @@
 mod common_runtime;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -505,22 +505,11 @@ fn kernel_backend_at_mtu_65535_discovered() {
 
 fn loopback_job(workers: usize, q: Quantization) -> Vec<Communicator> {
     let lo = Ipv4Addr::LOCALHOST;
-    let socks: Vec<UdpSocket> = (0..=workers)
-        .map(|_| UdpSocket::bind((lo, 0)).unwrap())
-        .collect();
-    let ports: Vec<u16> = socks
-        .iter()
-        .map(|s| s.local_addr().unwrap().port())
-        .collect();
-    drop(socks);
-    let peers: Vec<SocketAddrV4> = ports[1..]
-        .iter()
-        .map(|&p| SocketAddrV4::new(lo, p))
-        .collect();
+    let (agg_port, peers) = common_runtime::loopback_job_addrs(workers);
     std::iter::once(Participant::Aggregator)
         .chain((0..workers as u16).map(Participant::Worker))
         .map(|me| {
-            Communicator::builder(11, peers.clone(), lo, ports[0], me)
+            Communicator::builder(11, peers.clone(), lo, agg_port, me)
                 .quantization(q)
                 .deadline(Duration::from_secs(60))
                 .build()

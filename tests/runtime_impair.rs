@@ -10,7 +10,7 @@
 
 mod common_runtime;
 
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
@@ -34,18 +34,7 @@ fn job(
     dup: f64,
     tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
 ) -> Job {
-    let socks: Vec<UdpSocket> = (0..=WORKERS)
-        .map(|_| UdpSocket::bind((LO, 0)).unwrap())
-        .collect();
-    let ports: Vec<u16> = socks
-        .iter()
-        .map(|s| s.local_addr().unwrap().port())
-        .collect();
-    drop(socks);
-    let peers: Vec<SocketAddrV4> = ports[1..]
-        .iter()
-        .map(|&p| SocketAddrV4::new(LO, p))
-        .collect();
+    let (agg_port, peers) = common_runtime::loopback_job_addrs(WORKERS);
     let control = ImpairControl::new(loss, dup);
     let mut all = Vec::new();
     for (i, me) in std::iter::once(Participant::Aggregator)
@@ -59,7 +48,7 @@ fn job(
         };
         // MTU 1500, not loopback's discovered 65535: the impairment counts
         // below assume datagrams of 362 elements.
-        let b = Communicator::builder(9, peers.clone(), LO, ports[0], me)
+        let b = Communicator::builder(9, peers.clone(), LO, agg_port, me)
             .mtu(1500)
             .deadline(Duration::from_secs(20))
             .impairment(imp);

@@ -2,21 +2,17 @@
 //! and allreduce of several sizes, non-blocking handles, float allreduce, and
 //! a participant that never answers.
 
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+mod common_runtime;
+
+use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
 use aggbox::config::AckMode;
-use aggbox::reducer;
 use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization};
 use aggbox::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let socks: Vec<UdpSocket> = (0..n).map(|_| UdpSocket::bind((LO, 0)).unwrap()).collect();
-    socks.iter().map(|s| s.local_addr().unwrap().port()).collect()
-}
 
 struct Job {
     agg: Communicator,
@@ -24,45 +20,16 @@ struct Job {
 }
 
 fn job(n: usize, tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Job {
-    let ports = free_ports(n + 1);
-    let peers: Vec<SocketAddrV4> = ports[1..].iter().map(|&p| SocketAddrV4::new(LO, p)).collect();
-    let b = |me| tweak(Communicator::builder(7, peers.clone(), LO, ports[0], me).deadline(Duration::from_secs(10)));
+    let (agg_port, peers) = common_runtime::loopback_job_addrs(n);
+    let b = |me| tweak(Communicator::builder(7, peers.clone(), LO, agg_port, me).deadline(Duration::from_secs(10)));
     let agg = b(Participant::Aggregator).build().unwrap();
     let workers = (0..n).map(|r| b(Participant::Worker(r as u16)).build().unwrap()).collect();
     Job { agg, workers }
 }
 
-fn expected(op: Op, n: usize, len: usize) -> Vec<i32> {
-    let v: Vec<Vec<i32>> = (0..n).map(|r| pattern_vector(r as u16, len as u32)).collect();
-    let c: Vec<(&[i32], i32)> = v.iter().map(|x| (x.as_slice(), 1)).collect();
-    reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
-}
-
 fn run_allreduce(j: &Job, op: Op, len: usize) {
-    let want = expected(op, j.workers.len(), len);
-    std::thread::scope(|s| {
-        let a = s.spawn(|| {
-            let mut out = vec![0i32; len];
-            j.agg.allreduce_i32(&mut out, op).unwrap();
-            out
-        });
-        let hs: Vec<_> = j
-            .workers
-            .iter()
-            .enumerate()
-            .map(|(r, w)| {
-                s.spawn(move || {
-                    let mut v = pattern_vector(r as u16, len as u32);
-                    w.allreduce_i32(&mut v, op).unwrap();
-                    v
-                })
-            })
-            .collect();
-        assert_eq!(a.join().unwrap(), want, "aggregator, len {len}");
-        for h in hs {
-            assert_eq!(h.join().unwrap(), want, "worker, len {len}");
-        }
-    });
+    let comms: Vec<&Communicator> = std::iter::once(&j.agg).chain(&j.workers).collect();
+    common_runtime::int_reduction(&comms, j.workers.len(), op, len, true);
 }
 
 #[test]
@@ -88,7 +55,7 @@ fn runtime_loopback_packet_mode_small_window() {
 fn runtime_loopback_reduce_and_broadcast() {
     let j = job(3, |b| b);
     let len = 50_000;
-    let want = expected(Op::Sum, 3, len);
+    let want = common_runtime::expected(Op::Sum, 3, len);
     std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut out = vec![0i32; len];
@@ -143,7 +110,7 @@ fn runtime_loopback_nonblocking_and_f32() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(a1.is_completed(), "issue order");
-    let want = expected(Op::Sum, 2, len);
+    let want = common_runtime::expected(Op::Sum, 2, len);
     assert_eq!(a1.wait().unwrap().values, want);
     assert_eq!(a2.wait().unwrap().values, vec![2; len]);
     for w in w1 {
@@ -240,7 +207,7 @@ fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
     assert_eq!(t.missing, vec![Peer::Rank(2)], "{e}");
     let p = t.partial.as_ref().expect("partial asked for");
     assert!(p.contributors.iter().all(|&c| c == 2), "{:?}", p.contributors);
-    let want01 = expected(Op::Sum, 2, len);
+    let want01 = common_runtime::expected(Op::Sum, 2, len);
     assert_eq!(p.values, want01, "partial = sum of ranks 0 and 1");
     eprintln!("aggregator: {e}");
     for r in w_res {

@@ -4,6 +4,8 @@
 //! reducer, or byte for byte against what the root sent).
 #![allow(dead_code)]
 
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+
 use aggbox::abi::Op;
 use aggbox::reducer;
 use aggbox::runtime::{Communicator, Participant};
@@ -90,4 +92,17 @@ pub fn broadcast(comms: &[&Communicator], len: usize, root: Participant) {
             assert!(got == msg, "{p:?}: broadcast of {len} bytes from {root:?}: not every byte in order");
         }
     });
+}
+
+/// Loopback addresses for a job of `workers`: the aggregator's port and the
+/// workers' socket addresses, on ports the kernel just handed out (bound,
+/// then released for the communicators to bind).
+pub fn loopback_job_addrs(workers: usize) -> (u16, Vec<SocketAddrV4>) {
+    let lo = Ipv4Addr::LOCALHOST;
+    let socks: Vec<UdpSocket> = (0..=workers)
+        .map(|_| UdpSocket::bind((lo, 0)).unwrap())
+        .collect();
+    let ports: Vec<u16> = socks.iter().map(|s| s.local_addr().unwrap().port()).collect();
+    let peers = ports[1..].iter().map(|&p| SocketAddrV4::new(lo, p)).collect();
+    (ports[0], peers)
 }
