@@ -342,7 +342,24 @@ impl Dataplane {
             _object: object,
         };
         dataplane.fill_prog_arrays()?;
+        dataplane.fill_block_pool()?;
         Ok(dataplane)
+    }
+
+    /// Put every index of the `blocks` array into the `free_blocks` queue
+    /// (the one place that does it, before any program runs): the XDP
+    /// programs take a slot's blocks from it and give them back.
+    fn fill_block_pool(&self) -> Result<()> {
+        let queue = &self.skel.maps.free_blocks;
+        for index in 0..abi::MAX_BLOCKS {
+            queue
+                .update(&[], &index.to_ne_bytes(), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "free_blocks",
+                    source,
+                })?;
+        }
+        Ok(())
     }
 
     /// Fill the tail-call program array `progs` (the one place that does
@@ -618,10 +635,16 @@ impl Dataplane {
         delete_ignore_missing(&self.skel.maps.job_state, "job_state", abi::as_bytes(&key))?;
         delete_ignore_missing(&self.skel.maps.job_handoff, "job_handoff", abi::as_bytes(&key))?;
         delete_ignore_missing(&self.skel.maps.job_stats, "job_stats", abi::as_bytes(&key))?;
+        // The kernel releases the job's slots (and gives their blocks back
+        // to the pool, which only the XDP programs do); a slot that is
+        // completing is deleted by its completer. The loop below deletes
+        // what is left by key.
+        let maps = self.kernel_maps()?;
+        for key in maps.slot_keys().into_iter().filter(|k| k.job == id) {
+            maps.reclaim_slot(&key)?;
+        }
         for (map, name) in [
             (&self.skel.maps.slots, "slots"),
-            // key (SlotKey, chunk index): the SlotKey prefix names the job
-            (&self.skel.maps.blocks, "blocks"),
             (&self.skel.maps.completed, "completed"),
             (&self.skel.maps.slot_owner, "slot_owner"),
         ] {
@@ -655,8 +678,9 @@ impl Dataplane {
     /// Number of slot blocks (chunks of `abi::CHUNK_ELEMS` accumulators) in
     /// the pool (all jobs), for tests and status: a slot of `count` elements
     /// holds `ceil(count / CHUNK_ELEMS)` of them (docs/JUMBO.md).
-    pub fn blocks_in_use(&self) -> usize {
-        self.skel.maps.blocks.keys().count()
+    pub fn blocks_in_use(&self) -> Result<usize> {
+        let used: Option<u64> = lookup_plain(&self.skel.maps.blocks_used, "blocks_used", &0u32)?;
+        Ok(used.unwrap_or(0) as usize)
     }
 
     /// Read the `stats` map and sum every counter over CPUs.

@@ -104,7 +104,7 @@ fn reduce_one(dp: &Dataplane, op: Op, weights: &[i32], vectors: &[Vec<i32>], rou
         );
     }
     assert_eq!(dp.slots_in_use(), 0, "slot released");
-    assert_eq!(dp.blocks_in_use(), 0, "blocks released");
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "blocks released");
 }
 
 const OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
@@ -168,7 +168,7 @@ fn jumbo_retransmission_and_slot_accounting() {
     assert_eq!(dp.test_run(&frame).unwrap().0, XDP_DROP);
     // 2237 elements = 9 blocks of 256.
     assert_eq!(dp.slots_in_use(), 1);
-    assert_eq!(dp.blocks_in_use(), 9);
+    assert_eq!(dp.blocks_in_use().unwrap(), 9);
     let before = dp.stats().unwrap();
     assert_eq!(dp.test_run(&frame).unwrap().0, XDP_DROP);
     assert_eq!(delta(&before, &dp.stats().unwrap(), "retransmission"), 1);
@@ -180,7 +180,84 @@ fn jumbo_retransmission_and_slot_accounting() {
     // Job removal frees the slot and its blocks.
     dp.remove_job(JOB).unwrap();
     assert_eq!(dp.slots_in_use(), 0);
-    assert_eq!(dp.blocks_in_use(), 0);
+    assert_eq!(dp.blocks_in_use().unwrap(), 0);
+}
+
+/// The block pool (`blocks` array + `free_blocks` queue) is used whole,
+/// refuses past its end, gets every block back on completion and on reclaim,
+/// and a reused block (never zeroed: it still holds its previous owner's
+/// accumulators) gives the reducer's result for every op.
+#[test]
+fn block_pool_is_used_whole_given_back_and_reused_dirty() {
+    let dp = load();
+    let weights = vec![1, 3, -1, 2];
+    dp.set_job(JOB, &job(4, weights.clone())).unwrap();
+    let count = elements_per_datagram(65535) as u32;
+    let per_slot = count.div_ceil(abi::CHUNK_ELEMS);
+    assert_eq!(per_slot, 64);
+    let fragments = abi::MAX_BLOCKS / per_slot;
+    let vector = |rank: u16, frag: u32| pattern_vector(rank * 7 + frag as u16, count);
+    let frame_of = |round: u32, rank: u16, frag: u32| {
+        let mut a = Agg::new(JOB, rank, Op::Sum as u8, vector(rank, frag));
+        a.round = round;
+        a.frag_off = frag * count;
+        Frame::udp(addr(rank), a.bytes()).build()
+    };
+    let round = 5;
+    let frame = |rank: u16, frag: u32| frame_of(round, rank, frag);
+    // Rank 0 opens every fragment the pool has blocks for: all of it.
+    for frag in 0..fragments {
+        assert_eq!(dp.test_run(&frame(0, frag)).unwrap().0, XDP_DROP);
+    }
+    assert_eq!(dp.slots_in_use(), fragments as usize);
+    assert_eq!(dp.blocks_in_use().unwrap(), abi::MAX_BLOCKS as usize, "the whole pool");
+    // One more fragment: refused, nothing taken.
+    let before = dp.stats().unwrap();
+    assert_eq!(dp.test_run(&frame(0, fragments)).unwrap().0, XDP_DROP);
+    assert_eq!(delta(&before, &dp.stats().unwrap(), "slot_pool_full"), 1);
+    assert_eq!(dp.blocks_in_use().unwrap(), abi::MAX_BLOCKS as usize);
+    assert_eq!(dp.slots_in_use(), fragments as usize);
+    // Complete all but the last fragment; check one RESULT in full.
+    for frag in 0..fragments - 1 {
+        for rank in 1..4u16 {
+            let (verdict, out) = dp.test_run(&frame(rank, frag)).unwrap();
+            assert_eq!(verdict, if rank == 3 { XDP_PASS } else { XDP_DROP }, "fragment {frag} rank {rank}");
+            if rank == 3 && frag == fragments / 2 {
+                let vs: Vec<Vec<i32>> = (0..4).map(|r| vector(r, frag)).collect();
+                let contributions: Vec<(&[i32], i32)> =
+                    vs.iter().zip(&weights).map(|(v, w)| (v.as_slice(), *w)).collect();
+                let mut want = Vec::new();
+                reducer::reduce(Op::Sum, &contributions).unwrap().write_be(&mut want);
+                assert!(out[PAYLOAD_OFF + 24..] == want[..], "fragment {frag}: RESULT");
+            }
+        }
+    }
+    assert_eq!(dp.slots_in_use(), 1);
+    assert_eq!(dp.blocks_in_use().unwrap(), per_slot as usize, "completions gave their blocks back");
+    // The last one is reclaimed (as for a stale round): its blocks come back too.
+    let key = abi::SlotKey { job: JOB, pad: 0, round, frag_off: (fragments - 1) * count };
+    assert_eq!(dp.reclaim_slot(&key).unwrap(), aggbox::dataplane::Reclaim::Reclaimed);
+    assert_eq!(dp.slots_in_use(), 0);
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "reclaim gave the blocks back");
+    // Every block now holds some earlier owner's values: each op, weighted,
+    // must still give the reducer's result (the first adder stores).
+    let mut round = 100;
+    for pass in 0..3 {
+        for op in OPS {
+            let vectors: Vec<Vec<i32>> =
+                (0..4u16).map(|r| pattern_vector(r + round as u16 + pass, count)).collect();
+            reduce_one(&dp, op, &weights, &vectors, round, 0);
+            round += 1;
+        }
+    }
+    // Filling the pool again (a round not stale yet) works: nothing leaked.
+    for frag in 0..fragments {
+        assert_eq!(dp.test_run(&frame_of(round, 0, frag)).unwrap().0, XDP_DROP);
+    }
+    assert_eq!(dp.blocks_in_use().unwrap(), abi::MAX_BLOCKS as usize);
+    assert_eq!(dp.slots_in_use(), fragments as usize, "every fragment got its blocks again");
+    dp.remove_job(JOB).unwrap();
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "job removal gave the blocks back");
 }
 
 #[test]

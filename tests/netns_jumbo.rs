@@ -183,7 +183,7 @@ fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, 
                 chain_ns as f64 / (contributions.max(1) as f64 * per as f64)
             );
             assert_eq!(att.dataplane.slots_in_use(), 0, "no slot left");
-            assert_eq!(att.dataplane.blocks_in_use(), 0, "no block left");
+            assert_eq!(att.dataplane.blocks_in_use().unwrap(), 0, "no block left");
             att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
             (values, elapsed, stats, false)
         })

@@ -92,25 +92,52 @@ struct {
 } slots SEC(".maps");
 
 /*
- * blocks: the accumulators of the slots, (slot key, chunk index) -> one
- * chunk of AGGBOX_CHUNK_ELEMS s64 accumulators with its own spin lock. A
- * slot of `count` elements has ceil(count / AGGBOX_CHUNK_ELEMS) blocks,
- * created before its header is inserted into `slots` and deleted by the
- * program that completes it (docs/JUMBO.md). XDP only; the control plane
- * deletes the blocks of a removed job.
+ * blocks: the block pool, AGGBOX_MAX_BLOCKS chunks of AGGBOX_CHUNK_ELEMS s64
+ * accumulators, each with its own spin lock. A slot of `count` elements
+ * owns ceil(count / AGGBOX_CHUNK_ELEMS) of them, taken from free_blocks
+ * before its header is inserted into `slots` (their indexes are in the
+ * header) and given back by whoever deletes that header: the completing
+ * program, aggbox_reclaim (also the control plane's way to release the
+ * slots of a removed job), or a creator that lost a race. An array, not a
+ * hash keyed by (slot, chunk): a lookup is an index computation, and
+ * creating or completing a slot costs a queue pop or push per block
+ * instead of a hash insert or delete (docs/JUMBO.md). XDP only.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_BLOCKS);
-	__type(key, struct aggbox_block_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_block);
 } blocks SEC(".maps");
 
 /*
- * slot_init: per-CPU templates a new slot header and its blocks are copied
- * from (a block is too big for the stack). Only keys, indexes and the
- * header's op/count/workers/weight_sum are ever written, so bitmaps,
- * counters and accumulators stay zero. XDP only.
+ * free_blocks: indexes of the unused blocks (FIFO). Filled with every index
+ * by the control plane right after load (Dataplane::load), before any
+ * program is attached; popped and pushed by the XDP programs only.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_QUEUE);
+	__uint(max_entries, AGGBOX_MAX_BLOCKS);
+	__type(value, __u32);
+} free_blocks SEC(".maps");
+
+/*
+ * blocks_used: [0] = blocks owned by slots (all jobs), updated atomically
+ * with every take and give-back: what status and tests read (a queue's
+ * length cannot be read from user space).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} blocks_used SEC(".maps");
+
+/*
+ * slot_init: per-CPU template a new slot header is copied from (too big for
+ * the stack); it also holds the block indexes being taken for it. Only
+ * keys, block indexes and op/count/workers/weight_sum are ever written, so
+ * bitmaps and counters stay zero. XDP only.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -125,58 +152,87 @@ static __always_inline __u32 chunks_of(__u32 count)
 	return (count + AGGBOX_CHUNK_ELEMS - 1) / AGGBOX_CHUNK_ELEMS;
 }
 
-/* bpf_loop context of block creation and deletion. */
-struct blocks_loop {
+static __always_inline void blocks_used_add(__s64 delta)
+{
+	__u32 zero = 0;
+	__u64 *used = bpf_map_lookup_elem(&blocks_used, &zero);
+
+	if (used)
+		__sync_fetch_and_add(used, delta);
+}
+
+/* bpf_loop context of taking blocks for a new slot: the indexes go to
+ * init->slot.b.block (looked up per call: a callback gets no map value
+ * pointer from its caller that the verifier keeps). */
+struct blocks_take {
 	struct aggbox_slot_key key;
-	__u32 failed;
+	__u32 taken;                /* indexes popped so far */
 };
 
-/* bpf_loop callback: create block `index` of bl->key (an existing one, made
- * by a CPU racing us to create the same slot, is fine). */
-static long block_create_cb(__u64 index, void *data)
+/*
+ * bpf_loop callback: take block `index` of bl->key from the pool and make
+ * it the key's: under its lock (a contributor of the block's previous owner
+ * may still hold its index) the key and index change and `seen` goes to 0,
+ * so that contributor sees a reused block and the first adder stores.
+ */
+static long block_take_cb(__u64 index, void *data)
 {
-	struct blocks_loop *bl = data;
-	struct aggbox_block_key bkey = {};
+	struct blocks_take *bl = data;
 	struct aggbox_init *init;
-	__u32 zero = 0;
-	int err;
+	struct aggbox_block *blk;
+	__u32 zero = 0, idx = 0;
 
+	if (index >= AGGBOX_MAX_CHUNKS)
+		return 1;
 	init = bpf_map_lookup_elem(&slot_init, &zero);
-	if (!init) {
-		bl->failed = 1;
-		return 1;
-	}
-	bkey.slot = bl->key;
-	bkey.index = (__u32)index;
-	init->block.b.key = bl->key;
-	init->block.b.index = (__u32)index;
-	err = bpf_map_update_elem(&blocks, &bkey, &init->block, BPF_NOEXIST);
-	if (err && err != -EEXIST) {
-		bl->failed = 1; /* blocks pool full */
-		return 1;
-	}
+	if (!init || bpf_map_pop_elem(&free_blocks, &idx))
+		return 1; /* pool empty (or contended): bl->taken < wanted */
+	init->slot.b.block[index] = (__u16)idx;
+	bl->taken = (__u32)index + 1;
+	blk = bpf_map_lookup_elem(&blocks, &idx);
+	if (!blk)
+		return 1; /* an index the control plane never pushed: a bug */
+	bpf_spin_lock(&blk->lock);
+	blk->b.key = bl->key;
+	blk->b.index = (__u32)index;
+	blk->b.seen = 0;
+	bpf_spin_unlock(&blk->lock);
 	return 0;
 }
 
-/* bpf_loop callback: delete block `index` of bl->key. */
-static long block_delete_cb(__u64 index, void *data)
-{
-	struct blocks_loop *bl = data;
-	struct aggbox_block_key bkey = {};
+/* bpf_loop context of giving blocks back: the indexes are copied here (a
+ * deleted header's memory may be reused at once; the stack is safe). */
+struct blocks_give {
+	__u16 block[AGGBOX_MAX_CHUNKS];
+};
 
-	bkey.slot = bl->key;
-	bkey.index = (__u32)index;
-	bpf_map_delete_elem(&blocks, &bkey);
+/* bpf_loop callback: give block `index` of the list back to the pool. */
+static long block_give_cb(__u64 index, void *data)
+{
+	struct blocks_give *bg = data;
+	__u32 idx;
+
+	if (index >= AGGBOX_MAX_CHUNKS)
+		return 1;
+	idx = bg->block[index];
+	bpf_map_push_elem(&free_blocks, &idx, 0);
 	return 0;
 }
 
-/* Delete the blocks of a slot of `count` elements. */
-static __always_inline void blocks_delete(const struct aggbox_slot_key *key, __u32 count)
+/*
+ * Give the first n blocks of `block` back to the pool. Only the program
+ * that deleted the slot header listing them (or that took them and never
+ * published a header) calls this, so each block is given back once.
+ */
+static __always_inline void blocks_give(const __u16 *block, __u32 n)
 {
-	struct blocks_loop bl = {};
+	struct blocks_give bg;
 
-	bl.key = *key;
-	bpf_loop(chunks_of(count), block_delete_cb, &bl, 0);
+	if (n > AGGBOX_MAX_CHUNKS)
+		n = AGGBOX_MAX_CHUNKS;
+	__builtin_memcpy(bg.block, block, sizeof(bg.block));
+	bpf_loop(n, block_give_cb, &bg, 0);
+	blocks_used_add(-(__s64)n);
 }
 
 /*
@@ -435,7 +491,7 @@ static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
  */
 static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_job_state *js, int reserved)
 {
-	struct blocks_loop bl = {};
+	struct blocks_take bl = {};
 	struct aggbox_init *init;
 	__u32 zero = 0, nb;
 	int err;
@@ -449,16 +505,15 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	}
 	/*
 	 * Blocks first, then the header: whoever finds the header in `slots`
-	 * finds every block of it.
+	 * finds every block of it ready.
 	 */
 	nb = chunks_of(s->count);
 	bl.key = s->key;
-	bpf_loop(nb, block_create_cb, &bl, 0);
-	if (bl.failed) {
-		/* Blocks pool full. Leave the blocks to a CPU that made the
-		 * header meanwhile (it shares them). */
-		if (!bpf_map_lookup_elem(&slots, &s->key))
-			blocks_delete(&s->key, s->count);
+	bpf_loop(nb, block_take_cb, &bl, 0);
+	blocks_used_add(bl.taken);
+	if (bl.taken < nb) {
+		/* Block pool empty. */
+		blocks_give(init->slot.b.block, bl.taken);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return AGGBOX_DROP_SLOT_POOL_FULL;
 	}
@@ -469,10 +524,10 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	init->slot.b.weight_sum = s->weight_sum;
 	err = bpf_map_update_elem(&slots, &s->key, &init->slot, BPF_NOEXIST);
 	if (err) {
-		/* Lost the race to another CPU (-EEXIST: it uses the same
-		 * blocks) or the map is full. */
-		if (err != -EEXIST && !bpf_map_lookup_elem(&slots, &s->key))
-			blocks_delete(&s->key, s->count);
+		/* Lost the race to another CPU (-EEXIST: its header and blocks
+		 * serve the fragment) or the map is full: ours were never
+		 * published. */
+		blocks_give(init->slot.b.block, nb);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return err == -EEXIST ? 0 : AGGBOX_DROP_SLOT_POOL_FULL;
 	}
@@ -481,11 +536,12 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	 * fragment completed between our lookups and this insert, undo it.
 	 */
 	if (bpf_map_lookup_elem(&completed, &s->key)) {
-		/* Give the reservation back only if our delete removed it: a
-		 * completion or aggbox_reclaim that deleted it gave it back. */
+		/* Give the reservation and blocks back only if our delete
+		 * removed the header: a completion or aggbox_reclaim that
+		 * deleted it gave them back. */
 		if (!bpf_map_delete_elem(&slots, &s->key)) {
 			__sync_fetch_and_sub(&js->active_slots, 1);
-			blocks_delete(&s->key, s->count);
+			blocks_give(init->slot.b.block, nb);
 		}
 		return AGGBOX_DROP_RETRANSMISSION;
 	}
@@ -604,6 +660,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 		slot->b.bitmap[word] |= bit;
 		slot->b.claimed++;
 		slot->b.flags |= s->flags & AGGBOX_AGG_F_LAST_FRAGMENT;
+		__builtin_memcpy(s->block, slot->b.block, sizeof(s->block));
 		code = AGGBOX_OUTCOME_ACCEPTED;
 	}
 	bpf_spin_unlock(&slot->lock);
@@ -699,9 +756,9 @@ static __always_inline int block_matches(struct aggbox_block *blk, struct aggbox
  * Two elements per 64-bit load: after bswap64 the first big-endian int32 is
  * the high half (one arithmetic shift sign-extends it) and the second the
  * low half; that halves loads and byte swaps. The common cases get their own
- * loops: the first contributor of a block stores instead of adding (the
- * block was created zeroed, so the result is the same without the load),
- * and weight 1 needs no multiplication. Unrolled by 4 pairs so the loop
+ * loops: the first contributor of a block stores instead of adding (every
+ * op: a block from the pool still holds its previous owner's values, it is
+ * never zeroed), and weight 1 needs no multiplication. Unrolled by 4 pairs so the loop
  * counter and branch are paid once per 8 elements (the verifier walks the
  * same 256 elements either way).
  */
@@ -713,14 +770,24 @@ static __always_inline void add_block(__s64 *acc, const __u64 *src, __u8 op, __s
 {
 	__u32 j;
 
-	if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) {
-		if (w == 1 && first) {
+	if (first && (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN ||
+		      ((op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) && w == 1))) {
+		/* The first value is the running one. */
+#pragma clang loop unroll_count(4)
+		for (j = 0; j < PAIRS; j++) {
+			__u64 y = __builtin_bswap64(src[j]);
+
+			acc[2 * j] = PAIR_FIRST(y);
+			acc[2 * j + 1] = PAIR_SECOND(y);
+		}
+	} else if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) {
+		if (first) {
 #pragma clang loop unroll_count(4)
 			for (j = 0; j < PAIRS; j++) {
 				__u64 y = __builtin_bswap64(src[j]);
 
-				acc[2 * j] = PAIR_FIRST(y);
-				acc[2 * j + 1] = PAIR_SECOND(y);
+				acc[2 * j] = w * PAIR_FIRST(y);
+				acc[2 * j + 1] = w * PAIR_SECOND(y);
 			}
 		} else if (w == 1) {
 #pragma clang loop unroll_count(4)
@@ -740,20 +807,23 @@ static __always_inline void add_block(__s64 *acc, const __u64 *src, __u8 op, __s
 			}
 		}
 	} else if (op == AGGBOX_OP_COUNT) {
+		/* nonzero test: byte order does not matter */
+		if (first) {
 #pragma clang loop unroll_count(4)
-		for (j = 0; j < PAIRS; j++) {
-			__u64 y = src[j]; /* nonzero test: byte order does not matter */
+			for (j = 0; j < PAIRS; j++) {
+				__u64 y = src[j];
 
-			acc[2 * j] += (__u32)y != 0;
-			acc[2 * j + 1] += (y >> 32) != 0;
-		}
-	} else if (first) { /* MAX or MIN: the first value is the running one */
+				acc[2 * j] = (__u32)y != 0;
+				acc[2 * j + 1] = (y >> 32) != 0;
+			}
+		} else {
 #pragma clang loop unroll_count(4)
-		for (j = 0; j < PAIRS; j++) {
-			__u64 y = __builtin_bswap64(src[j]);
+			for (j = 0; j < PAIRS; j++) {
+				__u64 y = src[j];
 
-			acc[2 * j] = PAIR_FIRST(y);
-			acc[2 * j + 1] = PAIR_SECOND(y);
+				acc[2 * j] += (__u32)y != 0;
+				acc[2 * j + 1] += (y >> 32) != 0;
+			}
 		}
 	} else if (op == AGGBOX_OP_MAX) {
 #pragma clang loop unroll_count(4)
@@ -808,10 +878,9 @@ static __always_inline int result_block_fits(const __s64 *acc, __u64 *dst)
 static long add_chunk_cb(__u64 index, void *data)
 {
 	struct chain_loop *lp = data;
-	struct aggbox_block_key bkey = {};
 	struct aggbox_scratch *s;
 	struct aggbox_block *blk;
-	__u32 zero = 0, chunk, base = 0, n, off, len;
+	__u32 zero = 0, chunk, base = 0, n, off, len, idx;
 	__s64 w;
 	__u8 op;
 	int first, last;
@@ -831,11 +900,14 @@ static long add_chunk_cb(__u64 index, void *data)
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: a bug */
 		return 1;
 	}
-	bkey.slot = s->key;
-	bkey.index = chunk;
-	blk = bpf_map_lookup_elem(&blocks, &bkey);
+	if (chunk >= AGGBOX_MAX_CHUNKS) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* chain state corrupt: a bug */
+		return 1;
+	}
+	idx = s->block[chunk];
+	blk = bpf_map_lookup_elem(&blocks, &idx);
 	if (!blk) {
-		s->stop = AGGBOX_DROP_SLOT_MISMATCH; /* removed by the control plane */
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* an index past the pool: a bug */
 		return 1;
 	}
 	w = s->weight;
@@ -980,7 +1052,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	bpf_map_update_elem(&completed, &s->key, &one, BPF_ANY);
 	bpf_map_delete_elem(&slots, &s->key);
 	bpf_map_delete_elem(&slot_owner, &s->key);
-	blocks_delete(&s->key, s->count);
+	blocks_give(s->block, chunks_of(s->count));
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		for (i = 0; i < 4; i++) {
@@ -1017,10 +1089,9 @@ static __always_inline __s64 clamp_i32(struct aggbox_scratch *s, __s64 r, int re
 static long result_chunk_cb(__u64 index, void *data)
 {
 	struct chain_loop *lp = data;
-	struct aggbox_block_key bkey = {};
 	struct aggbox_scratch *s;
 	struct aggbox_block *blk;
-	__u32 zero = 0, chunk, base = 0, n, j, off, ws, len;
+	__u32 zero = 0, chunk, base = 0, n, j, off, ws, len, idx;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
 	if (!s)
@@ -1035,11 +1106,14 @@ static long result_chunk_cb(__u64 index, void *data)
 		s->chunk = chunk + 1; /* written by this packet's add stage */
 		return 0;
 	}
-	bkey.slot = s->key;
-	bkey.index = chunk;
-	blk = bpf_map_lookup_elem(&blocks, &bkey);
+	if (chunk >= AGGBOX_MAX_CHUNKS) {
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
+		return 1;
+	}
+	idx = s->block[chunk];
+	blk = bpf_map_lookup_elem(&blocks, &idx);
 	if (!blk) {
-		s->stop = AGGBOX_DROP_SLOT_MISMATCH;
+		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
 		return 1;
 	}
 	ws = s->weight_sum ? s->weight_sum : 1;
@@ -1115,7 +1189,8 @@ int aggbox_result(struct xdp_md *ctx)
  * contributor still in the chain can complete it; the stored key changed, so
  * a contributor that looked it up before the delete sees a reused element
  * and counts a retransmission). Then it is deleted with its slot_owner
- * record, and the reservation is given back only if this delete removed it.
+ * record, and the reservation and its blocks (indexes copied under the lock)
+ * are given back only if this delete removed it.
  *
  * Verdicts: XDP_PASS reclaimed, XDP_DROP no such slot, XDP_TX completing or
  * reused (left alone), XDP_ABORTED malformed request.
@@ -1130,6 +1205,7 @@ int aggbox_reclaim(struct xdp_md *ctx)
 	struct aggbox_slot_key key;
 	struct aggbox_job_state *js;
 	struct aggbox_slot *slot;
+	struct blocks_give bg;
 	__u32 count;
 	int busy = 0;
 
@@ -1150,6 +1226,7 @@ int aggbox_reclaim(struct xdp_md *ctx)
 	} else {
 		slot->b.workers = 0xffff;
 		slot->b.key.round = ~key.round;
+		__builtin_memcpy(bg.block, slot->b.block, sizeof(bg.block));
 	}
 	bpf_spin_unlock(&slot->lock);
 	if (busy)
@@ -1158,7 +1235,7 @@ int aggbox_reclaim(struct xdp_md *ctx)
 		return XDP_DROP;
 	bpf_map_delete_elem(&slot_owner, &key);
 	if (count <= AGGBOX_MAX_ELEMS)
-		blocks_delete(&key, count);
+		blocks_give(bg.block, chunks_of(count));
 	jkey.job = key.job;
 	js = bpf_map_lookup_elem(&job_state, &jkey);
 	if (js)

@@ -15,8 +15,9 @@
 
 /*
  * A slot is a header (value of the `slots` map: lock, contributor bitmap,
- * completion count) plus one block per chunk of AGGBOX_CHUNK_ELEMS elements
- * (value of the `blocks` map, key (slot key, chunk index)): slot memory
+ * completion count, the indexes of its blocks) plus one block per chunk of
+ * AGGBOX_CHUNK_ELEMS elements, taken from a pre-allocated pool (the
+ * `blocks` array, free indexes in the `free_blocks` queue): slot memory
  * follows the fragment's count (docs/JUMBO.md). Each block has its own spin
  * lock, taken once per contribution per chunk.
  */
@@ -33,6 +34,8 @@ struct aggbox_slot_body {
 	__u16 pad;
 	__u32 weight_sum;           /* AVG divisor, from the job at creation */
 	__u32 bitmap[AGGBOX_BITMAP_WORDS];   /* bit r: rank r has contributed */
+	__u16 block[AGGBOX_MAX_CHUNKS];      /* chunk i -> index in `blocks`; set at
+					      * creation, never changed after */
 };
 
 /* Value of the slots map. */
@@ -42,46 +45,37 @@ struct aggbox_slot {
 	struct aggbox_slot_body b;
 };
 
-/* Key of the blocks map. */
-struct aggbox_block_key {
-	struct aggbox_slot_key slot;
-	__u32 index;                /* chunk index: elements [index*CHUNK, (index+1)*CHUNK) */
-};
-
 /* Everything of a block but its lock. */
 struct aggbox_block_body {
-	struct aggbox_slot_key key; /* copy of the slot key: detects a reused element */
-	__u32 index;                /* copy of the chunk index */
-	__u32 seen;                 /* contributions added into this chunk (MAX/MIN first writer) */
+	struct aggbox_slot_key key; /* slot owning it: detects a block released
+				     * and reused meanwhile */
+	__u32 index;                /* its chunk index in that slot */
+	__u32 seen;                 /* contributions added into this chunk; the
+				     * first one stores instead of adding, so a
+				     * block is never zeroed between owners */
 	__u32 pad;
 	__s64 acc[AGGBOX_CHUNK_ELEMS]; /* running result, never wraps */
 };
 
-/* Value of the blocks map. */
+/* Value of the blocks array (the block pool). */
 struct aggbox_block {
 	struct bpf_spin_lock lock; /* taken once per chunk, see docs/DATAPLANE.md */
 	__u32 pad;
 	struct aggbox_block_body b;
 };
 
-/* Same layouts without the lock type: per-CPU maps cannot hold a spin lock. */
+/* The same layout without the lock type: per-CPU maps cannot hold a spin lock. */
 struct aggbox_slot_init {
 	__u32 lock;
 	__u32 pad;
 	struct aggbox_slot_body b;
 };
 _Static_assert(sizeof(struct aggbox_slot) == sizeof(struct aggbox_slot_init), "init mirrors slot");
-struct aggbox_block_init {
-	__u32 lock;
-	__u32 pad;
-	struct aggbox_block_body b;
-};
-_Static_assert(sizeof(struct aggbox_block) == sizeof(struct aggbox_block_init), "init mirrors block");
+_Static_assert(AGGBOX_MAX_BLOCKS <= 65536, "a block index fits slot.block's __u16");
 
 /* Value of the per-CPU slot_init template map. */
 struct aggbox_init {
 	struct aggbox_slot_init slot;
-	struct aggbox_block_init block;
 };
 
 /* Per-packet state handed from one program of the chain to the next. */
@@ -115,6 +109,10 @@ struct aggbox_scratch {
 	__u32 job_known;   /* 1 once aggbox_classify found key.job configured;
 			    * 0 at the start of every entry run, so a previous
 			    * packet's job is never counted (stats.h) */
+	__u16 block[AGGBOX_MAX_CHUNKS];
+			   /* the claimed slot's block indexes (copied under
+			    * its lock: the add and result stages index the
+			    * pool without looking the header up again) */
 	__u64 finalized;   /* chunks whose RESULT values the add stage already
 			    * wrote into this packet (bit i = chunk i) */
 	__be32 buf[AGGBOX_CHUNK_ELEMS] __attribute__((aligned(8)));
