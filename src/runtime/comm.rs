@@ -403,14 +403,16 @@ impl CommunicatorBuilder {
         let sock = UdpSocket::bind(me)
             .map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
         sock.set_nonblocking(true)?;
-        // 8 MiB, more for jumbo datagrams: at least 256 of them. The kernel
-        // backend's aggregator gets 64 MiB: the kernel sends each RESULT
-        // once and the workers are clocked by their own copies, so a backlog
-        // its socket cannot hold is lost for good (measured: 21.8 M elements
-        // at MTU 9000 overflowed 8 MiB).
+        // 8 MiB, more for jumbo datagrams: at least 256 of them. With the
+        // kernel backend everyone gets 64 MiB: the kernel sends each RESULT
+        // once, as fast as the contributions complete, to the aggregator and
+        // (result_group) to every worker; what a socket cannot hold is lost
+        // and costs a retransmission timeout (measured, 21.8 M elements at
+        // MTU 9000: 8 MiB overflowed at the aggregator, and at the workers,
+        // whose windows hold up to 910 fragments).
         let dgram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
         let mut rcv = (8usize << 20).max(256 * dgram);
-        if cfg.backend == BackendKind::Kernel && cfg.me == Participant::Aggregator {
+        if cfg.backend == BackendKind::Kernel {
             rcv = rcv.max(64 << 20);
         }
         set_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
