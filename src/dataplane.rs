@@ -346,13 +346,13 @@ impl Dataplane {
         Ok(dataplane)
     }
 
-    /// Put every index of the `blocks` array into the `free_blocks` queue
+    /// Put every index of the `blocks` array into the `free_blocks` stack
     /// (the one place that does it, before any program runs): the XDP
     /// programs take a slot's blocks from it and give them back.
     fn fill_block_pool(&self) -> Result<()> {
-        let queue = &self.skel.maps.free_blocks;
+        let stack = &self.skel.maps.free_blocks;
         for index in 0..abi::MAX_BLOCKS {
-            queue
+            stack
                 .update(&[], &index.to_ne_bytes(), MapFlags::ANY)
                 .map_err(|source| DataplaneError::Map {
                     map: "free_blocks",

@@ -17,7 +17,7 @@
  * A slot is a header (value of the `slots` map: lock, contributor bitmap,
  * completion count, the indexes of its blocks) plus one block per chunk of
  * AGGBOX_CHUNK_ELEMS elements, taken from a pre-allocated pool (the
- * `blocks` array, free indexes in the `free_blocks` queue): slot memory
+ * `blocks` array, free indexes in the `free_blocks` stack): slot memory
  * follows the fragment's count (docs/JUMBO.md). Each block has its own spin
  * lock, taken once per contribution per chunk.
  */
