@@ -229,6 +229,19 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         }
     }
 
+    // The block pool (docs/JUMBO.md) is shared by every job; it, not the
+    // slot bound, is what limits jumbo fragments in flight.
+    let mut blocks_used = Family::gauge("aggbox_blocks_in_use", "Accumulator blocks (256 elements each) the kernel's slots hold, all jobs.");
+    let mut blocks_capacity = Family::gauge("aggbox_blocks_capacity", "Accumulator blocks in the kernel's pool.");
+    if let Ok(map) = MapHandle::from_pinned_path(dir.join("blocks_used")) {
+        let used = map
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)?
+            .and_then(|v| abi::from_bytes::<u64>(&v))
+            .unwrap_or(0);
+        blocks_used.push(&[("iface", iface)], used as f64);
+        blocks_capacity.push(&[("iface", iface)], abi::MAX_BLOCKS as f64);
+    }
+
     let mut families = vec![
         datagrams,
         payload,
@@ -245,6 +258,8 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         runs,
         run_time,
         insns,
+        blocks_used,
+        blocks_capacity,
     ];
 
     if let Ok(handoff) = MapHandle::from_pinned_path(dir.join("handoff_stats")) {

@@ -230,6 +230,9 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
         ("aggbox_job_slots_active{iface=\"fuzz0\",job=\"1\"}", 8.0),
         ("aggbox_job_slots_limit{iface=\"fuzz0\",job=\"2\"}", 8.0),
         ("aggbox_job_slots_active{iface=\"fuzz0\",job=\"2\"}", 8.0),
+        // 16 open slots of at most 256 elements: one pool block each.
+        ("aggbox_blocks_in_use{iface=\"fuzz0\"}", 16.0),
+        ("aggbox_blocks_capacity{iface=\"fuzz0\"}", abi::MAX_BLOCKS as f64),
     ] {
         let got = text
             .lines()
