@@ -1283,15 +1283,16 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
          (2) XDP cost: {:.0} ns per contribution against the < 1 µs goal and {:.0} ns for count-and-drop. The chain (src/bpf/aggbox_xdp.bpf.c) \
          handles a 362-element payload as 2 chunks of 256 elements (`bpf_loop` inside `aggbox_add` / `aggbox_result`, op-specialised loops, \
          two elements per load): per contribution the job and rank lookups, the slot's hash lookup and lock and three tail calls; per chunk a \
-         `bpf_xdp_load_bytes`, the block's hash lookup and lock. The first contribution of a fragment also creates the slot and its blocks in hash \
-         maps, the completing one writes the RESULT and deletes them. In isolation (`benches/xdp_chain.rs`, BPF_PROG_TEST_RUN's clock) a \
-         contribution that only adds costs ~0.9 µs and one that creates or completes a slot ~2 µs (mean ~1.4 µs); under this traffic both CPUs \
+         `bpf_xdp_load_bytes` and the block's lock (blocks come from a pre-allocated pool, indexed from the slot header). The first \
+         contribution of a fragment also inserts the slot and its owner record and takes its blocks from the pool, the completing one writes the \
+         RESULT, records the completion and gives them back. In isolation (`benches/xdp_chain.rs`, BPF_PROG_TEST_RUN's clock) a \
+         contribution that only adds costs ~0.86 µs and one that creates or completes a slot ~1.7–1.9 µs (mean ~1.3 µs); under this traffic both CPUs \
          contend for the same slots and blocks with cold caches, and bpf_stats measures the figure above. At this size the per-contribution \
-         fixed work dominates (at 64 KB frames the per-element cost is ~1.3 ns, docs/JUMBO.md). At {:.0} ns the aggregator spends ~{:.0} % of \
+         fixed work dominates (at 64 KB frames the per-element cost is ~1.07 ns, docs/JUMBO.md). At {:.0} ns the aggregator spends ~{:.0} % of \
          one CPU on XDP at the measured rate, CPU the senders would otherwise use; so on this VM the kernel path is only {ratio:.2}× the plain \
          user-space aggregator (paper: 3.9×), whose per-datagram CPU cost (measured above) is of the same order. Next for the data plane: \
-         blocks from a pre-allocated array with a free-index queue instead of a hash insert and delete per block and fragment; the baselines \
-         also run against senders that share their CPUs.\n",
+         fewer hash maps per fragment (the owner record and the completion marker are separate hash and LRU maps, each an insert and a \
+         delete or eviction per fragment); the baselines also run against senders that share their CPUs.\n",
         thousands(d),
         thousands(d / PER as f64),
         100.0 * med(k) / d,
