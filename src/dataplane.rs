@@ -639,10 +639,7 @@ impl Dataplane {
         // to the pool, which only the XDP programs do); a slot that is
         // completing is deleted by its completer. The loop below deletes
         // what is left by key.
-        let maps = self.kernel_maps()?;
-        for key in maps.slot_keys().into_iter().filter(|k| k.job == id) {
-            maps.reclaim_slot(&key)?;
-        }
+        self.discard_job_slots(id)?;
         for (map, name) in [
             (&self.skel.maps.slots, "slots"),
             (&self.skel.maps.completed, "completed"),

@@ -187,6 +187,9 @@ fn slots_from_many_cpus(elems: usize) {
         );
     }
     assert_eq!(dp.slots_in_use(), 0);
+    // Racing creators each take their own blocks and the losers give them
+    // back: a leak or a double give-back (the counter would wrap) shows here.
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "every block given back exactly once");
     let state = dp.job_state(JOB).unwrap().unwrap();
     assert_eq!(state.active_slots, 0);
     assert_eq!(state.completed, SLOTS);

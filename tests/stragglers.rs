@@ -208,6 +208,7 @@ fn reclamation_racing_with_contributions_keeps_accounting_exact() {
     let st = dp.job_state(5).unwrap().unwrap();
     assert_eq!(st.active_slots as usize, dp.slots_in_use(), "active_slots == slots in the pool");
     assert_eq!(dp.slots_in_use(), dp.slot_owners_in_use());
+    assert_eq!(dp.blocks_in_use().unwrap(), dp.slots_in_use(), "one block per (small) slot, none leaked by the reclaims");
     assert!(dp.slots_in_use() <= (2 + 1) as usize * FRAGS as usize + 2, "only rounds within the window remain: {}", dp.slots_in_use());
 }
 
@@ -239,6 +240,7 @@ fn membership_change_between_rounds_leaks_nothing() {
     new.ranks = vec![addr(0), replaced];
     dp.set_job(5, &new).expect("set_job new membership");
     assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0), "rounds in flight of the old membership released");
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "their blocks back in the pool");
     let st = dp.job_state(5).unwrap().unwrap();
     assert_eq!((st.newest_round, st.completed), (3, 3), "history kept: the stale-round rule still holds");
 
