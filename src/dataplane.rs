@@ -672,9 +672,10 @@ impl Dataplane {
         self.skel.maps.slots.keys().count()
     }
 
-    /// Number of slot blocks (chunks of `abi::CHUNK_ELEMS` accumulators) in
-    /// the pool (all jobs), for tests and status: a slot of `count` elements
-    /// holds `ceil(count / CHUNK_ELEMS)` of them (docs/JUMBO.md).
+    /// Number of pool blocks (chunks of `abi::CHUNK_ELEMS` accumulators)
+    /// that slots hold (all jobs; the kernel's `blocks_used` counter), for
+    /// tests: a slot of `count` elements holds `ceil(count / CHUNK_ELEMS)`
+    /// of them (docs/JUMBO.md).
     pub fn blocks_in_use(&self) -> Result<usize> {
         let used: Option<u64> = lookup_plain(&self.skel.maps.blocks_used, "blocks_used", &0u32)?;
         Ok(used.unwrap_or(0) as usize)

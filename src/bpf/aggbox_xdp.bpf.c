@@ -126,8 +126,8 @@ struct {
 
 /*
  * blocks_used: [0] = blocks owned by slots (all jobs), updated atomically
- * with every take and give-back: what status and tests read (a stack's
- * length cannot be read from user space).
+ * with every take and give-back: what the metrics and tests read (a
+ * stack's length cannot be read from user space).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -214,7 +214,7 @@ struct blocks_give {
  * push only fails if the stack's lock cannot be taken (a kernel with
  * resilient spin locks gives up after a deadlock check or timeout); the
  * block is then lost to the pool and stays counted in blocks_used, where
- * status shows it. */
+ * the metrics show it (aggbox_blocks_in_use). */
 static long block_give_cb(__u64 index, void *data)
 {
 	struct blocks_give *bg = data;
@@ -768,9 +768,9 @@ static __always_inline int block_matches(struct aggbox_block *blk, struct aggbox
  * low half; that halves loads and byte swaps. The common cases get their own
  * loops: the first contributor of a block stores instead of adding (every
  * op: a block from the pool still holds its previous owner's values, it is
- * never zeroed), and weight 1 needs no multiplication. Unrolled by 4 pairs so the loop
- * counter and branch are paid once per 8 elements (the verifier walks the
- * same 256 elements either way).
+ * never zeroed), and weight 1 needs no multiplication. Unrolled by 4 pairs
+ * so the loop counter and branch are paid once per 8 elements (the verifier
+ * walks the same 256 elements either way).
  */
 #define PAIR_FIRST(y) ((__s64)(y) >> 32)
 #define PAIR_SECOND(y) ((__s64)((y) << 32) >> 32)
