@@ -588,22 +588,27 @@ fn assert_warm(what: &str, c: Counts, per: usize, nfrags: u64) {
     );
 }
 
-fn run_f32(comms: &[Communicator], bufs: &mut [Vec<f32>]) {
+/// `call(participant, its buffer)` on every participant at once, each on its
+/// own thread; the results in participant order (a failed call panics with
+/// the participant's name).
+fn on_every<T: Send, R: Send>(
+    comms: &[Communicator],
+    bufs: &mut [Vec<T>],
+    call: impl Fn(&Communicator, &mut [T]) -> Result<R, aggbox::runtime::CommError> + Sync,
+) -> Vec<R> {
+    let call = &call;
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .zip(bufs.iter_mut())
-            .map(|(c, b)| {
-                s.spawn(move || {
-                    c.allreduce_f32(b, false)
-                        .unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()))
-                })
-            })
+            .map(|(c, b)| s.spawn(move || call(c, b).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()))))
             .collect();
-        for h in hs {
-            h.join().unwrap();
-        }
-    });
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn run_f32(comms: &[Communicator], bufs: &mut [Vec<f32>]) {
+    on_every(comms, bufs, |c, b| c.allreduce_f32(b, false));
 }
 
 #[test]
@@ -654,24 +659,14 @@ fn allreduce_f32_allocates_nothing_per_call_after_warm_up() {
 /// One blocking int call on every participant (`all`: allreduce, else
 /// reduce); the aggregator's flag (OVERFLOW) is returned.
 fn run_i32(comms: &[Communicator], bufs: &mut [Vec<i32>], all: bool) -> bool {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(c, b)| {
-                s.spawn(move || {
-                    let r = if all {
-                        c.allreduce_i32(b, Op::Sum)
-                    } else {
-                        c.reduce_i32(b, Op::Sum)
-                    };
-                    r.unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()))
-                })
-            })
-            .collect();
-        let flags: Vec<bool> = hs.into_iter().map(|h| h.join().unwrap()).collect();
-        flags[0]
-    })
+    let flags = on_every(comms, bufs, |c, b| {
+        if all {
+            c.allreduce_i32(b, Op::Sum)
+        } else {
+            c.reduce_i32(b, Op::Sum)
+        }
+    });
+    flags[0]
 }
 
 #[test]

@@ -340,32 +340,9 @@ impl SendWindow {
         build: impl FnOnce(u32, &mut Vec<u8>) -> Result<(), E>,
         tx: &mut impl FnMut(usize, &[u8]),
     ) -> Result<u32, E> {
+        // The next seq, registered in order: what send_at does for it.
         let seq = self.next_seq;
-        let b = self.alloc_buf();
-        if let Err(e) = build(seq, &mut self.bufs[b as usize]) {
-            self.free.push(b);
-            return Err(e);
-        }
-        let dests = dests & mask_of(self.ndest);
-        for d in 0..self.ndest {
-            if dests & (1 << d) != 0 {
-                tx(d, &self.bufs[b as usize]);
-            }
-        }
-        if self.entries.is_empty() {
-            self.base = seq;
-        }
-        self.entries.push_back(Entry {
-            pending: dests,
-            buf: b,
-            retries: 0,
-            reserved: false,
-            first_sent: now,
-            last_sent: now,
-        });
-        self.next_seq = seq.wrapping_add(1);
-        self.stats.sent += 1;
-        self.retire();
+        self.send_at(seq, dests, now, build, tx)?;
         Ok(seq)
     }
 

@@ -36,6 +36,23 @@ struct Slot {
     overflow: bool,
 }
 
+impl Slot {
+    /// An unused slot around `acc` with a rank bitmap of `words` words and
+    /// room for `result` elements.
+    fn empty(acc: Accumulator, words: usize, result: usize) -> Slot {
+        Slot {
+            round: 0,
+            frag_off: 0,
+            acc,
+            ranks: vec![0; words],
+            contributors: 0,
+            done: false,
+            result: Vec::with_capacity(result),
+            overflow: false,
+        }
+    }
+}
+
 /// Counters of the socket aggregator.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SocketAggStats {
@@ -137,16 +154,7 @@ impl SocketAggregator {
             i
         } else {
             let acc = Accumulator::new(hdr.op, hdr.count as usize, false).ok()?;
-            self.slots.push(Slot {
-                round: 0,
-                frag_off: 0,
-                acc,
-                ranks: vec![0; words],
-                contributors: 0,
-                done: false,
-                result: Vec::new(),
-                overflow: false,
-            });
+            self.slots.push(Slot::empty(acc, words, 0));
             self.slots.len() - 1
         };
         let s = &mut self.slots[i];
@@ -228,16 +236,7 @@ impl Backend for SocketAggregator {
             let Ok(acc) = Accumulator::new(op, count, false) else {
                 return;
             };
-            self.slots.push(Slot {
-                round: 0,
-                frag_off: 0,
-                acc,
-                ranks: vec![0; words],
-                contributors: 0,
-                done: false,
-                result: Vec::with_capacity(count),
-                overflow: false,
-            });
+            self.slots.push(Slot::empty(acc, words, count));
             self.free.push(self.slots.len() - 1);
             have += 1;
         }
