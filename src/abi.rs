@@ -331,6 +331,14 @@ pub const MAX_ELEMS: u32 = 16384;
 pub const CHUNK_ELEMS: u32 = 256;
 /// Chunks one program run of the tail-call chain processes (`AGGBOX_PROG_CHUNKS`).
 pub const PROG_CHUNKS: u32 = 8;
+
+/// Chunks of the largest datagram the linear chain (kernels without
+/// multi-buffer XDP) aggregates (`AGGBOX_LINEAR_MAX_CHUNKS`): one chunk per
+/// program run, 1 + 2 × 15 tail calls.
+pub const LINEAR_MAX_CHUNKS: u32 = 15;
+
+/// Largest `count` the linear chain aggregates (`AGGBOX_LINEAR_MAX_ELEMS`).
+pub const LINEAR_MAX_ELEMS: u32 = LINEAR_MAX_CHUNKS * CHUNK_ELEMS;
 /// Slot blocks of all jobs together (`AGGBOX_MAX_BLOCKS`).
 pub const MAX_BLOCKS: u32 = 2 * MAX_SLOTS;
 /// Slots of all jobs together (`AGGBOX_MAX_SLOTS`).

@@ -74,6 +74,9 @@ pub enum DataplaneError {
         #[source]
         source: std::io::Error,
     },
+    /// The chain override ([`CHAIN_ENV`]) names no chain.
+    #[error("choosing the XDP chain: {0}")]
+    Chain(String),
     /// A job configuration was rejected before touching any map.
     #[error("job {job}: {reason}")]
     InvalidJob {
@@ -311,11 +314,79 @@ impl Stats {
     }
 }
 
+/// Which build of the XDP tail-call chain a [`Dataplane`] runs. The object
+/// carries both (`src/bpf/aggbox_xdp.bpf.c`, docs/JUMBO.md "Kernels without
+/// multi-buffer XDP"); only the chosen one is loaded, since a prog array
+/// holds programs of one frags flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chain {
+    /// Multi-buffer (`xdp.frags`): frames of any size up to 64 KB, payload
+    /// through `bpf_xdp_load_bytes`/`store_bytes`, `bpf_loop`. Kernel 5.18+.
+    Frags,
+    /// Single-buffer frames only (the MTU-bounded mode): direct packet
+    /// access, bounded loops, one chunk per program run, datagrams of up to
+    /// [`abi::LINEAR_MAX_ELEMS`] elements. Uses only helpers of 5.15.
+    Linear,
+}
+
+/// Environment variable that overrides [`Chain::detect`] (`frags` or
+/// `linear`): to run the linear chain on a kernel that has both.
+pub const CHAIN_ENV: &str = "AGGBOX_XDP_CHAIN";
+
+impl Chain {
+    /// The chain this kernel can run: [`Chain::Frags`] when XDP programs may
+    /// call `bpf_loop`, `bpf_xdp_get_buff_len`, `bpf_xdp_load_bytes` and
+    /// `bpf_xdp_store_bytes` (probed with libbpf), else [`Chain::Linear`].
+    /// [`CHAIN_ENV`] overrides the probe.
+    pub fn detect() -> std::result::Result<Chain, String> {
+        if let Some(v) = std::env::var_os(CHAIN_ENV) {
+            return match v.to_str() {
+                Some("frags") => Ok(Chain::Frags),
+                Some("linear") => Ok(Chain::Linear),
+                _ => Err(format!("{CHAIN_ENV}={v:?}: expected `frags` or `linear`")),
+            };
+        }
+        let helpers = [
+            libbpf_sys::BPF_FUNC_loop,
+            libbpf_sys::BPF_FUNC_xdp_get_buff_len,
+            libbpf_sys::BPF_FUNC_xdp_load_bytes,
+            libbpf_sys::BPF_FUNC_xdp_store_bytes,
+        ];
+        // SAFETY: plain probe call; a null opts pointer is allowed (libbpf docs).
+        let has = |id| unsafe { libbpf_sys::libbpf_probe_bpf_helper(libbpf_sys::BPF_PROG_TYPE_XDP, id, std::ptr::null()) } == 1;
+        Ok(if helpers.into_iter().all(has) { Chain::Frags } else { Chain::Linear })
+    }
+
+    /// `frags` or `linear`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Chain::Frags => "frags",
+            Chain::Linear => "linear",
+        }
+    }
+
+    /// Largest `count` this chain aggregates (larger datagrams are dropped
+    /// as `too_large`).
+    pub fn max_elems(self) -> u32 {
+        match self {
+            Chain::Frags => abi::MAX_ELEMS,
+            Chain::Linear => abi::LINEAR_MAX_ELEMS,
+        }
+    }
+
+    /// Largest interface MTU whose datagrams this chain aggregates whole:
+    /// IPv4 + UDP + AGG1 header + `max_elems` elements (capped at 65535).
+    pub fn max_mtu(self) -> u32 {
+        (20 + 8 + abi::AGG_HDR_LEN as u32 + 4 * self.max_elems()).min(65535)
+    }
+}
+
 /// The loaded AggBox XDP object: programs and maps.
 pub struct Dataplane {
     // Field order matters: the skeleton borrows `_object` and must drop first.
     skel: AggboxXdpSkel<'static>,
     _object: Box<MaybeUninit<OpenObject>>,
+    chain: Chain,
 }
 
 impl std::fmt::Debug for Dataplane {
@@ -325,21 +396,42 @@ impl std::fmt::Debug for Dataplane {
 }
 
 impl Dataplane {
-    /// Open and load (verify) the XDP skeleton. Needs root (CAP_BPF).
+    /// Open and load (verify) the XDP skeleton with the chain this kernel
+    /// runs ([`Chain::detect`]). Needs root (CAP_BPF).
     pub fn load() -> Result<Self> {
+        Self::load_chain(Chain::detect().map_err(DataplaneError::Chain)?)
+    }
+
+    /// Open and load the XDP skeleton with one build of the chain.
+    pub fn load_chain(chain: Chain) -> Result<Self> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's heap allocation never moves and lives as long as
         // `Dataplane`, whose field order drops the skeleton before the box;
         // no other reference to the allocation is ever created.
         let object_ref: &'static mut MaybeUninit<OpenObject> =
             unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
-        let open = AggboxXdpSkelBuilder::default()
+        let mut open = AggboxXdpSkelBuilder::default()
             .open(object_ref)
             .map_err(DataplaneError::Load)?;
+        let frags = chain == Chain::Frags;
+        let p = &mut open.progs;
+        for (prog, load) in [
+            (&mut p.aggbox_xdp, frags),
+            (&mut p.aggbox_slot, frags),
+            (&mut p.aggbox_add, frags),
+            (&mut p.aggbox_result, frags),
+            (&mut p.aggbox_xdp_linear, !frags),
+            (&mut p.aggbox_slot_linear, !frags),
+            (&mut p.aggbox_add_linear, !frags),
+            (&mut p.aggbox_result_linear, !frags),
+        ] {
+            prog.set_autoload(load);
+        }
         let skel = open.load().map_err(DataplaneError::Load)?;
         let dataplane = Dataplane {
             skel,
             _object: object,
+            chain,
         };
         dataplane.fill_prog_arrays()?;
         dataplane.fill_block_pool()?;
@@ -365,11 +457,11 @@ impl Dataplane {
     /// Fill the tail-call program array `progs` (the one place that does
     /// it): index `abi::CALL_*` -> the chain's programs.
     fn fill_prog_arrays(&self) -> Result<()> {
-        let progs = &self.skel.progs;
+        let [_, slot, add, result] = self.chain_programs();
         let chain = [
-            (abi::CALL_SLOT, progs.aggbox_slot.as_fd().as_raw_fd()),
-            (abi::CALL_ADD, progs.aggbox_add.as_fd().as_raw_fd()),
-            (abi::CALL_RESULT, progs.aggbox_result.as_fd().as_raw_fd()),
+            (abi::CALL_SLOT, slot.1),
+            (abi::CALL_ADD, add.1),
+            (abi::CALL_RESULT, result.1),
         ];
         debug_assert_eq!(chain.len() as u32, abi::CALL_MAX);
         for (index, fd) in chain {
@@ -414,7 +506,7 @@ impl Dataplane {
     }
 
     fn link_xdp(&self, ifindex: u32, mode: XdpMode) -> std::io::Result<XdpLink> {
-        let prog_fd = self.skel.progs.aggbox_xdp.as_fd().as_raw_fd();
+        let prog_fd = self.xdp_prog_fd().as_raw_fd();
         // SAFETY: zeroed opts are valid; sz set as libbpf requires.
         let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
         opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
@@ -821,10 +913,7 @@ impl Dataplane {
     /// can be sent to other threads (each may pin itself to a CPU).
     pub fn test_runner(&self) -> Result<TestRunner> {
         let fd = self
-            .skel
-            .progs
-            .aggbox_xdp
-            .as_fd()
+            .xdp_prog_fd()
             .try_clone_to_owned()
             .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
         Ok(TestRunner { fd })
@@ -833,15 +922,8 @@ impl Dataplane {
     /// Id, size, verifier cost and run statistics of every program of the
     /// chain (what `bpftool prog show` prints).
     pub fn programs(&self) -> Result<Vec<ProgramFacts>> {
-        let progs = &self.skel.progs;
-        let list = [
-            ("aggbox_xdp", progs.aggbox_xdp.as_fd().as_raw_fd()),
-            ("aggbox_slot", progs.aggbox_slot.as_fd().as_raw_fd()),
-            ("aggbox_add", progs.aggbox_add.as_fd().as_raw_fd()),
-            ("aggbox_result", progs.aggbox_result.as_fd().as_raw_fd()),
-        ];
         let mut out = Vec::new();
-        for (name, fd) in list {
+        for (name, fd) in self.chain_programs() {
             // SAFETY: zeroed info is valid; no output arrays are requested.
             let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
             let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
@@ -863,9 +945,67 @@ impl Dataplane {
         Ok(out)
     }
 
-    /// File descriptor of the XDP entry program.
+    /// File descriptor of the XDP entry program (of the loaded chain).
     pub fn xdp_prog_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.skel.progs.aggbox_xdp.as_fd()
+        match self.chain {
+            Chain::Frags => self.skel.progs.aggbox_xdp.as_fd(),
+            Chain::Linear => self.skel.progs.aggbox_xdp_linear.as_fd(),
+        }
+    }
+
+    /// The build of the chain this dataplane loaded.
+    pub fn chain(&self) -> Chain {
+        self.chain
+    }
+
+    /// Name and fd of the loaded chain's programs: entry, slot, add, result.
+    fn chain_programs(&self) -> [(&'static str, RawFd); 4] {
+        self.chain_program_refs().map(|(name, prog)| (name, prog.as_fd().as_raw_fd()))
+    }
+
+    /// The loaded chain's programs by name (the one place that maps a
+    /// [`Chain`] to its programs after load).
+    fn chain_program_refs(&self) -> [(&'static str, &libbpf_rs::Program<'static>); 4] {
+        let p = &self.skel.progs;
+        match self.chain {
+            Chain::Frags => [
+                ("aggbox_xdp", &p.aggbox_xdp),
+                ("aggbox_slot", &p.aggbox_slot),
+                ("aggbox_add", &p.aggbox_add),
+                ("aggbox_result", &p.aggbox_result),
+            ],
+            Chain::Linear => [
+                ("aggbox_xdp_linear", &p.aggbox_xdp_linear),
+                ("aggbox_slot_linear", &p.aggbox_slot_linear),
+                ("aggbox_add_linear", &p.aggbox_add_linear),
+                ("aggbox_result_linear", &p.aggbox_result_linear),
+            ],
+        }
+    }
+
+    /// The BPF helpers (ids of `enum bpf_func_id`) each loaded program of
+    /// the chain, and `aggbox_reclaim`, calls, from the instructions libbpf
+    /// loaded (subprograms and callbacks appended): what a kernel must offer
+    /// to load them. A helper call is `BPF_JMP | BPF_CALL` with src_reg 0
+    /// and the id in imm (src_reg 1 calls a subprogram, 2 a kfunc).
+    pub fn helper_ids(&self) -> Vec<(&'static str, Vec<u32>)> {
+        const BPF_JMP_CALL: u8 = 0x05 | 0x80;
+        let reclaim = ("aggbox_reclaim", self.skel.progs.aggbox_reclaim.insns());
+        self.chain_program_refs()
+            .map(|(name, prog)| (name, prog.insns()))
+            .into_iter()
+            .chain([reclaim])
+            .map(|(name, insns)| {
+                let mut ids: Vec<u32> = insns
+                    .iter()
+                    .filter(|i| i.code == BPF_JMP_CALL && i.src_reg() == 0)
+                    .map(|i| i.imm as u32)
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                (name, ids)
+            })
+            .collect()
     }
 }
 

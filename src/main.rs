@@ -403,8 +403,9 @@ fn attach(
         None => None,
     };
     eprintln!(
-        "aggbox: XDP in {} mode on {iface}{}, {} job(s), {} group(s){}{}, pinned under {}",
+        "aggbox: XDP in {} mode ({} chain) on {iface}{}, {} job(s), {} group(s){}{}, pinned under {}",
         attachment.record.xdp_mode,
+        attachment.record.xdp_chain,
         if attachment.record.lo_xdp {
             " (and generic on lo)"
         } else {

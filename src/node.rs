@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::abi;
 use crate::config::Config;
 use crate::broadcast::{self, BroadcastPlane};
-use crate::dataplane::{self, Dataplane, XdpLink, XdpMode};
+use crate::dataplane::{self, Chain, Dataplane, XdpLink, XdpMode};
 use crate::userspace::UserspacePath;
 
 /// Default root of AggBox's pins (INTERFACE.md).
@@ -54,6 +54,10 @@ pub struct AttachRecord {
     pub ifindex: u32,
     /// "native" or "generic".
     pub xdp_mode: String,
+    /// Build of the XDP chain: "frags" or "linear" (docs/JUMBO.md); empty
+    /// in records written before it existed.
+    #[serde(default)]
+    pub xdp_chain: String,
     /// Process that attached and serves the node (0 once it has exited cleanly).
     pub pid: u32,
     /// Seconds since the epoch.
@@ -100,6 +104,11 @@ pub const KERNEL_FEATURES: &[(&str, (u32, u32))] = &[
     ("bpf_redirect_neigh", (5, 10)),
     ("BPF atomics (-mcpu=v3)", (5, 12)),
     ("bpf_timer", (5, 15)),
+];
+
+/// Features of the frags chain only ([`Chain::Frags`]); a kernel without
+/// them runs the linear chain (datagrams up to [`Chain::max_mtu`]).
+pub const FRAGS_CHAIN_FEATURES: &[(&str, (u32, u32))] = &[
     ("bpf_loop", (5, 17)),
     ("XDP multi-buffer (xdp.frags, bpf_xdp_load_bytes)", (5, 18)),
 ];
@@ -154,9 +163,13 @@ mod kernel_version_tests {
 
     #[test]
     fn old_kernels_are_refused_with_the_missing_features() {
-        let err = check_kernel_version("5.15.0-91-generic", (5, 15)).unwrap_err().to_string();
-        assert!(err.contains("bpf_loop (5.17)") && err.contains("XDP multi-buffer"), "{err}");
-        assert!(!err.contains("bpf_timer"), "5.15 has bpf_timer: {err}");
+        let err = check_kernel_version("5.14.0", (5, 14)).unwrap_err().to_string();
+        assert!(err.contains("bpf_timer (5.15)"), "{err}");
+        assert!(!err.contains("atomics"), "5.14 has BPF atomics: {err}");
+        let err = check_kernel_version("5.10.0", (5, 10)).unwrap_err().to_string();
+        assert!(err.contains("BPF atomics (-mcpu=v3) (5.12)") && err.contains("bpf_timer (5.15)"), "{err}");
+        // Without bpf_loop and multi-buffer XDP the linear chain runs.
+        assert!(check_kernel_version("5.15.0-91-generic", (5, 15)).is_ok());
         assert!(check_kernel_version("5.18.0", (5, 18)).is_ok());
         assert!(check_kernel_version("6.18.44", (6, 18)).is_ok());
     }
@@ -259,6 +272,21 @@ impl std::fmt::Debug for Attachment {
 /// over the maps). On any failure everything made so far is undone, so the
 /// interface is left as it was.
 pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root: &Path, mode: XdpMode) -> Result<Attachment> {
+    let chain = Chain::detect().map_err(|e| anyhow!("aggbox: {e}"))?;
+    attach_chain(iface, config, config_path, pin_root, mode, chain)
+}
+
+/// [`attach`] with the given build of the XDP chain instead of the one
+/// [`Chain::detect`] picks (tests run the linear chain on kernels that have
+/// both).
+pub fn attach_chain(
+    iface: &str,
+    config: &Config,
+    config_path: Option<&Path>,
+    pin_root: &Path,
+    mode: XdpMode,
+    chain: Chain,
+) -> Result<Attachment> {
     let index = preflight(iface)?;
     ensure_bpffs(pin_root)?;
     let dir = pin_dir(pin_root, iface);
@@ -273,7 +301,26 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
         warnings.push(format!("replaced stale AggBox state in {}", dir.display()));
     }
 
-    let dataplane = Dataplane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
+    if chain == Chain::Linear {
+        let mtu = crate::runtime::pmtu::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))? as u32;
+        if mtu > chain.max_mtu() {
+            bail!(
+                "aggbox: {iface} has MTU {mtu}, but this kernel has no multi-buffer XDP ({}): its linear chain aggregates datagrams of at most {} elements, i.e. MTU {}; lower the MTU (ip link set {iface} mtu {}) or use kernel 5.18+",
+                FRAGS_CHAIN_FEATURES.iter().map(|(f, (a, b))| format!("{f}, {a}.{b}")).collect::<Vec<_>>().join("; "),
+                chain.max_elems(),
+                chain.max_mtu(),
+                chain.max_mtu()
+            );
+        }
+        warnings.push(format!(
+            "XDP chain: linear, single-buffer frames (the kernel lacks {}, or {} chose it): datagrams of up to {} elements (MTU {})",
+            FRAGS_CHAIN_FEATURES.iter().map(|(f, (a, b))| format!("{f} ({a}.{b})")).collect::<Vec<_>>().join(" or "),
+            dataplane::CHAIN_ENV,
+            chain.max_elems(),
+            chain.max_mtu()
+        ));
+    }
+    let dataplane = Dataplane::load_chain(chain).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     for job in &config.jobs {
         dataplane.set_job(job.id, &dataplane_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
     }
@@ -346,6 +393,7 @@ pub fn attach(iface: &str, config: &Config, config_path: Option<&Path>, pin_root
             XdpMode::Native => "native".into(),
             XdpMode::Generic => "generic".into(),
         },
+        xdp_chain: chain.label().into(),
         pid: std::process::id(),
         attached_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -665,10 +713,11 @@ pub fn format_status(status: &NodeStatus) -> String {
     let a = &status.attach;
     let _ = writeln!(
         s,
-        "{}: ifindex {}, XDP {} mode, attached by pid {} ({})",
+        "{}: ifindex {}, XDP {} mode{}, attached by pid {} ({})",
         a.iface,
         a.ifindex,
         a.xdp_mode,
+        if a.xdp_chain.is_empty() { String::new() } else { format!(", {} chain", a.xdp_chain) },
         a.pid,
         if status.serving { "serving" } else { "not running: stale, `aggbox detach` cleans up" }
     );

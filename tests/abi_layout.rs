@@ -43,6 +43,8 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_MAX_ELEMS".into(), abi::MAX_ELEMS as i64),
         ("AGGBOX_CHUNK_ELEMS".into(), abi::CHUNK_ELEMS as i64),
         ("AGGBOX_PROG_CHUNKS".into(), abi::PROG_CHUNKS as i64),
+        ("AGGBOX_LINEAR_MAX_CHUNKS".into(), abi::LINEAR_MAX_CHUNKS as i64),
+        ("AGGBOX_LINEAR_MAX_ELEMS".into(), abi::LINEAR_MAX_ELEMS as i64),
         ("AGGBOX_MAX_SLOTS".into(), abi::MAX_SLOTS as i64),
         ("AGGBOX_MAX_BLOCKS".into(), abi::MAX_BLOCKS as i64),
         ("AGGBOX_MAX_OWNERS".into(), abi::MAX_OWNERS as i64),

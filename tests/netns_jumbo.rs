@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
-use aggbox::dataplane::XdpMode;
+use aggbox::dataplane::{Chain, XdpMode};
 use aggbox::node;
 use aggbox::proto::{self, AggHeader};
 use aggbox::testbed::{Testbed, TestbedConfig};
@@ -61,6 +61,12 @@ fn reduce_at_mtu(mtu: u32, elements: u32, op: Op) -> (usize, f64) {
 /// `strict`: no drop but retransmissions allowed (tests); the measurement
 /// lets senders run ahead of the slot pool (pool_full drops, resent).
 fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, f64) {
+    let chain = Chain::detect().expect("chain");
+    reduce_with_chain(mtu, elements, op, strict, XdpMode::Native, chain)
+}
+
+/// [`reduce_at_mtu_with`] with the XDP mode and chain given.
+fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMode, chain: Chain) -> (usize, f64) {
     require_root();
     let tb = Testbed::up(TestbedConfig { hosts: 1 + SENDERS, mtu, static_neigh: true, ..Default::default() })
         .unwrap_or_else(|e| panic!("building the testbed: {e}"));
@@ -86,8 +92,12 @@ fn reduce_at_mtu_with(mtu: u32, elements: u32, op: Op, strict: bool) -> (usize, 
     let (values, elapsed, stats, fallback) = tb
         .in_host(0, || {
             let config = Config::parse(&text, "jumbo.toml").unwrap_or_else(|e| panic!("config: {e}\n{text}"));
-            let att = node::attach("eth0", &config, None, &pins.path, XdpMode::Native)
-                .unwrap_or_else(|e| panic!("node::attach eth0 at MTU {mtu}: {e:#}"));
+            let att = node::attach_chain("eth0", &config, None, &pins.path, mode, chain)
+                .unwrap_or_else(|e| panic!("node::attach eth0 at MTU {mtu} ({mode:?}, {chain:?} chain): {e:#}"));
+            assert_eq!(att.dataplane.chain(), chain);
+            assert_eq!(att.record.xdp_chain, chain.label());
+            let want_mode = if mode == XdpMode::Native { "native" } else { "generic" };
+            assert_eq!(att.record.xdp_mode, want_mode, "attached in {mode:?} mode");
             for w in &att.warnings {
                 eprintln!("attach warning: {w}");
             }
@@ -265,4 +275,52 @@ fn mtu_9000_userspace_op_through_multibuffer_af_xdp() {
     // AF_XDP copy mode in 2 KB UMEM frames (XDP_USE_SG, reassembled).
     let (fragments, secs) = reduce_at_mtu(9000, 20 * 2237, Op::Prod);
     eprintln!("MTU 9000 PROD (user space): {fragments} fragments in {secs:.3} s");
+}
+
+// ---- The linear chain (kernels without multi-buffer XDP, docs/JUMBO.md):
+// this kernel has both chains, so these attach it explicitly. ----
+
+#[test]
+fn linear_chain_native_mtu_1500_four_senders_exact() {
+    let (fragments, secs) =
+        reduce_with_chain(1500, 300 * elements_per_datagram(1500) as u32 + 17, Op::Sum, true, XdpMode::Native, Chain::Linear);
+    eprintln!("MTU 1500, linear chain (native): {fragments} fragments in {secs:.3} s");
+}
+
+#[test]
+fn linear_chain_generic_mtu_9000_four_senders_exact() {
+    // Generic XDP hands a non-frags program the skb linearised: a 9000-byte
+    // frame is one buffer, 9 chunks, 9 tail calls per stage.
+    let (fragments, secs) = reduce_with_chain(9000, 60 * 2237, Op::Avg, true, XdpMode::Generic, Chain::Linear);
+    eprintln!("MTU 9000, linear chain (generic): {fragments} fragments in {secs:.3} s");
+}
+
+#[test]
+fn linear_chain_refuses_an_mtu_it_cannot_aggregate() {
+    require_root();
+    let mtu = Chain::Linear.max_mtu() + 1;
+    let tb = Testbed::up(TestbedConfig { hosts: 2, mtu, static_neigh: true, ..Default::default() })
+        .unwrap_or_else(|e| panic!("building the testbed: {e}"));
+    let pins = Bpffs::mount("linearmtu");
+    let text = config_text(&[JobSpec {
+        id: JOB,
+        port: PORT,
+        result_port: RESULT_PORT,
+        workers: vec![tb.host(1).addr],
+        weights: vec![],
+        vector_len: None,
+    }]);
+    let netns = tb.host(0).netns;
+    let err = tb
+        .in_host(0, || {
+            let config = Config::parse(&text, "linear.toml").unwrap();
+            node::attach_chain("eth0", &config, None, &pins.path, XdpMode::Generic, Chain::Linear)
+                .map(|_| ())
+                .unwrap_err()
+        })
+        .unwrap();
+    let msg = format!("{err:#}");
+    assert!(msg.contains(&format!("MTU {mtu}")) && msg.contains("lower the MTU") && msg.contains("5.18"), "{msg}");
+    assert!(!has_xdp(&netns, "eth0"), "the interface is left as it was");
+    assert!(!pins.path.join("eth0").exists(), "nothing pinned");
 }

@@ -248,6 +248,21 @@ _Static_assert(AGGBOX_MAX_ELEMS % AGGBOX_CHUNK_ELEMS == 0, "whole chunks");
 /* Tail-call budget (kernel MAX_TAIL_CALL_CNT = 33): slot + adds + results. */
 _Static_assert(1 + 2 * ((AGGBOX_MAX_CHUNKS + AGGBOX_PROG_CHUNKS - 1) / AGGBOX_PROG_CHUNKS) <= 33,
 	       "tail-call budget");
+/*
+ * The linear chain (kernels without multi-buffer XDP, docs/JUMBO.md): one
+ * chunk per program run, so the tail-call budget (32 calls before 5.17)
+ * bounds its chunks: 1 + 15 + 15 = 31. 3840 elements cover MTU 9000 in
+ * generic mode (a linearised skb); a native driver without multi-buffer
+ * support carries at most a page (~3.5 KB) anyway.
+ */
+#ifndef AGGBOX_LINEAR_MAX_CHUNKS
+#define AGGBOX_LINEAR_MAX_CHUNKS 15
+#endif
+#define AGGBOX_LINEAR_MAX_ELEMS (AGGBOX_LINEAR_MAX_CHUNKS * AGGBOX_CHUNK_ELEMS)
+/* Largest payload offset the linear chain copies at (headers + elements). */
+#define AGGBOX_LINEAR_MAX_FRAME (128 + 24 + 4 * AGGBOX_LINEAR_MAX_ELEMS)
+_Static_assert(1 + 2 * AGGBOX_LINEAR_MAX_CHUNKS <= 32, "linear tail-call budget (pre-5.17 kernels)");
+_Static_assert(AGGBOX_LINEAR_MAX_CHUNKS <= AGGBOX_MAX_CHUNKS, "linear chunks within the slot layout");
 #ifndef AGGBOX_MAX_SLOTS
 #define AGGBOX_MAX_SLOTS 4096 /* slots of all jobs together */
 #endif

@@ -40,6 +40,93 @@
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 /*
+ * The chain is built twice in this object, from the same code (docs/JUMBO.md,
+ * "Kernels without multi-buffer XDP"); every stage takes a compile-time
+ * `linear` that the SEC() wrappers at the end of each stage fix:
+ *
+ * - frags chain (linear = 0; "xdp.frags", kernels >= 5.18): frames of any
+ *   size, payload through bpf_xdp_load_bytes/store_bytes, up to
+ *   AGGBOX_PROG_CHUNKS chunks per program run with bpf_loop.
+ * - linear chain (linear = 1; "xdp", the *_linear programs): single-buffer
+ *   frames only (the MTU-bounded mode), direct packet access, one chunk per
+ *   program run, bounded loops instead of bpf_loop, so it uses no helper
+ *   newer than 5.15 (tests/bpf_linear.rs checks the helper ids).
+ *
+ * The control plane loads one of the two sets (Dataplane::load_chain probes
+ * the kernel's helpers) and fills the prog array with it: a prog array only
+ * holds programs of one frags flag.
+ */
+
+/* Bytes of the whole frame (fragments included). */
+static __always_inline __u32 frame_len(struct xdp_md *ctx, const int linear)
+{
+	if (linear)
+		return (__u32)(ctx->data_end - ctx->data);
+	return bpf_xdp_get_buff_len(ctx);
+}
+
+/*
+ * Run cb(i, data) for i = 0.. until n calls are made or cb returns nonzero:
+ * bpf_loop in the frags chain; in the linear chain a bounded loop of at most
+ * `max` calls (bpf_loop is 5.17+).
+ */
+#define chain_loop(linear, n, max, cb, data)                          \
+	do {                                                          \
+		if (linear) {                                         \
+			__u32 i_;                                     \
+			for (i_ = 0; i_ < (max); i_++)                \
+				if (i_ >= (n) || cb(i_, (data)))      \
+					break;                        \
+		} else {                                              \
+			bpf_loop((n), cb, (data), 0);                 \
+		}                                                     \
+	} while (0)
+
+/*
+ * Copy n (<= AGGBOX_CHUNK_ELEMS) elements between the packet at byte `off`
+ * and buf (to_pkt: buf -> packet), the linear chain's bpf_xdp_load_bytes /
+ * store_bytes: direct packet access, one bounds check per element. Returns
+ * 0, or -1 when the frame ends first (a validated length: a bug).
+ */
+static __always_inline int linear_copy(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 n, const int to_pkt)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	__u32 j;
+
+	if (off > AGGBOX_LINEAR_MAX_FRAME)
+		return -1;
+	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
+		__be32 *p = data + off + j * 4;
+
+		if (j >= n)
+			break;
+		if ((void *)(p + 1) > data_end)
+			return -1;
+		if (to_pkt)
+			*p = buf[j];
+		else
+			buf[j] = *p;
+	}
+	return 0;
+}
+
+/* Payload bytes in/out of the scratch buffer, either chain. */
+static __always_inline int payload_load(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 len, const int linear)
+{
+	if (linear)
+		return linear_copy(ctx, off, buf, len / 4, 0);
+	return bpf_xdp_load_bytes(ctx, off, buf, len);
+}
+
+static __always_inline int payload_store(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 len, const int linear)
+{
+	if (linear)
+		return linear_copy(ctx, off, buf, len / 4, 1);
+	return bpf_xdp_store_bytes(ctx, off, buf, len);
+}
+
+/*
  * ports: UDP destination ports (host order) on which some job listens ->
  * number of jobs on that port. Written by the control plane
  * (Dataplane::set_job / remove_job); read here to tell AggBox traffic from
@@ -233,7 +320,7 @@ static long block_give_cb(__u64 index, void *data)
  * that deleted the slot header listing them (or that took them and never
  * published a header) calls this, so each block is given back once.
  */
-static __always_inline void blocks_give(const __u16 *block, __u32 n)
+static __always_inline void blocks_give(const __u16 *block, __u32 n, const int linear)
 {
 	struct blocks_give bg;
 
@@ -241,7 +328,7 @@ static __always_inline void blocks_give(const __u16 *block, __u32 n)
 		n = AGGBOX_MAX_CHUNKS;
 	__builtin_memcpy(bg.block, block, sizeof(bg.block));
 	bg.given = 0;
-	bpf_loop(n, block_give_cb, &bg, 0);
+	chain_loop(linear, n, AGGBOX_MAX_CHUNKS, block_give_cb, &bg);
 	blocks_used_add(-(__s64)bg.given);
 }
 
@@ -303,7 +390,7 @@ struct {
  * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
  * once known.
  */
-static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scratch *s)
+static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
@@ -352,7 +439,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	/* Bytes the frame holds past the UDP header, fragments included
 	 * (multi-buffer XDP: the headers are in the linear part, the payload
 	 * may run on into fragments). */
-	avail = bpf_xdp_get_buff_len(ctx) - (__u32)(nh.pos - data);
+	avail = frame_len(ctx, linear) - (__u32)(nh.pos - data);
 	plen = len;                /* bytes the UDP header announces */
 	if (plen < 4 || avail < 4 || (void *)agg + 4 > data_end)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
@@ -445,8 +532,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
  * Every program of the chain is "xdp.frags" (BPF_F_XDP_HAS_FRAGS): frames
  * larger than a page arrive as multi-buffer xdp_buffs and the payload is
  * read and written with bpf_xdp_load_bytes / bpf_xdp_store_bytes. */
-SEC("xdp.frags")
-int aggbox_xdp(struct xdp_md *ctx)
+static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 {
 	__u32 zero = 0;
 	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
@@ -457,11 +543,12 @@ int aggbox_xdp(struct xdp_md *ctx)
 	s->job_known = 0; /* never count the previous packet's job */
 	s->bytes = 0;
 	s->handoff = AGGBOX_HANDOFF_OP;
-	code = aggbox_classify(ctx, s);
+	code = aggbox_classify(ctx, s, linear);
 	if (code == AGGBOX_OUTCOME_TO_USERSPACE)
-		return aggbox_handoff(ctx, s->handoff, AGGBOX_OUTCOME_USERSPACE_UNAVAILABLE, s->bytes);
+		return aggbox_handoff(ctx, s->handoff, AGGBOX_OUTCOME_USERSPACE_UNAVAILABLE, s->bytes,
+				      frame_len(ctx, linear));
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
-		if (s->count > AGGBOX_MAX_ELEMS) {
+		if (s->count > (linear ? AGGBOX_LINEAR_MAX_ELEMS : AGGBOX_MAX_ELEMS)) {
 			code = AGGBOX_DROP_TOO_LARGE;
 		} else {
 			aggbox_tail_call(ctx, AGGBOX_CALL_SLOT);
@@ -469,6 +556,18 @@ int aggbox_xdp(struct xdp_md *ctx)
 		}
 	}
 	return aggbox_exit(code, s->bytes);
+}
+
+SEC("xdp.frags")
+int aggbox_xdp(struct xdp_md *ctx)
+{
+	return entry_stage(ctx, 0);
+}
+
+SEC("xdp")
+int aggbox_xdp_linear(struct xdp_md *ctx)
+{
+	return entry_stage(ctx, 1);
 }
 
 /* ---------------------------------------------------------------------------
@@ -499,7 +598,8 @@ static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
  * the bound: the slot is kernel-owned already and must exist). Returns 0
  * when the slot exists (made here or by another CPU), else a drop reason.
  */
-static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_job_state *js, int reserved)
+static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_job_state *js, int reserved,
+				       const int linear)
 {
 	struct blocks_take bl = {};
 	struct aggbox_init *init;
@@ -519,11 +619,11 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	 */
 	nb = chunks_of(s->count);
 	bl.key = s->key;
-	bpf_loop(nb, block_take_cb, &bl, 0);
+	chain_loop(linear, nb, AGGBOX_LINEAR_MAX_CHUNKS, block_take_cb, &bl);
 	blocks_used_add(bl.taken);
 	if (bl.taken < nb) {
 		/* Block pool empty. */
-		blocks_give(init->slot.b.block, bl.taken);
+		blocks_give(init->slot.b.block, bl.taken, linear);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return AGGBOX_DROP_SLOT_POOL_FULL;
 	}
@@ -537,7 +637,7 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 		/* Lost the race to another CPU (-EEXIST: its header and blocks
 		 * serve the fragment) or the map is full: ours were never
 		 * published. */
-		blocks_give(init->slot.b.block, nb);
+		blocks_give(init->slot.b.block, nb, linear);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		return err == -EEXIST ? 0 : AGGBOX_DROP_SLOT_POOL_FULL;
 	}
@@ -551,7 +651,7 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 		 * deleted it gave them back. */
 		if (!bpf_map_delete_elem(&slots, &s->key)) {
 			__sync_fetch_and_sub(&js->active_slots, 1);
-			blocks_give(init->slot.b.block, nb);
+			blocks_give(init->slot.b.block, nb, linear);
 		}
 		return AGGBOX_DROP_RETRANSMISSION;
 	}
@@ -564,7 +664,8 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
  * when a kernel slot exists now, AGGBOX_HANDOFF_CODE, or a drop reason.
  */
 static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch *s,
-				      struct aggbox_job_state *js, struct aggbox_job_handoff *ho)
+				      struct aggbox_job_state *js, struct aggbox_job_handoff *ho,
+				      const int linear)
 {
 	struct aggbox_slot_owner mine = { .owner = AGGBOX_OWNER_KERNEL };
 	struct aggbox_slot_owner *owner;
@@ -592,7 +693,7 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 		if (!err) {
 			if (mine.owner == AGGBOX_OWNER_USERSPACE)
 				return AGGBOX_HANDOFF_CODE;
-			err = slot_create(s, js, reserved);
+			err = slot_create(s, js, reserved, linear);
 			if (err == AGGBOX_DROP_SLOT_POOL_FULL) {
 				/* Global pool full: user space takes it, or it is dropped. */
 				if (aggbox_has_xsk(ctx)) {
@@ -623,10 +724,10 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 	/* Kernel-owned: the slot exists, or its creator is about to insert it. */
 	if (bpf_map_lookup_elem(&slots, &s->key))
 		return 0;
-	return slot_create(s, js, 0);
+	return slot_create(s, js, 0, linear);
 }
 
-static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch *s)
+static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
 	struct aggbox_job_key jkey = { .job = s->key.job };
 	struct aggbox_job_state *js = job_state_of(s->key.job);
@@ -647,7 +748,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
 	if (!slot) {
-		code = slot_place(ctx, s, js, ho);
+		code = slot_place(ctx, s, js, ho, linear);
 		if (code)
 			return code;
 		slot = bpf_map_lookup_elem(&slots, &s->key);
@@ -677,8 +778,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 	return code;
 }
 
-SEC("xdp.frags")
-int aggbox_slot(struct xdp_md *ctx)
+static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 {
 	__u32 zero = 0;
 	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
@@ -686,9 +786,10 @@ int aggbox_slot(struct xdp_md *ctx)
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	code = slot_claim(ctx, s);
+	code = slot_claim(ctx, s, linear);
 	if (code == AGGBOX_HANDOFF_CODE)
-		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes);
+		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes,
+				      frame_len(ctx, linear));
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		s->chunk = 0;
 		s->finalized = 0;
@@ -696,6 +797,18 @@ int aggbox_slot(struct xdp_md *ctx)
 		code = AGGBOX_DROP_MISSED_TAIL_CALL;
 	}
 	return aggbox_exit(code, s->bytes);
+}
+
+SEC("xdp.frags")
+int aggbox_slot(struct xdp_md *ctx)
+{
+	return slot_stage(ctx, 0);
+}
+
+SEC("xdp")
+int aggbox_slot_linear(struct xdp_md *ctx)
+{
+	return slot_stage(ctx, 1);
 }
 
 /* ---------------------------------------------------------------------------
@@ -884,8 +997,8 @@ static __always_inline int result_block_fits(const __s64 *acc, __u64 *dst)
 	return wide == 0;
 }
 
-/* bpf_loop callback: add chunk s->chunk into its block. */
-static long add_chunk_cb(__u64 index, void *data)
+/* Add chunk s->chunk into its block (bpf_loop callback body). */
+static __always_inline long add_chunk(void *data, const int linear)
 {
 	struct chain_loop *lp = data;
 	struct aggbox_scratch *s;
@@ -906,7 +1019,7 @@ static long add_chunk_cb(__u64 index, void *data)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || bpf_xdp_load_bytes(lp->ctx, off, s->buf, len)) {
+	if (!len || payload_load(lp->ctx, off, s->buf, len, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: a bug */
 		return 1;
 	}
@@ -949,10 +1062,20 @@ static long add_chunk_cb(__u64 index, void *data)
 	 */
 	if (last && op != AGGBOX_OP_AVG && chunk < AGGBOX_MAX_CHUNKS &&
 	    result_block_fits(blk->b.acc, (__u64 *)s->buf) &&
-	    !bpf_xdp_store_bytes(lp->ctx, off, s->buf, len))
+	    !payload_store(lp->ctx, off, s->buf, len, linear))
 		s->finalized |= 1ULL << chunk;
 	s->chunk = chunk + 1;
 	return 0;
+}
+
+static long add_chunk_cb(__u64 index, void *data)
+{
+	return add_chunk(data, 0);
+}
+
+static long add_chunk_linear(__u32 index, void *data)
+{
+	return add_chunk(data, 1);
 }
 
 /*
@@ -982,8 +1105,9 @@ static __always_inline int slot_done(struct aggbox_scratch *s)
 }
 
 /* Chunks left to this program run (0 when the chain state is corrupt). */
-static __always_inline __u32 chunks_this_run(struct aggbox_scratch *s, __u32 *total)
+static __always_inline __u32 chunks_this_run(struct aggbox_scratch *s, __u32 *total, const int linear)
 {
+	const __u32 per_run = linear ? 1 : AGGBOX_PROG_CHUNKS;
 	__u32 left;
 
 	if (s->count > AGGBOX_MAX_ELEMS)
@@ -992,11 +1116,10 @@ static __always_inline __u32 chunks_this_run(struct aggbox_scratch *s, __u32 *to
 	if (s->chunk >= *total)
 		return 0;
 	left = *total - s->chunk;
-	return left > AGGBOX_PROG_CHUNKS ? AGGBOX_PROG_CHUNKS : left;
+	return left > per_run ? per_run : left;
 }
 
-SEC("xdp.frags")
-int aggbox_add(struct xdp_md *ctx)
+static __always_inline int add_stage(struct xdp_md *ctx, const int linear)
 {
 	struct chain_loop lp = { .ctx = ctx };
 	__u32 zero = 0, todo, total = 0;
@@ -1005,11 +1128,14 @@ int aggbox_add(struct xdp_md *ctx)
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	todo = chunks_this_run(s, &total);
+	todo = chunks_this_run(s, &total, linear);
 	if (!todo)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	s->stop = 0;
-	bpf_loop(todo, add_chunk_cb, &lp, 0);
+	if (linear)
+		add_chunk_linear(0, &lp);
+	else
+		bpf_loop(todo, add_chunk_cb, &lp, 0);
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
@@ -1026,6 +1152,18 @@ int aggbox_add(struct xdp_md *ctx)
 	return aggbox_exit(code, s->bytes);
 }
 
+SEC("xdp.frags")
+int aggbox_add(struct xdp_md *ctx)
+{
+	return add_stage(ctx, 0);
+}
+
+SEC("xdp")
+int aggbox_add_linear(struct xdp_md *ctx)
+{
+	return add_stage(ctx, 1);
+}
+
 /* ---------------------------------------------------------------------------
  * CALL_RESULT: the completing contribution rewrites its own packet into the
  * RESULT, AGGBOX_PROG_CHUNKS chunks per program run (bpf_xdp_store_bytes
@@ -1034,7 +1172,7 @@ int aggbox_add(struct xdp_md *ctx)
  * header's bitmap.
  * ------------------------------------------------------------------------- */
 
-static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scratch *s)
+static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
@@ -1062,7 +1200,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	bpf_map_update_elem(&completed, &s->key, &one, BPF_ANY);
 	bpf_map_delete_elem(&slots, &s->key);
 	bpf_map_delete_elem(&slot_owner, &s->key);
-	blocks_give(s->block, chunks_of(s->count));
+	blocks_give(s->block, chunks_of(s->count), linear);
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		for (i = 0; i < 4; i++) {
@@ -1095,8 +1233,9 @@ static __always_inline __s64 clamp_i32(struct aggbox_scratch *s, __s64 r, int re
 	return r;
 }
 
-/* bpf_loop callback: write chunk s->chunk of the result into the packet. */
-static long result_chunk_cb(__u64 index, void *data)
+/* Write chunk s->chunk of the result into the packet (bpf_loop callback
+ * body). */
+static __always_inline long result_chunk(void *data, const int linear)
 {
 	struct chain_loop *lp = data;
 	struct aggbox_scratch *s;
@@ -1149,7 +1288,7 @@ static long result_chunk_cb(__u64 index, void *data)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || bpf_xdp_store_bytes(lp->ctx, off, s->buf, len)) {
+	if (!len || payload_store(lp->ctx, off, s->buf, len, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
 		return 1;
 	}
@@ -1157,8 +1296,17 @@ static long result_chunk_cb(__u64 index, void *data)
 	return 0;
 }
 
-SEC("xdp.frags")
-int aggbox_result(struct xdp_md *ctx)
+static long result_chunk_cb(__u64 index, void *data)
+{
+	return result_chunk(data, 0);
+}
+
+static long result_chunk_linear(__u32 index, void *data)
+{
+	return result_chunk(data, 1);
+}
+
+static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 {
 	struct chain_loop lp = { .ctx = ctx };
 	__u32 zero = 0, todo, total = 0;
@@ -1166,18 +1314,33 @@ int aggbox_result(struct xdp_md *ctx)
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
-	todo = chunks_this_run(s, &total);
+	todo = chunks_this_run(s, &total, linear);
 	if (!todo)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	s->stop = 0;
-	bpf_loop(todo, result_chunk_cb, &lp, 0);
+	if (linear)
+		result_chunk_linear(0, &lp);
+	else
+		bpf_loop(todo, result_chunk_cb, &lp, 0);
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
 		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	}
-	return aggbox_exit(finish_result(ctx, s), s->bytes);
+	return aggbox_exit(finish_result(ctx, s, linear), s->bytes);
+}
+
+SEC("xdp.frags")
+int aggbox_result(struct xdp_md *ctx)
+{
+	return result_stage(ctx, 0);
+}
+
+SEC("xdp")
+int aggbox_result_linear(struct xdp_md *ctx)
+{
+	return result_stage(ctx, 1);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1245,7 +1408,7 @@ int aggbox_reclaim(struct xdp_md *ctx)
 		return XDP_DROP;
 	bpf_map_delete_elem(&slot_owner, &key);
 	if (count <= AGGBOX_MAX_ELEMS)
-		blocks_give(bg.block, chunks_of(count));
+		blocks_give(bg.block, chunks_of(count), 1); /* no bpf_loop: loads on every kernel */
 	jkey.job = key.job;
 	js = bpf_map_lookup_elem(&job_state, &jkey);
 	if (js)

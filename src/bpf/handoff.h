@@ -68,8 +68,10 @@ static __always_inline int aggbox_has_xsk(struct xdp_md *ctx)
  * Redirect the frame to user space (outcome TO_USERSPACE, handoff_stats
  * [reason]) when a socket is registered for its queue; otherwise end with
  * `fallback` (an outcome or drop reason) through aggbox_exit().
+ * `frame_bytes`: the whole frame's length (fragments included).
  */
-static __always_inline int aggbox_handoff(struct xdp_md *ctx, __u32 reason, int fallback, __u32 bytes)
+static __always_inline int aggbox_handoff(struct xdp_md *ctx, __u32 reason, int fallback, __u32 bytes,
+					  __u32 frame_bytes)
 {
 	__u32 q = ctx->rx_queue_index;
 	struct aggbox_stat *st;
@@ -80,7 +82,7 @@ static __always_inline int aggbox_handoff(struct xdp_md *ctx, __u32 reason, int 
 	/* Sockets without multi-buffer: a frame longer than one UMEM frame
 	 * would be lost in the redirect; keep the fallback instead. */
 	limit = bpf_map_lookup_elem(&xsk_limits, &zero);
-	if (limit && *limit && bpf_xdp_get_buff_len(ctx) > *limit)
+	if (limit && *limit && frame_bytes > *limit)
 		return aggbox_exit(fallback, bytes);
 	aggbox_count(AGGBOX_OUTCOME_TO_USERSPACE, bytes);
 	st = bpf_map_lookup_elem(&handoff_stats, &reason);

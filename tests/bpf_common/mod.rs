@@ -5,7 +5,7 @@
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason};
+use aggbox::abi::{self, DropReason, Op};
 use aggbox::dataplane::{Dataplane, JobConfig};
 
 /// XDP verdicts (uapi `enum xdp_action`).
@@ -297,3 +297,101 @@ pub fn deltas(
     }
     out
 }
+
+// ---- Reducing one fragment through the chain, checked against the reducer
+// (bpf_jumbo, bpf_linear). ----
+
+/// Job of [`reduce_one`].
+pub const REDUCE_JOB: u16 = 31;
+
+/// Address of rank `rank` of [`reduce_job`].
+pub fn reduce_addr(rank: u16) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 2, rank as u8 + 1)
+}
+
+/// Job [`REDUCE_JOB`] of `workers` ranks with `weights` (empty: all 1).
+pub fn reduce_job(workers: u16, weights: Vec<i32>) -> JobConfig {
+    JobConfig {
+        id: REDUCE_JOB,
+        port: JOB_PORT,
+        result_port: RESULT_PORT,
+        ranks: (0..workers).map(reduce_addr).collect(),
+        weights,
+        vector_len: 0,
+        slots: 0,
+        flags: 0,
+        result_group: None,
+        window: 0,
+    }
+}
+
+/// Counter delta of one label between two snapshots.
+pub fn stat_delta(before: &aggbox::dataplane::Stats, after: &aggbox::dataplane::Stats, label: &str) -> u64 {
+    let get = |s: &aggbox::dataplane::Stats| {
+        s.outcomes.get(label).or_else(|| s.drops.get(label)).map(|c| c.packets).unwrap_or(0)
+    };
+    get(after) - get(before)
+}
+
+/// Send one fragment of `vectors` (one per rank) and check the RESULT
+/// against the reference reducer, byte for byte.
+pub fn reduce_one(dp: &Dataplane, op: Op, weights: &[i32], vectors: &[Vec<i32>], round: u32, frag_off: u32) {
+    let workers = vectors.len() as u16;
+    let count = vectors[0].len();
+    let before = dp.stats().unwrap();
+    let mut last = None;
+    for (rank, values) in vectors.iter().enumerate() {
+        let mut a = Agg::new(REDUCE_JOB, rank as u16, op as u8, values.clone());
+        a.round = round;
+        a.frag_off = frag_off;
+        a.seq = round * 1000 + rank as u32;
+        if rank == 1 {
+            a.flags = abi::AGG_F_LAST_FRAGMENT;
+        }
+        let frame = Frame::udp(reduce_addr(rank as u16), a.bytes()).build();
+        let (verdict, out) = dp.test_run(&frame).unwrap();
+        if rank + 1 < vectors.len() {
+            assert_eq!(verdict, XDP_DROP, "{op:?} count {count} rank {rank}: absorbed");
+        } else {
+            assert_eq!(verdict, XDP_PASS, "{op:?} count {count}: RESULT passes");
+            last = Some((frame, out));
+        }
+    }
+    let after = dp.stats().unwrap();
+    assert_eq!(stat_delta(&before, &after, "accepted"), workers as u64 - 1, "{op:?} count {count}");
+    assert_eq!(stat_delta(&before, &after, "result"), 1, "{op:?} count {count}");
+    assert_eq!(after.dropped_packets(), before.dropped_packets(), "{op:?} count {count}: no drops");
+
+    let (input, out) = last.unwrap();
+    assert_eq!(out.len(), input.len(), "RESULT rewritten in place");
+    assert_eq!(out[..34], input[..34], "Ethernet and IPv4 headers untouched");
+    assert_eq!(u16::from_be_bytes([out[36], out[37]]), RESULT_PORT);
+    assert_eq!(out[38..40], input[38..40], "UDP length kept");
+    assert_eq!(out[40..42], [0, 0], "UDP checksum 0");
+    let a = &out[PAYLOAD_OFF..];
+    assert_eq!(u16::from_be_bytes([a[6], a[7]]), abi::RESULT_RANK);
+    assert_eq!(u32::from_be_bytes(a[12..16].try_into().unwrap()), round);
+    assert_eq!(u32::from_be_bytes(a[16..20].try_into().unwrap()), frag_off);
+    assert_eq!(a[20], op as u8);
+    assert_eq!(u16::from_be_bytes([a[22], a[23]]) as usize, count);
+
+    let contributions: Vec<(&[i32], i32)> =
+        vectors.iter().enumerate().map(|(r, v)| (v.as_slice(), weights.get(r).copied().unwrap_or(1))).collect();
+    let expected = aggbox::reducer::reduce(op, &contributions).unwrap();
+    let mut want = Vec::new();
+    expected.write_be(&mut want);
+    assert_eq!(a[21], expected.flags() | abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT, "{op:?} count {count}: flags");
+    if a[24..] != want[..] {
+        let first = a[24..].chunks(4).zip(want.chunks(4)).position(|(g, w)| g != w).unwrap();
+        panic!(
+            "{op:?} count {count}: element {first} is {:?}, reducer says {:?}",
+            &a[24 + 4 * first..24 + 4 * first + 4],
+            &want[4 * first..4 * first + 4]
+        );
+    }
+    assert_eq!(dp.slots_in_use(), 0, "slot released");
+    assert_eq!(dp.blocks_in_use().unwrap(), 0, "blocks released");
+}
+
+/// The ops the kernel aggregates.
+pub const KERNEL_OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
