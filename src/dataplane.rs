@@ -465,9 +465,7 @@ impl Dataplane {
         ];
         debug_assert_eq!(chain.len() as u32, abi::CALL_MAX);
         for (index, fd) in chain {
-            self.skel
-                .maps
-                .progs
+            self.chain_prog_array()
                 .update(
                     &index.to_ne_bytes(),
                     &(fd as u32).to_ne_bytes(),
@@ -485,7 +483,7 @@ impl Dataplane {
     /// Fault injection for tests: every datagram reaching that stage is then
     /// dropped and counted as `missed_tail_call`.
     pub fn unset_tail_call(&self, index: u32) -> Result<()> {
-        delete_ignore_missing(&self.skel.maps.progs, "progs", &index.to_ne_bytes())
+        delete_ignore_missing(self.chain_prog_array(), "progs", &index.to_ne_bytes())
     }
 
     /// Attach the XDP entry program to `ifindex` with a BPF link. In
@@ -961,6 +959,14 @@ impl Dataplane {
     /// Name and fd of the loaded chain's programs: entry, slot, add, result.
     fn chain_programs(&self) -> [(&'static str, RawFd); 4] {
         self.chain_program_refs().map(|(name, prog)| (name, prog.as_fd().as_raw_fd()))
+    }
+
+    /// The tail-call array of the loaded chain (`progs` or `progs_linear`).
+    fn chain_prog_array(&self) -> &libbpf_rs::Map<'static> {
+        match self.chain {
+            Chain::Frags => &self.skel.maps.progs,
+            Chain::Linear => &self.skel.maps.progs_linear,
+        }
     }
 
     /// The loaded chain's programs by name (the one place that maps a

@@ -110,3 +110,21 @@ fn linear_chain_calls_only_helpers_of_5_15() {
     }
     assert_eq!(linear.len(), 5, "4 chain programs + aggbox_reclaim");
 }
+
+#[test]
+fn linear_chain_tail_calls_go_through_its_own_array() {
+    // Emptying a stage of the linear chain's array (progs_linear) stops
+    // exactly that stage: the chain never jumps into the frags array.
+    for (index, ranks) in [(abi::CALL_SLOT, 1u16), (abi::CALL_ADD, 1), (abi::CALL_RESULT, 2)] {
+        let dp = load_linear();
+        dp.set_job(REDUCE_JOB, &reduce_job(2, vec![])).unwrap();
+        dp.unset_tail_call(index).unwrap();
+        let before = dp.stats().unwrap();
+        for rank in 0..ranks {
+            let a = Agg::new(REDUCE_JOB, rank, Op::Sum as u8, vec![1; 300]);
+            dp.test_run(&Frame::udp(reduce_addr(rank), a.bytes()).build()).unwrap();
+        }
+        let after = dp.stats().unwrap();
+        assert_eq!(stat_delta(&before, &after, "missed_tail_call"), 1, "CALL {index}");
+    }
+}

@@ -53,8 +53,8 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
  *   newer than 5.15 (tests/bpf_linear.rs checks the helper ids).
  *
  * The control plane loads one of the two sets (Dataplane::load_chain probes
- * the kernel's helpers) and fills the prog array with it: a prog array only
- * holds programs of one frags flag.
+ * the kernel's helpers) and fills that set's prog array (tailcall.h: a prog
+ * array only holds programs of one frags flag, so each set has its own).
  */
 
 /* Bytes of the whole frame (fragments included). */
@@ -551,7 +551,7 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 		if (s->count > (linear ? AGGBOX_LINEAR_MAX_ELEMS : AGGBOX_MAX_ELEMS)) {
 			code = AGGBOX_DROP_TOO_LARGE;
 		} else {
-			aggbox_tail_call(ctx, AGGBOX_CALL_SLOT);
+			aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
 			code = AGGBOX_DROP_MISSED_TAIL_CALL;
 		}
 	}
@@ -793,7 +793,7 @@ static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		s->chunk = 0;
 		s->finalized = 0;
-		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
+		aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear);
 		code = AGGBOX_DROP_MISSED_TAIL_CALL;
 	}
 	return aggbox_exit(code, s->bytes);
@@ -1139,14 +1139,14 @@ static __always_inline int add_stage(struct xdp_md *ctx, const int linear)
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
-		aggbox_tail_call(ctx, AGGBOX_CALL_ADD);
+		aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear);
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	}
 	code = slot_done(s);
 	if (code == AGGBOX_OUTCOME_RESULT) {
 		s->chunk = 0;
 		s->overflow = 0;
-		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
+		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear);
 		code = AGGBOX_DROP_MISSED_TAIL_CALL;
 	}
 	return aggbox_exit(code, s->bytes);
@@ -1325,7 +1325,7 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
-		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT);
+		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear);
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	}
 	return aggbox_exit(finish_result(ctx, s, linear), s->bytes);

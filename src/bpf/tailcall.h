@@ -26,9 +26,25 @@ struct {
 } progs SEC(".maps");
 
 /*
- * Jump to program `index` of the chain. Returns only if the tail call
+ * progs_linear: the same for the linear chain (aggbox_xdp.bpf.c). A prog
+ * array holds programs of one frags flag, so each chain has its own; with
+ * both arrays every program of the object can load side by side (bpftool
+ * prog loadall, the kernel matrix), while the control plane loads and
+ * fills one chain.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, AGGBOX_CALL_MAX);
+	__type(key, __u32);
+	__type(value, __u32);
+} progs_linear SEC(".maps");
+
+/*
+ * Jump to program `index` of the chain (`linear`: a compile-time constant,
+ * so each program references one array). Returns only if the tail call
  * failed; the caller then exits with AGGBOX_DROP_MISSED_TAIL_CALL.
  */
-#define aggbox_tail_call(ctx, index) bpf_tail_call(ctx, &progs, index)
+#define aggbox_tail_call(ctx, index, linear) \
+	bpf_tail_call(ctx, (linear) ? (void *)&progs_linear : (void *)&progs, index)
 
 #endif /* AGGBOX_TAILCALL_H */
