@@ -324,3 +324,37 @@ fn linear_chain_refuses_an_mtu_it_cannot_aggregate() {
     assert!(!has_xdp(&netns, "eth0"), "the interface is left as it was");
     assert!(!pins.path.join("eth0").exists(), "nothing pinned");
 }
+
+#[test]
+fn linear_chain_native_above_a_page_falls_back_to_generic() {
+    // veth refuses a non-frags program in native mode when the peer's MTU
+    // is above a page; attach then runs the linear chain in generic mode,
+    // with a warning, as for any driver without native XDP.
+    require_root();
+    let tb = Testbed::up(TestbedConfig { hosts: 2, mtu: 9000, static_neigh: true, ..Default::default() })
+        .unwrap_or_else(|e| panic!("building the testbed: {e}"));
+    let pins = Bpffs::mount("linear9000");
+    let text = config_text(&[JobSpec {
+        id: JOB,
+        port: PORT,
+        result_port: RESULT_PORT,
+        workers: vec![tb.host(1).addr],
+        weights: vec![],
+        vector_len: None,
+    }]);
+    let netns = tb.host(0).netns;
+    let (mode, warnings) = tb
+        .in_host(0, || {
+            let config = Config::parse(&text, "linear.toml").unwrap();
+            let att = node::attach_chain("eth0", &config, None, &pins.path, XdpMode::Native, Chain::Linear)
+                .unwrap_or_else(|e| panic!("attach: {e:#}"));
+            let got = (att.record.xdp_mode.clone(), att.warnings.clone());
+            att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
+            got
+        })
+        .unwrap();
+    assert_eq!(mode, "generic", "{warnings:?}");
+    assert!(warnings.iter().any(|w| w.contains("generic mode")), "{warnings:?}");
+    assert!(warnings.iter().any(|w| w.contains("XDP chain: linear")), "{warnings:?}");
+    assert!(!has_xdp(&netns, "eth0"), "detached");
+}
