@@ -83,47 +83,66 @@ static __always_inline __u32 frame_len(struct xdp_md *ctx, const int linear)
 	} while (0)
 
 /*
- * Copy n (<= AGGBOX_CHUNK_ELEMS) elements between the packet at byte `off`
- * and buf (to_pkt: buf -> packet), the linear chain's bpf_xdp_load_bytes /
- * store_bytes: direct packet access, one bounds check per element. Returns
- * 0, or -1 when the frame ends first (a validated length: a bug).
+ * Copy s->chunk_n (<= AGGBOX_CHUNK_ELEMS) elements between the packet at
+ * byte `off` and s->buf (to_pkt: buf -> packet), the linear chain's
+ * bpf_xdp_load_bytes / store_bytes: direct packet access, one bounds check
+ * per element. Returns 0, or -1 when the frame ends first (a validated
+ * length: a bug).
+ *
+ * Written for the verifier, which walks the loop once per element count it
+ * could exit at:
+ * - a BPF-to-BPF call, not inlined, so every exit returns to one caller
+ *   state with 0 or -1;
+ * - the count is read from memory, not passed: an argument is the caller's
+ *   register, and each exit (`j >= n` at j = k) would pin that register to
+ *   exactly k, so the caller's continuation could never be pruned (past 1M
+ *   instructions for the add stage);
+ * - one cursor, checked and accessed as the same register: older verifiers
+ *   (6.1) carry a data_end check only over to that register, not to a
+ *   pointer recomputed as data + off + 4 * j.
  */
-static __always_inline int linear_copy(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 n, const int to_pkt)
+static __noinline int linear_copy(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, int to_pkt)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	void *data = (void *)(long)ctx->data;
-	__u32 j;
+	void *cur = (void *)(long)ctx->data;
+	__u32 j, n = *(volatile __u32 *)&s->chunk_n;
 
-	if (off > AGGBOX_LINEAR_MAX_FRAME)
+	if (off > AGGBOX_LINEAR_MAX_FRAME || n > AGGBOX_CHUNK_ELEMS)
 		return -1;
+	cur += off;
 	for (j = 0; j < AGGBOX_CHUNK_ELEMS; j++) {
-		__be32 *p = data + off + j * 4;
-
 		if (j >= n)
 			break;
-		if ((void *)(p + 1) > data_end)
+		if (cur + 4 > data_end)
 			return -1;
 		if (to_pkt)
-			*p = buf[j];
+			*(__be32 *)cur = s->buf[j];
 		else
-			buf[j] = *p;
+			s->buf[j] = *(__be32 *)cur;
+		cur += 4;
 	}
 	return 0;
 }
 
-/* Payload bytes in/out of the scratch buffer, either chain. */
-static __always_inline int payload_load(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 len, const int linear)
+/* len payload bytes at `off` into / out of s->buf, either chain. */
+static __always_inline int payload_load(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, __u32 len,
+					const int linear)
 {
-	if (linear)
-		return linear_copy(ctx, off, buf, len / 4, 0);
-	return bpf_xdp_load_bytes(ctx, off, buf, len);
+	if (linear) {
+		s->chunk_n = len / 4;
+		return linear_copy(ctx, off, s, 0);
+	}
+	return bpf_xdp_load_bytes(ctx, off, s->buf, len);
 }
 
-static __always_inline int payload_store(struct xdp_md *ctx, __u32 off, __be32 *buf, __u32 len, const int linear)
+static __always_inline int payload_store(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, __u32 len,
+					 const int linear)
 {
-	if (linear)
-		return linear_copy(ctx, off, buf, len / 4, 1);
-	return bpf_xdp_store_bytes(ctx, off, buf, len);
+	if (linear) {
+		s->chunk_n = len / 4;
+		return linear_copy(ctx, off, s, 1);
+	}
+	return bpf_xdp_store_bytes(ctx, off, s->buf, len);
 }
 
 /*
@@ -1019,7 +1038,7 @@ static __always_inline long add_chunk(void *data, const int linear)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || payload_load(lp->ctx, off, s->buf, len, linear)) {
+	if (!len || payload_load(lp->ctx, off, s, len, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: a bug */
 		return 1;
 	}
@@ -1062,7 +1081,7 @@ static __always_inline long add_chunk(void *data, const int linear)
 	 */
 	if (last && op != AGGBOX_OP_AVG && chunk < AGGBOX_MAX_CHUNKS &&
 	    result_block_fits(blk->b.acc, (__u64 *)s->buf) &&
-	    !payload_store(lp->ctx, off, s->buf, len, linear))
+	    !payload_store(lp->ctx, off, s, len, linear))
 		s->finalized |= 1ULL << chunk;
 	s->chunk = chunk + 1;
 	return 0;
@@ -1073,9 +1092,16 @@ static long add_chunk_cb(__u64 index, void *data)
 	return add_chunk(data, 0);
 }
 
-static long add_chunk_linear(__u32 index, void *data)
+/*
+ * The linear chain's chunk: a global function, which the verifier checks
+ * once on its own (like a bpf_loop callback), not once per state the stage
+ * reaches it with (inlined, the MAX/MIN loops went past 1M instructions).
+ */
+__noinline int add_chunk_linear(struct xdp_md *ctx)
 {
-	return add_chunk(data, 1);
+	struct chain_loop lp = { .ctx = ctx };
+
+	return add_chunk(&lp, 1);
 }
 
 /*
@@ -1133,7 +1159,7 @@ static __always_inline int add_stage(struct xdp_md *ctx, const int linear)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	s->stop = 0;
 	if (linear)
-		add_chunk_linear(0, &lp);
+		add_chunk_linear(ctx);
 	else
 		bpf_loop(todo, add_chunk_cb, &lp, 0);
 	if (s->stop)
@@ -1288,7 +1314,7 @@ static __always_inline long result_chunk(void *data, const int linear)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || payload_store(lp->ctx, off, s->buf, len, linear)) {
+	if (!len || payload_store(lp->ctx, off, s, len, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
 		return 1;
 	}
@@ -1301,9 +1327,12 @@ static long result_chunk_cb(__u64 index, void *data)
 	return result_chunk(data, 0);
 }
 
-static long result_chunk_linear(__u32 index, void *data)
+/* The linear chain's result chunk: a global function (see add_chunk_linear). */
+__noinline int result_chunk_linear(struct xdp_md *ctx)
 {
-	return result_chunk(data, 1);
+	struct chain_loop lp = { .ctx = ctx };
+
+	return result_chunk(&lp, 1);
 }
 
 static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
@@ -1319,7 +1348,7 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
 	s->stop = 0;
 	if (linear)
-		result_chunk_linear(0, &lp);
+		result_chunk_linear(ctx);
 	else
 		bpf_loop(todo, result_chunk_cb, &lp, 0);
 	if (s->stop)

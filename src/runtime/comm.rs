@@ -138,6 +138,12 @@ pub struct CommConfig {
     /// Test hook: impair what this communicator receives (see
     /// [`crate::runtime::transport`]); `None` in production.
     pub impairment: Option<Impairment>,
+    /// Send runs of datagrams to one destination as UDP GSO
+    /// super-datagrams ([`Transport::send_batch_gso`]). `None`: on for the
+    /// socket backend, off for the kernel backend (measured: docs/RUNTIME.md
+    /// "UDP GSO"). Never with a TC group (the TC program parses each
+    /// datagram it copies).
+    pub udp_gso: Option<bool>,
 }
 
 /// A broadcast group configured on this participant's node (`[[group]]`):
@@ -212,6 +218,7 @@ impl CommunicatorBuilder {
                 kernel_result_group: false,
                 tc_group: None,
                 impairment: None,
+                udp_gso: None,
             },
         }
     }
@@ -280,6 +287,12 @@ impl CommunicatorBuilder {
     /// to the aggregator and the peers when building, see [`CommConfig::mtu`]).
     pub fn mtu(mut self, mtu: usize) -> Self {
         self.cfg.mtu = mtu;
+        self
+    }
+    /// Whether first transmissions leave as UDP GSO super-datagrams (default:
+    /// socket backend yes, kernel backend no; never with a TC group).
+    pub fn udp_gso(mut self, on: bool) -> Self {
+        self.cfg.udp_gso = Some(on);
         self
     }
     /// Datagrams in flight per sender (default 256, at most the group size).
@@ -399,6 +412,7 @@ impl CommunicatorBuilder {
                 }
             }
         }
+        cfg.udp_gso = Some(cfg.tc_group.is_none() && cfg.udp_gso.unwrap_or(cfg.backend == BackendKind::Socket));
         let me = cfg.addr_of(cfg.me.index(cfg.workers()));
         let sock = UdpSocket::bind(me)
             .map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
@@ -417,8 +431,8 @@ impl CommunicatorBuilder {
         }
         set_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
         let transport: Box<dyn Transport> = match &cfg.impairment {
-            None => Box::new(UdpTransport(sock)),
-            Some(imp) => Box::new(ImpairedTransport::new(UdpTransport(sock), imp.clone())),
+            None => Box::new(UdpTransport::new(sock)),
+            Some(imp) => Box::new(ImpairedTransport::new(UdpTransport::new(sock), imp.clone())),
         };
         let counters = Arc::new(Counters::default());
         let net = Net {
@@ -2101,9 +2115,15 @@ impl Engine {
     }
 
     /// Sends the new datagrams [`Engine::pump`] registered, in batches
-    /// (`sendmmsg`), straight from the send windows' buffers.
+    /// (`sendmmsg`), straight from the send windows' buffers; with UDP GSO
+    /// ordered by destination first (stable: each destination keeps its
+    /// order), so each destination's datagrams form runs.
     fn flush_tx(&mut self) {
         const NONE: (&[u8], SocketAddrV4) = (&[], SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+        let gso = self.cfg.udp_gso == Some(true);
+        if gso {
+            self.txq.sort_by_key(|&(_, _, to)| (u32::from(*to.ip()), to.port()));
+        }
         let mut msgs = [NONE; BATCH_MAX];
         for chunk in self.txq.chunks(BATCH_MAX) {
             let mut n = 0;
@@ -2117,7 +2137,9 @@ impl Engine {
                     n += 1;
                 }
             }
-            if n > 0 {
+            if n > 0 && gso {
+                self.net.tx_batch_gso(&msgs[..n]);
+            } else if n > 0 {
                 self.net.tx_batch(&msgs[..n]);
             }
         }

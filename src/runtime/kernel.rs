@@ -264,7 +264,7 @@ mod tests {
     fn result_of_a_later_round_is_kept_until_that_round() {
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
         let net = Net {
-            t: Box::new(UdpTransport(socket)),
+            t: Box::new(UdpTransport::new(socket)),
             c: Arc::new(Counters::default()),
         };
         let (mut buf, mut sent) = (Vec::new(), 0u64);

@@ -18,7 +18,7 @@ use std::fmt;
 use std::io;
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::abi;
@@ -96,6 +96,22 @@ pub trait Transport: Send + fmt::Debug {
         Ok(got)
     }
 
+    /// [`Transport::send_batch`] with runs of consecutive datagrams to one
+    /// destination and of one length (the last of a run may be shorter)
+    /// sent as UDP GSO super-datagrams (`UDP_SEGMENT`: at most 64 datagrams
+    /// and 65507 bytes each), which the kernel segments after the stack:
+    /// one pass through UDP/IP (and, on a veth, the bridge) per run instead
+    /// of per datagram. Only for paths that keep datagrams apart to their
+    /// receiver: no TC program that parses them on the way (a TC broadcast
+    /// group), no generic-mode XDP aggregator. The default (and a socket
+    /// whose kernel refuses GSO) sends them one by one.
+    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) -> GsoSent {
+        GsoSent {
+            datagrams: self.send_batch(msgs),
+            ..GsoSent::default()
+        }
+    }
+
     /// Sends `buf` as datagrams of `segment` bytes (the last may be shorter)
     /// to `to`; [`UdpTransport`] hands it to the kernel as one UDP GSO
     /// super-datagram (`UDP_SEGMENT`), segmented after the stack. Returns the
@@ -110,10 +126,58 @@ pub trait Transport: Send + fmt::Debug {
     }
 }
 
+/// What one [`Transport::send_batch_gso`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GsoSent {
+    /// Datagrams the socket took (super-datagrams counted by their
+    /// segments).
+    pub datagrams: usize,
+    /// UDP GSO super-datagrams among the sends (2 datagrams or more each).
+    pub super_datagrams: usize,
+    /// Datagrams inside them.
+    pub segments: usize,
+}
+
 /// The production transport: a non-blocking UDP socket, batches through
 /// `sendmmsg` / `recvmmsg`.
 #[derive(Debug)]
-pub struct UdpTransport(pub UdpSocket);
+pub struct UdpTransport {
+    socket: UdpSocket,
+    /// Set once the kernel refused a UDP GSO send on this socket (no
+    /// checksum offload on the route's device, `SO_NO_CHECK`, a kernel
+    /// before 4.18): [`Transport::send_batch_gso`] then sends one by one.
+    gso_refused: AtomicBool,
+}
+
+impl UdpTransport {
+    /// A transport over `socket` (non-blocking).
+    pub fn new(socket: UdpSocket) -> UdpTransport {
+        UdpTransport {
+            socket,
+            gso_refused: AtomicBool::new(false),
+        }
+    }
+
+    /// The socket.
+    pub fn socket(&self) -> &UdpSocket {
+        &self.socket
+    }
+
+    /// Whether the kernel refused UDP GSO on this socket (sends since are
+    /// single datagrams).
+    pub fn gso_refused(&self) -> bool {
+        self.gso_refused.load(Ordering::Relaxed)
+    }
+}
+
+/// Errors with which the kernel refuses a UDP GSO send as such (not the
+/// datagram): the socket falls back to single datagrams for good.
+fn refuses_gso(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EIO | libc::EINVAL | libc::ENOPROTOOPT | libc::EOPNOTSUPP)
+    )
+}
 
 fn sockaddr_of(a: SocketAddrV4) -> libc::sockaddr_in {
     libc::sockaddr_in {
@@ -145,13 +209,13 @@ pub const UDP_MAX_SEGMENTS: usize = 64;
 
 impl Transport for UdpTransport {
     fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize> {
-        self.0.send_to(buf, to)
+        self.socket.send_to(buf, to)
     }
     fn recv_from(&mut self, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)> {
-        self.0.recv_from(buf)
+        self.socket.recv_from(buf)
     }
     fn raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+        self.socket.as_raw_fd()
     }
 
     fn send_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) -> usize {
@@ -182,7 +246,7 @@ impl Transport for UdpTransport {
                 // buffers (`chunk`'s slices) outlive the call.
                 let r = unsafe {
                     libc::sendmmsg(
-                        self.0.as_raw_fd(),
+                        self.socket.as_raw_fd(),
                         hdrs.as_mut_ptr().add(off),
                         (chunk.len() - off) as libc::c_uint,
                         0,
@@ -202,6 +266,111 @@ impl Transport for UdpTransport {
             }
         }
         total
+    }
+
+    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) -> GsoSent {
+        let mut out = GsoSent::default();
+        let mut i = 0;
+        while i < msgs.len() {
+            if self.gso_refused() {
+                out.datagrams += self.send_batch(&msgs[i..]);
+                return out;
+            }
+            // One sendmmsg: up to BATCH_MAX datagrams in up to BATCH_MAX
+            // messages, each a run (GSO when 2 or more).
+            // SAFETY (zeroed): plain C structs, all-zero is valid.
+            let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut control = [[0u64; 4]; BATCH_MAX]; // 32 bytes each, >= CMSG_SPACE(2)
+            let mut runs = [(0usize, 0usize); BATCH_MAX]; // (first message, datagrams)
+            let mut nruns = 0;
+            let mut ndgrams = 0;
+            while i < msgs.len() && ndgrams < BATCH_MAX {
+                let (first, to) = msgs[i];
+                let size = first.len();
+                let (mut n, mut bytes) = (0, 0);
+                while i + n < msgs.len() && ndgrams + n < BATCH_MAX && n < UDP_MAX_SEGMENTS {
+                    let (b, t) = msgs[i + n];
+                    if t != to || b.len() > size || bytes + b.len() > UDP_MAX_PAYLOAD {
+                        break;
+                    }
+                    iovs[ndgrams + n] = libc::iovec {
+                        iov_base: b.as_ptr() as *mut libc::c_void,
+                        iov_len: b.len(),
+                    };
+                    bytes += b.len();
+                    n += 1;
+                    if b.len() < size {
+                        break; // a shorter datagram ends the run
+                    }
+                }
+                addrs[nruns] = sockaddr_of(to);
+                let h = &mut hdrs[nruns].msg_hdr;
+                h.msg_name = &mut addrs[nruns] as *mut libc::sockaddr_in as *mut libc::c_void;
+                h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                h.msg_iov = &mut iovs[ndgrams];
+                h.msg_iovlen = n as _;
+                if n > 1 {
+                    h.msg_control = control[nruns].as_mut_ptr() as *mut libc::c_void;
+                    // SAFETY: CMSG_SPACE / CMSG_LEN are size computations; the
+                    // control buffer holds one cmsg of a u16.
+                    unsafe {
+                        h.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) as _;
+                        let c = libc::CMSG_FIRSTHDR(h);
+                        (*c).cmsg_level = libc::SOL_UDP;
+                        (*c).cmsg_type = UDP_SEGMENT;
+                        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, size as u16);
+                    }
+                }
+                runs[nruns] = (i, n);
+                nruns += 1;
+                ndgrams += n;
+                i += n;
+            }
+            let mut off = 0;
+            let mut retried = false;
+            while off < nruns {
+                // SAFETY: hdrs[off..nruns] point at live iovecs, addresses
+                // and control buffers; the iovecs at `msgs`' slices.
+                let r = unsafe {
+                    libc::sendmmsg(self.socket.as_raw_fd(), hdrs.as_mut_ptr().add(off), (nruns - off) as libc::c_uint, 0)
+                };
+                if r > 0 {
+                    for &(_, n) in &runs[off..off + r as usize] {
+                        out.datagrams += n;
+                        if n > 1 {
+                            out.super_datagrams += 1;
+                            out.segments += n;
+                        }
+                    }
+                    off += r as usize;
+                    retried = false;
+                    continue;
+                }
+                let err = io::Error::last_os_error();
+                let (first, n) = runs[off];
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if n > 1 && refuses_gso(&err) {
+                    // Not this run's fault: send it and the rest one by one.
+                    self.gso_refused.store(true, Ordering::Relaxed);
+                    out.datagrams += self.send_batch(&msgs[first..i]);
+                    break;
+                }
+                if !retried {
+                    // A pending error of an earlier datagram (ICMP) is
+                    // reported, and cleared, by this call: try the run once more.
+                    retried = true;
+                    continue;
+                }
+                off += 1; // lost (e.g. ENOBUFS): recovered by retransmission
+                retried = false;
+            }
+        }
+        out
     }
 
     fn recv_batch(
@@ -236,7 +405,7 @@ impl Transport for UdpTransport {
         // SAFETY: every header points at a live slot of `buf` and an address.
         let r = unsafe {
             libc::recvmmsg(
-                self.0.as_raw_fd(),
+                self.socket.as_raw_fd(),
                 hdrs.as_mut_ptr(),
                 n as libc::c_uint,
                 libc::MSG_DONTWAIT,
@@ -264,7 +433,7 @@ impl Transport for UdpTransport {
         let per_send = (UDP_MAX_PAYLOAD / segment).clamp(1, UDP_MAX_SEGMENTS);
         for chunk in buf.chunks(segment * per_send) {
             if chunk.len() <= segment {
-                sent += self.0.send_to(chunk, to)?;
+                sent += self.socket.send_to(chunk, to)?;
                 continue;
             }
             let mut addr = sockaddr_of(to);
@@ -292,7 +461,7 @@ impl Transport for UdpTransport {
                 std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, segment as u16);
             }
             // SAFETY: msg points at live buffers for the call.
-            let r = unsafe { libc::sendmsg(self.0.as_raw_fd(), &msg, 0) };
+            let r = unsafe { libc::sendmsg(self.socket.as_raw_fd(), &msg, 0) };
             if r < 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -551,6 +720,10 @@ pub struct IoStats {
     pub recv_batches: u64,
     /// Datagrams they returned.
     pub received_datagrams: u64,
+    /// UDP GSO super-datagrams sent ([`Transport::send_batch_gso`]).
+    pub gso_super_datagrams: u64,
+    /// Datagrams inside them.
+    pub gso_segments: u64,
 }
 
 /// Shared atomic counters behind [`CommStats`].
@@ -567,6 +740,8 @@ pub struct Counters {
     batched: AtomicU64,
     recv_batches: AtomicU64,
     recv_datagrams: AtomicU64,
+    gso_sends: AtomicU64,
+    gso_segments: AtomicU64,
 }
 
 impl Counters {
@@ -598,6 +773,8 @@ impl Counters {
             batched_datagrams: l(&self.batched),
             recv_batches: l(&self.recv_batches),
             received_datagrams: l(&self.recv_datagrams),
+            gso_super_datagrams: l(&self.gso_sends),
+            gso_segments: l(&self.gso_segments),
         }
     }
 
@@ -650,6 +827,19 @@ impl Net {
     /// Sends first transmissions of data datagrams in one batch
     /// ([`Transport::send_batch`]: one `sendmmsg` per 64 on a UDP socket).
     pub fn tx_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+        self.count_batch(msgs);
+        let _ = self.t.send_batch(msgs);
+    }
+
+    /// [`Net::tx_batch`] through [`Transport::send_batch_gso`].
+    pub fn tx_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+        self.count_batch(msgs);
+        let sent = self.t.send_batch_gso(msgs);
+        self.c.gso_sends.fetch_add(sent.super_datagrams as u64, Ordering::Relaxed);
+        self.c.gso_segments.fetch_add(sent.segments as u64, Ordering::Relaxed);
+    }
+
+    fn count_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) {
         let acks = msgs.iter().filter(|(b, _)| is_ack(b)).count() as u64;
         self.c.acks_sent.fetch_add(acks, Ordering::Relaxed);
         self.c
@@ -659,7 +849,6 @@ impl Net {
         self.c
             .batched
             .fetch_add(msgs.len() as u64, Ordering::Relaxed);
-        let _ = self.t.send_batch(msgs);
     }
 
     /// Sends a retransmission of a data datagram.
