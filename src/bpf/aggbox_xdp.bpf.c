@@ -321,16 +321,18 @@ struct blocks_give {
  * resilient spin locks gives up after a deadlock check or timeout); the
  * block is then lost to the pool and stays counted in blocks_used, where
  * the metrics show it (aggbox_blocks_in_use). */
+static __always_inline int block_give(__u32 idx)
+{
+	return !bpf_map_push_elem(&free_blocks, &idx, 0);
+}
+
 static long block_give_cb(__u64 index, void *data)
 {
 	struct blocks_give *bg = data;
-	__u32 idx;
 
 	if (index >= AGGBOX_MAX_CHUNKS)
 		return 1;
-	idx = bg->block[index];
-	if (!bpf_map_push_elem(&free_blocks, &idx, 0))
-		bg->given++;
+	bg->given += block_give(bg->block[index]);
 	return 0;
 }
 
@@ -342,12 +344,27 @@ static long block_give_cb(__u64 index, void *data)
 static __always_inline void blocks_give(const __u16 *block, __u32 n, const int linear)
 {
 	struct blocks_give bg;
+	__u32 i, given = 0;
 
 	if (n > AGGBOX_MAX_CHUNKS)
 		n = AGGBOX_MAX_CHUNKS;
+	if (linear) {
+		/* A bounded loop reads the list where it is (a per-CPU map or
+		 * the caller's copy): the 132-byte copy a bpf_loop context
+		 * needs would take the linear result stage's stack, with the
+		 * chunk function it calls, past 512 bytes (6.1 counts them
+		 * together). */
+		for (i = 0; i < AGGBOX_MAX_CHUNKS; i++) {
+			if (i >= n)
+				break;
+			given += block_give(block[i]);
+		}
+		blocks_used_add(-(__s64)given);
+		return;
+	}
 	__builtin_memcpy(bg.block, block, sizeof(bg.block));
 	bg.given = 0;
-	chain_loop(linear, n, AGGBOX_MAX_CHUNKS, block_give_cb, &bg);
+	bpf_loop(n, block_give_cb, &bg, 0);
 	blocks_used_add(-(__s64)bg.given);
 }
 
