@@ -112,6 +112,13 @@ impl Backend for KernelAggregator {
     }
 
     fn expect_round(&mut self, round: u32, seq_base: u32, now: Instant) {
+        // The ended round's last RESULTs may still wait for their group ACK
+        // (only the last fragment and a full group are acknowledged at once):
+        // put it with the round's ACKs that linger, or it would go out once,
+        // later, and a worker whose copy is lost would wait for ever (its
+        // retransmissions end in the kernel as duplicates, unseen here).
+        let acks = &mut self.round_acks;
+        self.behalf.flush(&mut |bm| acks.push(*bm));
         self.linger = std::mem::take(&mut self.round_acks);
         self.linger_step = 0;
         self.linger_at = (!self.linger.is_empty()).then(|| now + Duration::from_millis(5));
@@ -303,5 +310,64 @@ mod tests {
             sent > 0,
             "the kept RESULT is acknowledged to the workers once its round begins"
         );
+    }
+
+    /// The RESULT of the last fragment can come before others (the kernel
+    /// completes fragments on two CPUs); the ones after it are acknowledged
+    /// by the group's delayed ACK. When the round ends first, that ACK must be
+    /// among the ones the aggregator repeats: the workers' retransmissions of
+    /// those fragments never reach it (the kernel drops them as duplicates),
+    /// so a single lost copy left a worker waiting until its deadline.
+    #[test]
+    fn the_last_arrivals_ack_lingers_after_the_round() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
+        let net = Net {
+            t: Box::new(UdpTransport::new(socket)),
+            c: Arc::new(Counters::default()),
+        };
+        let worker = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind worker");
+        worker.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+        let peer = match worker.local_addr().unwrap() {
+            std::net::SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let cfg = ReliabilityConfig {
+            ack_delay: std::time::Duration::from_secs(3600), // no timer ACK in this test
+            ..ReliabilityConfig::default()
+        };
+        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, 1, 100);
+        let t0 = Instant::now();
+        // Fragments 0..3 of round 1 (seqs 100..103): the last one (3) first.
+        for (k, frag) in [3u32, 0, 1, 2].into_iter().enumerate() {
+            let (mut hdr, payload) = result(1, frag * 4, &[1, 2, 3, 4]);
+            if frag != 3 {
+                hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
+            }
+            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            agg.on_agg(&hdr, &payload, peer, t0 + std::time::Duration::from_micros(k as u64), &mut io);
+        }
+        // Round over (the application took its 4 fragments); the next begins.
+        agg.take_completed(1, &mut |_| {});
+        agg.expect_round(2, 104, t0);
+        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+        // The repeats are due 5, 15, 35 and 75 ms after the round ended.
+        for at in [5u64, 15, 35, 75] {
+            agg.poll(t0 + std::time::Duration::from_millis(at), &mut io);
+        }
+        // Everything the worker got: the first ACK (seq 103 only), then the
+        // lingering copies, which must cover 100..103.
+        let mut complete = 0;
+        let mut d = [0u8; 2048];
+        while let Ok(n) = worker.recv(&mut d) {
+            let ack = crate::proto::AckMessage::decode(&d[..n]).expect("an AGK1");
+            if (100..104).all(|q| ack.bitmap.get(q)) {
+                complete += 1;
+            }
+            if complete >= 4 {
+                break;
+            }
+        }
+        assert_eq!(complete, 4, "the complete ACK goes out with each of the 4 lingering repeats");
     }
 }

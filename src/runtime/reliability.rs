@@ -793,11 +793,26 @@ impl RecvTracker {
     /// Group mode: sends the selective ACK of every group whose arrivals have
     /// waited `ack_delay`. Returns when the next one is due.
     pub fn poll(&mut self, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) -> Option<Instant> {
+        self.emit_pending(Some(now), emit)
+    }
+
+    /// Group mode: hands every group's pending selective ACK to `emit` now,
+    /// whatever it has waited (a receiver whose round ends: the last
+    /// arrivals' ACK must not wait for a timer that may come after it
+    /// stopped repeating that round's ACKs).
+    pub fn flush(&mut self, emit: &mut impl FnMut(&SeqBitmap)) {
+        self.emit_pending(None, emit);
+    }
+
+    /// The ACKs of groups with arrivals waiting since `ack_delay` before
+    /// `now` (every group with arrivals when `now` is `None`); returns when
+    /// the next one is due.
+    fn emit_pending(&mut self, now: Option<Instant>, emit: &mut impl FnMut(&SeqBitmap)) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         for g in self.groups.iter_mut() {
             if let Some(t) = g.first_unacked {
                 let due = t + self.cfg.ack_delay;
-                if due <= now {
+                if now.map_or(true, |now| due <= now) {
                     emit(&g.bitmap);
                     g.unacked = 0;
                     g.first_unacked = None;
