@@ -295,13 +295,13 @@ fn linear_chain_generic_mtu_9000_four_senders_exact() {
     eprintln!("MTU 9000, linear chain (generic): {fragments} fragments in {secs:.3} s");
 }
 
-#[test]
-fn linear_chain_refuses_an_mtu_it_cannot_aggregate() {
+/// An aggregator host and one worker at `mtu`, a bpffs for the pins, and the
+/// node config of one job of that worker.
+fn one_worker_bed(mtu: u32, tag: &str) -> (Testbed, Bpffs, String) {
     require_root();
-    let mtu = Chain::Linear.max_mtu() + 1;
     let tb = Testbed::up(TestbedConfig { hosts: 2, mtu, static_neigh: true, ..Default::default() })
         .unwrap_or_else(|e| panic!("building the testbed: {e}"));
-    let pins = Bpffs::mount("linearmtu");
+    let pins = Bpffs::mount(tag);
     let text = config_text(&[JobSpec {
         id: JOB,
         port: PORT,
@@ -310,6 +310,13 @@ fn linear_chain_refuses_an_mtu_it_cannot_aggregate() {
         weights: vec![],
         vector_len: None,
     }]);
+    (tb, pins, text)
+}
+
+#[test]
+fn linear_chain_refuses_an_mtu_it_cannot_aggregate() {
+    let mtu = Chain::Linear.max_mtu() + 1;
+    let (tb, pins, text) = one_worker_bed(mtu, "linearmtu");
     let netns = tb.host(0).netns;
     let err = tb
         .in_host(0, || {
@@ -330,18 +337,7 @@ fn linear_chain_native_above_a_page_falls_back_to_generic() {
     // veth refuses a non-frags program in native mode when the peer's MTU
     // is above a page; attach then runs the linear chain in generic mode,
     // with a warning, as for any driver without native XDP.
-    require_root();
-    let tb = Testbed::up(TestbedConfig { hosts: 2, mtu: 9000, static_neigh: true, ..Default::default() })
-        .unwrap_or_else(|e| panic!("building the testbed: {e}"));
-    let pins = Bpffs::mount("linear9000");
-    let text = config_text(&[JobSpec {
-        id: JOB,
-        port: PORT,
-        result_port: RESULT_PORT,
-        workers: vec![tb.host(1).addr],
-        weights: vec![],
-        vector_len: None,
-    }]);
+    let (tb, pins, text) = one_worker_bed(9000, "linear9000");
     let netns = tb.host(0).netns;
     let (mode, warnings) = tb
         .in_host(0, || {

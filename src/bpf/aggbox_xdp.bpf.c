@@ -57,6 +57,19 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
  * array only holds programs of one frags flag, so each set has its own).
  */
 
+/* The two programs of a stage: NAME (frags chain) and NAME_linear. */
+#define CHAIN_PROGRAMS(name, stage)                  \
+	SEC("xdp.frags")                             \
+	int name(struct xdp_md *ctx)                 \
+	{                                            \
+		return stage(ctx, 0);                \
+	}                                            \
+	SEC("xdp")                                   \
+	int name##_linear(struct xdp_md *ctx)        \
+	{                                            \
+		return stage(ctx, 1);                \
+	}
+
 /* Bytes of the whole frame (fragments included). */
 static __always_inline __u32 frame_len(struct xdp_md *ctx, const int linear)
 {
@@ -594,17 +607,7 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 	return aggbox_exit(code, s->bytes);
 }
 
-SEC("xdp.frags")
-int aggbox_xdp(struct xdp_md *ctx)
-{
-	return entry_stage(ctx, 0);
-}
-
-SEC("xdp")
-int aggbox_xdp_linear(struct xdp_md *ctx)
-{
-	return entry_stage(ctx, 1);
-}
+CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
 
 /* ---------------------------------------------------------------------------
  * CALL_SLOT: find or create the slot, reject stale rounds and
@@ -835,17 +838,7 @@ static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 	return aggbox_exit(code, s->bytes);
 }
 
-SEC("xdp.frags")
-int aggbox_slot(struct xdp_md *ctx)
-{
-	return slot_stage(ctx, 0);
-}
-
-SEC("xdp")
-int aggbox_slot_linear(struct xdp_md *ctx)
-{
-	return slot_stage(ctx, 1);
-}
+CHAIN_PROGRAMS(aggbox_slot, slot_stage)
 
 /* ---------------------------------------------------------------------------
  * CALL_ADD: add chunks s->chunk.. of the payload into the slot's blocks.
@@ -1195,17 +1188,7 @@ static __always_inline int add_stage(struct xdp_md *ctx, const int linear)
 	return aggbox_exit(code, s->bytes);
 }
 
-SEC("xdp.frags")
-int aggbox_add(struct xdp_md *ctx)
-{
-	return add_stage(ctx, 0);
-}
-
-SEC("xdp")
-int aggbox_add_linear(struct xdp_md *ctx)
-{
-	return add_stage(ctx, 1);
-}
+CHAIN_PROGRAMS(aggbox_add, add_stage)
 
 /* ---------------------------------------------------------------------------
  * CALL_RESULT: the completing contribution rewrites its own packet into the
@@ -1377,17 +1360,7 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 	return aggbox_exit(finish_result(ctx, s, linear), s->bytes);
 }
 
-SEC("xdp.frags")
-int aggbox_result(struct xdp_md *ctx)
-{
-	return result_stage(ctx, 0);
-}
-
-SEC("xdp")
-int aggbox_result_linear(struct xdp_md *ctx)
-{
-	return result_stage(ctx, 1);
-}
+CHAIN_PROGRAMS(aggbox_result, result_stage)
 
 /* ---------------------------------------------------------------------------
  * aggbox_reclaim: release the slot of a round that can never complete.

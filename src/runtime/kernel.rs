@@ -264,16 +264,20 @@ mod tests {
         (hdr, payload)
     }
 
+    fn loopback_net() -> Net {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
+        Net {
+            t: Box::new(UdpTransport::new(socket)),
+            c: Arc::new(Counters::default()),
+        }
+    }
+
     /// Workers may start round r+1 before this application calls it; the
     /// kernel sends that RESULT once, so it must be kept until the round
     /// begins (and never taken for the round in progress).
     #[test]
     fn result_of_a_later_round_is_kept_until_that_round() {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
-        let net = Net {
-            t: Box::new(UdpTransport::new(socket)),
-            c: Arc::new(Counters::default()),
-        };
+        let net = loopback_net();
         let (mut buf, mut sent) = (Vec::new(), 0u64);
         let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
         let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100);
@@ -320,11 +324,7 @@ mod tests {
     /// so a single lost copy left a worker waiting until its deadline.
     #[test]
     fn the_last_arrivals_ack_lingers_after_the_round() {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
-        let net = Net {
-            t: Box::new(UdpTransport::new(socket)),
-            c: Arc::new(Counters::default()),
-        };
+        let net = loopback_net();
         let worker = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind worker");
         worker.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
         let peer = match worker.local_addr().unwrap() {
