@@ -305,8 +305,8 @@ pub fn attach_chain(
         let mtu = crate::runtime::pmtu::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))? as u32;
         if mtu > chain.max_mtu() {
             bail!(
-                "aggbox: {iface} has MTU {mtu}, but this kernel has no multi-buffer XDP ({}): its linear chain aggregates datagrams of at most {} elements, i.e. MTU {}; lower the MTU (ip link set {iface} mtu {}) or use kernel 5.18+",
-                FRAGS_CHAIN_FEATURES.iter().map(|(f, (a, b))| format!("{f}, {a}.{b}")).collect::<Vec<_>>().join("; "),
+                "aggbox: {iface} has MTU {mtu}, but the linear XDP chain (loaded without multi-buffer XDP: {}) aggregates datagrams of at most {} elements, i.e. MTU {}; lower the MTU (ip link set {iface} mtu {}) or use kernel 5.18+",
+                FRAGS_CHAIN_FEATURES.iter().map(|(f, (a, b))| format!("{f} {a}.{b}")).collect::<Vec<_>>().join(", "),
                 chain.max_elems(),
                 chain.max_mtu(),
                 chain.max_mtu()
