@@ -137,25 +137,18 @@ static __noinline int linear_copy(struct xdp_md *ctx, __u32 off, struct aggbox_s
 	return 0;
 }
 
-/* len payload bytes at `off` into / out of s->buf, either chain. */
-static __always_inline int payload_load(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, __u32 len,
-					const int linear)
+/* len payload bytes at `off` into s->buf, or out of it (to_pkt), either
+ * chain. */
+static __always_inline int payload_copy(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, __u32 len,
+					const int to_pkt, const int linear)
 {
 	if (linear) {
 		s->chunk_n = len / 4;
-		return linear_copy(ctx, off, s, 0);
+		return linear_copy(ctx, off, s, to_pkt);
 	}
+	if (to_pkt)
+		return bpf_xdp_store_bytes(ctx, off, s->buf, len);
 	return bpf_xdp_load_bytes(ctx, off, s->buf, len);
-}
-
-static __always_inline int payload_store(struct xdp_md *ctx, __u32 off, struct aggbox_scratch *s, __u32 len,
-					 const int linear)
-{
-	if (linear) {
-		s->chunk_n = len / 4;
-		return linear_copy(ctx, off, s, 1);
-	}
-	return bpf_xdp_store_bytes(ctx, off, s->buf, len);
 }
 
 /*
@@ -1048,7 +1041,7 @@ static __always_inline long add_chunk(void *data, const int linear)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || payload_load(lp->ctx, off, s, len, linear)) {
+	if (!len || payload_copy(lp->ctx, off, s, len, 0, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: a bug */
 		return 1;
 	}
@@ -1091,7 +1084,7 @@ static __always_inline long add_chunk(void *data, const int linear)
 	 */
 	if (last && op != AGGBOX_OP_AVG && chunk < AGGBOX_MAX_CHUNKS &&
 	    result_block_fits(blk->b.acc, (__u64 *)s->buf) &&
-	    !payload_store(lp->ctx, off, s, len, linear))
+	    !payload_copy(lp->ctx, off, s, len, 1, linear))
 		s->finalized |= 1ULL << chunk;
 	s->chunk = chunk + 1;
 	return 0;
@@ -1314,7 +1307,7 @@ static __always_inline long result_chunk(void *data, const int linear)
 	}
 	off = s->agg_off + sizeof(struct aggbox_agg_hdr) + base * 4;
 	len = chunk_bytes(n);
-	if (!len || payload_store(lp->ctx, off, s, len, linear)) {
+	if (!len || payload_copy(lp->ctx, off, s, len, 1, linear)) {
 		s->stop = AGGBOX_DROP_MISSED_TAIL_CALL;
 		return 1;
 	}
