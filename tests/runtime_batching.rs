@@ -39,7 +39,9 @@ use std::time::{Duration, Instant};
 use aggbox::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
 use aggbox::proto::{self, AggHeader};
-use aggbox::runtime::fragment::{blocks_per_fragment, elements_per_fragment, kernel_window};
+use aggbox::runtime::fragment::{
+    blocks_per_fragment, elements_per_fragment, kernel_window, IP_UDP_HDR,
+};
 use aggbox::runtime::quantize;
 use aggbox::runtime::transport::{Transport, UdpTransport};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
@@ -433,7 +435,8 @@ fn jumbo_scenario(mtu: u32) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
-    let window = kernel_window(256, 1024, per);
+    let datagram = IP_UDP_HDR + aggbox::abi::AGG_HDR_LEN + 4 * per;
+    let window = kernel_window(256, 1024, per, bed.workers.len(), datagram);
     eprintln!(
         "MTU {mtu}: {per} elements per fragment, {} blocks each, kernel window {window}",
         blocks_per_fragment(per)

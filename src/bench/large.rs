@@ -474,6 +474,20 @@ fn counter_delta(
         .collect()
 }
 
+/// Counters of all participants' runtimes summed (`runtime:`): datagrams
+/// they resent, and data datagrams they received a second time (a resend
+/// that was not needed, or one whose ACK was lost).
+fn runtime_counters(agg: &Communicator, workers: &[Communicator]) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for c in std::iter::once(agg).chain(workers) {
+        let s = c.stats();
+        *out.entry("runtime:retransmitted".to_string()).or_insert(0) += s.retransmitted;
+        *out.entry("runtime:duplicates_received".to_string()).or_insert(0) +=
+            s.duplicates_received;
+    }
+    out
+}
+
 fn counters_line(c: &BTreeMap<String, u64>) -> String {
     if c.is_empty() {
         return "(none)".into();
@@ -570,6 +584,7 @@ fn runtime_phase(
                 continue;
             }
             let base = &bases[&n];
+            let runtime_before = runtime_counters(&aggc, &workers);
             let before = all_counters(tb, &pins, kernel);
             progress(format!(
                 "large: MTU {mtu}, {} elements, {backend} backend: warm-up + {reps} calls",
@@ -590,6 +605,10 @@ fn runtime_phase(
                 }
             };
             p.node_counters = counter_delta(&before, &after);
+            p.node_counters.extend(counter_delta(
+                &runtime_before,
+                &runtime_counters(&aggc, &workers),
+            ));
             report_point(&p);
             points.push(p);
         }
@@ -1381,7 +1400,8 @@ fn markdown(
             md,
             "Counters during each AggBox point (warm-up included; non-zero only): the node's XDP outcomes, `drop:` reasons and `tc:` \
              counters on host 0 (kernel backend), and the UDP counters (`/proc/net/snmp`) of host 0 (`h0:udp:`) and of the 4 workers \
-             summed (`workers:udp:`); `RcvbufErrors` = datagrams dropped on a full socket receive buffer:\n"
+             summed (`workers:udp:`); `RcvbufErrors` = datagrams dropped on a full socket receive buffer; `runtime:` = the \
+             participants' retransmissions and the duplicates they received, summed:\n"
         );
         for p in counters {
             let _ = writeln!(

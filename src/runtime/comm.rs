@@ -1213,8 +1213,11 @@ impl Engine {
         let window = byte_window(cfg.reliability.window as usize, datagram);
         let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
         agg_tx.set_window(match cfg.backend {
-            // The kernel's slot and block pools bound the fragments in flight.
-            BackendKind::Kernel => kernel_window(window, cfg.slots as usize, per),
+            // The kernel's slot and block pools and the node's queues bound
+            // the fragments in flight.
+            BackendKind::Kernel => {
+                kernel_window(window, cfg.slots as usize, per, cfg.peers.len(), datagram)
+            }
             BackendKind::Socket => window,
         });
         // The kernel's results acknowledge contributions; their holes are

@@ -42,17 +42,43 @@ pub fn blocks_per_fragment(per: usize) -> usize {
     per.max(1).div_ceil(crate::abi::CHUNK_ELEMS as usize)
 }
 
+/// Datagrams all workers of a kernel-backend job may have in flight
+/// together ([`kernel_window`]).
+pub const KERNEL_INFLIGHT_DATAGRAMS: usize = 512;
+
+/// Bytes all workers of a kernel-backend job may have in flight together
+/// ([`kernel_window`]).
+pub const KERNEL_INFLIGHT_BYTES: usize = 4 << 20;
+
 /// Fragments a kernel-backend worker may have in flight: at most the
 /// configured `window`, the job's `slots` (each fragment in flight is one
-/// slot), and the node's accumulator block pool (`abi::MAX_BLOCKS` = 8192
+/// slot), the node's accumulator block pool (`abi::MAX_BLOCKS` = 8192
 /// blocks of all jobs) divided by the blocks one fragment holds, so that
-/// large frames cannot exhaust the pool: 256 (the default window) at MTU
-/// 1500 and 9000 (pool bound 4096 / 910), 128 at 65535. All ranks send the
-/// same fragments, and a fragment leaves a worker's window only once it is
-/// reduced, so the slots open at once are those of one window. At least 1.
-pub fn kernel_window(window: usize, slots: usize, per: usize) -> usize {
+/// large frames cannot exhaust the pool, and the worker's share of what the
+/// aggregator's node can queue: [`KERNEL_INFLIGHT_DATAGRAMS`] datagrams and
+/// [`KERNEL_INFLIGHT_BYTES`] of all `workers` together (at least 4 each).
+///
+/// Why a shared bound: the kernel reduces at a fixed rate, so datagrams in
+/// flight beyond that only queue, in the node's per-CPU backlog (1000 packets
+/// by default) where the 5 TC copies of each RESULT queue too; when it
+/// overflowed, RESULT copies were lost and their retransmissions waited for
+/// timeouts. Measured with 4 workers (docs/BENCHMARKS.md "Large frames",
+/// 21.8 M elements): windows of 256 / 233 / 32 at MTU 1500 / 9000 / 65535
+/// lost up to 1 % of the copies and took 1.53 / 0.58 / 0.24 s per call,
+/// 128 / 116 / 16 lose none and take 1.31 / 0.35 / 0.17 s. At least 1.
+pub fn kernel_window(
+    window: usize,
+    slots: usize,
+    per: usize,
+    workers: usize,
+    datagram_bytes: usize,
+) -> usize {
     let pool = crate::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
-    window.min(slots).min(pool).max(1)
+    let workers = workers.max(1);
+    let share = (KERNEL_INFLIGHT_DATAGRAMS / workers)
+        .min(KERNEL_INFLIGHT_BYTES / workers / datagram_bytes.max(1))
+        .max(4);
+    window.min(slots).min(pool).min(share).max(1)
 }
 
 /// Bytes one sender may have in flight (unacknowledged datagrams), so that a
@@ -184,16 +210,26 @@ mod tests {
         assert_eq!(blocks_per_fragment(16370), 64);
         assert_eq!(blocks_per_fragment(256), 1);
         assert_eq!(blocks_per_fragment(257), 2);
-        // Kernel window: min(window, slots, 8192 / blocks).
-        assert_eq!(kernel_window(256, 1024, 362), 256);
-        assert_eq!(kernel_window(1024, 4096, 362), 1024);
-        assert_eq!(kernel_window(1024, 4096, 2237), 910);
-        assert_eq!(kernel_window(256, 4096, 16370), 128);
-        assert_eq!(kernel_window(256, 64, 16370), 64);
-        assert_eq!(kernel_window(0, 0, 16370), 1);
+        // Kernel window: min(window, slots, 8192 / blocks, the share of
+        // 512 datagrams and 4 MiB in flight).
+        let dgram = |per: usize| IP_UDP_HDR + crate::abi::AGG_HDR_LEN + 4 * per;
+        assert_eq!(kernel_window(256, 1024, 362, 1, dgram(362)), 256);
+        assert_eq!(kernel_window(1024, 4096, 362, 1, dgram(362)), 512);
+        assert_eq!(kernel_window(1024, 4096, 2237, 1, 1), 512);
+        assert_eq!(kernel_window(1024, 4096, 4000, 1, 1), 512);
+        assert_eq!(kernel_window(1024, 4096, 8000, 1, 1), 256);
+        assert_eq!(kernel_window(256, 4096, 16370, 1, 1), 128);
+        assert_eq!(kernel_window(256, 64, 16370, 1, 1), 64);
+        assert_eq!(kernel_window(0, 0, 16370, 1, 1), 1);
+        // Four workers (the benchmark's): 128 / 116 / 16 at 1500 / 9000 / 65535.
+        assert_eq!(kernel_window(256, 1024, 362, 4, dgram(362)), 128);
+        assert_eq!(kernel_window(256, 1024, 2237, 4, dgram(2237)), 116);
+        assert_eq!(kernel_window(256, 1024, 16370, 4, dgram(16370)), 16);
+        // Many workers: at least 4 each.
+        assert_eq!(kernel_window(256, 1024, 16370, 64, dgram(16370)), 4);
         for mtu in [576usize, 1500, 4000, 9000, 16000, 65535] {
             let per = elements_per_fragment(mtu);
-            let w = kernel_window(1024, 4096, per);
+            let w = kernel_window(1024, 4096, per, 1, 1);
             assert!(
                 w * blocks_per_fragment(per) <= crate::abi::MAX_BLOCKS as usize,
                 "MTU {mtu}: pool exhausted"

@@ -506,8 +506,12 @@ impl SendWindow {
     }
 
     /// Applies an `AGK1` bitmap from destination `dest`: acknowledges every
-    /// seq it has, samples the RTT from the newest datagram it acknowledges
-    /// that was sent only once, and retransmits (to `dest` only) the holes
+    /// seq it has, samples the RTT from the oldest datagram it newly
+    /// acknowledges that was sent only once (as Linux TCP's RTO sample: a
+    /// group ACK goes out up to `ack_delay` after the first arrival it
+    /// covers, after the receiver drained its queue, and the newest sample
+    /// left the RTO below what the oldest waited, so that 6–8 % of a kernel
+    /// allreduce's results were resent as duplicates), and retransmits (to `dest` only) the holes
     /// below its highest received seq that have been in flight longer than
     /// the smoothed RTT.
     pub fn on_ack(
@@ -531,7 +535,7 @@ impl SendWindow {
                     e.pending &= !bit;
                     if e.retries == 0 {
                         sample =
-                            Some(sample.map_or(e.first_sent, |s: Instant| s.max(e.first_sent)));
+                            Some(sample.map_or(e.first_sent, |s: Instant| s.min(e.first_sent)));
                     }
                 }
                 highest = Some(seq);
