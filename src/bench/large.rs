@@ -557,6 +557,12 @@ fn runtime_phase(
                 })
                 .mtu(mtu as usize)
                 .deadline(call_deadline(sizes.iter().copied().max().unwrap_or(0)));
+            // `AGGBOX_LARGE_WINDOW`: the configured window (then bounded as
+            // always, docs/RUNTIME.md "Windows"), to compare windows.
+            let b = match env_list("AGGBOX_LARGE_WINDOW").and_then(|w| w.first().copied()) {
+                Some(w) => b.window(w as u32),
+                None => b,
+            };
             tb.in_host(host, move || b.build())?.map_err(|e| {
                 anyhow!("building the {me:?} communicator ({backend} backend, MTU {mtu}): {e}")
             })
@@ -1096,7 +1102,8 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// A comma-separated list of numbers from environment variable `name`, for
 /// running part of the experiment while investigating
 /// (`AGGBOX_LARGE_MTUS=65535` (0 = the largest working one),
-/// `AGGBOX_LARGE_SIZES=21800000`, `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo`).
+/// `AGGBOX_LARGE_SIZES=21800000`, `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo`,
+/// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window).
 fn env_list(name: &str) -> Option<Vec<u64>> {
     let v = std::env::var(name).ok()?;
     Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -1120,6 +1127,9 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         SIZES.to_vec()
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS").unwrap_or_else(|_| "kernel,socket,gloo".into());
+    if let Some(w) = env_list("AGGBOX_LARGE_WINDOW") {
+        progress(format!("large: configured window {w:?} (AGGBOX_LARGE_WINDOW), not the default"));
+    }
     let want = |b: &str| backends.split(',').any(|x| x.trim() == b);
     let torch = torch_available();
     let gloo_note = match &torch {

@@ -895,6 +895,35 @@ mod tests {
     }
 
     #[test]
+    fn a_group_ack_samples_its_oldest_datagram() {
+        // Three datagrams sent 1 ms apart, acknowledged by one bitmap 1 ms
+        // after the last: the sample is what the first waited (3 ms), not
+        // the last (1 ms), and a datagram resent before (Karn) is skipped.
+        let c = cfg(AckMode::Group, 1024, 8);
+        let mut w = SendWindow::new(c, 1, 100);
+        let t0 = Instant::now();
+        let build = |s: u32, b: &mut Vec<u8>| -> Result<(), ()> {
+            b.extend_from_slice(&s.to_be_bytes());
+            Ok(())
+        };
+        for k in 0..4u32 {
+            w.send(1, t0 + Duration::from_millis(k as u64), build, &mut |_, _| {})
+                .unwrap();
+        }
+        // 100 times out (initial RTO 20 ms) and is resent: no sample from it.
+        w.poll(t0 + Duration::from_micros(20_500), &mut |_, _| {});
+        assert_eq!(w.stats().retransmitted, 1);
+        let mut bm = SeqBitmap::new(100, 4).unwrap();
+        for s in 100..104 {
+            bm.set(s);
+        }
+        w.on_ack(0, &bm, t0 + Duration::from_millis(27), &mut |_, _| {});
+        assert!(w.is_idle());
+        // 101 was sent at t0 + 1 ms: 26 ms; 103 (the newest) would be 24 ms.
+        assert_eq!(w.rtt().srtt(), Some(Duration::from_millis(26)));
+    }
+
+    #[test]
     fn window_retransmits_only_missing_to_who_misses() {
         let c = cfg(AckMode::Group, 1024, 8);
         let mut w = SendWindow::new(c, 3, 100);
