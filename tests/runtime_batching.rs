@@ -436,9 +436,12 @@ fn jumbo_scenario(mtu: u32) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
     let datagram = IP_UDP_HDR + aggbox::abi::AGG_HDR_LEN + 4 * per;
-    let window = kernel_window(256, 1024, per, bed.workers.len(), datagram);
+    let workers = bed.workers.len();
+    let reduce_window = kernel_window(256, 1024, per, workers, 1, datagram);
+    let allreduce_window = kernel_window(256, 1024, per, workers, workers + 1, datagram);
     eprintln!(
-        "MTU {mtu}: {per} elements per fragment, {} blocks each, kernel window {window}",
+        "MTU {mtu}: {per} elements per fragment, {} blocks each, kernel window {reduce_window} \
+         (allreduce {allreduce_window})",
         blocks_per_fragment(per)
     );
     let before = bed.attach.status();

@@ -1075,6 +1075,13 @@ struct OpState {
     collect: Option<Collect>,
 }
 
+/// See `Engine::agg_windows`.
+#[derive(Debug, Clone, Copy)]
+struct ContribWindows {
+    reduce: usize,
+    allreduce: usize,
+}
+
 struct Stashed {
     buf: Vec<u8>,
     from: usize,
@@ -1133,6 +1140,10 @@ struct Engine {
     addrs: Vec<SocketAddrV4>,
     index: HashMap<SocketAddrV4, usize>,
     agg_tx: SendWindow,
+    /// The contribution window of a reduce and of an allreduce whose
+    /// RESULTs the kernel copies to every worker (the kernel backend's
+    /// differ: `fragment::kernel_window`).
+    agg_windows: ContribWindows,
     bc_tx: SendWindow,
     bc_rx: Vec<RecvTracker>,
     /// The `AGB1` group each sender used last (the id its ACKs carry).
@@ -1212,14 +1223,25 @@ impl Engine {
         let datagram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
         let window = byte_window(cfg.reliability.window as usize, datagram);
         let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
-        agg_tx.set_window(match cfg.backend {
+        let agg_windows = match cfg.backend {
             // The kernel's slot and block pools and the node's queues bound
             // the fragments in flight.
             BackendKind::Kernel => {
-                kernel_window(window, cfg.slots as usize, per, cfg.peers.len(), datagram)
+                let workers = cfg.peers.len();
+                let of = |copies| {
+                    kernel_window(window, cfg.slots as usize, per, workers, copies, datagram)
+                };
+                ContribWindows {
+                    reduce: of(1),
+                    allreduce: of(workers + 1),
+                }
             }
-            BackendKind::Socket => window,
-        });
+            BackendKind::Socket => ContribWindows {
+                reduce: window,
+                allreduce: window,
+            },
+        };
+        agg_tx.set_window(agg_windows.reduce);
         // The kernel's results acknowledge contributions; their holes are
         // not this worker's losses.
         agg_tx.set_holes_are_losses(cfg.backend == BackendKind::Socket);
@@ -1276,6 +1298,7 @@ impl Engine {
             addrs,
             index,
             agg_tx,
+            agg_windows,
             bc_tx,
             bc_rx,
             bc_group: vec![cfg.job; n],
@@ -1588,6 +1611,11 @@ impl Engine {
             }
         } else {
             self.agg_tx.set_next_seq(self.agg_seq);
+            self.agg_tx.set_window(if in_kernel {
+                self.agg_windows.allreduce
+            } else {
+                self.agg_windows.reduce
+            });
             let Some(src) = src.take() else {
                 return Err(CommError::Closed);
             };

@@ -42,43 +42,48 @@ pub fn blocks_per_fragment(per: usize) -> usize {
     per.max(1).div_ceil(crate::abi::CHUNK_ELEMS as usize)
 }
 
-/// Datagrams all workers of a kernel-backend job may have in flight
-/// together ([`kernel_window`]).
-pub const KERNEL_INFLIGHT_DATAGRAMS: usize = 512;
-
-/// Bytes all workers of a kernel-backend job may have in flight together
+/// Packets one window of a kernel-backend job may put in the node's queues:
+/// every worker's contributions and every copy of their RESULTs
 /// ([`kernel_window`]).
-pub const KERNEL_INFLIGHT_BYTES: usize = 4 << 20;
+pub const KERNEL_INFLIGHT_PACKETS: usize = 1280;
+
+/// Bytes of those packets ([`kernel_window`]).
+pub const KERNEL_INFLIGHT_BYTES: usize = 8 << 20;
 
 /// Fragments a kernel-backend worker may have in flight: at most the
 /// configured `window`, the job's `slots` (each fragment in flight is one
 /// slot), the node's accumulator block pool (`abi::MAX_BLOCKS` = 8192
 /// blocks of all jobs) divided by the blocks one fragment holds, so that
-/// large frames cannot exhaust the pool, and the worker's share of what the
-/// aggregator's node can queue: [`KERNEL_INFLIGHT_DATAGRAMS`] datagrams and
-/// [`KERNEL_INFLIGHT_BYTES`] of all `workers` together (at least 4 each).
+/// large frames cannot exhaust the pool, and what the node can queue: a
+/// window of `w` fragments is `w · workers` contributions and `w ·
+/// result_copies` RESULT datagrams (1 for a reduce, workers + 1 for an
+/// allreduce through the TC result group), within
+/// [`KERNEL_INFLIGHT_PACKETS`] and [`KERNEL_INFLIGHT_BYTES`] (at least 4).
 ///
-/// Why a shared bound: the kernel reduces at a fixed rate, so datagrams in
-/// flight beyond that only queue, in the node's per-CPU backlog (1000 packets
-/// by default) where the 5 TC copies of each RESULT queue too; when it
-/// overflowed, RESULT copies were lost and their retransmissions waited for
-/// timeouts. Measured with 4 workers (docs/BENCHMARKS.md "Large frames",
-/// 21.8 M elements): windows of 256 / 233 / 32 at MTU 1500 / 9000 / 65535
-/// lost up to 1 % of the copies and took 1.53 / 0.58 / 0.24 s per call,
-/// 128 / 116 / 16 lose none and take 1.31 / 0.35 / 0.17 s. At least 1.
+/// Why: the kernel reduces at a fixed rate, so datagrams in flight beyond
+/// that only queue, in the node's per-CPU backlog (1000 packets by default)
+/// where the TC copies of each RESULT queue too; when it overflowed, RESULT
+/// copies were lost and their retransmissions waited for timeouts. Measured
+/// with 4 workers (docs/BENCHMARKS.md "Large frames", allreduce of 21.8 M
+/// elements): windows of 256 / 233 / 32 at MTU 1500 / 9000 / 65535 lost up
+/// to 1 % of the copies and took 1.53 / 0.58 / 0.24 s per call, 142 / 103 /
+/// 14 lose none and take 1.28 / 0.35–0.38 / 0.17–0.19 s; a reduce of 4 M
+/// elements at 1500 (one copy: 256) 0.17 s, where 128 took 0.23 s. At
+/// least 1.
 pub fn kernel_window(
     window: usize,
     slots: usize,
     per: usize,
     workers: usize,
+    result_copies: usize,
     datagram_bytes: usize,
 ) -> usize {
     let pool = crate::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
-    let workers = workers.max(1);
-    let share = (KERNEL_INFLIGHT_DATAGRAMS / workers)
-        .min(KERNEL_INFLIGHT_BYTES / workers / datagram_bytes.max(1))
+    let packets = workers.max(1) + result_copies;
+    let queued = (KERNEL_INFLIGHT_PACKETS / packets)
+        .min(KERNEL_INFLIGHT_BYTES / packets / datagram_bytes.max(1))
         .max(4);
-    window.min(slots).min(pool).min(share).max(1)
+    window.min(slots).min(pool).min(queued).max(1)
 }
 
 /// Bytes one sender may have in flight (unacknowledged datagrams), so that a
@@ -210,26 +215,28 @@ mod tests {
         assert_eq!(blocks_per_fragment(16370), 64);
         assert_eq!(blocks_per_fragment(256), 1);
         assert_eq!(blocks_per_fragment(257), 2);
-        // Kernel window: min(window, slots, 8192 / blocks, the share of
-        // 512 datagrams and 4 MiB in flight).
+        // Kernel window: min(window, slots, 8192 / blocks, what the node
+        // queues: 1280 packets and 8 MiB of contributions and RESULTs).
         let dgram = |per: usize| IP_UDP_HDR + crate::abi::AGG_HDR_LEN + 4 * per;
-        assert_eq!(kernel_window(256, 1024, 362, 1, dgram(362)), 256);
-        assert_eq!(kernel_window(1024, 4096, 362, 1, dgram(362)), 512);
-        assert_eq!(kernel_window(1024, 4096, 2237, 1, 1), 512);
-        assert_eq!(kernel_window(1024, 4096, 4000, 1, 1), 512);
-        assert_eq!(kernel_window(1024, 4096, 8000, 1, 1), 256);
-        assert_eq!(kernel_window(256, 4096, 16370, 1, 1), 128);
-        assert_eq!(kernel_window(256, 64, 16370, 1, 1), 64);
-        assert_eq!(kernel_window(0, 0, 16370, 1, 1), 1);
-        // Four workers (the benchmark's): 128 / 116 / 16 at 1500 / 9000 / 65535.
-        assert_eq!(kernel_window(256, 1024, 362, 4, dgram(362)), 128);
-        assert_eq!(kernel_window(256, 1024, 2237, 4, dgram(2237)), 116);
-        assert_eq!(kernel_window(256, 1024, 16370, 4, dgram(16370)), 16);
+        assert_eq!(kernel_window(256, 1024, 362, 1, 1, dgram(362)), 256);
+        assert_eq!(kernel_window(1024, 4096, 362, 1, 1, dgram(362)), 640);
+        assert_eq!(kernel_window(1024, 4096, 2237, 1, 1, 1), 640);
+        assert_eq!(kernel_window(1024, 4096, 4000, 1, 1, 1), 512);
+        assert_eq!(kernel_window(1024, 4096, 8000, 1, 1, 1), 256);
+        assert_eq!(kernel_window(256, 4096, 16370, 1, 1, 1), 128);
+        assert_eq!(kernel_window(256, 64, 16370, 1, 1, 1), 64);
+        assert_eq!(kernel_window(0, 0, 16370, 1, 1, 1), 1);
+        // Four workers (the benchmark's), allreduce (5 copies of each RESULT):
+        // 142 / 103 / 14 at 1500 / 9000 / 65535; reduce (1 copy): 256 / 186 / 25.
+        for (per, all, red) in [(362, 142, 256), (2237, 103, 186), (16370, 14, 25)] {
+            assert_eq!(kernel_window(256, 1024, per, 4, 5, dgram(per)), all, "{per}");
+            assert_eq!(kernel_window(256, 1024, per, 4, 1, dgram(per)), red, "{per}");
+        }
         // Many workers: at least 4 each.
-        assert_eq!(kernel_window(256, 1024, 16370, 64, dgram(16370)), 4);
+        assert_eq!(kernel_window(256, 1024, 16370, 64, 65, dgram(16370)), 4);
         for mtu in [576usize, 1500, 4000, 9000, 16000, 65535] {
             let per = elements_per_fragment(mtu);
-            let w = kernel_window(1024, 4096, per, 1, 1);
+            let w = kernel_window(1024, 4096, per, 1, 1, 1);
             assert!(
                 w * blocks_per_fragment(per) <= crate::abi::MAX_BLOCKS as usize,
                 "MTU {mtu}: pool exhausted"
