@@ -426,7 +426,7 @@ impl CommunicatorBuilder {
         // whose windows hold up to 910 fragments).
         let dgram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
         let mut rcv = (8usize << 20).max(256 * dgram);
-        if cfg.backend == BackendKind::Kernel {
+        if cfg.backend == BackendKind::Kernel || cfg.me == Participant::Aggregator {
             rcv = rcv.max(64 << 20);
         }
         set_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
@@ -2025,7 +2025,17 @@ impl Engine {
                 Participant::Aggregator => abi::RESULT_RANK,
             };
             let target = self.cfg.contrib_target();
-            while c.next < c.nfrags && self.agg_tx.can_send() {
+            // An allreduce worker stays within half the aggregator's slots
+            // of the first result it lacks. Every fragment below that one
+            // is complete, so all workers' fragments in flight fit the
+            // slots whatever the scheduler does: the socket aggregator
+            // acknowledges on arrival, and a worker favoured by it ran ahead
+            // of a slow one until the slots were full, then had its windows
+            // dropped and resent after timeouts (docs/RUNTIME.md, "Not done").
+            let ahead = st.bin.as_ref().map_or(usize::MAX, |b| {
+                b.cov.first_missing() + (self.cfg.slots as usize / 2).max(1)
+            });
+            while c.next < c.nfrags && c.next < ahead && self.agg_tx.can_send() {
                 let r = fragment_range(c.next, c.src.len(), self.per);
                 let mut hdr = AggHeader {
                     job,

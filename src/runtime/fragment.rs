@@ -118,6 +118,8 @@ pub struct Coverage {
     bits: Vec<u64>,
     total: usize,
     have: usize,
+    /// Every fragment below it arrived.
+    first_missing: usize,
 }
 
 impl Coverage {
@@ -132,6 +134,7 @@ impl Coverage {
         self.bits.resize(total.div_ceil(64), 0);
         self.total = total;
         self.have = 0;
+        self.first_missing = 0;
     }
 
     /// Marks fragment `i`; true when it was new (and in range).
@@ -145,7 +148,16 @@ impl Coverage {
         }
         self.bits[w] |= b;
         self.have += 1;
+        while self.first_missing < self.total && self.contains(self.first_missing) {
+            self.first_missing += 1;
+        }
         true
+    }
+
+    /// The lowest fragment index that has not arrived (`total` when every
+    /// one has).
+    pub fn first_missing(&self) -> usize {
+        self.first_missing
     }
 
     /// Whether fragment `i` arrived.
@@ -229,8 +241,16 @@ mod tests {
         // Four workers (the benchmark's), allreduce (5 copies of each RESULT):
         // 142 / 103 / 14 at 1500 / 9000 / 65535; reduce (1 copy): 256 / 186 / 25.
         for (per, all, red) in [(362, 142, 256), (2237, 103, 186), (16370, 14, 25)] {
-            assert_eq!(kernel_window(256, 1024, per, 4, 5, dgram(per)), all, "{per}");
-            assert_eq!(kernel_window(256, 1024, per, 4, 1, dgram(per)), red, "{per}");
+            assert_eq!(
+                kernel_window(256, 1024, per, 4, 5, dgram(per)),
+                all,
+                "{per}"
+            );
+            assert_eq!(
+                kernel_window(256, 1024, per, 4, 1, dgram(per)),
+                red,
+                "{per}"
+            );
         }
         // Many workers: at least 4 each.
         assert_eq!(kernel_window(256, 1024, 16370, 64, 65, dgram(16370)), 4);
@@ -262,5 +282,14 @@ mod tests {
         assert!(c.is_complete());
         c.reset(3);
         assert_eq!(c.missing().collect::<Vec<_>>(), vec![0, 1, 2]);
+        // The first missing one moves past what arrived in order.
+        assert_eq!(c.first_missing(), 0);
+        c.insert(1);
+        assert_eq!(c.first_missing(), 0);
+        c.insert(0);
+        assert_eq!(c.first_missing(), 2);
+        c.insert(2);
+        assert_eq!(c.first_missing(), 3);
+        assert!(c.is_complete());
     }
 }

@@ -9,7 +9,10 @@
 //!   limits the datagrams in flight to a window, retransmits only what is
 //!   missing and only to who misses it, with a timeout from
 //!   [`RttEstimator`] (Jacobson/Karels SRTT/RTTVAR, RFC 6298) that doubles on
-//!   every retransmission of the same datagram (exponential back-off). An
+//!   every retransmission of the same datagram (exponential back-off) and,
+//!   where ACK holes show losses, does not expire for a destination whose
+//!   ACKs keep acknowledging new datagrams (one RTO after the last, as RFC
+//!   6298 (5.3) restarts its timer on every ACK of new data). An
 //!   `AGK1` whose bitmap shows a hole below a received seq triggers a selective
 //!   retransmission of the hole at most once per smoothed RTT.
 //! - [`RecvTracker`]: the receiver side, one per sender. Classifies each
@@ -230,6 +233,9 @@ pub struct SendWindow {
     /// Whether a hole in an ACK's bitmap means this sender's datagram was
     /// lost (see [`SendWindow::set_holes_are_losses`]).
     holes_are_losses: bool,
+    /// Per destination, when its ACKs last acknowledged a datagram not
+    /// acknowledged before (see [`SendWindow::poll`]).
+    progress: Vec<Option<Instant>>,
 }
 
 impl SendWindow {
@@ -250,6 +256,7 @@ impl SendWindow {
             ndest: ndest.clamp(1, 64),
             window: cfg.window as usize,
             holes_are_losses: true,
+            progress: vec![None; ndest.clamp(1, 64)],
         }
     }
 
@@ -455,9 +462,13 @@ impl SendWindow {
         let e = &mut self.entries[i];
         if e.pending & bit != 0 {
             e.pending &= !bit;
+            let now = Instant::now();
             if e.retries == 0 && !e.reserved {
                 let sent = e.first_sent;
-                self.rtt.sample(Instant::now().saturating_duration_since(sent));
+                self.rtt.sample(now.saturating_duration_since(sent));
+            }
+            if let Some(p) = self.progress.get_mut(dest) {
+                *p = Some(now);
             }
         }
         self.retire();
@@ -533,6 +544,7 @@ impl SendWindow {
                 let e = &mut self.entries[i];
                 if e.pending & bit != 0 {
                     e.pending &= !bit;
+                    self.progress[dest] = Some(now);
                     if e.retries == 0 {
                         sample =
                             Some(sample.map_or(e.first_sent, |s: Instant| s.min(e.first_sent)));
@@ -567,28 +579,54 @@ impl SendWindow {
         self.retire();
     }
 
-    /// Retransmits every datagram whose timeout (`RTO * 2^retries`) expired,
-    /// to the destinations that have not acknowledged it. Returns when the
+    /// Retransmits every datagram whose timeout (`RTO * 2^retries` after it
+    /// was last sent) expired, to the destinations that have not
+    /// acknowledged it. Where ACK holes show losses
+    /// ([`SendWindow::set_holes_are_losses`]), not to a destination whose
+    /// ACKs acknowledged new datagrams less than one RTO ago: its datagrams
+    /// wait in its queue, and one it lost shows as a hole below what it
+    /// acknowledges, which [`SendWindow::on_ack`] resends. Returns when the
     /// next timeout is due, `None` when nothing is in flight.
     pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
+        let rto = self.rtt.rto();
+        // The destinations held (progress less than an RTO ago) and when the
+        // first hold ends.
+        let mut held = 0u64;
+        let mut hold_ends: Option<Instant> = None;
+        if self.holes_are_losses {
+            for (d, p) in self.progress.iter().enumerate() {
+                if let Some(end) = p.map(|p| p + rto).filter(|&end| end > now) {
+                    held |= 1 << d;
+                    hold_ends = Some(hold_ends.map_or(end, |h: Instant| h.min(end)));
+                }
+            }
+        }
         let mut next: Option<Instant> = None;
+        let mut merge = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
         for e in self.entries.iter_mut() {
             if e.pending == 0 {
                 continue;
             }
-            let mut due = e.last_sent + self.rtt.backoff(e.retries);
-            if due <= now {
-                for d in 0..self.ndest {
-                    if e.pending & (1 << d) != 0 {
-                        tx(d, &self.bufs[e.buf as usize]);
-                        self.stats.retransmitted += 1;
-                    }
-                }
-                e.retries = e.retries.saturating_add(1);
-                e.last_sent = now;
-                due = now + self.rtt.backoff(e.retries);
+            let due = e.last_sent + self.rtt.backoff(e.retries);
+            if due > now {
+                merge(due);
+                continue;
             }
-            next = Some(next.map_or(due, |n| n.min(due)));
+            let resend = e.pending & !held;
+            if resend == 0 {
+                // Due, but every destination owing it is making progress.
+                merge(hold_ends.unwrap_or(due));
+                continue;
+            }
+            for d in 0..self.ndest {
+                if resend & (1 << d) != 0 {
+                    tx(d, &self.bufs[e.buf as usize]);
+                    self.stats.retransmitted += 1;
+                }
+            }
+            e.retries = e.retries.saturating_add(1);
+            e.last_sent = now;
+            merge(now + self.rtt.backoff(e.retries));
         }
         next
     }
@@ -811,7 +849,11 @@ impl RecvTracker {
     /// The ACKs of groups with arrivals waiting since `ack_delay` before
     /// `now` (every group with arrivals when `now` is `None`); returns when
     /// the next one is due.
-    fn emit_pending(&mut self, now: Option<Instant>, emit: &mut impl FnMut(&SeqBitmap)) -> Option<Instant> {
+    fn emit_pending(
+        &mut self,
+        now: Option<Instant>,
+        emit: &mut impl FnMut(&SeqBitmap),
+    ) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         for g in self.groups.iter_mut() {
             if let Some(t) = g.first_unacked {
@@ -907,8 +949,13 @@ mod tests {
             Ok(())
         };
         for k in 0..4u32 {
-            w.send(1, t0 + Duration::from_millis(k as u64), build, &mut |_, _| {})
-                .unwrap();
+            w.send(
+                1,
+                t0 + Duration::from_millis(k as u64),
+                build,
+                &mut |_, _| {},
+            )
+            .unwrap();
         }
         // 100 times out (initial RTO 20 ms) and is resent: no sample from it.
         w.poll(t0 + Duration::from_micros(20_500), &mut |_, _| {});
@@ -921,6 +968,64 @@ mod tests {
         assert!(w.is_idle());
         // 101 was sent at t0 + 1 ms: 26 ms; 103 (the newest) would be 24 ms.
         assert_eq!(w.rtt().srtt(), Some(Duration::from_millis(26)));
+    }
+
+    #[test]
+    fn a_destination_acknowledging_new_datagrams_is_not_timed_out() {
+        // Two destinations; 100..104 sent at t0. Dest 0 acknowledges 100 at
+        // 10 ms and 101 at 20 ms, dest 1 nothing: one RTO after t0 only dest
+        // 1 gets the datagrams again; dest 0 gets 102 and 103 only once its
+        // ACKs have stopped for an RTO.
+        let c = cfg(AckMode::Group, 1024, 8);
+        let mut w = SendWindow::new(c, 2, 100);
+        let t0 = Instant::now();
+        let build = |s: u32, b: &mut Vec<u8>| -> Result<(), ()> {
+            b.extend_from_slice(&s.to_be_bytes());
+            Ok(())
+        };
+        for _ in 0..4 {
+            w.send(0b11, t0, build, &mut |_, _| {}).unwrap();
+        }
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        let mut acked = SeqBitmap::new(100, 4).unwrap();
+        for (k, t) in [(100u32, 10u64), (101, 20)] {
+            acked.set(k);
+            w.on_ack(0, &acked, ms(t), &mut |_, _| {
+                panic!("no hole below what dest 0 has")
+            });
+        }
+        let rto = w.rtt().rto();
+        let mut resent = Vec::new();
+        let mut note =
+            |d: usize, b: &[u8]| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        let p1 = t0 + rto + Duration::from_millis(1); // before ms(20) + rto
+        w.poll(p1, &mut note);
+        assert_eq!(resent, vec![(1, 100), (1, 101), (1, 102), (1, 103)]);
+        resent.clear();
+        // Dest 0 is quiet since 20 ms; the resends of p1 are due at p1 + 2 RTO.
+        let mut note =
+            |d: usize, b: &[u8]| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        w.poll(p1 + 2 * rto + Duration::from_millis(1), &mut note);
+        assert_eq!(
+            resent,
+            vec![(1, 100), (1, 101), (0, 102), (1, 102), (0, 103), (1, 103)]
+        );
+        // Without loss-showing holes (a worker of either backend), no hold.
+        let mut w = SendWindow::new(c, 1, 100);
+        w.set_holes_are_losses(false);
+        for _ in 0..2 {
+            w.send(1, t0, build, &mut |_, _| {}).unwrap();
+        }
+        let mut one = SeqBitmap::new(100, 1).unwrap();
+        one.set(100);
+        w.on_ack(0, &one, ms(19), &mut |_, _| {});
+        let mut n = 0;
+        // Due at t0 + RTO; a hold would last until 19 ms + RTO.
+        w.poll(
+            t0 + w.rtt().rto() + Duration::from_millis(1),
+            &mut |_, _| n += 1,
+        );
+        assert_eq!(n, 1, "101 is resent at its own timeout");
     }
 
     #[test]
