@@ -1236,10 +1236,17 @@ impl Engine {
                     allreduce: of(workers + 1),
                 }
             }
-            BackendKind::Socket => ContribWindows {
-                reduce: window,
-                allreduce: window,
-            },
+            // A fragment in flight holds one of the socket aggregator's
+            // slots until every worker's contribution to it arrived: more in
+            // flight than slots is dropped unacknowledged, and resent after
+            // timeouts that double every time it is dropped again.
+            BackendKind::Socket => {
+                let w = window.min(cfg.slots.max(1) as usize);
+                ContribWindows {
+                    reduce: w,
+                    allreduce: w,
+                }
+            }
         };
         agg_tx.set_window(agg_windows.reduce);
         // The kernel's results acknowledge contributions; their holes are
