@@ -522,9 +522,9 @@ impl SendWindow {
     /// group ACK goes out up to `ack_delay` after the first arrival it
     /// covers, after the receiver drained its queue, and the newest sample
     /// left the RTO below what the oldest waited, so that 6–8 % of a kernel
-    /// allreduce's results were resent as duplicates), and retransmits (to `dest` only) the holes
-    /// below its highest received seq that have been in flight longer than
-    /// the smoothed RTT.
+    /// allreduce's results were resent as duplicates), and retransmits (to
+    /// `dest` only) the holes below its highest received seq that have been
+    /// in flight longer than the smoothed RTT.
     pub fn on_ack(
         &mut self,
         dest: usize,
