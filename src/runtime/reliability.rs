@@ -936,37 +936,46 @@ mod tests {
         assert_eq!(r.backoff(30), Duration::from_secs(1));
     }
 
+    /// `SendWindow::send`'s build for tests: a datagram holding its seq.
+    fn seq_datagram(seq: u32, buf: &mut Vec<u8>) -> Result<(), ()> {
+        buf.extend_from_slice(&seq.to_be_bytes());
+        Ok(())
+    }
+
+    /// `(destination, seq)` of every datagram a poll at `at` resends.
+    fn resent_at(w: &mut SendWindow, at: Instant) -> Vec<(usize, u32)> {
+        let mut out = Vec::new();
+        w.poll(at, &mut |d, b| {
+            out.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
+        out
+    }
+
     #[test]
     fn a_group_ack_samples_its_oldest_datagram() {
-        // Three datagrams sent 1 ms apart, acknowledged by one bitmap 1 ms
-        // after the last: the sample is what the first waited (3 ms), not
-        // the last (1 ms), and a datagram resent before (Karn) is skipped.
+        // 100..104 sent 1 ms apart, 100 resent on a timeout, then one bitmap
+        // acknowledges all four: the sample is what the oldest datagram sent
+        // once (101) waited, not the newest (103), and the resent 100 gives
+        // none (Karn).
         let c = cfg(AckMode::Group, 1024, 8);
         let mut w = SendWindow::new(c, 1, 100);
         let t0 = Instant::now();
-        let build = |s: u32, b: &mut Vec<u8>| -> Result<(), ()> {
-            b.extend_from_slice(&s.to_be_bytes());
-            Ok(())
-        };
-        for k in 0..4u32 {
-            w.send(
-                1,
-                t0 + Duration::from_millis(k as u64),
-                build,
-                &mut |_, _| {},
-            )
-            .unwrap();
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        for k in 0..4 {
+            w.send(1, ms(k), seq_datagram, &mut |_, _| {}).unwrap();
         }
-        // 100 times out (initial RTO 20 ms) and is resent: no sample from it.
-        w.poll(t0 + Duration::from_micros(20_500), &mut |_, _| {});
-        assert_eq!(w.stats().retransmitted, 1);
+        // Initial RTO 20 ms: only 100 is due.
+        assert_eq!(
+            resent_at(&mut w, t0 + Duration::from_micros(20_500)),
+            vec![(0, 100)]
+        );
         let mut bm = SeqBitmap::new(100, 4).unwrap();
         for s in 100..104 {
             bm.set(s);
         }
-        w.on_ack(0, &bm, t0 + Duration::from_millis(27), &mut |_, _| {});
+        w.on_ack(0, &bm, ms(27), &mut |_, _| {});
         assert!(w.is_idle());
-        // 101 was sent at t0 + 1 ms: 26 ms; 103 (the newest) would be 24 ms.
+        // 101 was sent at 1 ms: 26 ms; 103 (the newest) would give 24 ms.
         assert_eq!(w.rtt().srtt(), Some(Duration::from_millis(26)));
     }
 
@@ -979,14 +988,10 @@ mod tests {
         let c = cfg(AckMode::Group, 1024, 8);
         let mut w = SendWindow::new(c, 2, 100);
         let t0 = Instant::now();
-        let build = |s: u32, b: &mut Vec<u8>| -> Result<(), ()> {
-            b.extend_from_slice(&s.to_be_bytes());
-            Ok(())
-        };
-        for _ in 0..4 {
-            w.send(0b11, t0, build, &mut |_, _| {}).unwrap();
-        }
         let ms = |m: u64| t0 + Duration::from_millis(m);
+        for _ in 0..4 {
+            w.send(0b11, t0, seq_datagram, &mut |_, _| {}).unwrap();
+        }
         let mut acked = SeqBitmap::new(100, 4).unwrap();
         for (k, t) in [(100u32, 10u64), (101, 20)] {
             acked.set(k);
@@ -995,37 +1000,28 @@ mod tests {
             });
         }
         let rto = w.rtt().rto();
-        let mut resent = Vec::new();
-        let mut note =
-            |d: usize, b: &[u8]| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
         let p1 = t0 + rto + Duration::from_millis(1); // before ms(20) + rto
-        w.poll(p1, &mut note);
-        assert_eq!(resent, vec![(1, 100), (1, 101), (1, 102), (1, 103)]);
-        resent.clear();
-        // Dest 0 is quiet since 20 ms; the resends of p1 are due at p1 + 2 RTO.
-        let mut note =
-            |d: usize, b: &[u8]| resent.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
-        w.poll(p1 + 2 * rto + Duration::from_millis(1), &mut note);
         assert_eq!(
-            resent,
+            resent_at(&mut w, p1),
+            vec![(1, 100), (1, 101), (1, 102), (1, 103)]
+        );
+        // Dest 0 is quiet since 20 ms; the resends of p1 are due at p1 + 2 RTO.
+        assert_eq!(
+            resent_at(&mut w, p1 + 2 * rto + Duration::from_millis(1)),
             vec![(1, 100), (1, 101), (0, 102), (1, 102), (0, 103), (1, 103)]
         );
-        // Without loss-showing holes (a worker of either backend), no hold.
+        // Where holes are not losses (a kernel-backend worker), no hold.
         let mut w = SendWindow::new(c, 1, 100);
         w.set_holes_are_losses(false);
         for _ in 0..2 {
-            w.send(1, t0, build, &mut |_, _| {}).unwrap();
+            w.send(1, t0, seq_datagram, &mut |_, _| {}).unwrap();
         }
         let mut one = SeqBitmap::new(100, 1).unwrap();
         one.set(100);
         w.on_ack(0, &one, ms(19), &mut |_, _| {});
-        let mut n = 0;
-        // Due at t0 + RTO; a hold would last until 19 ms + RTO.
-        w.poll(
-            t0 + w.rtt().rto() + Duration::from_millis(1),
-            &mut |_, _| n += 1,
-        );
-        assert_eq!(n, 1, "101 is resent at its own timeout");
+        // 101 is due at t0 + RTO; a hold would last until 19 ms + RTO.
+        let due = t0 + w.rtt().rto() + Duration::from_millis(1);
+        assert_eq!(resent_at(&mut w, due), vec![(0, 101)]);
     }
 
     #[test]
