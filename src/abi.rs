@@ -19,6 +19,9 @@ pub const AGG_F_RESULT: u8 = 0x02;
 pub const AGG_F_OVERFLOW: u8 = 0x04;
 pub const AGG_F_FLOAT32: u8 = 0x08;
 pub const AGG_F_KNOWN: u8 = 0x0f;
+/// Contribution flags a slot's RESULT carries when any contribution had
+/// them: LAST_FRAGMENT and OVERFLOW (a clamped input).
+pub const AGG_F_CARRIED: u8 = AGG_F_LAST_FRAGMENT | AGG_F_OVERFLOW;
 
 pub const RESULT_RANK: u16 = 0xffff;
 

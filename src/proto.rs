@@ -451,6 +451,9 @@ pub fn write_agg_header(hdr: &AggHeader, out: &mut Vec<u8>) {
     out.extend_from_slice(&agg_header_bytes(hdr));
 }
 
+/// Offset of the `flags` byte in an AGG1 header.
+pub const AGG_FLAGS_OFF: usize = 21;
+
 /// The 24 wire bytes of `hdr` (no validation).
 pub fn agg_header_bytes(hdr: &AggHeader) -> [u8; abi::AGG_HDR_LEN] {
     let mut b = [0u8; abi::AGG_HDR_LEN];
@@ -461,7 +464,7 @@ pub fn agg_header_bytes(hdr: &AggHeader) -> [u8; abi::AGG_HDR_LEN] {
     b[12..16].copy_from_slice(&hdr.round.to_be_bytes());
     b[16..20].copy_from_slice(&hdr.frag_off.to_be_bytes());
     b[20] = hdr.op as u8;
-    b[21] = hdr.flags;
+    b[AGG_FLAGS_OFF] = hdr.flags;
     b[22..24].copy_from_slice(&hdr.count.to_be_bytes());
     b
 }

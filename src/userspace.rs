@@ -213,7 +213,9 @@ struct Slot {
     acc: Accumulator,
     bitmap: [u64; 4],
     done: u16,
-    last: bool,
+    /// OR of the contributions' `AGG_F_CARRIED` flags (LAST_FRAGMENT, a
+    /// clamped input's OVERFLOW), as the kernel's slot.
+    carried: u8,
     first_at: Instant,
     /// The kernel recorded this slot in `slot_owner`: completion writes its
     /// `completed` marker and removes the record.
@@ -355,7 +357,7 @@ impl Worker {
                     acc,
                     bitmap: [0; 4],
                     done: 0,
-                    last: false,
+                    carried: 0,
                     first_at: Instant::now(),
                     kernel_owned_record: kernel_record,
                 },
@@ -379,7 +381,7 @@ impl Worker {
             .map_err(|_| DropReason::SlotMismatch)?;
         slot.bitmap[word] |= bit;
         slot.done += 1;
-        slot.last |= hdr.is_last_fragment();
+        slot.carried |= hdr.flags & abi::AGG_F_CARRIED;
         self.local.accepted += 1;
         if slot.done < workers {
             return Ok(());
@@ -397,10 +399,7 @@ impl Worker {
         };
         let seq = rt.result_seq;
         rt.result_seq = rt.result_seq.wrapping_add(1);
-        let mut flags = abi::AGG_F_RESULT | res.flags();
-        if slot.last {
-            flags |= abi::AGG_F_LAST_FRAGMENT;
-        }
+        let flags = abi::AGG_F_RESULT | res.flags() | slot.carried;
         let out_hdr = proto::AggHeader {
             job: hdr.job,
             rank: abi::RESULT_RANK,

@@ -20,6 +20,7 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_AGG_F_OVERFLOW".into(), abi::AGG_F_OVERFLOW as i64),
         ("AGGBOX_AGG_F_FLOAT32".into(), abi::AGG_F_FLOAT32 as i64),
         ("AGGBOX_AGG_F_KNOWN".into(), abi::AGG_F_KNOWN as i64),
+        ("AGGBOX_AGG_F_CARRIED".into(), abi::AGG_F_CARRIED as i64),
         ("AGGBOX_RESULT_RANK".into(), abi::RESULT_RANK as i64),
         ("AGGBOX_BCAST_F_FORWARD".into(), abi::BCAST_F_FORWARD as i64),
         ("AGGBOX_BCAST_F_KNOWN".into(), abi::BCAST_F_KNOWN as i64),

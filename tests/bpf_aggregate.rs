@@ -302,6 +302,41 @@ fn slot_mismatch_and_retransmission_before_completion() {
     );
 }
 
+/// OVERFLOW on a contribution (a clamped input: a subtree's clamped result
+/// or a float its sender clamped when quantizing) is carried into the
+/// RESULT like LAST_FRAGMENT, whichever rank brings it and although the sum
+/// itself fits; a slot without it gets a RESULT without it.
+#[test]
+fn overflow_on_a_contribution_is_carried_into_the_result() {
+    let dp = load();
+    dp.set_job(JOB, &job(3, 0)).unwrap();
+    for (frag, carrier) in [(0u32, 0u16), (1000, 1), (2000, 2)] {
+        // 600 elements: three 256-element blocks, so the early per-block
+        // result path and the result stage both run.
+        let mut outs = Vec::new();
+        for r in 0..3u16 {
+            let v = if r == 0 { i32::MAX } else { -1 };
+            let mut a = contrib(r, 9, frag, vec![v; 600]);
+            if r == carrier {
+                a.flags = abi::AGG_F_OVERFLOW;
+            }
+            outs.push(send(&dp, &a));
+        }
+        let (v, d, out) = outs.pop().unwrap();
+        assert_eq!((v, d), (XDP_PASS, one("result")), "carrier {carrier}");
+        assert_eq!(out[PAYLOAD_OFF + 21], abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW, "carrier {carrier}");
+        assert_eq!(out[PAYLOAD_OFF + 24..PAYLOAD_OFF + 28], (i32::MAX - 2).to_be_bytes());
+    }
+    // The same sums without the flag: no OVERFLOW.
+    for r in 0..3u16 {
+        let v = if r == 0 { i32::MAX } else { -1 };
+        let (_, _, out) = send(&dp, &contrib(r, 9, 3000, vec![v; 600]));
+        if r == 2 {
+            assert_eq!(out[PAYLOAD_OFF + 21], abi::AGG_F_RESULT);
+        }
+    }
+}
+
 #[test]
 fn weighted_avg_truncates_toward_zero_and_clamps() {
     let dp = load();

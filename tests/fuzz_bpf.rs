@@ -192,7 +192,8 @@ struct MSlot {
     count: u16,
     bitmap: [u64; 4],
     done: u16,
-    last: bool,
+    /// OR of the contributions' AGG_F_CARRIED flags.
+    carried: u8,
     contribs: Vec<(Vec<i32>, i32)>,
     /// Every accepted contribution was a genuine one of the valid traffic.
     genuine: bool,
@@ -378,7 +379,7 @@ impl Model {
                     count,
                     bitmap: [0; 4],
                     done: 0,
-                    last: false,
+                    carried: 0,
                     contribs: Vec::new(),
                     genuine: true,
                 },
@@ -393,7 +394,7 @@ impl Model {
             return Expect::drop(D::Retransmission, bytes);
         }
         slot.bitmap[w] |= 1 << b;
-        slot.last |= flags & abi::AGG_F_LAST_FRAGMENT != 0;
+        slot.carried |= flags & abi::AGG_F_CARRIED;
         slot.genuine &= genuine;
         let mut vals = vec![0i32; count as usize];
         proto::read_i32_be(&f[p + 24..p + 24 + 4 * count as usize], &mut vals);
@@ -426,7 +427,7 @@ impl Model {
         out[u + 6..u + 8].copy_from_slice(&[0, 0]);
         out[p + 6..p + 8].copy_from_slice(&abi::RESULT_RANK.to_be_bytes());
         out[p + 8..p + 12].copy_from_slice(&seq.to_be_bytes());
-        out[p + 21] = abi::AGG_F_RESULT | if slot.last { abi::AGG_F_LAST_FRAGMENT } else { 0 } | res.flags();
+        out[p + 21] = abi::AGG_F_RESULT | slot.carried | res.flags();
         let mut payload = Vec::new();
         res.write_be(&mut payload);
         out[p + 24..p + 24 + payload.len()].copy_from_slice(&payload);
@@ -506,6 +507,11 @@ impl Traffic {
                     agg.frag_off = frag_off;
                     if i + 1 == frags.len() {
                         agg.flags = abi::AGG_F_LAST_FRAGMENT;
+                    }
+                    // A clamped input now and then (a subtree's clamped
+                    // result): the RESULT must carry OVERFLOW.
+                    if rng.chance(1, 16) {
+                        agg.flags |= abi::AGG_F_OVERFLOW;
                     }
                     self.pending.push(Valid {
                         agg,

@@ -221,6 +221,21 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
         let expected = expected.ints().expect("integer result").to_vec();
         expect_results(&format!("round {round} ({op:?}): root's result port"), &root_results, ROOT_JOB, &expected);
     }
+    // Round 4: leaf 0's sum leaves int32 (clamped to INT32_MAX, OVERFLOW),
+    // leaf 1's is exactly INT32_MIN; the root's sum of the two, −1, fits,
+    // but depends on a clamped input: the root's RESULT carries the
+    // OVERFLOW of leaf 0's contribution.
+    for (l, hosts) in leaf_workers.iter().enumerate() {
+        let to = SocketAddrV4::new(leaves[l].addr, LEAF_PORT);
+        for (rank, &h) in hosts.iter().enumerate() {
+            let v = if l == 0 { i32::MAX } else { -(1 << 30) };
+            contribute(&tb.host(h).netns, to, LEAF_JOB, rank as u16, 4, Op::Sum, vec![v; ELEMENTS as usize]);
+        }
+    }
+    let got = tools::collect_results(&root_results, ROOT_JOB, ELEMENTS, Duration::from_secs(5)).expect("collect results");
+    assert!(got.missing.is_empty(), "round 4: missing {:?}", got.missing);
+    assert_eq!(got.values, vec![-1; ELEMENTS as usize], "round 4: the sum of the clamped inputs");
+    assert!(got.overflow, "round 4: a subtree's OVERFLOW reaches the root's RESULT");
     for (l, s) in leaf_locals.iter().enumerate() {
         s.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
         let mut buf = [0u8; 2048];
@@ -228,7 +243,7 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
     }
     for (l, attach) in leaf_attach.iter().enumerate() {
         let st = attach.broadcast_counts();
-        assert_eq!(count(&st, BcastStat::ResultUpstream), 3 * fragments() as u64, "leaf {l}: {st:?}");
+        assert_eq!(count(&st, BcastStat::ResultUpstream), 4 * fragments() as u64, "leaf {l}: {st:?}");
         assert_eq!(count(&st, BcastStat::FibError) + count(&st, BcastStat::RewriteFailed), 0, "leaf {l}: {st:?}");
     }
     drop(leaf_attach);

@@ -297,6 +297,9 @@ fn every_userspace_op_matches_the_reference_reducer() {
         (Op::Count, true),
         (Op::Prod, true),
     ];
+    // Rank 1's contribution to the middle integer fragment is a clamped
+    // input (OVERFLOW): the RESULT carries it, as the kernel's does.
+    let clamped_input = |float: bool, f: u32, r: usize| !float && f == 1 && r == 1;
     let weights = vec![1, 2, 3];
     let jobs: Vec<JobConfig> = (0..cases.len())
         .map(|i| JobConfig {
@@ -324,7 +327,8 @@ fn every_userspace_op_matches_the_reference_reducer() {
                     frag_off,
                     op,
                     flags: if float { abi::AGG_F_FLOAT32 } else { 0 }
-                        | if f == FRAGS - 1 { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+                        | if f == FRAGS - 1 { abi::AGG_F_LAST_FRAGMENT } else { 0 }
+                        | if clamped_input(float, f, r) { abi::AGG_F_OVERFLOW } else { 0 },
                     count: COUNT,
                 };
                 let mut d = Vec::new();
@@ -365,6 +369,9 @@ fn every_userspace_op_matches_the_reference_reducer() {
             let mut flags = abi::AGG_F_RESULT | res.flags();
             if f == FRAGS - 1 {
                 flags |= abi::AGG_F_LAST_FRAGMENT;
+            }
+            if (0..WORKERS).any(|r| clamped_input(float, f, r)) {
+                flags |= abi::AGG_F_OVERFLOW;
             }
             want.insert((5u32, frag_off), (flags, payload));
         }

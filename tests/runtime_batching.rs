@@ -783,6 +783,14 @@ fn quantize_and_fragment_throughput() {
         }
         sink = sink.wrapping_add(z[0].to_bits() as u64);
     });
+    // The passes over the whole input before the fragments: check_finite
+    // (fixed scale) and max_abs (adaptive scale).
+    let t_fin = best(&mut || {
+        sink = sink.wrapping_add(quantize::check_finite(&x).is_ok() as u64);
+    });
+    let t_max = best(&mut || {
+        sink = sink.wrapping_add(quantize::max_abs(&x).unwrap().to_bits() as u64);
+    });
     let xi: Vec<i32> = x.iter().map(|v| (v * 1e6) as i32).collect();
     let t_ie = best(&mut || {
         for chunk in xi.chunks(per) {
@@ -817,6 +825,12 @@ fn quantize_and_fragment_throughput() {
         gb / t_q,
         gb / t_dq,
         gb / t_copy
+    );
+    eprintln!(
+        "{LEN} floats ({:.1} MB): check_finite {:.2} GB/s, max_abs {:.2} GB/s (read only) [{sink}]",
+        gb * 1e3,
+        gb / t_fin,
+        gb / t_max
     );
 }
 

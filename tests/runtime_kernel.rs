@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::abi::{BcastStat, Op};
 use aggbox::config::Config;
-use aggbox::runtime::{BackendKind, CommStats, Communicator, CommunicatorBuilder, Participant};
+use aggbox::runtime::{BackendKind, CommError, CommStats, Communicator, CommunicatorBuilder, Participant};
 use aggbox::testbed::{Testbed, TestbedConfig};
 
 const WORKERS: usize = 3;
@@ -198,6 +198,39 @@ fn kernel_backend_live_attach_burst_and_packet_mode() {
         reduce(&bed, Op::Sum, 400_000, true);
     });
     reduce(&bed, Op::Sum, 1000, true);
+    clamped_float_input_is_an_overflow(&bed);
+}
+
+/// The default fixed scale (1e8) clamps worker 0's 30.0 and worker 1's
+/// −29.5 while their sum fits: the workers flag those contributions
+/// OVERFLOW, the XDP program carries it into the RESULT, so every
+/// participant fails instead of returning the sum of the clamped values.
+fn clamped_float_input_is_an_overflow(bed: &Bed) {
+    let len = 5000;
+    let outs = std::thread::scope(|s| {
+        let hs: Vec<_> = bed
+            .all()
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                s.spawn(move || {
+                    let mut x = vec![0.25f32; len];
+                    x[len / 2] = match i {
+                        1 => 30.0,
+                        2 => -29.5,
+                        _ => 0.0,
+                    };
+                    c.allreduce_f32(&mut x, false).map(|_| x[len / 2])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (i, o) in outs.iter().enumerate() {
+        assert!(matches!(o, Err(CommError::Overflow { .. })), "participant {i}: {o:?}");
+    }
+    // The next call is unaffected.
+    reduce(bed, Op::Sum, 1000, true);
 }
 
 /// An allreduce of more result fragments than the workers' ACK trackers hold

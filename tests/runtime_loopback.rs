@@ -208,6 +208,52 @@ fn runtime_loopback_fixed_scale_overflow_is_an_error() {
     }
 }
 
+/// A worker whose floats clamp when quantized (30 · 1e8 > 2^31 − 1) while
+/// the sum fits (30 − 29.5): the sum of the clamped values is a number
+/// (−0.5) but a wrong one. The clamping worker flags its contribution
+/// OVERFLOW, the aggregator carries it into the RESULT, so every
+/// participant fails with Fixed, and FixedOrAdaptive reruns and returns 0.5.
+#[test]
+fn runtime_loopback_clamped_input_is_an_overflow_not_a_wrong_sum() {
+    let len = 3000;
+    let input = |r: usize| {
+        let mut x = vec![0.25f32; len];
+        x[len - 1] = if r == 0 { 30.0 } else { -29.5 };
+        x
+    };
+    let run = |j: &Job| {
+        std::thread::scope(|s| {
+            let a = s.spawn(|| {
+                let mut o = vec![0f32; len];
+                j.agg.allreduce_f32(&mut o, false).map(|_| o)
+            });
+            let hs: Vec<_> = j
+                .workers
+                .iter()
+                .enumerate()
+                .map(|(r, w)| {
+                    s.spawn(move || {
+                        let mut x = input(r);
+                        w.allreduce_f32(&mut x, false).map(|_| x)
+                    })
+                })
+                .collect();
+            let mut v = vec![a.join().unwrap()];
+            v.extend(hs.into_iter().map(|h| h.join().unwrap()));
+            v
+        })
+    };
+    for o in run(&job(2, |b| b.quantization(Quantization::Fixed(1e8)))) {
+        let last = o.as_ref().map(|v| v[len - 1]);
+        assert!(matches!(o, Err(CommError::Overflow { .. })), "{last:?}");
+    }
+    for o in run(&job(2, |b| b.quantization(Quantization::FixedOrAdaptive(1e8)))) {
+        let o = o.unwrap();
+        assert_eq!(o[..len - 1], vec![0.5f32; len - 1][..]);
+        assert!((o[len - 1] - 0.5).abs() < 1e-6, "{}", o[len - 1]);
+    }
+}
+
 #[test]
 fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
     let j = job(3, |b| b);

@@ -46,6 +46,11 @@ enum aggbox_op {
 #define AGGBOX_AGG_F_OVERFLOW      0x04
 #define AGGBOX_AGG_F_FLOAT32       0x08
 #define AGGBOX_AGG_F_KNOWN         0x0f /* any other bit set: invalid */
+/* Contribution flags a slot's RESULT carries when any contribution had them:
+ * the last fragment, and OVERFLOW (a clamped input: a subtree's clamped
+ * result, or a float the sender clamped when quantizing), so a RESULT that
+ * depends on a clamped value says so (docs/PROTOCOL.md, "Differences"). */
+#define AGGBOX_AGG_F_CARRIED       (AGGBOX_AGG_F_LAST_FRAGMENT | AGGBOX_AGG_F_OVERFLOW)
 
 /* AGG1 `rank` of a RESULT datagram */
 #define AGGBOX_RESULT_RANK 0xffff

@@ -802,7 +802,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 	} else {
 		slot->b.bitmap[word] |= bit;
 		slot->b.claimed++;
-		slot->b.flags |= s->flags & AGGBOX_AGG_F_LAST_FRAGMENT;
+		slot->b.flags |= s->flags & AGGBOX_AGG_F_CARRIED;
 		__builtin_memcpy(s->block, slot->b.block, sizeof(s->block));
 		code = AGGBOX_OUTCOME_ACCEPTED;
 	}
@@ -1126,7 +1126,7 @@ static __always_inline int slot_done(struct aggbox_scratch *s)
 	} else {
 		slot->b.done++;
 		code = slot->b.done == slot->b.workers ? AGGBOX_OUTCOME_RESULT : AGGBOX_OUTCOME_ACCEPTED;
-		s->result_flags = AGGBOX_AGG_F_RESULT | (slot->b.flags & AGGBOX_AGG_F_LAST_FRAGMENT);
+		s->result_flags = AGGBOX_AGG_F_RESULT | (slot->b.flags & AGGBOX_AGG_F_CARRIED);
 		s->weight_sum = slot->b.weight_sum;
 	}
 	bpf_spin_unlock(&slot->lock);

@@ -29,7 +29,7 @@ struct aggbox_slot_body {
 	__u16 claimed;              /* ranks whose bit is set */
 	__u16 done;                 /* contributions fully added (all chunks) */
 	__u8  op;                   /* op of the first contribution */
-	__u8  flags;                /* OR of the contributions' LAST_FRAGMENT */
+	__u8  flags;                /* OR of the contributions' AGGBOX_AGG_F_CARRIED */
 	__u16 count;                /* count of the first contribution */
 	__u16 pad;
 	__u32 weight_sum;           /* AVG divisor, from the job at creation */

@@ -2080,8 +2080,16 @@ impl Engine {
                                 // one does (results land only in fragments
                                 // already sent, and not now).
                                 let xs = unsafe { x.slice() };
+                                let at = buf.len();
                                 proto::write_agg_header(&hdr, buf);
-                                quantize::quantize_be_into(&xs[r], *scale, buf);
+                                if quantize::quantize_be_into(&xs[r], *scale, buf) {
+                                    // A clamped value: the aggregator carries
+                                    // OVERFLOW into the RESULT, so every
+                                    // participant fails (Fixed) or reruns
+                                    // (FixedOrAdaptive) instead of returning a
+                                    // sum of clamped values.
+                                    buf[at + proto::AGG_FLAGS_OFF] |= abi::AGG_F_OVERFLOW;
+                                }
                                 Ok(())
                             }
                             Src::Len(_) => proto::encode_agg_into(&hdr, &[], buf),

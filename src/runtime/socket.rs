@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
+use crate::abi;
 use crate::proto::AggHeader;
 use crate::reducer::{Accumulator, ReduceValues};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
@@ -199,10 +200,13 @@ impl SocketAggregator {
         }
         s.ranks[w] |= b;
         s.contributors += 1;
+        // A clamped input (OVERFLOW on a contribution) makes the result
+        // inexact too, as at the kernel aggregator.
+        s.overflow |= hdr.flags & abi::AGG_F_OVERFLOW != 0;
         self.stats.added += 1;
         if s.contributors == self.workers {
             if let Ok(res) = s.acc.finish() {
-                s.overflow = res.overflow;
+                s.overflow |= res.overflow;
                 s.result.clear();
                 match res.values {
                     ReduceValues::Int(v) => s.result.extend_from_slice(&v),
