@@ -215,6 +215,41 @@ def large(d):
     save(fig, d, os.path.join("large", "large.png"))
 
 
+def edge(d):
+    """`aggbox bench edge`: each pass over the vector as a multiple of memcpy."""
+    e = load(d, "edge.json")
+    if not e or not e.get("passes"):
+        return
+    names = []
+    for p in e["passes"]:
+        if p["name"] not in names:
+            names.append(p["name"])
+    pers = sorted(set(p["per_datagram"] for p in e["passes"] if p["per_datagram"]))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / max(1, len(pers))
+    whole = [(j, p["vs_memcpy"]) for j, n in enumerate(names) for p in e["passes"]
+             if p["name"] == n and p["per_datagram"] == 0]
+    if whole:
+        ax.bar([j for j, _ in whole], [y for _, y in whole], width, color="tab:gray", label="whole vector")
+    for i, per in enumerate(pers):
+        xs, ys = [], []
+        for j, n in enumerate(names):
+            p = next((p for p in e["passes"] if p["name"] == n and p["per_datagram"] == per), None)
+            if p is None:
+                continue
+            xs.append(j + (i - (len(pers) - 1) / 2) * width)
+            ys.append(p["vs_memcpy"])
+        ax.bar(xs, ys, width, label=f"{per} elements/datagram")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("throughput / memcpy's")
+    ax.set_title(f"Runtime passes over {e['elements']:,} elements (memcpy {e['memcpy_gb_per_s']:.1f} GB/s)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    save(fig, d, "edge.png")
+
+
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "results"
     agg(d)
@@ -227,6 +262,7 @@ def main():
     training(d)
     model(d)
     large(d)
+    edge(d)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,8 @@
 //! - `allreduce_i32_allocates_nothing_per_call_after_warm_up` (no root): the
 //!   same for the blocking `allreduce_i32` / `reduce_i32` (the caller's slice
 //!   lent to the engine), results exact.
-//! - `quantize_and_fragment_throughput` (no root): prints GB/s of the
-//!   quantize+encode path and of the int32 big-endian encode / decode
-//!   against a plain memory copy (nothing asserted).
+//! (The speed of quantize + encode and the other passes over the vector,
+//! against memcpy, is `aggbox bench edge`: src/bench/edge.rs.)
 //!
 //! The tests of this file run one at a time (`SERIAL`), so that the
 //! allocation counts see only their own calls.
@@ -42,7 +41,6 @@ use aggbox::proto::{self, AggHeader};
 use aggbox::runtime::fragment::{
     blocks_per_fragment, elements_per_fragment, kernel_window, IP_UDP_HDR,
 };
-use aggbox::runtime::quantize;
 use aggbox::runtime::transport::{Transport, UdpTransport};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
 use aggbox::testbed::{Testbed, TestbedConfig};
@@ -720,118 +718,6 @@ fn allreduce_i32_allocates_nothing_per_call_after_warm_up() {
         }
         assert_warm(&format!("second {name} of {LEN} int32"), c, per, nfrags);
     }
-}
-
-// ---------------------------------------------------------------------------
-// Throughput of quantize + fragment encode vs a memory copy (printed only)
-// ---------------------------------------------------------------------------
-
-fn dgram_full(x: &[f32], scale: f64) -> Vec<u8> {
-    let mut b = Vec::new();
-    quantize::quantize_be_into(x, scale, &mut b);
-    b
-}
-
-#[test]
-fn quantize_and_fragment_throughput() {
-    let _g = serial();
-    const LEN: usize = 21_800_000 / 4;
-    let x = float_input(1, LEN);
-    let per = elements_per_fragment(9000);
-    let mut dgram = Vec::with_capacity(64 << 10);
-    let mut sink = 0u64;
-    let best = |f: &mut dyn FnMut()| {
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            f();
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        best
-    };
-    let scale = quantize::adaptive_scale(quantize::max_abs(&x).unwrap(), 4);
-    let t_q = best(&mut || {
-        for (i, chunk) in x.chunks(per).enumerate() {
-            dgram.clear();
-            let hdr = AggHeader {
-                job: 1,
-                rank: 0,
-                seq: i as u32,
-                round: 0,
-                frag_off: (i * per) as u32,
-                op: Op::Sum,
-                flags: 0,
-                count: chunk.len() as u16,
-            };
-            proto::write_agg_header(&hdr, &mut dgram);
-            quantize::quantize_be_into(chunk, scale, &mut dgram);
-            sink = sink.wrapping_add(dgram[dgram.len() - 1] as u64);
-        }
-    });
-    let mut y = vec![0f32; LEN];
-    let t_copy = best(&mut || {
-        y.copy_from_slice(&x);
-        sink = sink.wrapping_add(y[LEN / 2].to_bits() as u64);
-    });
-    let mut z = vec![0f32; LEN];
-    // One full datagram's payload, dequantized into every fragment of z.
-    let payload = dgram_full(&x[..per], scale);
-    let t_dq = best(&mut || {
-        for chunk in z.chunks_mut(per) {
-            let n = chunk.len();
-            quantize::dequantize_be_into(&payload[..4 * n], scale, chunk);
-        }
-        sink = sink.wrapping_add(z[0].to_bits() as u64);
-    });
-    // The passes over the whole input before the fragments: check_finite
-    // (fixed scale) and max_abs (adaptive scale).
-    let t_fin = best(&mut || {
-        sink = sink.wrapping_add(quantize::check_finite(&x).is_ok() as u64);
-    });
-    let t_max = best(&mut || {
-        sink = sink.wrapping_add(quantize::max_abs(&x).unwrap().to_bits() as u64);
-    });
-    let xi: Vec<i32> = x.iter().map(|v| (v * 1e6) as i32).collect();
-    let t_ie = best(&mut || {
-        for chunk in xi.chunks(per) {
-            dgram.clear();
-            proto::write_i32_be(chunk, &mut dgram);
-            sink = sink.wrapping_add(dgram[dgram.len() - 1] as u64);
-        }
-    });
-    let mut zi = vec![0i32; LEN];
-    let ipayload = {
-        let mut b = Vec::new();
-        proto::write_i32_be(&xi[..per], &mut b);
-        b
-    };
-    let t_id = best(&mut || {
-        for chunk in zi.chunks_mut(per) {
-            let n = chunk.len();
-            proto::read_i32_be(&ipayload[..4 * n], chunk);
-        }
-        sink = sink.wrapping_add(zi[0] as u64);
-    });
-    let gb = (LEN * 4) as f64 / 1e9;
-    eprintln!(
-        "{LEN} int32 ({:.1} MB) at {per} per datagram: big-endian encode {:.2} GB/s, decode {:.2} GB/s [{sink}]",
-        gb * 1e3,
-        gb / t_ie,
-        gb / t_id
-    );
-    eprintln!(
-        "{LEN} floats ({:.1} MB) at {per} per datagram: quantize+encode {:.2} GB/s, dequantize {:.2} GB/s, memcpy {:.2} GB/s (read+write) [{sink}]",
-        gb * 1e3,
-        gb / t_q,
-        gb / t_dq,
-        gb / t_copy
-    );
-    eprintln!(
-        "{LEN} floats ({:.1} MB): check_finite {:.2} GB/s, max_abs {:.2} GB/s (read only) [{sink}]",
-        gb * 1e3,
-        gb / t_fin,
-        gb / t_max
-    );
 }
 
 // ---------------------------------------------------------------------------

@@ -14,12 +14,15 @@
 //! XDP count-and-drop ceiling and the XDP run time per contribution),
 //! [`bcast`] broadcast latency, [`cpu`] aggregator CPU usage vs senders,
 //! [`apps`] computation cost (GEMM), parameter server, word count and
-//! broadcast applications, [`model`] the analytical scale model.
+//! broadcast applications, [`model`] the analytical scale model, [`large`]
+//! all-reduce of large vectors against Gloo, [`edge`] the runtime's passes
+//! over a vector against memcpy.
 
 pub mod agg;
 pub mod apps;
 pub mod bcast;
 pub mod cpu;
+pub mod edge;
 pub mod large;
 pub mod model;
 pub mod net;
@@ -59,7 +62,7 @@ impl BenchOptions {
 }
 
 /// Names of the experiments, in the order `all` runs them.
-pub const EXPERIMENTS: [&str; 9] = [
+pub const EXPERIMENTS: [&str; 10] = [
     "agg",
     "bcast",
     "cpu",
@@ -69,6 +72,7 @@ pub const EXPERIMENTS: [&str; 9] = [
     "bcast-apps",
     "model",
     "large",
+    "edge",
 ];
 
 static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -317,6 +321,7 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
             "bcast-apps" => apps::run_bcast_apps(opts, &mut ctx),
             "model" => model::run(opts, &mut ctx),
             "large" => large::run(opts, &mut ctx),
+            "edge" => edge::run(opts, &mut ctx),
             _ => unreachable!("names are checked above"),
         };
         match r {
