@@ -470,59 +470,74 @@ impl Accumulator {
     /// The result, AVG dividing by `weight_sum` (e.g. the job's configured
     /// Σ w_r, as the kernel does). Integer AVG truncates toward zero.
     pub fn finish_with_weight_sum(&self, weight_sum: i64) -> Result<ReduceResult, ReduceError> {
-        if self.contributions == 0 {
-            return Err(ReduceError::NoContributions);
+        if !self.float {
+            let mut v = Vec::with_capacity(self.count);
+            let overflow = self.finish_ints_into(weight_sum, &mut v)?;
+            return Ok(ReduceResult {
+                values: ReduceValues::Int(v),
+                overflow,
+            });
         }
-        let avg = self.op == Op::Avg;
-        if avg && weight_sum == 0 {
-            return Err(ReduceError::ZeroWeightSum);
-        }
-        let mut overflow = false;
+        self.check_finish(weight_sum)?;
         let values = match &self.state {
-            State::Wide(acc) if avg => ReduceValues::Int(
-                acc.iter()
-                    .map(|&a| clamp_i32(a / weight_sum, &mut overflow))
-                    .collect(),
-            ),
-            State::Wide(acc) => {
-                ReduceValues::Int(acc.iter().map(|&a| clamp_i32(a, &mut overflow)).collect())
-            }
-            State::Huge(acc) if avg => {
-                let ws = weight_sum as i128;
-                ReduceValues::Int(
-                    acc.iter()
-                        .map(|&a| clamp_i32_wide(a / ws, &mut overflow))
-                        .collect(),
-                )
-            }
-            State::Huge(acc) => ReduceValues::Int(
-                acc.iter()
-                    .map(|&a| clamp_i32_wide(a, &mut overflow))
-                    .collect(),
-            ),
-            State::Count(acc) if self.float => {
-                ReduceValues::Float(acc.iter().map(|&c| c as f32).collect())
-            }
-            State::Count(acc) => ReduceValues::Int(
-                acc.iter()
-                    .map(|&c| clamp_i32(c as i64, &mut overflow))
-                    .collect(),
-            ),
-            State::Narrow(acc) => ReduceValues::Int(acc.clone()),
-            // int PROD: exact integers or ±(2^31 + 1), so `as i64` is exact.
-            State::F64(acc) if !self.float => ReduceValues::Int(
-                acc.iter()
-                    .map(|&a| clamp_i32(a as i64, &mut overflow))
-                    .collect(),
-            ),
-            State::F64(acc) if avg => {
+            State::Count(acc) => ReduceValues::Float(acc.iter().map(|&c| c as f32).collect()),
+            State::F64(acc) if self.op == Op::Avg => {
                 let ws = weight_sum as f64;
                 ReduceValues::Float(acc.iter().map(|&a| (a / ws) as f32).collect())
             }
             State::F64(acc) => ReduceValues::Float(acc.iter().map(|&a| a as f32).collect()),
             State::F32(acc) => ReduceValues::Float(acc.clone()),
+            // Int states never occur for a float accumulator.
+            State::Wide(_) | State::Huge(_) | State::Narrow(_) => {
+                return Err(ReduceError::TypeMismatch)
+            }
         };
-        Ok(ReduceResult { values, overflow })
+        Ok(ReduceResult {
+            values,
+            overflow: false,
+        })
+    }
+
+    /// The integer result of an int accumulator into `out` (cleared, its
+    /// allocation reused: the socket aggregator's slots keep one each), AVG
+    /// dividing by `weight_sum`; returns whether an element was clamped
+    /// (OVERFLOW). A float accumulator is a `TypeMismatch`.
+    pub fn finish_ints_into(&self, weight_sum: i64, out: &mut Vec<i32>) -> Result<bool, ReduceError> {
+        if self.float {
+            return Err(ReduceError::TypeMismatch);
+        }
+        self.check_finish(weight_sum)?;
+        let avg = self.op == Op::Avg;
+        let mut overflow = false;
+        out.clear();
+        match &self.state {
+            State::Wide(acc) if avg => {
+                out.extend(acc.iter().map(|&a| clamp_i32(a / weight_sum, &mut overflow)))
+            }
+            State::Wide(acc) => out.extend(acc.iter().map(|&a| clamp_i32(a, &mut overflow))),
+            State::Huge(acc) if avg => {
+                let ws = weight_sum as i128;
+                out.extend(acc.iter().map(|&a| clamp_i32_wide(a / ws, &mut overflow)))
+            }
+            State::Huge(acc) => out.extend(acc.iter().map(|&a| clamp_i32_wide(a, &mut overflow))),
+            State::Count(acc) => out.extend(acc.iter().map(|&c| clamp_i32(c as i64, &mut overflow))),
+            State::Narrow(acc) => out.extend_from_slice(acc),
+            // int PROD: exact integers or ±(2^31 + 1), so `as i64` is exact.
+            State::F64(acc) => out.extend(acc.iter().map(|&a| clamp_i32(a as i64, &mut overflow))),
+            // Float states never occur for an int accumulator.
+            State::F32(_) => return Err(ReduceError::TypeMismatch),
+        }
+        Ok(overflow)
+    }
+
+    fn check_finish(&self, weight_sum: i64) -> Result<(), ReduceError> {
+        if self.contributions == 0 {
+            return Err(ReduceError::NoContributions);
+        }
+        if self.op == Op::Avg && weight_sum == 0 {
+            return Err(ReduceError::ZeroWeightSum);
+        }
+        Ok(())
     }
 }
 
@@ -589,6 +604,39 @@ mod tests {
             ),
             (vec![5], false)
         );
+    }
+
+    /// `finish_ints_into` gives `finish`'s values and OVERFLOW for every
+    /// integer op and state (narrow, wide, huge weights, count, PROD),
+    /// reusing the caller's vector; float accumulators and empty ones are
+    /// errors.
+    #[test]
+    fn finish_ints_into_is_finish_into_a_reused_vector() {
+        let a = [i32::MAX, -7, 3, i32::MIN, 0];
+        let b = [i32::MAX, 2, -3, -1, 5];
+        let mut out = Vec::with_capacity(64);
+        let cap = out.capacity();
+        for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg, Op::Prod, Op::Band, Op::Bor, Op::Bxor] {
+            for (wa, wb) in [(1, 1), (3, -2), (i32::MAX, i32::MAX)] {
+                let mut acc = Accumulator::new(op, a.len(), false).unwrap();
+                acc.add_int(&a, wa).unwrap();
+                acc.add_int(&b, wb).unwrap();
+                let want = acc.finish().unwrap();
+                out.push(99);
+                let overflow = acc.finish_ints_into(acc.weight_sum(), &mut out).unwrap();
+                assert_eq!(Some(&out[..]), want.ints(), "{op:?} {wa} {wb}");
+                assert_eq!(overflow, want.overflow, "{op:?} {wa} {wb}");
+                assert_eq!(out.capacity(), cap, "the vector is reused");
+            }
+        }
+        let empty = Accumulator::new(Op::Sum, 3, false).unwrap();
+        assert_eq!(empty.finish_ints_into(1, &mut out), Err(ReduceError::NoContributions));
+        let mut f = Accumulator::new(Op::Sum, 1, true).unwrap();
+        f.add_f32(&[1.0], 1).unwrap();
+        assert_eq!(f.finish_ints_into(1, &mut out), Err(ReduceError::TypeMismatch));
+        let mut avg = Accumulator::new(Op::Avg, 1, false).unwrap();
+        avg.add_int(&[4], 1).unwrap();
+        assert_eq!(avg.finish_ints_into(0, &mut out), Err(ReduceError::ZeroWeightSum));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use crate::abi;
 use crate::proto::AggHeader;
-use crate::reducer::{Accumulator, ReduceValues};
+use crate::reducer::Accumulator;
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
@@ -205,13 +205,9 @@ impl SocketAggregator {
         s.overflow |= hdr.flags & abi::AGG_F_OVERFLOW != 0;
         self.stats.added += 1;
         if s.contributors == self.workers {
-            if let Ok(res) = s.acc.finish() {
-                s.overflow |= res.overflow;
-                s.result.clear();
-                match res.values {
-                    ReduceValues::Int(v) => s.result.extend_from_slice(&v),
-                    ReduceValues::Float(v) => s.result.extend(v.iter().map(|f| f.to_bits() as i32)),
-                }
+            // Into the slot's own vector: no allocation per fragment.
+            if let Ok(o) = s.acc.finish_ints_into(s.acc.weight_sum(), &mut s.result) {
+                s.overflow |= o;
             }
             s.done = true;
             self.done.push(i);
