@@ -205,7 +205,7 @@ def large(d):
         ax.set_xticklabels([str(m) for m in mtus])
         ax.set_xlabel("MTU (bytes)")
         ax.set_ylabel("elements/s per vector (millions)")
-        ax.set_title(f"all-reduce of {n:,} int32, 4 workers")
+        ax.set_title(f"all-reduce of {n:,} int32, {out.get('workers', 4)} workers")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     g = out.get("goal")

@@ -1,8 +1,9 @@
 //! Experiment 9 (`large`): all-reduce of large vectors at large frames.
 //!
-//! 4 workers all-reduce (SUM) a vector of 1 M and 21.8 M int32 elements
-//! (21.8 M = ResNet-34's parameters) on the netns testbed at MTU 1500, 9000
-//! and the largest frame that works (veth's 65535, where one AGG1 datagram
+//! 4 workers (`AGGBOX_LARGE_WORKERS` sets another count) all-reduce (SUM)
+//! a vector of 1 M and 21.8 M int32 elements (21.8 M = ResNet-34's
+//! parameters) on the netns testbed at MTU 1500, 9000 and the largest frame
+//! that works (veth's 65535, where one AGG1 datagram
 //! carries 16370 elements, below the XDP program's `abi::MAX_ELEMS`):
 //!
 //! - `kernel`: AggBox kernel backend. Host 0 is an attached node
@@ -51,9 +52,20 @@ use crate::runtime::{BackendKind, CallOptions, Communicator, CommunicatorBuilder
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use crate::tools;
 
-/// Workers of the job (ranks; hosts 1..=4 of the testbed, host 0 is the
-/// aggregator node).
+/// Workers of the job by default (ranks; hosts 1..=workers of the testbed,
+/// host 0 is the aggregator node).
 pub const WORKERS: usize = 4;
+
+/// Workers of this run: `AGGBOX_LARGE_WORKERS` (2..=32, to measure the
+/// windows with more workers than the default 4), else [`WORKERS`].
+pub fn worker_count() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        env_list("AGGBOX_LARGE_WORKERS")
+            .and_then(|w| w.first().copied())
+            .map_or(WORKERS, |w| (w as usize).clamp(2, 32))
+    })
+}
 const JOB: u16 = 9;
 const JOB_PORT: u16 = 7900;
 const RESULT_PORT: u16 = 7901;
@@ -124,11 +136,11 @@ fn fill_input(buf: &mut [i32], rank: usize, k: usize) {
     }
 }
 
-/// Σ over the ranks of the inputs of call 0; call k adds `WORKERS × k`.
+/// Σ over the ranks of the inputs of call 0; call k adds `worker_count() × k`.
 fn expected_base(n: usize) -> Vec<i32> {
     let mut out = vec![0i32; n];
     let mut tmp = vec![0i32; n];
-    for r in 0..WORKERS {
+    for r in 0..worker_count() {
         fill_input(&mut tmp, r, 0);
         for (o, t) in out.iter_mut().zip(&tmp) {
             *o += *t;
@@ -137,9 +149,9 @@ fn expected_base(n: usize) -> Vec<i32> {
     out
 }
 
-/// Elements of `got` that differ from `base + WORKERS × k`, and the first.
+/// Elements of `got` that differ from `base + worker_count() × k`, and the first.
 fn mismatches(got: &[i32], base: &[i32], k: usize) -> (usize, Option<usize>) {
-    let add = (WORKERS * k) as i32;
+    let add = (worker_count() * k) as i32;
     let mut bad = 0;
     let mut first = None;
     for (i, (g, b)) in got.iter().zip(base).enumerate() {
@@ -264,7 +276,7 @@ fn runtime_calls(
                             bail!(
                                 "{who}: call {k}: {bad} of {n} elements wrong (first at {i}: got {}, expected {})",
                                 buf.get(i).copied().unwrap_or_default(),
-                                base.get(i).copied().unwrap_or_default().wrapping_add((WORKERS * k) as i32)
+                                base.get(i).copied().unwrap_or_default().wrapping_add((worker_count() * k) as i32)
                             );
                         }
                         out.push((t0, t1));
@@ -359,7 +371,7 @@ impl Point {
         let secs: Vec<f64> = timed.iter().map(|t| t.all).collect();
         let worker: Vec<f64> = timed.iter().map(|t| t.workers).collect();
         let eps: Vec<f64> = secs.iter().map(|s| elements as f64 / s).collect();
-        let cps: Vec<f64> = eps.iter().map(|e| WORKERS as f64 * e).collect();
+        let cps: Vec<f64> = eps.iter().map(|e| worker_count() as f64 * e).collect();
         Point {
             backend: backend.into(),
             mtu,
@@ -450,7 +462,7 @@ fn all_counters(tb: &Testbed, pins: &Path, kernel: bool) -> BTreeMap<String, u64
     for (k, v) in udp_counters(&tb.host(0).netns) {
         out.insert(format!("h0:udp:{k}"), v);
     }
-    for h in 1..=WORKERS {
+    for h in 1..=worker_count() {
         for (k, v) in udp_counters(&tb.host(h).netns) {
             *out.entry(format!("workers:udp:{k}")).or_insert(0) += v;
         }
@@ -502,7 +514,7 @@ fn counters_line(c: &BTreeMap<String, u64>) -> String {
 /// (RESULT copied to every worker's data socket by TC) and slots sized to
 /// the block pool at this MTU.
 fn config_text(tb: &Testbed, mtu: u32) -> String {
-    let workers: Vec<Ipv4Addr> = (1..=WORKERS).map(|h| tb.host(h).addr).collect();
+    let workers: Vec<Ipv4Addr> = (1..=worker_count()).map(|h| tb.host(h).addr).collect();
     let list =
         |f: &dyn Fn(&Ipv4Addr) -> String| workers.iter().map(f).collect::<Vec<_>>().join(", ");
     format!(
@@ -568,7 +580,7 @@ fn runtime_phase(
             })
         };
         let aggc = build(0, Participant::Aggregator)?;
-        let workers: Vec<Communicator> = (0..WORKERS)
+        let workers: Vec<Communicator> = (0..worker_count())
             .map(|r| build(r + 1, Participant::Worker(r as u16)))
             .collect::<Result<_>>()?;
         if kernel && !aggc.config().kernel_result_group {
@@ -669,7 +681,7 @@ fn csv_row(
         format!("{all:.6}"),
         format!("{workers:.6}"),
         format!("{:.0}", n as f64 / all),
-        format!("{:.0}", WORKERS as f64 * n as f64 / all),
+        format!("{:.0}", worker_count() as f64 * n as f64 / all),
         ok.to_string(),
     ]);
 }
@@ -774,13 +786,15 @@ fn gloo_phase(
     let limit = Duration::from_secs(120)
         + Duration::from_secs_f64(2e-6 * sizes.iter().sum::<u64>() as f64 * calls as f64);
     progress(format!(
-        "large: MTU {mtu}, Gloo: 4 processes ({}), sizes {sizes_arg}, warm-up + {reps} calls each, limit {:.0} s",
+        "large: MTU {mtu}, Gloo: {} processes ({}), sizes {sizes_arg}, warm-up + {reps} calls each, limit {:.0} s",
+        worker_count(),
         script.display(),
         limit.as_secs_f64()
     ));
     let mut children: Vec<Child> = Vec::new();
     let mut readers = Vec::new();
-    for r in 0..WORKERS {
+    let world = worker_count().to_string();
+    for r in 0..worker_count() {
         let rank = r.to_string();
         let port = GLOO_PORT.to_string();
         let reps_s = reps.to_string();
@@ -793,7 +807,7 @@ fn gloo_phase(
             "--rank",
             &rank,
             "--world",
-            "4",
+            &world,
             "--master-addr",
             &master_s,
             "--master-port",
@@ -935,7 +949,7 @@ fn gloo_phase(
                     .and_then(|x| x.as_u64())
                     .unwrap_or(u64::MAX);
                 let sum = call.get("sum").and_then(|x| x.as_i64());
-                let want = base_sum + (WORKERS * k) as i64 * n as i64;
+                let want = base_sum + (worker_count() * k) as i64 * n as i64;
                 if wrong != 0 {
                     err.get_or_insert_with(|| {
                         format!("rank {r} call {k}: {wrong} of {n} elements wrong")
@@ -998,11 +1012,11 @@ fn gloo_phase(
 
 // ------------------------------------------------------------ experiment ----
 
-/// Testbed at `mtu` (5 hosts: aggregator + 4 workers), with the veth MTU
+/// Testbed at `mtu` (the aggregator and the workers' hosts), with the veth MTU
 /// read back from host 1.
 fn testbed(mtu: u32) -> Result<Testbed> {
     let tb = Testbed::up(TestbedConfig {
-        hosts: WORKERS + 1,
+        hosts: worker_count() + 1,
         // A prefix unique to this process (the default): two runs at once
         // must not tear down each other's namespaces.
         prefix: None,
@@ -1103,7 +1117,8 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// running part of the experiment while investigating
 /// (`AGGBOX_LARGE_MTUS=65535` (0 = the largest working one),
 /// `AGGBOX_LARGE_SIZES=21800000`, `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo`,
-/// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window).
+/// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window,
+/// `AGGBOX_LARGE_WORKERS=8`: the number of workers).
 fn env_list(name: &str) -> Option<Vec<u64>> {
     let v = std::env::var(name).ok()?;
     Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -1129,6 +1144,9 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS").unwrap_or_else(|_| "kernel,socket,gloo".into());
     if let Some(w) = env_list("AGGBOX_LARGE_WINDOW") {
         progress(format!("large: configured window {w:?} (AGGBOX_LARGE_WINDOW), not the default"));
+    }
+    if worker_count() != WORKERS {
+        progress(format!("large: {} workers (AGGBOX_LARGE_WORKERS), not the default {WORKERS}", worker_count()));
     }
     let want = |b: &str| backends.split(',').any(|x| x.trim() == b);
     let torch = torch_available();
@@ -1244,7 +1262,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     super::write_json(
         &dir.join("large.json"),
         &Output {
-            workers: WORKERS,
+            workers: worker_count(),
             reps,
             largest_mtu: largest,
             largest_mtu_note: largest_note.clone(),
@@ -1313,23 +1331,25 @@ fn markdown(
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "## 9. Large frames: all-reduce of 1 M and 21.8 M int32 elements, 4 workers\n"
+        "## 9. Large frames: all-reduce of 1 M and 21.8 M int32 elements, {} workers\n",
+        worker_count()
     );
     let _ = writeln!(
         md,
-        "4 worker namespaces all-reduce (SUM) an int32 vector per call. `kernel`: AggBox kernel backend, host 0 attached (native XDP \
-         aggregates, the TC program copies every RESULT to the 4 workers: `result_group`), communicators from the node configuration \
+        "{w} worker namespaces all-reduce (SUM) an int32 vector per call. `kernel`: AggBox kernel backend, host 0 attached (native XDP \
+         aggregates, the TC program copies every RESULT to the {w} workers: `result_group`), communicators from the node configuration \
          (`CommunicatorBuilder::from_config`, `.mtu(MTU)`), job slots = block pool / blocks per datagram; `socket`: the same API and \
          configuration with the user-space aggregator on host 0; `gloo`: torch.distributed Gloo ({}), one process per worker namespace \
          (`scripts/gloo_allreduce.py`, TCP over the same veths). One warm-up call, then {reps} timed calls per point; all participants meet \
          at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
-         application included). elements/s = elements per vector / time per call; contributed/s = 4 × that. Every call's result is \
+         application included). elements/s = elements per vector / time per call; contributed/s = {w} × that. Every call's result is \
          checked element by element on every participant. Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
         match torch {
             Ok(v) => format!("torch {v}"),
             Err(e) => format!("**not run**: {e}"),
         },
-        sizes.iter().map(|n| thousands(*n as f64)).collect::<Vec<_>>().join(", ")
+        sizes.iter().map(|n| thousands(*n as f64)).collect::<Vec<_>>().join(", "),
+        w = worker_count()
     );
     if !largest_note.is_empty() {
         let _ = writeln!(md, "Largest frame: {largest_note}.\n");
@@ -1409,9 +1429,10 @@ fn markdown(
         let _ = writeln!(
             md,
             "Counters during each AggBox point (warm-up included; non-zero only): the node's XDP outcomes, `drop:` reasons and `tc:` \
-             counters on host 0 (kernel backend), and the UDP counters (`/proc/net/snmp`) of host 0 (`h0:udp:`) and of the 4 workers \
+             counters on host 0 (kernel backend), and the UDP counters (`/proc/net/snmp`) of host 0 (`h0:udp:`) and of the {} workers \
              summed (`workers:udp:`); `RcvbufErrors` = datagrams dropped on a full socket receive buffer; `runtime:` = the \
-             participants' retransmissions and the duplicates they received, summed:\n"
+             participants' retransmissions and the duplicates they received, summed:\n",
+            worker_count()
         );
         for p in counters {
             let _ = writeln!(
@@ -1444,7 +1465,7 @@ mod tests {
         let n = 5000;
         let base = expected_base(n);
         for i in [0usize, 1, 1000, 2000, 2001, 4999] {
-            let want: i32 = (0..WORKERS)
+            let want: i32 = (0..worker_count())
                 .map(|r| ((i + 1000 * r) % 2001) as i32 - 1000)
                 .sum();
             assert_eq!(base[i], want, "element {i}");
