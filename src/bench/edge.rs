@@ -81,6 +81,53 @@ fn best(reps: usize, f: &mut dyn FnMut()) -> f64 {
     b
 }
 
+/// Best time of encoding `src` fragment by fragment (`per` elements) as the
+/// runtime does: a header, then `payload`, into one reused datagram buffer.
+fn encode_pass<T>(
+    src: &[T],
+    per: usize,
+    reps: usize,
+    dgram: &mut Vec<u8>,
+    payload: impl Fn(&[T], &mut Vec<u8>),
+) -> f64 {
+    best(reps, &mut || {
+        for (i, c) in src.chunks(per).enumerate() {
+            dgram.clear();
+            let hdr = AggHeader {
+                job: 1,
+                rank: 0,
+                seq: i as u32,
+                round: 0,
+                frag_off: (i * per) as u32,
+                op: Op::Sum,
+                flags: 0,
+                count: c.len() as u16,
+            };
+            proto::write_agg_header(&hdr, dgram);
+            payload(c, dgram);
+            black_box(&dgram);
+        }
+    })
+}
+
+/// Best time of decoding `payload` (one datagram's) into every `per`-element
+/// fragment of `dst`, as the runtime decodes each RESULT into the vector.
+fn decode_pass<T>(
+    dst: &mut [T],
+    per: usize,
+    reps: usize,
+    payload: &[u8],
+    decode: impl Fn(&[u8], &mut [T]),
+) -> f64 {
+    best(reps, &mut || {
+        for c in dst.chunks_mut(per) {
+            let n = c.len();
+            decode(&payload[..4 * n], c);
+        }
+        black_box(&dst);
+    })
+}
+
 /// Times every pass over a vector of `elements` (best of `reps`).
 pub fn measure(elements: usize, reps: usize) -> Edge {
     let x = input(elements);
@@ -123,39 +170,17 @@ pub fn measure(elements: usize, reps: usize) -> Edge {
     let mut zi = vec![0i32; elements];
     for mtu in MTUS {
         let per = elements_per_fragment(mtu as usize);
-        let hdr = |i: usize, n: usize| AggHeader {
-            job: 1,
-            rank: 0,
-            seq: i as u32,
-            round: 0,
-            frag_off: (i * per) as u32,
-            op: Op::Sum,
-            flags: 0,
-            count: n as u16,
-        };
         add(
             "quantize + encode (f32 contribution)",
             per,
-            best(reps, &mut || {
-                for (i, c) in x.chunks(per).enumerate() {
-                    dgram.clear();
-                    proto::write_agg_header(&hdr(i, c.len()), &mut dgram);
-                    quantize::quantize_be_into(c, scale, &mut dgram);
-                    black_box(&dgram);
-                }
+            encode_pass(&x, per, reps, &mut dgram, |c, d| {
+                quantize::quantize_be_into(c, scale, d);
             }),
         );
         add(
             "encode (int32 contribution)",
             per,
-            best(reps, &mut || {
-                for (i, c) in xi.chunks(per).enumerate() {
-                    dgram.clear();
-                    proto::write_agg_header(&hdr(i, c.len()), &mut dgram);
-                    proto::write_i32_be(c, &mut dgram);
-                    black_box(&dgram);
-                }
-            }),
+            encode_pass(&xi, per, reps, &mut dgram, proto::write_i32_be),
         );
         // One full datagram's payload stands for every RESULT: decoding
         // reads it from the cache, as the runtime reads a just-received
@@ -165,24 +190,14 @@ pub fn measure(elements: usize, reps: usize) -> Edge {
         add(
             "dequantize (f32 result)",
             per,
-            best(reps, &mut || {
-                for c in z.chunks_mut(per) {
-                    let n = c.len();
-                    quantize::dequantize_be_into(&payload[..4 * n], scale, c);
-                }
-                black_box(&z);
+            decode_pass(&mut z, per, reps, &payload, |p, c| {
+                quantize::dequantize_be_into(p, scale, c)
             }),
         );
         add(
             "decode (int32 result)",
             per,
-            best(reps, &mut || {
-                for c in zi.chunks_mut(per) {
-                    let n = c.len();
-                    proto::read_i32_be(&payload[..4 * n], c);
-                }
-                black_box(&zi);
-            }),
+            decode_pass(&mut zi, per, reps, &payload, proto::read_i32_be),
         );
     }
     Edge {
