@@ -5,16 +5,18 @@ Run one process per worker namespace (the benchmark starts them with
 `ip netns exec`), with GLOO_SOCKET_IFNAME=eth0 in the environment:
 
     gloo_allreduce.py --rank R --world 4 --master-addr A --master-port P \
-                      --sizes 1000000,21800000 --reps 3 [--warmup 1]
+                      --sizes 1000000,21800000 --reps 3 [--warmup 1] \
+                      [--dtype int32|float32]
 
 For every size: `warmup` untimed-for-the-report calls, then `reps` timed
-calls of dist.all_reduce(SUM) on an int32 tensor. The input of rank r in
+calls of dist.all_reduce(SUM) on an int32 (or float32) tensor. The input of rank r in
 call k (k = 0 first, warm-up included) is
 
     x[i] = ((i + 1000 r) mod 2001) - 1000 + k
 
 (the same formula as src/bench/large.rs), so the sum over the ranks is known
-without any communication. Every call's result is compared element by element
+without any communication; as float32 the values and their sums are integers
+below 2^24, so they are exact too. Every call's result is compared element by element
 with that sum (`wrong` counts mismatched elements) and its int64 sum is
 reported so the caller can check it independently. Before each call the
 ranks meet in dist.barrier(); t0/t1 are CLOCK_MONOTONIC seconds (the same
@@ -41,8 +43,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300.0, help="Gloo timeout (s)")
+    ap.add_argument("--dtype", choices=["int32", "float32"], default="int32")
     a = ap.parse_args()
-    out = {"rank": a.rank, "world": a.world, "points": []}
+    out = {"rank": a.rank, "world": a.world, "dtype": a.dtype, "points": []}
     try:
         import datetime
 
@@ -60,16 +63,17 @@ def main():
             world_size=a.world,
             timeout=datetime.timedelta(seconds=a.timeout),
         )
+        dt = torch.int32 if a.dtype == "int32" else torch.float32
         bad = 0
         for n in [int(s) for s in a.sizes.split(",") if s]:
             idx = torch.arange(n, dtype=torch.int64)
-            base = ((idx + 1000 * a.rank) % 2001 - 1000).to(torch.int32)
+            base = ((idx + 1000 * a.rank) % 2001 - 1000).to(dt)
             expect = torch.zeros(n, dtype=torch.int64)
             for r in range(a.world):
                 expect += (idx + 1000 * r) % 2001 - 1000
-            expect = expect.to(torch.int32)
+            expect = expect.to(dt)
             del idx
-            t = torch.empty(n, dtype=torch.int32)
+            t = torch.empty(n, dtype=dt)
             calls = []
             for k in range(a.warmup + a.reps):
                 torch.add(base, k, out=t)

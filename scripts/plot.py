@@ -180,8 +180,9 @@ def large(d):
         return
     sizes = sorted(set(p["elements"] for p in out["points"]))
     mtus = sorted(set(p["mtu"] for p in out["points"]))
-    backends = [b for b in ["kernel", "socket", "gloo"] if any(p["backend"] == b for p in out["points"])]
-    labels = {"kernel": "AggBox kernel backend (XDP + TC result group)", "socket": "AggBox socket backend", "gloo": "torch.distributed Gloo"}
+    backends = [b for b in ["kernel", "socket", "gloo", "kernel-f32", "gloo-f32"] if any(p["backend"] == b for p in out["points"])]
+    labels = {"kernel": "AggBox kernel backend (XDP + TC result group)", "socket": "AggBox socket backend", "gloo": "torch.distributed Gloo",
+              "kernel-f32": "AggBox kernel backend, float32 (adaptive quantization)", "gloo-f32": "Gloo, float32"}
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
     width = 0.8 / max(1, len(backends))
     for ax, n in zip(axes[0], sizes):
@@ -205,7 +206,7 @@ def large(d):
         ax.set_xticklabels([str(m) for m in mtus])
         ax.set_xlabel("MTU (bytes)")
         ax.set_ylabel("elements/s per vector (millions)")
-        ax.set_title(f"all-reduce of {n:,} int32, {out.get('workers', 4)} workers")
+        ax.set_title(f"all-reduce of {n:,} elements, {out.get('workers', 4)} workers")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     g = out.get("goal")

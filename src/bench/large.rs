@@ -17,6 +17,10 @@
 //!   python3-torch), one `scripts/gloo_allreduce.py` process per worker
 //!   namespace (`ip netns exec`, `GLOO_SOCKET_IFNAME=eth0`, master = worker
 //!   0), `dist.all_reduce` on an int32 tensor.
+//! - `kernel-f32`, `gloo-f32`: the same with float32 vectors of the same
+//!   integer values (what a training job all-reduces): `allreduce_f32` with
+//!   adaptive quantization through the kernel backend, a float32 tensor in
+//!   Gloo. The goal is computed on the int32 points.
 //!
 //! Every point: one warm-up call, then `reps` timed calls. All participants
 //! meet at a barrier before each call; the time of a call is from the
@@ -48,7 +52,7 @@ use crate::abi::{self, Op};
 use crate::config::Config;
 use crate::dataplane::XdpMode;
 use crate::node;
-use crate::runtime::{BackendKind, CallOptions, Communicator, CommunicatorBuilder, Participant};
+use crate::runtime::{BackendKind, CallOptions, Communicator, CommunicatorBuilder, Participant, Quantization};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use crate::tools;
 
@@ -70,6 +74,26 @@ const JOB: u16 = 9;
 const JOB_PORT: u16 = 7900;
 const RESULT_PORT: u16 = 7901;
 const GROUP: u16 = 9;
+
+/// Element type of a point: int32 (the issue's benchmark) or float32 (what
+/// a training job all-reduces: the AggBox runtime quantizes it to int32 at
+/// the adaptive scale, Gloo sums floats). The inputs are the same integers,
+/// so both results are exact and checked the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dtype {
+    I32,
+    F32,
+}
+
+impl Dtype {
+    /// The point's backend name: `base` for int32, `base-f32` for float32.
+    fn backend(self, base: &str) -> String {
+        match self {
+            Dtype::I32 => base.to_string(),
+            Dtype::F32 => format!("{base}-f32"),
+        }
+    }
+}
 const DATA_PORT: u16 = 7950;
 const GLOO_PORT: u16 = 29_500;
 /// Vector sizes of the full run (elements per worker).
@@ -236,6 +260,7 @@ fn runtime_calls(
     n: usize,
     calls: usize,
     base: &[i32],
+    dtype: Dtype,
 ) -> Result<Vec<CallTime>> {
     let parts: Vec<(&Communicator, Option<usize>)> = std::iter::once((agg, None))
         .chain(workers.iter().enumerate().map(|(r, c)| (c, Some(r))))
@@ -253,21 +278,35 @@ fn runtime_calls(
                         None => "aggregator".to_string(),
                     };
                     let mut buf = vec![0i32; n];
+                    let mut fbuf = vec![0f32; if dtype == Dtype::F32 { n } else { 0 }];
                     let mut out = Vec::with_capacity(calls);
                     for k in 0..calls {
                         match rank {
                             Some(r) => fill_input(&mut buf, r, k),
                             None => buf.iter_mut().for_each(|x| *x = 0),
                         }
+                        // The float input: the same integers (outside the timing).
+                        fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
                         if !gate.wait() {
                             bail!("{who}: stopped before call {k}: another participant failed");
                         }
+                        let opts = CallOptions::deadline(call_deadline(n as u64));
                         let t0 = Instant::now();
-                        let r = c.allreduce_i32_with(&mut buf, Op::Sum, CallOptions::deadline(call_deadline(n as u64)));
+                        let r = match dtype {
+                            Dtype::I32 => c.allreduce_i32_with(&mut buf, Op::Sum, opts).map(|_| ()),
+                            Dtype::F32 => c.reduce_f32_with(&mut fbuf, true, false, opts),
+                        };
                         let t1 = Instant::now();
                         if let Err(e) = r {
                             gate.abort();
-                            bail!("{who}: allreduce_i32 of {n} elements, call {k}: {e}");
+                            bail!("{who}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
+                        }
+                        if dtype == Dtype::F32 {
+                            // Exact integer sums come back as exact floats; any
+                            // other value (i32::MIN: no sum is near it) is wrong.
+                            for (i, &f) in buf.iter_mut().zip(&fbuf) {
+                                *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
+                            }
                         }
                         let (bad, first) = mismatches(&buf, base, k);
                         if bad > 0 {
@@ -376,7 +415,7 @@ impl Point {
             backend: backend.into(),
             mtu,
             elements,
-            elements_per_datagram: (backend != "gloo")
+            elements_per_datagram: (!backend.starts_with("gloo"))
                 .then(|| tools::elements_per_datagram(mtu as usize)),
             secs: summarize(&secs),
             elems_per_s: summarize(&eps),
@@ -528,10 +567,12 @@ fn config_text(tb: &Testbed, mtu: u32) -> String {
 /// The AggBox backends at one MTU: attach (kernel), build the communicators
 /// from the configuration, run every size. A failure at one size skips the
 /// larger ones of this backend and MTU.
+#[allow(clippy::too_many_arguments)]
 fn runtime_phase(
     tb: &Testbed,
     mtu: u32,
     kernel: bool,
+    dtypes: &[Dtype],
     sizes: &[u64],
     reps: usize,
     bases: &BTreeMap<u64, Vec<i32>>,
@@ -568,6 +609,8 @@ fn runtime_phase(
                     BackendKind::Socket
                 })
                 .mtu(mtu as usize)
+                // Float calls only: the scale from the agreed max |x|.
+                .quantization(Quantization::Adaptive)
                 .deadline(call_deadline(sizes.iter().copied().max().unwrap_or(0)));
             // `AGGBOX_LARGE_WINDOW`: the configured window (then bounded as
             // always, docs/RUNTIME.md "Windows"), to compare windows.
@@ -586,49 +629,52 @@ fn runtime_phase(
         if kernel && !aggc.config().kernel_result_group {
             bail!("the kernel backend does not use the job's result_group");
         }
-        let mut failed_at: Option<u64> = None;
-        for &n in sizes {
-            if let Some(f) = failed_at {
-                points.push(Point::new(
-                    backend,
-                    mtu,
-                    n,
-                    &[],
-                    Some(format!(
-                        "skipped: the {} -element point failed",
-                        thousands(f as f64)
-                    )),
+        for &dtype in dtypes {
+            let name = dtype.backend(backend);
+            let mut failed_at: Option<u64> = None;
+            for &n in sizes {
+                if let Some(f) = failed_at {
+                    points.push(Point::new(
+                        &name,
+                        mtu,
+                        n,
+                        &[],
+                        Some(format!(
+                            "skipped: the {} -element point failed",
+                            thousands(f as f64)
+                        )),
+                    ));
+                    continue;
+                }
+                let base = &bases[&n];
+                let runtime_before = runtime_counters(&aggc, &workers);
+                let before = all_counters(tb, &pins, kernel);
+                progress(format!(
+                    "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
+                    thousands(n as f64)
                 ));
-                continue;
-            }
-            let base = &bases[&n];
-            let runtime_before = runtime_counters(&aggc, &workers);
-            let before = all_counters(tb, &pins, kernel);
-            progress(format!(
-                "large: MTU {mtu}, {} elements, {backend} backend: warm-up + {reps} calls",
-                thousands(n as f64)
-            ));
-            let r = runtime_calls(&aggc, &workers, n as usize, reps + 1, base);
-            let after = all_counters(tb, &pins, kernel);
-            let mut p = match r {
-                Ok(times) => {
-                    for (k, t) in times.iter().enumerate() {
-                        csv_row(csv, backend, mtu, n, k, t.all, t.workers, true);
+                let r = runtime_calls(&aggc, &workers, n as usize, reps + 1, base, dtype);
+                let after = all_counters(tb, &pins, kernel);
+                let mut p = match r {
+                    Ok(times) => {
+                        for (k, t) in times.iter().enumerate() {
+                            csv_row(csv, &name, mtu, n, k, t.all, t.workers, true);
+                        }
+                        Point::new(&name, mtu, n, &times, None)
                     }
-                    Point::new(backend, mtu, n, &times, None)
-                }
-                Err(e) => {
-                    failed_at = Some(n);
-                    Point::new(backend, mtu, n, &[], Some(format!("{e:#}")))
-                }
-            };
-            p.node_counters = counter_delta(&before, &after);
-            p.node_counters.extend(counter_delta(
-                &runtime_before,
-                &runtime_counters(&aggc, &workers),
-            ));
-            report_point(&p);
-            points.push(p);
+                    Err(e) => {
+                        failed_at = Some(n);
+                        Point::new(&name, mtu, n, &[], Some(format!("{e:#}")))
+                    }
+                };
+                p.node_counters = counter_delta(&before, &after);
+                p.node_counters.extend(counter_delta(
+                    &runtime_before,
+                    &runtime_counters(&aggc, &workers),
+                ));
+                report_point(&p);
+                points.push(p);
+            }
         }
         Ok(())
     })();
@@ -642,12 +688,14 @@ fn runtime_phase(
     };
     drop(bpffs);
     if let Err(e) = result {
-        points.extend(
-            sizes
-                .iter()
-                .skip(points.len())
-                .map(|&n| Point::new(backend, mtu, n, &[], Some(format!("{e:#}")))),
-        );
+        for dtype in dtypes {
+            let name = dtype.backend(backend);
+            for &n in sizes {
+                if !points.iter().any(|p| p.backend == name && p.elements == n) {
+                    points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
+                }
+            }
+        }
     }
     if let Err(e) = detached {
         // What was measured stands; the failed detach is reported.
@@ -671,7 +719,7 @@ fn csv_row(
         backend.into(),
         mtu.to_string(),
         n.to_string(),
-        if backend == "gloo" {
+        if backend.starts_with("gloo") {
             String::new()
         } else {
             tools::elements_per_datagram(mtu as usize).to_string()
@@ -761,11 +809,14 @@ fn gloo_phase(
     reps: usize,
     bases: &BTreeMap<u64, Vec<i32>>,
     csv: &mut Csv,
+    dtype: Dtype,
 ) -> Vec<Point> {
+    let name = dtype.backend("gloo");
+    let name = name.as_str();
     let fail_all = |e: String| -> Vec<Point> {
         let pts: Vec<Point> = sizes
             .iter()
-            .map(|&n| Point::new("gloo", mtu, n, &[], Some(e.clone())))
+            .map(|&n| Point::new(name, mtu, n, &[], Some(e.clone())))
             .collect();
         pts.iter().for_each(report_point);
         pts
@@ -796,7 +847,8 @@ fn gloo_phase(
     let world = worker_count().to_string();
     for r in 0..worker_count() {
         let rank = r.to_string();
-        let port = GLOO_PORT.to_string();
+        // A port per dtype: the previous rendezvous may linger in TIME_WAIT.
+        let port = (GLOO_PORT + (dtype == Dtype::F32) as u16).to_string();
         let reps_s = reps.to_string();
         let timeout = format!("{:.0}", limit.as_secs_f64());
         let script_s = script.to_string_lossy().to_string();
@@ -820,6 +872,11 @@ fn gloo_phase(
             "1",
             "--timeout",
             &timeout,
+            "--dtype",
+            match dtype {
+                Dtype::I32 => "int32",
+                Dtype::F32 => "float32",
+            },
         ];
         let spawned = tb
             .command_in(r + 1, &args)
@@ -993,11 +1050,11 @@ fn gloo_phase(
         let p = match err {
             None => {
                 for (k, t) in times.iter().enumerate() {
-                    csv_row(csv, "gloo", mtu, n, k, t.all, t.workers, true);
+                    csv_row(csv, name, mtu, n, k, t.all, t.workers, true);
                 }
-                Point::new("gloo", mtu, n, &times, None)
+                Point::new(name, mtu, n, &times, None)
             }
-            Some(e) => Point::new("gloo", mtu, n, &[], Some(e)),
+            Some(e) => Point::new(name, mtu, n, &[], Some(e)),
         };
         report_point(&p);
         points.push(p);
@@ -1116,7 +1173,8 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// A comma-separated list of numbers from environment variable `name`, for
 /// running part of the experiment while investigating
 /// (`AGGBOX_LARGE_MTUS=65535` (0 = the largest working one),
-/// `AGGBOX_LARGE_SIZES=21800000`, `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo`,
+/// `AGGBOX_LARGE_SIZES=21800000`,
+/// `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo,kernel-f32,gloo-f32`,
 /// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window,
 /// `AGGBOX_LARGE_WORKERS=8`: the number of workers).
 fn env_list(name: &str) -> Option<Vec<u64>> {
@@ -1141,7 +1199,8 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     } else {
         SIZES.to_vec()
     };
-    let backends = std::env::var("AGGBOX_LARGE_BACKENDS").unwrap_or_else(|_| "kernel,socket,gloo".into());
+    let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
+        .unwrap_or_else(|_| "kernel,socket,gloo,kernel-f32,gloo-f32".into());
     if let Some(w) = env_list("AGGBOX_LARGE_WINDOW") {
         progress(format!("large: configured window {w:?} (AGGBOX_LARGE_WINDOW), not the default"));
     }
@@ -1225,22 +1284,32 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             slots_for_mtu(mtu)
         ));
         for kernel in [true, false] {
-            if !want(if kernel { "kernel" } else { "socket" }) {
+            let b = if kernel { "kernel" } else { "socket" };
+            // Float calls through the kernel backend only (the socket
+            // backend quantizes the same way).
+            let dtypes: Vec<Dtype> = [Dtype::I32, Dtype::F32]
+                .into_iter()
+                .filter(|&d| (kernel || d == Dtype::I32) && want(&d.backend(b)))
+                .collect();
+            if dtypes.is_empty() {
                 continue;
             }
-            match runtime_phase(&tb, mtu, kernel, &sizes, reps, &bases, &mut csv) {
+            match runtime_phase(&tb, mtu, kernel, &dtypes, &sizes, reps, &bases, &mut csv) {
                 Ok(ps) => points.extend(ps),
                 Err(e) => {
-                    let b = if kernel { "kernel" } else { "socket" };
                     progress(format!("large: MTU {mtu} {b} backend: FAILED: {e:#}"));
-                    for &n in &sizes {
-                        points.push(Point::new(b, mtu, n, &[], Some(format!("{e:#}"))));
+                    for d in &dtypes {
+                        for &n in &sizes {
+                            points.push(Point::new(&d.backend(b), mtu, n, &[], Some(format!("{e:#}"))));
+                        }
                     }
                 }
             }
         }
-        if torch.is_ok() && want("gloo") {
-            points.extend(gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv));
+        for d in [Dtype::I32, Dtype::F32] {
+            if torch.is_ok() && want(&d.backend("gloo")) {
+                points.extend(gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d));
+            }
         }
         if let Err(e) = tb.down() {
             progress(format!("large: testbed teardown at MTU {mtu}: {e}"));
@@ -1340,7 +1409,9 @@ fn markdown(
          aggregates, the TC program copies every RESULT to the {w} workers: `result_group`), communicators from the node configuration \
          (`CommunicatorBuilder::from_config`, `.mtu(MTU)`), job slots = block pool / blocks per datagram; `socket`: the same API and \
          configuration with the user-space aggregator on host 0; `gloo`: torch.distributed Gloo ({}), one process per worker namespace \
-         (`scripts/gloo_allreduce.py`, TCP over the same veths). One warm-up call, then {reps} timed calls per point; all participants meet \
+         (`scripts/gloo_allreduce.py`, TCP over the same veths); `kernel-f32` / `gloo-f32`: the same with float32 vectors of the same \
+         integer values (AggBox: `allreduce_f32` with adaptive quantization, i.e. a one-element MAX allreduce of max |x|, quantize, \
+         dequantize; Gloo: a float32 tensor), so every result is exact and checked the same way. One warm-up call, then {reps} timed calls per point; all participants meet \
          at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
          application included). elements/s = elements per vector / time per call; contributed/s = {w} × that. Every call's result is \
          checked element by element on every participant. Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
@@ -1360,7 +1431,9 @@ fn markdown(
     let order = |b: &str| match b {
         "kernel" => 0,
         "socket" => 1,
-        _ => 2,
+        "gloo" => 2,
+        "kernel-f32" => 3,
+        _ => 4,
     };
     sorted.sort_by_key(|p| (p.elements, p.mtu, order(&p.backend)));
     for p in &sorted {
@@ -1423,7 +1496,7 @@ fn markdown(
     let counters: Vec<&Point> = sorted
         .iter()
         .copied()
-        .filter(|p| p.backend != "gloo" && !p.node_counters.is_empty())
+        .filter(|p| !p.backend.starts_with("gloo") && !p.node_counters.is_empty())
         .collect();
     if !counters.is_empty() {
         let _ = writeln!(
