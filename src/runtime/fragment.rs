@@ -50,6 +50,12 @@ pub const KERNEL_INFLIGHT_PACKETS: usize = 1280;
 /// Bytes of those packets ([`kernel_window`]).
 pub const KERNEL_INFLIGHT_BYTES: usize = 8 << 20;
 
+/// RESULT copies one window may make when the TC result group fans each
+/// RESULT out to every worker ([`kernel_window`]): the copies of a RESULT
+/// enter the node's per-CPU backlog (1000 packets by default) at once, and
+/// they are what overflowed it.
+pub const KERNEL_INFLIGHT_COPIES: usize = 400;
+
 /// Fragments a kernel-backend worker may have in flight: at most the
 /// configured `window`, the job's `slots` (each fragment in flight is one
 /// slot), the node's accumulator block pool (`abi::MAX_BLOCKS` = 8192
@@ -58,7 +64,9 @@ pub const KERNEL_INFLIGHT_BYTES: usize = 8 << 20;
 /// window of `w` fragments is `w · workers` contributions and `w ·
 /// result_copies` RESULT datagrams (1 for a reduce, workers + 1 for an
 /// allreduce through the TC result group), within
-/// [`KERNEL_INFLIGHT_PACKETS`] and [`KERNEL_INFLIGHT_BYTES`] (at least 4).
+/// [`KERNEL_INFLIGHT_PACKETS`] and [`KERNEL_INFLIGHT_BYTES`], and with a
+/// fan-out (more than one copy) `w · result_copies` within
+/// [`KERNEL_INFLIGHT_COPIES`] (at least 4).
 ///
 /// Why: the kernel reduces at a fixed rate, so datagrams in flight beyond
 /// that only queue, in the node's per-CPU backlog (1000 packets by default)
@@ -68,8 +76,11 @@ pub const KERNEL_INFLIGHT_BYTES: usize = 8 << 20;
 /// elements): windows of 256 / 233 / 32 at MTU 1500 / 9000 / 65535 lost up
 /// to 1 % of the copies and took 1.53 / 0.58 / 0.24 s per call, 142 / 103 /
 /// 14 lose none and take 1.28 / 0.35–0.38 / 0.17–0.19 s; a reduce of 4 M
-/// elements at 1500 (one copy: 256) 0.17 s, where 128 took 0.23 s. At
-/// least 1.
+/// elements at 1500 (one copy: 256) 0.17 s, where 128 took 0.23 s. On a
+/// slower phase of the same VM 142 / 103 lost 0.1–0.6 % of the copies again
+/// (1 in 3 calls at 9000 took 0.7–0.9 s instead of 0.4 s); the fan-out bound
+/// (80 / 80 / 14 for that allreduce) lost none in 3 of 3 runs at 85, where
+/// 55 was ~8 % slower at 1500 (docs/RUNTIME.md "Windows"). At least 1.
 pub fn kernel_window(
     window: usize,
     slots: usize,
@@ -80,8 +91,14 @@ pub fn kernel_window(
 ) -> usize {
     let pool = crate::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
     let packets = workers.max(1) + result_copies;
+    let fan_out = if result_copies > 1 {
+        KERNEL_INFLIGHT_COPIES / result_copies
+    } else {
+        usize::MAX
+    };
     let queued = (KERNEL_INFLIGHT_PACKETS / packets)
         .min(KERNEL_INFLIGHT_BYTES / packets / datagram_bytes.max(1))
+        .min(fan_out)
         .max(4);
     window.min(slots).min(pool).min(queued).max(1)
 }
@@ -228,7 +245,8 @@ mod tests {
         assert_eq!(blocks_per_fragment(256), 1);
         assert_eq!(blocks_per_fragment(257), 2);
         // Kernel window: min(window, slots, 8192 / blocks, what the node
-        // queues: 1280 packets and 8 MiB of contributions and RESULTs).
+        // queues: 1280 packets and 8 MiB of contributions and RESULTs, and
+        // 400 RESULT copies of a fan-out).
         let dgram = |per: usize| IP_UDP_HDR + crate::abi::AGG_HDR_LEN + 4 * per;
         assert_eq!(kernel_window(256, 1024, 362, 1, 1, dgram(362)), 256);
         assert_eq!(kernel_window(1024, 4096, 362, 1, 1, dgram(362)), 640);
@@ -239,8 +257,9 @@ mod tests {
         assert_eq!(kernel_window(256, 64, 16370, 1, 1, 1), 64);
         assert_eq!(kernel_window(0, 0, 16370, 1, 1, 1), 1);
         // Four workers (the benchmark's), allreduce (5 copies of each RESULT):
-        // 142 / 103 / 14 at 1500 / 9000 / 65535; reduce (1 copy): 256 / 186 / 25.
-        for (per, all, red) in [(362, 142, 256), (2237, 103, 186), (16370, 14, 25)] {
+        // 80 / 80 / 14 at 1500 / 9000 / 65535 (400 copies; 14: 8 MiB); reduce
+        // (1 copy, no fan-out): 256 / 186 / 25.
+        for (per, all, red) in [(362, 80, 256), (2237, 80, 186), (16370, 14, 25)] {
             assert_eq!(
                 kernel_window(256, 1024, per, 4, 5, dgram(per)),
                 all,
