@@ -78,9 +78,10 @@ pub const KERNEL_INFLIGHT_COPIES: usize = 400;
 /// 14 lose none and take 1.28 / 0.35–0.38 / 0.17–0.19 s; a reduce of 4 M
 /// elements at 1500 (one copy: 256) 0.17 s, where 128 took 0.23 s. On a
 /// slower phase of the same VM 142 / 103 lost 0.1–0.6 % of the copies again
-/// (1 in 3 calls at 9000 took 0.7–0.9 s instead of 0.4 s); the fan-out bound
-/// (80 / 80 / 14 for that allreduce) lost none in 3 of 3 runs at 85, where
-/// 55 was ~8 % slower at 1500 (docs/RUNTIME.md "Windows"). At least 1.
+/// (2 of 3 calls at 9000 took 0.7–0.9 s instead of 0.4 s); windows of 85
+/// lost some in 2 of 6 runs, 55 none but ~8 % slower at 1500, and the
+/// fan-out bound (80 / 80 / 14 for that allreduce) none in 3 runs
+/// (docs/RUNTIME.md "Windows"). At least 1.
 pub fn kernel_window(
     window: usize,
     slots: usize,
