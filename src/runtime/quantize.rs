@@ -123,8 +123,8 @@ pub fn dequantize_be_into(be: &[u8], divisor: f64, out: &mut [f32]) {
 /// The quantization loop, compiled for the baseline x86-64 (SSE2) and, where
 /// the CPU has them, for AVX2 and AVX-512 (chosen once per call at run
 /// time): `round_ties_even` has no SSE2 instruction, so the baseline build
-/// called libm per element and ran at ~1/10 of memory bandwidth
-/// (`quantize_and_fragment_throughput`). Rounding here is the classic
+/// called libm per element and ran at ~1/10 of memory bandwidth (`aggbox
+/// bench edge`, docs/BENCHMARKS.md). Rounding here is the classic
 /// add-and-subtract of 1.5 · 2^52, exact round-half-to-even for |v| < 2^51
 /// under the default rounding mode, so every path vectorizes and all give
 /// the same bits (`fast_quantization_matches_the_definition`).
@@ -176,6 +176,15 @@ mod kernels {
         body(x, scale, out, put)
     }
 
+    /// The CPU has the AVX-512 subsets `body_avx512` is built for.
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512dq")
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
     unsafe fn body_avx512<T>(x: &[f32], scale: f64, out: &mut [MaybeUninit<T>], put: impl Fn(i32) -> T) -> bool {
@@ -189,11 +198,7 @@ mod kernels {
         let out = &mut out[..x.len()];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx512dq")
-            {
+            if has_avx512() {
                 // SAFETY: the CPU has the features the function was built for.
                 return unsafe { body_avx512(x, scale, out, put) };
             }
@@ -225,11 +230,7 @@ mod kernels {
                 // SAFETY: the CPU has AVX2.
                 v.push(("avx2", |x, s, o| unsafe { body_avx2(x, s, o, |q| q) }));
             }
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx512dq")
-            {
+            if has_avx512() {
                 // SAFETY: the CPU has these AVX-512 subsets.
                 v.push(("avx512", |x, s, o| unsafe { body_avx512(x, s, o, |q| q) }));
             }
