@@ -28,7 +28,9 @@
 #           --first        last octet of host 0's address (default 11)
 #           --extra-addrs  K extra addresses per host (default 0)
 #           --mtu          MTU of every veth (default 1500)
-#           --queues       TX and RX queue count of every veth (default: kernel's)
+#           --queues       TX and RX queue count of every veth (default: kernel's:
+#                          one TX queue, an RX queue per CPU); with it, TX queue q
+#                          of every veth is CPU (q mod CPUs)'s (XPS), see set_xps
 #           --tx-csum-off  `ethtool -K eth0 tx off` in every host, so locally
 #                          generated packets carry full checksums
 #           --static-neigh permanent ARP entries for every other host's addresses
@@ -172,6 +174,38 @@ host_addr() { # host_addr I [K]: main address (no K) or extra address K
     else
         echo "$SUBNET.$((1 + k)).$((FIRST + i))"
     fi
+}
+
+# cpu_mask C N: the xps_cpus bitmap of CPU C among N CPUs (32-bit words,
+# most significant first, comma-separated, as sysfs prints it).
+cpu_mask() {
+    local c=$1 n=$2 w out=""
+    for ((w = (n + 31) / 32 - 1; w >= 0; w--)); do
+        if ((c / 32 == w)); then
+            out+=$(printf '%08x' $((1 << (c % 32))))
+        else
+            out+=00000000
+        fi
+        ((w == 0)) || out+=,
+    done
+    echo "$out"
+}
+
+# set_xps NS DEV: TX queue q of DEV is used by CPU (q mod CPUs). A veth's TX
+# queue picks the peer's RX queue, and with XDP on the peer each RX queue is
+# one NAPI context: without this the bridge sends every frame for a host into
+# TX queue 0 (one TX queue) or by flow hash (several workers' flows can share
+# a queue), so one CPU runs the peer's XDP program for all senders while the
+# others wait. With it, a frame forwarded on CPU c is processed on CPU c, as
+# a multi-queue NIC spreads its RX queues over CPUs. No XPS in the kernel: the
+# flow hash picks.
+set_xps() {
+    local ns=$1 dev=$2 q cpus
+    cpus=$(nsexec "$ns" nproc --all)
+    for ((q = 0; q < QUEUES; q++)); do
+        nsexec "$ns" test -w "/sys/class/net/$dev/queues/tx-$q/xps_cpus" || return 0
+        nsexec "$ns" sh -c "echo $(cpu_mask $((q % cpus)) "$cpus") >/sys/class/net/$dev/queues/tx-$q/xps_cpus"
+    done
 }
 
 host_mac() {
@@ -318,6 +352,10 @@ cmd_up() {
         ip -n "$ns" link set lo up
         ip -n "$SW_NS" link add "$port" "${qopt[@]}" mtu "$MTU" type veth \
             peer name eth0 "${qopt[@]}" mtu "$MTU" address "$(host_mac "$i")" netns "$ns"
+        if [[ -n $QUEUES ]]; then
+            set_xps "$SW_NS" "$port"
+            set_xps "$ns" eth0
+        fi
         ip -n "$SW_NS" link set "$port" master br0
         ip -n "$SW_NS" link set "$port" up
         ip -n "$ns" addr add "$(host_addr "$i")/16" dev eth0

@@ -246,6 +246,26 @@ fn options_extra_addrs_static_neigh_tx_csum_off_queues_mtu() {
     assert!(link.contains("numtxqueues 2 numrxqueues 2"), "{link}");
     assert!(link.contains("02:00:0a:4d:00:0b"), "{link}");
 
+    // With --queues every TX queue is one CPU's (XPS): queue q, CPU q mod N.
+    let cpus = tb.run_in(0, &["nproc", "--all"]).expect("nproc");
+    let cpus: usize = String::from_utf8_lossy(&cpus.stdout).trim().parse().expect("nproc");
+    for q in 0..2 {
+        let path = format!("/sys/class/net/eth0/queues/tx-{q}/xps_cpus");
+        let out = tb.run_in(0, &["cat", &path]).expect("xps_cpus");
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        // Comma-separated 32-bit words, most significant first.
+        let cpus_set: Vec<usize> = text
+            .split(',')
+            .rev()
+            .enumerate()
+            .flat_map(|(w, word)| {
+                let bits = u32::from_str_radix(word, 16).expect("hex word");
+                (0..32).filter(move |b| bits & (1 << b) != 0).map(move |b| 32 * w + b)
+            })
+            .collect();
+        assert_eq!(cpus_set, vec![q % cpus], "{path}: {text}");
+    }
+
     let neigh = tb
         .run_in(0, &["ip", "neigh", "show", "dev", "eth0"])
         .expect("neigh");

@@ -761,12 +761,17 @@ fn report_point(p: &Point) {
 
 // ------------------------------------------------------------------ Gloo ----
 
-fn python() -> &'static str {
-    // Debian's python3-torch lives in the system interpreter.
+/// The interpreter with torch: `AGGBOX_PYTHON` where torch lives elsewhere
+/// (a virtual environment), else the system one, where Debian's
+/// python3-torch is (a `python3` earlier on PATH, pyenv's say, lacks it).
+fn python() -> String {
+    if let Some(p) = std::env::var_os("AGGBOX_PYTHON").filter(|p| !p.is_empty()) {
+        return p.to_string_lossy().into_owned();
+    }
     if Path::new("/usr/bin/python3").exists() {
-        "/usr/bin/python3"
+        "/usr/bin/python3".into()
     } else {
-        "python3"
+        "python3".into()
     }
 }
 
@@ -853,8 +858,9 @@ fn gloo_phase(
         let timeout = format!("{:.0}", limit.as_secs_f64());
         let script_s = script.to_string_lossy().to_string();
         let master_s = master.to_string();
+        let python = python();
         let args: Vec<&str> = vec![
-            python(),
+            &python,
             &script_s,
             "--rank",
             &rank,
@@ -1069,6 +1075,28 @@ fn gloo_phase(
 
 // ------------------------------------------------------------ experiment ----
 
+/// Veth queues of the testbed (`testbed.sh --queues`, each TX queue one
+/// CPU's): a queue per CPU on a machine of 4 or more CPUs, the kernel's
+/// default (one TX queue) below. With XDP on the aggregator's veth each RX
+/// queue is one NAPI context, and the queue a frame takes is the bridge
+/// port's TX queue: with one, one CPU at a time runs the aggregator's XDP
+/// program for every worker, as on a NIC without RSS. Measured (21.8 M
+/// elements, 4 workers, s per call at MTU 1500 / 65535; a 16-core machine
+/// confined with taskset): 16 CPUs 2.26 / 0.265 with one queue, 1.65 /
+/// 0.212 with 16; 4 CPUs 1.43 / 0.290 and 1.50 / 0.212; 2 CPUs 1.56 /
+/// 0.289 and 2.09 / 0.339 (this 2-vCPU VM: 1.49–1.62 / 0.20–0.24 and 2.49–
+/// 2.62 / 0.18–0.19): on 2 CPUs, which the workers already keep busy, the
+/// second NAPI context only adds cross-CPU wake-ups and contention for the
+/// same slots. `AGGBOX_LARGE_QUEUES=N` sets N, 0 the kernel's default.
+fn testbed_queues() -> Option<u32> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    match env_list("AGGBOX_LARGE_QUEUES").and_then(|q| q.first().copied()) {
+        Some(0) => None,
+        Some(q) => Some(q as u32),
+        None => (cpus >= 4).then_some(cpus),
+    }
+}
+
 /// Testbed at `mtu` (the aggregator and the workers' hosts), with the veth MTU
 /// read back from host 1.
 fn testbed(mtu: u32) -> Result<Testbed> {
@@ -1079,6 +1107,7 @@ fn testbed(mtu: u32) -> Result<Testbed> {
         prefix: None,
         mtu,
         static_neigh: true,
+        queues: testbed_queues(),
         ..Default::default()
     })
     .with_context(|| format!("testbed at MTU {mtu}"))?;
@@ -1176,7 +1205,8 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// `AGGBOX_LARGE_SIZES=21800000`,
 /// `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo,kernel-f32,gloo-f32`,
 /// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window,
-/// `AGGBOX_LARGE_WORKERS=8`: the number of workers).
+/// `AGGBOX_LARGE_WORKERS=8`: the number of workers,
+/// `AGGBOX_LARGE_QUEUES=0`: veth queues, 0 = the kernel's default).
 fn env_list(name: &str) -> Option<Vec<u64>> {
     let v = std::env::var(name).ok()?;
     Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -1201,6 +1231,10 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| "kernel,socket,gloo,kernel-f32,gloo-f32".into());
+    progress(match testbed_queues() {
+        Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
+        None => "large: testbed veths with the kernel's queues (one TX queue)".to_string(),
+    });
     if let Some(w) = env_list("AGGBOX_LARGE_WINDOW") {
         progress(format!("large: configured window {w:?} (AGGBOX_LARGE_WINDOW), not the default"));
     }
