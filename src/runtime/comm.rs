@@ -1260,8 +1260,12 @@ impl Engine {
             random_group_base(cfg.reliability.group_size),
         );
         bc_tx.set_window(window);
+        // Broadcast receivers and result receivers keep what arrives: one
+        // gone quiet is busy, and gets probes (SendWindow::set_probe_quiet).
+        bc_tx.set_probe_quiet(true);
         let bc_rx = (0..n).map(|_| RecvTracker::new(cfg.reliability)).collect();
-        let res_tx = SendWindow::new(cfg.reliability, cfg.peers.len(), cfg.first_agg_seq);
+        let mut res_tx = SendWindow::new(cfg.reliability, cfg.peers.len(), cfg.first_agg_seq);
+        res_tx.set_probe_quiet(true);
         let res_rx = RecvTracker::new(cfg.reliability);
         let tc = match (&cfg.tc_group, cfg.backend) {
             (Some(g), BackendKind::Kernel) => Some(TcRoute {

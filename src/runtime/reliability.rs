@@ -239,6 +239,9 @@ pub struct SendWindow {
     /// Per destination that went quiet, when its last probe went out and
     /// how many it got since its last progress (see [`SendWindow::poll`]).
     probes: Vec<Option<(Instant, u16)>>,
+    /// Whether a quiet destination gets probes rather than everything that
+    /// timed out (see [`SendWindow::set_probe_quiet`]).
+    probe_quiet: bool,
 }
 
 impl SendWindow {
@@ -261,7 +264,21 @@ impl SendWindow {
             holes_are_losses: true,
             progress: vec![None; ndest.clamp(1, 64)],
             probes: vec![None; ndest.clamp(1, 64)],
+            probe_quiet: false,
         }
+    }
+
+    /// `true` where the destinations keep what arrives, so that one gone
+    /// quiet is busy, not shedding load: it then gets one probe per timeout
+    /// instead of every timed-out datagram (see [`SendWindow::poll`]). The
+    /// aggregator's results and broadcast data go to such receivers. Not
+    /// contributions to the socket backend's aggregator: it drops, without
+    /// an ACK, what it has no slot for, and a worker that ran ahead needs
+    /// its whole timed-out window resent once slots free up (probing the
+    /// newest, the fragment furthest ahead and dropped again, made a
+    /// reduce with 8 slots miss a 3 s deadline).
+    pub fn set_probe_quiet(&mut self, on: bool) {
+        self.probe_quiet = on;
     }
 
     /// `false` when an ACK's holes do not show this sender's losses, so only
@@ -592,7 +609,8 @@ impl SendWindow {
     /// destination whose ACKs acknowledged new datagrams less than one RTO
     /// ago gets nothing: its datagrams wait in its queue, and one it lost
     /// shows as a hole below what it acknowledges, which
-    /// [`SendWindow::on_ack`] resends. With group ACKs (bitmaps) a
+    /// [`SendWindow::on_ack`] resends. With group ACKs (bitmaps) and
+    /// receivers that keep what arrives ([`SendWindow::set_probe_quiet`]) a
     /// destination that has gone quiet is asked, not flooded: one probe per
     /// timeout, the newest of its timed-out datagrams, whose ACK shows as
     /// holes whatever else it lacks (TCP's tail loss probe; TCP's RTO also
@@ -610,7 +628,8 @@ impl SendWindow {
     /// flight.
     pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
         let rto = self.rtt.rto();
-        let probing = self.holes_are_losses && self.cfg.ack_mode == AckMode::Group;
+        let probing =
+            self.probe_quiet && self.holes_are_losses && self.cfg.ack_mode == AckMode::Group;
         // Destinations that get nothing now (progress less than an RTO ago,
         // or a probe not yet answered) and when the first of them may.
         let mut quiet_until: Option<Instant> = None;
@@ -1040,6 +1059,7 @@ mod tests {
         // 10 ms and 101 at 20 ms, dest 1 nothing.
         let c = cfg(AckMode::Group, 1024, 8);
         let mut w = SendWindow::new(c, 2, 100);
+        w.set_probe_quiet(true);
         let t0 = Instant::now();
         let ms = |m: u64| t0 + Duration::from_millis(m);
         let one_ms = Duration::from_millis(1);
@@ -1099,23 +1119,26 @@ mod tests {
     }
 
     #[test]
-    fn with_per_packet_acks_a_quiet_destination_gets_every_timed_out_datagram() {
+    fn a_quiet_destination_is_probed_only_with_group_acks_to_receivers_that_keep_what_arrives() {
+        let t0 = Instant::now();
+        let window = |mode, probe| {
+            let mut w = SendWindow::new(cfg(mode, 1024, 8), 1, 100);
+            w.set_probe_quiet(probe);
+            for _ in 0..3 {
+                w.send(1, t0, seq_datagram, &mut |_, _| {}).unwrap();
+            }
+            w
+        };
+        let due = t0 + ReliabilityConfig::default().initial_rto + Duration::from_millis(1);
+        // Group ACKs to a receiver that keeps what arrives: one probe, the newest.
+        assert_eq!(resent_at(&mut window(AckMode::Group, true), due), vec![(0, 102)]);
         // A per-packet ACK names one datagram and shows no holes, so a probe
         // would reveal nothing: every timed-out datagram goes again.
-        let c = cfg(AckMode::Packet, 1024, 8);
-        let mut w = SendWindow::new(c, 1, 100);
-        let t0 = Instant::now();
-        for _ in 0..3 {
-            w.send(1, t0, seq_datagram, &mut |_, _| {}).unwrap();
-        }
-        let due = t0 + w.rtt().rto() + Duration::from_millis(1);
-        assert_eq!(resent_at(&mut w, due), vec![(0, 100), (0, 101), (0, 102)]);
-        // The same with group ACKs: one probe, the newest.
-        let mut w = SendWindow::new(cfg(AckMode::Group, 1024, 8), 1, 100);
-        for _ in 0..3 {
-            w.send(1, t0, seq_datagram, &mut |_, _| {}).unwrap();
-        }
-        assert_eq!(resent_at(&mut w, due), vec![(0, 102)]);
+        let all = vec![(0, 100), (0, 101), (0, 102)];
+        assert_eq!(resent_at(&mut window(AckMode::Packet, true), due), all);
+        // A receiver that sheds load (the socket aggregator without a free
+        // slot) needs them all too.
+        assert_eq!(resent_at(&mut window(AckMode::Group, false), due), all);
     }
 
     #[test]
