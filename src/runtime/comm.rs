@@ -2209,12 +2209,11 @@ impl Engine {
     }
 
     /// The receive trackers' due ACKs (broadcast data, and a worker's
-    /// results); returns when the next one is due. Also called while a long
-    /// receive queue is drained: a burst of thousands of datagrams takes
-    /// milliseconds to copy and decode, and the senders' timeouts, which
-    /// wait for these ACKs, expired meanwhile and resent what had arrived
-    /// (at MTU 9000, 11 % of the RESULT copies of a 21.8 M-element
-    /// allreduce were resent as duplicates).
+    /// results); returns when the next one is due. Also called between the
+    /// batches of a long receive queue: draining thousands of datagrams
+    /// takes milliseconds of copying and decoding, longer than the senders'
+    /// RTO, and their timeouts fire for what is sitting in this queue while
+    /// its ACKs wait for the end of the drain.
     fn receiver_acks(&mut self, now: Instant) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         let mut merge = |t: Option<Instant>| {
