@@ -200,12 +200,14 @@ cpu_mask() {
 # a multi-queue NIC spreads its RX queues over CPUs. No XPS in the kernel: the
 # flow hash picks.
 set_xps() {
-    local ns=$1 dev=$2 q cpus
+    local ns=$1 dev=$2 q cpus script=""
     cpus=$(nsexec "$ns" nproc --all)
+    # One shell in the namespace for all queues (sysfs is the namespace's).
     for ((q = 0; q < QUEUES; q++)); do
-        nsexec "$ns" test -w "/sys/class/net/$dev/queues/tx-$q/xps_cpus" || return 0
-        nsexec "$ns" sh -c "echo $(cpu_mask $((q % cpus)) "$cpus") >/sys/class/net/$dev/queues/tx-$q/xps_cpus"
+        script+="f=/sys/class/net/$dev/queues/tx-$q/xps_cpus; [ -w \$f ] || exit 0; "
+        script+="echo $(cpu_mask $((q % cpus)) "$cpus") >\$f || exit 1; "
     done
+    nsexec "$ns" sh -c "$script"
 }
 
 host_mac() {
