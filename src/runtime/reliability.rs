@@ -242,6 +242,10 @@ pub struct SendWindow {
     /// Whether a quiet destination gets probes rather than everything that
     /// timed out (see [`SendWindow::set_probe_quiet`]).
     probe_quiet: bool,
+    /// Per destination recovering from a timeout where probes are off: how
+    /// many timed-out datagrams went to it at its last ACK of new data (or
+    /// the timeout), 0 when it is not recovering (see [`SendWindow::poll`]).
+    recovery: Vec<u32>,
 }
 
 impl SendWindow {
@@ -265,6 +269,7 @@ impl SendWindow {
             progress: vec![None; ndest.clamp(1, 64)],
             probes: vec![None; ndest.clamp(1, 64)],
             probe_quiet: false,
+            recovery: vec![0; ndest.clamp(1, 64)],
         }
     }
 
@@ -561,6 +566,7 @@ impl SendWindow {
         let bit = 1u64 << dest;
         let mut sample: Option<Instant> = None;
         let mut highest: Option<u32> = None;
+        let mut progressed = false;
         for seq in bm.received() {
             if let Some(i) = self.index_of(seq) {
                 let e = &mut self.entries[i];
@@ -568,6 +574,7 @@ impl SendWindow {
                     e.pending &= !bit;
                     self.progress[dest] = Some(now);
                     self.probes[dest] = None;
+                    progressed = true;
                     if e.retries == 0 {
                         sample =
                             Some(sample.map_or(e.first_sent, |s: Instant| s.min(e.first_sent)));
@@ -599,7 +606,43 @@ impl SendWindow {
                 }
             }
         }
+        if progressed && self.recovery[dest] > 0 {
+            // Recovering from a timeout: twice as many as last time.
+            let n = self.recovery[dest].saturating_mul(2);
+            self.recovery[dest] = self.resend_oldest_timed_out(dest, n, now, tx);
+        }
         self.retire();
+    }
+
+    /// Resends to `dest` up to `n` of its oldest timed-out datagrams; returns
+    /// `n` when there were that many (more may follow), else 0.
+    fn resend_oldest_timed_out(
+        &mut self,
+        dest: usize,
+        n: u32,
+        now: Instant,
+        tx: &mut impl FnMut(usize, &[u8]),
+    ) -> u32 {
+        let bit = 1u64 << dest;
+        let mut sent = 0;
+        for e in self.entries.iter_mut() {
+            if sent == n {
+                return n;
+            }
+            if e.pending & bit == 0 || e.reserved || e.last_sent + self.rtt.backoff(e.retries) > now {
+                continue;
+            }
+            tx(dest, &self.bufs[e.buf as usize]);
+            self.stats.retransmitted += 1;
+            e.retries = e.retries.saturating_add(1);
+            e.last_sent = now;
+            sent += 1;
+        }
+        if sent == n {
+            n
+        } else {
+            0
+        }
     }
 
     /// Retransmits what timed out (`RTO * 2^retries` after it was last
@@ -629,8 +672,11 @@ impl SendWindow {
     /// flight.
     pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
         let rto = self.rtt.rto();
-        let probing =
-            self.probe_quiet && self.holes_are_losses && self.cfg.ack_mode == AckMode::Group;
+        // A quiet destination gets one datagram per timeout where ACK
+        // bitmaps show holes: the newest where receivers keep what arrives,
+        // the oldest (then more per ACK: `recovery`) where they may shed load.
+        let asking = self.holes_are_losses && self.cfg.ack_mode == AckMode::Group;
+        let newest_first = self.probe_quiet;
         // Destinations that get nothing now (progress less than an RTO ago,
         // or a probe not yet answered) and when the first of them may.
         let mut quiet_until: Option<Instant> = None;
@@ -647,8 +693,8 @@ impl SendWindow {
         }
         let mut next: Option<Instant> = None;
         let mut merge = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
-        // With probes: the newest timed-out datagram of every quiet destination.
-        let mut newest = [usize::MAX; 64];
+        // The timed-out datagram each quiet destination is asked with.
+        let mut ask = [usize::MAX; 64];
         let mut waiting = false;
         for (i, e) in self.entries.iter_mut().enumerate() {
             if e.pending == 0 || e.reserved {
@@ -664,12 +710,14 @@ impl SendWindow {
                 waiting = true;
                 continue;
             }
-            if probing {
+            if asking {
                 waiting = true;
                 while owed != 0 {
                     let d = owed.trailing_zeros() as usize;
                     owed &= owed - 1;
-                    newest[d] = i;
+                    if newest_first || ask[d] == usize::MAX {
+                        ask[d] = i;
+                    }
                 }
                 continue;
             }
@@ -684,7 +732,7 @@ impl SendWindow {
             merge(now + self.rtt.backoff(e.retries));
         }
         for d in 0..self.ndest {
-            let i = newest[d];
+            let i = ask[d];
             if i == usize::MAX {
                 continue;
             }
@@ -694,6 +742,9 @@ impl SendWindow {
             // Karn: no RTT sample from it any more.
             e.retries = e.retries.max(1);
             e.last_sent = now;
+            if !newest_first {
+                self.recovery[d] = 1;
+            }
             let k = self.probes[d].map_or(0, |(_, k)| k).saturating_add(1);
             self.probes[d] = Some((now, k));
             merge(now + self.rtt.backoff(k));
@@ -1120,7 +1171,7 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_destination_is_probed_only_with_group_acks_to_receivers_that_keep_what_arrives() {
+    fn a_quiet_destination_is_asked_with_one_datagram_only_where_acks_show_holes() {
         let t0 = Instant::now();
         let window = |mode, probe| {
             let mut w = SendWindow::new(cfg(mode, 1024, 8), 1, 100);
@@ -1137,9 +1188,18 @@ mod tests {
         // would reveal nothing: every timed-out datagram goes again.
         let all = vec![(0, 100), (0, 101), (0, 102)];
         assert_eq!(resent_at(&mut window(AckMode::Packet, true), due), all);
-        // A receiver that sheds load (the socket aggregator without a free
-        // slot) needs them all too.
-        assert_eq!(resent_at(&mut window(AckMode::Group, false), due), all);
+        // A receiver that may shed load (the socket aggregator without a
+        // free slot): the oldest first, then twice as many at each ACK of new
+        // data, as TCP after a timeout.
+        let mut w = window(AckMode::Group, false);
+        assert_eq!(resent_at(&mut w, due), vec![(0, 100)]);
+        let mut got = SeqBitmap::new(100, 4).unwrap();
+        got.set(100);
+        let mut more = Vec::new();
+        w.on_ack(0, &got, due + Duration::from_millis(1), &mut |d, b| {
+            more.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+        });
+        assert_eq!(more, vec![(0, 101), (0, 102)]);
     }
 
     #[test]
