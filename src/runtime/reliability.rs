@@ -274,14 +274,14 @@ impl SendWindow {
     }
 
     /// `true` where the destinations keep what arrives, so that one gone
-    /// quiet is busy, not shedding load: it then gets one probe per timeout
-    /// instead of every timed-out datagram (see [`SendWindow::poll`]). The
-    /// aggregator's results and broadcast data go to such receivers. Not
-    /// contributions to the socket backend's aggregator: it drops, without
-    /// an ACK, what it has no slot for, and a worker that ran ahead needs
-    /// its whole timed-out window resent once slots free up (probing the
-    /// newest, the fragment furthest ahead and dropped again, made a
-    /// reduce with 8 slots miss a 3 s deadline).
+    /// quiet is busy, not shedding load: it is then asked with the newest of
+    /// its timed-out datagrams (see [`SendWindow::poll`]). The aggregator's
+    /// results and broadcast data go to such receivers. Not contributions
+    /// to the socket backend's aggregator: it drops, without an ACK, what it
+    /// has no slot for, and a worker that ran ahead needs its timed-out
+    /// window back once slots free up, oldest first (probing the newest, the
+    /// fragment furthest ahead and dropped again, made a reduce with 8 slots
+    /// miss a 3 s deadline).
     pub fn set_probe_quiet(&mut self, on: bool) {
         self.probe_quiet = on;
     }
@@ -663,11 +663,14 @@ impl SendWindow {
     /// resending every timed-out datagram to it resent a whole window (up to
     /// 80 datagrams of 9 KB) into its queue at every stall of a few
     /// milliseconds (11 % of a 21.8 M-element allreduce's RESULT copies at
-    /// MTU 9000 on 2 vCPUs, more on 16 cores). Per-packet ACKs name one
-    /// datagram and show no holes, so there a quiet destination gets every
-    /// timed-out datagram (probing took 9 s instead of 0.23 s for a call at
-    /// 5 % loss), as does every destination where holes are not losses and
-    /// one that sheds load.
+    /// MTU 9000 on 2 vCPUs, more on 16 cores). A destination that may shed
+    /// load (probes off) is asked with the oldest instead, and at each ACK
+    /// of new data gets twice as many as the last time, oldest first
+    /// (`recovery`, TCP's recovery after a timeout). Per-packet ACKs name
+    /// one datagram and show no holes, so there a quiet destination gets
+    /// every timed-out datagram (probing took 9 s instead of 0.23 s for a
+    /// call at 5 % loss), as does every destination where holes are not
+    /// losses.
     /// Returns when the next timeout is due, `None` when nothing is in
     /// flight.
     pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
