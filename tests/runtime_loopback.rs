@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
 use aggbox::config::AckMode;
-use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization};
+use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization, StripedCommunicator};
 use aggbox::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -298,3 +298,150 @@ fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
     run_allreduce(&j, Op::Sum, 10);
 }
 
+
+/// A striped job over loopback: `stripes` jobs of `n` workers each (the
+/// socket backend), one striped communicator per participant.
+fn striped_job(n: usize, stripes: usize, tweak: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Vec<StripedCommunicator> {
+    let jobs: Vec<(u16, Vec<std::net::SocketAddrV4>)> = (0..stripes).map(|_| common_runtime::loopback_job_addrs(n)).collect();
+    let me = |p: usize| if p == 0 { Participant::Aggregator } else { Participant::Worker(p as u16 - 1) };
+    (0..=n)
+        .map(|p| {
+            let comms = jobs
+                .iter()
+                .enumerate()
+                .map(|(t, (port, peers))| {
+                    tweak(Communicator::builder(20 + t as u16, peers.clone(), LO, *port, me(p)).deadline(Duration::from_secs(10)))
+                        .build()
+                        .unwrap()
+                })
+                .collect();
+            StripedCommunicator::new(comms).unwrap()
+        })
+        .collect()
+}
+
+/// Every participant's int reduction of the pattern vectors over the stripes
+/// at once, checked against the reference reducer (everyone for allreduce,
+/// the aggregator for reduce).
+fn striped_int_reduction(parts: &[StripedCommunicator], op: Op, len: usize, all: bool) {
+    let want = common_runtime::expected(op, parts.len() - 1, len);
+    let outs = std::thread::scope(|s| {
+        let hs: Vec<_> = parts
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                s.spawn(move || {
+                    let mut v = if p == 0 { vec![0; len] } else { pattern_vector(p as u16 - 1, len as u32) };
+                    let r = if all { c.allreduce_i32_with(&mut v, op, CallOptions::default()) } else { c.reduce_i32_with(&mut v, op, CallOptions::default()) };
+                    r.unwrap_or_else(|e| panic!("participant {p} {op:?} len {len}: {e}"));
+                    v
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (p, v) in outs.iter().enumerate() {
+        if all || p == 0 {
+            if let Some(i) = v.iter().zip(&want).position(|(a, b)| a != b) {
+                panic!("participant {p} {op:?} len {len}: element {i} is {}, the reference reducer says {}", v[i], want[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn runtime_loopback_striped_reductions_equal_the_reference() {
+    let parts = striped_job(3, 3, |b| b.mtu(1500).quantization(Quantization::Adaptive));
+    // Fewer elements than stripes, a stripe boundary inside a fragment, many fragments.
+    for len in [1usize, 2, 5000, 100_001] {
+        striped_int_reduction(&parts, Op::Sum, len, true);
+        striped_int_reduction(&parts, Op::Max, len, true);
+        striped_int_reduction(&parts, Op::Sum, len, false);
+    }
+    let before: Vec<u64> = parts.iter().map(|p| p.stats().bytes_delivered).collect();
+    striped_int_reduction(&parts, Op::Sum, 30_000, true);
+    for (p, b) in parts.iter().zip(before) {
+        assert_eq!(p.stats().bytes_delivered - b, 30_000 * 4, "each result byte once, over all stripes");
+    }
+    // Every stripe carried its share.
+    for p in &parts {
+        assert!(p.stripes().iter().all(|c| c.stats().data_sent > 0));
+    }
+    // Floats: each stripe agrees on its own scale; everyone gets the same floats, close to the exact sum.
+    let len = 50_000;
+    let xs: Vec<Vec<f32>> = (0..3).map(|r| (0..len).map(|i| ((i as f32 * 0.37 + r as f32).sin() * 3.0) * if i < len / 2 { 1.0 } else { 1e-3 }).collect()).collect();
+    let outs = std::thread::scope(|s| {
+        let hs: Vec<_> = parts
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
+                s.spawn(move || {
+                    c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
+                    x
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for o in &outs {
+        assert_eq!(o, &outs[0], "everyone gets the same floats");
+    }
+    // The last stripe holds only small values: its own scale is 1000 times finer.
+    let last = aggbox::runtime::striped::stripe_bounds(len, 3)[2].clone();
+    assert!(last.start > len / 2);
+    for i in 0..len {
+        let exact: f64 = xs.iter().map(|x| x[i] as f64).sum();
+        let tol = if last.contains(&i) { 1e-9 } else { 1e-6 };
+        assert!((outs[0][i] as f64 - exact).abs() < tol, "{i}: {} vs {exact}", outs[0][i]);
+    }
+}
+
+#[test]
+fn runtime_loopback_striped_call_waits_for_every_stripe_and_reports_the_failure() {
+    let parts = striped_job(2, 2, |b| b);
+    let len = 4000;
+    let opts = CallOptions { deadline: Some(Duration::from_millis(600)), partial: false };
+    // Worker 1 takes part in stripe 0 only: stripe 1 times out, stripe 0 completes.
+    let (outs, lone) = std::thread::scope(|s| {
+        let hs: Vec<_> = parts[..2]
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                s.spawn(move || {
+                    let mut v = if p == 0 { vec![0; len] } else { pattern_vector(0, len as u32) };
+                    let r = c.allreduce_i32_with(&mut v, Op::Sum, opts);
+                    (r, v)
+                })
+            })
+            .collect();
+        let lone = s.spawn(|| {
+            let mut v = pattern_vector(1, len as u32);
+            let r = parts[2].stripes()[0].allreduce_i32_with(&mut v[..len / 2], Op::Sum, opts);
+            (r, v)
+        });
+        (hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), lone.join().unwrap())
+    });
+    let want = common_runtime::expected(Op::Sum, 2, len);
+    lone.0.expect("worker 1's stripe 0 completes");
+    assert_eq!(&lone.1[..len / 2], &want[..len / 2]);
+    for (p, (r, v)) in outs.iter().enumerate() {
+        let e = r.as_ref().expect_err("stripe 1 lacks worker 1");
+        let t = e.timeout().unwrap_or_else(|| panic!("participant {p}: {e}"));
+        let missing = if p == 0 { Peer::Rank(1) } else { Peer::Aggregator };
+        assert_eq!(t.missing, vec![missing], "participant {p}: {e}");
+        assert_eq!(&v[..len / 2], &want[..len / 2], "participant {p}: stripe 0 holds the result");
+    }
+}
+
+#[test]
+fn runtime_loopback_striped_communicator_rejects_stripes_of_one_job_or_of_different_participants() {
+    let (port, peers) = common_runtime::loopback_job_addrs(2);
+    let (port2, peers2) = common_runtime::loopback_job_addrs(2);
+    let b = |job, peers: &Vec<std::net::SocketAddrV4>, port, me| Communicator::builder(job, peers.clone(), LO, port, me).build().unwrap();
+    let e = StripedCommunicator::new(vec![b(30, &peers, port, Participant::Worker(0)), b(30, &peers2, port2, Participant::Worker(0))]).unwrap_err();
+    assert!(e.to_string().contains("job 30 is two stripes"), "{e}");
+    let e = StripedCommunicator::new(vec![b(31, &peers, port, Participant::Worker(0)), b(32, &peers2, port2, Participant::Worker(1))]).unwrap_err();
+    assert!(e.to_string().contains("stripes of one participant"), "{e}");
+    assert!(StripedCommunicator::new(vec![]).is_err());
+}

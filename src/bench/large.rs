@@ -52,7 +52,9 @@ use crate::abi::{self, Op};
 use crate::config::Config;
 use crate::dataplane::XdpMode;
 use crate::node;
-use crate::runtime::{BackendKind, CallOptions, Communicator, CommunicatorBuilder, Participant, Quantization};
+use crate::runtime::{
+    BackendKind, CallOptions, CommunicatorBuilder, Participant, Quantization, StripedCommunicator,
+};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use crate::tools;
 
@@ -70,10 +72,21 @@ pub fn worker_count() -> usize {
             .map_or(WORKERS, |w| (w as usize).clamp(2, 32))
     })
 }
+/// Stripe t (see [`stripes`]) is job `JOB + t` on port `JOB_PORT + 2t`,
+/// results to `RESULT_PORT + 2t`, copied to group `GROUP + t`, whose members
+/// are the workers' data sockets on `DATA_PORT + t`.
 const JOB: u16 = 9;
 const JOB_PORT: u16 = 7900;
 const RESULT_PORT: u16 = 7901;
 const GROUP: u16 = 9;
+
+/// Stripes per participant (`runtime::striped`): `AGGBOX_LARGE_STRIPES`
+/// (1..=8), else 1.
+pub fn stripes() -> usize {
+    env_list("AGGBOX_LARGE_STRIPES")
+        .and_then(|w| w.first().copied())
+        .map_or(1, |w| (w as usize).clamp(1, 8))
+}
 
 /// Element type of a point: int32 (the benchmark) or float32 (what
 /// a training job all-reduces: the AggBox runtime quantizes it to int32 at
@@ -255,14 +268,14 @@ struct CallTime {
 /// `calls` allreduces of `n` elements (call 0 = warm-up) on every
 /// participant at once; every participant's result checked.
 fn runtime_calls(
-    agg: &Communicator,
-    workers: &[Communicator],
+    agg: &StripedCommunicator,
+    workers: &[StripedCommunicator],
     n: usize,
     calls: usize,
     base: &[i32],
     dtype: Dtype,
 ) -> Result<Vec<CallTime>> {
-    let parts: Vec<(&Communicator, Option<usize>)> = std::iter::once((agg, None))
+    let parts: Vec<(&StripedCommunicator, Option<usize>)> = std::iter::once((agg, None))
         .chain(workers.iter().enumerate().map(|(r, c)| (c, Some(r))))
         .collect();
     let gate = Gate::new(parts.len());
@@ -528,7 +541,10 @@ fn counter_delta(
 /// Counters of all participants' runtimes summed (`runtime:`): datagrams
 /// they resent, and data datagrams they received a second time (a resend
 /// that was not needed, or one whose ACK was lost).
-fn runtime_counters(agg: &Communicator, workers: &[Communicator]) -> BTreeMap<String, u64> {
+fn runtime_counters(
+    agg: &StripedCommunicator,
+    workers: &[StripedCommunicator],
+) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for c in std::iter::once(agg).chain(workers) {
         let s = c.stats();
@@ -552,16 +568,26 @@ fn counters_line(c: &BTreeMap<String, u64>) -> String {
 /// The node configuration: the job of the 4 workers, its result group
 /// (RESULT copied to every worker's data socket by TC) and slots sized to
 /// the block pool at this MTU.
+/// The node configuration: a job and its result group per stripe, the
+/// kernel's block pool shared out between the stripes' jobs.
 fn config_text(tb: &Testbed, mtu: u32) -> String {
     let workers: Vec<Ipv4Addr> = (1..=worker_count()).map(|h| tb.host(h).addr).collect();
     let list =
         |f: &dyn Fn(&Ipv4Addr) -> String| workers.iter().map(f).collect::<Vec<_>>().join(", ");
-    format!(
-        "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nworkers = [{}]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nslots = {}\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
-        list(&|w| format!("\"{w}\"")),
-        slots_for_mtu(mtu),
-        list(&|w| format!("\"{w}:{DATA_PORT}\"")),
-    )
+    let k = stripes();
+    let slots = (slots_for_mtu(mtu) / k as u32).max(1);
+    let mut text = "[node]\nmetrics = \"off\"\n".to_string();
+    for t in 0..k as u16 {
+        let (job, port, result, group, data) =
+            (JOB + t, JOB_PORT + 2 * t, RESULT_PORT + 2 * t, GROUP + t, DATA_PORT + t);
+        let _ = write!(
+            text,
+            "\n[[job]]\nid = {job}\nport = {port}\nworkers = [{}]\nresult_port = {result}\nresult_group = {group}\nslots = {slots}\n\n[[group]]\nid = {group}\nmembers = [{}]\n",
+            list(&|w| format!("\"{w}\"")),
+            list(&|w| format!("\"{w}:{data}\"")),
+        );
+    }
+    text
 }
 
 /// The AggBox backends at one MTU: attach (kernel), build the communicators
@@ -600,9 +626,9 @@ fn runtime_phase(
     };
     let mut points = Vec::new();
     let result = (|| -> Result<()> {
-        let build = |host: usize, me: Participant| -> Result<Communicator> {
-            let b = CommunicatorBuilder::from_config(&config, JOB, agg.addr, DATA_PORT, me)
-                .map_err(|e| anyhow!("from_config: {e}"))?
+        let jobs: Vec<u16> = (0..stripes() as u16).map(|t| JOB + t).collect();
+        let tune = |b: CommunicatorBuilder| -> CommunicatorBuilder {
+            let b = b
                 .backend(if kernel {
                     BackendKind::Kernel
                 } else {
@@ -614,20 +640,25 @@ fn runtime_phase(
                 .deadline(call_deadline(sizes.iter().copied().max().unwrap_or(0)));
             // `AGGBOX_LARGE_WINDOW`: the configured window (then bounded as
             // always, docs/RUNTIME.md "Windows"), to compare windows.
-            let b = match env_list("AGGBOX_LARGE_WINDOW").and_then(|w| w.first().copied()) {
+            match env_list("AGGBOX_LARGE_WINDOW").and_then(|w| w.first().copied()) {
                 Some(w) => b.window(w as u32),
                 None => b,
-            };
-            tb.in_host(host, move || b.build())?.map_err(|e| {
+            }
+        };
+        let build = |host: usize, me: Participant| -> Result<StripedCommunicator> {
+            tb.in_host(host, || {
+                StripedCommunicator::from_config(&config, &jobs, agg.addr, DATA_PORT, me, tune)
+            })?
+            .map_err(|e| {
                 anyhow!("building the {me:?} communicator ({backend} backend, MTU {mtu}): {e}")
             })
         };
         let aggc = build(0, Participant::Aggregator)?;
-        let workers: Vec<Communicator> = (0..worker_count())
+        let workers: Vec<StripedCommunicator> = (0..worker_count())
             .map(|r| build(r + 1, Participant::Worker(r as u16)))
             .collect::<Result<_>>()?;
-        if kernel && !aggc.config().kernel_result_group {
-            bail!("the kernel backend does not use the job's result_group");
+        if kernel && aggc.stripes().iter().any(|c| !c.config().kernel_result_group) {
+            bail!("the kernel backend does not use the jobs' result_group");
         }
         for &dtype in dtypes {
             let name = dtype.backend(backend);

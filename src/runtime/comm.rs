@@ -597,7 +597,7 @@ pub(crate) type RawI32 = Raw<i32>;
 unsafe impl<T: Send> Send for Raw<T> {}
 
 impl<T> Raw<T> {
-    fn of(s: &mut [T]) -> Raw<T> {
+    pub(crate) fn of(s: &mut [T]) -> Raw<T> {
         Raw {
             ptr: s.as_mut_ptr(),
             len: s.len(),
@@ -848,25 +848,32 @@ impl Communicator {
     ) -> Result<bool, CommError> {
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        let data = RawI32::of(buf);
-        self.call(|reply| Request::ReduceI32In {
+        self.start_reduce_i32(RawI32::of(buf), all, op, opts)?
+            .recv()
+            .unwrap_or(Err(CommError::Closed))
+    }
+
+    /// Submits an int reduction on the lent slice `data` and returns the
+    /// channel of its reply, without waiting (several stripes of one vector
+    /// run at once this way, `crate::runtime::striped`). The caller must keep
+    /// the slice exclusively borrowed until the channel yields or
+    /// disconnects (see [`Raw`]).
+    pub(crate) fn start_reduce_i32(
+        &self,
+        data: RawI32,
+        all: bool,
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<mpsc::Receiver<Result<bool, CommError>>, CommError> {
+        let (reply, rx) = mpsc::channel();
+        self.submit(Request::ReduceI32In {
             all,
             op,
             data,
             opts,
             reply,
-        })
-    }
-
-    /// Submits the request `make(reply)` and waits for its reply (`Closed`
-    /// when the progress thread is gone).
-    fn call<T>(
-        &self,
-        make: impl FnOnce(mpsc::Sender<Result<T, CommError>>) -> Request,
-    ) -> Result<T, CommError> {
-        let (reply, rx) = mpsc::channel();
-        self.submit(make(reply))?;
-        rx.recv().unwrap_or(Err(CommError::Closed))
+        })?;
+        Ok(rx)
     }
 
     /// Non-blocking float SUM (or mean) reduction through quantization
@@ -928,14 +935,28 @@ impl Communicator {
     ) -> Result<(), CommError> {
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        let data = RawF32::of(buf);
-        self.call(|reply| Request::ReduceF32In {
+        self.start_reduce_f32(RawF32::of(buf), all, mean, opts)?
+            .recv()
+            .unwrap_or(Err(CommError::Closed))
+    }
+
+    /// [`Communicator::start_reduce_i32`] for a float reduction.
+    pub(crate) fn start_reduce_f32(
+        &self,
+        data: RawF32,
+        all: bool,
+        mean: bool,
+        opts: CallOptions,
+    ) -> Result<mpsc::Receiver<Result<(), CommError>>, CommError> {
+        let (reply, rx) = mpsc::channel();
+        self.submit(Request::ReduceF32In {
             all,
             mean,
             data,
             opts,
             reply,
-        })
+        })?;
+        Ok(rx)
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
 //! - [`socket`], [`kernel`]: the aggregator side of each backend.
 //! - [`comm`]: the communicator, its builder and its progress engine.
+//! - [`striped`]: one vector over several jobs at once, a thread each.
 //! - [`transport`]: the datagram transport, counters ([`CommStats`]) and the
 //!   impairment test hook (drop / duplicate / reorder).
 //! - [`work`]: non-blocking handles.
@@ -28,6 +29,7 @@ pub mod pmtu;
 pub mod quantize;
 pub mod reliability;
 pub mod socket;
+pub mod striped;
 pub mod transport;
 pub mod work;
 
@@ -37,6 +39,7 @@ pub use comm::{
 };
 pub use quantize::Quantization;
 pub use reliability::ReliabilityConfig;
+pub use striped::StripedCommunicator;
 pub use transport::{CommStats, ImpairControl, Impairment, IoStats};
 pub use work::Work;
 

@@ -1,0 +1,250 @@
+//! Striping: one vector reduced over several jobs at once.
+//!
+//! A [`Communicator`] is one progress thread: it encodes every fragment,
+//! makes the send and receive system calls (on the kernel backend its CPU
+//! also runs the XDP program for its own contributions, in the softirq of
+//! its sends) and decodes every result. On a machine with more cores than
+//! participants that one thread is the limit of a large reduction
+//! (docs/BENCHMARKS.md, "On a 16-core machine"). A [`StripedCommunicator`]
+//! holds one communicator per *stripe*, each a job of its own (own job id,
+//! ports, result group; the same workers), and splits each vector into
+//! contiguous stripes that run at the same time, each in its communicator's
+//! thread. Nothing changes on the wire: the aggregator sees ordinary jobs,
+//! and different UDP ports spread the stripes over a NIC's (or a multi-queue
+//! veth's) receive queues.
+//!
+//! Every participant of the jobs must use the same number of stripes: the
+//! split depends only on the vector's length and the stripe count
+//! ([`stripe_bounds`]).
+
+use std::net::Ipv4Addr;
+use std::ops::Range;
+use std::sync::mpsc;
+
+use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant, Raw};
+use super::{CommError, CommStats, IoStats};
+use crate::abi::Op;
+use crate::config::Config;
+
+/// The element ranges of the stripes of an `n`-element vector over
+/// `stripes` jobs: `t·n/stripes .. (t+1)·n/stripes`, without empty ones
+/// (an `n` below the stripe count uses `n` stripes; `n = 0` one empty
+/// stripe, which each call handles as it always does).
+pub fn stripe_bounds(n: usize, stripes: usize) -> Vec<Range<usize>> {
+    let k = stripes.clamp(1, n.max(1));
+    (0..k).map(|t| t * n / k..(t + 1) * n / k).collect()
+}
+
+/// One participant of several jobs that reduce each vector together, a
+/// stripe each (see the module docs).
+#[derive(Debug)]
+pub struct StripedCommunicator {
+    stripes: Vec<Communicator>,
+}
+
+impl StripedCommunicator {
+    /// Stripes over `stripes` (at least one): communicators of the same
+    /// participant and number of workers, each of its own job.
+    pub fn new(stripes: Vec<Communicator>) -> Result<StripedCommunicator, CommError> {
+        let first = stripes
+            .first()
+            .ok_or_else(|| CommError::Config("a striped communicator needs a stripe".into()))?;
+        let (me, workers) = (first.participant(), first.workers());
+        let mut jobs = std::collections::BTreeSet::new();
+        for c in &stripes {
+            if c.participant() != me || c.workers() != workers {
+                return Err(CommError::Config(format!(
+                    "stripes of one participant: job {} is {:?} of {} workers, job {} {:?} of {}",
+                    first.config().job,
+                    me,
+                    workers,
+                    c.config().job,
+                    c.participant(),
+                    c.workers()
+                )));
+            }
+            if !jobs.insert(c.config().job) {
+                return Err(CommError::Config(format!(
+                    "job {} is two stripes; each stripe needs a job of its own",
+                    c.config().job
+                )));
+            }
+        }
+        Ok(StripedCommunicator { stripes })
+    }
+
+    /// From a node configuration: stripe t is job `jobs[t]`
+    /// ([`CommunicatorBuilder::from_config`]) with this participant's data
+    /// socket on `data_port + t` (where that job's `result_group` members
+    /// listen); `tune` sets the rest of each builder (backend, MTU, ...).
+    pub fn from_config(
+        config: &Config,
+        jobs: &[u16],
+        aggregator: Ipv4Addr,
+        data_port: u16,
+        me: Participant,
+        tune: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
+    ) -> Result<StripedCommunicator, CommError> {
+        let stripes = jobs
+            .iter()
+            .enumerate()
+            .map(|(t, &job)| {
+                let port = u16::try_from(data_port as usize + t).map_err(|_| {
+                    CommError::Config(format!("data port {data_port} + stripe {t} is past 65535"))
+                })?;
+                tune(CommunicatorBuilder::from_config(
+                    config, job, aggregator, port, me,
+                )?)
+                .build()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        StripedCommunicator::new(stripes)
+    }
+
+    /// The stripes' communicators, in stripe order.
+    pub fn stripes(&self) -> &[Communicator] {
+        &self.stripes
+    }
+
+    /// This participant.
+    pub fn participant(&self) -> Participant {
+        self.stripes[0].participant()
+    }
+
+    /// The stripes' counters added up.
+    pub fn stats(&self) -> CommStats {
+        self.stripes.iter().fold(CommStats::default(), |a, c| {
+            let s = c.stats();
+            CommStats {
+                data_sent: a.data_sent + s.data_sent,
+                retransmitted: a.retransmitted + s.retransmitted,
+                acks_sent: a.acks_sent + s.acks_sent,
+                data_received: a.data_received + s.data_received,
+                acks_received: a.acks_received + s.acks_received,
+                duplicates_received: a.duplicates_received + s.duplicates_received,
+                bytes_delivered: a.bytes_delivered + s.bytes_delivered,
+            }
+        })
+    }
+
+    /// The stripes' system-call batching added up.
+    pub fn io_stats(&self) -> IoStats {
+        self.stripes.iter().fold(IoStats::default(), |a, c| {
+            let s = c.io_stats();
+            IoStats {
+                send_batches: a.send_batches + s.send_batches,
+                batched_datagrams: a.batched_datagrams + s.batched_datagrams,
+                recv_batches: a.recv_batches + s.recv_batches,
+                received_datagrams: a.received_datagrams + s.received_datagrams,
+                gso_super_datagrams: a.gso_super_datagrams + s.gso_super_datagrams,
+                gso_segments: a.gso_segments + s.gso_segments,
+            }
+        })
+    }
+
+    /// [`Communicator::allreduce_i32_with`] over the stripes: returns
+    /// whether any element was clamped (OVERFLOW). On an error (the first
+    /// stripe's that failed) `buf` may hold part of the result.
+    pub fn allreduce_i32_with(
+        &self,
+        buf: &mut [i32],
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
+        self.reduce_i32_in(buf, true, op, opts)
+    }
+
+    /// [`Communicator::reduce_i32_with`] over the stripes.
+    pub fn reduce_i32_with(
+        &self,
+        buf: &mut [i32],
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
+        self.reduce_i32_in(buf, false, op, opts)
+    }
+
+    /// [`Communicator::reduce_f32_with`] over the stripes (each stripe
+    /// agrees on its own adaptive scale, which is at least as fine as one
+    /// scale for the whole vector).
+    pub fn reduce_f32_with(
+        &self,
+        buf: &mut [f32],
+        all: bool,
+        mean: bool,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
+        self.run(buf, |c, part| c.start_reduce_f32(part, all, mean, opts))
+            .map(|_| ())
+    }
+
+    fn reduce_i32_in(
+        &self,
+        buf: &mut [i32],
+        all: bool,
+        op: Op,
+        opts: CallOptions,
+    ) -> Result<bool, CommError> {
+        let clamped = self.run(buf, |c, part| c.start_reduce_i32(part, all, op, opts))?;
+        Ok(clamped.into_iter().any(|x| x))
+    }
+
+    /// Lends each stripe of `buf` to its communicator (`start`), then waits
+    /// for every reply, also after a failure: a stripe's thread may use its
+    /// part until it replies, and `buf` stays borrowed here until then.
+    fn run<T, R>(
+        &self,
+        buf: &mut [T],
+        start: impl Fn(&Communicator, Raw<T>) -> Result<mpsc::Receiver<Result<R, CommError>>, CommError>,
+    ) -> Result<Vec<R>, CommError> {
+        let bounds = stripe_bounds(buf.len(), self.stripes.len());
+        let mut pending = Vec::with_capacity(bounds.len());
+        let mut rest = &mut buf[..];
+        for (c, r) in self.stripes.iter().zip(&bounds) {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+            rest = tail;
+            pending.push(start(c, Raw::of(part)));
+        }
+        let mut out = Vec::with_capacity(pending.len());
+        let mut first_error = None;
+        for p in pending {
+            let r = p.and_then(|rx| rx.recv().unwrap_or(Err(CommError::Closed)));
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripe_bounds_cover_the_vector_in_order_without_empty_stripes() {
+        for n in [0usize, 1, 2, 3, 7, 1000, 21_800_000] {
+            for k in [1usize, 2, 3, 4, 16] {
+                let b = stripe_bounds(n, k);
+                assert_eq!(b.len(), k.min(n.max(1)), "n {n} k {k}");
+                assert_eq!(b[0].start, 0);
+                assert_eq!(b.last().unwrap().end, n);
+                for w in b.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                if n > 0 {
+                    assert!(b.iter().all(|r| !r.is_empty()), "n {n} k {k}: {b:?}");
+                    // Even: stripes differ by at most one element.
+                    let lens: Vec<usize> = b.iter().map(|r| r.len()).collect();
+                    assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1);
+                }
+            }
+        }
+    }
+}
