@@ -180,9 +180,13 @@ def large(d):
         return
     sizes = sorted(set(p["elements"] for p in out["points"]))
     mtus = sorted(set(p["mtu"] for p in out["points"]))
-    backends = [b for b in ["kernel", "socket", "gloo", "kernel-f32", "gloo-f32"] if any(p["backend"] == b for p in out["points"])]
+    striped = sorted(set(p["backend"] for p in out["points"] if "-x" in p["backend"]))
+    backends = [b for b in ["kernel", "socket", "gloo", "kernel-f32", "gloo-f32"] + striped if any(p["backend"] == b for p in out["points"])]
     labels = {"kernel": "AggBox kernel backend (XDP + TC result group)", "socket": "AggBox socket backend", "gloo": "torch.distributed Gloo",
               "kernel-f32": "AggBox kernel backend, float32 (adaptive quantization)", "gloo-f32": "Gloo, float32"}
+    for b in striped:
+        base, s = b.split("-x")
+        labels[b] = f"AggBox {base} backend, {s} stripes (a job and a thread each)"
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
     width = 0.8 / max(1, len(backends))
     for ax, n in zip(axes[0], sizes):
