@@ -120,6 +120,7 @@ pub struct RttEstimator {
     min_rto: Duration,
     max_rto: Duration,
     samples: u64,
+    min_rtt: Option<Duration>,
 }
 
 impl RttEstimator {
@@ -132,12 +133,14 @@ impl RttEstimator {
             min_rto,
             max_rto,
             samples: 0,
+            min_rtt: None,
         }
     }
 
     /// Feeds one RTT measurement (only from datagrams sent once: Karn).
     pub fn sample(&mut self, r: Duration) {
         self.samples += 1;
+        self.min_rtt = Some(self.min_rtt.map_or(r, |m| m.min(r)));
         match self.srtt {
             None => {
                 self.srtt = Some(r);
@@ -167,6 +170,11 @@ impl RttEstimator {
     /// Smoothed RTT, `None` before the first sample.
     pub fn srtt(&self) -> Option<Duration> {
         self.srtt
+    }
+
+    /// The smallest RTT sampled, `None` before the first sample.
+    pub fn min_rtt(&self) -> Option<Duration> {
+        self.min_rtt
     }
 
     /// Samples taken so far.
@@ -567,6 +575,10 @@ impl SendWindow {
         let mut sample: Option<Instant> = None;
         let mut highest: Option<u32> = None;
         let mut progressed = false;
+        // An ACK sooner after a resend than half the smallest RTT is the
+        // original's (the resend cannot have made the round trip yet).
+        let too_soon = self.rtt.min_rtt().map_or(Duration::ZERO, |m| m / 2);
+        let mut original_acked = false;
         for seq in bm.received() {
             if let Some(i) = self.index_of(seq) {
                 let e = &mut self.entries[i];
@@ -575,6 +587,8 @@ impl SendWindow {
                     self.progress[dest] = Some(now);
                     self.probes[dest] = None;
                     progressed = true;
+                    original_acked |=
+                        e.retries == 0 || now.saturating_duration_since(e.last_sent) < too_soon;
                     if e.retries == 0 {
                         sample =
                             Some(sample.map_or(e.first_sent, |s: Instant| s.min(e.first_sent)));
@@ -607,9 +621,21 @@ impl SendWindow {
             }
         }
         if progressed && self.recovery[dest] > 0 {
-            // Recovering from a timeout: twice as many as last time.
-            let n = self.recovery[dest].saturating_mul(2);
-            self.recovery[dest] = self.resend_oldest_timed_out(dest, n, now, tx);
+            // Recovering from a timeout: twice as many as last time per
+            // group ACK (about one per round trip), two per per-packet ACK
+            // of a resend (each resend acknowledged releases two: also twice
+            // as many per round trip, TCP's slow start). A per-packet ACK of
+            // an original shows that the timeout was spurious (the
+            // destination was busy, not losing: F-RTO, RFC 5682): what timed
+            // out is in its queue, and resending it would be a duplicate each.
+            self.recovery[dest] = match self.cfg.ack_mode {
+                AckMode::Packet if original_acked => 0,
+                AckMode::Packet => self.resend_oldest_timed_out(dest, 2, now, tx),
+                AckMode::Group => {
+                    let n = self.recovery[dest].saturating_mul(2);
+                    self.resend_oldest_timed_out(dest, n, now, tx)
+                }
+            };
         }
         self.retire();
     }
@@ -667,19 +693,20 @@ impl SendWindow {
     /// load (probes off) is asked with the oldest instead, and at each ACK
     /// of new data gets twice as many as the last time, oldest first
     /// (`recovery`, TCP's recovery after a timeout). Per-packet ACKs name
-    /// one datagram and show no holes, so there a quiet destination gets
-    /// every timed-out datagram (probing took 9 s instead of 0.23 s for a
-    /// call at 5 % loss), as does every destination where holes are not
-    /// losses.
+    /// one datagram and show no holes, so there a quiet destination is
+    /// always asked with the oldest, and each ACK of new data releases two
+    /// more (probing with the newest took 9 s instead of 0.23 s for a call at
+    /// 5 % loss: it left the rest to a timeout each). Where holes are not
+    /// losses a destination gets every timed-out datagram.
     /// Returns when the next timeout is due, `None` when nothing is in
     /// flight.
     pub fn poll(&mut self, now: Instant, tx: &mut impl FnMut(usize, &[u8])) -> Option<Instant> {
         let rto = self.rtt.rto();
-        // A quiet destination gets one datagram per timeout where ACK
-        // bitmaps show holes: the newest where receivers keep what arrives,
-        // the oldest (then more per ACK: `recovery`) where they may shed load.
-        let asking = self.holes_are_losses && self.cfg.ack_mode == AckMode::Group;
-        let newest_first = self.probe_quiet;
+        // A quiet destination gets one datagram per timeout: the newest
+        // where ACK bitmaps show holes and receivers keep what arrives, else
+        // the oldest (then more per ACK: `recovery`).
+        let asking = self.holes_are_losses;
+        let newest_first = self.probe_quiet && self.cfg.ack_mode == AckMode::Group;
         // Destinations that get nothing now (progress less than an RTO ago,
         // or a probe not yet answered) and when the first of them may.
         let mut quiet_until: Option<Instant> = None;
@@ -1174,35 +1201,67 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_destination_is_asked_with_one_datagram_only_where_acks_show_holes() {
+    fn a_quiet_destination_is_asked_with_the_newest_only_where_acks_show_holes() {
         let t0 = Instant::now();
-        let window = |mode, probe| {
+        let window = |mode, probe, n: u32| {
             let mut w = SendWindow::new(cfg(mode, 1024, 8), 1, 100);
             w.set_probe_quiet(probe);
-            for _ in 0..3 {
+            for _ in 0..n {
                 w.send(1, t0, seq_datagram, &mut |_, _| {}).unwrap();
             }
             w
         };
         let due = t0 + ReliabilityConfig::default().initial_rto + Duration::from_millis(1);
+        let resent_on_ack = |w: &mut SendWindow, seq: u32, at: Instant| {
+            let mut got = SeqBitmap::new(seq, 1).unwrap();
+            got.set(seq);
+            let mut more = Vec::new();
+            w.on_ack(0, &got, at, &mut |d, b| {
+                more.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+            });
+            more
+        };
         // Group ACKs to a receiver that keeps what arrives: one probe, the newest.
-        assert_eq!(resent_at(&mut window(AckMode::Group, true), due), vec![(0, 102)]);
-        // A per-packet ACK names one datagram and shows no holes, so a probe
-        // would reveal nothing: every timed-out datagram goes again.
-        let all = vec![(0, 100), (0, 101), (0, 102)];
-        assert_eq!(resent_at(&mut window(AckMode::Packet, true), due), all);
+        assert_eq!(resent_at(&mut window(AckMode::Group, true, 3), due), vec![(0, 102)]);
         // A receiver that may shed load (the socket aggregator without a
         // free slot): the oldest first, then twice as many at each ACK of new
         // data, as TCP after a timeout.
-        let mut w = window(AckMode::Group, false);
+        let mut w = window(AckMode::Group, false, 3);
         assert_eq!(resent_at(&mut w, due), vec![(0, 100)]);
-        let mut got = SeqBitmap::new(100, 4).unwrap();
-        got.set(100);
-        let mut more = Vec::new();
-        w.on_ack(0, &got, due + Duration::from_millis(1), &mut |d, b| {
-            more.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
-        });
-        assert_eq!(more, vec![(0, 101), (0, 102)]);
+        let at = due + Duration::from_millis(1);
+        assert_eq!(resent_on_ack(&mut w, 100, at), vec![(0, 101), (0, 102)]);
+        // A per-packet ACK names one datagram and shows no holes, so a probe
+        // with the newest would reveal nothing: whatever the receiver, the
+        // oldest, then two more per ACK of new data (twice as many per round
+        // trip), not the whole timed-out window at once.
+        for probe in [true, false] {
+            let mut w = window(AckMode::Packet, probe, 6);
+            assert_eq!(resent_at(&mut w, due), vec![(0, 100)], "probe_quiet {probe}");
+            assert_eq!(resent_on_ack(&mut w, 100, at), vec![(0, 101), (0, 102)]);
+            assert_eq!(resent_on_ack(&mut w, 101, at), vec![(0, 103), (0, 104)]);
+            assert_eq!(resent_on_ack(&mut w, 102, at), vec![(0, 105)]);
+            // Recovery over: nothing left that timed out.
+            assert_eq!(resent_on_ack(&mut w, 103, at), vec![]);
+            assert_eq!(w.in_flight(), 2);
+        }
+        // F-RTO: a per-packet ACK of a datagram sent once shows the
+        // destination got the originals (it was busy): recovery ends, the
+        // rest is in its queue.
+        let mut w = window(AckMode::Packet, false, 6);
+        assert_eq!(resent_at(&mut w, due), vec![(0, 100)]);
+        assert_eq!(resent_on_ack(&mut w, 103, at), vec![]);
+        assert_eq!(resent_on_ack(&mut w, 100, at), vec![]);
+        // So does an ACK of a resend sooner than half the smallest RTT after
+        // it (one sample of 4 ms: the 1 ms is the original's ACK).
+        let mut w = window(AckMode::Packet, false, 6);
+        assert_eq!(resent_on_ack(&mut w, 105, t0 + Duration::from_millis(4)), vec![]);
+        assert_eq!(w.rtt().min_rtt(), Some(Duration::from_millis(4)));
+        let due = t0 + Duration::from_millis(4) + w.rtt().rto() + Duration::from_millis(1);
+        assert_eq!(resent_at(&mut w, due), vec![(0, 100)]);
+        let at = due + Duration::from_millis(3);
+        assert_eq!(resent_on_ack(&mut w, 100, at), vec![(0, 101), (0, 102)]);
+        assert_eq!(resent_on_ack(&mut w, 101, at + Duration::from_millis(1)), vec![]);
+        assert_eq!(resent_on_ack(&mut w, 102, at + Duration::from_millis(2)), vec![]);
     }
 
     #[test]
