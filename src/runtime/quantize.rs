@@ -150,7 +150,7 @@ mod kernels {
             MIN
         } else if q > MAX {
             MAX
-        } else if q == q {
+        } else if !q.is_nan() {
             q
         } else {
             0.0
