@@ -188,24 +188,27 @@ def large(d):
         base, s = b.split("-x")
         labels[b] = f"AggBox {base} backend, {s} stripes (a job and a thread each)"
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
-    width = 0.8 / max(1, len(backends))
+    colors = {b: f"C{i}" for i, b in enumerate(backends)}
     for ax, n in zip(axes[0], sizes):
-        for i, b in enumerate(backends):
+        # Only the backends measured at this size (the striped points have the largest only).
+        here = [b for b in backends if any(p["backend"] == b and p["elements"] == n for p in out["points"])]
+        width = 0.8 / max(1, len(here))
+        for i, b in enumerate(here):
             xs, ys, lo, hi = [], [], [], []
             for j, m in enumerate(mtus):
                 p = next((p for p in pts if p["backend"] == b and p["mtu"] == m and p["elements"] == n), None)
                 if p is None:
                     if any(q["backend"] == b and q["mtu"] == m and q["elements"] == n for q in out["points"]):
-                        ax.annotate("failed", (j + (i - (len(backends) - 1) / 2) * width, 0.02),
+                        ax.annotate("failed", (j + (i - (len(here) - 1) / 2) * width, 0.02),
                                     xycoords=("data", "axes fraction"), rotation=90, ha="center", va="bottom",
                                     fontsize=8, color="tab:red")
                     continue
                 e = p["elems_per_s"]
-                xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                xs.append(j + (i - (len(here) - 1) / 2) * width)
                 ys.append(e["median"] / 1e6)
                 lo.append((e["median"] - e["min"]) / 1e6)
                 hi.append((e["max"] - e["median"]) / 1e6)
-            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=labels[b])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=labels[b], color=colors[b])
         ax.set_xticks(range(len(mtus)))
         ax.set_xticklabels([str(m) for m in mtus])
         ax.set_xlabel("MTU (bytes)")
