@@ -375,6 +375,31 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
+    // Broadcasts over the stripes: from the aggregator (each job's TC group
+    // copies) and from a worker (socket path).
+    let before = attach.broadcast_counts();
+    for (root, len) in [(Participant::Aggregator, 300_001usize), (Participant::Worker(2), 40_000)] {
+        let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let got = std::thread::scope(|s| {
+            let hs: Vec<_> = parts
+                .iter()
+                .map(|c| {
+                    let mut b = if c.participant() == root { msg.clone() } else { vec![0u8; len] };
+                    s.spawn(move || {
+                        c.broadcast_with(&mut b, root, Default::default()).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
+                        b
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (p, b) in got.iter().enumerate() {
+            assert!(b == &msg, "participant {p}: the {len} bytes broadcast from {root:?}");
+        }
+    }
+    let after = attach.broadcast_counts();
+    let copies = BcastStat::Broadcast.label();
+    assert!(after[copies] > before[copies], "the aggregator's stripes went through TC egress: {after:?}");
     impair(0.0);
     for (p, o) in outs.iter().enumerate() {
         assert_eq!(o, &outs[0], "participant {p} got the same floats");

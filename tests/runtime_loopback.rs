@@ -367,6 +367,26 @@ fn runtime_loopback_striped_reductions_equal_the_reference() {
     for p in &parts {
         assert!(p.stripes().iter().all(|c| c.stats().data_sent > 0));
     }
+    // Broadcasts from a worker and from the aggregator, over the stripes.
+    for (root, len) in [(Participant::Worker(1), 2usize), (Participant::Aggregator, 100_003), (Participant::Worker(0), 5000)] {
+        let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let outs = std::thread::scope(|s| {
+            let hs: Vec<_> = parts
+                .iter()
+                .map(|c| {
+                    let mut b = if c.participant() == root { msg.clone() } else { vec![0u8; len] };
+                    s.spawn(move || {
+                        c.broadcast_with(&mut b, root, CallOptions::default()).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
+                        b
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (p, o) in outs.iter().enumerate() {
+            assert!(o == &msg, "participant {p}: the root's {len} bytes from {root:?}");
+        }
+    }
     // Floats: each stripe agrees on its own scale; everyone gets the same floats, close to the exact sum.
     let len = 50_000;
     let xs: Vec<Vec<f32>> = (0..3).map(|r| (0..len).map(|i| ((i as f32 * 0.37 + r as f32).sin() * 3.0) * if i < len / 2 { 1.0 } else { 1e-3 }).collect()).collect();

@@ -142,6 +142,35 @@ impl StripedCommunicator {
         })
     }
 
+    /// [`Communicator::broadcast_with`] over the stripes: each stripe's bytes
+    /// from `root` through its job at once (copied in and out, as the
+    /// one-job broadcast does). On an error (the first stripe's that failed)
+    /// the stripes that completed hold the root's bytes.
+    pub fn broadcast_with(
+        &self,
+        buf: &mut [u8],
+        root: Participant,
+        opts: CallOptions,
+    ) -> Result<(), CommError> {
+        let bounds = stripe_bounds(buf.len(), self.stripes.len());
+        let works: Vec<_> = self
+            .stripes
+            .iter()
+            .zip(&bounds)
+            .map(|(c, r)| c.ibroadcast(buf[r.clone()].to_vec(), root, opts))
+            .collect();
+        let mut first_error = None;
+        for (w, r) in works.into_iter().zip(bounds) {
+            match w.wait() {
+                Ok(out) => buf[r].copy_from_slice(&out),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// [`Communicator::allreduce_i32_with`] over the stripes: returns
     /// whether any element was clamped (OVERFLOW). On an error (the first
     /// stripe's that failed) `buf` may hold part of the result.
