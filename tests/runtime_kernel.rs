@@ -300,37 +300,8 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
     for c in parts[0].stripes() {
         assert!(c.config().kernel_result_group && c.config().tc_group.is_some(), "job {}: the kernel's result group", c.config().job);
     }
-    let run = |op: Op, len: usize, all: bool| {
-        let want = common_runtime::expected(op, WORKERS, len);
-        let outs = std::thread::scope(|s| {
-            let hs: Vec<_> = parts
-                .iter()
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut v = match c.participant() {
-                            Participant::Worker(r) => aggbox::tools::pattern_vector(r, len as u32),
-                            Participant::Aggregator => vec![0; len],
-                        };
-                        let r = if all {
-                            c.allreduce_i32_with(&mut v, op, Default::default())
-                        } else {
-                            c.reduce_i32_with(&mut v, op, Default::default())
-                        };
-                        r.unwrap_or_else(|e| panic!("{:?} {op:?} len {len}: {e}", c.participant()));
-                        (c.participant(), v)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        });
-        for (p, v) in outs {
-            if all || p == Participant::Aggregator {
-                if let Some(i) = v.iter().zip(&want).position(|(a, b)| a != b) {
-                    panic!("{p:?} {op:?} len {len}: element {i} is {}, the reference reducer says {}", v[i], want[i]);
-                }
-            }
-        }
-    };
+    let refs: Vec<&StripedCommunicator> = parts.iter().collect();
+    let run = |op: Op, len: usize, all: bool| common_runtime::int_reduction(&refs, WORKERS, op, len, all);
     let impair = |loss: f64| {
         for i in 0..=WORKERS {
             let port = tb.switch_port(i);
@@ -379,23 +350,7 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
     // copies) and from a worker (socket path).
     let before = attach.broadcast_counts();
     for (root, len) in [(Participant::Aggregator, 300_001usize), (Participant::Worker(2), 40_000)] {
-        let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-        let got = std::thread::scope(|s| {
-            let hs: Vec<_> = parts
-                .iter()
-                .map(|c| {
-                    let mut b = if c.participant() == root { msg.clone() } else { vec![0u8; len] };
-                    s.spawn(move || {
-                        c.broadcast_with(&mut b, root, Default::default()).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
-                        b
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        });
-        for (p, b) in got.iter().enumerate() {
-            assert!(b == &msg, "participant {p}: the {len} bytes broadcast from {root:?}");
-        }
+        common_runtime::broadcast(&refs, len, root);
     }
     let after = attach.broadcast_counts();
     let copies = BcastStat::Broadcast.label();

@@ -321,32 +321,10 @@ fn striped_job(n: usize, stripes: usize, tweak: impl Fn(CommunicatorBuilder) -> 
 }
 
 /// Every participant's int reduction of the pattern vectors over the stripes
-/// at once, checked against the reference reducer (everyone for allreduce,
-/// the aggregator for reduce).
+/// at once, checked against the reference reducer.
 fn striped_int_reduction(parts: &[StripedCommunicator], op: Op, len: usize, all: bool) {
-    let want = common_runtime::expected(op, parts.len() - 1, len);
-    let outs = std::thread::scope(|s| {
-        let hs: Vec<_> = parts
-            .iter()
-            .enumerate()
-            .map(|(p, c)| {
-                s.spawn(move || {
-                    let mut v = if p == 0 { vec![0; len] } else { pattern_vector(p as u16 - 1, len as u32) };
-                    let r = if all { c.allreduce_i32_with(&mut v, op, CallOptions::default()) } else { c.reduce_i32_with(&mut v, op, CallOptions::default()) };
-                    r.unwrap_or_else(|e| panic!("participant {p} {op:?} len {len}: {e}"));
-                    v
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-    });
-    for (p, v) in outs.iter().enumerate() {
-        if all || p == 0 {
-            if let Some(i) = v.iter().zip(&want).position(|(a, b)| a != b) {
-                panic!("participant {p} {op:?} len {len}: element {i} is {}, the reference reducer says {}", v[i], want[i]);
-            }
-        }
-    }
+    let refs: Vec<&StripedCommunicator> = parts.iter().collect();
+    common_runtime::int_reduction(&refs, parts.len() - 1, op, len, all);
 }
 
 #[test]
@@ -368,24 +346,9 @@ fn runtime_loopback_striped_reductions_equal_the_reference() {
         assert!(p.stripes().iter().all(|c| c.stats().data_sent > 0));
     }
     // Broadcasts from a worker and from the aggregator, over the stripes.
+    let refs: Vec<&StripedCommunicator> = parts.iter().collect();
     for (root, len) in [(Participant::Worker(1), 2usize), (Participant::Aggregator, 100_003), (Participant::Worker(0), 5000)] {
-        let msg: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-        let outs = std::thread::scope(|s| {
-            let hs: Vec<_> = parts
-                .iter()
-                .map(|c| {
-                    let mut b = if c.participant() == root { msg.clone() } else { vec![0u8; len] };
-                    s.spawn(move || {
-                        c.broadcast_with(&mut b, root, CallOptions::default()).unwrap_or_else(|e| panic!("{:?}: {e}", c.participant()));
-                        b
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        });
-        for (p, o) in outs.iter().enumerate() {
-            assert!(o == &msg, "participant {p}: the root's {len} bytes from {root:?}");
-        }
+        common_runtime::broadcast(&refs, len, root);
     }
     // Floats: each stripe agrees on its own scale; everyone gets the same floats, close to the exact sum.
     let len = 50_000;

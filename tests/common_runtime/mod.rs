@@ -8,8 +8,47 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 
 use aggbox::abi::Op;
 use aggbox::reducer;
-use aggbox::runtime::{Communicator, Participant};
+use aggbox::runtime::{CallOptions, CommError, Communicator, Participant, StripedCommunicator};
 use aggbox::tools::pattern_vector;
+
+/// What the checks below call: a communicator, or a striped one.
+pub trait Collective: Sync {
+    fn me(&self) -> Participant;
+    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError>;
+    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError>;
+}
+
+impl Collective for Communicator {
+    fn me(&self) -> Participant {
+        self.participant()
+    }
+    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError> {
+        if all {
+            self.allreduce_i32(v, op)
+        } else {
+            self.reduce_i32(v, op)
+        }
+    }
+    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
+        self.broadcast(buf, root)
+    }
+}
+
+impl Collective for StripedCommunicator {
+    fn me(&self) -> Participant {
+        self.participant()
+    }
+    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError> {
+        if all {
+            self.allreduce_i32_with(v, op, CallOptions::default())
+        } else {
+            self.reduce_i32_with(v, op, CallOptions::default())
+        }
+    }
+    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
+        self.broadcast_with(buf, root, CallOptions::default())
+    }
+}
 
 /// The reference result of `op` over the pattern vectors of `workers` ranks.
 pub fn expected(op: Op, workers: usize, len: usize) -> Vec<i32> {
@@ -25,26 +64,21 @@ pub fn expected(op: Op, workers: usize, len: usize) -> Vec<i32> {
 /// checks every result that participant gets against `expected`: all of
 /// them for allreduce, the aggregator's for reduce. Panics with the
 /// participant and the first differing element.
-pub fn int_reduction(comms: &[&Communicator], workers: usize, op: Op, len: usize, all: bool) {
+pub fn int_reduction<C: Collective>(comms: &[&C], workers: usize, op: Op, len: usize, all: bool) {
     let want = expected(op, workers, len);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .map(|&c| {
                 s.spawn(move || {
-                    let mut v = match c.rank() {
-                        Some(r) => pattern_vector(r, len as u32),
-                        None => vec![0; len],
+                    let mut v = match c.me() {
+                        Participant::Worker(r) => pattern_vector(r, len as u32),
+                        Participant::Aggregator => vec![0; len],
                     };
-                    let r = if all {
-                        c.allreduce_i32(&mut v, op)
-                    } else {
-                        c.reduce_i32(&mut v, op)
-                    };
-                    r.unwrap_or_else(|e| {
-                        panic!("{:?} {op:?} len {len} all {all}: {e}", c.participant())
+                    c.int_reduce(&mut v, op, all).unwrap_or_else(|e| {
+                        panic!("{:?} {op:?} len {len} all {all}: {e}", c.me())
                     });
-                    (c.participant(), v)
+                    (c.me(), v)
                 })
             })
             .collect();
@@ -65,7 +99,7 @@ pub fn int_reduction(comms: &[&Communicator], workers: usize, op: Op, len: usize
 /// Broadcasts `len` bytes of a fixed pattern from `root` with every
 /// communicator at once; every participant must end with exactly the root's
 /// bytes, in order.
-pub fn broadcast(comms: &[&Communicator], len: usize, root: Participant) {
+pub fn broadcast<C: Collective>(comms: &[&C], len: usize, root: Participant) {
     let msg: Vec<u8> = (0..len as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -75,15 +109,11 @@ pub fn broadcast(comms: &[&Communicator], len: usize, root: Participant) {
             .map(|&c| {
                 let msg = msg.clone();
                 s.spawn(move || {
-                    let mut buf = if c.participant() == root {
-                        msg
-                    } else {
-                        vec![0u8; len]
-                    };
-                    c.broadcast(&mut buf, root).unwrap_or_else(|e| {
-                        panic!("{:?}: broadcast of {len} from {root:?}: {e}", c.participant())
+                    let mut buf = if c.me() == root { msg } else { vec![0u8; len] };
+                    c.bytes_broadcast(&mut buf, root).unwrap_or_else(|e| {
+                        panic!("{:?}: broadcast of {len} from {root:?}: {e}", c.me())
                     });
-                    (c.participant(), buf)
+                    (c.me(), buf)
                 })
             })
             .collect();
