@@ -579,9 +579,15 @@ impl SendWindow {
         // original's (the resend cannot have made the round trip yet).
         let too_soon = self.rtt.min_rtt().map_or(Duration::ZERO, |m| m / 2);
         let mut original_acked = false;
+        // The latest first transmission this ACK shows delivered (from the
+        // datagrams sent once: unambiguous).
+        let mut newest_delivered: Option<Instant> = None;
         for seq in bm.received() {
             if let Some(i) = self.index_of(seq) {
                 let e = &mut self.entries[i];
+                if e.retries == 0 && !e.reserved {
+                    newest_delivered = Some(newest_delivered.map_or(e.first_sent, |t| t.max(e.first_sent)));
+                }
                 if e.pending & bit != 0 {
                     e.pending &= !bit;
                     self.progress[dest] = Some(now);
@@ -603,14 +609,24 @@ impl SendWindow {
         if let Some(hi) = highest.filter(|_| self.holes_are_losses) {
             let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
             let hi_off = hi.wrapping_sub(self.base) as usize;
+            // RACK's reordering window (RFC 8985): a quarter of the smallest RTT.
+            let reordering = self.rtt.min_rtt().map_or(Duration::ZERO, |m| m / 4);
             for seq in bm.missing() {
                 let Some(i) = self.index_of(seq) else {
                     continue;
                 };
-                if i >= hi_off {
+                let e = &mut self.entries[i];
+                // A hole is a loss when a later seq arrived, or (RACK) a
+                // datagram sent later did: where datagrams are registered
+                // out of seq order (results, `send_at`: fragments complete
+                // in any order), a lost copy of one of the last fragments is
+                // then resent when the ACK of a later-sent one shows it
+                // missing, not after a timeout and a probe.
+                let sent_before_delivered =
+                    newest_delivered.is_some_and(|t| e.last_sent + reordering < t);
+                if i >= hi_off && !sent_before_delivered {
                     continue;
                 }
-                let e = &mut self.entries[i];
                 if e.pending & bit != 0 && now.saturating_duration_since(e.last_sent) > srtt {
                     e.last_sent = now;
                     e.retries = e.retries.saturating_add(1);
@@ -1133,6 +1149,45 @@ mod tests {
         assert!(w.is_idle());
         // 101 was sent at 1 ms: 26 ms; 103 (the newest) would give 24 ms.
         assert_eq!(w.rtt().srtt(), Some(Duration::from_millis(26)));
+    }
+
+    #[test]
+    fn a_hole_sent_before_a_delivered_datagram_is_resent_whatever_its_seq() {
+        // Results registered out of seq order (send_at): 103 at 0 ms, 100 at
+        // 1 ms, 102 at 2 ms, 101 at 6 ms; two destinations.
+        let c = cfg(AckMode::Group, 1024, 8);
+        let mut w = SendWindow::new(c, 2, 100);
+        let t0 = Instant::now();
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        for (seq, at) in [(103u32, 0u64), (100, 1), (102, 2), (101, 6)] {
+            w.send_at::<()>(seq, 0b11, ms(at), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+        }
+        let ack = |w: &mut SendWindow, dest: usize, seqs: &[u32], at: Instant| {
+            let mut bm = SeqBitmap::new(100, 4).unwrap();
+            for &s in seqs {
+                bm.set(s);
+            }
+            let mut out = Vec::new();
+            w.on_ack(dest, &bm, at, &mut |d, b| out.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+            out
+        };
+        // Dest 0 has everything but 103 (a sample of 9 ms from 100); dest 1
+        // everything. 103 is above every seq dest 0 acknowledged, yet it went
+        // out before them: lost.
+        assert_eq!(ack(&mut w, 1, &[100, 101, 102, 103], ms(10)), vec![]);
+        assert_eq!(ack(&mut w, 0, &[100, 101, 102], ms(10)), vec![(0, 103)]);
+        // Above every acknowledged seq and sent after every delivered
+        // datagram (103 at 6 ms; 100 and 102 went out at 0 and 1 ms): not a
+        // loss, however long in flight; the delivery of one sent later (101,
+        // 20 ms: beyond the reordering window, a quarter of the 30 ms RTT)
+        // shows it lost.
+        let mut w = SendWindow::new(c, 1, 100);
+        for (seq, at) in [(100u32, 0u64), (103, 6), (102, 1)] {
+            w.send_at::<()>(seq, 1, ms(at), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+        }
+        assert_eq!(ack(&mut w, 0, &[100, 102], ms(30)), vec![]);
+        w.send_at::<()>(101, 1, ms(20), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+        assert_eq!(ack(&mut w, 0, &[100, 101, 102], ms(40)), vec![(0, 103)]);
     }
 
     #[test]
