@@ -558,8 +558,9 @@ impl SendWindow {
     /// covers, after the receiver drained its queue, and the newest sample
     /// left the RTO below what the oldest waited, so that 6–8 % of a kernel
     /// allreduce's results were resent as duplicates), and retransmits (to
-    /// `dest` only) the holes below its highest received seq that have been
-    /// in flight longer than the smoothed RTT.
+    /// `dest` only) the holes that have been in flight longer than the
+    /// smoothed RTT and lie below its highest received seq or were sent
+    /// before a datagram it received (RACK).
     pub fn on_ack(
         &mut self,
         dest: usize,
