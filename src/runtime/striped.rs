@@ -173,7 +173,10 @@ impl StripedCommunicator {
 
     /// [`Communicator::allreduce_i32_with`] over the stripes: returns
     /// whether any element was clamped (OVERFLOW). On an error (the first
-    /// stripe's that failed) `buf` may hold part of the result.
+    /// stripe's that failed) `buf` may hold part of the result; a timeout's
+    /// details (fragment counts, the partial result asked for with
+    /// `CallOptions::partial`) are that stripe's, which
+    /// [`stripe_bounds`] locates in the vector.
     pub fn allreduce_i32_with(
         &self,
         buf: &mut [i32],
