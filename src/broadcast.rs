@@ -1046,7 +1046,7 @@ pub struct NodePlan {
     pub node: TreeNode,
     /// Depth: 0 for the root, 1 for its children, ...
     pub level: usize,
-    /// Who it sends (root) or forwards (member) to: mask bit i = children[i].
+    /// Who it sends (root) or forwards (member) to: mask bit i = `children[i]`.
     pub children: Vec<SocketAddrV4>,
 }
 
