@@ -1267,7 +1267,9 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo,kernel-f32,gloo-f32`,
 /// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window,
 /// `AGGBOX_LARGE_WORKERS=8`: the number of workers,
-/// `AGGBOX_LARGE_QUEUES=0`: veth queues, 0 = the kernel's default).
+/// `AGGBOX_LARGE_QUEUES=0`: veth queues, 0 = the kernel's default,
+/// `AGGBOX_LARGE_STRIPES=2`: stripes of every AggBox point,
+/// `AGGBOX_LARGE_STRIPED=4`: stripes of the `-xS` points).
 fn env_list(name: &str) -> Option<Vec<u64>> {
     let v = std::env::var(name).ok()?;
     Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
