@@ -588,11 +588,9 @@ fn counters_line(c: &BTreeMap<String, u64>) -> String {
         .join(" ")
 }
 
-/// The node configuration: the job of the 4 workers, its result group
-/// (RESULT copied to every worker's data socket by TC) and slots sized to
-/// the block pool at this MTU.
-/// The node configuration: a job and its result group per stripe, the
-/// kernel's block pool shared out between the stripes' jobs.
+/// The node configuration: per stripe a job of the workers, its result group
+/// (RESULT copied to every worker's data socket by TC) and slots, the block
+/// pool's share at this MTU divided between the stripes' jobs.
 fn config_text(tb: &Testbed, mtu: u32, stripes: usize) -> String {
     let workers: Vec<Ipv4Addr> = (1..=worker_count()).map(|h| tb.host(h).addr).collect();
     let list =
@@ -1386,7 +1384,8 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         // full run (or asked for by name in AGGBOX_LARGE_BACKENDS).
         let striped_sizes: Vec<u64> = sizes.iter().copied().filter(|&n| n == GOAL_SIZE).collect();
         let mut phases = vec![(true, stripes(), sizes.clone()), (false, stripes(), sizes.clone())];
-        if (m.is_none() || std::env::var("AGGBOX_LARGE_BACKENDS").is_ok()) && !striped_sizes.is_empty() && striped() != stripes() {
+        let asked = m.is_none() || std::env::var("AGGBOX_LARGE_BACKENDS").is_ok();
+        if asked && !striped_sizes.is_empty() && striped() != stripes() {
             phases.push((true, striped(), striped_sizes.clone()));
             phases.push((false, striped(), striped_sizes));
         }

@@ -865,14 +865,23 @@ impl Communicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<mpsc::Receiver<Result<bool, CommError>>, CommError> {
-        let (reply, rx) = mpsc::channel();
-        self.submit(Request::ReduceI32In {
+        self.start(|reply| Request::ReduceI32In {
             all,
             op,
             data,
             opts,
             reply,
-        })?;
+        })
+    }
+
+    /// Submits the request `make(reply)` and returns the channel of its
+    /// reply (it yields `Err` when the progress thread is gone).
+    fn start<T>(
+        &self,
+        make: impl FnOnce(mpsc::Sender<Result<T, CommError>>) -> Request,
+    ) -> Result<mpsc::Receiver<Result<T, CommError>>, CommError> {
+        let (reply, rx) = mpsc::channel();
+        self.submit(make(reply))?;
         Ok(rx)
     }
 
@@ -948,15 +957,13 @@ impl Communicator {
         mean: bool,
         opts: CallOptions,
     ) -> Result<mpsc::Receiver<Result<(), CommError>>, CommError> {
-        let (reply, rx) = mpsc::channel();
-        self.submit(Request::ReduceF32In {
+        self.start(|reply| Request::ReduceF32In {
             all,
             mean,
             data,
             opts,
             reply,
-        })?;
-        Ok(rx)
+        })
     }
 }
 
