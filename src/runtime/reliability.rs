@@ -1161,7 +1161,7 @@ mod tests {
         let t0 = Instant::now();
         let ms = |m: u64| t0 + Duration::from_millis(m);
         for (seq, at) in [(103u32, 0u64), (100, 1), (102, 2), (101, 6)] {
-            w.send_at::<()>(seq, 0b11, ms(at), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+            w.send_at::<()>(seq, 0b11, ms(at), seq_datagram, &mut |_, _| {}).unwrap();
         }
         let ack = |w: &mut SendWindow, dest: usize, seqs: &[u32], at: Instant| {
             let mut bm = SeqBitmap::new(100, 4).unwrap();
@@ -1184,10 +1184,10 @@ mod tests {
         // shows it lost.
         let mut w = SendWindow::new(c, 1, 100);
         for (seq, at) in [(100u32, 0u64), (103, 6), (102, 1)] {
-            w.send_at::<()>(seq, 1, ms(at), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+            w.send_at::<()>(seq, 1, ms(at), seq_datagram, &mut |_, _| {}).unwrap();
         }
         assert_eq!(ack(&mut w, 0, &[100, 102], ms(30)), vec![]);
-        w.send_at::<()>(101, 1, ms(20), |s, b| seq_datagram(s, b), &mut |_, _| {}).unwrap();
+        w.send_at::<()>(101, 1, ms(20), seq_datagram, &mut |_, _| {}).unwrap();
         assert_eq!(ack(&mut w, 0, &[100, 101, 102], ms(40)), vec![(0, 103)]);
     }
 
