@@ -46,17 +46,7 @@ fn job(mode: AckMode, control: &ImpairControl, seed: u64) -> Vec<Communicator> {
 }
 
 fn sum(s: &[CommStats]) -> CommStats {
-    let mut t = CommStats::default();
-    for x in s {
-        t.data_sent += x.data_sent;
-        t.retransmitted += x.retransmitted;
-        t.acks_sent += x.acks_sent;
-        t.data_received += x.data_received;
-        t.acks_received += x.acks_received;
-        t.duplicates_received += x.duplicates_received;
-        t.bytes_delivered += x.bytes_delivered;
-    }
-    t
+    s.iter().fold(CommStats::default(), |a, &x| a + x)
 }
 
 fn allreduce(comms: &[Communicator], len: usize) {

@@ -113,33 +113,18 @@ impl StripedCommunicator {
 
     /// The stripes' counters added up.
     pub fn stats(&self) -> CommStats {
-        self.stripes.iter().fold(CommStats::default(), |a, c| {
-            let s = c.stats();
-            CommStats {
-                data_sent: a.data_sent + s.data_sent,
-                retransmitted: a.retransmitted + s.retransmitted,
-                acks_sent: a.acks_sent + s.acks_sent,
-                data_received: a.data_received + s.data_received,
-                acks_received: a.acks_received + s.acks_received,
-                duplicates_received: a.duplicates_received + s.duplicates_received,
-                bytes_delivered: a.bytes_delivered + s.bytes_delivered,
-            }
-        })
+        self.stripes
+            .iter()
+            .map(|c| c.stats())
+            .fold(CommStats::default(), |a, s| a + s)
     }
 
     /// The stripes' system-call batching added up.
     pub fn io_stats(&self) -> IoStats {
-        self.stripes.iter().fold(IoStats::default(), |a, c| {
-            let s = c.io_stats();
-            IoStats {
-                send_batches: a.send_batches + s.send_batches,
-                batched_datagrams: a.batched_datagrams + s.batched_datagrams,
-                recv_batches: a.recv_batches + s.recv_batches,
-                received_datagrams: a.received_datagrams + s.received_datagrams,
-                gso_super_datagrams: a.gso_super_datagrams + s.gso_super_datagrams,
-                gso_segments: a.gso_segments + s.gso_segments,
-            }
-        })
+        self.stripes
+            .iter()
+            .map(|c| c.io_stats())
+            .fold(IoStats::default(), |a, s| a + s)
     }
 
     /// [`Communicator::broadcast_with`] over the stripes: each stripe's bytes

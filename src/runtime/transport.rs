@@ -708,6 +708,23 @@ pub struct CommStats {
     pub bytes_delivered: u64,
 }
 
+/// Counters of several communicators added up (the stripes of a
+/// `StripedCommunicator`, the participants of a job).
+impl std::ops::Add for CommStats {
+    type Output = CommStats;
+    fn add(self, o: CommStats) -> CommStats {
+        CommStats {
+            data_sent: self.data_sent + o.data_sent,
+            retransmitted: self.retransmitted + o.retransmitted,
+            acks_sent: self.acks_sent + o.acks_sent,
+            data_received: self.data_received + o.data_received,
+            acks_received: self.acks_received + o.acks_received,
+            duplicates_received: self.duplicates_received + o.duplicates_received,
+            bytes_delivered: self.bytes_delivered + o.bytes_delivered,
+        }
+    }
+}
+
 /// System-call batching of one communicator, see
 /// [`crate::runtime::Communicator::io_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -724,6 +741,21 @@ pub struct IoStats {
     pub gso_super_datagrams: u64,
     /// Datagrams inside them.
     pub gso_segments: u64,
+}
+
+/// Batching of several communicators added up.
+impl std::ops::Add for IoStats {
+    type Output = IoStats;
+    fn add(self, o: IoStats) -> IoStats {
+        IoStats {
+            send_batches: self.send_batches + o.send_batches,
+            batched_datagrams: self.batched_datagrams + o.batched_datagrams,
+            recv_batches: self.recv_batches + o.recv_batches,
+            received_datagrams: self.received_datagrams + o.received_datagrams,
+            gso_super_datagrams: self.gso_super_datagrams + o.gso_super_datagrams,
+            gso_segments: self.gso_segments + o.gso_segments,
+        }
+    }
 }
 
 /// Shared atomic counters behind [`CommStats`].
