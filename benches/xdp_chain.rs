@@ -100,4 +100,12 @@ fn main() {
             round += 1;
         }
     }
+    let fast = dp.fast_stats().expect("fast_stats");
+    println!(
+        "fast slots: {} contributions joined, {} fragments taken, {} busy (hash-map path), {} aborted",
+        fast[abi::FAST_JOINED as usize],
+        fast[abi::FAST_TAKEN as usize],
+        fast[abi::FAST_BUSY as usize],
+        fast[abi::FAST_ABORTED as usize]
+    );
 }

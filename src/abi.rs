@@ -287,7 +287,8 @@ pub struct Job {
     pub flags: u32,
     pub weight_sum: u32,
     pub window: u32,
-    pub pad: u32,
+    pub fast_base: u16,
+    pub fast_slots: u16,
 }
 const _: () = assert!(core::mem::size_of::<Job>() == 32);
 
@@ -346,6 +347,28 @@ pub const LINEAR_MAX_ELEMS: u32 = LINEAR_MAX_CHUNKS * CHUNK_ELEMS;
 pub const MAX_BLOCKS: u32 = 2 * MAX_SLOTS;
 /// Slots of all jobs together (`AGGBOX_MAX_SLOTS`).
 pub const MAX_SLOTS: u32 = 4096;
+/// Fast slots of all jobs together (`AGGBOX_FAST_SLOTS`, docs/DATAPLANE.md
+/// "Fast slots").
+pub const FAST_SLOTS: u32 = 4096;
+/// Largest fast-slot region of one job (`AGGBOX_FAST_JOB_SLOTS`).
+pub const FAST_JOB_SLOTS: u32 = 1024;
+/// Largest `count` a fast slot holds (`AGGBOX_FAST_ELEMS`); larger
+/// contributions use the hash-map slots.
+pub const FAST_ELEMS: u32 = 384;
+/// Elements of a round that share one fast-slot index (`AGGBOX_FAST_GRANULE`).
+pub const FAST_GRANULE: u32 = 256;
+/// `enum aggbox_fast_stat`: index of the `fast_stats` map.
+pub const FAST_JOINED: u32 = 0;
+/// See [`FAST_JOINED`].
+pub const FAST_TAKEN: u32 = 1;
+/// See [`FAST_JOINED`].
+pub const FAST_BUSY: u32 = 2;
+/// See [`FAST_JOINED`].
+pub const FAST_ABORTED: u32 = 3;
+/// See [`FAST_JOINED`].
+pub const FAST_EVICTED: u32 = 4;
+/// See [`FAST_JOINED`].
+pub const FAST_STAT_MAX: u32 = 5;
 /// Completed-slot markers kept (`AGGBOX_MAX_COMPLETED`).
 pub const MAX_COMPLETED: u32 = 65536;
 /// Rounds older than the newest completed round minus this are stale.
@@ -358,7 +381,10 @@ pub const CALL_ADD: u32 = 1;
 /// See [`CALL_SLOT`].
 pub const CALL_RESULT: u32 = 2;
 /// Size of the prog array.
-pub const CALL_MAX: u32 = 3;
+/// See [`CALL_SLOT`].
+pub const CALL_ENTRY: u32 = 3;
+/// See [`CALL_SLOT`].
+pub const CALL_MAX: u32 = 4;
 
 /// `struct aggbox_slot_key` (host order).
 #[repr(C)]
@@ -571,7 +597,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
-    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, pad]);
+    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
     fields!(out, "aggbox_rank", Rank, [addr, weight]);
     fields!(out, "aggbox_port_key", PortKey, [port, pad]);

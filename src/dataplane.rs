@@ -266,7 +266,8 @@ impl JobConfig {
             flags: self.flags,
             weight_sum: sum as u32,
             window: self.window,
-            pad: 0,
+            fast_base: 0,
+            fast_slots: 0,
         })
     }
 }
@@ -457,11 +458,12 @@ impl Dataplane {
     /// Fill the tail-call program array `progs` (the one place that does
     /// it): index `abi::CALL_*` -> the chain's programs.
     fn fill_prog_arrays(&self) -> Result<()> {
-        let [_, slot, add, result] = self.chain_programs();
+        let [entry, slot, add, result] = self.chain_programs();
         let chain = [
             (abi::CALL_SLOT, slot.1),
             (abi::CALL_ADD, add.1),
             (abi::CALL_RESULT, result.1),
+            (abi::CALL_ENTRY, entry.1),
         ];
         debug_assert_eq!(chain.len() as u32, abi::CALL_MAX);
         for (index, fd) in chain {
@@ -530,10 +532,11 @@ impl Dataplane {
                 reason: format!("config carries id {}", job.id),
             });
         }
-        let value = job.validate()?;
+        let mut value = job.validate()?;
         let maps = &self.skel.maps;
         let key = abi::JobKey { job: id, pad: 0 };
         let old = self.job(id)?;
+        (value.fast_base, value.fast_slots) = self.fast_region(id, &value, old.as_ref())?;
         // The old membership (address and weight of each rank), to tell a
         // membership change from a reconfiguration that keeps it.
         let old_ranks: Vec<Option<abi::Rank>> = match &old {
@@ -594,6 +597,9 @@ impl Dataplane {
                 // Release them, so that none of it can complete or be mixed
                 // into a round of the new membership.
                 self.discard_job_slots(id)?;
+                if old.fast_slots == value.fast_slots && old.fast_base == value.fast_base {
+                    self.discard_fast_slots(id, value.fast_base, value.fast_slots)?;
+                }
             }
         }
         self.reset_job_state(id)?;
@@ -752,14 +758,140 @@ impl Dataplane {
         lookup_plain(&self.skel.maps.job_state, "job_state", &abi::JobKey { job: id, pad: 0 })
     }
 
+    /// The fast-slot region job `id` gets (docs/DATAPLANE.md "Fast slots"):
+    /// a reconfigured job keeps its region when the size it wants is
+    /// unchanged; otherwise the first free, aligned region of the largest
+    /// power of two up to `min(FAST_JOB_SLOTS, the job's slot bound)` that
+    /// fits, zeroed before the job points at it; (0, 0) when none is free
+    /// or the job never aggregates in the kernel (user space only).
+    fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16)> {
+        if job.flags & abi::JOB_F_USERSPACE_ONLY != 0 {
+            return Ok((0, 0));
+        }
+        let limit = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
+        let want = abi::FAST_JOB_SLOTS.min(1 << (31 - limit.max(1).leading_zeros()));
+        if let Some(old) = old {
+            if u32::from(old.fast_slots) == want {
+                return Ok((old.fast_base, old.fast_slots));
+            }
+        }
+        let mut taken: Vec<(u32, u32)> = Vec::new();
+        for raw in self.skel.maps.jobs.keys() {
+            let Some(k) = abi::from_bytes::<abi::JobKey>(&raw) else { continue };
+            if k.job == id {
+                continue;
+            }
+            if let Some(other) = self.job(k.job)? {
+                if other.fast_slots > 0 {
+                    let base = u32::from(other.fast_base);
+                    taken.push((base, base + u32::from(other.fast_slots)));
+                }
+            }
+        }
+        let mut size = want;
+        while size >= 1 {
+            let mut base = 0;
+            while base + size <= abi::FAST_SLOTS {
+                if taken.iter().all(|&(lo, hi)| base + size <= lo || base >= hi) {
+                    self.zero_fast_slots(base, size)?;
+                    return Ok((base as u16, size as u16));
+                }
+                base += size;
+            }
+            size /= 2;
+        }
+        Ok((0, 0))
+    }
+
+    /// Zero fast slots `base..base + n` (under each slot's lock: BPF_F_LOCK).
+    fn zero_fast_slots(&self, base: u32, n: u32) -> Result<()> {
+        let map = &self.skel.maps.fast_slots;
+        let zero = vec![0u8; map.value_size() as usize];
+        for index in base..base + n {
+            map.update(&index.to_ne_bytes(), &zero, MapFlags::LOCK)
+                .map_err(|source| DataplaneError::Map {
+                    map: "fast_slots",
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Release job `id`'s fast slots in `base..base + n` with the
+    /// `aggbox_fast_discard` program (which gives `active_slots` back
+    /// atomically); returns how many held an unfinished fragment.
+    pub fn discard_fast_slots(&self, id: u16, base: u16, n: u16) -> Result<usize> {
+        let fd = self
+            .skel
+            .progs
+            .aggbox_fast_discard
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
+        let runner = TestRunner { fd };
+        let mut released = 0;
+        for index in u32::from(base)..u32::from(base) + u32::from(n) {
+            let mut frame = [0u8; 14 + 8];
+            frame[14..16].copy_from_slice(&id.to_ne_bytes());
+            frame[18..22].copy_from_slice(&index.to_ne_bytes());
+            let (verdict, _) = runner.run(&frame)?;
+            if verdict == 2 {
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Fast slots holding an unfinished fragment (CLAIMING, ACTIVE or
+    /// RESULTING: the `state` field at offset 4 of `struct
+    /// aggbox_fast_slot`), all jobs.
+    pub fn fast_slots_in_use(&self) -> usize {
+        let map = &self.skel.maps.fast_slots;
+        (0..abi::FAST_SLOTS)
+            .filter(|index| {
+                map.lookup(&index.to_ne_bytes(), MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|v| {
+                        let state = u16::from_ne_bytes([v[4], v[5]]);
+                        (1..=3).contains(&state)
+                    })
+            })
+            .count()
+    }
+
+    /// What the fast slots did, summed over CPUs, indexed by
+    /// `abi::FAST_*` (joined, taken, busy, aborted, evicted).
+    pub fn fast_stats(&self) -> Result<[u64; abi::FAST_STAT_MAX as usize]> {
+        let mut out = [0u64; abi::FAST_STAT_MAX as usize];
+        for (i, slot) in out.iter_mut().enumerate() {
+            let per_cpu = self
+                .skel
+                .maps
+                .fast_stats
+                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(|source| DataplaneError::Map {
+                    map: "fast_stats",
+                    source,
+                })?;
+            *slot = per_cpu
+                .unwrap_or_default()
+                .iter()
+                .map(|v| v.get(..8).map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap())))
+                .sum();
+        }
+        Ok(out)
+    }
+
     /// Number of `slot_owner` entries (all jobs), for tests and status.
     pub fn slot_owners_in_use(&self) -> usize {
         self.skel.maps.slot_owner.keys().count()
     }
 
-    /// Number of slots in the pool (all jobs), for tests and status.
+    /// Number of unfinished slots (all jobs, hash-map and fast), for tests
+    /// and status.
     pub fn slots_in_use(&self) -> usize {
-        self.skel.maps.slots.keys().count()
+        self.skel.maps.slots.keys().count() + self.fast_slots_in_use()
     }
 
     /// Number of pool blocks (chunks of `abi::CHUNK_ELEMS` accumulators)

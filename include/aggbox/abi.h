@@ -186,7 +186,10 @@ struct aggbox_job {
 	__u32 weight_sum;  /* host order: sum of rank weights (AVG divisor) */
 	__u32 window;      /* host order: rounds older than newest completed - window
 			    * are stale; 0 = AGGBOX_ROUND_WINDOW */
-	__u32 pad;         /* zero */
+	__u16 fast_base;   /* host order: first index of the job's region of the
+			    * fast_slots array (docs/DATAPLANE.md "Fast slots") */
+	__u16 fast_slots;  /* host order: size of that region, a power of two,
+			    * or 0: the job uses the hash-map slots only */
 };
 _Static_assert(sizeof(struct aggbox_job) == 32, "job is 32 bytes");
 
@@ -281,12 +284,46 @@ _Static_assert(AGGBOX_LINEAR_MAX_CHUNKS <= AGGBOX_MAX_CHUNKS, "linear chunks wit
 #define AGGBOX_ROUND_WINDOW 64 /* rounds older than newest completed - window are stale */
 #endif
 
+/*
+ * Fast slots (docs/DATAPLANE.md "Fast slots"): an array of slots, each job
+ * owning a power-of-two region that the control plane assigns in set_job. A
+ * contribution of at most AGGBOX_FAST_ELEMS elements has one fixed index in
+ * its job's region, computed from (round, frag_off): no hash map on its
+ * path. AGGBOX_FAST_GRANULE elements of a round share an index (a fragment
+ * of >= 256 elements has its own); the rounds of a job with vector_len
+ * follow each other through the region.
+ */
+#ifndef AGGBOX_FAST_SLOTS
+#define AGGBOX_FAST_SLOTS 4096 /* fast slots of all jobs together (~13 MiB) */
+#endif
+#ifndef AGGBOX_FAST_JOB_SLOTS
+#define AGGBOX_FAST_JOB_SLOTS 1024 /* largest region of one job */
+#endif
+#ifndef AGGBOX_FAST_ELEMS
+#define AGGBOX_FAST_ELEMS 384 /* largest count a fast slot holds (MTU 1500: 362) */
+#endif
+#define AGGBOX_FAST_GRANULE_SHIFT 8
+#define AGGBOX_FAST_GRANULE (1 << AGGBOX_FAST_GRANULE_SHIFT)
+_Static_assert(AGGBOX_FAST_ELEMS % 2 == 0, "fast slots add pairs");
+_Static_assert(AGGBOX_FAST_SLOTS <= 65536 && AGGBOX_FAST_JOB_SLOTS <= 32768, "indexes fit job.fast_base / fast_slots");
+
+/* What the fast slots did, beside the outcomes (fast_stats map index). */
+enum aggbox_fast_stat {
+	AGGBOX_FAST_JOINED      = 0, /* contributions added to a fast slot */
+	AGGBOX_FAST_TAKEN       = 1, /* fast slots taken by a new fragment */
+	AGGBOX_FAST_BUSY        = 2, /* fragment's fast slot held another live fragment: hash-map path */
+	AGGBOX_FAST_ABORTED     = 3, /* take-over given up: the fragment lives on the hash-map or user-space path */
+	AGGBOX_FAST_EVICTED     = 4, /* a stale round's unfinished fast slot taken by a new fragment */
+	AGGBOX_FAST_STAT_MAX    = 5,
+};
+
 /* Tail-call chain: index of each program in the prog array (cilium tailcall.h). */
 enum aggbox_call {
 	AGGBOX_CALL_SLOT   = 0, /* find or create the slot, claim the rank's bit */
 	AGGBOX_CALL_ADD    = 1, /* add up to AGGBOX_PROG_CHUNKS chunks of the payload into the slot */
 	AGGBOX_CALL_RESULT = 2, /* write up to AGGBOX_PROG_CHUNKS chunks of the result, then emit RESULT */
-	AGGBOX_CALL_MAX    = 3,
+	AGGBOX_CALL_ENTRY  = 3, /* the entry program again: a fragment the fast slot won (fast_check) */
+	AGGBOX_CALL_MAX    = 4,
 };
 
 /* Key of the slots map (and of the completed map). */

@@ -27,6 +27,11 @@
 #define AGGBOX_CONTINUE 100
 
 #define EEXIST 17
+
+/* The two big-endian int32 elements of a 64-bit load after bswap64: the
+ * first is the high half (one arithmetic shift sign-extends it). */
+#define PAIR_FIRST(y) ((__s64)(y) >> 32)
+#define PAIR_SECOND(y) ((__s64)((y) << 32) >> 32)
 #define INT32_MAX_ ((__s64)0x7fffffff)
 #define INT32_MIN_ (-(__s64)0x80000000)
 
@@ -427,6 +432,885 @@ struct {
 	__type(value, struct aggbox_job_handoff);
 } job_handoff SEC(".maps");
 
+/* job_state entry of a job, created zeroed if the control plane has not yet. */
+static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
+{
+	struct aggbox_job_key key = { .job = job };
+	struct aggbox_job_state zero = {};
+	struct aggbox_job_state *js;
+
+	js = bpf_map_lookup_elem(&job_state, &key);
+	if (js)
+		return js;
+	bpf_map_update_elem(&job_state, &key, &zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&job_state, &key);
+}
+
+/* ---------------------------------------------------------------------------
+ * Fast slots (docs/DATAPLANE.md "Fast slots"): a contribution of at most
+ * AGGBOX_FAST_ELEMS elements of a job with a fast-slot region is aggregated
+ * by the entry program itself, with no tail call and no hash-map slot: its
+ * slot is fast_slots[job.fast_base + (seq & (job.fast_slots - 1))], seq =
+ * round * ceil(vector_len / GRANULE) + frag_off / GRANULE, and the whole
+ * contribution (rank claim, adds straight from the packet, completion
+ * count) takes one lock acquisition. The fragment's slot holds its key; a
+ * fragment whose slot is busy with another live fragment, or that is older
+ * than the one in it, goes the hash-map way (CALL_SLOT) with every rule of
+ * that path (slot_owner, user-space hand-off, pool bounds, completed
+ * markers). Which of the two paths serves a fragment is settled by a
+ * handshake in which each side publishes first and then looks at the
+ * other: the taker of a fast slot marks it CLAIMING and then looks for a
+ * slot_owner record or completed marker of the key; the hash-map path
+ * inserts its slot_owner record and then looks at the fast slot under its
+ * lock (fast_check). At least one side sees the other; a CLAIMING slot
+ * loses to the hash-map path, an ACTIVE one wins.
+ * ------------------------------------------------------------------------- */
+
+/*
+ * fast_slots: the fast-slot pool, AGGBOX_FAST_SLOTS slots; job regions are
+ * assigned by the control plane (Dataplane::set_job), which zeroes a region
+ * before handing it to a job. Written by XDP only otherwise.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AGGBOX_FAST_SLOTS);
+	__type(key, __u32);
+	__type(value, struct aggbox_fast_slot);
+} fast_slots SEC(".maps");
+
+/* fast_stats: per-CPU counters by enum aggbox_fast_stat. XDP writes; the
+ * control plane sums (Dataplane::fast_stats). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, AGGBOX_FAST_STAT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} fast_stats SEC(".maps");
+
+/* Internal codes of the fast path (never counted under these values). */
+#define FAST_NOT_MINE 102 /* the fast slot does not hold this fragment */
+#define FAST_SLOW     103 /* the hash-map path serves this fragment */
+
+static __always_inline void fast_count(__u32 what)
+{
+	__u64 *c = bpf_map_lookup_elem(&fast_stats, &what);
+
+	if (c)
+		*c += 1; /* per-CPU, migration disabled */
+}
+
+/* Whether the contribution in scratch has a fast slot at all. */
+static __always_inline int fast_eligible(struct aggbox_scratch *s)
+{
+	return s->fast_slots && s->count <= AGGBOX_FAST_ELEMS;
+}
+
+/* Whether fast slot f holds the fragment of s (under its lock). */
+static __always_inline int fast_holds(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
+{
+	return f->state != FAST_EMPTY && f->job == s->key.job && f->round == s->key.round &&
+	       f->frag_off == s->key.frag_off;
+}
+
+/* Undo a take-over that has not committed (under the lock). */
+static __always_inline void fast_restore(struct aggbox_fast_slot *f)
+{
+	if (f->prev_state == FAST_DONE && f->prev_valid) {
+		f->round = f->prev_round;
+		f->frag_off = f->prev_frag_off;
+		f->state = FAST_DONE;
+	} else {
+		f->state = FAST_EMPTY;
+	}
+	f->prev_valid = 0;
+	f->token = 0;
+}
+
+/*
+ * Release the hash-map slot of `key` (if any) that will never complete: the
+ * daemon's stale-slot reclaim (aggbox_reclaim) and a fast slot that won the
+ * handshake over a hash-map slot made meanwhile. Under the slot's lock: a
+ * slot whose contributions are all done is completing (finish_result deletes
+ * it and gives its reservation back) and is left alone; otherwise it is
+ * poisoned (workers = 0xffff, so no contributor still in the chain can
+ * complete it; the stored key changed, so a contributor that looked it up
+ * before the delete sees a reused element and counts a retransmission).
+ * Then it is deleted with its slot_owner record, and the reservation and
+ * its blocks (indexes copied under the lock) are given back only if this
+ * delete removed it.
+ *
+ * Returns XDP_PASS released, XDP_DROP no such slot, XDP_TX completing or
+ * reused (left alone).
+ */
+static __always_inline int slot_release(struct aggbox_slot_key *key)
+{
+	struct aggbox_job_key jkey = {};
+	struct aggbox_job_state *js;
+	struct aggbox_slot *slot;
+	struct blocks_give bg;
+	__u32 count;
+	int busy = 0;
+
+	slot = bpf_map_lookup_elem(&slots, key);
+	if (!slot)
+		return XDP_DROP;
+	bpf_spin_lock(&slot->lock);
+	count = slot->b.count;
+	if (slot->b.key.job != key->job || slot->b.key.round != key->round ||
+	    slot->b.key.frag_off != key->frag_off || slot->b.done >= slot->b.workers) {
+		busy = 1;
+	} else {
+		slot->b.workers = 0xffff;
+		slot->b.key.round = ~key->round;
+		__builtin_memcpy(bg.block, slot->b.block, sizeof(bg.block));
+	}
+	bpf_spin_unlock(&slot->lock);
+	if (busy)
+		return XDP_TX;
+	if (bpf_map_delete_elem(&slots, key))
+		return XDP_DROP;
+	bpf_map_delete_elem(&slot_owner, key);
+	if (count <= AGGBOX_MAX_ELEMS)
+		blocks_give(bg.block, chunks_of(count), 1); /* no bpf_loop: loads on every kernel */
+	jkey.job = key->job;
+	js = bpf_map_lookup_elem(&job_state, &jkey);
+	if (js)
+		__sync_fetch_and_sub(&js->active_slots, 1);
+	return XDP_PASS;
+}
+
+/* Raise job_state.newest_round to `round` (serial order) and count a
+ * completion: both paths' completions. */
+static __always_inline void job_completed(struct aggbox_job_state *js, __u32 round)
+{
+	__u32 cur, i;
+
+	for (i = 0; i < 4; i++) {
+		cur = js->newest_round;
+		if (js->completed && (__s32)(round - cur) <= 0)
+			break;
+		if (__sync_val_compare_and_swap(&js->newest_round, cur, round) == cur)
+			break;
+	}
+	__sync_fetch_and_add(&js->completed, 1);
+}
+
+/* The one element of an odd count, at element index i (i < AGGBOX_FAST_ELEMS). */
+static __always_inline int fast_load_last(struct aggbox_scratch *s, void *payload, void *data_end, __u32 i,
+					  int use_buf, __s64 *v)
+{
+	__be32 *e;
+
+	if (i >= AGGBOX_FAST_ELEMS)
+		return -1;
+	if (use_buf) {
+		*v = (__s32)bpf_ntohl(s->buf[i]);
+		return 0;
+	}
+	e = payload + 4 * (__u64)i;
+	if ((void *)(e + 1) > data_end)
+		return -1;
+	*v = (__s32)bpf_ntohl(*e);
+	return 0;
+}
+
+/*
+ * Add the contribution into f (under its lock), op-specialised; the first
+ * contributor stores. The payload is read straight from the packet (or
+ * scratch.buf with use_buf, a compile-time constant) in blocks of
+ * FAST_BLOCK pairs of elements (one 64-bit load each: after bswap64 the
+ * first big-endian int32 is the high half), one bounds check and one
+ * count check per block, the block unrolled; then the last < FAST_BLOCK
+ * pairs one by one. BODY sees a, c (the pair) and i (its first index).
+ */
+#define FAST_BLOCK 8
+_Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
+
+#define FAST_LOOP(BODY)                                                                   \
+	do {                                                                              \
+		const __u64 *p = payload;                                                 \
+		__u32 b, k, j;                                                            \
+		for (b = 0; b < FAST_PAIRS / FAST_BLOCK; b++) {                           \
+			if (FAST_BLOCK * (b + 1) > npairs)                                \
+				break;                                                    \
+			if (!use_buf && (void *)(p + FAST_BLOCK) > data_end)              \
+				break;                                                    \
+			_Pragma("unroll") for (k = 0; k < FAST_BLOCK; k++)                \
+			{                                                                 \
+				__u64 y = __builtin_bswap64(                              \
+					use_buf ? ((const __u64 *)s->buf)[FAST_BLOCK * b + k] \
+						: p[k]);                                  \
+				__s64 a = PAIR_FIRST(y), c = PAIR_SECOND(y);              \
+				__u32 i = 2 * (FAST_BLOCK * b + k);                       \
+				BODY;                                                     \
+			}                                                                 \
+			p += FAST_BLOCK;                                                  \
+		}                                                                         \
+		for (k = 0; k < FAST_BLOCK; k++) {                                        \
+			__u64 y;                                                          \
+			__s64 a, c;                                                       \
+			__u32 i;                                                          \
+			j = FAST_BLOCK * b + k;                                           \
+			if (j >= npairs)                                                  \
+				break;                                                    \
+			i = 2 * j;                                                        \
+			asm volatile("" : "+r"(i)); /* bound this register */             \
+			if (i > AGGBOX_FAST_ELEMS - 2)                                    \
+				break;                                                    \
+			if (use_buf) {                                                    \
+				y = ((const __u64 *)s->buf)[i / 2];                       \
+			} else {                                                          \
+				if ((void *)(p + 1) > data_end)                           \
+					break;                                            \
+				y = *p;                                                   \
+				p++;                                                      \
+			}                                                                 \
+			y = __builtin_bswap64(y);                                         \
+			a = PAIR_FIRST(y);                                                \
+			c = PAIR_SECOND(y);                                               \
+			BODY;                                                             \
+		}                                                                         \
+	} while (0)
+
+static __always_inline void fast_add(struct aggbox_fast_slot *f, struct aggbox_scratch *s, void *payload,
+				     void *data_end, __u32 npairs, const int use_buf, __u8 op, __s64 w, int first)
+{
+	__s64 *acc = f->acc;
+
+	if (first && (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN ||
+		      ((op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) && w == 1)))
+		FAST_LOOP({ acc[i] = a; acc[i + 1] = c; });
+	else if (first && op == AGGBOX_OP_COUNT)
+		FAST_LOOP({ acc[i] = a != 0; acc[i + 1] = c != 0; });
+	else if (first) /* a weighted SUM/AVG */
+		FAST_LOOP({ acc[i] = w * a; acc[i + 1] = w * c; });
+	else if ((op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) && w == 1)
+		FAST_LOOP({ acc[i] += a; acc[i + 1] += c; });
+	else if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)
+		FAST_LOOP({ acc[i] += w * a; acc[i + 1] += w * c; });
+	else if (op == AGGBOX_OP_COUNT)
+		FAST_LOOP({ acc[i] += a != 0; acc[i + 1] += c != 0; });
+	else if (op == AGGBOX_OP_MAX)
+		FAST_LOOP({
+			if (a > acc[i])
+				acc[i] = a;
+			if (c > acc[i + 1])
+				acc[i + 1] = c;
+		});
+	else /* AGGBOX_OP_MIN */
+		FAST_LOOP({
+			if (a < acc[i])
+				acc[i] = a;
+			if (c < acc[i + 1])
+				acc[i + 1] = c;
+		});
+}
+
+/* One element of an odd count, added like the loops above (under the lock). */
+static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w, int first)
+{
+	if (op == AGGBOX_OP_COUNT)
+		v = v != 0;
+	else if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)
+		v = w * v;
+	if (first)
+		*acc = v;
+	else if (op == AGGBOX_OP_MAX)
+		*acc = v > *acc ? v : *acc;
+	else if (op == AGGBOX_OP_MIN)
+		*acc = v < *acc ? v : *acc;
+	else
+		*acc += v;
+}
+
+/*
+ * The completing contribution turns its own packet into the RESULT (the
+ * slot is RESULTING: nobody else writes it, no take-over), then counts the
+ * completion and marks the slot DONE. With use_buf the payload is written
+ * into scratch.buf and the caller stores it (bpf_xdp_store_bytes is not a
+ * helper of the linear chain's kernels).
+ *
+ * The common case is one pass: each pair of accumulators is written as
+ * int32 and OR-ed into a word that is nonzero when some value did not fit;
+ * then (rare: OVERFLOW, or AVG) a second pass writes the exact clamped and
+ * divided values. Nothing per element is kept on the stack, so the
+ * verifier's walk stays linear. A global function: checked once.
+ */
+#define FAST_STORE_PAIR(y, j)                                                 \
+	if (use_buf) {                                                        \
+		((__u64 *)s->buf)[j] = __builtin_bswap64(y);                  \
+	} else {                                                              \
+		if ((void *)(p + 1) > data_end)                               \
+			break;                                                \
+		*p = __builtin_bswap64(y);                                    \
+		p++;                                                          \
+	}
+
+/* AVG: r / ws truncated toward zero (BPF v3 has only unsigned division). */
+static __always_inline __s64 fast_avg(__s64 r, __u32 ws)
+{
+	__u64 u = r < 0 ? -(__u64)r : (__u64)r;
+
+	u /= ws;
+	return r < 0 ? -(__s64)u : (__s64)u;
+}
+
+static __always_inline __s64 fast_clamp(__s64 r)
+{
+	if (r > INT32_MAX_)
+		return INT32_MAX_;
+	if (r < INT32_MIN_)
+		return INT32_MIN_;
+	return r;
+}
+
+/*
+ * Two result elements, exactly: AVG divided, both clamped to int32, packed
+ * as (first << 32 | second). A clamped element sets scratch.overflow
+ * (the second only if `second_real`: an odd count's last pair holds one
+ * accumulator past the fragment). A global function, so that its branches
+ * are verified once and not once per element of the caller's loop.
+ */
+__noinline __u64 fast_exact_pair(__s64 a, __s64 b, __u32 ws, __u32 op, __u32 second_real)
+{
+	struct aggbox_scratch *s;
+	__s64 ca, cb;
+	__u32 zero = 0;
+
+	if (op == AGGBOX_OP_AVG) {
+		a = fast_avg(a, ws ? ws : 1);
+		b = fast_avg(b, ws ? ws : 1);
+	}
+	ca = fast_clamp(a);
+	cb = fast_clamp(b);
+	if (ca != a || (cb != b && second_real)) {
+		s = bpf_map_lookup_elem(&scratch, &zero);
+		if (s)
+			s->overflow = 1;
+	}
+	return ((__u64)ca << 32) | (__u32)cb;
+}
+
+/* The payload of the RESULT (fast_finish), into the packet or scratch.buf:
+ * use_buf is a compile-time constant, so the loops do not branch on it. */
+static __always_inline int fast_write_result(struct aggbox_fast_slot *f, struct aggbox_scratch *s, void *data,
+					      void *data_end, __u32 agg_off, __u32 n, __u8 op, __u32 ws,
+					      const int use_buf)
+{
+	__u32 j;
+	__u64 wide = 0, *p;
+
+	/*
+	 * The bounds are read from scratch at each use, never kept in a
+	 * register: a register compared in the first loop would carry a
+	 * different range out of each of its exits, and the verifier would
+	 * walk the second loop once per exit.
+	 */
+	s->fast_npairs = (n + 1) / 2; /* an odd count's last pair holds one stale accumulator */
+#define FAST_NPAIRS (*(volatile __u32 *)&s->fast_npairs)
+#define FAST_N ((__u32)*(volatile __u16 *)&s->count)
+
+	if (op == AGGBOX_OP_AVG)
+		return 1;
+	{
+		p = data + agg_off + sizeof(struct aggbox_agg_hdr);
+		for (j = 0; j < FAST_PAIRS; j++) {
+			__s64 a, b;
+			__u64 y;
+
+			if (j >= FAST_NPAIRS)
+				break;
+			a = f->acc[2 * j];
+			b = f->acc[2 * j + 1];
+			wide |= (a ^ (__s64)(__s32)a) | (b ^ (__s64)(__s32)b);
+			y = ((__u64)a << 32) | (__u32)b;
+			if (2 * j + 1 < FAST_N) {
+				FAST_STORE_PAIR(y, j);
+			} else {
+				s->chunk_n = (__u32)a; /* the odd last element, stored below */
+				break;
+			}
+		}
+	}
+	return wide != 0;
+}
+
+/*
+ * The exact pass of the RESULT payload (AVG, or some value out of int32):
+ * its own global function, so that the verifier walks it once and not once
+ * per exit of the first pass's loop.
+ */
+static __always_inline void fast_write_exact_to(struct xdp_md *ctx, struct aggbox_scratch *s,
+						struct aggbox_fast_slot *f, const int use_buf)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	__u32 j, agg_off = s->agg_off, ws = f->weight_sum ? f->weight_sum : 1;
+	__u8 op = s->op;
+	__u64 *p;
+
+	if (agg_off > 128)
+		return;
+	{
+		/* Exact pass: divide (AVG) and clamp; only real elements set OVERFLOW. */
+		p = data + agg_off + sizeof(struct aggbox_agg_hdr);
+		for (j = 0; j < FAST_PAIRS; j++) {
+			__u64 y;
+
+			if (j >= FAST_NPAIRS)
+				break;
+			y = fast_exact_pair(f->acc[2 * j], f->acc[2 * j + 1], ws, op, 2 * j + 1 < FAST_N);
+			if (2 * j + 1 < FAST_N) {
+				FAST_STORE_PAIR(y, j);
+			} else {
+				s->chunk_n = (__u32)(y >> 32);
+				break;
+			}
+		}
+	}
+}
+
+__noinline int fast_write_exact(struct xdp_md *ctx, __u32 use_buf)
+{
+	struct aggbox_fast_slot *f;
+	struct aggbox_scratch *s;
+	__u32 zero = 0, idx;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return -1;
+	idx = s->fast_idx;
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return -1;
+	if (use_buf)
+		fast_write_exact_to(ctx, s, f, 1);
+	else
+		fast_write_exact_to(ctx, s, f, 0);
+	return 0;
+}
+
+/*
+ * The hash-map path made a slot_owner record (and maybe a slot nobody added
+ * to) for a fragment before it saw the fast slot that serves it: drop them
+ * once the fast slot completed. A global function: its loops are verified
+ * once, not once per state of the caller.
+ */
+__noinline int fast_spill_cleanup(__u32 job, __u32 round, __u32 frag_off)
+{
+	struct aggbox_slot_key key = { .job = (__u16)job, .round = round, .frag_off = frag_off };
+	struct aggbox_job_state *js;
+	struct aggbox_job_key jkey = { .job = (__u16)job };
+	struct aggbox_slot *slot;
+	__u16 block[2];
+	__u32 count = 0;
+	int busy = 0;
+
+	/* slot_release() for a slot of at most AGGBOX_FAST_ELEMS elements (2
+	 * blocks: a small copy keeps the callers' combined stack in bounds). */
+	_Static_assert(AGGBOX_FAST_ELEMS <= 2 * AGGBOX_CHUNK_ELEMS, "a fast-eligible slot has <= 2 blocks");
+	slot = bpf_map_lookup_elem(&slots, &key);
+	if (slot) {
+		bpf_spin_lock(&slot->lock);
+		count = slot->b.count;
+		if (slot->b.key.job != key.job || slot->b.key.round != key.round ||
+		    slot->b.key.frag_off != key.frag_off || slot->b.done >= slot->b.workers ||
+		    count > AGGBOX_FAST_ELEMS) {
+			busy = 1;
+		} else {
+			slot->b.workers = 0xffff;
+			slot->b.key.round = ~key.round;
+			block[0] = slot->b.block[0];
+			block[1] = slot->b.block[1];
+		}
+		bpf_spin_unlock(&slot->lock);
+		if (!busy && !bpf_map_delete_elem(&slots, &key)) {
+			__u32 given = block_give(block[0]);
+
+			if (count > AGGBOX_CHUNK_ELEMS)
+				given += block_give(block[1]);
+			blocks_used_add(-(__s64)given);
+			js = bpf_map_lookup_elem(&job_state, &jkey);
+			if (js)
+				__sync_fetch_and_sub(&js->active_slots, 1);
+		}
+	}
+	bpf_map_delete_elem(&slot_owner, &key);
+	return 0;
+}
+
+__noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_job_state *js;
+	struct aggbox_fast_slot *f;
+	struct aggbox_scratch *s;
+	struct aggbox_slot_key key;
+	struct aggbox_agg_hdr *agg;
+	struct udphdr *udph;
+	__u32 zero = 0, idx, n, ws, seq = 0, agg_off, udp_off;
+	__u8 op, spilled, flags;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	idx = s->fast_idx;
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	n = s->count;
+	agg_off = s->agg_off;
+	udp_off = s->udp_off;
+	if (agg_off > 128 || udp_off > 128 || n > AGGBOX_FAST_ELEMS)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	op = s->op;
+	ws = f->weight_sum ? f->weight_sum : 1;
+	s->overflow = 0;
+
+	if (use_buf ? fast_write_result(f, s, data, data_end, agg_off, n, op, ws, 1)
+		    : fast_write_result(f, s, data, data_end, agg_off, n, op, ws, 0))
+		fast_write_exact(ctx, use_buf);
+	if (n & 1) {
+		__u32 i = n - 1;
+		__be32 v = bpf_htonl(s->chunk_n);
+
+		if (i >= AGGBOX_FAST_ELEMS)
+			return AGGBOX_DROP_MISSED_TAIL_CALL;
+		if (use_buf) {
+			s->buf[i] = v;
+		} else {
+			__be32 *e = data + agg_off + sizeof(*agg) + 4 * (__u64)i;
+
+			if ((void *)(e + 1) > data_end)
+				return AGGBOX_DROP_MISSED_TAIL_CALL;
+			*e = v;
+		}
+	}
+
+	udph = data + udp_off;
+	agg = data + agg_off;
+	if ((void *)(udph + 1) > data_end || (void *)(agg + 1) > data_end)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	key = s->key;
+	js = job_state_of(key.job);
+	if (js)
+		seq = __sync_fetch_and_add(&js->result_seq, 1);
+	flags = AGGBOX_AGG_F_RESULT | (f->flags & AGGBOX_AGG_F_CARRIED);
+	if (s->overflow)
+		flags |= AGGBOX_AGG_F_OVERFLOW;
+	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
+	agg->seq = bpf_htonl(seq);
+	agg->flags = flags;
+	udph->dest = bpf_htons(s->result_port);
+	udph->check = 0;
+
+	if (js) {
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		job_completed(js, key.round);
+	}
+	bpf_spin_lock(&f->lock);
+	f->state = FAST_DONE;
+	spilled = f->fast_flags & FAST_F_SPILLED;
+	f->fast_flags = 0;
+	bpf_spin_unlock(&f->lock);
+	s->fast_spilled = spilled;
+	return AGGBOX_OUTCOME_RESULT;
+}
+
+/*
+ * Add the contribution in scratch to its fast slot if the slot holds its
+ * fragment (ACTIVE; or CLAIMING under `token`, which commits the take-over).
+ * One lock acquisition: fragment check, rank claim, adds, completion count.
+ * Returns ACCEPTED, RESULT (the packet now is the RESULT, or scratch.buf
+ * holds its payload with use_buf), RETRANSMISSION, SLOT_MISMATCH, or
+ * FAST_NOT_MINE when the slot holds another fragment (or is being taken for
+ * this one by another CPU).
+ *
+ * A global function: the verifier checks it once, not once per caller
+ * state; it calls no helper newer than 5.15 (the linear chain uses it too).
+ */
+__noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_fast_slot *f;
+	struct aggbox_scratch *s;
+	__u32 zero = 0, idx, word, bit, npairs, n, agg_off;
+	void *payload;
+	__s64 w, last = 0;
+	int code, first, last_ok = 1;
+	__u8 op;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	idx = s->fast_idx;
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	n = s->count;
+	agg_off = s->agg_off;
+	if (n > AGGBOX_FAST_ELEMS || agg_off > 128)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	npairs = n / 2;
+	payload = data + agg_off + sizeof(struct aggbox_agg_hdr);
+	op = s->op;
+	w = s->weight;
+	word = (s->rank >> 5) & (AGGBOX_BITMAP_WORDS - 1);
+	bit = 1u << (s->rank & 31);
+	/* The odd element, read before the lock (no calls under it). */
+	if (n & 1)
+		last_ok = !fast_load_last(s, payload, data_end, n - 1, use_buf, &last);
+	if (!last_ok)
+		return AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: never */
+
+	bpf_spin_lock(&f->lock);
+	if (!fast_holds(f, s)) {
+		code = f->prev_valid && f->job == s->key.job && f->prev_round == s->key.round &&
+				       f->prev_frag_off == s->key.frag_off ?
+			       AGGBOX_DROP_RETRANSMISSION :
+			       FAST_NOT_MINE;
+	} else if (f->state == FAST_CLAIMING && !(token && f->token == token)) {
+		code = FAST_NOT_MINE; /* another CPU is taking it for this fragment */
+	} else if (f->state != FAST_CLAIMING && f->state != FAST_ACTIVE) {
+		code = AGGBOX_DROP_RETRANSMISSION; /* RESULTING or DONE */
+	} else if (f->op != op || f->count != n) {
+		code = AGGBOX_DROP_SLOT_MISMATCH;
+		if (f->state == FAST_CLAIMING)
+			fast_restore(f); /* never committed: nobody else is in it */
+	} else if (f->bitmap[word] & bit) {
+		code = AGGBOX_DROP_RETRANSMISSION;
+	} else {
+		f->state = FAST_ACTIVE;
+		f->bitmap[word] |= bit;
+		f->flags |= s->flags & AGGBOX_AGG_F_CARRIED;
+		first = f->done == 0;
+		if (use_buf)
+			fast_add(f, s, payload, data_end, npairs, 1, op, w, first);
+		else
+			fast_add(f, s, payload, data_end, npairs, 0, op, w, first);
+		if ((n & 1) && n - 1 < AGGBOX_FAST_ELEMS)
+			fast_add_one(&f->acc[n - 1], last, op, w, first);
+		f->done++;
+		if (f->done >= f->workers) {
+			f->state = FAST_RESULTING;
+			code = AGGBOX_OUTCOME_RESULT;
+		} else {
+			code = AGGBOX_OUTCOME_ACCEPTED;
+		}
+	}
+	bpf_spin_unlock(&f->lock);
+	if (code == AGGBOX_OUTCOME_ACCEPTED || code == AGGBOX_OUTCOME_RESULT)
+		fast_count(AGGBOX_FAST_JOINED);
+	return code;
+}
+
+/*
+ * The hash-map path's side of the handshake, for a fragment that has a
+ * fast slot, after its slot_owner record exists (made or found) and before
+ * it adds or hands anything over: a fast slot CLAIMING this fragment is
+ * made to give it up; one ACTIVE (or further) for it wins, and the
+ * contribution goes there (FAST_NOT_MINE is returned otherwise, and the
+ * hash-map path goes on).
+ */
+static __always_inline int fast_check(struct aggbox_scratch *s)
+{
+	struct aggbox_fast_slot *f;
+	__u32 idx = s->fast_idx;
+	int go_fast = 0;
+
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return FAST_NOT_MINE;
+	bpf_spin_lock(&f->lock);
+	if (fast_holds(f, s)) {
+		if (f->state == FAST_CLAIMING) {
+			fast_restore(f);
+		} else {
+			f->fast_flags |= FAST_F_SPILLED;
+			go_fast = 1;
+		}
+	}
+	bpf_spin_unlock(&f->lock);
+	return go_fast ? 0 : FAST_NOT_MINE;
+}
+
+/* fast_join with the payload where it is: in the packet for a linear frame,
+ * else copied into scratch.buf (frags chain only) and the RESULT stored back. */
+static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scratch *s, __u32 token,
+					   const int linear)
+{
+	__u32 off = s->agg_off + sizeof(struct aggbox_agg_hdr), len = 4 * (__u32)s->count, use_buf = 0;
+	int code;
+
+	if (len > 4 * AGGBOX_FAST_ELEMS || off > 256)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	if (off + len > (__u32)(ctx->data_end - ctx->data)) {
+		if (linear)
+			return AGGBOX_DROP_MISSED_TAIL_CALL; /* single-buffer: cannot happen */
+		asm volatile("" : "+r"(len));
+		if (len < 4 || len > 4 * AGGBOX_FAST_ELEMS ||
+		    bpf_xdp_load_bytes(ctx, off, s->buf, len))
+			return AGGBOX_DROP_MISSED_TAIL_CALL;
+		use_buf = 1;
+	}
+	code = fast_join(ctx, token, use_buf);
+	if (code != AGGBOX_OUTCOME_RESULT)
+		return code;
+	/* This contribution completed the fragment: its packet becomes the
+	 * RESULT (separate global functions keep each one's stack and
+	 * verifier walk small). */
+	code = fast_finish(ctx, use_buf);
+	if (code == AGGBOX_OUTCOME_RESULT && s->fast_spilled)
+		fast_spill_cleanup(s->key.job, s->key.round, s->key.frag_off);
+	if (!linear && use_buf && code == AGGBOX_OUTCOME_RESULT) {
+		len = 4 * (__u32)s->count;
+		asm volatile("" : "+r"(len));
+		if (len < 4 || len > 4 * AGGBOX_FAST_ELEMS || bpf_xdp_store_bytes(ctx, off, s->buf, len))
+			return AGGBOX_DROP_MISSED_TAIL_CALL;
+	}
+	return code;
+}
+
+/* Whether fragment (round, frag_off) of s comes after the one f holds. */
+static __always_inline int fast_newer(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
+{
+	__s32 d = (__s32)(s->key.round - f->round);
+
+	return d > 0 || (d == 0 && s->key.frag_off > f->frag_off);
+}
+
+/*
+ * The fast path of the entry program. Returns an outcome or drop reason, or
+ * FAST_SLOW: the hash-map chain serves the contribution.
+ */
+static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
+{
+	struct aggbox_job_key jkey = { .job = s->key.job };
+	struct aggbox_job_handoff *ho;
+	struct aggbox_job_state *js;
+	struct aggbox_fast_slot *f;
+	__u32 stride, seq, idx, limit, token, one = 1;
+	int code, take = 0, raced = 0, evicted = 0;
+	__u8 prev_valid = 0;
+	struct aggbox_slot_key prev = {};
+
+	js = job_state_of(s->key.job);
+	if (!js)
+		return FAST_SLOW;
+	ho = bpf_map_lookup_elem(&job_handoff, &jkey);
+	/* The stale-round rule of slot_claim, first: it holds for both paths. */
+	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
+		return AGGBOX_DROP_STALE_ROUND;
+	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window)
+		return AGGBOX_DROP_STALE_ROUND;
+
+	stride = (s->vector_len >> AGGBOX_FAST_GRANULE_SHIFT) + ((s->vector_len & (AGGBOX_FAST_GRANULE - 1)) != 0);
+	seq = s->key.round * stride + (s->key.frag_off >> AGGBOX_FAST_GRANULE_SHIFT);
+	idx = s->fast_base + (seq & (s->fast_slots - 1));
+	s->fast_idx = idx;
+
+	code = fast_join_frame(ctx, s, 0, linear);
+	if (code != FAST_NOT_MINE)
+		return code;
+
+	/* Not this fragment's yet: take the slot if it is free. */
+	if (ho && (ho->flags & AGGBOX_HANDOFF_F_OVERLOAD) && aggbox_has_xsk(ctx))
+		return FAST_SLOW; /* new fragments of a job in overload go to user space */
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return FAST_SLOW;
+	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
+	if (__sync_fetch_and_add(&js->active_slots, 1) >= limit) {
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		return FAST_SLOW; /* the job's slot bound: pool-full rules there */
+	}
+	token = bpf_get_prandom_u32() | 1;
+
+	bpf_spin_lock(&f->lock);
+	if (fast_holds(f, s)) {
+		raced = 1; /* another CPU took it for this fragment meanwhile */
+	} else if (f->state == FAST_EMPTY || f->job != s->key.job) {
+		take = 1;
+	} else if (f->state == FAST_DONE && fast_newer(f, s)) {
+		take = 1;
+		prev_valid = 1;
+		prev.job = f->job;
+		prev.round = f->round;
+		prev.frag_off = f->frag_off;
+	} else if (f->state == FAST_ACTIVE && js->completed &&
+		   (__s32)(js->newest_round - f->round) > (__s32)s->window) {
+		take = 1; /* a stale round's slot never completes */
+		evicted = 1;
+	}
+	if (take) {
+		f->prev_valid = prev_valid;
+		f->prev_state = prev_valid ? FAST_DONE : FAST_EMPTY;
+		f->prev_round = prev.round;
+		f->prev_frag_off = prev.frag_off;
+		f->job = s->key.job;
+		f->round = s->key.round;
+		f->frag_off = s->key.frag_off;
+		f->state = FAST_CLAIMING;
+		f->token = token;
+		f->count = s->count;
+		f->op = s->op;
+		f->flags = 0;
+		f->fast_flags = 0;
+		f->workers = s->workers;
+		f->done = 0;
+		f->weight_sum = s->weight_sum;
+		__builtin_memset(f->bitmap, 0, sizeof(f->bitmap));
+	}
+	bpf_spin_unlock(&f->lock);
+
+	if (!take) {
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		if (raced) {
+			code = fast_join_frame(ctx, s, 0, linear);
+			if (code != FAST_NOT_MINE)
+				return code;
+		}
+		fast_count(AGGBOX_FAST_BUSY);
+		return FAST_SLOW;
+	}
+	if (evicted) {
+		__sync_fetch_and_sub(&js->active_slots, 1); /* the evicted slot's reservation */
+		fast_count(AGGBOX_FAST_EVICTED);
+	}
+	/* Published (CLAIMING); a full barrier, then look at the other paths. */
+	__sync_fetch_and_add(&f->fence, 1);
+	if (prev_valid)
+		bpf_map_update_elem(&completed, &prev, &one, BPF_ANY);
+	code = 0;
+	if (bpf_map_lookup_elem(&slot_owner, &s->key))
+		code = FAST_SLOW;
+	else if (bpf_map_lookup_elem(&completed, &s->key))
+		code = AGGBOX_DROP_RETRANSMISSION;
+	if (code) {
+		bpf_spin_lock(&f->lock);
+		if (f->state == FAST_CLAIMING && f->token == token)
+			fast_restore(f);
+		bpf_spin_unlock(&f->lock);
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		fast_count(AGGBOX_FAST_ABORTED);
+		return code;
+	}
+	code = fast_join_frame(ctx, s, token, linear);
+	if (code == FAST_NOT_MINE) {
+		/* The hash-map path made the take-over give up. */
+		__sync_fetch_and_sub(&js->active_slots, 1);
+		fast_count(AGGBOX_FAST_ABORTED);
+		return FAST_SLOW;
+	}
+	if (code != AGGBOX_OUTCOME_ACCEPTED && code != AGGBOX_OUTCOME_RESULT)
+		__sync_fetch_and_sub(&js->active_slots, 1); /* mismatch: restored, not taken */
+	else
+		fast_count(AGGBOX_FAST_TAKEN);
+	return code;
+}
+
 /*
  * Validate one AGG1 contribution in the order of PROTOCOL.md. Returns an
  * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
@@ -567,6 +1451,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->weight_sum = job->weight_sum;
 	s->slots = job->slots;
 	s->window = job->window ? job->window : AGGBOX_ROUND_WINDOW;
+	s->vector_len = job->vector_len;
+	s->fast_base = job->fast_base;
+	s->fast_slots = job->fast_slots;
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
 
@@ -593,8 +1480,11 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 		if (s->count > (linear ? AGGBOX_LINEAR_MAX_ELEMS : AGGBOX_MAX_ELEMS)) {
 			code = AGGBOX_DROP_TOO_LARGE;
 		} else {
-			aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
-			code = AGGBOX_DROP_MISSED_TAIL_CALL;
+			code = fast_eligible(s) ? fast_path(ctx, s, linear) : FAST_SLOW;
+			if (code == FAST_SLOW) {
+				aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
+				code = AGGBOX_DROP_MISSED_TAIL_CALL;
+			}
 		}
 	}
 	return aggbox_exit(code, s->bytes);
@@ -607,22 +1497,12 @@ CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
  * retransmissions, claim the rank's bit.
  * ------------------------------------------------------------------------- */
 
-static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
-{
-	struct aggbox_job_key key = { .job = job };
-	struct aggbox_job_state zero = {};
-	struct aggbox_job_state *js;
-
-	js = bpf_map_lookup_elem(&job_state, &key);
-	if (js)
-		return js;
-	bpf_map_update_elem(&job_state, &key, &zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(&job_state, &key);
-}
 
 /* Internal code of slot_claim: hand the contribution to user space
  * (reason in s->handoff); never counted under this value. */
 #define AGGBOX_HANDOFF_CODE 101
+/* Internal code of slot_claim: the fragment's fast slot serves it. */
+#define AGGBOX_GO_FAST 104
 
 /*
  * Create the slot of s->key. `reserved`: the caller already holds one
@@ -779,10 +1659,19 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 		return AGGBOX_DROP_STALE_ROUND;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
+	code = 0;
 	if (!slot) {
 		code = slot_place(ctx, s, js, ho, linear);
-		if (code)
+		if (code && code != AGGBOX_HANDOFF_CODE)
 			return code;
+	}
+	/* The fragment's slot_owner record exists now: the handshake with
+	 * its fast slot (fast_check) before anything is added or handed over. */
+	if (fast_eligible(s) && !fast_check(s))
+		return AGGBOX_GO_FAST;
+	if (code)
+		return code; /* AGGBOX_HANDOFF_CODE */
+	if (!slot) {
 		slot = bpf_map_lookup_elem(&slots, &s->key);
 		if (!slot)
 			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
@@ -819,6 +1708,13 @@ static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
 	code = slot_claim(ctx, s, linear);
+	if (code == AGGBOX_GO_FAST) {
+		/* The fragment's fast slot serves it: the entry program again
+		 * (its fast path has the stack this stage's frame leaves no
+		 * room for). */
+		aggbox_tail_call(ctx, AGGBOX_CALL_ENTRY, linear);
+		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+	}
 	if (code == AGGBOX_HANDOFF_CODE)
 		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes,
 				      frame_len(ctx, linear));
@@ -907,8 +1803,6 @@ static __always_inline int block_matches(struct aggbox_block *blk, struct aggbox
  * so the loop counter and branch are paid once per 8 elements (the verifier
  * walks the same 256 elements either way).
  */
-#define PAIR_FIRST(y) ((__s64)(y) >> 32)
-#define PAIR_SECOND(y) ((__s64)((y) << 32) >> 32)
 #define PAIRS (AGGBOX_CHUNK_ELEMS / 2)
 
 static __always_inline void add_block(__s64 *acc, const __u64 *src, __u8 op, __s64 w, int first)
@@ -1368,14 +2262,8 @@ CHAIN_PROGRAMS(aggbox_result, result_stage)
  * user space, keeps job_state.active_slots exact: only the kernel updates it,
  * atomically.
  *
- * Under the slot's lock: a slot whose contributions are all done is
- * completing (finish_result deletes it and gives its reservation back) and
- * is left alone; otherwise it is poisoned (workers = 0xffff, so no
- * contributor still in the chain can complete it; the stored key changed, so
- * a contributor that looked it up before the delete sees a reused element
- * and counts a retransmission). Then it is deleted with its slot_owner
- * record, and the reservation and its blocks (indexes copied under the lock)
- * are given back only if this delete removed it.
+ * The work is slot_release()'s (shared with a fast slot that wins over a
+ * hash-map slot nobody added to).
  *
  * Verdicts: XDP_PASS reclaimed, XDP_DROP no such slot, XDP_TX completing or
  * reused (left alone), XDP_ABORTED malformed request.
@@ -1386,13 +2274,7 @@ int aggbox_reclaim(struct xdp_md *ctx)
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_slot_key *in = data + sizeof(struct ethhdr);
-	struct aggbox_job_key jkey = {};
 	struct aggbox_slot_key key;
-	struct aggbox_job_state *js;
-	struct aggbox_slot *slot;
-	struct blocks_give bg;
-	__u32 count;
-	int busy = 0;
 
 	if ((void *)(in + 1) > data_end)
 		return XDP_ABORTED;
@@ -1400,28 +2282,55 @@ int aggbox_reclaim(struct xdp_md *ctx)
 	key.pad = 0;
 	key.round = in->round;
 	key.frag_off = in->frag_off;
-	slot = bpf_map_lookup_elem(&slots, &key);
-	if (!slot)
-		return XDP_DROP;
-	bpf_spin_lock(&slot->lock);
-	count = slot->b.count;
-	if (slot->b.key.job != key.job || slot->b.key.round != key.round ||
-	    slot->b.key.frag_off != key.frag_off || slot->b.done >= slot->b.workers) {
-		busy = 1;
-	} else {
-		slot->b.workers = 0xffff;
-		slot->b.key.round = ~key.round;
-		__builtin_memcpy(bg.block, slot->b.block, sizeof(bg.block));
+	return slot_release(&key);
+}
+
+/* ---------------------------------------------------------------------------
+ * aggbox_fast_discard: release one fast slot of a job whose membership
+ * changed (Dataplane::set_job), like aggbox_reclaim for the hash-map slots
+ * and run the same way, on a frame of an Ethernet header's 14 bytes followed
+ * by a struct aggbox_fast_discard_req. Under the slot's lock an ACTIVE or
+ * DONE slot of the job becomes EMPTY, and an ACTIVE one gives its
+ * job_state.active_slots reservation back. A CLAIMING slot is left to its
+ * taker and a RESULTING one to its completer (both end by themselves).
+ *
+ * Verdicts: XDP_PASS released an ACTIVE slot, XDP_DROP nothing to release,
+ * XDP_ABORTED malformed request.
+ * ------------------------------------------------------------------------- */
+struct aggbox_fast_discard_req {
+	__u16 job;
+	__u16 pad;
+	__u32 index;
+};
+
+SEC("xdp")
+int aggbox_fast_discard(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_fast_discard_req *in = data + sizeof(struct ethhdr);
+	struct aggbox_job_key jkey = {};
+	struct aggbox_job_state *js;
+	struct aggbox_fast_slot *f;
+	__u32 idx;
+	int active = 0;
+
+	if ((void *)(in + 1) > data_end)
+		return XDP_ABORTED;
+	idx = in->index;
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return XDP_ABORTED;
+	bpf_spin_lock(&f->lock);
+	if (f->job == in->job && (f->state == FAST_ACTIVE || f->state == FAST_DONE)) {
+		active = f->state == FAST_ACTIVE;
+		f->state = FAST_EMPTY;
+		f->prev_valid = 0;
 	}
-	bpf_spin_unlock(&slot->lock);
-	if (busy)
-		return XDP_TX;
-	if (bpf_map_delete_elem(&slots, &key))
+	bpf_spin_unlock(&f->lock);
+	if (!active)
 		return XDP_DROP;
-	bpf_map_delete_elem(&slot_owner, &key);
-	if (count <= AGGBOX_MAX_ELEMS)
-		blocks_give(bg.block, chunks_of(count), 1); /* no bpf_loop: loads on every kernel */
-	jkey.job = key.job;
+	jkey.job = in->job;
 	js = bpf_map_lookup_elem(&job_state, &jkey);
 	if (js)
 		__sync_fetch_and_sub(&js->active_slots, 1);

@@ -78,6 +78,57 @@ struct aggbox_init {
 	struct aggbox_slot_init slot;
 };
 
+/*
+ * A fast slot (value of the `fast_slots` array; docs/DATAPLANE.md "Fast
+ * slots"): the whole reduction of one fragment of at most AGGBOX_FAST_ELEMS
+ * elements in one map value under one lock, at an index computed from the
+ * key. It carries its key as a version and its state:
+ *
+ *   EMPTY ──take──> CLAIMING ──commit──> ACTIVE ──last rank──> RESULTING ──RESULT written──> DONE
+ *                      │ abort (the fragment has a hash-map slot,                              │
+ *                      └ a user-space owner or a completed marker)                             take
+ *
+ * Only EMPTY and DONE slots (and ACTIVE ones of a stale round) are taken by a
+ * new key; a DONE slot keeps its key, so a late retransmission of it is
+ * recognised until the slot is taken, and the key it held before is kept in
+ * `prev` (the taker also writes it into the `completed` LRU before it
+ * commits). Every contribution is added under the lock in one acquisition.
+ */
+enum aggbox_fast_state {
+	FAST_EMPTY     = 0,
+	FAST_CLAIMING  = 1, /* taken, the taker checks the other paths */
+	FAST_ACTIVE    = 2,
+	FAST_RESULTING = 3, /* complete: the last contributor writes the RESULT */
+	FAST_DONE      = 4,
+};
+
+#define FAST_F_SPILLED 0x01 /* the hash-map path made a record for this key */
+#define FAST_PAIRS (AGGBOX_FAST_ELEMS / 2)
+
+struct aggbox_fast_slot {
+	struct bpf_spin_lock lock;
+	__u16 state;       /* enum aggbox_fast_state; offset 4 (read by the control plane) */
+	__u16 job;         /* job of the key (a region is reassigned when jobs change) */
+	__u32 round;       /* key */
+	__u32 frag_off;
+	__u32 prev_round;  /* key held before the current one, if prev_valid */
+	__u32 prev_frag_off;
+	__u32 token;       /* CLAIMING: who took it */
+	__u16 count;       /* of the first contribution */
+	__u8  op;
+	__u8  flags;       /* OR of the contributions' AGGBOX_AGG_F_CARRIED */
+	__u16 workers;
+	__u16 done;        /* contributions added */
+	__u32 weight_sum;  /* AVG divisor */
+	__u8  prev_valid;
+	__u8  prev_state;  /* what an aborted take-over restores: FAST_DONE or FAST_EMPTY */
+	__u8  fast_flags;  /* FAST_F_* */
+	__u8  pad;
+	__u32 fence;       /* atomically added to: a full barrier (take-over vs hash path) */
+	__u32 bitmap[AGGBOX_BITMAP_WORDS];
+	__s64 acc[AGGBOX_FAST_ELEMS];
+};
+
 /* Per-packet state handed from one program of the chain to the next. */
 _Static_assert(AGGBOX_MAX_CHUNKS <= 64, "scratch.finalized has a bit per chunk");
 
@@ -115,7 +166,15 @@ struct aggbox_scratch {
 			    * pool without looking the header up again) */
 	__u64 finalized;   /* chunks whose RESULT values the add stage already
 			    * wrote into this packet (bit i = chunk i) */
-	__be32 buf[AGGBOX_CHUNK_ELEMS] __attribute__((aligned(8)));
+	__u32 vector_len;  /* the job's (0 = unbounded) */
+	__u16 fast_base;   /* the job's fast-slot region */
+	__u16 fast_slots;
+	__u32 fast_idx;    /* index of the fragment's fast slot */
+	__u32 fast_token;  /* this packet's take-over token */
+	__u32 fast_npairs; /* element pairs of the RESULT being written */
+	__u32 fast_spilled;/* the completed fast slot had FAST_F_SPILLED */
+	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
+		__attribute__((aligned(8)));
 			   /* one chunk of payload: bpf_xdp_load_bytes /
 			    * store_bytes go through here; 8-aligned for the
 			    * two-elements-per-load loops */
