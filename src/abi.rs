@@ -43,6 +43,9 @@ pub const MAX_RANKS: u32 = 256;
 
 pub const JOB_F_USERSPACE_ONLY: u32 = 0x01;
 pub const JOB_F_HAS_PARENT: u32 = 0x02;
+/// Give the job no fast-slot region: every contribution takes the hash-map
+/// chain (`AGGBOX_JOB_F_NO_FAST`; docs/DATAPLANE.md "Fast slots").
+pub const JOB_F_NO_FAST: u32 = 0x04;
 pub const NO_GROUP: u16 = 0xffff;
 
 /// `enum aggbox_op`.

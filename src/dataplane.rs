@@ -673,6 +673,11 @@ impl Dataplane {
         }
         self.port_add(old.port, -1)?;
         self.clear_job_state(id)?;
+        // Its fast slots: nothing of the job may outlive it there (its
+        // job_state, which their reservations counted in, is gone).
+        if old.fast_slots > 0 {
+            self.zero_fast_slots(u32::from(old.fast_base), u32::from(old.fast_slots))?;
+        }
         Ok(())
     }
 
@@ -765,7 +770,7 @@ impl Dataplane {
     /// fits, zeroed before the job points at it; (0, 0) when none is free
     /// or the job never aggregates in the kernel (user space only).
     fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16)> {
-        if job.flags & abi::JOB_F_USERSPACE_ONLY != 0 {
+        if job.flags & (abi::JOB_F_USERSPACE_ONLY | abi::JOB_F_NO_FAST) != 0 {
             return Ok((0, 0));
         }
         let limit = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };

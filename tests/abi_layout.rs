@@ -33,6 +33,7 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_MAX_RANKS".into(), abi::MAX_RANKS as i64),
         ("AGGBOX_JOB_F_USERSPACE_ONLY".into(), abi::JOB_F_USERSPACE_ONLY as i64),
         ("AGGBOX_JOB_F_HAS_PARENT".into(), abi::JOB_F_HAS_PARENT as i64),
+        ("AGGBOX_JOB_F_NO_FAST".into(), abi::JOB_F_NO_FAST as i64),
         ("AGGBOX_NO_GROUP".into(), abi::NO_GROUP as i64),
         ("AGGBOX_OUTCOME_COUNT_OK".into(), abi::OUTCOME_COUNT_OK as i64),
         ("AGGBOX_STATS_DROP_BASE".into(), abi::STATS_DROP_BASE as i64),

@@ -167,7 +167,8 @@ fn xsk_limit_keeps_longer_frames_on_the_fallback() {
 fn pool_exhaustion_hands_new_slots_over_and_keeps_fragments_whole() {
     let (_tb, sock) = with_socket();
     let dp = load();
-    dp.set_job(1, &job(1, 1, 0)).unwrap();
+    // The hash-map path's slot_owner records are what this test checks.
+    dp.set_job(1, &job(1, 1, abi::JOB_F_NO_FAST)).unwrap();
     let frag = |rank: u16, frag_off: u32| {
         let mut a = Agg::new(1, rank, abi::Op::Sum as u8, vec![10 + rank as i32; 4]);
         a.frag_off = frag_off;
@@ -280,7 +281,8 @@ fn overload_flag_sends_new_slots_only_to_user_space() {
 fn removing_a_job_clears_its_ownership_records() {
     let (_tb, sock) = with_socket();
     let dp = load();
-    dp.set_job(1, &job(1, 1, 0)).unwrap();
+    // The hash-map path's slot_owner records are what this test checks.
+    dp.set_job(1, &job(1, 1, abi::JOB_F_NO_FAST)).unwrap();
     dp.register_xsk(0, sock.fd()).unwrap();
     for frag_off in [0u32, 1, 2] {
         let mut a = Agg::new(1, 0, abi::Op::Sum as u8, vec![1]);

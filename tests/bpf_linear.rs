@@ -117,7 +117,10 @@ fn linear_chain_tail_calls_go_through_its_own_array() {
     // exactly that stage: the chain never jumps into the frags array.
     for (index, ranks) in [(abi::CALL_SLOT, 1u16), (abi::CALL_ADD, 1), (abi::CALL_RESULT, 2)] {
         let dp = load_linear();
-        dp.set_job(REDUCE_JOB, &reduce_job(2, vec![])).unwrap();
+        // The hash-map chain (a fast slot would need no tail call).
+        let mut chain_job = reduce_job(2, vec![]);
+        chain_job.flags = aggbox::abi::JOB_F_NO_FAST;
+        dp.set_job(REDUCE_JOB, &chain_job).unwrap();
         dp.unset_tail_call(index).unwrap();
         let before = dp.stats().unwrap();
         for rank in 0..ranks {

@@ -195,6 +195,8 @@ _Static_assert(sizeof(struct aggbox_job) == 32, "job is 32 bytes");
 
 #define AGGBOX_JOB_F_USERSPACE_ONLY 0x01 /* every contribution goes to user space */
 #define AGGBOX_JOB_F_HAS_PARENT     0x02 /* results go upstream, not to result_port */
+#define AGGBOX_JOB_F_NO_FAST        0x04 /* control plane only: give the job no fast-slot
+					  * region (every contribution takes the hash-map chain) */
 #define AGGBOX_NO_GROUP             0xffff
 
 /* Key of the ranks map: the paper's KEY, job << 16 | rank. */

@@ -631,7 +631,7 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 		const __u64 *p = payload;                                                 \
 		__u32 b, k, j;                                                            \
 		for (b = 0; b < FAST_PAIRS / FAST_BLOCK; b++) {                           \
-			if (FAST_BLOCK * (b + 1) > npairs)                                \
+			if (FAST_BLOCK * (b + 1) > *(volatile __u32 *)&s->fast_npairs)                                \
 				break;                                                    \
 			if (!use_buf && (void *)(p + FAST_BLOCK) > data_end)              \
 				break;                                                    \
@@ -651,7 +651,7 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 			__s64 a, c;                                                       \
 			__u32 i;                                                          \
 			j = FAST_BLOCK * b + k;                                           \
-			if (j >= npairs)                                                  \
+			if (j >= *(volatile __u32 *)&s->fast_npairs)                      \
 				break;                                                    \
 			i = 2 * j;                                                        \
 			asm volatile("" : "+r"(i)); /* bound this register */             \
@@ -1053,7 +1053,11 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	agg_off = s->agg_off;
 	if (n > AGGBOX_FAST_ELEMS || agg_off > 128)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	/* The loops read their bound from scratch at each check: a register
+	 * compared there would leave each loop exit with its own range of it,
+	 * and the verifier would walk what follows once per exit. */
 	npairs = n / 2;
+	s->fast_npairs = npairs;
 	payload = data + agg_off + sizeof(struct aggbox_agg_hdr);
 	op = s->op;
 	w = s->weight;
