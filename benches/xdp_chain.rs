@@ -20,6 +20,7 @@ use aggbox::abi::{self, Op};
 use aggbox::dataplane::JobConfig;
 use bpf_common::*;
 
+
 const JOB: u16 = 9;
 const WORKERS: u16 = 4;
 
@@ -100,6 +101,7 @@ fn main() {
             round += 1;
         }
     }
+    fixed_costs(&runner);
     let fast = dp.fast_stats().expect("fast_stats");
     println!(
         "fast slots: {} contributions joined, {} fragments taken, {} busy (hash-map path), {} aborted",
@@ -108,4 +110,41 @@ fn main() {
         fast[abi::FAST_BUSY as usize],
         fast[abi::FAST_ABORTED as usize]
     );
+}
+
+/// Median run time of `frame` over `runs` test runs (the first warms up).
+fn median_ns(runner: &aggbox::dataplane::TestRunner, frame: &[u8], runs: usize) -> u32 {
+    let mut t: Vec<u32> = (0..runs)
+        .map(|_| runner.run_timed(frame).expect("test run").2)
+        .collect();
+    t.sort_unstable();
+    t[runs / 2]
+}
+
+/// Where the fixed work per datagram goes: the same 4-element AGG1
+/// datagram stopped at successive steps of the entry program (each step
+/// adds the lookups named), median of 2000 runs each. A frame with no IPv4
+/// is the harness's own floor (BPF_PROG_TEST_RUN around a parse-and-pass).
+fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
+    let values = vec![1, 2, 3, 4];
+    let agg = |job: u16, rank: u16| Agg::new(job, rank, Op::Sum as u8, values.clone());
+    let mut not_ip = Frame::udp(addr(0), agg(JOB, 0).bytes());
+    not_ip.ethertype = 0x0806;
+    let mut other_port = Frame::udp(addr(0), agg(JOB, 0).bytes());
+    other_port.dport = JOB_PORT + 1;
+    let steps: [(&str, Vec<u8>); 5] = [
+        ("not IPv4 (parse, pass)", not_ip.build()),
+        ("UDP to another port (+ ports lookup)", other_port.build()),
+        ("unknown job (+ jobs lookup)", Frame::udp(addr(0), agg(JOB + 1, 0).bytes()).build()),
+        ("source mismatch (+ ranks lookup)", Frame::udp(addr(1), agg(JOB, 0).bytes()).build()),
+        ("stale round (+ slot stage / fast path state lookups)", {
+            let mut a = agg(JOB, 0);
+            a.round = 0x8000_0000; // far behind the rounds the runs above completed
+            Frame::udp(addr(0), a.bytes()).build()
+        }),
+    ];
+    println!("fixed cost per datagram (median of 2000 runs, ns):");
+    for (what, frame) in steps {
+        println!("  {:>5}  {what}", median_ns(runner, &frame, 2000));
+    }
 }
