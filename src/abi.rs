@@ -292,8 +292,11 @@ pub struct Job {
     pub window: u32,
     pub fast_base: u16,
     pub fast_slots: u16,
+    pub id: u16,
+    pub pad: u16,
+    pub fast_stride: u32,
 }
-const _: () = assert!(core::mem::size_of::<Job>() == 32);
+const _: () = assert!(core::mem::size_of::<Job>() == 40);
 
 /// `struct aggbox_rank_key` (host order).
 #[repr(C)]
@@ -600,7 +603,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
-    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots]);
+    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots, id, pad, fast_stride]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
     fields!(out, "aggbox_rank", Rank, [addr, weight]);
     fields!(out, "aggbox_port_key", PortKey, [port, pad]);

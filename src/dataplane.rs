@@ -268,6 +268,9 @@ impl JobConfig {
             window: self.window,
             fast_base: 0,
             fast_slots: 0,
+            id: self.id,
+            pad: 0,
+            fast_stride: 0,
         })
     }
 }
@@ -533,40 +536,40 @@ impl Dataplane {
             });
         }
         let mut value = job.validate()?;
-        let maps = &self.skel.maps;
-        let key = abi::JobKey { job: id, pad: 0 };
+        value.id = id;
         let old = self.job(id)?;
-        (value.fast_base, value.fast_slots) = self.fast_region(id, &value, old.as_ref())?;
+        let dense = match self.job_index(id)? {
+            Some(dense) => dense,
+            None => self.free_job_index().ok_or_else(|| DataplaneError::InvalidJob {
+                job: id,
+                reason: format!("{} jobs are configured already (the most a node serves)", abi::MAX_JOBS),
+            })?,
+        };
+        (value.fast_base, value.fast_slots, value.fast_stride) = self.fast_region(id, &value, old.as_ref())?;
         // The old membership (address and weight of each rank), to tell a
         // membership change from a reconfiguration that keeps it.
         let old_ranks: Vec<Option<abi::Rank>> = match &old {
             Some(o) => (0..o.workers).map(|rank| self.rank(id, rank)).collect::<Result<_>>()?,
             None => Vec::new(),
         };
+        if old.is_none() {
+            // A new job starts from zero state and counters at its index
+            // (a reconfigured job keeps its slots and counters).
+            self.zero_job_entries(dense)?;
+        }
 
         // Ranks first, so that the job never points at missing ranks.
         for (rank, (addr, weight)) in job.ranks.iter().zip(job.effective_weights()).enumerate() {
-            let rkey = abi::RankKey {
-                job: id,
-                rank: rank as u16,
-            };
             let rval = abi::Rank {
                 addr: u32::from_ne_bytes(addr.octets()),
                 weight,
             };
-            maps.ranks
-                .update(abi::as_bytes(&rkey), abi::as_bytes(&rval), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
-                    map: "ranks",
-                    source,
-                })?;
+            self.write_rank(dense, rank as u16, &rval)?;
         }
-        maps.jobs
-            .update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "jobs",
-                source,
-            })?;
+        update_array(&self.skel.maps.jobs, "jobs", dense, &value)?;
+        // Published last: a datagram finds the index only once its job,
+        // ranks and state are in place.
+        update_array(&self.skel.maps.job_index, "job_index", u32::from(id), &(dense + 1))?;
 
         match old {
             Some(old) if old.port == value.port => {}
@@ -578,7 +581,7 @@ impl Dataplane {
         }
         if let Some(old) = old {
             for rank in value.workers..old.workers {
-                self.delete_rank(id, rank)?;
+                self.write_rank(dense, rank, &abi::Rank::default())?;
             }
             let new_ranks: Vec<Option<abi::Rank>> = job
                 .ranks
@@ -602,15 +605,46 @@ impl Dataplane {
                 }
             }
         }
-        self.reset_job_state(id)?;
-        self.create_job_stats(id)?;
         Ok(())
     }
 
-    /// Create job `id`'s zeroed per-CPU counters (`job_stats`) if it has
-    /// none yet: a reconfigured job keeps counting where it was.
-    fn create_job_stats(&self, id: u16) -> Result<()> {
-        let key = abi::JobKey { job: id, pad: 0 };
+    /// Job `id`'s dense index (its entry in `jobs`, `ranks`, `job_state`,
+    /// `job_handoff`, `job_stats`), if configured.
+    fn job_index(&self, id: u16) -> Result<Option<u32>> {
+        Ok(lookup_array::<u32>(&self.skel.maps.job_index, "job_index", u32::from(id))?
+            .filter(|&v| v != 0 && v <= abi::MAX_JOBS)
+            .map(|v| v - 1))
+    }
+
+    /// The first dense index no configured job holds.
+    fn free_job_index(&self) -> Option<u32> {
+        let used: Vec<u32> = self.jobs().unwrap_or_default().into_iter().map(|(dense, _)| dense).collect();
+        (0..abi::MAX_JOBS).find(|d| !used.contains(d))
+    }
+
+    /// Every configured job as (dense index, job), in dense order.
+    pub fn jobs(&self) -> Result<Vec<(u32, abi::Job)>> {
+        let mut out = Vec::new();
+        for dense in 0..abi::MAX_JOBS {
+            if let Some(job) = lookup_array::<abi::Job>(&self.skel.maps.jobs, "jobs", dense)? {
+                if job.workers != 0 {
+                    out.push((dense, job));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn write_rank(&self, dense: u32, rank: u16, value: &abi::Rank) -> Result<()> {
+        update_array(&self.skel.maps.ranks, "ranks", dense * abi::MAX_RANKS + u32::from(rank), value)
+    }
+
+    /// Zero the state, user-space hand-off state, path flags and counters at
+    /// `dense`.
+    fn zero_job_entries(&self, dense: u32) -> Result<()> {
+        update_array(&self.skel.maps.job_state, "job_state", dense, &abi::JobState::default())?;
+        update_array(&self.skel.maps.job_handoff, "job_handoff", dense, &abi::JobHandoff::default())?;
+        update_array(&self.skel.maps.job_paths, "job_paths", dense, &0u32)?;
         let map = &self.skel.maps.job_stats;
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| DataplaneError::Map {
             map: "job_stats",
@@ -618,25 +652,24 @@ impl Dataplane {
         })?;
         let zero = abi::JobStats::default();
         let values: Vec<Vec<u8>> = (0..ncpu).map(|_| abi::as_bytes(&zero).to_vec()).collect();
-        match map.update_percpu(abi::as_bytes(&key), &values, MapFlags::NO_EXIST) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => Ok(()),
-            Err(source) => Err(DataplaneError::Map {
+        map.update_percpu(&dense.to_ne_bytes(), &values, MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
                 map: "job_stats",
                 source,
-            }),
-        }
+            })
     }
 
     /// Job `id`'s counters (`job_stats`) summed over CPUs; `None` when the
     /// job is not configured.
     pub fn job_stats(&self, id: u16) -> Result<Option<abi::JobStats>> {
-        let key = abi::JobKey { job: id, pad: 0 };
+        let Some(dense) = self.job_index(id)? else {
+            return Ok(None);
+        };
         let per_cpu = self
             .skel
             .maps
             .job_stats
-            .lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)
+            .lookup_percpu(&dense.to_ne_bytes(), MapFlags::ANY)
             .map_err(|source| DataplaneError::Map {
                 map: "job_stats",
                 source,
@@ -645,7 +678,10 @@ impl Dataplane {
     }
 
     fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
-        lookup_plain(&self.skel.maps.ranks, "ranks", &abi::RankKey { job: id, rank })
+        let Some(dense) = self.job_index(id)? else {
+            return Ok(None);
+        };
+        lookup_array(&self.skel.maps.ranks, "ranks", dense * abi::MAX_RANKS + u32::from(rank))
     }
 
     /// Release every kernel slot of job `id` that is not completing (with
@@ -663,79 +699,49 @@ impl Dataplane {
 
     /// Remove job `id` (no-op if unknown).
     pub fn remove_job(&self, id: u16) -> Result<()> {
-        let Some(old) = self.job(id)? else {
+        let (Some(old), Some(dense)) = (self.job(id)?, self.job_index(id)?) else {
             return Ok(());
         };
-        let key = abi::JobKey { job: id, pad: 0 };
-        delete_ignore_missing(&self.skel.maps.jobs, "jobs", abi::as_bytes(&key))?;
+        // Unpublished first: from here on its datagrams are unknown_job.
+        update_array(&self.skel.maps.job_index, "job_index", u32::from(id), &0u32)?;
+        // Its hash-map slots (released by the kernel, so blocks go back to
+        // the pool) while job_state still counts them, then the rest.
+        self.clear_job_slots(id)?;
+        update_array(&self.skel.maps.jobs, "jobs", dense, &abi::Job::default())?;
         for rank in 0..old.workers {
-            self.delete_rank(id, rank)?;
+            self.write_rank(dense, rank, &abi::Rank::default())?;
         }
         self.port_add(old.port, -1)?;
-        self.clear_job_state(id)?;
-        // Its fast slots: nothing of the job may outlive it there (its
-        // job_state, which their reservations counted in, is gone).
+        self.zero_job_entries(dense)?;
+        // Its fast slots: nothing of the job may outlive it there.
         if old.fast_slots > 0 {
             self.zero_fast_slots(u32::from(old.fast_base), u32::from(old.fast_slots))?;
         }
         Ok(())
     }
 
-    /// The job as written in the `jobs` map, if configured.
+    /// The job as written in the `jobs` array, if configured.
     pub fn job(&self, id: u16) -> Result<Option<abi::Job>> {
-        lookup_plain(&self.skel.maps.jobs, "jobs", &abi::JobKey { job: id, pad: 0 })
-    }
-
-    fn delete_rank(&self, id: u16, rank: u16) -> Result<()> {
-        let rkey = abi::RankKey { job: id, rank };
-        delete_ignore_missing(&self.skel.maps.ranks, "ranks", abi::as_bytes(&rkey))
+        let Some(dense) = self.job_index(id)? else {
+            return Ok(None);
+        };
+        Ok(lookup_array::<abi::Job>(&self.skel.maps.jobs, "jobs", dense)?.filter(|j| j.workers != 0 && j.id == id))
     }
 
     fn port_add(&self, port: u16, delta: i64) -> Result<()> {
         let map = &self.skel.maps.ports;
-        let key = abi::PortKey { port, pad: 0 };
-        let cur = lookup_plain::<_, abi::Port, _>(map, "ports", &key)?
+        let cur = lookup_array::<abi::Port>(map, "ports", u32::from(port))?
             .map(|p| i64::from(p.jobs))
             .unwrap_or(0);
-        let new = (cur + delta).max(0);
-        if new == 0 {
-            delete_ignore_missing(map, "ports", abi::as_bytes(&key))
-        } else {
-            let value = abi::Port { jobs: new as u32 };
-            map.update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
-                    map: "ports",
-                    source,
-                })
-        }
+        let value = abi::Port {
+            jobs: (cur + delta).max(0) as u32,
+        };
+        update_array(map, "ports", u32::from(port), &value)
     }
 
-    /// Create the kernel's runtime state of a job if it has none yet (a
-    /// reconfigured job keeps its slots and counters).
-    fn reset_job_state(&self, id: u16) -> Result<()> {
-        let key = abi::JobKey { job: id, pad: 0 };
-        let zero = abi::JobState::default();
-        match self.skel.maps.job_state.update(
-            abi::as_bytes(&key),
-            abi::as_bytes(&zero),
-            MapFlags::NO_EXIST,
-        ) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => Ok(()),
-            Err(source) => Err(DataplaneError::Map {
-                map: "job_state",
-                source,
-            }),
-        }
-    }
-
-    /// Drop the kernel's runtime state of a removed job: its state, its
-    /// slots and its completed markers.
-    fn clear_job_state(&self, id: u16) -> Result<()> {
-        let key = abi::JobKey { job: id, pad: 0 };
-        delete_ignore_missing(&self.skel.maps.job_state, "job_state", abi::as_bytes(&key))?;
-        delete_ignore_missing(&self.skel.maps.job_handoff, "job_handoff", abi::as_bytes(&key))?;
-        delete_ignore_missing(&self.skel.maps.job_stats, "job_stats", abi::as_bytes(&key))?;
+    /// Drop the kernel's slots of a removed job: its hash-map slots (and
+    /// their blocks) and its completed markers and ownership records.
+    fn clear_job_slots(&self, id: u16) -> Result<()> {
         // The kernel releases the job's slots (and gives their blocks back
         // to the pool, which only the XDP programs do); a slot that is
         // completing is deleted by its completer. The loop below deletes
@@ -760,37 +766,42 @@ impl Dataplane {
     /// The kernel's runtime state of job `id` (slots in use, newest
     /// completed round, completions, next RESULT seq).
     pub fn job_state(&self, id: u16) -> Result<Option<abi::JobState>> {
-        lookup_plain(&self.skel.maps.job_state, "job_state", &abi::JobKey { job: id, pad: 0 })
+        let Some(dense) = self.job_index(id)? else {
+            return Ok(None);
+        };
+        lookup_array(&self.skel.maps.job_state, "job_state", dense)
     }
 
     /// The fast-slot region job `id` gets (docs/DATAPLANE.md "Fast slots"):
-    /// a reconfigured job keeps its region when the size it wants is
-    /// unchanged; otherwise the first free, aligned region of the largest
-    /// power of two up to `min(FAST_JOB_SLOTS, the job's slot bound)` that
-    /// fits, zeroed before the job points at it; (0, 0) when none is free
-    /// or the job never aggregates in the kernel (user space only).
-    fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16)> {
+    /// a reconfigured job keeps its region; a new one gets the first free,
+    /// aligned region of the largest power of two at or above its slot
+    /// bound (at most FAST_JOB_SLOTS) that fits, zeroed before the job
+    /// points at it; (0, 0) when none is free or the job never aggregates
+    /// in the kernel (user space only, or JOB_F_NO_FAST).
+    fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16, u32)> {
         if job.flags & (abi::JOB_F_USERSPACE_ONLY | abi::JOB_F_NO_FAST) != 0 {
-            return Ok((0, 0));
+            if let Some(old) = old.filter(|o| o.fast_slots > 0) {
+                // Giving the region up: release what is in flight there.
+                self.discard_fast_slots(id, old.fast_base, old.fast_slots)?;
+            }
+            return Ok((0, 0, 0));
         }
         let limit = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
-        let want = abi::FAST_JOB_SLOTS.min(1 << (31 - limit.max(1).leading_zeros()));
+        // A fragment of 256..=384 elements covers one or two granules of its
+        // round's index sequence: a region of the next power of two above the
+        // bound holds the bound's fragments without collisions.
+        let want = abi::FAST_JOB_SLOTS.min(limit.max(1).next_power_of_two());
         if let Some(old) = old {
-            if u32::from(old.fast_slots) == want {
-                return Ok((old.fast_base, old.fast_slots));
-            }
+            // A reconfigured job keeps its region and index function (and
+            // the fragments in flight there): both were set when the job
+            // was added, so a fragment's index never changes.
+            return Ok((old.fast_base, old.fast_slots, old.fast_stride));
         }
         let mut taken: Vec<(u32, u32)> = Vec::new();
-        for raw in self.skel.maps.jobs.keys() {
-            let Some(k) = abi::from_bytes::<abi::JobKey>(&raw) else { continue };
-            if k.job == id {
-                continue;
-            }
-            if let Some(other) = self.job(k.job)? {
-                if other.fast_slots > 0 {
-                    let base = u32::from(other.fast_base);
-                    taken.push((base, base + u32::from(other.fast_slots)));
-                }
+        for (_, other) in self.jobs()? {
+            if other.id != id && other.fast_slots > 0 {
+                let base = u32::from(other.fast_base);
+                taken.push((base, base + u32::from(other.fast_slots)));
             }
         }
         let mut size = want;
@@ -799,13 +810,14 @@ impl Dataplane {
             while base + size <= abi::FAST_SLOTS {
                 if taken.iter().all(|&(lo, hi)| base + size <= lo || base >= hi) {
                     self.zero_fast_slots(base, size)?;
-                    return Ok((base as u16, size as u16));
+                    let stride = job.vector_len.div_ceil(abi::FAST_GRANULE);
+                    return Ok((base as u16, size as u16, stride));
                 }
                 base += size;
             }
             size /= 2;
         }
-        Ok((0, 0))
+        Ok((0, 0, 0))
     }
 
     /// Zero fast slots `base..base + n` (under each slot's lock: BPF_F_LOCK).
@@ -826,21 +838,10 @@ impl Dataplane {
     /// `aggbox_fast_discard` program (which gives `active_slots` back
     /// atomically); returns how many held an unfinished fragment.
     pub fn discard_fast_slots(&self, id: u16, base: u16, n: u16) -> Result<usize> {
-        let fd = self
-            .skel
-            .progs
-            .aggbox_fast_discard
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
-        let runner = TestRunner { fd };
+        let maps = self.kernel_maps()?;
         let mut released = 0;
         for index in u32::from(base)..u32::from(base) + u32::from(n) {
-            let mut frame = [0u8; 14 + 8];
-            frame[14..16].copy_from_slice(&id.to_ne_bytes());
-            frame[18..22].copy_from_slice(&index.to_ne_bytes());
-            let (verdict, _) = runner.run(&frame)?;
-            if verdict == 2 {
+            if maps.discard_fast_slot(id, index, None)? {
                 released += 1;
             }
         }
@@ -888,9 +889,11 @@ impl Dataplane {
         Ok(out)
     }
 
-    /// Number of `slot_owner` entries (all jobs), for tests and status.
+    /// Number of open fragments whose path is decided (all jobs): the
+    /// `slot_owner` records of the hash-map path plus the unfinished fast
+    /// slots (whose index is their decision), for tests and status.
     pub fn slot_owners_in_use(&self) -> usize {
-        self.skel.maps.slot_owner.keys().count()
+        self.skel.maps.slot_owner.keys().count() + self.fast_slots_in_use()
     }
 
     /// Number of unfinished slots (all jobs, hash-map and fast), for tests
@@ -1003,6 +1006,17 @@ impl Dataplane {
             completed: dup(maps.completed.as_fd(), "completed")?,
             job_state: dup(maps.job_state.as_fd(), "job_state")?,
             job_handoff: dup(maps.job_handoff.as_fd(), "job_handoff")?,
+            job_index: dup(maps.job_index.as_fd(), "job_index")?,
+            jobs: dup(maps.jobs.as_fd(), "jobs")?,
+            fast_slots: dup(maps.fast_slots.as_fd(), "fast_slots")?,
+            fast_slot_size: maps.fast_slots.value_size() as usize,
+            fast_discard: self
+                .skel
+                .progs
+                .aggbox_fast_discard
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
             slots: dup(maps.slots.as_fd(), "slots")?,
             reclaim: self
                 .skel
@@ -1029,11 +1043,8 @@ impl Dataplane {
     pub fn reclaim_stale_slots(&self) -> Result<usize> {
         let maps = self.kernel_maps()?;
         let mut windows = BTreeMap::new();
-        for raw in self.skel.maps.jobs.keys() {
-            let Some(k) = abi::from_bytes::<abi::JobKey>(&raw) else { continue };
-            if let Some(job) = self.job(k.job)? {
-                windows.insert(k.job, job.window);
-            }
+        for (_, job) in self.jobs()? {
+            windows.insert(job.id, job.window);
         }
         Ok(maps.reclaim_stale_slots(|job| windows.get(&job).copied()))
     }
@@ -1216,6 +1227,11 @@ pub struct KernelMaps {
     completed: OwnedFd,
     job_state: OwnedFd,
     job_handoff: OwnedFd,
+    job_index: OwnedFd,
+    jobs: OwnedFd,
+    fast_slots: OwnedFd,
+    fast_slot_size: usize,
+    fast_discard: OwnedFd,
     slots: OwnedFd,
     reclaim: OwnedFd,
 }
@@ -1348,7 +1364,78 @@ impl KernelMaps {
                 reclaimed += 1;
             }
         }
+        // The fast slots (docs/DATAPLANE.md "Fast slots") of every job with
+        // a region: one still holding an unfinished fragment of a stale
+        // round is released the same way (the kernel checks, under the
+        // slot's lock, that it still holds that round).
+        for dense in 0..abi::MAX_JOBS {
+            let Some(job) = raw_lookup::<u32, abi::Job>(&self.jobs, &dense) else { continue };
+            if job.workers == 0 || job.fast_slots == 0 {
+                continue;
+            }
+            let Some(w) = window(job.id) else { continue };
+            let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
+            let k = self.job_state(job.id).filter(|s| s.completed != 0).map(|s| s.newest_round);
+            let u = self.job_handoff(job.id).filter(|h| h.completed != 0).map(|h| h.newest_round);
+            if k.is_none() && u.is_none() {
+                continue;
+            }
+            let base = u32::from(job.fast_base);
+            for index in base..base + u32::from(job.fast_slots) {
+                let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
+                let stale = |n: Option<u32>| n.is_some_and(|n| (n.wrapping_sub(round) as i32) > w);
+                if state == FAST_ACTIVE
+                    && slot_job == job.id
+                    && (stale(k) || stale(u))
+                    && matches!(self.discard_fast_slot(job.id, index, Some(round)), Ok(true))
+                {
+                    reclaimed += 1;
+                }
+            }
+        }
         reclaimed
+    }
+
+    /// (state, job, round) of fast slot `index`: the first fields of
+    /// `struct aggbox_fast_slot` after its 4-byte lock (src/bpf/slot.h).
+    fn fast_slot_header(&self, index: u32) -> Option<(u16, u16, u32)> {
+        let mut value = vec![0u8; self.fast_slot_size];
+        // SAFETY: key is a live u32, value a buffer of the map's value size.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_lookup_elem(
+                self.fast_slots.as_raw_fd(),
+                (&index as *const u32).cast(),
+                value.as_mut_ptr().cast(),
+            )
+        };
+        if rc != 0 || value.len() < 12 {
+            return None;
+        }
+        Some((
+            u16::from_ne_bytes([value[4], value[5]]),
+            u16::from_ne_bytes([value[6], value[7]]),
+            u32::from_ne_bytes([value[8], value[9], value[10], value[11]]),
+        ))
+    }
+
+    /// Release fast slot `index` of job `id` with `aggbox_fast_discard`:
+    /// an unfinished fragment (its reservation given back) or a finished
+    /// one; with `round`, only an unfinished fragment of that round.
+    /// Returns whether an unfinished fragment was released.
+    pub fn discard_fast_slot(&self, id: u16, index: u32, round: Option<u32>) -> Result<bool> {
+        let mut frame = [0u8; 14 + 12];
+        frame[14..16].copy_from_slice(&id.to_ne_bytes());
+        frame[16..18].copy_from_slice(&u16::from(round.is_some()).to_ne_bytes());
+        frame[18..22].copy_from_slice(&index.to_ne_bytes());
+        frame[22..26].copy_from_slice(&round.unwrap_or(0).to_ne_bytes());
+        let runner = TestRunner {
+            fd: self
+                .fast_discard
+                .try_clone()
+                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+        };
+        let (verdict, _) = runner.run(&frame)?;
+        Ok(verdict == 2)
     }
 
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
@@ -1422,24 +1509,58 @@ impl KernelMaps {
 
     /// The kernel's runtime state of job `id`.
     pub fn job_state(&self, id: u16) -> Option<abi::JobState> {
-        raw_lookup(&self.job_state, &abi::JobKey { job: id, pad: 0 })
+        raw_lookup(&self.job_state, &self.dense(id)?)
+    }
+
+    /// Job `id`'s dense index (`job_index`), if configured.
+    fn dense(&self, id: u16) -> Option<u32> {
+        raw_lookup::<u32, u32>(&self.job_index, &u32::from(id))
+            .filter(|&v| v != 0 && v <= abi::MAX_JOBS)
+            .map(|v| v - 1)
     }
 
     /// The user-space path's state of job `id` as the kernel sees it.
     pub fn job_handoff(&self, id: u16) -> Option<abi::JobHandoff> {
-        raw_lookup(&self.job_handoff, &abi::JobKey { job: id, pad: 0 })
+        raw_lookup(&self.job_handoff, &self.dense(id)?)
     }
 
-    /// Write the user-space path's state of job `id`.
+    /// Write the user-space path's state of job `id` (an error when the job
+    /// is not configured).
     pub fn set_job_handoff(&self, id: u16, value: &abi::JobHandoff) -> Result<()> {
-        raw_update(&self.job_handoff, "job_handoff", &abi::JobKey { job: id, pad: 0 }, value, 0)
+        let dense = self.dense(id).ok_or(DataplaneError::InvalidJob {
+            job: id,
+            reason: "not configured".to_string(),
+        })?;
+        raw_update(&self.job_handoff, "job_handoff", &dense, value, 0)
     }
 
-    /// Delete job `id`'s user-space state (overload off).
+    /// Reset job `id`'s user-space state (overload off).
     pub fn delete_job_handoff(&self, id: u16) {
-        raw_delete(&self.job_handoff, &abi::JobKey { job: id, pad: 0 });
+        if let Some(dense) = self.dense(id) {
+            let _ = raw_update(&self.job_handoff, "job_handoff", &dense, &abi::JobHandoff::default(), 0);
+        }
     }
 }
+
+/// Every configured job of a pinned `jobs` array (what `aggbox status` and
+/// the metrics read from another process) as (dense index, job): the dense
+/// index is the key of the job's entries in `ranks` (times
+/// `abi::MAX_RANKS`, plus the rank), `job_state` and `job_stats`.
+pub fn pinned_jobs(jobs: &libbpf_rs::MapHandle) -> Result<Vec<(u32, abi::Job)>> {
+    let mut out = Vec::new();
+    for dense in 0..abi::MAX_JOBS {
+        if let Some(job) = lookup_array::<abi::Job>(jobs, "jobs", dense)? {
+            if job.workers != 0 {
+                out.push((dense, job));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `enum aggbox_fast_state` FAST_ACTIVE (src/bpf/slot.h): a fast slot
+/// holding an unfinished fragment that contributions are added to.
+const FAST_ACTIVE: u16 = 2;
 
 /// Sum the per-CPU values of one `job_stats` entry.
 pub fn sum_job_stats(per_cpu: &[Vec<u8>]) -> abi::JobStats {
@@ -1458,6 +1579,18 @@ fn lookup_plain<K: plain::Plain, V: plain::Plain + Default, M: MapCore>(map: &M,
         .lookup(abi::as_bytes(key), MapFlags::ANY)
         .map_err(|source| DataplaneError::Map { map: name, source })?;
     Ok(raw.and_then(|bytes| abi::from_bytes::<V>(&bytes)))
+}
+
+/// Entry `index` of an array map (a plain struct), `None` only if the index
+/// is past the array.
+fn lookup_array<V: plain::Plain + Default>(map: &impl MapCore, name: &'static str, index: u32) -> Result<Option<V>> {
+    lookup_plain(map, name, &index)
+}
+
+/// Write entry `index` of an array map.
+fn update_array<V: plain::Plain>(map: &impl MapCore, name: &'static str, index: u32, value: &V) -> Result<()> {
+    map.update(&index.to_ne_bytes(), abi::as_bytes(value), MapFlags::ANY)
+        .map_err(|source| DataplaneError::Map { map: name, source })
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {

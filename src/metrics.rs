@@ -180,21 +180,14 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     );
     let mut overflow_results = Family::counter("aggbox_job_overflow_results_total", "RESULTs of a job emitted with the OVERFLOW flag (some element clamped).");
     let mut job_bytes = Family::counter("aggbox_job_payload_bytes_total", "UDP payload bytes of the datagrams of aggbox_job_contributions_total.");
-    let mut job_list: BTreeMap<u16, abi::Job> = BTreeMap::new();
-    for key in jobs.keys() {
-        if let (Some(k), Some(v)) = (
-            abi::from_bytes::<abi::JobKey>(&key),
-            jobs.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Job>(&v)),
-        ) {
-            job_list.insert(k.job, v);
-        }
-    }
-    for (id, job) in &job_list {
+    let job_list: BTreeMap<u16, (u32, abi::Job)> =
+        crate::dataplane::pinned_jobs(&jobs)?.into_iter().map(|(dense, job)| (job.id, (dense, job))).collect();
+    for (id, (dense, job)) in &job_list {
         let id_text = id.to_string();
         let labels = [("iface", iface), ("job", id_text.as_str())];
-        let key = abi::JobKey { job: *id, pad: 0 };
+        let key = dense.to_ne_bytes();
         let state = match &job_state {
-            Some(map) => map.lookup(abi::as_bytes(&key), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::JobState>(&v)),
+            Some(map) => map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::JobState>(&v)),
             None => None,
         }
         .unwrap_or_default();
@@ -206,7 +199,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         round.push(&labels, state.newest_round as f64);
         workers.push(&labels, job.workers as f64);
         if let Some(map) = &job_stats {
-            if let Some(per_cpu) = map.lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)? {
+            if let Some(per_cpu) = map.lookup_percpu(&key, MapFlags::ANY)? {
                 let js = crate::dataplane::sum_job_stats(&per_cpu);
                 for (outcome, n) in js.by_outcome() {
                     contributions.push(&[("iface", iface), ("job", id_text.as_str()), ("outcome", outcome)], n as f64);

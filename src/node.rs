@@ -669,20 +669,17 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     let ranks_map = MapHandle::from_pinned_path(dir.join("ranks")).with_context(|| format!("opening {}/ranks", dir.display()))?;
     let job_stats_map = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
     let mut jobs = Vec::new();
-    for key in jobs_map.keys() {
-        let Some(job_key) = abi::from_bytes::<abi::JobKey>(&key) else { continue };
-        let Some(job) = jobs_map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Job>(&v)) else {
-            continue;
-        };
+    for (dense, job) in crate::dataplane::pinned_jobs(&jobs_map)? {
+        let key = dense.to_ne_bytes();
         let mut ranks = Vec::new();
-        for rank in 0..job.workers {
-            let rkey = abi::RankKey { job: job_key.job, rank };
-            if let Some(r) = ranks_map.lookup(abi::as_bytes(&rkey), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Rank>(&v)) {
+        for rank in 0..u32::from(job.workers) {
+            let rkey = dense * abi::MAX_RANKS + rank;
+            if let Some(r) = ranks_map.lookup(&rkey.to_ne_bytes(), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Rank>(&v)) {
                 ranks.push(Ipv4Addr::from(r.addr.to_ne_bytes()));
             }
         }
         jobs.push(JobStatus {
-            id: job_key.job,
+            id: job.id,
             port: job.port,
             result_port: job.result_port,
             workers: job.workers,

@@ -427,7 +427,10 @@ fn program_sizes() {
             "{:<14} xlated {:>4} insns, verifier processed {:>6} insns",
             p.name, p.xlated_insns, p.verified_insns
         );
-        assert!(p.verified_insns > 0 && p.verified_insns < 200_000, "{p:?}");
+        // The entry program's fast-slot loops (docs/DATAPLANE.md, "Fast
+        // slots") are the largest walk: ~250k on 6.18, a quarter of the
+        // verifier's 1M budget.
+        assert!(p.verified_insns > 0 && p.verified_insns < 400_000, "{p:?}");
     }
 }
 

@@ -166,7 +166,13 @@ fn slots_from_many_cpus(elems: usize) {
         }
     }
     let stats = dp.stats().unwrap();
-    assert_eq!(stats.dropped_packets(), 0, "no drops: {:?}", stats.drops);
+    assert_eq!(
+        stats.dropped_packets(),
+        0,
+        "no drops: {:?}; fast slots (joined, taken, busy, aborted, evicted) {:?}",
+        stats.drops,
+        dp.fast_stats().unwrap()
+    );
     assert_eq!(stats.outcome(Outcome::Result).packets, u64::from(SLOTS));
     assert_eq!(
         stats.outcome(Outcome::Accepted).packets,

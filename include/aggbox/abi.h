@@ -190,8 +190,15 @@ struct aggbox_job {
 			    * fast_slots array (docs/DATAPLANE.md "Fast slots") */
 	__u16 fast_slots;  /* host order: size of that region, a power of two,
 			    * or 0: the job uses the hash-map slots only */
+	__u16 id;          /* host order: the job's id (value of the jobs array,
+			    * whose index is the job's dense index) */
+	__u16 pad;         /* zero */
+	__u32 fast_stride; /* host order: fast-slot indexes one round takes
+			    * (ceil(vector_len / AGGBOX_FAST_GRANULE) when the
+			    * region was assigned; kept while the job keeps it,
+			    * so a fragment's index never changes) */
 };
-_Static_assert(sizeof(struct aggbox_job) == 32, "job is 32 bytes");
+_Static_assert(sizeof(struct aggbox_job) == 40, "job is 40 bytes");
 
 #define AGGBOX_JOB_F_USERSPACE_ONLY 0x01 /* every contribution goes to user space */
 #define AGGBOX_JOB_F_HAS_PARENT     0x02 /* results go upstream, not to result_port */
@@ -315,7 +322,7 @@ enum aggbox_fast_stat {
 	AGGBOX_FAST_TAKEN       = 1, /* fast slots taken by a new fragment */
 	AGGBOX_FAST_BUSY        = 2, /* fragment's fast slot held another live fragment: hash-map path */
 	AGGBOX_FAST_ABORTED     = 3, /* take-over given up: the fragment lives on the hash-map or user-space path */
-	AGGBOX_FAST_EVICTED     = 4, /* a stale round's unfinished fast slot taken by a new fragment */
+	AGGBOX_FAST_EVICTED     = 4, /* unfinished fast slots released (stale round, membership change) */
 	AGGBOX_FAST_STAT_MAX    = 5,
 };
 

@@ -168,6 +168,8 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
          only the trend (linear in the offered load) is comparable. Our per-contribution XDP cost (experiment 1) sets the slope: \
          CPU % ≈ senders × {RATE}/s × XDP ns. Plot: `cpu_usage.png`.\n"
     );
+    let (marginal_md, marginal_headline) = marginal(opts, &mut round)?;
+    md.push_str(&marginal_md);
     let headline = points
         .iter()
         .filter(|p| p.mode == "kernel")
@@ -177,10 +179,114 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                 p.senders, p.agg_cpu_pct.median
             )
         })
+        .chain(marginal_headline)
         .collect();
     Ok(Section {
         name: "cpu".into(),
         markdown: md,
         headline,
     })
+}
+
+/// Offered load of the marginal-CPU runs, datagrams per second (all senders).
+pub const MARGINAL_RATE: f64 = 200_000.0;
+
+/// Marginal machine CPU at a fixed offered load: the whole machine's busy
+/// fraction (all CPUs, /proc/stat, softirq included) with each aggregator,
+/// minus the same with the count-and-drop program in the same repetition,
+/// the modes interleaved so that other load on the machine shows in every
+/// one of them alike. What remains is the aggregator's own work (the floor
+/// aggregator's is the least any XDP aggregator of this traffic costs).
+fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>)> {
+    let (list, total, secs): (Vec<usize>, f64, f64) = if opts.quick {
+        (vec![4], MARGINAL_RATE / 4.0, 0.5)
+    } else {
+        (vec![4, 16], MARGINAL_RATE, 2.0)
+    };
+    let reps = opts.reps();
+    let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
+    let mut csv = Csv::new(&["senders", "rep", "mode", "secs", "sys_busy_pct", "marginal_pct", "ok"]);
+    let mut md = String::new();
+    let mut headline = Vec::new();
+    let mut failures = Vec::new();
+    let _ = writeln!(md, "### 3b. Marginal machine CPU at a fixed offered load\n");
+    let _ = writeln!(
+        md,
+        "{total:.0} full-MTU datagrams/s offered by all senders together for {secs} s; machine busy = all CPUs from /proc/stat (softirq \
+         included) minus the same run with the XDP count-and-drop program, same repetition, modes interleaved; median [min – max] over \
+         {reps} repetitions, in percentage points of the whole machine. floor = the minimal XDP aggregator (src/bpf/bench_floor.bpf.c).\n"
+    );
+    let _ = writeln!(md, "| senders | floor | AggBox | plain | tuned | AggBox / floor | plain / floor |");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    for &s in &list {
+        let rate = total / s as f64;
+        let frags = (rate * secs) as u64;
+        progress(format!("cpu marginal: {s} senders, {total:.0} datagrams/s in all, {secs} s per run"));
+        let h = Harness::new(s)?;
+        let wl = Pattern::new(s, frags * PER as u64);
+        let mut marg: Vec<(Mode, Vec<f64>)> = modes.iter().map(|m| (*m, Vec::new())).collect();
+        for rep in 0..reps {
+            let mut drop_busy = f64::NAN;
+            for &mode in &modes {
+                let r = h.with_mode(mode, |a| -> Result<RunResult> {
+                    let spec = RunSpec {
+                        round: *round,
+                        window: super::agg::window_for(s),
+                        deadline: Duration::from_secs(60),
+                        rate_per_sender: Some(rate),
+                    };
+                    Ok(a.run(&wl, spec))
+                })?;
+                *round += 1;
+                if !r.ok {
+                    failures.push(format!("{} {s} senders: {}", mode.name(), r.error.clone().unwrap_or_default()));
+                }
+                let busy = 100.0 * r.sys_busy;
+                if mode == Mode::Drop {
+                    drop_busy = busy;
+                }
+                let m = busy - drop_busy;
+                csv.row(vec![
+                    s.to_string(),
+                    rep.to_string(),
+                    mode.name().into(),
+                    format!("{:.4}", r.secs),
+                    format!("{busy:.3}"),
+                    format!("{m:.3}"),
+                    r.ok.to_string(),
+                ]);
+                if r.ok {
+                    if let Some((_, v)) = marg.iter_mut().find(|(x, _)| *x == mode) {
+                        v.push(m);
+                    }
+                }
+            }
+        }
+        let get = |mode: Mode| summarize(&marg.iter().find(|(m, _)| *m == mode).map(|(_, v)| v.clone()).unwrap_or_default());
+        let (f, k, p, t) = (get(Mode::Floor), get(Mode::Kernel), get(Mode::Plain), get(Mode::Tuned));
+        let cell = |x: &Summary| format!("{:.1} [{:.1} – {:.1}]", x.median, x.min, x.max);
+        let _ = writeln!(
+            md,
+            "| {s} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            cell(&f),
+            cell(&k),
+            cell(&p),
+            cell(&t),
+            k.median / f.median,
+            p.median / f.median
+        );
+        headline.push(format!(
+            "cpu marginal {s} senders: AggBox {:.1} points, floor {:.1}, plain {:.1} ({:.2}× floor)",
+            k.median,
+            f.median,
+            p.median,
+            k.median / f.median
+        ));
+    }
+    csv.write(&opts.out_dir.join("cpu_marginal.csv"))?;
+    if !failures.is_empty() {
+        bail!("correctness: {}", failures.join("; "));
+    }
+    let _ = writeln!(md);
+    Ok((md, headline))
 }

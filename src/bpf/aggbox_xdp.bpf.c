@@ -157,38 +157,55 @@ static __always_inline int payload_copy(struct xdp_md *ctx, __u32 off, struct ag
 }
 
 /*
- * ports: UDP destination ports (host order) on which some job listens ->
- * number of jobs on that port. Written by the control plane
+ * ports: UDP destination port (host order, the array index) -> number of
+ * jobs listening on it (0: not an AggBox port). An array: the lookup on
+ * every datagram is an index, not a hash. Written by the control plane
  * (Dataplane::set_job / remove_job); read here to tell AggBox traffic from
  * the rest before touching the payload.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, MAX_PORTS);
-	__type(key, struct aggbox_port_key);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
 	__type(value, struct aggbox_port);
 } ports SEC(".maps");
 
 /*
- * jobs: job id -> how this node aggregates it (workers, vector length,
- * slot bound, flags, AVG divisor). Written by the control plane
- * (Dataplane::set_job / remove_job), read-only here.
+ * job_index: job id (the array index) -> 1 + the job's dense index
+ * (0..AGGBOX_MAX_JOBS-1) in jobs, ranks, job_state, job_handoff and
+ * job_stats, or 0 when the job is not configured. Written by the control
+ * plane last when it adds a job and first when it removes one, so a
+ * datagram never finds an index whose entries are not the job's.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, __u32);
+} job_index SEC(".maps");
+
+/*
+ * jobs: dense job index -> how this node aggregates the job (its id,
+ * workers, vector length, slot bound, flags, AVG divisor, fast-slot
+ * region). Written by the control plane (Dataplane::set_job / remove_job),
+ * read-only here.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, struct aggbox_job_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_job);
 } jobs SEC(".maps");
 
 /*
- * ranks: (job, rank) -> the rank's IPv4 source address and weight. Written
- * by the control plane with the job (Dataplane::set_job), read-only here.
+ * ranks: dense job index * AGGBOX_MAX_RANKS + rank -> the rank's IPv4 source
+ * address and weight. Written by the control plane with the job
+ * (Dataplane::set_job), read-only here.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, MAX_RANK_ENTRIES);
-	__type(key, struct aggbox_rank_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_rank);
 } ranks SEC(".maps");
 
@@ -392,15 +409,14 @@ struct {
 } completed SEC(".maps");
 
 /*
- * job_state: job id -> runtime state (slots in use, newest completed round,
- * completions, RESULT seq counter). Created zeroed by the control plane in
- * set_job (and by XDP if missing), updated atomically by the XDP programs,
- * deleted by remove_job.
+ * job_state: dense job index -> runtime state (slots in use, newest
+ * completed round, completions, RESULT seq counter). Zeroed by the control
+ * plane when a job gets its index, updated atomically by the XDP programs.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, struct aggbox_job_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_job_state);
 } job_state SEC(".maps");
 
@@ -420,30 +436,33 @@ struct {
 } slot_owner SEC(".maps");
 
 /*
- * job_handoff: job id -> user-space path state the kernel honours: the
- * OVERLOAD flag (new slots of the job go to user space) and the newest
+ * job_handoff: dense job index -> user-space path state the kernel honours:
+ * the OVERLOAD flag (new slots of the job go to user space) and the newest
  * round completed in user space (stale-round rule across both paths).
  * Written by the user-space path (src/userspace.rs) only; read here.
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, struct aggbox_job_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_job_handoff);
 } job_handoff SEC(".maps");
 
-/* job_state entry of a job, created zeroed if the control plane has not yet. */
-static __always_inline struct aggbox_job_state *job_state_of(__u16 job)
+/* job_state entry of the job at dense index jidx. */
+static __always_inline struct aggbox_job_state *job_state_of(__u32 jidx)
 {
-	struct aggbox_job_key key = { .job = job };
-	struct aggbox_job_state zero = {};
-	struct aggbox_job_state *js;
+	return bpf_map_lookup_elem(&job_state, &jidx);
+}
 
-	js = bpf_map_lookup_elem(&job_state, &key);
-	if (js)
-		return js;
-	bpf_map_update_elem(&job_state, &key, &zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(&job_state, &key);
+/* Dense index of job `job`, or -1 when it is not configured (control-plane
+ * rate paths: reclaim, discard; the datagram path has it in scratch). */
+static __always_inline int job_index_of(__u16 job)
+{
+	__u32 key = job, *v = bpf_map_lookup_elem(&job_index, &key);
+
+	if (!v || *v == 0 || *v > AGGBOX_MAX_JOBS)
+		return -1;
+	return (int)(*v - 1);
 }
 
 /* ---------------------------------------------------------------------------
@@ -487,8 +506,23 @@ struct {
 	__type(value, __u64);
 } fast_stats SEC(".maps");
 
+/*
+ * job_paths: dense job index -> bit 0 set once the hash-map path has made a
+ * slot_owner record for the job (set before the record, with a full
+ * barrier). Until then a fast slot's taker has no other path to check.
+ * Zeroed by the control plane with the job's other entries; XDP sets it.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, __u32);
+	__type(value, __u32);
+} job_paths SEC(".maps");
+
 /* Internal codes of the fast path (never counted under these values). */
 #define FAST_NOT_MINE 102 /* the fast slot does not hold this fragment */
+#define FAST_CLAIMED  105 /* fast_join took the free slot for this fragment (CLAIMING) */
+#define AGGBOX_GO_FAST 104 /* hash-map path: the fragment's fast slot serves it */
 #define FAST_SLOW     103 /* the hash-map path serves this fragment */
 
 static __always_inline void fast_count(__u32 what)
@@ -499,10 +533,30 @@ static __always_inline void fast_count(__u32 what)
 		*c += 1; /* per-CPU, migration disabled */
 }
 
-/* Whether the contribution in scratch has a fast slot at all. */
-static __always_inline int fast_eligible(struct aggbox_scratch *s)
+/*
+ * Whether the contribution's job has a fast-slot region: then every
+ * contribution of it has a fast slot index (scratch.fast_idx), and the
+ * hash-map path does the handshake with that slot (fast_check) whatever
+ * the contribution's count, so that one fragment never lives on both.
+ */
+static __always_inline int fast_job(struct aggbox_scratch *s)
 {
-	return s->fast_slots && s->count <= AGGBOX_FAST_ELEMS;
+	return s->fast_slots != 0;
+}
+
+/* Whether the contribution fits a fast slot (may take or join one). */
+static __always_inline int fast_fits(struct aggbox_scratch *s)
+{
+	return s->count <= AGGBOX_FAST_ELEMS;
+}
+
+/* Index of the contribution's fast slot: round * stride + frag_off /
+ * GRANULE in the job's region (power-of-two size). */
+static __always_inline __u32 fast_index(struct aggbox_scratch *s)
+{
+	__u32 seq = s->key.round * s->fast_stride + (s->key.frag_off >> AGGBOX_FAST_GRANULE_SHIFT);
+
+	return s->fast_base + (seq & (s->fast_slots - 1));
 }
 
 /* Whether fast slot f holds the fragment of s (under its lock). */
@@ -544,12 +598,11 @@ static __always_inline void fast_restore(struct aggbox_fast_slot *f)
  */
 static __always_inline int slot_release(struct aggbox_slot_key *key)
 {
-	struct aggbox_job_key jkey = {};
 	struct aggbox_job_state *js;
 	struct aggbox_slot *slot;
 	struct blocks_give bg;
 	__u32 count;
-	int busy = 0;
+	int busy = 0, jidx;
 
 	slot = bpf_map_lookup_elem(&slots, key);
 	if (!slot)
@@ -572,8 +625,8 @@ static __always_inline int slot_release(struct aggbox_slot_key *key)
 	bpf_map_delete_elem(&slot_owner, key);
 	if (count <= AGGBOX_MAX_ELEMS)
 		blocks_give(bg.block, chunks_of(count), 1); /* no bpf_loop: loads on every kernel */
-	jkey.job = key->job;
-	js = bpf_map_lookup_elem(&job_state, &jkey);
+	jidx = job_index_of(key->job);
+	js = jidx < 0 ? NULL : job_state_of((__u32)jidx);
 	if (js)
 		__sync_fetch_and_sub(&js->active_slots, 1);
 	return XDP_PASS;
@@ -626,15 +679,17 @@ static __always_inline int fast_load_last(struct aggbox_scratch *s, void *payloa
 #define FAST_BLOCK 8
 _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 
+#define FAST_NP (*(volatile __u32 *)&s->fast_npairs)
 #define FAST_LOOP(BODY)                                                                   \
 	do {                                                                              \
 		const __u64 *p = payload;                                                 \
-		__u32 b, k, j;                                                            \
+		__u32 b, k, j0;                                                           \
+		void *pkt, *pkt_end;                                                      \
 		for (b = 0; b < FAST_PAIRS / FAST_BLOCK; b++) {                           \
-			if (FAST_BLOCK * (b + 1) > *(volatile __u32 *)&s->fast_npairs)                                \
+			if (FAST_BLOCK * (b + 1) > FAST_NP)                               \
 				break;                                                    \
 			if (!use_buf && (void *)(p + FAST_BLOCK) > data_end)              \
-				break;                                                    \
+				break; /* validated length: never */                      \
 			_Pragma("unroll") for (k = 0; k < FAST_BLOCK; k++)                \
 			{                                                                 \
 				__u64 y = __builtin_bswap64(                              \
@@ -646,24 +701,34 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 			}                                                                 \
 			p += FAST_BLOCK;                                                  \
 		}                                                                         \
+		/* The last < FAST_BLOCK pairs, indexed from scratch and a fresh      \
+		 * packet pointer: nothing of the block loop's exit (b, p and the     \
+		 * packet range it proved) is live here, so the verifier walks this   \
+		 * once, not once per exit of the loop above. */                      \
+		j0 = FAST_NP & ~(__u32)(FAST_BLOCK - 1);                                  \
+		pkt = (void *)(long)ctx->data;                                            \
+		pkt_end = (void *)(long)ctx->data_end;                                    \
 		for (k = 0; k < FAST_BLOCK; k++) {                                        \
+			const __u64 *q;                                                   \
+			__u32 i, off;                                                     \
 			__u64 y;                                                          \
 			__s64 a, c;                                                       \
-			__u32 i;                                                          \
-			j = FAST_BLOCK * b + k;                                           \
-			if (j >= *(volatile __u32 *)&s->fast_npairs)                      \
+			if (j0 + k >= FAST_NP)                                            \
 				break;                                                    \
-			i = 2 * j;                                                        \
+			i = 2 * (j0 + k);                                                 \
 			asm volatile("" : "+r"(i)); /* bound this register */             \
 			if (i > AGGBOX_FAST_ELEMS - 2)                                    \
 				break;                                                    \
 			if (use_buf) {                                                    \
 				y = ((const __u64 *)s->buf)[i / 2];                       \
 			} else {                                                          \
-				if ((void *)(p + 1) > data_end)                           \
+				off = s->agg_off;                                         \
+				if (off > 128)                                            \
 					break;                                            \
-				y = *p;                                                   \
-				p++;                                                      \
+				q = pkt + off + sizeof(struct aggbox_agg_hdr) + 4 * i;    \
+				if ((void *)(q + 1) > pkt_end)                            \
+					break;                                            \
+				y = *q;                                                   \
 			}                                                                 \
 			y = __builtin_bswap64(y);                                         \
 			a = PAIR_FIRST(y);                                                \
@@ -672,55 +737,41 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 		}                                                                         \
 	} while (0)
 
-static __always_inline void fast_add(struct aggbox_fast_slot *f, struct aggbox_scratch *s, void *payload,
-				     void *data_end, __u32 npairs, const int use_buf, __u8 op, __s64 w, int first)
+static __always_inline void fast_add(struct xdp_md *ctx, struct aggbox_fast_slot *f, struct aggbox_scratch *s,
+				     void *payload, void *data_end, const int use_buf, __u8 op, __s64 w)
 {
 	__s64 *acc = f->acc;
 
-	if (first && (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN ||
-		      ((op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) && w == 1)))
-		FAST_LOOP({ acc[i] = a; acc[i + 1] = c; });
-	else if (first && op == AGGBOX_OP_COUNT)
-		FAST_LOOP({ acc[i] = a != 0; acc[i + 1] = c != 0; });
-	else if (first) /* a weighted SUM/AVG */
-		FAST_LOOP({ acc[i] = w * a; acc[i + 1] = w * c; });
-	else if ((op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG) && w == 1)
-		FAST_LOOP({ acc[i] += a; acc[i + 1] += c; });
-	else if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)
-		FAST_LOOP({ acc[i] += w * a; acc[i + 1] += w * c; });
-	else if (op == AGGBOX_OP_COUNT)
+	/*
+	 * Three loops: the accumulators start at the op's identity (set when
+	 * the slot is taken: 0, or INT64_MIN for MAX and MIN), MIN keeps the
+	 * maximum of the negated values (fast_finish negates it back), and a
+	 * SUM of weight 1 multiplies by 1.
+	 */
+	if (op == AGGBOX_OP_COUNT)
 		FAST_LOOP({ acc[i] += a != 0; acc[i + 1] += c != 0; });
-	else if (op == AGGBOX_OP_MAX)
+	else if (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN)
 		FAST_LOOP({
+			a *= w;
+			c *= w;
 			if (a > acc[i])
 				acc[i] = a;
 			if (c > acc[i + 1])
 				acc[i + 1] = c;
 		});
-	else /* AGGBOX_OP_MIN */
-		FAST_LOOP({
-			if (a < acc[i])
-				acc[i] = a;
-			if (c < acc[i + 1])
-				acc[i + 1] = c;
-		});
+	else /* SUM, AVG */
+		FAST_LOOP({ acc[i] += w * a; acc[i + 1] += w * c; });
 }
 
 /* One element of an odd count, added like the loops above (under the lock). */
-static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w, int first)
+static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w)
 {
 	if (op == AGGBOX_OP_COUNT)
-		v = v != 0;
-	else if (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)
-		v = w * v;
-	if (first)
-		*acc = v;
-	else if (op == AGGBOX_OP_MAX)
-		*acc = v > *acc ? v : *acc;
-	else if (op == AGGBOX_OP_MIN)
-		*acc = v < *acc ? v : *acc;
+		*acc += v != 0;
+	else if (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN)
+		*acc = w * v > *acc ? w * v : *acc;
 	else
-		*acc += v;
+		*acc += w * v;
 }
 
 /*
@@ -780,6 +831,9 @@ __noinline __u64 fast_exact_pair(__s64 a, __s64 b, __u32 ws, __u32 op, __u32 sec
 	if (op == AGGBOX_OP_AVG) {
 		a = fast_avg(a, ws ? ws : 1);
 		b = fast_avg(b, ws ? ws : 1);
+	} else if (op == AGGBOX_OP_MIN) {
+		a = -a; /* fast slots keep MIN as the maximum of the negated values */
+		b = -b;
 	}
 	ca = fast_clamp(a);
 	cb = fast_clamp(b);
@@ -822,6 +876,10 @@ static __always_inline int fast_write_result(struct aggbox_fast_slot *f, struct 
 				break;
 			a = f->acc[2 * j];
 			b = f->acc[2 * j + 1];
+			if (op == AGGBOX_OP_MIN) {
+				a = -a;
+				b = -b;
+			}
 			wide |= (a ^ (__s64)(__s32)a) | (b ^ (__s64)(__s32)b);
 			y = ((__u64)a << 32) | (__u32)b;
 			if (2 * j + 1 < FAST_N) {
@@ -896,11 +954,10 @@ __noinline int fast_write_exact(struct xdp_md *ctx, __u32 use_buf)
  * once the fast slot completed. A global function: its loops are verified
  * once, not once per state of the caller.
  */
-__noinline int fast_spill_cleanup(__u32 job, __u32 round, __u32 frag_off)
+__noinline int fast_spill_cleanup(__u32 job, __u32 round, __u32 frag_off, __u32 jidx)
 {
 	struct aggbox_slot_key key = { .job = (__u16)job, .round = round, .frag_off = frag_off };
 	struct aggbox_job_state *js;
-	struct aggbox_job_key jkey = { .job = (__u16)job };
 	struct aggbox_slot *slot;
 	__u16 block[2];
 	__u32 count = 0;
@@ -930,7 +987,7 @@ __noinline int fast_spill_cleanup(__u32 job, __u32 round, __u32 frag_off)
 			if (count > AGGBOX_CHUNK_ELEMS)
 				given += block_give(block[1]);
 			blocks_used_add(-(__s64)given);
-			js = bpf_map_lookup_elem(&job_state, &jkey);
+			js = job_state_of(jidx);
 			if (js)
 				__sync_fetch_and_sub(&js->active_slots, 1);
 		}
@@ -993,7 +1050,7 @@ __noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
 	if ((void *)(udph + 1) > data_end || (void *)(agg + 1) > data_end)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	key = s->key;
-	js = job_state_of(key.job);
+	js = job_state_of(s->jidx);
 	if (js)
 		seq = __sync_fetch_and_add(&js->result_seq, 1);
 	flags = AGGBOX_AGG_F_RESULT | (f->flags & AGGBOX_AGG_F_CARRIED);
@@ -1018,6 +1075,14 @@ __noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
 	return AGGBOX_OUTCOME_RESULT;
 }
 
+/* Whether fragment (round, frag_off) of s comes after the one f holds. */
+static __always_inline int fast_newer(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
+{
+	__s32 d = (__s32)(s->key.round - f->round);
+
+	return d > 0 || (d == 0 && s->key.frag_off > f->frag_off);
+}
+
 /*
  * Add the contribution in scratch to its fast slot if the slot holds its
  * fragment (ACTIVE; or CLAIMING under `token`, which commits the take-over).
@@ -1036,10 +1101,10 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 zero = 0, idx, word, bit, npairs, n, agg_off;
+	__u32 zero = 0, idx, word, bit, npairs, n, agg_off, j;
 	void *payload;
-	__s64 w, last = 0;
-	int code, first, last_ok = 1;
+	__s64 w, last = 0, ident;
+	int code, last_ok = 1;
 	__u8 op;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
@@ -1061,6 +1126,8 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	payload = data + agg_off + sizeof(struct aggbox_agg_hdr);
 	op = s->op;
 	w = s->weight;
+	/* The op's identity: fast_add has no first-contributor loops. */
+	ident = op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN ? (__s64)((__u64)1 << 63) : 0;
 	word = (s->rank >> 5) & (AGGBOX_BITMAP_WORDS - 1);
 	bit = 1u << (s->rank & 31);
 	/* The odd element, read before the lock (no calls under it). */
@@ -1069,12 +1136,53 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	if (!last_ok)
 		return AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: never */
 
+	s->fast_prev_valid = 0;
+
 	bpf_spin_lock(&f->lock);
 	if (!fast_holds(f, s)) {
-		code = f->prev_valid && f->job == s->key.job && f->prev_round == s->key.round &&
-				       f->prev_frag_off == s->key.frag_off ?
-			       AGGBOX_DROP_RETRANSMISSION :
-			       FAST_NOT_MINE;
+		if (f->prev_valid && f->job == s->key.job && f->prev_round == s->key.round &&
+		    f->prev_frag_off == s->key.frag_off) {
+			code = AGGBOX_DROP_RETRANSMISSION;
+		} else if (token || s->fast_no_take) {
+			code = FAST_NOT_MINE;
+		} else if (f->state == FAST_EMPTY || f->job != s->key.job ||
+			   (f->state == FAST_DONE && fast_newer(f, s))) {
+			/*
+			 * Free: take it for this fragment, CLAIMING under this
+			 * CPU's token, with the op's identity in every
+			 * accumulator. The caller checks the other paths, then
+			 * commits. (A stale round's unfinished slot is released
+			 * by the control plane's reclaim, as a hash-map slot is.)
+			 */
+			s->fast_prev_valid = f->state == FAST_DONE && f->job == s->key.job;
+			s->fast_prev.job = f->job;
+			s->fast_prev.pad = 0;
+			s->fast_prev.round = f->round;
+			s->fast_prev.frag_off = f->frag_off;
+			f->prev_valid = s->fast_prev_valid;
+			f->prev_state = s->fast_prev_valid ? FAST_DONE : FAST_EMPTY;
+			f->prev_round = f->round;
+			f->prev_frag_off = f->frag_off;
+			f->job = s->key.job;
+			f->round = s->key.round;
+			f->frag_off = s->key.frag_off;
+			f->state = FAST_CLAIMING;
+			f->token = s->fast_token;
+			f->count = n;
+			f->op = op;
+			f->flags = 0;
+			f->fast_flags = 0;
+			f->workers = s->workers;
+			f->done = 0;
+			f->weight_sum = s->weight_sum;
+			for (j = 0; j < AGGBOX_BITMAP_WORDS; j++)
+				f->bitmap[j] = 0;
+			for (j = 0; j < AGGBOX_FAST_ELEMS; j++)
+				f->acc[j] = ident;
+			code = FAST_CLAIMED;
+		} else {
+			code = FAST_NOT_MINE; /* busy with another fragment, or older than its */
+		}
 	} else if (f->state == FAST_CLAIMING && !(token && f->token == token)) {
 		code = FAST_NOT_MINE; /* another CPU is taking it for this fragment */
 	} else if (f->state != FAST_CLAIMING && f->state != FAST_ACTIVE) {
@@ -1089,13 +1197,17 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 		f->state = FAST_ACTIVE;
 		f->bitmap[word] |= bit;
 		f->flags |= s->flags & AGGBOX_AGG_F_CARRIED;
-		first = f->done == 0;
+		/* MAX and MIN: w is the sign (MIN keeps the negated maximum). */
+		if (op == AGGBOX_OP_MAX)
+			w = 1;
+		else if (op == AGGBOX_OP_MIN)
+			w = -1;
 		if (use_buf)
-			fast_add(f, s, payload, data_end, npairs, 1, op, w, first);
+			fast_add(ctx, f, s, payload, data_end, 1, op, w);
 		else
-			fast_add(f, s, payload, data_end, npairs, 0, op, w, first);
+			fast_add(ctx, f, s, payload, data_end, 0, op, w);
 		if ((n & 1) && n - 1 < AGGBOX_FAST_ELEMS)
-			fast_add_one(&f->acc[n - 1], last, op, w, first);
+			fast_add_one(&f->acc[n - 1], last, op, w);
 		f->done++;
 		if (f->done >= f->workers) {
 			f->state = FAST_RESULTING;
@@ -1111,33 +1223,42 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 }
 
 /*
- * The hash-map path's side of the handshake, for a fragment that has a
- * fast slot, after its slot_owner record exists (made or found) and before
- * it adds or hands anything over: a fast slot CLAIMING this fragment is
- * made to give it up; one ACTIVE (or further) for it wins, and the
- * contribution goes there (FAST_NOT_MINE is returned otherwise, and the
- * hash-map path goes on).
+ * The hash-map path's side of the handshake, for a contribution of a job
+ * with fast slots, after the fragment's slot_owner record exists (made or
+ * found) and before anything is added or handed over: a fast slot CLAIMING
+ * this fragment is made to give it up (0: the hash-map path goes on); one
+ * that holds it further (ACTIVE, RESULTING, DONE) wins: AGGBOX_GO_FAST for
+ * a contribution that fits a fast slot (the entry program again: the fast
+ * slot adds it, or counts the retransmission), else the verdict of the
+ * hash-map path for a contribution whose count differs from its slot's
+ * (slot_mismatch, or retransmission once complete). Without may_abort (a
+ * look before the record exists, so that a fragment the fast slot holds is
+ * answered as its slot answers, not by the pool bound) CLAIMING is left
+ * alone.
  */
-static __always_inline int fast_check(struct aggbox_scratch *s)
+static __always_inline int fast_check(struct aggbox_scratch *s, const int may_abort)
 {
 	struct aggbox_fast_slot *f;
 	__u32 idx = s->fast_idx;
-	int go_fast = 0;
+	int code = 0;
 
 	f = bpf_map_lookup_elem(&fast_slots, &idx);
 	if (!f)
-		return FAST_NOT_MINE;
+		return 0;
 	bpf_spin_lock(&f->lock);
 	if (fast_holds(f, s)) {
 		if (f->state == FAST_CLAIMING) {
-			fast_restore(f);
-		} else {
+			if (may_abort)
+				fast_restore(f);
+		} else if (fast_fits(s)) {
 			f->fast_flags |= FAST_F_SPILLED;
-			go_fast = 1;
+			code = AGGBOX_GO_FAST;
+		} else {
+			code = f->state == FAST_ACTIVE ? AGGBOX_DROP_SLOT_MISMATCH : AGGBOX_DROP_RETRANSMISSION;
 		}
 	}
 	bpf_spin_unlock(&f->lock);
-	return go_fast ? 0 : FAST_NOT_MINE;
+	return code;
 }
 
 /* fast_join with the payload where it is: in the packet for a linear frame,
@@ -1167,7 +1288,7 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 	 * verifier walk small). */
 	code = fast_finish(ctx, use_buf);
 	if (code == AGGBOX_OUTCOME_RESULT && s->fast_spilled)
-		fast_spill_cleanup(s->key.job, s->key.round, s->key.frag_off);
+		fast_spill_cleanup(s->key.job, s->key.round, s->key.frag_off, s->jidx);
 	if (!linear && use_buf && code == AGGBOX_OUTCOME_RESULT) {
 		len = 4 * (__u32)s->count;
 		asm volatile("" : "+r"(len));
@@ -1177,131 +1298,78 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 	return code;
 }
 
-/* Whether fragment (round, frag_off) of s comes after the one f holds. */
-static __always_inline int fast_newer(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
-{
-	__s32 d = (__s32)(s->key.round - f->round);
-
-	return d > 0 || (d == 0 && s->key.frag_off > f->frag_off);
-}
 
 /*
  * The fast path of the entry program. Returns an outcome or drop reason, or
  * FAST_SLOW: the hash-map chain serves the contribution.
+ *
+ * A contribution to a fragment its fast slot holds is one fast_join (one
+ * lock). The first contribution of a fragment takes the free slot in that
+ * same lock (CLAIMING), then publishes, checks the other paths and commits
+ * with a second fast_join. The other paths need checking only once the job
+ * has used the hash-map path (job_paths, set before that path's first
+ * slot_owner record): until then no record or marker can exist.
  */
 static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
-	struct aggbox_job_key jkey = { .job = s->key.job };
+	__u32 jidx = s->jidx, idx, limit, one = 1, *paths;
 	struct aggbox_job_handoff *ho;
 	struct aggbox_job_state *js;
 	struct aggbox_fast_slot *f;
-	__u32 stride, seq, idx, limit, token, one = 1;
-	int code, take = 0, raced = 0, evicted = 0;
-	__u8 prev_valid = 0;
-	struct aggbox_slot_key prev = {};
+	int code;
 
-	js = job_state_of(s->key.job);
+	js = job_state_of(jidx);
 	if (!js)
 		return FAST_SLOW;
-	ho = bpf_map_lookup_elem(&job_handoff, &jkey);
+	ho = bpf_map_lookup_elem(&job_handoff, &jidx);
 	/* The stale-round rule of slot_claim, first: it holds for both paths. */
 	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
 		return AGGBOX_DROP_STALE_ROUND;
 	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window)
 		return AGGBOX_DROP_STALE_ROUND;
 
-	stride = (s->vector_len >> AGGBOX_FAST_GRANULE_SHIFT) + ((s->vector_len & (AGGBOX_FAST_GRANULE - 1)) != 0);
-	seq = s->key.round * stride + (s->key.frag_off >> AGGBOX_FAST_GRANULE_SHIFT);
-	idx = s->fast_base + (seq & (s->fast_slots - 1));
-	s->fast_idx = idx;
+	idx = s->fast_idx;
+	/* New fragments of a job in overload go to user space (slot_place). */
+	s->fast_no_take = ho && (ho->flags & AGGBOX_HANDOFF_F_OVERLOAD) && aggbox_has_xsk(ctx);
+	/* Unique among concurrent takers: one chain runs per CPU at a time. */
+	s->fast_token = bpf_get_smp_processor_id() + 1;
 
 	code = fast_join_frame(ctx, s, 0, linear);
-	if (code != FAST_NOT_MINE)
-		return code;
-
-	/* Not this fragment's yet: take the slot if it is free. */
-	if (ho && (ho->flags & AGGBOX_HANDOFF_F_OVERLOAD) && aggbox_has_xsk(ctx))
-		return FAST_SLOW; /* new fragments of a job in overload go to user space */
-	f = bpf_map_lookup_elem(&fast_slots, &idx);
-	if (!f)
-		return FAST_SLOW;
-	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
-	if (__sync_fetch_and_add(&js->active_slots, 1) >= limit) {
-		__sync_fetch_and_sub(&js->active_slots, 1);
-		return FAST_SLOW; /* the job's slot bound: pool-full rules there */
-	}
-	token = bpf_get_prandom_u32() | 1;
-
-	bpf_spin_lock(&f->lock);
-	if (fast_holds(f, s)) {
-		raced = 1; /* another CPU took it for this fragment meanwhile */
-	} else if (f->state == FAST_EMPTY || f->job != s->key.job) {
-		take = 1;
-	} else if (f->state == FAST_DONE && fast_newer(f, s)) {
-		take = 1;
-		prev_valid = 1;
-		prev.job = f->job;
-		prev.round = f->round;
-		prev.frag_off = f->frag_off;
-	} else if (f->state == FAST_ACTIVE && js->completed &&
-		   (__s32)(js->newest_round - f->round) > (__s32)s->window) {
-		take = 1; /* a stale round's slot never completes */
-		evicted = 1;
-	}
-	if (take) {
-		f->prev_valid = prev_valid;
-		f->prev_state = prev_valid ? FAST_DONE : FAST_EMPTY;
-		f->prev_round = prev.round;
-		f->prev_frag_off = prev.frag_off;
-		f->job = s->key.job;
-		f->round = s->key.round;
-		f->frag_off = s->key.frag_off;
-		f->state = FAST_CLAIMING;
-		f->token = token;
-		f->count = s->count;
-		f->op = s->op;
-		f->flags = 0;
-		f->fast_flags = 0;
-		f->workers = s->workers;
-		f->done = 0;
-		f->weight_sum = s->weight_sum;
-		__builtin_memset(f->bitmap, 0, sizeof(f->bitmap));
-	}
-	bpf_spin_unlock(&f->lock);
-
-	if (!take) {
-		__sync_fetch_and_sub(&js->active_slots, 1);
-		if (raced) {
-			code = fast_join_frame(ctx, s, 0, linear);
-			if (code != FAST_NOT_MINE)
-				return code;
-		}
+	if (code == FAST_NOT_MINE) {
 		fast_count(AGGBOX_FAST_BUSY);
 		return FAST_SLOW;
 	}
-	if (evicted) {
-		__sync_fetch_and_sub(&js->active_slots, 1); /* the evicted slot's reservation */
-		fast_count(AGGBOX_FAST_EVICTED);
-	}
-	/* Published (CLAIMING); a full barrier, then look at the other paths. */
+	if (code != FAST_CLAIMED)
+		return code;
+
+	/* Taken (CLAIMING, published). */
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	/* A full barrier between publishing and looking at the other paths. */
 	__sync_fetch_and_add(&f->fence, 1);
-	if (prev_valid)
-		bpf_map_update_elem(&completed, &prev, &one, BPF_ANY);
+	if (s->fast_prev_valid)
+		bpf_map_update_elem(&completed, &s->fast_prev, &one, BPF_ANY);
+	/* The job's slot bound counts fast slots too. */
+	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
 	code = 0;
-	if (bpf_map_lookup_elem(&slot_owner, &s->key))
+	paths = bpf_map_lookup_elem(&job_paths, &jidx);
+	if (__sync_fetch_and_add(&js->active_slots, 1) >= limit)
+		code = FAST_SLOW; /* over the bound: the hash-map path's pool-full rules */
+	else if (paths && *paths && bpf_map_lookup_elem(&slot_owner, &s->key))
 		code = FAST_SLOW;
-	else if (bpf_map_lookup_elem(&completed, &s->key))
+	else if (paths && *paths && bpf_map_lookup_elem(&completed, &s->key))
 		code = AGGBOX_DROP_RETRANSMISSION;
 	if (code) {
 		bpf_spin_lock(&f->lock);
-		if (f->state == FAST_CLAIMING && f->token == token)
+		if (f->state == FAST_CLAIMING && f->token == s->fast_token)
 			fast_restore(f);
 		bpf_spin_unlock(&f->lock);
 		__sync_fetch_and_sub(&js->active_slots, 1);
 		fast_count(AGGBOX_FAST_ABORTED);
 		return code;
 	}
-	code = fast_join_frame(ctx, s, token, linear);
+	code = fast_join_frame(ctx, s, s->fast_token, linear);
 	if (code == FAST_NOT_MINE) {
 		/* The hash-map path made the take-over give up. */
 		__sync_fetch_and_sub(&js->active_slots, 1);
@@ -1309,7 +1377,7 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 		return FAST_SLOW;
 	}
 	if (code != AGGBOX_OUTCOME_ACCEPTED && code != AGGBOX_OUTCOME_RESULT)
-		__sync_fetch_and_sub(&js->active_slots, 1); /* mismatch: restored, not taken */
+		__sync_fetch_and_sub(&js->active_slots, 1);
 	else
 		fast_count(AGGBOX_FAST_TAKEN);
 	return code;
@@ -1325,9 +1393,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
 	struct hdr_cursor nh = { .pos = data };
-	struct aggbox_port_key port_key = {};
-	struct aggbox_job_key job_key = {};
-	struct aggbox_rank_key rank_key = {};
+	__u32 port_key, jidx, rank_key, *index;
+	__u16 job_id, rank_id;
+	struct aggbox_port *port;
 	struct aggbox_agg_hdr *agg;
 	struct aggbox_rank *rank;
 	struct aggbox_job *job;
@@ -1357,8 +1425,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
 	s->bytes = len;
 
-	port_key.port = bpf_ntohs(udph->dest);
-	if (!bpf_map_lookup_elem(&ports, &port_key))
+	port_key = bpf_ntohs(udph->dest);
+	port = bpf_map_lookup_elem(&ports, &port_key);
+	if (!port || !port->jobs)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
 
 	/* First fragment of a fragmented datagram to a job port. */
@@ -1402,18 +1471,24 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	if (sizeof(*agg) + 4 * count < plen)
 		return AGGBOX_DROP_COUNT_TOO_SMALL;
 
-	job_key.job = bpf_ntohs(agg->job);
-	job = bpf_map_lookup_elem(&jobs, &job_key);
-	if (!job)
+	job_id = bpf_ntohs(agg->job);
+	jidx = job_id;
+	index = bpf_map_lookup_elem(&job_index, &jidx);
+	if (!index || *index == 0 || *index > AGGBOX_MAX_JOBS)
 		return AGGBOX_DROP_UNKNOWN_JOB;
+	jidx = *index - 1;
+	job = bpf_map_lookup_elem(&jobs, &jidx);
+	if (!job || job->id != job_id || !job->workers)
+		return AGGBOX_DROP_UNKNOWN_JOB; /* being reconfigured: a bug if it lasts */
 	/* From here on every outcome is the job's too (job_stats, stats.h). */
-	s->key.job = job_key.job;
+	s->key.job = job_id;
+	s->jidx = jidx;
 	s->job_known = 1;
 
-	rank_key.job = job_key.job;
-	rank_key.rank = bpf_ntohs(agg->rank);
-	if (rank_key.rank >= job->workers)
+	rank_id = bpf_ntohs(agg->rank);
+	if (rank_id >= job->workers)
 		return AGGBOX_DROP_RANK_OUT_OF_RANGE;
+	rank_key = jidx * AGGBOX_MAX_RANKS + rank_id;
 	rank = bpf_map_lookup_elem(&ranks, &rank_key);
 	if (!rank || rank->addr != iph->saddr)
 		return AGGBOX_DROP_SOURCE_MISMATCH;
@@ -1438,7 +1513,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->ip_off = l3;
 	s->udp_off = l3 + iph->ihl * 4;
 	s->agg_off = s->udp_off + sizeof(*udph);
-	s->key.job = job_key.job;
+	s->key.job = job_id;
 	s->key.pad = 0;
 	s->key.round = bpf_ntohl(agg->round);
 	s->key.frag_off = bpf_ntohl(agg->frag_off);
@@ -1448,7 +1523,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->overflow = 0;
 	s->result_flags = 0;
 	s->chunk = 0;
-	s->rank = rank_key.rank;
+	s->rank = rank_id;
 	s->workers = job->workers;
 	s->result_port = job->result_port;
 	s->weight = rank->weight;
@@ -1458,6 +1533,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->vector_len = job->vector_len;
 	s->fast_base = job->fast_base;
 	s->fast_slots = job->fast_slots;
+	s->fast_stride = job->fast_stride;
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
 
@@ -1484,7 +1560,9 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 		if (s->count > (linear ? AGGBOX_LINEAR_MAX_ELEMS : AGGBOX_MAX_ELEMS)) {
 			code = AGGBOX_DROP_TOO_LARGE;
 		} else {
-			code = fast_eligible(s) ? fast_path(ctx, s, linear) : FAST_SLOW;
+			if (fast_job(s))
+				s->fast_idx = fast_index(s);
+			code = fast_job(s) && fast_fits(s) ? fast_path(ctx, s, linear) : FAST_SLOW;
 			if (code == FAST_SLOW) {
 				aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
 				code = AGGBOX_DROP_MISSED_TAIL_CALL;
@@ -1505,8 +1583,6 @@ CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
 /* Internal code of slot_claim: hand the contribution to user space
  * (reason in s->handoff); never counted under this value. */
 #define AGGBOX_HANDOFF_CODE 101
-/* Internal code of slot_claim: the fragment's fast slot serves it. */
-#define AGGBOX_GO_FAST 104
 
 /*
  * Create the slot of s->key. `reserved`: the caller already holds one
@@ -1585,13 +1661,16 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 {
 	struct aggbox_slot_owner mine = { .owner = AGGBOX_OWNER_KERNEL };
 	struct aggbox_slot_owner *owner;
-	__u32 limit;
-	int err, reserved = 0;
+	__u32 limit, *paths;
+	int err, reserved = 0, fast;
 
 	if (bpf_map_lookup_elem(&completed, &s->key))
 		return AGGBOX_DROP_RETRANSMISSION;
 	owner = bpf_map_lookup_elem(&slot_owner, &s->key);
 	if (!owner) {
+		fast = fast_job(s) ? fast_check(s, 0) : 0;
+		if (fast)
+			return fast; /* the fragment's fast slot holds it */
 		limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
 		if (ho && (ho->flags & AGGBOX_HANDOFF_F_OVERLOAD) && aggbox_has_xsk(ctx)) {
 			mine.owner = AGGBOX_OWNER_USERSPACE;
@@ -1605,8 +1684,22 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 		} else {
 			reserved = 1;
 		}
+		/* The fast slots' takers look for slot_owner records only
+		 * once this is set (fast_path): set before the record. */
+		paths = bpf_map_lookup_elem(&job_paths, &s->jidx);
+		if (paths && !*paths)
+			__sync_fetch_and_or(paths, 1);
 		err = bpf_map_update_elem(&slot_owner, &s->key, &mine, BPF_NOEXIST);
 		if (!err) {
+			/* The record is published: the handshake with the
+			 * fragment's fast slot before anything is made. */
+			fast = fast_job(s) ? fast_check(s, 1) : 0;
+			if (fast) {
+				if (reserved)
+					__sync_fetch_and_sub(&js->active_slots, 1);
+				bpf_map_delete_elem(&slot_owner, &s->key);
+				return fast;
+			}
 			if (mine.owner == AGGBOX_OWNER_USERSPACE)
 				return AGGBOX_HANDOFF_CODE;
 			err = slot_create(s, js, reserved, linear);
@@ -1633,6 +1726,10 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 		if (!owner)
 			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
 	}
+	/* A record made by another contribution: the same handshake. */
+	fast = fast_job(s) ? fast_check(s, 1) : 0;
+	if (fast)
+		return fast;
 	if (owner->owner == AGGBOX_OWNER_USERSPACE) {
 		s->handoff = AGGBOX_HANDOFF_OWNED;
 		return AGGBOX_HANDOFF_CODE;
@@ -1645,8 +1742,8 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 
 static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
-	struct aggbox_job_key jkey = { .job = s->key.job };
-	struct aggbox_job_state *js = job_state_of(s->key.job);
+	__u32 jidx = s->jidx;
+	struct aggbox_job_state *js = job_state_of(jidx);
 	struct aggbox_job_handoff *ho;
 	struct aggbox_slot *slot;
 	__u32 word, bit;
@@ -1654,7 +1751,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 
 	if (!js)
 		return AGGBOX_DROP_SLOT_POOL_FULL;
-	ho = bpf_map_lookup_elem(&job_handoff, &jkey);
+	ho = bpf_map_lookup_elem(&job_handoff, &jidx);
 	/* Serial-number comparison: rounds may wrap. Either path's newest
 	 * completed round makes older rounds stale. */
 	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
@@ -1663,22 +1760,21 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 		return AGGBOX_DROP_STALE_ROUND;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
-	code = 0;
 	if (!slot) {
+		/* slot_place does the handshake with the fragment's fast slot
+		 * (fast_check) once the slot_owner record exists. */
 		code = slot_place(ctx, s, js, ho, linear);
-		if (code && code != AGGBOX_HANDOFF_CODE)
+		if (code)
 			return code;
-	}
-	/* The fragment's slot_owner record exists now: the handshake with
-	 * its fast slot (fast_check) before anything is added or handed over. */
-	if (fast_eligible(s) && !fast_check(s))
-		return AGGBOX_GO_FAST;
-	if (code)
-		return code; /* AGGBOX_HANDOFF_CODE */
-	if (!slot) {
 		slot = bpf_map_lookup_elem(&slots, &s->key);
 		if (!slot)
 			return AGGBOX_DROP_RETRANSMISSION; /* completed meanwhile */
+	} else if (fast_job(s)) {
+		/* A hash-map slot made before its fast slot won: the fast one
+		 * serves the fragment (and drops this one when it completes). */
+		code = fast_check(s, 1);
+		if (code)
+			return code;
 	}
 
 	word = (s->rank >> 5) & (AGGBOX_BITMAP_WORDS - 1);
@@ -2093,7 +2189,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
-	struct aggbox_job_state *js = job_state_of(s->key.job);
+	struct aggbox_job_state *js = job_state_of(s->jidx);
 	struct aggbox_agg_hdr *agg;
 	struct udphdr *udph;
 	__u32 one = 1, seq = 0, cur, udp_off = s->udp_off, i;
@@ -2291,9 +2387,11 @@ int aggbox_reclaim(struct xdp_md *ctx)
 
 /* ---------------------------------------------------------------------------
  * aggbox_fast_discard: release one fast slot of a job whose membership
- * changed (Dataplane::set_job), like aggbox_reclaim for the hash-map slots
- * and run the same way, on a frame of an Ethernet header's 14 bytes followed
- * by a struct aggbox_fast_discard_req. Under the slot's lock an ACTIVE or
+ * changed (Dataplane::set_job), or (FAST_DISCARD_F_ROUND) one that still
+ * holds an unfinished fragment of a stale round (KernelMaps::
+ * reclaim_stale_slots), like aggbox_reclaim for the hash-map slots and run
+ * the same way, on a frame of an Ethernet header's 14 bytes followed by a
+ * struct aggbox_fast_discard_req. Under the slot's lock an ACTIVE or
  * DONE slot of the job becomes EMPTY, and an ACTIVE one gives its
  * job_state.active_slots reservation back. A CLAIMING slot is left to its
  * taker and a RESULTING one to its completer (both end by themselves).
@@ -2303,9 +2401,11 @@ int aggbox_reclaim(struct xdp_md *ctx)
  * ------------------------------------------------------------------------- */
 struct aggbox_fast_discard_req {
 	__u16 job;
-	__u16 pad;
+	__u16 flags;  /* FAST_DISCARD_F_ROUND: only if the slot holds `round` */
 	__u32 index;
+	__u32 round;
 };
+#define FAST_DISCARD_F_ROUND 0x1
 
 SEC("xdp")
 int aggbox_fast_discard(struct xdp_md *ctx)
@@ -2313,11 +2413,10 @@ int aggbox_fast_discard(struct xdp_md *ctx)
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_discard_req *in = data + sizeof(struct ethhdr);
-	struct aggbox_job_key jkey = {};
 	struct aggbox_job_state *js;
 	struct aggbox_fast_slot *f;
 	__u32 idx;
-	int active = 0;
+	int active = 0, jidx;
 
 	if ((void *)(in + 1) > data_end)
 		return XDP_ABORTED;
@@ -2326,7 +2425,8 @@ int aggbox_fast_discard(struct xdp_md *ctx)
 	if (!f)
 		return XDP_ABORTED;
 	bpf_spin_lock(&f->lock);
-	if (f->job == in->job && (f->state == FAST_ACTIVE || f->state == FAST_DONE)) {
+	if (f->job == in->job && (f->state == FAST_ACTIVE || f->state == FAST_DONE) &&
+	    (!(in->flags & FAST_DISCARD_F_ROUND) || (f->state == FAST_ACTIVE && f->round == in->round))) {
 		active = f->state == FAST_ACTIVE;
 		f->state = FAST_EMPTY;
 		f->prev_valid = 0;
@@ -2334,9 +2434,10 @@ int aggbox_fast_discard(struct xdp_md *ctx)
 	bpf_spin_unlock(&f->lock);
 	if (!active)
 		return XDP_DROP;
-	jkey.job = in->job;
-	js = bpf_map_lookup_elem(&job_state, &jkey);
+	jidx = job_index_of(in->job);
+	js = jidx < 0 ? NULL : job_state_of((__u32)jidx);
 	if (js)
 		__sync_fetch_and_sub(&js->active_slots, 1);
+	fast_count(AGGBOX_FAST_EVICTED);
 	return XDP_PASS;
 }

@@ -167,12 +167,18 @@ struct aggbox_scratch {
 	__u64 finalized;   /* chunks whose RESULT values the add stage already
 			    * wrote into this packet (bit i = chunk i) */
 	__u32 vector_len;  /* the job's (0 = unbounded) */
+	__u32 jidx;        /* the job's dense index (job_index) */
+	__u32 fast_stride; /* the job's fast-slot indexes per round */
 	__u16 fast_base;   /* the job's fast-slot region */
 	__u16 fast_slots;
 	__u32 fast_idx;    /* index of the fragment's fast slot */
 	__u32 fast_token;  /* this packet's take-over token */
 	__u32 fast_npairs; /* element pairs of the RESULT being written */
 	__u32 fast_spilled;/* the completed fast slot had FAST_F_SPILLED */
+	__u8  fast_no_take;   /* fast_join may not take a free slot (overload) */
+	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
+	__u8  fast_pad[2];
+	struct aggbox_slot_key fast_prev;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
 		__attribute__((aligned(8)));
 			   /* one chunk of payload: bpf_xdp_load_bytes /

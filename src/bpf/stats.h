@@ -38,16 +38,16 @@ static __always_inline __u32 aggbox_outcome_index(int code)
 }
 
 /*
- * job_stats: job id -> struct aggbox_job_stats, per CPU. Created zeroed by
- * the control plane in set_job (BPF_NOEXIST: a reconfigured job keeps its
- * counters) and deleted by remove_job; XDP only increments existing entries
- * (aggbox_count_job). Summed over CPUs by Dataplane::job_stats and the
- * metrics scrape (aggbox_job_*_total).
+ * job_stats: dense job index (job_index) -> struct aggbox_job_stats, per
+ * CPU. Zeroed by the control plane when a job gets its index (a
+ * reconfigured job keeps its counters) and when it is removed; XDP only
+ * increments. Summed over CPUs by Dataplane::job_stats and the metrics
+ * scrape (aggbox_job_*_total).
  */
 struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, struct aggbox_job_key);
+	__type(key, __u32);
 	__type(value, struct aggbox_job_stats);
 } job_stats SEC(".maps");
 
@@ -62,18 +62,17 @@ struct {
  */
 __attribute__((noinline)) int aggbox_count_job(int code, __u32 bytes)
 {
-	struct aggbox_job_key key = {};
 	struct aggbox_job_stats *js;
 	struct aggbox_scratch *s;
-	__u32 zero = 0;
+	__u32 zero = 0, jidx;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
 	if (!s || !s->job_known)
 		return 0;
-	key.job = s->key.job;
-	js = bpf_map_lookup_elem(&job_stats, &key);
+	jidx = s->jidx;
+	js = bpf_map_lookup_elem(&job_stats, &jidx);
 	if (!js)
-		return 0; /* job removed meanwhile */
+		return 0;
 	/* per-CPU value, XDP runs with migration disabled: plain adds */
 	switch (code) {
 	case AGGBOX_OUTCOME_ACCEPTED:
