@@ -51,7 +51,7 @@ fn main() {
     )
     .expect("configure the job");
     let runner = dp.test_runner().expect("test runner");
-    println!("count  op     creating ns (ns/element)   adding ns (ns/element)   completing ns (ns/element)   mean ns/element");
+    println!("count  op     creating ns (ns/element)   adding ns (ns/element)   completing ns (ns/element)   mean ns/element  mean ns");
     let mut round = 1u32;
     for count in [362usize, 2242, 16370] {
         for op in [Op::Sum, Op::Max] {
@@ -90,9 +90,10 @@ fn main() {
             };
             let (c, a, l) = (per(0), per(1), per(2));
             let mean = by_role.iter().sum::<u64>() as f64 / (fragments as f64 * WORKERS as f64 * count as f64);
+            let mean_ns = by_role.iter().sum::<u64>() as f64 / (fragments as f64 * WORKERS as f64);
             let e = count as f64;
             println!(
-                "{count:5}  {:4}  {c:10.0} ({:5.2})         {a:10.0} ({:5.2})       {l:10.0} ({:5.2})            {mean:5.2}",
+                "{count:5}  {:4}  {c:10.0} ({:5.2})         {a:10.0} ({:5.2})       {l:10.0} ({:5.2})            {mean:5.2}  {mean_ns:7.0}",
                 format!("{op:?}"),
                 c / e,
                 a / e,
@@ -102,6 +103,7 @@ fn main() {
         }
     }
     fixed_costs(&runner);
+    floor(fragments);
     let fast = dp.fast_stats().expect("fast_stats");
     println!(
         "fast slots: {} contributions joined, {} fragments taken, {} busy (hash-map path), {} aborted",
@@ -147,4 +149,39 @@ fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
     for (what, frame) in steps {
         println!("  {:>5}  {what}", median_ns(runner, &frame, 2000));
     }
+}
+
+/// The floor aggregator (src/bpf/bench_floor.bpf.c, the least an XDP
+/// aggregator of full-MTU SUM fragments costs) on the same kind of
+/// contributions: 4 ranks, 362 elements, by role.
+fn floor(fragments: u32) {
+    let floor = aggbox::bench::agg::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
+    let runner = aggbox::dataplane::TestRunner::for_program(floor.prog()).expect("test runner");
+    let count = 362usize;
+    let values: Vec<i32> = (0..count as i32).map(|i| (i * 7919) % 100_000 - 50_000).collect();
+    let mut by_role = [0u64; 3];
+    for frag in 0..fragments {
+        for rank in 0..WORKERS {
+            let mut a = Agg::new(JOB, rank, Op::Sum as u8, values.clone());
+            a.round = 1;
+            a.frag_off = frag * count as u32;
+            let (verdict, _, ns) = runner.run_timed(&Frame::udp(addr(rank), a.bytes()).build()).expect("test run");
+            let role = if rank + 1 == WORKERS {
+                assert_eq!(verdict, XDP_PASS, "RESULT");
+                2
+            } else {
+                assert_eq!(verdict, XDP_DROP, "absorbed");
+                usize::from(rank > 0)
+            };
+            by_role[role] += u64::from(ns);
+        }
+    }
+    let per = |role: usize| by_role[role] as f64 / (fragments as f64 * if role == 1 { f64::from(WORKERS - 2) } else { 1.0 });
+    let mean = by_role.iter().sum::<u64>() as f64 / (fragments as f64 * f64::from(WORKERS));
+    println!(
+        "floor aggregator, 362 Sum: first {:.0} ns, adding {:.0} ns, completing {:.0} ns; mean {mean:.0} ns per contribution",
+        per(0),
+        per(1),
+        per(2)
+    );
 }

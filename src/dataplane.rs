@@ -1188,6 +1188,18 @@ pub struct TestRunner {
 }
 
 impl TestRunner {
+    /// A runner of any loaded XDP program (benchmarks compare others with
+    /// AggBox's: the floor aggregator, count-and-drop).
+    pub fn for_program(prog: &libbpf_rs::ProgramMut<'_>) -> Result<TestRunner> {
+        let fd = prog
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
+        Ok(TestRunner { fd })
+    }
+}
+
+impl TestRunner {
     /// Run the program once on `frame`; returns the verdict and output frame.
     pub fn run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
         self.run_timed(frame).map(|(verdict, out, _)| (verdict, out))

@@ -58,6 +58,19 @@ struct {
 	__type(value, struct floor_slot);
 } floor_slots SEC(".maps");
 
+/* Payload offset (Ethernet, IPv4 without options, UDP, AGG1 header) and
+ * the count read afresh from the packet. */
+#define FLOOR_PAYLOAD (sizeof(struct ethhdr) + sizeof(struct iphdr) + sizeof(struct udphdr) + sizeof(struct aggbox_agg_hdr))
+static __always_inline __u32 FLOOR_COUNT(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_agg_hdr *agg = data + FLOOR_PAYLOAD - sizeof(*agg);
+
+	if ((void *)(agg + 1) > (void *)(long)ctx->data_end)
+		return 0;
+	return bpf_ntohs(*(volatile __be16 *)&agg->count);
+}
+
 #define FIRST(y) ((__s64)(y) >> 32)
 #define SECOND(y) ((__s64)((y) << 32) >> 32)
 
@@ -141,11 +154,11 @@ int bench_floor(struct xdp_md *ctx)
 		}
 		bpf_spin_unlock(&slot->lock);
 	} else {
-		/* A shorter fragment: element by element. */
-		__u32 n = bpf_ntohs(agg->count);
-		__be32 *e = (void *)(agg + 1);
-
-		if (n > FLOOR_PER)
+		/* A shorter fragment (a vector's last): element by element. The
+		 * count is re-read from the packet and each loop starts from a
+		 * fresh packet pointer, so that no loop exit carries state into
+		 * what follows (the verifier walks each once). */
+		if (bpf_ntohs(agg->count) > FLOOR_PER)
 			return XDP_PASS;
 		bpf_spin_lock(&slot->lock);
 		first = slot->round != round || slot->frag_off != frag_off;
@@ -158,25 +171,37 @@ int bench_floor(struct xdp_md *ctx)
 		if (slot->ranks & bit) {
 			dup = 1;
 		} else {
+			__be32 *e = (void *)(long)ctx->data + FLOOR_PAYLOAD;
+
 			slot->ranks |= bit;
 			for (j = 0; j < FLOOR_PER; j++) {
 				__s64 v;
 
-				if (j >= n || (void *)(e + j + 1) > end)
+				if (j >= FLOOR_COUNT(ctx) || (void *)(e + j + 1) > (void *)(long)ctx->data_end)
 					break;
 				v = (__s32)bpf_ntohl(e[j]);
 				slot->acc[j] = first ? v : slot->acc[j] + v;
 			}
-			if (++slot->done == cfg->workers) {
-				result = 1;
-				for (j = 0; j < FLOOR_PER; j++) {
-					if (j >= n || (void *)(e + j + 1) > end)
-						break;
-					e[j] = bpf_htonl((__u32)slot->acc[j]);
-				}
-			}
+			result = ++slot->done == cfg->workers;
 		}
 		bpf_spin_unlock(&slot->lock);
+		if (result) {
+			/* Complete: nobody writes the slot any more. */
+			__be32 *e = (void *)(long)ctx->data + FLOOR_PAYLOAD;
+
+			for (j = 0; j < FLOOR_PER; j++) {
+				if (j >= FLOOR_COUNT(ctx) || (void *)(e + j + 1) > (void *)(long)ctx->data_end)
+					break;
+				e[j] = bpf_htonl((__u32)slot->acc[j]);
+			}
+		}
+		/* Fresh header pointers for the rewrite below. */
+		data = (void *)(long)ctx->data;
+		end = (void *)(long)ctx->data_end;
+		udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
+		agg = (void *)(udp + 1);
+		if ((void *)(agg + 1) > end)
+			return XDP_DROP;
 	}
 	if (dup || !result)
 		return XDP_DROP;
