@@ -847,11 +847,11 @@ __noinline __u64 fast_exact_pair(__s64 a, __s64 b, __u32 ws, __u32 op, __u32 sec
 
 /* The payload of the RESULT (fast_finish), into the packet or scratch.buf:
  * use_buf is a compile-time constant, so the loops do not branch on it. */
-static __always_inline int fast_write_result(struct aggbox_fast_slot *f, struct aggbox_scratch *s, void *data,
-					      void *data_end, __u32 agg_off, __u32 n, __u8 op, __u32 ws,
-					      const int use_buf)
+static __always_inline int fast_write_result(struct xdp_md *ctx, struct aggbox_fast_slot *f,
+					      struct aggbox_scratch *s, void *data, void *data_end, __u32 agg_off,
+					      __u32 n, __u8 op, __u32 ws, const int use_buf)
 {
-	__u32 j;
+
 	__u64 wide = 0, *p;
 
 	/*
@@ -867,26 +867,65 @@ static __always_inline int fast_write_result(struct aggbox_fast_slot *f, struct 
 	if (op == AGGBOX_OP_AVG)
 		return 1;
 	{
-		p = data + agg_off + sizeof(struct aggbox_agg_hdr);
-		for (j = 0; j < FAST_PAIRS; j++) {
-			__s64 a, b;
-			__u64 y;
+		/*
+		 * Whole blocks of FAST_BLOCK full pairs: one bounds check and
+		 * one count check per block, the block unrolled; then the
+		 * remaining pairs (an odd count's last element among them) one
+		 * by one, from a fresh packet pointer (see FAST_LOOP).
+		 */
+		__s64 sign = op == AGGBOX_OP_MIN ? -1 : 1;
+		__u32 b, k, j0;
+		void *pkt, *pkt_end;
 
-			if (j >= FAST_NPAIRS)
+		p = data + agg_off + sizeof(struct aggbox_agg_hdr);
+		for (b = 0; b < FAST_PAIRS / FAST_BLOCK; b++) {
+			if (FAST_BLOCK * (b + 1) > FAST_N / 2)
 				break;
-			a = f->acc[2 * j];
-			b = f->acc[2 * j + 1];
-			if (op == AGGBOX_OP_MIN) {
-				a = -a;
-				b = -b;
+			if (!use_buf && (void *)(p + FAST_BLOCK) > data_end)
+				break; /* validated length: never */
+#pragma unroll
+			for (k = 0; k < FAST_BLOCK; k++) {
+				__s64 a = sign * f->acc[2 * (FAST_BLOCK * b + k)];
+				__s64 c = sign * f->acc[2 * (FAST_BLOCK * b + k) + 1];
+				__u64 y = __builtin_bswap64(((__u64)a << 32) | (__u32)c);
+
+				wide |= (a ^ (__s64)(__s32)a) | (c ^ (__s64)(__s32)c);
+				if (use_buf)
+					((__u64 *)s->buf)[FAST_BLOCK * b + k] = y;
+				else
+					p[k] = y;
 			}
-			wide |= (a ^ (__s64)(__s32)a) | (b ^ (__s64)(__s32)b);
-			y = ((__u64)a << 32) | (__u32)b;
-			if (2 * j + 1 < FAST_N) {
-				FAST_STORE_PAIR(y, j);
-			} else {
-				s->chunk_n = (__u32)a; /* the odd last element, stored below */
+			p += FAST_BLOCK;
+		}
+		j0 = (FAST_N / 2) & ~(__u32)(FAST_BLOCK - 1);
+		pkt = (void *)(long)ctx->data;
+		pkt_end = (void *)(long)ctx->data_end;
+		for (k = 0; k < FAST_BLOCK; k++) {
+			__u32 i = 2 * (j0 + k), off = s->agg_off;
+			__s64 a, c;
+			__u64 y;
+			__u64 *q;
+
+			asm volatile("" : "+r"(i)); /* bound this register */
+			if (i >= FAST_N || i > AGGBOX_FAST_ELEMS - 2 || off > 128)
 				break;
+			a = sign * f->acc[i];
+			c = sign * f->acc[i + 1];
+			if (i + 1 >= FAST_N) {
+				/* the odd last element, stored by the caller */
+				wide |= a ^ (__s64)(__s32)a;
+				s->chunk_n = (__u32)a;
+				break;
+			}
+			wide |= (a ^ (__s64)(__s32)a) | (c ^ (__s64)(__s32)c);
+			y = __builtin_bswap64(((__u64)a << 32) | (__u32)c);
+			if (use_buf) {
+				((__u64 *)s->buf)[i / 2] = y;
+			} else {
+				q = pkt + off + sizeof(struct aggbox_agg_hdr) + 4 * i;
+				if ((void *)(q + 1) > pkt_end)
+					break;
+				*q = y;
 			}
 		}
 	}
@@ -1025,8 +1064,8 @@ __noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
 	ws = f->weight_sum ? f->weight_sum : 1;
 	s->overflow = 0;
 
-	if (use_buf ? fast_write_result(f, s, data, data_end, agg_off, n, op, ws, 1)
-		    : fast_write_result(f, s, data, data_end, agg_off, n, op, ws, 0))
+	if (use_buf ? fast_write_result(ctx, f, s, data, data_end, agg_off, n, op, ws, 1)
+		    : fast_write_result(ctx, f, s, data, data_end, agg_off, n, op, ws, 0))
 		fast_write_exact(ctx, use_buf);
 	if (n & 1) {
 		__u32 i = n - 1;
@@ -1101,10 +1140,11 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 zero = 0, idx, word, bit, npairs, n, agg_off, j;
+	__u32 zero = 0, idx, word, bit, npairs, n, agg_off, j, *paths;
+	struct aggbox_job_state *js;
 	void *payload;
 	__s64 w, last = 0, ident;
-	int code, last_ok = 1;
+	int code, last_ok = 1, claim, reserved = 0;
 	__u8 op;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
@@ -1137,8 +1177,31 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 		return AGGBOX_DROP_MISSED_TAIL_CALL; /* validated length: never */
 
 	s->fast_prev_valid = 0;
+	s->fast_taken = 0;
+	s->fast_reserved = 0;
+	/*
+	 * A free slot is taken and committed in one lock acquisition while the
+	 * job has never used the hash-map path (job_paths clear, read under
+	 * the lock: that path sets it before its first record, and looks at
+	 * the fast slot under this lock after that record, so it either sees
+	 * the flag's effect here or finds this slot holding the fragment).
+	 * Such a take needs its share of the job's slot bound first: taken
+	 * when the slot looks free, given back if the take does not happen.
+	 */
+	paths = bpf_map_lookup_elem(&job_paths, &s->jidx);
+	js = job_state_of(s->jidx);
+	if (!token && !s->fast_no_take && paths && !*paths && js && !fast_holds(f, s) &&
+	    (f->state == FAST_EMPTY || f->state == FAST_DONE || f->job != s->key.job)) {
+		if (__sync_fetch_and_add(&js->active_slots, 1) >= (s->slots ? s->slots : AGGBOX_MAX_SLOTS)) {
+			__sync_fetch_and_sub(&js->active_slots, 1);
+			return FAST_NOT_MINE; /* over the bound: the hash-map path's pool-full rules */
+		}
+		reserved = 1;
+	}
 
 	bpf_spin_lock(&f->lock);
+	claim = 0;
+	code = FAST_NOT_MINE;
 	if (!fast_holds(f, s)) {
 		if (f->prev_valid && f->job == s->key.job && f->prev_round == s->key.round &&
 		    f->prev_frag_off == s->key.frag_off) {
@@ -1148,11 +1211,12 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 		} else if (f->state == FAST_EMPTY || f->job != s->key.job ||
 			   (f->state == FAST_DONE && fast_newer(f, s))) {
 			/*
-			 * Free: take it for this fragment, CLAIMING under this
-			 * CPU's token, with the op's identity in every
-			 * accumulator. The caller checks the other paths, then
-			 * commits. (A stale round's unfinished slot is released
-			 * by the control plane's reclaim, as a hash-map slot is.)
+			 * Free: take it for this fragment with the op's identity
+			 * in every accumulator; committed at once (above), or
+			 * CLAIMING under this CPU's token while the caller
+			 * checks the other paths. (A stale round's unfinished
+			 * slot is released by the control plane's reclaim, as a
+			 * hash-map slot is.)
 			 */
 			s->fast_prev_valid = f->state == FAST_DONE && f->job == s->key.job;
 			s->fast_prev.job = f->job;
@@ -1166,7 +1230,6 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 			f->job = s->key.job;
 			f->round = s->key.round;
 			f->frag_off = s->key.frag_off;
-			f->state = FAST_CLAIMING;
 			f->token = s->fast_token;
 			f->count = n;
 			f->op = op;
@@ -1179,9 +1242,15 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 				f->bitmap[j] = 0;
 			for (j = 0; j < AGGBOX_FAST_ELEMS; j++)
 				f->acc[j] = ident;
-			code = FAST_CLAIMED;
-		} else {
-			code = FAST_NOT_MINE; /* busy with another fragment, or older than its */
+			if (reserved && paths && !*paths) {
+				f->state = FAST_ACTIVE;
+				s->fast_taken = 1;
+				claim = 1;
+			} else {
+				f->state = FAST_CLAIMING;
+				s->fast_reserved = reserved;
+				code = FAST_CLAIMED;
+			}
 		}
 	} else if (f->state == FAST_CLAIMING && !(token && f->token == token)) {
 		code = FAST_NOT_MINE; /* another CPU is taking it for this fragment */
@@ -1194,6 +1263,9 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	} else if (f->bitmap[word] & bit) {
 		code = AGGBOX_DROP_RETRANSMISSION;
 	} else {
+		claim = 1;
+	}
+	if (claim) {
 		f->state = FAST_ACTIVE;
 		f->bitmap[word] |= bit;
 		f->flags |= s->flags & AGGBOX_AGG_F_CARRIED;
@@ -1217,6 +1289,8 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 		}
 	}
 	bpf_spin_unlock(&f->lock);
+	if (reserved && !s->fast_taken && !s->fast_reserved && js)
+		__sync_fetch_and_sub(&js->active_slots, 1); /* not taken */
 	if (code == AGGBOX_OUTCOME_ACCEPTED || code == AGGBOX_OUTCOME_RESULT)
 		fast_count(AGGBOX_FAST_JOINED);
 	return code;
@@ -1339,6 +1413,14 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 		fast_count(AGGBOX_FAST_BUSY);
 		return FAST_SLOW;
 	}
+	if (s->fast_taken) {
+		/* Taken and committed in one go: only the fragment it replaced
+		 * is left to record (late retransmissions of it). */
+		if (s->fast_prev_valid)
+			bpf_map_update_elem(&completed, &s->fast_prev, &one, BPF_ANY);
+		fast_count(AGGBOX_FAST_TAKEN);
+		return code;
+	}
 	if (code != FAST_CLAIMED)
 		return code;
 
@@ -1354,7 +1436,7 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
 	code = 0;
 	paths = bpf_map_lookup_elem(&job_paths, &jidx);
-	if (__sync_fetch_and_add(&js->active_slots, 1) >= limit)
+	if (!s->fast_reserved && __sync_fetch_and_add(&js->active_slots, 1) >= limit)
 		code = FAST_SLOW; /* over the bound: the hash-map path's pool-full rules */
 	else if (paths && *paths && bpf_map_lookup_elem(&slot_owner, &s->key))
 		code = FAST_SLOW;

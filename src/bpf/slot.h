@@ -177,7 +177,8 @@ struct aggbox_scratch {
 	__u32 fast_spilled;/* the completed fast slot had FAST_F_SPILLED */
 	__u8  fast_no_take;   /* fast_join may not take a free slot (overload) */
 	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
-	__u8  fast_pad[2];
+	__u8  fast_taken;     /* fast_join took a free slot and committed at once */
+	__u8  fast_reserved;  /* fast_join's CLAIMING take already holds its slot-bound share */
 	struct aggbox_slot_key fast_prev;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
 		__attribute__((aligned(8)));
