@@ -1144,7 +1144,7 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	struct aggbox_job_state *js;
 	void *payload;
 	__s64 w, last = 0, ident;
-	int code, last_ok = 1, claim, reserved = 0;
+	int code, last_ok = 1, claim;
 	__u8 op;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
@@ -1179,6 +1179,7 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	s->fast_prev_valid = 0;
 	s->fast_taken = 0;
 	s->fast_reserved = 0;
+	s->fast_held = 0;
 	/*
 	 * A free slot is taken and committed in one lock acquisition while the
 	 * job has never used the hash-map path (job_paths clear, read under
@@ -1196,7 +1197,9 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 			__sync_fetch_and_sub(&js->active_slots, 1);
 			return FAST_NOT_MINE; /* over the bound: the hash-map path's pool-full rules */
 		}
-		reserved = 1;
+		/* In scratch, not a register: the take and the join below then
+		 * reach the adds in the same verifier state (walked once). */
+		s->fast_held = 1;
 	}
 
 	bpf_spin_lock(&f->lock);
@@ -1242,13 +1245,13 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 				f->bitmap[j] = 0;
 			for (j = 0; j < AGGBOX_FAST_ELEMS; j++)
 				f->acc[j] = ident;
-			if (reserved && paths && !*paths) {
+			if (s->fast_held && paths && !*paths) {
 				f->state = FAST_ACTIVE;
 				s->fast_taken = 1;
 				claim = 1;
 			} else {
 				f->state = FAST_CLAIMING;
-				s->fast_reserved = reserved;
+				s->fast_reserved = s->fast_held;
 				code = FAST_CLAIMED;
 			}
 		}
@@ -1289,7 +1292,7 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 		}
 	}
 	bpf_spin_unlock(&f->lock);
-	if (reserved && !s->fast_taken && !s->fast_reserved && js)
+	if (s->fast_held && !s->fast_taken && !s->fast_reserved && js)
 		__sync_fetch_and_sub(&js->active_slots, 1); /* not taken */
 	if (code == AGGBOX_OUTCOME_ACCEPTED || code == AGGBOX_OUTCOME_RESULT)
 		fast_count(AGGBOX_FAST_JOINED);

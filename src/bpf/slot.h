@@ -179,6 +179,8 @@ struct aggbox_scratch {
 	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
 	__u8  fast_taken;     /* fast_join took a free slot and committed at once */
 	__u8  fast_reserved;  /* fast_join's CLAIMING take already holds its slot-bound share */
+	__u8  fast_held;      /* fast_join holds a slot-bound share for a take */
+	__u8  fast_pad2[3];
 	struct aggbox_slot_key fast_prev;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
 		__attribute__((aligned(8)));

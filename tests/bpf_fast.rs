@@ -1,0 +1,234 @@
+//! Fast slots (docs/DATAPLANE.md, "Fast slots"): the array-indexed slots the
+//! entry program aggregates in, and their handshake with the hash-map chain.
+//!
+//! - a fragment whose fast slot is free is served there (no hash-map slot,
+//!   no slot_owner record), exactly;
+//! - a fragment whose fast slot is busy with another live fragment takes the
+//!   hash-map chain, exactly, and a later take-over of that fast slot for it
+//!   gives up (the chain keeps serving it: one fragment, one path, one RESULT);
+//! - late retransmissions of a completed fragment are recognised after its
+//!   slot moved on to the next fragment, and after that one too;
+//! - a contribution that does not fit a fast slot (count > 384) to a fragment
+//!   a fast slot holds is answered as that slot answers (slot_mismatch);
+//! - an unfinished fast slot of a stale round is released by the periodic
+//!   reclaim, and its share of the job's slot bound comes back.
+//!
+//! Needs root (BPF): `sudo -E cargo test --test bpf_fast`.
+
+mod bpf_common;
+
+use std::net::Ipv4Addr;
+
+use aggbox::abi::{self, DropReason, Op, Outcome, SlotKey};
+use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::reducer;
+use bpf_common::*;
+
+const ID: u16 = 12;
+
+fn addr(rank: u16) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 0, 11 + rank as u8)
+}
+
+fn job(workers: u16, slots: u32, window: u32) -> JobConfig {
+    JobConfig {
+        id: ID,
+        port: JOB_PORT,
+        result_port: RESULT_PORT,
+        ranks: (0..workers).map(addr).collect(),
+        weights: vec![],
+        vector_len: 0,
+        slots,
+        flags: 0,
+        result_group: None,
+        window,
+    }
+}
+
+fn contribution(rank: u16, round: u32, frag_off: u32, values: &[i32]) -> Vec<u8> {
+    let mut a = Agg::new(ID, rank, Op::Sum as u8, values.to_vec());
+    a.round = round;
+    a.frag_off = frag_off;
+    a.seq = round.wrapping_mul(1000).wrapping_add(frag_off);
+    Frame::udp(addr(rank), a.bytes()).build()
+}
+
+/// Run one frame, return the single counter label that moved (and the output).
+fn run(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
+    let before = dp.stats().expect("stats");
+    let (_, out) = dp.test_run(frame).expect("test_run");
+    let d = deltas(&before, &dp.stats().expect("stats"));
+    assert_eq!(d.len(), 1, "{d:?}");
+    (d[0].0, out)
+}
+
+fn sum_be(parts: &[&[i32]]) -> Vec<u8> {
+    let c: Vec<(&[i32], i32)> = parts.iter().map(|v| (*v, 1)).collect();
+    let mut out = Vec::new();
+    reducer::reduce(Op::Sum, &c).expect("reduce").write_be(&mut out);
+    out
+}
+
+fn fast(dp: &Dataplane, what: u32) -> u64 {
+    dp.fast_stats().expect("fast_stats")[what as usize]
+}
+
+fn key(round: u32, frag_off: u32) -> SlotKey {
+    SlotKey {
+        job: ID,
+        pad: 0,
+        round,
+        frag_off,
+    }
+}
+
+fn active(dp: &Dataplane) -> u32 {
+    dp.job_state(ID).expect("job_state").expect("state").active_slots
+}
+
+#[test]
+fn free_fast_slots_serve_fragments_without_hash_map_state() {
+    let dp = load();
+    dp.set_job(ID, &job(3, 64, 4)).expect("set_job");
+    let job = dp.job(ID).unwrap().unwrap();
+    assert!(job.fast_slots >= 64, "a region for the bound: {job:?}");
+    let maps = dp.kernel_maps().unwrap();
+    let vals: Vec<Vec<i32>> = (0..3).map(|r| (0..362).map(|i| i * 3 - 500 + r * 7).collect()).collect();
+    // Two rounds of 4 full-MTU fragments: the second round takes the slots
+    // the first one left DONE.
+    for round in 1..=2u32 {
+        for f in 0..4u32 {
+            for rank in 0..3u16 {
+                let (l, out) = run(&dp, &contribution(rank, round, f * 362, &vals[rank as usize]));
+                if rank < 2 {
+                    assert_eq!(l, Outcome::Accepted.label());
+                    assert_eq!(maps.slot_owner(&key(round, f * 362)), None, "no ownership record on the fast path");
+                } else {
+                    assert_eq!(l, Outcome::Result.label(), "round {round} fragment {f}");
+                    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&vals[0], &vals[1], &vals[2]])[..]);
+                }
+            }
+        }
+    }
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), 8, "every fragment took its fast slot");
+    assert_eq!(fast(&dp, abi::FAST_JOINED), 24, "every contribution was added there");
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 0);
+    assert_eq!((dp.slots_in_use(), active(&dp), dp.blocks_in_use().unwrap()), (0, 0, 0));
+    let st = dp.job_state(ID).unwrap().unwrap();
+    assert_eq!((st.completed, st.result_seq, st.newest_round), (8, 8, 2));
+}
+
+#[test]
+fn a_busy_fast_slot_sends_its_fragment_to_the_chain_and_a_later_take_over_gives_up() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 64, 4)).expect("set_job");
+    let maps = dp.kernel_maps().unwrap();
+    // Fragments at 0 and 8 (8 elements each) share a fast slot: 256
+    // elements of a round share an index.
+    let a = [1, 2, 3, 4, 5, 6, 7, 8];
+    let b = [10, 20, 30, 40, 50, 60, 70, 80];
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &a)).0, Outcome::Accepted.label());
+    assert_eq!(run(&dp, &contribution(0, 1, 8, &b)).0, Outcome::Accepted.label());
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 1, "fragment 8 found its slot busy");
+    assert_eq!(maps.slot_owner(&key(1, 8)), Some(abi::OWNER_KERNEL), "fragment 8 lives in the hash-map slots");
+    assert_eq!(maps.slot_owner(&key(1, 0)), None, "fragment 0 in the fast slot");
+    assert_eq!((dp.slots_in_use(), active(&dp)), (2, 2));
+    // Fragment 0 completes: its fast slot is DONE, free for a newer fragment.
+    let (l, out) = run(&dp, &contribution(1, 1, 0, &b));
+    assert_eq!(l, Outcome::Result.label());
+    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&a, &b])[..]);
+    // Fragment 8's other rank: the fast slot looks takeable, but fragment 8
+    // has a hash-map slot; the take-over gives up and the chain completes it.
+    let (l, out) = run(&dp, &contribution(1, 1, 8, &a));
+    assert_eq!(l, Outcome::Result.label());
+    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&b, &a])[..]);
+    assert_eq!(fast(&dp, abi::FAST_ABORTED), 1, "the take-over found the ownership record");
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), 1, "only fragment 0 ever took the fast slot");
+    // Both fragments are complete exactly once, on one path each.
+    for (f, rank) in [(0u32, 0u16), (8, 1)] {
+        assert_eq!(run(&dp, &contribution(rank, 1, f, &a)).0, DropReason::Retransmission.label(), "fragment {f}");
+    }
+    assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0));
+    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, 2);
+}
+
+#[test]
+fn late_retransmissions_are_recognised_after_the_slot_moves_on() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 64, 64)).expect("set_job");
+    let v = [3; 16];
+    for round in 1..=3u32 {
+        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label());
+        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label());
+        // Every earlier round of this fragment (in its slot, in the slot's
+        // `prev`, or in the completed markers) is a retransmission, from
+        // either rank.
+        for old in 1..=round {
+            for rank in 0..2 {
+                assert_eq!(
+                    run(&dp, &contribution(rank, old, 0, &v)).0,
+                    DropReason::Retransmission.label(),
+                    "round {old} after round {round} completed"
+                );
+            }
+        }
+    }
+    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, 3);
+    assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
+}
+
+#[test]
+fn a_contribution_too_large_for_a_fast_slot_is_answered_by_the_fragments_fast_slot() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 64, 4)).expect("set_job");
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 100])).0, Outcome::Accepted.label());
+    // Same fragment, a count no fast slot holds: the hash-map path looks at
+    // the fast slot first, and the fragment's slot says mismatch.
+    assert_eq!(run(&dp, &contribution(1, 1, 0, &[1; 400])).0, DropReason::SlotMismatch.label());
+    assert_eq!(dp.kernel_maps().unwrap().slot_owner(&key(1, 0)), None, "no second home for the fragment");
+    assert_eq!(run(&dp, &contribution(1, 1, 0, &[2; 100])).0, Outcome::Result.label());
+    assert_eq!(run(&dp, &contribution(1, 1, 0, &[1; 400])).0, DropReason::Retransmission.label());
+    assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
+}
+
+#[test]
+fn a_stale_rounds_unfinished_fast_slot_is_reclaimed() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 4, 2)).expect("set_job");
+    // Round 1, fragment 0: one rank only (a straggler), in its fast slot.
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, Outcome::Accepted.label());
+    assert_eq!((dp.fast_slots_in_use(), active(&dp)), (1, 1));
+    assert_eq!(dp.reclaim_stale_slots().unwrap(), 0, "not stale: nothing completed yet");
+    // Rounds 2..=4 complete at another fragment (another fast slot).
+    for round in 2..=4u32 {
+        assert_eq!(run(&dp, &contribution(0, round, 256, &[round as i32; 8])).0, Outcome::Accepted.label());
+        assert_eq!(run(&dp, &contribution(1, round, 256, &[1; 8])).0, Outcome::Result.label());
+    }
+    // newest = 4, window 2: round 1 is stale and its slot never completes.
+    assert_eq!(dp.reclaim_stale_slots().unwrap(), 1);
+    assert_eq!(fast(&dp, abi::FAST_EVICTED), 1);
+    assert_eq!((dp.fast_slots_in_use(), active(&dp)), (0, 0), "its share of the bound is back");
+    assert_eq!(dp.reclaim_stale_slots().unwrap(), 0, "idempotent");
+    assert_eq!(run(&dp, &contribution(1, 1, 0, &[1; 8])).0, DropReason::StaleRound.label());
+    // The slot is free for a live round.
+    assert_eq!(run(&dp, &contribution(0, 5, 0, &[4; 8])).0, Outcome::Accepted.label());
+    let (l, out) = run(&dp, &contribution(1, 5, 0, &[5; 8]));
+    assert_eq!(l, Outcome::Result.label());
+    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&[4; 8], &[5; 8]])[..]);
+}
+
+#[test]
+fn removing_a_job_clears_its_region_and_a_new_job_starts_empty() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 16, 4)).expect("set_job");
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, Outcome::Accepted.label());
+    assert_eq!(dp.fast_slots_in_use(), 1);
+    dp.remove_job(ID).expect("remove_job");
+    assert_eq!(dp.fast_slots_in_use(), 0);
+    dp.set_job(ID, &job(2, 16, 4)).expect("set_job again");
+    // The same fragment is new for the new job: nothing of the old one.
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[2; 8])).0, Outcome::Accepted.label());
+    let (l, out) = run(&dp, &contribution(1, 1, 0, &[3; 8]));
+    assert_eq!(l, Outcome::Result.label());
+    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&[2; 8], &[3; 8]])[..]);
+}
