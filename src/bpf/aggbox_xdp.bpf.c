@@ -519,9 +519,24 @@ struct {
 	__type(value, __u32);
 } job_paths SEC(".maps");
 
+/*
+ * A header offset from scratch, bounded in the register that then offsets
+ * a packet pointer: older verifiers (6.1) keep a bound only on the register
+ * that was compared, and a packet pointer whose variable part may reach
+ * 64 KiB gets no range from a data_end check at all.
+ */
+#define FAST_BOUNDED_OFF(var, field)             \
+	do {                                     \
+		var = (field);                   \
+		asm volatile("" : "+r"(var));    \
+		var &= 0xff; /* <= 128 once classified; no branch: no second verifier path */ \
+		asm volatile("" : "+r"(var));    \
+	} while (0)
+
 /* Internal codes of the fast path (never counted under these values). */
 #define FAST_NOT_MINE 102 /* the fast slot does not hold this fragment */
 #define FAST_CLAIMED  105 /* fast_join took the free slot for this fragment (CLAIMING) */
+#define FAST_EXACT    106 /* fast_payload: the exact pass (fast_write_exact) is needed */
 #define AGGBOX_GO_FAST 104 /* hash-map path: the fragment's fast slot serves it */
 #define FAST_SLOW     103 /* the hash-map path serves this fragment */
 
@@ -722,9 +737,7 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 			if (use_buf) {                                                    \
 				y = ((const __u64 *)s->buf)[i / 2];                       \
 			} else {                                                          \
-				off = s->agg_off;                                         \
-				if (off > 128)                                            \
-					break;                                            \
+				FAST_BOUNDED_OFF(off, s->agg_off);                        \
 				q = pkt + off + sizeof(struct aggbox_agg_hdr) + 4 * i;    \
 				if ((void *)(q + 1) > pkt_end)                            \
 					break;                                            \
@@ -745,7 +758,7 @@ static __always_inline void fast_add(struct xdp_md *ctx, struct aggbox_fast_slot
 	/*
 	 * Three loops: the accumulators start at the op's identity (set when
 	 * the slot is taken: 0, or INT64_MIN for MAX and MIN), MIN keeps the
-	 * maximum of the negated values (fast_finish negates it back), and a
+	 * maximum of the negated values (fast_payload negates it back), and a
 	 * SUM of weight 1 multiplies by 1.
 	 */
 	if (op == AGGBOX_OP_COUNT)
@@ -776,16 +789,18 @@ static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w)
 
 /*
  * The completing contribution turns its own packet into the RESULT (the
- * slot is RESULTING: nobody else writes it, no take-over), then counts the
- * completion and marks the slot DONE. With use_buf the payload is written
- * into scratch.buf and the caller stores it (bpf_xdp_store_bytes is not a
- * helper of the linear chain's kernels).
+ * slot is RESULTING: nobody else writes it, no take-over): fast_payload
+ * writes the payload, fast_commit the rest, counts the completion and marks
+ * the slot DONE. With use_buf the payload is written into scratch.buf and
+ * the caller stores it (bpf_xdp_store_bytes is not a helper of the linear
+ * chain's kernels).
  *
  * The common case is one pass: each pair of accumulators is written as
  * int32 and OR-ed into a word that is nonzero when some value did not fit;
- * then (rare: OVERFLOW, or AVG) a second pass writes the exact clamped and
- * divided values. Nothing per element is kept on the stack, so the
- * verifier's walk stays linear. A global function: checked once.
+ * then (rare: OVERFLOW, or AVG) a second pass (fast_write_exact) writes the
+ * exact clamped and divided values. Nothing per element is kept on the
+ * stack, so the verifier's walk stays linear. Global functions: each is
+ * checked once.
  */
 #define FAST_STORE_PAIR(y, j)                                                 \
 	if (use_buf) {                                                        \
@@ -845,7 +860,7 @@ __noinline __u64 fast_exact_pair(__s64 a, __s64 b, __u32 ws, __u32 op, __u32 sec
 	return ((__u64)ca << 32) | (__u32)cb;
 }
 
-/* The payload of the RESULT (fast_finish), into the packet or scratch.buf:
+/* The payload of the RESULT (fast_payload), into the packet or scratch.buf:
  * use_buf is a compile-time constant, so the loops do not branch on it. */
 static __always_inline int fast_write_result(struct xdp_md *ctx, struct aggbox_fast_slot *f,
 					      struct aggbox_scratch *s, void *data, void *data_end, __u32 agg_off,
@@ -901,13 +916,14 @@ static __always_inline int fast_write_result(struct xdp_md *ctx, struct aggbox_f
 		pkt = (void *)(long)ctx->data;
 		pkt_end = (void *)(long)ctx->data_end;
 		for (k = 0; k < FAST_BLOCK; k++) {
-			__u32 i = 2 * (j0 + k), off = s->agg_off;
+			__u32 i = 2 * (j0 + k), off;
 			__s64 a, c;
 			__u64 y;
 			__u64 *q;
 
+			FAST_BOUNDED_OFF(off, s->agg_off);
 			asm volatile("" : "+r"(i)); /* bound this register */
-			if (i >= FAST_N || i > AGGBOX_FAST_ELEMS - 2 || off > 128)
+			if (i >= FAST_N || i > AGGBOX_FAST_ELEMS - 2)
 				break;
 			a = sign * f->acc[i];
 			c = sign * f->acc[i + 1];
@@ -942,12 +958,11 @@ static __always_inline void fast_write_exact_to(struct xdp_md *ctx, struct aggbo
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
-	__u32 j, agg_off = s->agg_off, ws = f->weight_sum ? f->weight_sum : 1;
+	__u32 j, agg_off, ws = f->weight_sum ? f->weight_sum : 1;
 	__u8 op = s->op;
 	__u64 *p;
 
-	if (agg_off > 128)
-		return;
+	FAST_BOUNDED_OFF(agg_off, s->agg_off);
 	{
 		/* Exact pass: divide (AVG) and clamp; only real elements set OVERFLOW. */
 		p = data + agg_off + sizeof(struct aggbox_agg_hdr);
@@ -1035,18 +1050,14 @@ __noinline int fast_spill_cleanup(__u32 job, __u32 round, __u32 frag_off, __u32 
 	return 0;
 }
 
-__noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
+__noinline int fast_payload(struct xdp_md *ctx, __u32 use_buf)
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
-	struct aggbox_job_state *js;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	struct aggbox_slot_key key;
-	struct aggbox_agg_hdr *agg;
-	struct udphdr *udph;
-	__u32 zero = 0, idx, n, ws, seq = 0, agg_off, udp_off;
-	__u8 op, spilled, flags;
+	__u32 zero = 0, idx, n, ws, agg_off, udp_off;
+	__u8 op;
 
 	s = bpf_map_lookup_elem(&scratch, &zero);
 	if (!s)
@@ -1056,9 +1067,9 @@ __noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
 	if (!f)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
-	agg_off = s->agg_off;
-	udp_off = s->udp_off;
-	if (agg_off > 128 || udp_off > 128 || n > AGGBOX_FAST_ELEMS)
+	FAST_BOUNDED_OFF(agg_off, s->agg_off);
+	FAST_BOUNDED_OFF(udp_off, s->udp_off);
+	if (n > AGGBOX_FAST_ELEMS)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	op = s->op;
 	ws = f->weight_sum ? f->weight_sum : 1;
@@ -1066,7 +1077,42 @@ __noinline int fast_finish(struct xdp_md *ctx, __u32 use_buf)
 
 	if (use_buf ? fast_write_result(ctx, f, s, data, data_end, agg_off, n, op, ws, 1)
 		    : fast_write_result(ctx, f, s, data, data_end, agg_off, n, op, ws, 0))
-		fast_write_exact(ctx, use_buf);
+		return FAST_EXACT;
+	return 0;
+}
+
+/*
+ * The rest of the RESULT once its payload is written (fast_payload, and
+ * fast_write_exact when that asked for it): an odd count's last element,
+ * the header, the job's completion counters, the slot DONE. Separate global
+ * functions keep the deepest call chain at three frames (6.1 counts their
+ * stacks together).
+ */
+__noinline int fast_commit(struct xdp_md *ctx, __u32 use_buf)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_job_state *js;
+	struct aggbox_fast_slot *f;
+	struct aggbox_scratch *s;
+	struct aggbox_slot_key key;
+	struct aggbox_agg_hdr *agg;
+	struct udphdr *udph;
+	__u32 zero = 0, idx, n, seq = 0, agg_off, udp_off;
+	__u8 spilled, flags;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	idx = s->fast_idx;
+	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	if (!f)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	n = s->count;
+	FAST_BOUNDED_OFF(agg_off, s->agg_off);
+	FAST_BOUNDED_OFF(udp_off, s->udp_off);
+	if (n > AGGBOX_FAST_ELEMS)
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	if (n & 1) {
 		__u32 i = n - 1;
 		__be32 v = bpf_htonl(s->chunk_n);
@@ -1155,8 +1201,8 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	if (!f)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
-	agg_off = s->agg_off;
-	if (n > AGGBOX_FAST_ELEMS || agg_off > 128)
+	FAST_BOUNDED_OFF(agg_off, s->agg_off);
+	if (n > AGGBOX_FAST_ELEMS)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	/* The loops read their bound from scratch at each check: a register
 	 * compared there would leave each loop exit with its own range of it,
@@ -1363,7 +1409,12 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 	/* This contribution completed the fragment: its packet becomes the
 	 * RESULT (separate global functions keep each one's stack and
 	 * verifier walk small). */
-	code = fast_finish(ctx, use_buf);
+	code = fast_payload(ctx, use_buf);
+	if (code == FAST_EXACT)
+		fast_write_exact(ctx, use_buf);
+	else if (code)
+		return code;
+	code = fast_commit(ctx, use_buf);
 	if (code == AGGBOX_OUTCOME_RESULT && s->fast_spilled)
 		fast_spill_cleanup(s->key.job, s->key.round, s->key.frag_off, s->jidx);
 	if (!linear && use_buf && code == AGGBOX_OUTCOME_RESULT) {
