@@ -355,9 +355,9 @@ pub const MAX_BLOCKS: u32 = 2 * MAX_SLOTS;
 pub const MAX_SLOTS: u32 = 4096;
 /// Fast slots of all jobs together (`AGGBOX_FAST_SLOTS`, docs/DATAPLANE.md
 /// "Fast slots").
-pub const FAST_SLOTS: u32 = 4096;
+pub const FAST_SLOTS: u32 = 8192;
 /// Largest fast-slot region of one job (`AGGBOX_FAST_JOB_SLOTS`).
-pub const FAST_JOB_SLOTS: u32 = 1024;
+pub const FAST_JOB_SLOTS: u32 = 4096;
 /// Largest `count` a fast slot holds (`AGGBOX_FAST_ELEMS`); larger
 /// contributions use the hash-map slots.
 pub const FAST_ELEMS: u32 = 384;

@@ -303,10 +303,10 @@ _Static_assert(AGGBOX_LINEAR_MAX_CHUNKS <= AGGBOX_MAX_CHUNKS, "linear chunks wit
  * follow each other through the region.
  */
 #ifndef AGGBOX_FAST_SLOTS
-#define AGGBOX_FAST_SLOTS 4096 /* fast slots of all jobs together (~13 MiB) */
+#define AGGBOX_FAST_SLOTS 8192 /* fast slots of all jobs together (~26 MiB) */
 #endif
 #ifndef AGGBOX_FAST_JOB_SLOTS
-#define AGGBOX_FAST_JOB_SLOTS 1024 /* largest region of one job */
+#define AGGBOX_FAST_JOB_SLOTS 4096 /* largest region of one job: the default slot bound */
 #endif
 #ifndef AGGBOX_FAST_ELEMS
 #define AGGBOX_FAST_ELEMS 384 /* largest count a fast slot holds (MTU 1500: 362) */

@@ -533,6 +533,18 @@ struct {
 		asm volatile("" : "+r"(var));    \
 	} while (0)
 
+/* The per-CPU scratch (into *sp) and the fast slot its fast_idx names. */
+static __always_inline struct aggbox_fast_slot *fast_slot_of(struct aggbox_scratch **sp)
+{
+	__u32 zero = 0, idx;
+
+	*sp = bpf_map_lookup_elem(&scratch, &zero);
+	if (!*sp)
+		return NULL;
+	idx = (*sp)->fast_idx;
+	return bpf_map_lookup_elem(&fast_slots, &idx);
+}
+
 /* Internal codes of the fast path (never counted under these values). */
 #define FAST_NOT_MINE 102 /* the fast slot does not hold this fragment */
 #define FAST_CLAIMED  105 /* fast_join took the free slot for this fragment (CLAIMING) */
@@ -1056,14 +1068,10 @@ __noinline int fast_payload(struct xdp_md *ctx, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 zero = 0, idx, n, ws, agg_off, udp_off;
+	__u32 n, ws, agg_off, udp_off;
 	__u8 op;
 
-	s = bpf_map_lookup_elem(&scratch, &zero);
-	if (!s)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	idx = s->fast_idx;
-	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	f = fast_slot_of(&s);
 	if (!f)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
@@ -1098,14 +1106,10 @@ __noinline int fast_commit(struct xdp_md *ctx, __u32 use_buf)
 	struct aggbox_slot_key key;
 	struct aggbox_agg_hdr *agg;
 	struct udphdr *udph;
-	__u32 zero = 0, idx, n, seq = 0, agg_off, udp_off;
+	__u32 n, seq = 0, agg_off, udp_off;
 	__u8 spilled, flags;
 
-	s = bpf_map_lookup_elem(&scratch, &zero);
-	if (!s)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	idx = s->fast_idx;
-	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	f = fast_slot_of(&s);
 	if (!f)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
@@ -1186,18 +1190,14 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 zero = 0, idx, word, bit, npairs, n, agg_off, j, *paths;
+	__u32 word, bit, npairs, n, agg_off, j, *paths;
 	struct aggbox_job_state *js;
 	void *payload;
 	__s64 w, last = 0, ident;
 	int code, last_ok = 1, claim;
 	__u8 op;
 
-	s = bpf_map_lookup_elem(&scratch, &zero);
-	if (!s)
-		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	idx = s->fast_idx;
-	f = bpf_map_lookup_elem(&fast_slots, &idx);
+	f = fast_slot_of(&s);
 	if (!f)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
