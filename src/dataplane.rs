@@ -645,6 +645,15 @@ impl Dataplane {
         update_array(&self.skel.maps.job_state, "job_state", dense, &abi::JobState::default())?;
         update_array(&self.skel.maps.job_handoff, "job_handoff", dense, &abi::JobHandoff::default())?;
         update_array(&self.skel.maps.job_paths, "job_paths", dense, &0u32)?;
+        let zero_round = vec![0u8; self.skel.maps.job_round.value_size() as usize];
+        self.skel
+            .maps
+            .job_round
+            .update(&dense.to_ne_bytes(), &zero_round, MapFlags::ANY)
+            .map_err(|source| DataplaneError::Map {
+                map: "job_round",
+                source,
+            })?;
         let map = &self.skel.maps.job_stats;
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| DataplaneError::Map {
             map: "job_stats",

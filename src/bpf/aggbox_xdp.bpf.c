@@ -507,6 +507,22 @@ struct {
 } fast_stats SEC(".maps");
 
 /*
+ * job_round: dense job index -> the newest completed round (of the kernel's
+ * paths) as the stale-round rule reads it on every datagram: a copy of
+ * job_state.newest_round on a cache line of its own, written only when a
+ * newer round completes (job_state is written by every fragment's take and
+ * completion, and a line that bounces between CPUs on every datagram costs
+ * more than the lookups around it). Zeroed by the control plane with the
+ * job's other entries; XDP writes.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AGGBOX_MAX_JOBS);
+	__type(key, __u32);
+	__type(value, struct aggbox_job_round);
+} job_round SEC(".maps");
+
+/*
  * job_paths: dense job index -> bit 0 set once the hash-map path has made a
  * slot_owner record for the job (set before the record, with a full
  * barrier). Until then a fast slot's taker has no other path to check.
@@ -661,8 +677,9 @@ static __always_inline int slot_release(struct aggbox_slot_key *key)
 
 /* Raise job_state.newest_round to `round` (serial order) and count a
  * completion: both paths' completions. */
-static __always_inline void job_completed(struct aggbox_job_state *js, __u32 round)
+static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jidx, __u32 round)
 {
+	struct aggbox_job_round *jr = bpf_map_lookup_elem(&job_round, &jidx);
 	__u32 cur, i;
 
 	for (i = 0; i < 4; i++) {
@@ -672,7 +689,34 @@ static __always_inline void job_completed(struct aggbox_job_state *js, __u32 rou
 		if (__sync_val_compare_and_swap(&js->newest_round, cur, round) == cur)
 			break;
 	}
+	/* The stale-round rule's copy, written only when the round is newer
+	 * (once per round, not per fragment). */
+	if (jr) {
+		for (i = 0; i < 4; i++) {
+			cur = jr->newest;
+			if (jr->valid && (__s32)(round - cur) <= 0)
+				break;
+			if (__sync_val_compare_and_swap(&jr->newest, cur, round) == cur) {
+				if (!jr->valid)
+					jr->valid = 1;
+				break;
+			}
+		}
+	}
 	__sync_fetch_and_add(&js->completed, 1);
+}
+
+/* Whether `round` is stale for the job at jidx (older than the newest
+ * completed round of either path minus the window). Reads job_round, whose
+ * cache line changes once per round, not job_state, which every fragment's
+ * take and completion write. */
+static __always_inline int round_is_stale(struct aggbox_scratch *s, struct aggbox_job_handoff *ho)
+{
+	struct aggbox_job_round *jr = bpf_map_lookup_elem(&job_round, &s->jidx);
+
+	if (jr && jr->valid && (__s32)(jr->newest - s->key.round) > (__s32)s->window)
+		return 1;
+	return ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window;
 }
 
 /* The one element of an odd count, at element index i (i < AGGBOX_FAST_ELEMS). */
@@ -1153,7 +1197,7 @@ __noinline int fast_commit(struct xdp_md *ctx, __u32 use_buf)
 
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
-		job_completed(js, key.round);
+		job_completed(js, s->jidx, key.round);
 	}
 	bpf_spin_lock(&f->lock);
 	f->state = FAST_DONE;
@@ -1451,9 +1495,7 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 		return FAST_SLOW;
 	ho = bpf_map_lookup_elem(&job_handoff, &jidx);
 	/* The stale-round rule of slot_claim, first: it holds for both paths. */
-	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
-		return AGGBOX_DROP_STALE_ROUND;
-	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window)
+	if (round_is_stale(s, ho))
 		return AGGBOX_DROP_STALE_ROUND;
 
 	idx = s->fast_idx;
@@ -1890,9 +1932,7 @@ static __always_inline int slot_claim(struct xdp_md *ctx, struct aggbox_scratch 
 	ho = bpf_map_lookup_elem(&job_handoff, &jidx);
 	/* Serial-number comparison: rounds may wrap. Either path's newest
 	 * completed round makes older rounds stale. */
-	if (js->completed && (__s32)(js->newest_round - s->key.round) > (__s32)s->window)
-		return AGGBOX_DROP_STALE_ROUND;
-	if (ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window)
+	if (round_is_stale(s, ho))
 		return AGGBOX_DROP_STALE_ROUND;
 
 	slot = bpf_map_lookup_elem(&slots, &s->key);
@@ -2328,7 +2368,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	struct aggbox_job_state *js = job_state_of(s->jidx);
 	struct aggbox_agg_hdr *agg;
 	struct udphdr *udph;
-	__u32 one = 1, seq = 0, cur, udp_off = s->udp_off, i;
+	__u32 one = 1, seq = 0, udp_off = s->udp_off;
 
 	if (udp_off > 128)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
@@ -2352,14 +2392,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	blocks_give(s->block, chunks_of(s->count), linear);
 	if (js) {
 		__sync_fetch_and_sub(&js->active_slots, 1);
-		for (i = 0; i < 4; i++) {
-			cur = js->newest_round;
-			if (js->completed && (__s32)(s->key.round - cur) <= 0)
-				break;
-			if (__sync_val_compare_and_swap(&js->newest_round, cur, s->key.round) == cur)
-				break;
-		}
-		__sync_fetch_and_add(&js->completed, 1);
+		job_completed(js, s->jidx, s->key.round);
 	}
 	return AGGBOX_OUTCOME_RESULT;
 }

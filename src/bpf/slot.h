@@ -129,6 +129,14 @@ struct aggbox_fast_slot {
 	__s64 acc[AGGBOX_FAST_ELEMS];
 };
 
+/* Value of the job_round array (aggbox_xdp.bpf.c): one cache line. */
+struct aggbox_job_round {
+	__u32 newest; /* newest completed round, valid if valid != 0 */
+	__u32 valid;
+	__u32 pad[14];
+};
+_Static_assert(sizeof(struct aggbox_job_round) == 64, "a cache line");
+
 /* Per-packet state handed from one program of the chain to the next. */
 _Static_assert(AGGBOX_MAX_CHUNKS <= 64, "scratch.finalized has a bit per chunk");
 
