@@ -123,10 +123,10 @@ fn median_ns(runner: &aggbox::dataplane::TestRunner, frame: &[u8], runs: usize) 
     t[runs / 2]
 }
 
-/// Where the fixed work per datagram goes: the same 4-element AGG1
-/// datagram stopped at successive steps of the entry program (each step
-/// adds the lookups named), median of 2000 runs each. A frame with no IPv4
-/// is the harness's own floor (BPF_PROG_TEST_RUN around a parse-and-pass).
+/// Where the fixed work per datagram goes: AGG1 datagrams stopped at
+/// successive steps of the entry program (each step adds the lookups
+/// named), median of 2000 runs each. A frame with no IPv4 is the harness's
+/// own floor (BPF_PROG_TEST_RUN around a parse-and-pass).
 fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
     let values = vec![1, 2, 3, 4];
     let agg = |job: u16, rank: u16| Agg::new(job, rank, Op::Sum as u8, values.clone());
@@ -139,9 +139,12 @@ fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
         ("UDP to another port (+ ports lookup)", other_port.build()),
         ("unknown job (+ jobs lookup)", Frame::udp(addr(0), agg(JOB + 1, 0).bytes()).build()),
         ("source mismatch (+ ranks lookup)", Frame::udp(addr(1), agg(JOB, 0).bytes()).build()),
-        ("stale round (+ slot stage / fast path state lookups)", {
-            let mut a = agg(JOB, 0);
-            a.round = 0x8000_0000; // far behind the rounds the runs above completed
+        ("retransmission of a completed fragment (+ job state, round and hand-off lookups, the fast slot's lock)", {
+            // Round 1, fragment 0 completed in the first point above; its
+            // fast slot has moved on since, so this finds it a
+            // retransmission through the slot's `prev` or the markers.
+            let mut a = Agg::new(JOB, 0, Op::Sum as u8, vec![0; 362]);
+            a.round = 1;
             Frame::udp(addr(0), a.bytes()).build()
         }),
     ];
