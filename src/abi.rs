@@ -372,7 +372,7 @@ pub const FAST_BUSY: u32 = 2;
 /// See [`FAST_JOINED`].
 pub const FAST_ABORTED: u32 = 3;
 /// See [`FAST_JOINED`].
-pub const FAST_EVICTED: u32 = 4;
+pub const FAST_RELEASED: u32 = 4;
 /// See [`FAST_JOINED`].
 pub const FAST_STAT_MAX: u32 = 5;
 /// Completed-slot markers kept (`AGGBOX_MAX_COMPLETED`).

@@ -6,11 +6,15 @@
 //!
 //! | map     | key                       | value                  | written by |
 //! |---------|---------------------------|------------------------|------------|
-//! | `ports` | [`abi::PortKey`]          | [`abi::Port`]          | control plane |
-//! | `jobs`  | [`abi::JobKey`]           | [`abi::Job`]           | control plane |
-//! | `ranks` | [`abi::RankKey`]          | [`abi::Rank`]          | control plane |
+//! | `ports` (array) | `u32` UDP port    | [`abi::Port`]          | control plane |
+//! | `job_index` (array) | `u32` job id  | `u32` 1 + dense index, 0 = none | control plane |
+//! | `jobs` (array) | `u32` dense index  | [`abi::Job`]           | control plane |
+//! | `ranks` (array) | `u32` dense · 256 + rank | [`abi::Rank`]   | control plane |
 //! | `stats` | `u32` outcome index       | [`abi::Stat`] per CPU  | XDP |
-//! | `job_state` | [`abi::JobKey`]       | [`abi::JobState`]      | control plane creates, XDP updates |
+//! | `job_state` (array) | `u32` dense index | [`abi::JobState`]  | control plane zeroes, XDP updates |
+//! | `job_round`, `job_paths` (arrays) | `u32` dense index | BPF-only (`src/bpf/slot.h`) | XDP; control plane zeroes |
+//! | `fast_slots` (array) | `u32` slot index | BPF-only fast slot (`src/bpf/slot.h`) | XDP; control plane zeroes a region |
+//! | `fast_stats` | `u32` `abi::FAST_*`  | `u64` per CPU          | XDP |
 //! | `slots` | [`abi::SlotKey`]          | slot header (BPF-only, `src/bpf/slot.h`) | XDP |
 //! | `blocks` | (SlotKey, chunk index)   | one chunk of s64 accumulators (BPF-only) | XDP |
 //! | `completed` | [`abi::SlotKey`]      | `u32` marker (LRU)     | XDP |
@@ -19,9 +23,9 @@
 //! | `xsks`  | `u32` RX queue            | AF_XDP socket fd (XSKMAP) | user-space path |
 //! | `xsk_limits` | `u32` 0              | `u32` longest frame redirected (0 = any) | user-space path |
 //! | `slot_owner` | [`abi::SlotKey`]     | [`abi::SlotOwner`]     | XDP decides, the completing path deletes |
-//! | `job_handoff` | [`abi::JobKey`]     | [`abi::JobHandoff`]    | user-space path |
+//! | `job_handoff` (array) | `u32` dense index | [`abi::JobHandoff`] | user-space path |
 //! | `handoff_stats` | `u32` reason      | [`abi::Stat`] per CPU  | XDP |
-//! | `job_stats` | [`abi::JobKey`]       | [`abi::JobStats`] per CPU | control plane creates/deletes, XDP counts |
+//! | `job_stats` (per-CPU array) | `u32` dense index | [`abi::JobStats`] | control plane zeroes, XDP counts |
 //!
 //! Errors inside this module are typed ([`DataplaneError`]); callers at the
 //! edges may wrap them in `anyhow`.

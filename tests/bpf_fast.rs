@@ -22,6 +22,7 @@ use std::net::Ipv4Addr;
 use aggbox::abi::{self, DropReason, Op, Outcome, SlotKey};
 use aggbox::dataplane::{Dataplane, JobConfig};
 use aggbox::reducer;
+use bpf_common::run_one as run;
 use bpf_common::*;
 
 const ID: u16 = 12;
@@ -51,15 +52,6 @@ fn contribution(rank: u16, round: u32, frag_off: u32, values: &[i32]) -> Vec<u8>
     a.frag_off = frag_off;
     a.seq = round.wrapping_mul(1000).wrapping_add(frag_off);
     Frame::udp(addr(rank), a.bytes()).build()
-}
-
-/// Run one frame, return the single counter label that moved (and the output).
-fn run(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
-    let before = dp.stats().expect("stats");
-    let (_, out) = dp.test_run(frame).expect("test_run");
-    let d = deltas(&before, &dp.stats().expect("stats"));
-    assert_eq!(d.len(), 1, "{d:?}");
-    (d[0].0, out)
 }
 
 fn sum_be(parts: &[&[i32]]) -> Vec<u8> {
@@ -206,7 +198,7 @@ fn a_stale_rounds_unfinished_fast_slot_is_reclaimed() {
     }
     // newest = 4, window 2: round 1 is stale and its slot never completes.
     assert_eq!(dp.reclaim_stale_slots().unwrap(), 1);
-    assert_eq!(fast(&dp, abi::FAST_EVICTED), 1);
+    assert_eq!(fast(&dp, abi::FAST_RELEASED), 1);
     assert_eq!((dp.fast_slots_in_use(), active(&dp)), (0, 0), "its share of the bound is back");
     assert_eq!(dp.reclaim_stale_slots().unwrap(), 0, "idempotent");
     assert_eq!(run(&dp, &contribution(1, 1, 0, &[1; 8])).0, DropReason::StaleRound.label());

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use aggbox::abi::{DropReason, Op, Outcome};
 use aggbox::dataplane::{Dataplane, JobConfig, Reclaim};
 use aggbox::reducer;
+use bpf_common::run_one as run;
 use bpf_common::*;
 
 fn addr(rank: u16) -> Ipv4Addr {
@@ -59,15 +60,6 @@ fn contribution_from(src: Ipv4Addr, rank: u16, round: u32, values: &[i32]) -> Ve
     let mut a = Agg::new(5, rank, Op::Sum as u8, values.to_vec());
     a.round = round;
     Frame::udp(src, a.bytes()).build()
-}
-
-/// Run one frame, return the single counter label that moved (and the output).
-fn run(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
-    let before = dp.stats().expect("stats");
-    let (_, out) = dp.test_run(frame).expect("test_run");
-    let d = deltas(&before, &dp.stats().expect("stats"));
-    assert_eq!(d.len(), 1, "{d:?}");
-    (d[0].0, out)
 }
 
 fn active(dp: &Dataplane) -> u32 {

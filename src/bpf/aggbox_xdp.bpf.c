@@ -35,9 +35,6 @@
 #define INT32_MAX_ ((__s64)0x7fffffff)
 #define INT32_MIN_ (-(__s64)0x80000000)
 
-#ifndef MAX_PORTS
-#define MAX_PORTS 256
-#endif
 #ifndef MAX_RANK_ENTRIES
 #define MAX_RANK_ENTRIES (AGGBOX_MAX_JOBS * AGGBOX_MAX_RANKS)
 #endif
@@ -1112,7 +1109,7 @@ __noinline int fast_payload(struct xdp_md *ctx, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 n, ws, agg_off, udp_off;
+	__u32 n, ws, agg_off;
 	__u8 op;
 
 	f = fast_slot_of(&s);
@@ -1120,7 +1117,6 @@ __noinline int fast_payload(struct xdp_md *ctx, __u32 use_buf)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	n = s->count;
 	FAST_BOUNDED_OFF(agg_off, s->agg_off);
-	FAST_BOUNDED_OFF(udp_off, s->udp_off);
 	if (n > AGGBOX_FAST_ELEMS)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	op = s->op;
@@ -2607,6 +2603,6 @@ int aggbox_fast_discard(struct xdp_md *ctx)
 	js = jidx < 0 ? NULL : job_state_of((__u32)jidx);
 	if (js)
 		__sync_fetch_and_sub(&js->active_slots, 1);
-	fast_count(AGGBOX_FAST_EVICTED);
+	fast_count(AGGBOX_FAST_RELEASED);
 	return XDP_PASS;
 }

@@ -84,15 +84,19 @@ struct aggbox_init {
  * elements in one map value under one lock, at an index computed from the
  * key. It carries its key as a version and its state:
  *
- *   EMPTY ──take──> CLAIMING ──commit──> ACTIVE ──last rank──> RESULTING ──RESULT written──> DONE
- *                      │ abort (the fragment has a hash-map slot,                              │
- *                      └ a user-space owner or a completed marker)                             take
+ *   EMPTY ──take (job never used the hash-map path)───────────> ACTIVE ──last rank──> RESULTING
+ *     │                                                          ▲                         │
+ *     └─take──> CLAIMING ──commit (no slot_owner record,         │          RESULT written │
+ *                  │        no completed marker)─────────────────┘                         ▼
+ *                  └ abort (the hash-map path has the fragment) ──> back as it was       DONE ──take──> ...
  *
- * Only EMPTY and DONE slots (and ACTIVE ones of a stale round) are taken by a
- * new key; a DONE slot keeps its key, so a late retransmission of it is
- * recognised until the slot is taken, and the key it held before is kept in
- * `prev` (the taker also writes it into the `completed` LRU before it
- * commits). Every contribution is added under the lock in one acquisition.
+ * Only EMPTY and DONE slots are taken by a new key (an unfinished slot of a
+ * stale round is released by the control plane's periodic reclaim); a DONE
+ * slot keeps its key, so a late retransmission of it is recognised until the
+ * slot is taken, and after that through `prev`, the key it held before (the
+ * taker also writes that key into the `completed` LRU, which covers it once
+ * `prev` moves on). Every contribution is added under the lock in one
+ * acquisition.
  */
 enum aggbox_fast_state {
 	FAST_EMPTY     = 0,

@@ -279,6 +279,16 @@ pub fn job_from_vector(job: &serde_json::Value) -> JobConfig {
 
 /// The counter deltas between two stats snapshots, as (label, packets, bytes),
 /// only those that changed.
+/// Run one frame through the entry program; returns the single counter
+/// label that moved (exactly one must) and the frame as the program left it.
+pub fn run_one(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
+    let before = dp.stats().expect("stats");
+    let (_, out) = dp.test_run(frame).expect("test_run");
+    let d = deltas(&before, &dp.stats().expect("stats"));
+    assert_eq!(d.len(), 1, "{d:?}");
+    (d[0].0, out)
+}
+
 pub fn deltas(
     before: &aggbox::dataplane::Stats,
     after: &aggbox::dataplane::Stats,
