@@ -29,12 +29,16 @@
 //! # Decisions where the spec is silent
 //!
 //! - Only the first error is reported: INTERFACE.md asks for one clear line.
-//! - Weights are `0..=i32::MAX` and must not sum to 0. The kernel keeps the
-//!   AVG divisor as an unsigned `weight_sum` (`struct aggbox_job`), so a
-//!   negative weight has no meaning there and a zero sum would divide by 0.
-//!   A single weight of 0 is allowed: that rank must still contribute for
-//!   the slot to complete, but its values do not count. The sum is checked
-//!   to fit `u32` (256 ranks × `i32::MAX` would not).
+//! - Weights are `0..=2^23` ([`crate::dataplane::MAX_WEIGHT`]) and must not
+//!   sum to 0. The kernel keeps the AVG divisor as an unsigned `weight_sum`
+//!   (`struct aggbox_job`), so a negative weight has no meaning there and a
+//!   zero sum would divide by 0. The bound is the data plane's: it adds
+//!   `weight * value` in a signed 64-bit sum per element, and 256 ranks ×
+//!   2^31 × 2^23 stays below 2^62; checking it here names file, line and key
+//!   instead of failing later inside `Dataplane::set_job`. With it the sum
+//!   (at most 256 × 2^23 = 2^31) always fits the u32 `weight_sum`. A single
+//!   weight of 0 is allowed: that rank must still contribute for the slot to
+//!   complete, but its values do not count.
 //! - A UDP port may serve one job only, and a job's `result_port` may be
 //!   neither its own port nor another job's contribution port (RESULT
 //!   datagrams there would be taken for contributions). Several jobs may
@@ -167,7 +171,8 @@ pub struct JobConfig {
     /// 1..=[`MAX_WORKERS`] entries, all distinct.
     pub workers: Vec<Ipv4Addr>,
     /// Weight of each rank, same length as `workers` (all 1 when the file
-    /// gives none); each is >= 0 and their sum is in `1..=u32::MAX`.
+    /// gives none); each is in `0..=`[`crate::dataplane::MAX_WEIGHT`] and
+    /// their sum is positive (and at most 2^31, so it fits `u32`).
     pub weights: Vec<i32>,
     /// Local UDP port RESULT datagrams are delivered to (never 0, never a
     /// job's contribution port).
@@ -668,9 +673,9 @@ fn parse_weights(
             &format!("{key}[{i}]"),
             item,
             0,
-            i64::from(i32::MAX),
+            i64::from(crate::dataplane::MAX_WEIGHT),
             "a weight",
-            "the AVG divisor is an unsigned sum of weights",
+            "the kernel adds weight × value in a 64-bit sum that 256 ranks must not overflow",
         )?;
         sum += w as u64;
         weights.push(w as i32);
@@ -680,16 +685,6 @@ fn parse_weights(
             at,
             Some(key.into()),
             "the weights sum to 0; AVG divides by the sum, it must be positive".into(),
-        ));
-    }
-    if sum > u64::from(u32::MAX) {
-        return Err(src.error(
-            at,
-            Some(key.into()),
-            format!(
-                "the weights sum to {sum}, more than the kernel's u32 weight_sum holds ({})",
-                u32::MAX
-            ),
         ));
     }
     Ok(weights)

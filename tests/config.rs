@@ -373,7 +373,7 @@ fn negative_weight_is_rejected() {
         &text,
         5,
         "job[0].weights[1]",
-        "-1 is not a weight (0..=2147483647",
+        "-1 is not a weight (0..=8388608",
     );
 }
 
@@ -384,21 +384,45 @@ fn weights_summing_to_zero_are_rejected() {
 }
 
 #[test]
-fn weight_sum_must_fit_u32() {
-    // Each weight is a valid i32, but three of them overflow the u32 sum.
+fn weight_above_2_pow_23_is_rejected_with_file_line_and_key() {
+    // Issue #21 item 8: a weight the data plane refuses (it adds weight ×
+    // value in a 64-bit sum; `dataplane::MAX_WEIGHT` = 2^23) must be named
+    // here, with its line and key, not fail later inside `set_job`.
+    assert_eq!(aggbox::dataplane::MAX_WEIGHT, 1 << 23);
     let text = r#"[[job]]
 id = 7
 port = 7000
 workers = ["10.77.0.11", "10.77.0.12", "10.77.0.13"]
-weights = [2147483647, 2147483647, 2147483647]
+weights = [
+  1,
+  8388608,
+  8388609,
+]
 result_port = 7001
 "#;
     expect_error(
         text,
-        5,
-        "job[0].weights",
-        "sum to 6442450941, more than the kernel's u32 weight_sum holds (4294967295)",
+        8,
+        "job[0].weights[2]",
+        "8388609 is not a weight (0..=8388608: the kernel adds weight × value in a 64-bit sum",
     );
+    // i32::MAX, which the parser used to accept, is refused the same way.
+    let text = JOB7.replace("result_port", "weights = [2147483647, 1]\nresult_port");
+    expect_error(&text, 5, "job[0].weights[0]", "2147483647 is not a weight (0..=8388608");
+}
+
+#[test]
+fn weights_at_2_pow_23_are_accepted_and_their_sum_fits_u32() {
+    let workers: Vec<String> = (0..256)
+        .map(|i| format!("\"10.1.{}.{}\"", i / 200, i % 200 + 1))
+        .collect();
+    let text = format!(
+        "[[job]]\nid = 1\nport = 7000\nworkers = [{}]\nweights = [{}]\nresult_port = 7001\n",
+        workers.join(", "),
+        vec!["8388608"; 256].join(", ")
+    );
+    let c = parse(&text);
+    assert_eq!(c.jobs[0].weight_sum(), 1 << 31);
 }
 
 #[test]
