@@ -30,12 +30,13 @@ use crate::runtime::fragment::{
     BCAST_SUBHDR, SUBHDR_OVERFLOW,
 };
 use crate::runtime::kernel::KernelAggregator;
+pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::{self, Quantization};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdict};
 use crate::runtime::socket::SocketAggregator;
 use crate::runtime::transport::{
-    CommStats, Counters, ImpairedTransport, Impairment, Net, RecvMeta, Transport, UdpTransport,
-    BATCH_MAX, RECV_SLOT,
+    CommStats, Counters, ImpairedTransport, Impairment, Net, RecvMeta, RefusedStats, Refusal,
+    Transport, UdpTransport, BATCH_MAX, RECV_SLOT,
 };
 use crate::runtime::work::Work;
 use crate::runtime::{CommError, Partial, Peer, TimeoutInfo};
@@ -126,6 +127,13 @@ pub struct CommConfig {
     pub first_agg_seq: u32,
     /// Most datagrams kept for a later call (early broadcast data).
     pub stash_limit: usize,
+    /// Kernel backend, aggregator: most bytes the RESULTs of rounds this
+    /// application has not called yet may hold (payload and bookkeeping;
+    /// default [`DEFAULT_EARLY_RESULT_BYTES`]). The kernel sends each RESULT
+    /// once, so one refused here is lost to this participant's next call:
+    /// raise it when workers run several rounds of large vectors ahead of the
+    /// aggregator application.
+    pub early_result_bytes: usize,
     /// Kernel backend: the job has a `result_group` of the workers, so the
     /// node's TC program copies every RESULT to every worker (in-kernel
     /// allreduce): the aggregator's runtime does not forward results, it
@@ -215,6 +223,7 @@ impl CommunicatorBuilder {
                 first_round: 0,
                 first_agg_seq: 0,
                 stash_limit: 4096,
+                early_result_bytes: DEFAULT_EARLY_RESULT_BYTES,
                 kernel_result_group: false,
                 tc_group: None,
                 impairment: None,
@@ -332,6 +341,12 @@ impl CommunicatorBuilder {
     /// All reliability settings at once.
     pub fn reliability(mut self, r: ReliabilityConfig) -> Self {
         self.cfg.reliability = r;
+        self
+    }
+    /// Kernel backend, aggregator: bound of the memory RESULTs of later
+    /// rounds may hold (see [`CommConfig::early_result_bytes`]).
+    pub fn early_result_bytes(mut self, bytes: usize) -> Self {
+        self.cfg.early_result_bytes = bytes;
         self
     }
     /// Aggregator slots (socket) / the kernel job's slots (window cap).
@@ -649,6 +664,13 @@ impl Communicator {
     /// `recvmmsg` batches and the datagrams in them).
     pub fn io_stats(&self) -> crate::runtime::IoStats {
         self.counters.io_snapshot()
+    }
+
+    /// Datagrams refused since the communicator was built, by reason: from a
+    /// source that may not send them, or beyond the early-result bound
+    /// (docs/RUNTIME.md "Who may send what").
+    pub fn refused(&self) -> RefusedStats {
+        self.counters.refused_snapshot()
     }
 
     /// Starts a builder; see [`CommunicatorBuilder::new`].
@@ -1328,6 +1350,8 @@ impl Engine {
                     cfg.reliability,
                     cfg.first_round,
                     cfg.first_agg_seq,
+                    cfg.aggregator,
+                    cfg.early_result_bytes,
                 )))
             }
             _ => None,
@@ -2380,14 +2404,28 @@ impl Engine {
                 let sock = &self.net;
                 match a.kind {
                     AckKind::Aggregation => {
-                        if self.cfg.me == Participant::Worker(a.rank) {
-                            let target = self.cfg.contrib_target();
-                            self.agg_tx
-                                .on_ack(0, &a.bitmap, now, &mut |_, b| retx_to(sock, target, b));
-                        } else if self.cfg.me == Participant::Aggregator
-                            && (a.rank as usize) < self.cfg.peers.len()
-                            && self.addrs[a.rank as usize] == from
+                        if let Participant::Worker(me) = self.cfg.me {
+                            // Contributions are acknowledged by the
+                            // aggregator's socket only (the socket
+                            // aggregator on `job_port`; the kernel backend's
+                            // runtime, on the kernel's behalf, from
+                            // `result_port`): a forged ACK would end the
+                            // retransmission of a contribution that was lost.
+                            if from != self.addrs[self.cfg.workers() as usize] {
+                                self.net.c.refused(Refusal::AckFromWrongSource);
+                                return;
+                            }
+                            if a.rank == me {
+                                let target = self.cfg.contrib_target();
+                                self.agg_tx.on_ack(0, &a.bitmap, now, &mut |_, b| {
+                                    retx_to(sock, target, b)
+                                });
+                            }
+                        } else if (a.rank as usize) >= self.cfg.peers.len()
+                            || self.addrs[a.rank as usize] != from
                         {
+                            self.net.c.refused(Refusal::AckFromWrongSource);
+                        } else {
                             // A worker acknowledges results (in-kernel allreduce).
                             let addrs = &self.addrs;
                             self.res_tx
@@ -2414,7 +2452,9 @@ impl Engine {
                     }
                     AckKind::Broadcast => {
                         let dest = a.rank as usize;
-                        if dest < self.addrs.len() && self.addrs[dest] == from {
+                        if dest >= self.addrs.len() || self.addrs[dest] != from {
+                            self.net.c.refused(Refusal::AckFromWrongSource);
+                        } else {
                             let addrs = &self.addrs;
                             let mut tc = self.tc.as_mut();
                             self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| match tc
@@ -2440,6 +2480,7 @@ impl Engine {
                 // Any group id: the source socket identifies the root (a TC
                 // root uses its node's group id); ACKs carry the same id.
                 let Some(&idx) = self.index.get(&from) else {
+                    self.net.c.refused(Refusal::BroadcastFromWrongSource);
                     return;
                 };
                 if idx == self.me {
@@ -2502,8 +2543,15 @@ impl Engine {
                     return;
                 }
                 let Some(b) = self.backend.as_mut() else {
-                    if h.is_result() && *from.ip() == self.cfg.aggregator {
-                        self.on_result(&h, payload, now, op);
+                    if h.is_result() {
+                        if self.may_send_results(from) {
+                            self.on_result(&h, payload, now, op);
+                        } else {
+                            // Taken, it would become the fragment's value
+                            // (the genuine RESULT then a duplicate) and
+                            // acknowledge this worker's contribution.
+                            self.net.c.refused(Refusal::ResultFromWrongSource);
+                        }
                     }
                     return;
                 };
@@ -2524,6 +2572,18 @@ impl Engine {
             }
             None => {}
         }
+    }
+
+    /// Worker: whether `from` may send this worker RESULTs: the aggregator's
+    /// node, kernel backend only (the socket backend's results are `AGB1`).
+    /// The aggregator's runtime resends from `result_port`; the node's TC
+    /// copies leave with the node's address and the UDP source port of the
+    /// contribution that completed the slot, a worker's data port.
+    fn may_send_results(&self, from: SocketAddrV4) -> bool {
+        self.cfg.backend == BackendKind::Kernel
+            && *from.ip() == self.cfg.aggregator
+            && (from.port() == self.cfg.result_port
+                || self.cfg.peers.iter().any(|p| p.port() == from.port()))
     }
 
     /// Places one broadcast fragment (payload after the AGB1 header) into the

@@ -25,13 +25,24 @@
 //!
 //! Flow control: a worker's window is capped at the job's `slots`, so the
 //! kernel's slot pool cannot run out because of one job's senders.
+//!
+//! Trust: a RESULT decides the value of a fragment and, through the ACKs on
+//! behalf, what the workers stop retransmitting, so only the sources the
+//! node's paths produce RESULTs from are taken: a worker's socket (the XDP
+//! program rewrites the completing contribution in place, keeping its IPv4
+//! source, which it checked against the rank's address, and its UDP source
+//! port) and the node's own address (the user-space path sends from an
+//! ephemeral port; a result group's copy to a local member goes through lo).
+//! Everything else is counted and dropped. RESULTs of later rounds are kept
+//! up to a byte bound as well as a count.
 
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use crate::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
+use crate::runtime::transport::Refusal;
 
 #[derive(Debug)]
 struct Done {
@@ -45,6 +56,8 @@ struct Done {
 #[derive(Debug)]
 pub struct KernelAggregator {
     peers: Vec<SocketAddrV4>,
+    /// This node's address (the job's aggregator address).
+    node: Ipv4Addr,
     per: usize,
     behalf: RecvTracker,
     round: u32,
@@ -62,23 +75,42 @@ pub struct KernelAggregator {
     /// only once (retransmissions of a completed slot are dropped), so an
     /// early RESULT is kept and taken when its round begins.
     early: Vec<(AggHeader, Vec<u8>, SocketAddrV4)>,
+    /// Memory `early` holds (`early_cost` of each entry).
+    early_bytes: usize,
+    /// Bound of `early_bytes`.
+    early_limit: usize,
 }
 
-/// Early RESULTs kept at most (a few rounds' worth of fragments).
+/// Early RESULTs kept at most (a few rounds' worth of fragments); the byte
+/// bound (`CommConfig::early_result_bytes`) usually binds first.
 const EARLY_RESULTS_MAX: usize = 65536;
+
+/// Default bound of the memory early RESULTs may hold: 256 MiB, about three
+/// rounds of a 21.8 M-element allreduce (87 MB a round), instead of the
+/// 4 GiB that 65536 datagrams of 64 KiB could take.
+pub const DEFAULT_EARLY_RESULT_BYTES: usize = 256 << 20;
+
+/// What one kept early RESULT costs: its payload and the entry holding it.
+fn early_cost(payload_len: usize) -> usize {
+    payload_len + std::mem::size_of::<(AggHeader, Vec<u8>, SocketAddrV4)>()
+}
 
 impl KernelAggregator {
     /// For ranks at `peers` (rank r = `peers[r]`), `per` elements per
-    /// fragment.
+    /// fragment, on the node at `node` (the job's aggregator address);
+    /// RESULTs of later rounds are kept up to `early_limit` bytes.
     pub fn new(
         peers: Vec<SocketAddrV4>,
         per: usize,
         cfg: ReliabilityConfig,
         first_round: u32,
         first_seq: u32,
+        node: Ipv4Addr,
+        early_limit: usize,
     ) -> KernelAggregator {
         KernelAggregator {
             peers,
+            node,
             per: per.max(1),
             behalf: RecvTracker::new(cfg),
             round: first_round,
@@ -91,12 +123,30 @@ impl KernelAggregator {
             linger_step: 0,
             results: 0,
             early: Vec::new(),
+            early_bytes: 0,
+            early_limit,
         }
     }
 
     /// RESULT datagrams received.
     pub fn results(&self) -> u64 {
         self.results
+    }
+
+    /// Bytes the RESULTs of later rounds hold now (at most the bound given
+    /// to [`KernelAggregator::new`]).
+    pub fn early_bytes(&self) -> usize {
+        self.early_bytes
+    }
+
+    /// Whether `from` is a source the node's paths send this runtime RESULTs
+    /// from (see the module docs): a worker's socket, or the node itself.
+    fn may_send_results(&self, from: SocketAddrV4) -> bool {
+        *from.ip() == self.node || self.peers.contains(&from)
+    }
+
+    fn recount_early(&mut self) {
+        self.early_bytes = self.early.iter().map(|(_, p, _)| early_cost(p.len())).sum();
     }
 
     fn fan_out(peers: &[SocketAddrV4], io: &mut AckIo, bm: &SeqBitmap) {
@@ -127,6 +177,7 @@ impl Backend for KernelAggregator {
         // Early RESULTs of rounds before this one can no longer be taken.
         self.early
             .retain(|(h, _, _)| (h.round.wrapping_sub(round) as i32) >= 0);
+        self.recount_early();
         let pool = &mut self.pool;
         self.done.retain_mut(|d| {
             let keep = (d.round.wrapping_sub(round) as i32) >= 0;
@@ -148,11 +199,24 @@ impl Backend for KernelAggregator {
         if !hdr.is_result() || hdr.is_float() {
             return;
         }
+        if !self.may_send_results(from) {
+            // Taken, it would become the fragment's value, the genuine
+            // RESULT would then be dropped as a duplicate, and the workers
+            // would be told their contributions were reduced.
+            io.sock.c.refused(Refusal::ResultFromWrongSource);
+            return;
+        }
         if hdr.round != self.round {
             // A later round than the one in progress: keep it for then.
-            if (hdr.round.wrapping_sub(self.round) as i32) > 0
-                && self.early.len() < EARLY_RESULTS_MAX
-            {
+            if (hdr.round.wrapping_sub(self.round) as i32) > 0 {
+                let cost = early_cost(payload.len());
+                if self.early.len() >= EARLY_RESULTS_MAX
+                    || self.early_bytes + cost > self.early_limit
+                {
+                    io.sock.c.refused(Refusal::EarlyResultOverLimit);
+                    return;
+                }
+                self.early_bytes += cost;
                 self.early.push((*hdr, payload.to_vec(), from));
             }
             return;
@@ -191,6 +255,7 @@ impl Backend for KernelAggregator {
                 .into_iter()
                 .partition(|(h, _, _)| h.round == round);
             self.early = later;
+            self.recount_early();
             for (hdr, payload, from) in now_due {
                 self.on_agg(&hdr, &payload, from, now, io);
             }
@@ -280,7 +345,7 @@ mod tests {
         let net = loopback_net();
         let (mut buf, mut sent) = (Vec::new(), 0u64);
         let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
-        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100);
+        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
         {
@@ -316,6 +381,79 @@ mod tests {
         );
     }
 
+    /// A RESULT is taken only from a worker's socket (the XDP RESULT keeps
+    /// the completing contribution's source) or from the node itself (the
+    /// user-space path); one from anywhere else, even a worker's host on
+    /// another port, is refused and counted, and the genuine RESULT that
+    /// follows is the value (a forged one taken first made it a duplicate).
+    #[test]
+    fn a_result_from_neither_a_worker_socket_nor_the_node_is_refused() {
+        let net = loopback_net();
+        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let node = std::net::Ipv4Addr::new(127, 0, 0, 2);
+        let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), 1, 100, node, DEFAULT_EARLY_RESULT_BYTES);
+        let now = Instant::now();
+        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+        let (hdr, forged) = result(1, 0, &[-1, -1, -1, -1]);
+        for from in [
+            SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5001),
+            SocketAddrV4::new(std::net::Ipv4Addr::new(127, 0, 0, 3), 5000),
+        ] {
+            agg.on_agg(&hdr, &forged, from, now, &mut io);
+        }
+        let (hdr2, forged2) = result(2, 0, &[-1, -1, -1, -1]);
+        agg.on_agg(&hdr2, &forged2, SocketAddrV4::new(std::net::Ipv4Addr::new(10, 9, 9, 9), 5000), now, &mut io);
+        assert_eq!(net.c.refused_snapshot().results_from_wrong_source, 3);
+        assert_eq!(agg.early_bytes(), 0, "a refused later-round RESULT is not kept");
+        let (_, genuine) = result(1, 0, &[1, 2, 3, 4]);
+        agg.on_agg(&hdr, &genuine, worker, now, &mut io);
+        let (hdr4, from_node) = result(1, 4, &[5, 6, 7, 8]);
+        agg.on_agg(&hdr4, &from_node, SocketAddrV4::new(node, 40000), now, &mut io);
+        let mut got = Vec::new();
+        agg.take_completed(1, &mut |c| got.push((c.frag_off, c.values.to_vec())));
+        got.sort();
+        assert_eq!(got, vec![(0, vec![1, 2, 3, 4]), (4, vec![5, 6, 7, 8])]);
+        assert_eq!(net.c.refused_snapshot().results_from_wrong_source, 3);
+    }
+
+    /// RESULTs of later rounds are kept up to the byte bound: a flood of
+    /// them (65536 of 64 KiB could hold 4 GiB) keeps at most the bound and
+    /// counts the rest; what was kept is taken when its round begins.
+    #[test]
+    fn early_results_stay_within_the_byte_bound() {
+        let net = loopback_net();
+        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let per = abi::MAX_ELEMS as usize;
+        let limit = 1 << 20;
+        let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), 1, 100, *worker.ip(), limit);
+        let now = Instant::now();
+        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+        let values = vec![3i32; per];
+        let (mut hdr, payload) = result(2, 0, &values);
+        hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
+        let flood = 1000u32;
+        for k in 0..flood {
+            let h = AggHeader { round: 2 + k / 16, frag_off: (k % 16) * per as u32, ..hdr };
+            agg.on_agg(&h, &payload, worker, now, &mut io);
+            assert!(agg.early_bytes() <= limit, "{} bytes held after {k}", agg.early_bytes());
+        }
+        let kept = limit / early_cost(payload.len());
+        assert_eq!(agg.early.len(), kept);
+        assert_eq!(net.c.refused_snapshot().early_results_over_limit, (flood as usize - kept) as u64);
+        // Round 2 begins: its kept fragments are taken, their memory freed.
+        agg.expect_round(2, 101, now);
+        agg.poll(now, &mut io);
+        let mut n = 0;
+        agg.take_completed(2, &mut |c| {
+            assert_eq!(c.values.len(), per);
+            n += 1;
+        });
+        assert_eq!(n, kept.min(16));
+        assert_eq!(agg.early_bytes(), (kept - kept.min(16)) * early_cost(payload.len()));
+    }
+
     /// The RESULT of the last fragment can come before others (the kernel
     /// completes fragments on two CPUs); the ones after it are acknowledged
     /// by the group's delayed ACK. When the round ends first, that ACK must be
@@ -336,7 +474,7 @@ mod tests {
             ack_delay: std::time::Duration::from_secs(3600), // no timer ACK in this test
             ..ReliabilityConfig::default()
         };
-        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, 1, 100);
+        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, 1, 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let t0 = Instant::now();
         // Fragments 0..3 of round 1 (seqs 100..103): the last one (3) first.
         for (k, frag) in [3u32, 0, 1, 2].into_iter().enumerate() {

@@ -40,7 +40,7 @@ pub use comm::{
 pub use quantize::Quantization;
 pub use reliability::ReliabilityConfig;
 pub use striped::StripedCommunicator;
-pub use transport::{CommStats, ImpairControl, Impairment, IoStats};
+pub use transport::{CommStats, ImpairControl, Impairment, IoStats, RefusedStats};
 pub use work::Work;
 
 use std::fmt;

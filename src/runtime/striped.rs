@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::mpsc;
 
 use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant, Raw};
-use super::{CommError, CommStats, IoStats};
+use super::{CommError, CommStats, IoStats, RefusedStats};
 use crate::abi::Op;
 use crate::config::Config;
 
@@ -125,6 +125,14 @@ impl StripedCommunicator {
             .iter()
             .map(|c| c.io_stats())
             .fold(IoStats::default(), |a, s| a + s)
+    }
+
+    /// The stripes' refusals added up ([`Communicator::refused`]).
+    pub fn refused(&self) -> RefusedStats {
+        self.stripes
+            .iter()
+            .map(|c| c.refused())
+            .fold(RefusedStats::default(), |a, s| a + s)
     }
 
     /// [`Communicator::broadcast_with`] over the stripes: each stripe's bytes

@@ -758,6 +758,56 @@ impl std::ops::Add for IoStats {
     }
 }
 
+/// Datagrams a communicator refused because of who sent them or because a
+/// bound was reached, by reason (see
+/// [`crate::runtime::Communicator::refused`] and docs/RUNTIME.md "Who may
+/// send what"). Each is dropped without any effect on a call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RefusedStats {
+    /// `AGG1` RESULTs from a source that may not send this participant
+    /// RESULTs (a worker: not the aggregator's node; the aggregator: not a
+    /// worker's socket nor its own node).
+    pub results_from_wrong_source: u64,
+    /// `AGK1` of this job from an address that is not the peer the ACK is
+    /// about (a worker: not the aggregator's socket; the aggregator or a
+    /// broadcast root: not the socket of the rank or receiver it names).
+    pub acks_from_wrong_source: u64,
+    /// `AGB1` from an address that is not a participant of the job.
+    pub broadcasts_from_wrong_source: u64,
+    /// Aggregator (kernel backend): RESULTs of a later round not kept because
+    /// the early-result buffer was at its byte or count bound
+    /// ([`crate::runtime::CommConfig::early_result_bytes`]).
+    pub early_results_over_limit: u64,
+}
+
+/// Refusals of several communicators added up.
+impl std::ops::Add for RefusedStats {
+    type Output = RefusedStats;
+    fn add(self, o: RefusedStats) -> RefusedStats {
+        RefusedStats {
+            results_from_wrong_source: self.results_from_wrong_source
+                + o.results_from_wrong_source,
+            acks_from_wrong_source: self.acks_from_wrong_source + o.acks_from_wrong_source,
+            broadcasts_from_wrong_source: self.broadcasts_from_wrong_source
+                + o.broadcasts_from_wrong_source,
+            early_results_over_limit: self.early_results_over_limit + o.early_results_over_limit,
+        }
+    }
+}
+
+/// Why a datagram was refused (one [`RefusedStats`] counter each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// See [`RefusedStats::results_from_wrong_source`].
+    ResultFromWrongSource,
+    /// See [`RefusedStats::acks_from_wrong_source`].
+    AckFromWrongSource,
+    /// See [`RefusedStats::broadcasts_from_wrong_source`].
+    BroadcastFromWrongSource,
+    /// See [`RefusedStats::early_results_over_limit`].
+    EarlyResultOverLimit,
+}
+
 /// Shared atomic counters behind [`CommStats`].
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -774,6 +824,10 @@ pub struct Counters {
     recv_datagrams: AtomicU64,
     gso_sends: AtomicU64,
     gso_segments: AtomicU64,
+    refused_results: AtomicU64,
+    refused_acks: AtomicU64,
+    refused_broadcasts: AtomicU64,
+    refused_early_results: AtomicU64,
 }
 
 impl Counters {
@@ -807,6 +861,28 @@ impl Counters {
             received_datagrams: l(&self.recv_datagrams),
             gso_super_datagrams: l(&self.gso_sends),
             gso_segments: l(&self.gso_segments),
+        }
+    }
+
+    /// One datagram refused for `why`.
+    pub fn refused(&self, why: Refusal) {
+        let c = match why {
+            Refusal::ResultFromWrongSource => &self.refused_results,
+            Refusal::AckFromWrongSource => &self.refused_acks,
+            Refusal::BroadcastFromWrongSource => &self.refused_broadcasts,
+            Refusal::EarlyResultOverLimit => &self.refused_early_results,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The refusal counters.
+    pub fn refused_snapshot(&self) -> RefusedStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RefusedStats {
+            results_from_wrong_source: l(&self.refused_results),
+            acks_from_wrong_source: l(&self.refused_acks),
+            broadcasts_from_wrong_source: l(&self.refused_broadcasts),
+            early_results_over_limit: l(&self.refused_early_results),
         }
     }
 
