@@ -8,7 +8,9 @@
 //!   aggregator, is refused and counted; the genuine one is the value;
 //! - a forged AGK1 does not stop the retransmission of a contribution;
 //! - a flood of later-round RESULTs keeps at most the byte bound, and a
-//!   later-round RESULT that came before it is still taken in its round.
+//!   later-round RESULT that came before it is still taken in its round;
+//! - a socket-backend job's own traffic, reordered and duplicated, is never
+//!   refused (the kernel backend's: tests/runtime_kernel_sources.rs).
 
 mod common_runtime;
 
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::abi::{self, Op};
 use aggbox::proto::{self, AckKind, AckMessage, AggHeader, SeqBitmap};
-use aggbox::runtime::{BackendKind, Communicator, Participant, ReliabilityConfig};
+use aggbox::runtime::{BackendKind, Communicator, Impairment, Participant, RefusedStats, ReliabilityConfig};
 
 const JOB: u16 = 7;
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -251,4 +253,32 @@ fn flood_of_later_round_results_stays_within_the_byte_bound() {
     assert_eq!(r.results_from_wrong_source, 0);
     agg.reduce_i32(&mut v, Op::Sum).expect("round 1, from the RESULT kept before the flood");
     assert_eq!(v, [11]);
+}
+
+/// Everything a socket-backend job sends itself (contributions and their
+/// ACKs, forwarded results, broadcasts and their ACKs from every root),
+/// reordered and duplicated, passes the source checks: nothing refused.
+#[test]
+fn socket_backend_job_refuses_nothing_of_its_own() {
+    let (agg_port, peers) = common_runtime::loopback_job_addrs(3);
+    let b = |me: Participant, seed: u64| {
+        Communicator::builder(JOB, peers.clone(), LO, agg_port, me)
+            .impairment(Impairment::new(seed, 16, 0.0, 0.05))
+            .deadline(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    };
+    let agg = b(Participant::Aggregator, 1);
+    let ws: Vec<Communicator> = (0..3).map(|r| b(Participant::Worker(r), 2 + r as u64)).collect();
+    let all: Vec<&Communicator> = std::iter::once(&agg).chain(&ws).collect();
+    for len in [1usize, 5000, 100_000] {
+        common_runtime::int_reduction(&all, 3, Op::Sum, len, true);
+        common_runtime::int_reduction(&all, 3, Op::Max, len, false);
+        common_runtime::broadcast(&all, len, Participant::Aggregator);
+        common_runtime::broadcast(&all, len, Participant::Worker(2));
+    }
+    for (i, c) in all.iter().enumerate() {
+        assert_eq!(c.refused(), RefusedStats::default(), "participant {i}");
+    }
+    assert!(all.iter().map(|c| c.stats().duplicates_received).sum::<u64>() > 0, "the hook duplicated");
 }
