@@ -10,11 +10,9 @@
 //! counters, base units (seconds, bytes), labels for the dimension.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -386,9 +384,30 @@ pub fn render(sources: &[KernelSource]) -> Result<String> {
     Ok(String::from_utf8(out)?)
 }
 
+/// How long a client may take to send its request head. A scraper that
+/// connects and stalls, or trickles an endless request line, holds one
+/// connection for at most this long.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on a whole connection (request, rendering, a slow reader of the
+/// response).
+pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(15);
+/// Largest request head accepted (hyper's smallest read buffer); a larger
+/// one is answered 431 and closed. A scrape request is a few hundred bytes.
+pub const MAX_REQUEST_BYTES: usize = 8192;
+/// Connections served at once; beyond it a new connection is closed at once
+/// instead of queueing behind slow ones. Each costs a task and a buffer of
+/// at most [`MAX_REQUEST_BYTES`], so the bound caps memory, not scrapes.
+pub const MAX_CONNECTIONS: usize = 64;
+
 /// A running `/metrics` HTTP endpoint; stops when dropped.
+///
+/// Served by hyper on a one-thread tokio runtime of its own, so that a
+/// client that stalls, trickles or sends an oversized request is bounded by
+/// hyper's header timeout and buffer limit and never delays another
+/// connection; reading the counters (BPF syscalls) runs on tokio's blocking
+/// pool.
 pub struct MetricsServer {
-    stop: Arc<AtomicBool>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
     addr: SocketAddr,
 }
@@ -410,20 +429,24 @@ impl MetricsServer {
     pub fn start(listener: TcpListener, sources: Vec<KernelSource>) -> Result<MetricsServer> {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_flag = stop.clone();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .thread_name("aggbox-metrics")
+            .build()
+            .context("aggbox: starting the metrics server's runtime")?;
+        let listener = {
+            let _guard = runtime.enter();
+            tokio::net::TcpListener::from_std(listener).context("aggbox: metrics listener")?
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let sources = Arc::new(sources);
         let thread = std::thread::Builder::new().name("aggbox-metrics".into()).spawn(move || {
-            while !stop_flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let _ = serve_one(stream, &sources);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
-                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
-                }
-            }
+            runtime.block_on(serve(listener, sources, stopped));
+            // A scrape still reading the maps gets a moment to finish.
+            runtime.shutdown_timeout(Duration::from_secs(1));
         })?;
-        Ok(MetricsServer { stop, thread: Some(thread), addr })
+        Ok(MetricsServer { stop: Some(stop), thread: Some(thread), addr })
     }
 
     /// The address actually bound.
@@ -434,47 +457,70 @@ impl MetricsServer {
 
 impl Drop for MetricsServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-fn serve_one(stream: TcpStream, sources: &[KernelSource]) -> Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut request_line = String::new();
-    reader.read_line(&mut request_line)?;
-    // Drain the request headers (we answer every request the same way).
+async fn serve(listener: tokio::net::TcpListener, sources: Arc<Vec<KernelSource>>, mut stopped: tokio::sync::oneshot::Receiver<()>) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line)? == 0 || line == "\r\n" || line == "\n" {
-            break;
-        }
+        let stream = tokio::select! {
+            _ = &mut stopped => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // EMFILE and the like: back off instead of spinning.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let sources = sources.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| respond(request, sources.clone()));
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(MAX_REQUEST_BYTES)
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
+            drop(permit);
+        });
     }
-    let mut parts = request_line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let mut stream = stream;
-    if method != "GET" || (path != "/metrics" && !path.starts_with("/metrics?")) {
-        let body = "not found: metrics are at /metrics\n";
-        write!(stream, "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
-        return Ok(());
+}
+
+fn text_response(status: hyper::StatusCode, content_type: &'static str, body: String) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
+    let mut response = hyper::Response::new(http_body_util::Full::new(hyper::body::Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+    response
+}
+
+async fn respond(
+    request: hyper::Request<hyper::body::Incoming>,
+    sources: Arc<Vec<KernelSource>>,
+) -> Result<hyper::Response<http_body_util::Full<hyper::body::Bytes>>, std::convert::Infallible> {
+    if request.method() != hyper::Method::GET || request.uri().path() != "/metrics" {
+        return Ok(text_response(hyper::StatusCode::NOT_FOUND, "text/plain", "not found: metrics are at /metrics\n".into()));
     }
-    match render(sources) {
-        Ok(body) => write!(
-            stream,
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )?,
-        Err(e) => {
-            let body = format!("error reading counters: {e:#}\n");
-            write!(stream, "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?
-        }
-    }
-    Ok(())
+    let rendered = tokio::task::spawn_blocking(move || render(&sources)).await;
+    Ok(match rendered {
+        Ok(Ok(body)) => text_response(hyper::StatusCode::OK, "text/plain; version=0.0.4", body),
+        Ok(Err(e)) => text_response(hyper::StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("error reading counters: {e:#}\n")),
+        Err(e) => text_response(hyper::StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("error reading counters: {e}\n")),
+    })
 }
 
 /// Turn on kernel-wide BPF run-time statistics while the returned fd lives

@@ -1,10 +1,13 @@
 //! Scrapes a live `aggbox attach` in a testbed namespace: the exposition
 //! passes `promtool check metrics`, and the counters move with real traffic
-//! (needs root: network namespaces, BPF).
+//! (needs root: network namespaces, BPF). The endpoint's limits (slow,
+//! endless and oversized requests) are tested on loopback without root.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddrV4, TcpStream, UdpSocket};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
@@ -170,4 +173,114 @@ fn metrics_are_valid_and_move_with_traffic() {
     drop(attach);
     let _ = std::fs::remove_file(&config);
     drop(bed);
+}
+
+/// One scrape of `addr` that must be answered 200 within `within`.
+fn scrape_within(addr: SocketAddr, within: Duration) -> String {
+    let started = Instant::now();
+    let mut stream = TcpStream::connect_timeout(&addr, within).expect("connect to /metrics");
+    stream.set_read_timeout(Some(within)).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    let read = stream.read_to_string(&mut response);
+    assert!(
+        read.is_ok() && started.elapsed() < within,
+        "scrape not answered within {within:?} ({read:?} after {:?}): {response:?}",
+        started.elapsed()
+    );
+    assert!(response.starts_with("HTTP/1.1 200"), "bad response: {response}");
+    response
+}
+
+/// Whether the server has closed `stream` (EOF, reset, or an error status
+/// line followed by EOF) within `within`.
+fn closed_by_server_within(stream: &mut TcpStream, within: Duration) -> Result<String, String> {
+    stream.set_read_timeout(Some(within)).unwrap();
+    let mut got = Vec::new();
+    match stream.read_to_end(&mut got) {
+        Ok(_) => Ok(String::from_utf8_lossy(&got).into_owned()),
+        Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => Ok(format!("reset: {e}")),
+        Err(e) => Err(format!("still open after {within:?} ({e}); read so far {:?}", String::from_utf8_lossy(&got))),
+    }
+}
+
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Issue #21 item 5: a client that connects and stalls, one that trickles an
+/// endless request line, and one that sends an oversized request head do
+/// not delay a scrape, and each is closed by the server within its bounds
+/// (header timeout, request-size limit). The server used to serve one
+/// connection at a time and read request lines without a limit, so the
+/// trickling client stalled every scrape for as long as it kept sending.
+#[test]
+fn slow_endless_and_oversized_requests_do_not_stall_a_scrape() {
+    use aggbox::metrics::{self, MetricsServer, HEADER_READ_TIMEOUT, MAX_REQUEST_BYTES};
+    let listener = metrics::bind("127.0.0.1:0".parse().unwrap()).expect("bind loopback");
+    let server = MetricsServer::start(listener, Vec::new()).expect("metrics server");
+    let addr = server.local_addr();
+
+    // Stalls after half a request line.
+    let mut silent = TcpStream::connect(addr).expect("connect");
+    silent.write_all(b"GET /metr").unwrap();
+
+    // Sends one more byte of a request line that never ends every 20 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    // Dropped before `server` if an assertion fails: the trickler stops, so
+    // a server that is stuck reading it can still be joined (the test fails
+    // instead of hanging).
+    let _stop_on_unwind = StopOnDrop(stop.clone());
+    let trickler = {
+        let stop = stop.clone();
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        std::thread::spawn(move || {
+            stream.write_all(b"GET /").unwrap();
+            let started = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                if stream.write_all(b"a").is_err() {
+                    // Closed by the server: how long it kept us.
+                    return Some(started.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            None
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+
+    // A request head of twice the limit, sent at once.
+    let mut oversized = TcpStream::connect(addr).expect("connect");
+    let mut head = b"GET /metrics HTTP/1.1\r\nX-Padding: ".to_vec();
+    head.resize(2 * MAX_REQUEST_BYTES, b'a');
+    let _ = oversized.write_all(&head);
+
+    // Scrapes succeed at once while all three are open.
+    for _ in 0..3 {
+        scrape_within(addr, Duration::from_secs(2));
+    }
+
+    // The oversized request is refused (431) and closed, not read on.
+    let answer = closed_by_server_within(&mut oversized, Duration::from_secs(3)).expect("oversized request closed");
+    assert!(answer.starts_with("HTTP/1.1 431") || answer.starts_with("reset"), "oversized request: {answer:?}");
+
+    // The stalled and the endless client are cut off after the header timeout.
+    let bound = HEADER_READ_TIMEOUT + Duration::from_secs(3);
+    let answer = closed_by_server_within(&mut silent, bound).expect("stalled client closed");
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 408") || answer.starts_with("reset"), "stalled client: {answer:?}");
+    let deadline = Instant::now() + bound;
+    while !trickler.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let kept = trickler.join().expect("trickler thread");
+    assert!(kept.is_some_and(|d| d <= bound), "the endless request line was not cut off within {bound:?}: {kept:?}");
+
+    // And the endpoint still serves.
+    scrape_within(addr, Duration::from_secs(2));
+    drop(server);
 }
