@@ -6,7 +6,9 @@
 //! and ACKs are both impaired. Socket backend: broadcast (worker and
 //! aggregator roots), reduce and allreduce of several sizes must equal the
 //! reference, each receiver gets every byte exactly once (counted by
-//! `Communicator::stats`), and the hook really reordered / duplicated.
+//! `Communicator::stats`), and the hook really reordered / duplicated /
+//! dropped (its counters), and where it dropped the runtime really
+//! retransmitted.
 
 mod common_runtime;
 
@@ -144,11 +146,18 @@ fn runtime_reordering_duplication_and_loss() {
         "{h:?}"
     );
     let retx: u64 = stats(&j).iter().map(|s| s.retransmitted).sum();
-    assert!(retx > 0);
+    assert!(retx > 0, "{} dropped, nothing retransmitted", h.dropped);
+    let dups: u64 = stats(&j).iter().map(|s| s.duplicates_received).sum();
+    assert!(dups > 0, "{} duplicated, none reached the dedup", h.duplicated);
 }
 
 #[test]
 fn runtime_reordering_and_loss_packet_mode() {
     let j = job(6, 64, 0.05, 0.0, |b| b.ack_mode(AckMode::Packet).window(64));
     scenario(&j, "packet mode, reorder 64 + loss 5%");
+    let h = j.control.stats();
+    assert!(h.dropped > 0 && h.reordered > 0, "{h:?}");
+    assert_eq!(h.duplicated, 0, "{h:?}");
+    let retx: u64 = stats(&j).iter().map(|s| s.retransmitted).sum();
+    assert!(retx > 0, "{} dropped, nothing retransmitted", h.dropped);
 }

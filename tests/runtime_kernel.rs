@@ -15,7 +15,11 @@
 //!
 //! Loss: the random-drop cls_bpf program of tests/runtime_netns.rs on the
 //! switch ports (0, 1 %, 5 %, and a 10 % burst). Every result equals the
-//! reference reducer's, every receiver gets every byte exactly once.
+//! reference reducer's, every receiver gets every byte exactly once; every
+//! phase under loss asserts that the injector really dropped datagrams (its
+//! counters) and that the runtime really retransmitted
+//! (`CommStats::retransmitted`); an injector that fails to attach fails the
+//! test.
 //!
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --release --test runtime_kernel`.
@@ -50,6 +54,7 @@ use live_attach::LiveAttach as Attach;
 
 struct Bed {
     // Field order: communicators first, then the attachment, then the testbed.
+    injector: impair::Injector,
     agg: Communicator,
     workers: Vec<Communicator>,
     attach: Attach,
@@ -86,7 +91,7 @@ impl Bed {
         assert!(agg.config().tc_group.is_some(), "the aggregator broadcasts through the TC group");
         assert!(agg.config().kernel_result_group);
         let workers = (0..WORKERS).map(|r| build(r + 1, Participant::Worker(r as u16))).collect();
-        Bed { agg, workers, attach, tb }
+        Bed { injector: impair::Injector::new(), agg, workers, attach, tb }
     }
 
     fn all(&self) -> Vec<&Communicator> {
@@ -94,15 +99,45 @@ impl Bed {
     }
 
     fn impair(&self, loss: f64) {
-        for i in 0..=WORKERS {
-            let port = self.tb.switch_port(i);
-            aggbox::testbed::in_netns(&self.tb.switch_netns(), move || impair::set(&port, loss, 0.0)).expect("switch netns");
-        }
+        impair_ports(&self.tb, &self.injector, loss);
     }
 
     fn stats(&self) -> Vec<CommStats> {
         self.all().iter().map(|c| c.stats()).collect()
     }
+
+    /// Runs `f` under the injector's loss and asserts that it really dropped
+    /// datagrams and the runtime really retransmitted; `f` runs again (at
+    /// most 10 times) while either is still 0 (a few hundred skbs at 1 %
+    /// may lose nothing).
+    fn under_loss(&self, label: &str, f: impl Fn()) {
+        let retx = |s: Vec<CommStats>| s.iter().map(|s| s.retransmitted).sum::<u64>();
+        let (c0, r0) = (self.injector.counts(), retx(self.stats()));
+        for _ in 0..10 {
+            f();
+            if (self.injector.counts() - c0).dropped > 0 && retx(self.stats()) > r0 {
+                break;
+            }
+        }
+        let (c, r) = (self.injector.counts() - c0, retx(self.stats()) - r0);
+        assert_lost_and_resent(label, c, r);
+    }
+}
+
+/// Loss `loss` on every switch port's egress (none at 0).
+fn impair_ports(tb: &Testbed, injector: &impair::Injector, loss: f64) {
+    for i in 0..=WORKERS {
+        let port = tb.switch_port(i);
+        aggbox::testbed::in_netns(&tb.switch_netns(), move || injector.set(&port, loss, 0.0))
+            .expect("switch netns")
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+}
+
+fn assert_lost_and_resent(label: &str, c: impair::Counts, retransmitted: u64) {
+    eprintln!("{label}: injector {c:?}, retransmitted {retransmitted}");
+    assert!(c.dropped > 0, "{label}: the injector dropped nothing ({c:?})");
+    assert!(retransmitted > 0, "{label}: {} dropped, nothing retransmitted", c.dropped);
 }
 
 mod impair;
@@ -171,10 +206,8 @@ fn kernel_backend_live_attach_reduce_allreduce_broadcast_under_loss() {
     assert!(out["result"] > 0, "the XDP program reduced: {out:?}");
     for (label, loss) in [("1%", 0.01), ("5%", 0.05)] {
         bed.impair(loss);
-        let before = bed.stats();
-        scenario(&bed, &format!("loss {label}"));
-        let retx: u64 = bed.stats().iter().zip(&before).map(|(a, b)| a.retransmitted - b.retransmitted).sum();
-        assert!(retx > 0, "loss {label}: something was retransmitted");
+        let label = format!("loss {label}");
+        bed.under_loss(&label, || scenario(&bed, &label));
     }
     bed.impair(0.0);
 }
@@ -184,18 +217,30 @@ fn kernel_backend_live_attach_burst_and_packet_mode() {
     require_root();
     let bed = Bed::up("burst", |b| b.ack_mode(aggbox::config::AckMode::Packet).window(64));
     bed.impair(0.01);
-    reduce(&bed, Op::Sum, 20_000, true);
-    broadcast(&bed, 80_000, Participant::Aggregator);
+    bed.under_loss("packet mode, loss 1%", || {
+        reduce(&bed, Op::Sum, 20_000, true);
+        broadcast(&bed, 80_000, Participant::Aggregator);
+    });
     bed.impair(0.0);
-    // A 10 % loss window of 300 ms in the middle of a large allreduce.
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            std::thread::sleep(Duration::from_millis(20));
-            bed.impair(0.10);
-            std::thread::sleep(Duration::from_millis(300));
-            bed.impair(0.0);
-        });
-        reduce(&bed, Op::Sum, 400_000, true);
+    // A 10 % loss window of 300 ms in the middle of a large allreduce: it
+    // opens once the call has sent 1000 of its ~8300 contributions (a fixed
+    // delay can open it after the call has ended).
+    let sent = || bed.stats().iter().map(|s| s.data_sent).sum::<u64>();
+    let s0 = sent();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    bed.under_loss("burst", || {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while sent() - s0 < 1000 && !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                bed.impair(0.10);
+                std::thread::sleep(Duration::from_millis(300));
+                bed.impair(0.0);
+            });
+            reduce(&bed, Op::Sum, 1_000_000, true);
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
     });
     reduce(&bed, Op::Sum, 1000, true);
     clamped_float_input_is_an_overflow(&bed);
@@ -249,9 +294,11 @@ fn kernel_backend_allreduce_beyond_two_ack_groups_under_loss() {
     // Slots for every fragment, so results can run far past a hole.
     let bed = Bed::up_with("groups", "slots = 4096\n", |b| b);
     bed.impair(0.01);
-    for _ in 0..2 {
-        reduce(&bed, Op::Sum, 1_000_000, true);
-    }
+    bed.under_loss("beyond two ACK groups, loss 1%", || {
+        for _ in 0..2 {
+            reduce(&bed, Op::Sum, 1_000_000, true);
+        }
+    });
     bed.impair(0.0);
     reduce(&bed, Op::Sum, 1_000_000, true);
 }
@@ -302,12 +349,9 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
     }
     let refs: Vec<&StripedCommunicator> = parts.iter().collect();
     let run = |op: Op, len: usize, all: bool| common_runtime::int_reduction(&refs, WORKERS, op, len, all);
-    let impair = |loss: f64| {
-        for i in 0..=WORKERS {
-            let port = tb.switch_port(i);
-            aggbox::testbed::in_netns(&tb.switch_netns(), move || impair::set(&port, loss, 0.0)).expect("switch netns");
-        }
-    };
+    let injector = impair::Injector::new();
+    let impair = |loss: f64| impair_ports(&tb, &injector, loss);
+    let resent = || parts.iter().map(|c| c.stats().retransmitted).sum::<u64>();
     let job_counters = || -> Vec<aggbox::abi::JobStats> {
         let st = attach.status();
         jobs.iter().map(|j| st.jobs.iter().find(|s| s.id == *j).and_then(|s| s.counters).expect("job counters")).collect()
@@ -323,6 +367,7 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
         assert_eq!(a.accepted - b.accepted + results, results * WORKERS as u64, "job {}: every rank's contributions", jobs[t]);
     }
     impair(0.01);
+    let (c0, r0) = (injector.counts(), resent());
     for len in [1usize, 7, 20_000, 300_000] {
         run(Op::Sum, len, true);
         run(Op::Max, len, true);
@@ -355,6 +400,7 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
     let after = attach.broadcast_counts();
     let copies = BcastStat::Broadcast.label();
     assert!(after[copies] > before[copies], "the aggregator's stripes went through TC egress: {after:?}");
+    assert_lost_and_resent("striped, loss 1%", injector.counts() - c0, resent() - r0);
     impair(0.0);
     for (p, o) in outs.iter().enumerate() {
         assert_eq!(o, &outs[0], "participant {p} got the same floats");

@@ -1,96 +1,174 @@
 //! Loss and duplication injection for netns tests (this kernel has no
 //! sch_netem), shared by tests/runtime_netns.rs and tests/runtime_kernel.rs:
-//! a hand-assembled TC (cls_bpf, direct-action) program that drops with
-//! probability `loss`, else clones the packet to the same port's egress (a
-//! duplicate) with probability `dup`.
+//! a hand-assembled TC (cls_bpf, direct-action) program on a switch port's
+//! egress that drops with probability `loss`, else clones the packet to the
+//! same port's egress (a duplicate) with probability `dup`, and counts what
+//! it did in an array map, so a test can assert that the impairment was
+//! really applied ([`Injector::counts`]). It sees skbs: a UDP GSO batch
+//! crosses the switch as one and is dropped or duplicated whole.
+//!
+//! Every failure (no such port, the program does not load, the clsact qdisc
+//! or the filter cannot be made or removed) is an error naming the port:
+//! a test must never run "under loss" that was not applied.
 #![allow(dead_code)]
 
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+pub mod asm;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Insn {
-    code: u8,
-    regs: u8,
-    off: i16,
-    imm: i32,
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Mutex;
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::MapCore;
+
+use asm::{Asm, CLONE_REDIRECT, GET_PRANDOM_U32, JEQ_IMM, JLT_IMM, JNE_IMM, MAP_LOOKUP_ELEM};
+
+/// Index of the injector's `counts` array map.
+const DROPPED: u32 = 0;
+const DUPLICATED: u32 = 1;
+/// `bpf_clone_redirect` failed: the duplicate was not made.
+const CLONE_FAILED: u32 = 2;
+const COUNTERS: u32 = 3;
+
+/// What the injector programs did, summed over every program an
+/// [`Injector`] attached.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub dropped: u64,
+    pub duplicated: u64,
+    pub clone_failed: u64,
 }
 
-const fn ins(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
-    Insn { code, regs: (src << 4) | dst, off, imm }
+impl std::ops::Add for Counts {
+    type Output = Counts;
+    fn add(self, b: Counts) -> Counts {
+        Counts {
+            dropped: self.dropped + b.dropped,
+            duplicated: self.duplicated + b.duplicated,
+            clone_failed: self.clone_failed + b.clone_failed,
+        }
+    }
 }
 
-#[repr(C)]
-struct ProgLoadAttr {
-    prog_type: u32,
-    insn_cnt: u32,
-    insns: u64,
-    license: u64,
-    log_level: u32,
-    log_size: u32,
-    log_buf: u64,
-    kern_version: u32,
-    prog_flags: u32,
-    pad: [u8; 128],
+impl std::ops::Sub for Counts {
+    type Output = Counts;
+    fn sub(self, b: Counts) -> Counts {
+        Counts {
+            dropped: self.dropped - b.dropped,
+            duplicated: self.duplicated - b.duplicated,
+            clone_failed: self.clone_failed - b.clone_failed,
+        }
+    }
+}
+
+/// The injectors of one testbed. Keeps every counter map it created (a
+/// replaced program's map stays readable), so [`Injector::counts`] only
+/// grows.
+#[derive(Default)]
+pub struct Injector {
+    maps: Mutex<Vec<libbpf_rs::MapHandle>>,
 }
 
 fn threshold(p: f64) -> i32 {
     (p.clamp(0.0, 0.4999) * 4_294_967_296.0) as i32
 }
 
-fn load(ifindex: u32, loss: f64, dup: f64) -> OwnedFd {
-    let prog = [
-        ins(0xbf, 6, 1, 0, 0),                 // r6 = r1 (skb)
-        ins(0x85, 0, 0, 0, 7),                 // call get_prandom_u32
-        ins(0xa5, 0, 0, 1, threshold(loss)),   // if r0 < T_loss (unsigned) goto drop
-        ins(0x05, 0, 0, 2, 0),                 // goto dup
-        ins(0xb7, 0, 0, 0, 2),                 // drop: r0 = TC_ACT_SHOT
-        ins(0x95, 0, 0, 0, 0),                 // exit
-        ins(0x85, 0, 0, 0, 7),                 // dup: call get_prandom_u32
-        ins(0xa5, 0, 0, 1, threshold(dup)),    // if r0 < T_dup goto clone
-        ins(0x05, 0, 0, 4, 0),                 // goto pass
-        ins(0xbf, 1, 6, 0, 0),                 // clone: r1 = skb
-        ins(0xb7, 2, 0, 0, ifindex as i32),    // r2 = ifindex
-        ins(0xb7, 3, 0, 0, 0),                 // r3 = 0 (egress)
-        ins(0x85, 0, 0, 0, 13),                // call clone_redirect
-        ins(0xb7, 0, 0, 0, 0),                 // pass: r0 = TC_ACT_OK
-        ins(0x95, 0, 0, 0, 0),                 // exit
-    ];
-    let license = b"GPL\0";
-    let mut log = vec![0u8; 65536];
-    let attr = ProgLoadAttr {
-        prog_type: 3, // BPF_PROG_TYPE_SCHED_CLS
-        insn_cnt: prog.len() as u32,
-        insns: prog.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        log_level: 1,
-        log_size: log.len() as u32,
-        log_buf: log.as_mut_ptr() as u64,
-        kern_version: 0,
-        prog_flags: 0,
-        pad: [0; 128],
-    };
-    // SAFETY: attr points at live buffers for the duration of the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, 5 /* BPF_PROG_LOAD */, &attr as *const _ as usize, std::mem::size_of::<ProgLoadAttr>()) };
-    assert!(fd >= 0, "BPF_PROG_LOAD: {} {}", std::io::Error::last_os_error(), String::from_utf8_lossy(&log).trim_end_matches('\0'));
-    // SAFETY: a fresh fd we own.
-    unsafe { OwnedFd::from_raw_fd(fd as i32) }
+/// The injector program for `ifindex`, counting into `counts`.
+fn program(ifindex: u32, loss: f64, dup: f64, counts: i32) -> Vec<asm::Insn> {
+    let mut a = Asm::new();
+    a.mov(6, 1) // r6 = skb
+        .call(GET_PRANDOM_U32)
+        .jump_if(JLT_IMM, 0, threshold(loss), "drop")
+        .call(GET_PRANDOM_U32)
+        .jump_if(JLT_IMM, 0, threshold(dup), "clone")
+        .mov_imm(0, 0) // TC_ACT_OK
+        .exit();
+    a.label("drop")
+        .mov_imm(7, 2) // TC_ACT_SHOT
+        .store_imm_u32(10, -4, DROPPED as i32)
+        .goto("count");
+    a.label("clone")
+        .mov(1, 6)
+        .mov_imm(2, ifindex as i32)
+        .mov_imm(3, 0) // egress
+        .call(CLONE_REDIRECT)
+        .mov_imm(7, 0) // TC_ACT_OK: the original goes on
+        .store_imm_u32(10, -4, DUPLICATED as i32)
+        .jump_if(JEQ_IMM, 0, 0, "count")
+        .store_imm_u32(10, -4, CLONE_FAILED as i32);
+    a.label("count")
+        .mov(2, 10)
+        .add_imm(2, -4)
+        .load_map_fd(1, counts)
+        .call(MAP_LOOKUP_ELEM)
+        .jump_if(JNE_IMM, 0, 0, "add")
+        .mov(0, 7)
+        .exit();
+    a.label("add").mov_imm(1, 1).atomic_add_u64(0, 0, 1).mov(0, 7).exit();
+    a.finish()
 }
 
-/// Runs in the switch namespace: replaces port's impairment.
-pub fn set(port: &str, loss: f64, dup: f64) {
-    let _ = std::process::Command::new("tc").args(["qdisc", "del", "dev", port, "clsact"]).output();
-    if loss <= 0.0 && dup <= 0.0 {
-        return;
+/// Remove any clsact qdisc (and with it any injector) from `port`.
+fn clear(port: &str) -> Result<()> {
+    let out = std::process::Command::new("tc")
+        .args(["qdisc", "del", "dev", port, "clsact"])
+        .output()
+        .context("running tc (iproute2)")?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    // None there is fine; anything else leaves an impairment in place.
+    if !out.status.success() && !err.contains("Cannot find specified qdisc") && !err.contains("Invalid handle") {
+        bail!("removing the impairment from {port}: tc qdisc del: {}", err.trim());
     }
-    let name = std::ffi::CString::new(port).unwrap();
-    // SAFETY: valid C string.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert!(ifindex > 0, "no interface {port}");
-    let fd = load(ifindex, loss, dup);
-    let mut b = libbpf_rs::TcHookBuilder::new(fd.as_fd());
-    b.ifindex(ifindex as i32).replace(true).handle(1).priority(1);
-    let mut hook = b.hook(libbpf_rs::TC_EGRESS);
-    hook.create().ok();
-    hook.attach().expect("attach impairment");
+    Ok(())
+}
+
+impl Injector {
+    pub fn new() -> Injector {
+        Injector::default()
+    }
+
+    /// Runs in the switch namespace: replaces `port`'s impairment (none
+    /// when `loss` and `dup` are both 0).
+    pub fn set(&self, port: &str, loss: f64, dup: f64) -> Result<()> {
+        clear(port)?;
+        if loss <= 0.0 && dup <= 0.0 {
+            return Ok(());
+        }
+        let name = std::ffi::CString::new(port).context("port name")?;
+        // SAFETY: valid C string.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        if ifindex == 0 {
+            bail!("impairing {port}: no such interface ({})", std::io::Error::last_os_error());
+        }
+        // SAFETY: zeroed opts with sz set are libbpf's defaults.
+        let mut opts: libbpf_sys::bpf_map_create_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _;
+        let counts = libbpf_rs::MapHandle::create(libbpf_rs::MapType::Array, Some("impair_counts"), 4, 8, COUNTERS, &opts)
+            .with_context(|| format!("impairing {port}: creating the counter map"))?;
+        let insns = program(ifindex, loss, dup, counts.as_fd().as_raw_fd());
+        let fd: OwnedFd = asm::load("impair", libbpf_sys::BPF_PROG_TYPE_SCHED_CLS, 0, 0, &insns)
+            .with_context(|| format!("impairing {port}: loading the injector"))?;
+        let mut b = libbpf_rs::TcHookBuilder::new(fd.as_fd());
+        b.ifindex(ifindex as i32).replace(true).handle(1).priority(1);
+        let mut hook = b.hook(libbpf_rs::TC_EGRESS);
+        hook.create().with_context(|| format!("impairing {port}: creating the clsact qdisc"))?;
+        hook.attach()
+            .with_context(|| format!("impairing {port}: attaching the injector (loss {loss}, dup {dup}) to egress"))?;
+        self.maps.lock().unwrap().push(counts);
+        Ok(())
+    }
+
+    /// What every injector attached so far did.
+    pub fn counts(&self) -> Counts {
+        let mut c = Counts::default();
+        for m in self.maps.lock().unwrap().iter() {
+            let get = |k: u32| -> u64 {
+                let v = m.lookup(&k.to_ne_bytes(), libbpf_rs::MapFlags::ANY).expect("reading the injector's counters");
+                u64::from_ne_bytes(v.expect("array entry").as_slice().try_into().expect("u64 counter"))
+            };
+            c.dropped += get(DROPPED);
+            c.duplicated += get(DUPLICATED);
+            c.clone_failed += get(CLONE_FAILED);
+        }
+        c
+    }
 }
