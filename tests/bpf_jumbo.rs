@@ -5,12 +5,18 @@
 //! (~3.5 KB) reaches the `xdp.frags` programs as a multi-buffer xdp_buff
 //! (bpf_prog_test_run_xdp puts the rest of the data in page fragments), so
 //! counts >= 870 exercise bpf_xdp_load_bytes / store_bytes across fragments.
+//! The tail-call depth per contribution size, and the kernel's budget, are
+//! measured on the loaded programs with a hand-assembled probe that spends
+//! tail calls before entering the chain (`Probe`).
 //!
 //! Needs root: run with `sudo -E cargo test --test bpf_jumbo`.
 
 mod bpf_common;
+#[path = "impair/asm.rs"]
+mod asm;
 
 use aggbox::abi::{self, Op};
+use aggbox::dataplane::Dataplane;
 use aggbox::reducer;
 use aggbox::tools::{elements_per_datagram, pattern_vector};
 use bpf_common::*;
@@ -168,18 +174,222 @@ fn block_pool_is_used_whole_given_back_and_reused_dirty() {
 }
 
 #[test]
-fn chain_verifier_cost_and_tail_call_budget() {
+fn chain_verifier_cost() {
     let dp = load();
     for p in dp.programs().unwrap() {
         println!(
             "{:<14} xlated {:>4} insns, verifier processed {:>6} insns",
             p.name, p.xlated_insns, p.verified_insns
         );
+        assert!(p.verified_insns > 0 && p.xlated_insns > 0, "{p:?}");
     }
-    let chunks = abi::MAX_ELEMS.div_ceil(abi::CHUNK_ELEMS);
-    let runs = chunks.div_ceil(abi::PROG_CHUNKS);
-    // entry -> slot (1) -> adds -> results: at most 33 tail calls.
-    assert!(1 + 2 * runs <= 33, "{runs} runs per stage");
+}
+
+/// The tail-call budget probe: a hand-assembled XDP program that tail-calls
+/// itself `hops` times (a counter in an array map), then tail-calls
+/// `target`. Every tail call counts against the kernel's per-packet limit
+/// (MAX_TAIL_CALL_CNT), so the largest `hops` with which a packet still gets
+/// through `target` is that limit minus 1 minus the tail calls `target`
+/// takes for that packet: a measurement of the chain's depth from the
+/// loaded programs, with no constant of this repository in it.
+struct Probe {
+    prog: std::os::fd::OwnedFd,
+    hops: libbpf_rs::MapHandle,
+    _array: libbpf_rs::MapHandle,
+}
+
+impl Probe {
+    fn new(target: std::os::fd::BorrowedFd<'_>, frags: bool) -> Probe {
+        use asm::{Asm, JEQ_IMM, MAP_LOOKUP_ELEM, TAIL_CALL};
+        use libbpf_rs::MapCore;
+        use std::os::fd::{AsFd, AsRawFd};
+        // SAFETY: zeroed opts with sz set are libbpf's defaults.
+        let mut opts: libbpf_sys::bpf_map_create_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _;
+        let hops = libbpf_rs::MapHandle::create(libbpf_rs::MapType::Array, Some("probe_hops"), 4, 8, 1, &opts).expect("hops map");
+        let array = libbpf_rs::MapHandle::create(libbpf_rs::MapType::ProgArray, Some("probe_progs"), 4, 4, 2, &opts).expect("prog array");
+        let mut a = Asm::new();
+        a.mov(6, 1)
+            .store_imm_u32(10, -4, 0)
+            .mov(2, 10)
+            .add_imm(2, -4)
+            .load_map_fd(1, hops.as_fd().as_raw_fd())
+            .call(MAP_LOOKUP_ELEM)
+            .jump_if(JEQ_IMM, 0, 0, "out")
+            .load_u64(1, 0, 0)
+            .mov_imm(3, 1) // index 1: the target
+            .jump_if(JEQ_IMM, 1, 0, "tail")
+            .add_imm(1, -1)
+            .store_u64(0, 0, 1)
+            .mov_imm(3, 0); // index 0: this program again
+        a.label("tail").mov(1, 6).load_map_fd(2, array.as_fd().as_raw_fd()).call(TAIL_CALL);
+        // A failed tail call (the budget is spent): XDP_ABORTED.
+        a.label("out").mov_imm(0, 0).exit();
+        let flags = if frags { libbpf_sys::BPF_F_XDP_HAS_FRAGS } else { 0 };
+        let prog = asm::load("tail_probe", libbpf_sys::BPF_PROG_TYPE_XDP, libbpf_sys::BPF_XDP, flags, &a.finish())
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        for (index, fd) in [(0u32, prog.as_raw_fd()), (1, target.as_raw_fd())] {
+            array
+                .update(&index.to_ne_bytes(), &(fd as u32).to_ne_bytes(), libbpf_rs::MapFlags::ANY)
+                .unwrap_or_else(|e| panic!("probe prog array [{index}]: {e}"));
+        }
+        Probe { prog, hops, _array: array }
+    }
+
+    /// Run `frame` through `hops` self tail calls, then the target.
+    fn run(&self, hops: u64, frame: &[u8]) -> (u32, Vec<u8>) {
+        use libbpf_rs::MapCore;
+        use std::os::fd::AsRawFd;
+        self.hops.update(&0u32.to_ne_bytes(), &hops.to_ne_bytes(), libbpf_rs::MapFlags::ANY).expect("set hops");
+        let mut out = vec![0u8; frame.len() + 256];
+        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
+        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
+        opts.data_in = frame.as_ptr().cast();
+        opts.data_size_in = frame.len() as u32;
+        opts.data_out = out.as_mut_ptr().cast();
+        opts.data_size_out = out.len() as u32;
+        opts.repeat = 1;
+        // SAFETY: valid program fd, opts pointing at live buffers.
+        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.prog.as_raw_fd(), &mut opts) };
+        assert!(rc == 0, "BPF_PROG_TEST_RUN of the probe: {}", std::io::Error::from_raw_os_error(-rc));
+        out.truncate(opts.data_size_out as usize);
+        (opts.retval, out)
+    }
+
+    /// The largest `hops` for which `gets_through(self, hops)` holds, scanning
+    /// up from 0 (which must get through) to the first that does not.
+    fn max_hops(&self, mut gets_through: impl FnMut(&Probe, u64) -> bool) -> u64 {
+        assert!(gets_through(self, 0), "the probe with no extra tail call failed");
+        (1..=64).take_while(|&h| gets_through(self, h)).last().unwrap_or(0)
+    }
+}
+
+/// Tail calls one contribution of `count` elements takes through the loaded
+/// chain, measured with [`Probe`]: (for a contribution the slot absorbs,
+/// for the one that completes it and becomes the RESULT).
+fn measured_depth(dp: &Dataplane, frags: bool, budget_hops: u64, count: u32, fast: bool, round: u32) -> (u64, u64) {
+    let mut job = reduce_job(2, vec![]);
+    if !fast {
+        job.flags = abi::JOB_F_NO_FAST;
+    }
+    dp.set_job(REDUCE_JOB, &job).unwrap();
+    let probe = Probe::new(dp.xdp_prog_fd(), frags);
+    let mut frag = 0u32;
+    // Each attempt on a fragment of its own: a failed one leaves its slot
+    // half-processed (job removal below frees it).
+    let frame = |rank: u16, frag: u32| {
+        let mut a = Agg::new(REDUCE_JOB, rank, Op::Sum as u8, pattern_vector(rank, count));
+        a.round = round;
+        a.frag_off = frag * count;
+        Frame::udp(reduce_addr(rank), a.bytes()).build()
+    };
+    // What a probe run did: got through (the expected outcome), or ran out
+    // of tail calls (missed_tail_call from the chain, XDP_ABORTED from the
+    // probe itself); anything else is a failure of the test.
+    let outcome = |dp: &Dataplane, run: &dyn Fn() -> (u32, Vec<u8>), want: &str| -> bool {
+        let before = dp.stats().unwrap();
+        let (verdict, _) = run();
+        let after = dp.stats().unwrap();
+        if verdict == 0 {
+            assert_eq!(after.total_packets(), before.total_packets(), "the probe's own tail call failed: the chain never ran");
+            return false;
+        }
+        let d = deltas(&before, &after);
+        assert_eq!(d.len(), 1, "count {count}: {d:?}");
+        match d[0].0 {
+            l if l == want => true,
+            "missed_tail_call" => false,
+            other => panic!("count {count}: {other} (wanted {want})"),
+        }
+    };
+    let absorbed = probe.max_hops(|p, h| {
+        frag += 1;
+        let f = frame(0, frag);
+        let ok = outcome(dp, &|| p.run(h, &f), "accepted");
+        if ok {
+            assert_eq!(dp.test_run(&frame(1, frag)).unwrap().0, XDP_PASS, "count {count}: completing the probed slot");
+        }
+        ok
+    });
+    let completing = probe.max_hops(|p, h| {
+        frag += 1;
+        assert_eq!(dp.test_run(&frame(0, frag)).unwrap().0, XDP_DROP);
+        let f = frame(1, frag);
+        outcome(dp, &|| p.run(h, &f), "result")
+    });
+    dp.remove_job(REDUCE_JOB).unwrap();
+    (budget_hops - absorbed, budget_hops - completing)
+}
+
+/// The tail-call depth of the chain, measured per contribution size with
+/// the probe, on both builds of the chain: a contribution that completes
+/// its slot takes entry → slot → add runs → result runs, 1 + 2 × runs tail
+/// calls (runs = chunks / chunks per program run, rounded up), one it
+/// only adds to takes 1 + runs, a fast-slot contribution none; and the
+/// largest datagram fits in the kernel's budget, which is measured too.
+#[test]
+fn tail_call_depth_is_measured_within_the_kernel_budget() {
+    use aggbox::dataplane::Chain;
+    let runs = |count: u32, per_run: u32| count.div_ceil(abi::CHUNK_ELEMS).div_ceil(per_run) as u64;
+    for chain in [Chain::Frags, Chain::Linear] {
+        let dp = match Dataplane::load_chain(chain) {
+            Ok(dp) => dp,
+            Err(e) if chain == Chain::Linear => panic!("the linear chain loads everywhere the frags one does: {e}"),
+            Err(e) => panic!("{e}"),
+        };
+        let frags = chain == Chain::Frags;
+        // The budget: hops with which a packet still reaches a program that
+        // only passes (no tail call of its own).
+        let pass = asm::load(
+            "tail_pass",
+            libbpf_sys::BPF_PROG_TYPE_XDP,
+            libbpf_sys::BPF_XDP,
+            if frags { libbpf_sys::BPF_F_XDP_HAS_FRAGS } else { 0 },
+            &asm::Asm::new().mov_imm(0, XDP_PASS as i32).exit().finish(),
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        let budget_hops = {
+            use std::os::fd::AsFd;
+            let frame = Frame::udp(reduce_addr(0), vec![0; 64]).build();
+            Probe::new(pass.as_fd(), frags).max_hops(|p, h| p.run(h, &frame).0 == XDP_PASS)
+        };
+        let budget = budget_hops + 1;
+        println!("{chain:?}: the kernel allows {budget} tail calls per packet (measured)");
+        assert!(budget >= 32, "a kernel budget of {budget} tail calls");
+        let (per_run, counts): (u32, Vec<u32>) = if frags {
+            (abi::PROG_CHUNKS, vec![385, 2048, 2049, elements_per_datagram(9000) as u32, 4097, elements_per_datagram(65535) as u32])
+        } else {
+            // One chunk per run; BPF_PROG_TEST_RUN gives a single-buffer
+            // program at most a page minus head- and tailroom (3520 bytes:
+            // 863 elements), so at most 4 chunks here.
+            (1, vec![257, 513, 769])
+        };
+        let mut round = 1;
+        for &count in &counts {
+            let (absorbed, completing) = measured_depth(&dp, frags, budget_hops, count, false, round);
+            round += 1;
+            let r = runs(count, per_run);
+            println!("{chain:?} count {count:>5}: {absorbed} tail calls to add, {completing} to complete ({r} runs per stage)");
+            assert_eq!(absorbed, 1 + r, "{chain:?} count {count}: entry -> slot -> {r} add runs");
+            assert_eq!(completing, 1 + 2 * r, "{chain:?} count {count}: entry -> slot -> {r} add runs -> {r} result runs");
+            assert!(completing < budget, "{chain:?} count {count}: {completing} tail calls, budget {budget}");
+        }
+        if frags {
+            // A fast-slot contribution is served in the entry program.
+            for count in [1u32, abi::FAST_ELEMS] {
+                let (absorbed, completing) = measured_depth(&dp, frags, budget_hops, count, true, round);
+                round += 1;
+                println!("{chain:?} count {count:>5}, fast slot: {absorbed} / {completing} tail calls");
+                assert_eq!((absorbed, completing), (0, 0), "count {count}: the fast path takes no tail call");
+            }
+        } else {
+            // The largest linear datagram cannot be test-run (more than a
+            // page); its depth from the per-run step measured above.
+            let deepest = 1 + 2 * abi::LINEAR_MAX_CHUNKS as u64;
+            assert!(deepest < budget, "linear chain at {} chunks: {deepest} tail calls, budget {budget}", abi::LINEAR_MAX_CHUNKS);
+        }
+    }
 }
 
 #[test]
