@@ -1,5 +1,6 @@
 //! In-kernel aggregation through BPF_PROG_TEST_RUN: every case of
-//! shared/spec/vectors/aggregation.json with its RESULT datagrams compared
+//! shared/spec/vectors/aggregation.json with each RESULT required at the
+//! datagram that completes its fragment (and nowhere else) and compared
 //! byte for byte, plus retransmission, stale round, slot pool, slot
 //! mismatch, too-large and missed-tail-call rows.
 //!
@@ -63,6 +64,55 @@ fn check_result_frame(input: &[u8], out: &[u8], job: u16, round: u32) -> (u32, u
     )
 }
 
+/// One RESULT a spec vector case expects.
+#[derive(Debug, Clone)]
+struct WantResult {
+    frag_off: u32,
+    flags: u8,
+    payload: Vec<u8>,
+}
+
+/// For each datagram of a spec vector case, the RESULT it must produce, if
+/// any: the `workers`-th accepted contribution to a fragment completes it
+/// (the vectors list the RESULTs by fragment, not by datagram). Every
+/// expected RESULT must have its completing datagram.
+fn results_by_datagram(name: &str, workers: usize, dgrams: &[serde_json::Value], want: &[serde_json::Value]) -> Vec<Option<WantResult>> {
+    let mut by_frag: std::collections::HashMap<u32, WantResult> = want
+        .iter()
+        .map(|w| {
+            let r = WantResult {
+                frag_off: w["frag_off"].as_u64().unwrap() as u32,
+                flags: w["flags"].as_u64().unwrap() as u8,
+                payload: unhex(w["hex"].as_str().unwrap()),
+            };
+            (r.frag_off, r)
+        })
+        .collect();
+    assert_eq!(by_frag.len(), want.len(), "{name}: one expected RESULT per frag_off");
+    let mut accepted: std::collections::HashMap<u32, usize> = Default::default();
+    let out: Vec<Option<WantResult>> = dgrams
+        .iter()
+        .map(|d| {
+            if !d["accept"].as_bool().unwrap() {
+                return None;
+            }
+            let payload = unhex(d["hex"].as_str().unwrap());
+            let frag_off = u32::from_be_bytes(payload[16..20].try_into().unwrap());
+            let n = accepted.entry(frag_off).or_default();
+            *n += 1;
+            if *n == workers {
+                by_frag.remove(&frag_off)
+            } else {
+                None
+            }
+        })
+        .collect();
+    let mut missing: Vec<u32> = by_frag.into_keys().collect();
+    missing.sort_unstable();
+    assert!(missing.is_empty(), "{name}: expected RESULTs (frag_off {missing:?}) with no completing datagram");
+    out
+}
+
 #[test]
 fn spec_vectors_results_byte_for_byte() {
     let vectors = spec_vectors("aggregation.json");
@@ -75,27 +125,36 @@ fn spec_vectors_results_byte_for_byte() {
         let job = job_from_vector(&case["job"]);
         dp.set_job(job.id, &job)
             .unwrap_or_else(|e| panic!("{name}: set_job: {e}"));
+        let dgrams = case["datagrams"].as_array().expect("datagrams");
+        let want = case["results"].as_array().expect("results");
+        let expect = results_by_datagram(name, job.ranks.len(), dgrams, want);
         let mut got = Vec::new();
-        for (i, dgram) in case["datagrams"]
-            .as_array()
-            .expect("datagrams")
-            .iter()
-            .enumerate()
-        {
+        for (i, dgram) in dgrams.iter().enumerate() {
             let src: Ipv4Addr = dgram["src"].as_str().unwrap().parse().unwrap();
             let payload = unhex(dgram["hex"].as_str().unwrap());
             let frame = Frame::udp(src, payload.clone()).build();
             let before = dp.stats().unwrap();
             let (verdict, out) = dp.test_run(&frame).expect("test_run");
             let d = deltas(&before, &dp.stats().unwrap());
-            if d == vec![(Outcome::Result.label(), 1, payload.len() as u64)] {
+            if let Some(w) = &expect[i] {
+                // Here, and only here, the vector expects this RESULT.
+                assert_eq!(
+                    d,
+                    vec![(Outcome::Result.label(), 1, payload.len() as u64)],
+                    "{name}[{i}]: completes frag_off {}: a RESULT expected",
+                    w.frag_off
+                );
                 assert_eq!(verdict, XDP_PASS, "{name}[{i}]: RESULT passes to the stack");
-                got.push(check_result_frame(&frame, &out, job.id, round));
+                let g = check_result_frame(&frame, &out, job.id, round);
+                assert_eq!(g.0, w.frag_off, "{name}[{i}]: RESULT frag_off");
+                assert_eq!(g.1, w.flags, "{name}[{i}] frag_off {}: flags", w.frag_off);
+                assert_eq!(g.3, w.payload, "{name}[{i}] frag_off {}: payload", w.frag_off);
+                got.push(g);
             } else if dgram["accept"].as_bool().unwrap() {
                 assert_eq!(
                     d,
                     vec![(Outcome::Accepted.label(), 1, payload.len() as u64)],
-                    "{name}[{i}]"
+                    "{name}[{i}]: accepted, no RESULT expected here"
                 );
                 assert_eq!(verdict, XDP_DROP, "{name}[{i}]: absorbed");
             } else {
@@ -108,24 +167,7 @@ fn spec_vectors_results_byte_for_byte() {
                 assert_eq!(verdict, XDP_DROP, "{name}[{i}]");
             }
         }
-        let want = case["results"].as_array().expect("results");
         assert_eq!(got.len(), want.len(), "{name}: number of RESULTs");
-        for w in want {
-            let frag_off = w["frag_off"].as_u64().unwrap() as u32;
-            let flags = w["flags"].as_u64().unwrap() as u8;
-            let payload = unhex(w["hex"].as_str().unwrap());
-            let matching: Vec<_> = got.iter().filter(|g| g.0 == frag_off).collect();
-            assert_eq!(
-                matching.len(),
-                1,
-                "{name}: exactly one RESULT for frag_off {frag_off}"
-            );
-            assert_eq!(matching[0].1, flags, "{name} frag_off {frag_off}: flags");
-            assert_eq!(
-                matching[0].3, payload,
-                "{name} frag_off {frag_off}: payload"
-            );
-        }
         let mut seqs: Vec<u32> = got.iter().map(|g| g.2).collect();
         seqs.sort_unstable();
         seqs.dedup();
