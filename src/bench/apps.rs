@@ -257,10 +257,24 @@ pub fn run_gemm(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             );
         }
     }
+    // The GEMM share of the total, at the smallest and the largest N measured.
+    let share = |n: usize, mode: &str| {
+        points
+            .iter()
+            .find(|p| p.mode == mode && p.n == n)
+            .map(|p| 100.0 * p.gemm_secs.median / p.secs.median)
+            .unwrap_or(f64::NAN)
+    };
+    let (first, last) = (sizes.first().copied().unwrap_or(0), sizes.last().copied().unwrap_or(0));
     let _ = writeln!(
         md,
-        "\n**Paper (Fig. 8):** at N = 1024, 8.3 s (AggBox) vs 8.2 s (baseline): GEMM dominates and the gap closes. Same shape here: as N grows the \
-         GEMM term dominates both columns. Plot: `gemm.png`.\n"
+        "\n**Paper (Fig. 8; quoted):** at N = 1024, 8.3 s (AggBox) vs 8.2 s (baseline): GEMM dominates and the gap closes. \
+         **Here (measured):** GEMM is {:.0} % (AggBox) / {:.0} % (baseline) of the total at N = {first} and {:.0} % / {:.0} % at N = {last}. \
+         Plot: `gemm.png`.\n",
+        share(first, "kernel"),
+        share(first, "plain"),
+        share(last, "kernel"),
+        share(last, "plain"),
     );
     Ok(Section {
         name: "gemm".into(),
@@ -288,10 +302,31 @@ type Part = Vec<(Vec<f32>, f32)>;
 const TRAIN_D: usize = 32;
 /// SGD learning rate.
 const TRAIN_LR: f32 = 1.0;
+/// Samples of each worker's part.
+const TRAIN_SAMPLES: usize = 256;
+/// Workers of the training runs.
+const TRAIN_WORKERS: usize = 4;
+/// Largest |Δloss| per step against the f32 curve that still counts as
+/// the same training.
+const TRAIN_TOLERANCE: f64 = 1e-3;
+
+/// Largest |a[i] − b[i]| of two loss curves; infinite when their lengths
+/// differ, NaN when any loss is NaN (`f64::max` would skip it).
+fn curve_diff(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, |m, d| if d.is_nan() || m.is_nan() { f64::NAN } else { m.max(d) })
+}
+
+/// Whether a loss curve follows the f32 one: `diff` from [`curve_diff`].
+fn same_training(diff: f64) -> bool {
+    diff <= TRAIN_TOLERANCE // false for NaN
+}
 
 /// A linearly separable-ish logistic-regression problem split over `workers`.
 fn training_data(workers: usize) -> Vec<Part> {
-    let per = 256;
+    let per = TRAIN_SAMPLES;
     let mut seed = 42u64;
     let unif = |s: &mut u64| (rng(s) % 1_000_000) as f32 / 1_000_000.0 - 0.5;
     let w_true: Vec<f32> = (0..TRAIN_D).map(|_| 4.0 * unif(&mut seed)).collect();
@@ -569,23 +604,15 @@ pub fn run_ps(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     csv.write(&opts.out_dir.join("ps.csv"))?;
     super::write_json(&opts.out_dir.join("ps.json"), &points)?;
     let steps = if opts.quick { 100 } else { 300 };
-    let (lf, lq) = train(4, steps)?;
-    let max_diff = lf
-        .iter()
-        .zip(&lq)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
-    progress(format!("ps: training {steps} steps over AggBox (runtime kernel backend, allreduce_f32, adaptive quantization, 4 workers)"));
+    let (lf, lq) = train(TRAIN_WORKERS, steps)?;
+    let max_diff = curve_diff(&lf, &lq);
+    progress(format!("ps: training {steps} steps over AggBox (runtime kernel backend, allreduce_f32, adaptive quantization, {TRAIN_WORKERS} workers)"));
     let t = Instant::now();
-    let net = Harness::new(4).and_then(|h| train_over_aggbox(&h, steps));
+    let net = Harness::new(TRAIN_WORKERS).and_then(|h| train_over_aggbox(&h, steps));
     let net_secs = t.elapsed().as_secs_f64();
     let (ln, net_diff, net_err) = match net {
         Ok(l) => {
-            let d = lf
-                .iter()
-                .zip(&l)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
+            let d = curve_diff(&lf, &l);
             (l, d, None)
         }
         Err(e) => {
@@ -597,14 +624,20 @@ pub fn run_ps(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         &opts.out_dir.join("ps_training.json"),
         &serde_json::json!({ "loss_f32": lf, "loss_quantized": lq, "loss_aggbox": ln, "max_abs_diff": max_diff, "max_abs_diff_aggbox": net_diff, "aggbox_error": net_err, "aggbox_secs": net_secs }),
     )?;
-    if max_diff > 1e-3 {
-        bail!("quantized training diverged from f32: max |Δloss| = {max_diff}");
+    // Correctness, in the full run as in --quick: the in-process quantized
+    // curve and the one over the network must follow the f32 curve, and the
+    // training over the network must complete (a failed call leaves it
+    // unverified). The section keeps its table either way.
+    let mut failures = Vec::new();
+    if !same_training(max_diff) {
+        failures.push(format!("quantized training diverged from f32: max |Δloss| = {max_diff}"));
     }
-    // A wrong loss over the network is a correctness failure; a call that
-    // times out is the runtime's known kernel-backend race (reported in
-    // REPORT.md, not hidden), which must not make the CI smoke flaky.
-    if opts.quick && net_err.is_none() && net_diff > 1e-3 {
-        bail!("training over AggBox diverged: max |Δloss| vs f32 = {net_diff}");
+    match &net_err {
+        Some(e) => failures.push(format!("training over AggBox failed: {e}")),
+        None if !same_training(net_diff) => {
+            failures.push(format!("training over AggBox diverged: max |Δloss| vs f32 = {net_diff}"))
+        }
+        None => {}
     }
     let mut md = String::new();
     let _ = writeln!(md, "## 5. Parameter server: gradient aggregation\n");
@@ -641,37 +674,47 @@ pub fn run_ps(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             }
         }
     }
+    let reductions: Vec<f64> = points
+        .iter()
+        .filter(|k| k.mode == "kernel")
+        .filter_map(|k| {
+            points
+                .iter()
+                .find(|b| b.mode == "plain" && b.group == k.group && b.workers == k.workers)
+                .map(|b| 100.0 * (1.0 - k.secs.median / b.secs.median))
+        })
+        .collect();
     let _ = writeln!(
         md,
-        "\n**Paper (Table 3):** reduction 51.7–56.1 % (ResNet-34, Wav2Vec), 33.9–55.5 % (GPT-2). Our reductions follow experiment 1's kernel/plain \
-         throughput ratio on this VM (see there for why it is smaller).\n\n**Training with quantized allreduce:** logistic regression (32 features, 4 workers × \
-         256 samples, {steps} steps, SGD lr 1.0): the loss with quantized int32 allreduce matches the f32 allreduce within max |Δloss| = {max_diff:.2e} \
-         (final loss {:.4} vs {:.4}) when the integer sums are computed in-process; **over the network** (4 worker namespaces, \
+        "\n**Paper (Table 3; quoted):** reduction 51.7–56.1 % (ResNet-34, Wav2Vec), 33.9–55.5 % (GPT-2). **Ours (measured, table above):** \
+         reduction {:.1} % to {:.1} % (experiment 1 measures the aggregation throughput behind it).\n\n**Training with quantized allreduce:** \
+         logistic regression ({TRAIN_D} features, {TRAIN_WORKERS} workers × {TRAIN_SAMPLES} samples, {steps} steps, SGD lr {TRAIN_LR}; \
+         pass: max |Δloss| ≤ {TRAIN_TOLERANCE:.0e} at every step): the loss with quantized int32 allreduce {} the f32 allreduce, max |Δloss| = {max_diff:.2e} \
+         (final loss {:.4} vs {:.4}) when the integer sums are computed in-process; **over the network** ({TRAIN_WORKERS} worker namespaces, \
          `Communicator::allreduce_f32` with adaptive quantization, kernel backend, AggBox XDP reducing every step's gradients): {}. \
          Plots: `ps.png`, `ps_training.png`.\n",
+        reductions.iter().copied().fold(f64::INFINITY, f64::min),
+        reductions.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        if same_training(max_diff) { "matches" } else { "**DIVERGED from**" },
         lq.last().copied().unwrap_or(f64::NAN),
         lf.last().copied().unwrap_or(f64::NAN),
         match &net_err {
             None => format!(
-                "max |Δloss| vs f32 = {net_diff:.2e}, final loss {:.4}, {steps} allreduces in {net_secs:.2} s ({:.2} ms per step incl. setup)",
+                "{}: max |Δloss| vs f32 = {net_diff:.2e}, final loss {:.4}, {steps} allreduces in {net_secs:.2} s ({:.2} ms per step incl. setup)",
+                if same_training(net_diff) { "matches" } else { "**DIVERGED**" },
                 ln.last().copied().unwrap_or(f64::NAN),
                 1e3 * net_secs / steps as f64
             ),
-            Some(e) => format!(
-                "**FAILED**: `{e}`. Diagnosis: `runtime/kernel.rs` `KernelAggregator::on_agg` drops every RESULT whose round is not \
-                 the aggregator's current round (`hdr.round != self.round`). When the workers start round N+1 before the aggregator \
-                 application's progress thread has called `expect_round(N+1)`, the kernel completes the fragment and sends its RESULT \
-                 early; the runtime discards it, never ACKs on the kernel's behalf, the workers retransmit, and the XDP program drops \
-                 every retransmission as `retransmission` (the slot is completed), so nothing re-emits the RESULT and the call times out \
-                 (XDP counters above: every fragment has its `result`, plus many `drop:retransmission`). Early RESULTs need to be kept \
-                 (the `done` list already retains future rounds) and acknowledged once the round's seq base is known"
-            ),
+            Some(e) => format!("**FAILED**: `{e}`"),
         }
     );
+    if !failures.is_empty() {
+        return Err(super::large::Failed { markdown: md, summary: failures.join("; ") }.into());
+    }
     Ok(Section {
         name: "ps".into(),
         markdown: md,
-        headline: vec![format!("ps training max |dloss| {max_diff:.2e}")],
+        headline: vec![format!("ps training max |dloss| {max_diff:.2e}, over AggBox {net_diff:.2e}")],
     })
 }
 
@@ -936,9 +979,11 @@ pub fn run_wordcount(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section
     let _ = writeln!(md, "## 6. MapReduce word count\n");
     let _ = writeln!(
         md,
-        "Mappers draw words from a Zipf(1) distribution over 65,536 words, count them into a 65,536-entry vector by hashing the word, and the \
+        "Mappers draw words from a Zipf(1) distribution over {} words, count them into a {}-entry vector by hashing the word, and the \
          vectors are SUM-reduced (AggBox XDP vs the plain UDP aggregator; the total count is checked). words/s = words / (map time + aggregation time). \
-         Median over {reps} runs.\n"
+         Median over {reps} runs.\n",
+        thousands(vocab as f64),
+        thousands(vocab as f64),
     );
     let _ = writeln!(
         md,
@@ -975,13 +1020,21 @@ pub fn run_wordcount(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section
             }
         }
     }
+    let vector_points = || points.iter().filter(|p| p.mode == "kernel" || p.mode == "plain");
+    let max_agg_ms = vector_points().map(|p| 1e3 * p.agg_secs.median).fold(f64::NEG_INFINITY, f64::max);
+    let map_s = |f: fn(f64, f64) -> f64, init: f64| vector_points().map(|p| p.map_secs).fold(init, f);
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let _ = writeln!(
         md,
-        "\n**Paper (Fig. 10):** 126.25 M vs 5.72 M words/s (2 mappers, 4 M words, 22×); 257.66 M vs 5.98 M (10 mappers, 10 M words, 43×). \
-         Here both sides ship the same count vectors (181 datagrams per mapper), so the reduce takes milliseconds either way and the map phase \
-         (drawing and hashing the words, on the 2 shared vCPUs) dominates; the paper's baseline evidently shipped far more data per word \
-         (its 5.7 M words/s is near a per-word datagram rate), which is what the records baseline reproduces: against it AggBox's gain is of \
-         the paper's kind, and it comes from the combiner-and-vector design as much as from the kernel. Plot: `wordcount.png`.\n"
+        "\n**Paper (Fig. 10; quoted):** 126.25 M vs 5.72 M words/s (2 mappers, 4 M words, 22×); 257.66 M vs 5.98 M (10 mappers, 10 M words, 43×). \
+         **Here (measured, table above):** both sides ship the same count vectors ({} datagrams per mapper at MTU 1500): the aggregation took at \
+         most {max_agg_ms:.1} ms in either, the map phase (drawing and hashing the words, on this VM's {cpus} shared vCPUs) {:.3}–{:.3} s. \
+         Our reading (not measured): the paper's baseline shipped far more data per word (its 5.7 M words/s is near a per-word datagram rate), \
+         which is what the records baseline reproduces; against it AggBox's gain is of the paper's kind, and it comes from the combiner-and-vector \
+         design as much as from the kernel. Plot: `wordcount.png`.\n",
+        vocab.div_ceil(super::agg::PER),
+        map_s(f64::min, f64::INFINITY),
+        map_s(f64::max, f64::NEG_INFINITY),
     );
     Ok(Section {
         name: "wordcount".into(),
@@ -1263,14 +1316,22 @@ mod tests {
 
     #[test]
     fn quantized_training_matches_f32() {
-        let (f, q) = train(4, 50).expect("training");
+        let (f, q) = train(TRAIN_WORKERS, 50).expect("training");
         assert_eq!(f.len(), 50);
         assert!(f.last() < f.first(), "loss decreases");
-        let d = f
-            .iter()
-            .zip(&q)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
-        assert!(d < 1e-3, "max |dloss| {d}");
+        let d = curve_diff(&f, &q);
+        assert!(same_training(d), "max |dloss| {d}");
+    }
+
+    /// A NaN loss, a shorter curve or a step off by more than the tolerance
+    /// is a divergence (a plain `fold(0.0, f64::max)` skipped NaN).
+    #[test]
+    fn divergence_is_caught() {
+        let f = vec![0.7, 0.5, 0.3];
+        assert!(same_training(curve_diff(&f, &[0.7, 0.5005, 0.3])));
+        assert!(!same_training(curve_diff(&f, &[0.7, 0.51, 0.3])));
+        assert!(!same_training(curve_diff(&f, &[0.7, f64::NAN, 0.3])));
+        assert!(!same_training(curve_diff(&f, &[f64::NAN, 0.5, 0.3])));
+        assert!(!same_training(curve_diff(&f, &[0.7, 0.5])));
     }
 }
