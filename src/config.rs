@@ -3,7 +3,8 @@
 //!
 //! The schema is the one of `spec/INTERFACE.md` (`[node]`, `[[job]]`,
 //! `[[group]]`) plus three job keys this project adds, `userspace_only`,
-//! `window` and `userspace_slots`. `deploy/aggbox.example.toml` is a commented, valid example.
+//! `window` and `userspace_slots`, and one node key, `userspace_path`
+//! (`"required"`, the default, or `"optional"`: see [`UserspacePathMode`]). `deploy/aggbox.example.toml` is a commented, valid example.
 //!
 //! # Why a hand-written walk instead of `#[derive(Deserialize)]`
 //!
@@ -119,6 +120,35 @@ pub struct NodeConfig {
     pub ack_mode: AckMode,
     /// Sequence numbers per group ACK, 1..=[`MAX_ACK_GROUP`].
     pub ack_group: u16,
+    /// `userspace_path`: whether `aggbox attach` may go on without the
+    /// user-space (AF_XDP) path.
+    pub userspace_path: UserspacePathMode,
+}
+
+/// `[node] userspace_path`: what `aggbox attach` does when the user-space
+/// (AF_XDP) path cannot start. Without it, contributions the kernel does not
+/// aggregate (ops 5..8, FLOAT32, a full slot pool, `userspace_only` jobs)
+/// reach the stack unaggregated, so running without it is a choice the
+/// operator makes, not a warning scrolled past.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum UserspacePathMode {
+    /// `"required"` (the default): attach fails when a job is configured and
+    /// the path does not start.
+    #[default]
+    Required,
+    /// `"optional"`: attach warns and goes on without it; `aggbox status`
+    /// and `aggbox_userspace_path_up` show it is not running.
+    Optional,
+}
+
+impl UserspacePathMode {
+    /// The spelling used in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UserspacePathMode::Required => "required",
+            UserspacePathMode::Optional => "optional",
+        }
+    }
 }
 
 impl Default for NodeConfig {
@@ -129,6 +159,7 @@ impl Default for NodeConfig {
             metrics: Some(DEFAULT_METRICS),
             ack_mode: AckMode::Group,
             ack_group: MAX_ACK_GROUP,
+            userspace_path: UserspacePathMode::Required,
         }
     }
 }
@@ -393,7 +424,7 @@ struct ParsedGroup {
     id_at: usize,
 }
 
-const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group"];
+const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path"];
 
 fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigError> {
     let mut t = Table::from_value(src, "node".into(), v, NODE_KEYS)?;
@@ -431,6 +462,20 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
                     v.span().start,
                     Some(key),
                     format!("{other:?} is not an ACK mode (\"group\" or \"packet\")"),
+                ))
+            }
+        };
+    }
+    if let Some(v) = t.take("userspace_path") {
+        let key = t.key("userspace_path");
+        node.userspace_path = match expect_str(src, &key, &v)? {
+            "required" => UserspacePathMode::Required,
+            "optional" => UserspacePathMode::Optional,
+            other => {
+                return Err(src.error(
+                    v.span().start,
+                    Some(key),
+                    format!("{other:?} is neither \"required\" nor \"optional\""),
                 ))
             }
         };

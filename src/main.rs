@@ -228,7 +228,10 @@ fn run(cli: Cli) -> Result<()> {
             if node::detach(&iface, &pin_root)? {
                 println!("aggbox: detached from {iface}");
             } else {
-                println!("aggbox: nothing attached to {iface}");
+                match node::hidden_pins_hint(&pin_root) {
+                    Some(hint) => println!("aggbox: nothing attached to {iface}; {hint}"),
+                    None => println!("aggbox: nothing attached to {iface}"),
+                }
             }
             Ok(())
         }
@@ -241,10 +244,16 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&statuses)?);
             } else if statuses.is_empty() {
-                println!(
-                    "aggbox: nothing attached (no state under {})",
-                    pin_root.display()
-                );
+                match node::hidden_pins_hint(&pin_root) {
+                    Some(hint) => println!(
+                        "aggbox: nothing attached (no state under {}); {hint}",
+                        pin_root.display()
+                    ),
+                    None => println!(
+                        "aggbox: nothing attached (no state under {})",
+                        pin_root.display()
+                    ),
+                }
             } else {
                 for s in &statuses {
                     print!("{}", node::format_status(s));
@@ -420,6 +429,8 @@ fn attach(
         },
         if attachment.record.userspace_path {
             ", user-space path running"
+        } else if attachment.record.userspace_path_error.is_some() {
+            ", user-space path NOT running"
         } else {
             ""
         },

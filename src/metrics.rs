@@ -262,6 +262,15 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         families.push(f);
     }
     families.extend(broadcast_families(source)?);
+    // Whether the user-space path runs at all: without it (attach with
+    // `[node] userspace_path = "optional"`) ops 5..8 and FLOAT32 reach the
+    // stack unaggregated, which its counters alone would not show.
+    let mut userspace_up = Family::gauge(
+        "aggbox_userspace_path_up",
+        "1 when the user-space path (AF_XDP) runs, 0 when attach went on without it (ops 5..8, FLOAT32 and slot-pool overflow then reach the stack unaggregated).",
+    );
+    userspace_up.push(&[("iface", iface)], if source.userspace.is_some() { 1.0 } else { 0.0 });
+    families.push(userspace_up);
     if let Some(userspace) = &source.userspace {
         families.extend(userspace_families(iface, &userspace()));
     }

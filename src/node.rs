@@ -21,7 +21,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use serde::{Deserialize, Serialize};
 
 use crate::abi;
-use crate::config::Config;
+use crate::config::{Config, UserspacePathMode};
 use crate::broadcast::{self, BroadcastPlane};
 use crate::dataplane::{self, Chain, Dataplane, XdpLink, XdpMode};
 use crate::userspace::UserspacePath;
@@ -60,6 +60,12 @@ pub struct AttachRecord {
     pub xdp_chain: String,
     /// Process that attached and serves the node (0 once it has exited cleanly).
     pub pid: u32,
+    /// Start time of `pid` (field 22 of `/proc/PID/stat`, clock ticks since
+    /// boot): a PID alone may have been reused by an unrelated process after
+    /// a crash, the pair names one process. 0 in records of older versions
+    /// (then only the PID is compared).
+    #[serde(default)]
+    pub pid_start: u64,
     /// Seconds since the epoch.
     pub attached_at: u64,
     /// Config file used, if any.
@@ -79,6 +85,10 @@ pub struct AttachRecord {
     /// Whether the user-space path (AF_XDP) runs in the attach process.
     #[serde(default)]
     pub userspace_path: bool,
+    /// Why the user-space path is not running, when attach went on without
+    /// it (`[node] userspace_path = "optional"`, or no job configured).
+    #[serde(default)]
+    pub userspace_path_error: Option<String>,
 }
 
 /// Everything needed before loading anything: fails with one clear line.
@@ -246,21 +256,71 @@ pub fn pin_dir(pin_root: &Path, iface: &str) -> PathBuf {
     pin_root.join(iface)
 }
 
+/// Where bpffs is mounted by convention (and where `ensure_bpffs` mounts one).
+const SYS_FS_BPF: &str = "/sys/fs/bpf";
+
 /// Make sure `pin_root` is on a bpffs, mounting one at /sys/fs/bpf when the
 /// root is under it and nothing is mounted there yet (the usual case on a
-/// fresh host and inside `ip netns exec`).
-pub fn ensure_bpffs(pin_root: &Path) -> Result<()> {
-    let sys_fs_bpf = Path::new("/sys/fs/bpf");
+/// fresh host and inside `ip netns exec`). Returns whether it mounted one.
+pub fn ensure_bpffs(pin_root: &Path) -> Result<bool> {
+    let sys_fs_bpf = Path::new(SYS_FS_BPF);
+    let mut mounted = false;
     if pin_root.starts_with(sys_fs_bpf) && !is_bpffs(sys_fs_bpf) {
         fs::create_dir_all(sys_fs_bpf).ok();
         nix::mount::mount(Some("bpf"), sys_fs_bpf, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
             .context("aggbox: mounting bpffs on /sys/fs/bpf")?;
+        mounted = true;
     }
     fs::create_dir_all(pin_root).with_context(|| format!("aggbox: creating {}", pin_root.display()))?;
     if !is_bpffs(pin_root) {
         bail!("aggbox: {} is not on a bpffs (mount -t bpf bpf DIR)", pin_root.display());
     }
-    Ok(())
+    Ok(mounted)
+}
+
+/// Whether this process runs in a mount namespace other than PID 1's, as
+/// every command started by `ip netns exec` does (it unshares the mount
+/// namespace to remount /sys for the network namespace). Where PID 1's
+/// namespace cannot be read (a sandbox or container may hide it), the
+/// parent's is compared instead: `ip netns exec` execs the command, so its
+/// parent is the shell or supervisor that ran `ip`. `None` when neither can
+/// be read.
+pub fn in_private_mount_namespace() -> Option<bool> {
+    let own = fs::read_link("/proc/self/ns/mnt").ok()?;
+    let parent = format!("/proc/{}/ns/mnt", std::os::unix::process::parent_id());
+    ["/proc/1/ns/mnt", parent.as_str()]
+        .iter()
+        .find_map(|other| fs::read_link(other).ok())
+        .map(|other| other != own)
+}
+
+/// The warning `attach` prints after mounting a bpffs on /sys/fs/bpf in a
+/// private mount namespace: that mount, and so every pin under `pin_root`,
+/// exists only in this process's namespace, so other `ip netns exec`
+/// commands (`aggbox status`, `aggbox detach`) see nothing, and the attachment
+/// ends with the process even after `kill -9` (the pins are what outlive it).
+pub fn private_bpffs_warning(pin_root: &Path) -> String {
+    format!(
+        "mounted a bpffs on {SYS_FS_BPF} in this process's own mount namespace (as under `ip netns exec`, which remounts /sys for each command): \
+         the pins under {} are invisible to other processes, so `aggbox status` and `aggbox detach` run by another `ip netns exec` will say \"not attached\", \
+         and the attachment ends with this process; to share the pins, mount a bpffs outside /sys once from the host \
+         (mkdir -p /run/aggbox/bpf && mount -t bpf bpf /run/aggbox/bpf) and give every aggbox command --pin-root /run/aggbox/bpf/NETNS (see README, \"Network namespaces\")",
+        pin_root.display()
+    )
+}
+
+/// A hint for `status` and `detach` when nothing is found under `pin_root`
+/// because no bpffs is mounted where it would be in this mount namespace
+/// (a fresh /sys under `ip netns exec`): the attach may well be running, with
+/// its pins in its own namespace.
+pub fn hidden_pins_hint(pin_root: &Path) -> Option<String> {
+    let sys_fs_bpf = Path::new(SYS_FS_BPF);
+    if !pin_root.starts_with(sys_fs_bpf) || is_bpffs(sys_fs_bpf) {
+        return None;
+    }
+    Some(format!(
+        "no bpffs is mounted on {SYS_FS_BPF} in this mount namespace (as under `ip netns exec`): an `aggbox attach` started the same way keeps its pins in its own namespace, out of sight here; attach, status and detach need a shared --pin-root (see README, \"Network namespaces\")"
+    ))
 }
 
 // `f_type`'s width differs between architectures: the cast is needed on some.
@@ -269,6 +329,29 @@ fn is_bpffs(path: &Path) -> bool {
     nix::sys::statfs::statfs(path)
         .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
         .unwrap_or(false)
+}
+
+/// The error that fails `attach` when the user-space path could not start
+/// (`error`), or `None` when attach may go on without it: no job is
+/// configured, or `[node] userspace_path = "optional"` and no job is
+/// `userspace_only` (such a job has no other path at all).
+pub fn userspace_path_failure(config: &Config, error: &str) -> Option<String> {
+    if config.jobs.is_empty() {
+        return None;
+    }
+    if let Some(job) = config.jobs.iter().find(|j| j.userspace_only) {
+        return Some(format!(
+            "aggbox: the user-space path (AF_XDP) did not start: {error}; job {} is userspace_only and has no other path",
+            job.id
+        ));
+    }
+    match config.node.userspace_path {
+        UserspacePathMode::Optional => None,
+        UserspacePathMode::Required => Some(format!(
+            "aggbox: the user-space path (AF_XDP) did not start: {error}; without it ops 5..8 and FLOAT32 contributions of the {} configured job(s) would reach the stack unaggregated (set [node] userspace_path = \"optional\" to attach without it)",
+            config.jobs.len()
+        )),
+    }
 }
 
 /// Convert a configured job to what the data plane stores.
@@ -343,12 +426,15 @@ pub fn attach_chain(
     chain: Chain,
 ) -> Result<Attachment> {
     let index = preflight(iface)?;
-    ensure_bpffs(pin_root)?;
+    let mounted_bpffs = ensure_bpffs(pin_root)?;
     let dir = pin_dir(pin_root, iface);
     let mut warnings = Vec::new();
+    if mounted_bpffs && in_private_mount_namespace() == Some(true) {
+        warnings.push(private_bpffs_warning(pin_root));
+    }
     if dir.exists() {
         if let Some(record) = read_record(&dir) {
-            if record.pid != 0 && record.pid != std::process::id() && process_alive(record.pid) {
+            if !record_is_ours(&record) && attacher_alive(&record) {
                 bail!("aggbox: {iface} is already attached by pid {} (run `aggbox detach {iface}` to take it over)", record.pid);
             }
         }
@@ -430,14 +516,26 @@ pub fn attach_chain(
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
 
     // The user-space path serves what the kernel does not aggregate (ops
-    // 5..8, FLOAT32, overflow of the slot pool). Without it the kernel falls
-    // back by itself (passes or drops and counts), so a failure here is a
-    // warning, not a failed attach.
-    let userspace = match UserspacePath::start(iface, &dataplane, config) {
-        Ok(path) => Some(path),
+    // 5..8, FLOAT32, overflow of the slot pool, userspace_only jobs). The
+    // op is per datagram, not per job, so any configured job may need it:
+    // without it those contributions reach the stack unaggregated, which
+    // the application would take for results. So its failure fails the
+    // attach, unless the config says degraded service is acceptable.
+    let (userspace, userspace_error) = match UserspacePath::start(iface, &dataplane, config) {
+        Ok(path) => (Some(path), None),
         Err(e) => {
-            warnings.push(format!("user-space path (AF_XDP) not started: {e:#}; ops 5..8 and FLOAT32 are passed to the stack uncounted by it"));
-            None
+            let error = format!("{e:#}");
+            if let Some(message) = userspace_path_failure(config, &error) {
+                if let Some(mut b) = broadcast {
+                    let _ = b.detach();
+                }
+                // `link` and `lo_link` are not pinned yet: dropping them detaches.
+                return Err(anyhow!(message));
+            }
+            warnings.push(format!(
+                "user-space path (AF_XDP) not started: {error}; ops 5..8, FLOAT32 and what overflows the kernel's slot pool reach the stack unaggregated"
+            ));
+            (None, Some(error))
         }
     };
 
@@ -450,6 +548,7 @@ pub fn attach_chain(
         },
         xdp_chain: chain.label().into(),
         pid: std::process::id(),
+        pid_start: process_start_time(std::process::id()).unwrap_or(0),
         attached_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -460,6 +559,7 @@ pub fn attach_chain(
         tc: broadcast.is_some(),
         tc_created_qdisc,
         userspace_path: userspace.is_some(),
+        userspace_path_error: userspace_error,
     };
     let mut attachment =
         Attachment { dataplane, link: Some(link), lo_link, broadcast, userspace, dir: dir.clone(), record, warnings };
@@ -539,7 +639,7 @@ fn detach_dir(dir: &Path) -> Result<()> {
     // interface; the record says whether there are any and whether the
     // clsact qdisc was ours.
     if let Some(record) = read_record(dir) {
-        if record.tc && record.pid != std::process::id() {
+        if record.tc && !record_is_ours(&record) {
             broadcast::detach_stale(record.ifindex).map_err(|e| anyhow!("aggbox: removing stale TC filters: {e}"))?;
             if record.tc_created_qdisc {
                 destroy_clsact(record.ifindex).context("aggbox: removing the clsact qdisc")?;
@@ -625,8 +725,38 @@ fn read_record(dir: &Path) -> Option<AttachRecord> {
     serde_json::from_slice(&raw[..end]).ok()
 }
 
-fn process_alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
+/// Start time of process `pid` in clock ticks since boot (field 22 of
+/// `/proc/PID/stat`), `None` when there is no such process.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    stat_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Field 22 (`starttime`) of a `/proc/PID/stat` line. The command name
+/// (field 2) is in parentheses and may itself contain spaces and `)`, so the
+/// fields are counted from the last `)`.
+pub fn stat_start_time(stat: &str) -> Option<u64> {
+    let (_, after_comm) = stat.rsplit_once(')')?;
+    // after_comm starts with field 3 (state): field 22 is the 20th.
+    after_comm.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
+/// Whether the process that wrote `record` still runs: its PID exists and,
+/// when the record has one, with the same start time, so a PID reused by
+/// another process after a crash reads as dead.
+pub fn attacher_alive(record: &AttachRecord) -> bool {
+    if record.pid == 0 {
+        return false;
+    }
+    match process_start_time(record.pid) {
+        None => false,
+        Some(start) => record.pid_start == 0 || start == record.pid_start,
+    }
+}
+
+/// Whether `record` was written by this very process (not only by an
+/// earlier process with the same PID).
+fn record_is_ours(record: &AttachRecord) -> bool {
+    record.pid == std::process::id() && (record.pid_start == 0 || process_start_time(record.pid) == Some(record.pid_start))
 }
 
 /// One configured job as read back from the pinned `jobs` map.
@@ -692,7 +822,10 @@ pub fn status(iface: Option<&str>, pin_root: &Path) -> Result<Vec<NodeStatus>> {
         Some(name) => {
             let dir = pin_dir(pin_root, name);
             if !dir.join(STATE_FILE).exists() {
-                bail!("aggbox: {name} is not attached (no state under {})", dir.display());
+                match hidden_pins_hint(pin_root) {
+                    Some(hint) => bail!("aggbox: {name} is not attached (no state under {}); {hint}", dir.display()),
+                    None => bail!("aggbox: {name} is not attached (no state under {})", dir.display()),
+                }
             }
             vec![dir]
         }
@@ -748,7 +881,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         });
     }
     jobs.sort_by_key(|j| j.id);
-    let serving = attach.pid != 0 && process_alive(attach.pid);
+    let serving = attacher_alive(&attach);
     let handoffs = pinned_percpu_counts(&dir.join("handoff_stats"), abi::HandoffReason::ALL.iter().map(|r| (*r as u32, r.label())))?;
     let broadcast = if attach.tc {
         pinned_percpu_counts(&dir.join("bcast_stats"), abi::BcastStat::ALL.iter().map(|s| (*s as u32, s.label())))?
@@ -780,7 +913,11 @@ pub fn format_status(status: &NodeStatus) -> String {
         s,
         "  TC broadcast: {}; user-space path: {}",
         if a.tc { "attached" } else { "not attached (no groups or result routes)" },
-        if a.userspace_path { "running (AF_XDP)" } else { "not running" }
+        match (&a.userspace_path_error, a.userspace_path) {
+            (_, true) => "running (AF_XDP)".to_string(),
+            (Some(e), false) => format!("NOT RUNNING ({e}): ops 5..8, FLOAT32 and slot-pool overflow reach the stack unaggregated"),
+            (None, false) => "not running".to_string(),
+        }
     );
     let _ = writeln!(s, "  jobs:");
     if status.jobs.is_empty() {
@@ -873,4 +1010,83 @@ fn destroy_clsact(ifindex: u32) -> io::Result<()> {
         return Err(io::Error::from_raw_os_error(-rc));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod attacher_tests {
+    use super::*;
+
+    fn record(pid: u32, pid_start: u64) -> AttachRecord {
+        AttachRecord {
+            iface: "eth0".into(),
+            ifindex: 2,
+            xdp_mode: "native".into(),
+            xdp_chain: "frags".into(),
+            pid,
+            pid_start,
+            attached_at: 0,
+            config: None,
+            jobs: vec![],
+            lo_xdp: false,
+            tc: false,
+            tc_created_qdisc: false,
+            userspace_path: true,
+            userspace_path_error: None,
+        }
+    }
+
+    #[test]
+    fn start_time_is_field_22_also_with_parentheses_in_the_name() {
+        let fields: Vec<String> = (3..=52).map(|i| if i == 22 { "987654".to_string() } else { i.to_string() }).collect();
+        let tail = fields.join(" ");
+        assert_eq!(stat_start_time(&format!("4242 (aggbox) {tail}")), Some(987654));
+        assert_eq!(stat_start_time(&format!("4242 (a) b) 7 (c) {tail}")), Some(987654));
+        assert_eq!(stat_start_time("4242 (trunc"), None);
+        assert_eq!(stat_start_time("4242 (x) S 1 2"), None);
+    }
+
+    /// A live PID with another start time is a reused PID: the attacher is dead.
+    #[test]
+    fn live_pid_with_another_start_time_is_dead() {
+        let pid = std::process::id();
+        let start = process_start_time(pid).expect("own start time");
+        assert!(attacher_alive(&record(pid, start)));
+        assert!(!attacher_alive(&record(pid, start + 1)), "reused PID taken for the attacher");
+        assert!(!record_is_ours(&record(pid, start + 1)));
+        assert!(record_is_ours(&record(pid, start)));
+        // Records of older versions carry no start time: the PID decides.
+        assert!(attacher_alive(&record(pid, 0)));
+        assert!(!attacher_alive(&record(0, 0)));
+    }
+
+    fn config(text: &str) -> Config {
+        Config::parse(text, "t.toml").expect("test config")
+    }
+
+    const JOB: &str = "[[job]]\nid = 7\nport = 7000\nworkers = [\"10.0.0.1\"]\nresult_port = 7001\n";
+
+    #[test]
+    fn userspace_path_failure_fails_attach_unless_optional() {
+        assert_eq!(userspace_path_failure(&Config::default(), "EBUSY"), None, "no job needs it");
+        let err = userspace_path_failure(&config(JOB), "bind: EBUSY").expect("required by default");
+        assert_eq!(
+            err,
+            "aggbox: the user-space path (AF_XDP) did not start: bind: EBUSY; without it ops 5..8 and FLOAT32 contributions of the 1 configured job(s) would reach the stack unaggregated (set [node] userspace_path = \"optional\" to attach without it)"
+        );
+        let optional = format!("[node]\nuserspace_path = \"optional\"\n\n{JOB}");
+        assert_eq!(userspace_path_failure(&config(&optional), "EBUSY"), None);
+        let only = optional.replace("result_port", "userspace_only = true\nresult_port");
+        let err = userspace_path_failure(&config(&only), "EBUSY").expect("a userspace_only job has no other path");
+        assert!(err.contains("job 7 is userspace_only"), "{err}");
+    }
+
+    #[test]
+    fn private_bpffs_warning_names_the_fix() {
+        let w = private_bpffs_warning(Path::new("/sys/fs/bpf/aggbox"));
+        assert!(w.starts_with("mounted a bpffs on /sys/fs/bpf in this process's own mount namespace"), "{w}");
+        assert!(w.contains("the pins under /sys/fs/bpf/aggbox are invisible to other processes"), "{w}");
+        assert!(w.contains("--pin-root /run/aggbox/bpf/NETNS"), "{w}");
+        assert!(!w.contains('\n') && !w.contains("  "), "one line: {w:?}");
+        assert_eq!(hidden_pins_hint(Path::new("/tmp/elsewhere")), None, "a pin root outside /sys is never hidden");
+    }
 }

@@ -976,3 +976,260 @@ fn bad_config_and_missing_interface_fail_cleanly() {
     assert!(!has_xdp(&ns, "eth0"));
     bed.assert_udp_passes();
 }
+
+/// Rewrite the pinned attach record's `pid` and `pid_start` (the state map
+/// holds the record as NUL-padded JSON).
+fn rewrite_record(bed: &Bed, pid: u32, pid_start: u64) {
+    use libbpf_rs::{MapCore, MapFlags, MapHandle};
+    let map = MapHandle::from_pinned_path(bed.iface_pins().join("state")).expect("pinned state map");
+    let key = 0u32.to_ne_bytes();
+    let raw = map
+        .lookup(&key, MapFlags::ANY)
+        .expect("lookup")
+        .expect("record");
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    let mut record: Value = serde_json::from_slice(&raw[..end]).expect("record JSON");
+    record["pid"] = Value::from(pid);
+    record["pid_start"] = Value::from(pid_start);
+    let mut json = serde_json::to_vec(&record).expect("JSON");
+    json.resize(raw.len(), 0);
+    map.update(&key, &json, MapFlags::ANY).expect("update");
+}
+
+/// Issue #21 item 6: after a crash the recorded PID may belong to another,
+/// live process. The record's start time tells them apart: the same PID
+/// with its real start time is a live attacher (refused), with another
+/// start time it is a reused PID (the state is stale and replaced).
+#[test]
+fn state_of_a_reused_pid_is_replaced_not_refused() {
+    let bed = Bed::up(2);
+    let config = bed.config("job.toml", &bed.sender_addrs());
+    let mut first = bed.attach("first", Some(&config));
+    let stale = BpfObjects::of(&bed);
+    first.signal(Signal::SIGKILL);
+    first.wait_exit();
+
+    // A live process standing for whoever got the crashed attach's PID.
+    let stand_in = Reaped(Some(
+        Command::new("sleep")
+            .arg("120")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("sleep"),
+    ));
+    let pid = stand_in.0.as_ref().expect("child").id();
+    let start = aggbox::node::process_start_time(pid).expect("start time of the stand-in");
+    let attach_args = [
+        "attach",
+        "eth0",
+        "--config",
+        config.to_str().expect("utf-8"),
+        "--pin-root",
+        bed.pin_root(),
+    ];
+
+    // PID and start time of a live process: a live attacher.
+    rewrite_record(&bed, pid, start);
+    assert_eq!(bed.status_json()["serving"], Value::Bool(true));
+    let out = bed.aggbox(0, &attach_args);
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr)
+                .contains(&format!("eth0 is already attached by pid {pid}")),
+        "the state of a live attacher is kept: {}",
+        text(&out)
+    );
+
+    // The same live PID with another start time: a reused PID.
+    rewrite_record(&bed, pid, start + 1);
+    let st = bed.status_json();
+    assert_eq!(st["serving"], Value::Bool(false), "a reused PID is not serving: {st}");
+    let human = bed.aggbox(0, &["status", "eth0", "--pin-root", bed.pin_root()]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("stale"),
+        "human status says stale: {}",
+        text(&human)
+    );
+    let mut second = bed.attach("second", Some(&config));
+    assert!(
+        second.stderr().contains("warning: replaced stale AggBox state"),
+        "the attach replaced the stale state: {}",
+        second.stderr()
+    );
+    stale.assert_gone();
+    let fresh = BpfObjects::of(&bed);
+    bed.traffic_exact(1);
+    second.signal(Signal::SIGINT);
+    assert!(second.wait_exit().success(), "SIGINT: exit 0; stderr: {}", second.stderr());
+    bed.assert_clean(&fresh);
+    drop(stand_in);
+}
+
+/// `GET /metrics` on 127.0.0.1:`port` inside `netns`, the body.
+fn scrape_in(bed: &Bed, port: u16) -> String {
+    use std::io::{Read, Write};
+    bed.tb
+        .in_host(0, move || {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to /metrics");
+            stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+            write!(stream, "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").expect("request");
+            let mut response = String::new();
+            stream.read_to_string(&mut response).expect("response");
+            assert!(response.starts_with("HTTP/1.1 200"), "bad response: {response}");
+            response
+        })
+        .expect("netns")
+}
+
+/// Issue #21 item 7: when the user-space (AF_XDP) path cannot start (here:
+/// another AF_XDP socket holds eth0's queue 0), ops 5..8 and FLOAT32 would
+/// reach the stack unaggregated. Attach fails, leaving eth0 untouched,
+/// unless the config chooses `[node] userspace_path = "optional"`; then the
+/// missing path shows in `aggbox status` and in `aggbox_userspace_path_up`.
+#[test]
+fn attach_fails_without_the_userspace_path_unless_optional() {
+    use aggbox::xsk::{XskConfig, XskSocket};
+    let bed = Bed::up(1);
+    let ns = bed.agg_ns();
+    let blocker = bed
+        .tb
+        .in_host(0, || {
+            let index = aggbox::node::ifindex("eth0").expect("eth0");
+            XskSocket::open(index, 0, XskConfig::default())
+        })
+        .expect("netns")
+        .expect("an AF_XDP socket on eth0 queue 0");
+
+    let config = bed.config("job.toml", &bed.sender_addrs());
+    // Spawned, not waited for: an attach that wrongly succeeds would serve
+    // until signalled; it is killed (by pid) when `refused` drops.
+    let mut refused = bed.spawn_attach("refused", Some(&config));
+    let deadline = Instant::now() + UP_TIMEOUT;
+    let status = loop {
+        if let Some(status) = refused.child.as_mut().expect("child").try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(
+            !refused.stdout().contains("attached to eth0") && Instant::now() < deadline,
+            "attach went on without the user-space path: {}",
+            refused.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    refused.child = None;
+    let err = refused.stderr();
+    assert!(!status.success(), "attach without the user-space path fails: {err}");
+    assert!(
+        err.contains("aggbox: the user-space path (AF_XDP) did not start")
+            && err.contains("set [node] userspace_path = \"optional\" to attach without it"),
+        "the failure names the path and the choice: {err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line on stderr: {err}");
+    assert!(!has_xdp(&ns, "eth0"), "eth0 untouched:\n{}", link_show(&ns, "eth0"));
+    assert!(!bed.iface_pins().exists(), "nothing pinned");
+
+    const METRICS_PORT: u16 = 9437;
+    let text_ = std::fs::read_to_string(&config).expect("config").replace(
+        "[node]\nmetrics = \"off\"\n",
+        &format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n"),
+    );
+    assert!(text_.contains("optional"), "{text_}");
+    let optional = bed.work.file("optional.toml");
+    std::fs::write(&optional, text_).expect("write config");
+    let mut d = bed.attach("optional", Some(&optional));
+    assert!(
+        d.stderr().contains("warning: user-space path (AF_XDP) not started"),
+        "the attach warns: {}",
+        d.stderr()
+    );
+    let objects = BpfObjects::of(&bed);
+    let st = bed.status_json();
+    assert_eq!(st["attach"]["userspace_path"], Value::Bool(false), "{st}");
+    assert!(
+        st["attach"]["userspace_path_error"].as_str().is_some_and(|e| e.contains("queue 0")),
+        "status --json says why: {st}"
+    );
+    let human = bed.aggbox(0, &["status", "eth0", "--pin-root", bed.pin_root()]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("user-space path: NOT RUNNING ("),
+        "human status shows the missing path: {}",
+        text(&human)
+    );
+    let exposition = scrape_in(&bed, METRICS_PORT);
+    assert!(
+        exposition.lines().any(|l| l == "aggbox_userspace_path_up{iface=\"eth0\"} 0"),
+        "metrics show the missing path: {exposition}"
+    );
+    bed.traffic_exact(1);
+
+    d.signal(Signal::SIGINT);
+    assert!(d.wait_exit().success(), "SIGINT: exit 0; stderr: {}", d.stderr());
+    drop(blocker);
+    bed.assert_clean(&objects);
+}
+
+/// Issue #21 item 11: `ip netns exec` gives each command its own mount
+/// namespace with a fresh /sys, so an attach with the default pin root
+/// mounts a bpffs only it can see. It says so, with the --pin-root fix;
+/// `status` and `detach` run by another `ip netns exec` say why they find
+/// nothing; with a shared --pin-root there is no such warning.
+#[test]
+fn attach_under_ip_netns_exec_says_its_bpffs_is_private() {
+    let bed = Bed::up(1);
+    let ns = bed.agg_ns();
+    let config = bed.config("job.toml", &bed.sender_addrs());
+    let out = bed.work.file("private.out");
+    let err = bed.work.file("private.err");
+    let child = bed
+        .tb
+        .command_in(0, &[BIN, "attach", "eth0", "--config", config.to_str().expect("utf-8")])
+        .expect("command")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("starting aggbox attach");
+    let mut d = Daemon { child: Some(child), out, err };
+    d.wait_attached();
+    assert!(
+        d.stderr().contains(
+            "warning: mounted a bpffs on /sys/fs/bpf in this process's own mount namespace"
+        ) && d.stderr().contains("--pin-root /run/aggbox/bpf/NETNS"),
+        "attach says its pins are private and how to share them: {}",
+        d.stderr()
+    );
+
+    let status = bed.aggbox(0, &["status", "eth0"]);
+    assert!(!status.status.success(), "{}", text(&status));
+    assert!(
+        String::from_utf8_lossy(&status.stderr).contains(
+            "eth0 is not attached (no state under /sys/fs/bpf/aggbox/eth0); no bpffs is mounted on /sys/fs/bpf in this mount namespace"
+        ),
+        "status explains why it sees nothing: {}",
+        text(&status)
+    );
+    let detach = bed.aggbox(0, &["detach", "eth0"]);
+    assert!(
+        String::from_utf8_lossy(&detach.stdout)
+            .contains("nothing attached to eth0; no bpffs is mounted on /sys/fs/bpf"),
+        "detach explains why it sees nothing: {}",
+        text(&detach)
+    );
+    assert!(has_xdp(&ns, "eth0"), "the private attach still runs");
+    d.signal(Signal::SIGINT);
+    assert!(d.wait_exit().success(), "SIGINT: exit 0; stderr: {}", d.stderr());
+    assert!(!has_xdp(&ns, "eth0"), "detached:\n{}", link_show(&ns, "eth0"));
+
+    // The fix: a pin root on a bpffs shared with the host.
+    let mut shared = bed.attach("shared", Some(&config));
+    assert!(
+        !shared.stderr().contains("own mount namespace"),
+        "no warning with a shared pin root: {}",
+        shared.stderr()
+    );
+    let objects = BpfObjects::of(&bed);
+    assert_eq!(bed.status_json()["serving"], Value::Bool(true));
+    shared.signal(Signal::SIGINT);
+    assert!(shared.wait_exit().success(), "SIGINT: exit 0; stderr: {}", shared.stderr());
+    bed.assert_clean(&objects);
+}

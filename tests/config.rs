@@ -4,7 +4,9 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
-use aggbox::config::{AckMode, Config, ConfigError, GroupConfig, NodeConfig, ParentConfig};
+use aggbox::config::{
+    AckMode, Config, ConfigError, GroupConfig, NodeConfig, ParentConfig, UserspacePathMode,
+};
 
 /// The example of spec/INTERFACE.md, verbatim.
 const INTERFACE_EXAMPLE: &str = r#"[node]
@@ -81,6 +83,7 @@ fn check_interface_example(c: &Config) {
             metrics: Some("127.0.0.1:9435".parse::<SocketAddr>().expect("addr")),
             ack_mode: AckMode::Group,
             ack_group: 1024,
+            userspace_path: UserspacePathMode::Required,
         }
     );
     assert_eq!(c.jobs.len(), 1);
@@ -742,6 +745,20 @@ fn ack_group_must_be_1_to_1024() {
         2,
         "node.ack_group",
         "at most 1024 sequence numbers",
+    );
+}
+
+#[test]
+fn userspace_path_is_required_or_optional() {
+    assert_eq!(parse("").node.userspace_path, UserspacePathMode::Required);
+    let c = parse("[node]\nuserspace_path = \"optional\"\n");
+    assert_eq!(c.node.userspace_path, UserspacePathMode::Optional);
+    assert_eq!(c.node.userspace_path.as_str(), "optional");
+    expect_error(
+        "[node]\nuserspace_path = \"off\"\n",
+        2,
+        "node.userspace_path",
+        "\"off\" is neither \"required\" nor \"optional\"",
     );
 }
 
