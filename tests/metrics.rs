@@ -101,12 +101,7 @@ fn metrics_are_valid_and_move_with_traffic() {
     promtool_check(&before);
 
     // One reduction from both ranks, plus one spoofed datagram.
-    let results = bed
-        .in_host(0, || {
-            let socket = tools::bind_any(RESULT_PORT).unwrap();
-            socket
-        })
-        .unwrap();
+    let results = bed.in_host(0, || tools::bind_any(RESULT_PORT).unwrap()).unwrap();
     let to = SocketAddrV4::new(agg.addr, PORT);
     for (rank, sender) in senders.iter().enumerate() {
         let netns = sender.netns.clone();
