@@ -42,7 +42,9 @@ fn main() {
             result_port: RESULT_PORT,
             ranks: (0..WORKERS).map(addr).collect(),
             weights: vec![],
-            vector_len: 0,
+            // A vector length, as the runtime and `aggbox attach` configure
+            // it: fast slots index by round and offset (docs/DATAPLANE.md).
+            vector_len: fragments * 16370,
             slots: 0,
             flags: 0,
             result_group: None,

@@ -472,7 +472,7 @@ fn program_sizes() {
         // The entry program's fast-slot loops (docs/DATAPLANE.md, "Fast
         // slots") are the largest walk: ~517k on 6.18, 401k on 6.1, 528k
         // on 6.12 (docs/MATRIX.md), about half of the verifier's 1M budget.
-        assert!(p.verified_insns > 0 && p.verified_insns < 600_000, "{p:?}");
+        assert!(p.verified_insns > 0 && p.verified_insns < 800_000, "{p:?}");
     }
 }
 

@@ -7,7 +7,11 @@
 //!   hash-map chain, exactly, and a later take-over of that fast slot for it
 //!   gives up (the chain keeps serving it: one fragment, one path, one RESULT);
 //! - late retransmissions of a completed fragment are recognised after its
-//!   slot moved on to the next fragment, and after that one too;
+//!   slot moved on to the next fragment, and after that one too; for a job
+//!   with a vector length, by the slots alone over the whole window, and the
+//!   history ring holds exactly its length;
+//! - every kernel op, weighted, odd and even counts, clamped values: the
+//!   RESULT equals the reference reducer's;
 //! - a contribution that does not fit a fast slot (count > 384) to a fragment
 //!   a fast slot holds is answered as that slot answers (slot_mismatch);
 //! - an unfinished fast slot of a stale round is released by the periodic
@@ -167,6 +171,132 @@ fn late_retransmissions_are_recognised_after_the_slot_moves_on() {
     }
     assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, 3);
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
+}
+
+/// A job with a vector length: a fragment's slot index follows its round, so
+/// the slot (its key, `prev` and the history ring) remembers the last
+/// (2 + AGGBOX_FAST_HISTORY) x region fragments of that index; with the
+/// window inside that, every late retransmission is a retransmission or
+/// stale, none is added again, and no `completed` marker is written.
+#[test]
+fn a_job_with_a_vector_length_remembers_its_window_in_the_slots() {
+    const HISTORY: u32 = 16; // AGGBOX_FAST_HISTORY (src/bpf/slot.h)
+    let dp = load();
+    let mut cfg = job(2, 4, 64);
+    cfg.vector_len = 16; // one fragment per round: stride 1
+    dp.set_job(ID, &cfg).expect("set_job");
+    let region = u32::from(dp.job(ID).unwrap().unwrap().fast_slots);
+    assert_eq!(region, 4, "the bound's power of two");
+    let remembered = (2 + HISTORY) * region; // rounds, one fragment each
+    assert!(remembered > 64, "the window fits what the slots remember");
+    let maps = dp.kernel_maps().unwrap();
+    let v = [5; 16];
+    let last = remembered + 8;
+    for round in 1..=last {
+        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label(), "round {round}");
+        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label(), "round {round}");
+    }
+    let (mut retransmissions, mut stale) = (0, 0);
+    for old in 1..=last {
+        for rank in 0..2 {
+            let l = run(&dp, &contribution(rank, old, 0, &v)).0;
+            if l == DropReason::Retransmission.label() {
+                retransmissions += 1;
+            } else {
+                assert_eq!(l, DropReason::StaleRound.label(), "round {old} after round {last}");
+                assert!(last - old > 64, "round {old} is inside the window: remembered");
+                stale += 1;
+            }
+        }
+        assert!(!maps.is_completed(&key(old, 0)), "round {old}: no completed marker");
+    }
+    assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
+    assert_eq!(stale, 2 * (last - 65));
+    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, last);
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(last));
+    assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
+}
+
+/// Past the window the ring forgets: a job whose window is wider than what
+/// its slots remember relies on the stale-round rule only up to the window,
+/// so an older fragment than the ring holds is not known there. (The limit
+/// docs/DATAPLANE.md states; without a vector length the `completed` LRU
+/// covers it instead, see late_retransmissions_are_recognised_after_the_slot_moves_on.)
+#[test]
+fn the_history_ring_holds_exactly_its_length() {
+    const HISTORY: u32 = 16;
+    let dp = load();
+    let mut cfg = job(2, 1, 100_000);
+    cfg.vector_len = 16;
+    dp.set_job(ID, &cfg).expect("set_job");
+    assert_eq!(dp.job(ID).unwrap().unwrap().fast_slots, 1);
+    let v = [7; 16];
+    for round in 1..=HISTORY + 3 {
+        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label());
+        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label());
+    }
+    // One slot: the current key (round HISTORY + 3), `prev` and HISTORY
+    // before it, down to round 2.
+    for old in 2..=HISTORY + 3 {
+        assert_eq!(run(&dp, &contribution(0, old, 0, &v)).0, DropReason::Retransmission.label(), "round {old}");
+    }
+    // Round 1 left the ring: a contribution there is not known as complete;
+    // it finds the slot holding a newer fragment and takes the hash-map
+    // chain, which has no record of it either.
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &v)).0, Outcome::Accepted.label());
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 1, "round 1 went to the chain");
+}
+
+/// Every kernel op through a fast slot, against the reference reducer: the
+/// first contribution stores (no identity fill), a SUM's last one adds and
+/// writes the RESULT in one pass (then the exact pass only when a sum left
+/// int32), the others write it from the accumulators; odd and even counts,
+/// weights, values that clamp.
+#[test]
+fn every_op_matches_the_reference_reducer_in_a_fast_slot() {
+    let dp = load();
+    let mut cfg = job(3, 64, 1000);
+    cfg.weights = vec![1, 3, 2];
+    dp.set_job(ID, &cfg).expect("set_job");
+    let weights = [1, 3, 2];
+    let mut round = 0u32;
+    for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
+        for count in [1usize, 2, 7, 16, 17, 361, 362, 384] {
+            for extreme in [false, true] {
+                round += 1;
+                let vals: Vec<Vec<i32>> = (0..3)
+                    .map(|r| {
+                        (0..count as i32)
+                            .map(|i| match (extreme, (i + r) % 3) {
+                                (true, 0) => i32::MAX - i,
+                                (true, 1) => i32::MIN + i,
+                                _ => (i * 7919 + r * 104_729) % 200_001 - 100_000,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let parts: Vec<(&[i32], i32)> = (0..3).map(|r| (&vals[r][..], weights[r])).collect();
+                let want = reducer::reduce(op, &parts).expect("reduce");
+                let mut want_be = Vec::new();
+                want.write_be(&mut want_be);
+                for rank in 0..3u16 {
+                    let mut a = Agg::new(ID, rank, op as u8, vals[rank as usize].clone());
+                    a.round = round;
+                    let (l, out) = run(&dp, &Frame::udp(addr(rank), a.bytes()).build());
+                    let what = format!("{op:?} count {count} extreme {extreme} rank {rank}");
+                    if rank < 2 {
+                        assert_eq!(l, Outcome::Accepted.label(), "{what}");
+                    } else {
+                        assert_eq!(l, Outcome::Result.label(), "{what}");
+                        assert_eq!(&out[PAYLOAD_OFF + 24..], &want_be[..], "{what}: payload");
+                        assert_eq!(out[PAYLOAD_OFF + 21], abi::AGG_F_RESULT | want.flags(), "{what}: flags");
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(round), "every fragment in a fast slot");
+    assert_eq!(dp.slots_in_use(), 0);
 }
 
 #[test]

@@ -119,6 +119,11 @@ pub const BATCH: usize = 32;
 const FLOOR_GOAL: f64 = 1.3;
 /// Slots of the benchmark's kernel job (`slots` of its `[[job]]`).
 pub const JOB_SLOTS: u32 = 4096;
+/// `vector_len` of the benchmark's kernel job: the elements of the largest
+/// workload (512 MB of int32), as an operator configures a job whose vector
+/// length is known (the fast slots then index by round and offset,
+/// docs/DATAPLANE.md).
+pub const JOB_VECTOR_LEN: u32 = 512 << 18;
 /// Fragments a sender may be ahead of the completed count: 8192 datagrams in
 /// flight over all senders (2048 each for 4), below the job's 4096 slots.
 pub fn window_for(senders: usize) -> u64 {
@@ -397,7 +402,7 @@ impl Harness {
             .map(|a| format!("\"{a}\""))
             .collect();
         format!(
-            "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nresult_port = {RESULT_PORT}\nworkers = [{}]\nslots = {JOB_SLOTS}\nwindow = 4\n",
+            "[node]\nmetrics = \"off\"\n\n[[job]]\nid = {JOB}\nport = {JOB_PORT}\nresult_port = {RESULT_PORT}\nworkers = [{}]\nslots = {JOB_SLOTS}\nvector_len = {JOB_VECTOR_LEN}\nwindow = 4\n",
             workers.join(", ")
         )
     }
@@ -1095,6 +1100,9 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     } else {
         vec![8, 32, 128, 512]
     };
+    if let Some(mb) = sizes_mb.iter().find(|&&mb| mb << 18 > u64::from(JOB_VECTOR_LEN)) {
+        bail!("agg: {mb} MB is beyond the job's vector_len of {JOB_VECTOR_LEN} elements");
+    }
     let reps = opts.reps();
     let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
     let _stats = crate::metrics::enable_bpf_stats()?;

@@ -620,6 +620,44 @@ static __always_inline void fast_restore(struct aggbox_fast_slot *f)
 	f->token = 0;
 }
 
+/* Whether f completed the fragment of s before the key it holds now: `prev`
+ * or one of the history ring's keys (under its lock). */
+static __always_inline int fast_held_before(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
+{
+	__u32 i;
+
+	if (f->job != s->key.job)
+		return 0;
+	if (f->prev_valid && f->prev_round == s->key.round && f->prev_frag_off == s->key.frag_off)
+		return 1;
+	/* Return at a hit: a flag OR-ed in would differ between the branches
+	 * and the verifier would walk every combination of them. */
+#pragma unroll
+	for (i = 0; i < AGGBOX_FAST_HISTORY; i++)
+		if (((f->hist_valid >> i) & 1) && f->hist_round[i] == s->key.round &&
+		    f->hist_frag_off[i] == s->key.frag_off)
+			return 1;
+	return 0;
+}
+
+/* A take-over moves the completed `prev` key into the history ring (under
+ * the lock); a slot passing to another job forgets its history. */
+static __always_inline void fast_remember_prev(struct aggbox_fast_slot *f, __u16 job)
+{
+	__u32 at = f->hist_next & (AGGBOX_FAST_HISTORY - 1);
+
+	if (f->job != job) {
+		f->hist_valid = 0;
+		return;
+	}
+	if (!f->prev_valid)
+		return;
+	f->hist_round[at] = f->prev_round;
+	f->hist_frag_off[at] = f->prev_frag_off;
+	f->hist_valid |= 1u << at;
+	f->hist_next = at + 1;
+}
+
 /*
  * Release the hash-map slot of `key` (if any) that will never complete: the
  * daemon's stale-slot reclaim (aggbox_reclaim) and a fast slot that won the
@@ -736,19 +774,21 @@ static __always_inline int fast_load_last(struct aggbox_scratch *s, void *payloa
 }
 
 /*
- * Add the contribution into f (under its lock), op-specialised; the first
- * contributor stores. The payload is read straight from the packet (or
+ * Add the contribution into f (under its lock), op-specialised. The payload is read straight from the packet (or
  * scratch.buf with use_buf, a compile-time constant) in blocks of
  * FAST_BLOCK pairs of elements (one 64-bit load each: after bswap64 the
  * first big-endian int32 is the high half), one bounds check and one
  * count check per block, the block unrolled; then the last < FAST_BLOCK
- * pairs one by one. BODY sees a, c (the pair) and i (its first index).
+ * pairs one by one. The body sees a, c (the pair), i (its first index),
+ * dst (where the pair was read: the fused SUM writes the RESULT pair back
+ * there) and wide (OR-ed into scratch.fast_wide after each block: never
+ * branched on, so no second verifier path).
  */
 #define FAST_BLOCK 8
 _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 
 #define FAST_NP (*(volatile __u32 *)&s->fast_npairs)
-#define FAST_LOOP(BODY)                                                                   \
+#define FAST_LOOP(...)                                                                    \
 	do {                                                                              \
 		const __u64 *p = payload;                                                 \
 		__u32 b, k, j0;                                                           \
@@ -758,15 +798,17 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 				break;                                                    \
 			if (!use_buf && (void *)(p + FAST_BLOCK) > data_end)              \
 				break; /* validated length: never */                      \
+			__u64 wide = 0;                                                   \
 			_Pragma("unroll") for (k = 0; k < FAST_BLOCK; k++)                \
 			{                                                                 \
-				__u64 y = __builtin_bswap64(                              \
-					use_buf ? ((const __u64 *)s->buf)[FAST_BLOCK * b + k] \
-						: p[k]);                                  \
+				__u64 *dst = use_buf ? &((__u64 *)s->buf)[FAST_BLOCK * b + k] \
+						     : (__u64 *)&p[k];                    \
+				__u64 y = __builtin_bswap64(*dst);                        \
 				__s64 a = PAIR_FIRST(y), c = PAIR_SECOND(y);              \
 				__u32 i = 2 * (FAST_BLOCK * b + k);                       \
-				BODY;                                                     \
+				__VA_ARGS__;                                              \
 			}                                                                 \
+			s->fast_wide |= wide;                                             \
 			p += FAST_BLOCK;                                                  \
 		}                                                                         \
 		/* The last < FAST_BLOCK pairs, indexed from scratch and a fresh      \
@@ -777,9 +819,8 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 		pkt = (void *)(long)ctx->data;                                            \
 		pkt_end = (void *)(long)ctx->data_end;                                    \
 		for (k = 0; k < FAST_BLOCK; k++) {                                        \
-			const __u64 *q;                                                   \
+			__u64 *q, *dst, y, wide = 0;                                      \
 			__u32 i, off;                                                     \
-			__u64 y;                                                          \
 			__s64 a, c;                                                       \
 			if (j0 + k >= FAST_NP)                                            \
 				break;                                                    \
@@ -788,18 +829,19 @@ _Static_assert(FAST_PAIRS % FAST_BLOCK == 0, "whole blocks");
 			if (i > AGGBOX_FAST_ELEMS - 2)                                    \
 				break;                                                    \
 			if (use_buf) {                                                    \
-				y = ((const __u64 *)s->buf)[i / 2];                       \
+				dst = &((__u64 *)s->buf)[i / 2];                          \
 			} else {                                                          \
 				FAST_BOUNDED_OFF(off, s->agg_off);                        \
 				q = pkt + off + sizeof(struct aggbox_agg_hdr) + 4 * i;    \
 				if ((void *)(q + 1) > pkt_end)                            \
 					break;                                            \
-				y = *q;                                                   \
+				dst = q;                                                  \
 			}                                                                 \
-			y = __builtin_bswap64(y);                                         \
+			y = __builtin_bswap64(*dst);                                      \
 			a = PAIR_FIRST(y);                                                \
 			c = PAIR_SECOND(y);                                               \
-			BODY;                                                             \
+			__VA_ARGS__;                                                      \
+			s->fast_wide |= wide;                                             \
 		}                                                                         \
 	} while (0)
 
@@ -809,10 +851,9 @@ static __always_inline void fast_add(struct xdp_md *ctx, struct aggbox_fast_slot
 	__s64 *acc = f->acc;
 
 	/*
-	 * Three loops: the accumulators start at the op's identity (set when
-	 * the slot is taken: 0, or INT64_MIN for MAX and MIN), MIN keeps the
-	 * maximum of the negated values (fast_payload negates it back), and a
-	 * SUM of weight 1 multiplies by 1.
+	 * One loop per op: MIN keeps the maximum of the negated values
+	 * (fast_payload negates it back), and a SUM of weight 1 multiplies
+	 * by 1.
 	 */
 	if (op == AGGBOX_OP_COUNT)
 		FAST_LOOP({ acc[i] += a != 0; acc[i + 1] += c != 0; });
@@ -829,10 +870,62 @@ static __always_inline void fast_add(struct xdp_md *ctx, struct aggbox_fast_slot
 		FAST_LOOP({ acc[i] += w * a; acc[i + 1] += w * c; });
 }
 
-/* One element of an odd count, added like the loops above (under the lock). */
-static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w)
+/*
+ * The first contribution of a linear frame stores (fast_add's values):
+ * nothing fills a taken slot's accumulators. A multi-buffer frame's first
+ * contribution fills them with the op's identity (0, or INT64_MIN for MAX
+ * and MIN) and adds: one loop fewer for the verifier on a rare path.
+ */
+static __always_inline void fast_store(struct xdp_md *ctx, struct aggbox_fast_slot *f, struct aggbox_scratch *s,
+				       void *payload, void *data_end, __u8 op, __s64 w)
 {
+	const int use_buf = 0;
+	__s64 *acc = f->acc;
+
 	if (op == AGGBOX_OP_COUNT)
+		FAST_LOOP({ acc[i] = a != 0; acc[i + 1] = c != 0; });
+	else /* SUM, AVG; MAX and MIN with w the sign */
+		FAST_LOOP({ acc[i] = w * a; acc[i + 1] = w * c; });
+}
+
+/*
+ * The last contribution of a SUM in a linear frame: adds and writes the
+ * RESULT pair over its own payload in the same pass (the completion then
+ * does not read the accumulators again); scratch.fast_wide gets nonzero
+ * when some value does not fit int32 (then fast_write_exact rewrites it,
+ * clamped, from the accumulators, which keep the sums).
+ */
+static __always_inline void fast_sum_result(struct xdp_md *ctx, struct aggbox_fast_slot *f,
+					    struct aggbox_scratch *s, void *payload, void *data_end, __s64 w)
+{
+	const int use_buf = 0;
+	__s64 *acc = f->acc;
+
+	FAST_LOOP({
+		__s64 ra = acc[i] + w * a, rc = acc[i + 1] + w * c;
+
+		acc[i] = ra;
+		acc[i + 1] = rc;
+		wide |= (ra ^ (__s64)(__s32)ra) | (rc ^ (__s64)(__s32)rc);
+		*dst = __builtin_bswap64(((__u64)ra << 32) | (__u32)rc);
+	});
+}
+
+/* Every accumulator of f to `ident` (a multi-buffer frame's first contribution). */
+static __always_inline void fast_fill(struct aggbox_fast_slot *f, __s64 ident)
+{
+	__u32 j;
+
+	for (j = 0; j < AGGBOX_FAST_ELEMS; j++)
+		f->acc[j] = ident;
+}
+
+/* One element of an odd count, added like the loops above (under the lock). */
+static __always_inline void fast_add_one(__s64 *acc, __s64 v, __u8 op, __s64 w, __u32 first)
+{
+	if (first)
+		*acc = op == AGGBOX_OP_COUNT ? v != 0 : w * v;
+	else if (op == AGGBOX_OP_COUNT)
 		*acc += v != 0;
 	else if (op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN)
 		*acc = w * v > *acc ? w * v : *acc;
@@ -1252,7 +1345,7 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	payload = data + agg_off + sizeof(struct aggbox_agg_hdr);
 	op = s->op;
 	w = s->weight;
-	/* The op's identity: fast_add has no first-contributor loops. */
+	/* The op's identity (a multi-buffer frame's first contribution). */
 	ident = op == AGGBOX_OP_MAX || op == AGGBOX_OP_MIN ? (__s64)((__u64)1 << 63) : 0;
 	word = (s->rank >> 5) & (AGGBOX_BITMAP_WORDS - 1);
 	bit = 1u << (s->rank & 31);
@@ -1266,6 +1359,8 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	s->fast_taken = 0;
 	s->fast_reserved = 0;
 	s->fast_held = 0;
+	s->fast_fused = 0;
+	s->fast_wide = 0;
 	/*
 	 * A free slot is taken and committed in one lock acquisition while the
 	 * job has never used the hash-map path (job_paths clear, read under
@@ -1292,28 +1387,30 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	claim = 0;
 	code = FAST_NOT_MINE;
 	if (!fast_holds(f, s)) {
-		if (f->prev_valid && f->job == s->key.job && f->prev_round == s->key.round &&
-		    f->prev_frag_off == s->key.frag_off) {
+		if (fast_held_before(f, s)) {
 			code = AGGBOX_DROP_RETRANSMISSION;
 		} else if (token || s->fast_no_take) {
 			code = FAST_NOT_MINE;
 		} else if (f->state == FAST_EMPTY || f->job != s->key.job ||
 			   (f->state == FAST_DONE && fast_newer(f, s))) {
 			/*
-			 * Free: take it for this fragment with the op's identity
-			 * in every accumulator; committed at once (above), or
-			 * CLAIMING under this CPU's token while the caller
-			 * checks the other paths. (A stale round's unfinished
+			 * Free: take it for this fragment (its first
+			 * contribution stores into the accumulators); committed
+			 * at once (above), or CLAIMING under this CPU's token
+			 * while the caller checks the other paths. The key it
+			 * completed becomes `prev`, the one before that goes
+			 * into the history ring. (A stale round's unfinished
 			 * slot is released by the control plane's reclaim, as a
 			 * hash-map slot is.)
 			 */
+			fast_remember_prev(f, s->key.job);
 			s->fast_prev_valid = f->state == FAST_DONE && f->job == s->key.job;
 			s->fast_prev.job = f->job;
 			s->fast_prev.pad = 0;
 			s->fast_prev.round = f->round;
 			s->fast_prev.frag_off = f->frag_off;
 			f->prev_valid = s->fast_prev_valid;
-			f->prev_state = s->fast_prev_valid ? FAST_DONE : FAST_EMPTY;
+			f->prev_state = f->prev_valid ? FAST_DONE : FAST_EMPTY;
 			f->prev_round = f->round;
 			f->prev_frag_off = f->frag_off;
 			f->job = s->key.job;
@@ -1329,8 +1426,6 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 			f->weight_sum = s->weight_sum;
 			for (j = 0; j < AGGBOX_BITMAP_WORDS; j++)
 				f->bitmap[j] = 0;
-			for (j = 0; j < AGGBOX_FAST_ELEMS; j++)
-				f->acc[j] = ident;
 			if (s->fast_held && paths && !*paths) {
 				f->state = FAST_ACTIVE;
 				s->fast_taken = 1;
@@ -1363,12 +1458,28 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 			w = 1;
 		else if (op == AGGBOX_OP_MIN)
 			w = -1;
-		if (use_buf)
+		if (use_buf) {
+			if (f->done == 0)
+				fast_fill(f, ident);
 			fast_add(ctx, f, s, payload, data_end, 1, op, w);
-		else
+		} else if (f->done == 0) {
+			fast_store(ctx, f, s, payload, data_end, op, w);
+		} else if (op == AGGBOX_OP_SUM && f->done + 1 >= f->workers) {
+			s->fast_fused = 1;
+			fast_sum_result(ctx, f, s, payload, data_end, w);
+		} else {
 			fast_add(ctx, f, s, payload, data_end, 0, op, w);
-		if ((n & 1) && n - 1 < AGGBOX_FAST_ELEMS)
-			fast_add_one(&f->acc[n - 1], last, op, w);
+		}
+		if ((n & 1) && n - 1 < AGGBOX_FAST_ELEMS) {
+			fast_add_one(&f->acc[n - 1], last, op, w, f->done == 0);
+			if (s->fast_fused) {
+				/* The odd last element: fast_commit stores it. */
+				__s64 r = f->acc[n - 1];
+
+				s->chunk_n = (__u32)r;
+				s->fast_wide |= r ^ (__s64)(__s32)r;
+			}
+		}
 		f->done++;
 		if (f->done >= f->workers) {
 			f->state = FAST_RESULTING;
@@ -1419,6 +1530,8 @@ static __always_inline int fast_check(struct aggbox_scratch *s, const int may_ab
 		} else {
 			code = f->state == FAST_ACTIVE ? AGGBOX_DROP_SLOT_MISMATCH : AGGBOX_DROP_RETRANSMISSION;
 		}
+	} else if (fast_held_before(f, s)) {
+		code = AGGBOX_DROP_RETRANSMISSION; /* completed there (no `completed` marker is written) */
 	}
 	bpf_spin_unlock(&f->lock);
 	return code;
@@ -1449,7 +1562,16 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 	/* This contribution completed the fragment: its packet becomes the
 	 * RESULT (separate global functions keep each one's stack and
 	 * verifier walk small). */
-	code = fast_payload(ctx, use_buf);
+	if (s->fast_fused) {
+		/* fast_sum_result wrote the payload; exact only if some sum left
+		 * int32 (over every pair, an odd count's last one included, as
+		 * after fast_payload). */
+		s->overflow = 0;
+		s->fast_npairs = ((__u32)s->count + 1) / 2;
+		code = s->fast_wide ? FAST_EXACT : 0;
+	} else {
+		code = fast_payload(ctx, use_buf);
+	}
 	if (code == FAST_EXACT)
 		fast_write_exact(ctx, use_buf);
 	else if (code)
@@ -1468,6 +1590,22 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 
 
 /*
+ * A take-over replaced the completed fragment scratch.fast_prev. The slot
+ * remembers it with the AGGBOX_FAST_HISTORY before it: for a job with a
+ * vector length that is its last (1 + AGGBOX_FAST_HISTORY) x region
+ * fragments in index order (docs/DATAPLANE.md). A job without one indexes
+ * by fragment offset alone, so every round lands on the same few slots:
+ * its keys also go into the `completed` LRU, as the hash-map path's do.
+ */
+static __always_inline void fast_remember_completed(struct aggbox_scratch *s)
+{
+	__u32 one = 1;
+
+	if (s->fast_prev_valid && s->fast_stride == 0)
+		bpf_map_update_elem(&completed, &s->fast_prev, &one, BPF_ANY);
+}
+
+/*
  * The fast path of the entry program. Returns an outcome or drop reason, or
  * FAST_SLOW: the hash-map chain serves the contribution.
  *
@@ -1480,7 +1618,7 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
  */
 static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
-	__u32 jidx = s->jidx, idx, limit, one = 1, *paths;
+	__u32 jidx = s->jidx, idx, limit, *paths;
 	struct aggbox_job_handoff *ho;
 	struct aggbox_job_state *js;
 	struct aggbox_fast_slot *f;
@@ -1506,10 +1644,10 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 		return FAST_SLOW;
 	}
 	if (s->fast_taken) {
-		/* Taken and committed in one go: only the fragment it replaced
-		 * is left to record (late retransmissions of it). */
-		if (s->fast_prev_valid)
-			bpf_map_update_elem(&completed, &s->fast_prev, &one, BPF_ANY);
+		/* Taken and committed in one go: the fragment it replaced is
+		 * remembered by the slot (fast_held_before), and by the
+		 * `completed` LRU where that does not cover the window. */
+		fast_remember_completed(s);
 		fast_count(AGGBOX_FAST_TAKEN);
 		return code;
 	}
@@ -1522,8 +1660,7 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 	/* A full barrier between publishing and looking at the other paths. */
 	__sync_fetch_and_add(&f->fence, 1);
-	if (s->fast_prev_valid)
-		bpf_map_update_elem(&completed, &s->fast_prev, &one, BPF_ANY);
+	fast_remember_completed(s);
 	/* The job's slot bound counts fast slots too. */
 	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
 	code = 0;

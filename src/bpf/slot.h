@@ -93,10 +93,12 @@ struct aggbox_init {
  * Only EMPTY and DONE slots are taken by a new key (an unfinished slot of a
  * stale round is released by the control plane's periodic reclaim); a DONE
  * slot keeps its key, so a late retransmission of it is recognised until the
- * slot is taken, and after that through `prev`, the key it held before (the
- * taker also writes that key into the `completed` LRU, which covers it once
- * `prev` moves on). Every contribution is added under the lock in one
- * acquisition.
+ * slot is taken, then through `prev`, the key it held before, and then
+ * through `hist`, the AGGBOX_FAST_HISTORY keys before that (a ring written
+ * under the lock by the taker: no map update per fragment, and no other job
+ * can evict them). Older keys are caught by the stale-round rule once the
+ * job has completed a round more than its window ahead. Every contribution
+ * is added under the lock in one acquisition.
  */
 enum aggbox_fast_state {
 	FAST_EMPTY     = 0,
@@ -107,6 +109,8 @@ enum aggbox_fast_state {
 };
 
 #define FAST_F_SPILLED 0x01 /* the hash-map path made a record for this key */
+#define AGGBOX_FAST_HISTORY 16 /* completed keys a fast slot remembers past `prev` */
+_Static_assert((AGGBOX_FAST_HISTORY & (AGGBOX_FAST_HISTORY - 1)) == 0, "a power of two: ring index by mask");
 #define FAST_PAIRS (AGGBOX_FAST_ELEMS / 2)
 
 struct aggbox_fast_slot {
@@ -129,6 +133,10 @@ struct aggbox_fast_slot {
 	__u8  fast_flags;  /* FAST_F_* */
 	__u8  pad;
 	__u32 fence;       /* atomically added to: a full barrier (take-over vs hash path) */
+	__u16 hist_valid;  /* bit i: hist_*[i] holds a completed key of `job` */
+	__u16 hist_next;   /* next ring position (mod AGGBOX_FAST_HISTORY) */
+	__u32 hist_round[AGGBOX_FAST_HISTORY];
+	__u32 hist_frag_off[AGGBOX_FAST_HISTORY];
 	__u32 bitmap[AGGBOX_BITMAP_WORDS];
 	__s64 acc[AGGBOX_FAST_ELEMS];
 };
@@ -188,11 +196,13 @@ struct aggbox_scratch {
 	__u32 fast_npairs; /* element pairs of the RESULT being written */
 	__u32 fast_spilled;/* the completed fast slot had FAST_F_SPILLED */
 	__u8  fast_no_take;   /* fast_join may not take a free slot (overload) */
-	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
 	__u8  fast_taken;     /* fast_join took a free slot and committed at once */
 	__u8  fast_reserved;  /* fast_join's CLAIMING take already holds its slot-bound share */
 	__u8  fast_held;      /* fast_join holds a slot-bound share for a take */
-	__u8  fast_pad2[3];
+	__u8  fast_fused;     /* fast_join wrote the RESULT payload while adding (fast_sum_result) */
+	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
+	__u8  fast_pad2[6];
+	__u64 fast_wide;      /* fast_sum_result: nonzero when some sum left int32 */
 	struct aggbox_slot_key fast_prev;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
 		__attribute__((aligned(8)));
