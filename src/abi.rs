@@ -168,10 +168,12 @@ pub enum DropReason {
     SlotMismatch = -144,
     IpFragment = -145,
     TooLarge = -146,
+    PortMismatch = -147,
+    ForgedResult = -148,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 17] = [
+    pub const ALL: [DropReason; 19] = [
         DropReason::TruncatedHeader,
         DropReason::InvalidOp,
         DropReason::ReservedFlag,
@@ -189,6 +191,8 @@ impl DropReason {
         DropReason::SlotMismatch,
         DropReason::IpFragment,
         DropReason::TooLarge,
+        DropReason::PortMismatch,
+        DropReason::ForgedResult,
     ];
 
     /// Index of this reason in the stats map.
@@ -216,6 +220,8 @@ impl DropReason {
             DropReason::SlotMismatch => "slot_mismatch",
             DropReason::IpFragment => "ip_fragment",
             DropReason::TooLarge => "too_large",
+            DropReason::PortMismatch => "port_mismatch",
+            DropReason::ForgedResult => "forged_result",
         }
     }
 }

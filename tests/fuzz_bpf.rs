@@ -282,7 +282,19 @@ impl Model {
             return na(0);
         }
         let bytes = ulen as u64;
-        if !self.ports.contains(&be16(f, u + 2)) {
+        let dport = be16(f, u + 2);
+        if !self.ports.contains(&dport) {
+            // A RESULT-shaped AGG1 to its job's result port: forged.
+            let p = u + 8;
+            if frag & 0x2000 == 0
+                && ulen >= 24
+                && f.len() >= p + 24
+                && be32(f, p) == abi::MAGIC_AGG
+                && f[p + 21] & abi::AGG_F_RESULT != 0
+                && self.jobs.get(&be16(f, p + 4)).is_some_and(|j| j.result_port == dport)
+            {
+                return Expect::drop(D::ForgedResult, bytes);
+            }
             return na(bytes);
         }
         if frag & 0x2000 != 0 {
@@ -317,6 +329,9 @@ impl Model {
         let Some(cfg) = self.jobs.get(&job) else {
             return Expect::drop(D::UnknownJob, bytes);
         };
+        if cfg.port != dport {
+            return Expect::drop(D::PortMismatch, bytes);
+        }
         if rank as usize >= cfg.ranks.len() {
             return Expect::drop(D::RankOutOfRange, bytes);
         }

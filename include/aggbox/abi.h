@@ -129,9 +129,11 @@ enum aggbox_drop_reason {
 	AGGBOX_DROP_SLOT_MISMATCH     = -144, /* op/count differ from the slot's first contribution */
 	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 fragment: AggBox forbids IP fragmentation */
 	AGGBOX_DROP_TOO_LARGE         = -146, /* count above what this build aggregates in the kernel */
+	AGGBOX_DROP_PORT_MISMATCH     = -147, /* the job is not the job of the port it was sent to */
+	AGGBOX_DROP_FORGED_RESULT     = -148, /* a RESULT from the network to its job's result port */
 };
 #define AGGBOX_DROP_FIRST AGGBOX_DROP_TRUNCATED_HEADER
-#define AGGBOX_DROP_LAST  AGGBOX_DROP_TOO_LARGE
+#define AGGBOX_DROP_LAST  AGGBOX_DROP_FORGED_RESULT
 
 /* Outcomes that are not drops. */
 enum aggbox_outcome {

@@ -1695,6 +1695,37 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 }
 
 /*
+ * A datagram to a UDP port that is no job's: a RESULT-shaped AGG1 (magic,
+ * RESULT flag, a job of this node) to that job's result port is dropped.
+ * Only this node's own aggregation makes those (the entry program passes
+ * them up the stack and never sees them again), and TC ingress routes what
+ * arrives there as one (copies to the result group, upstream as this
+ * node's contribution): PROTOCOL.md, "only RESULTs this node's own
+ * aggregation produced go upstream". IP fragments are left to TC ingress,
+ * which never routes one.
+ */
+static __always_inline int result_from_network(void *pos, void *data_end, int len, __u16 frag, __u32 port)
+{
+	struct aggbox_agg_hdr *agg = pos;
+	struct aggbox_job *job;
+	__u32 jidx, *index;
+
+	if ((frag & IP_MF) || len < (int)sizeof(*agg) || (void *)(agg + 1) > data_end)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	if (agg->magic != bpf_htonl(AGGBOX_MAGIC_AGG) || !(agg->flags & AGGBOX_AGG_F_RESULT))
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	jidx = bpf_ntohs(agg->job);
+	index = bpf_map_lookup_elem(&job_index, &jidx);
+	if (!index || *index == 0 || *index > AGGBOX_MAX_JOBS)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	jidx = *index - 1;
+	job = bpf_map_lookup_elem(&jobs, &jidx);
+	if (!job || !job->workers || job->id != bpf_ntohs(agg->job) || job->result_port != port)
+		return AGGBOX_OUTCOME_NOT_AGGBOX;
+	return AGGBOX_DROP_FORGED_RESULT;
+}
+
+/*
  * Validate one AGG1 contribution in the order of PROTOCOL.md. Returns an
  * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
  * once known.
@@ -1739,7 +1770,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	port_key = bpf_ntohs(udph->dest);
 	port = bpf_map_lookup_elem(&ports, &port_key);
 	if (!port || !port->jobs)
-		return AGGBOX_OUTCOME_NOT_AGGBOX;
+		return result_from_network(nh.pos, data_end, len, frag, port_key);
 
 	/* First fragment of a fragmented datagram to a job port. */
 	if (frag & IP_MF)
@@ -1791,6 +1822,10 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	job = bpf_map_lookup_elem(&jobs, &jidx);
 	if (!job || job->id != job_id || !job->workers)
 		return AGGBOX_DROP_UNKNOWN_JOB; /* being reconfigured: a bug if it lasts */
+	/* A port serves one job (PROTOCOL.md): another job's datagram sent to
+	 * it never reaches that job's slots. Not charged to the job it names. */
+	if (job->port != port_key)
+		return AGGBOX_DROP_PORT_MISMATCH;
 	/* From here on every outcome is the job's too (job_stats, stats.h). */
 	s->key.job = job_id;
 	s->jidx = jidx;
