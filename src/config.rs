@@ -2,9 +2,10 @@
 //! is attached.
 //!
 //! The schema is the one of `spec/INTERFACE.md` (`[node]`, `[[job]]`,
-//! `[[group]]`) plus three job keys this project adds, `userspace_only`,
-//! `window` and `userspace_slots`, and one node key, `userspace_path`
-//! (`"required"`, the default, or `"optional"`: see [`UserspacePathMode`]). `deploy/aggbox.example.toml` is a commented, valid example.
+//! `[[group]]`) plus four job keys this project adds, `userspace_only`,
+//! `window`, `userspace_slots` and `userspace_slot_bytes`, and two node keys,
+//! `userspace_path` (`"required"`, the default, or `"optional"`: see
+//! [`UserspacePathMode`]) and `userspace_slot_bytes`. `deploy/aggbox.example.toml` is a commented, valid example.
 //!
 //! # Why a hand-written walk instead of `#[derive(Deserialize)]`
 //!
@@ -87,6 +88,21 @@ pub const DEFAULT_WINDOW: u32 = 4;
 /// Default bound on a job's slots on the user-space path.
 pub const DEFAULT_USERSPACE_SLOTS: u32 = 16384;
 
+/// Default bound, in bytes, on the slot memory one job may hold on the
+/// user-space path (64 MiB): the default `userspace_slots` at MTU 1500
+/// (16,384 × 362 elements × 8 B ≈ 45 MiB plus per-slot overhead) fits; with
+/// jumbo frames (16,370 elements, ~128 KiB a slot) the bytes bind first.
+pub const DEFAULT_USERSPACE_SLOT_BYTES_JOB: u64 = 64 << 20;
+
+/// Default bound, in bytes, on the slot memory of all jobs together on the
+/// user-space path of one node (256 MiB).
+pub const DEFAULT_USERSPACE_SLOT_BYTES_NODE: u64 = 256 << 20;
+
+/// Smallest accepted `userspace_slot_bytes` (1 MiB, room for several slots
+/// of the largest datagram): a smaller value is almost surely a unit slip
+/// (`64` meant as MiB) and would refuse every jumbo slot.
+pub const MIN_USERSPACE_SLOT_BYTES: u64 = 1 << 20;
+
 /// Largest `window`: rounds are u32 sequence numbers compared modulo 2^32,
 /// which is only unambiguous for distances below 2^31.
 pub const MAX_WINDOW: u32 = i32::MAX as u32;
@@ -123,6 +139,9 @@ pub struct NodeConfig {
     /// `userspace_path`: whether `aggbox attach` may go on without the
     /// user-space (AF_XDP) path.
     pub userspace_path: UserspacePathMode,
+    /// `userspace_slot_bytes`: bound on the slot memory of all jobs together
+    /// on the user-space path, bytes (>= [`MIN_USERSPACE_SLOT_BYTES`]).
+    pub userspace_slot_bytes: u64,
 }
 
 /// `[node] userspace_path`: what `aggbox attach` does when the user-space
@@ -160,6 +179,7 @@ impl Default for NodeConfig {
             ack_mode: AckMode::Group,
             ack_group: MAX_ACK_GROUP,
             userspace_path: UserspacePathMode::Required,
+            userspace_slot_bytes: DEFAULT_USERSPACE_SLOT_BYTES_NODE,
         }
     }
 }
@@ -226,6 +246,10 @@ pub struct JobConfig {
     /// slot of ops 5..8 / FLOAT32), so one job cannot take that path's
     /// memory from the others.
     pub userspace_slots: u32,
+    /// Bound on the bytes of slot memory this job may hold on the user-space
+    /// path (>= [`MIN_USERSPACE_SLOT_BYTES`]): with jumbo frames a slot holds
+    /// up to 16,370 elements, so the slot count alone does not bound memory.
+    pub userspace_slot_bytes: u64,
 }
 
 impl JobConfig {
@@ -424,7 +448,21 @@ struct ParsedGroup {
     id_at: usize,
 }
 
-const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path"];
+const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path", "userspace_slot_bytes"];
+
+/// `userspace_slot_bytes` (node or job): an integer of bytes, at least
+/// [`MIN_USERSPACE_SLOT_BYTES`].
+fn slot_bytes(src: &Source<'_>, key: &str, v: &Spanned<Value>) -> Result<u64, ConfigError> {
+    Ok(int_in(
+        src,
+        key,
+        v,
+        MIN_USERSPACE_SLOT_BYTES as i64,
+        i64::MAX,
+        "a byte bound",
+        "bytes, at least 1 MiB",
+    )? as u64)
+}
 
 fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigError> {
     let mut t = Table::from_value(src, "node".into(), v, NODE_KEYS)?;
@@ -491,6 +529,9 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
             "one AGK1 covers at most 1024 sequence numbers",
         )? as u16;
     }
+    if let Some(v) = t.take("userspace_slot_bytes") {
+        node.userspace_slot_bytes = slot_bytes(src, &t.key("userspace_slot_bytes"), &v)?;
+    }
     Ok(node)
 }
 
@@ -507,6 +548,7 @@ const JOB_KEYS: &[&str] = &[
     "userspace_only",
     "window",
     "userspace_slots",
+    "userspace_slot_bytes",
 ];
 
 fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<ParsedJob, ConfigError> {
@@ -609,6 +651,10 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         )? as u32,
         None => DEFAULT_USERSPACE_SLOTS,
     };
+    let userspace_slot_bytes = match t.take("userspace_slot_bytes") {
+        Some(v) => slot_bytes(src, &t.key("userspace_slot_bytes"), &v)?,
+        None => DEFAULT_USERSPACE_SLOT_BYTES_JOB,
+    };
 
     Ok(ParsedJob {
         config: JobConfig {
@@ -624,6 +670,7 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
             userspace_only,
             window,
             userspace_slots,
+            userspace_slot_bytes,
         },
         path: t.path,
         id_at: id_v.span().start,

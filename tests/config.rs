@@ -84,6 +84,7 @@ fn check_interface_example(c: &Config) {
             ack_mode: AckMode::Group,
             ack_group: 1024,
             userspace_path: UserspacePathMode::Required,
+            userspace_slot_bytes: aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_NODE,
         }
     );
     assert_eq!(c.jobs.len(), 1);
@@ -746,6 +747,27 @@ fn ack_group_must_be_1_to_1024() {
         "node.ack_group",
         "at most 1024 sequence numbers",
     );
+}
+
+#[test]
+fn userspace_slot_bytes_is_read_and_bounded() {
+    use aggbox::config::{DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_USERSPACE_SLOT_BYTES_NODE};
+    let c = parse(JOB7);
+    assert_eq!(c.node.userspace_slot_bytes, DEFAULT_USERSPACE_SLOT_BYTES_NODE);
+    assert_eq!(c.jobs[0].userspace_slot_bytes, DEFAULT_USERSPACE_SLOT_BYTES_JOB);
+    assert_eq!((DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_USERSPACE_SLOT_BYTES_NODE), (64 << 20, 256 << 20));
+    let c = parse(&format!("[node]\nuserspace_slot_bytes = 536870912\n\n{JOB7}userspace_slot_bytes = 1048576\n"));
+    assert_eq!(c.node.userspace_slot_bytes, 512 << 20);
+    assert_eq!(c.jobs[0].userspace_slot_bytes, 1 << 20);
+    expect_error(
+        &format!("{JOB7}userspace_slot_bytes = 65536\n"),
+        6,
+        "job[0].userspace_slot_bytes",
+        "65536 is not a byte bound (1048576..=9223372036854775807: bytes, at least 1 MiB)",
+    );
+    expect_error("[node]\nuserspace_slot_bytes = 64\n", 2, "node.userspace_slot_bytes", "64 is not a byte bound");
+    expect_error("[node]\nuserspace_slot_bytes = -1\n", 2, "node.userspace_slot_bytes", "-1 is not a byte bound");
+    expect_error("[node]\nuserspace_slot_bytes = \"64MiB\"\n", 2, "node.userspace_slot_bytes", "integer");
 }
 
 #[test]
