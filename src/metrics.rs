@@ -339,6 +339,11 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
     for reason in abi::DropReason::ALL {
         drops.push(&[("iface", iface), ("reason", reason.label())], s.drop(reason) as f64);
     }
+    // The path's own reasons: a new slot past the job's or the node's
+    // `userspace_slot_bytes`.
+    for refusal in crate::userspace::Refusal::OWN {
+        drops.push(&[("iface", iface), ("reason", refusal.label())], s.refused(refusal) as f64);
+    }
     let mut slots = Family::gauge("aggbox_userspace_slots_active", "Slots held by the user-space path.");
     slots.push(&labels, s.slots_in_use as f64);
     let mut job_slots = Family::gauge("aggbox_userspace_job_slots_active", "Slots a job holds on the user-space path.");
@@ -347,6 +352,17 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
         let job = job.to_string();
         job_slots.push(&[("iface", iface), ("job", job.as_str())], *used as f64);
         job_limit.push(&[("iface", iface), ("job", job.as_str())], *limit as f64);
+    }
+    let mut bytes = Family::gauge("aggbox_userspace_slot_bytes", "Bytes of slot memory held by the user-space path (all jobs).");
+    bytes.push(&labels, s.slot_bytes as f64);
+    let mut bytes_limit = Family::gauge("aggbox_userspace_slot_bytes_limit", "Bound on the user-space path's slot memory of all jobs (config [node] userspace_slot_bytes).");
+    bytes_limit.push(&labels, s.slot_bytes_limit as f64);
+    let mut job_bytes = Family::gauge("aggbox_userspace_job_slot_bytes", "Bytes of slot memory a job holds on the user-space path.");
+    let mut job_bytes_limit = Family::gauge("aggbox_userspace_job_slot_bytes_limit", "Bound on a job's slot memory on the user-space path (config userspace_slot_bytes).");
+    for (job, (used, limit)) in &s.slot_bytes_by_job {
+        let job = job.to_string();
+        job_bytes.push(&[("iface", iface), ("job", job.as_str())], *used as f64);
+        job_bytes_limit.push(&[("iface", iface), ("job", job.as_str())], *limit as f64);
     }
     let mut overload = Family::counter("aggbox_userspace_overload_events_total", "Times a job's new slots were handed to user space because its kernel pool stayed full.");
     overload.push(&labels, s.overload_events as f64);
@@ -378,7 +394,10 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
     m.set_histogram(h);
     latency.mut_metric().push(m);
 
-    vec![received, accepted, results, send_errors, drops, slots, job_slots, job_limit, overload, in_overload, Family { family: latency }]
+    vec![
+        received, accepted, results, send_errors, drops, slots, job_slots, job_limit, bytes, bytes_limit, job_bytes,
+        job_bytes_limit, overload, in_overload, Family { family: latency },
+    ]
 }
 
 /// The text exposition of one scrape: kernel families plus [`registry`].

@@ -22,6 +22,14 @@
 //! Start it inside the interface's network namespace (sockets and AF_XDP
 //! bindings are made in the calling thread's namespace), after the jobs are
 //! written into the maps; see [`UserspacePath::start`].
+//!
+//! The slots themselves live in a [`SlotTable`], which has no socket, no map
+//! and no clock of its own (the worker hands it each datagram and the time),
+//! so its rules and its memory bounds can be driven and tested directly.
+//! Memory is bounded twice per new slot: by the job's slot count
+//! (`userspace_slots`) and by bytes, per job (`[[job]]
+//! userspace_slot_bytes`) and per node (`[node] userspace_slot_bytes`); see
+//! [`slot_bytes`] for what a slot is charged.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -35,6 +43,7 @@ use anyhow::{anyhow, Context, Result};
 use crate::abi::{self, DropReason};
 use crate::config::Config;
 use crate::dataplane::{Dataplane, KernelMaps};
+use crate::abi::Op;
 use crate::proto;
 use crate::reducer::Accumulator;
 use crate::xsk::{self, XskConfig, XskSocket, XskStats};
@@ -124,6 +133,66 @@ impl LatencyHistogram {
     }
 }
 
+/// Why the user-space path refused a contribution. Counted in
+/// [`UserspaceStats::drops`] under [`Refusal::label`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// A rule shared with the kernel; the kernel's label.
+    Drop(DropReason),
+    /// A new slot would take the job's slot memory past its
+    /// `userspace_slot_bytes` ([`DROP_SLOT_BYTES_JOB`]).
+    JobSlotBytes,
+    /// A new slot would take the slot memory of all jobs past the node's
+    /// `userspace_slot_bytes` ([`DROP_SLOT_BYTES_NODE`]).
+    NodeSlotBytes,
+}
+
+/// Drop label of [`Refusal::JobSlotBytes`] (metrics `reason`).
+pub const DROP_SLOT_BYTES_JOB: &str = "slot_bytes_job";
+/// Drop label of [`Refusal::NodeSlotBytes`] (metrics `reason`).
+pub const DROP_SLOT_BYTES_NODE: &str = "slot_bytes_node";
+
+impl Refusal {
+    /// The refusals only this path makes (the kernel bounds its slots by
+    /// count: its values have a fixed size).
+    pub const OWN: [Refusal; 2] = [Refusal::JobSlotBytes, Refusal::NodeSlotBytes];
+
+    /// Label used in metrics and the stats (snake case).
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Drop(reason) => reason.label(),
+            Refusal::JobSlotBytes => DROP_SLOT_BYTES_JOB,
+            Refusal::NodeSlotBytes => DROP_SLOT_BYTES_NODE,
+        }
+    }
+}
+
+impl From<DropReason> for Refusal {
+    fn from(reason: DropReason) -> Self {
+        Refusal::Drop(reason)
+    }
+}
+
+/// Fixed bytes charged per user-space slot on top of its elements: the
+/// slot and its key in the job's hash table, counted twice (a table that
+/// grew to hold the job's peak is at worst half full and never shrinks),
+/// plus the accumulator's heap allocation header.
+pub const SLOT_FIXED_BYTES: usize = 2 * (std::mem::size_of::<((u32, u32), Slot)>() + 1) + 16;
+
+/// Bytes a new slot is charged against the byte bounds: [`SLOT_FIXED_BYTES`]
+/// plus 8 B per element (the widest accumulator a valid config makes: i64
+/// for int SUM/AVG, f64 for PROD and float SUM/AVG; the others use 4 B and
+/// are charged 8), or 16 B for int SUM/AVG of a job whose Σ|weight| × 2^31
+/// does not fit an i64 (the accumulator then widens to i128; config weights
+/// of at most 2^23 never get there).
+pub fn slot_bytes(op: Op, float: bool, count: usize, weight_abs_sum: u64) -> usize {
+    let huge = !float
+        && matches!(op, Op::Sum | Op::Avg)
+        && u128::from(weight_abs_sum) << 31 > i64::MAX as u128;
+    let per_element = if huge { 16 } else { 8 };
+    SLOT_FIXED_BYTES.saturating_add(count.saturating_mul(per_element))
+}
+
 /// Counters of the user-space path (a snapshot, for metrics and status).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct UserspaceStats {
@@ -137,7 +206,8 @@ pub struct UserspaceStats {
     pub results: u64,
     /// RESULTs that could not be sent (sendto failed).
     pub result_send_errors: u64,
-    /// Dropped contributions by [`DropReason::label`].
+    /// Dropped contributions by [`Refusal::label`] (the kernel's
+    /// [`DropReason::label`] or this path's own memory bounds).
     pub drops: BTreeMap<&'static str, u64>,
     /// First contribution → RESULT latency.
     pub latency: LatencyHistogram,
@@ -145,6 +215,12 @@ pub struct UserspaceStats {
     pub slots_in_use: usize,
     /// Slots held per job, with the job's bound: (in use, limit).
     pub slots_by_job: BTreeMap<u16, (usize, usize)>,
+    /// Bytes of slot memory held (all jobs), as charged by [`slot_bytes`].
+    pub slot_bytes: usize,
+    /// The node's bound on them (`[node] userspace_slot_bytes`).
+    pub slot_bytes_limit: usize,
+    /// Bytes of slot memory per job, with the job's bound: (in use, limit).
+    pub slot_bytes_by_job: BTreeMap<u16, (usize, usize)>,
     /// Times a job entered overload.
     pub overload_events: u64,
     /// Jobs in overload right now.
@@ -163,13 +239,19 @@ impl UserspaceStats {
         self.drops.get(reason.label()).copied().unwrap_or(0)
     }
 
+    /// Contributions refused for `refusal` (any reason, including this
+    /// path's own memory bounds).
+    pub fn refused(&self, refusal: Refusal) -> u64 {
+        self.drops.get(refusal.label()).copied().unwrap_or(0)
+    }
+
     /// All dropped packets.
     pub fn dropped(&self) -> u64 {
         self.drops.values().sum()
     }
 
-    fn count_drop(&mut self, reason: DropReason) {
-        *self.drops.entry(reason.label()).or_insert(0) += 1;
+    fn count_drop(&mut self, refusal: Refusal) {
+        *self.drops.entry(refusal.label()).or_insert(0) += 1;
     }
 }
 
@@ -197,6 +279,8 @@ impl std::fmt::Debug for UserspacePath {
 struct JobInfo {
     ranks: Vec<(u32, i32)>, // (IPv4 address as in the packet, weight)
     weight_sum: i64,
+    /// Σ|weight|: decides the accumulator's width (see [`slot_bytes`]).
+    weight_abs_sum: u64,
     result_port: u16,
     vector_len: u32,
     slots: u32,
@@ -205,6 +289,8 @@ struct JobInfo {
     window: u32,
     /// This job's bound on user-space slots (config `userspace_slots`).
     userspace_slots: usize,
+    /// This job's bound on user-space slot bytes (`userspace_slot_bytes`).
+    slot_bytes: usize,
 }
 
 /// One user-space slot.
@@ -220,6 +306,8 @@ struct Slot {
     /// The kernel recorded this slot in `slot_owner`: completion writes its
     /// `completed` marker and removes the record.
     kernel_owned_record: bool,
+    /// What this slot is charged against the byte bounds ([`slot_bytes`]).
+    bytes: usize,
 }
 
 /// Runtime state of one job on this path.
@@ -233,6 +321,8 @@ struct JobRt {
     result_seq: u32,
     handoff: abi::JobHandoff,
     above_since: Option<Instant>,
+    /// Sum of the `bytes` of `slots`.
+    bytes: usize,
 }
 
 fn serial_newer(a: u32, b: u32) -> bool {
@@ -247,23 +337,334 @@ impl JobRt {
     }
 }
 
-struct Worker {
+/// The user-space slots of every job, with the kernel's rules and this
+/// path's bounds (slot count per job, slot bytes per job and per node). No
+/// I/O: [`SlotTable::contribute`] takes a datagram and its source address
+/// and returns the RESULT to send, if it completed a slot; the caller writes
+/// the kernel's `completed` marker, deletes the `slot_owner` record and sends.
+#[derive(Debug)]
+pub struct SlotTable {
     jobs: HashMap<u16, JobInfo>,
     rt: HashMap<u16, JobRt>,
+    /// Overall cap on a job's slot count ([`UserspaceOptions::max_slots_per_job`]).
+    max_slots_per_job: usize,
+    completed_per_job: usize,
+    /// The node's bound on slot bytes (`[node] userspace_slot_bytes`).
+    node_slot_bytes: usize,
+    /// Sum of the jobs' `bytes`.
+    bytes: usize,
+    stats: UserspaceStats,
+}
+
+/// A slot completed by [`SlotTable::contribute`]: its RESULT and what the
+/// caller still owes the kernel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The slot's job.
+    pub job: u16,
+    /// The slot's round.
+    pub round: u32,
+    /// The slot's fragment offset.
+    pub frag_off: u32,
+    /// The job's `result_port`: where the RESULT goes on the node.
+    pub result_port: u16,
+    /// The RESULT datagram (AGG1 header + payload).
+    pub result: Vec<u8>,
+    /// The kernel recorded this fragment in `slot_owner`: write its
+    /// `completed` marker, then delete the record.
+    pub kernel_owned_record: bool,
+    /// The job's newest completed round advanced: publish this in
+    /// `job_handoff` (after the marker).
+    pub handoff: Option<abi::JobHandoff>,
+}
+
+fn usize_of(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+impl SlotTable {
+    /// An empty table for the jobs of `config`, bounded by their
+    /// `userspace_slots` and `userspace_slot_bytes`, the node's
+    /// `userspace_slot_bytes`, and `opts.max_slots_per_job`.
+    pub fn new(config: &Config, opts: &UserspaceOptions) -> SlotTable {
+        let mut jobs = HashMap::new();
+        for j in &config.jobs {
+            let weights = if j.weights.len() == j.workers.len() {
+                j.weights.clone()
+            } else {
+                vec![1; j.workers.len()]
+            };
+            jobs.insert(
+                j.id,
+                JobInfo {
+                    ranks: j
+                        .workers
+                        .iter()
+                        .zip(&weights)
+                        .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
+                        .collect(),
+                    weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
+                    weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),
+                    result_port: j.result_port,
+                    vector_len: j.vector_len.unwrap_or(0),
+                    slots: j.slots,
+                    userspace_only: j.userspace_only,
+                    window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
+                    userspace_slots: j.userspace_slots as usize,
+                    slot_bytes: usize_of(j.userspace_slot_bytes),
+                },
+            );
+        }
+        SlotTable {
+            jobs,
+            rt: HashMap::new(),
+            max_slots_per_job: opts.max_slots_per_job,
+            completed_per_job: opts.completed_per_job,
+            node_slot_bytes: usize_of(config.node.userspace_slot_bytes),
+            bytes: 0,
+            stats: UserspaceStats::default(),
+        }
+    }
+
+    /// Slots held (all jobs).
+    pub fn slots_in_use(&self) -> usize {
+        self.rt.values().map(|r| r.slots.len()).sum()
+    }
+
+    /// Bytes of slot memory held (all jobs), as charged by [`slot_bytes`].
+    pub fn bytes_in_use(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes of slot memory `job` holds.
+    pub fn job_bytes_in_use(&self, job: u16) -> usize {
+        self.rt.get(&job).map_or(0, |r| r.bytes)
+    }
+
+    /// The counters, with the slot and byte figures of now.
+    pub fn stats(&self) -> UserspaceStats {
+        let mut s = self.stats.clone();
+        s.slots_in_use = self.slots_in_use();
+        s.slots_by_job = self
+            .jobs
+            .iter()
+            .map(|(id, job)| {
+                let used = self.rt.get(id).map_or(0, |r| r.slots.len());
+                (*id, (used, job.userspace_slots.min(self.max_slots_per_job)))
+            })
+            .collect();
+        s.slot_bytes = self.bytes;
+        s.slot_bytes_limit = self.node_slot_bytes;
+        s.slot_bytes_by_job = self
+            .jobs
+            .iter()
+            .map(|(id, job)| (*id, (self.job_bytes_in_use(*id), job.slot_bytes)))
+            .collect();
+        s.jobs_in_overload = self
+            .rt
+            .iter()
+            .filter(|(_, r)| r.handoff.flags & abi::HANDOFF_F_OVERLOAD != 0)
+            .map(|(&id, _)| id)
+            .collect();
+        s.jobs_in_overload.sort_unstable();
+        s
+    }
+
+    /// Add one AGG1 datagram `dgram` that arrived from `saddr` at `now`.
+    /// `Ok(Some(_))`: it completed its slot (exactly once per slot);
+    /// `Ok(None)`: added, the slot waits for more ranks; `Err`: refused and
+    /// counted in the stats under [`Refusal::label`], nothing changed.
+    pub fn contribute(
+        &mut self,
+        saddr: Ipv4Addr,
+        dgram: &[u8],
+        now: Instant,
+    ) -> Result<Option<Completion>, Refusal> {
+        let result = self.add(u32::from_ne_bytes(saddr.octets()), dgram, now);
+        if let Err(refusal) = result {
+            self.stats.count_drop(refusal);
+        }
+        result
+    }
+
+    fn add(&mut self, saddr: u32, dgram: &[u8], now: Instant) -> Result<Option<Completion>, Refusal> {
+        let (hdr, values) = proto::split_agg(dgram)
+            .map_err(|e| e.drop_reason().unwrap_or(DropReason::TruncatedHeader))?;
+        let job = self.jobs.get(&hdr.job).ok_or(DropReason::UnknownJob)?;
+        let &(addr, weight) = job
+            .ranks
+            .get(usize::from(hdr.rank))
+            .ok_or(DropReason::RankOutOfRange)?;
+        if addr != saddr {
+            return Err(DropReason::SourceMismatch.into());
+        }
+        if job.vector_len != 0
+            && u64::from(hdr.frag_off) + u64::from(hdr.count) > u64::from(job.vector_len)
+        {
+            return Err(DropReason::BeyondVector.into());
+        }
+        let workers = job.ranks.len() as u16;
+        let float = hdr.is_float();
+        let kernel_record = !job.userspace_only && !float && hdr.op.runs_in_kernel();
+        let rt = self.rt.entry(hdr.job).or_default();
+        if rt.is_stale(hdr.round, job.window) {
+            return Err(DropReason::StaleRound.into());
+        }
+        let key = (hdr.round, hdr.frag_off);
+        if rt.completed.contains(&key) {
+            return Err(DropReason::Retransmission.into());
+        }
+        if !rt.slots.contains_key(&key) {
+            // The job's own bound (config), under the path's overall cap.
+            if rt.slots.len() >= job.userspace_slots.min(self.max_slots_per_job) {
+                return Err(DropReason::SlotPoolFull.into());
+            }
+            // Then the memory a new slot would take, for the job and for
+            // the node, before anything is allocated.
+            let bytes = slot_bytes(hdr.op, float, usize::from(hdr.count), job.weight_abs_sum);
+            if rt.bytes.saturating_add(bytes) > job.slot_bytes {
+                return Err(Refusal::JobSlotBytes);
+            }
+            if self.bytes.saturating_add(bytes) > self.node_slot_bytes {
+                return Err(Refusal::NodeSlotBytes);
+            }
+            let acc = Accumulator::new(hdr.op, usize::from(hdr.count), float)
+                .map_err(|_| DropReason::InvalidOp)?;
+            rt.bytes += bytes;
+            self.bytes += bytes;
+            rt.slots.insert(
+                key,
+                Slot {
+                    acc,
+                    bitmap: [0; 4],
+                    done: 0,
+                    carried: 0,
+                    first_at: now,
+                    kernel_owned_record: kernel_record,
+                    bytes,
+                },
+            );
+        }
+        let Some(slot) = rt.slots.get_mut(&key) else {
+            return Err(DropReason::SlotPoolFull.into());
+        };
+        if slot.acc.op() != hdr.op
+            || slot.acc.count() != usize::from(hdr.count)
+            || slot.acc.is_float() != float
+        {
+            return Err(DropReason::SlotMismatch.into());
+        }
+        let (word, bit) = (usize::from(hdr.rank / 64), 1u64 << (hdr.rank % 64));
+        if slot.bitmap[word] & bit != 0 {
+            return Err(DropReason::Retransmission.into());
+        }
+        slot.acc
+            .add_be_bytes(values, weight)
+            .map_err(|_| DropReason::SlotMismatch)?;
+        slot.bitmap[word] |= bit;
+        slot.done += 1;
+        slot.carried |= hdr.flags & abi::AGG_F_CARRIED;
+        self.stats.accepted += 1;
+        if slot.done < workers {
+            return Ok(None);
+        }
+
+        // Complete: exactly once, the slot leaves the map here, and its
+        // bytes leave the bounds with it.
+        let Some(slot) = rt.slots.remove(&key) else {
+            return Ok(None);
+        };
+        rt.bytes -= slot.bytes;
+        self.bytes -= slot.bytes;
+        let res = match slot.acc.finish_with_weight_sum(job.weight_sum) {
+            Ok(r) => r,
+            Err(_) => return Err(DropReason::SlotMismatch.into()),
+        };
+        let seq = rt.result_seq;
+        rt.result_seq = rt.result_seq.wrapping_add(1);
+        let flags = abi::AGG_F_RESULT | res.flags() | slot.carried;
+        let out_hdr = proto::AggHeader {
+            job: hdr.job,
+            rank: abi::RESULT_RANK,
+            seq,
+            round: hdr.round,
+            frag_off: hdr.frag_off,
+            op: hdr.op,
+            flags,
+            count: hdr.count,
+        };
+        let mut result = Vec::with_capacity(out_hdr.datagram_len());
+        proto::write_agg_header(&out_hdr, &mut result);
+        res.write_be(&mut result);
+
+        rt.completed.insert(key);
+        rt.completed_fifo.push_back(key);
+        while rt.completed_fifo.len() > self.completed_per_job {
+            if let Some(old) = rt.completed_fifo.pop_front() {
+                rt.completed.remove(&old);
+            }
+        }
+        let mut handoff = None;
+        if rt.newest.is_none_or(|n| serial_newer(hdr.round, n)) {
+            rt.newest = Some(hdr.round);
+            rt.handoff.newest_round = hdr.round;
+            rt.handoff.completed = rt.handoff.completed.wrapping_add(1).max(1);
+            handoff = Some(rt.handoff);
+        }
+        self.stats.latency.record(now.saturating_duration_since(slot.first_at));
+        Ok(Some(Completion {
+            job: hdr.job,
+            round: hdr.round,
+            frag_off: hdr.frag_off,
+            result_port: job.result_port,
+            result,
+            kernel_owned_record: slot.kernel_owned_record,
+            handoff,
+        }))
+    }
+
+    /// Remove the slots of stale rounds (they can never complete) and give
+    /// back their bytes; returns the keys whose `slot_owner` record the
+    /// caller deletes (slots the kernel recorded).
+    pub fn collect_stale(&mut self) -> Vec<abi::SlotKey> {
+        let mut records = Vec::new();
+        for (&id, job) in &self.jobs {
+            let Some(rt) = self.rt.get_mut(&id) else { continue };
+            let stale: Vec<(u32, u32)> = rt
+                .slots
+                .keys()
+                .filter(|(round, _)| rt.is_stale(*round, job.window))
+                .copied()
+                .collect();
+            for key in stale {
+                if let Some(slot) = rt.slots.remove(&key) {
+                    rt.bytes -= slot.bytes;
+                    self.bytes -= slot.bytes;
+                    if slot.kernel_owned_record {
+                        records.push(abi::SlotKey { job: id, pad: 0, round: key.0, frag_off: key.1 });
+                    }
+                    self.stats.stale_slots_collected += 1;
+                }
+            }
+        }
+        records
+    }
+}
+
+struct Worker {
+    table: SlotTable,
     maps: Arc<KernelMaps>,
     sockets: Vec<XskSocket>,
     result_sock: UdpSocket,
     stats: Arc<Mutex<UserspaceStats>>,
-    local: UserspaceStats,
     opts: UserspaceOptions,
-    out: Vec<u8>,
     last_reclaim: Instant,
 }
 
 /// A parsed frame: addresses and the UDP payload's range.
 struct Parsed {
-    saddr: u32,
-    daddr: u32,
+    saddr: Ipv4Addr,
+    daddr: Ipv4Addr,
     payload: std::ops::Range<usize>,
 }
 
@@ -287,8 +688,8 @@ fn parse_frame(f: &[u8]) -> Option<Parsed> {
     if ihl < 20 {
         return None;
     }
-    let saddr = u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]);
-    let daddr = u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]);
+    let saddr = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let daddr = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
     let udp = off + ihl;
     let h = f.get(udp..udp + 8)?;
     let ulen = usize::from(u16::from_be_bytes([h[4], h[5]]));
@@ -304,155 +705,42 @@ fn parse_frame(f: &[u8]) -> Option<Parsed> {
 
 impl Worker {
     fn handle(&mut self, frame: &[u8]) {
-        self.local.received += 1;
+        self.table.stats.received += 1;
         let Some(p) = parse_frame(frame) else {
-            self.local.count_drop(DropReason::TruncatedHeader);
+            self.table.stats.count_drop(DropReason::TruncatedHeader.into());
             return;
         };
         let payload = &frame[p.payload.clone()];
-        self.local.received_bytes += payload.len() as u64;
-        let result = self.contribute(&p, payload);
-        if let Err(reason) = result {
-            self.local.count_drop(reason);
+        self.table.stats.received_bytes += payload.len() as u64;
+        if let Ok(Some(done)) = self.table.contribute(p.saddr, payload, Instant::now()) {
+            self.deliver(&p, &done);
         }
     }
 
-    fn contribute(&mut self, p: &Parsed, dgram: &[u8]) -> Result<(), DropReason> {
-        let (hdr, values) = proto::split_agg(dgram)
-            .map_err(|e| e.drop_reason().unwrap_or(DropReason::TruncatedHeader))?;
-        let job = self.jobs.get(&hdr.job).ok_or(DropReason::UnknownJob)?;
-        let &(addr, weight) = job
-            .ranks
-            .get(usize::from(hdr.rank))
-            .ok_or(DropReason::RankOutOfRange)?;
-        if addr != p.saddr {
-            return Err(DropReason::SourceMismatch);
-        }
-        if job.vector_len != 0
-            && u64::from(hdr.frag_off) + u64::from(hdr.count) > u64::from(job.vector_len)
-        {
-            return Err(DropReason::BeyondVector);
-        }
-        let workers = job.ranks.len() as u16;
-        let float = hdr.is_float();
-        let kernel_record = !job.userspace_only && !float && hdr.op.runs_in_kernel();
-        let rt = self.rt.entry(hdr.job).or_default();
-        if rt.is_stale(hdr.round, job.window) {
-            return Err(DropReason::StaleRound);
-        }
-        let key = (hdr.round, hdr.frag_off);
-        if rt.completed.contains(&key) {
-            return Err(DropReason::Retransmission);
-        }
-        if !rt.slots.contains_key(&key) {
-            // The job's own bound (config), under the path's overall cap.
-            if rt.slots.len() >= job.userspace_slots.min(self.opts.max_slots_per_job) {
-                return Err(DropReason::SlotPoolFull);
-            }
-            let acc = Accumulator::new(hdr.op, usize::from(hdr.count), float)
-                .map_err(|_| DropReason::InvalidOp)?;
-            rt.slots.insert(
-                key,
-                Slot {
-                    acc,
-                    bitmap: [0; 4],
-                    done: 0,
-                    carried: 0,
-                    first_at: Instant::now(),
-                    kernel_owned_record: kernel_record,
-                },
-            );
-        }
-        let Some(slot) = rt.slots.get_mut(&key) else {
-            return Err(DropReason::SlotPoolFull);
-        };
-        if slot.acc.op() != hdr.op
-            || slot.acc.count() != usize::from(hdr.count)
-            || slot.acc.is_float() != float
-        {
-            return Err(DropReason::SlotMismatch);
-        }
-        let (word, bit) = (usize::from(hdr.rank / 64), 1u64 << (hdr.rank % 64));
-        if slot.bitmap[word] & bit != 0 {
-            return Err(DropReason::Retransmission);
-        }
-        slot.acc
-            .add_be_bytes(values, weight)
-            .map_err(|_| DropReason::SlotMismatch)?;
-        slot.bitmap[word] |= bit;
-        slot.done += 1;
-        slot.carried |= hdr.flags & abi::AGG_F_CARRIED;
-        self.local.accepted += 1;
-        if slot.done < workers {
-            return Ok(());
-        }
-
-        // Complete: exactly once, the slot leaves the map here.
-        let Some(slot) = rt.slots.remove(&key) else {
-            return Ok(());
-        };
-        let weight_sum = job.weight_sum;
-        let result_port = job.result_port;
-        let res = match slot.acc.finish_with_weight_sum(weight_sum) {
-            Ok(r) => r,
-            Err(_) => return Err(DropReason::SlotMismatch),
-        };
-        let seq = rt.result_seq;
-        rt.result_seq = rt.result_seq.wrapping_add(1);
-        let flags = abi::AGG_F_RESULT | res.flags() | slot.carried;
-        let out_hdr = proto::AggHeader {
-            job: hdr.job,
-            rank: abi::RESULT_RANK,
-            seq,
-            round: hdr.round,
-            frag_off: hdr.frag_off,
-            op: hdr.op,
-            flags,
-            count: hdr.count,
-        };
-        self.out.clear();
-        proto::write_agg_header(&out_hdr, &mut self.out);
-        res.write_be(&mut self.out);
-
-        // Release order (as in the kernel): completed marker, then the
-        // ownership record, so no contribution can start a new slot.
-        let skey = abi::SlotKey {
-            job: hdr.job,
-            pad: 0,
-            round: hdr.round,
-            frag_off: hdr.frag_off,
-        };
-        if slot.kernel_owned_record {
+    /// Release order (as in the kernel): completed marker, then the
+    /// ownership record, so no contribution can start a new slot; then the
+    /// newest round, then the RESULT to the contribution's destination.
+    fn deliver(&mut self, p: &Parsed, done: &Completion) {
+        if done.kernel_owned_record {
+            let skey = abi::SlotKey { job: done.job, pad: 0, round: done.round, frag_off: done.frag_off };
             let _ = self.maps.mark_completed(&skey);
             self.maps.delete_slot_owner(&skey);
         }
-        rt.completed.insert(key);
-        rt.completed_fifo.push_back(key);
-        while rt.completed_fifo.len() > self.opts.completed_per_job {
-            if let Some(old) = rt.completed_fifo.pop_front() {
-                rt.completed.remove(&old);
-            }
+        if let Some(handoff) = &done.handoff {
+            let _ = self.maps.set_job_handoff(done.job, handoff);
         }
-        if rt.newest.map_or(true, |n| serial_newer(hdr.round, n)) {
-            rt.newest = Some(hdr.round);
-            rt.handoff.newest_round = hdr.round;
-            rt.handoff.completed = rt.handoff.completed.wrapping_add(1).max(1);
-            let _ = self.maps.set_job_handoff(hdr.job, &rt.handoff);
+        let dst = SocketAddrV4::new(p.daddr, done.result_port);
+        match self.result_sock.send_to(&done.result, dst) {
+            Ok(_) => self.table.stats.results += 1,
+            Err(_) => self.table.stats.result_send_errors += 1,
         }
-
-        let dst = SocketAddrV4::new(Ipv4Addr::from(u32::from_be(p.daddr)), result_port);
-        match self.result_sock.send_to(&self.out, dst) {
-            Ok(_) => self.local.results += 1,
-            Err(_) => self.local.result_send_errors += 1,
-        }
-        self.local.latency.record(slot.first_at.elapsed());
-        Ok(())
     }
 
     /// Overload watcher, kernel newest round, stale-slot collection.
     fn tick(&mut self, now: Instant) {
-        for (&id, job) in &self.jobs {
-            let rt = self.rt.entry(id).or_default();
+        let table = &mut self.table;
+        for (&id, job) in &table.jobs {
+            let rt = table.rt.entry(id).or_default();
             let state = self.maps.job_state(id);
             if let Some(js) = state {
                 if js.completed != 0 {
@@ -469,7 +757,7 @@ impl Worker {
                     if !overloaded && now.duration_since(since) >= self.opts.overload_hold {
                         rt.handoff.flags |= abi::HANDOFF_F_OVERLOAD;
                         let _ = self.maps.set_job_handoff(id, &rt.handoff);
-                        self.local.overload_events += 1;
+                        table.stats.overload_events += 1;
                     }
                 } else {
                     rt.above_since = None;
@@ -479,62 +767,31 @@ impl Worker {
                     }
                 }
             }
-            // Slots of stale rounds can never complete: collect them.
-            let stale: Vec<(u32, u32)> = rt
-                .slots
-                .keys()
-                .filter(|(round, _)| rt.is_stale(*round, job.window))
-                .copied()
-                .collect();
-            for key in stale {
-                if let Some(slot) = rt.slots.remove(&key) {
-                    if slot.kernel_owned_record {
-                        self.maps.delete_slot_owner(&abi::SlotKey {
-                            job: id,
-                            pad: 0,
-                            round: key.0,
-                            frag_off: key.1,
-                        });
-                    }
-                    self.local.stale_slots_collected += 1;
-                }
-            }
+        }
+        // Slots of stale rounds can never complete: collect them.
+        for key in self.table.collect_stale() {
+            self.maps.delete_slot_owner(&key);
         }
         // Kernel slots of stale rounds can never complete either: release
         // them (and their share of the job's slot bound) in the kernel.
         if now.duration_since(self.last_reclaim) >= self.opts.reclaim_every {
             self.last_reclaim = now;
-            let jobs = &self.jobs;
+            let jobs = &self.table.jobs;
             let n = self.maps.reclaim_stale_slots(|id| jobs.get(&id).map(|j| j.window));
-            self.local.kernel_slots_reclaimed += n as u64;
+            self.table.stats.kernel_slots_reclaimed += n as u64;
         }
         self.publish();
     }
 
     fn publish(&mut self) {
-        self.local.slots_in_use = self.rt.values().map(|r| r.slots.len()).sum();
-        self.local.slots_by_job = self
-            .jobs
-            .iter()
-            .map(|(id, job)| {
-                let used = self.rt.get(id).map_or(0, |r| r.slots.len());
-                (*id, (used, job.userspace_slots.min(self.opts.max_slots_per_job)))
-            })
-            .collect();
-        self.local.jobs_in_overload = self
-            .rt
-            .iter()
-            .filter(|(_, r)| r.handoff.flags & abi::HANDOFF_F_OVERLOAD != 0)
-            .map(|(&id, _)| id)
-            .collect();
-        self.local.jobs_in_overload.sort_unstable();
         for s in &self.sockets {
             if let Ok(st) = s.stats() {
-                self.local.xsk.insert(s.queue(), st);
+                self.table.stats.xsk.insert(s.queue(), st);
             }
         }
+        let snapshot = self.table.stats();
         if let Ok(mut shared) = self.stats.lock() {
-            *shared = self.local.clone();
+            *shared = snapshot;
         }
     }
 
@@ -610,48 +867,20 @@ impl UserspacePath {
         let result_sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
             .context("user-space path: result socket")?;
 
-        let mut jobs = HashMap::new();
-        for j in &config.jobs {
-            let weights = if j.weights.len() == j.workers.len() {
-                j.weights.clone()
-            } else {
-                vec![1; j.workers.len()]
-            };
-            jobs.insert(
-                j.id,
-                JobInfo {
-                    ranks: j
-                        .workers
-                        .iter()
-                        .zip(&weights)
-                        .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
-                        .collect(),
-                    weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
-                    result_port: j.result_port,
-                    vector_len: j.vector_len.unwrap_or(0),
-                    slots: j.slots,
-                    userspace_only: j.userspace_only,
-                    window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
-                    userspace_slots: j.userspace_slots as usize,
-                },
-            );
-        }
-        let job_ids: Vec<u16> = jobs.keys().copied().collect();
+        let table = SlotTable::new(config, &opts);
+        let job_ids: Vec<u16> = table.jobs.keys().copied().collect();
         for &id in &job_ids {
             maps.delete_job_handoff(id);
         }
 
-        let stats = Arc::new(Mutex::new(UserspaceStats::default()));
+        let stats = Arc::new(Mutex::new(table.stats()));
         let worker = Worker {
-            jobs,
-            rt: HashMap::new(),
+            table,
             maps: Arc::clone(&maps),
             sockets,
             result_sock,
             stats: Arc::clone(&stats),
-            local: UserspaceStats::default(),
             opts,
-            out: Vec::with_capacity(2048),
             last_reclaim: Instant::now(),
         };
         // Sockets without multi-buffer AF_XDP (kernels before 6.6) lose a
