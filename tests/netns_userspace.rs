@@ -27,7 +27,7 @@ use aggbox::node::dataplane_job;
 use aggbox::proto::{self, AggHeader};
 use aggbox::reducer;
 use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::userspace::{UserspaceOptions, UserspacePath};
+use aggbox::userspace::{slot_bytes, Refusal, UserspaceOptions, UserspacePath};
 use nix::sched::{setns, CloneFlags};
 
 const AGG: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
@@ -624,4 +624,47 @@ fn userspace_slots_bound_is_per_job_from_config() {
     let want = send_sum_round(&senders, &other, 1, 10, 16, &[0, 1]);
     let got = collect(&rx, want.len());
     check(&got, &want, "other job beside a job at its user-space bound");
+}
+
+/// The job's byte bound end to end, from the config through the running
+/// path: rank 0 opens more MTU-1500 fragments than 1 MiB of slot memory
+/// holds; the overflow is counted `slot_bytes_job`, the job's bytes stay
+/// within the bound, and once rank 1 completes the held slots the refused
+/// fragments' retransmissions get slots: every fragment completes exactly once.
+#[test]
+fn userspace_slot_bytes_bound_from_config_refuses_then_admits_retransmissions() {
+    const WORKERS: usize = 2;
+    const FRAGS: u32 = 340;
+    const COUNT: u16 = 362;
+    const BOUND: usize = 1 << 20;
+    let j = JobConfig { userspace_only: true, userspace_slot_bytes: BOUND as u64, ..job(15, 7800, WORKERS) };
+    let per_slot = slot_bytes(Op::Sum, false, usize::from(COUNT), WORKERS as u64);
+    let fit = BOUND / per_slot;
+    assert!(fit < FRAGS as usize, "{fit} slots fit");
+    let bed = Bed::up(vec![j.clone()], WORKERS, UserspaceOptions::default());
+    let senders = bed.senders(WORKERS);
+    let rx = result_socket(j.result_port);
+
+    let _ = send_sum_round(&senders, &j, 1, FRAGS, COUNT, &[0]);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut st = bed.us().stats();
+    while st.accepted + st.dropped() < u64::from(FRAGS) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        st = bed.us().stats();
+    }
+    assert_eq!(st.refused(Refusal::JobSlotBytes), u64::from(FRAGS) - fit as u64, "drops {:?}", st.drops);
+    assert_eq!(st.slot_bytes_by_job.get(&j.id), Some(&(fit * per_slot, BOUND)));
+    assert_eq!(st.slots_by_job.get(&j.id).map(|s| s.0), Some(fit));
+
+    // Rank 1: the held fragments complete (freeing their bytes), the refused
+    // ones open slots; rank 0 again: those complete, the rest are
+    // retransmissions.
+    let _ = send_sum_round(&senders, &j, 1, FRAGS, COUNT, &[1]);
+    let want = send_sum_round(&senders, &j, 1, FRAGS, COUNT, &[0]);
+    let got = collect(&rx, want.len());
+    check(&got, &want, "fragments past the byte bound, retransmitted");
+    let st = bed.us().stats();
+    assert_eq!(st.drop(DropReason::Retransmission), fit as u64, "drops {:?}", st.drops);
+    assert_eq!(st.refused(Refusal::JobSlotBytes), u64::from(FRAGS) - fit as u64);
+    assert_eq!(st.slot_bytes, 0);
 }
