@@ -343,15 +343,30 @@ fn run(cli: Cli) -> Result<()> {
             out,
             reps,
             no_plot,
-        } => aggbox::bench::run(
-            &experiments,
-            &aggbox::bench::BenchOptions {
-                quick,
-                out_dir: out,
-                reps,
-                plot: !no_plot,
-            },
-        ),
+        } => {
+            // Ctrl-C: the testbeds' and pin mounts' destructors would not
+            // run; take down what this process made before leaving.
+            ctrlc::set_handler(|| {
+                eprintln!(
+                    "aggbox bench: interrupted; removing this run's testbeds and bpffs mounts"
+                );
+                if let Err(e) = aggbox::testbed::down_all_of_this_process() {
+                    eprintln!("aggbox bench: {e}");
+                }
+                aggbox::bench::unmount_all_of_this_process();
+                std::process::exit(130);
+            })
+            .context("installing the Ctrl-C handler")?;
+            aggbox::bench::run(
+                &experiments,
+                &aggbox::bench::BenchOptions {
+                    quick,
+                    out_dir: out,
+                    reps,
+                    plot: !no_plot,
+                },
+            )
+        }
     }
 }
 

@@ -312,6 +312,29 @@ pub fn down_prefix(prefix: &str) -> Result<()> {
     .map(drop)
 }
 
+/// Removes every testbed this process made (namespaces named
+/// `a` + its pid + a counter, see `fresh_prefix`): for a signal handler,
+/// where the [`Testbed`]s' destructors will not run.
+pub fn down_all_of_this_process() -> Result<()> {
+    let mine = format!("a{}", to_base36(std::process::id(), 5));
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map_err(io_err("listing network namespaces".to_string()))?;
+    let mut prefixes: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&mine) && n.len() > mine.len() + 2)
+        .map(|n| n[..mine.len() + 2].to_string())
+        .collect();
+    prefixes.sort();
+    prefixes.dedup();
+    for prefix in prefixes {
+        down_prefix(&prefix)?;
+    }
+    Ok(())
+}
+
 fn to_base36(mut n: u32, width: usize) -> String {
     const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
     let mut out = Vec::new();

@@ -521,6 +521,21 @@ impl PrivateBpffs {
     }
 }
 
+/// Unmounts every [`PrivateBpffs`] this process mounted (for a signal
+/// handler, where their destructors will not run).
+pub fn unmount_all_of_this_process() {
+    let mine = "aggbox-bench-";
+    let pid = format!("-{}-", std::process::id());
+    let Ok(dir) = std::fs::read_dir("/tmp") else { return };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(mine) && name.contains(&pid) {
+            let _ = nix::mount::umount2(&entry.path(), nix::mount::MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+}
+
 impl Drop for PrivateBpffs {
     fn drop(&mut self) {
         let _ = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH);
