@@ -386,8 +386,6 @@ pub struct Context_ {
     pub xdp_ns_per_contribution: Option<f64>,
     /// Kernel aggregation throughput at the largest size (elements/s).
     pub kernel_elems_per_s: Option<f64>,
-    /// Root's CPU time per extra broadcast copy (ns), TC path.
-    pub tc_ns_per_copy: Option<f64>,
     /// Median one-way latency of a 1-receiver broadcast (µs).
     pub bcast_base_us: Option<f64>,
 }
