@@ -421,6 +421,11 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
         members.iter().map(|m| (*m, bind_in(&tb.host(host_of(m)).netns, *m))).collect();
     let level2: Vec<SocketAddrV4> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
     let before: Vec<_> = (1..=10).map(|h| udp_snmp(&tb.host(h).netns)).collect();
+    // cold start: no neighbour entry anywhere, no traffic before datagram 0
+    // (which is checked like every other: exactly once at every member)
+    for h in 0..tb.len() {
+        flush_neigh(&tb, h);
+    }
 
     let tx = sender(&tb);
     let mask = plans[0].full_mask();
@@ -591,4 +596,145 @@ fn jumbo_broadcast_at_mtu_9000_and_65535_reaches_every_member_exactly_once() {
         }
         drop(plane);
     }
+}
+
+/// `ip neigh flush all` in host `h`, then check its neighbour table holds
+/// nothing: the next datagram meets cold next hops.
+fn flush_neigh(tb: &Testbed, h: usize) {
+    let out = tb.run_in(h, &["ip", "neigh", "flush", "all"]).expect("ip neigh flush");
+    assert!(out.status.success(), "ip neigh flush in host {h}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = tb.run_in(h, &["ip", "-4", "neigh", "show"]).expect("ip neigh show");
+    let left: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.contains("FAILED") && !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "host {h}: neighbour table not empty after flush: {left:?}");
+}
+
+/// Issue #21 item 14 (an outside client's topology): a root, 5 forwarders on
+/// their own hosts, each with 7 leaves on their own hosts, every neighbour
+/// cache cold (kernel tables flushed in every namespace after the programs
+/// are attached, next-hop caches empty, no traffic before the first
+/// datagram), FORWARD set, one datagram every 5 ms. The FIRST datagram must
+/// reach all 40 receivers exactly once, like the 19 after it: every
+/// forwarder's first re-broadcast finds none of its 7 leaves resolved, and
+/// those copies must take the neighbour path, not be lost.
+#[test]
+fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
+    require_root();
+    const FORWARDERS: usize = 5;
+    const LEAVES: usize = 7;
+    const DATAGRAMS: u32 = 20;
+    // host 0 = root, hosts 1..=5 = forwarders, then 7 leaves per forwarder
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 1 + FORWARDERS * (1 + LEAVES),
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let at = |h: usize| SocketAddrV4::new(tb.host(h).addr, PORT);
+    let forwarders: Vec<usize> = (1..=FORWARDERS).collect();
+    let leaves_of = |j: usize| -> Vec<usize> { (0..LEAVES).map(|k| 1 + FORWARDERS + j * LEAVES + k).collect() };
+
+    let root_plane = plane_on(&root.netns, &BroadcastOptions::default());
+    root_plane
+        .set_group(GROUP, &forwarders.iter().map(|&h| at(h)).collect::<Vec<_>>())
+        .expect("root table");
+    let fwd_planes: Vec<(usize, BroadcastPlane)> = forwarders
+        .iter()
+        .enumerate()
+        .map(|(j, &h)| {
+            let plane = plane_on(&tb.host(h).netns, &BroadcastOptions::default());
+            let children: Vec<SocketAddrV4> = leaves_of(j).iter().map(|&l| at(l)).collect();
+            plane.set_forwarding(GROUP, PORT, &children).expect("forwarding table");
+            (h, plane)
+        })
+        .collect();
+    // receivers: the 5 forwarders (hops 0) and the 35 leaves (hops 1)
+    let receivers: Vec<(usize, UdpSocket)> =
+        (1..tb.len()).map(|h| (h, bind_in(&tb.host(h).netns, at(h)))).collect();
+
+    // cold everywhere: no neighbour entry in any namespace (the switch has
+    // none of its own), nothing in the programs' next-hop caches
+    for h in 0..tb.len() {
+        flush_neigh(&tb, h);
+    }
+    for plane in std::iter::once(&root_plane).chain(fwd_planes.iter().map(|(_, p)| p)) {
+        plane.flush_neigh_cache().expect("flush next-hop cache");
+        assert!(plane.neigh_cache().expect("read next-hop cache").is_empty());
+    }
+
+    let tx = sender(&tb);
+    let mask = (1u32 << FORWARDERS) - 1;
+    let sent: Vec<Vec<u8>> = (0..DATAGRAMS)
+        .map(|seq| agb1(mask, seq, GROUP, abi::BCAST_F_FORWARD, if seq % 2 == 0 { 200 } else { 1472 }))
+        .collect();
+    for d in &sent {
+        tx.send_to(d, at(forwarders[0])).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+
+    // who missed (or doubled) which datagram, first datagram separately
+    let mut wrong: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
+    for (h, sock) in &receivers {
+        let hops = u8::from(*h > FORWARDERS);
+        let mut count = vec![0usize; sent.len()];
+        for (d, from) in drain(sock) {
+            assert_eq!(from.ip(), std::net::IpAddr::V4(root.addr), "host {h}: source stays the root");
+            let seq = seq_of(&d) as usize;
+            assert!(seq < sent.len(), "host {h}: unknown seq {seq}");
+            let mut want = sent[seq].clone();
+            want[15] = hops;
+            assert_eq!(d, want, "host {h}: seq {seq} identical except hops = {hops}");
+            count[seq] += 1;
+        }
+        for (seq, &n) in count.iter().enumerate() {
+            if n != 1 {
+                wrong.entry(seq as u32).or_default().push((*h, n));
+            }
+        }
+    }
+    let report = |p: &BroadcastPlane| {
+        let st = p.stats().expect("stats");
+        format!(
+            "forwarded {} copy_sent {} neigh_miss {} fib_error {} clone_failed {}",
+            st.packets(BcastStat::Forwarded),
+            st.packets(BcastStat::CopySent),
+            st.packets(BcastStat::NeighMiss),
+            st.packets(BcastStat::FibError),
+            st.packets(BcastStat::CloneFailed)
+        )
+    };
+    let stats: Vec<String> = fwd_planes.iter().map(|(h, p)| format!("host {h}: {}", report(p))).collect();
+    assert!(
+        !wrong.contains_key(&0),
+        "the FIRST datagram (cold caches) must reach all {} receivers exactly once; (host, times received): {:?}\nforwarders: {stats:#?}",
+        receivers.len(),
+        wrong[&0]
+    );
+    assert!(wrong.is_empty(), "every datagram exactly once; seq -> (host, times): {wrong:?}\nforwarders: {stats:#?}");
+
+    // the cold path was really taken: every forwarder's first datagram found
+    // none of its leaves resolved, the root none of its forwarders but the
+    // one the application sent to (the kernel resolved that one first)
+    for (h, plane) in &fwd_planes {
+        let st = plane.stats().expect("stats");
+        assert_eq!(st.packets(BcastStat::Forwarded), u64::from(DATAGRAMS), "host {h}");
+        assert!(
+            st.packets(BcastStat::NeighMiss) >= LEAVES as u64,
+            "host {h}: the first datagram's {LEAVES} copies went through the neighbour path: {}",
+            report(plane)
+        );
+        assert_eq!(
+            st.packets(BcastStat::CopySent) + st.packets(BcastStat::NeighMiss),
+            u64::from(DATAGRAMS) * LEAVES as u64,
+            "host {h}: every copy counted once"
+        );
+        assert_eq!(st.packets(BcastStat::FibError) + st.packets(BcastStat::CloneFailed), 0, "host {h}");
+    }
+    let st = root_plane.stats().expect("stats");
+    assert!(st.packets(BcastStat::NeighMiss) >= (FORWARDERS - 1) as u64, "root: {st:?}");
+    assert_eq!(st.packets(BcastStat::Broadcast), u64::from(DATAGRAMS));
 }
