@@ -622,6 +622,26 @@ fn flush_neigh(tb: &Testbed, h: usize) {
 /// those copies must take the neighbour path, not be lost.
 #[test]
 fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
+    cold_two_level_tree(1500, |seq| if seq % 2 == 0 { 200 } else { 1472 });
+}
+
+/// The same cold tree with 60 000-byte datagrams (MTU 65535). Fails on the
+/// 2-vCPU VM: the cold tree's ARP burst overflows the per-CPU backlog, the
+/// last forwarder's requests for some leaves are lost, the kernel probes
+/// again only after `retrans_time_ms` (1 s), and meanwhile its neighbour
+/// queue (`unres_qlen_bytes`, 208 KiB) keeps only the last ~3 copies: those
+/// leaves miss the first datagrams (docs/BROADCAST.md, "Cold next hops").
+/// Passes with `net.ipv4.neigh.eth0.unres_qlen_bytes=4194304` on the root
+/// and forwarders. Not fixed in the data plane yet.
+#[test]
+#[ignore = "issue #21 item 14 follow-up: a lost ARP probe + the kernel's unresolved queue drop the first large copies"]
+fn cold_two_level_tree_large_datagrams_survive_a_lost_arp_probe() {
+    cold_two_level_tree(65535, |_| 60_000);
+}
+
+/// Root, 5 forwarders x 7 leaves, cold caches; `len(seq)` bytes per
+/// datagram on a testbed of MTU `mtu`. See the tests above.
+fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
     require_root();
     const FORWARDERS: usize = 5;
     const LEAVES: usize = 7;
@@ -629,6 +649,7 @@ fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
     // host 0 = root, hosts 1..=5 = forwarders, then 7 leaves per forwarder
     let tb = Testbed::up(TestbedConfig {
         hosts: 1 + FORWARDERS * (1 + LEAVES),
+        mtu,
         ..Default::default()
     })
     .expect("testbed");
@@ -652,8 +673,26 @@ fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
         })
         .collect();
     // receivers: the 5 forwarders (hops 0) and the 35 leaves (hops 1)
-    let receivers: Vec<(usize, UdpSocket)> =
-        (1..tb.len()).map(|h| (h, bind_in(&tb.host(h).netns, at(h)))).collect();
+    let receivers: Vec<(usize, UdpSocket)> = (1..tb.len())
+        .map(|h| {
+            let sock = bind_in(&tb.host(h).netns, at(h));
+            // room for all 20 datagrams whatever their size: a full socket
+            // buffer is not what this test looks for
+            let bytes: libc::c_int = 16 << 20;
+            // SAFETY: a valid socket and a c_int option value of its size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&sock),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUFFORCE,
+                    (&bytes as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
+            (h, sock)
+        })
+        .collect();
 
     // cold everywhere: no neighbour entry in any namespace (the switch has
     // none of its own), nothing in the programs' next-hop caches
@@ -668,7 +707,7 @@ fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
     let tx = sender(&tb);
     let mask = (1u32 << FORWARDERS) - 1;
     let sent: Vec<Vec<u8>> = (0..DATAGRAMS)
-        .map(|seq| agb1(mask, seq, GROUP, abi::BCAST_F_FORWARD, if seq % 2 == 0 { 200 } else { 1472 }))
+        .map(|seq| agb1(mask, seq, GROUP, abi::BCAST_F_FORWARD, len(seq)))
         .collect();
     for d in &sent {
         tx.send_to(d, at(forwarders[0])).expect("send");
