@@ -283,6 +283,40 @@ struct Attachment {
     created_qdisc: bool,
     egress: TcHook,
     ingress: TcHook,
+    /// `unres_qlen_bytes` of the interface before attach raised it (restored
+    /// by detach), if attach changed it.
+    unres_qlen_before: Option<u64>,
+}
+
+/// Bytes the kernel may queue per unresolved next hop while attach holds the
+/// interface (`net.ipv4.neigh.<iface>.unres_qlen_bytes`; the kernel's default
+/// is 212,992). Cold next hops take the neighbour path (docs/BROADCAST.md
+/// "Cold next hops"): copies wait in that queue until ARP answers, which
+/// takes `retrans_time_ms` (1 s) more when a probe is lost, as a cold tree's
+/// burst of ARP requests can make happen; the queue drops the oldest past its
+/// limit, i.e. the first datagrams. 4 MiB holds 64 copies of 64 KiB datagrams
+/// per next hop.
+pub const UNRES_QLEN_BYTES: u64 = 4 << 20;
+
+fn unres_qlen_path(ifindex: u32) -> Result<String> {
+    Ok(format!("/proc/sys/net/ipv4/neigh/{}/unres_qlen_bytes", ifname(ifindex)?))
+}
+
+/// Raise the interface's unresolved-neighbour queue to [`UNRES_QLEN_BYTES`]
+/// when it is smaller; returns the value it had if it was changed.
+fn raise_unres_qlen(ifindex: u32) -> Result<Option<u64>> {
+    let path = unres_qlen_path(ifindex)?;
+    let io = |context: String| move |source| BroadcastError::Io { context, source };
+    let text = std::fs::read_to_string(&path).map_err(io(format!("reading {path}")))?;
+    let before: u64 = text.trim().parse().map_err(|_| BroadcastError::Io {
+        context: format!("reading {path}"),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not a number: {:?}", text.trim())),
+    })?;
+    if before >= UNRES_QLEN_BYTES {
+        return Ok(None);
+    }
+    std::fs::write(&path, UNRES_QLEN_BYTES.to_string()).map_err(io(format!("writing {path}")))?;
+    Ok(Some(before))
 }
 
 /// The loaded broadcast object: TC programs and maps, and where they are
@@ -390,7 +424,10 @@ impl BroadcastPlane {
     /// Creates the clsact qdisc only if absent and remembers whether it did.
     /// Refuses with [`BroadcastError::ForwardingDisabled`] when IPv4
     /// forwarding is off on the interface. A stale AggBox filter (same
-    /// handle and priority) is replaced.
+    /// handle and priority) is replaced. Raises the interface's
+    /// unresolved-neighbour queue to [`UNRES_QLEN_BYTES`] while attached
+    /// (restored by detach), so copies to cold next hops survive a lost ARP
+    /// probe.
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
         if let Some(a) = &self.attachment {
             return Err(BroadcastError::State(format!(
@@ -400,6 +437,12 @@ impl BroadcastPlane {
         }
         check_ip_forward(ifindex)?;
         let netns_ino = current_netns_ino()?;
+        let unres_qlen_before = raise_unres_qlen(ifindex)?;
+        let restore_unres_qlen = || {
+            if let (Some(before), Ok(path)) = (unres_qlen_before, unres_qlen_path(ifindex)) {
+                let _ = std::fs::write(path, before.to_string());
+            }
+        };
 
         // clsact: create it only if absent, and remember.
         // SAFETY: zeroed bpf_tc_hook with sz set is what libbpf expects.
@@ -413,11 +456,12 @@ impl BroadcastPlane {
             0 => true,
             rc if -rc == libc::EEXIST => false,
             rc => {
+                restore_unres_qlen();
                 return Err(BroadcastError::Attach {
                     what: "clsact qdisc",
                     ifindex,
                     source: std::io::Error::from_raw_os_error(-rc),
-                })
+                });
             }
         };
 
@@ -442,6 +486,7 @@ impl BroadcastPlane {
         };
         if let Err(e) = egress.attach() {
             undo_qdisc(created_qdisc);
+            restore_unres_qlen();
             return Err(BroadcastError::Attach {
                 what: "egress program",
                 ifindex,
@@ -451,6 +496,7 @@ impl BroadcastPlane {
         if let Err(e) = ingress.attach() {
             let _ = egress.detach();
             undo_qdisc(created_qdisc);
+            restore_unres_qlen();
             return Err(BroadcastError::Attach {
                 what: "ingress program",
                 ifindex,
@@ -463,6 +509,7 @@ impl BroadcastPlane {
             created_qdisc,
             egress,
             ingress,
+            unres_qlen_before,
         });
         Ok(())
     }
@@ -512,6 +559,15 @@ impl BroadcastPlane {
                         source: e,
                     });
                 }
+            }
+        }
+        if let Some(before) = a.unres_qlen_before {
+            let restored = unres_qlen_path(ifindex).and_then(|path| {
+                std::fs::write(&path, before.to_string())
+                    .map_err(|source| BroadcastError::Io { context: format!("writing {path}"), source })
+            });
+            if let Err(e) = restored {
+                first_err.get_or_insert(e);
             }
         }
         self.attachment = None;

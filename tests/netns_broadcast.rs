@@ -346,9 +346,16 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
 
     // forwarding on, no qdisc: attach creates clsact, detach removes it
     tb.run_in(0, &["sysctl", "-qw", "net.ipv4.ip_forward=1"]).expect("sysctl");
+    let unres_qlen = || {
+        let out = tb.run_in(0, &["sysctl", "-n", "net.ipv4.neigh.eth0.unres_qlen_bytes"]).expect("sysctl");
+        String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().expect("a number")
+    };
+    let kernel_default = unres_qlen();
+    assert!(kernel_default < broadcast::UNRES_QLEN_BYTES, "{kernel_default}");
     in_netns(&h0.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("attach");
+    assert_eq!(unres_qlen(), broadcast::UNRES_QLEN_BYTES, "attach raised the unresolved-neighbour queue");
     assert_eq!(plane.attached().map(|a| a.1), Some(true), "created the qdisc");
     assert!(tc_qdiscs(0).contains("clsact"));
     let filters = tb.run_in(0, &["tc", "filter", "show", "dev", "eth0", "egress"]).expect("tc");
@@ -357,6 +364,7 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
     assert!(plane.detach().is_err());
     in_netns(&h0.netns, || plane.detach()).expect("netns").expect("detach");
     assert!(!tc_qdiscs(0).contains("clsact"), "the qdisc it created is gone");
+    assert_eq!(unres_qlen(), kernel_default, "detach restored the neighbour queue");
 
     // an existing clsact stays (no matchall/u32 modules here to add a
     // foreign filter; the qdisc itself is what detach must not remove)
@@ -625,16 +633,15 @@ fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
     cold_two_level_tree(1500, |seq| if seq % 2 == 0 { 200 } else { 1472 });
 }
 
-/// The same cold tree with 60 000-byte datagrams (MTU 65535). Fails on the
-/// 2-vCPU VM: the cold tree's ARP burst overflows the per-CPU backlog, the
-/// last forwarder's requests for some leaves are lost, the kernel probes
-/// again only after `retrans_time_ms` (1 s), and meanwhile its neighbour
-/// queue (`unres_qlen_bytes`, 208 KiB) keeps only the last ~3 copies: those
-/// leaves miss the first datagrams (docs/BROADCAST.md, "Cold next hops").
-/// Passes with `net.ipv4.neigh.eth0.unres_qlen_bytes=4194304` on the root
-/// and forwarders. Not fixed in the data plane yet.
+/// The same cold tree with 60 000-byte datagrams (MTU 65535). On the 2-vCPU
+/// VM the cold tree's ARP burst overflows the per-CPU backlog, the last
+/// forwarder's requests for some leaves are lost, the kernel probes again
+/// only after `retrans_time_ms` (1 s), and meanwhile its neighbour queue
+/// keeps only what `unres_qlen_bytes` holds: with the kernel's 208 KiB, the
+/// last ~3 copies, so those leaves missed the first datagrams.
+/// `BroadcastPlane::attach` raises the queue to `UNRES_QLEN_BYTES` (4 MiB)
+/// on the interface it holds (docs/BROADCAST.md, "Cold next hops").
 #[test]
-#[ignore = "issue #21 item 14 follow-up: a lost ARP probe + the kernel's unresolved queue drop the first large copies"]
 fn cold_two_level_tree_large_datagrams_survive_a_lost_arp_probe() {
     cold_two_level_tree(65535, |_| 60_000);
 }
