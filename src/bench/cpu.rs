@@ -300,10 +300,12 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
 
 /// Offered loads of the sustainable-rate ladder, datagrams per second (all
 /// senders together).
-const LADDER: [f64; 7] = [300_000.0, 350_000.0, 400_000.0, 450_000.0, 500_000.0, 550_000.0, 600_000.0];
+const LADDER: [f64; 8] = [100_000.0, 150_000.0, 200_000.0, 250_000.0, 300_000.0, 350_000.0, 400_000.0, 500_000.0];
 /// A rung is sustained when every fragment completed with the exact result
-/// and the fragments completed at no less than this share of the offered
-/// rate (the senders are paced: nobody can go faster than offered).
+/// and the fragments completed at no less than this share of the rate the
+/// senders reached in the same rung into the count-and-drop program (the
+/// senders share this VM's CPUs: near the top of the ladder they fall short
+/// of the offered rate whatever runs on the aggregator).
 const SUSTAINED_SHARE: f64 = 0.95;
 
 /// The highest offered load each aggregator sustains with every result
@@ -319,7 +321,18 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
     };
     let reps = opts.reps();
     let modes = [Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
-    let mut csv = Csv::new(&["rep", "mode", "offered_per_s", "secs", "completed_per_s", "resent", "ok", "sustained"]);
+    let mut csv = Csv::new(&[
+        "rep",
+        "mode",
+        "offered_per_s",
+        "senders_reached_per_s",
+        "secs",
+        "completed_per_s",
+        "resent",
+        "ok",
+        "sustained",
+    ]);
+    let mut reached_top: Vec<f64> = Vec::new();
     // best[mode][rep]: the highest sustained rung (0 = none).
     let mut best: Vec<Vec<f64>> = vec![vec![0.0; reps]; modes.len()];
     progress(format!("cpu ladder: {senders} senders, offered {ladder:?} datagrams/s, {secs} s per rung"));
@@ -330,6 +343,25 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
             let rate = total / senders as f64;
             let frags = (rate * secs) as u64;
             let wl = Pattern::new(senders, frags * PER as u64);
+            if !climbing.iter().any(|&c| c) {
+                break;
+            }
+            // What the senders reach at this rung when the aggregator
+            // costs nothing but a count and a drop.
+            let d = h.with_mode(Mode::Drop, |a| -> Result<RunResult> {
+                let spec = RunSpec {
+                    round: *round,
+                    window: super::agg::window_for(senders),
+                    deadline: Duration::from_secs(30),
+                    rate_per_sender: Some(rate),
+                };
+                Ok(a.run(&wl, spec))
+            })?;
+            *round += 1;
+            let reached = (d.sent as f64 / d.secs.max(1e-9)).min(total);
+            if total == *ladder.last().unwrap_or(&total) {
+                reached_top.push(reached);
+            }
             for (i, &mode) in modes.iter().enumerate() {
                 if !climbing[i] {
                     continue;
@@ -345,11 +377,12 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
                 })?;
                 *round += 1;
                 let completed_per_s = (r.completed * senders as u64) as f64 / r.secs.max(1e-9);
-                let sustained = r.ok && completed_per_s >= SUSTAINED_SHARE * total;
+                let sustained = r.ok && completed_per_s >= SUSTAINED_SHARE * reached;
                 csv.row(vec![
                     rep.to_string(),
                     mode.name().into(),
                     format!("{total:.0}"),
+                    format!("{reached:.0}"),
                     format!("{:.4}", r.secs),
                     format!("{completed_per_s:.0}"),
                     r.resent.to_string(),
@@ -371,10 +404,17 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
     let _ = writeln!(
         md,
         "{senders} senders offer full-MTU contributions at each rung of {} datagrams/s (all senders) for {secs} s; a rung is sustained when \
-         every fragment completes with the exact result at ≥ {:.0} % of the offered rate. Highest sustained rung, median [min – max] over \
-         {reps} repetitions (raw: `cpu_sustainable.csv`). The rungs are the resolution: a result between two rungs reads as the lower.\n",
+         every fragment completes with the exact result at ≥ {:.0} % of the rate the same senders reached into the count-and-drop program \
+         at that rung (they share the VM's CPUs; at the top rung they reached {}). Highest sustained rung, median [min – max] over {reps} \
+         repetitions (raw: `cpu_sustainable.csv`). The rungs are the resolution: a result between two rungs reads as the lower.\n",
         ladder.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" / "),
-        100.0 * SUSTAINED_SHARE
+        100.0 * SUSTAINED_SHARE,
+        if reached_top.is_empty() {
+            "— (no mode climbed that far)".to_string()
+        } else {
+            let t = summarize(&reached_top);
+            format!("{:.0} datagrams/s [{:.0} – {:.0}]", t.median, t.min, t.max)
+        }
     );
     let _ = writeln!(md, "| aggregator | highest sustained datagrams/s | / floor |");
     let _ = writeln!(md, "|---|---|---|");
