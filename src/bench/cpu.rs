@@ -346,18 +346,20 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
             if !climbing.iter().any(|&c| c) {
                 break;
             }
-            // What the senders reach at this rung when the aggregator
-            // costs nothing but a count and a drop.
-            let d = h.with_mode(Mode::Drop, |a| -> Result<RunResult> {
+            // One paced run of `mode` at this rung.
+            let mut run_at = |mode: Mode| -> Result<RunResult> {
                 let spec = RunSpec {
                     round: *round,
                     window: super::agg::window_for(senders),
                     deadline: Duration::from_secs(30),
                     rate_per_sender: Some(rate),
                 };
-                Ok(a.run(&wl, spec))
-            })?;
-            *round += 1;
+                *round += 1;
+                h.with_mode(mode, |a| -> Result<RunResult> { Ok(a.run(&wl, spec)) })
+            };
+            // What the senders reach at this rung when the aggregator
+            // costs nothing but a count and a drop.
+            let d = run_at(Mode::Drop)?;
             let reached = (d.sent as f64 / d.secs.max(1e-9)).min(total);
             if total == *ladder.last().unwrap_or(&total) {
                 reached_top.push(reached);
@@ -366,16 +368,7 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
                 if !climbing[i] {
                     continue;
                 }
-                let r = h.with_mode(mode, |a| -> Result<RunResult> {
-                    let spec = RunSpec {
-                        round: *round,
-                        window: super::agg::window_for(senders),
-                        deadline: Duration::from_secs(30),
-                        rate_per_sender: Some(rate),
-                    };
-                    Ok(a.run(&wl, spec))
-                })?;
-                *round += 1;
+                let r = run_at(mode)?;
                 let completed_per_s = (r.completed * senders as u64) as f64 / r.secs.max(1e-9);
                 let sustained = r.ok && completed_per_s >= SUSTAINED_SHARE * reached;
                 csv.row(vec![
