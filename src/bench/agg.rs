@@ -558,7 +558,8 @@ impl Harness {
     }
 }
 
-fn prog_id(fd: std::os::fd::BorrowedFd<'_>) -> u32 {
+/// The kernel's id of a loaded program (0 if it cannot be read).
+pub(super) fn prog_id(fd: std::os::fd::BorrowedFd<'_>) -> u32 {
     use std::os::fd::AsRawFd;
     // SAFETY: zeroed info is valid; no arrays requested.
     let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };

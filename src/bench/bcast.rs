@@ -42,6 +42,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS};
 use serde::Serialize;
 
+use super::agg::prog_id;
 use super::net;
 use super::{progress, summarize, BenchOptions, Context_, Csv, Section, Summary};
 use crate::abi;
@@ -175,20 +176,6 @@ impl BcastFloor {
     /// The program's id (run statistics).
     pub fn prog_id(&self) -> u32 {
         prog_id(self.skel.progs.bench_bcast_floor.as_fd())
-    }
-}
-
-fn prog_id(fd: std::os::fd::BorrowedFd<'_>) -> u32 {
-    use std::os::fd::AsRawFd;
-    // SAFETY: zeroed info is valid; no arrays requested.
-    let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
-    // SAFETY: valid fd and buffer.
-    let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) };
-    if rc < 0 {
-        0
-    } else {
-        info.id
     }
 }
 
