@@ -1204,8 +1204,13 @@ impl TestRunner {
     /// A runner of any loaded XDP program (benchmarks compare others with
     /// AggBox's: the floor aggregator, count-and-drop).
     pub fn for_program(prog: &libbpf_rs::ProgramMut<'_>) -> Result<TestRunner> {
+        TestRunner::for_fd(prog.as_fd())
+    }
+
+    /// A runner of the XDP program behind `prog` (one loaded without a
+    /// skeleton, e.g. a test's hand-assembled probe).
+    pub fn for_fd(prog: std::os::fd::BorrowedFd<'_>) -> Result<TestRunner> {
         let fd = prog
-            .as_fd()
             .try_clone_to_owned()
             .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
         Ok(TestRunner { fd })

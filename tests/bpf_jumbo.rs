@@ -239,22 +239,11 @@ impl Probe {
     /// Run `frame` through `hops` self tail calls, then the target.
     fn run(&self, hops: u64, frame: &[u8]) -> (u32, Vec<u8>) {
         use libbpf_rs::MapCore;
-        use std::os::fd::AsRawFd;
+        use std::os::fd::AsFd;
         self.hops.update(&0u32.to_ne_bytes(), &hops.to_ne_bytes(), libbpf_rs::MapFlags::ANY).expect("set hops");
-        let mut out = vec![0u8; frame.len() + 256];
-        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
-        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
-        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
-        opts.data_in = frame.as_ptr().cast();
-        opts.data_size_in = frame.len() as u32;
-        opts.data_out = out.as_mut_ptr().cast();
-        opts.data_size_out = out.len() as u32;
-        opts.repeat = 1;
-        // SAFETY: valid program fd, opts pointing at live buffers.
-        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.prog.as_raw_fd(), &mut opts) };
-        assert!(rc == 0, "BPF_PROG_TEST_RUN of the probe: {}", std::io::Error::from_raw_os_error(-rc));
-        out.truncate(opts.data_size_out as usize);
-        (opts.retval, out)
+        aggbox::dataplane::TestRunner::for_fd(self.prog.as_fd())
+            .and_then(|runner| runner.run(frame))
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of the probe: {e}"))
     }
 
     /// The largest `hops` for which `gets_through(self, hops)` holds, scanning
