@@ -333,12 +333,13 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
         "sustained",
     ]);
     let mut reached_top: Vec<f64> = Vec::new();
-    // best[mode][rep]: the highest sustained rung (0 = none).
-    let mut best: Vec<Vec<f64>> = vec![vec![0.0; reps]; modes.len()];
+    // best[mode]: the highest sustained rung of each repetition (0 = none).
+    let mut best: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     progress(format!("cpu ladder: {senders} senders, offered {ladder:?} datagrams/s, {secs} s per rung"));
     let h = Harness::new(senders)?;
     for rep in 0..reps {
         let mut climbing = vec![true; modes.len()];
+        let mut top = vec![0.0; modes.len()];
         for &total in &ladder {
             let rate = total / senders as f64;
             let frags = (rate * secs) as u64;
@@ -383,11 +384,14 @@ fn sustainable(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<Stri
                     sustained.to_string(),
                 ]);
                 if sustained {
-                    best[i][rep] = total;
+                    top[i] = total;
                 } else {
                     climbing[i] = false;
                 }
             }
+        }
+        for (b, t) in best.iter_mut().zip(&top) {
+            b.push(*t);
         }
     }
     csv.write(&opts.out_dir.join("cpu_sustainable.csv"))?;
