@@ -774,12 +774,12 @@ static __always_inline int fast_load_last(struct aggbox_scratch *s, void *payloa
 }
 
 /*
- * Add the contribution into f (under its lock), op-specialised. The payload is read straight from the packet (or
- * scratch.buf with use_buf, a compile-time constant) in blocks of
- * FAST_BLOCK pairs of elements (one 64-bit load each: after bswap64 the
- * first big-endian int32 is the high half), one bounds check and one
- * count check per block, the block unrolled; then the last < FAST_BLOCK
- * pairs one by one. The body sees a, c (the pair), i (its first index),
+ * Add the contribution into f (under its lock), op-specialised. The
+ * payload is read straight from the packet (or scratch.buf with use_buf, a
+ * compile-time constant) in blocks of FAST_BLOCK pairs of elements (one
+ * 64-bit load each: after bswap64 the first big-endian int32 is the high
+ * half), one bounds check and one count check per block, the block
+ * unrolled; then the last < FAST_BLOCK pairs one by one. The body sees a, c (the pair), i (its first index),
  * dst (where the pair was read: the fused SUM writes the RESULT pair back
  * there) and wide (OR-ed into scratch.fast_wide after each block: never
  * branched on, so no second verifier path).
