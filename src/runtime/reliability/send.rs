@@ -1,194 +1,12 @@
-//! The one sequence / acknowledgement / retransmission module of AggBox
-//! (`DESIGN.md`, "Where reliability lives"). Every reliable path of the
-//! runtime uses it: worker contributions (`AGG1`), broadcast data (`AGB1`) and
-//! the acknowledgements the aggregator sends for contributions, on both the
-//! socket and the kernel backend.
-//!
-//! - [`SendWindow`]: the sender side. Gives every new datagram the next `seq`,
-//!   keeps a copy in a reused buffer until every destination acknowledged it,
-//!   limits the datagrams in flight to a window, retransmits only what is
-//!   missing and only to who misses it, with a timeout from
-//!   [`RttEstimator`] (Jacobson/Karels SRTT/RTTVAR, RFC 6298) that doubles on
-//!   every retransmission of the same datagram (exponential back-off) and,
-//!   where ACK holes show losses, does not expire for a destination whose
-//!   ACKs keep acknowledging new datagrams (one RTO after the last, as RFC
-//!   6298 (5.3) restarts its timer on every ACK of new data). An
-//!   `AGK1` whose bitmap shows a hole below a received seq triggers a selective
-//!   retransmission of the hole at most once per smoothed RTT.
-//! - [`RecvTracker`]: the receiver side, one per sender. Classifies each
-//!   arriving seq as new or duplicate (duplicates are re-acknowledged, never
-//!   delivered), and produces `AGK1` bitmaps per [`AckMode`]: per-packet mode
-//!   acknowledges each datagram with `nbits = 1`; group mode (group size G,
-//!   default 1024) acknowledges a group once it is complete, at the end of a
-//!   message (a datagram flagged as last), or, when arrivals are left
-//!   unacknowledged for `ack_delay` (a gap that did not fill, or a sender that
-//!   stopped inside a group), with a selective bitmap of what the group has.
-//!
-//! Invariant that bounds the receiver's memory: a sender never has more than
-//! `window <= G` datagrams in flight ([`ReliabilityConfig::validate`] enforces
-//! it), so when a tracker sees a seq at least `2G` past the start of its oldest
-//! group, every hole of that group was abandoned by the sender (its call failed
-//! at its deadline) and the group is dropped. A tracker therefore holds at most
-//! three groups. A seq more than [`SESSION_RESET_DISTANCE`] away from the
-//! tracker's floor (a restarted sender, which starts at a fresh random group)
-//! resets the tracker.
-//!
-//! Memory (asserted in the unit tests, see `docs/RUNTIME.md`): a receiver keeps
-//! `size_of::<GroupState>()` = 160 bytes per group of 1024 datagrams per sender
-//! (a 1024-bit [`SeqBitmap`] plus ACK timing); a sender keeps 48 bytes of
-//! bookkeeping per datagram in flight ([`SendWindow::ENTRY_BYTES`] = 48, 48 KiB per
-//! 1024) plus the datagram copy itself (at most the MTU, ~1.5 MiB per 1024 at
-//! MTU 1500; the buffers are allocated once and reused).
+//! The sender side of the reliability layer ([`SendWindow`]; see the
+//! module docs of [`super`]).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use super::{ReliabilityConfig, RttEstimator, SESSION_RESET_DISTANCE};
 use crate::config::AckMode;
-use crate::proto::{group_of, SeqBitmap, DEFAULT_GROUP_SIZE};
-
-/// Distance (in seq numbers) from a tracker's floor beyond which a datagram is
-/// taken as the start of a new sender session and resets the tracker.
-pub const SESSION_RESET_DISTANCE: u32 = 1 << 24;
-
-/// Settings of the reliability layer, shared by senders and receivers of one
-/// communicator (they must agree on `ack_mode` and `group_size`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReliabilityConfig {
-    /// Per-packet or group acknowledgements.
-    pub ack_mode: AckMode,
-    /// Group size G of group mode, 1..=1024 (also the tracker's bitmap size).
-    pub group_size: u32,
-    /// Datagrams in flight per sender, 1..=`group_size`.
-    pub window: u32,
-    /// Retransmission timeout before the first RTT sample.
-    pub initial_rto: Duration,
-    /// Lower bound of the retransmission timeout.
-    pub min_rto: Duration,
-    /// Upper bound of the retransmission timeout (also caps the back-off).
-    pub max_rto: Duration,
-    /// Group mode: how long arrivals may stay unacknowledged before a
-    /// selective ACK is sent.
-    pub ack_delay: Duration,
-}
-
-impl Default for ReliabilityConfig {
-    /// Group mode with G = 1024, a window of 256, RTO 20 ms before the first
-    /// sample and within [2 ms, 1 s], ACK delay 1 ms.
-    fn default() -> Self {
-        ReliabilityConfig {
-            ack_mode: AckMode::Group,
-            group_size: DEFAULT_GROUP_SIZE,
-            window: 256,
-            initial_rto: Duration::from_millis(20),
-            min_rto: Duration::from_millis(2),
-            max_rto: Duration::from_secs(1),
-            ack_delay: Duration::from_millis(1),
-        }
-    }
-}
-
-impl ReliabilityConfig {
-    /// Checks the ranges: G in 1..=1024, window in 1..=G, min_rto <= max_rto.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.group_size == 0 || self.group_size > 1024 {
-            return Err(format!(
-                "ack group size {} outside 1..=1024",
-                self.group_size
-            ));
-        }
-        if self.window == 0 || self.window > self.group_size {
-            return Err(format!(
-                "window {} outside 1..=group size {} (a sender may not have more than G datagrams in flight)",
-                self.window, self.group_size
-            ));
-        }
-        if self.min_rto > self.max_rto || self.min_rto.is_zero() {
-            return Err("need 0 < min_rto <= max_rto".into());
-        }
-        Ok(())
-    }
-}
-
-/// Jacobson/Karels retransmission timeout estimator (RFC 6298):
-/// `SRTT += (R - SRTT)/8`, `RTTVAR += (|SRTT - R| - RTTVAR)/4`,
-/// `RTO = SRTT + max(1 ms, 4 RTTVAR, SRTT)`, clamped to `[min_rto, max_rto]`.
-#[derive(Debug, Clone, Copy)]
-pub struct RttEstimator {
-    srtt: Option<Duration>,
-    rttvar: Duration,
-    rto: Duration,
-    min_rto: Duration,
-    max_rto: Duration,
-    samples: u64,
-    min_rtt: Option<Duration>,
-}
-
-impl RttEstimator {
-    /// Before any sample the RTO is `initial` (clamped).
-    pub fn new(initial: Duration, min_rto: Duration, max_rto: Duration) -> RttEstimator {
-        RttEstimator {
-            srtt: None,
-            rttvar: Duration::ZERO,
-            rto: initial.clamp(min_rto, max_rto),
-            min_rto,
-            max_rto,
-            samples: 0,
-            min_rtt: None,
-        }
-    }
-
-    /// Feeds one RTT measurement (only from datagrams sent once: Karn).
-    pub fn sample(&mut self, r: Duration) {
-        self.samples += 1;
-        self.min_rtt = Some(self.min_rtt.map_or(r, |m| m.min(r)));
-        match self.srtt {
-            None => {
-                self.srtt = Some(r);
-                self.rttvar = r / 2;
-            }
-            Some(s) => {
-                let diff = if s > r { s - r } else { r - s };
-                self.rttvar = (self.rttvar * 3 + diff) / 4;
-                self.srtt = Some((s * 7 + r) / 8);
-            }
-        }
-        let s = self.srtt.unwrap_or(r);
-        // At least 2 · SRTT: with steady samples RTTVAR decays to ~0 and
-        // RFC 6298's SRTT + 4·RTTVAR sat 1 ms above SRTT, so any scheduling
-        // stall of a progress thread (2 vCPUs, several threads, softirqs)
-        // fired timeouts for a whole window of datagrams that were not lost
-        // (measured: 15–20 % of a 21.8 M-element allreduce resent at MTU 1500).
-        let var = (self.rttvar * 4).max(s).max(Duration::from_millis(1));
-        self.rto = (s + var).clamp(self.min_rto, self.max_rto);
-    }
-
-    /// Current RTO.
-    pub fn rto(&self) -> Duration {
-        self.rto
-    }
-
-    /// Smoothed RTT, `None` before the first sample.
-    pub fn srtt(&self) -> Option<Duration> {
-        self.srtt
-    }
-
-    /// The smallest RTT sampled, `None` before the first sample.
-    pub fn min_rtt(&self) -> Option<Duration> {
-        self.min_rtt
-    }
-
-    /// Samples taken so far.
-    pub fn samples(&self) -> u64 {
-        self.samples
-    }
-
-    /// The timeout of a datagram already retransmitted `retries` times:
-    /// `RTO * 2^retries`, capped at `max_rto`.
-    pub fn backoff(&self, retries: u16) -> Duration {
-        let mult = 1u32 << retries.min(16);
-        self.rto.saturating_mul(mult).min(self.max_rto)
-    }
-}
+use crate::proto::SeqBitmap;
 
 /// Counters of one [`SendWindow`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -587,7 +405,8 @@ impl SendWindow {
             if let Some(i) = self.index_of(seq) {
                 let e = &mut self.entries[i];
                 if e.retries == 0 && !e.reserved {
-                    newest_delivered = Some(newest_delivered.map_or(e.first_sent, |t| t.max(e.first_sent)));
+                    newest_delivered =
+                        Some(newest_delivered.map_or(e.first_sent, |t| t.max(e.first_sent)));
                 }
                 if e.pending & bit != 0 {
                     e.pending &= !bit;
@@ -672,7 +491,8 @@ impl SendWindow {
             if sent == n {
                 return n;
             }
-            if e.pending & bit == 0 || e.reserved || e.last_sent + self.rtt.backoff(e.retries) > now {
+            if e.pending & bit == 0 || e.reserved || e.last_sent + self.rtt.backoff(e.retries) > now
+            {
                 continue;
             }
             tx(dest, &self.bufs[e.buf as usize]);
@@ -813,301 +633,10 @@ fn mask_of(n: usize) -> u64 {
     }
 }
 
-/// What a receiver makes of an arriving seq.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// Not seen before: deliver it, then [`RecvTracker::record`] it.
-    New,
-    /// Seen before (or settled): do not deliver; [`RecvTracker::reack`] it.
-    Duplicate,
-}
-
-/// ACK state of one group of G sequence numbers at a receiver.
-#[derive(Debug, Clone, Copy)]
-pub struct GroupState {
-    bitmap: SeqBitmap,
-    /// Arrivals since this group's last ACK.
-    unacked: u16,
-    /// When the oldest unacknowledged arrival came.
-    first_unacked: Option<Instant>,
-}
-
-/// Receiver side of the reliability layer for one sender: dedup and ACK
-/// generation (see the module docs). ACKs are handed to an `emit(&SeqBitmap)`
-/// closure that encodes and sends the `AGK1`.
-#[derive(Debug, Clone)]
-pub struct RecvTracker {
-    cfg: ReliabilityConfig,
-    started: bool,
-    /// Base seq of `groups[0]`; everything below is settled.
-    floor: u32,
-    groups: VecDeque<GroupState>,
-    duplicates: u64,
-}
-
-impl RecvTracker {
-    /// Bytes kept per group of G sequence numbers.
-    pub const GROUP_BYTES: usize = std::mem::size_of::<GroupState>();
-
-    /// Most groups a tracker holds at once (see the module docs).
-    pub const MAX_GROUPS: usize = 3;
-
-    /// An empty tracker; it starts at the group of the first seq it sees.
-    pub fn new(cfg: ReliabilityConfig) -> RecvTracker {
-        RecvTracker {
-            cfg,
-            started: false,
-            floor: 0,
-            groups: VecDeque::with_capacity(Self::MAX_GROUPS + 1),
-            duplicates: 0,
-        }
-    }
-
-    /// Groups currently held.
-    pub fn groups_held(&self) -> usize {
-        self.groups.len()
-    }
-
-    /// Duplicates seen so far.
-    pub fn duplicates(&self) -> u64 {
-        self.duplicates
-    }
-
-    fn g(&self) -> u32 {
-        self.cfg.group_size.max(1)
-    }
-
-    fn new_group(&self, base: u32) -> GroupState {
-        let bitmap = SeqBitmap::new(base, self.g() as u16).unwrap_or_else(|_| {
-            // group_size is validated to 1..=1024; fall back to one bit.
-            SeqBitmap::new(base, 1).expect("nbits 1 is valid")
-        });
-        GroupState {
-            bitmap,
-            unacked: 0,
-            first_unacked: None,
-        }
-    }
-
-    fn reset_at(&mut self, seq: u32) {
-        self.groups.clear();
-        self.floor = group_of(seq, self.g()).1;
-        self.started = true;
-    }
-
-    /// Classifies `seq` without recording it. A seq from a new sender session
-    /// (far from everything seen) resets the tracker first.
-    pub fn check(&mut self, seq: u32) -> Verdict {
-        if !self.started {
-            self.reset_at(seq);
-            return Verdict::New;
-        }
-        let ahead = seq.wrapping_sub(self.floor);
-        let behind = self.floor.wrapping_sub(seq);
-        if ahead >= SESSION_RESET_DISTANCE && behind >= SESSION_RESET_DISTANCE {
-            self.reset_at(seq);
-            return Verdict::New;
-        }
-        if behind > 0 && behind < SESSION_RESET_DISTANCE {
-            return Verdict::Duplicate;
-        }
-        let gi = (ahead / self.g()) as usize;
-        match self.groups.get(gi) {
-            Some(g) if g.bitmap.get(seq) => Verdict::Duplicate,
-            _ => Verdict::New,
-        }
-    }
-
-    /// Records a [`Verdict::New`] seq and sends whatever ACK the mode calls
-    /// for now; `last` marks the last datagram of a message (ACK at once).
-    pub fn record(
-        &mut self,
-        seq: u32,
-        last: bool,
-        now: Instant,
-        emit: &mut impl FnMut(&SeqBitmap),
-    ) {
-        if !self.started {
-            self.reset_at(seq);
-        }
-        let g = self.g();
-        // Evict groups whose holes the sender must have abandoned.
-        while seq.wrapping_sub(self.floor) >= 2 * g
-            && seq.wrapping_sub(self.floor) < SESSION_RESET_DISTANCE
-        {
-            if let Some(front) = self.groups.pop_front() {
-                if front.unacked > 0 && self.cfg.ack_mode == AckMode::Group {
-                    emit(&front.bitmap);
-                }
-            }
-            self.floor = self.floor.wrapping_add(g);
-        }
-        let ahead = seq.wrapping_sub(self.floor);
-        if ahead >= SESSION_RESET_DISTANCE {
-            return; // behind the floor: settled already
-        }
-        let gi = (ahead / g) as usize;
-        while self.groups.len() <= gi {
-            let base = self.floor.wrapping_add(g * self.groups.len() as u32);
-            let ng = self.new_group(base);
-            self.groups.push_back(ng);
-        }
-        let mode = self.cfg.ack_mode;
-        let grp = &mut self.groups[gi];
-        grp.bitmap.set(seq);
-        match mode {
-            AckMode::Packet => {
-                if let Ok(mut one) = SeqBitmap::new(seq, 1) {
-                    one.set(seq);
-                    emit(&one);
-                }
-            }
-            AckMode::Group => {
-                grp.unacked = grp.unacked.saturating_add(1);
-                grp.first_unacked.get_or_insert(now);
-                if grp.bitmap.is_complete() || last {
-                    emit(&grp.bitmap);
-                    grp.unacked = 0;
-                    grp.first_unacked = None;
-                }
-            }
-        }
-        self.pop_settled();
-    }
-
-    fn pop_settled(&mut self) {
-        while let Some(f) = self.groups.front() {
-            if f.bitmap.is_complete() && f.unacked == 0 {
-                self.groups.pop_front();
-                self.floor = self.floor.wrapping_add(self.g());
-            } else {
-                break;
-            }
-        }
-    }
-
-    /// Re-acknowledges a [`Verdict::Duplicate`] (its earlier ACK may have been
-    /// lost): the group's bitmap when the group is still held, else `seq` alone.
-    pub fn reack(&mut self, seq: u32, emit: &mut impl FnMut(&SeqBitmap)) {
-        self.duplicates += 1;
-        if self.cfg.ack_mode == AckMode::Group {
-            let ahead = seq.wrapping_sub(self.floor);
-            if ahead < SESSION_RESET_DISTANCE {
-                if let Some(g) = self.groups.get((ahead / self.g()) as usize) {
-                    emit(&g.bitmap);
-                    return;
-                }
-            }
-        }
-        if let Ok(mut one) = SeqBitmap::new(seq, 1) {
-            one.set(seq);
-            emit(&one);
-        }
-    }
-
-    /// Group mode: sends the selective ACK of every group whose arrivals have
-    /// waited `ack_delay`. Returns when the next one is due.
-    pub fn poll(&mut self, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) -> Option<Instant> {
-        self.emit_pending(Some(now), emit)
-    }
-
-    /// Group mode: hands every group's pending selective ACK to `emit` now,
-    /// whatever it has waited (a receiver whose round ends: the last
-    /// arrivals' ACK must not wait for a timer that may come after it
-    /// stopped repeating that round's ACKs).
-    pub fn flush(&mut self, emit: &mut impl FnMut(&SeqBitmap)) {
-        self.emit_pending(None, emit);
-    }
-
-    /// The ACKs of groups with arrivals waiting since `ack_delay` before
-    /// `now` (every group with arrivals when `now` is `None`); returns when
-    /// the next one is due.
-    fn emit_pending(
-        &mut self,
-        now: Option<Instant>,
-        emit: &mut impl FnMut(&SeqBitmap),
-    ) -> Option<Instant> {
-        let mut next: Option<Instant> = None;
-        for g in self.groups.iter_mut() {
-            if let Some(t) = g.first_unacked {
-                let due = t + self.cfg.ack_delay;
-                if now.map_or(true, |now| due <= now) {
-                    emit(&g.bitmap);
-                    g.unacked = 0;
-                    g.first_unacked = None;
-                } else {
-                    next = Some(next.map_or(due, |n: Instant| n.min(due)));
-                }
-            }
-        }
-        self.pop_settled();
-        next
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn cfg(mode: AckMode, g: u32, window: u32) -> ReliabilityConfig {
-        ReliabilityConfig {
-            ack_mode: mode,
-            group_size: g,
-            window,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn memory_per_group_of_1024() {
-        // Receiver: one GroupState per 1024 datagrams per sender.
-        assert_eq!(
-            RecvTracker::GROUP_BYTES,
-            160,
-            "GroupState grew: update docs/RUNTIME.md"
-        );
-        // Sender: bookkeeping per datagram in flight.
-        assert_eq!(
-            SendWindow::ENTRY_BYTES,
-            48,
-            "Entry grew: update docs/RUNTIME.md"
-        );
-        assert_eq!(1024 * SendWindow::ENTRY_BYTES, 48 * 1024);
-        // A tracker never holds more than MAX_GROUPS groups, whatever it sees.
-        let mut t = RecvTracker::new(cfg(AckMode::Group, 1024, 1024));
-        let now = Instant::now();
-        for s in (0..100_000u32).filter(|s| s % 7 != 3) {
-            if t.check(s) == Verdict::New {
-                t.record(s, false, now, &mut |_| {});
-            }
-            assert!(t.groups_held() <= RecvTracker::MAX_GROUPS);
-        }
-    }
-
-    #[test]
-    fn rtt_estimator_jacobson_karels() {
-        let mut r = RttEstimator::new(
-            Duration::from_millis(20),
-            Duration::from_millis(2),
-            Duration::from_secs(1),
-        );
-        assert_eq!(r.rto(), Duration::from_millis(20));
-        r.sample(Duration::from_millis(10));
-        assert_eq!(r.srtt(), Some(Duration::from_millis(10)));
-        // RTO = 10 + 4 * 5
-        assert_eq!(r.rto(), Duration::from_millis(30));
-        for _ in 0..50 {
-            r.sample(Duration::from_millis(10));
-        }
-        // steady samples: RTTVAR decays, the floor 2 · SRTT holds
-        assert!(
-            r.rto() >= Duration::from_millis(20) && r.rto() < Duration::from_millis(21),
-            "{:?}",
-            r.rto()
-        );
-        assert_eq!(r.backoff(1), r.rto() * 2);
-        assert_eq!(r.backoff(30), Duration::from_secs(1));
-    }
+    use crate::runtime::reliability::test_config as cfg;
 
     /// `SendWindow::send`'s build for tests: a datagram holding its seq.
     fn seq_datagram(seq: u32, buf: &mut Vec<u8>) -> Result<(), ()> {
@@ -1161,7 +690,8 @@ mod tests {
         let t0 = Instant::now();
         let ms = |m: u64| t0 + Duration::from_millis(m);
         for (seq, at) in [(103u32, 0u64), (100, 1), (102, 2), (101, 6)] {
-            w.send_at::<()>(seq, 0b11, ms(at), seq_datagram, &mut |_, _| {}).unwrap();
+            w.send_at::<()>(seq, 0b11, ms(at), seq_datagram, &mut |_, _| {})
+                .unwrap();
         }
         let ack = |w: &mut SendWindow, dest: usize, seqs: &[u32], at: Instant| {
             let mut bm = SeqBitmap::new(100, 4).unwrap();
@@ -1169,7 +699,9 @@ mod tests {
                 bm.set(s);
             }
             let mut out = Vec::new();
-            w.on_ack(dest, &bm, at, &mut |d, b| out.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+            w.on_ack(dest, &bm, at, &mut |d, b| {
+                out.push((d, u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+            });
             out
         };
         // Dest 0 has everything but 103 (a sample of 9 ms from 100); dest 1
@@ -1184,10 +716,12 @@ mod tests {
         // shows it lost.
         let mut w = SendWindow::new(c, 1, 100);
         for (seq, at) in [(100u32, 0u64), (103, 6), (102, 1)] {
-            w.send_at::<()>(seq, 1, ms(at), seq_datagram, &mut |_, _| {}).unwrap();
+            w.send_at::<()>(seq, 1, ms(at), seq_datagram, &mut |_, _| {})
+                .unwrap();
         }
         assert_eq!(ack(&mut w, 0, &[100, 102], ms(30)), vec![]);
-        w.send_at::<()>(101, 1, ms(20), seq_datagram, &mut |_, _| {}).unwrap();
+        w.send_at::<()>(101, 1, ms(20), seq_datagram, &mut |_, _| {})
+            .unwrap();
         assert_eq!(ack(&mut w, 0, &[100, 101, 102], ms(40)), vec![(0, 103)]);
     }
 
@@ -1241,7 +775,10 @@ mod tests {
         let p2 = p1 + 2 * one_ms + 2 * rto + one_ms;
         assert_eq!(resent_at(&mut w, p2), vec![(0, 103), (1, 102)]);
         assert_eq!(resent_at(&mut w, p2 + rto), vec![]);
-        assert_eq!(resent_at(&mut w, p2 + 2 * rto + one_ms), vec![(0, 103), (1, 102)]);
+        assert_eq!(
+            resent_at(&mut w, p2 + 2 * rto + one_ms),
+            vec![(0, 103), (1, 102)]
+        );
         // Where holes are not losses (a kernel-backend worker), no hold.
         let mut w = SendWindow::new(c, 1, 100);
         w.set_holes_are_losses(false);
@@ -1278,7 +815,10 @@ mod tests {
             more
         };
         // Group ACKs to a receiver that keeps what arrives: one probe, the newest.
-        assert_eq!(resent_at(&mut window(AckMode::Group, true, 3), due), vec![(0, 102)]);
+        assert_eq!(
+            resent_at(&mut window(AckMode::Group, true, 3), due),
+            vec![(0, 102)]
+        );
         // A receiver that may shed load (the socket aggregator without a
         // free slot): the oldest first, then twice as many at each ACK of new
         // data, as TCP after a timeout.
@@ -1292,7 +832,11 @@ mod tests {
         // trip), not the whole timed-out window at once.
         for probe in [true, false] {
             let mut w = window(AckMode::Packet, probe, 6);
-            assert_eq!(resent_at(&mut w, due), vec![(0, 100)], "probe_quiet {probe}");
+            assert_eq!(
+                resent_at(&mut w, due),
+                vec![(0, 100)],
+                "probe_quiet {probe}"
+            );
             assert_eq!(resent_on_ack(&mut w, 100, at), vec![(0, 101), (0, 102)]);
             assert_eq!(resent_on_ack(&mut w, 101, at), vec![(0, 103), (0, 104)]);
             assert_eq!(resent_on_ack(&mut w, 102, at), vec![(0, 105)]);
@@ -1310,14 +854,23 @@ mod tests {
         // So does an ACK of a resend sooner than half the smallest RTT after
         // it (one sample of 4 ms: the 1 ms is the original's ACK).
         let mut w = window(AckMode::Packet, false, 6);
-        assert_eq!(resent_on_ack(&mut w, 105, t0 + Duration::from_millis(4)), vec![]);
+        assert_eq!(
+            resent_on_ack(&mut w, 105, t0 + Duration::from_millis(4)),
+            vec![]
+        );
         assert_eq!(w.rtt().min_rtt(), Some(Duration::from_millis(4)));
         let due = t0 + Duration::from_millis(4) + w.rtt().rto() + Duration::from_millis(1);
         assert_eq!(resent_at(&mut w, due), vec![(0, 100)]);
         let at = due + Duration::from_millis(3);
         assert_eq!(resent_on_ack(&mut w, 100, at), vec![(0, 101), (0, 102)]);
-        assert_eq!(resent_on_ack(&mut w, 101, at + Duration::from_millis(1)), vec![]);
-        assert_eq!(resent_on_ack(&mut w, 102, at + Duration::from_millis(2)), vec![]);
+        assert_eq!(
+            resent_on_ack(&mut w, 101, at + Duration::from_millis(1)),
+            vec![]
+        );
+        assert_eq!(
+            resent_on_ack(&mut w, 102, at + Duration::from_millis(2)),
+            vec![]
+        );
     }
 
     #[test]
@@ -1445,73 +998,5 @@ mod tests {
         assert!(w.is_idle());
         assert_eq!(sent, 4);
         assert_eq!(w.next_seq(), 1003);
-    }
-
-    #[test]
-    fn tracker_dedups_and_acks_groups() {
-        let c = cfg(AckMode::Group, 16, 16);
-        let mut t = RecvTracker::new(c);
-        let now = Instant::now();
-        let mut acks: Vec<SeqBitmap> = Vec::new();
-        for s in 0..16u32 {
-            if s == 5 {
-                continue;
-            }
-            assert_eq!(t.check(s), Verdict::New);
-            t.record(s, false, now, &mut |b| acks.push(*b));
-        }
-        assert!(acks.is_empty(), "group incomplete, no timeout yet");
-        assert_eq!(t.check(3), Verdict::Duplicate);
-        // The gap does not fill: a selective ACK after ack_delay.
-        t.poll(now + Duration::from_millis(5), &mut |b| acks.push(*b));
-        assert_eq!(acks.len(), 1);
-        assert_eq!(acks[0].missing().collect::<Vec<_>>(), vec![5]);
-        t.record(5, false, now, &mut |b| acks.push(*b));
-        assert_eq!(acks.len(), 2);
-        assert!(acks[1].is_complete());
-        assert_eq!(t.groups_held(), 0);
-        // Settled seqs are duplicates and re-acknowledged alone.
-        assert_eq!(t.check(5), Verdict::Duplicate);
-        t.reack(5, &mut |b| acks.push(*b));
-        assert_eq!((acks[2].base_seq(), acks[2].nbits()), (5, 1));
-        // Last datagram of a message: ACK at once.
-        assert_eq!(t.check(16), Verdict::New);
-        t.record(16, true, now, &mut |b| acks.push(*b));
-        assert_eq!(acks.len(), 4);
-    }
-
-    #[test]
-    fn tracker_packet_mode_and_session_reset() {
-        let mut t = RecvTracker::new(cfg(AckMode::Packet, 1024, 64));
-        let now = Instant::now();
-        let mut acks = Vec::new();
-        t.check(5000);
-        t.record(5000, false, now, &mut |b: &SeqBitmap| acks.push(*b));
-        assert_eq!(acks.len(), 1);
-        assert_eq!(acks[0].nbits(), 1);
-        // A restarted sender far away: new session.
-        assert_eq!(t.check(0x8000_0000), Verdict::New);
-        t.record(0x8000_0000, false, now, &mut |b| acks.push(*b));
-        assert_eq!(t.check(0x8000_0000), Verdict::Duplicate);
-        assert_eq!(t.check(5000), Verdict::New);
-    }
-
-    #[test]
-    fn tracker_drops_abandoned_holes() {
-        let mut t = RecvTracker::new(cfg(AckMode::Group, 8, 8));
-        let now = Instant::now();
-        for s in [0u32, 1, 2] {
-            t.check(s);
-            t.record(s, false, now, &mut |_| {});
-        }
-        // Sender gave up on 3..8 and moved on: 16 is 2G past group 0.
-        assert_eq!(t.check(16), Verdict::New);
-        t.record(16, false, now, &mut |_| {});
-        assert_eq!(
-            t.check(3),
-            Verdict::Duplicate,
-            "abandoned holes are settled"
-        );
-        assert_eq!(t.check(9), Verdict::New);
     }
 }
