@@ -14,13 +14,14 @@
 //!   arrived).
 //!
 //! Everything else (fragmentation, windows, broadcast, retransmission) is the
-//! same code for both, in [`crate::runtime::comm`].
+//! same code for both, in [`crate::runtime::engine`].
 
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
-use crate::proto::{AckKind, AckMessage, AggHeader, SeqBitmap};
-use crate::runtime::transport::Net;
+use crate::proto::{AckKind, AggHeader, SeqBitmap};
+use crate::runtime::outbox::Outbox;
+use crate::runtime::transport::Counters;
 
 /// Which backend a communicator uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -42,57 +43,25 @@ impl BackendKind {
     }
 }
 
-/// Sends `AGK1` acknowledgements for contributions from the aggregator's
-/// socket, encoding into a reused buffer.
+/// Queues `AGK1` acknowledgements for contributions, to go out from the
+/// aggregator's socket when the I/O driver next polls the state machine.
 #[derive(Debug)]
 pub struct AckIo<'a> {
-    /// The aggregator participant's transport.
-    pub sock: &'a Net,
-    /// Reused encode buffer.
-    pub buf: &'a mut Vec<u8>,
+    /// Where the acknowledgements are queued.
+    pub out: &'a mut Outbox,
+    /// The communicator's counters (refused datagrams).
+    pub counters: &'a Counters,
     /// Job id (the ACK's `id`).
     pub job: u16,
-    /// ACK datagrams sent so far (incremented here).
+    /// ACK datagrams queued so far (incremented here).
     pub sent: &'a mut u64,
 }
 
 impl AckIo<'_> {
-    /// Sends one aggregation ACK for `rank`'s datagrams to `to`.
+    /// Queues one aggregation ACK for `rank`'s datagrams to `to`.
     pub fn send(&mut self, to: SocketAddrV4, rank: u16, bm: &SeqBitmap) {
-        send_ack(
-            self.sock,
-            self.buf,
-            self.job,
-            rank,
-            AckKind::Aggregation,
-            bm,
-            to,
-        );
+        self.out.ack(self.job, rank, AckKind::Aggregation, bm, to);
         *self.sent += 1;
-    }
-}
-
-/// Encodes and sends one `AGK1` (send errors count as loss: the peer
-/// retransmits).
-pub fn send_ack(
-    sock: &Net,
-    buf: &mut Vec<u8>,
-    id: u16,
-    rank: u16,
-    kind: AckKind,
-    bm: &SeqBitmap,
-    to: SocketAddrV4,
-) {
-    buf.clear();
-    let msg = AckMessage {
-        id,
-        rank,
-        kind,
-        flags: 0,
-        bitmap: *bm,
-    };
-    if msg.encode_into(buf).is_ok() {
-        sock.tx(to, buf);
     }
 }
 

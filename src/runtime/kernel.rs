@@ -203,7 +203,7 @@ impl Backend for KernelAggregator {
             // Taken, it would become the fragment's value, the genuine
             // RESULT would then be dropped as a duplicate, and the workers
             // would be told their contributions were reduced.
-            io.sock.c.refused(Refusal::ResultFromWrongSource);
+            io.counters.refused(Refusal::ResultFromWrongSource);
             return;
         }
         if hdr.round != self.round {
@@ -213,7 +213,7 @@ impl Backend for KernelAggregator {
                 if self.early.len() >= EARLY_RESULTS_MAX
                     || self.early_bytes + cost > self.early_limit
                 {
-                    io.sock.c.refused(Refusal::EarlyResultOverLimit);
+                    io.counters.refused(Refusal::EarlyResultOverLimit);
                     return;
                 }
                 self.early_bytes += cost;
@@ -310,8 +310,8 @@ impl Backend for KernelAggregator {
 mod tests {
     use super::*;
     use crate::abi::{self, Op};
-    use crate::runtime::transport::{Counters, Net, UdpTransport};
-    use std::sync::Arc;
+    use crate::runtime::outbox::Outbox;
+    use crate::runtime::transport::Counters;
 
     fn result(round: u32, frag_off: u32, values: &[i32]) -> (AggHeader, Vec<u8>) {
         let hdr = AggHeader {
@@ -329,29 +329,20 @@ mod tests {
         (hdr, payload)
     }
 
-    fn loopback_net() -> Net {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback");
-        Net {
-            t: Box::new(UdpTransport::new(socket)),
-            c: Arc::new(Counters::default()),
-        }
-    }
-
     /// Workers may start round r+1 before this application calls it; the
     /// kernel sends that RESULT once, so it must be kept until the round
     /// begins (and never taken for the round in progress).
     #[test]
     fn result_of_a_later_round_is_kept_until_that_round() {
-        let net = loopback_net();
-        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
         let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
         {
             let mut io = AckIo {
-                sock: &net,
-                buf: &mut buf,
+                out: &mut out,
+                counters: &counters,
                 job: 7,
                 sent: &mut sent,
             };
@@ -365,8 +356,8 @@ mod tests {
         agg.expect_round(2, 101, now);
         {
             let mut io = AckIo {
-                sock: &net,
-                buf: &mut buf,
+                out: &mut out,
+                counters: &counters,
                 job: 7,
                 sent: &mut sent,
             };
@@ -388,13 +379,12 @@ mod tests {
     /// follows is the value (a forged one taken first made it a duplicate).
     #[test]
     fn a_result_from_neither_a_worker_socket_nor_the_node_is_refused() {
-        let net = loopback_net();
-        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
         let node = std::net::Ipv4Addr::new(127, 0, 0, 2);
         let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), 1, 100, node, DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
-        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+        let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let (hdr, forged) = result(1, 0, &[-1, -1, -1, -1]);
         for from in [
             SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5001),
@@ -404,7 +394,7 @@ mod tests {
         }
         let (hdr2, forged2) = result(2, 0, &[-1, -1, -1, -1]);
         agg.on_agg(&hdr2, &forged2, SocketAddrV4::new(std::net::Ipv4Addr::new(10, 9, 9, 9), 5000), now, &mut io);
-        assert_eq!(net.c.refused_snapshot().results_from_wrong_source, 3);
+        assert_eq!(counters.refused_snapshot().results_from_wrong_source, 3);
         assert_eq!(agg.early_bytes(), 0, "a refused later-round RESULT is not kept");
         let (_, genuine) = result(1, 0, &[1, 2, 3, 4]);
         agg.on_agg(&hdr, &genuine, worker, now, &mut io);
@@ -414,7 +404,7 @@ mod tests {
         agg.take_completed(1, &mut |c| got.push((c.frag_off, c.values.to_vec())));
         got.sort();
         assert_eq!(got, vec![(0, vec![1, 2, 3, 4]), (4, vec![5, 6, 7, 8])]);
-        assert_eq!(net.c.refused_snapshot().results_from_wrong_source, 3);
+        assert_eq!(counters.refused_snapshot().results_from_wrong_source, 3);
     }
 
     /// RESULTs of later rounds are kept up to the byte bound: a flood of
@@ -422,14 +412,13 @@ mod tests {
     /// counts the rest; what was kept is taken when its round begins.
     #[test]
     fn early_results_stay_within_the_byte_bound() {
-        let net = loopback_net();
-        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
         let per = abi::MAX_ELEMS as usize;
         let limit = 1 << 20;
         let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), 1, 100, *worker.ip(), limit);
         let now = Instant::now();
-        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+        let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let values = vec![3i32; per];
         let (mut hdr, payload) = result(2, 0, &values);
         hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
@@ -441,7 +430,7 @@ mod tests {
         }
         let kept = limit / early_cost(payload.len());
         assert_eq!(agg.early.len(), kept);
-        assert_eq!(net.c.refused_snapshot().early_results_over_limit, (flood as usize - kept) as u64);
+        assert_eq!(counters.refused_snapshot().early_results_over_limit, (flood as usize - kept) as u64);
         // Round 2 begins: its kept fragments are taken, their memory freed.
         agg.expect_round(2, 101, now);
         agg.poll(now, &mut io);
@@ -462,14 +451,8 @@ mod tests {
     /// so a single lost copy left a worker waiting until its deadline.
     #[test]
     fn the_last_arrivals_ack_lingers_after_the_round() {
-        let net = loopback_net();
-        let worker = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind worker");
-        worker.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
-        let peer = match worker.local_addr().unwrap() {
-            std::net::SocketAddr::V4(a) => a,
-            _ => unreachable!(),
-        };
-        let (mut buf, mut sent) = (Vec::new(), 0u64);
+        let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let cfg = ReliabilityConfig {
             ack_delay: std::time::Duration::from_secs(3600), // no timer ACK in this test
             ..ReliabilityConfig::default()
@@ -482,28 +465,25 @@ mod tests {
             if frag != 3 {
                 hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
             }
-            let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
+            let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
             agg.on_agg(&hdr, &payload, peer, t0 + std::time::Duration::from_micros(k as u64), &mut io);
         }
         // Round over (the application took its 4 fragments); the next begins.
         agg.take_completed(1, &mut |_| {});
         agg.expect_round(2, 104, t0);
-        let mut io = AckIo { sock: &net, buf: &mut buf, job: 7, sent: &mut sent };
         // The repeats are due 5, 15, 35 and 75 ms after the round ended.
         for at in [5u64, 15, 35, 75] {
+            let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
             agg.poll(t0 + std::time::Duration::from_millis(at), &mut io);
         }
-        // Everything the worker got: the first ACK (seq 103 only), then the
-        // lingering copies, which must cover 100..103.
+        // Everything queued for the worker: the first ACK (seq 103 only),
+        // then the lingering copies, which must cover 100..103.
         let mut complete = 0;
-        let mut d = [0u8; 2048];
-        while let Ok(n) = worker.recv(&mut d) {
-            let ack = crate::proto::AckMessage::decode(&d[..n]).expect("an AGK1");
+        for (to, d, _) in out.datagrams() {
+            assert_eq!(to, peer);
+            let ack = crate::proto::AckMessage::decode(d).expect("an AGK1");
             if (100..104).all(|q| ack.bitmap.get(q)) {
                 complete += 1;
-            }
-            if complete >= 4 {
-                break;
             }
         }
         assert_eq!(complete, 4, "the complete ACK goes out with each of the 4 lingering repeats");

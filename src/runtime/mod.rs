@@ -13,7 +13,12 @@
 //! - [`pmtu`]: path MTU discovery (the default `mtu`).
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
 //! - [`socket`], [`kernel`]: the aggregator side of each backend.
-//! - [`comm`]: the communicator, its builder and its progress engine.
+//! - [`comm`]: the communicator and its builder (the public API).
+//! - `engine`: the communicator's state machine, with no socket and no
+//!   clock (`handle(now, datagram)` / `poll_transmit(now)` /
+//!   `poll_timeout()`); `calls`: the rounds each call makes; `driver`: the
+//!   one I/O driver (socket, clock, progress thread); [`outbox`]: the
+//!   datagrams between them.
 //! - [`striped`]: one vector over several jobs at once, a thread each.
 //! - [`transport`]: the datagram transport, counters ([`CommStats`]) and the
 //!   impairment test hook (drop / duplicate / reorder).
@@ -22,9 +27,13 @@
 //! `docs/RUNTIME.md` has the design, the failure behaviour and the numbers.
 
 pub mod backend;
+mod calls;
 pub mod comm;
+mod driver;
+mod engine;
 pub mod fragment;
 pub mod kernel;
+pub mod outbox;
 pub mod pmtu;
 pub mod quantize;
 pub mod reliability;

@@ -11,8 +11,10 @@
 //! [`crate::runtime::reliability`], fragmentation and reassembly; it is used
 //! only when a builder is given an [`Impairment`].
 //!
-//! [`Net`] is what the engine holds: the transport plus the communicator's
-//! counters ([`CommStats`]), counted on the way out and in.
+//! [`Net`] is what the I/O driver ([`crate::runtime::driver`]) holds: the
+//! transport plus the communicator's counters ([`CommStats`]), counted on
+//! the way out and in; it is the [`crate::runtime::outbox::Transmit`] the
+//! driver hands the state machine's datagrams to.
 
 use std::fmt;
 use std::io;
@@ -911,7 +913,7 @@ fn is_ack(bytes: &[u8]) -> bool {
         && u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) == abi::MAGIC_ACK
 }
 
-/// The engine's view of the network: a transport and the counters.
+/// The I/O driver's view of the network: a transport and the counters.
 #[derive(Debug)]
 pub struct Net {
     /// The transport.
@@ -963,5 +965,23 @@ impl Net {
     pub fn retx(&self, to: SocketAddrV4, bytes: &[u8]) {
         self.c.retransmitted.fetch_add(1, Ordering::Relaxed);
         self.tx(to, bytes);
+    }
+}
+
+impl crate::runtime::outbox::Transmit for Net {
+    fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        self.tx(to, datagram);
+    }
+
+    fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        self.retx(to, datagram);
+    }
+
+    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], gso: bool) {
+        if gso {
+            self.tx_batch_gso(datagrams);
+        } else {
+            self.tx_batch(datagrams);
+        }
     }
 }

@@ -1,0 +1,652 @@
+//! The communicator's state machine: everything a participant does for its
+//! collectives, with no socket and no clock (as quinn-proto's
+//! `Connection`). The I/O driver ([`crate::runtime::driver`]) owns the
+//! socket and the clock and drives it:
+//!
+//! - [`Engine::handle`]`(now, from, datagram)` for every datagram that
+//!   arrives;
+//! - [`Engine::poll_transmit`]`(now, tx)` hands what is due to a
+//!   [`Transmit`]: queued ACKs and retransmissions, new data the send
+//!   windows allow, what the timers fire;
+//! - [`Engine::poll_timeout`] says when to poll again at the latest;
+//! - a call is one *round*: `start_broadcast` / `start_reduce`, then
+//!   [`Engine::round_outcome`] after each poll until it is `Some`, then
+//!   `finish_broadcast` / `finish_reduce` ([`round`]). The sequences of
+//!   rounds a call makes (a float reduction's scale agreement and rerun)
+//!   are in [`crate::runtime::calls`].
+//!
+//! The unit tests (`tests.rs`) drive several engines through a simulated
+//! network with a fake clock.
+//!
+//! One concern per file:
+//! - [`round`]: a round's state, its start and end, and when it is complete;
+//! - [`pump`]: new data (contribution fragments, broadcast fragments,
+//!   forwarded results) within the send windows;
+//! - [`deliver`]: what arrives into the round (broadcast fragments, a
+//!   worker's results, the aggregator's completed fragments);
+//! - [`diagnosis`]: the error of a round past its deadline (who is missing);
+//! - [`tc_route`]: broadcasts through the node's TC program;
+//! - this file: the engine's state, `handle` (dispatch by message kind, and
+//!   who may send what), the timers and the poll API.
+
+mod deliver;
+mod diagnosis;
+mod pump;
+pub(crate) mod round;
+mod tc_route;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::abi::{self, Op};
+use crate::proto::{self, AckKind, AckMessage, MessageKind};
+use crate::runtime::backend::{AckIo, Backend, BackendKind};
+use crate::runtime::comm::{CallOptions, CommConfig, Participant};
+use crate::runtime::fragment::{
+    self, byte_window, elements_per_fragment, kernel_window, Coverage, BCAST_SUBHDR,
+};
+use crate::runtime::kernel::KernelAggregator;
+use crate::runtime::outbox::{Outbox, Transmit};
+use crate::runtime::reliability::{RecvTracker, SendWindow, Verdict};
+use crate::runtime::socket::SocketAggregator;
+use crate::runtime::transport::{Counters, Refusal, BATCH_MAX};
+use crate::runtime::Peer;
+
+pub(crate) use round::{Reduced, RoundState, Sink, Src};
+use tc_route::TcRoute;
+
+/// Most seqs the aggregator remembers as acknowledged before it registered
+/// them (`Engine::res_early`): a few windows of results.
+const RES_EARLY_LIMIT: usize = 1 << 16;
+
+/// See `Engine::agg_windows`.
+#[derive(Debug, Clone, Copy)]
+struct ContribWindows {
+    reduce: usize,
+    allreduce: usize,
+}
+
+/// Broadcast data of a later round, kept until that round starts.
+struct Stashed {
+    buf: Vec<u8>,
+    from: usize,
+    round: u32,
+}
+
+/// Which send window a queued first transmission is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TxWin {
+    Agg,
+    Bcast,
+}
+
+/// One participant's protocol state (see the module docs).
+pub(crate) struct Engine {
+    pub(crate) cfg: CommConfig,
+    /// The communicator's counters (shared with it): refusals, duplicates,
+    /// delivered bytes. Sends and receives are counted by the driver.
+    counters: Arc<Counters>,
+    /// ACKs and retransmissions produced by `handle`, sent at the next poll.
+    out: Outbox,
+    /// The round in progress, if a call is running.
+    current: Option<RoundState>,
+    /// When the timers polled last are next due (see [`Engine::poll_timeout`]).
+    next_timer: Option<Instant>,
+    me: usize,
+    per: usize,
+    chunk: usize,
+    addrs: Vec<SocketAddrV4>,
+    index: HashMap<SocketAddrV4, usize>,
+    agg_tx: SendWindow,
+    /// The contribution window of a reduce and of an allreduce whose
+    /// RESULTs the kernel copies to every worker (the kernel backend's
+    /// differ: `fragment::kernel_window`).
+    agg_windows: ContribWindows,
+    bc_tx: SendWindow,
+    bc_rx: Vec<RecvTracker>,
+    /// The `AGB1` group each sender used last (the id its ACKs carry).
+    bc_group: Vec<u16>,
+    /// Aggregator, kernel allreduce via the result group: results held until
+    /// every worker acknowledged them (seq = contribution seq), resent by
+    /// unicast to who misses them.
+    res_tx: SendWindow,
+    /// Aggregator: result ACKs that named seqs not registered yet (a worker
+    /// got the kernel's copy before this runtime took the RESULT): seq →
+    /// workers (bit per rank), applied when the seq is registered. (Keeping
+    /// whole bitmaps and re-applying all of them at every registration cost
+    /// 13 % of the CPU of a 21.8 M-element allreduce.) Bounded.
+    res_early: HashMap<u32, u64>,
+    /// Worker: acknowledges the results it receives (seq = contribution seq).
+    res_rx: RecvTracker,
+    /// Worker: (round, contribution seq base, fragments) of recent reductions,
+    /// to re-acknowledge late result retransmissions.
+    recent: VecDeque<(u32, u32, usize)>,
+    tc: Option<TcRoute>,
+    backend: Option<Box<dyn Backend>>,
+    stash: Vec<Stashed>,
+    stash_pool: Vec<Vec<u8>>,
+    /// New datagrams registered by `pump`, sent by `flush_tx`: (window, seq,
+    /// destination).
+    txq: Vec<(TxWin, u32, SocketAddrV4)>,
+    acks_sent: u64,
+    /// The round of the next (or current) call.
+    round: u32,
+    /// The contribution seq of the next (or current) reduction's first fragment.
+    agg_seq: u32,
+    spare_cov: Vec<Coverage>,
+    /// Reused per-call buffers (kept between calls of the same size): a
+    /// worker's int result bytes, the aggregator's int32 result, a float
+    /// result held for a possible rerun, the forwarding queue.
+    pub(crate) spare_bytes: Vec<u8>,
+    pub(crate) spare_i32: Vec<i32>,
+    pub(crate) spare_f32: Vec<f32>,
+    spare_queue: VecDeque<u32>,
+}
+
+/// A random first seq for a participant's broadcasts, a multiple of the
+/// ACK group size `g` (the I/O driver's choice; see [`Engine::new`]).
+pub(crate) fn random_group_base(g: u32) -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    let seq = x as u32;
+    seq - seq % g.max(1)
+}
+
+impl Engine {
+    /// The state machine of the participant `cfg` describes (validated by
+    /// the builder), before its first call at `now`. `counters`: shared
+    /// with the communicator. `broadcast_seq_base`: the first seq of this
+    /// participant's broadcasts, a multiple of the ACK group size (the
+    /// driver picks it at random, so a restarted participant's receivers
+    /// see a new session).
+    pub(crate) fn new(
+        cfg: CommConfig,
+        counters: Arc<Counters>,
+        broadcast_seq_base: u32,
+        now: Instant,
+    ) -> Engine {
+        let n = cfg.participants();
+        let addrs: Vec<SocketAddrV4> = (0..n).map(|i| cfg.addr_of(i)).collect();
+        let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
+        let me = cfg.me.index(cfg.workers());
+        let per = elements_per_fragment(cfg.mtu);
+        let datagram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
+        let window = byte_window(cfg.reliability.window as usize, datagram);
+        let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
+        let agg_windows = match cfg.backend {
+            // The kernel's slot and block pools and the node's queues bound
+            // the fragments in flight.
+            BackendKind::Kernel => {
+                let workers = cfg.peers.len();
+                let of = |copies| {
+                    kernel_window(window, cfg.slots as usize, per, workers, copies, datagram)
+                };
+                ContribWindows {
+                    reduce: of(1),
+                    allreduce: of(workers + 1),
+                }
+            }
+            // A fragment in flight holds one of the socket aggregator's
+            // slots until every worker's contribution to it arrived: more in
+            // flight than slots is dropped unacknowledged, and resent after
+            // timeouts that double every time it is dropped again.
+            BackendKind::Socket => {
+                let w = window.min(cfg.slots.max(1) as usize);
+                ContribWindows {
+                    reduce: w,
+                    allreduce: w,
+                }
+            }
+        };
+        agg_tx.set_window(agg_windows.reduce);
+        // The kernel's results acknowledge contributions; their holes are
+        // not this worker's losses.
+        agg_tx.set_holes_are_losses(cfg.backend == BackendKind::Socket);
+        let mut bc_tx = SendWindow::new(cfg.reliability, n, broadcast_seq_base);
+        bc_tx.set_window(window);
+        // Broadcast receivers and result receivers keep what arrives: one
+        // gone quiet is busy, and gets probes (SendWindow::set_probe_quiet).
+        bc_tx.set_probe_quiet(true);
+        let bc_rx = (0..n).map(|_| RecvTracker::new(cfg.reliability)).collect();
+        let mut res_tx = SendWindow::new(cfg.reliability, cfg.peers.len(), cfg.first_agg_seq);
+        res_tx.set_probe_quiet(true);
+        let res_rx = RecvTracker::new(cfg.reliability);
+        let tc = match (&cfg.tc_group, cfg.backend) {
+            (Some(g), BackendKind::Kernel) => Some(TcRoute {
+                id: g.id,
+                first: g.members[0],
+                bit_of: addrs
+                    .iter()
+                    .map(|a| {
+                        g.members
+                            .iter()
+                            .position(|m| m == a)
+                            .map_or(0, |i| 1u32 << i)
+                    })
+                    .collect(),
+                scratch: Vec::with_capacity(2048),
+            }),
+            _ => None,
+        };
+        let backend: Option<Box<dyn Backend>> = match (cfg.me, cfg.backend) {
+            (Participant::Aggregator, BackendKind::Socket) => {
+                Some(Box::new(SocketAggregator::new(
+                    cfg.peers.clone(),
+                    cfg.reliability,
+                    cfg.slots as usize,
+                    cfg.first_round,
+                )))
+            }
+            (Participant::Aggregator, BackendKind::Kernel) => {
+                Some(Box::new(KernelAggregator::new(
+                    cfg.peers.clone(),
+                    per,
+                    cfg.reliability,
+                    cfg.first_round,
+                    cfg.first_agg_seq,
+                    cfg.aggregator,
+                    cfg.early_result_bytes,
+                )))
+            }
+            _ => None,
+        };
+        let mut backend = backend;
+        if let Some(b) = backend.as_mut() {
+            b.expect_round(cfg.first_round, cfg.first_agg_seq, now);
+        }
+        Engine {
+            counters,
+            out: Outbox::new(),
+            current: None,
+            next_timer: None,
+            me,
+            per,
+            chunk: per * 4,
+            addrs,
+            index,
+            agg_tx,
+            agg_windows,
+            bc_tx,
+            bc_rx,
+            bc_group: vec![cfg.job; n],
+            res_tx,
+            res_early: HashMap::new(),
+            res_rx,
+            recent: VecDeque::new(),
+            tc,
+            backend,
+            stash: Vec::new(),
+            stash_pool: Vec::new(),
+            txq: Vec::with_capacity(BATCH_MAX),
+            acks_sent: 0,
+            round: cfg.first_round,
+            agg_seq: cfg.first_agg_seq,
+            spare_cov: Vec::new(),
+            spare_bytes: Vec::new(),
+            spare_i32: Vec::new(),
+            spare_f32: Vec::new(),
+            spare_queue: VecDeque::new(),
+            cfg,
+        }
+    }
+
+    fn cov(&mut self, n: usize) -> Coverage {
+        let mut c = self.spare_cov.pop().unwrap_or_default();
+        c.reset(n);
+        c
+    }
+
+    /// A round of call `name` starting at `now`, its deadline from `opts`
+    /// or the communicator's default.
+    fn new_op(&self, name: &'static str, now: Instant, opts: CallOptions) -> RoundState {
+        RoundState {
+            name,
+            round: self.round,
+            op: Op::Sum,
+            rout: false,
+            contrib: None,
+            bout: None,
+            bin: None,
+            collect: None,
+            deadline: now + opts.deadline.unwrap_or(self.cfg.deadline),
+            opts,
+            complete: false,
+            nfrags: 0,
+            owned: None,
+            unsent: None,
+        }
+    }
+
+    fn all_but(&self, i: usize) -> u64 {
+        let n = self.cfg.participants();
+        let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        all & !(1u64 << i)
+    }
+
+    /// Handles one datagram that arrived at `now` from `from`. What it calls
+    /// for (ACKs, retransmissions) goes out at the next
+    /// [`Engine::poll_transmit`] or [`Engine::poll_acks`].
+    pub(crate) fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8]) {
+        let mut current = self.current.take();
+        let mut op = current.as_mut();
+        self.dispatch(now, from, datagram, &mut op);
+        self.current = current;
+    }
+
+    /// Hands everything due at `now` to `tx`: what `handle` queued, new data
+    /// the windows allow (the round's fragments, results to forward), then
+    /// the retransmissions and ACKs whose timers fired. Timers do not run
+    /// once the round is complete or past its deadline: the call ends
+    /// instead (see [`Engine::round_outcome`]).
+    pub(crate) fn poll_transmit(&mut self, now: Instant, tx: &mut impl Transmit) {
+        self.out.flush(tx);
+        let mut current = self.current.take();
+        let mut timers_run = true;
+        if let Some(st) = current.as_mut() {
+            self.drain_completed(st, now);
+            self.pump(st, now, tx);
+            st.complete = self.is_done(st);
+            timers_run = !st.complete && now < st.deadline;
+        }
+        self.current = current;
+        self.next_timer = if timers_run { self.timers(now) } else { None };
+        self.out.flush(tx);
+    }
+
+    /// Hands what `handle` queued and the receivers' ACKs due at `now` to
+    /// `tx`. The driver calls it between the batches of a long receive queue
+    /// (see [`Engine::receiver_acks`]).
+    pub(crate) fn poll_acks(&mut self, now: Instant, tx: &mut impl Transmit) {
+        self.receiver_acks(now);
+        self.out.flush(tx);
+    }
+
+    /// When [`Engine::poll_transmit`] must run next at the latest: the
+    /// earliest timer the last one armed, or the round's deadline. `None`:
+    /// nothing pending.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let deadline = self.current.as_ref().map(|st| st.deadline);
+        match (self.next_timer, deadline) {
+            (Some(t), Some(d)) => Some(t.min(d)),
+            (t, d) => t.or(d),
+        }
+    }
+
+    /// The next round and contribution seq (what
+    /// [`crate::runtime::Communicator::position`] reports and a replacement
+    /// resumes from).
+    pub(crate) fn position(&self) -> (u32, u32) {
+        (self.round, self.agg_seq)
+    }
+
+    /// The receive trackers' due ACKs (broadcast data, and a worker's
+    /// results); returns when the next one is due. Also called between the
+    /// batches of a long receive queue: draining thousands of datagrams
+    /// takes milliseconds of copying and decoding, longer than the senders'
+    /// RTO, and their timeouts fire for what is sitting in this queue while
+    /// its ACKs wait for the end of the drain.
+    fn receiver_acks(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut merge = |t: Option<Instant>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n: Instant| n.min(t)));
+            }
+        };
+        let out = &mut self.out;
+        let addrs = &self.addrs;
+        let (job, me) = (self.cfg.job, self.me as u16);
+        for (i, t) in self.bc_rx.iter_mut().enumerate() {
+            let id = self.bc_group[i];
+            merge(t.poll(now, &mut |bm| {
+                out.ack(id, me, AckKind::Broadcast, bm, addrs[i])
+            }));
+        }
+        if let Participant::Worker(_) = self.cfg.me {
+            let agg = addrs[self.cfg.workers() as usize];
+            merge(self.res_rx.poll(now, &mut |bm| {
+                out.ack(job, me, AckKind::Aggregation, bm, agg)
+            }));
+        }
+        next
+    }
+
+    /// Retransmission and ACK timers; returns the next due time.
+    fn timers(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut merge = |t: Option<Instant>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n: Instant| n.min(t)));
+            }
+        };
+        let out = &mut self.out;
+        let target = self.cfg.contrib_target();
+        merge(self.agg_tx.poll(now, &mut |_, b| out.resend(target, b)));
+        let addrs = &self.addrs;
+        let mut tc = self.tc.as_mut();
+        merge(self.bc_tx.poll(now, &mut |d, b| match tc.as_deref_mut() {
+            Some(t) => t.resend(out, b, d),
+            None => out.resend(addrs[d], b),
+        }));
+        merge(self.res_tx.poll(now, &mut |d, b| out.resend(addrs[d], b)));
+        merge(self.receiver_acks(now));
+        if let Some(b) = self.backend.as_mut() {
+            let mut io = AckIo {
+                out: &mut self.out,
+                counters: &self.counters,
+                job: self.cfg.job,
+                sent: &mut self.acks_sent,
+            };
+            merge(b.poll(now, &mut io));
+        }
+        next
+    }
+
+    fn dispatch(
+        &mut self,
+        now: Instant,
+        from: SocketAddrV4,
+        d: &[u8],
+        op: &mut Option<&mut RoundState>,
+    ) {
+        match proto::classify(d) {
+            Some(MessageKind::Ack) => {
+                let Ok(a) = AckMessage::decode(d) else { return };
+                if a.id != self.cfg.job && !self.tc.as_ref().is_some_and(|t| t.id == a.id) {
+                    return;
+                }
+                let out = &mut self.out;
+                match a.kind {
+                    AckKind::Aggregation => {
+                        if let Participant::Worker(me) = self.cfg.me {
+                            // Contributions are acknowledged by the
+                            // aggregator's socket only (the socket
+                            // aggregator on `job_port`; the kernel backend's
+                            // runtime, on the kernel's behalf, from
+                            // `result_port`): a forged ACK would end the
+                            // retransmission of a contribution that was lost.
+                            if from != self.addrs[self.cfg.workers() as usize] {
+                                self.counters.refused(Refusal::AckFromWrongSource);
+                                return;
+                            }
+                            if a.rank == me {
+                                let target = self.cfg.contrib_target();
+                                self.agg_tx
+                                    .on_ack(0, &a.bitmap, now, &mut |_, b| out.resend(target, b));
+                            }
+                        } else if (a.rank as usize) >= self.cfg.peers.len()
+                            || self.addrs[a.rank as usize] != from
+                        {
+                            self.counters.refused(Refusal::AckFromWrongSource);
+                        } else {
+                            // A worker acknowledges results (in-kernel allreduce).
+                            let addrs = &self.addrs;
+                            self.res_tx
+                                .on_ack(a.rank as usize, &a.bitmap, now, &mut |d, b| {
+                                    out.resend(addrs[d], b)
+                                });
+                            let res_tx = &self.res_tx;
+                            let bit = 1u64 << a.rank.min(63);
+                            for q in a.bitmap.received() {
+                                if !res_tx.is_known(q) {
+                                    *self.res_early.entry(q).or_default() |= bit;
+                                }
+                            }
+                            if self.res_early.len() > RES_EARLY_LIMIT {
+                                // Drop what was registered or retired meanwhile;
+                                // if that is not enough, the oldest knowledge
+                                // is lost and only costs resends.
+                                self.res_early.retain(|q, _| !res_tx.is_known(*q));
+                                if self.res_early.len() > RES_EARLY_LIMIT {
+                                    self.res_early.clear();
+                                }
+                            }
+                        }
+                    }
+                    AckKind::Broadcast => {
+                        let dest = a.rank as usize;
+                        if dest >= self.addrs.len() || self.addrs[dest] != from {
+                            self.counters.refused(Refusal::AckFromWrongSource);
+                        } else {
+                            let addrs = &self.addrs;
+                            let mut tc = self.tc.as_mut();
+                            self.bc_tx.on_ack(dest, &a.bitmap, now, &mut |d, b| match tc
+                                .as_deref_mut()
+                            {
+                                Some(t) => t.resend(out, b, d),
+                                None => out.resend(addrs[d], b),
+                            });
+                        }
+                    }
+                }
+            }
+            Some(MessageKind::Bcast) => {
+                let Ok((h, payload)) = proto::split_bcast(d) else {
+                    return;
+                };
+                if payload.len() < BCAST_SUBHDR {
+                    return;
+                }
+                // Any group id: the source socket identifies the root (a TC
+                // root uses its node's group id); ACKs carry the same id.
+                let Some(&idx) = self.index.get(&from) else {
+                    self.counters.refused(Refusal::BroadcastFromWrongSource);
+                    return;
+                };
+                if idx == self.me {
+                    return;
+                }
+                self.bc_group[idx] = h.group;
+                let round = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                let (job, me) = (h.group, self.me as u16);
+                match self.bc_rx[idx].check(h.seq) {
+                    Verdict::Duplicate => {
+                        self.counters.duplicate();
+                        let out = &mut self.out;
+                        self.bc_rx[idx].reack(h.seq, &mut |bm| {
+                            out.ack(job, me, AckKind::Broadcast, bm, from)
+                        })
+                    }
+                    Verdict::New => {
+                        let cur = op.as_ref().map_or(self.round, |o| o.round);
+                        let wanted = op.as_ref().is_some_and(|o| {
+                            o.round == round && o.bin.as_ref().is_some_and(|b| b.root == idx)
+                        });
+                        let last;
+                        if wanted {
+                            let o = op.as_deref_mut().expect("wanted implies an op");
+                            last = self.deliver_bcast(o, idx, payload);
+                        } else if (round.wrapping_sub(cur) as i32) > 0
+                            || (op.is_none() && round == cur)
+                        {
+                            // Early data of a later call: keep it (and ACK it) if there is room.
+                            if self.stash.len() >= self.cfg.stash_limit {
+                                return;
+                            }
+                            let mut b = self.stash_pool.pop().unwrap_or_default();
+                            b.clear();
+                            b.extend_from_slice(payload);
+                            self.stash.push(Stashed {
+                                buf: b,
+                                from: idx,
+                                round,
+                            });
+                            last = false;
+                        } else {
+                            last = false; // old or unexpected: acknowledge and drop
+                        }
+                        let out = &mut self.out;
+                        self.bc_rx[idx].record(h.seq, last, now, &mut |bm| {
+                            out.ack(job, me, AckKind::Broadcast, bm, from)
+                        });
+                    }
+                }
+            }
+            Some(MessageKind::Agg) => {
+                let Ok((h, payload)) = proto::split_agg(d) else {
+                    return;
+                };
+                if h.job != self.cfg.job {
+                    return;
+                }
+                let Some(b) = self.backend.as_mut() else {
+                    if h.is_result() {
+                        if self.may_send_results(from) {
+                            self.on_result(&h, payload, now, op);
+                        } else {
+                            // Taken, it would become the fragment's value
+                            // (the genuine RESULT then a duplicate) and
+                            // acknowledge this worker's contribution.
+                            self.counters.refused(Refusal::ResultFromWrongSource);
+                        }
+                    }
+                    return;
+                };
+                let mut io = AckIo {
+                    out: &mut self.out,
+                    counters: &self.counters,
+                    job: self.cfg.job,
+                    sent: &mut self.acks_sent,
+                };
+                b.on_agg(&h, payload, from, now, &mut io);
+                if h.is_result() {
+                    // Take it into the call at once (an in-kernel allreduce
+                    // registers it before the workers' ACKs of it arrive).
+                    if let Some(st) = op.as_deref_mut() {
+                        self.drain_completed(st, now);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Worker: whether `from` may send this worker RESULTs: the aggregator's
+    /// node, kernel backend only (the socket backend's results are `AGB1`).
+    /// The aggregator's runtime resends from `result_port`; the node's TC
+    /// copies leave with the node's address and the UDP source port of the
+    /// contribution that completed the slot, a worker's data port.
+    fn may_send_results(&self, from: SocketAddrV4) -> bool {
+        self.cfg.backend == BackendKind::Kernel
+            && *from.ip() == self.cfg.aggregator
+            && (from.port() == self.cfg.result_port
+                || self.cfg.peers.iter().any(|p| p.port() == from.port()))
+    }
+}
+
+fn index_peer(i: usize, workers: u16) -> Peer {
+    if i < workers as usize {
+        Peer::Rank(i as u16)
+    } else {
+        Peer::Aggregator
+    }
+}

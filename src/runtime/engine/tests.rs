@@ -1,0 +1,1 @@
+//! Unit tests of the state machine: several engines, a simulated network, a fake clock.
