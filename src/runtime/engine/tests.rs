@@ -1,1 +1,635 @@
-//! Unit tests of the state machine: several engines, a simulated network, a fake clock.
+//! Unit tests of the state machine: a job's engines (socket backend, 3
+//! workers and the aggregator) wired through a simulated network with a
+//! fake clock. Nothing here opens a socket or sleeps: time moves only to
+//! the next datagram arrival or the earliest `poll_timeout`, so loss,
+//! reordering, duplication and deadlines are exact and repeatable.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::round::{Sink, Src};
+use super::Engine;
+use crate::abi::Op;
+use crate::proto::{self, MessageKind};
+use crate::runtime::comm::{CallOptions, CommConfig, Communicator, Participant};
+use crate::runtime::outbox::Transmit;
+use crate::runtime::transport::{CommStats, Counters};
+use crate::runtime::{CommError, Peer};
+
+const JOB: u16 = 7;
+const WORKERS: u16 = 3;
+const AGG_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
+const JOB_PORT: u16 = 9000;
+/// One-way delay of every datagram.
+const LATENCY: Duration = Duration::from_micros(100);
+/// MTU 1500: 362 elements per fragment.
+const PER: usize = 362;
+
+fn worker_addr(r: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
+}
+
+fn agg_addr() -> SocketAddrV4 {
+    SocketAddrV4::new(AGG_IP, JOB_PORT)
+}
+
+fn config(me: Participant) -> CommConfig {
+    let peers = (0..WORKERS).map(worker_addr).collect();
+    Communicator::builder(JOB, peers, AGG_IP, JOB_PORT, me)
+        .mtu(1500)
+        .deadline(Duration::from_secs(2))
+        .config()
+        .clone()
+}
+
+/// One datagram on the simulated wire.
+#[derive(Debug, Clone)]
+struct Datagram {
+    from: SocketAddrV4,
+    to: SocketAddrV4,
+    bytes: Vec<u8>,
+    /// Sent as a retransmission.
+    resend: bool,
+    /// When it was sent.
+    at: Instant,
+}
+
+impl Datagram {
+    fn kind(&self) -> Option<MessageKind> {
+        proto::classify(&self.bytes)
+    }
+
+    /// The `seq` of a data datagram (`AGG1` contribution or `AGB1`).
+    fn seq(&self) -> Option<u32> {
+        match self.kind()? {
+            MessageKind::Agg => proto::split_agg(&self.bytes).ok().map(|(h, _)| h.seq),
+            MessageKind::Bcast => proto::split_bcast(&self.bytes).ok().map(|(h, _)| h.seq),
+            _ => None,
+        }
+    }
+
+    fn is_contribution(&self) -> bool {
+        self.kind() == Some(MessageKind::Agg)
+            && proto::split_agg(&self.bytes).is_ok_and(|(h, _)| !h.is_result())
+    }
+}
+
+/// What one engine hands out in one poll.
+struct Wire<'a> {
+    from: SocketAddrV4,
+    at: Instant,
+    sent: &'a mut Vec<Datagram>,
+}
+
+impl Transmit for Wire<'_> {
+    fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        self.push(to, datagram, false);
+    }
+
+    fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        self.push(to, datagram, true);
+    }
+
+    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], _gso: bool) {
+        for (b, to) in datagrams {
+            self.push(*to, b, false);
+        }
+    }
+}
+
+impl Wire<'_> {
+    fn push(&mut self, to: SocketAddrV4, bytes: &[u8], resend: bool) {
+        self.sent.push(Datagram {
+            from: self.from,
+            to,
+            bytes: bytes.to_vec(),
+            resend,
+            at: self.at,
+        });
+    }
+}
+
+/// What the network does to each datagram sent: deliver it `copies` times
+/// (0: lost).
+type Fate = Box<dyn FnMut(&Datagram) -> usize>;
+
+/// How the round of one participant ended.
+#[derive(Debug)]
+enum Ended {
+    /// A reduction's result (the aggregator; every participant for an
+    /// allreduce).
+    Values(Vec<i32>),
+    /// A reduce worker's contribution was acknowledged.
+    Contributed,
+    /// A broadcast's bytes.
+    Bytes(Vec<u8>),
+    Failed(CommError),
+}
+
+struct Node {
+    addr: SocketAddrV4,
+    engine: Engine,
+    counters: Arc<Counters>,
+    /// Whether a round is in progress (and of which call).
+    running: Option<Call>,
+    ended: Option<(Ended, Instant)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Reduce,
+    Broadcast,
+}
+
+/// A job's engines on a simulated network.
+struct Sim {
+    now: Instant,
+    start: Instant,
+    nodes: Vec<Node>,
+    /// In flight: (arrival, datagram).
+    wire: Vec<(Instant, Datagram)>,
+    /// Everything sent, in order.
+    log: Vec<Datagram>,
+    fate: Fate,
+    /// Reverse the order of each poll's datagrams (reordering).
+    reverse: bool,
+}
+
+impl Sim {
+    /// Workers 0..3 then the aggregator.
+    fn new() -> Sim {
+        let now = Instant::now();
+        let mut nodes = Vec::new();
+        for (i, me) in (0..WORKERS)
+            .map(Participant::Worker)
+            .chain([Participant::Aggregator])
+            .enumerate()
+        {
+            let cfg = config(me);
+            let addr = cfg.addr_of(cfg.me.index(cfg.workers()));
+            let counters = Arc::new(Counters::default());
+            // Distinct broadcast sessions per participant, as the driver's
+            // random bases are.
+            let base = (i as u32 + 1) << 20;
+            nodes.push(Node {
+                addr,
+                engine: Engine::new(cfg, counters.clone(), base, now),
+                counters,
+                running: None,
+                ended: None,
+            });
+        }
+        Sim {
+            now,
+            start: now,
+            nodes,
+            wire: Vec::new(),
+            log: Vec::new(),
+            fate: Box::new(|_| 1),
+            reverse: false,
+        }
+    }
+
+    fn aggregator(&self) -> usize {
+        WORKERS as usize
+    }
+
+    fn stats(&self, i: usize) -> CommStats {
+        self.nodes[i].counters.snapshot()
+    }
+
+    /// Starts a SUM reduction (`all`: an allreduce) on participant `i`: a
+    /// worker contributes `input(rank)`, the aggregator collects `len`
+    /// elements.
+    fn start_reduce(&mut self, i: usize, all: bool, len: usize, opts: CallOptions) {
+        let now = self.now;
+        let n = &mut self.nodes[i];
+        let src = if i == WORKERS as usize {
+            Src::Len(len)
+        } else {
+            Src::I32(input(i as u16, len))
+        };
+        n.engine.start_reduce(now, all, Op::Sum, src, None, opts);
+        n.running = Some(Call::Reduce);
+    }
+
+    /// Starts a broadcast from participant `root` on participant `i`.
+    fn start_broadcast(&mut self, i: usize, root: usize, data: &[u8], opts: CallOptions) {
+        let now = self.now;
+        let n = &mut self.nodes[i];
+        let buf = if i == root {
+            data.to_vec()
+        } else {
+            vec![0; data.len()]
+        };
+        n.engine.start_broadcast(now, root, buf, opts);
+        n.running = Some(Call::Broadcast);
+    }
+
+    /// Polls every engine once at `now`: what they send goes on the wire
+    /// (through `fate`), rounds that ended are finished.
+    fn poll(&mut self) {
+        let now = self.now;
+        for n in &mut self.nodes {
+            let mut sent = Vec::new();
+            n.engine.poll_transmit(
+                now,
+                &mut Wire {
+                    from: n.addr,
+                    at: now,
+                    sent: &mut sent,
+                },
+            );
+            if self.reverse {
+                sent.reverse();
+            }
+            for d in sent {
+                for _ in 0..(self.fate)(&d) {
+                    self.wire.push((now + LATENCY, d.clone()));
+                }
+                self.log.push(d);
+            }
+            if let Some(call) = n.running {
+                if let Some(outcome) = n.engine.round_outcome(now) {
+                    let ended = n.engine.finish(call, now, outcome);
+                    n.running = None;
+                    n.ended = Some((ended, now));
+                }
+            }
+        }
+    }
+
+    /// Moves the clock to the next event (a datagram's arrival or the
+    /// earliest timeout) and delivers what arrived by then. False when
+    /// nothing is pending.
+    fn advance(&mut self) -> bool {
+        let next_arrival = self.wire.iter().map(|(t, _)| *t).min();
+        let next_timer = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.engine.poll_timeout())
+            .min();
+        let Some(next) = [next_arrival, next_timer].into_iter().flatten().min() else {
+            return false;
+        };
+        self.now = self.now.max(next);
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.wire)
+            .into_iter()
+            .partition(|(t, _)| *t <= now);
+        self.wire = later;
+        for (_, d) in due {
+            if let Some(n) = self.nodes.iter_mut().find(|n| n.addr == d.to) {
+                n.engine.handle(now, d.from, &d.bytes);
+            }
+        }
+        true
+    }
+
+    /// Runs until every started round ended and the wire is quiet (or
+    /// `limit` of fake time passed).
+    fn run(&mut self, limit: Duration) {
+        loop {
+            self.poll();
+            let busy = self.nodes.iter().any(|n| n.running.is_some()) || !self.wire.is_empty();
+            if !busy || self.now - self.start > limit || !self.advance() {
+                return;
+            }
+        }
+    }
+
+    fn ended(&self, i: usize) -> &Ended {
+        &self.nodes[i].ended.as_ref().expect("round ended").0
+    }
+
+    fn ended_at(&self, i: usize) -> Duration {
+        self.nodes[i].ended.as_ref().expect("round ended").1 - self.start
+    }
+}
+
+impl Engine {
+    /// Ends the round of `call` the way the driver does, with what the
+    /// caller would get.
+    fn finish(&mut self, call: Call, now: Instant, outcome: Result<(), CommError>) -> Ended {
+        let failed = outcome.is_err();
+        let ended = match call {
+            Call::Broadcast => Ended::Bytes(self.finish_broadcast(now, failed)),
+            Call::Reduce => {
+                let r = self.finish_reduce(now, failed);
+                match (r.values, r.sink) {
+                    (Some((v, _)), _) => Ended::Values(v),
+                    (None, Some((Sink::Bytes(b), _))) => {
+                        let mut v = vec![0; b.len() / 4];
+                        proto::read_i32_be(&b, &mut v);
+                        Ended::Values(v)
+                    }
+                    _ => Ended::Contributed,
+                }
+            }
+        };
+        match outcome {
+            Err(e) => Ended::Failed(e),
+            Ok(()) => ended,
+        }
+    }
+}
+
+/// Rank `r`'s contribution: distinct per rank and element.
+fn input(r: u16, len: usize) -> Vec<i32> {
+    (0..len as i32).map(|k| k * 10 + r as i32 + 1).collect()
+}
+
+fn expected_sum(len: usize) -> Vec<i32> {
+    (0..len)
+        .map(|k| (0..WORKERS).map(|r| input(r, len)[k]).sum())
+        .collect()
+}
+
+/// 3 fragments (the last one short).
+const LEN: usize = 2 * PER + 100;
+
+fn start_all_allreduce(sim: &mut Sim, len: usize, opts: CallOptions) {
+    for i in 0..=WORKERS as usize {
+        sim.start_reduce(i, true, len, opts);
+    }
+}
+
+fn assert_everyone_has_the_sum(sim: &Sim, len: usize) {
+    let want = expected_sum(len);
+    for i in 0..=WORKERS as usize {
+        match sim.ended(i) {
+            Ended::Values(v) => assert_eq!(v, &want, "participant {i}"),
+            other => panic!("participant {i}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn allreduce_without_impairment_gives_everyone_the_sum_and_resends_nothing() {
+    let mut sim = Sim::new();
+    start_all_allreduce(&mut sim, LEN, CallOptions::default());
+    sim.run(Duration::from_secs(5));
+    assert_everyone_has_the_sum(&sim, LEN);
+    assert!(sim.log.iter().all(|d| !d.resend), "nothing was lost");
+    let contributions = sim.log.iter().filter(|d| d.is_contribution()).count();
+    assert_eq!(
+        contributions,
+        WORKERS as usize * 3,
+        "3 fragments per worker"
+    );
+    for i in 0..=WORKERS as usize {
+        assert_eq!(
+            sim.nodes[i].engine.position(),
+            (1, 3),
+            "round and seq advance"
+        );
+    }
+    // Each worker got each result byte once.
+    for r in 0..WORKERS as usize {
+        assert_eq!(sim.stats(r).bytes_delivered, LEN as u64 * 4);
+    }
+}
+
+#[test]
+fn a_lost_contribution_is_resent_by_its_worker_and_counted_once() {
+    let mut sim = Sim::new();
+    // Worker 1's second fragment is lost the first time it is sent.
+    let lost = Arc::new(std::sync::Mutex::new(None));
+    let lost2 = lost.clone();
+    sim.fate = Box::new(move |d| {
+        let mine = d.from == worker_addr(1) && d.is_contribution() && !d.resend;
+        if mine && proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.frag_off == PER as u32) {
+            *lost2.lock().unwrap() = Some((d.seq(), d.at));
+            return 0;
+        }
+        1
+    });
+    start_all_allreduce(&mut sim, LEN, CallOptions::default());
+    sim.run(Duration::from_secs(5));
+    let (seq, sent_at) = lost
+        .lock()
+        .unwrap()
+        .expect("the fragment was sent and dropped");
+    assert_everyone_has_the_sum(&sim, LEN);
+    let resends: Vec<&Datagram> = sim.log.iter().filter(|d| d.resend).collect();
+    assert!(
+        resends
+            .iter()
+            .any(|d| d.from == worker_addr(1) && d.to == agg_addr() && d.seq() == seq),
+        "worker 1 resent the lost fragment to the aggregator: {resends:?}"
+    );
+    assert!(
+        resends.iter().all(|d| d.from == worker_addr(1)),
+        "only the worker that lost a datagram resends"
+    );
+    // The resend waited for the ACK that shows the hole, or the timeout;
+    // never before the datagram could have been acknowledged.
+    let first = resends.iter().map(|d| d.at).min().unwrap();
+    assert!(first >= sent_at + 2 * LATENCY, "{:?}", first - sent_at);
+}
+
+#[test]
+fn a_lost_ack_makes_the_worker_resend_and_the_aggregator_adds_it_once() {
+    let mut sim = Sim::new();
+    // Every ACK to worker 0 is lost until 30 ms: its contributions time out
+    // and are resent; the aggregator must re-acknowledge, not add them again.
+    let start = sim.now;
+    sim.fate = Box::new(move |d| {
+        let ack_to_0 = d.to == worker_addr(0) && d.kind() == Some(MessageKind::Ack);
+        usize::from(!(ack_to_0 && d.at < start + Duration::from_millis(30)))
+    });
+    // A reduce: the workers end when their contributions are acknowledged.
+    for i in 0..=WORKERS as usize {
+        sim.start_reduce(i, false, LEN, CallOptions::default());
+    }
+    sim.run(Duration::from_secs(5));
+    match sim.ended(sim.aggregator()) {
+        Ended::Values(v) => assert_eq!(v, &expected_sum(LEN), "each contribution added once"),
+        other => panic!("aggregator: {other:?}"),
+    }
+    for r in 0..WORKERS as usize {
+        assert!(matches!(sim.ended(r), Ended::Contributed), "worker {r}");
+    }
+    let done = sim.ended_at(0);
+    assert!(
+        done >= Duration::from_millis(30),
+        "worker 0 waited for an ACK: {done:?}"
+    );
+    assert!(
+        sim.ended_at(1) < Duration::from_millis(5),
+        "worker 1 did not wait"
+    );
+    let resent = sim
+        .log
+        .iter()
+        .filter(|d| d.resend && d.from == worker_addr(0))
+        .count();
+    assert!(resent > 0, "worker 0 resent what was not acknowledged");
+    assert!(
+        sim.log
+            .iter()
+            .all(|d| !d.resend || d.from == worker_addr(0)),
+        "only worker 0 resends"
+    );
+}
+
+#[test]
+fn reordered_and_duplicated_datagrams_are_delivered_once() {
+    let mut sim = Sim::new();
+    sim.reverse = true;
+    sim.fate = Box::new(|_| 2);
+    start_all_allreduce(&mut sim, LEN, CallOptions::default());
+    sim.run(Duration::from_secs(5));
+    assert_everyone_has_the_sum(&sim, LEN);
+    for r in 0..WORKERS as usize {
+        let s = sim.stats(r);
+        assert_eq!(
+            s.bytes_delivered,
+            LEN as u64 * 4,
+            "worker {r}: each result fragment delivered once"
+        );
+        assert!(s.duplicates_received >= 3, "worker {r}: {s:?}");
+    }
+}
+
+#[test]
+fn a_silent_rank_times_out_at_the_deadline_and_is_named() {
+    let mut sim = Sim::new();
+    let deadline = Duration::from_millis(500);
+    let opts = CallOptions {
+        deadline: Some(deadline),
+        partial: true,
+    };
+    // Rank 2 never calls.
+    for i in [0, 1, WORKERS as usize] {
+        sim.start_reduce(i, true, LEN, opts);
+    }
+    sim.run(Duration::from_secs(5));
+    let agg = sim.aggregator();
+    let Ended::Failed(e) = sim.ended(agg) else {
+        panic!("the aggregator's call fails: {:?}", sim.ended(agg));
+    };
+    let t = e.timeout().expect("a timeout");
+    assert_eq!(t.missing, vec![Peer::Rank(2)]);
+    assert!(t.missing_known);
+    assert_eq!((t.arrived, t.expected), (0, 3));
+    let p = t.partial.as_ref().expect("partial result asked for");
+    let others: Vec<i32> = (0..LEN)
+        .map(|k| input(0, LEN)[k] + input(1, LEN)[k])
+        .collect();
+    assert_eq!(
+        p.values, others,
+        "the partial sum is the others' contributions"
+    );
+    assert_eq!(p.contributors, vec![2, 2, 2]);
+    // Exactly at the deadline, on the fake clock.
+    assert_eq!(sim.ended_at(agg), deadline);
+    for r in [0, 1] {
+        let Ended::Failed(e) = sim.ended(r) else {
+            panic!("worker {r}: {:?}", sim.ended(r));
+        };
+        let t = e.timeout().expect("a timeout");
+        assert_eq!(
+            t.missing,
+            vec![Peer::Aggregator],
+            "worker {r} waits for the result"
+        );
+        assert_eq!(sim.ended_at(r), deadline);
+    }
+    // The round advanced everywhere it ran, so the next call lines up.
+    assert_eq!(sim.nodes[agg].engine.position().0, 1);
+}
+
+#[test]
+fn a_broadcast_fragment_lost_to_one_receiver_is_resent_to_it_alone() {
+    let mut sim = Sim::new();
+    let data: Vec<u8> = (0..5000u32).map(|k| (k * 7 % 251) as u8).collect();
+    // The first copy of worker 0's first fragment to worker 2 is lost.
+    let mut lost = false;
+    sim.fate = Box::new(move |d| {
+        if !lost && !d.resend && d.from == worker_addr(0) && d.to == worker_addr(2) {
+            lost = true;
+            return 0;
+        }
+        1
+    });
+    for i in 0..=WORKERS as usize {
+        sim.start_broadcast(i, 0, &data, CallOptions::default());
+    }
+    sim.run(Duration::from_secs(5));
+    for i in 1..=WORKERS as usize {
+        match sim.ended(i) {
+            Ended::Bytes(b) => assert_eq!(b, &data, "participant {i}"),
+            other => panic!("participant {i}: {other:?}"),
+        }
+    }
+    assert!(
+        matches!(sim.ended(0), Ended::Bytes(_)),
+        "the root ends once all ACKed"
+    );
+    let resends: Vec<&Datagram> = sim.log.iter().filter(|d| d.resend).collect();
+    assert!(!resends.is_empty(), "the lost fragment was resent");
+    assert!(
+        resends
+            .iter()
+            .all(|d| d.from == worker_addr(0) && d.to == worker_addr(2)),
+        "only to the receiver that missed it: {resends:?}"
+    );
+    let first = sim
+        .log
+        .iter()
+        .find(|d| d.from == worker_addr(0) && d.to == worker_addr(2))
+        .and_then(Datagram::seq);
+    assert!(resends.iter().any(|d| d.seq() == first));
+    assert_eq!(sim.stats(2).bytes_delivered, data.len() as u64);
+}
+
+#[test]
+fn early_broadcast_data_of_the_next_round_is_kept_until_it_starts() {
+    let mut sim = Sim::new();
+    let data = vec![9u8; 3000];
+    // Only the root and worker 1 start now; worker 2 and the aggregator
+    // start 50 ms later (their datagrams arrive before their calls).
+    for i in [0, 1] {
+        sim.start_broadcast(i, 0, &data, CallOptions::default());
+    }
+    let late = sim.now + Duration::from_millis(50);
+    let mut started = false;
+    for _ in 0..100_000 {
+        sim.poll();
+        if !started && sim.now >= late {
+            for i in [2, WORKERS as usize] {
+                sim.start_broadcast(i, 0, &data, CallOptions::default());
+            }
+            started = true;
+            continue;
+        }
+        if started && sim.nodes.iter().all(|n| n.running.is_none()) {
+            break;
+        }
+        if !sim.advance() {
+            assert!(!started, "a round is stuck");
+            sim.now = late;
+        }
+    }
+    assert!(
+        sim.ended_at(0) < Duration::from_millis(5),
+        "the root's data was acknowledged before the receivers called"
+    );
+    assert_eq!(
+        sim.ended_at(2),
+        Duration::from_millis(50),
+        "complete at the call"
+    );
+    for i in 1..=WORKERS as usize {
+        match sim.ended(i) {
+            Ended::Bytes(b) => assert_eq!(b, &data, "participant {i}"),
+            other => panic!("participant {i}: {other:?}"),
+        }
+    }
+    assert!(
+        sim.log.iter().all(|d| !d.resend),
+        "stashed data was acknowledged on arrival: nothing resent"
+    );
+}
