@@ -221,7 +221,7 @@ impl Backend for KernelAggregator {
             }
             return;
         }
-        if hdr.frag_off as usize % self.per != 0 {
+        if !(hdr.frag_off as usize).is_multiple_of(self.per) {
             return;
         }
         let seq = self.seq_base.wrapping_add(hdr.frag_off / self.per as u32);

@@ -6,7 +6,7 @@
 //! the receive side, drops, duplicates and reorders datagrams within a window,
 //! deciding with a seeded pseudo-random generator — the test hook for
 //! reordering and duplication, which this kernel cannot inject (no netem, and
-//! a BPF program cannot delay packets). It sits *under* the progress engine,
+//! a BPF program cannot delay packets). It sits *under* the I/O driver,
 //! so the impaired runs exercise exactly the production code paths of
 //! [`crate::runtime::reliability`], fragmentation and reassembly; it is used
 //! only when a builder is given an [`Impairment`].
@@ -52,7 +52,7 @@ impl Default for RecvMeta {
     }
 }
 
-/// A datagram transport: what the progress engine sends and receives with.
+/// A datagram transport: what the I/O driver sends and receives with.
 ///
 /// The batch methods have defaults that loop over `send_to` / `recv_from`
 /// (so a wrapper such as [`ImpairedTransport`] only implements those);
@@ -390,9 +390,9 @@ impl Transport for UdpTransport {
         let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
         let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
         let base = buf.as_mut_ptr();
-        for k in 0..n {
+        for (k, iov) in iovs.iter_mut().enumerate().take(n) {
             // SAFETY: k * slot + slot <= buf.len().
-            iovs[k] = libc::iovec {
+            *iov = libc::iovec {
                 iov_base: unsafe { base.add(k * slot) } as *mut libc::c_void,
                 iov_len: slot,
             };

@@ -30,7 +30,7 @@ impl Engine {
         let raw = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
         let off = (raw & !SUBHDR_OVERFLOW) as usize;
         let data = &payload[BCAST_SUBHDR..];
-        if off % self.chunk != 0 || off + data.len() > b.sink.len_bytes() {
+        if !off.is_multiple_of(self.chunk) || off + data.len() > b.sink.len_bytes() {
             return false;
         }
         let i = off / self.chunk;
@@ -67,7 +67,7 @@ impl Engine {
         now: Instant,
         op: &mut Option<&mut RoundState>,
     ) {
-        if h.is_float() || h.frag_off as usize % self.per != 0 {
+        if h.is_float() || !(h.frag_off as usize).is_multiple_of(self.per) {
             return;
         }
         let i = h.frag_off as usize / self.per;
@@ -161,7 +161,7 @@ impl Engine {
         let early = &mut self.res_early;
         be.take_completed(st.round, &mut |done| {
             let off = done.frag_off as usize;
-            if off % per != 0 {
+            if !off.is_multiple_of(per) {
                 return;
             }
             let i = off / per;

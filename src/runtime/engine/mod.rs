@@ -461,7 +461,7 @@ impl Engine {
         match proto::classify(d) {
             Some(MessageKind::Ack) => {
                 let Ok(a) = AckMessage::decode(d) else { return };
-                if a.id != self.cfg.job && !self.tc.as_ref().is_some_and(|t| t.id == a.id) {
+                if a.id != self.cfg.job && self.tc.as_ref().is_none_or(|t| t.id != a.id) {
                     return;
                 }
                 let out = &mut self.out;

@@ -455,7 +455,7 @@ impl Engine {
         }
         if let Some(b) = &st.bout {
             let sent_all =
-                b.queue.is_empty() && st.collect.as_ref().map_or(true, |c| c.cov.is_complete());
+                b.queue.is_empty() && st.collect.as_ref().is_none_or(|c| c.cov.is_complete());
             if !sent_all || !self.bc_tx.is_idle() {
                 return false;
             }

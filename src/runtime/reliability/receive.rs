@@ -226,7 +226,7 @@ impl RecvTracker {
         for g in self.groups.iter_mut() {
             if let Some(t) = g.first_unacked {
                 let due = t + self.cfg.ack_delay;
-                if now.map_or(true, |now| due <= now) {
+                if now.is_none_or(|now| due <= now) {
                     emit(&g.bitmap);
                     g.unacked = 0;
                     g.first_unacked = None;

@@ -598,8 +598,7 @@ impl SendWindow {
             e.last_sent = now;
             merge(now + self.rtt.backoff(e.retries));
         }
-        for d in 0..self.ndest {
-            let i = ask[d];
+        for (d, &i) in ask.iter().enumerate().take(self.ndest) {
             if i == usize::MAX {
                 continue;
             }
