@@ -14,7 +14,7 @@
 //!   arrived).
 //!
 //! Everything else (fragmentation, windows, broadcast, retransmission) is the
-//! same code for both, in [`crate::runtime::engine`].
+//! same code for both, in `runtime::engine`.
 
 use std::net::SocketAddrV4;
 use std::time::Instant;

@@ -160,7 +160,7 @@ pub(crate) trait Calls: RoundDriver {
         }
     }
 
-    /// A blocking int reduction on the caller's slice `x` (see [`Raw`]):
+    /// A blocking int reduction on the caller's slice `x` (see [`crate::runtime::comm::Raw`]):
     /// a worker encodes its fragments straight from `x`; an allreduce
     /// worker's result fragments and the aggregator's completed fragments
     /// are written straight into `x`. Returns whether the result was
@@ -181,7 +181,7 @@ pub(crate) trait Calls: RoundDriver {
         })
     }
     /// A float SUM (or mean) reduction through quantization on `x` (see
-    /// [`RawF32`]): a worker quantizes each fragment from `x` straight into
+    /// [`crate::runtime::comm::RawF32`]): a worker quantizes each fragment from `x` straight into
     /// its datagram and (allreduce) dequantizes each result fragment straight
     /// into `x`; the aggregator reduces into a reused int32 vector and
     /// dequantizes it into `x`. With `FixedOrAdaptive` the first attempt's

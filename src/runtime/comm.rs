@@ -2,8 +2,8 @@
 //! aggregator's application), and its builder.
 //!
 //! Every communicator owns one UDP socket and one progress thread, which
-//! runs the I/O driver ([`crate::runtime::driver`]) over the communicator's
-//! state machine ([`crate::runtime::engine`]). The thread
+//! runs the I/O driver (`runtime::driver`) over the communicator's
+//! state machine (`runtime::engine`). The thread
 //! runs the calls in the order they were issued (blocking calls and
 //! [`Work`] handles alike) and, between calls, keeps serving the socket: it
 //! acknowledges late retransmissions, keeps early data of the next call, and
@@ -25,8 +25,8 @@ use crate::abi::{self, Op};
 use crate::config::{AckMode, Config};
 use crate::proto;
 use crate::runtime::backend::BackendKind;
-use crate::runtime::driver::{Driver, Shared};
-use crate::runtime::engine::{random_group_base, Engine};
+use crate::runtime::driver::{random_group_base, Driver, Shared};
+use crate::runtime::engine::Engine;
 use crate::runtime::fragment::{self, elements_per_fragment};
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;

@@ -35,8 +35,8 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 pub(crate) struct Shared {
     /// Set when the communicator is dropped: the call in progress ends.
     pub(crate) closing: Arc<AtomicBool>,
-    /// The engine's position after the last round (see
-    /// [`crate::runtime::Communicator::position`]).
+    /// The engine's position after the last round: its next round and
+    /// contribution seq (see [`crate::runtime::Communicator::position`]).
     pub(crate) round: Arc<AtomicU32>,
     pub(crate) agg_seq: Arc<AtomicU32>,
 }
@@ -178,4 +178,20 @@ impl RoundDriver for Driver {
         self.shared.round.store(round, Ordering::SeqCst);
         self.shared.agg_seq.store(agg_seq, Ordering::SeqCst);
     }
+}
+
+/// A random first seq for a participant's broadcasts, a multiple of the
+/// ACK group size `g` (see [`Engine::new`]): a restarted participant's
+/// receivers see a new session.
+pub(crate) fn random_group_base(g: u32) -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    let seq = x as u32;
+    seq - seq % g.max(1)
 }

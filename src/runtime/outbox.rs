@@ -1,4 +1,4 @@
-//! What the communicator's state machine ([`crate::runtime::engine`]) sends,
+//! What the communicator's state machine (`runtime::engine`) sends,
 //! and the seam between it and the I/O driver.
 //!
 //! The state machine never touches a socket: datagrams it produces while it

@@ -11,7 +11,7 @@
 //! [`crate::runtime::reliability`], fragmentation and reassembly; it is used
 //! only when a builder is given an [`Impairment`].
 //!
-//! [`Net`] is what the I/O driver ([`crate::runtime::driver`]) holds: the
+//! [`Net`] is what the I/O driver (`runtime::driver`) holds: the
 //! transport plus the communicator's counters ([`CommStats`]), counted on
 //! the way out and in; it is the [`crate::runtime::outbox::Transmit`] the
 //! driver hands the state machine's datagrams to.

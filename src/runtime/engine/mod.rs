@@ -101,12 +101,16 @@ pub(crate) struct Engine {
     chunk: usize,
     addrs: Vec<SocketAddrV4>,
     index: HashMap<SocketAddrV4, usize>,
+    /// Worker: its contributions (one destination, the aggregator).
     agg_tx: SendWindow,
     /// The contribution window of a reduce and of an allreduce whose
     /// RESULTs the kernel copies to every worker (the kernel backend's
     /// differ: `fragment::kernel_window`).
     agg_windows: ContribWindows,
+    /// Broadcast root, and the aggregator forwarding results: the `AGB1`
+    /// data (a destination per participant index).
     bc_tx: SendWindow,
+    /// Per sender (participant index): dedup and ACKs of its `AGB1` data.
     bc_rx: Vec<RecvTracker>,
     /// The `AGB1` group each sender used last (the id its ACKs carry).
     bc_group: Vec<u16>,
@@ -125,13 +129,20 @@ pub(crate) struct Engine {
     /// Worker: (round, contribution seq base, fragments) of recent reductions,
     /// to re-acknowledge late result retransmissions.
     recent: VecDeque<(u32, u32, usize)>,
+    /// Set when this participant's node runs the TC broadcast program with
+    /// its group: broadcasts go through it.
     tc: Option<TcRoute>,
+    /// Aggregator: its backend's side (the socket reducer, or the kernel's
+    /// RESULTs).
     backend: Option<Box<dyn Backend>>,
+    /// Broadcast data of later rounds (at most `cfg.stash_limit`), and the
+    /// buffers of used ones.
     stash: Vec<Stashed>,
     stash_pool: Vec<Vec<u8>>,
     /// New datagrams registered by `pump`, sent by `flush_tx`: (window, seq,
     /// destination).
     txq: Vec<(TxWin, u32, SocketAddrV4)>,
+    /// Contribution ACKs the backend queued.
     acks_sent: u64,
     /// The round of the next (or current) call.
     round: u32,
@@ -145,21 +156,6 @@ pub(crate) struct Engine {
     pub(crate) spare_i32: Vec<i32>,
     pub(crate) spare_f32: Vec<f32>,
     spare_queue: VecDeque<u32>,
-}
-
-/// A random first seq for a participant's broadcasts, a multiple of the
-/// ACK group size `g` (the I/O driver's choice; see [`Engine::new`]).
-pub(crate) fn random_group_base(g: u32) -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    let seq = x as u32;
-    seq - seq % g.max(1)
 }
 
 impl Engine {

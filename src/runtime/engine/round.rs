@@ -20,7 +20,7 @@ use crate::runtime::CommError;
 /// each fragment is encoded.
 pub(crate) enum Src {
     I32(Vec<i32>),
-    /// A blocking call's slice (see [`Raw`]); the aggregator's receives the
+    /// A blocking call's slice (see [`crate::runtime::comm::Raw`]); the aggregator's receives the
     /// result.
     RawI32(RawI32),
     F32 {
@@ -116,7 +116,8 @@ pub(super) struct BcastIn {
 
 pub(super) struct Collect {
     /// The result vector: the caller's slice (a blocking int call) or an
-    /// owned vector `reduce` keeps until the call is over (see [`Raw`]).
+    /// owned vector `reduce` keeps until the call is over (see
+    /// [`crate::runtime::comm::Raw`]).
     pub(super) out: RawI32,
     pub(super) cov: Coverage,
     pub(super) overflow: bool,
