@@ -92,8 +92,9 @@ pub(crate) struct Engine {
     counters: Arc<Counters>,
     /// ACKs and retransmissions produced by `handle`, sent at the next poll.
     out: Outbox,
-    /// The round in progress, if a call is running.
-    current: Option<RoundState>,
+    /// The round in progress, if a call is running (boxed: `handle` and
+    /// `poll_transmit` take it out and put it back for every datagram).
+    current: Option<Box<RoundState>>,
     /// When the timers polled last are next due (see [`Engine::poll_timeout`]).
     next_timer: Option<Instant>,
     me: usize,
@@ -334,7 +335,7 @@ impl Engine {
     /// [`Engine::poll_transmit`] or [`Engine::poll_acks`].
     pub(crate) fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8]) {
         let mut current = self.current.take();
-        let mut op = current.as_mut();
+        let mut op = current.as_deref_mut();
         self.dispatch(now, from, datagram, &mut op);
         self.current = current;
     }
@@ -348,7 +349,7 @@ impl Engine {
         self.out.flush(tx);
         let mut current = self.current.take();
         let mut timers_run = true;
-        if let Some(st) = current.as_mut() {
+        if let Some(st) = current.as_deref_mut() {
             self.drain_completed(st, now);
             self.pump(st, now, tx);
             st.complete = self.is_done(st);

@@ -409,7 +409,7 @@ impl Engine {
         }
         self.stash = keep;
         self.drain_completed(&mut st, now);
-        self.current = Some(st);
+        self.current = Some(Box::new(st));
     }
 
     /// How the round in progress ended, asked after

@@ -4,15 +4,19 @@
 //! the next datagram arrival or the earliest `poll_timeout`, so loss,
 //! reordering, duplication and deadlines are exact and repeatable.
 
+use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::round::{Sink, Src};
 use super::Engine;
-use crate::abi::Op;
-use crate::proto::{self, MessageKind};
-use crate::runtime::comm::{CallOptions, CommConfig, Communicator, Participant};
+use crate::abi::{self, Op};
+use crate::proto::{self, AggHeader, MessageKind};
+use crate::runtime::backend::BackendKind;
+use crate::runtime::comm::{
+    CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant,
+};
 use crate::runtime::outbox::Transmit;
 use crate::runtime::transport::{CommStats, Counters};
 use crate::runtime::{CommError, Peer};
@@ -34,11 +38,28 @@ fn agg_addr() -> SocketAddrV4 {
     SocketAddrV4::new(AGG_IP, JOB_PORT)
 }
 
-fn config(me: Participant) -> CommConfig {
+fn builder(me: Participant) -> CommunicatorBuilder {
     let peers = (0..WORKERS).map(worker_addr).collect();
     Communicator::builder(JOB, peers, AGG_IP, JOB_PORT, me)
         .mtu(1500)
         .deadline(Duration::from_secs(2))
+}
+
+/// The socket backend: the aggregator's runtime reduces.
+fn socket_config(me: Participant) -> CommConfig {
+    builder(me).config().clone()
+}
+
+/// The aggregator application's socket with the kernel backend.
+const RESULT_PORT: u16 = 9001;
+
+/// The kernel backend with a result group: the node reduces
+/// ([`FakeNode`]) and copies each RESULT to every worker.
+fn kernel_config(me: Participant) -> CommConfig {
+    builder(me)
+        .backend(BackendKind::Kernel)
+        .result_port(RESULT_PORT)
+        .kernel_result_group(true)
         .config()
         .clone()
 }
@@ -154,11 +175,82 @@ struct Sim {
     fate: Fate,
     /// Reverse the order of each poll's datagrams (reordering).
     reverse: bool,
+    /// Kernel backend: the node's aggregator at the job port.
+    node: Option<FakeNode>,
+}
+
+/// The node's XDP aggregator and TC result group as the runtime sees them:
+/// each rank's contribution to a (round, fragment) is added once; the
+/// RESULT (seq = the contribution seq) goes once to the aggregator's result
+/// port, from the completing contribution's source, and once to every
+/// worker, from the node's address and that source's port (the TC copies).
+/// Contributions to a completed fragment are dropped as duplicates.
+#[derive(Default)]
+struct FakeNode {
+    /// (round, frag_off) -> (ranks that contributed, sum).
+    slots: HashMap<(u32, u32), (u64, Vec<i32>)>,
+    completed: HashSet<(u32, u32)>,
+}
+
+impl FakeNode {
+    /// What the node sends for one contribution from `from`.
+    fn contribution(
+        &mut self,
+        from: SocketAddrV4,
+        bytes: &[u8],
+    ) -> Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)> {
+        let Ok((h, payload)) = proto::split_agg(bytes) else {
+            return Vec::new();
+        };
+        let key = (h.round, h.frag_off);
+        if h.is_result() || self.completed.contains(&key) {
+            return Vec::new();
+        }
+        let (ranks, sum) = self
+            .slots
+            .entry(key)
+            .or_insert_with(|| (0, vec![0; h.count as usize]));
+        let bit = 1u64 << h.rank;
+        if *ranks & bit != 0 {
+            return Vec::new();
+        }
+        *ranks |= bit;
+        let mut v = vec![0; h.count as usize];
+        proto::read_i32_be(payload, &mut v);
+        sum.iter_mut().zip(&v).for_each(|(s, x)| *s += x);
+        if *ranks != (1 << WORKERS) - 1 {
+            return Vec::new();
+        }
+        let hdr = AggHeader {
+            rank: abi::RESULT_RANK,
+            flags: abi::AGG_F_RESULT | (h.flags & abi::AGG_F_LAST_FRAGMENT),
+            ..h
+        };
+        let mut result = Vec::new();
+        proto::encode_agg_into(&hdr, sum, &mut result).expect("a RESULT");
+        self.completed.insert(key);
+        let mut out = vec![(from, SocketAddrV4::new(AGG_IP, RESULT_PORT), result.clone())];
+        let node = SocketAddrV4::new(AGG_IP, from.port());
+        out.extend((0..WORKERS).map(|r| (node, worker_addr(r), result.clone())));
+        out
+    }
 }
 
 impl Sim {
-    /// Workers 0..3 then the aggregator.
+    /// A socket-backend job: workers 0..3 then the aggregator.
     fn new() -> Sim {
+        Sim::with(socket_config)
+    }
+
+    /// A kernel-backend job with a result group, and its node.
+    fn kernel() -> Sim {
+        let mut sim = Sim::with(kernel_config);
+        sim.node = Some(FakeNode::default());
+        sim
+    }
+
+    /// A job whose participants have `config(me)`.
+    fn with(config: fn(Participant) -> CommConfig) -> Sim {
         let now = Instant::now();
         let mut nodes = Vec::new();
         for (i, me) in (0..WORKERS)
@@ -188,7 +280,16 @@ impl Sim {
             log: Vec::new(),
             fate: Box::new(|_| 1),
             reverse: false,
+            node: None,
         }
+    }
+
+    /// Puts `d` on the wire (as many times as `fate` says) and in the log.
+    fn send(&mut self, d: Datagram) {
+        for _ in 0..(self.fate)(&d) {
+            self.wire.push((self.now + LATENCY, d.clone()));
+        }
+        self.log.push(d);
     }
 
     fn aggregator(&self) -> usize {
@@ -282,6 +383,16 @@ impl Sim {
         for (_, d) in due {
             if let Some(n) = self.nodes.iter_mut().find(|n| n.addr == d.to) {
                 n.engine.handle(now, d.from, &d.bytes);
+            } else if let Some(node) = self.node.as_mut().filter(|_| d.to == agg_addr()) {
+                for (from, to, bytes) in node.contribution(d.from, &d.bytes) {
+                    self.send(Datagram {
+                        from,
+                        to,
+                        bytes,
+                        resend: false,
+                        at: now,
+                    });
+                }
             }
         }
         true
@@ -632,4 +743,36 @@ fn early_broadcast_data_of_the_next_round_is_kept_until_it_starts() {
         sim.log.iter().all(|d| !d.resend),
         "stashed data was acknowledged on arrival: nothing resent"
     );
+}
+
+#[test]
+fn in_kernel_allreduce_resends_a_lost_result_copy_to_that_worker_alone() {
+    let mut sim = Sim::kernel();
+    // The node's copy of the second fragment's RESULT to worker 2 is lost.
+    let node_to_2 = SocketAddrV4::new(AGG_IP, 5000);
+    sim.fate = Box::new(move |d| {
+        let lost = d.from == node_to_2
+            && d.to == worker_addr(2)
+            && proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.frag_off == PER as u32);
+        usize::from(!lost)
+    });
+    start_all_allreduce(&mut sim, LEN, CallOptions::default());
+    sim.run(Duration::from_secs(5));
+    assert_everyone_has_the_sum(&sim, LEN);
+    let resends: Vec<&Datagram> = sim.log.iter().filter(|d| d.resend).collect();
+    assert!(!resends.is_empty(), "the lost RESULT was resent");
+    let from_agg = SocketAddrV4::new(AGG_IP, RESULT_PORT);
+    for d in &resends {
+        assert_eq!((d.from, d.to), (from_agg, worker_addr(2)), "{resends:?}");
+        let (h, _) = proto::split_agg(&d.bytes).expect("an AGG1 RESULT");
+        assert!(h.is_result());
+        assert_eq!(h.frag_off, PER as u32, "only the lost fragment");
+    }
+    assert_eq!(sim.stats(2).bytes_delivered, LEN as u64 * 4);
+    // Nothing the workers sent was resent: the RESULTs acknowledged it.
+    assert!(sim
+        .log
+        .iter()
+        .filter(|d| d.is_contribution())
+        .all(|d| !d.resend));
 }
