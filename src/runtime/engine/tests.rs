@@ -177,6 +177,9 @@ struct Sim {
     reverse: bool,
     /// Kernel backend: the node's aggregator at the job port.
     node: Option<FakeNode>,
+    /// A root whose node runs the TC broadcast program, and the group's
+    /// members in table order.
+    tc: Option<(SocketAddrV4, Vec<SocketAddrV4>)>,
 }
 
 /// The node's XDP aggregator and TC result group as the runtime sees them:
@@ -281,13 +284,31 @@ impl Sim {
             fate: Box::new(|_| 1),
             reverse: false,
             node: None,
+            tc: None,
         }
     }
 
     /// Puts `d` on the wire (as many times as `fate` says) and in the log.
+    /// A datagram through the TC program of the root's node, as it
+    /// leaves: one copy per member whose bit is in the mask, addressed to
+    /// that member (`fate` applies to each copy).
     fn send(&mut self, d: Datagram) {
-        for _ in 0..(self.fate)(&d) {
-            self.wire.push((self.now + LATENCY, d.clone()));
+        let copies: Vec<Datagram> = match &self.tc {
+            Some((root, members)) if d.from == *root && d.kind() == Some(MessageKind::Bcast) => {
+                let mask = proto::split_bcast(&d.bytes).map_or(0, |(h, _)| h.mask);
+                members
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, &to)| Datagram { to, ..d.clone() })
+                    .collect()
+            }
+            _ => vec![d.clone()],
+        };
+        for c in copies {
+            for _ in 0..(self.fate)(&c) {
+                self.wire.push((self.now + LATENCY, c.clone()));
+            }
         }
         self.log.push(d);
     }
@@ -332,6 +353,7 @@ impl Sim {
     /// (through `fate`), rounds that ended are finished.
     fn poll(&mut self) {
         let now = self.now;
+        let mut outgoing = Vec::new();
         for n in &mut self.nodes {
             let mut sent = Vec::new();
             n.engine.poll_transmit(
@@ -345,12 +367,7 @@ impl Sim {
             if self.reverse {
                 sent.reverse();
             }
-            for d in sent {
-                for _ in 0..(self.fate)(&d) {
-                    self.wire.push((now + LATENCY, d.clone()));
-                }
-                self.log.push(d);
-            }
+            outgoing.extend(sent);
             if let Some(call) = n.running {
                 if let Some(outcome) = n.engine.round_outcome(now) {
                     let ended = n.engine.finish(call, now, outcome);
@@ -358,6 +375,9 @@ impl Sim {
                     n.ended = Some((ended, now));
                 }
             }
+        }
+        for d in outgoing {
+            self.send(d);
         }
     }
 
@@ -775,4 +795,70 @@ fn in_kernel_allreduce_resends_a_lost_result_copy_to_that_worker_alone() {
         .iter()
         .filter(|d| d.is_contribution())
         .all(|d| !d.resend));
+}
+
+/// The TC broadcast group of the aggregator's node: the workers.
+const TC_GROUP: u16 = 40;
+
+/// The kernel backend where the aggregator's node runs the TC broadcast
+/// program with the workers as its group (`from_config` sets this up).
+fn tc_config(me: Participant) -> CommConfig {
+    let b = builder(me)
+        .backend(BackendKind::Kernel)
+        .result_port(RESULT_PORT);
+    match me {
+        Participant::Aggregator => {
+            b.tc_broadcast(TC_GROUP, (0..WORKERS).map(worker_addr).collect())
+        }
+        Participant::Worker(_) => b,
+    }
+    .config()
+    .clone()
+}
+
+#[test]
+fn a_tc_broadcast_copy_lost_to_one_member_is_resent_with_that_members_bit_alone() {
+    let mut sim = Sim::with(tc_config);
+    let root = SocketAddrV4::new(AGG_IP, RESULT_PORT);
+    sim.tc = Some((root, (0..WORKERS).map(worker_addr).collect()));
+    // The TC copy of the first fragment to worker 1 is lost.
+    let mut lost = false;
+    sim.fate = Box::new(move |d| {
+        if !lost && !d.resend && d.from == root && d.to == worker_addr(1) {
+            lost = true;
+            return 0;
+        }
+        1
+    });
+    let data: Vec<u8> = (0..4000u32).map(|k| (k % 253) as u8).collect();
+    let agg = sim.aggregator();
+    for i in 0..=WORKERS as usize {
+        sim.start_broadcast(i, agg, &data, CallOptions::default());
+    }
+    sim.run(Duration::from_secs(5));
+    for r in 0..WORKERS as usize {
+        match sim.ended(r) {
+            Ended::Bytes(b) => assert_eq!(b, &data, "worker {r}"),
+            other => panic!("worker {r}: {other:?}"),
+        }
+    }
+    assert!(matches!(sim.ended(agg), Ended::Bytes(_)));
+    // One datagram per fragment, to the first member, with every member's
+    // bit; the resend goes the same way with worker 1's bit alone.
+    let sent: Vec<&Datagram> = sim.log.iter().filter(|d| d.from == root).collect();
+    let masks = |resend: bool| -> Vec<u32> {
+        sent.iter()
+            .filter(|d| d.resend == resend)
+            .map(|d| {
+                assert_eq!(d.to, worker_addr(0), "to the group's first member");
+                let (h, _) = proto::split_bcast(&d.bytes).expect("an AGB1");
+                assert_eq!(h.group, TC_GROUP);
+                h.mask
+            })
+            .collect()
+    };
+    assert_eq!(masks(false), vec![0b111; 3], "3 fragments, all members");
+    let resent = masks(true);
+    assert!(!resent.is_empty(), "the lost copy was resent");
+    assert!(resent.iter().all(|&m| m == 0b010), "{resent:?}");
 }
