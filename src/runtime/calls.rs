@@ -122,6 +122,8 @@ pub(crate) trait Calls: RoundDriver {
         res.map(|()| out)
     }
 
+    /// An int reduction of an owned vector (the `Work` calls): the result
+    /// where this participant gets it, else the input back.
     fn reduce_i32(
         &mut self,
         all: bool,
@@ -296,3 +298,219 @@ pub(crate) trait Calls: RoundDriver {
 }
 
 impl<D: RoundDriver> Calls for D {}
+
+/// The calls over an in-memory network (channels, the real clock, no
+/// sockets): each participant runs its calls on its own thread through a
+/// [`RoundDriver`] that hands datagrams to the others' inboxes, and keeps
+/// serving its engine once its calls are done (as the I/O driver's idle
+/// loop does) until everyone's are.
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::time::{Duration, Instant};
+
+    use super::{Calls, RoundDriver};
+    use crate::abi::Op;
+    use crate::runtime::comm::{CallOptions, Communicator, Participant, RawF32};
+    use crate::runtime::engine::Engine;
+    use crate::runtime::outbox::Transmit;
+    use crate::runtime::quantize::Quantization;
+    use crate::runtime::transport::Counters;
+    use crate::runtime::CommError;
+
+    type Inbox = mpsc::Receiver<(SocketAddrV4, Vec<u8>)>;
+    type Postbox = HashMap<SocketAddrV4, mpsc::Sender<(SocketAddrV4, Vec<u8>)>>;
+
+    struct Channels<'a> {
+        from: SocketAddrV4,
+        to: &'a Postbox,
+    }
+
+    impl Transmit for Channels<'_> {
+        fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+            if let Some(tx) = self.to.get(&to) {
+                let _ = tx.send((self.from, datagram.to_vec()));
+            }
+        }
+
+        fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+            self.send(to, datagram);
+        }
+
+        fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], _gso: bool) {
+            for (b, to) in datagrams {
+                self.send(*to, b);
+            }
+        }
+    }
+
+    struct ChannelDriver {
+        engine: Engine,
+        addr: SocketAddrV4,
+        inbox: Inbox,
+        postbox: Postbox,
+    }
+
+    impl ChannelDriver {
+        /// Polls, then waits for datagrams until the engine's timeout (at
+        /// most `cap`).
+        fn step(&mut self, cap: Duration) {
+            let now = Instant::now();
+            let mut tx = Channels {
+                from: self.addr,
+                to: &self.postbox,
+            };
+            self.engine.poll_transmit(now, &mut tx);
+            let wait = self
+                .engine
+                .poll_timeout()
+                .map_or(cap, |t| t.saturating_duration_since(now).min(cap));
+            if let Ok((from, d)) = self.inbox.recv_timeout(wait) {
+                self.engine.handle(Instant::now(), from, &d);
+                while let Ok((from, d)) = self.inbox.try_recv() {
+                    self.engine.handle(Instant::now(), from, &d);
+                }
+            }
+        }
+    }
+
+    impl RoundDriver for ChannelDriver {
+        fn engine(&mut self) -> &mut Engine {
+            &mut self.engine
+        }
+
+        fn now(&self) -> Instant {
+            Instant::now()
+        }
+
+        fn run_round(&mut self) -> Result<(), CommError> {
+            loop {
+                let now = Instant::now();
+                let mut tx = Channels {
+                    from: self.addr,
+                    to: &self.postbox,
+                };
+                self.engine.poll_transmit(now, &mut tx);
+                if let Some(outcome) = self.engine.round_outcome(now) {
+                    return outcome;
+                }
+                self.step(Duration::from_millis(10));
+            }
+        }
+    }
+
+    const WORKERS: u16 = 3;
+    const PARTICIPANTS: usize = WORKERS as usize + 1;
+
+    /// Runs `calls` on every participant (workers 0..3, then the
+    /// aggregator) with `quantization`; returns what each returned.
+    fn run_job<T: Send>(
+        quantization: Quantization,
+        calls: impl Fn(&mut ChannelDriver, Participant) -> T + Sync,
+    ) -> Vec<T> {
+        let lo = Ipv4Addr::new(10, 0, 0, 1);
+        let peers: Vec<SocketAddrV4> = (0..WORKERS)
+            .map(|r| SocketAddrV4::new(lo, 5000 + r))
+            .collect();
+        let me_all: Vec<Participant> = (0..WORKERS)
+            .map(Participant::Worker)
+            .chain([Participant::Aggregator])
+            .collect();
+        let cfgs: Vec<_> = me_all
+            .iter()
+            .map(|&me| {
+                Communicator::builder(1, peers.clone(), lo, 9000, me)
+                    .mtu(1500)
+                    .deadline(Duration::from_secs(20))
+                    .quantization(quantization)
+                    .config()
+                    .clone()
+            })
+            .collect();
+        let addrs: Vec<SocketAddrV4> = cfgs
+            .iter()
+            .map(|c| c.addr_of(c.me.index(c.workers())))
+            .collect();
+        let (txs, rxs): (Vec<_>, Vec<_>) = addrs.iter().map(|_| mpsc::channel()).unzip();
+        let postbox: Postbox = addrs.iter().copied().zip(txs).collect();
+        let done = Arc::new(AtomicUsize::new(0));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = cfgs
+                .into_iter()
+                .zip(rxs)
+                .enumerate()
+                .map(|(i, (cfg, inbox))| {
+                    let me = cfg.me;
+                    let mut d = ChannelDriver {
+                        engine: Engine::new(
+                            cfg,
+                            Arc::new(Counters::default()),
+                            (i as u32 + 1) << 20,
+                            Instant::now(),
+                        ),
+                        addr: addrs[i],
+                        inbox,
+                        postbox: postbox.clone(),
+                    };
+                    let (done, calls) = (done.clone(), &calls);
+                    s.spawn(move || {
+                        let out = calls(&mut d, me);
+                        done.fetch_add(1, Ordering::SeqCst);
+                        while done.load(Ordering::SeqCst) < PARTICIPANTS {
+                            d.step(Duration::from_millis(1));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("participant thread"))
+                .collect()
+        })
+    }
+
+    fn input(r: u16, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|k| (k as f32 - 300.0) * 37.5 + r as f32)
+            .collect()
+    }
+
+    /// A fixed scale whose sum overflows int32 reruns at the agreed
+    /// adaptive scale (`FixedOrAdaptive`): every participant gets the sum
+    /// (within the quantization step), and the next call lines up (the
+    /// float call took 3 rounds everywhere: overflowing attempt, scale
+    /// agreement, rerun).
+    #[test]
+    fn a_fixed_scale_that_overflows_reruns_at_the_agreed_scale_everywhere() {
+        let len = 1000;
+        let out = run_job(Quantization::FixedOrAdaptive(1e6), |d, me| {
+            let mut x = match me {
+                Participant::Worker(r) => input(r, len),
+                Participant::Aggregator => vec![0.0; len],
+            };
+            d.reduce_f32(true, false, RawF32::of(&mut x), CallOptions::default())
+                .expect("the float allreduce");
+            let ints = d
+                .reduce_i32(true, Op::Sum, vec![1; 4], CallOptions::default())
+                .expect("the next call");
+            (x, ints.values, d.engine().position().0)
+        });
+        let want: Vec<f64> = (0..len)
+            .map(|k| (0..WORKERS).map(|r| input(r, len)[k] as f64).sum())
+            .collect();
+        for (i, (x, ints, round)) in out.iter().enumerate() {
+            let worst = x
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (*g as f64 - w).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 1e-2, "participant {i}: error {worst}");
+            assert_eq!(ints, &vec![WORKERS as i32; 4], "participant {i}");
+            assert_eq!(*round, 4, "participant {i}: 3 float rounds and 1 int round");
+        }
+    }
+}
