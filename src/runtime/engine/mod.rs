@@ -304,7 +304,7 @@ impl Engine {
 
     /// A round of call `name` starting at `now`, its deadline from `opts`
     /// or the communicator's default.
-    fn new_op(&self, name: &'static str, now: Instant, opts: CallOptions) -> RoundState {
+    fn new_round(&self, name: &'static str, now: Instant, opts: CallOptions) -> RoundState {
         RoundState {
             name,
             round: self.round,
@@ -369,7 +369,9 @@ impl Engine {
 
     /// When [`Engine::poll_transmit`] must run next at the latest: the
     /// earliest timer the last one armed, or the round's deadline. `None`:
-    /// nothing pending.
+    /// nothing pending. Valid after a `poll_transmit`: `handle` arms timers
+    /// too (delayed ACKs, resends), so a driver polls after handling input
+    /// and before it sleeps.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         let deadline = self.current.as_ref().map(|st| st.deadline);
         match (self.next_timer, deadline) {

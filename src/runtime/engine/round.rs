@@ -164,7 +164,7 @@ impl Engine {
         data: Vec<u8>,
         opts: CallOptions,
     ) {
-        let mut st = self.new_op("broadcast", now, opts);
+        let mut st = self.new_round("broadcast", now, opts);
         let n = fragments(data.len(), self.chunk);
         if root == self.me {
             let mut q = VecDeque::with_capacity(n);
@@ -210,7 +210,7 @@ impl Engine {
                 })
             })
             .unwrap_or_default();
-        self.finish_op(&mut st, failed, 0, now);
+        self.end_round(&mut st, failed, 0, now);
         out
     }
 
@@ -228,7 +228,7 @@ impl Engine {
         sink: Option<Sink>,
         opts: CallOptions,
     ) {
-        let mut st = self.new_op(if all { "allreduce" } else { "reduce" }, now, opts);
+        let mut st = self.new_round(if all { "allreduce" } else { "reduce" }, now, opts);
         let len = src.len();
         let n = fragments(len, self.per);
         let is_agg = self.cfg.me == Participant::Aggregator;
@@ -350,11 +350,16 @@ impl Engine {
             src: st.contrib.take().map(|c| c.src).or(st.unsent.take()),
             sink,
         };
-        self.finish_op(&mut st, failed, n, now);
+        self.end_round(&mut st, failed, n, now);
         out
     }
 
-    pub(super) fn finish_op(
+    /// What every round's end does: a failed round's datagrams are
+    /// abandoned (the receivers drop their holes, see the reliability
+    /// module); buffers go back to the pools; the round and contribution
+    /// seq advance (`nfrags` seqs) on every participant alike, so the next
+    /// call lines up; stashed data of rounds now past is dropped.
+    pub(super) fn end_round(
         &mut self,
         st: &mut RoundState,
         failed: bool,
