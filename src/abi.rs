@@ -170,10 +170,11 @@ pub enum DropReason {
     TooLarge = -146,
     PortMismatch = -147,
     ForgedResult = -148,
+    SlotBusy = -149,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 19] = [
+    pub const ALL: [DropReason; 20] = [
         DropReason::TruncatedHeader,
         DropReason::InvalidOp,
         DropReason::ReservedFlag,
@@ -193,6 +194,7 @@ impl DropReason {
         DropReason::TooLarge,
         DropReason::PortMismatch,
         DropReason::ForgedResult,
+        DropReason::SlotBusy,
     ];
 
     /// Index of this reason in the stats map.
@@ -222,6 +224,7 @@ impl DropReason {
             DropReason::TooLarge => "too_large",
             DropReason::PortMismatch => "port_mismatch",
             DropReason::ForgedResult => "forged_result",
+            DropReason::SlotBusy => "slot_busy",
         }
     }
 }

@@ -92,6 +92,12 @@ pub enum DataplaneError {
     /// BPF_PROG_TEST_RUN failed.
     #[error("BPF_PROG_TEST_RUN: {0}")]
     TestRun(#[source] libbpf_rs::Error),
+    /// A fast slot stayed locked through every try of the control plane.
+    #[error("fast slot {index}: its lock stayed held through {FAST_DISCARD_TRIES} tries")]
+    FastSlotBusy {
+        /// Index in `fast_slots`.
+        index: u32,
+    },
     /// Pinning failed.
     #[error("pinning {path}: {source}")]
     Pin {
@@ -833,12 +839,16 @@ impl Dataplane {
         Ok((0, 0, 0))
     }
 
-    /// Zero fast slots `base..base + n` (under each slot's lock: BPF_F_LOCK).
+    /// Zero fast slots `base..base + n`, lock word included. Only slots
+    /// of no job are zeroed: a region before a job points at it, and a
+    /// removed job's region after its job was unpublished (an XDP run
+    /// that saw the job before that holds a slot for well under a
+    /// millisecond, and a region is zeroed again before its next job).
     fn zero_fast_slots(&self, base: u32, n: u32) -> Result<()> {
         let map = &self.skel.maps.fast_slots;
         let zero = vec![0u8; map.value_size() as usize];
         for index in base..base + n {
-            map.update(&index.to_ne_bytes(), &zero, MapFlags::LOCK)
+            map.update(&index.to_ne_bytes(), &zero, MapFlags::ANY)
                 .map_err(|source| DataplaneError::Map {
                     map: "fast_slots",
                     source,
@@ -1414,7 +1424,9 @@ impl KernelMaps {
             for index in base..base + u32::from(job.fast_slots) {
                 let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
                 let stale = |n: Option<u32>| n.is_some_and(|n| (n.wrapping_sub(round) as i32) > w);
-                if state == FAST_ACTIVE
+                // CLAIMING too: a take-over its taker could not undo (the
+                // slot's lock busy past its bound) is undone here.
+                if (state == FAST_ACTIVE || state == FAST_CLAIMING)
                     && slot_job == job.id
                     && (stale(k) || stale(u))
                     && matches!(self.discard_fast_slot(job.id, index, Some(round)), Ok(true))
@@ -1429,6 +1441,45 @@ impl KernelMaps {
     /// (state, job, round) of fast slot `index`: the first fields of
     /// `struct aggbox_fast_slot` after its 4-byte lock (src/bpf/slot.h).
     fn fast_slot_header(&self, index: u32) -> Option<(u16, u16, u32)> {
+        let value = self.fast_slot_value(index)?;
+        Some((
+            u16::from_ne_bytes([value[4], value[5]]),
+            u16::from_ne_bytes([value[6], value[7]]),
+            u32::from_ne_bytes([value[8], value[9], value[10], value[11]]),
+        ))
+    }
+
+    /// Fast slot `index`'s lock word (0 free, 1 held; src/bpf/slot.h).
+    pub fn fast_slot_lock(&self, index: u32) -> Option<u32> {
+        self.fast_slot_value(index).map(|v| u32::from_ne_bytes([v[0], v[1], v[2], v[3]]))
+    }
+
+    /// Write fast slot `index`'s lock word, as a holder that stalls would
+    /// leave it: for tests of the kernel's bounded wait (slot_busy).
+    /// Nothing else writes the word from user space.
+    #[doc(hidden)]
+    pub fn set_fast_slot_lock(&self, index: u32, word: u32) -> Result<()> {
+        let mut value = self.fast_slot_value(index).ok_or(DataplaneError::FastSlotBusy { index })?;
+        value[..4].copy_from_slice(&word.to_ne_bytes());
+        // SAFETY: key is a live u32, value a buffer of the map's value size.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_update_elem(
+                self.fast_slots.as_raw_fd(),
+                (&index as *const u32).cast(),
+                value.as_ptr().cast(),
+                0,
+            )
+        };
+        if rc < 0 {
+            return Err(DataplaneError::Map {
+                map: "fast_slots",
+                source: libbpf_rs::Error::from(std::io::Error::from_raw_os_error(-rc)),
+            });
+        }
+        Ok(())
+    }
+
+    fn fast_slot_value(&self, index: u32) -> Option<Vec<u8>> {
         let mut value = vec![0u8; self.fast_slot_size];
         // SAFETY: key is a live u32, value a buffer of the map's value size.
         let rc = unsafe {
@@ -1438,14 +1489,7 @@ impl KernelMaps {
                 value.as_mut_ptr().cast(),
             )
         };
-        if rc != 0 || value.len() < 12 {
-            return None;
-        }
-        Some((
-            u16::from_ne_bytes([value[4], value[5]]),
-            u16::from_ne_bytes([value[6], value[7]]),
-            u32::from_ne_bytes([value[8], value[9], value[10], value[11]]),
-        ))
+        (rc == 0 && value.len() >= 12).then_some(value)
     }
 
     /// Release fast slot `index` of job `id` with `aggbox_fast_discard`:
@@ -1464,8 +1508,16 @@ impl KernelMaps {
                 .try_clone()
                 .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
         };
-        let (verdict, _) = runner.run(&frame)?;
-        Ok(verdict == 2)
+        // XDP_TX: the slot's lock was busy past its bound (a holder
+        // interrupted); such a wait is microseconds, so a few tries do.
+        for _ in 0..FAST_DISCARD_TRIES {
+            let (verdict, _) = runner.run(&frame)?;
+            if verdict != XDP_TX {
+                return Ok(verdict == 2);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Err(DataplaneError::FastSlotBusy { index })
     }
 
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
@@ -1588,9 +1640,20 @@ pub fn pinned_jobs(jobs: &libbpf_rs::MapHandle) -> Result<Vec<(u32, abi::Job)>> 
     Ok(out)
 }
 
+/// `enum aggbox_fast_state` FAST_CLAIMING (src/bpf/slot.h): a fast slot
+/// taken for a fragment whose taker is still checking the other paths.
+const FAST_CLAIMING: u16 = 1;
+
 /// `enum aggbox_fast_state` FAST_ACTIVE (src/bpf/slot.h): a fast slot
 /// holding an unfinished fragment that contributions are added to.
 const FAST_ACTIVE: u16 = 2;
+
+/// The verdict of `aggbox_fast_discard` for a slot whose lock stayed held
+/// past the kernel's spin bound.
+const XDP_TX: u32 = 3;
+
+/// Tries of `aggbox_fast_discard` on a busy slot, 1 ms apart.
+const FAST_DISCARD_TRIES: u32 = 100;
 
 /// Sum the per-CPU values of one `job_stats` entry.
 pub fn sum_job_stats(per_cpu: &[Vec<u8>]) -> abi::JobStats {

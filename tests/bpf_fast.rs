@@ -15,7 +15,11 @@
 //! - a contribution that does not fit a fast slot (count > 384) to a fragment
 //!   a fast slot holds is answered as that slot answers (slot_mismatch);
 //! - an unfinished fast slot of a stale round is released by the periodic
-//!   reclaim, and its share of the job's slot bound comes back.
+//!   reclaim, and its share of the job's slot bound comes back;
+//! - a fast slot whose lock stays held past the kernel's bounded wait drops
+//!   the contribution as slot_busy and changes nothing (on both paths, and
+//!   the control plane's discard reports it); once free, the fragment
+//!   completes exactly, and no path leaves the lock held.
 //!
 //! Needs root (BPF): `sudo -E cargo test --test bpf_fast`.
 
@@ -353,4 +357,39 @@ fn removing_a_job_clears_its_region_and_a_new_job_starts_empty() {
     let (l, out) = run(&dp, &contribution(1, 1, 0, &[3; 8]));
     assert_eq!(l, Outcome::Result.label());
     assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&[2; 8], &[3; 8]])[..]);
+}
+
+#[test]
+fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
+    let dp = load();
+    dp.set_job(ID, &job(2, 64, 4)).expect("set_job");
+    let maps = dp.kernel_maps().unwrap();
+    // No vector length: fragment 0 of every round has the region's first slot.
+    let index = u32::from(dp.job(ID).unwrap().unwrap().fast_base);
+    assert_eq!(maps.fast_slot_lock(index), Some(0));
+    // A holder that never lets go (as one whose vCPU stalls would).
+    maps.set_fast_slot_lock(index, 1).expect("hold the lock");
+    let before = dp.job_stats(ID).unwrap().unwrap();
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, DropReason::SlotBusy.label());
+    // A contribution too large for a fast slot takes the hash-map path,
+    // whose handshake with the fragment's fast slot finds it locked too.
+    let big: Vec<i32> = vec![2; 400];
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &big)).0, DropReason::SlotBusy.label());
+    let after = dp.job_stats(ID).unwrap().unwrap();
+    assert_eq!(after.dropped - before.dropped, 2, "counted under the job");
+    assert_eq!((dp.fast_slots_in_use(), dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0, 0), "nothing changed");
+    assert_eq!(fast(&dp, abi::FAST_JOINED) + fast(&dp, abi::FAST_TAKEN), 0);
+    match dp.discard_fast_slots(ID, index as u16, 1) {
+        Err(aggbox::dataplane::DataplaneError::FastSlotBusy { index: i }) => assert_eq!(i, index),
+        other => panic!("discard of a locked slot: {other:?}"),
+    }
+    // Let go: the same contributions (the senders' resends) complete it.
+    maps.set_fast_slot_lock(index, 0).expect("release the lock");
+    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, Outcome::Accepted.label());
+    let (l, out) = run(&dp, &contribution(1, 1, 0, &[5; 8]));
+    assert_eq!(l, Outcome::Result.label());
+    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&[1; 8], &[5; 8]])[..]);
+    assert_eq!(run(&dp, &contribution(1, 1, 0, &[5; 8])).0, DropReason::Retransmission.label());
+    assert_eq!(maps.fast_slot_lock(index), Some(0), "every path gave the lock back");
+    assert_eq!((dp.fast_slots_in_use(), active(&dp)), (0, 0));
 }

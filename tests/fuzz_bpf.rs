@@ -953,6 +953,13 @@ fn xdp_fuzz_million_mutated_datagrams() {
             assert_eq!(by_label.get(r.label()).copied().unwrap_or(0), 0, "no missed tail calls");
             continue;
         }
+        if matches!(r, DropReason::SlotBusy) {
+            // One datagram at a time: a fast slot's lock is never found
+            // held unless some path forgot to give it back (tests/bpf_fast.rs
+            // holds one on purpose).
+            assert_eq!(by_label.get(r.label()).copied().unwrap_or(0), 0, "no fast slot left locked");
+            continue;
+        }
         if matches!(r, DropReason::TooLarge) {
             // AGGBOX_MAX_ELEMS (16384) is above what any IPv4 datagram can
             // carry (16370 elements), so no frame can reach it (docs/JUMBO.md).

@@ -131,9 +131,10 @@ enum aggbox_drop_reason {
 	AGGBOX_DROP_TOO_LARGE         = -146, /* count above what this build aggregates in the kernel */
 	AGGBOX_DROP_PORT_MISMATCH     = -147, /* the job is not the job of the port it was sent to */
 	AGGBOX_DROP_FORGED_RESULT     = -148, /* a RESULT from the network to its job's result port */
+	AGGBOX_DROP_SLOT_BUSY         = -149, /* the fragment's fast slot stayed locked past the spin bound */
 };
 #define AGGBOX_DROP_FIRST AGGBOX_DROP_TRUNCATED_HEADER
-#define AGGBOX_DROP_LAST  AGGBOX_DROP_FORGED_RESULT
+#define AGGBOX_DROP_LAST  AGGBOX_DROP_SLOT_BUSY
 
 /* Outcomes that are not drops. */
 enum aggbox_outcome {

@@ -104,7 +104,7 @@ enum aggbox_fast_state {
 	FAST_EMPTY     = 0,
 	FAST_CLAIMING  = 1, /* taken, the taker checks the other paths */
 	FAST_ACTIVE    = 2,
-	FAST_RESULTING = 3, /* complete: the last contributor writes the RESULT */
+	FAST_RESULTING = 3, /* complete: the last contributor writes the RESULT (holding the lock) */
 	FAST_DONE      = 4,
 };
 
@@ -114,7 +114,7 @@ _Static_assert((AGGBOX_FAST_HISTORY & (AGGBOX_FAST_HISTORY - 1)) == 0, "a power 
 #define FAST_PAIRS (AGGBOX_FAST_ELEMS / 2)
 
 struct aggbox_fast_slot {
-	struct bpf_spin_lock lock;
+	__u32 lock;        /* 0 free, 1 held: fast_lock() (aggbox_xdp.bpf.c), not a bpf_spin_lock */
 	__u16 state;       /* enum aggbox_fast_state; offset 4 (read by the control plane) */
 	__u16 job;         /* job of the key (a region is reassigned when jobs change) */
 	__u32 round;       /* key */
