@@ -249,10 +249,11 @@ _Static_assert(sizeof(struct aggbox_port) == 4, "port is 4 bytes");
  * Payload sizes (docs/JUMBO.md). A slot is a small header (the `slots` map)
  * plus ceil(count / AGGBOX_CHUNK_ELEMS) blocks of AGGBOX_CHUNK_ELEMS s64
  * accumulators (the `blocks` map), so slot memory follows the datagram size:
- * 2 blocks at MTU 1500 (362 elements), 9 at MTU 9000 (2242), 64 for the
- * largest IPv4 datagram (16370). One chunk = one block = one spin-lock
- * acquisition and one bpf_xdp_load_bytes/store_bytes. One program run of the
- * chain processes up to AGGBOX_PROG_CHUNKS chunks with bpf_loop.
+ * 2 blocks at MTU 1500 (362 elements), 9 at MTU 9000 (2237 elements:
+ * (9000 - 20 - 8 - 24) / 4), 64 for the largest IPv4 datagram (16370). One
+ * chunk = one block = one spin-lock acquisition and one
+ * bpf_xdp_load_bytes/store_bytes. One program run of the chain processes up
+ * to AGGBOX_PROG_CHUNKS chunks with bpf_loop.
  */
 #ifndef AGGBOX_MAX_ELEMS
 #define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4 datagram) */

@@ -1,5 +1,5 @@
 //! The one sequence / acknowledgement / retransmission module of AggBox
-//! (`DESIGN.md`, "Where reliability lives"). Every reliable path of the
+//! (docs/RUNTIME.md, "Reliability"). Every reliable path of the
 //! runtime uses it: worker contributions (`AGG1`), broadcast data (`AGB1`) and
 //! the acknowledgements the aggregator sends for contributions, on both the
 //! socket and the kernel backend.
