@@ -113,33 +113,46 @@ enum aggbox_fast_state {
 _Static_assert((AGGBOX_FAST_HISTORY & (AGGBOX_FAST_HISTORY - 1)) == 0, "a power of two: ring index by mask");
 #define FAST_PAIRS (AGGBOX_FAST_ELEMS / 2)
 
+/*
+ * Laid out by who touches what: the first cache line holds everything a
+ * joining contribution reads or writes besides its accumulators (lock, key,
+ * state, op, count, workers, done, flags, the rank bitmap), so a join moves
+ * one header line between CPUs, as a minimal aggregator's would; a take
+ * also writes the second line onwards (prev, the history ring). The
+ * accumulators start on a cache line, and the whole value is a multiple of
+ * one, so every slot of the array starts on a line too.
+ */
 struct aggbox_fast_slot {
 	__u32 lock;        /* 0 free, 1 held: fast_lock() (aggbox_xdp.bpf.c), not a bpf_spin_lock */
 	__u16 state;       /* enum aggbox_fast_state; offset 4 (read by the control plane) */
 	__u16 job;         /* job of the key (a region is reassigned when jobs change) */
 	__u32 round;       /* key */
 	__u32 frag_off;
-	__u32 prev_round;  /* key held before the current one, if prev_valid */
-	__u32 prev_frag_off;
-	__u32 token;       /* CLAIMING: who took it */
 	__u16 count;       /* of the first contribution */
 	__u8  op;
 	__u8  flags;       /* OR of the contributions' AGGBOX_AGG_F_CARRIED */
 	__u16 workers;
 	__u16 done;        /* contributions added */
 	__u32 weight_sum;  /* AVG divisor */
+	__u8  fast_flags;  /* FAST_F_* */
 	__u8  prev_valid;
 	__u8  prev_state;  /* what an aborted take-over restores: FAST_DONE or FAST_EMPTY */
-	__u8  fast_flags;  /* FAST_F_* */
 	__u8  pad;
+	__u32 bitmap[AGGBOX_BITMAP_WORDS];
+	/* second line: written by a take */
+	__u32 token;       /* CLAIMING: who took it */
+	__u32 prev_round;  /* key held before the current one, if prev_valid */
+	__u32 prev_frag_off;
 	__u32 fence;       /* atomically added to: a full barrier (take-over vs hash path) */
 	__u16 hist_valid;  /* bit i: hist_*[i] holds a completed key of `job` */
 	__u16 hist_next;   /* next ring position (mod AGGBOX_FAST_HISTORY) */
 	__u32 hist_round[AGGBOX_FAST_HISTORY];
 	__u32 hist_frag_off[AGGBOX_FAST_HISTORY];
-	__u32 bitmap[AGGBOX_BITMAP_WORDS];
-	__s64 acc[AGGBOX_FAST_ELEMS];
+	__s64 acc[AGGBOX_FAST_ELEMS] __attribute__((aligned(64)));
 };
+_Static_assert(__builtin_offsetof(struct aggbox_fast_slot, token) == 64, "a join's fields in the first line");
+_Static_assert(__builtin_offsetof(struct aggbox_fast_slot, state) == 4, "the control plane reads state at 4");
+_Static_assert(sizeof(struct aggbox_fast_slot) % 64 == 0, "slots start on a cache line");
 
 /* Value of the job_round array (aggbox_xdp.bpf.c): one cache line. */
 struct aggbox_job_round {
