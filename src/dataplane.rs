@@ -1033,6 +1033,7 @@ impl Dataplane {
             jobs: dup(maps.jobs.as_fd(), "jobs")?,
             fast_slots: dup(maps.fast_slots.as_fd(), "fast_slots")?,
             fast_slot_size: maps.fast_slots.value_size() as usize,
+            fast_view: FastSlotView::map(maps.fast_slots.as_fd(), maps.fast_slots.value_size() as usize, abi::FAST_SLOTS),
             fast_discard: self
                 .skel
                 .progs
@@ -1257,6 +1258,77 @@ impl TestRunner {
     }
 }
 
+/// The `fast_slots` array mapped read-only (`BPF_F_MMAPABLE`): the
+/// stale-slot scan reads a slot's 12-byte header from memory, where a
+/// lookup would copy the whole 3 KB value out through a syscall (4096
+/// lookups per scan of the largest region, every 100 ms: several % of a
+/// CPU under load).
+struct FastSlotView {
+    base: *const u8,
+    len: usize,
+    stride: usize,
+    entries: u32,
+}
+
+// SAFETY: a read-only shared mapping, read with volatile loads only.
+unsafe impl Send for FastSlotView {}
+// SAFETY: as above; nothing is written through it.
+unsafe impl Sync for FastSlotView {}
+
+impl FastSlotView {
+    fn map(fd: std::os::fd::BorrowedFd<'_>, value_size: usize, entries: u32) -> Option<Self> {
+        // An mmapable array lays its values out from offset 0, each
+        // rounded up to 8 bytes, the whole rounded up to a page.
+        let stride = value_size.div_ceil(8) * 8;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        let len = (stride * entries as usize).div_ceil(page) * page;
+        // SAFETY: a fresh shared read-only mapping of a map fd; checked below.
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        Some(FastSlotView {
+            base: base.cast::<u8>().cast_const(),
+            len,
+            stride,
+            entries,
+        })
+    }
+
+    fn header(&self, index: u32) -> Option<(u16, u16, u32)> {
+        if index >= self.entries {
+            return None;
+        }
+        // SAFETY: index < entries, so the 12 bytes lie inside the mapping;
+        // the offsets are those of struct aggbox_fast_slot (naturally
+        // aligned: every value starts at a multiple of 8).
+        unsafe {
+            let at = self.base.add(index as usize * self.stride);
+            Some((
+                std::ptr::read_volatile(at.add(4).cast::<u16>()),
+                std::ptr::read_volatile(at.add(6).cast::<u16>()),
+                std::ptr::read_volatile(at.add(8).cast::<u32>()),
+            ))
+        }
+    }
+}
+
+impl std::fmt::Debug for FastSlotView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastSlotView").field("entries", &self.entries).field("stride", &self.stride).finish()
+    }
+}
+
+impl Drop for FastSlotView {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `map`.
+        unsafe {
+            libc::munmap(self.base.cast_mut().cast(), self.len);
+        }
+    }
+}
+
 /// The maps the user-space path shares with the XDP program, as duplicated
 /// descriptors (`Send + Sync`): see [`Dataplane::kernel_maps`].
 #[derive(Debug)]
@@ -1271,6 +1343,9 @@ pub struct KernelMaps {
     jobs: OwnedFd,
     fast_slots: OwnedFd,
     fast_slot_size: usize,
+    /// `fast_slots` mapped read-only (None where mmap failed: the scan then
+    /// copies each value out with a syscall).
+    fast_view: Option<FastSlotView>,
     fast_discard: OwnedFd,
     slots: OwnedFd,
     reclaim: OwnedFd,
@@ -1440,7 +1515,12 @@ impl KernelMaps {
 
     /// (state, job, round) of fast slot `index`: the first fields of
     /// `struct aggbox_fast_slot` after its 4-byte lock (src/bpf/slot.h).
+    /// Read from the mapping (a racy snapshot, as a lookup's is: the kernel
+    /// checks again under the slot's lock before it releases anything).
     fn fast_slot_header(&self, index: u32) -> Option<(u16, u16, u32)> {
+        if let Some(view) = &self.fast_view {
+            return view.header(index);
+        }
         let value = self.fast_slot_value(index)?;
         Some((
             u16::from_ne_bytes([value[4], value[5]]),

@@ -62,7 +62,10 @@ pub struct UserspaceOptions {
     pub max_slots_per_job: usize,
     /// Completed keys remembered per job for retransmission detection.
     pub completed_per_job: usize,
-    /// Period of the overload watcher and stale-slot collection.
+    /// Period of the overload watcher, stale-slot collection and stats
+    /// publication. Each tick costs a few syscalls: at 2 ms an idle node's
+    /// worker took 2.6 % of a CPU, at 10 ms 1 % (the watcher reacts after
+    /// `overload_hold` anyway).
     pub tick: Duration,
     /// Period of the reclamation of the kernel's stale slots (slots of
     /// rounds older than the job's newest completed round - window, which
@@ -79,7 +82,7 @@ impl Default for UserspaceOptions {
             overload_hold: Duration::from_millis(50),
             max_slots_per_job: 16384,
             completed_per_job: abi::MAX_COMPLETED as usize,
-            tick: Duration::from_millis(2),
+            tick: Duration::from_millis(10),
             reclaim_every: Duration::from_millis(100),
             xsk: XskConfig::default(),
         }

@@ -490,6 +490,11 @@ static __always_inline int job_index_of(__u16 job)
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_FAST_SLOTS);
+	/* Mapped read-only by the control plane, whose stale-slot scan reads
+	 * each slot's header from memory instead of copying the whole value
+	 * out with a syscall per slot (possible since the lock is a plain
+	 * word: a bpf_spin_lock value cannot be mapped). */
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
 	__type(value, struct aggbox_fast_slot);
 } fast_slots SEC(".maps");
