@@ -13,12 +13,10 @@
 #include <bpf/bpf_endian.h>
 
 #include "aggbox/abi.h"
-
-/* A valid contribution that does not complete its slot is absorbed. */
-#define AGGBOX_ACCEPTED_VERDICT XDP_DROP
-
 #include "parse.h"
 #include "slot.h"
+#include "scratch.h"
+#include "xdp_maps.h"
 #include "stats.h"
 #include "tailcall.h"
 #include "handoff.h"
@@ -34,10 +32,6 @@
 #define PAIR_SECOND(y) ((__s64)((y) << 32) >> 32)
 #define INT32_MAX_ ((__s64)0x7fffffff)
 #define INT32_MIN_ (-(__s64)0x80000000)
-
-#ifndef MAX_RANK_ENTRIES
-#define MAX_RANK_ENTRIES (AGGBOX_MAX_JOBS * AGGBOX_MAX_RANKS)
-#endif
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -55,8 +49,9 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
  *   newer than 5.15 (tests/bpf_linear.rs checks the helper ids).
  *
  * The control plane loads one of the two sets (Dataplane::load_chain probes
- * the kernel's helpers) and fills that set's prog array (tailcall.h: a prog
- * array only holds programs of one frags flag, so each set has its own).
+ * the kernel's helpers) and fills that set's prog array (progs or
+ * progs_linear, xdp_maps.h: a prog array only holds programs of one frags
+ * flag, so each set has its own).
  */
 
 /* The two programs of a stage: NAME (frags chain) and NAME_linear. */
@@ -152,133 +147,6 @@ static __always_inline int payload_copy(struct xdp_md *ctx, __u32 off, struct ag
 		return bpf_xdp_store_bytes(ctx, off, s->buf, len);
 	return bpf_xdp_load_bytes(ctx, off, s->buf, len);
 }
-
-/*
- * ports: UDP destination port (host order, the array index) -> number of
- * jobs listening on it (0: not an AggBox port). An array: the lookup on
- * every datagram is an index, not a hash. Written by the control plane
- * (Dataplane::set_job / remove_job); read here to tell AggBox traffic from
- * the rest before touching the payload.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 65536);
-	__type(key, __u32);
-	__type(value, struct aggbox_port);
-} ports SEC(".maps");
-
-/*
- * job_index: job id (the array index) -> 1 + the job's dense index
- * (0..AGGBOX_MAX_JOBS-1) in jobs, ranks, job_state, job_handoff and
- * job_stats, or 0 when the job is not configured. Written by the control
- * plane last when it adds a job and first when it removes one, so a
- * datagram never finds an index whose entries are not the job's.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 65536);
-	__type(key, __u32);
-	__type(value, __u32);
-} job_index SEC(".maps");
-
-/*
- * jobs: dense job index -> how this node aggregates the job (its id,
- * workers, vector length, slot bound, flags, AVG divisor, fast-slot
- * region). Written by the control plane (Dataplane::set_job / remove_job),
- * read-only here.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, struct aggbox_job);
-} jobs SEC(".maps");
-
-/*
- * ranks: dense job index * AGGBOX_MAX_RANKS + rank -> the rank's IPv4 source
- * address and weight. Written by the control plane with the job
- * (Dataplane::set_job), read-only here.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, MAX_RANK_ENTRIES);
-	__type(key, __u32);
-	__type(value, struct aggbox_rank);
-} ranks SEC(".maps");
-
-/* scratch: slot.h (stats.h reads its job_known / key.job at the exit). */
-
-/*
- * slots: the slot pool, (job, round, frag_off) -> running reduction of one
- * fragment with its contributor bitmap and spin lock. Created, updated and
- * deleted (on completion) by the XDP programs; the control plane deletes the
- * slots of a removed job. Bounded per job by job.slots through
- * job_state.active_slots and globally by AGGBOX_MAX_SLOTS.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, AGGBOX_MAX_SLOTS);
-	__type(key, struct aggbox_slot_key);
-	__type(value, struct aggbox_slot);
-} slots SEC(".maps");
-
-/*
- * blocks: the block pool, AGGBOX_MAX_BLOCKS chunks of AGGBOX_CHUNK_ELEMS s64
- * accumulators, each with its own spin lock. A slot of `count` elements
- * owns ceil(count / AGGBOX_CHUNK_ELEMS) of them, taken from free_blocks
- * before its header is inserted into `slots` (their indexes are in the
- * header) and given back by whoever deletes that header: the completing
- * program, aggbox_reclaim (also the control plane's way to release the
- * slots of a removed job), or a creator that lost a race. An array, not a
- * hash keyed by (slot, chunk): a lookup is an index computation, and
- * creating or completing a slot costs a stack pop or push per block
- * instead of a hash insert or delete (docs/JUMBO.md). XDP only.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_BLOCKS);
-	__type(key, __u32);
-	__type(value, struct aggbox_block);
-} blocks SEC(".maps");
-
-/*
- * free_blocks: indexes of the unused blocks. A stack: the block given back
- * last is taken first, while its 2 KB are still in cache (a FIFO hands out
- * the coldest block; measured, creating a 64-block slot took 21.5 µs with a
- * queue, 17.2 µs with the stack). Filled with every index by the control
- * plane right after load (Dataplane::load), before any program is attached;
- * popped and pushed by the XDP programs only.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_STACK);
-	__uint(max_entries, AGGBOX_MAX_BLOCKS);
-	__type(value, __u32);
-} free_blocks SEC(".maps");
-
-/*
- * blocks_used: [0] = blocks owned by slots (all jobs), updated atomically
- * with every take and give-back: what the metrics and tests read (a
- * stack's length cannot be read from user space).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u64);
-} blocks_used SEC(".maps");
-
-/*
- * slot_init: per-CPU template a new slot header is copied from (too big for
- * the stack); it also holds the block indexes being taken for it. Only
- * keys, block indexes and op/count/workers/weight_sum are ever written, so
- * bitmaps and counters stay zero. XDP only.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct aggbox_init);
-} slot_init SEC(".maps");
 
 /* Chunks of a fragment of `count` elements (count <= AGGBOX_MAX_ELEMS). */
 static __always_inline __u32 chunks_of(__u32 count)
@@ -393,58 +261,6 @@ static __always_inline void blocks_give(const __u16 *block, __u32 n, const int l
 	blocks_used_add(-(__s64)bg.given);
 }
 
-/*
- * completed: keys of recently completed slots (LRU). Written by the XDP
- * program that completes a slot, before it deletes the slot, so that a late
- * retransmission never starts a new slot for a finished fragment.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, AGGBOX_MAX_COMPLETED);
-	__type(key, struct aggbox_slot_key);
-	__type(value, __u32);
-} completed SEC(".maps");
-
-/*
- * job_state: dense job index -> runtime state (slots in use, newest
- * completed round, completions, RESULT seq counter). Zeroed by the control
- * plane when a job gets its index, updated atomically by the XDP programs.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, struct aggbox_job_state);
-} job_state SEC(".maps");
-
-/*
- * slot_owner: (job, round, frag_off) -> which path serves the slot
- * (AGGBOX_OWNER_KERNEL / AGGBOX_OWNER_USERSPACE). Inserted with BPF_NOEXIST
- * by the XDP program that decides where a NEW slot lives, so every
- * contribution of one fragment goes to the same path; deleted by the path
- * that completes the slot (after it wrote `completed`), by the user-space
- * path when it stops, and by the control plane with the job.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, AGGBOX_MAX_OWNERS);
-	__type(key, struct aggbox_slot_key);
-	__type(value, struct aggbox_slot_owner);
-} slot_owner SEC(".maps");
-
-/*
- * job_handoff: dense job index -> user-space path state the kernel honours:
- * the OVERLOAD flag (new slots of the job go to user space) and the newest
- * round completed in user space (stale-round rule across both paths).
- * Written by the user-space path (src/userspace.rs) only; read here.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, struct aggbox_job_handoff);
-} job_handoff SEC(".maps");
-
 /* job_state entry of the job at dense index jidx. */
 static __always_inline struct aggbox_job_state *job_state_of(__u32 jidx)
 {
@@ -481,61 +297,6 @@ static __always_inline int job_index_of(__u16 job)
  * lock (fast_check). At least one side sees the other; a CLAIMING slot
  * loses to the hash-map path, an ACTIVE one wins.
  * ------------------------------------------------------------------------- */
-
-/*
- * fast_slots: the fast-slot pool, AGGBOX_FAST_SLOTS slots; job regions are
- * assigned by the control plane (Dataplane::set_job), which zeroes a region
- * before handing it to a job. Written by XDP only otherwise.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_FAST_SLOTS);
-	/* Mapped read-only by the control plane, whose stale-slot scan reads
-	 * each slot's header from memory instead of copying the whole value
-	 * out with a syscall per slot (possible since the lock is a plain
-	 * word: a bpf_spin_lock value cannot be mapped). */
-	__uint(map_flags, BPF_F_MMAPABLE);
-	__type(key, __u32);
-	__type(value, struct aggbox_fast_slot);
-} fast_slots SEC(".maps");
-
-/* fast_stats: per-CPU counters by enum aggbox_fast_stat. XDP writes; the
- * control plane sums (Dataplane::fast_stats). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, AGGBOX_FAST_STAT_MAX);
-	__type(key, __u32);
-	__type(value, __u64);
-} fast_stats SEC(".maps");
-
-/*
- * job_round: dense job index -> the newest completed round (of the kernel's
- * paths) as the stale-round rule reads it on every datagram: a copy of
- * job_state.newest_round on a cache line of its own, written only when a
- * newer round completes (job_state is written by every fragment's take and
- * completion, and a line that bounces between CPUs on every datagram costs
- * more than the lookups around it). Zeroed by the control plane with the
- * job's other entries; XDP writes.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, struct aggbox_job_round);
-} job_round SEC(".maps");
-
-/*
- * job_paths: dense job index -> bit 0 set once the hash-map path has made a
- * slot_owner record for the job (set before the record, with a full
- * barrier). Until then a fast slot's taker has no other path to check.
- * Zeroed by the control plane with the job's other entries; XDP sets it.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, __u32);
-} job_paths SEC(".maps");
 
 /*
  * A header offset from scratch, bounded in the register that then offsets
@@ -1675,7 +1436,6 @@ static __always_inline int fast_join_frame(struct xdp_md *ctx, struct aggbox_scr
 	return code;
 }
 
-
 /*
  * A take-over replaced the completed fragment scratch.fast_prev. The slot
  * remembers it with the AGGBOX_FAST_HISTORY before it: for a job with a
@@ -2014,7 +1774,6 @@ CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
  * CALL_SLOT: find or create the slot, reject stale rounds and
  * retransmissions, claim the rank's bit.
  * ------------------------------------------------------------------------- */
-
 
 /* Internal code of slot_claim: hand the contribution to user space
  * (reason in s->handoff); never counted under this value. */

@@ -11,50 +11,8 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
-#include "stats.h"
-
-/*
- * xsks: RX queue index -> AF_XDP socket of the user-space path. Written by
- * the control plane (Dataplane::register_xsk, src/userspace.rs) for every
- * queue of the interface; an entry disappears when its socket is closed.
- * Read here by bpf_map_lookup_elem (is a socket there?) and
- * bpf_redirect_map.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_XSKMAP);
-	__uint(max_entries, AGGBOX_MAX_QUEUES);
-	__type(key, __u32);
-	__type(value, __u32);
-} xsks SEC(".maps");
-
-/*
- * handoff_stats: datagrams actually redirected to user space, per CPU, by
- * enum aggbox_handoff_reason (their sum is the to_userspace outcome).
- * Written by XDP only; summed by Dataplane::handoff_stats.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, AGGBOX_HANDOFF_MAX);
-	__type(key, __u32);
-	__type(value, struct aggbox_stat);
-} handoff_stats SEC(".maps");
-
-/*
- * xsk_limits[0]: the longest frame (bytes, bpf_xdp_get_buff_len) the
- * registered sockets can take, or 0 for no limit. Written by
- * UserspacePath::start (src/userspace.rs): 0 when every socket is bound
- * with XDP_USE_SG (multi-buffer AF_XDP, Linux 6.6+), else the UMEM frame
- * size minus headroom minus XDP_PACKET_HEADROOM (AGGBOX_XSK_RX_HEADROOM).
- * A longer frame would be lost by the kernel inside the redirect, so
- * aggbox_handoff() treats it as if no socket were registered
- * (docs/JUMBO.md "Kernels without multi-buffer AF_XDP").
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u32);
-} xsk_limits SEC(".maps");
+#include "xdp_maps.h"  /* xsks, handoff_stats, xsk_limits */
+#include "stats.h"     /* aggbox_exit, aggbox_count */
 
 /* Whether an AF_XDP socket is registered for the frame's RX queue. */
 static __always_inline int aggbox_has_xsk(struct xdp_md *ctx)

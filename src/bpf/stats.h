@@ -14,20 +14,11 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
-#include "slot.h"
+#include "scratch.h"   /* struct aggbox_scratch */
+#include "xdp_maps.h"  /* stats, job_stats, scratch */
 
-/*
- * stats: one struct aggbox_stat per outcome and per drop reason, per CPU,
- * indexed by aggbox_outcome_index(). Written only by the XDP programs (one
- * increment per datagram, at its exit); read and summed over CPUs by the
- * control plane (src/dataplane.rs, Dataplane::stats).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, AGGBOX_STATS_MAX);
-	__type(key, __u32);
-	__type(value, struct aggbox_stat);
-} stats SEC(".maps");
+/* A valid contribution that does not complete its slot is absorbed. */
+#define AGGBOX_ACCEPTED_VERDICT XDP_DROP
 
 /* Stats index of an outcome (>= 0) or a drop reason (< 0). */
 static __always_inline __u32 aggbox_outcome_index(int code)
@@ -36,20 +27,6 @@ static __always_inline __u32 aggbox_outcome_index(int code)
 		return (__u32)code;
 	return AGGBOX_STATS_DROP_BASE + (__u32)(AGGBOX_DROP_FIRST - code);
 }
-
-/*
- * job_stats: dense job index (job_index) -> struct aggbox_job_stats, per
- * CPU. Zeroed by the control plane when a job gets its index (a
- * reconfigured job keeps its counters) and when it is removed; XDP only
- * increments. Summed over CPUs by Dataplane::job_stats and the metrics
- * scrape (aggbox_job_*_total).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, AGGBOX_MAX_JOBS);
-	__type(key, __u32);
-	__type(value, struct aggbox_job_stats);
-} job_stats SEC(".maps");
 
 /*
  * Count one datagram under its job, if this entry run got far enough to know

@@ -2,9 +2,10 @@
 /*
  * Tail calls, cilium tailcall.h style: the numbered enum aggbox_call
  * (include/aggbox/abi.h, shared with the control plane that fills the
- * array), one prog array, and a counted fall-through after every
- * bpf_tail_call(): a missed tail call (an empty array slot) is a bug that
- * must show up as the MISSED_TAIL_CALL drop reason, never as a silent pass.
+ * array), one prog array per chain (progs, progs_linear: xdp_maps.h), and
+ * a counted fall-through after every bpf_tail_call(): a missed tail call
+ * (an empty array slot) is a bug that must show up as the MISSED_TAIL_CALL
+ * drop reason, never as a silent pass.
  */
 #ifndef AGGBOX_TAILCALL_H
 #define AGGBOX_TAILCALL_H
@@ -12,32 +13,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
-
-/*
- * progs: the XDP chain's programs indexed by enum aggbox_call. Filled once
- * by the control plane right after load (Dataplane::fill_prog_arrays in
- * src/dataplane.rs); read by bpf_tail_call() only.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
-	__uint(max_entries, AGGBOX_CALL_MAX);
-	__type(key, __u32);
-	__type(value, __u32);
-} progs SEC(".maps");
-
-/*
- * progs_linear: the same for the linear chain (aggbox_xdp.bpf.c). A prog
- * array holds programs of one frags flag, so each chain has its own; with
- * both arrays every program of the object can load side by side (bpftool
- * prog loadall, the kernel matrix), while the control plane loads and
- * fills one chain.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
-	__uint(max_entries, AGGBOX_CALL_MAX);
-	__type(key, __u32);
-	__type(value, __u32);
-} progs_linear SEC(".maps");
+#include "xdp_maps.h"  /* progs, progs_linear */
 
 /*
  * Jump to program `index` of the chain (`linear`: a compile-time constant,
