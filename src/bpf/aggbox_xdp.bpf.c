@@ -1760,8 +1760,7 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 				s->fast_idx = fast_index(s);
 			code = fast_job(s) && fast_fits(s) ? fast_path(ctx, s, linear) : FAST_SLOW;
 			if (code == FAST_SLOW) {
-				aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
-				code = AGGBOX_DROP_MISSED_TAIL_CALL;
+				code = aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
 			}
 		}
 	}
@@ -2005,8 +2004,7 @@ static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 		/* The fragment's fast slot serves it: the entry program again
 		 * (its fast path has the stack this stage's frame leaves no
 		 * room for). */
-		aggbox_tail_call(ctx, AGGBOX_CALL_ENTRY, linear);
-		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+		return aggbox_exit(aggbox_tail_call(ctx, AGGBOX_CALL_ENTRY, linear), s->bytes);
 	}
 	if (code == AGGBOX_HANDOFF_CODE)
 		return aggbox_handoff(ctx, s->handoff, AGGBOX_DROP_SLOT_POOL_FULL, s->bytes,
@@ -2014,8 +2012,7 @@ static __always_inline int slot_stage(struct xdp_md *ctx, const int linear)
 	if (code == AGGBOX_OUTCOME_ACCEPTED) {
 		s->chunk = 0;
 		s->finalized = 0;
-		aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear);
-		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+		code = aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear);
 	}
 	return aggbox_exit(code, s->bytes);
 }
@@ -2355,15 +2352,13 @@ static __always_inline int add_stage(struct xdp_md *ctx, const int linear)
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
-		aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear);
-		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+		return aggbox_exit(aggbox_tail_call(ctx, AGGBOX_CALL_ADD, linear), s->bytes);
 	}
 	code = slot_done(s);
 	if (code == AGGBOX_OUTCOME_RESULT) {
 		s->chunk = 0;
 		s->overflow = 0;
-		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear);
-		code = AGGBOX_DROP_MISSED_TAIL_CALL;
+		code = aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear);
 	}
 	return aggbox_exit(code, s->bytes);
 }
@@ -2527,8 +2522,7 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 	if (s->stop)
 		return aggbox_exit(s->stop, s->bytes);
 	if (s->chunk < total) {
-		aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear);
-		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, s->bytes);
+		return aggbox_exit(aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear), s->bytes);
 	}
 	return aggbox_exit(finish_result(ctx, s, linear), s->bytes);
 }
