@@ -57,6 +57,9 @@
 
 #include "aggbox/abi.h"
 #include "parse.h"
+#include "tc_maps.h"
+#include "tc_stats.h"
+#include "fib.h"
 
 #define TC_ACT_OK       0
 #define TC_ACT_SHOT     2
@@ -64,96 +67,41 @@
 #define PACKET_HOST_    0
 #define LOOPBACK_IFINDEX_ 1 /* lo is ifindex 1 in every network namespace */
 
-/* Offsets inside the headers (bytes). */
-#define IP_CSUM_OFF   10
-#define IP_DADDR_OFF  16
-#define UDP_DPORT_OFF 2
-#define UDP_CSUM_OFF  6
-#define AGB1_MASK_OFF 4
-#define IP_SADDR_OFF  12
-#define AGB1_FLAGS_OFF 14 /* flags (1 byte) + hops (1 byte): one 16-bit word */
-#define AGG1_JOB_OFF   4  /* job (2 bytes) + rank (2 bytes): one 32-bit word */
-#define AGG1_OP_OFF    20 /* op (1 byte) + flags (1 byte): one 16-bit word */
+/* Offsets of the fields the programs rewrite, from the start of their
+ * header (bytes): taken from the structs (vmlinux.h for IPv4 and UDP,
+ * aggbox/abi.h for AGB1 and AGG1), never written by hand. */
+#define IP_CSUM_OFF    __builtin_offsetof(struct iphdr, check)
+#define IP_SADDR_OFF   __builtin_offsetof(struct iphdr, saddr)
+#define IP_DADDR_OFF   __builtin_offsetof(struct iphdr, daddr)
+#define UDP_DPORT_OFF  __builtin_offsetof(struct udphdr, dest)
+#define UDP_CSUM_OFF   __builtin_offsetof(struct udphdr, check)
+#define AGB1_FLAGS_OFF __builtin_offsetof(struct aggbox_bcast_hdr, flags) /* + hops: one 16-bit word */
+#define AGG1_JOB_OFF   __builtin_offsetof(struct aggbox_agg_hdr, job)     /* + rank: one 32-bit word */
+#define AGG1_OP_OFF    __builtin_offsetof(struct aggbox_agg_hdr, op)      /* + flags: one 16-bit word */
 
-/* Linear bytes the parser wants: Ethernet + VLAN + IPv4 with options + UDP +
- * the longer of the AGB1 (16) and AGG1 (24) headers. */
-#define PARSE_PULL_LEN (14 + 4 + 60 + 8 + 24)
+/* The word rewrites above change two adjacent fields with one store and one
+ * checksum update. */
+_Static_assert(__builtin_offsetof(struct aggbox_bcast_hdr, hops) == AGB1_FLAGS_OFF + 1,
+	       "AGB1 flags and hops form one 16-bit word");
+_Static_assert(__builtin_offsetof(struct aggbox_agg_hdr, rank) == AGG1_JOB_OFF + 2,
+	       "AGG1 job and rank form one 32-bit word");
+_Static_assert(__builtin_offsetof(struct aggbox_agg_hdr, flags) == AGG1_OP_OFF + 1,
+	       "AGG1 op and flags form one 16-bit word");
+/* rewrite_dest_nh() stores checksum, source and destination in one write. */
+_Static_assert(IP_SADDR_OFF == IP_CSUM_OFF + 2 && IP_DADDR_OFF == IP_SADDR_OFF + 4,
+	       "IPv4 check, saddr, daddr are adjacent");
+
+/* Linear bytes the parser wants: Ethernet + one VLAN tag + IPv4 with the
+ * longest options (IHL 15: 60 bytes) + UDP + the longer of the AGB1 and
+ * AGG1 headers. */
+#define IPV4_MAX_HDR_LEN 60
+#define PARSE_PULL_LEN                                                            \
+	(sizeof(struct ethhdr) + sizeof(struct vlan_hdr) + IPV4_MAX_HDR_LEN +     \
+	 sizeof(struct udphdr) +                                                  \
+	 (sizeof(struct aggbox_agg_hdr) > sizeof(struct aggbox_bcast_hdr) ?       \
+		  sizeof(struct aggbox_agg_hdr) : sizeof(struct aggbox_bcast_hdr)))
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
-
-/*
- * bcast_stats: one struct aggbox_stat per enum aggbox_bcast_stat, per CPU.
- * Written only by the TC programs; read and summed over CPUs by the control
- * plane (BroadcastPlane::stats).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, AGGBOX_BCAST_STAT_MAX);
-	__type(key, __u32);
-	__type(value, struct aggbox_stat);
-} bcast_stats SEC(".maps");
-
-/* Count one event of `bytes` UDP payload bytes. */
-static __always_inline void bcast_count(__u32 stat, __u32 bytes)
-{
-	struct aggbox_stat *st = bpf_map_lookup_elem(&bcast_stats, &stat);
-
-	if (!st)
-		return;
-	/* per-CPU value, TC runs with migration disabled: plain adds */
-	st->packets += 1;
-	st->bytes += bytes;
-}
-
-/* The one exit path of both programs: count the datagram outcome, return the verdict. */
-static __always_inline int bcast_exit(__u32 stat, __u32 bytes, int verdict)
-{
-	bcast_count(stat, bytes);
-	return verdict;
-}
-
-#include "fib.h"
-
-/*
- * bcast_groups: (group, receiving port) -> destination table (destination i =
- * mask bit i). Port AGGBOX_BCAST_PORT_ANY (0) is the root table used by the
- * egress program, and the table a tree node uses for datagrams arriving on any
- * port; a non-zero port is a tree node's table for datagrams arriving on that
- * port (a host with several members of one group). Written by the control
- * plane (BroadcastPlane::set_group / set_forwarding / remove_group).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, AGGBOX_BCAST_MAX_GROUPS);
-	__type(key, struct aggbox_group_key);
-	__type(value, struct aggbox_group);
-} bcast_groups SEC(".maps");
-
-/*
- * bcast_gstats: per-group counters, per CPU, same key as bcast_groups.
- * Entries are created (zeroed) and deleted by the control plane with the
- * group; the TC programs only add to existing entries.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
-	__uint(max_entries, AGGBOX_BCAST_MAX_GROUPS);
-	__type(key, struct aggbox_group_key);
-	__type(value, struct aggbox_bcast_group_stat);
-} bcast_gstats SEC(".maps");
-
-/*
- * result_routes: job -> where its RESULT datagrams go besides (or instead
- * of) the local result port: a broadcast group (allreduce) and/or a parent
- * aggregator (trees of aggregators). Written by the control plane
- * (BroadcastPlane::set_result_route / set_parent_route / remove_*); read by
- * the ingress program.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, AGGBOX_MAX_RESULT_ROUTES);
-	__type(key, struct aggbox_job_key);
-	__type(value, struct aggbox_result_route);
-} result_routes SEC(".maps");
 
 /* Ethernet [+ VLAN] / IPv4 / UDP as parsed; packet pointers valid until the
  * next helper that may change the packet. */

@@ -25,6 +25,9 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "aggbox/abi.h"
+#include "parse.h"     /* IPPROTO_UDP_ */
+#include "tc_maps.h"   /* bcast_neigh, bcast_config, struct neigh_entry */
+#include "tc_stats.h"  /* bcast_count */
 
 #define AF_INET_        2
 #define CLOCK_MONOTONIC_ 1
@@ -43,37 +46,6 @@ struct bcast_nh {
 	__u8  smac[6];
 	__u32 ifindex;
 };
-
-/* BPF-side value of bcast_neigh: the ABI part plus its staleness timer. */
-struct neigh_entry {
-	struct aggbox_neigh n;
-	struct bpf_timer timer;
-};
-
-/*
- * bcast_neigh: (destination IPv4, interface) -> next-hop MACs and egress
- * interface, from bpf_fib_lookup(). Written by the TC programs on a miss or a
- * stale entry; entries are marked stale by their own bpf_timer; read (and
- * optionally flushed) by the control plane (BroadcastPlane::neigh_cache).
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, AGGBOX_BCAST_MAX_NEIGH);
-	__type(key, struct aggbox_neigh_key);
-	__type(value, struct neigh_entry);
-} bcast_neigh SEC(".maps");
-
-/*
- * bcast_config: one struct aggbox_bcast_config (next-hop cache lifetime).
- * Written by the loader (BroadcastPlane::load_with / set_neigh_ttl), read
- * here.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct aggbox_bcast_config);
-} bcast_config SEC(".maps");
 
 /* bpf_timer callback: no packet context, so it only marks the entry stale. */
 static int neigh_stale_cb(void *map, struct aggbox_neigh_key *key, struct neigh_entry *e)
@@ -122,8 +94,8 @@ static __always_inline void neigh_store(struct aggbox_neigh_key *key, struct bca
 /*
  * Next hop of `daddr` for a copy leaving a packet seen on `ifindex`
  * (`saddr` and `tot_len` of the datagram feed the FIB's source and MTU
- * checks). Counts CACHE_HIT / FIB_LOOKUP / FWD_DISABLED / FIB_ERROR via
- * bcast_count(), which the including program defines.
+ * checks). Counts CACHE_HIT / FIB_LOOKUP / FWD_DISABLED / FIB_ERROR
+ * (bcast_count, tc_stats.h).
  */
 static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be32 saddr,
 				      __be32 daddr, __u16 tot_len, struct bcast_nh *nh)
