@@ -108,7 +108,18 @@ _Static_assert(sizeof(struct aggbox_ack_hdr) == 16, "AGK1 header is 16 bytes");
  *
  * Every datagram the XDP program looks at ends in exactly one outcome. Drop
  * reasons are negative so they can never be confused with an XDP verdict
- * (0..4); the stats map is indexed by aggbox_outcome_index().
+ * (0..4); the stats map is indexed by aggbox_outcome_index() (src/bpf/stats.h).
+ *
+ * Mirrored in these files; a reason or outcome added, renamed or renumbered
+ * here changes them too (and AGGBOX_DROP_LAST below):
+ *   src/abi.rs           DropReason (values, ALL, label(): the name in the
+ *                        metrics and `aggbox status`) and Outcome
+ *   tests/abi_layout.rs  compiles this header and checks every enumerator
+ *                        against DropReason by name (C name of IpFragment
+ *                        spelled out there)
+ *   docs/PROTOCOL.md     "Validation of a contribution": one table row per
+ *                        reason, by its label
+ *   docs/INTERFACE.md    `aggbox status`: the outcome labels
  * ------------------------------------------------------------------------- */
 
 enum aggbox_drop_reason {
