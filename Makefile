@@ -7,6 +7,7 @@ CARGO        ?= cargo
 PROFILE      ?= release
 CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
+BENCH_BIN    := target/$(PROFILE)/aggbox-bench
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
                 iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
 DEPS_STAMP   := target/.deps-ok
@@ -62,11 +63,11 @@ matrix: deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make matrix: needs root (BPF, network namespaces, QEMU)" >&2; exit 1; fi
 	scripts/matrix.sh $(KERNELS)
 
-# Benchmarks (docs/BENCHMARKS.md): aggbox bench all writes raw CSV/JSON,
+# Benchmarks (docs/BENCHMARKS.md): aggbox-bench all writes raw CSV/JSON,
 # PNG plots (scripts/plot.py) and results/REPORT.md. matplotlib is needed
 # only here, so it is installed by bench-deps, not by deps; so is
 # python3-torch (1.13 in Debian 12): torch.distributed Gloo, the baseline of
-# `aggbox bench large` (scripts/gloo_allreduce.py).
+# `aggbox-bench large` (scripts/gloo_allreduce.py).
 BENCH_ARGS ?=
 BENCH_OUT ?= results
 BENCH_PACKAGES := python3-matplotlib python3-torch
@@ -86,7 +87,7 @@ bench-deps:
 bench: deps bench-deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
-	$(BIN) bench all --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt

@@ -11,6 +11,8 @@
 
 #![allow(dead_code)]
 
+#[path = "../src/bin/aggbox-bench/floor.rs"]
+mod floor;
 #[path = "../tests/bpf_common/mod.rs"]
 mod bpf_common;
 
@@ -160,7 +162,7 @@ fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
 /// aggregator of full-MTU SUM fragments costs) on the same kind of
 /// contributions: 4 ranks, 362 elements, by role.
 fn floor(fragments: u32) {
-    let floor = aggbox::bench::agg::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
+    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
     let runner = aggbox::dataplane::TestRunner::for_program(floor.prog()).expect("test runner");
     let count = 362usize;
     let values: Vec<i32> = (0..count as i32).map(|i| (i * 7919) % 100_000 - 50_000).collect();

@@ -4,11 +4,14 @@
 //!
 //! `sudo cargo run --example broadcast -- [workers] [bytes]`
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
 use aggbox::runtime::{Communicator, Participant};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();

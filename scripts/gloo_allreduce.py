@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One rank of a torch.distributed Gloo all-reduce benchmark (`aggbox bench large`).
+"""One rank of a torch.distributed Gloo all-reduce benchmark (`aggbox-bench large`).
 
 Run one process per worker namespace (the benchmark starts them with
 `ip netns exec`), with GLOO_SOCKET_IFNAME=eth0 in the environment:
@@ -14,7 +14,7 @@ call k (k = 0 first, warm-up included) is
 
     x[i] = ((i + 1000 r) mod 2001) - 1000 + k
 
-(the same formula as src/bench/large.rs), so the sum over the ranks is known
+(the same formula as src/bin/aggbox-bench/large.rs), so the sum over the ranks is known
 without any communication; as float32 the values and their sums are integers
 below 2^24, so they are exact too. Every call's result is compared element by element
 with that sum (`wrong` counts mismatched elements) and its int64 sum is

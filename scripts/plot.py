@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots of `aggbox bench` results: python3 scripts/plot.py RESULTS_DIR.
+"""Plots of `aggbox-bench` results: python3 scripts/plot.py RESULTS_DIR.
 
 Reads the JSON files the benchmark writes and saves one PNG per experiment
 next to them. Missing files are skipped (an experiment that did not run).
@@ -171,7 +171,7 @@ def model(d):
 
 
 def large(d):
-    """`aggbox bench large`: elements/s per backend and MTU, one panel per size."""
+    """`aggbox-bench large`: elements/s per backend and MTU, one panel per size."""
     out = load(d, os.path.join("large", "large.json"))
     if not out or not out.get("points"):
         return
@@ -224,7 +224,7 @@ def large(d):
 
 
 def edge(d):
-    """`aggbox bench edge`: each pass over the vector as a multiple of memcpy."""
+    """`aggbox-bench edge`: each pass over the vector as a multiple of memcpy."""
     e = load(d, "edge.json")
     if not e or not e.get("passes"):
         return

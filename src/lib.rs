@@ -1,7 +1,10 @@
 //! AggBox: in-kernel aggregation and broadcast for distributed communication.
 //!
-//! The library holds everything; `src/main.rs` (the `aggbox` binary) is a thin
-//! command line over it.
+//! The library holds the product; `src/main.rs` (the `aggbox` binary) is a
+//! thin command line over it. The evaluation is an executable of its own
+//! on this public API (`src/bin/aggbox-bench/`, `make bench`), and the
+//! network-namespace testbed it shares with the tests lives in
+//! `src/testing/`, outside the library.
 //!
 //! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map structs).
 //! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
@@ -11,7 +14,6 @@
 //! - [`xsk`], [`userspace`]: the AF_XDP socket and the user-space aggregation path.
 
 pub mod abi;
-pub mod bench;
 pub mod broadcast;
 pub mod config;
 pub mod dataplane;
@@ -20,7 +22,6 @@ pub mod reducer;
 pub mod runtime;
 pub mod metrics;
 pub mod node;
-pub mod testbed;
 pub mod tools;
 pub mod userspace;
 pub mod xsk;

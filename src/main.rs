@@ -158,25 +158,6 @@ enum Command {
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
     },
-    /// Run the evaluation benchmarks (docs/BENCHMARKS.md) on a netns testbed
-    /// and write raw results, plots and REPORT.md (needs root).
-    Bench {
-        /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model, large.
-        #[arg(default_value = "all")]
-        experiments: Vec<String>,
-        /// CI smoke sizes (a few minutes; asserts correctness, never speed).
-        #[arg(long)]
-        quick: bool,
-        /// Output directory.
-        #[arg(long, default_value = "results")]
-        out: PathBuf,
-        /// Repetitions per point (default 3, quick 2).
-        #[arg(long, default_value_t = 0)]
-        reps: usize,
-        /// Do not run scripts/plot.py.
-        #[arg(long)]
-        no_plot: bool,
-    },
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum)]
@@ -336,36 +317,6 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             Ok(())
-        }
-        Command::Bench {
-            experiments,
-            quick,
-            out,
-            reps,
-            no_plot,
-        } => {
-            // Ctrl-C: the testbeds' and pin mounts' destructors would not
-            // run; take down what this process made before leaving.
-            ctrlc::set_handler(|| {
-                eprintln!(
-                    "aggbox bench: interrupted; removing this run's testbeds and bpffs mounts"
-                );
-                if let Err(e) = aggbox::testbed::down_all_of_this_process() {
-                    eprintln!("aggbox bench: {e}");
-                }
-                aggbox::bench::unmount_all_of_this_process();
-                std::process::exit(130);
-            })
-            .context("installing the Ctrl-C handler")?;
-            aggbox::bench::run(
-                &experiments,
-                &aggbox::bench::BenchOptions {
-                    quick,
-                    out_dir: out,
-                    reps,
-                    plot: !no_plot,
-                },
-            )
         }
     }
 }

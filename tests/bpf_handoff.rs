@@ -7,6 +7,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test bpf_handoff`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod bpf_common;
 
 use std::fs::File;
@@ -14,7 +17,7 @@ use std::net::Ipv4Addr;
 
 use aggbox::abi::{self, DropReason, HandoffReason, Outcome, SlotKey};
 use aggbox::dataplane::{Dataplane, JobConfig};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use aggbox::xsk::{XskConfig, XskSocket};
 use bpf_common::*;
 use nix::sched::{setns, CloneFlags};

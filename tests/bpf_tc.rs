@@ -12,11 +12,14 @@
 //!
 //! Needs root; fails (never skips) otherwise.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aggbox::abi::{self, BcastStat};
 use aggbox::broadcast::{self, plan_tree, BroadcastPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
-use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 9;
 const SPORT: u16 = 40000;

@@ -20,6 +20,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test churn -- --nocapture`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_netns;
 
 use std::collections::BTreeSet;
@@ -29,7 +32,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use common_netns::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;

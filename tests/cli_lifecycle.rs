@@ -9,6 +9,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test cli_lifecycle`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_netns;
 
 use std::collections::BTreeSet;
@@ -17,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use common_netns::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;

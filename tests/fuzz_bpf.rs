@@ -33,6 +33,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test fuzz_bpf -- --nocapture`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod bpf_common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -980,7 +983,7 @@ fn xdp_fuzz_million_mutated_datagrams() {
 #[test]
 fn tc_fuzz_mutated_datagrams() {
     use aggbox::broadcast::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
-    use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+    use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
     require_root();

@@ -16,6 +16,12 @@
 //!
 //! Needs root: `sudo -E cargo test --test isolation`.
 
+#[path = "../src/testing/bpffs.rs"]
+#[allow(dead_code)]
+mod bpffs;
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod bpf_common;
 
 use std::net::Ipv4Addr;
@@ -222,7 +228,7 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
     // Limits and active counts are visible in the metrics.
     // The pins go to a bpffs of the test's own (none need be mounted at
     // /sys/fs/bpf), unmounted and removed when it drops.
-    let bpffs = aggbox::bench::PrivateBpffs::mount("isolation").expect("mounting a private bpffs");
+    let bpffs = crate::bpffs::PrivateBpffs::mount("isolation").expect("mounting a private bpffs");
     let dir = bpffs.path.join("pins");
     std::fs::create_dir_all(&dir).expect("pin dir");
     dp.pin_maps(&dir).expect("pin maps");
@@ -254,7 +260,7 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
 #[test]
 fn broadcast_for_a_group_not_configured_here_passes_untouched() {
     use aggbox::broadcast::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
-    use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+    use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
     require_root();

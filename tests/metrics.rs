@@ -3,6 +3,9 @@
 //! (needs root: network namespaces, BPF). The endpoint's limits (slow,
 //! endless and oversized requests) are tested on loopback without root.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::process::{Command, Stdio};
@@ -11,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
-use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::tools;
 
 const JOB: u16 = 21;

@@ -12,6 +12,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test netns_aggregate`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_netns;
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -22,7 +25,7 @@ use aggbox::config::Config;
 use aggbox::dataplane::{Stats, XdpMode};
 use aggbox::node::{self, Attachment};
 use aggbox::proto::{self, AggHeader};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use common_netns::*;
 
 const ROUND_TIMEOUT: Duration = Duration::from_secs(30);

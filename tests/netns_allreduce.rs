@@ -1,5 +1,5 @@
 //! In-kernel allreduce and trees of aggregators end to end, on
-//! network-namespace testbeds (`aggbox::testbed`): the XDP aggregator of a
+//! network-namespace testbeds (`crate::testbed`): the XDP aggregator of a
 //! live `aggbox attach` completes each slot and passes its RESULT up the
 //! stack, and the TC ingress program of the broadcast plane
 //! (`src/bpf/aggbox_tc.bpf.c`, `result_routes`) copies it to every worker
@@ -12,12 +12,15 @@
 //! Needs root; fails (never skips) otherwise. Run alone:
 //! `sudo -E cargo test --test netns_allreduce`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
 use aggbox::abi::{BcastStat, Op};
-use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::tools;
 
 const ELEMENTS: u32 = 800; // 3 fragments of at most 362 elements

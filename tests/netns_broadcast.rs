@@ -1,5 +1,5 @@
 //! In-kernel broadcast end to end, on network-namespace testbeds
-//! (`aggbox::testbed`): a root host whose TC egress program turns one AGB1
+//! (`crate::testbed`): a root host whose TC egress program turns one AGB1
 //! datagram into one copy per masked member, receivers that must get every
 //! datagram meant for them exactly once and byte-identical, trees beyond 32
 //! members through TC ingress forwarding, and checksums the receiving kernels
@@ -8,13 +8,16 @@
 //! Needs root; fails (never skips) otherwise. Run alone:
 //! `sudo -E cargo test --test netns_broadcast`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use aggbox::abi::{self, BcastStat};
 use aggbox::broadcast::{self, plan_tree, BroadcastError, BroadcastOptions, BroadcastPlane, TreeNode};
-use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 3;
 const PORT: u16 = 7200;

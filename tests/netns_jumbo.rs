@@ -11,6 +11,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test netns_jumbo`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_netns;
 
 use std::net::{SocketAddrV4, UdpSocket};
@@ -21,7 +24,7 @@ use aggbox::config::Config;
 use aggbox::dataplane::{Chain, XdpMode};
 use aggbox::node;
 use aggbox::proto::{self, AggHeader};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use aggbox::tools::{self, collect_results, elements_per_datagram, expected_pattern_result, pattern_vector, Contribution};
 use common_netns::*;
 

@@ -15,6 +15,9 @@
 //!
 //! Needs root: `sudo -E cargo test --test netns_userspace`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -26,7 +29,7 @@ use aggbox::dataplane::{Dataplane, XdpLink, XdpMode};
 use aggbox::node::dataplane_job;
 use aggbox::proto::{self, AggHeader};
 use aggbox::reducer;
-use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::userspace::{slot_bytes, Refusal, UserspaceOptions, UserspacePath};
 use nix::sched::{setns, CloneFlags};
 

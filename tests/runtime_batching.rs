@@ -20,13 +20,16 @@
 //!   same for the blocking `allreduce_i32` / `reduce_i32` (the caller's slice
 //!   lent to the engine), results exact.
 //! (The speed of quantize + encode and the other passes over the vector,
-//! against memcpy, is `aggbox bench edge`: src/bench/edge.rs.)
+//! against memcpy, is `aggbox-bench edge`: src/bin/aggbox-bench/edge.rs.)
 //!
 //! The tests of this file run one at a time (`SERIAL`), so that the
 //! allocation counts see only their own calls.
 //!
 //! `sudo -E cargo test --release --test runtime_batching -- --nocapture`
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_runtime;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -43,7 +46,7 @@ use aggbox::runtime::fragment::{
 };
 use aggbox::runtime::transport::{Transport, UdpTransport};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 
 mod common_netns;
 mod live_attach;

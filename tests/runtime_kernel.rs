@@ -24,6 +24,9 @@
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --release --test runtime_kernel`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_runtime;
 
 use std::net::Ipv4Addr;
@@ -32,7 +35,7 @@ use std::time::{Duration, Instant};
 use aggbox::abi::{BcastStat, Op};
 use aggbox::config::Config;
 use aggbox::runtime::{BackendKind, CommError, CommStats, Communicator, CommunicatorBuilder, Participant, StripedCommunicator};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 
 const WORKERS: usize = 3;
 const JOB: u16 = 7;
@@ -128,7 +131,7 @@ impl Bed {
 fn impair_ports(tb: &Testbed, injector: &impair::Injector, loss: f64) {
     for i in 0..=WORKERS {
         let port = tb.switch_port(i);
-        aggbox::testbed::in_netns(&tb.switch_netns(), move || injector.set(&port, loss, 0.0))
+        crate::testbed::in_netns(&tb.switch_netns(), move || injector.set(&port, loss, 0.0))
             .expect("switch netns")
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
@@ -284,7 +287,7 @@ fn clamped_float_input_is_an_overflow(bed: &Bed) {
 /// tracker then evicts that group, and the aggregator's retransmission of
 /// the hole must still be used. (That retransmission was once dropped as a
 /// "duplicate" and re-acknowledged, so the aggregator finished while a
-/// worker waited for the fragment forever; `aggbox bench large` at 1 M
+/// worker waited for the fragment forever; `aggbox-bench large` at 1 M
 /// elements, MTU 1500, where TC clone failures lose result copies, showed it
 /// in 2 runs of 3. This loss pattern does not reliably reproduce it; the
 /// test keeps the > 2-group path exact under loss.)

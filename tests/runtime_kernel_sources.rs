@@ -18,6 +18,9 @@
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --release --test runtime_kernel_sources`.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_runtime;
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -27,7 +30,7 @@ use aggbox::abi::{self, Op};
 use aggbox::config::Config;
 use aggbox::proto::{self, AggHeader};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, RefusedStats};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 
 const WORKERS: usize = 3;
 /// Host index of the host outside the job.

@@ -12,6 +12,9 @@
 //! Needs root: fails (never skips) otherwise. Host 0 is the aggregator,
 //! hosts 1..=3 are workers 0..=2.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 mod common_runtime;
 
 use std::net::SocketAddrV4;
@@ -19,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::abi::Op;
 use aggbox::runtime::{CallOptions, CommError, CommStats, Communicator, CommunicatorBuilder, Participant, Peer};
-use aggbox::testbed::{Testbed, TestbedConfig};
+use crate::testbed::{Testbed, TestbedConfig};
 use aggbox::tools::pattern_vector;
 
 const WORKERS: usize = 3;
@@ -122,7 +125,7 @@ impl Bed {
     }
 
     fn tb_switch(&self, f: impl FnOnce() + Send) {
-        aggbox::testbed::in_netns(&self.tb.switch_netns(), f).expect("switch netns");
+        crate::testbed::in_netns(&self.tb.switch_netns(), f).expect("switch netns");
     }
 }
 

@@ -1,16 +1,19 @@
-//! Integration tests of `scripts/testbed.sh` and `aggbox::testbed` (need root).
+//! Integration tests of `scripts/testbed.sh` and `crate::testbed` (need root).
 //!
 //! Every test builds its own testbed with a prefix unique to the process, so the
 //! tests run in parallel. Traffic goes only to addresses inside namespaces the
 //! test created.
 
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use aggbox::testbed::{
+use crate::testbed::{
     in_netns, list_namespaces, script_path, Host, Testbed, TestbedConfig, TestbedError,
 };
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use aggbox::abi::{self, Op};
 use aggbox::proto::{self, AggHeader};
 use aggbox::reducer;
-use aggbox::testbed::{in_netns, Testbed};
+use crate::testbed::{in_netns, Testbed};
 
 /// Ops the XDP program reduces in the kernel.
 pub const KERNEL_OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];

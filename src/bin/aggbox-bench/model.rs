@@ -102,7 +102,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     };
     let t_xdp = t_xdp_ns * 1e-9;
     let elements: u64 = 1 << 20; // 1 M elements (4 MiB) per worker
-    let per_datagram = crate::tools::elements_per_datagram(MTU);
+    let per_datagram = aggbox::tools::elements_per_datagram(MTU);
     let frags = (elements as f64 / per_datagram as f64).ceil();
     let mut workers = vec![];
     let mut w = 2usize;
@@ -170,7 +170,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     );
     let _ = writeln!(
         md,
-        "Analytical model (src/bench/model.rs): per-aggregator time = children × fragments × max(t_xdp, t_link) plus (levels − 1) pipeline hops. \
+        "Analytical model (src/bin/aggbox-bench/model.rs): per-aggregator time = children × fragments × max(t_xdp, t_link) plus (levels − 1) pipeline hops. \
          Inputs: t_xdp = **{t_xdp_ns:.0} ns** per contribution ({src}); t_link = {:.1} µs ({MTU} B at {LINK_GBPS:.0} Gbps: the link speed is \
          **assumed**, the paper's NICs, this VM has none); hop latency t_hop = {t_hop_us:.1} µs ({hop_src}). \
          Workload: {} int32 per worker ({frags:.0} fragments of {per_datagram} elements). Every time below is a prediction of this model, not a measurement.\n",

@@ -1,4 +1,7 @@
-//! Network-namespace testbeds for integration tests, demos and benchmarks.
+//! Network-namespace testbeds for the integration tests and the evaluation
+//! (`aggbox-bench`). Not part of the library: both include this file with
+//! `#[path = ".../src/testing/testbed.rs"] mod testbed;` (one copy, two
+//! users).
 //!
 //! A [`Testbed`] is a star of `N` hosts built by `scripts/testbed.sh`: host `i`
 //! is the network namespace `{prefix}h{i}` with one veth, `eth0`, whose peer
@@ -13,8 +16,8 @@
 //! which must kill them (by pid) before the testbed goes, or their namespace
 //! lives on unnamed until they exit.
 //!
-//! ```no_run
-//! use aggbox::testbed::{in_netns, Testbed, TestbedConfig};
+//! ```ignore
+//! use testbed::{in_netns, Testbed, TestbedConfig};
 //! use std::net::UdpSocket;
 //!
 //! let tb = Testbed::up(TestbedConfig { hosts: 3, ..Default::default() })?;

@@ -45,8 +45,8 @@ use serde::Serialize;
 use super::agg::prog_id;
 use super::net;
 use super::{progress, summarize, BenchOptions, Context_, Csv, Section, Summary};
-use crate::abi;
-use crate::broadcast::{self, BroadcastPlane};
+use aggbox::abi;
+use aggbox::broadcast::{self, BroadcastPlane};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 /// Broadcast group of the benchmark.
@@ -412,7 +412,7 @@ impl BcastBed {
             BMode::Unicast => None,
         };
         let stats = |id: Option<u32>| -> (u64, u64) {
-            id.and_then(|id| crate::metrics::program_run_stats(id).ok())
+            id.and_then(|id| aggbox::metrics::program_run_stats(id).ok())
                 .map(|(c, ns, _)| (c, ns))
                 .unwrap_or((0, 0))
         };
@@ -571,7 +571,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
         MODES.len()
     ));
     // BPF run time per copy: on for the whole experiment (all modes alike).
-    let stats_fd = crate::metrics::enable_bpf_stats().ok();
+    let stats_fd = aggbox::metrics::enable_bpf_stats().ok();
     if stats_fd.is_none() {
         progress("bcast: bpf_stats unavailable: no BPF run time per copy");
     }

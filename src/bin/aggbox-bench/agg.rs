@@ -42,66 +42,22 @@ use libbpf_rs::{MapCore, MapFlags, OpenObject};
 use serde::Serialize;
 
 use super::net::{self, RecvBatch};
+use crate::floor::Floor;
 use super::{
     progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
 };
-use crate::abi::{self, Op};
-use crate::config::Config;
-use crate::dataplane::XdpMode;
-use crate::node;
-use crate::proto::{self, AggHeader};
-use crate::reducer::Accumulator;
+use aggbox::abi::{self, Op};
+use aggbox::config::Config;
+use aggbox::dataplane::XdpMode;
+use aggbox::node;
+use aggbox::proto::{self, AggHeader};
+use aggbox::reducer::Accumulator;
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use crate::tools;
+use aggbox::tools;
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod drop_skel {
     include!(concat!(env!("OUT_DIR"), "/bench_drop.skel.rs"));
-}
-
-#[allow(clippy::all, missing_docs, dead_code)]
-mod floor_skel {
-    include!(concat!(env!("OUT_DIR"), "/bench_floor.skel.rs"));
-}
-
-/// The floor aggregator (`src/bpf/bench_floor.bpf.c`): the least any XDP
-/// aggregator of this benchmark's traffic costs (one array slot per
-/// fragment, direct packet access, one lock, the adds, the RESULT rewrite;
-/// no validation, no dedup beyond a rank bitmap, SUM only). Loaded
-/// configured for `workers` ranks on `port`, RESULTs to `result_port`.
-pub struct Floor {
-    skel: floor_skel::BenchFloorSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
-}
-
-impl Floor {
-    /// Load and configure it (`frags`: fragments per round, the slot-index
-    /// stride between rounds; 0 = every round uses the same slots).
-    pub fn load(port: u16, result_port: u16, workers: u32, frags: u32) -> Result<Floor> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's allocation never moves and outlives the
-        // skeleton (field order drops the skeleton first).
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
-        let open = floor_skel::BenchFloorSkelBuilder::default()
-            .open(object_ref)
-            .context("opening bench_floor")?;
-        let skel = open.load().context("loading bench_floor")?;
-        let mut cfg = Vec::with_capacity(16);
-        for v in [u32::from(port), u32::from(result_port), workers, frags] {
-            cfg.extend_from_slice(&v.to_ne_bytes());
-        }
-        skel.maps
-            .floor_cfg
-            .update(&0u32.to_ne_bytes(), &cfg, MapFlags::ANY)
-            .context("floor_cfg")?;
-        Ok(Floor { skel, _object: object })
-    }
-
-    /// The program (attach, run statistics, BPF_PROG_TEST_RUN).
-    pub fn prog(&self) -> &libbpf_rs::ProgramMut<'static> {
-        &self.skel.progs.bench_floor
-    }
 }
 
 /// Job id of the benchmark job.
@@ -601,12 +557,12 @@ fn prog_stats(a: &Aggregator<'_>) -> Vec<(String, u64, u64)> {
             .unwrap_or_default();
     }
     if let Some((_, id)) = &a.drop {
-        if let Ok((cnt, ns, _)) = crate::metrics::program_run_stats(*id) {
+        if let Ok((cnt, ns, _)) = aggbox::metrics::program_run_stats(*id) {
             return vec![("bench_drop".into(), cnt, ns)];
         }
     }
     if let Some(id) = a.floor {
-        if let Ok((cnt, ns, _)) = crate::metrics::program_run_stats(id) {
+        if let Ok((cnt, ns, _)) = aggbox::metrics::program_run_stats(id) {
             return vec![("bench_floor".into(), cnt, ns)];
         }
     }
@@ -1106,7 +1062,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     }
     let reps = opts.reps();
     let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
-    let _stats = crate::metrics::enable_bpf_stats()?;
+    let _stats = aggbox::metrics::enable_bpf_stats()?;
     progress(format!("agg: testbed 1 aggregator + {senders} senders; sizes {sizes_mb:?} MB total; {reps} reps; modes drop, floor, kernel, plain, tuned"));
     let h = Harness::new(senders)?;
     let mut runs: Vec<(Mode, u64, RunResult)> = Vec::new();
@@ -1453,7 +1409,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
         format!("{}\n", headline.join("\n")),
     );
     // A wrong or incomplete reduction fails the experiment in the full run
-    // as in --quick (the section keeps its table; `aggbox bench` exits
+    // as in --quick (the section keeps its table; `aggbox-bench` exits
     // non-zero at the end).
     if !failed.is_empty() || !rt_failed.is_empty() {
         let summary = format!(
@@ -1536,10 +1492,10 @@ pub fn runtime_reduce(h: &Harness, kernel: bool, elements: usize, reps: usize) -
 pub fn with_runtime<T>(
     h: &Harness,
     kernel: bool,
-    quantization: Option<crate::runtime::Quantization>,
-    f: impl FnOnce(&crate::runtime::Communicator, &[crate::runtime::Communicator]) -> Result<T>,
+    quantization: Option<aggbox::runtime::Quantization>,
+    f: impl FnOnce(&aggbox::runtime::Communicator, &[aggbox::runtime::Communicator]) -> Result<T>,
 ) -> Result<T> {
-    use crate::runtime::{BackendKind, Communicator, Participant};
+    use aggbox::runtime::{BackendKind, Communicator, Participant};
     let senders = h.senders.len();
     let agg = h.tb.host(0);
     let peers: Vec<SocketAddrV4> = h

@@ -48,15 +48,15 @@ use serde::Serialize;
 use super::{
     progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
 };
-use crate::abi::{self, Op};
-use crate::config::Config;
-use crate::dataplane::XdpMode;
-use crate::node;
-use crate::runtime::{
+use aggbox::abi::{self, Op};
+use aggbox::config::Config;
+use aggbox::dataplane::XdpMode;
+use aggbox::node;
+use aggbox::runtime::{
     BackendKind, CallOptions, CommunicatorBuilder, Participant, Quantization, StripedCommunicator,
 };
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use crate::tools;
+use aggbox::tools;
 
 /// Workers of the job by default (ranks; hosts 1..=workers of the testbed,
 /// host 0 is the aggregator node).

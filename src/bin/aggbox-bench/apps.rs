@@ -16,8 +16,8 @@ use serde::Serialize;
 use super::agg::{Harness, Mode, Pattern, RunResult, RunSpec, Workload, PER};
 use super::bcast::{BMode, BcastBed};
 use super::{net, progress, summarize, thousands, BenchOptions, Context_, Csv, Section, Summary};
-use crate::proto;
-use crate::runtime::quantize;
+use aggbox::proto;
+use aggbox::runtime::quantize;
 
 /// Vectors given per rank; the reduced vector is checked and stored.
 pub struct VecWorkload {
@@ -432,7 +432,7 @@ fn train_over_aggbox(h: &Harness, steps: usize) -> Result<Vec<f64>> {
     super::agg::with_runtime(
         h,
         true,
-        Some(crate::runtime::Quantization::Adaptive),
+        Some(aggbox::runtime::Quantization::Adaptive),
         |aggc, comms| {
             let losses: Vec<Vec<f64>> = std::thread::scope(|s| -> Result<Vec<Vec<f64>>> {
                 let hs: Vec<_> = comms
@@ -536,7 +536,7 @@ pub fn run_ps(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         "xdp_ns_per_run",
     ]);
     let mut round = 1u32;
-    let _stats = crate::metrics::enable_bpf_stats()?;
+    let _stats = aggbox::metrics::enable_bpf_stats()?;
     for &wk in &workers {
         let h = Harness::new(wk)?;
         for &(name, p) in &models {

@@ -22,10 +22,10 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::{progress, BenchOptions, Context_, Csv, Section};
-use crate::abi::Op;
-use crate::proto::{self, AggHeader};
-use crate::runtime::fragment::elements_per_fragment;
-use crate::runtime::quantize;
+use aggbox::abi::Op;
+use aggbox::proto::{self, AggHeader};
+use aggbox::runtime::fragment::elements_per_fragment;
+use aggbox::runtime::quantize;
 
 /// Vector length of a full run (ResNet-34's parameters, as experiment 9).
 pub const ELEMENTS: usize = 21_800_000;
@@ -255,7 +255,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let _ = writeln!(
         md,
         "{} elements ({:.1} MB), best of {reps}; `memcpy` (`copy_from_slice`, read + write) **{:.1} GB/s** in this run. \
-         GB/s of the vector (4 bytes per element); ratio = that / memcpy's. Code: `src/bench/edge.rs`.\n",
+         GB/s of the vector (4 bytes per element); ratio = that / memcpy's. Code: `src/bin/aggbox-bench/edge.rs`.\n",
         elements,
         elements as f64 * 4e-6,
         e.memcpy_gb_per_s
