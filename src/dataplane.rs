@@ -1453,6 +1453,16 @@ impl KernelMaps {
         out
     }
 
+    /// Every configured job's round window (`jobs` array; 0: the build
+    /// default), for [`KernelMaps::reclaim_stale_slots`].
+    pub fn job_windows(&self) -> BTreeMap<u16, u32> {
+        (0..abi::MAX_JOBS)
+            .filter_map(|dense| raw_lookup::<u32, abi::Job>(&self.jobs, &dense))
+            .filter(|job| job.workers != 0)
+            .map(|job| (job.id, job.window))
+            .collect()
+    }
+
     /// Release every kernel slot of a stale round. `window(job)` is the
     /// job's configured window (`None`: job unknown, its slots are left to
     /// `remove_job`; 0: the build default). A round is stale when either

@@ -377,6 +377,52 @@ pub fn dataplane_job(job: &crate::config::JobConfig) -> dataplane::JobConfig {
     }
 }
 
+/// Period of the node's stale-slot reclaim (as the user-space path's
+/// `reclaim_every`).
+const RECLAIM_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A thread that releases the kernel's stale slots every [`RECLAIM_EVERY`]
+/// (`KernelMaps::reclaim_stale_slots`, windows read from the `jobs` map, so
+/// a reconfigured job's window counts); stopped and joined on drop.
+struct Upkeep {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Upkeep {
+    fn start(maps: dataplane::KernelMaps) -> Upkeep {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("aggbox-upkeep".into())
+            .spawn(move || {
+                let tick = std::time::Duration::from_millis(10);
+                let mut since = std::time::Duration::ZERO;
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(tick);
+                    since += tick;
+                    if since >= RECLAIM_EVERY {
+                        since = std::time::Duration::ZERO;
+                        let windows = maps.job_windows();
+                        maps.reclaim_stale_slots(|job| windows.get(&job).copied());
+                    }
+                }
+            })
+            .ok();
+        Upkeep { stop, thread }
+    }
+}
+
+impl Drop for Upkeep {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// A live attachment: the loaded programs, the link, and where it is pinned.
 /// Dropping it without [`Attachment::detach`] leaves the pinned state behind
 /// (as after a crash); `aggbox detach` or the next attach cleans it up.
@@ -390,6 +436,9 @@ pub struct Attachment {
     pub broadcast: Option<BroadcastPlane>,
     /// The AF_XDP user-space path (ops the kernel does not aggregate).
     pub userspace: Option<UserspacePath>,
+    /// The stale-slot reclaim when the user-space path is not running (its
+    /// worker does it otherwise).
+    upkeep: Option<Upkeep>,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -561,8 +610,31 @@ pub fn attach_chain(
         userspace_path: userspace.is_some(),
         userspace_path_error: userspace_error,
     };
-    let mut attachment =
-        Attachment { dataplane, link: Some(link), lo_link, broadcast, userspace, dir: dir.clone(), record, warnings };
+    // Stale kernel slots can never complete (the stale-round rule drops
+    // what would): the user-space path's worker releases them on its tick;
+    // without that path the node does it itself, so that an optional path
+    // that failed to start does not leave the job's slot bound to fill up.
+    let upkeep = match &userspace {
+        Some(_) => None,
+        None => match dataplane.kernel_maps() {
+            Ok(maps) => Some(Upkeep::start(maps)),
+            Err(e) => {
+                warnings.push(format!("stale-slot reclaim not started: {e}"));
+                None
+            }
+        },
+    };
+    let mut attachment = Attachment {
+        dataplane,
+        link: Some(link),
+        lo_link,
+        broadcast,
+        userspace,
+        upkeep,
+        dir: dir.clone(),
+        record,
+        warnings,
+    };
     if let Err(err) = attachment.pin() {
         // The link is not pinned yet (or only partly): dropping it detaches.
         if let Some(u) = attachment.userspace.take() {
@@ -605,6 +677,7 @@ impl Attachment {
         if let Some(u) = self.userspace.take() {
             u.stop();
         }
+        drop(self.upkeep.take());
         let mut result = Ok(());
         if let Some(mut plane) = self.broadcast.take() {
             if let Err(e) = plane.detach() {

@@ -1088,11 +1088,13 @@ fn scrape_in(bed: &Bed, port: u16) -> String {
 /// another AF_XDP socket holds eth0's queue 0), ops 5..8 and FLOAT32 would
 /// reach the stack unaggregated. Attach fails, leaving eth0 untouched,
 /// unless the config chooses `[node] userspace_path = "optional"`; then the
-/// missing path shows in `aggbox status` and in `aggbox_userspace_path_up`.
+/// missing path shows in `aggbox status` and in `aggbox_userspace_path_up`,
+/// and the node still releases stale kernel slots itself (issue #25: that
+/// was the AF_XDP worker's job only).
 #[test]
 fn attach_fails_without_the_userspace_path_unless_optional() {
     use aggbox::xsk::{XskConfig, XskSocket};
-    let bed = Bed::up(1);
+    let bed = Bed::up(2); // two ranks: one contribution alone leaves a fragment unfinished
     let ns = bed.agg_ns();
     let blocker = bed
         .tb
@@ -1132,11 +1134,15 @@ fn attach_fails_without_the_userspace_path_unless_optional() {
     assert!(!bed.iface_pins().exists(), "nothing pinned");
 
     const METRICS_PORT: u16 = 9437;
-    let text_ = std::fs::read_to_string(&config).expect("config").replace(
-        "[node]\nmetrics = \"off\"\n",
-        &format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n"),
-    );
-    assert!(text_.contains("optional"), "{text_}");
+    // A window of 2 rounds, so that a stale round comes quickly below.
+    let text_ = std::fs::read_to_string(&config)
+        .expect("config")
+        .replace(
+            "[node]\nmetrics = \"off\"\n",
+            &format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n"),
+        )
+        .replace("[[job]]\nid = 7\n", "[[job]]\nid = 7\nwindow = 2\n");
+    assert!(text_.contains("optional") && text_.contains("window = 2"), "{text_}");
     let optional = bed.work.file("optional.toml");
     std::fs::write(&optional, text_).expect("write config");
     let mut d = bed.attach("optional", Some(&optional));
@@ -1164,6 +1170,36 @@ fn attach_fails_without_the_userspace_path_unless_optional() {
         "metrics show the missing path: {exposition}"
     );
     bed.traffic_exact(1);
+
+    // Without the user-space path the node itself releases stale kernel
+    // slots: round 2 gets rank 0's contribution only (its 3 fragments hold
+    // slots), rounds 3..5 complete, so round 2 is older than newest - 2.
+    let to = format!("{}:{PORT}", bed.agg_addr());
+    let elements = ELEMENTS.to_string();
+    let out = bed.aggbox(
+        1,
+        &["contribute", "--to", &to, "--job", "7", "--rank", "0", "--round", "2", "--op", "sum", "--elements", &elements],
+    );
+    assert!(out.status.success(), "aggbox contribute: {}", text(&out));
+    let active = |bed: &Bed| -> Option<f64> {
+        scrape_in(bed, METRICS_PORT)
+            .lines()
+            .find(|l| l.starts_with("aggbox_job_slots_active{") && l.contains("job=\"7\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || active(&bed) == Some(3.0)),
+        "round 2's three fragments hold slots: {:?}",
+        active(&bed)
+    );
+    for round in 3..=5 {
+        bed.traffic_exact(round);
+    }
+    assert!(
+        wait_until(Duration::from_secs(5), || active(&bed) == Some(0.0)),
+        "the stale round's slots were released without the user-space path: {:?}",
+        active(&bed)
+    );
 
     d.signal(Signal::SIGINT);
     assert!(d.wait_exit().success(), "SIGINT: exit 0; stderr: {}", d.stderr());
