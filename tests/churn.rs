@@ -66,7 +66,7 @@ impl Bed {
         std::fs::write(&config, text).expect("config");
         Bed {
             work,
-            pins: Bpffs::mount("churn-pins"),
+            pins: Bpffs::mount("churn-pins").expect("mounting a private bpffs"),
             tb,
             config,
         }

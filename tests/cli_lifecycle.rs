@@ -54,7 +54,7 @@ impl Bed {
         .unwrap_or_else(|e| panic!("building the testbed: {e}"));
         Bed {
             work: TempDir::new("cli-work"),
-            pins: Bpffs::mount("cli-pins"),
+            pins: Bpffs::mount("cli-pins").expect("mounting a private bpffs"),
             tb,
         }
     }

@@ -198,7 +198,7 @@ fn ops_rounds(
 #[test]
 fn kernel_ops_64_ranks_many_fragments_and_rounds() {
     let tb = testbed(5, 15);
-    let pins = Bpffs::mount("netns-agg");
+    let pins = Bpffs::mount("netns-agg").expect("mounting a private bpffs");
     let placement = spread_ranks(&tb, &[1, 2, 3, 4], 64);
     let job = JobSpec {
         id: 1,
@@ -247,7 +247,7 @@ fn kernel_ops_64_ranks_many_fragments_and_rounds() {
 #[test]
 fn one_to_many_senders_every_op() {
     let tb = testbed(4, 10);
-    let pins = Bpffs::mount("netns-few");
+    let pins = Bpffs::mount("netns-few").expect("mounting a private bpffs");
     let agg = tb.host(0);
     let sizes = [1usize, 2, 3, 33];
     let jobs: Vec<(JobSpec, Vec<(usize, Ipv4Addr)>)> = sizes
@@ -317,7 +317,7 @@ fn agg_datagram(job: u16, rank: u16, round: u32, frag_off: u32, op: Op, values: 
 #[test]
 fn spoofed_unknown_job_and_stale_round_are_dropped_counted_and_harmless() {
     let tb = testbed(3, 2);
-    let pins = Bpffs::mount("netns-bad");
+    let pins = Bpffs::mount("netns-bad").expect("mounting a private bpffs");
     let agg = tb.host(0);
     let (h1, h2) = (tb.host(1), tb.host(2));
     let placement = vec![
@@ -449,7 +449,7 @@ fn spoofed_unknown_job_and_stale_round_are_dropped_counted_and_harmless() {
 #[test]
 fn worker_on_the_aggregator_host_counts_through_lo() {
     let tb = testbed(3, 1);
-    let pins = Bpffs::mount("netns-lo");
+    let pins = Bpffs::mount("netns-lo").expect("mounting a private bpffs");
     let agg = tb.host(0);
     let (h1, h2) = (tb.host(1), tb.host(2));
     // Job 31: rank 0 runs on the aggregator host itself (its datagrams to the

@@ -73,7 +73,7 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
     require_root();
     let tb = Testbed::up(TestbedConfig { hosts: 1 + SENDERS, mtu, static_neigh: true, ..Default::default() })
         .unwrap_or_else(|e| panic!("building the testbed: {e}"));
-    let pins = Bpffs::mount(&format!("jumbo{mtu}"));
+    let pins = Bpffs::mount(&format!("jumbo{mtu}")).expect("mounting a private bpffs");
     let workers: Vec<_> = (1..=SENDERS).map(|h| tb.host(h).addr).collect();
     let text = config_text(&[JobSpec {
         id: JOB,
@@ -304,7 +304,7 @@ fn one_worker_bed(mtu: u32, tag: &str) -> (Testbed, Bpffs, String) {
     require_root();
     let tb = Testbed::up(TestbedConfig { hosts: 2, mtu, static_neigh: true, ..Default::default() })
         .unwrap_or_else(|e| panic!("building the testbed: {e}"));
-    let pins = Bpffs::mount(tag);
+    let pins = Bpffs::mount(tag).expect("mounting a private bpffs");
     let text = config_text(&[JobSpec {
         id: JOB,
         port: PORT,

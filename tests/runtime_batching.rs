@@ -236,7 +236,7 @@ fn xdp_sees_each_datagram_of_sendto_sendmmsg_and_udp_gso() {
             ..Default::default()
         })
         .expect("testbed");
-        let pins = common_netns::Bpffs::mount(&format!("rtbatch{mtu}"));
+        let pins = common_netns::Bpffs::mount(&format!("rtbatch{mtu}")).expect("mounting a private bpffs");
         let text = common_netns::config_text(&[common_netns::JobSpec {
             id: VIS_JOB,
             port: VIS_PORT,

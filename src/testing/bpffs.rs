@@ -20,7 +20,7 @@ impl PrivateBpffs {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = PathBuf::from(format!(
-            "/tmp/aggbox-bench-{tag}-{}-{n}",
+            "/tmp/aggbox-bpffs-{tag}-{}-{n}",
             std::process::id()
         ));
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -39,7 +39,7 @@ impl PrivateBpffs {
 /// Unmounts every [`PrivateBpffs`] this process mounted (for a signal
 /// handler, where their destructors will not run).
 pub fn unmount_all_of_this_process() {
-    let mine = "aggbox-bench-";
+    let mine = "aggbox-bpffs-";
     let pid = format!("-{}-", std::process::id());
     let Ok(dir) = std::fs::read_dir("/tmp") else { return };
     for entry in dir.flatten() {

@@ -37,36 +37,11 @@ pub fn require_root() {
 static MOUNT_COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A bpffs mounted on a fresh directory under /tmp, unmounted (lazily, so pins
-/// held by a crashed test go too) and removed on drop, also during a panic.
-#[derive(Debug)]
-pub struct Bpffs {
-    pub path: PathBuf,
-}
-
-impl Bpffs {
-    pub fn mount(tag: &str) -> Bpffs {
-        let n = MOUNT_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path = PathBuf::from(format!("/tmp/aggbox-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&path)
-            .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
-        nix::mount::mount(
-            Some("bpf"),
-            &path,
-            Some("bpf"),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .unwrap_or_else(|e| panic!("mounting bpffs on {}: {e}", path.display()));
-        Bpffs { path }
-    }
-}
-
-impl Drop for Bpffs {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH);
-        let _ = std::fs::remove_dir(&self.path);
-    }
-}
+/// held by a crashed test go too) and removed on drop, also during a panic:
+/// the one the evaluation uses too (`src/testing/bpffs.rs`).
+#[path = "../../src/testing/bpffs.rs"]
+mod private_bpffs;
+pub use private_bpffs::PrivateBpffs as Bpffs;
 
 /// A scratch directory under /tmp, removed on drop.
 #[derive(Debug)]
