@@ -389,6 +389,13 @@ pub const MAX_COMPLETED: u32 = 65536;
 /// Rounds older than the newest completed round minus this are stale.
 pub const ROUND_WINDOW: u32 = 64;
 
+/// How many rounds `a` is ahead of `b` (negative: behind), in serial-number
+/// order (RFC 1982): rounds wrap at 2^32, and the XDP program compares them
+/// as `(__s32)(a - b)`. Every comparison of rounds goes through this.
+pub fn rounds_ahead(a: u32, b: u32) -> i32 {
+    a.wrapping_sub(b) as i32
+}
+
 /// `enum aggbox_call`: index of each program in the tail-call prog array.
 pub const CALL_SLOT: u32 = 0;
 /// See [`CALL_SLOT`].
@@ -885,3 +892,19 @@ pub struct ResultRoute {
     pub pad: u16,
 }
 const _: () = assert!(core::mem::size_of::<ResultRoute>() == 20);
+
+#[cfg(test)]
+mod tests {
+    use super::rounds_ahead;
+
+    #[test]
+    fn rounds_compare_in_serial_order_across_the_wrap() {
+        assert_eq!(rounds_ahead(5, 3), 2);
+        assert_eq!(rounds_ahead(3, 5), -2);
+        assert_eq!(rounds_ahead(0, u32::MAX), 1, "0 comes right after u32::MAX");
+        assert_eq!(rounds_ahead(u32::MAX, 0), -1);
+        assert_eq!(rounds_ahead(7, 7), 0);
+        // Half the space away is the furthest that still reads as ahead.
+        assert_eq!(rounds_ahead(1 << 31, 1), i32::MAX);
+    }
+}

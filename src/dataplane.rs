@@ -1484,7 +1484,7 @@ impl KernelMaps {
                 }
             };
             let (k, u, w) = entry;
-            let stale = |n: Option<u32>| n.is_some_and(|n| (n.wrapping_sub(key.round) as i32) > w);
+            let stale = |n: Option<u32>| n.is_some_and(|n| abi::rounds_ahead(n, key.round) > w);
             if (stale(k) || stale(u)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
                 reclaimed += 1;
             }
@@ -1508,7 +1508,7 @@ impl KernelMaps {
             let base = u32::from(job.fast_base);
             for index in base..base + u32::from(job.fast_slots) {
                 let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
-                let stale = |n: Option<u32>| n.is_some_and(|n| (n.wrapping_sub(round) as i32) > w);
+                let stale = |n: Option<u32>| n.is_some_and(|n| abi::rounds_ahead(n, round) > w);
                 // CLAIMING too: a take-over its taker could not undo (the
                 // slot's lock busy past its bound) is undone here.
                 if (state == FAST_ACTIVE || state == FAST_CLAIMING)

@@ -329,13 +329,13 @@ struct JobRt {
 }
 
 fn serial_newer(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) > 0
+    abi::rounds_ahead(a, b) > 0
 }
 
 impl JobRt {
     fn is_stale(&self, round: u32, window: u32) -> bool {
         let window = window.min(i32::MAX as u32) as i32;
-        let stale = |newest: Option<u32>| newest.is_some_and(|n| (n.wrapping_sub(round) as i32) > window);
+        let stale = |newest: Option<u32>| newest.is_some_and(|n| abi::rounds_ahead(n, round) > window);
         stale(self.newest) || stale(self.kernel_newest)
     }
 }

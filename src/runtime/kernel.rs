@@ -39,6 +39,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
+use crate::abi;
 use crate::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
@@ -176,11 +177,11 @@ impl Backend for KernelAggregator {
         self.seq_base = seq_base;
         // Early RESULTs of rounds before this one can no longer be taken.
         self.early
-            .retain(|(h, _, _)| (h.round.wrapping_sub(round) as i32) >= 0);
+            .retain(|(h, _, _)| abi::rounds_ahead(h.round, round) >= 0);
         self.recount_early();
         let pool = &mut self.pool;
         self.done.retain_mut(|d| {
-            let keep = (d.round.wrapping_sub(round) as i32) >= 0;
+            let keep = abi::rounds_ahead(d.round, round) >= 0;
             if !keep {
                 pool.push(std::mem::take(&mut d.values));
             }
@@ -208,7 +209,7 @@ impl Backend for KernelAggregator {
         }
         if hdr.round != self.round {
             // A later round than the one in progress: keep it for then.
-            if (hdr.round.wrapping_sub(self.round) as i32) > 0 {
+            if abi::rounds_ahead(hdr.round, self.round) > 0 {
                 let cost = early_cost(payload.len());
                 if self.early.len() >= EARLY_RESULTS_MAX
                     || self.early_bytes + cost > self.early_limit

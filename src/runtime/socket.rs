@@ -170,7 +170,7 @@ impl SocketAggregator {
 
     /// Adds a contribution; returns whether it should be acknowledged.
     fn contribute(&mut self, hdr: &AggHeader, payload: &[u8]) -> bool {
-        if (hdr.round.wrapping_sub(self.next_round) as i32) < 0 {
+        if abi::rounds_ahead(hdr.round, self.next_round) < 0 {
             self.stats.stale += 1;
             return true;
         }
@@ -248,7 +248,7 @@ impl Backend for SocketAggregator {
             .index
             .values()
             .copied()
-            .filter(|&i| (self.slots[i].round.wrapping_sub(round) as i32) < 0)
+            .filter(|&i| abi::rounds_ahead(self.slots[i].round, round) < 0)
             .collect();
         for i in stale {
             self.free_slot(i);

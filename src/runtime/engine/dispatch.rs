@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::round::RoundState;
 use super::{Engine, Stashed, RES_EARLY_LIMIT};
+use crate::abi;
 use crate::proto::{self, AckKind, AckMessage, MessageKind};
 use crate::runtime::backend::{AckIo, BackendKind};
 use crate::runtime::comm::Participant;
@@ -130,7 +131,7 @@ impl Engine {
                         if wanted {
                             let o = op.as_deref_mut().expect("wanted implies an op");
                             last = self.deliver_bcast(o, idx, payload);
-                        } else if (round.wrapping_sub(cur) as i32) > 0
+                        } else if abi::rounds_ahead(round, cur) > 0
                             || (op.is_none() && round == cur)
                         {
                             // Early data of a later call: keep it (and ACK it) if there is room.

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::Engine;
-use crate::abi::Op;
+use crate::abi::{self, Op};
 use crate::proto;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32};
@@ -390,7 +390,7 @@ impl Engine {
         let r = self.round;
         let pool = &mut self.stash_pool;
         self.stash.retain_mut(|s| {
-            let keep = (s.round.wrapping_sub(r) as i32) >= 0;
+            let keep = abi::rounds_ahead(s.round, r) >= 0;
             if !keep {
                 pool.push(std::mem::take(&mut s.buf));
             }
