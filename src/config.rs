@@ -184,32 +184,9 @@ impl Default for NodeConfig {
     }
 }
 
-/// `[node] ack_mode`: one ACK per datagram, or one per group of datagrams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum AckMode {
-    /// `"group"`: one AGK1 per `ack_group` sequence numbers (the default,
-    /// far fewer ACKs).
-    #[default]
-    Group,
-    /// `"packet"`: one AGK1 with `nbits = 1` per datagram.
-    Packet,
-}
-
-impl AckMode {
-    /// The spelling used in the config file.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AckMode::Group => "group",
-            AckMode::Packet => "packet",
-        }
-    }
-}
-
-impl fmt::Display for AckMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// `[node] ack_mode`: a rule of the protocol (how AGK1 acknowledges), so it
+/// lives with the wire format; the config only spells it.
+pub use crate::proto::AckMode;
 
 /// `[[job]]`: one reduction group this node aggregates. Host-order fields.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -732,6 +732,34 @@ pub const DEFAULT_GROUP_SIZE: u32 = 1024;
 
 const BITMAP_WORDS: usize = abi::ACK_MAX_BITS as usize / 64;
 
+/// How AGK1 acknowledges (PROTOCOL.md, "Acknowledgement AGK1"): one ACK per
+/// datagram, or one per group of sequence numbers (`[node] ack_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum AckMode {
+    /// `"group"`: one AGK1 per `ack_group` sequence numbers (the default,
+    /// far fewer ACKs).
+    #[default]
+    Group,
+    /// `"packet"`: one AGK1 with `nbits = 1` per datagram.
+    Packet,
+}
+
+impl AckMode {
+    /// The spelling used in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AckMode::Group => "group",
+            AckMode::Packet => "packet",
+        }
+    }
+}
+
+impl std::fmt::Display for AckMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Group mode: the group `k = seq / G` and its first sequence number `k * G`.
 ///
 /// `group_size` 0 is treated as 1 rather than panicking. When G does not

@@ -22,8 +22,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::abi::{self, Op};
-use crate::config::{AckMode, Config};
-use crate::proto;
+use crate::config::Config;
+use crate::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
 use crate::runtime::driver::{random_group_base, Driver, Shared};
 use crate::runtime::engine::Engine;

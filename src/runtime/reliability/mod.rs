@@ -50,7 +50,7 @@ pub use send::{SendStats, SendWindow};
 
 use std::time::Duration;
 
-use crate::config::AckMode;
+use crate::proto::AckMode;
 use crate::proto::DEFAULT_GROUP_SIZE;
 
 /// Distance (in seq numbers) from a tracker's floor beyond which a datagram is

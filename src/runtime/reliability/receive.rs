@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::{ReliabilityConfig, SESSION_RESET_DISTANCE};
-use crate::config::AckMode;
+use crate::proto::AckMode;
 use crate::proto::{group_of, SeqBitmap};
 
 /// What a receiver makes of an arriving seq.

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::{ReliabilityConfig, RttEstimator, SESSION_RESET_DISTANCE};
-use crate::config::AckMode;
+use crate::proto::AckMode;
 use crate::proto::SeqBitmap;
 
 /// Counters of one [`SendWindow`].
