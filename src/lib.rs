@@ -12,6 +12,7 @@
 //!   the socket baseline.
 //! - [`dataplane`]: loads the BPF skeletons, attaches, configures, reads counters.
 //! - [`xsk`], [`userspace`]: the AF_XDP socket and the user-space aggregation path.
+//! - [`netif`]: interface facts (MTU) that the node and the runtime both read.
 
 pub mod abi;
 pub mod broadcast;
@@ -21,6 +22,7 @@ pub mod proto;
 pub mod reducer;
 pub mod runtime;
 pub mod metrics;
+pub mod netif;
 pub mod node;
 pub mod tools;
 pub mod userspace;

@@ -492,7 +492,7 @@ pub fn attach_chain(
     }
 
     if chain == Chain::Linear {
-        let mtu = crate::runtime::pmtu::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))? as u32;
+        let mtu = crate::netif::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))? as u32;
         if mtu > chain.max_mtu() {
             bail!(
                 "aggbox: {iface} has MTU {mtu}, but the linear XDP chain (loaded without multi-buffer XDP: {}) aggregates datagrams of at most {} elements, i.e. MTU {}; lower the MTU (ip link set {iface} mtu {}) or use kernel 5.18+",

@@ -28,7 +28,7 @@ pub fn path_mtu(to: Ipv4Addr) -> io::Result<usize> {
         std::net::SocketAddr::V4(a) => *a.ip(),
         std::net::SocketAddr::V6(_) => return Err(io::Error::other("IPv6 source address")),
     };
-    interface_mtu_of(local).map(|m| m.min(MAX_IPV4_MTU))
+    crate::netif::interface_mtu_of(local).map(|m| m.min(MAX_IPV4_MTU))
 }
 
 /// `getsockopt(IP_MTU)` of a connected socket.
@@ -46,52 +46,6 @@ fn ip_mtu(sock: &UdpSocket) -> Option<usize> {
         )
     };
     (r == 0 && v > 0).then_some(v as usize)
-}
-
-/// MTU of the interface that holds address `addr`.
-pub fn interface_mtu_of(addr: Ipv4Addr) -> io::Result<usize> {
-    let ifs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
-    for i in ifs {
-        let Some(a) = i
-            .address
-            .as_ref()
-            .and_then(|a| a.as_sockaddr_in().map(|s| s.ip()))
-        else {
-            continue;
-        };
-        if a == addr {
-            return interface_mtu(&i.interface_name);
-        }
-    }
-    Err(io::Error::new(
-        io::ErrorKind::NotFound,
-        format!("no interface holds {addr}"),
-    ))
-}
-
-/// `SIOCGIFMTU` of interface `name`.
-pub fn interface_mtu(name: &str) -> io::Result<usize> {
-    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
-    // SAFETY: ifreq is plain data; zero is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    let bytes = name.as_bytes();
-    if bytes.len() >= req.ifr_name.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("interface name {name:?} too long"),
-        ));
-    }
-    for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    // SAFETY: valid fd and a valid ifreq for SIOCGIFMTU.
-    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU as _, &mut req) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
-    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
-    usize::try_from(mtu).map_err(|_| io::Error::other(format!("interface {name}: MTU {mtu}")))
 }
 
 /// The smallest path MTU to any of `to` (the communicator's other
@@ -121,10 +75,10 @@ mod tests {
         // lo has MTU 65536 on Linux; a datagram can be at most 65535 bytes.
         let m = path_mtu(Ipv4Addr::LOCALHOST).expect("route to 127.0.0.1");
         assert!((1280..=MAX_IPV4_MTU).contains(&m), "{m}");
-        let lo = interface_mtu("lo").expect("SIOCGIFMTU lo");
+        let lo = crate::netif::interface_mtu("lo").expect("SIOCGIFMTU lo");
         assert_eq!(m, lo.min(MAX_IPV4_MTU));
         assert_eq!(
-            interface_mtu_of(Ipv4Addr::LOCALHOST).expect("lo holds 127.0.0.1"),
+            crate::netif::interface_mtu_of(Ipv4Addr::LOCALHOST).expect("lo holds 127.0.0.1"),
             lo
         );
         assert_eq!(

@@ -1,0 +1,53 @@
+//! Facts about this host's network interfaces that the node (attach) and
+//! the runtime (path MTU) both need: one place, below both.
+
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+
+/// MTU of the interface that holds address `addr`.
+pub fn interface_mtu_of(addr: Ipv4Addr) -> io::Result<usize> {
+    let ifs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
+    for i in ifs {
+        let Some(a) = i
+            .address
+            .as_ref()
+            .and_then(|a| a.as_sockaddr_in().map(|s| s.ip()))
+        else {
+            continue;
+        };
+        if a == addr {
+            return interface_mtu(&i.interface_name);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("no interface holds {addr}"),
+    ))
+}
+
+/// `SIOCGIFMTU` of interface `name`.
+pub fn interface_mtu(name: &str) -> io::Result<usize> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+    // SAFETY: ifreq is plain data; zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("interface name {name:?} too long"),
+        ));
+    }
+    for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: valid fd and a valid ifreq for SIOCGIFMTU.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU as _, &mut req) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    usize::try_from(mtu).map_err(|_| io::Error::other(format!("interface {name}: MTU {mtu}")))
+}
+
