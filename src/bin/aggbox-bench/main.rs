@@ -439,7 +439,10 @@ fn write_report(
     let _ = writeln!(md, "| kernel | `{}` |", facts.kernel);
     let _ = writeln!(md, "| CPU | {} × {} |", facts.cpus, facts.cpu_model);
     let _ = writeln!(md, "| memory | {:.1} GiB |", facts.mem_gib);
-    let _ = writeln!(md, "| started | {} |", facts.started);
+    // The date only: the report is a reference table of one run; the
+    // exact start time stays in machine.json with the raw data.
+    let date = facts.started.split_whitespace().next().unwrap_or(&facts.started);
+    let _ = writeln!(md, "| date | {date} |");
     let _ = writeln!(md, "| load average at start | {} |", facts.loadavg_at_start);
     let _ = writeln!(
         md,
