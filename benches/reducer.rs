@@ -10,9 +10,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
-use aggbox::proto;
-use aggbox::reducer::Accumulator;
+use aggbox::wire::abi::Op;
+use aggbox::wire::proto;
+use aggbox::wire::reducer::Accumulator;
 
 fn main() {
     let n: usize = std::env::args()

@@ -18,8 +18,8 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, Op};
-use aggbox::dataplane::JobConfig;
+use aggbox::wire::abi::{self, Op};
+use aggbox::kernel::xdp::XdpJob;
 use bpf_common::*;
 
 
@@ -38,7 +38,7 @@ fn main() {
     let dp = load();
     dp.set_job(
         JOB,
-        &JobConfig {
+        &XdpJob {
             id: JOB,
             port: JOB_PORT,
             result_port: RESULT_PORT,
@@ -119,7 +119,7 @@ fn main() {
 }
 
 /// Median run time of `frame` over `runs` test runs (the first warms up).
-fn median_ns(runner: &aggbox::dataplane::TestRunner, frame: &[u8], runs: usize) -> u32 {
+fn median_ns(runner: &aggbox::kernel::xdp::TestRunner, frame: &[u8], runs: usize) -> u32 {
     let mut t: Vec<u32> = (0..runs)
         .map(|_| runner.run_timed(frame).expect("test run").2)
         .collect();
@@ -131,7 +131,7 @@ fn median_ns(runner: &aggbox::dataplane::TestRunner, frame: &[u8], runs: usize) 
 /// successive steps of the entry program (each step adds the lookups
 /// named), median of 2000 runs each. A frame with no IPv4 is the harness's
 /// own floor (BPF_PROG_TEST_RUN around a parse-and-pass).
-fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
+fn fixed_costs(runner: &aggbox::kernel::xdp::TestRunner) {
     let values = vec![1, 2, 3, 4];
     let agg = |job: u16, rank: u16| Agg::new(job, rank, Op::Sum as u8, values.clone());
     let mut not_ip = Frame::udp(addr(0), agg(JOB, 0).bytes());
@@ -163,7 +163,7 @@ fn fixed_costs(runner: &aggbox::dataplane::TestRunner) {
 /// contributions: 4 ranks, 362 elements, by role.
 fn floor(fragments: u32) {
     let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
-    let runner = aggbox::dataplane::TestRunner::for_program(floor.prog()).expect("test runner");
+    let runner = aggbox::kernel::xdp::TestRunner::for_program(floor.prog()).expect("test runner");
     let count = 362usize;
     let values: Vec<i32> = (0..count as i32).map(|i| (i * 7919) % 100_000 - 50_000).collect();
     let mut by_role = [0u64; 3];

@@ -7,7 +7,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::Instant;
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use aggbox::runtime::{Communicator, Participant, Quantization};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

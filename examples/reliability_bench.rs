@@ -12,7 +12,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use aggbox::config::AckMode;
 use aggbox::runtime::reliability::{RecvTracker, SendWindow};
 use aggbox::runtime::{CommStats, Communicator, ImpairControl, Impairment, Participant};

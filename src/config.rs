@@ -31,7 +31,7 @@
 //! # Decisions where the spec is silent
 //!
 //! - Only the first error is reported: INTERFACE.md asks for one clear line.
-//! - Weights are `0..=2^23` ([`crate::dataplane::MAX_WEIGHT`]) and must not
+//! - Weights are `0..=2^23` ([`crate::wire::abi::MAX_WEIGHT`]) and must not
 //!   sum to 0. The kernel keeps the AVG divisor as an unsigned `weight_sum`
 //!   (`struct aggbox_job`), so a negative weight has no meaning there and a
 //!   zero sum would divide by 0. The bound is the data plane's: it adds
@@ -48,7 +48,7 @@
 //! - `result_port` is required even with `parent` (INTERFACE.md lists it as
 //!   mandatory); a job with a parent sends its results upstream instead.
 //! - `result_group = 65535` is rejected: the jobs map uses 0xffff for "no
-//!   group" ([`crate::abi::NO_GROUP`]).
+//!   group" ([`crate::wire::abi::NO_GROUP`]).
 //! - Worker and parent addresses must be unicast: 0.0.0.0, 255.255.255.255
 //!   and multicast cannot be a datagram's source (workers) or a routed
 //!   next hop (parent, group members).
@@ -59,7 +59,7 @@
 //! - `metrics` also accepts an IPv6 `[ADDR]:PORT` (it is a plain TCP
 //!   listener, not data-plane traffic), and rejects port 0: Prometheus must
 //!   know where to scrape.
-//! - At most [`crate::abi::MAX_JOBS`] jobs, the size of the kernel's jobs map.
+//! - At most [`crate::wire::abi::MAX_JOBS`] jobs, the size of the kernel's jobs map.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -69,7 +69,7 @@ use std::path::Path;
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use toml::Spanned;
 
-use crate::abi;
+use crate::wire::abi;
 
 /// Where Prometheus metrics are served when `[node] metrics` is not given.
 pub const DEFAULT_METRICS: SocketAddr =
@@ -186,7 +186,7 @@ impl Default for NodeConfig {
 
 /// `[node] ack_mode`: a rule of the protocol (how AGK1 acknowledges), so it
 /// lives with the wire format; the config only spells it.
-pub use crate::proto::AckMode;
+pub use crate::wire::proto::AckMode;
 
 /// `[[job]]`: one reduction group this node aggregates. Host-order fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -199,7 +199,7 @@ pub struct JobConfig {
     /// 1..=[`MAX_WORKERS`] entries, all distinct.
     pub workers: Vec<Ipv4Addr>,
     /// Weight of each rank, same length as `workers` (all 1 when the file
-    /// gives none); each is in `0..=`[`crate::dataplane::MAX_WEIGHT`] and
+    /// gives none); each is in `0..=`[`crate::wire::abi::MAX_WEIGHT`] and
     /// their sum is positive (and at most 2^31, so it fits `u32`).
     pub weights: Vec<i32>,
     /// Local UDP port RESULT datagrams are delivered to (never 0, never a
@@ -742,7 +742,7 @@ fn parse_weights(
             &format!("{key}[{i}]"),
             item,
             0,
-            i64::from(crate::dataplane::MAX_WEIGHT),
+            i64::from(crate::wire::abi::MAX_WEIGHT),
             "a weight",
             "the kernel adds weight × value in a 64-bit sum that 256 ranks must not overflow",
         )?;

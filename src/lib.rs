@@ -6,24 +6,25 @@
 //! network-namespace testbed it shares with the tests lives in
 //! `src/testing/`, outside the library.
 //!
-//! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map structs).
-//! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
-//! - [`reducer`]: the reference reducer, oracle for the kernel path and core of
-//!   the socket baseline.
-//! - [`dataplane`]: loads the BPF skeletons, attaches, configures, reads counters.
-//! - [`xsk`], [`userspace`]: the AF_XDP socket and the user-space aggregation path.
+//! The folders are the layers, and dependencies point one way:
+//! `wire` ← `config` ← `kernel` ← `node`, and `wire` ← `config` ← `runtime`.
+//!
+//! - [`wire`]: what is on the wire and in the maps: the ABI mirror of
+//!   `include/aggbox/abi.h`, the message codecs, the reference reducer.
+//! - [`config`]: the node TOML that the daemon and the workers' runtime both
+//!   read (one file describes a deployment).
 //! - [`netif`]: interface facts (MTU) that the node and the runtime both read.
+//! - [`kernel`]: the BPF programs' user-space halves: the XDP aggregator,
+//!   the TC broadcaster, AF_XDP sockets and the user-space aggregation path
+//!   they feed.
+//! - [`node`]: `aggbox attach` and its services: pins, status, upkeep,
+//!   Prometheus metrics, operator tools.
+//! - [`runtime`]: the application library (broadcast / reduce / allreduce):
+//!   a state machine without I/O and the driver that gives it sockets.
 
-pub mod abi;
-pub mod broadcast;
 pub mod config;
-pub mod dataplane;
-pub mod proto;
-pub mod reducer;
-pub mod runtime;
-pub mod metrics;
+pub mod kernel;
 pub mod netif;
 pub mod node;
-pub mod tools;
-pub mod userspace;
-pub mod xsk;
+pub mod runtime;
+pub mod wire;

@@ -10,10 +10,11 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
+use aggbox::wire::proto;
 use aggbox::config::Config;
-use aggbox::dataplane::XdpMode;
-use aggbox::{metrics, node, tools};
+use aggbox::kernel::xdp::XdpMode;
+use aggbox::node::{self, metrics, tools};
 
 /// In-kernel aggregation and broadcast for distributed communication.
 ///
@@ -266,7 +267,7 @@ fn run(cli: Cli) -> Result<()> {
                 round,
                 op,
                 first_seq: seq,
-                per_datagram: tools::elements_per_datagram(mtu),
+                per_datagram: proto::elements_per_datagram(mtu),
             };
             let sent = tools::contribute(&socket, to, &c, &values)?;
             println!("rank {rank}: sent {} elements in {sent} datagrams to {to} (job {job}, round {round}, {})", values.len(), op.name());

@@ -7,7 +7,7 @@ use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 
-use aggbox::abi::{self, DropReason, Outcome};
+use aggbox::wire::abi::{self, DropReason, Outcome};
 
 /// Constants compared by value: (C expression, Rust value).
 fn constants() -> Vec<(String, i64)> {

@@ -10,8 +10,8 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::wire::abi::{self, DropReason, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
 use bpf_common::*;
 
 /// A RESULT frame checked for everything but its payload; returns
@@ -214,8 +214,8 @@ fn addr(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 1, rank as u8 + 1)
 }
 
-fn job(workers: u16, slots: u32) -> JobConfig {
-    JobConfig {
+fn job(workers: u16, slots: u32) -> XdpJob {
+    XdpJob {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -486,7 +486,7 @@ fn per_job_counters_are_exact_and_isolated() {
     const A: u16 = 31;
     const B: u16 = 32;
     let addr = |r: u8| Ipv4Addr::new(10, 88, 0, 1 + r);
-    let job = |id: u16| JobConfig {
+    let job = |id: u16| XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,

@@ -8,7 +8,7 @@ mod bpf_common;
 use std::fs::File;
 use std::process::Command;
 
-use aggbox::dataplane::XdpMode;
+use aggbox::kernel::xdp::XdpMode;
 use bpf_common::*;
 use nix::sched::{setns, CloneFlags};
 

@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Barrier};
 
-use aggbox::abi::{self, Outcome};
-use aggbox::dataplane::JobConfig;
+use aggbox::wire::abi::{self, Outcome};
+use aggbox::kernel::xdp::XdpJob;
 use bpf_common::*;
 use nix::sched::{sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
@@ -104,7 +104,7 @@ fn jumbo_slots_from_many_cpus_complete_exactly_once() {
 
 fn slots_from_many_cpus(elems: usize) {
     let dp = load();
-    let job = JobConfig {
+    let job = XdpJob {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,

@@ -27,9 +27,9 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Op, Outcome, SlotKey};
-use aggbox::dataplane::{Dataplane, JobConfig};
-use aggbox::reducer;
+use aggbox::wire::abi::{self, DropReason, Op, Outcome, SlotKey};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::wire::reducer;
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -39,8 +39,8 @@ fn addr(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 0, 11 + rank as u8)
 }
 
-fn job(workers: u16, slots: u32, window: u32) -> JobConfig {
-    JobConfig {
+fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
+    XdpJob {
         id: ID,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -380,7 +380,7 @@ fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
     assert_eq!((dp.fast_slots_in_use(), dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0, 0), "nothing changed");
     assert_eq!(fast(&dp, abi::FAST_JOINED) + fast(&dp, abi::FAST_TAKEN), 0);
     match dp.discard_fast_slots(ID, index as u16, 1) {
-        Err(aggbox::dataplane::DataplaneError::FastSlotBusy { index: i }) => assert_eq!(i, index),
+        Err(aggbox::kernel::xdp::DataplaneError::FastSlotBusy { index: i }) => assert_eq!(i, index),
         other => panic!("discard of a locked slot: {other:?}"),
     }
     // Let go: the same contributions (the senders' resends) complete it.

@@ -15,10 +15,10 @@ mod bpf_common;
 use std::fs::File;
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, HandoffReason, Outcome, SlotKey};
-use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::wire::abi::{self, DropReason, HandoffReason, Outcome, SlotKey};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
 use crate::testbed::{Testbed, TestbedConfig};
-use aggbox::xsk::{XskConfig, XskSocket};
+use aggbox::kernel::xsk::{XskConfig, XskSocket};
 use bpf_common::*;
 use nix::sched::{setns, CloneFlags};
 
@@ -26,8 +26,8 @@ const XDP_REDIRECT: u32 = 4;
 const R0: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 11);
 const R1: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 12);
 
-fn job(id: u16, slots: u32, flags: u32) -> JobConfig {
-    JobConfig {
+fn job(id: u16, slots: u32, flags: u32) -> XdpJob {
+    XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,

@@ -1,7 +1,7 @@
 //! Jumbo and multi-buffer contributions through BPF_PROG_TEST_RUN
 //! (docs/JUMBO.md): counts from 1 to 16370 (the largest IPv4 datagram),
 //! every kernel op, 4 weighted ranks; each RESULT compared byte for byte with
-//! `aggbox::reducer`. A frame larger than a page minus XDP head- and tailroom
+//! `aggbox::wire::reducer`. A frame larger than a page minus XDP head- and tailroom
 //! (~3.5 KB) reaches the `xdp.frags` programs as a multi-buffer xdp_buff
 //! (bpf_prog_test_run_xdp puts the rest of the data in page fragments), so
 //! counts >= 870 exercise bpf_xdp_load_bytes / store_bytes across fragments.
@@ -15,10 +15,11 @@ mod bpf_common;
 #[path = "impair/asm.rs"]
 mod asm;
 
-use aggbox::abi::{self, Op};
-use aggbox::dataplane::Dataplane;
-use aggbox::reducer;
-use aggbox::tools::{elements_per_datagram, pattern_vector};
+use aggbox::wire::abi::{self, Op};
+use aggbox::kernel::xdp::Dataplane;
+use aggbox::wire::reducer;
+use aggbox::node::tools::pattern_vector;
+use aggbox::wire::proto::elements_per_datagram;
 use bpf_common::*;
 
 
@@ -149,7 +150,7 @@ fn block_pool_is_used_whole_given_back_and_reused_dirty() {
     assert_eq!(dp.blocks_in_use().unwrap(), per_slot as usize, "completions gave their blocks back");
     // The last one is reclaimed (as for a stale round): its blocks come back too.
     let key = abi::SlotKey { job: REDUCE_JOB, pad: 0, round, frag_off: (fragments - 1) * count };
-    assert_eq!(dp.reclaim_slot(&key).unwrap(), aggbox::dataplane::Reclaim::Reclaimed);
+    assert_eq!(dp.reclaim_slot(&key).unwrap(), aggbox::kernel::xdp::Reclaim::Reclaimed);
     assert_eq!(dp.slots_in_use(), 0);
     assert_eq!(dp.blocks_in_use().unwrap(), 0, "reclaim gave the blocks back");
     // Every block now holds some earlier owner's values: each op, weighted,
@@ -241,7 +242,7 @@ impl Probe {
         use libbpf_rs::MapCore;
         use std::os::fd::AsFd;
         self.hops.update(&0u32.to_ne_bytes(), &hops.to_ne_bytes(), libbpf_rs::MapFlags::ANY).expect("set hops");
-        aggbox::dataplane::TestRunner::for_fd(self.prog.as_fd())
+        aggbox::kernel::xdp::TestRunner::for_fd(self.prog.as_fd())
             .and_then(|runner| runner.run(frame))
             .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of the probe: {e}"))
     }
@@ -319,7 +320,7 @@ fn measured_depth(dp: &Dataplane, frags: bool, budget_hops: u64, count: u32, fas
 /// largest datagram fits in the kernel's budget, which is measured too.
 #[test]
 fn tail_call_depth_is_measured_within_the_kernel_budget() {
-    use aggbox::dataplane::Chain;
+    use aggbox::kernel::xdp::Chain;
     let runs = |count: u32, per_run: u32| count.div_ceil(abi::CHUNK_ELEMS).div_ceil(per_run) as u64;
     for chain in [Chain::Frags, Chain::Linear] {
         let dp = match Dataplane::load_chain(chain) {

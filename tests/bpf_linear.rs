@@ -9,9 +9,10 @@
 
 mod bpf_common;
 
-use aggbox::abi::{self, Op};
-use aggbox::dataplane::{Chain, Dataplane};
-use aggbox::tools::{elements_per_datagram, pattern_vector};
+use aggbox::wire::abi::{self, Op};
+use aggbox::kernel::xdp::{Chain, Dataplane};
+use aggbox::node::tools::pattern_vector;
+use aggbox::wire::proto::elements_per_datagram;
 use bpf_common::*;
 
 fn load_linear() -> Dataplane {
@@ -119,7 +120,7 @@ fn linear_chain_tail_calls_go_through_its_own_array() {
         let dp = load_linear();
         // The hash-map chain (a fast slot would need no tail call).
         let mut chain_job = reduce_job(2, vec![]);
-        chain_job.flags = aggbox::abi::JOB_F_NO_FAST;
+        chain_job.flags = aggbox::wire::abi::JOB_F_NO_FAST;
         dp.set_job(REDUCE_JOB, &chain_job).unwrap();
         dp.unset_tail_call(index).unwrap();
         let before = dp.stats().unwrap();

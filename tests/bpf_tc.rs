@@ -17,8 +17,8 @@
 mod testbed;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use aggbox::abi::{self, BcastStat};
-use aggbox::broadcast::{self, plan_tree, BroadcastPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
+use aggbox::wire::abi::{self, BcastStat};
+use aggbox::kernel::tc::{self, plan_tree, BroadcastPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 9;
@@ -179,7 +179,7 @@ impl Fixture {
         })
         .expect("testbed");
         let plane = BroadcastPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
-        let eth0 = in_netns(&tb.host(0).netns, || broadcast::ifindex("eth0"))
+        let eth0 = in_netns(&tb.host(0).netns, || tc::ifindex("eth0"))
             .expect("netns")
             .expect("eth0");
         let (h0, h1) = (tb.host(0), tb.host(1));
@@ -207,13 +207,13 @@ impl Fixture {
         }
     }
 
-    fn run(&self, prog: TcProgram, frame: &[u8], mark: u32) -> broadcast::TcRun {
+    fn run(&self, prog: TcProgram, frame: &[u8], mark: u32) -> tc::TcRun {
         in_netns(&self.tb.host(0).netns, || self.plane.test_run(prog, frame, self.eth0, mark))
             .expect("netns")
             .expect("test_run")
     }
 
-    fn delta(&self, before: &broadcast::BroadcastStats, stat: BcastStat) -> u64 {
+    fn delta(&self, before: &tc::BroadcastStats, stat: BcastStat) -> u64 {
         self.plane.stats().expect("stats").packets(stat) - before.packets(stat)
     }
 }
@@ -627,7 +627,7 @@ fn ingress_result_is_copied_to_its_group_and_delivered_unchanged() {
 fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     let fx = Fixture::new();
     let h0 = fx.tb.host(0);
-    let parent = broadcast::ParentRoute { addr: *fx.h1.ip(), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
+    let parent = tc::ParentRoute { addr: *fx.h1.ip(), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
     fx.plane.set_parent_route(JOB, &parent).expect("set_parent_route");
     assert_eq!(fx.plane.result_route(JOB).expect("read").expect("route").parent, Some(parent));
 
@@ -687,10 +687,10 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     // a mismatching result port is refused; bad parents are refused
     assert!(fx.plane.set_result_route(JOB, RESULT_PORT + 1, GROUP).is_err());
     for bad in [
-        broadcast::ParentRoute { port: 0, ..parent },
-        broadcast::ParentRoute { rank: abi::RESULT_RANK, ..parent },
-        broadcast::ParentRoute { addr: Ipv4Addr::UNSPECIFIED, ..parent },
-        broadcast::ParentRoute { result_port: 0, ..parent },
+        tc::ParentRoute { port: 0, ..parent },
+        tc::ParentRoute { rank: abi::RESULT_RANK, ..parent },
+        tc::ParentRoute { addr: Ipv4Addr::UNSPECIFIED, ..parent },
+        tc::ParentRoute { result_port: 0, ..parent },
     ] {
         assert!(fx.plane.set_parent_route(JOB + 1, &bad).is_err(), "{bad:?}");
     }
@@ -700,7 +700,7 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
 
     // parent with an unresolved neighbour: the neighbour path
     fx.plane.remove_result_route(JOB).expect("remove");
-    let ghost = broadcast::ParentRoute { addr: Ipv4Addr::new(10, 77, 0, 77), ..parent };
+    let ghost = tc::ParentRoute { addr: Ipv4Addr::new(10, 77, 0, 77), ..parent };
     fx.plane.set_parent_route(JOB, &ghost).expect("set_parent_route");
     let before = fx.plane.stats().expect("stats");
     let run = fx.run(TcProgram::Ingress, &result_frame(&fx, payload, true).build(), 0);

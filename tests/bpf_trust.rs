@@ -17,8 +17,8 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Op, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::wire::abi::{self, DropReason, Op, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -31,8 +31,8 @@ fn addr(job: u16, rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 66, job as u8, 1 + rank as u8)
 }
 
-fn job(id: u16, port: u16, result_port: u16) -> JobConfig {
-    JobConfig {
+fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
+    XdpJob {
         id,
         port,
         result_port,

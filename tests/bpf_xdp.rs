@@ -8,8 +8,8 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::wire::abi::{self, DropReason, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
 use bpf_common::*;
 
 /// Which phase of the dataplane this build implements: 1 = validate and pass,
@@ -33,8 +33,8 @@ fn rank_addr(rank: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 0, 11 + rank)
 }
 
-fn test_job() -> JobConfig {
-    JobConfig {
+fn test_job() -> XdpJob {
+    XdpJob {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,

@@ -167,18 +167,18 @@ impl Bed {
 }
 
 fn contribution(seq: u32, round: u32) -> Vec<u8> {
-    let hdr = aggbox::proto::AggHeader {
+    let hdr = aggbox::wire::proto::AggHeader {
         job: 7,
         rank: 0,
         seq,
         round,
         frag_off: 0,
-        op: aggbox::abi::Op::Sum,
+        op: aggbox::wire::abi::Op::Sum,
         flags: 0,
         count: 100,
     };
     let mut b = Vec::new();
-    aggbox::proto::encode_agg_into(&hdr, &[1; 100], &mut b).expect("encode");
+    aggbox::wire::proto::encode_agg_into(&hdr, &[1; 100], &mut b).expect("encode");
     b
 }
 

@@ -273,18 +273,18 @@ impl Bed {
         let tx = bind_in(&self.tb, 1, h1.addr);
         let to = SocketAddrV4::new(self.agg_addr(), PORT);
         let agg1 = {
-            let hdr = aggbox::proto::AggHeader {
+            let hdr = aggbox::wire::proto::AggHeader {
                 job: JOB,
                 rank: 0,
                 seq: 0,
                 round: 1,
                 frag_off: 0,
-                op: aggbox::abi::Op::Sum,
+                op: aggbox::wire::abi::Op::Sum,
                 flags: 0,
                 count: 1,
             };
             let mut b = Vec::new();
-            aggbox::proto::encode_agg_into(&hdr, &[5], &mut b).expect("encode");
+            aggbox::wire::proto::encode_agg_into(&hdr, &[5], &mut b).expect("encode");
             b
         };
         for payload in [&b"plain udp after detach"[..], &agg1[..]] {
@@ -1093,7 +1093,7 @@ fn scrape_in(bed: &Bed, port: u16) -> String {
 /// was the AF_XDP worker's job only).
 #[test]
 fn attach_fails_without_the_userspace_path_unless_optional() {
-    use aggbox::xsk::{XskConfig, XskSocket};
+    use aggbox::kernel::xsk::{XskConfig, XskSocket};
     let bed = Bed::up(2); // two ranks: one contribution alone leaves a fragment unfinished
     let ns = bed.agg_ns();
     let blocker = bed

@@ -390,9 +390,9 @@ fn weights_summing_to_zero_are_rejected() {
 #[test]
 fn weight_above_2_pow_23_is_rejected_with_file_line_and_key() {
     // Issue #21 item 8: a weight the data plane refuses (it adds weight ×
-    // value in a 64-bit sum; `dataplane::MAX_WEIGHT` = 2^23) must be named
+    // value in a 64-bit sum; `abi::MAX_WEIGHT` = 2^23) must be named
     // here, with its line and key, not fail later inside `set_job`.
-    assert_eq!(aggbox::dataplane::MAX_WEIGHT, 1 << 23);
+    assert_eq!(aggbox::wire::abi::MAX_WEIGHT, 1 << 23);
     let text = r#"[[job]]
 id = 7
 port = 7000

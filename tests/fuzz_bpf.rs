@@ -8,7 +8,7 @@
 //! fragment bits, VLAN tags, source addresses of other ranks and other jobs)
 //! interleaved with valid rounds of two kernel jobs. Every input is
 //! classified by an independent oracle (a Rust model of PROTOCOL.md's
-//! aggregator that uses `aggbox::proto` for decoding and `aggbox::reducer`
+//! aggregator that uses `aggbox::wire::proto` for decoding and `aggbox::wire::reducer`
 //! for the arithmetic), and checked:
 //!
 //! - per input: the verdict, the outcome/drop reason the model predicts, the
@@ -42,10 +42,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
-use aggbox::abi::{self, DropReason, Op, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig, TestRunner};
-use aggbox::proto::{self, ProtoError};
-use aggbox::reducer;
+use aggbox::wire::abi::{self, DropReason, Op, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob, TestRunner};
+use aggbox::wire::proto::{self, ProtoError};
+use aggbox::wire::reducer;
 use bpf_common::*;
 
 // ---------------------------------------------------------------------------
@@ -92,9 +92,9 @@ fn rank_addr(job: u16, rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, job as u8, 11 + rank as u8)
 }
 
-fn jobs() -> Vec<JobConfig> {
+fn jobs() -> Vec<XdpJob> {
     vec![
-        JobConfig {
+        XdpJob {
             id: 7,
             port: PORT_A,
             result_port: RESULT_PORT,
@@ -106,7 +106,7 @@ fn jobs() -> Vec<JobConfig> {
             result_group: None,
             window: 4,
         },
-        JobConfig {
+        XdpJob {
             id: 8,
             port: PORT_A,
             result_port: 7003,
@@ -118,7 +118,7 @@ fn jobs() -> Vec<JobConfig> {
             result_group: None,
             window: 0,
         },
-        JobConfig {
+        XdpJob {
             id: 9,
             port: PORT_B,
             result_port: 7004,
@@ -203,7 +203,7 @@ struct MSlot {
 }
 
 pub struct Model {
-    jobs: HashMap<u16, JobConfig>,
+    jobs: HashMap<u16, XdpJob>,
     ports: HashSet<u16>,
     pub state: HashMap<u16, MState>,
     slots: HashMap<(u16, u32, u32), MSlot>,
@@ -221,7 +221,7 @@ fn be32(b: &[u8], o: usize) -> u32 {
 }
 
 impl Model {
-    pub fn new(jobs: &[JobConfig]) -> Model {
+    pub fn new(jobs: &[XdpJob]) -> Model {
         Model {
             ports: jobs.iter().map(|j| j.port).collect(),
             state: jobs.iter().map(|j| (j.id, MState::default())).collect(),
@@ -360,7 +360,7 @@ impl Model {
         &mut self,
         f: &[u8],
         p: usize,
-        cfg: JobConfig,
+        cfg: XdpJob,
         rank: u16,
         round: u32,
         frag_off: u32,
@@ -793,13 +793,13 @@ struct Report {
     batches: u64,
 }
 
-fn configure(dp: &Dataplane, jobs: &[JobConfig]) {
+fn configure(dp: &Dataplane, jobs: &[XdpJob]) {
     for j in jobs {
         dp.set_job(j.id, j).expect("set_job");
     }
 }
 
-fn check_batch(dp: &Dataplane, model: &Model, base: &aggbox::dataplane::Stats, counted: &BTreeMap<&'static str, (u64, u64)>, runs: u64, ctx: &str) {
+fn check_batch(dp: &Dataplane, model: &Model, base: &aggbox::kernel::xdp::Stats, counted: &BTreeMap<&'static str, (u64, u64)>, runs: u64, ctx: &str) {
     let now = dp.stats().expect("stats");
     let d = deltas(base, &now);
     let mut got: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
@@ -982,7 +982,7 @@ fn xdp_fuzz_million_mutated_datagrams() {
 
 #[test]
 fn tc_fuzz_mutated_datagrams() {
-    use aggbox::broadcast::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
+    use aggbox::kernel::tc::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
     use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
@@ -1007,7 +1007,7 @@ fn tc_fuzz_mutated_datagrams() {
     let start = Instant::now();
     let mut rng = Rng::new(env_u64("AGGBOX_FUZZ_SEED").unwrap_or(0xA66B_0C5E) ^ 0x7c);
     let stats = in_netns(&h0.netns, || {
-        let eth0 = broadcast::ifindex("eth0").expect("eth0");
+        let eth0 = tc::ifindex("eth0").expect("eth0");
         let before = plane.stats().expect("stats");
         let mut runs = 0u64;
         let mut unknown_group_checked = 0u64;

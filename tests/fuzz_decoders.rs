@@ -4,7 +4,7 @@
 //! change. Inputs: mutations (bit flips, truncation, extension, byte edits,
 //! splices) of valid seeds. `AGGBOX_SOAK=1` runs 20× longer. No root needed.
 
-use aggbox::proto::{self, SeqBitmap};
+use aggbox::wire::proto::{self, SeqBitmap};
 
 struct Rng(u64);
 impl Rng {
@@ -46,17 +46,17 @@ fn message_seeds() -> Vec<Vec<u8>> {
     let mut seeds = Vec::new();
     for (op, flags, count) in [(0u8, 0u8, 1usize), (4, 1, 3), (8, 0, 2), (0, 8, 2), (5, 0x0b, 5)] {
         let mut b = Vec::new();
-        b.extend_from_slice(&aggbox::abi::MAGIC_AGG.to_be_bytes());
+        b.extend_from_slice(&aggbox::wire::abi::MAGIC_AGG.to_be_bytes());
         b.extend_from_slice(&[0, 7, 0, 1, 0, 0, 0, 9, 0, 0, 0, 2, 0, 0, 1, 0, op, flags]);
         b.extend_from_slice(&(count as u16).to_be_bytes());
         b.extend((0..count * 4).map(|i| i as u8));
         seeds.push(b);
     }
-    let mut bc = aggbox::abi::MAGIC_BCAST.to_be_bytes().to_vec();
+    let mut bc = aggbox::wire::abi::MAGIC_BCAST.to_be_bytes().to_vec();
     bc.extend_from_slice(&[0, 0, 0, 3, 0, 0, 0, 1, 0, 9, 1, 0, b'h', b'i']);
     seeds.push(bc);
     for nbits in [1u16, 8, 9, 1024] {
-        let mut ak = aggbox::abi::MAGIC_ACK.to_be_bytes().to_vec();
+        let mut ak = aggbox::wire::abi::MAGIC_ACK.to_be_bytes().to_vec();
         ak.extend_from_slice(&[0, 7, 0, 1, 0, 0, 4, 0]);
         ak.extend_from_slice(&nbits.to_be_bytes());
         ak.extend_from_slice(&[0, 0]);

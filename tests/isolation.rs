@@ -26,17 +26,17 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Op, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig};
-use aggbox::reducer;
+use aggbox::wire::abi::{self, DropReason, Op, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::wire::reducer;
 use bpf_common::*;
 
 fn addr(job: u16, rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, job as u8, 11 + rank as u8)
 }
 
-fn job(id: u16, workers: u16, slots: u32) -> JobConfig {
-    JobConfig {
+fn job(id: u16, workers: u16, slots: u32) -> XdpJob {
+    XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -97,7 +97,7 @@ fn expect_rejected(dp: &Dataplane, ids: &[u16], src: Ipv4Addr, a: &Agg, reason: 
 }
 
 /// Contribute a whole round of `job` (all ranks); returns the RESULT payload.
-fn full_round(dp: &Dataplane, cfg: &JobConfig, round: u32, values: &dyn Fn(u16) -> Vec<i32>) -> Vec<u8> {
+fn full_round(dp: &Dataplane, cfg: &XdpJob, round: u32, values: &dyn Fn(u16) -> Vec<i32>) -> Vec<u8> {
     let workers = cfg.ranks.len() as u16;
     let mut result = None;
     for rank in 0..workers {
@@ -235,7 +235,7 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
     // Open fragments in the hash-map slots hold one pool block each (at most
     // 256 elements); fast slots (docs/DATAPLANE.md) hold none.
     let hash_slots = (dp.slots_in_use() - dp.fast_slots_in_use()) as f64;
-    let text = aggbox::metrics::render(&[aggbox::metrics::source_for("fuzz0", &dir, vec![], None)]).expect("render");
+    let text = aggbox::node::metrics::render(&[aggbox::node::metrics::source_for("fuzz0", &dir, vec![], None)]).expect("render");
     for (name, want) in [
         ("aggbox_job_slots_limit{iface=\"fuzz0\",job=\"1\"}", 8.0),
         ("aggbox_job_slots_active{iface=\"fuzz0\",job=\"1\"}", 8.0),
@@ -259,7 +259,7 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
 
 #[test]
 fn broadcast_for_a_group_not_configured_here_passes_untouched() {
-    use aggbox::broadcast::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
+    use aggbox::kernel::tc::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
     use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
@@ -286,7 +286,7 @@ fn broadcast_for_a_group_not_configured_here_passes_untouched() {
     f.dport = 7200;
     let frame = f.build();
     let results = in_netns(&h0.netns, || {
-        let eth0 = broadcast::ifindex("eth0").expect("eth0");
+        let eth0 = tc::ifindex("eth0").expect("eth0");
         let mut out = Vec::new();
         for prog in [TcProgram::Egress, TcProgram::Ingress] {
             let before = plane.stats().expect("stats");

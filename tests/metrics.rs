@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::tools;
+use aggbox::node::tools;
 
 const JOB: u16 = 21;
 const PORT: u16 = 7100;
@@ -218,7 +218,7 @@ impl Drop for StopOnDrop {
 /// trickling client stalled every scrape for as long as it kept sending.
 #[test]
 fn slow_endless_and_oversized_requests_do_not_stall_a_scrape() {
-    use aggbox::metrics::{self, MetricsServer, HEADER_READ_TIMEOUT, MAX_REQUEST_BYTES};
+    use aggbox::node::metrics::{self, MetricsServer, HEADER_READ_TIMEOUT, MAX_REQUEST_BYTES};
     let listener = metrics::bind("127.0.0.1:0".parse().unwrap()).expect("bind loopback");
     let server = MetricsServer::start(listener, Vec::new()).expect("metrics server");
     let addr = server.local_addr();

@@ -20,11 +20,11 @@ mod common_netns;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
-use aggbox::abi::{DropReason, Op, Outcome};
+use aggbox::wire::abi::{DropReason, Op, Outcome};
 use aggbox::config::Config;
-use aggbox::dataplane::{Stats, XdpMode};
+use aggbox::kernel::xdp::{Stats, XdpMode};
 use aggbox::node::{self, Attachment};
-use aggbox::proto::{self, AggHeader};
+use aggbox::wire::proto::{self, AggHeader};
 use crate::testbed::{Testbed, TestbedConfig};
 use common_netns::*;
 

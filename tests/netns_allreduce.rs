@@ -19,9 +19,9 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
-use aggbox::abi::{BcastStat, Op};
+use aggbox::wire::abi::{BcastStat, Op};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::tools;
+use aggbox::node::tools;
 
 const ELEMENTS: u32 = 800; // 3 fragments of at most 362 elements
 const PER_DATAGRAM: usize = 362;

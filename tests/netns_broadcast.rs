@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, BcastStat};
-use aggbox::broadcast::{self, plan_tree, BroadcastError, BroadcastOptions, BroadcastPlane, TreeNode};
+use aggbox::wire::abi::{self, BcastStat};
+use aggbox::kernel::tc::{self, plan_tree, BroadcastError, BroadcastOptions, BroadcastPlane, TreeNode};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 3;
@@ -62,7 +62,7 @@ fn plane_on(netns: &str, options: &BroadcastOptions) -> BroadcastPlane {
         Err(e) => panic!("loading the TC broadcast programs failed: {e:#?}"),
     };
     in_netns(netns, || -> Result<(), BroadcastError> {
-        let idx = broadcast::ifindex("eth0")?;
+        let idx = tc::ifindex("eth0")?;
         plane.attach(idx)
     })
     .expect("enter namespace")
@@ -339,7 +339,7 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
     let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.ip_forward=0"]).expect("sysctl");
     assert!(out.status.success());
     let mut plane = BroadcastPlane::load().expect("load");
-    let err = in_netns(&h0.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+    let err = in_netns(&h0.netns, || plane.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect_err("attach must refuse with forwarding off");
     let msg = err.to_string();
@@ -354,11 +354,11 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
         String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().expect("a number")
     };
     let kernel_default = unres_qlen();
-    assert!(kernel_default < broadcast::UNRES_QLEN_BYTES, "{kernel_default}");
-    in_netns(&h0.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+    assert!(kernel_default < tc::UNRES_QLEN_BYTES, "{kernel_default}");
+    in_netns(&h0.netns, || plane.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("attach");
-    assert_eq!(unres_qlen(), broadcast::UNRES_QLEN_BYTES, "attach raised the unresolved-neighbour queue");
+    assert_eq!(unres_qlen(), tc::UNRES_QLEN_BYTES, "attach raised the unresolved-neighbour queue");
     assert_eq!(plane.attached().map(|a| a.1), Some(true), "created the qdisc");
     assert!(tc_qdiscs(0).contains("clsact"));
     let filters = tb.run_in(0, &["tc", "filter", "show", "dev", "eth0", "egress"]).expect("tc");
@@ -373,7 +373,7 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
     // foreign filter; the qdisc itself is what detach must not remove)
     let out = tb.run_in(1, &["tc", "qdisc", "add", "dev", "eth0", "clsact"]).expect("tc");
     assert!(out.status.success(), "tc qdisc add: {}", String::from_utf8_lossy(&out.stderr));
-    in_netns(&h1.netns, || plane.attach(broadcast::ifindex("eth0").expect("eth0")))
+    in_netns(&h1.netns, || plane.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("attach");
     assert_eq!(plane.attached().map(|a| a.1), Some(false), "did not create the qdisc");
@@ -385,11 +385,11 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
 
     // stale filters (process gone) can be removed by handle/priority
     let mut p2 = BroadcastPlane::load().expect("load");
-    in_netns(&h1.netns, || p2.attach(broadcast::ifindex("eth0").expect("eth0")))
+    in_netns(&h1.netns, || p2.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("attach");
     std::mem::forget(p2); // like kill -9: nothing detaches
-    let removed = in_netns(&h1.netns, || broadcast::detach_stale(broadcast::ifindex("eth0").expect("eth0")))
+    let removed = in_netns(&h1.netns, || tc::detach_stale(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("detach_stale");
     assert_eq!(removed, 2);
@@ -492,11 +492,11 @@ fn members_on_the_sending_or_forwarding_host_get_their_copy() {
     let (h0, h1, h2) = (tb.host(0), tb.host(1), tb.host(2));
     // a copy looped back to the root's own host carries a local source
     // address: the stack takes it as martian unless lo accepts it
-    let err = in_netns(&h0.netns, broadcast::check_local_delivery).expect("netns").expect_err("off by default");
+    let err = in_netns(&h0.netns, tc::check_local_delivery).expect("netns").expect_err("off by default");
     assert!(err.to_string().contains("accept_local=1"), "{err}");
     let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.conf.lo.accept_local=1"]).expect("sysctl");
     assert!(out.status.success());
-    in_netns(&h0.netns, broadcast::check_local_delivery).expect("netns").expect("on now");
+    in_netns(&h0.netns, tc::check_local_delivery).expect("netns").expect("on now");
     let root_plane = plane_on(&h0.netns, &BroadcastOptions::default());
     let fwd_plane = plane_on(&h1.netns, &BroadcastOptions::default());
     let forwarder = SocketAddrV4::new(h1.addr, 7200);

@@ -3,7 +3,7 @@
 //! and IPv4 MTU), AggBox attached in native mode to the aggregator's `eth0`
 //! with `node::attach` (the `xdp.frags` chain: frames larger than a page
 //! reach it as multi-buffer xdp_buffs), 4 sender hosts, one rank each,
-//! sending with `aggbox::tools::contribute` at `elements_per_datagram(mtu)`
+//! sending with `aggbox::node::tools::contribute` at `elements_per_datagram(mtu)`
 //! elements per datagram. Every RESULT element is compared with the
 //! reference reducer. Datagrams the veth rings drop under the 4-sender burst
 //! are resent (the aggregator deduplicates them), so the check is exact
@@ -19,13 +19,14 @@ mod common_netns;
 use std::net::{SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, DropReason, Op, Outcome};
+use aggbox::wire::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
-use aggbox::dataplane::{Chain, XdpMode};
+use aggbox::kernel::xdp::{Chain, XdpMode};
 use aggbox::node;
-use aggbox::proto::{self, AggHeader};
+use aggbox::wire::proto::{self, AggHeader};
 use crate::testbed::{Testbed, TestbedConfig};
-use aggbox::tools::{self, collect_results, elements_per_datagram, expected_pattern_result, pattern_vector, Contribution};
+use aggbox::node::tools::{self, collect_results, expected_pattern_result, pattern_vector, Contribution};
+use aggbox::wire::proto::elements_per_datagram;
 use common_netns::*;
 
 const JOB: u16 = 9;
@@ -104,7 +105,7 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
             for w in &att.warnings {
                 eprintln!("attach warning: {w}");
             }
-            let _stats_fd = aggbox::metrics::enable_bpf_stats().expect("bpf stats");
+            let _stats_fd = aggbox::node::metrics::enable_bpf_stats().expect("bpf stats");
             // Kernels without multi-buffer AF_XDP (before 6.6): the XDP
             // program keeps frames longer than one UMEM frame on the
             // fallback (xsk_limits): passed and counted, never redirected.

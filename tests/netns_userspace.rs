@@ -1,6 +1,6 @@
 //! The user-space path end to end in network namespaces: real UDP
 //! contributions sent from testbed hosts to an aggregator whose XDP program
-//! hands datagrams over through AF_XDP to `aggbox::userspace`, RESULTs read
+//! hands datagrams over through AF_XDP to `aggbox::kernel::afxdp`, RESULTs read
 //! from a plain UDP socket on the job's result port.
 //!
 //! - every spec case of `aggregation-userspace.json`, replayed from its
@@ -23,14 +23,14 @@ use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, DropReason, HandoffReason, Op, Outcome};
+use aggbox::wire::abi::{self, DropReason, HandoffReason, Op, Outcome};
 use aggbox::config::{Config, JobConfig};
-use aggbox::dataplane::{Dataplane, XdpLink, XdpMode};
-use aggbox::node::dataplane_job;
-use aggbox::proto::{self, AggHeader};
-use aggbox::reducer;
+use aggbox::kernel::xdp::{Dataplane, XdpLink, XdpMode};
+use aggbox::node::xdp_job;
+use aggbox::wire::proto::{self, AggHeader};
+use aggbox::wire::reducer;
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::userspace::{slot_bytes, Refusal, UserspaceOptions, UserspacePath};
+use aggbox::kernel::afxdp::{slot_bytes, Refusal, UserspaceOptions, UserspacePath};
 use nix::sched::{setns, CloneFlags};
 
 const AGG: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
@@ -82,7 +82,7 @@ impl Bed {
             ..Default::default()
         };
         for j in &config.jobs {
-            dp.set_job(j.id, &dataplane_job(j)).expect("set_job");
+            dp.set_job(j.id, &xdp_job(j)).expect("set_job");
         }
         let ifindex = aggbox::node::ifindex("eth0").expect("eth0");
         let (link, _) = dp.attach_xdp(ifindex, XdpMode::Native).expect("attach");

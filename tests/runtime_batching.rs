@@ -38,12 +38,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, DropReason, Op, Outcome};
+use aggbox::wire::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
-use aggbox::proto::{self, AggHeader};
-use aggbox::runtime::fragment::{
-    blocks_per_fragment, elements_per_fragment, kernel_window, IP_UDP_HDR,
-};
+use aggbox::wire::proto::{self, AggHeader};
+use aggbox::runtime::fragment::{blocks_per_fragment, elements_per_fragment, kernel_window};
 use aggbox::runtime::transport::{Transport, UdpTransport};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
 use crate::testbed::{Testbed, TestbedConfig};
@@ -251,7 +249,7 @@ fn xdp_sees_each_datagram_of_sendto_sendmmsg_and_udp_gso() {
         let rows = tb
             .in_host(0, || {
                 let config = Config::parse(&text, "batching.toml").expect("config");
-                let att = aggbox::node::attach("eth0", &config, None, &pins.path, aggbox::dataplane::XdpMode::Native)
+                let att = aggbox::node::attach("eth0", &config, None, &pins.path, aggbox::kernel::xdp::XdpMode::Native)
                     .unwrap_or_else(|e| panic!("attach at MTU {mtu}: {e:#}"));
                 let mut rows = Vec::new();
                 let skbs = || tx_packets(&tb, 1);
@@ -436,7 +434,7 @@ fn jumbo_scenario(mtu: u32) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
-    let datagram = IP_UDP_HDR + aggbox::abi::AGG_HDR_LEN + 4 * per;
+    let datagram = proto::IP_UDP_HDR + aggbox::wire::abi::AGG_HDR_LEN + 4 * per;
     let workers = bed.workers.len();
     let reduce_window = kernel_window(256, 1024, per, workers, 1, datagram);
     let allreduce_window = kernel_window(256, 1024, per, workers, workers + 1, datagram);

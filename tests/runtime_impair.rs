@@ -15,7 +15,7 @@ mod common_runtime;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use aggbox::config::AckMode;
 use aggbox::runtime::{
     CommStats, Communicator, CommunicatorBuilder, ImpairControl, Impairment, Participant,

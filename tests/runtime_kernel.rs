@@ -32,7 +32,7 @@ mod common_runtime;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{BcastStat, Op};
+use aggbox::wire::abi::{BcastStat, Op};
 use aggbox::config::Config;
 use aggbox::runtime::{BackendKind, CommError, CommStats, Communicator, CommunicatorBuilder, Participant, StripedCommunicator};
 use crate::testbed::{Testbed, TestbedConfig};
@@ -355,7 +355,7 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
     let injector = impair::Injector::new();
     let impair = |loss: f64| impair_ports(&tb, &injector, loss);
     let resent = || parts.iter().map(|c| c.stats().retransmitted).sum::<u64>();
-    let job_counters = || -> Vec<aggbox::abi::JobStats> {
+    let job_counters = || -> Vec<aggbox::wire::abi::JobStats> {
         let st = attach.status();
         jobs.iter().map(|j| st.jobs.iter().find(|s| s.id == *j).and_then(|s| s.counters).expect("job counters")).collect()
     };

@@ -26,9 +26,9 @@ mod common_runtime;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, Op};
+use aggbox::wire::abi::{self, Op};
 use aggbox::config::Config;
-use aggbox::proto::{self, AggHeader};
+use aggbox::wire::proto::{self, AggHeader};
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, RefusedStats};
 use crate::testbed::{Testbed, TestbedConfig};
 
@@ -83,7 +83,7 @@ fn kernel_backend_refuses_forged_results_and_nothing_legitimate() {
     let out = attach.outcomes();
     assert!(out["result"] > 0, "the XDP program reduced: {out:?}");
     assert!(
-        attach.broadcast_counts()[aggbox::abi::BcastStat::ResultBroadcast.label()] > 0,
+        attach.broadcast_counts()[aggbox::wire::abi::BcastStat::ResultBroadcast.label()] > 0,
         "RESULTs were copied to the workers by the result group"
     );
     for (i, c) in all.iter().enumerate() {

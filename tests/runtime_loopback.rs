@@ -7,10 +7,10 @@ mod common_runtime;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use aggbox::config::AckMode;
 use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization, StripedCommunicator};
-use aggbox::tools::pattern_vector;
+use aggbox::node::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 

@@ -20,10 +20,10 @@ mod common_runtime;
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::Op;
+use aggbox::wire::abi::Op;
 use aggbox::runtime::{CallOptions, CommError, CommStats, Communicator, CommunicatorBuilder, Participant, Peer};
 use crate::testbed::{Testbed, TestbedConfig};
-use aggbox::tools::pattern_vector;
+use aggbox::node::tools::pattern_vector;
 
 const WORKERS: usize = 3;
 const JOB_PORT: u16 = 7400;

@@ -17,8 +17,8 @@ mod common_runtime;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, Op};
-use aggbox::proto::{self, AckKind, AckMessage, AggHeader, SeqBitmap};
+use aggbox::wire::abi::{self, Op};
+use aggbox::wire::proto::{self, AckKind, AckMessage, AggHeader, SeqBitmap};
 use aggbox::runtime::{BackendKind, Communicator, Impairment, Participant, RefusedStats, ReliabilityConfig};
 
 const JOB: u16 = 7;

@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{DropReason, Op, Outcome};
-use aggbox::dataplane::{Dataplane, JobConfig, Reclaim};
-use aggbox::reducer;
+use aggbox::wire::abi::{DropReason, Op, Outcome};
+use aggbox::kernel::xdp::{Dataplane, XdpJob, Reclaim};
+use aggbox::wire::reducer;
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -33,8 +33,8 @@ fn addr(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 0, 11 + rank as u8)
 }
 
-fn job(workers: u16, slots: u32, window: u32) -> JobConfig {
-    JobConfig {
+fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
+    XdpJob {
         id: 5,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -118,7 +118,7 @@ fn slots_of_an_incomplete_round_are_reclaimed_once_stale() {
     assert_eq!((active(&dp), dp.slots_in_use(), dp.slot_owners_in_use()), (0, 0, 0));
 
     // A single slot: absent and completing cases.
-    let key = aggbox::abi::SlotKey { job: 5, pad: 0, round: 8, frag_off: 0 };
+    let key = aggbox::wire::abi::SlotKey { job: 5, pad: 0, round: 8, frag_off: 0 };
     assert_eq!(dp.reclaim_slot(&key).unwrap(), Reclaim::Absent);
 }
 

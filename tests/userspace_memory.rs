@@ -1,5 +1,5 @@
 //! Memory bounds of the user-space path, driven through its slot table
-//! (`aggbox::userspace::SlotTable`) with no socket and no root: with jumbo
+//! (`aggbox::kernel::afxdp::SlotTable`) with no socket and no root: with jumbo
 //! frames one slot holds up to 16,370 elements (~128 KiB), so the slot
 //! count alone lets a job reach ~2 GiB. The byte bounds (`[[job]]` and
 //! `[node]` `userspace_slot_bytes`) refuse a new slot that would pass them,
@@ -11,10 +11,10 @@
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
-use aggbox::abi::{self, DropReason, Op};
+use aggbox::wire::abi::{self, DropReason, Op};
 use aggbox::config::Config;
-use aggbox::proto::{self, AggHeader, AggMessage, AggPayload};
-use aggbox::userspace::{slot_bytes, Refusal, SlotTable, UserspaceOptions, DROP_SLOT_BYTES_JOB, DROP_SLOT_BYTES_NODE};
+use aggbox::wire::proto::{self, AggHeader, AggMessage, AggPayload};
+use aggbox::kernel::afxdp::{slot_bytes, Refusal, SlotTable, UserspaceOptions, DROP_SLOT_BYTES_JOB, DROP_SLOT_BYTES_NODE};
 
 /// The most elements one IPv4 datagram carries: (65535 − 20 − 8 − 24) / 4.
 const JUMBO: usize = 16370;
@@ -62,13 +62,13 @@ fn datagram(job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Vec<u8> {
     out
 }
 
-fn contribute(t: &mut SlotTable, job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Result<Option<aggbox::userspace::Completion>, Refusal> {
+fn contribute(t: &mut SlotTable, job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Result<Option<aggbox::kernel::afxdp::Completion>, Refusal> {
     t.contribute(rank_addr(rank), &datagram(job, rank, round, frag, n), Instant::now())
 }
 
 /// The RESULT of a completed SUM slot equals the element-wise sum of both
 /// ranks' values, with the slot's key.
-fn check_result(done: &aggbox::userspace::Completion, job: u16, round: u32, frag: u32, n: usize) {
+fn check_result(done: &aggbox::kernel::afxdp::Completion, job: u16, round: u32, frag: u32, n: usize) {
     let msg = AggMessage::decode(&done.result).expect("RESULT decodes");
     assert_eq!((msg.job, msg.rank, msg.round, msg.frag_off), (job, abi::RESULT_RANK, round, frag * n as u32));
     assert!(msg.flags & abi::AGG_F_RESULT != 0);

@@ -1,5 +1,5 @@
 //! Runs every case of the normative vector files through a slot-level model
-//! of the aggregator built on `aggbox::proto` and `aggbox::reducer`.
+//! of the aggregator built on `aggbox::wire::proto` and `aggbox::wire::reducer`.
 //!
 //! A missing or unreadable vector file fails the test: the vectors are the
 //! contract, silently skipping them would hide a broken checkout.
@@ -10,8 +10,8 @@ mod model;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Op};
-use aggbox::proto;
+use aggbox::wire::abi::{self, DropReason, Op};
+use aggbox::wire::proto;
 use model::{Aggregator, JobConfig, Verdict};
 use serde::Deserialize;
 

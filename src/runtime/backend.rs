@@ -4,7 +4,7 @@
 //!
 //! - [`crate::runtime::socket::SocketAggregator`]: every contribution reaches
 //!   the aggregator process, which reduces it with
-//!   [`crate::reducer::Accumulator`] (dedup per (job, round, frag_off, rank),
+//!   [`crate::wire::reducer::Accumulator`] (dedup per (job, round, frag_off, rank),
 //!   completion once) and acknowledges it itself through
 //!   [`crate::runtime::reliability::RecvTracker`].
 //! - [`crate::runtime::kernel::KernelAggregator`]: the node's XDP program
@@ -19,7 +19,7 @@
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
-use crate::proto::{AckKind, AggHeader, SeqBitmap};
+use crate::wire::proto::{AckKind, AggHeader, SeqBitmap};
 use crate::runtime::outbox::Outbox;
 use crate::runtime::transport::Counters;
 
@@ -98,7 +98,7 @@ pub trait Backend: Send + std::fmt::Debug {
     /// A reduction with `op` needs up to `n` slots of `count` elements:
     /// prepare them now (the socket aggregator makes its accumulators), so
     /// later calls of the same size allocate nothing. Default: nothing.
-    fn reserve(&mut self, _op: crate::abi::Op, _count: usize, _n: usize) {}
+    fn reserve(&mut self, _op: crate::wire::abi::Op, _count: usize, _n: usize) {}
 
     /// One valid `AGG1` datagram arrived at the aggregator's socket.
     fn on_agg(

@@ -6,8 +6,8 @@
 
 use std::time::Instant;
 
-use crate::abi::Op;
-use crate::proto;
+use crate::wire::abi::Op;
+use crate::wire::proto;
 use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32, ReduceOutput, Request};
 use crate::runtime::engine::{Engine, Reduced, Sink, Src};
 use crate::runtime::quantize::{self, Quantization};
@@ -313,7 +313,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Calls, RoundDriver};
-    use crate::abi::Op;
+    use crate::wire::abi::Op;
     use crate::runtime::comm::{CallOptions, Communicator, Participant, RawF32};
     use crate::runtime::engine::Engine;
     use crate::runtime::outbox::Transmit;

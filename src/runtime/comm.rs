@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::abi::{self, Op};
+use crate::wire::abi::{self, Op};
 use crate::config::Config;
-use crate::proto::{self, AckMode};
+use crate::wire::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
 use crate::runtime::driver::{random_group_base, Driver, Shared};
 use crate::runtime::engine::Engine;
-use crate::runtime::fragment::{self, elements_per_fragment};
+use crate::runtime::fragment::elements_per_fragment;
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;
 use crate::runtime::reliability::ReliabilityConfig;
@@ -431,7 +431,7 @@ impl CommunicatorBuilder {
         // whose windows hold up to 910 fragments). The socket backend's
         // aggregator too: 4 workers' windows of 233 datagrams at MTU 9000
         // overflowed its 8 MiB (`RcvbufErrors`, each a timeout).
-        let dgram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
+        let dgram = proto::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
         let mut rcv = (8usize << 20).max(256 * dgram);
         if cfg.backend == BackendKind::Kernel || cfg.me == Participant::Aggregator {
             rcv = rcv.max(64 << 20);

@@ -1,6 +1,6 @@
 //! Fragmentation and in-order reassembly of vectors of any length.
 //!
-//! A vector is cut into fragments of [`elements_per_datagram`] elements
+//! A vector is cut into fragments of [`elements_per_fragment`] elements
 //! (`(mtu - 20 - 8 - 24) / 4`: IPv4, UDP and `AGG1` headers; 362 at MTU 1500);
 //! fragment `i` starts at element `frag_off = i * per` and the last one carries
 //! `LAST_FRAGMENT`. Broadcast data uses the same fragment size in bytes
@@ -12,8 +12,7 @@
 //! complete, and in order, exactly when every fragment has arrived. It keeps its
 //! allocation between calls.
 
-/// IPv4 (20) + UDP (8) header bytes.
-pub const IP_UDP_HDR: usize = 28;
+use crate::wire::proto::elements_per_datagram;
 
 /// Bytes of the runtime sub-header at the start of every `AGB1` payload:
 /// `round: u32` and `offset: u32` (bit 31 = OVERFLOW of a forwarded result).
@@ -22,24 +21,18 @@ pub const BCAST_SUBHDR: usize = 8;
 /// Bit 31 of the sub-header offset: the forwarded result fragment was clamped.
 pub const SUBHDR_OVERFLOW: u32 = 0x8000_0000;
 
-/// Elements per `AGG1` datagram at `mtu`: `(mtu - 20 - 8 - 24) / 4`, capped at
-/// 65535 (the `count` field), at least 1.
-pub fn elements_per_datagram(mtu: usize) -> usize {
-    (mtu.saturating_sub(IP_UDP_HDR + crate::abi::AGG_HDR_LEN) / 4).clamp(1, u16::MAX as usize)
-}
-
-/// Elements per fragment at `mtu`: [`elements_per_datagram`] capped at the
+/// Elements per fragment at `mtu`: [`elements_per_datagram`] (the wire rule) capped at the
 /// kernel aggregator's per-frame limit (`abi::MAX_ELEMS`, 16384), so every
 /// fragment the runtime sends can be reduced by the XDP program.
 pub fn elements_per_fragment(mtu: usize) -> usize {
-    elements_per_datagram(mtu).min(crate::abi::MAX_ELEMS as usize)
+    elements_per_datagram(mtu).min(crate::wire::abi::MAX_ELEMS as usize)
 }
 
 /// Accumulator blocks (`abi::CHUNK_ELEMS` = 256 elements each) one slot of
 /// `per` elements holds in the kernel: `ceil(per / 256)` (2 at MTU 1500, 9 at
 /// 9000, 64 at 65535).
 pub fn blocks_per_fragment(per: usize) -> usize {
-    per.max(1).div_ceil(crate::abi::CHUNK_ELEMS as usize)
+    per.max(1).div_ceil(crate::wire::abi::CHUNK_ELEMS as usize)
 }
 
 /// Packets one window of a kernel-backend job may put in the node's queues:
@@ -90,7 +83,7 @@ pub fn kernel_window(
     result_copies: usize,
     datagram_bytes: usize,
 ) -> usize {
-    let pool = crate::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
+    let pool = crate::wire::abi::MAX_BLOCKS as usize / blocks_per_fragment(per);
     let packets = workers.max(1) + result_copies;
     let fan_out = if result_copies > 1 {
         KERNEL_INFLIGHT_COPIES / result_copies
@@ -219,8 +212,8 @@ mod tests {
         assert_eq!(fragment_range(1, 363, 362), 362..363);
         // AGB1 header + sub-header == AGG1 header: same datagram size.
         assert_eq!(
-            crate::abi::BCAST_HDR_LEN + BCAST_SUBHDR,
-            crate::abi::AGG_HDR_LEN
+            crate::wire::abi::BCAST_HDR_LEN + BCAST_SUBHDR,
+            crate::wire::abi::AGG_HDR_LEN
         );
     }
 
@@ -230,16 +223,16 @@ mod tests {
         assert_eq!(elements_per_fragment(1500), 362);
         assert_eq!(elements_per_fragment(9000), 2237);
         assert_eq!(elements_per_fragment(65535), 16370);
-        assert!(elements_per_fragment(65535) <= crate::abi::MAX_ELEMS as usize);
+        assert!(elements_per_fragment(65535) <= crate::wire::abi::MAX_ELEMS as usize);
         assert_eq!(
             elements_per_fragment(200_000),
-            crate::abi::MAX_ELEMS as usize
+            crate::wire::abi::MAX_ELEMS as usize
         );
         // A fragment at the largest MTU fits one IPv4 datagram.
-        assert!(28 + crate::abi::AGG_HDR_LEN + 4 * elements_per_fragment(65535) <= 65535);
+        assert!(28 + crate::wire::abi::AGG_HDR_LEN + 4 * elements_per_fragment(65535) <= 65535);
         // Blocks per slot: ceil(per / 256).
-        assert_eq!(crate::abi::CHUNK_ELEMS, 256);
-        assert_eq!(crate::abi::MAX_BLOCKS, 8192);
+        assert_eq!(crate::wire::abi::CHUNK_ELEMS, 256);
+        assert_eq!(crate::wire::abi::MAX_BLOCKS, 8192);
         assert_eq!(blocks_per_fragment(362), 2);
         assert_eq!(blocks_per_fragment(2237), 9);
         assert_eq!(blocks_per_fragment(16370), 64);
@@ -248,7 +241,7 @@ mod tests {
         // Kernel window: min(window, slots, 8192 / blocks, what the node
         // queues: 1280 packets and 8 MiB of contributions and RESULTs, and
         // 400 RESULT copies of a fan-out).
-        let dgram = |per: usize| IP_UDP_HDR + crate::abi::AGG_HDR_LEN + 4 * per;
+        let dgram = |per: usize| crate::wire::proto::IP_UDP_HDR + crate::wire::abi::AGG_HDR_LEN + 4 * per;
         assert_eq!(kernel_window(256, 1024, 362, 1, 1, dgram(362)), 256);
         assert_eq!(kernel_window(1024, 4096, 362, 1, 1, dgram(362)), 640);
         assert_eq!(kernel_window(1024, 4096, 2237, 1, 1, 1), 640);
@@ -278,7 +271,7 @@ mod tests {
             let per = elements_per_fragment(mtu);
             let w = kernel_window(1024, 4096, per, 1, 1, 1);
             assert!(
-                w * blocks_per_fragment(per) <= crate::abi::MAX_BLOCKS as usize,
+                w * blocks_per_fragment(per) <= crate::wire::abi::MAX_BLOCKS as usize,
                 "MTU {mtu}: pool exhausted"
             );
         }

@@ -39,8 +39,8 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use crate::abi;
-use crate::proto::{AggHeader, SeqBitmap};
+use crate::wire::abi;
+use crate::wire::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 use crate::runtime::transport::Refusal;
@@ -240,7 +240,7 @@ impl Backend for KernelAggregator {
         self.results += 1;
         let mut values = self.pool.pop().unwrap_or_default();
         values.resize(hdr.count as usize, 0);
-        crate::proto::read_i32_be(payload, &mut values);
+        crate::wire::proto::read_i32_be(payload, &mut values);
         self.done.push(Done {
             round: hdr.round,
             frag_off: hdr.frag_off,
@@ -310,7 +310,7 @@ impl Backend for KernelAggregator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::abi::{self, Op};
+    use crate::wire::abi::{self, Op};
     use crate::runtime::outbox::Outbox;
     use crate::runtime::transport::Counters;
 
@@ -326,7 +326,7 @@ mod tests {
             count: values.len() as u16,
         };
         let mut payload = Vec::new();
-        crate::proto::write_i32_be(values, &mut payload);
+        crate::wire::proto::write_i32_be(values, &mut payload);
         (hdr, payload)
     }
 
@@ -482,7 +482,7 @@ mod tests {
         let mut complete = 0;
         for (to, d, _) in out.datagrams() {
             assert_eq!(to, peer);
-            let ack = crate::proto::AckMessage::decode(d).expect("an AGK1");
+            let ack = crate::wire::proto::AckMessage::decode(d).expect("an AGK1");
             if (100..104).all(|q| ack.bitmap.get(q)) {
                 complete += 1;
             }

@@ -12,7 +12,7 @@
 
 use std::net::SocketAddrV4;
 
-use crate::proto::{AckKind, AckMessage, SeqBitmap};
+use crate::wire::proto::{AckKind, AckMessage, SeqBitmap};
 
 /// Where the state machine's datagrams go: the I/O driver's socket
 /// ([`crate::runtime::transport::Net`]), or a test's list.

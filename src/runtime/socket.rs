@@ -19,9 +19,9 @@ use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
-use crate::abi;
-use crate::proto::AggHeader;
-use crate::reducer::Accumulator;
+use crate::wire::abi;
+use crate::wire::proto::AggHeader;
+use crate::wire::reducer::Accumulator;
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
@@ -222,7 +222,7 @@ impl Backend for SocketAggregator {
         BackendKind::Socket
     }
 
-    fn reserve(&mut self, op: crate::abi::Op, count: usize, n: usize) {
+    fn reserve(&mut self, op: crate::wire::abi::Op, count: usize, n: usize) {
         // Enough free or used slots of this shape for the call, made now, so
         // that later calls of the same size allocate nothing.
         let n = n.min(self.limit);
@@ -272,7 +272,7 @@ impl Backend for SocketAggregator {
             self.stats.invalid += 1;
             return;
         }
-        let mut emit = |bm: &crate::proto::SeqBitmap| io.send(from, hdr.rank, bm);
+        let mut emit = |bm: &crate::wire::proto::SeqBitmap| io.send(from, hdr.rank, bm);
         match self.trackers[r].check(hdr.seq) {
             Verdict::Duplicate => {
                 self.stats.duplicates += 1;

@@ -23,7 +23,7 @@ use std::sync::mpsc;
 
 use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant, Raw};
 use super::{CommError, CommStats, IoStats, RefusedStats};
-use crate::abi::Op;
+use crate::wire::abi::Op;
 use crate::config::Config;
 
 /// The element ranges of the stripes of an `n`-element vector over

@@ -23,7 +23,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::abi;
+use crate::wire::abi;
 
 /// Most datagrams one batched system call carries ([`Transport::send_batch`],
 /// [`Transport::recv_batch`]); longer batches are split.

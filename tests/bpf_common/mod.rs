@@ -5,8 +5,8 @@
 
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason, Op};
-use aggbox::dataplane::{Dataplane, JobConfig};
+use aggbox::wire::abi::{self, DropReason, Op};
+use aggbox::kernel::xdp::{Dataplane, XdpJob};
 
 /// XDP verdicts (uapi `enum xdp_action`).
 pub const XDP_DROP: u32 = 1;
@@ -238,8 +238,8 @@ pub fn spec_vectors(name: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("spec vectors {path}: invalid JSON: {e}"))
 }
 
-/// JobConfig of a spec vector case's `job` object.
-pub fn job_from_vector(job: &serde_json::Value) -> JobConfig {
+/// XdpJob of a spec vector case's `job` object.
+pub fn job_from_vector(job: &serde_json::Value) -> XdpJob {
     let id = job["id"].as_u64().expect("job.id") as u16;
     let ranks = job["rank_ips"]
         .as_array()
@@ -263,7 +263,7 @@ pub fn job_from_vector(job: &serde_json::Value) -> JobConfig {
         .unwrap_or_default();
     let workers = job["workers"].as_u64().expect("job.workers") as usize;
     assert_eq!(workers, ranks.len(), "vector job: workers vs rank_ips");
-    JobConfig {
+    XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -290,8 +290,8 @@ pub fn run_one(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
 }
 
 pub fn deltas(
-    before: &aggbox::dataplane::Stats,
-    after: &aggbox::dataplane::Stats,
+    before: &aggbox::kernel::xdp::Stats,
+    after: &aggbox::kernel::xdp::Stats,
 ) -> Vec<(&'static str, u64, u64)> {
     let mut out = Vec::new();
     for (label, a) in after.outcomes.iter().chain(after.drops.iter()) {
@@ -320,8 +320,8 @@ pub fn reduce_addr(rank: u16) -> Ipv4Addr {
 }
 
 /// Job [`REDUCE_JOB`] of `workers` ranks with `weights` (empty: all 1).
-pub fn reduce_job(workers: u16, weights: Vec<i32>) -> JobConfig {
-    JobConfig {
+pub fn reduce_job(workers: u16, weights: Vec<i32>) -> XdpJob {
+    XdpJob {
         id: REDUCE_JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
@@ -336,8 +336,8 @@ pub fn reduce_job(workers: u16, weights: Vec<i32>) -> JobConfig {
 }
 
 /// Counter delta of one label between two snapshots.
-pub fn stat_delta(before: &aggbox::dataplane::Stats, after: &aggbox::dataplane::Stats, label: &str) -> u64 {
-    let get = |s: &aggbox::dataplane::Stats| {
+pub fn stat_delta(before: &aggbox::kernel::xdp::Stats, after: &aggbox::kernel::xdp::Stats, label: &str) -> u64 {
+    let get = |s: &aggbox::kernel::xdp::Stats| {
         s.outcomes.get(label).or_else(|| s.drops.get(label)).map(|c| c.packets).unwrap_or(0)
     };
     get(after) - get(before)
@@ -387,7 +387,7 @@ pub fn reduce_one(dp: &Dataplane, op: Op, weights: &[i32], vectors: &[Vec<i32>],
 
     let contributions: Vec<(&[i32], i32)> =
         vectors.iter().enumerate().map(|(r, v)| (v.as_slice(), weights.get(r).copied().unwrap_or(1))).collect();
-    let expected = aggbox::reducer::reduce(op, &contributions).unwrap();
+    let expected = aggbox::wire::reducer::reduce(op, &contributions).unwrap();
     let mut want = Vec::new();
     expected.write_be(&mut want);
     assert_eq!(a[21], expected.flags() | abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT, "{op:?} count {count}: flags");

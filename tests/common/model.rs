@@ -2,7 +2,7 @@
 //!
 //! It follows `PROTOCOL.md` "Semantics at the aggregator" literally and uses
 //! the library for everything a real aggregator would share with it: decode
-//! and validation (`aggbox::proto`), arithmetic (`aggbox::reducer`), RESULT
+//! and validation (`aggbox::wire::proto`), arithmetic (`aggbox::wire::reducer`), RESULT
 //! encoding. It is deliberately simple (no stale-round window, no slot bound):
 //! the real user-space aggregator lives elsewhere.
 
@@ -10,9 +10,9 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 
-use aggbox::abi::{self, DropReason};
-use aggbox::proto::{self, AggHeader, ProtoError};
-use aggbox::reducer::{Accumulator, ReduceError};
+use aggbox::wire::abi::{self, DropReason};
+use aggbox::wire::proto::{self, AggHeader, ProtoError};
+use aggbox::wire::reducer::{Accumulator, ReduceError};
 
 /// The control plane's view of one job.
 #[derive(Debug, Clone)]

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use aggbox::abi::{self, Op};
-use aggbox::proto::{self, AggHeader};
-use aggbox::reducer;
+use aggbox::wire::abi::{self, Op};
+use aggbox::wire::proto::{self, AggHeader};
+use aggbox::wire::reducer;
 use crate::testbed::{in_netns, Testbed};
 
 /// Ops the XDP program reduces in the kernel.

@@ -6,10 +6,10 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 
-use aggbox::abi::Op;
-use aggbox::reducer;
+use aggbox::wire::abi::Op;
+use aggbox::wire::reducer;
 use aggbox::runtime::{CallOptions, CommError, Communicator, Participant, StripedCommunicator};
-use aggbox::tools::pattern_vector;
+use aggbox::node::tools::pattern_vector;
 
 /// What the checks below call: a communicator, or a striped one.
 pub trait Collective: Sync {

@@ -46,14 +46,14 @@ use crate::floor::Floor;
 use super::{
     progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
 };
-use aggbox::abi::{self, Op};
+use aggbox::wire::abi::{self, Op};
 use aggbox::config::Config;
-use aggbox::dataplane::XdpMode;
+use aggbox::kernel::xdp::XdpMode;
 use aggbox::node;
-use aggbox::proto::{self, AggHeader};
-use aggbox::reducer::Accumulator;
+use aggbox::wire::proto::{self, AggHeader};
+use aggbox::wire::reducer::Accumulator;
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::tools;
+use aggbox::node::tools;
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod drop_skel {
@@ -557,12 +557,12 @@ fn prog_stats(a: &Aggregator<'_>) -> Vec<(String, u64, u64)> {
             .unwrap_or_default();
     }
     if let Some((_, id)) = &a.drop {
-        if let Ok((cnt, ns, _)) = aggbox::metrics::program_run_stats(*id) {
+        if let Ok((cnt, ns, _)) = aggbox::node::metrics::program_run_stats(*id) {
             return vec![("bench_drop".into(), cnt, ns)];
         }
     }
     if let Some(id) = a.floor {
-        if let Ok((cnt, ns, _)) = aggbox::metrics::program_run_stats(id) {
+        if let Ok((cnt, ns, _)) = aggbox::node::metrics::program_run_stats(id) {
             return vec![("bench_floor".into(), cnt, ns)];
         }
     }
@@ -1062,7 +1062,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     }
     let reps = opts.reps();
     let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
-    let _stats = aggbox::metrics::enable_bpf_stats()?;
+    let _stats = aggbox::node::metrics::enable_bpf_stats()?;
     progress(format!("agg: testbed 1 aggregator + {senders} senders; sizes {sizes_mb:?} MB total; {reps} reps; modes drop, floor, kernel, plain, tuned"));
     let h = Harness::new(senders)?;
     let mut runs: Vec<(Mode, u64, RunResult)> = Vec::new();

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::agg::{Harness, Mode, Pattern, RunResult, RunSpec, Workload, PER};
 use super::bcast::{BMode, BcastBed};
 use super::{net, progress, summarize, thousands, BenchOptions, Context_, Csv, Section, Summary};
-use aggbox::proto;
+use aggbox::wire::proto;
 use aggbox::runtime::quantize;
 
 /// Vectors given per rank; the reduced vector is checked and stored.
@@ -536,7 +536,7 @@ pub fn run_ps(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         "xdp_ns_per_run",
     ]);
     let mut round = 1u32;
-    let _stats = aggbox::metrics::enable_bpf_stats()?;
+    let _stats = aggbox::node::metrics::enable_bpf_stats()?;
     for &wk in &workers {
         let h = Harness::new(wk)?;
         for &(name, p) in &models {

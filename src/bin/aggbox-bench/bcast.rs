@@ -3,7 +3,7 @@
 //!
 //! Testbed: host 0 is the root, hosts 1..=9 the receivers (one UDP socket
 //! each, SO_TIMESTAMPNS on). AggBox: the TC egress program of
-//! `broadcast::BroadcastPlane` on the root's eth0 with a group of the first
+//! `tc::BroadcastPlane` on the root's eth0 with a group of the first
 //! `n` receivers; the root sends ONE AGB1 datagram (mask = n bits) to the
 //! first member and the program clones it. Floor: the same one `sendto`,
 //! copied by `src/bpf/bench_bcast_floor.bpf.c` ([`BcastFloor`]), a TC
@@ -45,8 +45,8 @@ use serde::Serialize;
 use super::agg::prog_id;
 use super::net;
 use super::{progress, summarize, BenchOptions, Context_, Csv, Section, Summary};
-use aggbox::abi;
-use aggbox::broadcast::{self, BroadcastPlane};
+use aggbox::wire::abi;
+use aggbox::kernel::tc::{self, BroadcastPlane};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 /// Broadcast group of the benchmark.
@@ -286,11 +286,11 @@ impl BcastBed {
         let mut plane =
             BroadcastPlane::load().map_err(|e| anyhow!("loading the TC programs: {e}"))?;
         let root_ifindex = in_netns(&h0.netns, || -> Result<u32> {
-            let idx = broadcast::ifindex("eth0")?;
+            let idx = tc::ifindex("eth0")?;
             plane.attach(idx)?;
             Ok(idx)
         })??;
-        let egress_id = prog_id(plane.prog_fd(broadcast::TcProgram::Egress));
+        let egress_id = prog_id(plane.prog_fd(tc::TcProgram::Egress));
         let root = in_netns(&h0.netns, || UdpSocket::bind((h0.addr, 0)))??;
         let mut socks = Vec::new();
         let mut members = Vec::new();
@@ -412,7 +412,7 @@ impl BcastBed {
             BMode::Unicast => None,
         };
         let stats = |id: Option<u32>| -> (u64, u64) {
-            id.and_then(|id| aggbox::metrics::program_run_stats(id).ok())
+            id.and_then(|id| aggbox::node::metrics::program_run_stats(id).ok())
                 .map(|(c, ns, _)| (c, ns))
                 .unwrap_or((0, 0))
         };
@@ -571,7 +571,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
         MODES.len()
     ));
     // BPF run time per copy: on for the whole experiment (all modes alike).
-    let stats_fd = aggbox::metrics::enable_bpf_stats().ok();
+    let stats_fd = aggbox::node::metrics::enable_bpf_stats().ok();
     if stats_fd.is_none() {
         progress("bcast: bpf_stats unavailable: no BPF run time per copy");
     }

@@ -56,7 +56,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     ]);
     let mut round = 1u32;
     let mut failures = Vec::new();
-    let _stats = aggbox::metrics::enable_bpf_stats()?;
+    let _stats = aggbox::node::metrics::enable_bpf_stats()?;
     for &s in &list {
         progress(format!(
             "cpu: {s} senders at {RATE} contributions/s each, {secs} s per run"

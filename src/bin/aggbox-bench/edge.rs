@@ -22,8 +22,8 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::{progress, BenchOptions, Context_, Csv, Section};
-use aggbox::abi::Op;
-use aggbox::proto::{self, AggHeader};
+use aggbox::wire::abi::Op;
+use aggbox::wire::proto::{self, AggHeader};
 use aggbox::runtime::fragment::elements_per_fragment;
 use aggbox::runtime::quantize;
 

@@ -48,15 +48,15 @@ use serde::Serialize;
 use super::{
     progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
 };
-use aggbox::abi::{self, Op};
+use aggbox::wire::abi::{self, Op};
 use aggbox::config::Config;
-use aggbox::dataplane::XdpMode;
+use aggbox::kernel::xdp::XdpMode;
 use aggbox::node;
 use aggbox::runtime::{
     BackendKind, CallOptions, CommunicatorBuilder, Participant, Quantization, StripedCommunicator,
 };
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
-use aggbox::tools;
+use aggbox::wire::proto;
 
 /// Workers of the job by default (ranks; hosts 1..=workers of the testbed,
 /// host 0 is the aggregator node).
@@ -158,7 +158,7 @@ pub fn largest_aggbox_mtu() -> u32 {
 /// block pool: `MAX_BLOCKS / ⌈per datagram / CHUNK_ELEMS⌉` (docs/JUMBO.md),
 /// at most `MAX_SLOTS`. The kernel runtime caps a worker's window at it.
 pub fn slots_for_mtu(mtu: u32) -> u32 {
-    let per = tools::elements_per_datagram(mtu as usize) as u32;
+    let per = proto::elements_per_datagram(mtu as usize) as u32;
     let blocks = per.div_ceil(abi::CHUNK_ELEMS).max(1);
     (abi::MAX_BLOCKS / blocks).clamp(1, abi::MAX_SLOTS)
 }
@@ -452,7 +452,7 @@ impl Point {
             mtu,
             elements,
             elements_per_datagram: (!backend.starts_with("gloo"))
-                .then(|| tools::elements_per_datagram(mtu as usize)),
+                .then(|| proto::elements_per_datagram(mtu as usize)),
             secs: summarize(&secs),
             elems_per_s: summarize(&eps),
             contributed_per_s: summarize(&cps),
@@ -776,7 +776,7 @@ fn csv_row(
         if backend.starts_with("gloo") {
             String::new()
         } else {
-            tools::elements_per_datagram(mtu as usize).to_string()
+            proto::elements_per_datagram(mtu as usize).to_string()
         },
         k.to_string(),
         (k == 0).to_string(),
@@ -1359,9 +1359,9 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                         "largest MTU {mtu} = min(veth/IPv4 maximum {ETH_MAX_MTU}, IPv4 + UDP + AGG1 header + 4 × MAX_ELEMS ({}) = {}): {} elements per datagram, {} slots ({} blocks of {} per slot, {} blocks){}",
                         abi::MAX_ELEMS,
                         (20 + 8 + abi::AGG_HDR_LEN) as u32 + 4 * abi::MAX_ELEMS,
-                        tools::elements_per_datagram(mtu as usize),
+                        proto::elements_per_datagram(mtu as usize),
                         slots_for_mtu(mtu),
-                        (tools::elements_per_datagram(mtu as usize) as u32).div_ceil(abi::CHUNK_ELEMS),
+                        (proto::elements_per_datagram(mtu as usize) as u32).div_ceil(abi::CHUNK_ELEMS),
                         abi::CHUNK_ELEMS,
                         abi::MAX_BLOCKS,
                         if tried.is_empty() { String::new() } else { format!("; tried first: {}", tried.join("; ")) }
@@ -1377,7 +1377,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         };
         progress(format!(
             "large: === MTU {mtu}: {} elements/datagram, job slots {} ===",
-            tools::elements_per_datagram(mtu as usize),
+            proto::elements_per_datagram(mtu as usize),
             slots_for_mtu(mtu)
         ));
         // The striped points: int32, the goal's size, the largest MTU of a
@@ -1666,8 +1666,8 @@ mod tests {
     #[test]
     fn largest_mtu_and_slots() {
         assert_eq!(largest_aggbox_mtu(), 65_535);
-        assert_eq!(tools::elements_per_datagram(65_535), 16_370);
-        assert!(tools::elements_per_datagram(65_535) as u32 <= abi::MAX_ELEMS);
+        assert_eq!(proto::elements_per_datagram(65_535), 16_370);
+        assert!(proto::elements_per_datagram(65_535) as u32 <= abi::MAX_ELEMS);
         assert_eq!(slots_for_mtu(1500), 4096);
         assert_eq!(slots_for_mtu(9000), 910);
         assert_eq!(slots_for_mtu(65_535), 128);

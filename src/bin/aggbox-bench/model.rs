@@ -102,7 +102,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     };
     let t_xdp = t_xdp_ns * 1e-9;
     let elements: u64 = 1 << 20; // 1 M elements (4 MiB) per worker
-    let per_datagram = aggbox::tools::elements_per_datagram(MTU);
+    let per_datagram = aggbox::wire::proto::elements_per_datagram(MTU);
     let frags = (elements as f64 / per_datagram as f64).ceil();
     let mut workers = vec![];
     let mut w = 2usize;

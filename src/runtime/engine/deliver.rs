@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use super::round::RoundState;
 use super::Engine;
-use crate::abi;
-use crate::proto::{self, AckKind, AggHeader, SeqBitmap};
+use crate::wire::abi;
+use crate::wire::proto::{self, AckKind, AggHeader, SeqBitmap};
 use crate::runtime::fragment::{fragment_range, BCAST_SUBHDR, SUBHDR_OVERFLOW};
 use crate::runtime::reliability::Verdict;
 

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use super::round::RoundState;
 use super::{Engine, Stashed, RES_EARLY_LIMIT};
-use crate::abi;
-use crate::proto::{self, AckKind, AckMessage, MessageKind};
+use crate::wire::abi;
+use crate::wire::proto::{self, AckKind, AckMessage, MessageKind};
 use crate::runtime::backend::{AckIo, BackendKind};
 use crate::runtime::comm::Participant;
 use crate::runtime::fragment::BCAST_SUBHDR;

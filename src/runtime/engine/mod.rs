@@ -43,11 +43,11 @@ use std::net::SocketAddrV4;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::abi::{self, Op};
-use crate::proto::AckKind;
+use crate::wire::abi::{self, Op};
+use crate::wire::proto::{self, AckKind};
 use crate::runtime::backend::{AckIo, Backend, BackendKind};
 use crate::runtime::comm::{CallOptions, CommConfig, Participant};
-use crate::runtime::fragment::{self, byte_window, elements_per_fragment, kernel_window, Coverage};
+use crate::runtime::fragment::{byte_window, elements_per_fragment, kernel_window, Coverage};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::outbox::{Outbox, Transmit};
 use crate::runtime::reliability::{RecvTracker, SendWindow};
@@ -176,7 +176,7 @@ impl Engine {
         let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
         let me = cfg.me.index(cfg.workers());
         let per = elements_per_fragment(cfg.mtu);
-        let datagram = fragment::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
+        let datagram = proto::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
         let window = byte_window(cfg.reliability.window as usize, datagram);
         let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
         let agg_windows = match cfg.backend {

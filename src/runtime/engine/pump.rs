@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use super::round::{RoundState, Src};
 use super::{Engine, TxWin};
-use crate::abi;
-use crate::proto::{self, AggHeader, BcastHeader};
+use crate::wire::abi;
+use crate::wire::proto::{self, AggHeader, BcastHeader};
 use crate::runtime::comm::Participant;
 use crate::runtime::fragment::{fragment_range, SUBHDR_OVERFLOW};
 use crate::runtime::outbox::Transmit;

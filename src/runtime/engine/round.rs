@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::Engine;
-use crate::abi::{self, Op};
-use crate::proto;
+use crate::wire::abi::{self, Op};
+use crate::wire::proto;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32};
 use crate::runtime::fragment::{fragments, Coverage};

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::round::{Sink, Src};
 use super::Engine;
-use crate::abi::{self, Op};
-use crate::proto::{self, AggHeader, MessageKind};
+use crate::wire::abi::{self, Op};
+use crate::wire::proto::{self, AggHeader, MessageKind};
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant,

@@ -35,7 +35,7 @@
 //!
 //! Memory (asserted in the unit tests, see `docs/RUNTIME.md`): a receiver keeps
 //! `size_of::<GroupState>()` = 160 bytes per group of 1024 datagrams per sender
-//! (a 1024-bit [`crate::proto::SeqBitmap`] plus ACK timing); a sender keeps 48 bytes of
+//! (a 1024-bit [`crate::wire::proto::SeqBitmap`] plus ACK timing); a sender keeps 48 bytes of
 //! bookkeeping per datagram in flight ([`SendWindow::ENTRY_BYTES`] = 48, 48 KiB per
 //! 1024) plus the datagram copy itself (at most the MTU, ~1.5 MiB per 1024 at
 //! MTU 1500; the buffers are allocated once and reused).
@@ -50,8 +50,8 @@ pub use send::{SendStats, SendWindow};
 
 use std::time::Duration;
 
-use crate::proto::AckMode;
-use crate::proto::DEFAULT_GROUP_SIZE;
+use crate::wire::proto::AckMode;
+use crate::wire::proto::DEFAULT_GROUP_SIZE;
 
 /// Distance (in seq numbers) from a tracker's floor beyond which a datagram is
 /// taken as the start of a new sender session and resets the tracker.

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::{ReliabilityConfig, SESSION_RESET_DISTANCE};
-use crate::proto::AckMode;
-use crate::proto::{group_of, SeqBitmap};
+use crate::wire::proto::AckMode;
+use crate::wire::proto::{group_of, SeqBitmap};
 
 /// What a receiver makes of an arriving seq.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::{ReliabilityConfig, RttEstimator, SESSION_RESET_DISTANCE};
-use crate::proto::AckMode;
-use crate::proto::SeqBitmap;
+use crate::wire::proto::AckMode;
+use crate::wire::proto::SeqBitmap;
 
 /// Counters of one [`SendWindow`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

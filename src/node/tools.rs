@@ -8,15 +8,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::abi::{self, Op};
-use crate::proto::{self, AggHeader};
-use crate::reducer;
-
-/// Elements that fit one AGG1 datagram at an interface MTU:
-/// MTU − IPv4 (20) − UDP (8) − AGG1 header (24), in 4-byte elements.
-pub fn elements_per_datagram(mtu: usize) -> usize {
-    mtu.saturating_sub(20 + 8 + abi::AGG_HDR_LEN) / 4
-}
+use crate::wire::abi::{self, Op};
+use crate::wire::proto::{self, AggHeader};
+use crate::wire::reducer;
 
 /// Deterministic test values: element `i` of rank `rank`'s vector, spread
 /// over both signs so SUM, MIN, MAX and COUNT (zeros included) all matter.

@@ -2,7 +2,7 @@
 //! AF_XDP (ops 5..8, FLOAT32 payloads, jobs flagged `userspace_only`, new
 //! slots while the kernel's slot pool is full or the job is in overload) is
 //! aggregated here with the same semantics as the kernel (PROTOCOL.md,
-//! "Semantics at the aggregator") and the [`crate::reducer::Accumulator`],
+//! "Semantics at the aggregator") and the [`crate::wire::reducer::Accumulator`],
 //! and each RESULT is delivered where the kernel would deliver it: a UDP
 //! datagram to the node's own address (the contribution's destination) on
 //! the job's `result_port`.
@@ -40,13 +40,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 
-use crate::abi::{self, DropReason};
+use crate::wire::abi::{self, DropReason};
 use crate::config::Config;
-use crate::dataplane::{Dataplane, KernelMaps};
-use crate::abi::Op;
-use crate::proto;
-use crate::reducer::Accumulator;
-use crate::xsk::{self, XskConfig, XskSocket, XskStats};
+use crate::kernel::xdp::{Dataplane, KernelMaps};
+use crate::wire::abi::Op;
+use crate::wire::proto;
+use crate::wire::reducer::Accumulator;
+use crate::kernel::xsk::{self, XskConfig, XskSocket, XskStats};
 
 /// Tunables of the user-space path.
 #[derive(Debug, Clone, PartialEq)]
@@ -195,6 +195,10 @@ pub fn slot_bytes(op: Op, float: bool, count: usize, weight_abs_sum: u64) -> usi
     let per_element = if huge { 16 } else { 8 };
     SLOT_FIXED_BYTES.saturating_add(count.saturating_mul(per_element))
 }
+
+/// A function returning a snapshot of the user-space path's counters: the
+/// metrics endpoint calls it at each scrape, from its own thread.
+pub type UserspaceStatsFn = std::sync::Arc<dyn Fn() -> UserspaceStats + Send + Sync>;
 
 /// Counters of the user-space path (a snapshot, for metrics and status).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -938,7 +942,7 @@ impl UserspacePath {
 
     /// A `Send + Sync` function returning [`UserspacePath::stats`], for the
     /// metrics endpoint (which runs on its own thread).
-    pub fn stats_fn(&self) -> crate::metrics::UserspaceStatsFn {
+    pub fn stats_fn(&self) -> UserspaceStatsFn {
         let stats = Arc::clone(&self.stats);
         Arc::new(move || stats.lock().map(|s| s.clone()).unwrap_or_default())
     }

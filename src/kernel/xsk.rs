@@ -356,7 +356,7 @@ impl XskSocket {
     /// multi-buffer, else the UMEM frame size minus its headroom (0) minus
     /// the XDP_PACKET_HEADROOM the kernel keeps (`abi::XSK_RX_HEADROOM`).
     pub fn max_frame(&self) -> Option<u32> {
-        (!self.multi_buffer).then(|| self.frame_size.saturating_sub(crate::abi::XSK_RX_HEADROOM).max(1))
+        (!self.multi_buffer).then(|| self.frame_size.saturating_sub(crate::wire::abi::XSK_RX_HEADROOM).max(1))
     }
 
     /// The socket descriptor (to register in the XSKMAP and to poll).
@@ -523,5 +523,5 @@ pub fn rx_queue_count(ifname: &str) -> u32 {
             })
             .unwrap_or(0);
     }
-    n.clamp(1, crate::abi::MAX_QUEUES)
+    n.clamp(1, crate::wire::abi::MAX_QUEUES)
 }

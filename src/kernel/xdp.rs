@@ -39,20 +39,13 @@ use std::path::Path;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
-use crate::abi;
+use crate::wire::abi;
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/aggbox_xdp.skel.rs"));
 }
 use skel::{AggboxXdpSkel, AggboxXdpSkelBuilder};
-
-/// Largest rank weight magnitude accepted by [`Dataplane::set_job`].
-///
-/// The kernel accumulates `weight * value` in a signed 64-bit integer per
-/// element. With at most [`abi::MAX_RANKS`] (2^8) ranks, `|value| <= 2^31` and
-/// `|weight| <= 2^23`, the sum stays below 2^62 and can never wrap.
-pub const MAX_WEIGHT: i32 = 1 << 23;
 
 /// Errors of the dataplane loader.
 #[derive(Debug, thiserror::Error)]
@@ -194,7 +187,7 @@ fn pin_fd(fd: RawFd, path: &Path) -> Result<()> {
 
 /// One aggregation job as the control plane configures it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct JobConfig {
+pub struct XdpJob {
     /// Job id (the AGG1 `job` field).
     pub id: u16,
     /// UDP port the contributions arrive on.
@@ -205,7 +198,7 @@ pub struct JobConfig {
     /// Its length is the number of workers (1..=[`abi::MAX_RANKS`]).
     pub ranks: Vec<Ipv4Addr>,
     /// Weight of each rank for SUM/AVG; empty means all 1. Each weight must
-    /// satisfy `|w| <= MAX_WEIGHT` and the sum must be positive.
+    /// satisfy `|w| <= abi::MAX_WEIGHT` and the sum must be positive.
     pub weights: Vec<i32>,
     /// Vector length; `frag_off + count` beyond it is rejected. 0 = unbounded.
     pub vector_len: u32,
@@ -220,7 +213,7 @@ pub struct JobConfig {
     pub window: u32,
 }
 
-impl JobConfig {
+impl XdpJob {
     /// The weight of each rank (defaults applied).
     pub fn effective_weights(&self) -> Vec<i32> {
         if self.weights.is_empty() {
@@ -251,10 +244,11 @@ impl JobConfig {
         let weights = self.effective_weights();
         if let Some(w) = weights
             .iter()
-            .find(|w| w.unsigned_abs() > MAX_WEIGHT as u32)
+            .find(|w| w.unsigned_abs() > abi::MAX_WEIGHT as u32)
         {
             return Err(bad(format!(
-                "weight {w} outside -{MAX_WEIGHT}..={MAX_WEIGHT}"
+                "weight {w} outside -{max}..={max}",
+                max = abi::MAX_WEIGHT
             )));
         }
         let sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
@@ -538,7 +532,7 @@ impl Dataplane {
 
     /// Configure (or reconfigure) job `id`: writes its ranks, the job and its
     /// port. `id` must equal `job.id`.
-    pub fn set_job(&self, id: u16, job: &JobConfig) -> Result<()> {
+    pub fn set_job(&self, id: u16, job: &XdpJob) -> Result<()> {
         if id != job.id {
             return Err(DataplaneError::InvalidJob {
                 job: id,

@@ -19,7 +19,7 @@
 //! `match`), written over a generic element source so the same loop serves
 //! host-order slices and big-endian wire bytes and autovectorizes for both.
 
-use crate::abi::{self, Op};
+use crate::wire::abi::{self, Op};
 
 /// Why a reduction could not be done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -97,8 +97,8 @@ impl ReduceResult {
     /// Appends the elements big-endian, ready to be an AGG1 payload.
     pub fn write_be(&self, out: &mut Vec<u8>) {
         match &self.values {
-            ReduceValues::Int(v) => crate::proto::write_i32_be(v, out),
-            ReduceValues::Float(v) => crate::proto::write_f32_be(v, out),
+            ReduceValues::Int(v) => crate::wire::proto::write_i32_be(v, out),
+            ReduceValues::Float(v) => crate::wire::proto::write_f32_be(v, out),
         }
     }
 
@@ -192,7 +192,7 @@ impl Accumulator {
     /// A fresh accumulator for `count` elements; `float` selects the FLOAT32
     /// semantics. Fails only for a bitwise op on floats.
     pub fn new(op: Op, count: usize, float: bool) -> Result<Accumulator, ReduceError> {
-        if float && crate::proto::is_bitwise(op) {
+        if float && crate::wire::proto::is_bitwise(op) {
             return Err(ReduceError::FloatBitwise(op));
         }
         let state = Self::initial_state(op, count, float);
@@ -228,7 +228,7 @@ impl Accumulator {
     /// Starts over for a new slot, keeping the allocation when the shape
     /// (op, count, float) is unchanged.
     pub fn reset(&mut self, op: Op, count: usize, float: bool) -> Result<(), ReduceError> {
-        if float && crate::proto::is_bitwise(op) {
+        if float && crate::wire::proto::is_bitwise(op) {
             return Err(ReduceError::FloatBitwise(op));
         }
         let same = op == self.op
@@ -905,7 +905,7 @@ mod tests {
             .collect();
         for op in Op::ALL {
             for float in [false, true] {
-                if float && crate::proto::is_bitwise(op) {
+                if float && crate::wire::proto::is_bitwise(op) {
                     continue;
                 }
                 let mut host = Accumulator::new(op, n, float).unwrap();
@@ -915,10 +915,10 @@ mod tests {
                     if float {
                         let f: Vec<f32> = v.iter().map(|&x| x as f32 / 65536.0).collect();
                         host.add_f32(&f, *w).unwrap();
-                        crate::proto::write_f32_be(&f, &mut be);
+                        crate::wire::proto::write_f32_be(&f, &mut be);
                     } else {
                         host.add_int(v, *w).unwrap();
-                        crate::proto::write_i32_be(v, &mut be);
+                        crate::wire::proto::write_i32_be(v, &mut be);
                     }
                     wire.add_be_bytes(&be, *w).unwrap();
                 }

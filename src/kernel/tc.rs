@@ -33,7 +33,7 @@ use std::time::Duration;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 
-use crate::abi;
+use crate::wire::abi;
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {

@@ -7,6 +7,10 @@
 //! who attached, when and how. The XDP link pins are what keep the program
 //! attached after the attaching process dies, and what `detach` removes.
 
+
+pub mod metrics;
+pub mod tools;
+
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs;
@@ -20,11 +24,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use serde::{Deserialize, Serialize};
 
-use crate::abi;
+use crate::wire::abi;
 use crate::config::{Config, UserspacePathMode};
-use crate::broadcast::{self, BroadcastPlane};
-use crate::dataplane::{self, Chain, Dataplane, XdpLink, XdpMode};
-use crate::userspace::UserspacePath;
+use crate::kernel::tc::{self, BroadcastPlane};
+use crate::kernel::xdp::{self, Chain, Dataplane, XdpLink, XdpMode};
+use crate::kernel::afxdp::UserspacePath;
 
 /// Default root of AggBox's pins (INTERFACE.md).
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/aggbox";
@@ -355,7 +359,7 @@ pub fn userspace_path_failure(config: &Config, error: &str) -> Option<String> {
 }
 
 /// Convert a configured job to what the data plane stores.
-pub fn dataplane_job(job: &crate::config::JobConfig) -> dataplane::JobConfig {
+pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
     let mut flags = 0;
     if job.userspace_only {
         flags |= abi::JOB_F_USERSPACE_ONLY;
@@ -363,7 +367,7 @@ pub fn dataplane_job(job: &crate::config::JobConfig) -> dataplane::JobConfig {
     if job.parent.is_some() {
         flags |= abi::JOB_F_HAS_PARENT;
     }
-    dataplane::JobConfig {
+    xdp::XdpJob {
         id: job.id,
         port: job.port,
         result_port: job.result_port,
@@ -390,7 +394,7 @@ struct Upkeep {
 }
 
 impl Upkeep {
-    fn start(maps: dataplane::KernelMaps) -> Upkeep {
+    fn start(maps: xdp::KernelMaps) -> Upkeep {
         use std::sync::atomic::Ordering;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
@@ -505,14 +509,14 @@ pub fn attach_chain(
         warnings.push(format!(
             "XDP chain: linear, single-buffer frames (the kernel lacks {}, or {} chose it): datagrams of up to {} elements (MTU {})",
             FRAGS_CHAIN_FEATURES.iter().map(|(f, (a, b))| format!("{f} ({a}.{b})")).collect::<Vec<_>>().join(" or "),
-            dataplane::CHAIN_ENV,
+            xdp::CHAIN_ENV,
             chain.max_elems(),
             chain.max_mtu()
         ));
     }
     let dataplane = Dataplane::load_chain(chain).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     for job in &config.jobs {
-        dataplane.set_job(job.id, &dataplane_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
+        dataplane.set_job(job.id, &xdp_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
     }
     let (link, warning) = dataplane.attach_xdp(index, mode).map_err(|e| anyhow!("aggbox: {e}"))?;
     warnings.extend(warning);
@@ -532,7 +536,7 @@ pub fn attach_chain(
                 anyhow!(
                     "aggbox: attaching to {LOOPBACK} for the worker(s) on this host (job {job} rank {rank} at {addr}{}): {e}{}",
                     if local.len() > 1 { format!(" and {} more", local.len() - 1) } else { String::new() },
-                    if matches!(&e, dataplane::DataplaneError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY)) {
+                    if matches!(&e, xdp::DataplaneError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY)) {
                         " (lo already has an XDP program: another AggBox attachment in this namespace?)"
                     } else {
                         ""
@@ -550,7 +554,7 @@ pub fn attach_chain(
     // IPv4 forwarding: without it attach stops here with the fix spelled out.
     let needs_tc = !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some());
     let broadcast = if needs_tc {
-        broadcast::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
         check_local_members(config)?;
         let mut plane = BroadcastPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
         for group in &config.groups {
@@ -713,7 +717,7 @@ fn detach_dir(dir: &Path) -> Result<()> {
     // clsact qdisc was ours.
     if let Some(record) = read_record(dir) {
         if record.tc && !record_is_ours(&record) {
-            broadcast::detach_stale(record.ifindex).map_err(|e| anyhow!("aggbox: removing stale TC filters: {e}"))?;
+            tc::detach_stale(record.ifindex).map_err(|e| anyhow!("aggbox: removing stale TC filters: {e}"))?;
             if record.tc_created_qdisc {
                 destroy_clsact(record.ifindex).context("aggbox: removing the clsact qdisc")?;
             }
@@ -930,7 +934,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     let ranks_map = MapHandle::from_pinned_path(dir.join("ranks")).with_context(|| format!("opening {}/ranks", dir.display()))?;
     let job_stats_map = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
     let mut jobs = Vec::new();
-    for (dense, job) in crate::dataplane::pinned_jobs(&jobs_map)? {
+    for (dense, job) in crate::kernel::xdp::pinned_jobs(&jobs_map)? {
         let key = dense.to_ne_bytes();
         let mut ranks = Vec::new();
         for rank in 0..u32::from(job.workers) {
@@ -948,7 +952,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
             slots: job.slots,
             ranks,
             counters: match &job_stats_map {
-                Some(map) => map.lookup_percpu(&key, MapFlags::ANY)?.map(|v| crate::dataplane::sum_job_stats(&v)),
+                Some(map) => map.lookup_percpu(&key, MapFlags::ANY)?.map(|v| crate::kernel::xdp::sum_job_stats(&v)),
                 None => None,
             },
         });
@@ -1049,7 +1053,7 @@ fn configure_result_routes(plane: &BroadcastPlane, config: &Config, _ifindex: u3
         }
         if let Some(parent) = &job.parent {
             plane
-                .set_parent_route(job.id, &broadcast::ParentRoute::from_config(job, parent))
+                .set_parent_route(job.id, &tc::ParentRoute::from_config(job, parent))
                 .map_err(|e| anyhow!("aggbox: job {}: parent {}:{}: {e}", job.id, parent.addr, parent.port))?;
         }
     }
@@ -1062,7 +1066,7 @@ fn check_local_members(config: &Config) -> Result<()> {
     let local = local_ipv4_addrs()?;
     for group in &config.groups {
         if let Some(member) = group.members.iter().find(|m| local.contains(m.ip())) {
-            broadcast::check_local_delivery()
+            tc::check_local_delivery()
                 .map_err(|e| anyhow!("aggbox: group {} member {member} is on this host: {e}", group.id))?;
         }
     }

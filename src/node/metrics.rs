@@ -22,7 +22,8 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Encoder, Registry, TextEncoder};
 
-use crate::abi;
+use crate::kernel::afxdp::UserspaceStatsFn;
+use crate::wire::abi;
 
 /// The process-wide registry for in-process metrics (user-space path
 /// counters and histograms); its families are appended to every scrape.
@@ -39,9 +40,6 @@ pub struct ProgramRef {
     /// Kernel program id.
     pub id: u32,
 }
-
-/// Snapshot of the user-space path's counters, taken at each scrape.
-pub type UserspaceStatsFn = std::sync::Arc<dyn Fn() -> crate::userspace::UserspaceStats + Send + Sync>;
 
 /// Where a scrape reads the kernel's counters: one interface's pin directory.
 #[derive(Clone)]
@@ -179,7 +177,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     let mut overflow_results = Family::counter("aggbox_job_overflow_results_total", "RESULTs of a job emitted with the OVERFLOW flag (some element clamped).");
     let mut job_bytes = Family::counter("aggbox_job_payload_bytes_total", "UDP payload bytes of the datagrams of aggbox_job_contributions_total.");
     let job_list: BTreeMap<u16, (u32, abi::Job)> =
-        crate::dataplane::pinned_jobs(&jobs)?.into_iter().map(|(dense, job)| (job.id, (dense, job))).collect();
+        crate::kernel::xdp::pinned_jobs(&jobs)?.into_iter().map(|(dense, job)| (job.id, (dense, job))).collect();
     for (id, (dense, job)) in &job_list {
         let id_text = id.to_string();
         let labels = [("iface", iface), ("job", id_text.as_str())];
@@ -198,7 +196,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         workers.push(&labels, job.workers as f64);
         if let Some(map) = &job_stats {
             if let Some(per_cpu) = map.lookup_percpu(&key, MapFlags::ANY)? {
-                let js = crate::dataplane::sum_job_stats(&per_cpu);
+                let js = crate::kernel::xdp::sum_job_stats(&per_cpu);
                 for (outcome, n) in js.by_outcome() {
                     contributions.push(&[("iface", iface), ("job", id_text.as_str()), ("outcome", outcome)], n as f64);
                 }
@@ -325,7 +323,7 @@ fn broadcast_families(source: &KernelSource) -> Result<Vec<Family>> {
 }
 
 /// The user-space path's counters and its latency histogram.
-fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<Family> {
+fn userspace_families(iface: &str, s: &crate::kernel::afxdp::UserspaceStats) -> Vec<Family> {
     let labels = [("iface", iface)];
     let mut received = Family::counter("aggbox_userspace_received_total", "Frames received by the user-space path (AF_XDP).");
     received.push(&labels, s.received as f64);
@@ -341,7 +339,7 @@ fn userspace_families(iface: &str, s: &crate::userspace::UserspaceStats) -> Vec<
     }
     // The path's own reasons: a new slot past the job's or the node's
     // `userspace_slot_bytes`.
-    for refusal in crate::userspace::Refusal::OWN {
+    for refusal in crate::kernel::afxdp::Refusal::OWN {
         drops.push(&[("iface", iface), ("reason", refusal.label())], s.refused(refusal) as f64);
     }
     let mut slots = Family::gauge("aggbox_userspace_slots_active", "Slots held by the user-space path.");

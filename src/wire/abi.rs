@@ -316,6 +316,14 @@ pub struct RankKey {
 }
 const _: () = assert!(core::mem::size_of::<RankKey>() == 4);
 
+/// Largest rank weight magnitude a job may have (the control plane refuses
+/// more: `Dataplane::set_job`, the config parser).
+///
+/// The kernel accumulates `weight * value` in a signed 64-bit integer per
+/// element. With at most [`MAX_RANKS`] (2^8) ranks, `|value| <= 2^31` and
+/// `|weight| <= 2^23`, the sum stays below 2^62 and can never wrap.
+pub const MAX_WEIGHT: i32 = 1 << 23;
+
 /// `struct aggbox_rank`: `addr` big-endian, `weight` host order.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

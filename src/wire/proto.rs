@@ -20,7 +20,7 @@
 //! and then `0..=0xff`. The protocol never reuses a seq for new data within a
 //! job session, so a wrap is only ever seen by very long sessions.
 
-use crate::abi::{self, Op};
+use crate::wire::abi::{self, Op};
 
 /// Which of the three AggBox messages a datagram carries (from its magic).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -385,6 +385,18 @@ impl AggHeader {
 /// BAND, BOR, BXOR: the ops that are invalid on FLOAT32 payloads.
 pub fn is_bitwise(op: Op) -> bool {
     matches!(op, Op::Band | Op::Bor | Op::Bxor)
+}
+
+/// IPv4 (20) + UDP (8) header bytes in front of every AggBox datagram.
+pub const IP_UDP_HDR: usize = 28;
+
+/// Elements per `AGG1` datagram at interface MTU `mtu`: `(mtu - 20 - 8 - 24) / 4`
+/// (IPv4, UDP and `AGG1` headers; 362 at MTU 1500, 2237 at 9000, 16370 at
+/// 65535), capped at 65535 (the `count` field), at least 1. The one rule for
+/// every sender's fragment size (the runtime caps it further at the kernel's
+/// per-frame limit: `runtime::fragment::elements_per_fragment`).
+pub fn elements_per_datagram(mtu: usize) -> usize {
+    (mtu.saturating_sub(IP_UDP_HDR + abi::AGG_HDR_LEN) / 4).clamp(1, u16::MAX as usize)
 }
 
 /// Validates a whole `AGG1` datagram (header and length) without allocating
@@ -1076,7 +1088,7 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::abi::DropReason;
+    use crate::wire::abi::DropReason;
 
     fn hdr(count: u16, op: Op, flags: u8) -> AggHeader {
         AggHeader {

@@ -1,0 +1,15 @@
+//! The kernel layer: user-space halves of the BPF programs in `src/bpf/`,
+//! one module per program, named after its hook.
+//!
+//! - [`xdp`]: loads the aggregation skeleton (`aggbox_xdp.bpf.c`), attaches
+//!   it, writes jobs into its maps and reads its counters.
+//! - [`tc`]: the broadcast programs (`aggbox_tc.bpf.c`): group tables,
+//!   next-hop cache, broadcast trees.
+//! - [`xsk`]: a receive-only AF_XDP socket, one per RX queue.
+//! - [`afxdp`]: the user-space aggregation path fed by those sockets, for
+//!   what the XDP program hands over.
+
+pub mod afxdp;
+pub mod tc;
+pub mod xdp;
+pub mod xsk;

@@ -1,0 +1,12 @@
+//! The wire layer: what AggBox datagrams and BPF maps hold, written once for
+//! the Rust side. Nothing here does I/O or touches the kernel.
+//!
+//! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map
+//!   structs, drop reasons, serial round comparison).
+//! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
+//! - [`reducer`]: the reference reducer, oracle for the kernel path and core
+//!   of the user-space aggregators.
+
+pub mod abi;
+pub mod proto;
+pub mod reducer;
