@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let base = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
     let nbits = u16::from_le_bytes([data[4], data[5]]);
     let bytes = &data[6..];
-    if let Ok(bm) = aggbox::proto::SeqBitmap::from_bytes(base, nbits, bytes) {
+    if let Ok(bm) = aggbox::wire::proto::SeqBitmap::from_bytes(base, nbits, bytes) {
         let mut out = Vec::new();
         bm.write_bytes(&mut out);
         assert_eq!(out, bytes);

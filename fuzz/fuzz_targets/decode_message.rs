@@ -4,10 +4,10 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(msg) = aggbox::proto::decode(data) {
+    if let Ok(msg) = aggbox::wire::proto::decode(data) {
         let mut out = Vec::new();
         msg.encode_into(&mut out).expect("a decoded message encodes");
         assert_eq!(out, data, "decode/encode round trip");
-        assert_eq!(aggbox::proto::classify(data), Some(msg.kind()));
+        assert_eq!(aggbox::wire::proto::classify(data), Some(msg.kind()));
     }
 });

@@ -4,11 +4,11 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    match aggbox::proto::split_agg(data) {
+    match aggbox::wire::proto::split_agg(data) {
         Ok((hdr, payload)) => {
             assert_eq!(payload.len(), 4 * hdr.count as usize);
             assert_eq!(data.len(), 24 + payload.len());
-            assert_eq!(&aggbox::proto::agg_header_bytes(&hdr)[..], &data[..24]);
+            assert_eq!(&aggbox::wire::proto::agg_header_bytes(&hdr)[..], &data[..24]);
         }
         Err(e) => {
             // Every AGG1 error has a kernel drop reason, except the
