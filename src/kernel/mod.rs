@@ -5,11 +5,14 @@
 //!   it, writes jobs into its maps and reads its counters.
 //! - [`tc`]: the broadcast programs (`aggbox_tc.bpf.c`): group tables,
 //!   next-hop cache, broadcast trees.
+//! - [`maps`]: what the programs' maps share: pinned names, pinning,
+//!   per-CPU sums.
 //! - [`xsk`]: a receive-only AF_XDP socket, one per RX queue.
 //! - [`afxdp`]: the user-space aggregation path fed by those sockets, for
 //!   what the XDP program hands over.
 
 pub mod afxdp;
+pub mod maps;
 pub mod tc;
 pub mod xdp;
 pub mod xsk;

@@ -34,6 +34,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 
 use crate::wire::abi;
+use crate::kernel::maps::{self, Counter};
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
@@ -115,14 +116,8 @@ pub enum BroadcastError {
     #[error("BPF_PROG_TEST_RUN: {0}")]
     TestRun(#[source] std::io::Error),
     /// Pinning failed.
-    #[error("pinning {path}: {source}")]
-    Pin {
-        /// Pin path.
-        path: String,
-        /// OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Pin(#[from] maps::PinError),
     /// Some other OS error (reading sysctls, interface names).
     #[error("{context}: {source}")]
     Io {
@@ -155,15 +150,6 @@ impl Default for BroadcastOptions {
             neigh_ttl: Duration::from_secs(u64::from(abi::BCAST_DEFAULT_NEIGH_TTL_S)),
         }
     }
-}
-
-/// One counter pair, summed over CPUs.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Counter {
-    /// Events (datagrams or copies).
-    pub packets: u64,
-    /// UDP payload bytes (datagram outcomes only).
-    pub bytes: u64,
 }
 
 /// Snapshot of `bcast_stats`, summed over CPUs.
@@ -807,18 +793,8 @@ impl BroadcastPlane {
         let map = &self.skel.maps.bcast_stats;
         let mut stats = BroadcastStats::default();
         for stat in abi::BcastStat::ALL {
-            let per_cpu = map
-                .lookup_percpu(&(stat as u32).to_ne_bytes(), MapFlags::ANY)
-                .map_err(map_err("bcast_stats"))?
-                .unwrap_or_default();
-            let mut sum = Counter::default();
-            for raw in per_cpu {
-                if let Some(s) = abi::from_bytes::<abi::Stat>(&raw) {
-                    sum.packets += s.packets;
-                    sum.bytes += s.bytes;
-                }
-            }
-            stats.counters.insert(stat.label(), sum);
+            let sum: abi::Stat = maps::percpu_array_sum(map, stat as u32).map_err(map_err("bcast_stats"))?;
+            stats.counters.insert(stat.label(), Counter::from(sum));
         }
         Ok(stats)
     }
@@ -826,25 +802,7 @@ impl BroadcastPlane {
     /// Per-group counters of table `(id, port)`, summed over CPUs.
     pub fn group_stats(&self, id: u16, port: u16) -> Result<Option<abi::BcastGroupStat>> {
         let key = abi::GroupKey { group: id, port };
-        let Some(per_cpu) = self
-            .skel
-            .maps
-            .bcast_gstats
-            .lookup_percpu(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(map_err("bcast_gstats"))?
-        else {
-            return Ok(None);
-        };
-        let mut sum = abi::BcastGroupStat::default();
-        for raw in per_cpu {
-            if let Some(s) = abi::from_bytes::<abi::BcastGroupStat>(&raw) {
-                sum.datagrams += s.datagrams;
-                sum.copies += s.copies;
-                sum.neigh_misses += s.neigh_misses;
-                sum.bytes += s.bytes;
-            }
-        }
-        Ok(Some(sum))
+        maps::lookup_percpu_sum(&self.skel.maps.bcast_gstats, abi::as_bytes(&key)).map_err(map_err("bcast_gstats"))
     }
 
     /// Pin every map of the object as `dir/<map name>` (`dir` must exist on
@@ -852,27 +810,7 @@ impl BroadcastPlane {
     /// names (`bcast_*`) do not collide with the XDP object's.
     pub fn pin_maps(&self, dir: &Path) -> Result<()> {
         use libbpf_rs::skel::Skel;
-        for map in self.skel.object().maps() {
-            let name = map.name().to_string_lossy().into_owned();
-            if name.starts_with('.') || name.contains(".bss") || name.contains(".rodata") || name.contains(".data") {
-                continue;
-            }
-            let path = dir.join(&name);
-            let display = path.display().to_string();
-            let cpath = std::ffi::CString::new(display.clone()).map_err(|_| BroadcastError::Pin {
-                path: display.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
-            })?;
-            // SAFETY: valid fd and NUL-terminated path.
-            let rc = unsafe { libbpf_sys::bpf_obj_pin(map.as_fd().as_raw_fd(), cpath.as_ptr()) };
-            if rc < 0 {
-                return Err(BroadcastError::Pin {
-                    path: display,
-                    source: std::io::Error::from_raw_os_error(-rc),
-                });
-            }
-        }
-        Ok(())
+        Ok(maps::pin_object_maps(self.skel.object(), dir)?)
     }
 
     /// File descriptor of one of the programs.

@@ -40,6 +40,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
 use crate::wire::abi;
+use crate::kernel::maps::{self, Counter};
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
@@ -92,14 +93,8 @@ pub enum DataplaneError {
         index: u32,
     },
     /// Pinning failed.
-    #[error("pinning {path}: {source}")]
-    Pin {
-        /// Pin path.
-        path: String,
-        /// OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Pin(#[from] maps::PinError),
 }
 
 /// Result type of this module.
@@ -145,7 +140,7 @@ impl XdpLink {
 
     /// Pin the link to a bpffs path so it outlives this process.
     pub fn pin(&self, path: &Path) -> Result<()> {
-        pin_fd(self.fd.as_raw_fd(), path)
+        Ok(maps::pin(self.fd.as_fd(), path)?)
     }
 
     /// Detach now (same as dropping the link, but explicit).
@@ -166,23 +161,6 @@ impl AsFd for XdpLink {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.fd.as_fd()
     }
-}
-
-fn pin_fd(fd: RawFd, path: &Path) -> Result<()> {
-    let display = path.display().to_string();
-    let cpath = std::ffi::CString::new(display.clone()).map_err(|_| DataplaneError::Pin {
-        path: display.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
-    })?;
-    // SAFETY: valid fd and NUL-terminated path.
-    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd, cpath.as_ptr()) };
-    if rc < 0 {
-        return Err(DataplaneError::Pin {
-            path: display,
-            source: std::io::Error::from_raw_os_error(-rc),
-        });
-    }
-    Ok(())
 }
 
 /// One aggregation job as the control plane configures it.
@@ -277,15 +255,6 @@ impl XdpJob {
             fast_stride: 0,
         })
     }
-}
-
-/// One counter pair, summed over CPUs.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Counter {
-    /// Datagrams.
-    pub packets: u64,
-    /// UDP payload bytes (0 for frames without a UDP header).
-    pub bytes: u64,
 }
 
 /// Snapshot of the `stats` map, summed over CPUs.
@@ -678,16 +647,10 @@ impl Dataplane {
         let Some(dense) = self.job_index(id)? else {
             return Ok(None);
         };
-        let per_cpu = self
-            .skel
-            .maps
-            .job_stats
-            .lookup_percpu(&dense.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
-                map: "job_stats",
-                source,
-            })?;
-        Ok(per_cpu.map(|values| sum_job_stats(&values)))
+        maps::lookup_percpu_sum(&self.skel.maps.job_stats, &dense.to_ne_bytes()).map_err(|source| DataplaneError::Map {
+            map: "job_stats",
+            source,
+        })
     }
 
     fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
@@ -888,20 +851,10 @@ impl Dataplane {
     pub fn fast_stats(&self) -> Result<[u64; abi::FAST_STAT_MAX as usize]> {
         let mut out = [0u64; abi::FAST_STAT_MAX as usize];
         for (i, slot) in out.iter_mut().enumerate() {
-            let per_cpu = self
-                .skel
-                .maps
-                .fast_stats
-                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
-                    map: "fast_stats",
-                    source,
-                })?;
-            *slot = per_cpu
-                .unwrap_or_default()
-                .iter()
-                .map(|v| v.get(..8).map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap())))
-                .sum();
+            *slot = maps::percpu_array_sum(&self.skel.maps.fast_stats, i as u32).map_err(|source| DataplaneError::Map {
+                map: "fast_stats",
+                source,
+            })?;
         }
         Ok(out)
     }
@@ -933,21 +886,11 @@ impl Dataplane {
         let map = &self.skel.maps.stats;
         let mut stats = Stats::default();
         let read = |idx: u32| -> Result<Counter> {
-            let per_cpu = map
-                .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
-                    map: "stats",
-                    source,
-                })?
-                .unwrap_or_default();
-            let mut sum = Counter::default();
-            for raw in per_cpu {
-                if let Some(stat) = abi::from_bytes::<abi::Stat>(&raw) {
-                    sum.packets += stat.packets;
-                    sum.bytes += stat.bytes;
-                }
-            }
-            Ok(sum)
+            let sum: abi::Stat = maps::percpu_array_sum(map, idx).map_err(|source| DataplaneError::Map {
+                map: "stats",
+                source,
+            })?;
+            Ok(Counter::from(sum))
         };
         for outcome in abi::Outcome::ALL {
             stats
@@ -968,21 +911,11 @@ impl Dataplane {
         let map = &self.skel.maps.handoff_stats;
         let mut out = BTreeMap::new();
         for reason in abi::HandoffReason::ALL {
-            let per_cpu = map
-                .lookup_percpu(&(reason as u32).to_ne_bytes(), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
-                    map: "handoff_stats",
-                    source,
-                })?
-                .unwrap_or_default();
-            let mut sum = Counter::default();
-            for raw in per_cpu {
-                if let Some(stat) = abi::from_bytes::<abi::Stat>(&raw) {
-                    sum.packets += stat.packets;
-                    sum.bytes += stat.bytes;
-                }
-            }
-            out.insert(reason.label(), sum);
+            let sum: abi::Stat = maps::percpu_array_sum(map, reason as u32).map_err(|source| DataplaneError::Map {
+                map: "handoff_stats",
+                source,
+            })?;
+            out.insert(reason.label(), Counter::from(sum));
         }
         Ok(out)
     }
@@ -1739,17 +1672,6 @@ const XDP_TX: u32 = 3;
 /// Tries of `aggbox_fast_discard` on a busy slot, 1 ms apart.
 const FAST_DISCARD_TRIES: u32 = 100;
 
-/// Sum the per-CPU values of one `job_stats` entry.
-pub fn sum_job_stats(per_cpu: &[Vec<u8>]) -> abi::JobStats {
-    let mut total = abi::JobStats::default();
-    for raw in per_cpu {
-        if let Some(v) = abi::from_bytes::<abi::JobStats>(raw) {
-            total.add(&v);
-        }
-    }
-    total
-}
-
 /// Look `key` up in `map` and read the value as `V` (`None` when absent).
 fn lookup_plain<K: plain::Plain, V: plain::Plain + Default, M: MapCore>(map: &M, name: &'static str, key: &K) -> Result<Option<V>> {
     let raw = map
@@ -1785,17 +1707,6 @@ impl Dataplane {
     /// bpffs and exist). Internal maps (`.bss`, `.rodata`, ...) are skipped.
     pub fn pin_maps(&self, dir: &Path) -> Result<()> {
         use libbpf_rs::skel::Skel;
-        for map in self.skel.object().maps() {
-            let name = map.name().to_string_lossy().into_owned();
-            if name.starts_with('.')
-                || name.contains(".bss")
-                || name.contains(".rodata")
-                || name.contains(".data")
-            {
-                continue;
-            }
-            pin_fd(map.as_fd().as_raw_fd(), &dir.join(&name))?;
-        }
-        Ok(())
+        Ok(maps::pin_object_maps(self.skel.object(), dir)?)
     }
 }

@@ -23,6 +23,7 @@ use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricT
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::kernel::afxdp::UserspaceStatsFn;
+use crate::kernel::maps;
 use crate::wire::abi;
 
 /// The process-wide registry for in-process metrics (user-space path
@@ -110,15 +111,7 @@ impl Family {
 }
 
 fn sum_percpu(map: &MapHandle, index: u32) -> Result<abi::Stat> {
-    let per_cpu = map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
-    let mut total = abi::Stat::default();
-    for raw in per_cpu {
-        if let Some(s) = abi::from_bytes::<abi::Stat>(&raw) {
-            total.packets += s.packets;
-            total.bytes += s.bytes;
-        }
-    }
-    Ok(total)
+    Ok(maps::percpu_array_sum(map, index)?)
 }
 
 /// Run count and total run time (ns) of program `id`; zeros unless
@@ -146,7 +139,7 @@ pub fn program_run_stats(id: u32) -> Result<(u64, u64, u32)> {
 pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     let iface = source.iface.as_str();
     let dir = &source.pin_dir;
-    let stats = MapHandle::from_pinned_path(dir.join("stats")).with_context(|| format!("opening {}/stats", dir.display()))?;
+    let stats = maps::open_pinned(dir, maps::names::STATS).with_context(|| format!("opening {}/stats", dir.display()))?;
 
     let mut datagrams = Family::counter("aggbox_datagrams_total", "Datagrams seen by the XDP program on a job port or passed, by outcome.");
     let mut payload = Family::counter("aggbox_payload_bytes_total", "UDP payload bytes of the datagrams of aggbox_datagrams_total, by outcome.");
@@ -167,9 +160,9 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     let mut occupancy = Family::gauge("aggbox_job_slot_occupancy_ratio", "Active slots of a job over its bound.");
     let mut round = Family::gauge("aggbox_job_newest_round", "Newest completed round of a job.");
     let mut workers = Family::gauge("aggbox_job_workers", "Ranks configured for a job.");
-    let jobs = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
-    let job_state = MapHandle::from_pinned_path(dir.join("job_state")).ok();
-    let job_stats = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
+    let jobs = maps::open_pinned(dir, maps::names::JOBS).with_context(|| format!("opening {}/jobs", dir.display()))?;
+    let job_state = maps::open_pinned(dir, maps::names::JOB_STATE).ok();
+    let job_stats = maps::open_pinned(dir, maps::names::JOB_STATS).ok();
     let mut contributions = Family::counter(
         "aggbox_job_contributions_total",
         "Datagrams of a job counted by the XDP program once the job was known, by outcome.",
@@ -195,8 +188,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         round.push(&labels, state.newest_round as f64);
         workers.push(&labels, job.workers as f64);
         if let Some(map) = &job_stats {
-            if let Some(per_cpu) = map.lookup_percpu(&key, MapFlags::ANY)? {
-                let js = crate::kernel::xdp::sum_job_stats(&per_cpu);
+            if let Some(js) = maps::lookup_percpu_sum::<abi::JobStats>(map, &key)? {
                 for (outcome, n) in js.by_outcome() {
                     contributions.push(&[("iface", iface), ("job", id_text.as_str()), ("outcome", outcome)], n as f64);
                 }
@@ -222,7 +214,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     // slot bound, is what limits jumbo fragments in flight.
     let mut blocks_used = Family::gauge("aggbox_blocks_in_use", "Accumulator blocks (256 elements each) the kernel's slots hold, all jobs.");
     let mut blocks_capacity = Family::gauge("aggbox_blocks_capacity", "Accumulator blocks in the kernel's pool.");
-    if let Ok(map) = MapHandle::from_pinned_path(dir.join("blocks_used")) {
+    if let Ok(map) = maps::open_pinned(dir, maps::names::BLOCKS_USED) {
         let used = map
             .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)?
             .and_then(|v| abi::from_bytes::<u64>(&v))
@@ -251,7 +243,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         blocks_capacity,
     ];
 
-    if let Ok(handoff) = MapHandle::from_pinned_path(dir.join("handoff_stats")) {
+    if let Ok(handoff) = maps::open_pinned(dir, maps::names::HANDOFF_STATS) {
         let mut f = Family::counter("aggbox_userspace_handoffs_total", "Datagrams the XDP program redirected to the user-space path, by reason.");
         for reason in abi::HandoffReason::ALL {
             let s = sum_percpu(&handoff, reason as u32)?;
@@ -278,7 +270,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
 /// Broadcast counters, when the TC plane's maps are pinned next to the XDP ones.
 fn broadcast_families(source: &KernelSource) -> Result<Vec<Family>> {
     let iface = source.iface.as_str();
-    let Ok(stats) = MapHandle::from_pinned_path(source.pin_dir.join("bcast_stats")) else {
+    let Ok(stats) = maps::open_pinned(&source.pin_dir, maps::names::BCAST_STATS) else {
         return Ok(Vec::new());
     };
     let mut datagrams = Family::counter("aggbox_broadcast_datagrams_total", "AGB1 and other datagrams seen by the TC programs, by outcome.");
@@ -293,23 +285,14 @@ fn broadcast_families(source: &KernelSource) -> Result<Vec<Family>> {
         }
     }
     let mut out = vec![datagrams, events];
-    if let Ok(gstats) = MapHandle::from_pinned_path(source.pin_dir.join("bcast_gstats")) {
+    if let Ok(gstats) = maps::open_pinned(&source.pin_dir, maps::names::BCAST_GSTATS) {
         let mut g_datagrams = Family::counter("aggbox_group_datagrams_total", "Datagrams broadcast (root) or forwarded (tree node) for a group.");
         let mut g_copies = Family::counter("aggbox_group_copies_total", "Copies sent for a group.");
         let mut g_misses = Family::counter("aggbox_group_neighbour_misses_total", "Copies of a group sent through the neighbour path (next hop unresolved).");
         let mut g_bytes = Family::counter("aggbox_group_payload_bytes_total", "UDP payload bytes broadcast for a group.");
         for key in gstats.keys() {
             let Some(k) = abi::from_bytes::<abi::GroupKey>(&key) else { continue };
-            let per_cpu = gstats.lookup_percpu(&key, MapFlags::ANY)?.unwrap_or_default();
-            let mut total = abi::BcastGroupStat::default();
-            for raw in per_cpu {
-                if let Some(v) = abi::from_bytes::<abi::BcastGroupStat>(&raw) {
-                    total.datagrams += v.datagrams;
-                    total.copies += v.copies;
-                    total.neigh_misses += v.neigh_misses;
-                    total.bytes += v.bytes;
-                }
-            }
+            let total: abi::BcastGroupStat = maps::lookup_percpu_sum(&gstats, &key)?.unwrap_or_default();
             let (group, port) = (k.group.to_string(), k.port.to_string());
             let labels = [("iface", iface), ("group", group.as_str()), ("port", port.as_str())];
             g_datagrams.push(&labels, total.datagrams as f64);

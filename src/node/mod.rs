@@ -29,6 +29,7 @@ use crate::config::{Config, UserspacePathMode};
 use crate::kernel::tc::{self, BroadcastPlane};
 use crate::kernel::xdp::{self, Chain, Dataplane, XdpLink, XdpMode};
 use crate::kernel::afxdp::UserspacePath;
+use crate::kernel::maps;
 
 /// Default root of AggBox's pins (INTERFACE.md).
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/aggbox";
@@ -880,15 +881,14 @@ pub struct NodeStatus {
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
 /// `(index, label)`; empty when the map is not pinned.
-fn pinned_percpu_counts(path: &Path, entries: impl Iterator<Item = (u32, &'static str)>) -> Result<BTreeMap<String, u64>> {
+fn pinned_percpu_counts(dir: &Path, name: &str, entries: impl Iterator<Item = (u32, &'static str)>) -> Result<BTreeMap<String, u64>> {
     let mut out = BTreeMap::new();
-    let Ok(map) = MapHandle::from_pinned_path(path) else {
+    let Ok(map) = maps::open_pinned(dir, name) else {
         return Ok(out);
     };
     for (index, label) in entries {
-        let per_cpu = map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
-        let packets: u64 = per_cpu.iter().filter_map(|raw| abi::from_bytes::<abi::Stat>(raw)).map(|s| s.packets).sum();
-        out.insert(label.to_string(), packets);
+        let sum: abi::Stat = maps::percpu_array_sum(&map, index)?;
+        out.insert(label.to_string(), sum.packets);
     }
     Ok(out)
 }
@@ -916,11 +916,9 @@ pub fn status(iface: Option<&str>, pin_root: &Path) -> Result<Vec<NodeStatus>> {
 
 fn status_of(dir: &Path) -> Result<NodeStatus> {
     let attach = read_record(dir).ok_or_else(|| anyhow!("aggbox: unreadable {}", dir.join(STATE_FILE).display()))?;
-    let stats_map = MapHandle::from_pinned_path(dir.join("stats")).with_context(|| format!("opening {}/stats", dir.display()))?;
-    let read = |index: u32| -> Result<u64> {
-        let per_cpu = stats_map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
-        Ok(per_cpu.iter().filter_map(|raw| abi::from_bytes::<abi::Stat>(raw)).map(|s| s.packets).sum())
-    };
+    let opening = |name: &str| format!("opening {}/{name}", dir.display());
+    let stats_map = maps::open_pinned(dir, maps::names::STATS).with_context(|| opening(maps::names::STATS))?;
+    let read = |index: u32| -> Result<u64> { Ok(maps::percpu_array_sum::<abi::Stat>(&stats_map, index)?.packets) };
     let mut outcomes = BTreeMap::new();
     for outcome in abi::Outcome::ALL {
         outcomes.insert(outcome.label().to_string(), read(outcome as u32)?);
@@ -930,9 +928,9 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         drops.insert(reason.label().to_string(), read(reason.stats_index())?);
     }
 
-    let jobs_map = MapHandle::from_pinned_path(dir.join("jobs")).with_context(|| format!("opening {}/jobs", dir.display()))?;
-    let ranks_map = MapHandle::from_pinned_path(dir.join("ranks")).with_context(|| format!("opening {}/ranks", dir.display()))?;
-    let job_stats_map = MapHandle::from_pinned_path(dir.join("job_stats")).ok();
+    let jobs_map = maps::open_pinned(dir, maps::names::JOBS).with_context(|| opening(maps::names::JOBS))?;
+    let ranks_map = maps::open_pinned(dir, maps::names::RANKS).with_context(|| opening(maps::names::RANKS))?;
+    let job_stats_map = maps::open_pinned(dir, maps::names::JOB_STATS).ok();
     let mut jobs = Vec::new();
     for (dense, job) in crate::kernel::xdp::pinned_jobs(&jobs_map)? {
         let key = dense.to_ne_bytes();
@@ -952,16 +950,16 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
             slots: job.slots,
             ranks,
             counters: match &job_stats_map {
-                Some(map) => map.lookup_percpu(&key, MapFlags::ANY)?.map(|v| crate::kernel::xdp::sum_job_stats(&v)),
+                Some(map) => maps::lookup_percpu_sum(map, &key)?,
                 None => None,
             },
         });
     }
     jobs.sort_by_key(|j| j.id);
     let serving = attacher_alive(&attach);
-    let handoffs = pinned_percpu_counts(&dir.join("handoff_stats"), abi::HandoffReason::ALL.iter().map(|r| (*r as u32, r.label())))?;
+    let handoffs = pinned_percpu_counts(dir, maps::names::HANDOFF_STATS, abi::HandoffReason::ALL.iter().map(|r| (*r as u32, r.label())))?;
     let broadcast = if attach.tc {
-        pinned_percpu_counts(&dir.join("bcast_stats"), abi::BcastStat::ALL.iter().map(|s| (*s as u32, s.label())))?
+        pinned_percpu_counts(dir, maps::names::BCAST_STATS, abi::BcastStat::ALL.iter().map(|s| (*s as u32, s.label())))?
     } else {
         BTreeMap::new()
     };

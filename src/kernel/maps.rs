@@ -1,0 +1,154 @@
+//! What the programs' maps share on the user-space side, written once: the
+//! names under which `aggbox attach` pins them (so that `aggbox status`, the
+//! metrics endpoint and the tests open them from another process), pinning,
+//! and per-CPU values summed over CPUs.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle, Object};
+use plain::Plain;
+
+use crate::wire::abi;
+
+/// Names of the pinned maps that other processes open by name: the BPF
+/// objects' own map names (src/bpf/xdp_maps.h, src/bpf/tc_maps.h), which
+/// [`pin_object_maps`] uses as file names.
+pub mod names {
+    /// Per-CPU counters by outcome and drop reason (`abi::Stat`).
+    pub const STATS: &str = "stats";
+    /// The jobs array (`abi::Job`), indexed by dense job index.
+    pub const JOBS: &str = "jobs";
+    /// Rank addresses and weights (`abi::Rank`), dense · MAX_RANKS + rank.
+    pub const RANKS: &str = "ranks";
+    /// Per-job progress (`abi::JobState`).
+    pub const JOB_STATE: &str = "job_state";
+    /// Per-CPU per-job counters (`abi::JobStats`).
+    pub const JOB_STATS: &str = "job_stats";
+    /// Pool blocks held by slots (one `u64`).
+    pub const BLOCKS_USED: &str = "blocks_used";
+    /// Per-CPU counters of hand-offs to user space, by reason (`abi::Stat`).
+    pub const HANDOFF_STATS: &str = "handoff_stats";
+    /// Per-CPU broadcast counters (`abi::Stat`), TC object.
+    pub const BCAST_STATS: &str = "bcast_stats";
+    /// Per-CPU per-group broadcast counters (`abi::BcastGroupStat`), TC object.
+    pub const BCAST_GSTATS: &str = "bcast_gstats";
+}
+
+/// One counter pair of a stats map (`abi::Stat`), summed over CPUs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counter {
+    /// Datagrams (or, for the broadcast's copy counters, copies).
+    pub packets: u64,
+    /// UDP payload bytes (0 where the event has no UDP datagram of its own).
+    pub bytes: u64,
+}
+
+impl From<abi::Stat> for Counter {
+    fn from(s: abi::Stat) -> Counter {
+        Counter { packets: s.packets, bytes: s.bytes }
+    }
+}
+
+/// A per-CPU map value: summed over CPUs to give the map's total.
+pub trait PerCpuSum: Plain + Default {
+    /// Add one CPU's value into this one.
+    fn add_cpu(&mut self, other: &Self);
+}
+
+impl PerCpuSum for u64 {
+    fn add_cpu(&mut self, other: &Self) {
+        *self += other;
+    }
+}
+
+impl PerCpuSum for abi::Stat {
+    fn add_cpu(&mut self, other: &Self) {
+        self.packets += other.packets;
+        self.bytes += other.bytes;
+    }
+}
+
+impl PerCpuSum for abi::JobStats {
+    fn add_cpu(&mut self, other: &Self) {
+        self.add(other);
+    }
+}
+
+impl PerCpuSum for abi::BcastGroupStat {
+    fn add_cpu(&mut self, other: &Self) {
+        self.datagrams += other.datagrams;
+        self.copies += other.copies;
+        self.neigh_misses += other.neigh_misses;
+        self.bytes += other.bytes;
+    }
+}
+
+/// The sum over CPUs of one per-CPU lookup's values (a value too short for
+/// `V`, which a matching map never returns, counts as zero).
+pub fn sum_percpu<V: PerCpuSum>(per_cpu: &[Vec<u8>]) -> V {
+    let mut total = V::default();
+    for raw in per_cpu {
+        if let Some(v) = abi::from_bytes::<V>(raw) {
+            total.add_cpu(&v);
+        }
+    }
+    total
+}
+
+/// Entry `key` of per-CPU map `map`, summed over CPUs; `None` when absent.
+pub fn lookup_percpu_sum<V: PerCpuSum>(map: &impl MapCore, key: &[u8]) -> libbpf_rs::Result<Option<V>> {
+    Ok(map.lookup_percpu(key, MapFlags::ANY)?.map(|per_cpu| sum_percpu(&per_cpu)))
+}
+
+/// Entry `index` of a per-CPU array map, summed over CPUs (zero when the
+/// index is past the array).
+pub fn percpu_array_sum<V: PerCpuSum>(map: &impl MapCore, index: u32) -> libbpf_rs::Result<V> {
+    Ok(lookup_percpu_sum(map, &index.to_ne_bytes())?.unwrap_or_default())
+}
+
+/// Open map `name` pinned in the pin directory `dir`.
+pub fn open_pinned(dir: &Path, name: &str) -> libbpf_rs::Result<MapHandle> {
+    MapHandle::from_pinned_path(dir.join(name))
+}
+
+/// A pin that could not be made.
+#[derive(Debug, thiserror::Error)]
+#[error("pinning {}: {source}", path.display())]
+pub struct PinError {
+    /// Where the pin was to go.
+    pub path: PathBuf,
+    /// What the kernel answered.
+    pub source: io::Error,
+}
+
+/// Pin the BPF object behind `fd` (map, program or link) at `path`, which
+/// must be on a bpffs and not exist yet.
+pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PinError> {
+    let fail = |source| PinError { path: path.to_path_buf(), source };
+    let cpath = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| fail(io::Error::new(io::ErrorKind::InvalidInput, "NUL in path")))?;
+    // SAFETY: a valid fd and a NUL-terminated path.
+    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), cpath.as_ptr()) };
+    if rc < 0 {
+        return Err(fail(io::Error::from_raw_os_error(-rc)));
+    }
+    Ok(())
+}
+
+/// Pin every map of `object` as `dir/<map name>` (`dir` must exist on a
+/// bpffs); the object's internal maps (`.bss`, `.rodata`, `.data`) are
+/// skipped. The XDP and TC objects' names do not collide (TC's are
+/// `bcast_*`), so both pin into one directory.
+pub fn pin_object_maps(object: &Object, dir: &Path) -> Result<(), PinError> {
+    for map in object.maps() {
+        let name = map.name().to_string_lossy().into_owned();
+        if name.starts_with('.') || name.contains(".bss") || name.contains(".rodata") || name.contains(".data") {
+            continue;
+        }
+        pin(map.as_fd(), &dir.join(&name))?;
+    }
+    Ok(())
+}
