@@ -37,7 +37,7 @@
 //!   zero sum would divide by 0. The bound is the data plane's: it adds
 //!   `weight * value` in a signed 64-bit sum per element, and 256 ranks ×
 //!   2^31 × 2^23 stays below 2^62; checking it here names file, line and key
-//!   instead of failing later inside `Dataplane::set_job`. With it the sum
+//!   instead of failing later inside `XdpPlane::set_job`. With it the sum
 //!   (at most 256 × 2^23 = 2^31) always fits the u32 `weight_sum`. A single
 //!   weight of 0 is allowed: that rank must still contribute for the slot to
 //!   complete, but its values do not count.

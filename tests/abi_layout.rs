@@ -1,4 +1,4 @@
-//! Proves that `src/abi.rs` and `include/aggbox/abi.h` agree: every struct
+//! Proves that `src/wire/abi.rs` and `include/aggbox/abi.h` agree: every struct
 //! size, every field offset and size, and every constant, compiled from the C
 //! header with the host C compiler and compared with the Rust mirror.
 

@@ -11,7 +11,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use bpf_common::*;
 
 /// A RESULT frame checked for everything but its payload; returns
@@ -231,7 +231,7 @@ fn job(workers: u16, slots: u32) -> XdpJob {
 
 type Deltas = Vec<(&'static str, u64, u64)>;
 
-fn send(dp: &Dataplane, a: &Agg) -> (u32, Deltas, Vec<u8>) {
+fn send(dp: &XdpPlane, a: &Agg) -> (u32, Deltas, Vec<u8>) {
     let before = dp.stats().unwrap();
     let (verdict, out) = dp
         .test_run(&Frame::udp(addr(a.rank), a.bytes()).build())

@@ -28,7 +28,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome, SlotKey};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use aggbox::wire::reducer;
 use bpf_common::run_one as run;
 use bpf_common::*;
@@ -69,7 +69,7 @@ fn sum_be(parts: &[&[i32]]) -> Vec<u8> {
     out
 }
 
-fn fast(dp: &Dataplane, what: u32) -> u64 {
+fn fast(dp: &XdpPlane, what: u32) -> u64 {
     dp.fast_stats().expect("fast_stats")[what as usize]
 }
 
@@ -82,7 +82,7 @@ fn key(round: u32, frag_off: u32) -> SlotKey {
     }
 }
 
-fn active(dp: &Dataplane) -> u32 {
+fn active(dp: &XdpPlane) -> u32 {
     dp.job_state(ID).expect("job_state").expect("state").active_slots
 }
 
@@ -380,7 +380,7 @@ fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
     assert_eq!((dp.fast_slots_in_use(), dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0, 0), "nothing changed");
     assert_eq!(fast(&dp, abi::FAST_JOINED) + fast(&dp, abi::FAST_TAKEN), 0);
     match dp.discard_fast_slots(ID, index as u16, 1) {
-        Err(aggbox::kernel::xdp::DataplaneError::FastSlotBusy { index: i }) => assert_eq!(i, index),
+        Err(aggbox::kernel::xdp::XdpError::FastSlotBusy { index: i }) => assert_eq!(i, index),
         other => panic!("discard of a locked slot: {other:?}"),
     }
     // Let go: the same contributions (the senders' resends) complete it.

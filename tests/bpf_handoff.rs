@@ -16,7 +16,7 @@ use std::fs::File;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, HandoffReason, Outcome, SlotKey};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use crate::testbed::{Testbed, TestbedConfig};
 use aggbox::kernel::xsk::{XskConfig, XskSocket};
 use bpf_common::*;
@@ -64,7 +64,7 @@ fn with_socket() -> (Testbed, XskSocket) {
     (tb, sock)
 }
 
-fn run(dp: &Dataplane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<(&'static str, u64, u64)>) {
+fn run(dp: &XdpPlane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<(&'static str, u64, u64)>) {
     let payload = a.bytes();
     let before = dp.stats().unwrap();
     let (verdict, _) = dp.test_run(&Frame::udp(src, payload).build()).expect("test_run");
@@ -75,7 +75,7 @@ fn to_us(a: &Agg) -> Vec<(&'static str, u64, u64)> {
     vec![(Outcome::ToUserspace.label(), 1, a.bytes().len() as u64)]
 }
 
-fn handoffs(dp: &Dataplane, reason: HandoffReason) -> u64 {
+fn handoffs(dp: &XdpPlane, reason: HandoffReason) -> u64 {
     dp.handoff_stats().unwrap()[reason.label()].packets
 }
 

@@ -16,7 +16,7 @@ mod bpf_common;
 mod asm;
 
 use aggbox::wire::abi::{self, Op};
-use aggbox::kernel::xdp::Dataplane;
+use aggbox::kernel::xdp::XdpPlane;
 use aggbox::wire::reducer;
 use aggbox::node::tools::pattern_vector;
 use aggbox::wire::proto::elements_per_datagram;
@@ -258,7 +258,7 @@ impl Probe {
 /// Tail calls one contribution of `count` elements takes through the loaded
 /// chain, measured with [`Probe`]: (for a contribution the slot absorbs,
 /// for the one that completes it and becomes the RESULT).
-fn measured_depth(dp: &Dataplane, frags: bool, budget_hops: u64, count: u32, fast: bool, round: u32) -> (u64, u64) {
+fn measured_depth(dp: &XdpPlane, frags: bool, budget_hops: u64, count: u32, fast: bool, round: u32) -> (u64, u64) {
     let mut job = reduce_job(2, vec![]);
     if !fast {
         job.flags = abi::JOB_F_NO_FAST;
@@ -277,7 +277,7 @@ fn measured_depth(dp: &Dataplane, frags: bool, budget_hops: u64, count: u32, fas
     // What a probe run did: got through (the expected outcome), or ran out
     // of tail calls (missed_tail_call from the chain, XDP_ABORTED from the
     // probe itself); anything else is a failure of the test.
-    let outcome = |dp: &Dataplane, run: &dyn Fn() -> (u32, Vec<u8>), want: &str| -> bool {
+    let outcome = |dp: &XdpPlane, run: &dyn Fn() -> (u32, Vec<u8>), want: &str| -> bool {
         let before = dp.stats().unwrap();
         let (verdict, _) = run();
         let after = dp.stats().unwrap();
@@ -323,7 +323,7 @@ fn tail_call_depth_is_measured_within_the_kernel_budget() {
     use aggbox::kernel::xdp::Chain;
     let runs = |count: u32, per_run: u32| count.div_ceil(abi::CHUNK_ELEMS).div_ceil(per_run) as u64;
     for chain in [Chain::Frags, Chain::Linear] {
-        let dp = match Dataplane::load_chain(chain) {
+        let dp = match XdpPlane::load_chain(chain) {
             Ok(dp) => dp,
             Err(e) if chain == Chain::Linear => panic!("the linear chain loads everywhere the frags one does: {e}"),
             Err(e) => panic!("{e}"),

@@ -1,8 +1,8 @@
 //! The linear chain (docs/JUMBO.md, "Kernels without multi-buffer XDP"):
-//! the MTU-bounded build of the tail-call chain that `Dataplane::load`
+//! the MTU-bounded build of the tail-call chain that `XdpPlane::load`
 //! picks when the kernel lacks `bpf_loop` / `bpf_xdp_load_bytes` (before
 //! 5.18). This kernel has both, so these tests load it explicitly
-//! (`Dataplane::load_chain(Chain::Linear)`) and check that it aggregates
+//! (`XdpPlane::load_chain(Chain::Linear)`) and check that it aggregates
 //! like the frags chain, and that it calls no helper newer than 5.15.
 //!
 //! Needs root: run with `sudo -E cargo test --test bpf_linear`.
@@ -10,14 +10,14 @@
 mod bpf_common;
 
 use aggbox::wire::abi::{self, Op};
-use aggbox::kernel::xdp::{Chain, Dataplane};
+use aggbox::kernel::xdp::{Chain, XdpPlane};
 use aggbox::node::tools::pattern_vector;
 use aggbox::wire::proto::elements_per_datagram;
 use bpf_common::*;
 
-fn load_linear() -> Dataplane {
+fn load_linear() -> XdpPlane {
     require_root();
-    match Dataplane::load_chain(Chain::Linear) {
+    match XdpPlane::load_chain(Chain::Linear) {
         Ok(dp) => dp,
         Err(err) => panic!("loading the linear chain failed: {err:#?}"),
     }
@@ -93,11 +93,11 @@ const LAST_HELPER_OF_5_15: u32 = libbpf_sys::BPF_FUNC_task_pt_regs;
 
 #[test]
 fn linear_chain_calls_only_helpers_of_5_15() {
-    // What the loaded programs call (Dataplane::helper_ids), checked
+    // What the loaded programs call (XdpPlane::helper_ids), checked
     // against the helper ids 5.15 has: the linear chain must load there.
     let linear = load_linear().helper_ids();
     require_root();
-    let frags = Dataplane::load_chain(Chain::Frags).unwrap().helper_ids();
+    let frags = XdpPlane::load_chain(Chain::Frags).unwrap().helper_ids();
     for (name, ids) in &linear {
         println!("{name}: helpers {ids:?}");
         let newer: Vec<u32> = ids.iter().copied().filter(|&id| id > LAST_HELPER_OF_5_15).collect();

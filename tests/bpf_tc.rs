@@ -18,7 +18,7 @@ mod testbed;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aggbox::wire::abi::{self, BcastStat};
-use aggbox::kernel::tc::{self, plan_tree, BroadcastPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
+use aggbox::kernel::tc::{self, plan_tree, TcPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 9;
@@ -162,7 +162,7 @@ impl Out<'_> {
 
 struct Fixture {
     tb: Testbed,
-    plane: BroadcastPlane,
+    plane: TcPlane,
     eth0: u32,
     h0_mac: [u8; 6],
     h1: SocketAddrV4,
@@ -178,7 +178,7 @@ impl Fixture {
             ..Default::default()
         })
         .expect("testbed");
-        let plane = BroadcastPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
+        let plane = TcPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
         let eth0 = in_netns(&tb.host(0).netns, || tc::ifindex("eth0"))
             .expect("netns")
             .expect("eth0");
@@ -396,7 +396,7 @@ fn egress_several_destinations_clone_and_the_original_takes_the_last() {
 #[test]
 fn program_sizes() {
     require_root();
-    let plane = BroadcastPlane::load()
+    let plane = TcPlane::load()
         .unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
     let progs = [
         ("aggbox_tc_egress", TcProgram::Egress),

@@ -18,7 +18,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -46,7 +46,7 @@ fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
     }
 }
 
-fn setup() -> Dataplane {
+fn setup() -> XdpPlane {
     let dp = load();
     dp.set_job(A, &job(A, JOB_PORT, RESULT_PORT)).expect("job A");
     dp.set_job(B, &job(B, PORT_B, RESULT_PORT_B)).expect("job B");

@@ -9,7 +9,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use bpf_common::*;
 
 /// Which phase of the dataplane this build implements: 1 = validate and pass,
@@ -48,7 +48,7 @@ fn test_job() -> XdpJob {
     }
 }
 
-fn setup() -> Dataplane {
+fn setup() -> XdpPlane {
     let dp = load();
     dp.set_job(JOB, &test_job()).expect("set_job");
     let mut us = test_job();

@@ -43,7 +43,7 @@ use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob, TestRunner};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob, TestRunner};
 use aggbox::wire::proto::{self, ProtoError};
 use aggbox::wire::reducer;
 use bpf_common::*;
@@ -793,13 +793,13 @@ struct Report {
     batches: u64,
 }
 
-fn configure(dp: &Dataplane, jobs: &[XdpJob]) {
+fn configure(dp: &XdpPlane, jobs: &[XdpJob]) {
     for j in jobs {
         dp.set_job(j.id, j).expect("set_job");
     }
 }
 
-fn check_batch(dp: &Dataplane, model: &Model, base: &aggbox::kernel::xdp::Stats, counted: &BTreeMap<&'static str, (u64, u64)>, runs: u64, ctx: &str) {
+fn check_batch(dp: &XdpPlane, model: &Model, base: &aggbox::kernel::xdp::Stats, counted: &BTreeMap<&'static str, (u64, u64)>, runs: u64, ctx: &str) {
     let now = dp.stats().expect("stats");
     let d = deltas(base, &now);
     let mut got: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
@@ -982,7 +982,7 @@ fn xdp_fuzz_million_mutated_datagrams() {
 
 #[test]
 fn tc_fuzz_mutated_datagrams() {
-    use aggbox::kernel::tc::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
+    use aggbox::kernel::tc::{self, TcPlane, TcProgram, TC_ACT_OK};
     use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
@@ -995,7 +995,7 @@ fn tc_fuzz_mutated_datagrams() {
         ..Default::default()
     })
     .expect("testbed");
-    let plane = BroadcastPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
+    let plane = TcPlane::load().unwrap_or_else(|e| panic!("loading the TC programs failed: {e:#?}"));
     let (h0, h1) = (tb.host(0), tb.host(1));
     const GROUP: u16 = 9;
     plane

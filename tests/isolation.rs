@@ -27,7 +27,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 use aggbox::wire::reducer;
 use bpf_common::*;
 
@@ -58,7 +58,7 @@ struct Snapshot {
     states: Vec<(u16, Option<abi::JobState>)>,
 }
 
-fn snapshot(dp: &Dataplane, ids: &[u16]) -> Snapshot {
+fn snapshot(dp: &XdpPlane, ids: &[u16]) -> Snapshot {
     Snapshot {
         slots: dp.slots_in_use(),
         owners: dp.slot_owners_in_use(),
@@ -75,7 +75,7 @@ fn contribution(job: u16, rank: u16, round: u32, frag_off: u32, values: &[i32]) 
 }
 
 /// Run one frame; returns (verdict, output, single (label, packets) delta).
-fn run(dp: &Dataplane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
+fn run(dp: &XdpPlane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
     let frame = Frame::udp(src, a.bytes()).build();
     let before = dp.stats().expect("stats");
     let (verdict, out) = dp.test_run(&frame).expect("test_run");
@@ -86,7 +86,7 @@ fn run(dp: &Dataplane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
 }
 
 /// A rejected datagram: dropped, counted under `reason`, nothing else changed.
-fn expect_rejected(dp: &Dataplane, ids: &[u16], src: Ipv4Addr, a: &Agg, reason: DropReason, what: &str) {
+fn expect_rejected(dp: &XdpPlane, ids: &[u16], src: Ipv4Addr, a: &Agg, reason: DropReason, what: &str) {
     let before = snapshot(dp, ids);
     let frame = Frame::udp(src, a.bytes()).build();
     let (verdict, out, label) = run(dp, src, a);
@@ -97,7 +97,7 @@ fn expect_rejected(dp: &Dataplane, ids: &[u16], src: Ipv4Addr, a: &Agg, reason: 
 }
 
 /// Contribute a whole round of `job` (all ranks); returns the RESULT payload.
-fn full_round(dp: &Dataplane, cfg: &XdpJob, round: u32, values: &dyn Fn(u16) -> Vec<i32>) -> Vec<u8> {
+fn full_round(dp: &XdpPlane, cfg: &XdpJob, round: u32, values: &dyn Fn(u16) -> Vec<i32>) -> Vec<u8> {
     let workers = cfg.ranks.len() as u16;
     let mut result = None;
     for rank in 0..workers {
@@ -259,7 +259,7 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
 
 #[test]
 fn broadcast_for_a_group_not_configured_here_passes_untouched() {
-    use aggbox::kernel::tc::{self, BroadcastPlane, TcProgram, TC_ACT_OK};
+    use aggbox::kernel::tc::{self, TcPlane, TcProgram, TC_ACT_OK};
     use crate::testbed::{in_netns, Testbed, TestbedConfig};
     use std::net::SocketAddrV4;
 
@@ -270,7 +270,7 @@ fn broadcast_for_a_group_not_configured_here_passes_untouched() {
         ..Default::default()
     })
     .expect("testbed");
-    let plane = BroadcastPlane::load().expect("load TC");
+    let plane = TcPlane::load().expect("load TC");
     let (h0, h1) = (tb.host(0), tb.host(1));
     plane.set_group(9, &[SocketAddrV4::new(h1.addr, 7200)]).expect("group 9");
     let mut payload = Vec::new();

@@ -16,7 +16,7 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use aggbox::wire::abi::{self, BcastStat};
-use aggbox::kernel::tc::{self, plan_tree, BroadcastError, BroadcastOptions, BroadcastPlane, TreeNode};
+use aggbox::kernel::tc::{self, plan_tree, TcError, BroadcastOptions, TcPlane, TreeNode};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 const GROUP: u16 = 3;
@@ -56,12 +56,12 @@ fn seq_of(d: &[u8]) -> u32 {
 }
 
 /// Load a plane (main thread) and attach it to eth0 of `netns`.
-fn plane_on(netns: &str, options: &BroadcastOptions) -> BroadcastPlane {
-    let mut plane = match BroadcastPlane::load_with(options) {
+fn plane_on(netns: &str, options: &BroadcastOptions) -> TcPlane {
+    let mut plane = match TcPlane::load_with(options) {
         Ok(p) => p,
         Err(e) => panic!("loading the TC broadcast programs failed: {e:#?}"),
     };
-    in_netns(netns, || -> Result<(), BroadcastError> {
+    in_netns(netns, || -> Result<(), TcError> {
         let idx = tc::ifindex("eth0")?;
         plane.attach(idx)
     })
@@ -338,12 +338,12 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
     // forwarding off: a clear error, nothing attached
     let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.ip_forward=0"]).expect("sysctl");
     assert!(out.status.success());
-    let mut plane = BroadcastPlane::load().expect("load");
+    let mut plane = TcPlane::load().expect("load");
     let err = in_netns(&h0.netns, || plane.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect_err("attach must refuse with forwarding off");
     let msg = err.to_string();
-    assert!(matches!(err, BroadcastError::ForwardingDisabled { .. }), "{msg}");
+    assert!(matches!(err, TcError::ForwardingDisabled { .. }), "{msg}");
     assert!(msg.contains("ip_forward=1"), "the error says how to fix it: {msg}");
     assert!(!tc_qdiscs(0).contains("clsact"), "nothing attached");
 
@@ -384,7 +384,7 @@ fn attach_refuses_without_ip_forwarding_and_detach_removes_only_its_own() {
     assert!(!filters.contains("aggbox"), "{filters}");
 
     // stale filters (process gone) can be removed by handle/priority
-    let mut p2 = BroadcastPlane::load().expect("load");
+    let mut p2 = TcPlane::load().expect("load");
     in_netns(&h1.netns, || p2.attach(tc::ifindex("eth0").expect("eth0")))
         .expect("netns")
         .expect("attach");
@@ -416,7 +416,7 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
     assert!(plans.iter().all(|p| p.level <= 1), "two levels: {plans:?}");
 
     // one plane per host that sends or forwards
-    let mut planes: BTreeMap<usize, BroadcastPlane> = BTreeMap::new();
+    let mut planes: BTreeMap<usize, TcPlane> = BTreeMap::new();
     planes.insert(0, plane_on(&root.netns, &BroadcastOptions::default()));
     for plan in &plans {
         let host = match plan.node {
@@ -642,7 +642,7 @@ fn cold_two_level_tree_first_datagram_reaches_every_receiver_exactly_once() {
 /// only after `retrans_time_ms` (1 s), and meanwhile its neighbour queue
 /// keeps only what `unres_qlen_bytes` holds: with the kernel's 208 KiB, the
 /// last ~3 copies, so those leaves missed the first datagrams.
-/// `BroadcastPlane::attach` raises the queue to `UNRES_QLEN_BYTES` (4 MiB)
+/// `TcPlane::attach` raises the queue to `UNRES_QLEN_BYTES` (4 MiB)
 /// on the interface it holds (docs/BROADCAST.md, "Cold next hops").
 #[test]
 fn cold_two_level_tree_large_datagrams_survive_a_lost_arp_probe() {
@@ -672,7 +672,7 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
     root_plane
         .set_group(GROUP, &forwarders.iter().map(|&h| at(h)).collect::<Vec<_>>())
         .expect("root table");
-    let fwd_planes: Vec<(usize, BroadcastPlane)> = forwarders
+    let fwd_planes: Vec<(usize, TcPlane)> = forwarders
         .iter()
         .enumerate()
         .map(|(j, &h)| {
@@ -745,7 +745,7 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
             }
         }
     }
-    let report = |p: &BroadcastPlane| {
+    let report = |p: &TcPlane| {
         let st = p.stats().expect("stats");
         format!(
             "forwarded {} copy_sent {} neigh_miss {} fib_error {} clone_failed {}",

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::wire::abi::{self, DropReason, HandoffReason, Op, Outcome};
 use aggbox::config::{Config, JobConfig};
-use aggbox::kernel::xdp::{Dataplane, XdpLink, XdpMode};
+use aggbox::kernel::xdp::{XdpPlane, XdpLink, XdpMode};
 use aggbox::node::xdp_job;
 use aggbox::wire::proto::{self, AggHeader};
 use aggbox::wire::reducer;
@@ -52,7 +52,7 @@ fn rank_addr(i: usize) -> Ipv4Addr {
 /// addresses.
 struct Bed {
     tb: Testbed,
-    dp: Dataplane,
+    dp: XdpPlane,
     _link: XdpLink,
     us: Option<UserspacePath>,
 }
@@ -76,7 +76,7 @@ impl Bed {
         }
         let ns = File::open(format!("/var/run/netns/{}", tb.host(0).netns)).expect("netns");
         setns(&ns, CloneFlags::CLONE_NEWNET).expect("setns (this thread only)");
-        let dp = Dataplane::load().expect("load");
+        let dp = XdpPlane::load().expect("load");
         let config = Config {
             jobs,
             ..Default::default()

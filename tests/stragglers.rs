@@ -1,7 +1,7 @@
 //! Stragglers and elastic membership (docs/ROBUSTNESS.md):
 //!
 //! - the kernel slots of a round that never completes (a rank is missing)
-//!   are released once the round is stale (`Dataplane::reclaim_stale_slots`,
+//!   are released once the round is stale (`XdpPlane::reclaim_stale_slots`,
 //!   the `aggbox_reclaim` program; the daemon's user-space path runs it every
 //!   `reclaim_every`), `job_state.active_slots` stays exact, live rounds are
 //!   left alone, and the released share of the job's slot bound is usable
@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use aggbox::wire::abi::{DropReason, Op, Outcome};
-use aggbox::kernel::xdp::{Dataplane, XdpJob, Reclaim};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob, Reclaim};
 use aggbox::wire::reducer;
 use bpf_common::run_one as run;
 use bpf_common::*;
@@ -62,7 +62,7 @@ fn contribution_from(src: Ipv4Addr, rank: u16, round: u32, values: &[i32]) -> Ve
     Frame::udp(src, a.bytes()).build()
 }
 
-fn active(dp: &Dataplane) -> u32 {
+fn active(dp: &XdpPlane) -> u32 {
     dp.job_state(5).expect("job_state").expect("state").active_slots
 }
 

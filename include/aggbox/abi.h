@@ -2,7 +2,7 @@
 /*
  * AggBox ABI, version 1: the wire headers of ../../docs/PROTOCOL.md and the
  * map keys/values shared by the BPF programs (src/bpf/) and the Rust control
- * plane (src/abi.rs mirrors this file; tests/abi_layout.rs compiles this
+ * plane (src/wire/abi.rs mirrors this file; tests/abi_layout.rs compiles this
  * header and checks every offset against the Rust mirror).
  *
  * Rules (katran balancer_structs.h / xdp-tools *_kern_user.h style):
@@ -112,7 +112,7 @@ _Static_assert(sizeof(struct aggbox_ack_hdr) == 16, "AGK1 header is 16 bytes");
  *
  * Mirrored in these files; a reason or outcome added, renamed or renumbered
  * here changes them too (and AGGBOX_DROP_LAST below):
- *   src/abi.rs           DropReason (values, ALL, label(): the name in the
+ *   src/wire/abi.rs           DropReason (values, ALL, label(): the name in the
  *                        metrics and `aggbox status`) and Outcome
  *   tests/abi_layout.rs  compiles this header and checks every enumerator
  *                        against DropReason by name (C name of IpFragment
@@ -549,7 +549,7 @@ struct aggbox_result_route {
 _Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 bytes");
 
 /* ---------------------------------------------------------------------------
- * Hand-off to the user-space path (AF_XDP; src/xsk.rs, src/userspace.rs,
+ * Hand-off to the user-space path (AF_XDP; src/kernel/xsk.rs, src/kernel/afxdp.rs,
  * docs/USERSPACE.md)
  *
  * What the kernel does not aggregate is redirected with bpf_redirect_map()

@@ -89,7 +89,7 @@ struct {
 /*
  * progs: the XDP chain's programs indexed by enum aggbox_call. Filled once
  * by the control plane right after load (Dataplane::fill_prog_arrays in
- * src/dataplane.rs); read by bpf_tail_call() only.
+ * src/kernel/xdp.rs); read by bpf_tail_call() only.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
@@ -282,7 +282,7 @@ struct {
  * job_handoff: dense job index -> user-space path state the kernel honours:
  * the OVERLOAD flag (new slots of the job go to user space) and the newest
  * round completed in user space (stale-round rule across both paths).
- * Written by the user-space path (src/userspace.rs) only; read by the XDP
+ * Written by the user-space path (src/kernel/afxdp.rs) only; read by the XDP
  * programs.
  */
 struct {
@@ -329,7 +329,7 @@ struct {
 
 /*
  * xsks: RX queue index -> AF_XDP socket of the user-space path. Written by
- * the control plane (Dataplane::register_xsk, src/userspace.rs) for every
+ * the control plane (XdpPlane::register_xsk, src/kernel/afxdp.rs) for every
  * queue of the interface; an entry disappears when its socket is closed.
  * Read by aggbox_handoff() (handoff.h) with bpf_map_lookup_elem (is a
  * socket there?) and bpf_redirect_map.
@@ -356,7 +356,7 @@ struct {
 /*
  * xsk_limits[0]: the longest frame (bytes, bpf_xdp_get_buff_len) the
  * registered sockets can take, or 0 for no limit. Written by
- * UserspacePath::start (src/userspace.rs): 0 when every socket is bound
+ * UserspacePath::start (src/kernel/afxdp.rs): 0 when every socket is bound
  * with XDP_USE_SG (multi-buffer AF_XDP, Linux 6.6+), else the UMEM frame
  * size minus headroom minus XDP_PACKET_HEADROOM (AGGBOX_XSK_RX_HEADROOM).
  * A longer frame would be lost by the kernel inside the redirect, so
@@ -378,7 +378,7 @@ struct {
  * stats: one struct aggbox_stat per outcome and per drop reason, per CPU,
  * indexed by aggbox_outcome_index(). Written only by the XDP programs (one
  * increment per datagram, at its exit); read and summed over CPUs by the
- * control plane (src/dataplane.rs, Dataplane::stats).
+ * control plane (src/kernel/xdp.rs, XdpPlane::stats).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

@@ -42,7 +42,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::wire::abi::{self, DropReason};
 use crate::config::Config;
-use crate::kernel::xdp::{Dataplane, KernelMaps};
+use crate::kernel::xdp::{XdpPlane, KernelMaps};
 use crate::wire::abi::Op;
 use crate::wire::proto;
 use crate::wire::reducer::Accumulator;
@@ -69,7 +69,7 @@ pub struct UserspaceOptions {
     pub tick: Duration,
     /// Period of the reclamation of the kernel's stale slots (slots of
     /// rounds older than the job's newest completed round - window, which
-    /// can never complete): see `Dataplane::reclaim_stale_slots`.
+    /// can never complete): see `XdpPlane::reclaim_stale_slots`.
     pub reclaim_every: Duration,
     /// Sizes of each AF_XDP socket.
     pub xsk: XskConfig,
@@ -841,7 +841,7 @@ impl Worker {
 impl UserspacePath {
     /// Start the user-space path on `iface` with default options; see
     /// [`UserspacePath::start_with`].
-    pub fn start(iface: &str, dataplane: &Dataplane, config: &Config) -> Result<UserspacePath> {
+    pub fn start(iface: &str, dataplane: &XdpPlane, config: &Config) -> Result<UserspacePath> {
         Self::start_with(iface, dataplane, config, UserspaceOptions::default())
     }
 
@@ -851,7 +851,7 @@ impl UserspacePath {
     /// `dataplane` (before or after the XDP program is attached).
     pub fn start_with(
         iface: &str,
-        dataplane: &Dataplane,
+        dataplane: &XdpPlane,
         config: &Config,
         opts: UserspaceOptions,
     ) -> Result<UserspacePath> {

@@ -16,11 +16,11 @@
 //!
 //! The ingress program also routes the RESULT datagrams of the XDP
 //! aggregator (`result_routes`): copies to a broadcast group (in-kernel
-//! allreduce, [`BroadcastPlane::set_result_route`]) and the upstream
+//! allreduce, [`TcPlane::set_result_route`]) and the upstream
 //! contribution of an intermediate aggregator
-//! ([`BroadcastPlane::set_parent_route`]).
+//! ([`TcPlane::set_parent_route`]).
 //!
-//! Errors inside this module are typed ([`BroadcastError`]).
+//! Errors inside this module are typed ([`TcError`]).
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
@@ -57,7 +57,7 @@ pub const TC_ACT_REDIRECT: i32 = 7;
 
 /// Errors of the broadcast loader.
 #[derive(Debug, thiserror::Error)]
-pub enum BroadcastError {
+pub enum TcError {
     /// Opening, loading or verifying the BPF object failed.
     #[error("loading the TC broadcast programs: {0}")]
     Load(#[source] libbpf_rs::Error),
@@ -130,10 +130,10 @@ pub enum BroadcastError {
 }
 
 /// Result type of this module.
-pub type Result<T, E = BroadcastError> = std::result::Result<T, E>;
+pub type Result<T, E = TcError> = std::result::Result<T, E>;
 
-fn map_err(map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> BroadcastError {
-    move |source| BroadcastError::Map { map, source }
+fn map_err(map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> TcError {
+    move |source| TcError::Map { map, source }
 }
 
 /// Load-time options.
@@ -231,7 +231,7 @@ impl ParentRoute {
 }
 
 /// Where the RESULTs of one job go besides the local result port, as
-/// written in `result_routes` (see [`BroadcastPlane::result_route`]).
+/// written in `result_routes` (see [`TcPlane::result_route`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResultRouteInfo {
     /// UDP port the job's RESULTs arrive on.
@@ -292,9 +292,9 @@ fn unres_qlen_path(ifindex: u32) -> Result<String> {
 /// when it is smaller; returns the value it had if it was changed.
 fn raise_unres_qlen(ifindex: u32) -> Result<Option<u64>> {
     let path = unres_qlen_path(ifindex)?;
-    let io = |context: String| move |source| BroadcastError::Io { context, source };
+    let io = |context: String| move |source| TcError::Io { context, source };
     let text = std::fs::read_to_string(&path).map_err(io(format!("reading {path}")))?;
-    let before: u64 = text.trim().parse().map_err(|_| BroadcastError::Io {
+    let before: u64 = text.trim().parse().map_err(|_| TcError::Io {
         context: format!("reading {path}"),
         source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not a number: {:?}", text.trim())),
     })?;
@@ -307,7 +307,7 @@ fn raise_unres_qlen(ifindex: u32) -> Result<Option<u64>> {
 
 /// The loaded broadcast object: TC programs and maps, and where they are
 /// attached.
-pub struct BroadcastPlane {
+pub struct TcPlane {
     attachment: Option<Attachment>,
     // Field order matters: the skeleton borrows `_object` and must drop first.
     skel: AggboxTcSkel<'static>,
@@ -317,21 +317,21 @@ pub struct BroadcastPlane {
 // SAFETY: the skeleton holds a libbpf object (heap memory and file
 // descriptors) with no thread affinity; libbpf-rs marks `Object` and
 // `OpenObject` Send likewise. Mutation goes through `&mut self`.
-unsafe impl Send for BroadcastPlane {}
+unsafe impl Send for TcPlane {}
 // SAFETY: every `&self` method only reads the skeleton's program/map
 // descriptors and makes syscalls on them (map lookups/updates, test runs),
 // which the kernel serialises; nothing is mutated through `&self`.
-unsafe impl Sync for BroadcastPlane {}
+unsafe impl Sync for TcPlane {}
 
-impl std::fmt::Debug for BroadcastPlane {
+impl std::fmt::Debug for TcPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BroadcastPlane")
+        f.debug_struct("TcPlane")
             .field("attachment", &self.attachment)
             .finish_non_exhaustive()
     }
 }
 
-impl BroadcastPlane {
+impl TcPlane {
     /// Open and load (verify) the TC skeleton with default options (next-hop
     /// cache lifetime 3600 s). Needs root (CAP_BPF + CAP_NET_ADMIN).
     pub fn load() -> Result<Self> {
@@ -342,15 +342,15 @@ impl BroadcastPlane {
     pub fn load_with(options: &BroadcastOptions) -> Result<Self> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's heap allocation never moves and lives as long as
-        // `BroadcastPlane`, whose field order drops the skeleton before the
+        // `TcPlane`, whose field order drops the skeleton before the
         // box; no other reference to the allocation is ever created.
         let object_ref: &'static mut MaybeUninit<OpenObject> =
             unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
         let open = AggboxTcSkelBuilder::default()
             .open(object_ref)
-            .map_err(BroadcastError::Load)?;
-        let skel = open.load().map_err(BroadcastError::Load)?;
-        let plane = BroadcastPlane {
+            .map_err(TcError::Load)?;
+        let skel = open.load().map_err(TcError::Load)?;
+        let plane = TcPlane {
             attachment: None,
             skel,
             _object: object,
@@ -408,7 +408,7 @@ impl BroadcastPlane {
     /// Attach the egress (root broadcast) and ingress (tree forwarding)
     /// programs to `ifindex` in the calling thread's network namespace.
     /// Creates the clsact qdisc only if absent and remembers whether it did.
-    /// Refuses with [`BroadcastError::ForwardingDisabled`] when IPv4
+    /// Refuses with [`TcError::ForwardingDisabled`] when IPv4
     /// forwarding is off on the interface. A stale AggBox filter (same
     /// handle and priority) is replaced. Raises the interface's
     /// unresolved-neighbour queue to [`UNRES_QLEN_BYTES`] while attached
@@ -416,7 +416,7 @@ impl BroadcastPlane {
     /// probe.
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
         if let Some(a) = &self.attachment {
-            return Err(BroadcastError::State(format!(
+            return Err(TcError::State(format!(
                 "already attached to ifindex {}",
                 a.ifindex
             )));
@@ -443,7 +443,7 @@ impl BroadcastPlane {
             rc if -rc == libc::EEXIST => false,
             rc => {
                 restore_unres_qlen();
-                return Err(BroadcastError::Attach {
+                return Err(TcError::Attach {
                     what: "clsact qdisc",
                     ifindex,
                     source: std::io::Error::from_raw_os_error(-rc),
@@ -473,7 +473,7 @@ impl BroadcastPlane {
         if let Err(e) = egress.attach() {
             undo_qdisc(created_qdisc);
             restore_unres_qlen();
-            return Err(BroadcastError::Attach {
+            return Err(TcError::Attach {
                 what: "egress program",
                 ifindex,
                 source: to_io(e),
@@ -483,7 +483,7 @@ impl BroadcastPlane {
             let _ = egress.detach();
             undo_qdisc(created_qdisc);
             restore_unres_qlen();
-            return Err(BroadcastError::Attach {
+            return Err(TcError::Attach {
                 what: "ingress program",
                 ifindex,
                 source: to_io(e),
@@ -513,7 +513,7 @@ impl BroadcastPlane {
             return Ok(());
         };
         if current_netns_ino()? != a.netns_ino {
-            return Err(BroadcastError::State(format!(
+            return Err(TcError::State(format!(
                 "detach must run in the network namespace attach ran in (ifindex {})",
                 a.ifindex
             )));
@@ -524,7 +524,7 @@ impl BroadcastPlane {
             if let Err(e) = hook.detach() {
                 let e = to_io(e);
                 if e.raw_os_error() != Some(libc::ENOENT) {
-                    first_err.get_or_insert(BroadcastError::Attach {
+                    first_err.get_or_insert(TcError::Attach {
                         what,
                         ifindex,
                         source: e,
@@ -539,7 +539,7 @@ impl BroadcastPlane {
             if let Err(e) = all.destroy() {
                 let e = to_io(e);
                 if e.raw_os_error() != Some(libc::ENOENT) && e.raw_os_error() != Some(libc::EINVAL) {
-                    first_err.get_or_insert(BroadcastError::Attach {
+                    first_err.get_or_insert(TcError::Attach {
                         what: "clsact qdisc (removing)",
                         ifindex,
                         source: e,
@@ -550,7 +550,7 @@ impl BroadcastPlane {
         if let Some(before) = a.unres_qlen_before {
             let restored = unres_qlen_path(ifindex).and_then(|path| {
                 std::fs::write(&path, before.to_string())
-                    .map_err(|source| BroadcastError::Io { context: format!("writing {path}"), source })
+                    .map_err(|source| TcError::Io { context: format!("writing {path}"), source })
             });
             if let Err(e) = restored {
                 first_err.get_or_insert(e);
@@ -575,7 +575,7 @@ impl BroadcastPlane {
     /// are re-broadcast to `children` with hops + 1.
     pub fn set_forwarding(&self, id: u16, receive_port: u16, children: &[SocketAddrV4]) -> Result<()> {
         if receive_port == 0 {
-            return Err(BroadcastError::InvalidGroup {
+            return Err(TcError::InvalidGroup {
                 group: id,
                 reason: "forwarding table for port 0: use set_group".into(),
             });
@@ -584,7 +584,7 @@ impl BroadcastPlane {
     }
 
     fn write_group(&self, id: u16, port: u16, members: &[SocketAddrV4]) -> Result<()> {
-        let bad = |reason: String| BroadcastError::InvalidGroup { group: id, reason };
+        let bad = |reason: String| TcError::InvalidGroup { group: id, reason };
         if members.is_empty() || members.len() > abi::BCAST_MAX_DESTS as usize {
             return Err(bad(format!(
                 "{} destinations; a table has 1..={}",
@@ -686,7 +686,7 @@ impl BroadcastPlane {
     /// of the job ([`set_result_route`](Self::set_result_route)) still gets
     /// its copies (of the RESULT, before the rewrite).
     pub fn set_parent_route(&self, job: u16, parent: &ParentRoute) -> Result<()> {
-        let bad = |reason: String| BroadcastError::InvalidRoute { job, reason };
+        let bad = |reason: String| TcError::InvalidRoute { job, reason };
         if parent.port == 0 {
             return Err(bad("the parent's port is 0".into()));
         }
@@ -758,13 +758,13 @@ impl BroadcastPlane {
     /// `result_port`, which must agree with a route already there.
     fn route_for_update(&self, job: u16, result_port: u16) -> Result<abi::ResultRoute> {
         if result_port == 0 {
-            return Err(BroadcastError::InvalidRoute {
+            return Err(TcError::InvalidRoute {
                 job,
                 reason: "result port 0".into(),
             });
         }
         match self.raw_route(job)? {
-            Some(r) if r.result_port != result_port => Err(BroadcastError::InvalidRoute {
+            Some(r) if r.result_port != result_port => Err(TcError::InvalidRoute {
                 job,
                 reason: format!(
                     "result port {result_port} differs from the route's {} (remove_result_route first)",
@@ -849,7 +849,7 @@ impl BroadcastPlane {
         // SAFETY: valid program fd and opts pointing at live buffers.
         let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(fd, &mut opts) };
         if rc < 0 {
-            return Err(BroadcastError::TestRun(std::io::Error::from_raw_os_error(-rc)));
+            return Err(TcError::TestRun(std::io::Error::from_raw_os_error(-rc)));
         }
         out.truncate(opts.data_size_out as usize);
         Ok(TcRun {
@@ -860,7 +860,7 @@ impl BroadcastPlane {
     }
 }
 
-impl Drop for BroadcastPlane {
+impl Drop for TcPlane {
     /// Detaches when still attached and dropped in the namespace it was
     /// attached in; elsewhere the filters stay (use [`detach_stale`] or let
     /// the namespace go).
@@ -895,7 +895,7 @@ pub fn detach_stale(ifindex: u32) -> Result<usize> {
             0 => removed += 1,
             rc if -rc == libc::ENOENT || -rc == libc::EINVAL => {}
             rc => {
-                return Err(BroadcastError::Attach {
+                return Err(TcError::Attach {
                     what: "stale filter (removing)",
                     ifindex,
                     source: std::io::Error::from_raw_os_error(-rc),
@@ -906,19 +906,19 @@ pub fn detach_stale(ifindex: u32) -> Result<usize> {
     Ok(removed)
 }
 
-/// Fail with [`BroadcastError::ForwardingDisabled`] unless IPv4 forwarding
+/// Fail with [`TcError::ForwardingDisabled`] unless IPv4 forwarding
 /// is on for `ifindex` in the calling thread's network namespace.
 pub fn check_ip_forward(ifindex: u32) -> Result<()> {
     let ifname = ifname(ifindex)?;
     let path = format!("/proc/sys/net/ipv4/conf/{ifname}/forwarding");
-    let text = std::fs::read_to_string(&path).map_err(|source| BroadcastError::Io {
+    let text = std::fs::read_to_string(&path).map_err(|source| TcError::Io {
         context: format!("reading {path}"),
         source,
     })?;
     if text.trim() == "1" {
         Ok(())
     } else {
-        Err(BroadcastError::ForwardingDisabled { ifname })
+        Err(TcError::ForwardingDisabled { ifname })
     }
 }
 
@@ -930,14 +930,14 @@ pub fn check_ip_forward(ifindex: u32) -> Result<()> {
 /// says how to fix it; call this when a root table lists a local address.
 pub fn check_local_delivery() -> Result<()> {
     let path = "/proc/sys/net/ipv4/conf/lo/accept_local";
-    let text = std::fs::read_to_string(path).map_err(|source| BroadcastError::Io {
+    let text = std::fs::read_to_string(path).map_err(|source| TcError::Io {
         context: format!("reading {path}"),
         source,
     })?;
     if text.trim() == "1" {
         Ok(())
     } else {
-        Err(BroadcastError::State(
+        Err(TcError::State(
             "a broadcast group lists a member on this host, but net.ipv4.conf.lo.accept_local = 0: \
              its copies (looped through lo with this host's own source address) would be dropped \
              as martian; enable it with `sysctl -w net.ipv4.conf.lo.accept_local=1`"
@@ -952,7 +952,7 @@ pub fn ifname(ifindex: u32) -> Result<String> {
     // SAFETY: buf has IF_NAMESIZE bytes as if_indextoname requires.
     let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
     if p.is_null() {
-        return Err(BroadcastError::Io {
+        return Err(TcError::Io {
             context: format!("no interface with index {ifindex} in this network namespace"),
             source: std::io::Error::last_os_error(),
         });
@@ -964,14 +964,14 @@ pub fn ifname(ifindex: u32) -> Result<String> {
 
 /// Index of interface `name` in the calling thread's namespace.
 pub fn ifindex(name: &str) -> Result<u32> {
-    let cname = std::ffi::CString::new(name).map_err(|_| BroadcastError::Io {
+    let cname = std::ffi::CString::new(name).map_err(|_| TcError::Io {
         context: format!("interface name {name:?}"),
         source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in name"),
     })?;
     // SAFETY: NUL-terminated name.
     let idx = unsafe { libc::if_nametoindex(cname.as_ptr()) };
     if idx == 0 {
-        return Err(BroadcastError::Io {
+        return Err(TcError::Io {
             context: format!("no interface {name} in this network namespace"),
             source: std::io::Error::last_os_error(),
         });
@@ -982,14 +982,14 @@ pub fn ifindex(name: &str) -> Result<u32> {
 fn current_netns_ino() -> Result<u64> {
     std::fs::metadata("/proc/thread-self/ns/net")
         .map(|m| m.ino())
-        .map_err(|source| BroadcastError::Io {
+        .map_err(|source| TcError::Io {
             context: "reading /proc/thread-self/ns/net".into(),
             source,
         })
 }
 
 fn num_possible_cpus() -> Result<usize> {
-    libbpf_rs::num_possible_cpus().map_err(|e| BroadcastError::Io {
+    libbpf_rs::num_possible_cpus().map_err(|e| TcError::Io {
         context: "counting possible CPUs".into(),
         source: to_io(e),
     })
@@ -1016,7 +1016,7 @@ fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) ->
     match map.delete(key) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(BroadcastError::Map { map: name, source }),
+        Err(source) => Err(TcError::Map { map: name, source }),
     }
 }
 
@@ -1064,7 +1064,7 @@ impl NodePlan {
     }
 
     /// Write this node's table into `plane` (the plane of the node's host).
-    pub fn apply(&self, plane: &BroadcastPlane, group: u16) -> Result<()> {
+    pub fn apply(&self, plane: &TcPlane, group: u16) -> Result<()> {
         match self.node {
             TreeNode::Root => plane.set_group(group, &self.children),
             TreeNode::Member(m) => plane.set_forwarding(group, m.port(), &self.children),

@@ -27,7 +27,7 @@
 //! | `handoff_stats` | `u32` reason      | [`abi::Stat`] per CPU  | XDP |
 //! | `job_stats` (per-CPU array) | `u32` dense index | [`abi::JobStats`] | control plane zeroes, XDP counts |
 //!
-//! Errors inside this module are typed ([`DataplaneError`]); callers at the
+//! Errors inside this module are typed ([`XdpError`]); callers at the
 //! edges may wrap them in `anyhow`.
 
 use std::collections::BTreeMap;
@@ -50,7 +50,7 @@ use skel::{AggboxXdpSkel, AggboxXdpSkelBuilder};
 
 /// Errors of the dataplane loader.
 #[derive(Debug, thiserror::Error)]
-pub enum DataplaneError {
+pub enum XdpError {
     /// Opening, loading or verifying the BPF object failed.
     #[error("loading the XDP program: {0}")]
     Load(#[source] libbpf_rs::Error),
@@ -98,7 +98,7 @@ pub enum DataplaneError {
 }
 
 /// Result type of this module.
-pub type Result<T, E = DataplaneError> = std::result::Result<T, E>;
+pub type Result<T, E = XdpError> = std::result::Result<T, E>;
 
 /// How the XDP program is attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +148,7 @@ impl XdpLink {
         // SAFETY: plain syscall wrapper on a link fd we own.
         let rc = unsafe { libbpf_sys::bpf_link_detach(self.fd.as_raw_fd()) };
         if rc < 0 {
-            return Err(DataplaneError::Attach {
+            return Err(XdpError::Attach {
                 ifindex: self.ifindex,
                 source: std::io::Error::from_raw_os_error(-rc),
             });
@@ -202,7 +202,7 @@ impl XdpJob {
     }
 
     fn validate(&self) -> Result<abi::Job> {
-        let bad = |reason: String| DataplaneError::InvalidJob {
+        let bad = |reason: String| XdpError::InvalidJob {
             job: self.id,
             reason,
         };
@@ -291,7 +291,7 @@ impl Stats {
     }
 }
 
-/// Which build of the XDP tail-call chain a [`Dataplane`] runs. The object
+/// Which build of the XDP tail-call chain a [`XdpPlane`] runs. The object
 /// carries both (`src/bpf/aggbox_xdp.bpf.c`, docs/JUMBO.md "Kernels without
 /// multi-buffer XDP"); only the chosen one is loaded, since a prog array
 /// holds programs of one frags flag.
@@ -359,37 +359,37 @@ impl Chain {
 }
 
 /// The loaded AggBox XDP object: programs and maps.
-pub struct Dataplane {
+pub struct XdpPlane {
     // Field order matters: the skeleton borrows `_object` and must drop first.
     skel: AggboxXdpSkel<'static>,
     _object: Box<MaybeUninit<OpenObject>>,
     chain: Chain,
 }
 
-impl std::fmt::Debug for Dataplane {
+impl std::fmt::Debug for XdpPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Dataplane").finish_non_exhaustive()
+        f.debug_struct("XdpPlane").finish_non_exhaustive()
     }
 }
 
-impl Dataplane {
+impl XdpPlane {
     /// Open and load (verify) the XDP skeleton with the chain this kernel
     /// runs ([`Chain::detect`]). Needs root (CAP_BPF).
     pub fn load() -> Result<Self> {
-        Self::load_chain(Chain::detect().map_err(DataplaneError::Chain)?)
+        Self::load_chain(Chain::detect().map_err(XdpError::Chain)?)
     }
 
     /// Open and load the XDP skeleton with one build of the chain.
     pub fn load_chain(chain: Chain) -> Result<Self> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's heap allocation never moves and lives as long as
-        // `Dataplane`, whose field order drops the skeleton before the box;
+        // `XdpPlane`, whose field order drops the skeleton before the box;
         // no other reference to the allocation is ever created.
         let object_ref: &'static mut MaybeUninit<OpenObject> =
             unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
         let mut open = AggboxXdpSkelBuilder::default()
             .open(object_ref)
-            .map_err(DataplaneError::Load)?;
+            .map_err(XdpError::Load)?;
         let frags = chain == Chain::Frags;
         let p = &mut open.progs;
         for (prog, load) in [
@@ -404,8 +404,8 @@ impl Dataplane {
         ] {
             prog.set_autoload(load);
         }
-        let skel = open.load().map_err(DataplaneError::Load)?;
-        let dataplane = Dataplane {
+        let skel = open.load().map_err(XdpError::Load)?;
+        let dataplane = XdpPlane {
             skel,
             _object: object,
             chain,
@@ -423,7 +423,7 @@ impl Dataplane {
         for index in 0..abi::MAX_BLOCKS {
             stack
                 .update(&[], &index.to_ne_bytes(), MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
+                .map_err(|source| XdpError::Map {
                     map: "free_blocks",
                     source,
                 })?;
@@ -449,7 +449,7 @@ impl Dataplane {
                     &(fd as u32).to_ne_bytes(),
                     MapFlags::ANY,
                 )
-                .map_err(|source| DataplaneError::Map {
+                .map_err(|source| XdpError::Map {
                     map: "progs",
                     source,
                 })?;
@@ -473,11 +473,11 @@ impl Dataplane {
             Err(native_err) if mode == XdpMode::Native => {
                 let link = self
                     .link_xdp(ifindex, XdpMode::Generic)
-                    .map_err(|source| DataplaneError::Attach { ifindex, source })?;
+                    .map_err(|source| XdpError::Attach { ifindex, source })?;
                 let warning = format!("native XDP unavailable on ifindex {ifindex} ({native_err}); attached in generic mode");
                 Ok((link, Some(warning)))
             }
-            Err(source) => Err(DataplaneError::Attach { ifindex, source }),
+            Err(source) => Err(XdpError::Attach { ifindex, source }),
         }
     }
 
@@ -503,7 +503,7 @@ impl Dataplane {
     /// port. `id` must equal `job.id`.
     pub fn set_job(&self, id: u16, job: &XdpJob) -> Result<()> {
         if id != job.id {
-            return Err(DataplaneError::InvalidJob {
+            return Err(XdpError::InvalidJob {
                 job: id,
                 reason: format!("config carries id {}", job.id),
             });
@@ -513,7 +513,7 @@ impl Dataplane {
         let old = self.job(id)?;
         let dense = match self.job_index(id)? {
             Some(dense) => dense,
-            None => self.free_job_index().ok_or_else(|| DataplaneError::InvalidJob {
+            None => self.free_job_index().ok_or_else(|| XdpError::InvalidJob {
                 job: id,
                 reason: format!("{} jobs are configured already (the most a node serves)", abi::MAX_JOBS),
             })?,
@@ -623,19 +623,19 @@ impl Dataplane {
             .maps
             .job_round
             .update(&dense.to_ne_bytes(), &zero_round, MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
+            .map_err(|source| XdpError::Map {
                 map: "job_round",
                 source,
             })?;
         let map = &self.skel.maps.job_stats;
-        let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| DataplaneError::Map {
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| XdpError::Map {
             map: "job_stats",
             source,
         })?;
         let zero = abi::JobStats::default();
         let values: Vec<Vec<u8>> = (0..ncpu).map(|_| abi::as_bytes(&zero).to_vec()).collect();
         map.update_percpu(&dense.to_ne_bytes(), &values, MapFlags::ANY)
-            .map_err(|source| DataplaneError::Map {
+            .map_err(|source| XdpError::Map {
                 map: "job_stats",
                 source,
             })
@@ -647,7 +647,7 @@ impl Dataplane {
         let Some(dense) = self.job_index(id)? else {
             return Ok(None);
         };
-        maps::lookup_percpu_sum(&self.skel.maps.job_stats, &dense.to_ne_bytes()).map_err(|source| DataplaneError::Map {
+        maps::lookup_percpu_sum(&self.skel.maps.job_stats, &dense.to_ne_bytes()).map_err(|source| XdpError::Map {
             map: "job_stats",
             source,
         })
@@ -806,7 +806,7 @@ impl Dataplane {
         let zero = vec![0u8; map.value_size() as usize];
         for index in base..base + n {
             map.update(&index.to_ne_bytes(), &zero, MapFlags::ANY)
-                .map_err(|source| DataplaneError::Map {
+                .map_err(|source| XdpError::Map {
                     map: "fast_slots",
                     source,
                 })?;
@@ -851,7 +851,7 @@ impl Dataplane {
     pub fn fast_stats(&self) -> Result<[u64; abi::FAST_STAT_MAX as usize]> {
         let mut out = [0u64; abi::FAST_STAT_MAX as usize];
         for (i, slot) in out.iter_mut().enumerate() {
-            *slot = maps::percpu_array_sum(&self.skel.maps.fast_stats, i as u32).map_err(|source| DataplaneError::Map {
+            *slot = maps::percpu_array_sum(&self.skel.maps.fast_stats, i as u32).map_err(|source| XdpError::Map {
                 map: "fast_stats",
                 source,
             })?;
@@ -886,7 +886,7 @@ impl Dataplane {
         let map = &self.skel.maps.stats;
         let mut stats = Stats::default();
         let read = |idx: u32| -> Result<Counter> {
-            let sum: abi::Stat = maps::percpu_array_sum(map, idx).map_err(|source| DataplaneError::Map {
+            let sum: abi::Stat = maps::percpu_array_sum(map, idx).map_err(|source| XdpError::Map {
                 map: "stats",
                 source,
             })?;
@@ -911,7 +911,7 @@ impl Dataplane {
         let map = &self.skel.maps.handoff_stats;
         let mut out = BTreeMap::new();
         for reason in abi::HandoffReason::ALL {
-            let sum: abi::Stat = maps::percpu_array_sum(map, reason as u32).map_err(|source| DataplaneError::Map {
+            let sum: abi::Stat = maps::percpu_array_sum(map, reason as u32).map_err(|source| XdpError::Map {
                 map: "handoff_stats",
                 source,
             })?;
@@ -944,7 +944,7 @@ impl Dataplane {
     pub fn kernel_maps(&self) -> Result<KernelMaps> {
         let maps = &self.skel.maps;
         let dup = |fd: std::os::fd::BorrowedFd<'_>, map: &'static str| {
-            fd.try_clone_to_owned().map_err(|e| DataplaneError::Map {
+            fd.try_clone_to_owned().map_err(|e| XdpError::Map {
                 map,
                 source: libbpf_rs::Error::from(e),
             })
@@ -967,7 +967,7 @@ impl Dataplane {
                 .aggbox_fast_discard
                 .as_fd()
                 .try_clone_to_owned()
-                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+                .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?,
             slots: dup(maps.slots.as_fd(), "slots")?,
             reclaim: self
                 .skel
@@ -975,7 +975,7 @@ impl Dataplane {
                 .aggbox_reclaim
                 .as_fd()
                 .try_clone_to_owned()
-                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+                .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?,
         })
     }
 
@@ -1012,7 +1012,7 @@ impl Dataplane {
         let fd = self
             .xdp_prog_fd()
             .try_clone_to_owned()
-            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
+            .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?;
         Ok(TestRunner { fd })
     }
 
@@ -1028,7 +1028,7 @@ impl Dataplane {
             let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd, &mut info, &mut len) };
             if rc < 0 {
                 let err = std::io::Error::from_raw_os_error(-rc);
-                return Err(DataplaneError::Load(libbpf_rs::Error::from(err)));
+                return Err(XdpError::Load(libbpf_rs::Error::from(err)));
             }
             out.push(ProgramFacts {
                 name,
@@ -1150,7 +1150,7 @@ impl TestRunner {
     pub fn for_fd(prog: std::os::fd::BorrowedFd<'_>) -> Result<TestRunner> {
         let fd = prog
             .try_clone_to_owned()
-            .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?;
+            .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?;
         Ok(TestRunner { fd })
     }
 }
@@ -1178,7 +1178,7 @@ impl TestRunner {
         let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.fd.as_raw_fd(), &mut opts) };
         if rc < 0 {
             let err = std::io::Error::from_raw_os_error(-rc);
-            return Err(DataplaneError::TestRun(libbpf_rs::Error::from(err)));
+            return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
         }
         out.truncate(opts.data_size_out as usize);
         Ok((opts.retval, out, opts.duration))
@@ -1257,7 +1257,7 @@ impl Drop for FastSlotView {
 }
 
 /// The maps the user-space path shares with the XDP program, as duplicated
-/// descriptors (`Send + Sync`): see [`Dataplane::kernel_maps`].
+/// descriptors (`Send + Sync`): see [`XdpPlane::kernel_maps`].
 #[derive(Debug)]
 pub struct KernelMaps {
     xsks: OwnedFd,
@@ -1308,7 +1308,7 @@ fn raw_update<K: plain::Plain, V: plain::Plain>(
         )
     };
     if rc < 0 {
-        return Err(DataplaneError::Map {
+        return Err(XdpError::Map {
             map,
             source: libbpf_rs::Error::from(std::io::Error::from_raw_os_error(-rc)),
         });
@@ -1324,7 +1324,7 @@ fn raw_delete<K: plain::Plain>(fd: &OwnedFd, key: &K) {
     }
 }
 
-/// What [`Dataplane::reclaim_slot`] did.
+/// What [`XdpPlane::reclaim_slot`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reclaim {
     /// The slot was poisoned, deleted and its reservation given back.
@@ -1336,7 +1336,7 @@ pub enum Reclaim {
 }
 
 impl KernelMaps {
-    /// Release kernel slot `key` (see [`Dataplane::reclaim_slot`]).
+    /// Release kernel slot `key` (see [`XdpPlane::reclaim_slot`]).
     pub fn reclaim_slot(&self, key: &abi::SlotKey) -> Result<Reclaim> {
         let mut frame = [0u8; 14 + std::mem::size_of::<abi::SlotKey>()];
         frame[14..].copy_from_slice(abi::as_bytes(key));
@@ -1344,7 +1344,7 @@ impl KernelMaps {
             fd: self
                 .reclaim
                 .try_clone()
-                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+                .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?,
         };
         let (verdict, _) = runner.run(&frame)?;
         Ok(match verdict {
@@ -1476,7 +1476,7 @@ impl KernelMaps {
     /// Nothing else writes the word from user space.
     #[doc(hidden)]
     pub fn set_fast_slot_lock(&self, index: u32, word: u32) -> Result<()> {
-        let mut value = self.fast_slot_value(index).ok_or(DataplaneError::FastSlotBusy { index })?;
+        let mut value = self.fast_slot_value(index).ok_or(XdpError::FastSlotBusy { index })?;
         value[..4].copy_from_slice(&word.to_ne_bytes());
         // SAFETY: key is a live u32, value a buffer of the map's value size.
         let rc = unsafe {
@@ -1488,7 +1488,7 @@ impl KernelMaps {
             )
         };
         if rc < 0 {
-            return Err(DataplaneError::Map {
+            return Err(XdpError::Map {
                 map: "fast_slots",
                 source: libbpf_rs::Error::from(std::io::Error::from_raw_os_error(-rc)),
             });
@@ -1523,7 +1523,7 @@ impl KernelMaps {
             fd: self
                 .fast_discard
                 .try_clone()
-                .map_err(|e| DataplaneError::TestRun(libbpf_rs::Error::from(e)))?,
+                .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?,
         };
         // XDP_TX: the slot's lock was busy past its bound (a holder
         // interrupted); such a wait is microseconds, so a few tries do.
@@ -1534,7 +1534,7 @@ impl KernelMaps {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        Err(DataplaneError::FastSlotBusy { index })
+        Err(XdpError::FastSlotBusy { index })
     }
 
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
@@ -1626,7 +1626,7 @@ impl KernelMaps {
     /// Write the user-space path's state of job `id` (an error when the job
     /// is not configured).
     pub fn set_job_handoff(&self, id: u16, value: &abi::JobHandoff) -> Result<()> {
-        let dense = self.dense(id).ok_or(DataplaneError::InvalidJob {
+        let dense = self.dense(id).ok_or(XdpError::InvalidJob {
             job: id,
             reason: "not configured".to_string(),
         })?;
@@ -1676,7 +1676,7 @@ const FAST_DISCARD_TRIES: u32 = 100;
 fn lookup_plain<K: plain::Plain, V: plain::Plain + Default, M: MapCore>(map: &M, name: &'static str, key: &K) -> Result<Option<V>> {
     let raw = map
         .lookup(abi::as_bytes(key), MapFlags::ANY)
-        .map_err(|source| DataplaneError::Map { map: name, source })?;
+        .map_err(|source| XdpError::Map { map: name, source })?;
     Ok(raw.and_then(|bytes| abi::from_bytes::<V>(&bytes)))
 }
 
@@ -1689,20 +1689,20 @@ fn lookup_array<V: plain::Plain + Default>(map: &impl MapCore, name: &'static st
 /// Write entry `index` of an array map.
 fn update_array<V: plain::Plain>(map: &impl MapCore, name: &'static str, index: u32, value: &V) -> Result<()> {
     map.update(&index.to_ne_bytes(), abi::as_bytes(value), MapFlags::ANY)
-        .map_err(|source| DataplaneError::Map { map: name, source })
+        .map_err(|source| XdpError::Map { map: name, source })
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
     match map.delete(key) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(DataplaneError::Map { map: name, source }),
+        Err(source) => Err(XdpError::Map { map: name, source }),
     }
 }
 
 // Pinning of the object's maps, used by `node::attach` so that `aggbox status`
 // and `aggbox detach` can reach the maps from another process.
-impl Dataplane {
+impl XdpPlane {
     /// Pin every map of the object as `dir/<map name>` (`dir` must be on a
     /// bpffs and exist). Internal maps (`.bss`, `.rodata`, ...) are skipped.
     pub fn pin_maps(&self, dir: &Path) -> Result<()> {

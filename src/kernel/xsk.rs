@@ -4,7 +4,7 @@
 //! against `libc`'s `if_xdp.h` definitions directly: a UMEM of fixed-size
 //! frames, its fill and completion rings, an RX ring, bound in copy mode
 //! (`XDP_COPY`) to one `(ifindex, queue)`. The XDP program redirects frames
-//! into it through the `xsks` XSKMAP (see `Dataplane::register_xsk`).
+//! into it through the `xsks` XSKMAP (see `XdpPlane::register_xsk`).
 //!
 //! Every frame of the UMEM is always either in the fill ring (owned by the
 //! kernel) or being read by [`XskSocket::recv`] (which hands it straight

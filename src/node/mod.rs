@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::wire::abi;
 use crate::config::{Config, UserspacePathMode};
-use crate::kernel::tc::{self, BroadcastPlane};
-use crate::kernel::xdp::{self, Chain, Dataplane, XdpLink, XdpMode};
+use crate::kernel::tc::{self, TcPlane};
+use crate::kernel::xdp::{self, Chain, XdpPlane, XdpLink, XdpMode};
 use crate::kernel::afxdp::UserspacePath;
 use crate::kernel::maps;
 
@@ -433,12 +433,12 @@ impl Drop for Upkeep {
 /// (as after a crash); `aggbox detach` or the next attach cleans it up.
 pub struct Attachment {
     /// The loaded data plane (maps can be updated while attached).
-    pub dataplane: Dataplane,
+    pub dataplane: XdpPlane,
     link: Option<XdpLink>,
     /// The same program on `lo`, for workers on this host.
     lo_link: Option<XdpLink>,
     /// The TC broadcast plane, when the config has groups or result routes.
-    pub broadcast: Option<BroadcastPlane>,
+    pub broadcast: Option<TcPlane>,
     /// The AF_XDP user-space path (ops the kernel does not aggregate).
     pub userspace: Option<UserspacePath>,
     /// The stale-slot reclaim when the user-space path is not running (its
@@ -515,7 +515,7 @@ pub fn attach_chain(
             chain.max_mtu()
         ));
     }
-    let dataplane = Dataplane::load_chain(chain).map_err(|e| anyhow!("aggbox: {e:#}"))?;
+    let dataplane = XdpPlane::load_chain(chain).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     for job in &config.jobs {
         dataplane.set_job(job.id, &xdp_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
     }
@@ -537,7 +537,7 @@ pub fn attach_chain(
                 anyhow!(
                     "aggbox: attaching to {LOOPBACK} for the worker(s) on this host (job {job} rank {rank} at {addr}{}): {e}{}",
                     if local.len() > 1 { format!(" and {} more", local.len() - 1) } else { String::new() },
-                    if matches!(&e, xdp::DataplaneError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY)) {
+                    if matches!(&e, xdp::XdpError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY)) {
                         " (lo already has an XDP program: another AggBox attachment in this namespace?)"
                     } else {
                         ""
@@ -557,7 +557,7 @@ pub fn attach_chain(
     let broadcast = if needs_tc {
         tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
         check_local_members(config)?;
-        let mut plane = BroadcastPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
+        let mut plane = TcPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
         for group in &config.groups {
             plane.set_group(group.id, &group.members).map_err(|e| anyhow!("aggbox: group {}: {e}", group.id))?;
         }
@@ -1042,7 +1042,7 @@ pub fn format_status(status: &NodeStatus) -> String {
 
 /// Result routes of the jobs whose RESULTs leave the node (in-kernel
 /// allreduce to `result_group`, or upstream to a `parent`).
-fn configure_result_routes(plane: &BroadcastPlane, config: &Config, _ifindex: u32) -> Result<()> {
+fn configure_result_routes(plane: &TcPlane, config: &Config, _ifindex: u32) -> Result<()> {
     for job in &config.jobs {
         if let Some(group) = job.result_group {
             plane

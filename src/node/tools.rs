@@ -37,7 +37,7 @@ pub struct Contribution {
     pub op: Op,
     /// First sequence number to use (one per datagram).
     pub first_seq: u32,
-    /// Elements per datagram (see [`elements_per_datagram`]).
+    /// Elements per datagram (see [`crate::wire::proto::elements_per_datagram`]).
     pub per_datagram: usize,
 }
 

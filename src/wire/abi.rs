@@ -317,7 +317,7 @@ pub struct RankKey {
 const _: () = assert!(core::mem::size_of::<RankKey>() == 4);
 
 /// Largest rank weight magnitude a job may have (the control plane refuses
-/// more: `Dataplane::set_job`, the config parser).
+/// more: `XdpPlane::set_job`, the config parser).
 ///
 /// The kernel accumulates `weight * value` in a signed 64-bit integer per
 /// element. With at most [`MAX_RANKS`] (2^8) ranks, `|value| <= 2^31` and

@@ -6,7 +6,7 @@
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Op};
-use aggbox::kernel::xdp::{Dataplane, XdpJob};
+use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 
 /// XDP verdicts (uapi `enum xdp_action`).
 pub const XDP_DROP: u32 = 1;
@@ -34,9 +34,9 @@ pub fn require_root() {
 }
 
 /// Load a fresh dataplane or fail with the verifier's message.
-pub fn load() -> Dataplane {
+pub fn load() -> XdpPlane {
     require_root();
-    match Dataplane::load() {
+    match XdpPlane::load() {
         Ok(dp) => dp,
         Err(err) => panic!("loading the XDP program failed: {err:#?}"),
     }
@@ -281,7 +281,7 @@ pub fn job_from_vector(job: &serde_json::Value) -> XdpJob {
 /// only those that changed.
 /// Run one frame through the entry program; returns the single counter
 /// label that moved (exactly one must) and the frame as the program left it.
-pub fn run_one(dp: &Dataplane, frame: &[u8]) -> (&'static str, Vec<u8>) {
+pub fn run_one(dp: &XdpPlane, frame: &[u8]) -> (&'static str, Vec<u8>) {
     let before = dp.stats().expect("stats");
     let (_, out) = dp.test_run(frame).expect("test_run");
     let d = deltas(&before, &dp.stats().expect("stats"));
@@ -345,7 +345,7 @@ pub fn stat_delta(before: &aggbox::kernel::xdp::Stats, after: &aggbox::kernel::x
 
 /// Send one fragment of `vectors` (one per rank) and check the RESULT
 /// against the reference reducer, byte for byte.
-pub fn reduce_one(dp: &Dataplane, op: Op, weights: &[i32], vectors: &[Vec<i32>], round: u32, frag_off: u32) {
+pub fn reduce_one(dp: &XdpPlane, op: Op, weights: &[i32], vectors: &[Vec<i32>], round: u32, frag_off: u32) {
     let workers = vectors.len() as u16;
     let count = vectors[0].len();
     let before = dp.stats().unwrap();

@@ -3,7 +3,7 @@
 //!
 //! Testbed: host 0 is the root, hosts 1..=9 the receivers (one UDP socket
 //! each, SO_TIMESTAMPNS on). AggBox: the TC egress program of
-//! `tc::BroadcastPlane` on the root's eth0 with a group of the first
+//! `tc::TcPlane` on the root's eth0 with a group of the first
 //! `n` receivers; the root sends ONE AGB1 datagram (mask = n bits) to the
 //! first member and the program clones it. Floor: the same one `sendto`,
 //! copied by `src/bpf/bench_bcast_floor.bpf.c` ([`BcastFloor`]), a TC
@@ -46,7 +46,7 @@ use super::agg::prog_id;
 use super::net;
 use super::{progress, summarize, BenchOptions, Context_, Csv, Section, Summary};
 use aggbox::wire::abi;
-use aggbox::kernel::tc::{self, BroadcastPlane};
+use aggbox::kernel::tc::{self, TcPlane};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 
 /// Broadcast group of the benchmark.
@@ -94,7 +94,7 @@ pub struct BcastFloor {
     _object: Box<MaybeUninit<OpenObject>>,
 }
 
-// SAFETY: as for `BroadcastPlane`: the skeleton holds a libbpf object (heap
+// SAFETY: as for `TcPlane`: the skeleton holds a libbpf object (heap
 // memory and file descriptors) with no thread affinity; `&self` methods only
 // make syscalls on its descriptors (map update, TC attach/detach, prog info).
 unsafe impl Send for BcastFloor {}
@@ -236,7 +236,7 @@ impl BMode {
 /// Root + receivers with the TC plane attached on the root.
 pub struct BcastBed {
     tb: Testbed,
-    plane: BroadcastPlane,
+    plane: TcPlane,
     root: UdpSocket,
     receivers: Vec<UdpSocket>,
     members: Vec<SocketAddrV4>,
@@ -284,7 +284,7 @@ impl BcastBed {
         })?;
         let h0 = tb.host(0);
         let mut plane =
-            BroadcastPlane::load().map_err(|e| anyhow!("loading the TC programs: {e}"))?;
+            TcPlane::load().map_err(|e| anyhow!("loading the TC programs: {e}"))?;
         let root_ifindex = in_netns(&h0.netns, || -> Result<u32> {
             let idx = tc::ifindex("eth0")?;
             plane.attach(idx)?;
