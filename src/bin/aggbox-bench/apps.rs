@@ -310,7 +310,7 @@ const TRAIN_WORKERS: usize = 4;
 /// the same training.
 const TRAIN_TOLERANCE: f64 = 1e-3;
 
-/// Largest |a[i] − b[i]| of two loss curves; infinite when their lengths
+/// Largest `|a[i] − b[i]|` of two loss curves; infinite when their lengths
 /// differ, NaN when any loss is NaN (`f64::max` would skip it).
 fn curve_diff(a: &[f64], b: &[f64]) -> f64 {
     if a.len() != b.len() {
