@@ -309,6 +309,16 @@ _Static_assert(AGGBOX_LINEAR_MAX_CHUNKS <= AGGBOX_MAX_CHUNKS, "linear chunks wit
 #endif
 
 /*
+ * How many rounds a is ahead of b (negative: behind), in serial-number order
+ * (RFC 1982): rounds wrap at 2^32. Every comparison of rounds, in the
+ * programs and in Rust (src/wire/abi.rs rounds_ahead), goes through this.
+ */
+static inline __s32 aggbox_rounds_ahead(__u32 a, __u32 b)
+{
+	return (__s32)(a - b);
+}
+
+/*
  * Fast slots (docs/DATAPLANE.md "Fast slots"): an array of slots, each job
  * owning a power-of-two region that the control plane assigns in set_job. A
  * contribution of at most AGGBOX_FAST_ELEMS elements has one fixed index in

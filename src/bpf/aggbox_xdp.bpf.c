@@ -547,7 +547,7 @@ static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jid
 
 	for (i = 0; i < 4; i++) {
 		cur = js->newest_round;
-		if (js->completed && (__s32)(round - cur) <= 0)
+		if (js->completed && aggbox_rounds_ahead(round, cur) <= 0)
 			break;
 		if (__sync_val_compare_and_swap(&js->newest_round, cur, round) == cur)
 			break;
@@ -557,7 +557,7 @@ static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jid
 	if (jr) {
 		for (i = 0; i < 4; i++) {
 			cur = jr->newest;
-			if (jr->valid && (__s32)(round - cur) <= 0)
+			if (jr->valid && aggbox_rounds_ahead(round, cur) <= 0)
 				break;
 			if (__sync_val_compare_and_swap(&jr->newest, cur, round) == cur) {
 				if (!jr->valid)
@@ -577,9 +577,9 @@ static __always_inline int round_is_stale(struct aggbox_scratch *s, struct aggbo
 {
 	struct aggbox_job_round *jr = bpf_map_lookup_elem(&job_round, &s->jidx);
 
-	if (jr && jr->valid && (__s32)(jr->newest - s->key.round) > (__s32)s->window)
+	if (jr && jr->valid && aggbox_rounds_ahead(jr->newest, s->key.round) > (__s32)s->window)
 		return 1;
-	return ho && ho->completed && (__s32)(ho->newest_round - s->key.round) > (__s32)s->window;
+	return ho && ho->completed && aggbox_rounds_ahead(ho->newest_round, s->key.round) > (__s32)s->window;
 }
 
 /* The one element of an odd count, at element index i (i < AGGBOX_FAST_ELEMS). */
@@ -1139,7 +1139,7 @@ __noinline int fast_commit(struct xdp_md *ctx, __u32 use_buf, int payload)
 /* Whether fragment (round, frag_off) of s comes after the one f holds. */
 static __always_inline int fast_newer(struct aggbox_fast_slot *f, struct aggbox_scratch *s)
 {
-	__s32 d = (__s32)(s->key.round - f->round);
+	__s32 d = aggbox_rounds_ahead(s->key.round, f->round);
 
 	return d > 0 || (d == 0 && s->key.frag_off > f->frag_off);
 }

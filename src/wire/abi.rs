@@ -398,8 +398,9 @@ pub const MAX_COMPLETED: u32 = 65536;
 pub const ROUND_WINDOW: u32 = 64;
 
 /// How many rounds `a` is ahead of `b` (negative: behind), in serial-number
-/// order (RFC 1982): rounds wrap at 2^32, and the XDP program compares them
-/// as `(__s32)(a - b)`. Every comparison of rounds goes through this.
+/// order (RFC 1982): rounds wrap at 2^32. Every comparison of rounds goes
+/// through this, in the programs through its C twin `aggbox_rounds_ahead`
+/// (include/aggbox/abi.h).
 pub fn rounds_ahead(a: u32, b: u32) -> i32 {
     a.wrapping_sub(b) as i32
 }
