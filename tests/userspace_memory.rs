@@ -1,5 +1,5 @@
 //! Memory bounds of the user-space path, driven through its slot table
-//! (`aggbox::kernel::afxdp::SlotTable`) with no socket and no root: with jumbo
+//! (`aggbox::kernel::afxdp::UserspaceAggregator`) with no socket and no root: with jumbo
 //! frames one slot holds up to 16,370 elements (~128 KiB), so the slot
 //! count alone lets a job reach ~2 GiB. The byte bounds (`[[job]]` and
 //! `[node]` `userspace_slot_bytes`) refuse a new slot that would pass them,
@@ -14,7 +14,7 @@ use std::time::Instant;
 use aggbox::wire::abi::{self, DropReason, Op};
 use aggbox::config::Config;
 use aggbox::wire::proto::{self, AggHeader, AggMessage, AggPayload};
-use aggbox::kernel::afxdp::{slot_bytes, Refusal, SlotTable, UserspaceOptions, DROP_SLOT_BYTES_JOB, DROP_SLOT_BYTES_NODE};
+use aggbox::kernel::afxdp::{slot_bytes, Refusal, UserspaceAggregator, UserspaceOptions, DROP_SLOT_BYTES_JOB, DROP_SLOT_BYTES_NODE};
 
 /// The most elements one IPv4 datagram carries: (65535 − 20 − 8 − 24) / 4.
 const JUMBO: usize = 16370;
@@ -62,7 +62,7 @@ fn datagram(job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Vec<u8> {
     out
 }
 
-fn contribute(t: &mut SlotTable, job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Result<Option<aggbox::kernel::afxdp::Completion>, Refusal> {
+fn contribute(t: &mut UserspaceAggregator, job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Result<Option<aggbox::kernel::afxdp::Completion>, Refusal> {
     t.contribute(rank_addr(rank), &datagram(job, rank, round, frag, n), Instant::now())
 }
 
@@ -89,7 +89,7 @@ fn check_result(done: &aggbox::kernel::afxdp::Completion, job: u16, round: u32, 
 #[test]
 fn job_byte_bound_refuses_new_jumbo_slots_and_held_slots_complete_exactly() {
     let cfg = two_jobs("", "userspace_slot_bytes = 1048576", "");
-    let mut t = SlotTable::new(&cfg, &UserspaceOptions::default());
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
     let per_slot = slot_bytes(Op::Sum, false, JUMBO, 2);
     assert!(per_slot >= JUMBO * 8, "a slot is charged at least its accumulator: {per_slot}");
     let fit = MIB / per_slot;
@@ -152,7 +152,7 @@ fn job_byte_bound_refuses_new_jumbo_slots_and_held_slots_complete_exactly() {
 #[test]
 fn node_byte_bound_spans_jobs() {
     let cfg = two_jobs("userspace_slot_bytes = 2097152", "userspace_slot_bytes = 2097152", "userspace_slot_bytes = 2097152");
-    let mut t = SlotTable::new(&cfg, &UserspaceOptions::default());
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
     let per_slot = slot_bytes(Op::Sum, false, JUMBO, 2);
     let fit = 2 * MIB / per_slot;
 
@@ -204,7 +204,7 @@ fn node_byte_bound_spans_jobs() {
 #[test]
 fn defaults_keep_the_slot_count_bound_at_mtu_1500() {
     let cfg = two_jobs("", "", "");
-    let mut t = SlotTable::new(&cfg, &UserspaceOptions::default());
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
     let slots = aggbox::config::DEFAULT_USERSPACE_SLOTS;
     assert!(slots as usize * slot_bytes(Op::Sum, false, 362, 2) <= aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_JOB as usize);
     for frag in 0..slots {
@@ -215,7 +215,7 @@ fn defaults_keep_the_slot_count_bound_at_mtu_1500() {
     assert_eq!(st.refused(Refusal::JobSlotBytes) + st.refused(Refusal::NodeSlotBytes), 0);
     assert_eq!(st.slots_by_job.get(&1), Some(&(slots as usize, slots as usize)));
     // With jumbo fragments the same job stops at 64 MiB, not at ~2 GiB.
-    let mut t = SlotTable::new(&cfg, &UserspaceOptions::default());
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
     let mut n = 0;
     while contribute(&mut t, 2, 0, 1, n, JUMBO).is_ok() {
         n += 1;
@@ -229,7 +229,7 @@ fn defaults_keep_the_slot_count_bound_at_mtu_1500() {
 #[test]
 fn collected_stale_slots_give_their_bytes_back() {
     let cfg = two_jobs("", "userspace_slot_bytes = 1048576\nwindow = 1", "");
-    let mut t = SlotTable::new(&cfg, &UserspaceOptions::default());
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
     let mut held = 0;
     while contribute(&mut t, 1, 0, 1, held, JUMBO).is_ok() {
         held += 1;

@@ -23,7 +23,7 @@
 //! bindings are made in the calling thread's namespace), after the jobs are
 //! written into the maps; see [`UserspacePath::start`].
 //!
-//! The slots themselves live in a [`SlotTable`], which has no socket, no map
+//! The slots themselves live in a [`UserspaceAggregator`], which has no socket, no map
 //! and no clock of its own (the worker hands it each datagram and the time),
 //! so its rules and its memory bounds can be driven and tested directly.
 //! Memory is bounded twice per new slot: by the job's slot count
@@ -45,7 +45,7 @@ use crate::config::Config;
 use crate::kernel::xdp::{XdpPlane, KernelMaps};
 use crate::wire::abi::Op;
 use crate::wire::proto;
-use crate::wire::reducer::Accumulator;
+use crate::wire::slots::{Added, Refused, Slot, SlotKey, SlotTable};
 use crate::kernel::xsk::{self, XskConfig, XskSocket, XskStats};
 
 /// Tunables of the user-space path.
@@ -180,7 +180,7 @@ impl From<DropReason> for Refusal {
 /// slot and its key in the job's hash table, counted twice (a table that
 /// grew to hold the job's peak is at worst half full and never shrinks),
 /// plus the accumulator's heap allocation header.
-pub const SLOT_FIXED_BYTES: usize = 2 * (std::mem::size_of::<((u32, u32), Slot)>() + 1) + 16;
+pub const SLOT_FIXED_BYTES: usize = 2 * (std::mem::size_of::<(SlotKey, (Slot, Held))>() + 1) + 16;
 
 /// Bytes a new slot is charged against the byte bounds: [`SLOT_FIXED_BYTES`]
 /// plus 8 B per element (the widest accumulator a valid config makes: i64
@@ -300,15 +300,9 @@ struct JobInfo {
     slot_bytes: usize,
 }
 
-/// One user-space slot.
+/// What this path keeps with each slot (`wire::slots::SlotTable`).
 #[derive(Debug)]
-struct Slot {
-    acc: Accumulator,
-    bitmap: [u64; 4],
-    done: u16,
-    /// OR of the contributions' `AGG_F_CARRIED` flags (LAST_FRAGMENT, a
-    /// clamped input's OVERFLOW), as the kernel's slot.
-    carried: u8,
+struct Held {
     first_at: Instant,
     /// The kernel recorded this slot in `slot_owner`: completion writes its
     /// `completed` marker and removes the record.
@@ -318,9 +312,10 @@ struct Slot {
 }
 
 /// Runtime state of one job on this path.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct JobRt {
-    slots: HashMap<(u32, u32), Slot>,
+    /// No emptied slots are kept: the byte bounds count what open slots hold.
+    slots: SlotTable<Held>,
     completed: HashSet<(u32, u32)>,
     completed_fifo: VecDeque<(u32, u32)>,
     newest: Option<u32>,
@@ -336,21 +331,44 @@ fn serial_newer(a: u32, b: u32) -> bool {
     abi::rounds_ahead(a, b) > 0
 }
 
+impl Default for JobRt {
+    fn default() -> JobRt {
+        JobRt {
+            slots: SlotTable::new(0),
+            completed: HashSet::new(),
+            completed_fifo: VecDeque::new(),
+            newest: None,
+            kernel_newest: None,
+            result_seq: 0,
+            handoff: abi::JobHandoff::default(),
+            above_since: None,
+            bytes: 0,
+        }
+    }
+}
+
+/// Whether `round` is stale: older than the newest round completed on
+/// either path (`newest`: here, `kernel_newest`: in the kernel) minus the
+/// job's `window`, the kernel's rule.
+fn round_is_stale(newest: Option<u32>, kernel_newest: Option<u32>, round: u32, window: u32) -> bool {
+    let window = window.min(i32::MAX as u32) as i32;
+    let stale = |newest: Option<u32>| newest.is_some_and(|n| abi::rounds_ahead(n, round) > window);
+    stale(newest) || stale(kernel_newest)
+}
+
 impl JobRt {
     fn is_stale(&self, round: u32, window: u32) -> bool {
-        let window = window.min(i32::MAX as u32) as i32;
-        let stale = |newest: Option<u32>| newest.is_some_and(|n| abi::rounds_ahead(n, round) > window);
-        stale(self.newest) || stale(self.kernel_newest)
+        round_is_stale(self.newest, self.kernel_newest, round, window)
     }
 }
 
 /// The user-space slots of every job, with the kernel's rules and this
 /// path's bounds (slot count per job, slot bytes per job and per node). No
-/// I/O: [`SlotTable::contribute`] takes a datagram and its source address
+/// I/O: [`UserspaceAggregator::contribute`] takes a datagram and its source address
 /// and returns the RESULT to send, if it completed a slot; the caller writes
 /// the kernel's `completed` marker, deletes the `slot_owner` record and sends.
 #[derive(Debug)]
-pub struct SlotTable {
+pub struct UserspaceAggregator {
     jobs: HashMap<u16, JobInfo>,
     rt: HashMap<u16, JobRt>,
     /// Overall cap on a job's slot count ([`UserspaceOptions::max_slots_per_job`]).
@@ -363,7 +381,7 @@ pub struct SlotTable {
     stats: UserspaceStats,
 }
 
-/// A slot completed by [`SlotTable::contribute`]: its RESULT and what the
+/// A slot completed by [`UserspaceAggregator::contribute`]: its RESULT and what the
 /// caller still owes the kernel.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
@@ -389,11 +407,11 @@ fn usize_of(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
 
-impl SlotTable {
+impl UserspaceAggregator {
     /// An empty table for the jobs of `config`, bounded by their
     /// `userspace_slots` and `userspace_slot_bytes`, the node's
     /// `userspace_slot_bytes`, and `opts.max_slots_per_job`.
-    pub fn new(config: &Config, opts: &UserspaceOptions) -> SlotTable {
+    pub fn new(config: &Config, opts: &UserspaceOptions) -> UserspaceAggregator {
         let mut jobs = HashMap::new();
         for j in &config.jobs {
             let weights = if j.weights.len() == j.workers.len() {
@@ -422,7 +440,7 @@ impl SlotTable {
                 },
             );
         }
-        SlotTable {
+        UserspaceAggregator {
             jobs,
             rt: HashMap::new(),
             max_slots_per_job: opts.max_slots_per_job,
@@ -521,7 +539,7 @@ impl SlotTable {
         if rt.completed.contains(&key) {
             return Err(DropReason::Retransmission.into());
         }
-        if !rt.slots.contains_key(&key) {
+        if !rt.slots.contains(key) {
             // The job's own bound (config), under the path's overall cap.
             if rt.slots.len() >= job.userspace_slots.min(self.max_slots_per_job) {
                 return Err(DropReason::SlotPoolFull.into());
@@ -535,61 +553,44 @@ impl SlotTable {
             if self.bytes.saturating_add(bytes) > self.node_slot_bytes {
                 return Err(Refusal::NodeSlotBytes);
             }
-            let acc = Accumulator::new(hdr.op, usize::from(hdr.count), float)
+            let held = Held {
+                first_at: now,
+                kernel_owned_record: kernel_record,
+                bytes,
+            };
+            rt.slots
+                .open(key, hdr.op, usize::from(hdr.count), float, held)
                 .map_err(|_| DropReason::InvalidOp)?;
             rt.bytes += bytes;
             self.bytes += bytes;
-            rt.slots.insert(
-                key,
-                Slot {
-                    acc,
-                    bitmap: [0; 4],
-                    done: 0,
-                    carried: 0,
-                    first_at: now,
-                    kernel_owned_record: kernel_record,
-                    bytes,
-                },
-            );
         }
-        let Some(slot) = rt.slots.get_mut(&key) else {
+        let Some((slot, _)) = rt.slots.get_mut(key) else {
             return Err(DropReason::SlotPoolFull.into());
         };
-        if slot.acc.op() != hdr.op
-            || slot.acc.count() != usize::from(hdr.count)
-            || slot.acc.is_float() != float
-        {
-            return Err(DropReason::SlotMismatch.into());
-        }
-        let (word, bit) = (usize::from(hdr.rank / 64), 1u64 << (hdr.rank % 64));
-        if slot.bitmap[word] & bit != 0 {
-            return Err(DropReason::Retransmission.into());
-        }
-        slot.acc
-            .add_be_bytes(values, weight)
-            .map_err(|_| DropReason::SlotMismatch)?;
-        slot.bitmap[word] |= bit;
-        slot.done += 1;
-        slot.carried |= hdr.flags & abi::AGG_F_CARRIED;
-        self.stats.accepted += 1;
-        if slot.done < workers {
-            return Ok(None);
+        match slot.add(&hdr, values, weight, workers) {
+            Err(Refused::ShapeMismatch) => return Err(DropReason::SlotMismatch.into()),
+            Err(Refused::AlreadyAdded) => return Err(DropReason::Retransmission.into()),
+            Ok(Added::Waiting) => {
+                self.stats.accepted += 1;
+                return Ok(None);
+            }
+            Ok(Added::Complete) => self.stats.accepted += 1,
         }
 
         // Complete: exactly once, the slot leaves the map here, and its
         // bytes leave the bounds with it.
-        let Some(slot) = rt.slots.remove(&key) else {
+        let Some((slot, held)) = rt.slots.close(key) else {
             return Ok(None);
         };
-        rt.bytes -= slot.bytes;
-        self.bytes -= slot.bytes;
-        let res = match slot.acc.finish_with_weight_sum(job.weight_sum) {
+        rt.bytes -= held.bytes;
+        self.bytes -= held.bytes;
+        let res = match slot.accumulator().finish_with_weight_sum(job.weight_sum) {
             Ok(r) => r,
             Err(_) => return Err(DropReason::SlotMismatch.into()),
         };
         let seq = rt.result_seq;
         rt.result_seq = rt.result_seq.wrapping_add(1);
-        let flags = abi::AGG_F_RESULT | res.flags() | slot.carried;
+        let flags = abi::AGG_F_RESULT | res.flags() | slot.carried();
         let out_hdr = proto::AggHeader {
             job: hdr.job,
             rank: abi::RESULT_RANK,
@@ -618,14 +619,14 @@ impl SlotTable {
             rt.handoff.completed = rt.handoff.completed.wrapping_add(1).max(1);
             handoff = Some(rt.handoff);
         }
-        self.stats.latency.record(now.saturating_duration_since(slot.first_at));
+        self.stats.latency.record(now.saturating_duration_since(held.first_at));
         Ok(Some(Completion {
             job: hdr.job,
             round: hdr.round,
             frag_off: hdr.frag_off,
             result_port: job.result_port,
             result,
-            kernel_owned_record: slot.kernel_owned_record,
+            kernel_owned_record: held.kernel_owned_record,
             handoff,
         }))
     }
@@ -637,21 +638,15 @@ impl SlotTable {
         let mut records = Vec::new();
         for (&id, job) in &self.jobs {
             let Some(rt) = self.rt.get_mut(&id) else { continue };
-            let stale: Vec<(u32, u32)> = rt
-                .slots
-                .keys()
-                .filter(|(round, _)| rt.is_stale(*round, job.window))
-                .copied()
-                .collect();
-            for key in stale {
-                if let Some(slot) = rt.slots.remove(&key) {
-                    rt.bytes -= slot.bytes;
-                    self.bytes -= slot.bytes;
-                    if slot.kernel_owned_record {
-                        records.push(abi::SlotKey { job: id, pad: 0, round: key.0, frag_off: key.1 });
-                    }
-                    self.stats.stale_slots_collected += 1;
+            let (newest, kernel_newest) = (rt.newest, rt.kernel_newest);
+            let stale = rt.slots.close_where(|(round, _), _| round_is_stale(newest, kernel_newest, round, job.window));
+            for ((round, frag_off), _, held) in stale {
+                rt.bytes -= held.bytes;
+                self.bytes -= held.bytes;
+                if held.kernel_owned_record {
+                    records.push(abi::SlotKey { job: id, pad: 0, round, frag_off });
                 }
+                self.stats.stale_slots_collected += 1;
             }
         }
         records
@@ -659,7 +654,7 @@ impl SlotTable {
 }
 
 struct Worker {
-    table: SlotTable,
+    table: UserspaceAggregator,
     maps: Arc<KernelMaps>,
     sockets: Vec<XskSocket>,
     result_sock: UdpSocket,
@@ -874,7 +869,7 @@ impl UserspacePath {
         let result_sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
             .context("user-space path: result socket")?;
 
-        let table = SlotTable::new(config, &opts);
+        let table = UserspaceAggregator::new(config, &opts);
         let job_ids: Vec<u16> = table.jobs.keys().copied().collect();
         for &id in &job_ids {
             maps.delete_job_handoff(id);

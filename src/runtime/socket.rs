@@ -1,10 +1,11 @@
 //! Socket backend, aggregator side: the aggregator process receives every
-//! contribution on the job's port and reduces it with the reference
-//! [`Accumulator`], with the kernel's semantics: a slot per (job, round,
-//! frag_off), each rank contributes to a slot at most once (a repeated
-//! contribution is acknowledged again and not added again), the slot completes
-//! exactly once when every rank has contributed, a contribution to a round the
-//! aggregator already finished (or gave up on) is acknowledged and dropped.
+//! contribution on the job's port and reduces it in a
+//! [`crate::wire::slots::SlotTable`], with the kernel's semantics
+//! ([`crate::wire::slots::Slot::add`]): a slot per (job, round, frag_off),
+//! each rank contributes to a slot at most once (a repeated contribution is
+//! acknowledged again and not added again), the slot completes exactly once
+//! when every rank has contributed, a contribution to a round the aggregator
+//! already finished (or gave up on) is acknowledged and dropped.
 //!
 //! Flow control: at most `slots` slots (open or completed but not yet taken by
 //! the collecting call) exist; a contribution that would need another is
@@ -15,43 +16,22 @@
 //! Acknowledgements: one [`RecvTracker`] per rank, so contributions are
 //! acknowledged per packet or per group exactly as broadcast data is.
 
-use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
 use crate::wire::abi;
 use crate::wire::proto::AggHeader;
-use crate::wire::reducer::Accumulator;
+use crate::wire::slots::{Added, Refused, SlotKey, SlotTable};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
-#[derive(Debug)]
-struct Slot {
-    round: u32,
-    frag_off: u32,
-    acc: Accumulator,
-    ranks: Vec<u64>,
-    contributors: u16,
+/// What the socket aggregator keeps with each slot.
+#[derive(Debug, Default)]
+struct Held {
+    /// Complete: its RESULT is in the slot, waiting for the collecting call.
     done: bool,
-    result: Vec<i32>,
+    /// The RESULT was clamped, or a contribution carried OVERFLOW.
     overflow: bool,
-}
-
-impl Slot {
-    /// An unused slot around `acc` with a rank bitmap of `words` words and
-    /// room for `result` elements.
-    fn empty(acc: Accumulator, words: usize, result: usize) -> Slot {
-        Slot {
-            round: 0,
-            frag_off: 0,
-            acc,
-            ranks: vec![0; words],
-            contributors: 0,
-            done: false,
-            result: Vec::with_capacity(result),
-            overflow: false,
-        }
-    }
 }
 
 /// Counters of the socket aggregator.
@@ -78,10 +58,9 @@ pub struct SocketAggregator {
     workers: u16,
     peers: Vec<SocketAddrV4>,
     trackers: Vec<RecvTracker>,
-    slots: Vec<Slot>,
-    index: HashMap<(u32, u32), usize>,
-    free: Vec<usize>,
-    done: Vec<usize>,
+    slots: SlotTable<Held>,
+    /// Complete slots not yet taken by the collecting call.
+    done: Vec<SlotKey>,
     limit: usize,
     next_round: u32,
     stats: SocketAggStats,
@@ -96,15 +75,16 @@ impl SocketAggregator {
         slots: usize,
         first_round: u32,
     ) -> SocketAggregator {
+        let limit = slots.max(1);
         SocketAggregator {
             workers: peers.len() as u16,
             trackers: (0..peers.len()).map(|_| RecvTracker::new(cfg)).collect(),
             peers,
-            slots: Vec::new(),
-            index: HashMap::new(),
-            free: Vec::new(),
+            // Emptied slots are kept for reuse up to the limit again, so
+            // that a steady stream of same-sized calls allocates nothing.
+            slots: SlotTable::new(limit),
             done: Vec::new(),
-            limit: slots.max(1),
+            limit,
             next_round: first_round,
             stats: SocketAggStats::default(),
         }
@@ -117,55 +97,7 @@ impl SocketAggregator {
 
     /// Slots in use (open or completed and not yet taken).
     pub fn slots_in_use(&self) -> usize {
-        self.index.len()
-    }
-
-    fn free_slot(&mut self, i: usize) {
-        let s = &self.slots[i];
-        self.index.remove(&(s.round, s.frag_off));
-        self.free.push(i);
-    }
-
-    fn alloc(&mut self, hdr: &AggHeader) -> Option<usize> {
-        if self.index.len() >= self.limit {
-            return None;
-        }
-        let words = (self.workers as usize).div_ceil(64);
-        // A free slot of the same shape keeps its accumulator's allocation.
-        let same = self.free.iter().rposition(|&i| {
-            let a = &self.slots[i].acc;
-            a.op() == hdr.op && a.count() == hdr.count as usize
-        });
-        // Otherwise a new slot (a slot of another shape would be reallocated
-        // anyway, and is kept for its shape), up to 2 × the limit in all.
-        let steal = || self.slots.len() >= 2 * self.limit;
-        let pick = match same {
-            Some(k) => Some(self.free.swap_remove(k)),
-            None if steal() => self.free.pop(),
-            None => None,
-        };
-        let i = if let Some(i) = pick {
-            let s = &mut self.slots[i];
-            if s.acc.reset(hdr.op, hdr.count as usize, false).is_err() {
-                self.free.push(i);
-                return None;
-            }
-            s.ranks.clear();
-            s.ranks.resize(words, 0);
-            i
-        } else {
-            let acc = Accumulator::new(hdr.op, hdr.count as usize, false).ok()?;
-            self.slots.push(Slot::empty(acc, words, 0));
-            self.slots.len() - 1
-        };
-        let s = &mut self.slots[i];
-        s.round = hdr.round;
-        s.frag_off = hdr.frag_off;
-        s.contributors = 0;
-        s.done = false;
-        s.overflow = false;
-        self.index.insert((hdr.round, hdr.frag_off), i);
-        Some(i)
+        self.slots.len()
     }
 
     /// Adds a contribution; returns whether it should be acknowledged.
@@ -174,44 +106,37 @@ impl SocketAggregator {
             self.stats.stale += 1;
             return true;
         }
-        let i = match self.index.get(&(hdr.round, hdr.frag_off)) {
-            Some(&i) => i,
-            None => match self.alloc(hdr) {
-                Some(i) => i,
-                None => {
-                    self.stats.no_slot += 1;
-                    return false;
-                }
-            },
+        let key = (hdr.round, hdr.frag_off);
+        if !self.slots.contains(key) {
+            let opened = self.slots.len() < self.limit
+                && self.slots.open(key, hdr.op, usize::from(hdr.count), false, Held::default()).is_ok();
+            if !opened {
+                self.stats.no_slot += 1;
+                return false;
+            }
+        }
+        let Some((slot, held)) = self.slots.get_mut(key) else {
+            return false;
         };
-        let r = hdr.rank as usize;
-        let s = &mut self.slots[i];
-        let (w, b) = (r / 64, 1u64 << (r % 64));
-        if s.done || s.ranks[w] & b != 0 {
+        if held.done {
             self.stats.duplicates += 1;
             return true;
         }
-        if s.acc.op() != hdr.op
-            || s.acc.count() != hdr.count as usize
-            || s.acc.add_be_bytes(payload, 1).is_err()
-        {
-            self.stats.invalid += 1;
-            return true;
-        }
-        s.ranks[w] |= b;
-        s.contributors += 1;
-        // A clamped input (OVERFLOW on a contribution) makes the result
-        // inexact too, as at the kernel aggregator.
-        s.overflow |= hdr.flags & abi::AGG_F_OVERFLOW != 0;
-        self.stats.added += 1;
-        if s.contributors == self.workers {
-            // Into the slot's own vector: no allocation per fragment.
-            if let Ok(o) = s.acc.finish_ints_into(s.acc.weight_sum(), &mut s.result) {
-                s.overflow |= o;
+        match slot.add(hdr, payload, 1, self.workers) {
+            Err(Refused::AlreadyAdded) => self.stats.duplicates += 1,
+            Err(Refused::ShapeMismatch) => self.stats.invalid += 1,
+            Ok(Added::Waiting) => self.stats.added += 1,
+            Ok(Added::Complete) => {
+                self.stats.added += 1;
+                // Into the slot's own buffer: no allocation per fragment.
+                let weight_sum = slot.accumulator().weight_sum();
+                if let Ok(overflow) = slot.finish_into_self(weight_sum) {
+                    held.overflow = overflow;
+                }
+                held.done = true;
+                self.done.push(key);
+                self.stats.completed += 1;
             }
-            s.done = true;
-            self.done.push(i);
-            self.stats.completed += 1;
         }
         true
     }
@@ -223,40 +148,18 @@ impl Backend for SocketAggregator {
     }
 
     fn reserve(&mut self, op: crate::wire::abi::Op, count: usize, n: usize) {
-        // Enough free or used slots of this shape for the call, made now, so
-        // that later calls of the same size allocate nothing.
-        let n = n.min(self.limit);
-        let mut have = self
-            .slots
-            .iter()
-            .filter(|s| s.acc.op() == op && s.acc.count() == count)
-            .count();
-        let words = (self.workers as usize).div_ceil(64);
-        while have < n && self.slots.len() < 2 * self.limit {
-            let Ok(acc) = Accumulator::new(op, count, false) else {
-                return;
-            };
-            self.slots.push(Slot::empty(acc, words, count));
-            self.free.push(self.slots.len() - 1);
-            have += 1;
-        }
+        // Enough slots of this shape for the call, made now, so that later
+        // calls of the same size allocate nothing.
+        self.slots.reserve(op, count, false, n.min(self.limit));
     }
 
     fn expect_round(&mut self, round: u32, _seq_base: u32, _now: Instant) {
         self.next_round = round;
-        let stale: Vec<usize> = self
-            .index
-            .values()
-            .copied()
-            .filter(|&i| abi::rounds_ahead(self.slots[i].round, round) < 0)
-            .collect();
-        for i in stale {
-            self.free_slot(i);
+        for (_, slot, _) in self.slots.close_where(|(r, _), _| abi::rounds_ahead(r, round) < 0) {
+            self.slots.recycle(slot);
         }
         let slots = &self.slots;
-        let index = &self.index;
-        self.done
-            .retain(|&i| index.get(&(slots[i].round, slots[i].frag_off)) == Some(&i));
+        self.done.retain(|&key| slots.contains(key));
     }
 
     fn on_agg(
@@ -300,43 +203,33 @@ impl Backend for SocketAggregator {
     fn take_completed(&mut self, round: u32, f: &mut dyn FnMut(Completed<'_>)) {
         let mut k = 0;
         while k < self.done.len() {
-            let i = self.done[k];
-            if self.slots[i].round == round {
-                let s = &self.slots[i];
-                f(Completed {
-                    frag_off: s.frag_off,
-                    values: &s.result,
-                    overflow: s.overflow,
-                });
-                self.done.swap_remove(k);
-                self.free_slot(i);
-            } else {
+            let key = self.done[k];
+            if key.0 != round {
                 k += 1;
+                continue;
+            }
+            self.done.swap_remove(k);
+            if let Some((slot, held)) = self.slots.close(key) {
+                f(Completed {
+                    frag_off: key.1,
+                    values: slot.result(),
+                    overflow: held.overflow,
+                });
+                self.slots.recycle(slot);
             }
         }
     }
 
     fn fragment_state(&self, round: u32, frag_off: u32) -> FragmentState {
-        match self.index.get(&(round, frag_off)) {
+        match self.slots.get((round, frag_off)) {
             None => FragmentState {
                 contributors: Some(Vec::new()),
                 partial: None,
             },
-            Some(&i) => {
-                let s = &self.slots[i];
-                let ranks = (0..self.workers)
-                    .filter(|&r| s.ranks[r as usize / 64] & (1 << (r % 64)) != 0)
-                    .collect();
-                let partial = s
-                    .acc
-                    .finish()
-                    .ok()
-                    .and_then(|r| r.ints().map(|v| v.to_vec()));
-                FragmentState {
-                    contributors: Some(ranks),
-                    partial,
-                }
-            }
+            Some((slot, _)) => FragmentState {
+                contributors: Some(slot.contributors().collect()),
+                partial: slot.accumulator().finish().ok().and_then(|r| r.ints().map(|v| v.to_vec())),
+            },
         }
     }
 }

@@ -6,7 +6,10 @@
 //! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
 //! - [`reducer`]: the reference reducer, oracle for the kernel path and core
 //!   of the user-space aggregators.
+//! - [`slots`]: the aggregation slot and its rule for adding a contribution,
+//!   and the slot table both user-space aggregators keep.
 
 pub mod abi;
 pub mod proto;
 pub mod reducer;
+pub mod slots;
