@@ -719,18 +719,13 @@ impl Worker {
         }
     }
 
-    /// Release order (as in the kernel): completed marker, then the
-    /// ownership record, so no contribution can start a new slot; then the
-    /// newest round, then the RESULT to the contribution's destination.
+    /// The kernel's maps first ([`KernelMaps::release_completed`]), then
+    /// the RESULT to the contribution's destination.
     fn deliver(&mut self, p: &Parsed, done: &Completion) {
-        if done.kernel_owned_record {
-            let skey = abi::SlotKey { job: done.job, pad: 0, round: done.round, frag_off: done.frag_off };
-            let _ = self.maps.mark_completed(&skey);
-            self.maps.delete_slot_owner(&skey);
-        }
-        if let Some(handoff) = &done.handoff {
-            let _ = self.maps.set_job_handoff(done.job, handoff);
-        }
+        let recorded = done
+            .kernel_owned_record
+            .then_some(abi::SlotKey { job: done.job, pad: 0, round: done.round, frag_off: done.frag_off });
+        self.maps.release_completed(done.job, recorded.as_ref(), done.handoff.as_ref());
         let dst = SocketAddrV4::new(p.daddr, done.result_port);
         match self.result_sock.send_to(&done.result, dst) {
             Ok(_) => self.table.stats.results += 1,

@@ -1257,7 +1257,12 @@ impl Drop for FastSlotView {
 }
 
 /// The maps the user-space path shares with the XDP program, as duplicated
-/// descriptors (`Send + Sync`): see [`XdpPlane::kernel_maps`].
+/// descriptors (`Send + Sync`): see [`XdpPlane::kernel_maps`]. The one
+/// owner of the user-space side of the hand-off protocol (docs/USERSPACE.md):
+/// sockets and their limit (`xsks`, `xsk_limits`), who owns a fragment
+/// (`slot_owner`), completion ([`KernelMaps::release_completed`]: `completed`,
+/// then `slot_owner`, then `job_handoff`), overload (`job_handoff`), and the
+/// reclaim of kernel slots of stale rounds.
 #[derive(Debug)]
 pub struct KernelMaps {
     xsks: OwnedFd,
@@ -1593,6 +1598,24 @@ impl KernelMaps {
             }
         }
         out
+    }
+
+    /// Publish a fragment the user-space path completed, in the kernel's
+    /// release order: the `completed` marker of `recorded` (a fragment the
+    /// kernel recorded in `slot_owner`), then the deletion of that record,
+    /// so that no contribution can start a new slot for it on either path;
+    /// then the job's newest round (`handoff`, when it advanced). Best
+    /// effort, as in the kernel: a marker that cannot be written (the LRU
+    /// is full of newer ones) leaves the stale-round rule to refuse late
+    /// retransmissions.
+    pub fn release_completed(&self, job: u16, recorded: Option<&abi::SlotKey>, handoff: Option<&abi::JobHandoff>) {
+        if let Some(key) = recorded {
+            let _ = self.mark_completed(key);
+            self.delete_slot_owner(key);
+        }
+        if let Some(handoff) = handoff {
+            let _ = self.set_job_handoff(job, handoff);
+        }
     }
 
     /// Write the kernel's completed marker for `key`, so a late
