@@ -1,14 +1,19 @@
-//! Runtime over loopback (no root needed): socket backend broadcast, reduce
-//! and allreduce of several sizes, non-blocking handles, float allreduce, and
-//! a participant that never answers.
+//! Runtime over loopback (no root needed): the socket backend end to end
+//! through the real I/O driver (sockets, batched I/O, the progress thread):
+//! allreduce, reduce and broadcast, non-blocking handles, float allreduce and
+//! its overflow handling, a call that misses a participant, and striping.
+//!
+//! The protocol's logic (fragment boundaries and ops, ACK modes and
+//! windows, the aggregator's slots, loss, reordering, duplication, timeouts
+//! and who is named, overflow flags) is tested deterministically on the
+//! state machine with a fake clock: `runtime::engine::tests`.
 
 mod common_runtime;
 
 use std::net::Ipv4Addr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aggbox::wire::abi::Op;
-use aggbox::config::AckMode;
 use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization, StripedCommunicator};
 use aggbox::node::tools::pattern_vector;
 
@@ -32,46 +37,14 @@ fn run_allreduce(j: &Job, op: Op, len: usize) {
     common_runtime::int_reduction(&comms, j.workers.len(), op, len, true);
 }
 
+/// One element, many fragments (beyond a window), and an op other than SUM.
 #[test]
-fn runtime_loopback_allreduce_sizes_and_ops() {
+fn runtime_loopback_allreduce() {
     let j = job(3, |b| b);
-    for len in [1usize, 361, 362, 363, 5000, 100_000] {
+    for len in [1usize, 100_000] {
         run_allreduce(&j, Op::Sum, len);
     }
-    for op in [Op::Max, Op::Min, Op::Count, Op::Bxor] {
-        run_allreduce(&j, op, 1000);
-    }
-}
-
-#[test]
-fn runtime_loopback_packet_mode_small_window() {
-    let j = job(2, |b| b.ack_mode(AckMode::Packet).window(8).group_size(64));
-    for len in [1usize, 2000, 30_000] {
-        run_allreduce(&j, Op::Sum, len);
-    }
-}
-
-#[test]
-fn runtime_loopback_more_fragments_than_slots_completes() {
-    // 8 aggregator slots for 200 fragments (windows of 256 configured): a
-    // worker has at most 8 fragments in flight, so workers in step never
-    // find the slots full and each call takes milliseconds. Without that
-    // bound each worker sent its whole window, the aggregator dropped what
-    // it had no slot for, unacknowledged, and the resends, dropped again,
-    // backed off: a reduce took 9.6 s (8.8 k resends) and an allreduce
-    // missed a 10 s deadline, so a 3 s deadline fails them. How many
-    // contributions are resent depends on the scheduler (a worker that runs
-    // ahead still finds the slots full in a reduce; an allreduce worker
-    // stays within 4 fragments of the first result it lacks), so it is
-    // printed, not checked.
-    let j = job(3, |b| b.slots(8).mtu(1500).deadline(Duration::from_secs(3)));
-    let comms: Vec<&Communicator> = std::iter::once(&j.agg).chain(&j.workers).collect();
-    let resent = |j: &Job| -> u64 { j.workers.iter().map(|w| w.stats().retransmitted).sum() };
-    for all in [true, false] {
-        let before = resent(&j);
-        common_runtime::int_reduction(&comms, 3, Op::Sum, 362 * 200, all);
-        eprintln!("allreduce {all}: {} contributions resent for 3 × 200 sent", resent(&j) - before);
-    }
+    run_allreduce(&j, Op::Max, 1000);
 }
 
 #[test]
@@ -127,15 +100,12 @@ fn runtime_loopback_nonblocking_and_f32() {
     let w2: Vec<_> = (0..2).map(|r| j.workers[r].ireduce_i32(vec![r as i32 + 1; len], Op::Max, true, CallOptions::default())).collect();
     let a1 = j.agg.ireduce_i32(vec![0; len], Op::Sum, true, CallOptions::default());
     let a2 = j.agg.ireduce_i32(vec![0; len], Op::Max, true, CallOptions::default());
-    let t0 = Instant::now();
-    while !a2.is_completed() {
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    // The second call is waited for first: by then the first is complete.
+    let second = a2.wait().unwrap();
     assert!(a1.is_completed(), "issue order");
     let want = common_runtime::expected(Op::Sum, 2, len);
     assert_eq!(a1.wait().unwrap().values, want);
-    assert_eq!(a2.wait().unwrap().values, vec![2; len]);
+    assert_eq!(second.values, vec![2; len]);
     for w in w1 {
         assert_eq!(w.wait().unwrap().values, want);
     }
@@ -208,59 +178,16 @@ fn runtime_loopback_fixed_scale_overflow_is_an_error() {
     }
 }
 
-/// A worker whose floats clamp when quantized (30 · 1e8 > 2^31 − 1) while
-/// the sum fits (30 − 29.5): the sum of the clamped values is a number
-/// (−0.5) but a wrong one. The clamping worker flags its contribution
-/// OVERFLOW, the aggregator carries it into the RESULT, so every
-/// participant fails with Fixed, and FixedOrAdaptive reruns and returns 0.5.
-#[test]
-fn runtime_loopback_clamped_input_is_an_overflow_not_a_wrong_sum() {
-    let len = 3000;
-    let input = |r: usize| {
-        let mut x = vec![0.25f32; len];
-        x[len - 1] = if r == 0 { 30.0 } else { -29.5 };
-        x
-    };
-    let run = |j: &Job| {
-        std::thread::scope(|s| {
-            let a = s.spawn(|| {
-                let mut o = vec![0f32; len];
-                j.agg.allreduce_f32(&mut o, false).map(|_| o)
-            });
-            let hs: Vec<_> = j
-                .workers
-                .iter()
-                .enumerate()
-                .map(|(r, w)| {
-                    s.spawn(move || {
-                        let mut x = input(r);
-                        w.allreduce_f32(&mut x, false).map(|_| x)
-                    })
-                })
-                .collect();
-            let mut v = vec![a.join().unwrap()];
-            v.extend(hs.into_iter().map(|h| h.join().unwrap()));
-            v
-        })
-    };
-    for o in run(&job(2, |b| b.quantization(Quantization::Fixed(1e8)))) {
-        let last = o.as_ref().map(|v| v[len - 1]);
-        assert!(matches!(o, Err(CommError::Overflow { .. })), "{last:?}");
-    }
-    for o in run(&job(2, |b| b.quantization(Quantization::FixedOrAdaptive(1e8)))) {
-        let o = o.unwrap();
-        assert_eq!(o[..len - 1], vec![0.5f32; len - 1][..]);
-        assert!((o[len - 1] - 0.5).abs() < 1e-6, "{}", o[len - 1]);
-    }
-}
-
+/// The driver ends a call that misses a participant at its deadline with
+/// the timeout error, and a replacement for the missing rank built at the
+/// survivors' `position()` lines up with them. (Who is named, the partial
+/// result, the exact deadline: `runtime::engine::tests`.)
 #[test]
 fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
     let j = job(3, |b| b);
     let len = 3000;
-    let opts = CallOptions { deadline: Some(Duration::from_millis(800)), partial: true };
+    let opts = CallOptions { deadline: Some(Duration::from_millis(800)), partial: false };
     // Rank 2 does not take part in this call.
-    let t0 = Instant::now();
     let (agg_res, w_res) = std::thread::scope(|s| {
         let a = s.spawn(|| j.agg.ireduce_i32(vec![0; len], Op::Sum, true, opts).wait());
         let hs: Vec<_> = (0..2).map(|r| {
@@ -269,20 +196,12 @@ fn runtime_loopback_silent_peer_fails_at_deadline_then_next_call_works() {
         }).collect();
         (a.join().unwrap(), hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>())
     });
-    let el = t0.elapsed();
-    assert!(el < Duration::from_secs(3), "{el:?}");
     let e = agg_res.unwrap_err();
     let t = e.timeout().expect("timeout");
-    assert_eq!(t.missing, vec![Peer::Rank(2)], "{e}");
-    let p = t.partial.as_ref().expect("partial asked for");
-    assert!(p.contributors.iter().all(|&c| c == 2), "{:?}", p.contributors);
-    let want01 = common_runtime::expected(Op::Sum, 2, len);
-    assert_eq!(p.values, want01, "partial = sum of ranks 0 and 1");
-    eprintln!("aggregator: {e}");
+    assert!(t.missing.contains(&Peer::Rank(2)), "{e}");
     for r in w_res {
         let e = r.unwrap_err();
-        eprintln!("worker: {e}");
-        assert_eq!(e.timeout().unwrap().missing, vec![Peer::Aggregator]);
+        assert_eq!(e.timeout().expect("timeout").missing, vec![Peer::Aggregator], "{e}");
     }
     // Rank 2 skipped a call: it is replaced by a new communicator that
     // resumes at the survivors' position (or it could call and fail itself).

@@ -15,8 +15,8 @@
 //!   rounds a call makes (a float reduction's scale agreement and rerun)
 //!   are in [`crate::runtime::calls`].
 //!
-//! The unit tests (`tests.rs`) drive several engines through a simulated
-//! network with a fake clock.
+//! The unit tests (`tests.rs`, more scenarios in `tests/`) drive several
+//! engines through a simulated network with a fake clock.
 //!
 //! One concern per file:
 //! - [`round`]: a round's state, its start and end, and when it is complete;

@@ -21,6 +21,14 @@ use crate::runtime::outbox::Transmit;
 use crate::runtime::transport::{CommStats, Counters};
 use crate::runtime::{CommError, Peer};
 
+// More scenarios on this simulated network, with the helpers below:
+// every collective through loss, reordering, duplication, ACK modes and
+// windows (`network`); missed and late calls, overflow flags (`rounds`);
+// forged RESULTs and ACKs, the early-result bound (`sources`).
+mod network;
+mod rounds;
+mod sources;
+
 const JOB: u16 = 7;
 const WORKERS: u16 = 3;
 const AGG_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
@@ -29,6 +37,14 @@ const JOB_PORT: u16 = 9000;
 const LATENCY: Duration = Duration::from_micros(100);
 /// MTU 1500: 362 elements per fragment.
 const PER: usize = 362;
+/// How far the fake clock starts ahead of the wall clock. One read of the
+/// wall clock is left in the state machine (`SendWindow::ack_seq`, the RTT
+/// sample of a contribution acknowledged by its result, takes
+/// `Instant::now()`); with the fake clock an hour ahead, that read is always
+/// in the fake past, so its sample is 0 on every run instead of whatever
+/// the machine's speed made it (with the clocks together, the scenarios
+/// with reordering sent different datagrams from one run to the next).
+const WALL_CLOCK_LEAD: Duration = Duration::from_secs(3600);
 
 fn worker_addr(r: u16) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
@@ -135,6 +151,10 @@ impl Wire<'_> {
 /// (0: lost).
 type Fate = Box<dyn FnMut(&Datagram) -> usize>;
 
+/// How much longer than [`LATENCY`] one copy of a datagram takes (later
+/// copies are overtaken by earlier ones: reordering).
+type Delay = Box<dyn FnMut(&Datagram) -> Duration>;
+
 /// How the round of one participant ended.
 #[derive(Debug)]
 enum Ended {
@@ -143,6 +163,9 @@ enum Ended {
     Values(Vec<i32>),
     /// A reduce worker's contribution was acknowledged.
     Contributed,
+    /// A worker's allreduce result, written into the caller's buffer (the
+    /// round's sink: floats or ints).
+    Written,
     /// A broadcast's bytes.
     Bytes(Vec<u8>),
     Failed(CommError),
@@ -155,6 +178,9 @@ struct Node {
     /// Whether a round is in progress (and of which call).
     running: Option<Call>,
     ended: Option<(Ended, Instant)>,
+    /// Whether the result of the last reduction that ended here was flagged
+    /// OVERFLOW (clamped).
+    overflow: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,7 +198,11 @@ struct Sim {
     wire: Vec<(Instant, Datagram)>,
     /// Everything sent, in order.
     log: Vec<Datagram>,
+    /// The copies `fate` dropped (each datagram sent at most once here: it
+    /// is lost when no copy is delivered).
+    lost: Vec<Datagram>,
     fate: Fate,
+    delay: Delay,
     /// Reverse the order of each poll's datagrams (reordering).
     reverse: bool,
     /// Kernel backend: the node's aggregator at the job port.
@@ -254,7 +284,7 @@ impl Sim {
 
     /// A job whose participants have `config(me)`.
     fn with(config: fn(Participant) -> CommConfig) -> Sim {
-        let now = Instant::now();
+        let now = Instant::now() + WALL_CLOCK_LEAD;
         let mut nodes = Vec::new();
         for (i, me) in (0..WORKERS)
             .map(Participant::Worker)
@@ -273,6 +303,7 @@ impl Sim {
                 counters,
                 running: None,
                 ended: None,
+                overflow: false,
             });
         }
         Sim {
@@ -281,7 +312,9 @@ impl Sim {
             nodes,
             wire: Vec::new(),
             log: Vec::new(),
+            lost: Vec::new(),
             fate: Box::new(|_| 1),
+            delay: Box::new(|_| Duration::ZERO),
             reverse: false,
             node: None,
             tc: None,
@@ -306,11 +339,29 @@ impl Sim {
             _ => vec![d.clone()],
         };
         for c in copies {
-            for _ in 0..(self.fate)(&c) {
-                self.wire.push((self.now + LATENCY, c.clone()));
+            let n = (self.fate)(&c);
+            for _ in 0..n {
+                let arrival = self.now + LATENCY + (self.delay)(&c);
+                self.wire.push((arrival, c.clone()));
+            }
+            if n == 0 {
+                self.lost.push(c);
             }
         }
         self.log.push(d);
+    }
+
+    /// Puts a datagram no engine sent (a forgery, a stranger's) on the wire,
+    /// to arrive after [`LATENCY`]; not logged, no `fate`.
+    fn inject(&mut self, from: SocketAddrV4, to: SocketAddrV4, bytes: Vec<u8>) {
+        let d = Datagram {
+            from,
+            to,
+            bytes,
+            resend: false,
+            at: self.now,
+        };
+        self.wire.push((self.now + LATENCY, d));
     }
 
     fn aggregator(&self) -> usize {
@@ -325,14 +376,34 @@ impl Sim {
     /// worker contributes `input(rank)`, the aggregator collects `len`
     /// elements.
     fn start_reduce(&mut self, i: usize, all: bool, len: usize, opts: CallOptions) {
-        let now = self.now;
-        let n = &mut self.nodes[i];
+        self.start_reduce_op(i, all, Op::Sum, len, opts);
+    }
+
+    /// [`Sim::start_reduce`] with `op`.
+    fn start_reduce_op(&mut self, i: usize, all: bool, op: Op, len: usize, opts: CallOptions) {
         let src = if i == WORKERS as usize {
             Src::Len(len)
         } else {
             Src::I32(input(i as u16, len))
         };
-        n.engine.start_reduce(now, all, Op::Sum, src, None, opts);
+        self.start_reduce_from(i, all, op, src, None, opts);
+    }
+
+    /// Starts a reduction on participant `i` contributing `src` (the
+    /// aggregator: its result vector), a worker's allreduce result going to
+    /// `sink` (default: bytes).
+    fn start_reduce_from(
+        &mut self,
+        i: usize,
+        all: bool,
+        op: Op,
+        src: Src,
+        sink: Option<Sink>,
+        opts: CallOptions,
+    ) {
+        let now = self.now;
+        let n = &mut self.nodes[i];
+        n.engine.start_reduce(now, all, op, src, sink, opts);
         n.running = Some(Call::Reduce);
     }
 
@@ -370,9 +441,10 @@ impl Sim {
             outgoing.extend(sent);
             if let Some(call) = n.running {
                 if let Some(outcome) = n.engine.round_outcome(now) {
-                    let ended = n.engine.finish(call, now, outcome);
+                    let (ended, overflow) = n.engine.finish(call, now, outcome);
                     n.running = None;
                     n.ended = Some((ended, now));
+                    n.overflow = overflow;
                 }
             }
         }
@@ -421,8 +493,15 @@ impl Sim {
     /// Runs until every started round ended and the wire is quiet (or
     /// `limit` of fake time passed).
     fn run(&mut self, limit: Duration) {
+        self.run_checking(limit, |_| {});
+    }
+
+    /// [`Sim::run`], calling `check` after every poll (invariants that
+    /// must hold at every instant, e.g. the datagrams in flight).
+    fn run_checking(&mut self, limit: Duration, mut check: impl FnMut(&Sim)) {
         loop {
             self.poll();
+            check(self);
             let busy = self.nodes.iter().any(|n| n.running.is_some()) || !self.wire.is_empty();
             if !busy || self.now - self.start > limit || !self.advance() {
                 return;
@@ -441,27 +520,34 @@ impl Sim {
 
 impl Engine {
     /// Ends the round of `call` the way the driver does, with what the
-    /// caller would get.
-    fn finish(&mut self, call: Call, now: Instant, outcome: Result<(), CommError>) -> Ended {
+    /// caller would get, and whether a reduction's result was flagged
+    /// OVERFLOW.
+    fn finish(
+        &mut self,
+        call: Call,
+        now: Instant,
+        outcome: Result<(), CommError>,
+    ) -> (Ended, bool) {
         let failed = outcome.is_err();
-        let ended = match call {
-            Call::Broadcast => Ended::Bytes(self.finish_broadcast(now, failed)),
+        let (ended, overflow) = match call {
+            Call::Broadcast => (Ended::Bytes(self.finish_broadcast(now, failed)), false),
             Call::Reduce => {
                 let r = self.finish_reduce(now, failed);
                 match (r.values, r.sink) {
-                    (Some((v, _)), _) => Ended::Values(v),
-                    (None, Some((Sink::Bytes(b), _))) => {
+                    (Some((v, o)), _) => (Ended::Values(v), o),
+                    (None, Some((Sink::Bytes(b), o))) => {
                         let mut v = vec![0; b.len() / 4];
                         proto::read_i32_be(&b, &mut v);
-                        Ended::Values(v)
+                        (Ended::Values(v), o)
                     }
-                    _ => Ended::Contributed,
+                    (None, Some((_, o))) => (Ended::Written, o),
+                    _ => (Ended::Contributed, false),
                 }
             }
         };
         match outcome {
-            Err(e) => Ended::Failed(e),
-            Ok(()) => ended,
+            Err(e) => (Ended::Failed(e), overflow),
+            Ok(()) => (ended, overflow),
         }
     }
 }
