@@ -550,20 +550,27 @@ pub struct ImpairStats {
     pub reordered: u64,
 }
 
-/// SplitMix64: small, seeded, good enough for test decisions.
+/// SplitMix64: small, seeded, good enough for test decisions (the
+/// impairments here and in the engine's fake-clock tests).
 #[derive(Debug, Clone)]
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     }
-    fn chance_ppm(&mut self, ppm: u64) -> bool {
+    /// True with probability `ppm` / 10^6.
+    pub(crate) fn chance_ppm(&mut self, ppm: u64) -> bool {
         ppm > 0 && self.next() % 1_000_000 < ppm
+    }
+
+    /// A draw in `0..n` (n > 0).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
     }
 }
 
@@ -669,7 +676,7 @@ impl<T: Transport> Transport for ImpairedTransport<T> {
         if self.held.is_empty() {
             return Err(err.unwrap_or_else(|| io::ErrorKind::WouldBlock.into()));
         }
-        let i = (self.rng.next() % self.held.len() as u64) as usize;
+        let i = self.rng.below(self.held.len() as u64) as usize;
         let (arrival, bytes, from) = self.held.swap_remove(i);
         if self.held.iter().any(|h| h.0 < arrival) {
             self.stats.reordered.fetch_add(1, Ordering::Relaxed);

@@ -20,6 +20,7 @@ impl Engine {
         st: &mut RoundState,
         from: usize,
         payload: &[u8],
+        now: Instant,
     ) -> bool {
         let Some(b) = st.bin.as_mut() else {
             return false;
@@ -49,7 +50,7 @@ impl Engine {
             b.overflow |= raw & SUBHDR_OVERFLOW != 0;
             if let Some(c) = st.contrib.as_ref() {
                 // allreduce: the result of fragment i acknowledges our contribution to it.
-                self.agg_tx.ack_seq(0, c.seq_base.wrapping_add(i as u32));
+                self.agg_tx.ack_seq(0, c.seq_base.wrapping_add(i as u32), now);
             }
         }
         b.cov.is_complete()
@@ -86,7 +87,7 @@ impl Engine {
             // (Workers are therefore clocked by the kernel, not by the
             // aggregator runtime: its socket buffer must hold the backlog,
             // see `build`.)
-            self.agg_tx.ack_seq(0, seq);
+            self.agg_tx.ack_seq(0, seq, now);
             let Some(b) = o.bin.as_mut().filter(|b| b.results) else {
                 return;
             };

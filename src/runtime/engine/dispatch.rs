@@ -130,7 +130,7 @@ impl Engine {
                         let last;
                         if wanted {
                             let o = op.as_deref_mut().expect("wanted implies an op");
-                            last = self.deliver_bcast(o, idx, payload);
+                            last = self.deliver_bcast(o, idx, payload, now);
                         } else if abi::rounds_ahead(round, cur) > 0
                             || (op.is_none() && round == cur)
                         {

@@ -406,7 +406,7 @@ impl Engine {
         let mut keep = Vec::new();
         for s in stash {
             if s.round == st.round {
-                self.deliver_bcast(&mut st, s.from, &s.buf);
+                self.deliver_bcast(&mut st, s.from, &s.buf, now);
                 self.stash_pool.push(s.buf);
             } else {
                 keep.push(s);

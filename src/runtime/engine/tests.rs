@@ -37,15 +37,6 @@ const JOB_PORT: u16 = 9000;
 const LATENCY: Duration = Duration::from_micros(100);
 /// MTU 1500: 362 elements per fragment.
 const PER: usize = 362;
-/// How far the fake clock starts ahead of the wall clock. One read of the
-/// wall clock is left in the state machine (`SendWindow::ack_seq`, the RTT
-/// sample of a contribution acknowledged by its result, takes
-/// `Instant::now()`); with the fake clock an hour ahead, that read is always
-/// in the fake past, so its sample is 0 on every run instead of whatever
-/// the machine's speed made it (with the clocks together, the scenarios
-/// with reordering sent different datagrams from one run to the next).
-const WALL_CLOCK_LEAD: Duration = Duration::from_secs(3600);
-
 fn worker_addr(r: u16) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
 }
@@ -284,7 +275,7 @@ impl Sim {
 
     /// A job whose participants have `config(me)`.
     fn with(config: fn(Participant) -> CommConfig) -> Sim {
-        let now = Instant::now() + WALL_CLOCK_LEAD;
+        let now = Instant::now();
         let mut nodes = Vec::new();
         for (i, me) in (0..WORKERS)
             .map(Participant::Worker)

@@ -306,7 +306,7 @@ impl SendWindow {
     /// stayed at its initial value while results took longer than that to
     /// come back (they wait for the slowest worker), and the workers resent
     /// contributions the kernel had already reduced.
-    pub fn ack_seq(&mut self, dest: usize, seq: u32) {
+    pub fn ack_seq(&mut self, dest: usize, seq: u32, now: Instant) {
         let Some(i) = self.index_of(seq) else {
             return;
         };
@@ -314,7 +314,6 @@ impl SendWindow {
         let e = &mut self.entries[i];
         if e.pending & bit != 0 {
             e.pending &= !bit;
-            let now = Instant::now();
             if e.retries == 0 && !e.reserved {
                 let sent = e.first_sent;
                 self.rtt.sample(now.saturating_duration_since(sent));

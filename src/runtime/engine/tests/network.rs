@@ -17,28 +17,7 @@ use crate::runtime::transport::RefusedStats;
 use crate::wire::abi::Op;
 use crate::wire::proto::{AckMessage, AckMode, MessageKind};
 use crate::wire::reducer;
-
-/// SplitMix64: the seeded draws of the impairments (the same on every run).
-struct Draws(u64);
-
-impl Draws {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// True with probability `percent` / 100.
-    fn percent(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use crate::runtime::transport::Rng;
 
 /// Spread of the reordering delays: a datagram is held up to `window`
 /// steps, so it can be overtaken by the ones sent in the next `window`
@@ -49,17 +28,17 @@ const REORDER_STEP: Duration = Duration::from_micros(10);
 /// `loss` %, else duplicated with `dup` %; each copy is held up to
 /// `window` reordering steps (1: none).
 fn impair(sim: &mut Sim, seed: u64, loss: u64, dup: u64, window: u64) {
-    let mut fates = Draws(seed);
+    let mut fates = Rng(seed);
     sim.fate = Box::new(move |_| {
-        if fates.percent(loss) {
+        if fates.chance_ppm(loss * 10_000) {
             0
-        } else if fates.percent(dup) {
+        } else if fates.chance_ppm(dup * 10_000) {
             2
         } else {
             1
         }
     });
-    let mut delays = Draws(!seed);
+    let mut delays = Rng(!seed);
     sim.delay = Box::new(move |_| REORDER_STEP * delays.below(window) as u32);
 }
 
@@ -208,10 +187,11 @@ fn data_resent(sim: &Sim) -> usize {
 /// collective is exact, and no broadcast or result datagram is resent (a
 /// hole in an ACK is resent once it is older than the smoothed RTT, which
 /// no reordering here reaches). Contributions may be: an allreduce
-/// worker's contribution is acknowledged by its result, whose RTT sample
-/// reads the wall clock and is 0 here (see `WALL_CLOCK_LEAD`), so the
-/// smallest RTT is 0 and a reordered contribution can look lost; the
-/// aggregator adds such a resend once (the sums are exact).
+/// worker's contribution is acknowledged by its result, which waits for the
+/// slowest rank's contribution to that fragment, so a result held back by
+/// the reordering can come later than the RTO the undelayed results taught
+/// the worker, and the contribution looks lost (a spurious resend, which
+/// the aggregator's slot does not add twice: the sums are exact).
 #[test]
 fn every_collective_through_reordering_is_exact_and_resends_no_broadcast_or_result() {
     for (seed, window) in [(1, 8), (2, 16), (3, 64)] {
