@@ -264,7 +264,7 @@ fn run(cli: Cli) -> Result<()> {
             let c = tools::Contribution {
                 job,
                 rank,
-                round,
+                round: aggbox::wire::abi::Round(round),
                 op,
                 first_seq: seq,
                 per_datagram: proto::elements_per_datagram(mtu),

@@ -171,7 +171,7 @@ fn contribution(seq: u32, round: u32) -> Vec<u8> {
         job: 7,
         rank: 0,
         seq,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off: 0,
         op: aggbox::wire::abi::Op::Sum,
         flags: 0,

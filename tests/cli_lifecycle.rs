@@ -277,7 +277,7 @@ impl Bed {
                 job: JOB,
                 rank: 0,
                 seq: 0,
-                round: 1,
+                round: aggbox::wire::abi::Round(1),
                 frag_off: 0,
                 op: aggbox::wire::abi::Op::Sum,
                 flags: 0,

@@ -110,7 +110,7 @@ fn metrics_are_valid_and_move_with_traffic() {
         let netns = sender.netns.clone();
         in_netns(&netns, move || {
             let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
-            let c = tools::Contribution { job: JOB, rank: rank as u16, round: 1, op: Op::Sum, first_seq: 0, per_datagram: 362 };
+            let c = tools::Contribution { job: JOB, rank: rank as u16, round: aggbox::wire::abi::Round(1), op: Op::Sum, first_seq: 0, per_datagram: 362 };
             tools::contribute(&socket, to, &c, &tools::pattern_vector(rank as u16, ELEMENTS)).unwrap();
         })
         .unwrap();
@@ -118,7 +118,7 @@ fn metrics_are_valid_and_move_with_traffic() {
     // Rank 1's vector again from rank 0's host: wrong source address.
     in_netns(&senders[0].netns.clone(), move || {
         let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
-        let c = tools::Contribution { job: JOB, rank: 1, round: 2, op: Op::Sum, first_seq: 0, per_datagram: 362 };
+        let c = tools::Contribution { job: JOB, rank: 1, round: aggbox::wire::abi::Round(2), op: Op::Sum, first_seq: 0, per_datagram: 362 };
         tools::contribute(&socket, to, &c, &[1, 2, 3]).unwrap();
     })
     .unwrap();
@@ -131,7 +131,7 @@ fn metrics_are_valid_and_move_with_traffic() {
     // datagram is a retransmission of the job.
     in_netns(&senders[0].netns.clone(), move || {
         let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
-        let c = tools::Contribution { job: JOB, rank: 0, round: 1, op: Op::Sum, first_seq: 100, per_datagram: 362 };
+        let c = tools::Contribution { job: JOB, rank: 0, round: aggbox::wire::abi::Round(1), op: Op::Sum, first_seq: 100, per_datagram: 362 };
         tools::contribute(&socket, to, &c, &tools::pattern_vector(0, ELEMENTS)).unwrap();
     })
     .unwrap();

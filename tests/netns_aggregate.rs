@@ -303,7 +303,7 @@ fn agg_datagram(job: u16, rank: u16, round: u32, frag_off: u32, op: Op, values: 
         job,
         rank,
         seq: 0,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off,
         op,
         flags: 0,

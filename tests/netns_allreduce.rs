@@ -58,7 +58,7 @@ fn job_toml(id: u16, port: u16, workers: &[Ipv4Addr], result_port: u16, extra: &
 fn contribute(netns: &str, to: SocketAddrV4, job: u16, rank: u16, round: u32, op: Op, values: Vec<i32>) {
     in_netns(netns, move || {
         let socket = UdpSocket::bind("0.0.0.0:0").expect("bind sender");
-        let c = tools::Contribution { job, rank, round, op, first_seq: round * 16, per_datagram: PER_DATAGRAM };
+        let c = tools::Contribution { job, rank, round: aggbox::wire::abi::Round(round), op, first_seq: round * 16, per_datagram: PER_DATAGRAM };
         tools::contribute(&socket, to, &c, &values).expect("contribute");
     })
     .expect("enter namespace");

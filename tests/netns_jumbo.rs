@@ -45,7 +45,7 @@ fn resend(socket: &UdpSocket, to: SocketAddrV4, rank: u16, op: Op, per: usize, e
         job: JOB,
         rank,
         seq: 1 + index as u32,
-        round: 1,
+        round: aggbox::wire::abi::Round(1),
         frag_off: start as u32,
         op,
         flags: if index + 1 == chunks { abi::AGG_F_LAST_FRAGMENT } else { 0 },
@@ -143,7 +143,7 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
             std::thread::scope(|scope| {
                 for (rank, socket) in senders.iter().enumerate() {
                     scope.spawn(move || {
-                        let c = Contribution { job: JOB, rank: rank as u16, round: 1, op, first_seq: 1, per_datagram: per };
+                        let c = Contribution { job: JOB, rank: rank as u16, round: aggbox::wire::abi::Round(1), op, first_seq: 1, per_datagram: per };
                         tools::contribute(socket, to, &c, &pattern_vector(rank as u16, elements)).expect("contribute")
                     });
                 }

@@ -180,7 +180,7 @@ fn collect(sock: &UdpSocket, want: usize) -> Results {
             assert!(hdr.is_result());
             assert_eq!(hdr.rank, abi::RESULT_RANK);
             let e = out
-                .entry((hdr.round, hdr.frag_off))
+                .entry((hdr.round.0, hdr.frag_off))
                 .or_insert((hdr, payload.to_vec(), 0));
             e.2 += 1;
         }
@@ -327,7 +327,7 @@ fn every_userspace_op_matches_the_reference_reducer() {
                     job: j.id,
                     rank: r as u16,
                     seq: f,
-                    round: 5,
+                    round: aggbox::wire::abi::Round(5),
                     frag_off,
                     op,
                     flags: if float { abi::AGG_F_FLOAT32 } else { 0 }
@@ -425,7 +425,7 @@ fn send_sum_round(
                 job: j.id,
                 rank: r as u16,
                 seq: round * frags + f,
-                round,
+                round: aggbox::wire::abi::Round(round),
                 frag_off: f * u32::from(count),
                 op: Op::Sum,
                 flags: 0,

@@ -123,7 +123,7 @@ fn vis_datagram(round: u32, i: usize, per: usize) -> Vec<u8> {
         job: VIS_JOB,
         rank: 0,
         seq: round * 1000 + i as u32,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off: (i * per) as u32,
         op: Op::Sum,
         flags: 0,

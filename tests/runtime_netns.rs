@@ -61,7 +61,7 @@ impl Bed {
         (1..=WORKERS).map(|h| SocketAddrV4::new(self.tb.host(h).addr, DATA_PORT)).collect()
     }
 
-    fn build(&self, me: Participant, tweak: fn(CommunicatorBuilder) -> CommunicatorBuilder, resume: Option<(u32, u32)>) -> Communicator {
+    fn build(&self, me: Participant, tweak: fn(CommunicatorBuilder) -> CommunicatorBuilder, resume: Option<(aggbox::wire::abi::Round, u32)>) -> Communicator {
         let host = match me {
             Participant::Aggregator => 0,
             Participant::Worker(r) => r as usize + 1,

@@ -44,7 +44,7 @@ fn result(round: u32, frag_off: u32, values: &[i32], last: bool) -> Vec<u8> {
         job: JOB,
         rank: abi::RESULT_RANK,
         seq: 0,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off,
         op: Op::Sum,
         flags: abi::AGG_F_RESULT | if last { abi::AGG_F_LAST_FRAGMENT } else { 0 },

@@ -51,7 +51,7 @@ fn datagram(job: u16, rank: u16, round: u32, frag: u32, n: usize) -> Vec<u8> {
         job,
         rank,
         seq: frag,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off: frag * n as u32,
         op: Op::Sum,
         flags: 0,
@@ -70,7 +70,7 @@ fn contribute(t: &mut UserspaceAggregator, job: u16, rank: u16, round: u32, frag
 /// ranks' values, with the slot's key.
 fn check_result(done: &aggbox::kernel::afxdp::Completion, job: u16, round: u32, frag: u32, n: usize) {
     let msg = AggMessage::decode(&done.result).expect("RESULT decodes");
-    assert_eq!((msg.job, msg.rank, msg.round, msg.frag_off), (job, abi::RESULT_RANK, round, frag * n as u32));
+    assert_eq!((msg.job, msg.rank, msg.round.0, msg.frag_off), (job, abi::RESULT_RANK, round, frag * n as u32));
     assert!(msg.flags & abi::AGG_F_RESULT != 0);
     let want: Vec<i32> = values(0, round, frag, n)
         .iter()

@@ -178,7 +178,7 @@ fn run_case(case: &Case) -> Vec<String> {
         };
         if hdr.job != case.job.id
             || hdr.rank != abi::RESULT_RANK
-            || hdr.round != case.round
+            || hdr.round != aggbox::wire::abi::Round(case.round)
             || hdr.op != op
         {
             errs.push(format!("RESULT header fields wrong: {hdr:?}"));

@@ -311,7 +311,7 @@ _Static_assert(AGGBOX_LINEAR_MAX_CHUNKS <= AGGBOX_MAX_CHUNKS, "linear chunks wit
 /*
  * How many rounds a is ahead of b (negative: behind), in serial-number order
  * (RFC 1982): rounds wrap at 2^32. Every comparison of rounds, in the
- * programs and in Rust (src/wire/abi.rs rounds_ahead), goes through this.
+ * programs and in Rust (src/wire/abi.rs Round::ahead_of), goes through this.
  */
 static inline __s32 aggbox_rounds_ahead(__u32 a, __u32 b)
 {

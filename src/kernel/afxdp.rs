@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 
-use crate::wire::abi::{self, DropReason};
+use crate::wire::abi::{self, DropReason, Round};
 use crate::config::Config;
 use crate::kernel::xdp::{XdpPlane, KernelMaps};
 use crate::wire::abi::Op;
@@ -316,19 +316,15 @@ struct Held {
 struct JobRt {
     /// No emptied slots are kept: the byte bounds count what open slots hold.
     slots: SlotTable<Held>,
-    completed: HashSet<(u32, u32)>,
-    completed_fifo: VecDeque<(u32, u32)>,
-    newest: Option<u32>,
-    kernel_newest: Option<u32>,
+    completed: HashSet<SlotKey>,
+    completed_fifo: VecDeque<SlotKey>,
+    newest: Option<Round>,
+    kernel_newest: Option<Round>,
     result_seq: u32,
     handoff: abi::JobHandoff,
     above_since: Option<Instant>,
     /// Sum of the `bytes` of `slots`.
     bytes: usize,
-}
-
-fn serial_newer(a: u32, b: u32) -> bool {
-    abi::rounds_ahead(a, b) > 0
 }
 
 impl Default for JobRt {
@@ -350,14 +346,14 @@ impl Default for JobRt {
 /// Whether `round` is stale: older than the newest round completed on
 /// either path (`newest`: here, `kernel_newest`: in the kernel) minus the
 /// job's `window`, the kernel's rule.
-fn round_is_stale(newest: Option<u32>, kernel_newest: Option<u32>, round: u32, window: u32) -> bool {
+fn round_is_stale(newest: Option<Round>, kernel_newest: Option<Round>, round: Round, window: u32) -> bool {
     let window = window.min(i32::MAX as u32) as i32;
-    let stale = |newest: Option<u32>| newest.is_some_and(|n| abi::rounds_ahead(n, round) > window);
+    let stale = |newest: Option<Round>| newest.is_some_and(|n| n.ahead_of(round) > window);
     stale(newest) || stale(kernel_newest)
 }
 
 impl JobRt {
-    fn is_stale(&self, round: u32, window: u32) -> bool {
+    fn is_stale(&self, round: Round, window: u32) -> bool {
         round_is_stale(self.newest, self.kernel_newest, round, window)
     }
 }
@@ -388,7 +384,7 @@ pub struct Completion {
     /// The slot's job.
     pub job: u16,
     /// The slot's round.
-    pub round: u32,
+    pub round: Round,
     /// The slot's fragment offset.
     pub frag_off: u32,
     /// The job's `result_port`: where the RESULT goes on the node.
@@ -613,9 +609,9 @@ impl UserspaceAggregator {
             }
         }
         let mut handoff = None;
-        if rt.newest.is_none_or(|n| serial_newer(hdr.round, n)) {
+        if rt.newest.is_none_or(|n| hdr.round.is_after(n)) {
             rt.newest = Some(hdr.round);
-            rt.handoff.newest_round = hdr.round;
+            rt.handoff.newest_round = hdr.round.0;
             rt.handoff.completed = rt.handoff.completed.wrapping_add(1).max(1);
             handoff = Some(rt.handoff);
         }
@@ -644,7 +640,7 @@ impl UserspaceAggregator {
                 rt.bytes -= held.bytes;
                 self.bytes -= held.bytes;
                 if held.kernel_owned_record {
-                    records.push(abi::SlotKey { job: id, pad: 0, round, frag_off });
+                    records.push(abi::SlotKey { job: id, pad: 0, round: round.0, frag_off });
                 }
                 self.stats.stale_slots_collected += 1;
             }
@@ -724,7 +720,7 @@ impl Worker {
     fn deliver(&mut self, p: &Parsed, done: &Completion) {
         let recorded = done
             .kernel_owned_record
-            .then_some(abi::SlotKey { job: done.job, pad: 0, round: done.round, frag_off: done.frag_off });
+            .then_some(abi::SlotKey { job: done.job, pad: 0, round: done.round.0, frag_off: done.frag_off });
         self.maps.release_completed(done.job, recorded.as_ref(), done.handoff.as_ref());
         let dst = SocketAddrV4::new(p.daddr, done.result_port);
         match self.result_sock.send_to(&done.result, dst) {
@@ -741,7 +737,7 @@ impl Worker {
             let state = self.maps.job_state(id);
             if let Some(js) = state {
                 if js.completed != 0 {
-                    rt.kernel_newest = Some(js.newest_round);
+                    rt.kernel_newest = Some(Round(js.newest_round));
                 }
             }
             if !job.userspace_only {

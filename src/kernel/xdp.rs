@@ -39,7 +39,7 @@ use std::path::Path;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
-use crate::wire::abi;
+use crate::wire::abi::{self, Round};
 use crate::kernel::maps::{self, Counter};
 
 #[allow(clippy::all, missing_docs, dead_code)]
@@ -1416,7 +1416,7 @@ impl KernelMaps {
                 }
             };
             let (k, u, w) = entry;
-            let stale = |n: Option<u32>| n.is_some_and(|n| abi::rounds_ahead(n, key.round) > w);
+            let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(key.round)) > w);
             if (stale(k) || stale(u)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
                 reclaimed += 1;
             }
@@ -1440,7 +1440,7 @@ impl KernelMaps {
             let base = u32::from(job.fast_base);
             for index in base..base + u32::from(job.fast_slots) {
                 let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
-                let stale = |n: Option<u32>| n.is_some_and(|n| abi::rounds_ahead(n, round) > w);
+                let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(round)) > w);
                 // CLAIMING too: a take-over its taker could not undo (the
                 // slot's lock busy past its bound) is undone here.
                 if (state == FAST_ACTIVE || state == FAST_CLAIMING)

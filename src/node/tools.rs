@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AggHeader};
 use crate::wire::reducer;
 
@@ -32,7 +32,7 @@ pub struct Contribution {
     /// Sender's rank.
     pub rank: u16,
     /// Reduction round.
-    pub round: u32,
+    pub round: Round,
     /// Operation.
     pub op: Op,
     /// First sequence number to use (one per datagram).

@@ -19,6 +19,7 @@
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
+use crate::wire::abi::Round;
 use crate::wire::proto::{AckKind, AggHeader, SeqBitmap};
 use crate::runtime::outbox::Outbox;
 use crate::runtime::transport::Counters;
@@ -93,7 +94,7 @@ pub trait Backend: Send + std::fmt::Debug {
     /// The round the aggregator collects next starts at contribution seq
     /// `seq_base` (all ranks use the same seq for the same fragment). Older
     /// rounds are stale from now on.
-    fn expect_round(&mut self, round: u32, seq_base: u32, now: Instant);
+    fn expect_round(&mut self, round: Round, seq_base: u32, now: Instant);
 
     /// A reduction with `op` needs up to `n` slots of `count` elements:
     /// prepare them now (the socket aggregator makes its accumulators), so
@@ -114,8 +115,8 @@ pub trait Backend: Send + std::fmt::Debug {
     fn poll(&mut self, now: Instant, io: &mut AckIo) -> Option<Instant>;
 
     /// Hands every completed fragment of `round` to `f` and forgets it.
-    fn take_completed(&mut self, round: u32, f: &mut dyn FnMut(Completed<'_>));
+    fn take_completed(&mut self, round: Round, f: &mut dyn FnMut(Completed<'_>));
 
     /// What is known of fragment `frag_off` of `round`, not yet complete.
-    fn fragment_state(&self, round: u32, frag_off: u32) -> FragmentState;
+    fn fragment_state(&self, round: Round, frag_off: u32) -> FragmentState;
 }

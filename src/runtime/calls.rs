@@ -253,7 +253,7 @@ pub(crate) trait Calls: RoundDriver {
                     continue;
                 }
                 return Err(CommError::Overflow {
-                    round: self.engine().position().0.wrapping_sub(1),
+                    round: self.engine().position().0.previous(),
                     scale,
                 });
             }
@@ -270,7 +270,7 @@ pub(crate) trait Calls: RoundDriver {
             return Ok(());
         }
         Err(CommError::Overflow {
-            round: self.engine().position().0.wrapping_sub(1),
+            round: self.engine().position().0.previous(),
             scale,
         })
     }
@@ -510,7 +510,7 @@ mod tests {
                 .fold(0.0, f64::max);
             assert!(worst < 1e-2, "participant {i}: error {worst}");
             assert_eq!(ints, &vec![WORKERS as i32; 4], "participant {i}");
-            assert_eq!(*round, 4, "participant {i}: 3 float rounds and 1 int round");
+            assert_eq!(*round, crate::wire::abi::Round(4), "participant {i}: 3 float rounds and 1 int round");
         }
     }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::config::Config;
 use crate::wire::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
@@ -111,7 +111,7 @@ pub struct CommConfig {
     /// Float quantization.
     pub quantization: Quantization,
     /// Round of the first call.
-    pub first_round: u32,
+    pub first_round: Round,
     /// Contribution seq of the first call (same on every rank).
     pub first_agg_seq: u32,
     /// Most datagrams kept for a later call (early broadcast data).
@@ -210,7 +210,7 @@ impl CommunicatorBuilder {
                 slots: 1024,
                 deadline: Duration::from_secs(10),
                 quantization: Quantization::default(),
-                first_round: 0,
+                first_round: Round(0),
                 first_agg_seq: 0,
                 stash_limit: 4096,
                 early_result_bytes: DEFAULT_EARLY_RESULT_BYTES,
@@ -357,7 +357,7 @@ impl CommunicatorBuilder {
     /// Joins a job already running (a replacement for a failed participant):
     /// the round and contribution seq of its next call, as
     /// [`Communicator::position`] reports them on a surviving participant.
-    pub fn resume(mut self, round: u32, agg_seq: u32) -> Self {
+    pub fn resume(mut self, round: Round, agg_seq: u32) -> Self {
         self.cfg.first_round = round;
         self.cfg.first_agg_seq = agg_seq;
         self
@@ -449,7 +449,7 @@ impl CommunicatorBuilder {
         let (waker_tx, waker_rx) = UnixDatagram::pair()?;
         waker_rx.set_nonblocking(true)?;
         let (tx, rx) = mpsc::channel::<Request>();
-        let round = Arc::new(AtomicU32::new(cfg.first_round));
+        let round = Arc::new(AtomicU32::new(cfg.first_round.0));
         let agg_seq = Arc::new(AtomicU32::new(cfg.first_agg_seq));
         let closing = Arc::new(AtomicBool::new(false));
         let engine = Engine::new(
@@ -702,9 +702,9 @@ impl Communicator {
     /// (round, contribution seq) the next call will use once every issued
     /// call finished; give them to [`CommunicatorBuilder::resume`] to
     /// replace a failed participant.
-    pub fn position(&self) -> (u32, u32) {
+    pub fn position(&self) -> (Round, u32) {
         (
-            self.round.load(Ordering::SeqCst),
+            Round(self.round.load(Ordering::SeqCst)),
             self.agg_seq.load(Ordering::SeqCst),
         )
     }

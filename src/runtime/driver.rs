@@ -175,7 +175,7 @@ impl RoundDriver for Driver {
 
     fn round_ended(&mut self) {
         let (round, agg_seq) = self.engine.position();
-        self.shared.round.store(round, Ordering::SeqCst);
+        self.shared.round.store(round.0, Ordering::SeqCst);
         self.shared.agg_seq.store(agg_seq, Ordering::SeqCst);
     }
 }

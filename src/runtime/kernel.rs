@@ -39,7 +39,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use crate::wire::abi;
+use crate::wire::abi::Round;
 use crate::wire::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
 use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
@@ -47,7 +47,7 @@ use crate::runtime::transport::Refusal;
 
 #[derive(Debug)]
 struct Done {
-    round: u32,
+    round: Round,
     frag_off: u32,
     values: Vec<i32>,
     overflow: bool,
@@ -61,7 +61,7 @@ pub struct KernelAggregator {
     node: Ipv4Addr,
     per: usize,
     behalf: RecvTracker,
-    round: u32,
+    round: Round,
     seq_base: u32,
     done: Vec<Done>,
     pool: Vec<Vec<i32>>,
@@ -104,7 +104,7 @@ impl KernelAggregator {
         peers: Vec<SocketAddrV4>,
         per: usize,
         cfg: ReliabilityConfig,
-        first_round: u32,
+        first_round: Round,
         first_seq: u32,
         node: Ipv4Addr,
         early_limit: usize,
@@ -162,7 +162,7 @@ impl Backend for KernelAggregator {
         BackendKind::Kernel
     }
 
-    fn expect_round(&mut self, round: u32, seq_base: u32, now: Instant) {
+    fn expect_round(&mut self, round: Round, seq_base: u32, now: Instant) {
         // The ended round's last RESULTs may still wait for their group ACK
         // (only the last fragment and a full group are acknowledged at once):
         // put it with the round's ACKs that linger, or it would go out once,
@@ -177,11 +177,11 @@ impl Backend for KernelAggregator {
         self.seq_base = seq_base;
         // Early RESULTs of rounds before this one can no longer be taken.
         self.early
-            .retain(|(h, _, _)| abi::rounds_ahead(h.round, round) >= 0);
+            .retain(|(h, _, _)| h.round.ahead_of(round) >= 0);
         self.recount_early();
         let pool = &mut self.pool;
         self.done.retain_mut(|d| {
-            let keep = abi::rounds_ahead(d.round, round) >= 0;
+            let keep = d.round.ahead_of(round) >= 0;
             if !keep {
                 pool.push(std::mem::take(&mut d.values));
             }
@@ -209,7 +209,7 @@ impl Backend for KernelAggregator {
         }
         if hdr.round != self.round {
             // A later round than the one in progress: keep it for then.
-            if abi::rounds_ahead(hdr.round, self.round) > 0 {
+            if hdr.round.ahead_of(self.round) > 0 {
                 let cost = early_cost(payload.len());
                 if self.early.len() >= EARLY_RESULTS_MAX
                     || self.early_bytes + cost > self.early_limit
@@ -283,7 +283,7 @@ impl Backend for KernelAggregator {
         next
     }
 
-    fn take_completed(&mut self, round: u32, f: &mut dyn FnMut(Completed<'_>)) {
+    fn take_completed(&mut self, round: Round, f: &mut dyn FnMut(Completed<'_>)) {
         let mut k = 0;
         while k < self.done.len() {
             if self.done[k].round == round {
@@ -300,7 +300,7 @@ impl Backend for KernelAggregator {
         }
     }
 
-    fn fragment_state(&self, _round: u32, _frag_off: u32) -> FragmentState {
+    fn fragment_state(&self, _round: Round, _frag_off: u32) -> FragmentState {
         // The per-rank bitmaps live in the kernel's slot map; the runtime
         // does not read them.
         FragmentState::default()
@@ -319,7 +319,7 @@ mod tests {
             job: 7,
             rank: abi::RESULT_RANK,
             seq: 0,
-            round,
+            round: Round(round),
             frag_off,
             op: Op::Sum,
             flags: abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT,
@@ -337,7 +337,7 @@ mod tests {
     fn result_of_a_later_round_is_kept_until_that_round() {
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
-        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), 1, 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), Round(1), 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
         {
@@ -351,10 +351,10 @@ mod tests {
             agg.poll(now, &mut io);
         }
         let mut round1 = Vec::new();
-        agg.take_completed(1, &mut |c| round1.push(c.values.to_vec()));
+        agg.take_completed(Round(1), &mut |c| round1.push(c.values.to_vec()));
         assert!(round1.is_empty(), "a round-2 RESULT is not round 1's");
 
-        agg.expect_round(2, 101, now);
+        agg.expect_round(Round(2), 101, now);
         {
             let mut io = AckIo {
                 out: &mut out,
@@ -365,7 +365,7 @@ mod tests {
             agg.poll(now, &mut io);
         }
         let mut round2 = Vec::new();
-        agg.take_completed(2, &mut |c| round2.push((c.frag_off, c.values.to_vec())));
+        agg.take_completed(Round(2), &mut |c| round2.push((c.frag_off, c.values.to_vec())));
         assert_eq!(round2, vec![(0, vec![5, 6, 7, 8])]);
         assert!(
             sent > 0,
@@ -383,7 +383,7 @@ mod tests {
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
         let node = std::net::Ipv4Addr::new(127, 0, 0, 2);
-        let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), 1, 100, node, DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), Round(1), 100, node, DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let (hdr, forged) = result(1, 0, &[-1, -1, -1, -1]);
@@ -402,7 +402,7 @@ mod tests {
         let (hdr4, from_node) = result(1, 4, &[5, 6, 7, 8]);
         agg.on_agg(&hdr4, &from_node, SocketAddrV4::new(node, 40000), now, &mut io);
         let mut got = Vec::new();
-        agg.take_completed(1, &mut |c| got.push((c.frag_off, c.values.to_vec())));
+        agg.take_completed(Round(1), &mut |c| got.push((c.frag_off, c.values.to_vec())));
         got.sort();
         assert_eq!(got, vec![(0, vec![1, 2, 3, 4]), (4, vec![5, 6, 7, 8])]);
         assert_eq!(counters.refused_snapshot().results_from_wrong_source, 3);
@@ -417,7 +417,7 @@ mod tests {
         let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
         let per = abi::MAX_ELEMS as usize;
         let limit = 1 << 20;
-        let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), 1, 100, *worker.ip(), limit);
+        let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), Round(1), 100, *worker.ip(), limit);
         let now = Instant::now();
         let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let values = vec![3i32; per];
@@ -425,7 +425,7 @@ mod tests {
         hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
         let flood = 1000u32;
         for k in 0..flood {
-            let h = AggHeader { round: 2 + k / 16, frag_off: (k % 16) * per as u32, ..hdr };
+            let h = AggHeader { round: Round(2 + k / 16), frag_off: (k % 16) * per as u32, ..hdr };
             agg.on_agg(&h, &payload, worker, now, &mut io);
             assert!(agg.early_bytes() <= limit, "{} bytes held after {k}", agg.early_bytes());
         }
@@ -433,10 +433,10 @@ mod tests {
         assert_eq!(agg.early.len(), kept);
         assert_eq!(counters.refused_snapshot().early_results_over_limit, (flood as usize - kept) as u64);
         // Round 2 begins: its kept fragments are taken, their memory freed.
-        agg.expect_round(2, 101, now);
+        agg.expect_round(Round(2), 101, now);
         agg.poll(now, &mut io);
         let mut n = 0;
-        agg.take_completed(2, &mut |c| {
+        agg.take_completed(Round(2), &mut |c| {
             assert_eq!(c.values.len(), per);
             n += 1;
         });
@@ -458,7 +458,7 @@ mod tests {
             ack_delay: std::time::Duration::from_secs(3600), // no timer ACK in this test
             ..ReliabilityConfig::default()
         };
-        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, 1, 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, Round(1), 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let t0 = Instant::now();
         // Fragments 0..3 of round 1 (seqs 100..103): the last one (3) first.
         for (k, frag) in [3u32, 0, 1, 2].into_iter().enumerate() {
@@ -470,8 +470,8 @@ mod tests {
             agg.on_agg(&hdr, &payload, peer, t0 + std::time::Duration::from_micros(k as u64), &mut io);
         }
         // Round over (the application took its 4 fragments); the next begins.
-        agg.take_completed(1, &mut |_| {});
-        agg.expect_round(2, 104, t0);
+        agg.take_completed(Round(1), &mut |_| {});
+        agg.expect_round(Round(2), 104, t0);
         // The repeats are due 5, 15, 35 and 75 ms after the round ended.
         for at in [5u64, 15, 35, 75] {
             let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };

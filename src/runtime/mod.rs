@@ -54,6 +54,8 @@ pub use work::Work;
 
 use std::fmt;
 
+use crate::wire::abi::Round;
+
 /// A participant named in an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Peer {
@@ -92,7 +94,7 @@ pub struct TimeoutInfo {
     /// `broadcast`, `reduce` or `allreduce`.
     pub op: &'static str,
     /// The call's round.
-    pub round: u32,
+    pub round: Round,
     /// Who did not answer: the root of a broadcast, receivers that did not
     /// acknowledge, the aggregator, or ranks whose contributions are missing.
     pub missing: Vec<Peer>,
@@ -120,7 +122,7 @@ pub enum CommError {
     #[error("round {round}: quantized sum overflowed int32 at scale {scale:e}; use a smaller or adaptive scale")]
     Overflow {
         /// The round of the reduction.
-        round: u32,
+        round: Round,
         /// The scale used.
         scale: f64,
     },

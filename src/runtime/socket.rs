@@ -19,7 +19,7 @@
 use std::net::SocketAddrV4;
 use std::time::Instant;
 
-use crate::wire::abi;
+use crate::wire::abi::Round;
 use crate::wire::proto::AggHeader;
 use crate::wire::slots::{Added, Refused, SlotKey, SlotTable};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
@@ -62,7 +62,7 @@ pub struct SocketAggregator {
     /// Complete slots not yet taken by the collecting call.
     done: Vec<SlotKey>,
     limit: usize,
-    next_round: u32,
+    next_round: Round,
     stats: SocketAggStats,
 }
 
@@ -73,7 +73,7 @@ impl SocketAggregator {
         peers: Vec<SocketAddrV4>,
         cfg: ReliabilityConfig,
         slots: usize,
-        first_round: u32,
+        first_round: Round,
     ) -> SocketAggregator {
         let limit = slots.max(1);
         SocketAggregator {
@@ -102,7 +102,7 @@ impl SocketAggregator {
 
     /// Adds a contribution; returns whether it should be acknowledged.
     fn contribute(&mut self, hdr: &AggHeader, payload: &[u8]) -> bool {
-        if abi::rounds_ahead(hdr.round, self.next_round) < 0 {
+        if hdr.round.ahead_of(self.next_round) < 0 {
             self.stats.stale += 1;
             return true;
         }
@@ -153,9 +153,9 @@ impl Backend for SocketAggregator {
         self.slots.reserve(op, count, false, n.min(self.limit));
     }
 
-    fn expect_round(&mut self, round: u32, _seq_base: u32, _now: Instant) {
+    fn expect_round(&mut self, round: Round, _seq_base: u32, _now: Instant) {
         self.next_round = round;
-        for (_, slot, _) in self.slots.close_where(|(r, _), _| abi::rounds_ahead(r, round) < 0) {
+        for (_, slot, _) in self.slots.close_where(|(r, _), _| r.ahead_of(round) < 0) {
             self.slots.recycle(slot);
         }
         let slots = &self.slots;
@@ -200,7 +200,7 @@ impl Backend for SocketAggregator {
         next
     }
 
-    fn take_completed(&mut self, round: u32, f: &mut dyn FnMut(Completed<'_>)) {
+    fn take_completed(&mut self, round: Round, f: &mut dyn FnMut(Completed<'_>)) {
         let mut k = 0;
         while k < self.done.len() {
             let key = self.done[k];
@@ -220,7 +220,7 @@ impl Backend for SocketAggregator {
         }
     }
 
-    fn fragment_state(&self, round: u32, frag_off: u32) -> FragmentState {
+    fn fragment_state(&self, round: Round, frag_off: u32) -> FragmentState {
         match self.slots.get((round, frag_off)) {
             None => FragmentState {
                 contributors: Some(Vec::new()),

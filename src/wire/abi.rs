@@ -397,12 +397,46 @@ pub const MAX_COMPLETED: u32 = 65536;
 /// Rounds older than the newest completed round minus this are stale.
 pub const ROUND_WINDOW: u32 = 64;
 
-/// How many rounds `a` is ahead of `b` (negative: behind), in serial-number
-/// order (RFC 1982): rounds wrap at 2^32. Every comparison of rounds goes
-/// through this, in the programs through its C twin `aggbox_rounds_ahead`
-/// (include/aggbox/abi.h).
-pub fn rounds_ahead(a: u32, b: u32) -> i32 {
-    a.wrapping_sub(b) as i32
+/// A round: the AGG1 `round`, one reduction generation of a job. Rounds wrap
+/// at 2^32, so they compare in serial-number order (RFC 1982) and only
+/// through [`Round::ahead_of`] (its C twin is `aggbox_rounds_ahead`,
+/// include/aggbox/abi.h): there is no `<` on rounds. Map structs keep their
+/// rounds as the C layout's `u32`; wrap them to compare.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Round(pub u32);
+
+impl Round {
+    /// How many rounds `self` is ahead of `other` (negative: behind).
+    pub fn ahead_of(self, other: Round) -> i32 {
+        self.0.wrapping_sub(other.0) as i32
+    }
+
+    /// Whether `self` comes after `other`.
+    pub fn is_after(self, other: Round) -> bool {
+        self.ahead_of(other) > 0
+    }
+
+    /// Whether `self` comes before `other`.
+    pub fn is_before(self, other: Round) -> bool {
+        self.ahead_of(other) < 0
+    }
+
+    /// The round `n` after this one.
+    pub fn plus(self, n: u32) -> Round {
+        Round(self.0.wrapping_add(n))
+    }
+
+    /// The round before this one.
+    pub fn previous(self) -> Round {
+        Round(self.0.wrapping_sub(1))
+    }
+}
+
+impl std::fmt::Display for Round {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
 }
 
 /// `enum aggbox_call`: index of each program in the tail-call prog array.
@@ -904,16 +938,18 @@ const _: () = assert!(core::mem::size_of::<ResultRoute>() == 20);
 
 #[cfg(test)]
 mod tests {
-    use super::rounds_ahead;
+    use super::Round;
 
     #[test]
     fn rounds_compare_in_serial_order_across_the_wrap() {
-        assert_eq!(rounds_ahead(5, 3), 2);
-        assert_eq!(rounds_ahead(3, 5), -2);
-        assert_eq!(rounds_ahead(0, u32::MAX), 1, "0 comes right after u32::MAX");
-        assert_eq!(rounds_ahead(u32::MAX, 0), -1);
-        assert_eq!(rounds_ahead(7, 7), 0);
+        assert_eq!(Round(5).ahead_of(Round(3)), 2);
+        assert_eq!(Round(3).ahead_of(Round(5)), -2);
+        assert_eq!(Round(0).ahead_of(Round(u32::MAX)), 1, "0 comes right after u32::MAX");
+        assert!(Round(0).is_after(Round(u32::MAX)) && Round(u32::MAX).is_before(Round(0)));
+        assert_eq!(Round(u32::MAX).plus(1), Round(0));
+        assert_eq!(Round(0).previous(), Round(u32::MAX));
+        assert_eq!(Round(7).ahead_of(Round(7)), 0);
         // Half the space away is the furthest that still reads as ahead.
-        assert_eq!(rounds_ahead(1 << 31, 1), i32::MAX);
+        assert_eq!(Round(1 << 31).ahead_of(Round(1)), i32::MAX);
     }
 }

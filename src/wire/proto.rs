@@ -20,7 +20,7 @@
 //! and then `0..=0xff`. The protocol never reuses a seq for new data within a
 //! job session, so a wrap is only ever seen by very long sessions.
 
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 
 /// Which of the three AggBox messages a datagram carries (from its magic).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -321,7 +321,7 @@ pub struct AggHeader {
     /// Sender's datagram sequence number.
     pub seq: u32,
     /// Reduction generation.
-    pub round: u32,
+    pub round: Round,
     /// Element index of `payload[0]` in the reduced vector.
     pub frag_off: u32,
     /// Operation.
@@ -442,7 +442,7 @@ pub fn decode_agg_header(buf: &[u8]) -> Result<AggHeader, ProtoError> {
         job: be_u16(buf, 4),
         rank: be_u16(buf, 6),
         seq: be_u32(buf, 8),
-        round: be_u32(buf, 12),
+        round: Round(be_u32(buf, 12)),
         frag_off: be_u32(buf, 16),
         op,
         flags,
@@ -473,7 +473,7 @@ pub fn agg_header_bytes(hdr: &AggHeader) -> [u8; abi::AGG_HDR_LEN] {
     b[4..6].copy_from_slice(&hdr.job.to_be_bytes());
     b[6..8].copy_from_slice(&hdr.rank.to_be_bytes());
     b[8..12].copy_from_slice(&hdr.seq.to_be_bytes());
-    b[12..16].copy_from_slice(&hdr.round.to_be_bytes());
+    b[12..16].copy_from_slice(&hdr.round.0.to_be_bytes());
     b[16..20].copy_from_slice(&hdr.frag_off.to_be_bytes());
     b[20] = hdr.op as u8;
     b[AGG_FLAGS_OFF] = hdr.flags;
@@ -559,7 +559,7 @@ pub struct AggMessage {
     /// Sender's datagram sequence number.
     pub seq: u32,
     /// Reduction generation.
-    pub round: u32,
+    pub round: Round,
     /// Element index of `payload[0]`.
     pub frag_off: u32,
     /// Operation.
@@ -1095,7 +1095,7 @@ mod tests {
             job: 0x2266,
             rank: 2,
             seq: 0x3f6a_6abd,
-            round: 0x0002_04f8,
+            round: Round(0x0002_04f8),
             frag_off: 7,
             op,
             flags,
@@ -1207,7 +1207,7 @@ mod tests {
             job: 1,
             rank: 0,
             seq: 0,
-            round: 0,
+            round: Round(0),
             frag_off: 0,
             op: Op::Sum,
             flags: 0,

@@ -15,12 +15,12 @@
 
 use std::collections::HashMap;
 
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::AggHeader;
 use crate::wire::reducer::{Accumulator, ReduceError};
 
 /// Which fragment a slot aggregates: (round, frag_off) within one job.
-pub type SlotKey = (u32, u32);
+pub type SlotKey = (Round, u32);
 
 /// Why [`Slot::add`] did not add a contribution (nothing changed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,7 +245,7 @@ mod tests {
             job: 1,
             rank,
             seq: 0,
-            round: 3,
+            round: Round(3),
             frag_off: 0,
             op,
             flags,
@@ -306,16 +306,16 @@ mod tests {
         let mut table: SlotTable<u8> = SlotTable::new(1);
         table.reserve(Op::Sum, 2, false, 1);
         let (h0, p0) = contribution(0, Op::Sum, abi::AGG_F_LAST_FRAGMENT, &[7, 7]);
-        let (slot, extra) = table.open((3, 0), Op::Sum, 2, false, 9).unwrap();
+        let (slot, extra) = table.open((Round(3), 0), Op::Sum, 2, false, 9).unwrap();
         assert_eq!(*extra, 9);
         assert_eq!(slot.add(&h0, &p0, 1, 2), Ok(Added::Waiting));
-        assert!(table.contains((3, 0)) && table.len() == 1);
-        let (slot, extra) = table.close((3, 0)).unwrap();
+        assert!(table.contains((Round(3), 0)) && table.len() == 1);
+        let (slot, extra) = table.close((Round(3), 0)).unwrap();
         assert_eq!((slot.added(), extra), (1, 9));
         table.recycle(slot);
         assert!(table.is_empty());
         // The same storage, reopened for another fragment: nothing of the old one.
-        let (slot, _) = table.open((4, 0), Op::Sum, 2, false, 1).unwrap();
+        let (slot, _) = table.open((Round(4), 0), Op::Sum, 2, false, 1).unwrap();
         assert_eq!((slot.added(), slot.carried()), (0, 0));
         assert_eq!(slot.add(&h0, &p0, 1, 2), Ok(Added::Waiting), "rank 0 may add again");
         assert_eq!(slot.accumulator().finish().unwrap().ints().unwrap(), &[7, 7]);
@@ -325,12 +325,12 @@ mod tests {
     fn close_where_closes_exactly_the_selected_slots() {
         let mut table: SlotTable<()> = SlotTable::new(0);
         for round in 1..=4 {
-            table.open((round, 0), Op::Sum, 1, false, ()).unwrap();
+            table.open((Round(round), 0), Op::Sum, 1, false, ()).unwrap();
         }
-        let mut closed: Vec<u32> = table.close_where(|(round, _), _| round < 3).into_iter().map(|((r, _), _, _)| r).collect();
+        let mut closed: Vec<u32> = table.close_where(|(round, _), _| round.is_before(Round(3))).into_iter().map(|((r, _), _, _)| r.0).collect();
         closed.sort_unstable();
         assert_eq!(closed, vec![1, 2]);
         assert_eq!(table.len(), 2);
-        assert!(table.contains((3, 0)) && table.contains((4, 0)));
+        assert!(table.contains((Round(3), 0)) && table.contains((Round(4), 0)));
     }
 }

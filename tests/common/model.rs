@@ -132,7 +132,7 @@ impl Aggregator {
         }
         let weight = job.weights.get(hdr.rank as usize).copied().unwrap_or(1);
         let workers = job.workers;
-        let key = (hdr.job, hdr.round, hdr.frag_off);
+        let key = (hdr.job, hdr.round.0, hdr.frag_off);
         let slot = match self.slots.entry(key) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {

@@ -283,7 +283,7 @@ fn datagram(
         job: r.job,
         rank: rank as u16,
         seq: seq_base[rank].wrapping_add(f as u32),
-        round: r.round,
+        round: abi::Round(r.round),
         frag_off: off as u32,
         op: r.op,
         flags: if f + 1 == frags.len() {
@@ -432,7 +432,7 @@ pub fn run_round(
         );
         assert_eq!(hdr.job, r.job, "RESULT of another job: {hdr:?}");
         assert_eq!(
-            hdr.round, r.round,
+            hdr.round, abi::Round(r.round),
             "RESULT of round {} during round {} (a second RESULT?): {hdr:?}",
             hdr.round, r.round
         );

@@ -797,7 +797,7 @@ fn build(
         job: JOB,
         rank,
         seq,
-        round,
+        round: aggbox::wire::abi::Round(round),
         frag_off: off as u32,
         op: Op::Sum,
         flags: if frag + 1 == frags {
@@ -950,7 +950,7 @@ fn collect_results(sock: &UdpSocket, w: &dyn Workload, shared: &Shared, round: u
             let Ok((hdr, be)) = proto::split_agg(batch.get(i)) else {
                 continue;
             };
-            if hdr.job != JOB || hdr.round != round || !hdr.is_result() {
+            if hdr.job != JOB || hdr.round != aggbox::wire::abi::Round(round) || !hdr.is_result() {
                 continue;
             }
             let k = u64::from(hdr.frag_off) / PER as u64;
@@ -988,7 +988,7 @@ fn user_aggregate(
             let Ok((hdr, be)) = proto::split_agg(batch.get(i)) else {
                 continue;
             };
-            if hdr.job != JOB || hdr.round != round || hdr.is_result() || hdr.rank >= 64 {
+            if hdr.job != JOB || hdr.round != aggbox::wire::abi::Round(round) || hdr.is_result() || hdr.rank >= 64 {
                 continue;
             }
             let k = u64::from(hdr.frag_off) / PER as u64;

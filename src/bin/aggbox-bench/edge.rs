@@ -97,7 +97,7 @@ fn encode_pass<T>(
                 job: 1,
                 rank: 0,
                 seq: i as u32,
-                round: 0,
+                round: aggbox::wire::abi::Round(0),
                 frag_off: (i * per) as u32,
                 op: Op::Sum,
                 flags: 0,

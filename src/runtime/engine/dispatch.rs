@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::round::RoundState;
 use super::{Engine, Stashed, RES_EARLY_LIMIT};
-use crate::wire::abi;
+use crate::wire::abi::Round;
 use crate::wire::proto::{self, AckKind, AckMessage, MessageKind};
 use crate::runtime::backend::{AckIo, BackendKind};
 use crate::runtime::comm::Participant;
@@ -112,7 +112,7 @@ impl Engine {
                     return;
                 }
                 self.bc_group[idx] = h.group;
-                let round = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                let round = Round(u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]));
                 let (job, me) = (h.group, self.me as u16);
                 match self.bc_rx[idx].check(h.seq) {
                     Verdict::Duplicate => {
@@ -131,7 +131,7 @@ impl Engine {
                         if wanted {
                             let o = op.as_deref_mut().expect("wanted implies an op");
                             last = self.deliver_bcast(o, idx, payload, now);
-                        } else if abi::rounds_ahead(round, cur) > 0
+                        } else if round.ahead_of(cur) > 0
                             || (op.is_none() && round == cur)
                         {
                             // Early data of a later call: keep it (and ACK it) if there is room.

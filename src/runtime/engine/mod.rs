@@ -43,7 +43,7 @@ use std::net::SocketAddrV4;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AckKind};
 use crate::runtime::backend::{AckIo, Backend, BackendKind};
 use crate::runtime::comm::{CallOptions, CommConfig, Participant};
@@ -73,7 +73,7 @@ struct ContribWindows {
 struct Stashed {
     buf: Vec<u8>,
     from: usize,
-    round: u32,
+    round: Round,
 }
 
 /// Which send window a queued first transmission is in.
@@ -128,7 +128,7 @@ pub(crate) struct Engine {
     res_rx: RecvTracker,
     /// Worker: (round, contribution seq base, fragments) of recent reductions,
     /// to re-acknowledge late result retransmissions.
-    recent: VecDeque<(u32, u32, usize)>,
+    recent: VecDeque<(Round, u32, usize)>,
     /// Set when this participant's node runs the TC broadcast program with
     /// its group: broadcasts go through it.
     tc: Option<TcRoute>,
@@ -145,7 +145,7 @@ pub(crate) struct Engine {
     /// Contribution ACKs the backend queued.
     acks_sent: u64,
     /// The round of the next (or current) call.
-    round: u32,
+    round: Round,
     /// The contribution seq of the next (or current) reduction's first fragment.
     agg_seq: u32,
     spare_cov: Vec<Coverage>,
@@ -383,7 +383,7 @@ impl Engine {
     /// The next round and contribution seq (what
     /// [`crate::runtime::Communicator::position`] reports and a replacement
     /// resumes from).
-    pub(crate) fn position(&self) -> (u32, u32) {
+    pub(crate) fn position(&self) -> (Round, u32) {
         (self.round, self.agg_seq)
     }
 

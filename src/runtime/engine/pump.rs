@@ -134,7 +134,7 @@ impl Engine {
                     |seq, buf| {
                         let h = BcastHeader { seq, ..hdr };
                         buf.extend_from_slice(&proto::bcast_header_bytes(&h));
-                        buf.extend_from_slice(&round.to_be_bytes());
+                        buf.extend_from_slice(&round.0.to_be_bytes());
                         buf.extend_from_slice(&((start as u32) | ovf).to_be_bytes());
                         match ints {
                             Some(v) => proto::write_i32_be(v, buf),

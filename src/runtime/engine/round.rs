@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::Engine;
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{Op, Round};
 use crate::wire::proto;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32};
@@ -129,7 +129,7 @@ pub(super) struct Collect {
 /// result).
 pub(crate) struct RoundState {
     pub(super) name: &'static str,
-    pub(super) round: u32,
+    pub(super) round: Round,
     pub(super) op: Op,
     /// Aggregator, kernel allreduce through the result group: completed
     /// fragments are registered in `res_tx` (the kernel sent them).
@@ -382,7 +382,7 @@ impl Engine {
         {
             self.spare_cov.push(c);
         }
-        self.round = self.round.wrapping_add(1);
+        self.round = self.round.plus(1);
         self.agg_seq = self.agg_seq.wrapping_add(nfrags as u32);
         if let Some(b) = self.backend.as_mut() {
             b.expect_round(self.round, self.agg_seq, now);
@@ -390,7 +390,7 @@ impl Engine {
         let r = self.round;
         let pool = &mut self.stash_pool;
         self.stash.retain_mut(|s| {
-            let keep = abi::rounds_ahead(s.round, r) >= 0;
+            let keep = s.round.ahead_of(r) >= 0;
             if !keep {
                 pool.push(std::mem::take(&mut s.buf));
             }

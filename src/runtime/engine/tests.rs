@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::round::{Sink, Src};
 use super::Engine;
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AggHeader, MessageKind};
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{
@@ -212,8 +212,8 @@ struct Sim {
 #[derive(Default)]
 struct FakeNode {
     /// (round, frag_off) -> (ranks that contributed, sum).
-    slots: HashMap<(u32, u32), (u64, Vec<i32>)>,
-    completed: HashSet<(u32, u32)>,
+    slots: HashMap<(Round, u32), (u64, Vec<i32>)>,
+    completed: HashSet<(Round, u32)>,
 }
 
 impl FakeNode {
@@ -589,7 +589,7 @@ fn allreduce_without_impairment_gives_everyone_the_sum_and_resends_nothing() {
     for i in 0..=WORKERS as usize {
         assert_eq!(
             sim.nodes[i].engine.position(),
-            (1, 3),
+            (Round(1), 3),
             "round and seq advance"
         );
     }
@@ -746,7 +746,7 @@ fn a_silent_rank_times_out_at_the_deadline_and_is_named() {
         assert_eq!(sim.ended_at(r), deadline);
     }
     // The round advanced everywhere it ran, so the next call lines up.
-    assert_eq!(sim.nodes[agg].engine.position().0, 1);
+    assert_eq!(sim.nodes[agg].engine.position().0, Round(1));
 }
 
 #[test]

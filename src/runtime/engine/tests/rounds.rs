@@ -9,7 +9,7 @@ use super::{builder, expected_sum, input, Ended, Engine, Sim, Sink, Src, WORKERS
 use crate::runtime::comm::{CallOptions, Participant, RawF32};
 use crate::runtime::transport::Counters;
 use crate::runtime::Peer;
-use crate::wire::abi::Op;
+use crate::wire::abi::{Op, Round};
 
 const AGG: usize = WORKERS as usize;
 
@@ -36,11 +36,11 @@ fn a_replacement_resumed_at_the_survivors_position_completes_the_next_calls() {
             Peer::Aggregator
         };
         assert_eq!(e.timeout().expect("a timeout").missing, vec![missing]);
-        assert_eq!(sim.nodes[i].engine.position(), (1, 9), "participant {i}");
+        assert_eq!(sim.nodes[i].engine.position(), (Round(1), 9), "participant {i}");
     }
     assert_eq!(
         sim.nodes[2].engine.position(),
-        (0, 0),
+        (Round(0), 0),
         "rank 2 never called"
     );
 
@@ -70,7 +70,7 @@ fn a_replacement_resumed_at_the_survivors_position_completes_the_next_calls() {
     for i in 0..=AGG {
         assert_eq!(
             sim.nodes[i].engine.position(),
-            (3, 9 + 9 + 1),
+            (Round(3), 9 + 9 + 1),
             "participant {i}"
         );
     }
@@ -111,7 +111,7 @@ fn a_late_contribution_to_an_abandoned_round_is_acknowledged_and_not_added_to_th
     );
     assert!(sim.log.iter().all(|d| !d.resend), "nothing resent");
     for i in 0..=AGG {
-        assert_eq!(sim.nodes[i].engine.position(), (1, 3), "participant {i}");
+        assert_eq!(sim.nodes[i].engine.position(), (Round(1), 3), "participant {i}");
     }
 
     for i in 0..=AGG {

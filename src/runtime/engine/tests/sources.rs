@@ -12,7 +12,7 @@ use super::{
 use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CallOptions, CommConfig, Participant};
 use crate::runtime::transport::RefusedStats;
-use crate::wire::abi::{self, Op};
+use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, SeqBitmap};
 
 const AGG: usize = WORKERS as usize;
@@ -26,7 +26,7 @@ fn result(round: u32, seq: u32, frag_off: u32, values: &[i32], last: bool) -> Ve
         job: JOB,
         rank: abi::RESULT_RANK,
         seq,
-        round,
+        round: Round(round),
         frag_off,
         op: Op::Sum,
         flags: abi::AGG_F_RESULT | if last { abi::AGG_F_LAST_FRAGMENT } else { 0 },
