@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::wire::abi::Op;
 use aggbox::config::AckMode;
-use aggbox::runtime::reliability::{RecvTracker, SendWindow};
+use aggbox::wire::reliability::{RecvTracker, SendWindow};
 use aggbox::runtime::{CommStats, Communicator, ImpairControl, Impairment, Participant};
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;

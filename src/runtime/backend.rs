@@ -6,7 +6,7 @@
 //!   the aggregator process, which reduces it with
 //!   [`crate::wire::reducer::Accumulator`] (dedup per (job, round, frag_off, rank),
 //!   completion once) and acknowledges it itself through
-//!   [`crate::runtime::reliability::RecvTracker`].
+//!   [`crate::wire::reliability::RecvTracker`].
 //! - [`crate::runtime::kernel::KernelAggregator`]: the node's XDP program
 //!   reduces; only RESULT datagrams reach the runtime (on the job's
 //!   `result_port`), and the runtime acknowledges contributions on the

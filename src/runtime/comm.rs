@@ -30,7 +30,7 @@ use crate::runtime::engine::Engine;
 use crate::runtime::fragment::elements_per_fragment;
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;
-use crate::runtime::reliability::ReliabilityConfig;
+use crate::wire::reliability::ReliabilityConfig;
 use crate::runtime::transport::{
     CommStats, Counters, ImpairedTransport, Impairment, Net, RefusedStats, Transport, UdpTransport,
 };

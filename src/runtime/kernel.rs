@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use crate::wire::abi::Round;
 use crate::wire::proto::{AggHeader, SeqBitmap};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
-use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
+use crate::wire::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 use crate::runtime::transport::Refusal;
 
 #[derive(Debug)]

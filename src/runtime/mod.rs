@@ -8,7 +8,6 @@
 //! user space, the baseline and fallback) and [`BackendKind::Kernel`]
 //! (contributions reduced by the node's XDP aggregator).
 //!
-//! - [`reliability`]: the one seq/ACK/retransmit module every path uses.
 //! - [`fragment`]: MTU-sized fragments, window sizing and reassembly.
 //! - [`pmtu`]: path MTU discovery (the default `mtu`).
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
@@ -36,7 +35,6 @@ pub mod kernel;
 pub mod outbox;
 pub mod pmtu;
 pub mod quantize;
-pub mod reliability;
 pub mod socket;
 pub mod striped;
 pub mod transport;
@@ -47,7 +45,7 @@ pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
 };
 pub use quantize::Quantization;
-pub use reliability::ReliabilityConfig;
+pub use crate::wire::reliability::ReliabilityConfig;
 pub use striped::StripedCommunicator;
 pub use transport::{CommStats, ImpairControl, Impairment, IoStats, RefusedStats};
 pub use work::Work;

@@ -23,7 +23,7 @@ use crate::wire::abi::Round;
 use crate::wire::proto::AggHeader;
 use crate::wire::slots::{Added, Refused, SlotKey, SlotTable};
 use crate::runtime::backend::{AckIo, Backend, BackendKind, Completed, FragmentState};
-use crate::runtime::reliability::{RecvTracker, ReliabilityConfig, Verdict};
+use crate::wire::reliability::{RecvTracker, ReliabilityConfig, Verdict};
 
 /// What the socket aggregator keeps with each slot.
 #[derive(Debug, Default)]

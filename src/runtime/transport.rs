@@ -8,7 +8,7 @@
 //! reordering and duplication, which this kernel cannot inject (no netem, and
 //! a BPF program cannot delay packets). It sits *under* the I/O driver,
 //! so the impaired runs exercise exactly the production code paths of
-//! [`crate::runtime::reliability`], fragmentation and reassembly; it is used
+//! [`crate::wire::reliability`], fragmentation and reassembly; it is used
 //! only when a builder is given an [`Impairment`].
 //!
 //! [`Net`] is what the I/O driver (`runtime::driver`) holds: the

@@ -6,10 +6,14 @@
 //! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
 //! - [`reducer`]: the reference reducer, oracle for the kernel path and core
 //!   of the user-space aggregators.
+//! - [`reliability`]: sequence windows, ACK trackers and the RTT estimator:
+//!   the one seq / ACK / retransmit implementation, used by the runtime and
+//!   by the node's result service.
 //! - [`slots`]: the aggregation slot and its rule for adding a contribution,
 //!   and the slot table both user-space aggregators keep.
 
 pub mod abi;
 pub mod proto;
 pub mod reducer;
+pub mod reliability;
 pub mod slots;

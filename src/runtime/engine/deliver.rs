@@ -10,7 +10,7 @@ use super::Engine;
 use crate::wire::abi;
 use crate::wire::proto::{self, AckKind, AggHeader, SeqBitmap};
 use crate::runtime::fragment::{fragment_range, BCAST_SUBHDR, SUBHDR_OVERFLOW};
-use crate::runtime::reliability::Verdict;
+use crate::wire::reliability::Verdict;
 
 impl Engine {
     /// Places one broadcast fragment (payload after the AGB1 header) into the

@@ -13,7 +13,7 @@ use crate::wire::proto::{self, AckKind, AckMessage, MessageKind};
 use crate::runtime::backend::{AckIo, BackendKind};
 use crate::runtime::comm::Participant;
 use crate::runtime::fragment::BCAST_SUBHDR;
-use crate::runtime::reliability::Verdict;
+use crate::wire::reliability::Verdict;
 use crate::runtime::transport::Refusal;
 
 impl Engine {

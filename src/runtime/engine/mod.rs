@@ -50,7 +50,7 @@ use crate::runtime::comm::{CallOptions, CommConfig, Participant};
 use crate::runtime::fragment::{byte_window, elements_per_fragment, kernel_window, Coverage};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::outbox::{Outbox, Transmit};
-use crate::runtime::reliability::{RecvTracker, SendWindow};
+use crate::wire::reliability::{RecvTracker, SendWindow};
 use crate::runtime::socket::SocketAggregator;
 use crate::runtime::transport::{Counters, BATCH_MAX};
 use crate::runtime::Peer;

@@ -634,7 +634,7 @@ fn mask_of(n: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::reliability::test_config as cfg;
+    use crate::wire::reliability::test_config as cfg;
 
     /// `SendWindow::send`'s build for tests: a datagram holding its seq.
     fn seq_datagram(seq: u32, buf: &mut Vec<u8>) -> Result<(), ()> {

@@ -245,7 +245,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::runtime::reliability::test_config as cfg;
+    use crate::wire::reliability::test_config as cfg;
 
     #[test]
     fn tracker_dedups_and_acks_groups() {
