@@ -149,6 +149,11 @@ fn spec_vectors_results_byte_for_byte() {
                 assert_eq!(g.0, w.frag_off, "{name}[{i}]: RESULT frag_off");
                 assert_eq!(g.1, w.flags, "{name}[{i}] frag_off {}: flags", w.frag_off);
                 assert_eq!(g.3, w.payload, "{name}[{i}] frag_off {}: payload", w.frag_off);
+                assert_eq!(
+                    g.2.to_be_bytes(),
+                    frame[PAYLOAD_OFF + 8..PAYLOAD_OFF + 12],
+                    "{name}[{i}]: the RESULT keeps the completing contribution's seq (no parent)"
+                );
                 got.push(g);
             } else if dgram["accept"].as_bool().unwrap() {
                 assert_eq!(
@@ -168,10 +173,6 @@ fn spec_vectors_results_byte_for_byte() {
             }
         }
         assert_eq!(got.len(), want.len(), "{name}: number of RESULTs");
-        let mut seqs: Vec<u32> = got.iter().map(|g| g.2).collect();
-        seqs.sort_unstable();
-        seqs.dedup();
-        assert_eq!(seqs.len(), got.len(), "{name}: RESULT seqs are distinct");
         assert_eq!(dp.slots_in_use(), 0, "{name}: every slot released");
         assert_eq!(
             dp.job_state(job.id).unwrap().unwrap().active_slots,
@@ -596,4 +597,31 @@ fn per_job_counters_are_exact_and_isolated() {
     send(0, &agg(A, 0, 9, vec![1]), XDP_DROP); // unknown job now
     dp.set_job(A, &job(A)).unwrap();
     assert_eq!(dp.job_stats(A).unwrap(), Some(zero));
+}
+
+/// The RESULT's seq: the completing contribution's (so a runtime job's
+/// fragment keeps the contribution seq every rank gave it, which the node's
+/// result service acknowledges), except for a job whose results go upstream,
+/// where it is this node's own counter (the RESULT becomes its contribution
+/// to the parent and is numbered like one).
+#[test]
+fn result_seq_is_the_completing_contributions_unless_results_go_upstream() {
+    // 8 elements take a fast slot; 400 (more than a fast slot holds) the
+    // hash-map chain: both write the RESULT header.
+    for (flags, upstream, n) in [(0, false, 8), (abi::JOB_F_HAS_PARENT, true, 8), (0, false, 400), (abi::JOB_F_HAS_PARENT, true, 400)] {
+        let dp = load();
+        dp.set_job(JOB, &XdpJob { flags, ..job(2, 16) }).expect("set_job");
+        for (k, round) in [4u32, 5, 6].into_iter().enumerate() {
+            let mut a = contrib(0, round, 0, vec![1; n]);
+            a.seq = 1000 + round;
+            assert_eq!(send(&dp, &a).0, XDP_DROP);
+            let mut b = contrib(1, round, 0, vec![2; n]);
+            b.seq = 2000 + round;
+            let (verdict, _, out) = send(&dp, &b);
+            assert_eq!(verdict, XDP_PASS, "round {round}: RESULT");
+            let seq = u32::from_be_bytes(out[PAYLOAD_OFF + 8..PAYLOAD_OFF + 12].try_into().unwrap());
+            let want = if upstream { k as u32 } else { 2000 + round };
+            assert_eq!(seq, want, "flags {flags:#x}, {n} elements, round {round}");
+        }
+    }
 }

@@ -444,7 +444,11 @@ impl Model {
         out[u + 2..u + 4].copy_from_slice(&cfg.result_port.to_be_bytes());
         out[u + 6..u + 8].copy_from_slice(&[0, 0]);
         out[p + 6..p + 8].copy_from_slice(&abi::RESULT_RANK.to_be_bytes());
-        out[p + 8..p + 12].copy_from_slice(&seq.to_be_bytes());
+        // The RESULT keeps the completing contribution's seq, unless the
+        // job's results go upstream (then the node's own counter).
+        if cfg.flags & abi::JOB_F_HAS_PARENT != 0 {
+            out[p + 8..p + 12].copy_from_slice(&seq.to_be_bytes());
+        }
         out[p + 21] = abi::AGG_F_RESULT | slot.carried | res.flags();
         let mut payload = Vec::new();
         res.write_be(&mut payload);

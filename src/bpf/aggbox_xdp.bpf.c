@@ -386,6 +386,21 @@ static __always_inline void fast_unlock(struct aggbox_fast_slot *f)
 	__sync_lock_test_and_set(&f->lock, 0);
 }
 
+/*
+ * The RESULT's seq (PROTOCOL.md leaves it to the aggregator; docs/PROTOCOL.md
+ * "Differences"): for a job whose results go upstream, this node's own
+ * counter `own`, since the RESULT becomes its contribution to the parent and
+ * is numbered like one; otherwise the seq of the contribution that completed
+ * the slot, left where it is: runtime workers number a fragment's
+ * contributions alike, so it names the fragment to the node's result service
+ * (ACKs on the kernel's behalf, retransmission of RESULT copies).
+ */
+static __always_inline void result_seq_write(struct aggbox_agg_hdr *agg, struct aggbox_scratch *s, __u32 own)
+{
+	if (s->has_parent)
+		agg->seq = bpf_htonl(own);
+}
+
 /* Internal codes of the fast path (never counted under these values). */
 #define FAST_NOT_MINE 102 /* the fast slot does not hold this fragment */
 #define FAST_CLAIMED  105 /* fast_join took the free slot for this fragment (CLAIMING) */
@@ -1098,7 +1113,7 @@ static __always_inline int fast_result_header(struct xdp_md *ctx, struct aggbox_
 	if (s->overflow)
 		flags |= AGGBOX_AGG_F_OVERFLOW;
 	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
-	agg->seq = bpf_htonl(seq);
+	result_seq_write(agg, s, seq);
 	agg->flags = flags;
 	udph->dest = bpf_htons(s->result_port);
 	udph->check = 0;
@@ -1730,6 +1745,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->fast_base = job->fast_base;
 	s->fast_slots = job->fast_slots;
 	s->fast_stride = job->fast_stride;
+	s->has_parent = !!(job->flags & AGGBOX_JOB_F_HAS_PARENT);
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
 
@@ -2392,7 +2408,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	if (js)
 		seq = __sync_fetch_and_add(&js->result_seq, 1);
 	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
-	agg->seq = bpf_htonl(seq);
+	result_seq_write(agg, s, seq);
 	agg->flags = s->result_flags | (s->overflow ? AGGBOX_AGG_F_OVERFLOW : 0);
 	udph->dest = bpf_htons(s->result_port);
 	udph->check = 0;

@@ -61,7 +61,8 @@ struct aggbox_scratch {
 	__u8  fast_held;      /* fast_join holds a slot-bound share for a take */
 	__u8  fast_fused;     /* fast_join wrote the RESULT payload while adding (fast_sum_result) */
 	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
-	__u8  fast_pad2[6];
+	__u8  has_parent;     /* the job's RESULTs go upstream (AGGBOX_JOB_F_HAS_PARENT) */
+	__u8  fast_pad2[5];
 	__u64 fast_wide;      /* fast_sum_result: nonzero when some sum left int32 */
 	struct aggbox_slot_key fast_prev;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]

@@ -285,6 +285,9 @@ impl std::fmt::Debug for UserspacePath {
 #[derive(Debug, Clone)]
 struct JobInfo {
     ranks: Vec<(u32, i32)>, // (IPv4 address as in the packet, weight)
+    /// RESULTs go upstream: numbered by this path's own counter, as the
+    /// kernel's (`result_seq_write` in aggbox_xdp.bpf.c).
+    has_parent: bool,
     weight_sum: i64,
     /// Σ|weight|: decides the accumulator's width (see [`slot_bytes`]).
     weight_abs_sum: u64,
@@ -430,6 +433,7 @@ impl UserspaceAggregator {
                     vector_len: j.vector_len.unwrap_or(0),
                     slots: j.slots,
                     userspace_only: j.userspace_only,
+                    has_parent: j.parent.is_some(),
                     window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
                     userspace_slots: j.userspace_slots as usize,
                     slot_bytes: usize_of(j.userspace_slot_bytes),
@@ -584,8 +588,11 @@ impl UserspaceAggregator {
             Ok(r) => r,
             Err(_) => return Err(DropReason::SlotMismatch.into()),
         };
-        let seq = rt.result_seq;
+        // The kernel's rule (`result_seq_write`): the completing
+        // contribution's seq, or this node's own counter for upstream.
+        let own = rt.result_seq;
         rt.result_seq = rt.result_seq.wrapping_add(1);
+        let seq = if job.has_parent { own } else { hdr.seq };
         let flags = abi::AGG_F_RESULT | res.flags() | slot.carried();
         let out_hdr = proto::AggHeader {
             job: hdr.job,
