@@ -80,9 +80,10 @@ impl SocketAggregator {
             workers: peers.len() as u16,
             trackers: (0..peers.len()).map(|_| RecvTracker::new(cfg)).collect(),
             peers,
-            // Emptied slots are kept for reuse up to the limit again, so
-            // that a steady stream of same-sized calls allocates nothing.
-            slots: SlotTable::new(limit),
+            // Emptied slots are kept for reuse, up to twice the limit in
+            // all (a call's shape and another's, e.g. a float call's scale
+            // agreement), so that same-sized calls allocate nothing.
+            slots: SlotTable::new(2 * limit),
             done: Vec::new(),
             limit,
             next_round: first_round,

@@ -135,25 +135,32 @@ impl Slot {
 }
 
 /// The open slots of one job, by fragment, each with the caller's own
-/// per-slot data `E`; plus up to `keep_free` emptied slots whose
-/// allocations the next slot of the same shape reuses (0 for a path whose
-/// memory is bounded by what its open slots hold). Bounds on how many slots
+/// per-slot data `E`; plus emptied slots whose allocations the next slot of
+/// the same shape reuses, as long as open and emptied slots together are at
+/// most `keep` (0: none kept, for a path whose memory is bounded by what
+/// its open slots hold). Bounds on how many slots
 /// may be open are the caller's: they differ (a slot count, bytes).
 #[derive(Debug)]
 pub struct SlotTable<E> {
     open: HashMap<SlotKey, (Slot, E)>,
     free: Vec<Slot>,
-    keep_free: usize,
+    keep: usize,
 }
 
 impl<E> SlotTable<E> {
-    /// An empty table that keeps at most `keep_free` emptied slots for reuse.
-    pub fn new(keep_free: usize) -> SlotTable<E> {
+    /// An empty table that keeps emptied slots for reuse while open and
+    /// emptied slots together are at most `keep`.
+    pub fn new(keep: usize) -> SlotTable<E> {
         SlotTable {
             open: HashMap::new(),
             free: Vec::new(),
-            keep_free,
+            keep,
         }
+    }
+
+    /// Whether one more slot may be kept emptied.
+    fn may_keep(&self) -> bool {
+        self.open.len() + self.free.len() < self.keep
     }
 
     /// Open slots.
@@ -207,20 +214,22 @@ impl<E> SlotTable<E> {
         self.open.remove(&key)
     }
 
-    /// Keep an emptied slot for reuse (dropped past `keep_free`).
+    /// Keep an emptied slot for reuse (dropped past `keep`).
     pub fn recycle(&mut self, slot: Slot) {
-        if self.free.len() < self.keep_free {
+        if self.may_keep() {
             self.free.push(slot);
         }
     }
 
     /// Have `n` slots of shape (op, count, float) ready (open or emptied),
-    /// made now so that later slots of that shape allocate nothing; at most
-    /// `keep_free` are kept emptied.
+    /// made now, with room for their RESULT ([`Slot::finish_into_self`]),
+    /// so that later slots of that shape allocate nothing; at most
+    /// `keep` slots are held in all.
     pub fn reserve(&mut self, op: Op, count: usize, float: bool, n: usize) {
         let mut have = self.open.values().map(|(s, _)| s).chain(&self.free).filter(|s| s.has_shape(op, count, float)).count();
-        while have < n && self.free.len() < self.keep_free {
-            let Ok(s) = Slot::new(op, count, float) else { return };
+        while have < n && self.may_keep() {
+            let Ok(mut s) = Slot::new(op, count, float) else { return };
+            s.result.reserve_exact(count);
             self.free.push(s);
             have += 1;
         }
