@@ -227,6 +227,24 @@ pub struct JobConfig {
     /// path (>= [`MIN_USERSPACE_SLOT_BYTES`]): with jumbo frames a slot holds
     /// up to 16,370 elements, so the slot count alone does not bound memory.
     pub userspace_slot_bytes: u64,
+    /// Who takes the job's RESULTs on `result_port` (`consumer`).
+    pub consumer: ResultConsumer,
+}
+
+/// `[[job]] consumer`: who takes a job's RESULTs on the node's
+/// `result_port`, acknowledges the workers' contributions on the kernel's
+/// behalf and resends RESULT copies a worker missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResultConsumer {
+    /// `"application"` (the default): an aggregator application on the node
+    /// (the runtime's `Participant::Aggregator`, e.g. a parameter server
+    /// calling `reduce`).
+    #[default]
+    Application,
+    /// `"node"`: `aggbox attach` itself (in-kernel allreduce: the job has a
+    /// `result_group` whose members are the workers); no application runs
+    /// on the node, and one that tries to take the job is refused.
+    Node,
 }
 
 impl JobConfig {
@@ -416,6 +434,8 @@ struct ParsedJob {
     port_at: usize,
     result_port_at: usize,
     result_group_at: usize,
+    /// Where `consumer` is (0 when absent).
+    consumer_at: usize,
 }
 
 /// A parsed group plus the offset of its id, for duplicate reports.
@@ -526,6 +546,7 @@ const JOB_KEYS: &[&str] = &[
     "window",
     "userspace_slots",
     "userspace_slot_bytes",
+    "consumer",
 ];
 
 fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<ParsedJob, ConfigError> {
@@ -632,6 +653,40 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         Some(v) => slot_bytes(src, &t.key("userspace_slot_bytes"), &v)?,
         None => DEFAULT_USERSPACE_SLOT_BYTES_JOB,
     };
+    let mut consumer_at = 0;
+    let consumer = match t.take("consumer") {
+        Some(v) => {
+            let key = t.key("consumer");
+            consumer_at = v.span().start;
+            let c = match expect_str(src, &key, &v)? {
+                "application" => ResultConsumer::Application,
+                "node" => ResultConsumer::Node,
+                other => {
+                    return Err(src.error(
+                        v.span().start,
+                        Some(key),
+                        format!("{other:?}: expected \"application\" or \"node\""),
+                    ))
+                }
+            };
+            if c == ResultConsumer::Node && parent.is_some() {
+                return Err(src.error(
+                    v.span().start,
+                    Some(key),
+                    "\"node\" serves in-kernel allreduce (result_group); a job with a parent is served by an aggregator application".into(),
+                ));
+            }
+            if c == ResultConsumer::Node && result_group.is_none() {
+                return Err(src.error(
+                    v.span().start,
+                    Some(key),
+                    "\"node\" needs result_group: the node acknowledges the RESULT copies that group brings to the workers".into(),
+                ));
+            }
+            c
+        }
+        None => ResultConsumer::Application,
+    };
 
     Ok(ParsedJob {
         config: JobConfig {
@@ -648,8 +703,10 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
             window,
             userspace_slots,
             userspace_slot_bytes,
+            consumer,
         },
         path: t.path,
+        consumer_at,
         id_at: id_v.span().start,
         port_at: port_v.span().start,
         result_port_at: rp_v.span().start,
@@ -955,12 +1012,29 @@ fn check_references(
     }
     for job in jobs {
         if let Some(g) = job.config.result_group {
-            if !group_ids.contains_key(&g) {
+            let Some(group) = group_ids.get(&g) else {
                 return Err(src.error(
                     job.result_group_at,
                     Some(format!("{}.result_group", job.path)),
                     format!("there is no [[group]] with id {g}"),
                 ));
+            };
+            // The node resends a RESULT copy to the member socket of the
+            // worker that missed it: every worker needs one.
+            if job.config.consumer == ResultConsumer::Node {
+                if let Some((r, w)) = job
+                    .config
+                    .workers
+                    .iter()
+                    .enumerate()
+                    .find(|(_, w)| !group.config.members.iter().any(|m| m.ip() == *w))
+                {
+                    return Err(src.error(
+                        job.consumer_at,
+                        Some(format!("{}.consumer", job.path)),
+                        format!("\"node\": worker {r} ({w}) is not a member of group {g}, so the node has no socket to resend its RESULTs to"),
+                    ));
+                }
             }
         }
     }

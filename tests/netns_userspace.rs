@@ -135,6 +135,7 @@ fn job(id: u16, port: u16, workers: usize) -> JobConfig {
         window: 4,
         userspace_slots: aggbox::config::DEFAULT_USERSPACE_SLOTS,
         userspace_slot_bytes: aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_JOB,
+        consumer: aggbox::config::ResultConsumer::Application,
     }
 }
 

@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::wire::abi::{self, Op, Round};
-use crate::config::Config;
+use crate::config::{Config, ResultConsumer};
 use crate::wire::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
 use crate::runtime::driver::{random_group_base, Driver, Shared};
@@ -239,6 +239,13 @@ impl CommunicatorBuilder {
         let job = config
             .job(job_id)
             .ok_or_else(|| CommError::Config(format!("no job {job_id} in the configuration")))?;
+        if me == Participant::Aggregator && job.consumer == ResultConsumer::Node {
+            // The node's result service holds the job's result port; a
+            // second taker would split the RESULTs between the two.
+            return Err(CommError::Config(format!(
+                "job {job_id} is served by the node (consumer = \"node\"): `aggbox attach` takes its RESULTs, so no aggregator application may; its workers need none"
+            )));
+        }
         let peers = job
             .workers
             .iter()
