@@ -371,7 +371,8 @@ fn attach(
                 })
                 .collect();
             let userspace = attachment.userspace.as_ref().map(|u| u.stats_fn());
-            let source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
+            let mut source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
+            source.results = attachment.results.as_ref().map(|r| r.stats_fn());
             let server = metrics::MetricsServer::start(listener, vec![source])?;
             eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
             Some(server)

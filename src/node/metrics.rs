@@ -23,6 +23,7 @@ use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricT
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::kernel::afxdp::UserspaceStatsFn;
+use crate::node::serve::{ResultStatsFn, ServiceStats};
 use crate::kernel::maps;
 use crate::wire::abi;
 
@@ -54,6 +55,8 @@ pub struct KernelSource {
     pub programs: Vec<ProgramRef>,
     /// The user-space path of this interface, if running.
     pub userspace: Option<UserspaceStatsFn>,
+    /// The result service of the node-served jobs, if any.
+    pub results: Option<ResultStatsFn>,
 }
 
 impl std::fmt::Debug for KernelSource {
@@ -264,7 +267,37 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     if let Some(userspace) = &source.userspace {
         families.extend(userspace_families(iface, &userspace()));
     }
+    if let Some(results) = &source.results {
+        families.extend(result_service_families(iface, &results()));
+    }
     Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
+}
+
+/// The result service's counters per node-served job (`consumer = "node"`).
+fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, ServiceStats>) -> Vec<Family> {
+    let counters: [(&str, &str, fn(&ServiceStats) -> u64); 8] = [
+        ("aggbox_result_service_results_total", "RESULTs the node's result service took (each fragment once).", |s| s.results),
+        ("aggbox_result_service_duplicate_results_total", "RESULT copies of a fragment taken already.", |s| s.duplicate_results),
+        ("aggbox_result_service_acks_sent_total", "ACKs the node sent on the kernel's behalf (one per worker each).", |s| s.acks_sent),
+        ("aggbox_result_service_acks_received_total", "Workers' ACKs of RESULT copies.", |s| s.acks_received),
+        ("aggbox_result_service_resent_total", "RESULT copies resent to a worker that missed them.", |s| s.resent),
+        ("aggbox_result_service_refused_results_total", "RESULT-shaped datagrams from a source the node never sends RESULTs from.", |s| s.refused_results),
+        ("aggbox_result_service_refused_acks_total", "ACKs from a socket other than the worker they name.", |s| s.refused_acks),
+        ("aggbox_result_service_other_total", "Other datagrams on a served job's result port.", |s| s.other),
+    ];
+    let mut jobs: Vec<(&u16, &ServiceStats)> = stats.iter().collect();
+    jobs.sort_by_key(|(id, _)| **id);
+    counters
+        .iter()
+        .map(|(name, help, get)| {
+            let mut f = Family::counter(name, help);
+            for (id, s) in &jobs {
+                let job = id.to_string();
+                f.push(&[("iface", iface), ("job", job.as_str())], get(s) as f64);
+            }
+            f
+        })
+        .collect()
 }
 
 /// Broadcast counters, when the TC plane's maps are pinned next to the XDP ones.
@@ -546,5 +579,5 @@ pub fn enable_bpf_stats() -> Result<OwnedFd> {
 
 /// Pin directory helper re-exported for callers building a [`KernelSource`].
 pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>, userspace: Option<UserspaceStatsFn>) -> KernelSource {
-    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace }
+    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace, results: None }
 }

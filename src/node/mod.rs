@@ -9,6 +9,7 @@
 
 
 pub mod metrics;
+pub mod serve;
 pub mod tools;
 
 use std::collections::BTreeMap;
@@ -444,6 +445,8 @@ pub struct Attachment {
     /// The stale-slot reclaim when the user-space path is not running (its
     /// worker does it otherwise).
     upkeep: Option<Upkeep>,
+    /// The result service of the `consumer = "node"` jobs, if any.
+    pub results: Option<serve::ResultServer>,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -480,6 +483,10 @@ pub fn attach_chain(
     chain: Chain,
 ) -> Result<Attachment> {
     let index = preflight(iface)?;
+    // The result ports of node-served jobs first: one another process holds
+    // fails the attach before anything changes.
+    let node_addrs = crate::netif::interface_ipv4(iface).with_context(|| format!("aggbox: reading the addresses of {iface}"))?;
+    let served = serve::BoundJobs::bind(config, node_addrs).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     let mounted_bpffs = ensure_bpffs(pin_root)?;
     let dir = pin_dir(pin_root, iface);
     let mut warnings = Vec::new();
@@ -636,6 +643,7 @@ pub fn attach_chain(
         broadcast,
         userspace,
         upkeep,
+        results: None,
         dir: dir.clone(),
         record,
         warnings,
@@ -650,6 +658,21 @@ pub fn attach_chain(
         }
         let _ = detach_dir(&dir);
         return Err(err);
+    }
+    if !served.is_empty() {
+        match served.start() {
+            Ok(server) => attachment.results = Some(server),
+            Err(e) => {
+                if let Some(u) = attachment.userspace.take() {
+                    u.stop();
+                }
+                if let Some(mut b) = attachment.broadcast.take() {
+                    let _ = b.detach();
+                }
+                let _ = detach_dir(&dir);
+                return Err(anyhow!("aggbox: starting the result service: {e:#}"));
+            }
+        }
     }
     Ok(attachment)
 }
