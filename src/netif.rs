@@ -1,5 +1,5 @@
-//! Facts about this host's network interfaces that the node (attach) and
-//! the runtime (path MTU) both need: one place, below both.
+//! Facts about this host's network interfaces, and socket settings, that
+//! the node and the runtime both need: one place, below both.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -60,3 +60,19 @@ pub fn interface_mtu(name: &str) -> io::Result<usize> {
     usize::try_from(mtu).map_err(|_| io::Error::other(format!("interface {name}: MTU {mtu}")))
 }
 
+/// Socket buffers of `bytes`: the `*FORCE` options (beyond `rmem_max` /
+/// `wmem_max`, with CAP_NET_ADMIN) first, else the capped ones.
+pub fn set_socket_buffers(sock: &UdpSocket, bytes: i32) {
+    for (force, opt) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        // SAFETY: valid fd, pointer to an int of the right size.
+        unsafe {
+            let p = &bytes as *const i32 as *const libc::c_void;
+            if libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, force, p, 4) != 0 {
+                libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, p, 4);
+            }
+        }
+    }
+}

@@ -343,6 +343,11 @@ impl BoundJobs {
                 )
             })?;
             socket.set_nonblocking(true)?;
+            // A call's RESULTs arrive in a burst (the kernel completes
+            // fragments as fast as contributions come): as the runtime's
+            // aggregator, 64 MiB, or what rmem_max allows without
+            // CAP_NET_ADMIN.
+            crate::netif::set_socket_buffers(&socket, 64 << 20);
             jobs.push((socket, ResultService::new(job.id, node.clone(), workers, reliability_of(config))));
         }
         Ok(BoundJobs { jobs })

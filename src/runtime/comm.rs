@@ -13,7 +13,6 @@
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
@@ -128,6 +127,10 @@ pub struct CommConfig {
     /// allreduce): the aggregator's runtime does not forward results, it
     /// only retransmits the ones a worker did not acknowledge.
     pub kernel_result_group: bool,
+    /// The node serves the job itself (`consumer = "node"`): there is no
+    /// aggregator participant, so broadcasts go to the workers only and
+    /// none may come from the aggregator.
+    pub node_served: bool,
     /// Kernel backend: this participant's node runs the TC broadcast program
     /// with this group; its broadcasts (as root) go out as one datagram per
     /// fragment that the program copies to the members.
@@ -215,6 +218,7 @@ impl CommunicatorBuilder {
                 stash_limit: 4096,
                 early_result_bytes: DEFAULT_EARLY_RESULT_BYTES,
                 kernel_result_group: false,
+                node_served: false,
                 tc_group: None,
                 impairment: None,
                 udp_gso: None,
@@ -257,6 +261,7 @@ impl CommunicatorBuilder {
             .ack_mode(config.node.ack_mode)
             .group_size(config.node.ack_group as u32);
         b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
+        b.cfg.node_served = job.consumer == ResultConsumer::Node;
         if let Some(g) = job.result_group {
             b.cfg.kernel_result_group = true;
             if let Some(group) = config.group(g) {
@@ -443,7 +448,7 @@ impl CommunicatorBuilder {
         if cfg.backend == BackendKind::Kernel || cfg.me == Participant::Aggregator {
             rcv = rcv.max(64 << 20);
         }
-        set_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
+        crate::netif::set_socket_buffers(&sock, rcv.min(i32::MAX as usize) as i32);
         let transport: Box<dyn Transport> = match &cfg.impairment {
             None => Box::new(UdpTransport::new(sock)),
             Some(imp) => Box::new(ImpairedTransport::new(UdpTransport::new(sock), imp.clone())),
@@ -503,23 +508,6 @@ fn discover_mtu(cfg: &CommConfig) -> usize {
         .chain(cfg.peers.iter().map(|p| *p.ip()))
         .filter(|a| Some(*a) != me || *a == cfg.aggregator);
     crate::runtime::pmtu::min_path_mtu(others).unwrap_or(1500)
-}
-
-/// Socket buffers of `bytes`: the `*FORCE` options (beyond `rmem_max` /
-/// `wmem_max`, with CAP_NET_ADMIN) first, else the capped ones.
-fn set_buffers(sock: &UdpSocket, bytes: i32) {
-    for (force, opt) in [
-        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
-        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
-    ] {
-        // SAFETY: valid fd, pointer to an int of the right size.
-        unsafe {
-            let p = &bytes as *const i32 as *const libc::c_void;
-            if libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, force, p, 4) != 0 {
-                libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, p, 4);
-            }
-        }
-    }
 }
 
 /// Result of an int reduction as the caller sees it.
@@ -723,6 +711,12 @@ impl Communicator {
     }
 
     fn root_index(&self, root: Participant) -> Result<usize, CommError> {
+        if root == Participant::Aggregator && self.config().node_served {
+            return Err(CommError::Config(format!(
+                "job {} is served by the node: there is no aggregator participant to broadcast from",
+                self.config().job
+            )));
+        }
         if let Participant::Worker(r) = root {
             if r >= self.workers() {
                 return Err(CommError::Config(format!(

@@ -326,7 +326,9 @@ impl Engine {
     fn all_but(&self, i: usize) -> u64 {
         let n = self.cfg.participants();
         let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
-        all & !(1u64 << i)
+        // A node-served job has no aggregator participant (the last index).
+        let absent = if self.cfg.node_served { 1u64 << self.cfg.workers() } else { 0 };
+        all & !(1u64 << i) & !absent
     }
 
     /// Handles one datagram that arrived at `now` from `from`. What it calls
