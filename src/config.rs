@@ -676,6 +676,13 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
                     "\"node\" serves in-kernel allreduce (result_group); a job with a parent is served by an aggregator application".into(),
                 ));
             }
+            if c == ResultConsumer::Node && workers.len() > 64 {
+                return Err(src.error(
+                    v.span().start,
+                    Some(key),
+                    format!("\"node\" serves at most 64 workers (a bit each in its resend window), this job has {}", workers.len()),
+                ));
+            }
             if c == ResultConsumer::Node && result_group.is_none() {
                 return Err(src.error(
                     v.span().start,

@@ -864,3 +864,31 @@ fn load_names_the_file() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `consumer = "node"`: the node serves an in-kernel allreduce, so it needs
+/// the result group (with a socket for every worker), no parent, at most 64
+/// workers; anything else names the key.
+#[test]
+fn consumer_node_needs_a_result_group_of_the_workers() {
+    let group = "\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\", \"10.77.0.12:7200\"]\n";
+    let served = JOB7.replace("result_port = 7001", "result_port = 7001\nresult_group = 3\nconsumer = \"node\"");
+    let c = Config::parse(&format!("{served}{group}"), "config.toml").expect("a node-served job");
+    assert_eq!(c.jobs[0].consumer, aggbox::config::ResultConsumer::Node);
+    let default = Config::parse(&format!("{JOB7}"), "config.toml").expect("default");
+    assert_eq!(default.jobs[0].consumer, aggbox::config::ResultConsumer::Application);
+
+    let bad = JOB7.replace("result_port = 7001", "result_port = 7001\nconsumer = \"daemon\"");
+    expect_error(&bad, 6, "job[0].consumer", "expected \"application\" or \"node\"");
+    let no_group = JOB7.replace("result_port = 7001", "result_port = 7001\nconsumer = \"node\"");
+    expect_error(&no_group, 6, "job[0].consumer", "needs result_group");
+    let parent = JOB7.replace(
+        "result_port = 7001",
+        "result_port = 7001\nresult_group = 3\nparent = { addr = \"10.77.9.1\", port = 7000, job = 7, rank = 2 }\nconsumer = \"node\"",
+    );
+    expect_error(&format!("{parent}{group}"), 8, "job[0].consumer", "a job with a parent");
+    let short_group = "\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\"]\n";
+    expect_error(&format!("{served}{short_group}"), 7, "job[0].consumer", "worker 1 (10.77.0.12) is not a member of group 3");
+    let many: Vec<String> = (0..65).map(|i| format!("\"10.78.0.{}\"", i + 1)).collect();
+    let big = served.replace("workers = [\"10.77.0.11\", \"10.77.0.12\"]", &format!("workers = [{}]", many.join(", ")));
+    expect_error(&format!("{big}{group}"), 7, "job[0].consumer", "at most 64 workers");
+}
