@@ -275,7 +275,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
 
 /// The result service's counters per node-served job (`consumer = "node"`).
 fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, ServiceStats>) -> Vec<Family> {
-    let counters: [(&str, &str, fn(&ServiceStats) -> u64); 8] = [
+    let counters: [(&str, &str, fn(&ServiceStats) -> u64); 9] = [
         ("aggbox_result_service_results_total", "RESULTs the node's result service took (each fragment once).", |s| s.results),
         ("aggbox_result_service_duplicate_results_total", "RESULT copies of a fragment taken already.", |s| s.duplicate_results),
         ("aggbox_result_service_acks_sent_total", "ACKs the node sent on the kernel's behalf (one per worker each).", |s| s.acks_sent),
@@ -284,6 +284,7 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
         ("aggbox_result_service_refused_results_total", "RESULT-shaped datagrams from a source the node never sends RESULTs from.", |s| s.refused_results),
         ("aggbox_result_service_refused_acks_total", "ACKs from a socket other than the worker they name.", |s| s.refused_acks),
         ("aggbox_result_service_other_total", "Other datagrams on a served job's result port.", |s| s.other),
+        ("aggbox_result_service_rounds_total", "Rounds (calls) the node's result service saw RESULTs of.", |s| s.rounds),
     ];
     let mut jobs: Vec<(&u16, &ServiceStats)> = stats.iter().collect();
     jobs.sort_by_key(|(id, _)| **id);
@@ -297,6 +298,17 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
             }
             f
         })
+        .chain(std::iter::once({
+            let mut f = Family::gauge(
+                "aggbox_result_service_workers_behind",
+                "Workers that owe the node an ACK of a RESULT it holds (their copy was lost or is late).",
+            );
+            for (id, s) in &jobs {
+                let job = id.to_string();
+                f.push(&[("iface", iface), ("job", job.as_str())], s.workers_behind as f64);
+            }
+            f
+        }))
         .collect()
 }
 

@@ -70,6 +70,10 @@ pub struct ServiceStats {
     pub refused_acks: u64,
     /// Datagrams that were neither (contributions, broadcast data, garbage).
     pub other: u64,
+    /// Rounds (calls) the node saw RESULTs of.
+    pub rounds: u64,
+    /// Workers that owe an ACK of some RESULT held now (a gauge).
+    pub workers_behind: u64,
 }
 
 /// Worker ACKs kept for RESULTs not taken yet (the TC copy can reach a
@@ -118,7 +122,7 @@ impl ResultService {
 
     /// The job's counters.
     pub fn stats(&self) -> ServiceStats {
-        self.stats
+        ServiceStats { workers_behind: u64::from(self.results.unacked_dests().count_ones()), ..self.stats }
     }
 
     /// RESULTs held until a worker acknowledges them.
@@ -184,6 +188,7 @@ impl ResultService {
                     None => self.results.set_next_seq(seq),
                 }
                 self.round = Some(hdr.round);
+                self.stats.rounds += 1;
                 self.keep(now, seq, datagram);
             }
         }
@@ -499,6 +504,7 @@ mod tests {
         let acks = acks_to(&out);
         assert_eq!(acks, (0..3).map(|r| (worker(r), r, vec![40])).collect::<Vec<_>>());
         assert_eq!((s.stats().results, s.stats().acks_sent, s.held()), (1, 3, 1));
+        assert_eq!((s.stats().rounds, s.stats().workers_behind), (1, 3), "every worker owes the ACK of its copy");
         // A copy is acknowledged again, not taken again.
         out.clear();
         s.handle(now, worker(1), &result(5, 40, 0, false), &mut out);

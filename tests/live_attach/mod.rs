@@ -16,6 +16,8 @@ pub struct LiveAttach {
     pub child: Child,
     pub pin_root: PathBuf,
     config: PathBuf,
+    netns: String,
+    extra_args: Vec<String>,
 }
 
 impl LiveAttach {
@@ -28,24 +30,33 @@ impl LiveAttach {
             .expect("mount bpffs");
         let config = pin_root.with_extension("toml");
         std::fs::write(&config, config_text).expect("write config");
-        let child = Command::new("ip")
-            .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0"])
-            .args(extra_args)
-            .arg("--config")
-            .arg(&config)
-            .arg("--pin-root")
-            .arg(&pin_root)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn aggbox attach");
-        let mut attach = LiveAttach { child, pin_root, config };
+        let extra_args: Vec<String> = extra_args.iter().map(|a| a.to_string()).collect();
+        let child = spawn(netns, &extra_args, &config, &pin_root);
+        let mut attach = LiveAttach { child, pin_root, config, netns: netns.to_string(), extra_args };
+        attach.wait_attached(tag);
+        attach
+    }
+
+    fn wait_attached(&mut self, what: &str) {
         let mut line = String::new();
-        BufReader::new(attach.child.stdout.take().expect("stdout"))
+        BufReader::new(self.child.stdout.take().expect("stdout"))
             .read_line(&mut line)
             .expect("read attach output");
-        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {netns} ({tag})");
-        attach
+        assert_eq!(line.trim(), "aggbox: attached to eth0", "aggbox attach in {} ({what})", self.netns);
+    }
+
+    /// Kill the attach process with SIGKILL and wait for it (its pins
+    /// stay, as after a crash).
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Start `aggbox attach` again after [`LiveAttach::kill9`], with the
+    /// same config and pin root: it replaces the dead process's state.
+    pub fn restart(&mut self) {
+        self.child = spawn(&self.netns, &self.extra_args, &self.config, &self.pin_root);
+        self.wait_attached("restart");
     }
 
     /// The node's status, read from the pins.
@@ -65,6 +76,21 @@ impl LiveAttach {
     pub fn outcomes(&self) -> BTreeMap<String, u64> {
         self.status().outcomes
     }
+}
+
+/// `aggbox attach eth0` in `netns`, its stdout piped.
+fn spawn(netns: &str, extra_args: &[String], config: &PathBuf, pin_root: &PathBuf) -> Child {
+    Command::new("ip")
+        .args(["netns", "exec", netns, env!("CARGO_BIN_EXE_aggbox"), "attach", "eth0"])
+        .args(extra_args)
+        .arg("--config")
+        .arg(config)
+        .arg("--pin-root")
+        .arg(pin_root)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn aggbox attach")
 }
 
 impl Drop for LiveAttach {
