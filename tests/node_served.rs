@@ -246,6 +246,25 @@ fn served(tag: &str, ack: AckMode, nworkers: usize) {
     assert_eq!(bed.service_counter("refused_results") + bed.service_counter("refused_acks"), 0);
     // Still exact after the loss.
     allreduce(&bed, Op::Sum, 1000);
+    // `aggbox status` (another process, from the pins) shows the service:
+    // once the last RESULTs are read (the counters stop moving), the same
+    // numbers as /metrics.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut last = u64::MAX;
+    let served = loop {
+        let metrics = bed.service_counter("results");
+        let st = bed.attach.status();
+        let served = *st.served.get(&JOB).expect("aggbox status shows the node-served job");
+        if served.results == metrics && metrics == last {
+            break served;
+        }
+        assert!(std::time::Instant::now() < deadline, "status {served:?} vs /metrics results {metrics}");
+        last = metrics;
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(served.resent > 0 && served.rounds >= 6, "{served:?}");
+    let text = aggbox::node::format_status(&bed.attach.status());
+    assert!(text.contains(&format!("job {JOB} served by the node")), "{text}");
 }
 
 #[test]

@@ -660,7 +660,7 @@ pub fn attach_chain(
         return Err(err);
     }
     if !served.is_empty() {
-        match served.start() {
+        match served.start(&dir) {
             Ok(server) => attachment.results = Some(server),
             Err(e) => {
                 if let Some(u) = attachment.userspace.take() {
@@ -900,6 +900,9 @@ pub struct NodeStatus {
     pub handoffs: BTreeMap<String, u64>,
     /// TC broadcast counters by label (empty when TC is not attached).
     pub broadcast: BTreeMap<String, u64>,
+    /// The result service's counters by node-served job (`consumer =
+    /// "node"`; empty when there is none).
+    pub served: BTreeMap<u16, serve::ServiceStats>,
 }
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
@@ -986,7 +989,16 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     } else {
         BTreeMap::new()
     };
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast })
+    let mut served = BTreeMap::new();
+    if let Ok(map) = maps::open_pinned(dir, serve::STATS_MAP) {
+        for key in map.keys() {
+            let Some(id) = key.get(..4).map(|k| u32::from_ne_bytes(k.try_into().unwrap_or([0; 4]))) else { continue };
+            if let Some(v) = map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<serve::ServiceStats>(&v)) {
+                served.insert(id as u16, v);
+            }
+        }
+    }
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served })
 }
 
 /// Human-readable status table.
@@ -1057,6 +1069,23 @@ pub fn format_status(status: &NodeStatus) -> String {
     if !status.broadcast.is_empty() {
         let _ = writeln!(s, "  broadcast (TC) counters:");
         for (name, count) in &status.broadcast {
+            let _ = writeln!(s, "    {name:<28} {count:>12}");
+        }
+    }
+    for (job, st) in &status.served {
+        let _ = writeln!(s, "  job {job} served by the node (consumer = \"node\"):");
+        for (name, count) in [
+            ("rounds", st.rounds),
+            ("results", st.results),
+            ("duplicate_results", st.duplicate_results),
+            ("acks_sent", st.acks_sent),
+            ("acks_received", st.acks_received),
+            ("resent", st.resent),
+            ("workers_behind", st.workers_behind),
+            ("refused_results", st.refused_results),
+            ("refused_acks", st.refused_acks),
+            ("other", st.other),
+        ] {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }
     }

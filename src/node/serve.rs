@@ -35,7 +35,11 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 
 use crate::config::{Config, JobConfig, ResultConsumer};
-use crate::wire::abi::Round;
+use std::os::fd::AsFd;
+
+use libbpf_rs::MapCore;
+
+use crate::wire::abi::{self, Round};
 use crate::wire::proto::{self, AckKind, AckMessage, MessageKind, SeqBitmap};
 use crate::wire::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdict};
 
@@ -48,8 +52,11 @@ pub struct Transmit {
     pub datagram: Vec<u8>,
 }
 
-/// Counters of one served job.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Counters of one served job; also the value of the pinned
+/// `result_service` map (`aggbox status` reads it from another process),
+/// hence the C layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ServiceStats {
     /// RESULTs taken (each fragment once).
     pub results: u64,
@@ -75,6 +82,13 @@ pub struct ServiceStats {
     /// Workers that owe an ACK of some RESULT held now (a gauge).
     pub workers_behind: u64,
 }
+
+// SAFETY: only u64 fields, no padding.
+unsafe impl plain::Plain for ServiceStats {}
+
+/// Name of the pinned map of [`ServiceStats`] by job id (`u32` key), a
+/// user-space map of the attach process: `aggbox status` shows it.
+pub const STATS_MAP: &str = "result_service";
 
 /// Worker ACKs kept for RESULTs not taken yet (the TC copy can reach a
 /// worker, and its ACK come back, before the local copy is read).
@@ -363,15 +377,30 @@ impl BoundJobs {
         self.jobs.is_empty()
     }
 
-    /// Serve them on a thread of their own.
-    pub fn start(self) -> Result<ResultServer> {
+    /// Serve them on a thread of their own; their counters also go to a
+    /// map pinned as `pin_dir/result_service` ([`STATS_MAP`]).
+    pub fn start(self, pin_dir: &std::path::Path) -> Result<ResultServer> {
+        let opts = libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
+            ..Default::default()
+        };
+        let map = libbpf_rs::MapHandle::create(
+            libbpf_rs::MapType::Hash,
+            Some(STATS_MAP),
+            4,
+            std::mem::size_of::<ServiceStats>() as u32,
+            abi::MAX_JOBS,
+            &opts,
+        )
+        .map_err(|e| anyhow!("creating the {STATS_MAP} map: {e}"))?;
+        crate::kernel::maps::pin(map.as_fd(), &pin_dir.join(STATS_MAP))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Mutex::new(HashMap::new()));
         let (flag, shared) = (stop.clone(), stats.clone());
         let mut jobs = self.jobs;
         let thread = std::thread::Builder::new()
             .name("aggbox-results".into())
-            .spawn(move || serve(&mut jobs, &flag, &shared))?;
+            .spawn(move || serve(&mut jobs, &flag, &shared, &map))?;
         Ok(ResultServer { stop, thread: Some(thread), stats })
     }
 }
@@ -405,7 +434,12 @@ impl Drop for ResultServer {
 /// Longest wait in `poll(2)`, so that a stop is seen.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
-fn serve(jobs: &mut [(UdpSocket, ResultService)], stop: &AtomicBool, stats: &Mutex<HashMap<u16, ServiceStats>>) {
+fn serve(
+    jobs: &mut [(UdpSocket, ResultService)],
+    stop: &AtomicBool,
+    stats: &Mutex<HashMap<u16, ServiceStats>>,
+    pinned: &libbpf_rs::MapHandle,
+) {
     let mut buf = vec![0u8; 65536];
     let mut out = Vec::new();
     while !stop.load(Ordering::Relaxed) {
@@ -427,7 +461,11 @@ fn serve(jobs: &mut [(UdpSocket, ResultService)], stop: &AtomicBool, stats: &Mut
         }
         if let Ok(mut s) = stats.lock() {
             for (_, service) in jobs.iter() {
-                s.insert(service.job, service.stats());
+                let now = service.stats();
+                if s.insert(service.job, now) != Some(now) {
+                    let key = u32::from(service.job);
+                    let _ = pinned.update(&key.to_ne_bytes(), abi::as_bytes(&now), libbpf_rs::MapFlags::ANY);
+                }
             }
         }
         let mut fds: Vec<libc::pollfd> = jobs
@@ -597,5 +635,22 @@ mod tests {
         let acks = acks_to(&out);
         assert_eq!(acks.len(), 3, "the last fragment is acknowledged at once: {acks:?}");
         assert!(acks.iter().all(|(_, _, seqs)| seqs == &vec![40, 41]));
+    }
+
+    #[test]
+    fn a_result_port_another_process_holds_fails_the_bind_and_names_the_job() {
+        let taken = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let text = format!(
+            "[[job]]\nid = 12\nport = {}\nworkers = [\"10.0.0.1\"]\nresult_port = {port}\nresult_group = 1\nconsumer = \"node\"\n\n[[group]]\nid = 1\nmembers = [\"10.0.0.1:5000\"]\n",
+            if port == 40000 { 40001 } else { 40000 }
+        );
+        let config = Config::parse(&text, "t.toml").expect("config");
+        let err = BoundJobs::bind(&config, vec![NODE]).expect_err("the port is taken");
+        let msg = format!("{err:#}");
+        assert!(msg.contains("job 12") && msg.contains(&format!("result_port {port}")) && msg.contains("holds it"), "{msg}");
+        drop(taken);
+        let bound = BoundJobs::bind(&config, vec![NODE]).expect("free again");
+        assert!(!bound.is_empty());
     }
 }
