@@ -100,10 +100,16 @@ pub fn striped() -> usize {
         .map_or(3, |w| (w as usize).clamp(2, 8))
 }
 
-/// The name of a point's AggBox backend: `kernel` / `socket`, `-xS` with S
+/// The name of a point's AggBox backend: `kernel` / `kernel-node` (the job
+/// served by `aggbox attach` itself, `consumer = "node"`: no aggregator
+/// application) / `socket`, `-xS` with S
 /// stripes other than [`stripes`].
-fn backend_name(kernel: bool, stripes: usize) -> String {
-    let base = if kernel { "kernel" } else { "socket" };
+fn backend_name(kernel: bool, node_served: bool, stripes: usize) -> String {
+    let base = match (kernel, node_served) {
+        (true, true) => "kernel-node",
+        (true, false) => "kernel",
+        (false, _) => "socket",
+    };
     if stripes == self::stripes() {
         base.to_string()
     } else {
@@ -291,14 +297,14 @@ struct CallTime {
 /// `calls` allreduces of `n` elements (call 0 = warm-up) on every
 /// participant at once; every participant's result checked.
 fn runtime_calls(
-    agg: &StripedCommunicator,
+    agg: Option<&StripedCommunicator>,
     workers: &[StripedCommunicator],
     n: usize,
     calls: usize,
     base: &[i32],
     dtype: Dtype,
 ) -> Result<Vec<CallTime>> {
-    let parts: Vec<(&StripedCommunicator, Option<usize>)> = std::iter::once((agg, None))
+    let parts: Vec<(&StripedCommunicator, Option<usize>)> = agg.map(|a| (a, None)).into_iter()
         .chain(workers.iter().enumerate().map(|(r, c)| (c, Some(r))))
         .collect();
     let gate = Gate::new(parts.len());
@@ -565,11 +571,11 @@ fn counter_delta(
 /// they resent, and data datagrams they received a second time (a resend
 /// that was not needed, or one whose ACK was lost).
 fn runtime_counters(
-    agg: &StripedCommunicator,
+    agg: Option<&StripedCommunicator>,
     workers: &[StripedCommunicator],
 ) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    for c in std::iter::once(agg).chain(workers) {
+    for c in agg.into_iter().chain(workers) {
         let s = c.stats();
         *out.entry("runtime:retransmitted".to_string()).or_insert(0) += s.retransmitted;
         *out.entry("runtime:duplicates_received".to_string()).or_insert(0) +=
@@ -591,7 +597,7 @@ fn counters_line(c: &BTreeMap<String, u64>) -> String {
 /// The node configuration: per stripe a job of the workers, its result group
 /// (RESULT copied to every worker's data socket by TC) and slots, the block
 /// pool's share at this MTU divided between the stripes' jobs.
-fn config_text(tb: &Testbed, mtu: u32, stripes: usize) -> String {
+fn config_text(tb: &Testbed, mtu: u32, stripes: usize, node_served: bool) -> String {
     let workers: Vec<Ipv4Addr> = (1..=worker_count()).map(|h| tb.host(h).addr).collect();
     let list =
         |f: &dyn Fn(&Ipv4Addr) -> String| workers.iter().map(f).collect::<Vec<_>>().join(", ");
@@ -603,8 +609,9 @@ fn config_text(tb: &Testbed, mtu: u32, stripes: usize) -> String {
             (JOB + t, JOB_PORT + 2 * t, RESULT_PORT + 2 * t, GROUP + t, DATA_PORT + t);
         let _ = write!(
             text,
-            "\n[[job]]\nid = {job}\nport = {port}\nworkers = [{}]\nresult_port = {result}\nresult_group = {group}\nslots = {slots}\n\n[[group]]\nid = {group}\nmembers = [{}]\n",
+            "\n[[job]]\nid = {job}\nport = {port}\nworkers = [{}]\nresult_port = {result}\nresult_group = {group}\nslots = {slots}\nconsumer = \"{}\"\n\n[[group]]\nid = {group}\nmembers = [{}]\n",
             list(&|w| format!("\"{w}\"")),
+            if node_served { "node" } else { "application" },
             list(&|w| format!("\"{w}:{data}\"")),
         );
     }
@@ -619,6 +626,7 @@ fn runtime_phase(
     tb: &Testbed,
     mtu: u32,
     kernel: bool,
+    node_served: bool,
     stripes: usize,
     dtypes: &[Dtype],
     sizes: &[u64],
@@ -626,9 +634,9 @@ fn runtime_phase(
     bases: &BTreeMap<u64, Vec<i32>>,
     csv: &mut Csv,
 ) -> Result<Vec<Point>> {
-    let backend = backend_name(kernel, stripes);
+    let backend = backend_name(kernel, node_served, stripes);
     let backend = backend.as_str();
-    let text = config_text(tb, mtu, stripes);
+    let text = config_text(tb, mtu, stripes, node_served);
     let config = Config::parse(&text, "large.toml").map_err(|e| anyhow!("bench config: {e}"))?;
     let agg = tb.host(0);
     let bpffs = PrivateBpffs::mount("large")?;
@@ -676,11 +684,13 @@ fn runtime_phase(
                 anyhow!("building the {me:?} communicator ({backend} backend, MTU {mtu}): {e}")
             })
         };
-        let aggc = build(0, Participant::Aggregator)?;
+        // A node-served job has no aggregator application: the workers'
+        // calls are the whole call.
+        let aggc = if node_served { None } else { Some(build(0, Participant::Aggregator)?) };
         let workers: Vec<StripedCommunicator> = (0..worker_count())
             .map(|r| build(r + 1, Participant::Worker(r as u16)))
             .collect::<Result<_>>()?;
-        if kernel && aggc.stripes().iter().any(|c| !c.config().kernel_result_group) {
+        if kernel && workers.iter().flat_map(|w| w.stripes()).any(|c| !c.config().kernel_result_group) {
             bail!("the kernel backend does not use the jobs' result_group");
         }
         for &dtype in dtypes {
@@ -701,13 +711,13 @@ fn runtime_phase(
                     continue;
                 }
                 let base = &bases[&n];
-                let runtime_before = runtime_counters(&aggc, &workers);
+                let runtime_before = runtime_counters(aggc.as_ref(), &workers);
                 let before = all_counters(tb, &pins, kernel);
                 progress(format!(
                     "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
                     thousands(n as f64)
                 ));
-                let r = runtime_calls(&aggc, &workers, n as usize, reps + 1, base, dtype);
+                let r = runtime_calls(aggc.as_ref(), &workers, n as usize, reps + 1, base, dtype);
                 let after = all_counters(tb, &pins, kernel);
                 let mut p = match r {
                     Ok(times) => {
@@ -724,7 +734,7 @@ fn runtime_phase(
                 p.node_counters = counter_delta(&before, &after);
                 p.node_counters.extend(counter_delta(
                     &runtime_before,
-                    &runtime_counters(&aggc, &workers),
+                    &runtime_counters(aggc.as_ref(), &workers),
                 ));
                 report_point(&p);
                 points.push(p);
@@ -1226,7 +1236,7 @@ fn goal(points: &[Point]) -> Option<Goal> {
     };
     // The kernel backend's best: any MTU, striped or not.
     let mut k = ok("kernel");
-    k.extend(ok(&backend_name(true, striped())));
+    k.extend(ok(&backend_name(true, false, striped())));
     let g = ok("gloo");
     let best = |v: &[&Point]| {
         v.iter()
@@ -1292,7 +1302,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("kernel,socket,gloo,kernel-f32,gloo-f32,kernel-x{0},socket-x{0}", striped())
+            format!("kernel,kernel-node,socket,gloo,kernel-f32,gloo-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -1383,24 +1393,29 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         // The striped points: int32, the goal's size, the largest MTU of a
         // full run (or asked for by name in AGGBOX_LARGE_BACKENDS).
         let striped_sizes: Vec<u64> = sizes.iter().copied().filter(|&n| n == GOAL_SIZE).collect();
-        let mut phases = vec![(true, stripes(), sizes.clone()), (false, stripes(), sizes.clone())];
+        // (kernel, node-served, stripes, sizes)
+        let mut phases = vec![
+            (true, false, stripes(), sizes.clone()),
+            (true, true, stripes(), sizes.clone()),
+            (false, false, stripes(), sizes.clone()),
+        ];
         let asked = m.is_none() || std::env::var("AGGBOX_LARGE_BACKENDS").is_ok();
         if asked && !striped_sizes.is_empty() && striped() != stripes() {
-            phases.push((true, striped(), striped_sizes.clone()));
-            phases.push((false, striped(), striped_sizes));
+            phases.push((true, false, striped(), striped_sizes.clone()));
+            phases.push((false, false, striped(), striped_sizes));
         }
-        for (kernel, k, sizes) in phases {
-            let b = backend_name(kernel, k);
+        for (kernel, node_served, k, sizes) in phases {
+            let b = backend_name(kernel, node_served, k);
             // Float calls through the kernel backend only (the socket
             // backend quantizes the same way), unstriped.
             let dtypes: Vec<Dtype> = [Dtype::I32, Dtype::F32]
                 .into_iter()
-                .filter(|&d| ((kernel && k == stripes()) || d == Dtype::I32) && want(&d.backend(&b)))
+                .filter(|&d| ((kernel && !node_served && k == stripes()) || d == Dtype::I32) && want(&d.backend(&b)))
                 .collect();
             if dtypes.is_empty() {
                 continue;
             }
-            match runtime_phase(&tb, mtu, kernel, k, &dtypes, &sizes, reps, &bases, &mut csv) {
+            match runtime_phase(&tb, mtu, kernel, node_served, k, &dtypes, &sizes, reps, &bases, &mut csv) {
                 Ok(ps) => points.extend(ps),
                 Err(e) => {
                     progress(format!("large: MTU {mtu} {b} backend: FAILED: {e:#}"));
