@@ -442,6 +442,7 @@ fn serve(
 ) {
     let mut buf = vec![0u8; 65536];
     let mut out = Vec::new();
+    let mut published = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         let mut wake = now + IDLE_WAIT;
@@ -459,14 +460,11 @@ fn serve(
                 let _ = socket.send_to(&t.datagram, t.to);
             }
         }
-        if let Ok(mut s) = stats.lock() {
-            for (_, service) in jobs.iter() {
-                let now = service.stats();
-                if s.insert(service.job, now) != Some(now) {
-                    let key = u32::from(service.job);
-                    let _ = pinned.update(&key.to_ne_bytes(), abi::as_bytes(&now), libbpf_rs::MapFlags::ANY);
-                }
-            }
+        // The counters go out every PUBLISH_EVERY, not at every wake-up (a
+        // bpf syscall each, and this thread wakes per burst of RESULTs).
+        if published.elapsed() >= PUBLISH_EVERY {
+            published = Instant::now();
+            publish(jobs, stats, pinned);
         }
         let mut fds: Vec<libc::pollfd> = jobs
             .iter()
@@ -475,6 +473,23 @@ fn serve(
         let timeout = wake.saturating_duration_since(Instant::now()).as_millis().min(IDLE_WAIT.as_millis()) as libc::c_int;
         // SAFETY: fds is a valid array of pollfd for the duration of the call.
         unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout.max(1)) };
+    }
+    publish(jobs, stats, pinned);
+}
+
+/// How often the serving thread publishes its counters (metrics, status).
+const PUBLISH_EVERY: Duration = Duration::from_millis(50);
+
+/// Hand the counters to the metrics endpoint and the pinned map.
+fn publish(jobs: &[(UdpSocket, ResultService)], stats: &Mutex<HashMap<u16, ServiceStats>>, pinned: &libbpf_rs::MapHandle) {
+    if let Ok(mut s) = stats.lock() {
+        for (_, service) in jobs {
+            let now = service.stats();
+            if s.insert(service.job, now) != Some(now) {
+                let key = u32::from(service.job);
+                let _ = pinned.update(&key.to_ne_bytes(), abi::as_bytes(&now), libbpf_rs::MapFlags::ANY);
+            }
+        }
     }
 }
 
