@@ -12,7 +12,7 @@
 //! Needs root: run with `sudo -E cargo test --test bpf_jumbo`.
 
 mod bpf_common;
-#[path = "impair/asm.rs"]
+#[path = "../src/testing/impair/asm.rs"]
 mod asm;
 
 use aggbox::wire::abi::{self, Op};

@@ -23,6 +23,7 @@
 #[allow(dead_code)]
 mod testbed;
 
+#[path = "../src/testing/impair/mod.rs"]
 mod impair;
 mod live_attach;
 

@@ -143,6 +143,7 @@ fn assert_lost_and_resent(label: &str, c: impair::Counts, retransmitted: u64) {
     assert!(retransmitted > 0, "{label}: {} dropped, nothing retransmitted", c.dropped);
 }
 
+#[path = "../src/testing/impair/mod.rs"]
 mod impair;
 
 fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {

@@ -129,6 +129,7 @@ impl Bed {
     }
 }
 
+#[path = "../src/testing/impair/mod.rs"]
 mod impair;
 
 fn allreduce(bed: &Bed, len: usize, all: bool) {

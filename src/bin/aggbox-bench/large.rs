@@ -656,6 +656,7 @@ fn runtime_phase(
         None
     };
     let mut points = Vec::new();
+    let injector = crate::impair::Injector::new();
     let result = (|| -> Result<()> {
         let jobs: Vec<u16> = (0..stripes as u16).map(|t| JOB + t).collect();
         let tune = |b: CommunicatorBuilder| -> CommunicatorBuilder {
@@ -693,6 +694,9 @@ fn runtime_phase(
         if kernel && workers.iter().flat_map(|w| w.stripes()).any(|c| !c.config().kernel_result_group) {
             bail!("the kernel backend does not use the jobs' result_group");
         }
+        if loss() > 0.0 {
+            impair_switch(tb, &injector, loss())?;
+        }
         for &dtype in dtypes {
             let name = dtype.backend(backend);
             let mut failed_at: Option<u64> = None;
@@ -713,6 +717,7 @@ fn runtime_phase(
                 let base = &bases[&n];
                 let runtime_before = runtime_counters(aggc.as_ref(), &workers);
                 let before = all_counters(tb, &pins, kernel);
+                let dropped_before = injector.counts().dropped;
                 progress(format!(
                     "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
                     thousands(n as f64)
@@ -732,6 +737,9 @@ fn runtime_phase(
                     }
                 };
                 p.node_counters = counter_delta(&before, &after);
+                if loss() > 0.0 {
+                    p.node_counters.insert("injector:dropped".into(), injector.counts().dropped - dropped_before);
+                }
                 p.node_counters.extend(counter_delta(
                     &runtime_before,
                     &runtime_counters(aggc.as_ref(), &workers),
@@ -742,6 +750,11 @@ fn runtime_phase(
         }
         Ok(())
     })();
+    if loss() > 0.0 {
+        if let Err(e) = impair_switch(tb, &injector, 0.0) {
+            progress(format!("large: removing the loss: {e:#}"));
+        }
+    }
     // The TC detach must run in the namespace the attach ran in.
     let detached = match att {
         Some(att) => in_netns(&agg.netns, move || att.detach())
@@ -1278,6 +1291,22 @@ fn goal(points: &[Point]) -> Option<Goal> {
 /// `AGGBOX_LARGE_QUEUES=0`: veth queues, 0 = the kernel's default,
 /// `AGGBOX_LARGE_STRIPES=2`: stripes of every AggBox point,
 /// `AGGBOX_LARGE_STRIPED=4`: stripes of the `-xS` points).
+/// `AGGBOX_LARGE_LOSS`: loss on every switch port (a fraction, e.g. 0.01)
+/// while the AggBox points run, by the tests' injector
+/// (`src/testing/impair`); none by default.
+fn loss() -> f64 {
+    std::env::var("AGGBOX_LARGE_LOSS").ok().and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// Loss `loss` on every switch port of `tb` (none at 0).
+fn impair_switch(tb: &Testbed, injector: &crate::impair::Injector, loss: f64) -> Result<()> {
+    for h in 0..=worker_count() {
+        let port = tb.switch_port(h);
+        in_netns(&tb.switch_netns(), || injector.set(&port, loss, 0.0))??;
+    }
+    Ok(())
+}
+
 fn env_list(name: &str) -> Option<Vec<u64>> {
     let v = std::env::var(name).ok()?;
     Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())

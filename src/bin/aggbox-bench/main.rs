@@ -34,6 +34,8 @@ pub mod net;
 pub mod testbed;
 #[path = "../../testing/bpffs.rs"]
 pub mod bpffs;
+#[path = "../../testing/impair/mod.rs"]
+pub mod impair;
 
 pub use bpffs::{unmount_all_of_this_process, PrivateBpffs};
 

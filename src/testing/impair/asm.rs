@@ -1,5 +1,5 @@
 //! eBPF programs assembled by hand, for test instruments too small to be
-//! worth a C build: the loss/duplication injector (tests/impair/mod.rs) and
+//! worth a C build: the loss/duplication injector (src/testing/impair/mod.rs) and
 //! the tail-call budget probe of tests/bpf_jumbo.rs. Jumps name labels; the
 //! offsets are resolved by [`Asm::finish`].
 #![allow(dead_code)]

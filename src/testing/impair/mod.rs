@@ -1,5 +1,7 @@
-//! Loss and duplication injection for netns tests (this kernel has no
-//! sch_netem), shared by tests/runtime_netns.rs and tests/runtime_kernel.rs:
+//! Loss and duplication injection for the netns tests and the evaluation
+//! (this kernel has no sch_netem), included with `#[path]` by
+//! tests/runtime_netns.rs, tests/runtime_kernel.rs, tests/node_served.rs and
+//! `aggbox-bench` (never part of the library):
 //! a hand-assembled TC (cls_bpf, direct-action) program on a switch port's
 //! egress that drops with probability `loss`, else clones the packet to the
 //! same port's egress (a duplicate) with probability `dup`, and counts what
