@@ -442,6 +442,8 @@ fn serve(
 ) {
     let mut buf = vec![0u8; 65536];
     let mut out = Vec::new();
+    // Zeros at once, so the counters exist from the start.
+    publish(jobs, stats, pinned);
     let mut published = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
