@@ -142,13 +142,16 @@ fn input(rank: usize, len: usize) -> Vec<i32> {
     (0..len).map(|i| ((i * 7 + rank * 1_000_003) % 20_001) as i32 - 10_000).collect()
 }
 
+/// What the reference reducer makes of `workers` ranks' [`input`]s.
+fn reference(op: Op, workers: usize, len: usize) -> Vec<i32> {
+    let inputs: Vec<Vec<i32>> = (0..workers).map(|r| input(r, len)).collect();
+    let c: Vec<(&[i32], i32)> = inputs.iter().map(|v| (v.as_slice(), 1)).collect();
+    reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec()
+}
+
 /// Every worker allreduces its vector at once; each gets the reference.
 fn allreduce(bed: &Bed, op: Op, len: usize) {
-    let want = {
-        let inputs: Vec<Vec<i32>> = (0..bed.workers.len()).map(|r| input(r, len)).collect();
-        let c: Vec<(&[i32], i32)> = inputs.iter().map(|v| (v.as_slice(), 1)).collect();
-        reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec()
-    };
+    let want = reference(op, bed.workers.len(), len);
     std::thread::scope(|s| {
         let handles: Vec<_> = bed
             .workers
@@ -305,11 +308,7 @@ fn the_daemon_killed_mid_call_fails_calls_cleanly_and_a_restart_serves_again() {
     let mut bed = Bed::up("served-kill", AckMode::Group, 4, deadline);
     allreduce(&bed, Op::Sum, 10_000);
     let len = 400_000;
-    let want = {
-        let inputs: Vec<Vec<i32>> = (0..bed.workers.len()).map(|r| input(r, len)).collect();
-        let c: Vec<(&[i32], i32)> = inputs.iter().map(|v| (v.as_slice(), 1)).collect();
-        reducer::reduce(Op::Sum, &c).expect("reference").ints().expect("ints").to_vec()
-    };
+    let want = reference(Op::Sum, bed.workers.len(), len);
     // Loss toward the workers, so that some calls need the node's resends.
     bed.impair(0.05, 0.0);
     let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
