@@ -7,6 +7,9 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -35,7 +38,8 @@ struct Cli {
 enum Command {
     /// Load the BPF programs, attach them to IFACE, write the config's jobs
     /// into the maps, pin everything under PIN_ROOT/IFACE and serve until
-    /// SIGINT/SIGTERM, which detaches everything and exits 0.
+    /// SIGINT/SIGTERM, which detaches everything and exits 0. SIGHUP
+    /// reloads the config file's jobs and groups (see `aggbox reload`).
     Attach {
         /// Interface to attach to, e.g. eth0.
         iface: String,
@@ -53,6 +57,17 @@ enum Command {
         /// per program run), exported as aggbox_program_run_seconds_total.
         #[arg(long)]
         bpf_stats: bool,
+    },
+    /// Have the running `aggbox attach IFACE` reload its config file: jobs
+    /// and groups added, changed or removed while the others' calls go on
+    /// undisturbed ([node] changes need a restart). Prints what changed, or
+    /// why nothing did (then exits 1).
+    Reload {
+        /// Interface.
+        iface: String,
+        /// Where pins live.
+        #[arg(long, default_value = node::DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
     },
     /// Remove everything AggBox attached or pinned for IFACE (also after kill -9).
     Detach {
@@ -206,6 +221,14 @@ fn run(cli: Cli) -> Result<()> {
             xdp_mode,
             bpf_stats,
         } => attach(&iface, config.as_deref(), &pin_root, xdp_mode, bpf_stats),
+        Command::Reload { iface, pin_root } => {
+            let outcome = node::request_reload(&iface, &pin_root, Duration::from_secs(10))?;
+            if !outcome.ok {
+                bail!("aggbox: reload of {iface} refused: {}", outcome.message);
+            }
+            println!("aggbox: reloaded {iface}: {}", outcome.message);
+            Ok(())
+        }
         Command::Detach { iface, pin_root } => {
             if node::detach(&iface, &pin_root)? {
                 println!("aggbox: detached from {iface}");
@@ -337,13 +360,21 @@ fn attach(
         ModeArg::Native => XdpMode::Native,
         ModeArg::Generic => XdpMode::Generic,
     };
-    // Install the signal handler before attaching so a signal that arrives
-    // while attaching still leads to a clean detach.
-    let (stop_tx, stop_rx) = mpsc::channel::<()>();
-    ctrlc::set_handler(move || {
-        let _ = stop_tx.send(());
-    })
-    .context("installing the SIGINT/SIGTERM handler")?;
+    // Install the signal handlers before attaching so a signal that arrives
+    // while attaching still leads to a clean detach (a SIGHUP then waits
+    // for the attach to finish).
+    let (events_tx, events) = mpsc::channel::<i32>();
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP]).context("installing the SIGINT/SIGTERM/SIGHUP handlers")?;
+    std::thread::Builder::new()
+        .name("aggbox-signals".into())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if events_tx.send(signal).is_err() {
+                    break;
+                }
+            }
+        })
+        .context("starting the signal thread")?;
 
     // Bind the metrics port first: a port in use must fail the attach while
     // the interface is still untouched.
@@ -354,7 +385,7 @@ fn attach(
         None
     };
 
-    let attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
+    let mut attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
     for warning in &attachment.warnings {
         eprintln!("aggbox: warning: {warning}");
     }
@@ -409,12 +440,40 @@ fn attach(
     use std::io::Write;
     std::io::stdout().flush().ok();
 
-    let _ = stop_rx.recv();
+    while let Ok(signal) = events.recv() {
+        if signal != SIGHUP {
+            break;
+        }
+        reload(&mut attachment, iface, config_path);
+    }
     attachment.detach()?;
     // The supervisor may have stopped reading stdout by now: a closed pipe
     // must not turn a clean detach into a panic.
     let _ = writeln!(std::io::stdout(), "aggbox: detached from {iface}");
     Ok(())
+}
+
+/// SIGHUP: read the config file again and apply its jobs and groups; the
+/// outcome goes to stderr and to the attach record (`aggbox reload`).
+fn reload(attachment: &mut node::Attachment, iface: &str, config_path: Option<&Path>) {
+    let Some(path) = config_path else {
+        eprintln!("aggbox: SIGHUP: {iface} was attached without --config, nothing to reload");
+        let _ = attachment.refuse_reload(&anyhow!("attached without --config: there is no file to reload"));
+        return;
+    };
+    match Config::load(path) {
+        Ok(new) => match attachment.reload(&new, Some(path)) {
+            Ok(summary) => eprintln!("aggbox: reloaded {}: {summary}", path.display()),
+            Err(e) => eprintln!("aggbox: reload of {} refused: {e:#}", path.display()),
+        },
+        Err(e) => {
+            let e = anyhow!("{e}; nothing was changed");
+            eprintln!("aggbox: reload of {} refused: {e:#}", path.display());
+            if let Err(record) = attachment.refuse_reload(&e) {
+                eprintln!("aggbox: {record:#}");
+            }
+        }
+    }
 }
 
 fn listen(

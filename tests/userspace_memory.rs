@@ -247,3 +247,38 @@ fn collected_stale_slots_give_their_bytes_back() {
     assert_eq!(t.stats().stale_slots_collected, u64::from(held));
     assert_eq!(contribute(&mut t, 1, 0, 4, 0, JUMBO), Ok(None));
 }
+
+/// A reload (`UserspaceAggregator::reconfigure`): the changed and removed
+/// jobs lose their slots and give their bytes back; an unchanged job keeps
+/// its half-aggregated slot, which completes exactly; a removed job's
+/// datagrams are refused as `unknown_job` from then on.
+#[test]
+fn reconfigure_resets_only_the_changed_and_removed_jobs() {
+    let cfg = two_jobs("", "", "");
+    let mut t = UserspaceAggregator::new(&cfg, &UserspaceOptions::default());
+    assert_eq!(contribute(&mut t, 1, 0, 1, 0, 362), Ok(None));
+    assert_eq!(contribute(&mut t, 2, 0, 1, 0, 362), Ok(None));
+    assert_eq!(t.slots_in_use(), 2);
+    let held = t.bytes_in_use();
+
+    // Job 2 removed (a config with job 1 only), job 1 unchanged.
+    let only_one = config(
+        "[[job]]\nid = 1\nport = 7000\nworkers = [\"10.77.0.11\", \"10.77.0.12\"]\nresult_port = 7001\n",
+    );
+    // A SUM slot in user space is one the kernel handed over (it recorded
+    // the owner in `slot_owner`): the caller deletes that record.
+    let records = t.reconfigure(&only_one, &[2]);
+    assert_eq!(records, vec![abi::SlotKey { job: 2, pad: 0, round: 1, frag_off: 0 }]);
+    assert_eq!(t.slots_in_use(), 1, "job 2's slot is gone");
+    assert_eq!(t.job_bytes_in_use(2), 0);
+    assert_eq!(t.bytes_in_use(), held - slot_bytes(Op::Sum, false, 362, 2));
+    let done = contribute(&mut t, 1, 1, 1, 0, 362).expect("accepted").expect("completes");
+    check_result(&done, 1, 1, 0, 362);
+    assert_eq!(contribute(&mut t, 2, 1, 1, 0, 362), Err(Refusal::Drop(DropReason::UnknownJob)));
+
+    // Job 1 changed (reset): its open slot goes too.
+    assert_eq!(contribute(&mut t, 1, 0, 2, 0, 362), Ok(None));
+    t.reconfigure(&only_one, &[1]);
+    assert_eq!(t.slots_in_use(), 0);
+    assert_eq!(t.bytes_in_use(), 0);
+}

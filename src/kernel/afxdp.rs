@@ -34,7 +34,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -265,6 +265,7 @@ impl UserspaceStats {
 /// The running user-space path: its worker thread and its sockets.
 pub struct UserspacePath {
     stop: Arc<AtomicBool>,
+    changes: mpsc::Sender<(Config, Vec<u16>, mpsc::Sender<()>)>,
     stats: Arc<Mutex<UserspaceStats>>,
     worker: Option<JoinHandle<()>>,
     queues: Vec<u32>,
@@ -402,6 +403,40 @@ pub struct Completion {
     pub handoff: Option<abi::JobHandoff>,
 }
 
+/// Every job of `config` as this path needs it.
+fn job_infos(config: &Config) -> HashMap<u16, JobInfo> {
+    let mut jobs = HashMap::new();
+    for j in &config.jobs {
+        let weights = if j.weights.len() == j.workers.len() {
+            j.weights.clone()
+        } else {
+            vec![1; j.workers.len()]
+        };
+        jobs.insert(
+            j.id,
+            JobInfo {
+                ranks: j
+                    .workers
+                    .iter()
+                    .zip(&weights)
+                    .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
+                    .collect(),
+                weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
+                weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),
+                result_port: j.result_port,
+                vector_len: j.vector_len.unwrap_or(0),
+                slots: j.slots,
+                userspace_only: j.userspace_only,
+                has_parent: j.parent.is_some(),
+                window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
+                userspace_slots: j.userspace_slots as usize,
+                slot_bytes: usize_of(j.userspace_slot_bytes),
+            },
+        );
+    }
+    jobs
+}
+
 fn usize_of(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
@@ -411,37 +446,8 @@ impl UserspaceAggregator {
     /// `userspace_slots` and `userspace_slot_bytes`, the node's
     /// `userspace_slot_bytes`, and `opts.max_slots_per_job`.
     pub fn new(config: &Config, opts: &UserspaceOptions) -> UserspaceAggregator {
-        let mut jobs = HashMap::new();
-        for j in &config.jobs {
-            let weights = if j.weights.len() == j.workers.len() {
-                j.weights.clone()
-            } else {
-                vec![1; j.workers.len()]
-            };
-            jobs.insert(
-                j.id,
-                JobInfo {
-                    ranks: j
-                        .workers
-                        .iter()
-                        .zip(&weights)
-                        .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
-                        .collect(),
-                    weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
-                    weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),
-                    result_port: j.result_port,
-                    vector_len: j.vector_len.unwrap_or(0),
-                    slots: j.slots,
-                    userspace_only: j.userspace_only,
-                    has_parent: j.parent.is_some(),
-                    window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
-                    userspace_slots: j.userspace_slots as usize,
-                    slot_bytes: usize_of(j.userspace_slot_bytes),
-                },
-            );
-        }
         UserspaceAggregator {
-            jobs,
+            jobs: job_infos(config),
             rt: HashMap::new(),
             max_slots_per_job: opts.max_slots_per_job,
             completed_per_job: opts.completed_per_job,
@@ -449,6 +455,27 @@ impl UserspaceAggregator {
             bytes: 0,
             stats: UserspaceStats::default(),
         }
+    }
+
+    /// Take the jobs of `config` (a reload): the jobs in `reset` (removed
+    /// or changed) lose their slots and completion records, the others
+    /// keep theirs. Returns the keys whose `slot_owner` record the caller
+    /// deletes (slots the kernel recorded). The node's own bounds stay
+    /// those of the attach.
+    pub fn reconfigure(&mut self, config: &Config, reset: &[u16]) -> Vec<abi::SlotKey> {
+        self.jobs = job_infos(config);
+        let mut records = Vec::new();
+        let gone: Vec<u16> = self.rt.keys().copied().filter(|id| reset.contains(id) || !self.jobs.contains_key(id)).collect();
+        for id in gone {
+            let Some(mut rt) = self.rt.remove(&id) else { continue };
+            for ((round, frag_off), _, held) in rt.slots.close_where(|_, _| true) {
+                self.bytes -= held.bytes;
+                if held.kernel_owned_record {
+                    records.push(abi::SlotKey { job: id, pad: 0, round: round.0, frag_off });
+                }
+            }
+        }
+        records
     }
 
     /// Slots held (all jobs).
@@ -658,6 +685,8 @@ impl UserspaceAggregator {
 
 struct Worker {
     table: UserspaceAggregator,
+    /// A reload's jobs and the ids to reset, with whom to tell when done.
+    changes: mpsc::Receiver<(Config, Vec<u16>, mpsc::Sender<()>)>,
     maps: Arc<KernelMaps>,
     sockets: Vec<XskSocket>,
     result_sock: UdpSocket,
@@ -821,6 +850,15 @@ impl Worker {
                 }
             }
             self.sockets = sockets;
+            while let Ok((config, reset, done)) = self.changes.try_recv() {
+                for key in self.table.reconfigure(&config, &reset) {
+                    self.maps.delete_slot_owner(&key);
+                }
+                for &id in &reset {
+                    self.maps.delete_job_handoff(id);
+                }
+                let _ = done.send(());
+            }
             let now = Instant::now();
             if now >= next_tick {
                 self.tick(now);
@@ -874,8 +912,10 @@ impl UserspacePath {
         }
 
         let stats = Arc::new(Mutex::new(table.stats()));
+        let (changes, queued) = mpsc::channel();
         let worker = Worker {
             table,
+            changes: queued,
             maps: Arc::clone(&maps),
             sockets,
             result_sock,
@@ -907,6 +947,7 @@ impl UserspacePath {
             .context("user-space path: spawning the worker")?;
         Ok(UserspacePath {
             stop,
+            changes,
             stats,
             worker: Some(handle),
             queues,
@@ -914,6 +955,21 @@ impl UserspacePath {
             jobs: job_ids,
             multi_buffer,
         })
+    }
+
+    /// Serve the jobs of `config` from now on (a reload): the jobs in
+    /// `reset` (removed or changed) lose what this path held of them, the
+    /// others keep their slots. Returns once the worker has taken it.
+    pub fn reconfigure(&mut self, config: &Config, reset: &[u16]) -> Result<()> {
+        let (done, applied) = mpsc::channel();
+        self.changes
+            .send((config.clone(), reset.to_vec(), done))
+            .map_err(|_| anyhow!("user-space path: the worker has stopped"))?;
+        applied
+            .recv_timeout(Duration::from_secs(5))
+            .map_err(|_| anyhow!("user-space path: the worker did not take the new jobs within 5 s"))?;
+        self.jobs = config.jobs.iter().map(|j| j.id).collect();
+        Ok(())
     }
 
     /// Whether every socket is bound with XDP_USE_SG (multi-buffer AF_XDP,

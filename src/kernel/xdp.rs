@@ -201,7 +201,7 @@ impl XdpJob {
         }
     }
 
-    fn validate(&self) -> Result<abi::Job> {
+    pub(crate) fn validate(&self) -> Result<abi::Job> {
         let bad = |reason: String| XdpError::InvalidJob {
             job: self.id,
             reason,

@@ -10,6 +10,8 @@
 
 pub mod metrics;
 pub mod serve;
+mod reload;
+pub use reload::{request_reload, ReloadRecord, ReloadSummary};
 pub mod tools;
 
 use std::collections::BTreeMap;
@@ -95,6 +97,13 @@ pub struct AttachRecord {
     /// it (`[node] userspace_path = "optional"`, or no job configured).
     #[serde(default)]
     pub userspace_path_error: Option<String>,
+    /// Reloads asked for since attach (SIGHUP, `aggbox reload`), applied
+    /// or refused.
+    #[serde(default)]
+    pub reloads: u64,
+    /// The outcome of the last of them.
+    #[serde(default)]
+    pub last_reload: Option<ReloadRecord>,
 }
 
 /// Everything needed before loading anything: fails with one clear line.
@@ -445,8 +454,11 @@ pub struct Attachment {
     /// The stale-slot reclaim when the user-space path is not running (its
     /// worker does it otherwise).
     upkeep: Option<Upkeep>,
-    /// The result service of the `consumer = "node"` jobs, if any.
+    /// The result service of the `consumer = "node"` jobs (running also
+    /// with none: a reload may add some).
     pub results: Option<serve::ResultServer>,
+    /// The configuration in force (the attach's, or the last reload's).
+    config: Config,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -560,8 +572,7 @@ pub fn attach_chain(
     // (a [[group]], or a job whose results leave the node), so a node that
     // only aggregates adds nothing to its egress path. bpf_fib_lookup needs
     // IPv4 forwarding: without it attach stops here with the fix spelled out.
-    let needs_tc = !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some());
-    let broadcast = if needs_tc {
+    let broadcast = if reload::needs_tc(config) {
         tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
         check_local_members(config)?;
         let mut plane = TcPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
@@ -621,6 +632,8 @@ pub fn attach_chain(
         tc_created_qdisc,
         userspace_path: userspace.is_some(),
         userspace_path_error: userspace_error,
+        reloads: 0,
+        last_reload: None,
     };
     // Stale kernel slots can never complete (the stale-round rule drops
     // what would): the user-space path's worker releases them on its tick;
@@ -644,6 +657,7 @@ pub fn attach_chain(
         userspace,
         upkeep,
         results: None,
+        config: config.clone(),
         dir: dir.clone(),
         record,
         warnings,
@@ -659,19 +673,18 @@ pub fn attach_chain(
         let _ = detach_dir(&dir);
         return Err(err);
     }
-    if !served.is_empty() {
-        match served.start(&dir) {
-            Ok(server) => attachment.results = Some(server),
-            Err(e) => {
-                if let Some(u) = attachment.userspace.take() {
-                    u.stop();
-                }
-                if let Some(mut b) = attachment.broadcast.take() {
-                    let _ = b.detach();
-                }
-                let _ = detach_dir(&dir);
-                return Err(anyhow!("aggbox: starting the result service: {e:#}"));
+    // The result service runs also without served jobs: a reload may add some.
+    match served.start(&dir) {
+        Ok(server) => attachment.results = Some(server),
+        Err(e) => {
+            if let Some(u) = attachment.userspace.take() {
+                u.stop();
             }
+            if let Some(mut b) = attachment.broadcast.take() {
+                let _ = b.detach();
+            }
+            let _ = detach_dir(&dir);
+            return Err(anyhow!("aggbox: starting the result service: {e:#}"));
         }
     }
     Ok(attachment)
@@ -802,12 +815,18 @@ fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn write_record(dir: &Path, record: &AttachRecord) -> Result<()> {
+/// The attach record as the state map's value: JSON, NUL-padded.
+fn record_value(record: &AttachRecord) -> Result<Vec<u8>> {
     let mut json = serde_json::to_vec(record)?;
     if json.len() >= STATE_VALUE_SIZE as usize {
         bail!("aggbox: attach record of {} bytes does not fit the state map", json.len());
     }
     json.resize(STATE_VALUE_SIZE as usize, 0);
+    Ok(json)
+}
+
+fn write_record(dir: &Path, record: &AttachRecord) -> Result<()> {
+    let json = record_value(record)?;
     // SAFETY: zeroed opts with sz set are what libbpf expects.
     let mut opts: libbpf_sys::bpf_map_create_opts = unsafe { std::mem::zeroed() };
     opts.sz = std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _;
@@ -817,6 +836,14 @@ fn write_record(dir: &Path, record: &AttachRecord) -> Result<()> {
     let path = dir.join(STATE_FILE);
     map.pin(&path).with_context(|| format!("aggbox: pinning {}", path.display()))?;
     Ok(())
+}
+
+/// Rewrite the pinned attach record of `dir` (a reload).
+fn update_record(dir: &Path, record: &AttachRecord) -> Result<()> {
+    let json = record_value(record)?;
+    let path = dir.join(STATE_FILE);
+    let map = MapHandle::from_pinned_path(&path).with_context(|| format!("aggbox: opening {}", path.display()))?;
+    map.update(&0u32.to_ne_bytes(), &json, MapFlags::ANY).context("aggbox: writing the state map")
 }
 
 fn read_record(dir: &Path) -> Option<AttachRecord> {
@@ -1029,6 +1056,16 @@ pub fn format_status(status: &NodeStatus) -> String {
             (None, false) => "not running".to_string(),
         }
     );
+    if let Some(r) = &a.last_reload {
+        let _ = writeln!(
+            s,
+            "  reloads: {}; the last {} ({} s after the attach): {}",
+            a.reloads,
+            if r.ok { "applied" } else { "REFUSED" },
+            r.at.saturating_sub(a.attached_at),
+            r.message
+        );
+    }
     let _ = writeln!(s, "  jobs:");
     if status.jobs.is_empty() {
         let _ = writeln!(s, "    (none)");
@@ -1159,6 +1196,8 @@ mod attacher_tests {
             tc_created_qdisc: false,
             userspace_path: true,
             userspace_path_error: None,
+            reloads: 0,
+            last_reload: None,
         }
     }
 

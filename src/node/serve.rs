@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -326,11 +326,13 @@ fn worker_sockets(config: &Config, job: &JobConfig) -> Result<Vec<SocketAddrV4>>
 }
 
 /// The thread that serves every `consumer = "node"` job of a node, one UDP
-/// socket each on its `result_port`; stopped and joined on drop.
+/// socket each on its `result_port`; stopped and joined on drop. Jobs are
+/// added and removed while it runs ([`ResultServer::apply`], a reload).
 pub struct ResultServer {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<Mutex<HashMap<u16, ServiceStats>>>,
+    changes: mpsc::Sender<(ServedChange, mpsc::Sender<()>)>,
 }
 
 impl std::fmt::Debug for ResultServer {
@@ -339,46 +341,102 @@ impl std::fmt::Debug for ResultServer {
     }
 }
 
-/// The sockets of a [`ResultServer`], bound before anything is attached so
-/// that a port another process holds fails the attach, which then changes
-/// nothing.
+/// The socket of a served job: bound beforehand, or the one a job that
+/// the same change removes holds on the same port.
 #[derive(Debug)]
-pub struct BoundJobs {
-    jobs: Vec<(UdpSocket, ResultService)>,
+enum JobSocket {
+    Bound(UdpSocket),
+    TakeOver(u16),
 }
 
-impl BoundJobs {
+/// A set of served jobs to remove and to add, with every new port bound
+/// before anything changes: a port another process holds fails
+/// [`BoundJobs::bind`] / [`BoundJobs::bind_change`], which then change
+/// nothing.
+#[derive(Debug, Default)]
+pub struct ServedChange {
+    remove: Vec<u16>,
+    add: Vec<(JobSocket, ResultService)>,
+}
+
+/// The sockets of a [`ResultServer`] at attach (a [`ServedChange`] that
+/// only adds).
+pub type BoundJobs = ServedChange;
+
+/// A served job's `result_port`, bound for the result service.
+fn bind_result_port(job: &JobConfig) -> Result<UdpSocket> {
+    let socket = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, job.result_port)).map_err(|e| {
+        anyhow!(
+            "job {}: result_port {} (consumer = \"node\"): {e}; another process (an aggregator application?) holds it",
+            job.id,
+            job.result_port
+        )
+    })?;
+    socket.set_nonblocking(true)?;
+    // A call's RESULTs arrive in a burst (the kernel completes fragments as
+    // fast as contributions come): as the runtime's aggregator, 64 MiB, or
+    // what rmem_max allows without CAP_NET_ADMIN.
+    crate::netif::set_socket_buffers(&socket, 64 << 20);
+    Ok(socket)
+}
+
+/// Whether `job` of `config` is node-served.
+fn is_served(job: &JobConfig) -> bool {
+    job.consumer == ResultConsumer::Node
+}
+
+/// A served job's settings as the service sees them: the job, and the
+/// group its RESULT copies go to (the workers' sockets).
+fn served_view<'a>(config: &'a Config, job: &'a JobConfig) -> (&'a JobConfig, Option<&'a crate::config::GroupConfig>) {
+    (job, job.result_group.and_then(|g| config.group(g)))
+}
+
+impl ServedChange {
     /// Binds `0.0.0.0:result_port` for every node-served job of `config`
     /// (none: an empty set), for a node with addresses `node`.
-    pub fn bind(config: &Config, node: Vec<Ipv4Addr>) -> Result<BoundJobs> {
-        let mut jobs = Vec::new();
-        for job in config.jobs.iter().filter(|j| j.consumer == ResultConsumer::Node) {
-            let workers = worker_sockets(config, job)?;
-            let socket = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, job.result_port)).map_err(|e| {
-                anyhow!(
-                    "job {}: result_port {} (consumer = \"node\"): {e}; another process (an aggregator application?) holds it",
-                    job.id,
-                    job.result_port
-                )
-            })?;
-            socket.set_nonblocking(true)?;
-            // A call's RESULTs arrive in a burst (the kernel completes
-            // fragments as fast as contributions come): as the runtime's
-            // aggregator, 64 MiB, or what rmem_max allows without
-            // CAP_NET_ADMIN.
-            crate::netif::set_socket_buffers(&socket, 64 << 20);
-            jobs.push((socket, ResultService::new(job.id, node.clone(), workers, reliability_of(config))));
+    pub fn bind(config: &Config, node: Vec<Ipv4Addr>) -> Result<ServedChange> {
+        Self::bind_change(&Config::default(), config, node)
+    }
+
+    /// What turns the served jobs of `old` into those of `new`: a served
+    /// job whose settings (or result group) differ is removed and added
+    /// afresh, one that is unchanged is left alone. New ports are bound
+    /// now; a port that a removed job holds passes to its successor.
+    pub fn bind_change(old: &Config, new: &Config, node: Vec<Ipv4Addr>) -> Result<ServedChange> {
+        let kept = |j: &JobConfig| {
+            old.job(j.id).is_some_and(|o| is_served(o) && served_view(old, o) == served_view(new, j))
+        };
+        let mut change = ServedChange::default();
+        for o in old.jobs.iter().filter(|o| is_served(o)) {
+            if !new.job(o.id).is_some_and(|j| is_served(j) && kept(j)) {
+                change.remove.push(o.id);
+            }
         }
-        Ok(BoundJobs { jobs })
+        for job in new.jobs.iter().filter(|j| is_served(j) && !kept(j)) {
+            let workers = worker_sockets(new, job)?;
+            let freed = old
+                .jobs
+                .iter()
+                .any(|o| is_served(o) && o.result_port == job.result_port && change.remove.contains(&o.id));
+            let socket = if freed { JobSocket::TakeOver(job.result_port) } else { JobSocket::Bound(bind_result_port(job)?) };
+            change.add.push((socket, ResultService::new(job.id, node.clone(), workers, reliability_of(new))));
+        }
+        Ok(change)
     }
 
-    /// Whether no job is served by the node.
+    /// Whether the change neither removes nor adds a job.
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty()
+        self.remove.is_empty() && self.add.is_empty()
     }
 
-    /// Serve them on a thread of their own; their counters also go to a
-    /// map pinned as `pin_dir/result_service` ([`STATS_MAP`]).
+    /// Jobs it removes, and jobs it adds.
+    pub fn jobs(&self) -> (Vec<u16>, Vec<u16>) {
+        (self.remove.clone(), self.add.iter().map(|(_, s)| s.job).collect())
+    }
+
+    /// Serve the jobs on a thread of their own (also with none: a reload
+    /// may add some); their counters also go to a map pinned as
+    /// `pin_dir/result_service` ([`STATS_MAP`]).
     pub fn start(self, pin_dir: &std::path::Path) -> Result<ResultServer> {
         let opts = libbpf_sys::bpf_map_create_opts {
             sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
@@ -397,11 +455,47 @@ impl BoundJobs {
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Mutex::new(HashMap::new()));
         let (flag, shared) = (stop.clone(), stats.clone());
-        let mut jobs = self.jobs;
+        let (changes, queued) = mpsc::channel();
+        let mut jobs = Vec::new();
+        apply_change(&mut jobs, self, &stats, &map);
         let thread = std::thread::Builder::new()
             .name("aggbox-results".into())
-            .spawn(move || serve(&mut jobs, &flag, &shared, &map))?;
-        Ok(ResultServer { stop, thread: Some(thread), stats })
+            .spawn(move || serve(&mut jobs, &queued, &flag, &shared, &map))?;
+        Ok(ResultServer { stop, thread: Some(thread), stats, changes })
+    }
+}
+
+/// Apply `change` to the serving thread's jobs: the removed ones go (their
+/// counters with them), the added ones start from nothing.
+fn apply_change(
+    jobs: &mut Vec<(UdpSocket, ResultService)>,
+    change: ServedChange,
+    stats: &Mutex<HashMap<u16, ServiceStats>>,
+    pinned: &libbpf_rs::MapHandle,
+) {
+    let (gone, kept): (Vec<_>, Vec<_>) =
+        std::mem::take(jobs).into_iter().partition(|(_, service)| change.remove.contains(&service.job));
+    *jobs = kept;
+    let mut freed: HashMap<u16, UdpSocket> = gone
+        .into_iter()
+        .filter_map(|(socket, _)| Some((socket.local_addr().ok()?.port(), socket)))
+        .collect();
+    for &job in &change.remove {
+        if let Ok(mut s) = stats.lock() {
+            s.remove(&job);
+        }
+        let _ = pinned.delete(&u32::from(job).to_ne_bytes());
+    }
+    for (socket, service) in change.add {
+        let socket = match socket {
+            JobSocket::Bound(s) => s,
+            // bind_change saw the port held by a job this change removes.
+            JobSocket::TakeOver(port) => match freed.remove(&port) {
+                Some(s) => s,
+                None => continue,
+            },
+        };
+        jobs.push((socket, service));
     }
 }
 
@@ -420,6 +514,16 @@ impl ResultServer {
         let stats = self.stats.clone();
         Arc::new(move || stats.lock().map(|s| s.clone()).unwrap_or_default())
     }
+
+    /// Remove and add served jobs between two polls of the serving thread;
+    /// returns once it has. The other jobs' windows are untouched.
+    pub fn apply(&self, change: ServedChange) -> Result<()> {
+        let (done, applied) = mpsc::channel();
+        self.changes.send((change, done)).map_err(|_| anyhow!("the result service has stopped"))?;
+        applied
+            .recv_timeout(Duration::from_secs(5))
+            .map_err(|_| anyhow!("the result service did not take the change within 5 s"))
+    }
 }
 
 impl Drop for ResultServer {
@@ -435,7 +539,8 @@ impl Drop for ResultServer {
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
 fn serve(
-    jobs: &mut [(UdpSocket, ResultService)],
+    jobs: &mut Vec<(UdpSocket, ResultService)>,
+    changes: &mpsc::Receiver<(ServedChange, mpsc::Sender<()>)>,
     stop: &AtomicBool,
     stats: &Mutex<HashMap<u16, ServiceStats>>,
     pinned: &libbpf_rs::MapHandle,
@@ -446,6 +551,11 @@ fn serve(
     publish(jobs, stats, pinned);
     let mut published = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        while let Ok((change, done)) = changes.try_recv() {
+            apply_change(jobs, change, stats, pinned);
+            publish(jobs, stats, pinned);
+            let _ = done.send(());
+        }
         let now = Instant::now();
         let mut wake = now + IDLE_WAIT;
         for (socket, service) in jobs.iter_mut() {
@@ -669,5 +779,48 @@ mod tests {
         drop(taken);
         let bound = BoundJobs::bind(&config, vec![NODE]).expect("free again");
         assert!(!bound.is_empty());
+    }
+
+    /// Two free UDP ports (bound and released at once).
+    fn free_ports() -> (u16, u16) {
+        let a = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let b = UdpSocket::bind("0.0.0.0:0").unwrap();
+        (a.local_addr().unwrap().port(), b.local_addr().unwrap().port())
+    }
+
+    fn served_job(id: u16, result_port: u16, window: u32) -> String {
+        format!(
+            "[[job]]\nid = {id}\nport = {}\nworkers = [\"10.0.0.1\"]\nresult_port = {result_port}\nresult_group = 1\nwindow = {window}\nconsumer = \"node\"\n\n",
+            30000 + id
+        )
+    }
+
+    const GROUP: &str = "[[group]]\nid = 1\nmembers = [\"10.0.0.1:5000\"]\n";
+
+    #[test]
+    fn a_change_binds_only_new_ports_and_hands_a_removed_jobs_port_to_its_successor() {
+        let (p, q) = free_ports();
+        let old = Config::parse(&format!("{}{}{GROUP}", served_job(1, p, 4), served_job(2, q, 4)), "old.toml").unwrap();
+        // Job 1 unchanged; job 2 changed (same port): removed and added,
+        // its socket passed on, nothing bound (the old one still holds q).
+        let holder = UdpSocket::bind(("0.0.0.0", q)).unwrap();
+        let new = Config::parse(&format!("{}{}{GROUP}", served_job(1, p, 4), served_job(2, q, 8)), "new.toml").unwrap();
+        let change = ServedChange::bind_change(&old, &new, vec![NODE]).expect("q passes on, nothing to bind");
+        assert_eq!(change.jobs(), (vec![2], vec![2]));
+        assert!(matches!(change.add[0].0, JobSocket::TakeOver(port) if port == q));
+        // Job 2 removed, job 3 takes its port: the same hand-over.
+        let new = Config::parse(&format!("{}{}{GROUP}", served_job(1, p, 4), served_job(3, q, 4)), "new.toml").unwrap();
+        let change = ServedChange::bind_change(&old, &new, vec![NODE]).expect("q passes on");
+        assert_eq!(change.jobs(), (vec![2], vec![3]));
+        // A job on a port nobody of the old config held must bind it.
+        drop(holder);
+        let holder = UdpSocket::bind(("0.0.0.0", p)).unwrap();
+        let new = Config::parse(&format!("{}{GROUP}", served_job(4, p, 4)), "new.toml").unwrap();
+        let fresh = Config::default();
+        let err = ServedChange::bind_change(&fresh, &new, vec![NODE]).expect_err("p is held");
+        assert!(format!("{err:#}").contains("job 4"), "{err:#}");
+        drop(holder);
+        // Nothing changed: an empty change.
+        assert!(ServedChange::bind_change(&old, &old, vec![NODE]).unwrap().is_empty());
     }
 }

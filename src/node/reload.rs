@@ -1,0 +1,279 @@
+//! Reloading a running node's configuration (SIGHUP to `aggbox attach`, or
+//! `aggbox reload IFACE`): the `[[job]]`s and `[[group]]`s of the new file
+//! replace the old ones while the programs stay attached, so that adding,
+//! changing or removing one job does not disturb another job's calls.
+//!
+//! - A job whose settings are the same keeps everything: its kernel slots
+//!   and counters, its user-space slots, its routes and, when the node
+//!   serves it, its result service's window. Nothing of it is rewritten.
+//! - A removed job is removed as `XdpPlane::remove_job` does (its datagrams
+//!   are `unknown_job` from then on), with its routes, user-space slots and
+//!   result service; a new job starts from nothing.
+//! - A changed job is rewritten in place (`XdpPlane::set_job` keeps its
+//!   kernel state when the membership is the same); its user-space slots and
+//!   result service start afresh.
+//!
+//! Everything that can be refused is checked before anything changes: a
+//! file that does not parse (`Config::load` names file, line and key), a
+//! changed `[node]` section (named key by key: those settings are the
+//! attach's, a restart applies them), a config that needs what this attach
+//! did not set up (TC programs, XDP on `lo`), a result port another process
+//! holds. A refused reload changes nothing; the outcome of every reload is
+//! kept in the attach record, where `aggbox reload` reads it.
+
+use std::fmt;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::{check_local_members, configure_result_routes, local_workers, serve, xdp_job, Attachment, LOOPBACK};
+use crate::config::{Config, NodeConfig};
+
+/// What a reload changed, by job and group id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadSummary {
+    /// Jobs that are new.
+    pub added: Vec<u16>,
+    /// Jobs whose settings changed.
+    pub changed: Vec<u16>,
+    /// Jobs that are gone.
+    pub removed: Vec<u16>,
+    /// Jobs left exactly as they were.
+    pub unchanged: Vec<u16>,
+    /// Groups added, changed or removed.
+    pub groups: Vec<u16>,
+}
+
+impl fmt::Display for ReloadSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ids = |v: &[u16]| {
+            if v.is_empty() {
+                "none".to_string()
+            } else {
+                v.iter().map(|id| id.to_string()).collect::<Vec<_>>().join(", ")
+            }
+        };
+        write!(
+            f,
+            "jobs added: {}; changed: {}; removed: {}; unchanged: {}; groups rewritten: {}",
+            ids(&self.added),
+            ids(&self.changed),
+            ids(&self.removed),
+            ids(&self.unchanged),
+            ids(&self.groups)
+        )
+    }
+}
+
+/// The outcome of the last reload, in the attach record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadRecord {
+    /// Seconds since the epoch.
+    pub at: u64,
+    /// Whether it was applied (false: refused, or failed part way).
+    pub ok: bool,
+    /// What it changed, or why not.
+    pub message: String,
+}
+
+/// The attach record holds at most this much of a reload's message.
+const MESSAGE_MAX: usize = 1024;
+
+/// The `[node]` keys whose values differ between `old` and `new`.
+fn node_keys_changed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
+    let mut keys = Vec::new();
+    if old.metrics != new.metrics {
+        keys.push("metrics");
+    }
+    if old.ack_mode != new.ack_mode {
+        keys.push("ack_mode");
+    }
+    if old.ack_group != new.ack_group {
+        keys.push("ack_group");
+    }
+    if old.userspace_path != new.userspace_path {
+        keys.push("userspace_path");
+    }
+    if old.userspace_slot_bytes != new.userspace_slot_bytes {
+        keys.push("userspace_slot_bytes");
+    }
+    keys
+}
+
+/// Whether `config` needs the TC programs (as `attach` decides).
+pub(super) fn needs_tc(config: &Config) -> bool {
+    !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some())
+}
+
+/// The job and group differences between `old` and `new`.
+fn diff(old: &Config, new: &Config) -> ReloadSummary {
+    let mut s = ReloadSummary::default();
+    for j in &new.jobs {
+        match old.job(j.id) {
+            None => s.added.push(j.id),
+            Some(o) if o != j => s.changed.push(j.id),
+            Some(_) => s.unchanged.push(j.id),
+        }
+    }
+    s.removed = old.jobs.iter().map(|j| j.id).filter(|&id| new.job(id).is_none()).collect();
+    for g in &new.groups {
+        if old.group(g.id) != Some(g) {
+            s.groups.push(g.id);
+        }
+    }
+    s.groups.extend(old.groups.iter().map(|g| g.id).filter(|&id| new.group(id).is_none()));
+    s
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Attachment {
+    /// Replace the running jobs and groups with those of `new` (see the
+    /// module docs); `config_path` is where `new` was read. The outcome is
+    /// also written to the attach record.
+    pub fn reload(&mut self, new: &Config, config_path: Option<&Path>) -> Result<ReloadSummary> {
+        let result = self.apply_reload(new);
+        if result.is_ok() {
+            self.record.jobs = new.jobs.iter().map(|j| j.id).collect();
+            self.record.config = config_path.map(|p| p.display().to_string());
+        }
+        let message = match &result {
+            Ok(summary) => summary.to_string(),
+            Err(e) => format!("{e:#}"),
+        };
+        self.note_reload(result.is_ok(), message)?;
+        result
+    }
+
+    /// Record a reload that was refused before it reached
+    /// [`Attachment::reload`] (the file did not load).
+    pub fn refuse_reload(&mut self, error: &anyhow::Error) -> Result<()> {
+        self.note_reload(false, format!("{error:#}"))
+    }
+
+    fn note_reload(&mut self, ok: bool, mut message: String) -> Result<()> {
+        if message.len() > MESSAGE_MAX {
+            let mut end = MESSAGE_MAX;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+        }
+        self.record.reloads += 1;
+        self.record.last_reload = Some(ReloadRecord { at: now_secs(), ok, message });
+        super::update_record(&self.dir, &self.record)
+    }
+
+    fn apply_reload(&mut self, new: &Config) -> Result<ReloadSummary> {
+        let old = self.config.clone();
+        // Checks: nothing changes until all pass.
+        let keys = node_keys_changed(&old.node, &new.node);
+        if !keys.is_empty() {
+            bail!(
+                "[node] {} changed: these are the attach's settings, restart `aggbox attach` to apply them; nothing was changed",
+                keys.join(", ")
+            );
+        }
+        let summary = diff(&old, new);
+        if needs_tc(new) && self.broadcast.is_none() {
+            bail!(
+                "the new config has groups, a result_group or a parent, but this attach has no TC programs (its config needed none): restart `aggbox attach` to apply it; nothing was changed"
+            );
+        }
+        if self.broadcast.is_some() {
+            check_local_members(new)?;
+        }
+        if self.lo_link.is_none() && self.record.iface != LOOPBACK {
+            if let Some((job, rank, addr)) = local_workers(new)?.first().copied() {
+                bail!(
+                    "job {job} rank {rank} ({addr}) is on this host, but this attach has no XDP program on {LOOPBACK} (no worker was local): restart `aggbox attach` to apply it; nothing was changed"
+                );
+            }
+        }
+        for id in summary.added.iter().chain(&summary.changed) {
+            let job = new.job(*id).expect("diff names jobs of the new config");
+            xdp_job(job).validate().map_err(|e| anyhow!("{e}; nothing was changed"))?;
+        }
+        let node_addrs = crate::netif::interface_ipv4(&self.record.iface)
+            .map_err(|e| anyhow!("reading the addresses of {}: {e}; nothing was changed", self.record.iface))?;
+        let served = serve::ServedChange::bind_change(&old, new, node_addrs).map_err(|e| anyhow!("{e:#}; nothing was changed"))?;
+
+        // Apply. A failure from here on is a map update the kernel refused:
+        // reported, with the node between the two configs.
+        let reset: Vec<u16> = summary.removed.iter().chain(&summary.changed).copied().collect();
+        if let Some(userspace) = &mut self.userspace {
+            userspace.reconfigure(new, &reset)?;
+        }
+        if let Some(plane) = &self.broadcast {
+            for g in summary.groups.iter().filter_map(|id| new.group(*id)) {
+                plane.set_group(g.id, &g.members).map_err(|e| anyhow!("group {}: {e}", g.id))?;
+            }
+            for id in &reset {
+                plane.remove_result_route(*id).map_err(|e| anyhow!("job {id}: removing its routes: {e}"))?;
+            }
+        }
+        for id in &summary.removed {
+            self.dataplane.remove_job(*id).map_err(|e| anyhow!("removing job {id}: {e}"))?;
+        }
+        for id in summary.added.iter().chain(&summary.changed) {
+            let job = new.job(*id).expect("diff names jobs of the new config");
+            self.dataplane.set_job(*id, &xdp_job(job)).map_err(|e| anyhow!("job {id}: {e}"))?;
+        }
+        if let Some(plane) = &self.broadcast {
+            let touched = Config {
+                jobs: new.jobs.iter().filter(|j| !summary.unchanged.contains(&j.id)).cloned().collect(),
+                ..Config::default()
+            };
+            configure_result_routes(plane, &touched, self.record.ifindex)?;
+            for id in &summary.groups {
+                if new.group(*id).is_none() {
+                    plane.remove_group(*id).map_err(|e| anyhow!("group {id}: {e}"))?;
+                }
+            }
+        }
+        if !served.is_empty() {
+            match &self.results {
+                Some(server) => server.apply(served)?,
+                None => bail!("the result service is not running"),
+            }
+        }
+        self.config = new.clone();
+        Ok(summary)
+    }
+}
+
+/// Ask the `aggbox attach` process serving `iface` (pins under `pin_root`)
+/// to reload its config file (SIGHUP) and wait up to `timeout` for the
+/// outcome it records.
+pub fn request_reload(iface: &str, pin_root: &Path, timeout: std::time::Duration) -> Result<ReloadRecord> {
+    let dir = super::pin_dir(pin_root, iface);
+    let record = super::read_record(&dir).ok_or_else(|| anyhow!("aggbox: nothing attached to {iface} (no state under {})", dir.display()))?;
+    if record.pid == 0 || !super::attacher_alive(&record) {
+        bail!("aggbox: the process that attached {iface} (pid {}) is gone: start `aggbox attach` again", record.pid);
+    }
+    if record.config.is_none() {
+        bail!("aggbox: {iface} was attached without --config: there is no file to reload");
+    }
+    let pid = nix::unistd::Pid::from_raw(record.pid as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).map_err(|e| anyhow!("aggbox: signalling pid {}: {e}", record.pid))?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(now) = super::read_record(&dir) {
+            if now.reloads > record.reloads {
+                if let Some(outcome) = now.last_reload {
+                    return Ok(outcome);
+                }
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("aggbox: pid {} did not report the reload within {} s", record.pid, timeout.as_secs());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
