@@ -1184,7 +1184,7 @@ fn attach_fails_without_the_userspace_path_unless_optional() {
     let active = |bed: &Bed| -> Option<f64> {
         scrape_in(bed, METRICS_PORT)
             .lines()
-            .find(|l| l.starts_with("aggbox_job_slots_active{") && l.contains("job=\"7\""))
+            .find(|l| l.starts_with("aggbox_job_slots_active{") && l.contains("aggbox_job=\"7\""))
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
     };
     assert!(

@@ -237,10 +237,10 @@ fn one_job_cannot_exhaust_another_jobs_slots() {
     let hash_slots = (dp.slots_in_use() - dp.fast_slots_in_use()) as f64;
     let text = aggbox::node::metrics::render(&[aggbox::node::metrics::source_for("fuzz0", &dir, vec![], None)]).expect("render");
     for (name, want) in [
-        ("aggbox_job_slots_limit{iface=\"fuzz0\",job=\"1\"}", 8.0),
-        ("aggbox_job_slots_active{iface=\"fuzz0\",job=\"1\"}", 8.0),
-        ("aggbox_job_slots_limit{iface=\"fuzz0\",job=\"2\"}", 8.0),
-        ("aggbox_job_slots_active{iface=\"fuzz0\",job=\"2\"}", 8.0),
+        ("aggbox_job_slots_limit{iface=\"fuzz0\",aggbox_job=\"1\"}", 8.0),
+        ("aggbox_job_slots_active{iface=\"fuzz0\",aggbox_job=\"1\"}", 8.0),
+        ("aggbox_job_slots_limit{iface=\"fuzz0\",aggbox_job=\"2\"}", 8.0),
+        ("aggbox_job_slots_active{iface=\"fuzz0\",aggbox_job=\"2\"}", 8.0),
         ("aggbox_blocks_in_use{iface=\"fuzz0\"}", hash_slots),
         ("aggbox_blocks_capacity{iface=\"fuzz0\"}", abi::MAX_BLOCKS as f64),
     ] {

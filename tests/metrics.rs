@@ -50,7 +50,7 @@ fn scrape(netns: &str) -> String {
 const JOB_OUTCOMES: [&str; 6] = ["accepted", "result", "retransmission", "stale", "to_userspace", "dropped"];
 
 fn job_sample(outcome: &str) -> String {
-    format!("aggbox_job_contributions_total{{iface=\"eth0\",job=\"{JOB}\",outcome=\"{outcome}\"}}")
+    format!("aggbox_job_contributions_total{{iface=\"eth0\",aggbox_job=\"{JOB}\",outcome=\"{outcome}\"}}")
 }
 
 /// promtool is the reference linter for the exposition format and names.
@@ -95,12 +95,12 @@ fn metrics_are_valid_and_move_with_traffic() {
     let attach = LiveAttach::start(&agg.netns, "metrics", &config, &["--bpf-stats"]);
 
     let before = scrape(&agg.netns);
-    assert_eq!(value(&before, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    assert_eq!(value(&before, &format!("aggbox_job_results_total{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), 0.0);
 
     for outcome in JOB_OUTCOMES {
         assert_eq!(value(&before, &job_sample(outcome)), 0.0, "{outcome}");
     }
-    assert_eq!(value(&before, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    assert_eq!(value(&before, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), 0.0);
     promtool_check(&before);
 
     // One reduction from both ranks, plus one spoofed datagram.
@@ -154,17 +154,17 @@ fn metrics_are_valid_and_move_with_traffic() {
     assert_eq!(value(&after, &job_sample("dropped")), 1.0);
     assert_eq!(value(&after, &job_sample("stale")), 0.0);
     assert_eq!(value(&after, &job_sample("to_userspace")), 0.0);
-    assert_eq!(value(&after, &format!("aggbox_job_overflow_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    assert_eq!(value(&after, &format!("aggbox_job_overflow_results_total{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), 0.0);
     let vector_bytes = 24.0 * fragments + 4.0 * ELEMENTS as f64;
     assert_eq!(
-        value(&after, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",job=\"{JOB}\"}}")),
+        value(&after, &format!("aggbox_job_payload_bytes_total{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")),
         3.0 * vector_bytes + (24.0 + 3.0 * 4.0)
     );
-    assert_eq!(value(&after, &format!("aggbox_job_results_total{{iface=\"eth0\",job=\"{JOB}\"}}")), fragments);
+    assert_eq!(value(&after, &format!("aggbox_job_results_total{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), fragments);
     assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"result\"}"), fragments);
     assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"accepted\"}"), fragments);
     assert_eq!(value(&after, "aggbox_dropped_total{iface=\"eth0\",reason=\"source_mismatch\"}"), 1.0);
-    assert_eq!(value(&after, &format!("aggbox_job_slots_active{{iface=\"eth0\",job=\"{JOB}\"}}")), 0.0);
+    assert_eq!(value(&after, &format!("aggbox_job_slots_active{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), 0.0);
     // --bpf-stats was given: the entry program's run count covers every datagram.
     assert!(value(&after, "aggbox_program_runs_total{iface=\"eth0\",program=\"aggbox_xdp\"}") >= 2.0 * fragments + 1.0);
 

@@ -130,11 +130,11 @@ impl Bed {
         .expect("node netns");
         let prefix = format!("aggbox_result_service_{name}_total{{");
         text.lines()
-            .find(|l| l.starts_with(&prefix) && l.contains(&format!("job=\"{JOB}\"")))
+            .find(|l| l.starts_with(&prefix) && l.contains(&format!("aggbox_job=\"{JOB}\"")))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse::<f64>().ok())
             .map(|v| v as u64)
-            .unwrap_or_else(|| panic!("no {prefix}..job=\"{JOB}\"}} in /metrics:\n{text}"))
+            .unwrap_or_else(|| panic!("no {prefix}..aggbox_job=\"{JOB}\"}} in /metrics:\n{text}"))
     }
 }
 

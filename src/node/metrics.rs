@@ -176,7 +176,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         crate::kernel::xdp::pinned_jobs(&jobs)?.into_iter().map(|(dense, job)| (job.id, (dense, job))).collect();
     for (id, (dense, job)) in &job_list {
         let id_text = id.to_string();
-        let labels = [("iface", iface), ("job", id_text.as_str())];
+        let labels = [("iface", iface), ("aggbox_job", id_text.as_str())];
         let key = dense.to_ne_bytes();
         let state = match &job_state {
             Some(map) => map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::JobState>(&v)),
@@ -193,7 +193,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         if let Some(map) = &job_stats {
             if let Some(js) = maps::lookup_percpu_sum::<abi::JobStats>(map, &key)? {
                 for (outcome, n) in js.by_outcome() {
-                    contributions.push(&[("iface", iface), ("job", id_text.as_str()), ("outcome", outcome)], n as f64);
+                    contributions.push(&[("iface", iface), ("aggbox_job", id_text.as_str()), ("outcome", outcome)], n as f64);
                 }
                 overflow_results.push(&labels, js.overflow_results as f64);
                 job_bytes.push(&labels, js.bytes as f64);
@@ -294,7 +294,7 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
             let mut f = Family::counter(name, help);
             for (id, s) in &jobs {
                 let job = id.to_string();
-                f.push(&[("iface", iface), ("job", job.as_str())], get(s) as f64);
+                f.push(&[("iface", iface), ("aggbox_job", job.as_str())], get(s) as f64);
             }
             f
         })
@@ -305,7 +305,7 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
             );
             for (id, s) in &jobs {
                 let job = id.to_string();
-                f.push(&[("iface", iface), ("job", job.as_str())], s.workers_behind as f64);
+                f.push(&[("iface", iface), ("aggbox_job", job.as_str())], s.workers_behind as f64);
             }
             f
         }))
@@ -376,8 +376,8 @@ fn userspace_families(iface: &str, s: &crate::kernel::afxdp::UserspaceStats) -> 
     let mut job_limit = Family::gauge("aggbox_userspace_job_slots_limit", "Bound on the slots a job may hold on the user-space path (config userspace_slots).");
     for (job, (used, limit)) in &s.slots_by_job {
         let job = job.to_string();
-        job_slots.push(&[("iface", iface), ("job", job.as_str())], *used as f64);
-        job_limit.push(&[("iface", iface), ("job", job.as_str())], *limit as f64);
+        job_slots.push(&[("iface", iface), ("aggbox_job", job.as_str())], *used as f64);
+        job_limit.push(&[("iface", iface), ("aggbox_job", job.as_str())], *limit as f64);
     }
     let mut bytes = Family::gauge("aggbox_userspace_slot_bytes", "Bytes of slot memory held by the user-space path (all jobs).");
     bytes.push(&labels, s.slot_bytes as f64);
@@ -387,8 +387,8 @@ fn userspace_families(iface: &str, s: &crate::kernel::afxdp::UserspaceStats) -> 
     let mut job_bytes_limit = Family::gauge("aggbox_userspace_job_slot_bytes_limit", "Bound on a job's slot memory on the user-space path (config userspace_slot_bytes).");
     for (job, (used, limit)) in &s.slot_bytes_by_job {
         let job = job.to_string();
-        job_bytes.push(&[("iface", iface), ("job", job.as_str())], *used as f64);
-        job_bytes_limit.push(&[("iface", iface), ("job", job.as_str())], *limit as f64);
+        job_bytes.push(&[("iface", iface), ("aggbox_job", job.as_str())], *used as f64);
+        job_bytes_limit.push(&[("iface", iface), ("aggbox_job", job.as_str())], *limit as f64);
     }
     let mut overload = Family::counter("aggbox_userspace_overload_events_total", "Times a job's new slots were handed to user space because its kernel pool stayed full.");
     overload.push(&labels, s.overload_events as f64);
