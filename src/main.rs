@@ -84,6 +84,10 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Print rates per second every SECONDS (until interrupted) instead
+        /// of totals once.
+        #[arg(long, value_name = "SECONDS")]
+        watch: Option<f64>,
         /// Where pins live.
         #[arg(long, default_value = node::DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
@@ -243,8 +247,15 @@ fn run(cli: Cli) -> Result<()> {
         Command::Status {
             iface,
             json,
+            watch,
             pin_root,
         } => {
+            if let Some(interval) = watch {
+                if json {
+                    bail!("--watch prints rates for people; for machines, scrape the metrics endpoint");
+                }
+                return watch_rates(iface.as_deref(), &pin_root, interval);
+            }
             let statuses = node::status(iface.as_deref(), &pin_root)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&statuses)?);
@@ -451,6 +462,32 @@ fn attach(
     // must not turn a clean detach into a panic.
     let _ = writeln!(std::io::stdout(), "aggbox: detached from {iface}");
     Ok(())
+}
+
+/// `aggbox status --watch SECONDS`: rates per second of every attached
+/// interface, one block per interval.
+fn watch_rates(iface: Option<&str>, pin_root: &Path, interval: f64) -> Result<()> {
+    if !(0.1..=3600.0).contains(&interval) {
+        bail!("--watch {interval}: give an interval between 0.1 and 3600 seconds");
+    }
+    let mut before = node::status(iface, pin_root)?;
+    if before.is_empty() {
+        bail!("nothing attached (no state under {})", pin_root.display());
+    }
+    let mut at = std::time::Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_secs_f64(interval));
+        let now = node::status(iface, pin_root)?;
+        let seconds = at.elapsed().as_secs_f64();
+        at = std::time::Instant::now();
+        for status in &now {
+            if let Some(old) = before.iter().find(|b| b.attach.iface == status.attach.iface) {
+                print!("{}", node::format_rates(old, status, seconds));
+            }
+        }
+        println!();
+        before = now;
+    }
 }
 
 /// SIGHUP: read the config file again and apply its jobs and groups; the

@@ -7,7 +7,8 @@
 //! reason that the traffic sent must produce; every rule evaluates without
 //! error; every expression of the Grafana dashboard
 //! (`deploy/grafana/aggbox.json`) is accepted by the server and names only
-//! metrics the live node exposes.
+//! metrics the live node exposes; `aggbox status` lists the group with its
+//! members' next hops.
 //!
 //! The live test needs root (network namespaces, BPF):
 //! `sudo -E cargo test --test prometheus`.
@@ -224,7 +225,7 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
         a = senders[0].addr,
         b = senders[1].addr
     );
-    let _attach = LiveAttach::start(&agg.netns, "prometheus", &config, &["--bpf-stats"]);
+    let attach = LiveAttach::start(&agg.netns, "prometheus", &config, &["--bpf-stats"]);
     let _server = PrometheusServer::start(&agg.netns);
     let ns = agg.netns.as_str();
     let up = wait_for(ns, "up{job=\"aggbox\"}", 1.0);
@@ -263,6 +264,50 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
     // The recording rules evaluate over the scraped series.
     let recorded = wait_for(ns, &format!("aggbox:job_contributions:rate1m{{{job}}}"), f64::MIN_POSITIVE);
     assert!(recorded.is_some_and(|r| r > 0.0), "recording rule: {recorded:?}");
+
+    // `aggbox status` lists the group: both members, their next hops
+    // resolved by the RESULT copies the TC program sent them.
+    let status = attach.status();
+    let group = status.groups.iter().find(|g| g.id == GROUP && g.port == 0).expect("the group's root table in status");
+    let members: Vec<SocketAddrV4> = group.members.iter().map(|m| m.addr).collect();
+    assert_eq!(members, vec![SocketAddrV4::new(senders[0].addr, 7700), SocketAddrV4::new(senders[1].addr, 7700)]);
+    for m in &group.members {
+        let hop = m.next_hop.as_ref().unwrap_or_else(|| panic!("{}: next hop resolved", m.addr));
+        assert!(hop.mac.len() == 17 && hop.mac != "00:00:00:00:00:00", "{}: {hop:?}", m.addr);
+    }
+    let copies = group.counters.expect("group counters").copies;
+    assert!(copies >= 2 * fragments as u64, "a RESULT copy per member and fragment: {copies}");
+    let text = aggbox::node::format_status(&status);
+    assert!(text.contains(&format!("group {GROUP:5}  root table, 2 member(s)")), "{text}");
+    assert!(text.contains("next hop ") && text.contains(&format!("{}:7700", senders[0].addr)), "{text}");
+
+    // `aggbox status --watch`: rates per second while a second reduction
+    // (round 2 of both ranks) goes through.
+    let mut watch = Command::new("ip")
+        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_aggbox"), "status", "eth0", "--watch", "0.5", "--pin-root"])
+        .arg(&attach.pin_root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("aggbox status --watch");
+    std::thread::sleep(Duration::from_millis(700));
+    for (rank, sender) in senders.iter().enumerate() {
+        in_netns(&sender.netns, move || {
+            let socket = UdpSocket::bind("0.0.0.0:7700").unwrap();
+            let c = tools::Contribution { job: JOB, rank: rank as u16, round: Round(2), op: Op::Sum, first_seq: 100, per_datagram: 362 };
+            tools::contribute(&socket, to, &c, &tools::pattern_vector(rank as u16, ELEMENTS)).unwrap();
+        })
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(watch.id() as i32), nix::sys::signal::Signal::SIGINT);
+    let watched = watch.wait_with_output().expect("watch output");
+    let watched = String::from_utf8_lossy(&watched.stdout);
+    let moved: f64 = watched
+        .lines()
+        .filter(|l| l.trim_start().starts_with(&format!("job {JOB:5}")))
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "contributions").nth(1)?.parse::<f64>().ok())
+        .sum();
+    assert!(watched.contains("rates per second") && moved > 0.0, "the watch showed the round's contributions:\n{watched}");
 
     // Every rule of the shipped file is loaded and evaluates without error.
     let (status, body) = http_get(ns, PROMETHEUS_PORT, "/api/v1/rules");

@@ -35,6 +35,10 @@ pub mod names {
     pub const BCAST_STATS: &str = "bcast_stats";
     /// Per-CPU per-group broadcast counters (`abi::BcastGroupStat`), TC object.
     pub const BCAST_GSTATS: &str = "bcast_gstats";
+    /// Broadcast tables (`abi::GroupKey` → `abi::Group`), TC object.
+    pub const BCAST_GROUPS: &str = "bcast_groups";
+    /// The next-hop cache (`abi::NeighKey` → `abi::Neigh`, then a timer), TC object.
+    pub const BCAST_NEIGH: &str = "bcast_neigh";
 }
 
 /// One counter pair of a stats map (`abi::Stat`), summed over CPUs.

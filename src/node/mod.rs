@@ -930,6 +930,9 @@ pub struct NodeStatus {
     /// The result service's counters by node-served job (`consumer =
     /// "node"`; empty when there is none).
     pub served: BTreeMap<u16, serve::ServiceStats>,
+    /// Broadcast tables with their members and next hops (empty when TC
+    /// is not attached).
+    pub groups: Vec<GroupStatus>,
 }
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
@@ -1025,7 +1028,152 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
             }
         }
     }
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served })
+    let groups = if attach.tc { group_statuses(dir)? } else { Vec::new() };
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups })
+}
+
+/// One member of a broadcast table, with its next-hop cache entry.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct MemberStatus {
+    /// Destination address and port.
+    pub addr: std::net::SocketAddrV4,
+    /// The cached next hop (`None`: not resolved yet; the next copy asks
+    /// the FIB).
+    pub next_hop: Option<NextHopStatus>,
+}
+
+/// A next-hop cache entry (`bcast_neigh`) as `status` shows it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct NextHopStatus {
+    /// Destination MAC (the next hop's).
+    pub mac: String,
+    /// Egress interface index.
+    pub ifindex: u32,
+    /// Marked stale by its timer: re-resolved at the next copy.
+    pub stale: bool,
+    /// Seconds since it was resolved.
+    pub age_seconds: f64,
+}
+
+/// A broadcast table: the root table of a `[[group]]` (port 0) or a tree
+/// node's forwarding table (the port it forwards from).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct GroupStatus {
+    /// Group id.
+    pub id: u16,
+    /// 0: the root table; else the receive port of a forwarding table.
+    pub port: u16,
+    /// Destinations, mask bit order.
+    pub members: Vec<MemberStatus>,
+    /// Its counters (datagrams broadcast, copies, next-hop misses, bytes).
+    pub counters: Option<abi::BcastGroupStat>,
+}
+
+/// The broadcast tables of the pinned TC maps in `dir`, with every
+/// member's next-hop cache entry.
+fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
+    let tables = maps::open_pinned(dir, maps::names::BCAST_GROUPS)?;
+    let gstats = maps::open_pinned(dir, maps::names::BCAST_GSTATS).ok();
+    let neigh = maps::open_pinned(dir, maps::names::BCAST_NEIGH).ok();
+    let mut cache: Vec<(Ipv4Addr, abi::Neigh)> = Vec::new();
+    if let Some(map) = &neigh {
+        for k in map.keys() {
+            let Some(key) = abi::from_bytes::<abi::NeighKey>(&k) else { continue };
+            if let Some(n) = map.lookup(&k, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Neigh>(&v)) {
+                cache.push((Ipv4Addr::from(u32::from_be(key.addr)), n));
+            }
+        }
+    }
+    // bpf_ktime_get_ns is CLOCK_MONOTONIC.
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to write into.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let mut out = Vec::new();
+    for k in tables.keys() {
+        let Some(key) = abi::from_bytes::<abi::GroupKey>(&k) else { continue };
+        let Some(table) = tables.lookup(&k, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Group>(&v)) else { continue };
+        let members = table
+            .dests
+            .iter()
+            .take(table.count.min(abi::BCAST_MAX_DESTS) as usize)
+            .map(|d| {
+                let ip = Ipv4Addr::from(d.addr.to_ne_bytes());
+                MemberStatus {
+                    addr: std::net::SocketAddrV4::new(ip, u16::from_be(d.port)),
+                    next_hop: cache.iter().find(|(a, _)| *a == ip).map(|(_, n)| NextHopStatus {
+                        mac: n.dmac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"),
+                        ifindex: n.ifindex,
+                        stale: n.flags & abi::NEIGH_F_STALE != 0,
+                        age_seconds: now_ns.saturating_sub(n.updated_ns) as f64 / 1e9,
+                    }),
+                }
+            })
+            .collect();
+        let counters = match &gstats {
+            Some(map) => maps::lookup_percpu_sum(map, &k)?,
+            None => None,
+        };
+        out.push(GroupStatus { id: key.group, port: key.port, members, counters });
+    }
+    out.sort_by_key(|g| (g.id, g.port));
+    Ok(out)
+}
+
+/// Rates per second between two statuses of one attachment taken
+/// `seconds` apart (`aggbox status --watch`): per job (contributions the
+/// kernel took, RESULTs, retransmissions, drops, payload), per outcome and
+/// per drop reason, per group (copies, next-hop misses). Counters that went
+/// backwards (a job removed and added again by a reload) count from zero.
+pub fn format_rates(before: &NodeStatus, now: &NodeStatus, seconds: f64) -> String {
+    use std::fmt::Write;
+    let rate = |a: u64, b: u64| if b >= a { (b - a) as f64 / seconds } else { b as f64 / seconds };
+    let mut s = String::new();
+    let _ = writeln!(s, "{}: rates per second over {seconds:.1} s", now.attach.iface);
+    for job in &now.jobs {
+        let old = before.jobs.iter().find(|j| j.id == job.id).and_then(|j| j.counters).unwrap_or_default();
+        let Some(c) = job.counters else { continue };
+        let _ = writeln!(
+            s,
+            "  job {:5}  contributions {:>10.0}  results {:>10.0}  retransmissions {:>8.0}  dropped {:>8.0}  {:>10.1} MB/s",
+            job.id,
+            rate(old.accepted + old.results, c.accepted + c.results),
+            rate(old.results, c.results),
+            rate(old.retransmissions, c.retransmissions),
+            rate(old.dropped, c.dropped),
+            rate(old.bytes, c.bytes) / 1e6
+        );
+    }
+    let moving = |title: &str, a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, s: &mut String| {
+        let rows: Vec<(String, f64)> = b
+            .iter()
+            .map(|(k, &v)| (k.clone(), rate(a.get(k).copied().unwrap_or(0), v)))
+            .filter(|(_, r)| *r > 0.0)
+            .collect();
+        if !rows.is_empty() {
+            let _ = writeln!(s, "  {title}:");
+            for (k, r) in rows {
+                let _ = writeln!(s, "    {k:<28} {r:>12.0}");
+            }
+        }
+    };
+    moving("datagrams by outcome", &before.outcomes, &now.outcomes, &mut s);
+    moving("dropped by reason", &before.drops, &now.drops, &mut s);
+    moving("handed to user space by reason", &before.handoffs, &now.handoffs, &mut s);
+    for g in &now.groups {
+        let old = before.groups.iter().find(|o| (o.id, o.port) == (g.id, g.port)).and_then(|o| o.counters).unwrap_or_default();
+        let Some(c) = g.counters else { continue };
+        let _ = writeln!(
+            s,
+            "  group {:5} port {:5}  broadcasts {:>8.0}  copies {:>10.0}  next-hop misses {:>8.0}",
+            g.id,
+            g.port,
+            rate(old.datagrams, c.datagrams),
+            rate(old.copies, c.copies),
+            rate(old.neigh_misses, c.neigh_misses)
+        );
+    }
+    s
 }
 
 /// Human-readable status table.
@@ -1087,6 +1235,32 @@ pub fn format_status(status: &NodeStatus) -> String {
                 "      counters: accepted {} result {} (overflow {}) retransmission {} stale {} to_userspace {} dropped {}  payload {} B",
                 c.accepted, c.results, c.overflow_results, c.retransmissions, c.stale, c.handed_to_userspace, c.dropped, c.bytes
             );
+        }
+    }
+    if a.tc {
+        let _ = writeln!(s, "  groups:");
+        if status.groups.is_empty() {
+            let _ = writeln!(s, "    (none)");
+        }
+    }
+    for g in &status.groups {
+        let table = if g.port == 0 { "root table".to_string() } else { format!("forwarding table of port {}", g.port) };
+        let counters = g.counters.map_or(String::new(), |c| {
+            format!(": broadcast {} copies {} next-hop misses {} payload {} B", c.datagrams, c.copies, c.neigh_misses, c.bytes)
+        });
+        let _ = writeln!(s, "    group {:5}  {table}, {} member(s){counters}", g.id, g.members.len());
+        for m in &g.members {
+            let hop = match &m.next_hop {
+                Some(h) => format!(
+                    "next hop {} via ifindex {}, resolved {:.1} s ago{}",
+                    h.mac,
+                    h.ifindex,
+                    h.age_seconds,
+                    if h.stale { " (stale: re-resolved at the next copy)" } else { "" }
+                ),
+                None => "next hop not resolved yet".to_string(),
+            };
+            let _ = writeln!(s, "      {:<21} {hop}", m.addr.to_string());
         }
     }
     let _ = writeln!(s, "  datagrams by outcome:");

@@ -768,7 +768,7 @@ const _: () = assert!(core::mem::size_of::<BcastConfig>() == 8);
 
 /// `struct aggbox_bcast_group_stat` (per-CPU value of `bcast_gstats`).
 #[repr(C)]
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct BcastGroupStat {
     pub datagrams: u64,
     pub copies: u64,
