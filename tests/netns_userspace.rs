@@ -451,16 +451,22 @@ fn send_sum_round(
 }
 
 /// Packets the kernel counted as lost on the way from the sender host to
-/// the aggregator's programs: the sender veth's TX drops (its peer's ring
-/// full), the aggregator's RX drops (a failed redirect) and every AF_XDP
-/// socket's drops (RX ring full, fill ring empty, other).
+/// the aggregator's programs: TX drops of every veth on the way (the
+/// sender's, and the switch's port to the aggregator, whose drops are the
+/// aggregator's ring being full), the aggregator's RX drops (a failed
+/// redirect) and every AF_XDP socket's drops (RX ring full, fill ring
+/// empty, other).
 fn counted_packet_losses(bed: &Bed) -> u64 {
-    let dropped = |host: usize, counter: &str| -> u64 {
-        let path = format!("/sys/class/net/eth0/statistics/{counter}");
-        let out = bed.tb.run_in(host, &["cat", &path]).expect("read veth counter");
-        assert!(out.status.success(), "cat {path} in host {host}: {out:?}");
+    let read = |netns: &str, dev: &str, counter: &str| -> u64 {
+        let path = format!("/sys/class/net/{dev}/statistics/{counter}");
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", netns, "cat", &path])
+            .output()
+            .expect("read a veth counter");
+        assert!(out.status.success(), "cat {path} in {netns}: {out:?}");
         String::from_utf8_lossy(&out.stdout).trim().parse().expect("counter")
     };
+    let (sender, aggregator, switch) = (bed.tb.host(1).netns, bed.tb.host(0).netns, bed.tb.switch_netns());
     let xsk: u64 = bed
         .us()
         .stats()
@@ -468,7 +474,10 @@ fn counted_packet_losses(bed: &Bed) -> u64 {
         .values()
         .map(|x| x.rx_dropped + x.rx_ring_full + x.rx_fill_ring_empty)
         .sum();
-    dropped(1, "tx_dropped") + dropped(0, "rx_dropped") + xsk
+    read(&sender, "eth0", "tx_dropped")
+        + read(&switch, &bed.tb.switch_port(0), "tx_dropped")
+        + read(&aggregator, "eth0", "rx_dropped")
+        + xsk
 }
 
 fn check(got: &Results, want: &BTreeMap<(u32, u32), Vec<u8>>, what: &str) {
