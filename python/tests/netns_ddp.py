@@ -16,8 +16,9 @@ Checked:
   group's allreduce), and the float32 body through AggBox;
 - after the steps, every parameter of the two runs agrees within the sum over
   the steps of lr x that per-step bound (x2 for the second-order effect of
-  gradients taken at slightly different parameters), and the two loss curves
-  agree step by step and decrease.
+  gradients taken at slightly different parameters) plus one float32 rounding
+  of the parameter per step, and the two loss curves agree step by step and
+  decrease.
 
 Prints JSON-ish lines; exits non-zero on a failure.
 """
@@ -58,13 +59,11 @@ class SmallNet(nn.Module):
 
 
 def batch(rank, step):
-    """Synthetic data: inputs of this rank and step, labels from a fixed
-    random linear teacher (so the loss can go down)."""
+    """Synthetic data: inputs of this rank and step, labelled by the channel
+    with the largest mean (learnable in a few dozen steps)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(BATCH, 3, 16, 16, generator=g)
-    teacher = torch.randn(3 * 16 * 16, 10, generator=torch.Generator().manual_seed(99))
-    y = (x.flatten(1) @ teacher).argmax(1)
-    return x, y
+    return x, x.mean(dim=(2, 3)).argmax(1)
 
 
 class CheckingState(aggbox_torch.AllreduceState):
@@ -90,8 +89,10 @@ def checking_hook(state, bucket):
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     bound = state.comm.float_error_bound(float(m), mean=True)
     # The result is rounded to float32 once: half an ulp, at most 2^-24 |x|.
-    tol = bound + exact.abs() * 2.0**-24 + 1e-45
-    state.step_bound = max(state.step_bound, bound + float(m) * 2.0**-24)
+    tol = bound + (exact.abs() + bound) * 2.0**-24 + 1e-45
+    # What the two runs' averaged gradients may differ by: this bound, and
+    # the float32 roundings of both results (Gloo adds in float32).
+    state.step_bound = max(state.step_bound, bound + float(m) * 2.0**-22)
 
     def compare(fut):
         got = fut.value()
@@ -133,7 +134,9 @@ def main():
     )
     comm = aggbox.Communicator.from_config(a.config, job=a.job, rank=r, aggregator=a.aggregator, deadline=30.0)
 
-    # Small buckets: several per step, so that their order matters.
+    # Small buckets: several per step, so that their order matters (DDP
+    # documents the first bucket's size as this attribute).
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 20_000
     gloo = DDP(make_model(), bucket_cap_mb=0.05)
     agg = DDP(make_model(), bucket_cap_mb=0.05)
     state = CheckingState(comm)
@@ -154,22 +157,29 @@ def main():
         drift_bound += LR * state.step_bound
         state.step_bound = 0.0
 
-    worst = 0.0
+    # Each step moves the parameters by lr x the averaged gradient, which
+    # differs between the runs by at most the step's bound (x2: gradients
+    # taken at slightly different parameters), and rounds each parameter to
+    # float32 (one ulp, at most 2^-23 |p|, between the runs).
+    worst, worst_ratio = 0.0, 0.0
     for (name, pg), (_, pa) in zip(gloo.module.named_parameters(), agg.module.named_parameters()):
-        d = float((pg.detach().double() - pa.detach().double()).abs().max())
-        worst = max(worst, d)
+        pg, pa = pg.detach().double(), pa.detach().double()
+        d = (pg - pa).abs()
+        tol = 2 * drift_bound + a.steps * 2.0**-23 * torch.maximum(pg.abs(), pa.abs())
+        worst = max(worst, float(d.max()))
+        worst_ratio = max(worst_ratio, float((d / tol).max()))
     print(
         f"rank {r}: buckets aggbox {state.aggbox_buckets} fallback {state.fallback_buckets}, "
         f"checked {state.checked} (worst error/bound {state.worst_ratio:.3f}); "
-        f"parameters differ by {worst:.3e} (bound {2 * drift_bound:.3e}); "
+        f"parameters differ by {worst:.3e} (at most {worst_ratio:.3f} of the bound); "
         f"loss {losses_g[0]:.4f} -> gloo {losses_g[-1]:.4f}, aggbox {losses_a[-1]:.4f}",
         flush=True,
     )
     steps = a.steps
-    assert state.aggbox_buckets >= 2 * steps, "the float32 body went through AggBox, in several buckets"
+    assert state.aggbox_buckets > steps, "the float32 body went through AggBox, in several buckets a step"
     assert state.fallback_buckets >= steps, "the float64 head went through the fallback"
     assert state.checked == state.aggbox_buckets, "every AggBox bucket was checked"
-    assert worst <= 2 * drift_bound, f"parameters differ by {worst:.3e}, beyond {2 * drift_bound:.3e}"
+    assert worst_ratio <= 1.0, f"parameters differ by {worst:.3e}, beyond the bound"
     for s, (lg, la) in enumerate(zip(losses_g, losses_a)):
         assert abs(lg - la) <= 1e-4 * abs(lg) + 1e-6, f"step {s}: loss gloo {lg} aggbox {la}"
     first, last = sum(losses_g[:5]) / 5, sum(losses_g[-5:]) / 5
