@@ -8,17 +8,29 @@ PROFILE      ?= release
 CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
 BENCH_BIN    := target/$(PROFILE)/aggbox-bench
+# The Python package (python/, docs/PYTHON.md) is built for and tested with
+# Debian's /usr/bin/python3 beside its torch, numpy and torchvision (the
+# training example); python3-venv holds maturin (from PyPI, pinned).
+PY_APT_PACKAGES := python3 python3-venv python3-numpy python3-torch python3-torchvision
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
-                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
+                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps \
+                $(PY_APT_PACKAGES)
+PYTHON       := /usr/bin/python3
+MATURIN_VERSION := 1.16.0
+PY_TOOLS     := target/python/tools
+MATURIN      := $(PY_TOOLS)/bin/maturin
+PY_WHEELS    := target/python/wheels
+PY_SITE      := target/python/site
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build python python-deps test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
-all: build
+all: build python
 
 help:
 	@echo "make deps    install the Debian packages the build and tests need (idempotent)"
 	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
+	@echo "make python  build the Python package's wheel ($(PY_WHEELS)) and unpack it in $(PY_SITE)"
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
@@ -44,9 +56,32 @@ deps:
 build: deps
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
 
+# maturin in a virtual environment of Debian's python3 (pip does not touch
+# the system's packages); installed once, its version checked every time.
+python-deps: deps
+	@if [ "$$($(MATURIN) --version 2>/dev/null)" != "maturin $(MATURIN_VERSION)" ]; then \
+	  echo "python-deps: installing maturin $(MATURIN_VERSION) from PyPI into $(PY_TOOLS)"; \
+	  rm -rf $(PY_TOOLS) && $(PYTHON) -m venv $(PY_TOOLS) && \
+	  $(PY_TOOLS)/bin/pip install -q "maturin==$(MATURIN_VERSION)" || \
+	    { echo "python-deps: could not install maturin $(MATURIN_VERSION) from PyPI (network? proxy?)" >&2; exit 1; }; \
+	fi
+
+# The wheel of the Python package (PyO3 + maturin, python/), built for
+# /usr/bin/python3 into the shared target/ (the library is compiled once for
+# the binary and the extension), and unpacked into $(PY_SITE), where
+# tests/python_package.rs imports it from (PYTHONPATH). `pip install
+# target/python/wheels/aggbox-*.whl` installs the same wheel.
+python: python-deps
+	rm -f $(PY_WHEELS)/aggbox-*.whl
+	cd python && CARGO_TARGET_DIR=$(CURDIR)/target $(CURDIR)/$(MATURIN) build $(CARGO_FLAGS) \
+	  --interpreter $(PYTHON) --out $(CURDIR)/$(PY_WHEELS)
+	rm -rf $(PY_SITE)
+	$(PYTHON) -m zipfile -e $(PY_WHEELS)/aggbox-*.whl $(PY_SITE)
+
 # Unit tests need nothing special; the BPF and netns tests need root and a
 # kernel with BTF and fail with a clear message otherwise (never skip).
-test: deps
+# tests/python_package.rs needs the wheel `make python` builds.
+test: deps python
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
 	$(CARGO) build $(CARGO_FLAGS) --all-targets

@@ -25,8 +25,6 @@ the buckets (the same on every rank, as AggBox requires), with the GIL
 released, so the backward pass goes on while a bucket is reduced.
 """
 
-from __future__ import annotations
-
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -70,7 +68,9 @@ class AllreduceState:
         raise TypeError("aggbox.torch.AllreduceState holds a live communicator and cannot be pickled")
 
 
-def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futures.Future:
+# DDP checks these annotations (exactly dist.GradBucket and
+# torch.futures.Future[torch.Tensor]), hence no `from __future__ import annotations`.
+def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average `bucket` over the workers: through AggBox for CPU float32/int32
     buckets, through the process group otherwise (see the module docs)."""
     tensor = bucket.buffer()
@@ -82,7 +82,7 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
         return fut.then(lambda f: f.value()[0].div_(world))
     state._count(aggbox=True)
     op = "mean" if tensor.dtype == torch.float32 else "avg"
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def reduce() -> None:
         try:

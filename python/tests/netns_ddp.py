@@ -184,6 +184,14 @@ def main():
         assert abs(lg - la) <= 1e-4 * abs(lg) + 1e-6, f"step {s}: loss gloo {lg} aggbox {la}"
     first, last = sum(losses_g[:5]) / 5, sum(losses_g[-5:]) / 5
     assert last < 0.8 * first, f"the loss went down: {first:.4f} -> {last:.4f}"
+    # The hook itself, as users register it (DDP checks its annotations),
+    # for one step.
+    plain = DDP(make_model(), bucket_cap_mb=0.05)
+    plain_state = aggbox_torch.AllreduceState(comm)
+    plain.register_comm_hook(plain_state, aggbox_torch.allreduce_hook)
+    x, y = batch(r, 0)
+    F.cross_entropy(plain(x), y).backward()
+    assert plain_state.aggbox_buckets >= 1 and plain_state.fallback_buckets >= 1, "aggbox.torch.allreduce_hook ran"
     comm.close()
     dist.destroy_process_group()
     print("done", flush=True)
