@@ -23,7 +23,7 @@ PY_WHEELS    := target/python/wheels
 PY_SITE      := target/python/site
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build python python-deps test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build python python-deps bench-python test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
 all: build python
 
@@ -34,6 +34,7 @@ help:
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
+	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -119,10 +120,24 @@ bench-deps:
 	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { echo "bench-deps: apt-get install failed" >&2; exit 1; }; \
 	fi
 
-bench: deps bench-deps
+bench: deps bench-deps python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-python
+
+# DDP training over AggBox against Gloo (docs/PYTHON.md "Benchmark"): time per
+# step and per allreduce of the whole gradient, ResNet-18 (11.2 M parameters)
+# and ResNet-34 (21.8 M), 4 workers, one run; results in
+# $(BENCH_OUT)/python_ddp.{json,log}. MTU 9000 with the job slots that fit the
+# kernel's block pool there (910, docs/JUMBO.md).
+PY_BENCH_STEPS := $(if $(filter --quick,$(BENCH_ARGS)),3,10)
+bench-python: python
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	$(CARGO) build $(CARGO_FLAGS) --bin aggbox
+	mkdir -p $(BENCH_OUT)
+	set -o pipefail; python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
+	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
 
 fmt:
 	$(CARGO) fmt

@@ -46,7 +46,12 @@ fn python_path() -> String {
     let ext = site.join("aggbox/_aggbox.abi3.so");
     let built = std::fs::metadata(&ext)
         .and_then(|m| m.modified())
-        .unwrap_or_else(|e| panic!("{}: {e}: build the Python package first with `make python`", ext.display()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}: build the Python package first with `make python`",
+                ext.display()
+            )
+        });
     let newest = newest_source(&repo().join("python"));
     assert!(
         built >= newest.1,
@@ -55,13 +60,26 @@ fn python_path() -> String {
         newest.0.display()
     );
     let out = Command::new(PYTHON)
-        .args(["-c", "import torch, numpy, aggbox, aggbox.torch; print(aggbox.__file__)"])
+        .args([
+            "-c",
+            "import torch, numpy, aggbox, aggbox.torch; print(aggbox.__file__)",
+        ])
         .env("PYTHONPATH", &site)
         .output()
-        .unwrap_or_else(|e| panic!("{PYTHON}: {e} (Debian's python3 with python3-torch: `make deps`)"));
-    assert!(out.status.success(), "importing aggbox beside torch and numpy:\n{}", String::from_utf8_lossy(&out.stderr));
+        .unwrap_or_else(|e| {
+            panic!("{PYTHON}: {e} (Debian's python3 with python3-torch: `make deps`)")
+        });
+    assert!(
+        out.status.success(),
+        "importing aggbox beside torch and numpy:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let file = String::from_utf8_lossy(&out.stdout);
-    assert!(file.trim().starts_with(site.to_str().unwrap()), "aggbox came from {file}, not {}", site.display());
+    assert!(
+        file.trim().starts_with(site.to_str().unwrap()),
+        "aggbox came from {file}, not {}",
+        site.display()
+    );
     site.to_string_lossy().into_owned()
 }
 
@@ -71,7 +89,9 @@ fn newest_source(python_dir: &Path) -> (PathBuf, SystemTime) {
     let mut newest = (python_dir.join("Cargo.toml"), SystemTime::UNIX_EPOCH);
     let mut dirs = vec![python_dir.join("src"), python_dir.join("aggbox")];
     for f in ["Cargo.toml", "pyproject.toml"] {
-        let t = std::fs::metadata(python_dir.join(f)).and_then(|m| m.modified()).expect("python/ sources");
+        let t = std::fs::metadata(python_dir.join(f))
+            .and_then(|m| m.modified())
+            .expect("python/ sources");
         if t > newest.1 {
             newest = (python_dir.join(f), t);
         }
@@ -111,8 +131,14 @@ fn the_package_on_loopback_numpy_torch_errors_and_the_gil() {
         .expect("run python3 -m unittest");
     let text = String::from_utf8_lossy(&out.stderr);
     eprintln!("{text}");
-    assert!(out.status.success(), "python/tests/test_loopback.py failed:\n{text}");
-    assert!(!text.contains("skipped"), "no test may be skipped (torch missing?)");
+    assert!(
+        out.status.success(),
+        "python/tests/test_loopback.py failed:\n{text}"
+    );
+    assert!(
+        !text.contains("skipped"),
+        "no test may be skipped (torch missing?)"
+    );
 }
 
 const DATA_PORTS: [u16; 3] = [7700, 7710, 7720];
@@ -131,7 +157,11 @@ struct Node {
 impl Node {
     fn up(tag: &str) -> Node {
         require_root();
-        let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
+        let tb = Testbed::up(TestbedConfig {
+            hosts: WORKERS + 1,
+            ..Default::default()
+        })
+        .expect("testbed");
         let workers: Vec<String> = (1..=WORKERS).map(|h| tb.host(h).addr.to_string()).collect();
         let mut text = String::from("[node]\nmetrics = \"127.0.0.1:9472\"\n");
         for (i, (&job, &data_port)) in JOBS.iter().zip(&DATA_PORTS).enumerate() {
@@ -146,7 +176,8 @@ impl Node {
         }
         let attach = LiveAttach::start(&tb.host(0).netns, tag, &text, &[]);
         // The workers read the same file (the namespaces share the file system).
-        let config = std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
+        let config =
+            std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
         std::fs::write(&config, &text).expect("write the workers' configuration");
         Node { config, attach, tb }
     }
@@ -154,7 +185,12 @@ impl Node {
     /// Runs `script` on every worker (rank r on host r+1) with `args(r)`,
     /// at most `limit`; returns each rank's exit status and output. Each
     /// process is killed (by its pid) if it outlives `limit`.
-    fn run_workers(&self, script: &str, args: impl Fn(usize) -> Vec<String>, limit: Duration) -> Vec<(ExitStatus, String)> {
+    fn run_workers(
+        &self,
+        script: &str,
+        args: impl Fn(usize) -> Vec<String>,
+        limit: Duration,
+    ) -> Vec<(ExitStatus, String)> {
         let site = python_path();
         let script = repo().join("python/tests").join(script);
         let logs: Vec<PathBuf> = (0..WORKERS)
@@ -163,8 +199,16 @@ impl Node {
         let mut children: Vec<Child> = (0..WORKERS)
             .map(|r| {
                 let mut cmd = vec![PYTHON.to_string(), script.to_string_lossy().into_owned()];
-                cmd.extend(["--rank".into(), r.to_string(), "--world".into(), WORKERS.to_string()]);
-                cmd.extend(["--config".into(), self.config.to_string_lossy().into_owned()]);
+                cmd.extend([
+                    "--rank".into(),
+                    r.to_string(),
+                    "--world".into(),
+                    WORKERS.to_string(),
+                ]);
+                cmd.extend([
+                    "--config".into(),
+                    self.config.to_string_lossy().into_owned(),
+                ]);
                 cmd.extend(["--aggregator".into(), self.tb.host(0).addr.to_string()]);
                 cmd.extend(args(r));
                 let argv: Vec<&str> = cmd.iter().map(String::as_str).collect();
@@ -217,13 +261,32 @@ impl Drop for Node {
 #[test]
 fn python_workers_allreduce_and_broadcast_through_a_node_served_job() {
     let node = Node::up("py-coll");
-    let args = |_r: usize| vec!["--job".into(), JOBS[0].to_string(), "--mismatch-job".into(), JOBS[1].to_string()];
+    let args = |_r: usize| {
+        vec![
+            "--job".into(),
+            JOBS[0].to_string(),
+            "--mismatch-job".into(),
+            JOBS[1].to_string(),
+        ]
+    };
     let results = node.run_workers("netns_collectives.py", args, Duration::from_secs(180));
     for (r, (status, text)) in results.iter().enumerate() {
-        assert!(status.success(), "rank {r}: netns_collectives.py failed ({status}):\n{text}");
-        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
-        assert!(text.contains("ok: float32 numpy allreduce mean"), "rank {r}:\n{text}");
-        assert!(text.contains("ok: wrong length (") && text.contains("CommTimeoutError"), "rank {r}:\n{text}");
+        assert!(
+            status.success(),
+            "rank {r}: netns_collectives.py failed ({status}):\n{text}"
+        );
+        assert!(
+            text.trim_end().ends_with("done"),
+            "rank {r} did not finish:\n{text}"
+        );
+        assert!(
+            text.contains("ok: float32 numpy allreduce mean"),
+            "rank {r}:\n{text}"
+        );
+        assert!(
+            text.contains("ok: wrong length (") && text.contains("CommTimeoutError"),
+            "rank {r}:\n{text}"
+        );
     }
 }
 
@@ -245,8 +308,14 @@ fn ddp_with_the_aggbox_hook_trains_like_gloo() {
     };
     let results = node.run_workers("netns_ddp.py", args, Duration::from_secs(300));
     for (r, (status, text)) in results.iter().enumerate() {
-        assert!(status.success(), "rank {r}: netns_ddp.py failed ({status}):\n{text}");
-        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        assert!(
+            status.success(),
+            "rank {r}: netns_ddp.py failed ({status}):\n{text}"
+        );
+        assert!(
+            text.trim_end().ends_with("done"),
+            "rank {r} did not finish:\n{text}"
+        );
         assert!(text.contains("parameters differ by"), "rank {r}:\n{text}");
     }
 }

@@ -5,7 +5,11 @@
 # worker each, which trains the model once with DDP's Gloo allreduce and once
 # with aggbox.torch.allreduce_hook from the same seed.
 #
-#   python/examples/ddp_testbed.sh [--workers 4] [--mtu 1500] [train_ddp.py options...]
+#   python/examples/ddp_testbed.sh [--workers 4] [--mtu 1500] [--slots N] [train_ddp.py options...]
+#
+# --slots sets the job's `slots`; jumbo MTUs need fewer than the default 4096
+# to keep the job's fragments within the kernel's block pool (910 at MTU
+# 9000: `slots_for_mtu` in src/bin/aggbox-bench/large.rs, docs/JUMBO.md).
 #
 # e.g. `python/examples/ddp_testbed.sh --models resnet18 --steps 10`. Needs
 # root, `make build python` first (AGGBOX_BIN and AGGBOX_PYTHONPATH override
@@ -19,10 +23,12 @@ SITE=$(readlink -f "${AGGBOX_PYTHONPATH:-$REPO/target/python/site}")
 PYTHON=/usr/bin/python3
 WORKERS=4
 MTU=1500
+SLOTS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --workers) WORKERS=$2; shift 2 ;;
         --mtu) MTU=$2; shift 2 ;;
+        --slots) SLOTS="slots = $2"; shift 2 ;;
         *) break ;;
     esac
 done
@@ -80,6 +86,7 @@ port = $PORT
 workers = [ ${workers%, } ]
 result_port = $((PORT + 1))
 result_group = $GROUP
+$SLOTS
 consumer = "node"     # aggbox attach serves the results: no aggregator application
 
 [[group]]

@@ -132,7 +132,11 @@ fn deadline(seconds: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(seconds)
         .ok()
         .filter(|d| !d.is_zero())
-        .ok_or_else(|| PyValueError::new_err(format!("deadline {seconds} s: a positive number of seconds")))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "deadline {seconds} s: a positive number of seconds"
+            ))
+        })
 }
 
 /// A caller's buffer, checked: writable, C-contiguous, int32 or float32.
@@ -193,7 +197,10 @@ impl Buffer {
 /// on the CPU). torch is looked up only if the caller imported it.
 fn exporter<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
-    let torch = py.import("sys")?.getattr("modules")?.call_method1("get", ("torch",))?;
+    let torch = py
+        .import("sys")?
+        .getattr("modules")?
+        .call_method1("get", ("torch",))?;
     if !torch.is_none() && obj.is_instance(&torch.getattr("Tensor")?)? {
         return obj.call_method0("detach")?.call_method0("numpy");
     }
@@ -201,7 +208,10 @@ fn exporter<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
 }
 
 fn lend<T: pyo3::buffer::Element>(b: &PyBuffer<T>) -> Lent<T> {
-    Lent { ptr: b.buf_ptr() as *mut T, len: b.item_count() }
+    Lent {
+        ptr: b.buf_ptr() as *mut T,
+        len: b.item_count(),
+    }
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -227,8 +237,14 @@ fn describe_buffer(obj: &Bound<'_, PyAny>, exporter: &Bound<'_, PyAny>) -> Strin
         .and_then(|mv| mv.call1((exporter,)))
     {
         Ok(view) => {
-            let format: String = view.getattr("format").and_then(|f| f.extract()).unwrap_or_default();
-            let size: usize = view.getattr("itemsize").and_then(|f| f.extract()).unwrap_or_default();
+            let format: String = view
+                .getattr("format")
+                .and_then(|f| f.extract())
+                .unwrap_or_default();
+            let size: usize = view
+                .getattr("itemsize")
+                .and_then(|f| f.extract())
+                .unwrap_or_default();
             let _ = view.call_method0("release");
             format!(" (format '{format}', {size}-byte items)")
         }
@@ -264,7 +280,11 @@ fn float_mean(what: &str, op: &str) -> PyResult<bool> {
 }
 
 fn int_op(what: &str, op: &str) -> PyResult<Op> {
-    let name = if op.eq_ignore_ascii_case("mean") { "avg" } else { op };
+    let name = if op.eq_ignore_ascii_case("mean") {
+        "avg"
+    } else {
+        op
+    };
     Op::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
             "{what}: op '{op}': one of sum, max, min, avg (mean), count, prod, band, bor, bxor"
@@ -284,8 +304,12 @@ struct PyCommunicator {
 
 impl PyCommunicator {
     fn wrap(py: Python<'_>, b: CommunicatorBuilder) -> PyResult<PyCommunicator> {
-        let comm = py.allow_threads(|| b.build()).map_err(|e| to_py_err(py, e))?;
-        Ok(PyCommunicator { inner: RwLock::new(Some(comm)) })
+        let comm = py
+            .allow_threads(|| b.build())
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(PyCommunicator {
+            inner: RwLock::new(Some(comm)),
+        })
     }
 
     /// Runs `f` on the communicator with the GIL released.
@@ -312,7 +336,14 @@ impl PyCommunicator {
             .ok_or_else(|| CommClosedError::new_err("communicator closed"))
     }
 
-    fn reduce(&self, py: Python<'_>, what: &str, buf: &Bound<'_, PyAny>, op: &str, all: bool) -> PyResult<bool> {
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        buf: &Bound<'_, PyAny>,
+        op: &str,
+        all: bool,
+    ) -> PyResult<bool> {
         match Buffer::of(what, buf)? {
             Buffer::I32(b) => {
                 let op = int_op(what, op)?;
@@ -320,7 +351,11 @@ impl PyCommunicator {
                 // SAFETY: see `Lent`; `b` outlives the call.
                 let out = self.call(py, move |c| {
                     let s = unsafe { lent.slice() };
-                    if all { c.allreduce_i32(s, op) } else { c.reduce_i32(s, op) }
+                    if all {
+                        c.allreduce_i32(s, op)
+                    } else {
+                        c.reduce_i32(s, op)
+                    }
                 });
                 b.release(py);
                 out
@@ -408,9 +443,15 @@ impl PyCommunicator {
             Some(p) => p,
             None => group_data_port(&config, job, rank)?,
         };
-        let b = CommunicatorBuilder::from_config(&config, job, aggregator, data_port, participant(rank))
-            .map_err(|e| to_py_err(py, e))?
-            .backend(parse_backend(backend)?);
+        let b = CommunicatorBuilder::from_config(
+            &config,
+            job,
+            aggregator,
+            data_port,
+            participant(rank),
+        )
+        .map_err(|e| to_py_err(py, e))?
+        .backend(parse_backend(backend)?);
         Self::wrap(py, tune(b, deadline, quantization, mtu)?)
     }
 
@@ -460,7 +501,12 @@ impl PyCommunicator {
     /// unchanged); the aggregator's application gets the result in its `buf`.
     /// Same buffers and ops as allreduce.
     #[pyo3(name = "reduce", signature = (buf, op = "sum"))]
-    fn reduce_to_aggregator(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<bool> {
+    fn reduce_to_aggregator(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<bool> {
         self.reduce(py, "reduce", buf, op, false)
     }
 
@@ -468,7 +514,12 @@ impl PyCommunicator {
     /// "aggregator"): every other participant's `buf` (same length, int32 or
     /// float32) is overwritten with the root's. Values travel bit for bit.
     #[pyo3(signature = (buf, root = None))]
-    fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        root: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let root = match root {
             Some(r) => parse_root(r)?,
             None => Participant::Worker(0),
@@ -507,7 +558,9 @@ impl PyCommunicator {
             match c.config().quantization {
                 Quantization::Fixed(s) => per_scale(s),
                 Quantization::Adaptive => per_scale(adaptive_scale(max_abs, w)),
-                Quantization::FixedOrAdaptive(s) => per_scale(s).max(per_scale(adaptive_scale(max_abs, w))),
+                Quantization::FixedOrAdaptive(s) => {
+                    per_scale(s).max(per_scale(adaptive_scale(max_abs, w)))
+                }
             }
         })
     }
@@ -576,9 +629,16 @@ fn group_data_port(config: &Config, job: u16, rank: Option<u16>) -> PyResult<u16
             "job {job}: pass data_port= (the configuration has no result_group member for this participant)"
         ))
     };
-    let j = config.job(job).ok_or_else(|| ConfigError::new_err(format!("no job {job} in the configuration")))?;
-    let addr = rank.and_then(|r| j.workers.get(r as usize)).ok_or_else(need)?;
-    let group = j.result_group.and_then(|g| config.group(g)).ok_or_else(need)?;
+    let j = config
+        .job(job)
+        .ok_or_else(|| ConfigError::new_err(format!("no job {job} in the configuration")))?;
+    let addr = rank
+        .and_then(|r| j.workers.get(r as usize))
+        .ok_or_else(need)?;
+    let group = j
+        .result_group
+        .and_then(|g| config.group(g))
+        .ok_or_else(need)?;
     group
         .members
         .iter()
@@ -601,7 +661,10 @@ fn _aggbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adaptive_quantization_scale, m)?)?;
     m.add("AggBoxError", py.get_type::<AggBoxError>())?;
     m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
-    m.add("QuantizationOverflowError", py.get_type::<QuantizationOverflowError>())?;
+    m.add(
+        "QuantizationOverflowError",
+        py.get_type::<QuantizationOverflowError>(),
+    )?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CommClosedError", py.get_type::<CommClosedError>())?;
     m.add("DEFAULT_FIXED_SCALE", DEFAULT_SCALE)?;
