@@ -18,13 +18,9 @@ import time
 import unittest
 
 import numpy as np
+import torch
 
 import aggbox
-
-try:
-    import torch
-except ImportError:  # torch is optional for the package, required by this test
-    torch = None
 
 WORKERS = 3
 # A port range of this process's own, so that parallel runs do not collide.
@@ -187,7 +183,6 @@ class Collectives(unittest.TestCase):
         self.assertEqual(list(bufs[0]), [s, 10 * s, -s])
         self.assertEqual(out.tolist(), [s, 10 * s, -s])
 
-    @unittest.skipIf(torch is None, "needs torch")  # tests/python_package.rs requires torch first
     def test_torch_tensors_in_place(self):
         n = 20_000
         bufs = [torch.from_numpy(ints(r, n)) for r in range(WORKERS)]
@@ -227,12 +222,11 @@ class Collectives(unittest.TestCase):
         ro = np.zeros(8, dtype=np.int32)
         ro.flags.writeable = False
         cases.append((ro, ValueError, "read-only"))
-        if torch is not None:
-            cases += [
-                (torch.zeros(8, dtype=torch.float64), TypeError, "torch.float64"),
-                (torch.zeros(8, dtype=torch.float16), TypeError, "torch.float16"),
-                (torch.zeros(4, 4).t(), ValueError, "Tensor.contiguous"),
-            ]
+        cases += [
+            (torch.zeros(8, dtype=torch.float64), TypeError, "torch.float64"),
+            (torch.zeros(8, dtype=torch.float16), TypeError, "torch.float16"),
+            (torch.zeros(4, 4).t(), ValueError, "Tensor.contiguous"),
+        ]
         for buf, exc, text in cases:
             for call in [c.allreduce, c.reduce, c.broadcast]:
                 with self.assertRaises(exc, msg=f"{call.__name__}({type(buf).__name__})") as cm:
