@@ -141,10 +141,12 @@ fn the_package_on_loopback_numpy_torch_errors_and_the_gil() {
     );
 }
 
-const DATA_PORTS: [u16; 3] = [7700, 7710, 7720];
-/// The jobs of the node: collectives, wrong lengths, DDP (a fresh job
-/// for each series of calls from round 0).
-const JOBS: [u16; 3] = [11, 12, 13];
+/// The workers' data port of each job (its `result_group`'s members).
+const DATA_PORTS: [u16; 5] = [7700, 7710, 7720, 7740, 7741];
+/// The jobs of the node: collectives, wrong lengths, DDP, and two stripes
+/// (a striped communicator's job t listens on the first one's data port +
+/// t); a fresh job for each series of calls from round 0.
+const JOBS: [u16; 5] = [11, 12, 13, 14, 15];
 
 /// A node (host 0) that runs only `aggbox attach` with one node-served job
 /// per entry of [`JOBS`], and 4 workers (hosts 1..=4).
@@ -267,6 +269,8 @@ fn python_workers_allreduce_and_broadcast_through_a_node_served_job() {
             JOBS[0].to_string(),
             "--mismatch-job".into(),
             JOBS[1].to_string(),
+            "--striped-jobs".into(),
+            format!("{},{}", JOBS[3], JOBS[4]),
         ]
     };
     let results = node.run_workers("netns_collectives.py", args, Duration::from_secs(180));
@@ -281,6 +285,10 @@ fn python_workers_allreduce_and_broadcast_through_a_node_served_job() {
         );
         assert!(
             text.contains("ok: float32 numpy allreduce mean"),
+            "rank {r}:\n{text}"
+        );
+        assert!(
+            text.contains("ok: striped over jobs [14, 15]: float32"),
             "rank {r}:\n{text}"
         );
         assert!(

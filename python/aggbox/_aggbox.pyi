@@ -2,7 +2,7 @@
 
 from os import PathLike
 from types import TracebackType
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 
 # A C-contiguous, writable int32 or float32 buffer: numpy.ndarray, a CPU
@@ -57,7 +57,7 @@ class Communicator:
     def from_config(
         path: str | PathLike[str],
         *,
-        job: int,
+        job: int | Sequence[int],
         rank: int | None,
         aggregator: str,
         data_port: int | None = None,
@@ -72,6 +72,8 @@ class Communicator:
     def workers(self) -> int: ...
     @property
     def job(self) -> int: ...
+    @property
+    def jobs(self) -> list[int]: ...
     @property
     def mtu(self) -> int: ...
     @property

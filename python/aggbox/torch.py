@@ -12,7 +12,8 @@ and waits for the future it returns before the optimizer step. The hook
 - float32 buckets on the CPU: one AggBox allreduce with op "mean" in place on
   the bucket (quantized; error bound ``comm.float_error_bound(max|g|, mean=True)``
   per element, docs/PYTHON.md). The runtime fragments a bucket of any size
-  itself, so a bucket is one call.
+  itself, so a bucket is one call; a communicator built over several jobs
+  (``from_config(job=[11, 12])``) stripes each bucket over them.
 - int32 buckets on the CPU: AggBox allreduce with op "avg" (the runtime's
   integer mean, truncated toward zero). DDP itself only has floating-point
   gradients; this is for hooks used on other tensors.

@@ -19,9 +19,11 @@ use std::time::Duration;
 use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::{
-    BackendKind, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization,
+    BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer,
+    Quantization, StripedCommunicator,
 };
 use aggbox::wire::abi::Op;
+use aggbox::wire::proto;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
@@ -292,6 +294,80 @@ fn int_op(what: &str, op: &str) -> PyResult<Op> {
     })
 }
 
+/// The runtime object behind a Python `Communicator`: one job, or each
+/// vector striped over several jobs at once (`from_config(job=[...])`,
+/// [`StripedCommunicator`]).
+enum Comm {
+    One(Communicator),
+    Striped(StripedCommunicator),
+}
+
+impl Comm {
+    /// The communicator (the first stripe's): participant, workers, options.
+    fn first(&self) -> &Communicator {
+        match self {
+            Comm::One(c) => c,
+            Comm::Striped(s) => &s.stripes()[0],
+        }
+    }
+
+    fn jobs(&self) -> Vec<u16> {
+        match self {
+            Comm::One(c) => vec![c.config().job],
+            Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
+        }
+    }
+
+    /// An int reduction (`all`: allreduce); whether an element was clamped.
+    fn reduce_i32(&self, buf: &mut [i32], all: bool, op: Op) -> Result<bool, CommError> {
+        let opts = CallOptions::default();
+        match self {
+            Comm::One(c) if all => c.allreduce_i32_with(buf, op, opts),
+            Comm::One(c) => c.reduce_i32_with(buf, op, opts),
+            Comm::Striped(s) if all => s.allreduce_i32_with(buf, op, opts),
+            Comm::Striped(s) => s.reduce_i32_with(buf, op, opts),
+        }
+    }
+
+    /// A float SUM or mean (`all`: allreduce).
+    fn reduce_f32(&self, buf: &mut [f32], all: bool, mean: bool) -> Result<(), CommError> {
+        let opts = CallOptions::default();
+        match self {
+            Comm::One(c) => c.reduce_f32_with(buf, all, mean, opts),
+            Comm::Striped(s) => s.reduce_f32_with(buf, all, mean, opts),
+        }
+    }
+
+    /// An int32 broadcast: the bytes `Communicator::broadcast_i32` sends
+    /// (big-endian), over the stripes when striped.
+    fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
+        match self {
+            Comm::One(c) => c.broadcast_i32(buf, root),
+            Comm::Striped(s) => {
+                let mut bytes = Vec::with_capacity(4 * buf.len());
+                proto::write_i32_be(buf, &mut bytes);
+                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
+                proto::read_i32_be(&bytes, buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Comm::broadcast_i32`] for float32 (`Communicator::broadcast_f32`'s bytes).
+    fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
+        match self {
+            Comm::One(c) => c.broadcast_f32(buf, root),
+            Comm::Striped(s) => {
+                let mut bytes = Vec::with_capacity(4 * buf.len());
+                proto::write_f32_be(buf, &mut bytes);
+                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
+                proto::read_f32_be(&bytes, buf);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// One participant of an AggBox job (see `aggbox.Communicator`).
 #[pyclass(module = "aggbox._aggbox", name = "Communicator", frozen)]
 struct PyCommunicator {
@@ -299,14 +375,15 @@ struct PyCommunicator {
     // once: the runtime runs them in issue order), `close` the write lock;
     // both are taken with the GIL released, so a call finishing never waits
     // for a thread that holds the GIL while it waits for the lock.
-    inner: RwLock<Option<Communicator>>,
+    inner: RwLock<Option<Comm>>,
 }
 
 impl PyCommunicator {
-    fn wrap(py: Python<'_>, b: CommunicatorBuilder) -> PyResult<PyCommunicator> {
-        let comm = py
-            .allow_threads(|| b.build())
-            .map_err(|e| to_py_err(py, e))?;
+    fn wrap(
+        py: Python<'_>,
+        build: impl FnOnce() -> Result<Comm, CommError> + Send,
+    ) -> PyResult<PyCommunicator> {
+        let comm = py.allow_threads(build).map_err(|e| to_py_err(py, e))?;
         Ok(PyCommunicator {
             inner: RwLock::new(Some(comm)),
         })
@@ -316,7 +393,7 @@ impl PyCommunicator {
     fn call<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&Communicator) -> Result<T, CommError> + Send,
+        f: impl FnOnce(&Comm) -> Result<T, CommError> + Send,
     ) -> PyResult<T> {
         py.allow_threads(|| {
             let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
@@ -329,6 +406,10 @@ impl PyCommunicator {
     }
 
     fn with<T>(&self, f: impl FnOnce(&Communicator) -> T) -> PyResult<T> {
+        self.with_comm(|c| f(c.first()))
+    }
+
+    fn with_comm<T>(&self, f: impl FnOnce(&Comm) -> T) -> PyResult<T> {
         let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
         guard
             .as_ref()
@@ -349,14 +430,7 @@ impl PyCommunicator {
                 let op = int_op(what, op)?;
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
-                let out = self.call(py, move |c| {
-                    let s = unsafe { lent.slice() };
-                    if all {
-                        c.allreduce_i32(s, op)
-                    } else {
-                        c.reduce_i32(s, op)
-                    }
-                });
+                let out = self.call(py, move |c| c.reduce_i32(unsafe { lent.slice() }, all, op));
                 b.release(py);
                 out
             }
@@ -365,8 +439,7 @@ impl PyCommunicator {
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
                 let out = self.call(py, move |c| {
-                    let s = unsafe { lent.slice() };
-                    c.reduce_f32_with(s, all, mean, Default::default())
+                    c.reduce_f32(unsafe { lent.slice() }, all, mean)
                 });
                 b.release(py);
                 out.map(|()| false)
@@ -414,21 +487,25 @@ impl PyCommunicator {
         let b = Communicator::builder(job, peers, aggregator, port, participant(rank))
             .backend(parse_backend(backend)?)
             .result_port(result_port);
-        Self::wrap(py, tune(b, deadline, quantization, mtu)?)
+        let b = Tuning::new(deadline, quantization, mtu)?.apply(b);
+        Self::wrap(py, move || b.build().map(Comm::One))
     }
 
     /// The participant `rank` (None: the aggregator's application) of job
     /// `job` of the node configuration at `path` (the TOML `aggbox attach`
     /// reads), with the node at `aggregator`. The worker's data port defaults
-    /// to its member entry in the job's `result_group`. Raises ConfigError
-    /// with the file, line and key of a bad configuration.
+    /// to its member entry in the (first) job's `result_group`. Raises
+    /// ConfigError with the file, line and key of a bad configuration.
+    /// `job` may be a list of jobs: each vector is then striped over them,
+    /// a part per job at once (the runtime's StripedCommunicator), and this
+    /// participant's data socket of job t is on `data_port + t`.
     #[staticmethod]
     #[pyo3(signature = (path, *, job, rank, aggregator, data_port = None, backend = "kernel", deadline = 10.0, quantization = None, mtu = 0))]
     #[allow(clippy::too_many_arguments)]
     fn from_config(
         py: Python<'_>,
         path: PathBuf,
-        job: u16,
+        job: &Bound<'_, PyAny>,
         rank: Option<u16>,
         aggregator: &str,
         data_port: Option<u16>,
@@ -439,20 +516,35 @@ impl PyCommunicator {
     ) -> PyResult<PyCommunicator> {
         let config = Config::load(&path).map_err(|e| ConfigError::new_err(e.to_string()))?;
         let aggregator = parse_ipv4("aggregator", aggregator)?;
+        let jobs: Vec<u16> = match job.extract::<u16>() {
+            Ok(j) => vec![j],
+            Err(_) => job.extract().map_err(|_| {
+                PyTypeError::new_err(format!("job {job}: a job id (int) or a list of job ids"))
+            })?,
+        };
+        let first = *jobs
+            .first()
+            .ok_or_else(|| PyValueError::new_err("job: an empty list of jobs"))?;
         let data_port = match data_port {
             Some(p) => p,
-            None => group_data_port(&config, job, rank)?,
+            None => group_data_port(&config, first, rank)?,
         };
-        let b = CommunicatorBuilder::from_config(
-            &config,
-            job,
-            aggregator,
-            data_port,
-            participant(rank),
-        )
-        .map_err(|e| to_py_err(py, e))?
-        .backend(parse_backend(backend)?);
-        Self::wrap(py, tune(b, deadline, quantization, mtu)?)
+        let backend = parse_backend(backend)?;
+        let tuning = Tuning::new(deadline, quantization, mtu)?;
+        let me = participant(rank);
+        if let [job] = jobs[..] {
+            let b = CommunicatorBuilder::from_config(&config, job, aggregator, data_port, me)
+                .map_err(|e| to_py_err(py, e))?
+                .backend(backend);
+            let b = tuning.apply(b);
+            return Self::wrap(py, move || b.build().map(Comm::One));
+        }
+        Self::wrap(py, move || {
+            StripedCommunicator::from_config(&config, &jobs, aggregator, data_port, me, |b| {
+                tuning.apply(b.backend(backend))
+            })
+            .map(Comm::Striped)
+        })
     }
 
     /// This worker's rank; `None` for the aggregator.
@@ -467,10 +559,16 @@ impl PyCommunicator {
         self.with(|c| c.workers())
     }
 
-    /// The job id.
+    /// The job id (the first stripe's when striped).
     #[getter]
     fn job(&self) -> PyResult<u16> {
         self.with(|c| c.config().job)
+    }
+
+    /// The job ids: one, or the stripes' in order.
+    #[getter]
+    fn jobs(&self) -> PyResult<Vec<u16>> {
+        self.with_comm(Comm::jobs)
     }
 
     /// The path MTU the fragments are sized for.
@@ -590,14 +688,19 @@ impl PyCommunicator {
     }
 
     fn __repr__(&self) -> String {
-        self.with(|c| {
+        self.with_comm(|comm| {
+            let c = comm.first();
             let me = match c.rank() {
                 Some(r) => format!("rank={r}"),
                 None => "aggregator".into(),
             };
+            let jobs = comm.jobs();
+            let job = match &jobs[..] {
+                [one] => format!("job={one}"),
+                all => format!("jobs={all:?}"),
+            };
             format!(
-                "<aggbox.Communicator job={} {me} workers={} backend={:?} mtu={}>",
-                c.config().job,
+                "<aggbox.Communicator {job} {me} workers={} backend={:?} mtu={}>",
                 c.workers(),
                 c.config().backend,
                 c.config().mtu
@@ -607,17 +710,37 @@ impl PyCommunicator {
     }
 }
 
-fn tune(
-    b: CommunicatorBuilder,
-    deadline_s: f64,
-    quantization: Option<&Bound<'_, PyAny>>,
+/// The options every constructor takes, checked.
+#[derive(Clone, Copy)]
+struct Tuning {
+    deadline: Duration,
+    quantization: Quantization,
     mtu: usize,
-) -> PyResult<CommunicatorBuilder> {
-    let q = match quantization {
-        Some(q) => parse_quantization(q)?,
-        None => Quantization::Adaptive,
-    };
-    Ok(b.deadline(deadline(deadline_s)?).quantization(q).mtu(mtu))
+}
+
+impl Tuning {
+    /// The package's default quantization is adaptive (docs/PYTHON.md):
+    /// gradients and other Python data have no known range.
+    fn new(
+        deadline_s: f64,
+        quantization: Option<&Bound<'_, PyAny>>,
+        mtu: usize,
+    ) -> PyResult<Tuning> {
+        Ok(Tuning {
+            deadline: deadline(deadline_s)?,
+            quantization: match quantization {
+                Some(q) => parse_quantization(q)?,
+                None => Quantization::Adaptive,
+            },
+            mtu,
+        })
+    }
+
+    fn apply(self, b: CommunicatorBuilder) -> CommunicatorBuilder {
+        b.deadline(self.deadline)
+            .quantization(self.quantization)
+            .mtu(self.mtu)
+    }
 }
 
 /// A worker's data port when the configuration does not say it in so many

@@ -4,11 +4,12 @@ that runs only `aggbox attach` (node-served jobs, kernel backend), in a
 worker namespace of the testbed.
 
     netns_collectives.py --rank R --world W --config node.toml --aggregator A \
-                         --job J --mismatch-job K
+                         --job J --mismatch-job K --striped-jobs S,T
 
 Job J: int32 (numpy and torch) allreduce equal to the reference, float32
 within the documented bound, broadcasts among the workers bit for bit, bad
-buffers raising before anything is sent. Job K: the last rank passes a
+buffers raising before anything is sent. Jobs S,T: one communicator striped
+over both, int32 exact and float32 within the bound, broadcast. Job K: the last rank passes a
 shorter buffer; every rank's call must raise within its deadline.
 
 Prints one line per check; exits non-zero (a traceback) on the first failure.
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--aggregator", required=True)
     ap.add_argument("--job", type=int, required=True)
     ap.add_argument("--mismatch-job", type=int, required=True)
+    ap.add_argument("--striped-jobs", required=True, help="comma-separated")
     a = ap.parse_args()
     r, w = a.rank, a.world
     torch.set_num_threads(1)
@@ -111,6 +113,28 @@ def main():
     comm.allreduce(buf)
     check(np.array_equal(buf, np.full(7, w * (w + 1) // 2, dtype=np.int32)), "the next allreduce after the bad buffers")
     comm.close()
+
+    # One vector striped over two jobs at once.
+    jobs = [int(j) for j in a.striped_jobs.split(",")]
+    striped = aggbox.Communicator.from_config(a.config, job=jobs, rank=r, aggregator=a.aggregator, deadline=30.0)
+    check(striped.jobs == jobs, f"{striped!r}")
+    n = 200_001
+    buf = torch.from_numpy(ints(r, n))
+    striped.allreduce(buf)
+    want = np.stack([ints(q, n) for q in range(w)]).astype(np.int64).sum(axis=0).astype(np.int32)
+    check(np.array_equal(buf.numpy(), want), f"striped over jobs {jobs}: int32 allreduce sum equals the reference")
+    m = float(max(np.abs(floats(q, n)).max() for q in range(w)))
+    exact = np.stack([floats(q, n) for q in range(w)]).astype(np.float64).mean(axis=0)
+    tol = striped.float_error_bound(m, mean=True) + np.abs(exact) * 2.0**-24
+    x = floats(r, n)
+    striped.allreduce(x, op="mean")
+    err = np.abs(x.astype(np.float64) - exact)
+    check(bool(np.all(err <= tol)), f"striped over jobs {jobs}: float32 allreduce mean within the bound (max error {err.max():.3e})")
+    msg = (np.arange(n) * 0.5).astype(np.float32)
+    b = msg.copy() if r == 1 else np.zeros_like(msg)
+    striped.broadcast(b, root=1)
+    check(np.array_equal(b, msg), f"striped over jobs {jobs}: float32 broadcast from rank 1")
+    striped.close()
 
     # Lengths that differ across ranks: the last rank's is shorter (its last
     # fragment has another element count than the others' at that offset).

@@ -376,6 +376,55 @@ class FromConfig(unittest.TestCase):
             c.close()
 
 
+class Striped(unittest.TestCase):
+    def test_a_vector_striped_over_two_jobs(self):
+        ports = [fresh_port() for _ in range(2)]
+        data_port = fresh_port()
+        fresh_port()  # the second stripe's data sockets: data_port + 1
+        text = "".join(
+            f'[[job]]\nid = {5 + t}\nport = {p}\nworkers = ["127.0.0.2", "127.0.0.3"]\nresult_port = {p + 1000}\n\n'
+            for t, p in enumerate(ports)
+        )
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+            f.write(text)
+            f.flush()
+            kw = dict(job=[5, 6], aggregator="127.0.0.1", data_port=data_port, backend="socket", mtu=1500)
+            agg = aggbox.Communicator.from_config(f.name, rank=None, **kw)
+            ranks = [aggbox.Communicator.from_config(f.name, rank=r, **kw) for r in range(2)]
+            with self.assertRaisesRegex(ValueError, "empty list"):
+                aggbox.Communicator.from_config(f.name, rank=0, **{**kw, "job": []})
+            with self.assertRaisesRegex(TypeError, "a job id"):
+                aggbox.Communicator.from_config(f.name, rank=0, **{**kw, "job": "5"})
+        try:
+            self.assertEqual(ranks[0].jobs, [5, 6])
+            self.assertEqual(ranks[0].job, 5)
+            self.assertIn("jobs=[5, 6]", repr(ranks[1]))
+            n = 10_001
+            bufs = [ints(r, n) for r in range(2)]
+            want = (ints(0, n).astype(np.int64) + ints(1, n)).astype(np.int32)
+            out = np.zeros(n, dtype=np.int32)
+            run_all([lambda: ranks[0].allreduce(bufs[0]), lambda: ranks[1].allreduce(bufs[1]), lambda: agg.allreduce(out)])
+            for b in [*bufs, out]:
+                np.testing.assert_array_equal(b, want)
+            xs = [floats(r, n) for r in range(2)]
+            exact = (xs[0].astype(np.float64) + xs[1]) / 2
+            m = float(max(np.abs(x).max() for x in xs))
+            tol = ranks[0].float_error_bound(m, mean=True) + np.abs(exact) * 2.0**-24
+            run_all([lambda: ranks[0].allreduce(xs[0], op="mean"), lambda: ranks[1].allreduce(xs[1], op="mean"), lambda: agg.allreduce(np.zeros(n, dtype=np.float32), op="mean")])
+            for x in xs:
+                self.assertTrue(np.all(np.abs(x - exact) <= tol))
+            for dtype in [np.int32, np.float32]:
+                msg = (np.arange(n) * 1.25 - 3).astype(dtype)
+                bufs = [np.zeros(n, dtype=dtype), msg.copy()]
+                agg_buf = np.zeros(n, dtype=dtype)
+                run_all([lambda: ranks[0].broadcast(bufs[0], root=1), lambda: ranks[1].broadcast(bufs[1], root=1), lambda: agg.broadcast(agg_buf, root=1)])
+                for b in [*bufs, agg_buf]:
+                    np.testing.assert_array_equal(b, msg)
+        finally:
+            for c in [agg, *ranks]:
+                c.close()
+
+
 class GilReleased(unittest.TestCase):
     def test_other_threads_run_while_a_call_waits(self):
         agg, ranks = make_job(workers=2, deadline=2.0)
