@@ -368,7 +368,20 @@ impl Comm {
     }
 }
 
-/// One participant of an AggBox job (see `aggbox.Communicator`).
+/// One participant of an AggBox job: allreduce, reduce and broadcast of
+/// int32 and float32 buffers in place, with the GIL released
+/// (docs/PYTHON.md). Built with `Communicator.from_config(...)` from the
+/// node's configuration, or `Communicator(...)` with everything explicit.
+///
+/// Communicator(job, peers, aggregator, port, rank, ...): job `job` whose
+/// workers' data sockets are `peers` ("IP:PORT", rank r at peers[r]), the
+/// aggregator node at `aggregator`, the job's contribution port `port`;
+/// `rank` is this worker's rank, or None for the aggregator's application.
+/// `backend`: "socket" (user-space aggregator) or "kernel" (the node's XDP
+/// aggregator; needs `result_port`). `deadline`: seconds a call may take.
+/// `quantization`: how float32 travels, "adaptive" (default; never
+/// overflows), "fixed" (scale 1e8), "fixed-or-adaptive", or a fixed scale.
+/// `mtu`: 0 discovers the path MTU.
 #[pyclass(module = "aggbox._aggbox", name = "Communicator", frozen)]
 struct PyCommunicator {
     // `None` once closed. Calls hold the read lock (several may be queued at
@@ -450,16 +463,7 @@ impl PyCommunicator {
 
 #[pymethods]
 impl PyCommunicator {
-    /// A participant of job `job` whose workers' data sockets are `peers`
-    /// ("IP:PORT", rank r at peers[r]), with the aggregator node at
-    /// `aggregator` and the job's contribution port `port`; `rank` is this
-    /// worker's rank, or None for the aggregator's application (socket
-    /// backend, or a kernel job whose results an application consumes).
-    /// `backend`: "socket" (user-space aggregator) or "kernel" (the node's XDP
-    /// aggregator; needs `result_port`). `deadline`: seconds a call may take.
-    /// `quantization`: how float32 travels, "adaptive" (default; never
-    /// overflows), "fixed" (scale 1e8), "fixed-or-adaptive", or a fixed scale.
-    /// `mtu`: 0 discovers the path MTU.
+    /// See the class's docs.
     #[new]
     #[pyo3(signature = (job, peers, aggregator, port, rank, *, backend = "socket", result_port = 0, deadline = 10.0, quantization = None, mtu = 0))]
     #[allow(clippy::too_many_arguments)]
