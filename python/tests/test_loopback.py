@@ -425,6 +425,59 @@ class Striped(unittest.TestCase):
                 c.close()
 
 
+class FakeBucket:
+    """What aggbox.torch.allreduce_hook uses of a dist.GradBucket."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def buffer(self):
+        return self.tensor
+
+
+class DdpHook(unittest.TestCase):
+    """aggbox.torch.allreduce_hook called as DDP calls it, without DDP
+    (tests/python_package.rs trains with DDP over namespaces)."""
+
+    def test_which_tensors_aggbox_serves(self):
+        import aggbox.torch as at
+
+        self.assertTrue(at.served_by_aggbox(torch.zeros(3)))
+        self.assertTrue(at.served_by_aggbox(torch.zeros(3, dtype=torch.int32)))
+        for dtype in [torch.float64, torch.float16, torch.bfloat16, torch.int64]:
+            self.assertFalse(at.served_by_aggbox(torch.zeros(3, dtype=dtype)), dtype)
+
+    def test_the_hook_averages_a_bucket_and_reports_a_failure_through_its_future(self):
+        import aggbox.torch as at
+
+        agg, ranks = make_job(workers=2, deadline=1.0)
+        try:
+            states = [at.AllreduceState(c) for c in ranks]
+            n = 5000
+            buckets = [torch.from_numpy(floats(r, n)) for r in range(2)]
+            exact = (buckets[0].double() + buckets[1].double()) / 2
+            m = float(max(b.abs().max() for b in buckets))
+            futs = [at.allreduce_hook(s, FakeBucket(b)) for s, b in zip(states, buckets)]
+            agg.allreduce(np.zeros(n, dtype=np.float32), op="mean")
+            for f, b in zip(futs, buckets):
+                got = f.wait()
+                self.assertIs(got, b, "the future's value is the bucket, reduced in place")
+                tol = ranks[0].float_error_bound(m, mean=True) + exact.abs() * 2.0**-24
+                self.assertTrue(bool(((got.double() - exact).abs() <= tol).all()))
+            self.assertEqual([s.aggbox_buckets for s in states], [1, 1])
+            # rank 1 and the aggregator never call: rank 0's future fails.
+            fut = at.allreduce_hook(states[0], FakeBucket(torch.zeros(10)))
+            with self.assertRaises(aggbox.CommTimeoutError):
+                fut.wait()
+            with self.assertRaisesRegex(TypeError, "cannot be pickled"):
+                import pickle
+
+                pickle.dumps(states[0])
+        finally:
+            for c in [agg, *ranks]:
+                c.close()
+
+
 class GilReleased(unittest.TestCase):
     def test_other_threads_run_while_a_call_waits(self):
         agg, ranks = make_job(workers=2, deadline=2.0)
