@@ -68,8 +68,9 @@ python-deps: deps
 	fi
 
 # The wheel of the Python package (PyO3 + maturin, python/), built for
-# /usr/bin/python3 into the shared target/ (the library is compiled once for
-# the binary and the extension), and unpacked into $(PY_SITE), where
+# /usr/bin/python3 into the shared target/ (the dependencies the two share
+# are compiled once; the library itself twice, since pyo3's proc macros ask
+# for more of syn's features), and unpacked into $(PY_SITE), where
 # tests/python_package.rs imports it from (PYTHONPATH). `pip install
 # target/python/wheels/aggbox-*.whl` installs the same wheel.
 python: python-deps
@@ -127,7 +128,7 @@ bench: deps bench-deps python
 	$(MAKE) --no-print-directory bench-python
 
 # DDP training over AggBox against Gloo (docs/PYTHON.md "Benchmark"): time per
-# step and per allreduce of the whole gradient, ResNet-18 (11.2 M parameters)
+# step and per allreduce of the whole gradient, ResNet-18 (11.7 M parameters)
 # and ResNet-34 (21.8 M), 4 workers, one run; results in
 # $(BENCH_OUT)/python_ddp.{json,log}. MTU 9000 with the job slots that fit the
 # kernel's block pool there (910, docs/JUMBO.md).
@@ -136,7 +137,7 @@ bench-python: python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS) --bin aggbox
 	mkdir -p $(BENCH_OUT)
-	set -o pipefail; python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
+	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
 	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
 
 fmt:
