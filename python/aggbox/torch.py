@@ -19,7 +19,7 @@ and waits for the future it returns before the optimizer step. The hook
   gradients; this is for hooks used on other tensors.
 - anything else (float16, bfloat16, float64, int64, ..., and tensors not on the
   CPU): the process group's own allreduce divided by its size, which is what
-  DDP does without a hook.
+  DDP does without a hook (integers: truncated toward zero).
 
 The calls run on one background thread per state, in the order DDP hands out
 the buckets (the same on every rank, as AggBox requires), with the GIL
@@ -80,7 +80,10 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0].div_(world))
+        if tensor.is_floating_point():
+            return fut.then(lambda f: f.value()[0].div_(world))
+        # An integer mean in place: truncated, as the runtime's int AVG is.
+        return fut.then(lambda f: f.value()[0].div_(world, rounding_mode="trunc"))
     state._count(aggbox=True)
     op = "mean" if tensor.dtype == torch.float32 else "avg"
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

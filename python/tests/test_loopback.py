@@ -447,6 +447,25 @@ class DdpHook(unittest.TestCase):
         for dtype in [torch.float64, torch.float16, torch.bfloat16, torch.int64]:
             self.assertFalse(at.served_by_aggbox(torch.zeros(3, dtype=dtype)), dtype)
 
+    def test_other_dtypes_go_through_the_process_group(self):
+        import torch.distributed as dist
+
+        import aggbox.torch as at
+
+        # A one-process Gloo group: the fallback's path, not its arithmetic
+        # (4 ranks: tests/python_package.rs's DDP test, float64 head).
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fresh_port()}", rank=0, world_size=1)
+        try:
+            state = at.AllreduceState(comm=None)  # never used: no bucket goes to AggBox
+            for dtype in [torch.float64, torch.float16, torch.int64]:
+                t = (torch.arange(6) * 3).to(dtype)
+                got = at.allreduce_hook(state, FakeBucket(t)).wait()
+                self.assertTrue(torch.equal(got, (torch.arange(6) * 3).to(dtype)), dtype)
+                self.assertEqual(got.dtype, dtype)
+            self.assertEqual((state.aggbox_buckets, state.fallback_buckets), (0, 3))
+        finally:
+            dist.destroy_process_group()
+
     def test_the_hook_averages_a_bucket_and_reports_a_failure_through_its_future(self):
         import aggbox.torch as at
 
