@@ -66,6 +66,14 @@ def batch(rank, step):
     return x, x.mean(dim=(2, 3)).argmax(1)
 
 
+def tolerance(bound, exact):
+    """What a float32 result may differ from `exact` by: the quantization
+    `bound`, then one rounding to float32 (half an ulp of the result, at most
+    2^-24 of it, and the result is within `bound` of `exact`), with 2^-20 of
+    slack for float64's own rounding of this sum."""
+    return (bound + (abs(exact) + bound) * 2.0**-24) * (1 + 2.0**-20)
+
+
 class CheckingState(aggbox_torch.AllreduceState):
     """The hook's state plus what the check found."""
 
@@ -88,8 +96,7 @@ def checking_hook(state, bucket):
     m = t.detach().abs().max().reshape(1)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     bound = state.comm.float_error_bound(float(m), mean=True)
-    # The result is rounded to float32 once: half an ulp, at most 2^-24 |x|.
-    tol = bound + (exact.abs() + bound) * 2.0**-24 + 1e-45
+    tol = tolerance(bound, exact)
     # What the two runs' averaged gradients may differ by: this bound, and
     # the float32 roundings of both results (Gloo adds in float32).
     state.step_bound = max(state.step_bound, bound + float(m) * 2.0**-22)
