@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import aggbox
 import aggbox.torch as aggbox_torch
+from reference import tolerance
 
 LR = 0.05
 BATCH = 32
@@ -64,14 +65,6 @@ def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(BATCH, 3, 16, 16, generator=g)
     return x, x.mean(dim=(2, 3)).argmax(1)
-
-
-def tolerance(bound, exact):
-    """What a float32 result may differ from `exact` by: the quantization
-    `bound`, then one rounding to float32 (half an ulp of the result, at most
-    2^-24 of it, and the result is within `bound` of `exact`), with 2^-20 of
-    slack for float64's own rounding of this sum."""
-    return (bound + (abs(exact) + bound) * 2.0**-24) * (1 + 2.0**-20)
 
 
 class CheckingState(aggbox_torch.AllreduceState):

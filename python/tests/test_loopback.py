@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import aggbox
+from reference import floats, ints, tolerance
 
 WORKERS = 3
 # A port range of this process's own, so that parallel runs do not collide.
@@ -69,22 +70,6 @@ def run_all(fns):
         if e is not None:
             raise e
     return results
-
-
-def ints(rank, n):
-    return ((np.arange(n, dtype=np.int64) * 7 + rank * 1_000_003) % 20_001 - 10_000).astype(np.int32)
-
-
-def floats(rank, n):
-    return np.random.default_rng(100 + rank).normal(0.0, 0.01, n).astype(np.float32)
-
-
-def tolerance(bound, exact):
-    """What a float32 result may differ from `exact` by: the quantization
-    `bound`, then one rounding to float32 (half an ulp of the result, at most
-    2^-24 of it, and the result is within `bound` of `exact`), with 2^-20 of
-    slack for float64's own rounding of this sum."""
-    return (bound + (abs(exact) + bound) * 2.0**-24) * (1 + 2.0**-20)
 
 
 class Collectives(unittest.TestCase):
