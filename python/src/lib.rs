@@ -1,15 +1,16 @@
-//! `aggbox._aggbox`: the AggBox runtime ([`aggbox::runtime::Communicator`])
-//! as a Python extension module. The Python package around it (`aggbox/`)
-//! adds what is Python's business only (torch tensors as buffers, the DDP
-//! hook); every collective is the runtime's own call, on the caller's
-//! memory.
+//! `aggbox._aggbox`: the AggBox runtime ([`aggbox::runtime::Communicator`],
+//! or [`StripedCommunicator`] over several jobs) as a Python extension
+//! module. The Python package around it (`aggbox/`) re-exports it and adds
+//! the DDP hook; every collective is the runtime's own call, on the caller's
+//! memory (docs/PYTHON.md).
 //!
 //! Buffers come through the buffer protocol ([`PyBuffer`]): numpy arrays,
 //! `array.array`, `memoryview`s, anything that exports C-contiguous,
-//! writable int32 or float32 memory. The runtime reads and writes that
-//! memory in place while the GIL is released (`py.allow_threads`): no copy
-//! into Python objects, and other Python threads (a DDP backward pass) go
-//! on meanwhile.
+//! writable int32 or float32 memory, and CPU torch tensors through their
+//! numpy view (`exporter`). The runtime reads and writes that memory in
+//! place while the GIL is released (`py.allow_threads`): no copy into
+//! Python objects, and other Python threads (a DDP backward pass) go on
+//! meanwhile.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
