@@ -24,8 +24,10 @@ import aggbox
 from reference import floats, ints, tolerance
 
 WORKERS = 3
-# A port range of this process's own, so that parallel runs do not collide.
-BASE_PORT = 20000 + (os.getpid() % 2000) * 16
+# A range of 64 ports of this process's own, so that parallel runs do not
+# collide, below the kernel's ephemeral ports (32768..60999), so that no
+# client socket holds one.
+BASE_PORT = 10000 + (os.getpid() % 300) * 64
 _next_port = [BASE_PORT]
 
 
