@@ -8,20 +8,33 @@ PROFILE      ?= release
 CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
 BENCH_BIN    := target/$(PROFILE)/aggbox-bench
+# The Python package (python/, docs/PYTHON.md) is built for and tested with
+# Debian's /usr/bin/python3 beside its torch, numpy and torchvision (the
+# training example); python3-venv holds maturin (from PyPI, pinned).
+PY_APT_PACKAGES := python3 python3-venv python3-numpy python3-torch python3-torchvision
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
-                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
+                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps \
+                $(PY_APT_PACKAGES)
+PYTHON       := /usr/bin/python3
+MATURIN_VERSION := 1.16.0
+PY_TOOLS     := target/python/tools
+MATURIN      := $(PY_TOOLS)/bin/maturin
+PY_WHEELS    := target/python/wheels
+PY_SITE      := target/python/site
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build python python-deps bench-python test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
-all: build
+all: build python
 
 help:
 	@echo "make deps    install the Debian packages the build and tests need (idempotent)"
 	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
+	@echo "make python  build the Python package's wheel ($(PY_WHEELS)) and unpack it in $(PY_SITE)"
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
+	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -44,9 +57,33 @@ deps:
 build: deps
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
 
+# maturin in a virtual environment of Debian's python3 (pip does not touch
+# the system's packages); installed once, its version checked every time.
+python-deps: deps
+	@if [ "$$($(MATURIN) --version 2>/dev/null)" != "maturin $(MATURIN_VERSION)" ]; then \
+	  echo "python-deps: installing maturin $(MATURIN_VERSION) from PyPI into $(PY_TOOLS)"; \
+	  rm -rf $(PY_TOOLS) && $(PYTHON) -m venv $(PY_TOOLS) && \
+	  $(PY_TOOLS)/bin/pip install -q "maturin==$(MATURIN_VERSION)" || \
+	    { echo "python-deps: could not install maturin $(MATURIN_VERSION) from PyPI (network? proxy?)" >&2; exit 1; }; \
+	fi
+
+# The wheel of the Python package (PyO3 + maturin, python/), built for
+# /usr/bin/python3 into the shared target/ (the dependencies the two share
+# are compiled once; the library itself twice, since pyo3's proc macros ask
+# for more of syn's features), and unpacked into $(PY_SITE), where
+# tests/python_package.rs imports it from (PYTHONPATH). `pip install
+# target/python/wheels/aggbox-*.whl` installs the same wheel.
+python: python-deps
+	rm -f $(PY_WHEELS)/aggbox-*.whl
+	cd python && CARGO_TARGET_DIR=$(CURDIR)/target $(CURDIR)/$(MATURIN) build $(CARGO_FLAGS) \
+	  --interpreter $(PYTHON) --out $(CURDIR)/$(PY_WHEELS)
+	rm -rf $(PY_SITE)
+	$(PYTHON) -m zipfile -e $(PY_WHEELS)/aggbox-*.whl $(PY_SITE)
+
 # Unit tests need nothing special; the BPF and netns tests need root and a
 # kernel with BTF and fail with a clear message otherwise (never skip).
-test: deps
+# tests/python_package.rs needs the wheel `make python` builds.
+test: deps python
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
@@ -84,10 +121,24 @@ bench-deps:
 	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { echo "bench-deps: apt-get install failed" >&2; exit 1; }; \
 	fi
 
-bench: deps bench-deps
+bench: deps bench-deps python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-python
+
+# DDP training over AggBox against Gloo (docs/PYTHON.md "Benchmark"): time per
+# step and per allreduce of the whole gradient, ResNet-18 (11.7 M parameters)
+# and ResNet-34 (21.8 M), 4 workers, one run; results in
+# $(BENCH_OUT)/python_ddp.{json,log}. MTU 9000 with the job slots that fit the
+# kernel's block pool there (910, docs/JUMBO.md).
+PY_BENCH_STEPS := $(if $(filter --quick,$(BENCH_ARGS)),3,10)
+bench-python: python
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	$(CARGO) build $(CARGO_FLAGS) --bin aggbox
+	mkdir -p $(BENCH_OUT)
+	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
+	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
 
 fmt:
 	$(CARGO) fmt

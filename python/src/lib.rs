@@ -1,0 +1,800 @@
+//! `aggbox._aggbox`: the AggBox runtime ([`aggbox::runtime::Communicator`],
+//! or [`StripedCommunicator`] over several jobs) as a Python extension
+//! module. The Python package around it (`aggbox/`) re-exports it and adds
+//! the DDP hook; every collective is the runtime's own call, on the caller's
+//! memory (docs/PYTHON.md).
+//!
+//! Buffers come through the buffer protocol ([`PyBuffer`]): numpy arrays,
+//! `array.array`, `memoryview`s, anything that exports C-contiguous,
+//! writable int32 or float32 memory, and CPU torch tensors through their
+//! numpy view (`exporter`). The runtime reads and writes that memory in
+//! place while the GIL is released (`py.allow_threads`): no copy into
+//! Python objects, and other Python threads (a DDP backward pass) go on
+//! meanwhile.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::RwLock;
+use std::time::Duration;
+
+use aggbox::config::Config;
+use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
+use aggbox::runtime::{
+    BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer,
+    Quantization, StripedCommunicator,
+};
+use aggbox::wire::abi::Op;
+use aggbox::wire::proto;
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+create_exception!(
+    _aggbox,
+    AggBoxError,
+    PyException,
+    "An AggBox call failed; the message is the runtime's."
+);
+create_exception!(
+    _aggbox,
+    CommTimeoutError,
+    AggBoxError,
+    "A call reached its deadline. `missing` names who did not answer (\"rank 2\", \"aggregator\"; empty when the kernel backend cannot tell), `round` is the call's round."
+);
+create_exception!(
+    _aggbox,
+    QuantizationOverflowError,
+    AggBoxError,
+    "A float sum overflowed int32 at the fixed quantization scale (use quantization=\"adaptive\")."
+);
+create_exception!(
+    _aggbox,
+    ConfigError,
+    AggBoxError,
+    "The configuration or the arguments of a communicator are invalid."
+);
+create_exception!(
+    _aggbox,
+    CommClosedError,
+    AggBoxError,
+    "The communicator was closed (or its progress thread is gone)."
+);
+
+/// The runtime's error as the Python exception of its kind, with the
+/// runtime's message (a timeout also carries `missing` and `round`).
+fn to_py_err(py: Python<'_>, e: CommError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        CommError::Timeout(info) => {
+            let err = CommTimeoutError::new_err(msg);
+            let value = err.value(py);
+            let missing: Vec<String> = info.missing.iter().map(Peer::to_string).collect();
+            // Attributes on a fresh exception object cannot fail to be set.
+            let _ = value.setattr("missing", missing);
+            let _ = value.setattr("round", info.round.0);
+            err
+        }
+        CommError::Overflow { .. } => QuantizationOverflowError::new_err(msg),
+        CommError::Config(_) => ConfigError::new_err(msg),
+        CommError::Closed => CommClosedError::new_err(msg),
+        CommError::Io(_) => AggBoxError::new_err(msg),
+    }
+}
+
+fn parse_backend(name: &str) -> PyResult<BackendKind> {
+    match name {
+        "kernel" => Ok(BackendKind::Kernel),
+        "socket" => Ok(BackendKind::Socket),
+        other => Err(PyValueError::new_err(format!(
+            "backend '{other}': \"kernel\" or \"socket\""
+        ))),
+    }
+}
+
+/// `"adaptive"`, `"fixed"` (the runtime's default scale), `"fixed-or-adaptive"`,
+/// or a number: a fixed scale.
+fn parse_quantization(q: &Bound<'_, PyAny>) -> PyResult<Quantization> {
+    if let Ok(scale) = q.extract::<f64>() {
+        return Ok(Quantization::Fixed(scale));
+    }
+    match q.extract::<String>()?.as_str() {
+        "adaptive" => Ok(Quantization::Adaptive),
+        "fixed" => Ok(Quantization::Fixed(DEFAULT_SCALE)),
+        "fixed-or-adaptive" => Ok(Quantization::FixedOrAdaptive(DEFAULT_SCALE)),
+        other => Err(PyValueError::new_err(format!(
+            "quantization '{other}': \"adaptive\", \"fixed\", \"fixed-or-adaptive\" or a scale (float)"
+        ))),
+    }
+}
+
+fn parse_ipv4(what: &str, s: &str) -> PyResult<Ipv4Addr> {
+    s.parse()
+        .map_err(|_| PyValueError::new_err(format!("{what} '{s}' is not an IPv4 address")))
+}
+
+/// `rank` (0..workers) is a worker, `None` the aggregator's application.
+fn participant(rank: Option<u16>) -> Participant {
+    rank.map_or(Participant::Aggregator, Participant::Worker)
+}
+
+/// A broadcast root: a rank, or `"aggregator"`.
+fn parse_root(root: &Bound<'_, PyAny>) -> PyResult<Participant> {
+    if let Ok(r) = root.extract::<u16>() {
+        return Ok(Participant::Worker(r));
+    }
+    match root.extract::<String>().ok().as_deref() {
+        Some("aggregator") => Ok(Participant::Aggregator),
+        _ => Err(PyValueError::new_err(format!(
+            "root {root}: a worker rank (int) or \"aggregator\""
+        ))),
+    }
+}
+
+fn deadline(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "deadline {seconds} s: a positive number of seconds"
+            ))
+        })
+}
+
+/// A caller's buffer, checked: writable, C-contiguous, int32 or float32.
+enum Buffer {
+    I32(PyBuffer<i32>),
+    F32(PyBuffer<f32>),
+}
+
+/// The caller's memory, lent to the runtime while the GIL is released.
+/// The exported buffer (kept alive by the `PyBuffer` the caller holds)
+/// pins it: numpy refuses to resize or free an array with exports.
+struct Lent<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the pointer is used by the one thread that runs the call, while
+// the caller's `PyBuffer` keeps the memory exported and alive.
+unsafe impl<T> Send for Lent<T> {}
+
+impl<T> Lent<T> {
+    /// SAFETY: no other Rust reference to the memory may be alive; Python
+    /// code that writes the buffer meanwhile races with the call, as it
+    /// would with any GIL-releasing extension (documented).
+    unsafe fn slice(&mut self) -> &mut [T] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+impl Buffer {
+    /// The buffer of `obj` (a CPU torch.Tensor through its numpy view, which
+    /// shares its memory), checked.
+    fn of(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+        let exporter = exporter(obj)?;
+        let buf = if let Ok(b) = PyBuffer::<i32>::get(&exporter) {
+            check(what, obj, b.readonly(), b.is_c_contiguous())?;
+            Buffer::I32(b)
+        } else if let Ok(b) = PyBuffer::<f32>::get(&exporter) {
+            check(what, obj, b.readonly(), b.is_c_contiguous())?;
+            Buffer::F32(b)
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: {} is not an int32 or float32 buffer{}",
+                type_name(obj),
+                describe_buffer(obj, &exporter)
+            )));
+        };
+        Ok(buf)
+    }
+}
+
+/// The object whose buffer holds `obj`'s elements: `obj` itself, or for a
+/// torch.Tensor (which has no buffer protocol) `obj.detach().numpy()`, a
+/// numpy array on the tensor's memory (torch raises for a tensor that is not
+/// on the CPU). torch is looked up only if the caller imported it.
+fn exporter<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let torch = py
+        .import("sys")?
+        .getattr("modules")?
+        .call_method1("get", ("torch",))?;
+    if !torch.is_none() && obj.is_instance(&torch.getattr("Tensor")?)? {
+        return obj.call_method0("detach")?.call_method0("numpy");
+    }
+    Ok(obj.clone())
+}
+
+fn lend<T: pyo3::buffer::Element>(b: &PyBuffer<T>) -> Lent<T> {
+    Lent {
+        ptr: b.buf_ptr() as *mut T,
+        len: b.item_count(),
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "object".into())
+}
+
+/// What `obj`'s elements are, for an error: ` (torch.float64)` for a
+/// tensor, ` (format 'd', 8-byte items)` for a buffer of another type, ` (it
+/// does not support the buffer protocol)` otherwise.
+fn describe_buffer(obj: &Bound<'_, PyAny>, exporter: &Bound<'_, PyAny>) -> String {
+    if !obj.is(exporter) {
+        if let Ok(dtype) = obj.getattr("dtype").and_then(|d| d.str()) {
+            return format!(" ({dtype})");
+        }
+    }
+    let py = obj.py();
+    match py
+        .import("builtins")
+        .and_then(|b| b.getattr("memoryview"))
+        .and_then(|mv| mv.call1((exporter,)))
+    {
+        Ok(view) => {
+            let format: String = view
+                .getattr("format")
+                .and_then(|f| f.extract())
+                .unwrap_or_default();
+            let size: usize = view
+                .getattr("itemsize")
+                .and_then(|f| f.extract())
+                .unwrap_or_default();
+            let _ = view.call_method0("release");
+            format!(" (format '{format}', {size}-byte items)")
+        }
+        Err(_) => " (it does not support the buffer protocol)".into(),
+    }
+}
+
+fn check(what: &str, obj: &Bound<'_, PyAny>, readonly: bool, contiguous: bool) -> PyResult<()> {
+    if readonly {
+        return Err(PyValueError::new_err(format!(
+            "{what}: the {} is read-only; the call writes its result into the buffer",
+            type_name(obj)
+        )));
+    }
+    if !contiguous {
+        return Err(PyValueError::new_err(format!(
+            "{what}: the {} is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray, Tensor.contiguous)",
+            type_name(obj)
+        )));
+    }
+    Ok(())
+}
+
+/// Float ops: SUM, or the mean (SUM divided by the number of workers).
+fn float_mean(what: &str, op: &str) -> PyResult<bool> {
+    match op.to_ascii_lowercase().as_str() {
+        "sum" => Ok(false),
+        "mean" | "avg" => Ok(true),
+        _ => Err(PyValueError::new_err(format!(
+            "{what}: op '{op}' on float32: \"sum\" or \"mean\" (quantized floats add only)"
+        ))),
+    }
+}
+
+fn int_op(what: &str, op: &str) -> PyResult<Op> {
+    let name = if op.eq_ignore_ascii_case("mean") {
+        "avg"
+    } else {
+        op
+    };
+    Op::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{what}: op '{op}': one of sum, max, min, avg (mean), count, prod, band, bor, bxor"
+        ))
+    })
+}
+
+/// The runtime object behind a Python `Communicator`: one job, or each
+/// vector striped over several jobs at once (`from_config(job=[...])`,
+/// [`StripedCommunicator`]).
+enum Comm {
+    One(Communicator),
+    Striped(StripedCommunicator),
+}
+
+impl Comm {
+    /// The communicator (the first stripe's): participant, workers, options.
+    fn first(&self) -> &Communicator {
+        match self {
+            Comm::One(c) => c,
+            Comm::Striped(s) => &s.stripes()[0],
+        }
+    }
+
+    fn jobs(&self) -> Vec<u16> {
+        match self {
+            Comm::One(c) => vec![c.config().job],
+            Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
+        }
+    }
+
+    /// An int reduction (`all`: allreduce); whether an element was clamped.
+    fn reduce_i32(&self, buf: &mut [i32], all: bool, op: Op) -> Result<bool, CommError> {
+        let opts = CallOptions::default();
+        match self {
+            Comm::One(c) if all => c.allreduce_i32_with(buf, op, opts),
+            Comm::One(c) => c.reduce_i32_with(buf, op, opts),
+            Comm::Striped(s) if all => s.allreduce_i32_with(buf, op, opts),
+            Comm::Striped(s) => s.reduce_i32_with(buf, op, opts),
+        }
+    }
+
+    /// A float SUM or mean (`all`: allreduce).
+    fn reduce_f32(&self, buf: &mut [f32], all: bool, mean: bool) -> Result<(), CommError> {
+        let opts = CallOptions::default();
+        match self {
+            Comm::One(c) => c.reduce_f32_with(buf, all, mean, opts),
+            Comm::Striped(s) => s.reduce_f32_with(buf, all, mean, opts),
+        }
+    }
+
+    /// An int32 broadcast: the bytes `Communicator::broadcast_i32` sends
+    /// (big-endian), over the stripes when striped.
+    fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
+        match self {
+            Comm::One(c) => c.broadcast_i32(buf, root),
+            Comm::Striped(s) => {
+                let mut bytes = Vec::with_capacity(4 * buf.len());
+                proto::write_i32_be(buf, &mut bytes);
+                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
+                proto::read_i32_be(&bytes, buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Comm::broadcast_i32`] for float32 (`Communicator::broadcast_f32`'s bytes).
+    fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
+        match self {
+            Comm::One(c) => c.broadcast_f32(buf, root),
+            Comm::Striped(s) => {
+                let mut bytes = Vec::with_capacity(4 * buf.len());
+                proto::write_f32_be(buf, &mut bytes);
+                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
+                proto::read_f32_be(&bytes, buf);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One participant of an AggBox job: allreduce, reduce and broadcast of
+/// int32 and float32 buffers in place, with the GIL released
+/// (docs/PYTHON.md). Built with `Communicator.from_config(...)` from the
+/// node's configuration, or `Communicator(...)` with everything explicit.
+///
+/// Communicator(job, peers, aggregator, port, rank, ...): job `job` whose
+/// workers' data sockets are `peers` ("IP:PORT", rank r at peers[r]), the
+/// aggregator node at `aggregator`, the job's contribution port `port`;
+/// `rank` is this worker's rank, or None for the aggregator's application.
+/// `backend`: "socket" (user-space aggregator) or "kernel" (the node's XDP
+/// aggregator; needs `result_port`). `deadline`: seconds a call may take.
+/// `quantization`: how float32 travels, "adaptive" (default; never
+/// overflows), "fixed" (scale 1e8), "fixed-or-adaptive", or a fixed scale.
+/// `mtu`: 0 discovers the path MTU.
+#[pyclass(module = "aggbox._aggbox", name = "Communicator", frozen)]
+struct PyCommunicator {
+    // `None` once closed. Calls hold the read lock (several may be queued at
+    // once: the runtime runs them in issue order), `close` the write lock;
+    // both are taken with the GIL released, so a call finishing never waits
+    // for a thread that holds the GIL while it waits for the lock.
+    inner: RwLock<Option<Comm>>,
+}
+
+impl PyCommunicator {
+    fn wrap(
+        py: Python<'_>,
+        build: impl FnOnce() -> Result<Comm, CommError> + Send,
+    ) -> PyResult<PyCommunicator> {
+        let comm = py.allow_threads(build).map_err(|e| to_py_err(py, e))?;
+        Ok(PyCommunicator {
+            inner: RwLock::new(Some(comm)),
+        })
+    }
+
+    /// Runs `f` on the communicator with the GIL released.
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Comm) -> Result<T, CommError> + Send,
+    ) -> PyResult<T> {
+        py.allow_threads(|| {
+            let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
+            match guard.as_ref() {
+                Some(c) => f(c),
+                None => Err(CommError::Closed),
+            }
+        })
+        .map_err(|e| to_py_err(py, e))
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Communicator) -> T) -> PyResult<T> {
+        self.with_comm(|c| f(c.first()))
+    }
+
+    fn with_comm<T>(&self, f: impl FnOnce(&Comm) -> T) -> PyResult<T> {
+        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        guard
+            .as_ref()
+            .map(f)
+            .ok_or_else(|| CommClosedError::new_err("communicator closed"))
+    }
+
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        buf: &Bound<'_, PyAny>,
+        op: &str,
+        all: bool,
+    ) -> PyResult<bool> {
+        match Buffer::of(what, buf)? {
+            Buffer::I32(b) => {
+                let op = int_op(what, op)?;
+                let mut lent = lend(&b);
+                // SAFETY: see `Lent`; `b` outlives the call.
+                let out = self.call(py, move |c| c.reduce_i32(unsafe { lent.slice() }, all, op));
+                b.release(py);
+                out
+            }
+            Buffer::F32(b) => {
+                let mean = float_mean(what, op)?;
+                let mut lent = lend(&b);
+                // SAFETY: see `Lent`; `b` outlives the call.
+                let out = self.call(py, move |c| {
+                    c.reduce_f32(unsafe { lent.slice() }, all, mean)
+                });
+                b.release(py);
+                out.map(|()| false)
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PyCommunicator {
+    /// See the class's docs.
+    #[new]
+    #[pyo3(signature = (job, peers, aggregator, port, rank, *, backend = "socket", result_port = 0, deadline = 10.0, quantization = None, mtu = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        job: u16,
+        peers: Vec<String>,
+        aggregator: &str,
+        port: u16,
+        rank: Option<u16>,
+        backend: &str,
+        result_port: u16,
+        deadline: f64,
+        quantization: Option<&Bound<'_, PyAny>>,
+        mtu: usize,
+    ) -> PyResult<PyCommunicator> {
+        let peers = peers
+            .iter()
+            .map(|p| {
+                p.parse::<SocketAddrV4>()
+                    .map_err(|_| PyValueError::new_err(format!("peer '{p}' is not IPv4:PORT")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let aggregator = parse_ipv4("aggregator", aggregator)?;
+        let b = Communicator::builder(job, peers, aggregator, port, participant(rank))
+            .backend(parse_backend(backend)?)
+            .result_port(result_port);
+        let b = Tuning::new(deadline, quantization, mtu)?.apply(b);
+        Self::wrap(py, move || b.build().map(Comm::One))
+    }
+
+    /// The participant `rank` (None: the aggregator's application) of job
+    /// `job` of the node configuration at `path` (the TOML `aggbox attach`
+    /// reads), with the node at `aggregator`. The worker's data port defaults
+    /// to its member entry in the (first) job's `result_group`. Raises
+    /// ConfigError with the file, line and key of a bad configuration.
+    /// `job` may be a list of jobs: each vector is then striped over them,
+    /// a part per job at once (the runtime's StripedCommunicator), and this
+    /// participant's data socket of job t is on `data_port + t`.
+    #[staticmethod]
+    #[pyo3(signature = (path, *, job, rank, aggregator, data_port = None, backend = "kernel", deadline = 10.0, quantization = None, mtu = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_config(
+        py: Python<'_>,
+        path: PathBuf,
+        job: &Bound<'_, PyAny>,
+        rank: Option<u16>,
+        aggregator: &str,
+        data_port: Option<u16>,
+        backend: &str,
+        deadline: f64,
+        quantization: Option<&Bound<'_, PyAny>>,
+        mtu: usize,
+    ) -> PyResult<PyCommunicator> {
+        let config = Config::load(&path).map_err(|e| ConfigError::new_err(e.to_string()))?;
+        let aggregator = parse_ipv4("aggregator", aggregator)?;
+        let jobs: Vec<u16> = match job.extract::<u16>() {
+            Ok(j) => vec![j],
+            Err(_) => job.extract().map_err(|_| {
+                PyTypeError::new_err(format!("job {job}: a job id (int) or a list of job ids"))
+            })?,
+        };
+        let first = *jobs
+            .first()
+            .ok_or_else(|| PyValueError::new_err("job: an empty list of jobs"))?;
+        let data_port = match data_port {
+            Some(p) => p,
+            None => group_data_port(&config, first, rank)?,
+        };
+        let backend = parse_backend(backend)?;
+        let tuning = Tuning::new(deadline, quantization, mtu)?;
+        let me = participant(rank);
+        if let [job] = jobs[..] {
+            let b = CommunicatorBuilder::from_config(&config, job, aggregator, data_port, me)
+                .map_err(|e| to_py_err(py, e))?
+                .backend(backend);
+            let b = tuning.apply(b);
+            return Self::wrap(py, move || b.build().map(Comm::One));
+        }
+        Self::wrap(py, move || {
+            StripedCommunicator::from_config(&config, &jobs, aggregator, data_port, me, |b| {
+                tuning.apply(b.backend(backend))
+            })
+            .map(Comm::Striped)
+        })
+    }
+
+    /// This worker's rank; `None` for the aggregator.
+    #[getter]
+    fn rank(&self) -> PyResult<Option<u16>> {
+        self.with(|c| c.rank())
+    }
+
+    /// Number of workers of the job.
+    #[getter]
+    fn workers(&self) -> PyResult<u16> {
+        self.with(|c| c.workers())
+    }
+
+    /// The job id (the first stripe's when striped).
+    #[getter]
+    fn job(&self) -> PyResult<u16> {
+        self.with(|c| c.config().job)
+    }
+
+    /// The job ids: one, or the stripes' in order.
+    #[getter]
+    fn jobs(&self) -> PyResult<Vec<u16>> {
+        self.with_comm(Comm::jobs)
+    }
+
+    /// The path MTU the fragments are sized for.
+    #[getter]
+    fn mtu(&self) -> PyResult<usize> {
+        self.with(|c| c.config().mtu)
+    }
+
+    /// Whether the job is served by the node (`consumer = "node"`).
+    #[getter]
+    fn node_served(&self) -> PyResult<bool> {
+        self.with(|c| c.config().node_served)
+    }
+
+    /// Allreduce in place: every worker's `buf` (C-contiguous, writable,
+    /// int32 or float32: numpy array, CPU torch.Tensor, any buffer) gets the
+    /// reduction over every worker's `buf`; all must have the same length.
+    /// int32: `op` is sum, max, min, avg (mean), count, prod, band, bor or
+    /// bxor, exact; returns True if an element was clamped to int32.
+    /// float32: `op` is "sum" or "mean", quantized to int32 on the way
+    /// (error bound: float_error_bound); returns False.
+    #[pyo3(signature = (buf, op = "sum"))]
+    fn allreduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<bool> {
+        self.reduce(py, "allreduce", buf, op, true)
+    }
+
+    /// Reduce to the aggregator: a worker's `buf` is its contribution (left
+    /// unchanged); the aggregator's application gets the result in its `buf`.
+    /// Same buffers and ops as allreduce.
+    #[pyo3(name = "reduce", signature = (buf, op = "sum"))]
+    fn reduce_to_aggregator(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<bool> {
+        self.reduce(py, "reduce", buf, op, false)
+    }
+
+    /// Broadcast in place from `root` (a worker rank, default 0, or
+    /// "aggregator"): every other participant's `buf` (same length, int32 or
+    /// float32) is overwritten with the root's. Values travel bit for bit.
+    #[pyo3(signature = (buf, root = None))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        root: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let root = match root {
+            Some(r) => parse_root(r)?,
+            None => Participant::Worker(0),
+        };
+        match Buffer::of("broadcast", buf)? {
+            Buffer::I32(b) => {
+                let mut lent = lend(&b);
+                // SAFETY: see `Lent`; `b` outlives the call.
+                let out = self.call(py, move |c| c.broadcast_i32(unsafe { lent.slice() }, root));
+                b.release(py);
+                out
+            }
+            Buffer::F32(b) => {
+                let mut lent = lend(&b);
+                // SAFETY: see `Lent`; `b` outlives the call.
+                let out = self.call(py, move |c| c.broadcast_f32(unsafe { lent.slice() }, root));
+                b.release(py);
+                out
+            }
+        }
+    }
+
+    /// The largest absolute error of one float32 element of a SUM (or,
+    /// `mean`, a mean) when the largest |x| over every rank's input is
+    /// `max_abs`, from the quantization alone: each of the W workers rounds
+    /// x·S to an integer (at most 1/2 off), so a SUM errs by at most
+    /// W/(2S) and a mean by 1/(2S). S is the fixed scale, or the adaptive
+    /// one the workers agree on for `max_abs` (for "fixed-or-adaptive" the
+    /// larger of the two bounds). The result is then rounded once to
+    /// float32 (half an ulp of the result on top).
+    #[pyo3(signature = (max_abs, mean = false))]
+    fn float_error_bound(&self, max_abs: f32, mean: bool) -> PyResult<f64> {
+        self.with(|c| {
+            let w = c.workers();
+            let per_scale = |s: f64| if mean { 0.5 / s } else { 0.5 * w as f64 / s };
+            match c.config().quantization {
+                Quantization::Fixed(s) => per_scale(s),
+                Quantization::Adaptive => per_scale(adaptive_scale(max_abs, w)),
+                Quantization::FixedOrAdaptive(s) => {
+                    per_scale(s).max(per_scale(adaptive_scale(max_abs, w)))
+                }
+            }
+        })
+    }
+
+    /// Stops the communicator's thread and closes its socket (also when it
+    /// is garbage-collected); later calls raise CommClosedError.
+    fn close(&self, py: Python<'_>) {
+        py.allow_threads(|| {
+            let mut guard = self.inner.write().unwrap_or_else(|p| p.into_inner());
+            guard.take();
+        });
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Closes the communicator at the end of a `with` block.
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) {
+        self.close(py);
+    }
+
+    fn __repr__(&self) -> String {
+        self.with_comm(|comm| {
+            let c = comm.first();
+            let me = match c.rank() {
+                Some(r) => format!("rank={r}"),
+                None => "aggregator".into(),
+            };
+            let jobs = comm.jobs();
+            let job = match &jobs[..] {
+                [one] => format!("job={one}"),
+                all => format!("jobs={all:?}"),
+            };
+            format!(
+                "<aggbox.Communicator {job} {me} workers={} backend={:?} mtu={}>",
+                c.workers(),
+                c.config().backend,
+                c.config().mtu
+            )
+        })
+        .unwrap_or_else(|_| "<aggbox.Communicator closed>".into())
+    }
+}
+
+/// The options every constructor takes, checked.
+#[derive(Clone, Copy)]
+struct Tuning {
+    deadline: Duration,
+    quantization: Quantization,
+    mtu: usize,
+}
+
+impl Tuning {
+    /// The package's default quantization is adaptive (docs/PYTHON.md):
+    /// gradients and other Python data have no known range.
+    fn new(
+        deadline_s: f64,
+        quantization: Option<&Bound<'_, PyAny>>,
+        mtu: usize,
+    ) -> PyResult<Tuning> {
+        Ok(Tuning {
+            deadline: deadline(deadline_s)?,
+            quantization: match quantization {
+                Some(q) => parse_quantization(q)?,
+                None => Quantization::Adaptive,
+            },
+            mtu,
+        })
+    }
+
+    fn apply(self, b: CommunicatorBuilder) -> CommunicatorBuilder {
+        b.deadline(self.deadline)
+            .quantization(self.quantization)
+            .mtu(self.mtu)
+    }
+}
+
+/// A worker's data port when the configuration does not say it in so many
+/// words: the port of its address in the job's `result_group` (where the
+/// node sends it the results).
+fn group_data_port(config: &Config, job: u16, rank: Option<u16>) -> PyResult<u16> {
+    let need = || {
+        ConfigError::new_err(format!(
+            "job {job}: pass data_port= (the configuration has no result_group member for this participant)"
+        ))
+    };
+    let j = config
+        .job(job)
+        .ok_or_else(|| ConfigError::new_err(format!("no job {job} in the configuration")))?;
+    let addr = rank
+        .and_then(|r| j.workers.get(r as usize))
+        .ok_or_else(need)?;
+    let group = j
+        .result_group
+        .and_then(|g| config.group(g))
+        .ok_or_else(need)?;
+    group
+        .members
+        .iter()
+        .find(|m| m.ip() == addr)
+        .map(|m| m.port())
+        .ok_or_else(need)
+}
+
+/// The adaptive quantization scale the runtime picks for `workers` ranks
+/// whose inputs' largest |x| is `max_abs` (a power of two).
+#[pyfunction]
+fn adaptive_quantization_scale(max_abs: f32, workers: u16) -> f64 {
+    adaptive_scale(max_abs, workers)
+}
+
+#[pymodule]
+fn _aggbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyCommunicator>()?;
+    m.add_function(wrap_pyfunction!(adaptive_quantization_scale, m)?)?;
+    m.add("AggBoxError", py.get_type::<AggBoxError>())?;
+    m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
+    m.add(
+        "QuantizationOverflowError",
+        py.get_type::<QuantizationOverflowError>(),
+    )?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("CommClosedError", py.get_type::<CommClosedError>())?;
+    m.add("DEFAULT_FIXED_SCALE", DEFAULT_SCALE)?;
+    Ok(())
+}

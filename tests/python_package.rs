@@ -1,0 +1,329 @@
+//! The Python package `aggbox` (python/, docs/PYTHON.md), as `make python`
+//! built it (the wheel unpacked in target/python/site), run by Debian's
+//! /usr/bin/python3 beside its python3-torch and python3-numpy:
+//!
+//! - python/tests/test_loopback.py (unittest): every API on a socket-backend
+//!   job on loopback, in one process: numpy, torch and other buffers equal to
+//!   the reference, float32 within the documented bound, bad buffers and bad
+//!   arguments as Python exceptions, timeouts that name who is missing,
+//!   lengths that differ across ranks failing within the deadline, the GIL
+//!   released during a call.
+//! - python/tests/netns_collectives.py: 4 worker namespaces against a node
+//!   that runs only `aggbox attach` (node-served jobs, kernel backend).
+//! - python/tests/netns_ddp.py: DDP over the same 4 workers, the default
+//!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed.
+//!
+//! Needs root (namespaces, XDP) and `make python` first; fails (never
+//! skips) otherwise: `make python && cargo test --release --test python_package`.
+
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
+
+mod live_attach;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use live_attach::LiveAttach;
+use testbed::{Testbed, TestbedConfig};
+
+/// Debian's interpreter, the one python3-torch is installed for (a
+/// `python3` earlier on PATH, pyenv's say, may lack torch).
+const PYTHON: &str = "/usr/bin/python3";
+const WORKERS: usize = 4;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The unpacked wheel `make python` built, checked to be there, newer than
+/// the package's sources, and importable beside torch and numpy.
+fn python_path() -> String {
+    let site = repo().join("target/python/site");
+    let ext = site.join("aggbox/_aggbox.abi3.so");
+    let built = std::fs::metadata(&ext)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}: build the Python package first with `make python`",
+                ext.display()
+            )
+        });
+    let newest = newest_source(&repo().join("python"));
+    assert!(
+        built >= newest.1,
+        "{} is older than {}: rebuild it with `make python`",
+        ext.display(),
+        newest.0.display()
+    );
+    let out = Command::new(PYTHON)
+        .args([
+            "-c",
+            "import torch, numpy, aggbox, aggbox.torch; print(aggbox.__file__)",
+        ])
+        .env("PYTHONPATH", &site)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("{PYTHON}: {e} (Debian's python3 with python3-torch: `make deps`)")
+        });
+    assert!(
+        out.status.success(),
+        "importing aggbox beside torch and numpy:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        file.trim().starts_with(site.to_str().unwrap()),
+        "aggbox came from {file}, not {}",
+        site.display()
+    );
+    site.to_string_lossy().into_owned()
+}
+
+/// The newest file of the package's sources (the Rust crate and the Python
+/// package; not its tests or examples) and its time.
+fn newest_source(python_dir: &Path) -> (PathBuf, SystemTime) {
+    let mut newest = (python_dir.join("Cargo.toml"), SystemTime::UNIX_EPOCH);
+    let mut dirs = vec![python_dir.join("src"), python_dir.join("aggbox")];
+    for f in ["Cargo.toml", "pyproject.toml"] {
+        let t = std::fs::metadata(python_dir.join(f))
+            .and_then(|m| m.modified())
+            .expect("python/ sources");
+        if t > newest.1 {
+            newest = (python_dir.join(f), t);
+        }
+    }
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).expect("python/ sources").flatten() {
+            let (p, m) = (e.path(), e.metadata().expect("metadata"));
+            if m.is_dir() {
+                if p.file_name().is_some_and(|n| n != "__pycache__") {
+                    dirs.push(p);
+                }
+            } else if m.modified().expect("mtime") > newest.1 {
+                newest = (p, m.modified().expect("mtime"));
+            }
+        }
+    }
+    newest
+}
+
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/python_package.rs needs root (network namespaces, XDP): `make python && sudo -E cargo test --release --test python_package`"
+    );
+}
+
+#[test]
+fn the_package_on_loopback_numpy_torch_errors_and_the_gil() {
+    let site = python_path();
+    let out = Command::new(PYTHON)
+        .args(["-m", "unittest", "discover", "-v", "-s"])
+        .arg(repo().join("python/tests"))
+        .args(["-p", "test_*.py"])
+        .env("PYTHONPATH", &site)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run python3 -m unittest");
+    let text = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{text}");
+    assert!(
+        out.status.success(),
+        "python/tests/test_loopback.py failed:\n{text}"
+    );
+    assert!(
+        !text.contains("skipped"),
+        "no test may be skipped (torch missing?)"
+    );
+}
+
+/// The workers' data port of each job (its `result_group`'s members).
+const DATA_PORTS: [u16; 5] = [7700, 7710, 7720, 7740, 7741];
+/// The jobs of the node: collectives, wrong lengths, DDP, and two stripes
+/// (a striped communicator's job t listens on the first one's data port +
+/// t); a fresh job for each series of calls from round 0.
+const JOBS: [u16; 5] = [11, 12, 13, 14, 15];
+
+/// A node (host 0) that runs only `aggbox attach` with one node-served job
+/// per entry of [`JOBS`], and 4 workers (hosts 1..=4).
+struct Node {
+    config: PathBuf,
+    attach: LiveAttach,
+    tb: Testbed,
+}
+
+impl Node {
+    fn up(tag: &str) -> Node {
+        require_root();
+        let tb = Testbed::up(TestbedConfig {
+            hosts: WORKERS + 1,
+            ..Default::default()
+        })
+        .expect("testbed");
+        let workers: Vec<String> = (1..=WORKERS).map(|h| tb.host(h).addr.to_string()).collect();
+        let mut text = String::from("[node]\nmetrics = \"127.0.0.1:9472\"\n");
+        for (i, (&job, &data_port)) in JOBS.iter().zip(&DATA_PORTS).enumerate() {
+            let group = 4 + i;
+            let port = 7600 + 10 * i;
+            text += &format!(
+                "\n[[job]]\nid = {job}\nport = {port}\nworkers = [{}]\nresult_port = {}\nresult_group = {group}\nconsumer = \"node\"\n\n[[group]]\nid = {group}\nmembers = [{}]\n",
+                workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
+                port + 1,
+                workers.iter().map(|w| format!("\"{w}:{data_port}\"")).collect::<Vec<_>>().join(", "),
+            );
+        }
+        let attach = LiveAttach::start(&tb.host(0).netns, tag, &text, &[]);
+        // The workers read the same file (the namespaces share the file system).
+        let config =
+            std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
+        std::fs::write(&config, &text).expect("write the workers' configuration");
+        Node { config, attach, tb }
+    }
+
+    /// Runs `script` on every worker (rank r on host r+1) with `args(r)`,
+    /// at most `limit`; returns each rank's exit status and output. Each
+    /// process is killed (by its pid) if it outlives `limit`.
+    fn run_workers(
+        &self,
+        script: &str,
+        args: impl Fn(usize) -> Vec<String>,
+        limit: Duration,
+    ) -> Vec<(ExitStatus, String)> {
+        let site = python_path();
+        let script = repo().join("python/tests").join(script);
+        let logs: Vec<PathBuf> = (0..WORKERS)
+            .map(|r| self.config.with_extension(format!("rank{r}.log")))
+            .collect();
+        let mut children: Vec<Child> = (0..WORKERS)
+            .map(|r| {
+                let mut cmd = vec![PYTHON.to_string(), script.to_string_lossy().into_owned()];
+                cmd.extend([
+                    "--rank".into(),
+                    r.to_string(),
+                    "--world".into(),
+                    WORKERS.to_string(),
+                ]);
+                cmd.extend([
+                    "--config".into(),
+                    self.config.to_string_lossy().into_owned(),
+                ]);
+                cmd.extend(["--aggregator".into(), self.tb.host(0).addr.to_string()]);
+                cmd.extend(args(r));
+                let argv: Vec<&str> = cmd.iter().map(String::as_str).collect();
+                let log = File::create(&logs[r]).expect("log file");
+                self.tb
+                    .command_in(r + 1, &argv)
+                    .expect("command")
+                    .env("PYTHONPATH", &site)
+                    .env("OMP_NUM_THREADS", "1")
+                    .env("GLOO_SOCKET_IFNAME", "eth0")
+                    .stdin(Stdio::null())
+                    .stdout(log.try_clone().expect("log"))
+                    .stderr(log)
+                    .spawn()
+                    .expect("start a Python worker")
+            })
+            .collect();
+        let deadline = Instant::now() + limit;
+        let mut statuses: Vec<Option<ExitStatus>> = vec![None; WORKERS];
+        while statuses.iter().any(Option::is_none) && Instant::now() < deadline {
+            for (s, c) in statuses.iter_mut().zip(&mut children) {
+                if s.is_none() {
+                    *s = c.try_wait().expect("wait");
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut out = Vec::new();
+        for (r, (s, mut c)) in statuses.into_iter().zip(children).enumerate() {
+            let status = s.unwrap_or_else(|| {
+                let _ = c.kill();
+                c.wait().expect("wait")
+            });
+            let text = std::fs::read_to_string(&logs[r]).unwrap_or_default();
+            let _ = std::fs::remove_file(&logs[r]);
+            eprintln!("--- rank {r} ({status}):\n{text}");
+            out.push((status, text));
+        }
+        out
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+        let _ = &self.attach;
+    }
+}
+
+#[test]
+fn python_workers_allreduce_and_broadcast_through_a_node_served_job() {
+    let node = Node::up("py-coll");
+    let args = |_r: usize| {
+        vec![
+            "--job".into(),
+            JOBS[0].to_string(),
+            "--mismatch-job".into(),
+            JOBS[1].to_string(),
+            "--striped-jobs".into(),
+            format!("{},{}", JOBS[3], JOBS[4]),
+        ]
+    };
+    let results = node.run_workers("netns_collectives.py", args, Duration::from_secs(180));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(
+            status.success(),
+            "rank {r}: netns_collectives.py failed ({status}):\n{text}"
+        );
+        assert!(
+            text.trim_end().ends_with("done"),
+            "rank {r} did not finish:\n{text}"
+        );
+        assert!(
+            text.contains("ok: float32 numpy allreduce mean"),
+            "rank {r}:\n{text}"
+        );
+        assert!(
+            text.contains("ok: striped over jobs [14, 15]: float32"),
+            "rank {r}:\n{text}"
+        );
+        assert!(
+            text.contains("ok: wrong length (") && text.contains("CommTimeoutError"),
+            "rank {r}:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn ddp_with_the_aggbox_hook_trains_like_gloo() {
+    let node = Node::up("py-ddp");
+    let master = node.tb.host(1).addr.to_string();
+    let args = |_r: usize| {
+        vec![
+            "--job".into(),
+            JOBS[2].to_string(),
+            "--master-addr".into(),
+            master.clone(),
+            "--master-port".into(),
+            "29600".into(),
+            "--steps".into(),
+            "40".into(),
+        ]
+    };
+    let results = node.run_workers("netns_ddp.py", args, Duration::from_secs(300));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(
+            status.success(),
+            "rank {r}: netns_ddp.py failed ({status}):\n{text}"
+        );
+        assert!(
+            text.trim_end().ends_with("done"),
+            "rank {r} did not finish:\n{text}"
+        );
+        assert!(text.contains("parameters differ by"), "rank {r}:\n{text}");
+    }
+}
