@@ -1,0 +1,166 @@
+/*
+ * The MPI program of tests/mpi_collectives.rs (docs/MPI.md, "Tests"): every
+ * call libaggbox_mpi serves, and some it must pass through, each checked on
+ * every rank against a result computed locally from every rank's input
+ * (MPI's arithmetic: int32 wraps). Rank 0 prints one line per call,
+ * `result NAME COUNT FNV1A`, so that a run with the library and one without
+ * can be compared line by line; every rank prints its mismatches and exits
+ * 1 if it had any.
+ *
+ * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
+ */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int rank, size, failures;
+
+static const struct { const char *name; MPI_Op op; } OPS[] = {
+    {"SUM", MPI_SUM}, {"MAX", MPI_MAX}, {"MIN", MPI_MIN}, {"PROD", MPI_PROD},
+    {"BAND", MPI_BAND}, {"BOR", MPI_BOR}, {"BXOR", MPI_BXOR},
+};
+#define NOPS (int)(sizeof OPS / sizeof OPS[0])
+
+/* Rank r's input element i for op `k`: mixed signs and bits; PROD's small
+ * enough that 8 ranks' product fits. `big` makes SUM leave int32. */
+static int32_t input(int r, int i, int k, int big)
+{
+    uint32_t x = (uint32_t)(r + 1) * 2654435761u ^ (uint32_t)i * 40503u ^ (uint32_t)k * 97u;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    if (big) return (int32_t)(0x7ffffff0u - (x & 7)); /* 4 of these wrap */
+    if (OPS[k].op == MPI_PROD) return (int32_t)(x % 5) - 2;
+    if (OPS[k].op == MPI_SUM) return (int32_t)(x % 2000001u) - 1000000;
+    return (int32_t)x;
+}
+
+/* MPI's result for element i: int32 arithmetic wraps. */
+static int32_t expected(int i, int k, int big)
+{
+    uint32_t acc = (uint32_t)input(0, i, k, big);
+    for (int r = 1; r < size; r++) {
+        int32_t v = input(r, i, k, big), a = (int32_t)acc;
+        MPI_Op op = OPS[k].op;
+        if (op == MPI_SUM) acc += (uint32_t)v;
+        else if (op == MPI_PROD) acc *= (uint32_t)v;
+        else if (op == MPI_MAX) acc = (uint32_t)(v > a ? v : a);
+        else if (op == MPI_MIN) acc = (uint32_t)(v < a ? v : a);
+        else if (op == MPI_BAND) acc &= (uint32_t)v;
+        else if (op == MPI_BOR) acc |= (uint32_t)v;
+        else acc ^= (uint32_t)v;
+    }
+    return (int32_t)acc;
+}
+
+static uint64_t fnv1a(const void *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* Counts the mismatches of got[..n] against want; rank 0 prints the
+ * result line (`significant`: this rank has the result). */
+static void check(const char *name, int n, const int32_t *got, const int32_t *want, int significant)
+{
+    int bad = 0, first = -1;
+    if (significant)
+        for (int i = 0; i < n; i++)
+            if (got[i] != want[i]) { if (first < 0) first = i; bad++; }
+    if (bad) {
+        fprintf(stderr, "collectives: rank %d: %s n=%d: %d mismatches, first at %d: got %d want %d\n",
+                rank, name, n, bad, first, got[first], want[first]);
+        failures++;
+    }
+    if (rank == 0) printf("result %s %d %016llx\n", name, n, (unsigned long long)fnv1a(want, (size_t)n * 4));
+}
+
+static void reductions(int n)
+{
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    char name[64];
+    for (int k = 0; k < NOPS; k++) {
+        for (int i = 0; i < n; i++) { in[i] = input(rank, i, k, 0); want[i] = expected(i, k, 0); }
+        snprintf(name, sizeof name, "allreduce-%s", OPS[k].name);
+        MPI_Allreduce(in, out, n, MPI_INT, OPS[k].op, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+
+        snprintf(name, sizeof name, "allreduce-inplace-int32_t-%s", OPS[k].name);
+        memcpy(out, in, (size_t)n * 4);
+        MPI_Allreduce(MPI_IN_PLACE, out, n, MPI_INT32_T, OPS[k].op, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+
+        int root = (k + 1) % size; /* roots other than 0 too */
+        snprintf(name, sizeof name, "reduce-root%d-%s", root, OPS[k].name);
+        memset(out, 0, (size_t)n * 4);
+        MPI_Reduce(in, out, n, MPI_INT, OPS[k].op, root, MPI_COMM_WORLD);
+        check(name, n, out, want, rank == root);
+
+        snprintf(name, sizeof name, "reduce-inplace-root%d-%s", root, OPS[k].name);
+        memcpy(out, in, (size_t)n * 4);
+        MPI_Reduce(rank == root ? MPI_IN_PLACE : in, rank == root ? out : NULL, n, MPI_INT, OPS[k].op, root, MPI_COMM_WORLD);
+        check(name, n, out, want, rank == root);
+    }
+    /* SUM that leaves int32: MPI wraps; the library must match it. */
+    int k = 0;
+    for (int i = 0; i < n; i++) { in[i] = input(rank, i, k, 1); want[i] = expected(i, k, 1); }
+    MPI_Allreduce(in, out, n, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    check("allreduce-SUM-wraps", n, out, want, 1);
+
+    /* Broadcast of ints from the last rank. */
+    for (int i = 0; i < n; i++) { want[i] = input(size - 1, i, 0, 0); out[i] = rank == size - 1 ? want[i] : 0; }
+    MPI_Bcast(out, n, MPI_INT, size - 1, MPI_COMM_WORLD);
+    check("bcast-int", n, out, want, 1);
+    free(in); free(out); free(want);
+}
+
+/* Calls the library must pass to PMPI unchanged: not int32, a user op,
+ * not MPI_COMM_WORLD. Each still correct. Returns how many allreduces. */
+static void user_sum(void *in, void *inout, int *len, MPI_Datatype *type)
+{
+    (void)type;
+    for (int i = 0; i < *len; i++) ((int32_t *)inout)[i] += ((int32_t *)in)[i];
+}
+
+static int passed_through(void)
+{
+    int64_t l = rank + 1, lsum = 0;
+    MPI_Allreduce(&l, &lsum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    int32_t want = (int32_t)((int64_t)size * (size + 1) / 2), got = (int32_t)lsum;
+    check("passthrough-int64", 1, &got, &want, 1);
+
+    MPI_Op op;
+    MPI_Op_create(user_sum, 1, &op);
+    int32_t v = rank + 1;
+    MPI_Allreduce(&v, &got, 1, MPI_INT, op, MPI_COMM_WORLD);
+    check("passthrough-userop", 1, &got, &want, 1);
+    MPI_Op_free(&op);
+
+    MPI_Comm dup;
+    MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+    MPI_Allreduce(&v, &got, 1, MPI_INT, MPI_SUM, dup);
+    check("passthrough-dup", 1, &got, &want, 1);
+    MPI_Comm_free(&dup);
+    return 3;
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
+    if (argc > 1) {
+        for (int a = 1; a < argc; a++) reductions(atoi(argv[a]));
+    } else {
+        for (size_t s = 0; s < sizeof DEFAULT_SIZES / sizeof DEFAULT_SIZES[0]; s++) reductions(DEFAULT_SIZES[s]);
+    }
+    int passed = passed_through();
+    if (rank == 0) printf("passthrough-allreduce-calls %d\n", passed);
+    fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+    MPI_Finalize();
+    return failures ? 1 : 0;
+}
