@@ -9,16 +9,18 @@ CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
 BENCH_BIN    := target/$(PROFILE)/aggbox-bench
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
-                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps
+                iproute2 ethtool iputils-ping tcpdump prometheus gcc procps \
+                openmpi-bin libopenmpi-dev mpich libmpich-dev
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build mpi test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
-all: build
+all: build mpi
 
 help:
 	@echo "make deps    install the Debian packages the build and tests need (idempotent)"
 	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
+	@echo "make mpi     build the MPI interposition libraries $(MPI_LIBS) (docs/MPI.md)"
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
@@ -44,9 +46,26 @@ deps:
 build: deps
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
 
+# The PMPI interposition library (docs/MPI.md): the Rust half (mpi/, a
+# staticlib in this target directory, so the aggbox crate is compiled once)
+# linked with the C shim once per MPI implementation, whose handles only
+# its own mpi.h knows. libbpf inside the staticlib needs libelf and zlib.
+MPI_DIR      := target/$(PROFILE)
+MPI_LIBS     := $(MPI_DIR)/libaggbox_mpi_openmpi.so $(MPI_DIR)/libaggbox_mpi_mpich.so
+MPI_LDLIBS   := -lelf -lz -lpthread -ldl -lm
+mpi: deps
+	CARGO_TARGET_DIR=$(CURDIR)/target $(CARGO) build $(CARGO_FLAGS) --manifest-path mpi/Cargo.toml
+	@for impl in openmpi mpich; do \
+	  command -v mpicc.$$impl >/dev/null || { echo "make mpi: mpicc.$$impl not found (make deps installs it)" >&2; exit 1; }; \
+	  echo "mpicc.$$impl -> $(MPI_DIR)/libaggbox_mpi_$$impl.so"; \
+	  mpicc.$$impl -shared -fPIC -O2 -Wall -Wextra -Werror -o $(MPI_DIR)/libaggbox_mpi_$$impl.so \
+	    mpi/aggbox_mpi.c $(MPI_DIR)/libaggbox_mpi.a \
+	    -Wl,--version-script=mpi/exports.map $(MPI_LDLIBS) || exit 1; \
+	done
+
 # Unit tests need nothing special; the BPF and netns tests need root and a
 # kernel with BTF and fail with a clear message otherwise (never skip).
-test: deps
+test: deps mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
