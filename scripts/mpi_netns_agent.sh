@@ -9,12 +9,15 @@
 #
 #   mpirun.openmpi --mca plm_rsh_agent scripts/mpi_netns_agent.sh \
 #       --hostfile HOSTS ...      # HOSTS: one namespace name per line
+#   mpiexec.mpich -launcher ssh -launcher-exec scripts/mpi_netns_agent.sh \
+#       -iface eth0 -hosts NS1,NS2,... ...
 set -euo pipefail
-[ $# -ge 2 ] || { echo "usage: $0 NETNS COMMAND..." >&2; exit 2; }
+# ssh options before the host name mean nothing here: MPICH's Hydra (ssh
+# launcher with -launcher-exec set to this script) passes `-x`.
+while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+[ $# -ge 2 ] || { echo "usage: $0 [SSH-OPTIONS] NETNS COMMAND..." >&2; exit 2; }
 netns=$1
 shift
-# ssh-style options mpirun may pass before the host (none with plm_rsh_agent
-# set to this script, but ssh's -x is harmless to skip).
 ip netns list | awk '{print $1}' | grep -qx -- "$netns" \
   || { echo "$0: no network namespace \"$netns\" (hostfile names must be namespaces)" >&2; exit 1; }
 exec ip netns exec "$netns" /bin/sh -c "$*"

@@ -87,8 +87,10 @@ fn program(mpi: Mpi, dir: &Path) -> PathBuf {
 /// A testbed whose host 0 serves the job and hosts 1..=ranks are the ranks.
 struct MpiBed {
     // Field order: the attachment stops before the testbed goes.
-    attach: LiveAttach,
+    attach: Option<LiveAttach>,
     tb: Testbed,
+    tag: String,
+    text: String,
     dir: PathBuf,
     config: PathBuf,
     hostfile: PathBuf,
@@ -105,7 +107,6 @@ impl MpiBed {
             workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
             workers.iter().map(|w| format!("\"{w}:{DATA_PORT}\"")).collect::<Vec<_>>().join(", "),
         );
-        let attach = LiveAttach::start(&tb.host(0).netns, &format!("mpi-{tag}"), &text, &[]);
         let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test dir");
         let config = dir.join("node.toml");
@@ -113,7 +114,21 @@ impl MpiBed {
         let hostfile = dir.join("hosts");
         let hosts: String = (1..=ranks).map(|h| format!("{} slots=1\n", tb.host(h).netns)).collect();
         std::fs::write(&hostfile, hosts).expect("write hostfile");
-        MpiBed { attach, tb, dir, config, hostfile, ranks }
+        let mut bed = MpiBed { attach: None, tb, tag: tag.to_string(), text, dir, config, hostfile, ranks };
+        bed.restart_node();
+        bed
+    }
+
+    /// Starts `aggbox attach` on host 0 afresh (stopping the running one):
+    /// a job serves one MPI run, whose rounds start at 0 with MPI_Init
+    /// (docs/MPI.md, "One run per job").
+    fn restart_node(&mut self) {
+        drop(self.attach.take());
+        self.attach = Some(LiveAttach::start(&self.tb.host(0).netns, &format!("mpi-{}", self.tag), &self.text, &[]));
+    }
+
+    fn node(&self) -> &LiveAttach {
+        self.attach.as_ref().expect("aggbox attach runs")
     }
 
     /// The environment of a run with the library: the node's address, the
@@ -209,7 +224,7 @@ fn stats_lines(out: &Output, ranks: usize) -> Vec<String> {
 /// `mpi`: both succeed with identical results; the counters are exactly
 /// what the program's calls must give; the node aggregated them.
 fn bit_identical(mpi: Mpi, ranks: usize) {
-    let bed = MpiBed::up(&format!("{}-{ranks}", mpi.name()), ranks);
+    let mut bed = MpiBed::up(&format!("{}-{ranks}", mpi.name()), ranks);
     let program = program(mpi, &bed.dir);
     // 1 element, one datagram (362 at MTU 1500), one more, 4 datagrams, and
     // many fragments not a multiple of the datagram.
@@ -220,7 +235,7 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     let reference = result_lines(&plain);
     assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 3, "rank 0's result lines of the plain run");
 
-    let before = bed.attach.outcomes();
+    let before = bed.node().outcomes();
     let served = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[]), &program, &sizes);
     assert!(served.status.success(), "{} run with libaggbox_mpi failed", mpi.name());
     assert_eq!(result_lines(&served), reference, "results with the library differ from plain MPI's");
@@ -236,7 +251,7 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     for (r, line) in stats_lines(&served, ranks).iter().enumerate() {
         assert_eq!(line, &format!("aggbox-mpi: rank {r}: {want}"), "counters of rank {r}");
     }
-    let after = bed.attach.outcomes();
+    let after = bed.node().outcomes();
     let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
     eprintln!("node outcomes during the run: {after:?} (before {before:?})");
     assert!(grew("accepted") > 0 && grew("result") > 0, "the node's XDP program aggregated the contributions");
@@ -244,6 +259,7 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     // Sizes below AGGBOX_MPI_MIN_BYTES pass through: 1 and 362 elements
     // (1448 bytes) under 1449 bytes, still correct; 363 served.
     let small = ["1", "362", "363"];
+    bed.restart_node();
     let out = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[("AGGBOX_MPI_MIN_BYTES", "1449".into())]), &program, &small);
     assert!(out.status.success(), "run with AGGBOX_MPI_MIN_BYTES failed");
     let plain_small = bed.mpirun(mpi, ranks, &[], &program, &small);
