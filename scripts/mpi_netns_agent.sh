@@ -20,4 +20,10 @@ netns=$1
 shift
 ip netns list | awk '{print $1}' | grep -qx -- "$netns" \
   || { echo "$0: no network namespace \"$netns\" (hostfile names must be namespaces)" >&2; exit 1; }
-exec ip netns exec "$netns" /bin/sh -c "$*"
+# Every namespace shares the machine's host name, so Open MPI's daemons would
+# all make their session directories under the same /tmp/ompi.HOST.UID and
+# race creating the same subdirectories ("File exists"): a temporary
+# directory per namespace keeps them apart (removed when the daemon exits).
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/mpi-netns-$netns.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+TMPDIR=$tmp ip netns exec "$netns" /bin/sh -c "$*"
