@@ -152,6 +152,19 @@ impl MpiBed {
     /// to every rank; killed (by the pid of the `timeout` this test
     /// started) after RUN_LIMIT.
     fn mpirun(&self, mpi: Mpi, np: usize, env: &[(String, String)], program: &Path, args: &[&str]) -> Output {
+        self.mpirun_with(mpi, np, env, &[], program, args)
+    }
+
+    /// [`MpiBed::mpirun`] with `launcher` options of mpirun's own.
+    fn mpirun_with(
+        &self,
+        mpi: Mpi,
+        np: usize,
+        env: &[(String, String)],
+        launcher: &[&str],
+        program: &Path,
+        args: &[&str],
+    ) -> Output {
         let agent = repo().join("scripts/mpi_netns_agent.sh");
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.tb.host(1).netns, "timeout", "--kill-after=5"])
@@ -181,7 +194,7 @@ impl MpiBed {
             }
         }
         let started = Instant::now();
-        let out = cmd.arg(program).args(args).output().expect("spawn mpirun");
+        let out = cmd.args(launcher).arg(program).args(args).output().expect("spawn mpirun");
         eprintln!(
             "{} -np {np} {} {args:?}: {} in {:.1} s\n--- stderr ---\n{}",
             mpi.name(),
@@ -296,4 +309,34 @@ fn world_size_other_than_the_workers_fails_at_mpi_init() {
         "the reason is printed: {stderr}"
     );
     assert_eq!(bed.ranks, 4);
+}
+
+/// Rank 2 of 4 dies mid-way through back-to-back allreduces. MPICH's
+/// `-disable-auto-cleanup` leaves the others running (mpirun would
+/// otherwise kill them at once), so what ends them is the library: each
+/// survivor's call fails at its deadline with the runtime's reason and the
+/// job is aborted — well before the program's own 60 s of calls.
+#[test]
+fn a_rank_killed_mid_call_fails_the_others_within_the_deadline() {
+    let bed = MpiBed::up("kill", 4);
+    let program = program(Mpi::Mpich, &bed.dir);
+    let started = Instant::now();
+    let out = bed.mpirun_with(
+        Mpi::Mpich,
+        4,
+        &bed.aggbox_env(Mpi::Mpich, &[]),
+        &["-disable-auto-cleanup"],
+        &program,
+        &["kill-rank", "2"],
+    );
+    let took = started.elapsed();
+    assert!(!out.status.success(), "the job must fail");
+    let limit = Duration::from_millis(DEADLINE_MS) + Duration::from_secs(20);
+    assert!(took < limit, "the survivors failed within their deadline ({took:?}, at most {limit:?}), no hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("no failure"), "no survivor ran on: {stderr}");
+    assert!(
+        stderr.lines().any(|l| l.starts_with("aggbox-mpi: rank ") && l.contains("MPI_Allreduce: allreduce round") && l.contains("timed out")),
+        "a survivor's call timed out with the runtime's reason: {stderr}"
+    );
 }

@@ -8,12 +8,18 @@
  * 1 if it had any.
  *
  * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
+ *        collectives kill-rank R   rank R dies (SIGALRM, no handler) after
+ *                                  1 s of back-to-back allreduces; the
+ *                                  others must fail, not hang: they exit 3
+ *                                  if 60 s of calls went by without it
  */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 static int rank, size, failures;
 
@@ -147,11 +153,33 @@ static int passed_through(void)
     return 3;
 }
 
+/* Back-to-back allreduces while rank `victim` dies mid-way. */
+static int kill_rank(int victim)
+{
+    enum { N = 1448 };
+    static int32_t v[N];
+    if (rank == victim) alarm(1);
+    time_t start = time(NULL);
+    long calls = 0;
+    while (time(NULL) - start < 60) {
+        for (int i = 0; i < N; i++) v[i] = rank;
+        MPI_Allreduce(MPI_IN_PLACE, v, N, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+        calls++;
+    }
+    fprintf(stderr, "collectives: rank %d: %ld calls in 60 s and no failure\n", rank, calls);
+    return 3;
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (argc == 3 && strcmp(argv[1], "kill-rank") == 0) {
+        int rc = kill_rank(atoi(argv[2]));
+        MPI_Finalize();
+        return rc;
+    }
     static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
     if (argc > 1) {
         for (int a = 1; a < argc; a++) reductions(atoi(argv[a]));
