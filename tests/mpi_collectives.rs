@@ -289,6 +289,11 @@ fn openmpi_4_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
 }
 
 #[test]
+fn openmpi_8_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
+    bit_identical(Mpi::OpenMpi, 8);
+}
+
+#[test]
 fn mpich_4_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
     bit_identical(Mpi::Mpich, 4);
 }
@@ -339,4 +344,25 @@ fn a_rank_killed_mid_call_fails_the_others_within_the_deadline() {
         stderr.lines().any(|l| l.starts_with("aggbox-mpi: rank ") && l.contains("MPI_Allreduce: allreduce round") && l.contains("timed out")),
         "a survivor's call timed out with the runtime's reason: {stderr}"
     );
+}
+
+/// MPI_FLOAT MPI_SUM is served only with AGGBOX_MPI_FLOAT=quantized, then
+/// within the quantization bound of the exact sum (the program checks);
+/// without it every float call passes through.
+#[test]
+fn openmpi_float_sum_served_only_when_asked() {
+    let mut bed = MpiBed::up("float", 4);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let args = ["float", "1", "363", "10000"];
+    for (float, want) in [
+        ("quantized", "served MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0"),
+        ("off", "served MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0"),
+    ] {
+        bed.restart_node();
+        let out = bed.mpirun(Mpi::OpenMpi, 4, &bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_FLOAT", float.into())]), &program, &args);
+        assert!(out.status.success(), "float run with AGGBOX_MPI_FLOAT={float} failed");
+        for (r, line) in stats_lines(&out, 4).iter().enumerate() {
+            assert!(line.starts_with(&format!("aggbox-mpi: rank {r}: {want};")), "AGGBOX_MPI_FLOAT={float}, rank {r}: {line}");
+        }
+    }
 }

@@ -8,6 +8,9 @@
  * 1 if it had any.
  *
  * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
+ *        collectives float SIZE...  MPI_FLOAT MPI_SUM allreduce and reduce,
+ *                                  within 1e-4 of size·max|x| of the exact
+ *                                  sum (quantized when the library serves it)
  *        collectives kill-rank R   rank R dies (SIGALRM, no handler) after
  *                                  1 s of back-to-back allreduces; the
  *                                  others must fail, not hang: they exit 3
@@ -153,6 +156,32 @@ static int passed_through(void)
     return 3;
 }
 
+static float finput(int r, int i) { return (float)(input(r, i, 0, 0) % 1000) / 7.0f; }
+
+static void floats(int n)
+{
+    float *v = malloc((size_t)n * 4), *out = malloc((size_t)n * 4);
+    double bound = 1e-4 * size * 1000.0 / 7.0;
+    for (int all = 1; all >= 0; all--) {
+        for (int i = 0; i < n; i++) v[i] = finput(rank, i);
+        int root = size - 1;
+        if (all) MPI_Allreduce(v, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        else MPI_Reduce(v, out, n, MPI_FLOAT, MPI_SUM, root, MPI_COMM_WORLD);
+        if (!all && rank != root) continue;
+        int bad = 0;
+        for (int i = 0; i < n; i++) {
+            double want = 0;
+            for (int r = 0; r < size; r++) want += finput(r, i);
+            if (out[i] - want > bound || want - out[i] > bound) bad++;
+        }
+        if (bad) {
+            fprintf(stderr, "collectives: rank %d: float %s n=%d: %d beyond %g\n", rank, all ? "allreduce" : "reduce", n, bad, bound);
+            failures++;
+        }
+    }
+    free(v); free(out);
+}
+
 /* Back-to-back allreduces while rank `victim` dies mid-way. */
 static int kill_rank(int victim)
 {
@@ -181,6 +210,12 @@ int main(int argc, char **argv)
         return rc;
     }
     static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
+    if (argc > 1 && strcmp(argv[1], "float") == 0) {
+        for (int a = 2; a < argc; a++) floats(atoi(argv[a]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+        MPI_Finalize();
+        return failures ? 1 : 0;
+    }
     if (argc > 1) {
         for (int a = 1; a < argc; a++) reductions(atoi(argv[a]));
     } else {
