@@ -13,7 +13,7 @@ APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
                 openmpi-bin libopenmpi-dev mpich libmpich-dev
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build mpi test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build mpi test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps bench-mpi matrix
 
 all: build mpi
 
@@ -24,6 +24,7 @@ help:
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
+	@echo "make bench-mpi  MPI_Allreduce latency, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -107,6 +108,13 @@ bench: deps bench-deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# MPI_Allreduce latency, plain MPI vs libaggbox_mpi (docs/MPI.md,
+# "Benchmark"): MPI_BENCH_ARGS="--mpi mpich --ranks 8" picks the run.
+MPI_BENCH_ARGS ?=
+bench-mpi: build mpi
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-mpi: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	scripts/mpi_bench.sh --out $(BENCH_OUT)/mpi $(MPI_BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt

@@ -145,7 +145,10 @@ pub extern "C" fn aggbox_mpi_finalize() {
     let session = SESSION.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(s) = session {
         if s.stats {
-            eprintln!("{}", stats_line(s.rank));
+            // One write, so that mpirun, which forwards every rank's stderr,
+            // never splits the line.
+            use std::io::Write;
+            let _ = std::io::stderr().write_all(format!("{}\n", stats_line(s.rank)).as_bytes());
         }
     }
 }
