@@ -32,7 +32,7 @@ fail() { echo "mpi_bench.sh: $*" >&2; exit 1; }
 [ -f "$lib" ] || fail "$lib missing: run make mpi"
 command -v "mpicc.$mpi" >/dev/null || fail "mpicc.$mpi not found: run make deps"
 
-prefix=mpib$$
+prefix=mb$(($$ % 1000000))
 work=$(mktemp -d /tmp/aggbox-mpi-bench.XXXXXX)
 pins=$work/pins
 attach_pid=
@@ -92,7 +92,7 @@ run() {
     openmpi)
       for kv in "$@"; do args+=(-x "$kv"); done
       ip netns exec "${prefix}h1" timeout 600 mpirun.openmpi --allow-run-as-root --oversubscribe -np "$ranks" \
-        --hostfile "$work/hosts" --mca plm_rsh_agent "$agent" --mca btl tcp,self \
+        --hostfile "$work/hosts" --mca plm_rsh_agent "$agent" --mca btl tcp,self --mca mpi_yield_when_idle 1 \
         --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "${args[@]}" \
         "$work/osu_allreduce" "$max_bytes" "$iterations" > "$work/$name.txt" ;;
     mpich)
