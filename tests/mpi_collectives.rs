@@ -364,3 +364,27 @@ fn openmpi_float_sum_served_only_when_asked() {
         assert_counters(&out, 4, want, &format!("AGGBOX_MPI_FLOAT={float}"));
     }
 }
+
+/// A job serves one MPI run (docs/MPI.md, "One run per job"): a second run
+/// on the same running node fails at MPI_Init, within its deadline, saying
+/// why; after `aggbox attach` starts again, a run succeeds.
+#[test]
+fn a_second_run_on_a_used_job_fails_at_mpi_init_until_the_node_restarts() {
+    let mut bed = MpiBed::up("rerun", 4);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let env = bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_DEADLINE_MS", "3000".into())]);
+    let first = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(first.status.success(), "the first run on the job");
+    let started = Instant::now();
+    let second = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(!second.status.success(), "a second run on the same job must fail");
+    assert!(started.elapsed() < Duration::from_secs(30), "at MPI_Init, not after a hang");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("MPI_Init: job 11's first allreduce failed") && stderr.contains("One run per job"),
+        "the reason is printed: {stderr}"
+    );
+    bed.restart_node();
+    let third = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(third.status.success(), "a run after the node restarted");
+}

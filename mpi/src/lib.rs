@@ -113,6 +113,21 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     let comm = builder.build().map_err(|e| {
         format!("job {} worker {rank} at {}:{data_port}: {e}", job.id, job.workers[rank as usize])
     })?;
+    // A first allreduce at MPI_Init, so that a node that does not serve the
+    // job (not running, another configuration, or a job an earlier MPI run
+    // already used: its rounds start at 0 again) fails here with the
+    // reason, not in the middle of the program.
+    let mut ranks = [1i32];
+    match comm.allreduce_i32(&mut ranks, Op::Sum) {
+        Ok(_) if ranks[0] == size => {}
+        Ok(_) => return Err(format!("job {}'s first allreduce counted {} ranks, not {size}", job.id, ranks[0])),
+        Err(e) => {
+            return Err(format!(
+                "job {}'s first allreduce failed ({e}): is `aggbox attach` serving the job on {node}, and was it started (or the job re-added) after the last MPI run on it? (docs/MPI.md, \"One run per job\")",
+                job.id
+            ))
+        }
+    }
     Ok(Session { comm, rank, min_bytes, float, stats: env(ENV_STATS).is_some_and(|v| v != "0") })
 }
 
