@@ -65,7 +65,10 @@ fn env(name: &str) -> Option<String> {
 
 fn env_parsed<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
     env(name)
-        .map(|v| v.parse::<T>().map_err(|_| format!("{name}={v:?} is not a valid value")))
+        .map(|v| {
+            v.parse::<T>()
+                .map_err(|_| format!("{name}={v:?} is not a valid value"))
+        })
         .transpose()
 }
 
@@ -76,10 +79,17 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     })?;
     let config = Config::load(Path::new(&path)).map_err(|e| format!("{ENV_CONFIG}={path}: {e}"))?;
     let job = match env_parsed::<u16>(ENV_JOB)? {
-        Some(id) => config.job(id).ok_or_else(|| format!("{ENV_JOB}={id}: no such job in {path}"))?,
+        Some(id) => config
+            .job(id)
+            .ok_or_else(|| format!("{ENV_JOB}={id}: no such job in {path}"))?,
         None => match config.jobs.as_slice() {
             [only] => only,
-            jobs => return Err(format!("{path} has {} jobs: set {ENV_JOB} to the one that serves MPI_COMM_WORLD", jobs.len())),
+            jobs => {
+                return Err(format!(
+                    "{path} has {} jobs: set {ENV_JOB} to the one that serves MPI_COMM_WORLD",
+                    jobs.len()
+                ))
+            }
         },
     };
     if job.workers.len() != size as usize {
@@ -91,27 +101,40 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     }
     if job.weights.iter().any(|&w| w != 1) {
         // SUM is Σ w·v on the node; MPI's is Σ v.
-        return Err(format!("job {} of {path} has weights other than 1; MPI_SUM would not be MPI's sum", job.id));
+        return Err(format!(
+            "job {} of {path} has weights other than 1; MPI_SUM would not be MPI's sum",
+            job.id
+        ));
     }
     let node: Ipv4Addr = env_parsed(ENV_NODE)?
         .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
-    let data_port: u16 = env_parsed(ENV_DATA_PORT)?
-        .ok_or_else(|| format!("{ENV_DATA_PORT} is not set: the UDP port of each worker's data socket"))?;
+    let data_port: u16 = env_parsed(ENV_DATA_PORT)?.ok_or_else(|| {
+        format!("{ENV_DATA_PORT} is not set: the UDP port of each worker's data socket")
+    })?;
     let min_bytes = env_parsed::<usize>(ENV_MIN_BYTES)?.unwrap_or(0);
     let float = match env(ENV_FLOAT).as_deref() {
         None | Some("off") => false,
         Some("quantized") => true,
         Some(v) => return Err(format!("{ENV_FLOAT}={v:?}: expected \"quantized\" (serve MPI_FLOAT MPI_SUM, not bit-exact) or \"off\"")),
     };
-    let mut builder = CommunicatorBuilder::from_config(&config, job.id, node, data_port, Participant::Worker(rank as u16))
-        .map_err(|e| e.to_string())?
-        .backend(BackendKind::Kernel)
-        .quantization(Quantization::Adaptive);
+    let mut builder = CommunicatorBuilder::from_config(
+        &config,
+        job.id,
+        node,
+        data_port,
+        Participant::Worker(rank as u16),
+    )
+    .map_err(|e| e.to_string())?
+    .backend(BackendKind::Kernel)
+    .quantization(Quantization::Adaptive);
     if let Some(ms) = env_parsed::<u64>(ENV_DEADLINE_MS)? {
         builder = builder.deadline(Duration::from_millis(ms));
     }
     let comm = builder.build().map_err(|e| {
-        format!("job {} worker {rank} at {}:{data_port}: {e}", job.id, job.workers[rank as usize])
+        format!(
+            "job {} worker {rank} at {}:{data_port}: {e}",
+            job.id, job.workers[rank as usize]
+        )
     })?;
     // A first allreduce at MPI_Init, so that a node that does not serve the
     // job (not running, another configuration, or a job an earlier MPI run
@@ -128,7 +151,13 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
             ))
         }
     }
-    Ok(Session { comm, rank, min_bytes, float, stats: env(ENV_STATS).is_some_and(|v| v != "0") })
+    Ok(Session {
+        comm,
+        rank,
+        min_bytes,
+        float,
+        stats: env(ENV_STATS).is_some_and(|v| v != "0"),
+    })
 }
 
 fn report(rank: c_int, what: &str, msg: impl std::fmt::Display) {
@@ -197,7 +226,9 @@ pub extern "C" fn aggbox_mpi_count_passed(call: c_int) {
 /// Passed-through calls so far (`call` as above), for tests and tools.
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_passed(call: c_int) -> u64 {
-    PASSED.get(call as usize).map_or(0, |c| c.load(Ordering::Relaxed))
+    PASSED
+        .get(call as usize)
+        .map_or(0, |c| c.load(Ordering::Relaxed))
 }
 
 /// Whether a call of `bytes` bytes is served: a session is open and the size
@@ -215,7 +246,11 @@ pub extern "C" fn aggbox_mpi_serves_float() -> c_int {
 }
 
 fn with_session<T>(f: impl FnOnce(&Session) -> T) -> Option<T> {
-    SESSION.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(f)
+    SESSION
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map(f)
 }
 
 /// Runs `f` on the open session; counts it as served under `call` when it
@@ -250,13 +285,24 @@ fn served(call: usize, what: &str, f: impl FnOnce(&Session) -> Result<bool, Stri
 /// # Safety
 /// `buf` points to `len` writable int32 values.
 #[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(buf: *mut i32, len: usize, op: c_int, call: c_int) -> c_int {
+pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
+    buf: *mut i32,
+    len: usize,
+    op: c_int,
+    call: c_int,
+) -> c_int {
     let buf = slice_mut(buf, len);
     let name = CALLS.get(call as usize).copied().unwrap_or("MPI_Allreduce");
     served(call as usize % CALLS.len(), name, |s| {
         let op = match u8::try_from(op).ok().and_then(Op::from_u8) {
-            Some(op @ (Op::Sum | Op::Max | Op::Min | Op::Prod | Op::Band | Op::Bor | Op::Bxor)) => op,
-            _ => return Err(format!("op {op} is not one the shim maps (a bug in the shim)")),
+            Some(op @ (Op::Sum | Op::Max | Op::Min | Op::Prod | Op::Band | Op::Bor | Op::Bxor)) => {
+                op
+            }
+            _ => {
+                return Err(format!(
+                    "op {op} is not one the shim maps (a bug in the shim)"
+                ))
+            }
         };
         s.comm.allreduce_i32(buf, op).map_err(|e| e.to_string())
     })
@@ -273,7 +319,10 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(buf: *mut f32, len: usize, cal
     let buf = slice_mut(buf, len);
     let name = CALLS.get(call as usize).copied().unwrap_or("MPI_Allreduce");
     served(call as usize % CALLS.len(), name, |s| {
-        s.comm.allreduce_f32(buf, false).map(|()| false).map_err(|e| e.to_string())
+        s.comm
+            .allreduce_f32(buf, false)
+            .map(|()| false)
+            .map_err(|e| e.to_string())
     })
 }
 
@@ -287,7 +336,10 @@ pub unsafe extern "C" fn aggbox_mpi_bcast(buf: *mut u8, len: usize, root: c_int)
     let buf = slice_mut(buf, len);
     served(2, CALLS[2], |s| {
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
-        s.comm.broadcast(buf, Participant::Worker(root)).map(|()| false).map_err(|e| e.to_string())
+        s.comm
+            .broadcast(buf, Participant::Worker(root))
+            .map(|()| false)
+            .map_err(|e| e.to_string())
     })
 }
 
