@@ -359,7 +359,14 @@ fn openmpi_float_sum_served_only_when_asked() {
         ("off", "MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0"),
     ] {
         bed.restart_node();
-        let out = bed.mpirun(Mpi::OpenMpi, 4, &bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_FLOAT", float.into())]), &program, &args);
+        // Without AGGBOX_MPI_DATA_PORT: each rank's port is its member of
+        // the job's result group.
+        let env: Vec<(String, String)> = bed
+            .aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_FLOAT", float.into())])
+            .into_iter()
+            .filter(|(k, _)| k != "AGGBOX_MPI_DATA_PORT")
+            .collect();
+        let out = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &args);
         assert!(out.status.success(), "float run with AGGBOX_MPI_FLOAT={float} failed");
         assert_counters(&out, 4, want, &format!("AGGBOX_MPI_FLOAT={float}"));
     }

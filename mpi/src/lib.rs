@@ -40,8 +40,19 @@ const ENV_FLOAT: &str = "AGGBOX_MPI_FLOAT";
 const ENV_DEADLINE_MS: &str = "AGGBOX_MPI_DEADLINE_MS";
 const ENV_STATS: &str = "AGGBOX_MPI_STATS";
 
-/// Which intercepted call a counter is for (the shim passes these numbers).
+/// Which intercepted call a counter is for: the shim passes the index
+/// (`CALL_ALLREDUCE` 0, `CALL_REDUCE` 1, `CALL_BCAST` 2 in aggbox_mpi.c).
 const CALLS: [&str; 3] = ["MPI_Allreduce", "MPI_Reduce", "MPI_Bcast"];
+const CALL_BCAST: usize = 2;
+
+/// The counter index of the shim's `call` (an unknown one counts as
+/// MPI_Allreduce rather than being lost).
+fn call_index(call: c_int) -> usize {
+    usize::try_from(call)
+        .ok()
+        .filter(|&c| c < CALLS.len())
+        .unwrap_or(0)
+}
 
 /// What `MPI_Init` set up; `None` before it and after `MPI_Finalize`.
 struct Session {
@@ -108,8 +119,16 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     }
     let node: Ipv4Addr = env_parsed(ENV_NODE)?
         .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
-    let data_port: u16 = env_parsed(ENV_DATA_PORT)?.ok_or_else(|| {
-        format!("{ENV_DATA_PORT} is not set: the UDP port of each worker's data socket")
+    // Each worker's data socket: the variable, or this worker's member of
+    // the job's result group (the RESULTs go there, so it is the socket).
+    let me = job.workers[rank as usize];
+    let group_port = job
+        .result_group
+        .and_then(|g| config.group(g))
+        .and_then(|g| g.members.iter().find(|m| *m.ip() == me))
+        .map(|m| m.port());
+    let data_port: u16 = env_parsed(ENV_DATA_PORT)?.or(group_port).ok_or_else(|| {
+        format!("{ENV_DATA_PORT} is not set and job {}'s result group has no member at {me}: set it to the UDP port of each worker's data socket", job.id)
     })?;
     let min_bytes = env_parsed::<usize>(ENV_MIN_BYTES)?.unwrap_or(0);
     let float = match env(ENV_FLOAT).as_deref() {
@@ -218,17 +237,7 @@ fn stats_line(rank: c_int) -> String {
 /// 1 reduce, 2 bcast).
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_count_passed(call: c_int) {
-    if let Some(c) = PASSED.get(call as usize) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// Passed-through calls so far (`call` as above), for tests and tools.
-#[no_mangle]
-pub extern "C" fn aggbox_mpi_passed(call: c_int) -> u64 {
-    PASSED
-        .get(call as usize)
-        .map_or(0, |c| c.load(Ordering::Relaxed))
+    PASSED[call_index(call)].fetch_add(1, Ordering::Relaxed);
 }
 
 /// Whether a call of `bytes` bytes is served: a session is open and the size
@@ -292,8 +301,8 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
     call: c_int,
 ) -> c_int {
     let buf = slice_mut(buf, len);
-    let name = CALLS.get(call as usize).copied().unwrap_or("MPI_Allreduce");
-    served(call as usize % CALLS.len(), name, |s| {
+    let call = call_index(call);
+    served(call, CALLS[call], |s| {
         let op = match u8::try_from(op).ok().and_then(Op::from_u8) {
             Some(op @ (Op::Sum | Op::Max | Op::Min | Op::Prod | Op::Band | Op::Bor | Op::Bxor)) => {
                 op
@@ -317,8 +326,8 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
 #[no_mangle]
 pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(buf: *mut f32, len: usize, call: c_int) -> c_int {
     let buf = slice_mut(buf, len);
-    let name = CALLS.get(call as usize).copied().unwrap_or("MPI_Allreduce");
-    served(call as usize % CALLS.len(), name, |s| {
+    let call = call_index(call);
+    served(call, CALLS[call], |s| {
         s.comm
             .allreduce_f32(buf, false)
             .map(|()| false)
@@ -334,7 +343,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(buf: *mut f32, len: usize, cal
 #[no_mangle]
 pub unsafe extern "C" fn aggbox_mpi_bcast(buf: *mut u8, len: usize, root: c_int) -> c_int {
     let buf = slice_mut(buf, len);
-    served(2, CALLS[2], |s| {
+    served(CALL_BCAST, CALLS[CALL_BCAST], |s| {
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
         s.comm
             .broadcast(buf, Participant::Worker(root))
