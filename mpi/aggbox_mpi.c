@@ -146,12 +146,13 @@ int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype da
  * an overflow reruns the original call. */
 int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype, MPI_Op op, int root, MPI_Comm comm)
 {
-    if (!serves_reduction(count, datatype, op, comm)) {
+    int rank = -1;
+    if (comm == MPI_COMM_WORLD) PMPI_Comm_rank(comm, &rank);
+    /* MPI_IN_PLACE off the root is erroneous: PMPI reports it. */
+    if (!serves_reduction(count, datatype, op, comm) || (sendbuf == MPI_IN_PLACE && rank != root)) {
         aggbox_mpi_count_passed(CALL_REDUCE);
         return PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
     }
-    int rank;
-    PMPI_Comm_rank(comm, &rank);
     size_t bytes = (size_t)count * 4;
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) fail("MPI_Reduce (out of memory)");
