@@ -14,6 +14,7 @@ BENCH_BIN    := target/$(PROFILE)/aggbox-bench
 PY_APT_PACKAGES := python3 python3-venv python3-numpy python3-torch python3-torchvision
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
                 iproute2 ethtool iputils-ping tcpdump prometheus gcc procps \
+                openmpi-bin libopenmpi-dev mpich libmpich-dev \
                 $(PY_APT_PACKAGES)
 PYTHON       := /usr/bin/python3
 MATURIN_VERSION := 1.16.0
@@ -23,18 +24,20 @@ PY_WHEELS    := target/python/wheels
 PY_SITE      := target/python/site
 DEPS_STAMP   := target/.deps-ok
 
-.PHONY: all deps build python python-deps bench-python test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
+.PHONY: all deps build python python-deps bench-python mpi bench-mpi test test-unit test-root demo fmt fmt-check clippy clean help bench bench-deps matrix
 
-all: build python
+all: build python mpi
 
 help:
 	@echo "make deps    install the Debian packages the build and tests need (idempotent)"
 	@echo "make build   build the BPF programs and the aggbox binary ($(PROFILE))"
 	@echo "make python  build the Python package's wheel ($(PY_WHEELS)) and unpack it in $(PY_SITE)"
+	@echo "make mpi     build the MPI interposition libraries $(MPI_LIBS) (docs/MPI.md)"
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
 	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
+	@echo "make bench-mpi  MPI_Allreduce latency, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -80,10 +83,28 @@ python: python-deps
 	rm -rf $(PY_SITE)
 	$(PYTHON) -m zipfile -e $(PY_WHEELS)/aggbox-*.whl $(PY_SITE)
 
+# The PMPI interposition library (docs/MPI.md): the Rust half (mpi/, a
+# staticlib in this target directory, so the aggbox crate is compiled once)
+# linked with the C shim once per MPI implementation, whose handles only
+# its own mpi.h knows. libbpf inside the staticlib needs libelf and zlib.
+MPI_DIR      := target/$(PROFILE)
+MPI_LIBS     := $(MPI_DIR)/libaggbox_mpi_openmpi.so $(MPI_DIR)/libaggbox_mpi_mpich.so
+MPI_LDLIBS   := -lelf -lz -lpthread -ldl -lm
+mpi: deps
+	CARGO_TARGET_DIR=$(CURDIR)/target $(CARGO) build $(CARGO_FLAGS) --manifest-path mpi/Cargo.toml
+	@for impl in openmpi mpich; do \
+	  command -v mpicc.$$impl >/dev/null || { echo "make mpi: mpicc.$$impl not found (make deps installs it)" >&2; exit 1; }; \
+	  echo "mpicc.$$impl -> $(MPI_DIR)/libaggbox_mpi_$$impl.so"; \
+	  mpicc.$$impl -shared -fPIC -O2 -Wall -Wextra -Werror -o $(MPI_DIR)/libaggbox_mpi_$$impl.so \
+	    mpi/aggbox_mpi.c $(MPI_DIR)/libaggbox_mpi.a \
+	    -Wl,--version-script=mpi/exports.map $(MPI_LDLIBS) || exit 1; \
+	done
+
 # Unit tests need nothing special; the BPF and netns tests need root and a
 # kernel with BTF and fail with a clear message otherwise (never skip).
-# tests/python_package.rs needs the wheel `make python` builds.
-test: deps python
+# tests/python_package.rs needs the wheel `make python` builds,
+# tests/mpi_collectives.rs the libraries `make mpi` builds.
+test: deps python mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
 	$(CARGO) build $(CARGO_FLAGS) --all-targets
@@ -121,11 +142,12 @@ bench-deps:
 	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { echo "bench-deps: apt-get install failed" >&2; exit 1; }; \
 	fi
 
-bench: deps bench-deps python
+bench: deps bench-deps python mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-python
+	$(MAKE) --no-print-directory bench-mpi MPI_BENCH_ARGS="$(MPI_BENCH_ARGS) $(if $(filter --quick,$(BENCH_ARGS)),--max-bytes 65536 --iterations 20,)"
 
 # DDP training over AggBox against Gloo (docs/PYTHON.md "Benchmark"): time per
 # step and per allreduce of the whole gradient, ResNet-18 (11.7 M parameters)
@@ -139,6 +161,13 @@ bench-python: python
 	mkdir -p $(BENCH_OUT)
 	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
 	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
+
+# MPI_Allreduce latency, plain MPI vs libaggbox_mpi (docs/MPI.md,
+# "Benchmark"): MPI_BENCH_ARGS="--mpi mpich --ranks 8" picks the run.
+MPI_BENCH_ARGS ?=
+bench-mpi: build mpi
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-mpi: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	scripts/mpi_bench.sh --out $(BENCH_OUT)/mpi $(MPI_BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt

@@ -1,0 +1,183 @@
+/*
+ * The C half of libaggbox_mpi_*.so (docs/MPI.md): MPI calls intercepted
+ * through the PMPI profiling interface. Compiled once per MPI implementation
+ * (`make mpi`), because only the implementation's own headers know what its
+ * handles are (Open MPI: pointers to structs; MPICH: integers); this file
+ * only compares handles and decides which calls AggBox serves. Everything
+ * else (configuration, the communicator, counters) is the Rust half
+ * (mpi/src/lib.rs), over the aggbox runtime.
+ *
+ * Served: MPI_COMM_WORLD only; MPI_Allreduce and MPI_Reduce of MPI_INT /
+ * MPI_INT32_T with MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR,
+ * MPI_BXOR (and MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized);
+ * MPI_Bcast of fixed-size predefined types. Anything else goes to the PMPI_
+ * function unchanged and is counted.
+ */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* mpi/src/lib.rs */
+enum { AGGBOX_MPI_OK = 0, AGGBOX_MPI_OVERFLOW = 1, AGGBOX_MPI_ERROR = -1 };
+enum { CALL_ALLREDUCE = 0, CALL_REDUCE = 1, CALL_BCAST = 2 };
+int aggbox_mpi_init(int rank, int size);
+void aggbox_mpi_finalize(void);
+void aggbox_mpi_count_passed(int call);
+int aggbox_mpi_serves(size_t bytes);
+int aggbox_mpi_serves_float(void);
+int aggbox_mpi_allreduce_i32(int32_t *buf, size_t len, int op, int call);
+int aggbox_mpi_allreduce_f32(float *buf, size_t len, int call);
+int aggbox_mpi_bcast(void *buf, size_t len, int root);
+
+/* aggbox::wire::abi::Op numbers of the MPI ops AggBox computes exactly as
+ * MPI does on int32 (SUM and PROD up to overflow, which falls back). */
+static int aggbox_op(MPI_Op op)
+{
+    if (op == MPI_SUM) return 0;
+    if (op == MPI_MAX) return 2;
+    if (op == MPI_MIN) return 3;
+    if (op == MPI_PROD) return 5;
+    if (op == MPI_BAND) return 6;
+    if (op == MPI_BOR) return 7;
+    if (op == MPI_BXOR) return 8;
+    return -1;
+}
+
+/* Only SUM and PROD can leave int32 (and be clamped where MPI wraps). */
+static int op_may_overflow(MPI_Op op) { return op == MPI_SUM || op == MPI_PROD; }
+
+static int is_int32(MPI_Datatype t) { return t == MPI_INT || t == MPI_INT32_T; }
+
+/* Types whose values are their bytes, for broadcast. */
+static int is_plain(MPI_Datatype t)
+{
+    return t == MPI_BYTE || t == MPI_CHAR || t == MPI_SIGNED_CHAR || t == MPI_UNSIGNED_CHAR ||
+           t == MPI_SHORT || t == MPI_UNSIGNED_SHORT || t == MPI_INT || t == MPI_UNSIGNED ||
+           t == MPI_LONG || t == MPI_UNSIGNED_LONG || t == MPI_LONG_LONG || t == MPI_FLOAT ||
+           t == MPI_DOUBLE || t == MPI_INT8_T || t == MPI_UINT8_T || t == MPI_INT16_T ||
+           t == MPI_UINT16_T || t == MPI_INT32_T || t == MPI_UINT32_T || t == MPI_INT64_T ||
+           t == MPI_UINT64_T;
+}
+
+/* MPI_ERRORS_ARE_FATAL is MPI_COMM_WORLD's default: a failed AggBox call
+ * (its reason printed by the Rust half) ends the job rather than leaving
+ * the ranks in different states. */
+static void fail(const char *what)
+{
+    fprintf(stderr, "aggbox-mpi: %s failed; aborting the job\n", what);
+    PMPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+static int start(void)
+{
+    int rank, size;
+    PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    PMPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (aggbox_mpi_init(rank, size) != AGGBOX_MPI_OK) fail("MPI_Init");
+    return MPI_SUCCESS;
+}
+
+int MPI_Init(int *argc, char ***argv)
+{
+    int rc = PMPI_Init(argc, argv);
+    return rc != MPI_SUCCESS ? rc : start();
+}
+
+int MPI_Init_thread(int *argc, char ***argv, int required, int *provided)
+{
+    int rc = PMPI_Init_thread(argc, argv, required, provided);
+    return rc != MPI_SUCCESS ? rc : start();
+}
+
+int MPI_Finalize(void)
+{
+    aggbox_mpi_finalize();
+    return PMPI_Finalize();
+}
+
+/* Whether AggBox serves a reduction of `count` elements of `type` with `op`
+ * on `comm`; the same answer on every rank, as every rank passes the same
+ * arguments to a collective. */
+static int serves_reduction(int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm)
+{
+    if (comm != MPI_COMM_WORLD || count <= 0) return 0;
+    if (is_int32(type)) return aggbox_op(op) >= 0 && aggbox_mpi_serves((size_t)count * 4);
+    if (type == MPI_FLOAT) return op == MPI_SUM && aggbox_mpi_serves_float() && aggbox_mpi_serves((size_t)count * 4);
+    return 0;
+}
+
+/* Reduces buf[..count] in place on every rank; AGGBOX_MPI_OVERFLOW means
+ * the int32 result was clamped and the caller reruns with PMPI. */
+static int reduce_in_place(void *buf, int count, MPI_Datatype type, MPI_Op op, int call)
+{
+    if (type == MPI_FLOAT) return aggbox_mpi_allreduce_f32(buf, (size_t)count, call);
+    return aggbox_mpi_allreduce_i32(buf, (size_t)count, aggbox_op(op), call);
+}
+
+int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
+{
+    if (!serves_reduction(count, datatype, op, comm)) {
+        aggbox_mpi_count_passed(CALL_ALLREDUCE);
+        return PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
+    }
+    size_t bytes = (size_t)count * 4;
+    void *input = NULL; /* the input the PMPI rerun needs after an overflow */
+    if (sendbuf != MPI_IN_PLACE) {
+        memcpy(recvbuf, sendbuf, bytes);
+        input = (void *)sendbuf;
+    } else if (is_int32(datatype) && op_may_overflow(op)) {
+        input = malloc(bytes ? bytes : 1);
+        if (!input) fail("MPI_Allreduce (out of memory)");
+        memcpy(input, recvbuf, bytes);
+    }
+    int status = reduce_in_place(recvbuf, count, datatype, op, CALL_ALLREDUCE);
+    int rc = MPI_SUCCESS;
+    if (status == AGGBOX_MPI_OVERFLOW) rc = PMPI_Allreduce(input, recvbuf, count, datatype, op, comm);
+    else if (status != AGGBOX_MPI_OK) fail("MPI_Allreduce");
+    if (sendbuf == MPI_IN_PLACE) free(input);
+    return rc;
+}
+
+/* The job's RESULTs go to every worker (a node-served job has no other
+ * consumer), so MPI_Reduce is an allreduce into a scratch copy whose result
+ * only the root keeps; the caller's buffers stay untouched until then, so
+ * an overflow reruns the original call. */
+int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype, MPI_Op op, int root, MPI_Comm comm)
+{
+    int rank = -1;
+    if (comm == MPI_COMM_WORLD) PMPI_Comm_rank(comm, &rank);
+    /* MPI_IN_PLACE off the root is erroneous: PMPI reports it. */
+    if (!serves_reduction(count, datatype, op, comm) || (sendbuf == MPI_IN_PLACE && rank != root)) {
+        aggbox_mpi_count_passed(CALL_REDUCE);
+        return PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
+    }
+    size_t bytes = (size_t)count * 4;
+    void *scratch = malloc(bytes ? bytes : 1);
+    if (!scratch) fail("MPI_Reduce (out of memory)");
+    memcpy(scratch, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf, bytes);
+    int status = reduce_in_place(scratch, count, datatype, op, CALL_REDUCE);
+    int rc = MPI_SUCCESS;
+    if (status == AGGBOX_MPI_OK) {
+        if (rank == root) memcpy(recvbuf, scratch, bytes);
+    } else if (status == AGGBOX_MPI_OVERFLOW) {
+        rc = PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
+    } else {
+        fail("MPI_Reduce");
+    }
+    free(scratch);
+    return rc;
+}
+
+int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root, MPI_Comm comm)
+{
+    int size = 0;
+    if (comm == MPI_COMM_WORLD && count > 0 && is_plain(datatype)) PMPI_Type_size(datatype, &size);
+    if (size == 0 || !aggbox_mpi_serves((size_t)count * (size_t)size)) {
+        aggbox_mpi_count_passed(CALL_BCAST);
+        return PMPI_Bcast(buffer, count, datatype, root, comm);
+    }
+    if (aggbox_mpi_bcast(buffer, (size_t)count * (size_t)size, root) != AGGBOX_MPI_OK) fail("MPI_Bcast");
+    return MPI_SUCCESS;
+}

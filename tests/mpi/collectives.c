@@ -1,0 +1,233 @@
+/*
+ * The MPI program of tests/mpi_collectives.rs (docs/MPI.md, "Tests"): every
+ * call libaggbox_mpi serves, and some it must pass through, each checked on
+ * every rank against a result computed locally from every rank's input
+ * (MPI's arithmetic: int32 wraps). Rank 0 prints one line per call,
+ * `result NAME COUNT FNV1A`, so that a run with the library and one without
+ * can be compared line by line; every rank prints its mismatches and exits
+ * 1 if it had any.
+ *
+ * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
+ *        collectives float SIZE...  MPI_FLOAT MPI_SUM allreduce and reduce,
+ *                                  within 1e-4 of size·max|x| of the exact
+ *                                  sum (quantized when the library serves it)
+ *        collectives kill-rank R   rank R dies (SIGALRM, no handler) after
+ *                                  1 s of back-to-back allreduces; the
+ *                                  others must fail, not hang: they exit 3
+ *                                  if 60 s of calls went by without it
+ */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static int rank, size, failures;
+
+static const struct { const char *name; MPI_Op op; } OPS[] = {
+    {"SUM", MPI_SUM}, {"MAX", MPI_MAX}, {"MIN", MPI_MIN}, {"PROD", MPI_PROD},
+    {"BAND", MPI_BAND}, {"BOR", MPI_BOR}, {"BXOR", MPI_BXOR},
+};
+#define NOPS (int)(sizeof OPS / sizeof OPS[0])
+
+/* Rank r's input element i for op `k`: mixed signs and bits; PROD's small
+ * enough that 8 ranks' product fits. `big` makes SUM leave int32. */
+static int32_t input(int r, int i, int k, int big)
+{
+    uint32_t x = (uint32_t)(r + 1) * 2654435761u ^ (uint32_t)i * 40503u ^ (uint32_t)k * 97u;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    if (big) return (int32_t)(0x7ffffff0u - (x & 7)); /* 4 of these wrap */
+    if (OPS[k].op == MPI_PROD) return (int32_t)(x % 5) - 2;
+    if (OPS[k].op == MPI_SUM) return (int32_t)(x % 2000001u) - 1000000;
+    return (int32_t)x;
+}
+
+/* MPI's result for element i: int32 arithmetic wraps. */
+static int32_t expected(int i, int k, int big)
+{
+    uint32_t acc = (uint32_t)input(0, i, k, big);
+    for (int r = 1; r < size; r++) {
+        int32_t v = input(r, i, k, big), a = (int32_t)acc;
+        MPI_Op op = OPS[k].op;
+        if (op == MPI_SUM) acc += (uint32_t)v;
+        else if (op == MPI_PROD) acc *= (uint32_t)v;
+        else if (op == MPI_MAX) acc = (uint32_t)(v > a ? v : a);
+        else if (op == MPI_MIN) acc = (uint32_t)(v < a ? v : a);
+        else if (op == MPI_BAND) acc &= (uint32_t)v;
+        else if (op == MPI_BOR) acc |= (uint32_t)v;
+        else acc ^= (uint32_t)v;
+    }
+    return (int32_t)acc;
+}
+
+static uint64_t fnv1a(const void *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* Counts the mismatches of got[..n] against want; rank 0 prints the
+ * result line (`significant`: this rank has the result). */
+static void check(const char *name, int n, const int32_t *got, const int32_t *want, int significant)
+{
+    int bad = 0, first = -1;
+    if (significant)
+        for (int i = 0; i < n; i++)
+            if (got[i] != want[i]) { if (first < 0) first = i; bad++; }
+    if (bad) {
+        fprintf(stderr, "collectives: rank %d: %s n=%d: %d mismatches, first at %d: got %d want %d\n",
+                rank, name, n, bad, first, got[first], want[first]);
+        failures++;
+    }
+    if (rank == 0) printf("result %s %d %016llx\n", name, n, (unsigned long long)fnv1a(want, (size_t)n * 4));
+}
+
+static void reductions(int n)
+{
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    char name[64];
+    for (int k = 0; k < NOPS; k++) {
+        for (int i = 0; i < n; i++) { in[i] = input(rank, i, k, 0); want[i] = expected(i, k, 0); }
+        snprintf(name, sizeof name, "allreduce-%s", OPS[k].name);
+        MPI_Allreduce(in, out, n, MPI_INT, OPS[k].op, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+
+        snprintf(name, sizeof name, "allreduce-inplace-int32_t-%s", OPS[k].name);
+        memcpy(out, in, (size_t)n * 4);
+        MPI_Allreduce(MPI_IN_PLACE, out, n, MPI_INT32_T, OPS[k].op, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+
+        int root = (k + 1) % size; /* roots other than 0 too */
+        snprintf(name, sizeof name, "reduce-root%d-%s", root, OPS[k].name);
+        memset(out, 0, (size_t)n * 4);
+        MPI_Reduce(in, out, n, MPI_INT, OPS[k].op, root, MPI_COMM_WORLD);
+        check(name, n, out, want, rank == root);
+
+        snprintf(name, sizeof name, "reduce-inplace-root%d-%s", root, OPS[k].name);
+        memcpy(out, in, (size_t)n * 4);
+        MPI_Reduce(rank == root ? MPI_IN_PLACE : in, rank == root ? out : NULL, n, MPI_INT, OPS[k].op, root, MPI_COMM_WORLD);
+        check(name, n, out, want, rank == root);
+    }
+    /* SUM that leaves int32: MPI wraps; the library must match it. */
+    int k = 0;
+    for (int i = 0; i < n; i++) { in[i] = input(rank, i, k, 1); want[i] = expected(i, k, 1); }
+    MPI_Allreduce(in, out, n, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    check("allreduce-SUM-wraps", n, out, want, 1);
+
+    /* Broadcast of ints from the last rank. */
+    for (int i = 0; i < n; i++) { want[i] = input(size - 1, i, 0, 0); out[i] = rank == size - 1 ? want[i] : 0; }
+    MPI_Bcast(out, n, MPI_INT, size - 1, MPI_COMM_WORLD);
+    check("bcast-int", n, out, want, 1);
+    free(in); free(out); free(want);
+}
+
+/* Calls the library must pass to PMPI unchanged: not int32, a user op,
+ * not MPI_COMM_WORLD. Each still correct. Returns how many allreduces. */
+static void user_sum(void *in, void *inout, int *len, MPI_Datatype *type)
+{
+    (void)type;
+    for (int i = 0; i < *len; i++) ((int32_t *)inout)[i] += ((int32_t *)in)[i];
+}
+
+static int passed_through(void)
+{
+    int64_t l = rank + 1, lsum = 0;
+    MPI_Allreduce(&l, &lsum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    int32_t want = (int32_t)((int64_t)size * (size + 1) / 2), got = (int32_t)lsum;
+    check("passthrough-int64", 1, &got, &want, 1);
+
+    MPI_Op op;
+    MPI_Op_create(user_sum, 1, &op);
+    int32_t v = rank + 1;
+    MPI_Allreduce(&v, &got, 1, MPI_INT, op, MPI_COMM_WORLD);
+    check("passthrough-userop", 1, &got, &want, 1);
+    MPI_Op_free(&op);
+
+    MPI_Comm dup;
+    MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+    MPI_Allreduce(&v, &got, 1, MPI_INT, MPI_SUM, dup);
+    check("passthrough-dup", 1, &got, &want, 1);
+    MPI_Comm_free(&dup);
+    return 3;
+}
+
+static float finput(int r, int i) { return (float)(input(r, i, 0, 0) % 1000) / 7.0f; }
+
+static void floats(int n)
+{
+    float *v = malloc((size_t)n * 4), *out = malloc((size_t)n * 4);
+    double bound = 1e-4 * size * 1000.0 / 7.0;
+    for (int all = 1; all >= 0; all--) {
+        for (int i = 0; i < n; i++) v[i] = finput(rank, i);
+        int root = size - 1;
+        if (all) MPI_Allreduce(v, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        else MPI_Reduce(v, out, n, MPI_FLOAT, MPI_SUM, root, MPI_COMM_WORLD);
+        if (!all && rank != root) continue;
+        int bad = 0;
+        for (int i = 0; i < n; i++) {
+            double want = 0;
+            for (int r = 0; r < size; r++) want += finput(r, i);
+            if (out[i] - want > bound || want - out[i] > bound) bad++;
+        }
+        if (bad) {
+            fprintf(stderr, "collectives: rank %d: float %s n=%d: %d beyond %g\n", rank, all ? "allreduce" : "reduce", n, bad, bound);
+            failures++;
+        }
+    }
+    free(v); free(out);
+}
+
+/* Back-to-back allreduces while rank `victim` dies mid-way. */
+static int kill_rank(int victim)
+{
+    enum { N = 1448 };
+    static int32_t v[N];
+    if (rank == victim) alarm(1);
+    time_t start = time(NULL);
+    long calls = 0;
+    while (time(NULL) - start < 60) {
+        for (int i = 0; i < N; i++) v[i] = rank;
+        MPI_Allreduce(MPI_IN_PLACE, v, N, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+        calls++;
+    }
+    fprintf(stderr, "collectives: rank %d: %ld calls in 60 s and no failure\n", rank, calls);
+    return 3;
+}
+
+int main(int argc, char **argv)
+{
+    /* The float runs enter through MPI_Init_thread, the others MPI_Init:
+     * the library intercepts both. */
+    int provided;
+    if (argc > 1 && strcmp(argv[1], "float") == 0) MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+    else MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (argc == 3 && strcmp(argv[1], "kill-rank") == 0) {
+        int rc = kill_rank(atoi(argv[2]));
+        MPI_Finalize();
+        return rc;
+    }
+    static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
+    if (argc > 1 && strcmp(argv[1], "float") == 0) {
+        for (int a = 2; a < argc; a++) floats(atoi(argv[a]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+        MPI_Finalize();
+        return failures ? 1 : 0;
+    }
+    if (argc > 1) {
+        for (int a = 1; a < argc; a++) reductions(atoi(argv[a]));
+    } else {
+        for (size_t s = 0; s < sizeof DEFAULT_SIZES / sizeof DEFAULT_SIZES[0]; s++) reductions(DEFAULT_SIZES[s]);
+    }
+    int passed = passed_through();
+    if (rank == 0) printf("passthrough-allreduce-calls %d\n", passed);
+    fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+    MPI_Finalize();
+    return failures ? 1 : 0;
+}

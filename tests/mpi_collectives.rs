@@ -1,0 +1,397 @@
+//! MPI programs through the PMPI interposition library (docs/MPI.md).
+//!
+//! Host 0 of a netns testbed runs only `aggbox attach eth0` with a
+//! node-served job (`consumer = "node"`); hosts 1..=N are the MPI ranks,
+//! started across the namespaces by `mpirun` (Open MPI: its rsh agent is
+//! scripts/mpi_netns_agent.sh; MPICH: Hydra with the same agent as its ssh
+//! launcher). The program tests/mpi/collectives.c runs every call the
+//! library serves (every op, MPI_IN_PLACE, roots other than 0, an int32 SUM
+//! that wraps) and some it must pass through, each checked on every rank
+//! against a locally computed MPI result; it runs once without the library
+//! and once with it (`LD_PRELOAD`), and rank 0's result lines of the two
+//! runs must be identical. The library's counters (`AGGBOX_MPI_STATS=1`)
+//! must show every served call served and every other call passed through,
+//! and the node's XDP counters that the contributions reached it. A world
+//! size other than the job's worker count fails at `MPI_Init` with the
+//! reason, and a rank killed mid-call makes the others fail within their
+//! deadline rather than hang.
+//!
+//! Needs root and `make mpi` (the libraries and mpicc of both
+//! implementations); fails (never skips) otherwise:
+//! `make mpi && sudo -E cargo test --release --test mpi_collectives`.
+
+#[path = "../src/testing/testbed.rs"]
+#[allow(dead_code)]
+mod testbed;
+mod live_attach;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use live_attach::LiveAttach;
+use testbed::{Testbed, TestbedConfig};
+
+const JOB: u16 = 11;
+const JOB_PORT: u16 = 7600;
+const RESULT_PORT: u16 = 7601;
+const GROUP: u16 = 4;
+const DATA_PORT: u16 = 7700;
+/// Per-call deadline of the ranks' communicators: a failure shows well
+/// within the test's own limit on each run (RUN_LIMIT).
+const DEADLINE_MS: u64 = 10_000;
+const RUN_LIMIT: Duration = Duration::from_secs(180);
+
+/// The MPI implementations `make mpi` builds the library for.
+#[derive(Clone, Copy, Debug)]
+enum Mpi {
+    OpenMpi,
+    Mpich,
+}
+
+impl Mpi {
+    fn name(self) -> &'static str {
+        match self {
+            Mpi::OpenMpi => "openmpi",
+            Mpi::Mpich => "mpich",
+        }
+    }
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `libaggbox_mpi_IMPL.so` of this test's profile, which `make mpi` builds.
+fn library(mpi: Mpi) -> PathBuf {
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    let lib = repo().join("target").join(profile).join(format!("libaggbox_mpi_{}.so", mpi.name()));
+    assert!(lib.exists(), "{} is missing: run `make mpi` (PROFILE={profile}) first", lib.display());
+    lib
+}
+
+/// tests/mpi/collectives.c compiled with `mpicc.IMPL` into `dir`.
+fn program(mpi: Mpi, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("collectives-{}", mpi.name()));
+    let cc = format!("mpicc.{}", mpi.name());
+    let status = Command::new(&cc)
+        .args(["-O2", "-Wall", "-o"])
+        .arg(&out)
+        .arg(repo().join("tests/mpi/collectives.c"))
+        .status()
+        .unwrap_or_else(|e| panic!("{cc}: {e} (make deps installs it)"));
+    assert!(status.success(), "{cc} tests/mpi/collectives.c failed");
+    out
+}
+
+/// A testbed whose host 0 serves the job and hosts 1..=ranks are the ranks.
+struct MpiBed {
+    // Field order: the attachment stops before the testbed goes.
+    attach: Option<LiveAttach>,
+    tb: Testbed,
+    tag: String,
+    text: String,
+    dir: PathBuf,
+    config: PathBuf,
+    hostfile: PathBuf,
+    ranks: usize,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// One bed at a time: each MPI run is many processes and threads, and the
+/// deadlines should measure the network, not a 2-CPU machine shared by
+/// four jobs of this test.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+impl MpiBed {
+    fn up(tag: &str, ranks: usize) -> MpiBed {
+        assert!(nix::unistd::geteuid().is_root(), "tests/mpi_collectives.rs needs root (network namespaces, XDP)");
+        let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let tb = Testbed::up(TestbedConfig { hosts: ranks + 1, ..Default::default() }).expect("testbed");
+        let workers: Vec<String> = (1..=ranks).map(|h| tb.host(h).addr.to_string()).collect();
+        let text = format!(
+            "[[job]]\nid = {JOB}\nport = {JOB_PORT}\nworkers = [{}]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nconsumer = \"node\"\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
+            workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
+            workers.iter().map(|w| format!("\"{w}:{DATA_PORT}\"")).collect::<Vec<_>>().join(", "),
+        );
+        let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test dir");
+        let config = dir.join("node.toml");
+        std::fs::write(&config, &text).expect("write config");
+        let hostfile = dir.join("hosts");
+        let hosts: String = (1..=ranks).map(|h| format!("{} slots=1\n", tb.host(h).netns)).collect();
+        std::fs::write(&hostfile, hosts).expect("write hostfile");
+        let mut bed =
+            MpiBed { attach: None, tb, tag: tag.to_string(), text, dir, config, hostfile, ranks, _serial: serial };
+        bed.restart_node();
+        bed
+    }
+
+    /// Starts `aggbox attach` on host 0 afresh (stopping the running one):
+    /// a job serves one MPI run, whose rounds start at 0 with MPI_Init
+    /// (docs/MPI.md, "One run per job").
+    fn restart_node(&mut self) {
+        drop(self.attach.take());
+        self.attach = Some(LiveAttach::start(&self.tb.host(0).netns, &format!("mpi-{}", self.tag), &self.text, &[]));
+    }
+
+    fn node(&self) -> &LiveAttach {
+        self.attach.as_ref().expect("aggbox attach runs")
+    }
+
+    /// The environment of a run with the library: the node's address, the
+    /// job's configuration, and `extra`.
+    fn aggbox_env(&self, mpi: Mpi, extra: &[(&str, String)]) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("LD_PRELOAD".to_string(), library(mpi).display().to_string()),
+            ("AGGBOX_MPI_CONFIG".to_string(), self.config.display().to_string()),
+            ("AGGBOX_MPI_JOB".to_string(), JOB.to_string()),
+            ("AGGBOX_MPI_NODE".to_string(), self.tb.host(0).addr.to_string()),
+            ("AGGBOX_MPI_DATA_PORT".to_string(), DATA_PORT.to_string()),
+            ("AGGBOX_MPI_DEADLINE_MS".to_string(), DEADLINE_MS.to_string()),
+            ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        env
+    }
+
+    /// Runs `program args` as `np` ranks (rank r on host r+1) with `mpirun`
+    /// of `mpi`, started in host 1's namespace, the variables `env` given
+    /// to every rank; killed (by the pid of the `timeout` this test
+    /// started) after RUN_LIMIT.
+    fn mpirun(&self, mpi: Mpi, np: usize, env: &[(String, String)], program: &Path, args: &[&str]) -> Output {
+        self.mpirun_with(mpi, np, env, &[], program, args)
+    }
+
+    /// [`MpiBed::mpirun`] with `launcher` options of mpirun's own.
+    fn mpirun_with(
+        &self,
+        mpi: Mpi,
+        np: usize,
+        env: &[(String, String)],
+        launcher: &[&str],
+        program: &Path,
+        args: &[&str],
+    ) -> Output {
+        let agent = repo().join("scripts/mpi_netns_agent.sh");
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.tb.host(1).netns, "timeout", "--kill-after=5"])
+            .arg(RUN_LIMIT.as_secs().to_string());
+        match mpi {
+            Mpi::OpenMpi => {
+                cmd.args(["mpirun.openmpi", "--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+                    .arg("--hostfile")
+                    .arg(&self.hostfile)
+                    .arg("--mca")
+                    .arg("plm_rsh_agent")
+                    .arg(&agent)
+                    .args(["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0"])
+                    .args(["--mca", "oob_tcp_if_include", "eth0"]);
+                for (k, v) in env {
+                    cmd.arg("-x").arg(format!("{k}={v}"));
+                }
+            }
+            Mpi::Mpich => {
+                let hosts: Vec<String> = (1..=np).map(|h| self.tb.host(h).netns.clone()).collect();
+                cmd.args(["mpiexec.mpich", "-launcher", "ssh", "-launcher-exec"])
+                    .arg(&agent)
+                    .args(["-iface", "eth0", "-hosts", &hosts.join(","), "-np", &np.to_string()]);
+                for (k, v) in env {
+                    cmd.args(["-genv", k, v]);
+                }
+            }
+        }
+        let started = Instant::now();
+        let out = cmd.args(launcher).arg(program).args(args).output().expect("spawn mpirun");
+        eprintln!(
+            "{} -np {np} {} {args:?}: {} in {:.1} s\n--- stderr ---\n{}",
+            mpi.name(),
+            program.display(),
+            out.status,
+            started.elapsed().as_secs_f64(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+}
+
+impl Drop for MpiBed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Rank 0's `result` lines.
+fn result_lines(out: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("result ")).map(str::to_string).collect()
+}
+
+/// Every rank printed its counters (`AGGBOX_MPI_STATS=1`) as `want`
+/// (mpirun forwards the ranks' stderr interleaved, so searched for, not
+/// split into lines).
+fn assert_counters(out: &Output, ranks: usize, want: &str, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for r in 0..ranks {
+        let line = format!("aggbox-mpi: rank {r}: served {want}");
+        assert!(stderr.contains(&line), "{what}: rank {r} printed no \"{line}\" in:\n{stderr}");
+    }
+}
+
+/// Runs the program over `ranks` ranks without and with the library of
+/// `mpi`: both succeed with identical results; the counters are exactly
+/// what the program's calls must give; the node aggregated them.
+fn bit_identical(mpi: Mpi, ranks: usize) {
+    let mut bed = MpiBed::up(&format!("{}-{ranks}", mpi.name()), ranks);
+    let program = program(mpi, &bed.dir);
+    // 1 element, one datagram (362 at MTU 1500), one more, 4 datagrams, and
+    // many fragments not a multiple of the datagram.
+    let sizes = ["1", "362", "363", "1448", "10000"];
+
+    let plain = bed.mpirun(mpi, ranks, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain {} run failed", mpi.name());
+    let reference = result_lines(&plain);
+    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 3, "rank 0's result lines of the plain run");
+
+    let before = bed.node().outcomes();
+    let served = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[]), &program, &sizes);
+    assert!(served.status.success(), "{} run with libaggbox_mpi failed", mpi.name());
+    assert_eq!(result_lines(&served), reference, "results with the library differ from plain MPI's");
+    // Per size: 7 ops × (allreduce + in-place allreduce) served, the SUM
+    // that wraps overflowed (rerun with PMPI), 7 × 2 reduces, one bcast;
+    // then the program's 3 calls that must pass through.
+    let n = sizes.len();
+    let want = format!(
+        "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={n}; passed through MPI_Allreduce=3 MPI_Reduce=0 MPI_Bcast=0; overflowed (rerun with PMPI) MPI_Allreduce={n} MPI_Reduce=0 MPI_Bcast=0",
+        14 * n,
+        14 * n
+    );
+    assert_counters(&served, ranks, &want, "counters");
+    let after = bed.node().outcomes();
+    let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+    eprintln!("node outcomes during the run: {after:?} (before {before:?})");
+    assert!(grew("accepted") > 0 && grew("result") > 0, "the node's XDP program aggregated the contributions");
+
+    // Sizes below AGGBOX_MPI_MIN_BYTES pass through: 1 and 362 elements
+    // (1448 bytes) under 1449 bytes, still correct; 363 served.
+    let small = ["1", "362", "363"];
+    bed.restart_node();
+    let out = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[("AGGBOX_MPI_MIN_BYTES", "1449".into())]), &program, &small);
+    assert!(out.status.success(), "run with AGGBOX_MPI_MIN_BYTES failed");
+    let plain_small = bed.mpirun(mpi, ranks, &[], &program, &small);
+    assert_eq!(result_lines(&out), result_lines(&plain_small), "results under AGGBOX_MPI_MIN_BYTES");
+    let want = "MPI_Allreduce=14 MPI_Reduce=14 MPI_Bcast=1; passed through MPI_Allreduce=33 MPI_Reduce=28 MPI_Bcast=2; overflowed (rerun with PMPI) MPI_Allreduce=1 MPI_Reduce=0 MPI_Bcast=0";
+    assert_counters(&out, ranks, want, "counters with AGGBOX_MPI_MIN_BYTES");
+}
+
+#[test]
+fn openmpi_4_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
+    bit_identical(Mpi::OpenMpi, 4);
+}
+
+#[test]
+fn openmpi_8_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
+    bit_identical(Mpi::OpenMpi, 8);
+}
+
+#[test]
+fn mpich_4_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
+    bit_identical(Mpi::Mpich, 4);
+}
+
+/// A world of 3 ranks for a job of 4 workers: MPI_Init fails on every rank
+/// with the reason, and the job ends (no hang).
+#[test]
+fn world_size_other_than_the_workers_fails_at_mpi_init() {
+    let bed = MpiBed::up("mismatch", 4);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let started = Instant::now();
+    let out = bed.mpirun(Mpi::OpenMpi, 3, &bed.aggbox_env(Mpi::OpenMpi, &[]), &program, &["1"]);
+    assert!(!out.status.success(), "a world of 3 for 4 workers must fail");
+    assert!(started.elapsed() < Duration::from_secs(60), "it failed at once, not after a hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MPI_COMM_WORLD has 3 ranks but job 11") && stderr.contains("has 4 workers"),
+        "the reason is printed: {stderr}"
+    );
+    assert_eq!(bed.ranks, 4);
+}
+
+/// Rank 2 of 4 dies mid-way through back-to-back allreduces. MPICH's
+/// `-disable-auto-cleanup` leaves the others running (mpirun would
+/// otherwise kill them at once), so what ends them is the library: each
+/// survivor's call fails at its deadline with the runtime's reason and the
+/// job is aborted — well before the program's own 60 s of calls.
+#[test]
+fn a_rank_killed_mid_call_fails_the_others_within_the_deadline() {
+    let bed = MpiBed::up("kill", 4);
+    let program = program(Mpi::Mpich, &bed.dir);
+    let started = Instant::now();
+    let out = bed.mpirun_with(
+        Mpi::Mpich,
+        4,
+        &bed.aggbox_env(Mpi::Mpich, &[]),
+        &["-disable-auto-cleanup"],
+        &program,
+        &["kill-rank", "2"],
+    );
+    let took = started.elapsed();
+    assert!(!out.status.success(), "the job must fail");
+    let limit = Duration::from_millis(DEADLINE_MS) + Duration::from_secs(20);
+    assert!(took < limit, "the survivors failed within their deadline ({took:?}, at most {limit:?}), no hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("no failure"), "no survivor ran on: {stderr}");
+    assert!(
+        stderr.lines().any(|l| l.starts_with("aggbox-mpi: rank ") && l.contains("MPI_Allreduce: allreduce round") && l.contains("timed out")),
+        "a survivor's call timed out with the runtime's reason: {stderr}"
+    );
+}
+
+/// MPI_FLOAT MPI_SUM is served only with AGGBOX_MPI_FLOAT=quantized, then
+/// within the quantization bound of the exact sum (the program checks);
+/// without it every float call passes through.
+#[test]
+fn openmpi_float_sum_served_only_when_asked() {
+    let mut bed = MpiBed::up("float", 4);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let args = ["float", "1", "363", "10000"];
+    for (float, want) in [
+        ("quantized", "MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0"),
+        ("off", "MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0"),
+    ] {
+        bed.restart_node();
+        // Without AGGBOX_MPI_DATA_PORT: each rank's port is its member of
+        // the job's result group.
+        let env: Vec<(String, String)> = bed
+            .aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_FLOAT", float.into())])
+            .into_iter()
+            .filter(|(k, _)| k != "AGGBOX_MPI_DATA_PORT")
+            .collect();
+        let out = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &args);
+        assert!(out.status.success(), "float run with AGGBOX_MPI_FLOAT={float} failed");
+        assert_counters(&out, 4, want, &format!("AGGBOX_MPI_FLOAT={float}"));
+    }
+}
+
+/// A job serves one MPI run (docs/MPI.md, "One run per job"): a second run
+/// on the same running node fails at MPI_Init, within its deadline, saying
+/// why; after `aggbox attach` starts again, a run succeeds.
+#[test]
+fn a_second_run_on_a_used_job_fails_at_mpi_init_until_the_node_restarts() {
+    let mut bed = MpiBed::up("rerun", 4);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let env = bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_DEADLINE_MS", "3000".into())]);
+    let first = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(first.status.success(), "the first run on the job");
+    let started = Instant::now();
+    let second = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(!second.status.success(), "a second run on the same job must fail");
+    assert!(started.elapsed() < Duration::from_secs(30), "at MPI_Init, not after a hang");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("MPI_Init: job 11's first allreduce failed") && stderr.contains("One run per job"),
+        "the reason is printed: {stderr}"
+    );
+    bed.restart_node();
+    let third = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(third.status.success(), "a run after the node restarted");
+}
