@@ -1458,7 +1458,23 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         }
         for d in [Dtype::I32, Dtype::F32] {
             if torch.is_ok() && want(&d.backend("gloo")) {
-                points.extend(gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d));
+                // The same loss as the AggBox points (the injector drops
+                // TCP segments as well), so that the two compare.
+                let injector = crate::impair::Injector::new();
+                if loss() > 0.0 {
+                    impair_switch(&tb, &injector, loss())?;
+                }
+                let mut ps = gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d);
+                if loss() > 0.0 {
+                    // One Gloo process runs every size: the drops are the phase's.
+                    let dropped = injector.counts().dropped;
+                    progress(format!("large: MTU {mtu} {}: {dropped} packets dropped by the injector", d.backend("gloo")));
+                    for p in &mut ps {
+                        p.node_counters.insert("injector:dropped (whole phase)".into(), dropped);
+                    }
+                    impair_switch(&tb, &injector, 0.0)?;
+                }
+                points.extend(ps);
             }
         }
         if let Err(e) = tb.down() {
