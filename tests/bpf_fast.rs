@@ -115,7 +115,8 @@ fn free_fast_slots_serve_fragments_without_hash_map_state() {
     assert_eq!(fast(&dp, abi::FAST_BUSY), 0);
     assert_eq!((dp.slots_in_use(), active(&dp), dp.blocks_in_use().unwrap()), (0, 0, 0));
     let st = dp.job_state(ID).unwrap().unwrap();
-    assert_eq!((st.completed, st.result_seq, st.newest_round), (8, 8, 2));
+    assert_eq!((st.completed, st.result_seq, st.newest_round), (1, 0, 2));
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, 8);
 }
 
 #[test]
@@ -149,7 +150,7 @@ fn a_busy_fast_slot_sends_its_fragment_to_the_chain_and_a_later_take_over_gives_
         assert_eq!(run(&dp, &contribution(rank, 1, f, &a)).0, DropReason::Retransmission.label(), "fragment {f}");
     }
     assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0));
-    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, 2);
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, 2);
 }
 
 #[test]
@@ -173,7 +174,7 @@ fn late_retransmissions_are_recognised_after_the_slot_moves_on() {
             }
         }
     }
-    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, 3);
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, 3);
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }
 
@@ -216,7 +217,7 @@ fn a_job_with_a_vector_length_remembers_its_window_in_the_slots() {
     }
     assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
     assert_eq!(stale, 2 * (last - 65));
-    assert_eq!(dp.job_state(ID).unwrap().unwrap().completed, last);
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, u64::from(last));
     assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(last));
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }

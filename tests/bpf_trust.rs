@@ -128,5 +128,5 @@ fn a_result_from_the_network_to_its_jobs_result_port_is_dropped() {
     let (label, out) = run(&dp, &contribution(A, 1, JOB_PORT, &[5]));
     assert_eq!(label, Outcome::Result.label());
     assert_eq!(u16::from_be_bytes([out[36], out[37]]), RESULT_PORT, "UDP destination: the result port");
-    assert_eq!(dp.job_state(A).unwrap().unwrap().completed, 1);
+    assert_eq!(dp.job_stats(A).unwrap().unwrap().results, 1);
 }

@@ -429,9 +429,11 @@ impl Model {
         if st.completed == 0 || (round.wrapping_sub(st.newest) as i32) > 0 {
             st.newest = round;
         }
-        st.completed += 1;
+        st.completed = 1;
         let seq = st.result_seq;
-        st.result_seq += 1;
+        if cfg.flags & abi::JOB_F_HAS_PARENT != 0 {
+            st.result_seq += 1;
+        }
         self.results += 1;
         if slot.genuine {
             self.genuine_results += 1;

@@ -373,8 +373,10 @@ _Static_assert(sizeof(struct aggbox_slot_key) == 12, "slot key is 12 bytes");
 struct aggbox_job_state {
 	__u32 active_slots; /* host order: slots of this job in the pool (atomic) */
 	__u32 newest_round; /* host order: newest completed round (valid if completed != 0) */
-	__u32 completed;    /* host order: slots completed (atomic) */
-	__u32 result_seq;   /* host order: seq of the next RESULT (atomic) */
+	__u32 completed;    /* host order: 1 once a slot of the job completed (newest_round
+			     * valid); completions are counted in job_stats.results */
+	__u32 result_seq;   /* host order: seq of the next RESULT of a job whose results go
+			     * upstream (AGGBOX_JOB_F_HAS_PARENT; atomic); 0 for other jobs */
 };
 _Static_assert(sizeof(struct aggbox_job_state) == 16, "job state is 16 bytes");
 

@@ -395,10 +395,14 @@ static __always_inline void fast_unlock(struct aggbox_fast_slot *f)
  * contributions alike, so it names the fragment to the node's result service
  * (ACKs on the kernel's behalf, retransmission of RESULT copies).
  */
-static __always_inline void result_seq_write(struct aggbox_agg_hdr *agg, struct aggbox_scratch *s, __u32 own)
+static __always_inline void result_seq_write(struct aggbox_agg_hdr *agg, struct aggbox_scratch *s,
+					     struct aggbox_job_state *js)
 {
-	if (s->has_parent)
-		agg->seq = bpf_htonl(own);
+	/* Drawn only where it is written: an atomic on the job's shared
+	 * state line per completion costs a cache-line transfer between
+	 * CPUs, and no other RESULT carries it. */
+	if (s->has_parent && js)
+		agg->seq = bpf_htonl(__sync_fetch_and_add(&js->result_seq, 1));
 }
 
 /* Internal codes of the fast path (never counted under these values). */
@@ -553,13 +557,23 @@ static __always_inline int slot_release(struct aggbox_slot_key *key)
 	return XDP_PASS;
 }
 
-/* Raise job_state.newest_round to `round` (serial order) and count a
- * completion: both paths' completions. */
+/*
+ * Raise job_state.newest_round to `round` (serial order) and mark the job as
+ * having completed a slot (job_state.completed, set once: its newest_round
+ * is valid from then on): both paths' completions. Completions are counted
+ * per CPU (job_stats.results), not here: job_state's line is written by
+ * every take, and each further atomic on it is one more transfer of that
+ * line between CPUs per fragment. A round that job_round (written only when
+ * a newer round completes, and after job_state, both only ever raised)
+ * already covers needs no write at all.
+ */
 static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jidx, __u32 round)
 {
 	struct aggbox_job_round *jr = bpf_map_lookup_elem(&job_round, &jidx);
 	__u32 cur, i;
 
+	if (jr && jr->valid && aggbox_rounds_ahead(round, jr->newest) <= 0)
+		return;
 	for (i = 0; i < 4; i++) {
 		cur = js->newest_round;
 		if (js->completed && aggbox_rounds_ahead(round, cur) <= 0)
@@ -567,6 +581,8 @@ static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jid
 		if (__sync_val_compare_and_swap(&js->newest_round, cur, round) == cur)
 			break;
 	}
+	if (!js->completed)
+		__sync_val_compare_and_swap(&js->completed, 0, 1);
 	/* The stale-round rule's copy, written only when the round is newer
 	 * (once per round, not per fragment). */
 	if (jr) {
@@ -581,7 +597,6 @@ static __always_inline void job_completed(struct aggbox_job_state *js, __u32 jid
 			}
 		}
 	}
-	__sync_fetch_and_add(&js->completed, 1);
 }
 
 /* Whether `round` is stale for the job at jidx (older than the newest
@@ -1078,7 +1093,7 @@ static __always_inline int fast_result_header(struct xdp_md *ctx, struct aggbox_
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_agg_hdr *agg;
 	struct udphdr *udph;
-	__u32 n, seq = 0, agg_off, udp_off;
+	__u32 n, agg_off, udp_off;
 	__u8 flags;
 
 	n = s->count;
@@ -1107,13 +1122,11 @@ static __always_inline int fast_result_header(struct xdp_md *ctx, struct aggbox_
 	agg = data + agg_off;
 	if ((void *)(udph + 1) > data_end || (void *)(agg + 1) > data_end)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
-	if (js)
-		seq = __sync_fetch_and_add(&js->result_seq, 1);
 	flags = AGGBOX_AGG_F_RESULT | (f->flags & AGGBOX_AGG_F_CARRIED);
 	if (s->overflow)
 		flags |= AGGBOX_AGG_F_OVERFLOW;
 	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
-	result_seq_write(agg, s, seq);
+	result_seq_write(agg, s, js);
 	agg->flags = flags;
 	udph->dest = bpf_htons(s->result_port);
 	udph->check = 0;
@@ -1645,8 +1658,12 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	/* Bytes the frame holds past the UDP header, fragments included
 	 * (multi-buffer XDP: the headers are in the linear part, the payload
 	 * may run on into fragments). */
-	avail = frame_len(ctx, linear) - (__u32)(nh.pos - data);
+	avail = (__u32)(data_end - nh.pos);
 	plen = len;                /* bytes the UDP header announces */
+	/* The whole frame's length (a helper call) only when the linear part
+	 * does not hold the datagram: a multi-buffer frame, or a short one. */
+	if (!linear && plen > avail)
+		avail = frame_len(ctx, linear) - (__u32)(nh.pos - data);
 	if (plen < 4 || avail < 4 || (void *)agg + 4 > data_end)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
 
@@ -2396,7 +2413,7 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	struct aggbox_job_state *js = job_state_of(s->jidx);
 	struct aggbox_agg_hdr *agg;
 	struct udphdr *udph;
-	__u32 one = 1, seq = 0, udp_off = s->udp_off;
+	__u32 one = 1, udp_off = s->udp_off;
 
 	if (udp_off > 128)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
@@ -2405,10 +2422,8 @@ static __always_inline int finish_result(struct xdp_md *ctx, struct aggbox_scrat
 	if ((void *)(agg + 1) > data_end)
 		return AGGBOX_DROP_MISSED_TAIL_CALL;
 
-	if (js)
-		seq = __sync_fetch_and_add(&js->result_seq, 1);
 	agg->rank = bpf_htons(AGGBOX_RESULT_RANK);
-	result_seq_write(agg, s, seq);
+	result_seq_write(agg, s, js);
 	agg->flags = s->result_flags | (s->overflow ? AGGBOX_AGG_F_OVERFLOW : 0);
 	udph->dest = bpf_htons(s->result_port);
 	udph->check = 0;

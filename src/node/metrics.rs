@@ -183,7 +183,6 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
             None => None,
         }
         .unwrap_or_default();
-        results.push(&labels, state.completed as f64);
         active.push(&labels, state.active_slots as f64);
         let bound = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
         limit.push(&labels, bound as f64);
@@ -195,6 +194,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
                 for (outcome, n) in js.by_outcome() {
                     contributions.push(&[("iface", iface), ("aggbox_job", id_text.as_str()), ("outcome", outcome)], n as f64);
                 }
+                results.push(&labels, js.results as f64);
                 overflow_results.push(&labels, js.overflow_results as f64);
                 job_bytes.push(&labels, js.bytes as f64);
             }

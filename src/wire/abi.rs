@@ -466,9 +466,15 @@ const _: () = assert!(core::mem::size_of::<SlotKey>() == 12);
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct JobState {
+    /// Slots of the job in the kernel's pools (atomic).
     pub active_slots: u32,
+    /// Newest completed round (valid once `completed` is set).
     pub newest_round: u32,
+    /// 1 once a slot of the job completed; completions are counted in
+    /// [`JobStats::results`].
     pub completed: u32,
+    /// Seq of the next RESULT of a job whose results go upstream; 0 for
+    /// other jobs (their RESULT keeps the completing contribution's seq).
     pub result_seq: u32,
 }
 const _: () = assert!(core::mem::size_of::<JobState>() == 16);
