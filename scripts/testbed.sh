@@ -33,7 +33,8 @@
 #                          of every veth is CPU (q mod CPUs)'s (XPS), see set_xps
 #           --tx-csum-off  `ethtool -K eth0 tx off` in every host, so locally
 #                          generated packets carry full checksums
-#           --static-neigh permanent ARP entries for every other host's addresses
+#           --static-neigh permanent ARP entries for every other host's addresses,
+#                          and the switch's forwarding entry of every host's MAC
 #   down    Remove every namespace of this prefix (no error if there is none).
 #           Processes still running inside a namespace keep it alive unnamed:
 #           stop them first (a warning lists their pids).
@@ -377,6 +378,12 @@ cmd_up() {
         local j
         for ((i = 0; i < HOSTS; i++)); do
             ns=$(host_ns "$i")
+            # Without ARP a host that only receives (an aggregator whose
+            # RESULTs stay local) never sends a frame the bridge could learn
+            # its MAC from, and every datagram to it is flooded to all ports:
+            # a clone and a delivery per other host, which a switch that saw
+            # the host's ARP reply would not make.
+            bridge -n "$SW_NS" fdb replace "$(host_mac "$i")" dev "$(port_name "$i")" master static
             for ((j = 0; j < HOSTS; j++)); do
                 ((i != j)) || continue
                 ip -n "$ns" neigh replace "$(host_addr "$j")" lladdr "$(host_mac "$j")" dev eth0 nud permanent
