@@ -250,8 +250,10 @@ pub enum ResultConsumer {
     #[default]
     Application,
     /// `"node"`: `aggbox attach` itself (in-kernel allreduce: the job has a
-    /// `result_group` whose members are the workers); no application runs
-    /// on the node, and one that tries to take the job is refused.
+    /// `result_group` whose members are the workers; or a tree job, whose
+    /// RESULTs the node sends to its `parent` and whose parent's RESULTs it
+    /// delivers to that group); no application runs on the node, and one
+    /// that tries to take the job is refused.
     Node,
 }
 
