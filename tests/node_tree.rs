@@ -297,6 +297,11 @@ fn two_leaves_of_two_workers_without_loss() {
 }
 
 #[test]
+fn two_leaves_of_two_workers_with_one_percent_loss_on_every_link() {
+    tree("tree-2-1pc", 2, 0.01, 0.0);
+}
+
+#[test]
 fn two_leaves_of_two_workers_with_loss_and_duplication_on_every_link() {
     tree("tree-2-loss", 2, 0.05, 0.01);
 }
