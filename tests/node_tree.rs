@@ -87,7 +87,7 @@ impl Tree {
         );
         let mut nodes = vec![LiveAttach::start(&tb.host(0).netns, &format!("{tag}-root"), &root_text, &[])];
         let mut workers = Vec::new();
-        for l in 0..LEAVES {
+        for (l, &leaf) in leaves.iter().enumerate() {
             let hosts: Vec<usize> = (0..per_leaf).map(|r| 1 + LEAVES + l * per_leaf + r).collect();
             let addrs: Vec<String> = hosts.iter().map(|&h| tb.host(h).addr.to_string()).collect();
             let text = format!(
@@ -97,7 +97,6 @@ impl Tree {
             );
             nodes.push(LiveAttach::start(&tb.host(1 + l).netns, &format!("{tag}-leaf{l}"), &text, &[]));
             let config = Config::parse(&text, "node_tree").expect("leaf config");
-            let leaf = leaves[l];
             workers.push(
                 hosts
                     .iter()

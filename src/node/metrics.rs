@@ -273,9 +273,12 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
 }
 
+/// A counter family of the result service: name, help, and its value.
+type ServiceCounter = (&'static str, &'static str, fn(&ServiceStats) -> u64);
+
 /// The result service's counters per node-served job (`consumer = "node"`).
 fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, ServiceStats>) -> Vec<Family> {
-    let counters: [(&str, &str, fn(&ServiceStats) -> u64); 15] = [
+    let counters: [ServiceCounter; 15] = [
         ("aggbox_result_service_results_total", "RESULTs the node's result service took (each fragment once).", |s| s.results),
         ("aggbox_result_service_duplicate_results_total", "RESULT copies of a fragment taken already.", |s| s.duplicate_results),
         ("aggbox_result_service_acks_sent_total", "ACKs the node sent on the kernel's behalf (one per worker each).", |s| s.acks_sent),

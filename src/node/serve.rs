@@ -1112,6 +1112,21 @@ mod tests {
         assert!(!bound.is_empty());
     }
 
+    #[test]
+    fn a_served_tree_job_is_bound_with_its_parent() {
+        let (port, _) = free_ports();
+        let text = format!(
+            "[[job]]\nid = 12\nport = 7600\nworkers = [\"10.0.0.1\"]\nresult_port = {port}\nresult_group = 1\nconsumer = \"node\"\nparent = {{ addr = \"10.0.9.1\", port = 7500, job = 20, rank = 3, result_port = 7501 }}\n\n{GROUP}"
+        );
+        let config = Config::parse(&text, "t.toml").expect("config");
+        let bound = BoundJobs::bind(&config, vec![NODE]).expect("bound");
+        let up = bound.add[0].1.upstream.as_ref().expect("the service sends upstream");
+        assert_eq!(
+            (up.contributions, up.acks_to, up.job, up.rank),
+            ("10.0.9.1:7500".parse().unwrap(), "10.0.9.1:7501".parse().unwrap(), 20, 3)
+        );
+    }
+
     /// Two free UDP ports (bound and released at once).
     fn free_ports() -> (u16, u16) {
         let a = UdpSocket::bind("0.0.0.0:0").unwrap();
