@@ -47,6 +47,14 @@
 //!   share one `result_port`: the `job` field tells their results apart.
 //! - `result_port` is required even with `parent` (INTERFACE.md lists it as
 //!   mandatory); a job with a parent sends its results upstream instead.
+//!   With `consumer = "node"` it is where the node's result service takes
+//!   the job's own RESULTs and the parent's (docs/PROTOCOL.md, "Trees served
+//!   by the node"): `parent.result_port` is then required (the parent's
+//!   result port, where the service acknowledges the parent's RESULTs),
+//!   `parent.job` may be no job of this node with the same `result_port`
+//!   (the XDP program would drop the parent's RESULTs there as forged), and
+//!   `result_group` lists the workers' sockets the final RESULTs go to.
+//!   Without `consumer = "node"`, `parent.result_port` is refused.
 //! - `result_group = 65535` is rejected: the jobs map uses 0xffff for "no
 //!   group" ([`crate::wire::abi::NO_GROUP`]).
 //! - Worker and parent addresses must be unicast: 0.0.0.0, 255.255.255.255
@@ -242,8 +250,10 @@ pub enum ResultConsumer {
     #[default]
     Application,
     /// `"node"`: `aggbox attach` itself (in-kernel allreduce: the job has a
-    /// `result_group` whose members are the workers); no application runs
-    /// on the node, and one that tries to take the job is refused.
+    /// `result_group` whose members are the workers; or a tree job, whose
+    /// RESULTs the node sends to its `parent` and whose parent's RESULTs it
+    /// delivers to that group); no application runs on the node, and one
+    /// that tries to take the job is refused.
     Node,
 }
 
@@ -261,6 +271,23 @@ impl JobConfig {
         u32::try_from(sum).unwrap_or(u32::MAX)
     }
 
+    /// The parent the kernel sends this job's RESULTs to (TC's parent
+    /// route, the RESULT numbered by the node's own counter). None for a
+    /// node-served job: its result service sends them upstream itself and
+    /// resends them until the parent acknowledges (docs/PROTOCOL.md, "Trees
+    /// served by the node"), so the kernel delivers them locally.
+    pub fn kernel_parent(&self) -> Option<&ParentConfig> {
+        self.parent.as_ref().filter(|_| self.consumer != ResultConsumer::Node)
+    }
+
+    /// The group the kernel copies this job's RESULTs to (TC's group
+    /// route). None for a node-served job with a parent: its own RESULTs
+    /// are partial sums for the parent, and the final ones, the parent's,
+    /// reach `result_group` from the node's result service.
+    pub fn kernel_result_group(&self) -> Option<u16> {
+        self.result_group.filter(|_| self.kernel_parent().is_some() || self.parent.is_none())
+    }
+
     /// The rank whose configured source address is `addr`, if any: the
     /// source address is what identifies a rank.
     pub fn rank_of(&self, addr: Ipv4Addr) -> Option<u16> {
@@ -271,8 +298,8 @@ impl JobConfig {
     }
 }
 
-/// `parent = { addr, port, job, rank }`: where an intermediate aggregator
-/// sends its results, as its own contribution to the parent's job.
+/// `parent = { addr, port, job, rank, result_port }`: where an intermediate
+/// aggregator sends its results, as its own contribution to the parent's job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParentConfig {
     /// The parent aggregator's IPv4 address.
@@ -283,6 +310,10 @@ pub struct ParentConfig {
     pub job: u16,
     /// This node's rank in the parent job (never 65535, the RESULT rank).
     pub rank: u16,
+    /// The parent job's `result_port`, where this node acknowledges the
+    /// parent's RESULTs; required with `consumer = "node"` (the node's
+    /// result service takes them), refused otherwise (nothing would).
+    pub result_port: Option<u16>,
 }
 
 /// `[[group]]`: one broadcast group this node sends or forwards for.
@@ -617,8 +648,12 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         )? as u32,
         None => DEFAULT_SLOTS,
     };
+    let mut parent_at = 0;
     let parent = match t.take("parent") {
-        Some(v) => Some(parse_parent(src, t.key("parent"), v)?),
+        Some(v) => {
+            parent_at = v.span().start;
+            Some(parse_parent(src, t.key("parent"), v)?)
+        }
         None => None,
     };
     let userspace_only = match t.take("userspace_only") {
@@ -669,12 +704,24 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
                     ))
                 }
             };
-            if c == ResultConsumer::Node && parent.is_some() {
-                return Err(src.error(
-                    v.span().start,
-                    Some(key),
-                    "\"node\" serves in-kernel allreduce (result_group); a job with a parent is served by an aggregator application".into(),
-                ));
+            if let (ResultConsumer::Node, Some(p)) = (c, &parent) {
+                if p.result_port.is_none() {
+                    return Err(src.error(
+                        v.span().start,
+                        Some(key),
+                        "\"node\" with a parent needs parent.result_port: the node acknowledges the parent's RESULTs there".into(),
+                    ));
+                }
+                if p.job == id {
+                    // The parent's RESULTs come to this job's result_port
+                    // with job = parent.job; the XDP program drops RESULTs
+                    // of this node's own job id there as forged.
+                    return Err(src.error(
+                        v.span().start,
+                        Some(key),
+                        format!("\"node\" with a parent needs parent.job other than the job's own id {id}: the parent's RESULTs arrive at this job's result_port, where the node drops RESULTs of its own job id as forged"),
+                    ));
+                }
             }
             if c == ResultConsumer::Node && workers.len() > 64 {
                 return Err(src.error(
@@ -694,6 +741,13 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         }
         None => ResultConsumer::Application,
     };
+    if parent.is_some_and(|p| p.result_port.is_some()) && consumer != ResultConsumer::Node {
+        return Err(src.error(
+            parent_at,
+            Some(format!("{}.result_port", t.key("parent"))),
+            "only a job with consumer = \"node\" takes its parent's RESULTs (for the node to acknowledge them); an aggregator application gets none".into(),
+        ));
+    }
 
     Ok(ParsedJob {
         config: JobConfig {
@@ -823,7 +877,7 @@ fn parse_weights(
     Ok(weights)
 }
 
-const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank"];
+const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank", "result_port"];
 
 fn parse_parent(
     src: &Source<'_>,
@@ -862,11 +916,16 @@ fn parse_parent(
         "a rank",
         "65535 marks RESULT datagrams",
     )? as u16;
+    let result_port = match t.take("result_port") {
+        Some(v) => Some(udp_port(src, &t.key("result_port"), &v)?),
+        None => None,
+    };
     Ok(ParentConfig {
         addr,
         port,
         job,
         rank,
+        result_port,
     })
 }
 
@@ -996,6 +1055,27 @@ fn check_references(
                     job.config.result_port,
                     other.config.id,
                     src.line(other.port_at)
+                ),
+            ));
+        }
+    }
+
+    // A node-served job's parent sends its RESULTs (job = parent.job) to
+    // the job's result_port; the XDP program drops RESULTs there of a job
+    // of this node with that id and result_port as forged.
+    for job in jobs {
+        let Some(p) = job.config.parent.filter(|_| job.config.consumer == ResultConsumer::Node) else {
+            continue;
+        };
+        if let Some(other) = jobs.iter().find(|o| o.config.id == p.job && o.config.result_port == job.config.result_port) {
+            return Err(src.error(
+                job.result_port_at,
+                Some(format!("{}.result_port", job.path)),
+                format!(
+                    "job {} (line {}) has the parent's job id {} and this result_port: the node would drop the parent's RESULTs as forged",
+                    other.config.id,
+                    src.line(other.id_at),
+                    p.job
                 ),
             ));
         }

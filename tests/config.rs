@@ -134,7 +134,8 @@ fn interface_example_with_parent_uncommented_parses() {
             addr: ip("10.77.9.1"),
             port: 7000,
             job: 7,
-            rank: 2
+            rank: 2,
+            result_port: None
         })
     );
 }
@@ -166,7 +167,8 @@ fn shipped_example_parent_line_is_valid() {
             addr: ip("10.77.9.1"),
             port: 7000,
             job: 7,
-            rank: 2
+            rank: 2,
+            result_port: None
         })
     );
 }
@@ -866,8 +868,9 @@ fn load_names_the_file() {
 }
 
 /// `consumer = "node"`: the node serves an in-kernel allreduce, so it needs
-/// the result group (with a socket for every worker), no parent, at most 64
-/// workers; anything else names the key.
+/// the result group (with a socket for every worker), at most 64 workers,
+/// and with a parent the parent's result port and another job id; anything
+/// else names the key.
 #[test]
 fn consumer_node_needs_a_result_group_of_the_workers() {
     let group = "\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\", \"10.77.0.12:7200\"]\n";
@@ -885,7 +888,24 @@ fn consumer_node_needs_a_result_group_of_the_workers() {
         "result_port = 7001",
         "result_port = 7001\nresult_group = 3\nparent = { addr = \"10.77.9.1\", port = 7000, job = 7, rank = 2 }\nconsumer = \"node\"",
     );
-    expect_error(&format!("{parent}{group}"), 8, "job[0].consumer", "a job with a parent");
+    expect_error(&format!("{parent}{group}"), 8, "job[0].consumer", "needs parent.result_port");
+    let parent = parent.replace("rank = 2 }", "rank = 2, result_port = 7001 }");
+    expect_error(&format!("{parent}{group}"), 8, "job[0].consumer", "other than the job's own id 7");
+    // A tree node served by the node: the kernel neither routes its RESULTs
+    // upstream nor copies them to the group (the service does both).
+    let tree = parent.replace("job = 7, rank", "job = 20, rank");
+    let c = Config::parse(&format!("{tree}{group}"), "config.toml").expect("a node-served tree job");
+    assert_eq!(c.jobs[0].parent.and_then(|p| p.result_port), Some(7001));
+    assert_eq!((c.jobs[0].kernel_parent(), c.jobs[0].kernel_result_group()), (None, None));
+    // Another job of the node with the parent's job id and result port.
+    let clash = format!("{tree}\n[[job]]\nid = 20\nport = 7300\nworkers = [\"10.77.0.11\"]\nresult_port = 7001\n{group}");
+    expect_error(&clash, 5, "job[0].result_port", "has the parent's job id 20");
+    // parent.result_port without the node serving: nobody would take them.
+    let app = tree.replace("\nconsumer = \"node\"", "");
+    expect_error(&format!("{app}{group}"), 7, "job[0].parent.result_port", "only a job with consumer = \"node\"");
+    let plain = JOB7.replace("result_port = 7001", "result_port = 7001\nresult_group = 3\nparent = { addr = \"10.77.9.1\", port = 7000, job = 7, rank = 2 }");
+    let c = Config::parse(&format!("{plain}{group}"), "config.toml").expect("a kernel-routed tree job");
+    assert_eq!((c.jobs[0].kernel_parent().map(|p| p.job), c.jobs[0].kernel_result_group()), (Some(7), Some(3)));
     let short_group = "\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\"]\n";
     expect_error(&format!("{served}{short_group}"), 7, "job[0].consumer", "worker 1 (10.77.0.12) is not a member of group 3");
     let many: Vec<String> = (0..65).map(|i| format!("\"10.78.0.{}\"", i + 1)).collect();

@@ -427,7 +427,7 @@ fn job_infos(config: &Config) -> HashMap<u16, JobInfo> {
                 vector_len: j.vector_len.unwrap_or(0),
                 slots: j.slots,
                 userspace_only: j.userspace_only,
-                has_parent: j.parent.is_some(),
+                has_parent: j.kernel_parent().is_some(),
                 window: if j.window == 0 { abi::ROUND_WINDOW } else { j.window },
                 userspace_slots: j.userspace_slots as usize,
                 slot_bytes: usize_of(j.userspace_slot_bytes),

@@ -273,9 +273,12 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
 }
 
+/// A counter family of the result service: name, help, and its value.
+type ServiceCounter = (&'static str, &'static str, fn(&ServiceStats) -> u64);
+
 /// The result service's counters per node-served job (`consumer = "node"`).
 fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, ServiceStats>) -> Vec<Family> {
-    let counters: [(&str, &str, fn(&ServiceStats) -> u64); 9] = [
+    let counters: [ServiceCounter; 15] = [
         ("aggbox_result_service_results_total", "RESULTs the node's result service took (each fragment once).", |s| s.results),
         ("aggbox_result_service_duplicate_results_total", "RESULT copies of a fragment taken already.", |s| s.duplicate_results),
         ("aggbox_result_service_acks_sent_total", "ACKs the node sent on the kernel's behalf (one per worker each).", |s| s.acks_sent),
@@ -285,6 +288,12 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
         ("aggbox_result_service_refused_acks_total", "ACKs from a socket other than the worker they name.", |s| s.refused_acks),
         ("aggbox_result_service_other_total", "Other datagrams on a served job's result port.", |s| s.other),
         ("aggbox_result_service_rounds_total", "Rounds (calls) the node's result service saw RESULTs of.", |s| s.rounds),
+        ("aggbox_result_service_upstream_sent_total", "Tree jobs: contributions the node sent to its parent (each fragment once).", |s| s.upstream_sent),
+        ("aggbox_result_service_upstream_resent_total", "Tree jobs: contributions resent to the parent, which had not acknowledged them.", |s| s.upstream_resent),
+        ("aggbox_result_service_upstream_acks_total", "Tree jobs: the parent's ACKs of the node's contributions.", |s| s.upstream_acks),
+        ("aggbox_result_service_parent_results_total", "Tree jobs: the parent's RESULTs taken (each fragment once) and delivered to every worker.", |s| s.parent_results),
+        ("aggbox_result_service_duplicate_parent_results_total", "Tree jobs: copies of a parent's RESULT taken already.", |s| s.duplicate_parent_results),
+        ("aggbox_result_service_parent_acks_sent_total", "Tree jobs: ACKs of the parent's RESULTs sent to the parent.", |s| s.parent_acks_sent),
     ];
     let mut jobs: Vec<(&u16, &ServiceStats)> = stats.iter().collect();
     jobs.sort_by_key(|(id, _)| **id);
@@ -306,6 +315,17 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
             for (id, s) in &jobs {
                 let job = id.to_string();
                 f.push(&[("iface", iface), ("aggbox_job", job.as_str())], s.workers_behind as f64);
+            }
+            f
+        }))
+        .chain(std::iter::once({
+            let mut f = Family::gauge(
+                "aggbox_result_service_upstream_held",
+                "Tree jobs: the node's contributions its parent has not acknowledged yet.",
+            );
+            for (id, s) in &jobs {
+                let job = id.to_string();
+                f.push(&[("iface", iface), ("aggbox_job", job.as_str())], s.upstream_held as f64);
             }
             f
         }))

@@ -375,7 +375,7 @@ pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
     if job.userspace_only {
         flags |= abi::JOB_F_USERSPACE_ONLY;
     }
-    if job.parent.is_some() {
+    if job.kernel_parent().is_some() {
         flags |= abi::JOB_F_HAS_PARENT;
     }
     xdp::XdpJob {
@@ -387,7 +387,7 @@ pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
         vector_len: job.vector_len.unwrap_or(0),
         slots: job.slots,
         flags,
-        result_group: job.result_group,
+        result_group: job.kernel_result_group(),
         window: job.window,
     }
 }
@@ -1296,6 +1296,13 @@ pub fn format_status(status: &NodeStatus) -> String {
             ("refused_results", st.refused_results),
             ("refused_acks", st.refused_acks),
             ("other", st.other),
+            ("upstream_sent", st.upstream_sent),
+            ("upstream_resent", st.upstream_resent),
+            ("upstream_acks", st.upstream_acks),
+            ("upstream_held", st.upstream_held),
+            ("parent_results", st.parent_results),
+            ("duplicate_parent_results", st.duplicate_parent_results),
+            ("parent_acks_sent", st.parent_acks_sent),
         ] {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }
@@ -1303,16 +1310,17 @@ pub fn format_status(status: &NodeStatus) -> String {
     s
 }
 
-/// Result routes of the jobs whose RESULTs leave the node (in-kernel
-/// allreduce to `result_group`, or upstream to a `parent`).
+/// Result routes of the jobs whose RESULTs the kernel sends off the node
+/// (in-kernel allreduce to `result_group`, or upstream to a `parent`; not
+/// those of a node-served tree job, which its result service sends).
 fn configure_result_routes(plane: &TcPlane, config: &Config, _ifindex: u32) -> Result<()> {
     for job in &config.jobs {
-        if let Some(group) = job.result_group {
+        if let Some(group) = job.kernel_result_group() {
             plane
                 .set_result_route(job.id, job.result_port, group)
                 .map_err(|e| anyhow!("aggbox: job {}: result_group {group}: {e}", job.id))?;
         }
-        if let Some(parent) = &job.parent {
+        if let Some(parent) = job.kernel_parent() {
             plane
                 .set_parent_route(job.id, &tc::ParentRoute::from_config(job, parent))
                 .map_err(|e| anyhow!("aggbox: job {}: parent {}:{}: {e}", job.id, parent.addr, parent.port))?;

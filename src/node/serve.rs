@@ -20,6 +20,20 @@
 //! round r, so the first RESULT of a newer round retires what is still held
 //! of the older ones (a worker that missed one gave up on that call).
 //!
+//! A node-served job with a `parent` (a leaf of a tree of aggregators,
+//! docs/PROTOCOL.md "Trees served by the node") is served the same way
+//! toward its workers, but the kernel neither routes its RESULTs upstream
+//! nor copies them to the group ([`JobConfig::kernel_parent`]): its own
+//! RESULT, the subtree's partial reduction, is acknowledged on the kernel's
+//! behalf as above and then sent by this service to the parent as the
+//! node's contribution (same seq, round, frag_off, flags without RESULT),
+//! held in a `SendWindow` until the parent acknowledges it; the parent's
+//! RESULTs arrive on the same socket, are acknowledged to the parent's
+//! result port, renamed to this job and delivered to every worker, and
+//! held until each worker acknowledged its copy, like the kernel's copies
+//! of a plain served job. The parent itself is a plain served job whose
+//! workers are its children's result sockets.
+//!
 //! [`ResultService`] has no socket and no clock (`handle(now, from,
 //! datagram)`, `poll(now)`); [`ResultServer`] is its thread, with one UDP
 //! socket per served job bound to the job's `result_port`.
@@ -34,13 +48,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 
-use crate::config::{Config, JobConfig, ResultConsumer};
+use crate::config::{Config, JobConfig, ParentConfig, ResultConsumer};
 use std::os::fd::AsFd;
 
 use libbpf_rs::MapCore;
 
 use crate::wire::abi::{self, Round};
-use crate::wire::proto::{self, AckKind, AckMessage, MessageKind, SeqBitmap};
+use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, SeqBitmap};
 use crate::wire::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdict};
 
 /// One datagram for the driver to send from the job's socket.
@@ -81,6 +95,25 @@ pub struct ServiceStats {
     pub rounds: u64,
     /// Workers that owe an ACK of some RESULT held now (a gauge).
     pub workers_behind: u64,
+    /// Tree jobs: this node's contributions sent to its parent (each
+    /// fragment's RESULT once).
+    pub upstream_sent: u64,
+    /// Tree jobs: contributions resent to the parent, which had not
+    /// acknowledged them.
+    pub upstream_resent: u64,
+    /// Tree jobs: the parent's ACKs of this node's contributions.
+    pub upstream_acks: u64,
+    /// Tree jobs: the parent's RESULTs taken (each fragment once) and
+    /// delivered to every worker.
+    pub parent_results: u64,
+    /// Tree jobs: copies of a parent's RESULT taken already (acknowledged
+    /// again, not delivered again).
+    pub duplicate_parent_results: u64,
+    /// Tree jobs: ACKs of the parent's RESULTs sent to the parent.
+    pub parent_acks_sent: u64,
+    /// Tree jobs: contributions the parent has not acknowledged yet (a
+    /// gauge).
+    pub upstream_held: u64,
 }
 
 // SAFETY: only u64 fields, no padding.
@@ -103,14 +136,107 @@ pub struct ResultService {
     /// Worker r's socket: its member socket in the result group.
     workers: Vec<SocketAddrV4>,
     behalf: RecvTracker,
-    results: SendWindow,
+    /// The RESULTs the workers get (the kernel's copies, or the parent's
+    /// RESULTs this service delivers), until each worker acknowledged.
+    results: RoundWindow,
     /// Seq → workers (bits) that acknowledged it before it was taken.
     early: HashMap<u32, u64>,
-    round: Option<Round>,
     /// Elements per fragment, learnt from a RESULT that is not its call's
     /// last (fragment i starts at `i * per`).
     per: Option<u32>,
+    /// Tree jobs: the parent, and what is held for it.
+    upstream: Option<Upstream>,
     stats: ServiceStats,
+}
+
+/// The parent of a node-served tree job, and the service's state toward it.
+#[derive(Debug)]
+struct Upstream {
+    /// The parent's address: what comes from it is the parent's (its
+    /// RESULTs, TC copies and resends, and its ACKs).
+    addr: Ipv4Addr,
+    /// The parent job's contribution port, where this node's RESULTs go.
+    contributions: SocketAddrV4,
+    /// The parent job's result port, where its RESULTs are acknowledged.
+    acks_to: SocketAddrV4,
+    /// The job id at the parent.
+    job: u16,
+    /// This node's rank in the parent job.
+    rank: u16,
+    /// This node's contributions until the parent acknowledges them.
+    sent: RoundWindow,
+    /// The parent's RESULTs taken, acknowledged to it.
+    taken: RecvTracker,
+}
+
+/// A [`SendWindow`] of one call (round) at a time, numbered by the seqs of
+/// the RESULTs it holds: a node without calls learns where a round starts
+/// from its datagrams (see the module docs).
+#[derive(Debug)]
+struct RoundWindow {
+    window: SendWindow,
+    round: Option<Round>,
+}
+
+impl RoundWindow {
+    fn new(window: SendWindow) -> RoundWindow {
+        RoundWindow { window, round: None }
+    }
+
+    /// Holds `datagram`, fragment `hdr.frag_off` of `hdr.round` under
+    /// `hdr.seq`, until every destination in `dests` acknowledged it; `tx`
+    /// sends it now (or does nothing where the kernel sent it). `per` is
+    /// the elements per fragment, where known. Returns whether it is the
+    /// first of a newer round (what is held of the older ones is dropped:
+    /// every worker finished them). A datagram of an older round, or one
+    /// held already, changes nothing.
+    fn hold(
+        &mut self,
+        now: Instant,
+        hdr: &AggHeader,
+        per: Option<u32>,
+        datagram: &[u8],
+        dests: u64,
+        tx: &mut impl FnMut(usize, &[u8]),
+    ) -> bool {
+        let seq = hdr.seq;
+        let newer = match self.round {
+            Some(r) if hdr.round.is_before(r) => return false,
+            Some(r) if hdr.round == r => false,
+            _ => {
+                self.window.forget_all();
+                let index = match (hdr.frag_off, per) {
+                    (0, _) => Some(0),
+                    (f, Some(per)) if per > 0 && f % per == 0 => Some(f / per),
+                    _ => None,
+                };
+                // Start the window at the new round's first seq, so that its
+                // fragments that come later are not behind it. Where this
+                // one's index is unknown (no full fragment seen yet), a small
+                // gap from the old round's end is held as placeholders
+                // instead (the earlier fragments fill it); a large one is
+                // skipped.
+                match index {
+                    Some(i) => self.window.set_next_seq(seq.wrapping_sub(i)),
+                    None if seq.wrapping_sub(self.window.next_seq()) <= self.window.window() as u32 => {}
+                    None => self.window.set_next_seq(seq),
+                }
+                self.round = Some(hdr.round);
+                true
+            }
+        };
+        let _ = self.window.send_at(
+            seq,
+            dests,
+            now,
+            |_, buf: &mut Vec<u8>| -> Result<(), ()> {
+                buf.extend_from_slice(datagram);
+                Ok(())
+            },
+            tx,
+        );
+        newer
+    }
 }
 
 impl ResultService {
@@ -126,27 +252,69 @@ impl ResultService {
             node,
             workers,
             behalf: RecvTracker::new(cfg),
-            results,
+            results: RoundWindow::new(results),
             early: HashMap::new(),
-            round: None,
             per: None,
+            upstream: None,
             stats: ServiceStats::default(),
         }
     }
 
+    /// The service of a tree job whose `parent` (its `result_port` at
+    /// `parent_results`) takes this node's RESULTs as its contribution.
+    pub fn with_parent(mut self, parent: &ParentConfig, parent_results: u16, cfg: ReliabilityConfig) -> ResultService {
+        let mut sent = SendWindow::new(cfg, 1, 0);
+        // The parent acknowledges a fragment once its RESULT completes
+        // (on its kernel's behalf), so a hole in its ACKs is as likely
+        // another child's loss as ours: only timeouts resend (as the
+        // runtime's kernel-backend workers).
+        sent.set_holes_are_losses(false);
+        self.upstream = Some(Upstream {
+            addr: parent.addr,
+            contributions: SocketAddrV4::new(parent.addr, parent.port),
+            acks_to: SocketAddrV4::new(parent.addr, parent_results),
+            job: parent.job,
+            rank: parent.rank,
+            sent: RoundWindow::new(sent),
+            taken: RecvTracker::new(cfg),
+        });
+        self
+    }
+
     /// The job's counters.
     pub fn stats(&self) -> ServiceStats {
-        ServiceStats { workers_behind: u64::from(self.results.unacked_dests().count_ones()), ..self.stats }
+        ServiceStats {
+            workers_behind: u64::from(self.results.window.unacked_dests().count_ones()),
+            upstream_held: self.upstream.as_ref().map_or(0, |u| u.sent.window.in_flight() as u64),
+            ..self.stats
+        }
     }
 
     /// RESULTs held until a worker acknowledges them.
     pub fn held(&self) -> usize {
-        self.results.in_flight()
+        self.results.window.in_flight()
+    }
+
+    /// Every worker's bit.
+    fn all_workers(&self) -> u64 {
+        if self.workers.len() >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << self.workers.len()) - 1
+        }
     }
 
     /// Takes one datagram that arrived on the job's `result_port` from
     /// `from` at `now`; what it makes the node send goes to `out`.
     pub fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+        if self.upstream.as_ref().is_some_and(|u| u.addr == *from.ip()) {
+            match proto::classify(datagram) {
+                Some(MessageKind::Agg) => self.on_parent_result(now, datagram, out),
+                Some(MessageKind::Ack) => self.on_parent_ack(now, datagram, out),
+                _ => self.stats.other += 1,
+            }
+            return;
+        }
         match proto::classify(datagram) {
             Some(MessageKind::Agg) => self.on_result(now, from, datagram, out),
             Some(MessageKind::Ack) => self.on_ack(now, from, datagram, out),
@@ -155,7 +323,7 @@ impl ResultService {
     }
 
     fn on_result(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
-        let Ok((hdr, _)) = proto::split_agg(datagram) else {
+        let Ok((hdr, payload)) = proto::split_agg(datagram) else {
             self.stats.other += 1;
             return;
         };
@@ -174,37 +342,26 @@ impl ResultService {
         if !hdr.is_last_fragment() {
             self.per = Some(u32::from(hdr.count));
         }
-        match self.round {
-            Some(r) if hdr.round.is_before(r) => {
-                // A late RESULT of a round every worker left: nothing to keep.
+        let newer = match self.upstream.as_mut() {
+            // The kernel sent the workers their copies: nothing to send.
+            None => self.keep(now, &hdr, datagram, &mut |_: usize, _: &[u8]| {}),
+            Some(up) => {
+                // The subtree's partial reduction: this node's contribution
+                // to the parent, as TC's parent route would rewrite it
+                // (docs/BROADCAST.md), but numbered by the RESULT's seq, the
+                // seq under which the parent acknowledges it.
+                let contribution = AggHeader { job: up.job, rank: up.rank, flags: hdr.flags & !abi::AGG_F_RESULT, ..hdr };
+                let mut bytes = proto::agg_header_bytes(&contribution).to_vec();
+                bytes.extend_from_slice(payload);
+                let (to, stats) = (up.contributions, &mut self.stats);
+                up.sent.hold(now, &hdr, self.per, &bytes, 1, &mut |_, b| {
+                    stats.upstream_sent += 1;
+                    out.push(Transmit { to, datagram: b.to_vec() });
+                })
             }
-            Some(r) if hdr.round == r => self.keep(now, seq, datagram),
-            _ => {
-                // The first RESULT of a newer round: every worker finished
-                // the older ones, so what is held of them is done with.
-                // (ACKs that came before this round's RESULTs stay: they
-                // may be of it.)
-                self.results.forget_all();
-                let index = match (hdr.frag_off, self.per) {
-                    (0, _) => Some(0),
-                    (f, Some(per)) if per > 0 && f % per == 0 => Some(f / per),
-                    _ => None,
-                };
-                // Start the window at the new round's first seq, so that its
-                // fragments that come later are not behind it. Where this
-                // one's index is unknown (no full fragment seen yet), a small
-                // gap from the old round's end is held as placeholders
-                // instead (the earlier fragments fill it); a large one is
-                // skipped.
-                match index {
-                    Some(i) => self.results.set_next_seq(seq.wrapping_sub(i)),
-                    None if seq.wrapping_sub(self.results.next_seq()) <= self.results.window() as u32 => {}
-                    None => self.results.set_next_seq(seq),
-                }
-                self.round = Some(hdr.round);
-                self.stats.rounds += 1;
-                self.keep(now, seq, datagram);
-            }
+        };
+        if newer {
+            self.stats.rounds += 1;
         }
         // Acknowledge every rank's contribution to the fragment (once per
         // fragment; a copy of a RESULT is acknowledged again).
@@ -220,23 +377,82 @@ impl ResultService {
         self.stats.results += 1;
     }
 
-    /// Hold RESULT `seq` until every worker acknowledged its copy (the
-    /// kernel sent the copies; nothing is sent now).
-    fn keep(&mut self, now: Instant, seq: u32, datagram: &[u8]) {
-        let all = if self.workers.len() >= 64 { u64::MAX } else { (1u64 << self.workers.len()) - 1 };
-        let _ = self.results.send_at(
-            seq,
-            all,
-            now,
-            |_, buf: &mut Vec<u8>| -> Result<(), ()> {
-                buf.extend_from_slice(datagram);
-                Ok(())
-            },
-            &mut |_, _| {},
-        );
-        if let Some(bits) = self.early.remove(&seq) {
-            self.results.ack_early_bits(seq, bits);
+    /// Hold RESULT `hdr.seq` until every worker acknowledged its copy; `tx`
+    /// sends the copies now (nothing where the kernel sent them). Returns
+    /// whether it is the first of a newer round.
+    fn keep(&mut self, now: Instant, hdr: &AggHeader, datagram: &[u8], tx: &mut impl FnMut(usize, &[u8])) -> bool {
+        let all = self.all_workers();
+        let newer = self.results.hold(now, hdr, self.per, datagram, all, tx);
+        if let Some(bits) = self.early.remove(&hdr.seq) {
+            self.results.window.ack_early_bits(hdr.seq, bits);
         }
+        newer
+    }
+
+    /// A RESULT of the parent's job (the final reduction of the tree): it
+    /// is acknowledged to the parent, and delivered to every worker under
+    /// this job's id (seq, round, frag_off, flags and payload as they came)
+    /// and held until each acknowledged it; a copy taken already is only
+    /// acknowledged again.
+    fn on_parent_result(&mut self, now: Instant, datagram: &[u8], out: &mut Vec<Transmit>) {
+        let Some(up) = self.upstream.as_mut() else { return };
+        let Ok((hdr, payload)) = proto::split_agg(datagram) else {
+            self.stats.other += 1;
+            return;
+        };
+        if !hdr.is_result() || hdr.job != up.job {
+            // The parent sends this port nothing else: whatever it is, it
+            // must not reach the workers.
+            self.stats.refused_results += 1;
+            return;
+        }
+        // The parent's RESULT of a fragment proves this node's contribution
+        // to it arrived (as a worker's allreduce RESULT does): an ACK.
+        up.sent.window.ack_seq(0, hdr.seq, now);
+        let (seq, stats) = (hdr.seq, &mut self.stats);
+        let (acks_to, job, rank) = (up.acks_to, up.job, up.rank);
+        let mut emit = |bm: &SeqBitmap| {
+            if let Some(datagram) = ack_of(job, rank, bm) {
+                stats.parent_acks_sent += 1;
+                out.push(Transmit { to: acks_to, datagram });
+            }
+        };
+        if up.taken.check(seq) == Verdict::Duplicate {
+            up.taken.reack(seq, &mut emit);
+            self.stats.duplicate_parent_results += 1;
+            return;
+        }
+        up.taken.record(seq, hdr.is_last_fragment(), now, &mut emit);
+        self.stats.parent_results += 1;
+        if !hdr.is_last_fragment() {
+            self.per = Some(u32::from(hdr.count));
+        }
+        let mine = AggHeader { job: self.job, ..hdr };
+        let mut result = proto::agg_header_bytes(&mine).to_vec();
+        result.extend_from_slice(payload);
+        let workers = self.workers.clone();
+        self.keep(now, &mine, &result, &mut |d, b| out.push(Transmit { to: workers[d], datagram: b.to_vec() }));
+    }
+
+    /// The parent's ACK of this node's contributions (on its kernel's
+    /// behalf): what it acknowledges is no longer resent; a hole it shows
+    /// after the RTO is.
+    fn on_parent_ack(&mut self, now: Instant, datagram: &[u8], out: &mut Vec<Transmit>) {
+        let Some(up) = self.upstream.as_mut() else { return };
+        let Ok(ack) = AckMessage::decode(datagram) else {
+            self.stats.other += 1;
+            return;
+        };
+        if ack.kind != AckKind::Aggregation || ack.id != up.job || ack.rank != up.rank {
+            self.stats.refused_acks += 1;
+            return;
+        }
+        self.stats.upstream_acks += 1;
+        let (to, stats) = (up.contributions, &mut self.stats);
+        up.sent.window.on_ack(0, &ack.bitmap, now, &mut |_, b| {
+            stats.upstream_resent += 1;
+            out.push(Transmit { to, datagram: b.to_vec() });
+        });
     }
 
     fn on_ack(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
@@ -253,12 +469,12 @@ impl ResultService {
         }
         self.stats.acks_received += 1;
         let (workers, stats) = (&self.workers, &mut self.stats);
-        self.results.on_ack(rank, &ack.bitmap, now, &mut |d, bytes| {
+        self.results.window.on_ack(rank, &ack.bitmap, now, &mut |d, bytes| {
             stats.resent += 1;
             out.push(Transmit { to: workers[d], datagram: bytes.to_vec() });
         });
         for seq in ack.bitmap.received() {
-            if !self.results.is_known(seq) {
+            if !self.results.window.is_known(seq) {
                 *self.early.entry(seq).or_default() |= 1u64 << rank.min(63);
             }
         }
@@ -274,27 +490,44 @@ impl ResultService {
         let (job, workers, stats) = (self.job, &self.workers, &mut self.stats);
         let a = self.behalf.poll(now, &mut |bm| fan_out(job, workers, bm, out, stats));
         let stats = &mut self.stats;
-        let b = self.results.poll(now, &mut |d, bytes| {
+        let b = self.results.window.poll(now, &mut |d, bytes| {
             stats.resent += 1;
             out.push(Transmit { to: workers[d], datagram: bytes.to_vec() });
         });
-        match (a, b) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        let mut wake = [a, b];
+        let mut upstream = [None, None];
+        if let Some(up) = self.upstream.as_mut() {
+            let (to, acks_to, job, rank) = (up.contributions, up.acks_to, up.job, up.rank);
+            upstream[0] = up.sent.window.poll(now, &mut |_, bytes| {
+                stats.upstream_resent += 1;
+                out.push(Transmit { to, datagram: bytes.to_vec() });
+            });
+            upstream[1] = up.taken.poll(now, &mut |bm| {
+                if let Some(datagram) = ack_of(job, rank, bm) {
+                    stats.parent_acks_sent += 1;
+                    out.push(Transmit { to: acks_to, datagram });
+                }
+            });
         }
+        wake.iter_mut().chain(upstream.iter_mut()).filter_map(|w| *w).min()
     }
 }
 
 /// One ACK on the kernel's behalf to every worker (each under its rank).
 fn fan_out(job: u16, workers: &[SocketAddrV4], bm: &SeqBitmap, out: &mut Vec<Transmit>, stats: &mut ServiceStats) {
     for (rank, &to) in workers.iter().enumerate() {
-        let msg = AckMessage { id: job, rank: rank as u16, kind: AckKind::Aggregation, flags: 0, bitmap: *bm };
-        let mut datagram = Vec::with_capacity(64);
-        if msg.encode_into(&mut datagram).is_ok() {
+        if let Some(datagram) = ack_of(job, rank as u16, bm) {
             stats.acks_sent += 1;
             out.push(Transmit { to, datagram });
         }
     }
+}
+
+/// The AGK1 (kind aggregation) of `rank`'s datagrams of `job` in `bm`.
+fn ack_of(job: u16, rank: u16, bm: &SeqBitmap) -> Option<Vec<u8>> {
+    let msg = AckMessage { id: job, rank, kind: AckKind::Aggregation, flags: 0, bitmap: *bm };
+    let mut datagram = Vec::with_capacity(64);
+    msg.encode_into(&mut datagram).ok().map(|_| datagram)
 }
 
 /// Reliability settings of a served job: the node's ACK mode and group.
@@ -419,7 +652,14 @@ impl ServedChange {
                 .iter()
                 .any(|o| is_served(o) && o.result_port == job.result_port && change.remove.contains(&o.id));
             let socket = if freed { JobSocket::TakeOver(job.result_port) } else { JobSocket::Bound(bind_result_port(job)?) };
-            change.add.push((socket, ResultService::new(job.id, node.clone(), workers, reliability_of(new))));
+            let mut service = ResultService::new(job.id, node.clone(), workers, reliability_of(new));
+            if let Some(parent) = &job.parent {
+                let results = parent.result_port.ok_or_else(|| {
+                    anyhow!("job {}: consumer = \"node\" with a parent needs parent.result_port", job.id)
+                })?;
+                service = service.with_parent(parent, results, reliability_of(new));
+            }
+            change.add.push((socket, service));
         }
         Ok(change)
     }
@@ -752,6 +992,97 @@ mod tests {
         assert_eq!(s.held(), 0);
     }
 
+    const PARENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 1);
+    const PARENT: ParentConfig = ParentConfig { addr: PARENT_ADDR, port: 7500, job: 20, rank: 1, result_port: Some(7501) };
+
+    /// A leaf of a tree: `service(mode)` whose RESULTs go to [`PARENT`].
+    fn leaf(mode: AckMode) -> ResultService {
+        let cfg = ReliabilityConfig { ack_mode: mode, ..ReliabilityConfig::default() };
+        service(mode).with_parent(&PARENT, 7501, cfg)
+    }
+
+    /// `result(..)` as the parent's RESULT (its job id).
+    fn parent_result(round: u32, seq: u32, index: u32, last: bool) -> Vec<u8> {
+        let mut d = result(round, seq, index, last);
+        d[4..6].copy_from_slice(&PARENT.job.to_be_bytes());
+        d
+    }
+
+    fn parent_ack(seqs: &[u32]) -> Vec<u8> {
+        let mut d = ack(PARENT.rank, seqs);
+        d[4..6].copy_from_slice(&PARENT.job.to_be_bytes());
+        d
+    }
+
+    /// The AGG1 datagrams in `out`: (destination, header).
+    fn aggs(out: &[Transmit]) -> Vec<(SocketAddrV4, AggHeader)> {
+        out.iter().filter_map(|t| proto::split_agg(&t.datagram).ok().map(|(h, _)| (t.to, h))).collect()
+    }
+
+    #[test]
+    fn a_leaf_sends_its_result_upstream_as_its_contribution_and_resends_it_until_the_parent_acks() {
+        let mut s = leaf(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        s.handle(t0, worker(1), &result(5, 40, 0, true), &mut out);
+        // The workers' contributions are acknowledged on the kernel's behalf.
+        assert_eq!(acks_to(&out).len(), 3);
+        // One contribution to the parent's job port: its job, this node's
+        // rank, RESULT cleared (LAST_FRAGMENT kept), the RESULT's seq.
+        let up = aggs(&out);
+        assert_eq!(up.len(), 1, "{up:?}");
+        let (to, h) = up[0];
+        assert_eq!(to, SocketAddrV4::new(PARENT_ADDR, 7500));
+        assert_eq!((h.job, h.rank, h.seq, h.round, h.flags), (20, 1, 40, Round(5), abi::AGG_F_LAST_FRAGMENT));
+        assert_eq!((s.held(), s.stats().upstream_sent, s.stats().upstream_held), (0, 1, 1), "the partial result is not the workers'");
+        // Unacknowledged: resent after the RTO, to the parent only.
+        out.clear();
+        s.poll(t0 + Duration::from_secs(2), &mut out);
+        assert_eq!(aggs(&out).iter().map(|(to, h)| (*to, h.job, h.seq)).collect::<Vec<_>>(), vec![(SocketAddrV4::new(PARENT_ADDR, 7500), 20, 40)]);
+        assert_eq!(s.stats().upstream_resent, 1);
+        // Another rank's ACK, or one from elsewhere, stops nothing.
+        let mut other = ack(0, &[40]);
+        other[4..6].copy_from_slice(&20u16.to_be_bytes());
+        s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &other, &mut out);
+        assert_eq!(s.stats().refused_acks, 1);
+        s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &parent_ack(&[40]), &mut out);
+        assert_eq!((s.stats().upstream_acks, s.stats().upstream_held), (1, 0));
+        out.clear();
+        s.poll(t0 + Duration::from_secs(10), &mut out);
+        assert!(aggs(&out).is_empty(), "acknowledged: never resent");
+    }
+
+    #[test]
+    fn a_leaf_acknowledges_the_parents_result_and_delivers_it_to_every_worker_until_each_acked() {
+        let mut s = leaf(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
+        out.clear();
+        let from_parent = SocketAddrV4::new(PARENT_ADDR, 33333);
+        s.handle(t0, from_parent, &parent_result(5, 40, 0, true), &mut out);
+        // ACK to the parent's result port, under this node's rank in its job.
+        let acks: Vec<_> = out.iter().filter_map(|t| AckMessage::decode(&t.datagram).ok().map(|a| (t.to, a.id, a.rank, a.bitmap.received().collect::<Vec<_>>()))).collect();
+        assert_eq!(acks, vec![(SocketAddrV4::new(PARENT_ADDR, 7501), 20, 1, vec![40])]);
+        // A copy to each worker, under this job's id, seq as it came.
+        let copies: Vec<_> = aggs(&out).iter().map(|(to, h)| (*to, h.job, h.seq, h.is_result())).collect();
+        assert_eq!(copies, (0..3).map(|r| (worker(r), JOB, 40, true)).collect::<Vec<_>>());
+        assert_eq!((s.stats().parent_results, s.stats().parent_acks_sent, s.held()), (1, 1, 1));
+        assert_eq!(s.stats().upstream_held, 0, "the parent's RESULT acknowledges the contribution to it");
+        // A copy of it again (the parent resent: our ACK was lost): acknowledged, not delivered again.
+        out.clear();
+        s.handle(t0, from_parent, &parent_result(5, 40, 0, true), &mut out);
+        assert_eq!((acks_to(&out).len(), aggs(&out).len(), s.stats().duplicate_parent_results), (1, 0, 1));
+        // Workers 0 and 2 acknowledge; only worker 1 gets it again.
+        s.handle(t0, worker(0), &ack(0, &[40]), &mut out);
+        s.handle(t0, worker(2), &ack(2, &[40]), &mut out);
+        out.clear();
+        s.poll(t0 + Duration::from_secs(2), &mut out);
+        assert_eq!(resends(&out), vec![(worker(1), 40)]);
+        // Something else from the parent's address never reaches a worker.
+        out.clear();
+        s.handle(t0, from_parent, &result(5, 41, 1, true), &mut out);
+        assert!(out.is_empty() && s.stats().refused_results == 1);
+    }
+
     #[test]
     fn group_mode_acknowledges_on_behalf_after_the_delay_or_at_the_last_fragment() {
         let mut s = service(AckMode::Group);
@@ -779,6 +1110,21 @@ mod tests {
         drop(taken);
         let bound = BoundJobs::bind(&config, vec![NODE]).expect("free again");
         assert!(!bound.is_empty());
+    }
+
+    #[test]
+    fn a_served_tree_job_is_bound_with_its_parent() {
+        let (port, _) = free_ports();
+        let text = format!(
+            "[[job]]\nid = 12\nport = 7600\nworkers = [\"10.0.0.1\"]\nresult_port = {port}\nresult_group = 1\nconsumer = \"node\"\nparent = {{ addr = \"10.0.9.1\", port = 7500, job = 20, rank = 3, result_port = 7501 }}\n\n{GROUP}"
+        );
+        let config = Config::parse(&text, "t.toml").expect("config");
+        let bound = BoundJobs::bind(&config, vec![NODE]).expect("bound");
+        let up = bound.add[0].1.upstream.as_ref().expect("the service sends upstream");
+        assert_eq!(
+            (up.contributions, up.acks_to, up.job, up.rank),
+            ("10.0.9.1:7500".parse().unwrap(), "10.0.9.1:7501".parse().unwrap(), 20, 3)
+        );
     }
 
     /// Two free UDP ports (bound and released at once).
