@@ -91,6 +91,26 @@ struct aggbox_bcast_hdr {
 };
 _Static_assert(sizeof(struct aggbox_bcast_hdr) == 16, "AGB1 header is 16 bytes");
 
+/*
+ * The runtime's sub-header: the first 8 bytes of every AGB1 payload the
+ * runtime sends (broadcast data and the results it forwards), after which
+ * the fragment's bytes follow. Not part of the shared spec and never read by
+ * the data plane, which treats the AGB1 payload as opaque; written here so
+ * the layout is in one place (docs/PROTOCOL.md "AGB1: the runtime's
+ * sub-header"; in Rust wire::proto::RuntimeSubHeader). With it an AGB1
+ * header is as long as an AGG1 header, so a forwarded result fits the MTU
+ * its contributions did.
+ */
+#define AGGBOX_BCAST_SUBHDR_OVERFLOW 0x80000000u /* offset bit 31: the forwarded result was clamped */
+struct aggbox_bcast_runtime_subhdr {
+	__be32 round;  /* big-endian: the call's round */
+	__be32 offset; /* big-endian: byte offset of the data in the message; bit 31 AGGBOX_BCAST_SUBHDR_OVERFLOW */
+};
+_Static_assert(sizeof(struct aggbox_bcast_runtime_subhdr) == 8, "runtime sub-header is 8 bytes");
+_Static_assert(sizeof(struct aggbox_bcast_hdr) + sizeof(struct aggbox_bcast_runtime_subhdr) ==
+		       sizeof(struct aggbox_agg_hdr),
+	       "AGB1 + runtime sub-header is as long as AGG1");
+
 /* Acknowledgement header; ceil(nbits / 8) bitmap bytes follow (LSB first). */
 struct aggbox_ack_hdr {
 	__be32 magic;    /* big-endian: AGGBOX_MAGIC_ACK */

@@ -27,6 +27,9 @@ pub const RESULT_RANK: u16 = 0xffff;
 
 pub const BCAST_F_FORWARD: u8 = 0x01;
 pub const BCAST_F_KNOWN: u8 = 0x01;
+/// Bit 31 of the runtime sub-header's `offset`: the forwarded result
+/// fragment was clamped (`AGGBOX_BCAST_SUBHDR_OVERFLOW`).
+pub const BCAST_SUBHDR_OVERFLOW: u32 = 0x8000_0000;
 
 pub const ACK_KIND_AGG: u8 = 0;
 pub const ACK_KIND_BCAST: u8 = 1;
@@ -36,6 +39,8 @@ pub const ACK_MAX_BITS: u16 = 1024;
 
 pub const AGG_HDR_LEN: usize = 24;
 pub const BCAST_HDR_LEN: usize = 16;
+/// The runtime's sub-header at the start of an `AGB1` payload it sends.
+pub const BCAST_RUNTIME_SUBHDR_LEN: usize = 8;
 pub const ACK_HDR_LEN: usize = 16;
 
 pub const MAX_JOBS: u32 = 256;
@@ -132,6 +137,17 @@ pub struct BcastHdr {
     pub hops: u8,
 }
 const _: () = assert!(core::mem::size_of::<BcastHdr>() == BCAST_HDR_LEN);
+
+/// `struct aggbox_bcast_runtime_subhdr` (wire, network order): what the
+/// runtime puts first in every `AGB1` payload it sends; the data plane never
+/// reads it.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BcastRuntimeSubhdr {
+    pub round: u32,
+    pub offset: u32,
+}
+const _: () = assert!(core::mem::size_of::<BcastRuntimeSubhdr>() == BCAST_RUNTIME_SUBHDR_LEN);
 
 /// `struct aggbox_ack_hdr` (wire, network order).
 #[repr(C)]
@@ -659,6 +675,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     let mut out = Vec::new();
     fields!(out, "aggbox_agg_hdr", AggHdr, [magic, job, rank, seq, round, frag_off, op, flags, count]);
     fields!(out, "aggbox_bcast_hdr", BcastHdr, [magic, mask, seq, group, flags, hops]);
+    fields!(out, "aggbox_bcast_runtime_subhdr", BcastRuntimeSubhdr, [round, offset]);
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
