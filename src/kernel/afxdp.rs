@@ -347,13 +347,10 @@ impl Default for JobRt {
     }
 }
 
-/// Whether `round` is stale: older than the newest round completed on
-/// either path (`newest`: here, `kernel_newest`: in the kernel) minus the
-/// job's `window`, the kernel's rule.
+/// Whether `round` is stale ([`Round::is_stale`]) behind the newest round
+/// completed on either path (`newest`: here, `kernel_newest`: in the kernel).
 fn round_is_stale(newest: Option<Round>, kernel_newest: Option<Round>, round: Round, window: u32) -> bool {
-    let window = window.min(i32::MAX as u32) as i32;
-    let stale = |newest: Option<Round>| newest.is_some_and(|n| n.ahead_of(round) > window);
-    stale(newest) || stale(kernel_newest)
+    round.is_stale(newest, window) || round.is_stale(kernel_newest, window)
 }
 
 impl JobRt {

@@ -1397,27 +1397,27 @@ impl KernelMaps {
 
     /// Release every kernel slot of a stale round. `window(job)` is the
     /// job's configured window (`None`: job unknown, its slots are left to
-    /// `remove_job`; 0: the build default). A round is stale when either
-    /// path's newest completed round is more than `window` ahead of it
-    /// (serial arithmetic), exactly the rule the XDP program drops by.
+    /// `remove_job`; 0: the build default). A round is stale
+    /// ([`Round::is_stale`], the rule the XDP program drops by) behind
+    /// either path's newest completed round.
     pub fn reclaim_stale_slots(&self, window: impl Fn(u16) -> Option<u32>) -> usize {
-        let mut newest: BTreeMap<u16, (Option<u32>, Option<u32>, i32)> = BTreeMap::new();
+        let mut newest: BTreeMap<u16, (Option<Round>, Option<Round>, u32)> = BTreeMap::new();
         let mut reclaimed = 0;
         for key in self.slot_keys() {
             let entry = match newest.get(&key.job) {
                 Some(e) => *e,
                 None => {
                     let Some(w) = window(key.job) else { continue };
-                    let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
-                    let k = self.job_state(key.job).filter(|s| s.completed != 0).map(|s| s.newest_round);
-                    let u = self.job_handoff(key.job).filter(|h| h.completed != 0).map(|h| h.newest_round);
+                    let (k, u) = self.newest_rounds(key.job);
                     newest.insert(key.job, (k, u, w));
                     (k, u, w)
                 }
             };
             let (k, u, w) = entry;
-            let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(key.round)) > w);
-            if (stale(k) || stale(u)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
+            let round = Round(key.round);
+            if (round.is_stale(k, w) || round.is_stale(u, w))
+                && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed))
+            {
                 reclaimed += 1;
             }
         }
@@ -1431,21 +1431,18 @@ impl KernelMaps {
                 continue;
             }
             let Some(w) = window(job.id) else { continue };
-            let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
-            let k = self.job_state(job.id).filter(|s| s.completed != 0).map(|s| s.newest_round);
-            let u = self.job_handoff(job.id).filter(|h| h.completed != 0).map(|h| h.newest_round);
+            let (k, u) = self.newest_rounds(job.id);
             if k.is_none() && u.is_none() {
                 continue;
             }
             let base = u32::from(job.fast_base);
             for index in base..base + u32::from(job.fast_slots) {
                 let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
-                let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(round)) > w);
                 // CLAIMING too: a take-over its taker could not undo (the
                 // slot's lock busy past its bound) is undone here.
                 if (state == FAST_ACTIVE || state == FAST_CLAIMING)
                     && slot_job == job.id
-                    && (stale(k) || stale(u))
+                    && (Round(round).is_stale(k, w) || Round(round).is_stale(u, w))
                     && matches!(self.discard_fast_slot(job.id, index, Some(round)), Ok(true))
                 {
                     reclaimed += 1;
@@ -1644,6 +1641,15 @@ impl KernelMaps {
     /// The user-space path's state of job `id` as the kernel sees it.
     pub fn job_handoff(&self, id: u16) -> Option<abi::JobHandoff> {
         raw_lookup(&self.job_handoff, &self.dense(id)?)
+    }
+
+    /// The newest round job `id` completed in the kernel and in user space
+    /// (`None`: none yet on that path), what [`Round::is_stale`] measures
+    /// a slot's round against.
+    fn newest_rounds(&self, id: u16) -> (Option<Round>, Option<Round>) {
+        let kernel = self.job_state(id).filter(|s| s.completed != 0).map(|s| Round(s.newest_round));
+        let user = self.job_handoff(id).filter(|h| h.completed != 0).map(|h| Round(h.newest_round));
+        (kernel, user)
     }
 
     /// Write the user-space path's state of job `id` (an error when the job

@@ -447,6 +447,18 @@ impl Round {
     pub fn previous(self) -> Round {
         Round(self.0.wrapping_sub(1))
     }
+
+    /// Whether `self` is stale: more than `window` rounds behind `newest`,
+    /// the newest round one path completed (`None`: none yet, nothing is
+    /// stale). `window` is a job's (`aggbox_job.window`); 0 means
+    /// [`ROUND_WINDOW`]. The rule the XDP program drops by
+    /// (`aggbox_rounds_ahead(newest, round) > window`); the user-space paths
+    /// ask it of each path's newest round, written here once.
+    pub fn is_stale(self, newest: Option<Round>, window: u32) -> bool {
+        let window = if window == 0 { ROUND_WINDOW } else { window };
+        let window = window.min(i32::MAX as u32) as i32;
+        newest.is_some_and(|n| n.ahead_of(self) > window)
+    }
 }
 
 impl std::fmt::Display for Round {
@@ -968,5 +980,25 @@ mod tests {
         assert_eq!(Round(7).ahead_of(Round(7)), 0);
         // Half the space away is the furthest that still reads as ahead.
         assert_eq!(Round(1 << 31).ahead_of(Round(1)), i32::MAX);
+    }
+
+    #[test]
+    fn a_round_is_stale_beyond_the_window_behind_the_newest() {
+        use super::ROUND_WINDOW;
+        // Nothing completed yet: nothing is stale.
+        assert!(!Round(0).is_stale(None, 4));
+        // Exactly `window` behind is still live; one more is stale.
+        assert!(!Round(10).is_stale(Some(Round(14)), 4));
+        assert!(Round(9).is_stale(Some(Round(14)), 4));
+        // Ahead of the newest is never stale.
+        assert!(!Round(20).is_stale(Some(Round(14)), 4));
+        // Window 0 is the build default.
+        assert!(!Round(100).is_stale(Some(Round(100 + ROUND_WINDOW)), 0));
+        assert!(Round(99).is_stale(Some(Round(100 + ROUND_WINDOW)), 0));
+        // Serial order across the wrap.
+        assert!(Round(u32::MAX - 4).is_stale(Some(Round(1)), 4));
+        assert!(!Round(u32::MAX - 2).is_stale(Some(Round(1)), 4));
+        // A window past i32::MAX is as wide as serial order reaches.
+        assert!(!Round(1).is_stale(Some(Round(1 << 31)), u32::MAX));
     }
 }
