@@ -507,6 +507,14 @@ _Static_assert(sizeof(struct aggbox_bcast_config) == 8, "bcast config is 8 bytes
  * indexed by this enum). "Datagram" counters: every packet a TC program sees
  * ends in exactly one of them (bcast_exit()). "Copy" counters: events per
  * destination of a datagram, several per datagram.
+ *
+ * Mirrored in these files; a counter added, renamed or renumbered here
+ * changes them too (and AGGBOX_BCAST_STAT_MAX):
+ *   src/wire/abi.rs      BcastStat (values, ALL, label(): the name in the
+ *                        metrics and `aggbox status`)
+ *   tests/abi_layout.rs  checks every enumerator against BcastStat by label
+ *   docs/BROADCAST.md    "Counters (`bcast_stats`)": every label; the
+ *                        bcast_stats row of the maps table: its size
  */
 enum aggbox_bcast_stat {
 	/* datagram outcomes */
@@ -601,7 +609,17 @@ _Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 byt
 #define AGGBOX_MAX_OWNERS (2 * AGGBOX_MAX_SLOTS) /* slot_owner entries */
 #endif
 
-/* Why a datagram was handed to user space (index of the handoff_stats map). */
+/*
+ * Why a datagram was handed to user space (index of the handoff_stats map).
+ *
+ * Mirrored in these files; a reason added, renamed or renumbered here
+ * changes them too (and AGGBOX_HANDOFF_MAX):
+ *   src/wire/abi.rs      HandoffReason (values, ALL, label(): the name in the
+ *                        metrics and `aggbox status`)
+ *   tests/abi_layout.rs  checks every enumerator against HandoffReason
+ *   docs/USERSPACE.md    "What goes to user space": one table row per reason,
+ *                        by its label
+ */
 enum aggbox_handoff_reason {
 	AGGBOX_HANDOFF_OP             = 0, /* op 5..8 (PROD, BAND, BOR, BXOR) */
 	AGGBOX_HANDOFF_FLOAT32        = 1, /* FLOAT32 payload */
