@@ -8,6 +8,11 @@ PROFILE      ?= release
 CARGO_FLAGS  := $(if $(filter release,$(PROFILE)),--release,)
 BIN          := target/$(PROFILE)/aggbox
 BENCH_BIN    := target/$(PROFILE)/aggbox-bench
+# The evaluation's executable, BPF yardsticks and benches/xdp_chain.rs are
+# built only with this cargo feature (Cargo.toml); `make test` and `make
+# clippy` pass it too, so the benchmark's code keeps being compiled, checked
+# and unit-tested there.
+BENCH_FEATURES := --features bench
 # The Python package (python/, docs/PYTHON.md) is built for and tested with
 # Debian's /usr/bin/python3 beside its torch, numpy and torchvision (the
 # training example); python3-venv holds maturin (from PyPI, pinned).
@@ -107,8 +112,8 @@ mpi: deps
 test: deps python mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }
-	$(CARGO) build $(CARGO_FLAGS) --all-targets
-	$(CARGO) test $(CARGO_FLAGS) --no-fail-fast
+	$(CARGO) build $(CARGO_FLAGS) $(BENCH_FEATURES) --all-targets
+	$(CARGO) test $(CARGO_FLAGS) $(BENCH_FEATURES) --no-fail-fast
 
 demo: build
 	@if [ "$$(id -u)" != 0 ]; then echo "make demo: needs root (network namespaces, BPF)" >&2; exit 1; fi
@@ -144,7 +149,7 @@ bench-deps:
 
 bench: deps bench-deps python mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench: needs root (network namespaces, BPF)" >&2; exit 1; fi
-	$(CARGO) build $(CARGO_FLAGS)
+	$(CARGO) build $(CARGO_FLAGS) $(BENCH_FEATURES)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-python
 	$(MAKE) --no-print-directory bench-mpi MPI_BENCH_ARGS="$(MPI_BENCH_ARGS) $(if $(filter --quick,$(BENCH_ARGS)),--max-bytes 65536 --iterations 20,)"
@@ -176,7 +181,7 @@ fmt-check:
 	$(CARGO) fmt -- --check
 
 clippy:
-	$(CARGO) clippy --all-targets
+	$(CARGO) clippy $(BENCH_FEATURES) --all-targets
 
 clean:
 	$(CARGO) clean

@@ -4,6 +4,10 @@
 //! the build does not depend on the build host's kernel, and against the
 //! shared ABI headers in `include/`. libbpf-cargo only tracks the `.bpf.c`
 //! files it is given, so every header is listed for `rerun-if-changed` here.
+//!
+//! The evaluation's yardsticks, `src/bpf/bench_*.bpf.c`, are built only with
+//! the `bench` feature (Cargo.toml): only `aggbox-bench` and
+//! `benches/xdp_chain.rs`, which require it, load them.
 
 use std::env;
 use std::ffi::OsStr;
@@ -42,6 +46,7 @@ fn main() {
         println!("cargo:rerun-if-changed={}", header.display());
     }
 
+    let bench = env::var_os("CARGO_FEATURE_BENCH").is_some();
     let sources = files_with_extension(&bpf_dir, ".bpf.c");
     for source in &sources {
         println!("cargo:rerun-if-changed={}", source.display());
@@ -50,6 +55,9 @@ fn main() {
             .and_then(OsStr::to_str)
             .and_then(|name| name.strip_suffix(".bpf.c"))
             .expect("source names end in .bpf.c");
+        if stem.starts_with("bench_") && !bench {
+            continue;
+        }
         let skeleton = out_dir.join(format!("{stem}.skel.rs"));
         let clang = env::var("BPF_CLANG").unwrap_or_else(|_| "clang".to_string());
         SkeletonBuilder::new()

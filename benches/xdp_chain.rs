@@ -6,8 +6,9 @@
 //! middle ones only add, the last one completes the fragment, writes the
 //! RESULT and releases the slot.
 //!
-//! Needs root (loads the programs): `sudo cargo bench --bench xdp_chain
-//! [-- FRAGMENTS]`. Speed lives here, not in the tests.
+//! Needs root (loads the programs) and the `bench` feature (the floor
+//! program is built only with it): `sudo cargo bench --features bench
+//! --bench xdp_chain [-- FRAGMENTS]`. Speed lives here, not in the tests.
 
 #![allow(dead_code)]
 

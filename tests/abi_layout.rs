@@ -24,6 +24,7 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_RESULT_RANK".into(), abi::RESULT_RANK as i64),
         ("AGGBOX_BCAST_F_FORWARD".into(), abi::BCAST_F_FORWARD as i64),
         ("AGGBOX_BCAST_F_KNOWN".into(), abi::BCAST_F_KNOWN as i64),
+        ("AGGBOX_BCAST_SUBHDR_OVERFLOW".into(), abi::BCAST_SUBHDR_OVERFLOW as i64),
         ("AGGBOX_ACK_KIND_AGG".into(), abi::ACK_KIND_AGG as i64),
         ("AGGBOX_ACK_KIND_BCAST".into(), abi::ACK_KIND_BCAST as i64),
         ("AGGBOX_ACK_F_FINAL".into(), abi::ACK_F_FINAL as i64),

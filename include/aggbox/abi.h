@@ -91,6 +91,26 @@ struct aggbox_bcast_hdr {
 };
 _Static_assert(sizeof(struct aggbox_bcast_hdr) == 16, "AGB1 header is 16 bytes");
 
+/*
+ * The runtime's sub-header: the first 8 bytes of every AGB1 payload the
+ * runtime sends (broadcast data and the results it forwards), after which
+ * the fragment's bytes follow. Not part of the shared spec and never read by
+ * the data plane, which treats the AGB1 payload as opaque; written here so
+ * the layout is in one place (docs/PROTOCOL.md "AGB1: the runtime's
+ * sub-header"; in Rust wire::proto::RuntimeSubHeader). With it an AGB1
+ * header is as long as an AGG1 header, so a forwarded result fits the MTU
+ * its contributions did.
+ */
+#define AGGBOX_BCAST_SUBHDR_OVERFLOW 0x80000000u /* offset bit 31: the forwarded result was clamped */
+struct aggbox_bcast_runtime_subhdr {
+	__be32 round;  /* big-endian: the call's round */
+	__be32 offset; /* big-endian: byte offset of the data in the message; bit 31 AGGBOX_BCAST_SUBHDR_OVERFLOW */
+};
+_Static_assert(sizeof(struct aggbox_bcast_runtime_subhdr) == 8, "runtime sub-header is 8 bytes");
+_Static_assert(sizeof(struct aggbox_bcast_hdr) + sizeof(struct aggbox_bcast_runtime_subhdr) ==
+		       sizeof(struct aggbox_agg_hdr),
+	       "AGB1 + runtime sub-header is as long as AGG1");
+
 /* Acknowledgement header; ceil(nbits / 8) bitmap bytes follow (LSB first). */
 struct aggbox_ack_hdr {
 	__be32 magic;    /* big-endian: AGGBOX_MAGIC_ACK */
@@ -489,6 +509,14 @@ _Static_assert(sizeof(struct aggbox_bcast_config) == 8, "bcast config is 8 bytes
  * indexed by this enum). "Datagram" counters: every packet a TC program sees
  * ends in exactly one of them (bcast_exit()). "Copy" counters: events per
  * destination of a datagram, several per datagram.
+ *
+ * Mirrored in these files; a counter added, renamed or renumbered here
+ * changes them too (and AGGBOX_BCAST_STAT_MAX):
+ *   src/wire/abi.rs      BcastStat (values, ALL, label(): the name in the
+ *                        metrics and `aggbox status`)
+ *   tests/abi_layout.rs  checks every enumerator against BcastStat by label
+ *   docs/BROADCAST.md    "Counters (`bcast_stats`)": every label; the
+ *                        bcast_stats row of the maps table: its size
  */
 enum aggbox_bcast_stat {
 	/* datagram outcomes */
@@ -583,7 +611,17 @@ _Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 byt
 #define AGGBOX_MAX_OWNERS (2 * AGGBOX_MAX_SLOTS) /* slot_owner entries */
 #endif
 
-/* Why a datagram was handed to user space (index of the handoff_stats map). */
+/*
+ * Why a datagram was handed to user space (index of the handoff_stats map).
+ *
+ * Mirrored in these files; a reason added, renamed or renumbered here
+ * changes them too (and AGGBOX_HANDOFF_MAX):
+ *   src/wire/abi.rs      HandoffReason (values, ALL, label(): the name in the
+ *                        metrics and `aggbox status`)
+ *   tests/abi_layout.rs  checks every enumerator against HandoffReason
+ *   docs/USERSPACE.md    "What goes to user space": one table row per reason,
+ *                        by its label
+ */
 enum aggbox_handoff_reason {
 	AGGBOX_HANDOFF_OP             = 0, /* op 5..8 (PROD, BAND, BOR, BXOR) */
 	AGGBOX_HANDOFF_FLOAT32        = 1, /* FLOAT32 payload */

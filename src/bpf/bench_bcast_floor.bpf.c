@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
  * Broadcast floor: the least a TC egress program that makes the broadcast
- * benchmark's copies can cost on a machine (src/bench/bcast.rs, mode
- * `floor`). A yardstick for aggbox_tc_egress, not a program to deploy.
+ * benchmark's copies can cost on a machine (src/bin/aggbox-bench/bcast.rs,
+ * mode `floor`). A yardstick for aggbox_tc_egress, not a program to deploy.
  *
  * The benchmark writes, before the run, the destinations of the copies
  * already resolved (destination MAC, egress ifindex, IPv4 address, UDP

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
  * Benchmark floor: the least any XDP aggregator of the benchmark's traffic
- * can cost on a machine (src/bench/agg.rs, mode `floor`; benches/xdp_chain.rs).
+ * can cost on a machine (src/bin/aggbox-bench/agg.rs, mode `floor`;
+ * benches/xdp_chain.rs).
  *
  * It does only the unavoidable work for the benchmark's own datagrams: parse
  * Ethernet / IPv4 / UDP to the job port, one array slot indexed by (round,

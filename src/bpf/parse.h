@@ -5,6 +5,11 @@
  * `parse_*()` helpers that bounds-check against data_end before every access,
  * advance the cursor and return the next protocol (host order) or a negative
  * code. Nothing here writes to the packet.
+ *
+ * Its twin in Rust is src/wire/frame.rs (parse_frame), which reads the frames
+ * the AF_XDP path receives: one VLAN tag at most, IHL honoured, the UDP
+ * payload length from the UDP header. A change to what is parsed here is a
+ * change there.
  */
 #ifndef AGGBOX_PARSE_H
 #define AGGBOX_PARSE_H

@@ -44,6 +44,7 @@ use crate::wire::abi::{self, DropReason, Round};
 use crate::config::Config;
 use crate::kernel::xdp::{XdpPlane, KernelMaps};
 use crate::wire::abi::Op;
+use crate::wire::frame::{parse_frame, Parsed};
 use crate::wire::proto;
 use crate::wire::slots::{Added, Refused, Slot, SlotKey, SlotTable};
 use crate::kernel::xsk::{self, XskConfig, XskSocket, XskStats};
@@ -347,13 +348,10 @@ impl Default for JobRt {
     }
 }
 
-/// Whether `round` is stale: older than the newest round completed on
-/// either path (`newest`: here, `kernel_newest`: in the kernel) minus the
-/// job's `window`, the kernel's rule.
+/// Whether `round` is stale ([`Round::is_stale`]) behind the newest round
+/// completed on either path (`newest`: here, `kernel_newest`: in the kernel).
 fn round_is_stale(newest: Option<Round>, kernel_newest: Option<Round>, round: Round, window: u32) -> bool {
-    let window = window.min(i32::MAX as u32) as i32;
-    let stale = |newest: Option<Round>| newest.is_some_and(|n| n.ahead_of(round) > window);
-    stale(newest) || stale(kernel_newest)
+    round.is_stale(newest, window) || round.is_stale(kernel_newest, window)
 }
 
 impl JobRt {
@@ -693,48 +691,6 @@ struct Worker {
     stats: Arc<Mutex<UserspaceStats>>,
     opts: UserspaceOptions,
     last_reclaim: Instant,
-}
-
-/// A parsed frame: addresses and the UDP payload's range.
-struct Parsed {
-    saddr: Ipv4Addr,
-    daddr: Ipv4Addr,
-    payload: std::ops::Range<usize>,
-}
-
-/// Ethernet [+ one VLAN tag] / IPv4 (IHL honoured) / UDP, as the XDP
-/// program parses it; the UDP payload length comes from the UDP header.
-fn parse_frame(f: &[u8]) -> Option<Parsed> {
-    let mut off = 14;
-    let mut proto = u16::from_be_bytes([*f.get(12)?, *f.get(13)?]);
-    if proto == 0x8100 || proto == 0x88a8 {
-        proto = u16::from_be_bytes([*f.get(16)?, *f.get(17)?]);
-        off += 4;
-    }
-    if proto != 0x0800 {
-        return None;
-    }
-    let ip = f.get(off..off + 20)?;
-    if ip[0] >> 4 != 4 || ip[9] != 17 {
-        return None;
-    }
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
-    if ihl < 20 {
-        return None;
-    }
-    let saddr = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let daddr = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    let udp = off + ihl;
-    let h = f.get(udp..udp + 8)?;
-    let ulen = usize::from(u16::from_be_bytes([h[4], h[5]]));
-    if ulen < 8 || udp + ulen > f.len() {
-        return None;
-    }
-    Some(Parsed {
-        saddr,
-        daddr,
-        payload: udp + 8..udp + ulen,
-    })
 }
 
 impl Worker {

@@ -39,6 +39,40 @@ pub mod names {
     pub const BCAST_GROUPS: &str = "bcast_groups";
     /// The next-hop cache (`abi::NeighKey` → `abi::Neigh`, then a timer), TC object.
     pub const BCAST_NEIGH: &str = "bcast_neigh";
+    /// Node-wide broadcast settings (`abi::BcastConfig`), TC object.
+    pub const BCAST_CONFIG: &str = "bcast_config";
+    /// Routes of RESULT datagrams (`abi::JobKey` → `abi::ResultRoute`), TC object.
+    pub const RESULT_ROUTES: &str = "result_routes";
+    /// Jobs listening on each UDP port (`abi::Port`), indexed by port.
+    pub const PORTS: &str = "ports";
+    /// Job id → 1 + the job's dense index (0: not configured).
+    pub const JOB_INDEX: &str = "job_index";
+    /// The user-space path's state of each job (`abi::JobHandoff`).
+    pub const JOB_HANDOFF: &str = "job_handoff";
+    /// Per job (dense index): whether the hash-map path has made a
+    /// `slot_owner` record for it yet.
+    pub const JOB_PATHS: &str = "job_paths";
+    /// Per job (dense index): the newest round the kernel completed, on a
+    /// cache line of its own for the stale-round rule.
+    pub const JOB_ROUND: &str = "job_round";
+    /// The tail-call program array of the multi-buffer chain.
+    pub const PROGS: &str = "progs";
+    /// The slot pool (`abi::SlotKey` → slot header).
+    pub const SLOTS: &str = "slots";
+    /// Indexes of the unused accumulator blocks (a stack).
+    pub const FREE_BLOCKS: &str = "free_blocks";
+    /// Markers of completed slots (`abi::SlotKey`, an LRU hash).
+    pub const COMPLETED: &str = "completed";
+    /// Which path serves a slot (`abi::SlotKey` → `abi::SlotOwner`).
+    pub const SLOT_OWNER: &str = "slot_owner";
+    /// The fast-slot regions of the jobs (docs/DATAPLANE.md "Fast slots").
+    pub const FAST_SLOTS: &str = "fast_slots";
+    /// Per-CPU fast-slot counters (`abi::FAST_*`).
+    pub const FAST_STATS: &str = "fast_stats";
+    /// AF_XDP sockets by RX queue (XSKMAP).
+    pub const XSKS: &str = "xsks";
+    /// The longest frame redirected to an AF_XDP socket (0: no limit).
+    pub const XSK_LIMITS: &str = "xsk_limits";
 }
 
 /// One counter pair of a stats map (`abi::Stat`), summed over CPUs.

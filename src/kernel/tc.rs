@@ -34,7 +34,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 
 use crate::wire::abi;
-use crate::kernel::maps::{self, Counter};
+use crate::kernel::maps::{self, names, Counter};
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
@@ -369,7 +369,7 @@ impl TcPlane {
             .maps
             .bcast_config
             .update(&0u32.to_ne_bytes(), abi::as_bytes(&cfg), MapFlags::ANY)
-            .map_err(map_err("bcast_config"))
+            .map_err(map_err(names::BCAST_CONFIG))
     }
 
     /// Drop every next-hop cache entry (the next datagrams re-resolve).
@@ -377,7 +377,7 @@ impl TcPlane {
         let map = &self.skel.maps.bcast_neigh;
         let keys: Vec<Vec<u8>> = map.keys().collect();
         for k in keys {
-            delete_ignore_missing(map, "bcast_neigh", &k)?;
+            delete_ignore_missing(map, names::BCAST_NEIGH, &k)?;
         }
         Ok(())
     }
@@ -390,7 +390,7 @@ impl TcPlane {
             let Some(key) = abi::from_bytes::<abi::NeighKey>(&k) else {
                 continue;
             };
-            let Some(raw) = map.lookup(&k, MapFlags::ANY).map_err(map_err("bcast_neigh"))? else {
+            let Some(raw) = map.lookup(&k, MapFlags::ANY).map_err(map_err(names::BCAST_NEIGH))? else {
                 continue;
             };
             let Some(neigh) = abi::from_bytes::<abi::Neigh>(&raw) else {
@@ -614,21 +614,21 @@ impl TcPlane {
         {
             Ok(()) => {}
             Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(map_err("bcast_gstats")(e)),
+            Err(e) => return Err(map_err(names::BCAST_GSTATS)(e)),
         }
         self.skel
             .maps
             .bcast_groups
             .update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
-            .map_err(map_err("bcast_groups"))
+            .map_err(map_err(names::BCAST_GROUPS))
     }
 
     /// Remove every table of group `id` (root and forwarding) and its
     /// counters. No-op if unknown.
     pub fn remove_group(&self, id: u16) -> Result<()> {
         for (map, name) in [
-            (&self.skel.maps.bcast_groups, "bcast_groups"),
-            (&self.skel.maps.bcast_gstats, "bcast_gstats"),
+            (&self.skel.maps.bcast_groups, names::BCAST_GROUPS),
+            (&self.skel.maps.bcast_gstats, names::BCAST_GSTATS),
         ] {
             let keys: Vec<Vec<u8>> = map
                 .keys()
@@ -649,7 +649,7 @@ impl TcPlane {
             .maps
             .bcast_groups
             .lookup(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(map_err("bcast_groups"))?;
+            .map_err(map_err(names::BCAST_GROUPS))?;
         Ok(raw.and_then(|b| abi::from_bytes::<abi::Group>(&b)).map(|g| {
             g.dests
                 .iter()
@@ -709,7 +709,7 @@ impl TcPlane {
     /// only go to the local result port again. No-op if none.
     pub fn remove_result_route(&self, job: u16) -> Result<()> {
         let key = abi::JobKey { job, pad: 0 };
-        delete_ignore_missing(&self.skel.maps.result_routes, "result_routes", abi::as_bytes(&key))
+        delete_ignore_missing(&self.skel.maps.result_routes, names::RESULT_ROUTES, abi::as_bytes(&key))
     }
 
     /// Remove only the parent route of `job` (its result group stays).
@@ -750,7 +750,7 @@ impl TcPlane {
             .maps
             .result_routes
             .lookup(abi::as_bytes(&key), MapFlags::ANY)
-            .map_err(map_err("result_routes"))?;
+            .map_err(map_err(names::RESULT_ROUTES))?;
         Ok(raw.and_then(|b| abi::from_bytes::<abi::ResultRoute>(&b)))
     }
 
@@ -785,7 +785,7 @@ impl TcPlane {
             .maps
             .result_routes
             .update(abi::as_bytes(&key), abi::as_bytes(route), MapFlags::ANY)
-            .map_err(map_err("result_routes"))
+            .map_err(map_err(names::RESULT_ROUTES))
     }
 
     /// Read `bcast_stats`, every counter summed over CPUs.
@@ -793,7 +793,7 @@ impl TcPlane {
         let map = &self.skel.maps.bcast_stats;
         let mut stats = BroadcastStats::default();
         for stat in abi::BcastStat::ALL {
-            let sum: abi::Stat = maps::percpu_array_sum(map, stat as u32).map_err(map_err("bcast_stats"))?;
+            let sum: abi::Stat = maps::percpu_array_sum(map, stat as u32).map_err(map_err(names::BCAST_STATS))?;
             stats.counters.insert(stat.label(), Counter::from(sum));
         }
         Ok(stats)
@@ -802,7 +802,7 @@ impl TcPlane {
     /// Per-group counters of table `(id, port)`, summed over CPUs.
     pub fn group_stats(&self, id: u16, port: u16) -> Result<Option<abi::BcastGroupStat>> {
         let key = abi::GroupKey { group: id, port };
-        maps::lookup_percpu_sum(&self.skel.maps.bcast_gstats, abi::as_bytes(&key)).map_err(map_err("bcast_gstats"))
+        maps::lookup_percpu_sum(&self.skel.maps.bcast_gstats, abi::as_bytes(&key)).map_err(map_err(names::BCAST_GSTATS))
     }
 
     /// Pin every map of the object as `dir/<map name>` (`dir` must exist on

@@ -40,7 +40,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
 use crate::wire::abi::{self, Round};
-use crate::kernel::maps::{self, Counter};
+use crate::kernel::maps::{self, names, Counter};
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
@@ -424,7 +424,7 @@ impl XdpPlane {
             stack
                 .update(&[], &index.to_ne_bytes(), MapFlags::ANY)
                 .map_err(|source| XdpError::Map {
-                    map: "free_blocks",
+                    map: names::FREE_BLOCKS,
                     source,
                 })?;
         }
@@ -450,7 +450,7 @@ impl XdpPlane {
                     MapFlags::ANY,
                 )
                 .map_err(|source| XdpError::Map {
-                    map: "progs",
+                    map: names::PROGS,
                     source,
                 })?;
         }
@@ -461,7 +461,7 @@ impl XdpPlane {
     /// Fault injection for tests: every datagram reaching that stage is then
     /// dropped and counted as `missed_tail_call`.
     pub fn unset_tail_call(&self, index: u32) -> Result<()> {
-        delete_ignore_missing(self.chain_prog_array(), "progs", &index.to_ne_bytes())
+        delete_ignore_missing(self.chain_prog_array(), names::PROGS, &index.to_ne_bytes())
     }
 
     /// Attach the XDP entry program to `ifindex` with a BPF link. In
@@ -539,10 +539,10 @@ impl XdpPlane {
             };
             self.write_rank(dense, rank as u16, &rval)?;
         }
-        update_array(&self.skel.maps.jobs, "jobs", dense, &value)?;
+        update_array(&self.skel.maps.jobs, names::JOBS, dense, &value)?;
         // Published last: a datagram finds the index only once its job,
         // ranks and state are in place.
-        update_array(&self.skel.maps.job_index, "job_index", u32::from(id), &(dense + 1))?;
+        update_array(&self.skel.maps.job_index, names::JOB_INDEX, u32::from(id), &(dense + 1))?;
 
         match old {
             Some(old) if old.port == value.port => {}
@@ -584,7 +584,7 @@ impl XdpPlane {
     /// Job `id`'s dense index (its entry in `jobs`, `ranks`, `job_state`,
     /// `job_handoff`, `job_stats`), if configured.
     fn job_index(&self, id: u16) -> Result<Option<u32>> {
-        Ok(lookup_array::<u32>(&self.skel.maps.job_index, "job_index", u32::from(id))?
+        Ok(lookup_array::<u32>(&self.skel.maps.job_index, names::JOB_INDEX, u32::from(id))?
             .filter(|&v| v != 0 && v <= abi::MAX_JOBS)
             .map(|v| v - 1))
     }
@@ -599,7 +599,7 @@ impl XdpPlane {
     pub fn jobs(&self) -> Result<Vec<(u32, abi::Job)>> {
         let mut out = Vec::new();
         for dense in 0..abi::MAX_JOBS {
-            if let Some(job) = lookup_array::<abi::Job>(&self.skel.maps.jobs, "jobs", dense)? {
+            if let Some(job) = lookup_array::<abi::Job>(&self.skel.maps.jobs, names::JOBS, dense)? {
                 if job.workers != 0 {
                     out.push((dense, job));
                 }
@@ -609,34 +609,34 @@ impl XdpPlane {
     }
 
     fn write_rank(&self, dense: u32, rank: u16, value: &abi::Rank) -> Result<()> {
-        update_array(&self.skel.maps.ranks, "ranks", dense * abi::MAX_RANKS + u32::from(rank), value)
+        update_array(&self.skel.maps.ranks, names::RANKS, dense * abi::MAX_RANKS + u32::from(rank), value)
     }
 
     /// Zero the state, user-space hand-off state, path flags and counters at
     /// `dense`.
     fn zero_job_entries(&self, dense: u32) -> Result<()> {
-        update_array(&self.skel.maps.job_state, "job_state", dense, &abi::JobState::default())?;
-        update_array(&self.skel.maps.job_handoff, "job_handoff", dense, &abi::JobHandoff::default())?;
-        update_array(&self.skel.maps.job_paths, "job_paths", dense, &0u32)?;
+        update_array(&self.skel.maps.job_state, names::JOB_STATE, dense, &abi::JobState::default())?;
+        update_array(&self.skel.maps.job_handoff, names::JOB_HANDOFF, dense, &abi::JobHandoff::default())?;
+        update_array(&self.skel.maps.job_paths, names::JOB_PATHS, dense, &0u32)?;
         let zero_round = vec![0u8; self.skel.maps.job_round.value_size() as usize];
         self.skel
             .maps
             .job_round
             .update(&dense.to_ne_bytes(), &zero_round, MapFlags::ANY)
             .map_err(|source| XdpError::Map {
-                map: "job_round",
+                map: names::JOB_ROUND,
                 source,
             })?;
         let map = &self.skel.maps.job_stats;
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| XdpError::Map {
-            map: "job_stats",
+            map: names::JOB_STATS,
             source,
         })?;
         let zero = abi::JobStats::default();
         let values: Vec<Vec<u8>> = (0..ncpu).map(|_| abi::as_bytes(&zero).to_vec()).collect();
         map.update_percpu(&dense.to_ne_bytes(), &values, MapFlags::ANY)
             .map_err(|source| XdpError::Map {
-                map: "job_stats",
+                map: names::JOB_STATS,
                 source,
             })
     }
@@ -648,7 +648,7 @@ impl XdpPlane {
             return Ok(None);
         };
         maps::lookup_percpu_sum(&self.skel.maps.job_stats, &dense.to_ne_bytes()).map_err(|source| XdpError::Map {
-            map: "job_stats",
+            map: names::JOB_STATS,
             source,
         })
     }
@@ -657,7 +657,7 @@ impl XdpPlane {
         let Some(dense) = self.job_index(id)? else {
             return Ok(None);
         };
-        lookup_array(&self.skel.maps.ranks, "ranks", dense * abi::MAX_RANKS + u32::from(rank))
+        lookup_array(&self.skel.maps.ranks, names::RANKS, dense * abi::MAX_RANKS + u32::from(rank))
     }
 
     /// Release every kernel slot of job `id` that is not completing (with
@@ -679,11 +679,11 @@ impl XdpPlane {
             return Ok(());
         };
         // Unpublished first: from here on its datagrams are unknown_job.
-        update_array(&self.skel.maps.job_index, "job_index", u32::from(id), &0u32)?;
+        update_array(&self.skel.maps.job_index, names::JOB_INDEX, u32::from(id), &0u32)?;
         // Its hash-map slots (released by the kernel, so blocks go back to
         // the pool) while job_state still counts them, then the rest.
         self.clear_job_slots(id)?;
-        update_array(&self.skel.maps.jobs, "jobs", dense, &abi::Job::default())?;
+        update_array(&self.skel.maps.jobs, names::JOBS, dense, &abi::Job::default())?;
         for rank in 0..old.workers {
             self.write_rank(dense, rank, &abi::Rank::default())?;
         }
@@ -701,18 +701,18 @@ impl XdpPlane {
         let Some(dense) = self.job_index(id)? else {
             return Ok(None);
         };
-        Ok(lookup_array::<abi::Job>(&self.skel.maps.jobs, "jobs", dense)?.filter(|j| j.workers != 0 && j.id == id))
+        Ok(lookup_array::<abi::Job>(&self.skel.maps.jobs, names::JOBS, dense)?.filter(|j| j.workers != 0 && j.id == id))
     }
 
     fn port_add(&self, port: u16, delta: i64) -> Result<()> {
         let map = &self.skel.maps.ports;
-        let cur = lookup_array::<abi::Port>(map, "ports", u32::from(port))?
+        let cur = lookup_array::<abi::Port>(map, names::PORTS, u32::from(port))?
             .map(|p| i64::from(p.jobs))
             .unwrap_or(0);
         let value = abi::Port {
             jobs: (cur + delta).max(0) as u32,
         };
-        update_array(map, "ports", u32::from(port), &value)
+        update_array(map, names::PORTS, u32::from(port), &value)
     }
 
     /// Drop the kernel's slots of a removed job: its hash-map slots (and
@@ -724,9 +724,9 @@ impl XdpPlane {
         // what is left by key.
         self.discard_job_slots(id)?;
         for (map, name) in [
-            (&self.skel.maps.slots, "slots"),
-            (&self.skel.maps.completed, "completed"),
-            (&self.skel.maps.slot_owner, "slot_owner"),
+            (&self.skel.maps.slots, names::SLOTS),
+            (&self.skel.maps.completed, names::COMPLETED),
+            (&self.skel.maps.slot_owner, names::SLOT_OWNER),
         ] {
             let keys: Vec<Vec<u8>> = map
                 .keys()
@@ -745,7 +745,7 @@ impl XdpPlane {
         let Some(dense) = self.job_index(id)? else {
             return Ok(None);
         };
-        lookup_array(&self.skel.maps.job_state, "job_state", dense)
+        lookup_array(&self.skel.maps.job_state, names::JOB_STATE, dense)
     }
 
     /// The fast-slot region job `id` gets (docs/DATAPLANE.md "Fast slots"):
@@ -807,7 +807,7 @@ impl XdpPlane {
         for index in base..base + n {
             map.update(&index.to_ne_bytes(), &zero, MapFlags::ANY)
                 .map_err(|source| XdpError::Map {
-                    map: "fast_slots",
+                    map: names::FAST_SLOTS,
                     source,
                 })?;
         }
@@ -852,7 +852,7 @@ impl XdpPlane {
         let mut out = [0u64; abi::FAST_STAT_MAX as usize];
         for (i, slot) in out.iter_mut().enumerate() {
             *slot = maps::percpu_array_sum(&self.skel.maps.fast_stats, i as u32).map_err(|source| XdpError::Map {
-                map: "fast_stats",
+                map: names::FAST_STATS,
                 source,
             })?;
         }
@@ -877,7 +877,7 @@ impl XdpPlane {
     /// tests: a slot of `count` elements holds `ceil(count / CHUNK_ELEMS)`
     /// of them (docs/JUMBO.md).
     pub fn blocks_in_use(&self) -> Result<usize> {
-        let used: Option<u64> = lookup_plain(&self.skel.maps.blocks_used, "blocks_used", &0u32)?;
+        let used: Option<u64> = lookup_plain(&self.skel.maps.blocks_used, names::BLOCKS_USED, &0u32)?;
         Ok(used.unwrap_or(0) as usize)
     }
 
@@ -887,7 +887,7 @@ impl XdpPlane {
         let mut stats = Stats::default();
         let read = |idx: u32| -> Result<Counter> {
             let sum: abi::Stat = maps::percpu_array_sum(map, idx).map_err(|source| XdpError::Map {
-                map: "stats",
+                map: names::STATS,
                 source,
             })?;
             Ok(Counter::from(sum))
@@ -912,7 +912,7 @@ impl XdpPlane {
         let mut out = BTreeMap::new();
         for reason in abi::HandoffReason::ALL {
             let sum: abi::Stat = maps::percpu_array_sum(map, reason as u32).map_err(|source| XdpError::Map {
-                map: "handoff_stats",
+                map: names::HANDOFF_STATS,
                 source,
             })?;
             out.insert(reason.label(), Counter::from(sum));
@@ -936,7 +936,7 @@ impl XdpPlane {
 
     /// Remove queue `queue`'s socket from the `xsks` map (no-op if none).
     pub fn unregister_xsk(&self, queue: u32) -> Result<()> {
-        delete_ignore_missing(&self.skel.maps.xsks, "xsks", &queue.to_ne_bytes())
+        delete_ignore_missing(&self.skel.maps.xsks, names::XSKS, &queue.to_ne_bytes())
     }
 
     /// Duplicated descriptors of the maps the user-space path shares with
@@ -950,15 +950,15 @@ impl XdpPlane {
             })
         };
         Ok(KernelMaps {
-            xsks: dup(maps.xsks.as_fd(), "xsks")?,
-            xsk_limits: dup(maps.xsk_limits.as_fd(), "xsk_limits")?,
-            slot_owner: dup(maps.slot_owner.as_fd(), "slot_owner")?,
-            completed: dup(maps.completed.as_fd(), "completed")?,
-            job_state: dup(maps.job_state.as_fd(), "job_state")?,
-            job_handoff: dup(maps.job_handoff.as_fd(), "job_handoff")?,
-            job_index: dup(maps.job_index.as_fd(), "job_index")?,
-            jobs: dup(maps.jobs.as_fd(), "jobs")?,
-            fast_slots: dup(maps.fast_slots.as_fd(), "fast_slots")?,
+            xsks: dup(maps.xsks.as_fd(), names::XSKS)?,
+            xsk_limits: dup(maps.xsk_limits.as_fd(), names::XSK_LIMITS)?,
+            slot_owner: dup(maps.slot_owner.as_fd(), names::SLOT_OWNER)?,
+            completed: dup(maps.completed.as_fd(), names::COMPLETED)?,
+            job_state: dup(maps.job_state.as_fd(), names::JOB_STATE)?,
+            job_handoff: dup(maps.job_handoff.as_fd(), names::JOB_HANDOFF)?,
+            job_index: dup(maps.job_index.as_fd(), names::JOB_INDEX)?,
+            jobs: dup(maps.jobs.as_fd(), names::JOBS)?,
+            fast_slots: dup(maps.fast_slots.as_fd(), names::FAST_SLOTS)?,
             fast_slot_size: maps.fast_slots.value_size() as usize,
             fast_view: FastSlotView::map(maps.fast_slots.as_fd(), maps.fast_slots.value_size() as usize, abi::FAST_SLOTS),
             fast_discard: self
@@ -968,7 +968,7 @@ impl XdpPlane {
                 .as_fd()
                 .try_clone_to_owned()
                 .map_err(|e| XdpError::TestRun(libbpf_rs::Error::from(e)))?,
-            slots: dup(maps.slots.as_fd(), "slots")?,
+            slots: dup(maps.slots.as_fd(), names::SLOTS)?,
             reclaim: self
                 .skel
                 .progs
@@ -1397,27 +1397,27 @@ impl KernelMaps {
 
     /// Release every kernel slot of a stale round. `window(job)` is the
     /// job's configured window (`None`: job unknown, its slots are left to
-    /// `remove_job`; 0: the build default). A round is stale when either
-    /// path's newest completed round is more than `window` ahead of it
-    /// (serial arithmetic), exactly the rule the XDP program drops by.
+    /// `remove_job`; 0: the build default). A round is stale
+    /// ([`Round::is_stale`], the rule the XDP program drops by) behind
+    /// either path's newest completed round.
     pub fn reclaim_stale_slots(&self, window: impl Fn(u16) -> Option<u32>) -> usize {
-        let mut newest: BTreeMap<u16, (Option<u32>, Option<u32>, i32)> = BTreeMap::new();
+        let mut newest: BTreeMap<u16, (Option<Round>, Option<Round>, u32)> = BTreeMap::new();
         let mut reclaimed = 0;
         for key in self.slot_keys() {
             let entry = match newest.get(&key.job) {
                 Some(e) => *e,
                 None => {
                     let Some(w) = window(key.job) else { continue };
-                    let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
-                    let k = self.job_state(key.job).filter(|s| s.completed != 0).map(|s| s.newest_round);
-                    let u = self.job_handoff(key.job).filter(|h| h.completed != 0).map(|h| h.newest_round);
+                    let (k, u) = self.newest_rounds(key.job);
                     newest.insert(key.job, (k, u, w));
                     (k, u, w)
                 }
             };
             let (k, u, w) = entry;
-            let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(key.round)) > w);
-            if (stale(k) || stale(u)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
+            let round = Round(key.round);
+            if (round.is_stale(k, w) || round.is_stale(u, w))
+                && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed))
+            {
                 reclaimed += 1;
             }
         }
@@ -1431,21 +1431,18 @@ impl KernelMaps {
                 continue;
             }
             let Some(w) = window(job.id) else { continue };
-            let w = if w == 0 { abi::ROUND_WINDOW } else { w }.min(i32::MAX as u32) as i32;
-            let k = self.job_state(job.id).filter(|s| s.completed != 0).map(|s| s.newest_round);
-            let u = self.job_handoff(job.id).filter(|h| h.completed != 0).map(|h| h.newest_round);
+            let (k, u) = self.newest_rounds(job.id);
             if k.is_none() && u.is_none() {
                 continue;
             }
             let base = u32::from(job.fast_base);
             for index in base..base + u32::from(job.fast_slots) {
                 let Some((state, slot_job, round)) = self.fast_slot_header(index) else { continue };
-                let stale = |n: Option<u32>| n.is_some_and(|n| Round(n).ahead_of(Round(round)) > w);
                 // CLAIMING too: a take-over its taker could not undo (the
                 // slot's lock busy past its bound) is undone here.
                 if (state == FAST_ACTIVE || state == FAST_CLAIMING)
                     && slot_job == job.id
-                    && (stale(k) || stale(u))
+                    && (Round(round).is_stale(k, w) || Round(round).is_stale(u, w))
                     && matches!(self.discard_fast_slot(job.id, index, Some(round)), Ok(true))
                 {
                     reclaimed += 1;
@@ -1494,7 +1491,7 @@ impl KernelMaps {
         };
         if rc < 0 {
             return Err(XdpError::Map {
-                map: "fast_slots",
+                map: names::FAST_SLOTS,
                 source: libbpf_rs::Error::from(std::io::Error::from_raw_os_error(-rc)),
             });
         }
@@ -1544,13 +1541,13 @@ impl KernelMaps {
 
     /// Put AF_XDP socket `xsk_fd` into `xsks[queue]`.
     pub fn register_xsk(&self, queue: u32, xsk_fd: RawFd) -> Result<()> {
-        raw_update(&self.xsks, "xsks", &queue, &(xsk_fd as u32), 0)
+        raw_update(&self.xsks, names::XSKS, &queue, &(xsk_fd as u32), 0)
     }
 
     /// Write `xsk_limits[0]`: the longest frame redirected to the sockets
     /// (0 = no limit).
     pub fn set_xsk_limit(&self, limit: u32) -> Result<()> {
-        raw_update(&self.xsk_limits, "xsk_limits", &0u32, &limit, 0)
+        raw_update(&self.xsk_limits, names::XSK_LIMITS, &0u32, &limit, 0)
     }
 
     /// Remove `xsks[queue]`.
@@ -1621,7 +1618,7 @@ impl KernelMaps {
     /// Write the kernel's completed marker for `key`, so a late
     /// retransmission is never aggregated again by either path.
     pub fn mark_completed(&self, key: &abi::SlotKey) -> Result<()> {
-        raw_update(&self.completed, "completed", key, &1u32, 0)
+        raw_update(&self.completed, names::COMPLETED, key, &1u32, 0)
     }
 
     /// Whether the kernel's completed marker for `key` exists.
@@ -1646,6 +1643,15 @@ impl KernelMaps {
         raw_lookup(&self.job_handoff, &self.dense(id)?)
     }
 
+    /// The newest round job `id` completed in the kernel and in user space
+    /// (`None`: none yet on that path), what [`Round::is_stale`] measures
+    /// a slot's round against.
+    fn newest_rounds(&self, id: u16) -> (Option<Round>, Option<Round>) {
+        let kernel = self.job_state(id).filter(|s| s.completed != 0).map(|s| Round(s.newest_round));
+        let user = self.job_handoff(id).filter(|h| h.completed != 0).map(|h| Round(h.newest_round));
+        (kernel, user)
+    }
+
     /// Write the user-space path's state of job `id` (an error when the job
     /// is not configured).
     pub fn set_job_handoff(&self, id: u16, value: &abi::JobHandoff) -> Result<()> {
@@ -1653,13 +1659,13 @@ impl KernelMaps {
             job: id,
             reason: "not configured".to_string(),
         })?;
-        raw_update(&self.job_handoff, "job_handoff", &dense, value, 0)
+        raw_update(&self.job_handoff, names::JOB_HANDOFF, &dense, value, 0)
     }
 
     /// Reset job `id`'s user-space state (overload off).
     pub fn delete_job_handoff(&self, id: u16) {
         if let Some(dense) = self.dense(id) {
-            let _ = raw_update(&self.job_handoff, "job_handoff", &dense, &abi::JobHandoff::default(), 0);
+            let _ = raw_update(&self.job_handoff, names::JOB_HANDOFF, &dense, &abi::JobHandoff::default(), 0);
         }
     }
 }
@@ -1671,7 +1677,7 @@ impl KernelMaps {
 pub fn pinned_jobs(jobs: &libbpf_rs::MapHandle) -> Result<Vec<(u32, abi::Job)>> {
     let mut out = Vec::new();
     for dense in 0..abi::MAX_JOBS {
-        if let Some(job) = lookup_array::<abi::Job>(jobs, "jobs", dense)? {
+        if let Some(job) = lookup_array::<abi::Job>(jobs, names::JOBS, dense)? {
             if job.workers != 0 {
                 out.push((dense, job));
             }

@@ -5,7 +5,8 @@
 //! fragment `i` starts at element `frag_off = i * per` and the last one carries
 //! `LAST_FRAGMENT`. Broadcast data uses the same fragment size in bytes
 //! (`4 * per`): its `AGB1` header (16) plus the runtime's 8-byte sub-header
-//! (round, offset) is exactly as long as an `AGG1` header.
+//! ([`crate::wire::proto::RuntimeSubHeader`]: round, offset) is exactly as
+//! long as an `AGG1` header.
 //!
 //! A [`Coverage`] records which fragments of the current call arrived, so
 //! each is written into the output at its offset once; the caller's buffer is
@@ -13,13 +14,6 @@
 //! allocation between calls.
 
 use crate::wire::proto::elements_per_datagram;
-
-/// Bytes of the runtime sub-header at the start of every `AGB1` payload:
-/// `round: u32` and `offset: u32` (bit 31 = OVERFLOW of a forwarded result).
-pub const BCAST_SUBHDR: usize = 8;
-
-/// Bit 31 of the sub-header offset: the forwarded result fragment was clamped.
-pub const SUBHDR_OVERFLOW: u32 = 0x8000_0000;
 
 /// Elements per fragment at `mtu`: [`elements_per_datagram`] (the wire rule) capped at the
 /// kernel aggregator's per-frame limit (`abi::MAX_ELEMS`, 16384), so every
@@ -212,7 +206,7 @@ mod tests {
         assert_eq!(fragment_range(1, 363, 362), 362..363);
         // AGB1 header + sub-header == AGG1 header: same datagram size.
         assert_eq!(
-            crate::wire::abi::BCAST_HDR_LEN + BCAST_SUBHDR,
+            crate::wire::abi::BCAST_HDR_LEN + crate::wire::proto::RuntimeSubHeader::LEN,
             crate::wire::abi::AGG_HDR_LEN
         );
     }

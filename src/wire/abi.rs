@@ -27,6 +27,9 @@ pub const RESULT_RANK: u16 = 0xffff;
 
 pub const BCAST_F_FORWARD: u8 = 0x01;
 pub const BCAST_F_KNOWN: u8 = 0x01;
+/// Bit 31 of the runtime sub-header's `offset`: the forwarded result
+/// fragment was clamped (`AGGBOX_BCAST_SUBHDR_OVERFLOW`).
+pub const BCAST_SUBHDR_OVERFLOW: u32 = 0x8000_0000;
 
 pub const ACK_KIND_AGG: u8 = 0;
 pub const ACK_KIND_BCAST: u8 = 1;
@@ -36,6 +39,8 @@ pub const ACK_MAX_BITS: u16 = 1024;
 
 pub const AGG_HDR_LEN: usize = 24;
 pub const BCAST_HDR_LEN: usize = 16;
+/// The runtime's sub-header at the start of an `AGB1` payload it sends.
+pub const BCAST_RUNTIME_SUBHDR_LEN: usize = 8;
 pub const ACK_HDR_LEN: usize = 16;
 
 pub const MAX_JOBS: u32 = 256;
@@ -132,6 +137,17 @@ pub struct BcastHdr {
     pub hops: u8,
 }
 const _: () = assert!(core::mem::size_of::<BcastHdr>() == BCAST_HDR_LEN);
+
+/// `struct aggbox_bcast_runtime_subhdr` (wire, network order): what the
+/// runtime puts first in every `AGB1` payload it sends; the data plane never
+/// reads it.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BcastRuntimeSubhdr {
+    pub round: u32,
+    pub offset: u32,
+}
+const _: () = assert!(core::mem::size_of::<BcastRuntimeSubhdr>() == BCAST_RUNTIME_SUBHDR_LEN);
 
 /// `struct aggbox_ack_hdr` (wire, network order).
 #[repr(C)]
@@ -431,6 +447,18 @@ impl Round {
     pub fn previous(self) -> Round {
         Round(self.0.wrapping_sub(1))
     }
+
+    /// Whether `self` is stale: more than `window` rounds behind `newest`,
+    /// the newest round one path completed (`None`: none yet, nothing is
+    /// stale). `window` is a job's (`aggbox_job.window`); 0 means
+    /// [`ROUND_WINDOW`]. The rule the XDP program drops by
+    /// (`aggbox_rounds_ahead(newest, round) > window`); the user-space paths
+    /// ask it of each path's newest round, written here once.
+    pub fn is_stale(self, newest: Option<Round>, window: u32) -> bool {
+        let window = if window == 0 { ROUND_WINDOW } else { window };
+        let window = window.min(i32::MAX as u32) as i32;
+        newest.is_some_and(|n| n.ahead_of(self) > window)
+    }
 }
 
 impl std::fmt::Display for Round {
@@ -665,6 +693,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     let mut out = Vec::new();
     fields!(out, "aggbox_agg_hdr", AggHdr, [magic, job, rank, seq, round, frag_off, op, flags, count]);
     fields!(out, "aggbox_bcast_hdr", BcastHdr, [magic, mask, seq, group, flags, hops]);
+    fields!(out, "aggbox_bcast_runtime_subhdr", BcastRuntimeSubhdr, [round, offset]);
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
@@ -957,5 +986,25 @@ mod tests {
         assert_eq!(Round(7).ahead_of(Round(7)), 0);
         // Half the space away is the furthest that still reads as ahead.
         assert_eq!(Round(1 << 31).ahead_of(Round(1)), i32::MAX);
+    }
+
+    #[test]
+    fn a_round_is_stale_beyond_the_window_behind_the_newest() {
+        use super::ROUND_WINDOW;
+        // Nothing completed yet: nothing is stale.
+        assert!(!Round(0).is_stale(None, 4));
+        // Exactly `window` behind is still live; one more is stale.
+        assert!(!Round(10).is_stale(Some(Round(14)), 4));
+        assert!(Round(9).is_stale(Some(Round(14)), 4));
+        // Ahead of the newest is never stale.
+        assert!(!Round(20).is_stale(Some(Round(14)), 4));
+        // Window 0 is the build default.
+        assert!(!Round(100).is_stale(Some(Round(100 + ROUND_WINDOW)), 0));
+        assert!(Round(99).is_stale(Some(Round(100 + ROUND_WINDOW)), 0));
+        // Serial order across the wrap.
+        assert!(Round(u32::MAX - 4).is_stale(Some(Round(1)), 4));
+        assert!(!Round(u32::MAX - 2).is_stale(Some(Round(1)), 4));
+        // A window past i32::MAX is as wide as serial order reaches.
+        assert!(!Round(1).is_stale(Some(Round(1 << 31)), u32::MAX));
     }
 }

@@ -3,6 +3,8 @@
 //!
 //! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map
 //!   structs, drop reasons, serial round comparison).
+//! - [`frame`]: Ethernet / IPv4 / UDP frames parsed as the XDP program
+//!   parses them (the twin of `src/bpf/parse.h`), for the AF_XDP path.
 //! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
 //! - [`reducer`]: the reference reducer, oracle for the kernel path and core
 //!   of the user-space aggregators.
@@ -13,6 +15,7 @@
 //!   and the slot table both user-space aggregators keep.
 
 pub mod abi;
+pub mod frame;
 pub mod proto;
 pub mod reducer;
 pub mod reliability;

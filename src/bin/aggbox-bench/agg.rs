@@ -1353,7 +1353,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
          aggregator {:.0} %. The floor (src/bpf/bench_floor.bpf.c) does only the work no XDP aggregator of this traffic can avoid (one array \
          slot per fragment, direct packet access, one lock, the adds, the RESULT rewrite), so AggBox's distance to it is the price of \
          validation, exactly-once completion, bounds, hand-off and counters (docs/DATAPLANE.md, \"Fast slots\"; the per-step profile is \
-         `cargo bench --bench xdp_chain`).\n",
+         `cargo bench --features bench --bench xdp_chain`).\n",
         thousands(d),
         thousands(d / PER as f64),
         100.0 * med(k) / d,

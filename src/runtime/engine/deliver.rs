@@ -8,13 +8,14 @@ use std::time::Instant;
 use super::round::RoundState;
 use super::Engine;
 use crate::wire::abi;
-use crate::wire::proto::{self, AckKind, AggHeader, SeqBitmap};
-use crate::runtime::fragment::{fragment_range, BCAST_SUBHDR, SUBHDR_OVERFLOW};
+use crate::wire::proto::{self, AckKind, AggHeader, RuntimeSubHeader, SeqBitmap};
+use crate::runtime::fragment::fragment_range;
 use crate::wire::reliability::Verdict;
 
 impl Engine {
-    /// Places one broadcast fragment (payload after the AGB1 header) into the
-    /// receiving call; returns whether it completed the message.
+    /// Places one broadcast fragment (payload after the AGB1 header: the
+    /// runtime sub-header, then the fragment's bytes) into the receiving
+    /// call; returns whether it completed the message.
     pub(super) fn deliver_bcast(
         &mut self,
         st: &mut RoundState,
@@ -25,12 +26,13 @@ impl Engine {
         let Some(b) = st.bin.as_mut() else {
             return false;
         };
-        if b.root != from || payload.len() < BCAST_SUBHDR {
+        if b.root != from {
             return false;
         }
-        let raw = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
-        let off = (raw & !SUBHDR_OVERFLOW) as usize;
-        let data = &payload[BCAST_SUBHDR..];
+        let Some((sub, data)) = RuntimeSubHeader::decode(payload) else {
+            return false;
+        };
+        let off = sub.offset as usize;
         if !off.is_multiple_of(self.chunk) || off + data.len() > b.sink.len_bytes() {
             return false;
         }
@@ -47,7 +49,7 @@ impl Engine {
         if b.cov.insert(i) {
             self.counters.delivered(data.len());
             b.sink.put(off, data);
-            b.overflow |= raw & SUBHDR_OVERFLOW != 0;
+            b.overflow |= sub.overflow;
             if let Some(c) = st.contrib.as_ref() {
                 // allreduce: the result of fragment i acknowledges our contribution to it.
                 self.agg_tx.ack_seq(0, c.seq_base.wrapping_add(i as u32), now);

@@ -8,11 +8,9 @@ use std::time::Instant;
 
 use super::round::RoundState;
 use super::{Engine, Stashed, RES_EARLY_LIMIT};
-use crate::wire::abi::Round;
-use crate::wire::proto::{self, AckKind, AckMessage, MessageKind};
+use crate::wire::proto::{self, AckKind, AckMessage, MessageKind, RuntimeSubHeader};
 use crate::runtime::backend::{AckIo, BackendKind};
 use crate::runtime::comm::Participant;
-use crate::runtime::fragment::BCAST_SUBHDR;
 use crate::wire::reliability::Verdict;
 use crate::runtime::transport::Refusal;
 
@@ -99,9 +97,9 @@ impl Engine {
                 let Ok((h, payload)) = proto::split_bcast(d) else {
                     return;
                 };
-                if payload.len() < BCAST_SUBHDR {
+                let Some((sub, _)) = RuntimeSubHeader::decode(payload) else {
                     return;
-                }
+                };
                 // Any group id: the source socket identifies the root (a TC
                 // root uses its node's group id); ACKs carry the same id.
                 let Some(&idx) = self.index.get(&from) else {
@@ -112,7 +110,7 @@ impl Engine {
                     return;
                 }
                 self.bc_group[idx] = h.group;
-                let round = Round(u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]));
+                let round = sub.round;
                 let (job, me) = (h.group, self.me as u16);
                 match self.bc_rx[idx].check(h.seq) {
                     Verdict::Duplicate => {

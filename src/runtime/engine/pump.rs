@@ -9,9 +9,9 @@ use std::time::Instant;
 use super::round::{RoundState, Src};
 use super::{Engine, TxWin};
 use crate::wire::abi;
-use crate::wire::proto::{self, AggHeader, BcastHeader};
+use crate::wire::proto::{self, AggHeader, BcastHeader, RuntimeSubHeader};
 use crate::runtime::comm::Participant;
-use crate::runtime::fragment::{fragment_range, SUBHDR_OVERFLOW};
+use crate::runtime::fragment::fragment_range;
 use crate::runtime::outbox::Transmit;
 use crate::runtime::quantize;
 use crate::runtime::transport::BATCH_MAX;
@@ -105,10 +105,10 @@ impl Engine {
                 let i = i as usize;
                 let start = i * self.chunk;
                 let end = (start + self.chunk).min(b.len_bytes);
-                let ovf = if b.overflow.contains(i) {
-                    SUBHDR_OVERFLOW
-                } else {
-                    0
+                let sub = RuntimeSubHeader {
+                    round: st.round,
+                    offset: start as u32,
+                    overflow: b.overflow.contains(i),
                 };
                 let (mut mask, group) = match tc {
                     Some(t) => (t.mask(b.dests), t.id),
@@ -121,7 +121,6 @@ impl Engine {
                     flags: 0,
                     hops: 0,
                 };
-                let round = st.round;
                 let (bytes, ints) = match st.collect.as_ref() {
                     // SAFETY: nothing writes into c.out while this lives.
                     Some(c) => (&[][..], Some(&unsafe { c.out.slice() }[start / 4..end / 4])),
@@ -134,8 +133,7 @@ impl Engine {
                     |seq, buf| {
                         let h = BcastHeader { seq, ..hdr };
                         buf.extend_from_slice(&proto::bcast_header_bytes(&h));
-                        buf.extend_from_slice(&round.0.to_be_bytes());
-                        buf.extend_from_slice(&((start as u32) | ovf).to_be_bytes());
+                        sub.encode_into(buf);
                         match ints {
                             Some(v) => proto::write_i32_be(v, buf),
                             None => buf.extend_from_slice(bytes),

@@ -74,6 +74,50 @@ pub fn encode_bcast_into(
     Ok(())
 }
 
+/// The runtime's sub-header: the first [`RuntimeSubHeader::LEN`] bytes of
+/// every `AGB1` payload the runtime sends, before the fragment's bytes
+/// (`struct aggbox_bcast_runtime_subhdr`, PROTOCOL.md "AGB1"). The shared
+/// spec leaves the `AGB1` payload opaque; this is the runtime's own framing
+/// of it, which the data plane never reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuntimeSubHeader {
+    /// The call's round.
+    pub round: Round,
+    /// Byte offset of the fragment in the message (below 2^31).
+    pub offset: u32,
+    /// The forwarded result fragment was clamped (a contribution or the sum
+    /// overflowed), carried as bit 31 of the offset.
+    pub overflow: bool,
+}
+
+impl RuntimeSubHeader {
+    /// Wire bytes: `round: u32`, `offset: u32`, big-endian.
+    pub const LEN: usize = abi::BCAST_RUNTIME_SUBHDR_LEN;
+
+    /// Appends the 8 wire bytes to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        debug_assert!(self.offset & abi::BCAST_SUBHDR_OVERFLOW == 0, "offset {} uses the OVERFLOW bit", self.offset);
+        let overflow = if self.overflow { abi::BCAST_SUBHDR_OVERFLOW } else { 0 };
+        out.extend_from_slice(&self.round.0.to_be_bytes());
+        out.extend_from_slice(&(self.offset | overflow).to_be_bytes());
+    }
+
+    /// The sub-header at the start of an `AGB1` payload and the fragment's
+    /// bytes after it; `None` when the payload is shorter than the sub-header.
+    pub fn decode(payload: &[u8]) -> Option<(RuntimeSubHeader, &[u8])> {
+        if payload.len() < Self::LEN {
+            return None;
+        }
+        let raw = be_u32(payload, 4);
+        let hdr = RuntimeSubHeader {
+            round: Round(be_u32(payload, 0)),
+            offset: raw & !abi::BCAST_SUBHDR_OVERFLOW,
+            overflow: raw & abi::BCAST_SUBHDR_OVERFLOW != 0,
+        };
+        Some((hdr, &payload[Self::LEN..]))
+    }
+}
+
 /// An owned `AGB1` message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BcastMessage {
@@ -103,5 +147,44 @@ impl BcastMessage {
         let mut out = Vec::new();
         self.encode_into(&mut out)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runtime_sub_header_round_trips() {
+        for (offset, overflow) in [(0, false), (1448, true), (0x7fff_fffc, false), (0x7fff_fffc, true)] {
+            let hdr = RuntimeSubHeader {
+                round: Round(0xfedc_ba98),
+                offset,
+                overflow,
+            };
+            let mut buf = Vec::new();
+            hdr.encode_into(&mut buf);
+            assert_eq!(buf.len(), RuntimeSubHeader::LEN);
+            buf.extend_from_slice(&[1, 2, 3]);
+            assert_eq!(RuntimeSubHeader::decode(&buf), Some((hdr, &[1u8, 2, 3][..])));
+        }
+    }
+
+    #[test]
+    fn runtime_sub_header_wire_bytes() {
+        let hdr = RuntimeSubHeader {
+            round: Round(7),
+            offset: 0x0102,
+            overflow: true,
+        };
+        let mut buf = Vec::new();
+        hdr.encode_into(&mut buf);
+        // round, then offset with bit 31 = OVERFLOW, both big-endian.
+        assert_eq!(buf, [0, 0, 0, 7, 0x80, 0, 0x01, 0x02]);
+        // A sub-header alone is a fragment of no bytes; shorter is none.
+        assert_eq!(RuntimeSubHeader::decode(&buf).map(|(_, d)| d.len()), Some(0));
+        assert_eq!(RuntimeSubHeader::decode(&buf[..7]), None);
+        // AGB1 header + sub-header == AGG1 header: same datagram size.
+        assert_eq!(abi::BCAST_HDR_LEN + RuntimeSubHeader::LEN, abi::AGG_HDR_LEN);
     }
 }
