@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run(["cargo", "bench", "--bench", "xdp_chain", "--no-run"], cwd=root, check=True,
+    subprocess.run(["cargo", "bench", "--features", "bench", "--bench", "xdp_chain", "--no-run"], cwd=root, check=True,
                    capture_output=True)
     bench = max((p for p in glob.glob(f"{root}/target/release/deps/xdp_chain-*") if not p.endswith(".d")),
                 key=os.path.getmtime)
