@@ -494,7 +494,7 @@ impl CommunicatorBuilder {
             round: round.clone(),
             agg_seq: agg_seq.clone(),
         };
-        let core = Arc::new(Core::new(Driver::new(engine, net, waker_rx, shared)));
+        let core = Arc::new(Core::new(Driver::new(engine, net, waker_rx, shared)?));
         let bg = core.clone();
         let thread = std::thread::Builder::new()
             .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))

@@ -31,7 +31,7 @@
 //! thread's sleep, or a request was queued meanwhile, it writes the waker.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -78,6 +78,14 @@ pub(crate) struct Driver {
     /// When the progress thread's current sleep ends (`None`: it is not
     /// sleeping on the socket).
     bg_until: Option<Instant>,
+    /// What the progress thread sleeps on: an epoll set of the socket and
+    /// the waker (level-triggered). A caller that takes the driver turns
+    /// the socket's events off in it for the call, so the call's datagrams
+    /// wake the caller only (not also the progress thread, which would find
+    /// the lock taken and sleep again: two context switches a call), and
+    /// back on at the end (which wakes the progress thread if a datagram is
+    /// waiting by then).
+    epoll: OwnedFd,
 }
 
 /// The driver behind its lock, and the requests queued for the progress
@@ -130,12 +138,14 @@ impl Core {
             return None;
         }
         d.on_caller = true;
+        d.socket_events(false);
         d.net.c.caller_call();
         let r = call(d);
         // What the call's end made due (ACKs of the last datagrams) goes
         // out now, not when the progress thread next wakes.
         let now = Instant::now();
         d.engine.poll_transmit(now, &mut d.net);
+        d.socket_events(true);
         d.on_caller = false;
         let wake = self.queued.load(Ordering::SeqCst) != 0
             || match (d.engine.poll_timeout(), d.bg_until) {
@@ -153,8 +163,24 @@ impl Core {
 impl Driver {
     /// A driver of `engine` over `net`; `waker` is readable when a request
     /// is queued or the communicator closes.
-    pub(crate) fn new(engine: Engine, net: Net, waker: UnixDatagram, shared: Shared) -> Driver {
-        Driver {
+    pub(crate) fn new(
+        engine: Engine,
+        net: Net,
+        waker: UnixDatagram,
+        shared: Shared,
+    ) -> io::Result<Driver> {
+        // SAFETY: plain system calls; the fd is owned from here on.
+        let epoll = unsafe {
+            let fd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            OwnedFd::from_raw_fd(fd)
+        };
+        for fd in [net.t.raw_fd(), waker.as_raw_fd()] {
+            epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32)?;
+        }
+        Ok(Driver {
             engine,
             net,
             waker,
@@ -163,7 +189,18 @@ impl Driver {
             rxmeta: vec![RecvMeta::default(); RECV_BATCH],
             on_caller: false,
             bg_until: None,
-        }
+            epoll,
+        })
+    }
+
+    /// Turns the socket's events in the progress thread's epoll set on or
+    /// off (see [`Driver::epoll`]).
+    fn socket_events(&mut self, on: bool) {
+        let events = if on { libc::EPOLLIN as u32 } else { 0 };
+        // Cannot fail for a registered fd; if it did, the progress thread
+        // would only wake once more than needed (on) or sleep until its
+        // timeout and the caller's release (off).
+        let _ = epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, self.net.t.raw_fd(), events);
     }
 
     /// Waits until `until` for a datagram (and, unless a caller owns the
@@ -215,6 +252,18 @@ impl Driver {
             }
         }
     }
+}
+
+fn epoll_ctl(epfd: RawFd, op: libc::c_int, fd: RawFd, events: u32) -> io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events,
+        u64: fd as u64,
+    };
+    // SAFETY: ev is valid for the call.
+    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Sleeps in `ppoll` until `until` or until `fds.0` (the socket) or
@@ -269,15 +318,15 @@ pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
             .poll_timeout()
             .map_or(now + IDLE_WAIT, |t| t.min(now + IDLE_WAIT));
         d.bg_until = Some(until);
-        let fds = (d.net.t.raw_fd(), Some(d.waker.as_raw_fd()));
+        let epoll = d.epoll.as_raw_fd();
         drop(guard);
-        let woken = wait(fds, until);
+        // The epoll set is readable when the socket (unless a caller turned
+        // it off) or the waker is.
+        wait((epoll, None), until);
         let mut guard = core.lock();
         let d = &mut *guard;
         d.bg_until = None;
-        if woken {
-            d.drain_waker();
-        }
+        d.drain_waker();
         d.drain();
     }
 }
