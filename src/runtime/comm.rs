@@ -1,11 +1,14 @@
 //! The [`Communicator`]: one participant of a job (a worker rank, or the
 //! aggregator's application), and its builder.
 //!
-//! Every communicator owns one UDP socket and one progress thread, which
-//! runs the I/O driver (`runtime::driver`) over the communicator's
-//! state machine (`runtime::engine`). The thread
-//! runs the calls in the order they were issued (blocking calls and
-//! [`Work`] handles alike) and, between calls, keeps serving the socket: it
+//! Every communicator owns one UDP socket, one I/O driver
+//! (`runtime::driver`) over its state machine (`runtime::engine`) and one
+//! progress thread. Calls run in the order they were issued: a blocking call
+//! issued while no other call is queued or running runs on the caller's
+//! thread, which takes the driver for the call; the others ([`Work`]
+//! handles, stripes, blocking calls behind them) on the progress thread
+//! (docs/RUNTIME.md "Who runs a call"). Between calls the progress thread
+//! keeps serving the socket: it
 //! acknowledges late retransmissions, keeps early data of the next call, and
 //! (aggregator) keeps reducing contributions that arrive before the
 //! application asks for them. All participants must issue the same sequence

@@ -19,9 +19,12 @@
 //!   queued requests (`Work` calls, stripes, blocking calls issued while
 //!   others were in flight) in issue order, and between calls serves the
 //!   socket (re-acknowledges late retransmissions, answers the timers). It
-//!   sleeps in `ppoll` *without* the lock, so a caller never waits for it
-//!   to wake; when it wakes while a caller owns the driver it waits on the
-//!   lock and then serves what is left.
+//!   sleeps *without* the lock, in `ppoll` on an epoll set of the socket
+//!   and the waker, so a caller never waits for it to wake; a caller turns
+//!   the socket's events off in that set for its call, so the call's
+//!   datagrams do not wake it (see [`Driver`]'s `epoll`). If it wakes while
+//!   a caller owns the driver it waits on the lock, then serves what is
+//!   left.
 //!
 //! Both run the same [`Engine`] through the same code ([`Calls`] over this
 //! driver): nothing the progress thread did between calls is lost to a
