@@ -14,7 +14,9 @@ use std::sync::Barrier;
 use std::time::Duration;
 
 use aggbox::node::tools::pattern_vector;
-use aggbox::runtime::{CallOptions, CommStats, Communicator, ImpairControl, Impairment, IoStats, Participant};
+use aggbox::runtime::{
+    CallOptions, CommStats, Communicator, ImpairControl, Impairment, IoStats, Participant,
+};
 use aggbox::wire::abi::Op;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -84,11 +86,20 @@ fn blocking_calls_with_nothing_in_flight_run_on_the_callers_thread_under_loss() 
     });
     for (c, st) in all.iter().zip(io(&all)) {
         assert_eq!(st.calls_on_caller, calls, "{:?}: {st:?}", c.participant());
-        assert_eq!(st.calls_on_progress_thread, 0, "{:?}: {st:?}", c.participant());
+        assert_eq!(
+            st.calls_on_progress_thread,
+            0,
+            "{:?}: {st:?}",
+            c.participant()
+        );
     }
     let h = control.stats();
     let retx: u64 = stats(&all).iter().map(|s| s.retransmitted).sum();
-    assert!(h.dropped > 0 && retx > 0, "dropped {}, retransmitted {retx}", h.dropped);
+    assert!(
+        h.dropped > 0 && retx > 0,
+        "dropped {}, retransmitted {retx}",
+        h.dropped
+    );
 }
 
 /// Two threads per participant call at once on one communicator: one
@@ -111,7 +122,11 @@ fn a_callers_calls_and_the_progress_threads_calls_interleave_under_loss() {
                     let mut v = input(c, len);
                     c.allreduce_i32(&mut v, Op::Sum)
                         .unwrap_or_else(|e| panic!("{:?} blocking {k}: {e}", c.participant()));
-                    assert!(v == *want, "{:?} blocking {k}: wrong result", c.participant());
+                    assert!(
+                        v == *want,
+                        "{:?} blocking {k}: wrong result",
+                        c.participant()
+                    );
                 }
             });
             s.spawn(move || {
@@ -120,7 +135,11 @@ fn a_callers_calls_and_the_progress_threads_calls_interleave_under_loss() {
                         .ireduce_i32(input(c, len), Op::Sum, true, CallOptions::default())
                         .wait()
                         .unwrap_or_else(|e| panic!("{:?} work {k}: {e}", c.participant()));
-                    assert!(out.values == *want, "{:?} work {k}: wrong result", c.participant());
+                    assert!(
+                        out.values == *want,
+                        "{:?} work {k}: wrong result",
+                        c.participant()
+                    );
                 }
             });
         }
@@ -133,13 +152,24 @@ fn a_callers_calls_and_the_progress_threads_calls_interleave_under_loss() {
             "{:?}: {s:?}",
             c.participant()
         );
-        assert!(s.calls_on_progress_thread >= calls, "{:?}: {s:?}", c.participant());
+        assert!(
+            s.calls_on_progress_thread >= calls,
+            "{:?}: {s:?}",
+            c.participant()
+        );
     }
     let on_caller: u64 = st.iter().map(|s| s.calls_on_caller).sum();
-    assert!(on_caller > 0, "no blocking call took the caller's path: {st:?}");
+    assert!(
+        on_caller > 0,
+        "no blocking call took the caller's path: {st:?}"
+    );
     let h = control.stats();
     let retx: u64 = stats(&all).iter().map(|s| s.retransmitted).sum();
-    assert!(h.dropped > 0 && retx > 0, "dropped {}, retransmitted {retx}", h.dropped);
+    assert!(
+        h.dropped > 0 && retx > 0,
+        "dropped {}, retransmitted {retx}",
+        h.dropped
+    );
 }
 
 /// The aggregator's allreduce ends only when every worker acknowledged the
@@ -165,8 +195,9 @@ fn between_calls_the_progress_thread_answers_retransmissions() {
                     let (want, barrier) = (&want, &barrier);
                     s.spawn(move || {
                         let mut v = input(c, len);
-                        c.allreduce_i32(&mut v, Op::Sum)
-                            .unwrap_or_else(|e| panic!("{:?} round {rounds}: {e}", c.participant()));
+                        c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| {
+                            panic!("{:?} round {rounds}: {e}", c.participant())
+                        });
                         assert!(v == *want, "{:?}: wrong result", c.participant());
                         let done = c.stats().duplicates_received;
                         barrier.wait(); // the aggregator's call is over too
@@ -186,6 +217,11 @@ fn between_calls_the_progress_thread_answers_retransmissions() {
     let agg = all[0].stats();
     assert!(agg.retransmitted > 0, "{agg:?}");
     for c in &all {
-        assert_eq!(c.io_stats().calls_on_progress_thread, 0, "{:?}", c.participant());
+        assert_eq!(
+            c.io_stats().calls_on_progress_thread,
+            0,
+            "{:?}",
+            c.participant()
+        );
     }
 }

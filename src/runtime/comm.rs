@@ -816,10 +816,13 @@ impl Communicator {
     ) -> Result<Vec<u8>, CommError> {
         let root_index = self.root_index(root)?;
         let mut data = Some(data);
-        if let Some(r) = self.run_here(|d| d.broadcast(root_index, data.take().unwrap_or_default(), opts)) {
+        if let Some(r) =
+            self.run_here(|d| d.broadcast(root_index, data.take().unwrap_or_default(), opts))
+        {
             return r;
         }
-        self.ibroadcast(data.take().unwrap_or_default(), root, opts).wait()
+        self.ibroadcast(data.take().unwrap_or_default(), root, opts)
+            .wait()
     }
 
     /// Broadcast of an int32 vector (sent big-endian).

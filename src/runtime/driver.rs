@@ -181,7 +181,12 @@ impl Driver {
             OwnedFd::from_raw_fd(fd)
         };
         for fd in [net.t.raw_fd(), waker.as_raw_fd()] {
-            epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32)?;
+            epoll_ctl(
+                epoll.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                fd,
+                libc::EPOLLIN as u32,
+            )?;
         }
         Ok(Driver {
             engine,
@@ -203,7 +208,12 @@ impl Driver {
         // Cannot fail for a registered fd; if it did, the progress thread
         // would only wake once more than needed (on) or sleep until its
         // timeout and the caller's release (off).
-        let _ = epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, self.net.t.raw_fd(), events);
+        let _ = epoll_ctl(
+            self.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_MOD,
+            self.net.t.raw_fd(),
+            events,
+        );
     }
 
     /// Waits until `until` for a datagram (and, unless a caller owns the

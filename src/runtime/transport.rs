@@ -770,8 +770,7 @@ impl std::ops::Add for IoStats {
             gso_super_datagrams: self.gso_super_datagrams + o.gso_super_datagrams,
             gso_segments: self.gso_segments + o.gso_segments,
             calls_on_caller: self.calls_on_caller + o.calls_on_caller,
-            calls_on_progress_thread: self.calls_on_progress_thread
-                + o.calls_on_progress_thread,
+            calls_on_progress_thread: self.calls_on_progress_thread + o.calls_on_progress_thread,
         }
     }
 }
