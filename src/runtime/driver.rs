@@ -143,11 +143,15 @@ impl Core {
         d.on_caller = true;
         d.socket_events(false);
         d.net.c.caller_call();
-        let r = call(d);
-        // What the call's end made due (ACKs of the last datagrams) goes
-        // out now, not when the progress thread next wakes.
-        let now = Instant::now();
-        d.engine.poll_transmit(now, &mut d.net);
+        // A panicking call still gives the socket back to the progress
+        // thread before the panic goes on.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(&mut *d)));
+        if r.is_ok() {
+            // What the call's end made due (ACKs of the last datagrams)
+            // goes out now, not when the progress thread next wakes.
+            let now = Instant::now();
+            d.engine.poll_transmit(now, &mut d.net);
+        }
         d.socket_events(true);
         d.on_caller = false;
         let wake = self.queued.load(Ordering::SeqCst) != 0
@@ -159,7 +163,7 @@ impl Core {
         if wake {
             let _ = waker.send(&[2]);
         }
-        Some(r)
+        Some(r.unwrap_or_else(|p| std::panic::resume_unwind(p)))
     }
 }
 
