@@ -6,11 +6,15 @@
 #
 # Usage: scripts/mpi_bench.sh [--ranks N] [--mpi openmpi|mpich]
 #                             [--max-bytes B] [--iterations I] [--out DIR]
+#                             [--aggbox-env VAR=VALUE]...
+# --aggbox-env: a variable for the libaggbox_mpi run only (repeatable), e.g.
+# AGGBOX_CALLER_THREAD=0 to measure with every call on the progress thread.
 # Needs root, `make build mpi` (PROFILE=release). Writes DIR/mpi_allreduce.csv
 # (size_bytes, plain_us, aggbox_us, ...) and prints it as a table.
 set -euo pipefail
 
 ranks=4 mpi=openmpi max_bytes=$((1 << 20)) iterations=200 out=results/mpi
+aggbox_env=()
 while [ $# -gt 0 ]; do
   case $1 in
     --ranks) ranks=$2; shift 2 ;;
@@ -18,6 +22,7 @@ while [ $# -gt 0 ]; do
     --max-bytes) max_bytes=$2; shift 2 ;;
     --iterations) iterations=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --aggbox-env) aggbox_env+=("$2"); shift 2 ;;
     *) echo "mpi_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -109,7 +114,7 @@ run plain
 start_node
 echo "mpi_bench.sh: $mpi, $ranks ranks, libaggbox_mpi" >&2
 run aggbox LD_PRELOAD="$lib" AGGBOX_MPI_CONFIG="$work/node.toml" AGGBOX_MPI_NODE="$(addr 0)" \
-  AGGBOX_MPI_DATA_PORT=7700 AGGBOX_MPI_STATS=1
+  AGGBOX_MPI_DATA_PORT=7700 AGGBOX_MPI_STATS=1 ${aggbox_env[@]+"${aggbox_env[@]}"}
 
 mkdir -p "$out"
 csv=$out/mpi_allreduce.csv

@@ -1,11 +1,14 @@
 //! The [`Communicator`]: one participant of a job (a worker rank, or the
 //! aggregator's application), and its builder.
 //!
-//! Every communicator owns one UDP socket and one progress thread, which
-//! runs the I/O driver (`runtime::driver`) over the communicator's
-//! state machine (`runtime::engine`). The thread
-//! runs the calls in the order they were issued (blocking calls and
-//! [`Work`] handles alike) and, between calls, keeps serving the socket: it
+//! Every communicator owns one UDP socket, one I/O driver
+//! (`runtime::driver`) over its state machine (`runtime::engine`) and one
+//! progress thread. Calls run in the order they were issued: a blocking call
+//! issued while no other call is queued or running runs on the caller's
+//! thread, which takes the driver for the call; the others ([`Work`]
+//! handles, stripes, blocking calls behind them) on the progress thread
+//! (docs/RUNTIME.md "Who runs a call"). Between calls the progress thread
+//! keeps serving the socket: it
 //! acknowledges late retransmissions, keeps early data of the next call, and
 //! (aggregator) keeps reducing contributions that arrive before the
 //! application asks for them. All participants must issue the same sequence
@@ -24,7 +27,8 @@ use crate::wire::abi::{self, Op, Round};
 use crate::config::{Config, ResultConsumer};
 use crate::wire::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
-use crate::runtime::driver::{random_group_base, Driver, Shared};
+use crate::runtime::calls::Calls;
+use crate::runtime::driver::{self, random_group_base, Core, Driver, Shared};
 use crate::runtime::engine::Engine;
 use crate::runtime::fragment::elements_per_fragment;
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
@@ -144,6 +148,13 @@ pub struct CommConfig {
     /// "UDP GSO"). Never with a TC group (the TC program parses each
     /// datagram it copies).
     pub udp_gso: Option<bool>,
+    /// A blocking call issued while no other call is queued or running runs
+    /// on the caller's thread, which takes the I/O driver for the call
+    /// (docs/RUNTIME.md "Who runs a call"); `false`: every call goes through
+    /// the progress thread. Default `true`; the environment variable
+    /// `AGGBOX_CALLER_THREAD=0` turns it off at `build()` (for A/B
+    /// measurements under an unchanged application, e.g. the MPI library).
+    pub caller_runs_calls: bool,
 }
 
 /// A broadcast group configured on this participant's node (`[[group]]`):
@@ -222,6 +233,7 @@ impl CommunicatorBuilder {
                 tc_group: None,
                 impairment: None,
                 udp_gso: None,
+                caller_runs_calls: true,
             },
         }
     }
@@ -334,6 +346,13 @@ impl CommunicatorBuilder {
         self.cfg.tc_group = Some(TcGroup { id, members });
         self
     }
+    /// Whether blocking calls may run on the caller's thread (see
+    /// [`CommConfig::caller_runs_calls`]).
+    pub fn caller_runs_calls(mut self, on: bool) -> Self {
+        self.cfg.caller_runs_calls = on;
+        self
+    }
+
     /// Test hook: receive through an [`ImpairedTransport`] (drop, duplicate,
     /// reorder; see [`crate::runtime::transport`]).
     pub fn impairment(mut self, imp: Impairment) -> Self {
@@ -381,6 +400,9 @@ impl CommunicatorBuilder {
     /// backend, `aggregator:result_port` for the kernel backend).
     pub fn build(self) -> Result<Communicator, CommError> {
         let mut cfg = self.cfg;
+        if std::env::var("AGGBOX_CALLER_THREAD").is_ok_and(|v| v == "0") {
+            cfg.caller_runs_calls = false;
+        }
         if cfg.mtu == 0 {
             cfg.mtu = discover_mtu(&cfg);
         }
@@ -475,12 +497,14 @@ impl CommunicatorBuilder {
             round: round.clone(),
             agg_seq: agg_seq.clone(),
         };
-        let driver = Driver::new(engine, net, waker_rx, shared);
+        let core = Arc::new(Core::new(Driver::new(engine, net, waker_rx, shared)?));
+        let bg = core.clone();
         let thread = std::thread::Builder::new()
             .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))
-            .spawn(move || driver.run(rx))?;
+            .spawn(move || driver::run(bg, rx))?;
         Ok(Communicator {
             cfg,
+            core,
             tx,
             waker: waker_tx,
             thread: Some(thread),
@@ -631,6 +655,7 @@ impl<T> Raw<T> {
 #[derive(Debug)]
 pub struct Communicator {
     cfg: CommConfig,
+    core: Arc<Core>,
     tx: mpsc::Sender<Request>,
     waker: UnixDatagram,
     thread: Option<JoinHandle<()>>,
@@ -705,9 +730,25 @@ impl Communicator {
     }
 
     fn submit(&self, req: Request) -> Result<(), CommError> {
-        self.tx.send(req).map_err(|_| CommError::Closed)?;
+        self.core.queued.fetch_add(1, Ordering::SeqCst);
+        if self.tx.send(req).is_err() {
+            self.core.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(CommError::Closed);
+        }
         let _ = self.waker.send(&[1]);
         Ok(())
+    }
+
+    /// Runs a blocking call on this thread when no other call is queued or
+    /// running (see `runtime::driver`); `None`: it must be queued.
+    fn run_here<T>(
+        &self,
+        call: impl FnOnce(&mut Driver) -> Result<T, CommError>,
+    ) -> Option<Result<T, CommError>> {
+        if !self.cfg.caller_runs_calls {
+            return None;
+        }
+        self.core.run_here(&self.waker, call)
     }
 
     fn root_index(&self, root: Participant) -> Result<usize, CommError> {
@@ -760,18 +801,35 @@ impl Communicator {
         root: Participant,
         opts: CallOptions,
     ) -> Result<(), CommError> {
-        let out = self.ibroadcast(buf.to_vec(), root, opts).wait()?;
+        let out = self.broadcast_vec(buf.to_vec(), root, opts)?;
         buf.copy_from_slice(&out);
         Ok(())
+    }
+
+    /// A blocking broadcast of `data` (on this thread when nothing else is
+    /// in flight).
+    fn broadcast_vec(
+        &self,
+        data: Vec<u8>,
+        root: Participant,
+        opts: CallOptions,
+    ) -> Result<Vec<u8>, CommError> {
+        let root_index = self.root_index(root)?;
+        let mut data = Some(data);
+        if let Some(r) =
+            self.run_here(|d| d.broadcast(root_index, data.take().unwrap_or_default(), opts))
+        {
+            return r;
+        }
+        self.ibroadcast(data.take().unwrap_or_default(), root, opts)
+            .wait()
     }
 
     /// Broadcast of an int32 vector (sent big-endian).
     pub fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
         let mut bytes = Vec::with_capacity(buf.len() * 4);
         proto::write_i32_be(buf, &mut bytes);
-        let out = self
-            .ibroadcast(bytes, root, CallOptions::default())
-            .wait()?;
+        let out = self.broadcast_vec(bytes, root, CallOptions::default())?;
         proto::read_i32_be(&out, buf);
         Ok(())
     }
@@ -780,9 +838,7 @@ impl Communicator {
     pub fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
         let mut bytes = Vec::with_capacity(buf.len() * 4);
         proto::write_f32_be(buf, &mut bytes);
-        let out = self
-            .ibroadcast(bytes, root, CallOptions::default())
-            .wait()?;
+        let out = self.broadcast_vec(bytes, root, CallOptions::default())?;
         proto::read_f32_be(&out, buf);
         Ok(())
     }
@@ -861,9 +917,13 @@ impl Communicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<bool, CommError> {
+        let data = RawI32::of(buf);
+        if let Some(r) = self.run_here(|d| d.reduce_i32_in(all, op, data, opts)) {
+            return r;
+        }
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        self.start_reduce_i32(RawI32::of(buf), all, op, opts)?
+        self.start_reduce_i32(data, all, op, opts)?
             .recv()
             .unwrap_or(Err(CommError::Closed))
     }
@@ -957,9 +1017,13 @@ impl Communicator {
         mean: bool,
         opts: CallOptions,
     ) -> Result<(), CommError> {
+        let data = RawF32::of(buf);
+        if let Some(r) = self.run_here(|d| d.reduce_f32(all, mean, data, opts)) {
+            return r;
+        }
         // The engine uses `buf` until it replies (or drops the request);
         // `buf` stays borrowed here until then.
-        self.start_reduce_f32(RawF32::of(buf), all, mean, opts)?
+        self.start_reduce_f32(data, all, mean, opts)?
             .recv()
             .unwrap_or(Err(CommError::Closed))
     }

@@ -1,17 +1,43 @@
 //! The I/O driver: the one place a communicator touches its socket and the
-//! clock. It runs on the communicator's progress thread, owns the socket
-//! ([`Net`]), a waker (new requests, closing) and the state machine
-//! ([`Engine`]), and drives the machine: every datagram that arrives goes to
-//! [`Engine::handle`], whatever is due goes out through
+//! clock. It owns the socket ([`Net`]), a waker (new requests, closing) and
+//! the state machine ([`Engine`]), and drives the machine: every datagram
+//! that arrives goes to [`Engine::handle`], whatever is due goes out through
 //! [`Engine::poll_transmit`], and it sleeps in `ppoll` until the next
-//! datagram, request or [`Engine::poll_timeout`]. Calls run in issue order
-//! ([`Calls`]); between calls it keeps serving the socket.
+//! datagram, request or [`Engine::poll_timeout`].
+//!
+//! The driver sits in a [`Core`], a mutex with one owner at a time, and two
+//! threads take turns owning it:
+//!
+//! - the **caller's thread**, for a blocking call issued while no other call
+//!   is queued or running ([`Core::queued`] is 0): it locks the driver, runs
+//!   the call's rounds itself (sends, sleeps in `ppoll` on the socket alone
+//!   with the engine's timeout, handles what arrives and what the timers
+//!   fire), flushes what is due and unlocks. No hand-off to another thread,
+//!   so a one-datagram call costs one wake-up (its result's) instead of
+//!   three or four;
+//! - the **progress thread** ([`run`]) the rest of the time: it runs the
+//!   queued requests (`Work` calls, stripes, blocking calls issued while
+//!   others were in flight) in issue order, and between calls serves the
+//!   socket (re-acknowledges late retransmissions, answers the timers). It
+//!   sleeps *without* the lock, in `ppoll` on an epoll set of the socket
+//!   and the waker, so a caller never waits for it to wake; a caller turns
+//!   the socket's events off in that set for its call, so the call's
+//!   datagrams do not wake it (see [`Driver`]'s `epoll`). If it wakes while
+//!   a caller owns the driver it waits on the lock, then serves what is
+//!   left.
+//!
+//! Both run the same [`Engine`] through the same code ([`Calls`] over this
+//! driver): nothing the progress thread did between calls is lost to a
+//! caller, and nothing a caller's call armed (a delayed ACK, a
+//! retransmission timer) is lost to the progress thread: when a caller
+//! unlocks and the engine's next timer is earlier than the progress
+//! thread's sleep, or a request was queued meanwhile, it writes the waker.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::runtime::calls::{Calls, RoundDriver};
@@ -49,76 +75,172 @@ pub(crate) struct Driver {
     shared: Shared,
     rxbuf: Vec<u8>,
     rxmeta: Vec<RecvMeta>,
+    /// Set while a caller's thread owns the driver: its waits leave the
+    /// waker to the progress thread.
+    on_caller: bool,
+    /// When the progress thread's current sleep ends (`None`: it is not
+    /// sleeping on the socket).
+    bg_until: Option<Instant>,
+    /// What the progress thread sleeps on: an epoll set of the socket and
+    /// the waker (level-triggered). A caller that takes the driver turns
+    /// the socket's events off in it for the call, so the call's datagrams
+    /// wake the caller only (not also the progress thread, which would find
+    /// the lock taken and sleep again: two context switches a call), and
+    /// back on at the end (which wakes the progress thread if a datagram is
+    /// waiting by then).
+    epoll: OwnedFd,
+}
+
+/// The driver behind its lock, and the requests queued for the progress
+/// thread (see the module docs).
+pub(crate) struct Core {
+    driver: Mutex<Driver>,
+    /// Requests submitted to the progress thread and not finished yet; a
+    /// caller runs its call itself only when this is 0.
+    pub(crate) queued: AtomicUsize,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("queued", &self.queued.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    /// A core around `driver`.
+    pub(crate) fn new(driver: Driver) -> Core {
+        Core {
+            driver: Mutex::new(driver),
+            queued: AtomicUsize::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Driver> {
+        self.driver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `call` on the calling thread if no other call is queued or
+    /// running (see the module docs); `None`: the caller must queue it.
+    /// `waker` is the progress thread's waker (written when it must
+    /// re-poll after the call).
+    pub(crate) fn run_here<T>(
+        &self,
+        waker: &UnixDatagram,
+        call: impl FnOnce(&mut Driver) -> Result<T, CommError>,
+    ) -> Option<Result<T, CommError>> {
+        if self.queued.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        let mut guard = self.lock();
+        let d = &mut *guard;
+        // The progress thread decrements `queued` only while it holds the
+        // lock, after the request's last use.
+        if self.queued.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        d.on_caller = true;
+        d.socket_events(false);
+        d.net.c.caller_call();
+        // A panicking call still gives the socket back to the progress
+        // thread before the panic goes on.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(&mut *d)));
+        if r.is_ok() {
+            // What the call's end made due (ACKs of the last datagrams)
+            // goes out now, not when the progress thread next wakes.
+            let now = Instant::now();
+            d.engine.poll_transmit(now, &mut d.net);
+        }
+        d.socket_events(true);
+        d.on_caller = false;
+        let wake = self.queued.load(Ordering::SeqCst) != 0
+            || match (d.engine.poll_timeout(), d.bg_until) {
+                (Some(t), Some(until)) => t < until,
+                _ => false,
+            };
+        drop(guard);
+        if wake {
+            let _ = waker.send(&[2]);
+        }
+        Some(r.unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    }
 }
 
 impl Driver {
     /// A driver of `engine` over `net`; `waker` is readable when a request
     /// is queued or the communicator closes.
-    pub(crate) fn new(engine: Engine, net: Net, waker: UnixDatagram, shared: Shared) -> Driver {
-        Driver {
+    pub(crate) fn new(
+        engine: Engine,
+        net: Net,
+        waker: UnixDatagram,
+        shared: Shared,
+    ) -> io::Result<Driver> {
+        // SAFETY: plain system calls; the fd is owned from here on.
+        let epoll = unsafe {
+            let fd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            OwnedFd::from_raw_fd(fd)
+        };
+        for fd in [net.t.raw_fd(), waker.as_raw_fd()] {
+            epoll_ctl(
+                epoll.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                fd,
+                libc::EPOLLIN as u32,
+            )?;
+        }
+        Ok(Driver {
             engine,
             net,
             waker,
             shared,
             rxbuf: vec![0u8; RECV_SLOT * RECV_BATCH],
             rxmeta: vec![RecvMeta::default(); RECV_BATCH],
-        }
+            on_caller: false,
+            bg_until: None,
+            epoll,
+        })
     }
 
-    /// The progress thread: runs requests in issue order until the
-    /// communicator is dropped, serving the socket between them.
-    pub(crate) fn run(mut self, rx: mpsc::Receiver<Request>) {
-        loop {
-            match rx.try_recv() {
-                Ok(req) => self.execute(req),
-                Err(mpsc::TryRecvError::Disconnected) => return,
-                Err(mpsc::TryRecvError::Empty) => {
-                    let now = Instant::now();
-                    self.engine.poll_transmit(now, &mut self.net);
-                    let until = self
-                        .engine
-                        .poll_timeout()
-                        .map_or(now + IDLE_WAIT, |t| t.min(now + IDLE_WAIT));
-                    self.wait_and_drain(until);
-                }
-            }
-        }
+    /// Turns the socket's events in the progress thread's epoll set on or
+    /// off (see [`Driver::epoll`]).
+    fn socket_events(&mut self, on: bool) {
+        let events = if on { libc::EPOLLIN as u32 } else { 0 };
+        // Cannot fail for a registered fd; if it did, the progress thread
+        // would only wake once more than needed (on) or sleep until its
+        // timeout and the caller's release (off).
+        let _ = epoll_ctl(
+            self.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_MOD,
+            self.net.t.raw_fd(),
+            events,
+        );
     }
 
-    /// Waits for a datagram (or a new request) until `until`, then hands
-    /// everything queued on the socket to the engine, in batches, sending
-    /// the receivers' due ACKs between batches.
+    /// Waits until `until` for a datagram (and, unless a caller owns the
+    /// driver, the waker), then drains the socket.
     fn wait_and_drain(&mut self, until: Instant) {
-        let wait = until.saturating_duration_since(Instant::now());
-        let mut fds = [
-            libc::pollfd {
-                fd: self.net.t.raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.waker.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        let ts = libc::timespec {
-            tv_sec: wait.as_secs() as libc::time_t,
-            tv_nsec: wait.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: fds and ts are valid for the call.
-        unsafe {
-            libc::ppoll(
-                fds.as_mut_ptr(),
-                fds.len() as libc::nfds_t,
-                &ts,
-                std::ptr::null(),
-            );
+        let fds = (
+            self.net.t.raw_fd(),
+            (!self.on_caller).then(|| self.waker.as_raw_fd()),
+        );
+        if wait(fds, until) {
+            self.drain_waker();
         }
-        if fds[1].revents != 0 {
-            let mut b = [0u8; 64];
-            while self.waker.recv(&mut b).is_ok() {}
-        }
+        self.drain();
+    }
+
+    fn drain_waker(&mut self) {
+        let mut b = [0u8; 64];
+        while self.waker.recv(&mut b).is_ok() {}
+    }
+
+    /// Hands everything queued on the socket to the engine, in batches,
+    /// sending the receivers' due ACKs between batches.
+    fn drain(&mut self) {
         let mut drained = 0;
         while drained < DRAIN_MAX {
             match self
@@ -146,6 +268,83 @@ impl Driver {
                 Err(_) => break, // e.g. ICMP port unreachable reported on a later recv
             }
         }
+    }
+}
+
+fn epoll_ctl(epfd: RawFd, op: libc::c_int, fd: RawFd, events: u32) -> io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events,
+        u64: fd as u64,
+    };
+    // SAFETY: ev is valid for the call.
+    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sleeps in `ppoll` until `until` or until `fds.0` (the socket) or
+/// `fds.1` (the waker, if any) is readable; returns whether the waker is.
+fn wait(fds: (i32, Option<i32>), until: Instant) -> bool {
+    let wait = until.saturating_duration_since(Instant::now());
+    let mut p = [
+        libc::pollfd {
+            fd: fds.0,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: fds.1.unwrap_or(-1),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    let n = if fds.1.is_some() { 2 } else { 1 };
+    let ts = libc::timespec {
+        tv_sec: wait.as_secs() as libc::time_t,
+        tv_nsec: wait.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: p and ts are valid for the call.
+    unsafe {
+        libc::ppoll(p.as_mut_ptr(), n as libc::nfds_t, &ts, std::ptr::null());
+    }
+    fds.1.is_some() && p[1].revents != 0
+}
+
+/// The progress thread: runs queued requests in issue order until the
+/// communicator is dropped, serving the socket between them; sleeps without
+/// the lock, so a caller can take the driver meanwhile (module docs).
+pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
+    loop {
+        let mut guard = core.lock();
+        let d = &mut *guard;
+        match rx.try_recv() {
+            Ok(req) => {
+                d.net.c.progress_call();
+                d.execute(req);
+                core.queued.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            }
+            Err(mpsc::TryRecvError::Disconnected) => return,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        let now = Instant::now();
+        d.engine.poll_transmit(now, &mut d.net);
+        let until = d
+            .engine
+            .poll_timeout()
+            .map_or(now + IDLE_WAIT, |t| t.min(now + IDLE_WAIT));
+        d.bg_until = Some(until);
+        let epoll = d.epoll.as_raw_fd();
+        drop(guard);
+        // The epoll set is readable when the socket (unless a caller turned
+        // it off) or the waker is.
+        wait((epoll, None), until);
+        let mut guard = core.lock();
+        let d = &mut *guard;
+        d.bg_until = None;
+        d.drain_waker();
+        d.drain();
     }
 }
 

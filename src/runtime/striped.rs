@@ -145,6 +145,10 @@ impl StripedCommunicator {
         root: Participant,
         opts: CallOptions,
     ) -> Result<(), CommError> {
+        if let [c] = &self.stripes[..] {
+            // One stripe: its blocking call (on this thread when it can).
+            return c.broadcast_with(buf, root, opts);
+        }
         let bounds = stripe_bounds(buf.len(), self.stripes.len());
         let works: Vec<_> = self
             .stripes
@@ -199,6 +203,9 @@ impl StripedCommunicator {
         mean: bool,
         opts: CallOptions,
     ) -> Result<(), CommError> {
+        if let [c] = &self.stripes[..] {
+            return c.reduce_f32_with(buf, all, mean, opts);
+        }
         self.run(buf, |c, part| c.start_reduce_f32(part, all, mean, opts))
             .map(|_| ())
     }
@@ -210,6 +217,13 @@ impl StripedCommunicator {
         op: Op,
         opts: CallOptions,
     ) -> Result<bool, CommError> {
+        if let [c] = &self.stripes[..] {
+            return if all {
+                c.allreduce_i32_with(buf, op, opts)
+            } else {
+                c.reduce_i32_with(buf, op, opts)
+            };
+        }
         let clamped = self.run(buf, |c, part| c.start_reduce_i32(part, all, op, opts))?;
         Ok(clamped.into_iter().any(|x| x))
     }

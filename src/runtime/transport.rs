@@ -750,6 +750,12 @@ pub struct IoStats {
     pub gso_super_datagrams: u64,
     /// Datagrams inside them.
     pub gso_segments: u64,
+    /// Calls run on the caller's thread (blocking calls issued while no
+    /// other call was queued or running; docs/RUNTIME.md "Who runs a call").
+    pub calls_on_caller: u64,
+    /// Calls run by the progress thread (`Work` calls, stripes, and blocking
+    /// calls issued while another call was in flight).
+    pub calls_on_progress_thread: u64,
 }
 
 /// Batching of several communicators added up.
@@ -763,6 +769,8 @@ impl std::ops::Add for IoStats {
             received_datagrams: self.received_datagrams + o.received_datagrams,
             gso_super_datagrams: self.gso_super_datagrams + o.gso_super_datagrams,
             gso_segments: self.gso_segments + o.gso_segments,
+            calls_on_caller: self.calls_on_caller + o.calls_on_caller,
+            calls_on_progress_thread: self.calls_on_progress_thread + o.calls_on_progress_thread,
         }
     }
 }
@@ -833,6 +841,8 @@ pub struct Counters {
     recv_datagrams: AtomicU64,
     gso_sends: AtomicU64,
     gso_segments: AtomicU64,
+    caller_calls: AtomicU64,
+    progress_calls: AtomicU64,
     refused_results: AtomicU64,
     refused_acks: AtomicU64,
     refused_broadcasts: AtomicU64,
@@ -860,6 +870,16 @@ impl Counters {
         self.recv_datagrams.fetch_add(n as u64, Ordering::Relaxed);
     }
 
+    /// One call run on the caller's thread.
+    pub fn caller_call(&self) {
+        self.caller_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One call run by the progress thread.
+    pub fn progress_call(&self) {
+        self.progress_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The batching counters.
     pub fn io_snapshot(&self) -> IoStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -870,6 +890,8 @@ impl Counters {
             received_datagrams: l(&self.recv_datagrams),
             gso_super_datagrams: l(&self.gso_sends),
             gso_segments: l(&self.gso_segments),
+            calls_on_caller: l(&self.caller_calls),
+            calls_on_progress_thread: l(&self.progress_calls),
         }
     }
 

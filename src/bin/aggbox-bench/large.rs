@@ -722,7 +722,9 @@ fn runtime_phase(
                     "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
                     thousands(n as f64)
                 ));
+                let switches_before = process_context_switches();
                 let r = runtime_calls(aggc.as_ref(), &workers, n as usize, reps + 1, base, dtype);
+                let switches = process_context_switches();
                 let after = all_counters(tb, &pins, kernel);
                 let mut p = match r {
                     Ok(times) => {
@@ -737,6 +739,10 @@ fn runtime_phase(
                     }
                 };
                 p.node_counters = counter_delta(&before, &after);
+                // This process's context switches over the point's calls
+                // (every participant's threads and the bench's barrier).
+                p.node_counters.insert("process:voluntary_ctxt_switches".into(), switches.0 - switches_before.0);
+                p.node_counters.insert("process:involuntary_ctxt_switches".into(), switches.1 - switches_before.1);
                 if loss() > 0.0 {
                     p.node_counters.insert("injector:dropped".into(), injector.counts().dropped - dropped_before);
                 }
@@ -1278,6 +1284,15 @@ fn goal(points: &[Point]) -> Option<Goal> {
         gloo_best_mtu: gm,
         met: ratio >= GOAL_RATIO,
     })
+}
+
+/// This process's (voluntary, involuntary) context switches so far, all
+/// threads (`getrusage(RUSAGE_SELF)`).
+fn process_context_switches() -> (u64, u64) {
+    // SAFETY: zeroed rusage is valid; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    (u.ru_nvcsw as u64, u.ru_nivcsw as u64)
 }
 
 /// Experiment 9.
