@@ -2,8 +2,8 @@
 //!
 //! - the kernel slots of a round that never completes (a rank is missing)
 //!   are released once the round is stale (`XdpPlane::reclaim_stale_slots`,
-//!   the `aggbox_reclaim` program; the daemon's user-space path runs it every
-//!   `reclaim_every`), `job_state.active_slots` stays exact, live rounds are
+//!   the `aggbox_reclaim` program; the node's upkeep runs it every 100 ms),
+//!   `job_state.active_slots` stays exact, live rounds are
 //!   left alone, and the released share of the job's slot bound is usable
 //!   again;
 //! - reclamation racing with contributions on both CPUs keeps the

@@ -68,10 +68,6 @@ pub struct UserspaceOptions {
     /// worker took 2.6 % of a CPU, at 10 ms 1 % (the watcher reacts after
     /// `overload_hold` anyway).
     pub tick: Duration,
-    /// Period of the reclamation of the kernel's stale slots (slots of
-    /// rounds older than the job's newest completed round - window, which
-    /// can never complete): see `XdpPlane::reclaim_stale_slots`.
-    pub reclaim_every: Duration,
     /// Sizes of each AF_XDP socket.
     pub xsk: XskConfig,
 }
@@ -84,7 +80,6 @@ impl Default for UserspaceOptions {
             max_slots_per_job: 16384,
             completed_per_job: abi::MAX_COMPLETED as usize,
             tick: Duration::from_millis(10),
-            reclaim_every: Duration::from_millis(100),
             xsk: XskConfig::default(),
         }
     }
@@ -235,8 +230,6 @@ pub struct UserspaceStats {
     pub jobs_in_overload: Vec<u16>,
     /// Stale user-space slots collected (never completed).
     pub stale_slots_collected: u64,
-    /// Stale kernel slots released (`aggbox_reclaim`), never completed.
-    pub kernel_slots_reclaimed: u64,
     /// Kernel counters of each AF_XDP socket, by RX queue.
     pub xsk: BTreeMap<u32, XskStats>,
 }
@@ -690,7 +683,6 @@ struct Worker {
     result_sock: UdpSocket,
     stats: Arc<Mutex<UserspaceStats>>,
     opts: UserspaceOptions,
-    last_reclaim: Instant,
 }
 
 impl Worker {
@@ -757,14 +749,8 @@ impl Worker {
         for key in self.table.collect_stale() {
             self.maps.delete_slot_owner(&key);
         }
-        // Kernel slots of stale rounds can never complete either: release
-        // them (and their share of the job's slot bound) in the kernel.
-        if now.duration_since(self.last_reclaim) >= self.opts.reclaim_every {
-            self.last_reclaim = now;
-            let jobs = &self.table.jobs;
-            let n = self.maps.reclaim_stale_slots(|id| jobs.get(&id).map(|j| j.window));
-            self.table.stats.kernel_slots_reclaimed += n as u64;
-        }
+        // (Kernel slots of stale rounds are released by the node's upkeep,
+        // src/node/upkeep.rs, whether or not this path runs.)
         self.publish();
     }
 
@@ -877,7 +863,6 @@ impl UserspacePath {
             result_sock,
             stats: Arc::clone(&stats),
             opts,
-            last_reclaim: Instant::now(),
         };
         // Sockets without multi-buffer AF_XDP (kernels before 6.6) lose a
         // frame longer than one UMEM frame inside the redirect: have the

@@ -990,7 +990,7 @@ impl XdpPlane {
     /// newest completed round, of either path, minus the job's window):
     /// such a slot can never complete, since the stale-round rule drops all
     /// later contributions to it. Returns how many were released. The
-    /// user-space path calls the same thing every `reclaim_every`.
+    /// node's upkeep (src/node/upkeep.rs) calls the same thing periodically.
     pub fn reclaim_stale_slots(&self) -> Result<usize> {
         let maps = self.kernel_maps()?;
         let mut windows = BTreeMap::new();
