@@ -16,7 +16,11 @@
 //! workers); the injector's counters must show it, the services' counters
 //! the upstream resends and the RESULT resends. int32 results equal the
 //! reference reducer over all workers; float32 means are the same on every
-//! worker and within the quantization bound.
+//! worker and within the quantization bound (the leaves'
+//! `parent.tree_workers` is the tree's workers, the mean's divisor).
+//! Killing a leaf's or the root's `aggbox attach` (kill -9, SIGTERM) mid-call makes
+//! every call complete exactly or fail within its deadline naming the
+//! aggregator; after the daemon starts again the next calls complete.
 //!
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --test node_tree`.
@@ -346,11 +350,12 @@ struct CallAtKill {
 
 /// Every worker loops allreduce_i32 SUM of `len` (the calls in lockstep:
 /// a tree is one set of calls) until node `n` (0 root, 1.. leaves) was
-/// killed with kill -9 while every worker was in a call; the call in
+/// killed with kill -9 (or stopped with SIGTERM) while every worker was
+/// in a call; the call in
 /// flight then is the last. Each call either completes with the exact
 /// vector or fails within its deadline naming the aggregator (the
 /// worker's leaf), never a wrong vector. Returns every call.
-fn loop_and_kill(tree: &mut Tree, n: usize, len: usize, deadline: Duration) -> (Instant, Vec<CallAtKill>) {
+fn loop_and_kill(tree: &mut Tree, n: usize, sigterm: bool, len: usize, deadline: Duration) -> (Instant, Vec<CallAtKill>) {
     let want = {
         let inputs: Vec<Vec<i32>> = (0..tree.nworkers()).map(|r| input(r, len)).collect();
         let c: Vec<(&[i32], i32)> = inputs.iter().map(|v| (v.as_slice(), 1)).collect();
@@ -411,8 +416,14 @@ fn loop_and_kill(tree: &mut Tree, n: usize, len: usize, deadline: Duration) -> (
             assert!(t0.elapsed() < Duration::from_secs(60), "the workers' calls did not get going");
             std::hint::spin_loop();
         }
-        node.kill9();
+        // The kill's time: when the signal goes (SIGTERM's exit may take a
+        // while).
         let at = Instant::now();
+        if sigterm {
+            node.terminate();
+        } else {
+            node.kill9();
+        }
         killed.store(true, Ordering::SeqCst);
         let calls = handles.into_iter().flat_map(|h| h.join().expect("worker thread")).collect();
         (at, calls)
@@ -439,7 +450,8 @@ fn check_kill(tag: &str, at: Instant, calls: &[CallAtKill]) {
     }
 }
 
-/// kill -9 of a leaf's `aggbox attach` mid-call, then of the root's: each
+/// kill -9 of a leaf's `aggbox attach` mid-call, then of the root's, then
+/// SIGTERM of the other leaf's: each
 /// worker's call in flight either completes exactly or fails within its
 /// deadline naming its leaf (the aggregator it knows), never a wrong
 /// vector, never a hang; after the killed daemon is started again, the
@@ -450,14 +462,18 @@ fn a_leaf_or_the_root_killed_mid_call_fails_calls_cleanly_and_a_restart_serves_a
     let deadline = Duration::from_secs(3);
     let mut tree = Tree::up_with("tree-kill", 2, deadline);
     allreduce(&tree, Op::Sum, 10_000);
-    for (n, what) in [(1, "leaf 0"), (0, "the root")] {
-        // Loss on the killed node's port, so that some calls need its
-        // service (its ACKs, its RESULT resends): the pinned XDP and TC
-        // programs go on without the process.
-        tree.impair_host(n, 0.05, 0.0);
-        let (at, calls) = loop_and_kill(&mut tree, n, 100_000, deadline);
-        tree.impair_host(n, 0.0, 0.0);
-        check_kill(&format!("{what} killed"), at, &calls);
+    for (n, sigterm, what) in [(1, false, "leaf 0 (kill -9)"), (0, false, "the root (kill -9)"), (2, true, "leaf 1 (SIGTERM)")] {
+        // Loss toward the hosts the killed node sends RESULTs to (the
+        // leaves, or the leaf's workers), so that some calls need its
+        // service's RESULT resends: the pinned XDP and TC programs go on
+        // without the process, but drop a late retransmission of a
+        // completed fragment.
+        let per = tree.workers[0].len();
+        let to: Vec<usize> = if n == 0 { (1..=LEAVES).collect() } else { (0..per).map(|r| 1 + LEAVES + (n - 1) * per + r).collect() };
+        to.iter().for_each(|&h| tree.impair_host(h, 0.05, 0.0));
+        let (at, calls) = loop_and_kill(&mut tree, n, sigterm, 100_000, deadline);
+        to.iter().for_each(|&h| tree.impair_host(h, 0.0, 0.0));
+        check_kill(&format!("{what}"), at, &calls);
         tree.nodes[n].restart();
         for _ in 0..3 {
             allreduce(&tree, Op::Sum, 10_000);
