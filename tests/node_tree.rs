@@ -473,7 +473,7 @@ fn a_leaf_or_the_root_killed_mid_call_fails_calls_cleanly_and_a_restart_serves_a
         to.iter().for_each(|&h| tree.impair_host(h, 0.05, 0.0));
         let (at, calls) = loop_and_kill(&mut tree, n, sigterm, 100_000, deadline);
         to.iter().for_each(|&h| tree.impair_host(h, 0.0, 0.0));
-        check_kill(&format!("{what}"), at, &calls);
+        check_kill(what, at, &calls);
         tree.nodes[n].restart();
         for _ in 0..3 {
             allreduce(&tree, Op::Sum, 10_000);
