@@ -55,6 +55,9 @@
 //!   (the XDP program would drop the parent's RESULTs there as forged), and
 //!   `result_group` lists the workers' sockets the final RESULTs go to.
 //!   Without `consumer = "node"`, `parent.result_port` is refused.
+//! - `parent.tree_workers` (optional) is the number of workers of the whole
+//!   tree, the mean divisor of this job's workers' float calls; it may not
+//!   be fewer than the job's own workers.
 //! - `result_group = 65535` is rejected: the jobs map uses 0xffff for "no
 //!   group" ([`crate::wire::abi::NO_GROUP`]).
 //! - Worker and parent addresses must be unicast: 0.0.0.0, 255.255.255.255
@@ -314,6 +317,11 @@ pub struct ParentConfig {
     /// parent's RESULTs; required with `consumer = "node"` (the node's
     /// result service takes them), refused otherwise (nothing would).
     pub result_port: Option<u16>,
+    /// `parent.tree_workers`: the workers of the whole tree (every worker
+    /// below the root), the divisor of a float mean
+    /// (`allreduce_f32(.., mean = true)`) for this job's workers; at least
+    /// the job's own workers. `None`: the job's own workers.
+    pub tree_workers: Option<u16>,
 }
 
 /// `[[group]]`: one broadcast group this node sends or forwards for.
@@ -741,6 +749,13 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
         }
         None => ResultConsumer::Application,
     };
+    if let Some(n) = parent.and_then(|p| p.tree_workers).filter(|&n| usize::from(n) < workers.len()) {
+        return Err(src.error(
+            parent_at,
+            Some(format!("{}.tree_workers", t.key("parent"))),
+            format!("{n} is fewer than this job's own {} workers: the tree's workers include them", workers.len()),
+        ));
+    }
     if parent.is_some_and(|p| p.result_port.is_some()) && consumer != ResultConsumer::Node {
         return Err(src.error(
             parent_at,
@@ -877,7 +892,7 @@ fn parse_weights(
     Ok(weights)
 }
 
-const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank", "result_port"];
+const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank", "result_port", "tree_workers"];
 
 fn parse_parent(
     src: &Source<'_>,
@@ -920,12 +935,25 @@ fn parse_parent(
         Some(v) => Some(udp_port(src, &t.key("result_port"), &v)?),
         None => None,
     };
+    let tree_workers = match t.take("tree_workers") {
+        Some(v) => Some(int_in(
+            src,
+            &t.key("tree_workers"),
+            &v,
+            1,
+            i64::from(u16::MAX),
+            "a worker count",
+            "",
+        )? as u16),
+        None => None,
+    };
     Ok(ParentConfig {
         addr,
         port,
         job,
         rank,
         result_port,
+        tree_workers,
     })
 }
 

@@ -135,7 +135,8 @@ fn interface_example_with_parent_uncommented_parses() {
             port: 7000,
             job: 7,
             rank: 2,
-            result_port: None
+            result_port: None,
+            tree_workers: None
         })
     );
 }
@@ -168,7 +169,8 @@ fn shipped_example_parent_line_is_valid() {
             port: 7000,
             job: 7,
             rank: 2,
-            result_port: None
+            result_port: None,
+            tree_workers: None
         })
     );
 }
@@ -911,4 +913,26 @@ fn consumer_node_needs_a_result_group_of_the_workers() {
     let many: Vec<String> = (0..65).map(|i| format!("\"10.78.0.{}\"", i + 1)).collect();
     let big = served.replace("workers = [\"10.77.0.11\", \"10.77.0.12\"]", &format!("workers = [{}]", many.join(", ")));
     expect_error(&format!("{big}{group}"), 7, "job[0].consumer", "at most 64 workers");
+}
+
+/// `parent.tree_workers`: the workers of the whole tree, the mean divisor
+/// of the job's workers' communicators; at least the job's own workers.
+#[test]
+fn parent_tree_workers_is_at_least_the_jobs_own_workers() {
+    let group = "\n[[group]]\nid = 3\nmembers = [\"10.77.0.11:7200\", \"10.77.0.12:7200\"]\n";
+    let tree = JOB7.replace(
+        "result_port = 7001",
+        "result_port = 7001\nresult_group = 3\nparent = { addr = \"10.77.9.1\", port = 7000, job = 20, rank = 2, result_port = 7001, tree_workers = 6 }\nconsumer = \"node\"",
+    );
+    let c = Config::parse(&format!("{tree}{group}"), "config.toml").expect("a tree job with tree_workers");
+    assert_eq!(c.jobs[0].parent.and_then(|p| p.tree_workers), Some(6));
+    let b = aggbox::runtime::CommunicatorBuilder::from_config(&c, 7, ip("10.77.9.2"), 7200, aggbox::runtime::Participant::Worker(0))
+        .expect("from_config");
+    assert_eq!(b.config().tree_workers, Some(6), "the workers' mean divisor is the tree's workers");
+    let none = tree.replace(", tree_workers = 6", "");
+    let c = Config::parse(&format!("{none}{group}"), "config.toml").expect("without tree_workers");
+    assert_eq!(c.jobs[0].parent.and_then(|p| p.tree_workers), None);
+    expect_error(&format!("{}{group}", tree.replace("tree_workers = 6", "tree_workers = 1")), 7, "job[0].parent.tree_workers", "fewer than this job's own 2 workers");
+    expect_error(&format!("{}{group}", tree.replace("tree_workers = 6", "tree_workers = 0")), 7, "job[0].parent.tree_workers", "");
+    expect_error(&format!("{}{group}", tree.replace("tree_workers = 6", "tree_workers = \"6\"")), 7, "job[0].parent.tree_workers", "");
 }

@@ -16,7 +16,11 @@
 //! workers); the injector's counters must show it, the services' counters
 //! the upstream resends and the RESULT resends. int32 results equal the
 //! reference reducer over all workers; float32 means are the same on every
-//! worker and within the quantization bound.
+//! worker and within the quantization bound (the leaves'
+//! `parent.tree_workers` is the tree's workers, the mean's divisor).
+//! Killing a leaf's or the root's `aggbox attach` (kill -9, SIGTERM) mid-call makes
+//! every call complete exactly or fail within its deadline naming the
+//! aggregator; after the daemon starts again the next calls complete.
 //!
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --test node_tree`.
@@ -31,7 +35,9 @@ mod live_attach;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
 
 use aggbox::config::Config;
 use aggbox::runtime::fragment::elements_per_fragment;
@@ -76,6 +82,11 @@ fn quoted(addrs: &[String]) -> String {
 
 impl Tree {
     fn up(tag: &str, per_leaf: usize) -> Tree {
+        Tree::up_with(tag, per_leaf, Duration::from_secs(30))
+    }
+
+    /// A tree whose workers' calls have `deadline`.
+    fn up_with(tag: &str, per_leaf: usize, deadline: Duration) -> Tree {
         let tb = Testbed::up(TestbedConfig { hosts: 1 + LEAVES + LEAVES * per_leaf, ..Default::default() }).expect("testbed");
         let root = tb.host(0).addr;
         let leaves: Vec<Ipv4Addr> = (1..=LEAVES).map(|l| tb.host(l).addr).collect();
@@ -91,8 +102,9 @@ impl Tree {
             let hosts: Vec<usize> = (0..per_leaf).map(|r| 1 + LEAVES + l * per_leaf + r).collect();
             let addrs: Vec<String> = hosts.iter().map(|&h| tb.host(h).addr.to_string()).collect();
             let text = format!(
-                "{node}[[job]]\nid = {LEAF_JOB}\nport = {LEAF_PORT}\nworkers = [{}]\nresult_port = {LEAF_RESULT_PORT}\nresult_group = {LEAF_GROUP}\nconsumer = \"node\"\nparent = {{ addr = \"{root}\", port = {ROOT_PORT}, job = {ROOT_JOB}, rank = {l}, result_port = {ROOT_RESULT_PORT} }}\n\n[[group]]\nid = {LEAF_GROUP}\nmembers = [{}]\n",
+                "{node}[[job]]\nid = {LEAF_JOB}\nport = {LEAF_PORT}\nworkers = [{}]\nresult_port = {LEAF_RESULT_PORT}\nresult_group = {LEAF_GROUP}\nconsumer = \"node\"\nparent = {{ addr = \"{root}\", port = {ROOT_PORT}, job = {ROOT_JOB}, rank = {l}, result_port = {ROOT_RESULT_PORT}, tree_workers = {} }}\n\n[[group]]\nid = {LEAF_GROUP}\nmembers = [{}]\n",
                 quoted(&addrs),
+                LEAVES * per_leaf,
                 quoted(&addrs.iter().map(|a| format!("{a}:{DATA_PORT}")).collect::<Vec<_>>()),
             );
             nodes.push(LiveAttach::start(&tb.host(1 + l).netns, &format!("{tag}-leaf{l}"), &text, &[]));
@@ -105,7 +117,7 @@ impl Tree {
                         let b = CommunicatorBuilder::from_config(&config, LEAF_JOB, leaf, DATA_PORT, Participant::Worker(r as u16))
                             .expect("from_config")
                             .backend(BackendKind::Kernel)
-                            .deadline(Duration::from_secs(30));
+                            .deadline(deadline);
                         tb.in_host(h, move || b.build()).expect("netns").expect("build")
                     })
                     .collect(),
@@ -127,12 +139,17 @@ impl Tree {
     /// Loss `loss` and duplication `dup` on every switch port.
     fn impair(&self, loss: f64, dup: f64) {
         for h in 0..self.tb.len() {
-            let port = self.tb.switch_port(h);
-            let injector = &self.injector;
-            testbed::in_netns(&self.tb.switch_netns(), move || injector.set(&port, loss, dup))
-                .expect("switch netns")
-                .unwrap_or_else(|e| panic!("{e:#}"));
+            self.impair_host(h, loss, dup);
         }
+    }
+
+    /// Loss `loss` and duplication `dup` on host `h`'s switch port.
+    fn impair_host(&self, h: usize, loss: f64, dup: f64) {
+        let port = self.tb.switch_port(h);
+        let injector = &self.injector;
+        testbed::in_netns(&self.tb.switch_netns(), move || injector.set(&port, loss, dup))
+            .expect("switch netns")
+            .unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     /// Result-service counter `name` of node `n` (0 root, 1.. leaves) for
@@ -190,17 +207,17 @@ fn allreduce(tree: &Tree, op: Op, len: usize) {
     });
 }
 
-/// Every worker allreduces floats (sum over the tree); each gets the
-/// same, close result. (Not the mean: a worker's communicator knows only
-/// its leaf's workers, and divides by their number.)
-fn allreduce_f32(tree: &Tree, len: usize) {
+/// Every worker allreduces floats (the sum over the tree, or with `mean`
+/// the mean over the tree: the leaves' `parent.tree_workers` is the tree's
+/// workers); each gets the same, close result.
+fn allreduce_f32(tree: &Tree, len: usize, mean: bool) {
     let results: Vec<Vec<f32>> = std::thread::scope(|s| {
         let handles: Vec<_> = tree
             .all()
             .map(|(g, c)| {
                 s.spawn(move || {
                     let mut v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.25 + g as f32) * 1e-5).collect();
-                    c.allreduce_f32(&mut v, false).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
+                    c.allreduce_f32(&mut v, mean).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
                     v
                 })
             })
@@ -212,8 +229,11 @@ fn allreduce_f32(tree: &Tree, len: usize) {
         // The sum of (i/4 + g)·1e-5 over the W global ranks (at most 0.8
         // for 16 workers and 20,000 elements: it fits int32 at the fixed
         // scale 1e8, which errs by 0.5e-8 a value); f32 keeps ~7 digits.
-        let want = (w * i as f32 * 0.25 + w * (w - 1.0) / 2.0) * 1e-5;
-        assert!((x - want).abs() <= w * 0.5e-8 + want.abs() * 1e-6, "element {i}: {x} vs {want}");
+        // The mean divides both by W (a leaf's own workers would give twice
+        // the mean of 2 leaves).
+        let d = if mean { w } else { 1.0 };
+        let want = (w * i as f32 * 0.25 + w * (w - 1.0) / 2.0) * 1e-5 / d;
+        assert!((x - want).abs() <= w * 0.5e-8 / d + want.abs() * 1e-6, "element {i}{}: {x} vs {want}", if mean { " (mean)" } else { "" });
     }
     assert!(results.iter().all(|r| r == &results[0]), "every worker of the tree has the same floats");
 }
@@ -227,13 +247,14 @@ fn tree(tag: &str, per_leaf: usize, loss: f64, dup: f64) {
     let tree = Tree::up(tag, per_leaf);
     let len = 20_000;
     allreduce(&tree, Op::Sum, len);
-    allreduce_f32(&tree, len);
+    allreduce_f32(&tree, len, false);
+    allreduce_f32(&tree, len, true);
     allreduce(&tree, Op::Max, 1);
     // Each leaf sent each fragment upstream once and took the root's
     // RESULT of it once; the root took one RESULT per fragment (the
     // services publish every 50 ms: wait for them, 5 s at most).
     let per = elements_per_fragment(tree.workers[0][0].config().mtu);
-    let fragments = (2 * len.div_ceil(per) + 1) as u64;
+    let fragments = (3 * len.div_ceil(per) + 1) as u64;
     let counts = || {
         (tree.leaves_counter("upstream_sent"), tree.leaves_counter("parent_results"), tree.counter(0, "results"))
     };
@@ -267,7 +288,7 @@ fn tree(tag: &str, per_leaf: usize, loss: f64, dup: f64) {
         rounds += 1;
         allreduce(&tree, Op::Sum, len);
         allreduce(&tree, Op::Min, 362 * 3 + 17);
-        allreduce_f32(&tree, len);
+        allreduce_f32(&tree, len, true);
         let c = tree.injector.counts() - c0;
         let up = tree.leaves_counter("upstream_resent") - up0;
         let resent = tree.leaves_counter("resent") + tree.counter(0, "resent") - resent0;
@@ -316,4 +337,147 @@ fn two_leaves_of_two_workers_with_loss_and_duplication_on_every_link() {
 #[test]
 fn two_leaves_of_eight_workers_with_loss_and_duplication_on_every_link() {
     tree("tree-8-loss", 8, 0.05, 0.01);
+}
+
+/// What one worker's call did while a daemon of the tree was killed: when
+/// it started and ended, and its error (`None`: it completed exactly).
+struct CallAtKill {
+    worker: usize,
+    start: Instant,
+    end: Instant,
+    err: Option<String>,
+}
+
+/// Every worker loops allreduce_i32 SUM of `len` (the calls in lockstep:
+/// a tree is one set of calls) until node `n` (0 root, 1.. leaves) was
+/// killed with kill -9 (or stopped with SIGTERM) while every worker was
+/// in a call; the call in
+/// flight then is the last. Each call either completes with the exact
+/// vector or fails within its deadline naming the aggregator (the
+/// worker's leaf), never a wrong vector. Returns every call.
+fn loop_and_kill(tree: &mut Tree, n: usize, sigterm: bool, len: usize, deadline: Duration) -> (Instant, Vec<CallAtKill>) {
+    let want = {
+        let inputs: Vec<Vec<i32>> = (0..tree.nworkers()).map(|r| input(r, len)).collect();
+        let c: Vec<(&[i32], i32)> = inputs.iter().map(|v| (v.as_slice(), 1)).collect();
+        reducer::reduce(Op::Sum, &c).expect("reference").ints().expect("ints").to_vec()
+    };
+    let nw = tree.nworkers();
+    let barrier = Barrier::new(nw);
+    let killed = AtomicBool::new(false);
+    let go = AtomicBool::new(true);
+    let in_call = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let Tree { workers, nodes, .. } = tree;
+    let per = workers[0].len();
+    let node = &mut nodes[n];
+    std::thread::scope(|s| {
+        let handles: Vec<_> = workers
+            .iter()
+            .enumerate()
+            .flat_map(|(l, ws)| ws.iter().enumerate().map(move |(r, c)| (l * per + r, c)))
+            .map(|(g, c)| {
+                let (want, barrier, killed, go, in_call, done) = (&want, &barrier, &killed, &go, &in_call, &done);
+                s.spawn(move || {
+                    let mut calls = Vec::new();
+                    loop {
+                        // One decision for all: the barrier's leader reads
+                        // whether the kill happened, everyone reads its
+                        // decision after the second barrier.
+                        if barrier.wait().is_leader() {
+                            go.store(!killed.load(Ordering::SeqCst), Ordering::SeqCst);
+                        }
+                        barrier.wait();
+                        if !go.load(Ordering::SeqCst) {
+                            break calls;
+                        }
+                        let mut v = input(g, len);
+                        let start = Instant::now();
+                        in_call.fetch_add(1, Ordering::SeqCst);
+                        let out = c.allreduce_i32(&mut v, Op::Sum);
+                        in_call.fetch_sub(1, Ordering::SeqCst);
+                        let end = Instant::now();
+                        assert!(end - start < deadline + Duration::from_secs(2), "worker {g}: the call outlived its deadline ({:?})", end - start);
+                        let err = match out {
+                            Ok(_) => {
+                                assert!(&v == want, "worker {g}: a completed call returned a wrong vector");
+                                None
+                            }
+                            Err(e) => Some(e.to_string()),
+                        };
+                        calls.push(CallAtKill { worker: g, start, end, err });
+                        done.fetch_add(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        // Two rounds of calls completed, then every worker in a call: kill.
+        let t0 = Instant::now();
+        while !(done.load(Ordering::SeqCst) >= 2 * nw && in_call.load(Ordering::SeqCst) == nw) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "the workers' calls did not get going");
+            std::hint::spin_loop();
+        }
+        // The kill's time: when the signal goes (SIGTERM's exit may take a
+        // while).
+        let at = Instant::now();
+        if sigterm {
+            node.terminate();
+        } else {
+            node.kill9();
+        }
+        killed.store(true, Ordering::SeqCst);
+        let calls = handles.into_iter().flat_map(|h| h.join().expect("worker thread")).collect();
+        (at, calls)
+    })
+}
+
+/// The checks of a kill: some call was in flight at the kill (it started
+/// before and ended after), every failed call names the aggregator.
+fn check_kill(tag: &str, at: Instant, calls: &[CallAtKill]) {
+    let in_flight: Vec<&CallAtKill> = calls.iter().filter(|c| c.start < at && c.end > at).collect();
+    let failed = in_flight.iter().filter(|c| c.err.is_some()).count();
+    eprintln!(
+        "{tag}: {} calls, {} in flight at the kill: {failed} failed, {} completed exactly",
+        calls.len(),
+        in_flight.len(),
+        in_flight.len() - failed
+    );
+    assert!(!in_flight.is_empty(), "{tag}: no call was in flight at the kill");
+    for c in calls {
+        if let Some(e) = &c.err {
+            assert!(e.contains("aggregator"), "{tag}: worker {}: the error names the aggregator (its leaf): {e}", c.worker);
+            assert!(c.end > at, "{tag}: worker {}: a call before the kill failed: {e}", c.worker);
+        }
+    }
+}
+
+/// kill -9 of a leaf's `aggbox attach` mid-call, then of the root's, then
+/// SIGTERM of the other leaf's: each
+/// worker's call in flight either completes exactly or fails within its
+/// deadline naming its leaf (the aggregator it knows), never a wrong
+/// vector, never a hang; after the killed daemon is started again, the
+/// next calls complete exactly (int32 and the float mean over the tree).
+#[test]
+fn a_leaf_or_the_root_killed_mid_call_fails_calls_cleanly_and_a_restart_serves_again() {
+    require_root();
+    let deadline = Duration::from_secs(3);
+    let mut tree = Tree::up_with("tree-kill", 2, deadline);
+    allreduce(&tree, Op::Sum, 10_000);
+    for (n, sigterm, what) in [(1, false, "leaf 0 (kill -9)"), (0, false, "the root (kill -9)"), (2, true, "leaf 1 (SIGTERM)")] {
+        // Loss toward the hosts the killed node sends RESULTs to (the
+        // leaves, or the leaf's workers), so that some calls need its
+        // service's RESULT resends: the pinned XDP and TC programs go on
+        // without the process, but drop a late retransmission of a
+        // completed fragment.
+        let per = tree.workers[0].len();
+        let to: Vec<usize> = if n == 0 { (1..=LEAVES).collect() } else { (0..per).map(|r| 1 + LEAVES + (n - 1) * per + r).collect() };
+        to.iter().for_each(|&h| tree.impair_host(h, 0.05, 0.0));
+        let (at, calls) = loop_and_kill(&mut tree, n, sigterm, 100_000, deadline);
+        to.iter().for_each(|&h| tree.impair_host(h, 0.0, 0.0));
+        check_kill(what, at, &calls);
+        tree.nodes[n].restart();
+        for _ in 0..3 {
+            allreduce(&tree, Op::Sum, 10_000);
+            allreduce_f32(&tree, 5_000, true);
+        }
+    }
 }

@@ -993,7 +993,7 @@ mod tests {
     }
 
     const PARENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 1);
-    const PARENT: ParentConfig = ParentConfig { addr: PARENT_ADDR, port: 7500, job: 20, rank: 1, result_port: Some(7501) };
+    const PARENT: ParentConfig = ParentConfig { addr: PARENT_ADDR, port: 7500, job: 20, rank: 1, result_port: Some(7501), tree_workers: None };
 
     /// A leaf of a tree: `service(mode)` whose RESULTs go to [`PARENT`].
     fn leaf(mode: AckMode) -> ResultService {

@@ -195,7 +195,7 @@ pub(crate) trait Calls: RoundDriver {
         x: RawF32,
         opts: CallOptions,
     ) -> Result<(), CommError> {
-        let workers = self.engine().cfg.workers();
+        let workers = self.engine().cfg.total_workers();
         let is_agg = self.engine().cfg.me == Participant::Aggregator;
         let len = x.len;
         let q = self.engine().cfg.quantization;
@@ -292,7 +292,7 @@ pub(crate) trait Calls: RoundDriver {
         let agreed = f32::from_bits(out.values.first().copied().unwrap_or(0) as u32);
         Ok(quantize::adaptive_scale(
             agreed,
-            self.engine().cfg.workers(),
+            self.engine().cfg.total_workers(),
         ))
     }
 }

@@ -155,6 +155,12 @@ pub struct CommConfig {
     /// `AGGBOX_CALLER_THREAD=0` turns it off at `build()` (for A/B
     /// measurements under an unchanged application, e.g. the MPI library).
     pub caller_runs_calls: bool,
+    /// The workers whose values a reduction sums: the divisor of a float
+    /// mean (`allreduce_f32(.., mean = true)`) and the count an adaptive
+    /// scale keeps the sum in int32 for. `None` = the workers; a tree's leaf
+    /// job sets the tree's workers (`parent.tree_workers`,
+    /// [`CommunicatorBuilder::from_config`]).
+    pub tree_workers: Option<u16>,
 }
 
 /// A broadcast group configured on this participant's node (`[[group]]`):
@@ -170,6 +176,11 @@ pub struct TcGroup {
 impl CommConfig {
     pub(crate) fn workers(&self) -> u16 {
         self.peers.len() as u16
+    }
+
+    /// [`CommConfig::tree_workers`], or the workers.
+    pub(crate) fn total_workers(&self) -> u16 {
+        self.tree_workers.unwrap_or_else(|| self.workers())
     }
 
     pub(crate) fn participants(&self) -> usize {
@@ -234,6 +245,7 @@ impl CommunicatorBuilder {
                 impairment: None,
                 udp_gso: None,
                 caller_runs_calls: true,
+                tree_workers: None,
             },
         }
     }
@@ -274,6 +286,7 @@ impl CommunicatorBuilder {
             .group_size(config.node.ack_group as u32);
         b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
         b.cfg.node_served = job.consumer == ResultConsumer::Node;
+        b.cfg.tree_workers = job.parent.and_then(|p| p.tree_workers);
         if let Some(g) = job.result_group {
             b.cfg.kernel_result_group = true;
             if let Some(group) = config.group(g) {

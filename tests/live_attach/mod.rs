@@ -52,7 +52,23 @@ impl LiveAttach {
         let _ = self.child.wait();
     }
 
-    /// Start `aggbox attach` again after [`LiveAttach::kill9`], with the
+    /// Stop the attach process with SIGTERM (by its pid) and wait for it
+    /// to exit, 10 s at most.
+    pub fn terminate(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to aggbox attach");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("aggbox attach in {} did not exit within 10 s of SIGTERM", self.netns);
+    }
+
+    /// Start `aggbox attach` again after [`LiveAttach::kill9`] (or
+    /// [`LiveAttach::terminate`]), with the
     /// same config and pin root: it replaces the dead process's state.
     pub fn restart(&mut self) {
         self.child = spawn(&self.netns, &self.extra_args, &self.config, &self.pin_root);
