@@ -1002,7 +1002,8 @@ impl Communicator {
     }
 
     /// Float allreduce SUM through quantization; `mean` divides by the
-    /// number of workers. Zero-copy: a worker's floats are quantized straight
+    /// number of workers (of the whole tree for a tree's leaf job:
+    /// [`CommConfig::tree_workers`]). Zero-copy: a worker's floats are quantized straight
     /// from `buf` into datagram buffers and the result is dequantized straight
     /// into `buf` as its fragments arrive; after the first call of a size
     /// nothing is allocated per call (docs/RUNTIME.md). On an error `buf`
