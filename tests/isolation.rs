@@ -181,9 +181,11 @@ fn spoofed_foreign_unknown_and_replayed_datagrams_change_nothing() {
     }
     assert_eq!(dp.slots_in_use(), 0);
     let st = dp.job_state(1).unwrap().unwrap();
-    assert_eq!((st.active_slots, st.completed, st.newest_round), (0, 7, 7));
+    assert_eq!((st.active_slots, st.completed, st.newest_round), (0, 1, 7));
+    assert_eq!(dp.job_stats(1).unwrap().unwrap().results, 7, "job A: 7 completions");
     let st = dp.job_state(2).unwrap().unwrap();
     assert_eq!((st.active_slots, st.completed, st.newest_round), (0, 1, 1));
+    assert_eq!(dp.job_stats(2).unwrap().unwrap().results, 1, "job B: 1 completion");
     assert!(dp.job_state(3).unwrap().is_none(), "an unknown job gets no state");
 }
 
