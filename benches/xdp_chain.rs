@@ -9,6 +9,8 @@
 //! Needs root (loads the programs) and the `bench` feature (the floor
 //! program is built only with it): `sudo cargo bench --features bench
 //! --bench xdp_chain [-- FRAGMENTS]`. Speed lives here, not in the tests.
+//! With `XDP_CHAIN_PROFILE=1` only the 362-element SUM point and the floor
+//! run (what `scripts/xdp_line_profile.py` samples).
 
 #![allow(dead_code)]
 

@@ -283,7 +283,7 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
 
     // `aggbox status --watch`: rates per second while a second reduction
     // (round 2 of both ranks) goes through.
-    let mut watch = Command::new("ip")
+    let watch = Command::new("ip")
         .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_aggbox"), "status", "eth0", "--watch", "0.5", "--pin-root"])
         .arg(&attach.pin_root)
         .stdout(Stdio::piped())
