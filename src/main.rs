@@ -403,7 +403,7 @@ fn attach(
     let _metrics_server = match metrics_listener {
         Some(listener) => {
             let programs = attachment
-                .dataplane
+                .xdp
                 .programs()
                 .map_err(|e| anyhow!("aggbox: {e}"))?
                 .into_iter()

@@ -87,7 +87,7 @@ fn with_aggregator<T: Send>(
 }
 
 fn stats(att: &Attachment) -> Stats {
-    att.dataplane
+    att.xdp
         .stats()
         .unwrap_or_else(|e| panic!("reading stats: {e}"))
 }
@@ -144,7 +144,7 @@ fn check_counters(att: &Attachment, reports: &[RoundReport], allowed: &[DropReas
             assert_eq!(drops(&s, reason), 0, "no {} drops: {s:?}", reason.label());
         }
     }
-    assert_eq!(att.dataplane.slots_in_use(), 0, "every slot released");
+    assert_eq!(att.xdp.slots_in_use(), 0, "every slot released");
 }
 
 /// Rounds of every kernel op on one job: `rounds_per_op` rounds of mixed
@@ -234,7 +234,7 @@ fn kernel_ops_64_ranks_many_fragments_and_rounds() {
         );
         check_counters(att, &reports, &[]);
         let state = att
-            .dataplane
+            .xdp
             .job_state(job.id)
             .expect("job_state")
             .expect("job 1 has state");
@@ -360,7 +360,7 @@ fn spoofed_unknown_job_and_stale_round_are_dropped_counted_and_harmless() {
         reports.push(round(1, Op::Sum, &mut seqs));
         reports.push(round(100, Op::Max, &mut seqs)); // newest completed round: 100
         let before = stats(att);
-        let slots_before = att.dataplane.slots_in_use();
+        let slots_before = att.xdp.slots_in_use();
 
         // 2000 elements: 6 fragments. Every bad datagram would change the
         // result of round 101 (or make a RESULT of its own) if it counted.
@@ -424,7 +424,7 @@ fn spoofed_unknown_job_and_stale_round_are_dropped_counted_and_harmless() {
             );
         }
         assert_eq!(
-            att.dataplane.slots_in_use(),
+            att.xdp.slots_in_use(),
             slots_before,
             "bad datagrams made no slot"
         );

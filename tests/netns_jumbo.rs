@@ -98,7 +98,7 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
             let config = Config::parse(&text, "jumbo.toml").unwrap_or_else(|e| panic!("config: {e}\n{text}"));
             let att = node::attach_chain("eth0", &config, None, &pins.path, mode, chain)
                 .unwrap_or_else(|e| panic!("node::attach eth0 at MTU {mtu} ({mode:?}, {chain:?} chain): {e:#}"));
-            assert_eq!(att.dataplane.chain(), chain);
+            assert_eq!(att.xdp.chain(), chain);
             assert_eq!(att.record.xdp_chain, chain.label());
             let want_mode = if mode == XdpMode::Native { "native" } else { "generic" };
             assert_eq!(att.record.xdp_mode, want_mode, "attached in {mode:?} mode");
@@ -131,10 +131,10 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
                 }
                 let want = (fragments * SENDERS) as u64;
                 let deadline = Instant::now() + Duration::from_secs(5);
-                let mut stats = att.dataplane.stats().expect("stats");
+                let mut stats = att.xdp.stats().expect("stats");
                 while stats.outcome(Outcome::UserspaceUnavailable).packets < want && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(50));
-                    stats = att.dataplane.stats().expect("stats");
+                    stats = att.xdp.stats().expect("stats");
                 }
                 att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
                 return (Vec::new(), 0.0, stats, true);
@@ -177,8 +177,8 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
                     }
                 }
             }
-            let stats = att.dataplane.stats().expect("stats");
-            let programs = att.dataplane.programs().expect("programs");
+            let stats = att.xdp.stats().expect("stats");
+            let programs = att.xdp.programs().expect("programs");
             let contributions = stats.outcome(Outcome::Accepted).packets + stats.outcome(Outcome::Result).packets;
             let mut chain_ns = 0;
             for p in &programs {
@@ -196,8 +196,8 @@ fn reduce_with_chain(mtu: u32, elements: u32, op: Op, strict: bool, mode: XdpMod
                 chain_ns as f64 / contributions.max(1) as f64,
                 chain_ns as f64 / (contributions.max(1) as f64 * per as f64)
             );
-            assert_eq!(att.dataplane.slots_in_use(), 0, "no slot left");
-            assert_eq!(att.dataplane.blocks_in_use().unwrap(), 0, "no block left");
+            assert_eq!(att.xdp.slots_in_use(), 0, "no slot left");
+            assert_eq!(att.xdp.blocks_in_use().unwrap(), 0, "no block left");
             att.detach().unwrap_or_else(|e| panic!("detach: {e:#}"));
             (values, elapsed, stats, false)
         })

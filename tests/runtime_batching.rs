@@ -159,7 +159,7 @@ fn vis_send(
 ) -> (u64, u64, Vec<(String, u64)>) {
     let dgrams: Vec<Vec<u8>> = (0..VIS_N).map(|i| vis_datagram(round, i, per)).collect();
     let snapshot = || {
-        let s = att.dataplane.stats().expect("stats");
+        let s = att.xdp.stats().expect("stats");
         let mut all: Vec<(String, u64)> = s
             .outcomes
             .iter()

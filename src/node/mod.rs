@@ -401,17 +401,18 @@ pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
 /// Dropping it without [`Attachment::detach`] leaves the pinned state behind
 /// (as after a crash); `aggbox detach` or the next attach cleans it up.
 pub struct Attachment {
-    /// The loaded data plane (maps can be updated while attached).
-    pub dataplane: XdpPlane,
+    /// The XDP plane: the aggregation programs and their maps (maps can be
+    /// updated while attached).
+    pub xdp: XdpPlane,
     link: Option<XdpLink>,
     /// The same program on `lo`, for workers on this host.
     lo_link: Option<XdpLink>,
-    /// The TC broadcast plane, when the config has groups or result routes.
-    pub broadcast: Option<TcPlane>,
+    /// The TC plane (broadcast copies, result routes), when the config has
+    /// groups or result routes.
+    pub tc: Option<TcPlane>,
     /// The AF_XDP user-space path (ops the kernel does not aggregate).
     pub userspace: Option<UserspacePath>,
-    /// The stale-slot reclaim when the user-space path is not running (its
-    /// worker does it otherwise).
+    /// What runs while attached: the stale-slot reclaim (src/node/upkeep.rs).
     upkeep: Option<Upkeep>,
     /// The result service of the `consumer = "node"` jobs (running also
     /// with none: a reload may add some).
@@ -604,10 +605,10 @@ pub fn attach_chain(
         }
     };
     let mut attachment = Attachment {
-        dataplane,
+        xdp: dataplane,
         link: Some(link),
         lo_link,
-        broadcast,
+        tc: broadcast,
         userspace,
         upkeep,
         results: None,
@@ -621,7 +622,7 @@ pub fn attach_chain(
         if let Some(u) = attachment.userspace.take() {
             u.stop();
         }
-        if let Some(mut b) = attachment.broadcast.take() {
+        if let Some(mut b) = attachment.tc.take() {
             let _ = b.detach();
         }
         let _ = detach_dir(&dir);
@@ -634,7 +635,7 @@ pub fn attach_chain(
             if let Some(u) = attachment.userspace.take() {
                 u.stop();
             }
-            if let Some(mut b) = attachment.broadcast.take() {
+            if let Some(mut b) = attachment.tc.take() {
                 let _ = b.detach();
             }
             let _ = detach_dir(&dir);
@@ -647,8 +648,8 @@ pub fn attach_chain(
 impl Attachment {
     fn pin(&mut self) -> Result<()> {
         fs::create_dir_all(&self.dir).with_context(|| format!("aggbox: creating {}", self.dir.display()))?;
-        self.dataplane.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
-        if let Some(plane) = &self.broadcast {
+        self.xdp.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
+        if let Some(plane) = &self.tc {
             plane.pin_maps(&self.dir).map_err(|e| anyhow!("aggbox: {e}"))?;
         }
         if let Some(link) = &self.link {
@@ -674,7 +675,7 @@ impl Attachment {
         }
         drop(self.upkeep.take());
         let mut result = Ok(());
-        if let Some(mut plane) = self.broadcast.take() {
+        if let Some(mut plane) = self.tc.take() {
             if let Err(e) = plane.detach() {
                 result = Err(anyhow!("aggbox: detaching the TC programs: {e}"));
             }

@@ -181,12 +181,12 @@ impl Attachment {
             );
         }
         let summary = diff(&old, new);
-        if needs_tc(new) && self.broadcast.is_none() {
+        if needs_tc(new) && self.tc.is_none() {
             bail!(
                 "the new config has groups, a result_group or a parent, but this attach has no TC programs (its config needed none): restart `aggbox attach` to apply it; nothing was changed"
             );
         }
-        if self.broadcast.is_some() {
+        if self.tc.is_some() {
             check_local_members(new)?;
         }
         if self.lo_link.is_none() && self.record.iface != LOOPBACK {
@@ -210,7 +210,7 @@ impl Attachment {
         if let Some(userspace) = &mut self.userspace {
             userspace.reconfigure(new, &reset)?;
         }
-        if let Some(plane) = &self.broadcast {
+        if let Some(plane) = &self.tc {
             for g in summary.groups.iter().filter_map(|id| new.group(*id)) {
                 plane.set_group(g.id, &g.members).map_err(|e| anyhow!("group {}: {e}", g.id))?;
             }
@@ -219,13 +219,13 @@ impl Attachment {
             }
         }
         for id in &summary.removed {
-            self.dataplane.remove_job(*id).map_err(|e| anyhow!("removing job {id}: {e}"))?;
+            self.xdp.remove_job(*id).map_err(|e| anyhow!("removing job {id}: {e}"))?;
         }
         for id in summary.added.iter().chain(&summary.changed) {
             let job = new.job(*id).expect("diff names jobs of the new config");
-            self.dataplane.set_job(*id, &xdp_job(job)).map_err(|e| anyhow!("job {id}: {e}"))?;
+            self.xdp.set_job(*id, &xdp_job(job)).map_err(|e| anyhow!("job {id}: {e}"))?;
         }
-        if let Some(plane) = &self.broadcast {
+        if let Some(plane) = &self.tc {
             let touched = Config {
                 jobs: new.jobs.iter().filter(|j| !summary.unchanged.contains(&j.id)).cloned().collect(),
                 ..Config::default()

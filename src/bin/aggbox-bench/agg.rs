@@ -547,7 +547,7 @@ pub struct Aggregator<'a> {
 fn prog_stats(a: &Aggregator<'_>) -> Vec<(String, u64, u64)> {
     if let Some(att) = a.att {
         return att
-            .dataplane
+            .xdp
             .programs()
             .map(|v| {
                 v.into_iter()
@@ -1554,7 +1554,7 @@ pub fn with_runtime<T>(
 
 /// Non-zero XDP outcome / drop / hand-off counters of an attachment, one line.
 pub fn kernel_counters(att: &node::Attachment) -> Option<String> {
-    let s = att.dataplane.stats().ok()?;
+    let s = att.xdp.stats().ok()?;
     let mut parts: Vec<String> = s
         .outcomes
         .iter()
@@ -1567,7 +1567,7 @@ pub fn kernel_counters(att: &node::Attachment) -> Option<String> {
             .filter(|(_, c)| c.packets > 0)
             .map(|(k, c)| format!("drop:{k}={}", c.packets)),
     );
-    if let Ok(h) = att.dataplane.handoff_stats() {
+    if let Ok(h) = att.xdp.handoff_stats() {
         parts.extend(
             h.iter()
                 .filter(|(_, c)| c.packets > 0)
