@@ -62,6 +62,13 @@ fn stats(all: &[Communicator]) -> Vec<CommStats> {
     all.iter().map(|c| c.stats()).collect()
 }
 
+/// The injected loss happened and the participants resent what it took.
+fn assert_loss_was_repaired(all: &[Communicator], control: &ImpairControl) {
+    let dropped = control.stats().dropped;
+    let retx: u64 = stats(all).iter().map(|s| s.retransmitted).sum();
+    assert!(dropped > 0 && retx > 0, "dropped {dropped}, retransmitted {retx}");
+}
+
 /// One blocking allreduce at a time per participant: each runs on the
 /// caller's thread (none on the progress thread), under 5 % loss, and the
 /// lost datagrams were resent.
@@ -93,13 +100,7 @@ fn blocking_calls_with_nothing_in_flight_run_on_the_callers_thread_under_loss() 
             c.participant()
         );
     }
-    let h = control.stats();
-    let retx: u64 = stats(&all).iter().map(|s| s.retransmitted).sum();
-    assert!(
-        h.dropped > 0 && retx > 0,
-        "dropped {}, retransmitted {retx}",
-        h.dropped
-    );
+    assert_loss_was_repaired(&all, &control);
 }
 
 /// Two threads per participant call at once on one communicator: one
@@ -163,13 +164,7 @@ fn a_callers_calls_and_the_progress_threads_calls_interleave_under_loss() {
         on_caller > 0,
         "no blocking call took the caller's path: {st:?}"
     );
-    let h = control.stats();
-    let retx: u64 = stats(&all).iter().map(|s| s.retransmitted).sum();
-    assert!(
-        h.dropped > 0 && retx > 0,
-        "dropped {}, retransmitted {retx}",
-        h.dropped
-    );
+    assert_loss_was_repaired(&all, &control);
 }
 
 /// The aggregator's allreduce ends only when every worker acknowledged the
