@@ -136,6 +136,48 @@ pub struct Config {
     pub jobs: Vec<JobConfig>,
     /// `[[group]]` tables in file order; ids are unique.
     pub groups: Vec<GroupConfig>,
+    /// `[[ring]]` tables in file order (ring allreduce jobs, docs/RING.md);
+    /// ids unique among rings, ports unique among jobs and rings.
+    pub rings: Vec<RingConfig>,
+}
+
+/// `[[ring]]`: a ring allreduce job (docs/RING.md). Every member is a node
+/// running `aggbox attach` with the same table; the node finds its own
+/// place in `members` by its interface's addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingConfig {
+    /// The AGR1 `ring` field.
+    pub id: u16,
+    /// UDP port of the ring on every member.
+    pub port: u16,
+    /// The members in ring order: member i sends to member i + 1 (mod n).
+    /// 2..=[`MAX_WORKERS`] distinct addresses.
+    pub members: Vec<Ipv4Addr>,
+    /// Weight of each member (all 1 when the file gives none).
+    pub weights: Vec<i32>,
+    /// Elements of the reduced vector (>= 1).
+    pub vector_len: u32,
+    /// Elements per fragment (one datagram), even, 2..=
+    /// [`crate::wire::abi::RING_MAX_FRAG_ELEMS`]; default
+    /// [`DEFAULT_RING_FRAG_ELEMS`] (MTU 1500). Every ring of a node has the
+    /// same (the data map's value size).
+    pub frag_elems: u32,
+}
+
+/// `[[ring]] frag_elems` default: the elements of a 1500-byte IPv4
+/// datagram ((1500 - 20 - 8 - 24) / 4).
+pub const DEFAULT_RING_FRAG_ELEMS: u32 = 362;
+
+impl RingConfig {
+    /// Fragments of the vector.
+    pub fn frags(&self) -> u32 {
+        self.vector_len.div_ceil(self.frag_elems)
+    }
+
+    /// Sum of the weights (the AVG divisor).
+    pub fn weight_sum(&self) -> u32 {
+        self.weights.iter().map(|&w| w as u32).sum()
+    }
 }
 
 /// `[node]`: settings that are not per job or group.
@@ -401,7 +443,7 @@ impl Config {
             // anyway instead of a panic.
             return Err(src.error(0, None, "the document is not a TOML table".into()));
         };
-        let mut top = Table::from_entries(&src, "", 0, entries, &["node", "job", "group"])?;
+        let mut top = Table::from_entries(&src, "", 0, entries, &["node", "job", "group", "ring"])?;
 
         let node = match top.take("node") {
             Some(v) => parse_node(&src, v)?,
@@ -442,10 +484,31 @@ impl Config {
             None => Vec::new(),
         };
         check_references(&src, &jobs, &groups)?;
+        let rings = match top.take("ring") {
+            Some(v) => {
+                let items = array_of_tables(&src, "ring", v)?;
+                let mut rings: Vec<(RingConfig, String, usize, usize)> = Vec::with_capacity(items.len());
+                for (i, item) in items.into_iter().enumerate() {
+                    let path = format!("ring[{i}]");
+                    if i >= abi::MAX_RINGS as usize {
+                        return Err(src.error(
+                            item.span().start,
+                            Some(path),
+                            format!("more than {} rings; the kernel's ring_jobs map holds {}", abi::MAX_RINGS, abi::MAX_RINGS),
+                        ));
+                    }
+                    rings.push(parse_ring(&src, path, item)?);
+                }
+                check_rings(&src, &jobs, &rings)?;
+                rings.into_iter().map(|r| r.0).collect()
+            }
+            None => Vec::new(),
+        };
         Ok(Config {
             node,
             jobs: jobs.into_iter().map(|j| j.config).collect(),
             groups: groups.into_iter().map(|g| g.config).collect(),
+            rings,
         })
     }
 
@@ -457,6 +520,11 @@ impl Config {
     /// The broadcast group with id `id`, if configured.
     pub fn group(&self, id: u16) -> Option<&GroupConfig> {
         self.groups.iter().find(|g| g.id == id)
+    }
+
+    /// The ring with id `id`, if configured.
+    pub fn ring(&self, id: u16) -> Option<&RingConfig> {
+        self.rings.iter().find(|r| r.id == id)
     }
 }
 
@@ -890,6 +958,119 @@ fn parse_weights(
         ));
     }
     Ok(weights)
+}
+
+const RING_KEYS: &[&str] = &["id", "port", "members", "weights", "vector_len", "frag_elems"];
+
+/// A parsed ring, its path, and the offsets of its id and port.
+fn parse_ring(
+    src: &Source<'_>,
+    path: String,
+    v: Spanned<Value>,
+) -> Result<(RingConfig, String, usize, usize), ConfigError> {
+    let mut t = Table::from_value(src, path.clone(), v, RING_KEYS)?;
+    let id_v = t.require("id")?;
+    let id = int_in(src, &t.key("id"), &id_v, 0, 65535, "a ring id", "")? as u16;
+    let port_v = t.require("port")?;
+    let port = udp_port(src, &t.key("port"), &port_v)?;
+    let members_v = t.require("members")?;
+    let members_at = members_v.span().start;
+    let members = parse_workers(src, &t.key("members"), members_v)?;
+    if members.len() < 2 {
+        return Err(src.error(
+            members_at,
+            Some(t.key("members")),
+            "one member: a ring needs at least two (a single node has nothing to reduce with)".into(),
+        ));
+    }
+    let weights = match t.take("weights") {
+        Some(v) => parse_weights(src, &t.key("weights"), v, members.len())?,
+        None => vec![1; members.len()],
+    };
+    let vl_v = t.require("vector_len")?;
+    let vector_len = int_in(
+        src,
+        &t.key("vector_len"),
+        &vl_v,
+        1,
+        i64::from(u32::MAX),
+        "a vector length",
+        "a ring's memory is sized from it",
+    )? as u32;
+    let frag_elems = match t.take("frag_elems") {
+        Some(v) => {
+            let key = t.key("frag_elems");
+            let n = int_in(
+                src,
+                &key,
+                &v,
+                2,
+                i64::from(abi::RING_MAX_FRAG_ELEMS),
+                "a fragment size in elements",
+                "(MTU - 52) / 4 fills a datagram",
+            )? as u32;
+            if n % 2 != 0 {
+                return Err(src.error(
+                    v.span().start,
+                    Some(key),
+                    format!("{n} is odd: the ring's memory holds fragments of whole 8-byte words"),
+                ));
+            }
+            n
+        }
+        None => DEFAULT_RING_FRAG_ELEMS,
+    };
+    Ok((
+        RingConfig { id, port, members, weights, vector_len, frag_elems },
+        path,
+        id_v.span().start,
+        port_v.span().start,
+    ))
+}
+
+/// Ring ids unique among rings, ports unique among jobs and rings, one
+/// fragment size for the node.
+fn check_rings(
+    src: &Source<'_>,
+    jobs: &[ParsedJob],
+    rings: &[(RingConfig, String, usize, usize)],
+) -> Result<(), ConfigError> {
+    for (i, (ring, path, id_at, port_at)) in rings.iter().enumerate() {
+        for (other, opath, oid_at, _) in &rings[..i] {
+            if other.id == ring.id {
+                return Err(src.error(
+                    *id_at,
+                    Some(format!("{path}.id")),
+                    format!("ring {} is already defined by {opath} (line {})", ring.id, src.line(*oid_at)),
+                ));
+            }
+            if other.port == ring.port {
+                return Err(src.error(
+                    *port_at,
+                    Some(format!("{path}.port")),
+                    format!("port {} is already ring {}'s ({opath}): a port serves one ring", ring.port, other.id),
+                ));
+            }
+            if other.frag_elems != ring.frag_elems {
+                return Err(src.error(
+                    *id_at,
+                    Some(format!("{path}.frag_elems")),
+                    format!(
+                        "{} elements per fragment where {opath} has {}: the rings of a node share one fragment size",
+                        ring.frag_elems, other.frag_elems
+                    ),
+                ));
+            }
+        }
+        if let Some(job) = jobs.iter().find(|j| j.config.port == ring.port || j.config.result_port == ring.port) {
+            return Err(src.error(
+                *port_at,
+                Some(format!("{path}.port")),
+                format!("port {} is also job {}'s ({}): a port serves one job or ring", ring.port, job.config.id, job.path),
+            ));
+        }
+    }
+    Ok(())
 }
 
 const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank", "result_port", "tree_workers"];

@@ -86,6 +86,21 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_ROUTE_F_GROUP".into(), abi::ROUTE_F_GROUP as i64),
         ("AGGBOX_ROUTE_F_PARENT".into(), abi::ROUTE_F_PARENT as i64),
         ("AGGBOX_ROUTE_F_KNOWN".into(), abi::ROUTE_F_KNOWN as i64),
+        ("AGGBOX_MAGIC_RING".into(), abi::MAGIC_RING as i64),
+        ("AGGBOX_RING_PARTIAL".into(), abi::RING_PARTIAL as i64),
+        ("AGGBOX_RING_FINAL".into(), abi::RING_FINAL as i64),
+        ("AGGBOX_RING_NACK".into(), abi::RING_NACK as i64),
+        ("AGGBOX_RING_KICK".into(), abi::RING_KICK as i64),
+        ("AGGBOX_RING_KIND_LAST".into(), abi::RING_KIND_LAST as i64),
+        ("AGGBOX_RING_F_SATURATED".into(), abi::RING_F_SATURATED as i64),
+        ("AGGBOX_RING_F_NACK_FINAL".into(), abi::RING_F_NACK_FINAL as i64),
+        ("AGGBOX_RING_F_KNOWN".into(), abi::RING_F_KNOWN as i64),
+        ("AGGBOX_MAX_RINGS".into(), abi::MAX_RINGS as i64),
+        ("AGGBOX_RING_MAX_FRAG_ELEMS".into(), abi::RING_MAX_FRAG_ELEMS as i64),
+        ("AGGBOX_RING_READY".into(), abi::RING_READY as i64),
+        ("AGGBOX_RING_STAT_MAX".into(), abi::RING_STAT_MAX as i64),
+        ("AGGBOX_CALL_RING".into(), abi::CALL_RING as i64),
+        ("AGGBOX_CALL_MAX".into(), abi::CALL_MAX as i64),
         ("AGGBOX_DROP_FIRST".into(), DropReason::ALL[0] as i64),
         ("AGGBOX_DROP_LAST".into(), DropReason::ALL[DropReason::ALL.len() - 1] as i64),
     ];
@@ -110,6 +125,9 @@ fn constants() -> Vec<(String, i64)> {
     }
     for stat in abi::BcastStat::ALL {
         out.push((format!("AGGBOX_BCAST_{}", stat.label().to_uppercase()), stat as i64));
+    }
+    for stat in abi::RingStat::ALL {
+        out.push((format!("AGGBOX_RING_{}", stat.label().to_uppercase()), stat as i64));
     }
     for outcome in Outcome::ALL {
         out.push((format!("AGGBOX_OUTCOME_{}", outcome.label().to_uppercase()), outcome as i64));

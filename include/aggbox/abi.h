@@ -377,7 +377,8 @@ enum aggbox_call {
 	AGGBOX_CALL_ADD    = 1, /* add up to AGGBOX_PROG_CHUNKS chunks of the payload into the slot */
 	AGGBOX_CALL_RESULT = 2, /* write up to AGGBOX_PROG_CHUNKS chunks of the result, then emit RESULT */
 	AGGBOX_CALL_ENTRY  = 3, /* the entry program again: a fragment the fast slot won (fast_check) */
-	AGGBOX_CALL_MAX    = 4,
+	AGGBOX_CALL_RING   = 4, /* a ring datagram (AGR1, docs/RING.md) */
+	AGGBOX_CALL_MAX    = 5,
 };
 
 /* Key of the slots map (and of the completed map). */
@@ -652,5 +653,120 @@ struct aggbox_job_handoff {
 	__u32 pad;          /* zero */
 };
 _Static_assert(sizeof(struct aggbox_job_handoff) == 16, "job handoff is 16 bytes");
+
+/* ---------------------------------------------------------------------------
+ * Ring allreduce (docs/RING.md): every member of a ring job runs the XDP
+ * program; a fragment's partial sum travels the ring once adding each
+ * member's elements (PARTIAL), then once more being stored (FINAL).
+ * ------------------------------------------------------------------------- */
+
+#define AGGBOX_MAGIC_RING 0x41475231u /* "AGR1": ring datagram */
+
+/* AGR1 `kind` */
+#define AGGBOX_RING_PARTIAL 0 /* reduce-scatter: the partial result of the members it passed */
+#define AGGBOX_RING_FINAL   1 /* allgather: the fragment's result */
+#define AGGBOX_RING_NACK    2 /* payload: __be32 fragment indexes the sender misses */
+#define AGGBOX_RING_KICK    3 /* local runtime -> its node: round `round` is ready (count 0) */
+#define AGGBOX_RING_KIND_LAST AGGBOX_RING_KICK
+
+/* AGR1 `flags` */
+#define AGGBOX_RING_F_SATURATED 0x01 /* some partial left the int32 range and was saturated */
+#define AGGBOX_RING_F_NACK_FINAL 0x02 /* NACK: resend the FINALs (else: the PARTIALs from the origin) */
+#define AGGBOX_RING_F_KNOWN     0x03
+
+/*
+ * Ring message header; `count` elements follow (int32, big-endian; for a
+ * NACK, __be32 fragment indexes). Fragment `frag` holds elements
+ * frag * frag_elems .. + count of the vector; its origin is member
+ * frag % members, and the member that receives transmission `hops` of it is
+ * (origin + hops) % members: hops 1..members-1 are PARTIALs, the member of
+ * hops members-1 completes it, hops members..2*members-2 are FINALs.
+ */
+struct aggbox_ring_hdr {
+	__be32 magic;  /* big-endian: AGGBOX_MAGIC_RING */
+	__be16 ring;   /* big-endian: ring job id */
+	__u8   kind;   /* AGGBOX_RING_* */
+	__u8   flags;  /* AGGBOX_RING_F_* */
+	__be32 round;  /* big-endian: the call's round */
+	__be32 frag;   /* big-endian: fragment index */
+	__be16 hops;   /* big-endian: transmission number along the ring (see above) */
+	__be16 count;  /* big-endian: payload elements */
+	__be16 sender; /* big-endian: member index of the sender */
+	__u8   op;     /* enum aggbox_op, kernel ops only (0..4) */
+	__u8   pad;    /* zero */
+};
+_Static_assert(sizeof(struct aggbox_ring_hdr) == 24, "AGR1 header is 24 bytes");
+
+#ifndef AGGBOX_MAX_RINGS
+#define AGGBOX_MAX_RINGS 64 /* ring jobs per node */
+#endif
+#ifndef AGGBOX_RING_MAX_FRAG_ELEMS
+#define AGGBOX_RING_MAX_FRAG_ELEMS 4096 /* largest ring fragment, elements */
+#endif
+
+/*
+ * Value of ring_jobs (index: the ring's dense index, ring_index maps the id
+ * to 1 + it): how this node takes part in one ring. Written by the control
+ * plane, read by XDP and the node's ring service.
+ */
+struct aggbox_ring_job {
+	__u16  id;         /* host order: ring job id */
+	__u16  port;       /* host order: UDP port of the ring on every member */
+	__u16  members;    /* host order: members, 2..=AGGBOX_MAX_RANKS */
+	__u16  me;         /* host order: this node's member index */
+	__u32  frag_elems; /* host order: elements per fragment (the ring_data value) */
+	__u32  frags;      /* host order: fragments of the vector */
+	__u32  vector_len; /* host order: elements of the vector */
+	__u32  base;       /* host order: index of fragment 0 in ring_data and ring_done */
+	__u32  weight_sum; /* host order: sum of the members' weights (AVG divisor) */
+	__s32  weight;     /* host order: this member's weight */
+	__be32 self_addr;  /* big-endian: this member's address (source of what it sends) */
+	__be32 next_addr;  /* big-endian: the next member's address */
+};
+_Static_assert(sizeof(struct aggbox_ring_job) == 40, "ring job is 40 bytes");
+
+/*
+ * Value of ring_ctrl (index: dense ring index; BPF_F_MMAPABLE, shared with
+ * the application's runtime): the round whose input is in place and how
+ * many fragments of it are final here.
+ */
+#define AGGBOX_RING_READY 0x01 /* state: ready_round's input is in ring_data */
+struct aggbox_ring_ctrl {
+	__u32 ready_round;  /* host order: written by the runtime */
+	__u32 state;        /* host order: AGGBOX_RING_READY, written by the runtime after the input */
+	__u32 finals;       /* host order: fragments of finals_round stored here (atomic) */
+	__u32 finals_round; /* host order: the round `finals` counts */
+	__u32 op;           /* host order: the round's op (written by the runtime) */
+	__u32 pad[11];      /* zero */
+};
+_Static_assert(sizeof(struct aggbox_ring_ctrl) == 64, "ring ctrl is 64 bytes");
+
+/* Value of ring_done (index: ring_job.base + fragment; BPF_F_MMAPABLE):
+ * the round whose FINAL of the fragment is in ring_data (1 + round: 0 = none). */
+struct aggbox_ring_done {
+	__u32 round_plus1; /* host order: 1 + round, 0 = never */
+	__u32 pad;         /* zero */
+};
+_Static_assert(sizeof(struct aggbox_ring_done) == 8, "ring done is 8 bytes");
+
+/* Per-CPU counters of one ring (ring_stats, index: dense ring index). */
+enum aggbox_ring_stat {
+	AGGBOX_RING_ADDED      = 0,  /* PARTIALs this member added to and forwarded */
+	AGGBOX_RING_COMPLETED  = 1,  /* PARTIALs completed here (FINAL stored and sent on) */
+	AGGBOX_RING_STORED     = 2,  /* FINALs stored (and forwarded unless the last) */
+	AGGBOX_RING_DUPLICATE  = 3,  /* FINALs or completing PARTIALs already stored: dropped */
+	AGGBOX_RING_EARLY      = 4,  /* PARTIALs of a round whose input is not ready: to the ring service */
+	AGGBOX_RING_TO_SERVICE = 5,  /* NACK, KICK, frames the program cannot edit: to the ring service */
+	AGGBOX_RING_STALE      = 6,  /* PARTIALs of another round than the ready one: dropped */
+	AGGBOX_RING_FORGED     = 7,  /* source not the member it names, or hops that do not lead here: dropped */
+	AGGBOX_RING_MALFORMED  = 8,  /* bad header, count, fragment or op: dropped */
+	AGGBOX_RING_NO_ROUTE   = 9,  /* next member's next hop unknown: to the ring service */
+	AGGBOX_RING_SATURATED  = 10, /* PARTIALs or FINALs carrying AGGBOX_RING_F_SATURATED */
+	AGGBOX_RING_STAT_MAX   = 11,
+};
+struct aggbox_ring_stats {
+	__u64 count[16]; /* host order: indexed by enum aggbox_ring_stat */
+};
+_Static_assert(sizeof(struct aggbox_ring_stats) == 128, "ring stats is 128 bytes");
 
 #endif /* AGGBOX_ABI_H */

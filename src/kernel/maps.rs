@@ -69,6 +69,22 @@ pub mod names {
     pub const FAST_SLOTS: &str = "fast_slots";
     /// Per-CPU fast-slot counters (`abi::FAST_*`).
     pub const FAST_STATS: &str = "fast_stats";
+    /// Ring port → 1 + dense ring index (docs/RING.md).
+    pub const RING_PORTS: &str = "ring_ports";
+    /// Ring id → 1 + dense ring index.
+    pub const RING_INDEX: &str = "ring_index";
+    /// Per ring (dense index): `abi::RingJob`.
+    pub const RING_JOBS: &str = "ring_jobs";
+    /// Ring members' addresses (`abi::Rank`), dense · MAX_RANKS + member.
+    pub const RING_MEMBERS: &str = "ring_members";
+    /// The rings' fragments (mmapable): input, then result.
+    pub const RING_DATA: &str = "ring_data";
+    /// Per fragment (mmapable): `abi::RingDone`.
+    pub const RING_DONE: &str = "ring_done";
+    /// Per ring (mmapable): `abi::RingCtrl`.
+    pub const RING_CTRL: &str = "ring_ctrl";
+    /// Per-CPU per-ring counters (`abi::RingStats`).
+    pub const RING_STATS: &str = "ring_stats";
     /// AF_XDP sockets by RX queue (XSKMAP).
     pub const XSKS: &str = "xsks";
     /// The longest frame redirected to an AF_XDP socket (0: no limit).

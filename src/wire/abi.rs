@@ -477,7 +477,9 @@ pub const CALL_RESULT: u32 = 2;
 /// See [`CALL_SLOT`].
 pub const CALL_ENTRY: u32 = 3;
 /// See [`CALL_SLOT`].
-pub const CALL_MAX: u32 = 4;
+pub const CALL_RING: u32 = 4;
+/// See [`CALL_SLOT`].
+pub const CALL_MAX: u32 = 5;
 
 /// `struct aggbox_slot_key` (host order).
 #[repr(C)]
@@ -713,6 +715,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_slot_owner", SlotOwner, [owner]);
     fields!(out, "aggbox_job_handoff", JobHandoff, [flags, newest_round, completed, pad]);
     bcast_layout(&mut out);
+    ring_layout(&mut out);
     out
 }
 
@@ -1007,4 +1010,190 @@ mod tests {
         // A window past i32::MAX is as wide as serial order reaches.
         assert!(!Round(1).is_stale(Some(Round(1 << 31)), u32::MAX));
     }
+}
+
+// ---------------------------------------------------------------------------
+// Ring allreduce: mirror of the "Ring allreduce" part of abi.h
+// (docs/RING.md).
+// ---------------------------------------------------------------------------
+
+/// `AGGBOX_MAGIC_RING`: "AGR1".
+pub const MAGIC_RING: u32 = 0x4147_5231;
+/// `AGGBOX_RING_PARTIAL`: the partial result of the members it passed.
+pub const RING_PARTIAL: u8 = 0;
+/// `AGGBOX_RING_FINAL`: the fragment's result.
+pub const RING_FINAL: u8 = 1;
+/// `AGGBOX_RING_NACK`: fragment indexes the sender misses.
+pub const RING_NACK: u8 = 2;
+/// `AGGBOX_RING_KICK`: local runtime to its node, a round is ready.
+pub const RING_KICK: u8 = 3;
+/// `AGGBOX_RING_KIND_LAST`.
+pub const RING_KIND_LAST: u8 = RING_KICK;
+/// `AGGBOX_RING_F_SATURATED`: some partial left the int32 range.
+pub const RING_F_SATURATED: u8 = 0x01;
+/// `AGGBOX_RING_F_NACK_FINAL`: a NACK for FINALs (else for PARTIALs).
+pub const RING_F_NACK_FINAL: u8 = 0x02;
+/// `AGGBOX_RING_F_KNOWN`.
+pub const RING_F_KNOWN: u8 = 0x03;
+/// Length of `struct aggbox_ring_hdr`.
+pub const RING_HDR_LEN: usize = 24;
+/// `AGGBOX_MAX_RINGS`.
+pub const MAX_RINGS: u32 = 64;
+/// `AGGBOX_RING_MAX_FRAG_ELEMS`.
+pub const RING_MAX_FRAG_ELEMS: u32 = 4096;
+/// `AGGBOX_RING_READY`.
+pub const RING_READY: u32 = 0x01;
+
+/// `struct aggbox_ring_hdr` (wire: big-endian fields as raw `u16`/`u32`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingHdr {
+    pub magic: u32,
+    pub ring: u16,
+    pub kind: u8,
+    pub flags: u8,
+    pub round: u32,
+    pub frag: u32,
+    pub hops: u16,
+    pub count: u16,
+    pub sender: u16,
+    pub op: u8,
+    pub pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<RingHdr>() == RING_HDR_LEN);
+
+/// `struct aggbox_ring_job` (host order but `self_addr`, `next_addr`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingJob {
+    pub id: u16,
+    pub port: u16,
+    pub members: u16,
+    pub me: u16,
+    pub frag_elems: u32,
+    pub frags: u32,
+    pub vector_len: u32,
+    pub base: u32,
+    pub weight_sum: u32,
+    pub weight: i32,
+    /// Big-endian (network order) IPv4 address.
+    pub self_addr: u32,
+    /// Big-endian (network order) IPv4 address.
+    pub next_addr: u32,
+}
+const _: () = assert!(core::mem::size_of::<RingJob>() == 40);
+
+/// `struct aggbox_ring_ctrl` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingCtrl {
+    pub ready_round: u32,
+    pub state: u32,
+    pub finals: u32,
+    pub finals_round: u32,
+    pub op: u32,
+    pub pad: [u32; 11],
+}
+const _: () = assert!(core::mem::size_of::<RingCtrl>() == 64);
+
+/// `struct aggbox_ring_done` (host order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingDone {
+    pub round_plus1: u32,
+    pub pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<RingDone>() == 8);
+
+/// `enum aggbox_ring_stat`: index into [`RingStats::count`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum RingStat {
+    Added = 0,
+    Completed = 1,
+    Stored = 2,
+    Duplicate = 3,
+    Early = 4,
+    ToService = 5,
+    Stale = 6,
+    Forged = 7,
+    Malformed = 8,
+    NoRoute = 9,
+    Saturated = 10,
+}
+
+impl RingStat {
+    /// Every counter, in index order.
+    pub const ALL: [RingStat; 11] = [
+        RingStat::Added,
+        RingStat::Completed,
+        RingStat::Stored,
+        RingStat::Duplicate,
+        RingStat::Early,
+        RingStat::ToService,
+        RingStat::Stale,
+        RingStat::Forged,
+        RingStat::Malformed,
+        RingStat::NoRoute,
+        RingStat::Saturated,
+    ];
+
+    /// The counter's name in the metrics and `aggbox status`.
+    pub fn label(self) -> &'static str {
+        match self {
+            RingStat::Added => "added",
+            RingStat::Completed => "completed",
+            RingStat::Stored => "stored",
+            RingStat::Duplicate => "duplicate",
+            RingStat::Early => "early",
+            RingStat::ToService => "to_service",
+            RingStat::Stale => "stale",
+            RingStat::Forged => "forged",
+            RingStat::Malformed => "malformed",
+            RingStat::NoRoute => "no_route",
+            RingStat::Saturated => "saturated",
+        }
+    }
+}
+/// `AGGBOX_RING_STAT_MAX`.
+pub const RING_STAT_MAX: u32 = 11;
+
+/// `struct aggbox_ring_stats` (per-CPU value of `ring_stats`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingStats {
+    pub count: [u64; 16],
+}
+const _: () = assert!(core::mem::size_of::<RingStats>() == 128);
+
+// SAFETY: repr(C), integers only, any bit pattern valid.
+unsafe impl Plain for RingHdr {}
+unsafe impl Plain for RingJob {}
+unsafe impl Plain for RingCtrl {}
+unsafe impl Plain for RingDone {}
+unsafe impl Plain for RingStats {}
+
+/// Field offsets of the ring structs (part of [`layout`]).
+fn ring_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
+    macro_rules! fields {
+        ($cname:literal, $ty:ty, [$($f:ident),*]) => {
+            out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
+            $(
+                out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
+                    size_of_field(|s: &$ty| &s.$f)));
+            )*
+        };
+    }
+    fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
+        core::mem::size_of::<F>()
+    }
+    fields!("aggbox_ring_hdr", RingHdr, [magic, ring, kind, flags, round, frag, hops, count, sender, op, pad]);
+    fields!(
+        "aggbox_ring_job",
+        RingJob,
+        [id, port, members, me, frag_elems, frags, vector_len, base, weight_sum, weight, self_addr, next_addr]
+    );
+    fields!("aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
+    fields!("aggbox_ring_done", RingDone, [round_plus1, pad]);
+    fields!("aggbox_ring_stats", RingStats, [count]);
 }
