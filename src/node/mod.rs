@@ -9,6 +9,7 @@
 
 
 pub mod metrics;
+pub mod ring;
 pub mod serve;
 mod reload;
 pub use reload::{request_reload, ReloadRecord, ReloadSummary};
