@@ -7,7 +7,9 @@
 //!
 //! It also holds the one rule both user-space writers of `ring_ctrl`
 //! follow: how a call makes its round ready ([`RingMemory::begin_round`]),
-//! and how a stored result is claimed ([`RingMemory::claim_result`]).
+//! and how a stored result is claimed ([`RingMemory::claim_result`]); and
+//! the counters the node's ring service pins for the runtime and
+//! `aggbox status` ([`RingServiceStats`]).
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
@@ -104,6 +106,48 @@ pub enum RingMemoryError {
         entries: u32,
     },
 }
+
+/// Name of the pinned map of [`RingServiceStats`] by ring id (`u32` key),
+/// a user-space map of the attach process: `aggbox status` shows it, the
+/// runtime reads `saturated` from it.
+pub const SERVICE_STATS_MAP: &str = "ring_service";
+
+/// Counters of one ring's service (src/node/ring.rs), in `/metrics` as `aggbox_ring_service_*`
+/// and in `aggbox status`; the C layout is the pinned map's value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RingServiceStats {
+    /// KICKs from the local runtime.
+    pub kicks: u64,
+    /// Rounds started here.
+    pub rounds: u64,
+    /// PARTIALs hops 1 sent as this member's own fragments' origin.
+    pub originals_sent: u64,
+    /// NACK datagrams sent.
+    pub nacks_sent: u64,
+    /// NACK datagrams received.
+    pub nacks_received: u64,
+    /// PARTIALs or FINALs resent to answer a NACK.
+    pub resends: u64,
+    /// PARTIALs held because their round was not ready here.
+    pub early_held: u64,
+    /// Early PARTIALs dropped (the hold was full, or their round never
+    /// became the ready one).
+    pub early_dropped: u64,
+    /// Hops made in user space (PARTIALs added to, FINALs stored).
+    pub user_hops: u64,
+    /// Datagrams sent on to the next member after a user-space hop.
+    pub forwarded: u64,
+    /// FINALs or completions already stored (dropped).
+    pub duplicates: u64,
+    /// Fragments stored here whose result saturated (OVERFLOW).
+    pub saturated: u64,
+    /// Datagrams refused: malformed, another ring, forged source, stale.
+    pub refused: u64,
+}
+
+// SAFETY: only u64 fields, no padding.
+unsafe impl plain::Plain for RingServiceStats {}
 
 /// One mapped or allocated array of map values.
 #[derive(Debug)]

@@ -29,6 +29,7 @@ use anyhow::{anyhow, Result};
 
 use crate::config::{Config, RingConfig};
 use crate::kernel::ring_memory::{self, RingMemory};
+pub use crate::kernel::ring_memory::{RingServiceStats, SERVICE_STATS_MAP as STATS_MAP};
 use crate::wire::abi::{self, Op, Round, RingJob};
 use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX_NACK_INDEXES};
 
@@ -48,48 +49,6 @@ const ACTIVE_TICK: Duration = Duration::from_micros(200);
 const IDLE_TICK: Duration = Duration::from_millis(20);
 /// How often the loop publishes its counters (metrics, status).
 const PUBLISH_EVERY: Duration = Duration::from_millis(50);
-
-/// Name of the pinned map of [`RingServiceStats`] by ring id (`u32` key),
-/// a user-space map of the attach process: `aggbox status` shows it, the
-/// runtime reads `saturated` from it.
-pub const STATS_MAP: &str = "ring_service";
-
-/// Counters of one ring's service, in `/metrics` as `aggbox_ring_service_*`
-/// and in `aggbox status`; the C layout is the pinned map's value.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct RingServiceStats {
-    /// KICKs from the local runtime.
-    pub kicks: u64,
-    /// Rounds started here.
-    pub rounds: u64,
-    /// PARTIALs hops 1 sent as this member's own fragments' origin.
-    pub originals_sent: u64,
-    /// NACK datagrams sent.
-    pub nacks_sent: u64,
-    /// NACK datagrams received.
-    pub nacks_received: u64,
-    /// PARTIALs or FINALs resent to answer a NACK.
-    pub resends: u64,
-    /// PARTIALs held because their round was not ready here.
-    pub early_held: u64,
-    /// Early PARTIALs dropped (the hold was full, or their round never
-    /// became the ready one).
-    pub early_dropped: u64,
-    /// Hops made in user space (PARTIALs added to, FINALs stored).
-    pub user_hops: u64,
-    /// Datagrams sent on to the next member after a user-space hop.
-    pub forwarded: u64,
-    /// FINALs or completions already stored (dropped).
-    pub duplicates: u64,
-    /// Fragments stored here whose result saturated (OVERFLOW).
-    pub saturated: u64,
-    /// Datagrams refused: malformed, another ring, forged source, stale.
-    pub refused: u64,
-}
-
-// SAFETY: only u64 fields, no padding.
-unsafe impl plain::Plain for RingServiceStats {}
 
 /// A datagram to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
