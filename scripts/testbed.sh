@@ -35,6 +35,9 @@
 #                          generated packets carry full checksums
 #           --static-neigh permanent ARP entries for every other host's addresses,
 #                          and the switch's forwarding entry of every host's MAC
+#           --xdp-tx       GRO on the switch's end of every veth: a veth takes
+#                          frames a host's XDP program sends back (XDP_TX,
+#                          the ring's forwarding) only when its peer runs NAPI
 #   down    Remove every namespace of this prefix (no error if there is none).
 #           Processes still running inside a namespace keep it alive unnamed:
 #           stop them first (a warning lists their pids).
@@ -46,7 +49,7 @@
 # The prefix must match ^[a-z0-9]{1,8}$ (interface names are at most 15 bytes).
 # up and down serialise on a lock in $AGGBOX_TESTBED_STATE_DIR (default
 # /run/aggbox-testbed), which also holds one state file per live testbed.
-# Needs root, ip (iproute2), sysctl, flock, and ethtool for --tx-csum-off.
+# Needs root, ip (iproute2), sysctl, flock, and ethtool for --tx-csum-off and --xdp-tx.
 # Testing hook: AGGBOX_TESTBED_FAIL_AFTER_HOST=I makes `up` fail right after
 # building host I (to check that a failed `up` leaves nothing behind).
 
@@ -93,6 +96,7 @@ MTU=1500
 QUEUES=""
 TX_CSUM_OFF=0
 STATIC_NEIGH=0
+XDP_TX=0
 HOST=""
 EXEC_ARGV=()
 
@@ -111,6 +115,7 @@ while [[ $# -gt 0 ]]; do
         --queues) need_value "$@"; QUEUES=$2; shift 2 ;;
         --tx-csum-off) TX_CSUM_OFF=1; shift ;;
         --static-neigh) STATIC_NEIGH=1; shift ;;
+        --xdp-tx) XDP_TX=1; shift ;;
         --host) need_value "$@"; HOST=$2; shift 2 ;;
         --)
             shift
@@ -248,7 +253,7 @@ normalize_subnet() {
 }
 
 config_line() {
-    echo "hosts=$HOSTS subnet=$SUBNET first=$FIRST extra=$EXTRA mtu=$MTU queues=${QUEUES:-default} tx_csum_off=$TX_CSUM_OFF static_neigh=$STATIC_NEIGH"
+    echo "hosts=$HOSTS subnet=$SUBNET first=$FIRST extra=$EXTRA mtu=$MTU queues=${QUEUES:-default} tx_csum_off=$TX_CSUM_OFF static_neigh=$STATIC_NEIGH xdp_tx=$XDP_TX"
 }
 
 # Loads HOSTS (and the other options) from the state file; fails if absent.
@@ -265,6 +270,7 @@ load_state() {
             queues=*) QUEUES=${kv#*=}; [[ $QUEUES != default ]] || QUEUES="" ;;
             tx_csum_off=*) TX_CSUM_OFF=${kv#*=} ;;
             static_neigh=*) STATIC_NEIGH=${kv#*=} ;;
+            xdp_tx=*) XDP_TX=${kv#*=} ;;
         esac
     done
     is_uint "$HOSTS"
@@ -302,6 +308,7 @@ cmd_up() {
     normalize_subnet "$SUBNET"
     [[ $(id -u) -eq 0 ]] || die "must run as root"
     if ((TX_CSUM_OFF)); then command -v ethtool >/dev/null || die "--tx-csum-off needs ethtool"; fi
+    if ((XDP_TX)); then command -v ethtool >/dev/null || die "--xdp-tx needs ethtool"; fi
 
     take_lock
     local cfg
@@ -361,6 +368,9 @@ cmd_up() {
         fi
         ip -n "$SW_NS" link set "$port" master br0
         ip -n "$SW_NS" link set "$port" up
+        if ((XDP_TX)); then
+            nsexec "$SW_NS" ethtool -K "$port" gro on >/dev/null
+        fi
         ip -n "$ns" addr add "$(host_addr "$i")/16" dev eth0
         for ((k = 0; k < EXTRA; k++)); do
             ip -n "$ns" addr add "$(host_addr "$i" "$k")/16" dev eth0

@@ -742,10 +742,13 @@ struct aggbox_ring_ctrl {
 _Static_assert(sizeof(struct aggbox_ring_ctrl) == 64, "ring ctrl is 64 bytes");
 
 /* Value of ring_done (index: ring_job.base + fragment; BPF_F_MMAPABLE):
- * the round whose FINAL of the fragment is in ring_data (1 + round: 0 = none). */
+ * the round whose result of the fragment is in ring_data. Whoever stores a
+ * result (XDP or the ring service) first claims it: compare-and-swap of
+ * claimed_plus1 to 1 + round (the loser of a race between two copies of a
+ * datagram drops its copy), then writes ring_data, then sets round_plus1. */
 struct aggbox_ring_done {
-	__u32 round_plus1; /* host order: 1 + round, 0 = never */
-	__u32 pad;         /* zero */
+	__u32 round_plus1;   /* host order: 1 + round of the stored result, 0 = none */
+	__u32 claimed_plus1; /* host order: 1 + round being (or last) stored, 0 = none */
 };
 _Static_assert(sizeof(struct aggbox_ring_done) == 8, "ring done is 8 bytes");
 

@@ -20,6 +20,7 @@
 #include "stats.h"
 #include "tailcall.h"
 #include "handoff.h"
+#include "ring.h"
 
 /* Internal code of a chain stage: more chunks to go (never counted). */
 #define AGGBOX_CONTINUE 100
@@ -1603,6 +1604,10 @@ static __always_inline int result_from_network(void *pos, void *data_end, int le
 	return AGGBOX_DROP_FORGED_RESULT;
 }
 
+/* Internal code of aggbox_classify: a datagram to a ring's port, for the
+ * ring program (never counted under this value). */
+#define AGGBOX_RING_CODE 103
+
 /*
  * Validate one AGG1 contribution in the order of PROTOCOL.md. Returns an
  * outcome (>= 0) or a drop reason (< 0); *bytes gets the UDP payload length
@@ -1647,8 +1652,12 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 
 	port_key = bpf_ntohs(udph->dest);
 	port = bpf_map_lookup_elem(&ports, &port_key);
-	if (!port || !port->jobs)
+	if (!port || !port->jobs) {
+		index = bpf_map_lookup_elem(&ring_ports, &port_key);
+		if (index && *index)
+			return AGGBOX_RING_CODE;
 		return result_from_network(nh.pos, data_end, len, frag, port_key);
+	}
 
 	/* First fragment of a fragmented datagram to a job port. */
 	if (frag & IP_MF)
@@ -1782,6 +1791,8 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 	s->bytes = 0;
 	s->handoff = AGGBOX_HANDOFF_OP;
 	code = aggbox_classify(ctx, s, linear);
+	if (code == AGGBOX_RING_CODE) /* counted by the ring program (ring_stats) */
+		return aggbox_exit(aggbox_tail_call(ctx, AGGBOX_CALL_RING, linear), s->bytes);
 	if (code == AGGBOX_OUTCOME_TO_USERSPACE)
 		return aggbox_handoff(ctx, s->handoff, AGGBOX_OUTCOME_USERSPACE_UNAVAILABLE, s->bytes,
 				      frame_len(ctx, linear));
@@ -1801,6 +1812,9 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 }
 
 CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
+
+/* CALL_RING: an AGR1 datagram (ring.h, docs/RING.md). */
+CHAIN_PROGRAMS(aggbox_ring, ring_stage)
 
 /* ---------------------------------------------------------------------------
  * CALL_SLOT: find or create the slot, reject stale rounds and

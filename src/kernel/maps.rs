@@ -125,6 +125,14 @@ impl PerCpuSum for abi::Stat {
     }
 }
 
+impl PerCpuSum for abi::RingStats {
+    fn add_cpu(&mut self, other: &Self) {
+        for (a, b) in self.count.iter_mut().zip(other.count.iter()) {
+            *a += b;
+        }
+    }
+}
+
 impl PerCpuSum for abi::JobStats {
     fn add_cpu(&mut self, other: &Self) {
         self.add(other);

@@ -358,6 +358,43 @@ impl Chain {
     }
 }
 
+/// How the ring maps are sized when the object loads (docs/RING.md): the
+/// fragment size of the node's rings and their fragments together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingSizing {
+    /// Elements per fragment (`[[ring]] frag_elems`, one for the node).
+    pub frag_elems: u32,
+    /// Fragments of all rings together (`ring_data` / `ring_done` entries).
+    pub fragments: u32,
+}
+
+impl Default for RingSizing {
+    /// No ring: one entry of the default fragment size.
+    fn default() -> Self {
+        RingSizing {
+            frag_elems: crate::config::DEFAULT_RING_FRAG_ELEMS,
+            fragments: 1,
+        }
+    }
+}
+
+impl RingSizing {
+    /// The sizes the configuration's rings need, and each ring's `base`
+    /// (index of its fragment 0) in file order.
+    pub fn of(rings: &[crate::config::RingConfig]) -> (RingSizing, Vec<u32>) {
+        let mut sizing = RingSizing::default();
+        let mut bases = Vec::with_capacity(rings.len());
+        let mut next = 0u32;
+        for r in rings {
+            sizing.frag_elems = r.frag_elems;
+            bases.push(next);
+            next = next.saturating_add(r.frags());
+        }
+        sizing.fragments = next.max(1);
+        (sizing, bases)
+    }
+}
+
 /// The loaded AggBox XDP object: programs and maps.
 pub struct XdpPlane {
     // Field order matters: the skeleton borrows `_object` and must drop first.
@@ -381,6 +418,12 @@ impl XdpPlane {
 
     /// Open and load the XDP skeleton with one build of the chain.
     pub fn load_chain(chain: Chain) -> Result<Self> {
+        Self::load_chain_with(chain, RingSizing::default())
+    }
+
+    /// [`XdpPlane::load_chain`] with the ring maps sized for the
+    /// configuration's rings (docs/RING.md: their size is fixed at load).
+    pub fn load_chain_with(chain: Chain, rings: RingSizing) -> Result<Self> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's heap allocation never moves and lives as long as
         // `XdpPlane`, whose field order drops the skeleton before the box;
@@ -401,8 +444,32 @@ impl XdpPlane {
             (&mut p.aggbox_slot_linear, !frags),
             (&mut p.aggbox_add_linear, !frags),
             (&mut p.aggbox_result_linear, !frags),
+            (&mut p.aggbox_ring, frags),
+            (&mut p.aggbox_ring_linear, !frags),
         ] {
             prog.set_autoload(load);
+        }
+        let ring_map = |source| XdpError::Map {
+            map: names::RING_DATA,
+            source,
+        };
+        open.maps
+            .ring_data
+            .set_value_size(4 * rings.frag_elems)
+            .map_err(ring_map)?;
+        open.maps
+            .ring_data
+            .set_max_entries(rings.fragments.max(1))
+            .map_err(ring_map)?;
+        open.maps
+            .ring_done
+            .set_max_entries(rings.fragments.max(1))
+            .map_err(|source| XdpError::Map {
+                map: names::RING_DONE,
+                source,
+            })?;
+        if let Some(rodata) = open.maps.rodata_data.as_deref_mut() {
+            rodata.ring_frag_elems = rings.frag_elems;
         }
         let skel = open.load().map_err(XdpError::Load)?;
         let dataplane = XdpPlane {
@@ -434,12 +501,13 @@ impl XdpPlane {
     /// Fill the tail-call program array `progs` (the one place that does
     /// it): index `abi::CALL_*` -> the chain's programs.
     fn fill_prog_arrays(&self) -> Result<()> {
-        let [entry, slot, add, result] = self.chain_programs();
+        let [entry, slot, add, result, ring] = self.chain_programs();
         let chain = [
             (abi::CALL_SLOT, slot.1),
             (abi::CALL_ADD, add.1),
             (abi::CALL_RESULT, result.1),
             (abi::CALL_ENTRY, entry.1),
+            (abi::CALL_RING, ring.1),
         ];
         debug_assert_eq!(chain.len() as u32, abi::CALL_MAX);
         for (index, fd) in chain {
@@ -651,6 +719,41 @@ impl XdpPlane {
             map: names::JOB_STATS,
             source,
         })
+    }
+
+    /// Configure ring `dense` (docs/RING.md): its members' addresses
+    /// (weights in `job`), its job entry, a zeroed control block, then its
+    /// id and port, so a datagram never finds a port whose entries are not
+    /// the ring's. The ring's fragments `job.base ..` must exist in
+    /// ring_data ([`RingSizing`]).
+    pub fn set_ring(&self, dense: u32, job: &abi::RingJob, members: &[std::net::Ipv4Addr]) -> Result<()> {
+        if dense >= abi::MAX_RINGS || members.len() != usize::from(job.members) || members.len() > abi::MAX_RANKS as usize {
+            return Err(XdpError::Map {
+                map: names::RING_JOBS,
+                source: libbpf_rs::Error::from(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
+            });
+        }
+        for (i, addr) in members.iter().enumerate() {
+            let rank = abi::Rank {
+                addr: u32::from(*addr).to_be(),
+                weight: 0,
+            };
+            update_array(&self.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
+        }
+        update_array(&self.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
+        update_array(&self.skel.maps.ring_ctrl, names::RING_CTRL, dense, &abi::RingCtrl::default())?;
+        update_array(&self.skel.maps.ring_index, names::RING_INDEX, u32::from(job.id), &(dense + 1))?;
+        update_array(&self.skel.maps.ring_ports, names::RING_PORTS, u32::from(job.port), &(dense + 1))
+    }
+
+    /// Ring `dense`'s counters summed over CPUs (`abi::RingStat` indexes).
+    pub fn ring_stats(&self, dense: u32) -> Result<abi::RingStats> {
+        Ok(maps::lookup_percpu_sum(&self.skel.maps.ring_stats, &dense.to_ne_bytes())
+            .map_err(|source| XdpError::Map {
+                map: names::RING_STATS,
+                source,
+            })?
+            .unwrap_or_default())
     }
 
     fn rank(&self, id: u16, rank: u16) -> Result<Option<abi::Rank>> {
@@ -1056,7 +1159,7 @@ impl XdpPlane {
     }
 
     /// Name and fd of the loaded chain's programs: entry, slot, add, result.
-    fn chain_programs(&self) -> [(&'static str, RawFd); 4] {
+    fn chain_programs(&self) -> [(&'static str, RawFd); 5] {
         self.chain_program_refs().map(|(name, prog)| (name, prog.as_fd().as_raw_fd()))
     }
 
@@ -1070,7 +1173,7 @@ impl XdpPlane {
 
     /// The loaded chain's programs by name (the one place that maps a
     /// [`Chain`] to its programs after load).
-    fn chain_program_refs(&self) -> [(&'static str, &libbpf_rs::Program<'static>); 4] {
+    fn chain_program_refs(&self) -> [(&'static str, &libbpf_rs::Program<'static>); 5] {
         let p = &self.skel.progs;
         match self.chain {
             Chain::Frags => [
@@ -1078,12 +1181,14 @@ impl XdpPlane {
                 ("aggbox_slot", &p.aggbox_slot),
                 ("aggbox_add", &p.aggbox_add),
                 ("aggbox_result", &p.aggbox_result),
+                ("aggbox_ring", &p.aggbox_ring),
             ],
             Chain::Linear => [
                 ("aggbox_xdp_linear", &p.aggbox_xdp_linear),
                 ("aggbox_slot_linear", &p.aggbox_slot_linear),
                 ("aggbox_add_linear", &p.aggbox_add_linear),
                 ("aggbox_result_linear", &p.aggbox_result_linear),
+                ("aggbox_ring_linear", &p.aggbox_ring_linear),
             ],
         }
     }

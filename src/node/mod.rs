@@ -459,6 +459,7 @@ pub fn attach_chain(
     // The result ports of node-served jobs first: one another process holds
     // fails the attach before anything changes.
     let node_addrs = crate::netif::interface_ipv4(iface).with_context(|| format!("aggbox: reading the addresses of {iface}"))?;
+    let rings = ring_jobs(config, iface, &node_addrs)?;
     let served = serve::BoundJobs::bind(config, node_addrs).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     let mounted_bpffs = ensure_bpffs(pin_root)?;
     let dir = pin_dir(pin_root, iface);
@@ -495,9 +496,19 @@ pub fn attach_chain(
             chain.max_mtu()
         ));
     }
-    let dataplane = XdpPlane::load_chain(chain).map_err(|e| anyhow!("aggbox: {e:#}"))?;
+    if !config.rings.is_empty() {
+        // the ring program's bpf_fib_lookup needs forwarding on IFACE
+        tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+    }
+    let (ring_sizing, _) = xdp::RingSizing::of(&config.rings);
+    let dataplane = XdpPlane::load_chain_with(chain, ring_sizing).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     for job in &config.jobs {
         dataplane.set_job(job.id, &xdp_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
+    }
+    for (dense, (job, ring)) in rings.iter().zip(&config.rings).enumerate() {
+        dataplane
+            .set_ring(dense as u32, job, &ring.members)
+            .map_err(|e| anyhow!("aggbox: ring {}: {e}", ring.id))?;
     }
     let (link, warning) = dataplane.attach_xdp(index, mode).map_err(|e| anyhow!("aggbox: {e}"))?;
     warnings.extend(warning);
@@ -644,6 +655,40 @@ pub fn attach_chain(
         }
     }
     Ok(attachment)
+}
+
+/// Each configured ring's entry of `ring_jobs` (docs/RING.md), in file
+/// order (the dense index): this node's place is the member whose address
+/// is one of `iface`'s.
+pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr]) -> Result<Vec<crate::wire::abi::RingJob>> {
+    let (_, bases) = xdp::RingSizing::of(&config.rings);
+    let mut out = Vec::with_capacity(config.rings.len());
+    for (ring, base) in config.rings.iter().zip(bases) {
+        let n = ring.members.len();
+        let Some(me) = ring.members.iter().position(|a| node_addrs.contains(a)) else {
+            bail!(
+                "aggbox: ring {}: this node is not a member: none of {iface}'s addresses ({}) is in members ({})",
+                ring.id,
+                node_addrs.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "),
+                ring.members.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
+            );
+        };
+        out.push(crate::wire::abi::RingJob {
+            id: ring.id,
+            port: ring.port,
+            members: n as u16,
+            me: me as u16,
+            frag_elems: ring.frag_elems,
+            frags: ring.frags(),
+            vector_len: ring.vector_len,
+            base,
+            weight_sum: ring.weight_sum(),
+            weight: ring.weights[me],
+            self_addr: u32::from(ring.members[me]).to_be(),
+            next_addr: u32::from(ring.members[(me + 1) % n]).to_be(),
+        });
+    }
+    Ok(out)
 }
 
 impl Attachment {

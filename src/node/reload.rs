@@ -180,6 +180,11 @@ impl Attachment {
                 keys.join(", ")
             );
         }
+        if old.rings != new.rings {
+            bail!(
+                "[[ring]] tables changed: a ring's memory is sized when the program loads (docs/RING.md), restart `aggbox attach` to apply them; nothing was changed"
+            );
+        }
         let summary = diff(&old, new);
         if needs_tc(new) && self.tc.is_none() {
             bail!(

@@ -137,6 +137,10 @@ pub struct TestbedConfig {
     /// Install permanent ARP entries for every other host's addresses. Default
     /// false (ARP resolves on demand).
     pub static_neigh: bool,
+    /// GRO on the switch's end of every veth, so frames a host's XDP
+    /// program sends back out (`XDP_TX`: the ring's forwarding) are taken.
+    /// Default false.
+    pub xdp_tx: bool,
     /// TX and RX queue count of every veth; `None` (default) keeps the kernel's
     /// (one TX queue, as many RX queues as CPUs).
     pub queues: Option<u32>,
@@ -155,6 +159,7 @@ impl Default for TestbedConfig {
             extra_addrs: 0,
             tx_csum_off: false,
             static_neigh: false,
+            xdp_tx: false,
             queues: None,
             subnet: [10, 77],
             first: 11,
@@ -189,6 +194,9 @@ impl TestbedConfig {
         }
         if self.static_neigh {
             args.push("--static-neigh".into());
+        }
+        if self.xdp_tx {
+            args.push("--xdp-tx".into());
         }
         args
     }

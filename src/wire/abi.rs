@@ -1100,8 +1100,11 @@ const _: () = assert!(core::mem::size_of::<RingCtrl>() == 64);
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RingDone {
+    /// 1 + round of the stored result, 0 = none.
     pub round_plus1: u32,
-    pub pad: u32,
+    /// 1 + round being (or last) stored: claimed by compare-and-swap before
+    /// the result is written (abi.h).
+    pub claimed_plus1: u32,
 }
 const _: () = assert!(core::mem::size_of::<RingDone>() == 8);
 
@@ -1194,6 +1197,6 @@ fn ring_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
         [id, port, members, me, frag_elems, frags, vector_len, base, weight_sum, weight, self_addr, next_addr]
     );
     fields!("aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
-    fields!("aggbox_ring_done", RingDone, [round_plus1, pad]);
+    fields!("aggbox_ring_done", RingDone, [round_plus1, claimed_plus1]);
     fields!("aggbox_ring_stats", RingStats, [count]);
 }

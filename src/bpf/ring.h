@@ -1,0 +1,391 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * The ring program (AGGBOX_CALL_RING, docs/RING.md "XDP"): one AGR1
+ * datagram of a ring job this node is a member of. A PARTIAL gets this
+ * member's elements added in place and goes on to the next member (the
+ * member that completes it stores the result first and sends it on as a
+ * FINAL); a FINAL is stored and goes on unless it was the last. What the
+ * program cannot do (a round not ready yet, NACK, KICK, a frame whose
+ * payload is not in the linear part, a next hop not resolved) is passed to
+ * the node's ring service, which does the same steps in user space
+ * (src/node/ring.rs; the arithmetic's reference is src/wire/ring.rs).
+ *
+ * Included by aggbox_xdp.bpf.c (maps in xdp_maps.h).
+ */
+#ifndef AGGBOX_RING_H
+#define AGGBOX_RING_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "aggbox/abi.h"
+#include "parse.h"
+#include "xdp_maps.h"
+
+/* Elements of a ring_data value (its value size / 4), set by the loader
+ * from the configuration: the verifier reads it as a constant. */
+const volatile __u32 ring_frag_elems = 362;
+
+#define RING_AF_INET 2
+#define RING_NS_PER_SEC 1000000000ull
+#define RING_INT32_MAX 2147483647ll
+#define RING_INT32_MIN (-2147483648ll)
+
+static __always_inline void ring_count(__u32 ridx, __u32 what)
+{
+	struct aggbox_ring_stats *st = bpf_map_lookup_elem(&ring_stats, &ridx);
+
+	if (st && what < AGGBOX_RING_STAT_MAX)
+		st->count[what]++;
+}
+
+/* The verdict of a datagram and its counter. */
+static __always_inline int ring_end(__u32 ridx, __u32 what, int verdict)
+{
+	ring_count(ridx, what);
+	return verdict;
+}
+
+static __always_inline __s64 ring_sat(__s64 v, __u32 *saturated)
+{
+	if (v > RING_INT32_MAX) {
+		*saturated = 1;
+		return RING_INT32_MAX;
+	}
+	if (v < RING_INT32_MIN) {
+		*saturated = 1;
+		return RING_INT32_MIN;
+	}
+	return v;
+}
+
+/* AVG: v / ws truncated toward zero (BPF has only unsigned division). */
+static __always_inline __s64 ring_avg(__s64 v, __u32 ws)
+{
+	__u64 u = v < 0 ? -(__u64)v : (__u64)v;
+
+	u /= ws ? ws : 1;
+	return v < 0 ? -(__s64)u : (__s64)u;
+}
+
+/*
+ * One element: partial (from the datagram) combined with this member's x.
+ * `op` is a compile-time constant at every call site (one loop per op).
+ */
+static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64 w, __u32 *saturated)
+{
+	__s64 wx;
+
+	switch (op) {
+	case AGGBOX_OP_COUNT:
+		return partial + (x != 0);
+	case AGGBOX_OP_MAX:
+		wx = ring_sat(w * x, saturated);
+		return wx > partial ? wx : partial;
+	case AGGBOX_OP_MIN:
+		wx = ring_sat(w * x, saturated);
+		return wx < partial ? wx : partial;
+	default: /* SUM, AVG */
+		return ring_sat(partial + w * x, saturated);
+	}
+}
+
+/*
+ * Add this member's elements (`mine`, ring_data) into the datagram's
+ * payload; when `complete`, also finish them (AVG: divide) and store the
+ * result over `mine` (each element is read before it is written). `op` and
+ * `complete` are constants at each call site, so each loop is branch-free
+ * on them; the loop is bounded by ring_frag_elems (a load-time constant)
+ * for the map value and by data_end for the packet.
+ */
+static __always_inline __u32 ring_add(__be32 *payload, void *data_end, __s32 *mine, __u32 count, const __u8 op,
+				      __s64 w, __u32 ws, const int complete)
+{
+	__u32 saturated = 0, i;
+	__s64 v;
+
+	for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {
+		__be32 *p = payload + i;
+
+		if (i >= count || i >= ring_frag_elems)
+			break;
+		if ((void *)(p + 1) > data_end)
+			break;
+		v = ring_combine(op, (__s32)bpf_ntohl(*p), mine[i], w, &saturated);
+		if (complete) {
+			if (op == AGGBOX_OP_AVG)
+				v = ring_avg(v, ws);
+			mine[i] = (__s32)v;
+		}
+		*p = bpf_htonl((__u32)v);
+	}
+	return saturated;
+}
+
+/* Dispatch to the loop of `op` (each a separate, constant-op copy). */
+static __always_inline __u32 ring_add_op(__be32 *payload, void *data_end, __s32 *mine, __u32 count, __u8 op,
+					 __s64 w, __u32 ws, const int complete)
+{
+	switch (op) {
+	case AGGBOX_OP_SUM:
+		return ring_add(payload, data_end, mine, count, AGGBOX_OP_SUM, w, ws, complete);
+	case AGGBOX_OP_COUNT:
+		return ring_add(payload, data_end, mine, count, AGGBOX_OP_COUNT, w, ws, complete);
+	case AGGBOX_OP_MAX:
+		return ring_add(payload, data_end, mine, count, AGGBOX_OP_MAX, w, ws, complete);
+	case AGGBOX_OP_MIN:
+		return ring_add(payload, data_end, mine, count, AGGBOX_OP_MIN, w, ws, complete);
+	default:
+		return ring_add(payload, data_end, mine, count, AGGBOX_OP_AVG, w, ws, complete);
+	}
+}
+
+/* Store a FINAL's payload (big-endian) into ring_data (host order). */
+static __always_inline void ring_store(__be32 *payload, void *data_end, __s32 *mine, __u32 count)
+{
+	__u32 i;
+
+	for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {
+		__be32 *p = payload + i;
+
+		if (i >= count || i >= ring_frag_elems)
+			break;
+		if ((void *)(p + 1) > data_end)
+			break;
+		mine[i] = (__s32)bpf_ntohl(*p);
+	}
+}
+
+/*
+ * Claim the result of `round` in `done` (docs/RING.md "ring_done"): 1 when
+ * this datagram is the first to store it, 0 when it is stored or being
+ * stored already (a duplicate).
+ */
+static __always_inline int ring_claim(struct aggbox_ring_done *done, __u32 round)
+{
+	__u32 want = round + 1, old = done->claimed_plus1;
+
+	if (old == want || (old && aggbox_rounds_ahead(old - 1, round) > 0))
+		return 0;
+	return __sync_val_compare_and_swap(&done->claimed_plus1, old, want) == old;
+}
+
+/* Publish a stored result and count it for the runtime. */
+static __always_inline void ring_publish(struct aggbox_ring_done *done, struct aggbox_ring_ctrl *ctrl, __u32 round)
+{
+	/* an atomic exchange orders the data stores before it */
+	__sync_lock_test_and_set(&done->round_plus1, round + 1);
+	if (ctrl->finals_round == round)
+		__sync_fetch_and_add(&ctrl->finals, 1);
+}
+
+/* The next member's next hop, from the cache or bpf_fib_lookup. 0: known. */
+static __always_inline int ring_next_hop(struct xdp_md *ctx, __u32 ridx, struct aggbox_ring_job *rj, __u16 tot_len,
+					 struct ring_nexthop *out)
+{
+	struct ring_nexthop *nh = bpf_map_lookup_elem(&ring_nexthop, &ridx);
+	struct bpf_fib_lookup fib = {};
+	__u64 now = bpf_ktime_get_ns();
+
+	if (!nh)
+		return -1;
+	if (nh->resolved_ns && now - nh->resolved_ns < RING_NS_PER_SEC) {
+		*out = *nh;
+		return 0;
+	}
+	fib.family = RING_AF_INET;
+	fib.l4_protocol = IPPROTO_UDP_;
+	fib.tot_len = tot_len;
+	fib.ifindex = ctx->ingress_ifindex;
+	fib.ipv4_src = rj->self_addr;
+	fib.ipv4_dst = rj->next_addr;
+	if (bpf_fib_lookup(ctx, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return -1;
+	__builtin_memcpy(nh->dmac, fib.dmac, 6);
+	__builtin_memcpy(nh->smac, fib.smac, 6);
+	nh->ifindex = fib.ifindex;
+	nh->resolved_ns = now;
+	*out = *nh;
+	return 0;
+}
+
+/* IPv4 header checksum of a 20-byte header (checksum field included as 0). */
+static __always_inline __u16 ring_ip_csum(struct iphdr *iph)
+{
+	__u16 *w = (__u16 *)iph;
+	__u32 sum = 0;
+	int i;
+
+	iph->check = 0;
+#pragma unroll
+	for (i = 0; i < 10; i++)
+		sum += w[i];
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return ~sum;
+}
+
+/* Send the rewritten datagram to the next member. */
+static __always_inline int ring_send_on(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph,
+					struct udphdr *udph, struct aggbox_ring_hdr *rh, struct aggbox_ring_job *rj,
+					struct ring_nexthop *nh, __u16 hops, __u32 saturated)
+{
+	__builtin_memcpy(eth->h_dest, nh->dmac, 6);
+	__builtin_memcpy(eth->h_source, nh->smac, 6);
+	iph->saddr = rj->self_addr;
+	iph->daddr = rj->next_addr;
+	iph->check = ring_ip_csum(iph);
+	udph->source = bpf_htons(rj->port);
+	udph->check = 0;
+	rh->hops = bpf_htons(hops + 1);
+	rh->sender = bpf_htons(rj->me);
+	if (saturated)
+		rh->flags |= AGGBOX_RING_F_SATURATED;
+	if (nh->ifindex == ctx->ingress_ifindex)
+		return XDP_TX;
+	return bpf_redirect(nh->ifindex, 0);
+}
+
+static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct hdr_cursor cur = { .pos = data };
+	struct aggbox_ring_done *done;
+	struct aggbox_ring_ctrl *ctrl;
+	struct aggbox_ring_job *rj;
+	struct aggbox_ring_hdr *rh;
+	struct aggbox_rank *member;
+	struct ring_nexthop nh;
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udph;
+	__u32 ridx, *index, key, frag, count, want, round, n, origin, saturated, last;
+	__u16 hops, sender;
+	__be32 *payload;
+	__s32 *mine;
+	int len;
+
+	if (parse_ethhdr(&cur, data_end, &eth) != ETH_P_IP)
+		return XDP_PASS;
+	if (parse_iphdr(&cur, data_end, &iph) != IPPROTO_UDP_)
+		return XDP_PASS;
+	len = parse_udphdr(&cur, data_end, &udph);
+	if (len < 0)
+		return XDP_PASS;
+	key = bpf_ntohs(udph->dest);
+	index = bpf_map_lookup_elem(&ring_ports, &key);
+	if (!index || *index == 0 || *index > AGGBOX_MAX_RINGS)
+		return XDP_PASS;
+	ridx = *index - 1;
+	rj = bpf_map_lookup_elem(&ring_jobs, &ridx);
+	if (!rj || rj->port != key || rj->members < 2)
+		return XDP_PASS; /* being reconfigured */
+
+	rh = cur.pos;
+	if ((void *)(rh + 1) > data_end || len < (int)sizeof(*rh))
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	if (rh->magic != bpf_htonl(AGGBOX_MAGIC_RING) || bpf_ntohs(rh->ring) != rj->id ||
+	    rh->kind > AGGBOX_RING_KIND_LAST || (rh->flags & ~AGGBOX_RING_F_KNOWN) ||
+	    (bpf_ntohs(iph->frag_off) & (IP_MF | IP_OFFSET)))
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	/* The service checks a KICK's source itself (it comes from lo). */
+	if (rh->kind == AGGBOX_RING_KICK)
+		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
+	n = rj->members;
+	sender = bpf_ntohs(rh->sender);
+	if (sender >= n || sender >= AGGBOX_MAX_RANKS)
+		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
+	key = ridx * AGGBOX_MAX_RANKS + sender;
+	member = bpf_map_lookup_elem(&ring_members, &key);
+	if (!member || member->addr != iph->saddr)
+		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
+	if (rh->kind == AGGBOX_RING_NACK)
+		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
+
+	/* PARTIAL or FINAL */
+	frag = bpf_ntohl(rh->frag);
+	count = bpf_ntohs(rh->count);
+	hops = bpf_ntohs(rh->hops);
+	if (frag >= rj->frags || rh->op > AGGBOX_OP_LAST_KERNEL)
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	want = rj->vector_len - frag * rj->frag_elems;
+	if (want > rj->frag_elems)
+		want = rj->frag_elems;
+	if (count != want || count > ring_frag_elems || len != (int)(sizeof(*rh) + 4 * count))
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	if (rh->kind == AGGBOX_RING_PARTIAL ? (hops < 1 || hops > n - 1) : (hops < n || hops > 2 * n - 2))
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	origin = frag % n;
+	/* Transmission `hops` goes from member origin + hops - 1 to origin +
+	 * hops; a FINAL may also come straight from the completing member
+	 * (origin - 1), which answers a NACK_FINAL that way. */
+	if ((origin + hops) % n != rj->me ||
+	    ((hops + n - 1) % n != (sender + n - origin) % n &&
+	     !(rh->kind == AGGBOX_RING_FINAL && sender == (origin + n - 1) % n)))
+		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
+	if (rh->flags & AGGBOX_RING_F_SATURATED)
+		ring_count(ridx, AGGBOX_RING_SATURATED);
+
+	payload = (__be32 *)(rh + 1);
+	/* A payload that runs on into fragments (multi-buffer frame): the
+	 * service edits it; the headers must be linear (iph->ihl 5: the
+	 * checksum rewrite covers 20 bytes). */
+	if ((void *)(payload + count) > data_end || iph->ihl != 5)
+		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
+
+	key = ridx;
+	ctrl = bpf_map_lookup_elem(&ring_ctrl, &key);
+	key = rj->base + frag;
+	mine = bpf_map_lookup_elem(&ring_data, &key);
+	done = bpf_map_lookup_elem(&ring_done, &key);
+	if (!ctrl || !mine || !done)
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	round = bpf_ntohl(rh->round);
+	if (!(ctrl->state & AGGBOX_RING_READY) || round != ctrl->ready_round) {
+		if (rh->kind == AGGBOX_RING_PARTIAL && aggbox_rounds_ahead(round, ctrl->ready_round) >= 0)
+			return ring_end(ridx, AGGBOX_RING_EARLY, XDP_PASS);
+		/* a FINAL of a round not ready here, or an older PARTIAL: this
+		 * member completed that round already (docs/RING.md) */
+		return ring_end(ridx, rh->kind == AGGBOX_RING_FINAL ? AGGBOX_RING_DUPLICATE : AGGBOX_RING_STALE,
+				XDP_DROP);
+	}
+	if (rh->op != ctrl->op)
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+
+	last = rh->kind == AGGBOX_RING_FINAL && hops == 2 * n - 2;
+	/* Resolve the next hop before the datagram changes: when it is not
+	 * known the service gets the datagram as it arrived. */
+	if (!last && ring_next_hop(ctx, ridx, rj, bpf_ntohs(iph->tot_len), &nh))
+		return ring_end(ridx, AGGBOX_RING_NO_ROUTE, XDP_PASS);
+
+	if (rh->kind == AGGBOX_RING_PARTIAL) {
+		if (hops == n - 1) {
+			/* completing: claim, add + finish + store, publish */
+			if (!ring_claim(done, round))
+				return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
+			saturated = ring_add_op(payload, data_end, mine, count, rh->op, rj->weight, rj->weight_sum, 1);
+			ring_publish(done, ctrl, round);
+			rh->kind = AGGBOX_RING_FINAL;
+			ring_count(ridx, AGGBOX_RING_COMPLETED);
+		} else {
+			saturated = ring_add_op(payload, data_end, mine, count, rh->op, rj->weight, rj->weight_sum, 0);
+			ring_count(ridx, AGGBOX_RING_ADDED);
+		}
+		if (saturated)
+			ring_count(ridx, AGGBOX_RING_SATURATED);
+		return ring_send_on(ctx, eth, iph, udph, rh, rj, &nh, hops, saturated);
+	}
+
+	/* FINAL */
+	if (!ring_claim(done, round))
+		return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
+	ring_store(payload, data_end, mine, count);
+	ring_publish(done, ctrl, round);
+	ring_count(ridx, AGGBOX_RING_STORED);
+	if (last)
+		return XDP_DROP;
+	return ring_send_on(ctx, eth, iph, udph, rh, rj, &nh, hops, 0);
+}
+
+#endif /* AGGBOX_RING_H */
