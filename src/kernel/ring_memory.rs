@@ -7,7 +7,8 @@
 //!
 //! It also holds the one rule both user-space writers of `ring_ctrl`
 //! follow: how a call makes its round ready ([`RingMemory::begin_round`]),
-//! and how a stored result is claimed ([`RingMemory::claim_result`]); and
+//! and how a stored result is claimed and published
+//! ([`RingMemory::claim_result`], [`RingMemory::publish_result`]); and
 //! the counters the node's ring service pins for the runtime and
 //! `aggbox status` ([`RingServiceStats`]).
 
@@ -302,11 +303,22 @@ impl RingMemory {
         unsafe { std::slice::from_raw_parts(self.data.base().add(index as usize * n * 4).cast::<AtomicI32>(), n) }
     }
 
-    /// `ring_done[index].round_plus1`.
+    /// `ring_done[index].round_plus1`: 1 + the round of the stored result.
     pub fn done(&self, index: u32) -> &AtomicU32 {
+        self.done_field(index, std::mem::offset_of!(abi::RingDone, round_plus1))
+    }
+
+    /// `ring_done[index].claimed_plus1`: 1 + the round being (or last)
+    /// stored.
+    pub fn claimed(&self, index: u32) -> &AtomicU32 {
+        self.done_field(index, std::mem::offset_of!(abi::RingDone, claimed_plus1))
+    }
+
+    fn done_field(&self, index: u32, offset: usize) -> &AtomicU32 {
         assert!(index < self.done_entries, "ring_done index {index} past {}", self.done_entries);
-        // SAFETY: in bounds, 8-byte aligned entries, accessed atomically.
-        unsafe { &*self.done.base().add(index as usize * DONE_STRIDE).cast::<AtomicU32>() }
+        // SAFETY: in bounds, a 4-byte field of an 8-byte aligned entry,
+        // accessed atomically.
+        unsafe { &*self.done.base().add(index as usize * DONE_STRIDE + offset).cast::<AtomicU32>() }
     }
 
     /// `ring_ctrl[dense]`.
@@ -323,21 +335,31 @@ impl RingMemory {
         d != 0 && !Round(d.wrapping_sub(1)).is_before(round)
     }
 
-    /// Claims the right to store `round`'s result of `ring_done[index]`:
-    /// the compare-and-swap of docs/RING.md (`1 + round`, only over an
-    /// older round). False: it is stored already (a duplicate).
+    /// Claims the right to store `round`'s result of fragment `index`
+    /// (docs/RING.md "ring_done", the XDP program's `ring_claim`): a
+    /// compare-and-swap of `claimed_plus1` to `1 + round` over anything
+    /// older. False: it is stored, or being stored, already (a duplicate).
     pub fn claim_result(&self, index: u32, round: Round) -> bool {
-        let done = self.done(index);
-        let mut cur = done.load(Ordering::Acquire);
+        let claimed = self.claimed(index);
+        let want = round.0.wrapping_add(1);
+        let mut cur = claimed.load(Ordering::Acquire);
         loop {
-            if cur != 0 && !Round(cur.wrapping_sub(1)).is_before(round) {
+            if cur == want || (cur != 0 && Round(cur.wrapping_sub(1)).is_after(round)) {
                 return false;
             }
-            match done.compare_exchange_weak(cur, round.0.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire) {
+            match claimed.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(now) => cur = now,
             }
         }
+    }
+
+    /// After a claimed result's elements are written: `round_plus1` says
+    /// it is there, and the ring's `finals` counts it when it counts that
+    /// round (the XDP program's `ring_publish`).
+    pub fn publish_result(&self, dense: u32, index: u32, round: Round) {
+        self.done(index).swap(round.0.wrapping_add(1), Ordering::AcqRel);
+        self.ctrl(dense).count_final(round);
     }
 
     /// One call's step 1 (docs/RING.md "One call") for the ring at dense
@@ -415,12 +437,15 @@ mod tests {
         assert!(!m.has_result(0, Round(5)));
         assert!(m.claim_result(0, Round(5)));
         assert!(!m.claim_result(0, Round(5)));
+        assert!(!m.has_result(0, Round(5)), "claimed, not stored yet");
+        m.publish_result(0, 0, Round(5));
         assert!(m.has_result(0, Round(5)));
         assert!(!m.claim_result(0, Round(4)));
         assert!(m.claim_result(0, Round(6)));
         // Round u32::MAX stores 0 + ... wraps: 1 + round = 0 would read
         // "none"; the next claim of it succeeds again, which is harmless.
         assert!(m.claim_result(1, Round(u32::MAX - 1)));
+        m.publish_result(0, 1, Round(u32::MAX - 1));
         assert!(m.has_result(1, Round(u32::MAX - 1)));
     }
 

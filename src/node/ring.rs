@@ -212,7 +212,15 @@ impl RingService {
     fn partial(&mut self, hdr: RingHeader, datagram: &mut Vec<u8>, out: &mut Vec<Transmit>) {
         let ctrl = self.memory.ctrl(self.dense);
         match ctrl.ready() {
-            Some(r) if r == hdr.round => self.add_and_send(hdr, r, datagram, out),
+            Some(r) if r == hdr.round => {
+                if ctrl.op.load(Ordering::Relaxed) != hdr.op as u32 {
+                    // Members disagree on the round's op (the XDP program's
+                    // `malformed`).
+                    self.stats.refused += 1;
+                    return;
+                }
+                self.add_and_send(hdr, r, datagram, out)
+            }
             ready => {
                 let newest = ready.unwrap_or(Round(ctrl.ready_round.load(Ordering::Relaxed)));
                 if hdr.round.is_before(newest) || (ready.is_some() && hdr.round == newest) {
@@ -272,7 +280,7 @@ impl RingService {
                 hook(self.id, &self.stats);
             }
         }
-        self.memory.ctrl(self.dense).count_final(r);
+        self.memory.publish_result(self.dense, self.index(frag), r);
     }
 
     /// A FINAL: stored unless this round's result is there already, sent
@@ -314,7 +322,7 @@ impl RingService {
             let index = self.index(f);
             if hdr.flags & abi::RING_F_NACK_FINAL != 0 {
                 let stored = self.memory.done(index).load(Ordering::Acquire) == r.0.wrapping_add(1);
-                if stored && k != self.layout.completer(f) {
+                if stored && self.layout.completer(f) == self.job.me && k != self.job.me {
                     let hops = self.layout.final_hops_to(f, k);
                     let saturated = self.round == Some(r) && self.saturated[f as usize];
                     let bytes = self.fragment_datagram(RingKind::Final, f, r, hops, hdr.op, saturated, |elems, out| {

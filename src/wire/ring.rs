@@ -175,13 +175,27 @@ pub enum RingError {
         /// This member.
         me: u16,
     },
+    /// The sender is not the member that sends transmission `hops` (the
+    /// one before this, or for a FINAL the completing member).
+    #[error("fragment {frag} hops {hops} comes from member {from}, not {sender}")]
+    NotFrom {
+        /// The fragment.
+        frag: u32,
+        /// Its hops.
+        hops: u16,
+        /// The sender field.
+        sender: u16,
+        /// The member that sends it.
+        from: u16,
+    },
 }
 
 impl RingError {
     /// Whether the XDP program counts it `forged` (a consistent header that
-    /// does not lead here) rather than `malformed`.
+    /// does not lead here, or from the wrong member, or a sender that is
+    /// not a member) rather than `malformed`.
     pub fn is_forged(&self) -> bool {
-        matches!(self, RingError::NotHere { .. })
+        matches!(self, RingError::NotHere { .. } | RingError::NotFrom { .. } | RingError::Sender { .. })
     }
 }
 
@@ -378,6 +392,13 @@ impl RingLayout {
         let to = self.receiver(hdr.frag, hdr.hops);
         if to != self.me {
             return Err(RingError::NotHere { frag: hdr.frag, hops: hdr.hops, to, me: self.me });
+        }
+        // Transmission `hops` comes from the member before; a FINAL may
+        // also come straight from the completing member (its answer to a
+        // NACK_FINAL).
+        let from = self.receiver(hdr.frag, hdr.hops - 1);
+        if hdr.sender != from && !(hdr.kind == RingKind::Final && hdr.sender == self.completer(hdr.frag)) {
+            return Err(RingError::NotFrom { frag: hdr.frag, hops: hdr.hops, sender: hdr.sender, from });
         }
         Ok(())
     }
@@ -667,6 +688,13 @@ mod tests {
         let f = RingHeader { kind: RingKind::Final, hops: 5, ..p };
         assert_eq!(l.check(&f), Ok(()));
         assert!(matches!(l.check(&RingHeader { hops: 3, ..f }), Err(RingError::Hops { .. })));
+        // From a member that does not send that transmission: forged; a
+        // FINAL straight from the completing member (member 0) is not.
+        let from3 = l.check(&RingHeader { sender: 3, ..p });
+        assert!(matches!(from3, Err(RingError::NotFrom { from: 1, .. })), "{from3:?}");
+        assert!(from3.is_err_and(|e| e.is_forged()));
+        assert_eq!(l.check(&RingHeader { sender: 0, ..f }), Ok(()));
+        assert!(matches!(l.check(&RingHeader { sender: 3, ..f }), Err(RingError::NotFrom { .. })));
         let nack = RingHeader { frag: 0, hops: 0, count: 1, ..header(RingKind::Nack) };
         assert_eq!(l.check(&nack), Ok(()));
     }
