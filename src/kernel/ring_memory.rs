@@ -150,6 +150,28 @@ pub struct RingServiceStats {
 // SAFETY: only u64 fields, no padding.
 unsafe impl plain::Plain for RingServiceStats {}
 
+impl RingServiceStats {
+    /// Every counter: its name (`aggbox status`, and `/metrics` as
+    /// `aggbox_ring_service_<name>_total`), what it counts, its value.
+    pub fn counters(&self) -> [(&'static str, &'static str, u64); 13] {
+        [
+            ("kicks", "KICKs from the local runtime.", self.kicks),
+            ("rounds", "Rounds the ring service started.", self.rounds),
+            ("originals_sent", "PARTIALs hops 1 sent as the origin of this member's own fragments.", self.originals_sent),
+            ("nacks_sent", "NACK datagrams sent (the round's finals stopped moving).", self.nacks_sent),
+            ("nacks_received", "NACK datagrams received.", self.nacks_received),
+            ("resends", "PARTIALs or FINALs resent to answer a NACK.", self.resends),
+            ("early_held", "PARTIALs held because their round was not ready here.", self.early_held),
+            ("early_dropped", "Early PARTIALs dropped (hold full, or their round never came).", self.early_dropped),
+            ("user_hops", "Hops made in user space (PARTIALs added to, FINALs stored).", self.user_hops),
+            ("forwarded", "Datagrams sent on to the next member after a user-space hop.", self.forwarded),
+            ("duplicates", "FINALs or completions stored already (dropped).", self.duplicates),
+            ("saturated", "Fragments stored here whose result saturated (OVERFLOW).", self.saturated),
+            ("refused", "Datagrams refused: malformed, another ring, forged, stale, another op.", self.refused),
+        ]
+    }
+}
+
 /// One mapped or allocated array of map values.
 #[derive(Debug)]
 enum Region {

@@ -600,6 +600,26 @@ fn publish_one(map: &libbpf_rs::MapHandle, id: u16, stats: &RingServiceStats) {
     let _ = map.update(&u32::from(id).to_ne_bytes(), abi::as_bytes(stats), libbpf_rs::MapFlags::ANY);
 }
 
+/// The XDP program's counters of every ring pinned in `pin_dir` (ring
+/// id, counters summed over CPUs); empty when there is no ring.
+pub fn pinned_ring_counters(pin_dir: &Path) -> Result<Vec<(u16, abi::RingStats)>> {
+    use crate::kernel::maps::{self, names};
+    use libbpf_rs::{MapCore, MapFlags};
+    let (Ok(jobs), Ok(stats)) = (maps::open_pinned(pin_dir, names::RING_JOBS), maps::open_pinned(pin_dir, names::RING_STATS)) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for dense in 0..abi::MAX_RINGS {
+        let key = dense.to_ne_bytes();
+        let Some(job) = jobs.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<RingJob>(&v)) else { continue };
+        if job.members < 2 {
+            continue;
+        }
+        out.push((job.id, maps::percpu_array_sum::<abi::RingStats>(&stats, dense)?));
+    }
+    Ok(out)
+}
+
 /// Datagrams read from one socket before the others get their turn.
 const RECV_BATCH: usize = 256;
 
