@@ -90,6 +90,14 @@ pub struct RingService {
     in_flight: Vec<u32>,
     /// Fragments of `round` whose result saturated (resends carry the flag).
     saturated: Vec<bool>,
+    /// Per fragment, the stall episode (`episode`) in which it was last
+    /// seen missing at a stall: a fragment is NACKed when it is missing at
+    /// two stalls of one episode, i.e. after `NACK_AFTER` and then its
+    /// doubling with nothing final here meanwhile (at the first it is as
+    /// likely still on its way round a slow ring).
+    missing_since: Vec<u32>,
+    /// Stall episodes: a new one each time the round's `finals` moves.
+    episode: u32,
     held: Vec<Vec<u8>>,
     stall: Stall,
     stats: RingServiceStats,
@@ -127,6 +135,8 @@ impl RingService {
             own_sent: 0,
             in_flight: Vec::new(),
             saturated: vec![false; job.frags as usize],
+            missing_since: vec![0; job.frags as usize],
+            episode: 1,
             held: Vec::new(),
             stall: Stall { finals: 0, since: Instant::now(), after: NACK_AFTER },
             stats: RingServiceStats::default(),
@@ -335,6 +345,7 @@ impl RingService {
                     self.stats.resends += 1;
                 }
             } else if self.layout.origin(f) == self.job.me
+                && self.sent_already(f)
                 && self.memory.ctrl(self.dense).ready() == Some(r)
                 && !self.memory.has_result(index, r)
             {
@@ -342,6 +353,14 @@ impl RingService {
                 self.stats.resends += 1;
             }
         }
+    }
+
+    /// Whether own fragment `f` has had its PARTIAL hops 1 this round (the
+    /// window sends the others in their turn: a NACK of one of those is
+    /// premature and answering it would start a second chain).
+    fn sent_already(&self, f: u32) -> bool {
+        let i = (f / u32::from(self.job.members)) as usize;
+        self.round.is_some() && i < self.own_sent
     }
 
     /// A PARTIAL or FINAL of fragment `f` whose payload `fill` writes from
@@ -394,6 +413,8 @@ impl RingService {
         self.own_sent = 0;
         self.in_flight.clear();
         self.saturated.iter_mut().for_each(|s| *s = false);
+        self.missing_since.iter_mut().for_each(|s| *s = 0);
+        self.episode = 1;
         self.stall = Stall { finals: 0, since: now, after: NACK_AFTER };
         for mut d in std::mem::take(&mut self.held) {
             match RingHeader::decode(&d) {
@@ -436,6 +457,7 @@ impl RingService {
         let finals = ctrl.finals.load(Ordering::Acquire);
         if finals != self.stall.finals {
             self.stall = Stall { finals, since: now, after: NACK_AFTER };
+            self.episode = self.episode.wrapping_add(1).max(1);
         } else if finals < self.job.frags && now >= self.stall.since + self.stall.after {
             self.send_nacks(r, out);
             self.stall.since = now;
@@ -443,14 +465,17 @@ impl RingService {
         }
     }
 
-    /// NACKs of every fragment not final here (own ones not sent yet
-    /// aside): to the origin for those this member completes, to the
-    /// completing member (FINAL) for the others.
+    /// NACKs of the fragments not final here at this stall and an earlier
+    /// one of the same episode (own ones not sent yet aside): to the origin for those this member
+    /// completes, to the completing member (FINAL) for the others.
     fn send_nacks(&mut self, r: Round, out: &mut Vec<Transmit>) {
         let unsent: std::collections::HashSet<u32> = self.own[self.own_sent..].iter().copied().collect();
         let mut by_peer: HashMap<(u16, bool), Vec<u32>> = HashMap::new();
         for f in 0..self.job.frags {
             if unsent.contains(&f) || self.memory.has_result(self.index(f), r) {
+                continue;
+            }
+            if std::mem::replace(&mut self.missing_since[f as usize], self.episode) != self.episode {
                 continue;
             }
             let completer = self.layout.completer(f);

@@ -251,13 +251,14 @@ impl RingCommunicator {
             if start.elapsed() >= self.deadline {
                 return Err(self.timeout(r));
             }
-            // Short waits while the round runs: a call of a few fragments
-            // takes tens of microseconds.
+            // A call of a few fragments takes tens of microseconds.
+            // Short waits while the round may be about to end, longer ones
+            // after (a spinning caller takes a CPU from the ring service).
             spins += 1;
             if spins < 64 {
                 std::hint::spin_loop();
             } else {
-                std::thread::sleep(Duration::from_micros(if spins < 1000 { 20 } else { 200 }));
+                std::thread::sleep(Duration::from_micros(if spins < 200 { 20 } else { 500 }));
             }
         }
         let missing = self.missing(r);
