@@ -74,86 +74,114 @@ static __always_inline __s64 ring_avg(__s64 v, __u32 ws)
  */
 static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64 w, __u32 *saturated)
 {
-	__s64 wx;
-
+	/* weights apply to SUM and AVG only (docs/PROTOCOL.md "Arithmetic") */
 	switch (op) {
 	case AGGBOX_OP_COUNT:
 		return partial + (x != 0);
 	case AGGBOX_OP_MAX:
-		wx = ring_sat(w * x, saturated);
-		return wx > partial ? wx : partial;
+		return x > partial ? x : partial;
 	case AGGBOX_OP_MIN:
-		wx = ring_sat(w * x, saturated);
-		return wx < partial ? wx : partial;
+		return x < partial ? x : partial;
 	default: /* SUM, AVG */
 		return ring_sat(partial + w * x, saturated);
 	}
 }
 
 /*
- * Add this member's elements (`mine`, ring_data) into the datagram's
- * payload; when `complete`, also finish them (AVG: divide) and store the
- * result over `mine` (each element is read before it is written). `op` and
- * `complete` are constants at each call site, so each loop is branch-free
- * on them; the loop is bounded by ring_frag_elems (a load-time constant)
- * for the map value and by data_end for the packet.
+ * Add this member's elements (ring_data[key]) into the datagram's payload
+ * (`count` elements at byte `off` of the frame; weights from ring_jobs
+ * [ridx]); when COMPLETE, also finish
+ * them (AVG: divide) and store the result over this member's elements (each
+ * is read before it is written). Returns 1 when some value saturated, 0,
+ * or -1 when the fragment is missing. One global function per op and
+ * COMPLETE, each verified once with its op a constant: the loop is bounded
+ * by ring_frag_elems (a load-time constant) for the map value and by
+ * data_end for the packet. The packet's bytes change, its length does not.
  */
-static __always_inline __u32 ring_add(__be32 *payload, void *data_end, __s32 *mine, __u32 count, const __u8 op,
-				      __s64 w, __u32 ws, const int complete)
-{
-	__u32 saturated = 0, i;
-	__s64 v;
-
-	for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {
-		__be32 *p = payload + i;
-
-		if (i >= count || i >= ring_frag_elems)
-			break;
-		if ((void *)(p + 1) > data_end)
-			break;
-		v = ring_combine(op, (__s32)bpf_ntohl(*p), mine[i], w, &saturated);
-		if (complete) {
-			if (op == AGGBOX_OP_AVG)
-				v = ring_avg(v, ws);
-			mine[i] = (__s32)v;
-		}
-		*p = bpf_htonl((__u32)v);
+#define RING_ADD_FN(name, OP, COMPLETE)                                                         \
+	__noinline int name(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u32 ridx)  \
+	{                                                                                       \
+		void *data_end = (void *)(long)ctx->data_end;                                   \
+		void *data = (void *)(long)ctx->data;                                           \
+		__s32 *mine = bpf_map_lookup_elem(&ring_data, &key);                            \
+		struct aggbox_ring_job *rj = bpf_map_lookup_elem(&ring_jobs, &ridx);            \
+		__u32 saturated = 0, i, ws;                                                     \
+		__be32 *p;                                                                      \
+		__s64 v, w;                                                                     \
+                                                                                                \
+		if (!mine || !rj || off > 256)                                                  \
+			return -1;                                                              \
+		w = rj->weight;                                                                 \
+		ws = rj->weight_sum;                                                            \
+		p = data + off;                                                                 \
+		for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {                              \
+			if (i >= count || i >= ring_frag_elems)                                 \
+				break;                                                          \
+			if ((void *)(p + 1) > data_end)                                         \
+				break;                                                          \
+			v = ring_combine(OP, (__s32)bpf_ntohl(*p), mine[i], w, &saturated);     \
+			if (COMPLETE) {                                                         \
+				if (OP == AGGBOX_OP_AVG)                                        \
+					v = ring_avg(v, ws);                                    \
+				mine[i] = (__s32)v;                                             \
+			}                                                                       \
+			*p = bpf_htonl((__u32)v);                                               \
+			p++;                                                                    \
+		}                                                                               \
+		return saturated;                                                               \
 	}
-	return saturated;
-}
 
-/* Dispatch to the loop of `op` (each a separate, constant-op copy). */
-static __always_inline __u32 ring_add_op(__be32 *payload, void *data_end, __s32 *mine, __u32 count, __u8 op,
-					 __s64 w, __u32 ws, const int complete)
+RING_ADD_FN(ring_add_sum, AGGBOX_OP_SUM, 0)
+RING_ADD_FN(ring_add_count, AGGBOX_OP_COUNT, 0)
+RING_ADD_FN(ring_add_max, AGGBOX_OP_MAX, 0)
+RING_ADD_FN(ring_add_min, AGGBOX_OP_MIN, 0)
+RING_ADD_FN(ring_add_avg, AGGBOX_OP_AVG, 0)
+RING_ADD_FN(ring_complete_sum, AGGBOX_OP_SUM, 1)
+RING_ADD_FN(ring_complete_count, AGGBOX_OP_COUNT, 1)
+RING_ADD_FN(ring_complete_max, AGGBOX_OP_MAX, 1)
+RING_ADD_FN(ring_complete_min, AGGBOX_OP_MIN, 1)
+RING_ADD_FN(ring_complete_avg, AGGBOX_OP_AVG, 1)
+
+static __always_inline int ring_add_op(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u8 op, __u32 ridx,
+				       int complete)
 {
 	switch (op) {
 	case AGGBOX_OP_SUM:
-		return ring_add(payload, data_end, mine, count, AGGBOX_OP_SUM, w, ws, complete);
+		return complete ? ring_complete_sum(ctx, off, count, key, ridx) : ring_add_sum(ctx, off, count, key, ridx);
 	case AGGBOX_OP_COUNT:
-		return ring_add(payload, data_end, mine, count, AGGBOX_OP_COUNT, w, ws, complete);
+		return complete ? ring_complete_count(ctx, off, count, key, ridx)
+				: ring_add_count(ctx, off, count, key, ridx);
 	case AGGBOX_OP_MAX:
-		return ring_add(payload, data_end, mine, count, AGGBOX_OP_MAX, w, ws, complete);
+		return complete ? ring_complete_max(ctx, off, count, key, ridx) : ring_add_max(ctx, off, count, key, ridx);
 	case AGGBOX_OP_MIN:
-		return ring_add(payload, data_end, mine, count, AGGBOX_OP_MIN, w, ws, complete);
+		return complete ? ring_complete_min(ctx, off, count, key, ridx) : ring_add_min(ctx, off, count, key, ridx);
 	default:
-		return ring_add(payload, data_end, mine, count, AGGBOX_OP_AVG, w, ws, complete);
+		return complete ? ring_complete_avg(ctx, off, count, key, ridx) : ring_add_avg(ctx, off, count, key, ridx);
 	}
 }
 
-/* Store a FINAL's payload (big-endian) into ring_data (host order). */
-static __always_inline void ring_store(__be32 *payload, void *data_end, __s32 *mine, __u32 count)
+/* Store a FINAL's payload (big-endian, at byte `off`) into ring_data[key]
+ * (host order). 0, or -1 when the fragment is missing. */
+__noinline int ring_store(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key)
 {
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	__s32 *mine = bpf_map_lookup_elem(&ring_data, &key);
+	__be32 *p;
 	__u32 i;
 
+	if (!mine || off > 256)
+		return -1;
+	p = data + off;
 	for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {
-		__be32 *p = payload + i;
-
 		if (i >= count || i >= ring_frag_elems)
 			break;
 		if ((void *)(p + 1) > data_end)
 			break;
 		mine[i] = (__s32)bpf_ntohl(*p);
+		p++;
 	}
+	return 0;
 }
 
 /*
@@ -225,11 +253,28 @@ static __always_inline __u16 ring_ip_csum(struct iphdr *iph)
 	return ~sum;
 }
 
-/* Send the rewritten datagram to the next member. */
-static __always_inline int ring_send_on(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph,
-					struct udphdr *udph, struct aggbox_ring_hdr *rh, struct aggbox_ring_job *rj,
-					struct ring_nexthop *nh, __u16 hops, __u32 saturated)
+/*
+ * Send the datagram to the next member, rewriting its headers (at `l3`: the
+ * IPv4 header's offset, 20 bytes; re-derived from ctx: the add functions
+ * ran in between).
+ */
+static __always_inline int ring_send_on(struct xdp_md *ctx, __u32 l3, struct aggbox_ring_job *rj,
+					struct ring_nexthop *nh, __u16 hops, __u32 saturated, __u8 kind)
 {
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct ethhdr *eth = data;
+	struct iphdr *iph;
+	struct udphdr *udph;
+	struct aggbox_ring_hdr *rh;
+
+	if (l3 > 18)
+		return XDP_DROP;
+	iph = data + l3;
+	udph = (void *)(iph + 1);
+	rh = (void *)(udph + 1);
+	if ((void *)(eth + 1) > data_end || (void *)(rh + 1) > data_end)
+		return XDP_DROP;
 	__builtin_memcpy(eth->h_dest, nh->dmac, 6);
 	__builtin_memcpy(eth->h_source, nh->smac, 6);
 	iph->saddr = rj->self_addr;
@@ -237,6 +282,7 @@ static __always_inline int ring_send_on(struct xdp_md *ctx, struct ethhdr *eth, 
 	iph->check = ring_ip_csum(iph);
 	udph->source = bpf_htons(rj->port);
 	udph->check = 0;
+	rh->kind = kind;
 	rh->hops = bpf_htons(hops + 1);
 	rh->sender = bpf_htons(rj->me);
 	if (saturated)
@@ -256,15 +302,15 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	struct aggbox_ring_job *rj;
 	struct aggbox_ring_hdr *rh;
 	struct aggbox_rank *member;
-	struct ring_nexthop nh;
+	struct ring_nexthop nh = {};
 	struct ethhdr *eth;
 	struct iphdr *iph;
 	struct udphdr *udph;
-	__u32 ridx, *index, key, frag, count, want, round, n, origin, saturated, last;
+	__u32 ridx, *index, key, frag, count, want, round, n, origin, last, l3, off;
 	__u16 hops, sender;
+	__u8 kind, op;
 	__be32 *payload;
-	__s32 *mine;
-	int len;
+	int len, rc, complete;
 
 	if (parse_ethhdr(&cur, data_end, &eth) != ETH_P_IP)
 		return XDP_PASS;
@@ -333,59 +379,64 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	 * checksum rewrite covers 20 bytes). */
 	if ((void *)(payload + count) > data_end || iph->ihl != 5)
 		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
+	/* offsets as constants the verifier can bound (no pointer difference) */
+	l3 = proto_is_vlan(bpf_ntohs(eth->h_proto)) ? sizeof(*eth) + sizeof(struct vlan_hdr) : sizeof(*eth);
+	off = l3 + sizeof(*iph) + sizeof(*udph) + sizeof(*rh);
+	kind = rh->kind;
+	op = rh->op;
 
 	key = ridx;
 	ctrl = bpf_map_lookup_elem(&ring_ctrl, &key);
 	key = rj->base + frag;
-	mine = bpf_map_lookup_elem(&ring_data, &key);
 	done = bpf_map_lookup_elem(&ring_done, &key);
-	if (!ctrl || !mine || !done)
+	if (!ctrl || !done)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	round = bpf_ntohl(rh->round);
 	if (!(ctrl->state & AGGBOX_RING_READY) || round != ctrl->ready_round) {
-		if (rh->kind == AGGBOX_RING_PARTIAL && aggbox_rounds_ahead(round, ctrl->ready_round) >= 0)
+		if (kind == AGGBOX_RING_PARTIAL && aggbox_rounds_ahead(round, ctrl->ready_round) >= 0)
 			return ring_end(ridx, AGGBOX_RING_EARLY, XDP_PASS);
 		/* a FINAL of a round not ready here, or an older PARTIAL: this
 		 * member completed that round already (docs/RING.md) */
-		return ring_end(ridx, rh->kind == AGGBOX_RING_FINAL ? AGGBOX_RING_DUPLICATE : AGGBOX_RING_STALE,
-				XDP_DROP);
+		return ring_end(ridx, kind == AGGBOX_RING_FINAL ? AGGBOX_RING_DUPLICATE : AGGBOX_RING_STALE, XDP_DROP);
 	}
-	if (rh->op != ctrl->op)
+	if (op != ctrl->op)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 
-	last = rh->kind == AGGBOX_RING_FINAL && hops == 2 * n - 2;
+	last = kind == AGGBOX_RING_FINAL && hops == 2 * n - 2;
 	/* Resolve the next hop before the datagram changes: when it is not
 	 * known the service gets the datagram as it arrived. */
 	if (!last && ring_next_hop(ctx, ridx, rj, bpf_ntohs(iph->tot_len), &nh))
 		return ring_end(ridx, AGGBOX_RING_NO_ROUTE, XDP_PASS);
 
-	if (rh->kind == AGGBOX_RING_PARTIAL) {
-		if (hops == n - 1) {
-			/* completing: claim, add + finish + store, publish */
-			if (!ring_claim(done, round))
-				return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-			saturated = ring_add_op(payload, data_end, mine, count, rh->op, rj->weight, rj->weight_sum, 1);
+	if (kind == AGGBOX_RING_PARTIAL) {
+		complete = hops == n - 1;
+		/* completing: claim, add + finish + store, publish */
+		if (complete && !ring_claim(done, round))
+			return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
+		rc = ring_add_op(ctx, off, count, key, op, ridx, complete);
+		if (rc < 0)
+			return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+		if (complete) {
 			ring_publish(done, ctrl, round);
-			rh->kind = AGGBOX_RING_FINAL;
 			ring_count(ridx, AGGBOX_RING_COMPLETED);
 		} else {
-			saturated = ring_add_op(payload, data_end, mine, count, rh->op, rj->weight, rj->weight_sum, 0);
 			ring_count(ridx, AGGBOX_RING_ADDED);
 		}
-		if (saturated)
+		if (rc)
 			ring_count(ridx, AGGBOX_RING_SATURATED);
-		return ring_send_on(ctx, eth, iph, udph, rh, rj, &nh, hops, saturated);
+		return ring_send_on(ctx, l3, rj, &nh, hops, rc, complete ? AGGBOX_RING_FINAL : AGGBOX_RING_PARTIAL);
 	}
 
 	/* FINAL */
 	if (!ring_claim(done, round))
 		return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-	ring_store(payload, data_end, mine, count);
+	if (ring_store(ctx, off, count, key) < 0)
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	ring_publish(done, ctrl, round);
 	ring_count(ridx, AGGBOX_RING_STORED);
 	if (last)
 		return XDP_DROP;
-	return ring_send_on(ctx, eth, iph, udph, rh, rj, &nh, hops, 0);
+	return ring_send_on(ctx, l3, rj, &nh, hops, 0, AGGBOX_RING_FINAL);
 }
 
 #endif /* AGGBOX_RING_H */

@@ -452,7 +452,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__uint(map_flags, BPF_F_MMAPABLE);
-	__type(key, __u32);
+	__uint(key_size, 4);
 	__uint(value_size, 4 * 362);
 } ring_data SEC(".maps");
 

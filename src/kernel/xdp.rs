@@ -746,6 +746,43 @@ impl XdpPlane {
         update_array(&self.skel.maps.ring_ports, names::RING_PORTS, u32::from(job.port), &(dense + 1))
     }
 
+    /// Handles of the ring memory maps (`ring_data`, `ring_done`,
+    /// `ring_ctrl`), for the node's ring service and tests in this process.
+    pub fn ring_memory_maps(&self) -> Result<[libbpf_rs::MapHandle; 3]> {
+        let handle = |map: &libbpf_rs::Map<'static>, name: &'static str| {
+            libbpf_rs::MapHandle::try_from(map).map_err(|source| XdpError::Map { map: name, source })
+        };
+        Ok([
+            handle(&self.skel.maps.ring_data, names::RING_DATA)?,
+            handle(&self.skel.maps.ring_done, names::RING_DONE)?,
+            handle(&self.skel.maps.ring_ctrl, names::RING_CTRL)?,
+        ])
+    }
+
+    /// Put a resolved next hop for ring `dense` into the program's cache, as
+    /// if `bpf_fib_lookup` had just answered (it is used for a second):
+    /// lets BPF_PROG_TEST_RUN tests, whose frames have no route, see the
+    /// forwarded datagram.
+    pub fn set_ring_next_hop(&self, dense: u32, dmac: [u8; 6], smac: [u8; 6], ifindex: u32) -> Result<()> {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: valid clock id and out pointer. bpf_ktime_get_ns is CLOCK_MONOTONIC.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        let now = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+        let mut value = Vec::with_capacity(24);
+        value.extend_from_slice(&dmac);
+        value.extend_from_slice(&smac);
+        value.extend_from_slice(&ifindex.to_ne_bytes());
+        value.extend_from_slice(&now.to_ne_bytes());
+        self.skel
+            .maps
+            .ring_nexthop
+            .update(&dense.to_ne_bytes(), &value, MapFlags::ANY)
+            .map_err(|source| XdpError::Map {
+                map: "ring_nexthop",
+                source,
+            })
+    }
+
     /// Ring `dense`'s counters summed over CPUs (`abi::RingStat` indexes).
     pub fn ring_stats(&self, dense: u32) -> Result<abi::RingStats> {
         Ok(maps::lookup_percpu_sum(&self.skel.maps.ring_stats, &dense.to_ne_bytes())

@@ -1,0 +1,363 @@
+//! The ring program (docs/RING.md "XDP") under BPF_PROG_TEST_RUN: one
+//! member (member 1 of 4) of a ring, datagrams built as its neighbours would
+//! send them. Adds, completion, stores, forwarding rewrite, duplicates,
+//! early and stale rounds, forged and malformed datagrams; every completed
+//! value is checked against the star's reference reducer.
+
+mod bpf_common;
+
+use std::net::Ipv4Addr;
+
+use aggbox::config::RingConfig;
+use aggbox::kernel::xdp::{Chain, RingSizing, XdpPlane};
+use aggbox::wire::abi::{self, Op, RingStat};
+use aggbox::wire::reducer::Accumulator;
+use bpf_common::{ipv4_checksum, require_root, Frame, XDP_DROP, XDP_PASS};
+use libbpf_rs::{MapCore, MapFlags};
+
+const XDP_TX: u32 = 3;
+const PORT: u16 = 7400;
+const RING_ID: u16 = 40;
+const FRAG: u32 = 8;
+const ME: usize = 1;
+const NEXT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x22];
+const OWN_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x11];
+
+fn members() -> Vec<Ipv4Addr> {
+    (0..4).map(|i| Ipv4Addr::new(10, 88, 0, 11 + i)).collect()
+}
+
+struct Ring {
+    dp: XdpPlane,
+    cfg: RingConfig,
+    weights: Vec<i32>,
+}
+
+impl Ring {
+    /// A 4-member ring of `vector_len` elements with `weights`, this node
+    /// member 1, round `round` ready with op `op` and input `input`.
+    fn new(vector_len: u32, weights: Vec<i32>) -> Ring {
+        require_root();
+        let cfg = RingConfig {
+            id: RING_ID,
+            port: PORT,
+            members: members(),
+            weights: weights.clone(),
+            vector_len,
+            frag_elems: FRAG,
+        };
+        let (sizing, bases) = RingSizing::of(std::slice::from_ref(&cfg));
+        let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), sizing).expect("load with a ring");
+        let job = abi::RingJob {
+            id: RING_ID,
+            port: PORT,
+            members: 4,
+            me: ME as u16,
+            frag_elems: FRAG,
+            frags: cfg.frags(),
+            vector_len,
+            base: bases[0],
+            weight_sum: cfg.weight_sum(),
+            weight: weights[ME],
+            self_addr: u32::from(members()[ME]).to_be(),
+            next_addr: u32::from(members()[ME + 1]).to_be(),
+        };
+        dp.set_ring(0, &job, &cfg.members).expect("set_ring");
+        dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
+        Ring { dp, cfg, weights }
+    }
+
+    fn ready(&self, round: u32, op: Op, input: &[i32]) {
+        let [data, _, ctrl] = self.dp.ring_memory_maps().unwrap();
+        for f in 0..self.cfg.frags() {
+            let mut v = vec![0u8; 4 * FRAG as usize];
+            for (i, x) in input.iter().skip((f * FRAG) as usize).take(FRAG as usize).enumerate() {
+                v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+            }
+            data.update(&f.to_ne_bytes(), &v, MapFlags::ANY).unwrap();
+        }
+        let c = abi::RingCtrl {
+            ready_round: round,
+            state: abi::RING_READY,
+            finals: 0,
+            finals_round: round,
+            op: op as u32,
+            pad: [0; 11],
+        };
+        ctrl.update(&0u32.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
+    }
+
+    fn data(&self, f: u32) -> Vec<i32> {
+        let [data, _, _] = self.dp.ring_memory_maps().unwrap();
+        let v = data.lookup(&f.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
+        v.chunks(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
+    }
+
+    fn done(&self, f: u32) -> abi::RingDone {
+        let [_, done, _] = self.dp.ring_memory_maps().unwrap();
+        abi::from_bytes(&done.lookup(&f.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+    }
+
+    fn ctrl(&self) -> abi::RingCtrl {
+        let [_, _, ctrl] = self.dp.ring_memory_maps().unwrap();
+        abi::from_bytes(&ctrl.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+    }
+
+    fn stat(&self, s: RingStat) -> u64 {
+        self.dp.ring_stats(0).unwrap().count[s as usize]
+    }
+
+    fn count_of(&self, f: u32) -> u32 {
+        (self.cfg.vector_len - f * FRAG).min(FRAG)
+    }
+
+    fn run(&self, d: &Datagram) -> (u32, Vec<u8>) {
+        self.dp.test_runner().unwrap().run(&d.frame()).unwrap()
+    }
+}
+
+#[derive(Clone)]
+struct Datagram {
+    kind: u8,
+    flags: u8,
+    round: u32,
+    frag: u32,
+    hops: u16,
+    sender: u16,
+    op: Op,
+    values: Vec<i32>,
+    src: Ipv4Addr,
+    count: Option<u16>,
+}
+
+impl Datagram {
+    fn new(kind: u8, round: u32, frag: u32, hops: u16, op: Op, values: Vec<i32>) -> Datagram {
+        // the sender of transmission `hops` is member origin + hops - 1
+        let sender = ((frag as usize % 4) + hops as usize - 1) % 4;
+        Datagram {
+            kind,
+            flags: 0,
+            round,
+            frag,
+            hops,
+            sender: sender as u16,
+            op,
+            values,
+            src: members()[sender],
+            count: None,
+        }
+    }
+
+    fn frame(&self) -> Vec<u8> {
+        let mut p = Vec::new();
+        p.extend_from_slice(&abi::MAGIC_RING.to_be_bytes());
+        p.extend_from_slice(&RING_ID.to_be_bytes());
+        p.push(self.kind);
+        p.push(self.flags);
+        p.extend_from_slice(&self.round.to_be_bytes());
+        p.extend_from_slice(&self.frag.to_be_bytes());
+        p.extend_from_slice(&self.hops.to_be_bytes());
+        p.extend_from_slice(&self.count.unwrap_or(self.values.len() as u16).to_be_bytes());
+        p.extend_from_slice(&self.sender.to_be_bytes());
+        p.push(self.op as u8);
+        p.push(0);
+        for v in &self.values {
+            p.extend_from_slice(&v.to_be_bytes());
+        }
+        let mut f = Frame::udp(self.src, p);
+        f.dst = members()[ME];
+        f.sport = PORT;
+        f.dport = PORT;
+        f.build()
+    }
+}
+
+/// The payload of a forwarded frame, its header fields checked.
+fn forwarded(out: &[u8], kind: u8, hops: u16) -> (u8, Vec<i32>) {
+    assert_eq!(&out[0..6], &NEXT_MAC, "destination MAC of the next hop");
+    assert_eq!(&out[6..12], &OWN_MAC, "source MAC of the next hop");
+    let ip = &out[14..34];
+    assert_eq!(ipv4_checksum(ip), 0, "IPv4 checksum of the rewritten header");
+    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[12..16]).unwrap()), members()[ME]);
+    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[16..20]).unwrap()), members()[ME + 1]);
+    let udp = &out[34..42];
+    assert_eq!(u16::from_be_bytes([udp[0], udp[1]]), PORT);
+    assert_eq!(u16::from_be_bytes([udp[6], udp[7]]), 0, "UDP checksum cleared");
+    let rh = &out[42..66];
+    assert_eq!(rh[6], kind, "kind");
+    assert_eq!(u16::from_be_bytes([rh[16], rh[17]]), hops, "hops");
+    assert_eq!(u16::from_be_bytes([rh[20], rh[21]]), ME as u16, "sender");
+    let n = u16::from_be_bytes([rh[18], rh[19]]) as usize;
+    let vals = out[66..66 + 4 * n].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
+    (rh[7], vals)
+}
+
+fn input(n: u32, seed: i32) -> Vec<i32> {
+    (0..n as i32).map(|i| (i * 7919 + seed * 104_729) % 20_011 - 10_005).collect()
+}
+
+/// The star's result of `op` over every member's values of one fragment.
+fn reference(op: Op, values: &[Vec<i32>], weights: &[i32]) -> Vec<i32> {
+    let mut acc = Accumulator::new(op, values[0].len(), false).unwrap();
+    for (v, w) in values.iter().zip(weights) {
+        acc.add_int(v, *w).unwrap();
+    }
+    acc.finish().unwrap().ints().unwrap().to_vec()
+}
+
+/// The partial a PARTIAL of fragment f carries when it reaches member ME at
+/// `hops`: members origin .. ME-1 combined as the ring does.
+fn partial(op: Op, f: u32, hops: u16, all: &[Vec<i32>], weights: &[i32], count: usize) -> Vec<i32> {
+    let origin = f as usize % 4;
+    let start = (f * FRAG) as usize;
+    let mut out: Vec<i64> = vec![0; count];
+    for k in 0..hops as usize {
+        let m = (origin + k) % 4;
+        for (i, o) in out.iter_mut().enumerate() {
+            let x = all[m][start + i] as i64;
+            let wx = weights[m] as i64 * x;
+            *o = match (op, k) {
+                (Op::Count, 0) => (x != 0) as i64,
+                (Op::Count, _) => *o + (x != 0) as i64,
+                (Op::Max | Op::Min, 0) => x,
+                (Op::Max, _) => (*o).max(x),
+                (Op::Min, _) => (*o).min(x),
+                (_, 0) => wx,
+                _ => *o + wx,
+            };
+        }
+    }
+    out.into_iter().map(|v| v as i32).collect()
+}
+
+#[test]
+fn every_op_adds_completes_and_stores_like_the_star() {
+    let weights = vec![1, 3, 2, 1];
+    for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
+        // 4 fragments: 8, 8, 8, 6 elements
+        let ring = Ring::new(30, weights.clone());
+        let all: Vec<Vec<i32>> = (0..4).map(|m| input(30, m + 1)).collect();
+        let round = 5;
+        ring.ready(round, op, &all[ME]);
+
+        // fragment 0 (origin 0): member 1 is transmission 1, an adder
+        let f = 0;
+        let n = ring.count_of(f) as usize;
+        let d = Datagram::new(abi::RING_PARTIAL, round, f, 1, op, partial(op, f, 1, &all, &weights, n));
+        let (verdict, out) = ring.run(&d);
+        assert_eq!(verdict, XDP_TX, "{op:?}: an added PARTIAL goes on");
+        let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
+        assert_eq!(got, partial(op, f, 2, &all, &weights, n), "{op:?}: member 1's elements added");
+        assert_eq!(ring.data(f)[..n], all[ME][..n], "{op:?}: an adder's input stays");
+
+        // fragment 2 (origin 2): member 1 completes it (transmission 3)
+        let f = 2;
+        let n = ring.count_of(f) as usize;
+        let d = Datagram::new(abi::RING_PARTIAL, round, f, 3, op, partial(op, f, 3, &all, &weights, n));
+        let (verdict, out) = ring.run(&d);
+        assert_eq!(verdict, XDP_TX, "{op:?}: a completed fragment goes on as FINAL");
+        let (flags, got) = forwarded(&out, abi::RING_FINAL, 4);
+        let slices: Vec<Vec<i32>> = all.iter().map(|v| v[(f * FRAG) as usize..(f * FRAG) as usize + n].to_vec()).collect();
+        let want = reference(op, &slices, &weights);
+        assert_eq!(got, want, "{op:?}: the FINAL is the star's result");
+        assert_eq!(flags & abi::RING_F_SATURATED, 0);
+        assert_eq!(ring.data(f)[..n], want[..], "{op:?}: the result is stored in place");
+        assert_eq!(ring.done(f).round_plus1, round + 1);
+        assert_eq!(ring.ctrl().finals, 1, "{op:?}: counted for the runtime");
+        // the same datagram again: a duplicate, nothing changes
+        let (verdict, _) = ring.run(&d);
+        assert_eq!(verdict, XDP_DROP, "{op:?}: a second completion is a duplicate");
+        assert_eq!(ring.ctrl().finals, 1);
+        assert_eq!(ring.data(f)[..n], want[..]);
+
+        // fragment 1 (origin 1): the FINAL reaches member 1 at transmission 4
+        let f = 1;
+        let n = ring.count_of(f) as usize;
+        let result: Vec<i32> = (0..n as i32).map(|i| i * 3 - 7).collect();
+        let d = Datagram::new(abi::RING_FINAL, round, f, 4, op, result.clone());
+        let (verdict, out) = ring.run(&d);
+        assert_eq!(verdict, XDP_TX, "{op:?}: a FINAL that is not the last goes on");
+        let (_, got) = forwarded(&out, abi::RING_FINAL, 5);
+        assert_eq!(got, result);
+        assert_eq!(ring.data(f)[..n], result[..], "{op:?}: stored");
+        assert_eq!(ring.ctrl().finals, 2);
+
+        // fragment 3 (origin 3): member 1 is the last (transmission 6)
+        let f = 3;
+        let n = ring.count_of(f) as usize;
+        assert_eq!(n, 6, "the last fragment is short");
+        let result: Vec<i32> = (0..n as i32).map(|i| 100 - i).collect();
+        let d = Datagram::new(abi::RING_FINAL, round, f, 6, op, result.clone());
+        let (verdict, _) = ring.run(&d);
+        assert_eq!(verdict, XDP_DROP, "{op:?}: the last FINAL ends here");
+        assert_eq!(ring.data(f)[..n], result[..]);
+        assert_eq!(ring.ctrl().finals, 3);
+        assert_eq!(ring.stat(RingStat::Added), 1);
+        assert_eq!(ring.stat(RingStat::Completed), 1);
+        assert_eq!(ring.stat(RingStat::Stored), 2);
+        assert_eq!(ring.stat(RingStat::Duplicate), 1);
+    }
+}
+
+#[test]
+fn a_partial_sum_that_leaves_int32_saturates_and_says_so() {
+    let ring = Ring::new(8, vec![1, 1, 1, 1]);
+    let mine = vec![i32::MAX; 8];
+    ring.ready(0, Op::Sum, &mine);
+    let d = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![10; 8]);
+    let (verdict, out) = ring.run(&d);
+    assert_eq!(verdict, XDP_TX);
+    let (flags, got) = forwarded(&out, abi::RING_PARTIAL, 2);
+    assert_eq!(flags & abi::RING_F_SATURATED, abi::RING_F_SATURATED);
+    assert_eq!(got, vec![i32::MAX; 8]);
+    assert_eq!(ring.stat(RingStat::Saturated), 1);
+}
+
+#[test]
+fn rounds_not_ready_go_to_the_service_and_older_ones_are_dropped() {
+    let ring = Ring::new(16, vec![1, 1, 1, 1]);
+    let d = Datagram::new(abi::RING_PARTIAL, 3, 0, 1, Op::Sum, vec![1; 8]);
+    // nothing ready yet: the service holds it until the runtime's KICK
+    assert_eq!(ring.run(&d).0, XDP_PASS);
+    ring.ready(3, Op::Sum, &[0; 16]);
+    let early = Datagram { round: 4, ..d.clone() };
+    assert_eq!(ring.run(&early).0, XDP_PASS, "the next round: early");
+    let stale = Datagram { round: 2, ..d.clone() };
+    assert_eq!(ring.run(&stale).0, XDP_DROP, "an older round: stale");
+    let final_other = Datagram::new(abi::RING_FINAL, 2, 1, 4, Op::Sum, vec![1; 8]);
+    assert_eq!(ring.run(&final_other).0, XDP_DROP, "a FINAL of a round not ready: dropped");
+    assert_eq!(ring.stat(RingStat::Early), 2);
+    assert_eq!(ring.stat(RingStat::Stale), 1);
+    assert_eq!(ring.stat(RingStat::Duplicate), 1);
+    let other_op = Datagram { op: Op::Max, ..d.clone() };
+    assert_eq!(ring.run(&other_op).0, XDP_DROP, "an op the runtime did not start: malformed");
+    assert_eq!(ring.ctrl().finals, 0);
+}
+
+#[test]
+fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
+    let ring = Ring::new(16, vec![1, 1, 1, 1]);
+    ring.ready(0, Op::Sum, &[5; 16]);
+    let good = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![1; 8]);
+    let cases = [
+        ("a source that is not the member it names", Datagram { src: Ipv4Addr::new(10, 88, 0, 99), ..good.clone() }, RingStat::Forged),
+        ("hops that lead to another member", Datagram::new(abi::RING_PARTIAL, 0, 1, 1, Op::Sum, vec![1; 8]), RingStat::Forged),
+        ("a sender that is not transmission hops' sender", Datagram { sender: 2, src: members()[2], ..good.clone() }, RingStat::Forged),
+        ("a count that is not the fragment's", Datagram { values: vec![1; 7], ..good.clone() }, RingStat::Malformed),
+        ("a count field beyond the datagram", Datagram { count: Some(9), ..good.clone() }, RingStat::Malformed),
+        ("a fragment beyond the vector", Datagram { frag: 4, ..good.clone() }, RingStat::Malformed),
+        ("a reserved flag", Datagram { flags: 0x80, ..good.clone() }, RingStat::Malformed),
+        ("a PARTIAL with FINAL's hops", Datagram { hops: 5, ..good.clone() }, RingStat::Malformed),
+        ("a user-space op", Datagram { op: Op::Prod, ..good.clone() }, RingStat::Malformed),
+    ];
+    for (what, d, stat) in cases {
+        let before = ring.stat(stat);
+        assert_eq!(ring.run(&d).0, XDP_DROP, "{what}");
+        assert_eq!(ring.stat(stat), before + 1, "{what}: counted as {stat:?}");
+    }
+    assert_eq!(ring.data(0), vec![5; 8], "nothing stored");
+    assert_eq!(ring.ctrl().finals, 0);
+    assert_eq!(ring.stat(RingStat::Added), 0);
+    // and the good one still goes through
+    assert_eq!(ring.run(&good).0, XDP_TX);
+}
