@@ -12,8 +12,7 @@
 //! every switch port (`src/testing/impair`, this kernel has no netem), the
 //! injector's and the ring services' counters showing it was applied and
 //! repaired. Every result equals the reference reducer
-//! (src/wire/reducer.rs) over the members' inputs, MAX and MIN over the
-//! weighted inputs `w·x` (docs/RING.md "Arithmetic").
+//! (src/wire/reducer.rs) over the members' inputs and weights.
 //!
 //! Needs root; fails (never skips) otherwise. The testbeds run one at a
 //! time (a lock): `sudo -E cargo test --features bench --test netns_ring`.
@@ -185,16 +184,9 @@ fn input(member: usize, len: usize, salt: usize) -> Vec<i32> {
     (0..len).map(|i| ((i * 7 + member * 1_000_003 + salt * 31) % 20_001) as i32 - 10_000).collect()
 }
 
-/// The reference reducer over the members' inputs; MAX and MIN over the
-/// weighted inputs (the ring weights them, docs/RING.md "Arithmetic").
+/// The reference reducer over the members' inputs and weights.
 fn reference(op: Op, inputs: &[Vec<i32>], weights: &[i32]) -> Vec<i32> {
-    let weighted: Vec<Vec<i32>>;
-    let c: Vec<(&[i32], i32)> = if matches!(op, Op::Max | Op::Min) {
-        weighted = inputs.iter().zip(weights).map(|(v, &w)| v.iter().map(|&x| x * w).collect()).collect();
-        weighted.iter().map(|v| (v.as_slice(), 1)).collect()
-    } else {
-        inputs.iter().map(Vec::as_slice).zip(weights.iter().copied()).collect()
-    };
+    let c: Vec<(&[i32], i32)> = inputs.iter().map(Vec::as_slice).zip(weights.iter().copied()).collect();
     reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec()
 }
 

@@ -6,9 +6,8 @@
 //! Arithmetic: a partial travels as int32, so each hop saturates where the
 //! star ([`crate::wire::reducer`]) accumulates exactly and clamps once.
 //! Whenever no hop saturates, the ring's result equals the star's (the tests
-//! check it over random inputs). MAX and MIN take the weighted value `w·x`
-//! (docs/RING.md "Arithmetic"); the star's MAX and MIN ignore weights, so
-//! the two agree for MAX/MIN only where every weight is 1.
+//! check it over random inputs). Weights apply to SUM and AVG only, as in
+//! the star (docs/PROTOCOL.md "Arithmetic").
 
 use crate::wire::abi::{self, Op, Round, RingHdr};
 
@@ -414,19 +413,20 @@ fn saturate(v: i64) -> (i32, bool) {
     (c as i32, c != v)
 }
 
-/// What the origin (weight `weight`, element `x`) sends: `w·x` (SUM, AVG,
-/// MAX, MIN) or `x ≠ 0` (COUNT), and whether it saturated.
+/// What the origin (weight `weight`, element `x`) sends: `w·x` (SUM, AVG),
+/// `x ≠ 0` (COUNT) or `x` (MAX, MIN), and whether it saturated.
 #[inline]
 pub fn origin_value(op: Op, weight: i32, x: i32) -> (i32, bool) {
     match op {
+        Op::Sum | Op::Avg => saturate(i64::from(weight) * i64::from(x)),
         Op::Count => (i32::from(x != 0), false),
-        _ => saturate(i64::from(weight) * i64::from(x)),
+        _ => (x, false),
     }
 }
 
 /// A member's hop: `partial` combined with its element `x` of weight
-/// `weight` (SUM, AVG: `partial + w·x`; COUNT: `partial + (x ≠ 0)`; MAX,
-/// MIN: of `partial` and the saturated `w·x`), and whether it saturated.
+/// `weight` (SUM, AVG: `partial + w·x`, saturated; COUNT: `partial + (x ≠
+/// 0)`; MAX, MIN: of `partial` and `x`), and whether it saturated.
 /// Ops other than SUM..AVG never reach a ring (the header check refuses
 /// them) and leave `partial` as it is.
 #[inline]
@@ -434,14 +434,8 @@ pub fn combine(op: Op, weight: i32, partial: i32, x: i32) -> (i32, bool) {
     match op {
         Op::Sum | Op::Avg => saturate(i64::from(partial) + i64::from(weight) * i64::from(x)),
         Op::Count => saturate(i64::from(partial) + i64::from(x != 0)),
-        Op::Max => {
-            let (w, s) = saturate(i64::from(weight) * i64::from(x));
-            (partial.max(w), s)
-        }
-        Op::Min => {
-            let (w, s) = saturate(i64::from(weight) * i64::from(x));
-            (partial.min(w), s)
-        }
+        Op::Max => (partial.max(x), false),
+        Op::Min => (partial.min(x), false),
         _ => (partial, false),
     }
 }
@@ -706,14 +700,14 @@ mod tests {
         assert_eq!(origin_value(Op::Avg, -2, i32::MIN), (i32::MAX, true));
         assert_eq!(origin_value(Op::Count, 7, -4), (1, false));
         assert_eq!(origin_value(Op::Count, 7, 0), (0, false));
-        assert_eq!(origin_value(Op::Max, 2, -3), (-6, false));
+        assert_eq!(origin_value(Op::Max, 2, -3), (-3, false));
         assert_eq!(combine(Op::Sum, 1, i32::MAX - 1, 1), (i32::MAX, false));
         assert_eq!(combine(Op::Sum, 1, i32::MAX, 1), (i32::MAX, true));
         assert_eq!(combine(Op::Sum, 2, i32::MIN + 3, -2), (i32::MIN, true));
         assert_eq!(combine(Op::Count, 5, 2, 9), (3, false));
         assert_eq!(combine(Op::Max, 1, 4, 9), (9, false));
-        assert_eq!(combine(Op::Max, 3, 4, 1 << 30), (i32::MAX, true));
-        assert_eq!(combine(Op::Min, 3, 4, -(1 << 30)), (i32::MIN, true));
+        assert_eq!(combine(Op::Max, 3, 4, 1 << 30), (1 << 30, false));
+        assert_eq!(combine(Op::Min, 3, 4, -(1 << 30)), (-(1 << 30), false));
         assert_eq!(combine(Op::Min, 1, 4, 9), (4, false));
         assert_eq!(complete(Op::Avg, 4, -7), -1);
         assert_eq!(complete(Op::Avg, 4, 7), 1);
@@ -737,8 +731,7 @@ mod tests {
     }
 
     /// Whenever no hop saturates, the ring's result is the star's, for every
-    /// ring op, member count and origin (MAX/MIN: the star ignores weights,
-    /// so they are compared with unit weights; with weights, against w·x).
+    /// ring op, member count and weights.
     #[test]
     fn ring_equals_star_without_saturation() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -749,7 +742,7 @@ mod tests {
             let len = 1 + rng.below(8) as usize;
             // Small ranges mostly, full range sometimes (those may saturate).
             let span = if rng.below(4) == 0 { i32::MAX } else { 1 << (4 + rng.below(24)) };
-            let unit = matches!(op, Op::Max | Op::Min) || rng.below(2) == 0;
+            let unit = rng.below(2) == 0;
             let weights: Vec<i32> =
                 (0..n).map(|_| if unit { 1 } else { rng.i32_in(-3, 9) }).collect();
             let mut weights = weights;

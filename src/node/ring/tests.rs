@@ -180,14 +180,7 @@ fn rounds(members: usize, frag_elems: u32, len: u32, weights: Vec<i32>, loss: f6
     for (k, op) in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg].into_iter().enumerate() {
         let round = Round(1 + k as u32);
         let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, round.0)).collect();
-        // MAX/MIN are weighted on the ring (w·x), not on the star: compare
-        // against the ring's own reference there.
-        let want = if matches!(op, Op::Max | Op::Min) && weights.iter().any(|&w| w != 1) {
-            let refs: Vec<&[i32]> = inputs.iter().map(Vec::as_slice).collect();
-            wire_ring::ring_reference(op, &refs, &weights).0
-        } else {
-            star(op, &inputs, &weights)
-        };
+        let want = star(op, &inputs, &weights);
         let mut order: Vec<usize> = (0..members).collect();
         order.rotate_left(k % members);
         for (i, &m) in order.iter().enumerate() {
