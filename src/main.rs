@@ -415,6 +415,7 @@ fn attach(
             let userspace = attachment.userspace.as_ref().map(|u| u.stats_fn());
             let mut source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
             source.results = attachment.results.as_ref().map(|r| r.stats_fn());
+            source.rings = attachment.rings.as_ref().map(|r| r.stats_fn());
             let server = metrics::MetricsServer::start(listener, vec![source])?;
             eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
             Some(server)

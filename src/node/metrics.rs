@@ -57,6 +57,8 @@ pub struct KernelSource {
     pub userspace: Option<UserspaceStatsFn>,
     /// The result service of the node-served jobs, if any.
     pub results: Option<ResultStatsFn>,
+    /// The ring service of the node's rings, if any.
+    pub rings: Option<crate::node::ring::RingStatsFn>,
 }
 
 impl std::fmt::Debug for KernelSource {
@@ -270,6 +272,7 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     if let Some(results) = &source.results {
         families.extend(result_service_families(iface, &results()));
     }
+    families.extend(ring_families(source)?);
     Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
 }
 
@@ -330,6 +333,35 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
             f
         }))
         .collect()
+}
+
+/// Ring allreduce counters per ring (docs/RING.md "Counters"): the XDP
+/// program's (`aggbox_ring_<label>_total`) and the ring service's
+/// (`aggbox_ring_service_<name>_total`).
+fn ring_families(source: &KernelSource) -> Result<Vec<Family>> {
+    let iface = source.iface.as_str();
+    let mut families = Vec::new();
+    let xdp = crate::node::ring::pinned_ring_counters(&source.pin_dir)?;
+    for stat in abi::RingStat::ALL {
+        let mut f = Family::counter(&format!("aggbox_ring_{}_total", stat.label()), "Ring datagrams of the XDP ring program by outcome (docs/RING.md \"Counters\").");
+        for (id, st) in &xdp {
+            f.push(&[("iface", iface), ("aggbox_ring", id.to_string().as_str())], st.count[stat as usize] as f64);
+        }
+        families.push(f);
+    }
+    if let Some(rings) = &source.rings {
+        let mut stats: Vec<_> = rings().into_iter().collect();
+        stats.sort_by_key(|(id, _)| *id);
+        let names = crate::node::ring::RingServiceStats::default().counters();
+        for (i, (name, help, _)) in names.iter().enumerate() {
+            let mut f = Family::counter(&format!("aggbox_ring_service_{name}_total"), help);
+            for (id, st) in &stats {
+                f.push(&[("iface", iface), ("aggbox_ring", id.to_string().as_str())], st.counters()[i].2 as f64);
+            }
+            families.push(f);
+        }
+    }
+    Ok(families)
 }
 
 /// Broadcast counters, when the TC plane's maps are pinned next to the XDP ones.
@@ -611,5 +643,5 @@ pub fn enable_bpf_stats() -> Result<OwnedFd> {
 
 /// Pin directory helper re-exported for callers building a [`KernelSource`].
 pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>, userspace: Option<UserspaceStatsFn>) -> KernelSource {
-    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace, results: None }
+    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace, results: None, rings: None }
 }

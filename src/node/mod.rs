@@ -9,6 +9,7 @@
 
 
 pub mod metrics;
+pub mod ring;
 pub mod serve;
 mod reload;
 pub use reload::{request_reload, ReloadRecord, ReloadSummary};
@@ -417,6 +418,9 @@ pub struct Attachment {
     /// The result service of the `consumer = "node"` jobs (running also
     /// with none: a reload may add some).
     pub results: Option<serve::ResultServer>,
+    /// The ring service of the `[[ring]]` jobs (src/node/ring.rs), when
+    /// there are some.
+    pub rings: Option<ring::RingServer>,
     /// The configuration in force (the attach's, or the last reload's).
     config: Config,
     dir: PathBuf,
@@ -623,6 +627,7 @@ pub fn attach_chain(
         userspace,
         upkeep,
         results: None,
+        rings: None,
         config: config.clone(),
         dir: dir.clone(),
         record,
@@ -651,6 +656,21 @@ pub fn attach_chain(
             }
             let _ = detach_dir(&dir);
             return Err(anyhow!("aggbox: starting the result service: {e:#}"));
+        }
+    }
+    // The ring service maps the pinned ring memory, so it starts after the pins.
+    match ring::RingServer::start_for(config, &dir) {
+        Ok(server) => attachment.rings = server,
+        Err(e) => {
+            drop(attachment.results.take());
+            if let Some(u) = attachment.userspace.take() {
+                u.stop();
+            }
+            if let Some(mut b) = attachment.tc.take() {
+                let _ = b.detach();
+            }
+            let _ = detach_dir(&dir);
+            return Err(anyhow!("aggbox: starting the ring service: {e:#}"));
         }
     }
     Ok(attachment)
@@ -718,6 +738,7 @@ impl Attachment {
         if let Some(u) = self.userspace.take() {
             u.stop();
         }
+        drop(self.rings.take());
         drop(self.upkeep.take());
         let mut result = Ok(());
         if let Some(mut plane) = self.tc.take() {

@@ -50,6 +50,11 @@ pub struct NodeStatus {
     /// Broadcast tables with their members and next hops (empty when TC
     /// is not attached).
     pub groups: Vec<GroupStatus>,
+    /// Per ring id: the XDP ring program's counters by label (docs/RING.md
+    /// "Counters"; empty when there is no ring).
+    pub rings: BTreeMap<u16, BTreeMap<String, u64>>,
+    /// Per ring id: the node's ring service's counters.
+    pub ring_service: BTreeMap<u16, crate::node::ring::RingServiceStats>,
 }
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
@@ -146,7 +151,20 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         }
     }
     let groups = if attach.tc { group_statuses(dir)? } else { Vec::new() };
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups })
+    let rings = crate::node::ring::pinned_ring_counters(dir)?
+        .into_iter()
+        .map(|(id, st)| (id, abi::RingStat::ALL.iter().map(|&c| (c.label().to_string(), st.count[c as usize])).collect()))
+        .collect();
+    let mut ring_service = BTreeMap::new();
+    if let Ok(map) = maps::open_pinned(dir, crate::node::ring::STATS_MAP) {
+        for key in map.keys() {
+            let Some(id) = key.get(..4).map(|k| u32::from_ne_bytes(k.try_into().unwrap_or([0; 4]))) else { continue };
+            if let Some(v) = map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<crate::node::ring::RingServiceStats>(&v)) {
+                ring_service.insert(id as u16, v);
+            }
+        }
+    }
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service })
 }
 
 /// One member of a broadcast table, with its next-hop cache entry.
@@ -421,6 +439,18 @@ pub fn format_status(status: &NodeStatus) -> String {
             ("duplicate_parent_results", st.duplicate_parent_results),
             ("parent_acks_sent", st.parent_acks_sent),
         ] {
+            let _ = writeln!(s, "    {name:<28} {count:>12}");
+        }
+    }
+    for (ring, counts) in &status.rings {
+        let _ = writeln!(s, "  ring {ring} (XDP):");
+        for (name, count) in counts {
+            let _ = writeln!(s, "    {name:<28} {count:>12}");
+        }
+    }
+    for (ring, st) in &status.ring_service {
+        let _ = writeln!(s, "  ring {ring} service:");
+        for (name, _, count) in st.counters() {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }
     }

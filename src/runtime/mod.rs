@@ -18,6 +18,8 @@
 //!   `poll_timeout()`); `calls`: the rounds each call makes; `driver`: the
 //!   one I/O driver (socket, clock, progress thread); [`outbox`]: the
 //!   datagrams between them.
+//! - [`ring`]: ring allreduce over the node's ring memory
+//!   ([`RingCommunicator`], docs/RING.md).
 //! - [`striped`]: one vector over several jobs at once, a thread each.
 //! - [`transport`]: the datagram transport, counters ([`CommStats`]) and the
 //!   impairment test hook (drop / duplicate / reorder).
@@ -35,6 +37,7 @@ pub mod kernel;
 pub mod outbox;
 pub mod pmtu;
 pub mod quantize;
+pub mod ring;
 pub mod socket;
 pub mod striped;
 pub mod transport;
@@ -45,6 +48,7 @@ pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
 };
 pub use quantize::Quantization;
+pub use ring::{RingCommunicator, RingOutput};
 pub use crate::wire::reliability::ReliabilityConfig;
 pub use striped::StripedCommunicator;
 pub use transport::{CommStats, ImpairControl, Impairment, IoStats, RefusedStats};

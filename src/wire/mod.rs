@@ -11,6 +11,8 @@
 //! - [`reliability`]: sequence windows, ACK trackers and the RTT estimator:
 //!   the one seq / ACK / retransmit implementation, used by the runtime and
 //!   by the node's result service.
+//! - [`ring`]: AGR1 ring datagrams, where a fragment travels, and the
+//!   arithmetic of one hop (docs/RING.md).
 //! - [`slots`]: the aggregation slot and its rule for adding a contribution,
 //!   and the slot table both user-space aggregators keep.
 
@@ -19,4 +21,5 @@ pub mod frame;
 pub mod proto;
 pub mod reducer;
 pub mod reliability;
+pub mod ring;
 pub mod slots;

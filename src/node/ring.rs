@@ -1,0 +1,717 @@
+//! The node's ring service (docs/RING.md "One call", "The ring service"):
+//! the user-space half of ring allreduce, one thread for every ring of the
+//! node, a UDP socket each on `0.0.0.0:port`.
+//!
+//! It starts each round (on the runtime's KICK, or on seeing the round
+//! ready in `ring_ctrl`), sends the PARTIAL hops 1 of every fragment this
+//! member is the origin of (a window of them not final here at a time),
+//! makes every hop XDP leaves to it (early PARTIALs held until their
+//! round is ready; everything while no ring program runs) with the same
+//! arithmetic ([`crate::wire::ring`]) and the same claim on `ring_done`,
+//! and repairs losses: when the round's `finals` stop moving it NACKs what
+//! is missing, and it answers the other members' NACKs.
+//!
+//! [`RingService`] is one ring's protocol with no socket and no clock
+//! (`handle(now, from, datagram)` / `poll(now)` / `poll_timeout()`), over a
+//! [`RingMemory`] (the node's mapped maps, or heap memory in tests);
+//! [`RingServer`] is the I/O loop around all of them.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+
+use crate::config::{Config, RingConfig};
+use crate::kernel::ring_memory::{self, RingMemory};
+pub use crate::kernel::ring_memory::{RingServiceStats, SERVICE_STATS_MAP as STATS_MAP};
+use crate::wire::abi::{self, Op, Round, RingJob};
+use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX_NACK_INDEXES};
+
+/// Own fragments sent and not final here, at most (docs/RING.md).
+pub const DEFAULT_WINDOW: usize = 256;
+/// First wait for the round's `finals` to move before NACKing.
+pub const NACK_AFTER: Duration = Duration::from_millis(2);
+/// The wait doubles while nothing moves, up to this.
+pub const NACK_AFTER_MAX: Duration = Duration::from_millis(64);
+/// Early PARTIALs held per ring: every other member's window of a round
+/// this node is not ready for yet, for the largest rings.
+pub const HELD_MAX: usize = 16 * 1024;
+/// How often the loop looks at `ring_ctrl` and the window while a round
+/// runs here (XDP stores FINALs without telling the service).
+const ACTIVE_TICK: Duration = Duration::from_micros(200);
+/// How long the loop sleeps with nothing to do.
+const IDLE_TICK: Duration = Duration::from_millis(20);
+/// How often the loop publishes its counters (metrics, status).
+const PUBLISH_EVERY: Duration = Duration::from_millis(50);
+
+/// A datagram to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// Destination.
+    pub to: SocketAddrV4,
+    /// AGR1 datagram.
+    pub bytes: Vec<u8>,
+}
+
+/// Called before a saturated fragment is counted final: the runtime reads
+/// `saturated` once `finals` is complete, so it must be published by then.
+pub type SaturatedHook = Box<dyn FnMut(u16, &RingServiceStats) + Send>;
+
+/// The stall timer: NACK when the round's `finals` has not moved for
+/// `after` (doubling while nothing moves).
+#[derive(Debug, Clone, Copy)]
+struct Stall {
+    finals: u32,
+    since: Instant,
+    after: Duration,
+}
+
+/// One ring's service (see the module docs).
+pub struct RingService {
+    id: u16,
+    dense: u32,
+    job: RingJob,
+    layout: RingLayout,
+    members: Vec<Ipv4Addr>,
+    memory: Arc<RingMemory>,
+    window: usize,
+    /// The round this service runs (started), if any.
+    round: Option<Round>,
+    /// This member's own fragments, and how many of them were sent.
+    own: Vec<u32>,
+    own_sent: usize,
+    /// Own fragments sent and not final here yet.
+    in_flight: Vec<u32>,
+    /// Fragments of `round` whose result saturated (resends carry the flag).
+    saturated: Vec<bool>,
+    /// Per fragment, the stall episode (`episode`) in which it was last
+    /// seen missing at a stall: a fragment is NACKed when it is missing at
+    /// two stalls of one episode, i.e. after `NACK_AFTER` and then its
+    /// doubling with nothing final here meanwhile (at the first it is as
+    /// likely still on its way round a slow ring).
+    missing_since: Vec<u32>,
+    /// Stall episodes: a new one each time the round's `finals` moves.
+    episode: u32,
+    held: Vec<Vec<u8>>,
+    stall: Stall,
+    stats: RingServiceStats,
+    on_saturated: Option<SaturatedHook>,
+}
+
+impl std::fmt::Debug for RingService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingService").field("id", &self.id).field("job", &self.job).field("round", &self.round).finish_non_exhaustive()
+    }
+}
+
+impl RingService {
+    /// The service of the ring `job` (dense index `dense`) whose members
+    /// are `members` (ring order), over `memory`.
+    pub fn new(dense: u32, job: RingJob, members: Vec<Ipv4Addr>, memory: Arc<RingMemory>) -> Result<RingService> {
+        memory.check_job(&job)?;
+        if members.len() != usize::from(job.members) || usize::from(job.me) >= members.len() {
+            return Err(anyhow!("ring {}: {} member addresses for {} members (me {})", job.id, members.len(), job.members, job.me));
+        }
+        let layout = RingLayout::of_job(&job);
+        if layout.frags() != job.frags {
+            return Err(anyhow!("ring {}: {} fragments, its vector has {}", job.id, job.frags, layout.frags()));
+        }
+        Ok(RingService {
+            id: job.id,
+            dense,
+            own: layout.own_frags().collect(),
+            job,
+            layout,
+            members,
+            memory,
+            window: DEFAULT_WINDOW,
+            round: None,
+            own_sent: 0,
+            in_flight: Vec::new(),
+            saturated: vec![false; job.frags as usize],
+            missing_since: vec![0; job.frags as usize],
+            episode: 1,
+            held: Vec::new(),
+            stall: Stall { finals: 0, since: Instant::now(), after: NACK_AFTER },
+            stats: RingServiceStats::default(),
+            on_saturated: None,
+        })
+    }
+
+    /// The service of `ring` on the node whose maps are pinned in
+    /// `pin_dir` (its `ring_jobs` entry says where it sits), over `memory`.
+    pub fn from_pinned(ring: &RingConfig, pin_dir: &Path, memory: Arc<RingMemory>) -> Result<RingService> {
+        let (dense, job) = ring_memory::pinned_ring_job(pin_dir, ring.id)?;
+        RingService::new(dense, job, ring.members.clone(), memory)
+    }
+
+    /// Own fragments not final here, at most (default [`DEFAULT_WINDOW`]).
+    pub fn with_window(mut self, window: usize) -> RingService {
+        self.window = window.max(1);
+        self
+    }
+
+    /// Call `hook` before a saturated fragment counts as final.
+    pub fn with_saturated_hook(mut self, hook: SaturatedHook) -> RingService {
+        self.on_saturated = Some(hook);
+        self
+    }
+
+    /// The ring's id.
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    /// The ring's port.
+    pub fn port(&self) -> u16 {
+        self.job.port
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> RingServiceStats {
+        self.stats
+    }
+
+    fn addr(&self, member: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(self.members[usize::from(member)], self.job.port)
+    }
+
+    fn index(&self, frag: u32) -> u32 {
+        self.job.base + frag
+    }
+
+    /// One received datagram from `from`.
+    pub fn handle(&mut self, now: Instant, from: SocketAddrV4, mut datagram: Vec<u8>, out: &mut Vec<Transmit>) {
+        let hdr = match RingHeader::decode(&datagram) {
+            Ok((hdr, _)) if hdr.ring == self.id && self.layout.check(&hdr).is_ok() => hdr,
+            _ => {
+                self.stats.refused += 1;
+                return;
+            }
+        };
+        if hdr.kind == RingKind::Kick {
+            if !from.ip().is_loopback() {
+                self.stats.refused += 1;
+                return;
+            }
+            self.stats.kicks += 1;
+            self.poll(now, out);
+            return;
+        }
+        if *from.ip() != self.members[usize::from(hdr.sender)] {
+            self.stats.refused += 1;
+            return;
+        }
+        self.sync_round(now, out);
+        match hdr.kind {
+            RingKind::Partial => self.partial(hdr, &mut datagram, out),
+            RingKind::Final => self.store_final(hdr, &mut datagram, out),
+            RingKind::Nack => self.answer_nack(hdr, &datagram[abi::RING_HDR_LEN..], out),
+            RingKind::Kick => {}
+        }
+    }
+
+    /// A PARTIAL: add to it if its round is ready here, hold it if the
+    /// round is still to come, drop it if it is over.
+    fn partial(&mut self, hdr: RingHeader, datagram: &mut Vec<u8>, out: &mut Vec<Transmit>) {
+        let ctrl = self.memory.ctrl(self.dense);
+        match ctrl.ready() {
+            Some(r) if r == hdr.round => {
+                if ctrl.op.load(Ordering::Relaxed) != hdr.op as u32 {
+                    // Members disagree on the round's op (the XDP program's
+                    // `malformed`).
+                    self.stats.refused += 1;
+                    return;
+                }
+                self.add_and_send(hdr, r, datagram, out)
+            }
+            ready => {
+                let newest = ready.unwrap_or(Round(ctrl.ready_round.load(Ordering::Relaxed)));
+                if hdr.round.is_before(newest) || (ready.is_some() && hdr.round == newest) {
+                    self.stats.refused += 1;
+                } else if self.held.len() < HELD_MAX {
+                    self.held.push(std::mem::take(datagram));
+                    self.stats.early_held += 1;
+                } else {
+                    self.stats.early_dropped += 1;
+                }
+            }
+        }
+    }
+
+    /// A user-space hop of a PARTIAL of the ready round `r`: this member's
+    /// elements added; the completing member stores the result and sends
+    /// the FINAL, the others send the PARTIAL on.
+    fn add_and_send(&mut self, hdr: RingHeader, r: Round, datagram: &mut [u8], out: &mut Vec<Transmit>) {
+        let index = self.index(hdr.frag);
+        let len = usize::from(hdr.count);
+        let input = self.memory.data(index)[..len].iter().map(|c| c.load(Ordering::Relaxed));
+        let (head, payload) = datagram.split_at_mut(abi::RING_HDR_LEN);
+        let saturated = hdr.saturated() | wire_ring::combine_be(hdr.op, self.job.weight, payload, input);
+        self.stats.user_hops += 1;
+        let mut next = RingHeader { hops: hdr.hops + 1, sender: self.job.me, ..hdr };
+        if hdr.hops == self.job.members - 1 {
+            wire_ring::complete_be(hdr.op, self.job.weight_sum, payload);
+            if !self.memory.claim_result(index, r) {
+                self.stats.duplicates += 1;
+                return;
+            }
+            self.store(hdr.frag, r, payload, saturated);
+            next.kind = RingKind::Final;
+        }
+        if saturated {
+            next.flags |= abi::RING_F_SATURATED;
+        }
+        head.copy_from_slice(&next.encode());
+        out.push(Transmit { to: self.addr(self.layout.next()), bytes: datagram.to_vec() });
+        self.stats.forwarded += 1;
+    }
+
+    /// Stores a claimed result (big-endian `payload`) of fragment `frag`
+    /// of round `r` and counts it final.
+    fn store(&mut self, frag: u32, r: Round, payload: &[u8], saturated: bool) {
+        for (cell, v) in self.memory.data(self.index(frag)).iter().zip(wire_ring::elements_be(payload)) {
+            cell.store(v, Ordering::Relaxed);
+        }
+        if saturated {
+            if self.round == Some(r) {
+                if let Some(s) = self.saturated.get_mut(frag as usize) {
+                    *s = true;
+                }
+            }
+            self.stats.saturated += 1;
+            if let Some(hook) = self.on_saturated.as_mut() {
+                hook(self.id, &self.stats);
+            }
+        }
+        self.memory.publish_result(self.dense, self.index(frag), r);
+    }
+
+    /// A FINAL: stored unless this round's result is there already, sent
+    /// on unless it was the last.
+    fn store_final(&mut self, hdr: RingHeader, datagram: &mut [u8], out: &mut Vec<Transmit>) {
+        let r = hdr.round;
+        let index = self.index(hdr.frag);
+        if self.memory.ctrl(self.dense).ready() != Some(r) {
+            // Not a round whose input this member gave: a stale copy.
+            if self.memory.has_result(index, r) {
+                self.stats.duplicates += 1;
+            } else {
+                self.stats.refused += 1;
+            }
+            return;
+        }
+        if !self.memory.claim_result(index, r) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        let (head, payload) = datagram.split_at_mut(abi::RING_HDR_LEN);
+        self.store(hdr.frag, r, payload, hdr.saturated());
+        self.stats.user_hops += 1;
+        if hdr.hops < self.layout.last_hops() {
+            head.copy_from_slice(&RingHeader { hops: hdr.hops + 1, sender: self.job.me, ..hdr }.encode());
+            out.push(Transmit { to: self.addr(self.layout.next()), bytes: datagram.to_vec() });
+            self.stats.forwarded += 1;
+        }
+    }
+
+    /// A NACK from member `hdr.sender`: FINALs it misses that are stored
+    /// here, or (PARTIAL NACK) this member's own PARTIALs it never got.
+    fn answer_nack(&mut self, hdr: RingHeader, payload: &[u8], out: &mut Vec<Transmit>) {
+        self.stats.nacks_received += 1;
+        let k = hdr.sender;
+        let r = hdr.round;
+        let frags = self.job.frags;
+        for f in wire_ring::nack_indexes(payload).filter(|&f| f < frags) {
+            let index = self.index(f);
+            if hdr.flags & abi::RING_F_NACK_FINAL != 0 {
+                let stored = self.memory.done(index).load(Ordering::Acquire) == r.0.wrapping_add(1);
+                if stored && self.layout.completer(f) == self.job.me && k != self.job.me {
+                    let hops = self.layout.final_hops_to(f, k);
+                    let saturated = self.round == Some(r) && self.saturated[f as usize];
+                    let bytes = self.fragment_datagram(RingKind::Final, f, r, hops, hdr.op, saturated, |elems, out| {
+                        for (chunk, c) in out.chunks_exact_mut(4).zip(elems) {
+                            chunk.copy_from_slice(&c.load(Ordering::Relaxed).to_be_bytes());
+                        }
+                        false
+                    });
+                    out.push(Transmit { to: self.addr(k), bytes });
+                    self.stats.resends += 1;
+                }
+            } else if self.layout.origin(f) == self.job.me
+                && self.sent_already(f)
+                && self.memory.ctrl(self.dense).ready() == Some(r)
+                && !self.memory.has_result(index, r)
+            {
+                self.send_original(f, r, out);
+                self.stats.resends += 1;
+            }
+        }
+    }
+
+    /// Whether own fragment `f` has had its PARTIAL hops 1 this round (the
+    /// window sends the others in their turn: a NACK of one of those is
+    /// premature and answering it would start a second chain).
+    fn sent_already(&self, f: u32) -> bool {
+        let i = (f / u32::from(self.job.members)) as usize;
+        self.round.is_some() && i < self.own_sent
+    }
+
+    /// A PARTIAL or FINAL of fragment `f` whose payload `fill` writes from
+    /// the fragment's stored elements (returning whether it saturated).
+    #[allow(clippy::too_many_arguments)]
+    fn fragment_datagram(
+        &self,
+        kind: RingKind,
+        f: u32,
+        r: Round,
+        hops: u16,
+        op: Op,
+        saturated: bool,
+        fill: impl FnOnce(&[std::sync::atomic::AtomicI32], &mut [u8]) -> bool,
+    ) -> Vec<u8> {
+        let count = self.layout.frag_len(f) as u16;
+        let mut bytes = vec![0u8; abi::RING_HDR_LEN + 4 * usize::from(count)];
+        let elems = &self.memory.data(self.index(f))[..usize::from(count)];
+        let saturated = fill(elems, &mut bytes[abi::RING_HDR_LEN..]) | saturated;
+        let hdr = RingHeader {
+            ring: self.id,
+            kind,
+            flags: if saturated { abi::RING_F_SATURATED } else { 0 },
+            round: r,
+            frag: f,
+            hops,
+            count,
+            sender: self.job.me,
+            op,
+        };
+        bytes[..abi::RING_HDR_LEN].copy_from_slice(&hdr.encode());
+        bytes
+    }
+
+    /// The PARTIAL hops 1 of own fragment `f` of round `r`.
+    fn send_original(&mut self, f: u32, r: Round, out: &mut Vec<Transmit>) {
+        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let weight = self.job.weight;
+        let bytes = self.fragment_datagram(RingKind::Partial, f, r, 1, op, false, |elems, out| {
+            wire_ring::origin_be(op, weight, elems.iter().map(|c| c.load(Ordering::Relaxed)), out)
+        });
+        out.push(Transmit { to: self.addr(self.layout.next()), bytes });
+    }
+
+    /// Starts round `r`: its held PARTIALs are added to, the others of
+    /// them dropped.
+    fn start_round(&mut self, now: Instant, r: Round, out: &mut Vec<Transmit>) {
+        self.round = Some(r);
+        self.stats.rounds += 1;
+        self.own_sent = 0;
+        self.in_flight.clear();
+        self.saturated.iter_mut().for_each(|s| *s = false);
+        self.missing_since.iter_mut().for_each(|s| *s = 0);
+        self.episode = 1;
+        self.stall = Stall { finals: 0, since: now, after: NACK_AFTER };
+        for mut d in std::mem::take(&mut self.held) {
+            match RingHeader::decode(&d) {
+                Ok((hdr, _)) if hdr.round == r => self.add_and_send(hdr, r, &mut d, out),
+                _ => self.stats.early_dropped += 1,
+            }
+        }
+    }
+
+    /// Starts the round the runtime made ready, if this service has not.
+    fn sync_round(&mut self, now: Instant, out: &mut Vec<Transmit>) {
+        if let Some(r) = self.memory.ctrl(self.dense).ready() {
+            if self.round != Some(r) {
+                self.start_round(now, r, out);
+            }
+        }
+    }
+
+    /// Timers and the window: starts a round the runtime made ready, sends
+    /// own PARTIALs while fewer than `window` are not final here, NACKs
+    /// when the round stalls.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Transmit>) {
+        let Some(r) = self.memory.ctrl(self.dense).ready() else { return };
+        self.sync_round(now, out);
+        let (memory, base) = (&self.memory, self.job.base);
+        self.in_flight.retain(|&f| !memory.has_result(base + f, r));
+        while self.in_flight.len() < self.window && self.own_sent < self.own.len() {
+            let f = self.own[self.own_sent];
+            self.own_sent += 1;
+            if !self.memory.has_result(self.index(f), r) {
+                self.send_original(f, r, out);
+                self.stats.originals_sent += 1;
+                self.in_flight.push(f);
+            }
+        }
+        let ctrl = self.memory.ctrl(self.dense);
+        if ctrl.finals_round.load(Ordering::Acquire) != r.0 {
+            return;
+        }
+        let finals = ctrl.finals.load(Ordering::Acquire);
+        if finals != self.stall.finals {
+            self.stall = Stall { finals, since: now, after: NACK_AFTER };
+            self.episode = self.episode.wrapping_add(1).max(1);
+        } else if finals < self.job.frags && now >= self.stall.since + self.stall.after {
+            self.send_nacks(r, out);
+            self.stall.since = now;
+            self.stall.after = (self.stall.after * 2).min(NACK_AFTER_MAX);
+        }
+    }
+
+    /// NACKs of the fragments not final here at this stall and an earlier
+    /// one of the same episode (own ones not sent yet aside): to the origin for those this member
+    /// completes, to the completing member (FINAL) for the others.
+    fn send_nacks(&mut self, r: Round, out: &mut Vec<Transmit>) {
+        let unsent: std::collections::HashSet<u32> = self.own[self.own_sent..].iter().copied().collect();
+        let mut by_peer: HashMap<(u16, bool), Vec<u32>> = HashMap::new();
+        for f in 0..self.job.frags {
+            if unsent.contains(&f) || self.memory.has_result(self.index(f), r) {
+                continue;
+            }
+            if std::mem::replace(&mut self.missing_since[f as usize], self.episode) != self.episode {
+                continue;
+            }
+            let completer = self.layout.completer(f);
+            let key = if completer == self.job.me { (self.layout.origin(f), false) } else { (completer, true) };
+            by_peer.entry(key).or_default().push(f);
+        }
+        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let mut peers: Vec<_> = by_peer.into_iter().collect();
+        peers.sort_unstable_by_key(|(k, _)| *k);
+        for ((peer, final_), frags) in peers {
+            for chunk in frags.chunks(MAX_NACK_INDEXES) {
+                let hdr = RingHeader {
+                    ring: self.id,
+                    kind: RingKind::Nack,
+                    flags: if final_ { abi::RING_F_NACK_FINAL } else { 0 },
+                    round: r,
+                    frag: 0,
+                    hops: 0,
+                    count: chunk.len() as u16,
+                    sender: self.job.me,
+                    op,
+                };
+                let mut bytes = hdr.encode().to_vec();
+                for f in chunk {
+                    bytes.extend_from_slice(&f.to_be_bytes());
+                }
+                out.push(Transmit { to: self.addr(peer), bytes });
+                self.stats.nacks_sent += 1;
+            }
+        }
+    }
+
+    /// When [`RingService::poll`] wants to run next.
+    pub fn poll_timeout(&self, now: Instant) -> Instant {
+        match self.memory.ctrl(self.dense).ready() {
+            Some(r) if self.round != Some(r) => now,
+            Some(_) if self.memory.ctrl(self.dense).finals.load(Ordering::Relaxed) < self.job.frags => {
+                (now + ACTIVE_TICK).min(self.stall.since + self.stall.after)
+            }
+            _ => now + IDLE_TICK,
+        }
+    }
+}
+
+/// A ring's socket: `addr:port`, non-blocking, 8 MiB buffers (a round's
+/// datagrams arrive in bursts of every member's window).
+pub fn bind_ring_socket(addr: Ipv4Addr, port: u16) -> Result<UdpSocket> {
+    let socket = UdpSocket::bind(SocketAddrV4::new(addr, port))
+        .map_err(|e| anyhow!("ring port {addr}:{port}: {e}; another process holds it"))?;
+    socket.set_nonblocking(true)?;
+    crate::netif::set_socket_buffers(&socket, 8 << 20);
+    Ok(socket)
+}
+
+/// The counters of every ring's service by ring id, as of the last poll.
+pub type RingStatsFn = Arc<dyn Fn() -> HashMap<u16, RingServiceStats> + Send + Sync>;
+
+/// The thread serving every ring of a node; stopped and joined on drop.
+pub struct RingServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    stats: Arc<Mutex<HashMap<u16, RingServiceStats>>>,
+}
+
+impl std::fmt::Debug for RingServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingServer").finish_non_exhaustive()
+    }
+}
+
+impl RingServer {
+    /// Serves every `[[ring]]` of `config` on the node whose maps are
+    /// pinned in `pin_dir` (`None` when it has no ring); the counters also
+    /// go to `pin_dir/ring_service` ([`STATS_MAP`]).
+    pub fn start_for(config: &Config, pin_dir: &Path) -> Result<Option<RingServer>> {
+        if config.rings.is_empty() {
+            return Ok(None);
+        }
+        let memory = Arc::new(RingMemory::open_pinned(pin_dir)?);
+        let pinned = Arc::new(create_stats_map(pin_dir)?);
+        let mut rings = Vec::new();
+        for ring in &config.rings {
+            let socket = bind_ring_socket(Ipv4Addr::UNSPECIFIED, ring.port)?;
+            let map = pinned.clone();
+            let hook: SaturatedHook = Box::new(move |id, stats| publish_one(&map, id, stats));
+            let service = RingService::from_pinned(ring, pin_dir, memory.clone())
+                .map_err(|e| anyhow!("ring {}: {e:#}", ring.id))?
+                .with_saturated_hook(hook);
+            rings.push((socket, service));
+        }
+        Ok(Some(RingServer::start(rings, Some(pinned))?))
+    }
+
+    /// Serves `rings` (each with its bound socket) on a thread of its own.
+    pub fn start(rings: Vec<(UdpSocket, RingService)>, pinned: Option<Arc<libbpf_rs::MapHandle>>) -> Result<RingServer> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(Mutex::new(HashMap::new()));
+        let (flag, shared) = (stop.clone(), stats.clone());
+        let thread = std::thread::Builder::new()
+            .name("aggbox-ring".into())
+            .spawn(move || serve(rings, &flag, &shared, pinned.as_deref()))?;
+        Ok(RingServer { stop, thread: Some(thread), stats })
+    }
+
+    /// The counters of every ring, as of the last publish.
+    pub fn stats(&self) -> HashMap<u16, RingServiceStats> {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// A handle on the counters for the metrics endpoint.
+    pub fn stats_fn(&self) -> RingStatsFn {
+        let stats = self.stats.clone();
+        Arc::new(move || stats.lock().map(|s| s.clone()).unwrap_or_default())
+    }
+}
+
+impl Drop for RingServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn create_stats_map(pin_dir: &Path) -> Result<libbpf_rs::MapHandle> {
+    let opts = libbpf_sys::bpf_map_create_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
+        ..Default::default()
+    };
+    let map = libbpf_rs::MapHandle::create(
+        libbpf_rs::MapType::Hash,
+        Some(STATS_MAP),
+        4,
+        std::mem::size_of::<RingServiceStats>() as u32,
+        abi::MAX_RINGS,
+        &opts,
+    )
+    .map_err(|e| anyhow!("creating the {STATS_MAP} map: {e}"))?;
+    use std::os::fd::AsFd;
+    crate::kernel::maps::pin(map.as_fd(), &pin_dir.join(STATS_MAP))?;
+    Ok(map)
+}
+
+fn publish_one(map: &libbpf_rs::MapHandle, id: u16, stats: &RingServiceStats) {
+    use libbpf_rs::MapCore;
+    let _ = map.update(&u32::from(id).to_ne_bytes(), abi::as_bytes(stats), libbpf_rs::MapFlags::ANY);
+}
+
+/// The XDP program's counters of every ring pinned in `pin_dir` (ring
+/// id, counters summed over CPUs); empty when there is no ring.
+pub fn pinned_ring_counters(pin_dir: &Path) -> Result<Vec<(u16, abi::RingStats)>> {
+    use crate::kernel::maps::{self, names};
+    use libbpf_rs::{MapCore, MapFlags};
+    let (Ok(jobs), Ok(stats)) = (maps::open_pinned(pin_dir, names::RING_JOBS), maps::open_pinned(pin_dir, names::RING_STATS)) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for dense in 0..abi::MAX_RINGS {
+        let key = dense.to_ne_bytes();
+        let Some(job) = jobs.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<RingJob>(&v)) else { continue };
+        if job.members < 2 {
+            continue;
+        }
+        out.push((job.id, maps::percpu_array_sum::<abi::RingStats>(&stats, dense)?));
+    }
+    Ok(out)
+}
+
+/// Datagrams read from one socket before the others get their turn.
+const RECV_BATCH: usize = 256;
+
+fn serve(
+    mut rings: Vec<(UdpSocket, RingService)>,
+    stop: &AtomicBool,
+    stats: &Mutex<HashMap<u16, RingServiceStats>>,
+    pinned: Option<&libbpf_rs::MapHandle>,
+) {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    let mut published = Instant::now();
+    let mut last: HashMap<u16, RingServiceStats> = HashMap::new();
+    while !stop.load(Ordering::Relaxed) {
+        for (socket, service) in rings.iter_mut() {
+            for _ in 0..RECV_BATCH {
+                match socket.recv_from(&mut buf) {
+                    Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+                send_all(socket, &mut out);
+            }
+            service.poll(Instant::now(), &mut out);
+            send_all(socket, &mut out);
+        }
+        let now = Instant::now();
+        if now >= published + PUBLISH_EVERY {
+            published = now;
+            publish(&rings, stats, pinned, &mut last);
+        }
+        let wake = rings.iter().map(|(_, s)| s.poll_timeout(now)).min().unwrap_or(now + IDLE_TICK);
+        let mut fds: Vec<libc::pollfd> =
+            rings.iter().map(|(s, _)| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        let wait = wake.saturating_duration_since(now).min(IDLE_TICK);
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.as_nanos() as libc::c_long };
+        // SAFETY: fds is a valid pollfd array for the call; ts a valid timespec.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+    }
+    publish(&rings, stats, pinned, &mut last);
+}
+
+/// Sends what the services queued; a datagram the socket refuses is lost
+/// like one the network drops (the NACKs repair it).
+fn send_all(socket: &UdpSocket, out: &mut Vec<Transmit>) {
+    for t in out.drain(..) {
+        let _ = socket.send_to(&t.bytes, t.to);
+    }
+}
+
+fn publish(
+    rings: &[(UdpSocket, RingService)],
+    stats: &Mutex<HashMap<u16, RingServiceStats>>,
+    pinned: Option<&libbpf_rs::MapHandle>,
+    last: &mut HashMap<u16, RingServiceStats>,
+) {
+    let Ok(mut s) = stats.lock() else { return };
+    for (_, service) in rings {
+        let now = service.stats();
+        s.insert(service.id(), now);
+        if last.insert(service.id(), now) != Some(now) {
+            if let Some(map) = pinned {
+                publish_one(map, service.id(), &now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,354 @@
+//! The ring service's protocol with no kernel and no network: every member
+//! a [`RingService`] over heap memory, a simulated network between them
+//! that drops, duplicates and reorders, and a fake clock; plus one run of
+//! the real I/O loop over loopback addresses.
+
+use super::*;
+use crate::wire::reducer;
+
+/// xorshift64*: deterministic losses and inputs.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+const RING: u16 = 40;
+const PORT: u16 = 7400;
+/// Where the ring sits in each member's memory (not 0, to catch base bugs).
+const BASE: u32 = 3;
+const DENSE: u32 = 2;
+
+fn member_addr(m: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 0, 0, 1 + m as u8)
+}
+
+struct Sim {
+    services: Vec<RingService>,
+    memories: Vec<Arc<RingMemory>>,
+    layout: RingLayout,
+    now: Instant,
+    /// In flight: (receiving member, from, bytes).
+    net: Vec<(usize, SocketAddrV4, Vec<u8>)>,
+    rng: Rng,
+    loss: f64,
+    dup: f64,
+    dropped: u64,
+    duplicated: u64,
+}
+
+impl Sim {
+    fn new(members: usize, frag_elems: u32, vector_len: u32, weights: Vec<i32>, window: usize) -> Sim {
+        let layout = RingLayout { members: members as u16, me: 0, frag_elems, vector_len };
+        let frags = layout.frags();
+        let weight_sum: i32 = weights.iter().sum();
+        let addrs: Vec<Ipv4Addr> = (0..members).map(member_addr).collect();
+        let mut services = Vec::new();
+        let mut memories = Vec::new();
+        for m in 0..members {
+            let memory = Arc::new(RingMemory::heap(frag_elems, BASE + frags + 2));
+            let job = RingJob {
+                id: RING,
+                port: PORT,
+                members: members as u16,
+                me: m as u16,
+                frag_elems,
+                frags,
+                vector_len,
+                base: BASE,
+                weight_sum: weight_sum as u32,
+                weight: weights[m],
+                self_addr: u32::from(addrs[m]).to_be(),
+                next_addr: u32::from(addrs[(m + 1) % members]).to_be(),
+            };
+            services.push(RingService::new(DENSE, job, addrs.clone(), memory.clone()).expect("service").with_window(window));
+            memories.push(memory);
+        }
+        Sim {
+            services,
+            memories,
+            layout,
+            now: Instant::now(),
+            net: Vec::new(),
+            rng: Rng(0x1234_5678_9abc_def1),
+            loss: 0.0,
+            dup: 0.0,
+            dropped: 0,
+            duplicated: 0,
+        }
+    }
+
+    fn send(&mut self, from: usize, out: Vec<Transmit>) {
+        for t in out {
+            let to = (0..self.services.len()).find(|&m| member_addr(m) == *t.to.ip()).expect("to a member");
+            if self.rng.chance(self.loss) {
+                self.dropped += 1;
+                continue;
+            }
+            if self.rng.chance(self.dup) {
+                self.duplicated += 1;
+                self.net.push((to, SocketAddrV4::new(member_addr(from), PORT), t.bytes.clone()));
+            }
+            self.net.push((to, SocketAddrV4::new(member_addr(from), PORT), t.bytes));
+        }
+    }
+
+    /// What one member's runtime does for a call: input in place, the
+    /// round made ready, a KICK.
+    fn call(&mut self, m: usize, round: Round, op: Op, input: &[i32]) {
+        self.memories[m].begin_round(DENSE, round, op, |mem| mem.write_vector(BASE, input));
+        let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op };
+        let mut out = Vec::new();
+        self.services[m].handle(self.now, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40000), kick.encode().to_vec(), &mut out);
+        self.send(m, out);
+    }
+
+    fn done(&self, m: usize, round: Round) -> bool {
+        let ctrl = self.memories[m].ctrl(DENSE);
+        ctrl.finals_round.load(Ordering::Acquire) == round.0 && ctrl.finals.load(Ordering::Acquire) == self.layout.frags()
+    }
+
+    /// Deliver in a shuffled order, poll on a fake clock, until every
+    /// member has round `round` (or `steps` run out).
+    fn run(&mut self, round: Round, steps: usize) -> bool {
+        for _ in 0..steps {
+            if (0..self.services.len()).all(|m| self.done(m, round)) {
+                return true;
+            }
+            if self.net.is_empty() {
+                self.now += Duration::from_millis(1);
+            } else {
+                // Take a random one of the first few: reordering.
+                let i = (self.rng.next() as usize) % self.net.len().min(8);
+                let (to, from, bytes) = self.net.remove(i);
+                let mut out = Vec::new();
+                self.services[to].handle(self.now, from, bytes, &mut out);
+                self.send(to, out);
+            }
+            for m in 0..self.services.len() {
+                let mut out = Vec::new();
+                self.services[m].poll(self.now, &mut out);
+                self.send(m, out);
+            }
+        }
+        false
+    }
+
+    fn result(&self, m: usize) -> Vec<i32> {
+        let mut v = vec![0; self.layout.vector_len as usize];
+        self.memories[m].read_vector(BASE, &mut v);
+        v
+    }
+
+    fn totals(&self) -> RingServiceStats {
+        let mut t = RingServiceStats::default();
+        for s in &self.services {
+            let x = s.stats();
+            t.nacks_sent += x.nacks_sent;
+            t.resends += x.resends;
+            t.early_held += x.early_held;
+            t.duplicates += x.duplicates;
+            t.refused += x.refused;
+            t.saturated += x.saturated;
+        }
+        t
+    }
+}
+
+fn input(m: usize, len: usize, round: u32) -> Vec<i32> {
+    (0..len).map(|i| ((i * 31 + m * 1_000_003 + round as usize * 7) % 20_001) as i32 - 10_000).collect()
+}
+
+fn star(op: Op, inputs: &[Vec<i32>], weights: &[i32]) -> Vec<i32> {
+    let c: Vec<(&[i32], i32)> = inputs.iter().map(Vec::as_slice).zip(weights.iter().copied()).collect();
+    reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec()
+}
+
+/// Rounds of every op over `members`, each member calling at once (the
+/// order of their calls shuffled, so some PARTIALs arrive early).
+fn rounds(members: usize, frag_elems: u32, len: u32, weights: Vec<i32>, loss: f64, dup: f64, window: usize) -> Sim {
+    let mut sim = Sim::new(members, frag_elems, len, weights.clone(), window);
+    sim.loss = loss;
+    sim.dup = dup;
+    for (k, op) in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg].into_iter().enumerate() {
+        let round = Round(1 + k as u32);
+        let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, round.0)).collect();
+        let want = star(op, &inputs, &weights);
+        let mut order: Vec<usize> = (0..members).collect();
+        order.rotate_left(k % members);
+        for (i, &m) in order.iter().enumerate() {
+            sim.call(m, round, op, &inputs[m]);
+            if i == 0 {
+                // Let the first member's PARTIALs run ahead of the others.
+                for _ in 0..20 {
+                    sim.run(round, 1);
+                }
+            }
+        }
+        assert!(sim.run(round, 2_000_000), "{op:?} round {round}: not every member completed (loss {loss}, dup {dup})");
+        for m in 0..members {
+            assert_eq!(sim.result(m), want, "member {m}, {op:?}, round {round}");
+            for f in 0..sim.layout.frags() {
+                assert!(sim.memories[m].has_result(BASE + f, round), "member {m} fragment {f}");
+            }
+        }
+    }
+    sim
+}
+
+#[test]
+fn every_op_round_trips_without_loss() {
+    for members in [2, 3, 4, 7] {
+        let sim = rounds(members, 4, 37, vec![1; members], 0.0, 0.0, DEFAULT_WINDOW);
+        let t = sim.totals();
+        // NACKs may go out while the first member waits for the others
+        // (its finals do not move): they are not repair, nothing is refused.
+        assert_eq!(t.refused, 0, "{members}: {t:?}");
+        assert!(t.early_held > 0 || members == 2, "{members}: some PARTIALs came early ({t:?})");
+    }
+}
+
+#[test]
+fn weights_apply_and_avg_divides_by_their_sum() {
+    rounds(4, 6, 50, vec![1, 2, 3, 5], 0.0, 0.0, DEFAULT_WINDOW);
+}
+
+#[test]
+fn one_element_and_short_last_fragment() {
+    rounds(3, 8, 1, vec![1; 3], 0.0, 0.0, DEFAULT_WINDOW);
+    rounds(5, 8, 8, vec![1; 5], 0.0, 0.0, DEFAULT_WINDOW);
+    rounds(4, 8, 8 * 9 + 3, vec![1; 4], 0.0, 0.0, DEFAULT_WINDOW);
+}
+
+#[test]
+fn loss_and_duplication_are_repaired() {
+    for (loss, dup) in [(0.01, 0.01), (0.05, 0.05), (0.2, 0.1)] {
+        let sim = rounds(5, 4, 203, vec![1, 1, 2, 1, 3], loss, dup, 8);
+        let t = sim.totals();
+        assert!(sim.dropped > 0 && sim.duplicated > 0, "the network dropped {} and duplicated {}", sim.dropped, sim.duplicated);
+        assert!(t.nacks_sent > 0 && t.resends > 0, "loss {loss}: {t:?}");
+        assert!(t.duplicates > 0, "dup {dup}: {t:?}");
+    }
+}
+
+#[test]
+fn saturation_is_flagged_on_every_member() {
+    let members = 3;
+    let mut sim = Sim::new(members, 2, 3, vec![1; members], DEFAULT_WINDOW);
+    let round = Round(1);
+    for m in 0..members {
+        sim.call(m, round, Op::Sum, &[i32::MAX, 1, -1]);
+    }
+    assert!(sim.run(round, 100_000));
+    for m in 0..members {
+        assert_eq!(sim.result(m), vec![i32::MAX, 3, -3]);
+    }
+    // Fragment 0 saturated: every member stored it flagged.
+    assert_eq!(sim.totals().saturated, members as u64);
+}
+
+#[test]
+fn forged_and_foreign_datagrams_are_refused() {
+    let mut sim = Sim::new(3, 4, 8, vec![1; 3], DEFAULT_WINDOW);
+    let round = Round(1);
+    sim.call(1, round, Op::Sum, &[1; 8]);
+    // A PARTIAL of fragment 0 (origin 0) hops 1 for member 1, but from
+    // member 2's address.
+    let hdr = RingHeader { ring: RING, kind: RingKind::Partial, flags: 0, round, frag: 0, hops: 1, count: 4, sender: 0, op: Op::Sum };
+    let mut d = hdr.encode().to_vec();
+    d.extend_from_slice(&[0u8; 16]);
+    let mut out = Vec::new();
+    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(2), PORT), d.clone(), &mut out);
+    // Another ring's id, and a KICK from the network.
+    let mut other = d.clone();
+    other[4..6].copy_from_slice(&41u16.to_be_bytes());
+    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), other, &mut out);
+    let kick = RingHeader { kind: RingKind::Kick, frag: 0, hops: 0, count: 0, ..hdr };
+    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), kick.encode().to_vec(), &mut out);
+    assert_eq!(sim.services[1].stats().refused, 3);
+    // The genuine one is added to and sent on to member 2.
+    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), d, &mut out);
+    assert_eq!(sim.services[1].stats().user_hops, 1);
+    assert!(out.iter().any(|t| *t.to.ip() == member_addr(2)));
+}
+
+#[test]
+fn a_member_restarting_its_rounds_continues_from_ready_round() {
+    // Rounds need not start at 1: the runtime starts at ready_round + 1.
+    let mut sim = Sim::new(3, 4, 10, vec![1; 3], DEFAULT_WINDOW);
+    for round in [Round(u32::MAX - 2), Round(u32::MAX - 1)] {
+        let inputs: Vec<Vec<i32>> = (0..3).map(|m| input(m, 10, round.0)).collect();
+        for (m, v) in inputs.iter().enumerate() {
+            sim.call(m, round, Op::Sum, v);
+        }
+        assert!(sim.run(round, 100_000), "round {round}");
+        assert_eq!(sim.result(0), star(Op::Sum, &inputs, &[1; 3]));
+    }
+}
+
+/// The real loop: three services on 127.0.0.{1,2,3}, one port, heap
+/// memory, each "runtime" a thread making its round ready and KICKing.
+#[test]
+fn the_server_loop_runs_a_ring_over_loopback() {
+    let members = 3usize;
+    let addrs: Vec<Ipv4Addr> = (0..members).map(|m| Ipv4Addr::new(127, 0, 0, 1 + m as u8)).collect();
+    // A free port on all three addresses.
+    let (port, sockets) = (20000..30000u16)
+        .find_map(|p| {
+            let s: Result<Vec<UdpSocket>> = addrs.iter().map(|&a| bind_ring_socket(a, p)).collect();
+            s.ok().map(|s| (p, s))
+        })
+        .expect("a free port");
+    let (frag_elems, len) = (6u32, 100u32);
+    let frags = len.div_ceil(frag_elems);
+    let mut memories = Vec::new();
+    let mut servers = Vec::new();
+    for (m, socket) in sockets.into_iter().enumerate() {
+        let memory = Arc::new(RingMemory::heap(frag_elems, frags));
+        let job = RingJob {
+            id: RING,
+            port,
+            members: members as u16,
+            me: m as u16,
+            frag_elems,
+            frags,
+            vector_len: len,
+            base: 0,
+            weight_sum: members as u32,
+            weight: 1,
+            self_addr: 0,
+            next_addr: 0,
+        };
+        let service = RingService::new(0, job, addrs.clone(), memory.clone()).expect("service");
+        servers.push(RingServer::start(vec![(socket, service)], None).expect("server"));
+        memories.push(memory);
+    }
+    let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, 1)).collect();
+    let want = star(Op::Sum, &inputs, &[1; 3]);
+    let round = Round(1);
+    for (m, memory) in memories.iter().enumerate() {
+        memory.begin_round(0, round, Op::Sum, |mem| mem.write_vector(0, &inputs[m]));
+        let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op: Op::Sum };
+        // The KICK comes from 127.0.0.1 whichever member it is for.
+        let s = UdpSocket::bind("127.0.0.1:0").expect("kick socket");
+        s.send_to(&kick.encode(), SocketAddrV4::new(addrs[m], port)).expect("kick");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for memory in &memories {
+        while memory.ctrl(0).finals.load(Ordering::Acquire) < frags {
+            assert!(Instant::now() < deadline, "the ring did not complete in 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut got = vec![0; len as usize];
+        memory.read_vector(0, &mut got);
+        assert_eq!(got, want);
+    }
+    drop(servers);
+}

@@ -1,0 +1,324 @@
+//! Ring allreduce for applications (docs/RING.md "One call"): a
+//! [`RingCommunicator`] is one member's application of a `[[ring]]` job. It
+//! maps its node's ring memory (`ring_data`, `ring_done`, `ring_ctrl`,
+//! pinned by `aggbox attach`), writes its input there, makes the round
+//! ready, KICKs its node's ring service and waits until every fragment's
+//! result is stored here, by the XDP program or the service. No datagram
+//! passes through this process.
+//!
+//! Rounds: a communicator starts at its node's `ring_ctrl.ready_round + 1`,
+//! so an application that restarts continues where the last one stopped;
+//! every member's application must make the same calls in the same order
+//! (as with any collective), and the members' nodes must have attached
+//! together (fresh ring memory starts every member at round 1).
+//!
+//! This module maps the node's maps itself ([`crate::kernel::ring_memory`]):
+//! the one place the runtime touches what the node pinned.
+
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+
+use crate::config::Config;
+use crate::kernel::maps::{self, names};
+use crate::kernel::ring_memory::{self, RingMemory};
+use crate::runtime::quantize::{self, Quantization};
+use crate::runtime::{CommError, Peer, TimeoutInfo};
+use crate::wire::abi::{self, Op, Round, RingJob, RingStat};
+use crate::wire::ring::{RingHeader, RingKind, RingLayout};
+
+/// Default deadline of a call.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Fragments named in a timeout error, at most.
+const MISSING_SHOWN: usize = 16;
+
+/// What a ring allreduce says besides the values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingOutput {
+    /// Some partial left the int32 range and was saturated (OVERFLOW):
+    /// the result may differ from the star's clamped one.
+    pub overflow: bool,
+}
+
+/// One member's application of a ring job (see the module docs).
+#[derive(Debug)]
+pub struct RingCommunicator {
+    dense: u32,
+    job: RingJob,
+    memory: RingMemory,
+    kick: UdpSocket,
+    /// The last round this communicator started.
+    round: Round,
+    deadline: Duration,
+    quantization: Quantization,
+    /// `ring_stats` and `ring_service`, where the saturation counters are.
+    ring_stats: Option<MapHandle>,
+    service_stats: Option<MapHandle>,
+}
+
+impl RingCommunicator {
+    /// The communicator of ring `ring_id` (a `[[ring]]` of `config`) on
+    /// the node whose `aggbox attach` pinned its maps in `pin_dir`; its
+    /// ring service is reached at 127.0.0.1 on the ring's port, so call it
+    /// in the node's network namespace.
+    pub fn open(config: &Config, ring_id: u16, pin_dir: &Path) -> Result<RingCommunicator, CommError> {
+        let ring = config.ring(ring_id).ok_or_else(|| CommError::Config(format!("ring {ring_id} is not in the configuration")))?;
+        let map_err = |e: ring_memory::RingMemoryError| CommError::Config(format!("ring {ring_id}: {e}"));
+        let (dense, job) = ring_memory::pinned_ring_job(pin_dir, ring_id).map_err(map_err)?;
+        if job.port != ring.port || job.vector_len != ring.vector_len || usize::from(job.members) != ring.members.len() {
+            return Err(CommError::Config(format!(
+                "ring {ring_id}: the node's ring (port {}, {} elements, {} members) is not the configuration's (port {}, {}, {}); attach again with this configuration",
+                job.port, job.vector_len, job.members, ring.port, ring.vector_len, ring.members.len()
+            )));
+        }
+        let memory = RingMemory::open_pinned(pin_dir).map_err(map_err)?;
+        memory.check_job(&job).map_err(map_err)?;
+        let kick = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?;
+        kick.connect(SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))?;
+        let round = Round(memory.ctrl(dense).ready_round.load(Ordering::Acquire));
+        Ok(RingCommunicator {
+            dense,
+            job,
+            memory,
+            kick,
+            round,
+            deadline: DEFAULT_DEADLINE,
+            quantization: Quantization::default(),
+            ring_stats: maps::open_pinned(pin_dir, names::RING_STATS).ok(),
+            service_stats: maps::open_pinned(pin_dir, ring_memory::SERVICE_STATS_MAP).ok(),
+        })
+    }
+
+    /// Each call's deadline (default [`DEFAULT_DEADLINE`]).
+    pub fn set_deadline(&mut self, deadline: Duration) {
+        self.deadline = deadline;
+    }
+
+    /// How [`RingCommunicator::allreduce_f32`] quantizes (default
+    /// `Fixed(1e8)`).
+    pub fn set_quantization(&mut self, q: Quantization) {
+        self.quantization = q;
+    }
+
+    /// The ring's id.
+    pub fn ring_id(&self) -> u16 {
+        self.job.id
+    }
+
+    /// Elements of the ring's vector (every call reduces exactly that).
+    pub fn len(&self) -> usize {
+        self.job.vector_len as usize
+    }
+
+    /// Never: a ring has at least one element.
+    pub fn is_empty(&self) -> bool {
+        self.job.vector_len == 0
+    }
+
+    /// This member's index in the ring.
+    pub fn member(&self) -> u16 {
+        self.job.me
+    }
+
+    /// The round of the last call.
+    pub fn round(&self) -> Round {
+        self.round
+    }
+
+    /// The ring's vector in the node's memory, to fill with the input of
+    /// [`RingCommunicator::allreduce_in_place`] and read its result from.
+    /// Between calls nothing else writes it (results of a round are stored
+    /// before the call returns, and another round's datagrams wait for the
+    /// next call).
+    pub fn buffer_mut(&mut self) -> &mut [i32] {
+        let cells = self.memory.data(self.job.base);
+        // SAFETY: the ring's fragments are consecutive `ring_data` values
+        // of frag_elems int32 each (value size frag_elems · 4, a multiple
+        // of 8, so no padding between them), checked to fit the map by
+        // `check_job`; `&mut self` makes this the only user in this
+        // process, and between calls no other writer touches it (above).
+        unsafe { std::slice::from_raw_parts_mut(cells.as_ptr() as *mut i32, self.job.vector_len as usize) }
+    }
+
+    /// Allreduce of `buf` (exactly [`RingCommunicator::len`] elements)
+    /// with `op` (SUM, COUNT, MAX, MIN, AVG; weights of the configuration),
+    /// the result written back into `buf`.
+    pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<RingOutput, CommError> {
+        self.check_len(buf.len())?;
+        let base = self.job.base;
+        let out = self.run(op, |m| m.write_vector(base, buf))?;
+        self.memory.read_vector(base, buf);
+        Ok(out)
+    }
+
+    /// Allreduce of what [`RingCommunicator::buffer_mut`] holds, the
+    /// result left there.
+    pub fn allreduce_in_place(&mut self, op: Op) -> Result<RingOutput, CommError> {
+        self.run(op, |_| {})
+    }
+
+    /// Float allreduce through the quantization (as
+    /// `Communicator::allreduce_f32`): the SUM of `w · round(x · S)`, or
+    /// the mean (divided by the weight sum too). OVERFLOW is an error with
+    /// a fixed scale, a rerun at the adaptive scale with
+    /// `FixedOrAdaptive`; `Adaptive` agrees on `max |x|` with a ring MAX
+    /// first (a second pass over the whole vector).
+    pub fn allreduce_f32(&mut self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
+        self.check_len(buf.len())?;
+        quantize::check_finite(buf).map_err(|e| CommError::Config(e.to_string()))?;
+        let (mut scale, mut rerun) = match self.quantization {
+            Quantization::Fixed(s) => (s, false),
+            Quantization::FixedOrAdaptive(s) => (s, true),
+            Quantization::Adaptive => (self.adaptive_scale(buf)?, false),
+        };
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(CommError::Config(quantize::QuantizeError::BadScale(scale).to_string()));
+        }
+        loop {
+            let mut q = Vec::new();
+            quantize::quantize_into(buf, scale, &mut q).map_err(|e| CommError::Config(e.to_string()))?;
+            let base = self.job.base;
+            let out = self.run(Op::Sum, |m| m.write_vector(base, &q))?;
+            if out.overflow {
+                if rerun {
+                    // The saturated fragments' FINALs reach every member
+                    // flagged, so every member reruns alike.
+                    rerun = false;
+                    scale = self.adaptive_scale(buf)?;
+                    continue;
+                }
+                return Err(CommError::Overflow { round: self.round, scale });
+            }
+            self.memory.read_vector(base, &mut q);
+            let div = if mean { scale * f64::from(self.job.weight_sum) } else { scale };
+            quantize::dequantize_into(&q, div, buf);
+            return Ok(());
+        }
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), CommError> {
+        if len != self.len() {
+            return Err(CommError::Config(format!(
+                "ring {}: a vector of {len} elements; the ring reduces {} (its vector_len)",
+                self.job.id,
+                self.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The adaptive scale, agreed with the other members by a ring MAX of
+    /// `max |x|`'s bits (element 0, the rest 0).
+    fn adaptive_scale(&mut self, buf: &[f32]) -> Result<f64, CommError> {
+        let m = quantize::max_abs(buf).map_err(|e| CommError::Config(e.to_string()))?;
+        let base = self.job.base;
+        let bits = m.to_bits() as i32;
+        let len = self.len();
+        self.run(Op::Max, |mem| {
+            let mut v = vec![0; len];
+            v[0] = bits;
+            mem.write_vector(base, &v);
+        })?;
+        let agreed = f32::from_bits(self.memory.data(base)[0].load(Ordering::Relaxed) as u32);
+        // Σ|w| contributions of at most max |x| · S each.
+        let weights = u16::try_from(self.job.weight_sum).unwrap_or(u16::MAX);
+        Ok(quantize::adaptive_scale(agreed, weights))
+    }
+
+    /// One call: input through `write`, the round made ready, KICK, wait.
+    fn run(&mut self, op: Op, write: impl FnOnce(&RingMemory)) -> Result<RingOutput, CommError> {
+        if !op.runs_in_kernel() {
+            return Err(CommError::Config(format!("op {} is not a ring op (SUM, COUNT, MAX, MIN, AVG)", op.name())));
+        }
+        let r = self.round.plus(1);
+        let saturated_before = self.saturated_count();
+        self.memory.begin_round(self.dense, r, op, write);
+        self.round = r;
+        let kick = RingHeader { ring: self.job.id, kind: RingKind::Kick, flags: 0, round: r, frag: 0, hops: 0, count: 0, sender: self.job.me, op };
+        // A lost KICK costs the service's next look at ring_ctrl (20 ms).
+        let _ = self.kick.send(&kick.encode());
+        let start = Instant::now();
+        let ctrl = self.memory.ctrl(self.dense);
+        let mut spins = 0u32;
+        loop {
+            if ctrl.finals_round.load(Ordering::Acquire) == r.0 && ctrl.finals.load(Ordering::Acquire) >= self.job.frags {
+                break;
+            }
+            if start.elapsed() >= self.deadline {
+                return Err(self.timeout(r));
+            }
+            // A call of a few fragments takes tens of microseconds.
+            // Short waits while the round may be about to end, longer ones
+            // after (a spinning caller takes a CPU from the ring service).
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(if spins < 200 { 20 } else { 500 }));
+            }
+        }
+        let missing = self.missing(r);
+        if !missing.is_empty() {
+            return Err(CommError::Config(format!(
+                "ring {} round {r}: finals counted every fragment, but ring_done lacks {missing:?}",
+                self.job.id
+            )));
+        }
+        Ok(RingOutput { overflow: self.saturated_count() != saturated_before })
+    }
+
+    /// Fragments of round `r` not stored here.
+    fn missing(&self, r: Round) -> Vec<u32> {
+        (0..self.job.frags).filter(|&f| !self.memory.has_result(self.job.base + f, r)).collect()
+    }
+
+    fn timeout(&self, r: Round) -> CommError {
+        let missing = self.missing(r);
+        let layout = RingLayout::of_job(&self.job);
+        let mut completers: Vec<u16> = missing.iter().map(|&f| layout.completer(f)).collect();
+        completers.sort_unstable();
+        completers.dedup();
+        let shown: Vec<String> = missing.iter().take(MISSING_SHOWN).map(u32::to_string).collect();
+        let more = missing.len().saturating_sub(MISSING_SHOWN);
+        CommError::Timeout(Box::new(TimeoutInfo {
+            op: "ring allreduce",
+            round: r,
+            missing: completers.into_iter().map(Peer::Rank).collect(),
+            missing_known: true,
+            arrived: (self.job.frags as usize).saturating_sub(missing.len()),
+            expected: self.job.frags as usize,
+            what: format!(
+                "fragments of ring {} stored here; missing fragments {}{} (the ranks named complete them)",
+                self.job.id,
+                shown.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            ),
+            partial: None,
+        }))
+    }
+
+    /// Datagrams carrying SATURATED seen by this node's XDP program, plus
+    /// saturated fragments stored by its ring service.
+    fn saturated_count(&self) -> u64 {
+        let mut n = 0;
+        if let Some(map) = &self.ring_stats {
+            if let Ok(Some(per_cpu)) = map.lookup_percpu(&self.dense.to_ne_bytes(), MapFlags::ANY) {
+                n += per_cpu
+                    .iter()
+                    .filter_map(|v| abi::from_bytes::<abi::RingStats>(v))
+                    .map(|s| s.count[RingStat::Saturated as usize])
+                    .sum::<u64>();
+            }
+        }
+        if let Some(map) = &self.service_stats {
+            if let Ok(Some(v)) = map.lookup(&u32::from(self.job.id).to_ne_bytes(), MapFlags::ANY) {
+                n += abi::from_bytes::<ring_memory::RingServiceStats>(&v).map_or(0, |s| s.saturated);
+            }
+        }
+        n
+    }
+}
