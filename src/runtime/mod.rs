@@ -29,6 +29,7 @@
 
 pub mod backend;
 mod calls;
+pub mod collective;
 pub mod comm;
 mod driver;
 mod engine;
@@ -44,6 +45,7 @@ pub mod transport;
 pub mod work;
 
 pub use backend::BackendKind;
+pub use collective::{Algorithm, Collective};
 pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
 };
