@@ -799,8 +799,22 @@ impl ServedChange {
     }
 }
 
+/// A job removed and added again by the same change (its settings
+/// changed) keeps its kernel state (`XdpPlane::set_job` zeroes only a new
+/// job's), so its new service answers positions from where the old one's
+/// RESULTs reached.
+fn carry_positions<'a>(gone: impl Iterator<Item = &'a ResultService>, added: &mut [(JobSocket, ResultService)]) {
+    let seen: HashMap<u16, Option<Seen>> = gone.map(|service| (service.job, service.seen)).collect();
+    for (_, service) in added.iter_mut() {
+        if let Some(&s) = seen.get(&service.job) {
+            service.seen = s;
+        }
+    }
+}
+
 /// Apply `change` to the serving thread's jobs: the removed ones go (their
-/// counters with them), the added ones start from nothing.
+/// counters with them), the added ones start from nothing (but where a
+/// job's RESULTs reached: [`carry_positions`]).
 fn apply_change(
     jobs: &mut Vec<(UdpSocket, ResultService)>,
     change: ServedChange,
@@ -810,6 +824,8 @@ fn apply_change(
     let (gone, kept): (Vec<_>, Vec<_>) =
         std::mem::take(jobs).into_iter().partition(|(_, service)| change.remove.contains(&service.job));
     *jobs = kept;
+    let mut change = change;
+    carry_positions(gone.iter().map(|(_, service)| service), &mut change.add);
     let mut freed: HashMap<u16, UdpSocket> = gone
         .into_iter()
         .filter_map(|(socket, _)| Some((socket.local_addr().ok()?.port(), socket)))
@@ -1182,6 +1198,18 @@ mod tests {
         s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &query(JOB, 0, 1), &mut out);
         assert!(out.is_empty());
         assert_eq!(s.stats().refused_queries, 1);
+    }
+
+    #[test]
+    fn a_job_replaced_by_a_reload_answers_positions_from_where_its_predecessor_was() {
+        let mut old = service(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        old.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
+        let other = ResultService::new(JOB + 1, vec![NODE], vec![worker(0)], ReliabilityConfig::default());
+        let mut added = vec![(JobSocket::TakeOver(1), service(AckMode::Packet)), (JobSocket::TakeOver(2), other)];
+        carry_positions([&old].into_iter(), &mut added);
+        assert_eq!(added[0].1.position(), (Round(7), 41, false), "the same job: its kernel state stayed");
+        assert_eq!(added[1].1.position(), (Round(0), 0, true), "another job starts fresh");
     }
 
     const PARENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 1);
