@@ -17,7 +17,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use aggbox::config::Config;
-use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization};
+use aggbox::runtime::{
+    BackendKind, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
+};
 use aggbox::wire::abi::{Op, Round};
 
 /// The call completed; the buffer holds the result.
@@ -167,15 +169,35 @@ fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> 
     }
     // Where this run starts: after every round an earlier run on the same
     // running node used (docs/MPI.md, "Consecutive runs on one node").
-    let position = builder.node_position(builder.config().deadline).map_err(|e| e.to_string())?;
-    let pending = Pending { builder, job: job.id, rank, size, node, data_port, min_bytes, float };
+    let position = builder
+        .node_position(builder.config().deadline)
+        .map_err(|e| e.to_string())?;
+    let pending = Pending {
+        builder,
+        job: job.id,
+        rank,
+        size,
+        node,
+        data_port,
+        min_bytes,
+        float,
+    };
     Ok((pending, position))
 }
 
 /// Builds the session prepared by [`prepare`], its first call at `round`,
 /// `agg_seq` (agreed by every rank).
 fn open(p: Pending, round: u32, agg_seq: u32) -> Result<Session, String> {
-    let Pending { builder, job, rank, size, node, data_port, min_bytes, float } = p;
+    let Pending {
+        builder,
+        job,
+        rank,
+        size,
+        node,
+        data_port,
+        min_bytes,
+        float,
+    } = p;
     let me = builder.config().peers[rank as usize];
     let comm = builder
         .resume(Round(round), agg_seq)
@@ -219,7 +241,11 @@ fn report(rank: c_int, what: &str, msg: impl std::fmt::Display) {
 /// # Safety
 /// `position` points to 2 writable `u32`.
 #[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_position(rank: c_int, size: c_int, position: *mut u32) -> c_int {
+pub unsafe extern "C" fn aggbox_mpi_position(
+    rank: c_int,
+    size: c_int,
+    position: *mut u32,
+) -> c_int {
     match prepare(rank, size) {
         Ok((pending, at)) => {
             if !position.is_null() {

@@ -99,7 +99,12 @@ pub fn query_position(
     node: SocketAddrV4,
     deadline: Duration,
 ) -> Result<NodePosition, PositionQueryError> {
-    let socket = UdpSocket::bind(from).map_err(|source| PositionQueryError::Bind { job, rank, addr: from, source })?;
+    let socket = UdpSocket::bind(from).map_err(|source| PositionQueryError::Bind {
+        job,
+        rank,
+        addr: from,
+        source,
+    })?;
     let io_err = |source| PositionQueryError::Io { job, node, source };
     let start = Instant::now();
     let end = start + deadline;
@@ -138,7 +143,11 @@ pub fn query_position(
             match socket.recv_from(&mut buf) {
                 Ok((n, SocketAddr::V4(src))) if src == node => {
                     if let Ok(reply) = PositionMessage::decode(&buf[..n]) {
-                        if reply.is_reply() && reply.job == job && reply.rank == rank && reply.nonce == nonce {
+                        if reply.is_reply()
+                            && reply.job == job
+                            && reply.rank == rank
+                            && reply.nonce == nonce
+                        {
                             return Ok(NodePosition {
                                 round: reply.round,
                                 agg_seq: reply.agg_seq,
@@ -170,7 +179,10 @@ fn nonce(from: SocketAddrV4) -> u32 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
-    let x = t ^ (u64::from(std::process::id()) << 32) ^ u64::from(u32::from(*from.ip())) ^ (u64::from(from.port()) << 16);
+    let x = t
+        ^ (u64::from(std::process::id()) << 32)
+        ^ u64::from(u32::from(*from.ip()))
+        ^ (u64::from(from.port()) << 16);
     // splitmix64's finaliser: every input bit reaches every output bit.
     let x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -188,8 +200,17 @@ impl CommunicatorBuilder {
         let Participant::Worker(rank) = cfg.me else {
             return Err(PositionQueryError::NotAWorker(cfg.job));
         };
-        let from = *cfg.peers.get(usize::from(rank)).ok_or(PositionQueryError::NotAWorker(cfg.job))?;
-        query_position(cfg.job, rank, from, SocketAddrV4::new(cfg.aggregator, cfg.result_port), deadline)
+        let from = *cfg
+            .peers
+            .get(usize::from(rank))
+            .ok_or(PositionQueryError::NotAWorker(cfg.job))?;
+        query_position(
+            cfg.job,
+            rank,
+            from,
+            SocketAddrV4::new(cfg.aggregator, cfg.result_port),
+            deadline,
+        )
     }
 }
 
@@ -202,7 +223,9 @@ mod tests {
 
     fn bound() -> (UdpSocket, SocketAddrV4) {
         let s = UdpSocket::bind((LO, 0)).unwrap();
-        let SocketAddr::V4(a) = s.local_addr().unwrap() else { unreachable!() };
+        let SocketAddr::V4(a) = s.local_addr().unwrap() else {
+            unreachable!()
+        };
         (s, a)
     }
 
@@ -224,17 +247,43 @@ mod tests {
             let (n, from) = node.recv_from(&mut buf).unwrap();
             let q2 = PositionMessage::decode(&buf[..n]).unwrap();
             assert_eq!((q.job, q.rank, q.nonce), (q2.job, q2.rank, q2.nonce));
-            let wrong_nonce = PositionMessage { nonce: q.nonce ^ 1, ..q };
-            let other_rank = PositionMessage { rank: q.rank + 1, ..q };
+            let wrong_nonce = PositionMessage {
+                nonce: q.nonce ^ 1,
+                ..q
+            };
+            let other_rank = PositionMessage {
+                rank: q.rank + 1,
+                ..q
+            };
             for m in [wrong_nonce, other_rank] {
-                node.send_to(&PositionMessage::reply(&m, Round(99), 99, false).encode(), from).unwrap();
+                node.send_to(
+                    &PositionMessage::reply(&m, Round(99), 99, false).encode(),
+                    from,
+                )
+                .unwrap();
             }
             let (stranger, _) = bound();
-            stranger.send_to(&PositionMessage::reply(&q, Round(98), 98, false).encode(), from).unwrap();
-            node.send_to(&PositionMessage::reply(&q, Round(7), 42, false).encode(), from).unwrap();
+            stranger
+                .send_to(
+                    &PositionMessage::reply(&q, Round(98), 98, false).encode(),
+                    from,
+                )
+                .unwrap();
+            node.send_to(
+                &PositionMessage::reply(&q, Round(7), 42, false).encode(),
+                from,
+            )
+            .unwrap();
         });
         let p = query_position(11, 2, me, node_addr, Duration::from_secs(5)).expect("answered");
-        assert_eq!(p, NodePosition { round: Round(7), agg_seq: 42, fresh: false });
+        assert_eq!(
+            p,
+            NodePosition {
+                round: Round(7),
+                agg_seq: 42,
+                fresh: false
+            }
+        );
         server.join().unwrap();
     }
 
@@ -243,11 +292,21 @@ mod tests {
         let (_silent, node) = bound();
         let me = free();
         let t0 = Instant::now();
-        let err = query_position(11, 2, me, node, Duration::from_millis(300)).expect_err("nobody answers");
+        let err = query_position(11, 2, me, node, Duration::from_millis(300))
+            .expect_err("nobody answers");
         let waited = t0.elapsed();
-        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(2), "{waited:?}");
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
         let msg = err.to_string();
-        assert!(msg.contains(&node.to_string()) && msg.contains("no answer") && msg.contains("job 11"), "{msg}");
-        assert!(matches!(err, PositionQueryError::NoAnswer { tries, .. } if tries >= 3), "{err:?}");
+        assert!(
+            msg.contains(&node.to_string()) && msg.contains("no answer") && msg.contains("job 11"),
+            "{msg}"
+        );
+        assert!(
+            matches!(err, PositionQueryError::NoAnswer { tries, .. } if tries >= 3),
+            "{err:?}"
+        );
     }
 }

@@ -50,14 +50,31 @@ pub struct PositionMessage {
 impl PositionMessage {
     /// Worker `rank`'s query of `job`'s position.
     pub fn query(job: u16, rank: u16, nonce: u32) -> PositionMessage {
-        PositionMessage { job, rank, nonce, round: Round(0), agg_seq: 0, flags: 0 }
+        PositionMessage {
+            job,
+            rank,
+            nonce,
+            round: Round(0),
+            agg_seq: 0,
+            flags: 0,
+        }
     }
 
     /// The node's reply to `query`: a new run starts at `round`, `agg_seq`;
     /// `fresh` when the node has seen nothing of the job.
-    pub fn reply(query: &PositionMessage, round: Round, agg_seq: u32, fresh: bool) -> PositionMessage {
+    pub fn reply(
+        query: &PositionMessage,
+        round: Round,
+        agg_seq: u32,
+        fresh: bool,
+    ) -> PositionMessage {
         let flags = abi::POSITION_F_REPLY | if fresh { abi::POSITION_F_FRESH } else { 0 };
-        PositionMessage { round, agg_seq, flags, ..*query }
+        PositionMessage {
+            round,
+            agg_seq,
+            flags,
+            ..*query
+        }
     }
 
     /// A reply (else a query).
@@ -126,7 +143,10 @@ mod tests {
         let bytes = q.encode();
         assert_eq!(
             bytes,
-            [0x41, 0x47, 0x50, 0x31, 0, 11, 0, 3, 0xde, 0xad, 0xbe, 0xef, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+            [
+                0x41, 0x47, 0x50, 0x31, 0, 11, 0, 3, 0xde, 0xad, 0xbe, 0xef, 0, 0, 0, 0, 0, 0, 0,
+                0, 0, 0, 0, 0
+            ]
         );
         assert_eq!(PositionMessage::decode(&bytes), Ok(q));
         assert!(!q.is_reply() && PositionMessage::is_position(&bytes));
@@ -135,8 +155,15 @@ mod tests {
         assert_eq!(back, r);
         assert!(back.is_reply() && !back.is_fresh());
         assert_eq!((back.job, back.rank, back.nonce), (11, 3, 0xdead_beef));
-        assert_eq!(&r.encode()[12..21], &[1, 2, 3, 4, 0xff, 0xff, 0xff, 0xff, abi::POSITION_F_REPLY]);
-        assert!(PositionMessage::decode(&PositionMessage::reply(&q, Round(0), 0, true).encode()).unwrap().is_fresh());
+        assert_eq!(
+            &r.encode()[12..21],
+            &[1, 2, 3, 4, 0xff, 0xff, 0xff, 0xff, abi::POSITION_F_REPLY]
+        );
+        assert!(
+            PositionMessage::decode(&PositionMessage::reply(&q, Round(0), 0, true).encode())
+                .unwrap()
+                .is_fresh()
+        );
         // Not AGP1: another magic is not this message (classify ignores AGP1).
         assert_eq!(classify(&bytes), None);
         assert!(!PositionMessage::is_position(b"AGK1"));
@@ -145,21 +172,45 @@ mod tests {
     #[test]
     fn malformed_position_datagrams_are_refused() {
         let good = PositionMessage::query(1, 0, 7).encode();
-        assert_eq!(PositionMessage::decode(&good[..23]), Err(PositionError::Length(23)));
+        assert_eq!(
+            PositionMessage::decode(&good[..23]),
+            Err(PositionError::Length(23))
+        );
         let mut long = good.to_vec();
         long.push(0);
-        assert_eq!(PositionMessage::decode(&long), Err(PositionError::Length(25)));
-        assert_eq!(PositionMessage::decode(b"AGG1"), Err(PositionError::NotPosition));
-        assert_eq!(PositionMessage::decode(b"AG"), Err(PositionError::NotPosition));
+        assert_eq!(
+            PositionMessage::decode(&long),
+            Err(PositionError::Length(25))
+        );
+        assert_eq!(
+            PositionMessage::decode(b"AGG1"),
+            Err(PositionError::NotPosition)
+        );
+        assert_eq!(
+            PositionMessage::decode(b"AG"),
+            Err(PositionError::NotPosition)
+        );
         let with = |at: usize, v: u8| {
             let mut b = good;
             b[at] = v;
             b
         };
-        assert_eq!(PositionMessage::decode(&with(20, 0x04)), Err(PositionError::Reserved));
-        assert_eq!(PositionMessage::decode(&with(22, 1)), Err(PositionError::Reserved));
-        assert_eq!(PositionMessage::decode(&with(15, 1)), Err(PositionError::QueryWithPosition));
-        assert_eq!(PositionMessage::decode(&with(19, 1)), Err(PositionError::QueryWithPosition));
+        assert_eq!(
+            PositionMessage::decode(&with(20, 0x04)),
+            Err(PositionError::Reserved)
+        );
+        assert_eq!(
+            PositionMessage::decode(&with(22, 1)),
+            Err(PositionError::Reserved)
+        );
+        assert_eq!(
+            PositionMessage::decode(&with(15, 1)),
+            Err(PositionError::QueryWithPosition)
+        );
+        assert_eq!(
+            PositionMessage::decode(&with(19, 1)),
+            Err(PositionError::QueryWithPosition)
+        );
         assert_eq!(
             PositionMessage::decode(&with(20, abi::POSITION_F_FRESH)),
             Err(PositionError::QueryWithPosition)
