@@ -420,3 +420,21 @@ fn consecutive_runs_on_one_running_node_all_succeed_with_exact_results() {
     // run from an old round shows as both.)
     assert_eq!(grew("stale_round"), 0, "no run's contribution was taken for an old round's: {:?}", after.drops);
 }
+
+/// No node serving the job (`aggbox attach` stopped): every rank's
+/// position query at MPI_Init goes unanswered, and the run fails at its
+/// deadline naming the node's address and the job's result port.
+#[test]
+fn no_node_fails_at_mpi_init_naming_the_node() {
+    let mut bed = MpiBed::up("nonode", 4);
+    drop(bed.attach.take());
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let env = bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_DEADLINE_MS", "2000".into())]);
+    let started = Instant::now();
+    let out = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &["1"]);
+    assert!(!out.status.success(), "a run with no node must fail");
+    assert!(started.elapsed() < Duration::from_secs(40), "at MPI_Init, within the deadline, not after a hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let node = format!("no answer from the node at {}:{RESULT_PORT}", bed.tb.host(0).addr);
+    assert!(stderr.contains("MPI_Init: job 11: ") && stderr.contains(&node), "the reason names the node: {stderr}");
+}

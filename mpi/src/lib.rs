@@ -225,8 +225,13 @@ fn open(p: Pending, round: u32, agg_seq: u32) -> Result<Session, String> {
     })
 }
 
+/// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
+/// which forwards every rank's stderr, never interleaves two ranks' lines
+/// (`eprintln!` writes each formatted piece on its own).
 fn report(rank: c_int, what: &str, msg: impl std::fmt::Display) {
-    eprintln!("aggbox-mpi: rank {rank}: {what}: {msg}");
+    use std::io::Write;
+    let line = format!("aggbox-mpi: rank {rank}: {what}: {msg}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Called first by the shim's `MPI_Init`/`MPI_Init_thread` after
