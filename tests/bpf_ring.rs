@@ -30,7 +30,6 @@ fn members() -> Vec<Ipv4Addr> {
 struct Ring {
     dp: XdpPlane,
     cfg: RingConfig,
-    weights: Vec<i32>,
 }
 
 impl Ring {
@@ -42,7 +41,7 @@ impl Ring {
             id: RING_ID,
             port: PORT,
             members: members(),
-            weights: weights.clone(),
+            weights,
             vector_len,
             frag_elems: FRAG,
         };
@@ -58,13 +57,13 @@ impl Ring {
             vector_len,
             base: bases[0],
             weight_sum: cfg.weight_sum(),
-            weight: weights[ME],
+            weight: cfg.weights[ME],
             self_addr: u32::from(members()[ME]).to_be(),
             next_addr: u32::from(members()[ME + 1]).to_be(),
         };
         dp.set_ring(0, &job, &cfg.members).expect("set_ring");
         dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg, weights }
+        Ring { dp, cfg }
     }
 
     fn ready(&self, round: u32, op: Op, input: &[i32]) {
