@@ -272,7 +272,7 @@ fn sixteen_members_small_vectors() {
     require_root();
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let rings = vec![RingSpec { id: 40, port: 7400, len: 1 }, RingSpec { id: 42, port: 7402, len: FRAG * 3 + 7 }];
-    let mut bed = Bed::up("r16", 16, (0..16).map(|m| 1 + (m % 3) as i32).collect(), rings);
+    let mut bed = Bed::up("r16", 16, (0..16).map(|m: i32| 1 + m % 3).collect(), rings);
     for k in 0..bed.rings.len() {
         for (i, op) in OPS.into_iter().enumerate() {
             bed.allreduce(k, op, i);
