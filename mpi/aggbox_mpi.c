@@ -22,7 +22,8 @@
 /* mpi/src/lib.rs */
 enum { AGGBOX_MPI_OK = 0, AGGBOX_MPI_OVERFLOW = 1, AGGBOX_MPI_ERROR = -1 };
 enum { CALL_ALLREDUCE = 0, CALL_REDUCE = 1, CALL_BCAST = 2 };
-int aggbox_mpi_init(int rank, int size);
+int aggbox_mpi_position(int rank, int size, uint32_t position[2]);
+int aggbox_mpi_start(uint32_t round, uint32_t agg_seq);
 void aggbox_mpi_finalize(void);
 void aggbox_mpi_count_passed(int call);
 int aggbox_mpi_serves(size_t bytes);
@@ -70,12 +71,32 @@ static void fail(const char *what)
     PMPI_Abort(MPI_COMM_WORLD, 1);
 }
 
+/*
+ * Every rank asks the node where this run starts (the round and
+ * contribution seq after everything an earlier run on the same running node
+ * used: docs/MPI.md), then the ranks agree on the newest answer, so that
+ * all start at the same position even if a RESULT reached the node between
+ * two ranks' queries. Rounds and seqs are serial numbers that wrap, so the
+ * newest is rank 0's answer plus the largest (signed) distance of any
+ * rank's answer from it: PMPI_Bcast of rank 0's, PMPI_Allreduce(MAX) of the
+ * distances.
+ */
 static int start(void)
 {
     int rank, size;
+    uint32_t mine[2] = { 0, 0 }, base[2];
+    int32_t ahead[2], most[2];
     PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
     PMPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (aggbox_mpi_init(rank, size) != AGGBOX_MPI_OK) fail("MPI_Init");
+    if (aggbox_mpi_position(rank, size, mine) != AGGBOX_MPI_OK) fail("MPI_Init");
+    base[0] = mine[0];
+    base[1] = mine[1];
+    if (PMPI_Bcast(base, 2, MPI_UINT32_T, 0, MPI_COMM_WORLD) != MPI_SUCCESS) fail("MPI_Init");
+    ahead[0] = (int32_t)(mine[0] - base[0]);
+    ahead[1] = (int32_t)(mine[1] - base[1]);
+    if (PMPI_Allreduce(ahead, most, 2, MPI_INT32_T, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS) fail("MPI_Init");
+    if (aggbox_mpi_start(base[0] + (uint32_t)most[0], base[1] + (uint32_t)most[1]) != AGGBOX_MPI_OK)
+        fail("MPI_Init");
     return MPI_SUCCESS;
 }
 

@@ -74,8 +74,10 @@ EOF
 mkdir -p "$pins" && mount -t bpf bpf "$pins"
 "mpicc.$mpi" -O2 -o "$work/osu_allreduce" "$repo/mpi/bench/osu_allreduce.c"
 
-# A job serves one MPI run (docs/MPI.md, "One run per job"): the node is
-# started for the run with the library, after the plain one.
+# The node is started for the run with the library, after the plain one
+# (runs on a running node need no restart: docs/MPI.md, "Consecutive runs
+# on one node"; a fresh node keeps the plain run's traffic out of its
+# counters).
 start_node() {
   ip netns exec "${prefix}h0" "$aggbox" attach eth0 --config "$work/node.toml" --pin-root "$pins" \
     > "$work/attach.log" 2>&1 &

@@ -28,7 +28,10 @@ fn linear_chain_loads_alone_and_names_its_programs() {
     let dp = load_linear();
     assert_eq!(dp.chain(), Chain::Linear);
     let names: Vec<&str> = dp.programs().unwrap().iter().map(|p| p.name).collect();
-    assert_eq!(names, ["aggbox_xdp_linear", "aggbox_slot_linear", "aggbox_add_linear", "aggbox_result_linear"]);
+    assert_eq!(
+        names,
+        ["aggbox_xdp_linear", "aggbox_slot_linear", "aggbox_add_linear", "aggbox_result_linear", "aggbox_ring_linear"]
+    );
     for p in dp.programs().unwrap() {
         println!("{:<22} xlated {:>5} insns, verifier processed {:>6} insns", p.name, p.xlated_insns, p.verified_insns);
         assert!(p.verified_insns < 1_000_000, "{}: within the verifier's limit", p.name);
@@ -109,7 +112,7 @@ fn linear_chain_calls_only_helpers_of_5_15() {
     for id in [libbpf_sys::BPF_FUNC_loop, libbpf_sys::BPF_FUNC_xdp_load_bytes, libbpf_sys::BPF_FUNC_xdp_get_buff_len] {
         assert!(all_frags.contains(&id), "frags chain calls helper {id}");
     }
-    assert_eq!(linear.len(), 5, "4 chain programs + aggbox_reclaim");
+    assert_eq!(linear.len(), 6, "5 chain programs + aggbox_reclaim");
 }
 
 #[test]

@@ -14,7 +14,9 @@
 //! for the job is refused, and the result port is the service's. Killing
 //! the daemon (kill -9) mid-call makes a call either complete exactly or
 //! fail naming the aggregator, within its deadline; after `aggbox attach`
-//! starts again the next calls complete.
+//! starts again the next calls complete. A new set of communicators (a
+//! second program) resumes where the node is, from its answer to the
+//! position query, which only the workers' own sockets get.
 //!
 //! Needs root; fails (never skips) otherwise:
 //! `sudo -E cargo test --test node_served`.
@@ -35,6 +37,7 @@ use aggbox::config::{AckMode, Config};
 use aggbox::runtime::fragment::elements_per_fragment;
 use aggbox::runtime::{BackendKind, CommError, Communicator, CommunicatorBuilder, Participant};
 use aggbox::wire::abi::Op;
+use aggbox::wire::proto::PositionMessage;
 use aggbox::wire::reducer;
 use live_attach::LiveAttach;
 use testbed::{Testbed, TestbedConfig};
@@ -367,4 +370,86 @@ fn an_aggregator_application_and_a_second_taker_of_the_result_port_are_refused()
     assert!(taken, "the node's result service holds port {RESULT_PORT}");
     allreduce(&bed, Op::Sum, 10);
     let _ = &bed.attach;
+}
+
+/// Worker `rank`'s `AGP1` query sent from `from` (in the namespace of host
+/// `host`) to the node's result port; the reply, if one comes within 300 ms.
+fn ask_from(bed: &Bed, host: usize, from: std::net::SocketAddrV4, datagram: &[u8]) -> Option<PositionMessage> {
+    let node = std::net::SocketAddrV4::new(bed.tb.host(0).addr, RESULT_PORT);
+    bed.tb
+        .in_host(host, || {
+            let s = std::net::UdpSocket::bind(from).expect("bind the asking socket");
+            s.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+            s.send_to(datagram, node).expect("send the query");
+            let mut buf = [0u8; 64];
+            s.recv_from(&mut buf).ok().and_then(|(n, _)| PositionMessage::decode(&buf[..n]).ok())
+        })
+        .expect("netns")
+}
+
+/// A new set of communicators of a job the node has served (a second
+/// program, after the first one's ended) asks the node where to start
+/// (`CommunicatorBuilder::node_position`), resumes there, and its calls
+/// complete exactly, with no contribution dropped as `stale_round`. Only a
+/// worker's own socket is answered: a query from another port of a
+/// worker's address, from a worker's socket in another rank's name, or a
+/// malformed one, gets no reply and is counted.
+#[test]
+fn a_new_run_resumes_where_the_node_is_and_only_the_workers_own_sockets_are_answered() {
+    require_root();
+    let mut bed = Bed::up("served-resume", AckMode::Group, 4, Duration::from_secs(10));
+    for _ in 0..3 {
+        allreduce(&bed, Op::Sum, 1_000);
+    }
+    let stale_before = bed.attach.status().drops.get("stale_round").copied().unwrap_or(0);
+    let per = elements_per_fragment(bed.workers[0].config().mtu) as u32;
+    // The first run ends: its sockets are free for the next one.
+    bed.workers.clear();
+    let addr = |r: usize| bed.tb.host(r + 1).addr;
+    let sock = |r: usize, port: u16| std::net::SocketAddrV4::new(addr(r), port);
+    let query = |rank: u16| PositionMessage::query(JOB, rank, 7).encode();
+    assert_eq!(ask_from(&bed, 1, sock(0, DATA_PORT + 1), &query(0)), None, "another port of worker 0's address");
+    assert_eq!(ask_from(&bed, 1, sock(0, DATA_PORT), &query(1)), None, "worker 0's socket in worker 1's name");
+    assert_eq!(ask_from(&bed, 1, sock(0, DATA_PORT), &query(0)[..20]), None, "a short query");
+    assert_eq!(bed.counter_at_least("refused_queries", 3), 3);
+    let answer = ask_from(&bed, 1, sock(0, DATA_PORT), &query(0)).expect("worker 0's own socket is answered");
+    assert!(answer.is_reply() && !answer.is_fresh() && answer.nonce == 7, "{answer:?}");
+
+    // The next run: every worker asks, they agree, and resume there.
+    let agg_addr = bed.tb.host(0).addr;
+    let builders: Vec<CommunicatorBuilder> = (0..4)
+        .map(|r| {
+            CommunicatorBuilder::from_config(&bed.config, JOB, agg_addr, DATA_PORT, Participant::Worker(r as u16))
+                .expect("from_config")
+                .backend(BackendKind::Kernel)
+                .deadline(Duration::from_secs(10))
+        })
+        .collect();
+    let positions: Vec<_> = builders
+        .iter()
+        .enumerate()
+        .map(|(r, b)| bed.tb.in_host(r + 1, || b.node_position(Duration::from_secs(5))).expect("netns").expect("position"))
+        .collect();
+    assert!(positions.iter().all(|p| *p == positions[0]), "one answer for all: {positions:?}");
+    assert_eq!((positions[0].round, positions[0].agg_seq), (answer.round, answer.agg_seq));
+    assert!(!positions[0].fresh);
+    // Three calls (rounds 0, 1, 2) of ⌈1000 / per⌉ fragments each: the
+    // round after next of the newest, the seq after the newest.
+    assert_eq!(positions[0].round.0, 2 + 2, "{positions:?}");
+    assert_eq!(positions[0].agg_seq, 3 * 1_000u32.div_ceil(per), "{positions:?}");
+    bed.workers = builders
+        .into_iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let b = b.resume(positions[0].round, positions[0].agg_seq);
+            bed.tb.in_host(r + 1, move || b.build()).expect("netns").expect("build")
+        })
+        .collect();
+    for _ in 0..3 {
+        allreduce(&bed, Op::Sum, 1_000);
+        allreduce(&bed, Op::Max, 10);
+    }
+    let stale = bed.attach.status().drops.get("stale_round").copied().unwrap_or(0);
+    assert_eq!(stale, stale_before, "no contribution of the new run taken for an old round");
+    assert!(bed.counter_at_least("position_queries", 5) >= 5);
 }

@@ -123,6 +123,34 @@ struct aggbox_ack_hdr {
 };
 _Static_assert(sizeof(struct aggbox_ack_hdr) == 16, "AGK1 header is 16 bytes");
 
+/*
+ * Position query and reply (AGP1): a worker of a node-served job asks the
+ * node's result service, on the job's result_port, where a new run of the
+ * job's communicators must start (the round and contribution seq of its
+ * first call, newer than anything the node has seen of the job); the reply
+ * comes back to the asking socket (docs/PROTOCOL.md "AGP1: the position of
+ * a node-served job"; in Rust wire::proto::PositionMessage). User space
+ * only: the XDP and TC programs pass it on untouched (an unknown magic).
+ * Exactly AGGBOX_POSITION_LEN bytes; in a query round, agg_seq and pad are
+ * 0 and AGGBOX_POSITION_F_REPLY is clear.
+ */
+#define AGGBOX_MAGIC_POSITION   0x41475031u /* "AGP1": position query or reply */
+#define AGGBOX_POSITION_F_REPLY 0x01        /* the node's answer (clear: a query) */
+#define AGGBOX_POSITION_F_FRESH 0x02        /* reply: the node has seen no RESULT of the job */
+#define AGGBOX_POSITION_F_KNOWN 0x03
+#define AGGBOX_POSITION_LEN     24
+struct aggbox_position_hdr {
+	__be32 magic;   /* big-endian: AGGBOX_MAGIC_POSITION */
+	__be16 job;     /* big-endian: job id */
+	__be16 rank;    /* big-endian: the asking worker's rank */
+	__be32 nonce;   /* big-endian: the asker's; the reply carries it back */
+	__be32 round;   /* big-endian: reply: round of a new run's first call */
+	__be32 agg_seq; /* big-endian: reply: contribution seq of that call */
+	__u8   flags;   /* AGGBOX_POSITION_F_* */
+	__u8   pad[3];  /* zero */
+};
+_Static_assert(sizeof(struct aggbox_position_hdr) == AGGBOX_POSITION_LEN, "AGP1 is 24 bytes");
+
 /* ---------------------------------------------------------------------------
  * Drop reasons and counters (cilium drop_reasons.h style)
  *

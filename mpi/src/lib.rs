@@ -17,8 +17,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use aggbox::config::Config;
-use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
-use aggbox::wire::abi::Op;
+use aggbox::runtime::{
+    BackendKind, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
+};
+use aggbox::wire::abi::{Op, Round};
 
 /// The call completed; the buffer holds the result.
 pub const AGGBOX_MPI_OK: c_int = 0;
@@ -83,8 +85,24 @@ fn env_parsed<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
         .transpose()
 }
 
-/// Builds the session of MPI_COMM_WORLD rank `rank` of `size`.
-fn open(rank: c_int, size: c_int) -> Result<Session, String> {
+/// What `aggbox_mpi_position` prepared for `aggbox_mpi_start`: the
+/// communicator's builder, before the ranks agreed on where to start.
+struct Pending {
+    builder: CommunicatorBuilder,
+    job: u16,
+    rank: c_int,
+    size: c_int,
+    node: Ipv4Addr,
+    data_port: u16,
+    min_bytes: usize,
+    float: bool,
+}
+
+static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+
+/// Reads the configuration of MPI_COMM_WORLD rank `rank` of `size` and
+/// asks the node where this run starts.
+fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> {
     let path = env(ENV_CONFIG).ok_or_else(|| {
         format!("{ENV_CONFIG} is not set: it names the node configuration (TOML) whose job serves MPI_COMM_WORLD")
     })?;
@@ -149,24 +167,52 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     if let Some(ms) = env_parsed::<u64>(ENV_DEADLINE_MS)? {
         builder = builder.deadline(Duration::from_millis(ms));
     }
-    let comm = builder.build().map_err(|e| {
-        format!(
-            "job {} worker {rank} at {}:{data_port}: {e}",
-            job.id, job.workers[rank as usize]
-        )
-    })?;
+    // Where this run starts: after every round an earlier run on the same
+    // running node used (docs/MPI.md, "Consecutive runs on one node").
+    let position = builder
+        .node_position(builder.config().deadline)
+        .map_err(|e| e.to_string())?;
+    let pending = Pending {
+        builder,
+        job: job.id,
+        rank,
+        size,
+        node,
+        data_port,
+        min_bytes,
+        float,
+    };
+    Ok((pending, position))
+}
+
+/// Builds the session prepared by [`prepare`], its first call at `round`,
+/// `agg_seq` (agreed by every rank).
+fn open(p: Pending, round: u32, agg_seq: u32) -> Result<Session, String> {
+    let Pending {
+        builder,
+        job,
+        rank,
+        size,
+        node,
+        data_port,
+        min_bytes,
+        float,
+    } = p;
+    let me = builder.config().peers[rank as usize];
+    let comm = builder
+        .resume(Round(round), agg_seq)
+        .build()
+        .map_err(|e| format!("job {job} worker {rank} at {}:{data_port}: {e}", me.ip()))?;
     // A first allreduce at MPI_Init, so that a node that does not serve the
-    // job (not running, another configuration, or a job an earlier MPI run
-    // already used: its rounds start at 0 again) fails here with the
-    // reason, not in the middle of the program.
+    // job (another configuration, a data path that does not reach it)
+    // fails here with the reason, not in the middle of the program.
     let mut ranks = [1i32];
     match comm.allreduce_i32(&mut ranks, Op::Sum) {
         Ok(_) if ranks[0] == size => {}
-        Ok(_) => return Err(format!("job {}'s first allreduce counted {} ranks, not {size}", job.id, ranks[0])),
+        Ok(_) => return Err(format!("job {job}'s first allreduce counted {} ranks, not {size}", ranks[0])),
         Err(e) => {
             return Err(format!(
-                "job {}'s first allreduce failed ({e}): is `aggbox attach` serving the job on {node}, and was it started (or the job re-added) after the last MPI run on it? (docs/MPI.md, \"One run per job\")",
-                job.id
+                "job {job}'s first allreduce (round {round}, seq {agg_seq}) failed ({e}): is `aggbox attach` serving the job on {node} with this configuration?"
             ))
         }
     }
@@ -179,17 +225,61 @@ fn open(rank: c_int, size: c_int) -> Result<Session, String> {
     })
 }
 
+/// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
+/// which forwards every rank's stderr, never interleaves two ranks' lines
+/// (`eprintln!` writes each formatted piece on its own).
 fn report(rank: c_int, what: &str, msg: impl std::fmt::Display) {
-    eprintln!("aggbox-mpi: rank {rank}: {what}: {msg}");
+    use std::io::Write;
+    let line = format!("aggbox-mpi: rank {rank}: {what}: {msg}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
-/// Called by the shim's `MPI_Init`/`MPI_Init_thread` after `PMPI_Init`,
-/// with the MPI_COMM_WORLD rank and size: builds the communicator. On an
-/// error (configuration, world size ≠ workers, socket) it prints why and
-/// returns AGGBOX_MPI_ERROR; the shim then aborts the job.
+/// Called first by the shim's `MPI_Init`/`MPI_Init_thread` after
+/// `PMPI_Init`, with the MPI_COMM_WORLD rank and size: reads the
+/// configuration and asks the node where this run starts; writes the
+/// node's answer to `position` (round, contribution seq). The shim then
+/// makes the ranks agree on the newest answer and calls
+/// [`aggbox_mpi_start`] with it. On an error (configuration, world size ≠
+/// workers, a socket, no answer from the node) it prints why and returns
+/// AGGBOX_MPI_ERROR; the shim then aborts the job.
+///
+/// # Safety
+/// `position` points to 2 writable `u32`.
 #[no_mangle]
-pub extern "C" fn aggbox_mpi_init(rank: c_int, size: c_int) -> c_int {
-    match open(rank, size) {
+pub unsafe extern "C" fn aggbox_mpi_position(
+    rank: c_int,
+    size: c_int,
+    position: *mut u32,
+) -> c_int {
+    match prepare(rank, size) {
+        Ok((pending, at)) => {
+            if !position.is_null() {
+                let out = std::slice::from_raw_parts_mut(position, 2);
+                out[0] = at.round.0;
+                out[1] = at.agg_seq;
+            }
+            *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(pending);
+            AGGBOX_MPI_OK
+        }
+        Err(e) => {
+            report(rank, "MPI_Init", e);
+            AGGBOX_MPI_ERROR
+        }
+    }
+}
+
+/// Called by the shim's `MPI_Init` after [`aggbox_mpi_position`], with the
+/// position every rank agreed on (the newest of their answers): builds the
+/// communicator there and makes a first allreduce. Errors as
+/// [`aggbox_mpi_position`].
+#[no_mangle]
+pub extern "C" fn aggbox_mpi_start(round: u32, agg_seq: u32) -> c_int {
+    let Some(pending) = PENDING.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        eprintln!("aggbox-mpi: MPI_Init: aggbox_mpi_start without aggbox_mpi_position (a bug in the shim)");
+        return AGGBOX_MPI_ERROR;
+    };
+    let rank = pending.rank;
+    match open(pending, round, agg_seq) {
         Ok(s) => {
             *SESSION.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
             AGGBOX_MPI_OK

@@ -11,7 +11,12 @@
 //! - it keeps each RESULT until every worker acknowledged the copy the TC
 //!   program brought it (AGK1 kind aggregation, the worker's rank, that
 //!   seq), and resends it by unicast to only the workers that miss it, after
-//!   the RTO or for a hole in their ACKs.
+//!   the RTO or for a hole in their ACKs;
+//! - it answers a worker's position query (`AGP1`, docs/PROTOCOL.md) with
+//!   the round and contribution seq a new run of the job's communicators
+//!   must start at, from the RESULTs it has seen
+//!   ([`ResultService::position`]), so that a second MPI run on a running
+//!   node starts where the first left off.
 //!
 //! Both halves are `wire::reliability` (`RecvTracker`, `SendWindow`), the
 //! implementation the runtime's aggregator uses; this module adds only what
@@ -54,7 +59,7 @@ use std::os::fd::AsFd;
 use libbpf_rs::MapCore;
 
 use crate::wire::abi::{self, Round};
-use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, SeqBitmap};
+use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, PositionMessage, SeqBitmap};
 use crate::wire::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdict};
 
 /// One datagram for the driver to send from the job's socket.
@@ -114,6 +119,12 @@ pub struct ServiceStats {
     /// Tree jobs: contributions the parent has not acknowledged yet (a
     /// gauge).
     pub upstream_held: u64,
+    /// Position queries (`AGP1`) of the job's workers, answered.
+    pub position_queries: u64,
+    /// `AGP1` datagrams refused: malformed, a reply, another job's, or from
+    /// a socket that is not the worker it names (nothing answered, nothing
+    /// changed).
+    pub refused_queries: u64,
 }
 
 // SAFETY: only u64 fields, no padding.
@@ -146,7 +157,31 @@ pub struct ResultService {
     per: Option<u32>,
     /// Tree jobs: the parent, and what is held for it.
     upstream: Option<Upstream>,
+    /// The newest round and seq (serial order) of the RESULTs taken, for
+    /// the position a new run must start at ([`ResultService::position`]).
+    seen: Option<Seen>,
     stats: ServiceStats,
+}
+
+/// How far a job's RESULTs have reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    round: Round,
+    seq: u32,
+}
+
+impl Seen {
+    /// `seen` raised to a RESULT of `round` under `seq`, each in serial
+    /// order (a late copy of an older one lowers nothing).
+    fn raise(seen: Option<Seen>, round: Round, seq: u32) -> Seen {
+        match seen {
+            None => Seen { round, seq },
+            Some(s) => Seen {
+                round: if s.round.is_before(round) { round } else { s.round },
+                seq: if (seq.wrapping_sub(s.seq) as i32) > 0 { seq } else { s.seq },
+            },
+        }
+    }
 }
 
 /// The parent of a node-served tree job, and the service's state toward it.
@@ -256,6 +291,7 @@ impl ResultService {
             early: HashMap::new(),
             per: None,
             upstream: None,
+            seen: None,
             stats: ServiceStats::default(),
         }
     }
@@ -290,6 +326,40 @@ impl ResultService {
         }
     }
 
+    /// Where a new run of the job's communicators must start: the round
+    /// and contribution seq of its first call
+    /// ([`crate::runtime::CommunicatorBuilder::resume`]), and whether the
+    /// node has seen no RESULT of the job (then `(0, 0)`, as a first run).
+    ///
+    /// The round is the newest round seen **+ 2**, the seq the newest seq
+    /// seen + 1. Why: the XDP program knows a fragment by (round,
+    /// frag_off), and keeps its slot, its `completed` key and its rank
+    /// bits (docs/DATAPLANE.md), so a new run must use rounds no run used
+    /// before: a contribution to a slot where its rank's bit is set is a
+    /// `retransmission` (not added), and one of a round more than the
+    /// job's `window` behind the newest is `stale_round`. Calls run in
+    /// order and a worker's call ends only once each of its fragments
+    /// completed (allreduce: their RESULTs; reduce: the ACKs on the
+    /// kernel's behalf, sent for RESULTs), so a worker is at most one round
+    /// past the newest RESULT: an earlier run cut off in its next call
+    /// (killed, aborted) may have left contributions in slots of round
+    /// newest + 1 without any RESULT, and a new run taking that round would
+    /// add its values to theirs. So that round is skipped. The seq, which
+    /// names RESULTs in this service's windows and in the ACKs on the
+    /// kernel's behalf, must be newer than every RESULT's, or the new run's
+    /// would be taken for copies of old ones; the seqs the cut-off call
+    /// used never come back as RESULTs (its round is never completed), so
+    /// newest + 1 suffices. A run that went on past calls that failed (each
+    /// failed call's round may hold contributions, and the runtime goes on
+    /// with the next round) is beyond this: its successor needs a node
+    /// restart (docs/MPI.md, limits).
+    pub fn position(&self) -> (Round, u32, bool) {
+        match self.seen {
+            None => (Round(0), 0, true),
+            Some(s) => (Round(s.round.0.wrapping_add(2)), s.seq.wrapping_add(1), false),
+        }
+    }
+
     /// RESULTs held until a worker acknowledges them.
     pub fn held(&self) -> usize {
         self.results.window.in_flight()
@@ -307,6 +377,10 @@ impl ResultService {
     /// Takes one datagram that arrived on the job's `result_port` from
     /// `from` at `now`; what it makes the node send goes to `out`.
     pub fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+        if PositionMessage::is_position(datagram) {
+            self.on_position_query(from, datagram, out);
+            return;
+        }
         if self.upstream.as_ref().is_some_and(|u| u.addr == *from.ip()) {
             match proto::classify(datagram) {
                 Some(MessageKind::Agg) => self.on_parent_result(now, datagram, out),
@@ -320,6 +394,24 @@ impl ResultService {
             Some(MessageKind::Ack) => self.on_ack(now, from, datagram, out),
             _ => self.stats.other += 1,
         }
+    }
+
+    /// A worker asks where a new run starts (`AGP1`): answered to the
+    /// asking socket when it is the worker the query names (as for its
+    /// ACKs); anything else is counted and changes nothing. The reply is no
+    /// larger than the query and goes only to a worker's socket.
+    fn on_position_query(&mut self, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+        let query = match PositionMessage::decode(datagram) {
+            Ok(q) if !q.is_reply() && q.job == self.job && self.workers.get(usize::from(q.rank)) == Some(&from) => q,
+            _ => {
+                self.stats.refused_queries += 1;
+                return;
+            }
+        };
+        self.stats.position_queries += 1;
+        let (round, seq, fresh) = self.position();
+        let reply = PositionMessage::reply(&query, round, seq, fresh);
+        out.push(Transmit { to: from, datagram: reply.encode().to_vec() });
     }
 
     fn on_result(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
@@ -339,6 +431,7 @@ impl ResultService {
             return;
         }
         let seq = hdr.seq;
+        self.seen = Some(Seen::raise(self.seen, hdr.round, seq));
         if !hdr.is_last_fragment() {
             self.per = Some(u32::from(hdr.count));
         }
@@ -424,6 +517,7 @@ impl ResultService {
         }
         up.taken.record(seq, hdr.is_last_fragment(), now, &mut emit);
         self.stats.parent_results += 1;
+        self.seen = Some(Seen::raise(self.seen, hdr.round, seq));
         if !hdr.is_last_fragment() {
             self.per = Some(u32::from(hdr.count));
         }
@@ -705,8 +799,22 @@ impl ServedChange {
     }
 }
 
+/// A job removed and added again by the same change (its settings
+/// changed) keeps its kernel state (`XdpPlane::set_job` zeroes only a new
+/// job's), so its new service answers positions from where the old one's
+/// RESULTs reached.
+fn carry_positions<'a>(gone: impl Iterator<Item = &'a ResultService>, added: &mut [(JobSocket, ResultService)]) {
+    let seen: HashMap<u16, Option<Seen>> = gone.map(|service| (service.job, service.seen)).collect();
+    for (_, service) in added.iter_mut() {
+        if let Some(&s) = seen.get(&service.job) {
+            service.seen = s;
+        }
+    }
+}
+
 /// Apply `change` to the serving thread's jobs: the removed ones go (their
-/// counters with them), the added ones start from nothing.
+/// counters with them), the added ones start from nothing (but where a
+/// job's RESULTs reached: [`carry_positions`]).
 fn apply_change(
     jobs: &mut Vec<(UdpSocket, ResultService)>,
     change: ServedChange,
@@ -716,6 +824,8 @@ fn apply_change(
     let (gone, kept): (Vec<_>, Vec<_>) =
         std::mem::take(jobs).into_iter().partition(|(_, service)| change.remove.contains(&service.job));
     *jobs = kept;
+    let mut change = change;
+    carry_positions(gone.iter().map(|(_, service)| service), &mut change.add);
     let mut freed: HashMap<u16, UdpSocket> = gone
         .into_iter()
         .filter_map(|(socket, _)| Some((socket.local_addr().ok()?.port(), socket)))
@@ -990,6 +1100,116 @@ mod tests {
         s.poll(t0 + Duration::from_secs(10), &mut out);
         assert!(resends(&out).is_empty());
         assert_eq!(s.held(), 0);
+    }
+
+    /// Worker `rank`'s position query of `job`, with nonce `nonce`.
+    fn query(job: u16, rank: u16, nonce: u32) -> Vec<u8> {
+        PositionMessage::query(job, rank, nonce).encode().to_vec()
+    }
+
+    /// The position replies in `out`: (destination, message).
+    fn replies(out: &[Transmit]) -> Vec<(SocketAddrV4, PositionMessage)> {
+        out.iter().filter_map(|t| PositionMessage::decode(&t.datagram).ok().map(|m| (t.to, m))).collect()
+    }
+
+    #[test]
+    fn a_workers_position_query_is_answered_with_the_round_after_next_and_the_seq_after_the_newest() {
+        let mut s = service(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        // Nothing seen: a new run starts at 0, 0, and the reply says so.
+        s.handle(t0, worker(2), &query(JOB, 2, 77), &mut out);
+        let r = replies(&out);
+        assert_eq!(r.len(), 1, "{out:?}");
+        assert_eq!(r[0].0, worker(2), "the reply goes to the asking socket");
+        assert!(r[0].1.is_reply() && r[0].1.is_fresh());
+        assert_eq!((r[0].1.job, r[0].1.rank, r[0].1.nonce, r[0].1.round, r[0].1.agg_seq), (JOB, 2, 77, Round(0), 0));
+        // Round 5 (seqs 40, 41), then a late copy of round 4 (seq 30): the
+        // newest round and seq count, in serial order.
+        s.handle(t0, worker(0), &result(5, 41, 1, true), &mut out);
+        s.handle(t0, worker(0), &result(5, 40, 0, false), &mut out);
+        s.handle(t0, worker(1), &result(4, 30, 0, true), &mut out);
+        out.clear();
+        s.handle(t0, worker(0), &query(JOB, 0, 78), &mut out);
+        let r = replies(&out);
+        assert_eq!(r.len(), 1);
+        assert!(r[0].1.is_reply() && !r[0].1.is_fresh());
+        // Round 6 is skipped: a run cut off in it may hold slots of it.
+        assert_eq!((r[0].0, r[0].1.nonce, r[0].1.round, r[0].1.agg_seq), (worker(0), 78, Round(7), 42));
+        assert_eq!(s.position(), (Round(7), 42, false));
+        assert_eq!((s.stats().position_queries, s.stats().refused_queries), (2, 0));
+        // Serial order across the wrap: after u32::MAX, 0 is newer.
+        let mut s = service(AckMode::Packet);
+        s.handle(t0, worker(0), &result(u32::MAX - 1, u32::MAX - 1, 0, true), &mut out);
+        assert_eq!(s.position(), (Round(0), u32::MAX, false));
+        s.handle(t0, worker(0), &result(u32::MAX, u32::MAX, 0, true), &mut out);
+        s.handle(t0, worker(0), &result(0, 0, 0, true), &mut out);
+        assert_eq!(s.position(), (Round(2), 1, false));
+    }
+
+    #[test]
+    fn a_position_query_of_a_stranger_or_a_malformed_one_is_refused_counted_and_changes_nothing() {
+        let mut s = service(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
+        let before = (s.position(), s.held());
+        out.clear();
+        let stranger = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 66), 5000);
+        let mut bad_flags = query(JOB, 0, 1);
+        bad_flags[20] = 0x80;
+        let mut with_position = query(JOB, 0, 1);
+        with_position[15] = 9;
+        let reply = PositionMessage::reply(&PositionMessage::query(JOB, 0, 1), Round(1), 1, false).encode().to_vec();
+        let refused: Vec<(SocketAddrV4, Vec<u8>)> = vec![
+            (stranger, query(JOB, 0, 1)),
+            // Worker 1's address on another port is not worker 1's socket.
+            (SocketAddrV4::new(*worker(1).ip(), 6000), query(JOB, 1, 1)),
+            // Worker 0's socket asking as worker 2.
+            (worker(0), query(JOB, 2, 1)),
+            (worker(0), query(JOB, 7, 1)),
+            (worker(0), query(JOB + 1, 0, 1)),
+            (worker(0), query(JOB, 0, 1)[..23].to_vec()),
+            (worker(0), [query(JOB, 0, 1), vec![0]].concat()),
+            (worker(0), bad_flags),
+            (worker(0), with_position),
+            (worker(0), reply),
+            (worker(0), b"AGP1".to_vec()),
+            // From the node's own address: not a worker either.
+            (NODE_SOCKET, query(JOB, 0, 1)),
+        ];
+        for (from, d) in &refused {
+            s.handle(t0, *from, d, &mut out);
+        }
+        assert!(out.is_empty(), "nothing answered: {out:?}");
+        assert_eq!((s.stats().refused_queries, s.stats().position_queries), (refused.len() as u64, 0));
+        assert_eq!((s.stats().other, s.stats().refused_acks, s.stats().refused_results), (0, 0, 0));
+        assert_eq!((s.position(), s.held()), before, "a refused query changes nothing");
+        s.handle(t0, worker(1), &query(JOB, 1, 5), &mut out);
+        assert_eq!(replies(&out).len(), 1);
+    }
+
+    #[test]
+    fn a_tree_leaf_answers_positions_from_its_own_and_its_parents_results_and_refuses_the_parent() {
+        let mut s = leaf(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
+        s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 33333), &parent_result(6, 41, 0, true), &mut out);
+        assert_eq!(s.position(), (Round(8), 42, false));
+        out.clear();
+        s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &query(JOB, 0, 1), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(s.stats().refused_queries, 1);
+    }
+
+    #[test]
+    fn a_job_replaced_by_a_reload_answers_positions_from_where_its_predecessor_was() {
+        let mut old = service(AckMode::Packet);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        old.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
+        let other = ResultService::new(JOB + 1, vec![NODE], vec![worker(0)], ReliabilityConfig::default());
+        let mut added = vec![(JobSocket::TakeOver(1), service(AckMode::Packet)), (JobSocket::TakeOver(2), other)];
+        carry_positions([&old].into_iter(), &mut added);
+        assert_eq!(added[0].1.position(), (Round(7), 41, false), "the same job: its kernel state stayed");
+        assert_eq!(added[1].1.position(), (Round(0), 0, true), "another job starts fresh");
     }
 
     const PARENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 1);

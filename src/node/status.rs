@@ -438,6 +438,8 @@ pub fn format_status(status: &NodeStatus) -> String {
             ("parent_results", st.parent_results),
             ("duplicate_parent_results", st.duplicate_parent_results),
             ("parent_acks_sent", st.parent_acks_sent),
+            ("position_queries", st.position_queries),
+            ("refused_queries", st.refused_queries),
         ] {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }

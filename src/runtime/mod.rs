@@ -10,6 +10,8 @@
 //!
 //! - [`fragment`]: MTU-sized fragments, window sizing and reassembly.
 //! - [`pmtu`]: path MTU discovery (the default `mtu`).
+//! - [`position`]: where a new run of a node-served job starts (the node's
+//!   answer to `AGP1`, for [`CommunicatorBuilder::resume`]).
 //! - [`quantize`]: float ↔ int32 with fixed or adaptive scale.
 //! - [`socket`], [`kernel`]: the aggregator side of each backend.
 //! - [`comm`]: the communicator and its builder (the public API).
@@ -29,6 +31,7 @@
 
 pub mod backend;
 mod calls;
+pub mod collective;
 pub mod comm;
 mod driver;
 mod engine;
@@ -36,6 +39,7 @@ pub mod fragment;
 pub mod kernel;
 pub mod outbox;
 pub mod pmtu;
+pub mod position;
 pub mod quantize;
 pub mod ring;
 pub mod socket;
@@ -44,9 +48,11 @@ pub mod transport;
 pub mod work;
 
 pub use backend::BackendKind;
+pub use collective::{Algorithm, Collective};
 pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
 };
+pub use position::{query_position, NodePosition, PositionQueryError};
 pub use quantize::Quantization;
 pub use ring::{RingCommunicator, RingOutput};
 pub use crate::wire::reliability::ReliabilityConfig;

@@ -163,6 +163,34 @@ pub struct AckHdr {
 }
 const _: () = assert!(core::mem::size_of::<AckHdr>() == ACK_HDR_LEN);
 
+// Position query and reply (`AGP1`, user space only): a worker of a
+// node-served job asks the node's result service where a new run must
+// start; docs/PROTOCOL.md "AGP1: the position of a node-served job",
+// `wire::proto::PositionMessage`.
+pub const MAGIC_POSITION: u32 = 0x4147_5031;
+/// The node's answer (clear: a query).
+pub const POSITION_F_REPLY: u8 = 0x01;
+/// Reply: the node has seen no RESULT of the job (the position is 0, 0).
+pub const POSITION_F_FRESH: u8 = 0x02;
+pub const POSITION_F_KNOWN: u8 = 0x03;
+/// An `AGP1` datagram is exactly this long.
+pub const POSITION_LEN: usize = 24;
+
+/// `struct aggbox_position_hdr` (wire, network order).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PositionHdr {
+    pub magic: u32,
+    pub job: u16,
+    pub rank: u16,
+    pub nonce: u32,
+    pub round: u32,
+    pub agg_seq: u32,
+    pub flags: u8,
+    pub pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<PositionHdr>() == POSITION_LEN);
+
 /// `enum aggbox_drop_reason`: negative codes, cilium style.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -697,6 +725,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_bcast_hdr", BcastHdr, [magic, mask, seq, group, flags, hops]);
     fields!(out, "aggbox_bcast_runtime_subhdr", BcastRuntimeSubhdr, [round, offset]);
     fields!(out, "aggbox_ack_hdr", AckHdr, [magic, id, rank, base_seq, nbits, kind, flags]);
+    fields!(out, "aggbox_position_hdr", PositionHdr, [magic, job, rank, nonce, round, agg_seq, flags, pad]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
     fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots, id, pad, fast_stride]);

@@ -787,6 +787,214 @@ fn runtime_phase(
     Ok(points)
 }
 
+/// First ring id and port of the `ring` points (ring `RING + i` on port
+/// `RING_PORT + i` reduces `sizes[i]` elements).
+const RING: u16 = 40;
+const RING_PORT: u16 = 7400;
+
+/// Elements per ring datagram at `mtu`: a full datagram, but no more than a
+/// frame the XDP program edits in place on a veth (its linear part, about
+/// 3.5 KB: larger frames arrive as multi-buffer and take the ring
+/// service's user-space path), even.
+fn ring_frag_elems(mtu: u32) -> u32 {
+    let full = (mtu.saturating_sub(52) / 4).min(abi::RING_MAX_FRAG_ELEMS);
+    (full.min(862) & !1).max(2)
+}
+
+/// Configuration of the ring points: one `[[ring]]` per size over the
+/// workers' hosts (no aggregator: host 0 is idle).
+fn ring_config_text(tb: &Testbed, mtu: u32, sizes: &[u64]) -> String {
+    let members: Vec<String> = (1..=worker_count()).map(|h| format!("\"{}\"", tb.host(h).addr)).collect();
+    let mut text = "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n".to_string();
+    for (i, &n) in sizes.iter().enumerate() {
+        let _ = write!(
+            text,
+            "\n[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nvector_len = {n}\nfrag_elems = {}\n",
+            RING + i as u16,
+            RING_PORT + i as u16,
+            members.join(", "),
+            ring_frag_elems(mtu)
+        );
+    }
+    text
+}
+
+/// The `ring` backend at one MTU (docs/RING.md): every worker's host
+/// attaches as a ring member, each worker calls its RingCommunicator.
+fn ring_phase(
+    tb: &Testbed,
+    mtu: u32,
+    dtypes: &[Dtype],
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+) -> Result<Vec<Point>> {
+    let text = ring_config_text(tb, mtu, sizes);
+    let config = Config::parse(&text, "large-ring.toml").map_err(|e| anyhow!("bench ring config: {e}"))?;
+    let bpffs = PrivateBpffs::mount("large-ring")?;
+    let mut attachments = Vec::new();
+    let mut points = Vec::new();
+    let result = (|| -> Result<()> {
+        for h in 1..=worker_count() {
+            let c = config.clone();
+            let pins = bpffs.path.join(format!("h{h}"));
+            std::fs::create_dir_all(&pins)?;
+            let a = in_netns(&tb.host(h).netns, move || node::attach("eth0", &c, None, &pins, XdpMode::Native))?
+                .with_context(|| format!("attaching ring member host {h} at MTU {mtu}"))?;
+            attachments.push((h, a));
+        }
+        for &dtype in dtypes {
+            let name = dtype.backend("ring");
+            for (i, &n) in sizes.iter().enumerate() {
+                let ring_id = RING + i as u16;
+                let mut comms = Vec::new();
+                for (h, a) in &attachments {
+                    let pin_dir = a.pin_dir().to_path_buf();
+                    let c = tb
+                        .in_host(*h, || aggbox::runtime::RingCommunicator::open(&config, ring_id, &pin_dir))?
+                        .map_err(|e| anyhow!("opening ring {ring_id} on host {h}: {e}"))?;
+                    comms.push(c);
+                }
+                for c in &mut comms {
+                    c.set_deadline(call_deadline(n));
+                    c.set_quantization(Quantization::Adaptive);
+                }
+                let before: Vec<BTreeMap<String, u64>> =
+                    attachments.iter().map(|(h, a)| node_counters(&tb.host(*h).netns, a.pin_dir().parent().unwrap_or(a.pin_dir()))).collect();
+                progress(format!("large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls", thousands(n as f64)));
+                let r = ring_calls(&mut comms, n as usize, reps + 1, &bases[&n], dtype);
+                let mut p = match r {
+                    Ok(times) => {
+                        for (k, t) in times.iter().enumerate() {
+                            csv_row(csv, &name, mtu, n, k, t.all, t.workers, true);
+                        }
+                        Point::new(&name, mtu, n, &times, None)
+                    }
+                    Err(e) => Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))),
+                };
+                p.elements_per_datagram = Some(ring_frag_elems(mtu) as usize);
+                for ((h, a), b) in attachments.iter().zip(&before) {
+                    let after = node_counters(&tb.host(*h).netns, a.pin_dir().parent().unwrap_or(a.pin_dir()));
+                    for (k, v) in counter_delta(b, &after) {
+                        *p.node_counters.entry(k).or_default() += v;
+                    }
+                }
+                report_point(&p);
+                points.push(p);
+            }
+        }
+        Ok(())
+    })();
+    for (h, a) in attachments {
+        if let Err(e) = in_netns(&tb.host(h).netns, move || a.detach()).map_err(anyhow::Error::from).and_then(|r| r) {
+            progress(format!("large: detaching ring member host {h}: {e:#}"));
+        }
+    }
+    drop(bpffs);
+    if let Err(e) = result {
+        for dtype in dtypes {
+            let name = dtype.backend("ring");
+            for &n in sizes {
+                if !points.iter().any(|p| p.backend == name && p.elements == n) {
+                    points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
+                }
+            }
+        }
+    }
+    Ok(points)
+}
+
+/// `calls` ring allreduces of `n` elements (call 0 = warm-up) on every
+/// member at once, every result checked (as [`runtime_calls`]).
+fn ring_calls(
+    comms: &mut [aggbox::runtime::RingCommunicator],
+    n: usize,
+    calls: usize,
+    base: &[i32],
+    dtype: Dtype,
+) -> Result<Vec<CallTime>> {
+    let gate = Gate::new(comms.len());
+    let gate = &gate;
+    let spans: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| -> Result<Vec<Vec<(Instant, Instant)>>> {
+        let hs: Vec<_> = comms
+            .iter_mut()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || -> Result<Vec<(Instant, Instant)>> {
+                    let mut buf = vec![0i32; n];
+                    let mut fbuf = vec![0f32; if dtype == Dtype::F32 { n } else { 0 }];
+                    let mut out = Vec::with_capacity(calls);
+                    for k in 0..calls {
+                        fill_input(&mut buf, r, k);
+                        fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
+                        if !gate.wait() {
+                            bail!("ring member {r}: stopped before call {k}: another member failed");
+                        }
+                        let t0 = Instant::now();
+                        let res = match dtype {
+                            Dtype::I32 => c.allreduce_i32(&mut buf, Op::Sum).map(|_| ()),
+                            Dtype::F32 => c.allreduce_f32(&mut fbuf, false),
+                        };
+                        let t1 = Instant::now();
+                        if let Err(e) = res {
+                            gate.abort();
+                            bail!("ring member {r}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
+                        }
+                        if dtype == Dtype::F32 {
+                            for (i, &f) in buf.iter_mut().zip(&fbuf) {
+                                *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
+                            }
+                        }
+                        let (bad, first) = mismatches(&buf, base, k);
+                        if bad > 0 {
+                            gate.abort();
+                            let i = first.unwrap_or(0);
+                            bail!(
+                                "ring member {r}: call {k}: {bad} of {n} elements wrong (first at {i}: got {})",
+                                buf.get(i).copied().unwrap_or_default()
+                            );
+                        }
+                        out.push((t0, t1));
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        let mut errors = Vec::new();
+        for h in hs {
+            match h.join() {
+                Ok(Ok(v)) => all.push(v),
+                Ok(Err(e)) => errors.push(format!("{e:#}")),
+                Err(_) => {
+                    gate.abort();
+                    errors.push("a ring member thread panicked".into());
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(all)
+        } else {
+            errors.sort_by_key(|e| e.contains("another member failed"));
+            Err(anyhow!("{}", errors.join(" | ")))
+        }
+    })?;
+    Ok((0..calls)
+        .map(|k| {
+            let start = spans.iter().map(|v| v[k].0).min();
+            let end = spans.iter().map(|v| v[k].1).max();
+            match (start, end) {
+                (Some(s), Some(e)) => CallTime {
+                    all: (e - s).as_secs_f64(),
+                    workers: (e - s).as_secs_f64(),
+                },
+                _ => CallTime { all: f64::NAN, workers: f64::NAN },
+            }
+        })
+        .collect())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn csv_row(
     csv: &mut Csv,
@@ -1190,6 +1398,9 @@ fn testbed(mtu: u32) -> Result<Testbed> {
         prefix: None,
         mtu,
         static_neigh: true,
+        // the ring's XDP_TX (GRO on the switch's veth ends): for every
+        // backend, so that all of them run on the same testbed
+        xdp_tx: true,
         queues: testbed_queues(),
         ..Default::default()
     })
@@ -1346,7 +1557,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("kernel,kernel-node,socket,gloo,kernel-f32,gloo-f32,kernel-x{0},socket-x{0}", striped())
+            format!("kernel,kernel-node,socket,ring,gloo,kernel-f32,ring-f32,gloo-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -1466,6 +1677,21 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                     for d in &dtypes {
                         for &n in &sizes {
                             points.push(Point::new(&d.backend(&b), mtu, n, &[], Some(format!("{e:#}"))));
+                        }
+                    }
+                }
+            }
+        }
+        let ring_dtypes: Vec<Dtype> =
+            [Dtype::I32, Dtype::F32].into_iter().filter(|d| want(&d.backend("ring"))).collect();
+        if !ring_dtypes.is_empty() {
+            match ring_phase(&tb, mtu, &ring_dtypes, &sizes, reps, &bases, &mut csv) {
+                Ok(ps) => points.extend(ps),
+                Err(e) => {
+                    progress(format!("large: MTU {mtu} ring: FAILED: {e:#}"));
+                    for d in &ring_dtypes {
+                        for &n in &sizes {
+                            points.push(Point::new(&d.backend("ring"), mtu, n, &[], Some(format!("{e:#}"))));
                         }
                     }
                 }

@@ -2,6 +2,8 @@
 //! `PROTOCOL.md` specifies them, one module each: `agg.rs` (`AGG1`),
 //! `bcast.rs` (`AGB1`), `ack.rs` (`AGK1` and sequence bitmaps); this file
 //! holds what they share (the magic, errors, byte order) and [`decode`].
+//! `position.rs` holds `AGP1`, AggBox's own position query of a node-served
+//! job (not a message of the specification).
 //!
 //! Two layers:
 //!
@@ -312,10 +314,12 @@ pub fn write_f32_be(values: &[f32], out: &mut Vec<u8>) {
 mod ack;
 mod agg;
 mod bcast;
+mod position;
 
 pub use ack::*;
 pub use agg::*;
 pub use bcast::*;
+pub use position::*;
 
 // ---------------------------------------------------------------------------
 // Any message

@@ -1,0 +1,167 @@
+//! Star or ring, chosen per call by the vector's size (docs/RING.md
+//! "Choosing"): a [`Collective`] holds a star communicator (a job reduced
+//! by an aggregator's XDP program: lowest latency) and a ring communicator
+//! (a `[[ring]]` job: each member's link carries 2(n−1)/n of the vector
+//! instead of the aggregator's n times it), and sends a call to the ring
+//! when it has at least [`Collective::ring_threshold`] elements.
+//!
+//! Every member decides alike: the choice depends only on the call's length,
+//! op and the configured threshold, which all members share. A ring job
+//! reduces exactly its `vector_len` elements; a shorter vector is padded
+//! with the op's identity (0 for SUM/AVG/COUNT, `i32::MIN` for MAX,
+//! `i32::MAX` for MIN), so one ring serves every size up to its length.
+//! A ring call whose partial sums saturated (docs/RING.md "Arithmetic") is
+//! redone on the star when there is one, so an automatic choice returns the
+//! star's result bit for bit.
+
+use crate::runtime::comm::Communicator;
+use crate::runtime::ring::RingCommunicator;
+use crate::runtime::CommError;
+use crate::wire::abi::Op;
+
+/// Default [`Collective::ring_threshold`]: 1 Mi elements (4 MiB). From the
+/// crossover on the benchmark testbed (docs/BENCHMARKS.md "Star or ring").
+pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
+
+/// Which algorithm a call takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    /// By size: the ring from [`Collective::ring_threshold`] elements on.
+    #[default]
+    Auto,
+    /// Always the star.
+    Star,
+    /// Always the ring (vectors up to its length).
+    Ring,
+}
+
+/// A star and a ring communicator of the same members (see the module docs).
+#[derive(Debug)]
+pub struct Collective {
+    star: Option<Communicator>,
+    ring: Option<RingCommunicator>,
+    ring_threshold: usize,
+    algorithm: Algorithm,
+    /// Padded input of the f32 ring path (kept between calls).
+    scratch: Vec<f32>,
+}
+
+impl Collective {
+    /// From a star communicator, a ring communicator, or both.
+    pub fn new(star: Option<Communicator>, ring: Option<RingCommunicator>) -> Result<Collective, CommError> {
+        if star.is_none() && ring.is_none() {
+            return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
+        }
+        Ok(Collective {
+            star,
+            ring,
+            ring_threshold: DEFAULT_RING_THRESHOLD,
+            algorithm: Algorithm::Auto,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]).
+    pub fn with_ring_threshold(mut self, elements: usize) -> Collective {
+        self.ring_threshold = elements;
+        self
+    }
+
+    /// Force the star or the ring, or choose by size.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Collective {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// The threshold in elements.
+    pub fn ring_threshold(&self) -> usize {
+        self.ring_threshold
+    }
+
+    /// The star communicator, if any.
+    pub fn star(&self) -> Option<&Communicator> {
+        self.star.as_ref()
+    }
+
+    /// The ring communicator, if any.
+    pub fn ring(&mut self) -> Option<&mut RingCommunicator> {
+        self.ring.as_mut()
+    }
+
+    /// The algorithm a call of `len` elements with `op` takes: the star or
+    /// the ring (never [`Algorithm::Auto`]), or why neither can.
+    pub fn choose(&self, len: usize, op: Op) -> Result<Algorithm, CommError> {
+        let ring_fits = self.ring.as_ref().is_some_and(|r| len <= r.len()) && op.runs_in_kernel();
+        match self.algorithm {
+            Algorithm::Star if self.star.is_some() => Ok(Algorithm::Star),
+            Algorithm::Ring if ring_fits => Ok(Algorithm::Ring),
+            Algorithm::Auto if ring_fits && (len >= self.ring_threshold || self.star.is_none()) => Ok(Algorithm::Ring),
+            Algorithm::Auto if self.star.is_some() => Ok(Algorithm::Star),
+            forced => Err(CommError::Config(format!(
+                "no algorithm for {len} elements of {op:?} ({forced:?}): {}",
+                match (&self.star, &self.ring) {
+                    (None, Some(r)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements and there is no star", r.len()),
+                    (Some(_), None) => "there is no ring".to_string(),
+                    (Some(_), Some(r)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements", r.len()),
+                    (None, None) => unreachable!("new() refuses it"),
+                }
+            ))),
+        }
+    }
+
+    /// Allreduce of `buf` with `op` on the algorithm [`Collective::choose`]
+    /// picks; returns it and whether some element was clamped (OVERFLOW).
+    pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<(Algorithm, bool), CommError> {
+        match self.choose(buf.len(), op)? {
+            Algorithm::Ring => {
+                let ring = self.ring.as_mut().expect("chosen");
+                let mem = ring.buffer_mut();
+                mem[..buf.len()].copy_from_slice(buf);
+                mem[buf.len()..].fill(identity(op));
+                let out = ring.allreduce_in_place(op)?;
+                if out.overflow && self.algorithm == Algorithm::Auto {
+                    // `buf` still holds the input: the star's exact rule.
+                    if let Some(star) = &self.star {
+                        return Ok((Algorithm::Star, star.allreduce_i32(buf, op)?));
+                    }
+                }
+                buf.copy_from_slice(&ring.buffer_mut()[..buf.len()]);
+                Ok((Algorithm::Ring, out.overflow))
+            }
+            _ => Ok((Algorithm::Star, self.star.as_ref().expect("chosen").allreduce_i32(buf, op)?)),
+        }
+    }
+
+    /// Float allreduce (SUM, or the mean) through the runtime's quantization
+    /// on the algorithm [`Collective::choose`] picks for a SUM of its length.
+    pub fn allreduce_f32(&mut self, buf: &mut [f32], mean: bool) -> Result<Algorithm, CommError> {
+        match self.choose(buf.len(), Op::Sum)? {
+            Algorithm::Ring => {
+                let ring = self.ring.as_mut().expect("chosen");
+                if buf.len() == ring.len() {
+                    ring.allreduce_f32(buf, mean)?;
+                } else {
+                    self.scratch.clear();
+                    self.scratch.extend_from_slice(buf);
+                    self.scratch.resize(ring.len(), 0.0);
+                    ring.allreduce_f32(&mut self.scratch, mean)?;
+                    buf.copy_from_slice(&self.scratch[..buf.len()]);
+                }
+                Ok(Algorithm::Ring)
+            }
+            _ => {
+                self.star.as_ref().expect("chosen").allreduce_f32(buf, mean)?;
+                Ok(Algorithm::Star)
+            }
+        }
+    }
+}
+
+/// The element that leaves `op`'s result unchanged (padding of a ring call).
+fn identity(op: Op) -> i32 {
+    match op {
+        Op::Max => i32::MIN,
+        Op::Min => i32::MAX,
+        _ => 0,
+    }
+}
