@@ -135,6 +135,23 @@ impl Bed {
         t
     }
 
+    /// Every member's ring counters (XDP and service), for a failure's message.
+    fn counters(&self, ring: u16) -> String {
+        let mut out = String::new();
+        for (m, n) in self.nodes.iter().enumerate() {
+            let st = n.status();
+            let xdp: Vec<String> =
+                st.rings.get(&ring).map(|c| c.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect()).unwrap_or_default();
+            let service: Vec<String> = st
+                .ring_service
+                .get(&ring)
+                .map(|s| s.counters().iter().filter(|c| c.2 > 0).map(|(k, _, v)| format!("{k}={v}")).collect())
+                .unwrap_or_default();
+            out += &format!("member {m}: XDP {} | service {}\n", xdp.join(" "), service.join(" "));
+        }
+        out
+    }
+
     /// The XDP ring program's counter `label`, summed over the members.
     fn xdp_total(&self, ring: u16, label: &str) -> u64 {
         self.nodes.iter().map(|n| n.status().rings.get(&ring).and_then(|c| c.get(label).copied()).unwrap_or(0)).sum()
@@ -156,16 +173,15 @@ impl Bed {
                 .map(|(m, comms)| {
                     let mut v = inputs[m].clone();
                     let c = &mut comms[k];
-                    s.spawn(move || {
-                        let out = c
-                            .allreduce_i32(&mut v, op)
-                            .unwrap_or_else(|e| panic!("member {m}: ring {} {op:?} of {}: {e}", spec.id, spec.len));
-                        (m, v, out.overflow)
+                    s.spawn(move || match c.allreduce_i32(&mut v, op) {
+                        Ok(out) => Ok((m, v, out.overflow)),
+                        Err(e) => Err(format!("member {m}: ring {} {op:?} of {}: {e}", spec.id, spec.len)),
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("member thread")).collect()
-        });
+            handles.into_iter().map(|h| h.join().expect("member thread")).collect::<Result<Vec<_>, String>>()
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", self.counters(spec.id)));
         for (m, got, overflow) in results {
             assert!(!overflow, "member {m}: ring {} {op:?}: OVERFLOW without saturation", spec.id);
             if got != want {
@@ -256,7 +272,7 @@ fn sixteen_members_small_vectors() {
     require_root();
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let rings = vec![RingSpec { id: 40, port: 7400, len: 1 }, RingSpec { id: 42, port: 7402, len: FRAG * 3 + 7 }];
-    let mut bed = Bed::up("r16", 16, (0..16).map(|m| 1 + (m % 3) as i32).collect(), rings);
+    let mut bed = Bed::up("r16", 16, (0..16).map(|m: i32| 1 + m % 3).collect(), rings);
     for k in 0..bed.rings.len() {
         for (i, op) in OPS.into_iter().enumerate() {
             bed.allreduce(k, op, i);

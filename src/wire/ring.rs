@@ -508,6 +508,7 @@ pub fn ring_reference(op: Op, inputs: &[&[i32]], weights: &[i32]) -> (Vec<i32>, 
     let weight_sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
     let mut out = Vec::with_capacity(len);
     let mut saturated = false;
+    #[allow(clippy::needless_range_loop)] // i indexes every member's input
     for i in 0..len {
         // Any origin gives the same result; the fragment of element i may
         // start anywhere, so start at member i mod n.
