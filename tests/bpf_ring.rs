@@ -15,7 +15,7 @@ use aggbox::wire::reducer::Accumulator;
 use bpf_common::{ipv4_checksum, require_root, Frame, XDP_DROP, XDP_PASS};
 use libbpf_rs::{MapCore, MapFlags};
 
-const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
 const PORT: u16 = 7400;
 const RING_ID: u16 = 40;
 const FRAG: u32 = 8;
@@ -244,7 +244,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 1, op, partial(op, f, 1, &all, &weights, n));
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: an added PARTIAL goes on");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: an added PARTIAL goes on");
         let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
         assert_eq!(got, partial(op, f, 2, &all, &weights, n), "{op:?}: member 1's elements added");
         assert_eq!(ring.data(f)[..n], all[ME][..n], "{op:?}: an adder's input stays");
@@ -254,7 +254,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 3, op, partial(op, f, 3, &all, &weights, n));
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: a completed fragment goes on as FINAL");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a completed fragment goes on as FINAL");
         let (flags, got) = forwarded(&out, abi::RING_FINAL, 4);
         let slices: Vec<Vec<i32>> = all.iter().map(|v| v[(f * FRAG) as usize..(f * FRAG) as usize + n].to_vec()).collect();
         let want = reference(op, &slices, &weights);
@@ -275,7 +275,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let result: Vec<i32> = (0..n as i32).map(|i| i * 3 - 7).collect();
         let d = Datagram::new(abi::RING_FINAL, round, f, 4, op, result.clone());
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: a FINAL that is not the last goes on");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a FINAL that is not the last goes on");
         let (_, got) = forwarded(&out, abi::RING_FINAL, 5);
         assert_eq!(got, result);
         assert_eq!(ring.data(f)[..n], result[..], "{op:?}: stored");
@@ -305,7 +305,7 @@ fn a_partial_sum_that_leaves_int32_saturates_and_says_so() {
     ring.ready(0, Op::Sum, &mine);
     let d = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![10; 8]);
     let (verdict, out) = ring.run(&d);
-    assert_eq!(verdict, XDP_TX);
+    assert_eq!(verdict, XDP_REDIRECT);
     let (flags, got) = forwarded(&out, abi::RING_PARTIAL, 2);
     assert_eq!(flags & abi::RING_F_SATURATED, abi::RING_F_SATURATED);
     assert_eq!(got, vec![i32::MAX; 8]);
@@ -358,5 +358,5 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
     assert_eq!(ring.ctrl().finals, 0);
     assert_eq!(ring.stat(RingStat::Added), 0);
     // and the good one still goes through
-    assert_eq!(ring.run(&good).0, XDP_TX);
+    assert_eq!(ring.run(&good).0, XDP_REDIRECT);
 }
