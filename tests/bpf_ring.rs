@@ -36,6 +36,10 @@ impl Ring {
     /// A 4-member ring of `vector_len` elements with `weights`, this node
     /// member 1, round `round` ready with op `op` and input `input`.
     fn new(vector_len: u32, weights: Vec<i32>) -> Ring {
+        Ring::with_frag(vector_len, weights, FRAG)
+    }
+
+    fn with_frag(vector_len: u32, weights: Vec<i32>, frag: u32) -> Ring {
         require_root();
         let cfg = RingConfig {
             id: RING_ID,
@@ -43,7 +47,7 @@ impl Ring {
             members: members(),
             weights,
             vector_len,
-            frag_elems: FRAG,
+            frag_elems: frag,
         };
         let (sizing, bases) = RingSizing::of(std::slice::from_ref(&cfg));
         let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), sizing).expect("load with a ring");
@@ -52,7 +56,7 @@ impl Ring {
             port: PORT,
             members: 4,
             me: ME as u16,
-            frag_elems: FRAG,
+            frag_elems: frag,
             frags: cfg.frags(),
             vector_len,
             base: bases[0],
@@ -68,9 +72,10 @@ impl Ring {
 
     fn ready(&self, round: u32, op: Op, input: &[i32]) {
         let [data, _, ctrl] = self.dp.ring_memory_maps().unwrap();
+        let frag = self.cfg.frag_elems;
         for f in 0..self.cfg.frags() {
-            let mut v = vec![0u8; 4 * FRAG as usize];
-            for (i, x) in input.iter().skip((f * FRAG) as usize).take(FRAG as usize).enumerate() {
+            let mut v = vec![0u8; 4 * frag as usize];
+            for (i, x) in input.iter().skip((f * frag) as usize).take(frag as usize).enumerate() {
                 v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
             }
             data.update(&f.to_ne_bytes(), &v, MapFlags::ANY).unwrap();
@@ -107,7 +112,7 @@ impl Ring {
     }
 
     fn count_of(&self, f: u32) -> u32 {
-        (self.cfg.vector_len - f * FRAG).min(FRAG)
+        (self.cfg.vector_len - f * self.cfg.frag_elems).min(self.cfg.frag_elems)
     }
 
     fn run(&self, d: &Datagram) -> (u32, Vec<u8>) {
@@ -359,4 +364,50 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
     assert_eq!(ring.stat(RingStat::Added), 0);
     // and the good one still goes through
     assert_eq!(ring.run(&good).0, XDP_REDIRECT);
+}
+
+#[test]
+fn a_fragment_in_a_multi_buffer_frame_is_added_and_stored_in_chunks() {
+    // 3000 elements a fragment: a 12 KB datagram, more than a page, so
+    // BPF_PROG_TEST_RUN hands the frags chain a multi-buffer frame.
+    const BIG: u32 = 3000;
+    let weights = vec![2, 1, 1, 3];
+    let ring = Ring::with_frag(4 * BIG, weights.clone(), BIG);
+    let all: Vec<Vec<i32>> = (0..4).map(|m| input(4 * BIG, m + 5)).collect();
+    for (round, op) in [Op::Sum, Op::Max, Op::Avg].into_iter().enumerate() {
+        let round = round as u32;
+        ring.ready(round, op, &all[ME]);
+        let n = BIG as usize;
+        let slice = |f: u32| -> Vec<Vec<i32>> { all.iter().map(|v| v[(f * BIG) as usize..(f * BIG) as usize + n].to_vec()).collect() };
+        let partial_of = |f: u32, hops: usize| -> Vec<i32> {
+            let origin = f as usize % 4;
+            let members: Vec<usize> = (0..hops).map(|k| (origin + k) % 4).collect();
+            let vals: Vec<Vec<i32>> = members.iter().map(|&m| slice(f)[m].clone()).collect();
+            let ws: Vec<i32> = members.iter().map(|&m| weights[m]).collect();
+            let mut acc = Accumulator::new(if op == Op::Avg { Op::Sum } else { op }, n, false).unwrap();
+            for (v, w) in vals.iter().zip(&ws) {
+                acc.add_int(v, *w).unwrap();
+            }
+            acc.finish().unwrap().ints().unwrap().to_vec()
+        };
+        // an adder (fragment 0, transmission 1)
+        let d = Datagram::new(abi::RING_PARTIAL, round, 0, 1, op, partial_of(0, 1));
+        let (verdict, out) = ring.run(&d);
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: chunked add goes on");
+        let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
+        assert_eq!(got, partial_of(0, 2), "{op:?}: every chunk added");
+        // the completer (fragment 2, transmission 3)
+        let d = Datagram::new(abi::RING_PARTIAL, round, 2, 3, op, partial_of(2, 3));
+        let (verdict, out) = ring.run(&d);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let (_, got) = forwarded(&out, abi::RING_FINAL, 4);
+        let want = reference(op, &slice(2), &weights);
+        assert_eq!(got, want, "{op:?}: the chunked completion is the star's result");
+        assert_eq!(ring.data(2), want, "{op:?}: stored in place");
+        // a FINAL (fragment 1, transmission 4)
+        let result: Vec<i32> = (0..n as i32).map(|i| i - 1500).collect();
+        let d = Datagram::new(abi::RING_FINAL, round, 1, 4, op, result.clone());
+        assert_eq!(ring.run(&d).0, XDP_REDIRECT);
+        assert_eq!(ring.data(1), result, "{op:?}: the chunked store");
+    }
 }

@@ -729,7 +729,7 @@ _Static_assert(sizeof(struct aggbox_ring_hdr) == 24, "AGR1 header is 24 bytes");
 #define AGGBOX_MAX_RINGS 64 /* ring jobs per node */
 #endif
 #ifndef AGGBOX_RING_MAX_FRAG_ELEMS
-#define AGGBOX_RING_MAX_FRAG_ELEMS 4096 /* largest ring fragment, elements */
+#define AGGBOX_RING_MAX_FRAG_ELEMS 16384 /* largest ring fragment, elements (a 65535-byte datagram holds 16370) */
 #endif
 
 /*

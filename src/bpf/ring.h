@@ -26,6 +26,12 @@
  * from the configuration: the verifier reads it as a constant. */
 const volatile __u32 ring_frag_elems = 362;
 
+/* Largest fragment the direct-access loops edit in place: a linear frame is
+ * at most a page. Longer fragments arrive as multi-buffer frames and take
+ * the chunked path (ring_chunks_*), 256 elements per bpf_loop iteration. */
+#define RING_DIRECT_MAX_ELEMS 1024
+#define RING_CHUNK_ELEMS 256
+
 #define RING_AF_INET 2
 #define RING_NS_PER_SEC 1000000000ull
 #define RING_INT32_MAX 2147483647ll
@@ -114,7 +120,7 @@ static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64
 		w = rj->weight;                                                                 \
 		ws = rj->weight_sum;                                                            \
 		p = data + off;                                                                 \
-		for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {                              \
+		for (i = 0; i < RING_DIRECT_MAX_ELEMS; i++) {                                   \
 			if (i >= count || i >= ring_frag_elems)                                 \
 				break;                                                          \
 			if ((void *)(p + 1) > data_end)                                         \
@@ -173,7 +179,7 @@ __noinline int ring_store(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key)
 	if (!mine || off > 256)
 		return -1;
 	p = data + off;
-	for (i = 0; i < AGGBOX_RING_MAX_FRAG_ELEMS; i++) {
+	for (i = 0; i < RING_DIRECT_MAX_ELEMS; i++) {
 		if (i >= count || i >= ring_frag_elems)
 			break;
 		if ((void *)(p + 1) > data_end)
@@ -182,6 +188,124 @@ __noinline int ring_store(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key)
 		p++;
 	}
 	return 0;
+}
+
+/*
+ * The chunked path, for a payload that runs on into the frame's fragments
+ * (multi-buffer XDP, frags chain only): 256 elements at a time are copied
+ * out with bpf_xdp_load_bytes into ring_scratch, combined with this
+ * member's (and, completing, stored over them), and copied back with
+ * bpf_xdp_store_bytes (a FINAL's chunk is only stored). One global
+ * function per op and COMPLETE handles one chunk (`start_n`: first element
+ * << 16 | elements), each verified once; ring_chunks loops over them.
+ */
+struct ring_scratch {
+	__be32 buf[RING_CHUNK_ELEMS];
+};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct ring_scratch);
+} ring_scratch SEC(".maps");
+
+/* Keep `var` in one register from its bounds check to its use (else clang
+ * may index with the check's parts separately, which the verifier cannot
+ * bound). */
+#define ring_barrier_var(var) asm volatile("" : "+r"(var))
+
+/* MODE: 0..4 add (op), 5..9 complete (op - 5), 10 store. */
+#define RING_CHUNK_FN(name, OP, COMPLETE, STORE)                                               \
+	__noinline int name(struct xdp_md *ctx, __u32 off, __u32 start_n, __u32 key, __u32 ridx)  \
+	{                                                                                      \
+		__u32 zero = 0, start = start_n >> 16, n = start_n & 0xffff, i, k, saturated = 0; \
+		__s32 *mine = bpf_map_lookup_elem(&ring_data, &key);                           \
+		struct aggbox_ring_job *rj = bpf_map_lookup_elem(&ring_jobs, &ridx);           \
+		struct ring_scratch *sc = bpf_map_lookup_elem(&ring_scratch, &zero);           \
+		__s64 v;                                                                       \
+                                                                                               \
+		if (!mine || !rj || !sc || n == 0 || n > RING_CHUNK_ELEMS || off > 256)        \
+			return -1;                                                             \
+		if (bpf_xdp_load_bytes(ctx, off + start * 4, sc->buf, n * 4))                  \
+			return -1;                                                             \
+		for (i = 0; i < RING_CHUNK_ELEMS; i++) {                                       \
+			if (i >= n)                                                            \
+				break;                                                         \
+			k = start + i;                                                         \
+			ring_barrier_var(k);                                                   \
+			if (k >= ring_frag_elems)                                              \
+				break;                                                         \
+			if (STORE) {                                                           \
+				mine[k] = (__s32)bpf_ntohl(sc->buf[i]);                        \
+				continue;                                                      \
+			}                                                                      \
+			v = ring_combine(OP, (__s32)bpf_ntohl(sc->buf[i]), mine[k], rj->weight, \
+					 &saturated);                                          \
+			if (COMPLETE) {                                                        \
+				if (OP == AGGBOX_OP_AVG)                                       \
+					v = ring_avg(v, rj->weight_sum);                       \
+				mine[k] = (__s32)v;                                            \
+			}                                                                      \
+			sc->buf[i] = bpf_htonl((__u32)v);                                      \
+		}                                                                              \
+		if (!STORE && bpf_xdp_store_bytes(ctx, off + start * 4, sc->buf, n * 4))       \
+			return -1;                                                             \
+		return saturated;                                                              \
+	}
+
+RING_CHUNK_FN(ring_chunk_sum, AGGBOX_OP_SUM, 0, 0)
+RING_CHUNK_FN(ring_chunk_count, AGGBOX_OP_COUNT, 0, 0)
+RING_CHUNK_FN(ring_chunk_max, AGGBOX_OP_MAX, 0, 0)
+RING_CHUNK_FN(ring_chunk_min, AGGBOX_OP_MIN, 0, 0)
+RING_CHUNK_FN(ring_chunk_avg, AGGBOX_OP_AVG, 0, 0)
+RING_CHUNK_FN(ring_chunk_complete_sum, AGGBOX_OP_SUM, 1, 0)
+RING_CHUNK_FN(ring_chunk_complete_count, AGGBOX_OP_COUNT, 1, 0)
+RING_CHUNK_FN(ring_chunk_complete_max, AGGBOX_OP_MAX, 1, 0)
+RING_CHUNK_FN(ring_chunk_complete_min, AGGBOX_OP_MIN, 1, 0)
+RING_CHUNK_FN(ring_chunk_complete_avg, AGGBOX_OP_AVG, 1, 0)
+RING_CHUNK_FN(ring_chunk_store, AGGBOX_OP_SUM, 0, 1)
+
+/* One chunk of mode `mode` (see RING_CHUNK_FN). */
+static __always_inline int ring_chunk(struct xdp_md *ctx, __u32 off, __u32 start_n, __u32 key, __u32 ridx,
+				      __u32 mode)
+{
+	switch (mode) {
+	case 0: return ring_chunk_sum(ctx, off, start_n, key, ridx);
+	case 1: return ring_chunk_count(ctx, off, start_n, key, ridx);
+	case 2: return ring_chunk_max(ctx, off, start_n, key, ridx);
+	case 3: return ring_chunk_min(ctx, off, start_n, key, ridx);
+	case 4: return ring_chunk_avg(ctx, off, start_n, key, ridx);
+	case 5: return ring_chunk_complete_sum(ctx, off, start_n, key, ridx);
+	case 6: return ring_chunk_complete_count(ctx, off, start_n, key, ridx);
+	case 7: return ring_chunk_complete_max(ctx, off, start_n, key, ridx);
+	case 8: return ring_chunk_complete_min(ctx, off, start_n, key, ridx);
+	case 9: return ring_chunk_complete_avg(ctx, off, start_n, key, ridx);
+	default: return ring_chunk_store(ctx, off, start_n, key, ridx);
+	}
+}
+
+/*
+ * The chunked add, completion or (mode 10) store of a multi-buffer frame's
+ * `count` elements at byte `off`. Returns 1 saturated, 0, -1 error.
+ */
+static __always_inline int ring_chunks(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u32 ridx, __u32 mode)
+{
+	__u32 c, start, n;
+	int rc, saturated = 0;
+
+	for (c = 0; c < AGGBOX_RING_MAX_FRAG_ELEMS / RING_CHUNK_ELEMS; c++) {
+		start = c * RING_CHUNK_ELEMS;
+		if (start >= count)
+			break;
+		n = count - start;
+		if (n > RING_CHUNK_ELEMS)
+			n = RING_CHUNK_ELEMS;
+		rc = ring_chunk(ctx, off, start << 16 | n, key, ridx, mode);
+		if (rc < 0)
+			return -1;
+		saturated |= rc;
+	}
+	return saturated;
 }
 
 /*
@@ -312,7 +436,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	__u16 hops, sender;
 	__u8 kind, op;
 	__be32 *payload;
-	int len, rc, complete;
+	int len, rc, complete, chunked;
 
 	if (parse_ethhdr(&cur, data_end, &eth) != ETH_P_IP)
 		return XDP_PASS;
@@ -376,11 +500,16 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		ring_count(ridx, AGGBOX_RING_SATURATED);
 
 	payload = (__be32 *)(rh + 1);
-	/* A payload that runs on into fragments (multi-buffer frame): the
-	 * service edits it; the headers must be linear (iph->ihl 5: the
-	 * checksum rewrite covers 20 bytes). */
-	if ((void *)(payload + count) > data_end || iph->ihl != 5)
+	/* The headers must be linear and 20 bytes of IPv4 (the checksum
+	 * rewrite covers 20). A payload that runs on into the frame's
+	 * fragments (multi-buffer) takes the chunked path on the frags chain;
+	 * the linear chain's kernels have no such frames. */
+	if (iph->ihl != 5)
 		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
+	chunked = (void *)(payload + count) > data_end || count > RING_DIRECT_MAX_ELEMS;
+	if (chunked && (linear || bpf_xdp_get_buff_len(ctx) < (__u64)((void *)(payload + count) - data)))
+		return ring_end(ridx, linear ? AGGBOX_RING_TO_SERVICE : AGGBOX_RING_MALFORMED,
+				linear ? XDP_PASS : XDP_DROP);
 	/* offsets as constants the verifier can bound (no pointer difference) */
 	l3 = proto_is_vlan(bpf_ntohs(eth->h_proto)) ? sizeof(*eth) + sizeof(struct vlan_hdr) : sizeof(*eth);
 	off = l3 + sizeof(*iph) + sizeof(*udph) + sizeof(*rh);
@@ -415,7 +544,10 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		/* completing: claim, add + finish + store, publish */
 		if (complete && !ring_claim(done, round))
 			return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-		rc = ring_add_op(ctx, off, count, key, op, ridx, complete);
+		if (chunked)
+			rc = ring_chunks(ctx, off, count, key, ridx, (op > AGGBOX_OP_AVG ? AGGBOX_OP_AVG : op) + (complete ? 5 : 0));
+		else
+			rc = ring_add_op(ctx, off, count, key, op, ridx, complete);
 		if (rc < 0)
 			return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 		if (complete) {
@@ -432,7 +564,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	/* FINAL */
 	if (!ring_claim(done, round))
 		return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-	if (ring_store(ctx, off, count, key) < 0)
+	if ((chunked ? ring_chunks(ctx, off, count, key, ridx, 10) : ring_store(ctx, off, count, key)) < 0)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	ring_publish(done, ctrl, round);
 	ring_count(ridx, AGGBOX_RING_STORED);

@@ -1069,7 +1069,7 @@ pub const RING_HDR_LEN: usize = 24;
 /// `AGGBOX_MAX_RINGS`.
 pub const MAX_RINGS: u32 = 64;
 /// `AGGBOX_RING_MAX_FRAG_ELEMS`.
-pub const RING_MAX_FRAG_ELEMS: u32 = 4096;
+pub const RING_MAX_FRAG_ELEMS: u32 = 16384;
 /// `AGGBOX_RING_READY`.
 pub const RING_READY: u32 = 0x01;
 
