@@ -49,6 +49,17 @@ fn require_root() {
     );
 }
 
+/// The XDP attach mode of the members: `AGGBOX_RING_XDP_MODE` (`native` or
+/// `generic`), default generic. On this project's veth testbed (kernel
+/// 6.18) frames the ring program sends back out with XDP_TX in native mode
+/// never reach the switch's port (counted `xdp_tx` on the host's veth,
+/// absent from the port, with GRO on there: `--xdp-tx`), so every hop XDP
+/// forwards is lost and the NACKs' resends with it; generic XDP transmits
+/// them through the device.
+fn xdp_mode() -> String {
+    std::env::var("AGGBOX_RING_XDP_MODE").unwrap_or_else(|_| "generic".into())
+}
+
 /// A ring of the test: id, port, elements.
 #[derive(Debug, Clone, Copy)]
 struct RingSpec {
@@ -84,8 +95,10 @@ impl Bed {
             );
         }
         let config = Config::parse(&text, "netns_ring").expect("ring config");
-        let nodes: Vec<LiveAttach> =
-            (0..members).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &text, &[])).collect();
+        let mode = xdp_mode();
+        let nodes: Vec<LiveAttach> = (0..members)
+            .map(|h| LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &text, &["--xdp-mode", mode.as_str()]))
+            .collect();
         let comms = (0..members)
             .map(|h| {
                 let pin_dir = aggbox::node::pin_dir(&nodes[h].pin_root, "eth0");
