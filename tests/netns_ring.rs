@@ -76,6 +76,7 @@ struct Bed {
     tb: Testbed,
     rings: Vec<RingSpec>,
     weights: Vec<i32>,
+    config: Config,
 }
 
 impl Bed {
@@ -117,7 +118,7 @@ impl Bed {
                     .collect()
             })
             .collect();
-        Bed { comms, injector: impair::Injector::new(), nodes, tb, rings, weights }
+        Bed { comms, injector: impair::Injector::new(), nodes, tb, rings, weights, config }
     }
 
     /// Loss `loss` and duplication `dup` on every switch port.
@@ -209,6 +210,18 @@ impl Bed {
     }
 }
 
+impl Bed {
+    /// Every member runs `call` on its communicator of ring `k` at once.
+    fn each<T: Send>(&mut self, k: usize, call: impl Fn(usize, &mut RingCommunicator) -> T + Sync) -> Vec<T> {
+        let call = &call;
+        std::thread::scope(|s| {
+            let handles: Vec<_> =
+                self.comms.iter_mut().enumerate().map(|(m, comms)| { let c = &mut comms[k]; s.spawn(move || call(m, c)) }).collect();
+            handles.into_iter().map(|h| h.join().expect("member thread")).collect()
+        })
+    }
+}
+
 fn input(member: usize, len: usize, salt: usize) -> Vec<i32> {
     (0..len).map(|i| ((i * 7 + member * 1_000_003 + salt * 31) % 20_001) as i32 - 10_000).collect()
 }
@@ -240,6 +253,60 @@ fn four_members_every_op_and_size_under_loss() {
             bed.allreduce(k, op, i);
         }
     }
+    // In place over the mapped buffer.
+    let len = bed.rings[2].len as usize;
+    let inputs: Vec<Vec<i32>> = (0..4).map(|m| input(m, len, 77)).collect();
+    let want = reference(Op::Min, &inputs, &bed.weights);
+    let got = bed.each(2, |m, c| {
+        c.buffer_mut().copy_from_slice(&inputs[m]);
+        c.allreduce_in_place(Op::Min).unwrap_or_else(|e| panic!("member {m}: in place: {e}"));
+        c.buffer_mut().to_vec()
+    });
+    assert!(got.iter().all(|g| *g == want), "in-place MIN differs from the reference");
+    // Floats through the quantization: the weighted mean within its bound.
+    let floats: Vec<Vec<f32>> = (0..4).map(|m| (0..len).map(|i| ((i * 13 + m * 7) % 1000) as f32 / 997.0 - 0.5).collect()).collect();
+    let weight_sum: f64 = bed.weights.iter().map(|&w| f64::from(w)).sum();
+    let got = bed.each(2, |m, c| {
+        let mut v = floats[m].clone();
+        c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("member {m}: f32: {e}"));
+        v
+    });
+    for i in 0..len {
+        let exact: f64 = floats.iter().zip(&bed.weights).map(|(v, &w)| f64::from(w) * f64::from(v[i])).sum::<f64>() / weight_sum;
+        for (m, g) in got.iter().enumerate() {
+            assert!((f64::from(g[i]) - exact).abs() < 1e-6, "member {m} element {i}: {} vs {exact}", g[i]);
+        }
+    }
+    // Saturation: a SUM that leaves int32 says OVERFLOW on every member, the
+    // values those of the ring's hop-by-hop reference.
+    let len = bed.rings[1].len as usize;
+    let big: Vec<Vec<i32>> = (0..4i32).map(|m| (0..len).map(|i| if i % 5 == 0 { i32::MAX - m } else { i as i32 }).collect()).collect();
+    let refs: Vec<&[i32]> = big.iter().map(Vec::as_slice).collect();
+    let (want, saturated) = aggbox::wire::ring::ring_reference(Op::Sum, &refs, &bed.weights);
+    assert!(saturated);
+    let got = bed.each(1, |m, c| {
+        let mut v = big[m].clone();
+        let out = c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| panic!("member {m}: saturating SUM: {e}"));
+        (v, out.overflow)
+    });
+    for (m, (v, overflow)) in got.iter().enumerate() {
+        assert!(*overflow, "member {m}: a saturated SUM without OVERFLOW");
+        // Every fragment of the ring has one origin, so the result is
+        // ring_reference's only where it started at the same member; the
+        // elements that did not saturate are exact anyway.
+        for i in (0..len).filter(|i| i % 5 != 0) {
+            assert_eq!(v[i], want[i], "member {m} element {i}");
+        }
+        assert!((0..len).filter(|i| i % 5 == 0).all(|i| v[i] == i32::MAX), "member {m}: saturated elements at i32::MAX");
+    }
+    // An application that restarts continues at its node's next round.
+    let (config, pin_dir) = (bed.config.clone(), aggbox::node::pin_dir(&bed.nodes[2].pin_root, "eth0"));
+    let before = bed.comms[2][0].round();
+    let reopened = bed.tb.in_host(2, || RingCommunicator::open(&config, 40, &pin_dir)).expect("netns").expect("reopen");
+    assert_eq!(reopened.round(), before, "a new communicator starts after its node's last round");
+    bed.comms[2][0] = reopened;
+    bed.allreduce(0, Op::Sum, 99);
+
     // Who made the hops: the XDP ring program, or (where it passes them on,
     // or does not run) the ring service; every result above is exact either way.
     let (xdp, user) = (bed.xdp_total(41, "added") + bed.xdp_total(41, "stored"), bed.service_totals(41).user_hops);
