@@ -36,8 +36,9 @@
 #           --static-neigh permanent ARP entries for every other host's addresses,
 #                          and the switch's forwarding entry of every host's MAC
 #           --xdp-tx       GRO on the switch's end of every veth: a veth takes
-#                          frames a host's XDP program sends back (XDP_TX,
-#                          the ring's forwarding) only when its peer runs NAPI
+#                          frames a host's XDP program sends back out (a
+#                          redirect: the ring's forwarding) only when its
+#                          peer runs NAPI
 #   down    Remove every namespace of this prefix (no error if there is none).
 #           Processes still running inside a namespace keep it alive unnamed:
 #           stop them first (a warning lists their pids).

@@ -15,7 +15,7 @@ use aggbox::wire::reducer::Accumulator;
 use bpf_common::{ipv4_checksum, require_root, Frame, XDP_DROP, XDP_PASS};
 use libbpf_rs::{MapCore, MapFlags};
 
-const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
 const PORT: u16 = 7400;
 const RING_ID: u16 = 40;
 const FRAG: u32 = 8;
@@ -30,7 +30,6 @@ fn members() -> Vec<Ipv4Addr> {
 struct Ring {
     dp: XdpPlane,
     cfg: RingConfig,
-    weights: Vec<i32>,
 }
 
 impl Ring {
@@ -42,7 +41,7 @@ impl Ring {
             id: RING_ID,
             port: PORT,
             members: members(),
-            weights: weights.clone(),
+            weights,
             vector_len,
             frag_elems: FRAG,
         };
@@ -58,13 +57,13 @@ impl Ring {
             vector_len,
             base: bases[0],
             weight_sum: cfg.weight_sum(),
-            weight: weights[ME],
+            weight: cfg.weights[ME],
             self_addr: u32::from(members()[ME]).to_be(),
             next_addr: u32::from(members()[ME + 1]).to_be(),
         };
         dp.set_ring(0, &job, &cfg.members).expect("set_ring");
         dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg, weights }
+        Ring { dp, cfg }
     }
 
     fn ready(&self, round: u32, op: Op, input: &[i32]) {
@@ -245,7 +244,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 1, op, partial(op, f, 1, &all, &weights, n));
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: an added PARTIAL goes on");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: an added PARTIAL goes on");
         let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
         assert_eq!(got, partial(op, f, 2, &all, &weights, n), "{op:?}: member 1's elements added");
         assert_eq!(ring.data(f)[..n], all[ME][..n], "{op:?}: an adder's input stays");
@@ -255,7 +254,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 3, op, partial(op, f, 3, &all, &weights, n));
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: a completed fragment goes on as FINAL");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a completed fragment goes on as FINAL");
         let (flags, got) = forwarded(&out, abi::RING_FINAL, 4);
         let slices: Vec<Vec<i32>> = all.iter().map(|v| v[(f * FRAG) as usize..(f * FRAG) as usize + n].to_vec()).collect();
         let want = reference(op, &slices, &weights);
@@ -276,7 +275,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let result: Vec<i32> = (0..n as i32).map(|i| i * 3 - 7).collect();
         let d = Datagram::new(abi::RING_FINAL, round, f, 4, op, result.clone());
         let (verdict, out) = ring.run(&d);
-        assert_eq!(verdict, XDP_TX, "{op:?}: a FINAL that is not the last goes on");
+        assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a FINAL that is not the last goes on");
         let (_, got) = forwarded(&out, abi::RING_FINAL, 5);
         assert_eq!(got, result);
         assert_eq!(ring.data(f)[..n], result[..], "{op:?}: stored");
@@ -306,7 +305,7 @@ fn a_partial_sum_that_leaves_int32_saturates_and_says_so() {
     ring.ready(0, Op::Sum, &mine);
     let d = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![10; 8]);
     let (verdict, out) = ring.run(&d);
-    assert_eq!(verdict, XDP_TX);
+    assert_eq!(verdict, XDP_REDIRECT);
     let (flags, got) = forwarded(&out, abi::RING_PARTIAL, 2);
     assert_eq!(flags & abi::RING_F_SATURATED, abi::RING_F_SATURATED);
     assert_eq!(got, vec![i32::MAX; 8]);
@@ -359,5 +358,5 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
     assert_eq!(ring.ctrl().finals, 0);
     assert_eq!(ring.stat(RingStat::Added), 0);
     // and the good one still goes through
-    assert_eq!(ring.run(&good).0, XDP_TX);
+    assert_eq!(ring.run(&good).0, XDP_REDIRECT);
 }

@@ -287,8 +287,10 @@ static __always_inline int ring_send_on(struct xdp_md *ctx, __u32 l3, struct agg
 	rh->sender = bpf_htons(rj->me);
 	if (saturated)
 		rh->flags |= AGGBOX_RING_F_SATURATED;
-	if (nh->ifindex == ctx->ingress_ifindex)
-		return XDP_TX;
+	/* A redirect, also to the interface it came in on: XDP_TX on a veth
+	 * leaves the frame in the peer's ring until something else wakes the
+	 * peer (its NAPI is kicked only when it runs an XDP program), where a
+	 * redirect's flush (ndo_xdp_xmit with XDP_XMIT_FLUSH) kicks it. */
 	return bpf_redirect(nh->ifindex, 0);
 }
 

@@ -138,7 +138,7 @@ pub struct TestbedConfig {
     /// false (ARP resolves on demand).
     pub static_neigh: bool,
     /// GRO on the switch's end of every veth, so frames a host's XDP
-    /// program sends back out (`XDP_TX`: the ring's forwarding) are taken.
+    /// program sends back out (a redirect: the ring's forwarding) are taken.
     /// Default false.
     pub xdp_tx: bool,
     /// TX and RX queue count of every veth; `None` (default) keeps the kernel's
