@@ -49,15 +49,11 @@ fn require_root() {
     );
 }
 
-/// The XDP attach mode of the members: `AGGBOX_RING_XDP_MODE` (`native` or
-/// `generic`), default generic. On this project's veth testbed (kernel
-/// 6.18) frames the ring program sends back out with XDP_TX in native mode
-/// never reach the switch's port (counted `xdp_tx` on the host's veth,
-/// absent from the port, with GRO on there: `--xdp-tx`), so every hop XDP
-/// forwards is lost and the NACKs' resends with it; generic XDP transmits
-/// them through the device.
+/// The XDP attach mode of the members: `AGGBOX_RING_XDP_MODE` (`native`,
+/// the default, or `generic`, where XDP forwards through the device's
+/// transmit path).
 fn xdp_mode() -> String {
-    std::env::var("AGGBOX_RING_XDP_MODE").unwrap_or_else(|_| "generic".into())
+    std::env::var("AGGBOX_RING_XDP_MODE").unwrap_or_else(|_| "native".into())
 }
 
 /// A ring of the test: id, port, elements.
