@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::config::Config;
 use aggbox::node::ring::RingServiceStats;
-use aggbox::runtime::RingCommunicator;
+use aggbox::runtime::{Quantization, RingCommunicator};
 use aggbox::wire::abi::Op;
 use aggbox::wire::reducer;
 use live_attach::LiveAttach;
@@ -267,11 +267,26 @@ fn four_members_every_op_and_size_under_loss() {
         c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("member {m}: f32: {e}"));
         v
     });
-    for i in 0..len {
-        let exact: f64 = floats.iter().zip(&bed.weights).map(|(v, &w)| f64::from(w) * f64::from(v[i])).sum::<f64>() / weight_sum;
-        for (m, g) in got.iter().enumerate() {
-            assert!((f64::from(g[i]) - exact).abs() < 1e-6, "member {m} element {i}: {} vs {exact}", g[i]);
+    let weights = bed.weights.clone();
+    let check_mean = |got: &[Vec<f32>], what: &str| {
+        for i in 0..len {
+            let exact: f64 = floats.iter().zip(&weights).map(|(v, &w)| f64::from(w) * f64::from(v[i])).sum::<f64>() / weight_sum;
+            for (m, g) in got.iter().enumerate() {
+                assert!((f64::from(g[i]) - exact).abs() < 1e-6, "{what}: member {m} element {i}: {} vs {exact}", g[i]);
+            }
         }
+    };
+    check_mean(&got, "fixed scale");
+    // The adaptive scale (agreed by a ring MAX first), and a fixed scale so
+    // large that the sum saturates, rerun at the adaptive one in lockstep.
+    for q in [Quantization::Adaptive, Quantization::FixedOrAdaptive(1e9)] {
+        let got = bed.each(2, |m, c| {
+            c.set_quantization(q);
+            let mut v = floats[m].clone();
+            c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("member {m}: f32 {q:?}: {e}"));
+            v
+        });
+        check_mean(&got, &format!("{q:?}"));
     }
     // Saturation: a SUM that leaves int32 says OVERFLOW on every member, the
     // values those of the ring's hop-by-hop reference.
