@@ -40,6 +40,8 @@ use testbed::{Testbed, TestbedConfig};
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const FRAG: u32 = 362;
+/// Each member's /metrics, in its own namespace.
+const METRICS_PORT: u16 = 9481;
 const OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
 
 fn require_root() {
@@ -80,7 +82,7 @@ impl Bed {
         let tb = Testbed::up(TestbedConfig { hosts: members, xdp_tx: true, ..Default::default() }).expect("testbed");
         let addrs: Vec<String> = (0..members).map(|h| format!("\"{}\"", tb.host(h).addr)).collect();
         let ws: Vec<String> = weights.iter().map(i32::to_string).collect();
-        let mut text = String::from("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n\n");
+        let mut text = format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n\n");
         for r in &rings {
             text += &format!(
                 "[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nweights = [{}]\nvector_len = {}\nfrag_elems = {FRAG}\n\n",
@@ -160,6 +162,19 @@ impl Bed {
             out += &format!("member {m}: XDP {} | service {}\n", xdp.join(" "), service.join(" "));
         }
         out
+    }
+
+    /// Member `m`'s /metrics text.
+    fn metrics(&self, m: usize) -> String {
+        use std::io::{Read, Write};
+        testbed::in_netns(&self.tb.host(m).netns, || {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", METRICS_PORT)).expect("connect to /metrics");
+            stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").expect("request");
+            let mut text = String::new();
+            stream.read_to_string(&mut text).expect("read /metrics");
+            text
+        })
+        .expect("member netns")
     }
 
     /// The XDP ring program's counter `label`, summed over the members.
@@ -356,6 +371,16 @@ fn eight_members() {
         bed.allreduce(k, Op::Sum, 20 + k);
     }
     assert!(bed.injector.counts().dropped > 0);
+    // The counters in /metrics: every member was KICKed once per call.
+    // (The service publishes its counters every 50 ms.)
+    std::thread::sleep(Duration::from_millis(200));
+    let text = bed.metrics(0);
+    let calls = (OPS.len() + 1) as u64;
+    for k in &bed.rings {
+        let line = format!("aggbox_ring_service_kicks_total{{iface=\"eth0\",aggbox_ring=\"{}\"}} {calls}", k.id);
+        assert!(text.contains(&line), "no {line:?} in /metrics:\n{text}");
+        assert!(text.contains(&format!("aggbox_ring_stored_total{{iface=\"eth0\",aggbox_ring=\"{}\"}}", k.id)), "no XDP ring counters in /metrics:\n{text}");
+    }
 }
 
 #[test]
