@@ -424,7 +424,8 @@ impl RingService {
         self.stall = Stall { finals: 0, since: now, after: NACK_AFTER };
         for mut d in std::mem::take(&mut self.held) {
             match RingHeader::decode(&d) {
-                Ok((hdr, _)) if hdr.round == r => self.add_and_send(hdr, r, &mut d, out),
+                // Through `partial` again: the round's op is known now.
+                Ok((hdr, _)) if hdr.round == r => self.partial(hdr, &mut d, out),
                 _ => self.stats.early_dropped += 1,
             }
         }
