@@ -401,9 +401,15 @@ impl RingService {
         bytes
     }
 
+    /// The ready round's op, as the runtime wrote it (`ring_ctrl.op`).
+    fn round_op(&self) -> Op {
+        // The runtime writes only ring ops; SUM stands for anything else.
+        Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum)
+    }
+
     /// The PARTIAL hops 1 of own fragment `f` of round `r`.
     fn send_original(&mut self, f: u32, r: Round, out: &mut Vec<Transmit>) {
-        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let op = self.round_op();
         let weight = self.job.weight;
         let bytes = self.fragment_datagram(RingKind::Partial, f, r, 1, op, false, |elems, out| {
             wire_ring::origin_be(op, weight, elems.iter().map(|c| c.load(Ordering::Relaxed)), out)
@@ -489,7 +495,7 @@ impl RingService {
             let key = if completer == self.job.me { (self.layout.origin(f), false) } else { (completer, true) };
             by_peer.entry(key).or_default().push(f);
         }
-        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let op = self.round_op();
         let mut peers: Vec<_> = by_peer.into_iter().collect();
         peers.sort_unstable_by_key(|(k, _)| *k);
         for ((peer, final_), frags) in peers {
