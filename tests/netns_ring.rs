@@ -374,6 +374,8 @@ fn eight_members() {
     // The counters in /metrics: every member was KICKed once per call.
     // (The service publishes its counters every 50 ms.)
     std::thread::sleep(Duration::from_millis(200));
+    let text = aggbox::node::format_status(&bed.nodes[0].status());
+    assert!(text.contains("ring 42 (XDP):") && text.contains("ring 42 service:"), "aggbox status:\n{text}");
     let text = bed.metrics(0);
     let calls = (OPS.len() + 1) as u64;
     for k in &bed.rings {
