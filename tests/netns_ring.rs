@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::config::Config;
 use aggbox::node::ring::RingServiceStats;
-use aggbox::runtime::RingCommunicator;
+use aggbox::runtime::{Quantization, RingCommunicator};
 use aggbox::wire::abi::Op;
 use aggbox::wire::reducer;
 use live_attach::LiveAttach;
@@ -40,6 +40,8 @@ use testbed::{Testbed, TestbedConfig};
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const FRAG: u32 = 362;
+/// Each member's /metrics, in its own namespace.
+const METRICS_PORT: u16 = 9481;
 const OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
 
 fn require_root() {
@@ -47,6 +49,13 @@ fn require_root() {
         nix::unistd::geteuid().is_root(),
         "tests/netns_ring.rs needs root (network namespaces, XDP): `sudo -E cargo test --features bench --test netns_ring`"
     );
+}
+
+/// The XDP attach mode of the members: `AGGBOX_RING_XDP_MODE` (`native`,
+/// the default, or `generic`, where XDP forwards through the device's
+/// transmit path).
+fn xdp_mode() -> String {
+    std::env::var("AGGBOX_RING_XDP_MODE").unwrap_or_else(|_| "native".into())
 }
 
 /// A ring of the test: id, port, elements.
@@ -65,6 +74,7 @@ struct Bed {
     tb: Testbed,
     rings: Vec<RingSpec>,
     weights: Vec<i32>,
+    config: Config,
 }
 
 impl Bed {
@@ -72,7 +82,7 @@ impl Bed {
         let tb = Testbed::up(TestbedConfig { hosts: members, xdp_tx: true, ..Default::default() }).expect("testbed");
         let addrs: Vec<String> = (0..members).map(|h| format!("\"{}\"", tb.host(h).addr)).collect();
         let ws: Vec<String> = weights.iter().map(i32::to_string).collect();
-        let mut text = String::from("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n\n");
+        let mut text = format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n\n");
         for r in &rings {
             text += &format!(
                 "[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nweights = [{}]\nvector_len = {}\nfrag_elems = {FRAG}\n\n",
@@ -84,8 +94,10 @@ impl Bed {
             );
         }
         let config = Config::parse(&text, "netns_ring").expect("ring config");
-        let nodes: Vec<LiveAttach> =
-            (0..members).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &text, &[])).collect();
+        let mode = xdp_mode();
+        let nodes: Vec<LiveAttach> = (0..members)
+            .map(|h| LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &text, &["--xdp-mode", mode.as_str()]))
+            .collect();
         let comms = (0..members)
             .map(|h| {
                 let pin_dir = aggbox::node::pin_dir(&nodes[h].pin_root, "eth0");
@@ -104,7 +116,7 @@ impl Bed {
                     .collect()
             })
             .collect();
-        Bed { comms, injector: impair::Injector::new(), nodes, tb, rings, weights }
+        Bed { comms, injector: impair::Injector::new(), nodes, tb, rings, weights, config }
     }
 
     /// Loss `loss` and duplication `dup` on every switch port.
@@ -152,6 +164,19 @@ impl Bed {
         out
     }
 
+    /// Member `m`'s /metrics text.
+    fn metrics(&self, m: usize) -> String {
+        use std::io::{Read, Write};
+        testbed::in_netns(&self.tb.host(m).netns, || {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", METRICS_PORT)).expect("connect to /metrics");
+            stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").expect("request");
+            let mut text = String::new();
+            stream.read_to_string(&mut text).expect("read /metrics");
+            text
+        })
+        .expect("member netns")
+    }
+
     /// The XDP ring program's counter `label`, summed over the members.
     fn xdp_total(&self, ring: u16, label: &str) -> u64 {
         self.nodes.iter().map(|n| n.status().rings.get(&ring).and_then(|c| c.get(label).copied()).unwrap_or(0)).sum()
@@ -196,6 +221,18 @@ impl Bed {
     }
 }
 
+impl Bed {
+    /// Every member runs `call` on its communicator of ring `k` at once.
+    fn each<T: Send>(&mut self, k: usize, call: impl Fn(usize, &mut RingCommunicator) -> T + Sync) -> Vec<T> {
+        let call = &call;
+        std::thread::scope(|s| {
+            let handles: Vec<_> =
+                self.comms.iter_mut().enumerate().map(|(m, comms)| { let c = &mut comms[k]; s.spawn(move || call(m, c)) }).collect();
+            handles.into_iter().map(|h| h.join().expect("member thread")).collect()
+        })
+    }
+}
+
 fn input(member: usize, len: usize, salt: usize) -> Vec<i32> {
     (0..len).map(|i| ((i * 7 + member * 1_000_003 + salt * 31) % 20_001) as i32 - 10_000).collect()
 }
@@ -227,6 +264,75 @@ fn four_members_every_op_and_size_under_loss() {
             bed.allreduce(k, op, i);
         }
     }
+    // In place over the mapped buffer.
+    let len = bed.rings[2].len as usize;
+    let inputs: Vec<Vec<i32>> = (0..4).map(|m| input(m, len, 77)).collect();
+    let want = reference(Op::Min, &inputs, &bed.weights);
+    let got = bed.each(2, |m, c| {
+        c.buffer_mut().copy_from_slice(&inputs[m]);
+        c.allreduce_in_place(Op::Min).unwrap_or_else(|e| panic!("member {m}: in place: {e}"));
+        c.buffer_mut().to_vec()
+    });
+    assert!(got.iter().all(|g| *g == want), "in-place MIN differs from the reference");
+    // Floats through the quantization: the weighted mean within its bound.
+    let floats: Vec<Vec<f32>> = (0..4).map(|m| (0..len).map(|i| ((i * 13 + m * 7) % 1000) as f32 / 997.0 - 0.5).collect()).collect();
+    let weight_sum: f64 = bed.weights.iter().map(|&w| f64::from(w)).sum();
+    let got = bed.each(2, |m, c| {
+        let mut v = floats[m].clone();
+        c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("member {m}: f32: {e}"));
+        v
+    });
+    let weights = bed.weights.clone();
+    let check_mean = |got: &[Vec<f32>], what: &str| {
+        for i in 0..len {
+            let exact: f64 = floats.iter().zip(&weights).map(|(v, &w)| f64::from(w) * f64::from(v[i])).sum::<f64>() / weight_sum;
+            for (m, g) in got.iter().enumerate() {
+                assert!((f64::from(g[i]) - exact).abs() < 1e-6, "{what}: member {m} element {i}: {} vs {exact}", g[i]);
+            }
+        }
+    };
+    check_mean(&got, "fixed scale");
+    // The adaptive scale (agreed by a ring MAX first), and a fixed scale so
+    // large that the sum saturates, rerun at the adaptive one in lockstep.
+    for q in [Quantization::Adaptive, Quantization::FixedOrAdaptive(1e9)] {
+        let got = bed.each(2, |m, c| {
+            c.set_quantization(q);
+            let mut v = floats[m].clone();
+            c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("member {m}: f32 {q:?}: {e}"));
+            v
+        });
+        check_mean(&got, &format!("{q:?}"));
+    }
+    // Saturation: a SUM that leaves int32 says OVERFLOW on every member, the
+    // values those of the ring's hop-by-hop reference.
+    let len = bed.rings[1].len as usize;
+    let big: Vec<Vec<i32>> = (0..4i32).map(|m| (0..len).map(|i| if i % 5 == 0 { i32::MAX - m } else { i as i32 }).collect()).collect();
+    let refs: Vec<&[i32]> = big.iter().map(Vec::as_slice).collect();
+    let (want, saturated) = aggbox::wire::ring::ring_reference(Op::Sum, &refs, &bed.weights);
+    assert!(saturated);
+    let got = bed.each(1, |m, c| {
+        let mut v = big[m].clone();
+        let out = c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| panic!("member {m}: saturating SUM: {e}"));
+        (v, out.overflow)
+    });
+    for (m, (v, overflow)) in got.iter().enumerate() {
+        assert!(*overflow, "member {m}: a saturated SUM without OVERFLOW");
+        // Every fragment of the ring has one origin, so the result is
+        // ring_reference's only where it started at the same member; the
+        // elements that did not saturate are exact anyway.
+        for i in (0..len).filter(|i| i % 5 != 0) {
+            assert_eq!(v[i], want[i], "member {m} element {i}");
+        }
+        assert!((0..len).filter(|i| i % 5 == 0).all(|i| v[i] == i32::MAX), "member {m}: saturated elements at i32::MAX");
+    }
+    // An application that restarts continues at its node's next round.
+    let (config, pin_dir) = (bed.config.clone(), aggbox::node::pin_dir(&bed.nodes[2].pin_root, "eth0"));
+    let before = bed.comms[2][0].round();
+    let reopened = bed.tb.in_host(2, || RingCommunicator::open(&config, 40, &pin_dir)).expect("netns").expect("reopen");
+    assert_eq!(reopened.round(), before, "a new communicator starts after its node's last round");
+    bed.comms[2][0] = reopened;
+    bed.allreduce(0, Op::Sum, 99);
+
     // Who made the hops: the XDP ring program, or (where it passes them on,
     // or does not run) the ring service; every result above is exact either way.
     let (xdp, user) = (bed.xdp_total(41, "added") + bed.xdp_total(41, "stored"), bed.service_totals(41).user_hops);
@@ -265,6 +371,18 @@ fn eight_members() {
         bed.allreduce(k, Op::Sum, 20 + k);
     }
     assert!(bed.injector.counts().dropped > 0);
+    // The counters in /metrics: every member was KICKed once per call.
+    // (The service publishes its counters every 50 ms.)
+    std::thread::sleep(Duration::from_millis(200));
+    let text = aggbox::node::format_status(&bed.nodes[0].status());
+    assert!(text.contains("ring 42 (XDP):") && text.contains("ring 42 service:"), "aggbox status:\n{text}");
+    let text = bed.metrics(0);
+    let calls = (OPS.len() + 1) as u64;
+    for k in &bed.rings {
+        let line = format!("aggbox_ring_service_kicks_total{{iface=\"eth0\",aggbox_ring=\"{}\"}} {calls}", k.id);
+        assert!(text.contains(&line), "no {line:?} in /metrics:\n{text}");
+        assert!(text.contains(&format!("aggbox_ring_stored_total{{iface=\"eth0\",aggbox_ring=\"{}\"}}", k.id)), "no XDP ring counters in /metrics:\n{text}");
+    }
 }
 
 #[test]

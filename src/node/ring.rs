@@ -1,6 +1,7 @@
 //! The node's ring service (docs/RING.md "One call", "The ring service"):
 //! the user-space half of ring allreduce, one thread for every ring of the
-//! node, a UDP socket each on `0.0.0.0:port`.
+//! node, UDP sockets on the member's address and on 127.0.0.1 (KICKs), at
+//! the ring's port.
 //!
 //! It starts each round (on the runtime's KICK, or on seeing the round
 //! ready in `ring_ctrl`), sends the PARTIAL hops 1 of every fragment this
@@ -171,6 +172,11 @@ impl RingService {
     /// The ring's port.
     pub fn port(&self) -> u16 {
         self.job.port
+    }
+
+    /// This member's address.
+    pub fn self_addr(&self) -> Ipv4Addr {
+        self.members[usize::from(self.job.me)]
     }
 
     /// The counters.
@@ -395,9 +401,15 @@ impl RingService {
         bytes
     }
 
+    /// The ready round's op, as the runtime wrote it (`ring_ctrl.op`).
+    fn round_op(&self) -> Op {
+        // The runtime writes only ring ops; SUM stands for anything else.
+        Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum)
+    }
+
     /// The PARTIAL hops 1 of own fragment `f` of round `r`.
     fn send_original(&mut self, f: u32, r: Round, out: &mut Vec<Transmit>) {
-        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let op = self.round_op();
         let weight = self.job.weight;
         let bytes = self.fragment_datagram(RingKind::Partial, f, r, 1, op, false, |elems, out| {
             wire_ring::origin_be(op, weight, elems.iter().map(|c| c.load(Ordering::Relaxed)), out)
@@ -418,7 +430,8 @@ impl RingService {
         self.stall = Stall { finals: 0, since: now, after: NACK_AFTER };
         for mut d in std::mem::take(&mut self.held) {
             match RingHeader::decode(&d) {
-                Ok((hdr, _)) if hdr.round == r => self.add_and_send(hdr, r, &mut d, out),
+                // Through `partial` again: the round's op is known now.
+                Ok((hdr, _)) if hdr.round == r => self.partial(hdr, &mut d, out),
                 _ => self.stats.early_dropped += 1,
             }
         }
@@ -482,7 +495,7 @@ impl RingService {
             let key = if completer == self.job.me { (self.layout.origin(f), false) } else { (completer, true) };
             by_peer.entry(key).or_default().push(f);
         }
-        let op = Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum);
+        let op = self.round_op();
         let mut peers: Vec<_> = by_peer.into_iter().collect();
         peers.sort_unstable_by_key(|(k, _)| *k);
         for ((peer, final_), frags) in peers {
@@ -520,8 +533,9 @@ impl RingService {
     }
 }
 
-/// A ring's socket: `addr:port`, non-blocking, 8 MiB buffers (a round's
-/// datagrams arrive in bursts of every member's window).
+/// A ring's socket: `addr:port` (the member's address, or loopback for the
+/// KICKs), non-blocking, 8 MiB buffers (a round's datagrams arrive in
+/// bursts of every member's window).
 pub fn bind_ring_socket(addr: Ipv4Addr, port: u16) -> Result<UdpSocket> {
     let socket = UdpSocket::bind(SocketAddrV4::new(addr, port))
         .map_err(|e| anyhow!("ring port {addr}:{port}: {e}; another process holds it"))?;
@@ -558,19 +572,27 @@ impl RingServer {
         let pinned = Arc::new(create_stats_map(pin_dir)?);
         let mut rings = Vec::new();
         for ring in &config.rings {
-            let socket = bind_ring_socket(Ipv4Addr::UNSPECIFIED, ring.port)?;
             let map = pinned.clone();
             let hook: SaturatedHook = Box::new(move |id, stats| publish_one(&map, id, stats));
             let service = RingService::from_pinned(ring, pin_dir, memory.clone())
                 .map_err(|e| anyhow!("ring {}: {e:#}", ring.id))?
                 .with_saturated_hook(hook);
-            rings.push((socket, service));
+            // The member's address, so that what the service sends comes
+            // from the address the other members' XDP programs check
+            // (a node may have several); and loopback for the KICKs.
+            let sockets =
+                vec![bind_ring_socket(service.self_addr(), ring.port)?, bind_ring_socket(Ipv4Addr::LOCALHOST, ring.port)?];
+            rings.push((sockets, service));
         }
         Ok(Some(RingServer::start(rings, Some(pinned))?))
     }
 
-    /// Serves `rings` (each with its bound socket) on a thread of its own.
-    pub fn start(rings: Vec<(UdpSocket, RingService)>, pinned: Option<Arc<libbpf_rs::MapHandle>>) -> Result<RingServer> {
+    /// Serves `rings` on a thread of its own, each with its bound sockets:
+    /// the first is the one it sends from, every one is read.
+    pub fn start(rings: Vec<(Vec<UdpSocket>, RingService)>, pinned: Option<Arc<libbpf_rs::MapHandle>>) -> Result<RingServer> {
+        if rings.iter().any(|(sockets, _)| sockets.is_empty()) {
+            return Err(anyhow!("a ring without a socket"));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Mutex::new(HashMap::new()));
         let (flag, shared) = (stop.clone(), stats.clone());
@@ -649,7 +671,7 @@ pub fn pinned_ring_counters(pin_dir: &Path) -> Result<Vec<(u16, abi::RingStats)>
 const RECV_BATCH: usize = 256;
 
 fn serve(
-    mut rings: Vec<(UdpSocket, RingService)>,
+    mut rings: Vec<(Vec<UdpSocket>, RingService)>,
     stop: &AtomicBool,
     stats: &Mutex<HashMap<u16, RingServiceStats>>,
     pinned: Option<&libbpf_rs::MapHandle>,
@@ -659,17 +681,19 @@ fn serve(
     let mut published = Instant::now();
     let mut last: HashMap<u16, RingServiceStats> = HashMap::new();
     while !stop.load(Ordering::Relaxed) {
-        for (socket, service) in rings.iter_mut() {
-            for _ in 0..RECV_BATCH {
-                match socket.recv_from(&mut buf) {
-                    Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
-                    Ok(_) => {}
-                    Err(_) => break,
+        for (sockets, service) in rings.iter_mut() {
+            for socket in sockets.iter() {
+                for _ in 0..RECV_BATCH {
+                    match socket.recv_from(&mut buf) {
+                        Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
+                        Ok(_) => {}
+                        Err(_) => break,
+                    }
+                    send_all(&sockets[0], &mut out);
                 }
-                send_all(socket, &mut out);
             }
             service.poll(Instant::now(), &mut out);
-            send_all(socket, &mut out);
+            send_all(&sockets[0], &mut out);
         }
         let now = Instant::now();
         if now >= published + PUBLISH_EVERY {
@@ -677,8 +701,11 @@ fn serve(
             publish(&rings, stats, pinned, &mut last);
         }
         let wake = rings.iter().map(|(_, s)| s.poll_timeout(now)).min().unwrap_or(now + IDLE_TICK);
-        let mut fds: Vec<libc::pollfd> =
-            rings.iter().map(|(s, _)| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        let mut fds: Vec<libc::pollfd> = rings
+            .iter()
+            .flat_map(|(sockets, _)| sockets.iter())
+            .map(|s| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+            .collect();
         let wait = wake.saturating_duration_since(now).min(IDLE_TICK);
         let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.as_nanos() as libc::c_long };
         // SAFETY: fds is a valid pollfd array for the call; ts a valid timespec.
@@ -696,7 +723,7 @@ fn send_all(socket: &UdpSocket, out: &mut Vec<Transmit>) {
 }
 
 fn publish(
-    rings: &[(UdpSocket, RingService)],
+    rings: &[(Vec<UdpSocket>, RingService)],
     stats: &Mutex<HashMap<u16, RingServiceStats>>,
     pinned: Option<&libbpf_rs::MapHandle>,
     last: &mut HashMap<u16, RingServiceStats>,

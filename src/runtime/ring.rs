@@ -17,6 +17,7 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -49,7 +50,7 @@ pub struct RingOutput {
 pub struct RingCommunicator {
     dense: u32,
     job: RingJob,
-    memory: RingMemory,
+    memory: Arc<RingMemory>,
     kick: UdpSocket,
     /// The last round this communicator started.
     round: Round,
@@ -75,10 +76,20 @@ impl RingCommunicator {
                 job.port, job.vector_len, job.members, ring.port, ring.vector_len, ring.members.len()
             )));
         }
-        let memory = RingMemory::open_pinned(pin_dir).map_err(map_err)?;
-        memory.check_job(&job).map_err(map_err)?;
+        let memory = Arc::new(RingMemory::open_pinned(pin_dir).map_err(map_err)?);
+        let mut c = RingCommunicator::over(memory, dense, job, SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))?;
+        c.ring_stats = maps::open_pinned(pin_dir, names::RING_STATS).ok();
+        c.service_stats = maps::open_pinned(pin_dir, ring_memory::SERVICE_STATS_MAP).ok();
+        Ok(c)
+    }
+
+    /// The communicator of the ring `job` (dense index `dense`) in
+    /// `memory`, KICKing `kick_to` (the ring service), without the
+    /// saturation counters (tests over heap memory).
+    fn over(memory: Arc<RingMemory>, dense: u32, job: RingJob, kick_to: SocketAddrV4) -> Result<RingCommunicator, CommError> {
+        memory.check_job(&job).map_err(|e| CommError::Config(format!("ring {}: {e}", job.id)))?;
         let kick = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?;
-        kick.connect(SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))?;
+        kick.connect(kick_to)?;
         let round = Round(memory.ctrl(dense).ready_round.load(Ordering::Acquire));
         Ok(RingCommunicator {
             dense,
@@ -88,8 +99,8 @@ impl RingCommunicator {
             round,
             deadline: DEFAULT_DEADLINE,
             quantization: Quantization::default(),
-            ring_stats: maps::open_pinned(pin_dir, names::RING_STATS).ok(),
-            service_stats: maps::open_pinned(pin_dir, ring_memory::SERVICE_STATS_MAP).ok(),
+            ring_stats: None,
+            service_stats: None,
         })
     }
 
@@ -320,5 +331,142 @@ impl RingCommunicator {
             }
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::ring::{bind_ring_socket, RingServer, RingService};
+    use crate::wire::reducer;
+
+    /// Three members on 127.0.0.{1,2,3} at one port, each a ring service
+    /// over heap memory and a communicator over the same memory.
+    struct Loop {
+        comms: Vec<RingCommunicator>,
+        _servers: Vec<RingServer>,
+    }
+
+    const WEIGHTS: [i32; 3] = [1, 2, 3];
+
+    fn ring(len: u32) -> Loop {
+        let addrs: Vec<Ipv4Addr> = (0..3).map(|m| Ipv4Addr::new(127, 0, 0, 1 + m)).collect();
+        let (port, sockets) = (30000..40000u16)
+            .find_map(|p| addrs.iter().map(|&a| bind_ring_socket(a, p)).collect::<anyhow::Result<Vec<_>>>().ok().map(|s| (p, s)))
+            .expect("a free port");
+        let frag_elems = 6;
+        let frags = len.div_ceil(frag_elems);
+        let (mut comms, mut servers) = (Vec::new(), Vec::new());
+        for (m, socket) in sockets.into_iter().enumerate() {
+            let memory = Arc::new(RingMemory::heap(frag_elems, frags + 1));
+            let job = RingJob {
+                id: 40,
+                port,
+                members: 3,
+                me: m as u16,
+                frag_elems,
+                frags,
+                vector_len: len,
+                base: 1,
+                weight_sum: WEIGHTS.iter().sum::<i32>() as u32,
+                weight: WEIGHTS[m],
+                self_addr: 0,
+                next_addr: 0,
+            };
+            let service = RingService::new(0, job, addrs.clone(), memory.clone()).expect("service");
+            servers.push(RingServer::start(vec![(vec![socket], service)], None).expect("server"));
+            let mut c = RingCommunicator::over(memory, 0, job, SocketAddrV4::new(addrs[m], port)).expect("communicator");
+            c.set_deadline(Duration::from_secs(20));
+            comms.push(c);
+        }
+        Loop { comms, _servers: servers }
+    }
+
+    fn each<T: Send>(l: &mut Loop, call: impl Fn(usize, &mut RingCommunicator) -> T + Sync) -> Vec<T> {
+        let call = &call;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = l.comms.iter_mut().enumerate().map(|(m, c)| s.spawn(move || call(m, c))).collect();
+            hs.into_iter().map(|h| h.join().expect("member")).collect()
+        })
+    }
+
+    fn input(m: usize, len: usize) -> Vec<i32> {
+        (0..len).map(|i| ((i * 37 + m * 1001) % 2001) as i32 - 1000).collect()
+    }
+
+    #[test]
+    fn int_calls_in_place_and_copied_match_the_reference() {
+        let len = 40;
+        let mut l = ring(len as u32);
+        let inputs: Vec<Vec<i32>> = (0..3).map(|m| input(m, len)).collect();
+        for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
+            let c: Vec<(&[i32], i32)> = inputs.iter().map(Vec::as_slice).zip(WEIGHTS).collect();
+            let want = reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec();
+            let got = each(&mut l, |m, c| {
+                let mut v = inputs[m].clone();
+                let out = c.allreduce_i32(&mut v, op).expect("allreduce");
+                assert!(!out.overflow);
+                v
+            });
+            assert!(got.iter().all(|g| *g == want), "{op:?}");
+            let got = each(&mut l, |m, c| {
+                c.buffer_mut().copy_from_slice(&inputs[m]);
+                c.allreduce_in_place(op).expect("in place");
+                c.buffer_mut().to_vec()
+            });
+            assert!(got.iter().all(|g| *g == want), "{op:?} in place");
+        }
+        assert_eq!(l.comms[0].round(), Round(10));
+        // Wrong length, and an op the ring does not reduce.
+        let mut short = vec![0; len - 1];
+        assert!(matches!(l.comms[0].allreduce_i32(&mut short, Op::Sum), Err(CommError::Config(_))));
+        let mut v = vec![0; len];
+        assert!(matches!(l.comms[0].allreduce_i32(&mut v, Op::Prod), Err(CommError::Config(_))));
+    }
+
+    #[test]
+    fn floats_through_each_quantization() {
+        let len = 25;
+        let mut l = ring(len as u32);
+        let floats: Vec<Vec<f32>> = (0..3).map(|m| (0..len).map(|i| ((i * 7 + m * 3) % 50) as f32 / 7.0 - 3.0).collect()).collect();
+        // (A saturating fixed scale is seen through the node's counters,
+        // which heap memory has not: tests/netns_ring.rs covers the rerun.)
+        for q in [Quantization::Fixed(1e6), Quantization::Adaptive, Quantization::FixedOrAdaptive(1e6)] {
+            let got = each(&mut l, |m, c| {
+                c.set_quantization(q);
+                let mut v = floats[m].clone();
+                c.allreduce_f32(&mut v, true).expect("f32");
+                v
+            });
+            for i in 0..len {
+                let exact: f64 = floats.iter().zip(WEIGHTS).map(|(v, w)| f64::from(w) * f64::from(v[i])).sum::<f64>() / 6.0;
+                for g in &got {
+                    assert!((f64::from(g[i]) - exact).abs() < 1e-5, "{q:?} element {i}: {} vs {exact}", g[i]);
+                }
+            }
+        }
+        // The sum, not the mean.
+        let got = each(&mut l, |m, c| {
+            let mut v = floats[m].clone();
+            c.allreduce_f32(&mut v, false).expect("f32 sum");
+            v
+        });
+        let exact: f64 = floats.iter().zip(WEIGHTS).map(|(v, w)| f64::from(w) * f64::from(v[3])).sum();
+        assert!(got.iter().all(|g| (f64::from(g[3]) - exact).abs() < 1e-4), "{} vs {exact}", got[0][3]);
+    }
+
+    #[test]
+    fn a_member_that_does_not_call_makes_the_others_time_out_naming_what_is_missing() {
+        let len = 30;
+        let mut l = ring(len as u32);
+        let c = &mut l.comms[0];
+        c.set_deadline(Duration::from_millis(300));
+        let mut v = input(0, len);
+        let err = c.allreduce_i32(&mut v, Op::Sum).expect_err("member 1 and 2 never call");
+        let text = err.to_string();
+        let info = err.timeout().expect("a timeout");
+        assert_eq!(info.expected, 5);
+        assert_eq!(info.arrived, 0);
+        assert!(text.contains("ring 40") && text.contains("missing fragments 0, 1, 2, 3, 4"), "{text}");
     }
 }

@@ -327,7 +327,7 @@ fn the_server_loop_runs_a_ring_over_loopback() {
             next_addr: 0,
         };
         let service = RingService::new(0, job, addrs.clone(), memory.clone()).expect("service");
-        servers.push(RingServer::start(vec![(socket, service)], None).expect("server"));
+        servers.push(RingServer::start(vec![(vec![socket], service)], None).expect("server"));
         memories.push(memory);
     }
     let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, 1)).collect();
