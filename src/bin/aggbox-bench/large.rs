@@ -792,13 +792,10 @@ fn runtime_phase(
 const RING: u16 = 40;
 const RING_PORT: u16 = 7400;
 
-/// Elements per ring datagram at `mtu`: a full datagram, but no more than a
-/// frame the XDP program edits in place on a veth (its linear part, about
-/// 3.5 KB: larger frames arrive as multi-buffer and take the ring
-/// service's user-space path), even.
+/// Elements per ring datagram at `mtu`: a full datagram (the XDP program
+/// edits frames larger than a page in 256-element chunks), even.
 fn ring_frag_elems(mtu: u32) -> u32 {
-    let full = (mtu.saturating_sub(52) / 4).min(abi::RING_MAX_FRAG_ELEMS);
-    (full.min(862) & !1).max(2)
+    ((mtu.saturating_sub(52) / 4).min(abi::RING_MAX_FRAG_ELEMS) & !1).max(2)
 }
 
 /// Configuration of the ring points: one `[[ring]]` per size over the
