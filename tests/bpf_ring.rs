@@ -368,17 +368,22 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
 
 #[test]
 fn a_fragment_in_a_multi_buffer_frame_is_added_and_stored_in_chunks() {
-    // 3000 elements a fragment: a 12 KB datagram, more than a page, so
-    // BPF_PROG_TEST_RUN hands the frags chain a multi-buffer frame.
-    const BIG: u32 = 3000;
+    // The largest fragment, 16370 elements (a 65535-byte IPv4 datagram),
+    // then 3000: datagrams of more than a page, so BPF_PROG_TEST_RUN hands
+    // the frags chain multi-buffer frames.
+    chunked_case(16_370);
+    chunked_case(3000);
+}
+
+fn chunked_case(big: u32) {
     let weights = vec![2, 1, 1, 3];
-    let ring = Ring::with_frag(4 * BIG, weights.clone(), BIG);
-    let all: Vec<Vec<i32>> = (0..4).map(|m| input(4 * BIG, m + 5)).collect();
+    let ring = Ring::with_frag(4 * big, weights.clone(), big);
+    let all: Vec<Vec<i32>> = (0..4).map(|m| input(4 * big, m + 5)).collect();
     for (round, op) in [Op::Sum, Op::Max, Op::Avg].into_iter().enumerate() {
         let round = round as u32;
         ring.ready(round, op, &all[ME]);
-        let n = BIG as usize;
-        let slice = |f: u32| -> Vec<Vec<i32>> { all.iter().map(|v| v[(f * BIG) as usize..(f * BIG) as usize + n].to_vec()).collect() };
+        let n = big as usize;
+        let slice = |f: u32| -> Vec<Vec<i32>> { all.iter().map(|v| v[(f * big) as usize..(f * big) as usize + n].to_vec()).collect() };
         let partial_of = |f: u32, hops: usize| -> Vec<i32> {
             let origin = f as usize % 4;
             let members: Vec<usize> = (0..hops).map(|k| (origin + k) % 4).collect();
@@ -409,5 +414,19 @@ fn a_fragment_in_a_multi_buffer_frame_is_added_and_stored_in_chunks() {
         let d = Datagram::new(abi::RING_FINAL, round, 1, 4, op, result.clone());
         assert_eq!(ring.run(&d).0, XDP_REDIRECT);
         assert_eq!(ring.data(1), result, "{op:?}: the chunked store");
+    }
+}
+
+#[test]
+fn the_ring_program_verifies_at_every_fragment_size() {
+    // The loops are bounded by the load-time fragment size: the smallest,
+    // MTU 1500's and the largest must each load (and stay clear of the
+    // verifier's 1M-instruction limit).
+    for frag in [2u32, 362, abi::RING_MAX_FRAG_ELEMS] {
+        let ring = Ring::with_frag(4 * frag, vec![1, 1, 1, 1], frag);
+        for p in ring.dp.programs().unwrap().iter().filter(|p| p.name.starts_with("aggbox_ring")) {
+            println!("frag_elems {frag}: {} verified {} instructions", p.name, p.verified_insns);
+            assert!(p.verified_insns < 1_000_000);
+        }
     }
 }

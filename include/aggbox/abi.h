@@ -775,10 +775,15 @@ _Static_assert(sizeof(struct aggbox_ring_ctrl) == 64, "ring ctrl is 64 bytes");
  * claimed_plus1 to 1 + round (the loser of a race between two copies of a
  * datagram drops its copy), then writes ring_data, then sets round_plus1. */
 struct aggbox_ring_done {
-	__u32 round_plus1;   /* host order: 1 + round of the stored result, 0 = none */
-	__u32 claimed_plus1; /* host order: 1 + round being (or last) stored, 0 = none */
+	__u32 round_plus1;     /* host order: 1 + round of the stored result, 0 = none */
+	__u32 claimed_plus1;   /* host order: 1 + round being (or last) stored, 0 = none */
+	__u32 saturated_plus1; /* host order: 1 + round whose stored result saturated
+				* (AGGBOX_RING_F_SATURATED), written before round_plus1, so every
+				* member's result of a fragment says the same and a resent FINAL
+				* carries the flag */
+	__u32 pad;             /* zero */
 };
-_Static_assert(sizeof(struct aggbox_ring_done) == 8, "ring done is 8 bytes");
+_Static_assert(sizeof(struct aggbox_ring_done) == 16, "ring done is 16 bytes");
 
 /* Per-CPU counters of one ring (ring_stats, index: dense ring index). */
 enum aggbox_ring_stat {

@@ -26,11 +26,12 @@
  * from the configuration: the verifier reads it as a constant. */
 const volatile __u32 ring_frag_elems = 362;
 
-/* Largest fragment the direct-access loops edit in place: a linear frame is
- * at most a page. Longer fragments arrive as multi-buffer frames and take
- * the chunked path (ring_chunks_*), 256 elements per bpf_loop iteration. */
-#define RING_DIRECT_MAX_ELEMS 1024
-#define RING_CHUNK_ELEMS 256
+/* Largest fragment the direct-access loops edit in place (MTU 1500's 362
+ * fits; the verifier walks each of the ten loops this far). Longer ones,
+ * and payloads that run on into a multi-buffer frame's fragments, take the
+ * chunked path (ring_chunks), 128 elements a chunk. */
+#define RING_DIRECT_MAX_ELEMS 384
+#define RING_CHUNK_ELEMS 128
 
 #define RING_AF_INET 2
 #define RING_NS_PER_SEC 1000000000ull
@@ -192,7 +193,7 @@ __noinline int ring_store(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key)
 
 /*
  * The chunked path, for a payload that runs on into the frame's fragments
- * (multi-buffer XDP, frags chain only): 256 elements at a time are copied
+ * (multi-buffer XDP, frags chain only): 128 elements at a time are copied
  * out with bpf_xdp_load_bytes into ring_scratch, combined with this
  * member's (and, completing, stored over them), and copied back with
  * bpf_xdp_store_bytes (a FINAL's chunk is only stored). One global
@@ -265,47 +266,81 @@ RING_CHUNK_FN(ring_chunk_complete_min, AGGBOX_OP_MIN, 1, 0)
 RING_CHUNK_FN(ring_chunk_complete_avg, AGGBOX_OP_AVG, 1, 0)
 RING_CHUNK_FN(ring_chunk_store, AGGBOX_OP_SUM, 0, 1)
 
-/* One chunk of mode `mode` (see RING_CHUNK_FN). */
-static __always_inline int ring_chunk(struct xdp_md *ctx, __u32 off, __u32 start_n, __u32 key, __u32 ridx,
-				      __u32 mode)
-{
-	switch (mode) {
-	case 0: return ring_chunk_sum(ctx, off, start_n, key, ridx);
-	case 1: return ring_chunk_count(ctx, off, start_n, key, ridx);
-	case 2: return ring_chunk_max(ctx, off, start_n, key, ridx);
-	case 3: return ring_chunk_min(ctx, off, start_n, key, ridx);
-	case 4: return ring_chunk_avg(ctx, off, start_n, key, ridx);
-	case 5: return ring_chunk_complete_sum(ctx, off, start_n, key, ridx);
-	case 6: return ring_chunk_complete_count(ctx, off, start_n, key, ridx);
-	case 7: return ring_chunk_complete_max(ctx, off, start_n, key, ridx);
-	case 8: return ring_chunk_complete_min(ctx, off, start_n, key, ridx);
-	case 9: return ring_chunk_complete_avg(ctx, off, start_n, key, ridx);
-	default: return ring_chunk_store(ctx, off, start_n, key, ridx);
+/* bpf_loop's context for ring_chunks. */
+struct ring_chunks_ctx {
+	struct xdp_md *ctx;
+	__u32 off;
+	__u32 count;
+	__u32 key;
+	__u32 ridx;
+	int saturated;
+	int err;
+};
+
+/* bpf_loop callback of chunk function `fn`: chunk `index`. */
+#define RING_CHUNK_CB(cb, fn)                                                                   \
+	static long cb(__u64 index, void *data)                                                \
+	{                                                                                      \
+		struct ring_chunks_ctx *c = data;                                              \
+		__u32 start = (__u32)index * RING_CHUNK_ELEMS, n;                              \
+		int rc;                                                                        \
+                                                                                               \
+		if (start >= c->count)                                                         \
+			return 1;                                                              \
+		n = c->count - start;                                                          \
+		if (n > RING_CHUNK_ELEMS)                                                      \
+			n = RING_CHUNK_ELEMS;                                                  \
+		rc = fn(c->ctx, c->off, start << 16 | n, c->key, c->ridx);                     \
+		if (rc < 0) {                                                                  \
+			c->err = 1;                                                            \
+			return 1;                                                              \
+		}                                                                              \
+		c->saturated |= rc;                                                            \
+		return 0;                                                                      \
 	}
-}
+
+RING_CHUNK_CB(ring_cb_sum, ring_chunk_sum)
+RING_CHUNK_CB(ring_cb_count, ring_chunk_count)
+RING_CHUNK_CB(ring_cb_max, ring_chunk_max)
+RING_CHUNK_CB(ring_cb_min, ring_chunk_min)
+RING_CHUNK_CB(ring_cb_avg, ring_chunk_avg)
+RING_CHUNK_CB(ring_cb_complete_sum, ring_chunk_complete_sum)
+RING_CHUNK_CB(ring_cb_complete_count, ring_chunk_complete_count)
+RING_CHUNK_CB(ring_cb_complete_max, ring_chunk_complete_max)
+RING_CHUNK_CB(ring_cb_complete_min, ring_chunk_complete_min)
+RING_CHUNK_CB(ring_cb_complete_avg, ring_chunk_complete_avg)
+RING_CHUNK_CB(ring_cb_store, ring_chunk_store)
 
 /*
  * The chunked add, completion or (mode 10) store of a multi-buffer frame's
- * `count` elements at byte `off`. Returns 1 saturated, 0, -1 error.
+ * `count` elements at byte `off`; `ridx_mode`: the dense ring index << 8 |
+ * the mode (0..4 add SUM..AVG, 5..9 complete, 10 store). A global function
+ * (verified once); bpf_loop over the chunks. Returns 1 saturated, 0, -1
+ * error.
  */
-static __always_inline int ring_chunks(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u32 ridx, __u32 mode)
+__noinline int ring_chunks(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u32 ridx_mode)
 {
-	__u32 c, start, n;
-	int rc, saturated = 0;
+	struct ring_chunks_ctx c = { .ctx = ctx, .off = off, .count = count, .key = key, .ridx = ridx_mode >> 8 };
+	__u32 chunks = (count + RING_CHUNK_ELEMS - 1) / RING_CHUNK_ELEMS;
 
-	for (c = 0; c < AGGBOX_RING_MAX_FRAG_ELEMS / RING_CHUNK_ELEMS; c++) {
-		start = c * RING_CHUNK_ELEMS;
-		if (start >= count)
-			break;
-		n = count - start;
-		if (n > RING_CHUNK_ELEMS)
-			n = RING_CHUNK_ELEMS;
-		rc = ring_chunk(ctx, off, start << 16 | n, key, ridx, mode);
-		if (rc < 0)
-			return -1;
-		saturated |= rc;
+	if (count > AGGBOX_RING_MAX_FRAG_ELEMS)
+		return -1;
+	switch (ridx_mode & 0xff) {
+	case 0: bpf_loop(chunks, ring_cb_sum, &c, 0); break;
+	case 1: bpf_loop(chunks, ring_cb_count, &c, 0); break;
+	case 2: bpf_loop(chunks, ring_cb_max, &c, 0); break;
+	case 3: bpf_loop(chunks, ring_cb_min, &c, 0); break;
+	case 4: bpf_loop(chunks, ring_cb_avg, &c, 0); break;
+	case 5: bpf_loop(chunks, ring_cb_complete_sum, &c, 0); break;
+	case 6: bpf_loop(chunks, ring_cb_complete_count, &c, 0); break;
+	case 7: bpf_loop(chunks, ring_cb_complete_max, &c, 0); break;
+	case 8: bpf_loop(chunks, ring_cb_complete_min, &c, 0); break;
+	case 9: bpf_loop(chunks, ring_cb_complete_avg, &c, 0); break;
+	default: bpf_loop(chunks, ring_cb_store, &c, 0); break;
 	}
-	return saturated;
+	if (c.err)
+		return -1;
+	return c.saturated ? 1 : 0;
 }
 
 /*
@@ -322,10 +357,13 @@ static __always_inline int ring_claim(struct aggbox_ring_done *done, __u32 round
 	return __sync_val_compare_and_swap(&done->claimed_plus1, old, want) == old;
 }
 
-/* Publish a stored result and count it for the runtime. */
-static __always_inline void ring_publish(struct aggbox_ring_done *done, struct aggbox_ring_ctrl *ctrl, __u32 round)
+/* Publish a stored result (saturated or not) and count it for the runtime. */
+static __always_inline void ring_publish(struct aggbox_ring_done *done, struct aggbox_ring_ctrl *ctrl, __u32 round,
+					 int saturated)
 {
-	/* an atomic exchange orders the data stores before it */
+	if (saturated)
+		done->saturated_plus1 = round + 1;
+	/* an atomic exchange orders the stores above before it */
 	__sync_lock_test_and_set(&done->round_plus1, round + 1);
 	if (ctrl->finals_round == round)
 		__sync_fetch_and_add(&ctrl->finals, 1);
@@ -434,7 +472,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	struct udphdr *udph;
 	__u32 ridx, *index, key, frag, count, want, round, n, origin, last, l3, off;
 	__u16 hops, sender;
-	__u8 kind, op;
+	__u8 kind, op, rh_flags;
 	__be32 *payload;
 	int len, rc, complete, chunked;
 
@@ -515,6 +553,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	off = l3 + sizeof(*iph) + sizeof(*udph) + sizeof(*rh);
 	kind = rh->kind;
 	op = rh->op;
+	rh_flags = rh->flags;
 
 	key = ridx;
 	ctrl = bpf_map_lookup_elem(&ring_ctrl, &key);
@@ -545,13 +584,14 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		if (complete && !ring_claim(done, round))
 			return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
 		if (chunked)
-			rc = ring_chunks(ctx, off, count, key, ridx, (op > AGGBOX_OP_AVG ? AGGBOX_OP_AVG : op) + (complete ? 5 : 0));
+			rc = ring_chunks(ctx, off, count, key,
+					 ridx << 8 | ((op > AGGBOX_OP_AVG ? AGGBOX_OP_AVG : op) + (complete ? 5 : 0)));
 		else
 			rc = ring_add_op(ctx, off, count, key, op, ridx, complete);
 		if (rc < 0)
 			return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 		if (complete) {
-			ring_publish(done, ctrl, round);
+			ring_publish(done, ctrl, round, rc || (rh_flags & AGGBOX_RING_F_SATURATED));
 			ring_count(ridx, AGGBOX_RING_COMPLETED);
 		} else {
 			ring_count(ridx, AGGBOX_RING_ADDED);
@@ -564,9 +604,9 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	/* FINAL */
 	if (!ring_claim(done, round))
 		return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-	if ((chunked ? ring_chunks(ctx, off, count, key, ridx, 10) : ring_store(ctx, off, count, key)) < 0)
+	if ((chunked ? ring_chunks(ctx, off, count, key, ridx << 8 | 10) : ring_store(ctx, off, count, key)) < 0)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
-	ring_publish(done, ctrl, round);
+	ring_publish(done, ctrl, round, rh_flags & AGGBOX_RING_F_SATURATED);
 	ring_count(ridx, AGGBOX_RING_STORED);
 	if (last)
 		return XDP_DROP;

@@ -336,6 +336,18 @@ impl RingMemory {
         self.done_field(index, std::mem::offset_of!(abi::RingDone, claimed_plus1))
     }
 
+    /// `ring_done[index].saturated_plus1`: 1 + the round whose stored
+    /// result saturated.
+    pub fn saturated(&self, index: u32) -> &AtomicU32 {
+        self.done_field(index, std::mem::offset_of!(abi::RingDone, saturated_plus1))
+    }
+
+    /// Whether `round`'s stored result of fragment `index` saturated (the
+    /// same on every member: it travels with the FINAL).
+    pub fn result_saturated(&self, index: u32, round: Round) -> bool {
+        self.saturated(index).load(Ordering::Acquire) == round.0.wrapping_add(1)
+    }
+
     fn done_field(&self, index: u32, offset: usize) -> &AtomicU32 {
         assert!(index < self.done_entries, "ring_done index {index} past {}", self.done_entries);
         // SAFETY: in bounds, a 4-byte field of an 8-byte aligned entry,
@@ -376,10 +388,14 @@ impl RingMemory {
         }
     }
 
-    /// After a claimed result's elements are written: `round_plus1` says
-    /// it is there, and the ring's `finals` counts it when it counts that
-    /// round (the XDP program's `ring_publish`).
-    pub fn publish_result(&self, dense: u32, index: u32, round: Round) {
+    /// After a claimed result's elements are written: `saturated_plus1`
+    /// says whether it saturated, `round_plus1` that it is there, and the
+    /// ring's `finals` counts it when it counts that round (the XDP
+    /// program's `ring_publish`).
+    pub fn publish_result(&self, dense: u32, index: u32, round: Round, saturated: bool) {
+        if saturated {
+            self.saturated(index).store(round.0.wrapping_add(1), Ordering::Release);
+        }
         self.done(index).swap(round.0.wrapping_add(1), Ordering::AcqRel);
         self.ctrl(dense).count_final(round);
     }
@@ -460,14 +476,15 @@ mod tests {
         assert!(m.claim_result(0, Round(5)));
         assert!(!m.claim_result(0, Round(5)));
         assert!(!m.has_result(0, Round(5)), "claimed, not stored yet");
-        m.publish_result(0, 0, Round(5));
+        m.publish_result(0, 0, Round(5), false);
         assert!(m.has_result(0, Round(5)));
         assert!(!m.claim_result(0, Round(4)));
         assert!(m.claim_result(0, Round(6)));
         // Round u32::MAX stores 0 + ... wraps: 1 + round = 0 would read
         // "none"; the next claim of it succeeds again, which is harmless.
         assert!(m.claim_result(1, Round(u32::MAX - 1)));
-        m.publish_result(0, 1, Round(u32::MAX - 1));
+        m.publish_result(0, 1, Round(u32::MAX - 1), true);
+        assert!(m.result_saturated(1, Round(u32::MAX - 1)) && !m.result_saturated(0, Round(5)));
         assert!(m.has_result(1, Round(u32::MAX - 1)));
     }
 

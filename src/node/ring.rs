@@ -60,10 +60,6 @@ pub struct Transmit {
     pub bytes: Vec<u8>,
 }
 
-/// Called before a saturated fragment is counted final: the runtime reads
-/// `saturated` once `finals` is complete, so it must be published by then.
-pub type SaturatedHook = Box<dyn FnMut(u16, &RingServiceStats) + Send>;
-
 /// The stall timer: NACK when the round's `finals` has not moved for
 /// `after` (doubling while nothing moves).
 #[derive(Debug, Clone, Copy)]
@@ -89,8 +85,6 @@ pub struct RingService {
     own_sent: usize,
     /// Own fragments sent and not final here yet.
     in_flight: Vec<u32>,
-    /// Fragments of `round` whose result saturated (resends carry the flag).
-    saturated: Vec<bool>,
     /// Per fragment, the stall episode (`episode`) in which it was last
     /// seen missing at a stall: a fragment is NACKed when it is missing at
     /// two stalls of one episode, i.e. after `NACK_AFTER` and then its
@@ -102,7 +96,6 @@ pub struct RingService {
     held: Vec<Vec<u8>>,
     stall: Stall,
     stats: RingServiceStats,
-    on_saturated: Option<SaturatedHook>,
 }
 
 impl std::fmt::Debug for RingService {
@@ -135,13 +128,11 @@ impl RingService {
             round: None,
             own_sent: 0,
             in_flight: Vec::new(),
-            saturated: vec![false; job.frags as usize],
             missing_since: vec![0; job.frags as usize],
             episode: 1,
             held: Vec::new(),
             stall: Stall { finals: 0, since: Instant::now(), after: NACK_AFTER },
             stats: RingServiceStats::default(),
-            on_saturated: None,
         })
     }
 
@@ -155,12 +146,6 @@ impl RingService {
     /// Own fragments not final here, at most (default [`DEFAULT_WINDOW`]).
     pub fn with_window(mut self, window: usize) -> RingService {
         self.window = window.max(1);
-        self
-    }
-
-    /// Call `hook` before a saturated fragment counts as final.
-    pub fn with_saturated_hook(mut self, hook: SaturatedHook) -> RingService {
-        self.on_saturated = Some(hook);
         self
     }
 
@@ -286,17 +271,9 @@ impl RingService {
             cell.store(v, Ordering::Relaxed);
         }
         if saturated {
-            if self.round == Some(r) {
-                if let Some(s) = self.saturated.get_mut(frag as usize) {
-                    *s = true;
-                }
-            }
             self.stats.saturated += 1;
-            if let Some(hook) = self.on_saturated.as_mut() {
-                hook(self.id, &self.stats);
-            }
         }
-        self.memory.publish_result(self.dense, self.index(frag), r);
+        self.memory.publish_result(self.dense, self.index(frag), r, saturated);
     }
 
     /// A FINAL: stored unless this round's result is there already, sent
@@ -340,7 +317,7 @@ impl RingService {
                 let stored = self.memory.done(index).load(Ordering::Acquire) == r.0.wrapping_add(1);
                 if stored && self.layout.completer(f) == self.job.me && k != self.job.me {
                     let hops = self.layout.final_hops_to(f, k);
-                    let saturated = self.round == Some(r) && self.saturated[f as usize];
+                    let saturated = self.memory.result_saturated(index, r);
                     let bytes = self.fragment_datagram(RingKind::Final, f, r, hops, hdr.op, saturated, |elems, out| {
                         for (chunk, c) in out.chunks_exact_mut(4).zip(elems) {
                             chunk.copy_from_slice(&c.load(Ordering::Relaxed).to_be_bytes());
@@ -424,7 +401,6 @@ impl RingService {
         self.stats.rounds += 1;
         self.own_sent = 0;
         self.in_flight.clear();
-        self.saturated.iter_mut().for_each(|s| *s = false);
         self.missing_since.iter_mut().for_each(|s| *s = 0);
         self.episode = 1;
         self.stall = Stall { finals: 0, since: now, after: NACK_AFTER };
@@ -572,11 +548,8 @@ impl RingServer {
         let pinned = Arc::new(create_stats_map(pin_dir)?);
         let mut rings = Vec::new();
         for ring in &config.rings {
-            let map = pinned.clone();
-            let hook: SaturatedHook = Box::new(move |id, stats| publish_one(&map, id, stats));
             let service = RingService::from_pinned(ring, pin_dir, memory.clone())
-                .map_err(|e| anyhow!("ring {}: {e:#}", ring.id))?
-                .with_saturated_hook(hook);
+                .map_err(|e| anyhow!("ring {}: {e:#}", ring.id))?;
             // The member's address, so that what the service sends comes
             // from the address the other members' XDP programs check
             // (a node may have several); and loopback for the KICKs.

@@ -21,14 +21,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use crate::config::Config;
-use crate::kernel::maps::{self, names};
 use crate::kernel::ring_memory::{self, RingMemory};
 use crate::runtime::quantize::{self, Quantization};
 use crate::runtime::{CommError, Peer, TimeoutInfo};
-use crate::wire::abi::{self, Op, Round, RingJob, RingStat};
+use crate::wire::abi::{Op, Round, RingJob};
 use crate::wire::ring::{RingHeader, RingKind, RingLayout};
 
 /// Default deadline of a call.
@@ -56,9 +54,6 @@ pub struct RingCommunicator {
     round: Round,
     deadline: Duration,
     quantization: Quantization,
-    /// `ring_stats` and `ring_service`, where the saturation counters are.
-    ring_stats: Option<MapHandle>,
-    service_stats: Option<MapHandle>,
 }
 
 impl RingCommunicator {
@@ -77,15 +72,12 @@ impl RingCommunicator {
             )));
         }
         let memory = Arc::new(RingMemory::open_pinned(pin_dir).map_err(map_err)?);
-        let mut c = RingCommunicator::over(memory, dense, job, SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))?;
-        c.ring_stats = maps::open_pinned(pin_dir, names::RING_STATS).ok();
-        c.service_stats = maps::open_pinned(pin_dir, ring_memory::SERVICE_STATS_MAP).ok();
-        Ok(c)
+        RingCommunicator::over(memory, dense, job, SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))
     }
 
     /// The communicator of the ring `job` (dense index `dense`) in
-    /// `memory`, KICKing `kick_to` (the ring service), without the
-    /// saturation counters (tests over heap memory).
+    /// `memory`, KICKing `kick_to` (the ring service; tests over heap
+    /// memory give their own).
     fn over(memory: Arc<RingMemory>, dense: u32, job: RingJob, kick_to: SocketAddrV4) -> Result<RingCommunicator, CommError> {
         memory.check_job(&job).map_err(|e| CommError::Config(format!("ring {}: {e}", job.id)))?;
         let kick = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?;
@@ -99,8 +91,6 @@ impl RingCommunicator {
             round,
             deadline: DEFAULT_DEADLINE,
             quantization: Quantization::default(),
-            ring_stats: None,
-            service_stats: None,
         })
     }
 
@@ -246,7 +236,6 @@ impl RingCommunicator {
             return Err(CommError::Config(format!("op {} is not a ring op (SUM, COUNT, MAX, MIN, AVG)", op.name())));
         }
         let r = self.round.plus(1);
-        let saturated_before = self.saturated_count();
         self.memory.begin_round(self.dense, r, op, write);
         self.round = r;
         let kick = RingHeader { ring: self.job.id, kind: RingKind::Kick, flags: 0, round: r, frag: 0, hops: 0, count: 0, sender: self.job.me, op };
@@ -279,7 +268,7 @@ impl RingCommunicator {
                 self.job.id
             )));
         }
-        Ok(RingOutput { overflow: self.saturated_count() != saturated_before })
+        Ok(RingOutput { overflow: self.saturated(r) })
     }
 
     /// Fragments of round `r` not stored here.
@@ -314,23 +303,11 @@ impl RingCommunicator {
 
     /// Datagrams carrying SATURATED seen by this node's XDP program, plus
     /// saturated fragments stored by its ring service.
-    fn saturated_count(&self) -> u64 {
-        let mut n = 0;
-        if let Some(map) = &self.ring_stats {
-            if let Ok(Some(per_cpu)) = map.lookup_percpu(&self.dense.to_ne_bytes(), MapFlags::ANY) {
-                n += per_cpu
-                    .iter()
-                    .filter_map(|v| abi::from_bytes::<abi::RingStats>(v))
-                    .map(|s| s.count[RingStat::Saturated as usize])
-                    .sum::<u64>();
-            }
-        }
-        if let Some(map) = &self.service_stats {
-            if let Ok(Some(v)) = map.lookup(&u32::from(self.job.id).to_ne_bytes(), MapFlags::ANY) {
-                n += abi::from_bytes::<ring_memory::RingServiceStats>(&v).map_or(0, |s| s.saturated);
-            }
-        }
-        n
+    /// Whether some fragment's result of round `r` saturated: the flag
+    /// stored with each result (`ring_done.saturated_plus1`), the same on
+    /// every member, so every member's call says OVERFLOW alike.
+    fn saturated(&self, r: Round) -> bool {
+        (0..self.job.frags).any(|f| self.memory.result_saturated(self.job.base + f, r))
     }
 }
 

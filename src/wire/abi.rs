@@ -1134,8 +1134,12 @@ pub struct RingDone {
     /// 1 + round being (or last) stored: claimed by compare-and-swap before
     /// the result is written (abi.h).
     pub claimed_plus1: u32,
+    /// 1 + round whose stored result saturated (written before
+    /// `round_plus1`).
+    pub saturated_plus1: u32,
+    pub pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<RingDone>() == 8);
+const _: () = assert!(core::mem::size_of::<RingDone>() == 16);
 
 /// `enum aggbox_ring_stat`: index into [`RingStats::count`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1226,6 +1230,6 @@ fn ring_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
         [id, port, members, me, frag_elems, frags, vector_len, base, weight_sum, weight, self_addr, next_addr]
     );
     fields!("aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
-    fields!("aggbox_ring_done", RingDone, [round_plus1, claimed_plus1]);
+    fields!("aggbox_ring_done", RingDone, [round_plus1, claimed_plus1, saturated_plus1, pad]);
     fields!("aggbox_ring_stats", RingStats, [count]);
 }
