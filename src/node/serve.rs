@@ -466,7 +466,17 @@ impl ResultService {
             self.stats.duplicate_results += 1;
             return;
         }
-        self.behalf.record(seq, hdr.is_last_fragment(), now, &mut emit);
+        if hdr.is_last_fragment() {
+            // The workers' RESULT copies acknowledge their contributions
+            // (the runtime's workers take a RESULT as the ACK of their
+            // contribution to it), so this ACK repairs only a lost copy, and
+            // a stream of calls needs none: it waits until no RESULT came
+            // for `ack_delay` (docs/PROTOCOL.md "Implicit acknowledgement of
+            // RESULTs").
+            self.behalf.record_deferred(seq, now, &mut emit);
+        } else {
+            self.behalf.record(seq, false, now, &mut emit);
+        }
         self.stats.results += 1;
     }
 

@@ -325,7 +325,12 @@ pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
                 core.queued.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
-            Err(mpsc::TryRecvError::Disconnected) => return,
+            Err(mpsc::TryRecvError::Disconnected) => {
+                // The communicator closes: the ACKs still waiting (a
+                // worker's deferred ACK of its last RESULT) go now.
+                d.engine.flush_acks(&mut d.net);
+                return;
+            }
             Err(mpsc::TryRecvError::Empty) => {}
         }
         let now = Instant::now();
