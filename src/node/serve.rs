@@ -1314,15 +1314,54 @@ mod tests {
     }
 
     #[test]
-    fn group_mode_acknowledges_on_behalf_after_the_delay_or_at_the_last_fragment() {
+    fn group_mode_acknowledges_on_behalf_once_results_stop_for_the_delay() {
         let mut s = service(AckMode::Group);
+        let delay = ReliabilityConfig::default().ack_delay;
         let (t0, mut out) = (Instant::now(), Vec::new());
         s.handle(t0, worker(0), &result(5, 40, 0, false), &mut out);
         assert!(acks_to(&out).is_empty(), "group mode waits");
+        // The call's last fragment: its RESULT copies acknowledge the
+        // workers' contributions, so the ACK waits too.
         s.handle(t0, worker(0), &result(5, 41, 1, true), &mut out);
+        assert!(acks_to(&out).is_empty(), "the last fragment's ACK waits");
+        // Next calls (one fragment each) within the delay postpone it.
+        let mut at = t0;
+        for (round, seq) in [(6, 42), (7, 43), (8, 44)] {
+            at += delay / 2;
+            s.handle(at, worker(0), &result(round, seq, 0, true), &mut out);
+            s.poll(at, &mut out);
+            assert!(acks_to(&out).is_empty(), "round {round}: no ACK while calls keep coming");
+        }
+        assert_eq!(s.poll(at, &mut out), Some(at + delay), "due once idle for the delay");
+        // Idle for the delay: one ACK to each worker of everything.
+        s.poll(at + delay, &mut out);
         let acks = acks_to(&out);
-        assert_eq!(acks.len(), 3, "the last fragment is acknowledged at once: {acks:?}");
-        assert!(acks.iter().all(|(_, _, seqs)| seqs == &vec![40, 41]));
+        assert_eq!(acks.len(), 3, "{acks:?}");
+        assert!(acks.iter().all(|(_, _, seqs)| seqs == &vec![40, 41, 42, 43, 44]));
+        assert_eq!(s.stats().acks_sent, 3);
+    }
+
+    #[test]
+    fn a_result_of_the_next_round_retires_the_round_for_every_worker_without_their_acks() {
+        let mut s = service(AckMode::Group);
+        let (t0, mut out) = (Instant::now(), Vec::new());
+        // A stream of one-fragment calls and no worker ACK at all: each
+        // call's RESULT retires the one before, nothing is resent.
+        for i in 0..50u32 {
+            let at = t0 + Duration::from_micros(100) * i;
+            s.handle(at, worker(0), &result(5 + i, 40 + i, 0, true), &mut out);
+            s.poll(at, &mut out);
+            assert_eq!(s.held(), 1, "call {i}: only the newest RESULT is held");
+        }
+        assert_eq!((s.stats().rounds, s.stats().acks_received), (50, 0));
+        assert!(resends(&out).is_empty(), "nothing resent: {:?}", resends(&out));
+        // The last call's copies wait for the workers' ACKs, and are resent
+        // to a worker whose ACK does not come.
+        s.handle(t0 + Duration::from_millis(6), worker(0), &ack(0, &[89]), &mut out);
+        s.handle(t0 + Duration::from_millis(6), worker(1), &ack(1, &[89]), &mut out);
+        out.clear();
+        s.poll(t0 + Duration::from_secs(2), &mut out);
+        assert_eq!(resends(&out), vec![(worker(2), 89)]);
     }
 
     #[test]
