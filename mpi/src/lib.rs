@@ -301,7 +301,11 @@ pub extern "C" fn aggbox_mpi_finalize() {
             // One write, so that mpirun, which forwards every rank's stderr,
             // never splits the line.
             use std::io::Write;
-            let line = format!("{}; datagrams {}\n", stats_line(s.rank), datagrams_line(&s.comm));
+            let line = format!(
+                "{}; datagrams {}\n",
+                stats_line(s.rank),
+                datagrams_line(&s.comm)
+            );
             let _ = std::io::stderr().write_all(line.as_bytes());
         }
     }

@@ -182,7 +182,8 @@ impl Core {
         d.socket_events(true);
         d.on_caller = false;
         let timer = d.engine.poll_timeout();
-        self.timer.store(timer.map_or(0, |t| self.nanos(t)), Ordering::SeqCst);
+        self.timer
+            .store(timer.map_or(0, |t| self.nanos(t)), Ordering::SeqCst);
         let wake = self.queued.load(Ordering::SeqCst) != 0
             || match (timer, self.instant(self.bg_until.load(Ordering::SeqCst))) {
                 (Some(t), Some(until)) => t < until,

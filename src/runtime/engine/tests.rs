@@ -968,7 +968,11 @@ fn served_calls(sim: &mut Sim, calls: usize) {
         }
         sim.run(Duration::from_secs(5));
         for w in 0..WORKERS as usize {
-            assert!(matches!(sim.ended(w), Ended::Values(_)), "worker {w}: {:?}", sim.ended(w));
+            assert!(
+                matches!(sim.ended(w), Ended::Values(_)),
+                "worker {w}: {:?}",
+                sim.ended(w)
+            );
         }
     }
 }
@@ -977,7 +981,11 @@ fn served_calls(sim: &mut Sim, calls: usize) {
 fn idle_for(sim: &mut Sim, span: Duration) {
     let until = sim.now + span;
     while sim.now < until {
-        let next = sim.nodes.iter().filter_map(|n| n.engine.poll_timeout()).min();
+        let next = sim
+            .nodes
+            .iter()
+            .filter_map(|n| n.engine.poll_timeout())
+            .min();
         sim.now = next.map_or(until, |t| t.min(until)).max(sim.now);
         sim.poll();
         while !sim.wire.is_empty() && sim.advance() {
@@ -998,7 +1006,11 @@ fn node_served_workers_acknowledge_results_only_once_no_next_call_follows() {
     // the next call's RESULT tells the node what an ACK would, so none.
     served_calls(&mut sim, 5);
     for r in 0..WORKERS {
-        assert_eq!(result_acks_of(&sim, r), Vec::<Vec<u32>>::new(), "worker {r}: no ACK during the calls");
+        assert_eq!(
+            result_acks_of(&sim, r),
+            Vec::<Vec<u32>>::new(),
+            "worker {r}: no ACK during the calls"
+        );
     }
     let seqs: Vec<u32> = sim
         .log
@@ -1010,7 +1022,11 @@ fn node_served_workers_acknowledge_results_only_once_no_next_call_follows() {
     // Idle: one ACK of every RESULT, ack_delay after the last.
     idle_for(&mut sim, delay * 3);
     for r in 0..WORKERS {
-        assert_eq!(result_acks_of(&sim, r), vec![seqs.clone()], "worker {r}: one ACK once idle");
+        assert_eq!(
+            result_acks_of(&sim, r),
+            vec![seqs.clone()],
+            "worker {r}: one ACK once idle"
+        );
         // 5 contributions and 1 ACK for 5 calls (16 datagrams a call on
         // the wire before: an ACK from every worker, and one to it).
         // (The node's RESULT keeps the completing contribution's source.)
@@ -1030,7 +1046,9 @@ fn node_served_a_lost_deferred_ack_is_repaired_by_the_services_resend_and_close_
     sim.node = Some(FakeNode::default());
     let delay = sim.nodes[0].engine.cfg.reliability.ack_delay;
     // Worker 1's (deferred) ACK is lost.
-    sim.fate = Box::new(|d| usize::from(!(d.from == worker_addr(1) && d.kind() == Some(MessageKind::Ack))));
+    sim.fate = Box::new(|d| {
+        usize::from(!(d.from == worker_addr(1) && d.kind() == Some(MessageKind::Ack)))
+    });
     served_calls(&mut sim, 2);
     idle_for(&mut sim, delay * 3);
     assert_eq!(result_acks_of(&sim, 1).len(), 1, "sent (and lost)");
@@ -1041,7 +1059,9 @@ fn node_served_a_lost_deferred_ack_is_repaired_by_the_services_resend_and_close_
         .log
         .iter()
         .rev()
-        .find(|d| d.to == worker_addr(1) && proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.is_result()))
+        .find(|d| {
+            d.to == worker_addr(1) && proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.is_result())
+        })
         .expect("worker 1's RESULT copy")
         .clone();
     sim.fate = Box::new(|_| 1);
@@ -1058,7 +1078,11 @@ fn node_served_a_lost_deferred_ack_is_repaired_by_the_services_resend_and_close_
     let before = result_acks_of(&sim, 2).len();
     let mut sent = Vec::new();
     let (now, addr) = (sim.now, worker_addr(2));
-    sim.nodes[2].engine.flush_acks(&mut Wire { from: addr, at: now, sent: &mut sent });
+    sim.nodes[2].engine.flush_acks(&mut Wire {
+        from: addr,
+        at: now,
+        sent: &mut sent,
+    });
     assert_eq!(sent.len(), 1, "the deferred ACK at close");
     assert_eq!(sent[0].kind(), Some(MessageKind::Ack));
     assert_eq!(result_acks_of(&sim, 2).len(), before, "not before close");

@@ -334,16 +334,28 @@ mod tests {
             let at = t0 + d / 4 * s;
             assert_eq!(t.check(s), Verdict::New);
             t.record_deferred(s, at, &mut |b| acks.push(*b));
-            assert!(acks.is_empty(), "seq {s}: no ACK while messages keep coming");
-            assert_eq!(t.poll(at, &mut |b| acks.push(*b)), Some(at + d), "due ack_delay after the newest");
+            assert!(
+                acks.is_empty(),
+                "seq {s}: no ACK while messages keep coming"
+            );
+            assert_eq!(
+                t.poll(at, &mut |b| acks.push(*b)),
+                Some(at + d),
+                "due ack_delay after the newest"
+            );
         }
         let newest = t0 + d / 4 * 7;
-        t.poll(newest + d - Duration::from_micros(1), &mut |b| acks.push(*b));
+        t.poll(newest + d - Duration::from_micros(1), &mut |b| {
+            acks.push(*b)
+        });
         assert!(acks.is_empty());
         // Idle for ack_delay: one ACK of all eight.
         assert_eq!(t.poll(newest + d, &mut |b| acks.push(*b)), None);
         assert_eq!(acks.len(), 1);
-        assert_eq!(acks[0].received().collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!(
+            acks[0].received().collect::<Vec<_>>(),
+            (0..8).collect::<Vec<_>>()
+        );
         // flush (a receiver that closes) sends what waits at once.
         t.record(8, false, newest + d, &mut |b| acks.push(*b));
         t.record_deferred(9, newest + d, &mut |b| acks.push(*b));
