@@ -117,6 +117,10 @@ start_node
 echo "mpi_bench.sh: $mpi, $ranks ranks, libaggbox_mpi" >&2
 run aggbox LD_PRELOAD="$lib" AGGBOX_MPI_CONFIG="$work/node.toml" AGGBOX_MPI_NODE="$(addr 0)" \
   AGGBOX_MPI_DATA_PORT=7700 AGGBOX_MPI_STATS=1 ${aggbox_env[@]+"${aggbox_env[@]}"}
+# The node's counters of the run (its result service's datagrams: what a
+# call costs the node), beside the ranks' lines mpirun printed.
+mkdir -p "$out"
+ip netns exec "${prefix}h0" "$aggbox" status --pin-root "$pins" > "$out/node_status.txt" 2>&1 || true
 
 mkdir -p "$out"
 csv=$out/mpi_allreduce.csv

@@ -453,3 +453,62 @@ fn a_new_run_resumes_where_the_node_is_and_only_the_workers_own_sockets_are_answ
     assert_eq!(stale, stale_before, "no contribution of the new run taken for an old round");
     assert!(bed.counter_at_least("position_queries", 5) >= 5);
 }
+
+/// Implicit acknowledgement (docs/PROTOCOL.md "Implicit acknowledgement
+/// of RESULTs"): a stream of one-datagram allreduces costs each worker its
+/// contribution and its RESULT copy, not also an ACK each way (16
+/// datagrams a call for 4 workers before, 8 now), asserted from the
+/// workers' and the node's counters; once the calls stop, the workers'
+/// deferred ACKs reach the node, which then holds nothing for any worker.
+#[test]
+fn a_stream_of_one_datagram_calls_sends_no_acks_and_the_last_call_is_acknowledged_once_idle() {
+    require_root();
+    const CALLS: u64 = 400;
+    let bed = Bed::up("served-implicit", AckMode::Group, 4, Duration::from_secs(30));
+    allreduce(&bed, Op::Sum, 1);
+    // The first call's ACKs (it is followed by none for a while).
+    std::thread::sleep(Duration::from_millis(50));
+    let before: Vec<_> = bed.workers.iter().map(|c| c.stats()).collect();
+    let (acks0, behalf0, results0) =
+        (bed.service_counter("acks_received"), bed.service_counter("acks_sent"), bed.counter_at_least("results", 1));
+    let n = bed.workers.len();
+    std::thread::scope(|s| {
+        for (r, c) in bed.workers.iter().enumerate() {
+            s.spawn(move || {
+                for i in 0..CALLS as usize {
+                    let mut v = vec![(r * 1000 + i) as i32];
+                    c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| panic!("worker {r}: call {i}: {e}"));
+                    let want: usize = (0..n).map(|w| w * 1000 + i).sum();
+                    assert_eq!(v[0], want as i32, "worker {r}: call {i}");
+                }
+            });
+        }
+    });
+    // Calls that took longer than the ACK delay (a loaded machine) send an
+    // ACK each; one a call before.
+    let most = CALLS / 4;
+    for (r, (c, b)) in bed.workers.iter().zip(&before).enumerate() {
+        let a = c.stats();
+        let (sent, acks_sent, acks_received) =
+            (a.data_sent - b.data_sent, a.acks_sent - b.acks_sent, a.acks_received - b.acks_received);
+        eprintln!("worker {r}: {CALLS} calls: {sent} contributions, {acks_sent} ACKs sent, {acks_received} received");
+        assert!(sent >= CALLS, "worker {r}: {sent} contributions");
+        assert!(acks_sent <= most, "worker {r}: {acks_sent} ACKs of RESULTs for {CALLS} calls");
+        assert!(acks_received <= most, "worker {r}: {acks_received} ACKs on the kernel's behalf for {CALLS} calls");
+    }
+    assert_eq!(bed.counter_at_least("results", results0 + CALLS) - results0, CALLS);
+    // Idle: the last call's ACKs come, nothing is held for any worker.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let served = loop {
+        let served = *bed.attach.status().served.get(&JOB).expect("the node-served job");
+        if served.workers_behind == 0 || std::time::Instant::now() > deadline {
+            break served;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(served.workers_behind, 0, "every worker acknowledged the last call: {served:?}");
+    let (acks, behalf) = (bed.service_counter("acks_received") - acks0, bed.service_counter("acks_sent") - behalf0);
+    eprintln!("node: {CALLS} calls: {acks} ACKs received, {behalf} sent on the kernel's behalf");
+    assert!(acks >= n as u64 && acks <= n as u64 * most, "{acks} workers' ACKs at the node");
+    assert!(behalf <= n as u64 * most, "{behalf} ACKs on the kernel's behalf");
+}

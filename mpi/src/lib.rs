@@ -301,9 +301,32 @@ pub extern "C" fn aggbox_mpi_finalize() {
             // One write, so that mpirun, which forwards every rank's stderr,
             // never splits the line.
             use std::io::Write;
-            let _ = std::io::stderr().write_all(format!("{}\n", stats_line(s.rank)).as_bytes());
+            let line = format!(
+                "{}; datagrams {}\n",
+                stats_line(s.rank),
+                datagrams_line(&s.comm)
+            );
+            let _ = std::io::stderr().write_all(line.as_bytes());
         }
     }
+}
+
+/// The communicator's datagram counters (sent and received, data and
+/// ACKs) and where its calls ran: what a call costs on the wire.
+fn datagrams_line(comm: &Communicator) -> String {
+    let (c, io) = (comm.stats(), comm.io_stats());
+    format!(
+        "data_sent={} retransmitted={} acks_sent={} data_received={} acks_received={} duplicates_received={} \
+         calls_on_caller={} calls_on_progress_thread={}",
+        c.data_sent,
+        c.retransmitted,
+        c.acks_sent,
+        c.data_received,
+        c.acks_received,
+        c.duplicates_received,
+        io.calls_on_caller,
+        io.calls_on_progress_thread
+    )
 }
 
 fn stats_line(rank: c_int) -> String {

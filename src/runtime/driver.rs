@@ -36,7 +36,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -78,9 +78,6 @@ pub(crate) struct Driver {
     /// Set while a caller's thread owns the driver: its waits leave the
     /// waker to the progress thread.
     on_caller: bool,
-    /// When the progress thread's current sleep ends (`None`: it is not
-    /// sleeping on the socket).
-    bg_until: Option<Instant>,
     /// What the progress thread sleeps on: an epoll set of the socket and
     /// the waker (level-triggered). A caller that takes the driver turns
     /// the socket's events off in it for the call, so the call's datagrams
@@ -98,6 +95,20 @@ pub(crate) struct Core {
     /// Requests submitted to the progress thread and not finished yet; a
     /// caller runs its call itself only when this is 0.
     pub(crate) queued: AtomicUsize,
+    /// When the progress thread's current sleep ends, in nanoseconds since
+    /// `epoch` (0: it is not sleeping). Outside the lock: a caller reads it
+    /// to decide whether to write the waker, whoever holds the driver.
+    bg_until: AtomicU64,
+    /// The engine's next timer ([`Engine::poll_timeout`]) as the last
+    /// caller left it, in nanoseconds since `epoch` (0: none): what the
+    /// progress thread sleeps until when a caller holds the driver.
+    timer: AtomicU64,
+    epoch: Instant,
+    /// The waker's receiving end, for the progress thread to drain without
+    /// the lock (a clone of the driver's).
+    waker: Option<UnixDatagram>,
+    /// The driver's epoll set (owned by the driver, which lives as long).
+    epoll: RawFd,
 }
 
 impl std::fmt::Debug for Core {
@@ -111,10 +122,26 @@ impl std::fmt::Debug for Core {
 impl Core {
     /// A core around `driver`.
     pub(crate) fn new(driver: Driver) -> Core {
+        let waker = driver.waker.try_clone().ok();
+        let epoll = driver.epoll.as_raw_fd();
         Core {
             driver: Mutex::new(driver),
             queued: AtomicUsize::new(0),
+            bg_until: AtomicU64::new(0),
+            timer: AtomicU64::new(0),
+            epoch: Instant::now(),
+            waker,
+            epoll,
         }
+    }
+
+    /// `t` in nanoseconds since `epoch`, at least 1 (0 means none).
+    fn nanos(&self, t: Instant) -> u64 {
+        (t.saturating_duration_since(self.epoch).as_nanos() as u64).max(1)
+    }
+
+    fn instant(&self, nanos: u64) -> Option<Instant> {
+        (nanos != 0).then(|| self.epoch + Duration::from_nanos(nanos))
     }
 
     fn lock(&self) -> MutexGuard<'_, Driver> {
@@ -154,8 +181,11 @@ impl Core {
         }
         d.socket_events(true);
         d.on_caller = false;
+        let timer = d.engine.poll_timeout();
+        self.timer
+            .store(timer.map_or(0, |t| self.nanos(t)), Ordering::SeqCst);
         let wake = self.queued.load(Ordering::SeqCst) != 0
-            || match (d.engine.poll_timeout(), d.bg_until) {
+            || match (timer, self.instant(self.bg_until.load(Ordering::SeqCst))) {
                 (Some(t), Some(until)) => t < until,
                 _ => false,
             };
@@ -200,7 +230,6 @@ impl Driver {
             rxbuf: vec![0u8; RECV_SLOT * RECV_BATCH],
             rxmeta: vec![RecvMeta::default(); RECV_BATCH],
             on_caller: false,
-            bg_until: None,
             epoll,
         })
     }
@@ -316,7 +345,22 @@ fn wait(fds: (i32, Option<i32>), until: Instant) -> bool {
 /// the lock, so a caller can take the driver meanwhile (module docs).
 pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
     loop {
-        let mut guard = core.lock();
+        let mut guard = match core.driver.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                // A caller runs a call (see the module docs): it serves the
+                // socket meanwhile, and gives the driver back with its next
+                // timer in `core.timer` and, when that is earlier than this
+                // sleep or a request is queued, a write to the waker.
+                // Waiting on the lock instead would make every one of its
+                // unlocks wake this thread, which mostly finds the lock
+                // taken again by the caller's next call (a context switch a
+                // call for nothing).
+                wait_for_caller(&core);
+                continue;
+            }
+        };
         let d = &mut *guard;
         match rx.try_recv() {
             Ok(req) => {
@@ -325,7 +369,12 @@ pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
                 core.queued.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
-            Err(mpsc::TryRecvError::Disconnected) => return,
+            Err(mpsc::TryRecvError::Disconnected) => {
+                // The communicator closes: the ACKs still waiting (a
+                // worker's deferred ACK of its last RESULT) go now.
+                d.engine.flush_acks(&mut d.net);
+                return;
+            }
             Err(mpsc::TryRecvError::Empty) => {}
         }
         let now = Instant::now();
@@ -334,17 +383,50 @@ pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
             .engine
             .poll_timeout()
             .map_or(now + IDLE_WAIT, |t| t.min(now + IDLE_WAIT));
-        d.bg_until = Some(until);
+        core.bg_until.store(core.nanos(until), Ordering::SeqCst);
         let epoll = d.epoll.as_raw_fd();
         drop(guard);
         // The epoll set is readable when the socket (unless a caller turned
         // it off) or the waker is.
         wait((epoll, None), until);
-        let mut guard = core.lock();
+        core.bg_until.store(0, Ordering::SeqCst);
+        let Ok(mut guard) = core.driver.try_lock() else {
+            // A caller took the driver meanwhile: it drains what it wakes
+            // for (the loop's next turn sleeps until it is done).
+            continue;
+        };
         let d = &mut *guard;
-        d.bg_until = None;
         d.drain_waker();
         d.drain();
+    }
+}
+
+/// The progress thread while a caller holds the driver: sleeps on the
+/// epoll set (the waker; the socket's events are off during the call)
+/// until the engine's next timer as the last caller left it, or until the
+/// caller's waker write.
+fn wait_for_caller(core: &Core) {
+    let now = Instant::now();
+    let idle = now + IDLE_WAIT;
+    // Announce the sleep before reading the timer: a caller that ends
+    // meanwhile either sees this (and writes the waker if its timer is
+    // earlier) or has published its timer, read below.
+    core.bg_until.store(core.nanos(idle), Ordering::SeqCst);
+    // A timer that is due already is the caller's to run (its call runs
+    // the engine's timers); its end wakes this thread for the next one.
+    let until = core
+        .instant(core.timer.load(Ordering::SeqCst))
+        .filter(|&t| t > now)
+        .map_or(idle, |t| t.min(idle));
+    core.bg_until.store(core.nanos(until), Ordering::SeqCst);
+    if let Some(w) = core.waker.as_ref() {
+        wait((core.epoll, None), until);
+        core.bg_until.store(0, Ordering::SeqCst);
+        let mut b = [0u8; 64];
+        while w.recv(&mut b).is_ok() {}
+    } else {
+        std::thread::sleep(until.saturating_duration_since(now));
+        core.bg_until.store(0, Ordering::SeqCst);
     }
 }
 

@@ -122,8 +122,20 @@ impl Engine {
                 self.res_rx.reack(seq, &mut emit);
                 return;
             }
-            let last = b.cov.is_complete();
-            self.res_rx.record(seq, last, now, &mut emit);
+            if b.cov.is_complete() && self.cfg.node_served {
+                // The call's last RESULT. The node's result service retires
+                // round r for every worker when round r+1's first RESULT
+                // comes (it proves every worker contributed to r+1, so had
+                // r's RESULTs), so this ACK matters only if no next call
+                // follows: it waits until this worker has been idle for
+                // `ack_delay` (or the communicator closes), and a stream of
+                // calls sends none (docs/PROTOCOL.md "Implicit
+                // acknowledgement of RESULTs").
+                self.res_rx.record_deferred(seq, now, &mut emit);
+            } else {
+                let last = b.cov.is_complete();
+                self.res_rx.record(seq, last, now, &mut emit);
+            }
             return;
         }
         // A late copy or retransmission of a finished reduction's result: our

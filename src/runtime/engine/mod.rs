@@ -369,6 +369,25 @@ impl Engine {
         self.out.flush(tx);
     }
 
+    /// Hands every receive tracker's pending ACK to `tx` at once, whatever
+    /// it has waited: the communicator closes, and a worker's deferred ACK
+    /// of its last RESULT (see `on_result`) must not be left to a timer
+    /// that will not run.
+    pub(crate) fn flush_acks(&mut self, tx: &mut impl Transmit) {
+        let out = &mut self.out;
+        let addrs = &self.addrs;
+        let (job, me) = (self.cfg.job, self.me as u16);
+        for (i, t) in self.bc_rx.iter_mut().enumerate() {
+            let id = self.bc_group[i];
+            t.flush(&mut |bm| out.ack(id, me, AckKind::Broadcast, bm, addrs[i]));
+        }
+        if let Participant::Worker(_) = self.cfg.me {
+            let agg = addrs[self.cfg.workers() as usize];
+            self.res_rx.flush(&mut |bm| out.ack(job, me, AckKind::Aggregation, bm, agg));
+        }
+        self.out.flush(tx);
+    }
+
     /// When [`Engine::poll_transmit`] must run next at the latest: the
     /// earliest timer the last one armed, or the round's deadline. `None`:
     /// nothing pending. Valid after a `poll_transmit`: `handle` arms timers

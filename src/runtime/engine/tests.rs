@@ -939,3 +939,151 @@ fn a_tc_broadcast_copy_lost_to_one_member_is_resent_with_that_members_bit_alone(
     assert!(!resent.is_empty(), "the lost copy was resent");
     assert!(resent.iter().all(|&m| m == 0b010), "{resent:?}");
 }
+
+/// A node-served job (`consumer = "node"`): the workers' engines as
+/// [`kernel_config`]'s, the node's result service taking the RESULTs (its
+/// retirement of round r by round r+1's RESULT is `node::serve`'s test).
+fn served_config(me: Participant) -> CommConfig {
+    let mut cfg = kernel_config(me);
+    cfg.node_served = true;
+    cfg
+}
+
+/// The `AGK1`s worker `r` sent (kind aggregation): the seqs of each.
+fn result_acks_of(sim: &Sim, r: u16) -> Vec<Vec<u32>> {
+    sim.log
+        .iter()
+        .filter(|d| d.from == worker_addr(r) && d.kind() == Some(MessageKind::Ack))
+        .filter_map(|d| proto::AckMessage::decode(&d.bytes).ok())
+        .filter(|a| a.kind == proto::AckKind::Aggregation)
+        .map(|a| a.bitmap.received().collect())
+        .collect()
+}
+
+/// One-element allreduce calls on the workers only, one after the other.
+fn served_calls(sim: &mut Sim, calls: usize) {
+    for _ in 0..calls {
+        for w in 0..WORKERS as usize {
+            sim.start_reduce(w, true, 1, CallOptions::default());
+        }
+        sim.run(Duration::from_secs(5));
+        for w in 0..WORKERS as usize {
+            assert!(
+                matches!(sim.ended(w), Ended::Values(_)),
+                "worker {w}: {:?}",
+                sim.ended(w)
+            );
+        }
+    }
+}
+
+/// Lets the fake clock run `span` past now, polling at every timer.
+fn idle_for(sim: &mut Sim, span: Duration) {
+    let until = sim.now + span;
+    while sim.now < until {
+        let next = sim
+            .nodes
+            .iter()
+            .filter_map(|n| n.engine.poll_timeout())
+            .min();
+        sim.now = next.map_or(until, |t| t.min(until)).max(sim.now);
+        sim.poll();
+        while !sim.wire.is_empty() && sim.advance() {
+            sim.poll();
+        }
+        if next.is_none() {
+            break;
+        }
+    }
+}
+
+#[test]
+fn node_served_workers_acknowledge_results_only_once_no_next_call_follows() {
+    let mut sim = Sim::with(served_config);
+    sim.node = Some(FakeNode::default());
+    let delay = sim.nodes[0].engine.cfg.reliability.ack_delay;
+    // Calls back to back (each takes 2 × LATENCY, less than the delay):
+    // the next call's RESULT tells the node what an ACK would, so none.
+    served_calls(&mut sim, 5);
+    for r in 0..WORKERS {
+        assert_eq!(
+            result_acks_of(&sim, r),
+            Vec::<Vec<u32>>::new(),
+            "worker {r}: no ACK during the calls"
+        );
+    }
+    let seqs: Vec<u32> = sim
+        .log
+        .iter()
+        .filter(|d| d.from == worker_addr(0) && d.is_contribution())
+        .filter_map(|d| d.seq())
+        .collect();
+    assert_eq!(seqs.len(), 5);
+    // Idle: one ACK of every RESULT, ack_delay after the last.
+    idle_for(&mut sim, delay * 3);
+    for r in 0..WORKERS {
+        assert_eq!(
+            result_acks_of(&sim, r),
+            vec![seqs.clone()],
+            "worker {r}: one ACK once idle"
+        );
+        // 5 contributions and 1 ACK for 5 calls (16 datagrams a call on
+        // the wire before: an ACK from every worker, and one to it).
+        // (The node's RESULT keeps the completing contribution's source.)
+        let sent = sim
+            .log
+            .iter()
+            .filter(|d| d.from == worker_addr(r))
+            .filter(|d| !proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.is_result()))
+            .count();
+        assert_eq!(sent, 6, "worker {r}: 5 contributions and 1 ACK");
+    }
+}
+
+#[test]
+fn node_served_a_lost_deferred_ack_is_repaired_by_the_services_resend_and_close_flushes_it() {
+    let mut sim = Sim::with(served_config);
+    sim.node = Some(FakeNode::default());
+    let delay = sim.nodes[0].engine.cfg.reliability.ack_delay;
+    // Worker 1's (deferred) ACK is lost.
+    sim.fate = Box::new(|d| {
+        usize::from(!(d.from == worker_addr(1) && d.kind() == Some(MessageKind::Ack)))
+    });
+    served_calls(&mut sim, 2);
+    idle_for(&mut sim, delay * 3);
+    assert_eq!(result_acks_of(&sim, 1).len(), 1, "sent (and lost)");
+    // The node's service resends the RESULT it holds to worker 1 (a copy
+    // of the one the TC program brought): acknowledged at once, not after
+    // another delay.
+    let copy = sim
+        .log
+        .iter()
+        .rev()
+        .find(|d| {
+            d.to == worker_addr(1) && proto::split_agg(&d.bytes).is_ok_and(|(h, _)| h.is_result())
+        })
+        .expect("worker 1's RESULT copy")
+        .clone();
+    sim.fate = Box::new(|_| 1);
+    sim.inject(copy.from, worker_addr(1), copy.bytes.clone());
+    let at = sim.now;
+    sim.advance();
+    sim.poll();
+    let acks = result_acks_of(&sim, 1);
+    assert_eq!(acks.len(), 2, "the resend is acknowledged: {acks:?}");
+    assert!(acks[1].contains(&copy.seq().expect("seq")));
+    assert!(sim.now - at <= LATENCY, "at once");
+    // A worker that closes sends its deferred ACK then, whatever it waited.
+    served_calls(&mut sim, 1);
+    let before = result_acks_of(&sim, 2).len();
+    let mut sent = Vec::new();
+    let (now, addr) = (sim.now, worker_addr(2));
+    sim.nodes[2].engine.flush_acks(&mut Wire {
+        from: addr,
+        at: now,
+        sent: &mut sent,
+    });
+    assert_eq!(sent.len(), 1, "the deferred ACK at close");
+    assert_eq!(sent[0].kind(), Some(MessageKind::Ack));
+    assert_eq!(result_acks_of(&sim, 2).len(), before, "not before close");
+}

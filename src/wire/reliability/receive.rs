@@ -17,6 +17,19 @@ pub enum Verdict {
     Duplicate,
 }
 
+/// How [`RecvTracker::record_as`] acknowledges an arrival in group mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arrival {
+    /// Inside a message: with the group, or `ack_delay` after the group's
+    /// oldest unacknowledged arrival.
+    Inner,
+    /// The last of a message: at once.
+    Last,
+    /// The last of a message whose ACK may wait: `ack_delay` after the
+    /// group's newest arrival of this kind.
+    Deferred,
+}
+
 /// ACK state of one group of G sequence numbers at a receiver.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupState {
@@ -122,6 +135,31 @@ impl RecvTracker {
         now: Instant,
         emit: &mut impl FnMut(&SeqBitmap),
     ) {
+        let arrival = if last { Arrival::Last } else { Arrival::Inner };
+        self.record_as(seq, arrival, now, emit);
+    }
+
+    /// Records a [`Verdict::New`] seq that ends a message whose ACK may
+    /// wait (group mode): instead of acknowledging at once, the group's
+    /// delayed ACK is due `ack_delay` after this arrival, so a next message
+    /// arriving sooner postpones it again. For a receiver whose sender
+    /// learns of the arrival otherwise as long as messages keep coming (a
+    /// node-served allreduce: a RESULT of round r+1 proves every worker had
+    /// round r's; docs/PROTOCOL.md "Implicit acknowledgement of RESULTs"):
+    /// the ACK goes out once the receiver is idle for `ack_delay`, when the
+    /// group completes, or at [`RecvTracker::flush`]. Packet mode
+    /// acknowledges at once, as [`RecvTracker::record`].
+    pub fn record_deferred(&mut self, seq: u32, now: Instant, emit: &mut impl FnMut(&SeqBitmap)) {
+        self.record_as(seq, Arrival::Deferred, now, emit);
+    }
+
+    fn record_as(
+        &mut self,
+        seq: u32,
+        arrival: Arrival,
+        now: Instant,
+        emit: &mut impl FnMut(&SeqBitmap),
+    ) {
         if !self.started {
             self.reset_at(seq);
         }
@@ -159,8 +197,12 @@ impl RecvTracker {
             }
             AckMode::Group => {
                 grp.unacked = grp.unacked.saturating_add(1);
-                grp.first_unacked.get_or_insert(now);
-                if grp.bitmap.is_complete() || last {
+                if arrival == Arrival::Deferred {
+                    grp.first_unacked = Some(now);
+                } else {
+                    grp.first_unacked.get_or_insert(now);
+                }
+                if grp.bitmap.is_complete() || arrival == Arrival::Last {
                     emit(&grp.bitmap);
                     grp.unacked = 0;
                     grp.first_unacked = None;
@@ -278,6 +320,54 @@ mod tests {
         assert_eq!(t.check(16), Verdict::New);
         t.record(16, true, now, &mut |b| acks.push(*b));
         assert_eq!(acks.len(), 4);
+    }
+
+    #[test]
+    fn a_deferred_last_arrival_is_acknowledged_once_the_receiver_is_idle() {
+        let c = cfg(AckMode::Group, 1024, 64);
+        let mut t = RecvTracker::new(c);
+        let t0 = Instant::now();
+        let d = c.ack_delay;
+        let mut acks: Vec<SeqBitmap> = Vec::new();
+        // One-datagram messages every d/4: each arrival postpones the ACK.
+        for s in 0..8u32 {
+            let at = t0 + d / 4 * s;
+            assert_eq!(t.check(s), Verdict::New);
+            t.record_deferred(s, at, &mut |b| acks.push(*b));
+            assert!(
+                acks.is_empty(),
+                "seq {s}: no ACK while messages keep coming"
+            );
+            assert_eq!(
+                t.poll(at, &mut |b| acks.push(*b)),
+                Some(at + d),
+                "due ack_delay after the newest"
+            );
+        }
+        let newest = t0 + d / 4 * 7;
+        t.poll(newest + d - Duration::from_micros(1), &mut |b| {
+            acks.push(*b)
+        });
+        assert!(acks.is_empty());
+        // Idle for ack_delay: one ACK of all eight.
+        assert_eq!(t.poll(newest + d, &mut |b| acks.push(*b)), None);
+        assert_eq!(acks.len(), 1);
+        assert_eq!(
+            acks[0].received().collect::<Vec<_>>(),
+            (0..8).collect::<Vec<_>>()
+        );
+        // flush (a receiver that closes) sends what waits at once.
+        t.record(8, false, newest + d, &mut |b| acks.push(*b));
+        t.record_deferred(9, newest + d, &mut |b| acks.push(*b));
+        t.flush(&mut |b| acks.push(*b));
+        assert_eq!(acks.len(), 2);
+        assert!(acks[1].get(9));
+        // Packet mode: at once, as record.
+        let mut p = RecvTracker::new(cfg(AckMode::Packet, 1024, 64));
+        let mut pk = Vec::new();
+        p.check(100);
+        p.record_deferred(100, t0, &mut |b| pk.push(*b));
+        assert_eq!(pk.len(), 1);
     }
 
     #[test]
