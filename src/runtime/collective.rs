@@ -19,9 +19,17 @@ use crate::runtime::ring::RingCommunicator;
 use crate::runtime::CommError;
 use crate::wire::abi::Op;
 
-/// Default [`Collective::ring_threshold`]: 1 Mi elements (4 MiB). From the
-/// crossover on the benchmark testbed (docs/BENCHMARKS.md "Star or ring").
+/// Default [`Collective::ring_threshold`] where the star's datagrams are of
+/// at most [`RING_MTU_LIMIT`] bytes: 1 Mi elements (4 MiB). Measured on the
+/// benchmark testbed (docs/BENCHMARKS.md "Star or ring"): at MTU 1500 and
+/// 9000 the ring took 0.42–0.87× the star's time from 1 M elements on; with
+/// 64 KB datagrams the star took 0.5–0.67× the ring's, so above that MTU
+/// the default sends nothing to the ring.
 pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
+
+/// Largest star MTU for which the default threshold sends large calls to
+/// the ring (see [`DEFAULT_RING_THRESHOLD`]).
+pub const RING_MTU_LIMIT: usize = 9000;
 
 /// Which algorithm a call takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,16 +60,22 @@ impl Collective {
         if star.is_none() && ring.is_none() {
             return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
         }
+        let ring_threshold = match &star {
+            Some(c) if c.config().mtu > RING_MTU_LIMIT => usize::MAX,
+            _ => DEFAULT_RING_THRESHOLD,
+        };
         Ok(Collective {
             star,
             ring,
-            ring_threshold: DEFAULT_RING_THRESHOLD,
+            ring_threshold,
             algorithm: Algorithm::Auto,
             scratch: Vec::new(),
         })
     }
 
-    /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]).
+    /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]);
+    /// the default is [`DEFAULT_RING_THRESHOLD`], or never when the star's
+    /// MTU is above [`RING_MTU_LIMIT`].
     pub fn with_ring_threshold(mut self, elements: usize) -> Collective {
         self.ring_threshold = elements;
         self
