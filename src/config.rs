@@ -1009,7 +1009,7 @@ fn parse_ring(
                 "a fragment size in elements",
                 "(MTU - 52) / 4 fills a datagram",
             )? as u32;
-            if n % 2 != 0 {
+            if !n.is_multiple_of(2) {
                 return Err(src.error(
                     v.span().start,
                     Some(key),
