@@ -936,3 +936,47 @@ fn parent_tree_workers_is_at_least_the_jobs_own_workers() {
     expect_error(&format!("{}{group}", tree.replace("tree_workers = 6", "tree_workers = 0")), 7, "job[0].parent.tree_workers", "");
     expect_error(&format!("{}{group}", tree.replace("tree_workers = 6", "tree_workers = \"6\"")), 7, "job[0].parent.tree_workers", "");
 }
+
+const RING: &str = "[[ring]]\nid = 40\nport = 7400\nmembers = [\"10.0.0.1\", \"10.0.0.2\", \"10.0.0.3\"]\nvector_len = 1000\n";
+
+#[test]
+fn a_ring_parses_with_its_defaults() {
+    let c = parse(RING);
+    let r = c.ring(40).expect("ring 40");
+    assert_eq!((r.port, r.vector_len, r.frag_elems), (7400, 1000, aggbox::config::DEFAULT_RING_FRAG_ELEMS));
+    assert_eq!(r.members, vec![ip("10.0.0.1"), ip("10.0.0.2"), ip("10.0.0.3")]);
+    assert_eq!(r.weights, vec![1, 1, 1]);
+    assert_eq!(r.frags(), 3); // 362 + 362 + 276
+    assert_eq!(r.weight_sum(), 3);
+}
+
+#[test]
+fn bad_rings_name_the_line_and_key() {
+    expect_error(
+        "[[ring]]\nid = 40\nport = 7400\nmembers = [\"10.0.0.1\"]\nvector_len = 10\n",
+        4,
+        "ring[0].members",
+        "at least two",
+    );
+    expect_error(&format!("{RING}frag_elems = 361\n"), 6, "ring[0].frag_elems", "odd");
+    expect_error(&format!("{RING}frag_elems = 20000\n"), 6, "ring[0].frag_elems", "");
+    expect_error("[[ring]]\nid = 40\nport = 7400\nmembers = [\"10.0.0.1\", \"10.0.0.2\"]\n", 1, "ring[0].vector_len", "missing");
+    expect_error(
+        &format!("{RING}\n[[ring]]\nid = 40\nport = 7401\nmembers = [\"10.0.0.1\", \"10.0.0.2\"]\nvector_len = 5\n"),
+        8,
+        "ring[1].id",
+        "already defined",
+    );
+    expect_error(
+        &format!("{RING}\n[[ring]]\nid = 41\nport = 7401\nmembers = [\"10.0.0.1\", \"10.0.0.2\"]\nvector_len = 5\nfrag_elems = 100\n"),
+        8,
+        "ring[1].frag_elems",
+        "share one fragment size",
+    );
+    expect_error(
+        &format!("[[job]]\nid = 7\nport = 7400\nworkers = [\"10.0.0.1\"]\nresult_port = 7001\n\n{RING}"),
+        9,
+        "ring[0].port",
+        "job 7",
+    );
+}

@@ -1036,3 +1036,28 @@ mod attacher_tests {
         assert_eq!(hidden_pins_hint(Path::new("/tmp/elsewhere")), None, "a pin root outside /sys is never hidden");
     }
 }
+
+#[cfg(test)]
+mod ring_job_tests {
+    use super::*;
+
+    const TEXT: &str = "[[ring]]\nid = 40\nport = 7400\nmembers = [\"10.0.0.1\", \"10.0.0.2\", \"10.0.0.3\"]\nweights = [1, 2, 3]\nvector_len = 1000\n\n[[ring]]\nid = 41\nport = 7401\nmembers = [\"10.0.0.3\", \"10.0.0.1\"]\nvector_len = 10\n";
+
+    #[test]
+    fn a_node_takes_its_place_and_its_fragments_by_its_address() {
+        let config = Config::parse(TEXT, "rings.toml").unwrap();
+        let jobs = ring_jobs(&config, "eth0", &["192.168.1.1".parse().unwrap(), "10.0.0.3".parse().unwrap()]).unwrap();
+        let (a, b) = (&jobs[0], &jobs[1]);
+        assert_eq!((a.me, a.members, a.weight, a.weight_sum, a.frags, a.base), (2, 3, 3, 6, 3, 0));
+        assert_eq!(a.next_addr, u32::from(Ipv4Addr::new(10, 0, 0, 1)).to_be(), "after the last member, the first");
+        assert_eq!(a.self_addr, u32::from(Ipv4Addr::new(10, 0, 0, 3)).to_be());
+        assert_eq!((b.me, b.frags, b.base), (0, 1, 3), "the second ring's fragments follow the first's");
+    }
+
+    #[test]
+    fn a_node_that_is_no_member_is_refused_naming_the_ring_and_its_addresses() {
+        let config = Config::parse(TEXT, "rings.toml").unwrap();
+        let e = ring_jobs(&config, "eth0", &["10.0.0.9".parse().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains("ring 40") && e.contains("10.0.0.9") && e.contains("not a member"), "{e}");
+    }
+}
