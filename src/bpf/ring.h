@@ -225,7 +225,12 @@ struct {
 		struct ring_scratch *sc = bpf_map_lookup_elem(&ring_scratch, &zero);           \
 		__s64 v;                                                                       \
                                                                                                \
-		if (!mine || !rj || !sc || n == 0 || n > RING_CHUNK_ELEMS || off > 256)        \
+		if (!mine || !rj || !sc || n > RING_CHUNK_ELEMS || off > 256)                  \
+			return -1;                                                             \
+		/* two checks the compiler may not fuse into one compare of n - 1:     \
+		 * older verifiers (6.1) would not bound n by it */                     \
+		ring_barrier_var(n);                                                           \
+		if (n == 0)                                                                    \
 			return -1;                                                             \
 		if (bpf_xdp_load_bytes(ctx, off + start * 4, sc->buf, n * 4))                  \
 			return -1;                                                             \
