@@ -227,11 +227,13 @@ struct {
                                                                                                \
 		if (!mine || !rj || !sc || n > RING_CHUNK_ELEMS || off > 256)                  \
 			return -1;                                                             \
-		/* two checks the compiler may not fuse into one compare of n - 1:     \
-		 * older verifiers (6.1) would not bound n by it */                     \
-		ring_barrier_var(n);                                                           \
 		if (n == 0)                                                                    \
 			return -1;                                                             \
+		/* the same n, in a form the verifier bounds to 1..128 (6.1 and 6.12    \
+		 * do not raise n's minimum from the n == 0 test) */                    \
+		n = ((n - 1) & (RING_CHUNK_ELEMS - 1)) + 1;                                    \
+		/* and keep the loop's own bound (i < 128) for the verifier */           \
+		ring_barrier_var(n);                                                           \
 		if (bpf_xdp_load_bytes(ctx, off + start * 4, sc->buf, n * 4))                  \
 			return -1;                                                             \
 		for (i = 0; i < RING_CHUNK_ELEMS; i++) {                                       \
