@@ -21,10 +21,10 @@ use crate::wire::abi::Op;
 
 /// Default [`Collective::ring_threshold`] where the star's datagrams are of
 /// at most [`RING_MTU_LIMIT`] bytes: 1 Mi elements (4 MiB). Measured on the
-/// benchmark testbed (docs/BENCHMARKS.md "Star or ring"): at MTU 1500 and
-/// 9000 the ring took 0.42–0.87× the star's time from 1 M elements on; with
-/// 64 KB datagrams the star took 0.5–0.67× the ring's, so above that MTU
-/// the default sends nothing to the ring.
+/// benchmark testbed (docs/BENCHMARKS.md "Star or ring"): at MTU 1500 the
+/// ring took about half the star's time at 21.8 M elements, at 9000 the two
+/// were level; with 64 KB datagrams the star was 2–3.7× faster, so above
+/// that MTU the default sends nothing to the ring.
 pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
 
 /// Largest star MTU for which the default threshold sends large calls to
