@@ -200,6 +200,20 @@ pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PinError> {
     Ok(())
 }
 
+/// A hash map of `u32` keys and `value_size`-byte values that user space
+/// creates for its own counters (the node's services), pinned as
+/// `dir/name` so that `aggbox status` and the metrics read it.
+pub fn create_pinned_counters(dir: &Path, name: &str, value_size: u32, max_entries: u32) -> anyhow::Result<MapHandle> {
+    let opts = libbpf_sys::bpf_map_create_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
+        ..Default::default()
+    };
+    let map = MapHandle::create(libbpf_rs::MapType::Hash, Some(name), 4, value_size, max_entries, &opts)
+        .map_err(|e| anyhow::anyhow!("creating the {name} map: {e}"))?;
+    pin(map.as_fd(), &dir.join(name))?;
+    Ok(map)
+}
+
 /// Pin every map of `object` as `dir/<map name>` (`dir` must exist on a
 /// bpffs); the object's internal maps (`.bss`, `.rodata`, `.data`) are
 /// skipped. The XDP and TC objects' names do not collide (TC's are

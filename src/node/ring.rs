@@ -545,7 +545,12 @@ impl RingServer {
             return Ok(None);
         }
         let memory = Arc::new(RingMemory::open_pinned(pin_dir)?);
-        let pinned = Arc::new(create_stats_map(pin_dir)?);
+        let pinned = Arc::new(crate::kernel::maps::create_pinned_counters(
+            pin_dir,
+            STATS_MAP,
+            std::mem::size_of::<RingServiceStats>() as u32,
+            abi::MAX_RINGS,
+        )?);
         let mut rings = Vec::new();
         for ring in &config.rings {
             let service = RingService::from_pinned(ring, pin_dir, memory.clone())
@@ -596,24 +601,6 @@ impl Drop for RingServer {
     }
 }
 
-fn create_stats_map(pin_dir: &Path) -> Result<libbpf_rs::MapHandle> {
-    let opts = libbpf_sys::bpf_map_create_opts {
-        sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
-        ..Default::default()
-    };
-    let map = libbpf_rs::MapHandle::create(
-        libbpf_rs::MapType::Hash,
-        Some(STATS_MAP),
-        4,
-        std::mem::size_of::<RingServiceStats>() as u32,
-        abi::MAX_RINGS,
-        &opts,
-    )
-    .map_err(|e| anyhow!("creating the {STATS_MAP} map: {e}"))?;
-    use std::os::fd::AsFd;
-    crate::kernel::maps::pin(map.as_fd(), &pin_dir.join(STATS_MAP))?;
-    Ok(map)
-}
 
 fn publish_one(map: &libbpf_rs::MapHandle, id: u16, stats: &RingServiceStats) {
     use libbpf_rs::MapCore;

@@ -54,7 +54,6 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 
 use crate::config::{Config, JobConfig, ParentConfig, ResultConsumer};
-use std::os::fd::AsFd;
 
 use libbpf_rs::MapCore;
 
@@ -782,20 +781,12 @@ impl ServedChange {
     /// may add some); their counters also go to a map pinned as
     /// `pin_dir/result_service` ([`STATS_MAP`]).
     pub fn start(self, pin_dir: &std::path::Path) -> Result<ResultServer> {
-        let opts = libbpf_sys::bpf_map_create_opts {
-            sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
-            ..Default::default()
-        };
-        let map = libbpf_rs::MapHandle::create(
-            libbpf_rs::MapType::Hash,
-            Some(STATS_MAP),
-            4,
+        let map = crate::kernel::maps::create_pinned_counters(
+            pin_dir,
+            STATS_MAP,
             std::mem::size_of::<ServiceStats>() as u32,
             abi::MAX_JOBS,
-            &opts,
-        )
-        .map_err(|e| anyhow!("creating the {STATS_MAP} map: {e}"))?;
-        crate::kernel::maps::pin(map.as_fd(), &pin_dir.join(STATS_MAP))?;
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Mutex::new(HashMap::new()));
         let (flag, shared) = (stop.clone(), stats.clone());

@@ -343,22 +343,9 @@ fn runtime_calls(
                             gate.abort();
                             bail!("{who}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
                         }
-                        if dtype == Dtype::F32 {
-                            // Exact integer sums come back as exact floats; any
-                            // other value (i32::MIN: no sum is near it) is wrong.
-                            for (i, &f) in buf.iter_mut().zip(&fbuf) {
-                                *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
-                            }
-                        }
-                        let (bad, first) = mismatches(&buf, base, k);
-                        if bad > 0 {
+                        if let Err(e) = check_result(&who, &mut buf, &fbuf, base, k, dtype) {
                             gate.abort();
-                            let i = first.unwrap_or(0);
-                            bail!(
-                                "{who}: call {k}: {bad} of {n} elements wrong (first at {i}: got {}, expected {})",
-                                buf.get(i).copied().unwrap_or_default(),
-                                base.get(i).copied().unwrap_or_default().wrapping_add((worker_count() * k) as i32)
-                            );
+                            return Err(e);
                         }
                         out.push((t0, t1));
                     }
@@ -414,6 +401,29 @@ fn runtime_calls(
             }
         })
         .collect())
+}
+
+/// Check call `k`'s result on one participant against the known sums
+/// (`buf`: the int32 result, or for float calls overwritten from `fbuf`:
+/// exact integer sums come back as exact floats, any other value becomes
+/// i32::MIN, which no sum is near).
+fn check_result(who: &str, buf: &mut [i32], fbuf: &[f32], base: &[i32], k: usize, dtype: Dtype) -> Result<()> {
+    if dtype == Dtype::F32 {
+        for (i, &f) in buf.iter_mut().zip(fbuf) {
+            *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
+        }
+    }
+    let (bad, first) = mismatches(buf, base, k);
+    if bad > 0 {
+        let i = first.unwrap_or(0);
+        bail!(
+            "{who}: call {k}: {bad} of {} elements wrong (first at {i}: got {}, expected {})",
+            buf.len(),
+            buf.get(i).copied().unwrap_or_default(),
+            base.get(i).copied().unwrap_or_default().wrapping_add((worker_count() * k) as i32)
+        );
+    }
+    Ok(())
 }
 
 /// One measured point (backend × MTU × size).
@@ -938,19 +948,9 @@ fn ring_calls(
                             gate.abort();
                             bail!("ring member {r}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
                         }
-                        if dtype == Dtype::F32 {
-                            for (i, &f) in buf.iter_mut().zip(&fbuf) {
-                                *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
-                            }
-                        }
-                        let (bad, first) = mismatches(&buf, base, k);
-                        if bad > 0 {
+                        if let Err(e) = check_result(&format!("ring member {r}"), &mut buf, &fbuf, base, k, dtype) {
                             gate.abort();
-                            let i = first.unwrap_or(0);
-                            bail!(
-                                "ring member {r}: call {k}: {bad} of {n} elements wrong (first at {i}: got {})",
-                                buf.get(i).copied().unwrap_or_default()
-                            );
+                            return Err(e);
                         }
                         out.push((t0, t1));
                     }
