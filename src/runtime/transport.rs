@@ -550,29 +550,7 @@ pub struct ImpairStats {
     pub reordered: u64,
 }
 
-/// SplitMix64: small, seeded, good enough for test decisions (the
-/// impairments here and in the engine's fake-clock tests).
-#[derive(Debug, Clone)]
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// True with probability `ppm` / 10^6.
-    pub(crate) fn chance_ppm(&mut self, ppm: u64) -> bool {
-        ppm > 0 && self.next() % 1_000_000 < ppm
-    }
-
-    /// A draw in `0..n` (n > 0).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+pub(crate) use crate::wire::rng::Rng;
 
 /// A receive-side impairment wrapper (see the module docs): each datagram
 /// read from the inner transport is dropped, or kept (plus, maybe, a

@@ -705,21 +705,26 @@ pub fn from_bytes<T: Plain + Default>(bytes: &[u8]) -> Option<T> {
     Some(value)
 }
 
+/// Push `(struct, "sizeof", 0, size)` and `(struct, field, offset, size)`
+/// of every listed field of `$ty` onto `$out` (for [`layout`]).
+macro_rules! fields {
+    ($out:ident, $cname:literal, $ty:ty, [$($f:ident),*]) => {
+        $out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
+        $(
+            $out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
+                size_of_field(|s: &$ty| &s.$f)));
+        )*
+    };
+}
+
+/// The size of the field a closure projects to (`fields!`).
+fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
+    core::mem::size_of::<F>()
+}
+
 /// Field offsets of every mirrored struct, `(struct, field, offset, size)`,
 /// compared with the C header by `tests/abi_layout.rs`.
 pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
-    macro_rules! fields {
-        ($out:ident, $cname:literal, $ty:ty, [$($f:ident),*]) => {
-            $out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
-            $(
-                $out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
-                    size_of_field(|s: &$ty| &s.$f)));
-            )*
-        };
-    }
-    fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
-        core::mem::size_of::<F>()
-    }
     let mut out = Vec::new();
     fields!(out, "aggbox_agg_hdr", AggHdr, [magic, job, rank, seq, round, frag_off, op, flags, count]);
     fields!(out, "aggbox_bcast_hdr", BcastHdr, [magic, mask, seq, group, flags, hops]);
@@ -947,26 +952,15 @@ unsafe impl Plain for ResultRoute {}
 
 /// Field offsets of the broadcast structs (part of [`layout`]).
 fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
-    macro_rules! fields {
-        ($cname:literal, $ty:ty, [$($f:ident),*]) => {
-            out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
-            $(
-                out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
-                    size_of_field(|s: &$ty| &s.$f)));
-            )*
-        };
-    }
-    fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
-        core::mem::size_of::<F>()
-    }
-    fields!("aggbox_group_key", GroupKey, [group, port]);
-    fields!("aggbox_group_dest", GroupDest, [addr, port, pad]);
-    fields!("aggbox_group", Group, [count, flags, dests]);
-    fields!("aggbox_neigh_key", NeighKey, [addr, ifindex]);
-    fields!("aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
-    fields!("aggbox_bcast_config", BcastConfig, [neigh_ttl_ns]);
-    fields!("aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
+    fields!(out, "aggbox_group_key", GroupKey, [group, port]);
+    fields!(out, "aggbox_group_dest", GroupDest, [addr, port, pad]);
+    fields!(out, "aggbox_group", Group, [count, flags, dests]);
+    fields!(out, "aggbox_neigh_key", NeighKey, [addr, ifindex]);
+    fields!(out, "aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
+    fields!(out, "aggbox_bcast_config", BcastConfig, [neigh_ttl_ns]);
+    fields!(out, "aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
     fields!(
+        out,
         "aggbox_result_route",
         ResultRoute,
         [result_port, group, flags, parent_addr, parent_port, parent_job, parent_rank, pad]
@@ -1211,25 +1205,14 @@ unsafe impl Plain for RingStats {}
 
 /// Field offsets of the ring structs (part of [`layout`]).
 fn ring_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
-    macro_rules! fields {
-        ($cname:literal, $ty:ty, [$($f:ident),*]) => {
-            out.push(($cname, "sizeof", 0, core::mem::size_of::<$ty>()));
-            $(
-                out.push(($cname, stringify!($f), core::mem::offset_of!($ty, $f),
-                    size_of_field(|s: &$ty| &s.$f)));
-            )*
-        };
-    }
-    fn size_of_field<S, F>(_: impl Fn(&S) -> &F) -> usize {
-        core::mem::size_of::<F>()
-    }
-    fields!("aggbox_ring_hdr", RingHdr, [magic, ring, kind, flags, round, frag, hops, count, sender, op, pad]);
+    fields!(out, "aggbox_ring_hdr", RingHdr, [magic, ring, kind, flags, round, frag, hops, count, sender, op, pad]);
     fields!(
+        out,
         "aggbox_ring_job",
         RingJob,
         [id, port, members, me, frag_elems, frags, vector_len, base, weight_sum, weight, self_addr, next_addr]
     );
-    fields!("aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
-    fields!("aggbox_ring_done", RingDone, [round_plus1, claimed_plus1, saturated_plus1, pad]);
-    fields!("aggbox_ring_stats", RingStats, [count]);
+    fields!(out, "aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
+    fields!(out, "aggbox_ring_done", RingDone, [round_plus1, claimed_plus1, saturated_plus1, pad]);
+    fields!(out, "aggbox_ring_stats", RingStats, [count]);
 }

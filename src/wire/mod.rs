@@ -22,4 +22,5 @@ pub mod proto;
 pub mod reducer;
 pub mod reliability;
 pub mod ring;
+pub(crate) mod rng;
 pub mod slots;

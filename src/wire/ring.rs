@@ -531,21 +531,11 @@ mod tests {
     use super::*;
     use crate::wire::reducer;
 
-    /// xorshift64*: deterministic random inputs.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn i32_in(&mut self, lo: i32, hi: i32) -> i32 {
-            (i64::from(lo) + self.below((i64::from(hi) - i64::from(lo) + 1) as u64) as i64) as i32
-        }
+    use crate::wire::rng::Rng;
+
+    /// A draw in `lo..=hi`.
+    fn i32_in(rng: &mut Rng, lo: i32, hi: i32) -> i32 {
+        (i64::from(lo) + rng.below((i64::from(hi) - i64::from(lo) + 1) as u64) as i64) as i32
     }
 
     fn header(kind: RingKind) -> RingHeader {
@@ -745,12 +735,12 @@ mod tests {
             let span = if rng.below(4) == 0 { i32::MAX } else { 1 << (4 + rng.below(24)) };
             let unit = rng.below(2) == 0;
             let weights: Vec<i32> =
-                (0..n).map(|_| if unit { 1 } else { rng.i32_in(-3, 9) }).collect();
+                (0..n).map(|_| if unit { 1 } else { i32_in(&mut rng, -3, 9) }).collect();
             let mut weights = weights;
             if weights.iter().map(|&w| i64::from(w)).sum::<i64>() <= 0 {
                 weights[0] = 20;
             }
-            let inputs: Vec<Vec<i32>> = (0..n).map(|_| (0..len).map(|_| rng.i32_in(-span, span)).collect()).collect();
+            let inputs: Vec<Vec<i32>> = (0..n).map(|_| (0..len).map(|_| i32_in(&mut rng, -span, span)).collect()).collect();
             let refs: Vec<&[i32]> = inputs.iter().map(Vec::as_slice).collect();
             let (ring, saturated) = ring_reference(op, &refs, &weights);
             if saturated {
@@ -772,8 +762,8 @@ mod tests {
         let mut rng = Rng(12345);
         for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
             let n = 5;
-            let weights: Vec<i32> = (0..n).map(|_| rng.i32_in(1, 4)).collect();
-            let inputs: Vec<i32> = (0..n).map(|_| rng.i32_in(-1000, 1000)).collect();
+            let weights: Vec<i32> = (0..n).map(|_| i32_in(&mut rng, 1, 4)).collect();
+            let inputs: Vec<i32> = (0..n).map(|_| i32_in(&mut rng, -1000, 1000)).collect();
             let ws: i64 = weights.iter().map(|&w| i64::from(w)).sum();
             let results: Vec<i32> = (0..n)
                 .map(|o| {

@@ -353,42 +353,48 @@ fn runtime_calls(
                 })
             })
             .collect();
-            let mut all = Vec::new();
-            let mut errors: Vec<anyhow::Error> = Vec::new();
-            for h in hs {
-                match h.join() {
-                    Ok(Ok(v)) => all.push(v),
-                    Ok(Err(e)) => errors.push(e),
-                    Err(_) => {
-                        gate.abort();
-                        errors.push(anyhow!("a participant thread panicked"));
-                    }
-                }
-            }
-            // The participant that failed first says why; the others only say
-            // they were stopped.
-            // Every participant's failure (the first one says why, the others
-            // may only say they were stopped: both help diagnose).
-            if errors.is_empty() {
-                Ok(all)
-            } else {
-                errors.sort_by_key(|e| format!("{e}").contains("another participant failed"));
-                Err(anyhow!(
-                    "{}",
-                    errors
-                        .iter()
-                        .map(|e| format!("{e:#}"))
-                        .collect::<Vec<_>>()
-                        .join(" | ")
-                ))
-            }
+            join_spans(hs, gate)
         },
     )?;
-    Ok((0..calls)
+    // The workers' end: every participant but the aggregator application.
+    Ok(call_times(&spans, calls, usize::from(agg.is_some())))
+}
+
+/// One participant's calls: (start, return) of each.
+type Spans = Vec<(Instant, Instant)>;
+
+/// Each participant's call spans, or every participant's failure (the
+/// first to fail says why; the others, listed after it, that they were
+/// stopped).
+fn join_spans(hs: Vec<std::thread::ScopedJoinHandle<'_, Result<Spans>>>, gate: &Gate) -> Result<Vec<Spans>> {
+    let mut all = Vec::new();
+    let mut errors: Vec<String> = Vec::new();
+    for h in hs {
+        match h.join() {
+            Ok(Ok(v)) => all.push(v),
+            Ok(Err(e)) => errors.push(format!("{e:#}")),
+            Err(_) => {
+                gate.abort();
+                errors.push("a participant thread panicked".into());
+            }
+        }
+    }
+    if errors.is_empty() {
+        return Ok(all);
+    }
+    errors.sort_by_key(|e| e.contains("another participant failed"));
+    Err(anyhow!("{}", errors.join(" | ")))
+}
+
+/// Time of each of `calls` calls from the participants' spans: earliest
+/// start to latest return over all, and over the participants from index
+/// `workers_from` on (the workers).
+fn call_times(spans: &[Vec<(Instant, Instant)>], calls: usize, workers_from: usize) -> Vec<CallTime> {
+    (0..calls)
         .map(|k| {
             let start = spans.iter().map(|v| v[k].0).min();
             let end_all = spans.iter().map(|v| v[k].1).max();
-            let end_workers = spans.iter().skip(1).map(|v| v[k].1).max();
+            let end_workers = spans.iter().skip(workers_from).map(|v| v[k].1).max();
             match (start, end_all, end_workers) {
                 (Some(s), Some(a), Some(w)) => CallTime {
                     all: (a - s).as_secs_f64(),
@@ -400,7 +406,7 @@ fn runtime_calls(
                 },
             }
         })
-        .collect())
+        .collect()
 }
 
 /// Check call `k`'s result on one participant against the known sums
@@ -936,7 +942,7 @@ fn ring_calls(
                         fill_input(&mut buf, r, k);
                         fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
                         if !gate.wait() {
-                            bail!("ring member {r}: stopped before call {k}: another member failed");
+                            bail!("ring member {r}: stopped before call {k}: another participant failed");
                         }
                         let t0 = Instant::now();
                         let res = match dtype {
@@ -958,38 +964,9 @@ fn ring_calls(
                 })
             })
             .collect();
-        let mut all = Vec::new();
-        let mut errors = Vec::new();
-        for h in hs {
-            match h.join() {
-                Ok(Ok(v)) => all.push(v),
-                Ok(Err(e)) => errors.push(format!("{e:#}")),
-                Err(_) => {
-                    gate.abort();
-                    errors.push("a ring member thread panicked".into());
-                }
-            }
-        }
-        if errors.is_empty() {
-            Ok(all)
-        } else {
-            errors.sort_by_key(|e| e.contains("another member failed"));
-            Err(anyhow!("{}", errors.join(" | ")))
-        }
+        join_spans(hs, gate)
     })?;
-    Ok((0..calls)
-        .map(|k| {
-            let start = spans.iter().map(|v| v[k].0).min();
-            let end = spans.iter().map(|v| v[k].1).max();
-            match (start, end) {
-                (Some(s), Some(e)) => CallTime {
-                    all: (e - s).as_secs_f64(),
-                    workers: (e - s).as_secs_f64(),
-                },
-                _ => CallTime { all: f64::NAN, workers: f64::NAN },
-            }
-        })
-        .collect())
+    Ok(call_times(&spans, calls, 0))
 }
 
 #[allow(clippy::too_many_arguments)]

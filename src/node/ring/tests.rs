@@ -6,18 +6,11 @@
 use super::*;
 use crate::wire::reducer;
 
-/// xorshift64*: deterministic losses and inputs.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
+use crate::wire::rng::Rng;
+
+/// True with probability `p`.
+fn chance(rng: &mut Rng, p: f64) -> bool {
+    rng.chance_ppm((p * 1e6) as u64)
 }
 
 const RING: u16 = 40;
@@ -88,11 +81,11 @@ impl Sim {
     fn send(&mut self, from: usize, out: Vec<Transmit>) {
         for t in out {
             let to = (0..self.services.len()).find(|&m| member_addr(m) == *t.to.ip()).expect("to a member");
-            if self.rng.chance(self.loss) {
+            if chance(&mut self.rng, self.loss) {
                 self.dropped += 1;
                 continue;
             }
-            if self.rng.chance(self.dup) {
+            if chance(&mut self.rng, self.dup) {
                 self.duplicated += 1;
                 self.net.push((to, SocketAddrV4::new(member_addr(from), PORT), t.bytes.clone()));
             }
