@@ -36,6 +36,13 @@ use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX
 
 /// Own fragments sent and not final here, at most (docs/RING.md).
 pub const DEFAULT_WINDOW: usize = 256;
+/// Own fragments' bytes sent and not final here, at most: the window in
+/// fragments is this over the fragment's size, within 2..=[`DEFAULT_WINDOW`].
+/// A window counted in fragments alone put 16 MiB of 64 KB datagrams in
+/// flight per member: the veths' 256-frame queues overflowed, and the NACKs
+/// of the round's stalls resent 7 datagrams for every original (measured at
+/// 21.8 M elements, docs/BENCHMARKS.md "Star or ring").
+pub const WINDOW_BYTES: usize = 256 * 1024;
 /// First wait for the round's `finals` to move before NACKing.
 pub const NACK_AFTER: Duration = Duration::from_millis(2);
 /// The wait doubles while nothing moves, up to this.
@@ -124,7 +131,7 @@ impl RingService {
             layout,
             members,
             memory,
-            window: DEFAULT_WINDOW,
+            window: default_window(job.frag_elems),
             round: None,
             own_sent: 0,
             in_flight: Vec::new(),
@@ -143,7 +150,7 @@ impl RingService {
         RingService::new(dense, job, ring.members.clone(), memory)
     }
 
-    /// Own fragments not final here, at most (default [`DEFAULT_WINDOW`]).
+    /// Own fragments not final here, at most (default [`default_window`]).
     pub fn with_window(mut self, window: usize) -> RingService {
         self.window = window.max(1);
         self
@@ -507,6 +514,12 @@ impl RingService {
             _ => now + IDLE_TICK,
         }
     }
+}
+
+/// The window of a ring whose fragments carry `frag_elems` elements
+/// ([`WINDOW_BYTES`]).
+pub fn default_window(frag_elems: u32) -> usize {
+    (WINDOW_BYTES / (abi::RING_HDR_LEN + 4 * frag_elems as usize)).clamp(2, DEFAULT_WINDOW)
 }
 
 /// A ring's socket: `addr:port` (the member's address, or loopback for the

@@ -513,6 +513,14 @@ fn node_counters(netns: &str, pins: &Path) -> BTreeMap<String, u64> {
         for (k, v) in s.broadcast {
             out.insert(format!("tc:{k}"), v);
         }
+        // Rings: the XDP program's and the node service's counters, summed
+        // over the rings (a ring point runs one ring at a time).
+        for (k, v) in s.rings.into_values().flatten() {
+            *out.entry(format!("ring:{k}")).or_default() += v;
+        }
+        for (k, _, v) in s.ring_service.into_values().flat_map(|st| st.counters()) {
+            *out.entry(format!("ring_service:{k}")).or_default() += v;
+        }
     }
     out
 }

@@ -345,3 +345,18 @@ fn the_server_loop_runs_a_ring_over_loopback() {
     }
     drop(servers);
 }
+
+/// The default window holds about WINDOW_BYTES of datagrams: 4 of the
+/// largest fragments, every fragment of a short one up to DEFAULT_WINDOW.
+#[test]
+fn default_window_counts_bytes() {
+    use super::{default_window, WINDOW_BYTES};
+    assert_eq!(default_window(16_370), 4);
+    assert_eq!(default_window(2_242), WINDOW_BYTES / (abi::RING_HDR_LEN + 4 * 2_242));
+    assert_eq!(default_window(2), DEFAULT_WINDOW);
+    assert_eq!(default_window(1 << 20), 2, "never below two in flight");
+    for elems in [2u32, 362, 2_242, 16_370] {
+        let w = default_window(elems);
+        assert!(w == DEFAULT_WINDOW || w * (abi::RING_HDR_LEN + 4 * elems as usize) <= WINDOW_BYTES, "{elems}: {w}");
+    }
+}
