@@ -17,10 +17,17 @@
 //!   python3-torch), one `scripts/gloo_allreduce.py` process per worker
 //!   namespace (`ip netns exec`, `GLOO_SOCKET_IFNAME=eth0`, master = worker
 //!   0), `dist.all_reduce` on an int32 tensor.
-//! - `kernel-f32`, `gloo-f32`: the same with float32 vectors of the same
-//!   integer values (what a training job all-reduces): `allreduce_f32` with
-//!   adaptive quantization through the kernel backend, a float32 tensor in
-//!   Gloo. The goal is computed on the int32 points.
+//! - `openmpi`: plain Open MPI, `MPI_Allreduce` (SUM, `MPI_INT`, in place)
+//!   among the same worker namespaces: `mpi/bench/allreduce_points.c`,
+//!   compiled with mpicc.openmpi for the run, one rank per worker namespace
+//!   under one `mpirun.openmpi` in worker 0's (a hostfile of the namespace
+//!   names, daemons started by `scripts/mpi_netns_agent.sh`, `btl tcp,self`
+//!   on eth0, as scripts/mpi_bench.sh runs plain MPI).
+//! - `kernel-f32`, `gloo-f32`, `openmpi-f32`: the same with float32 vectors
+//!   of the same integer values (what a training job all-reduces):
+//!   `allreduce_f32` with adaptive quantization through the kernel backend,
+//!   a float32 tensor in Gloo, `MPI_FLOAT` in Open MPI. The goal is computed
+//!   on the int32 points.
 //!
 //! Every point: one warm-up call, then `reps` timed calls. All participants
 //! meet at a barrier before each call; the time of a call is from the
@@ -28,8 +35,11 @@
 //! aggregator application included, whose call ends when every worker has
 //! acknowledged every result). Every call's result is checked element by
 //! element against the known sum of the inputs on every participant (the
-//! Gloo ranks check in Python and report the int64 sum of their result, which
-//! is checked here as well). Output: `DIR/large/large.csv` (one row per call),
+//! Gloo and Open MPI ranks check in their own process and report the int64
+//! sum of their result, which is checked here as well; they time their calls
+//! with CLOCK_MONOTONIC after a barrier of their own, `dist.barrier()` /
+//! `MPI_Barrier`, and the time of a call is the same latest return − earliest
+//! start over the ranks). Output: `DIR/large/large.csv` (one row per call),
 //! `DIR/large/large.json` (summaries, node counters, the goal),
 //! `DIR/large/large.png` (scripts/plot.py) and a REPORT.md section.
 
@@ -432,13 +442,19 @@ fn check_result(who: &str, buf: &mut [i32], fbuf: &[f32], base: &[i32], k: usize
     Ok(())
 }
 
+/// A backend that is not AggBox's (Gloo, Open MPI): TCP, no datagrams to
+/// count elements in, no node counters.
+fn over_tcp(backend: &str) -> bool {
+    backend.starts_with("gloo") || backend.starts_with("openmpi")
+}
+
 /// One measured point (backend × MTU × size).
 #[derive(Debug, Clone, Serialize)]
 struct Point {
     backend: String,
     mtu: u32,
     elements: u64,
-    /// Elements per datagram (AggBox backends; Gloo uses TCP).
+    /// Elements per datagram (AggBox backends; Gloo and Open MPI use TCP).
     elements_per_datagram: Option<usize>,
     /// Time per call (s), timed calls only.
     secs: Summary,
@@ -473,7 +489,7 @@ impl Point {
             backend: backend.into(),
             mtu,
             elements,
-            elements_per_datagram: (!backend.starts_with("gloo"))
+            elements_per_datagram: (!over_tcp(backend))
                 .then(|| proto::elements_per_datagram(mtu as usize)),
             secs: summarize(&secs),
             elems_per_s: summarize(&eps),
@@ -992,7 +1008,7 @@ fn csv_row(
         backend.into(),
         mtu.to_string(),
         n.to_string(),
-        if backend.starts_with("gloo") {
+        if over_tcp(backend) {
             String::new()
         } else {
             proto::elements_per_datagram(mtu as usize).to_string()
@@ -1076,6 +1092,54 @@ fn kill_children(children: &mut [Child]) {
             let _ = c.kill();
         }
         let _ = c.wait();
+    }
+}
+
+/// A child's stdout and stderr (piped), read to the end in threads: a full
+/// pipe would stop the child.
+fn read_output(child: &mut Child) -> std::thread::JoinHandle<(String, String)> {
+    let out = child.stdout.take();
+    let err = child.stderr.take();
+    std::thread::spawn(move || {
+        let mut o = String::new();
+        let mut e = String::new();
+        let eh = err.map(|mut s| {
+            std::thread::spawn(move || {
+                let mut e = String::new();
+                let _ = s.read_to_string(&mut e);
+                e
+            })
+        });
+        if let Some(mut s) = out {
+            let _ = s.read_to_string(&mut o);
+        }
+        if let Some(h) = eh {
+            e = h.join().unwrap_or_default();
+        }
+        (o, e)
+    })
+}
+
+/// Wait until every child has exited (true) or `limit` has passed (false,
+/// the children left running; `what` names them in the message).
+fn wait_children(children: &mut [Child], limit: Duration, what: &str) -> bool {
+    let t0 = Instant::now();
+    loop {
+        let done = children
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))));
+        if done {
+            return true;
+        }
+        if t0.elapsed() > limit {
+            progress(format!(
+                "large: {what} did not finish in {:.0} s; stopping pids {:?}",
+                limit.as_secs_f64(),
+                children.iter().map(|c| c.id()).collect::<Vec<_>>()
+            ));
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -1171,26 +1235,7 @@ fn gloo_phase(
             });
         match spawned {
             Ok(mut child) => {
-                let out = child.stdout.take();
-                let err = child.stderr.take();
-                readers.push(std::thread::spawn(move || {
-                    let mut o = String::new();
-                    let mut e = String::new();
-                    let eh = err.map(|mut s| {
-                        std::thread::spawn(move || {
-                            let mut e = String::new();
-                            let _ = s.read_to_string(&mut e);
-                            e
-                        })
-                    });
-                    if let Some(mut s) = out {
-                        let _ = s.read_to_string(&mut o);
-                    }
-                    if let Some(h) = eh {
-                        e = h.join().unwrap_or_default();
-                    }
-                    (o, e)
-                }));
+                readers.push(read_output(&mut child));
                 children.push(child);
             }
             Err(e) => {
@@ -1199,26 +1244,7 @@ fn gloo_phase(
             }
         }
     }
-    let t0 = Instant::now();
-    let mut timed_out = false;
-    loop {
-        let done = children
-            .iter_mut()
-            .all(|c| matches!(c.try_wait(), Ok(Some(_))));
-        if done {
-            break;
-        }
-        if t0.elapsed() > limit {
-            timed_out = true;
-            progress(format!(
-                "large: Gloo at MTU {mtu} did not finish in {:.0} s; killing pids {:?}",
-                limit.as_secs_f64(),
-                children.iter().map(|c| c.id()).collect::<Vec<_>>()
-            ));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let timed_out = !wait_children(&mut children, limit, &format!("Gloo at MTU {mtu}"));
     kill_children(&mut children);
     let statuses: Vec<String> = children
         .iter_mut()
@@ -1234,7 +1260,7 @@ fn gloo_phase(
         .into_iter()
         .map(|h| h.join().unwrap_or_default())
         .collect();
-    let mut ranks: Vec<serde_json::Value> = Vec::new();
+    let mut calls: RankCalls = Vec::new();
     let mut problems: Vec<String> = Vec::new();
     for (r, (o, e)) in outputs.iter().enumerate() {
         let v = o
@@ -1246,7 +1272,18 @@ fn gloo_phase(
                 if let Some(err) = v.get("error").and_then(|x| x.as_str()) {
                     problems.push(format!("rank {r}: {err}"));
                 }
-                ranks.push(v);
+                calls.push(
+                    (0..sizes.len())
+                        .map(|si| {
+                            v.get("points")
+                                .and_then(|p| p.get(si))
+                                .and_then(|p| p.get("calls"))
+                                .and_then(|c| c.as_array())
+                                .cloned()
+                                .unwrap_or_default()
+                        })
+                        .collect(),
+                );
             }
             None => {
                 let tail: String = e.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
@@ -1254,13 +1291,42 @@ fn gloo_phase(
                     "rank {r} ({}): no JSON result; stderr: {tail}",
                     statuses[r]
                 ));
-                ranks.push(serde_json::Value::Null);
+                calls.push(Vec::new());
             }
         }
     }
     if timed_out {
         problems.insert(0, format!("timed out after {:.0} s", limit.as_secs_f64()));
     }
+    checked_points(
+        name, "Gloo", mtu, sizes, reps, bases, csv, &calls, &problems,
+    )
+}
+
+/// The calls of an all-reduce run outside this process (Gloo, Open MPI),
+/// as each rank reported them: `[rank][size index][call]`, a call being
+/// `{"t0", "t1", "wrong", "sum"}` (CLOCK_MONOTONIC seconds around the call,
+/// mismatched elements, the int64 sum of the result).
+type RankCalls = Vec<Vec<Vec<serde_json::Value>>>;
+
+/// The points of an outside run (`what`: its name in messages) from its
+/// ranks' calls: every call's result checked (no wrong element on any rank,
+/// every rank's sum the known one; a rank missing is a failure), the time
+/// of a call = latest t1 − earliest t0 over the ranks (as for the runtime's
+/// calls); the rows go to `csv`. `problems`: what the run itself reported,
+/// kept with a point's failure (and shown when every point passed).
+#[allow(clippy::too_many_arguments)]
+fn checked_points(
+    name: &str,
+    what: &str,
+    mtu: u32,
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+    calls: &RankCalls,
+    problems: &[String],
+) -> Vec<Point> {
     let mut points = Vec::new();
     for (si, &n) in sizes.iter().enumerate() {
         let base = &bases[&n];
@@ -1270,12 +1336,8 @@ fn gloo_phase(
         for k in 0..reps + 1 {
             let mut t0s = Vec::new();
             let mut t1s = Vec::new();
-            for (r, v) in ranks.iter().enumerate() {
-                let call = v
-                    .get("points")
-                    .and_then(|p| p.get(si))
-                    .and_then(|p| p.get("calls"))
-                    .and_then(|c| c.get(k));
+            for r in 0..worker_count() {
+                let call = calls.get(r).and_then(|c| c.get(si)).and_then(|c| c.get(k));
                 let Some(call) = call else {
                     err.get_or_insert_with(|| format!("rank {r}: no result for call {k}"));
                     continue;
@@ -1341,9 +1403,281 @@ fn gloo_phase(
     if points.iter().all(|p| p.ok) && !problems.is_empty() {
         // Every point measured and checked, but a rank said something went
         // wrong afterwards (e.g. at teardown): keep it visible.
-        progress(format!("large: Gloo at MTU {mtu}: {}", problems.join("; ")));
+        progress(format!(
+            "large: {what} at MTU {mtu}: {}",
+            problems.join("; ")
+        ));
     }
     points
+}
+
+// -------------------------------------------------------------- Open MPI ----
+
+/// The `openmpi` points' program (`mpi/bench/allreduce_points.c`), compiled
+/// with mpicc.openmpi for this run into a directory of its own, removed on
+/// drop. The directory is also the TMPDIR of mpirun and of its daemons
+/// (their session directories, scripts/mpi_netns_agent.sh's per-namespace
+/// ones), so that nothing of the run stays in /tmp.
+struct OpenMpi {
+    dir: PathBuf,
+    exe: PathBuf,
+    /// Open MPI's version (`mpirun.openmpi --version`).
+    version: String,
+}
+
+impl Drop for OpenMpi {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn openmpi_source() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("mpi/bench/allreduce_points.c")
+}
+
+/// Compile the `openmpi` points' program, or say why that is not possible.
+fn openmpi_build() -> std::result::Result<OpenMpi, String> {
+    const INSTALL: &str =
+        "install it with `apt-get install -y openmpi-bin libopenmpi-dev` (make deps)";
+    let run = |tool: &str, args: &[&str]| -> std::result::Result<String, String> {
+        match std::process::Command::new(tool)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+        {
+            Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
+            Ok(o) => Err(format!(
+                "{tool} {}: {}: {}",
+                args.join(" "),
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(format!("{tool} not found; {INSTALL}"))
+            }
+            Err(e) => Err(format!("{tool}: {e}")),
+        }
+    };
+    let version = run("mpirun.openmpi", &["--version"])?;
+    let version = version
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap_or("?")
+        .to_string();
+    let dir = std::env::temp_dir().join(format!("aggbox-large-openmpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let ompi = OpenMpi {
+        exe: dir.join("allreduce_points"),
+        dir,
+        version,
+    };
+    let src = openmpi_source();
+    run(
+        "mpicc.openmpi",
+        &[
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-o",
+            &ompi.exe.to_string_lossy(),
+            &src.to_string_lossy(),
+        ],
+    )?;
+    Ok(ompi)
+}
+
+/// Open MPI at one MTU: one `mpirun.openmpi` in worker 0's namespace starts
+/// a rank in every worker namespace (a hostfile of their names, daemons
+/// started by scripts/mpi_netns_agent.sh, as scripts/mpi_bench.sh runs
+/// plain MPI) and runs every size.
+#[allow(clippy::too_many_arguments)]
+fn openmpi_phase(
+    tb: &Testbed,
+    mtu: u32,
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+    dtype: Dtype,
+    ompi: &OpenMpi,
+) -> Vec<Point> {
+    let name = dtype.backend("openmpi");
+    let name = name.as_str();
+    let fail_all = |e: String| -> Vec<Point> {
+        let pts: Vec<Point> = sizes
+            .iter()
+            .map(|&n| Point::new(name, mtu, n, &[], Some(e.clone())))
+            .collect();
+        pts.iter().for_each(report_point);
+        pts
+    };
+    let agent = crate::testbed::script_path().with_file_name("mpi_netns_agent.sh");
+    if !agent.exists() {
+        return fail_all(format!("{} not found", agent.display()));
+    }
+    let hostfile = ompi.dir.join("hosts");
+    let hosts: String = (1..=worker_count())
+        .map(|h| format!("{} slots=1\n", tb.host(h).netns))
+        .collect();
+    if let Err(e) = std::fs::write(&hostfile, hosts) {
+        return fail_all(format!("writing {}: {e}", hostfile.display()));
+    }
+    let sizes_arg = sizes
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let per_size = reps + 1;
+    // As for Gloo: start-up (mpirun and its daemons: about a second here) +
+    // 2 µs per element and call. mpirun ends the job itself at the limit;
+    // this process stops mpirun only if that fails.
+    let limit = Duration::from_secs(120)
+        + Duration::from_secs_f64(2e-6 * sizes.iter().sum::<u64>() as f64 * per_size as f64);
+    progress(format!(
+        "large: MTU {mtu}, Open MPI {}: mpirun.openmpi, {} ranks ({}), sizes {sizes_arg}, warm-up + {reps} calls each, limit {:.0} s",
+        ompi.version,
+        worker_count(),
+        ompi.exe.display(),
+        limit.as_secs_f64()
+    ));
+    let np = worker_count().to_string();
+    let timeout = format!("{:.0}", limit.as_secs_f64());
+    let hostfile_s = hostfile.to_string_lossy().to_string();
+    let agent_s = agent.to_string_lossy().to_string();
+    let exe_s = ompi.exe.to_string_lossy().to_string();
+    let reps_s = reps.to_string();
+    let args: Vec<&str> = vec![
+        "mpirun.openmpi",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np,
+        "--hostfile",
+        &hostfile_s,
+        "--mca",
+        "plm_rsh_agent",
+        &agent_s,
+        "--mca",
+        "btl",
+        "tcp,self",
+        // Ranks wait in the kernel rather than spin: the workers share the
+        // machine's CPUs (as Gloo's processes, which block).
+        "--mca",
+        "mpi_yield_when_idle",
+        "1",
+        "--mca",
+        "btl_tcp_if_include",
+        "eth0",
+        "--mca",
+        "oob_tcp_if_include",
+        "eth0",
+        // Unpinned, as Gloo's processes are: each daemon takes its
+        // namespace for a node of its own, where Open MPI's default for
+        // ≤ 2 ranks (bind to core) would put every rank on the same core.
+        // 4.1.4 with --oversubscribe binds nothing already; this keeps it so.
+        "--bind-to",
+        "none",
+        "--timeout",
+        &timeout,
+        &exe_s,
+        match dtype {
+            Dtype::I32 => "int",
+            Dtype::F32 => "float",
+        },
+        &sizes_arg,
+        "1",
+        &reps_s,
+    ];
+    let spawned = tb
+        .command_in(1, &args)
+        .map_err(|e| anyhow!("{e}"))
+        .and_then(|mut c| {
+            c.env("TMPDIR", &ompi.dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| anyhow!("starting {args:?} in host 1: {e}"))
+        });
+    let mut mpirun = match spawned {
+        Ok(c) => c,
+        Err(e) => return fail_all(format!("{e:#}")),
+    };
+    let reader = read_output(&mut mpirun);
+    let mut children = [mpirun];
+    let what = format!("Open MPI at MTU {mtu}");
+    let mut problems: Vec<String> = Vec::new();
+    if !wait_children(&mut children, limit + Duration::from_secs(30), &what) {
+        problems.push(format!(
+            "timed out after {:.0} s",
+            limit.as_secs_f64() + 30.0
+        ));
+        // SIGTERM first: mpirun then stops its daemons and ranks, which a
+        // SIGKILL of mpirun alone would leave running.
+        // SAFETY: kill(2) on our own child's pid, not yet reaped.
+        unsafe { libc::kill(children[0].id() as libc::pid_t, libc::SIGTERM) };
+        wait_children(&mut children, Duration::from_secs(10), &what);
+    }
+    kill_children(&mut children);
+    let status = children[0].try_wait().ok().flatten();
+    let (out, err) = reader.join().unwrap_or_default();
+    if !status.is_some_and(|s| s.success()) {
+        let tail: String = err.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+        problems.push(format!(
+            "mpirun: {}; stderr: {tail}",
+            status.map_or("?".into(), |s| s.to_string())
+        ));
+    }
+    let calls = openmpi_calls(&out, sizes, reps, &mut problems);
+    checked_points(
+        name, "Open MPI", mtu, sizes, reps, bases, csv, &calls, &problems,
+    )
+}
+
+/// Each rank's calls from the output of `allreduce_points` (rank 0's lines:
+/// a header, then one per call in order, size by size, warm-up first, each
+/// with every rank's (t0, t1, wrong, sum)); what does not fit goes to
+/// `problems`.
+fn openmpi_calls(out: &str, sizes: &[u64], reps: usize, problems: &mut Vec<String>) -> RankCalls {
+    let per_size = reps + 1;
+    let mut calls: RankCalls = vec![vec![Vec::new(); sizes.len()]; worker_count()];
+    let mut seen = 0usize;
+    for v in out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
+    {
+        if v.get("mpi").is_some() {
+            let world = v.get("world").and_then(|w| w.as_u64());
+            if world != Some(worker_count() as u64) {
+                problems.push(format!("{world:?} ranks, expected {}", worker_count()));
+            }
+            continue;
+        }
+        let (si, k) = (seen / per_size, seen % per_size);
+        seen += 1;
+        if v.get("elements").and_then(|n| n.as_u64()) != sizes.get(si).copied()
+            || v.get("k").and_then(|n| n.as_u64()) != Some(k as u64)
+        {
+            problems.push(format!(
+                "unexpected line (expected size {si} call {k}): {v}"
+            ));
+            break;
+        }
+        for (r, c) in v
+            .get("ranks")
+            .and_then(|r| r.as_array())
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            if let Some(rc) = calls.get_mut(r) {
+                rc[si].push(c.clone());
+            }
+        }
+    }
+    calls
 }
 
 // ------------------------------------------------------------ experiment ----
@@ -1421,6 +1755,7 @@ struct Output<'a> {
     largest_mtu: Option<u32>,
     largest_mtu_note: String,
     gloo: String,
+    openmpi: String,
     goal: Option<Goal>,
     failures: &'a [String],
     points: &'a [Point],
@@ -1493,7 +1828,7 @@ fn process_context_switches() -> (u64, u64) {
 /// running part of the experiment while investigating
 /// (`AGGBOX_LARGE_MTUS=65535` (0 = the largest working one),
 /// `AGGBOX_LARGE_SIZES=21800000`,
-/// `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo,kernel-f32,gloo-f32`,
+/// `AGGBOX_LARGE_BACKENDS=kernel,socket,gloo,openmpi,kernel-f32,gloo-f32`,
 /// `AGGBOX_LARGE_WINDOW=64`: the runtime's configured window,
 /// `AGGBOX_LARGE_WORKERS=8`: the number of workers,
 /// `AGGBOX_LARGE_QUEUES=0`: veth queues, 0 = the kernel's default,
@@ -1539,7 +1874,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("kernel,kernel-node,socket,ring,gloo,kernel-f32,ring-f32,gloo-f32,kernel-x{0},socket-x{0}", striped())
+            format!("kernel,kernel-node,socket,ring,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -1561,6 +1896,31 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         Ok(v) => progress(format!("large: Gloo baseline with torch {v} ({})", python())),
         Err(e) if opts.quick => progress(format!("large: Gloo baseline SKIPPED (quick mode): {e}; install it with `apt-get install -y python3-torch` (make bench-deps)")),
         Err(e) => bail!("large: the Gloo baseline needs torch.distributed: {e}; install it with `apt-get install -y python3-torch` (make bench-deps)"),
+    }
+    // Open MPI: only when asked for (it is in the default list), compiled
+    // once for the run; a full run without it fails as one without torch.
+    let openmpi: Option<std::result::Result<OpenMpi, String>> = [Dtype::I32, Dtype::F32]
+        .iter()
+        .any(|d| want(&d.backend("openmpi")))
+        .then(openmpi_build);
+    let openmpi_note: std::result::Result<String, String> = match &openmpi {
+        Some(Ok(o)) => Ok(format!("Open MPI {}", o.version)),
+        Some(Err(e)) => Err(e.clone()),
+        None => Err("not asked for (AGGBOX_LARGE_BACKENDS)".into()),
+    };
+    match &openmpi {
+        Some(Ok(o)) => progress(format!(
+            "large: Open MPI baseline with Open MPI {} ({})",
+            o.version,
+            o.exe.display()
+        )),
+        Some(Err(e)) if opts.quick => progress(format!(
+            "large: Open MPI baseline SKIPPED (quick mode): {e}"
+        )),
+        Some(Err(e)) => {
+            bail!("large: the Open MPI baseline needs mpicc.openmpi and mpirun.openmpi: {e}")
+        }
+        None => {}
     }
     let mut bases: BTreeMap<u64, Vec<i32>> = BTreeMap::new();
     for &n in &sizes {
@@ -1679,21 +2039,38 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                 }
             }
         }
-        for d in [Dtype::I32, Dtype::F32] {
-            if torch.is_ok() && want(&d.backend("gloo")) {
+        // The baselines outside this process: Gloo, then Open MPI.
+        for base in ["gloo", "openmpi"] {
+            for d in [Dtype::I32, Dtype::F32] {
+                let available = match base {
+                    "gloo" => torch.is_ok(),
+                    _ => matches!(openmpi, Some(Ok(_))),
+                };
+                if !available || !want(&d.backend(base)) {
+                    continue;
+                }
                 // The same loss as the AggBox points (the injector drops
                 // TCP segments as well), so that the two compare.
                 let injector = crate::impair::Injector::new();
                 if loss() > 0.0 {
                     impair_switch(&tb, &injector, loss())?;
                 }
-                let mut ps = gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d);
+                let mut ps = match &openmpi {
+                    Some(Ok(o)) if base == "openmpi" => {
+                        openmpi_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d, o)
+                    }
+                    _ => gloo_phase(&tb, mtu, &sizes, reps, &bases, &mut csv, d),
+                };
                 if loss() > 0.0 {
-                    // One Gloo process runs every size: the drops are the phase's.
+                    // One run of the processes covers every size: the drops are the phase's.
                     let dropped = injector.counts().dropped;
-                    progress(format!("large: MTU {mtu} {}: {dropped} packets dropped by the injector", d.backend("gloo")));
+                    progress(format!(
+                        "large: MTU {mtu} {}: {dropped} packets dropped by the injector",
+                        d.backend(base)
+                    ));
                     for p in &mut ps {
-                        p.node_counters.insert("injector:dropped (whole phase)".into(), dropped);
+                        p.node_counters
+                            .insert("injector:dropped (whole phase)".into(), dropped);
                     }
                     impair_switch(&tb, &injector, 0.0)?;
                 }
@@ -1725,6 +2102,10 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             largest_mtu: largest,
             largest_mtu_note: largest_note.clone(),
             gloo: gloo_note.clone(),
+            openmpi: match &openmpi_note {
+                Ok(v) => v.clone(),
+                Err(e) => format!("not run: {e}"),
+            },
             goal: goal.clone(),
             failures: &failures,
             points: &points,
@@ -1739,6 +2120,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         goal.as_ref(),
         &largest_note,
         &torch,
+        &openmpi_note,
     );
     let mut headline = Vec::new();
     match &goal {
@@ -1785,6 +2167,7 @@ fn markdown(
     goal: Option<&Goal>,
     largest_note: &str,
     torch: &std::result::Result<String, String>,
+    openmpi: &std::result::Result<String, String>,
 ) -> String {
     let mut md = String::new();
     let _ = writeln!(
@@ -1798,9 +2181,12 @@ fn markdown(
          aggregates, the TC program copies every RESULT to the {w} workers: `result_group`), communicators from the node configuration \
          (`CommunicatorBuilder::from_config`, `.mtu(MTU)`), job slots = block pool / blocks per datagram; `socket`: the same API and \
          configuration with the user-space aggregator on host 0; `gloo`: torch.distributed Gloo ({}), one process per worker namespace \
-         (`scripts/gloo_allreduce.py`, TCP over the same veths); `kernel-f32` / `gloo-f32`: the same with float32 vectors of the same \
+         (`scripts/gloo_allreduce.py`, TCP over the same veths); `openmpi`: plain Open MPI ({}) `MPI_Allreduce` (SUM, in place) among \
+         the same worker namespaces (`mpi/bench/allreduce_points.c`, compiled for the run; one `mpirun.openmpi` in worker 0's namespace, \
+         a hostfile of the worker namespaces, daemons started by `scripts/mpi_netns_agent.sh`, `btl tcp,self` over the same veths); \
+         `kernel-f32` / `gloo-f32` / `openmpi-f32`: the same with float32 vectors of the same \
          integer values (AggBox: `allreduce_f32` with adaptive quantization, i.e. a one-element MAX allreduce of max |x|, quantize, \
-         dequantize; Gloo: a float32 tensor), so every result is exact and checked the same way; `kernel-xS` / `socket-xS` (largest MTU, \
+         dequantize; Gloo: a float32 tensor; Open MPI: `MPI_FLOAT`), so every result is exact and checked the same way; `kernel-xS` / `socket-xS` (largest MTU, \
          21.8 M elements): every participant a `StripedCommunicator` over S jobs (a stripe of the vector and a progress thread each; the \
          node serves S jobs, the block pool shared out between them); the goal takes the kernel backend's best point. One warm-up call, then {reps} timed calls per point; all participants meet \
          at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
@@ -1808,6 +2194,10 @@ fn markdown(
          checked element by element on every participant. Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
         match torch {
             Ok(v) => format!("torch {v}"),
+            Err(e) => format!("**not run**: {e}"),
+        },
+        match openmpi {
+            Ok(v) => v.clone(),
             Err(e) => format!("**not run**: {e}"),
         },
         sizes.iter().map(|n| thousands(*n as f64)).collect::<Vec<_>>().join(", "),
@@ -1822,7 +2212,7 @@ fn markdown(
     let order = |b: &str| match b {
         "kernel" => 0,
         "socket" => 1,
-        "gloo" => 2,
+        "gloo" | "openmpi" => 2,
         "kernel-f32" => 3,
         b if b.starts_with("kernel-x") => 4,
         b if b.starts_with("socket-x") => 5,
@@ -1889,7 +2279,7 @@ fn markdown(
     let counters: Vec<&Point> = sorted
         .iter()
         .copied()
-        .filter(|p| !p.backend.starts_with("gloo") && !p.node_counters.is_empty())
+        .filter(|p| !over_tcp(&p.backend) && !p.node_counters.is_empty())
         .collect();
     if !counters.is_empty() {
         let _ = writeln!(
@@ -1944,6 +2334,89 @@ mod tests {
         assert_eq!(mismatches(&sum, &base, 2), (0, None));
         sum[17] += 1;
         assert_eq!(mismatches(&sum, &base, 2), (1, Some(17)));
+    }
+
+    #[test]
+    fn openmpi_output_is_timed_and_checked_as_gloos() {
+        let n = 10u64;
+        let base = expected_base(n as usize);
+        let base_sum: i64 = base.iter().map(|&x| x as i64).sum();
+        let w = worker_count();
+        let sum = |k: usize| base_sum + (w * k) as i64 * n as i64;
+        // Rank r starts call k at 10 + k + r/100 s and returns at 10.5 + k − r/100.
+        let line = |k: usize, sum: i64| -> String {
+            let ranks: Vec<String> = (0..w)
+                .map(|r| {
+                    let (t0, t1) = (
+                        10.0 + k as f64 + 0.01 * r as f64,
+                        10.5 + k as f64 - 0.01 * r as f64,
+                    );
+                    format!(r#"{{"t0": {t0}, "t1": {t1}, "wrong": 0, "sum": {sum}}}"#)
+                })
+                .collect();
+            format!(
+                r#"{{"elements": {n}, "k": {k}, "warmup": {}, "ranks": [{}]}}"#,
+                k == 0,
+                ranks.join(", ")
+            )
+        };
+        let header = format!(r#"{{"mpi": "Open MPI v4.1.4", "world": {w}, "dtype": "int32"}}"#);
+        let bases = BTreeMap::from([(n, base)]);
+        let point = |out: &str| {
+            let mut problems = Vec::new();
+            let calls = openmpi_calls(out, &[n], 2, &mut problems);
+            let mut csv = Csv::new(&["unused"]);
+            checked_points(
+                "openmpi",
+                "Open MPI",
+                1500,
+                &[n],
+                2,
+                &bases,
+                &mut csv,
+                &calls,
+                &problems,
+            )
+            .remove(0)
+        };
+        let good = point(
+            &[
+                header.clone(),
+                "not JSON".into(),
+                line(0, sum(0)),
+                line(1, sum(1)),
+                line(2, sum(2)),
+            ]
+            .join("\n"),
+        );
+        assert!(good.ok, "{:?}", good.error);
+        assert!((good.secs.median - 0.5).abs() < 1e-9, "{:?}", good.secs);
+        let wrong = point(
+            &[
+                header.clone(),
+                line(0, sum(0)),
+                line(1, sum(1)),
+                line(2, sum(2) + 1),
+            ]
+            .join("\n"),
+        );
+        assert!(
+            wrong
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("sums to")),
+            "{:?}",
+            wrong.error
+        );
+        let missing = point(&[header, line(0, sum(0)), line(1, sum(1))].join("\n"));
+        assert!(
+            missing
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("no result for call 2")),
+            "{:?}",
+            missing.error
+        );
     }
 
     #[test]
