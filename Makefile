@@ -42,7 +42,7 @@ help:
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
 	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
-	@echo "make bench-mpi  MPI_Allreduce latency, plain MPI vs libaggbox_mpi; results/mpi/"
+	@echo "make bench-mpi  MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
