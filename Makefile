@@ -42,7 +42,7 @@ help:
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
 	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
-	@echo "make bench-mpi  MPI_Allreduce latency, plain MPI vs libaggbox_mpi; results/mpi/"
+	@echo "make bench-mpi  MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
 
@@ -152,7 +152,7 @@ bench: deps bench-deps python mpi
 	$(CARGO) build $(CARGO_FLAGS) $(BENCH_FEATURES)
 	$(BENCH_BIN) all --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-python
-	$(MAKE) --no-print-directory bench-mpi MPI_BENCH_ARGS="$(MPI_BENCH_ARGS) $(if $(filter --quick,$(BENCH_ARGS)),--max-bytes 65536 --iterations 20,)"
+	$(MAKE) --no-print-directory bench-mpi MPI_BENCH_ARGS="$(if $(filter --quick,$(BENCH_ARGS)),$(MPI_BENCH_QUICK_ARGS),$(MPI_BENCH_FULL_ARGS)) $(MPI_BENCH_ARGS)"
 
 # DDP training over AggBox against Gloo (docs/PYTHON.md "Benchmark"): time per
 # step and per allreduce of the whole gradient, ResNet-18 (11.7 M parameters)
@@ -167,9 +167,14 @@ bench-python: python
 	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
 	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
 
-# MPI_Allreduce latency, plain MPI vs libaggbox_mpi (docs/MPI.md,
-# "Benchmark"): MPI_BENCH_ARGS="--mpi mpich --ranks 8" picks the run.
+# MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs
+# libaggbox_mpi (docs/MPI.md, "Benchmark"): MPI_BENCH_ARGS="--mpi mpich
+# --ranks 8" picks the run. `make bench` runs the issue's sizes (allreduce to
+# 87,200,000 B, bcast to 1 MiB, 4 and 8 ranks: minutes), its --quick sizes
+# to 64 KB on 4 ranks; MPI_BENCH_ARGS come after either and override them.
 MPI_BENCH_ARGS ?=
+MPI_BENCH_FULL_ARGS := --ranks 4,8 --max-bytes 87200000
+MPI_BENCH_QUICK_ARGS := --max-bytes 65536 --bcast-max-bytes 65536 --iterations 20
 bench-mpi: build mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-mpi: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	scripts/mpi_bench.sh --out $(BENCH_OUT)/mpi $(MPI_BENCH_ARGS)

@@ -3,6 +3,7 @@
 
 Reads the JSON files the benchmark writes and saves one PNG per experiment
 next to them. Missing files are skipped (an experiment that did not run).
+`python3 scripts/plot.py mpi DIR` plots scripts/mpi_bench.sh's CSVs in DIR.
 Needs python3-matplotlib (`make bench` installs it).
 """
 import json
@@ -262,7 +263,54 @@ def edge(d):
     save(fig, d, "edge.png")
 
 
+def mpi(d):
+    """`scripts/mpi_bench.sh`: latency (log-log) and bandwidth of MPI_Allreduce
+    and MPI_Bcast per size, plain MPI against libaggbox_mpi, one line each per
+    rank count; DIR/mpi.png."""
+    import csv
+    tables = []
+    for name, title in [("mpi_allreduce.csv", "MPI_Allreduce int32 SUM"), ("mpi_bcast.csv", "MPI_Bcast from rank 0")]:
+        p = os.path.join(d, name)
+        if os.path.exists(p):
+            with open(p) as f:
+                rows = list(csv.DictReader(f))
+            if rows:
+                tables.append((title, rows))
+    if not tables:
+        return
+    fig, axes = plt.subplots(len(tables), 2, figsize=(11, 4.2 * len(tables)), squeeze=False)
+    for (title, rows), (lat, bw) in zip(tables, axes):
+        for impl, ranks in sorted(set((r["mpi"], int(r["ranks"])) for r in rows), key=lambda k: k[1]):
+            rs = sorted([r for r in rows if r["mpi"] == impl and int(r["ranks"]) == ranks], key=lambda r: int(r["size_bytes"]))
+            x = [int(r["size_bytes"]) for r in rs]
+            for side, label, color in [("plain", f"plain {impl}", "tab:orange"), ("aggbox", "AggBox", "tab:blue")]:
+                style = "-" if ranks == min(int(r["ranks"]) for r in rows) else "--"
+                y = [float(r[f"{side}_avg_us"]) for r in rs]
+                lo = [y_ - float(r[f"{side}_min_us"]) for y_, r in zip(y, rs)]
+                hi = [float(r[f"{side}_max_us"]) - y_ for y_, r in zip(y, rs)]
+                lat.errorbar(x, y, yerr=[lo, hi], marker="o", ms=3, capsize=2, color=color, linestyle=style,
+                             label=f"{label}, {ranks} ranks")
+                bw.plot(x, [float(r[f"{side}_mb_per_s"]) for r in rs], marker="o", ms=3, color=color,
+                        linestyle=style, label=f"{label}, {ranks} ranks")
+        lat.set_xscale("log", base=2)
+        lat.set_yscale("log")
+        lat.set_ylabel("µs per call (mean over ranks, min-max)")
+        lat.set_title(f"{title}: latency", fontsize=10)
+        bw.set_xscale("log", base=2)
+        bw.set_yscale("log")
+        bw.set_ylabel("MB/s (bytes / mean time)")
+        bw.set_title(f"{title}: bandwidth", fontsize=10)
+        for ax in (lat, bw):
+            ax.set_xlabel("message size (bytes)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    save(fig, d, "mpi.png")
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "mpi":
+        mpi(sys.argv[2])
+        return
     d = sys.argv[1] if len(sys.argv) > 1 else "results"
     agg(d)
     bcast(d)
