@@ -765,7 +765,8 @@ struct aggbox_ring_ctrl {
 	__u32 finals;       /* host order: fragments of finals_round stored here (atomic) */
 	__u32 finals_round; /* host order: the round `finals` counts */
 	__u32 op;           /* host order: the round's op (written by the runtime) */
-	__u32 pad[11];      /* zero */
+	__u32 round_frags;  /* host order: the round covers fragments 0..round_frags-1, 0: all (the runtime) */
+	__u32 pad[10];      /* zero */
 };
 _Static_assert(sizeof(struct aggbox_ring_ctrl) == 64, "ring ctrl is 64 bytes");
 

@@ -36,7 +36,9 @@ pub struct RingCtrlCell {
     pub finals_round: AtomicU32,
     /// The round's op.
     pub op: AtomicU32,
-    pad: [u32; 11],
+    /// The round covers fragments `0..round_frags`; 0: every fragment.
+    pub round_frags: AtomicU32,
+    pad: [u32; 10],
 }
 const _: () = assert!(std::mem::size_of::<RingCtrlCell>() == std::mem::size_of::<RingCtrl>());
 const _: () = assert!(std::mem::offset_of!(RingCtrlCell, ready_round) == std::mem::offset_of!(RingCtrl, ready_round));
@@ -44,12 +46,22 @@ const _: () = assert!(std::mem::offset_of!(RingCtrlCell, state) == std::mem::off
 const _: () = assert!(std::mem::offset_of!(RingCtrlCell, finals) == std::mem::offset_of!(RingCtrl, finals));
 const _: () = assert!(std::mem::offset_of!(RingCtrlCell, finals_round) == std::mem::offset_of!(RingCtrl, finals_round));
 const _: () = assert!(std::mem::offset_of!(RingCtrlCell, op) == std::mem::offset_of!(RingCtrl, op));
+const _: () = assert!(std::mem::offset_of!(RingCtrlCell, round_frags) == std::mem::offset_of!(RingCtrl, round_frags));
 
 impl RingCtrlCell {
     /// The round whose input is ready, `None` while a call writes its input.
     pub fn ready(&self) -> Option<Round> {
         // Acquire: the input written before READY (release) is visible.
         (self.state.load(Ordering::Acquire) & abi::RING_READY != 0).then(|| Round(self.ready_round.load(Ordering::Relaxed)))
+    }
+
+    /// How many fragments (from 0) the ready round covers, of a ring of
+    /// `frags`.
+    pub fn round_frags(&self, frags: u32) -> u32 {
+        match self.round_frags.load(Ordering::Relaxed) {
+            0 => frags,
+            n => n.min(frags),
+        }
     }
 
     /// Count one more fragment of `round` stored here, if `finals` counts
@@ -403,14 +415,16 @@ impl RingMemory {
     /// One call's step 1 (docs/RING.md "One call") for the ring at dense
     /// index `dense` whose fragments start at `base`: state 0, the input
     /// through `write` (given the memory), `finals = 0`, `finals_round`,
-    /// `op`, `ready_round` and last `state = READY` with release order.
-    pub fn begin_round(&self, dense: u32, round: Round, op: abi::Op, write: impl FnOnce(&RingMemory)) {
+    /// `op`, `round_frags` (the round covers fragments `0..round_frags`, 0:
+    /// all), `ready_round` and last `state = READY` with release order.
+    pub fn begin_round(&self, dense: u32, round: Round, op: abi::Op, round_frags: u32, write: impl FnOnce(&RingMemory)) {
         let ctrl = self.ctrl(dense);
         ctrl.state.store(0, Ordering::SeqCst);
         write(self);
         ctrl.finals.store(0, Ordering::Relaxed);
         ctrl.finals_round.store(round.0, Ordering::Relaxed);
         ctrl.op.store(op as u32, Ordering::Relaxed);
+        ctrl.round_frags.store(round_frags, Ordering::Relaxed);
         ctrl.ready_round.store(round.0, Ordering::Relaxed);
         ctrl.state.store(abi::RING_READY, Ordering::Release);
     }
@@ -493,7 +507,7 @@ mod tests {
         let m = RingMemory::heap(2, 4);
         let ctrl = m.ctrl(3);
         ctrl.finals.store(9, Ordering::Relaxed);
-        m.begin_round(3, Round(8), abi::Op::Max, |mem| {
+        m.begin_round(3, Round(8), abi::Op::Max, 0, |mem| {
             assert_eq!(mem.ctrl(3).ready(), None);
             mem.write_vector(0, &[1, 2, 3]);
         });

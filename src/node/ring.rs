@@ -87,9 +87,14 @@ pub struct RingService {
     window: usize,
     /// The round this service runs (started), if any.
     round: Option<Round>,
-    /// This member's own fragments, and how many of them were sent.
+    /// This member's own fragments (ascending), how many of them the
+    /// running round covers (`ring_ctrl.round_frags`: a prefix), and how
+    /// many of those were sent.
     own: Vec<u32>,
+    own_in_round: usize,
     own_sent: usize,
+    /// Fragments the running round covers (0..round_frags).
+    round_frags: u32,
     /// Own fragments sent and not final here yet.
     in_flight: Vec<u32>,
     /// Per fragment, the stall episode (`episode`) in which it was last
@@ -133,7 +138,9 @@ impl RingService {
             memory,
             window: default_window(job.frag_elems),
             round: None,
+            own_in_round: 0,
             own_sent: 0,
+            round_frags: job.frags,
             in_flight: Vec::new(),
             missing_since: vec![0; job.frags as usize],
             episode: 1,
@@ -407,6 +414,9 @@ impl RingService {
         self.round = Some(r);
         self.stats.rounds += 1;
         self.own_sent = 0;
+        self.round_frags = self.memory.ctrl(self.dense).round_frags(self.job.frags);
+        let covered = self.round_frags;
+        self.own_in_round = self.own.partition_point(|&f| f < covered);
         self.in_flight.clear();
         self.missing_since.iter_mut().for_each(|s| *s = 0);
         self.episode = 1;
@@ -437,7 +447,7 @@ impl RingService {
         self.sync_round(now, out);
         let (memory, base) = (&self.memory, self.job.base);
         self.in_flight.retain(|&f| !memory.has_result(base + f, r));
-        while self.in_flight.len() < self.window && self.own_sent < self.own.len() {
+        while self.in_flight.len() < self.window && self.own_sent < self.own_in_round {
             let f = self.own[self.own_sent];
             self.own_sent += 1;
             if !self.memory.has_result(self.index(f), r) {
@@ -454,7 +464,7 @@ impl RingService {
         if finals != self.stall.finals {
             self.stall = Stall { finals, since: now, after: NACK_AFTER };
             self.episode = self.episode.wrapping_add(1).max(1);
-        } else if finals < self.job.frags && now >= self.stall.since + self.stall.after {
+        } else if finals < self.round_frags && now >= self.stall.since + self.stall.after {
             self.send_nacks(r, out);
             self.stall.since = now;
             self.stall.after = (self.stall.after * 2).min(NACK_AFTER_MAX);
@@ -465,9 +475,9 @@ impl RingService {
     /// one of the same episode (own ones not sent yet aside): to the origin for those this member
     /// completes, to the completing member (FINAL) for the others.
     fn send_nacks(&mut self, r: Round, out: &mut Vec<Transmit>) {
-        let unsent: std::collections::HashSet<u32> = self.own[self.own_sent..].iter().copied().collect();
+        let unsent: std::collections::HashSet<u32> = self.own[self.own_sent..self.own_in_round].iter().copied().collect();
         let mut by_peer: HashMap<(u16, bool), Vec<u32>> = HashMap::new();
-        for f in 0..self.job.frags {
+        for f in 0..self.round_frags {
             if unsent.contains(&f) || self.memory.has_result(self.index(f), r) {
                 continue;
             }
@@ -508,7 +518,7 @@ impl RingService {
     pub fn poll_timeout(&self, now: Instant) -> Instant {
         match self.memory.ctrl(self.dense).ready() {
             Some(r) if self.round != Some(r) => now,
-            Some(_) if self.memory.ctrl(self.dense).finals.load(Ordering::Relaxed) < self.job.frags => {
+            Some(_) if self.memory.ctrl(self.dense).finals.load(Ordering::Relaxed) < self.round_frags => {
                 (now + ACTIVE_TICK).min(self.stall.since + self.stall.after)
             }
             _ => now + IDLE_TICK,

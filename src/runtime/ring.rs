@@ -151,7 +151,7 @@ impl RingCommunicator {
     pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<RingOutput, CommError> {
         self.check_len(buf.len())?;
         let base = self.job.base;
-        let out = self.run(op, |m| m.write_vector(base, buf))?;
+        let out = self.run(op, self.job.frags, |m| m.write_vector(base, buf))?;
         self.memory.read_vector(base, buf);
         Ok(out)
     }
@@ -159,7 +159,7 @@ impl RingCommunicator {
     /// Allreduce of what [`RingCommunicator::buffer_mut`] holds, the
     /// result left there.
     pub fn allreduce_in_place(&mut self, op: Op) -> Result<RingOutput, CommError> {
-        self.run(op, |_| {})
+        self.run(op, self.job.frags, |_| {})
     }
 
     /// Float allreduce through the quantization (as
@@ -167,7 +167,7 @@ impl RingCommunicator {
     /// the mean (divided by the weight sum too). OVERFLOW is an error with
     /// a fixed scale, a rerun at the adaptive scale with
     /// `FixedOrAdaptive`; `Adaptive` agrees on `max |x|` with a ring MAX
-    /// first (a second pass over the whole vector).
+    /// of fragment 0 first (a round of one fragment).
     pub fn allreduce_f32(&mut self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
         self.check_len(buf.len())?;
         quantize::check_finite(buf).map_err(|e| CommError::Config(e.to_string()))?;
@@ -183,7 +183,7 @@ impl RingCommunicator {
             let mut q = Vec::new();
             quantize::quantize_into(buf, scale, &mut q).map_err(|e| CommError::Config(e.to_string()))?;
             let base = self.job.base;
-            let out = self.run(Op::Sum, |m| m.write_vector(base, &q))?;
+            let out = self.run(Op::Sum, self.job.frags, |m| m.write_vector(base, &q))?;
             if out.overflow {
                 if rerun {
                     // The saturated fragments' FINALs reach every member
@@ -213,14 +213,15 @@ impl RingCommunicator {
     }
 
     /// The adaptive scale, agreed with the other members by a ring MAX of
-    /// `max |x|`'s bits (element 0, the rest 0).
+    /// `max |x|`'s bits over fragment 0 alone (element 0; the rest 0): a
+    /// round of one fragment, not of the whole vector.
     fn adaptive_scale(&mut self, buf: &[f32]) -> Result<f64, CommError> {
         let m = quantize::max_abs(buf).map_err(|e| CommError::Config(e.to_string()))?;
         let base = self.job.base;
         let bits = m.to_bits() as i32;
-        let len = self.len();
-        self.run(Op::Max, |mem| {
-            let mut v = vec![0; len];
+        let first = (self.job.frag_elems as usize).min(self.len());
+        self.run(Op::Max, 1, |mem| {
+            let mut v = vec![0; first];
             v[0] = bits;
             mem.write_vector(base, &v);
         })?;
@@ -231,12 +232,15 @@ impl RingCommunicator {
     }
 
     /// One call: input through `write`, the round made ready, KICK, wait.
-    fn run(&mut self, op: Op, write: impl FnOnce(&RingMemory)) -> Result<RingOutput, CommError> {
+    /// One round over fragments `0..frags` (every member calls with the
+    /// same `frags`): the input through `write`, then the KICK, then the
+    /// wait for those fragments' results.
+    fn run(&mut self, op: Op, frags: u32, write: impl FnOnce(&RingMemory)) -> Result<RingOutput, CommError> {
         if !op.runs_in_kernel() {
             return Err(CommError::Config(format!("op {} is not a ring op (SUM, COUNT, MAX, MIN, AVG)", op.name())));
         }
         let r = self.round.plus(1);
-        self.memory.begin_round(self.dense, r, op, write);
+        self.memory.begin_round(self.dense, r, op, frags, write);
         self.round = r;
         let kick = RingHeader { ring: self.job.id, kind: RingKind::Kick, flags: 0, round: r, frag: 0, hops: 0, count: 0, sender: self.job.me, op };
         // A lost KICK costs the service's next look at ring_ctrl (20 ms).
@@ -245,11 +249,11 @@ impl RingCommunicator {
         let ctrl = self.memory.ctrl(self.dense);
         let mut spins = 0u32;
         loop {
-            if ctrl.finals_round.load(Ordering::Acquire) == r.0 && ctrl.finals.load(Ordering::Acquire) >= self.job.frags {
+            if ctrl.finals_round.load(Ordering::Acquire) == r.0 && ctrl.finals.load(Ordering::Acquire) >= frags {
                 break;
             }
             if start.elapsed() >= self.deadline {
-                return Err(self.timeout(r));
+                return Err(self.timeout(r, frags));
             }
             // A call of a few fragments takes tens of microseconds.
             // Short waits while the round may be about to end, longer ones
@@ -261,23 +265,23 @@ impl RingCommunicator {
                 std::thread::sleep(Duration::from_micros(if spins < 200 { 20 } else { 500 }));
             }
         }
-        let missing = self.missing(r);
+        let missing = self.missing(r, frags);
         if !missing.is_empty() {
             return Err(CommError::Config(format!(
                 "ring {} round {r}: finals counted every fragment, but ring_done lacks {missing:?}",
                 self.job.id
             )));
         }
-        Ok(RingOutput { overflow: self.saturated(r) })
+        Ok(RingOutput { overflow: self.saturated(r, frags) })
     }
 
-    /// Fragments of round `r` not stored here.
-    fn missing(&self, r: Round) -> Vec<u32> {
-        (0..self.job.frags).filter(|&f| !self.memory.has_result(self.job.base + f, r)).collect()
+    /// Fragments of round `r` (covering `0..frags`) not stored here.
+    fn missing(&self, r: Round, frags: u32) -> Vec<u32> {
+        (0..frags).filter(|&f| !self.memory.has_result(self.job.base + f, r)).collect()
     }
 
-    fn timeout(&self, r: Round) -> CommError {
-        let missing = self.missing(r);
+    fn timeout(&self, r: Round, frags: u32) -> CommError {
+        let missing = self.missing(r, frags);
         let layout = RingLayout::of_job(&self.job);
         let mut completers: Vec<u16> = missing.iter().map(|&f| layout.completer(f)).collect();
         completers.sort_unstable();
@@ -289,8 +293,8 @@ impl RingCommunicator {
             round: r,
             missing: completers.into_iter().map(Peer::Rank).collect(),
             missing_known: true,
-            arrived: (self.job.frags as usize).saturating_sub(missing.len()),
-            expected: self.job.frags as usize,
+            arrived: (frags as usize).saturating_sub(missing.len()),
+            expected: frags as usize,
             what: format!(
                 "fragments of ring {} stored here; missing fragments {}{} (the ranks named complete them)",
                 self.job.id,
@@ -306,8 +310,8 @@ impl RingCommunicator {
     /// Whether some fragment's result of round `r` saturated: the flag
     /// stored with each result (`ring_done.saturated_plus1`), the same on
     /// every member, so every member's call says OVERFLOW alike.
-    fn saturated(&self, r: Round) -> bool {
-        (0..self.job.frags).any(|f| self.memory.result_saturated(self.job.base + f, r))
+    fn saturated(&self, r: Round, frags: u32) -> bool {
+        (0..frags).any(|f| self.memory.result_saturated(self.job.base + f, r))
     }
 }
 

@@ -1115,7 +1115,8 @@ pub struct RingCtrl {
     pub finals: u32,
     pub finals_round: u32,
     pub op: u32,
-    pub pad: [u32; 11],
+    pub round_frags: u32,
+    pub pad: [u32; 10],
 }
 const _: () = assert!(core::mem::size_of::<RingCtrl>() == 64);
 
@@ -1212,7 +1213,7 @@ fn ring_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
         RingJob,
         [id, port, members, me, frag_elems, frags, vector_len, base, weight_sum, weight, self_addr, next_addr]
     );
-    fields!(out, "aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, pad]);
+    fields!(out, "aggbox_ring_ctrl", RingCtrl, [ready_round, state, finals, finals_round, op, round_frags, pad]);
     fields!(out, "aggbox_ring_done", RingDone, [round_plus1, claimed_plus1, saturated_plus1, pad]);
     fields!(out, "aggbox_ring_stats", RingStats, [count]);
 }

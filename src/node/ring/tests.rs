@@ -35,6 +35,8 @@ struct Sim {
     dup: f64,
     dropped: u64,
     duplicated: u64,
+    /// Fragments the calls' rounds cover (`ring_ctrl.round_frags`, 0: all).
+    round_frags: u32,
 }
 
 impl Sim {
@@ -75,6 +77,7 @@ impl Sim {
             dup: 0.0,
             dropped: 0,
             duplicated: 0,
+            round_frags: 0,
         }
     }
 
@@ -96,7 +99,7 @@ impl Sim {
     /// What one member's runtime does for a call: input in place, the
     /// round made ready, a KICK.
     fn call(&mut self, m: usize, round: Round, op: Op, input: &[i32]) {
-        self.memories[m].begin_round(DENSE, round, op, |mem| mem.write_vector(BASE, input));
+        self.memories[m].begin_round(DENSE, round, op, self.round_frags, |mem| mem.write_vector(BASE, input));
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op };
         let mut out = Vec::new();
         self.services[m].handle(self.now, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40000), kick.encode().to_vec(), &mut out);
@@ -105,7 +108,8 @@ impl Sim {
 
     fn done(&self, m: usize, round: Round) -> bool {
         let ctrl = self.memories[m].ctrl(DENSE);
-        ctrl.finals_round.load(Ordering::Acquire) == round.0 && ctrl.finals.load(Ordering::Acquire) == self.layout.frags()
+        let covered = if self.round_frags == 0 { self.layout.frags() } else { self.round_frags };
+        ctrl.finals_round.load(Ordering::Acquire) == round.0 && ctrl.finals.load(Ordering::Acquire) == covered
     }
 
     /// Deliver in a shuffled order, poll on a fake clock, until every
@@ -327,7 +331,7 @@ fn the_server_loop_runs_a_ring_over_loopback() {
     let want = star(Op::Sum, &inputs, &[1; 3]);
     let round = Round(1);
     for (m, memory) in memories.iter().enumerate() {
-        memory.begin_round(0, round, Op::Sum, |mem| mem.write_vector(0, &inputs[m]));
+        memory.begin_round(0, round, Op::Sum, 0, |mem| mem.write_vector(0, &inputs[m]));
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op: Op::Sum };
         // The KICK comes from 127.0.0.1 whichever member it is for.
         let s = UdpSocket::bind("127.0.0.1:0").expect("kick socket");
@@ -358,5 +362,52 @@ fn default_window_counts_bytes() {
     for elems in [2u32, 362, 2_242, 16_370] {
         let w = default_window(elems);
         assert!(w == DEFAULT_WINDOW || w * (abi::RING_HDR_LEN + 4 * elems as usize) <= WINDOW_BYTES, "{elems}: {w}");
+    }
+}
+
+/// A round covering the first fragments only (the runtime's agreement on
+/// a float scale): those complete on every member under loss, the others
+/// are neither sent nor NACKed, and a whole round after it is exact.
+#[test]
+fn a_round_of_the_first_fragments_covers_only_them() {
+    let (members, frag_elems, len) = (4usize, 4u32, 4 * 9 + 1);
+    let mut sim = Sim::new(members, frag_elems, len, vec![1; members], DEFAULT_WINDOW);
+    sim.loss = 0.05;
+    sim.dup = 0.05;
+    for (round, covered) in [(Round(1), 1u32), (Round(2), 3)] {
+        sim.round_frags = covered;
+        let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, round.0)).collect();
+        let want = star(Op::Max, &inputs, &[1; 4]);
+        for (m, input) in inputs.iter().enumerate() {
+            sim.call(m, round, Op::Max, input);
+        }
+        assert!(sim.run(round, 2_000_000), "round {round} of {covered} fragments did not complete");
+        for m in 0..members {
+            let got = sim.result(m);
+            for f in 0..sim.layout.frags() {
+                let stored = sim.memories[m].has_result(BASE + f, round);
+                assert_eq!(stored, f < covered, "member {m} fragment {f} of a round of {covered}");
+                let r = f as usize * frag_elems as usize..(f as usize * frag_elems as usize + frag_elems as usize).min(len as usize);
+                if f < covered {
+                    assert_eq!(got[r.clone()], want[r], "member {m} fragment {f}");
+                }
+            }
+        }
+    }
+    assert!(sim.dropped > 0, "the loss was applied");
+    // Originals: fragment 0 (member 0's) in round 1; fragments 0..3 (one
+    // each of members 0, 1, 2) in round 2; never a fragment beyond.
+    let originals: Vec<u64> = sim.services.iter().map(|s| s.stats().originals_sent).collect();
+    assert!(originals[0] >= 2 && originals[1] >= 1 && originals[2] >= 1 && originals[3] == 0, "originals {originals:?}");
+    sim.round_frags = 0;
+    let round = Round(3);
+    let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, round.0)).collect();
+    for (m, input) in inputs.iter().enumerate() {
+        sim.call(m, round, Op::Sum, input);
+    }
+    assert!(sim.run(round, 2_000_000), "the whole round after the short ones");
+    let want = star(Op::Sum, &inputs, &[1; 4]);
+    for m in 0..members {
+        assert_eq!(sim.result(m), want, "member {m}, whole round");
     }
 }
