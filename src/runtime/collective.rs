@@ -19,17 +19,37 @@ use crate::runtime::ring::RingCommunicator;
 use crate::runtime::CommError;
 use crate::wire::abi::Op;
 
-/// Default [`Collective::ring_threshold`] where the star's datagrams are of
-/// at most [`RING_MTU_LIMIT`] bytes: 1 Mi elements (4 MiB). Measured on the
-/// benchmark testbed (docs/BENCHMARKS.md "Star or ring"): at MTU 1500 the
-/// ring took about half the star's time at 21.8 M elements, at 9000 the two
-/// were level; with 64 KB datagrams the star was 2–3.7× faster, so above
-/// that MTU the default sends nothing to the ring.
+/// Default [`Collective::ring_threshold`] where the ring is the faster
+/// algorithm ([`default_ring_threshold`]): 1 Mi elements (4 MiB).
 pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
 
-/// Largest star MTU for which the default threshold sends large calls to
-/// the ring (see [`DEFAULT_RING_THRESHOLD`]).
+/// Largest star MTU for which the default threshold sends large calls of
+/// any ring to the ring (see [`default_ring_threshold`]).
+pub const RING_MTU_ANY_MEMBERS: usize = 1500;
+
+/// Largest star MTU for which the default threshold sends large calls of
+/// rings of at most [`RING_MEMBERS_JUMBO`] members to the ring.
 pub const RING_MTU_LIMIT: usize = 9000;
+
+/// Largest ring that takes large calls at MTUs above
+/// [`RING_MTU_ANY_MEMBERS`] (up to [`RING_MTU_LIMIT`]).
+pub const RING_MEMBERS_JUMBO: u16 = 4;
+
+/// The default threshold for a star of MTU `star_mtu` beside a ring of
+/// `members`: [`DEFAULT_RING_THRESHOLD`] where the ring was the faster on
+/// the benchmark testbed, else never (`usize::MAX`). Measured
+/// (docs/BENCHMARKS.md "Star or ring", 21.8 M and 1 M elements): at MTU 1500
+/// the ring took 0.43–0.49 of the star's time with 4 and 8 members; at 9000
+/// 0.72 with 4 members but 1.15 with 8 (its 2(n − 1) transmissions per
+/// fragment against the star's n contributions and one TC clone per
+/// result); with 64 KB datagrams the star was 1.4–1.7× faster.
+pub fn default_ring_threshold(star_mtu: usize, members: u16) -> usize {
+    if star_mtu <= RING_MTU_ANY_MEMBERS || (star_mtu <= RING_MTU_LIMIT && members <= RING_MEMBERS_JUMBO) {
+        DEFAULT_RING_THRESHOLD
+    } else {
+        usize::MAX
+    }
+}
 
 /// Which algorithm a call takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -60,8 +80,8 @@ impl Collective {
         if star.is_none() && ring.is_none() {
             return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
         }
-        let ring_threshold = match &star {
-            Some(c) if c.config().mtu > RING_MTU_LIMIT => usize::MAX,
+        let ring_threshold = match (&star, &ring) {
+            (Some(s), Some(r)) => default_ring_threshold(s.config().mtu, r.members()),
             _ => DEFAULT_RING_THRESHOLD,
         };
         Ok(Collective {
@@ -74,8 +94,8 @@ impl Collective {
     }
 
     /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]);
-    /// the default is [`DEFAULT_RING_THRESHOLD`], or never when the star's
-    /// MTU is above [`RING_MTU_LIMIT`].
+    /// the default is [`default_ring_threshold`] of the star's MTU and the
+    /// ring's members.
     pub fn with_ring_threshold(mut self, elements: usize) -> Collective {
         self.ring_threshold = elements;
         self
@@ -177,5 +197,23 @@ fn identity(op: Op) -> i32 {
         Op::Max => i32::MIN,
         Op::Min => i32::MAX,
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default follows the measured winner: the ring at MTU 1500 for
+    /// 4 and 8 members, at 9000 for 4 only, never with 64 KB datagrams.
+    #[test]
+    fn the_default_threshold_follows_mtu_and_members() {
+        assert_eq!(default_ring_threshold(1500, 4), DEFAULT_RING_THRESHOLD);
+        assert_eq!(default_ring_threshold(1500, 8), DEFAULT_RING_THRESHOLD);
+        assert_eq!(default_ring_threshold(1500, 16), DEFAULT_RING_THRESHOLD);
+        assert_eq!(default_ring_threshold(9000, 4), DEFAULT_RING_THRESHOLD);
+        assert_eq!(default_ring_threshold(9000, 8), usize::MAX);
+        assert_eq!(default_ring_threshold(65535, 4), usize::MAX);
+        assert_eq!(default_ring_threshold(65535, 2), usize::MAX);
     }
 }

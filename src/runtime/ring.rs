@@ -125,6 +125,11 @@ impl RingCommunicator {
         self.job.me
     }
 
+    /// The ring's member count.
+    pub fn members(&self) -> u16 {
+        self.job.members
+    }
+
     /// The round of the last call.
     pub fn round(&self) -> Round {
         self.round

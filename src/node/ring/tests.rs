@@ -411,3 +411,25 @@ fn a_round_of_the_first_fragments_covers_only_them() {
         assert_eq!(sim.result(m), want, "member {m}, whole round");
     }
 }
+
+/// The first wait before a NACK follows the ring's cycle time (srtt +
+/// 4 · rttvar) within NACK_AFTER and CYCLE_WAIT_MAX.
+#[test]
+fn the_nack_wait_follows_the_cycle_time() {
+    use super::{CycleTime, CYCLE_WAIT_MAX, NACK_AFTER};
+    let mut c = CycleTime::default();
+    assert_eq!(c.nack_after(), NACK_AFTER, "no sample yet");
+    for _ in 0..50 {
+        c.sample(Duration::from_micros(300));
+    }
+    assert_eq!(c.nack_after(), NACK_AFTER, "a fast ring waits the least");
+    for k in 0..50 {
+        c.sample(Duration::from_millis(1 + k % 2));
+    }
+    let w = c.nack_after();
+    assert!(w > NACK_AFTER && w < CYCLE_WAIT_MAX, "cycles of 1 and 2 ms: {w:?}");
+    for _ in 0..50 {
+        c.sample(Duration::from_millis(30));
+    }
+    assert_eq!(c.nack_after(), CYCLE_WAIT_MAX, "a slow ring waits at most CYCLE_WAIT_MAX");
+}
