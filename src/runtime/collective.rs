@@ -20,8 +20,13 @@ use crate::runtime::CommError;
 use crate::wire::abi::Op;
 
 /// Default [`Collective::ring_threshold`] where the ring is the faster
-/// algorithm ([`default_ring_threshold`]): 1 Mi elements (4 MiB).
+/// algorithm at jumbo MTUs ([`default_ring_threshold`]): 1 Mi elements
+/// (4 MiB).
 pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
+
+/// Default [`Collective::ring_threshold`] at a star MTU of at most
+/// [`RING_MTU_ANY_MEMBERS`]: 256 Ki elements (1 MiB).
+pub const RING_THRESHOLD_SMALL_MTU: usize = 1 << 18;
 
 /// Largest star MTU for which the default threshold sends large calls of
 /// any ring to the ring (see [`default_ring_threshold`]).
@@ -36,15 +41,17 @@ pub const RING_MTU_LIMIT: usize = 9000;
 pub const RING_MEMBERS_JUMBO: u16 = 4;
 
 /// The default threshold for a star of MTU `star_mtu` beside a ring of
-/// `members`: [`DEFAULT_RING_THRESHOLD`] where the ring was the faster on
-/// the benchmark testbed, else never (`usize::MAX`). Measured
-/// (docs/BENCHMARKS.md "Star or ring", 21.8 M and 1 M elements): at MTU 1500
-/// the ring took 0.43–0.49 of the star's time with 4 and 8 members; at 9000
-/// 0.72 with 4 members but 1.15 with 8 (its 2(n − 1) transmissions per
-/// fragment against the star's n contributions and one TC clone per
-/// result); with 64 KB datagrams the star was 1.4–1.7× faster.
+/// `members`, from where the ring was the faster on the benchmark testbed
+/// (docs/BENCHMARKS.md "Star or ring"), else never (`usize::MAX`): at MTU
+/// 1500 the ring was faster or level from 256 Ki elements on (4 and 8
+/// members; 0.56–0.62 of the star's time at 21.8 M); at 9000 it was faster
+/// at 21.8 M with 4 members (0.83), level or slower with 8 (0.90–1.45) and
+/// slower at 1 M in one run of two; with 64 KB datagrams the star was
+/// 1.1–1.9× faster everywhere.
 pub fn default_ring_threshold(star_mtu: usize, members: u16) -> usize {
-    if star_mtu <= RING_MTU_ANY_MEMBERS || (star_mtu <= RING_MTU_LIMIT && members <= RING_MEMBERS_JUMBO) {
+    if star_mtu <= RING_MTU_ANY_MEMBERS {
+        RING_THRESHOLD_SMALL_MTU
+    } else if star_mtu <= RING_MTU_LIMIT && members <= RING_MEMBERS_JUMBO {
         DEFAULT_RING_THRESHOLD
     } else {
         usize::MAX
@@ -204,13 +211,14 @@ fn identity(op: Op) -> i32 {
 mod tests {
     use super::*;
 
-    /// The default follows the measured winner: the ring at MTU 1500 for
-    /// 4 and 8 members, at 9000 for 4 only, never with 64 KB datagrams.
+    /// The default follows the measured winner: the ring at MTU 1500 from
+    /// 256 Ki elements, at 9000 from 1 Mi for 4 members only, never with
+    /// 64 KB datagrams.
     #[test]
     fn the_default_threshold_follows_mtu_and_members() {
-        assert_eq!(default_ring_threshold(1500, 4), DEFAULT_RING_THRESHOLD);
-        assert_eq!(default_ring_threshold(1500, 8), DEFAULT_RING_THRESHOLD);
-        assert_eq!(default_ring_threshold(1500, 16), DEFAULT_RING_THRESHOLD);
+        assert_eq!(default_ring_threshold(1500, 4), RING_THRESHOLD_SMALL_MTU);
+        assert_eq!(default_ring_threshold(1500, 8), RING_THRESHOLD_SMALL_MTU);
+        assert_eq!(default_ring_threshold(1500, 16), RING_THRESHOLD_SMALL_MTU);
         assert_eq!(default_ring_threshold(9000, 4), DEFAULT_RING_THRESHOLD);
         assert_eq!(default_ring_threshold(9000, 8), usize::MAX);
         assert_eq!(default_ring_threshold(65535, 4), usize::MAX);
