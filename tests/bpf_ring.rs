@@ -86,7 +86,8 @@ impl Ring {
             finals: 0,
             finals_round: round,
             op: op as u32,
-            pad: [0; 11],
+            round_frags: 0,
+            pad: [0; 10],
         };
         ctrl.update(&0u32.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
     }
