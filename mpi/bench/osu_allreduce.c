@@ -20,17 +20,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "osu_common.h"
+
 /* The large-vector point of docs/BENCHMARKS.md: 21.8 M int32. */
 #define LARGE_VECTOR_BYTES 87200000L
-
-/* Fewer calls of the larger sizes, as OSU does, so that a run to
- * LARGE_VECTOR_BYTES takes minutes, not hours. */
-static int timed_calls(long bytes, int iterations)
-{
-    if (bytes >= (1L << 20)) return iterations / 20 > 3 ? iterations / 20 : 3;
-    if (bytes > 65536) return iterations / 4 > 10 ? iterations / 4 : 10;
-    return iterations;
-}
 
 static int warmup_calls(long bytes) { return bytes >= (1L << 20) ? 2 : 10; }
 
@@ -63,7 +56,7 @@ int main(int argc, char **argv)
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
     for (long i = 0; i < max_bytes / 4; i++) buf[i] = rank + (int32_t)i;
-    if (rank == 0) printf("# size_bytes avg_us min_us max_us mb_per_s (%d ranks)\n", size);
+    osu_header(rank, size);
     long bytes = 4;
     while (bytes <= max_bytes) {
         int count = (int)(bytes / 4), iters = timed_calls(bytes, iterations);
@@ -72,13 +65,9 @@ int main(int argc, char **argv)
         MPI_Barrier(MPI_COMM_WORLD);
         double start = MPI_Wtime();
         for (int i = 0; i < iters; i++) MPI_Allreduce(buf, out, count, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-        double us = (MPI_Wtime() - start) * 1e6 / iters, sum, min, max;
+        double us = (MPI_Wtime() - start) * 1e6 / iters;
         check_sum(out, count, size, rank, bytes);
-        MPI_Reduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
-        MPI_Reduce(&us, &min, 1, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
-        MPI_Reduce(&us, &max, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-        if (rank == 0) printf("%ld %.2f %.2f %.2f %.2f\n", bytes, sum / size, min, max, bytes / (sum / size));
-        fflush(stdout);
+        osu_report(bytes, us, rank, size);
         MPI_Barrier(MPI_COMM_WORLD);
         if (bytes < LARGE_VECTOR_BYTES && bytes * 4 > LARGE_VECTOR_BYTES && max_bytes >= LARGE_VECTOR_BYTES)
             bytes = LARGE_VECTOR_BYTES;

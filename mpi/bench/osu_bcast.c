@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "osu_common.h"
+
 #define ROOT 0
 /* Not a value of root_byte(): what the other ranks' buffers hold before the
  * timed calls. */
@@ -31,12 +33,6 @@
  * and is never UNSENT_BYTE. */
 static uint8_t root_byte(long bytes, long i) { return (uint8_t)((i * 7 + bytes / 64) % 251); }
 
-static int timed_calls(long bytes, int iterations)
-{
-    if (bytes >= (1L << 20)) return iterations / 20 > 3 ? iterations / 20 : 3;
-    if (bytes > 65536) return iterations / 4 > 10 ? iterations / 4 : 10;
-    return iterations;
-}
 
 static void check_buffer(const uint8_t *buf, long bytes, int rank)
 {
@@ -62,7 +58,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "osu_bcast: rank %d: out of memory for %ld bytes\n", rank, max_bytes);
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    if (rank == 0) printf("# size_bytes avg_us min_us max_us mb_per_s (%d ranks)\n", size);
+    osu_header(rank, size);
     for (long bytes = 64; bytes <= max_bytes; bytes *= 4) {
         int iters = timed_calls(bytes, iterations);
         if (rank == ROOT)
@@ -72,13 +68,9 @@ int main(int argc, char **argv)
         MPI_Barrier(MPI_COMM_WORLD);
         double start = MPI_Wtime();
         for (int i = 0; i < iters; i++) MPI_Bcast(buf, (int)bytes, MPI_BYTE, ROOT, MPI_COMM_WORLD);
-        double us = (MPI_Wtime() - start) * 1e6 / iters, sum, min, max;
+        double us = (MPI_Wtime() - start) * 1e6 / iters;
         check_buffer(buf, bytes, rank);
-        MPI_Reduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
-        MPI_Reduce(&us, &min, 1, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
-        MPI_Reduce(&us, &max, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-        if (rank == 0) printf("%ld %.2f %.2f %.2f %.2f\n", bytes, sum / size, min, max, bytes / (sum / size));
-        fflush(stdout);
+        osu_report(bytes, us, rank, size);
         MPI_Barrier(MPI_COMM_WORLD);
     }
     free(buf);

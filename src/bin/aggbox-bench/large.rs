@@ -1143,6 +1143,14 @@ fn wait_children(children: &mut [Child], limit: Duration, what: &str) -> bool {
     }
 }
 
+/// A failed point of `name` at `mtu` for every size (the backend could
+/// not run: `error` says why), reported.
+fn failed_points(name: &str, mtu: u32, sizes: &[u64], error: &str) -> Vec<Point> {
+    let pts: Vec<Point> = sizes.iter().map(|&n| Point::new(name, mtu, n, &[], Some(error.to_string()))).collect();
+    pts.iter().for_each(report_point);
+    pts
+}
+
 /// Gloo at one MTU: 4 processes (one per worker namespace) run every size.
 fn gloo_phase(
     tb: &Testbed,
@@ -1155,14 +1163,7 @@ fn gloo_phase(
 ) -> Vec<Point> {
     let name = dtype.backend("gloo");
     let name = name.as_str();
-    let fail_all = |e: String| -> Vec<Point> {
-        let pts: Vec<Point> = sizes
-            .iter()
-            .map(|&n| Point::new(name, mtu, n, &[], Some(e.clone())))
-            .collect();
-        pts.iter().for_each(report_point);
-        pts
-    };
+    let fail_all = |e: String| failed_points(name, mtu, sizes, &e);
     let script = gloo_script();
     if !script.exists() {
         return fail_all(format!("{} not found", script.display()));
@@ -1505,14 +1506,7 @@ fn openmpi_phase(
 ) -> Vec<Point> {
     let name = dtype.backend("openmpi");
     let name = name.as_str();
-    let fail_all = |e: String| -> Vec<Point> {
-        let pts: Vec<Point> = sizes
-            .iter()
-            .map(|&n| Point::new(name, mtu, n, &[], Some(e.clone())))
-            .collect();
-        pts.iter().for_each(report_point);
-        pts
-    };
+    let fail_all = |e: String| failed_points(name, mtu, sizes, &e);
     let agent = crate::testbed::script_path().with_file_name("mpi_netns_agent.sh");
     if !agent.exists() {
         return fail_all(format!("{} not found", agent.display()));
