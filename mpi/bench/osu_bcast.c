@@ -47,12 +47,9 @@ static void check_buffer(const uint8_t *buf, long bytes, int rank)
 
 int main(int argc, char **argv)
 {
-    MPI_Init(&argc, &argv);
-    int rank, size;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    long max_bytes = argc > 1 ? atol(argv[1]) : 1 << 20;
-    int iterations = argc > 2 ? atoi(argv[2]) : 200;
+    struct osu_run run = osu_init(&argc, &argv);
+    int rank = run.rank, size = run.size, iterations = run.iterations;
+    long max_bytes = run.max_bytes;
     uint8_t *buf = malloc((size_t)max_bytes);
     if (!buf) {
         fprintf(stderr, "osu_bcast: rank %d: out of memory for %ld bytes\n", rank, max_bytes);

@@ -1,13 +1,33 @@
 /*
  * What the OSU-style latency programs (osu_allreduce.c, osu_bcast.c) share:
- * the number of timed calls per size and the report of one size's mean,
- * min and max over the ranks.
+ * the start of a run, the number of timed calls per size and the report of
+ * one size's mean, min and max over the ranks.
  */
 #ifndef AGGBOX_OSU_COMMON_H
 #define AGGBOX_OSU_COMMON_H
 
 #include <mpi.h>
 #include <stdio.h>
+#include <stdlib.h>
+
+/* A program's run: this rank, the ranks, and its two arguments. */
+struct osu_run {
+    int rank, size;
+    long max_bytes;  /* argv[1], default 1 MiB */
+    int iterations;  /* argv[2], default 200 */
+};
+
+/* MPI_Init and the arguments `PROGRAM [MAX_BYTES [ITERATIONS]]`. */
+static struct osu_run osu_init(int *argc, char ***argv)
+{
+    struct osu_run run;
+    MPI_Init(argc, argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &run.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &run.size);
+    run.max_bytes = *argc > 1 ? atol((*argv)[1]) : 1 << 20;
+    run.iterations = *argc > 2 ? atoi((*argv)[2]) : 200;
+    return run;
+}
 
 /* Fewer calls of the larger sizes, as OSU does, so that a run to the
  * 87.2 MB point takes minutes, not hours. */
