@@ -238,6 +238,17 @@ impl Node {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        // A worker past the deadline first dumps every thread's stack into
+        // its log (the scripts register faulthandler for SIGUSR1), so that
+        // a hang says where it was; then it is killed.
+        let late: Vec<usize> = (0..WORKERS).filter(|&r| statuses[r].is_none()).collect();
+        for &r in &late {
+            let pid = nix::unistd::Pid::from_raw(children[r].id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR1);
+        }
+        if !late.is_empty() {
+            std::thread::sleep(Duration::from_secs(2));
+        }
         let mut out = Vec::new();
         for (r, (s, mut c)) in statuses.into_iter().zip(children).enumerate() {
             let status = s.unwrap_or_else(|| {

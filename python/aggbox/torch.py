@@ -23,7 +23,9 @@ and waits for the future it returns before the optimizer step. The hook
 
 The calls run on one background thread per state, in the order DDP hands out
 the buckets (the same on every rank, as AggBox requires), with the GIL
-released, so the backward pass goes on while a bucket is reduced.
+released, so the backward pass goes on while a bucket is reduced. The
+fallback's allreduce is started at once; its wait and division run on the same
+thread, so no Python runs on the process group's own threads.
 """
 
 import threading
@@ -75,26 +77,41 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
     """Average `bucket` over the workers: through AggBox for CPU float32/int32
     buckets, through the process group otherwise (see the module docs)."""
     tensor = bucket.buffer()
-    if not served_by_aggbox(tensor):
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if served_by_aggbox(tensor):
+        state._count(aggbox=True)
+        op = "mean" if tensor.dtype == torch.float32 else "avg"
+
+        def reduce() -> None:
+            state.comm.allreduce(tensor, op=op)
+
+    else:
         state._count(aggbox=False)
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        if tensor.is_floating_point():
-            return fut.then(lambda f: f.value()[0].div_(world))
-        # An integer mean in place: truncated, as the runtime's int AVG is.
-        return fut.then(lambda f: f.value()[0].div_(world, rounding_mode="trunc"))
-    state._count(aggbox=True)
-    op = "mean" if tensor.dtype == torch.float32 else "avg"
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        work = dist.all_reduce(tensor, group=group, async_op=True)
 
-    def reduce() -> None:
+        # Waited for and divided on the state's thread, not in a callback
+        # (`get_future().then(...)`): such a callback runs Python on the
+        # process group's worker thread, which then needs the GIL, and
+        # torch 1.13 joins that thread, holding the GIL, when the last DDP
+        # model goes: a process that drops its model as the callback still
+        # finishes never exits.
+        def reduce() -> None:
+            work.wait()
+            if tensor.is_floating_point():
+                tensor.div_(world)
+            else:
+                # An integer mean in place: truncated, as the runtime's int AVG is.
+                tensor.div_(world, rounding_mode="trunc")
+
+    def run() -> None:
         try:
-            state.comm.allreduce(tensor, op=op)
+            reduce()
         except BaseException as e:  # noqa: BLE001 - DDP re-raises it from fut.wait()
             fut.set_exception(e)
         else:
             fut.set_result(tensor)
 
-    state._executor.submit(reduce)
+    state._executor.submit(run)
     return fut

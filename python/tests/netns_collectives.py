@@ -16,6 +16,8 @@ Prints one line per check; exits non-zero (a traceback) on the first failure.
 """
 
 import argparse
+import faulthandler
+import signal
 import sys
 import time
 
@@ -42,6 +44,8 @@ def main():
     ap.add_argument("--mismatch-job", type=int, required=True)
     ap.add_argument("--striped-jobs", required=True, help="comma-separated")
     a = ap.parse_args()
+    # Stacks of every thread on SIGUSR1 (the harness's, before a kill).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     r, w = a.rank, a.world
     torch.set_num_threads(1)
 

@@ -25,6 +25,9 @@ Prints JSON-ish lines; exits non-zero on a failure.
 
 import argparse
 import datetime
+import faulthandler
+import gc
+import signal
 import sys
 
 import torch
@@ -123,6 +126,9 @@ def main():
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args()
+    # The test harness sends SIGUSR1 to a worker past its deadline before
+    # killing it: every thread's stack goes to the log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     r = a.rank
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -192,6 +198,13 @@ def main():
     x, y = batch(r, 0)
     F.cross_entropy(plain(x), y).backward()
     assert plain_state.aggbox_buckets >= 1 and plain_state.fallback_buckets >= 1, "aggbox.torch.allreduce_hook ran"
+    # Gloo's process group is destroyed with the last DDP model that holds
+    # it: at interpreter exit that can be after the peers have gone, and
+    # torch 1.13's teardown then may wait forever. So every rank gets here
+    # (barrier) and drops the models while all peers are still connected.
+    dist.barrier()
+    del gloo, agg, plain, opt_g, opt_a
+    gc.collect()
     comm.close()
     dist.destroy_process_group()
     print("done", flush=True)
