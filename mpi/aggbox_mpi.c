@@ -7,11 +7,14 @@
  * else (configuration, the communicator, counters) is the Rust half
  * (mpi/src/lib.rs), over the aggbox runtime.
  *
- * Served: MPI_COMM_WORLD only; MPI_Allreduce and MPI_Reduce of MPI_INT /
- * MPI_INT32_T with MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR,
- * MPI_BXOR (and MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized);
- * MPI_Bcast of fixed-size predefined types. Anything else goes to the PMPI_
- * function unchanged and is counted.
+ * Served: MPI_Allreduce and MPI_Reduce of MPI_INT / MPI_INT32_T with
+ * MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR, MPI_BXOR (and
+ * MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized); MPI_Bcast of
+ * fixed-size predefined types; on MPI_COMM_WORLD and on every
+ * intracommunicator whose processes are a configured job's workers in its
+ * rank order (found at the communicator's first such call and cached on it
+ * as an attribute). Anything else goes to the PMPI_ function unchanged and
+ * is counted.
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -20,17 +23,32 @@
 #include <string.h>
 
 /* mpi/src/lib.rs */
-enum { AGGBOX_MPI_OK = 0, AGGBOX_MPI_OVERFLOW = 1, AGGBOX_MPI_ERROR = -1 };
+enum {
+    AGGBOX_MPI_OK = 0,
+    AGGBOX_MPI_OVERFLOW = 1,
+    AGGBOX_MPI_ERROR = -1,
+    AGGBOX_MPI_NOT_SERVED = -2,
+    AGGBOX_MPI_PENDING = -3,
+};
 enum { CALL_ALLREDUCE = 0, CALL_REDUCE = 1, CALL_BCAST = 2 };
 int aggbox_mpi_position(int rank, int size, uint32_t position[2]);
 int aggbox_mpi_start(uint32_t round, uint32_t agg_seq);
+int aggbox_mpi_comm_job(const int *world_ranks, int size, int rank, uint32_t position[2]);
+int aggbox_mpi_comm_start(uint32_t round, uint32_t agg_seq);
 void aggbox_mpi_finalize(void);
 void aggbox_mpi_count_passed(int call);
 int aggbox_mpi_serves(size_t bytes);
 int aggbox_mpi_serves_float(void);
-int aggbox_mpi_allreduce_i32(int32_t *buf, size_t len, int op, int call);
-int aggbox_mpi_allreduce_f32(float *buf, size_t len, int call);
-int aggbox_mpi_bcast(void *buf, size_t len, int root);
+int aggbox_mpi_allreduce_i32(int session, int32_t *buf, size_t len, int op, int call);
+int aggbox_mpi_allreduce_f32(int session, float *buf, size_t len, int call);
+int aggbox_mpi_bcast(int session, void *buf, size_t len, int root);
+
+/* MPI_COMM_WORLD's session (the Rust half's first), once MPI_Init opened it. */
+enum { WORLD_SESSION = 0 };
+/* The attribute that caches on a communicator which session serves it
+ * (AGGBOX_MPI_NOT_SERVED: none); MPI_Comm_dup copies it (same processes,
+ * same order), MPI_Comm_free drops it with the communicator. */
+static int session_keyval = MPI_KEYVAL_INVALID;
 
 /* aggbox::wire::abi::Op numbers of the MPI ops AggBox computes exactly as
  * MPI does on int32 (SUM and PROD up to overflow, which falls back). */
@@ -72,32 +90,89 @@ static void fail(const char *what)
 }
 
 /*
- * Every rank asks the node where this run starts (the round and
- * contribution seq after everything an earlier run on the same running node
- * used: docs/MPI.md), then the ranks agree on the newest answer, so that
- * all start at the same position even if a RESULT reached the node between
- * two ranks' queries. Rounds and seqs are serial numbers that wrap, so the
- * newest is rank 0's answer plus the largest (signed) distance of any
- * rank's answer from it: PMPI_Bcast of rank 0's, PMPI_Allreduce(MAX) of the
- * distances.
+ * Where a job's session starts: every rank of `comm` asked the node (the
+ * round and contribution seq after everything an earlier run on the same
+ * running node used: docs/MPI.md) and passes its answer as `mine`; the
+ * ranks agree on the newest answer, so that all start at the same position
+ * even if a RESULT reached the node between two ranks' queries. Rounds and
+ * seqs are serial numbers that wrap, so the newest is rank 0's answer plus
+ * the largest (signed) distance of any rank's answer from it: PMPI_Bcast of
+ * rank 0's, PMPI_Allreduce(MAX) of the distances.
  */
+static void agree(MPI_Comm comm, const uint32_t mine[2], uint32_t agreed[2], const char *what)
+{
+    uint32_t base[2] = { mine[0], mine[1] };
+    int32_t ahead[2], most[2];
+    if (PMPI_Bcast(base, 2, MPI_UINT32_T, 0, comm) != MPI_SUCCESS) fail(what);
+    ahead[0] = (int32_t)(mine[0] - base[0]);
+    ahead[1] = (int32_t)(mine[1] - base[1]);
+    if (PMPI_Allreduce(ahead, most, 2, MPI_INT32_T, MPI_MAX, comm) != MPI_SUCCESS) fail(what);
+    agreed[0] = base[0] + (uint32_t)most[0];
+    agreed[1] = base[1] + (uint32_t)most[1];
+}
+
 static int start(void)
 {
     int rank, size;
-    uint32_t mine[2] = { 0, 0 }, base[2];
-    int32_t ahead[2], most[2];
+    uint32_t mine[2] = { 0, 0 }, agreed[2];
     PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
     PMPI_Comm_size(MPI_COMM_WORLD, &size);
     if (aggbox_mpi_position(rank, size, mine) != AGGBOX_MPI_OK) fail("MPI_Init");
-    base[0] = mine[0];
-    base[1] = mine[1];
-    if (PMPI_Bcast(base, 2, MPI_UINT32_T, 0, MPI_COMM_WORLD) != MPI_SUCCESS) fail("MPI_Init");
-    ahead[0] = (int32_t)(mine[0] - base[0]);
-    ahead[1] = (int32_t)(mine[1] - base[1]);
-    if (PMPI_Allreduce(ahead, most, 2, MPI_INT32_T, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS) fail("MPI_Init");
-    if (aggbox_mpi_start(base[0] + (uint32_t)most[0], base[1] + (uint32_t)most[1]) != AGGBOX_MPI_OK)
-        fail("MPI_Init");
+    agree(MPI_COMM_WORLD, mine, agreed, "MPI_Init");
+    if (aggbox_mpi_start(agreed[0], agreed[1]) != AGGBOX_MPI_OK) fail("MPI_Init");
+    if (PMPI_Comm_create_keyval(MPI_COMM_DUP_FN, MPI_COMM_NULL_DELETE_FN, &session_keyval, NULL) != MPI_SUCCESS)
+        fail("MPI_Init (an attribute key)");
     return MPI_SUCCESS;
+}
+
+/*
+ * Which session serves `comm` (another communicator than MPI_COMM_WORLD),
+ * found at its first call that AggBox could serve: every rank of it makes
+ * that call with the same arguments, so every rank asks here at the same
+ * moment, gets the same answer, and takes part in the agreement when the
+ * job's session is new. The processes are named by their MPI_COMM_WORLD
+ * ranks in `comm`'s rank order; the Rust half matches them to a job's
+ * workers.
+ */
+static int find_session(MPI_Comm comm)
+{
+    int inter = 0, size, rank;
+    if (PMPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) return AGGBOX_MPI_NOT_SERVED;
+    PMPI_Comm_size(comm, &size);
+    PMPI_Comm_rank(comm, &rank);
+    int *ranks = malloc(2 * (size_t)size * sizeof(int));
+    if (!ranks) fail("a communicator's first call (out of memory)");
+    int *world_ranks = ranks + size;
+    for (int i = 0; i < size; i++) ranks[i] = i;
+    MPI_Group group, world;
+    PMPI_Comm_group(comm, &group);
+    PMPI_Comm_group(MPI_COMM_WORLD, &world);
+    PMPI_Group_translate_ranks(group, size, ranks, world, world_ranks);
+    PMPI_Group_free(&group);
+    PMPI_Group_free(&world);
+    uint32_t mine[2] = { 0, 0 }, agreed[2];
+    int session = aggbox_mpi_comm_job(world_ranks, size, rank, mine);
+    free(ranks);
+    if (session == AGGBOX_MPI_PENDING) {
+        agree(comm, mine, agreed, "a communicator's first call");
+        session = aggbox_mpi_comm_start(agreed[0], agreed[1]);
+    }
+    if (session == AGGBOX_MPI_ERROR) fail("a communicator's first call");
+    return session;
+}
+
+/* The session that serves `comm`, or AGGBOX_MPI_NOT_SERVED. */
+static int comm_session(MPI_Comm comm)
+{
+    if (comm == MPI_COMM_WORLD) return WORLD_SESSION;
+    if (comm == MPI_COMM_NULL || session_keyval == MPI_KEYVAL_INVALID) return AGGBOX_MPI_NOT_SERVED;
+    void *cached = NULL;
+    int found = 0;
+    if (PMPI_Comm_get_attr(comm, session_keyval, &cached, &found) != MPI_SUCCESS) return AGGBOX_MPI_NOT_SERVED;
+    if (found) return (int)(intptr_t)cached;
+    int session = find_session(comm);
+    PMPI_Comm_set_attr(comm, session_keyval, (void *)(intptr_t)session);
+    return session;
 }
 
 int MPI_Init(int *argc, char ***argv)
@@ -115,31 +190,35 @@ int MPI_Init_thread(int *argc, char ***argv, int required, int *provided)
 int MPI_Finalize(void)
 {
     aggbox_mpi_finalize();
+    if (session_keyval != MPI_KEYVAL_INVALID) PMPI_Comm_free_keyval(&session_keyval);
     return PMPI_Finalize();
 }
 
-/* Whether AggBox serves a reduction of `count` elements of `type` with `op`
- * on `comm`; the same answer on every rank, as every rank passes the same
- * arguments to a collective. */
-static int serves_reduction(int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm)
+/* The session that serves a reduction of `count` elements of `type` with
+ * `op` on `comm`, or AGGBOX_MPI_NOT_SERVED; the same answer on every rank,
+ * as every rank passes the same arguments to a collective (the
+ * communicator is looked at last: its first look is collective). */
+static int reduction_session(int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm)
 {
-    if (comm != MPI_COMM_WORLD || count <= 0) return 0;
-    if (is_int32(type)) return aggbox_op(op) >= 0 && aggbox_mpi_serves((size_t)count * 4);
-    if (type == MPI_FLOAT) return op == MPI_SUM && aggbox_mpi_serves_float() && aggbox_mpi_serves((size_t)count * 4);
-    return 0;
+    int served = 0;
+    if (count <= 0) return AGGBOX_MPI_NOT_SERVED;
+    if (is_int32(type)) served = aggbox_op(op) >= 0 && aggbox_mpi_serves((size_t)count * 4);
+    else if (type == MPI_FLOAT) served = op == MPI_SUM && aggbox_mpi_serves_float() && aggbox_mpi_serves((size_t)count * 4);
+    return served ? comm_session(comm) : AGGBOX_MPI_NOT_SERVED;
 }
 
 /* Reduces buf[..count] in place on every rank; AGGBOX_MPI_OVERFLOW means
  * the int32 result was clamped and the caller reruns with PMPI. */
-static int reduce_in_place(void *buf, int count, MPI_Datatype type, MPI_Op op, int call)
+static int reduce_in_place(int session, void *buf, int count, MPI_Datatype type, MPI_Op op, int call)
 {
-    if (type == MPI_FLOAT) return aggbox_mpi_allreduce_f32(buf, (size_t)count, call);
-    return aggbox_mpi_allreduce_i32(buf, (size_t)count, aggbox_op(op), call);
+    if (type == MPI_FLOAT) return aggbox_mpi_allreduce_f32(session, buf, (size_t)count, call);
+    return aggbox_mpi_allreduce_i32(session, buf, (size_t)count, aggbox_op(op), call);
 }
 
 int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-    if (!serves_reduction(count, datatype, op, comm)) {
+    int session = reduction_session(count, datatype, op, comm);
+    if (session < 0) {
         aggbox_mpi_count_passed(CALL_ALLREDUCE);
         return PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
     }
@@ -153,7 +232,7 @@ int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype da
         if (!input) fail("MPI_Allreduce (out of memory)");
         memcpy(input, recvbuf, bytes);
     }
-    int status = reduce_in_place(recvbuf, count, datatype, op, CALL_ALLREDUCE);
+    int status = reduce_in_place(session, recvbuf, count, datatype, op, CALL_ALLREDUCE);
     int rc = MPI_SUCCESS;
     if (status == AGGBOX_MPI_OVERFLOW) rc = PMPI_Allreduce(input, recvbuf, count, datatype, op, comm);
     else if (status != AGGBOX_MPI_OK) fail("MPI_Allreduce");
@@ -168,9 +247,10 @@ int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype da
 int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype, MPI_Op op, int root, MPI_Comm comm)
 {
     int rank = -1;
-    if (comm == MPI_COMM_WORLD) PMPI_Comm_rank(comm, &rank);
+    int session = reduction_session(count, datatype, op, comm);
+    if (session >= 0) PMPI_Comm_rank(comm, &rank);
     /* MPI_IN_PLACE off the root is erroneous: PMPI reports it. */
-    if (!serves_reduction(count, datatype, op, comm) || (sendbuf == MPI_IN_PLACE && rank != root)) {
+    if (session < 0 || (sendbuf == MPI_IN_PLACE && rank != root)) {
         aggbox_mpi_count_passed(CALL_REDUCE);
         return PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
     }
@@ -178,7 +258,7 @@ int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datat
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) fail("MPI_Reduce (out of memory)");
     memcpy(scratch, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf, bytes);
-    int status = reduce_in_place(scratch, count, datatype, op, CALL_REDUCE);
+    int status = reduce_in_place(session, scratch, count, datatype, op, CALL_REDUCE);
     int rc = MPI_SUCCESS;
     if (status == AGGBOX_MPI_OK) {
         if (rank == root) memcpy(recvbuf, scratch, bytes);
@@ -193,12 +273,13 @@ int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datat
 
 int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root, MPI_Comm comm)
 {
-    int size = 0;
-    if (comm == MPI_COMM_WORLD && count > 0 && is_plain(datatype)) PMPI_Type_size(datatype, &size);
-    if (size == 0 || !aggbox_mpi_serves((size_t)count * (size_t)size)) {
+    int size = 0, session = AGGBOX_MPI_NOT_SERVED;
+    if (count > 0 && is_plain(datatype)) PMPI_Type_size(datatype, &size);
+    if (size > 0 && aggbox_mpi_serves((size_t)count * (size_t)size)) session = comm_session(comm);
+    if (session < 0) {
         aggbox_mpi_count_passed(CALL_BCAST);
         return PMPI_Bcast(buffer, count, datatype, root, comm);
     }
-    if (aggbox_mpi_bcast(buffer, (size_t)count * (size_t)size, root) != AGGBOX_MPI_OK) fail("MPI_Bcast");
+    if (aggbox_mpi_bcast(session, buffer, (size_t)count * (size_t)size, root) != AGGBOX_MPI_OK) fail("MPI_Bcast");
     return MPI_SUCCESS;
 }

@@ -38,6 +38,15 @@ const JOB_PORT: u16 = 7600;
 const RESULT_PORT: u16 = 7601;
 const GROUP: u16 = 4;
 const DATA_PORT: u16 = 7700;
+/// A second job, of the even MPI_COMM_WORLD ranks in reverse order: it
+/// serves collectives.c's communicator of those ranks (MPI_Comm_split),
+/// each rank's data socket on HALF_DATA_PORT (its own port: a socket per
+/// job).
+const HALF_JOB: u16 = 12;
+const HALF_JOB_PORT: u16 = 7610;
+const HALF_RESULT_PORT: u16 = 7611;
+const HALF_GROUP: u16 = 5;
+const HALF_DATA_PORT: u16 = 7701;
 /// Per-call deadline of the ranks' communicators: a failure shows well
 /// within the test's own limit on each run (RUN_LIMIT).
 const DEADLINE_MS: u64 = 10_000;
@@ -110,10 +119,19 @@ impl MpiBed {
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let tb = Testbed::up(TestbedConfig { hosts: ranks + 1, ..Default::default() }).expect("testbed");
         let workers: Vec<String> = (1..=ranks).map(|h| tb.host(h).addr.to_string()).collect();
+        // World rank r is host r + 1: the even ranks, highest first.
+        let half: Vec<String> = workers.iter().step_by(2).rev().cloned().collect();
+        let job = |id: u16, port: u16, result_port: u16, group: u16, workers: &[String], data_port: u16| {
+            format!(
+                "[[job]]\nid = {id}\nport = {port}\nworkers = [{}]\nresult_port = {result_port}\nresult_group = {group}\nconsumer = \"node\"\n\n[[group]]\nid = {group}\nmembers = [{}]\n",
+                workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
+                workers.iter().map(|w| format!("\"{w}:{data_port}\"")).collect::<Vec<_>>().join(", "),
+            )
+        };
         let text = format!(
-            "[[job]]\nid = {JOB}\nport = {JOB_PORT}\nworkers = [{}]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nconsumer = \"node\"\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
-            workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
-            workers.iter().map(|w| format!("\"{w}:{DATA_PORT}\"")).collect::<Vec<_>>().join(", "),
+            "{}\n{}",
+            job(JOB, JOB_PORT, RESULT_PORT, GROUP, &workers, DATA_PORT),
+            job(HALF_JOB, HALF_JOB_PORT, HALF_RESULT_PORT, HALF_GROUP, &half, HALF_DATA_PORT)
         );
         let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test dir");
@@ -228,15 +246,40 @@ fn result_lines(out: &Output) -> Vec<String> {
     String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("result ")).map(str::to_string).collect()
 }
 
-/// Every rank printed its counters (`AGGBOX_MPI_STATS=1`) as `want`
+/// Every rank printed its counters (`AGGBOX_MPI_STATS=1`) as `want(r)`
 /// (mpirun forwards the ranks' stderr interleaved, so searched for, not
 /// split into lines).
-fn assert_counters(out: &Output, ranks: usize, want: &str, what: &str) {
+fn assert_counters(out: &Output, ranks: usize, want: impl Fn(usize) -> String, what: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     for r in 0..ranks {
-        let line = format!("aggbox-mpi: rank {r}: served {want}");
+        let line = format!("aggbox-mpi: rank {r}: served {}", want(r));
         assert!(stderr.contains(&line), "{what}: rank {r} printed no \"{line}\" in:\n{stderr}");
     }
+}
+
+/// The counters world rank `r` must print after collectives.c's default
+/// program with `served` of its sizes served and `passed` passed through
+/// (AGGBOX_MPI_MIN_BYTES). Per served size: 7 ops × (allreduce + in-place
+/// allreduce) and 7 × 2 reduces served, the SUM that wraps overflowed
+/// (rerun with PMPI), one bcast; per passed size the same 15 allreduces,
+/// 14 reduces and the bcast passed. Then passed_through()'s 2 allreduces
+/// (int64, a user op) pass, and of communicators(): the allreduce on the
+/// duplicate of MPI_COMM_WORLD is served (its job), the reversed half's
+/// allreduce, reduce, bcast and its duplicate's allreduce are served on the
+/// even ranks (HALF_JOB) and passed on the odd ones (no job), the
+/// world-order half's allreduce passes everywhere (no job in that order).
+fn counters(r: usize, served: usize, passed: usize) -> String {
+    let even = usize::from(r % 2 == 0);
+    let odd = 1 - even;
+    format!(
+        "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; passed through MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; overflowed (rerun with PMPI) MPI_Allreduce={served} MPI_Reduce=0 MPI_Bcast=0",
+        14 * served + 1 + 2 * even,
+        14 * served + even,
+        served + even,
+        15 * passed + 2 + 1 + 2 * odd,
+        14 * passed + odd,
+        passed + odd,
+    )
 }
 
 /// Runs the program over `ranks` ranks without and with the library of
@@ -252,22 +295,26 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     let plain = bed.mpirun(mpi, ranks, &[], &program, &sizes);
     assert!(plain.status.success(), "plain {} run failed", mpi.name());
     let reference = result_lines(&plain);
-    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 3, "rank 0's result lines of the plain run");
+    // Per size 7 ops × 4 calls, the SUM that wraps and the bcast; 2
+    // pass-through calls; 6 calls of communicators().
+    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
 
     let before = bed.node().outcomes();
     let served = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[]), &program, &sizes);
     assert!(served.status.success(), "{} run with libaggbox_mpi failed", mpi.name());
     assert_eq!(result_lines(&served), reference, "results with the library differ from plain MPI's");
-    // Per size: 7 ops × (allreduce + in-place allreduce) served, the SUM
-    // that wraps overflowed (rerun with PMPI), 7 × 2 reduces, one bcast;
-    // then the program's 3 calls that must pass through.
-    let n = sizes.len();
-    let want = format!(
-        "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={n}; passed through MPI_Allreduce=3 MPI_Reduce=0 MPI_Bcast=0; overflowed (rerun with PMPI) MPI_Allreduce={n} MPI_Reduce=0 MPI_Bcast=0",
-        14 * n,
-        14 * n
-    );
-    assert_counters(&served, ranks, &want, "counters");
+    assert_counters(&served, ranks, |r| counters(r, sizes.len(), 0), "counters");
+    // Each rank's line names the sessions it opened: MPI_COMM_WORLD's job,
+    // and HALF_JOB on the even ranks only.
+    let stderr = String::from_utf8_lossy(&served.stderr);
+    for r in 0..ranks {
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with(&format!("aggbox-mpi: rank {r}: served")))
+            .expect("a counters line");
+        assert!(line.contains(&format!("; job {JOB} datagrams")), "rank {r}: {line}");
+        assert_eq!(line.contains(&format!("; job {HALF_JOB} datagrams")), r % 2 == 0, "rank {r}: {line}");
+    }
     let after = bed.node().outcomes();
     let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
     eprintln!("node outcomes during the run: {after:?} (before {before:?})");
@@ -281,8 +328,7 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     assert!(out.status.success(), "run with AGGBOX_MPI_MIN_BYTES failed");
     let plain_small = bed.mpirun(mpi, ranks, &[], &program, &small);
     assert_eq!(result_lines(&out), result_lines(&plain_small), "results under AGGBOX_MPI_MIN_BYTES");
-    let want = "MPI_Allreduce=14 MPI_Reduce=14 MPI_Bcast=1; passed through MPI_Allreduce=33 MPI_Reduce=28 MPI_Bcast=2; overflowed (rerun with PMPI) MPI_Allreduce=1 MPI_Reduce=0 MPI_Bcast=0";
-    assert_counters(&out, ranks, want, "counters with AGGBOX_MPI_MIN_BYTES");
+    assert_counters(&out, ranks, |r| counters(r, 1, 2), "counters with AGGBOX_MPI_MIN_BYTES");
 }
 
 #[test]
@@ -343,7 +389,7 @@ fn a_rank_killed_mid_call_fails_the_others_within_the_deadline() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("no failure"), "no survivor ran on: {stderr}");
     assert!(
-        stderr.lines().any(|l| l.starts_with("aggbox-mpi: rank ") && l.contains("MPI_Allreduce: allreduce round") && l.contains("timed out")),
+        stderr.lines().any(|l| l.starts_with("aggbox-mpi: rank ") && l.contains(&format!("MPI_Allreduce: job {JOB}: allreduce round")) && l.contains("timed out")),
         "a survivor's call timed out with the runtime's reason: {stderr}"
     );
 }
@@ -370,7 +416,7 @@ fn openmpi_float_sum_served_only_when_asked() {
             .collect();
         let out = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &args);
         assert!(out.status.success(), "float run with AGGBOX_MPI_FLOAT={float} failed");
-        assert_counters(&out, 4, want, &format!("AGGBOX_MPI_FLOAT={float}"));
+        assert_counters(&out, 4, |_| want.to_string(), &format!("AGGBOX_MPI_FLOAT={float}"));
     }
 }
 
@@ -391,13 +437,9 @@ fn consecutive_runs_on_one_running_node_all_succeed_with_exact_results() {
     let plain = bed.mpirun(Mpi::OpenMpi, 4, &[], &openmpi, &sizes);
     assert!(plain.status.success(), "plain run failed");
     let reference = result_lines(&plain);
-    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 3, "rank 0's result lines of the plain run");
-    let n = sizes.len();
-    let want = format!(
-        "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={n}; passed through MPI_Allreduce=3 MPI_Reduce=0 MPI_Bcast=0; overflowed (rerun with PMPI) MPI_Allreduce={n} MPI_Reduce=0 MPI_Bcast=0",
-        14 * n,
-        14 * n
-    );
+    // Per size 7 ops × 4 calls, the SUM that wraps and the bcast; 2
+    // pass-through calls; 6 calls of communicators().
+    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
     let before = bed.node().status();
     let served = |s: &aggbox::node::NodeStatus| s.served.get(&JOB).copied().unwrap_or_default();
     let mut rounds = served(&before).rounds;
@@ -405,7 +447,7 @@ fn consecutive_runs_on_one_running_node_all_succeed_with_exact_results() {
         let out = bed.mpirun(mpi, 4, &bed.aggbox_env(mpi, &[]), program, &sizes);
         assert!(out.status.success(), "run {} ({}) on the running node failed", run + 1, mpi.name());
         assert_eq!(result_lines(&out), reference, "run {}: results differ from plain MPI's", run + 1);
-        assert_counters(&out, 4, &want, &format!("run {}", run + 1));
+        assert_counters(&out, 4, |r| counters(r, sizes.len(), 0), &format!("run {}", run + 1));
         // The counters are published every 50 ms.
         std::thread::sleep(Duration::from_millis(200));
         let now = served(&bed.node().status());

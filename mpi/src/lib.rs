@@ -1,13 +1,16 @@
 //! The Rust half of `libaggbox_mpi_*.so` (docs/MPI.md): a C ABI over one
-//! [`aggbox::runtime::Communicator`] per MPI process.
+//! [`aggbox::runtime::Communicator`] per AggBox job an MPI process uses.
 //!
 //! The C shim (`mpi/aggbox_mpi.c`) intercepts the MPI calls through the PMPI
 //! profiling interface and decides which ones AggBox serves (it alone can
 //! read the implementation's handles); this crate reads the configuration
-//! (environment variables and the node TOML), builds the communicator at
-//! `MPI_Init`, runs the calls, and counts what was served and what passed
-//! through. Every call returns an `AGGBOX_MPI_*` status code; a failure also
-//! prints its reason to stderr, prefixed `aggbox-mpi: rank R:`.
+//! (environment variables and the node TOML), builds MPI_COMM_WORLD's
+//! session at `MPI_Init` and another communicator's at its first served
+//! call (the job whose workers are its processes, in its rank order), runs
+//! the calls, and counts what was served and what passed through. The shim
+//! names a session by the index these functions return. Every call returns
+//! an `AGGBOX_MPI_*` status code; a failure also prints its reason to
+//! stderr, prefixed `aggbox-mpi: rank R:` (R: the MPI_COMM_WORLD rank).
 
 use std::ffi::c_int;
 use std::net::Ipv4Addr;
@@ -31,6 +34,13 @@ pub const AGGBOX_MPI_OVERFLOW: c_int = 1;
 /// The call failed (message printed); MPI's default error handler on
 /// MPI_COMM_WORLD is fatal, so the shim aborts the job.
 pub const AGGBOX_MPI_ERROR: c_int = -1;
+/// [`aggbox_mpi_comm_job`]: no job of the configuration serves the
+/// communicator; its calls pass through.
+pub const AGGBOX_MPI_NOT_SERVED: c_int = -2;
+/// [`aggbox_mpi_comm_job`]: a job serves the communicator and its session
+/// is to be opened: the ranks agree on the position and call
+/// [`aggbox_mpi_comm_start`].
+pub const AGGBOX_MPI_PENDING: c_int = -3;
 
 /// Environment variables (docs/MPI.md has the table).
 const ENV_CONFIG: &str = "AGGBOX_MPI_CONFIG";
@@ -56,16 +66,53 @@ fn call_index(call: c_int) -> usize {
         .unwrap_or(0)
 }
 
-/// What `MPI_Init` set up; `None` before it and after `MPI_Finalize`.
-struct Session {
-    comm: Communicator,
-    rank: c_int,
+/// What `MPI_Init` read, for every communicator of the run.
+struct Settings {
+    /// The configuration file and what it holds.
+    path: String,
+    config: Config,
+    /// The job of MPI_COMM_WORLD and its workers: world rank r's address is
+    /// `world_workers[r]`, which is how another communicator's processes
+    /// are matched to a job's workers.
+    world_job: u16,
+    world_workers: Vec<Ipv4Addr>,
+    world_rank: c_int,
+    node: Ipv4Addr,
+    /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port (other jobs take
+    /// theirs from their result groups: one socket per job).
+    data_port: Option<u16>,
+    deadline: Option<Duration>,
     min_bytes: usize,
     float: bool,
     stats: bool,
 }
 
-static SESSION: Mutex<Option<Session>> = Mutex::new(None);
+/// One AggBox job's communicator; every MPI communicator whose processes
+/// are the job's workers in the same order uses it (MPI_COMM_WORLD and its
+/// duplicates share the first).
+struct Session {
+    comm: Communicator,
+    job: u16,
+}
+
+/// Everything between `MPI_Init` and `MPI_Finalize`. A served call holds
+/// the lock for its duration: calls are serialised (MPI requires the same
+/// order of collectives on every rank anyway).
+struct Shim {
+    settings: Settings,
+    /// Indexed by the session numbers handed to the shim; the first is
+    /// MPI_COMM_WORLD's.
+    sessions: Vec<Session>,
+    /// The session being opened ([`aggbox_mpi_comm_job`] → the ranks agree
+    /// → [`aggbox_mpi_comm_start`]).
+    pending: Option<Pending>,
+}
+
+static SHIM: Mutex<Option<Shim>> = Mutex::new(None);
+
+fn shim() -> std::sync::MutexGuard<'static, Option<Shim>> {
+    SHIM.lock().unwrap_or_else(|e| e.into_inner())
+}
 /// Calls AggBox served, calls passed to PMPI unchanged, and calls whose
 /// integer result overflowed and were rerun with PMPI; per entry of CALLS.
 static SERVED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
@@ -85,24 +132,21 @@ fn env_parsed<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
         .transpose()
 }
 
-/// What `aggbox_mpi_position` prepared for `aggbox_mpi_start`: the
-/// communicator's builder, before the ranks agreed on where to start.
+/// A session being opened: its communicator's builder, before the ranks
+/// agreed on where to start.
 struct Pending {
     builder: CommunicatorBuilder,
     job: u16,
+    /// This process's rank in the communicator (its worker index in the
+    /// job) and the communicator's size.
     rank: c_int,
     size: c_int,
-    node: Ipv4Addr,
     data_port: u16,
-    min_bytes: usize,
-    float: bool,
 }
 
-static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
-
-/// Reads the configuration of MPI_COMM_WORLD rank `rank` of `size` and
-/// asks the node where this run starts.
-fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> {
+/// Reads what `MPI_Init` needs: the configuration, MPI_COMM_WORLD's job
+/// (which must have `size` workers) and the variables.
+fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
     let path = env(ENV_CONFIG).ok_or_else(|| {
         format!("{ENV_CONFIG} is not set: it names the node configuration (TOML) whose job serves MPI_COMM_WORLD")
     })?;
@@ -128,6 +172,43 @@ fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> 
             job.workers.len()
         ));
     }
+    let node: Ipv4Addr = env_parsed(ENV_NODE)?
+        .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
+    let float = match env(ENV_FLOAT).as_deref() {
+        None | Some("off") => false,
+        Some("quantized") => true,
+        Some(v) => return Err(format!("{ENV_FLOAT}={v:?}: expected \"quantized\" (serve MPI_FLOAT MPI_SUM, not bit-exact) or \"off\"")),
+    };
+    Ok(Settings {
+        world_job: job.id,
+        world_workers: job.workers.clone(),
+        world_rank: rank,
+        node,
+        data_port: env_parsed(ENV_DATA_PORT)?,
+        deadline: env_parsed::<u64>(ENV_DEADLINE_MS)?.map(Duration::from_millis),
+        min_bytes: env_parsed::<usize>(ENV_MIN_BYTES)?.unwrap_or(0),
+        float,
+        stats: env(ENV_STATS).is_some_and(|v| v != "0"),
+        path,
+        config,
+    })
+}
+
+/// Prepares the session of job `job` for the process that is worker `rank`
+/// of `size` and asks the node where it starts.
+fn prepare(settings: &Settings, job: u16, rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> {
+    let path = &settings.path;
+    let job = settings
+        .config
+        .job(job)
+        .ok_or_else(|| format!("no job {job} in {path}"))?;
+    if job.workers.len() != size as usize {
+        return Err(format!(
+            "job {} of {path} has {} workers for a communicator of {size} ranks",
+            job.id,
+            job.workers.len()
+        ));
+    }
     if job.weights.iter().any(|&w| w != 1) {
         // SUM is Σ w·v on the node; MPI's is Σ v.
         return Err(format!(
@@ -135,37 +216,37 @@ fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> 
             job.id
         ));
     }
-    let node: Ipv4Addr = env_parsed(ENV_NODE)?
-        .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
-    // Each worker's data socket: the variable, or this worker's member of
-    // the job's result group (the RESULTs go there, so it is the socket).
+    // Each worker's data socket: this worker's member of the job's result
+    // group (the RESULTs go there, so it is the socket); for MPI_COMM_WORLD's
+    // job AGGBOX_MPI_DATA_PORT first. A process has a socket per job, so
+    // the other jobs' ports must come from their groups.
     let me = job.workers[rank as usize];
     let group_port = job
         .result_group
-        .and_then(|g| config.group(g))
+        .and_then(|g| settings.config.group(g))
         .and_then(|g| g.members.iter().find(|m| *m.ip() == me))
         .map(|m| m.port());
-    let data_port: u16 = env_parsed(ENV_DATA_PORT)?.or(group_port).ok_or_else(|| {
-        format!("{ENV_DATA_PORT} is not set and job {}'s result group has no member at {me}: set it to the UDP port of each worker's data socket", job.id)
-    })?;
-    let min_bytes = env_parsed::<usize>(ENV_MIN_BYTES)?.unwrap_or(0);
-    let float = match env(ENV_FLOAT).as_deref() {
-        None | Some("off") => false,
-        Some("quantized") => true,
-        Some(v) => return Err(format!("{ENV_FLOAT}={v:?}: expected \"quantized\" (serve MPI_FLOAT MPI_SUM, not bit-exact) or \"off\"")),
+    let data_port = if job.id == settings.world_job {
+        settings.data_port.or(group_port).ok_or_else(|| {
+            format!("{ENV_DATA_PORT} is not set and job {}'s result group has no member at {me}: set it to the UDP port of each worker's data socket", job.id)
+        })?
+    } else {
+        group_port.ok_or_else(|| {
+            format!("job {} of {path} serves a communicator of this process, but its result group has no member at {me}: each job a process uses needs its own data port there", job.id)
+        })?
     };
     let mut builder = CommunicatorBuilder::from_config(
-        &config,
+        &settings.config,
         job.id,
-        node,
+        settings.node,
         data_port,
         Participant::Worker(rank as u16),
     )
     .map_err(|e| e.to_string())?
     .backend(BackendKind::Kernel)
     .quantization(Quantization::Adaptive);
-    if let Some(ms) = env_parsed::<u64>(ENV_DEADLINE_MS)? {
-        builder = builder.deadline(Duration::from_millis(ms));
+    if let Some(d) = settings.deadline {
+        builder = builder.deadline(d);
     }
     // Where this run starts: after every round an earlier run on the same
     // running node used (docs/MPI.md, "Consecutive runs on one node").
@@ -177,35 +258,29 @@ fn prepare(rank: c_int, size: c_int) -> Result<(Pending, NodePosition), String> 
         job: job.id,
         rank,
         size,
-        node,
         data_port,
-        min_bytes,
-        float,
     };
     Ok((pending, position))
 }
 
 /// Builds the session prepared by [`prepare`], its first call at `round`,
-/// `agg_seq` (agreed by every rank).
-fn open(p: Pending, round: u32, agg_seq: u32) -> Result<Session, String> {
+/// `agg_seq` (agreed by every rank of the communicator).
+fn open(p: Pending, node: Ipv4Addr, round: u32, agg_seq: u32) -> Result<Session, String> {
     let Pending {
         builder,
         job,
         rank,
         size,
-        node,
         data_port,
-        min_bytes,
-        float,
     } = p;
     let me = builder.config().peers[rank as usize];
     let comm = builder
         .resume(Round(round), agg_seq)
         .build()
         .map_err(|e| format!("job {job} worker {rank} at {}:{data_port}: {e}", me.ip()))?;
-    // A first allreduce at MPI_Init, so that a node that does not serve the
-    // job (another configuration, a data path that does not reach it)
-    // fails here with the reason, not in the middle of the program.
+    // A first allreduce, so that a node that does not serve the job
+    // (another configuration, a data path that does not reach it) fails
+    // here with the reason, not in the middle of the program.
     let mut ranks = [1i32];
     match comm.allreduce_i32(&mut ranks, Op::Sum) {
         Ok(_) if ranks[0] == size => {}
@@ -216,13 +291,7 @@ fn open(p: Pending, round: u32, agg_seq: u32) -> Result<Session, String> {
             ))
         }
     }
-    Ok(Session {
-        comm,
-        rank,
-        min_bytes,
-        float,
-        stats: env(ENV_STATS).is_some_and(|v| v != "0"),
-    })
+    Ok(Session { comm, job })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
@@ -234,11 +303,47 @@ fn report(rank: c_int, what: &str, msg: impl std::fmt::Display) {
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
+/// Writes `at` to the shim's `position` (2 × u32: round, contribution seq).
+///
+/// # Safety
+/// `position` is null or points to 2 writable `u32`.
+unsafe fn write_position(position: *mut u32, at: &NodePosition) {
+    if !position.is_null() {
+        let out = std::slice::from_raw_parts_mut(position, 2);
+        out[0] = at.round.0;
+        out[1] = at.agg_seq;
+    }
+}
+
+/// Opens the pending session at the agreed position; its index, or
+/// AGGBOX_MPI_ERROR (reported as `what`).
+fn start_pending(what: &str, round: u32, agg_seq: u32) -> c_int {
+    let mut guard = shim();
+    let Some(shim) = guard.as_mut() else {
+        eprintln!("aggbox-mpi: {what}: no session is being opened (a bug in the shim)");
+        return AGGBOX_MPI_ERROR;
+    };
+    let Some(pending) = shim.pending.take() else {
+        report(shim.settings.world_rank, what, "no session is being opened (a bug in the shim)");
+        return AGGBOX_MPI_ERROR;
+    };
+    match open(pending, shim.settings.node, round, agg_seq) {
+        Ok(session) => {
+            shim.sessions.push(session);
+            (shim.sessions.len() - 1) as c_int
+        }
+        Err(e) => {
+            report(shim.settings.world_rank, what, e);
+            AGGBOX_MPI_ERROR
+        }
+    }
+}
+
 /// Called first by the shim's `MPI_Init`/`MPI_Init_thread` after
 /// `PMPI_Init`, with the MPI_COMM_WORLD rank and size: reads the
-/// configuration and asks the node where this run starts; writes the
-/// node's answer to `position` (round, contribution seq). The shim then
-/// makes the ranks agree on the newest answer and calls
+/// configuration and asks the node where MPI_COMM_WORLD's job starts;
+/// writes the node's answer to `position` (round, contribution seq). The
+/// shim then makes the ranks agree on the newest answer and calls
 /// [`aggbox_mpi_start`] with it. On an error (configuration, world size ≠
 /// workers, a socket, no answer from the node) it prints why and returns
 /// AGGBOX_MPI_ERROR; the shim then aborts the job.
@@ -251,14 +356,18 @@ pub unsafe extern "C" fn aggbox_mpi_position(
     size: c_int,
     position: *mut u32,
 ) -> c_int {
-    match prepare(rank, size) {
-        Ok((pending, at)) => {
-            if !position.is_null() {
-                let out = std::slice::from_raw_parts_mut(position, 2);
-                out[0] = at.round.0;
-                out[1] = at.agg_seq;
-            }
-            *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(pending);
+    let prepared = read_settings(rank, size).and_then(|settings| {
+        let (pending, at) = prepare(&settings, settings.world_job, rank, size)?;
+        Ok((settings, pending, at))
+    });
+    match prepared {
+        Ok((settings, pending, at)) => {
+            write_position(position, &at);
+            *shim() = Some(Shim {
+                settings,
+                sessions: Vec::new(),
+                pending: Some(pending),
+            });
             AGGBOX_MPI_OK
         }
         Err(e) => {
@@ -269,43 +378,108 @@ pub unsafe extern "C" fn aggbox_mpi_position(
 }
 
 /// Called by the shim's `MPI_Init` after [`aggbox_mpi_position`], with the
-/// position every rank agreed on (the newest of their answers): builds the
-/// communicator there and makes a first allreduce. Errors as
-/// [`aggbox_mpi_position`].
+/// position every rank agreed on (the newest of their answers): builds
+/// MPI_COMM_WORLD's session (index 0) there and makes a first allreduce.
+/// Errors as [`aggbox_mpi_position`].
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_start(round: u32, agg_seq: u32) -> c_int {
-    let Some(pending) = PENDING.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-        eprintln!("aggbox-mpi: MPI_Init: aggbox_mpi_start without aggbox_mpi_position (a bug in the shim)");
-        return AGGBOX_MPI_ERROR;
-    };
-    let rank = pending.rank;
-    match open(pending, round, agg_seq) {
-        Ok(s) => {
-            *SESSION.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
-            AGGBOX_MPI_OK
-        }
-        Err(e) => {
-            report(rank, "MPI_Init", e);
+    match start_pending("MPI_Init", round, agg_seq) {
+        0 => AGGBOX_MPI_OK,
+        AGGBOX_MPI_ERROR => AGGBOX_MPI_ERROR,
+        other => {
+            eprintln!("aggbox-mpi: MPI_Init: MPI_COMM_WORLD's session is number {other}, not 0 (a bug in the shim)");
             AGGBOX_MPI_ERROR
         }
     }
 }
 
+/// Which session serves a communicator other than MPI_COMM_WORLD, asked
+/// by the shim at the communicator's first call it could serve (by every
+/// rank of it, in the same call): `world_ranks[..size]` are the
+/// MPI_COMM_WORLD ranks of its processes in its rank order, `rank` this
+/// process's rank in it. The job whose workers are those processes'
+/// addresses (world rank r's address: worker r of MPI_COMM_WORLD's job),
+/// in that order, serves it; MPI_COMM_WORLD's job first, else the first
+/// such job of the configuration. Returns the session's index when it is
+/// open (a communicator of the same processes used it before),
+/// AGGBOX_MPI_NOT_SERVED when no job matches (or no session is open),
+/// AGGBOX_MPI_PENDING with the node's answer in `position` when the
+/// session is to be opened (the shim makes the ranks agree and calls
+/// [`aggbox_mpi_comm_start`]), AGGBOX_MPI_ERROR with the reason printed.
+///
+/// # Safety
+/// `world_ranks` points to `size` ints, `position` to 2 writable `u32`.
+#[no_mangle]
+pub unsafe extern "C" fn aggbox_mpi_comm_job(
+    world_ranks: *const c_int,
+    size: c_int,
+    rank: c_int,
+    position: *mut u32,
+) -> c_int {
+    let mut guard = shim();
+    let Some(shim) = guard.as_mut() else {
+        return AGGBOX_MPI_NOT_SERVED;
+    };
+    if world_ranks.is_null() || size <= 0 || rank < 0 || rank >= size || shim.sessions.is_empty() {
+        return AGGBOX_MPI_NOT_SERVED;
+    }
+    let ranks = std::slice::from_raw_parts(world_ranks, size as usize);
+    let Some(addrs) = ranks
+        .iter()
+        .map(|&r| usize::try_from(r).ok().and_then(|r| shim.settings.world_workers.get(r).copied()))
+        .collect::<Option<Vec<Ipv4Addr>>>()
+    else {
+        return AGGBOX_MPI_NOT_SERVED;
+    };
+    let settings = &shim.settings;
+    let job = if addrs == settings.world_workers {
+        Some(settings.world_job)
+    } else {
+        settings.config.jobs.iter().find(|j| j.workers == addrs).map(|j| j.id)
+    };
+    let Some(job) = job else {
+        return AGGBOX_MPI_NOT_SERVED;
+    };
+    if let Some(i) = shim.sessions.iter().position(|s| s.job == job) {
+        return i as c_int;
+    }
+    match prepare(settings, job, rank, size) {
+        Ok((pending, at)) => {
+            write_position(position, &at);
+            shim.pending = Some(pending);
+            AGGBOX_MPI_PENDING
+        }
+        Err(e) => {
+            report(settings.world_rank, "a communicator's first served call", e);
+            AGGBOX_MPI_ERROR
+        }
+    }
+}
+
+/// Opens the session [`aggbox_mpi_comm_job`] prepared, at the position its
+/// communicator's ranks agreed on; its index, or AGGBOX_MPI_ERROR with the
+/// reason printed.
+#[no_mangle]
+pub extern "C" fn aggbox_mpi_comm_start(round: u32, agg_seq: u32) -> c_int {
+    start_pending("a communicator's first served call", round, agg_seq)
+}
+
 /// Called by the shim's `MPI_Finalize` before `PMPI_Finalize`: closes the
-/// communicator and, when AGGBOX_MPI_STATS is set, prints the counters.
+/// communicators and, when AGGBOX_MPI_STATS is set, prints the counters.
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_finalize() {
-    let session = SESSION.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(s) = session {
-        if s.stats {
+    let shim = shim().take();
+    if let Some(shim) = shim {
+        if shim.settings.stats {
             // One write, so that mpirun, which forwards every rank's stderr,
             // never splits the line.
             use std::io::Write;
-            let line = format!(
-                "{}; datagrams {}\n",
-                stats_line(s.rank),
-                datagrams_line(&s.comm)
-            );
+            let jobs: String = shim
+                .sessions
+                .iter()
+                .map(|s| format!("; job {} datagrams {}", s.job, datagrams_line(&s.comm)))
+                .collect();
+            let line = format!("{}{jobs}\n", stats_line(shim.settings.world_rank));
             let _ = std::io::stderr().write_all(line.as_bytes());
         }
     }
@@ -353,43 +527,51 @@ pub extern "C" fn aggbox_mpi_count_passed(call: c_int) {
     PASSED[call_index(call)].fetch_add(1, Ordering::Relaxed);
 }
 
-/// Whether a call of `bytes` bytes is served: a session is open and the size
-/// reaches AGGBOX_MPI_MIN_BYTES. Every rank passes the same count and
-/// datatype to a collective, so every rank decides the same.
+/// Whether a call of `bytes` bytes is served: the MPI session is open and
+/// the size reaches AGGBOX_MPI_MIN_BYTES. Every rank passes the same count
+/// and datatype to a collective, so every rank decides the same.
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_serves(bytes: usize) -> c_int {
-    with_session(|s| (bytes >= s.min_bytes) as c_int).unwrap_or(0)
+    shim()
+        .as_ref()
+        .is_some_and(|s| !s.sessions.is_empty() && bytes >= s.settings.min_bytes) as c_int
 }
 
 /// Whether MPI_FLOAT MPI_SUM is served (AGGBOX_MPI_FLOAT=quantized).
 #[no_mangle]
 pub extern "C" fn aggbox_mpi_serves_float() -> c_int {
-    with_session(|s| s.float as c_int).unwrap_or(0)
+    shim().as_ref().is_some_and(|s| s.settings.float) as c_int
 }
 
-fn with_session<T>(f: impl FnOnce(&Session) -> T) -> Option<T> {
-    SESSION
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .map(f)
-}
-
-/// Runs `f` on the open session; counts it as served under `call` when it
+/// Runs `f` on session `session`; counts it as served under `call` when it
 /// returns AGGBOX_MPI_OK, as overflowed under AGGBOX_MPI_OVERFLOW.
-fn served(call: usize, what: &str, f: impl FnOnce(&Session) -> Result<bool, String>) -> c_int {
-    let status = with_session(|s| match f(s) {
-        Ok(false) => AGGBOX_MPI_OK,
-        Ok(true) => AGGBOX_MPI_OVERFLOW,
-        Err(e) => {
-            report(s.rank, what, e);
+fn served(
+    session: c_int,
+    call: usize,
+    what: &str,
+    f: impl FnOnce(&Session) -> Result<bool, String>,
+) -> c_int {
+    let guard = shim();
+    let status = match guard.as_ref() {
+        None => {
+            eprintln!("aggbox-mpi: {what} before MPI_Init or after MPI_Finalize");
             AGGBOX_MPI_ERROR
         }
-    })
-    .unwrap_or_else(|| {
-        eprintln!("aggbox-mpi: {what} before MPI_Init or after MPI_Finalize");
-        AGGBOX_MPI_ERROR
-    });
+        Some(shim) => match usize::try_from(session).ok().and_then(|i| shim.sessions.get(i)) {
+            None => {
+                report(shim.settings.world_rank, what, format!("no session {session} (a bug in the shim)"));
+                AGGBOX_MPI_ERROR
+            }
+            Some(s) => match f(s) {
+                Ok(false) => AGGBOX_MPI_OK,
+                Ok(true) => AGGBOX_MPI_OVERFLOW,
+                Err(e) => {
+                    report(shim.settings.world_rank, what, format!("job {}: {e}", s.job));
+                    AGGBOX_MPI_ERROR
+                }
+            },
+        },
+    };
     match status {
         AGGBOX_MPI_OK => SERVED[call].fetch_add(1, Ordering::Relaxed),
         AGGBOX_MPI_OVERFLOW => OVERFLOWED[call].fetch_add(1, Ordering::Relaxed),
@@ -398,16 +580,17 @@ fn served(call: usize, what: &str, f: impl FnOnce(&Session) -> Result<bool, Stri
     status
 }
 
-/// In-place int32 allreduce of `buf[..len]` with the AggBox op `op`
-/// (`aggbox::wire::abi::Op` numbering: SUM 0, MAX 2, MIN 3, PROD 5, BAND
-/// 6, BOR 7, BXOR 8). `call` is what the shim counts it as (0 allreduce,
-/// 1 reduce: MPI_Reduce is an allreduce whose result only the root keeps,
-/// since a node-served job has no consumer but the workers).
+/// In-place int32 allreduce of `buf[..len]` on session `session` with the
+/// AggBox op `op` (`aggbox::wire::abi::Op` numbering: SUM 0, MAX 2, MIN 3,
+/// PROD 5, BAND 6, BOR 7, BXOR 8). `call` is what the shim counts it as (0
+/// allreduce, 1 reduce: MPI_Reduce is an allreduce whose result only the
+/// root keeps, since a node-served job has no consumer but the workers).
 ///
 /// # Safety
 /// `buf` points to `len` writable int32 values.
 #[no_mangle]
 pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
+    session: c_int,
     buf: *mut i32,
     len: usize,
     op: c_int,
@@ -415,7 +598,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
 ) -> c_int {
     let buf = slice_mut(buf, len);
     let call = call_index(call);
-    served(call, CALLS[call], |s| {
+    served(session, call, CALLS[call], |s| {
         let op = match u8::try_from(op).ok().and_then(Op::from_u8) {
             Some(op @ (Op::Sum | Op::Max | Op::Min | Op::Prod | Op::Band | Op::Bor | Op::Bxor)) => {
                 op
@@ -430,17 +613,23 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
     })
 }
 
-/// In-place float32 SUM allreduce through quantization (opt-in,
-/// AGGBOX_MPI_FLOAT=quantized; the result is within the quantization bound
-/// of MPI's, not bit-identical). `call` as for the int32 one.
+/// In-place float32 SUM allreduce on session `session` through
+/// quantization (opt-in, AGGBOX_MPI_FLOAT=quantized; the result is within
+/// the quantization bound of MPI's, not bit-identical). `call` as for the
+/// int32 one.
 ///
 /// # Safety
 /// `buf` points to `len` writable float32 values.
 #[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(buf: *mut f32, len: usize, call: c_int) -> c_int {
+pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(
+    session: c_int,
+    buf: *mut f32,
+    len: usize,
+    call: c_int,
+) -> c_int {
     let buf = slice_mut(buf, len);
     let call = call_index(call);
-    served(call, CALLS[call], |s| {
+    served(session, call, CALLS[call], |s| {
         s.comm
             .allreduce_f32(buf, false)
             .map(|()| false)
@@ -448,15 +637,16 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(buf: *mut f32, len: usize, cal
     })
 }
 
-/// Broadcast of `buf[..len]` bytes from MPI_COMM_WORLD rank `root` (AggBox
-/// worker `root`) to the other ranks.
+/// Broadcast of `buf[..len]` bytes on session `session` from the
+/// communicator's rank `root` (AggBox worker `root` of its job) to the
+/// other ranks.
 ///
 /// # Safety
 /// `buf` points to `len` writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_bcast(buf: *mut u8, len: usize, root: c_int) -> c_int {
+pub unsafe extern "C" fn aggbox_mpi_bcast(session: c_int, buf: *mut u8, len: usize, root: c_int) -> c_int {
     let buf = slice_mut(buf, len);
-    served(CALL_BCAST, CALLS[CALL_BCAST], |s| {
+    served(session, CALL_BCAST, CALLS[CALL_BCAST], |s| {
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
         s.comm
             .broadcast(buf, Participant::Worker(root))

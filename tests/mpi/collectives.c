@@ -7,6 +7,12 @@
  * can be compared line by line; every rank prints its mismatches and exits
  * 1 if it had any.
  *
+ * After the sizes, the same calls on other communicators
+ * (communicators()): a duplicate of MPI_COMM_WORLD; the even and the odd
+ * world ranks each in reverse order (the test configures a job for the
+ * even ones in that order, none for the odd ones), and a duplicate of it;
+ * the same halves in world order (no job has that order).
+ *
  * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
  *        collectives float SIZE...  MPI_FLOAT MPI_SUM allreduce and reduce,
  *                                  within 1e-4 of size·max|x| of the exact
@@ -126,8 +132,8 @@ static void reductions(int n)
     free(in); free(out); free(want);
 }
 
-/* Calls the library must pass to PMPI unchanged: not int32, a user op,
- * not MPI_COMM_WORLD. Each still correct. Returns how many allreduces. */
+/* Calls the library must pass to PMPI unchanged: not int32, a user op.
+ * Each still correct. Returns how many allreduces. */
 static void user_sum(void *in, void *inout, int *len, MPI_Datatype *type)
 {
     (void)type;
@@ -147,13 +153,80 @@ static int passed_through(void)
     MPI_Allreduce(&v, &got, 1, MPI_INT, op, MPI_COMM_WORLD);
     check("passthrough-userop", 1, &got, &want, 1);
     MPI_Op_free(&op);
+    return 2;
+}
 
-    MPI_Comm dup;
+/* Op k of input(r, i, k, 0) folded over the world ranks r of `parity`
+ * (-1: all of them); SUM and MAX only, whose result does not depend on the
+ * order. */
+static int32_t expected_of(int i, int k, int parity)
+{
+    int first = 1;
+    uint32_t acc = 0;
+    for (int r = 0; r < size; r++) {
+        if (parity >= 0 && r % 2 != parity) continue;
+        int32_t v = input(r, i, k, 0), a = (int32_t)acc;
+        if (first) acc = (uint32_t)v;
+        else if (OPS[k].op == MPI_SUM) acc += (uint32_t)v;
+        else acc = (uint32_t)(v > a ? v : a);
+        first = 0;
+    }
+    return (int32_t)acc;
+}
+
+/* Allreduce SUM of n elements on `comm`, whose processes are the world
+ * ranks of `parity` (-1: all), checked. */
+static void sum_on(MPI_Comm comm, const char *name, int n, int parity)
+{
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) { in[i] = input(rank, i, 0, 0); want[i] = expected_of(i, 0, parity); }
+    MPI_Allreduce(in, out, n, MPI_INT, MPI_SUM, comm);
+    check(name, n, out, want, 1);
+    free(in); free(out); free(want);
+}
+
+/* The calls of reductions() on communicators other than MPI_COMM_WORLD
+ * (n elements): served where the configuration has a job whose workers are
+ * the communicator's processes in its rank order, passed through
+ * elsewhere, correct everywhere. Rank 0's lines are of the even half. */
+static void communicators(int n)
+{
+    MPI_Comm dup, half, half_dup;
     MPI_Comm_dup(MPI_COMM_WORLD, &dup);
-    MPI_Allreduce(&v, &got, 1, MPI_INT, MPI_SUM, dup);
-    check("passthrough-dup", 1, &got, &want, 1);
+    sum_on(dup, "comm-dup-world-SUM", n, -1);
     MPI_Comm_free(&dup);
-    return 3;
+
+    /* Each parity's ranks, highest world rank first. */
+    int parity = rank % 2, half_rank, half_size;
+    MPI_Comm_split(MPI_COMM_WORLD, parity, size - rank, &half);
+    MPI_Comm_rank(half, &half_rank);
+    MPI_Comm_size(half, &half_size);
+    sum_on(half, "comm-half-reversed-SUM", n, parity);
+
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    int k = 1; /* MAX, to the half's last rank (its lowest world rank) */
+    for (int i = 0; i < n; i++) { in[i] = input(rank, i, k, 0); want[i] = expected_of(i, k, parity); }
+    memset(out, 0, (size_t)n * 4);
+    MPI_Reduce(in, out, n, MPI_INT, MPI_MAX, half_size - 1, half);
+    check("comm-half-reversed-reduce-MAX", n, out, want, half_rank == half_size - 1);
+
+    /* Broadcast from the half's rank 0: its highest world rank. */
+    int root_world = parity;
+    while (root_world + 2 < size) root_world += 2;
+    for (int i = 0; i < n; i++) { want[i] = input(root_world, i, 0, 0); out[i] = half_rank == 0 ? want[i] : 0; }
+    MPI_Bcast(out, n, MPI_INT, 0, half);
+    check("comm-half-reversed-bcast", n, out, want, 1);
+    free(in); free(out); free(want);
+
+    MPI_Comm_dup(half, &half_dup);
+    sum_on(half_dup, "comm-half-reversed-dup-SUM", n, parity);
+    MPI_Comm_free(&half_dup);
+    MPI_Comm_free(&half);
+
+    /* The same processes in world order: no job has them in this order. */
+    MPI_Comm_split(MPI_COMM_WORLD, parity, rank, &half);
+    sum_on(half, "comm-half-world-order-SUM", n, parity);
+    MPI_Comm_free(&half);
 }
 
 static float finput(int r, int i) { return (float)(input(r, i, 0, 0) % 1000) / 7.0f; }
@@ -227,6 +300,7 @@ int main(int argc, char **argv)
     }
     int passed = passed_through();
     if (rank == 0) printf("passthrough-allreduce-calls %d\n", passed);
+    communicators(1000);
     fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
     MPI_Finalize();
     return failures ? 1 : 0;
