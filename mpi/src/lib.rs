@@ -52,6 +52,13 @@ const ENV_FLOAT: &str = "AGGBOX_MPI_FLOAT";
 const ENV_DEADLINE_MS: &str = "AGGBOX_MPI_DEADLINE_MS";
 const ENV_STATS: &str = "AGGBOX_MPI_STATS";
 
+/// How long a rank's call polls for its result before it sleeps
+/// ([`aggbox::runtime::CommConfig::caller_spin`]): MPI ranks busy-wait for
+/// their messages, and a one-datagram allreduce's result comes within tens
+/// of microseconds, so it then costs no wake-up (docs/MPI.md "Benchmark").
+/// The runtime's `AGGBOX_CALLER_SPIN_US` overrides it (0: sleep at once).
+const CALLER_SPIN: Duration = Duration::from_micros(200);
+
 /// Which intercepted call a counter is for: the shim passes the index
 /// (`CALL_ALLREDUCE` 0, `CALL_REDUCE` 1, `CALL_BCAST` 2 in aggbox_mpi.c).
 const CALLS: [&str; 3] = ["MPI_Allreduce", "MPI_Reduce", "MPI_Bcast"];
@@ -244,7 +251,8 @@ fn prepare(settings: &Settings, job: u16, rank: c_int, size: c_int) -> Result<(P
     )
     .map_err(|e| e.to_string())?
     .backend(BackendKind::Kernel)
-    .quantization(Quantization::Adaptive);
+    .quantization(Quantization::Adaptive)
+    .caller_spin(CALLER_SPIN);
     if let Some(d) = settings.deadline {
         builder = builder.deadline(d);
     }
@@ -491,7 +499,7 @@ fn datagrams_line(comm: &Communicator) -> String {
     let (c, io) = (comm.stats(), comm.io_stats());
     format!(
         "data_sent={} retransmitted={} acks_sent={} data_received={} acks_received={} duplicates_received={} \
-         calls_on_caller={} calls_on_progress_thread={}",
+         calls_on_caller={} calls_on_progress_thread={} caller_waits_polled={} caller_waits_slept={}",
         c.data_sent,
         c.retransmitted,
         c.acks_sent,
@@ -499,7 +507,9 @@ fn datagrams_line(comm: &Communicator) -> String {
         c.acks_received,
         c.duplicates_received,
         io.calls_on_caller,
-        io.calls_on_progress_thread
+        io.calls_on_progress_thread,
+        io.caller_waits_polled,
+        io.caller_waits_slept
     )
 }
 

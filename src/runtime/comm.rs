@@ -155,6 +155,15 @@ pub struct CommConfig {
     /// `AGGBOX_CALLER_THREAD=0` turns it off at `build()` (for A/B
     /// measurements under an unchanged application, e.g. the MPI library).
     pub caller_runs_calls: bool,
+    /// How long a caller's thread that waits for a datagram polls its
+    /// socket, yielding the CPU between looks (`poll` with no timeout, then
+    /// `sched_yield`), before it sleeps in `ppoll`: a result that comes
+    /// within it costs no wake-up (docs/RUNTIME.md "Who runs a call").
+    /// MPI implementations wait this way for every message. Default zero
+    /// (sleep at once); the environment variable `AGGBOX_CALLER_SPIN_US`
+    /// sets it at `build()` (A/B measurements under an unchanged
+    /// application).
+    pub caller_spin: Duration,
     /// The workers whose values a reduction sums: the divisor of a float
     /// mean (`allreduce_f32(.., mean = true)`) and the count an adaptive
     /// scale keeps the sum in int32 for. `None` = the workers; a tree's leaf
@@ -245,6 +254,7 @@ impl CommunicatorBuilder {
                 impairment: None,
                 udp_gso: None,
                 caller_runs_calls: true,
+                caller_spin: Duration::ZERO,
                 tree_workers: None,
             },
         }
@@ -365,6 +375,12 @@ impl CommunicatorBuilder {
         self.cfg.caller_runs_calls = on;
         self
     }
+    /// How long a caller's thread polls before it sleeps (see
+    /// [`CommConfig::caller_spin`]).
+    pub fn caller_spin(mut self, spin: Duration) -> Self {
+        self.cfg.caller_spin = spin;
+        self
+    }
 
     /// Test hook: receive through an [`ImpairedTransport`] (drop, duplicate,
     /// reorder; see [`crate::runtime::transport`]).
@@ -415,6 +431,12 @@ impl CommunicatorBuilder {
         let mut cfg = self.cfg;
         if std::env::var("AGGBOX_CALLER_THREAD").is_ok_and(|v| v == "0") {
             cfg.caller_runs_calls = false;
+        }
+        if let Ok(v) = std::env::var("AGGBOX_CALLER_SPIN_US") {
+            let us: u64 = v.parse().map_err(|_| {
+                CommError::Config(format!("AGGBOX_CALLER_SPIN_US={v:?} is not a number of microseconds"))
+            })?;
+            cfg.caller_spin = Duration::from_micros(us);
         }
         if cfg.mtu == 0 {
             cfg.mtu = discover_mtu(&cfg);
@@ -510,7 +532,7 @@ impl CommunicatorBuilder {
             round: round.clone(),
             agg_seq: agg_seq.clone(),
         };
-        let core = Arc::new(Core::new(Driver::new(engine, net, waker_rx, shared)?));
+        let core = Arc::new(Core::new(Driver::new(engine, net, waker_rx, shared, cfg.caller_spin)?));
         let bg = core.clone();
         let thread = std::thread::Builder::new()
             .name(format!("aggbox-{}-{:?}", cfg.job, cfg.me))

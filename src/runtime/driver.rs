@@ -78,6 +78,9 @@ pub(crate) struct Driver {
     /// Set while a caller's thread owns the driver: its waits leave the
     /// waker to the progress thread.
     on_caller: bool,
+    /// How long a caller's wait polls before it sleeps
+    /// ([`crate::runtime::CommConfig::caller_spin`]).
+    caller_spin: Duration,
     /// What the progress thread sleeps on: an epoll set of the socket and
     /// the waker (level-triggered). A caller that takes the driver turns
     /// the socket's events off in it for the call, so the call's datagrams
@@ -205,6 +208,7 @@ impl Driver {
         net: Net,
         waker: UnixDatagram,
         shared: Shared,
+        caller_spin: Duration,
     ) -> io::Result<Driver> {
         // SAFETY: plain system calls; the fd is owned from here on.
         let epoll = unsafe {
@@ -230,6 +234,7 @@ impl Driver {
             rxbuf: vec![0u8; RECV_SLOT * RECV_BATCH],
             rxmeta: vec![RecvMeta::default(); RECV_BATCH],
             on_caller: false,
+            caller_spin,
             epoll,
         })
     }
@@ -250,12 +255,22 @@ impl Driver {
     }
 
     /// Waits until `until` for a datagram (and, unless a caller owns the
-    /// driver, the waker), then drains the socket.
+    /// driver, the waker), then drains the socket. A caller first polls for
+    /// `caller_spin`.
     fn wait_and_drain(&mut self, until: Instant) {
         let fds = (
             self.net.t.raw_fd(),
             (!self.on_caller).then(|| self.waker.as_raw_fd()),
         );
+        if self.on_caller {
+            let polled = !self.caller_spin.is_zero()
+                && spin(fds.0, (Instant::now() + self.caller_spin).min(until));
+            self.net.c.caller_wait(polled);
+            if polled {
+                self.drain();
+                return;
+            }
+        }
         if wait(fds, until) {
             self.drain_waker();
         }
@@ -310,6 +325,29 @@ fn epoll_ctl(epfd: RawFd, op: libc::c_int, fd: RawFd, events: u32) -> io::Result
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Polls `fd` (the socket) without sleeping, yielding the CPU between
+/// looks, until it is readable (true) or `until` (false). With other
+/// threads runnable `sched_yield` lets them run; alone on its CPU the
+/// caller keeps it, as an MPI rank waiting for a message does.
+fn spin(fd: RawFd, until: Instant) -> bool {
+    loop {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: p is valid for the call.
+        if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        // SAFETY: no arguments.
+        unsafe { libc::sched_yield() };
+    }
 }
 
 /// Sleeps in `ppoll` until `until` or until `fds.0` (the socket) or

@@ -734,6 +734,12 @@ pub struct IoStats {
     /// Calls run by the progress thread (`Work` calls, stripes, and blocking
     /// calls issued while another call was in flight).
     pub calls_on_progress_thread: u64,
+    /// Waits of a caller's thread that its polling answered: a datagram
+    /// came within [`crate::runtime::CommConfig::caller_spin`].
+    pub caller_waits_polled: u64,
+    /// Waits of a caller's thread that slept in `ppoll` (no spin, or none
+    /// came within it).
+    pub caller_waits_slept: u64,
 }
 
 /// Batching of several communicators added up.
@@ -749,6 +755,8 @@ impl std::ops::Add for IoStats {
             gso_segments: self.gso_segments + o.gso_segments,
             calls_on_caller: self.calls_on_caller + o.calls_on_caller,
             calls_on_progress_thread: self.calls_on_progress_thread + o.calls_on_progress_thread,
+            caller_waits_polled: self.caller_waits_polled + o.caller_waits_polled,
+            caller_waits_slept: self.caller_waits_slept + o.caller_waits_slept,
         }
     }
 }
@@ -821,6 +829,8 @@ pub struct Counters {
     gso_segments: AtomicU64,
     caller_calls: AtomicU64,
     progress_calls: AtomicU64,
+    caller_waits_polled: AtomicU64,
+    caller_waits_slept: AtomicU64,
     refused_results: AtomicU64,
     refused_acks: AtomicU64,
     refused_broadcasts: AtomicU64,
@@ -858,6 +868,12 @@ impl Counters {
         self.progress_calls.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One wait of a caller's thread: answered while it polled, or slept.
+    pub fn caller_wait(&self, polled: bool) {
+        let c = if polled { &self.caller_waits_polled } else { &self.caller_waits_slept };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The batching counters.
     pub fn io_snapshot(&self) -> IoStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -870,6 +886,8 @@ impl Counters {
             gso_segments: l(&self.gso_segments),
             calls_on_caller: l(&self.caller_calls),
             calls_on_progress_thread: l(&self.progress_calls),
+            caller_waits_polled: l(&self.caller_waits_polled),
+            caller_waits_slept: l(&self.caller_waits_slept),
         }
     }
 
