@@ -23,6 +23,11 @@
 //!   under one `mpirun.openmpi` in worker 0's (a hostfile of the namespace
 //!   names, daemons started by `scripts/mpi_netns_agent.sh`, `btl tcp,self`
 //!   on eth0, as scripts/mpi_bench.sh runs plain MPI).
+//! - `sharded`: the sharded star (issue #26): worker t's host runs `aggbox
+//!   attach` for job t alone, which reduces stripe t of every vector from
+//!   all workers and copies its RESULT to them; each worker is a
+//!   `StripedCommunicator` whose stripe t goes to worker t's address
+//!   ([`sharded_phase`]).
 //! - `kernel-f32`, `gloo-f32`, `openmpi-f32`: the same with float32 vectors
 //!   of the same integer values (what a training job all-reduces):
 //!   `allreduce_f32` with adaptive quantization through the kernel backend,
@@ -658,6 +663,83 @@ fn config_text(tb: &Testbed, mtu: u32, stripes: usize, node_served: bool) -> Str
     text
 }
 
+/// Every size of `dtypes` × `sizes` on these participants: a warm-up and
+/// `reps` calls each, a point per size with the deltas of `counters()`
+/// (read before and after), of the runtime's counters and of this
+/// process's context switches (and the injector's drops under loss). A
+/// failure at one size skips the larger ones of that dtype.
+#[allow(clippy::too_many_arguments)]
+fn runtime_points(
+    backend: &str,
+    mtu: u32,
+    aggc: Option<&StripedCommunicator>,
+    workers: &[StripedCommunicator],
+    dtypes: &[Dtype],
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+    injector: &crate::impair::Injector,
+    counters: &dyn Fn() -> BTreeMap<String, u64>,
+) -> Vec<Point> {
+    let mut points = Vec::new();
+    for &dtype in dtypes {
+        let name = dtype.backend(backend);
+        let mut failed_at: Option<u64> = None;
+        for &n in sizes {
+            if let Some(f) = failed_at {
+                points.push(Point::new(
+                    &name,
+                    mtu,
+                    n,
+                    &[],
+                    Some(format!(
+                        "skipped: the {} -element point failed",
+                        thousands(f as f64)
+                    )),
+                ));
+                continue;
+            }
+            let base = &bases[&n];
+            let runtime_before = runtime_counters(aggc, workers);
+            let before = counters();
+            let dropped_before = injector.counts().dropped;
+            progress(format!(
+                "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
+                thousands(n as f64)
+            ));
+            let switches_before = process_context_switches();
+            let r = runtime_calls(aggc, workers, n as usize, reps + 1, base, dtype);
+            let switches = process_context_switches();
+            let after = counters();
+            let mut p = match r {
+                Ok(times) => {
+                    for (k, t) in times.iter().enumerate() {
+                        csv_row(csv, &name, mtu, n, k, t.all, t.workers, true);
+                    }
+                    Point::new(&name, mtu, n, &times, None)
+                }
+                Err(e) => {
+                    failed_at = Some(n);
+                    Point::new(&name, mtu, n, &[], Some(format!("{e:#}")))
+                }
+            };
+            p.node_counters = counter_delta(&before, &after);
+            // This process's context switches over the point's calls
+            // (every participant's threads and the bench's barrier).
+            p.node_counters.insert("process:voluntary_ctxt_switches".into(), switches.0 - switches_before.0);
+            p.node_counters.insert("process:involuntary_ctxt_switches".into(), switches.1 - switches_before.1);
+            if loss() > 0.0 {
+                p.node_counters.insert("injector:dropped".into(), injector.counts().dropped - dropped_before);
+            }
+            p.node_counters.extend(counter_delta(&runtime_before, &runtime_counters(aggc, workers)));
+            report_point(&p);
+            points.push(p);
+        }
+    }
+    points
+}
+
 /// The AggBox backends at one MTU: attach (kernel), build the communicators
 /// from the configuration, run every size. A failure at one size skips the
 /// larger ones of this backend and MTU.
@@ -737,63 +819,19 @@ fn runtime_phase(
         if loss() > 0.0 {
             impair_switch(tb, &injector, loss())?;
         }
-        for &dtype in dtypes {
-            let name = dtype.backend(backend);
-            let mut failed_at: Option<u64> = None;
-            for &n in sizes {
-                if let Some(f) = failed_at {
-                    points.push(Point::new(
-                        &name,
-                        mtu,
-                        n,
-                        &[],
-                        Some(format!(
-                            "skipped: the {} -element point failed",
-                            thousands(f as f64)
-                        )),
-                    ));
-                    continue;
-                }
-                let base = &bases[&n];
-                let runtime_before = runtime_counters(aggc.as_ref(), &workers);
-                let before = all_counters(tb, &pins, kernel);
-                let dropped_before = injector.counts().dropped;
-                progress(format!(
-                    "large: MTU {mtu}, {} elements, {name}: warm-up + {reps} calls",
-                    thousands(n as f64)
-                ));
-                let switches_before = process_context_switches();
-                let r = runtime_calls(aggc.as_ref(), &workers, n as usize, reps + 1, base, dtype);
-                let switches = process_context_switches();
-                let after = all_counters(tb, &pins, kernel);
-                let mut p = match r {
-                    Ok(times) => {
-                        for (k, t) in times.iter().enumerate() {
-                            csv_row(csv, &name, mtu, n, k, t.all, t.workers, true);
-                        }
-                        Point::new(&name, mtu, n, &times, None)
-                    }
-                    Err(e) => {
-                        failed_at = Some(n);
-                        Point::new(&name, mtu, n, &[], Some(format!("{e:#}")))
-                    }
-                };
-                p.node_counters = counter_delta(&before, &after);
-                // This process's context switches over the point's calls
-                // (every participant's threads and the bench's barrier).
-                p.node_counters.insert("process:voluntary_ctxt_switches".into(), switches.0 - switches_before.0);
-                p.node_counters.insert("process:involuntary_ctxt_switches".into(), switches.1 - switches_before.1);
-                if loss() > 0.0 {
-                    p.node_counters.insert("injector:dropped".into(), injector.counts().dropped - dropped_before);
-                }
-                p.node_counters.extend(counter_delta(
-                    &runtime_before,
-                    &runtime_counters(aggc.as_ref(), &workers),
-                ));
-                report_point(&p);
-                points.push(p);
-            }
-        }
+        points = runtime_points(
+            backend,
+            mtu,
+            aggc.as_ref(),
+            &workers,
+            dtypes,
+            sizes,
+            reps,
+            bases,
+            csv,
+            &injector,
+            &|| all_counters(tb, &pins, kernel),
+        );
         Ok(())
     })();
     if loss() > 0.0 {
@@ -932,6 +970,111 @@ fn ring_phase(
     if let Err(e) = result {
         for dtype in dtypes {
             let name = dtype.backend("ring");
+            for &n in sizes {
+                if !points.iter().any(|p| p.backend == name && p.elements == n) {
+                    points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
+                }
+            }
+        }
+    }
+    Ok(points)
+}
+
+/// The `sharded` backend at one MTU, the sharded star (issue #26): worker
+/// t's host runs `aggbox attach` for job `JOB + t` alone, which reduces
+/// stripe t of every vector (`runtime::striped::stripe_bounds`) from all
+/// workers and copies its RESULT to them (TC); every worker's
+/// `StripedCommunicator` sends stripe t to worker t's address (its own
+/// stripe through its host's lo, where the attach puts the program too).
+/// As many datagrams as the ring (n − 1 contributions into and n − 1
+/// copies out of each shard's node per fragment), in two steps instead of
+/// 2(n − 1).
+#[allow(clippy::too_many_arguments)]
+fn sharded_phase(
+    tb: &Testbed,
+    mtu: u32,
+    dtypes: &[Dtype],
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+) -> Result<Vec<Point>> {
+    let workers_n = worker_count();
+    let mut config = Config::parse(&config_text(tb, mtu, workers_n, true), "large-sharded.toml")
+        .map_err(|e| anyhow!("bench sharded config: {e}"))?;
+    // Each job has a node of its own: the whole slot bound of the MTU.
+    for j in &mut config.jobs {
+        j.slots = slots_for_mtu(mtu);
+    }
+    let bpffs = PrivateBpffs::mount("large-sharded")?;
+    let mut attachments = Vec::new();
+    let mut points = Vec::new();
+    let injector = crate::impair::Injector::new();
+    let result = (|| -> Result<()> {
+        for t in 0..workers_n {
+            let h = t + 1;
+            let (job, group) = (JOB + t as u16, GROUP + t as u16);
+            let mut c = config.clone();
+            c.jobs.retain(|j| j.id == job);
+            c.groups.retain(|g| g.id == group);
+            let pins = bpffs.path.join(format!("h{h}"));
+            std::fs::create_dir_all(&pins)?;
+            // The node's own worker is a member of its result group: its
+            // copy loops through lo with the host's own source address.
+            let out = tb.run_in(h, &["sysctl", "-qw", "net.ipv4.conf.lo.accept_local=1"])?;
+            if !out.status.success() {
+                bail!("host {h}: sysctl net.ipv4.conf.lo.accept_local=1: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            let a = in_netns(&tb.host(h).netns, move || node::attach("eth0", &c, None, &pins, XdpMode::Native))?
+                .with_context(|| format!("attaching shard {t}'s node on host {h} at MTU {mtu}"))?;
+            attachments.push((h, a));
+        }
+        let deadline = call_deadline(sizes.iter().copied().max().unwrap_or(0));
+        let workers: Vec<StripedCommunicator> = (0..workers_n)
+            .map(|r| {
+                tb.in_host(r + 1, || -> std::result::Result<StripedCommunicator, aggbox::runtime::CommError> {
+                    let stripes = (0..workers_n)
+                        .map(|t| {
+                            CommunicatorBuilder::from_config(
+                                &config,
+                                JOB + t as u16,
+                                tb.host(t + 1).addr,
+                                DATA_PORT + t as u16,
+                                Participant::Worker(r as u16),
+                            )?
+                            .backend(BackendKind::Kernel)
+                            .mtu(mtu as usize)
+                            .quantization(Quantization::Adaptive)
+                            .deadline(deadline)
+                            .build()
+                        })
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    StripedCommunicator::new(stripes)
+                })?
+                .map_err(|e| anyhow!("building worker {r}'s sharded communicator (MTU {mtu}): {e}"))
+            })
+            .collect::<Result<_>>()?;
+        let counters = || {
+            let mut sum = BTreeMap::new();
+            for (h, a) in &attachments {
+                for (k, v) in node_counters(&tb.host(*h).netns, a.pin_dir().parent().unwrap_or(a.pin_dir())) {
+                    *sum.entry(k).or_default() += v;
+                }
+            }
+            sum
+        };
+        points = runtime_points("sharded", mtu, None, &workers, dtypes, sizes, reps, bases, csv, &injector, &counters);
+        Ok(())
+    })();
+    for (h, a) in attachments {
+        if let Err(e) = in_netns(&tb.host(h).netns, move || a.detach()).map_err(anyhow::Error::from).and_then(|r| r) {
+            progress(format!("large: detaching shard node host {h}: {e:#}"));
+        }
+    }
+    drop(bpffs);
+    if let Err(e) = result {
+        for dtype in dtypes {
+            let name = dtype.backend("sharded");
             for &n in sizes {
                 if !points.iter().any(|p| p.backend == name && p.elements == n) {
                     points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
@@ -1868,7 +2011,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("kernel,kernel-node,socket,ring,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
+            format!("kernel,kernel-node,socket,ring,sharded,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -2028,6 +2171,21 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                     for d in &ring_dtypes {
                         for &n in &sizes {
                             points.push(Point::new(&d.backend("ring"), mtu, n, &[], Some(format!("{e:#}"))));
+                        }
+                    }
+                }
+            }
+        }
+        let sharded_dtypes: Vec<Dtype> =
+            [Dtype::I32, Dtype::F32].into_iter().filter(|d| want(&d.backend("sharded"))).collect();
+        if !sharded_dtypes.is_empty() {
+            match sharded_phase(&tb, mtu, &sharded_dtypes, &sizes, reps, &bases, &mut csv) {
+                Ok(ps) => points.extend(ps),
+                Err(e) => {
+                    progress(format!("large: MTU {mtu} sharded: FAILED: {e:#}"));
+                    for d in &sharded_dtypes {
+                        for &n in &sizes {
+                            points.push(Point::new(&d.backend("sharded"), mtu, n, &[], Some(format!("{e:#}"))));
                         }
                     }
                 }
