@@ -251,3 +251,63 @@ fn two_level_tree_root_result_is_the_reduction_over_all_workers() {
     }
     drop(leaf_attach);
 }
+
+/// A worker on the node's own host (its contributions reach the XDP program
+/// through lo) whose contribution completes every fragment: the RESULT
+/// comes up lo's stack, and the TC ingress program that `aggbox attach`
+/// puts on lo too copies it to every member of the result group, the local
+/// one included, each exactly once, as for a RESULT completed on eth0.
+#[test]
+fn a_result_completed_through_lo_is_copied_to_the_group() {
+    require_root();
+    const JOB: u16 = 8;
+    const PORT: u16 = 7010;
+    const RESULT_PORT: u16 = 7011;
+    const GROUP: u16 = 4;
+    // host 0 = the node and rank 0, hosts 1 and 2 = ranks 1 and 2
+    let tb = Testbed::up(TestbedConfig { hosts: 3, ..Default::default() }).expect("testbed");
+    let node = tb.host(0);
+    // The group's member on this host gets its copy through lo with the
+    // node's own source address (docs/BROADCAST.md "Members on this host").
+    let out = tb.run_in(0, &["sysctl", "-qw", "net.ipv4.conf.lo.accept_local=1"]).expect("sysctl");
+    assert!(out.status.success(), "sysctl accept_local: {out:?}");
+    let workers: Vec<Ipv4Addr> = (0..3).map(|i| tb.host(i).addr).collect();
+    let members: Vec<SocketAddrV4> = workers.iter().map(|w| SocketAddrV4::new(*w, MEMBER_PORT)).collect();
+    let member_list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+    let attach = Attach::start(
+        &node.netns,
+        "lo-result",
+        &format!(
+            "[node]\nmetrics = \"off\"\n\n{}\n[[group]]\nid = {GROUP}\nmembers = [{}]\n",
+            job_toml(JOB, PORT, &workers, RESULT_PORT, &format!("result_group = {GROUP}")),
+            member_list.join(", ")
+        ),
+        &[],
+    );
+    let lo = tb.run_in(0, &["tc", "filter", "show", "dev", "lo", "ingress"]).expect("tc");
+    assert!(String::from_utf8_lossy(&lo.stdout).contains("aggbox_tc_ingre"), "the ingress program is on lo: {lo:?}");
+
+    let local = bind_in(&node.netns, RESULT_PORT);
+    let member_socks: Vec<UdpSocket> = (0..3).map(|i| bind_in(&tb.host(i).netns, MEMBER_PORT)).collect();
+    let to = SocketAddrV4::new(node.addr, PORT);
+    let rounds = [(1u32, Op::Sum), (2, Op::Max)];
+    for &(round, op) in &rounds {
+        // The remote ranks first, so that rank 0's contribution, through
+        // lo, completes every fragment.
+        for rank in [1u16, 2, 0] {
+            contribute(&tb.host(usize::from(rank)).netns, to, JOB, rank, round, op, tools::pattern_vector(rank, ELEMENTS));
+        }
+        let expected = tools::expected_pattern_result(op, 3, ELEMENTS, &[]).expect("reference");
+        let expected = expected.ints().expect("integer result").to_vec();
+        expect_results(&format!("round {round}: the node's local socket"), &local, JOB, &expected);
+        for (i, s) in member_socks.iter().enumerate() {
+            expect_results(&format!("round {round}: member {i} ({})", members[i]), s, JOB, &expected);
+        }
+    }
+    let frags = fragments() as u64;
+    let st = attach.broadcast_counts();
+    eprintln!("the node's TC counters: {st:?}");
+    assert_eq!(count(&st, BcastStat::ResultBroadcast), rounds.len() as u64 * frags, "every RESULT routed");
+    assert_eq!(count(&st, BcastStat::LocalCopy), rounds.len() as u64 * frags, "the local member's copy of each");
+    drop(attach);
+}

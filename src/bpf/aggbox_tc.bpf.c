@@ -813,6 +813,44 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_OK);
 }
 
+/*
+ * On lo, a datagram the XDP program (generic mode there) has rewritten into
+ * a RESULT can reach this hook without its link-layer header: the skb's
+ * data starts at the IPv4 header (measured on 6.18: skb->len = the IPv4
+ * total length). Then clones could not leave by an Ethernet device
+ * (bpf_clone_redirect wants a MAC header). Such an AGG1 RESULT gets lo's
+ * all-zero Ethernet header pushed (bpf_skb_change_head, which also sets the
+ * MAC header and its length, so the stack's pull after this program leaves
+ * the datagram as it was for local delivery); everything else is left
+ * alone. Returns 0 when the skb now starts with an Ethernet header (pushed
+ * or already there), -1 when it is something else without one.
+ */
+static __always_inline int lo_result_l2(struct __sk_buff *skb)
+{
+	struct {
+		struct iphdr ip;
+		struct udphdr udp;
+		struct aggbox_agg_hdr agg;
+	} h;
+	struct ethhdr eth = { .h_proto = bpf_htons(ETH_P_IP) };
+	__u8 first;
+
+	if (bpf_skb_load_bytes(skb, 0, &first, 1))
+		return -1;
+	if ((first >> 4) != 4)
+		return 0; /* lo's Ethernet header: its destination MAC is zero */
+	/* no options: the XDP program takes only those (parse.h) */
+	if (first != 0x45 || bpf_skb_load_bytes(skb, 0, &h, sizeof(h)))
+		return -1;
+	if (h.ip.protocol != IPPROTO_UDP_ || h.agg.magic != bpf_htonl(AGGBOX_MAGIC_AGG) ||
+	    h.agg.rank != bpf_htons(AGGBOX_RESULT_RANK) || !(h.agg.flags & AGGBOX_AGG_F_RESULT))
+		return -1;
+	if (bpf_skb_change_head(skb, sizeof(eth), 0) ||
+	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0))
+		return -1;
+	return 0;
+}
+
 SEC("tc")
 int aggbox_tc_ingress(struct __sk_buff *skb)
 {
@@ -827,6 +865,8 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	if (is_own_mark(skb->mark))
 		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
 
+	if (skb->ifindex == LOOPBACK_IFINDEX_ && lo_result_l2(skb))
+		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
 	if (parse_udp(skb, &v))
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
 	code = parse_agb1_view(skb, &v, &p);

@@ -272,6 +272,17 @@ struct Attachment {
     /// `unres_qlen_bytes` of the interface before attach raised it (restored
     /// by detach), if attach changed it.
     unres_qlen_before: Option<u64>,
+    /// The ingress program on `lo` as well ([`TcPlane::attach_lo_ingress`]).
+    lo_ingress: Option<LoIngress>,
+}
+
+/// The ingress program's filter on `lo`, and whether its attach created
+/// lo's clsact qdisc.
+#[derive(Debug)]
+struct LoIngress {
+    ifindex: u32,
+    created_qdisc: bool,
+    ingress: TcHook,
 }
 
 /// Bytes the kernel may queue per unresolved next hop while attach holds the
@@ -496,8 +507,78 @@ impl TcPlane {
             egress,
             ingress,
             unres_qlen_before,
+            lo_ingress: None,
         });
         Ok(())
+    }
+
+    /// Attach the ingress program to `lo` (`lo_ifindex`) too, after
+    /// [`attach`](Self::attach) and in its namespace. A worker on this host
+    /// sends its contributions to the node's own address, through lo, where
+    /// `aggbox attach` runs the XDP program as well; when its contribution
+    /// is a fragment's last, the RESULT passes up lo's stack and the ingress
+    /// program on the interface never sees it, so without this one its
+    /// result-group copies are not made. The copies it makes for members on
+    /// this host go into lo's ingress again carrying the copy mark, which it
+    /// passes. Creates lo's clsact qdisc only if absent; [`detach`](Self::detach)
+    /// removes both. Refuses with [`TcError::ForwardingDisabled`] when IPv4
+    /// forwarding is off on lo (the next-hop lookups name lo as the input
+    /// interface).
+    pub fn attach_lo_ingress(&mut self, lo_ifindex: u32) -> Result<()> {
+        let ingress_fd = self.skel.progs.aggbox_tc_ingress.as_fd();
+        let Some(a) = self.attachment.as_mut() else {
+            return Err(TcError::State("attach_lo_ingress before attach".into()));
+        };
+        if a.lo_ingress.is_some() {
+            return Ok(());
+        }
+        check_ip_forward(lo_ifindex)?;
+        // SAFETY: zeroed bpf_tc_hook with sz set is what libbpf expects.
+        let mut raw: libbpf_sys::bpf_tc_hook = unsafe { std::mem::zeroed() };
+        raw.sz = std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _;
+        raw.ifindex = lo_ifindex as i32;
+        raw.attach_point = libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS;
+        // SAFETY: valid hook struct.
+        let created_qdisc = match unsafe { libbpf_sys::bpf_tc_hook_create(&mut raw) } {
+            0 => true,
+            rc if -rc == libc::EEXIST => false,
+            rc => {
+                return Err(TcError::Attach {
+                    what: "clsact qdisc on lo",
+                    ifindex: lo_ifindex,
+                    source: std::io::Error::from_raw_os_error(-rc),
+                })
+            }
+        };
+        let mut ingress = TcHook::new(ingress_fd);
+        ingress
+            .ifindex(lo_ifindex as i32)
+            .attach_point(TC_INGRESS)
+            .handle(TC_HANDLE)
+            .priority(TC_PRIORITY)
+            .replace(true);
+        if let Err(e) = ingress.attach() {
+            if created_qdisc {
+                let _ = destroy_clsact(ingress_fd, lo_ifindex);
+            }
+            return Err(TcError::Attach {
+                what: "ingress program on lo",
+                ifindex: lo_ifindex,
+                source: to_io(e),
+            });
+        }
+        a.lo_ingress = Some(LoIngress {
+            ifindex: lo_ifindex,
+            created_qdisc,
+            ingress,
+        });
+        Ok(())
+    }
+
+    /// Whether the ingress program is on lo too, and whether its attach
+    /// created lo's clsact qdisc.
+    pub fn lo_ingress(&self) -> Option<bool> {
+        self.attachment.as_ref()?.lo_ingress.as_ref().map(|l| l.created_qdisc)
     }
 
     /// Where the programs are attached: `(ifindex, created the clsact qdisc)`.
@@ -520,6 +601,23 @@ impl TcPlane {
         }
         let ifindex = a.ifindex;
         let mut first_err = None;
+        if let Some(mut lo) = a.lo_ingress.take() {
+            if let Err(e) = lo.ingress.detach() {
+                let e = to_io(e);
+                if e.raw_os_error() != Some(libc::ENOENT) {
+                    first_err.get_or_insert(TcError::Attach {
+                        what: "ingress program on lo",
+                        ifindex: lo.ifindex,
+                        source: e,
+                    });
+                }
+            }
+            if lo.created_qdisc {
+                if let Err(e) = destroy_clsact(self.skel.progs.aggbox_tc_ingress.as_fd(), lo.ifindex) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
         for (what, hook) in [("egress program", &mut a.egress), ("ingress program", &mut a.ingress)] {
             if let Err(e) = hook.detach() {
                 let e = to_io(e);
@@ -533,18 +631,8 @@ impl TcPlane {
             }
         }
         if a.created_qdisc {
-            let mut all = TcHook::new(self.skel.progs.aggbox_tc_egress.as_fd());
-            all.ifindex(ifindex as i32)
-                .attach_point(libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS);
-            if let Err(e) = all.destroy() {
-                let e = to_io(e);
-                if e.raw_os_error() != Some(libc::ENOENT) && e.raw_os_error() != Some(libc::EINVAL) {
-                    first_err.get_or_insert(TcError::Attach {
-                        what: "clsact qdisc (removing)",
-                        ifindex,
-                        source: e,
-                    });
-                }
+            if let Err(e) = destroy_clsact(self.skel.progs.aggbox_tc_egress.as_fd(), ifindex) {
+                first_err.get_or_insert(e);
             }
         }
         if let Some(before) = a.unres_qlen_before {
@@ -868,6 +956,30 @@ impl Drop for TcPlane {
         if let Some(a) = &self.attachment {
             if current_netns_ino().ok() == Some(a.netns_ino) {
                 let _ = self.detach();
+            }
+        }
+    }
+}
+
+/// Remove the clsact qdisc of `ifindex` (with whatever filters it holds);
+/// gone already is fine. `fd`: any of the plane's programs (libbpf's hook
+/// wants one).
+fn destroy_clsact(fd: BorrowedFd<'_>, ifindex: u32) -> Result<()> {
+    let mut all = TcHook::new(fd);
+    all.ifindex(ifindex as i32)
+        .attach_point(libbpf_sys::BPF_TC_INGRESS | libbpf_sys::BPF_TC_EGRESS);
+    match all.destroy() {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let e = to_io(e);
+            if e.raw_os_error() == Some(libc::ENOENT) || e.raw_os_error() == Some(libc::EINVAL) {
+                Ok(())
+            } else {
+                Err(TcError::Attach {
+                    what: "clsact qdisc (removing)",
+                    ifindex,
+                    source: e,
+                })
             }
         }
     }

@@ -95,6 +95,13 @@ pub struct AttachRecord {
     /// Whether attach created the clsact qdisc (so detach removes it).
     #[serde(default)]
     pub tc_created_qdisc: bool,
+    /// Whether the TC ingress program is on `lo` too (a worker on this
+    /// host, `TcPlane::attach_lo_ingress`), and whether attach created lo's
+    /// clsact qdisc.
+    #[serde(default)]
+    pub tc_lo: bool,
+    #[serde(default)]
+    pub tc_lo_created_qdisc: bool,
     /// Whether the user-space path (AF_XDP) runs in the attach process.
     #[serde(default)]
     pub userspace_path: bool,
@@ -556,11 +563,18 @@ pub fn attach_chain(
         }
         configure_result_routes(&plane, config, index)?;
         plane.attach(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        // A worker on this host: RESULTs its contributions complete come up
+        // lo, where the ingress program must make their group copies too.
+        if lo_link.is_some() {
+            let lo_index = ifindex(LOOPBACK)?;
+            plane.attach_lo_ingress(lo_index).map_err(|e| anyhow!("aggbox: {e} (a worker of a job is on this host)"))?;
+        }
         Some(plane)
     } else {
         None
     };
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
+    let tc_lo = broadcast.as_ref().and_then(|b| b.lo_ingress());
 
     // The user-space path serves what the kernel does not aggregate (ops
     // 5..8, FLOAT32, overflow of the slot pool, userspace_only jobs). The
@@ -605,6 +619,8 @@ pub fn attach_chain(
         lo_xdp: lo_link.is_some(),
         tc: broadcast.is_some(),
         tc_created_qdisc,
+        tc_lo: tc_lo.is_some(),
+        tc_lo_created_qdisc: tc_lo.unwrap_or(false),
         userspace_path: userspace.is_some(),
         userspace_path_error: userspace_error,
         reloads: 0,
@@ -778,6 +794,13 @@ fn detach_dir(dir: &Path) -> Result<()> {
             tc::detach_stale(record.ifindex).map_err(|e| anyhow!("aggbox: removing stale TC filters: {e}"))?;
             if record.tc_created_qdisc {
                 destroy_clsact(record.ifindex).context("aggbox: removing the clsact qdisc")?;
+            }
+            if record.tc_lo {
+                let lo = ifindex(LOOPBACK)?;
+                tc::detach_stale(lo).map_err(|e| anyhow!("aggbox: removing stale TC filters from lo: {e}"))?;
+                if record.tc_lo_created_qdisc {
+                    destroy_clsact(lo).context("aggbox: removing lo's clsact qdisc")?;
+                }
             }
         }
     }
@@ -974,6 +997,8 @@ mod attacher_tests {
             lo_xdp: false,
             tc: false,
             tc_created_qdisc: false,
+            tc_lo: false,
+            tc_lo_created_qdisc: false,
             userspace_path: true,
             userspace_path_error: None,
             reloads: 0,
