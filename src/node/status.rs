@@ -332,7 +332,11 @@ pub fn format_status(status: &NodeStatus) -> String {
     let _ = writeln!(
         s,
         "  TC broadcast: {}; user-space path: {}",
-        if a.tc { "attached" } else { "not attached (no groups or result routes)" },
+        match (a.tc, a.tc_lo) {
+            (true, true) => "attached (ingress on lo too, for the RESULTs of this host's worker)",
+            (true, false) => "attached",
+            (false, _) => "not attached (no groups or result routes)",
+        },
         match (&a.userspace_path_error, a.userspace_path) {
             (_, true) => "running (AF_XDP)".to_string(),
             (Some(e), false) => format!("NOT RUNNING ({e}): ops 5..8, FLOAT32 and slot-pool overflow reach the stack unaggregated"),
