@@ -961,22 +961,8 @@ fn ring_phase(
         }
         Ok(())
     })();
-    for (h, a) in attachments {
-        if let Err(e) = in_netns(&tb.host(h).netns, move || a.detach()).map_err(anyhow::Error::from).and_then(|r| r) {
-            progress(format!("large: detaching ring member host {h}: {e:#}"));
-        }
-    }
+    end_phase(tb, attachments, "ring member", result, "ring", dtypes, sizes, mtu, &mut points);
     drop(bpffs);
-    if let Err(e) = result {
-        for dtype in dtypes {
-            let name = dtype.backend("ring");
-            for &n in sizes {
-                if !points.iter().any(|p| p.backend == name && p.elements == n) {
-                    points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
-                }
-            }
-        }
-    }
     Ok(points)
 }
 
@@ -1066,15 +1052,34 @@ fn sharded_phase(
         points = runtime_points("sharded", mtu, None, &workers, dtypes, sizes, reps, bases, csv, &injector, &counters);
         Ok(())
     })();
+    end_phase(tb, attachments, "shard node", result, "sharded", dtypes, sizes, mtu, &mut points);
+    drop(bpffs);
+    Ok(points)
+}
+
+/// The end of a phase that attached on several hosts: detach each (in its
+/// namespace; a failure is reported, not fatal) and, when the phase failed,
+/// a failed point for every size of `backend` × `dtypes` it did not measure.
+#[allow(clippy::too_many_arguments)]
+fn end_phase(
+    tb: &Testbed,
+    attachments: Vec<(usize, node::Attachment)>,
+    what: &str,
+    result: Result<()>,
+    backend: &str,
+    dtypes: &[Dtype],
+    sizes: &[u64],
+    mtu: u32,
+    points: &mut Vec<Point>,
+) {
     for (h, a) in attachments {
         if let Err(e) = in_netns(&tb.host(h).netns, move || a.detach()).map_err(anyhow::Error::from).and_then(|r| r) {
-            progress(format!("large: detaching shard node host {h}: {e:#}"));
+            progress(format!("large: detaching {what} host {h}: {e:#}"));
         }
     }
-    drop(bpffs);
     if let Err(e) = result {
         for dtype in dtypes {
-            let name = dtype.backend("sharded");
+            let name = dtype.backend(backend);
             for &n in sizes {
                 if !points.iter().any(|p| p.backend == name && p.elements == n) {
                     points.push(Point::new(&name, mtu, n, &[], Some(format!("{e:#}"))));
@@ -1082,7 +1087,6 @@ fn sharded_phase(
             }
         }
     }
-    Ok(points)
 }
 
 /// `calls` ring allreduces of `n` elements (call 0 = warm-up) on every
