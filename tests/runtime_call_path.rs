@@ -69,6 +69,25 @@ fn stats(all: &[Communicator]) -> Vec<CommStats> {
     all.iter().map(|c| c.stats()).collect()
 }
 
+/// `calls` blocking allreduces of `len` elements on every participant at
+/// once (a thread each), every result checked against the reference.
+fn blocking_allreduces(all: &[Communicator], len: usize, calls: u64) {
+    let want = common_runtime::expected(Op::Sum, WORKERS, len);
+    std::thread::scope(|s| {
+        for c in all {
+            let want = &want;
+            s.spawn(move || {
+                for k in 0..calls {
+                    let mut v = input(c, len);
+                    c.allreduce_i32(&mut v, Op::Sum)
+                        .unwrap_or_else(|e| panic!("{:?} call {k}: {e}", c.participant()));
+                    assert!(v == *want, "{:?} call {k}: wrong result", c.participant());
+                }
+            });
+        }
+    });
+}
+
 /// The injected loss happened and the participants resent what it took.
 fn assert_loss_was_repaired(all: &[Communicator], control: &ImpairControl) {
     let dropped = control.stats().dropped;
@@ -84,20 +103,7 @@ fn blocking_calls_with_nothing_in_flight_run_on_the_callers_thread_under_loss() 
     let (all, control) = job(1, 0.05);
     let len = 20_000;
     let calls = 6;
-    let want = common_runtime::expected(Op::Sum, WORKERS, len);
-    std::thread::scope(|s| {
-        for c in &all {
-            let want = &want;
-            s.spawn(move || {
-                for k in 0..calls {
-                    let mut v = input(c, len);
-                    c.allreduce_i32(&mut v, Op::Sum)
-                        .unwrap_or_else(|e| panic!("{:?} call {k}: {e}", c.participant()));
-                    assert!(v == *want, "{:?} call {k}: wrong result", c.participant());
-                }
-            });
-        }
-    });
+    blocking_allreduces(&all, len, calls);
     for (c, st) in all.iter().zip(io(&all)) {
         assert_eq!(st.calls_on_caller, calls, "{:?}: {st:?}", c.participant());
         assert_eq!(
@@ -237,22 +243,9 @@ fn between_calls_the_progress_thread_answers_retransmissions() {
 fn a_caller_that_polls_first_is_answered_while_polling() {
     let len = 3_000;
     let calls = 8u64;
-    let want = common_runtime::expected(Op::Sum, WORKERS, len);
     for (seed, spin) in [(4, Duration::from_millis(20)), (5, Duration::ZERO)] {
         let (all, control) = job_spinning(seed, 0.05, spin);
-        std::thread::scope(|s| {
-            for c in &all {
-                let want = &want;
-                s.spawn(move || {
-                    for k in 0..calls {
-                        let mut v = input(c, len);
-                        c.allreduce_i32(&mut v, Op::Sum)
-                            .unwrap_or_else(|e| panic!("{:?} call {k}: {e}", c.participant()));
-                        assert!(v == *want, "{:?} call {k}: wrong result", c.participant());
-                    }
-                });
-            }
-        });
+        blocking_allreduces(&all, len, calls);
         for (c, st) in all.iter().zip(io(&all)) {
             assert_eq!(st.calls_on_caller, calls, "{:?}: {st:?}", c.participant());
             if spin.is_zero() {

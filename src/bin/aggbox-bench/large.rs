@@ -2165,31 +2165,22 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                 }
             }
         }
-        let ring_dtypes: Vec<Dtype> =
-            [Dtype::I32, Dtype::F32].into_iter().filter(|d| want(&d.backend("ring"))).collect();
-        if !ring_dtypes.is_empty() {
-            match ring_phase(&tb, mtu, &ring_dtypes, &sizes, reps, &bases, &mut csv) {
-                Ok(ps) => points.extend(ps),
-                Err(e) => {
-                    progress(format!("large: MTU {mtu} ring: FAILED: {e:#}"));
-                    for d in &ring_dtypes {
-                        for &n in &sizes {
-                            points.push(Point::new(&d.backend("ring"), mtu, n, &[], Some(format!("{e:#}"))));
-                        }
-                    }
-                }
+        // The phases that attach on every worker's host.
+        type HostsPhase =
+            fn(&Testbed, u32, &[Dtype], &[u64], usize, &BTreeMap<u64, Vec<i32>>, &mut Csv) -> Result<Vec<Point>>;
+        for (backend, phase) in [("ring", ring_phase as HostsPhase), ("sharded", sharded_phase)] {
+            let dtypes: Vec<Dtype> =
+                [Dtype::I32, Dtype::F32].into_iter().filter(|d| want(&d.backend(backend))).collect();
+            if dtypes.is_empty() {
+                continue;
             }
-        }
-        let sharded_dtypes: Vec<Dtype> =
-            [Dtype::I32, Dtype::F32].into_iter().filter(|d| want(&d.backend("sharded"))).collect();
-        if !sharded_dtypes.is_empty() {
-            match sharded_phase(&tb, mtu, &sharded_dtypes, &sizes, reps, &bases, &mut csv) {
+            match phase(&tb, mtu, &dtypes, &sizes, reps, &bases, &mut csv) {
                 Ok(ps) => points.extend(ps),
                 Err(e) => {
-                    progress(format!("large: MTU {mtu} sharded: FAILED: {e:#}"));
-                    for d in &sharded_dtypes {
+                    progress(format!("large: MTU {mtu} {backend}: FAILED: {e:#}"));
+                    for d in &dtypes {
                         for &n in &sizes {
-                            points.push(Point::new(&d.backend("sharded"), mtu, n, &[], Some(format!("{e:#}"))));
+                            points.push(Point::new(&d.backend(backend), mtu, n, &[], Some(format!("{e:#}"))));
                         }
                     }
                 }
