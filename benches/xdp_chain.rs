@@ -6,6 +6,18 @@
 //! middle ones only add, the last one completes the fragment, writes the
 //! RESULT and releases the slot.
 //!
+//! Two ways of timing, both reported:
+//! - **one run per contribution** (the tables by role): one
+//!   BPF_PROG_TEST_RUN per datagram, so every figure carries the syscall's
+//!   cold start (caches and branch predictors after the kernel entry) and
+//!   the timer's own reads; the fixed costs' "not IPv4" row shows how much;
+//! - **in a loop** (`loop_mean`): one BPF_PROG_TEST_RUN with `repeat` over
+//!   a stream of distinct contributions (src/bpf/bench_feed.bpf.c writes
+//!   the next one's headers and tail-calls the program), minus the feeder's
+//!   own cost measured the same way; warm, as a busy aggregator runs, and
+//!   how the floor's ~180 ns in issue #20 was measured (a program run
+//!   repeatedly on one contribution).
+//!
 //! Needs root (loads the programs) and the `bench` feature (the floor
 //! program is built only with it): `sudo cargo bench --features bench
 //! --bench xdp_chain [-- FRAGMENTS]`. Speed lives here, not in the tests.
@@ -21,13 +33,20 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
 use aggbox::wire::abi::{self, Op};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, OpenObject};
 use aggbox::kernel::xdp::XdpJob;
 use bpf_common::*;
 
 
 const JOB: u16 = 9;
 const WORKERS: u16 = 4;
+/// Jobs of the loops (`loops`), one per fragments-a-round setting.
+const LOOP_JOB: u16 = 20;
 
 fn addr(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 3, rank as u8 + 1)
@@ -58,6 +77,11 @@ fn main() {
     )
     .expect("configure the job");
     let runner = dp.test_runner().expect("test runner");
+    if std::env::var("XDP_CHAIN_PROFILE").as_deref() == Ok("loop") {
+        // What `scripts/xdp_line_profile.py --loop` samples: the loops only.
+        loops(&dp, 1, fragments.max(1));
+        return;
+    }
     println!("count  op     creating ns (ns/element)   adding ns (ns/element)   completing ns (ns/element)   mean ns/element  mean ns");
     let mut round = 1u32;
     let profile = std::env::var("XDP_CHAIN_PROFILE").is_ok();
@@ -116,6 +140,9 @@ fn main() {
         fixed_costs(&runner);
     }
     floor(fragments);
+    if !profile {
+        loops(&dp, round, 1);
+    }
     let fast = dp.fast_stats().expect("fast_stats");
     println!(
         "fast slots: {} contributions joined, {} fragments taken, {} busy (hash-map path), {} aborted",
@@ -199,4 +226,159 @@ fn floor(fragments: u32) {
         per(1),
         per(2)
     );
+}
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod feed_skel {
+    include!(concat!(env!("OUT_DIR"), "/bench_feed.skel.rs"));
+}
+
+/// The feeder (src/bpf/bench_feed.bpf.c): one test run's repeats become a
+/// stream of distinct contributions to the program in its target slot.
+struct Feed {
+    skel: feed_skel::BenchFeedSkel<'static>,
+    _object: Box<MaybeUninit<OpenObject>>,
+}
+
+/// What one feeder test run sends: `runs` contributions, rank by rank
+/// (one frame per rank, its headers the template), `frags` fragments of
+/// `count` elements a round, from round `first_round`.
+struct Schedule {
+    frames: Vec<Vec<u8>>,
+    frags: u32,
+    count: u32,
+    first_round: u32,
+    runs: u32,
+}
+
+/// Ethernet + IPv4 + UDP + AGG1 header bytes the feeder writes per run.
+const FEED_HDR: usize = 14 + 20 + 8 + 24;
+
+impl Feed {
+    fn load() -> Feed {
+        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
+        // SAFETY: the box's allocation never moves and outlives the
+        // skeleton (field order drops the skeleton first).
+        let object_ref: &'static mut MaybeUninit<OpenObject> =
+            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let open = feed_skel::BenchFeedSkelBuilder::default().open(object_ref).expect("opening bench_feed");
+        let skel = open.load().expect("loading bench_feed");
+        Feed { skel, _object: object }
+    }
+
+    /// Mean ns per run of `schedule`'s contributions through `target`
+    /// (`frags_flag`: an "xdp.frags" program), feeder included.
+    fn run(&self, target: BorrowedFd<'_>, frags_flag: bool, schedule: &Schedule) -> f64 {
+        let Schedule { frames, frags, count, first_round, runs } = schedule;
+        let (frags, count, first_round, runs) = (*frags, *count, *first_round, *runs);
+        let maps = &self.skel.maps;
+        for (rank, frame) in frames.iter().enumerate() {
+            maps.feed_hdrs
+                .update(&(rank as u32).to_ne_bytes(), &frame[..FEED_HDR], MapFlags::ANY)
+                .expect("feed_hdrs");
+        }
+        let mut cfg = Vec::new();
+        for v in [frames.len() as u32, frags, count, first_round] {
+            cfg.extend_from_slice(&v.to_ne_bytes());
+        }
+        maps.feed_cfg.update(&0u32.to_ne_bytes(), &cfg, MapFlags::ANY).expect("feed_cfg");
+        maps.feed_runs.update(&0u32.to_ne_bytes(), &0u64.to_ne_bytes(), MapFlags::ANY).expect("feed_runs");
+        let (slot_map, prog) = if frags_flag {
+            (&maps.feed_target_frags, &self.skel.progs.feed_frags)
+        } else {
+            (&maps.feed_target_linear, &self.skel.progs.feed_linear)
+        };
+        slot_map
+            .update(&0u32.to_ne_bytes(), &(target.as_raw_fd() as u32).to_ne_bytes(), MapFlags::ANY)
+            .expect("feed target");
+        let runner = aggbox::kernel::xdp::TestRunner::for_fd(prog.as_fd()).expect("feed runner");
+        let ns = runner.run_repeated(&frames[frames.len() - 1], runs).expect("feed test run");
+        let done = maps.feed_runs.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).expect("feed_runs").expect("feed_runs[0]");
+        assert_eq!(u64::from_ne_bytes(done[..8].try_into().unwrap()), u64::from(runs), "every repeat fed");
+        f64::from(ns)
+    }
+}
+
+/// In a loop: 362-element SUM contributions of 4 ranks, `frags` fragments
+/// a round, through AggBox's chain and the floor aggregator, each minus the
+/// feeder with a target that drops at once; the median of 5 test runs of
+/// 40,000 contributions each, interleaved. Checks that every contribution
+/// was absorbed or completed its fragment (AggBox's job counters). `times`
+/// repeats the whole (for a profile).
+fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
+    let count = 362u32;
+    let runs_per = 40_000u32;
+    let feed = Feed::load();
+    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
+    let sinks = (feed.skel.progs.feed_sink_frags.as_fd(), feed.skel.progs.feed_sink_linear.as_fd());
+    let slots: u32 = std::env::var("LOOP_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    println!("in a loop (one test run of {runs_per} distinct 362-element SUM contributions, minus the feeder; median of 5, ns per contribution):");
+    println!("  fragments a round   AggBox   floor   AggBox/floor   (feeder alone: frags / linear chain flag)");
+    let mut round = first_round;
+    for (k, frags) in std::iter::repeat_n([1u32, 16, 200], times as usize).flatten().enumerate() {
+        // A job of its own whose vector is what the loop sends (as the
+        // runtime configures one), so that its fast-slot region and
+        // index stride are what such a job gets.
+        let job = LOOP_JOB + (k % 3) as u16;
+        if k < 3 {
+            dp.set_job(
+                job,
+                &XdpJob {
+                    id: job,
+                    port: JOB_PORT,
+                    result_port: RESULT_PORT,
+                    ranks: (0..WORKERS).map(addr).collect(),
+                    weights: vec![],
+                    vector_len: frags * count,
+                    slots,
+                    flags: 0,
+                    result_group: None,
+                    window: 0,
+                },
+            )
+            .expect("configure the loop's job");
+        }
+        let frames: Vec<Vec<u8>> = (0..WORKERS)
+            .map(|rank| {
+                let mut a = Agg::new(job, rank, Op::Sum as u8, vec![0; count as usize]);
+                a.flags = if frags == 1 { abi::AGG_F_LAST_FRAGMENT } else { 0 };
+                Frame::udp(addr(rank), a.bytes()).build()
+            })
+            .collect();
+        let rounds_per = runs_per / (u32::from(WORKERS) * frags);
+        let runs = rounds_per * u32::from(WORKERS) * frags;
+        let mut schedule = Schedule { frames, frags, count, first_round: round, runs };
+        let (mut agg, mut flo, mut sink_f, mut sink_l) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..5 {
+            let before = dp.job_stats(job).expect("job stats").unwrap_or_default();
+            schedule.first_round = round;
+            agg.push(feed.run(dp.xdp_prog_fd(), dp.chain() == aggbox::kernel::xdp::Chain::Frags, &schedule));
+            let after = dp.job_stats(job).expect("job stats").unwrap_or_default();
+            assert_eq!(
+                after.results - before.results,
+                u64::from(rounds_per * frags),
+                "every fragment completed once (rounds {round}.., {frags} a round; job counters before {before:?}, after {after:?}; fast slots {:?})",
+                dp.fast_stats().expect("fast_stats")
+            );
+            assert_eq!(
+                after.accepted - before.accepted + after.results - before.results,
+                u64::from(runs),
+                "every contribution absorbed or completing"
+            );
+            round += rounds_per;
+            schedule.first_round = round;
+            flo.push(feed.run(floor.prog().as_fd(), false, &schedule));
+            round += rounds_per;
+            schedule.first_round = round;
+            sink_f.push(feed.run(sinks.0, true, &schedule));
+            sink_l.push(feed.run(sinks.1, false, &schedule));
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (sf, sl) = (med(&mut sink_f), med(&mut sink_l));
+        let (a, f) = (med(&mut agg) - sf, med(&mut flo) - sl);
+        println!("  {frags:17}   {a:6.0}   {f:5.0}   {:12.2}   ({sf:.0} / {sl:.0})", a / f);
+    }
 }

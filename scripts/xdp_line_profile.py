@@ -12,6 +12,12 @@ a function of the program to the source line the verifier's line info
 names (`bpftool prog dump xlated linum` supplies the text).
 
     sudo scripts/xdp_line_profile.py [FRAGMENTS] [--top N]
+    sudo scripts/xdp_line_profile.py --loop [TIMES] [--top N]
+
+--loop samples the benchmark's warm loops instead (XDP_CHAIN_PROFILE=loop:
+one test run of 40,000 distinct contributions through the feeder, src/bpf/
+bench_feed.bpf.c, for AggBox and the floor, TIMES times; the feeder's own
+samples show as "BPF feed_frags").
 
 Prints samples per function of aggbox_xdp, the floor aggregator's samples
 (bpf_spin_lock keeps interrupts off, so cpu-clock samples of its critical
@@ -115,6 +121,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("fragments", nargs="?", type=int, default=40000)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--loop", action="store_true", help="sample the warm loops (FRAGMENTS = how many times)")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run(["cargo", "bench", "--features", "bench", "--bench", "xdp_chain", "--no-run"], cwd=root, check=True,
@@ -126,7 +133,7 @@ def main():
         before = set(prog_ids())
         run = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "20000", "-o", data, "--",
                                 bench, str(args.fragments)],
-                               env={**os.environ, "XDP_CHAIN_PROFILE": "1"}, stdout=subprocess.PIPE, text=True)
+                               env={**os.environ, "XDP_CHAIN_PROFILE": "loop" if args.loop else "1"}, stdout=subprocess.PIPE, text=True)
         table = None
         while run.poll() is None and table is None:
             for pid in set(prog_ids()) - before:

@@ -222,6 +222,66 @@ fn a_job_with_a_vector_length_remembers_its_window_in_the_slots() {
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }
 
+/// A job with a vector length gets a region sized from its vector and
+/// window, not from its slot bound alone: FAST_ROUNDS_IN_FLIGHT (8) rounds of
+/// its index sequence, or more where its window needs them (a slot remembers
+/// 18 fragments: 18 x region >= (window + 1) x stride), at most the bound's
+/// power of two and 4096. Small vectors then cycle over a few slots (hot in
+/// cache) and leave the pool to other jobs: with the bound's 4096 each,
+/// only two jobs of a node had fast slots. The window guarantee holds in
+/// such a region as in the test above.
+#[test]
+fn a_job_of_small_vectors_gets_a_region_from_its_window() {
+    const HISTORY: u32 = 16; // AGGBOX_FAST_HISTORY (src/bpf/slot.h)
+    let dp = load();
+    let region = |id: u16| u32::from(dp.job(id).unwrap().unwrap().fast_slots);
+    let with = |id: u16, vector_len: u32, window: u32| {
+        let mut cfg = job(2, 0, window);
+        cfg.id = id;
+        cfg.vector_len = vector_len;
+        dp.set_job(id, &cfg).expect("set_job");
+        region(id)
+    };
+    // Default bound (0: 4096 slots) everywhere.
+    assert_eq!(with(ID + 1, 1 << 20, 0), 4096, "stride 4096: the largest region");
+    assert_eq!(with(ID + 2, 3000, 0), 128, "stride 12: 8 rounds = 96 -> 128");
+    assert_eq!(with(ID + 3, 16, 1000), 64, "stride 1, window 1000: 56 rounds -> 64");
+    assert_eq!(with(ID, 16, 0), 8, "stride 1, window 64: 8 rounds");
+    assert_eq!(with(ID + 4, 2000, 0), 64, "a fifth job still gets one");
+    for id in ID + 1..=ID + 4 {
+        dp.remove_job(id).expect("remove_job");
+    }
+    // The window guarantee in the 8-slot region (the default window, 64).
+    let remembered = (2 + HISTORY) * region(ID);
+    assert!(remembered > 65, "the window fits what the slots remember");
+    let maps = dp.kernel_maps().unwrap();
+    let v = [3; 16];
+    let last = remembered + 8;
+    for round in 1..=last {
+        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label(), "round {round}");
+        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label(), "round {round}");
+    }
+    let (mut retransmissions, mut stale) = (0, 0);
+    for old in 1..=last {
+        for rank in 0..2 {
+            let l = run(&dp, &contribution(rank, old, 0, &v)).0;
+            if l == DropReason::Retransmission.label() {
+                retransmissions += 1;
+            } else {
+                assert_eq!(l, DropReason::StaleRound.label(), "round {old} after round {last}");
+                assert!(last - old > 64, "round {old} is inside the window: remembered");
+                stale += 1;
+            }
+        }
+        assert!(!maps.is_completed(&key(old, 0)), "round {old}: no completed marker");
+    }
+    assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
+    assert_eq!(stale, 2 * (last - 65));
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, u64::from(last));
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(last), "every round on the fast path");
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 0, "no fragment sent to the chain");
+}
+
 /// Past the window the ring forgets: a job whose window is wider than what
 /// its slots remember relies on the stale-round rule only up to the window,
 /// so an older fragment than the ring holds is not known there. (The limit

@@ -748,6 +748,25 @@ static __always_inline void fast_store(struct xdp_md *ctx, struct aggbox_fast_sl
 }
 
 /*
+ * One pair of the last SUM contribution's pass (fast_sum_result, fast_w1):
+ * the sums (of the weighted pair wa, wc) into the accumulators, their
+ * int32 halves over the pair in the packet (dst), `wide` nonzero if one
+ * does not fit. Pair by pair (the empty asm): scheduled across the block,
+ * clang keeps every pair's values for the block's end and spills ~200
+ * bytes, more than the call chain's stack (512 in all) has room for.
+ */
+#define FAST_SUM_RESULT_PAIR(wa, wc)                                              \
+	{                                                                         \
+		__s64 ra = acc[i] + (wa), rc = acc[i + 1] + (wc);                 \
+                                                                                  \
+		acc[i] = ra;                                                      \
+		acc[i + 1] = rc;                                                  \
+		wide |= (ra ^ (__s64)(__s32)ra) | (rc ^ (__s64)(__s32)rc);        \
+		*dst = __builtin_bswap64(((__u64)ra << 32) | (__u32)rc);          \
+		asm volatile("" : "+r"(wide) : : "memory");                       \
+	}
+
+/*
  * The last contribution of a SUM in a linear frame: adds and writes the
  * RESULT pair over its own payload in the same pass (the completion then
  * does not read the accumulators again); scratch.fast_wide gets nonzero
@@ -760,14 +779,48 @@ static __always_inline void fast_sum_result(struct xdp_md *ctx, struct aggbox_fa
 	const int use_buf = 0;
 	__s64 *acc = f->acc;
 
-	FAST_LOOP({
-		__s64 ra = acc[i] + w * a, rc = acc[i + 1] + w * c;
+	FAST_LOOP(FAST_SUM_RESULT_PAIR(w * a, w * c));
+}
 
-		acc[i] = ra;
-		acc[i + 1] = rc;
-		wide |= (ra ^ (__s64)(__s32)ra) | (rc ^ (__s64)(__s32)rc);
-		*dst = __builtin_bswap64(((__u64)ra << 32) | (__u32)rc);
-	});
+/*
+ * The weight-1 SUM loops (and MAX's store), the common case of a linear
+ * frame: without the multiply, two of the 14 instructions a pair costs.
+ * A global function of its own: the verifier walks its three loops once,
+ * not once per state in which fast_join reaches its adds (inline they
+ * would cost the entry program ~0.14 M verified instructions). Called
+ * under the slot's lock by fast_join (which has checked that the payload
+ * is in the frame, n <= AGGBOX_FAST_ELEMS and scratch.fast_npairs is set);
+ * `what`: FAST_W1_STORE, FAST_W1_ADD or FAST_W1_RESULT (fast_store,
+ * fast_add, fast_sum_result with w = 1).
+ */
+#define FAST_W1_STORE 0
+#define FAST_W1_ADD 1
+#define FAST_W1_RESULT 2
+__noinline int fast_w1(struct xdp_md *ctx, __u32 what)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	const int use_buf = 0;
+	struct aggbox_fast_slot *f;
+	struct aggbox_scratch *s;
+	void *payload;
+	__u32 agg_off;
+	__s64 *acc;
+
+	f = fast_slot_of(&s);
+	if (!f)
+		return -1;
+	acc = f->acc;
+	FAST_BOUNDED_OFF(agg_off, s->agg_off);
+	payload = data + agg_off + sizeof(struct aggbox_agg_hdr);
+	if (what == FAST_W1_STORE) {
+		FAST_LOOP({ acc[i] = a; acc[i + 1] = c; });
+	} else if (what == FAST_W1_ADD) {
+		FAST_LOOP({ acc[i] += a; acc[i + 1] += c; });
+	} else {
+		FAST_LOOP(FAST_SUM_RESULT_PAIR(a, c));
+	}
+	return 0;
 }
 
 /* Every accumulator of f to `ident` (a multi-buffer frame's first contribution). */
@@ -1335,10 +1388,18 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 				fast_fill(f, ident);
 			fast_add(ctx, f, s, payload, data_end, 1, op, w);
 		} else if (f->done == 0) {
-			fast_store(ctx, f, s, payload, data_end, op, w);
+			if (w == 1 && op != AGGBOX_OP_COUNT)
+				fast_w1(ctx, FAST_W1_STORE);
+			else
+				fast_store(ctx, f, s, payload, data_end, op, w);
 		} else if (op == AGGBOX_OP_SUM && f->done + 1 >= f->workers) {
 			s->fast_fused = 1;
-			fast_sum_result(ctx, f, s, payload, data_end, w);
+			if (w == 1)
+				fast_w1(ctx, FAST_W1_RESULT);
+			else
+				fast_sum_result(ctx, f, s, payload, data_end, w);
+		} else if (w == 1 && (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)) {
+			fast_w1(ctx, FAST_W1_ADD);
 		} else {
 			fast_add(ctx, f, s, payload, data_end, 0, op, w);
 		}

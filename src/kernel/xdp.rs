@@ -895,6 +895,11 @@ impl XdpPlane {
     /// points at it; (0, 0) when none is free or the job never aggregates
     /// in the kernel (user space only, or JOB_F_NO_FAST).
     fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16, u32)> {
+        // Rounds of a job with a vector length whose fragments a region
+        // holds at once without collisions (workers of one job are within a
+        // round or two of each other; a fragment that collides still takes
+        // the chain, with every rule of that path).
+        const FAST_ROUNDS_IN_FLIGHT: u32 = 8;
         if job.flags & (abi::JOB_F_USERSPACE_ONLY | abi::JOB_F_NO_FAST) != 0 {
             if let Some(old) = old.filter(|o| o.fast_slots > 0) {
                 // Giving the region up: release what is in flight there.
@@ -906,7 +911,18 @@ impl XdpPlane {
         // A fragment of 256..=384 elements covers one or two granules of its
         // round's index sequence: a region of the next power of two above the
         // bound holds the bound's fragments without collisions.
-        let want = abi::FAST_JOB_SLOTS.min(limit.max(1).next_power_of_two());
+        let mut want = abi::FAST_JOB_SLOTS.min(limit.max(1).next_power_of_two());
+        let stride = job.vector_len.div_ceil(abi::FAST_GRANULE);
+        if stride > 0 {
+            // With a vector length no more than what FAST_ROUNDS_IN_FLIGHT
+            // rounds index, and what the window guarantee needs (a slot
+            // remembers 18 fragments: 18 · size ≥ (window + 1) · stride):
+            // a job of small vectors then cycles over a few hot slots, not
+            // 4096 cold ones, and leaves the pool to other jobs.
+            let window = if job.window == 0 { abi::ROUND_WINDOW } else { job.window };
+            let rounds = FAST_ROUNDS_IN_FLIGHT.max((window + 1).div_ceil(18));
+            want = want.min(rounds.saturating_mul(stride).next_power_of_two());
+        }
         if let Some(old) = old {
             // A reconfigured job keeps its region and index function (and
             // the fragments in flight there): both were set when the job
@@ -926,7 +942,6 @@ impl XdpPlane {
             while base + size <= abi::FAST_SLOTS {
                 if taken.iter().all(|&(lo, hi)| base + size <= lo || base >= hi) {
                     self.zero_fast_slots(base, size)?;
-                    let stride = job.vector_len.div_ceil(abi::FAST_GRANULE);
                     return Ok((base as u16, size as u16, stride));
                 }
                 base += size;
@@ -1324,6 +1339,45 @@ impl TestRunner {
         }
         out.truncate(opts.data_size_out as usize);
         Ok((opts.retval, out, opts.duration))
+    }
+
+    /// The program's kernel run statistics (bpf_prog_info `run_cnt`,
+    /// `run_time_ns`; they count only while BPF_ENABLE_STATS is on, e.g.
+    /// [`crate::node::metrics::enable_bpf_stats`]). The entry program's
+    /// figures include the programs it tail-calls.
+    pub fn run_stats(&self) -> Result<(u64, u64)> {
+        // SAFETY: zeroed info is valid; no output arrays are requested.
+        let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+        // SAFETY: valid fd, info/len describe a live buffer.
+        let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(self.fd.as_raw_fd(), &mut info, &mut len) };
+        if rc < 0 {
+            let err = std::io::Error::from_raw_os_error(-rc);
+            return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
+        }
+        Ok((info.run_cnt, info.run_time_ns))
+    }
+
+    /// Mean run time (ns) of `repeat` runs of the program on one `frame`
+    /// (BPF_PROG_TEST_RUN with `repeat`: the same buffer each time, so
+    /// only for programs that do not change it).
+    pub fn run_repeated(&self, frame: &[u8], repeat: u32) -> Result<u32> {
+        let mut out = vec![0u8; frame.len() + 256];
+        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
+        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
+        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
+        opts.data_in = frame.as_ptr().cast();
+        opts.data_size_in = frame.len() as u32;
+        opts.data_out = out.as_mut_ptr().cast();
+        opts.data_size_out = out.len() as u32;
+        opts.repeat = repeat as i32;
+        // SAFETY: valid program fd and opts pointing at live buffers.
+        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.fd.as_raw_fd(), &mut opts) };
+        if rc < 0 {
+            let err = std::io::Error::from_raw_os_error(-rc);
+            return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
+        }
+        Ok(opts.duration)
     }
 }
 
