@@ -791,7 +791,8 @@ static __always_inline void fast_sum_result(struct xdp_md *ctx, struct aggbox_fa
  * under the slot's lock by fast_join (which has checked that the payload
  * is in the frame, n <= AGGBOX_FAST_ELEMS and scratch.fast_npairs is set);
  * `what`: FAST_W1_STORE, FAST_W1_ADD or FAST_W1_RESULT (fast_store,
- * fast_add, fast_sum_result with w = 1).
+ * fast_add, fast_sum_result with w = 1). 0 when done; nonzero, having
+ * written nothing, when its lookups fail.
  */
 #define FAST_W1_STORE 0
 #define FAST_W1_ADD 1
@@ -1388,19 +1389,16 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 				fast_fill(f, ident);
 			fast_add(ctx, f, s, payload, data_end, 1, op, w);
 		} else if (f->done == 0) {
-			if (w == 1 && op != AGGBOX_OP_COUNT)
-				fast_w1(ctx, FAST_W1_STORE);
-			else
+			/* fast_w1 fails only before it writes anything (its
+			 * lookups, which cannot fail here): then the general
+			 * loop does the same work. */
+			if (w != 1 || op == AGGBOX_OP_COUNT || fast_w1(ctx, FAST_W1_STORE))
 				fast_store(ctx, f, s, payload, data_end, op, w);
 		} else if (op == AGGBOX_OP_SUM && f->done + 1 >= f->workers) {
 			s->fast_fused = 1;
-			if (w == 1)
-				fast_w1(ctx, FAST_W1_RESULT);
-			else
+			if (w != 1 || fast_w1(ctx, FAST_W1_RESULT))
 				fast_sum_result(ctx, f, s, payload, data_end, w);
-		} else if (w == 1 && (op == AGGBOX_OP_SUM || op == AGGBOX_OP_AVG)) {
-			fast_w1(ctx, FAST_W1_ADD);
-		} else {
+		} else if (w != 1 || (op != AGGBOX_OP_SUM && op != AGGBOX_OP_AVG) || fast_w1(ctx, FAST_W1_ADD)) {
 			fast_add(ctx, f, s, payload, data_end, 0, op, w);
 		}
 		if ((n & 1) && n - 1 < AGGBOX_FAST_ELEMS) {

@@ -8,9 +8,10 @@
  * duplicate. This program, run with repeat, turns the buffer into the next
  * contribution of a fixed schedule first (rank = i mod workers, fragment =
  * (i / workers) mod frags, round = first_round + i / (workers * frags), for
- * the i-th run since the benchmark zeroed the count) by writing the rank's Ethernet + IPv4 + UDP +
- * AGG1 header from a template and patching round and frag_off, then
- * tail-calls the program under test (feed_target[0]). The payload is left as
+ * the i-th run since the benchmark zeroed the count) by writing the rank's
+ * Ethernet + IPv4 + UDP + AGG1 header from a template and patching round
+ * and frag_off, then tail-calls the program under test (slot 0 of
+ * feed_target_frags or feed_target_linear). The payload is left as
  * the last run left it: a completing contribution writes the RESULT over its
  * own payload, so the benchmark's payload is zeros (sums stay in range; the
  * adds cost the same whatever the values). Its own cost is measured the same
