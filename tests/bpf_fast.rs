@@ -178,6 +178,39 @@ fn late_retransmissions_are_recognised_after_the_slot_moves_on() {
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }
 
+/// Job ID (2 ranks, one 16-element fragment a round, window 64, its fast
+/// region already assigned) completes rounds 1..=last on the fast path, then
+/// every contribution of every one of those rounds again: each is a
+/// retransmission inside the window (newest - 64 ..= newest) and stale
+/// before it; none is added again and no `completed` marker is written.
+fn assert_the_window_is_remembered(dp: &XdpPlane, last: u32) {
+    let maps = dp.kernel_maps().unwrap();
+    let v = [5; 16];
+    for round in 1..=last {
+        assert_eq!(run(dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label(), "round {round}");
+        assert_eq!(run(dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label(), "round {round}");
+    }
+    let (mut retransmissions, mut stale) = (0, 0);
+    for old in 1..=last {
+        for rank in 0..2 {
+            let l = run(dp, &contribution(rank, old, 0, &v)).0;
+            if l == DropReason::Retransmission.label() {
+                retransmissions += 1;
+            } else {
+                assert_eq!(l, DropReason::StaleRound.label(), "round {old} after round {last}");
+                assert!(last - old > 64, "round {old} is inside the window: remembered");
+                stale += 1;
+            }
+        }
+        assert!(!maps.is_completed(&key(old, 0)), "round {old}: no completed marker");
+    }
+    assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
+    assert_eq!(stale, 2 * (last - 65));
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, u64::from(last));
+    assert_eq!(fast(dp, abi::FAST_TAKEN), u64::from(last), "every round on the fast path");
+    assert_eq!(fast(dp, abi::FAST_BUSY), 0, "no fragment sent to the chain");
+}
+
 /// A job with a vector length: a fragment's slot index follows its round, so
 /// the slot (its key, `prev` and the history ring) remembers the last
 /// (2 + AGGBOX_FAST_HISTORY) x region fragments of that index; with the
@@ -194,31 +227,7 @@ fn a_job_with_a_vector_length_remembers_its_window_in_the_slots() {
     assert_eq!(region, 4, "the bound's power of two");
     let remembered = (2 + HISTORY) * region; // rounds, one fragment each
     assert!(remembered > 64, "the window fits what the slots remember");
-    let maps = dp.kernel_maps().unwrap();
-    let v = [5; 16];
-    let last = remembered + 8;
-    for round in 1..=last {
-        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label(), "round {round}");
-        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label(), "round {round}");
-    }
-    let (mut retransmissions, mut stale) = (0, 0);
-    for old in 1..=last {
-        for rank in 0..2 {
-            let l = run(&dp, &contribution(rank, old, 0, &v)).0;
-            if l == DropReason::Retransmission.label() {
-                retransmissions += 1;
-            } else {
-                assert_eq!(l, DropReason::StaleRound.label(), "round {old} after round {last}");
-                assert!(last - old > 64, "round {old} is inside the window: remembered");
-                stale += 1;
-            }
-        }
-        assert!(!maps.is_completed(&key(old, 0)), "round {old}: no completed marker");
-    }
-    assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
-    assert_eq!(stale, 2 * (last - 65));
-    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, u64::from(last));
-    assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(last));
+    assert_the_window_is_remembered(&dp, remembered + 8);
     assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }
 
@@ -254,32 +263,8 @@ fn a_job_of_small_vectors_gets_a_region_from_its_window() {
     // The window guarantee in the 8-slot region (the default window, 64).
     let remembered = (2 + HISTORY) * region(ID);
     assert!(remembered > 65, "the window fits what the slots remember");
-    let maps = dp.kernel_maps().unwrap();
-    let v = [3; 16];
-    let last = remembered + 8;
-    for round in 1..=last {
-        assert_eq!(run(&dp, &contribution(0, round, 0, &v)).0, Outcome::Accepted.label(), "round {round}");
-        assert_eq!(run(&dp, &contribution(1, round, 0, &v)).0, Outcome::Result.label(), "round {round}");
-    }
-    let (mut retransmissions, mut stale) = (0, 0);
-    for old in 1..=last {
-        for rank in 0..2 {
-            let l = run(&dp, &contribution(rank, old, 0, &v)).0;
-            if l == DropReason::Retransmission.label() {
-                retransmissions += 1;
-            } else {
-                assert_eq!(l, DropReason::StaleRound.label(), "round {old} after round {last}");
-                assert!(last - old > 64, "round {old} is inside the window: remembered");
-                stale += 1;
-            }
-        }
-        assert!(!maps.is_completed(&key(old, 0)), "round {old}: no completed marker");
-    }
-    assert_eq!(retransmissions, 2 * 65, "the window's rounds (newest - 64 ..= newest)");
-    assert_eq!(stale, 2 * (last - 65));
-    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, u64::from(last));
-    assert_eq!(fast(&dp, abi::FAST_TAKEN), u64::from(last), "every round on the fast path");
-    assert_eq!(fast(&dp, abi::FAST_BUSY), 0, "no fragment sent to the chain");
+    assert_the_window_is_remembered(&dp, remembered + 8);
+    assert_eq!((dp.slots_in_use(), active(&dp)), (0, 0));
 }
 
 /// Past the window the ring forgets: a job whose window is wider than what

@@ -1322,46 +1322,12 @@ impl TestRunner {
     /// chain in nanoseconds (BPF_PROG_TEST_RUN's `duration`, which excludes
     /// the copies in and out): what `benches/xdp_chain.rs` reports.
     pub fn run_timed(&self, frame: &[u8]) -> Result<(u32, Vec<u8>, u32)> {
-        let mut out = vec![0u8; frame.len() + 256];
-        // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
-        let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
-        opts.sz = std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _;
-        opts.data_in = frame.as_ptr().cast();
-        opts.data_size_in = frame.len() as u32;
-        opts.data_out = out.as_mut_ptr().cast();
-        opts.data_size_out = out.len() as u32;
-        opts.repeat = 1;
-        // SAFETY: valid program fd and opts pointing at live buffers.
-        let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(self.fd.as_raw_fd(), &mut opts) };
-        if rc < 0 {
-            let err = std::io::Error::from_raw_os_error(-rc);
-            return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
-        }
-        out.truncate(opts.data_size_out as usize);
-        Ok((opts.retval, out, opts.duration))
+        self.test_run(frame, 1)
     }
 
-    /// The program's kernel run statistics (bpf_prog_info `run_cnt`,
-    /// `run_time_ns`; they count only while BPF_ENABLE_STATS is on, e.g.
-    /// [`crate::node::metrics::enable_bpf_stats`]). The entry program's
-    /// figures include the programs it tail-calls.
-    pub fn run_stats(&self) -> Result<(u64, u64)> {
-        // SAFETY: zeroed info is valid; no output arrays are requested.
-        let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
-        // SAFETY: valid fd, info/len describe a live buffer.
-        let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(self.fd.as_raw_fd(), &mut info, &mut len) };
-        if rc < 0 {
-            let err = std::io::Error::from_raw_os_error(-rc);
-            return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
-        }
-        Ok((info.run_cnt, info.run_time_ns))
-    }
-
-    /// Mean run time (ns) of `repeat` runs of the program on one `frame`
-    /// (BPF_PROG_TEST_RUN with `repeat`: the same buffer each time, so
-    /// only for programs that do not change it).
-    pub fn run_repeated(&self, frame: &[u8], repeat: u32) -> Result<u32> {
+    /// BPF_PROG_TEST_RUN of `frame`, `repeat` times on the same buffer:
+    /// verdict, output frame and mean run time (ns) of the runs.
+    fn test_run(&self, frame: &[u8], repeat: u32) -> Result<(u32, Vec<u8>, u32)> {
         let mut out = vec![0u8; frame.len() + 256];
         // SAFETY: zeroed opts are valid; sz set; buffers outlive the call.
         let mut opts: libbpf_sys::bpf_test_run_opts = unsafe { std::mem::zeroed() };
@@ -1377,7 +1343,16 @@ impl TestRunner {
             let err = std::io::Error::from_raw_os_error(-rc);
             return Err(XdpError::TestRun(libbpf_rs::Error::from(err)));
         }
-        Ok(opts.duration)
+        out.truncate(opts.data_size_out as usize);
+        Ok((opts.retval, out, opts.duration))
+    }
+
+    /// Mean run time (ns) of `repeat` runs of the program on one `frame`
+    /// (BPF_PROG_TEST_RUN with `repeat`: one buffer, so each run sees
+    /// what the run before left in it; benches/xdp_chain.rs's feeder
+    /// rewrites it into the next contribution).
+    pub fn run_repeated(&self, frame: &[u8], repeat: u32) -> Result<u32> {
+        self.test_run(frame, repeat).map(|(_, _, ns)| ns)
     }
 }
 
