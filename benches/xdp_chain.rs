@@ -11,7 +11,7 @@
 //!   BPF_PROG_TEST_RUN per datagram, so every figure carries the syscall's
 //!   cold start (caches and branch predictors after the kernel entry) and
 //!   the timer's own reads; the fixed costs' "not IPv4" row shows how much;
-//! - **in a loop** (`loop_mean`): one BPF_PROG_TEST_RUN with `repeat` over
+//! - **in a loop** (`loops`): one BPF_PROG_TEST_RUN with `repeat` over
 //!   a stream of distinct contributions (src/bpf/bench_feed.bpf.c writes
 //!   the next one's headers and tail-calls the program), minus the feeder's
 //!   own cost measured the same way; warm, as a busy aggregator runs, and
@@ -311,7 +311,6 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
     let feed = Feed::load();
     let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
     let sinks = (feed.skel.progs.feed_sink_frags.as_fd(), feed.skel.progs.feed_sink_linear.as_fd());
-    let slots: u32 = std::env::var("LOOP_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     println!("in a loop (one test run of {runs_per} distinct 362-element SUM contributions, minus the feeder; median of 5, ns per contribution):");
     println!("  fragments a round   AggBox   floor   AggBox/floor   (feeder alone: frags / linear chain flag)");
     let mut round = first_round;
@@ -330,7 +329,7 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
                     ranks: (0..WORKERS).map(addr).collect(),
                     weights: vec![],
                     vector_len: frags * count,
-                    slots,
+                    slots: 0,
                     flags: 0,
                     result_group: None,
                     window: 0,
@@ -341,6 +340,8 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
         let frames: Vec<Vec<u8>> = (0..WORKERS)
             .map(|rank| {
                 let mut a = Agg::new(job, rank, Op::Sum as u8, vec![0; count as usize]);
+                // One template for every fragment: LAST_FRAGMENT only
+                // where each fragment is its round's last.
                 a.flags = if frags == 1 { abi::AGG_F_LAST_FRAGMENT } else { 0 };
                 Frame::udp(addr(rank), a.bytes()).build()
             })
