@@ -13,11 +13,19 @@ names (`bpftool prog dump xlated linum` supplies the text).
 
     sudo scripts/xdp_line_profile.py [FRAGMENTS] [--top N]
     sudo scripts/xdp_line_profile.py --loop [TIMES] [--top N]
+    sudo scripts/xdp_line_profile.py --live [--top N]
 
 --loop samples the benchmark's warm loops instead (XDP_CHAIN_PROFILE=loop:
 one test run of 40,000 distinct contributions through the feeder, src/bpf/
 bench_feed.bpf.c, for AggBox and the floor, TIMES times; the feeder's own
 samples show as "BPF feed_frags").
+
+--live samples the whole machine (every CPU) while `aggbox-bench agg --reps 1`
+runs its live traffic: 4 senders in namespaces, every mode (count-and-drop,
+the floor, AggBox, the user-space aggregators) over the same 8 + 32 + 128 +
+512 MB, so each XDP aggregator sees the same contributions and its sample
+count is its share of the machine. Needs target/release/aggbox-bench
+(`cargo build --release --features bench`); takes ~5 minutes.
 
 Prints samples per function of aggbox_xdp, the floor aggregator's samples
 (bpf_spin_lock keeps interrupts off, so cpu-clock samples of its critical
@@ -122,18 +130,30 @@ def main():
     ap.add_argument("fragments", nargs="?", type=int, default=40000)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--loop", action="store_true", help="sample the warm loops (FRAGMENTS = how many times)")
+    ap.add_argument("--live", action="store_true", help="sample every CPU during `aggbox-bench agg --reps 1`")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run(["cargo", "bench", "--features", "bench", "--bench", "xdp_chain", "--no-run"], cwd=root, check=True,
-                   capture_output=True)
-    bench = max((p for p in glob.glob(f"{root}/target/release/deps/xdp_chain-*") if not p.endswith(".d")),
-                key=os.path.getmtime)
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/perf.data"
+        if args.live:
+            bench = f"{root}/target/release/aggbox-bench"
+            if not os.access(bench, os.X_OK):
+                sys.exit(f"xdp_line_profile: {bench} is missing (cargo build --release --features bench)")
+            # Every CPU: the XDP programs run in the softirqs of whichever
+            # CPU the senders' veth transmits on.
+            cmd = ["perf", "record", "-q", "-a", "-e", "cpu-clock", "-F", "4000", "-o", data, "--",
+                   bench, "agg", "--reps", "1", "--no-plot", "--out", f"{tmp}/results"]
+            env = dict(os.environ)
+        else:
+            subprocess.run(["cargo", "bench", "--features", "bench", "--bench", "xdp_chain", "--no-run"], cwd=root,
+                           check=True, capture_output=True)
+            bench = max((p for p in glob.glob(f"{root}/target/release/deps/xdp_chain-*") if not p.endswith(".d")),
+                        key=os.path.getmtime)
+            cmd = ["perf", "record", "-q", "-e", "cpu-clock", "-F", "20000", "-o", data, "--", bench,
+                   str(args.fragments)]
+            env = {**os.environ, "XDP_CHAIN_PROFILE": "loop" if args.loop else "1"}
         before = set(prog_ids())
-        run = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "20000", "-o", data, "--",
-                                bench, str(args.fragments)],
-                               env={**os.environ, "XDP_CHAIN_PROFILE": "loop" if args.loop else "1"}, stdout=subprocess.PIPE, text=True)
+        run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         table = None
         while run.poll() is None and table is None:
             for pid in set(prog_ids()) - before:
@@ -180,6 +200,9 @@ def main():
     print("other BPF and the floor:")
     for name, n in other.most_common(6):
         print(f"  {n:7d}  {name}")
+    floor = other["BPF bench_floor"] + other["__bpf_spin_unlock_irqrestore (the floor's locked section)"]
+    if floor:
+        print(f"aggbox_xdp / the floor (samples): {agg / floor:.2f}x")
     print(f"hottest source lines of aggbox_xdp (% of its samples):")
     for (name, src), n in by_line.most_common(args.top):
         print(f"  {n:7d} {100 * n / max(agg, 1):5.1f} %  {name:16} {src[:110]}")

@@ -196,6 +196,8 @@ pub const MARGINAL_RATE: f64 = 200_000.0;
 /// The same with 16 senders: at 200 k/s their 16 threads alone saturate this
 /// 2-vCPU VM (the count-and-drop run then has no idle CPU to measure from).
 pub const MARGINAL_RATE_16: f64 = 100_000.0;
+/// Repetitions of the marginal-CPU measurement in a full run.
+const MARGINAL_REPS: usize = 7;
 
 /// Marginal machine CPU at a fixed offered load: the whole machine's busy
 /// fraction (all CPUs, /proc/stat, softirq included) with each aggregator,
@@ -209,7 +211,9 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
     } else {
         (vec![(4, MARGINAL_RATE), (16, MARGINAL_RATE_16)], 2.0)
     };
-    let reps = opts.reps();
+    // ~12 s a repetition, and the VM's other load moves one run's busy
+    // share by more than the goal's margin: more repetitions.
+    let reps = opts.reps_or(MARGINAL_REPS);
     let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
     let mut csv = Csv::new(&["senders", "rep", "mode", "secs", "sys_busy_pct", "marginal_pct", "ok"]);
     let mut md = String::new();
@@ -219,7 +223,8 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
     let _ = writeln!(
         md,
         "Full-MTU datagrams offered by all senders together at the rate in the table, for {secs} s; machine busy = all CPUs from \
-         /proc/stat (softirq included) minus the same run with the XDP count-and-drop program, same repetition, modes interleaved; \
+         /proc/stat (softirq included) minus the same run with the XDP count-and-drop program, same repetition, modes interleaved \
+         (their order rotated per repetition); \
          median [min – max] over {reps} repetitions, in percentage points of the whole machine. floor = the minimal XDP aggregator \
          (src/bpf/bench_floor.bpf.c).\n"
     );
@@ -233,8 +238,10 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
         let wl = Pattern::new(s, frags * PER as u64);
         let mut marg: Vec<(Mode, Vec<f64>)> = modes.iter().map(|m| (*m, Vec::new())).collect();
         for rep in 0..reps {
-            let mut drop_busy = f64::NAN;
-            for &mode in &modes {
+            // (mode, busy %, the run) of this repetition, in the order run.
+            let mut this_rep = Vec::new();
+            for i in 0..modes.len() {
+                let mode = modes[(i + rep) % modes.len()];
                 let r = h.with_mode(mode, |a| -> Result<RunResult> {
                     let spec = RunSpec {
                         round: *round,
@@ -248,10 +255,13 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
                 if !r.ok {
                     failures.push(format!("{} {s} senders: {}", mode.name(), r.error.clone().unwrap_or_default()));
                 }
-                let busy = 100.0 * r.sys_busy;
-                if mode == Mode::Drop {
-                    drop_busy = busy;
-                }
+                this_rep.push((mode, 100.0 * r.sys_busy, r));
+            }
+            let drop_busy = this_rep
+                .iter()
+                .find(|(m, _, _)| *m == Mode::Drop)
+                .map_or(f64::NAN, |(_, b, _)| *b);
+            for (mode, busy, r) in this_rep {
                 let m = busy - drop_busy;
                 csv.row(vec![
                     s.to_string(),

@@ -63,12 +63,20 @@ pub struct BenchOptions {
 impl BenchOptions {
     /// Repetitions to use.
     pub fn reps(&self) -> usize {
+        self.reps_or(3)
+    }
+
+    /// Repetitions of an experiment whose full run takes `full` by default
+    /// (one that is short and whose ratios this VM's drift moves by more
+    /// than the goal they are compared with): `--reps` when given, 2 in
+    /// `--quick`.
+    pub fn reps_or(&self, full: usize) -> usize {
         if self.reps > 0 {
             self.reps
         } else if self.quick {
             2
         } else {
-            3
+            full
         }
     }
 }
