@@ -64,6 +64,7 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_FAST_BUSY".into(), abi::FAST_BUSY as i64),
         ("AGGBOX_FAST_ABORTED".into(), abi::FAST_ABORTED as i64),
         ("AGGBOX_FAST_RELEASED".into(), abi::FAST_RELEASED as i64),
+        ("AGGBOX_FAST_CHECKED".into(), abi::FAST_CHECKED as i64),
         ("AGGBOX_FAST_STAT_MAX".into(), abi::FAST_STAT_MAX as i64),
         ("AGGBOX_MAX_OWNERS".into(), abi::MAX_OWNERS as i64),
         ("AGGBOX_HANDOFF_MAX".into(), abi::HANDOFF_MAX as i64),

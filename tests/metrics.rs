@@ -165,6 +165,10 @@ fn metrics_are_valid_and_move_with_traffic() {
     assert_eq!(value(&after, "aggbox_datagrams_total{iface=\"eth0\",outcome=\"accepted\"}"), fragments);
     assert_eq!(value(&after, "aggbox_dropped_total{iface=\"eth0\",reason=\"source_mismatch\"}"), 1.0);
     assert_eq!(value(&after, &format!("aggbox_job_slots_active{{iface=\"eth0\",aggbox_job=\"{JOB}\"}}")), 0.0);
+    // Every fragment in its fast slot: taken once, both ranks joined.
+    assert_eq!(value(&after, "aggbox_fast_slot_events_total{iface=\"eth0\",event=\"taken\"}"), fragments);
+    assert_eq!(value(&after, "aggbox_fast_slot_events_total{iface=\"eth0\",event=\"joined\"}"), 2.0 * fragments);
+    assert_eq!(value(&after, "aggbox_fast_slot_events_total{iface=\"eth0\",event=\"busy\"}"), 0.0);
     // --bpf-stats was given: the entry program's run count covers every datagram.
     assert!(value(&after, "aggbox_program_runs_total{iface=\"eth0\",program=\"aggbox_xdp\"}") >= 2.0 * fragments + 1.0);
 

@@ -248,6 +248,21 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
         blocks_capacity,
     ];
 
+    // The fast slots (docs/DATAPLANE.md "Fast slots"): busy, aborted and
+    // checked growing against taken say the jobs' contributions are leaving
+    // the one-lock path.
+    if let Ok(fast) = maps::open_pinned(dir, maps::names::FAST_STATS) {
+        let mut f = Family::counter(
+            "aggbox_fast_slot_events_total",
+            "Fast-slot events of all jobs: contributions joined, slots taken, fragments sent to the hash-map path (busy), \
+             take-overs given up (aborted), unfinished slots released, takes that looked for hash-map records (checked).",
+        );
+        for (i, event) in abi::FAST_STAT_LABELS.iter().enumerate() {
+            let n: u64 = maps::percpu_array_sum(&fast, i as u32)?;
+            f.push(&[("iface", iface), ("event", event)], n as f64);
+        }
+        families.push(f);
+    }
     if let Ok(handoff) = maps::open_pinned(dir, maps::names::HANDOFF_STATS) {
         let mut f = Family::counter("aggbox_userspace_handoffs_total", "Datagrams the XDP program redirected to the user-space path, by reason.");
         for reason in abi::HandoffReason::ALL {

@@ -435,7 +435,11 @@ pub const FAST_ABORTED: u32 = 3;
 /// See [`FAST_JOINED`].
 pub const FAST_RELEASED: u32 = 4;
 /// See [`FAST_JOINED`].
-pub const FAST_STAT_MAX: u32 = 5;
+pub const FAST_CHECKED: u32 = 5;
+/// See [`FAST_JOINED`].
+pub const FAST_STAT_MAX: u32 = 6;
+/// Label of each `fast_stats` index, in index order (metrics, reports).
+pub const FAST_STAT_LABELS: [&str; FAST_STAT_MAX as usize] = ["joined", "taken", "busy", "aborted", "released", "checked"];
 /// Completed-slot markers kept (`AGGBOX_MAX_COMPLETED`).
 pub const MAX_COMPLETED: u32 = 65536;
 /// Rounds older than the newest completed round minus this are stale.
