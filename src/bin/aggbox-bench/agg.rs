@@ -1065,7 +1065,17 @@ struct Point {
 /// Experiment 1.
 pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     let senders = 4;
-    let sizes_mb: Vec<u64> = if opts.quick {
+    // AGGBOX_AGG_SIZES / AGGBOX_AGG_MODES narrow a run (a profile of one
+    // mode: docs/BENCHMARKS.md "Where the machine's time goes").
+    let env_names = |name: &str| -> Option<Vec<String>> {
+        let v = std::env::var(name).ok()?;
+        Some(v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+    };
+    let sizes_mb: Vec<u64> = if let Some(list) = env_names("AGGBOX_AGG_SIZES") {
+        list.iter()
+            .map(|x| x.parse().with_context(|| format!("AGGBOX_AGG_SIZES: {x:?} is not a size in MB")))
+            .collect::<Result<_>>()?
+    } else if opts.quick {
         vec![1, 8]
     } else {
         vec![8, 32, 128, 512]
@@ -1076,9 +1086,23 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     // Short (~10 s a repetition) and the ratio to the floor is a goal that
     // this VM's drift between repetitions exceeds: more repetitions.
     let reps = opts.reps_or(AGG_REPS);
-    let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
+    let all = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
+    let modes: Vec<Mode> = match env_names("AGGBOX_AGG_MODES") {
+        Some(names) => {
+            for n in &names {
+                if !all.iter().any(|m| m.name() == n) {
+                    bail!("AGGBOX_AGG_MODES: unknown mode {n:?} (drop, floor, kernel, plain, tuned)");
+                }
+            }
+            all.into_iter().filter(|m| names.iter().any(|n| n == m.name())).collect()
+        }
+        None => all.to_vec(),
+    };
     let _stats = aggbox::node::metrics::enable_bpf_stats()?;
-    progress(format!("agg: testbed 1 aggregator + {senders} senders; sizes {sizes_mb:?} MB total; {reps} reps; modes drop, floor, kernel, plain, tuned (order rotated per repetition)"));
+    progress(format!(
+        "agg: testbed 1 aggregator + {senders} senders; sizes {sizes_mb:?} MB total; {reps} reps; modes {} (order rotated per repetition)",
+        modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
+    ));
     let h = Harness::new(senders)?;
     let mut runs: Vec<(Mode, u64, RunResult)> = Vec::new();
     let mut round = 1u32;
@@ -1196,7 +1220,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
         "sys_busy",
         "sys_softirq",
     ]);
-    for mode in modes {
+    for &mode in &modes {
         for &mb in &sizes_mb {
             let rs: Vec<RunResult> = runs
                 .iter()
