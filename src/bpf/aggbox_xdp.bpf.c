@@ -1245,9 +1245,8 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	void *data = (void *)(long)ctx->data;
 	struct aggbox_fast_slot *f;
 	struct aggbox_scratch *s;
-	__u32 word, bit, npairs, n, agg_off, j;
+	__u32 word, bit, npairs, n, agg_off, j, *paths;
 	struct aggbox_job_state *js;
-	__u64 *paths;
 	void *payload;
 	__s64 w, last = 0, ident;
 	int code, last_ok = 1, claim;
@@ -1286,18 +1285,16 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 	s->fast_wide = 0;
 	/*
 	 * A free slot is taken and committed in one lock acquisition while the
-	 * hash-map path has never been used in the fragment's round
-	 * (job_paths, read under the lock: that path raises it before its
-	 * record, and looks at the fast slot under this lock after that
-	 * record, so it either sees the raise's effect here or finds this slot
-	 * holding the fragment).
+	 * job has never used the hash-map path (job_paths clear, read under
+	 * the lock: that path sets it before its first record, and looks at
+	 * the fast slot under this lock after that record, so it either sees
+	 * the flag's effect here or finds this slot holding the fragment).
 	 * Such a take needs its share of the job's slot bound first: taken
 	 * when the slot looks free, given back if the take does not happen.
 	 */
 	paths = bpf_map_lookup_elem(&job_paths, &s->jidx);
 	js = job_state_of(s->jidx);
-	if (!token && !s->fast_no_take && paths && !job_paths_cover(*paths, s->key.round) && js &&
-	    !fast_holds(f, s) &&
+	if (!token && !s->fast_no_take && paths && !*paths && js && !fast_holds(f, s) &&
 	    (f->state == FAST_EMPTY || f->state == FAST_DONE || f->job != s->key.job)) {
 		if (__sync_fetch_and_add(&js->active_slots, 1) >= (s->slots ? s->slots : AGGBOX_MAX_SLOTS)) {
 			__sync_fetch_and_sub(&js->active_slots, 1);
@@ -1355,7 +1352,7 @@ __noinline int fast_join(struct xdp_md *ctx, __u32 token, __u32 use_buf)
 			f->weight_sum = s->weight_sum;
 			for (j = 0; j < AGGBOX_BITMAP_WORDS; j++)
 				f->bitmap[j] = 0;
-			if (s->fast_held && paths && !job_paths_cover(*paths, s->key.round)) {
+			if (s->fast_held && paths && !*paths) {
 				f->state = FAST_ACTIVE;
 				s->fast_taken = 1;
 				claim = 1;
@@ -1550,16 +1547,13 @@ static __always_inline void fast_remember_completed(struct aggbox_scratch *s)
  * A contribution to a fragment its fast slot holds is one fast_join (one
  * lock). The first contribution of a fragment takes the free slot in that
  * same lock (CLAIMING), then publishes, checks the other paths and commits
- * with a second fast_join. The other paths need checking only for a round
- * in which the job has used the hash-map path (job_paths, raised before
- * that path's slot_owner record): in any other round no record or marker
- * of the fragment can exist.
+ * with a second fast_join. The other paths need checking only once the job
+ * has used the hash-map path (job_paths, set before that path's first
+ * slot_owner record): until then no record or marker can exist.
  */
 static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
 {
-	__u32 jidx = s->jidx, idx, limit;
-	int checked = 0;
-	__u64 *paths;
+	__u32 jidx = s->jidx, idx, limit, *paths;
 	struct aggbox_job_handoff *ho;
 	struct aggbox_job_state *js;
 	struct aggbox_fast_slot *f;
@@ -1606,15 +1600,13 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
 	limit = s->slots ? s->slots : AGGBOX_MAX_SLOTS;
 	code = 0;
 	paths = bpf_map_lookup_elem(&job_paths, &jidx);
-	if (paths && job_paths_cover(*paths, s->key.round)) {
-		checked = 1;
+	if (paths && *paths)
 		fast_count(AGGBOX_FAST_CHECKED);
-	}
 	if (!s->fast_reserved && __sync_fetch_and_add(&js->active_slots, 1) >= limit)
 		code = FAST_SLOW; /* over the bound: the hash-map path's pool-full rules */
-	else if (checked && bpf_map_lookup_elem(&slot_owner, &s->key))
+	else if (paths && *paths && bpf_map_lookup_elem(&slot_owner, &s->key))
 		code = FAST_SLOW;
-	else if (checked && bpf_map_lookup_elem(&completed, &s->key))
+	else if (paths && *paths && bpf_map_lookup_elem(&completed, &s->key))
 		code = AGGBOX_DROP_RETRANSMISSION;
 	if (code) {
 		/* Held past the bound: the slot stays CLAIMING until the
@@ -1971,9 +1963,8 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 {
 	struct aggbox_slot_owner mine = { .owner = AGGBOX_OWNER_KERNEL };
 	struct aggbox_slot_owner *owner;
-	__u32 limit;
+	__u32 limit, *paths;
 	int err, reserved = 0, fast;
-	__u64 *paths;
 
 	if (bpf_map_lookup_elem(&completed, &s->key))
 		return AGGBOX_DROP_RETRANSMISSION;
@@ -1995,11 +1986,11 @@ static __always_inline int slot_place(struct xdp_md *ctx, struct aggbox_scratch 
 		} else {
 			reserved = 1;
 		}
-		/* The fast slots' takers look for slot_owner records only in
-		 * the rounds this covers (fast_path): raised before the record. */
+		/* The fast slots' takers look for slot_owner records only
+		 * once this is set (fast_path): set before the record. */
 		paths = bpf_map_lookup_elem(&job_paths, &s->jidx);
-		if (paths)
-			job_paths_raise(paths, s->key.round);
+		if (paths && !*paths)
+			__sync_fetch_and_or(paths, 1);
 		err = bpf_map_update_elem(&slot_owner, &s->key, &mine, BPF_NOEXIST);
 		if (!err) {
 			/* The record is published: the handshake with the

@@ -266,47 +266,17 @@ struct {
 } job_round SEC(".maps");
 
 /*
- * job_paths: dense job index -> the rounds in which the hash-map path may
- * have made a slot_owner record for the job: 0 none; JOB_PATHS_USED with
- * the newest such round in the low 32 bits (every round up to it, in
- * serial order); JOB_PATHS_EVERY every round. Raised before the record,
- * with a full barrier (job_paths_raise). A fast slot's taker for a round
- * it does not cover has no other path to check (records are per round),
- * so one spill to the hash-map path costs the job's later rounds nothing.
- * Zeroed by the control plane with the job's other entries; XDP raises it.
+ * job_paths: dense job index -> bit 0 set once the hash-map path has made a
+ * slot_owner record for the job (set before the record, with a full
+ * barrier). Until then a fast slot's taker has no other path to check.
+ * Zeroed by the control plane with the job's other entries; XDP sets it.
  */
-#define JOB_PATHS_USED  (1ull << 32)
-#define JOB_PATHS_EVERY (1ull << 33) /* a raise lost its race too often: cover every round */
-
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_JOBS);
 	__type(key, __u32);
-	__type(value, __u64);
+	__type(value, __u32);
 } job_paths SEC(".maps");
-
-/* Whether job_paths value v says the hash-map path may hold records of round. */
-static __always_inline int job_paths_cover(__u64 v, __u32 round)
-{
-	return (v & JOB_PATHS_EVERY) || ((v & JOB_PATHS_USED) && (__s32)((__u32)v - round) >= 0);
-}
-
-/* Make *paths cover round (before the hash-map path's record for it). */
-static __always_inline void job_paths_raise(__u64 *paths, __u32 round)
-{
-	__u64 cur;
-	int i;
-
-#pragma unroll
-	for (i = 0; i < 4; i++) {
-		cur = *(volatile __u64 *)paths;
-		if (job_paths_cover(cur, round))
-			return; /* visible already: raised before an earlier record */
-		if (__sync_val_compare_and_swap(paths, cur, JOB_PATHS_USED | round) == cur)
-			return;
-	}
-	__sync_fetch_and_or(paths, JOB_PATHS_EVERY);
-}
 
 /*
  * job_handoff: dense job index -> user-space path state the kernel honours:

@@ -49,9 +49,8 @@ pub mod names {
     pub const JOB_INDEX: &str = "job_index";
     /// The user-space path's state of each job (`abi::JobHandoff`).
     pub const JOB_HANDOFF: &str = "job_handoff";
-    /// Per job (dense index): the rounds in which the hash-map path may have
-    /// made a `slot_owner` record (a `u64`: 0 none, else the newest such
-    /// round with a flag; `src/bpf/xdp_maps.h`).
+    /// Per job (dense index): whether the hash-map path has made a
+    /// `slot_owner` record for it yet.
     pub const JOB_PATHS: &str = "job_paths";
     /// Per job (dense index): the newest round the kernel completed, on a
     /// cache line of its own for the stale-round rule.

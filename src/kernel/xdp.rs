@@ -685,7 +685,7 @@ impl XdpPlane {
     fn zero_job_entries(&self, dense: u32) -> Result<()> {
         update_array(&self.skel.maps.job_state, names::JOB_STATE, dense, &abi::JobState::default())?;
         update_array(&self.skel.maps.job_handoff, names::JOB_HANDOFF, dense, &abi::JobHandoff::default())?;
-        update_array(&self.skel.maps.job_paths, names::JOB_PATHS, dense, &0u64)?;
+        update_array(&self.skel.maps.job_paths, names::JOB_PATHS, dense, &0u32)?;
         let zero_round = vec![0u8; self.skel.maps.job_round.value_size() as usize];
         self.skel
             .maps
