@@ -396,7 +396,7 @@ enum aggbox_fast_stat {
 	AGGBOX_FAST_BUSY        = 2, /* fragment's fast slot held another live fragment: hash-map path */
 	AGGBOX_FAST_ABORTED     = 3, /* take-over given up: the fragment lives on the hash-map or user-space path */
 	AGGBOX_FAST_RELEASED     = 4, /* unfinished fast slots released (stale round, membership change) */
-	AGGBOX_FAST_CHECKED     = 5, /* takes that looked for the hash-map path's records (a round that used it) */
+	AGGBOX_FAST_CHECKED     = 5, /* takes that looked for the hash-map path's records (the job has used it) */
 	AGGBOX_FAST_STAT_MAX    = 6,
 };
 

@@ -1065,8 +1065,8 @@ struct Point {
 /// Experiment 1.
 pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     let senders = 4;
-    // AGGBOX_AGG_SIZES / AGGBOX_AGG_MODES narrow a run (a profile of one
-    // mode: docs/BENCHMARKS.md "Where the machine's time goes").
+    // AGGBOX_AGG_SIZES / AGGBOX_AGG_MODES narrow a run (to profile one
+    // mode; docs/BENCHMARKS.md, experiment 1).
     let env_names = |name: &str| -> Option<Vec<String>> {
         let v = std::env::var(name).ok()?;
         Some(v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
@@ -1123,18 +1123,17 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
                         rate_per_sender: None,
                     };
                     round += 1;
-                    let fast_before = a.att.and_then(|att| att.xdp.fast_stats().ok());
+                    let counters = a.att.filter(|_| std::env::var_os("AGGBOX_BENCH_COUNTERS").is_some());
+                    let fast_before = counters.and_then(|att| att.xdp.fast_stats().ok());
                     let r = a.run(&wl, spec);
-                    if let (Some(att), Some(before), true) =
-                        (a.att, fast_before, std::env::var_os("AGGBOX_BENCH_COUNTERS").is_some())
-                    {
+                    if let (Some(att), Some(before)) = (counters, fast_before) {
                         if let Ok(after) = att.xdp.fast_stats() {
-                            let d: Vec<u64> = after.iter().zip(before.iter()).map(|(a, b)| a - b).collect();
-                            progress(format!(
-                                "  fast joined/taken/busy/aborted/released {:?}; counters: {}",
-                                d,
-                                kernel_counters(att).unwrap_or_default()
-                            ));
+                            let d: Vec<String> = abi::FAST_STAT_LABELS
+                                .iter()
+                                .zip(after.iter().zip(before.iter()))
+                                .map(|(l, (a, b))| format!("{l}={}", a - b))
+                                .collect();
+                            progress(format!("  fast slots: {}; counters: {}", d.join(" "), kernel_counters(att).unwrap_or_default()));
                         }
                     }
                     progress(format!(
