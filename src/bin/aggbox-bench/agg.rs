@@ -307,8 +307,13 @@ pub struct RunResult {
     pub xdp_programs: Vec<(String, u64, u64)>,
     /// CPU seconds of the aggregator's user-space threads.
     pub agg_thread_cpu_s: f64,
-    /// /proc/stat Δ over the run: busy fraction of all CPUs (0..1).
+    /// Busy fraction of all CPUs over the run (0..1), from cpuidle's idle
+    /// time (exact; [`net::MachineClock`]), /proc/stat where cpuidle is absent.
     pub sys_busy: f64,
+    /// The same from /proc/stat's tick-sampled columns.
+    pub sys_busy_ticks: f64,
+    /// Whether `sys_busy` is the exact (cpuidle) figure.
+    pub sys_busy_exact: bool,
     /// /proc/stat Δ: softirq fraction of all CPUs.
     pub sys_softirq: f64,
     /// Error text when not ok.
@@ -577,6 +582,64 @@ fn prog_stats(a: &Aggregator<'_>) -> Vec<(String, u64, u64)> {
     vec![]
 }
 
+/// `AGGBOX_BENCH_PERF=<dir>`: a whole-machine `perf record -a -g` around
+/// each run's window (senders, softirq, the aggregator's threads, nothing
+/// of program loading or the testbed), one file per run,
+/// `<dir>/<mode>-<round>.data`, to compare where the machine's time goes
+/// per mode (docs/BENCHMARKS.md). It costs CPU: runs recorded this way are
+/// for profiles, not for the figures.
+struct PerfWindow {
+    child: std::process::Child,
+    path: std::path::PathBuf,
+}
+
+impl PerfWindow {
+    fn start(mode: Mode, round: u32) -> Result<Option<PerfWindow>> {
+        let Some(dir) = std::env::var_os("AGGBOX_BENCH_PERF") else { return Ok(None) };
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("AGGBOX_BENCH_PERF: creating {}", dir.display()))?;
+        let path = dir.join(format!("{}-{round}.data", mode.name()));
+        let child = std::process::Command::new("perf")
+            .args(["record", "-a", "-g", "-F", "999", "-q", "-o"])
+            .arg(&path)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("AGGBOX_BENCH_PERF: starting perf record (is perf installed?)")?;
+        // perf opens its events in the first tens of milliseconds; the run
+        // must not begin before it samples.
+        std::thread::sleep(Duration::from_millis(400));
+        Ok(Some(PerfWindow { child, path }))
+    }
+
+    /// SIGINT: perf writes its buffers and the header, then exits.
+    fn interrupt_and_wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: signals the perf child this process started and has not reaped.
+            unsafe { libc::kill(pid, libc::SIGINT) };
+        }
+        self.child.wait()
+    }
+
+    fn stop(mut self) -> Result<()> {
+        let status = self.interrupt_and_wait().context("waiting for perf record")?;
+        if !self.path.exists() {
+            bail!("AGGBOX_BENCH_PERF: perf record wrote no {} ({status})", self.path.display());
+        }
+        progress(format!("  perf: {}", self.path.display()));
+        Ok(())
+    }
+}
+
+impl Drop for PerfWindow {
+    /// A run that failed half-way leaves no perf behind.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.interrupt_and_wait();
+        }
+    }
+}
+
 impl Aggregator<'_> {
     /// Run one workload through this aggregator.
     pub fn run(&mut self, w: &dyn Workload, spec: RunSpec) -> RunResult {
@@ -620,6 +683,7 @@ impl Aggregator<'_> {
         let stat0;
         let t0;
         let mut t_end = None;
+        let perf = PerfWindow::start(mode, spec.round)?;
         {
             let shared = &shared;
             let barrier = &barrier;
@@ -629,7 +693,7 @@ impl Aggregator<'_> {
             let tables = &tables;
             let rx = &self.rx;
             let (s0, start, end) = std::thread::scope(
-                |scope| -> Result<(super::net::ProcStat, Instant, Option<Instant>)> {
+                |scope| -> Result<(net::MachineClock, Instant, Option<Instant>)> {
                     let mut handles = Vec::new();
                     for (r, sock) in self.h.senders.iter().enumerate() {
                         handles.push(scope.spawn(move || {
@@ -661,7 +725,7 @@ impl Aggregator<'_> {
                             r
                         }));
                     }
-                    let s0 = super::net::ProcStat::now();
+                    let s0 = net::MachineClock::now();
                     barrier.wait();
                     let start = Instant::now();
                     let deadline = start + spec.deadline;
@@ -708,7 +772,10 @@ impl Aggregator<'_> {
             t0 = start;
             t_end = t_end.or(end);
         }
-        let stat = super::net::ProcStat::now().since(&stat0);
+        let machine = net::MachineClock::busy_since(&stat0);
+        if let Some(p) = perf {
+            p.stop()?;
+        }
         if mode == Mode::Drop {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -753,8 +820,6 @@ impl Aggregator<'_> {
         } else {
             (senders as u64 * elements) as f64
         };
-        let total = stat.total().max(1) as f64;
-        let busy = (stat.total() - stat.idle) as f64 / total;
         let error = if ok {
             None
         } else {
@@ -781,8 +846,10 @@ impl Aggregator<'_> {
             xdp_runs: runs,
             xdp_programs,
             agg_thread_cpu_s,
-            sys_busy: busy,
-            sys_softirq: stat.softirq as f64 / total,
+            sys_busy: machine.busy,
+            sys_busy_ticks: machine.busy_ticks,
+            sys_busy_exact: machine.exact,
+            sys_softirq: machine.softirq,
             error,
         })
     }
@@ -1217,6 +1284,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
         "xdp_ns_per_run",
         "agg_thread_cpu_s",
         "sys_busy",
+        "sys_busy_ticks",
         "sys_softirq",
     ]);
     for &mode in &modes {
@@ -1251,6 +1319,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
                     ),
                     format!("{:.4}", r.agg_thread_cpu_s),
                     format!("{:.4}", r.sys_busy),
+                    format!("{:.4}", r.sys_busy_ticks),
                     format!("{:.4}", r.sys_softirq),
                 ]);
             }

@@ -6,8 +6,8 @@
 //! application thread that receives the RESULTs) / wall time, for AggBox;
 //! the aggregator thread's CPU time for the plain UDP baseline (its softirq
 //! receive work is not attributable per thread and is not included, which
-//! flatters the baseline). Whole-VM busy and softirq fractions from
-//! /proc/stat are reported next to it (they include the senders).
+//! flatters the baseline). Whole-VM busy (cpuidle) and softirq (/proc/stat)
+//! fractions are reported next to it (they include the senders).
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -34,7 +34,18 @@ struct Point {
 
 /// Experiment 3.
 pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
-    let list: Vec<usize> = if opts.quick {
+    // AGGBOX_CPU_PARTS narrows a run to some of usage, marginal and
+    // sustainable (to profile one of them; docs/BENCHMARKS.md).
+    let parts: Option<Vec<String>> = std::env::var("AGGBOX_CPU_PARTS")
+        .ok()
+        .map(|v| v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect());
+    if let Some(bad) = parts.iter().flatten().find(|p| !["usage", "marginal", "sustainable"].contains(&p.as_str())) {
+        bail!("AGGBOX_CPU_PARTS: unknown part {bad:?} (usage, marginal, sustainable)");
+    }
+    let part = |name: &str| parts.as_ref().is_none_or(|ps| ps.iter().any(|p| p == name));
+    let list: Vec<usize> = if !part("usage") {
+        vec![]
+    } else if opts.quick {
         vec![2, 4]
     } else {
         vec![2, 4, 8, 10, 16, 20, 30]
@@ -139,7 +150,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         md,
         "Each sender sends {RATE} full-MTU contributions/s for {secs} s (offered load grows with the senders). Aggregator CPU in % of one CPU, \
          median [min – max] over {reps} runs. AggBox = XDP run time (bpf_stats) + the RESULT-receiving application thread; plain = its aggregator \
-         thread (softirq receive work excluded). VM busy = all CPUs from /proc/stat, senders included.\n"
+         thread (softirq receive work excluded). VM busy = all CPUs (cpuidle's idle times), senders included.\n"
     );
     let _ = writeln!(md, "| senders | AggBox aggregator CPU % | of which XDP % | plain aggregator CPU % | VM busy % (AggBox / plain) |");
     let _ = writeln!(md, "|---|---|---|---|---|");
@@ -168,9 +179,10 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
          only the trend (linear in the offered load) is comparable. Our per-contribution XDP cost (experiment 1) sets the slope: \
          CPU % ≈ senders × {RATE}/s × XDP ns. Plot: `cpu_usage.png`.\n"
     );
-    let (marginal_md, marginal_headline) = marginal(opts, &mut round)?;
+    let (marginal_md, marginal_headline) = if part("marginal") { marginal(opts, &mut round)? } else { Default::default() };
     md.push_str(&marginal_md);
-    let (ladder_md, ladder_headline) = sustainable(opts, &mut round)?;
+    let (ladder_md, ladder_headline) =
+        if part("sustainable") { sustainable(opts, &mut round)? } else { Default::default() };
     md.push_str(&ladder_md);
     let headline = points
         .iter()
@@ -215,21 +227,38 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
     // share by more than the goal's margin: more repetitions.
     let reps = opts.reps_or(MARGINAL_REPS);
     let modes = [Mode::Drop, Mode::Floor, Mode::Kernel, Mode::Plain, Mode::Tuned];
-    let mut csv = Csv::new(&["senders", "rep", "mode", "secs", "sys_busy_pct", "marginal_pct", "ok"]);
+    let mut csv = Csv::new(&[
+        "senders",
+        "rep",
+        "mode",
+        "secs",
+        "sys_busy_pct",
+        "marginal_pct",
+        "sys_busy_ticks_pct",
+        "marginal_ticks_pct",
+        "busy_exact",
+        "ok",
+    ]);
+    let mut exact_everywhere = true;
     let mut md = String::new();
     let mut headline = Vec::new();
     let mut failures = Vec::new();
     let _ = writeln!(md, "### 3b. Marginal machine CPU at a fixed offered load\n");
     let _ = writeln!(
         md,
-        "Full-MTU datagrams offered by all senders together at the rate in the table, for {secs} s; machine busy = all CPUs from \
-         /proc/stat (softirq included) minus the same run with the XDP count-and-drop program, same repetition, modes interleaved \
-         (their order rotated per repetition); \
+        "Full-MTU datagrams offered by all senders together at the rate in the table, for {secs} s; machine busy = all CPUs \
+         (interrupts and softirq included) = 1 − idle / (CPUs × wall), idle from cpuidle's per-state times (exact to the µs; \
+         /proc/stat's busy columns are tick samples, ~1.5 points of noise per 2 s run here), minus the same run with the XDP \
+         count-and-drop program, same repetition, modes interleaved (their order rotated per repetition); \
          median [min – max] over {reps} repetitions, in percentage points of the whole machine. floor = the minimal XDP aggregator \
-         (src/bpf/bench_floor.bpf.c).\n"
+         (src/bpf/bench_floor.bpf.c). AggBox / floor: the ratio of the medians, and the median of the ratios within one \
+         repetition; ticks: the same ratio of medians from /proc/stat's tick-sampled busy columns.\n"
     );
-    let _ = writeln!(md, "| senders | datagrams/s | floor | AggBox | plain | tuned | AggBox / floor | plain / floor |");
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        md,
+        "| senders | datagrams/s | floor | AggBox | plain | tuned | AggBox / floor | per repetition | ticks | plain / floor |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for &(s, total) in &list {
         let rate = total / s as f64;
         let frags = (rate * secs) as u64;
@@ -237,6 +266,9 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
         let h = Harness::new(s)?;
         let wl = Pattern::new(s, frags * PER as u64);
         let mut marg: Vec<(Mode, Vec<f64>)> = modes.iter().map(|m| (*m, Vec::new())).collect();
+        let mut marg_ticks: Vec<(Mode, Vec<f64>)> = modes.iter().map(|m| (*m, Vec::new())).collect();
+        // (AggBox − drop) / (floor − drop) within each repetition.
+        let mut rep_ratio = Vec::new();
         for rep in 0..reps {
             // (mode, busy %, the run) of this repetition, in the order run.
             let mut this_rep = Vec::new();
@@ -255,14 +287,27 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
                 if !r.ok {
                     failures.push(format!("{} {s} senders: {}", mode.name(), r.error.clone().unwrap_or_default()));
                 }
+                exact_everywhere &= r.sys_busy_exact;
                 this_rep.push((mode, 100.0 * r.sys_busy, r));
             }
-            let drop_busy = this_rep
-                .iter()
-                .find(|(m, _, _)| *m == Mode::Drop)
-                .map_or(f64::NAN, |(_, b, _)| *b);
-            for (mode, busy, r) in this_rep {
+            let busy_of = |mode: Mode, ticks: bool| {
+                this_rep.iter().find(|(m, _, r)| *m == mode && r.ok).map_or(f64::NAN, |(_, b, r)| {
+                    if ticks {
+                        100.0 * r.sys_busy_ticks
+                    } else {
+                        *b
+                    }
+                })
+            };
+            let (drop_busy, drop_ticks) = (busy_of(Mode::Drop, false), busy_of(Mode::Drop, true));
+            let ratio = (busy_of(Mode::Kernel, false) - drop_busy) / (busy_of(Mode::Floor, false) - drop_busy);
+            if ratio.is_finite() {
+                rep_ratio.push(ratio);
+            }
+            for (mode, busy, r) in &this_rep {
                 let m = busy - drop_busy;
+                let ticks = 100.0 * r.sys_busy_ticks;
+                let mt = ticks - drop_ticks;
                 csv.row(vec![
                     s.to_string(),
                     rep.to_string(),
@@ -270,35 +315,55 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
                     format!("{:.4}", r.secs),
                     format!("{busy:.3}"),
                     format!("{m:.3}"),
+                    format!("{ticks:.3}"),
+                    format!("{mt:.3}"),
+                    r.sys_busy_exact.to_string(),
                     r.ok.to_string(),
                 ]);
-                if r.ok {
-                    if let Some((_, v)) = marg.iter_mut().find(|(x, _)| *x == mode) {
+                if r.ok && m.is_finite() {
+                    if let Some((_, v)) = marg.iter_mut().find(|(x, _)| x == mode) {
                         v.push(m);
+                    }
+                    if let Some((_, v)) = marg_ticks.iter_mut().find(|(x, _)| x == mode) {
+                        v.push(mt);
                     }
                 }
             }
         }
         let get = |mode: Mode| summarize(&marg.iter().find(|(m, _)| *m == mode).map(|(_, v)| v.clone()).unwrap_or_default());
         let (f, k, p, t) = (get(Mode::Floor), get(Mode::Kernel), get(Mode::Plain), get(Mode::Tuned));
+        let get_ticks = |mode: Mode| {
+            summarize(&marg_ticks.iter().find(|(m, _)| *m == mode).map(|(_, v)| v.clone()).unwrap_or_default())
+        };
+        let ticks_ratio = get_ticks(Mode::Kernel).median / get_ticks(Mode::Floor).median;
+        let per_rep = summarize(&rep_ratio);
         let cell = |x: &Summary| format!("{:.1} [{:.1} – {:.1}]", x.median, x.min, x.max);
         let _ = writeln!(
             md,
-            "| {s} | {total:.0} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            "| {s} | {total:.0} | {} | {} | {} | {} | {:.2}× | {:.2}× [{:.2} – {:.2}] | {:.2}× | {:.2}× |",
             cell(&f),
             cell(&k),
             cell(&p),
             cell(&t),
             k.median / f.median,
+            per_rep.median,
+            per_rep.min,
+            per_rep.max,
+            ticks_ratio,
             p.median / f.median
         );
         headline.push(format!(
-            "cpu marginal {s} senders at {total:.0}/s: AggBox {:.1} points, floor {:.1}, plain {:.1} ({:.2}× floor)",
+            "cpu marginal {s} senders at {total:.0}/s: AggBox {:.1} points, floor {:.1}, plain {:.1} ({:.2}× floor; per repetition {:.2}×; ticks {:.2}×)",
             k.median,
             f.median,
             p.median,
-            k.median / f.median
+            k.median / f.median,
+            per_rep.median,
+            ticks_ratio
         ));
+    }
+    if !exact_everywhere {
+        let _ = writeln!(md, "\nSome runs had no cpuidle idle times: their busy share is /proc/stat's (tick-sampled).");
     }
     csv.write(&opts.out_dir.join("cpu_marginal.csv"))?;
     if !failures.is_empty() {
