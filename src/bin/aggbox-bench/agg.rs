@@ -26,7 +26,8 @@
 //! even while a lost contribution holds one fragment back. When no
 //! fragment completes for 50 ms (a datagram lost in a full queue), every
 //! sender resends its oldest incomplete fragments (with back-off); the aggregators deduplicate, and resends are
-//! counted. Every result is checked against the reference values (sums of
+//! counted. A sender whose window is full yields (unpaced runs: throughput)
+//! or sleeps 200 µs (paced runs, which measure the machine's busy share). Every result is checked against the reference values (sums of
 //! `tools::pattern_value`), in every mode.
 
 use std::collections::HashMap;
@@ -93,6 +94,10 @@ pub const AGG_REPS: usize = 7;
 pub fn window_for(senders: usize) -> u64 {
     (8192 / senders.max(1) as u64).clamp(64, 2048)
 }
+
+/// Times a sender found its window full and yielded, in this process
+/// (`AGGBOX_BENCH_COUNTERS` prints its change per run).
+static WINDOW_WAITS: AtomicU64 = AtomicU64::new(0);
 
 /// Distinct payload blocks per rank (fragment k carries block k % NBLK).
 const NBLK: u64 = 61;
@@ -641,6 +646,41 @@ impl Drop for PerfWindow {
 }
 
 impl Aggregator<'_> {
+    /// [`Aggregator::run`]; with `AGGBOX_BENCH_COUNTERS` set, an AggBox run
+    /// also prints the change of its fast-slot counters and its node
+    /// counters (drop reasons among them) over the run.
+    pub fn run_counted(&mut self, w: &dyn Workload, spec: RunSpec) -> RunResult {
+        let on = std::env::var_os("AGGBOX_BENCH_COUNTERS").is_some();
+        let counters = self.att.filter(|_| on);
+        let fast_before = counters.and_then(|att| att.xdp.fast_stats().ok());
+        let waits_before = (WINDOW_WAITS.load(Ordering::Relaxed), net::SEND_RETRIES.load(Ordering::Relaxed));
+        let r = self.run(w, spec);
+        if on {
+            progress(format!(
+                "  {} senders' waits: window full {}, send queue full {}; resent {}",
+                self.mode.name(),
+                WINDOW_WAITS.load(Ordering::Relaxed) - waits_before.0,
+                net::SEND_RETRIES.load(Ordering::Relaxed) - waits_before.1,
+                r.resent
+            ));
+        }
+        if let (Some(att), Some(before)) = (counters, fast_before) {
+            if let Ok(after) = att.xdp.fast_stats() {
+                let d: Vec<String> = abi::FAST_STAT_LABELS
+                    .iter()
+                    .zip(after.iter().zip(before.iter()))
+                    .map(|(l, (a, b))| format!("{l}={}", a - b))
+                    .collect();
+                progress(format!(
+                    "  fast slots: {}; counters: {}",
+                    d.join(" "),
+                    kernel_counters(att).unwrap_or_default()
+                ));
+            }
+        }
+        r
+    }
+
     /// Run one workload through this aggregator.
     pub fn run(&mut self, w: &dyn Workload, spec: RunSpec) -> RunResult {
         match self.run_inner(w, spec) {
@@ -966,7 +1006,18 @@ fn sender(
                     last_progress = Instant::now();
                     stall = (stall * 2).min(STALL_MAX);
                 }
-                std::thread::yield_now();
+                WINDOW_WAITS.fetch_add(1, Ordering::Relaxed);
+                if spec.rate_per_sender.is_some() {
+                    // A paced run measures the machine's busy share: a
+                    // sender waiting on its window (behind a lost
+                    // contribution, up to the 50 ms resend timeout) sleeps
+                    // rather than spinning through sched_yield, which would
+                    // charge the wait to the aggregator that lost it. The
+                    // window spans ~40 ms of sending at the paced rates.
+                    std::thread::sleep(Duration::from_micros(200));
+                } else {
+                    std::thread::yield_now();
+                }
                 continue;
             }
         }
@@ -1190,19 +1241,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
                         rate_per_sender: None,
                     };
                     round += 1;
-                    let counters = a.att.filter(|_| std::env::var_os("AGGBOX_BENCH_COUNTERS").is_some());
-                    let fast_before = counters.and_then(|att| att.xdp.fast_stats().ok());
-                    let r = a.run(&wl, spec);
-                    if let (Some(att), Some(before)) = (counters, fast_before) {
-                        if let Ok(after) = att.xdp.fast_stats() {
-                            let d: Vec<String> = abi::FAST_STAT_LABELS
-                                .iter()
-                                .zip(after.iter().zip(before.iter()))
-                                .map(|(l, (a, b))| format!("{l}={}", a - b))
-                                .collect();
-                            progress(format!("  fast slots: {}; counters: {}", d.join(" "), kernel_counters(att).unwrap_or_default()));
-                        }
-                    }
+                    let r = a.run_counted(&wl, spec);
                     progress(format!(
                         "agg rep {}/{reps} {:6} {:4} MB: {:>14} elements/s in {:.3}s{}{}{}",
                         rep + 1,

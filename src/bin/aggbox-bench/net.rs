@@ -6,6 +6,11 @@ use std::net::UdpSocket;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+/// `sendmmsg` calls that found no room (EAGAIN / ENOBUFS) and yielded
+/// before trying again, in this process (`AGGBOX_BENCH_COUNTERS` prints
+/// its change per run: a sender held up by a full queue).
+pub static SEND_RETRIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Send every datagram of `bufs` on the connected `socket` with `sendmmsg`
 /// (retrying the rest after a partial send). Returns datagrams sent.
 pub fn send_batch(socket: &UdpSocket, bufs: &[&[u8]]) -> io::Result<usize> {
@@ -41,6 +46,7 @@ pub fn send_batch(socket: &UdpSocket, bufs: &[&[u8]]) -> io::Result<usize> {
             match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) if spins < 100_000 => {
                     spins += 1;
+                    SEND_RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     std::thread::yield_now();
                     continue;
                 }
