@@ -26,8 +26,7 @@
 //! even while a lost contribution holds one fragment back. When no
 //! fragment completes for 50 ms (a datagram lost in a full queue), every
 //! sender resends its oldest incomplete fragments (with back-off); the aggregators deduplicate, and resends are
-//! counted. A sender whose window is full yields (unpaced runs: throughput)
-//! or sleeps 200 µs (paced runs, which measure the machine's busy share). Every result is checked against the reference values (sums of
+//! counted. A sender whose window is full sleeps ([`WINDOW_WAIT`]). Every result is checked against the reference values (sums of
 //! `tools::pattern_value`), in every mode.
 
 use std::collections::HashMap;
@@ -95,7 +94,18 @@ pub fn window_for(senders: usize) -> u64 {
     (8192 / senders.max(1) as u64).clamp(64, 2048)
 }
 
-/// Times a sender found its window full and yielded, in this process
+/// How long a sender whose window is full sleeps before it looks again.
+/// Sleeping, not spinning: on this 2-CPU machine the senders share the
+/// CPUs with the work that frees their windows (the slowest sender's sends,
+/// whose softirq runs the XDP programs; the RESULT receiver; a user-space
+/// aggregator), and 3 senders spinning through `sched_yield` behind the
+/// slowest took ~10 % of the machine's samples in the 512 MB runs; in the
+/// paced runs a wait behind a lost contribution (up to the 50 ms resend
+/// timeout) was charged to that run's busy share. The window spans ~30 ms
+/// of sending at the fastest rates measured, so 100 µs keeps it full.
+const WINDOW_WAIT: Duration = Duration::from_micros(100);
+
+/// Times a sender found its window full and waited, in this process
 /// (`AGGBOX_BENCH_COUNTERS` prints its change per run).
 static WINDOW_WAITS: AtomicU64 = AtomicU64::new(0);
 
@@ -1007,17 +1017,7 @@ fn sender(
                     stall = (stall * 2).min(STALL_MAX);
                 }
                 WINDOW_WAITS.fetch_add(1, Ordering::Relaxed);
-                if spec.rate_per_sender.is_some() {
-                    // A paced run measures the machine's busy share: a
-                    // sender waiting on its window (behind a lost
-                    // contribution, up to the 50 ms resend timeout) sleeps
-                    // rather than spinning through sched_yield, which would
-                    // charge the wait to the aggregator that lost it. The
-                    // window spans ~40 ms of sending at the paced rates.
-                    std::thread::sleep(Duration::from_micros(200));
-                } else {
-                    std::thread::yield_now();
-                }
+                std::thread::sleep(WINDOW_WAIT);
                 continue;
             }
         }
