@@ -382,11 +382,14 @@ pub fn cpuidle_us() -> Option<(u64, usize)> {
     for entry in std::fs::read_dir("/sys/devices/system/cpu").ok()?.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        let Some(n) = name.strip_prefix("cpu") else { continue };
+        let Some(n) = name.strip_prefix("cpu") else {
+            continue;
+        };
         if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
             continue;
         }
-        let online = std::fs::read_to_string(entry.path().join("online")).map_or(true, |t| t.trim() == "1");
+        let online =
+            std::fs::read_to_string(entry.path().join("online")).map_or(true, |t| t.trim() == "1");
         if !online {
             continue;
         }
@@ -396,7 +399,11 @@ pub fn cpuidle_us() -> Option<(u64, usize)> {
             if !st.file_name().to_string_lossy().starts_with("state") {
                 continue;
             }
-            let t: u64 = std::fs::read_to_string(st.path().join("time")).ok()?.trim().parse().ok()?;
+            let t: u64 = std::fs::read_to_string(st.path().join("time"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
             total += t;
             any = true;
         }
@@ -436,7 +443,11 @@ pub struct MachineBusy {
 impl MachineClock {
     /// Now.
     pub fn now() -> MachineClock {
-        MachineClock { at: std::time::Instant::now(), idle_us: cpuidle_us(), stat: ProcStat::now() }
+        MachineClock {
+            at: std::time::Instant::now(),
+            idle_us: cpuidle_us(),
+            stat: ProcStat::now(),
+        }
     }
 
     /// The machine between `earlier` and now.
@@ -559,9 +570,10 @@ mod tests {
     /// lands outside one bound or the other.
     #[test]
     fn busy_share_follows_a_spinning_thread() {
-        let cpus = cpuidle_us().map(|(_, n)| n).unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        }) as f64;
+        let cpus = cpuidle_us()
+            .map(|(_, n)| n)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            as f64;
         let stop = AtomicBool::new(false);
         let b = std::thread::scope(|s| {
             s.spawn(|| {
