@@ -1185,10 +1185,7 @@ pub fn run(opts: &BenchOptions, ctx: &mut Context_) -> Result<Section> {
     let senders = 4;
     // AGGBOX_AGG_SIZES / AGGBOX_AGG_MODES narrow a run (to profile one
     // mode; docs/BENCHMARKS.md, experiment 1).
-    let env_names = |name: &str| -> Option<Vec<String>> {
-        let v = std::env::var(name).ok()?;
-        Some(v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
-    };
+    let env_names = super::env_names;
     let sizes_mb: Vec<u64> = if let Some(list) = env_names("AGGBOX_AGG_SIZES") {
         list.iter()
             .map(|x| x.parse().with_context(|| format!("AGGBOX_AGG_SIZES: {x:?} is not a size in MB")))

@@ -36,9 +36,7 @@ struct Point {
 pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     // AGGBOX_CPU_PARTS narrows a run to some of usage, marginal and
     // sustainable (to profile one of them; docs/BENCHMARKS.md).
-    let parts: Option<Vec<String>> = std::env::var("AGGBOX_CPU_PARTS")
-        .ok()
-        .map(|v| v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect());
+    let parts = super::env_names("AGGBOX_CPU_PARTS");
     if let Some(bad) = parts.iter().flatten().find(|p| !["usage", "marginal", "sustainable"].contains(&p.as_str())) {
         bail!("AGGBOX_CPU_PARTS: unknown part {bad:?} (usage, marginal, sustainable)");
     }
@@ -291,9 +289,8 @@ fn marginal(opts: &BenchOptions, round: &mut u32) -> Result<(String, Vec<String>
                     Ok(a.run_counted(&wl, spec))
                 })?;
                 if r.resent > 0 {
-                    // A resend follows a stall of 50 ms or more (a lost
-                    // contribution), in which the senders wait on their window:
-                    // the run's busy share carries that wait.
+                    // A lost contribution: the run is left out of the
+                    // figures below (at_load).
                     progress(format!("  marginal rep {rep} {} {s} senders: {} resent", mode.name(), r.resent));
                 }
                 *round += 1;

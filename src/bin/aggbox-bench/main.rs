@@ -142,6 +142,14 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[lo] + (sorted[hi] - sorted[lo]) * frac
 }
 
+/// The comma-separated names in environment variable `name` (blanks
+/// dropped), or `None` when it is unset: how AGGBOX_AGG_MODES,
+/// AGGBOX_AGG_SIZES and AGGBOX_CPU_PARTS narrow a run.
+pub fn env_names(name: &str) -> Option<Vec<String>> {
+    let v = std::env::var(name).ok()?;
+    Some(v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+}
+
 /// Summarize samples (NaNs ignored).
 pub fn summarize(samples: &[f64]) -> Summary {
     let mut v: Vec<f64> = samples.iter().copied().filter(|x| !x.is_nan()).collect();
