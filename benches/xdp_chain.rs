@@ -73,6 +73,7 @@ fn main() {
             flags: 0,
             result_group: None,
             window: 0,
+            frag_elems: 0,
         },
     )
     .expect("configure the job");
@@ -333,6 +334,7 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
                     flags: 0,
                     result_group: None,
                     window: 0,
+                    frag_elems: 0,
                 },
             )
             .expect("configure the loop's job");

@@ -282,6 +282,11 @@ pub struct JobConfig {
     pub userspace_slot_bytes: u64,
     /// Who takes the job's RESULTs on `result_port` (`consumer`).
     pub consumer: ResultConsumer,
+    /// Elements of a full fragment as the job's senders cut them
+    /// (`frag_elems`, 1..=[`crate::wire::abi::MAX_ELEMS`]); `None`: those of
+    /// the attached interface's MTU. The fast slots index a round in steps
+    /// of it (docs/DATAPLANE.md "Fast slots").
+    pub frag_elems: Option<u32>,
 }
 
 /// `[[job]] consumer`: who takes a job's RESULTs on the node's
@@ -654,6 +659,7 @@ const JOB_KEYS: &[&str] = &[
     "userspace_slots",
     "userspace_slot_bytes",
     "consumer",
+    "frag_elems",
 ];
 
 fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<ParsedJob, ConfigError> {
@@ -747,6 +753,18 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
             "rounds compare modulo 2^32",
         )? as u32,
         None => DEFAULT_WINDOW,
+    };
+    let frag_elems = match t.take("frag_elems") {
+        Some(v) => Some(int_in(
+            src,
+            &t.key("frag_elems"),
+            &v,
+            1,
+            i64::from(abi::MAX_ELEMS),
+            "a fragment size in elements",
+            "(MTU - 52) / 4 fills a datagram",
+        )? as u32),
+        None => None,
     };
     let userspace_slots = match t.take("userspace_slots") {
         Some(v) => int_in(
@@ -848,6 +866,7 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
             userspace_slots,
             userspace_slot_bytes,
             consumer,
+            frag_elems,
         },
         path: t.path,
         consumer_at,

@@ -227,6 +227,7 @@ fn job(workers: u16, slots: u32) -> XdpJob {
         flags: 0,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     }
 }
 
@@ -498,6 +499,7 @@ fn per_job_counters_are_exact_and_isolated() {
         flags: 0,
         result_group: None,
         window: 1,
+        frag_elems: 0,
     };
     let dp = load();
     dp.set_job(A, &job(A)).unwrap();

@@ -115,6 +115,7 @@ fn slots_from_many_cpus(elems: usize) {
         flags: 0,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     };
     dp.set_job(JOB, &job).expect("set_job");
     let frame_of = move |slot: u32, rank: u16| {

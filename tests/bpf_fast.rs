@@ -3,6 +3,9 @@
 //!
 //! - a fragment whose fast slot is free is served there (no hash-map slot,
 //!   no slot_owner record), exactly;
+//! - a job's full fragments take consecutive fast slots (the granule is the
+//!   job's fragment size), kept across a reconfiguration; fragments smaller
+//!   than the granule share a slot and stay exact on the chain;
 //! - a fragment whose fast slot is busy with another live fragment takes the
 //!   hash-map chain, exactly, and a later take-over of that fast slot for it
 //!   gives up (the chain keeps serving it: one fragment, one path, one RESULT);
@@ -53,6 +56,7 @@ fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
         flags: 0,
         result_group: None,
         window,
+        frag_elems: 0,
     }
 }
 
@@ -153,6 +157,66 @@ fn a_busy_fast_slot_sends_its_fragment_to_the_chain_and_a_later_take_over_gives_
     }
     assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0));
     assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, 2);
+}
+
+/// A job whose senders cut 362-element fragments (MTU 1500) indexes its
+/// fast slots in steps of 362: the fragments of a round, and the rounds
+/// after each other, fill consecutive slots (with the default granule of
+/// 256 they would land 1.41 slots apart, touching ~1.6x the pages).
+#[test]
+fn full_fragments_take_consecutive_fast_slots() {
+    const FRAGS: u32 = 4;
+    let dp = load();
+    let cfg = XdpJob { vector_len: FRAGS * 362, frag_elems: 362, ..job(2, 64, 4) };
+    dp.set_job(ID, &cfg).expect("set_job");
+    let j = dp.job(ID).unwrap().unwrap();
+    assert_eq!((j.fast_granule, j.fast_stride), (362, FRAGS), "{j:?}");
+    let maps = dp.kernel_maps().unwrap();
+    let vals: Vec<Vec<i32>> = (0..2).map(|r| (0..362).map(|i| i * 5 - 900 + r).collect()).collect();
+    for round in 0..3u32 {
+        for f in 0..FRAGS {
+            assert_eq!(run(&dp, &contribution(0, round, f * 362, &vals[0])).0, Outcome::Accepted.label());
+            let (l, out) = run(&dp, &contribution(1, round, f * 362, &vals[1]));
+            assert_eq!(l, Outcome::Result.label(), "round {round} fragment {f}");
+            assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&vals[0], &vals[1]])[..]);
+            let index = u32::from(j.fast_base) + (round * FRAGS + f) % u32::from(j.fast_slots);
+            assert_eq!(maps.fast_slot_fragment(index), Some((ID, round, f * 362)), "round {round} fragment {f}");
+        }
+    }
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), 3 * u64::from(FRAGS), "every fragment took its own slot");
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 0);
+    // Reconfigured, the job keeps its index function: fragments in flight
+    // keep their slots.
+    dp.set_job(ID, &XdpJob { frag_elems: 100, ..cfg.clone() }).expect("set_job");
+    let again = dp.job(ID).unwrap().unwrap();
+    assert_eq!((again.fast_base, again.fast_granule, again.fast_stride), (j.fast_base, 362, FRAGS));
+    // A fragment size a fast slot cannot hold leaves the default granule.
+    dp.set_job(ID + 1, &XdpJob { id: ID + 1, vector_len: 1 << 20, frag_elems: 2237, ..cfg.clone() }).expect("set_job");
+    let jumbo = dp.job(ID + 1).unwrap().unwrap();
+    assert_eq!((jumbo.fast_granule, jumbo.fast_stride), (abi::FAST_GRANULE as u16, (1 << 20) / abi::FAST_GRANULE));
+}
+
+/// Fragments smaller than the job's granule share a fast slot; the second
+/// takes the hash-map chain and both complete exactly, once.
+#[test]
+fn fragments_smaller_than_the_granule_share_a_fast_slot_and_stay_exact() {
+    let dp = load();
+    dp.set_job(ID, &XdpJob { frag_elems: 16, ..job(2, 64, 4) }).expect("set_job");
+    let a = [1, 2, 3, 4, 5, 6, 7, 8];
+    let b = [10, 20, 30, 40, 50, 60, 70, 80];
+    for f in [0u32, 8, 16] {
+        assert_eq!(run(&dp, &contribution(0, 1, f, &a)).0, Outcome::Accepted.label(), "fragment {f}");
+    }
+    assert_eq!(fast(&dp, abi::FAST_BUSY), 1, "fragment 8 shares fragment 0's slot; 16 has its own");
+    assert_eq!(fast(&dp, abi::FAST_TAKEN), 2);
+    for f in [0u32, 8, 16] {
+        let (l, out) = run(&dp, &contribution(1, 1, f, &b));
+        assert_eq!(l, Outcome::Result.label(), "fragment {f}");
+        assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&a, &b])[..]);
+        assert_eq!(run(&dp, &contribution(0, 1, f, &a)).0, DropReason::Retransmission.label(), "fragment {f}");
+    }
+    assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0));
+    assert_eq!(dp.job_stats(ID).unwrap().unwrap().results, 3);
 }
 
 #[test]

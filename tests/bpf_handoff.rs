@@ -38,6 +38,7 @@ fn job(id: u16, slots: u32, flags: u32) -> XdpJob {
         flags,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     }
 }
 

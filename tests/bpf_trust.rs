@@ -43,6 +43,7 @@ fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
         flags: 0,
         result_group: None,
         window: 4,
+        frag_elems: 0,
     }
 }
 

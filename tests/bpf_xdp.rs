@@ -45,6 +45,7 @@ fn test_job() -> XdpJob {
         flags: 0,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     }
 }
 

@@ -667,6 +667,17 @@ fn vector_len_slots_window_must_be_positive() {
     expect_error(&text, 6, "job[0].slots", "4294967296 is not a slot count");
 }
 
+#[test]
+fn frag_elems_is_a_job_fragment_size_or_left_to_the_interface() {
+    assert_eq!(parse(JOB7).jobs[0].frag_elems, None, "default: the attached interface's MTU decides");
+    assert_eq!(parse(&format!("{JOB7}frag_elems = 362\n")).jobs[0].frag_elems, Some(362));
+    assert_eq!(parse(&format!("{JOB7}frag_elems = 16370\n")).jobs[0].frag_elems, Some(16370));
+    let text = format!("{JOB7}frag_elems = 0\n");
+    expect_error(&text, 6, "job[0].frag_elems", "0 is not a fragment size in elements");
+    let text = format!("{JOB7}frag_elems = 16385\n");
+    expect_error(&text, 6, "job[0].frag_elems", "16385 is not a fragment size in elements");
+}
+
 const GROUP3: &str = r#"[[group]]
 id = 3
 members = ["10.77.0.11:7200", "10.77.0.12:7200"]

@@ -105,6 +105,7 @@ fn jobs() -> Vec<XdpJob> {
             flags: 0,
             result_group: None,
             window: 4,
+            frag_elems: 0,
         },
         XdpJob {
             id: 8,
@@ -117,6 +118,7 @@ fn jobs() -> Vec<XdpJob> {
             flags: 0,
             result_group: None,
             window: 0,
+            frag_elems: 0,
         },
         XdpJob {
             id: 9,
@@ -129,6 +131,7 @@ fn jobs() -> Vec<XdpJob> {
             flags: abi::JOB_F_USERSPACE_ONLY,
             result_group: None,
             window: 4,
+            frag_elems: 0,
         },
     ]
 }

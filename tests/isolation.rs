@@ -47,6 +47,7 @@ fn job(id: u16, workers: u16, slots: u32) -> XdpJob {
         flags: 0,
         result_group: None,
         window: 4,
+        frag_elems: 0,
     }
 }
 

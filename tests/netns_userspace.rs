@@ -82,7 +82,7 @@ impl Bed {
             ..Default::default()
         };
         for j in &config.jobs {
-            dp.set_job(j.id, &xdp_job(j)).expect("set_job");
+            dp.set_job(j.id, &xdp_job(j, aggbox::netif::interface_mtu("eth0").expect("eth0 MTU"))).expect("set_job");
         }
         let ifindex = aggbox::node::ifindex("eth0").expect("eth0");
         let (link, _) = dp.attach_xdp(ifindex, XdpMode::Native).expect("attach");
@@ -136,6 +136,7 @@ fn job(id: u16, port: u16, workers: usize) -> JobConfig {
         userspace_slots: aggbox::config::DEFAULT_USERSPACE_SLOTS,
         userspace_slot_bytes: aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_JOB,
         consumer: aggbox::config::ResultConsumer::Application,
+        frag_elems: None,
     }
 }
 

@@ -45,6 +45,7 @@ fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
         flags: 0,
         result_group: None,
         window,
+        frag_elems: 0,
     }
 }
 

@@ -254,11 +254,15 @@ struct aggbox_job {
 			    * or 0: the job uses the hash-map slots only */
 	__u16 id;          /* host order: the job's id (value of the jobs array,
 			    * whose index is the job's dense index) */
-	__u16 pad;         /* zero */
+	__u16 fast_granule;/* host order: elements of a round that share one
+			    * fast-slot index: the job's full-fragment size
+			    * when it fits a fast slot, else
+			    * AGGBOX_FAST_GRANULE (docs/DATAPLANE.md) */
 	__u32 fast_stride; /* host order: fast-slot indexes one round takes
-			    * (ceil(vector_len / AGGBOX_FAST_GRANULE) when the
-			    * region was assigned; kept while the job keeps it,
-			    * so a fragment's index never changes) */
+			    * (ceil(vector_len / fast_granule)); granule and
+			    * stride are set with the region and kept while
+			    * the job keeps it, so a fragment's index never
+			    * changes */
 };
 _Static_assert(sizeof(struct aggbox_job) == 40, "job is 40 bytes");
 
@@ -371,9 +375,11 @@ static inline __s32 aggbox_rounds_ahead(__u32 a, __u32 b)
  * owning a power-of-two region that the control plane assigns in set_job. A
  * contribution of at most AGGBOX_FAST_ELEMS elements has one fixed index in
  * its job's region, computed from (round, frag_off): no hash map on its
- * path. AGGBOX_FAST_GRANULE elements of a round share an index (a fragment
- * of >= 256 elements has its own); the rounds of a job with vector_len
- * follow each other through the region.
+ * path. job.fast_granule elements of a round share an index, so a fragment
+ * of at least that many elements has its own: the job's full-fragment size
+ * packs its fragments densely; AGGBOX_FAST_GRANULE, the default, gives
+ * every fragment of 256..=AGGBOX_FAST_ELEMS elements its own. The rounds
+ * of a job with vector_len follow each other through the region.
  */
 #ifndef AGGBOX_FAST_SLOTS
 #define AGGBOX_FAST_SLOTS 8192 /* fast slots of all jobs together (~26 MiB) */
@@ -384,8 +390,7 @@ static inline __s32 aggbox_rounds_ahead(__u32 a, __u32 b)
 #ifndef AGGBOX_FAST_ELEMS
 #define AGGBOX_FAST_ELEMS 384 /* largest count a fast slot holds (MTU 1500: 362) */
 #endif
-#define AGGBOX_FAST_GRANULE_SHIFT 8
-#define AGGBOX_FAST_GRANULE (1 << AGGBOX_FAST_GRANULE_SHIFT)
+#define AGGBOX_FAST_GRANULE 256 /* job.fast_granule when the job's fragment size is unknown or too large */
 _Static_assert(AGGBOX_FAST_ELEMS % 2 == 0, "fast slots add pairs");
 _Static_assert(AGGBOX_FAST_SLOTS <= 65536 && AGGBOX_FAST_JOB_SLOTS <= 32768, "indexes fit job.fast_base / fast_slots");
 

@@ -284,7 +284,7 @@ static __always_inline int job_index_of(__u16 job)
  * AGGBOX_FAST_ELEMS elements of a job with a fast-slot region is aggregated
  * by the entry program itself, with no tail call and no hash-map slot: its
  * slot is fast_slots[job.fast_base + (seq & (job.fast_slots - 1))], seq =
- * round * ceil(vector_len / GRANULE) + frag_off / GRANULE, and the whole
+ * round * ceil(vector_len / granule) + frag_off / granule, and the whole
  * contribution (rank claim, adds straight from the packet, completion
  * count) takes one lock acquisition. The fragment's slot holds its key; a
  * fragment whose slot is busy with another live fragment, or that is older
@@ -439,10 +439,14 @@ static __always_inline int fast_fits(struct aggbox_scratch *s)
 }
 
 /* Index of the contribution's fast slot: round * stride + frag_off /
- * GRANULE in the job's region (power-of-two size). */
+ * granule in the job's region (power-of-two size). The granule is the
+ * job's full-fragment size where that fits a fast slot, so the fragments
+ * in flight fill consecutive slots and touch as few pages as the slots'
+ * bytes need (a sparser index costs a TLB miss per fragment under live
+ * traffic: docs/DATAPLANE.md "Fast slots"). */
 static __always_inline __u32 fast_index(struct aggbox_scratch *s)
 {
-	__u32 seq = s->key.round * s->fast_stride + (s->key.frag_off >> AGGBOX_FAST_GRANULE_SHIFT);
+	__u32 seq = s->key.round * s->fast_stride + s->key.frag_off / s->fast_granule;
 
 	return s->fast_base + (seq & (s->fast_slots - 1));
 }
@@ -1832,6 +1836,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->fast_base = job->fast_base;
 	s->fast_slots = job->fast_slots;
 	s->fast_stride = job->fast_stride;
+	s->fast_granule = job->fast_granule ? job->fast_granule : AGGBOX_FAST_GRANULE;
 	s->has_parent = !!(job->flags & AGGBOX_JOB_F_HAS_PARENT);
 	return AGGBOX_OUTCOME_ACCEPTED;
 }

@@ -49,6 +49,7 @@ struct aggbox_scratch {
 	__u32 vector_len;  /* the job's (0 = unbounded) */
 	__u32 jidx;        /* the job's dense index (job_index) */
 	__u32 fast_stride; /* the job's fast-slot indexes per round */
+	__u32 fast_granule;/* the job's elements per fast-slot index (never 0) */
 	__u16 fast_base;   /* the job's fast-slot region */
 	__u16 fast_slots;
 	__u32 fast_idx;    /* index of the fragment's fast slot */

@@ -189,6 +189,25 @@ pub struct XdpJob {
     /// Rounds older than the newest completed round minus `window` are
     /// stale; 0 = the build's default (`abi::ROUND_WINDOW`).
     pub window: u32,
+    /// Elements of a full fragment as the job's senders cut them (their
+    /// path MTU's, `(MTU - 52) / 4`); 0 = unknown. The fast slots index a
+    /// round in steps of it ([`fast_granule`]): a fragment of fewer
+    /// elements may share its fast slot with its neighbour, and that one
+    /// takes the hash-map chain (same results, more work).
+    pub frag_elems: u32,
+}
+
+/// Elements of a round that share one fast-slot index for a job whose
+/// senders cut fragments of `frag_elems` elements (0 = unknown): that size
+/// where a fast slot holds it, so consecutive fragments take consecutive
+/// slots; otherwise [`abi::FAST_GRANULE`], which gives every fragment of
+/// 256..=[`abi::FAST_ELEMS`] elements its own.
+pub fn fast_granule(frag_elems: u32) -> u16 {
+    if (1..=abi::FAST_ELEMS).contains(&frag_elems) {
+        frag_elems as u16
+    } else {
+        abi::FAST_GRANULE as u16
+    }
 }
 
 impl XdpJob {
@@ -251,7 +270,7 @@ impl XdpJob {
             fast_base: 0,
             fast_slots: 0,
             id: self.id,
-            pad: 0,
+            fast_granule: fast_granule(self.frag_elems),
             fast_stride: 0,
         })
     }
@@ -586,7 +605,7 @@ impl XdpPlane {
                 reason: format!("{} jobs are configured already (the most a node serves)", abi::MAX_JOBS),
             })?,
         };
-        (value.fast_base, value.fast_slots, value.fast_stride) = self.fast_region(id, &value, old.as_ref())?;
+        (value.fast_base, value.fast_slots, value.fast_stride, value.fast_granule) = self.fast_region(id, &value, old.as_ref())?;
         // The old membership (address and weight of each rank), to tell a
         // membership change from a reconfiguration that keeps it.
         let old_ranks: Vec<Option<abi::Rank>> = match &old {
@@ -893,8 +912,9 @@ impl XdpPlane {
     /// aligned region of the largest power of two at or above its slot
     /// bound (at most FAST_JOB_SLOTS) that fits, zeroed before the job
     /// points at it; (0, 0) when none is free or the job never aggregates
-    /// in the kernel (user space only, or JOB_F_NO_FAST).
-    fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16, u32)> {
+    /// in the kernel (user space only, or JOB_F_NO_FAST). Returns base,
+    /// size, stride and granule (`job.fast_granule` for a new job).
+    fn fast_region(&self, id: u16, job: &abi::Job, old: Option<&abi::Job>) -> Result<(u16, u16, u32, u16)> {
         // Rounds of a job with a vector length whose fragments a region
         // holds at once without collisions (workers of one job are within a
         // round or two of each other; a fragment that collides still takes
@@ -905,14 +925,15 @@ impl XdpPlane {
                 // Giving the region up: release what is in flight there.
                 self.discard_fast_slots(id, old.fast_base, old.fast_slots)?;
             }
-            return Ok((0, 0, 0));
+            return Ok((0, 0, 0, job.fast_granule));
         }
         let limit = if job.slots == 0 { abi::MAX_SLOTS } else { job.slots };
-        // A fragment of 256..=384 elements covers one or two granules of its
-        // round's index sequence: a region of the next power of two above the
-        // bound holds the bound's fragments without collisions.
+        // A fragment of granule..=FAST_ELEMS elements covers one or two
+        // granules of its round's index sequence (one when the granule is
+        // the job's fragment size): a region of the next power of two above
+        // the bound holds the bound's fragments without collisions.
         let mut want = abi::FAST_JOB_SLOTS.min(limit.max(1).next_power_of_two());
-        let stride = job.vector_len.div_ceil(abi::FAST_GRANULE);
+        let stride = job.vector_len.div_ceil(u32::from(job.fast_granule));
         if stride > 0 {
             // With a vector length no more than what FAST_ROUNDS_IN_FLIGHT
             // rounds index, and what the window guarantee needs (a slot
@@ -927,7 +948,7 @@ impl XdpPlane {
             // A reconfigured job keeps its region and index function (and
             // the fragments in flight there): both were set when the job
             // was added, so a fragment's index never changes.
-            return Ok((old.fast_base, old.fast_slots, old.fast_stride));
+            return Ok((old.fast_base, old.fast_slots, old.fast_stride, old.fast_granule));
         }
         let mut taken: Vec<(u32, u32)> = Vec::new();
         for (_, other) in self.jobs()? {
@@ -942,13 +963,13 @@ impl XdpPlane {
             while base + size <= abi::FAST_SLOTS {
                 if taken.iter().all(|&(lo, hi)| base + size <= lo || base >= hi) {
                     self.zero_fast_slots(base, size)?;
-                    return Ok((base as u16, size as u16, stride));
+                    return Ok((base as u16, size as u16, stride, job.fast_granule));
                 }
                 base += size;
             }
             size /= 2;
         }
-        Ok((0, 0, 0))
+        Ok((0, 0, 0, job.fast_granule))
     }
 
     /// Zero fast slots `base..base + n`, lock word included. Only slots
@@ -1636,6 +1657,19 @@ impl KernelMaps {
             u16::from_ne_bytes([value[4], value[5]]),
             u16::from_ne_bytes([value[6], value[7]]),
             u32::from_ne_bytes([value[8], value[9], value[10], value[11]]),
+        ))
+    }
+
+    /// (job, round, frag_off) of the fragment fast slot `index` holds or
+    /// last held (`struct aggbox_fast_slot`'s key at offsets 6, 8 and 12),
+    /// None past the array: where a fragment landed, for tests of the index.
+    #[doc(hidden)]
+    pub fn fast_slot_fragment(&self, index: u32) -> Option<(u16, u32, u32)> {
+        let v = self.fast_slot_value(index)?;
+        Some((
+            u16::from_ne_bytes([v[6], v[7]]),
+            u32::from_ne_bytes([v[8], v[9], v[10], v[11]]),
+            u32::from_ne_bytes([v[12], v[13], v[14], v[15]]),
         ))
     }
 

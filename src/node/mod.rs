@@ -381,8 +381,10 @@ pub fn userspace_path_failure(config: &Config, error: &str) -> Option<String> {
     }
 }
 
-/// Convert a configured job to what the data plane stores.
-pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
+/// Convert a configured job to what the data plane stores. `iface_mtu` is
+/// the attached interface's: the job's senders cut full fragments for it
+/// unless the job's `frag_elems` says otherwise.
+pub fn xdp_job(job: &crate::config::JobConfig, iface_mtu: usize) -> xdp::XdpJob {
     let mut flags = 0;
     if job.userspace_only {
         flags |= abi::JOB_F_USERSPACE_ONLY;
@@ -401,6 +403,9 @@ pub fn xdp_job(job: &crate::config::JobConfig) -> xdp::XdpJob {
         flags,
         result_group: job.kernel_result_group(),
         window: job.window,
+        frag_elems: job
+            .frag_elems
+            .unwrap_or_else(|| crate::runtime::fragment::elements_per_fragment(iface_mtu) as u32),
     }
 }
 
@@ -487,8 +492,9 @@ pub fn attach_chain(
         warnings.push(format!("replaced stale AggBox state in {}", dir.display()));
     }
 
+    let iface_mtu = crate::netif::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))?;
     if chain == Chain::Linear {
-        let mtu = crate::netif::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))? as u32;
+        let mtu = iface_mtu as u32;
         if mtu > chain.max_mtu() {
             bail!(
                 "aggbox: {iface} has MTU {mtu}, but the linear XDP chain (loaded without multi-buffer XDP: {}) aggregates datagrams of at most {} elements, i.e. MTU {}; lower the MTU (ip link set {iface} mtu {}) or use kernel 5.18+",
@@ -513,7 +519,7 @@ pub fn attach_chain(
     let (ring_sizing, _) = xdp::RingSizing::of(&config.rings);
     let dataplane = XdpPlane::load_chain_with(chain, ring_sizing).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     for job in &config.jobs {
-        dataplane.set_job(job.id, &xdp_job(job)).map_err(|e| anyhow!("aggbox: {e}"))?;
+        dataplane.set_job(job.id, &xdp_job(job, iface_mtu)).map_err(|e| anyhow!("aggbox: {e}"))?;
     }
     for (dense, (job, ring)) in rings.iter().zip(&config.rings).enumerate() {
         dataplane
@@ -977,6 +983,37 @@ fn destroy_clsact(ifindex: u32) -> io::Result<()> {
         return Err(io::Error::from_raw_os_error(-rc));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod job_tests {
+    use super::*;
+
+    const JOB: &str = "[[job]]\nid = 7\nport = 7000\nworkers = [\"10.77.0.11\"]\nresult_port = 7001\n";
+
+    fn job(extra: &str) -> crate::config::JobConfig {
+        let text = format!("{JOB}{extra}");
+        crate::config::Config::parse(&text, "t.toml").expect("config").jobs.remove(0)
+    }
+
+    #[test]
+    fn a_job_cuts_fragments_for_the_interface_mtu_unless_it_says_otherwise() {
+        assert_eq!(xdp_job(&job(""), 1500).frag_elems, 362);
+        assert_eq!(xdp_job(&job(""), 9000).frag_elems, 2237);
+        assert_eq!(xdp_job(&job("frag_elems = 100\n"), 1500).frag_elems, 100);
+    }
+
+    #[test]
+    fn the_fast_granule_is_the_fragment_size_where_a_fast_slot_holds_it() {
+        let granule = |frag_elems| xdp::fast_granule(frag_elems);
+        assert_eq!(granule(362), 362);
+        assert_eq!(granule(1), 1);
+        assert_eq!(granule(abi::FAST_ELEMS), abi::FAST_ELEMS as u16);
+        for unknown_or_too_large in [0, abi::FAST_ELEMS + 1, 2242, abi::MAX_ELEMS] {
+            assert_eq!(granule(unknown_or_too_large), abi::FAST_GRANULE as u16, "{unknown_or_too_large}");
+        }
+        assert_eq!(xdp_job(&job(""), 1500).validate().expect("valid").fast_granule, 362);
+    }
 }
 
 #[cfg(test)]

@@ -201,9 +201,11 @@ impl Attachment {
                 );
             }
         }
+        let iface_mtu = crate::netif::interface_mtu(&self.record.iface)
+            .map_err(|e| anyhow!("reading the MTU of {}: {e}; nothing was changed", self.record.iface))?;
         for id in summary.added.iter().chain(&summary.changed) {
             let job = new.job(*id).expect("diff names jobs of the new config");
-            xdp_job(job).validate().map_err(|e| anyhow!("{e}; nothing was changed"))?;
+            xdp_job(job, iface_mtu).validate().map_err(|e| anyhow!("{e}; nothing was changed"))?;
         }
         let node_addrs = crate::netif::interface_ipv4(&self.record.iface)
             .map_err(|e| anyhow!("reading the addresses of {}: {e}; nothing was changed", self.record.iface))?;
@@ -228,7 +230,7 @@ impl Attachment {
         }
         for id in summary.added.iter().chain(&summary.changed) {
             let job = new.job(*id).expect("diff names jobs of the new config");
-            self.xdp.set_job(*id, &xdp_job(job)).map_err(|e| anyhow!("job {id}: {e}"))?;
+            self.xdp.set_job(*id, &xdp_job(job, iface_mtu)).map_err(|e| anyhow!("job {id}: {e}"))?;
         }
         if let Some(plane) = &self.tc {
             let touched = Config {

@@ -346,7 +346,7 @@ pub struct Job {
     pub fast_base: u16,
     pub fast_slots: u16,
     pub id: u16,
-    pub pad: u16,
+    pub fast_granule: u16,
     pub fast_stride: u32,
 }
 const _: () = assert!(core::mem::size_of::<Job>() == 40);
@@ -422,7 +422,9 @@ pub const FAST_JOB_SLOTS: u32 = 4096;
 /// Largest `count` a fast slot holds (`AGGBOX_FAST_ELEMS`); larger
 /// contributions use the hash-map slots.
 pub const FAST_ELEMS: u32 = 384;
-/// Elements of a round that share one fast-slot index (`AGGBOX_FAST_GRANULE`).
+/// Elements of a round that share one fast-slot index when the job's
+/// fragment size is unknown or larger than [`FAST_ELEMS`]
+/// (`AGGBOX_FAST_GRANULE`; a job's own is `Job::fast_granule`).
 pub const FAST_GRANULE: u32 = 256;
 /// `enum aggbox_fast_stat`: index of the `fast_stats` map.
 pub const FAST_JOINED: u32 = 0;
@@ -737,7 +739,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_position_hdr", PositionHdr, [magic, job, rank, nonce, round, agg_seq, flags, pad]);
     fields!(out, "aggbox_stat", Stat, [packets, bytes]);
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
-    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots, id, pad, fast_stride]);
+    fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots, id, fast_granule, fast_stride]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
     fields!(out, "aggbox_rank", Rank, [addr, weight]);
     fields!(out, "aggbox_port_key", PortKey, [port, pad]);

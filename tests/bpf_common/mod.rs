@@ -274,6 +274,7 @@ pub fn job_from_vector(job: &serde_json::Value) -> XdpJob {
         flags: 0,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     }
 }
 
@@ -332,6 +333,7 @@ pub fn reduce_job(workers: u16, weights: Vec<i32>) -> XdpJob {
         flags: 0,
         result_group: None,
         window: 0,
+        frag_elems: 0,
     }
 }
 
