@@ -125,14 +125,45 @@ pub fn broadcast<C: Collective>(comms: &[&C], len: usize, root: Participant) {
 }
 
 /// Loopback addresses for a job of `workers`: the aggregator's port and the
-/// workers' socket addresses, on ports the kernel just handed out (bound,
-/// then released for the communicators to bind).
+/// workers' socket addresses, each port free when handed out and never
+/// handed out twice in this process.
+///
+/// Why not ports the kernel picks (bind to 0, release): released ports go
+/// back to the ephemeral range, where the next `loopback_job_addrs` or any
+/// socket of a test running beside this one can be given the same port
+/// before the communicator binds it (`AddrInUse`). These ports come from
+/// below the ephemeral range, which the kernel never hands out by itself,
+/// through one counter for the whole test binary.
 pub fn loopback_job_addrs(workers: usize) -> (u16, Vec<SocketAddrV4>) {
     let lo = Ipv4Addr::LOCALHOST;
-    let socks: Vec<UdpSocket> = (0..=workers)
-        .map(|_| UdpSocket::bind((lo, 0)).unwrap())
-        .collect();
-    let ports: Vec<u16> = socks.iter().map(|s| s.local_addr().unwrap().port()).collect();
+    let ports: Vec<u16> = (0..=workers).map(|_| free_loopback_port()).collect();
     let peers = ports[1..].iter().map(|&p| SocketAddrV4::new(lo, p)).collect();
     (ports[0], peers)
+}
+
+/// A loopback UDP port below the kernel's ephemeral range that no earlier
+/// call in this process returned and that nothing holds right now.
+pub fn free_loopback_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::OnceLock;
+    static RANGE: OnceLock<(u32, u32)> = OnceLock::new();
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let &(first, span) = RANGE.get_or_init(|| {
+        let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()))
+            .unwrap_or(32768);
+        assert!(ephemeral_low > 11024, "ip_local_port_range starts at {ephemeral_low}: no room below it for test ports");
+        (10000, ephemeral_low - 10000)
+    });
+    // Start where this process's pid points, so that two test binaries run
+    // at once (e.g. by hand) are unlikely to probe the same ports.
+    let start = std::process::id() % span;
+    for _ in 0..span {
+        let port = (first + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span) as u16;
+        if UdpSocket::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback UDP port in {first}..{}", first + span);
 }
