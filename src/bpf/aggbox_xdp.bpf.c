@@ -1836,7 +1836,7 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->fast_base = job->fast_base;
 	s->fast_slots = job->fast_slots;
 	s->fast_stride = job->fast_stride;
-	s->fast_granule = job->fast_granule ? job->fast_granule : AGGBOX_FAST_GRANULE;
+	s->fast_granule = job->fast_granule; /* >= 1: kernel::xdp::fast_granule */
 	s->has_parent = !!(job->flags & AGGBOX_JOB_F_HAS_PARENT);
 	return AGGBOX_OUTCOME_ACCEPTED;
 }
@@ -1891,6 +1891,42 @@ CHAIN_PROGRAMS(aggbox_ring, ring_stage)
  * (reason in s->handoff); never counted under this value. */
 #define AGGBOX_HANDOFF_CODE 101
 
+#define SLOT_CREATOR_CPU_SHIFT 22
+#define SLOT_CREATOR_SEQ ((1u << SLOT_CREATOR_CPU_SHIFT) - 1)
+
+/*
+ * Take back the header slot_create just published for s->key (tag
+ * `creator`) because the fragment completed meanwhile. Returns 1 when this
+ * call removed it (the caller gives its reservation and blocks back), 0
+ * when someone else did: a completion (every contribution joined it) or an
+ * aggbox_reclaim, which give them back themselves.
+ *
+ * Why not a plain delete by key: after a reclaim released our header,
+ * another late creator of the same key can publish its own; a delete by
+ * key would remove that one, and our blocks (already given back by the
+ * reclaim) would be given back twice while its blocks leaked. So the header
+ * is ours only if it carries our tag; it is poisoned under its lock as
+ * slot_release() does (no contributor can complete it, no release takes
+ * it), which leaves this call the only one that can delete it.
+ */
+static __always_inline int slot_undo(struct aggbox_scratch *s, __u32 creator)
+{
+	struct aggbox_slot *slot = bpf_map_lookup_elem(&slots, &s->key);
+	int mine = 0;
+
+	if (!slot)
+		return 0;
+	bpf_spin_lock(&slot->lock);
+	if (slot->b.creator == creator && slot->b.key.round == s->key.round &&
+	    slot->b.done < slot->b.workers) {
+		slot->b.workers = 0xffff;
+		slot->b.key.round = ~s->key.round;
+		mine = 1;
+	}
+	bpf_spin_unlock(&slot->lock);
+	return mine && !bpf_map_delete_elem(&slots, &s->key);
+}
+
 /*
  * Create the slot of s->key. `reserved`: the caller already holds one
  * job_state.active_slots reservation for it (else one is taken here, past
@@ -1931,6 +1967,9 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	init->slot.b.op = s->op;
 	init->slot.b.count = s->count;
 	init->slot.b.weight_sum = s->weight_sum;
+	/* The template is per CPU: its last tag counts this CPU's creations. */
+	init->slot.b.creator = ((init->slot.b.creator + 1) & SLOT_CREATOR_SEQ) |
+			       (bpf_get_smp_processor_id() << SLOT_CREATOR_CPU_SHIFT);
 	err = bpf_map_update_elem(&slots, &s->key, &init->slot, BPF_NOEXIST);
 	if (err) {
 		/* Lost the race to another CPU (-EEXIST: its header and blocks
@@ -1945,10 +1984,7 @@ static __always_inline int slot_create(struct aggbox_scratch *s, struct aggbox_j
 	 * fragment completed between our lookups and this insert, undo it.
 	 */
 	if (bpf_map_lookup_elem(&completed, &s->key)) {
-		/* Give the reservation and blocks back only if our delete
-		 * removed the header: a completion or aggbox_reclaim that
-		 * deleted it gave them back. */
-		if (!bpf_map_delete_elem(&slots, &s->key)) {
+		if (slot_undo(s, init->slot.b.creator)) {
 			__sync_fetch_and_sub(&js->active_slots, 1);
 			blocks_give(init->slot.b.block, nb, linear);
 		}

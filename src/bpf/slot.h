@@ -32,6 +32,10 @@ struct aggbox_slot_body {
 	__u16 count;                /* count of the first contribution */
 	__u16 pad;
 	__u32 weight_sum;           /* AVG divisor, from the job at creation */
+	__u32 creator;              /* this header's creation (slot_create): CPU
+				     * and that CPU's count of creations; tells a
+				     * creator's own header from a later one of
+				     * the same key */
 	__u32 bitmap[AGGBOX_BITMAP_WORDS];   /* bit r: rank r has contributed */
 	__u16 block[AGGBOX_MAX_CHUNKS];      /* chunk i -> index in `blocks`; set at
 					      * creation, never changed after */
