@@ -352,6 +352,23 @@ impl Harness {
             static_neigh: true,
             ..Default::default()
         })?;
+        // A queue in front of the aggregator's port. With an XDP program on
+        // host 0's veth, the switch hands it frames through a 256-entry ring
+        // (NAPI mode) instead of the 1000-entry backlog a socket receiver
+        // gets; with the port's default noqueue a burst of the senders'
+        // sendmmsg batches overflowed that ring and the frame was dropped
+        // (the port's TX `dropped`), so every XDP mode lost a few datagrams
+        // per run that the plain aggregator did not, each a 50 ms stall and
+        // a resend. With a qdisc the veth stops its queue when the ring is
+        // full (backpressure, kernels from 6.16) and the frame waits there.
+        let port = tb.switch_port(0);
+        let qdisc = std::process::Command::new("ip")
+            .args(["netns", "exec", &tb.switch_netns(), "tc", "qdisc", "replace", "dev", &port, "root", "pfifo", "limit", "10000"])
+            .output()
+            .context("running tc")?;
+        if !qdisc.status.success() {
+            bail!("tc qdisc on the aggregator's switch port {port}: {}", String::from_utf8_lossy(&qdisc.stderr).trim());
+        }
         let agg = tb.host(0).addr;
         let mut socks = Vec::new();
         for r in 0..senders {
