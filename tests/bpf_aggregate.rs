@@ -627,3 +627,40 @@ fn result_seq_is_the_completing_contributions_unless_results_go_upstream() {
         }
     }
 }
+
+/// `XdpPlane::reset` is what lets the BPF tests share loaded planes
+/// (`bpf_common::load`): whatever a test leaves behind, the next one must
+/// start from the state of a fresh load.
+#[test]
+fn a_reset_plane_is_in_the_state_of_a_fresh_load() {
+    require_root();
+    let dp = XdpPlane::load().expect("load");
+    dp.set_job(JOB, &job(2, 0)).unwrap();
+    // Round 5 left open (a slot holding rank 0's 1), round 6 completed, the
+    // chain's RESULT stage taken out.
+    assert_eq!(send(&dp, &contrib(0, 5, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send(&dp, &contrib(0, 6, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send(&dp, &contrib(1, 6, 0, vec![2])).1, one("result"));
+    dp.unset_tail_call(abi::CALL_RESULT).unwrap();
+    assert!(dp.slots_in_use() + dp.fast_slots_in_use() > 0, "round 5 holds a slot");
+    assert!(dp.stats().unwrap().total_packets() > 0);
+
+    dp.reset().unwrap();
+    assert!(dp.jobs().unwrap().is_empty(), "no job survives");
+    assert!(dp.job_state(JOB).unwrap().is_none());
+    assert_eq!(dp.stats().unwrap().total_packets(), 0, "counters zeroed");
+    assert_eq!(dp.slots_in_use(), 0);
+    assert_eq!(dp.fast_slots_in_use(), 0);
+    assert_eq!(dp.slot_owners_in_use(), 0);
+    assert_eq!(dp.blocks_in_use().unwrap(), 0);
+
+    // Configured again, round 5 starts empty (rank 1 alone does not complete
+    // it), completes with the RESULT stage back in place, and round 6 is no
+    // longer marked completed.
+    dp.set_job(JOB, &job(2, 0)).unwrap();
+    assert_eq!(send(&dp, &contrib(1, 5, 0, vec![10])).1, one("accepted"));
+    let (verdict, deltas, out) = send(&dp, &contrib(0, 5, 0, vec![20]));
+    assert_eq!((verdict, deltas), (XDP_PASS, one("result")));
+    assert_eq!(out[PAYLOAD_OFF + 24..], 30i32.to_be_bytes());
+    assert_eq!(send(&dp, &contrib(0, 6, 0, vec![1])).1, one("accepted"));
+}

@@ -10,17 +10,13 @@
 mod bpf_common;
 
 use aggbox::wire::abi::{self, Op};
-use aggbox::kernel::xdp::{Chain, XdpPlane};
+use aggbox::kernel::xdp::Chain;
 use aggbox::node::tools::pattern_vector;
 use aggbox::wire::proto::elements_per_datagram;
 use bpf_common::*;
 
-fn load_linear() -> XdpPlane {
-    require_root();
-    match XdpPlane::load_chain(Chain::Linear) {
-        Ok(dp) => dp,
-        Err(err) => panic!("loading the linear chain failed: {err:#?}"),
-    }
+fn load_linear() -> TestPlane {
+    load_chain(Chain::Linear)
 }
 
 #[test]
@@ -99,8 +95,7 @@ fn linear_chain_calls_only_helpers_of_5_15() {
     // What the loaded programs call (XdpPlane::helper_ids), checked
     // against the helper ids 5.15 has: the linear chain must load there.
     let linear = load_linear().helper_ids();
-    require_root();
-    let frags = XdpPlane::load_chain(Chain::Frags).unwrap().helper_ids();
+    let frags = load_chain(Chain::Frags).helper_ids();
     for (name, ids) in &linear {
         println!("{name}: helpers {ids:?}");
         let newer: Vec<u32> = ids.iter().copied().filter(|&id| id > LAST_HELPER_OF_5_15).collect();

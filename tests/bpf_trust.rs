@@ -18,7 +18,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
-use aggbox::kernel::xdp::{XdpPlane, XdpJob};
+use aggbox::kernel::xdp::XdpJob;
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -47,7 +47,7 @@ fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
     }
 }
 
-fn setup() -> XdpPlane {
+fn setup() -> TestPlane {
     let dp = load();
     dp.set_job(A, &job(A, JOB_PORT, RESULT_PORT)).expect("job A");
     dp.set_job(B, &job(B, PORT_B, RESULT_PORT_B)).expect("job B");

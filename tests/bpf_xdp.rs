@@ -9,7 +9,7 @@ mod bpf_common;
 use std::net::Ipv4Addr;
 
 use aggbox::wire::abi::{self, DropReason, Outcome};
-use aggbox::kernel::xdp::{XdpPlane, XdpJob};
+use aggbox::kernel::xdp::XdpJob;
 use bpf_common::*;
 
 /// Which phase of the dataplane this build implements: 1 = validate and pass,
@@ -49,7 +49,7 @@ fn test_job() -> XdpJob {
     }
 }
 
-fn setup() -> XdpPlane {
+fn setup() -> TestPlane {
     let dp = load();
     dp.set_job(JOB, &test_job()).expect("set_job");
     let mut us = test_job();

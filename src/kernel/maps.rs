@@ -228,3 +228,89 @@ pub fn pin_object_maps(object: &Object, dir: &Path) -> Result<(), PinError> {
     }
     Ok(())
 }
+
+/// Why [`reset_object_maps`] could not return a map to its state at load.
+#[derive(Debug, thiserror::Error)]
+#[error("resetting map `{map}`: {source}")]
+pub struct ResetError {
+    /// Name of the map.
+    pub map: String,
+    /// What libbpf answered.
+    #[source]
+    pub source: libbpf_rs::Error,
+}
+
+/// Array entries written per `BPF_MAP_UPDATE_BATCH` call: bounds the zeroed
+/// buffer (the largest arrays hold tens of MiB) without one syscall per entry.
+const RESET_BATCH: u32 = 1024;
+
+/// Return every map of `object` to its state right after load: hash and LRU
+/// maps emptied, arrays and per-CPU arrays zeroed, stacks and queues drained,
+/// program and XSK arrays cleared (their owner refills the program arrays).
+/// `.rodata` and `.kconfig` are frozen and left alone; a writable global
+/// section (`.bss`, `.data`) has initial values this cannot know, so an
+/// object with one is refused, as is a map type not listed here.
+pub fn reset_object_maps(object: &Object) -> Result<(), ResetError> {
+    use libbpf_rs::MapType;
+    for map in object.maps() {
+        let name = map.name().to_string_lossy().into_owned();
+        if name.contains(".rodata") || name.contains(".kconfig") {
+            continue;
+        }
+        let fail = |source| ResetError { map: name.clone(), source };
+        let unsupported = |what: &str| ResetError {
+            map: name.clone(),
+            source: libbpf_rs::Error::from(io::Error::new(io::ErrorKind::Unsupported, what.to_string())),
+        };
+        if name.starts_with('.') || name.contains(".bss") || name.contains(".data") {
+            return Err(unsupported("writable global section: its initial values are not known here"));
+        }
+        match map.map_type() {
+            MapType::Hash | MapType::LruHash | MapType::PercpuHash | MapType::LruPercpuHash => {
+                let keys: Vec<Vec<u8>> = map.keys().collect();
+                for key in keys {
+                    delete_if_present(&map, &key).map_err(fail)?;
+                }
+            }
+            MapType::Array => {
+                let (key_size, value_size) = (map.key_size() as usize, map.value_size() as usize);
+                if key_size != 4 {
+                    return Err(unsupported("array with a key that is not 4 bytes"));
+                }
+                let entries = map.max_entries();
+                let zeros = vec![0u8; value_size * RESET_BATCH as usize];
+                let mut first = 0;
+                while first < entries {
+                    let count = RESET_BATCH.min(entries - first);
+                    let keys: Vec<u8> = (first..first + count).flat_map(u32::to_ne_bytes).collect();
+                    map.update_batch(&keys, &zeros[..value_size * count as usize], count, MapFlags::ANY, MapFlags::ANY)
+                        .map_err(fail)?;
+                    first += count;
+                }
+            }
+            MapType::PercpuArray => {
+                let ncpu = libbpf_rs::num_possible_cpus().map_err(fail)?;
+                let zero = vec![vec![0u8; map.value_size() as usize]; ncpu];
+                for index in 0..map.max_entries() {
+                    map.update_percpu(&index.to_ne_bytes(), &zero, MapFlags::ANY).map_err(fail)?;
+                }
+            }
+            MapType::Stack | MapType::Queue => while map.lookup_and_delete(&[]).map_err(fail)?.is_some() {},
+            MapType::ProgArray | MapType::Xskmap => {
+                for index in 0..map.max_entries() {
+                    delete_if_present(&map, &index.to_ne_bytes()).map_err(fail)?;
+                }
+            }
+            other => return Err(unsupported(&format!("map type {other:?}: no reset known"))),
+        }
+    }
+    Ok(())
+}
+
+/// Delete `key`, which may already be gone (an LRU eviction, an empty index).
+fn delete_if_present(map: &impl MapCore, key: &[u8]) -> libbpf_rs::Result<()> {
+    match map.delete(key) {
+        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}

@@ -95,6 +95,9 @@ pub enum XdpError {
     /// Pinning failed.
     #[error(transparent)]
     Pin(#[from] maps::PinError),
+    /// [`XdpPlane::reset`] could not return a map to its state at load.
+    #[error(transparent)]
+    Reset(#[from] maps::ResetError),
 }
 
 /// Result type of this module.
@@ -499,6 +502,20 @@ impl XdpPlane {
         dataplane.fill_prog_arrays()?;
         dataplane.fill_block_pool()?;
         Ok(dataplane)
+    }
+
+    /// Return the plane to its state right after load (no jobs, rings or
+    /// slots, zero counters, a full block pool, the chain's tail calls in
+    /// place) without verifying the programs again: a load costs the
+    /// verifier's seconds, about a minute under emulation (docs/MATRIX.md),
+    /// and the BPF tests reuse loaded planes through this
+    /// (`tests/bpf_common`). Nothing may run the programs meanwhile: the
+    /// plane must not be attached.
+    pub fn reset(&self) -> Result<()> {
+        use libbpf_rs::skel::Skel;
+        maps::reset_object_maps(self.skel.object())?;
+        self.fill_prog_arrays()?;
+        self.fill_block_pool()
     }
 
     /// Put every index of the `blocks` array into the `free_blocks` stack

@@ -1,12 +1,13 @@
 //! Shared helpers of the BPF_PROG_TEST_RUN tests (`tests/bpf_*.rs`): a packet
-//! builder (Ethernet / IPv4 / UDP / AGG1), the root check and the spec
-//! vectors loader.
+//! builder (Ethernet / IPv4 / UDP / AGG1), the root check, the spec
+//! vectors loader and the loaded planes the tests share (`load`).
 #![allow(dead_code)]
 
 use std::net::Ipv4Addr;
+use std::sync::Mutex;
 
+use aggbox::kernel::xdp::{Chain, XdpJob, XdpPlane};
 use aggbox::wire::abi::{self, DropReason, Op};
-use aggbox::kernel::xdp::{XdpPlane, XdpJob};
 
 /// XDP verdicts (uapi `enum xdp_action`).
 pub const XDP_DROP: u32 = 1;
@@ -33,11 +34,62 @@ pub fn require_root() {
     );
 }
 
-/// Load a fresh dataplane or fail with the verifier's message.
-pub fn load() -> XdpPlane {
+/// Loaded planes of this test binary that no test holds. A load spends
+/// about 2 s in the verifier here and about a minute under the matrix's
+/// emulation; a test takes an idle plane, reset to its state at load
+/// (`XdpPlane::reset`), and only loads when none is idle, so a binary loads
+/// about as many planes as tests run at once.
+static IDLE_PLANES: Mutex<Vec<XdpPlane>> = Mutex::new(Vec::new());
+
+/// One test's dataplane, in the state of a fresh load; it goes back to the
+/// idle planes when the test is done with it, unless the test failed (a
+/// failed test may leave it in any state, even attached).
+pub struct TestPlane(Option<XdpPlane>);
+
+impl std::ops::Deref for TestPlane {
+    type Target = XdpPlane;
+    fn deref(&self) -> &XdpPlane {
+        self.0.as_ref().expect("the plane is held until drop")
+    }
+}
+
+impl Drop for TestPlane {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        if let Some(dp) = self.0.take() {
+            IDLE_PLANES.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(dp);
+        }
+    }
+}
+
+/// A dataplane of the chain `XdpPlane::load` picks, in the state of a fresh
+/// load, or fail with the verifier's message.
+pub fn load() -> TestPlane {
+    match Chain::detect() {
+        Ok(chain) => load_chain(chain),
+        Err(err) => panic!("choosing the XDP chain: {err}"),
+    }
+}
+
+/// A dataplane of `chain` in the state of a fresh load: an idle one reset,
+/// or a new load (failing with the verifier's message).
+pub fn load_chain(chain: Chain) -> TestPlane {
     require_root();
-    match XdpPlane::load() {
-        Ok(dp) => dp,
+    let idle = {
+        let mut idle = IDLE_PLANES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let found = idle.iter().position(|dp| dp.chain() == chain);
+        found.map(|index| idle.swap_remove(index))
+    };
+    if let Some(dp) = idle {
+        if let Err(err) = dp.reset() {
+            panic!("resetting a loaded XDP plane failed: {err:#}");
+        }
+        return TestPlane(Some(dp));
+    }
+    match XdpPlane::load_chain(chain) {
+        Ok(dp) => TestPlane(Some(dp)),
         Err(err) => panic!("loading the XDP program failed: {err:#?}"),
     }
 }
