@@ -283,7 +283,7 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
 
     // `aggbox status --watch`: rates per second while a second reduction
     // (round 2 of both ranks) goes through.
-    let watch = Command::new("ip")
+    let mut watch = Command::new("ip")
         .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_aggbox"), "status", "eth0", "--watch", "0.5", "--pin-root"])
         .arg(&attach.pin_root)
         .stdout(Stdio::piped())
@@ -299,7 +299,19 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
         .unwrap();
     }
     std::thread::sleep(Duration::from_millis(1500));
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(watch.id() as i32), nix::sys::signal::Signal::SIGINT);
+    // SIGTERM, not SIGINT: the watch keeps the default dispositions, and a
+    // test run started in the background of a non-interactive shell
+    // inherits SIGINT ignored. A watch that outlives its signal fails the
+    // test instead of hanging it.
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(watch.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while watch.try_wait().expect("watch status").is_none() {
+        if Instant::now() > deadline {
+            let _ = watch.kill();
+            panic!("aggbox status --watch did not exit within 10 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let watched = watch.wait_with_output().expect("watch output");
     let watched = String::from_utf8_lossy(&watched.stdout);
     let moved: f64 = watched
