@@ -215,42 +215,15 @@ struct {
  * bound). */
 #define ring_barrier_var(var) asm volatile("" : "+r"(var))
 
-/* Elements of one step of a chunk's main loop: one bound check of this
- * member's index per step instead of one per element. */
-#define RING_CHUNK_STEP 8
-
-/* Element `i` of the scratch chunk with this member's element `k`: stored
- * (STORE), or combined (and, COMPLETE, finished and stored over it). */
-#define RING_CHUNK_ELEM(OP, COMPLETE, STORE, i, k)                                              \
-	do {                                                                                   \
-		if (STORE) {                                                                   \
-			mine[k] = (__s32)bpf_ntohl(sc->buf[i]);                                \
-		} else {                                                                       \
-			v = ring_combine(OP, (__s32)bpf_ntohl(sc->buf[i]), mine[k], w, &saturated); \
-			if (COMPLETE) {                                                        \
-				if (OP == AGGBOX_OP_AVG)                                       \
-					v = ring_avg(v, ws);                                   \
-				mine[k] = (__s32)v;                                            \
-			}                                                                      \
-			sc->buf[i] = bpf_htonl((__u32)v);                                      \
-		}                                                                              \
-	} while (0)
-
-/* MODE: 0..4 add (op), 5..9 complete (op - 5), 10 store. The main loop
- * takes RING_CHUNK_STEP elements a step, checking once that the step's last
- * index of this member's fragment is in bounds (`k <= kmax`: the verifier
- * keeps the bound on the register compared, and `kmax` is a load-time
- * constant, so the step's other indices are bounded by it too); the rest of
- * the chunk goes one element at a time. */
+/* MODE: 0..4 add (op), 5..9 complete (op - 5), 10 store. */
 #define RING_CHUNK_FN(name, OP, COMPLETE, STORE)                                               \
 	__noinline int name(struct xdp_md *ctx, __u32 off, __u32 start_n, __u32 key, __u32 ridx)  \
 	{                                                                                      \
-		__u32 zero = 0, start = start_n >> 16, n = start_n & 0xffff, i = 0, j, k, kmax, \
-		      saturated = 0, ws;                                                       \
+		__u32 zero = 0, start = start_n >> 16, n = start_n & 0xffff, i, k, saturated = 0; \
 		__s32 *mine = bpf_map_lookup_elem(&ring_data, &key);                           \
 		struct aggbox_ring_job *rj = bpf_map_lookup_elem(&ring_jobs, &ridx);           \
 		struct ring_scratch *sc = bpf_map_lookup_elem(&ring_scratch, &zero);           \
-		__s64 v, w;                                                                    \
+		__s64 v;                                                                       \
                                                                                                \
 		if (!mine || !rj || !sc || n > RING_CHUNK_ELEMS || off > 256)                  \
 			return -1;                                                             \
@@ -261,31 +234,27 @@ struct {
 		n = ((n - 1) & (RING_CHUNK_ELEMS - 1)) + 1;                                    \
 		/* and keep the loop's own bound (i < 128) for the verifier */           \
 		ring_barrier_var(n);                                                           \
-		w = rj->weight;                                                                \
-		ws = rj->weight_sum;                                                           \
 		if (bpf_xdp_load_bytes(ctx, off + start * 4, sc->buf, n * 4))                  \
 			return -1;                                                             \
-		if (ring_frag_elems >= RING_CHUNK_STEP) {                                      \
-			kmax = ring_frag_elems - RING_CHUNK_STEP;                              \
-			for (i = 0; i < RING_CHUNK_ELEMS; i += RING_CHUNK_STEP) {              \
-				if (i + RING_CHUNK_STEP > n)                                   \
-					break;                                                 \
-				k = start + i;                                                 \
-				ring_barrier_var(k);                                           \
-				if (k > kmax)                                                  \
-					break;                                                 \
-				_Pragma("unroll") for (j = 0; j < RING_CHUNK_STEP; j++)        \
-					RING_CHUNK_ELEM(OP, COMPLETE, STORE, i + j, k + j);    \
-			}                                                                      \
-		}                                                                              \
-		for (; i < RING_CHUNK_ELEMS; i++) {                                            \
+		for (i = 0; i < RING_CHUNK_ELEMS; i++) {                                       \
 			if (i >= n)                                                            \
 				break;                                                         \
 			k = start + i;                                                         \
 			ring_barrier_var(k);                                                   \
 			if (k >= ring_frag_elems)                                              \
 				break;                                                         \
-			RING_CHUNK_ELEM(OP, COMPLETE, STORE, i, k);                            \
+			if (STORE) {                                                           \
+				mine[k] = (__s32)bpf_ntohl(sc->buf[i]);                        \
+				continue;                                                      \
+			}                                                                      \
+			v = ring_combine(OP, (__s32)bpf_ntohl(sc->buf[i]), mine[k], rj->weight, \
+					 &saturated);                                          \
+			if (COMPLETE) {                                                        \
+				if (OP == AGGBOX_OP_AVG)                                       \
+					v = ring_avg(v, rj->weight_sum);                       \
+				mine[k] = (__s32)v;                                            \
+			}                                                                      \
+			sc->buf[i] = bpf_htonl((__u32)v);                                      \
 		}                                                                              \
 		if (!STORE && bpf_xdp_store_bytes(ctx, off + start * 4, sc->buf, n * 4))       \
 			return -1;                                                             \
