@@ -307,8 +307,9 @@ pub fn reset_object_maps(object: &Object) -> Result<(), ResetError> {
     Ok(())
 }
 
-/// Delete `key`, which may already be gone (an LRU eviction, an empty index).
-fn delete_if_present(map: &impl MapCore, key: &[u8]) -> libbpf_rs::Result<()> {
+/// Delete `key`, which may already be gone (an LRU eviction, an empty
+/// index, a job's entry removed before): the one rule for every map owner.
+pub fn delete_if_present(map: &impl MapCore, key: &[u8]) -> libbpf_rs::Result<()> {
     match map.delete(key) {
         Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
         other => other,

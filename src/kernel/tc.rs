@@ -1125,11 +1125,7 @@ fn to_io(e: libbpf_rs::Error) -> std::io::Error {
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
-    match map.delete(key) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(TcError::Map { map: name, source }),
-    }
+    maps::delete_if_present(map, key).map_err(|source| TcError::Map { map: name, source })
 }
 
 // ---------------------------------------------------------------------------

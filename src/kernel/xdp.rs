@@ -1944,11 +1944,7 @@ fn update_array<V: plain::Plain>(map: &impl MapCore, name: &'static str, index: 
 }
 
 fn delete_ignore_missing<M: MapCore>(map: &M, name: &'static str, key: &[u8]) -> Result<()> {
-    match map.delete(key) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(XdpError::Map { map: name, source }),
-    }
+    maps::delete_if_present(map, key).map_err(|source| XdpError::Map { map: name, source })
 }
 
 // Pinning of the object's maps, used by `node::attach` so that `aggbox status`
