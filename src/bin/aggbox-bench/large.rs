@@ -1090,7 +1090,12 @@ fn end_phase(
 }
 
 /// `calls` ring allreduces of `n` elements (call 0 = warm-up) on every
-/// member at once, every result checked (as [`runtime_calls`]).
+/// member at once, every result checked (as [`runtime_calls`]). An int32
+/// call is the ring's zero-copy call: the input is written into the ring's
+/// memory (`buffer_mut`) before the call and the result read from it after
+/// (`allreduce_in_place`), as an application that keeps its vector there
+/// does, and as Gloo reduces its tensor in place; a float call quantizes
+/// from and into the caller's buffer (`allreduce_f32`).
 fn ring_calls(
     comms: &mut [aggbox::runtime::RingCommunicator],
     n: usize,
@@ -1106,18 +1111,25 @@ fn ring_calls(
             .enumerate()
             .map(|(r, c)| {
                 s.spawn(move || -> Result<Vec<(Instant, Instant)>> {
-                    let mut buf = vec![0i32; n];
+                    if c.len() != n {
+                        bail!("ring member {r}: the ring's vector has {} elements, the call {n}", c.len());
+                    }
+                    let mut buf = vec![0i32; if dtype == Dtype::F32 { n } else { 0 }];
                     let mut fbuf = vec![0f32; if dtype == Dtype::F32 { n } else { 0 }];
                     let mut out = Vec::with_capacity(calls);
                     for k in 0..calls {
-                        fill_input(&mut buf, r, k);
-                        fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
+                        if dtype == Dtype::F32 {
+                            fill_input(&mut buf, r, k);
+                            fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
+                        } else {
+                            fill_input(c.buffer_mut(), r, k);
+                        }
                         if !gate.wait() {
                             bail!("ring member {r}: stopped before call {k}: another participant failed");
                         }
                         let t0 = Instant::now();
                         let res = match dtype {
-                            Dtype::I32 => c.allreduce_i32(&mut buf, Op::Sum).map(|_| ()),
+                            Dtype::I32 => c.allreduce_in_place(Op::Sum).map(|_| ()),
                             Dtype::F32 => c.allreduce_f32(&mut fbuf, false),
                         };
                         let t1 = Instant::now();
@@ -1125,7 +1137,8 @@ fn ring_calls(
                             gate.abort();
                             bail!("ring member {r}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
                         }
-                        if let Err(e) = check_result(&format!("ring member {r}"), &mut buf, &fbuf, base, k, dtype) {
+                        let result = if dtype == Dtype::F32 { &mut buf[..] } else { c.buffer_mut() };
+                        if let Err(e) = check_result(&format!("ring member {r}"), result, &fbuf, base, k, dtype) {
                             gate.abort();
                             return Err(e);
                         }
