@@ -78,6 +78,8 @@ struct Frame {
     frag: u16,
     payload: Vec<u8>,
     udp_csum: bool,
+    /// An 802.1Q tag (TCI) between the MACs and the IPv4 ethertype.
+    vlan: Option<u16>,
 }
 
 impl Frame {
@@ -85,6 +87,10 @@ impl Frame {
         let mut f = Vec::new();
         f.extend_from_slice(&self.dmac);
         f.extend_from_slice(&self.smac);
+        if let Some(tci) = self.vlan {
+            f.extend_from_slice(&0x8100u16.to_be_bytes());
+            f.extend_from_slice(&tci.to_be_bytes());
+        }
         f.extend_from_slice(&0x0800u16.to_be_bytes());
         let tot = (20 + 8 + self.payload.len()) as u16;
         let mut ip = vec![0x45, 0];
@@ -204,6 +210,7 @@ impl Fixture {
             frag: 0x4000,
             payload,
             udp_csum: true,
+            vlan: None,
         }
     }
 
@@ -267,6 +274,59 @@ fn egress_rewrites_the_copy_for_one_destination() {
     let gs = fx.plane.group_stats(GROUP, 0).expect("gstats").expect("exists");
     assert_eq!(gs.datagrams, 16);
     assert_eq!(gs.copies, 16);
+}
+
+/// The common copy (next hop cached, the member's port the datagram's):
+/// Ethernet header, VLAN tag and the IPv4 header's first 20 bytes are
+/// written back in one store, so everything else in them must come back
+/// as it was, with or without a VLAN tag and a UDP checksum.
+#[test]
+fn egress_common_copy_rewrites_addresses_and_checksums_behind_a_vlan_tag_too() {
+    let fx = Fixture::new();
+    fx.plane.set_group(GROUP, &[fx.h1]).expect("set_group");
+    for vlan in [None, Some(0x2005u16)] {
+        for udp_csum in [true, false] {
+            for body in [0usize, 13, 1400] {
+                let payload = agb1(1, 9, GROUP, 0, 0, body);
+                let mut f = fx.frame(payload.clone());
+                f.dport = fx.h1.port();
+                f.dst = Ipv4Addr::new(10, 77, 0, 201);
+                f.dmac = [0x02, 0, 0, 0, 0, 0x98];
+                f.udp_csum = udp_csum;
+                f.vlan = vlan;
+                let sent = f.build();
+                let run = fx.run(TcProgram::Egress, &sent, 0);
+                assert_eq!(run.verdict, TC_ACT_OK, "{vlan:?}: the original leaves as the copy");
+                assert_eq!(run.data.len(), sent.len(), "{vlan:?}: length unchanged");
+                // Without the tag the output reads as an untagged frame.
+                let untagged: Vec<u8> = match vlan {
+                    Some(tci) => {
+                        assert_eq!(run.data[12..16], [0x81, 0x00, (tci >> 8) as u8, tci as u8], "tag kept");
+                        [&run.data[..12], &run.data[16..]].concat()
+                    }
+                    None => run.data.clone(),
+                };
+                let ip_in = if vlan.is_some() { &sent[18..38] } else { &sent[14..34] };
+                let out = Out(&untagged);
+                assert_eq!(out.dmac(), fx.h1_mac, "{vlan:?}: next-hop MAC");
+                assert_eq!(out.smac(), fx.h0_mac);
+                assert_eq!(out.dst(), *fx.h1.ip(), "{vlan:?}: destination");
+                assert_eq!(out.src(), f.src, "source untouched");
+                assert_eq!(out.dport(), fx.h1.port());
+                assert_eq!(untagged[14..24], ip_in[..10], "{vlan:?}: IPv4 version..protocol untouched");
+                assert_eq!(out.payload(), &payload[..], "AGB1 header and payload unchanged");
+                out.check_checksums();
+                if udp_csum {
+                    assert_ne!(out.udp_csum(), 0);
+                } else {
+                    assert_eq!(out.udp_csum(), 0, "a disabled checksum stays disabled");
+                }
+            }
+        }
+    }
+    let st = fx.plane.stats().expect("stats");
+    assert_eq!(st.packets(BcastStat::CopySent), 12, "every datagram one copy");
+    assert_eq!(st.packets(BcastStat::RewriteFailed), 0);
 }
 
 #[test]
@@ -534,6 +594,7 @@ fn result_frame(fx: &Fixture, payload: Vec<u8>, udp_csum: bool) -> Frame {
         frag: 0x4000,
         payload,
         udp_csum,
+        vlan: None,
     }
 }
 
