@@ -468,7 +468,6 @@ _Static_assert(sizeof(struct copy_state) == 52, "struct copy_state has implicit 
 __noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 daddr,
 			 __be16 dport, int kind)
 {
-	__u8 zero_mac[6] = {};
 	struct bcast_nh nh = {};
 	struct rewrite_state *st;
 	__be32 local_addr;
@@ -515,7 +514,12 @@ __noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 da
 		__u32 lo_ifindex = cs->has_local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
 		__u64 lo_flags = BPF_F_INGRESS;
 
-		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : zero_mac, 6, 0))
+		/* nh.dmac is all-zero: nh_resolve() writes MACs for NH_OK only.
+		 * (Not a zeroed MAC of its own: 6.1 refuses a combined stack
+		 * over 512 bytes across a program, copy_to_member() and this
+		 * function, and aggbox_tc_ingress reaches exactly 512 with
+		 * this frame at 224 bytes.) */
+		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : nh.dmac, 6, 0))
 			goto rewrite_failed;
 		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);
 		mark = skb->mark;
@@ -540,7 +544,7 @@ __noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 da
 	} else {
 		/* the neighbour path writes the real MAC; never leave a
 		 * multicast one (bpf_redirect_neigh drops those) */
-		if (bpf_skb_store_bytes(skb, 0, zero_mac, 6, 0))
+		if (bpf_skb_store_bytes(skb, 0, nh.dmac, 6, 0))	/* all-zero (NH_NEIGH) */
 			goto rewrite_failed;
 	}
 
