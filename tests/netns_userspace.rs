@@ -456,7 +456,10 @@ fn send_sum_round(
 /// sender's, and the switch's port to the aggregator, whose drops are the
 /// aggregator's ring being full), the aggregator's RX drops (a failed
 /// redirect) and every AF_XDP socket's drops (RX ring full, fill ring
-/// empty, other).
+/// empty, other); and the contributions the XDP program dropped as
+/// `slot_busy` (a fast slot's holder was held up past the lock's bounded
+/// spin, e.g. its vCPU descheduled: dropped for its sender to resend, by
+/// design; seen twice in a fresh-clone `make test`).
 fn counted_packet_losses(bed: &Bed) -> u64 {
     let read = |netns: &str, dev: &str, counter: &str| -> u64 {
         let path = format!("/sys/class/net/{dev}/statistics/{counter}");
@@ -479,6 +482,7 @@ fn counted_packet_losses(bed: &Bed) -> u64 {
         + read(&switch, &bed.tb.switch_port(0), "tx_dropped")
         + read(&aggregator, "eth0", "rx_dropped")
         + xsk
+        + bed.dp.stats().expect("kernel stats").drop(DropReason::SlotBusy).packets
 }
 
 fn check(got: &Results, want: &BTreeMap<(u32, u32), Vec<u8>>, what: &str) {
@@ -564,7 +568,7 @@ fn tiny_slot_pool_overflows_to_userspace_exactly() {
         let refused_before = retransmissions(&bed);
         eprintln!(
             "under load: {} of {} fragments without a RESULT ({withheld_count} contributions withheld), \
-             {counted} packet(s) dropped in rings\nkernel {:?}\nhandoff {:?}\nuser space {:?}",
+             {counted} packet(s) dropped in rings or as slot_busy\nkernel {:?}\nhandoff {:?}\nuser space {:?}",
             missing.len(),
             want.len(),
             bed.dp.stats().unwrap(),
@@ -585,7 +589,7 @@ fn tiny_slot_pool_overflows_to_userspace_exactly() {
         assert!(lost >= missing.len() as u64, "a fragment without a RESULT lost a contribution");
         assert!(
             lost <= withheld_count + counted,
-            "{lost} contribution(s) lost: {withheld_count} withheld, only {counted} counted as dropped in a veth or AF_XDP ring"
+            "{lost} contribution(s) lost: {withheld_count} withheld, only {counted} counted as dropped in a veth or AF_XDP ring or as slot_busy"
         );
         lost
     };
