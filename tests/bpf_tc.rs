@@ -158,6 +158,16 @@ impl Out<'_> {
     fn payload(&self) -> &[u8] {
         &self.0[42..]
     }
+    /// Both checksums right, and the UDP checksum still on (`udp_csum`)
+    /// or still disabled.
+    fn check_checksums_kept(&self, udp_csum: bool) {
+        self.check_checksums();
+        if udp_csum {
+            assert_ne!(self.udp_csum(), 0);
+        } else {
+            assert_eq!(self.udp_csum(), 0, "a disabled checksum stays disabled");
+        }
+    }
     fn check_checksums(&self) {
         assert_eq!(fold(sum16(&self.0[14..34])), 0xffff, "IPv4 header checksum");
         if self.udp_csum() != 0 {
@@ -250,12 +260,7 @@ fn egress_rewrites_the_copy_for_one_destination() {
                 assert_eq!(out.dmac(), fx.h1_mac, "next-hop MAC from bpf_fib_lookup / cache");
                 assert_eq!(out.smac(), fx.h0_mac);
                 assert_eq!(out.payload(), &payload[..], "AGB1 header and payload unchanged");
-                out.check_checksums();
-                if udp_csum {
-                    assert_ne!(out.udp_csum(), 0);
-                } else {
-                    assert_eq!(out.udp_csum(), 0, "a disabled checksum stays disabled");
-                }
+                out.check_checksums_kept(udp_csum);
                 assert_eq!(fx.delta(&before, BcastStat::Broadcast), 1);
                 assert_eq!(fx.delta(&before, BcastStat::CopySent), 1);
                 assert_eq!(run.mark, 0);
@@ -315,12 +320,7 @@ fn egress_common_copy_rewrites_addresses_and_checksums_behind_a_vlan_tag_too() {
                 assert_eq!(out.dport(), fx.h1.port());
                 assert_eq!(untagged[14..24], ip_in[..10], "{vlan:?}: IPv4 version..protocol untouched");
                 assert_eq!(out.payload(), &payload[..], "AGB1 header and payload unchanged");
-                out.check_checksums();
-                if udp_csum {
-                    assert_ne!(out.udp_csum(), 0);
-                } else {
-                    assert_eq!(out.udp_csum(), 0, "a disabled checksum stays disabled");
-                }
+                out.check_checksums_kept(udp_csum);
             }
         }
     }
