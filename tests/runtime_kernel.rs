@@ -146,9 +146,28 @@ fn assert_lost_and_resent(label: &str, c: impair::Counts, retransmitted: u64) {
 #[path = "../src/testing/impair/mod.rs"]
 mod impair;
 
+/// Runs `f`; when it panics, prints the node's XDP outcome and drop
+/// counters and every communicator's statistics first (which datagrams the
+/// kernel refused, and why, is what a failed call's own error cannot say).
+fn with_node_counters<T>(bed: &Bed, what: &str, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(e) => {
+            let status = bed.attach.status();
+            eprintln!(
+                "{what} failed; XDP outcomes {:?}\nXDP drops {:?}\nhand-offs {:?}\nTC {:?}\ncommunicators {:?}",
+                status.outcomes, status.drops, status.handoffs, status.broadcast, bed.stats()
+            );
+            std::panic::resume_unwind(e)
+        }
+    }
+}
+
 fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {
     let before = bed.stats();
-    common_runtime::int_reduction(&bed.all(), WORKERS, op, len, all);
+    with_node_counters(bed, &format!("{op:?} of {len} (all {all})"), || {
+        common_runtime::int_reduction(&bed.all(), WORKERS, op, len, all)
+    });
     // Each participant that gets the result got each of its bytes once.
     for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
         if all || i == 0 {
@@ -159,7 +178,9 @@ fn reduce(bed: &Bed, op: Op, len: usize, all: bool) {
 
 fn broadcast(bed: &Bed, len: usize, root: Participant) {
     let before = bed.stats();
-    common_runtime::broadcast(&bed.all(), len, root);
+    with_node_counters(bed, &format!("broadcast of {len} from {root:?}"), || {
+        common_runtime::broadcast(&bed.all(), len, root)
+    });
     for (i, (a, b)) in bed.stats().iter().zip(before).enumerate() {
         let is_root = match root {
             Participant::Aggregator => i == 0,

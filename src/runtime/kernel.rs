@@ -18,10 +18,26 @@
 //! fragment that stays incomplete (one rank's contribution lost) is
 //! acknowledged to nobody, so every rank retransmits it after its timeout and
 //! the kernel deduplicates what it already has (per-rank bitmap in the slot).
-//! Because the runtime cannot see those retransmissions, the ACKs of a finished
-//! round are re-sent a few times (at 5, 10, 20, 40 ms) in case the last ones
-//! were lost. With allreduce, a worker also treats each result fragment it
-//! receives as the acknowledgement of its contribution to that fragment.
+//!
+//! Repeats (decision): PROTOCOL.md has a retransmitted contribution
+//! "acknowledged again", but the kernel drops a retransmission of a
+//! completed fragment without a word and the runtime never sees it. So the
+//! runtime repeats on its own what it acknowledged, as cumulative bitmaps of
+//! every fragment of the round it has the RESULT of (up to 1024 seqs each):
+//! - while the round waits: 10 ms after the last RESULT, then at doubling
+//!   intervals (at most 1 s apart, 12 times; a new RESULT starts over). A
+//!   worker whose ACK of an early fragment was lost (and, with a result
+//!   group, the TC copy of its RESULT too) keeps that contribution in its
+//!   send window; with the window full it cannot send the fragments the
+//!   round still lacks, and without a repeat the round waited for ever
+//!   (5 % loss: a few rounds in ten thousand);
+//! - after the round ended: 5 ms after it, then at doubling intervals as
+//!   above, for the workers still waiting for the last ACKs.
+//! Both stop after ~6 s without progress, within the default 10 s deadline,
+//! so a stalled job does not send ACKs for ever.
+//!
+//! With allreduce, a worker also treats each result fragment it receives as
+//! the acknowledgement of its contribution to that fragment.
 //!
 //! Flow control: a worker's window is capped at the job's `slots`, so the
 //! kernel's slot pool cannot run out because of one job's senders.
@@ -65,11 +81,14 @@ pub struct KernelAggregator {
     seq_base: u32,
     done: Vec<Done>,
     pool: Vec<Vec<i32>>,
-    /// ACKs of the current round, re-sent after it ends.
-    round_acks: Vec<SeqBitmap>,
-    linger: Vec<SeqBitmap>,
-    linger_at: Option<Instant>,
-    linger_step: u32,
+    /// Seqs of the round in progress this runtime acknowledged (has the
+    /// RESULT of), repeated while the round waits.
+    taken: AckedSeqs,
+    /// When `taken` is repeated next.
+    taken_repeat: Repeat,
+    /// The same for the round that ended last, repeated after it.
+    ended: AckedSeqs,
+    ended_repeat: Repeat,
     results: u64,
     /// RESULTs of a round this application has not called yet: the workers
     /// may start the next reduction first, and the kernel sends its RESULT
@@ -118,10 +137,10 @@ impl KernelAggregator {
             seq_base: first_seq,
             done: Vec::new(),
             pool: Vec::new(),
-            round_acks: Vec::new(),
-            linger: Vec::new(),
-            linger_at: None,
-            linger_step: 0,
+            taken: AckedSeqs::new(first_seq),
+            taken_repeat: Repeat::default(),
+            ended: AckedSeqs::new(first_seq),
+            ended_repeat: Repeat::default(),
             results: 0,
             early: Vec::new(),
             early_bytes: 0,
@@ -157,6 +176,105 @@ impl KernelAggregator {
     }
 }
 
+/// First repeat of the round in progress's ACKs after its last RESULT.
+const WAITING_FIRST: Duration = Duration::from_millis(10);
+/// First repeat of a round's ACKs after it ended.
+const AFTER_ROUND_FIRST: Duration = Duration::from_millis(5);
+/// Longest interval between two repeats.
+const REPEAT_INTERVAL_MAX: Duration = Duration::from_secs(1);
+/// Repeats after the last progress: 10 ms doubling to 1 s, 12 times, is
+/// ~6.3 s, within the default 10 s deadline of a call.
+const REPEATS: u32 = 12;
+/// Fragments of one round whose ACKs are repeated (128 KiB of bits; a
+/// round of more, over 379 M elements at 362 per fragment, is repeated up
+/// to there).
+const ACKED_SEQS_MAX: usize = 1 << 20;
+
+/// When a set of ACKs is repeated next: at `at`, then at doubling
+/// intervals (up to [`REPEAT_INTERVAL_MAX`]), [`REPEATS`] times.
+#[derive(Debug, Default, Clone, Copy)]
+struct Repeat {
+    at: Option<Instant>,
+    done: u32,
+}
+
+impl Repeat {
+    fn starting(at: Instant) -> Repeat {
+        Repeat { at: Some(at), done: 0 }
+    }
+
+    /// Whether a repeat is due at `now` (then the next one is scheduled;
+    /// `first` is the interval before the first one).
+    fn due(&mut self, now: Instant, first: Duration) -> bool {
+        match self.at {
+            Some(at) if at <= now => {
+                self.done += 1;
+                let interval = first
+                    .saturating_mul(1 << self.done.min(16))
+                    .min(REPEAT_INTERVAL_MAX);
+                self.at = (self.done < REPEATS).then(|| now + interval);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The seqs a round's RESULTs acknowledged, as bits from the round's first
+/// seq: repeated as cumulative `AGK1` bitmaps.
+#[derive(Debug)]
+struct AckedSeqs {
+    seq_base: u32,
+    words: Vec<u64>,
+}
+
+impl AckedSeqs {
+    fn new(seq_base: u32) -> AckedSeqs {
+        AckedSeqs { seq_base, words: Vec::new() }
+    }
+
+    fn reset(&mut self, seq_base: u32) {
+        self.seq_base = seq_base;
+        self.words.clear();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.words.iter().all(|&w| w == 0)
+    }
+
+    fn insert(&mut self, seq: u32) {
+        let i = seq.wrapping_sub(self.seq_base) as usize;
+        if i >= ACKED_SEQS_MAX {
+            return;
+        }
+        if self.words.len() <= i / 64 {
+            self.words.resize(i / 64 + 1, 0);
+        }
+        self.words[i / 64] |= 1 << (i % 64);
+    }
+
+    /// One bitmap per 1024 seqs that holds any, each as long as its last
+    /// acknowledged seq needs.
+    fn for_each_bitmap(&self, mut f: impl FnMut(&SeqBitmap)) {
+        let per = usize::from(crate::wire::abi::ACK_MAX_BITS) / 64;
+        for (c, chunk) in self.words.chunks(per).enumerate() {
+            let Some(last) = chunk.iter().rposition(|&w| w != 0) else { continue };
+            let nbits = last * 64 + 64 - chunk[last].leading_zeros() as usize;
+            let base = self.seq_base.wrapping_add((c * per * 64) as u32);
+            let Ok(mut bm) = SeqBitmap::new(base, nbits as u16) else { continue };
+            for (k, &w) in chunk.iter().enumerate() {
+                let mut w = w;
+                while w != 0 {
+                    let b = w.trailing_zeros() as usize;
+                    bm.set(base.wrapping_add((k * 64 + b) as u32));
+                    w &= w - 1;
+                }
+            }
+            f(&bm);
+        }
+    }
+}
+
 impl Backend for KernelAggregator {
     fn kind(&self) -> BackendKind {
         BackendKind::Kernel
@@ -165,14 +283,17 @@ impl Backend for KernelAggregator {
     fn expect_round(&mut self, round: Round, seq_base: u32, now: Instant) {
         // The ended round's last RESULTs may still wait for their group ACK
         // (only the last fragment and a full group are acknowledged at once):
-        // put it with the round's ACKs that linger, or it would go out once,
-        // later, and a worker whose copy is lost would wait for ever (its
-        // retransmissions end in the kernel as duplicates, unseen here).
-        let acks = &mut self.round_acks;
-        self.behalf.flush(&mut |bm| acks.push(*bm));
-        self.linger = std::mem::take(&mut self.round_acks);
-        self.linger_step = 0;
-        self.linger_at = (!self.linger.is_empty()).then(|| now + Duration::from_millis(5));
+        // the repeats after the round cover them (`taken` has every seq), so
+        // the pending group is dropped here rather than sent later, once.
+        self.behalf.flush(&mut |_| {});
+        std::mem::swap(&mut self.ended, &mut self.taken);
+        self.taken.reset(seq_base);
+        self.taken_repeat = Repeat::default();
+        self.ended_repeat = if self.ended.is_empty() {
+            Repeat::default()
+        } else {
+            Repeat::starting(now + AFTER_ROUND_FIRST)
+        };
         self.round = round;
         self.seq_base = seq_base;
         // Early RESULTs of rounds before this one can no longer be taken.
@@ -227,16 +348,14 @@ impl Backend for KernelAggregator {
         }
         let seq = self.seq_base.wrapping_add(hdr.frag_off / self.per as u32);
         let peers = &self.peers;
-        let acks = &mut self.round_acks;
-        let mut emit = |bm: &SeqBitmap| {
-            acks.push(*bm);
-            Self::fan_out(peers, io, bm);
-        };
+        let mut emit = |bm: &SeqBitmap| Self::fan_out(peers, io, bm);
         if self.behalf.check(seq) == Verdict::Duplicate {
             return; // the kernel emits one RESULT per slot; ignore copies
         }
         self.behalf
             .record(seq, hdr.is_last_fragment(), now, &mut emit);
+        self.taken.insert(seq);
+        self.taken_repeat = Repeat::starting(now + WAITING_FIRST);
         self.results += 1;
         let mut values = self.pool.pop().unwrap_or_default();
         values.resize(hdr.count as usize, 0);
@@ -262,21 +381,15 @@ impl Backend for KernelAggregator {
             }
         }
         let peers = &self.peers;
-        let acks = &mut self.round_acks;
-        let mut next = self.behalf.poll(now, &mut |bm| {
-            acks.push(*bm);
-            Self::fan_out(peers, io, bm);
-        });
-        if let Some(at) = self.linger_at {
-            if at <= now {
-                for bm in &self.linger {
-                    Self::fan_out(peers, io, bm);
-                }
-                self.linger_step += 1;
-                self.linger_at = (self.linger_step < 4)
-                    .then(|| now + Duration::from_millis(5 << self.linger_step));
+        let mut next = self.behalf.poll(now, &mut |bm| Self::fan_out(peers, io, bm));
+        for (acked, repeat, first) in [
+            (&self.taken, &mut self.taken_repeat, WAITING_FIRST),
+            (&self.ended, &mut self.ended_repeat, AFTER_ROUND_FIRST),
+        ] {
+            if repeat.due(now, first) {
+                acked.for_each_bitmap(|bm| Self::fan_out(peers, io, bm));
             }
-            if let Some(at) = self.linger_at {
+            if let Some(at) = repeat.at {
                 next = Some(next.map_or(at, |n: Instant| n.min(at)));
             }
         }
@@ -488,5 +601,90 @@ mod tests {
             }
         }
         assert_eq!(complete, 4, "the complete ACK goes out with each of the 4 lingering repeats");
+    }
+
+    /// The repeats are cumulative bitmaps of at most 1024 seqs each,
+    /// covering exactly the seqs acknowledged: 3001 fragments with every
+    /// seventh missing give three bitmaps of 1024, 1023 and 953 seqs (each
+    /// ends at its last acknowledged seq: 2047 is missing); a window of
+    /// 1024 with nothing acknowledged gives none.
+    #[test]
+    fn repeated_acks_cover_exactly_the_acknowledged_seqs() {
+        let base = u32::MAX - 500; // the seqs wrap inside the round
+        let mut acked = AckedSeqs::new(base);
+        let want: Vec<u32> = (0..=3000u32).filter(|i| i % 7 != 3).collect();
+        for &i in &want {
+            acked.insert(base.wrapping_add(i));
+        }
+        acked.insert(base.wrapping_add(ACKED_SEQS_MAX as u32)); // past the bound: not kept
+        let mut got = Vec::new();
+        let mut windows = Vec::new();
+        acked.for_each_bitmap(|bm| {
+            windows.push((bm.base_seq().wrapping_sub(base), bm.nbits()));
+            got.extend(bm.received().map(|q| q.wrapping_sub(base)));
+        });
+        assert_eq!(windows, vec![(0, 1024), (1024, 1023), (2048, 953)]);
+        assert_eq!(got, want);
+
+        let mut sparse = AckedSeqs::new(0);
+        sparse.insert(5);
+        sparse.insert(2100);
+        let mut windows = Vec::new();
+        sparse.for_each_bitmap(|bm| windows.push((bm.base_seq(), bm.nbits(), bm.count_received())));
+        assert_eq!(windows, vec![(0, 6, 1), (2048, 53, 1)], "no bitmap for the empty window 1024..2047");
+    }
+
+    /// While a round waits, its ACKs so far go out again 10 ms after its
+    /// last RESULT, then 20, 40, ... ms later (at most 1 s apart), 12 times;
+    /// a new RESULT starts over. Each repeat covers every fragment taken.
+    #[test]
+    fn a_waiting_round_repeats_its_acks_backing_off_until_a_result_arrives() {
+        let peers: Vec<SocketAddrV4> =
+            (0..2).map(|p| SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000 + p)).collect();
+        let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
+        let cfg = ReliabilityConfig {
+            ack_delay: Duration::from_secs(3600), // no timer ACK in this test
+            ..ReliabilityConfig::default()
+        };
+        let mut agg = KernelAggregator::new(peers.clone(), 4, cfg, Round(1), 100, *peers[0].ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let take = |agg: &mut KernelAggregator, frag: u32, at: Instant, out: &mut Outbox, sent: &mut u64| {
+            let (mut hdr, payload) = result(1, frag * 4, &[1, 2, 3, 4]);
+            hdr.flags &= !abi::AGG_F_LAST_FRAGMENT;
+            let mut io = AckIo { out, counters: &counters, job: 7, sent };
+            agg.on_agg(&hdr, &payload, peers[0], at, &mut io);
+        };
+        take(&mut agg, 0, t0, &mut out, &mut sent);
+        take(&mut agg, 1, t0, &mut out, &mut sent);
+        // Poll every millisecond for 10 s; note when repeats go out.
+        let mut repeats = Vec::new();
+        for t in 0..10_000u64 {
+            let now = t0 + ms(t);
+            if t == 100 {
+                take(&mut agg, 2, now, &mut out, &mut sent); // progress at 100 ms
+            }
+            let before = out.datagrams().count();
+            let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
+            agg.poll(now, &mut io);
+            let new: Vec<_> = out.datagrams().skip(before).map(|(to, d, _)| (to, d.to_vec())).collect();
+            if !new.is_empty() {
+                assert_eq!(new.len(), peers.len(), "one bitmap to each worker at {t} ms");
+                for (to, d) in &new {
+                    let ack = crate::wire::proto::AckMessage::decode(d).expect("an AGK1");
+                    let covered: Vec<u32> = ack.bitmap.received().collect();
+                    let want: &[u32] = if t < 100 { &[100, 101] } else { &[100, 101, 102] };
+                    assert_eq!(covered, want, "repeat to {to} at {t} ms");
+                }
+                repeats.push(t);
+            }
+        }
+        let mut want = vec![10, 30, 70];
+        let mut at = 110; // a RESULT at 100 ms: 10 ms after it, then doubling, at most 1 s apart
+        for k in 0..REPEATS {
+            want.push(at);
+            at += (10u64 << (k + 1)).min(1000);
+        }
+        assert_eq!(repeats, want);
     }
 }

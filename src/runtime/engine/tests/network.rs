@@ -387,3 +387,94 @@ fn reductions_of_lengths_around_a_fragment_with_every_op_equal_the_reference() {
     }
     assert_eq!(data_resent(&sim), 0);
 }
+
+/// The kernel backend, 8 slots: a reduce worker keeps at most 8
+/// contributions in flight.
+fn kernel_eight_slots(me: Participant) -> CommConfig {
+    builder(me)
+        .slots(8)
+        .backend(crate::runtime::backend::BackendKind::Kernel)
+        .result_port(super::RESULT_PORT)
+        .kernel_result_group(true)
+        .config()
+        .clone()
+}
+
+/// The kernel drops a retransmission of a completed fragment without a
+/// word, so a reduce worker learns that its contribution arrived only from
+/// the aggregator runtime's ACK and the TC copy of the RESULT. A reduce of
+/// 20 fragments through 8 slots where, for the first 50 ms, worker 1 gets
+/// neither for fragment 0 (every ACK covering its seq and the fragment's
+/// RESULT copy are lost): its window of 8 holds that contribution, so it
+/// cannot send fragments 8 onwards and the round waits on it. The
+/// aggregator runtime repeats the round's ACKs 10 ms after its last RESULT,
+/// then 20 and 40 ms later: the first two are lost too, the third releases
+/// the worker and the round completes, exact. (Without the repeats it ran
+/// into its deadline, as a live run at 5 % loss did.)
+#[test]
+fn a_reduce_worker_whose_ack_and_result_copy_are_lost_is_released_by_the_repeated_acks() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    let len = 20 * PER;
+    let mut sim = Sim::with(kernel_eight_slots);
+    sim.node = Some(super::FakeNode::default());
+    let start = sim.now;
+    let lost_until = start + Duration::from_millis(50);
+    let victim = super::worker_addr(1);
+    let seq0 = sim.nodes[1].engine.agg_seq;
+    let (acks_lost, copies_lost) = (Rc::new(Cell::new(0)), Rc::new(Cell::new(0)));
+    let (a, c) = (acks_lost.clone(), copies_lost.clone());
+    sim.fate = Box::new(move |d: &Datagram| {
+        if d.to != victim || d.at >= lost_until {
+            return 1;
+        }
+        match d.kind() {
+            Some(MessageKind::Ack) => {
+                let ack = AckMessage::decode(&d.bytes).expect("an AGK1");
+                if ack.bitmap.get(seq0) {
+                    a.set(a.get() + 1);
+                    return 0;
+                }
+            }
+            Some(MessageKind::Agg) => {
+                let (h, _) = crate::wire::proto::split_agg(&d.bytes).expect("an AGG1");
+                if h.is_result() && h.frag_off == 0 {
+                    c.set(c.get() + 1);
+                    return 0;
+                }
+            }
+            _ => {}
+        }
+        1
+    });
+    for i in participants() {
+        sim.start_reduce(i, false, len, CallOptions::default());
+    }
+    sim.run(Duration::from_secs(10));
+    match sim.ended(sim.aggregator()) {
+        Ended::Values(v) => assert_same("the aggregator", v, &reference(Op::Sum, len)),
+        other => panic!("the aggregator: {other:?}"),
+    }
+    for w in 0..WORKERS as usize {
+        assert!(matches!(sim.ended(w), Ended::Contributed), "worker {w}: {:?}", sim.ended(w));
+    }
+    assert_eq!(copies_lost.get(), 1, "fragment 0's RESULT copy to worker 1 was lost");
+    // The first ACK and the repeats 10 and 30 ms after the last RESULT.
+    assert_eq!(acks_lost.get(), 3, "ACKs of worker 1's fragment 0 lost");
+    let released = sim
+        .log
+        .iter()
+        .find(|d| {
+            d.to == victim
+                && d.at >= lost_until
+                && d.kind() == Some(MessageKind::Ack)
+                && AckMessage::decode(&d.bytes).is_ok_and(|a| a.bitmap.get(seq0))
+        })
+        .expect("an ACK of fragment 0 reached worker 1 after the loss");
+    assert!(
+        released.at - start < Duration::from_millis(100),
+        "released {:?} after the start",
+        released.at - start
+    );
+    assert!(sim.ended_at(1) < Duration::from_millis(150), "worker 1 ended at {:?}", sim.ended_at(1));
+}
