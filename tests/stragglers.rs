@@ -180,8 +180,9 @@ fn reclamation_racing_with_contributions_keeps_accounting_exact() {
     let stale = stats.drop(DropReason::StaleRound).packets;
     let mismatch = stats.drop(DropReason::SlotMismatch).packets;
     let retrans = stats.drop(DropReason::Retransmission).packets;
+    let busy = stats.drop(DropReason::SlotBusy).packets;
     eprintln!(
-        "reclaimer released {reclaimed} slots during the run; {} RESULTs; stale {stale}, slot_mismatch {mismatch}, retransmission {retrans}",
+        "reclaimer released {reclaimed} slots during the run; {} RESULTs; stale {stale}, slot_mismatch {mismatch}, retransmission {retrans}, slot_busy {busy}",
         results.len()
     );
     let mut seen = std::collections::HashSet::new();
@@ -192,9 +193,14 @@ fn reclamation_racing_with_contributions_keeps_accounting_exact() {
         assert_eq!(payload, &sum_be(&parts), "round {round} fragment {f} exact");
     }
     // A contribution is lost only if it was stale when it arrived (a rank
-    // that fell more than the window behind); every such loss is counted.
+    // that fell more than the window behind) or met its fast slot's lock
+    // held past the bound (slot_busy): BPF_PROG_TEST_RUN runs a program
+    // preemptibly, so a sender holding the lock can be preempted by the
+    // other sender pinned to its CPU, which then spins out (on a real XDP
+    // hook only a hard interrupt or a descheduled vCPU delays a holder).
+    // Every such loss is counted; a real sender resends it.
     let lost_fragments = complete.len() as u64 * u64::from(FRAGS) - results.len() as u64;
-    assert!(stale + mismatch + retrans >= lost_fragments, "every lost completion is explained by a counted drop");
+    assert!(stale + mismatch + retrans + busy >= lost_fragments, "every lost completion is explained by a counted drop");
     // After a final pass the pool holds only rounds within the window, and
     // the job's count equals the slots really in the pool.
     dp.reclaim_stale_slots().unwrap();
