@@ -114,6 +114,7 @@ fn run(label: &str, mode: AckMode, loss: f64, burst: bool, len: usize, repeats: 
             data_sent: a.data_sent - b.data_sent,
             retransmitted: a.retransmitted - b.retransmitted,
             acks_sent: a.acks_sent - b.acks_sent,
+            acks_repeated: a.acks_repeated - b.acks_repeated,
             data_received: a.data_received - b.data_received,
             acks_received: a.acks_received - b.acks_received,
             duplicates_received: a.duplicates_received - b.duplicates_received,

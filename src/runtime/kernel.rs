@@ -387,7 +387,9 @@ impl Backend for KernelAggregator {
             (&self.ended, &mut self.ended_repeat, AFTER_ROUND_FIRST),
         ] {
             if repeat.due(now, first) {
+                let before = *io.sent;
                 acked.for_each_bitmap(|bm| Self::fan_out(peers, io, bm));
+                io.counters.acks_repeated(*io.sent - before);
             }
             if let Some(at) = repeat.at {
                 next = Some(next.map_or(at, |n: Instant| n.min(at)));
@@ -686,5 +688,10 @@ mod tests {
             at += (10u64 << (k + 1)).min(1000);
         }
         assert_eq!(repeats, want);
+        assert_eq!(
+            counters.snapshot().acks_repeated,
+            (want.len() * peers.len()) as u64,
+            "every repeat counted, one per worker"
+        );
     }
 }

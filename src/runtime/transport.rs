@@ -684,6 +684,10 @@ pub struct CommStats {
     pub retransmitted: u64,
     /// `AGK1` datagrams sent.
     pub acks_sent: u64,
+    /// Of those, the kernel backend's aggregator runtime's unasked repeats
+    /// of the ACKs it sent on the kernel's behalf (docs/RUNTIME.md "Who
+    /// acknowledges contributions"); 0 elsewhere.
+    pub acks_repeated: u64,
     /// Data datagrams received (duplicates included).
     pub data_received: u64,
     /// `AGK1` datagrams received.
@@ -704,6 +708,7 @@ impl std::ops::Add for CommStats {
             data_sent: self.data_sent + o.data_sent,
             retransmitted: self.retransmitted + o.retransmitted,
             acks_sent: self.acks_sent + o.acks_sent,
+            acks_repeated: self.acks_repeated + o.acks_repeated,
             data_received: self.data_received + o.data_received,
             acks_received: self.acks_received + o.acks_received,
             duplicates_received: self.duplicates_received + o.duplicates_received,
@@ -817,6 +822,7 @@ pub struct Counters {
     data_sent: AtomicU64,
     retransmitted: AtomicU64,
     acks_sent: AtomicU64,
+    acks_repeated: AtomicU64,
     data_received: AtomicU64,
     acks_received: AtomicU64,
     duplicates_received: AtomicU64,
@@ -845,11 +851,17 @@ impl Counters {
             data_sent: l(&self.data_sent),
             retransmitted: l(&self.retransmitted),
             acks_sent: l(&self.acks_sent),
+            acks_repeated: l(&self.acks_repeated),
             data_received: l(&self.data_received),
             acks_received: l(&self.acks_received),
             duplicates_received: l(&self.duplicates_received),
             bytes_delivered: l(&self.bytes_delivered),
         }
+    }
+
+    /// `n` ACK datagrams queued as repeats (see [`CommStats::acks_repeated`]).
+    pub fn acks_repeated(&self, n: u64) {
+        self.acks_repeated.fetch_add(n, Ordering::Relaxed);
     }
 
     /// One non-empty receive batch of `n` datagrams.

@@ -625,6 +625,9 @@ fn runtime_counters(
         *out.entry("runtime:retransmitted".to_string()).or_insert(0) += s.retransmitted;
         *out.entry("runtime:duplicates_received".to_string()).or_insert(0) +=
             s.duplicates_received;
+        if s.acks_repeated > 0 {
+            *out.entry("runtime:acks_repeated".to_string()).or_insert(0) += s.acks_repeated;
+        }
     }
     out
 }
