@@ -304,7 +304,9 @@ impl Feed {
 /// a round, through AggBox's chain and the floor aggregator, each minus the
 /// feeder with a target that drops at once; the median of 5 test runs of
 /// 40,000 contributions each, interleaved. Checks that every contribution
-/// was absorbed or completed its fragment (AggBox's job counters). `times`
+/// was absorbed or completed its fragment (AggBox's job counters). The floor
+/// indexes by (round, fragment) over as many slots as AggBox's region for the
+/// point's job. `times`
 /// repeats the whole (for a profile).
 fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
     let count = 362u32;
@@ -313,14 +315,23 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
     let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
     let sinks = (feed.skel.progs.feed_sink_frags.as_fd(), feed.skel.progs.feed_sink_linear.as_fd());
     println!("in a loop (one test run of {runs_per} distinct 362-element SUM contributions, minus the feeder; median of 5, ns per contribution):");
-    println!("  fragments a round   AggBox   floor   AggBox/floor   (feeder alone: frags / linear chain flag)");
+    println!("  fragments a round   slots   AggBox   floor   AggBox/floor   (feeder alone: frags / linear chain flag)");
+    // XDP_CHAIN_LOOP_FRAGS (e.g. "200" or "16,200") picks the points, for a
+    // profile of one of them.
+    let points: Vec<u32> = match std::env::var("XDP_CHAIN_LOOP_FRAGS") {
+        Ok(list) => list
+            .split(',')
+            .map(|f| f.trim().parse().expect("XDP_CHAIN_LOOP_FRAGS: fragments a round, comma-separated"))
+            .collect(),
+        Err(_) => vec![1, 16, 200],
+    };
     let mut round = first_round;
-    for (k, frags) in std::iter::repeat_n([1u32, 16, 200], times as usize).flatten().enumerate() {
+    for (k, frags) in std::iter::repeat_n(points.iter().copied(), times as usize).flatten().enumerate() {
         // A job of its own whose vector is what the loop sends (as the
         // runtime configures one), so that its fast-slot region and
         // index stride are what such a job gets.
-        let job = LOOP_JOB + (k % 3) as u16;
-        if k < 3 {
+        let job = LOOP_JOB + (k % points.len()) as u16;
+        if k < points.len() {
             dp.set_job(
                 job,
                 &XdpJob {
@@ -334,11 +345,21 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
                     flags: 0,
                     result_group: None,
                     window: 0,
-                    frag_elems: 0,
+                    // Full fragments, as a node at MTU 1500 configures them (the
+                    // fast slots' granule: consecutive fragments, consecutive slots).
+                    frag_elems: count,
                 },
             )
             .expect("configure the loop's job");
         }
+        // The floor indexes its slots by (round, fragment) over as many
+        // slots as AggBox's region for this job: the same memory in use.
+        // (With one slot per fragment for every round the floor's slots
+        // stayed warm where AggBox's 8 rounds of them did not, and the
+        // ratio grew with the fragments a round for that reason alone.)
+        let region = dp.job(job).expect("job").expect("the loop's job").fast_slots;
+        assert!(region > 0, "the loop's job has a fast-slot region");
+        floor.set_index(frags, u32::from(region)).expect("floor index");
         let frames: Vec<Vec<u8>> = (0..WORKERS)
             .map(|rank| {
                 let mut a = Agg::new(job, rank, Op::Sum as u8, vec![0; count as usize]);
@@ -382,6 +403,6 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
         };
         let (sf, sl) = (med(&mut sink_f), med(&mut sink_l));
         let (a, f) = (med(&mut agg) - sf, med(&mut flo) - sl);
-        println!("  {frags:17}   {a:6.0}   {f:5.0}   {:12.2}   ({sf:.0} / {sl:.0})", a / f);
+        println!("  {frags:17}   {region:5}   {a:6.0}   {f:5.0}   {:12.2}   ({sf:.0} / {sl:.0})", a / f);
     }
 }

@@ -32,6 +32,9 @@ struct floor_cfg {
 	__u32 result_port; /* RESULT destination port (host order) */
 	__u32 workers;     /* contributions that complete a fragment, <= 64 */
 	__u32 frags;       /* fragments per round (slot index stride) */
+	__u32 slots_mask;  /* slots the index cycles over, minus 1 (a power of two <= FLOOR_SLOTS;
+			    * the benchmark sets AggBox's region for the same job, so both keep the
+			    * same memory in use) */
 };
 
 /* [0]: the benchmark's job; written by the benchmark before attaching. */
@@ -107,7 +110,7 @@ int bench_floor(struct xdp_md *ctx)
 	frag_off = bpf_ntohl(agg->frag_off);
 	rank = bpf_ntohs(agg->rank) & 63;
 	bit = 1ULL << rank;
-	idx = (round * cfg->frags + frag_off / FLOOR_PER) & (FLOOR_SLOTS - 1);
+	idx = (round * cfg->frags + frag_off / FLOOR_PER) & cfg->slots_mask & (FLOOR_SLOTS - 1);
 	slot = bpf_map_lookup_elem(&floor_slots, &idx);
 	if (!slot)
 		return XDP_PASS;

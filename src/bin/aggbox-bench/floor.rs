@@ -21,11 +21,14 @@ mod floor_skel {
 pub struct Floor {
     skel: floor_skel::BenchFloorSkel<'static>,
     _object: Box<MaybeUninit<OpenObject>>,
+    /// port, result port, workers (`floor_cfg`'s first three fields).
+    job: [u32; 3],
 }
 
 impl Floor {
     /// Load and configure it (`frags`: fragments per round, the slot-index
-    /// stride between rounds; 0 = every round uses the same slots).
+    /// stride between rounds; 0 = every round uses the same slots). The
+    /// index cycles over all of the floor's slots until `set_index`.
     pub fn load(port: u16, result_port: u16, workers: u32, frags: u32) -> Result<Floor> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's allocation never moves and outlives the
@@ -36,15 +39,27 @@ impl Floor {
             .open(object_ref)
             .context("opening bench_floor")?;
         let skel = open.load().context("loading bench_floor")?;
-        let mut cfg = Vec::with_capacity(16);
-        for v in [u32::from(port), u32::from(result_port), workers, frags] {
+        let floor = Floor { skel, _object: object, job: [u32::from(port), u32::from(result_port), workers] };
+        floor.set_index(frags, 0)?;
+        Ok(floor)
+    }
+
+    /// The slot index: slot = (round · `frags` + fragment) mod `slots`
+    /// (a power of two; 0 = all of the floor's slots). The isolated loop of
+    /// `benches/xdp_chain.rs` gives it the region AggBox gives the same
+    /// job, so that both keep the same memory in use.
+    pub fn set_index(&self, frags: u32, slots: u32) -> Result<()> {
+        anyhow::ensure!(slots == 0 || slots.is_power_of_two(), "floor slots {slots}: not a power of two");
+        let mask = if slots == 0 { u32::MAX } else { slots - 1 };
+        let mut cfg = Vec::with_capacity(20);
+        for v in [self.job[0], self.job[1], self.job[2], frags, mask] {
             cfg.extend_from_slice(&v.to_ne_bytes());
         }
-        skel.maps
+        self.skel
+            .maps
             .floor_cfg
             .update(&0u32.to_ne_bytes(), &cfg, MapFlags::ANY)
-            .context("floor_cfg")?;
-        Ok(Floor { skel, _object: object })
+            .context("floor_cfg")
     }
 
     /// The program (attach, run statistics, BPF_PROG_TEST_RUN).
