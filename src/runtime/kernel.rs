@@ -33,6 +33,7 @@
 //!   (5 % loss: a few rounds in ten thousand);
 //! - after the round ended: 5 ms after it, then at doubling intervals as
 //!   above, for the workers still waiting for the last ACKs.
+//!
 //! Both stop after ~6 s without progress, within the default 10 s deadline,
 //! so a stalled job does not send ACKs for ever.
 //!
