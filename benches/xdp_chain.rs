@@ -353,10 +353,9 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
             .expect("configure the loop's job");
         }
         // The floor indexes its slots by (round, fragment) over as many
-        // slots as AggBox's region for this job: the same memory in use.
-        // (With one slot per fragment for every round the floor's slots
-        // stayed warm where AggBox's 8 rounds of them did not, and the
-        // ratio grew with the fragments a round for that reason alone.)
+        // slots as AggBox's region for this job, so that both keep the same
+        // memory in use: a floor on warm slots against AggBox's cold ones
+        // measures the cache, not the aggregator.
         let region = dp.job(job).expect("job").expect("the loop's job").fast_slots;
         assert!(region > 0, "the loop's job has a fast-slot region");
         floor.set_index(frags, u32::from(region)).expect("floor index");
