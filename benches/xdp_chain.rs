@@ -198,7 +198,7 @@ fn fixed_costs(runner: &aggbox::kernel::xdp::TestRunner) {
 /// aggregator of full-MTU SUM fragments costs) on the same kind of
 /// contributions: 4 ranks, 362 elements, by role.
 fn floor(fragments: u32) {
-    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
+    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS)).expect("loading the floor aggregator");
     let runner = aggbox::kernel::xdp::TestRunner::for_program(floor.prog()).expect("test runner");
     let count = 362usize;
     let values: Vec<i32> = (0..count as i32).map(|i| (i * 7919) % 100_000 - 50_000).collect();
@@ -312,7 +312,7 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
     let count = 362u32;
     let runs_per = 40_000u32;
     let feed = Feed::load();
-    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS), 0).expect("loading the floor aggregator");
+    let floor = floor::Floor::load(JOB_PORT, RESULT_PORT, u32::from(WORKERS)).expect("loading the floor aggregator");
     let sinks = (feed.skel.progs.feed_sink_frags.as_fd(), feed.skel.progs.feed_sink_linear.as_fd());
     println!("in a loop (one test run of {runs_per} distinct 362-element SUM contributions, minus the feeder; median of 5, ns per contribution):");
     println!("  fragments a round   slots   AggBox   floor   AggBox/floor   (feeder alone: frags / linear chain flag)");

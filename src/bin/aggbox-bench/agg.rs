@@ -475,7 +475,7 @@ impl Harness {
                 Mode::Floor => {
                     // Slot index = fragment number (the pacing window keeps
                     // far fewer than its 8192 slots in flight), every round.
-                    let floor = Floor::load(JOB_PORT, RESULT_PORT, self.senders.len() as u32, 0)?;
+                    let floor = Floor::load(JOB_PORT, RESULT_PORT, self.senders.len() as u32)?;
                     let ifindex = node::ifindex("eth0")?;
                     let link = floor
                         .prog()

@@ -26,10 +26,9 @@ pub struct Floor {
 }
 
 impl Floor {
-    /// Load and configure it (`frags`: fragments per round, the slot-index
-    /// stride between rounds; 0 = every round uses the same slots). The
-    /// index cycles over all of the floor's slots until `set_index`.
-    pub fn load(port: u16, result_port: u16, workers: u32, frags: u32) -> Result<Floor> {
+    /// Load and configure it: slot = fragment number mod all of the floor's
+    /// slots, the same for every round, until `set_index`.
+    pub fn load(port: u16, result_port: u16, workers: u32) -> Result<Floor> {
         let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
         // SAFETY: the box's allocation never moves and outlives the
         // skeleton (field order drops the skeleton first).
@@ -40,7 +39,7 @@ impl Floor {
             .context("opening bench_floor")?;
         let skel = open.load().context("loading bench_floor")?;
         let floor = Floor { skel, _object: object, job: [u32::from(port), u32::from(result_port), workers] };
-        floor.set_index(frags, 0)?;
+        floor.set_index(0, 0)?;
         Ok(floor)
     }
 
