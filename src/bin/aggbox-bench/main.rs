@@ -544,7 +544,18 @@ struct Cli {
     no_plot: bool,
 }
 
-fn main() -> Result<()> {
+fn main() {
+    // The error chain is the last thing printed, without a backtrace: CI
+    // keeps only the tail of a run's output, and an error returned from
+    // main under RUST_BACKTRACE=1 would end with the backtrace instead of
+    // which experiment failed and why.
+    if let Err(e) = run_cli() {
+        eprintln!("aggbox-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run_cli() -> Result<()> {
     let cli = <Cli as clap::Parser>::parse();
     // Ctrl-C: the testbeds' and pin mounts' destructors would not run; take
     // down what this process made before leaving.
