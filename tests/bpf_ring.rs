@@ -30,6 +30,9 @@ fn members() -> Vec<Ipv4Addr> {
 struct Ring {
     dp: XdpPlane,
     cfg: RingConfig,
+    job: abi::RingJob,
+    /// The round made ready last: `data` and `done` read its buffer.
+    round: std::cell::Cell<u32>,
 }
 
 impl Ring {
@@ -67,10 +70,11 @@ impl Ring {
         };
         dp.set_ring(0, &job, &cfg.members).expect("set_ring");
         dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg }
+        Ring { dp, cfg, job, round: std::cell::Cell::new(0) }
     }
 
     fn ready(&self, round: u32, op: Op, input: &[i32]) {
+        self.round.set(round);
         let [data, _, ctrl] = self.dp.ring_memory_maps().unwrap();
         let frag = self.cfg.frag_elems;
         for f in 0..self.cfg.frags() {
@@ -78,7 +82,7 @@ impl Ring {
             for (i, x) in input.iter().skip((f * frag) as usize).take(frag as usize).enumerate() {
                 v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
             }
-            data.update(&f.to_ne_bytes(), &v, MapFlags::ANY).unwrap();
+            data.update(&self.index(f).to_ne_bytes(), &v, MapFlags::ANY).unwrap();
         }
         let c = abi::RingCtrl {
             ready_round: round,
@@ -92,15 +96,20 @@ impl Ring {
         ctrl.update(&0u32.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
     }
 
+    /// Fragment `f`'s entry in the ready round's buffer.
+    fn index(&self, f: u32) -> u32 {
+        self.job.index(abi::Round(self.round.get()), f)
+    }
+
     fn data(&self, f: u32) -> Vec<i32> {
         let [data, _, _] = self.dp.ring_memory_maps().unwrap();
-        let v = data.lookup(&f.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
+        let v = data.lookup(&self.index(f).to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
         v.chunks(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
     }
 
     fn done(&self, f: u32) -> abi::RingDone {
         let [_, done, _] = self.dp.ring_memory_maps().unwrap();
-        abi::from_bytes(&done.lookup(&f.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+        abi::from_bytes(&done.lookup(&self.index(f).to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
     }
 
     fn ctrl(&self) -> abi::RingCtrl {

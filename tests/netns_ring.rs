@@ -269,9 +269,9 @@ fn four_members_every_op_and_size_under_loss() {
     let inputs: Vec<Vec<i32>> = (0..4).map(|m| input(m, len, 77)).collect();
     let want = reference(Op::Min, &inputs, &bed.weights);
     let got = bed.each(2, |m, c| {
-        c.buffer_mut().copy_from_slice(&inputs[m]);
+        c.input_mut().copy_from_slice(&inputs[m]);
         c.allreduce_in_place(Op::Min).unwrap_or_else(|e| panic!("member {m}: in place: {e}"));
-        c.buffer_mut().to_vec()
+        c.result().to_vec()
     });
     assert!(got.iter().all(|g| *g == want), "in-place MIN differs from the reference");
     // Floats through the quantization: the weighted mean within its bound.

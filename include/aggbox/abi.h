@@ -751,13 +751,23 @@ struct aggbox_ring_job {
 	__u32  frag_elems; /* host order: elements per fragment (the ring_data value) */
 	__u32  frags;      /* host order: fragments of the vector */
 	__u32  vector_len; /* host order: elements of the vector */
-	__u32  base;       /* host order: index of fragment 0 in ring_data and ring_done */
+	__u32  base;       /* host order: index of fragment 0 of even rounds in ring_data and ring_done;
+			    * odd rounds' follow (AGGBOX_RING_INDEX) */
 	__u32  weight_sum; /* host order: sum of the members' weights (AVG divisor) */
 	__s32  weight;     /* host order: this member's weight */
 	__be32 self_addr;  /* big-endian: this member's address (source of what it sends) */
 	__be32 next_addr;  /* big-endian: the next member's address */
 };
 _Static_assert(sizeof(struct aggbox_ring_job) == 40, "ring job is 40 bytes");
+
+/*
+ * The ring_data / ring_done index of fragment `frag` in round `round`: a
+ * ring has two buffers, one for even rounds and one for odd ones, so that
+ * a round's results stay in place until this member starts the round
+ * after next, when no member can ask for them any more (docs/RING.md "Why
+ * two buffers"). Mirrored by RingJob::index (src/wire/abi.rs).
+ */
+#define AGGBOX_RING_INDEX(base, frags, round, frag) ((base) + ((round) & 1) * (frags) + (frag))
 
 /*
  * Value of ring_ctrl (index: dense ring index; BPF_F_MMAPABLE, shared with
@@ -776,7 +786,7 @@ struct aggbox_ring_ctrl {
 };
 _Static_assert(sizeof(struct aggbox_ring_ctrl) == 64, "ring ctrl is 64 bytes");
 
-/* Value of ring_done (index: ring_job.base + fragment; BPF_F_MMAPABLE):
+/* Value of ring_done (index: AGGBOX_RING_INDEX; BPF_F_MMAPABLE):
  * the round whose result of the fragment is in ring_data. Whoever stores a
  * result (XDP or the ring service) first claims it: compare-and-swap of
  * claimed_plus1 to 1 + round (the loser of a race between two copies of a

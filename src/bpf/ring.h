@@ -564,11 +564,12 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 
 	key = ridx;
 	ctrl = bpf_map_lookup_elem(&ring_ctrl, &key);
-	key = rj->base + frag;
+	round = bpf_ntohl(rh->round);
+	/* this round's buffer (the other holds the last round's results) */
+	key = AGGBOX_RING_INDEX(rj->base, rj->frags, round, frag);
 	done = bpf_map_lookup_elem(&ring_done, &key);
 	if (!ctrl || !done)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
-	round = bpf_ntohl(rh->round);
 	if (!(ctrl->state & AGGBOX_RING_READY) || round != ctrl->ready_round) {
 		if (kind == AGGBOX_RING_PARTIAL && aggbox_rounds_ahead(round, ctrl->ready_round) >= 0)
 			return ring_end(ridx, AGGBOX_RING_EARLY, XDP_PASS);

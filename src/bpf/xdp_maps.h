@@ -442,11 +442,13 @@ struct {
 } ring_members SEC(".maps");
 
 /*
- * ring_data: ring_jobs.base + fragment -> the fragment's elements (host
- * order int32): the member's input, then the result. The value size is
- * 4 * ring_frag_elems and max_entries the fragments of all rings, both set
- * by the loader from the configuration (1 entry of the default size when
- * there is no ring). Mapped by the runtime: a ring's vector is contiguous.
+ * ring_data: AGGBOX_RING_INDEX(base, frags, round, fragment) -> the
+ * fragment's elements (host order int32) in that round's buffer: the
+ * member's input, then the result. The value size is 4 * ring_frag_elems
+ * and max_entries twice the fragments of all rings (two buffers a ring),
+ * both set by the loader from the configuration (1 entry of the default
+ * size when there is no ring). Mapped by the runtime: each buffer of a
+ * ring holds its vector contiguously.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -456,8 +458,9 @@ struct {
 	__uint(value_size, 4 * 362);
 } ring_data SEC(".maps");
 
-/* ring_done: ring_jobs.base + fragment -> 1 + the round of the result in
- * ring_data (0: none). max_entries set by the loader like ring_data's. */
+/* ring_done: the same index -> 1 + the round of the result in that
+ * ring_data entry (0: none). max_entries set by the loader like
+ * ring_data's. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);

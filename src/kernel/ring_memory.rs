@@ -107,14 +107,14 @@ pub enum RingMemoryError {
     #[error("ring {0} is not configured on this node (ring_index has no entry; is `aggbox attach` running with its [[ring]]?)")]
     NoRing(u16),
     /// The ring's entry does not fit the mapped memory.
-    #[error("ring {id}: fragments {base}..+{frags} past ring_data's {entries} entries")]
+    #[error("ring {id}: entries {base}..+{taken} past ring_data's {entries} entries")]
     TooSmall {
         /// The ring.
         id: u16,
-        /// Its first fragment.
+        /// Its first entry.
         base: u32,
-        /// Its fragments.
-        frags: u32,
+        /// Its entries (two buffers of its fragments).
+        taken: u32,
         /// Entries of ring_data.
         entries: u32,
     },
@@ -309,24 +309,24 @@ impl RingMemory {
         self.frag_elems
     }
 
-    /// Entries of `ring_data` (fragments of all rings).
+    /// Entries of `ring_data` (two buffers of fragments a ring).
     pub fn entries(&self) -> u32 {
         self.data_entries.min(self.done_entries)
     }
 
     /// Whether `job`'s fragments fit the memory.
     pub fn check_job(&self, job: &RingJob) -> Result<(), RingMemoryError> {
-        let fits = u64::from(job.base) + u64::from(job.frags) <= u64::from(self.entries())
+        let fits = u64::from(job.base) + u64::from(job.entries()) <= u64::from(self.entries())
             && job.frag_elems == self.frag_elems
             && job.members >= 2;
         if fits {
             Ok(())
         } else {
-            Err(RingMemoryError::TooSmall { id: job.id, base: job.base, frags: job.frags, entries: self.entries() })
+            Err(RingMemoryError::TooSmall { id: job.id, base: job.base, taken: job.entries(), entries: self.entries() })
         }
     }
 
-    /// The `ring_data` value `index` (ring base + fragment): `frag_elems`
+    /// The `ring_data` value `index` (`RingJob::index`): `frag_elems`
     /// elements. Panics past the map (callers index by a checked job).
     pub fn data(&self, index: u32) -> &[AtomicI32] {
         assert!(index < self.data_entries, "ring_data index {index} past {}", self.data_entries);

@@ -386,7 +386,8 @@ impl Chain {
 pub struct RingSizing {
     /// Elements per fragment (`[[ring]] frag_elems`, one for the node).
     pub frag_elems: u32,
-    /// Fragments of all rings together (`ring_data` / `ring_done` entries).
+    /// `ring_data` / `ring_done` entries: two buffers of fragments a ring
+    /// (`RingJob::index`), all rings together.
     pub fragments: u32,
 }
 
@@ -402,7 +403,7 @@ impl Default for RingSizing {
 
 impl RingSizing {
     /// The sizes the configuration's rings need, and each ring's `base`
-    /// (index of its fragment 0) in file order.
+    /// (index of its fragment 0 in even rounds) in file order.
     pub fn of(rings: &[crate::config::RingConfig]) -> (RingSizing, Vec<u32>) {
         let mut sizing = RingSizing::default();
         let mut bases = Vec::with_capacity(rings.len());
@@ -410,7 +411,7 @@ impl RingSizing {
         for r in rings {
             sizing.frag_elems = r.frag_elems;
             bases.push(next);
-            next = next.saturating_add(r.frags());
+            next = next.saturating_add(r.frags().saturating_mul(2));
         }
         sizing.fragments = next.max(1);
         (sizing, bases)

@@ -1113,7 +1113,7 @@ mod ring_job_tests {
         assert_eq!((a.me, a.members, a.weight, a.weight_sum, a.frags, a.base), (2, 3, 3, 6, 3, 0));
         assert_eq!(a.next_addr, u32::from(Ipv4Addr::new(10, 0, 0, 1)).to_be(), "after the last member, the first");
         assert_eq!(a.self_addr, u32::from(Ipv4Addr::new(10, 0, 0, 3)).to_be());
-        assert_eq!((b.me, b.frags, b.base), (0, 1, 3), "the second ring's fragments follow the first's");
+        assert_eq!((b.me, b.frags, b.base), (0, 1, 6), "the second ring's entries follow the first's two buffers");
     }
 
     #[test]

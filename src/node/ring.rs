@@ -233,8 +233,9 @@ impl RingService {
         SocketAddrV4::new(self.members[usize::from(member)], self.job.port)
     }
 
-    fn index(&self, frag: u32) -> u32 {
-        self.job.base + frag
+    /// Fragment `frag`'s entry in round `r`'s buffer (`RingJob::index`).
+    fn index(&self, r: Round, frag: u32) -> u32 {
+        self.job.index(r, frag)
     }
 
     /// One received datagram from `from`.
@@ -300,7 +301,7 @@ impl RingService {
     /// elements added; the completing member stores the result and sends
     /// the FINAL, the others send the PARTIAL on.
     fn add_and_send(&mut self, hdr: RingHeader, r: Round, datagram: &mut [u8], out: &mut Vec<Transmit>) {
-        let index = self.index(hdr.frag);
+        let index = self.index(r, hdr.frag);
         let len = usize::from(hdr.count);
         let input = self.memory.data(index)[..len].iter().map(|c| c.load(Ordering::Relaxed));
         let (head, payload) = datagram.split_at_mut(abi::RING_HDR_LEN);
@@ -327,20 +328,20 @@ impl RingService {
     /// Stores a claimed result (big-endian `payload`) of fragment `frag`
     /// of round `r` and counts it final.
     fn store(&mut self, frag: u32, r: Round, payload: &[u8], saturated: bool) {
-        for (cell, v) in self.memory.data(self.index(frag)).iter().zip(wire_ring::elements_be(payload)) {
+        for (cell, v) in self.memory.data(self.index(r, frag)).iter().zip(wire_ring::elements_be(payload)) {
             cell.store(v, Ordering::Relaxed);
         }
         if saturated {
             self.stats.saturated += 1;
         }
-        self.memory.publish_result(self.dense, self.index(frag), r, saturated);
+        self.memory.publish_result(self.dense, self.index(r, frag), r, saturated);
     }
 
     /// A FINAL: stored unless this round's result is there already, sent
     /// on unless it was the last.
     fn store_final(&mut self, hdr: RingHeader, datagram: &mut [u8], out: &mut Vec<Transmit>) {
         let r = hdr.round;
-        let index = self.index(hdr.frag);
+        let index = self.index(r, hdr.frag);
         if self.memory.ctrl(self.dense).ready() != Some(r) {
             // Not a round whose input this member gave: a stale copy.
             if self.memory.has_result(index, r) {
@@ -371,10 +372,20 @@ impl RingService {
         let k = hdr.sender;
         let r = hdr.round;
         let frags = self.job.frags;
+        // Round r's buffer holds its results until this member starts round
+        // r + 2 (docs/RING.md "Why two buffers"); a NACK of an older round
+        // is a stale copy whose sender completed that round long ago.
+        // (While a call writes its input, `ready` is None and the buffer
+        // being written is that of ready_round + 1.)
+        let ctrl = self.memory.ctrl(self.dense);
+        let buffer_holds_r = match ctrl.ready() {
+            Some(ready) => ready == r || ready == r.plus(1),
+            None => Round(ctrl.ready_round.load(Ordering::Acquire)) == r,
+        };
         for f in wire_ring::nack_indexes(payload).filter(|&f| f < frags) {
-            let index = self.index(f);
+            let index = self.index(r, f);
             if hdr.flags & abi::RING_F_NACK_FINAL != 0 {
-                let stored = self.memory.done(index).load(Ordering::Acquire) == r.0.wrapping_add(1);
+                let stored = buffer_holds_r && self.memory.done(index).load(Ordering::Acquire) == r.0.wrapping_add(1);
                 if stored && self.layout.completer(f) == self.job.me && k != self.job.me {
                     let hops = self.layout.final_hops_to(f, k);
                     let saturated = self.memory.result_saturated(index, r);
@@ -424,7 +435,7 @@ impl RingService {
     ) -> Vec<u8> {
         let count = self.layout.frag_len(f) as u16;
         let mut bytes = vec![0u8; abi::RING_HDR_LEN + 4 * usize::from(count)];
-        let elems = &self.memory.data(self.index(f))[..usize::from(count)];
+        let elems = &self.memory.data(self.index(r, f))[..usize::from(count)];
         let saturated = fill(elems, &mut bytes[abi::RING_HDR_LEN..]) | saturated;
         let hdr = RingHeader {
             ring: self.id,
@@ -494,10 +505,10 @@ impl RingService {
     pub fn poll(&mut self, now: Instant, out: &mut Vec<Transmit>) {
         let Some(r) = self.memory.ctrl(self.dense).ready() else { return };
         self.sync_round(now, out);
-        let (memory, base) = (&self.memory, self.job.base);
+        let (memory, job) = (&self.memory, &self.job);
         let cycle = &mut self.cycle;
         self.in_flight.retain(|&(f, sent)| {
-            let done = memory.has_result(base + f, r);
+            let done = memory.has_result(job.index(r, f), r);
             if let (true, Some(sent)) = (done, sent) {
                 cycle.sample(now.saturating_duration_since(sent));
             }
@@ -506,7 +517,7 @@ impl RingService {
         while self.in_flight.len() < self.window && self.own_sent < self.own_in_round {
             let f = self.own[self.own_sent];
             self.own_sent += 1;
-            if !self.memory.has_result(self.index(f), r) {
+            if !self.memory.has_result(self.index(r, f), r) {
                 self.send_original(f, r, out);
                 self.stats.originals_sent += 1;
                 self.in_flight.push((f, Some(now)));
@@ -534,7 +545,7 @@ impl RingService {
         let unsent: std::collections::HashSet<u32> = self.own[self.own_sent..self.own_in_round].iter().copied().collect();
         let mut by_peer: HashMap<(u16, bool), Vec<u32>> = HashMap::new();
         for f in 0..self.round_frags {
-            if unsent.contains(&f) || self.memory.has_result(self.index(f), r) {
+            if unsent.contains(&f) || self.memory.has_result(self.index(r, f), r) {
                 continue;
             }
             if std::mem::replace(&mut self.missing_since[f as usize], self.episode) != self.episode {

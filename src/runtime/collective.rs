@@ -156,7 +156,7 @@ impl Collective {
         match self.choose(buf.len(), op)? {
             Algorithm::Ring => {
                 let ring = self.ring.as_mut().expect("chosen");
-                let mem = ring.buffer_mut();
+                let mem = ring.input_mut();
                 mem[..buf.len()].copy_from_slice(buf);
                 mem[buf.len()..].fill(identity(op));
                 let out = ring.allreduce_in_place(op)?;
@@ -166,7 +166,7 @@ impl Collective {
                         return Ok((Algorithm::Star, star.allreduce_i32(buf, op)?));
                     }
                 }
-                buf.copy_from_slice(&ring.buffer_mut()[..buf.len()]);
+                buf.copy_from_slice(&ring.result()[..buf.len()]);
                 Ok((Algorithm::Ring, out.overflow))
             }
             _ => Ok((Algorithm::Star, self.star.as_ref().expect("chosen").allreduce_i32(buf, op)?)),

@@ -135,14 +135,17 @@ impl RingCommunicator {
         self.round
     }
 
-    /// The ring's vector in the node's memory, to fill with the input of
-    /// [`RingCommunicator::allreduce_in_place`] and read its result from.
-    /// Between calls nothing else writes it (results of a round are stored
-    /// before the call returns, and another round's datagrams wait for the
-    /// next call).
-    pub fn buffer_mut(&mut self) -> &mut [i32] {
-        let cells = self.memory.data(self.job.base);
-        // SAFETY: the ring's fragments are consecutive `ring_data` values
+    /// The next call's input buffer in the node's memory, to fill with the
+    /// input of [`RingCommunicator::allreduce_in_place`] (no copy). It is
+    /// not the last call's [`RingCommunicator::result`]: the ring keeps two
+    /// buffers, rounds alternating, so that a round's results stay in place
+    /// while another member may still ask for them (docs/RING.md "Why two
+    /// buffers"). Between calls nothing else writes it (the next round's
+    /// datagrams wait for the next call; the round before last is over on
+    /// every member).
+    pub fn input_mut(&mut self) -> &mut [i32] {
+        let cells = self.memory.data(self.job.round_base(self.round.plus(1)));
+        // SAFETY: a buffer's fragments are consecutive `ring_data` values
         // of frag_elems int32 each (value size frag_elems · 4, a multiple
         // of 8, so no padding between them), checked to fit the map by
         // `check_job`; `&mut self` makes this the only user in this
@@ -150,21 +153,30 @@ impl RingCommunicator {
         unsafe { std::slice::from_raw_parts_mut(cells.as_ptr() as *mut i32, self.job.vector_len as usize) }
     }
 
+    /// The last call's result in the node's memory (no copy), valid until
+    /// the next call: stored before the call returned, and no datagram of
+    /// its round stores anything any more (duplicates find it claimed).
+    pub fn result(&self) -> &[i32] {
+        let cells = self.memory.data(self.job.round_base(self.round));
+        // SAFETY: as `input_mut`; shared, and the stores of this buffer's
+        // round are over (above).
+        unsafe { std::slice::from_raw_parts(cells.as_ptr() as *const i32, self.job.vector_len as usize) }
+    }
+
     /// Allreduce of `buf` (exactly [`RingCommunicator::len`] elements)
     /// with `op` (SUM, COUNT, MAX, MIN, AVG; weights of the configuration),
     /// the result written back into `buf`.
     pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<RingOutput, CommError> {
         self.check_len(buf.len())?;
-        let base = self.job.base;
-        let out = self.run(op, self.job.frags, |m| m.write_vector(base, buf))?;
-        self.memory.read_vector(base, buf);
+        let out = self.run(op, self.job.frags, |m, base| m.write_vector(base, buf))?;
+        self.memory.read_vector(self.job.round_base(self.round), buf);
         Ok(out)
     }
 
-    /// Allreduce of what [`RingCommunicator::buffer_mut`] holds, the
-    /// result left there.
+    /// Allreduce of what [`RingCommunicator::input_mut`] holds, the result
+    /// left in [`RingCommunicator::result`].
     pub fn allreduce_in_place(&mut self, op: Op) -> Result<RingOutput, CommError> {
-        self.run(op, self.job.frags, |_| {})
+        self.run(op, self.job.frags, |_, _| {})
     }
 
     /// Float allreduce through the quantization (as
@@ -187,8 +199,7 @@ impl RingCommunicator {
         loop {
             let mut q = Vec::new();
             quantize::quantize_into(buf, scale, &mut q).map_err(|e| CommError::Config(e.to_string()))?;
-            let base = self.job.base;
-            let out = self.run(Op::Sum, self.job.frags, |m| m.write_vector(base, &q))?;
+            let out = self.run(Op::Sum, self.job.frags, |m, base| m.write_vector(base, &q))?;
             if out.overflow {
                 if rerun {
                     // The saturated fragments' FINALs reach every member
@@ -199,7 +210,7 @@ impl RingCommunicator {
                 }
                 return Err(CommError::Overflow { round: self.round, scale });
             }
-            self.memory.read_vector(base, &mut q);
+            self.memory.read_vector(self.job.round_base(self.round), &mut q);
             let div = if mean { scale * f64::from(self.job.weight_sum) } else { scale };
             quantize::dequantize_into(&q, div, buf);
             return Ok(());
@@ -222,30 +233,30 @@ impl RingCommunicator {
     /// round of one fragment, not of the whole vector.
     fn adaptive_scale(&mut self, buf: &[f32]) -> Result<f64, CommError> {
         let m = quantize::max_abs(buf).map_err(|e| CommError::Config(e.to_string()))?;
-        let base = self.job.base;
         let bits = m.to_bits() as i32;
         let first = (self.job.frag_elems as usize).min(self.len());
-        self.run(Op::Max, 1, |mem| {
+        self.run(Op::Max, 1, |mem, base| {
             let mut v = vec![0; first];
             v[0] = bits;
             mem.write_vector(base, &v);
         })?;
-        let agreed = f32::from_bits(self.memory.data(base)[0].load(Ordering::Relaxed) as u32);
+        let agreed = f32::from_bits(self.memory.data(self.job.round_base(self.round))[0].load(Ordering::Relaxed) as u32);
         // Σ|w| contributions of at most max |x| · S each.
         let weights = u16::try_from(self.job.weight_sum).unwrap_or(u16::MAX);
         Ok(quantize::adaptive_scale(agreed, weights))
     }
 
-    /// One call: input through `write`, the round made ready, KICK, wait.
     /// One round over fragments `0..frags` (every member calls with the
-    /// same `frags`): the input through `write`, then the KICK, then the
+    /// same `frags`): the input through `write` (given the memory and the
+    /// index of fragment 0 in the round's buffer), then the KICK, then the
     /// wait for those fragments' results.
-    fn run(&mut self, op: Op, frags: u32, write: impl FnOnce(&RingMemory)) -> Result<RingOutput, CommError> {
+    fn run(&mut self, op: Op, frags: u32, write: impl FnOnce(&RingMemory, u32)) -> Result<RingOutput, CommError> {
         if !op.runs_in_kernel() {
             return Err(CommError::Config(format!("op {} is not a ring op (SUM, COUNT, MAX, MIN, AVG)", op.name())));
         }
         let r = self.round.plus(1);
-        self.memory.begin_round(self.dense, r, op, frags, write);
+        let base = self.job.round_base(r);
+        self.memory.begin_round(self.dense, r, op, frags, |m| write(m, base));
         self.round = r;
         let kick = RingHeader { ring: self.job.id, kind: RingKind::Kick, flags: 0, round: r, frag: 0, hops: 0, count: 0, sender: self.job.me, op };
         // A lost KICK costs the service's next look at ring_ctrl (20 ms).
@@ -282,7 +293,7 @@ impl RingCommunicator {
 
     /// Fragments of round `r` (covering `0..frags`) not stored here.
     fn missing(&self, r: Round, frags: u32) -> Vec<u32> {
-        (0..frags).filter(|&f| !self.memory.has_result(self.job.base + f, r)).collect()
+        (0..frags).filter(|&f| !self.memory.has_result(self.job.index(r, f), r)).collect()
     }
 
     fn timeout(&self, r: Round, frags: u32) -> CommError {
@@ -316,7 +327,7 @@ impl RingCommunicator {
     /// stored with each result (`ring_done.saturated_plus1`), the same on
     /// every member, so every member's call says OVERFLOW alike.
     fn saturated(&self, r: Round, frags: u32) -> bool {
-        (0..frags).any(|f| self.memory.result_saturated(self.job.base + f, r))
+        (0..frags).any(|f| self.memory.result_saturated(self.job.index(r, f), r))
     }
 }
 
@@ -344,7 +355,7 @@ mod tests {
         let frags = len.div_ceil(frag_elems);
         let (mut comms, mut servers) = (Vec::new(), Vec::new());
         for (m, socket) in sockets.into_iter().enumerate() {
-            let memory = Arc::new(RingMemory::heap(frag_elems, frags + 1));
+            let memory = Arc::new(RingMemory::heap(frag_elems, 2 * frags + 1));
             let job = RingJob {
                 id: 40,
                 port,
@@ -396,9 +407,9 @@ mod tests {
             });
             assert!(got.iter().all(|g| *g == want), "{op:?}");
             let got = each(&mut l, |m, c| {
-                c.buffer_mut().copy_from_slice(&inputs[m]);
+                c.input_mut().copy_from_slice(&inputs[m]);
                 c.allreduce_in_place(op).expect("in place");
-                c.buffer_mut().to_vec()
+                c.result().to_vec()
             });
             assert!(got.iter().all(|g| *g == want), "{op:?} in place");
         }

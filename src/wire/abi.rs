@@ -1112,6 +1112,27 @@ pub struct RingJob {
 }
 const _: () = assert!(core::mem::size_of::<RingJob>() == 40);
 
+impl RingJob {
+    /// `AGGBOX_RING_INDEX`: the `ring_data` / `ring_done` index of
+    /// fragment `frag` in round `round`. A ring has two buffers, even
+    /// rounds' from `base` and odd rounds' after them, so that a round's
+    /// results stay in place until this member starts the round after
+    /// next (docs/RING.md "Why two buffers").
+    pub fn index(&self, round: Round, frag: u32) -> u32 {
+        self.round_base(round) + frag
+    }
+
+    /// The index of fragment 0 in round `round`'s buffer.
+    pub fn round_base(&self, round: Round) -> u32 {
+        self.base + (round.0 & 1) * self.frags
+    }
+
+    /// `ring_data` / `ring_done` entries the ring takes (both buffers).
+    pub fn entries(&self) -> u32 {
+        2 * self.frags
+    }
+}
+
 /// `struct aggbox_ring_ctrl` (host order).
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -58,6 +58,9 @@ pub const PORT: u16 = 7300;
 /// The project's goal for AggBox against the floor (latency and BPF run
 /// time per copy, 9 receivers, 1472 B): issue #20.
 const FLOOR_GOAL: f64 = 1.15;
+/// How long a broadcast's copies are awaited before it counts as lost
+/// (copies take microseconds; only a stalled VM comes near this).
+const LOST_AFTER: Duration = Duration::from_secs(2);
 
 #[allow(clippy::all, missing_docs, dead_code)]
 mod floor_skel {
@@ -441,7 +444,10 @@ impl BcastBed {
             let mut remaining = n;
             let mut last_ts: i128 = 0;
             let mut last_app: i128 = 0;
-            let deadline = Instant::now() + Duration::from_millis(200);
+            // "Lost" means never delivered, not late: a copy held up by a
+            // busy (shared, CI) VM still counts, with its latency, as long
+            // as it arrives within LOST_AFTER.
+            let deadline = Instant::now() + LOST_AFTER;
             while remaining > 0 && Instant::now() < deadline {
                 net::poll_any(&socks, Duration::from_millis(20))?;
                 for (r, s) in socks.iter().enumerate() {

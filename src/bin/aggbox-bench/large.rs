@@ -434,6 +434,11 @@ fn check_result(who: &str, buf: &mut [i32], fbuf: &[f32], base: &[i32], k: usize
             *i = if f == f.trunc() && f.abs() < 1e9 { f as i32 } else { i32::MIN };
         }
     }
+    check_ints(who, buf, base, k)
+}
+
+/// Check call `k`'s int32 result `buf` against the known sums.
+fn check_ints(who: &str, buf: &[i32], base: &[i32], k: usize) -> Result<()> {
     let (bad, first) = mismatches(buf, base, k);
     if bad > 0 {
         let i = first.unwrap_or(0);
@@ -1095,8 +1100,8 @@ fn end_phase(
 /// `calls` ring allreduces of `n` elements (call 0 = warm-up) on every
 /// member at once, every result checked (as [`runtime_calls`]). An int32
 /// call is the ring's zero-copy call: the input is written into the ring's
-/// memory (`buffer_mut`) before the call and the result read from it after
-/// (`allreduce_in_place`), as an application that keeps its vector there
+/// memory (`input_mut`) before the call and the result read from it after
+/// (`allreduce_in_place`, `result`), as an application that keeps its vector there
 /// does, and as Gloo reduces its tensor in place; a float call quantizes
 /// from and into the caller's buffer (`allreduce_f32`).
 fn ring_calls(
@@ -1125,7 +1130,7 @@ fn ring_calls(
                             fill_input(&mut buf, r, k);
                             fbuf.iter_mut().zip(&buf).for_each(|(f, &i)| *f = i as f32);
                         } else {
-                            fill_input(c.buffer_mut(), r, k);
+                            fill_input(c.input_mut(), r, k);
                         }
                         if !gate.wait() {
                             bail!("ring member {r}: stopped before call {k}: another participant failed");
@@ -1140,8 +1145,12 @@ fn ring_calls(
                             gate.abort();
                             bail!("ring member {r}: allreduce ({dtype:?}) of {n} elements, call {k}: {e}");
                         }
-                        let result = if dtype == Dtype::F32 { &mut buf[..] } else { c.buffer_mut() };
-                        if let Err(e) = check_result(&format!("ring member {r}"), result, &fbuf, base, k, dtype) {
+                        let who = format!("ring member {r}");
+                        let checked = match dtype {
+                            Dtype::F32 => check_result(&who, &mut buf, &fbuf, base, k, dtype),
+                            Dtype::I32 => check_ints(&who, c.result(), base, k),
+                        };
+                        if let Err(e) = checked {
                             gate.abort();
                             return Err(e);
                         }

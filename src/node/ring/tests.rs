@@ -37,6 +37,10 @@ struct Sim {
     duplicated: u64,
     /// Fragments the calls' rounds cover (`ring_ctrl.round_frags`, 0: all).
     round_frags: u32,
+    /// Member 0's job (where a round's buffer is: the same on every member).
+    job: RingJob,
+    /// The round of the last call.
+    last_round: Round,
 }
 
 impl Sim {
@@ -47,8 +51,9 @@ impl Sim {
         let addrs: Vec<Ipv4Addr> = (0..members).map(member_addr).collect();
         let mut services = Vec::new();
         let mut memories = Vec::new();
+        let mut jobs = Vec::new();
         for m in 0..members {
-            let memory = Arc::new(RingMemory::heap(frag_elems, BASE + frags + 2));
+            let memory = Arc::new(RingMemory::heap(frag_elems, BASE + 2 * frags + 2));
             let job = RingJob {
                 id: RING,
                 port: PORT,
@@ -65,6 +70,7 @@ impl Sim {
             };
             services.push(RingService::new(DENSE, job, addrs.clone(), memory.clone()).expect("service").with_window(window));
             memories.push(memory);
+            jobs.push(job);
         }
         Sim {
             services,
@@ -78,6 +84,8 @@ impl Sim {
             dropped: 0,
             duplicated: 0,
             round_frags: 0,
+            job: jobs[0],
+            last_round: Round(0),
         }
     }
 
@@ -99,7 +107,9 @@ impl Sim {
     /// What one member's runtime does for a call: input in place, the
     /// round made ready, a KICK.
     fn call(&mut self, m: usize, round: Round, op: Op, input: &[i32]) {
-        self.memories[m].begin_round(DENSE, round, op, self.round_frags, |mem| mem.write_vector(BASE, input));
+        let base = self.job.round_base(round);
+        self.memories[m].begin_round(DENSE, round, op, self.round_frags, |mem| mem.write_vector(base, input));
+        self.last_round = round;
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op };
         let mut out = Vec::new();
         self.services[m].handle(self.now, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40000), kick.encode().to_vec(), &mut out);
@@ -115,8 +125,14 @@ impl Sim {
     /// Deliver in a shuffled order, poll on a fake clock, until every
     /// member has round `round` (or `steps` run out).
     fn run(&mut self, round: Round, steps: usize) -> bool {
+        self.run_until(steps, |sim| (0..sim.services.len()).all(|m| sim.done(m, round)), |_, _| false)
+    }
+
+    /// As `run`, until `done`, losing the datagrams `lose` picks (by
+    /// receiving member and bytes).
+    fn run_until(&mut self, steps: usize, done: impl Fn(&Sim) -> bool, lose: impl Fn(usize, &[u8]) -> bool) -> bool {
         for _ in 0..steps {
-            if (0..self.services.len()).all(|m| self.done(m, round)) {
+            if done(self) {
                 return true;
             }
             if self.net.is_empty() {
@@ -125,6 +141,10 @@ impl Sim {
                 // Take a random one of the first few: reordering.
                 let i = (self.rng.next() as usize) % self.net.len().min(8);
                 let (to, from, bytes) = self.net.remove(i);
+                if lose(to, &bytes) {
+                    self.dropped += 1;
+                    continue;
+                }
                 let mut out = Vec::new();
                 self.services[to].handle(self.now, from, bytes, &mut out);
                 self.send(to, out);
@@ -140,7 +160,7 @@ impl Sim {
 
     fn result(&self, m: usize) -> Vec<i32> {
         let mut v = vec![0; self.layout.vector_len as usize];
-        self.memories[m].read_vector(BASE, &mut v);
+        self.memories[m].read_vector(self.job.round_base(self.last_round), &mut v);
         v
     }
 
@@ -193,7 +213,7 @@ fn rounds(members: usize, frag_elems: u32, len: u32, weights: Vec<i32>, loss: f6
         for m in 0..members {
             assert_eq!(sim.result(m), want, "member {m}, {op:?}, round {round}");
             for f in 0..sim.layout.frags() {
-                assert!(sim.memories[m].has_result(BASE + f, round), "member {m} fragment {f}");
+                assert!(sim.memories[m].has_result(sim.job.index(round, f), round), "member {m} fragment {f}");
             }
         }
     }
@@ -232,6 +252,52 @@ fn loss_and_duplication_are_repaired() {
         assert!(sim.dropped > 0 && sim.duplicated > 0, "the network dropped {} and duplicated {}", sim.dropped, sim.duplicated);
         assert!(t.nacks_sent > 0 && t.resends > 0, "loss {loss}: {t:?}");
         assert!(t.duplicates > 0, "dup {dup}: {t:?}");
+    }
+}
+
+/// A FINAL lost on its way to one member, whose NACK reaches the
+/// completing member only after that member's application started the
+/// next call: the answer still carries the first call's result (the next
+/// call's input goes to the other buffer), not the next call's input.
+#[test]
+fn a_final_resent_after_its_completer_moved_on_carries_the_result() {
+    let members = 3;
+    let (frag_elems, len) = (4u32, 12u32);
+    let mut sim = Sim::new(members, frag_elems, len, vec![1; members], DEFAULT_WINDOW);
+    // Fragment 0: origin 0, completed by member 2, whose FINAL goes to 0
+    // and from 0 to member 1 (the last hop).
+    assert_eq!((sim.layout.origin(0), sim.layout.completer(0)), (0, 2));
+    let (r1, r2) = (Round(1), Round(2));
+    let first: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, r1.0)).collect();
+    for (m, v) in first.iter().enumerate() {
+        sim.call(m, r1, Op::Sum, v);
+    }
+    let final_of_0_to_1 = |to: usize, bytes: &[u8]| {
+        to == 1 && RingHeader::decode(bytes).is_ok_and(|(h, _)| h.kind == RingKind::Final && h.frag == 0)
+    };
+    assert!(
+        sim.run_until(2_000_000, |sim| sim.done(0, r1) && sim.done(2, r1) && sim.dropped > 0, final_of_0_to_1),
+        "members 0 and 2 complete round 1"
+    );
+    // (and any resend of it still on its way is lost too)
+    sim.net.retain(|(to, _, bytes)| !final_of_0_to_1(*to, bytes));
+    assert!(!sim.done(1, r1), "member 1 lacks fragment 0's FINAL");
+    // Members 0 and 2 start the next call: its input is written.
+    let second: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, r2.0)).collect();
+    for m in [0, 2] {
+        sim.call(m, r2, Op::Sum, &second[m]);
+    }
+    // Member 1's NACK is answered by member 2 from round 1's buffer.
+    assert!(sim.run_until(2_000_000, |sim| sim.done(1, r1), |_, _| false), "member 1 completes round 1");
+    let mut got = vec![0; len as usize];
+    sim.memories[1].read_vector(sim.job.round_base(r1), &mut got);
+    assert_eq!(got, star(Op::Sum, &first, &[1; 3]), "member 1's result of round 1");
+    assert!(sim.totals().resends > 0, "the FINAL was resent");
+    // And the second call completes on every member.
+    sim.call(1, r2, Op::Sum, &second[1]);
+    assert!(sim.run(r2, 2_000_000));
+    for m in 0..members {
+        assert_eq!(sim.result(m), star(Op::Sum, &second, &[1; 3]), "member {m}, round 2");
     }
 }
 
@@ -308,7 +374,7 @@ fn the_server_loop_runs_a_ring_over_loopback() {
     let mut memories = Vec::new();
     let mut servers = Vec::new();
     for (m, socket) in sockets.into_iter().enumerate() {
-        let memory = Arc::new(RingMemory::heap(frag_elems, frags));
+        let memory = Arc::new(RingMemory::heap(frag_elems, 2 * frags));
         let job = RingJob {
             id: RING,
             port,
@@ -325,26 +391,26 @@ fn the_server_loop_runs_a_ring_over_loopback() {
         };
         let service = RingService::new(0, job, addrs.clone(), memory.clone()).expect("service");
         servers.push(RingServer::start(vec![(vec![socket], service)], None).expect("server"));
-        memories.push(memory);
+        memories.push((memory, job));
     }
     let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, len as usize, 1)).collect();
     let want = star(Op::Sum, &inputs, &[1; 3]);
     let round = Round(1);
-    for (m, memory) in memories.iter().enumerate() {
-        memory.begin_round(0, round, Op::Sum, 0, |mem| mem.write_vector(0, &inputs[m]));
+    for (m, (memory, job)) in memories.iter().enumerate() {
+        memory.begin_round(0, round, Op::Sum, 0, |mem| mem.write_vector(job.round_base(round), &inputs[m]));
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op: Op::Sum };
         // The KICK comes from 127.0.0.1 whichever member it is for.
         let s = UdpSocket::bind("127.0.0.1:0").expect("kick socket");
         s.send_to(&kick.encode(), SocketAddrV4::new(addrs[m], port)).expect("kick");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    for memory in &memories {
+    for (memory, job) in &memories {
         while memory.ctrl(0).finals.load(Ordering::Acquire) < frags {
             assert!(Instant::now() < deadline, "the ring did not complete in 10 s");
             std::thread::sleep(Duration::from_millis(1));
         }
         let mut got = vec![0; len as usize];
-        memory.read_vector(0, &mut got);
+        memory.read_vector(job.round_base(round), &mut got);
         assert_eq!(got, want);
     }
     drop(servers);
@@ -385,7 +451,7 @@ fn a_round_of_the_first_fragments_covers_only_them() {
         for m in 0..members {
             let got = sim.result(m);
             for f in 0..sim.layout.frags() {
-                let stored = sim.memories[m].has_result(BASE + f, round);
+                let stored = sim.memories[m].has_result(sim.job.index(round, f), round);
                 assert_eq!(stored, f < covered, "member {m} fragment {f} of a round of {covered}");
                 let r = f as usize * frag_elems as usize..(f as usize * frag_elems as usize + frag_elems as usize).min(len as usize);
                 if f < covered {
