@@ -51,7 +51,7 @@ impl Sim {
         let addrs: Vec<Ipv4Addr> = (0..members).map(member_addr).collect();
         let mut services = Vec::new();
         let mut memories = Vec::new();
-        let mut jobs = Vec::new();
+        let mut first_job = None;
         for m in 0..members {
             let memory = Arc::new(RingMemory::heap(frag_elems, BASE + 2 * frags + 2));
             let job = RingJob {
@@ -70,7 +70,7 @@ impl Sim {
             };
             services.push(RingService::new(DENSE, job, addrs.clone(), memory.clone()).expect("service").with_window(window));
             memories.push(memory);
-            jobs.push(job);
+            first_job.get_or_insert(job);
         }
         Sim {
             services,
@@ -84,7 +84,7 @@ impl Sim {
             dropped: 0,
             duplicated: 0,
             round_frags: 0,
-            job: jobs[0],
+            job: first_job.expect("a ring has members"),
             last_round: Round(0),
         }
     }
