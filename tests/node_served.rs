@@ -81,15 +81,9 @@ impl Bed {
         );
         let attach = LiveAttach::start(&tb.host(0).netns, tag, &text, &[]);
         let config = Config::parse(&text, "node_served").expect("config");
-        let agg_addr = tb.host(0).addr;
-        let workers = (0..nworkers)
-            .map(|r| {
-                let b = CommunicatorBuilder::from_config(&config, JOB, agg_addr, DATA_PORT, Participant::Worker(r as u16))
-                    .expect("from_config")
-                    .backend(BackendKind::Kernel)
-                    .deadline(deadline);
-                tb.in_host(r + 1, move || b.build()).expect("netns").expect("build")
-            })
+        let workers = build_workers(&tb, &config, nworkers, deadline)
+            .into_iter()
+            .map(|w| w.expect("build"))
             .collect();
         Bed { injector: impair::Injector::new(), workers, config, attach, tb }
     }
@@ -139,6 +133,22 @@ impl Bed {
             .map(|v| v as u64)
             .unwrap_or_else(|| panic!("no {prefix}..aggbox_job=\"{JOB}\"}} in /metrics:\n{text}"))
     }
+}
+
+/// `nworkers` workers of the job, each built in its host the plain way
+/// (`from_config(...).backend(Kernel).deadline(..).build()`), as a new
+/// program would: nothing told about earlier runs.
+fn build_workers(tb: &Testbed, config: &Config, nworkers: usize, deadline: Duration) -> Vec<Result<Communicator, CommError>> {
+    let agg_addr = tb.host(0).addr;
+    (0..nworkers)
+        .map(|r| {
+            let b = CommunicatorBuilder::from_config(config, JOB, agg_addr, DATA_PORT, Participant::Worker(r as u16))
+                .expect("from_config")
+                .backend(BackendKind::Kernel)
+                .deadline(deadline);
+            tb.in_host(r + 1, move || b.build()).expect("netns")
+        })
+        .collect()
 }
 
 fn input(rank: usize, len: usize) -> Vec<i32> {
@@ -452,6 +462,66 @@ fn a_new_run_resumes_where_the_node_is_and_only_the_workers_own_sockets_are_answ
     let stale = bed.attach.status().drops.get("stale_round").copied().unwrap_or(0);
     assert_eq!(stale, stale_before, "no contribution of the new run taken for an old round");
     assert!(bed.counter_at_least("position_queries", 5) >= 5);
+}
+
+/// An outside client's report (issue #42): workers built the plain way
+/// (`from_config(...).build()`, as the Python package and a Rust program
+/// do) ran exactly; when they exited and fresh ones started against the
+/// same node, every call timed out, the new run starting at round 0 where
+/// the node still held the old run's rounds. A worker of a node-served job
+/// now asks the node where to start when it is built: the second and third
+/// runs complete exactly, with no contribution taken for an old round. A
+/// worker whose node does not answer is not built, and its error names the
+/// node and says what to check, within the deadline, instead of every call
+/// timing out.
+#[test]
+fn a_second_run_of_plainly_built_workers_resumes_by_itself() {
+    require_root();
+    let deadline = Duration::from_secs(5);
+    let mut bed = Bed::up("served-rerun", AckMode::Group, 4, deadline);
+    for _ in 0..3 {
+        allreduce(&bed, Op::Sum, 1_000);
+    }
+    let stale_before = bed.attach.status().drops.get("stale_round").copied().unwrap_or(0);
+    let queries_before = bed.service_counter("position_queries");
+    for run in 1..=2 {
+        // The previous run ends (its sockets closed), a new one starts.
+        bed.workers.clear();
+        bed.workers = build_workers(&bed.tb, &bed.config, 4, deadline)
+            .into_iter()
+            .enumerate()
+            .map(|(r, w)| w.unwrap_or_else(|e| panic!("run {run}, worker {r}: build: {e}")))
+            .collect();
+        let first = bed.workers[0].position();
+        assert!(first.0 .0 >= 2, "run {run} starts past the rounds the node has seen: {first:?}");
+        assert!(bed.workers.iter().all(|w| w.position() == first), "run {run}: every worker starts at one position");
+        for _ in 0..3 {
+            allreduce(&bed, Op::Sum, 1_000);
+            allreduce(&bed, Op::Max, 10);
+        }
+    }
+    let stale = bed.attach.status().drops.get("stale_round").copied().unwrap_or(0);
+    assert_eq!(stale, stale_before, "no contribution of a new run taken for an old round");
+    assert!(
+        bed.counter_at_least("position_queries", queries_before + 8) >= queries_before + 8,
+        "each worker of the two new runs asked the node"
+    );
+
+    // No node: the build fails within the deadline, naming the node.
+    bed.workers.clear();
+    bed.attach.terminate();
+    let start = std::time::Instant::now();
+    let built = build_workers(&bed.tb, &bed.config, 1, Duration::from_secs(1));
+    let waited = start.elapsed();
+    let err = match built.into_iter().next().expect("one worker") {
+        Ok(_) => panic!("a worker was built with no node to answer it"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, CommError::Position(_)), "{err:?}");
+    let msg = err.to_string();
+    let node = format!("{}:{RESULT_PORT}", bed.tb.host(0).addr);
+    assert!(msg.contains(&node) && msg.contains("aggbox attach"), "the error names the node and what to check: {msg}");
+    assert!(waited < Duration::from_secs(3), "the build gave up at its deadline: {waited:?}");
 }
 
 /// Implicit acknowledgement (docs/PROTOCOL.md "Implicit acknowledgement

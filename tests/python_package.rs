@@ -10,6 +10,8 @@
 //!   released during a call.
 //! - python/tests/netns_collectives.py: 4 worker namespaces against a node
 //!   that runs only `aggbox attach` (node-served jobs, kernel backend).
+//! - python/tests/netns_rerun.py: consecutive runs of fresh worker
+//!   processes on one job of a running node.
 //! - python/tests/netns_ddp.py: DDP over the same 4 workers, the default
 //!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed.
 //!
@@ -306,6 +308,24 @@ fn python_workers_allreduce_and_broadcast_through_a_node_served_job() {
             text.contains("ok: wrong length (") && text.contains("CommTimeoutError"),
             "rank {r}:\n{text}"
         );
+    }
+}
+
+/// An outside client's report (issue #42): four Python workers ran
+/// exactly; four fresh worker processes against the same running node then
+/// failed every call (CommTimeoutError, round 0). Three consecutive runs of
+/// fresh processes on one job, each built with a plain `from_config`, must
+/// each complete exactly.
+#[test]
+fn consecutive_python_runs_on_one_running_node_each_complete() {
+    let node = Node::up("py-rerun");
+    let args = |_r: usize| vec!["--job".into(), JOBS[0].to_string()];
+    for run in 0..3 {
+        let results = node.run_workers("netns_rerun.py", args, Duration::from_secs(60));
+        for (r, (status, text)) in results.iter().enumerate() {
+            assert!(status.success(), "run {run}, rank {r}: netns_rerun.py failed ({status}):\n{text}");
+            assert!(text.trim_end().ends_with("done"), "run {run}, rank {r} did not finish:\n{text}");
+        }
     }
 }
 

@@ -78,7 +78,7 @@ fn to_py_err(py: Python<'_>, e: CommError) -> PyErr {
         CommError::Overflow { .. } => QuantizationOverflowError::new_err(msg),
         CommError::Config(_) => ConfigError::new_err(msg),
         CommError::Closed => CommClosedError::new_err(msg),
-        CommError::Io(_) => AggBoxError::new_err(msg),
+        CommError::Io(_) | CommError::Position(_) => AggBoxError::new_err(msg),
     }
 }
 

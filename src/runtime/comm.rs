@@ -117,6 +117,14 @@ pub struct CommConfig {
     pub first_round: Round,
     /// Contribution seq of the first call (same on every rank).
     pub first_agg_seq: u32,
+    /// Set for a worker of a node-served job by
+    /// [`CommunicatorBuilder::from_config`], cleared by
+    /// [`CommunicatorBuilder::resume`]: `build()` asks the node where the
+    /// first call starts ([`CommunicatorBuilder::node_position`], `AGP1`)
+    /// and uses its answer instead of `first_round` and `first_agg_seq`.
+    /// The node keeps a job's rounds across runs, so a new run that started
+    /// at round 0 would find its contributions taken for the old run's.
+    pub ask_node_position: bool,
     /// Most datagrams kept for a later call (early broadcast data).
     pub stash_limit: usize,
     /// Kernel backend, aggregator: most bytes the RESULTs of rounds this
@@ -246,6 +254,7 @@ impl CommunicatorBuilder {
                 quantization: Quantization::default(),
                 first_round: Round(0),
                 first_agg_seq: 0,
+                ask_node_position: false,
                 stash_limit: 4096,
                 early_result_bytes: DEFAULT_EARLY_RESULT_BYTES,
                 kernel_result_group: false,
@@ -296,6 +305,7 @@ impl CommunicatorBuilder {
             .group_size(config.node.ack_group as u32);
         b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
         b.cfg.node_served = job.consumer == ResultConsumer::Node;
+        b.cfg.ask_node_position = b.cfg.node_served && matches!(me, Participant::Worker(_));
         b.cfg.tree_workers = job.parent.and_then(|p| p.tree_workers);
         if let Some(g) = job.result_group {
             b.cfg.kernel_result_group = true;
@@ -420,14 +430,29 @@ impl CommunicatorBuilder {
     pub fn resume(mut self, round: Round, agg_seq: u32) -> Self {
         self.cfg.first_round = round;
         self.cfg.first_agg_seq = agg_seq;
+        self.cfg.ask_node_position = false;
         self
     }
 
     /// Validates, binds the socket and starts the progress thread. The
     /// socket is bound to this participant's address (a worker's
     /// `peers[rank]`; the aggregator's `aggregator:job_port` for the socket
-    /// backend, `aggregator:result_port` for the kernel backend).
+    /// backend, `aggregator:result_port` for the kernel backend). A worker
+    /// of a node-served job built by [`CommunicatorBuilder::from_config`]
+    /// without [`CommunicatorBuilder::resume`] first asks the node where its
+    /// first call starts, within the deadline, and fails with
+    /// [`CommError::Position`] when the node does not answer.
     pub fn build(self) -> Result<Communicator, CommError> {
+        if self.cfg.ask_node_position {
+            // Every worker of a new run gets the same answer without
+            // talking to the others: the node's answer moves only when a
+            // round completes, and the new run's first round completes
+            // only after every worker has contributed, i.e. after every
+            // worker has been built (docs/RUNTIME.md, "A new run on a
+            // running node").
+            let position = self.node_position(self.cfg.deadline)?;
+            return self.resume(position.round, position.agg_seq).build();
+        }
         let mut cfg = self.cfg;
         if std::env::var("AGGBOX_CALLER_THREAD").is_ok_and(|v| v == "0") {
             cfg.caller_runs_calls = false;

@@ -143,6 +143,10 @@ pub enum CommError {
     /// The communicator's thread is gone.
     #[error("communicator closed")]
     Closed,
+    /// A worker of a node-served job could not learn from the node where
+    /// its run starts (`AGP1`), so it was not built.
+    #[error("{0}")]
+    Position(#[from] crate::runtime::position::PositionQueryError),
 }
 
 impl CommError {
