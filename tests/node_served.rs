@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use aggbox::config::{AckMode, Config};
 use aggbox::runtime::fragment::elements_per_fragment;
-use aggbox::runtime::{BackendKind, CommError, Communicator, CommunicatorBuilder, Participant};
+use aggbox::runtime::{BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant};
 use aggbox::wire::abi::Op;
 use aggbox::wire::proto::PositionMessage;
 use aggbox::wire::reducer;
@@ -522,6 +522,49 @@ fn a_second_run_of_plainly_built_workers_resumes_by_itself() {
     let node = format!("{}:{RESULT_PORT}", bed.tb.host(0).addr);
     assert!(msg.contains(&node) && msg.contains("aggbox attach"), "the error names the node and what to check: {msg}");
     assert!(waited < Duration::from_secs(3), "the build gave up at its deadline: {waited:?}");
+}
+
+/// A run that went on past calls that failed (a worker gone, the others
+/// calling on: each timed-out call leaves their contributions in its
+/// round, and the runtime goes on with the next round) must not hand its
+/// values to the next run, which starts in those rounds: the kernel would
+/// take the new run's contributions of those ranks for retransmissions and
+/// complete each fragment with the old values, a wrong vector reported as
+/// a success. The node releases a job's unfinished slots of rounds after
+/// its newest RESULT when a worker asks where a new run starts.
+#[test]
+fn a_run_that_went_on_past_failed_calls_leaves_nothing_in_the_next_runs_results() {
+    require_root();
+    let deadline = Duration::from_secs(5);
+    let mut bed = Bed::up("served-leftover", AckMode::Group, 4, deadline);
+    allreduce(&bed, Op::Sum, 1_000);
+    // Worker 3 is gone; the others call three more times, with other
+    // values than the next run's, and each call times out.
+    drop(bed.workers.pop());
+    std::thread::scope(|s| {
+        for (r, c) in bed.workers.iter().enumerate() {
+            s.spawn(move || {
+                for call in 0..3 {
+                    let mut v = input(100 + 10 * r + call, 1_000);
+                    let e = c
+                        .allreduce_i32_with(&mut v, Op::Sum, CallOptions::deadline(Duration::from_millis(300)))
+                        .expect_err("worker 3 is missing");
+                    assert!(e.timeout().is_some(), "worker {r}, call {call}: {e}");
+                }
+            });
+        }
+    });
+    let released_before = bed.service_counter("released_slots");
+    bed.workers.clear();
+    bed.workers = build_workers(&bed.tb, &bed.config, 4, deadline)
+        .into_iter()
+        .map(|w| w.expect("build"))
+        .collect();
+    for _ in 0..3 {
+        allreduce(&bed, Op::Sum, 1_000);
+    }
+    let released = bed.counter_at_least("released_slots", released_before + 1);
+    assert!(released > released_before, "the new run's queries released the old run's slots ({released})");
 }
 
 /// Implicit acknowledgement (docs/PROTOCOL.md "Implicit acknowledgement

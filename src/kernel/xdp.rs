@@ -1611,38 +1611,41 @@ impl KernelMaps {
     /// ([`Round::is_stale`], the rule the XDP program drops by) behind
     /// either path's newest completed round.
     pub fn reclaim_stale_slots(&self, window: impl Fn(u16) -> Option<u32>) -> usize {
-        let mut newest: BTreeMap<u16, (Option<Round>, Option<Round>, u32)> = BTreeMap::new();
-        let mut reclaimed = 0;
+        let mut newest: BTreeMap<u16, Option<(Option<Round>, Option<Round>, u32)>> = BTreeMap::new();
+        self.release_open_slots(|job, round| {
+            let entry = *newest.entry(job).or_insert_with(|| {
+                let w = window(job)?;
+                let (k, u) = self.newest_rounds(job);
+                Some((k, u, w))
+            });
+            entry.is_some_and(|(k, u, w)| round.is_stale(k, w) || round.is_stale(u, w))
+        })
+    }
+
+    /// Release every unfinished slot of job `id` whose round is after
+    /// `newest` (every one with `None`): what an earlier run of the job
+    /// left when its calls failed, before a new run starts after `newest`
+    /// (the node's answer to a position query, src/node/serve.rs). Returns
+    /// how many were released.
+    pub fn release_rounds_after(&self, id: u16, newest: Option<Round>) -> usize {
+        self.release_open_slots(|job, round| job == id && newest.is_none_or(|n| round.is_after(n)))
+    }
+
+    /// Release the unfinished kernel slots, hash-map and fast, whose (job,
+    /// round) `pick` chooses; the kernel checks under each slot's lock that
+    /// it still holds that round. Returns how many were released.
+    fn release_open_slots(&self, mut pick: impl FnMut(u16, Round) -> bool) -> usize {
+        let mut released = 0;
         for key in self.slot_keys() {
-            let entry = match newest.get(&key.job) {
-                Some(e) => *e,
-                None => {
-                    let Some(w) = window(key.job) else { continue };
-                    let (k, u) = self.newest_rounds(key.job);
-                    newest.insert(key.job, (k, u, w));
-                    (k, u, w)
-                }
-            };
-            let (k, u, w) = entry;
-            let round = Round(key.round);
-            if (round.is_stale(k, w) || round.is_stale(u, w))
-                && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed))
-            {
-                reclaimed += 1;
+            if pick(key.job, Round(key.round)) && matches!(self.reclaim_slot(&key), Ok(Reclaim::Reclaimed)) {
+                released += 1;
             }
         }
         // The fast slots (docs/DATAPLANE.md "Fast slots") of every job with
-        // a region: one still holding an unfinished fragment of a stale
-        // round is released the same way (the kernel checks, under the
-        // slot's lock, that it still holds that round).
+        // a region.
         for dense in 0..abi::MAX_JOBS {
             let Some(job) = raw_lookup::<u32, abi::Job>(&self.jobs, &dense) else { continue };
             if job.workers == 0 || job.fast_slots == 0 {
-                continue;
-            }
-            let Some(w) = window(job.id) else { continue };
-            let (k, u) = self.newest_rounds(job.id);
-            if k.is_none() && u.is_none() {
                 continue;
             }
             let base = u32::from(job.fast_base);
@@ -1652,14 +1655,14 @@ impl KernelMaps {
                 // slot's lock busy past its bound) is undone here.
                 if (state == FAST_ACTIVE || state == FAST_CLAIMING)
                     && slot_job == job.id
-                    && (Round(round).is_stale(k, w) || Round(round).is_stale(u, w))
+                    && pick(job.id, Round(round))
                     && matches!(self.discard_fast_slot(job.id, index, Some(round)), Ok(true))
                 {
-                    reclaimed += 1;
+                    released += 1;
                 }
             }
         }
-        reclaimed
+        released
     }
 
     /// (state, job, round) of fast slot `index`: the first fields of

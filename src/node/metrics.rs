@@ -296,7 +296,7 @@ type ServiceCounter = (&'static str, &'static str, fn(&ServiceStats) -> u64);
 
 /// The result service's counters per node-served job (`consumer = "node"`).
 fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, ServiceStats>) -> Vec<Family> {
-    let counters: [ServiceCounter; 17] = [
+    let counters: [ServiceCounter; 18] = [
         ("aggbox_result_service_results_total", "RESULTs the node's result service took (each fragment once).", |s| s.results),
         ("aggbox_result_service_duplicate_results_total", "RESULT copies of a fragment taken already.", |s| s.duplicate_results),
         ("aggbox_result_service_acks_sent_total", "ACKs the node sent on the kernel's behalf (one per worker each).", |s| s.acks_sent),
@@ -314,6 +314,7 @@ fn result_service_families(iface: &str, stats: &std::collections::HashMap<u16, S
         ("aggbox_result_service_parent_acks_sent_total", "Tree jobs: ACKs of the parent's RESULTs sent to the parent.", |s| s.parent_acks_sent),
         ("aggbox_result_service_position_queries_total", "Position queries (AGP1) of the job's workers the node answered.", |s| s.position_queries),
         ("aggbox_result_service_refused_queries_total", "AGP1 datagrams refused: malformed, or not from the worker they name.", |s| s.refused_queries),
+        ("aggbox_result_service_released_slots_total", "Unfinished slots of rounds after the newest RESULT, released at a position query (left by an earlier run's failed calls).", |s| s.released_slots),
     ];
     let mut jobs: Vec<(&u16, &ServiceStats)> = stats.iter().collect();
     jobs.sort_by_key(|(id, _)| **id);

@@ -667,7 +667,7 @@ pub fn attach_chain(
         return Err(err);
     }
     // The result service runs also without served jobs: a reload may add some.
-    match served.start(&dir) {
+    match attachment.xdp.kernel_maps().map_err(anyhow::Error::from).and_then(|maps| served.start(&dir, maps)) {
         Ok(server) => attachment.results = Some(server),
         Err(e) => {
             if let Some(u) = attachment.userspace.take() {

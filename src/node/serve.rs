@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 
 use crate::config::{Config, JobConfig, ParentConfig, ResultConsumer};
+use crate::kernel::xdp::KernelMaps;
 
 use libbpf_rs::MapCore;
 
@@ -124,6 +125,10 @@ pub struct ServiceStats {
     /// a socket that is not the worker it names (nothing answered, nothing
     /// changed).
     pub refused_queries: u64,
+    /// Unfinished slots of rounds after the newest RESULT, released when a
+    /// worker asked where a new run starts: contributions an earlier run
+    /// left in calls that failed ([`ResultService::take_release`]).
+    pub released_slots: u64,
 }
 
 // SAFETY: only u64 fields, no padding.
@@ -159,6 +164,10 @@ pub struct ResultService {
     /// The newest round and seq (serial order) of the RESULTs taken, for
     /// the position a new run must start at ([`ResultService::position`]).
     seen: Option<Seen>,
+    /// Set by an answered position query, taken by the serving thread
+    /// before the reply goes out: release the job's unfinished slots of
+    /// rounds after this newest RESULT's (`None`: of every round).
+    release_after: Option<Option<Round>>,
     stats: ServiceStats,
 }
 
@@ -291,6 +300,7 @@ impl ResultService {
             per: None,
             upstream: None,
             seen: None,
+            release_after: None,
             stats: ServiceStats::default(),
         }
     }
@@ -359,6 +369,26 @@ impl ResultService {
         }
     }
 
+    /// What the node must release before the reply to a position query
+    /// goes out (taken once): the job's unfinished slots of rounds after
+    /// the returned newest RESULT's round (`None`: of every round). A run
+    /// that went on past calls that failed (each failed call's round may
+    /// hold some workers' contributions, and the runtime goes on with the
+    /// next round) leaves such slots in rounds a new run will use; the
+    /// kernel would take the new run's contributions of those ranks for
+    /// retransmissions and complete the fragments with the old values. A
+    /// new run's contributions released this way (a worker that started
+    /// before another one asked) are not acknowledged, so their senders
+    /// send them again.
+    pub fn take_release(&mut self) -> Option<Option<Round>> {
+        self.release_after.take()
+    }
+
+    /// Counts slots released for [`ResultService::take_release`].
+    pub fn released(&mut self, slots: usize) {
+        self.stats.released_slots += slots as u64;
+    }
+
     /// RESULTs held until a worker acknowledges them.
     pub fn held(&self) -> usize {
         self.results.window.in_flight()
@@ -408,6 +438,7 @@ impl ResultService {
             }
         };
         self.stats.position_queries += 1;
+        self.release_after = Some(self.seen.map(|s| s.round));
         let (round, seq, fresh) = self.position();
         let reply = PositionMessage::reply(&query, round, seq, fresh);
         out.push(Transmit { to: from, datagram: reply.encode().to_vec() });
@@ -780,7 +811,7 @@ impl ServedChange {
     /// Serve the jobs on a thread of their own (also with none: a reload
     /// may add some); their counters also go to a map pinned as
     /// `pin_dir/result_service` ([`STATS_MAP`]).
-    pub fn start(self, pin_dir: &std::path::Path) -> Result<ResultServer> {
+    pub fn start(self, pin_dir: &std::path::Path, maps: KernelMaps) -> Result<ResultServer> {
         let map = crate::kernel::maps::create_pinned_counters(
             pin_dir,
             STATS_MAP,
@@ -795,7 +826,7 @@ impl ServedChange {
         apply_change(&mut jobs, self, &stats, &map);
         let thread = std::thread::Builder::new()
             .name("aggbox-results".into())
-            .spawn(move || serve(&mut jobs, &queued, &flag, &shared, &map))?;
+            .spawn(move || serve(&mut jobs, &queued, &flag, &shared, &map, &maps))?;
         Ok(ResultServer { stop, thread: Some(thread), stats, changes })
     }
 }
@@ -909,6 +940,7 @@ fn serve(
     stop: &AtomicBool,
     stats: &Mutex<HashMap<u16, ServiceStats>>,
     pinned: &libbpf_rs::MapHandle,
+    maps: &KernelMaps,
 ) {
     let mut buf = vec![0u8; 65536];
     let mut out = Vec::new();
@@ -929,6 +961,11 @@ fn serve(
             while let Ok((n, from)) = socket.recv_from(&mut buf) {
                 if let std::net::SocketAddr::V4(from) = from {
                     service.handle(Instant::now(), from, &buf[..n], &mut out);
+                    // Before the reply to a position query is sent.
+                    if let Some(after) = service.take_release() {
+                        let released = maps.release_rounds_after(service.job, after);
+                        service.released(released);
+                    }
                     taken += 1;
                 }
             }
@@ -1147,6 +1184,10 @@ mod tests {
         assert_eq!(r[0].0, worker(2), "the reply goes to the asking socket");
         assert!(r[0].1.is_reply() && r[0].1.is_fresh());
         assert_eq!((r[0].1.job, r[0].1.rank, r[0].1.nonce, r[0].1.round, r[0].1.agg_seq), (JOB, 2, 77, Round(0), 0));
+        // Before the reply goes out, the node releases what an earlier run
+        // left: with no RESULT seen, the job's unfinished slots of any round.
+        assert_eq!(s.take_release(), Some(None));
+        assert_eq!(s.take_release(), None, "taken once");
         // Round 5 (seqs 40, 41), then a late copy of round 4 (seq 30): the
         // newest round and seq count, in serial order.
         s.handle(t0, worker(0), &result(5, 41, 1, true), &mut out);
@@ -1159,6 +1200,7 @@ mod tests {
         assert!(r[0].1.is_reply() && !r[0].1.is_fresh());
         // Round 6 is skipped: a run cut off in it may hold slots of it.
         assert_eq!((r[0].0, r[0].1.nonce, r[0].1.round, r[0].1.agg_seq), (worker(0), 78, Round(7), 42));
+        assert_eq!(s.take_release(), Some(Some(Round(5))), "the slots of rounds after the newest RESULT's");
         assert_eq!(s.position(), (Round(7), 42, false));
         assert_eq!((s.stats().position_queries, s.stats().refused_queries), (2, 0));
         // Serial order across the wrap: after u32::MAX, 0 is newer.
@@ -1207,6 +1249,7 @@ mod tests {
         assert_eq!((s.stats().refused_queries, s.stats().position_queries), (refused.len() as u64, 0));
         assert_eq!((s.stats().other, s.stats().refused_acks, s.stats().refused_results), (0, 0, 0));
         assert_eq!((s.position(), s.held()), before, "a refused query changes nothing");
+        assert_eq!(s.take_release(), None, "a refused query releases nothing");
         s.handle(t0, worker(1), &query(JOB, 1, 5), &mut out);
         assert_eq!(replies(&out).len(), 1);
     }

@@ -444,6 +444,7 @@ pub fn format_status(status: &NodeStatus) -> String {
             ("parent_acks_sent", st.parent_acks_sent),
             ("position_queries", st.position_queries),
             ("refused_queries", st.refused_queries),
+            ("released_slots", st.released_slots),
         ] {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }
