@@ -388,6 +388,15 @@ impl Engine {
         self.out.flush(tx);
     }
 
+    /// Queues the pending ACK of what participant `i` broadcast (every
+    /// group with unacknowledged arrivals), whatever it has waited: its
+    /// message completed without an arrival that acknowledges it.
+    fn ack_broadcast_now(&mut self, i: usize) {
+        let out = &mut self.out;
+        let (id, me, to) = (self.bc_group[i], self.me as u16, self.addrs[i]);
+        self.bc_rx[i].flush(&mut |bm| out.ack(id, me, AckKind::Broadcast, bm, to));
+    }
+
     /// When [`Engine::poll_transmit`] must run next at the latest: the
     /// earliest timer the last one armed, or the round's deadline. `None`:
     /// nothing pending. Valid after a `poll_transmit`: `handle` arms timers

@@ -404,15 +404,24 @@ impl Engine {
     fn enter_round(&mut self, mut st: RoundState, now: Instant) {
         let stash = std::mem::take(&mut self.stash);
         let mut keep = Vec::new();
+        let mut completed = false;
         for s in stash {
             if s.round == st.round {
-                self.deliver_bcast(&mut st, s.from, &s.buf, now);
+                completed |= self.deliver_bcast(&mut st, s.from, &s.buf, now);
                 self.stash_pool.push(s.buf);
             } else {
                 keep.push(s);
             }
         }
         self.stash = keep;
+        if let Some(root) = st.bin.as_ref().filter(|_| completed).map(|b| b.root) {
+            // The kept data end the message here, where an arrival inside
+            // the call would have been its last and acknowledged at once:
+            // the sender's call waits for this ACK, which the kept
+            // arrivals left to the `ack_delay` timer (a one-datagram
+            // broadcast that arrived before the call cost its root 1 ms).
+            self.ack_broadcast_now(root);
+        }
         self.drain_completed(&mut st, now);
         self.current = Some(Box::new(st));
     }

@@ -436,6 +436,19 @@ impl Sim {
                     n.running = None;
                     n.ended = Some((ended, now));
                     n.overflow = overflow;
+                    // As the driver does after a call: what its end made
+                    // due goes out, and the timers it leaves (a delayed
+                    // ACK) are armed.
+                    let mut after = Vec::new();
+                    n.engine.poll_transmit(
+                        now,
+                        &mut Wire {
+                            from: n.addr,
+                            at: now,
+                            sent: &mut after,
+                        },
+                    );
+                    outgoing.extend(after);
                 }
             }
         }
@@ -1086,4 +1099,93 @@ fn node_served_a_lost_deferred_ack_is_repaired_by_the_services_resend_and_close_
     assert_eq!(sent.len(), 1, "the deferred ACK at close");
     assert_eq!(sent[0].kind(), Some(MessageKind::Ack));
     assert_eq!(result_acks_of(&sim, 2).len(), before, "not before close");
+}
+
+/// The broadcast `AGK1`s worker `r` sent: when each left.
+fn broadcast_acks_of(sim: &Sim, r: u16) -> Vec<Duration> {
+    sim.log
+        .iter()
+        .filter(|d| d.from == worker_addr(r) && d.kind() == Some(MessageKind::Ack))
+        .filter(|d| {
+            proto::AckMessage::decode(&d.bytes).is_ok_and(|a| a.kind == proto::AckKind::Broadcast)
+        })
+        .map(|d| d.at - sim.start)
+        .collect()
+}
+
+/// A node-served job's broadcast from worker 0 whose receivers (workers 1
+/// and 2) call only `late` after it started (their data may arrive first);
+/// runs until every call ended.
+fn broadcast_before_the_receivers_call(data: &[u8], late: Duration) -> Sim {
+    let mut sim = Sim::with(served_config);
+    sim.start_broadcast(0, 0, data, CallOptions::default());
+    let late = sim.now + late;
+    let mut started = false;
+    for _ in 0..100_000 {
+        sim.poll();
+        if !started && sim.now >= late {
+            for w in 1..WORKERS as usize {
+                sim.start_broadcast(w, 0, data, CallOptions::default());
+            }
+            started = true;
+            continue;
+        }
+        if started && sim.nodes.iter().all(|n| n.running.is_none()) {
+            break;
+        }
+        let next = sim
+            .wire
+            .iter()
+            .map(|(t, _)| *t)
+            .chain(sim.nodes.iter().filter_map(|n| n.engine.poll_timeout()))
+            .min();
+        if !started && next.is_none_or(|t| t > late) {
+            // Nothing happens before the receivers call.
+            sim.now = late;
+            continue;
+        }
+        assert!(sim.advance(), "a round is stuck");
+    }
+    for w in 1..WORKERS as usize {
+        match sim.ended(w) {
+            Ended::Bytes(b) => assert_eq!(b, data, "worker {w}"),
+            other => panic!("worker {w}: {other:?}"),
+        }
+    }
+    sim
+}
+
+/// A broadcast that arrives before its receivers call (each rank of an MPI
+/// program enters `MPI_Bcast` when it gets there, the root first) is
+/// acknowledged when their calls take it, one ACK per receiver, not
+/// `ack_delay` after it arrived: no arrival inside the call ends the
+/// message (it completes when the call takes the kept data), so before,
+/// the group's delayed ACK was the only one and the root's call of a
+/// broadcast that arrived whole took `ack_delay` (1 ms; issue #42, item 2).
+#[test]
+fn a_broadcast_that_arrives_before_the_receivers_call_is_acknowledged_when_they_call() {
+    let delay = served_config(Participant::Worker(0)).reliability.ack_delay;
+    // The receivers call after their data arrived (at LATENCY), well
+    // before its delayed ACK would be due.
+    let late = 3 * LATENCY;
+    assert!(late + LATENCY < delay);
+    // 1 int32, 362 (one full datagram) and 2242 (7 datagrams).
+    for len in [4usize, 4 * PER, 4 * 2242] {
+        let data: Vec<u8> = (0..len as u32).map(|k| (k * 13 % 251) as u8).collect();
+        let sim = broadcast_before_the_receivers_call(&data, late);
+        assert_eq!(
+            sim.ended_at(0),
+            late + LATENCY,
+            "{len} B: the root's call ends when the receivers' calls' ACKs come back"
+        );
+        for w in 1..WORKERS {
+            assert_eq!(
+                broadcast_acks_of(&sim, w),
+                vec![late],
+                "{len} B: worker {w} acknowledges the whole message once, at its call"
+            );
+            assert_eq!(sim.ended_at(w as usize), late, "{len} B: worker {w} completes at its call");
+        }
+        assert!(sim.log.iter().all(|d| !d.resend), "{len} B: nothing resent");
+    }
 }
