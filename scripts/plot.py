@@ -182,10 +182,10 @@ def large(d):
     sizes = sorted(set(p["elements"] for p in out["points"]))
     mtus = sorted(set(p["mtu"] for p in out["points"]))
     striped = sorted(set(p["backend"] for p in out["points"] if "-x" in p["backend"]))
-    backends = [b for b in ["kernel", "kernel-node", "socket", "ring", "sharded", "gloo", "openmpi", "kernel-f32", "ring-f32",
+    backends = [b for b in ["floor", "kernel", "kernel-node", "socket", "ring", "sharded", "gloo", "openmpi", "kernel-f32", "ring-f32",
                                 "sharded-f32", "gloo-f32", "openmpi-f32"] + striped
                 if any(p["backend"] == b for p in out["points"])]
-    labels = {"kernel": "AggBox kernel backend (XDP + TC result group)", "kernel-node": "AggBox kernel backend, node-served",
+    labels = {"floor": "the star's floor (no runtime, no reliability)", "kernel": "AggBox kernel backend (XDP + TC result group)", "kernel-node": "AggBox kernel backend, node-served",
               "socket": "AggBox socket backend", "ring": "AggBox ring (XDP on every member)", "gloo": "torch.distributed Gloo",
               "kernel-f32": "AggBox kernel backend, float32 (adaptive quantization)", "ring-f32": "AggBox ring, float32",
               "sharded": "AggBox sharded star (each worker's node reduces 1/n)", "sharded-f32": "AggBox sharded star, float32",

@@ -89,6 +89,15 @@ struct {
 	__type(value, struct bcast_floor_cfg);
 } bcast_floor_cfg SEC(".maps");
 
+/* [0]: the destinations of bench_result_floor's copies (the workers' data
+ * sockets; `group` unused); written by `aggbox-bench large`'s floor. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct bcast_floor_cfg);
+} result_floor_cfg SEC(".maps");
+
 /* Ones' complement sum of 16-bit words folded to 16 bits. */
 static __always_inline __u16 csum_fold32(__u32 s)
 {
@@ -108,10 +117,12 @@ static __always_inline __u16 csum_replace4(__u16 check, __u32 from, __u32 to)
 }
 
 /*
- * Point the datagram at destination d. Returns 0, or -1 when the headers
- * cannot be made writable or the checksum helper fails.
+ * Point the datagram at destination d, from source MAC smac (NULL: keep the
+ * frame's). Returns 0, or -1 when the headers cannot be made writable or
+ * the checksum helper fails.
  */
-static __always_inline int floor_rewrite(struct __sk_buff *skb, const struct bcast_floor_dest *d)
+static __always_inline int floor_rewrite(struct __sk_buff *skb, const struct bcast_floor_dest *d,
+					 const __u8 *smac)
 {
 	void *data, *end;
 	struct ethhdr *eth;
@@ -131,6 +142,8 @@ static __always_inline int floor_rewrite(struct __sk_buff *skb, const struct bca
 	ip = data + FLOOR_L3_OFF;
 	udp = data + FLOOR_UDP_OFF;
 	__builtin_memcpy(eth->h_dest, d->mac, 6);
+	if (smac)
+		__builtin_memcpy(eth->h_source, smac, 6);
 	old_addr = ip->daddr;
 	old_port = udp->dest;
 	if (old_addr != d->addr) {
@@ -183,7 +196,7 @@ int bench_bcast_floor(struct __sk_buff *skb)
 	for (__u32 i = 0; i < BCAST_FLOOR_MAX_DESTS; i++) {
 		const struct bcast_floor_dest *d = &cfg->dests[i];
 
-		if (floor_rewrite(skb, d))
+		if (floor_rewrite(skb, d, NULL))
 			return TC_ACT_SHOT;
 		if (i + 1 >= n) {
 			/* the original is the last copy */
@@ -196,6 +209,68 @@ int bench_bcast_floor(struct __sk_buff *skb)
 		skb->mark = BCAST_FLOOR_MARK;
 		bpf_clone_redirect(skb, d->ifindex, 0);
 		skb->mark = mark;
+	}
+	return TC_ACT_SHOT;
+}
+
+/*
+ * The allreduce floor's RESULT copier (`aggbox-bench large`, backend
+ * `floor`), on the aggregator node's clsact ingress behind bench_floor's XDP
+ * program: an AGG1 RESULT to the configured UDP port (result_floor_cfg's
+ * `port`) becomes one copy per destination (the workers' data sockets),
+ * n - 1 clones and the original redirected as the last, each with the
+ * destination's MAC, address and port, and the node's own MAC as source
+ * (the frame arrived addressed to it; a worker's MAC as source would teach
+ * the bridge that worker is behind the node's port). What a RESULT copy
+ * cannot be delivered without, as bench_bcast_floor for a broadcast; the
+ * production path (aggbox_tc_ingress's result group) validates the job,
+ * reads the group table and the next-hop cache, and counts.
+ */
+SEC("tc")
+int bench_result_floor(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct aggbox_agg_hdr *agg;
+	struct bcast_floor_cfg *cfg;
+	struct ethhdr *eth = data;
+	struct udphdr *udp;
+	struct iphdr *ip;
+	__be32 old_src, node_addr;
+	__u8 node_mac[6];
+	__u32 zero = 0, n;
+
+	if (data + FLOOR_UDP_OFF + 8 + sizeof(*agg) > end)
+		return TC_ACT_UNSPEC;
+	ip = data + FLOOR_L3_OFF;
+	udp = data + FLOOR_UDP_OFF;
+	agg = (void *)(udp + 1);
+	if (eth->h_proto != bpf_htons(ETH_P_IP_) || ip->ihl != 5 || ip->protocol != IPPROTO_UDP_ ||
+	    agg->magic != bpf_htonl(AGGBOX_MAGIC_AGG) || !(agg->flags & AGGBOX_AGG_F_RESULT))
+		return TC_ACT_UNSPEC;
+	cfg = bpf_map_lookup_elem(&result_floor_cfg, &zero);
+	if (!cfg || udp->dest != bpf_htons(cfg->port))
+		return TC_ACT_UNSPEC;
+	n = cfg->count;
+	if (n == 0 || n > BCAST_FLOOR_MAX_DESTS)
+		return TC_ACT_UNSPEC;
+	__builtin_memcpy(node_mac, eth->h_dest, 6);
+	/* From the node's address, once: the completing worker's own address
+	 * as the source of its copy would make its stack drop it (a martian
+	 * source). bench_floor left the UDP checksum 0, which stays 0. */
+	old_src = ip->saddr;
+	node_addr = ip->daddr;
+	ip->saddr = node_addr;
+	ip->check = csum_replace4(ip->check, old_src, node_addr);
+
+	for (__u32 i = 0; i < BCAST_FLOOR_MAX_DESTS; i++) {
+		const struct bcast_floor_dest *d = &cfg->dests[i];
+
+		if (floor_rewrite(skb, d, node_mac))
+			return TC_ACT_SHOT;
+		if (i + 1 >= n)
+			return bpf_redirect(d->ifindex, 0);
+		bpf_clone_redirect(skb, d->ifindex, 0);
 	}
 	return TC_ACT_SHOT;
 }

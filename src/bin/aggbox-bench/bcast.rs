@@ -39,7 +39,7 @@ use std::os::fd::AsFd;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS};
+use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 use serde::Serialize;
 
 use super::agg::prog_id;
@@ -125,29 +125,52 @@ impl BcastFloor {
     /// Write the destinations: datagrams to UDP `port` of AGB1 `group` get
     /// one copy per entry of `dests` (1..=32), in order.
     pub fn configure(&self, port: u16, group: u16, dests: &[FloorDest]) -> Result<()> {
-        if dests.is_empty() || dests.len() > FLOOR_MAX_DESTS {
-            bail!("the floor takes 1..={FLOOR_MAX_DESTS} destinations, not {}", dests.len());
-        }
-        let mut cfg = Vec::with_capacity(8 + 16 * FLOOR_MAX_DESTS);
-        cfg.extend_from_slice(&(dests.len() as u32).to_ne_bytes());
-        cfg.extend_from_slice(&port.to_ne_bytes());
-        cfg.extend_from_slice(&group.to_ne_bytes());
-        for i in 0..FLOOR_MAX_DESTS {
-            match dests.get(i) {
-                Some(d) => {
-                    cfg.extend_from_slice(&d.mac);
-                    cfg.extend_from_slice(&d.addr.port().to_be_bytes());
-                    cfg.extend_from_slice(&d.addr.ip().octets());
-                    cfg.extend_from_slice(&d.ifindex.to_ne_bytes());
-                }
-                None => cfg.extend_from_slice(&[0u8; 16]),
-            }
-        }
         self.skel
             .maps
             .bcast_floor_cfg
-            .update(&0u32.to_ne_bytes(), &cfg, MapFlags::ANY)
+            .update(&0u32.to_ne_bytes(), &floor_cfg(port, group, dests)?, MapFlags::ANY)
             .context("bcast_floor_cfg")
+    }
+
+    /// Write the destinations of the RESULT copier (`bench_result_floor`):
+    /// AGG1 RESULTs to UDP `port` get one copy per entry of `dests`.
+    pub fn configure_results(&self, port: u16, dests: &[FloorDest]) -> Result<()> {
+        self.skel
+            .maps
+            .result_floor_cfg
+            .update(&0u32.to_ne_bytes(), &floor_cfg(port, 0, dests)?, MapFlags::ANY)
+            .context("result_floor_cfg")
+    }
+
+    /// Attach the RESULT copier to `ifindex`'s clsact ingress in the
+    /// calling thread's namespace, creating the clsact qdisc when there is
+    /// none; returns whether it created it (for [`BcastFloor::detach_results`]).
+    pub fn attach_results(&self, ifindex: u32) -> Result<bool> {
+        let mut hook = self.results_hook(ifindex);
+        let created = hook.create().is_ok();
+        hook.attach().context("attaching bench_result_floor")?;
+        Ok(created)
+    }
+
+    /// Remove the RESULT copier, and the clsact qdisc when
+    /// [`BcastFloor::attach_results`] created it.
+    pub fn detach_results(&self, ifindex: u32, created: bool) -> Result<()> {
+        let mut hook = self.results_hook(ifindex);
+        hook.detach().context("detaching bench_result_floor")?;
+        if created {
+            hook.destroy().context("removing the clsact qdisc of the RESULT copier")?;
+        }
+        Ok(())
+    }
+
+    fn results_hook(&self, ifindex: u32) -> TcHook {
+        let mut h = TcHook::new(self.skel.progs.bench_result_floor.as_fd());
+        h.ifindex(ifindex as i32)
+            .attach_point(TC_INGRESS)
+            .handle(FLOOR_TC_HANDLE)
+            .priority(FLOOR_TC_PRIORITY)
+            .replace(true);
+        h
     }
 
     fn hook(&self, ifindex: u32) -> TcHook {
@@ -182,8 +205,32 @@ impl BcastFloor {
     }
 }
 
+/// The bytes of a `struct bcast_floor_cfg` (src/bpf/bench_bcast_floor.bpf.c):
+/// datagrams to UDP `port` (of AGB1 `group`) copied to `dests` (1..=32).
+fn floor_cfg(port: u16, group: u16, dests: &[FloorDest]) -> Result<Vec<u8>> {
+    if dests.is_empty() || dests.len() > FLOOR_MAX_DESTS {
+        bail!("the floor takes 1..={FLOOR_MAX_DESTS} destinations, not {}", dests.len());
+    }
+    let mut cfg = Vec::with_capacity(8 + 16 * FLOOR_MAX_DESTS);
+    cfg.extend_from_slice(&(dests.len() as u32).to_ne_bytes());
+    cfg.extend_from_slice(&port.to_ne_bytes());
+    cfg.extend_from_slice(&group.to_ne_bytes());
+    for i in 0..FLOOR_MAX_DESTS {
+        match dests.get(i) {
+            Some(d) => {
+                cfg.extend_from_slice(&d.mac);
+                cfg.extend_from_slice(&d.addr.port().to_be_bytes());
+                cfg.extend_from_slice(&d.addr.ip().octets());
+                cfg.extend_from_slice(&d.ifindex.to_ne_bytes());
+            }
+            None => cfg.extend_from_slice(&[0u8; 16]),
+        }
+    }
+    Ok(cfg)
+}
+
 /// MAC address of `ifname` in the calling thread's network namespace.
-fn mac_of(ifname: &str) -> Result<[u8; 6]> {
+pub fn mac_of(ifname: &str) -> Result<[u8; 6]> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     // SAFETY: plain socket(2).
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

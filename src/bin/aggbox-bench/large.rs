@@ -73,6 +73,8 @@ use aggbox::runtime::{
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::wire::proto;
 
+mod star_floor;
+
 /// Workers of the job by default (ranks; hosts 1..=workers of the testbed,
 /// host 0 is the aggregator node).
 pub const WORKERS: usize = 4;
@@ -2040,7 +2042,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("kernel,kernel-node,socket,ring,sharded,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
+            format!("floor,kernel,kernel-node,socket,ring,sharded,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -2153,6 +2155,23 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
             proto::elements_per_datagram(mtu as usize),
             slots_for_mtu(mtu)
         ));
+        // The star's floor (star_floor.rs): where its aggregator takes the
+        // MTU's fragments.
+        if want("floor") {
+            if proto::elements_per_datagram(mtu as usize) == star_floor::FLOOR_PER {
+                match star_floor::floor_phase(&tb, mtu, &sizes, reps, &bases, &mut csv) {
+                    Ok(ps) => points.extend(ps),
+                    Err(e) => {
+                        progress(format!("large: MTU {mtu} floor: FAILED: {e:#}"));
+                        for &n in &sizes {
+                            points.push(Point::new("floor", mtu, n, &[], Some(format!("{e:#}"))));
+                        }
+                    }
+                }
+            } else {
+                progress(format!("large: MTU {mtu}: no floor (its aggregator takes {}-element fragments only)", star_floor::FLOOR_PER));
+            }
+        }
         // The striped points: int32, the goal's size, the largest MTU of a
         // full run (or asked for by name in AGGBOX_LARGE_BACKENDS).
         let striped_sizes: Vec<u64> = sizes.iter().copied().filter(|&n| n == GOAL_SIZE).collect();
@@ -2363,7 +2382,10 @@ fn markdown(
          node serves S jobs, the block pool shared out between them); the goal takes the kernel backend's best point. One warm-up call, then {reps} timed calls per point; all participants meet \
          at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
          application included). elements/s = elements per vector / time per call; contributed/s = {w} × that. Every call's result is \
-         checked element by element on every participant. Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
+         checked element by element on every participant; `floor` (MTU 1500): the star's floor on this testbed, no runtime: the \
+         floor aggregator in XDP, the minimal TC copier cloning each RESULT to the workers, workers that send pre-encoded \
+         contributions with sendmmsg within a window of fragments and take the RESULTs with recvmmsg into their output vector, no \
+         reliability (`large/star_floor.rs`). Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
         match torch {
             Ok(v) => format!("torch {v}"),
             Err(e) => format!("**not run**: {e}"),
@@ -2421,6 +2443,7 @@ fn markdown(
         }
     }
     let _ = writeln!(md);
+    md.push_str(&floor_table(points));
     match goal {
         Some(g) => {
             let per_mtu = g
@@ -2481,6 +2504,53 @@ fn markdown(
         }
         let _ = writeln!(md);
     }
+    md
+}
+
+/// The floor beside AggBox and the baselines, per MTU and size where it
+/// was measured: medians, AggBox / floor, and whether the floor itself is
+/// above Gloo and Open MPI (then the star cannot beat them there, whatever
+/// the runtime does).
+fn floor_table(points: &[Point]) -> String {
+    let median = |b: &str, mtu: u32, n: u64| {
+        points.iter().find(|p| p.backend == b && p.mtu == mtu && p.elements == n && p.ok).map(|p| p.secs.median)
+    };
+    let mut md = String::new();
+    let floors: Vec<&Point> = points.iter().filter(|p| p.backend == "floor" && p.ok).collect();
+    if floors.is_empty() {
+        return md;
+    }
+    let _ = writeln!(
+        md,
+        "**The star's floor** (medians, s per call; a ratio > 1 is slower than the floor; \"floor vs X\" < 1: the floor is faster than X):\n"
+    );
+    let _ = writeln!(md, "| elements | MTU | floor | kernel | kernel-node | Gloo | Open MPI | kernel / floor | kernel-node / floor | floor vs Gloo | floor vs Open MPI |");
+    let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "–".into(),
+    };
+    for f in floors {
+        let (m, n) = (f.mtu, f.elements);
+        let floor = Some(f.secs.median);
+        let (k, kn, g, o) = (median("kernel", m, n), median("kernel-node", m, n), median("gloo", m, n), median("openmpi", m, n));
+        let _ = writeln!(
+            md,
+            "| {} | {m} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            thousands(n as f64),
+            cell(floor),
+            cell(k),
+            cell(kn),
+            cell(g),
+            cell(o),
+            ratio(k, floor),
+            ratio(kn, floor),
+            ratio(floor, g),
+            ratio(floor, o)
+        );
+    }
+    let _ = writeln!(md);
     md
 }
 

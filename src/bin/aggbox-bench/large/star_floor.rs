@@ -1,0 +1,298 @@
+//! The star's floor on this testbed (backend `floor` of `large`): what an
+//! allreduce through one in-kernel aggregator cannot cost less than here,
+//! measured in the same run as AggBox, Gloo and Open MPI.
+//!
+//! - The node (host 0) runs the floor aggregator (`src/bpf/bench_floor.bpf.c`:
+//!   array slot by (round, fragment), direct packet access, one lock, the
+//!   adds, the completing contribution rewritten into the RESULT) in native
+//!   XDP, and the minimal RESULT copier (`bench_result_floor` in
+//!   `src/bpf/bench_bcast_floor.bpf.c`) on its clsact ingress, which clones
+//!   each RESULT to every worker's data socket.
+//! - Each worker encodes its whole vector as AGG1 datagrams before the call
+//!   (outside the timing), then sends them with `sendmmsg` (the runtime's
+//!   `UdpTransport`, batches of 64) as fast as a window of fragments beyond
+//!   the RESULTs it has received allows (the path's self-clocking; the
+//!   floor's 8192 slots must hold every fragment in flight), and receives
+//!   the RESULTs with `recvmmsg` straight into its output vector, sleeping in
+//!   `poll` when nothing is there.
+//! - No reliability (a lost datagram ends the call at its deadline, reported
+//!   as a failure), no validation, SUM of int32 only, full fragments of
+//!   `bench_floor`'s 362 elements: MTU 1500 only.
+//!
+//! Every call's result is checked on every worker after the call, as for the
+//! other backends.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use super::{
+    call_deadline, call_times, check_ints, csv_row, fill_input, join_spans, report_point, worker_count, Gate, Point,
+    Spans, JOB_PORT, RESULT_PORT,
+};
+use crate::bcast::{mac_of, BcastFloor, FloorDest};
+use crate::floor::Floor;
+use crate::testbed::{in_netns, Testbed};
+use crate::{progress, thousands, Csv};
+use aggbox::node;
+use aggbox::runtime::transport::{RecvMeta, Transport, UdpTransport, BATCH_MAX};
+use aggbox::wire::abi::{self, Op, Round};
+use aggbox::wire::proto::{self, AggHeader};
+
+/// The workers' data port for the floor (not the runtime's, which a later
+/// phase binds).
+const FLOOR_DATA_PORT: u16 = 7960;
+/// Elements of a full fragment of `bench_floor` (its `FLOOR_PER`).
+pub(super) const FLOOR_PER: usize = 362;
+/// `bench_floor`'s slots (its `FLOOR_SLOTS`).
+const FLOOR_SLOTS: u32 = 8192;
+
+/// Fragments a worker keeps in flight beyond the RESULTs it has received:
+/// `AGGBOX_FLOOR_WINDOW`, else 128 over all workers (8..=64 each). The
+/// floor has no reliability, so the window must be one the path takes
+/// without loss: the node's veth queues 256 frames for its XDP program, and
+/// every worker's fragments in flight wait there (windows of 1024 lost
+/// datagrams there with 4 workers). At most a quarter of the floor's slots:
+/// the workers' windows are apart by at most the RESULTs some has not read
+/// yet.
+fn window() -> usize {
+    std::env::var("AGGBOX_FLOOR_WINDOW")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or((128 / worker_count()).clamp(8, 64), |w| w.clamp(1, (FLOOR_SLOTS / 4) as usize))
+}
+
+/// The floor at `mtu` (1500 only: `bench_floor`'s fragment size): attach
+/// on the node, one point per size.
+pub(super) fn floor_phase(
+    tb: &Testbed,
+    mtu: u32,
+    sizes: &[u64],
+    reps: usize,
+    bases: &BTreeMap<u64, Vec<i32>>,
+    csv: &mut Csv,
+) -> Result<Vec<Point>> {
+    let per = proto::elements_per_datagram(mtu as usize);
+    if per != FLOOR_PER {
+        bail!("the floor aggregator takes fragments of {FLOOR_PER} elements (MTU 1500), not {per} (MTU {mtu})");
+    }
+    let workers = worker_count();
+    let node_ns = tb.host(0).netns.clone();
+    // The workers' MACs, as the node's copier writes them.
+    let mut dests = Vec::with_capacity(workers);
+    for r in 0..workers {
+        let mac = tb.in_host(r + 1, || mac_of("eth0"))??;
+        dests.push((mac, SocketAddrV4::new(tb.host(r + 1).addr, FLOOR_DATA_PORT)));
+    }
+    let floor = Floor::load(JOB_PORT, RESULT_PORT, workers as u32)?;
+    let copier = BcastFloor::load()?;
+    let (link, ifindex, created) = in_netns(&node_ns, || -> Result<_> {
+        let ifindex = node::ifindex("eth0")?;
+        let dests: Vec<FloorDest> = dests.iter().map(|&(mac, addr)| FloorDest { mac, addr, ifindex }).collect();
+        copier.configure_results(RESULT_PORT, &dests)?;
+        let created = copier.attach_results(ifindex)?;
+        let link = floor.prog().attach_xdp(ifindex as i32).context("attaching bench_floor")?;
+        Ok((link, ifindex, created))
+    })??;
+    let mut sockets: Vec<UdpTransport> = (0..workers)
+        .map(|r| {
+            tb.in_host(r + 1, || -> Result<UdpTransport> {
+                let addr = SocketAddrV4::new(tb.host(r + 1).addr, FLOOR_DATA_PORT);
+                let s = UdpSocket::bind(addr).with_context(|| format!("binding {addr}"))?;
+                aggbox::netif::set_socket_buffers(&s, 64 << 20);
+                Ok(UdpTransport::new(s))
+            })?
+        })
+        .collect::<Result<_>>()?;
+    let node_addr = SocketAddrV4::new(tb.host(0).addr, JOB_PORT);
+    let mut points = Vec::new();
+    let mut round = 0u32;
+    for &n in sizes {
+        let frags = (n as usize).div_ceil(FLOOR_PER) as u32;
+        floor.set_index(frags, FLOOR_SLOTS)?;
+        progress(format!(
+            "large: MTU {mtu}, {} elements, floor: warm-up + {reps} calls (window {} fragments)",
+            thousands(n as f64),
+            window()
+        ));
+        let r = floor_calls(&mut sockets, node_addr, n as usize, reps + 1, round, &bases[&n]);
+        round = round.wrapping_add(reps as u32 + 1);
+        let p = match r {
+            Ok(times) => {
+                for (k, t) in times.iter().enumerate() {
+                    csv_row(csv, "floor", mtu, n, k, t.all, t.workers, true);
+                }
+                Point::new("floor", mtu, n, &times, None)
+            }
+            Err(e) => Point::new("floor", mtu, n, &[], Some(format!("{e:#}"))),
+        };
+        report_point(&p);
+        let failed = p.error.is_some();
+        points.push(p);
+        if failed {
+            break;
+        }
+    }
+    drop(sockets);
+    in_netns(&node_ns, || -> Result<()> {
+        drop(link);
+        copier.detach_results(ifindex, created)
+    })??;
+    Ok(points)
+}
+
+/// `calls` allreduces (call 0 the warm-up) of `n` elements on every worker
+/// at once, the first in round `first_round`; each worker's result checked.
+fn floor_calls(
+    sockets: &mut [UdpTransport],
+    node: SocketAddrV4,
+    n: usize,
+    calls: usize,
+    first_round: u32,
+    base: &[i32],
+) -> Result<Vec<super::CallTime>> {
+    let gate = Gate::new(sockets.len());
+    let gate = &gate;
+    let spans: Vec<Spans> = std::thread::scope(|s| -> Result<Vec<Spans>> {
+        let hs: Vec<_> = sockets
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, sock)| {
+                s.spawn(move || -> Result<Spans> {
+                    let mut input = vec![0i32; n];
+                    let mut out = vec![0i32; n];
+                    let mut spans = Vec::with_capacity(calls);
+                    let mut wire = Vec::new();
+                    for k in 0..calls {
+                        fill_input(&mut input, rank, k);
+                        let round = Round(first_round.wrapping_add(k as u32));
+                        encode(&input, rank as u16, round, &mut wire)?;
+                        if !gate.wait() {
+                            bail!("floor worker {rank}: stopped before call {k}: another worker failed");
+                        }
+                        let t0 = Instant::now();
+                        let r = one_call(sock, node, &wire, &mut out, n, call_deadline(n as u64));
+                        let t1 = Instant::now();
+                        if let Err(e) = r.and_then(|()| check_ints(&format!("floor worker {rank}"), &out, base, k)) {
+                            gate.abort();
+                            return Err(e.context(format!("floor worker {rank}, call {k}")));
+                        }
+                        spans.push((t0, t1));
+                    }
+                    Ok(spans)
+                })
+            })
+            .collect();
+        join_spans(hs, gate)
+    })?;
+    Ok(call_times(&spans, calls, 0))
+}
+
+/// One worker's contributions of `input` in `round` (fragments of
+/// [`FLOOR_PER`]), as datagrams of `FLOOR_PER`-element stride in `wire`
+/// (the last may be shorter; its length is in its header).
+fn encode(input: &[i32], rank: u16, round: Round, wire: &mut Vec<u8>) -> Result<()> {
+    wire.clear();
+    let frags = input.len().div_ceil(FLOOR_PER);
+    for (f, chunk) in input.chunks(FLOOR_PER).enumerate() {
+        let hdr = AggHeader {
+            job: 0,
+            rank,
+            seq: f as u32,
+            round,
+            frag_off: (f * FLOOR_PER) as u32,
+            op: Op::Sum,
+            flags: if f + 1 == frags { abi::AGG_F_LAST_FRAGMENT } else { 0 },
+            count: chunk.len() as u16,
+        };
+        let at = wire.len();
+        proto::encode_agg_into(&hdr, chunk, wire).map_err(|e| anyhow!("encoding fragment {f}: {e}"))?;
+        // Every datagram in a slot of one stride, so that datagram f is at
+        // f · stride (the last one's slot is not filled up).
+        wire.resize(at + DGRAM, 0);
+    }
+    Ok(())
+}
+
+/// Bytes of a full floor datagram (AGG1 header + 362 int32).
+const DGRAM: usize = abi::AGG_HDR_LEN + 4 * FLOOR_PER;
+
+/// One worker's call: send every datagram of `wire` within the window,
+/// take every RESULT into `out`, until all `n` elements arrived or the
+/// deadline passed.
+fn one_call(
+    sock: &mut UdpTransport,
+    node: SocketAddrV4,
+    wire: &[u8],
+    out: &mut [i32],
+    n: usize,
+    deadline: Duration,
+) -> Result<()> {
+    let frags = n.div_ceil(FLOOR_PER);
+    let last_len = abi::AGG_HDR_LEN + 4 * (n - (frags - 1) * FLOOR_PER);
+    let window = window();
+    let end = Instant::now() + deadline;
+    let mut seen = vec![false; frags];
+    let (mut sent, mut got) = (0usize, 0usize);
+    let mut rx = vec![0u8; BATCH_MAX * DGRAM];
+    let mut meta = [RecvMeta::default(); BATCH_MAX];
+    let mut batch: Vec<(&[u8], SocketAddrV4)> = Vec::with_capacity(BATCH_MAX);
+    // Send when the window has room for a batch (or the call's last
+    // datagrams), so that a sendmmsg carries many datagrams, not the one or
+    // two each RESULT frees.
+    let batch_at = (window / 2).clamp(1, BATCH_MAX);
+    while got < frags {
+        let allowed = (got + window).min(frags);
+        while sent < allowed && (allowed - sent >= batch_at || allowed == frags) {
+            batch.clear();
+            for f in sent..allowed.min(sent + BATCH_MAX) {
+                let len = if f + 1 == frags { last_len } else { DGRAM };
+                batch.push((&wire[f * DGRAM..f * DGRAM + len], node));
+            }
+            let took = sock.send_batch(&batch);
+            if took < batch.len() {
+                bail!("the socket took {took} of {} datagrams (no reliability here)", batch.len());
+            }
+            sent += took;
+        }
+        match sock.recv_batch(&mut rx, DGRAM, &mut meta) {
+            Ok(k) => {
+                for (i, m) in meta[..k].iter().enumerate() {
+                    let d = &rx[i * DGRAM..i * DGRAM + m.len];
+                    let Ok((hdr, payload)) = proto::split_agg(d) else { continue };
+                    if !hdr.is_result() || !matches!(m.from, SocketAddr::V4(_)) {
+                        continue;
+                    }
+                    let off = hdr.frag_off as usize;
+                    let f = off / FLOOR_PER;
+                    let count = usize::from(hdr.count);
+                    if f >= frags || seen[f] || off + count > n {
+                        continue;
+                    }
+                    seen[f] = true;
+                    got += 1;
+                    for (o, b) in out[off..off + count].iter_mut().zip(payload.chunks_exact(4)) {
+                        *o = i32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let left = end.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    bail!(
+                        "{got} of {frags} RESULTs after {:.1} s ({sent} sent; no reliability: a lost datagram ends the call)",
+                        deadline.as_secs_f64()
+                    );
+                }
+                let mut pfd = libc::pollfd { fd: sock.raw_fd(), events: libc::POLLIN, revents: 0 };
+                let ms = left.as_millis().clamp(1, 100) as libc::c_int;
+                // SAFETY: one valid pollfd for the duration of the call.
+                unsafe { libc::poll(&mut pfd, 1, ms) };
+            }
+            Err(e) => return Err(e).context("receiving RESULTs"),
+        }
+    }
+    Ok(())
+}
