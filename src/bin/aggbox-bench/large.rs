@@ -74,6 +74,7 @@ use crate::testbed::{in_netns, Testbed, TestbedConfig};
 use aggbox::wire::proto;
 
 mod star_floor;
+mod udp_rtt;
 
 /// Workers of the job by default (ranks; hosts 1..=workers of the testbed,
 /// host 0 is the aggregator node).
@@ -2042,7 +2043,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     };
     let backends = std::env::var("AGGBOX_LARGE_BACKENDS")
         .unwrap_or_else(|_| {
-            format!("floor,kernel,kernel-node,socket,ring,sharded,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
+            format!("floor,udp-rtt,kernel,kernel-node,socket,ring,sharded,gloo,openmpi,kernel-f32,ring-f32,gloo-f32,openmpi-f32,kernel-x{0},socket-x{0}", striped())
         });
     progress(match testbed_queues() {
         Some(q) => format!("large: testbed veths with {q} queues, TX queue q used by CPU q mod CPUs"),
@@ -2170,6 +2171,15 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
                 }
             } else {
                 progress(format!("large: MTU {mtu}: no floor (its aggregator takes {}-element fragments only)", star_floor::FLOOR_PER));
+            }
+        }
+        // The small-message yardstick, at the one-datagram size if measured.
+        if want("udp-rtt") {
+            if let Some(&n) = sizes.iter().find(|&&n| n as usize <= proto::elements_per_datagram(mtu as usize)) {
+                match udp_rtt::rtt_phase(&tb, mtu, n, &mut csv) {
+                    Ok(ps) => points.extend(ps),
+                    Err(e) => progress(format!("large: MTU {mtu} udp-rtt: FAILED: {e:#}")),
+                }
             }
         }
         // The striped points: int32, the goal's size, the largest MTU of a
@@ -2444,6 +2454,7 @@ fn markdown(
     }
     let _ = writeln!(md);
     md.push_str(&floor_table(points));
+    md.push_str(&round_trip_table(points));
     match goal {
         Some(g) => {
             let per_mtu = g
@@ -2548,6 +2559,53 @@ fn floor_table(points: &[Point]) -> String {
             ratio(kn, floor),
             ratio(floor, g),
             ratio(floor, o)
+        );
+    }
+    let _ = writeln!(md);
+    md
+}
+
+/// One-datagram allreduces beside a UDP round trip on the same testbed
+/// (`udp-rtt-poll`, `udp-rtt-sleep`, udp_rtt.rs): medians in µs and the
+/// allreduce / polling round trip.
+fn round_trip_table(points: &[Point]) -> String {
+    let mut md = String::new();
+    let rtts: Vec<&Point> = points.iter().filter(|p| p.backend == "udp-rtt-poll" && p.ok).collect();
+    if rtts.is_empty() {
+        return md;
+    }
+    let median = |b: &str, mtu: u32, n: u64| {
+        points.iter().find(|p| p.backend == b && p.mtu == mtu && p.elements == n && p.ok).map(|p| p.secs.median * 1e6)
+    };
+    let _ = writeln!(
+        md,
+        "**One datagram against a UDP round trip** (medians, µs; a round trip of 64 bytes between two workers, both ends \
+         polling or both sleeping; the allreduce crosses the network twice too):\n"
+    );
+    let _ = writeln!(md, "| elements | MTU | UDP RTT, polling | UDP RTT, sleeping | kernel | kernel-node | Gloo | Open MPI | kernel-node / RTT polling | kernel-node / Open MPI |");
+    let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "–".into(),
+    };
+    for r in rtts {
+        let (m, n) = (r.mtu, r.elements);
+        let poll = Some(r.secs.median * 1e6);
+        let kn = median("kernel-node", m, n);
+        let o = median("openmpi", m, n);
+        let _ = writeln!(
+            md,
+            "| {} | {m} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            thousands(n as f64),
+            cell(poll),
+            cell(median("udp-rtt-sleep", m, n)),
+            cell(median("kernel", m, n)),
+            cell(kn),
+            cell(median("gloo", m, n)),
+            cell(o),
+            ratio(kn, poll),
+            ratio(kn, o)
         );
     }
     let _ = writeln!(md);
