@@ -11,6 +11,7 @@
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
 mod testbed;
+mod live_attach;
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 use aggbox::wire::abi::{self, BcastStat};
 use aggbox::kernel::tc::{self, plan_tree, TcError, BroadcastOptions, TcPlane, TreeNode};
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
+use live_attach::LiveAttach;
 
 const GROUP: u16 = 3;
 const PORT: u16 = 7200;
@@ -649,6 +651,57 @@ fn cold_two_level_tree_large_datagrams_survive_a_lost_arp_probe() {
     cold_two_level_tree(65535, |_| 60_000);
 }
 
+/// Bind every receiver of a tree testbed (hosts 1..) at `PORT`, with room
+/// for every datagram of the test whatever its size (a full socket buffer is
+/// not what the tree tests look for).
+fn tree_receivers(tb: &Testbed) -> Vec<(usize, UdpSocket)> {
+    (1..tb.len())
+        .map(|h| {
+            let sock = bind_in(&tb.host(h).netns, SocketAddrV4::new(tb.host(h).addr, PORT));
+            let bytes: libc::c_int = 16 << 20;
+            // SAFETY: a valid socket and a c_int option value of its size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&sock),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUFFORCE,
+                    (&bytes as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
+            (h, sock)
+        })
+        .collect()
+}
+
+/// What the receivers of a two-level tree got: seq -> (host, times
+/// received) for every datagram some receiver did not get exactly once.
+/// Hosts `1..=forwarders` receive with hops 0, the leaves with hops 1;
+/// every datagram must come from `root` and be `sent[seq]` but for hops.
+fn deliveries(receivers: &[(usize, UdpSocket)], sent: &[Vec<u8>], root: Ipv4Addr, forwarders: usize) -> BTreeMap<u32, Vec<(usize, usize)>> {
+    let mut wrong: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
+    for (h, sock) in receivers {
+        let hops = u8::from(*h > forwarders);
+        let mut count = vec![0usize; sent.len()];
+        for (d, from) in drain(sock) {
+            assert_eq!(from.ip(), std::net::IpAddr::V4(root), "host {h}: source stays the root");
+            let seq = seq_of(&d) as usize;
+            assert!(seq < sent.len(), "host {h}: unknown seq {seq}");
+            let mut want = sent[seq].clone();
+            want[15] = hops;
+            assert_eq!(d, want, "host {h}: seq {seq} identical except hops = {hops}");
+            count[seq] += 1;
+        }
+        for (seq, &n) in count.iter().enumerate() {
+            if n != 1 {
+                wrong.entry(seq as u32).or_default().push((*h, n));
+            }
+        }
+    }
+    wrong
+}
+
 /// Root, 5 forwarders x 7 leaves, cold caches; `len(seq)` bytes per
 /// datagram on a testbed of MTU `mtu`. See the tests above.
 fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
@@ -683,26 +736,7 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
         })
         .collect();
     // receivers: the 5 forwarders (hops 0) and the 35 leaves (hops 1)
-    let receivers: Vec<(usize, UdpSocket)> = (1..tb.len())
-        .map(|h| {
-            let sock = bind_in(&tb.host(h).netns, at(h));
-            // room for all 20 datagrams whatever their size: a full socket
-            // buffer is not what this test looks for
-            let bytes: libc::c_int = 16 << 20;
-            // SAFETY: a valid socket and a c_int option value of its size.
-            let rc = unsafe {
-                libc::setsockopt(
-                    std::os::fd::AsRawFd::as_raw_fd(&sock),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVBUFFORCE,
-                    (&bytes as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
-            (h, sock)
-        })
-        .collect();
+    let receivers = tree_receivers(&tb);
 
     // cold everywhere: no neighbour entry in any namespace (the switch has
     // none of its own), nothing in the programs' next-hop caches
@@ -725,26 +759,7 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
     }
     std::thread::sleep(Duration::from_millis(800));
 
-    // who missed (or doubled) which datagram, first datagram separately
-    let mut wrong: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
-    for (h, sock) in &receivers {
-        let hops = u8::from(*h > FORWARDERS);
-        let mut count = vec![0usize; sent.len()];
-        for (d, from) in drain(sock) {
-            assert_eq!(from.ip(), std::net::IpAddr::V4(root.addr), "host {h}: source stays the root");
-            let seq = seq_of(&d) as usize;
-            assert!(seq < sent.len(), "host {h}: unknown seq {seq}");
-            let mut want = sent[seq].clone();
-            want[15] = hops;
-            assert_eq!(d, want, "host {h}: seq {seq} identical except hops = {hops}");
-            count[seq] += 1;
-        }
-        for (seq, &n) in count.iter().enumerate() {
-            if n != 1 {
-                wrong.entry(seq as u32).or_default().push((*h, n));
-            }
-        }
-    }
+    let wrong = deliveries(&receivers, &sent, root.addr, FORWARDERS);
     let report = |p: &TcPlane| {
         let st = p.stats().expect("stats");
         format!(
@@ -786,4 +801,107 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
     let st = root_plane.stats().expect("stats");
     assert!(st.packets(BcastStat::NeighMiss) >= (FORWARDERS - 1) as u64, "root: {st:?}");
     assert_eq!(st.packets(BcastStat::Broadcast), u64::from(DATAGRAMS));
+}
+
+/// Issue #42 item 3 (an outside client's setup): the cold tree of the tests
+/// above, but every node runs the real daemon, `aggbox attach eth0` with its
+/// `[[group]]` (the root's: the 5 forwarders; a forwarder's: its 7 leaves,
+/// which makes it forward), so XDP, the AF_XDP path and the TC programs are
+/// all attached as in production. Neighbour tables are flushed everywhere
+/// after attach, the programs' next-hop caches are empty, and the root
+/// application sends datagram 0 with a plain `sendto` to forwarder 0, the
+/// group's first member, which is also a forwarder. Datagram 0 and every
+/// later one must reach all 40 receivers exactly once. XDP in native mode
+/// (what `attach` picks on veth).
+#[test]
+fn cold_tree_of_live_nodes_first_datagram_to_a_forwarder_reaches_every_receiver() {
+    cold_tree_of_live_nodes("native");
+}
+
+/// The same tree with the daemons' XDP in generic mode (what `attach` falls
+/// back to on a driver without native XDP). Generic XDP hands the TC ingress
+/// hook skbs whose data starts at the IPv4 header; before the ingress
+/// program put their Ethernet header back, no forwarder forwarded anything
+/// (every AGB1 datagram counted `not_aggbox`, the 35 leaves got nothing).
+#[test]
+fn cold_tree_of_live_nodes_with_generic_xdp_reaches_every_receiver() {
+    cold_tree_of_live_nodes("generic");
+}
+
+/// Root + 5 forwarders x 7 leaves, every node that sends or forwards running
+/// `aggbox attach --xdp-mode MODE`; see the tests above.
+fn cold_tree_of_live_nodes(xdp_mode: &str) {
+    require_root();
+    const FORWARDERS: usize = 5;
+    const LEAVES: usize = 7;
+    const DATAGRAMS: u32 = 20;
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 1 + FORWARDERS * (1 + LEAVES),
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let at = |h: usize| SocketAddrV4::new(tb.host(h).addr, PORT);
+    let leaves_of = |j: usize| -> Vec<usize> { (0..LEAVES).map(|k| 1 + FORWARDERS + j * LEAVES + k).collect() };
+    let config = |members: &[usize]| {
+        let list: Vec<String> = members.iter().map(|&h| format!("\"{}\"", at(h))).collect();
+        format!("[node]\nmetrics = \"off\"\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n", list.join(", "))
+    };
+    let args = ["--xdp-mode", xdp_mode];
+    let tag = |h: usize| format!("bcast-{xdp_mode}-{h}");
+    let mut nodes = vec![(0, LiveAttach::start(&root.netns, &tag(0), &config(&(1..=FORWARDERS).collect::<Vec<_>>()), &args))];
+    for j in 0..FORWARDERS {
+        let h = 1 + j;
+        nodes.push((h, LiveAttach::start(&tb.host(h).netns, &tag(h), &config(&leaves_of(j)), &args)));
+    }
+    for (h, node) in &nodes {
+        assert_eq!(node.status().attach.xdp_mode, xdp_mode, "host {h}");
+    }
+    let receivers = tree_receivers(&tb);
+
+    // cold everywhere: no neighbour entry in any namespace, nothing in the
+    // programs' next-hop caches
+    for h in 0..tb.len() {
+        flush_neigh(&tb, h);
+    }
+    for (h, node) in &nodes {
+        let cached: Vec<_> = node.status().groups.iter().flat_map(|g| g.members.clone()).filter(|m| m.next_hop.is_some()).collect();
+        assert!(cached.is_empty(), "host {h}: next hops cached before the first datagram: {cached:?}");
+    }
+
+    let tx = sender(&tb);
+    let mask = (1u32 << FORWARDERS) - 1;
+    let sent: Vec<Vec<u8>> = (0..DATAGRAMS)
+        .map(|seq| agb1(mask, seq, GROUP, abi::BCAST_F_FORWARD, if seq % 2 == 0 { 200 } else { 1472 }))
+        .collect();
+    for d in &sent {
+        tx.send_to(d, at(1)).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+
+    let wrong = deliveries(&receivers, &sent, root.addr, FORWARDERS);
+    let counters: Vec<String> = nodes
+        .iter()
+        .map(|(h, n)| {
+            let c = n.broadcast_counts();
+            let pick = ["broadcast", "forwarded", "not_aggbox", "local_only", "copy_sent", "neigh_miss", "fib_error", "clone_failed", "rewrite_failed"];
+            format!("host {h}: {:?}", pick.iter().map(|k| (*k, c.get(*k).copied().unwrap_or(0))).collect::<Vec<_>>())
+        })
+        .collect();
+    assert!(
+        !wrong.contains_key(&0),
+        "XDP {xdp_mode}: the FIRST datagram (cold caches, sent to forwarder 0) must reach all {} receivers exactly once; (host, times received): {:?}\nnodes: {counters:#?}",
+        receivers.len(),
+        wrong[&0]
+    );
+    assert!(wrong.is_empty(), "XDP {xdp_mode}: every datagram exactly once; seq -> (host, times): {wrong:?}\nnodes: {counters:#?}");
+    for (h, node) in &nodes[1..] {
+        let c = node.broadcast_counts();
+        assert_eq!(c["forwarded"], u64::from(DATAGRAMS), "host {h} forwards every datagram once: {c:?}");
+        assert_eq!(c["copy_sent"] + c["neigh_miss"], u64::from(DATAGRAMS) * LEAVES as u64, "host {h}: every copy counted once: {c:?}");
+        assert!(c["neigh_miss"] >= LEAVES as u64, "host {h}: its first copies took the neighbour path: {c:?}");
+        assert_eq!(c["fib_error"] + c["clone_failed"] + c["rewrite_failed"], 0, "host {h}: {c:?}");
+    }
+    assert_eq!(nodes[0].1.broadcast_counts()["broadcast"], u64::from(DATAGRAMS));
 }

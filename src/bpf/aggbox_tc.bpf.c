@@ -825,18 +825,28 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 }
 
 /*
- * On lo, a datagram the XDP program (generic mode there) has rewritten into
- * a RESULT can reach this hook without its link-layer header: the skb's
- * data starts at the IPv4 header (measured on 6.18: skb->len = the IPv4
- * total length). Then clones could not leave by an Ethernet device
- * (bpf_clone_redirect wants a MAC header). Such an AGG1 RESULT gets lo's
- * all-zero Ethernet header pushed (bpf_skb_change_head, which also sets the
- * MAC header and its length, so the stack's pull after this program leaves
- * the datagram as it was for local delivery); everything else is left
- * alone. Returns 0 when the skb now starts with an Ethernet header (pushed
- * or already there), -1 when it is something else without one.
+ * Generic (skb-mode) XDP can hand this hook an skb without its link-layer
+ * header: the data starts at the IPv4 header (6.18). Generic XDP copies
+ * every skb that is cloned, nonlinear or has less than 256 bytes of
+ * headroom (on veth and most drivers: every skb) into a new one whose MAC
+ * header length is 0, and that length is what the TC hook pushes back
+ * before running the program. `aggbox attach` runs generic XDP on lo (a
+ * worker on the host) and on IFACE when the driver has no native XDP:
+ * without the header, the parser would count every AGB1 datagram and
+ * RESULT there "not AggBox" (delivered locally, never forwarded or
+ * routed), and no copy could leave by an Ethernet device
+ * (bpf_clone_redirect wants a MAC header).
+ *
+ * For an AGB1 datagram or an AGG1 RESULT, the Ethernet header is put back
+ * (bpf_skb_change_head, which also sets the MAC header and its length, so
+ * the stack's pull after this program leaves the datagram as it was for
+ * local delivery): the Ethernet header the skb still records at its MAC
+ * header when that is an IPv4 one right before the IPv4 header (the
+ * frame's own), else zeros (lo's). Everything else is left alone. Returns
+ * 0 when the skb now starts with an Ethernet header (pushed or already
+ * there), -1 when it is something else without one.
  */
-static __always_inline int lo_result_l2(struct __sk_buff *skb)
+static __always_inline int restore_l2(struct __sk_buff *skb)
 {
 	struct {
 		struct iphdr ip;
@@ -844,18 +854,35 @@ static __always_inline int lo_result_l2(struct __sk_buff *skb)
 		struct aggbox_agg_hdr agg;
 	} h;
 	struct ethhdr eth = { .h_proto = bpf_htons(ETH_P_IP) };
-	__u8 first;
+	__u32 at_data, at_net;
 
-	if (bpf_skb_load_bytes(skb, 0, &first, 1))
+	/* With its Ethernet header, the skb's first bytes are a destination
+	 * MAC, not the IPv4 header's: the data starts at the network header
+	 * exactly when both read the same. (A unicast MAC never starts with
+	 * 0x45, the first byte of an IPv4 header without options.) */
+	if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof(at_data)) ||
+	    bpf_skb_load_bytes_relative(skb, 0, &at_net, sizeof(at_net), BPF_HDR_START_NET) ||
+	    at_data != at_net)
+		return 0;
+	/* no options: the XDP program takes only those (parse.h); the AGB1
+	 * magic is where the AGG1 magic is */
+	if (bpf_skb_load_bytes(skb, 0, &h, sizeof(h.ip) + sizeof(h.udp) + sizeof(h.agg.magic)))
 		return -1;
-	if ((first >> 4) != 4)
-		return 0; /* lo's Ethernet header: its destination MAC is zero */
-	/* no options: the XDP program takes only those (parse.h) */
-	if (first != 0x45 || bpf_skb_load_bytes(skb, 0, &h, sizeof(h)))
+	if (h.ip.version != 4 || h.ip.ihl != 5 || h.ip.protocol != IPPROTO_UDP_)
 		return -1;
-	if (h.ip.protocol != IPPROTO_UDP_ || h.agg.magic != bpf_htonl(AGGBOX_MAGIC_AGG) ||
-	    h.agg.rank != bpf_htons(AGGBOX_RESULT_RANK) || !(h.agg.flags & AGGBOX_AGG_F_RESULT))
-		return -1;
+	if (h.agg.magic != bpf_htonl(AGGBOX_MAGIC_BCAST)) {
+		if (h.agg.magic != bpf_htonl(AGGBOX_MAGIC_AGG) || bpf_skb_load_bytes(skb, 0, &h, sizeof(h)) ||
+		    h.agg.rank != bpf_htons(AGGBOX_RESULT_RANK) || !(h.agg.flags & AGGBOX_AGG_F_RESULT))
+			return -1;
+	}
+	/* the recorded MAC header is an Ethernet header right before the
+	 * IPv4 one (at_data: reused for the bytes after it) */
+	if (bpf_skb_load_bytes_relative(skb, 0, &eth, sizeof(eth), BPF_HDR_START_MAC) ||
+	    bpf_skb_load_bytes_relative(skb, sizeof(eth), &at_data, sizeof(at_data), BPF_HDR_START_MAC) ||
+	    at_data != at_net || eth.h_proto != bpf_htons(ETH_P_IP)) {
+		__builtin_memset(&eth, 0, sizeof(eth));
+		eth.h_proto = bpf_htons(ETH_P_IP);
+	}
 	if (bpf_skb_change_head(skb, sizeof(eth), 0) ||
 	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0))
 		return -1;
@@ -876,7 +903,7 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	if (is_own_mark(skb->mark))
 		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
 
-	if (skb->ifindex == LOOPBACK_IFINDEX_ && lo_result_l2(skb))
+	if (restore_l2(skb))
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
 	if (parse_udp(skb, &v))
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
