@@ -179,6 +179,20 @@ bench-mpi: build mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-mpi: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	scripts/mpi_bench.sh --out $(BENCH_OUT)/mpi $(MPI_BENCH_ARGS)
 
+# The production-shaped soak (docs/ROBUSTNESS.md, "Production soak"): star,
+# node-served and ring jobs at once for SOAK_MINUTES under loss, reloads and
+# kills, with an invariant checker; not part of `make test` or CI. Results
+# and REPORT.md in $(SOAK_OUT). python3-matplotlib draws its plot.
+SOAK_MINUTES ?= 30
+SOAK_OUT ?= results/soak
+.PHONY: soak
+soak: deps
+	@if [ "$$(id -u)" != 0 ]; then echo "make soak: needs root (network namespaces, BPF)" >&2; exit 1; fi
+	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q "ok installed" || \
+	  { echo "soak: installing python3-matplotlib (the plot)"; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null; }
+	$(CARGO) build $(CARGO_FLAGS) $(BENCH_FEATURES)
+	$(BENCH_BIN) soak --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
+
 fmt:
 	$(CARGO) fmt
 

@@ -3,7 +3,8 @@
 
 Reads the JSON files the benchmark writes and saves one PNG per experiment
 next to them. Missing files are skipped (an experiment that did not run).
-`python3 scripts/plot.py mpi DIR` plots scripts/mpi_bench.sh's CSVs in DIR.
+`python3 scripts/plot.py mpi DIR` plots scripts/mpi_bench.sh's CSVs in DIR;
+a DIR with `aggbox-bench soak`'s soak_resources.csv gets soak_resources.png.
 Needs python3-matplotlib (`make bench` installs it).
 """
 import json
@@ -308,6 +309,73 @@ def mpi(d):
     save(fig, d, "mpi.png")
 
 
+def soak(d):
+    """The soak's resource counts over time (soak_resources.csv), one panel
+    each, node h0 and the ring nodes, with the schedule's kills, restarts and
+    reloads (soak_events.csv) as vertical lines."""
+    import csv
+    p = os.path.join(d, "soak_resources.csv")
+    if not os.path.exists(p):
+        return
+    with open(p) as f:
+        rows = list(csv.DictReader(f))
+    events = []
+    pe = os.path.join(d, "soak_events.csv")
+    if os.path.exists(pe):
+        with open(pe) as f:
+            events = list(csv.DictReader(f))
+
+    def num(r, k):
+        try:
+            return float(r[k])
+        except (ValueError, KeyError):
+            return float("nan")
+
+    nodes = sorted({r["node"] for r in rows})
+    panels = [
+        ("rss_mib", "resident memory (MiB)"),
+        ("fds", "open descriptors"),
+        ("pins", "pins under the pin root"),
+        ("udp_ports", "UDP ports held"),
+        ("slots", "h0 kernel slots in use"),
+        ("loss", "injector: datagrams (cumulative)"),
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.1 * len(panels)), sharex=True)
+    style = {"kill_node": ("red", "-"), "restart_node": ("green", ":"), "reload": ("blue", "--"),
+             "kill_worker": ("orange", ":"), "ring_reset": ("purple", "-.")}
+    for ax, (key, label) in zip(axes, panels):
+        if key == "slots":
+            rs = [r for r in rows if r["node"] == "h0"]
+            t = [num(r, "t_s") / 60 for r in rs]
+            for col, name in [("slots_star", "star"), ("slots_served", "served"), ("slots_spare", "spare"), ("blocks", "blocks")]:
+                ax.plot(t, [num(r, col) for r in rs], label=name, lw=1)
+        elif key == "loss":
+            rs = [r for r in rows if r["node"] == "h0"]
+            t = [num(r, "t_s") / 60 for r in rs]
+            ax.plot(t, [num(r, "dropped") for r in rs], label="dropped", lw=1)
+            ax.plot(t, [num(r, "duplicated") for r in rs], label="duplicated", lw=1)
+        else:
+            for n in nodes:
+                rs = [r for r in rows if r["node"] == n]
+                t = [num(r, "t_s") / 60 for r in rs]
+                if key == "udp_ports":
+                    y = [len([x for x in r["udp_ports"].split(";") if x]) if r["fds"] != "-1" else float("nan") for r in rs]
+                else:
+                    y = [num(r, key) if r["fds"] != "-1" or key == "pins" else float("nan") for r in rs]
+                ax.plot(t, y, label=n, lw=1)
+        for e in events:
+            if e["kind"] in style:
+                c, ls = style[e["kind"]]
+                ax.axvline(num(e, "t_s") / 60, color=c, linestyle=ls, lw=0.6, alpha=0.6)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper left", ncol=4)
+    axes[-1].set_xlabel("minutes (red: node h0 kill -9, green: restart, blue: reload, orange: worker kill, purple: ring reset)",
+                        fontsize=8)
+    axes[0].set_title("AggBox production soak: resources over time")
+    save(fig, d, "soak_resources.png")
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "mpi":
         mpi(sys.argv[2])
@@ -324,6 +392,7 @@ def main():
     model(d)
     large(d)
     edge(d)
+    soak(d)
 
 
 if __name__ == "__main__":

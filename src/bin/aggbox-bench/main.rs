@@ -20,6 +20,11 @@
 //! count and broadcast applications, [`model`] the analytical scale model,
 //! [`large`] all-reduce of large vectors against Gloo, [`edge`] the runtime's
 //! passes over a vector against memcpy.
+//!
+//! `aggbox-bench soak` ([`soak`], `make soak`) is not an experiment of
+//! `all`: the production-shaped soak, star, node-served and ring jobs at
+//! once under loss, reloads and kills, with an invariant checker; its
+//! worker processes are `aggbox-bench soak-worker` ([`soak_worker`]).
 
 pub mod agg;
 pub mod apps;
@@ -30,6 +35,8 @@ pub mod floor;
 pub mod large;
 pub mod model;
 pub mod net;
+pub mod soak;
+pub mod soak_worker;
 #[path = "../../testing/testbed.rs"]
 pub mod testbed;
 #[path = "../../testing/bpffs.rs"]
@@ -556,11 +563,20 @@ fn main() {
 }
 
 fn run_cli() -> Result<()> {
-    let cli = <Cli as clap::Parser>::parse();
+    // The soak (docs/ROBUSTNESS.md "Production soak") and its worker
+    // processes have command lines of their own.
+    let mode = std::env::args().nth(1).unwrap_or_default();
+    if mode == "soak-worker" {
+        let args = <soak_worker::WorkerArgs as clap::Parser>::parse_from(std::env::args().skip(1));
+        return soak_worker::run(args);
+    }
+    let soak_args = (mode == "soak").then(|| <soak::SoakArgs as clap::Parser>::parse_from(std::env::args().skip(1)));
+    let cli = if soak_args.is_some() { None } else { Some(<Cli as clap::Parser>::parse()) };
     // Ctrl-C: the testbeds' and pin mounts' destructors would not run; take
     // down what this process made before leaving.
     ctrlc::set_handler(|| {
         eprintln!("aggbox-bench: interrupted; removing this run's testbeds and bpffs mounts");
+        soak::kill_started_processes();
         if let Err(e) = testbed::down_all_of_this_process() {
             eprintln!("aggbox-bench: {e}");
         }
@@ -568,6 +584,10 @@ fn run_cli() -> Result<()> {
         std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
+    if let Some(args) = soak_args {
+        return soak::run(&args);
+    }
+    let Some(cli) = cli else { unreachable!("parsed above") };
     run(
         &cli.experiments,
         &BenchOptions {
