@@ -347,3 +347,79 @@ fn runtime_loopback_striped_communicator_rejects_stripes_of_one_job_or_of_differ
     assert!(e.to_string().contains("stripes of one participant"), "{e}");
     assert!(StripedCommunicator::new(vec![]).is_err());
 }
+
+/// The soak's finding (issue #42): a worker that exits right after its last
+/// call sends its ACK of the last RESULT once; lost, the aggregator
+/// application, whose call waits for every worker's ACK of every RESULT,
+/// resent the RESULT to a closed socket and timed out although the worker
+/// had completed the call. A closing worker now keeps its socket while its
+/// peer still resends (`Driver::linger`). Here a scripted aggregator takes
+/// the worker's contribution, sends its RESULT, ignores the ACKs that come
+/// before the worker is dropped (as lost), resends the RESULT after the
+/// drop began, and must get an ACK of it; without the linger the socket is
+/// closed and nothing answers.
+#[test]
+fn a_closing_worker_acknowledges_a_result_resent_after_its_last_ack_was_lost() {
+    use aggbox::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind};
+    let agg = std::net::UdpSocket::bind((LO, 0)).unwrap();
+    let agg_addr = match agg.local_addr().unwrap() {
+        std::net::SocketAddr::V4(a) => a,
+        _ => unreachable!(),
+    };
+    let me = {
+        let s = std::net::UdpSocket::bind((LO, 0)).unwrap();
+        match s.local_addr().unwrap() {
+            std::net::SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        }
+    };
+    // The kernel backend's worker: contributions to the job port, RESULTs
+    // and ACKs from and to the result port (one scripted socket for both).
+    let worker = Communicator::builder(7, vec![me], LO, agg_addr.port(), Participant::Worker(0))
+        .backend(aggbox::runtime::BackendKind::Kernel)
+        .result_port(agg_addr.port())
+        .kernel_result_group(true)
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let call = std::thread::spawn(move || {
+        let mut v = vec![5i32; 3];
+        worker.allreduce_i32(&mut v, Op::Sum).expect("the scripted aggregator answers");
+        assert_eq!(v, vec![15, 15, 15], "the RESULT's values");
+        worker
+    });
+    agg.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 2048];
+    // The contribution.
+    let (hdr, from) = loop {
+        let (n, from) = agg.recv_from(&mut buf).unwrap();
+        if proto::classify(&buf[..n]) == Some(MessageKind::Agg) {
+            break (proto::decode_agg_header(&buf[..n]).unwrap(), from);
+        }
+    };
+    let result_hdr = AggHeader { rank: aggbox::wire::abi::RESULT_RANK, flags: hdr.flags | aggbox::wire::abi::AGG_F_RESULT, ..hdr };
+    let mut result = Vec::new();
+    proto::encode_agg_into(&result_hdr, &[15, 15, 15], &mut result).unwrap();
+    agg.send_to(&result, from).unwrap();
+    let worker = call.join().expect("worker call");
+    // Whatever the worker acknowledges until it closes is "lost"; then the
+    // aggregator resends while the drop is under way.
+    let closing = std::thread::spawn(move || drop(worker));
+    std::thread::sleep(Duration::from_millis(10));
+    agg.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+    while agg.recv_from(&mut buf).is_ok() {}
+    agg.send_to(&result, from).unwrap();
+    agg.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let acked = loop {
+        match agg.recv_from(&mut buf) {
+            Ok((n, f)) if f == from => match AckMessage::decode(&buf[..n]) {
+                Ok(a) if a.kind == AckKind::Aggregation && a.bitmap.get(hdr.seq) => break true,
+                _ => continue,
+            },
+            Ok(_) => continue,
+            Err(_) => break false,
+        }
+    };
+    closing.join().unwrap();
+    assert!(acked, "the closing worker acknowledged the resent RESULT");
+}

@@ -55,6 +55,8 @@ const DRAIN_MAX: usize = 4096;
 
 /// Longest sleep between calls (so a closed request channel is noticed).
 const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// The longest a closing worker answers its peers (`Driver::linger`).
+const LINGER_MAX: Duration = Duration::from_secs(1);
 
 /// What the communicator shares with its progress thread.
 #[derive(Debug)]
@@ -284,7 +286,39 @@ impl Driver {
 
     /// Hands everything queued on the socket to the engine, in batches,
     /// sending the receivers' due ACKs between batches.
-    fn drain(&mut self) {
+    /// A closing worker's last ACKs may be lost, and the peer that holds
+    /// its RESULTs for them (an aggregator application, whose call waits
+    /// for every worker's ACK of every RESULT; the node's result service)
+    /// resends the RESULT to a socket nobody reads: the aggregator's last
+    /// call timed out although every worker had completed it. So the
+    /// worker keeps its socket for a while, as TCP's TIME_WAIT and QUIC's
+    /// closing period do: every datagram that comes is handled (a resent
+    /// RESULT is acknowledged again), until none has come for
+    /// `Engine::linger_quiet`, [`LINGER_MAX`] at most.
+    fn linger(&mut self) {
+        let Some(quiet) = self.engine.linger_quiet() else { return };
+        let end = Instant::now() + LINGER_MAX;
+        let mut quiet_until = Instant::now() + quiet;
+        self.socket_events(true);
+        let epoll = self.epoll.as_raw_fd();
+        loop {
+            let until = quiet_until.min(end);
+            if Instant::now() >= until {
+                return;
+            }
+            wait((epoll, None), until);
+            self.drain_waker();
+            let taken = self.drain();
+            self.engine.poll_acks(Instant::now(), &mut self.net);
+            if taken > 0 {
+                quiet_until = Instant::now() + quiet;
+            }
+        }
+    }
+
+    /// Takes what the socket holds (at most `DRAIN_MAX` datagrams) into
+    /// the engine; returns how many.
+    fn drain(&mut self) -> usize {
         let mut drained = 0;
         while drained < DRAIN_MAX {
             match self
@@ -312,6 +346,7 @@ impl Driver {
                 Err(_) => break, // e.g. ICMP port unreachable reported on a later recv
             }
         }
+        drained
     }
 }
 
@@ -409,8 +444,10 @@ pub(crate) fn run(core: Arc<Core>, rx: mpsc::Receiver<Request>) {
             }
             Err(mpsc::TryRecvError::Disconnected) => {
                 // The communicator closes: the ACKs still waiting (a
-                // worker's deferred ACK of its last RESULT) go now.
+                // worker's deferred ACK of its last RESULT) go now, and
+                // what a peer still resends is answered for a while.
                 d.engine.flush_acks(&mut d.net);
+                d.linger();
                 return;
             }
             Err(mpsc::TryRecvError::Empty) => {}

@@ -369,6 +369,20 @@ impl Engine {
         self.out.flush(tx);
     }
 
+    /// How long a closing worker keeps answering after its last datagram
+    /// from a peer (see `driver::Driver::linger`): three of its RTOs toward
+    /// the aggregator, and at least two initial RTOs (a peer with no RTT
+    /// sample resends after its initial RTO). `None` for an aggregator
+    /// application: no peer holds anything it must acknowledge.
+    pub(crate) fn linger_quiet(&self) -> Option<std::time::Duration> {
+        match self.cfg.me {
+            Participant::Worker(_) => {
+                Some((3 * self.agg_tx.rtt().rto()).max(2 * self.cfg.reliability.initial_rto))
+            }
+            Participant::Aggregator => None,
+        }
+    }
+
     /// Hands every receive tracker's pending ACK to `tx` at once, whatever
     /// it has waited: the communicator closes, and a worker's deferred ACK
     /// of its last RESULT (see `on_result`) must not be left to a timer
