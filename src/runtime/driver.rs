@@ -294,11 +294,15 @@ impl Driver {
     /// worker keeps its socket for a while, as TCP's TIME_WAIT and QUIC's
     /// closing period do: every datagram that comes is handled (a resent
     /// RESULT is acknowledged again), until none has come for
-    /// `Engine::linger_quiet`, [`LINGER_MAX`] at most.
+    /// `Engine::linger_quiet`, or for twice the gap between the last two
+    /// arrivals when that is longer (a peer's retransmission timer doubles
+    /// after each timeout), [`LINGER_MAX`] at most.
     fn linger(&mut self) {
-        let Some(quiet) = self.engine.linger_quiet() else { return };
-        let end = Instant::now() + LINGER_MAX;
-        let mut quiet_until = Instant::now() + quiet;
+        let Some(mut quiet) = self.engine.linger_quiet() else { return };
+        let start = Instant::now();
+        let end = start + LINGER_MAX;
+        let mut quiet_until = start + quiet;
+        let mut last_arrival = start;
         self.socket_events(true);
         let epoll = self.epoll.as_raw_fd();
         loop {
@@ -311,7 +315,10 @@ impl Driver {
             let taken = self.drain();
             self.engine.poll_acks(Instant::now(), &mut self.net);
             if taken > 0 {
-                quiet_until = Instant::now() + quiet;
+                let now = Instant::now();
+                quiet = quiet.max(2 * now.duration_since(last_arrival));
+                last_arrival = now;
+                quiet_until = now + quiet;
             }
         }
     }

@@ -371,13 +371,15 @@ impl Engine {
 
     /// How long a closing worker keeps answering after its last datagram
     /// from a peer (see `driver::Driver::linger`): three of its RTOs toward
-    /// the aggregator, and at least two initial RTOs (a peer with no RTT
-    /// sample resends after its initial RTO). `None` for an aggregator
-    /// application: no peer holds anything it must acknowledge.
+    /// the aggregator, and at least five initial RTOs (100 ms by default: a
+    /// peer with no RTT sample resends after its initial RTO, and one whose
+    /// timer backed off in a burst of loss after a few of them). `None` for
+    /// an aggregator application: no peer holds anything it must
+    /// acknowledge.
     pub(crate) fn linger_quiet(&self) -> Option<std::time::Duration> {
         match self.cfg.me {
             Participant::Worker(_) => {
-                Some((3 * self.agg_tx.rtt().rto()).max(2 * self.cfg.reliability.initial_rto))
+                Some((3 * self.agg_tx.rtt().rto()).max(5 * self.cfg.reliability.initial_rto))
             }
             Participant::Aggregator => None,
         }
