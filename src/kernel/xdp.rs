@@ -1611,7 +1611,10 @@ impl KernelMaps {
     /// ([`Round::is_stale`], the rule the XDP program drops by) behind
     /// either path's newest completed round.
     pub fn reclaim_stale_slots(&self, window: impl Fn(u16) -> Option<u32>) -> usize {
-        let mut newest: BTreeMap<u16, Option<(Option<Round>, Option<Round>, u32)>> = BTreeMap::new();
+        // Per job: its two paths' newest completed rounds and its window
+        // (`None`: a job `window` does not know).
+        type Newest = Option<(Option<Round>, Option<Round>, u32)>;
+        let mut newest: BTreeMap<u16, Newest> = BTreeMap::new();
         self.release_open_slots(|job, round| {
             let entry = *newest.entry(job).or_insert_with(|| {
                 let w = window(job)?;
