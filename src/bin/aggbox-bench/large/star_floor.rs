@@ -23,7 +23,7 @@
 //! other backends.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::{SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -173,7 +173,7 @@ fn floor_calls(
                             bail!("floor worker {rank}: stopped before call {k}: another worker failed");
                         }
                         let t0 = Instant::now();
-                        let r = one_call(sock, node, &wire, &mut out, n, call_deadline(n as u64));
+                        let r = one_call(sock, node, round, &wire, &mut out, n, call_deadline(n as u64));
                         let t1 = Instant::now();
                         if let Err(e) = r.and_then(|()| check_ints(&format!("floor worker {rank}"), &out, base, k)) {
                             gate.abort();
@@ -225,6 +225,7 @@ const DGRAM: usize = abi::AGG_HDR_LEN + 4 * FLOOR_PER;
 fn one_call(
     sock: &mut UdpTransport,
     node: SocketAddrV4,
+    round: Round,
     wire: &[u8],
     out: &mut [i32],
     n: usize,
@@ -262,7 +263,9 @@ fn one_call(
                 for (i, m) in meta[..k].iter().enumerate() {
                     let d = &rx[i * DGRAM..i * DGRAM + m.len];
                     let Ok((hdr, payload)) = proto::split_agg(d) else { continue };
-                    if !hdr.is_result() || !matches!(m.from, SocketAddr::V4(_)) {
+                    // Only this call's (a late copy of an earlier call's
+                    // RESULT has another round).
+                    if !hdr.is_result() || hdr.round != round {
                         continue;
                     }
                     let off = hdr.frag_off as usize;
