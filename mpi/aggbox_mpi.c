@@ -14,13 +14,15 @@
  * intracommunicator whose processes are a configured job's workers in its
  * rank order (found at the communicator's first such call and cached on it
  * as an attribute). Anything else goes to the PMPI_ function unchanged and
- * is counted.
+ * is counted. A call AggBox can serve still goes to PMPI where the ranks
+ * measured PMPI faster for its kind and size (route_begin / route_end).
  */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* mpi/src/lib.rs */
 enum {
@@ -42,6 +44,10 @@ int aggbox_mpi_serves_float(void);
 int aggbox_mpi_allreduce_i32(int session, int32_t *buf, size_t len, int op, int call);
 int aggbox_mpi_allreduce_f32(int session, float *buf, size_t len, int call);
 int aggbox_mpi_bcast(int session, void *buf, size_t len, int root);
+enum { ROUTE_PMPI = 1, ROUTE_TRIAL = 2 };
+int aggbox_mpi_route(int session, int call, int is_float, size_t bytes);
+int aggbox_mpi_trial(int session, int call, int is_float, size_t bytes, int route, double seconds, double *times);
+void aggbox_mpi_settle(int session, int call, int is_float, size_t bytes, const double *agreed);
 
 /* MPI_COMM_WORLD's session (the Rust half's first), once MPI_Init opened it. */
 enum { WORLD_SESSION = 0 };
@@ -175,6 +181,41 @@ static int comm_session(MPI_Comm comm)
     return session;
 }
 
+/* A served call's route (AggBox or PMPI) and, for a trial, when it began. */
+struct routed {
+    int session, call, is_float, route;
+    size_t bytes;
+    double start;
+};
+
+static double seconds_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Asks the Rust half which route a call AggBox can serve takes: every rank
+ * gets the same answer (docs/MPI.md, "AggBox or PMPI"). */
+static struct routed route_begin(int session, int call, int is_float, size_t bytes)
+{
+    struct routed r = { session, call, is_float, aggbox_mpi_route(session, call, is_float, bytes), bytes, 0.0 };
+    if (r.route & ROUTE_TRIAL) r.start = seconds_now();
+    return r;
+}
+
+/* After a trial: reports its time; after a class's last trial every rank
+ * of `comm` is here in the same call, and the ranks agree on the slowest
+ * rank's times, which settle the class alike everywhere. */
+static void route_end(const struct routed *r, MPI_Comm comm)
+{
+    if (!(r->route & ROUTE_TRIAL)) return;
+    double mine[2], agreed[2];
+    if (!aggbox_mpi_trial(r->session, r->call, r->is_float, r->bytes, r->route, seconds_now() - r->start, mine)) return;
+    if (PMPI_Allreduce(mine, agreed, 2, MPI_DOUBLE, MPI_MAX, comm) != MPI_SUCCESS) fail("agreeing on a call's route");
+    aggbox_mpi_settle(r->session, r->call, r->is_float, r->bytes, agreed);
+}
+
 int MPI_Init(int *argc, char ***argv)
 {
     int rc = PMPI_Init(argc, argv);
@@ -223,6 +264,12 @@ int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype da
         return PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
     }
     size_t bytes = (size_t)count * 4;
+    struct routed route = route_begin(session, CALL_ALLREDUCE, datatype == MPI_FLOAT, bytes);
+    if (route.route & ROUTE_PMPI) {
+        int rc = PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
+        route_end(&route, comm);
+        return rc;
+    }
     void *input = NULL; /* the input the PMPI rerun needs after an overflow */
     if (sendbuf != MPI_IN_PLACE) {
         memcpy(recvbuf, sendbuf, bytes);
@@ -237,6 +284,7 @@ int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype da
     if (status == AGGBOX_MPI_OVERFLOW) rc = PMPI_Allreduce(input, recvbuf, count, datatype, op, comm);
     else if (status != AGGBOX_MPI_OK) fail("MPI_Allreduce");
     if (sendbuf == MPI_IN_PLACE) free(input);
+    route_end(&route, comm);
     return rc;
 }
 
@@ -255,6 +303,12 @@ int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datat
         return PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
     }
     size_t bytes = (size_t)count * 4;
+    struct routed route = route_begin(session, CALL_REDUCE, datatype == MPI_FLOAT, bytes);
+    if (route.route & ROUTE_PMPI) {
+        int rc = PMPI_Reduce(sendbuf, recvbuf, count, datatype, op, root, comm);
+        route_end(&route, comm);
+        return rc;
+    }
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) fail("MPI_Reduce (out of memory)");
     memcpy(scratch, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf, bytes);
@@ -268,6 +322,7 @@ int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datat
         fail("MPI_Reduce");
     }
     free(scratch);
+    route_end(&route, comm);
     return rc;
 }
 
@@ -280,6 +335,11 @@ int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root, MPI_Comm
         aggbox_mpi_count_passed(CALL_BCAST);
         return PMPI_Bcast(buffer, count, datatype, root, comm);
     }
-    if (aggbox_mpi_bcast(session, buffer, (size_t)count * (size_t)size, root) != AGGBOX_MPI_OK) fail("MPI_Bcast");
-    return MPI_SUCCESS;
+    size_t bytes = (size_t)count * (size_t)size;
+    struct routed route = route_begin(session, CALL_BCAST, 0, bytes);
+    int rc = MPI_SUCCESS;
+    if (route.route & ROUTE_PMPI) rc = PMPI_Bcast(buffer, count, datatype, root, comm);
+    else if (aggbox_mpi_bcast(session, buffer, bytes, root) != AGGBOX_MPI_OK) fail("MPI_Bcast");
+    route_end(&route, comm);
+    return rc;
 }

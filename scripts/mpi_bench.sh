@@ -27,15 +27,20 @@
 # --programs: which of osu_allreduce, osu_bcast, bcast_latency run (all).
 # --lib: the library to preload (default target/release/libaggbox_mpi_MPI.so),
 # e.g. another build's copy, to compare two builds in the same way.
-# --aggbox-env: a variable for the libaggbox_mpi run only (repeatable), e.g.
+# --aggbox-env: a variable for the libaggbox_mpi runs only (repeatable), e.g.
 # AGGBOX_CALLER_THREAD=0 to measure with every call on the progress thread.
+# The library runs twice: with AGGBOX_MPI_ROUTE=aggbox (every call AggBox's:
+# the "aggbox" columns) and with the default AGGBOX_MPI_ROUTE=measure (per
+# size AggBox or PMPI, whichever the ranks measured faster: the "routed"
+# columns, what a user gets; osu_allreduce and osu_bcast only).
 # Needs root, `make build mpi` (PROFILE=release). Writes DIR/mpi_allreduce.csv
 # and DIR/mpi_bcast.csv (mpi, ranks, size_bytes, plain and aggbox avg/min/max
 # µs and MB/s), DIR/mpi_bcast_latency.csv (mpi, ranks, count, size_bytes,
 # plain and aggbox avg/min/max/root µs), prints them as tables, plots the
 # first two in DIR/mpi.png (scripts/plot.py mpi, when matplotlib is
-# installed) and writes the node's `aggbox status` after each library run to
-# DIR/node_status.txt.
+# installed), writes the node's `aggbox status` after each library run to
+# DIR/node_status.txt and the routed runs' counters and settled routes to
+# DIR/mpi_routes.txt.
 set -euo pipefail
 
 ranks_list=4 mpi=openmpi max_bytes=$((1 << 20)) bcast_max_bytes=$((1 << 20)) iterations=200 out=results/mpi
@@ -168,11 +173,13 @@ run() {
   esac
 }
 
-# run_programs N KIND: every program of --programs on N ranks, its output
-# in $work/PROG-KIND-N.txt.
+# run_programs N KIND [PROG...]: every program of --programs (or the PROGs
+# among them) on N ranks, its output in $work/PROG-KIND-N.txt.
 run_programs() {
   local n=$1 kind=$2 prog
+  shift 2
   for prog in "${progs[@]}"; do
+    if [ $# -gt 0 ] && [[ " $* " != *" $prog "* ]]; then continue; fi
     case $prog in
       osu_allreduce) run "$n" "$work/allreduce-$kind-$n.txt" "$prog" "$max_bytes" "$iterations" ;;
       osu_bcast) run "$n" "$work/bcast-$kind-$n.txt" "$prog" "$bcast_max_bytes" "$iterations" ;;
@@ -185,6 +192,7 @@ has() { [[ ,$programs, == *,$1,* ]]; }
 
 mkdir -p "$out"
 : > "$out/node_status.txt"
+: > "$out/mpi_routes.txt"
 for n in "${rank_counts[@]}"; do
   write_job "$n"
   echo "mpi_bench.sh: $mpi, $n ranks, MTU $mtu, plain MPI (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
@@ -196,9 +204,15 @@ for n in "${rank_counts[@]}"; do
   # "Consecutive runs on one node").
   start_node
   echo "mpi_bench.sh: $mpi, $n ranks, MTU $mtu, libaggbox_mpi (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
-  run_env=(LD_PRELOAD="$lib" AGGBOX_MPI_CONFIG="$work/node.toml" AGGBOX_MPI_NODE="$(addr 0)"
-    AGGBOX_MPI_DATA_PORT=7700 AGGBOX_MPI_STATS=1 ${aggbox_env[@]+"${aggbox_env[@]}"})
+  lib_env=(LD_PRELOAD="$lib" AGGBOX_MPI_CONFIG="$work/node.toml" AGGBOX_MPI_NODE="$(addr 0)"
+    AGGBOX_MPI_DATA_PORT=7700 AGGBOX_MPI_STATS=1)
+  run_env=("${lib_env[@]}" AGGBOX_MPI_ROUTE=aggbox ${aggbox_env[@]+"${aggbox_env[@]}"})
   run_programs "$n" aggbox
+  echo "mpi_bench.sh: $mpi, $n ranks, MTU $mtu, libaggbox_mpi with measured routes (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+  run_env=("${lib_env[@]}" AGGBOX_MPI_ROUTE=measure ${aggbox_env[@]+"${aggbox_env[@]}"})
+  # The ranks' counters and settled routes (stderr) go to DIR/mpi_routes.txt.
+  echo "# $mpi, $n ranks, MTU $mtu" >> "$out/mpi_routes.txt"
+  run_programs "$n" routed osu_allreduce osu_bcast 2> >(tee -a "$out/mpi_routes.txt" >&2)
   # The node's counters of the runs (its result service's datagrams: what
   # the calls cost the node), beside the ranks' lines mpirun printed.
   { echo "# $mpi, $n ranks, MTU $mtu: aggbox status after ${programs//,/, }"
@@ -208,19 +222,22 @@ for n in "${rank_counts[@]}"; do
 done
 
 # write_csv PROG: one row per rank count and size, the plain run's columns
-# beside the library's.
+# beside the library's, forced (aggbox_*) and routed (routed_*).
+sorted_rows() { grep -v '^#' "$1" | sort -k1,1; }
 write_csv() {
   local prog=$1 csv=$out/mpi_$1.csv n
-  echo "mpi,ranks,size_bytes,plain_avg_us,plain_min_us,plain_max_us,aggbox_avg_us,aggbox_min_us,aggbox_max_us,plain_mb_per_s,aggbox_mb_per_s" > "$csv"
+  echo "mpi,ranks,size_bytes,plain_avg_us,plain_min_us,plain_max_us,aggbox_avg_us,aggbox_min_us,aggbox_max_us,plain_mb_per_s,aggbox_mb_per_s,routed_avg_us,routed_min_us,routed_max_us,routed_mb_per_s" > "$csv"
   for n in "${rank_counts[@]}"; do
-    join <(grep -v '^#' "$work/$prog-plain-$n.txt" | sort -k1,1) <(grep -v '^#' "$work/$prog-aggbox-$n.txt" | sort -k1,1) \
+    # Each file's rows: size avg min max MB/s.
+    join <(sorted_rows "$work/$prog-plain-$n.txt") <(sorted_rows "$work/$prog-aggbox-$n.txt") \
+      | join - <(sorted_rows "$work/$prog-routed-$n.txt") \
       | sort -n -k1,1 \
-      | awk -v m="$mpi" -v n="$n" '{print m "," n "," $1 "," $2 "," $3 "," $4 "," $6 "," $7 "," $8 "," $5 "," $9}' >> "$csv"
+      | awk -v m="$mpi" -v n="$n" '{print m "," n "," $1 "," $2 "," $3 "," $4 "," $6 "," $7 "," $8 "," $5 "," $9 "," $10 "," $11 "," $12 "," $13}' >> "$csv"
   done
   echo "mpi_bench.sh: $csv" >&2
-  echo "$prog ($mpi, MTU $mtu; mean µs per call, MB/s = bytes / mean)"
-  printf "%-6s %-12s %12s %12s %8s %12s %12s\n" ranks size_bytes plain_us aggbox_us ratio plain_MB/s aggbox_MB/s
-  tail -n +2 "$csv" | awk -F, '{printf "%-6s %-12s %12s %12s %8.2f %12s %12s\n", $2, $3, $4, $7, $7 / $4, $10, $11}'
+  echo "$prog ($mpi, MTU $mtu; mean µs per call, MB/s = bytes / mean; routed = AggBox or PMPI per size, as measured)"
+  printf "%-6s %-12s %12s %12s %8s %12s %8s %12s %12s\n" ranks size_bytes plain_us aggbox_us ratio routed_us ratio plain_MB/s aggbox_MB/s
+  tail -n +2 "$csv" | awk -F, '{printf "%-6s %-12s %12s %12s %8.2f %12s %8.2f %12s %12s\n", $2, $3, $4, $7, $7 / $4, $12, $12 / $4, $10, $11}'
 }
 has osu_allreduce && write_csv allreduce
 has osu_bcast && write_csv bcast

@@ -267,8 +267,9 @@ def edge(d):
 
 def mpi(d):
     """`scripts/mpi_bench.sh`: latency (log-log) and bandwidth of MPI_Allreduce
-    and MPI_Bcast per size, plain MPI against libaggbox_mpi, one line each per
-    rank count; DIR/mpi.png."""
+    and MPI_Bcast per size, plain MPI against libaggbox_mpi (every call
+    through AggBox, and routed per size as measured), one line each per rank
+    count; DIR/mpi.png."""
     import csv
     tables = []
     for name, title in [("mpi_allreduce.csv", "MPI_Allreduce int32 SUM"), ("mpi_bcast.csv", "MPI_Bcast from rank 0")]:
@@ -285,7 +286,10 @@ def mpi(d):
         for impl, ranks in sorted(set((r["mpi"], int(r["ranks"])) for r in rows), key=lambda k: k[1]):
             rs = sorted([r for r in rows if r["mpi"] == impl and int(r["ranks"]) == ranks], key=lambda r: int(r["size_bytes"]))
             x = [int(r["size_bytes"]) for r in rs]
-            for side, label, color in [("plain", f"plain {impl}", "tab:orange"), ("aggbox", "AggBox", "tab:blue")]:
+            sides = [("plain", f"plain {impl}", "tab:orange"), ("aggbox", "AggBox", "tab:blue")]
+            if rs and "routed_avg_us" in rs[0]:
+                sides.append(("routed", "AggBox or PMPI, measured", "tab:green"))
+            for side, label, color in sides:
                 style = "-" if ranks == min(int(r["ranks"]) for r in rows) else "--"
                 y = [float(r[f"{side}_avg_us"]) for r in rs]
                 lo = [y_ - float(r[f"{side}_min_us"]) for y_, r in zip(y, rs)]

@@ -170,6 +170,9 @@ impl MpiBed {
             ("AGGBOX_MPI_DATA_PORT".to_string(), DATA_PORT.to_string()),
             ("AGGBOX_MPI_DEADLINE_MS".to_string(), DEADLINE_MS.to_string()),
             ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
+            // What these tests check is AggBox's serving; the measured
+            // choice has its own test.
+            ("AGGBOX_MPI_ROUTE".to_string(), "aggbox".to_string()),
         ];
         env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
         env
@@ -255,6 +258,24 @@ fn assert_counters(out: &Output, ranks: usize, want: impl Fn(usize) -> String, w
         let line = format!("aggbox-mpi: rank {r}: served {}", want(r));
         assert!(stderr.contains(&line), "{what}: rank {r} printed no \"{line}\" in:\n{stderr}");
     }
+}
+
+/// Rank `r`'s counters line (`aggbox-mpi: rank R: served ...`).
+fn counters_line(out: &Output, r: usize) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let head = format!("aggbox-mpi: rank {r}: served ");
+    stderr
+        .lines()
+        .find(|l| l.starts_with(&head))
+        .unwrap_or_else(|| panic!("rank {r} printed no counters line in:\n{stderr}"))
+        .to_string()
+}
+
+/// The value of `NAME=` after `section` in a counters line.
+fn counter(line: &str, section: &str, name: &str) -> u64 {
+    let rest = &line[line.find(section).unwrap_or_else(|| panic!("no {section:?} in {line}")) + section.len()..];
+    let at = rest.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} after {section:?} in {line}"));
+    rest[at + name.len() + 1..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
 }
 
 /// The counters world rank `r` must print after collectives.c's default
@@ -348,6 +369,79 @@ fn mpich_4_ranks_bit_identical_to_plain_mpi_and_passes_the_rest_through() {
 
 /// A world of 3 ranks for a job of 4 workers: MPI_Init fails on every rank
 /// with the reason, and the job ends (no hang).
+/// The default route, `measure`: per kind and size the first calls are
+/// trials (a warm-up and AGGBOX_MPI_TRIALS each of AggBox and PMPI,
+/// alternating), then
+/// every rank takes the route the slowest rank measured faster. The test
+/// cannot know which route wins on this machine (that is what is
+/// measured), so it checks what must hold whichever wins: the results are
+/// plain MPI's; every rank settled the same routes from the same agreed
+/// times (the routes text is identical on every rank); the counters add up
+/// exactly to the trials plus the settled calls of each route. With
+/// `pmpi` every call steps aside.
+#[test]
+fn openmpi_measured_routes_agree_on_every_rank_and_results_stay_exact() {
+    const RANKS: usize = 4;
+    const TIMES: u64 = 10;
+    const TRIALS: u64 = 2;
+    let bed = MpiBed::up("openmpi-route", RANKS);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    // One int (a datagram) and 64 Ki ints (256 KiB, 182 datagrams).
+    let args = ["repeat", "10", "1", "65536"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &args);
+    assert!(plain.status.success(), "plain run failed");
+    let reference = result_lines(&plain);
+    assert_eq!(reference.len(), 2 * 2 * TIMES as usize, "rank 0's result lines of the plain run");
+
+    let env = bed.aggbox_env(
+        Mpi::OpenMpi,
+        &[("AGGBOX_MPI_ROUTE", "measure".into()), ("AGGBOX_MPI_TRIALS", TRIALS.to_string())],
+    );
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &args);
+    assert!(out.status.success(), "run with measured routes failed");
+    assert_eq!(result_lines(&out), reference, "results with measured routes differ from plain MPI's");
+    let lines: Vec<String> = (0..RANKS).map(|r| counters_line(&out, r)).collect();
+    let routes: Vec<&str> = lines
+        .iter()
+        .map(|l| &l[l.find("routes ").expect("a routes section") + "routes ".len()..])
+        .collect();
+    assert!(routes.iter().all(|r| *r == routes[0]), "ranks settled differently:\n{}", lines.join("\n"));
+    let settled: Vec<&str> = routes[0].split(", ").collect();
+    assert_eq!(settled.len(), 4, "two kinds × two sizes settled: {}", routes[0]);
+    for (call, dtype) in [("MPI_Allreduce", "int32"), ("MPI_Bcast", "bytes")] {
+        let to_pmpi = ["4 B", "256 KiB"]
+            .iter()
+            .map(|class| {
+                let head = format!("{call} {dtype} from {class}: ");
+                let s = settled.iter().find(|s| s.starts_with(&head)).unwrap_or_else(|| panic!("no {head:?} in {}", routes[0]));
+                let route = s[head.len()..].split(' ').next().unwrap();
+                assert!(route == "aggbox" || route == "pmpi", "route {route:?} in {s}");
+                u64::from(route == "pmpi")
+            })
+            .sum::<u64>();
+        // Per class TRIALS + 1 trials on each route, then the rest on the
+        // settled one.
+        let tried = TRIALS + 1;
+        let stepped = 2 * tried + to_pmpi * (TIMES - 2 * tried);
+        for line in &lines {
+            assert_eq!(counter(line, "stepped aside to PMPI ", call), stepped, "{call} stepped aside: {line}");
+            assert_eq!(counter(line, "served ", call), 2 * TIMES - stepped, "{call} served: {line}");
+        }
+    }
+
+    let env = bed.aggbox_env(Mpi::OpenMpi, &[("AGGBOX_MPI_ROUTE", "pmpi".into())]);
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &args);
+    assert!(out.status.success(), "run with AGGBOX_MPI_ROUTE=pmpi failed");
+    assert_eq!(result_lines(&out), reference, "results with AGGBOX_MPI_ROUTE=pmpi");
+    for r in 0..RANKS {
+        let line = counters_line(&out, r);
+        for call in ["MPI_Allreduce", "MPI_Bcast"] {
+            assert_eq!(counter(&line, "stepped aside to PMPI ", call), 2 * TIMES, "{line}");
+            assert_eq!(counter(&line, "served ", call), 0, "{line}");
+        }
+    }
+}
+
 #[test]
 fn world_size_other_than_the_workers_fails_at_mpi_init() {
     let bed = MpiBed::up("mismatch", 4);

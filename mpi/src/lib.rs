@@ -23,6 +23,7 @@ use aggbox::config::Config;
 use aggbox::runtime::{
     BackendKind, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
 };
+use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner};
 use aggbox::wire::abi::{Op, Round};
 
 /// The call completed; the buffer holds the result.
@@ -51,6 +52,14 @@ const ENV_MIN_BYTES: &str = "AGGBOX_MPI_MIN_BYTES";
 const ENV_FLOAT: &str = "AGGBOX_MPI_FLOAT";
 const ENV_DEADLINE_MS: &str = "AGGBOX_MPI_DEADLINE_MS";
 const ENV_STATS: &str = "AGGBOX_MPI_STATS";
+const ENV_ROUTE: &str = "AGGBOX_MPI_ROUTE";
+const ENV_TRIALS: &str = "AGGBOX_MPI_TRIALS";
+
+/// [`aggbox_mpi_route`]'s answer: bit 0 set = PMPI (the baseline), clear =
+/// AggBox; bit 1 set = a trial the shim times and reports with
+/// [`aggbox_mpi_trial`].
+pub const AGGBOX_MPI_ROUTE_PMPI: c_int = 1;
+pub const AGGBOX_MPI_ROUTE_TRIAL: c_int = 2;
 
 /// How long a rank's call polls for its result before it sleeps
 /// ([`aggbox::runtime::CommConfig::caller_spin`]): MPI ranks busy-wait for
@@ -92,6 +101,10 @@ struct Settings {
     min_bytes: usize,
     float: bool,
     stats: bool,
+    /// AGGBOX_MPI_ROUTE and AGGBOX_MPI_TRIALS: how each session's tuner
+    /// routes served calls (docs/MPI.md, "AggBox or PMPI").
+    route: Policy,
+    trials: u32,
 }
 
 /// One AggBox job's communicator; every MPI communicator whose processes
@@ -100,6 +113,9 @@ struct Settings {
 struct Session {
     comm: Communicator,
     job: u16,
+    /// AggBox or PMPI per kind and size of call, measured on this
+    /// communicator (a kind is `call * 2 + is_float`).
+    tuner: Tuner,
 }
 
 /// Everything between `MPI_Init` and `MPI_Finalize`. A served call holds
@@ -125,6 +141,9 @@ fn shim() -> std::sync::MutexGuard<'static, Option<Shim>> {
 static SERVED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 static PASSED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 static OVERFLOWED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+/// Calls AggBox could serve that the tuner sent to PMPI (trials and
+/// settled choices).
+static STEPPED_ASIDE: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
@@ -186,6 +205,16 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
         Some("quantized") => true,
         Some(v) => return Err(format!("{ENV_FLOAT}={v:?}: expected \"quantized\" (serve MPI_FLOAT MPI_SUM, not bit-exact) or \"off\"")),
     };
+    let route = match env(ENV_ROUTE).as_deref() {
+        None => Policy::Measure,
+        Some("pmpi") => Policy::Baseline,
+        Some(v @ ("measure" | "aggbox")) => Policy::parse(v).expect("listed"),
+        Some(v) => return Err(format!("{ENV_ROUTE}={v:?}: expected \"measure\" (default: AggBox or PMPI per size, whichever the ranks measured faster), \"aggbox\" or \"pmpi\"")),
+    };
+    let trials = match env_parsed::<u32>(ENV_TRIALS)? {
+        Some(0) => return Err(format!("{ENV_TRIALS}=0: each route needs at least one trial")),
+        t => t.unwrap_or(tuner::DEFAULT_TRIALS),
+    };
     Ok(Settings {
         world_job: job.id,
         world_workers: job.workers.clone(),
@@ -196,6 +225,8 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
         min_bytes: env_parsed::<usize>(ENV_MIN_BYTES)?.unwrap_or(0),
         float,
         stats: env(ENV_STATS).is_some_and(|v| v != "0"),
+        route,
+        trials,
         path,
         config,
     })
@@ -273,7 +304,7 @@ fn prepare(settings: &Settings, job: u16, rank: c_int, size: c_int) -> Result<(P
 
 /// Builds the session prepared by [`prepare`], its first call at `round`,
 /// `agg_seq` (agreed by every rank of the communicator).
-fn open(p: Pending, node: Ipv4Addr, round: u32, agg_seq: u32) -> Result<Session, String> {
+fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> Result<Session, String> {
     let Pending {
         builder,
         job,
@@ -299,7 +330,7 @@ fn open(p: Pending, node: Ipv4Addr, round: u32, agg_seq: u32) -> Result<Session,
             ))
         }
     }
-    Ok(Session { comm, job })
+    Ok(Session { comm, job, tuner })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
@@ -335,7 +366,8 @@ fn start_pending(what: &str, round: u32, agg_seq: u32) -> c_int {
         report(shim.settings.world_rank, what, "no session is being opened (a bug in the shim)");
         return AGGBOX_MPI_ERROR;
     };
-    match open(pending, shim.settings.node, round, agg_seq) {
+    let tuner = Tuner::new(shim.settings.route, shim.settings.trials);
+    match open(pending, shim.settings.node, tuner, round, agg_seq) {
         Ok(session) => {
             shim.sessions.push(session);
             (shim.sessions.len() - 1) as c_int
@@ -485,7 +517,7 @@ pub extern "C" fn aggbox_mpi_finalize() {
             let jobs: String = shim
                 .sessions
                 .iter()
-                .map(|s| format!("; job {} datagrams {}", s.job, datagrams_line(&s.comm)))
+                .map(|s| format!("; job {} datagrams {}; job {} routes {}", s.job, datagrams_line(&s.comm), s.job, routes_line(&s.tuner)))
                 .collect();
             let line = format!("{}{jobs}\n", stats_line(shim.settings.world_rank));
             let _ = std::io::stderr().write_all(line.as_bytes());
@@ -523,11 +555,146 @@ fn stats_line(rank: c_int) -> String {
             .join(" ")
     };
     format!(
-        "aggbox-mpi: rank {rank}: served {}; passed through {}; overflowed (rerun with PMPI) {}",
+        "aggbox-mpi: rank {rank}: served {}; passed through {}; overflowed (rerun with PMPI) {}; stepped aside to PMPI {}",
         list(&SERVED),
         list(&PASSED),
-        list(&OVERFLOWED)
+        list(&OVERFLOWED),
+        list(&STEPPED_ASIDE)
     )
+}
+
+/// A session's settled routes: `MPI_Allreduce int32 from 64 KiB: pmpi
+/// (aggbox 812.0 µs vs pmpi 301.5 µs)`, comma-separated; what each trial
+/// pair measured on the slowest rank.
+fn routes_line(tuner: &Tuner) -> String {
+    let routes: Vec<String> = tuner
+        .choices()
+        .iter()
+        .map(|c| {
+            let (call, float) = kind_parts(c.kind);
+            let dtype = match (call, float) {
+                (CALL_BCAST, _) => "bytes",
+                (_, true) => "float32",
+                (_, false) => "int32",
+            };
+            format!(
+                "{} {dtype} from {}: {} (aggbox {:.1} µs vs pmpi {:.1} µs)",
+                CALLS[call],
+                tuner::class_name(c.log2_bytes),
+                route_name(c.route),
+                c.times_us[0],
+                c.times_us[1]
+            )
+        })
+        .collect();
+    if routes.is_empty() {
+        "none settled".to_string()
+    } else {
+        routes.join(", ")
+    }
+}
+
+fn route_name(route: Route) -> &'static str {
+    match route {
+        Route::AggBox => "aggbox",
+        Route::Baseline => "pmpi",
+    }
+}
+
+/// The tuner's kind of a call: its CALLS index and whether it is float32
+/// (a float call pays quantization and costs differently).
+fn kind_of(call: usize, is_float: bool) -> u32 {
+    call as u32 * 2 + is_float as u32
+}
+
+fn kind_parts(kind: u32) -> (usize, bool) {
+    ((kind / 2) as usize, kind % 2 == 1)
+}
+
+/// Runs `f` on session `session`'s tuner; None (reported) when there is no
+/// such session.
+fn with_tuner<T>(session: c_int, what: &str, f: impl FnOnce(&mut Tuner) -> T) -> Option<T> {
+    let mut guard = shim();
+    let shim = guard.as_mut()?;
+    let rank = shim.settings.world_rank;
+    match usize::try_from(session).ok().and_then(|i| shim.sessions.get_mut(i)) {
+        Some(s) => Some(f(&mut s.tuner)),
+        None => {
+            report(rank, what, format!("no session {session} (a bug in the shim)"));
+            None
+        }
+    }
+}
+
+/// The route of a call AggBox can serve on session `session` (`call` as
+/// for the counters, `is_float` for MPI_FLOAT, `bytes` its size): 0 =
+/// AggBox, or AGGBOX_MPI_ROUTE_PMPI, either with AGGBOX_MPI_ROUTE_TRIAL
+/// when the shim must time the call and report it to [`aggbox_mpi_trial`].
+/// Every rank gets the same answer for the same call (docs/MPI.md, "AggBox
+/// or PMPI"). A call routed to PMPI is counted as stepped aside.
+#[no_mangle]
+pub extern "C" fn aggbox_mpi_route(session: c_int, call: c_int, is_float: c_int, bytes: usize) -> c_int {
+    let call = call_index(call);
+    let pick = with_tuner(session, CALLS[call], |t| t.pick(kind_of(call, is_float != 0), bytes))
+        .unwrap_or(Pick::Settled(Route::AggBox));
+    let route = match pick.route() {
+        Route::AggBox => 0,
+        Route::Baseline => {
+            STEPPED_ASIDE[call].fetch_add(1, Ordering::Relaxed);
+            AGGBOX_MPI_ROUTE_PMPI
+        }
+    };
+    match pick {
+        Pick::Trial(_) => route | AGGBOX_MPI_ROUTE_TRIAL,
+        Pick::Settled(_) => route,
+    }
+}
+
+/// A trial call [`aggbox_mpi_route`] routed took `seconds`. Returns 1 when
+/// it was its class's last trial: then `times` (2 doubles) holds this
+/// rank's fastest AggBox and PMPI trial in µs, and the shim reduces them
+/// with MPI_MAX over the communicator and calls [`aggbox_mpi_settle`] with
+/// the result. Returns 0 otherwise.
+///
+/// # Safety
+/// `times` points to 2 writable doubles.
+#[no_mangle]
+pub unsafe extern "C" fn aggbox_mpi_trial(
+    session: c_int,
+    call: c_int,
+    is_float: c_int,
+    bytes: usize,
+    route: c_int,
+    seconds: f64,
+    times: *mut f64,
+) -> c_int {
+    let call = call_index(call);
+    let route = if route & AGGBOX_MPI_ROUTE_PMPI != 0 { Route::Baseline } else { Route::AggBox };
+    let took = Duration::from_secs_f64(seconds.max(0.0));
+    let settle = with_tuner(session, CALLS[call], |t| t.record(kind_of(call, is_float != 0), bytes, route, took)).flatten();
+    match settle {
+        Some(s) if !times.is_null() => {
+            std::slice::from_raw_parts_mut(times, 2).copy_from_slice(&s.times_us);
+            1
+        }
+        _ => 0,
+    }
+}
+
+/// Settles the class of a call with the times every rank agreed on
+/// (MPI_MAX of [`aggbox_mpi_trial`]'s), so that AggBox serves its later
+/// calls only where it was faster.
+///
+/// # Safety
+/// `agreed` points to 2 doubles.
+#[no_mangle]
+pub unsafe extern "C" fn aggbox_mpi_settle(session: c_int, call: c_int, is_float: c_int, bytes: usize, agreed: *const f64) {
+    if agreed.is_null() {
+        return;
+    }
+    let call = call_index(call);
+    let agreed = std::slice::from_raw_parts(agreed, 2);
+    with_tuner(session, CALLS[call], |t| t.settle(kind_of(call, is_float != 0), bytes, [agreed[0], agreed[1]]));
 }
 
 /// The shim counts a call it passed to PMPI unchanged (`call`: 0 allreduce,

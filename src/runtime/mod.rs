@@ -45,6 +45,7 @@ pub mod ring;
 pub mod socket;
 pub mod striped;
 pub mod transport;
+pub mod tuner;
 pub mod work;
 
 pub use backend::BackendKind;

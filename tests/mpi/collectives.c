@@ -17,6 +17,10 @@
  *        collectives float SIZE...  MPI_FLOAT MPI_SUM allreduce and reduce,
  *                                  within 1e-4 of size·max|x| of the exact
  *                                  sum (quantized when the library serves it)
+ *        collectives repeat N SIZE...  per size, N allreduces (the ops in
+ *                                  turn) and N broadcasts (roots in turn),
+ *                                  each checked: enough calls of one size
+ *                                  for the library's route trials
  *        collectives kill-rank R   rank R dies (SIGALRM, no handler) after
  *                                  1 s of back-to-back allreduces; the
  *                                  others must fail, not hang: they exit 3
@@ -129,6 +133,25 @@ static void reductions(int n)
     for (int i = 0; i < n; i++) { want[i] = input(size - 1, i, 0, 0); out[i] = rank == size - 1 ? want[i] : 0; }
     MPI_Bcast(out, n, MPI_INT, size - 1, MPI_COMM_WORLD);
     check("bcast-int", n, out, want, 1);
+    free(in); free(out); free(want);
+}
+
+/* `times` allreduces and broadcasts of n elements (see the usage). */
+static void repeated(int times, int n)
+{
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    char name[64];
+    for (int t = 0; t < times; t++) {
+        int k = t % NOPS, root = t % size;
+        for (int i = 0; i < n; i++) { in[i] = input(rank, i + t, k, 0); want[i] = expected(i + t, k, 0); }
+        snprintf(name, sizeof name, "repeat%d-allreduce-%s", t, OPS[k].name);
+        MPI_Allreduce(in, out, n, MPI_INT, OPS[k].op, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+        for (int i = 0; i < n; i++) { want[i] = input(root, i + t, 0, 0); out[i] = rank == root ? want[i] : 0; }
+        snprintf(name, sizeof name, "repeat%d-bcast-root%d", t, root);
+        MPI_Bcast(out, n, MPI_INT, root, MPI_COMM_WORLD);
+        check(name, n, out, want, 1);
+    }
     free(in); free(out); free(want);
 }
 
@@ -287,6 +310,12 @@ int main(int argc, char **argv)
         return rc;
     }
     static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
+    if (argc > 3 && strcmp(argv[1], "repeat") == 0) {
+        for (int a = 3; a < argc; a++) repeated(atoi(argv[2]), atoi(argv[a]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+        MPI_Finalize();
+        return failures ? 1 : 0;
+    }
     if (argc > 1 && strcmp(argv[1], "float") == 0) {
         for (int a = 2; a < argc; a++) floats(atoi(argv[a]));
         fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
