@@ -119,6 +119,8 @@ fn run(label: &str, mode: AckMode, loss: f64, burst: bool, len: usize, repeats: 
             acks_received: a.acks_received - b.acks_received,
             duplicates_received: a.duplicates_received - b.duplicates_received,
             bytes_delivered: a.bytes_delivered - b.bytes_delivered,
+            float_calls_one_round: a.float_calls_one_round - b.float_calls_one_round,
+            float_calls_redone: a.float_calls_redone - b.float_calls_redone,
         })
         .collect();
     let st = sum(&delta);

@@ -144,6 +144,105 @@ fn runtime_loopback_nonblocking_and_f32() {
     }
 }
 
+/// The two-round definition of an adaptive float allreduce (SUM): every
+/// worker's vector quantized at `adaptive_scale` of the global max, summed
+/// as integers, dequantized.
+fn two_round_result(xs: &[Vec<f32>]) -> Vec<f32> {
+    use aggbox::runtime::quantize;
+    let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
+    let s = quantize::adaptive_scale(m, xs.len() as u16);
+    let mut sum = vec![0i64; xs[0].len()];
+    let mut q = Vec::new();
+    for x in xs {
+        quantize::quantize_into(x, s, &mut q).unwrap();
+        sum.iter_mut().zip(&q).for_each(|(a, &v)| *a += i64::from(v));
+    }
+    let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
+    let mut out = vec![0f32; sum.len()];
+    quantize::dequantize_into(&sum, s, &mut out);
+    out
+}
+
+/// Worker r's input for call k: max |x| = (2 + 0.001 r) · magnitude.
+fn float_input(r: usize, len: usize, k: usize, magnitude: f32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let v = if i == 0 { 2.0 + 0.001 * r as f32 } else { ((i * 31 + k) % 401) as f32 * 0.005 - 1.0 };
+            v * magnitude
+        })
+        .collect()
+}
+
+/// Adaptive float allreduces through the I/O driver, 4 workers: one round
+/// (the position advances by 1) when every worker guesses the agreed scale,
+/// two when the magnitude jumps ×1000, then one again; striped, each stripe
+/// alike. Every result is the two-round result bit for bit, on every
+/// participant; the counters say which calls took one round.
+#[test]
+fn runtime_loopback_adaptive_allreduce_takes_one_round_when_the_scale_is_predictable() {
+    let j = job(4, |b| b.quantization(Quantization::Adaptive));
+    let comms: Vec<&Communicator> = std::iter::once(&j.agg).chain(&j.workers).collect();
+    let len = 2000;
+    for (k, magnitude, rounds, one_round, redone) in [(0, 1.0, 1, 1, 0), (1, 1.0, 1, 2, 0), (2, 1000.0, 2, 2, 1), (3, 1000.0, 1, 3, 1)] {
+        let xs: Vec<Vec<f32>> = (0..4).map(|r| float_input(r, len, k, magnitude)).collect();
+        let before: Vec<u32> = comms.iter().map(|c| c.position().0 .0).collect();
+        let outs = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(p, c)| {
+                    let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
+                    s.spawn(move || {
+                        c.allreduce_f32(&mut x, false).unwrap();
+                        x
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        let want: Vec<u32> = two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
+        for (p, (c, o)) in comms.iter().zip(&outs).enumerate() {
+            assert_eq!(o.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "call {k}, participant {p}: the two-round result");
+            assert_eq!(c.position().0 .0 - before[p], rounds, "call {k}, participant {p}: rounds");
+            let st = c.stats();
+            assert_eq!((st.float_calls_one_round, st.float_calls_redone), (one_round, redone), "call {k}, participant {p}");
+        }
+    }
+    // Striped: each stripe guesses and checks on its own job.
+    let parts = striped_job(4, 2, |b| b.quantization(Quantization::Adaptive));
+    let len = 3000;
+    for k in 0..2 {
+        let xs: Vec<Vec<f32>> = (0..4).map(|r| float_input(r, len, k, 1.0)).collect();
+        let outs = std::thread::scope(|s| {
+            let hs: Vec<_> = parts
+                .iter()
+                .enumerate()
+                .map(|(p, c)| {
+                    let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
+                    s.spawn(move || {
+                        c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
+                        x
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        let mut want = Vec::new();
+        for r in aggbox::runtime::striped::stripe_bounds(len, 2) {
+            let stripe: Vec<Vec<f32>> = xs.iter().map(|x| x[r.clone()].to_vec()).collect();
+            want.extend(two_round_result(&stripe).iter().map(|f| f.to_bits()));
+        }
+        for (p, (c, o)) in parts.iter().zip(&outs).enumerate() {
+            assert_eq!(o.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "striped call {k}, participant {p}");
+            let st = c.stats();
+            assert_eq!(st.float_calls_one_round + st.float_calls_redone, 2 * (k as u64 + 1), "striped call {k}, participant {p}: every stripe guessed");
+            if k == 1 {
+                assert!(st.float_calls_one_round >= 2, "participant {p}: the second call took one round in each stripe: {st:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn runtime_loopback_fixed_scale_overflow_is_an_error() {
     let j = job(2, |b| b.quantization(Quantization::Fixed(1e8)));

@@ -1,8 +1,13 @@
 //! The rounds each call of a [`crate::runtime::Communicator`] makes, over
 //! any driver of the state machine: a broadcast or an int reduction is one
-//! round; a float reduction agrees on the scale first (adaptive: a
-//! one-element MAX allreduce), then reduces, and reruns once at an agreed
-//! scale when a fixed one overflowed (`FixedOrAdaptive`).
+//! round. A float reduction with a fixed scale is one round, and reruns once
+//! at an agreed scale when the scale overflowed (`FixedOrAdaptive`). An
+//! adaptive float allreduce of at most [`quantize::ONE_ROUND_MAX_LEN`]
+//! elements guesses the scale and sums the values with the scale checks
+//! ([`quantize::ScaleCheck`]): one round when every worker guessed the
+//! agreed scale, else a second one at the agreed scale the checks name. An
+//! adaptive reduce, or a longer allreduce, agrees on the scale first (a
+//! one-element MAX allreduce), then reduces: two rounds.
 
 use std::time::Instant;
 
@@ -213,6 +218,12 @@ pub(crate) trait Calls: RoundDriver {
                 }
                 s
             }
+            Quantization::Adaptive if all && len <= quantize::ONE_ROUND_MAX_LEN => {
+                match self.one_round_f32(mean, x, opts)? {
+                    Some(agreed) => agreed,
+                    None => return Ok(()),
+                }
+            }
             Quantization::Adaptive => self.agree_scale(x, is_agg, opts)?,
         };
         for attempt in 0..2 {
@@ -275,6 +286,65 @@ pub(crate) trait Calls: RoundDriver {
         })
     }
 
+    /// The one round of an adaptive float allreduce (module docs of
+    /// [`quantize`]): a worker quantizes `x` at its guess (the scale agreed
+    /// for this length last, else its own) into a reused int32 vector, the
+    /// scale checks appended; the aggregator application contributes
+    /// nothing. Every participant reads the same verdict from the sums:
+    /// `None` when every worker guessed the agreed scale (the result is in
+    /// `x`), else the agreed scale to reduce at (from the checks, or from a
+    /// MAX allreduce when they do not add up).
+    fn one_round_f32(
+        &mut self,
+        mean: bool,
+        x: RawF32,
+        opts: CallOptions,
+    ) -> Result<Option<f64>, CommError> {
+        let workers = self.engine().cfg.total_workers();
+        let is_agg = self.engine().cfg.me == Participant::Aggregator;
+        let len = x.len;
+        let check = quantize::ScaleCheck::new(workers);
+        let mut v = std::mem::take(&mut self.engine().spare_i32);
+        if is_agg {
+            v.clear();
+            v.resize(len + check.elements(), 0);
+        } else {
+            // SAFETY: no other reference into x lives now.
+            let xs = unsafe { x.slice() };
+            let m = quantize::max_abs(xs).map_err(|e| CommError::Config(e.to_string()))?;
+            let own = quantize::adaptive_scale(m, workers);
+            let guess = self.engine().agreed_scales.get(len).unwrap_or(own);
+            check.contribution(xs, guess, own, &mut v);
+        }
+        let out = self.reduce_i32(true, Op::Sum, v, opts)?;
+        let verdict = match out.values.get(len..) {
+            Some(sums) if out.has_result => check.verdict(sums, out.overflow),
+            _ => quantize::ScaleVerdict::Unknown,
+        };
+        let agreed = match verdict {
+            quantize::ScaleVerdict::Agreed(scale) => {
+                let div = if mean { scale * workers as f64 } else { scale };
+                // SAFETY: no other reference into x lives now.
+                quantize::dequantize_into(&out.values[..len], div, unsafe { x.slice_mut() });
+                self.engine().spare_i32 = out.values;
+                self.engine().agreed_scales.record(len, scale);
+                self.engine().counters().float_call(true);
+                return Ok(None);
+            }
+            quantize::ScaleVerdict::Redo(scale) => {
+                self.engine().spare_i32 = out.values;
+                scale
+            }
+            quantize::ScaleVerdict::Unknown => {
+                self.engine().spare_i32 = out.values;
+                self.agree_scale(x, is_agg, opts)?
+            }
+        };
+        self.engine().agreed_scales.record(len, agreed);
+        self.engine().counters().float_call(false);
+        Ok(Some(agreed))
+    }
+
     /// One-element MAX allreduce of max|x| (as float bits) → the adaptive scale.
     fn agree_scale(
         &mut self,
@@ -317,8 +387,8 @@ mod tests {
     use crate::runtime::comm::{CallOptions, Communicator, Participant, RawF32};
     use crate::runtime::engine::Engine;
     use crate::runtime::outbox::Transmit;
-    use crate::runtime::quantize::Quantization;
-    use crate::runtime::transport::Counters;
+    use crate::runtime::quantize::{self, Quantization};
+    use crate::runtime::transport::{CommStats, Counters};
     use crate::runtime::CommError;
 
     type Inbox = mpsc::Receiver<(SocketAddrV4, Vec<u8>)>;
@@ -403,7 +473,6 @@ mod tests {
     }
 
     const WORKERS: u16 = 3;
-    const PARTICIPANTS: usize = WORKERS as usize + 1;
 
     /// Runs `calls` on every participant (workers 0..3, then the
     /// aggregator) with `quantization`; returns what each returned.
@@ -411,11 +480,21 @@ mod tests {
         quantization: Quantization,
         calls: impl Fn(&mut ChannelDriver, Participant) -> T + Sync,
     ) -> Vec<T> {
+        run_job_of(WORKERS, quantization, calls)
+    }
+
+    /// [`run_job`] with `workers` workers.
+    fn run_job_of<T: Send>(
+        workers: u16,
+        quantization: Quantization,
+        calls: impl Fn(&mut ChannelDriver, Participant) -> T + Sync,
+    ) -> Vec<T> {
+        let participants = workers as usize + 1;
         let lo = Ipv4Addr::new(10, 0, 0, 1);
-        let peers: Vec<SocketAddrV4> = (0..WORKERS)
+        let peers: Vec<SocketAddrV4> = (0..workers)
             .map(|r| SocketAddrV4::new(lo, 5000 + r))
             .collect();
-        let me_all: Vec<Participant> = (0..WORKERS)
+        let me_all: Vec<Participant> = (0..workers)
             .map(Participant::Worker)
             .chain([Participant::Aggregator])
             .collect();
@@ -459,7 +538,7 @@ mod tests {
                     s.spawn(move || {
                         let out = calls(&mut d, me);
                         done.fetch_add(1, Ordering::SeqCst);
-                        while done.load(Ordering::SeqCst) < PARTICIPANTS {
+                        while done.load(Ordering::SeqCst) < participants {
                             d.step(Duration::from_millis(1));
                         }
                         out
@@ -511,6 +590,171 @@ mod tests {
             assert!(worst < 1e-2, "participant {i}: error {worst}");
             assert_eq!(ints, &vec![WORKERS as i32; 4], "participant {i}");
             assert_eq!(*round, crate::wire::abi::Round(4), "participant {i}: 3 float rounds and 1 int round");
+        }
+    }
+
+    /// The two-round definition of an adaptive float allreduce: every
+    /// worker's `x` quantized at `adaptive_scale` of the global max, summed
+    /// as integers, dequantized (by S · workers for a mean).
+    fn two_round_result(xs: &[Vec<f32>], mean: bool) -> Vec<f32> {
+        let workers = xs.len() as u16;
+        let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
+        let s = quantize::adaptive_scale(m, workers);
+        let mut sum = vec![0i64; xs[0].len()];
+        let mut q = Vec::new();
+        for x in xs {
+            assert!(!quantize::quantize_into(x, s, &mut q).unwrap());
+            for (a, &v) in sum.iter_mut().zip(&q) {
+                *a += i64::from(v);
+            }
+        }
+        let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
+        let mut out = vec![0f32; sum.len()];
+        let div = if mean { s * f64::from(workers) } else { s };
+        quantize::dequantize_into(&sum, div, &mut out);
+        out
+    }
+
+    /// One float call of a test: every worker's input, and whether it is a mean.
+    struct FloatCall {
+        xs: Vec<Vec<f32>>,
+        mean: bool,
+    }
+
+    /// Worker r's input of `len` elements for call `k`, of magnitude
+    /// `scale`: max |x| = (5 + 0.001 · r) · scale, at element 0.
+    fn float_input(r: u16, len: usize, k: usize, scale: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let t = ((i * 37 + k * 13) % 1000) as f32 - 500.0;
+                if i == 0 {
+                    -(5.0 + 0.001 * r as f32) * scale
+                } else {
+                    t * 0.01 * scale
+                }
+            })
+            .collect()
+    }
+
+    /// Runs `calls` as adaptive allreduces on 4 workers and the aggregator
+    /// application; checks every participant's result bit for bit against
+    /// [`two_round_result`]; returns, per participant, the rounds each call
+    /// took and the counters after them.
+    fn adaptive_allreduces(calls: &[FloatCall]) -> Vec<(Vec<u32>, CommStats)> {
+        let out = run_job_of(4, Quantization::Adaptive, |d, me| {
+            let mut rounds = Vec::new();
+            let mut results = Vec::new();
+            for c in calls {
+                let mut x = match me {
+                    Participant::Worker(r) => c.xs[r as usize].clone(),
+                    Participant::Aggregator => vec![0.0; c.xs[0].len()],
+                };
+                let before = d.engine().position().0;
+                d.reduce_f32(true, c.mean, RawF32::of(&mut x), CallOptions::default())
+                    .expect("the float allreduce");
+                rounds.push(d.engine().position().0.ahead_of(before) as u32);
+                results.push(x);
+            }
+            (rounds, d.engine().counters().snapshot(), results)
+        });
+        out.into_iter()
+            .enumerate()
+            .map(|(p, (rounds, stats, results))| {
+                for (k, (c, got)) in calls.iter().zip(&results).enumerate() {
+                    let want = two_round_result(&c.xs, c.mean);
+                    let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+                    assert!(same, "participant {p}, call {k}: not the two-round result bit for bit");
+                }
+                (rounds, stats)
+            })
+            .collect()
+    }
+
+    /// An adaptive allreduce whose scale every worker can predict takes one
+    /// round: the first call (maxima 5.000 to 5.003, so every
+    /// worker's own scale is the agreed one), the next ones at the same
+    /// magnitude (the scale agreed last), a mean. A magnitude that jumps
+    /// (×1000) or falls (×1e-6) reduces again at the agreed scale: two
+    /// rounds, and the call after it is one round again. Every result is
+    /// the two-round result bit for bit, on every participant, and the
+    /// counters say how many calls took one round and how many reduced
+    /// again.
+    #[test]
+    fn an_adaptive_allreduce_whose_scale_the_workers_predict_takes_one_round() {
+        let len = 1000;
+        let call = |k: usize, scale: f32, mean: bool| FloatCall {
+            xs: (0..4).map(|r| float_input(r, len, k, scale)).collect(),
+            mean,
+        };
+        let calls = [
+            call(0, 1.0, false),
+            call(1, 1.0, false),
+            call(2, 1000.0, false),
+            call(3, 1000.0, false),
+            call(4, 1e-3, false),
+            call(5, 1e-3, true),
+        ];
+        for (p, (rounds, stats)) in adaptive_allreduces(&calls).iter().enumerate() {
+            assert_eq!(rounds, &[1, 1, 2, 1, 2, 1], "participant {p}: rounds per call");
+            assert_eq!(
+                (stats.float_calls_one_round, stats.float_calls_redone),
+                (4, 2),
+                "participant {p}"
+            );
+        }
+    }
+
+    /// Workers whose guesses differ (here: their own scales, on the first
+    /// call, maxima 1, 4, 16, 64) reduce again at the agreed scale and get
+    /// the exact two-round result; the next call of that length guesses the
+    /// agreed scale everywhere and takes one round. Another length has no
+    /// agreed scale yet: its first call guesses each worker's own again.
+    #[test]
+    fn workers_that_guess_different_scales_reduce_again_at_the_agreed_one() {
+        let spread = |len: usize, k: usize| FloatCall {
+            xs: (0..4).map(|r| float_input(r, len, k, 4f32.powi(r as i32) * 0.2)).collect(),
+            mean: false,
+        };
+        let calls = [spread(300, 0), spread(300, 1), spread(7, 2), spread(300, 3), spread(7, 4)];
+        for (p, (rounds, stats)) in adaptive_allreduces(&calls).iter().enumerate() {
+            assert_eq!(rounds, &[2, 1, 2, 1, 1], "participant {p}: rounds per call");
+            assert_eq!((stats.float_calls_one_round, stats.float_calls_redone), (3, 2), "participant {p}");
+        }
+    }
+
+    /// Only a short allreduce guesses: one longer than
+    /// `ONE_ROUND_MAX_LEN` and a reduce agree on the scale first (two
+    /// rounds each, uncounted), with the same results as before.
+    #[test]
+    fn a_long_adaptive_allreduce_and_a_reduce_agree_on_the_scale_first() {
+        let long = quantize::ONE_ROUND_MAX_LEN + 1;
+        let xs: Vec<Vec<f32>> = (0..4).map(|r| float_input(r, long, 0, 3.0)).collect();
+        let want = two_round_result(&xs, false);
+        let out = run_job_of(4, Quantization::Adaptive, |d, me| {
+            let mut rounds = Vec::new();
+            let mut results = Vec::new();
+            for (all, len) in [(true, long), (false, 100)] {
+                let mut x = match me {
+                    Participant::Worker(r) => xs[r as usize][..len].to_vec(),
+                    Participant::Aggregator => vec![0.0; len],
+                };
+                let before = d.engine().position().0;
+                d.reduce_f32(all, false, RawF32::of(&mut x), CallOptions::default())
+                    .expect("the float call");
+                rounds.push(d.engine().position().0.ahead_of(before) as u32);
+                results.push(x);
+            }
+            (rounds, d.engine().counters().snapshot(), results, me)
+        });
+        let short: Vec<Vec<f32>> = xs.iter().map(|x| x[..100].to_vec()).collect();
+        for (rounds, stats, results, me) in out {
+            assert_eq!(rounds, [2, 2], "{me:?}");
+            assert_eq!((stats.float_calls_one_round, stats.float_calls_redone), (0, 0), "{me:?}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&results[0]), bits(&want), "{me:?}: the long allreduce");
+            if me == Participant::Aggregator {
+                assert_eq!(bits(&results[1]), bits(&two_round_result(&short, false)), "the reduce");
+            }
         }
     }
 }

@@ -1053,8 +1053,12 @@ impl Communicator {
     /// [`CommConfig::tree_workers`]). Zero-copy: a worker's floats are quantized straight
     /// from `buf` into datagram buffers and the result is dequantized straight
     /// into `buf` as its fragments arrive; after the first call of a size
-    /// nothing is allocated per call (docs/RUNTIME.md). On an error `buf`
-    /// may hold part of the result.
+    /// nothing is allocated per call (docs/RUNTIME.md). An adaptive
+    /// allreduce of up to [`crate::runtime::quantize::ONE_ROUND_MAX_LEN`]
+    /// elements goes through a reused int32 vector instead, and takes one
+    /// round when every worker guessed the agreed scale
+    /// ([`crate::runtime::quantize`]). On an error `buf` may hold part of
+    /// the result.
     pub fn allreduce_f32(&self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
         self.reduce_f32_in(buf, true, mean, CallOptions::default())
     }

@@ -8,12 +8,35 @@
 //!   [`crate::runtime::CommError::Overflow`], or, with
 //!   [`Quantization::FixedOrAdaptive`], rerun at the adaptive scale.
 //! - [`Quantization::Adaptive`]: S is picked per call so the sum cannot
-//!   overflow: the workers first agree on `m = max_r max_i |x_r[i]|` with a
-//!   one-element MAX allreduce of `m`'s float bits (the bit patterns of
-//!   non-negative floats order like the floats, so an integer MAX is exact),
-//!   then every participant computes the same [`adaptive_scale`]`(m, workers)`,
-//!   the largest power of two with `workers * (m * S + 0.5) < 2^31`. A power of
-//!   two makes `x * S` exact, so the only error is the final rounding.
+//!   overflow: the agreed scale is [`adaptive_scale`]`(m, workers)` of
+//!   `m = max_r max_i |x_r[i]|`, the largest power of two with
+//!   `workers * (m * S + 0.5) < 2^31`. A power of two makes `x * S` exact, so
+//!   the only error is the final rounding. A reduce, and an allreduce longer
+//!   than [`ONE_ROUND_MAX_LEN`], agree on `m` first with a one-element MAX
+//!   allreduce of `m`'s float bits (the bit patterns of non-negative floats
+//!   order like the floats, so an integer MAX is exact), then reduce: two
+//!   rounds.
+//!
+//! One-round adaptive allreduce (up to [`ONE_ROUND_MAX_LEN`] elements): the
+//! workers guess the scale instead of agreeing on it first. `adaptive_scale`
+//! is a power of two that does not grow with `m`, so the agreed scale is the
+//! smallest of the workers' own scales `adaptive_scale(m_r, workers)`. Each
+//! worker quantizes at its guess (the scale agreed by the communicator's last
+//! adaptive allreduce of the same length, [`AgreedScales`]; else its own
+//! scale) and appends [`ScaleCheck`] elements, which the same int32 SUM adds
+//! up: the count of workers, the guess's step `g` (`S = 2^(40 − g)`) and
+//! `g²`, and a histogram of the workers' own steps, one digit per step, wide
+//! enough for `workers`. From the sums every participant (the aggregator
+//! application too, which contributes nothing) decides alike
+//! ([`ScaleCheck::verdict`]): the agreed scale is the one of the largest step
+//! in the histogram; `Σg = W·ḡ` and `Σg² = W·ḡ²` hold only when every worker
+//! guessed `ḡ` (zero variance). When they all guessed the agreed scale the
+//! values are the sum at it, bit for bit the two-round result: one round.
+//! Otherwise (a first call with unequal maxima, a magnitude that jumped or
+//! fell, a replaced worker) the call reduces again at the agreed scale the
+//! histogram names: two rounds, as many as agreeing first. Only if the counts
+//! do not add up (weights other than 1) does it agree on the scale and
+//! reduce (three rounds).
 //!
 //! Error on realistic data (unit test `quantization_error_report`, 8 workers,
 //! 100k elements each, relative to the f64 sum, adaptive scale):
@@ -23,6 +46,7 @@
 //! tail elements. The fixed default S = 1e8 overflows as soon as
 //! `workers · max|x|` reaches 21.47, which heavy-tailed data does.
 
+use std::collections::HashMap;
 use std::mem::MaybeUninit;
 
 /// The paper's default scale factor.
@@ -283,6 +307,168 @@ pub fn adaptive_scale(max_abs: f32, workers: u16) -> f64 {
     s
 }
 
+/// Longest vector (elements) an adaptive allreduce takes in one round (see
+/// the module docs): its quantized values go through an int32 vector with
+/// the [`ScaleCheck`] elements appended (a copy the two-round path, which
+/// quantizes each fragment straight into its datagram, does not make). The
+/// bound depends only on the length, so every participant decides alike.
+pub const ONE_ROUND_MAX_LEN: usize = 16 * 1024;
+
+/// The exponent of the largest adaptive scale (its cap, 2^40).
+const TOP_EXPONENT: i32 = 40;
+/// The exponent of the smallest adaptive scale (2^-126).
+const BOTTOM_EXPONENT: i32 = -126;
+/// Adaptive scales: `2^(TOP_EXPONENT − step)` for steps `0..SCALE_STEPS`.
+pub const SCALE_STEPS: u32 = (TOP_EXPONENT - BOTTOM_EXPONENT + 1) as u32;
+
+/// The step of an adaptive scale `S = 2^(40 − step)`: how many halvings
+/// below the cap (0 ..= 166; a larger step is a smaller scale).
+pub fn scale_step(scale: f64) -> u32 {
+    let exponent = ((scale.to_bits() >> 52) & 0x7FF) as i32 - 1023;
+    (TOP_EXPONENT - exponent).clamp(0, SCALE_STEPS as i32 - 1) as u32
+}
+
+/// The adaptive scale of a step (the bits [`adaptive_scale`] returns).
+pub fn step_scale(step: u32) -> f64 {
+    2f64.powi(TOP_EXPONENT - step as i32)
+}
+
+/// The check elements a worker appends to its quantized values in a
+/// one-round adaptive allreduce, and what their SUM says (module docs),
+/// for `workers` contributors. Layout, after the values:
+/// `[1, g, g², histogram...]`, `g` the step of the worker's guess; the
+/// histogram holds one digit of `bits` bits per step (`1` at the worker's own
+/// step), `per_element` digits in each int32's low 31 bits, so no sum of
+/// `workers` digits carries into the next digit or the sign.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScaleCheck {
+    workers: u16,
+    bits: u32,
+    per_element: u32,
+}
+
+/// What the summed [`ScaleCheck`] elements say.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScaleVerdict {
+    /// Every worker quantized at the agreed scale: the summed values are the
+    /// result at this scale.
+    Agreed(f64),
+    /// The agreed scale is this one, but not every worker quantized at it:
+    /// reduce again at it.
+    Redo(f64),
+    /// The counts do not add up (a contributor that sent no checks, or
+    /// weights other than 1): agree on the scale first.
+    Unknown,
+}
+
+impl ScaleCheck {
+    /// The checks of a sum over `workers` workers (at least 1).
+    pub fn new(workers: u16) -> ScaleCheck {
+        let workers = workers.max(1);
+        let bits = u16::BITS - workers.leading_zeros();
+        ScaleCheck {
+            workers,
+            bits,
+            per_element: 31 / bits,
+        }
+    }
+
+    /// Elements of the histogram.
+    fn histogram_len(&self) -> usize {
+        SCALE_STEPS.div_ceil(self.per_element) as usize
+    }
+
+    /// How many check elements follow the values.
+    pub fn elements(&self) -> usize {
+        3 + self.histogram_len()
+    }
+
+    /// A worker's contribution into `out` (resized, allocation kept): `x`
+    /// quantized at `guess`, then the checks of `guess` and of the worker's
+    /// own scale `own` (`adaptive_scale` of its max |x|, which the caller
+    /// computed with [`max_abs`], so `x` is finite). Elements clamped at a
+    /// guess above `own` are not flagged: the histogram makes that a
+    /// [`ScaleVerdict::Redo`], whose values are not used.
+    pub fn contribution(&self, x: &[f32], guess: f64, own: f64, out: &mut Vec<i32>) {
+        out.clear();
+        out.reserve(x.len() + self.elements());
+        let spare = &mut out.spare_capacity_mut()[..x.len()];
+        kernels::quantize(x, guess, spare, |q| q);
+        // SAFETY: quantize wrote all x.len() elements after the (zero) length.
+        unsafe { out.set_len(x.len()) };
+        let g = scale_step(guess) as i32;
+        out.extend_from_slice(&[1, g, g * g]);
+        let start = out.len();
+        out.resize(start + self.histogram_len(), 0);
+        let s = scale_step(own);
+        out[start + (s / self.per_element) as usize] |= 1 << (self.bits * (s % self.per_element));
+    }
+
+    /// What the summed checks say (`overflow`: the result's OVERFLOW flag),
+    /// the same on every participant that has the sums.
+    pub fn verdict(&self, sums: &[i32], overflow: bool) -> ScaleVerdict {
+        let w = i64::from(self.workers);
+        let [count, g, g2] = match sums {
+            [a, b, c, ..] if sums.len() == self.elements() => [*a, *b, *c].map(i64::from),
+            _ => return ScaleVerdict::Unknown,
+        };
+        if count != w {
+            return ScaleVerdict::Unknown;
+        }
+        let mask = (1u32 << self.bits) - 1;
+        let (mut counted, mut top) = (0i64, None);
+        for step in 0..SCALE_STEPS {
+            let e = sums[3 + (step / self.per_element) as usize] as u32;
+            let n = (e >> (self.bits * (step % self.per_element))) & mask;
+            if n > 0 {
+                counted += i64::from(n);
+                top = Some(step);
+            }
+        }
+        let Some(top) = top.filter(|_| counted == w) else {
+            return ScaleVerdict::Unknown;
+        };
+        let agreed = step_scale(top);
+        // Σg = W·ḡ and Σg² = W·ḡ²: Σ(g − ḡ)² = 0, every worker guessed ḡ.
+        let same_guess = g % w == 0 && g2 == w * (g / w) * (g / w);
+        if same_guess && g / w == i64::from(top) && !overflow {
+            ScaleVerdict::Agreed(agreed)
+        } else {
+            ScaleVerdict::Redo(agreed)
+        }
+    }
+}
+
+/// The scales agreed by a communicator's recent one-round-eligible adaptive
+/// allreduces, by vector length: a worker's guess for the next call of that
+/// length. Built only from agreed values, so every worker of a healthy run
+/// holds the same; a worker whose differs (replaced, resumed) makes a call
+/// take two rounds, never a wrong result. At most [`AgreedScales::LIMIT`]
+/// lengths: a new one beyond that starts over (on every worker alike, since
+/// they all see the same lengths).
+#[derive(Debug, Default)]
+pub struct AgreedScales {
+    by_len: HashMap<usize, f64>,
+}
+
+impl AgreedScales {
+    /// Most lengths remembered.
+    pub const LIMIT: usize = 256;
+
+    /// The scale agreed last for vectors of `len` elements.
+    pub fn get(&self, len: usize) -> Option<f64> {
+        self.by_len.get(&len).copied()
+    }
+
+    /// `scale` was agreed for a vector of `len` elements.
+    pub fn record(&mut self, len: usize, scale: f64) {
+        if self.by_len.len() >= Self::LIMIT && !self.by_len.contains_key(&len) {
+            self.by_len.clear();
+        }
+        self.by_len.insert(len, scale);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,6 +646,172 @@ mod tests {
                 assert!(w as f64 * (m as f64 * 2.0 * s + 0.5) >= 2f64.powi(31));
             }
         }
+    }
+
+    /// The one-round allreduce rests on these: `adaptive_scale` never grows
+    /// with the max (so the agreed scale is the smallest of the workers'
+    /// own), and its step fits the histogram and round-trips to the same
+    /// bits, for every binade of f32 at both ends of the worker counts.
+    #[test]
+    fn adaptive_scale_does_not_grow_with_the_max_and_its_step_round_trips() {
+        let mut ms: Vec<f32> = vec![0.0, f32::from_bits(1), f32::MAX];
+        for e in -149..128 {
+            let p = 2f64.powi(e);
+            for f in [1.0, 1.0 + 2f64.powi(-23), 1.25, 1.5, 1.999_999_9] {
+                let m = (p * f) as f32;
+                if m.is_finite() {
+                    ms.extend([m, f32::from_bits(m.to_bits().saturating_sub(1)), f32::from_bits(m.to_bits() + 1)]);
+                }
+            }
+        }
+        ms.retain(|m| m.is_finite());
+        ms.sort_by(f32::total_cmp);
+        for w in [1u16, 2, 3, 4, 7, 8, 100, 256, 4097, 65535] {
+            let mut last = f64::INFINITY;
+            for &m in &ms {
+                let s = adaptive_scale(m, w);
+                assert!(s <= last, "w {w}: scale grew from {last:e} to {s:e} at m {m:e}");
+                last = s;
+                let step = scale_step(s);
+                assert!(step < SCALE_STEPS, "w {w} m {m:e}: step {step}");
+                assert_eq!(step_scale(step).to_bits(), s.to_bits(), "w {w} m {m:e}");
+            }
+        }
+    }
+
+    /// The workers' contributions of a one-round allreduce summed as the
+    /// aggregator sums them (int64, clamped to int32 with OVERFLOW); the
+    /// verdict from the sums, and the values.
+    fn one_round(xs: &[Vec<f32>], guesses: &[f64], workers: u16) -> (ScaleVerdict, Vec<i32>) {
+        let check = ScaleCheck::new(workers);
+        let len = xs[0].len();
+        let mut acc = vec![0i64; len + check.elements()];
+        let mut q = Vec::new();
+        for (x, &guess) in xs.iter().zip(guesses) {
+            let own = adaptive_scale(max_abs(x).unwrap(), workers);
+            check.contribution(x, guess, own, &mut q);
+            assert_eq!(q.len(), len + check.elements());
+            for (a, &v) in acc.iter_mut().zip(&q) {
+                *a += i64::from(v);
+            }
+        }
+        for (i, &a) in acc[len..].iter().enumerate() {
+            assert!((0..=i64::from(i32::MAX)).contains(&a), "check element {i} summed to {a}");
+        }
+        let overflow = acc.iter().any(|&a| a != a.clamp(i32::MIN.into(), i32::MAX.into()));
+        let sums: Vec<i32> = acc.iter().map(|&a| a.clamp(i32::MIN.into(), i32::MAX.into()) as i32).collect();
+        (check.verdict(&sums[len..], overflow), sums[..len].to_vec())
+    }
+
+    /// The two-round definition: the sum at `adaptive_scale` of the global max.
+    fn agreed_sum(xs: &[Vec<f32>], workers: u16) -> (f64, Vec<i32>) {
+        let m = xs.iter().map(|x| max_abs(x).unwrap()).fold(0f32, f32::max);
+        let s = adaptive_scale(m, workers);
+        let mut acc = vec![0i64; xs[0].len()];
+        let mut q = Vec::new();
+        for x in xs {
+            assert!(!quantize_into(x, s, &mut q).unwrap());
+            for (a, &v) in acc.iter_mut().zip(&q) {
+                *a += i64::from(v);
+            }
+        }
+        (s, acc.iter().map(|&a| i32::try_from(a).expect("the agreed scale keeps the sum in int32")).collect())
+    }
+
+    /// Every guess combination gives the agreed scale; `Agreed` exactly when
+    /// every worker guessed it, and then the values are the two-round sum
+    /// bit for bit: workers with equal and unequal maxima, guesses equal to
+    /// the agreed scale, one worker's off, all of them too large or too
+    /// small (the magnitude jumped or fell), guesses that differ, all zeros.
+    #[test]
+    fn scale_checks_name_the_agreed_scale_and_whether_every_worker_guessed_it() {
+        let mut rng = Rng(0xA076_1D64_78BD_642F);
+        for workers in [1u16, 2, 3, 4, 7, 8, 31, 64, 255, 1000] {
+            for magnitudes in [[1.0f64, 1.0], [1.0, 3.0], [1e-3, 1e3], [0.0, 0.0], [1e30, 1e-30]] {
+                let xs: Vec<Vec<f32>> = (0..workers as usize)
+                    .map(|r| {
+                        let mag = magnitudes[r % 2];
+                        (0..37).map(|_| (rng.normal() * mag) as f32).collect()
+                    })
+                    .collect();
+                let (agreed, want) = agreed_sum(&xs, workers);
+                let own: Vec<f64> =
+                    xs.iter().map(|x| adaptive_scale(max_abs(x).unwrap(), workers)).collect();
+                let w = workers as usize;
+                // Guesses beyond the scales' range stand for the nearest end.
+                let cases: Vec<Vec<f64>> = vec![
+                    vec![agreed; w],
+                    vec![agreed * 2.0; w],
+                    vec![agreed * 1024.0; w],
+                    vec![agreed / 2.0; w],
+                    vec![agreed / 2f64.powi(20); w],
+                    (0..w).map(|r| if r == w - 1 { agreed / 2.0 } else { agreed }).collect(),
+                    (0..w).map(|r| if r == 0 { agreed * 2.0 } else { agreed }).collect(),
+                    own.clone(),
+                ];
+                for guesses in cases {
+                    let guesses: Vec<f64> =
+                        guesses.iter().map(|&g| step_scale(scale_step(g))).collect();
+                    let hit = guesses.iter().all(|&g| g == agreed);
+                    let (verdict, values) = one_round(&xs, &guesses, workers);
+                    let what = format!("{workers} workers, magnitudes {magnitudes:?}, guesses {:?}", &guesses[..guesses.len().min(3)]);
+                    if hit {
+                        assert_eq!(verdict, ScaleVerdict::Agreed(agreed), "{what}");
+                        assert_eq!(values, want, "{what}: the two-round sum");
+                    } else {
+                        assert_eq!(verdict, ScaleVerdict::Redo(agreed), "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sums that do not add up to one contribution per worker (a worker
+    /// missing, weights other than 1, a garbled histogram) are `Unknown`.
+    #[test]
+    fn scale_checks_that_do_not_add_up_are_unknown() {
+        let check = ScaleCheck::new(4);
+        let x = vec![0.5f32; 3];
+        let s = adaptive_scale(0.5, 4);
+        let mut q = Vec::new();
+        check.contribution(&x, s, s, &mut q);
+        let one: Vec<i32> = q[3..].to_vec();
+        let times = |k: i32| one.iter().map(|v| v * k).collect::<Vec<i32>>();
+        assert_eq!(check.verdict(&times(4), false), ScaleVerdict::Agreed(s));
+        assert_eq!(check.verdict(&times(3), false), ScaleVerdict::Unknown);
+        assert_eq!(check.verdict(&times(5), false), ScaleVerdict::Unknown);
+        assert_eq!(check.verdict(&times(4)[1..], false), ScaleVerdict::Unknown);
+        let mut garbled = times(4);
+        garbled[0] = 4;
+        *garbled.last_mut().unwrap() += 1;
+        assert_eq!(check.verdict(&garbled, false), ScaleVerdict::Unknown);
+        // OVERFLOW in the result is never a one-round result.
+        assert_eq!(check.verdict(&times(4), true), ScaleVerdict::Redo(s));
+        // The largest worker count: every digit and Σg² still fit int32.
+        let check = ScaleCheck::new(u16::MAX);
+        assert_eq!(check.elements(), 3 + SCALE_STEPS as usize);
+        let low = step_scale(SCALE_STEPS - 1);
+        check.contribution(&[], low, low, &mut q);
+        let sums: Vec<i32> = q.iter().map(|&v| i32::try_from(i64::from(v) * i64::from(u16::MAX)).unwrap()).collect();
+        assert_eq!(check.verdict(&sums, false), ScaleVerdict::Agreed(low));
+    }
+
+    #[test]
+    fn agreed_scales_are_kept_per_length_and_start_over_past_the_limit() {
+        let mut a = AgreedScales::default();
+        assert_eq!(a.get(10), None);
+        a.record(10, 4.0);
+        a.record(11, 8.0);
+        a.record(10, 2.0);
+        assert_eq!((a.get(10), a.get(11)), (Some(2.0), Some(8.0)));
+        for len in 100..100 + AgreedScales::LIMIT - 2 {
+            a.record(len, 1.0);
+        }
+        assert_eq!(a.get(10), Some(2.0), "at the limit");
+        a.record(10, 0.5);
+        assert_eq!(a.get(11), Some(8.0), "a known length replaces its scale");
+        a.record(5, 1.0);
+        assert_eq!((a.get(5), a.get(10), a.get(11)), (Some(1.0), None, None), "a new length past the limit starts over");
     }
 
     #[test]

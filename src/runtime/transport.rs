@@ -697,6 +697,13 @@ pub struct CommStats {
     /// Payload bytes delivered to this participant's calls (broadcast data
     /// and reduction results, each byte once).
     pub bytes_delivered: u64,
+    /// Adaptive float allreduces that took one round: every worker
+    /// quantized at the agreed scale it guessed (docs/RUNTIME.md
+    /// "Quantization").
+    pub float_calls_one_round: u64,
+    /// Adaptive float allreduces that guessed the scale and reduced again
+    /// at the agreed one (two rounds; three when the checks did not add up).
+    pub float_calls_redone: u64,
 }
 
 /// Counters of several communicators added up (the stripes of a
@@ -713,6 +720,8 @@ impl std::ops::Add for CommStats {
             acks_received: self.acks_received + o.acks_received,
             duplicates_received: self.duplicates_received + o.duplicates_received,
             bytes_delivered: self.bytes_delivered + o.bytes_delivered,
+            float_calls_one_round: self.float_calls_one_round + o.float_calls_one_round,
+            float_calls_redone: self.float_calls_redone + o.float_calls_redone,
         }
     }
 }
@@ -827,6 +836,8 @@ pub struct Counters {
     acks_received: AtomicU64,
     duplicates_received: AtomicU64,
     bytes_delivered: AtomicU64,
+    float_one_round: AtomicU64,
+    float_redone: AtomicU64,
     batches: AtomicU64,
     batched: AtomicU64,
     recv_batches: AtomicU64,
@@ -856,7 +867,16 @@ impl Counters {
             acks_received: l(&self.acks_received),
             duplicates_received: l(&self.duplicates_received),
             bytes_delivered: l(&self.bytes_delivered),
+            float_calls_one_round: l(&self.float_one_round),
+            float_calls_redone: l(&self.float_redone),
         }
+    }
+
+    /// One adaptive float allreduce that guessed its scale: it took one
+    /// round, or reduced again (see [`CommStats::float_calls_one_round`]).
+    pub fn float_call(&self, one_round: bool) {
+        let c = if one_round { &self.float_one_round } else { &self.float_redone };
+        c.fetch_add(1, Ordering::Relaxed);
     }
 
     /// `n` ACK datagrams queued as repeats (see [`CommStats::acks_repeated`]).

@@ -50,6 +50,7 @@ use crate::runtime::comm::{CallOptions, CommConfig, Participant};
 use crate::runtime::fragment::{byte_window, elements_per_fragment, kernel_window, Coverage};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::outbox::{Outbox, Transmit};
+use crate::runtime::quantize::AgreedScales;
 use crate::wire::reliability::{RecvTracker, SendWindow};
 use crate::runtime::socket::SocketAggregator;
 use crate::runtime::transport::{Counters, BATCH_MAX};
@@ -156,6 +157,9 @@ pub(crate) struct Engine {
     pub(crate) spare_i32: Vec<i32>,
     pub(crate) spare_f32: Vec<f32>,
     spare_queue: VecDeque<u32>,
+    /// The scales this communicator's one-round adaptive allreduces agreed,
+    /// by length: a worker's next guess (`calls.rs`, `quantize.rs`).
+    pub(crate) agreed_scales: AgreedScales,
 }
 
 impl Engine {
@@ -292,6 +296,7 @@ impl Engine {
             spare_i32: Vec::new(),
             spare_f32: Vec::new(),
             spare_queue: VecDeque::new(),
+            agreed_scales: AgreedScales::default(),
             cfg,
         }
     }
@@ -431,6 +436,11 @@ impl Engine {
     /// resumes from).
     pub(crate) fn position(&self) -> (Round, u32) {
         (self.round, self.agg_seq)
+    }
+
+    /// The communicator's counters (the calls count what they did).
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// The receive trackers' due ACKs (broadcast data, and a worker's
