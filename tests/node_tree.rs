@@ -18,6 +18,8 @@
 //! reference reducer over all workers; float32 means are the same on every
 //! worker and within the quantization bound (the leaves'
 //! `parent.tree_workers` is the tree's workers, the mean's divisor).
+//! An adaptive float allreduce over the tree takes one round when the
+//! workers guess the agreed scale: its checks count the tree's workers.
 //! Killing a leaf's or the root's `aggbox attach` (kill -9, SIGTERM) mid-call makes
 //! every call complete exactly or fail within its deadline naming the
 //! aggregator; after the daemon starts again the next calls complete.
@@ -41,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use aggbox::config::Config;
 use aggbox::runtime::fragment::elements_per_fragment;
-use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant};
+use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
 use aggbox::wire::abi::Op;
 use aggbox::wire::reducer;
 use live_attach::LiveAttach;
@@ -87,6 +89,12 @@ impl Tree {
 
     /// A tree whose workers' calls have `deadline`.
     fn up_with(tag: &str, per_leaf: usize, deadline: Duration) -> Tree {
+        Tree::up_tuned(tag, per_leaf, deadline, |b| b)
+    }
+
+    /// A tree whose workers' calls have `deadline`, `tune` setting the rest
+    /// of each worker's builder.
+    fn up_tuned(tag: &str, per_leaf: usize, deadline: Duration, tune: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Tree {
         let tb = Testbed::up(TestbedConfig { hosts: 1 + LEAVES + LEAVES * per_leaf, ..Default::default() }).expect("testbed");
         let root = tb.host(0).addr;
         let leaves: Vec<Ipv4Addr> = (1..=LEAVES).map(|l| tb.host(l).addr).collect();
@@ -114,10 +122,12 @@ impl Tree {
                     .iter()
                     .enumerate()
                     .map(|(r, &h)| {
-                        let b = CommunicatorBuilder::from_config(&config, LEAF_JOB, leaf, DATA_PORT, Participant::Worker(r as u16))
-                            .expect("from_config")
-                            .backend(BackendKind::Kernel)
-                            .deadline(deadline);
+                        let b = tune(
+                            CommunicatorBuilder::from_config(&config, LEAF_JOB, leaf, DATA_PORT, Participant::Worker(r as u16))
+                                .expect("from_config")
+                                .backend(BackendKind::Kernel)
+                                .deadline(deadline),
+                        );
                         tb.in_host(h, move || b.build()).expect("netns").expect("build")
                     })
                     .collect(),
@@ -322,6 +332,69 @@ fn tree(tag: &str, per_leaf: usize, loss: f64, dup: f64) {
 #[test]
 fn two_leaves_of_two_workers_without_loss() {
     tree("tree-2", 2, 0.0, 0.0);
+}
+
+/// The one-round adaptive float allreduce over a tree: the scale checks
+/// count the tree's workers (`parent.tree_workers`, 4 over 2 leaves), whose
+/// contributions the root adds up. Calls at one magnitude take one round,
+/// a ×1000 jump two; every worker's result is the two-round result over
+/// the 4 workers bit for bit.
+#[test]
+fn an_adaptive_float_allreduce_over_the_tree_takes_one_round() {
+    require_root();
+    let tree = Tree::up_tuned("tree-f32", 2, Duration::from_secs(30), |b| b.quantization(Quantization::Adaptive));
+    let len = 1000;
+    let input = |g: usize, k: usize, magnitude: f32| -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let v = if i == 0 { 2.0 + 0.001 * g as f32 } else { ((i * 31 + k) % 401) as f32 * 0.005 - 1.0 };
+                v * magnitude
+            })
+            .collect()
+    };
+    for (k, magnitude, rounds, one_round, redone) in [(0, 1.0, 1, 1, 0), (1, 1.0, 1, 2, 0), (2, 1000.0, 2, 2, 1), (3, 1000.0, 1, 3, 1)] {
+        let xs: Vec<Vec<f32>> = (0..tree.nworkers()).map(|g| input(g, k, magnitude)).collect();
+        let before: Vec<u32> = tree.all().map(|(_, c)| c.position().0 .0).collect();
+        let results: Vec<(usize, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = tree
+                .all()
+                .map(|(g, c)| {
+                    let mut v = xs[g].clone();
+                    s.spawn(move || {
+                        c.allreduce_f32(&mut v, false).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
+                        (g, v)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
+        });
+        let want: Vec<u32> = two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
+        for ((g, v), ((_, c), b)) in results.iter().zip(tree.all().zip(&before)) {
+            assert_eq!(v.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "call {k}, worker {g}: the two-round result over the tree");
+            assert_eq!(c.position().0 .0 - b, rounds, "call {k}, worker {g}: rounds");
+            let st = c.stats();
+            assert_eq!((st.float_calls_one_round, st.float_calls_redone), (one_round, redone), "call {k}, worker {g}");
+        }
+    }
+}
+
+/// The two-round definition of an adaptive float allreduce (SUM) over the
+/// workers of `xs`: every vector quantized at `adaptive_scale` of the
+/// global max, summed as integers, dequantized.
+fn two_round_result(xs: &[Vec<f32>]) -> Vec<f32> {
+    use aggbox::runtime::quantize;
+    let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
+    let s = quantize::adaptive_scale(m, xs.len() as u16);
+    let mut sum = vec![0i64; xs[0].len()];
+    let mut q = Vec::new();
+    for x in xs {
+        quantize::quantize_into(x, s, &mut q).unwrap();
+        sum.iter_mut().zip(&q).for_each(|(a, &v)| *a += i64::from(v));
+    }
+    let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
+    let mut out = vec![0f32; sum.len()];
+    quantize::dequantize_into(&sum, s, &mut out);
+    out
 }
 
 #[test]
