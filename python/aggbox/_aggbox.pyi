@@ -2,7 +2,7 @@
 
 from os import PathLike
 from types import TracebackType
-from typing import Literal, Sequence, Union
+from typing import Literal, Sequence, TypedDict, Union
 
 
 # A C-contiguous, writable int32 or float32 buffer: numpy.ndarray, a CPU
@@ -10,8 +10,11 @@ from typing import Literal, Sequence, Union
 BufferLike = object
 Root = Union[int, Literal["aggregator"]]
 Quantization = Union[Literal["adaptive", "fixed", "fixed-or-adaptive"], float]
+Route = Literal["aggbox", "baseline"]
+Policy = Literal["measure", "aggbox", "baseline"]
 
 DEFAULT_FIXED_SCALE: float
+DEFAULT_TUNER_TRIALS: int
 
 class AggBoxError(Exception):
     """An AggBox call failed; the message is the runtime's."""
@@ -90,3 +93,37 @@ class Communicator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+class TunerChoice(TypedDict):
+    """A settled class of `Tuner.choices()`."""
+
+    kind: int
+    log2_bytes: int
+    """Calls of [2**log2_bytes, 2**(log2_bytes + 1)) bytes."""
+    size: str
+    """The class's lower bound: "64 KiB"."""
+    route: Route
+    aggbox_s: float
+    """The ranks' agreed (slowest rank's) fastest AggBox trial, seconds."""
+    baseline_s: float
+    """The same for the baseline."""
+
+class Tuner:
+    """AggBox or a baseline per kind and size class, by measurement
+    (aggbox::runtime::tuner; docs/PYTHON.md)."""
+
+    def __init__(self, policy: Policy = "measure", trials: int = 3) -> None: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def trials(self) -> int: ...
+    def pick(self, kind: int, nbytes: int) -> tuple[Route, bool]:
+        """(route, whether the call is a trial to time and `record`)."""
+    def record(self, kind: int, nbytes: int, route: Route, seconds: float) -> tuple[float, float] | None:
+        """After the class's last trial: this rank's fastest (aggbox, baseline) seconds."""
+    def settle(self, kind: int, nbytes: int, agreed: tuple[float, float]) -> Route:
+        """Settles the class with the ranks' MAX of `record`'s times."""
+    def choices(self) -> list[TunerChoice]: ...
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """log2 of the power of two at or below `nbytes` (0 counts as 1)."""

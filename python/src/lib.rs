@@ -2,7 +2,8 @@
 //! or [`StripedCommunicator`] over several jobs) as a Python extension
 //! module. The Python package around it (`aggbox/`) re-exports it and adds
 //! the DDP hook; every collective is the runtime's own call, on the caller's
-//! memory (docs/PYTHON.md).
+//! memory (docs/PYTHON.md). `Tuner` is the runtime's per-size choice between
+//! AggBox and a baseline ([`aggbox::runtime::tuner`]), for the hook.
 //!
 //! Buffers come through the buffer protocol ([`PyBuffer`]): numpy arrays,
 //! `array.array`, `memoryview`s, anything that exports C-contiguous,
@@ -19,6 +20,7 @@ use std::time::Duration;
 
 use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
+use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::{
     BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer,
     Quantization, StripedCommunicator,
@@ -29,6 +31,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 create_exception!(
     _aggbox,
@@ -775,6 +778,168 @@ fn group_data_port(config: &Config, job: u16, rank: Option<u16>) -> PyResult<u16
         .ok_or_else(need)
 }
 
+fn parse_route(what: &str, name: &str) -> PyResult<Route> {
+    match name {
+        "aggbox" => Ok(Route::AggBox),
+        "baseline" => Ok(Route::Baseline),
+        other => Err(PyValueError::new_err(format!(
+            "{what}: route '{other}': \"aggbox\" or \"baseline\""
+        ))),
+    }
+}
+
+fn policy_name(policy: Policy) -> &'static str {
+    match policy {
+        Policy::Measure => "measure",
+        Policy::AggBox => "aggbox",
+        Policy::Baseline => "baseline",
+    }
+}
+
+/// A time in seconds as microseconds (the tuner's unit): finite, >= 0.
+fn micros(what: &str, seconds: f64) -> PyResult<f64> {
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(seconds * 1e6)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{what}: {seconds} s: a finite, non-negative number of seconds"
+        )))
+    }
+}
+
+/// AggBox or the front end's baseline, per kind and size class, by
+/// measurement: `aggbox::runtime::tuner::Tuner` (docs/PYTHON.md, "AggBox
+/// or the process group"). `aggbox.torch.AllreduceState` uses one; any
+/// front end with a baseline of the same call can.
+///
+/// Tuner(policy="measure", trials=3): `policy` "measure" (per class, the
+/// route the ranks measured faster), "aggbox" or "baseline" (every call
+/// that way, no trials); `trials` timed trials per route and class after
+/// one warm-up each (at least 1).
+///
+/// A class is a `kind` the caller numbers (a call and its dtype) and the
+/// power of two at or below the call's size in bytes. Its first
+/// 2·(trials+1) calls are trials alternating "aggbox" and "baseline"
+/// (`pick` says so); the caller times each and passes the time to
+/// `record`, which after the last one returns this rank's fastest time of
+/// each route; the caller reduces those with MAX over the ranks (through
+/// the baseline) and passes the result to `settle`. Every rank must make
+/// the same calls in the same order, so all are at the same trial of the
+/// same class at once and settle alike.
+#[pyclass(module = "aggbox._aggbox", name = "Tuner")]
+struct PyTuner {
+    inner: Tuner,
+    trials: u32,
+}
+
+#[pymethods]
+impl PyTuner {
+    /// See the class's docs.
+    #[new]
+    #[pyo3(signature = (policy = "measure", trials = DEFAULT_TRIALS))]
+    fn new(policy: &str, trials: u32) -> PyResult<PyTuner> {
+        let p = Policy::parse(policy).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "policy '{policy}': \"measure\", \"aggbox\" or \"baseline\""
+            ))
+        })?;
+        if trials == 0 {
+            return Err(PyValueError::new_err(
+                "trials 0: each route needs at least one trial",
+            ));
+        }
+        Ok(PyTuner {
+            inner: Tuner::new(p, trials),
+            trials,
+        })
+    }
+
+    /// "measure", "aggbox" or "baseline".
+    #[getter]
+    fn policy(&self) -> &'static str {
+        policy_name(self.inner.policy())
+    }
+
+    /// Timed trials per route and class (after one warm-up each).
+    #[getter]
+    fn trials(&self) -> u32 {
+        self.trials
+    }
+
+    /// The route of a call of kind `kind` and `nbytes` bytes: ("aggbox" or
+    /// "baseline", trial). A trial must be timed and passed to `record`.
+    fn pick(&mut self, kind: u32, nbytes: usize) -> (&'static str, bool) {
+        match self.inner.pick(kind, nbytes) {
+            Pick::Trial(r) => (r.name(), true),
+            Pick::Settled(r) => (r.name(), false),
+        }
+    }
+
+    /// A trial of `route` took `seconds`. After the class's last trial:
+    /// (fastest "aggbox" trial, fastest "baseline" trial) of this rank in
+    /// seconds, to be reduced with MAX over the ranks and passed to
+    /// `settle`; None before it (and for a call that was no trial).
+    fn record(
+        &mut self,
+        kind: u32,
+        nbytes: usize,
+        route: &str,
+        seconds: f64,
+    ) -> PyResult<Option<(f64, f64)>> {
+        let route = parse_route("record", route)?;
+        let took = Duration::from_secs_f64(micros("record", seconds)? / 1e6);
+        Ok(self
+            .inner
+            .record(kind, nbytes, route, took)
+            .map(|s| (s.times_us[0] / 1e6, s.times_us[1] / 1e6)))
+    }
+
+    /// Settles the class with the ranks' agreed (MAX) times `agreed` =
+    /// (aggbox seconds, baseline seconds): "aggbox" if its time is strictly
+    /// below the baseline's, else "baseline". Returns the route.
+    fn settle(&mut self, kind: u32, nbytes: usize, agreed: (f64, f64)) -> PyResult<&'static str> {
+        let us = [micros("settle", agreed.0)?, micros("settle", agreed.1)?];
+        Ok(self.inner.settle(kind, nbytes, us).name())
+    }
+
+    /// The settled classes by kind and size: dicts with `kind`,
+    /// `log2_bytes` (calls of [2^log2_bytes, 2^(log2_bytes+1)) bytes),
+    /// `size` ("64 KiB": the class's lower bound), `route`, and the agreed
+    /// `aggbox_s` and `baseline_s`.
+    fn choices<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .choices()
+            .into_iter()
+            .map(|c| {
+                let d = PyDict::new(py);
+                d.set_item("kind", c.kind)?;
+                d.set_item("log2_bytes", c.log2_bytes)?;
+                d.set_item("size", tuner::class_name(c.log2_bytes))?;
+                d.set_item("route", c.route.name())?;
+                d.set_item("aggbox_s", c.times_us[0] / 1e6)?;
+                d.set_item("baseline_s", c.times_us[1] / 1e6)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// The size class of a call of `nbytes` bytes: the power of two at or
+    /// below it (0 counts as 1).
+    #[staticmethod]
+    fn size_class(nbytes: usize) -> u32 {
+        Tuner::log2_class(nbytes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<aggbox.Tuner policy={} trials={} settled={}>",
+            self.policy(),
+            self.trials,
+            self.inner.choices().len()
+        )
+    }
+}
+
 /// The adaptive quantization scale the runtime picks for `workers` ranks
 /// whose inputs' largest |x| is `max_abs` (a power of two).
 #[pyfunction]
@@ -786,6 +951,7 @@ fn adaptive_quantization_scale(max_abs: f32, workers: u16) -> f64 {
 fn _aggbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyCommunicator>()?;
+    m.add_class::<PyTuner>()?;
     m.add_function(wrap_pyfunction!(adaptive_quantization_scale, m)?)?;
     m.add("AggBoxError", py.get_type::<AggBoxError>())?;
     m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
@@ -796,5 +962,6 @@ fn _aggbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CommClosedError", py.get_type::<CommClosedError>())?;
     m.add("DEFAULT_FIXED_SCALE", DEFAULT_SCALE)?;
+    m.add("DEFAULT_TUNER_TRIALS", DEFAULT_TRIALS)?;
     Ok(())
 }
