@@ -7,13 +7,17 @@
 //!   the reference, float32 within the documented bound, bad buffers and bad
 //!   arguments as Python exceptions, timeouts that name who is missing,
 //!   lengths that differ across ranks failing within the deadline, the GIL
-//!   released during a call.
+//!   released during a call, the DDP hook's route policies on a one-process
+//!   Gloo group; python/tests/test_tuner.py: `aggbox.Tuner` with synthetic
+//!   times.
 //! - python/tests/netns_collectives.py: 4 worker namespaces against a node
 //!   that runs only `aggbox attach` (node-served jobs, kernel backend).
 //! - python/tests/netns_rerun.py: consecutive runs of fresh worker
 //!   processes on one job of a running node.
 //! - python/tests/netns_ddp.py: DDP over the same 4 workers, the default
-//!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed.
+//!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed,
+//!   routed by measurement (every rank settles the same routes, the
+//!   counters add up), then with the fixed routes "baseline" and "aggbox".
 //!
 //! Needs root (namespaces, XDP) and `make python` first; fails (never
 //! skips) otherwise: `make python && cargo test --release --test python_package`.
@@ -135,7 +139,7 @@ fn the_package_on_loopback_numpy_torch_errors_and_the_gil() {
     eprintln!("{text}");
     assert!(
         out.status.success(),
-        "python/tests/test_loopback.py failed:\n{text}"
+        "python/tests/test_*.py failed:\n{text}"
     );
     assert!(
         !text.contains("skipped"),

@@ -7,18 +7,28 @@ over a node that runs only `aggbox attach`.
     netns_ddp.py --rank R --world W --config node.toml --aggregator A --job J \
                  --master-addr M --master-port P [--steps 40]
 
-Checked:
-- every float32 bucket the hook averages through AggBox is within the
-  documented bound of the exact mean (computed beside it with Gloo on a
-  copy): |aggbox - exact| <= comm.float_error_bound(max|g|, mean=True) plus
-  the two results' float32 rounding;
+The hook runs with the default route policy, "measure": each size class of
+the float32 buckets is tried through AggBox and through the process group,
+then settled on the one the ranks measured faster. Checked:
+- every float32 bucket the hook averages (through AggBox or the process
+  group) is within the documented bound of the exact mean (computed beside
+  it with Gloo on a copy): |result - exact| <= comm.float_error_bound(max|g|,
+  mean=True) plus the two results' float32 rounding;
 - the model's float64 head goes through the hook's fallback (the process
-  group's allreduce), and the float32 body through AggBox;
+  group's allreduce); the float32 buckets through AggBox or stepped aside,
+  and the two counters add up to the buckets checked; every settled class
+  had its trials through both routes; the classes settle within the first
+  half of the steps; a bucket of a settled class takes its settled route;
+- every rank settled the same classes on the same routes with the same
+  agreed times (gathered through the process group);
 - after the steps, every parameter of the two runs agrees within the sum over
   the steps of lr x that per-step bound (x2 for the second-order effect of
   gradients taken at slightly different parameters) plus one float32 rounding
   of the parameter per step, and the two loss curves agree step by step and
-  decrease.
+  decrease;
+- then a few steps each with the plain hook and the route policies
+  "baseline" (no bucket through AggBox) and "aggbox" (every float32 bucket
+  through AggBox, no trials), whose losses match the Gloo run's.
 
 Prints JSON-ish lines; exits non-zero on a failure.
 """
@@ -42,6 +52,7 @@ from reference import tolerance
 
 LR = 0.05
 BATCH = 32
+FIXED_STEPS = 3  # steps of each fixed route policy
 
 
 class SmallNet(nn.Module):
@@ -74,10 +85,11 @@ class CheckingState(aggbox_torch.AllreduceState):
     """The hook's state plus what the check found."""
 
     def __init__(self, comm):
-        super().__init__(comm)
+        super().__init__(comm, route="measure")
         self.step_bound = 0.0  # the largest per-element bound of this step
         self.worst_ratio = 0.0  # the largest error / bound seen
         self.checked = 0
+        self.followed = 0  # buckets of a settled class that took its route
 
 
 def checking_hook(state, bucket):
@@ -91,7 +103,22 @@ def checking_hook(state, bucket):
     exact /= world
     m = t.detach().abs().max().reshape(1)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    bound = state.comm.float_error_bound(float(m), mean=True)
+
+    # The route this bucket's class settled on, if it has: the bucket must take it.
+    settled = {(c["dtype"], c["log2_bytes"]): c["route"] for c in state.routes()}
+    route = settled.get(("float32", aggbox.Tuner.size_class(t.numel() * t.element_size())))
+    before = state.aggbox_buckets
+    fut = aggbox_torch.allreduce_hook(state, bucket)
+    took = "aggbox" if state.aggbox_buckets > before else "baseline"
+    if route is not None:
+        assert took == route, f"bucket {bucket.index()}: settled {route}, took {took}"
+        state.followed += 1
+    if took == "aggbox":
+        bound = state.comm.float_error_bound(float(m), mean=True)
+    else:
+        # Gloo's float32 sum: W-1 additions, each rounded by at most 2^-24
+        # of a partial sum (at most W max|g|), then divided by W.
+        bound = world * float(m) * 2.0**-24
     tol = tolerance(bound, exact)
     # What the two runs' averaged gradients may differ by: this bound, and
     # the float32 roundings of both results (Gloo adds in float32).
@@ -104,10 +131,10 @@ def checking_hook(state, bucket):
         state.worst_ratio = max(state.worst_ratio, ratio)
         state.checked += 1
         if ratio > 1.0:
-            raise AssertionError(f"bucket {bucket.index()}: error {float(err.max()):.3e} beyond the bound {bound:.3e}")
+            raise AssertionError(f"bucket {bucket.index()} ({took}): error {float(err.max()):.3e} beyond the bound {bound:.3e}")
         return got
 
-    return aggbox_torch.allreduce_hook(state, bucket).then(compare)
+    return fut.then(compare)
 
 
 def make_model():
@@ -152,6 +179,7 @@ def main():
 
     losses_g, losses_a = [], []
     drift_bound = 0.0
+    trials_at = []  # trial buckets after each step
     for step in range(a.steps):
         x, y = batch(r, step)
         for model, opt, losses in [(gloo, opt_g, losses_g), (agg, opt_a, losses_a)]:
@@ -162,6 +190,7 @@ def main():
             losses.append(loss.item())
         drift_bound += LR * state.step_bound
         state.step_bound = 0.0
+        trials_at.append(state.trial_buckets)
 
     # Each step moves the parameters by lr x the averaged gradient, which
     # differs between the runs by at most the step's bound (x2: gradients
@@ -174,36 +203,76 @@ def main():
         tol = 2 * drift_bound + a.steps * 2.0**-23 * torch.maximum(pg.abs(), pa.abs())
         worst = max(worst, float(d.max()))
         worst_ratio = max(worst_ratio, float((d / tol).max()))
+    routes = state.routes()
     print(
-        f"rank {r}: buckets aggbox {state.aggbox_buckets} fallback {state.fallback_buckets}, "
-        f"checked {state.checked} (worst error/bound {state.worst_ratio:.3f}); "
+        f"rank {r}: buckets aggbox {state.aggbox_buckets} stepped aside {state.stepped_aside_buckets} "
+        f"fallback {state.fallback_buckets} (trials {state.trial_buckets}, of settled classes "
+        f"{state.followed}), checked {state.checked} (worst error/bound {state.worst_ratio:.3f}); "
+        "routes "
+        + ", ".join(f"{c['dtype']} {c['size']}: {c['route']} ({c['aggbox_s'] * 1e3:.2f} vs {c['baseline_s'] * 1e3:.2f} ms)" for c in routes)
+        + "; "
         f"parameters differ by {worst:.3e} (at most {worst_ratio:.3f} of the bound); "
         f"loss {losses_g[0]:.4f} -> gloo {losses_g[-1]:.4f}, aggbox {losses_a[-1]:.4f}",
         flush=True,
     )
     steps = a.steps
-    assert state.aggbox_buckets > steps, "the float32 body went through AggBox, in several buckets a step"
     assert state.fallback_buckets >= steps, "the float64 head went through the fallback"
-    assert state.checked == state.aggbox_buckets, "every AggBox bucket was checked"
+    assert state.checked == state.aggbox_buckets + state.stepped_aside_buckets, (
+        "every float32 bucket was checked, and went through AggBox or stepped aside"
+    )
+    assert state.checked > steps, "several float32 buckets a step"
+    # Every rank settled the same classes on the same routes, from the same
+    # agreed times.
+    everyone = [None] * a.world
+    dist.all_gather_object(everyone, routes)
+    assert all(o == routes for o in everyone), f"ranks settled differently: {everyone}"
+    assert routes, "the float32 buckets' size classes settled"
+    # Each settled class had a warm-up and `trials` trials through each route.
+    per_route = (state.tuner.trials + 1) * len(routes)
+    assert state.aggbox_buckets >= per_route and state.stepped_aside_buckets >= per_route, (
+        f"trials through both routes: aggbox {state.aggbox_buckets}, stepped aside {state.stepped_aside_buckets}"
+    )
+    assert state.trial_buckets >= 2 * per_route
+    assert trials_at[steps // 2] == trials_at[-1], f"trials went on in the second half: {trials_at}"
+    assert state.followed == state.checked - state.trial_buckets > 0, "the buckets after the trials took the settled routes"
     assert worst_ratio <= 1.0, f"parameters differ by {worst:.3e}, beyond the bound"
     for s, (lg, la) in enumerate(zip(losses_g, losses_a)):
         assert abs(lg - la) <= 1e-4 * abs(lg) + 1e-6, f"step {s}: loss gloo {lg} aggbox {la}"
     first, last = sum(losses_g[:5]) / 5, sum(losses_g[-5:]) / 5
     assert last < 0.8 * first, f"the loss went down: {first:.4f} -> {last:.4f}"
     # The hook itself, as users register it (DDP checks its annotations),
-    # for one step.
-    plain = DDP(make_model(), bucket_cap_mb=0.05)
-    plain_state = aggbox_torch.AllreduceState(comm)
-    plain.register_comm_hook(plain_state, aggbox_torch.allreduce_hook)
-    x, y = batch(r, 0)
-    F.cross_entropy(plain(x), y).backward()
-    assert plain_state.aggbox_buckets >= 1 and plain_state.fallback_buckets >= 1, "aggbox.torch.allreduce_hook ran"
+    # with the fixed route policies, for a few steps that train like Gloo's.
+    fixed = {}
+    for policy in ["baseline", "aggbox"]:
+        model = DDP(make_model(), bucket_cap_mb=0.05)
+        st = aggbox_torch.AllreduceState(comm, route=policy)
+        model.register_comm_hook(st, aggbox_torch.allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(FIXED_STEPS):
+            x, y = batch(r, step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            lg = losses_g[step]
+            assert abs(loss.item() - lg) <= 1e-4 * abs(lg) + 1e-6, f"{policy}, step {step}: loss {loss.item()}, gloo {lg}"
+        fixed[policy] = model
+        print(
+            f"rank {r}: route {policy}: buckets aggbox {st.aggbox_buckets} stepped aside "
+            f"{st.stepped_aside_buckets} fallback {st.fallback_buckets} trials {st.trial_buckets}",
+            flush=True,
+        )
+        assert st.fallback_buckets >= FIXED_STEPS and st.trial_buckets == 0 and st.routes() == []
+        if policy == "baseline":
+            assert st.aggbox_buckets == 0 and st.stepped_aside_buckets > FIXED_STEPS, "no bucket through AggBox"
+        else:
+            assert st.stepped_aside_buckets == 0 and st.aggbox_buckets > FIXED_STEPS, "every float32 bucket through AggBox"
     # Gloo's process group is destroyed with the last DDP model that holds
     # it: at interpreter exit that can be after the peers have gone, and
     # torch 1.13's teardown then may wait forever. So every rank gets here
     # (barrier) and drops the models while all peers are still connected.
     dist.barrier()
-    del gloo, agg, plain, opt_g, opt_a
+    del gloo, agg, fixed, model, opt, opt_g, opt_a
     gc.collect()
     comm.close()
     dist.destroy_process_group()

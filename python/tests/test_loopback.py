@@ -466,7 +466,10 @@ class DdpHook(unittest.TestCase):
 
         agg, ranks = make_job(workers=2, deadline=1.0)
         try:
-            states = [at.AllreduceState(c) for c in ranks]
+            # Every bucket through AggBox (no process group here for the
+            # other route; one thread calls both ranks' hooks in turn, which
+            # a trial, waited for in the hook, would not allow).
+            states = [at.AllreduceState(c, route="aggbox") for c in ranks]
             n = 5000
             buckets = [torch.from_numpy(floats(r, n)) for r in range(2)]
             exact = (buckets[0].double() + buckets[1].double()) / 2
@@ -489,6 +492,105 @@ class DdpHook(unittest.TestCase):
                 pickle.dumps(states[0])
         finally:
             for c in [agg, *ranks]:
+                c.close()
+
+
+class HookRoutes(unittest.TestCase):
+    """The hook's route policies through a one-process Gloo group and a
+    one-worker AggBox job (whose aggregator is a thread here): which path
+    each bucket takes, not how fast (tests/python_package.rs trains with
+    them over namespaces)."""
+
+    def setUp(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fresh_port()}", rank=0, world_size=1)
+        self.addCleanup(dist.destroy_process_group)
+
+    def aggregator(self, agg, n, calls):
+        """The aggregator's side of `calls` float32 means of n elements, on a thread."""
+        t = threading.Thread(target=lambda: [agg.allreduce(np.zeros(n, dtype=np.float32), op="mean") for _ in range(calls)])
+        t.start()
+        return t
+
+    def test_measure_alternates_trials_then_follows_the_settled_route(self):
+        import aggbox.torch as at
+
+        agg, (rank,) = make_job(workers=1, deadline=10.0)
+        try:
+            state = at.AllreduceState(rank, route="measure", trials=1)
+            n = 3000  # 12000 bytes: the 8 KiB class
+            b = torch.from_numpy(floats(0, n))
+            want = b.clone()
+            tol = tolerance(rank.float_error_bound(float(want.abs().max()), mean=True), want.double())
+            # Warm-up and one trial each, alternating: AggBox first.
+            server = self.aggregator(agg, n, 2)
+            seen = []
+            for _ in range(4):
+                before = state.aggbox_buckets
+                got = at.allreduce_hook(state, FakeBucket(b)).wait()
+                seen.append("aggbox" if state.aggbox_buckets > before else "baseline")
+                self.assertTrue(bool(((got.double() - want.double()).abs() <= tol).all()))
+            server.join(30)
+            self.assertEqual(seen, ["aggbox", "baseline"] * 2)
+            self.assertEqual((state.aggbox_buckets, state.stepped_aside_buckets, state.trial_buckets), (2, 2, 4))
+            routes = state.routes()
+            self.assertEqual([(r["dtype"], r["log2_bytes"], r["size"]) for r in routes], [("float32", 13, "8 KiB")])
+            settled = routes[0]["route"]
+            self.assertIn(settled, ["aggbox", "baseline"])
+            self.assertEqual(settled == "aggbox", routes[0]["aggbox_s"] < routes[0]["baseline_s"])
+            # Settled: every later bucket of the class takes that route, untimed.
+            server = self.aggregator(agg, n, 3 if settled == "aggbox" else 0)
+            for _ in range(3):
+                at.allreduce_hook(state, FakeBucket(torch.from_numpy(floats(0, n - 100)))).wait()
+            server.join(30)
+            want_counts = (5, 2) if settled == "aggbox" else (2, 5)
+            self.assertEqual((state.aggbox_buckets, state.stepped_aside_buckets), want_counts)
+            self.assertEqual((state.trial_buckets, state.fallback_buckets), (4, 0))
+            # int32 is a class of its own: its trials start with AggBox.
+            self.assertEqual(state.tuner.pick(1, 4 * n), ("aggbox", True))
+        finally:
+            for c in [agg, rank]:
+                c.close()
+
+    def test_baseline_and_aggbox_policies_and_the_environment(self):
+        import aggbox.torch as at
+
+        agg, (rank,) = make_job(workers=1, deadline=10.0)
+        try:
+            base = at.AllreduceState(rank, route="baseline")
+            for dtype in [torch.float32, torch.int32, torch.float64]:
+                t = (torch.arange(600) * 3).to(dtype)
+                got = at.allreduce_hook(base, FakeBucket(t)).wait()
+                self.assertTrue(torch.equal(got, (torch.arange(600) * 3).to(dtype)))
+            self.assertEqual((base.aggbox_buckets, base.stepped_aside_buckets, base.fallback_buckets), (0, 2, 1))
+            self.assertEqual((base.trial_buckets, base.routes()), (0, []))
+
+            every = at.AllreduceState(rank, route="aggbox")
+            server = self.aggregator(agg, 600, 2)
+            for _ in range(2):
+                at.allreduce_hook(every, FakeBucket(torch.from_numpy(floats(0, 600)))).wait()
+            server.join(30)
+            self.assertEqual((every.aggbox_buckets, every.stepped_aside_buckets, every.trial_buckets), (2, 0, 0))
+
+            os.environ[at.ENV_ROUTE] = "baseline"
+            os.environ[at.ENV_TRIALS] = "5"
+            try:
+                s = at.AllreduceState(rank)
+                self.assertEqual((s.route, s.tuner.trials), ("baseline", 5))
+                self.assertEqual(at.AllreduceState(rank, route="measure").route, "measure", "the argument wins")
+                os.environ[at.ENV_ROUTE] = "gloo"
+                with self.assertRaisesRegex(ValueError, "policy 'gloo'"):
+                    at.AllreduceState(rank)
+                os.environ[at.ENV_ROUTE] = ""
+                os.environ[at.ENV_TRIALS] = "x"
+                with self.assertRaisesRegex(ValueError, "AGGBOX_TORCH_TRIALS"):
+                    at.AllreduceState(rank)
+            finally:
+                del os.environ[at.ENV_ROUTE], os.environ[at.ENV_TRIALS]
+            self.assertEqual(at.AllreduceState(rank).route, "measure", "the default")
+        finally:
+            for c in [agg, rank]:
                 c.close()
 
 
