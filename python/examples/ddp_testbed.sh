@@ -2,8 +2,9 @@
 # DDP training over AggBox on a network-namespace testbed (docs/PYTHON.md):
 # host 0 is the node and runs only `aggbox attach` (a node-served job, the
 # in-kernel allreduce), hosts 1..W run python/examples/train_ddp.py, one
-# worker each, which trains the model once with DDP's Gloo allreduce and once
-# with aggbox.torch.allreduce_hook from the same seed.
+# worker each, which trains the model from the same seed with DDP's Gloo
+# allreduce, with aggbox.torch.allreduce_hook through AggBox only, and with
+# the hook's default route policy (AggBox or Gloo per bucket size, measured).
 #
 #   python/examples/ddp_testbed.sh [--workers 4] [--mtu 1500] [--slots N] [train_ddp.py options...]
 #
