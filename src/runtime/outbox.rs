@@ -8,7 +8,10 @@
 //! allow and what the timers fire, to a [`Transmit`] when it polls. New
 //! data is handed as borrowed slices of the send windows' buffers, so the
 //! batched send path (`sendmmsg`, UDP GSO) copies nothing; what the outbox
-//! holds is small (ACKs) or rare (retransmissions).
+//! holds is small (ACKs) or rare (retransmissions). A retransmission is
+//! copied into a buffer of its own, kept for the next one, so that a burst
+//! of them costs at most one datagram-sized allocation each, once, and
+//! never regrows (and copies) one buffer holding them all.
 
 use std::net::SocketAddrV4;
 
@@ -26,20 +29,30 @@ pub trait Transmit {
     fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], gso: bool);
 }
 
-/// One queued datagram: `bytes[start..start + len]` of the outbox.
+/// Where a queued datagram's bytes are.
+#[derive(Debug, Clone, Copy)]
+enum Bytes {
+    /// `bytes[start..start + len]` of the outbox.
+    Shared { start: usize, len: usize },
+    /// `resends[k]` of the outbox (a retransmission).
+    Own(usize),
+}
+
+/// One queued datagram.
 #[derive(Debug, Clone, Copy)]
 struct Queued {
     to: SocketAddrV4,
-    start: usize,
-    len: usize,
-    resend: bool,
+    bytes: Bytes,
 }
 
 /// Datagrams produced between two polls of the state machine, in the order
-/// they were produced; their bytes in one reused buffer.
+/// they were produced: first transmissions' bytes in one reused buffer,
+/// each retransmission in a reused buffer of its own.
 #[derive(Debug, Default)]
 pub struct Outbox {
     bytes: Vec<u8>,
+    resends: Vec<Vec<u8>>,
+    spare: Vec<Vec<u8>>,
     queued: Vec<Queued>,
 }
 
@@ -51,22 +64,23 @@ impl Outbox {
 
     /// Queues a first transmission of `datagram` to `to`.
     pub fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
-        self.push(to, datagram, false);
-    }
-
-    /// Queues a retransmission of `datagram` to `to`.
-    pub fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
-        self.push(to, datagram, true);
-    }
-
-    fn push(&mut self, to: SocketAddrV4, datagram: &[u8], resend: bool) {
         let start = self.bytes.len();
         self.bytes.extend_from_slice(datagram);
         self.queued.push(Queued {
             to,
-            start,
-            len: datagram.len(),
-            resend,
+            bytes: Bytes::Shared { start, len: datagram.len() },
+        });
+    }
+
+    /// Queues a retransmission of `datagram` to `to`.
+    pub fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        let mut b = self.spare.pop().unwrap_or_default();
+        b.clear();
+        b.extend_from_slice(datagram);
+        self.resends.push(b);
+        self.queued.push(Queued {
+            to,
+            bytes: Bytes::Own(self.resends.len() - 1),
         });
     }
 
@@ -84,9 +98,10 @@ impl Outbox {
         if msg.encode_into(&mut self.bytes).is_ok() {
             self.queued.push(Queued {
                 to,
-                start,
-                len: self.bytes.len() - start,
-                resend: false,
+                bytes: Bytes::Shared {
+                    start,
+                    len: self.bytes.len() - start,
+                },
             });
         } else {
             self.bytes.truncate(start);
@@ -100,16 +115,25 @@ impl Outbox {
 
     /// The queued datagrams: (destination, bytes, whether a retransmission).
     pub fn datagrams(&self) -> impl Iterator<Item = (SocketAddrV4, &[u8], bool)> + '_ {
-        self.queued
-            .iter()
-            .map(|q| (q.to, &self.bytes[q.start..q.start + q.len], q.resend))
+        self.queued.iter().map(|q| {
+            let (b, resend) = self.bytes_of(q);
+            (q.to, b, resend)
+        })
+    }
+
+    /// A queued datagram's bytes and whether it is a retransmission.
+    fn bytes_of(&self, q: &Queued) -> (&[u8], bool) {
+        match q.bytes {
+            Bytes::Shared { start, len } => (&self.bytes[start..start + len], false),
+            Bytes::Own(k) => (&self.resends[k], true),
+        }
     }
 
     /// Hands every queued datagram to `tx`, in order, and empties the outbox.
     pub fn flush(&mut self, tx: &mut impl Transmit) {
         for q in &self.queued {
-            let b = &self.bytes[q.start..q.start + q.len];
-            if q.resend {
+            let (b, resend) = self.bytes_of(q);
+            if resend {
                 tx.resend(q.to, b);
             } else {
                 tx.send(q.to, b);
@@ -122,5 +146,49 @@ impl Outbox {
     pub fn clear(&mut self) {
         self.queued.clear();
         self.bytes.clear();
+        self.spare.append(&mut self.resends);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn to(port: u16) -> SocketAddrV4 {
+        SocketAddrV4::new([127, 0, 0, 1].into(), port)
+    }
+
+    #[test]
+    fn datagrams_keep_their_order_and_kind() {
+        let mut out = Outbox::new();
+        out.send(to(1), b"first");
+        out.resend(to(2), b"again");
+        out.ack(7, 0, AckKind::Aggregation, &SeqBitmap::for_group(0, 1), to(3));
+        out.resend(to(4), b"and again");
+        let got: Vec<_> = out.datagrams().map(|(a, b, r)| (a.port(), b.to_vec(), r)).collect();
+        assert_eq!(got[0], (1, b"first".to_vec(), false));
+        assert_eq!(got[1], (2, b"again".to_vec(), true));
+        assert_eq!((got[2].0, got[2].2), (3, false));
+        assert_eq!(got[3], (4, b"and again".to_vec(), true));
+        assert_eq!(got.len(), 4);
+    }
+
+    #[test]
+    fn a_retransmission_reuses_an_earlier_ones_buffer() {
+        let mut out = Outbox::new();
+        let big = vec![9u8; 65_000];
+        out.resend(to(1), &big);
+        out.resend(to(1), &big);
+        let firsts: Vec<*const u8> = out.resends.iter().map(|b| b.as_ptr()).collect();
+        out.clear();
+        assert!(out.is_empty());
+        out.resend(to(2), &big[..100]);
+        out.resend(to(2), &big);
+        let again: Vec<*const u8> = out.resends.iter().map(|b| b.as_ptr()).collect();
+        for p in &again {
+            assert!(firsts.contains(p), "a new buffer for a retransmission after clear");
+        }
+        let got: Vec<_> = out.datagrams().map(|(_, b, _)| b.len()).collect();
+        assert_eq!(got, vec![100, 65_000]);
     }
 }
