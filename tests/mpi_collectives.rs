@@ -489,8 +489,9 @@ fn a_rank_killed_mid_call_fails_the_others_within_the_deadline() {
 }
 
 /// MPI_FLOAT MPI_SUM is served only with AGGBOX_MPI_FLOAT=quantized, then
-/// within the quantization bound of the exact sum (the program checks);
-/// without it every float call passes through.
+/// within the quantization bound of the exact sum (the program checks),
+/// each allreduce counted by the rounds it took; without it every float
+/// call passes through.
 #[test]
 fn openmpi_float_sum_served_only_when_asked() {
     let mut bed = MpiBed::up("float", 4);
@@ -511,6 +512,15 @@ fn openmpi_float_sum_served_only_when_asked() {
         let out = bed.mpirun(Mpi::OpenMpi, 4, &env, &program, &args);
         assert!(out.status.success(), "float run with AGGBOX_MPI_FLOAT={float} failed");
         assert_counters(&out, 4, |_| want.to_string(), &format!("AGGBOX_MPI_FLOAT={float}"));
+        // Every served call (a float MPI_Reduce is the runtime's allreduce
+        // too; all at most 16 Ki floats) took the one-round path, or
+        // guessed and reduced again: counted either way.
+        let served = if float == "quantized" { 6 } else { 0 };
+        for r in 0..4 {
+            let line = counters_line(&out, r);
+            let rounds = counter(&line, "datagrams", "float_calls_one_round") + counter(&line, "datagrams", "float_calls_redone");
+            assert_eq!(rounds, served, "AGGBOX_MPI_FLOAT={float}: rank {r}'s adaptive allreduces in {line}");
+        }
     }
 }
 

@@ -526,12 +526,14 @@ pub extern "C" fn aggbox_mpi_finalize() {
 }
 
 /// The communicator's datagram counters (sent and received, data and
-/// ACKs) and where its calls ran: what a call costs on the wire.
+/// ACKs), where its calls ran and how many rounds its adaptive float
+/// allreduces took: what a call costs on the wire.
 fn datagrams_line(comm: &Communicator) -> String {
     let (c, io) = (comm.stats(), comm.io_stats());
     format!(
         "data_sent={} retransmitted={} acks_sent={} data_received={} acks_received={} duplicates_received={} \
-         calls_on_caller={} calls_on_progress_thread={} caller_waits_polled={} caller_waits_slept={}",
+         calls_on_caller={} calls_on_progress_thread={} caller_waits_polled={} caller_waits_slept={} \
+         float_calls_one_round={} float_calls_redone={}",
         c.data_sent,
         c.retransmitted,
         c.acks_sent,
@@ -541,7 +543,9 @@ fn datagrams_line(comm: &Communicator) -> String {
         io.calls_on_caller,
         io.calls_on_progress_thread,
         io.caller_waits_polled,
-        io.caller_waits_slept
+        io.caller_waits_slept,
+        c.float_calls_one_round,
+        c.float_calls_redone
     )
 }
 
