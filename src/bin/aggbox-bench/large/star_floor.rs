@@ -12,11 +12,14 @@
 //!   (outside the timing), then sends them with `sendmmsg` (the runtime's
 //!   `UdpTransport`, batches of 64) as fast as a window of fragments beyond
 //!   the RESULTs it has received allows (the path's self-clocking; the
-//!   floor's 8192 slots must hold every fragment in flight), and receives
+//!   floor's 8192 slots must hold every fragment in flight; each size is
+//!   measured at windows of 8 to 64 and its floor is the fastest the path
+//!   takes without loss, [`windows`]), and receives
 //!   the RESULTs with `recvmmsg` straight into its output vector, sleeping in
 //!   `poll` when nothing is there.
-//! - No reliability (a lost datagram ends the call at its deadline, reported
-//!   as a failure), no validation, SUM of int32 only, full fragments of
+//! - No reliability (a lost datagram ends the call, [`STALL`]: a failure at
+//!   the smallest window, else the end of the size's window sweep), no
+//!   validation, SUM of int32 only, full fragments of
 //!   `bench_floor`'s 362 elements: MTU 1500 only.
 //!
 //! Every call's result is checked on every worker after the call, as for the
@@ -49,20 +52,27 @@ pub(super) const FLOOR_PER: usize = 362;
 /// `bench_floor`'s slots (its `FLOOR_SLOTS`).
 const FLOOR_SLOTS: u32 = 8192;
 
-/// Fragments a worker keeps in flight beyond the RESULTs it has received:
-/// `AGGBOX_FLOOR_WINDOW`, else 128 over all workers (8..=64 each). The
-/// floor has no reliability, so the window must be one the path takes
-/// without loss: the node's veth queues 256 frames for its XDP program, and
-/// every worker's fragments in flight wait there (windows of 1024 lost
-/// datagrams there with 4 workers). At most a quarter of the floor's slots:
-/// the workers' windows are apart by at most the RESULTs some has not read
-/// yet.
-fn window() -> usize {
-    std::env::var("AGGBOX_FLOOR_WINDOW")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or((128 / worker_count()).clamp(8, 64), |w| w.clamp(1, (FLOOR_SLOTS / 4) as usize))
+/// The windows the floor is measured at, in fragments a worker keeps in
+/// flight beyond the RESULTs it has received: `AGGBOX_FLOOR_WINDOW` alone,
+/// else 8, 16, 32 and 64; each size's floor is the fastest of those the
+/// path takes without loss. The floor has no reliability, so a window too
+/// large for the path loses datagrams (the node's veth queues 256 frames
+/// for its XDP program, and every worker's fragments in flight wait there:
+/// windows of 1024 lost datagrams there with 4 workers) and ends the sweep.
+/// At most a quarter of the floor's slots: the workers' windows are apart
+/// by at most the RESULTs some has not read yet.
+fn windows() -> Vec<usize> {
+    let most = (FLOOR_SLOTS / 4) as usize / worker_count();
+    match std::env::var("AGGBOX_FLOOR_WINDOW").ok().and_then(|v| v.parse::<usize>().ok()) {
+        Some(w) => vec![w.clamp(1, most)],
+        None => [8, 16, 32, 64].into_iter().filter(|&w| w <= most).collect(),
+    }
 }
+
+/// How long a floor call waits with nothing arriving before it counts a
+/// datagram as lost (the path is the kernel's alone: a RESULT is
+/// microseconds behind its contributions, and no one resends).
+const STALL: Duration = Duration::from_millis(300);
 
 /// The floor at `mtu` (1500 only: `bench_floor`'s fragment size): attach
 /// on the node, one point per size.
@@ -112,21 +122,46 @@ pub(super) fn floor_phase(
     for &n in sizes {
         let frags = (n as usize).div_ceil(FLOOR_PER) as u32;
         floor.set_index(frags, FLOOR_SLOTS)?;
-        progress(format!(
-            "large: MTU {mtu}, {} elements, floor: warm-up + {reps} calls (window {} fragments)",
-            thousands(n as f64),
-            window()
-        ));
-        let r = floor_calls(&mut sockets, node_addr, n as usize, reps + 1, round, &bases[&n]);
-        round = round.wrapping_add(reps as u32 + 1);
-        let p = match r {
-            Ok(times) => {
+        // The fastest window the path takes without loss; past the first
+        // that holds all the call's fragments the larger ones are the same.
+        let mut best: Option<(usize, Vec<super::CallTime>)> = None;
+        let mut lost: Option<(usize, String)> = None;
+        let ws = windows();
+        let all_at = ws.iter().position(|&w| w >= frags as usize).unwrap_or(ws.len() - 1);
+        for &w in &ws[..=all_at] {
+            if lost.is_some() {
+                break;
+            }
+            progress(format!(
+                "large: MTU {mtu}, {} elements, floor: warm-up + {reps} calls (window {w} fragments a worker)",
+                thousands(n as f64),
+            ));
+            let r = floor_calls(&mut sockets, node_addr, n as usize, reps + 1, round, &bases[&n], w);
+            round = round.wrapping_add(reps as u32 + 1);
+            match r {
+                Ok(times) => {
+                    let median = |t: &[super::CallTime]| crate::summarize(&t.iter().skip(1).map(|c| c.all).collect::<Vec<_>>()).median;
+                    if best.as_ref().is_none_or(|(_, b)| median(&times) < median(b)) {
+                        best = Some((w, times));
+                    }
+                }
+                Err(e) => lost = Some((w, format!("{e:#}"))),
+            }
+        }
+        let p = match (best, lost) {
+            (Some((w, times)), lost) => {
                 for (k, t) in times.iter().enumerate() {
                     csv_row(csv, "floor", mtu, n, k, t.all, t.workers, true);
                 }
-                Point::new("floor", mtu, n, &times, None)
+                let mut p = Point::new("floor", mtu, n, &times, None);
+                p.node_counters.insert("floor:window_per_worker".into(), w as u64);
+                if let Some((lw, _)) = lost {
+                    p.node_counters.insert("floor:lossy_window_per_worker".into(), lw as u64);
+                }
+                p
             }
-            Err(e) => Point::new("floor", mtu, n, &[], Some(format!("{e:#}"))),
+            (None, Some((_, e))) => Point::new("floor", mtu, n, &[], Some(e)),
+            (None, None) => Point::new("floor", mtu, n, &[], Some("no window to measure".into())),
         };
         report_point(&p);
         let failed = p.error.is_some();
@@ -152,6 +187,7 @@ fn floor_calls(
     calls: usize,
     first_round: u32,
     base: &[i32],
+    window: usize,
 ) -> Result<Vec<super::CallTime>> {
     let gate = Gate::new(sockets.len());
     let gate = &gate;
@@ -173,7 +209,7 @@ fn floor_calls(
                             bail!("floor worker {rank}: stopped before call {k}: another worker failed");
                         }
                         let t0 = Instant::now();
-                        let r = one_call(sock, node, round, &wire, &mut out, n, call_deadline(n as u64));
+                        let r = one_call(sock, node, round, &wire, &mut out, window, call_deadline(n as u64));
                         let t1 = Instant::now();
                         if let Err(e) = r.and_then(|()| check_ints(&format!("floor worker {rank}"), &out, base, k)) {
                             gate.abort();
@@ -219,22 +255,24 @@ fn encode(input: &[i32], rank: u16, round: Round, wire: &mut Vec<u8>) -> Result<
 /// Bytes of a full floor datagram (AGG1 header + 362 int32).
 const DGRAM: usize = abi::AGG_HDR_LEN + 4 * FLOOR_PER;
 
-/// One worker's call: send every datagram of `wire` within the window,
-/// take every RESULT into `out`, until all `n` elements arrived or the
-/// deadline passed.
+/// One worker's call: send every datagram of `wire` within `window`
+/// fragments beyond the RESULTs received, take every RESULT into `out`,
+/// until all its elements arrived, or fail when nothing arrived for
+/// [`STALL`] (a lost datagram) or the deadline passed.
 fn one_call(
     sock: &mut UdpTransport,
     node: SocketAddrV4,
     round: Round,
     wire: &[u8],
     out: &mut [i32],
-    n: usize,
+    window: usize,
     deadline: Duration,
 ) -> Result<()> {
+    let n = out.len();
     let frags = n.div_ceil(FLOOR_PER);
     let last_len = abi::AGG_HDR_LEN + 4 * (n - (frags - 1) * FLOOR_PER);
-    let window = window();
     let end = Instant::now() + deadline;
+    let mut progress_at = Instant::now();
     let mut seen = vec![false; frags];
     let (mut sent, mut got) = (0usize, 0usize);
     let mut rx = vec![0u8; BATCH_MAX * DGRAM];
@@ -276,13 +314,23 @@ fn one_call(
                     }
                     seen[f] = true;
                     got += 1;
+                    progress_at = Instant::now();
                     for (o, b) in out[off..off + count].iter_mut().zip(payload.chunks_exact(4)) {
                         *o = i32::from_be_bytes([b[0], b[1], b[2], b[3]]);
                     }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let left = end.saturating_duration_since(Instant::now());
+                let now = Instant::now();
+                if sent > got && now.duration_since(progress_at) > STALL {
+                    bail!(
+                        "{got} of {frags} RESULTs, none for {} ms with {} in flight (window {window}): \
+                         the path lost a datagram (no reliability here)",
+                        STALL.as_millis(),
+                        sent - got
+                    );
+                }
+                let left = end.saturating_duration_since(now);
                 if left.is_zero() {
                     bail!(
                         "{got} of {frags} RESULTs after {:.1} s ({sent} sent; no reliability: a lost datagram ends the call)",
@@ -290,7 +338,7 @@ fn one_call(
                     );
                 }
                 let mut pfd = libc::pollfd { fd: sock.raw_fd(), events: libc::POLLIN, revents: 0 };
-                let ms = left.as_millis().clamp(1, 100) as libc::c_int;
+                let ms = left.min(STALL).as_millis().clamp(1, 100) as libc::c_int;
                 // SAFETY: one valid pollfd for the duration of the call.
                 unsafe { libc::poll(&mut pfd, 1, ms) };
             }
