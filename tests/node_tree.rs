@@ -34,6 +34,7 @@ mod testbed;
 #[path = "../src/testing/impair/mod.rs"]
 mod impair;
 mod live_attach;
+mod common_runtime;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
@@ -368,7 +369,7 @@ fn an_adaptive_float_allreduce_over_the_tree_takes_one_round() {
                 .collect();
             handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
         });
-        let want: Vec<u32> = two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
+        let want: Vec<u32> = common_runtime::two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
         for ((g, v), ((_, c), b)) in results.iter().zip(tree.all().zip(&before)) {
             assert_eq!(v.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "call {k}, worker {g}: the two-round result over the tree");
             assert_eq!(c.position().0 .0 - b, rounds, "call {k}, worker {g}: rounds");
@@ -378,24 +379,6 @@ fn an_adaptive_float_allreduce_over_the_tree_takes_one_round() {
     }
 }
 
-/// The two-round definition of an adaptive float allreduce (SUM) over the
-/// workers of `xs`: every vector quantized at `adaptive_scale` of the
-/// global max, summed as integers, dequantized.
-fn two_round_result(xs: &[Vec<f32>]) -> Vec<f32> {
-    use aggbox::runtime::quantize;
-    let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
-    let s = quantize::adaptive_scale(m, xs.len() as u16);
-    let mut sum = vec![0i64; xs[0].len()];
-    let mut q = Vec::new();
-    for x in xs {
-        quantize::quantize_into(x, s, &mut q).unwrap();
-        sum.iter_mut().zip(&q).for_each(|(a, &v)| *a += i64::from(v));
-    }
-    let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
-    let mut out = vec![0f32; sum.len()];
-    quantize::dequantize_into(&sum, s, &mut out);
-    out
-}
 
 #[test]
 fn two_leaves_of_two_workers_with_one_percent_loss_on_every_link() {

@@ -144,24 +144,6 @@ fn runtime_loopback_nonblocking_and_f32() {
     }
 }
 
-/// The two-round definition of an adaptive float allreduce (SUM): every
-/// worker's vector quantized at `adaptive_scale` of the global max, summed
-/// as integers, dequantized.
-fn two_round_result(xs: &[Vec<f32>]) -> Vec<f32> {
-    use aggbox::runtime::quantize;
-    let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
-    let s = quantize::adaptive_scale(m, xs.len() as u16);
-    let mut sum = vec![0i64; xs[0].len()];
-    let mut q = Vec::new();
-    for x in xs {
-        quantize::quantize_into(x, s, &mut q).unwrap();
-        sum.iter_mut().zip(&q).for_each(|(a, &v)| *a += i64::from(v));
-    }
-    let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
-    let mut out = vec![0f32; sum.len()];
-    quantize::dequantize_into(&sum, s, &mut out);
-    out
-}
 
 /// Worker r's input for call k: max |x| = (2 + 0.001 r) · magnitude.
 fn float_input(r: usize, len: usize, k: usize, magnitude: f32) -> Vec<f32> {
@@ -200,7 +182,7 @@ fn runtime_loopback_adaptive_allreduce_takes_one_round_when_the_scale_is_predict
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
         });
-        let want: Vec<u32> = two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
+        let want: Vec<u32> = common_runtime::two_round_result(&xs).iter().map(|f| f.to_bits()).collect();
         for (p, (c, o)) in comms.iter().zip(&outs).enumerate() {
             assert_eq!(o.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "call {k}, participant {p}: the two-round result");
             assert_eq!(c.position().0 .0 - before[p], rounds, "call {k}, participant {p}: rounds");
@@ -213,24 +195,11 @@ fn runtime_loopback_adaptive_allreduce_takes_one_round_when_the_scale_is_predict
     let len = 3000;
     for k in 0..2 {
         let xs: Vec<Vec<f32>> = (0..4).map(|r| float_input(r, len, k, 1.0)).collect();
-        let outs = std::thread::scope(|s| {
-            let hs: Vec<_> = parts
-                .iter()
-                .enumerate()
-                .map(|(p, c)| {
-                    let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
-                    s.spawn(move || {
-                        c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
-                        x
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        });
+        let outs = common_runtime::striped_allreduce_f32(&parts, &xs);
         let mut want = Vec::new();
         for r in aggbox::runtime::striped::stripe_bounds(len, 2) {
             let stripe: Vec<Vec<f32>> = xs.iter().map(|x| x[r.clone()].to_vec()).collect();
-            want.extend(two_round_result(&stripe).iter().map(|f| f.to_bits()));
+            want.extend(common_runtime::two_round_result(&stripe).iter().map(|f| f.to_bits()));
         }
         for (p, (c, o)) in parts.iter().zip(&outs).enumerate() {
             assert_eq!(o.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), want, "striped call {k}, participant {p}");
@@ -371,20 +340,7 @@ fn runtime_loopback_striped_reductions_equal_the_reference() {
     // Floats: each stripe agrees on its own scale; everyone gets the same floats, close to the exact sum.
     let len = 50_000;
     let xs: Vec<Vec<f32>> = (0..3).map(|r| (0..len).map(|i| ((i as f32 * 0.37 + r as f32).sin() * 3.0) * if i < len / 2 { 1.0 } else { 1e-3 }).collect()).collect();
-    let outs = std::thread::scope(|s| {
-        let hs: Vec<_> = parts
-            .iter()
-            .enumerate()
-            .map(|(p, c)| {
-                let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
-                s.spawn(move || {
-                    c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
-                    x
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-    });
+    let outs = common_runtime::striped_allreduce_f32(&parts, &xs);
     for o in &outs {
         assert_eq!(o, &outs[0], "everyone gets the same floats");
     }

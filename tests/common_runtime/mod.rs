@@ -167,3 +167,43 @@ pub fn free_loopback_port() -> u16 {
     }
     panic!("no free loopback UDP port in {first}..{}", first + span);
 }
+
+/// The two-round definition of an adaptive float allreduce (SUM) over the
+/// workers' vectors `xs`: every vector quantized at `adaptive_scale` of
+/// the global max, summed as integers, dequantized.
+pub fn two_round_result(xs: &[Vec<f32>]) -> Vec<f32> {
+    use aggbox::runtime::quantize;
+    let m = xs.iter().map(|x| quantize::max_abs(x).unwrap()).fold(0f32, f32::max);
+    let s = quantize::adaptive_scale(m, xs.len() as u16);
+    let mut sum = vec![0i64; xs[0].len()];
+    let mut q = Vec::new();
+    for x in xs {
+        quantize::quantize_into(x, s, &mut q).unwrap();
+        sum.iter_mut().zip(&q).for_each(|(a, &v)| *a += i64::from(v));
+    }
+    let sum: Vec<i32> = sum.iter().map(|&a| i32::try_from(a).unwrap()).collect();
+    let mut out = vec![0f32; sum.len()];
+    quantize::dequantize_into(&sum, s, &mut out);
+    out
+}
+
+/// One float allreduce (SUM) on every participant of a striped job at once
+/// (participant 0 the aggregator, with zeros; participant p > 0 worker p - 1
+/// with `xs[p - 1]`); what each got, in participant order.
+pub fn striped_allreduce_f32(parts: &[StripedCommunicator], xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let len = xs[0].len();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = parts
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
+                s.spawn(move || {
+                    c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
+                    x
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
