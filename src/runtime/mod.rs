@@ -52,6 +52,7 @@ pub use backend::BackendKind;
 pub use collective::{Algorithm, Collective};
 pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
+    DEFAULT_CALLER_SPIN,
 };
 pub use position::{query_position, NodePosition, PositionQueryError};
 pub use quantize::Quantization;

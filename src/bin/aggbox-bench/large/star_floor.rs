@@ -15,8 +15,11 @@
 //!   floor's 8192 slots must hold every fragment in flight; each size is
 //!   measured at windows of 8 to 64 and its floor is the fastest the path
 //!   takes without loss, [`windows`]), and receives
-//!   the RESULTs with `recvmmsg` straight into its output vector, sleeping in
-//!   `poll` when nothing is there.
+//!   the RESULTs with `recvmmsg` straight into its output vector; when
+//!   nothing is there it looks again, yielding the CPU between looks, for
+//!   the runtime's default caller spin, then sleeps in `poll` (the
+//!   runtime's own way of waiting, so that neither pays a wake-up the
+//!   other does not).
 //! - No reliability (a lost datagram ends the call, [`STALL`]: a failure at
 //!   the smallest window, else the end of the size's window sweep), no
 //!   validation, SUM of int32 only, full fragments of
@@ -41,6 +44,7 @@ use crate::testbed::{in_netns, Testbed};
 use crate::{progress, thousands, Csv};
 use aggbox::node;
 use aggbox::runtime::transport::{RecvMeta, Transport, UdpTransport, BATCH_MAX};
+use aggbox::runtime::DEFAULT_CALLER_SPIN;
 use aggbox::wire::abi::{self, Op, Round};
 use aggbox::wire::proto::{self, AggHeader};
 
@@ -273,6 +277,8 @@ fn one_call(
     let last_len = abi::AGG_HDR_LEN + 4 * (n - (frags - 1) * FLOOR_PER);
     let end = Instant::now() + deadline;
     let mut progress_at = Instant::now();
+    // Since when the socket has been found empty (the spin before a sleep).
+    let mut polling_since: Option<Instant> = None;
     let mut seen = vec![false; frags];
     let (mut sent, mut got) = (0usize, 0usize);
     let mut rx = vec![0u8; BATCH_MAX * DGRAM];
@@ -298,6 +304,7 @@ fn one_call(
         }
         match sock.recv_batch(&mut rx, DGRAM, &mut meta) {
             Ok(k) => {
+                polling_since = None;
                 for (i, m) in meta[..k].iter().enumerate() {
                     let d = &rx[i * DGRAM..i * DGRAM + m.len];
                     let Ok((hdr, payload)) = proto::split_agg(d) else { continue };
@@ -322,6 +329,11 @@ fn one_call(
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 let now = Instant::now();
+                if now.duration_since(*polling_since.get_or_insert(now)) < DEFAULT_CALLER_SPIN {
+                    std::thread::yield_now();
+                    continue;
+                }
+                polling_since = None;
                 if sent > got && now.duration_since(progress_at) > STALL {
                     bail!(
                         "{got} of {frags} RESULTs, none for {} ms with {} in flight (window {window}): \

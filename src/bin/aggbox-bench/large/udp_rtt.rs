@@ -5,7 +5,7 @@
 //! allreduce of one datagram pays at least this (contribution to the node,
 //! RESULT back). `poll`: both ends spin on a non-blocking socket (MPI's
 //! default way of waiting); `sleep`: both ends sleep in `poll(2)` until the
-//! datagram is there (the AggBox runtime's default, `caller_spin` zero).
+//! datagram is there (the AggBox runtime with `caller_spin` zero).
 //! Reported at the one-datagram size beside the allreduces; each "call" is
 //! one round trip.
 
