@@ -128,7 +128,7 @@ pub(super) fn floor_phase(
         floor.set_index(frags, FLOOR_SLOTS)?;
         // The fastest window the path takes without loss; past the first
         // that holds all the call's fragments the larger ones are the same.
-        let mut best: Option<(usize, Vec<super::CallTime>)> = None;
+        let mut best: Option<(usize, Vec<super::CallTime>, Point)> = None;
         let mut lost: Option<(usize, String)> = None;
         let ws = windows();
         let all_at = ws.iter().position(|&w| w >= frags as usize).unwrap_or(ws.len() - 1);
@@ -144,20 +144,19 @@ pub(super) fn floor_phase(
             round = round.wrapping_add(reps as u32 + 1);
             match r {
                 Ok(times) => {
-                    let median = |t: &[super::CallTime]| crate::summarize(&t.iter().skip(1).map(|c| c.all).collect::<Vec<_>>()).median;
-                    if best.as_ref().is_none_or(|(_, b)| median(&times) < median(b)) {
-                        best = Some((w, times));
+                    let p = Point::new("floor", mtu, n, &times, None);
+                    if best.as_ref().is_none_or(|(_, _, b)| p.secs.median < b.secs.median) {
+                        best = Some((w, times, p));
                     }
                 }
                 Err(e) => lost = Some((w, format!("{e:#}"))),
             }
         }
         let p = match (best, lost) {
-            (Some((w, times)), lost) => {
+            (Some((w, times, mut p)), lost) => {
                 for (k, t) in times.iter().enumerate() {
                     csv_row(csv, "floor", mtu, n, k, t.all, t.workers, true);
                 }
-                let mut p = Point::new("floor", mtu, n, &times, None);
                 p.node_counters.insert("floor:window_per_worker".into(), w as u64);
                 if let Some((lw, _)) = lost {
                     p.node_counters.insert("floor:lossy_window_per_worker".into(), lw as u64);
