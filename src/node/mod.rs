@@ -8,6 +8,8 @@
 //! attached after the attaching process dies, and what `detach` removes.
 
 
+pub mod desired;
+pub use desired::xdp_job;
 pub mod metrics;
 pub mod ring;
 pub mod serve;
@@ -381,35 +383,6 @@ pub fn userspace_path_failure(config: &Config, error: &str) -> Option<String> {
     }
 }
 
-/// Convert a configured job to what the data plane stores. `iface_mtu` is
-/// the attached interface's: the job's senders cut full fragments for it
-/// unless the job's `frag_elems` says otherwise.
-pub fn xdp_job(job: &crate::config::JobConfig, iface_mtu: usize) -> xdp::XdpJob {
-    let mut flags = 0;
-    if job.userspace_only {
-        flags |= abi::JOB_F_USERSPACE_ONLY;
-    }
-    if job.kernel_parent().is_some() {
-        flags |= abi::JOB_F_HAS_PARENT;
-    }
-    xdp::XdpJob {
-        id: job.id,
-        port: job.port,
-        result_port: job.result_port,
-        ranks: job.workers.clone(),
-        weights: job.weights.clone(),
-        vector_len: job.vector_len.unwrap_or(0),
-        slots: job.slots,
-        flags,
-        result_group: job.kernel_result_group(),
-        window: job.window,
-        frag_elems: job
-            .frag_elems
-            .unwrap_or_else(|| crate::runtime::fragment::elements_per_fragment(iface_mtu) as u32),
-    }
-}
-
-
 /// A live attachment: the loaded programs, the link, and where it is pinned.
 /// Dropping it without [`Attachment::detach`] leaves the pinned state behind
 /// (as after a crash); `aggbox detach` or the next attach cleans it up.
@@ -435,6 +408,8 @@ pub struct Attachment {
     pub rings: Option<ring::RingServer>,
     /// The configuration in force (the attach's, or the last reload's).
     config: Config,
+    /// What the kernel's maps hold for it (reload moves from this state).
+    kernel: desired::KernelState,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -518,14 +493,25 @@ pub fn attach_chain(
     }
     let (ring_sizing, _) = xdp::RingSizing::of(&config.rings);
     let dataplane = XdpPlane::load_chain_with(chain, ring_sizing).map_err(|e| anyhow!("aggbox: {e:#}"))?;
-    for job in &config.jobs {
-        dataplane.set_job(job.id, &xdp_job(job, iface_mtu)).map_err(|e| anyhow!("aggbox: {e}"))?;
-    }
-    for (dense, (job, ring)) in rings.iter().zip(&config.rings).enumerate() {
-        dataplane
-            .set_ring(dense as u32, job, &ring.members)
-            .map_err(|e| anyhow!("aggbox: ring {}: {e}", ring.id))?;
-    }
+    // Broadcast: the TC programs are loaded only when something needs them
+    // (a [[group]], or a job whose results leave the node), so a node that
+    // only aggregates adds nothing to its egress path. bpf_fib_lookup needs
+    // IPv4 forwarding: without it attach stops here with the fix spelled out.
+    let mut broadcast = if reload::needs_tc(config) {
+        tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
+        check_local_members(config)?;
+        Some(TcPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?)
+    } else {
+        None
+    };
+    // Every map entry the config asks for, written into the empty maps
+    // before any program is attached.
+    let kernel = desired::KernelState::of(config, iface_mtu, &rings);
+    let mut planes = desired::Planes {
+        xdp: &dataplane,
+        tc: broadcast.as_ref(),
+    };
+    desired::apply(&mut planes, &desired::KernelState::default(), &kernel).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     let (link, warning) = dataplane.attach_xdp(index, mode).map_err(|e| anyhow!("aggbox: {e}"))?;
     warnings.extend(warning);
 
@@ -556,29 +542,15 @@ pub fn attach_chain(
         _ => None,
     };
 
-    // Broadcast: the TC programs are attached only when something needs them
-    // (a [[group]], or a job whose results leave the node), so a node that
-    // only aggregates adds nothing to its egress path. bpf_fib_lookup needs
-    // IPv4 forwarding: without it attach stops here with the fix spelled out.
-    let broadcast = if reload::needs_tc(config) {
-        tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
-        check_local_members(config)?;
-        let mut plane = TcPlane::load().map_err(|e| anyhow!("aggbox: {e:#}"))?;
-        for group in &config.groups {
-            plane.set_group(group.id, &group.members).map_err(|e| anyhow!("aggbox: group {}: {e}", group.id))?;
-        }
-        configure_result_routes(&plane, config, index)?;
+    // A worker on this host: RESULTs its contributions complete come up lo,
+    // where the ingress program must make their group copies too.
+    if let Some(plane) = &mut broadcast {
         plane.attach(index).map_err(|e| anyhow!("aggbox: {e}"))?;
-        // A worker on this host: RESULTs its contributions complete come up
-        // lo, where the ingress program must make their group copies too.
         if lo_link.is_some() {
             let lo_index = ifindex(LOOPBACK)?;
             plane.attach_lo_ingress(lo_index).map_err(|e| anyhow!("aggbox: {e} (a worker of a job is on this host)"))?;
         }
-        Some(plane)
-    } else {
-        None
-    };
+    }
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
     let tc_lo = broadcast.as_ref().and_then(|b| b.lo_ingress());
 
@@ -651,32 +623,22 @@ pub fn attach_chain(
         results: None,
         rings: None,
         config: config.clone(),
+        kernel,
         dir: dir.clone(),
         record,
         warnings,
     };
+    // From here on a failure undoes the whole attach (Attachment::abandon):
+    // the links are not pinned yet, or only partly, so dropping them detaches.
     if let Err(err) = attachment.pin() {
-        // The link is not pinned yet (or only partly): dropping it detaches.
-        if let Some(u) = attachment.userspace.take() {
-            u.stop();
-        }
-        if let Some(mut b) = attachment.tc.take() {
-            let _ = b.detach();
-        }
-        let _ = detach_dir(&dir);
+        attachment.abandon();
         return Err(err);
     }
     // The result service runs also without served jobs: a reload may add some.
     match attachment.xdp.kernel_maps().map_err(anyhow::Error::from).and_then(|maps| served.start(&dir, maps)) {
         Ok(server) => attachment.results = Some(server),
         Err(e) => {
-            if let Some(u) = attachment.userspace.take() {
-                u.stop();
-            }
-            if let Some(mut b) = attachment.tc.take() {
-                let _ = b.detach();
-            }
-            let _ = detach_dir(&dir);
+            attachment.abandon();
             return Err(anyhow!("aggbox: starting the result service: {e:#}"));
         }
     }
@@ -684,14 +646,7 @@ pub fn attach_chain(
     match ring::RingServer::start_for(config, &dir) {
         Ok(server) => attachment.rings = server,
         Err(e) => {
-            drop(attachment.results.take());
-            if let Some(u) = attachment.userspace.take() {
-                u.stop();
-            }
-            if let Some(mut b) = attachment.tc.take() {
-                let _ = b.detach();
-            }
-            let _ = detach_dir(&dir);
+            attachment.abandon();
             return Err(anyhow!("aggbox: starting the ring service: {e:#}"));
         }
     }
@@ -746,6 +701,21 @@ impl Attachment {
             link.pin(&self.dir.join(LO_LINK_PIN)).map_err(|e| anyhow!("aggbox: {e}"))?;
         }
         write_record(&self.dir, &self.record)
+    }
+
+    /// Undo an attach that failed after its programs were attached: stop
+    /// what runs, detach the TC programs and remove the pins. The XDP links
+    /// go when `self` is dropped (unpinned, that detaches them).
+    fn abandon(&mut self) {
+        drop(self.rings.take());
+        drop(self.results.take());
+        if let Some(u) = self.userspace.take() {
+            u.stop();
+        }
+        if let Some(mut b) = self.tc.take() {
+            let _ = b.detach();
+        }
+        let _ = detach_dir(&self.dir);
     }
 
     /// Where this attachment's pins are.
@@ -935,25 +905,6 @@ pub fn attacher_alive(record: &AttachRecord) -> bool {
 /// earlier process with the same PID).
 fn record_is_ours(record: &AttachRecord) -> bool {
     record.pid == std::process::id() && (record.pid_start == 0 || process_start_time(record.pid) == Some(record.pid_start))
-}
-
-/// Result routes of the jobs whose RESULTs the kernel sends off the node
-/// (in-kernel allreduce to `result_group`, or upstream to a `parent`; not
-/// those of a node-served tree job, which its result service sends).
-fn configure_result_routes(plane: &TcPlane, config: &Config, _ifindex: u32) -> Result<()> {
-    for job in &config.jobs {
-        if let Some(group) = job.kernel_result_group() {
-            plane
-                .set_result_route(job.id, job.result_port, group)
-                .map_err(|e| anyhow!("aggbox: job {}: result_group {group}: {e}", job.id))?;
-        }
-        if let Some(parent) = job.kernel_parent() {
-            plane
-                .set_parent_route(job.id, &tc::ParentRoute::from_config(job, parent))
-                .map_err(|e| anyhow!("aggbox: job {}: parent {}:{}: {e}", job.id, parent.addr, parent.port))?;
-        }
-    }
-    Ok(())
 }
 
 /// A group member on this host receives its copy through `lo`, which needs

@@ -20,6 +20,10 @@
 //! did not set up (TC programs, XDP on `lo`), a result port another process
 //! holds. A refused reload changes nothing; the outcome of every reload is
 //! kept in the attach record, where `aggbox reload` reads it.
+//!
+//! The kernel's side of a reload is the difference between two
+//! [`KernelState`] values (src/node/desired.rs), written and, if the kernel
+//! refuses a write, undone there.
 
 use std::fmt;
 use std::path::Path;
@@ -27,7 +31,8 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::{check_local_members, configure_result_routes, local_workers, serve, xdp_job, Attachment, LOOPBACK};
+use super::desired::{self, KernelState};
+use super::{check_local_members, local_workers, serve, Attachment, LOOPBACK};
 use crate::config::{Config, NodeConfig};
 
 /// What a reload changed, by job and group id.
@@ -203,47 +208,33 @@ impl Attachment {
         }
         let iface_mtu = crate::netif::interface_mtu(&self.record.iface)
             .map_err(|e| anyhow!("reading the MTU of {}: {e}; nothing was changed", self.record.iface))?;
-        for id in summary.added.iter().chain(&summary.changed) {
-            let job = new.job(*id).expect("diff names jobs of the new config");
-            xdp_job(job, iface_mtu).validate().map_err(|e| anyhow!("{e}; nothing was changed"))?;
-        }
+        // A ring's place is fixed at attach (checked above: the rings are the same).
+        let mut kernel = KernelState::of(new, iface_mtu, &[]);
+        kernel.rings = self.kernel.rings.clone();
+        kernel.check().map_err(|e| anyhow!("{e}; nothing was changed"))?;
         let node_addrs = crate::netif::interface_ipv4(&self.record.iface)
             .map_err(|e| anyhow!("reading the addresses of {}: {e}; nothing was changed", self.record.iface))?;
         let served = serve::ServedChange::bind_change(&old, new, node_addrs).map_err(|e| anyhow!("{e:#}; nothing was changed"))?;
 
-        // Apply. A failure from here on is a map update the kernel refused:
-        // reported, with the node between the two configs.
+        // Apply. The kernel's maps move from the state in force to the new
+        // one in one place (src/node/desired.rs), which undoes its own
+        // writes if the kernel refuses one; the user-space path is then set
+        // back to the old config too.
         let reset: Vec<u16> = summary.removed.iter().chain(&summary.changed).copied().collect();
         if let Some(userspace) = &mut self.userspace {
             userspace.reconfigure(new, &reset)?;
         }
-        if let Some(plane) = &self.tc {
-            for g in summary.groups.iter().filter_map(|id| new.group(*id)) {
-                plane.set_group(g.id, &g.members).map_err(|e| anyhow!("group {}: {e}", g.id))?;
+        let mut planes = desired::Planes {
+            xdp: &self.xdp,
+            tc: self.tc.as_ref(),
+        };
+        if let Err(e) = desired::apply(&mut planes, &self.kernel, &kernel) {
+            if let Some(userspace) = &mut self.userspace {
+                let _ = userspace.reconfigure(&old, &reset);
             }
-            for id in &reset {
-                plane.remove_result_route(*id).map_err(|e| anyhow!("job {id}: removing its routes: {e}"))?;
-            }
+            return Err(e.context("the kernel refused a write; the node's maps were set back to the old config"));
         }
-        for id in &summary.removed {
-            self.xdp.remove_job(*id).map_err(|e| anyhow!("removing job {id}: {e}"))?;
-        }
-        for id in summary.added.iter().chain(&summary.changed) {
-            let job = new.job(*id).expect("diff names jobs of the new config");
-            self.xdp.set_job(*id, &xdp_job(job, iface_mtu)).map_err(|e| anyhow!("job {id}: {e}"))?;
-        }
-        if let Some(plane) = &self.tc {
-            let touched = Config {
-                jobs: new.jobs.iter().filter(|j| !summary.unchanged.contains(&j.id)).cloned().collect(),
-                ..Config::default()
-            };
-            configure_result_routes(plane, &touched, self.record.ifindex)?;
-            for id in &summary.groups {
-                if new.group(*id).is_none() {
-                    plane.remove_group(*id).map_err(|e| anyhow!("group {id}: {e}"))?;
-                }
-            }
-        }
+        self.kernel = kernel;
         if !served.is_empty() {
             match &self.results {
                 Some(server) => server.apply(served)?,
