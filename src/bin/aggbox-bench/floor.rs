@@ -8,6 +8,15 @@ use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
+/// Elements of `bench_floor`'s fragments (its `FLOOR_PER`: MTU 1500) and
+/// of `bench_floor_frags`'s chunks.
+pub const FLOOR_PER: u32 = 362;
+/// Largest fragment `bench_floor_frags` takes (its `FLOOR_MAX_ELEMS`).
+pub const FLOOR_MAX_ELEMS: u32 = 16370;
+/// Slots of either program (its `FLOOR_SLOTS`); a fragment of
+/// `bench_floor_frags` takes one per chunk of [`FLOOR_PER`] elements.
+pub const FLOOR_SLOTS: u32 = 32768;
+
 #[allow(clippy::all, missing_docs, dead_code)]
 mod floor_skel {
     include!(concat!(env!("OUT_DIR"), "/bench_floor.skel.rs"));
@@ -23,6 +32,8 @@ pub struct Floor {
     _object: Box<MaybeUninit<OpenObject>>,
     /// port, result port, workers (`floor_cfg`'s first three fields).
     job: [u32; 3],
+    /// Elements of a full fragment for `bench_floor_frags` (`floor_cfg.per`).
+    per: std::sync::atomic::AtomicU32,
 }
 
 impl Floor {
@@ -38,7 +49,12 @@ impl Floor {
             .open(object_ref)
             .context("opening bench_floor")?;
         let skel = open.load().context("loading bench_floor")?;
-        let floor = Floor { skel, _object: object, job: [u32::from(port), u32::from(result_port), workers] };
+        let floor = Floor {
+            skel,
+            _object: object,
+            job: [u32::from(port), u32::from(result_port), workers],
+            per: std::sync::atomic::AtomicU32::new(FLOOR_PER),
+        };
         floor.set_index(0, 0)?;
         Ok(floor)
     }
@@ -50,8 +66,8 @@ impl Floor {
     pub fn set_index(&self, frags: u32, slots: u32) -> Result<()> {
         anyhow::ensure!(slots == 0 || slots.is_power_of_two(), "floor slots {slots}: not a power of two");
         let mask = if slots == 0 { u32::MAX } else { slots - 1 };
-        let mut cfg = Vec::with_capacity(20);
-        for v in [self.job[0], self.job[1], self.job[2], frags, mask] {
+        let mut cfg = Vec::with_capacity(24);
+        for v in [self.job[0], self.job[1], self.job[2], frags, mask, self.per.load(std::sync::atomic::Ordering::Relaxed)] {
             cfg.extend_from_slice(&v.to_ne_bytes());
         }
         self.skel
@@ -64,6 +80,21 @@ impl Floor {
     /// The program (attach, run statistics, BPF_PROG_TEST_RUN).
     pub fn prog(&self) -> &libbpf_rs::ProgramMut<'static> {
         &self.skel.progs.bench_floor
+    }
+
+    /// The multi-buffer program for fragments of `per` elements (up to
+    /// [`FLOOR_MAX_ELEMS`]; MTU 9000 and 65535): attach it instead of
+    /// [`Floor::prog`], after `set_per` and before `set_index`.
+    pub fn prog_frags(&self) -> &libbpf_rs::ProgramMut<'static> {
+        &self.skel.progs.bench_floor_frags
+    }
+
+    /// The full fragment's elements `bench_floor_frags` indexes by (taken
+    /// by the next [`Floor::set_index`]).
+    pub fn set_per(&self, per: u32) -> Result<()> {
+        anyhow::ensure!((1..=FLOOR_MAX_ELEMS).contains(&per), "floor fragments of {per} elements: 1..={FLOOR_MAX_ELEMS}");
+        self.per.store(per, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 }
 

@@ -2159,18 +2159,14 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
         // The star's floor (star_floor.rs): where its aggregator takes the
         // MTU's fragments.
         if want("floor") {
-            if proto::elements_per_datagram(mtu as usize) == star_floor::FLOOR_PER {
-                match star_floor::floor_phase(&tb, mtu, &sizes, reps, &bases, &mut csv) {
-                    Ok(ps) => points.extend(ps),
-                    Err(e) => {
-                        progress(format!("large: MTU {mtu} floor: FAILED: {e:#}"));
-                        for &n in &sizes {
-                            points.push(Point::new("floor", mtu, n, &[], Some(format!("{e:#}"))));
-                        }
+            match star_floor::floor_phase(&tb, mtu, &sizes, reps, &bases, &mut csv) {
+                Ok(ps) => points.extend(ps),
+                Err(e) => {
+                    progress(format!("large: MTU {mtu} floor: FAILED: {e:#}"));
+                    for &n in &sizes {
+                        points.push(Point::new("floor", mtu, n, &[], Some(format!("{e:#}"))));
                     }
                 }
-            } else {
-                progress(format!("large: MTU {mtu}: no floor (its aggregator takes {}-element fragments only)", star_floor::FLOOR_PER));
             }
         }
         // The small-message yardstick, at the one-datagram size if measured.

@@ -22,8 +22,11 @@
 //!   other does not).
 //! - No reliability (a lost datagram ends the call, [`STALL`]: a failure at
 //!   the smallest window, else the end of the size's window sweep), no
-//!   validation, SUM of int32 only, full fragments of
-//!   `bench_floor`'s 362 elements: MTU 1500 only.
+//!   validation, SUM of int32 only. Full fragments of the MTU's size:
+//!   `bench_floor` (direct packet access) takes MTU 1500's 362 elements,
+//!   `bench_floor_frags` (multi-buffer frames, chunks of 362 elements
+//!   through `bpf_xdp_load_bytes`/`store_bytes`) those of MTU 9000 and
+//!   65535, as AggBox's frags chain does.
 //!
 //! Every call's result is checked on every worker after the call, as for the
 //! other backends.
@@ -39,7 +42,7 @@ use super::{
     Spans, JOB_PORT, RESULT_PORT,
 };
 use crate::bcast::{mac_of, BcastFloor, FloorDest};
-use crate::floor::Floor;
+use crate::floor::{Floor, FLOOR_MAX_ELEMS, FLOOR_PER, FLOOR_SLOTS};
 use crate::testbed::{in_netns, Testbed};
 use crate::{progress, thousands, Csv};
 use aggbox::node;
@@ -51,10 +54,23 @@ use aggbox::wire::proto::{self, AggHeader};
 /// The workers' data port for the floor (not the runtime's, which a later
 /// phase binds).
 const FLOOR_DATA_PORT: u16 = 7960;
-/// Elements of a full fragment of `bench_floor` (its `FLOOR_PER`).
-pub(super) const FLOOR_PER: usize = 362;
-/// `bench_floor`'s slots (its `FLOOR_SLOTS`).
-const FLOOR_SLOTS: u32 = 8192;
+/// Slots the index cycles over at MTU 1500 (one per fragment), as the
+/// floor always had: the same memory in use whatever the map's size.
+const SLOTS_AT_1500: u32 = 8192;
+
+/// Slots one fragment of `per` elements takes (one per 362-element chunk).
+fn chunks(per: usize) -> usize {
+    per.div_ceil(FLOOR_PER as usize)
+}
+
+/// Slots the index cycles over for fragments of `per` elements.
+fn slots_for(per: usize) -> u32 {
+    if per <= FLOOR_PER as usize {
+        SLOTS_AT_1500
+    } else {
+        FLOOR_SLOTS
+    }
+}
 
 /// The windows the floor is measured at, in fragments a worker keeps in
 /// flight beyond the RESULTs it has received: `AGGBOX_FLOOR_WINDOW` alone,
@@ -65,8 +81,8 @@ const FLOOR_SLOTS: u32 = 8192;
 /// windows of 1024 lost datagrams there with 4 workers) and ends the sweep.
 /// At most a quarter of the floor's slots: the workers' windows are apart
 /// by at most the RESULTs some has not read yet.
-fn windows() -> Vec<usize> {
-    let most = (FLOOR_SLOTS / 4) as usize / worker_count();
+fn windows(per: usize) -> Vec<usize> {
+    let most = (slots_for(per) / 4) as usize / chunks(per) / worker_count();
     match std::env::var("AGGBOX_FLOOR_WINDOW").ok().and_then(|v| v.parse::<usize>().ok()) {
         Some(w) => vec![w.clamp(1, most)],
         None => [8, 16, 32, 64].into_iter().filter(|&w| w <= most).collect(),
@@ -78,8 +94,7 @@ fn windows() -> Vec<usize> {
 /// microseconds behind its contributions, and no one resends).
 const STALL: Duration = Duration::from_millis(300);
 
-/// The floor at `mtu` (1500 only: `bench_floor`'s fragment size): attach
-/// on the node, one point per size.
+/// The floor at `mtu`: attach on the node, one point per size.
 pub(super) fn floor_phase(
     tb: &Testbed,
     mtu: u32,
@@ -89,8 +104,8 @@ pub(super) fn floor_phase(
     csv: &mut Csv,
 ) -> Result<Vec<Point>> {
     let per = proto::elements_per_datagram(mtu as usize);
-    if per != FLOOR_PER {
-        bail!("the floor aggregator takes fragments of {FLOOR_PER} elements (MTU 1500), not {per} (MTU {mtu})");
+    if per > FLOOR_MAX_ELEMS as usize {
+        bail!("the floor aggregator takes fragments of up to {FLOOR_MAX_ELEMS} elements, not {per} (MTU {mtu})");
     }
     let workers = worker_count();
     let node_ns = tb.host(0).netns.clone();
@@ -101,13 +116,16 @@ pub(super) fn floor_phase(
         dests.push((mac, SocketAddrV4::new(tb.host(r + 1).addr, FLOOR_DATA_PORT)));
     }
     let floor = Floor::load(JOB_PORT, RESULT_PORT, workers as u32)?;
+    floor.set_per(per as u32)?;
+    let frames = per > FLOOR_PER as usize;
     let copier = BcastFloor::load()?;
     let (link, ifindex, created) = in_netns(&node_ns, || -> Result<_> {
         let ifindex = node::ifindex("eth0")?;
         let dests: Vec<FloorDest> = dests.iter().map(|&(mac, addr)| FloorDest { mac, addr, ifindex }).collect();
         copier.configure_results(RESULT_PORT, &dests)?;
         let created = copier.attach_results(ifindex)?;
-        let link = floor.prog().attach_xdp(ifindex as i32).context("attaching bench_floor")?;
+        let prog = if frames { floor.prog_frags() } else { floor.prog() };
+        let link = prog.attach_xdp(ifindex as i32).context("attaching the floor aggregator")?;
         Ok((link, ifindex, created))
     })??;
     let mut sockets: Vec<UdpTransport> = (0..workers)
@@ -124,13 +142,16 @@ pub(super) fn floor_phase(
     let mut points = Vec::new();
     let mut round = 0u32;
     for &n in sizes {
-        let frags = (n as usize).div_ceil(FLOOR_PER) as u32;
-        floor.set_index(frags, FLOOR_SLOTS)?;
+        let frags = (n as usize).div_ceil(per) as u32;
+        floor.set_index(frags, slots_for(per))?;
         // The fastest window the path takes without loss; past the first
         // that holds all the call's fragments the larger ones are the same.
         let mut best: Option<(usize, Vec<super::CallTime>, Point)> = None;
         let mut lost: Option<(usize, String)> = None;
-        let ws = windows();
+        let ws = windows(per);
+        if ws.is_empty() {
+            bail!("no window fits the floor's {} slots at {workers} workers and {per}-element fragments", slots_for(per));
+        }
         let all_at = ws.iter().position(|&w| w >= frags as usize).unwrap_or(ws.len() - 1);
         for &w in &ws[..=all_at] {
             if lost.is_some() {
@@ -140,7 +161,7 @@ pub(super) fn floor_phase(
                 "large: MTU {mtu}, {} elements, floor: warm-up + {reps} calls (window {w} fragments a worker)",
                 thousands(n as f64),
             ));
-            let r = floor_calls(&mut sockets, node_addr, n as usize, reps + 1, round, &bases[&n], w);
+            let r = floor_calls(&mut sockets, node_addr, per, n as usize, reps + 1, round, &bases[&n], w);
             round = round.wrapping_add(reps as u32 + 1);
             match r {
                 Ok(times) => {
@@ -186,6 +207,7 @@ pub(super) fn floor_phase(
 fn floor_calls(
     sockets: &mut [UdpTransport],
     node: SocketAddrV4,
+    per: usize,
     n: usize,
     calls: usize,
     first_round: u32,
@@ -207,12 +229,12 @@ fn floor_calls(
                     for k in 0..calls {
                         fill_input(&mut input, rank, k);
                         let round = Round(first_round.wrapping_add(k as u32));
-                        encode(&input, rank as u16, round, &mut wire)?;
+                        encode(&input, per, rank as u16, round, &mut wire)?;
                         if !gate.wait() {
                             bail!("floor worker {rank}: stopped before call {k}: another worker failed");
                         }
                         let t0 = Instant::now();
-                        let r = one_call(sock, node, round, &wire, &mut out, window, call_deadline(n as u64));
+                        let r = one_call(sock, node, per, round, &wire, &mut out, window, call_deadline(n as u64));
                         let t1 = Instant::now();
                         if let Err(e) = r.and_then(|()| check_ints(&format!("floor worker {rank}"), &out, base, k)) {
                             gate.abort();
@@ -229,19 +251,19 @@ fn floor_calls(
     Ok(call_times(&spans, calls, 0))
 }
 
-/// One worker's contributions of `input` in `round` (fragments of
-/// [`FLOOR_PER`]), as datagrams of `FLOOR_PER`-element stride in `wire`
-/// (the last may be shorter; its length is in its header).
-fn encode(input: &[i32], rank: u16, round: Round, wire: &mut Vec<u8>) -> Result<()> {
+/// One worker's contributions of `input` in `round` (fragments of `per`
+/// elements), as datagrams of `per`-element stride in `wire` (the last may
+/// be shorter; its length is in its header).
+fn encode(input: &[i32], per: usize, rank: u16, round: Round, wire: &mut Vec<u8>) -> Result<()> {
     wire.clear();
-    let frags = input.len().div_ceil(FLOOR_PER);
-    for (f, chunk) in input.chunks(FLOOR_PER).enumerate() {
+    let frags = input.len().div_ceil(per);
+    for (f, chunk) in input.chunks(per).enumerate() {
         let hdr = AggHeader {
             job: 0,
             rank,
             seq: f as u32,
             round,
-            frag_off: (f * FLOOR_PER) as u32,
+            frag_off: (f * per) as u32,
             op: Op::Sum,
             flags: if f + 1 == frags { abi::AGG_F_LAST_FRAGMENT } else { 0 },
             count: chunk.len() as u16,
@@ -250,13 +272,15 @@ fn encode(input: &[i32], rank: u16, round: Round, wire: &mut Vec<u8>) -> Result<
         proto::encode_agg_into(&hdr, chunk, wire).map_err(|e| anyhow!("encoding fragment {f}: {e}"))?;
         // Every datagram in a slot of one stride, so that datagram f is at
         // f · stride (the last one's slot is not filled up).
-        wire.resize(at + DGRAM, 0);
+        wire.resize(at + dgram(per), 0);
     }
     Ok(())
 }
 
-/// Bytes of a full floor datagram (AGG1 header + 362 int32).
-const DGRAM: usize = abi::AGG_HDR_LEN + 4 * FLOOR_PER;
+/// Bytes of a full floor datagram (AGG1 header + `per` int32).
+fn dgram(per: usize) -> usize {
+    abi::AGG_HDR_LEN + 4 * per
+}
 
 /// One worker's call: send every datagram of `wire` within `window`
 /// fragments beyond the RESULTs received, take every RESULT into `out`,
@@ -265,6 +289,7 @@ const DGRAM: usize = abi::AGG_HDR_LEN + 4 * FLOOR_PER;
 fn one_call(
     sock: &mut UdpTransport,
     node: SocketAddrV4,
+    per: usize,
     round: Round,
     wire: &[u8],
     out: &mut [i32],
@@ -272,15 +297,16 @@ fn one_call(
     deadline: Duration,
 ) -> Result<()> {
     let n = out.len();
-    let frags = n.div_ceil(FLOOR_PER);
-    let last_len = abi::AGG_HDR_LEN + 4 * (n - (frags - 1) * FLOOR_PER);
+    let frags = n.div_ceil(per);
+    let last_len = abi::AGG_HDR_LEN + 4 * (n - (frags - 1) * per);
+    let full = dgram(per);
     let end = Instant::now() + deadline;
     let mut progress_at = Instant::now();
     // Since when the socket has been found empty (the spin before a sleep).
     let mut polling_since: Option<Instant> = None;
     let mut seen = vec![false; frags];
     let (mut sent, mut got) = (0usize, 0usize);
-    let mut rx = vec![0u8; BATCH_MAX * DGRAM];
+    let mut rx = vec![0u8; BATCH_MAX * full];
     let mut meta = [RecvMeta::default(); BATCH_MAX];
     let mut batch: Vec<(&[u8], SocketAddrV4)> = Vec::with_capacity(BATCH_MAX);
     // Send when the window has room for a batch (or the call's last
@@ -292,8 +318,8 @@ fn one_call(
         while sent < allowed && (allowed - sent >= batch_at || allowed == frags) {
             batch.clear();
             for f in sent..allowed.min(sent + BATCH_MAX) {
-                let len = if f + 1 == frags { last_len } else { DGRAM };
-                batch.push((&wire[f * DGRAM..f * DGRAM + len], node));
+                let len = if f + 1 == frags { last_len } else { full };
+                batch.push((&wire[f * full..f * full + len], node));
             }
             let took = sock.send_batch(&batch);
             if took < batch.len() {
@@ -301,11 +327,11 @@ fn one_call(
             }
             sent += took;
         }
-        match sock.recv_batch(&mut rx, DGRAM, &mut meta) {
+        match sock.recv_batch(&mut rx, full, &mut meta) {
             Ok(k) => {
                 polling_since = None;
                 for (i, m) in meta[..k].iter().enumerate() {
-                    let d = &rx[i * DGRAM..i * DGRAM + m.len];
+                    let d = &rx[i * full..i * full + m.len];
                     let Ok((hdr, payload)) = proto::split_agg(d) else { continue };
                     // Only this call's (a late copy of an earlier call's
                     // RESULT has another round).
@@ -313,7 +339,7 @@ fn one_call(
                         continue;
                     }
                     let off = hdr.frag_off as usize;
-                    let f = off / FLOOR_PER;
+                    let f = off / per;
                     let count = usize::from(hdr.count);
                     if f >= frags || seen[f] || off + count > n {
                         continue;
