@@ -6,6 +6,7 @@
 //! - [`frame`]: Ethernet / IPv4 / UDP frames parsed as the XDP program
 //!   parses them (the twin of `src/bpf/parse.h`), for the AF_XDP path.
 //! - [`proto`]: encode, decode and validate AGG1 / AGB1 / AGK1 datagrams.
+//! - [`map_names`]: the names the node pins the programs' maps under.
 //! - [`reducer`]: the reference reducer, oracle for the kernel path and core
 //!   of the user-space aggregators.
 //! - [`reliability`]: sequence windows, ACK trackers and the RTT estimator:
@@ -18,6 +19,7 @@
 
 pub mod abi;
 pub mod frame;
+pub mod map_names;
 pub mod proto;
 pub mod reducer;
 pub mod reliability;
