@@ -1,5 +1,8 @@
 //! The wire layer: what AggBox datagrams and BPF maps hold, written once for
-//! the Rust side. Nothing here does I/O or touches the kernel.
+//! the Rust side. Nothing here does I/O or touches the kernel, except
+//! [`ring_memory`], which maps the pinned ring maps that the XDP program,
+//! the node and the runtime share (the layout is the ABI; the node and the
+//! runtime both map it, and neither may import the other's layer).
 //!
 //! - [`abi`]: Rust mirror of `include/aggbox/abi.h` (wire headers, map
 //!   structs, drop reasons, serial round comparison).
@@ -14,6 +17,9 @@
 //!   by the node's result service.
 //! - [`ring`]: AGR1 ring datagrams, where a fragment travels, and the
 //!   arithmetic of one hop (docs/RING.md).
+//! - [`ring_memory`]: `ring_data`, `ring_done` and `ring_ctrl` mapped
+//!   into this process as atomics, and the rules their user-space writers
+//!   follow (ring allreduce, docs/RING.md).
 //! - [`slots`]: the aggregation slot and its rule for adding a contribution,
 //!   and the slot table both user-space aggregators keep.
 
@@ -24,5 +30,6 @@ pub mod proto;
 pub mod reducer;
 pub mod reliability;
 pub mod ring;
+pub mod ring_memory;
 pub(crate) mod rng;
 pub mod slots;
