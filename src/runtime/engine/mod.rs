@@ -54,7 +54,7 @@ use crate::runtime::quantize::AgreedScales;
 use crate::wire::reliability::{RecvTracker, SendWindow};
 use crate::runtime::socket::SocketAggregator;
 use crate::runtime::transport::{Counters, BATCH_MAX};
-use crate::runtime::Peer;
+use crate::runtime::error::Peer;
 
 pub(crate) use round::{Reduced, RoundState, Sink, Src};
 use tc_route::TcRoute;

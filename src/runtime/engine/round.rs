@@ -14,7 +14,7 @@ use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32};
 use crate::runtime::fragment::{fragments, Coverage};
 use crate::runtime::quantize;
-use crate::runtime::CommError;
+use crate::runtime::error::CommError;
 
 /// What a worker contributes: int32s, or floats quantized at `scale` as
 /// each fragment is encoded.
