@@ -31,6 +31,7 @@ use crate::runtime::calls::Calls;
 use crate::runtime::driver::{self, random_group_base, Core, Driver, Shared};
 use crate::runtime::engine::Engine;
 use crate::runtime::fragment::elements_per_fragment;
+use crate::runtime::position::{query_position, NodePosition, PositionQueryError};
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;
 use crate::wire::reliability::ReliabilityConfig;
@@ -441,6 +442,29 @@ impl CommunicatorBuilder {
         self.cfg.first_agg_seq = agg_seq;
         self.cfg.ask_node_position = false;
         self
+    }
+
+    /// A worker's [`query_position`] of its job, from its data socket
+    /// (`peers[rank]`) to the node's result service (the aggregator address
+    /// and the job's `result_port`, as [`CommunicatorBuilder::from_config`]
+    /// sets them). Give the answer, agreed among the workers, to
+    /// [`CommunicatorBuilder::resume`].
+    pub fn node_position(&self, deadline: Duration) -> Result<NodePosition, PositionQueryError> {
+        let cfg = self.config();
+        let Participant::Worker(rank) = cfg.me else {
+            return Err(PositionQueryError::NotAWorker(cfg.job));
+        };
+        let from = *cfg
+            .peers
+            .get(usize::from(rank))
+            .ok_or(PositionQueryError::NotAWorker(cfg.job))?;
+        query_position(
+            cfg.job,
+            rank,
+            from,
+            SocketAddrV4::new(cfg.aggregator, cfg.result_port),
+            deadline,
+        )
     }
 
     /// Validates, binds the socket and starts the progress thread. The
