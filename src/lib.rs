@@ -8,6 +8,14 @@
 //!
 //! The folders are the layers, and dependencies point one way:
 //! `wire` ← `config` ← `kernel` ← `node`, and `wire` ← `config` ← `runtime`.
+//! `wire` imports nothing of the crate, `config` only `wire`; `node` and
+//! `runtime` never import each other, nor `runtime` the `kernel`: what both
+//! stacks need lives in `wire` (the ring memory, the fragment size).
+//! `netif` imports nothing and the layers above `config` may read it. In
+//! the runtime, the public API (`comm`, `calls`, `driver`, `striped`,
+//! `collective`, `ring`, `runtime/mod.rs`) sits on the engine and the
+//! modules it is built from, which never import the API. Unit tests may use
+//! any layer. `tests/layers.rs` checks every import against these rules.
 //!
 //! - [`wire`]: what is on the wire and in the maps: the ABI mirror of
 //!   `include/aggbox/abi.h`, the message codecs, the reference reducer.

@@ -7,15 +7,15 @@
 //!   next-hop cache, broadcast trees.
 //! - [`maps`]: what the programs' maps share: pinned names, pinning,
 //!   per-CPU sums.
-//! - [`ring_memory`]: the ring maps shared with the runtime, mapped into
-//!   this process (ring allreduce, docs/RING.md).
 //! - [`xsk`]: a receive-only AF_XDP socket, one per RX queue.
 //! - [`afxdp`]: the user-space aggregation path fed by those sockets, for
 //!   what the XDP program hands over.
 
 pub mod afxdp;
 pub mod maps;
-pub mod ring_memory;
+// The ring memory moved to the wire layer, which the runtime may use; its
+// old path stays.
+pub use crate::wire::ring_memory;
 pub mod tc;
 pub mod xdp;
 pub mod xsk;

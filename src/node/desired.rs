@@ -99,7 +99,7 @@ pub fn xdp_job(job: &JobConfig, iface_mtu: usize) -> XdpJob {
         window: job.window,
         frag_elems: job
             .frag_elems
-            .unwrap_or_else(|| crate::runtime::fragment::elements_per_fragment(iface_mtu) as u32),
+            .unwrap_or_else(|| crate::wire::proto::elements_per_fragment(iface_mtu) as u32),
     }
 }
 

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 
 use crate::config::{Config, RingConfig};
-use crate::kernel::ring_memory::{self, RingMemory};
-pub use crate::kernel::ring_memory::{RingServiceStats, SERVICE_STATS_MAP as STATS_MAP};
+use crate::wire::ring_memory::{self, RingMemory};
+pub use crate::wire::ring_memory::{RingServiceStats, SERVICE_STATS_MAP as STATS_MAP};
 use crate::wire::abi::{self, Op, Round, RingJob};
 use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX_NACK_INDEXES};
 

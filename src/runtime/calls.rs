@@ -9,14 +9,68 @@
 //! adaptive reduce, or a longer allreduce, agrees on the scale first (a
 //! one-element MAX allreduce), then reduces: two rounds.
 
+use std::sync::mpsc;
 use std::time::Instant;
 
 use crate::wire::abi::Op;
 use crate::wire::proto;
-use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32, ReduceOutput, Request};
-use crate::runtime::engine::{Engine, Reduced, Sink, Src};
+use crate::runtime::engine::{CallOptions, Engine, Participant, RawF32, RawI32, Reduced, Sink, Src};
 use crate::runtime::quantize::{self, Quantization};
 use crate::runtime::CommError;
+
+/// Result of an int reduction as the caller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReduceOutput {
+    /// The vector: the result where this participant gets it, else the input.
+    pub values: Vec<i32>,
+    /// Whether this participant got the result (aggregator for reduce,
+    /// everyone for allreduce).
+    pub has_result: bool,
+    /// Some element was clamped (OVERFLOW).
+    pub overflow: bool,
+}
+
+/// One call of a communicator, as it is queued for the thread that runs it
+/// ([`Calls::execute`]), with the channel its result goes back on.
+pub(crate) enum Request {
+    Bcast {
+        root: usize,
+        data: Vec<u8>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<Vec<u8>, CommError>>,
+    },
+    Reduce {
+        all: bool,
+        op: Op,
+        data: Vec<i32>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<ReduceOutput, CommError>>,
+    },
+    ReduceF32 {
+        all: bool,
+        mean: bool,
+        data: Vec<f32>,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<Vec<f32>, CommError>>,
+    },
+    /// A blocking int reduction on the caller's slice (see [`Raw`]); replies
+    /// whether the result was clamped (OVERFLOW).
+    ReduceI32In {
+        all: bool,
+        op: Op,
+        data: RawI32,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<bool, CommError>>,
+    },
+    /// A blocking float reduction on the caller's slice (see [`RawF32`]).
+    ReduceF32In {
+        all: bool,
+        mean: bool,
+        data: RawF32,
+        opts: CallOptions,
+        reply: mpsc::Sender<Result<(), CommError>>,
+    },
+}
 
 /// Runs the rounds of a state machine to their end: the I/O driver waits on
 /// its socket and clock ([`crate::runtime::driver`]); a test could deliver
@@ -167,7 +221,7 @@ pub(crate) trait Calls: RoundDriver {
         }
     }
 
-    /// A blocking int reduction on the caller's slice `x` (see [`crate::runtime::comm::Raw`]):
+    /// A blocking int reduction on the caller's slice `x` (see [`crate::runtime::engine::Raw`]):
     /// a worker encodes its fragments straight from `x`; an allreduce
     /// worker's result fragments and the aggregator's completed fragments
     /// are written straight into `x`. Returns whether the result was
@@ -188,7 +242,7 @@ pub(crate) trait Calls: RoundDriver {
         })
     }
     /// A float SUM (or mean) reduction through quantization on `x` (see
-    /// [`crate::runtime::comm::RawF32`]): a worker quantizes each fragment from `x` straight into
+    /// [`crate::runtime::engine::RawF32`]): a worker quantizes each fragment from `x` straight into
     /// its datagram and (allreduce) dequantizes each result fragment straight
     /// into `x`; the aggregator reduces into a reused int32 vector and
     /// dequantizes it into `x`. With `FixedOrAdaptive` the first attempt's
@@ -384,8 +438,8 @@ mod tests {
 
     use super::{Calls, RoundDriver};
     use crate::wire::abi::Op;
-    use crate::runtime::comm::{CallOptions, Communicator, Participant, RawF32};
-    use crate::runtime::engine::Engine;
+    use crate::runtime::comm::Communicator;
+    use crate::runtime::engine::{CallOptions, Engine, Participant, RawF32};
     use crate::runtime::outbox::Transmit;
     use crate::runtime::quantize::{self, Quantization};
     use crate::runtime::transport::{CommStats, Counters};

@@ -27,10 +27,14 @@ use crate::wire::abi::{self, Op, Round};
 use crate::config::{Config, ResultConsumer};
 use crate::wire::proto::{self, AckMode};
 use crate::runtime::backend::BackendKind;
-use crate::runtime::calls::Calls;
+pub use crate::runtime::calls::ReduceOutput;
+use crate::runtime::calls::{Calls, Request};
 use crate::runtime::driver::{self, random_group_base, Core, Driver, Shared};
-use crate::runtime::engine::Engine;
+// The engine's own types, public here where the builder fills them.
+pub use crate::runtime::engine::{CallOptions, CommConfig, Participant, TcGroup};
+use crate::runtime::engine::{Engine, RawF32, RawI32};
 use crate::runtime::fragment::elements_per_fragment;
+use crate::runtime::position::{query_position, NodePosition, PositionQueryError};
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;
 use crate::wire::reliability::ReliabilityConfig;
@@ -40,45 +44,6 @@ use crate::runtime::transport::{
 use crate::runtime::work::Work;
 use crate::runtime::CommError;
 
-/// Who a communicator is in its job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Participant {
-    /// Worker `rank` (0..workers): contributes to reductions.
-    Worker(u16),
-    /// The aggregator's application: receives reduction results (and, for
-    /// the socket backend, runs the user-space aggregator).
-    Aggregator,
-}
-
-impl Participant {
-    pub(crate) fn index(self, workers: u16) -> usize {
-        match self {
-            Participant::Worker(r) => r as usize,
-            Participant::Aggregator => workers as usize,
-        }
-    }
-}
-
-/// Options of one call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CallOptions {
-    /// Deadline of the call, from its start; `None` = the communicator's.
-    pub deadline: Option<Duration>,
-    /// On a reduction timeout, put the partial result (with contributor
-    /// counts) into the error.
-    pub partial: bool,
-}
-
-impl CallOptions {
-    /// Options with a deadline.
-    pub fn deadline(d: Duration) -> CallOptions {
-        CallOptions {
-            deadline: Some(d),
-            partial: false,
-        }
-    }
-}
-
 /// How long a caller polls for its datagrams, yielding the CPU, before it
 /// sleeps ([`CommConfig::caller_spin`]). Yielding gives the CPU to any
 /// thread that can run, so a waiting caller holds it only while nothing
@@ -87,149 +52,6 @@ impl CallOptions {
 /// (docs/RUNTIME.md "Who runs a call"). 100 µs covers a one-datagram call
 /// up to 16 workers on the 2-vCPU testbed; a longer wait sleeps.
 pub const DEFAULT_CALLER_SPIN: Duration = Duration::from_micros(100);
-
-/// Everything a communicator needs, validated by the builder.
-#[derive(Debug, Clone)]
-pub struct CommConfig {
-    /// Job id (also the broadcast group id).
-    pub job: u16,
-    /// Worker data addresses, by rank.
-    pub peers: Vec<SocketAddrV4>,
-    /// This participant.
-    pub me: Participant,
-    /// The aggregator node's address.
-    pub aggregator: Ipv4Addr,
-    /// The job's contribution port on the aggregator.
-    pub job_port: u16,
-    /// Kernel backend: the job's result port (the aggregator application's
-    /// socket). Unused by the socket backend.
-    pub result_port: u16,
-    /// Backend.
-    pub backend: BackendKind,
-    /// Path MTU; fragments are sized from it
-    /// ([`crate::runtime::fragment::elements_per_fragment`]). 0 (the
-    /// builder's default) = discover it when the communicator is built: the
-    /// smallest route MTU to the aggregator and every peer
-    /// ([`crate::runtime::pmtu`]; 1500 if no route answers). A built
-    /// communicator's [`Communicator::config`] holds the value in use.
-    pub mtu: usize,
-    /// Reliability settings.
-    pub reliability: ReliabilityConfig,
-    /// Socket backend: slots of the user-space aggregator. Kernel backend:
-    /// the job's `slots`, which caps the contribution window.
-    pub slots: u32,
-    /// Default per-call deadline.
-    pub deadline: Duration,
-    /// Float quantization.
-    pub quantization: Quantization,
-    /// Round of the first call.
-    pub first_round: Round,
-    /// Contribution seq of the first call (same on every rank).
-    pub first_agg_seq: u32,
-    /// Set for a worker of a node-served job by
-    /// [`CommunicatorBuilder::from_config`], cleared by
-    /// [`CommunicatorBuilder::resume`]: `build()` asks the node where the
-    /// first call starts ([`CommunicatorBuilder::node_position`], `AGP1`)
-    /// and uses its answer instead of `first_round` and `first_agg_seq`.
-    /// The node keeps a job's rounds across runs, so a new run that started
-    /// at round 0 would find its contributions taken for the old run's.
-    pub ask_node_position: bool,
-    /// Most datagrams kept for a later call (early broadcast data).
-    pub stash_limit: usize,
-    /// Kernel backend, aggregator: most bytes the RESULTs of rounds this
-    /// application has not called yet may hold (payload and bookkeeping;
-    /// default [`DEFAULT_EARLY_RESULT_BYTES`]). The kernel sends each RESULT
-    /// once, so one refused here is lost to this participant's next call:
-    /// raise it when workers run several rounds of large vectors ahead of the
-    /// aggregator application.
-    pub early_result_bytes: usize,
-    /// Kernel backend: the job has a `result_group` of the workers, so the
-    /// node's TC program copies every RESULT to every worker (in-kernel
-    /// allreduce): the aggregator's runtime does not forward results, it
-    /// only retransmits the ones a worker did not acknowledge.
-    pub kernel_result_group: bool,
-    /// The node serves the job itself (`consumer = "node"`): there is no
-    /// aggregator participant, so broadcasts go to the workers only and
-    /// none may come from the aggregator.
-    pub node_served: bool,
-    /// Kernel backend: this participant's node runs the TC broadcast program
-    /// with this group; its broadcasts (as root) go out as one datagram per
-    /// fragment that the program copies to the members.
-    pub tc_group: Option<TcGroup>,
-    /// Test hook: impair what this communicator receives (see
-    /// [`crate::runtime::transport`]); `None` in production.
-    pub impairment: Option<Impairment>,
-    /// Send runs of datagrams to one destination as UDP GSO
-    /// super-datagrams ([`Transport::send_batch_gso`]). `None`: on for the
-    /// socket backend, off for the kernel backend (measured: docs/RUNTIME.md
-    /// "UDP GSO"). Never with a TC group (the TC program parses each
-    /// datagram it copies).
-    pub udp_gso: Option<bool>,
-    /// A blocking call issued while no other call is queued or running runs
-    /// on the caller's thread, which takes the I/O driver for the call
-    /// (docs/RUNTIME.md "Who runs a call"); `false`: every call goes through
-    /// the progress thread. Default `true`; the environment variable
-    /// `AGGBOX_CALLER_THREAD=0` turns it off at `build()` (for A/B
-    /// measurements under an unchanged application, e.g. the MPI library).
-    pub caller_runs_calls: bool,
-    /// How long a caller's thread that waits for a datagram polls its
-    /// socket, yielding the CPU between looks (`poll` with no timeout, then
-    /// `sched_yield`), before it sleeps in `ppoll`: a result that comes
-    /// within it costs no wake-up (docs/RUNTIME.md "Who runs a call").
-    /// MPI implementations wait this way for every message. Default
-    /// [`DEFAULT_CALLER_SPIN`]; zero sleeps at once; the environment
-    /// variable `AGGBOX_CALLER_SPIN_US` sets it at `build()` (A/B
-    /// measurements under an unchanged application).
-    pub caller_spin: Duration,
-    /// The workers whose values a reduction sums: the divisor of a float
-    /// mean (`allreduce_f32(.., mean = true)`) and the count an adaptive
-    /// scale keeps the sum in int32 for. `None` = the workers; a tree's leaf
-    /// job sets the tree's workers (`parent.tree_workers`,
-    /// [`CommunicatorBuilder::from_config`]).
-    pub tree_workers: Option<u16>,
-}
-
-/// A broadcast group configured on this participant's node (`[[group]]`):
-/// its id and member table (mask bit i = `members[i]`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TcGroup {
-    /// Group id (the `AGB1` `group`).
-    pub id: u16,
-    /// Members in table order; every other participant must be one.
-    pub members: Vec<SocketAddrV4>,
-}
-
-impl CommConfig {
-    pub(crate) fn workers(&self) -> u16 {
-        self.peers.len() as u16
-    }
-
-    /// [`CommConfig::tree_workers`], or the workers.
-    pub(crate) fn total_workers(&self) -> u16 {
-        self.tree_workers.unwrap_or_else(|| self.workers())
-    }
-
-    pub(crate) fn participants(&self) -> usize {
-        self.peers.len() + 1
-    }
-
-    /// Socket address of participant index `i`.
-    pub(crate) fn addr_of(&self, i: usize) -> SocketAddrV4 {
-        if i < self.peers.len() {
-            self.peers[i]
-        } else {
-            match self.backend {
-                BackendKind::Socket => SocketAddrV4::new(self.aggregator, self.job_port),
-                BackendKind::Kernel => SocketAddrV4::new(self.aggregator, self.result_port),
-            }
-        }
-    }
-
-    /// Where contributions go: the job's port on the aggregator's node.
-    pub(crate) fn contrib_target(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.aggregator, self.job_port)
-    }
-}
 
 /// Builds a [`Communicator`].
 #[derive(Debug, Clone)]
@@ -443,6 +265,29 @@ impl CommunicatorBuilder {
         self
     }
 
+    /// A worker's [`query_position`] of its job, from its data socket
+    /// (`peers[rank]`) to the node's result service (the aggregator address
+    /// and the job's `result_port`, as [`CommunicatorBuilder::from_config`]
+    /// sets them). Give the answer, agreed among the workers, to
+    /// [`CommunicatorBuilder::resume`].
+    pub fn node_position(&self, deadline: Duration) -> Result<NodePosition, PositionQueryError> {
+        let cfg = self.config();
+        let Participant::Worker(rank) = cfg.me else {
+            return Err(PositionQueryError::NotAWorker(cfg.job));
+        };
+        let from = *cfg
+            .peers
+            .get(usize::from(rank))
+            .ok_or(PositionQueryError::NotAWorker(cfg.job))?;
+        query_position(
+            cfg.job,
+            rank,
+            from,
+            SocketAddrV4::new(cfg.aggregator, cfg.result_port),
+            deadline,
+        )
+    }
+
     /// Validates, binds the socket and starts the progress thread. The
     /// socket is bound to this participant's address (a worker's
     /// `peers[rank]`; the aggregator's `aggregator:job_port` for the socket
@@ -601,115 +446,6 @@ fn discover_mtu(cfg: &CommConfig) -> usize {
         .chain(cfg.peers.iter().map(|p| *p.ip()))
         .filter(|a| Some(*a) != me || *a == cfg.aggregator);
     crate::runtime::pmtu::min_path_mtu(others).unwrap_or(1500)
-}
-
-/// Result of an int reduction as the caller sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReduceOutput {
-    /// The vector: the result where this participant gets it, else the input.
-    pub values: Vec<i32>,
-    /// Whether this participant got the result (aggregator for reduce,
-    /// everyone for allreduce).
-    pub has_result: bool,
-    /// Some element was clamped (OVERFLOW).
-    pub overflow: bool,
-}
-
-pub(crate) enum Request {
-    Bcast {
-        root: usize,
-        data: Vec<u8>,
-        opts: CallOptions,
-        reply: mpsc::Sender<Result<Vec<u8>, CommError>>,
-    },
-    Reduce {
-        all: bool,
-        op: Op,
-        data: Vec<i32>,
-        opts: CallOptions,
-        reply: mpsc::Sender<Result<ReduceOutput, CommError>>,
-    },
-    ReduceF32 {
-        all: bool,
-        mean: bool,
-        data: Vec<f32>,
-        opts: CallOptions,
-        reply: mpsc::Sender<Result<Vec<f32>, CommError>>,
-    },
-    /// A blocking int reduction on the caller's slice (see [`Raw`]); replies
-    /// whether the result was clamped (OVERFLOW).
-    ReduceI32In {
-        all: bool,
-        op: Op,
-        data: RawI32,
-        opts: CallOptions,
-        reply: mpsc::Sender<Result<bool, CommError>>,
-    },
-    /// A blocking float reduction on the caller's slice (see [`RawF32`]).
-    ReduceF32In {
-        all: bool,
-        mean: bool,
-        data: RawF32,
-        opts: CallOptions,
-        reply: mpsc::Sender<Result<(), CommError>>,
-    },
-}
-
-/// The caller's slice of a blocking reduction (`&mut [f32]`: [`RawF32`],
-/// `&mut [i32]`: [`RawI32`]), lent to the progress thread for the duration
-/// of the call, so elements are encoded (floats quantized) straight from it
-/// into datagram buffers and results decoded straight into it (no copy in,
-/// no copy out, no per-call vector).
-///
-/// Soundness: the blocking caller holds the exclusive borrow and waits on
-/// the reply channel; the engine uses the pointer only while executing the
-/// request, and the reply (or the request's drop, if the thread is gone)
-/// happens after its last use, so the caller's wait returns only then.
-/// The engine also lends an owned vector this way (the aggregator's result
-/// vector of a `Vec` call): it keeps the vector, unresized, until the call
-/// is over.
-#[derive(Debug)]
-pub(crate) struct Raw<T> {
-    ptr: *mut T,
-    pub(crate) len: usize,
-}
-
-impl<T> Clone for Raw<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T> Copy for Raw<T> {}
-
-/// A lent `&mut [f32]` (see [`Raw`]).
-pub(crate) type RawF32 = Raw<f32>;
-/// A lent `&mut [i32]` (see [`Raw`]).
-pub(crate) type RawI32 = Raw<i32>;
-
-// SAFETY: see the type's docs: one thread uses it at a time, while the
-// owner waits.
-unsafe impl<T: Send> Send for Raw<T> {}
-
-impl<T> Raw<T> {
-    pub(crate) fn of(s: &mut [T]) -> Raw<T> {
-        Raw {
-            ptr: s.as_mut_ptr(),
-            len: s.len(),
-        }
-    }
-
-    /// SAFETY: no `&mut` to the same memory may be alive while the result is.
-    pub(crate) unsafe fn slice<'a>(self) -> &'a [T] {
-        std::slice::from_raw_parts(self.ptr, self.len)
-    }
-
-    /// SAFETY: no other reference to the same memory may be alive while the
-    /// result is.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice_mut<'a>(self) -> &'a mut [T] {
-        std::slice::from_raw_parts_mut(self.ptr, self.len)
-    }
 }
 
 /// One participant of a job: broadcast, reduce and allreduce over the

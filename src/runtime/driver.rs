@@ -40,8 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::runtime::calls::{Calls, RoundDriver};
-use crate::runtime::comm::Request;
+use crate::runtime::calls::{Calls, Request, RoundDriver};
 use crate::runtime::engine::Engine;
 use crate::runtime::transport::{Net, RecvMeta, RECV_SLOT};
 use crate::runtime::CommError;

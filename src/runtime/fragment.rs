@@ -13,21 +13,9 @@
 //! complete, and in order, exactly when every fragment has arrived. It keeps its
 //! allocation between calls.
 
-use crate::wire::proto::elements_per_datagram;
-
-/// Elements per fragment at `mtu`: [`elements_per_datagram`] (the wire rule) capped at the
-/// kernel aggregator's per-frame limit (`abi::MAX_ELEMS`, 16384), so every
-/// fragment the runtime sends can be reduced by the XDP program.
-pub fn elements_per_fragment(mtu: usize) -> usize {
-    elements_per_datagram(mtu).min(crate::wire::abi::MAX_ELEMS as usize)
-}
-
-/// Accumulator blocks (`abi::CHUNK_ELEMS` = 256 elements each) one slot of
-/// `per` elements holds in the kernel: `ceil(per / 256)` (2 at MTU 1500, 9 at
-/// 9000, 64 at 65535).
-pub fn blocks_per_fragment(per: usize) -> usize {
-    per.max(1).div_ceil(crate::wire::abi::CHUNK_ELEMS as usize)
-}
+// The fragment size rule is the wire's (the node sizes its jobs' frames by
+// it too); re-exported here, where callers of the runtime look for it.
+pub use crate::wire::proto::{blocks_per_fragment, elements_per_fragment};
 
 /// Packets one window of a kernel-backend job may put in the node's queues:
 /// every worker's contributions and every copy of their RESULTs
@@ -194,6 +182,7 @@ impl Coverage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::proto::elements_per_datagram;
 
     #[test]
     fn sizes() {

@@ -8,6 +8,7 @@
 //! user space, the baseline and fallback) and [`BackendKind::Kernel`]
 //! (contributions reduced by the node's XDP aggregator).
 //!
+//! - `error`: [`CommError`] and who it names ([`Peer`], [`TimeoutInfo`]).
 //! - [`fragment`]: MTU-sized fragments, window sizing and reassembly.
 //! - [`pmtu`]: path MTU discovery (the default `mtu`).
 //! - [`position`]: where a new run of a node-served job starts (the node's
@@ -35,6 +36,7 @@ pub mod collective;
 pub mod comm;
 mod driver;
 mod engine;
+mod error;
 pub mod fragment;
 pub mod kernel;
 pub mod outbox;
@@ -50,6 +52,7 @@ pub mod work;
 
 pub use backend::BackendKind;
 pub use collective::{Algorithm, Collective};
+pub use error::{CommError, Partial, Peer, TimeoutInfo};
 pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,
     DEFAULT_CALLER_SPIN,
@@ -61,116 +64,3 @@ pub use crate::wire::reliability::ReliabilityConfig;
 pub use striped::StripedCommunicator;
 pub use transport::{CommStats, ImpairControl, Impairment, IoStats, RefusedStats};
 pub use work::Work;
-
-use std::fmt;
-
-use crate::wire::abi::Round;
-
-/// A participant named in an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Peer {
-    /// Worker rank.
-    Rank(u16),
-    /// The aggregator (its node or its application).
-    Aggregator,
-}
-
-impl fmt::Display for Peer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Peer::Rank(r) => write!(f, "rank {r}"),
-            Peer::Aggregator => f.write_str("aggregator"),
-        }
-    }
-}
-
-/// What a reduction had when its deadline passed (asked for with
-/// [`CallOptions::partial`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Partial {
-    /// Complete fragments hold the result; incomplete ones the reduction of
-    /// what arrived (socket backend) or 0 (kernel backend, unknown).
-    pub values: Vec<i32>,
-    /// Per fragment: how many ranks contributed (all of them for complete
-    /// fragments; 0 where unknown).
-    pub contributors: Vec<u16>,
-    /// Elements per fragment.
-    pub per_fragment: usize,
-}
-
-/// Details of a call that reached its deadline.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TimeoutInfo {
-    /// `broadcast`, `reduce` or `allreduce`.
-    pub op: &'static str,
-    /// The call's round.
-    pub round: Round,
-    /// Who did not answer: the root of a broadcast, receivers that did not
-    /// acknowledge, the aggregator, or ranks whose contributions are missing.
-    pub missing: Vec<Peer>,
-    /// False when the backend cannot tell which ranks are missing (kernel
-    /// backend: the per-rank state is in the kernel's slots).
-    pub missing_known: bool,
-    /// How many fragments arrived (see `what`).
-    pub arrived: usize,
-    /// Out of how many.
-    pub expected: usize,
-    /// What `arrived` counts.
-    pub what: String,
-    /// The partial result, when asked for.
-    pub partial: Option<Partial>,
-}
-
-/// Errors of runtime calls.
-#[derive(Debug, thiserror::Error)]
-pub enum CommError {
-    /// The deadline passed; see [`TimeoutInfo`].
-    #[error("{} round {} timed out: missing {}; {}/{} {}", .0.op, .0.round, fmt_missing(&.0.missing, .0.missing_known), .0.arrived, .0.expected, .0.what)]
-    Timeout(Box<TimeoutInfo>),
-    /// A quantized result overflowed int32 at `scale` (never returned as a
-    /// number).
-    #[error("round {round}: quantized sum overflowed int32 at scale {scale:e}; use a smaller or adaptive scale")]
-    Overflow {
-        /// The round of the reduction.
-        round: Round,
-        /// The scale used.
-        scale: f64,
-    },
-    /// Invalid configuration or arguments.
-    #[error("runtime configuration: {0}")]
-    Config(String),
-    /// Socket or thread error.
-    #[error("runtime I/O: {0}")]
-    Io(#[from] std::io::Error),
-    /// The communicator's thread is gone.
-    #[error("communicator closed")]
-    Closed,
-    /// A worker of a node-served job could not learn from the node where
-    /// its run starts (`AGP1`), so it was not built.
-    #[error("{0}")]
-    Position(#[from] crate::runtime::position::PositionQueryError),
-}
-
-impl CommError {
-    /// The timeout details, if this is a timeout.
-    pub fn timeout(&self) -> Option<&TimeoutInfo> {
-        match self {
-            CommError::Timeout(t) => Some(t),
-            _ => None,
-        }
-    }
-}
-
-fn fmt_missing(m: &[Peer], known: bool) -> String {
-    if m.is_empty() {
-        return if known {
-            "nobody".into()
-        } else {
-            "unknown ranks (kernel backend)".into()
-        };
-    }
-    m.iter()
-        .map(|p| p.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}

@@ -1,7 +1,7 @@
 //! Where a new run of a node-served job starts: a worker asks the node's
 //! result service (`AGP1`, docs/PROTOCOL.md "AGP1: the position of a
 //! node-served job") for the round and contribution seq of its first call,
-//! and builds its communicator with [`CommunicatorBuilder::resume`], so a
+//! and builds its communicator with [`crate::runtime::CommunicatorBuilder::resume`], so a
 //! second run on a running node is not taken for the first one's old
 //! rounds. Every worker of the run must start at the same position: the
 //! workers agree on the newest of their answers first (the MPI shim with an
@@ -16,7 +16,6 @@ use std::io;
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use crate::runtime::comm::{CommunicatorBuilder, Participant};
 use crate::wire::abi::Round;
 use crate::wire::proto::PositionMessage;
 
@@ -187,31 +186,6 @@ fn nonce(from: SocketAddrV4) -> u32 {
     let x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     (x ^ (x >> 31)) as u32
-}
-
-impl CommunicatorBuilder {
-    /// A worker's [`query_position`] of its job, from its data socket
-    /// (`peers[rank]`) to the node's result service (the aggregator address
-    /// and the job's `result_port`, as [`CommunicatorBuilder::from_config`]
-    /// sets them). Give the answer, agreed among the workers, to
-    /// [`CommunicatorBuilder::resume`].
-    pub fn node_position(&self, deadline: Duration) -> Result<NodePosition, PositionQueryError> {
-        let cfg = self.config();
-        let Participant::Worker(rank) = cfg.me else {
-            return Err(PositionQueryError::NotAWorker(cfg.job));
-        };
-        let from = *cfg
-            .peers
-            .get(usize::from(rank))
-            .ok_or(PositionQueryError::NotAWorker(cfg.job))?;
-        query_position(
-            cfg.job,
-            rank,
-            from,
-            SocketAddrV4::new(cfg.aggregator, cfg.result_port),
-            deadline,
-        )
-    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! (as with any collective), and the members' nodes must have attached
 //! together (fresh ring memory starts every member at round 1).
 //!
-//! This module maps the node's maps itself ([`crate::kernel::ring_memory`]):
+//! This module maps the node's maps itself ([`crate::wire::ring_memory`]):
 //! the one place the runtime touches what the node pinned.
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 
 use crate::config::Config;
-use crate::kernel::ring_memory::{self, RingMemory};
+use crate::wire::ring_memory::{self, RingMemory};
 use crate::runtime::quantize::{self, Quantization};
 use crate::runtime::{CommError, Peer, TimeoutInfo};
 use crate::wire::abi::{Op, Round, RingJob};

@@ -21,7 +21,8 @@ use std::net::Ipv4Addr;
 use std::ops::Range;
 use std::sync::mpsc;
 
-use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant, Raw};
+use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant};
+use super::engine::Raw;
 use super::{CommError, CommStats, IoStats, RefusedStats};
 use crate::wire::abi::Op;
 use crate::config::Config;

@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 use std::sync::Mutex;
 
-use crate::runtime::CommError;
+use crate::runtime::error::CommError;
 
 /// The pending result of a non-blocking call.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 use super::round::RoundState;
 use super::{index_peer, Engine};
 use crate::runtime::fragment::{fragment_range, fragments};
-use crate::runtime::{CommError, Partial, Peer, TimeoutInfo};
+use crate::runtime::error::{CommError, Partial, Peer, TimeoutInfo};
 
 impl Engine {
     /// The error of a round past its deadline: who did not answer (the

@@ -7,10 +7,9 @@ use std::net::SocketAddrV4;
 use std::time::Instant;
 
 use super::round::RoundState;
-use super::{Engine, Stashed, RES_EARLY_LIMIT};
+use super::{Engine, Participant, Stashed, RES_EARLY_LIMIT};
 use crate::wire::proto::{self, AckKind, AckMessage, MessageKind, RuntimeSubHeader};
 use crate::runtime::backend::{AckIo, BackendKind};
-use crate::runtime::comm::Participant;
 use crate::wire::reliability::Verdict;
 use crate::runtime::transport::Refusal;
 

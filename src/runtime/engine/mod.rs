@@ -19,6 +19,10 @@
 //! engines through a simulated network with a fake clock.
 //!
 //! One concern per file:
+//! - [`config`]: what the engine is configured with (the participant, the
+//!   communicator's configuration, a call's options), re-exported by the
+//!   public API;
+//! - [`raw`]: the caller's slice lent to the engine for a call;
 //! - [`round`]: a round's state, its start and end, and when it is complete;
 //! - [`pump`]: new data (contribution fragments, broadcast fragments,
 //!   forwarded results) within the send windows;
@@ -29,10 +33,12 @@
 //! - [`tc_route`]: broadcasts through the node's TC program;
 //! - this file: the engine's state, the poll API and the timers.
 
+mod config;
 mod deliver;
 mod diagnosis;
 mod dispatch;
 mod pump;
+mod raw;
 pub(crate) mod round;
 mod tc_route;
 #[cfg(test)]
@@ -46,7 +52,6 @@ use std::time::Instant;
 use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AckKind};
 use crate::runtime::backend::{AckIo, Backend, BackendKind};
-use crate::runtime::comm::{CallOptions, CommConfig, Participant};
 use crate::runtime::fragment::{byte_window, elements_per_fragment, kernel_window, Coverage};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::outbox::{Outbox, Transmit};
@@ -54,8 +59,10 @@ use crate::runtime::quantize::AgreedScales;
 use crate::wire::reliability::{RecvTracker, SendWindow};
 use crate::runtime::socket::SocketAggregator;
 use crate::runtime::transport::{Counters, BATCH_MAX};
-use crate::runtime::Peer;
+use crate::runtime::error::Peer;
 
+pub use config::{CallOptions, CommConfig, Participant, TcGroup};
+pub(crate) use raw::{Raw, RawF32, RawI32};
 pub(crate) use round::{Reduced, RoundState, Sink, Src};
 use tc_route::TcRoute;
 

@@ -7,10 +7,9 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Instant;
 
 use super::round::{RoundState, Src};
-use super::{Engine, TxWin};
+use super::{Engine, Participant, TxWin};
 use crate::wire::abi;
 use crate::wire::proto::{self, AggHeader, BcastHeader, RuntimeSubHeader};
-use crate::runtime::comm::Participant;
 use crate::runtime::fragment::fragment_range;
 use crate::runtime::outbox::Transmit;
 use crate::runtime::quantize;

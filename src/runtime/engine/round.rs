@@ -7,20 +7,19 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::Engine;
+use super::{CallOptions, Engine, Participant, RawF32, RawI32};
 use crate::wire::abi::{Op, Round};
 use crate::wire::proto;
 use crate::runtime::backend::BackendKind;
-use crate::runtime::comm::{CallOptions, Participant, RawF32, RawI32};
 use crate::runtime::fragment::{fragments, Coverage};
 use crate::runtime::quantize;
-use crate::runtime::CommError;
+use crate::runtime::error::CommError;
 
 /// What a worker contributes: int32s, or floats quantized at `scale` as
 /// each fragment is encoded.
 pub(crate) enum Src {
     I32(Vec<i32>),
-    /// A blocking call's slice (see [`crate::runtime::comm::Raw`]); the aggregator's receives the
+    /// A blocking call's slice (see [`super::Raw`]); the aggregator's receives the
     /// result.
     RawI32(RawI32),
     F32 {
@@ -117,7 +116,7 @@ pub(super) struct BcastIn {
 pub(super) struct Collect {
     /// The result vector: the caller's slice (a blocking int call) or an
     /// owned vector `reduce` keeps until the call is over (see
-    /// [`crate::runtime::comm::Raw`]).
+    /// [`super::Raw`]).
     pub(super) out: RawI32,
     pub(super) cov: Coverage,
     pub(super) overflow: bool,

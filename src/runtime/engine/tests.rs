@@ -10,16 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::round::{Sink, Src};
-use super::Engine;
+use super::{CallOptions, CommConfig, Engine, Participant};
 use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AggHeader, MessageKind};
 use crate::runtime::backend::BackendKind;
-use crate::runtime::comm::{
-    CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant,
-};
+use crate::runtime::comm::{Communicator, CommunicatorBuilder};
 use crate::runtime::outbox::Transmit;
 use crate::runtime::transport::{CommStats, Counters};
-use crate::runtime::{CommError, Peer};
+use crate::runtime::error::{CommError, Peer};
 
 // More scenarios on this simulated network, with the helpers below:
 // every collective through loss, reordering, duplication, ACK modes and

@@ -86,9 +86,23 @@ pub const IP_UDP_HDR: usize = 28;
 /// (IPv4, UDP and `AGG1` headers; 362 at MTU 1500, 2237 at 9000, 16370 at
 /// 65535), capped at 65535 (the `count` field), at least 1. The one rule for
 /// every sender's fragment size (the runtime caps it further at the kernel's
-/// per-frame limit: `runtime::fragment::elements_per_fragment`).
+/// per-frame limit: [`elements_per_fragment`]).
 pub fn elements_per_datagram(mtu: usize) -> usize {
     (mtu.saturating_sub(IP_UDP_HDR + abi::AGG_HDR_LEN) / 4).clamp(1, u16::MAX as usize)
+}
+
+/// Elements per fragment at `mtu`: [`elements_per_datagram`] (the wire rule) capped at the
+/// kernel aggregator's per-frame limit (`abi::MAX_ELEMS`, 16384), so every
+/// fragment the runtime sends can be reduced by the XDP program.
+pub fn elements_per_fragment(mtu: usize) -> usize {
+    elements_per_datagram(mtu).min(crate::wire::abi::MAX_ELEMS as usize)
+}
+
+/// Accumulator blocks (`abi::CHUNK_ELEMS` = 256 elements each) one slot of
+/// `per` elements holds in the kernel: `ceil(per / 256)` (2 at MTU 1500, 9 at
+/// 9000, 64 at 65535).
+pub fn blocks_per_fragment(per: usize) -> usize {
+    per.max(1).div_ceil(crate::wire::abi::CHUNK_ELEMS as usize)
 }
 
 /// Validates a whole `AGG1` datagram (header and length) without allocating

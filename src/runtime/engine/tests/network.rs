@@ -12,7 +12,7 @@ use std::net::SocketAddrV4;
 use std::time::Duration;
 
 use super::{builder, input, Datagram, Ended, Sim, LATENCY, PER, WORKERS};
-use crate::runtime::comm::{CallOptions, CommConfig, Participant};
+use crate::runtime::engine::{CallOptions, CommConfig, Participant};
 use crate::runtime::transport::RefusedStats;
 use crate::wire::abi::Op;
 use crate::wire::proto::{AckMessage, AckMode, MessageKind};

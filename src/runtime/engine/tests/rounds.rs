@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{builder, expected_sum, input, Ended, Engine, Sim, Sink, Src, WORKERS};
-use crate::runtime::comm::{CallOptions, Participant, RawF32};
+use crate::runtime::engine::{CallOptions, Participant, RawF32};
 use crate::runtime::transport::Counters;
-use crate::runtime::Peer;
+use crate::runtime::error::Peer;
 use crate::wire::abi::{Op, Round};
 
 const AGG: usize = WORKERS as usize;

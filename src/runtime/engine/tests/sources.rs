@@ -10,7 +10,7 @@ use super::{
     RESULT_PORT, WORKERS,
 };
 use crate::runtime::backend::BackendKind;
-use crate::runtime::comm::{CallOptions, CommConfig, Participant};
+use crate::runtime::engine::{CallOptions, CommConfig, Participant};
 use crate::runtime::transport::RefusedStats;
 use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, SeqBitmap};

@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
-use libbpf_rs::{MapCore, MapFlags};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
-use crate::kernel::maps::{self, names};
+use crate::wire::map_names as names;
 use crate::wire::abi::{self, Round, RingCtrl, RingJob};
 
 /// A `struct aggbox_ring_ctrl` seen through atomics.
@@ -260,7 +260,7 @@ impl RingMemory {
     pub fn open_pinned(pin_dir: &Path) -> Result<RingMemory, RingMemoryError> {
         let open = |name: &str| {
             let path = pin_dir.join(name);
-            let map = maps::open_pinned(pin_dir, name).map_err(|source| RingMemoryError::Map { path: path.clone(), source })?;
+            let map = MapHandle::from_pinned_path(&path).map_err(|source| RingMemoryError::Map { path: path.clone(), source })?;
             Ok::<_, RingMemoryError>((path, map))
         };
         let (data_path, data) = open(names::RING_DATA)?;
@@ -453,7 +453,7 @@ impl RingMemory {
 pub fn pinned_ring_job(pin_dir: &Path, id: u16) -> Result<(u32, RingJob), RingMemoryError> {
     let lookup = |name: &str, key: u32| -> Result<Option<Vec<u8>>, RingMemoryError> {
         let path = pin_dir.join(name);
-        let map = maps::open_pinned(pin_dir, name).map_err(|source| RingMemoryError::Map { path: path.clone(), source })?;
+        let map = MapHandle::from_pinned_path(&path).map_err(|source| RingMemoryError::Map { path: path.clone(), source })?;
         map.lookup(&key.to_ne_bytes(), MapFlags::ANY).map_err(|source| RingMemoryError::Map { path, source })
     };
     let slot = lookup(names::RING_INDEX, u32::from(id))?
