@@ -38,10 +38,10 @@ use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX
 pub const DEFAULT_WINDOW: usize = 256;
 /// Own fragments' bytes sent and not final here, at most: the window in
 /// fragments is this over the fragment's size, within 2..=[`DEFAULT_WINDOW`].
-/// A window counted in fragments alone put 16 MiB of 64 KB datagrams in
-/// flight per member: the veths' 256-frame queues overflowed, and the NACKs
-/// of the round's stalls resent 7 datagrams for every original (measured at
-/// 21.8 M elements, docs/BENCHMARKS.md "Star or ring").
+/// Why bytes: a window counted in fragments alone lets large datagrams put
+/// megabytes in flight per member, more than a veth's 256-frame queue holds;
+/// the overflow's losses then stall the round until NACKs resend them
+/// (docs/RING.md, "The ring service").
 pub const WINDOW_BYTES: usize = 256 * 1024;
 /// First wait for the round's `finals` to move before NACKing, at least:
 /// the wait is the ring's cycle time ([`CycleTime`]) within this and

@@ -41,13 +41,15 @@ pub const RING_MTU_LIMIT: usize = 9000;
 pub const RING_MEMBERS_JUMBO: u16 = 4;
 
 /// The default threshold for a star of MTU `star_mtu` beside a ring of
-/// `members`, from where the ring was the faster on the benchmark testbed
-/// (docs/BENCHMARKS.md "Star or ring"), else never (`usize::MAX`): at MTU
-/// 1500 the ring was faster or level from 256 Ki elements on (4 and 8
-/// members; 0.56–0.62 of the star's time at 21.8 M); at 9000 it was faster
-/// at 21.8 M with 4 members (0.83), level or slower with 8 (0.90–1.45) and
-/// slower at 1 M in one run of two; with 64 KB datagrams the star was
-/// 1.1–1.9× faster everywhere.
+/// `members`: the size from which the ring is the faster, else never
+/// (`usize::MAX`). Why these bands: at small MTUs the star pays per-datagram
+/// costs at the node for every worker's contribution and every RESULT copy,
+/// which the ring spreads over all members, so the ring wins from moderate
+/// sizes at any member count; with jumbo datagrams the star's per-datagram
+/// cost falls and the ring's 2·(n−1) serial steps dominate, so only small
+/// rings win and only on large vectors; at 64 KB datagrams the star always
+/// wins. The measured crossovers behind the constants are in
+/// docs/BENCHMARKS.md ("Star or ring").
 pub fn default_ring_threshold(star_mtu: usize, members: u16) -> usize {
     if star_mtu <= RING_MTU_ANY_MEMBERS {
         RING_THRESHOLD_SMALL_MTU

@@ -45,18 +45,10 @@ pub const KERNEL_INFLIGHT_COPIES: usize = 400;
 ///
 /// Why: the kernel reduces at a fixed rate, so datagrams in flight beyond
 /// that only queue, in the node's per-CPU backlog (1000 packets by default)
-/// where the TC copies of each RESULT queue too; when it overflowed, RESULT
-/// copies were lost and their retransmissions waited for timeouts. Measured
-/// with 4 workers (docs/BENCHMARKS.md "Large frames", allreduce of 21.8 M
-/// elements): windows of 256 / 233 / 32 at MTU 1500 / 9000 / 65535 lost up
-/// to 1 % of the copies and took 1.53 / 0.58 / 0.24 s per call, 142 / 103 /
-/// 14 lose none and take 1.28 / 0.35–0.38 / 0.17–0.19 s; a reduce of 4 M
-/// elements at 1500 (one copy: 256) 0.17 s, where 128 took 0.23 s. On a
-/// slower phase of the same VM 142 / 103 lost 0.1–0.6 % of the copies again
-/// (2 of 3 calls at 9000 took 0.7–0.9 s instead of 0.4 s); windows of 85
-/// lost some in 2 of 6 runs, 55 none but ~8 % slower at 1500, and the
-/// fan-out bound (80 / 80 / 14 for that allreduce) none in 3 runs
-/// (docs/RUNTIME.md "Windows"). At least 1.
+/// where the TC copies of each RESULT queue too; when it overflows, RESULT
+/// copies are lost and their retransmissions wait for timeouts, which costs
+/// far more than the smaller window does. The windows measured with and
+/// without losses are in docs/RUNTIME.md ("Windows"). At least 1.
 pub fn kernel_window(
     window: usize,
     slots: usize,
