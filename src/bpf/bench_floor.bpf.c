@@ -91,6 +91,44 @@ static __always_inline __u32 FLOOR_COUNT(struct xdp_md *ctx)
 #define FIRST(y) ((__s64)(y) >> 32)
 #define SECOND(y) ((__s64)((y) << 32) >> 32)
 
+/* A full fragment's FLOOR_PER big-endian elements at p (packet or chunk
+ * buffer) into slot->acc, two per 64-bit load: set by the first
+ * contribution, added by the others; and slot->acc written back to p. */
+static __always_inline void floor_pairs_set(struct floor_slot *slot, __u64 *p)
+{
+	__u32 j;
+
+#pragma unroll
+	for (j = 0; j < FLOOR_PAIRS; j++) {
+		__u64 y = __builtin_bswap64(p[j]);
+
+		slot->acc[2 * j] = FIRST(y);
+		slot->acc[2 * j + 1] = SECOND(y);
+	}
+}
+
+static __always_inline void floor_pairs_add(struct floor_slot *slot, __u64 *p)
+{
+	__u32 j;
+
+#pragma unroll
+	for (j = 0; j < FLOOR_PAIRS; j++) {
+		__u64 y = __builtin_bswap64(p[j]);
+
+		slot->acc[2 * j] += FIRST(y);
+		slot->acc[2 * j + 1] += SECOND(y);
+	}
+}
+
+static __always_inline void floor_pairs_store(struct floor_slot *slot, __u64 *p)
+{
+	__u32 j;
+
+#pragma unroll
+	for (j = 0; j < FLOOR_PAIRS; j++)
+		p[j] = __builtin_bswap64(((__u64)slot->acc[2 * j] << 32) | (__u32)slot->acc[2 * j + 1]);
+}
+
 SEC("xdp")
 int bench_floor(struct xdp_md *ctx)
 {
@@ -144,29 +182,13 @@ int bench_floor(struct xdp_md *ctx)
 			dup = 1;
 		} else {
 			slot->ranks |= bit;
-			if (first) {
-#pragma unroll
-				for (j = 0; j < FLOOR_PAIRS; j++) {
-					__u64 y = __builtin_bswap64(p[j]);
-
-					slot->acc[2 * j] = FIRST(y);
-					slot->acc[2 * j + 1] = SECOND(y);
-				}
-			} else {
-#pragma unroll
-				for (j = 0; j < FLOOR_PAIRS; j++) {
-					__u64 y = __builtin_bswap64(p[j]);
-
-					slot->acc[2 * j] += FIRST(y);
-					slot->acc[2 * j + 1] += SECOND(y);
-				}
-			}
+			if (first)
+				floor_pairs_set(slot, p);
+			else
+				floor_pairs_add(slot, p);
 			if (++slot->done == cfg->workers) {
 				result = 1;
-#pragma unroll
-				for (j = 0; j < FLOOR_PAIRS; j++)
-					p[j] = __builtin_bswap64(((__u64)slot->acc[2 * j] << 32) |
-								 (__u32)slot->acc[2 * j + 1]);
+				floor_pairs_store(slot, p);
 			}
 		}
 		bpf_spin_unlock(&slot->lock);
@@ -257,6 +279,26 @@ static __always_inline __u32 floor_chunk_elems(struct xdp_md *ctx, __u32 k)
 	return count - start > FLOOR_PER ? FLOOR_PER : count - start;
 }
 
+/* The bytes of a chunk of n elements for bpf_xdp_load_bytes /
+ * bpf_xdp_store_bytes, in [4, 4 * FLOOR_PER], or -1 when n is 0 or more than
+ * a chunk. The compiler barriers keep both tests on len itself: clang would
+ * otherwise test n == 0 (from which 6.1's verifier learns no lower bound for
+ * n * 4) or fuse the two into one unsigned test of len - 4 (whose bound
+ * kernels before 6.11 do not carry back to len), and the helper's size
+ * would not be proven nonzero. */
+static __always_inline int floor_chunk_bytes(__u32 n)
+{
+	__u32 len = n * 4;
+
+	asm volatile("" : "+r"(len));
+	if (len < 4)
+		return -1;
+	asm volatile("" : "+r"(len));
+	if (len > 4 * FLOOR_PER)
+		return -1;
+	return len;
+}
+
 /* Chunk k of the contribution in ctx (to fragment frag_off of round) added
  * into slot idx. A global function: verified once, not once per chunk of
  * the caller's loop. Returns 0, or -1 when the packet or the maps fail it. */
@@ -265,13 +307,14 @@ __noinline int floor_add_chunk(struct xdp_md *ctx, __u32 k, __u32 idx, __u32 rou
 	__u32 zero = 0, j, n = floor_chunk_elems(ctx, k), off = frag_off + k * FLOOR_PER;
 	struct floor_chunk *buf;
 	struct floor_slot *slot;
-	int first;
+	int first, len;
 
 	buf = bpf_map_lookup_elem(&floor_chunk, &zero);
 	slot = bpf_map_lookup_elem(&floor_slots, &idx);
-	if (!buf || !slot || n == 0 || n > FLOOR_PER || k >= FLOOR_MAX_CHUNKS)
+	len = floor_chunk_bytes(n);
+	if (!buf || !slot || k >= FLOOR_MAX_CHUNKS || len < 0)
 		return -1;
-	if (bpf_xdp_load_bytes(ctx, FLOOR_PAYLOAD + k * 4 * FLOOR_PER, buf->e, n * 4))
+	if (bpf_xdp_load_bytes(ctx, FLOOR_PAYLOAD + k * 4 * FLOOR_PER, buf->e, len))
 		return -1;
 	bpf_spin_lock(&slot->lock);
 	if (k && (slot->round != round || slot->frag_off != off)) {
@@ -281,25 +324,10 @@ __noinline int floor_add_chunk(struct xdp_md *ctx, __u32 k, __u32 idx, __u32 rou
 	}
 	first = slot->adds++ == 0;
 	if (n == FLOOR_PER) {
-		__u64 *p = (__u64 *)buf->e;
-
-		if (first) {
-#pragma unroll
-			for (j = 0; j < FLOOR_PAIRS; j++) {
-				__u64 y = __builtin_bswap64(p[j]);
-
-				slot->acc[2 * j] = FIRST(y);
-				slot->acc[2 * j + 1] = SECOND(y);
-			}
-		} else {
-#pragma unroll
-			for (j = 0; j < FLOOR_PAIRS; j++) {
-				__u64 y = __builtin_bswap64(p[j]);
-
-				slot->acc[2 * j] += FIRST(y);
-				slot->acc[2 * j + 1] += SECOND(y);
-			}
-		}
+		if (first)
+			floor_pairs_set(slot, (__u64 *)buf->e);
+		else
+			floor_pairs_add(slot, (__u64 *)buf->e);
 	} else {
 		for (j = 0; j < FLOOR_PER; j++) {
 			__s64 v;
@@ -321,17 +349,15 @@ __noinline int floor_store_chunk(struct xdp_md *ctx, __u32 k, __u32 idx)
 	__u32 zero = 0, j, n = floor_chunk_elems(ctx, k);
 	struct floor_chunk *buf;
 	struct floor_slot *slot;
+	int len;
 
 	buf = bpf_map_lookup_elem(&floor_chunk, &zero);
 	slot = bpf_map_lookup_elem(&floor_slots, &idx);
-	if (!buf || !slot || n == 0 || n > FLOOR_PER || k >= FLOOR_MAX_CHUNKS)
+	len = floor_chunk_bytes(n);
+	if (!buf || !slot || k >= FLOOR_MAX_CHUNKS || len < 0)
 		return -1;
 	if (n == FLOOR_PER) {
-		__u64 *p = (__u64 *)buf->e;
-
-#pragma unroll
-		for (j = 0; j < FLOOR_PAIRS; j++)
-			p[j] = __builtin_bswap64(((__u64)slot->acc[2 * j] << 32) | (__u32)slot->acc[2 * j + 1]);
+		floor_pairs_store(slot, (__u64 *)buf->e);
 	} else {
 		for (j = 0; j < FLOOR_PER; j++) {
 			if (j >= n)
@@ -339,7 +365,7 @@ __noinline int floor_store_chunk(struct xdp_md *ctx, __u32 k, __u32 idx)
 			buf->e[j] = bpf_htonl((__u32)slot->acc[j]);
 		}
 	}
-	return bpf_xdp_store_bytes(ctx, FLOOR_PAYLOAD + k * 4 * FLOOR_PER, buf->e, n * 4) ? -1 : 0;
+	return bpf_xdp_store_bytes(ctx, FLOOR_PAYLOAD + k * 4 * FLOOR_PER, buf->e, len) ? -1 : 0;
 }
 
 SEC("xdp.frags")
