@@ -7,6 +7,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::Instant;
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::Op;
 use aggbox::runtime::{Communicator, Participant, Quantization};
 
@@ -33,7 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let results = std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut out = vec![0i32; elements];
-            agg.allreduce_i32(&mut out, Op::Sum).map(|_| out)
+            agg.allreduce(&mut out, Op::Sum).map(|_| out)
         });
         let hs: Vec<_> = comms
             .iter()
@@ -41,7 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|(r, c)| {
                 s.spawn(move || {
                     let mut v: Vec<i32> = (0..elements).map(|i| (i % 1000) as i32 * (r as i32 + 1)).collect();
-                    c.allreduce_i32(&mut v, Op::Sum).map(|_| v)
+                    c.allreduce(&mut v, Op::Sum).map(|_| v)
                 })
             })
             .collect();
@@ -62,11 +63,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let t0 = Instant::now();
     std::thread::scope(|s| {
-        s.spawn(|| agg.allreduce_f32(&mut vec![0f32; elements], true));
+        s.spawn(|| agg.allreduce(&mut vec![0f32; elements], Op::Avg));
         for c in &comms {
             s.spawn(move || {
                 let mut g: Vec<f32> = (0..elements).map(|i| ((i as f32) * 1e-3).sin() * 1e-2).collect();
-                c.allreduce_f32(&mut g, true).map(|_| g)
+                c.allreduce(&mut g, Op::Avg).map(|_| g)
             });
         }
     });

@@ -10,6 +10,7 @@ mod testbed;
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::runtime::{Communicator, Participant};
 use crate::testbed::{Testbed, TestbedConfig};
 

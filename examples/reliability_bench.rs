@@ -12,6 +12,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::Op;
 use aggbox::config::AckMode;
 use aggbox::wire::reliability::{RecvTracker, SendWindow};
@@ -54,7 +55,7 @@ fn allreduce(comms: &[Communicator], len: usize) {
         for c in comms {
             s.spawn(move || {
                 let mut v = vec![c.rank().map_or(0, |r| r as i32 + 1); len];
-                c.allreduce_i32(&mut v, Op::Sum).expect("allreduce");
+                c.allreduce(&mut v, Op::Sum).expect("allreduce");
                 assert!(v.iter().all(|&x| x == 6), "allreduce result");
             });
         }

@@ -27,6 +27,7 @@ const RUNTIME_API: &[&str] = &[
     "driver.rs",
     "striped.rs",
     "collective.rs",
+    "api.rs",
     "ring.rs",
 ];
 

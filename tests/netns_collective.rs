@@ -1,8 +1,8 @@
-//! Star or ring per call (`runtime::Collective`, docs/RING.md "Choosing"),
+//! Star or ring per call (`runtime::StarOrRing`, docs/RING.md "Choosing"),
 //! end to end: host 0 serves a star job (`consumer = "node"`, its TC copies
 //! the RESULTs to the workers), hosts 1..=4 are the star's workers and the
 //! members of a ring, each host a live `aggbox attach eth0`. Each worker's
-//! application holds both communicators in one `Collective`.
+//! application holds both communicators in one `StarOrRing`.
 //!
 //! Checked: calls below the threshold take the star, calls at or above it
 //! the ring (shorter than the ring's vector: padded with the op's identity);
@@ -22,7 +22,7 @@ mod live_attach;
 use std::time::Duration;
 
 use aggbox::config::Config;
-use aggbox::runtime::{Algorithm, BackendKind, Collective, CommunicatorBuilder, Participant, RingCommunicator};
+use aggbox::runtime::{Algorithm, BackendKind, Collective, CommunicatorBuilder, Participant, RingCommunicator, StarOrRing};
 use aggbox::wire::abi::Op;
 use aggbox::wire::reducer;
 use live_attach::LiveAttach;
@@ -41,7 +41,7 @@ fn require_root() {
 
 struct Bed {
     // Field order: communicators first, then the attachments, the testbed.
-    members: Vec<Collective>,
+    members: Vec<StarOrRing>,
     _nodes: Vec<LiveAttach>,
     _tb: Testbed,
 }
@@ -83,7 +83,7 @@ fn up(tag: &str) -> Bed {
             let star = star.unwrap_or_else(|e| panic!("worker {h}: star communicator: {e}"));
             let mut ring = ring.unwrap_or_else(|e| panic!("worker {h}: ring communicator: {e}"));
             ring.set_deadline(Duration::from_secs(30));
-            Collective::new(Some(star), Some(ring)).expect("collective").with_ring_threshold(THRESHOLD)
+            StarOrRing::new(Some(star), Some(ring)).expect("collective").with_ring_threshold(THRESHOLD)
         })
         .collect();
     Bed { members, _nodes: nodes, _tb: tb }
@@ -102,8 +102,8 @@ impl Bed {
                 .map(|(m, (c, input))| {
                     let mut v = input.clone();
                     s.spawn(move || {
-                        let (a, o) = c.allreduce_i32(&mut v, op).unwrap_or_else(|e| panic!("member {m}: {op:?} of {}: {e}", v.len()));
-                        (a, o, v)
+                        let served = c.allreduce(&mut v, op).unwrap_or_else(|e| panic!("member {m}: {op:?} of {}: {e}", v.len()));
+                        (served.algorithm, served.clamped, v)
                     })
                 })
                 .collect();

@@ -33,6 +33,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
 use std::time::Duration;
 
+use aggbox::runtime::Collective;
 use aggbox::config::{AckMode, Config};
 use aggbox::runtime::fragment::elements_per_fragment;
 use aggbox::runtime::{BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant};
@@ -173,7 +174,7 @@ fn allreduce(bed: &Bed, op: Op, len: usize) {
             .map(|(r, c)| {
                 s.spawn(move || {
                     let mut v = input(r, len);
-                    c.allreduce_i32(&mut v, op).unwrap_or_else(|e| panic!("worker {r}: allreduce {op:?} of {len}: {e}"));
+                    c.allreduce(&mut v, op).unwrap_or_else(|e| panic!("worker {r}: allreduce {op:?} of {len}: {e}"));
                     v
                 })
             })
@@ -195,7 +196,7 @@ fn allreduce_f32(bed: &Bed, len: usize) {
             .map(|(r, c)| {
                 s.spawn(move || {
                     let mut v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.25 + r as f32) * 1e-5).collect();
-                    c.allreduce_f32(&mut v, true).unwrap_or_else(|e| panic!("worker {r}: allreduce_f32: {e}"));
+                    c.allreduce(&mut v, Op::Avg).unwrap_or_else(|e| panic!("worker {r}: allreduce_f32: {e}"));
                     v
                 })
             })
@@ -334,7 +335,7 @@ fn the_daemon_killed_mid_call_fails_calls_cleanly_and_a_restart_serves_again() {
                 s.spawn(move || {
                     let mut v = input(r, len);
                     let start = std::time::Instant::now();
-                    let out = c.allreduce_i32(&mut v, Op::Sum);
+                    let out = c.allreduce(&mut v, Op::Sum);
                     assert!(start.elapsed() < deadline + Duration::from_secs(2), "worker {r}: the call outlived its deadline");
                     match out {
                         Ok(_) => {
@@ -547,7 +548,7 @@ fn a_run_that_went_on_past_failed_calls_leaves_nothing_in_the_next_runs_results(
                 for call in 0..3 {
                     let mut v = input(100 + 10 * r + call, 1_000);
                     let e = c
-                        .allreduce_i32_with(&mut v, Op::Sum, CallOptions::deadline(Duration::from_millis(300)))
+                        .allreduce_with(&mut v, Op::Sum, CallOptions::deadline(Duration::from_millis(300)))
                         .expect_err("worker 3 is missing");
                     assert!(e.timeout().is_some(), "worker {r}, call {call}: {e}");
                 }
@@ -590,7 +591,7 @@ fn a_stream_of_one_datagram_calls_sends_no_acks_and_the_last_call_is_acknowledge
             s.spawn(move || {
                 for i in 0..CALLS as usize {
                     let mut v = vec![(r * 1000 + i) as i32];
-                    c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| panic!("worker {r}: call {i}: {e}"));
+                    c.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("worker {r}: call {i}: {e}"));
                     let want: usize = (0..n).map(|w| w * 1000 + i).sum();
                     assert_eq!(v[0], want as i32, "worker {r}: call {i}");
                 }

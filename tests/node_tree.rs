@@ -42,6 +42,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::config::Config;
 use aggbox::runtime::fragment::elements_per_fragment;
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant, Quantization};
@@ -206,7 +207,7 @@ fn allreduce(tree: &Tree, op: Op, len: usize) {
             .map(|(g, c)| {
                 s.spawn(move || {
                     let mut v = input(g, len);
-                    c.allreduce_i32(&mut v, op).unwrap_or_else(|e| panic!("worker {g}: allreduce {op:?} of {len}: {e}"));
+                    c.allreduce(&mut v, op).unwrap_or_else(|e| panic!("worker {g}: allreduce {op:?} of {len}: {e}"));
                     (g, v)
                 })
             })
@@ -228,7 +229,7 @@ fn allreduce_f32(tree: &Tree, len: usize, mean: bool) {
             .map(|(g, c)| {
                 s.spawn(move || {
                     let mut v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.25 + g as f32) * 1e-5).collect();
-                    c.allreduce_f32(&mut v, mean).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
+                    c.allreduce(&mut v, if mean { Op::Avg } else { Op::Sum }).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
                     v
                 })
             })
@@ -362,7 +363,7 @@ fn an_adaptive_float_allreduce_over_the_tree_takes_one_round() {
                 .map(|(g, c)| {
                     let mut v = xs[g].clone();
                     s.spawn(move || {
-                        c.allreduce_f32(&mut v, false).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
+                        c.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("worker {g}: allreduce_f32: {e}"));
                         (g, v)
                     })
                 })
@@ -449,7 +450,7 @@ fn loop_and_kill(tree: &mut Tree, n: usize, sigterm: bool, len: usize, deadline:
                         let mut v = input(g, len);
                         let start = Instant::now();
                         in_call.fetch_add(1, Ordering::SeqCst);
-                        let out = c.allreduce_i32(&mut v, Op::Sum);
+                        let out = c.allreduce(&mut v, Op::Sum);
                         in_call.fetch_sub(1, Ordering::SeqCst);
                         let end = Instant::now();
                         assert!(end - start < deadline + Duration::from_secs(2), "worker {g}: the call outlived its deadline ({:?})", end - start);

@@ -26,6 +26,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use aggbox::runtime::Collective;
 use aggbox::config::Config;
 use aggbox::runtime::{BackendKind, Communicator, CommunicatorBuilder, Participant};
 use aggbox::wire::abi::{Op, Round};
@@ -106,7 +107,7 @@ fn allreduce_all(comms: &[Communicator], len: usize, salt: usize, what: &str) {
             .map(|(r, c)| {
                 s.spawn(move || {
                     let mut v = input(r, len, salt);
-                    c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| panic!("{what}: worker {r}: {e}"));
+                    c.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("{what}: worker {r}: {e}"));
                     v
                 })
             })
@@ -246,7 +247,7 @@ fn reloading_jobs_does_not_disturb_another_jobs_calls() {
         let (n, _) = sink.recv_from(&mut buf).expect("job B's contribution reaches the stack");
         assert_eq!(&buf[..n], &contribution[..], "passed untouched");
         let mut v = input(0, 100, 3);
-        b[0].allreduce_i32(&mut v, Op::Sum).expect_err("job B is gone");
+        b[0].allreduce(&mut v, Op::Sum).expect_err("job B is gone");
         wait_for_a(calls);
 
         // 2. C changed: a wider round window.

@@ -38,6 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
 use aggbox::config::Config;
 use aggbox::wire::proto::{self, AggHeader};
@@ -405,7 +406,7 @@ fn float_allreduce(bed: &Bed, len: usize, mean: bool) -> f64 {
                     None => vec![0f32; len],
                 };
                 s.spawn(move || {
-                    c.allreduce_f32(&mut v, mean).unwrap_or_else(|e| {
+                    c.allreduce(&mut v, if mean { Op::Avg } else { Op::Sum }).unwrap_or_else(|e| {
                         panic!("{:?} allreduce_f32 len {len}: {e}", c.participant())
                     });
                     (c.participant(), v)
@@ -611,7 +612,7 @@ fn on_every<T: Send, R: Send>(
 }
 
 fn run_f32(comms: &[Communicator], bufs: &mut [Vec<f32>]) {
-    on_every(comms, bufs, |c, b| c.allreduce_f32(b, false));
+    on_every(comms, bufs, |c, b| c.allreduce(b, Op::Sum));
 }
 
 #[test]
@@ -664,12 +665,12 @@ fn allreduce_f32_allocates_nothing_per_call_after_warm_up() {
 fn run_i32(comms: &[Communicator], bufs: &mut [Vec<i32>], all: bool) -> bool {
     let flags = on_every(comms, bufs, |c, b| {
         if all {
-            c.allreduce_i32(b, Op::Sum)
+            c.allreduce(b, Op::Sum)
         } else {
-            c.reduce_i32(b, Op::Sum)
+            c.reduce(b, Op::Sum)
         }
     });
-    flags[0]
+    flags[0].clamped
 }
 
 #[test]

@@ -13,6 +13,7 @@ use std::net::Ipv4Addr;
 use std::sync::Barrier;
 use std::time::Duration;
 
+use aggbox::runtime::Collective;
 use aggbox::node::tools::pattern_vector;
 use aggbox::runtime::{
     CallOptions, CommStats, Communicator, ImpairControl, Impairment, IoStats, Participant,
@@ -79,7 +80,7 @@ fn blocking_allreduces(all: &[Communicator], len: usize, calls: u64) {
             s.spawn(move || {
                 for k in 0..calls {
                     let mut v = input(c, len);
-                    c.allreduce_i32(&mut v, Op::Sum)
+                    c.allreduce(&mut v, Op::Sum)
                         .unwrap_or_else(|e| panic!("{:?} call {k}: {e}", c.participant()));
                     assert!(v == *want, "{:?} call {k}: wrong result", c.participant());
                 }
@@ -134,7 +135,7 @@ fn a_callers_calls_and_the_progress_threads_calls_interleave_under_loss() {
             s.spawn(move || {
                 for k in 0..calls {
                     let mut v = input(c, len);
-                    c.allreduce_i32(&mut v, Op::Sum)
+                    c.allreduce(&mut v, Op::Sum)
                         .unwrap_or_else(|e| panic!("{:?} blocking {k}: {e}", c.participant()));
                     assert!(
                         v == *want,
@@ -203,7 +204,7 @@ fn between_calls_the_progress_thread_answers_retransmissions() {
                     let (want, barrier) = (&want, &barrier);
                     s.spawn(move || {
                         let mut v = input(c, len);
-                        c.allreduce_i32(&mut v, Op::Sum).unwrap_or_else(|e| {
+                        c.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| {
                             panic!("{:?} round {rounds}: {e}", c.participant())
                         });
                         assert!(v == *want, "{:?}: wrong result", c.participant());

@@ -32,6 +32,7 @@ mod common_runtime;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::{BcastStat, Op};
 use aggbox::config::Config;
 use aggbox::runtime::{BackendKind, CommError, CommStats, Communicator, CommunicatorBuilder, Participant, StripedCommunicator};
@@ -290,7 +291,7 @@ fn clamped_float_input_is_an_overflow(bed: &Bed) {
                         2 => -29.5,
                         _ => 0.0,
                     };
-                    c.allreduce_f32(&mut x, false).map(|_| x[len / 2])
+                    c.allreduce(&mut x, Op::Sum).map(|_| x[len / 2])
                 })
             })
             .collect();
@@ -409,7 +410,7 @@ fn kernel_backend_striped_over_two_jobs_under_loss() {
                     Participant::Aggregator => vec![0f32; len],
                 };
                 s.spawn(move || {
-                    c.reduce_f32_with(&mut x, true, false, Default::default()).expect("float allreduce");
+                    c.allreduce(&mut x, Op::Sum).expect("float allreduce");
                     x
                 })
             })

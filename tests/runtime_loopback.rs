@@ -13,8 +13,9 @@ mod common_runtime;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::Op;
-use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer, Quantization, StripedCommunicator};
+use aggbox::runtime::{CallOptions, CommError, Communicator, CommunicatorBuilder, Elements, Participant, Peer, Quantization, StarOrRing, StripedCommunicator};
 use aggbox::node::tools::pattern_vector;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -55,14 +56,14 @@ fn runtime_loopback_reduce_and_broadcast() {
     std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut out = vec![0i32; len];
-            j.agg.reduce_i32(&mut out, Op::Sum).unwrap();
+            j.agg.reduce(&mut out, Op::Sum).unwrap();
             out
         });
         for (r, w) in j.workers.iter().enumerate() {
             s.spawn(move || {
                 let mut v = pattern_vector(r as u16, len as u32);
                 let before = v.clone();
-                w.reduce_i32(&mut v, Op::Sum).unwrap();
+                w.reduce(&mut v, Op::Sum).unwrap();
                 assert_eq!(v, before, "a worker's buffer is its contribution");
             });
         }
@@ -117,7 +118,7 @@ fn runtime_loopback_nonblocking_and_f32() {
     let outs = std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut o = vec![0f32; len];
-            j.agg.allreduce_f32(&mut o, false).unwrap();
+            j.agg.allreduce(&mut o, Op::Sum).unwrap();
             o
         });
         let hs: Vec<_> = (0..2)
@@ -126,7 +127,7 @@ fn runtime_loopback_nonblocking_and_f32() {
                 let w = &j.workers[r];
                 s.spawn(move || {
                     let mut x = x;
-                    w.allreduce_f32(&mut x, false).unwrap();
+                    w.allreduce(&mut x, Op::Sum).unwrap();
                     x
                 })
             })
@@ -175,7 +176,7 @@ fn runtime_loopback_adaptive_allreduce_takes_one_round_when_the_scale_is_predict
                 .map(|(p, c)| {
                     let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
                     s.spawn(move || {
-                        c.allreduce_f32(&mut x, false).unwrap();
+                        c.allreduce(&mut x, Op::Sum).unwrap();
                         x
                     })
                 })
@@ -217,8 +218,8 @@ fn runtime_loopback_fixed_scale_overflow_is_an_error() {
     let j = job(2, |b| b.quantization(Quantization::Fixed(1e8)));
     let len = 100;
     let errs = std::thread::scope(|s| {
-        let a = s.spawn(|| j.agg.allreduce_f32(&mut vec![0f32; len], false));
-        let hs: Vec<_> = j.workers.iter().map(|w| s.spawn(move || w.allreduce_f32(&mut vec![15.0f32; len], false))).collect();
+        let a = s.spawn(|| j.agg.allreduce(&mut vec![0f32; len], Op::Sum));
+        let hs: Vec<_> = j.workers.iter().map(|w| s.spawn(move || w.allreduce(&mut vec![15.0f32; len], Op::Sum))).collect();
         let mut v = vec![a.join().unwrap()];
         v.extend(hs.into_iter().map(|h| h.join().unwrap()));
         v
@@ -231,11 +232,11 @@ fn runtime_loopback_fixed_scale_overflow_is_an_error() {
     let outs = std::thread::scope(|s| {
         let a = s.spawn(|| {
             let mut o = vec![0f32; len];
-            j.agg.allreduce_f32(&mut o, false).map(|_| o)
+            j.agg.allreduce(&mut o, Op::Sum).map(|_| o)
         });
         let hs: Vec<_> = j.workers.iter().map(|w| s.spawn(move || {
             let mut x = vec![15.0f32; len];
-            w.allreduce_f32(&mut x, false).map(|_| x)
+            w.allreduce(&mut x, Op::Sum).map(|_| x)
         })).collect();
         let mut v = vec![a.join().unwrap()];
         v.extend(hs.into_iter().map(|h| h.join().unwrap()));
@@ -367,14 +368,14 @@ fn runtime_loopback_striped_call_waits_for_every_stripe_and_reports_the_failure(
             .map(|(p, c)| {
                 s.spawn(move || {
                     let mut v = if p == 0 { vec![0; len] } else { pattern_vector(0, len as u32) };
-                    let r = c.allreduce_i32_with(&mut v, Op::Sum, opts);
+                    let r = c.allreduce_with(&mut v, Op::Sum, opts);
                     (r, v)
                 })
             })
             .collect();
         let lone = s.spawn(|| {
             let mut v = pattern_vector(1, len as u32);
-            let r = parts[2].stripes()[0].allreduce_i32_with(&mut v[..len / 2], Op::Sum, opts);
+            let r = parts[2].stripes()[0].allreduce_with(&mut v[..len / 2], Op::Sum, opts);
             (r, v)
         });
         (hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), lone.join().unwrap())
@@ -439,7 +440,7 @@ fn a_closing_worker_acknowledges_a_result_resent_after_its_last_ack_was_lost() {
         .unwrap();
     let call = std::thread::spawn(move || {
         let mut v = vec![5i32; 3];
-        worker.allreduce_i32(&mut v, Op::Sum).expect("the scripted aggregator answers");
+        worker.allreduce(&mut v, Op::Sum).expect("the scripted aggregator answers");
         assert_eq!(v, vec![15, 15, 15], "the RESULT's values");
         worker
     });
@@ -477,4 +478,65 @@ fn a_closing_worker_acknowledges_a_result_resent_after_its_last_ack_was_lost() {
     };
     closing.join().unwrap();
     assert!(acked, "the closing worker acknowledged the resent RESULT");
+}
+
+/// One participant's calls through `&dyn Collective`, as a binding makes
+/// them: an int32 MAX allreduce, a float32 mean, a broadcast of bytes from
+/// worker 0, and a float MAX, which must be refused before anything is
+/// sent. Returns what the calls produced.
+fn calls_through_the_trait(c: &dyn Collective, len: usize) -> (Vec<i32>, Vec<f32>, Vec<u8>) {
+    let me = match c.participant() {
+        Participant::Worker(r) => r as i32 + 1,
+        Participant::Aggregator => 0,
+    };
+    let mut ints: Vec<i32> = (0..len as i32).map(|i| if me == 0 { i32::MIN } else { i * me }).collect();
+    let served = c.allreduce_elements(Elements::I32(&mut ints), Op::Max, CallOptions::default()).expect("int32 MAX");
+    assert!(!served.clamped);
+    let mut floats = vec![me as f32; len];
+    c.allreduce_elements(Elements::F32(&mut floats), Op::Avg, CallOptions::default()).expect("float32 AVG");
+    let mut bytes: Vec<u8> = if c.participant() == Participant::Worker(0) {
+        (0..len).map(|i| (i * 7 + 1) as u8).collect()
+    } else {
+        vec![0; len]
+    };
+    c.broadcast_bytes(&mut bytes, Participant::Worker(0), CallOptions::default()).expect("broadcast");
+    let mut refused = vec![1f32; 4];
+    let e = c.allreduce_elements(Elements::F32(&mut refused), Op::Max, CallOptions::default()).unwrap_err();
+    assert!(matches!(&e, CommError::Config(m) if m.contains("float32")), "{e}");
+    (ints, floats, bytes)
+}
+
+/// Every algorithm answers the one interface alike: the star, the striped
+/// star and the star through `StarOrRing` (no ring: every call on the star)
+/// give the same results through `&dyn Collective`.
+#[test]
+fn runtime_loopback_every_algorithm_answers_the_one_interface() {
+    let (n, len) = (3usize, 5000usize);
+    let want_ints: Vec<i32> = (0..len as i32).map(|i| i * n as i32).collect();
+    let want_mean = (1..=n).sum::<usize>() as f32 / n as f32;
+    let want_bytes: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    let check = |what: &str, parts: Vec<Box<dyn Collective>>| {
+        let got: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = parts.iter().map(|c| s.spawn(move || calls_through_the_trait(c.as_ref(), len))).collect();
+            hs.into_iter().map(|h| h.join().expect(what)).collect()
+        });
+        for (p, (ints, floats, bytes)) in got.into_iter().enumerate() {
+            assert_eq!(ints, want_ints, "{what}: participant {p}: int32 MAX");
+            assert!(floats.iter().all(|x| (x - want_mean).abs() < 1e-4), "{what}: participant {p}: mean {:?}", &floats[..3]);
+            assert_eq!(bytes, want_bytes, "{what}: participant {p}: broadcast");
+        }
+    };
+    let j = job(n, |b| b);
+    let star: Vec<Box<dyn Collective>> =
+        std::iter::once(j.agg).chain(j.workers).map(|c| Box::new(c) as Box<dyn Collective>).collect();
+    check("star", star);
+    let striped: Vec<Box<dyn Collective>> =
+        striped_job(n, 3, |b| b).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect();
+    check("striped star", striped);
+    let j = job(n, |b| b);
+    let auto: Vec<Box<dyn Collective>> = std::iter::once(j.agg)
+        .chain(j.workers)
+        .map(|c| Box::new(StarOrRing::new(Some(c), None).expect("star alone")) as Box<dyn Collective>)
+        .collect();
+    check("star or ring", auto);
 }

@@ -18,6 +18,7 @@ mod common_runtime;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
+use aggbox::runtime::Collective;
 use aggbox::wire::abi::{self, Op};
 use aggbox::wire::proto::{self, AggHeader};
 use aggbox::runtime::{BackendKind, Communicator, Impairment, Participant, RefusedStats};
@@ -101,7 +102,7 @@ fn forged_result_to_the_aggregator_is_refused_and_counted() {
     w0.send_to(&result(0, 0, &genuine[..362], false), result_port).unwrap();
     bind(AGG, 0).0.send_to(&result(0, 362, &genuine[362..], true), result_port).unwrap();
     let mut v = vec![0; len];
-    agg.reduce_i32(&mut v, Op::Sum).expect("the reduce completes with the genuine RESULTs");
+    agg.reduce(&mut v, Op::Sum).expect("the reduce completes with the genuine RESULTs");
     assert!(v == genuine, "the value is the genuine RESULTs', not the forged ones");
     let r = agg.refused();
     assert_eq!(r.results_from_wrong_source, 4, "{r:?}");

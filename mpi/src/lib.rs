@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use aggbox::config::Config;
 use aggbox::runtime::{
-    BackendKind, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
+    BackendKind, Collective, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
 };
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner};
 use aggbox::wire::abi::{Op, Round};
@@ -321,7 +321,7 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
     // (another configuration, a data path that does not reach it) fails
     // here with the reason, not in the middle of the program.
     let mut ranks = [1i32];
-    match comm.allreduce_i32(&mut ranks, Op::Sum) {
+    match comm.allreduce(&mut ranks, Op::Sum) {
         Ok(_) if ranks[0] == size => {}
         Ok(_) => return Err(format!("job {job}'s first allreduce counted {} ranks, not {size}", ranks[0])),
         Err(e) => {
@@ -790,7 +790,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
                 ))
             }
         };
-        s.comm.allreduce_i32(buf, op).map_err(|e| e.to_string())
+        s.comm.allreduce(buf, op).map(|served| served.clamped).map_err(|e| e.to_string())
     })
 }
 
@@ -812,8 +812,8 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(
     let call = call_index(call);
     served(session, call, CALLS[call], |s| {
         s.comm
-            .allreduce_f32(buf, false)
-            .map(|()| false)
+            .allreduce(buf, Op::Sum)
+            .map(|_| false)
             .map_err(|e| e.to_string())
     })
 }
@@ -831,7 +831,7 @@ pub unsafe extern "C" fn aggbox_mpi_bcast(session: c_int, buf: *mut u8, len: usi
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
         s.comm
             .broadcast(buf, Participant::Worker(root))
-            .map(|()| false)
+            .map(|_| false)
             .map_err(|e| e.to_string())
     })
 }

@@ -21,12 +21,12 @@ use std::time::Duration;
 use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
+use aggbox::runtime::api::broadcast_elements;
 use aggbox::runtime::{
-    BackendKind, CallOptions, CommError, Communicator, CommunicatorBuilder, Participant, Peer,
-    Quantization, StripedCommunicator,
+    BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements,
+    Participant, Peer, Quantization, StripedCommunicator, WireElement,
 };
 use aggbox::wire::abi::Op;
-use aggbox::wire::proto;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
@@ -322,53 +322,25 @@ impl Comm {
         }
     }
 
-    /// An int reduction (`all`: allreduce); whether an element was clamped.
-    fn reduce_i32(&self, buf: &mut [i32], all: bool, op: Op) -> Result<bool, CommError> {
-        let opts = CallOptions::default();
+    /// The calls, whichever algorithm serves them.
+    fn collective(&self) -> &dyn Collective {
         match self {
-            Comm::One(c) if all => c.allreduce_i32_with(buf, op, opts),
-            Comm::One(c) => c.reduce_i32_with(buf, op, opts),
-            Comm::Striped(s) if all => s.allreduce_i32_with(buf, op, opts),
-            Comm::Striped(s) => s.reduce_i32_with(buf, op, opts),
+            Comm::One(c) => c,
+            Comm::Striped(s) => s,
         }
     }
 
-    /// A float SUM or mean (`all`: allreduce).
-    fn reduce_f32(&self, buf: &mut [f32], all: bool, mean: bool) -> Result<(), CommError> {
-        let opts = CallOptions::default();
-        match self {
-            Comm::One(c) => c.reduce_f32_with(buf, all, mean, opts),
-            Comm::Striped(s) => s.reduce_f32_with(buf, all, mean, opts),
-        }
+    /// An allreduce (`all`) or a reduce of `data` with `op`; whether an
+    /// element was clamped.
+    fn reduce(&self, data: Elements<'_>, all: bool, op: Op) -> Result<bool, CommError> {
+        let (c, opts) = (self.collective(), CallOptions::default());
+        let served = if all { c.allreduce_elements(data, op, opts) } else { c.reduce_elements(data, op, opts) }?;
+        Ok(served.clamped)
     }
 
-    /// An int32 broadcast: the bytes `Communicator::broadcast_i32` sends
-    /// (big-endian), over the stripes when striped.
-    fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
-        match self {
-            Comm::One(c) => c.broadcast_i32(buf, root),
-            Comm::Striped(s) => {
-                let mut bytes = Vec::with_capacity(4 * buf.len());
-                proto::write_i32_be(buf, &mut bytes);
-                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
-                proto::read_i32_be(&bytes, buf);
-                Ok(())
-            }
-        }
-    }
-
-    /// [`Comm::broadcast_i32`] for float32 (`Communicator::broadcast_f32`'s bytes).
-    fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
-        match self {
-            Comm::One(c) => c.broadcast_f32(buf, root),
-            Comm::Striped(s) => {
-                let mut bytes = Vec::with_capacity(4 * buf.len());
-                proto::write_f32_be(buf, &mut bytes);
-                s.broadcast_with(&mut bytes, root, CallOptions::default())?;
-                proto::read_f32_be(&bytes, buf);
-                Ok(())
-            }
-        }
+    /// A broadcast of int32 or float32 elements (big-endian on the wire).
+    fn broadcast<T: WireElement>(&self, buf: &mut [T], root: Participant) -> Result<(), CommError> {
+        broadcast_elements(self.collective(), buf, root, CallOptions::default()).map(drop)
     }
 }
 
@@ -447,7 +419,7 @@ impl PyCommunicator {
                 let op = int_op(what, op)?;
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
-                let out = self.call(py, move |c| c.reduce_i32(unsafe { lent.slice() }, all, op));
+                let out = self.call(py, move |c| c.reduce(Elements::I32(unsafe { lent.slice() }), all, op));
                 b.release(py);
                 out
             }
@@ -455,11 +427,10 @@ impl PyCommunicator {
                 let mean = float_mean(what, op)?;
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
-                let out = self.call(py, move |c| {
-                    c.reduce_f32(unsafe { lent.slice() }, all, mean)
-                });
+                let op = if mean { Op::Avg } else { Op::Sum };
+                let out = self.call(py, move |c| c.reduce(Elements::F32(unsafe { lent.slice() }), all, op));
                 b.release(py);
-                out.map(|()| false)
+                out
             }
         }
     }
@@ -634,14 +605,14 @@ impl PyCommunicator {
             Buffer::I32(b) => {
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
-                let out = self.call(py, move |c| c.broadcast_i32(unsafe { lent.slice() }, root));
+                let out = self.call(py, move |c| c.broadcast(unsafe { lent.slice() }, root));
                 b.release(py);
                 out
             }
             Buffer::F32(b) => {
                 let mut lent = lend(&b);
                 // SAFETY: see `Lent`; `b` outlives the call.
-                let out = self.call(py, move |c| c.broadcast_f32(unsafe { lent.slice() }, root));
+                let out = self.call(py, move |c| c.broadcast(unsafe { lent.slice() }, root));
                 b.release(py);
                 out
             }

@@ -1,9 +1,9 @@
 //! Star or ring, chosen per call by the vector's size (docs/RING.md
-//! "Choosing"): a [`Collective`] holds a star communicator (a job reduced
+//! "Choosing"): a [`StarOrRing`] holds a star communicator (a job reduced
 //! by an aggregator's XDP program: lowest latency) and a ring communicator
 //! (a `[[ring]]` job: each member's link carries 2(n−1)/n of the vector
 //! instead of the aggregator's n times it), and sends a call to the ring
-//! when it has at least [`Collective::ring_threshold`] elements.
+//! when it has at least [`StarOrRing::ring_threshold`] elements.
 //!
 //! Every member decides alike: the choice depends only on the call's length,
 //! op and the configured threshold, which all members share. A ring job
@@ -14,17 +14,20 @@
 //! redone on the star when there is one, so an automatic choice returns the
 //! star's result bit for bit.
 
-use crate::runtime::comm::Communicator;
+use std::sync::Mutex;
+
+use crate::runtime::api::{float_mean, Algorithm, Collective, Elements, Served};
+use crate::runtime::comm::{CallOptions, Communicator, Participant};
 use crate::runtime::ring::RingCommunicator;
-use crate::runtime::CommError;
+use crate::runtime::{CommError, CommStats};
 use crate::wire::abi::Op;
 
-/// Default [`Collective::ring_threshold`] where the ring is the faster
+/// Default [`StarOrRing::ring_threshold`] where the ring is the faster
 /// algorithm at jumbo MTUs ([`default_ring_threshold`]): 1 Mi elements
 /// (4 MiB).
 pub const DEFAULT_RING_THRESHOLD: usize = 1 << 20;
 
-/// Default [`Collective::ring_threshold`] at a star MTU of at most
+/// Default [`StarOrRing::ring_threshold`] at a star MTU of at most
 /// [`RING_MTU_ANY_MEMBERS`]: 256 Ki elements (1 MiB).
 pub const RING_THRESHOLD_SMALL_MTU: usize = 1 << 18;
 
@@ -60,58 +63,74 @@ pub fn default_ring_threshold(star_mtu: usize, members: u16) -> usize {
     }
 }
 
-/// Which algorithm a call takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Algorithm {
-    /// By size: the ring from [`Collective::ring_threshold`] elements on.
-    #[default]
-    Auto,
-    /// Always the star.
-    Star,
-    /// Always the ring (vectors up to its length).
-    Ring,
-}
-
-/// A star and a ring communicator of the same members (see the module docs).
-#[derive(Debug)]
-pub struct Collective {
-    star: Option<Communicator>,
-    ring: Option<RingCommunicator>,
+/// A star and a ring communicator of the same members, or either alone
+/// (see the module docs).
+pub struct StarOrRing {
+    star: Option<Box<dyn Collective>>,
+    ring: Option<Mutex<RingPart>>,
+    ring_len: usize,
     ring_threshold: usize,
     algorithm: Algorithm,
-    /// Padded input of the f32 ring path (kept between calls).
+}
+
+/// The ring and what its calls reuse. A ring call has the ring memory to
+/// itself: calls on it are serialized here.
+struct RingPart {
+    comm: RingCommunicator,
+    /// Padded input of the f32 path (kept between calls).
     scratch: Vec<f32>,
 }
 
-impl Collective {
+impl std::fmt::Debug for StarOrRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StarOrRing")
+            .field("star", &self.star.is_some())
+            .field("ring_len", &self.ring.as_ref().map(|_| self.ring_len))
+            .field("ring_threshold", &self.ring_threshold)
+            .field("algorithm", &self.algorithm)
+            .finish()
+    }
+}
+
+impl StarOrRing {
     /// From a star communicator, a ring communicator, or both.
-    pub fn new(star: Option<Communicator>, ring: Option<RingCommunicator>) -> Result<Collective, CommError> {
-        if star.is_none() && ring.is_none() {
-            return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
-        }
-        let ring_threshold = match (&star, &ring) {
+    pub fn new(star: Option<Communicator>, ring: Option<RingCommunicator>) -> Result<StarOrRing, CommError> {
+        let threshold = match (&star, &ring) {
             (Some(s), Some(r)) => default_ring_threshold(s.config().mtu, r.members()),
             _ => DEFAULT_RING_THRESHOLD,
         };
-        Ok(Collective {
+        StarOrRing::of(star.map(|s| Box::new(s) as Box<dyn Collective>), ring, threshold)
+    }
+
+    /// From any star algorithm (a striped one, say), a ring, or both; calls
+    /// of at least `ring_threshold` elements go to the ring.
+    pub fn of(
+        star: Option<Box<dyn Collective>>,
+        ring: Option<RingCommunicator>,
+        ring_threshold: usize,
+    ) -> Result<StarOrRing, CommError> {
+        if star.is_none() && ring.is_none() {
+            return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
+        }
+        Ok(StarOrRing {
             star,
-            ring,
+            ring_len: ring.as_ref().map_or(0, |r| r.len()),
+            ring: ring.map(|comm| Mutex::new(RingPart { comm, scratch: Vec::new() })),
             ring_threshold,
             algorithm: Algorithm::Auto,
-            scratch: Vec::new(),
         })
     }
 
     /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]);
     /// the default is [`default_ring_threshold`] of the star's MTU and the
     /// ring's members.
-    pub fn with_ring_threshold(mut self, elements: usize) -> Collective {
+    pub fn with_ring_threshold(mut self, elements: usize) -> StarOrRing {
         self.ring_threshold = elements;
         self
     }
 
     /// Force the star or the ring, or choose by size.
-    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Collective {
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> StarOrRing {
         self.algorithm = algorithm;
         self
     }
@@ -121,20 +140,15 @@ impl Collective {
         self.ring_threshold
     }
 
-    /// The star communicator, if any.
-    pub fn star(&self) -> Option<&Communicator> {
-        self.star.as_ref()
-    }
-
-    /// The ring communicator, if any.
-    pub fn ring(&mut self) -> Option<&mut RingCommunicator> {
-        self.ring.as_mut()
+    /// The star, if any.
+    pub fn star(&self) -> Option<&dyn Collective> {
+        self.star.as_deref()
     }
 
     /// The algorithm a call of `len` elements with `op` takes: the star or
     /// the ring (never [`Algorithm::Auto`]), or why neither can.
     pub fn choose(&self, len: usize, op: Op) -> Result<Algorithm, CommError> {
-        let ring_fits = self.ring.as_ref().is_some_and(|r| len <= r.len()) && op.runs_in_kernel();
+        let ring_fits = self.ring.is_some() && len <= self.ring_len && op.runs_in_kernel();
         match self.algorithm {
             Algorithm::Star if self.star.is_some() => Ok(Algorithm::Star),
             Algorithm::Ring if ring_fits => Ok(Algorithm::Ring),
@@ -143,60 +157,111 @@ impl Collective {
             forced => Err(CommError::Config(format!(
                 "no algorithm for {len} elements of {op:?} ({forced:?}): {}",
                 match (&self.star, &self.ring) {
-                    (None, Some(r)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements and there is no star", r.len()),
+                    (None, Some(_)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements and there is no star", self.ring_len),
                     (Some(_), None) => "there is no ring".to_string(),
-                    (Some(_), Some(r)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements", r.len()),
-                    (None, None) => unreachable!("new() refuses it"),
+                    (Some(_), Some(_)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements", self.ring_len),
+                    (None, None) => unreachable!("of() refuses it"),
                 }
             ))),
         }
     }
 
-    /// Allreduce of `buf` with `op` on the algorithm [`Collective::choose`]
-    /// picks; returns it and whether some element was clamped (OVERFLOW).
-    pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<(Algorithm, bool), CommError> {
-        match self.choose(buf.len(), op)? {
-            Algorithm::Ring => {
-                let ring = self.ring.as_mut().expect("chosen");
-                let mem = ring.input_mut();
-                mem[..buf.len()].copy_from_slice(buf);
-                mem[buf.len()..].fill(identity(op));
-                let out = ring.allreduce_in_place(op)?;
-                if out.overflow && self.algorithm == Algorithm::Auto {
-                    // `buf` still holds the input: the star's exact rule.
-                    if let Some(star) = &self.star {
-                        return Ok((Algorithm::Star, star.allreduce_i32(buf, op)?));
-                    }
-                }
-                buf.copy_from_slice(&ring.result()[..buf.len()]);
-                Ok((Algorithm::Ring, out.overflow))
+    /// The star, or why a call that only the star serves cannot be made.
+    fn only_star(&self, what: &str) -> Result<&dyn Collective, CommError> {
+        self.star.as_deref().ok_or_else(|| {
+            CommError::Config(format!("a {what} needs a star communicator: the ring serves allreduce only"))
+        })
+    }
+
+    fn ring_part(&self) -> std::sync::MutexGuard<'_, RingPart> {
+        let ring = self.ring.as_ref().expect("chosen only with a ring");
+        ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Int allreduce on the ring: `buf` padded with `op`'s identity. A call
+    /// whose partial sums saturated goes again to the star when there is
+    /// one and the choice was automatic (`buf` still holds the input: the
+    /// star's exact rule).
+    fn ring_i32(&self, buf: &mut [i32], op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        let mut part = self.ring_part();
+        let ring = &mut part.comm;
+        let mem = ring.input_mut();
+        mem[..buf.len()].copy_from_slice(buf);
+        mem[buf.len()..].fill(identity(op));
+        let out = ring.allreduce_in_place(op)?;
+        if out.overflow && self.algorithm == Algorithm::Auto {
+            if let Some(star) = &self.star {
+                drop(part);
+                return star.allreduce_elements(Elements::I32(buf), op, opts);
             }
-            _ => Ok((Algorithm::Star, self.star.as_ref().expect("chosen").allreduce_i32(buf, op)?)),
+        }
+        buf.copy_from_slice(&ring.result()[..buf.len()]);
+        Ok(Served { algorithm: Algorithm::Ring, clamped: out.overflow })
+    }
+
+    /// Float allreduce on the ring (SUM or the mean through the runtime's
+    /// quantization), padded with zeros.
+    fn ring_f32(&self, buf: &mut [f32], mean: bool) -> Result<Served, CommError> {
+        let mut part = self.ring_part();
+        let RingPart { comm, scratch } = &mut *part;
+        if buf.len() == comm.len() {
+            comm.allreduce_f32(buf, mean)?;
+        } else {
+            scratch.clear();
+            scratch.extend_from_slice(buf);
+            scratch.resize(comm.len(), 0.0);
+            comm.allreduce_f32(scratch, mean)?;
+            buf.copy_from_slice(&scratch[..buf.len()]);
+        }
+        Ok(Served { algorithm: Algorithm::Ring, clamped: false })
+    }
+}
+
+/// Star or ring by [`StarOrRing::choose`]; reduce and broadcast on the star.
+impl Collective for StarOrRing {
+    fn participant(&self) -> Participant {
+        match (&self.star, &self.ring) {
+            (Some(s), _) => s.participant(),
+            (None, _) => Participant::Worker(self.ring_part().comm.member()),
         }
     }
 
-    /// Float allreduce (SUM, or the mean) through the runtime's quantization
-    /// on the algorithm [`Collective::choose`] picks for a SUM of its length.
-    pub fn allreduce_f32(&mut self, buf: &mut [f32], mean: bool) -> Result<Algorithm, CommError> {
-        match self.choose(buf.len(), Op::Sum)? {
-            Algorithm::Ring => {
-                let ring = self.ring.as_mut().expect("chosen");
-                if buf.len() == ring.len() {
-                    ring.allreduce_f32(buf, mean)?;
-                } else {
-                    self.scratch.clear();
-                    self.scratch.extend_from_slice(buf);
-                    self.scratch.resize(ring.len(), 0.0);
-                    ring.allreduce_f32(&mut self.scratch, mean)?;
-                    buf.copy_from_slice(&self.scratch[..buf.len()]);
-                }
-                Ok(Algorithm::Ring)
-            }
-            _ => {
-                self.star.as_ref().expect("chosen").allreduce_f32(buf, mean)?;
-                Ok(Algorithm::Star)
-            }
+    fn workers(&self) -> u16 {
+        match (&self.star, &self.ring) {
+            (Some(s), _) => s.workers(),
+            (None, _) => self.ring_part().comm.members(),
         }
+    }
+
+    /// The star's counters (the ring's are its node's: `aggbox stats`).
+    fn stats(&self) -> CommStats {
+        self.star.as_ref().map(|s| s.stats()).unwrap_or_default()
+    }
+
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        let choice_op = match data {
+            Elements::I32(_) => op,
+            // A float call is a SUM of quantized values on either algorithm.
+            Elements::F32(_) => {
+                float_mean(op)?;
+                Op::Sum
+            }
+        };
+        match self.choose(data.len(), choice_op)? {
+            Algorithm::Ring => match data {
+                Elements::I32(buf) => self.ring_i32(buf, op, opts),
+                Elements::F32(buf) => self.ring_f32(buf, float_mean(op)?),
+            },
+            _ => self.only_star("allreduce")?.allreduce_elements(data, op, opts),
+        }
+    }
+
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.only_star("reduce")?.reduce_elements(data, op, opts)
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        self.only_star("broadcast")?.broadcast_bytes(buf, root, opts)
     }
 }
 

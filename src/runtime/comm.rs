@@ -42,6 +42,7 @@ use crate::runtime::transport::{
     CommStats, Counters, ImpairedTransport, Impairment, Net, RefusedStats, Transport, UdpTransport,
 };
 use crate::runtime::work::Work;
+use crate::runtime::api::{float_mean, Collective, Elements, Served};
 use crate::runtime::CommError;
 
 /// How long a caller polls for its datagrams, yielding the CPU, before it
@@ -592,28 +593,9 @@ impl Communicator {
         }
     }
 
-    /// Broadcast of bytes from `root`, in place (every participant passes a
-    /// buffer of the same length); blocks until this participant's part is
-    /// done: a receiver has every byte, the root has every acknowledgement.
-    pub fn broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
-        self.broadcast_with(buf, root, CallOptions::default())
-    }
-
-    /// [`Communicator::broadcast`] with options.
-    pub fn broadcast_with(
-        &self,
-        buf: &mut [u8],
-        root: Participant,
-        opts: CallOptions,
-    ) -> Result<(), CommError> {
-        let out = self.broadcast_vec(buf.to_vec(), root, opts)?;
-        buf.copy_from_slice(&out);
-        Ok(())
-    }
-
     /// A blocking broadcast of `data` (on this thread when nothing else is
     /// in flight).
-    fn broadcast_vec(
+    pub(crate) fn broadcast_vec(
         &self,
         data: Vec<u8>,
         root: Participant,
@@ -628,24 +610,6 @@ impl Communicator {
         }
         self.ibroadcast(data.take().unwrap_or_default(), root, opts)
             .wait()
-    }
-
-    /// Broadcast of an int32 vector (sent big-endian).
-    pub fn broadcast_i32(&self, buf: &mut [i32], root: Participant) -> Result<(), CommError> {
-        let mut bytes = Vec::with_capacity(buf.len() * 4);
-        proto::write_i32_be(buf, &mut bytes);
-        let out = self.broadcast_vec(bytes, root, CallOptions::default())?;
-        proto::read_i32_be(&out, buf);
-        Ok(())
-    }
-
-    /// Broadcast of a float32 vector (bit patterns, sent big-endian).
-    pub fn broadcast_f32(&self, buf: &mut [f32], root: Participant) -> Result<(), CommError> {
-        let mut bytes = Vec::with_capacity(buf.len() * 4);
-        proto::write_f32_be(buf, &mut bytes);
-        let out = self.broadcast_vec(bytes, root, CallOptions::default())?;
-        proto::read_f32_be(&out, buf);
-        Ok(())
     }
 
     /// Non-blocking int reduction (`all`: allreduce). Workers pass their
@@ -671,51 +635,13 @@ impl Communicator {
         }
     }
 
-    /// Reduce to the aggregator: a worker's `buf` is its contribution (left
-    /// unchanged); the aggregator's `buf` receives the result. Returns
-    /// whether the result was clamped (OVERFLOW) — only the aggregator knows,
-    /// workers get `false`.
-    pub fn reduce_i32(&self, buf: &mut [i32], op: Op) -> Result<bool, CommError> {
-        self.reduce_i32_with(buf, op, CallOptions::default())
-    }
-
-    /// [`Communicator::reduce_i32`] with options.
-    pub fn reduce_i32_with(
-        &self,
-        buf: &mut [i32],
-        op: Op,
-        opts: CallOptions,
-    ) -> Result<bool, CommError> {
-        self.reduce_i32_in(buf, false, op, opts)
-    }
-
-    /// Allreduce: every participant's `buf` receives the result (workers
-    /// contribute theirs). Returns whether it was clamped (OVERFLOW).
-    /// Zero-copy: fragments are encoded straight from `buf` and results
-    /// decoded straight into it; after the first call of a size nothing of
-    /// the vector's size is allocated per call. On an error `buf` may hold
-    /// part of the result.
-    pub fn allreduce_i32(&self, buf: &mut [i32], op: Op) -> Result<bool, CommError> {
-        self.allreduce_i32_with(buf, op, CallOptions::default())
-    }
-
-    /// [`Communicator::allreduce_i32`] with options.
-    pub fn allreduce_i32_with(
-        &self,
-        buf: &mut [i32],
-        op: Op,
-        opts: CallOptions,
-    ) -> Result<bool, CommError> {
-        self.reduce_i32_in(buf, true, op, opts)
-    }
-
     /// Zero-copy int reduction on `buf` (see [`Raw`]): a worker encodes each
     /// fragment straight from `buf` into its datagram; results (an allreduce
     /// worker's as they arrive, the aggregator's as fragments complete) are
     /// written straight into `buf`; after the first call of a size nothing
     /// of the vector's size is allocated per call. On an error `buf` may
     /// hold part of the result.
-    fn reduce_i32_in(
+    pub(crate) fn reduce_i32_in(
         &self,
         buf: &mut [i32],
         all: bool,
@@ -787,40 +713,17 @@ impl Communicator {
         }
     }
 
-    /// Float SUM to the aggregator through quantization (the aggregator's
-    /// `buf` receives it; workers' are unchanged).
-    pub fn reduce_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        self.reduce_f32_in(buf, false, false, CallOptions::default())
-    }
-
-    /// Float allreduce SUM through quantization; `mean` divides by the
-    /// number of workers (of the whole tree for a tree's leaf job:
-    /// [`CommConfig::tree_workers`]). Zero-copy: a worker's floats are quantized straight
-    /// from `buf` into datagram buffers and the result is dequantized straight
-    /// into `buf` as its fragments arrive; after the first call of a size
-    /// nothing is allocated per call (docs/RUNTIME.md). An adaptive
-    /// allreduce of up to [`crate::runtime::quantize::ONE_ROUND_MAX_LEN`]
-    /// elements goes through a reused int32 vector instead, and takes one
-    /// round when every worker guessed the agreed scale
-    /// ([`crate::runtime::quantize`]). On an error `buf` may hold part of
-    /// the result.
-    pub fn allreduce_f32(&self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
-        self.reduce_f32_in(buf, true, mean, CallOptions::default())
-    }
-
-    /// [`Communicator::allreduce_f32`] / [`Communicator::reduce_f32`] with
-    /// options (`all`: allreduce).
-    pub fn reduce_f32_with(
-        &self,
-        buf: &mut [f32],
-        all: bool,
-        mean: bool,
-        opts: CallOptions,
-    ) -> Result<(), CommError> {
-        self.reduce_f32_in(buf, all, mean, opts)
-    }
-
-    fn reduce_f32_in(
+    /// Float SUM (or mean) through quantization (see
+    /// [`crate::runtime::quantize`]), zero-copy: a worker's floats are
+    /// quantized straight from `buf` into datagram buffers and the result is
+    /// dequantized straight into `buf` as its fragments arrive; after the
+    /// first call of a size nothing is allocated per call (docs/RUNTIME.md).
+    /// An adaptive allreduce of up to
+    /// [`crate::runtime::quantize::ONE_ROUND_MAX_LEN`] elements goes through
+    /// a reused int32 vector instead, and takes one round when every worker
+    /// guessed the agreed scale. `mean` divides by the number of workers (of
+    /// the whole tree for a tree's leaf job: [`CommConfig::tree_workers`]).
+    pub(crate) fn reduce_f32_in(
         &self,
         buf: &mut [f32],
         all: bool,
@@ -867,6 +770,48 @@ impl Drop for Communicator {
         let _ = self.waker.send(&[0]);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// The star: every call through this job's aggregator.
+impl Collective for Communicator {
+    fn participant(&self) -> Participant {
+        Communicator::participant(self)
+    }
+
+    fn workers(&self) -> u16 {
+        Communicator::workers(self)
+    }
+
+    fn stats(&self) -> CommStats {
+        Communicator::stats(self)
+    }
+
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.reduce_elements_in(data, true, op, opts)
+    }
+
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.reduce_elements_in(data, false, op, opts)
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        let out = self.broadcast_vec(buf.to_vec(), root, opts)?;
+        buf.copy_from_slice(&out);
+        Ok(Served::star(false))
+    }
+}
+
+impl Communicator {
+    /// An int32 reduction (exact, zero-copy) or a float32 one (quantized).
+    fn reduce_elements_in(&self, data: Elements<'_>, all: bool, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        match data {
+            Elements::I32(buf) => self.reduce_i32_in(buf, all, op, opts).map(Served::star),
+            Elements::F32(buf) => {
+                let mean = float_mean(op)?;
+                self.reduce_f32_in(buf, all, mean, opts).map(|()| Served::star(false))
+            }
         }
     }
 }

@@ -30,6 +30,7 @@
 //!
 //! `docs/RUNTIME.md` has the design, the failure behaviour and the numbers.
 
+pub mod api;
 pub mod backend;
 mod calls;
 pub mod collective;
@@ -51,7 +52,8 @@ pub mod tuner;
 pub mod work;
 
 pub use backend::BackendKind;
-pub use collective::{Algorithm, Collective};
+pub use api::{Algorithm, Collective, Element, Elements, Served, WireElement};
+pub use collective::StarOrRing;
 pub use error::{CommError, Partial, Peer, TimeoutInfo};
 pub use comm::{
     CallOptions, CommConfig, Communicator, CommunicatorBuilder, Participant, ReduceOutput, TcGroup,

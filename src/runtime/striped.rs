@@ -23,6 +23,7 @@ use std::sync::mpsc;
 
 use super::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant};
 use super::engine::Raw;
+use super::api::{float_mean, Collective, Elements, Served};
 use super::{CommError, CommStats, IoStats, RefusedStats};
 use crate::wire::abi::Op;
 use crate::config::Config;
@@ -136,81 +137,11 @@ impl StripedCommunicator {
             .fold(RefusedStats::default(), |a, s| a + s)
     }
 
-    /// [`Communicator::broadcast_with`] over the stripes: each stripe's bytes
-    /// from `root` through its job at once (copied in and out, as the
-    /// one-job broadcast does). On an error (the first stripe's that failed)
-    /// the stripes that completed hold the root's bytes.
-    pub fn broadcast_with(
-        &self,
-        buf: &mut [u8],
-        root: Participant,
-        opts: CallOptions,
-    ) -> Result<(), CommError> {
-        if let [c] = &self.stripes[..] {
-            // One stripe: its blocking call (on this thread when it can).
-            return c.broadcast_with(buf, root, opts);
-        }
-        let bounds = stripe_bounds(buf.len(), self.stripes.len());
-        let works: Vec<_> = self
-            .stripes
-            .iter()
-            .zip(&bounds)
-            .map(|(c, r)| c.ibroadcast(buf[r.clone()].to_vec(), root, opts))
-            .collect();
-        let mut first_error = None;
-        for (w, r) in works.into_iter().zip(bounds) {
-            match w.wait() {
-                Ok(out) => buf[r].copy_from_slice(&out),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        first_error.map_or(Ok(()), Err)
-    }
-
-    /// [`Communicator::allreduce_i32_with`] over the stripes: returns
-    /// whether any element was clamped (OVERFLOW). On an error (the first
-    /// stripe's that failed) `buf` may hold part of the result; a timeout's
-    /// details (fragment counts, the partial result asked for with
-    /// `CallOptions::partial`) are that stripe's, which
-    /// [`stripe_bounds`] locates in the vector.
-    pub fn allreduce_i32_with(
-        &self,
-        buf: &mut [i32],
-        op: Op,
-        opts: CallOptions,
-    ) -> Result<bool, CommError> {
-        self.reduce_i32_in(buf, true, op, opts)
-    }
-
-    /// [`Communicator::reduce_i32_with`] over the stripes.
-    pub fn reduce_i32_with(
-        &self,
-        buf: &mut [i32],
-        op: Op,
-        opts: CallOptions,
-    ) -> Result<bool, CommError> {
-        self.reduce_i32_in(buf, false, op, opts)
-    }
-
-    /// [`Communicator::reduce_f32_with`] over the stripes (each stripe
-    /// agrees on its own adaptive scale, which is at least as fine as one
-    /// scale for the whole vector).
-    pub fn reduce_f32_with(
-        &self,
-        buf: &mut [f32],
-        all: bool,
-        mean: bool,
-        opts: CallOptions,
-    ) -> Result<(), CommError> {
-        if let [c] = &self.stripes[..] {
-            return c.reduce_f32_with(buf, all, mean, opts);
-        }
-        self.run(buf, |c, part| c.start_reduce_f32(part, all, mean, opts))
-            .map(|_| ())
-    }
-
+    /// An int32 reduction over the stripes: whether any element was
+    /// clamped (OVERFLOW). On an error (the first stripe's that failed)
+    /// `buf` may hold part of the result; a timeout's details (fragment
+    /// counts, the partial result asked for with `CallOptions::partial`) are
+    /// that stripe's, which [`stripe_bounds`] locates in the vector.
     fn reduce_i32_in(
         &self,
         buf: &mut [i32],
@@ -219,11 +150,7 @@ impl StripedCommunicator {
         opts: CallOptions,
     ) -> Result<bool, CommError> {
         if let [c] = &self.stripes[..] {
-            return if all {
-                c.allreduce_i32_with(buf, op, opts)
-            } else {
-                c.reduce_i32_with(buf, op, opts)
-            };
+            return c.reduce_i32_in(buf, all, op, opts);
         }
         let clamped = self.run(buf, |c, part| c.start_reduce_i32(part, all, op, opts))?;
         Ok(clamped.into_iter().any(|x| x))
@@ -259,6 +186,77 @@ impl StripedCommunicator {
         match first_error {
             Some(e) => Err(e),
             None => Ok(out),
+        }
+    }
+}
+
+/// The striped star: each call's vector split over the stripes' jobs, which
+/// run it at once.
+impl Collective for StripedCommunicator {
+    fn participant(&self) -> Participant {
+        StripedCommunicator::participant(self)
+    }
+
+    fn workers(&self) -> u16 {
+        self.stripes[0].workers()
+    }
+
+    fn stats(&self) -> CommStats {
+        StripedCommunicator::stats(self)
+    }
+
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.reduce_elements_in(data, true, op, opts)
+    }
+
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.reduce_elements_in(data, false, op, opts)
+    }
+
+    /// Each stripe's bytes from `root` through its job at once (copied in
+    /// and out, as the one-job broadcast does). On an error (the first
+    /// stripe's that failed) the stripes that completed hold the root's
+    /// bytes.
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        if let [c] = &self.stripes[..] {
+            // One stripe: its blocking call (on this thread when it can).
+            return c.broadcast_bytes(buf, root, opts);
+        }
+        let bounds = stripe_bounds(buf.len(), self.stripes.len());
+        let works: Vec<_> = self
+            .stripes
+            .iter()
+            .zip(&bounds)
+            .map(|(c, r)| c.ibroadcast(buf[r.clone()].to_vec(), root, opts))
+            .collect();
+        let mut first_error = None;
+        for (w, r) in works.into_iter().zip(bounds) {
+            match w.wait() {
+                Ok(out) => buf[r].copy_from_slice(&out),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(Served::star(false)), Err)
+    }
+}
+
+impl StripedCommunicator {
+    /// An int32 reduction, or a float32 one (each stripe agrees on its own
+    /// adaptive scale, which is at least as fine as one scale for the whole
+    /// vector).
+    fn reduce_elements_in(&self, data: Elements<'_>, all: bool, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        match data {
+            Elements::I32(buf) => self.reduce_i32_in(buf, all, op, opts).map(Served::star),
+            Elements::F32(buf) => {
+                let mean = float_mean(op)?;
+                if let [c] = &self.stripes[..] {
+                    return c.reduce_f32_in(buf, all, mean, opts).map(|()| Served::star(false));
+                }
+                self.run(buf, |c, part| c.start_reduce_f32(part, all, mean, opts))
+                    .map(|_| Served::star(false))
+            }
         }
     }
 }

@@ -8,47 +8,8 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 
 use aggbox::wire::abi::Op;
 use aggbox::wire::reducer;
-use aggbox::runtime::{CallOptions, CommError, Communicator, Participant, StripedCommunicator};
+use aggbox::runtime::{CallOptions, Collective, Participant, StripedCommunicator};
 use aggbox::node::tools::pattern_vector;
-
-/// What the checks below call: a communicator, or a striped one.
-pub trait Collective: Sync {
-    fn me(&self) -> Participant;
-    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError>;
-    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError>;
-}
-
-impl Collective for Communicator {
-    fn me(&self) -> Participant {
-        self.participant()
-    }
-    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError> {
-        if all {
-            self.allreduce_i32(v, op)
-        } else {
-            self.reduce_i32(v, op)
-        }
-    }
-    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
-        self.broadcast(buf, root)
-    }
-}
-
-impl Collective for StripedCommunicator {
-    fn me(&self) -> Participant {
-        self.participant()
-    }
-    fn int_reduce(&self, v: &mut [i32], op: Op, all: bool) -> Result<bool, CommError> {
-        if all {
-            self.allreduce_i32_with(v, op, CallOptions::default())
-        } else {
-            self.reduce_i32_with(v, op, CallOptions::default())
-        }
-    }
-    fn bytes_broadcast(&self, buf: &mut [u8], root: Participant) -> Result<(), CommError> {
-        self.broadcast_with(buf, root, CallOptions::default())
-    }
-}
 
 /// The reference result of `op` over the pattern vectors of `workers` ranks.
 pub fn expected(op: Op, workers: usize, len: usize) -> Vec<i32> {
@@ -59,7 +20,7 @@ pub fn expected(op: Op, workers: usize, len: usize) -> Vec<i32> {
     reducer::reduce(op, &c).unwrap().ints().unwrap().to_vec()
 }
 
-/// Runs `allreduce_i32` (`all`) or `reduce_i32` of `len` pattern elements
+/// Runs an allreduce (`all`) or a reduce of `len` pattern elements
 /// on every communicator at once (the aggregator contributes zeros) and
 /// checks every result that participant gets against `expected`: all of
 /// them for allreduce, the aggregator's for reduce. Panics with the
@@ -71,14 +32,15 @@ pub fn int_reduction<C: Collective>(comms: &[&C], workers: usize, op: Op, len: u
             .iter()
             .map(|&c| {
                 s.spawn(move || {
-                    let mut v = match c.me() {
+                    let mut v = match c.participant() {
                         Participant::Worker(r) => pattern_vector(r, len as u32),
                         Participant::Aggregator => vec![0; len],
                     };
-                    c.int_reduce(&mut v, op, all).unwrap_or_else(|e| {
-                        panic!("{:?} {op:?} len {len} all {all}: {e}", c.me())
+                    let r = if all { c.allreduce(&mut v, op) } else { c.reduce(&mut v, op) };
+                    r.unwrap_or_else(|e| {
+                        panic!("{:?} {op:?} len {len} all {all}: {e}", c.participant())
                     });
-                    (c.me(), v)
+                    (c.participant(), v)
                 })
             })
             .collect();
@@ -109,11 +71,11 @@ pub fn broadcast<C: Collective>(comms: &[&C], len: usize, root: Participant) {
             .map(|&c| {
                 let msg = msg.clone();
                 s.spawn(move || {
-                    let mut buf = if c.me() == root { msg } else { vec![0u8; len] };
-                    c.bytes_broadcast(&mut buf, root).unwrap_or_else(|e| {
-                        panic!("{:?}: broadcast of {len} from {root:?}: {e}", c.me())
+                    let mut buf = if c.participant() == root { msg } else { vec![0u8; len] };
+                    c.broadcast_bytes(&mut buf, root, CallOptions::default()).unwrap_or_else(|e| {
+                        panic!("{:?}: broadcast of {len} from {root:?}: {e}", c.participant())
                     });
-                    (c.me(), buf)
+                    (c.participant(), buf)
                 })
             })
             .collect();
@@ -199,7 +161,7 @@ pub fn striped_allreduce_f32(parts: &[StripedCommunicator], xs: &[Vec<f32>]) -> 
             .map(|(p, c)| {
                 let mut x = if p == 0 { vec![0f32; len] } else { xs[p - 1].clone() };
                 s.spawn(move || {
-                    c.reduce_f32_with(&mut x, true, false, CallOptions::default()).unwrap();
+                    c.allreduce(&mut x, Op::Sum).unwrap();
                     x
                 })
             })

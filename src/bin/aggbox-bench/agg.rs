@@ -48,6 +48,7 @@ use super::{
     progress, summarize, thousands, BenchOptions, Context_, Csv, PrivateBpffs, Section, Summary,
 };
 use aggbox::wire::abi::{self, Op};
+use aggbox::runtime::Collective;
 use aggbox::config::Config;
 use aggbox::kernel::xdp::XdpMode;
 use aggbox::node;
@@ -1653,12 +1654,12 @@ pub fn runtime_reduce(h: &Harness, kernel: bool, elements: usize, reps: usize) -
                     .map(|(c, v)| {
                         s.spawn(move || {
                             let mut v = v.clone();
-                            c.reduce_i32(&mut v, Op::Sum).map(|_| ())
+                            c.reduce(&mut v, Op::Sum).map(|_| ())
                         })
                     })
                     .collect();
                 let mut out = vec![0i32; elements];
-                let r = aggc.reduce_i32(&mut out, Op::Sum);
+                let r = aggc.reduce(&mut out, Op::Sum);
                 let errs: Vec<String> = hs
                     .into_iter()
                     .enumerate()

@@ -18,6 +18,8 @@ use super::bcast::{BMode, BcastBed};
 use super::{net, progress, summarize, thousands, BenchOptions, Context_, Csv, Section, Summary};
 use aggbox::wire::proto;
 use aggbox::runtime::quantize;
+use aggbox::runtime::Collective;
+use aggbox::wire::abi::Op;
 
 /// Vectors given per rank; the reduced vector is checked and stored.
 pub struct VecWorkload {
@@ -445,7 +447,7 @@ fn train_over_aggbox(h: &Harness, steps: usize) -> Result<Vec<f64>> {
                             for step in 0..steps {
                                 let (l, mut g) = loss_grad(&w, part);
                                 out.push(l);
-                                c.allreduce_f32(&mut g, true).map_err(|e| {
+                                c.allreduce(&mut g, Op::Avg).map_err(|e| {
                                     anyhow!("worker allreduce_f32 at step {step}: {e}")
                                 })?;
                                 for j in 0..TRAIN_D {
@@ -459,7 +461,7 @@ fn train_over_aggbox(h: &Harness, steps: usize) -> Result<Vec<f64>> {
                 let mut buf = vec![0f32; TRAIN_D];
                 let mut agg_err = None;
                 for step in 0..steps {
-                    if let Err(e) = aggc.allreduce_f32(&mut buf, true) {
+                    if let Err(e) = aggc.allreduce(&mut buf, Op::Avg) {
                         agg_err = Some(anyhow!("aggregator allreduce_f32 at step {step}: {e}"));
                         break;
                     }

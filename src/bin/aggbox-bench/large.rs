@@ -68,6 +68,7 @@ use aggbox::config::Config;
 use aggbox::kernel::xdp::XdpMode;
 use aggbox::node;
 use aggbox::runtime::{
+    Collective,
     BackendKind, CallOptions, CommunicatorBuilder, Participant, Quantization, StripedCommunicator,
 };
 use crate::testbed::{in_netns, Testbed, TestbedConfig};
@@ -353,8 +354,8 @@ fn runtime_calls(
                         let opts = CallOptions::deadline(call_deadline(n as u64));
                         let t0 = Instant::now();
                         let r = match dtype {
-                            Dtype::I32 => c.allreduce_i32_with(&mut buf, Op::Sum, opts).map(|_| ()),
-                            Dtype::F32 => c.reduce_f32_with(&mut fbuf, true, false, opts),
+                            Dtype::I32 => c.allreduce_with(&mut buf, Op::Sum, opts).map(|_| ()),
+                            Dtype::F32 => c.allreduce_with(&mut fbuf, Op::Sum, opts).map(|_| ()),
                         };
                         let t1 = Instant::now();
                         if let Err(e) = r {

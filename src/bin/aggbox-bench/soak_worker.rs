@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aggbox::config::Config;
-use aggbox::runtime::{BackendKind, CommError, Communicator, CommunicatorBuilder, Participant, RingCommunicator};
+use aggbox::runtime::{BackendKind, Collective, CommError, Communicator, CommunicatorBuilder, Participant, RingCommunicator};
 use aggbox::wire::abi::{Op, Round};
 use aggbox::wire::reducer;
 use anyhow::{bail, Context, Result};
@@ -233,7 +233,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         log.line(&format!("begin,{call},{t0},{len},{op:?}"));
         let started = Instant::now();
         let out: Result<(), CommError> = match &mut comm {
-            Participant_::Star(c) => c.allreduce_i32(&mut v, op).map(drop),
+            Participant_::Star(c) => c.allreduce(&mut v, op).map(drop),
             Participant_::Ring(c) => c.allreduce_i32(&mut v, op).map(drop),
         };
         let ms = started.elapsed().as_secs_f64() * 1e3;
