@@ -41,7 +41,7 @@ fn require_root() {
 
 struct Bed {
     // Field order: communicators first, then the attachments, the testbed.
-    members: Vec<StarOrRing>,
+    members: Vec<StarOrRing<aggbox::runtime::Communicator>>,
     _nodes: Vec<LiveAttach>,
     _tb: Testbed,
 }

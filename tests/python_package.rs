@@ -159,14 +159,35 @@ const JOBS: [u16; 5] = [11, 12, 13, 14, 15];
 struct Node {
     config: PathBuf,
     attach: LiveAttach,
+    /// With a ring: each worker host's own `aggbox attach` serving it, and
+    /// where it pinned its maps.
+    ring_nodes: Vec<LiveAttach>,
+    pin_dirs: Vec<PathBuf>,
     tb: Testbed,
 }
 
+/// The ring of [`Node::with_ring`]: its id, length and the size from which
+/// the workers' automatic choice takes it.
+const RING: u16 = 40;
+const RING_LEN: usize = 3000;
+const RING_THRESHOLD: usize = 1000;
+
 impl Node {
     fn up(tag: &str) -> Node {
+        Node::start(tag, false)
+    }
+
+    /// [`Node::up`], and the workers' hosts each run `aggbox attach` with
+    /// ring [`RING`] of the 4 workers, which the workers' file lists too.
+    fn with_ring(tag: &str) -> Node {
+        Node::start(tag, true)
+    }
+
+    fn start(tag: &str, ring: bool) -> Node {
         require_root();
         let tb = Testbed::up(TestbedConfig {
             hosts: WORKERS + 1,
+            xdp_tx: ring,
             ..Default::default()
         })
         .expect("testbed");
@@ -183,11 +204,25 @@ impl Node {
             );
         }
         let attach = LiveAttach::start(&tb.host(0).netns, tag, &text, &[]);
+        let (mut ring_nodes, mut pin_dirs) = (Vec::new(), Vec::new());
+        if ring {
+            let ring = format!(
+                "\n[[ring]]\nid = {RING}\nport = 7400\nmembers = [{}]\nvector_len = {RING_LEN}\nfrag_elems = 362\n",
+                workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
+            );
+            for h in 1..=WORKERS {
+                let node = "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n";
+                let a = LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &format!("{node}{ring}"), &[]);
+                pin_dirs.push(aggbox::node::pin_dir(&a.pin_root, "eth0"));
+                ring_nodes.push(a);
+            }
+            text += &ring;
+        }
         // The workers read the same file (the namespaces share the file system).
         let config =
             std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
         std::fs::write(&config, &text).expect("write the workers' configuration");
-        Node { config, attach, tb }
+        Node { config, attach, ring_nodes, pin_dirs, tb }
     }
 
     /// Runs `script` on every worker (rank r on host r+1) with `args(r)`,
@@ -273,7 +308,36 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.config);
-        let _ = &self.attach;
+        let _ = (&self.attach, &self.ring_nodes);
+    }
+}
+
+/// The Python package reaches every algorithm of the runtime's one
+/// interface: `from_config(ring=...)` puts the node-served job beside a
+/// ring of the same workers, and each allreduce is served by the star or
+/// the ring by its size (counted in `served`), exactly.
+#[test]
+fn python_workers_choose_star_or_ring_by_size() {
+    let node = Node::with_ring("py-ring");
+    let args = |r: usize| {
+        vec![
+            "--job".into(),
+            JOBS[0].to_string(),
+            "--ring".into(),
+            RING.to_string(),
+            "--pin-dir".into(),
+            node.pin_dirs[r].to_string_lossy().into_owned(),
+            "--ring-len".into(),
+            RING_LEN.to_string(),
+            "--threshold".into(),
+            RING_THRESHOLD.to_string(),
+        ]
+    };
+    let results = node.run_workers("netns_ring.py", args, Duration::from_secs(120));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: netns_ring.py failed ({status}):\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        assert!(text.contains("ok: served star 2 ring 5"), "rank {r}:\n{text}");
     }
 }
 

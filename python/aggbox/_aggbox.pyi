@@ -68,9 +68,15 @@ class Communicator:
         deadline: float = 10.0,
         quantization: Quantization | None = None,
         mtu: int = 0,
+        ring: int | None = None,
+        pin_dir: str | PathLike[str] | None = None,
+        algorithm: Literal["auto", "star", "ring"] = "auto",
+        ring_threshold: int | None = None,
     ) -> Communicator: ...
     @property
     def rank(self) -> int | None: ...
+    @property
+    def served(self) -> dict[str, int]: ...
     @property
     def workers(self) -> int: ...
     @property

@@ -15,6 +15,7 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::Duration;
 
@@ -23,8 +24,9 @@ use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::api::broadcast_elements;
 use aggbox::runtime::{
-    BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements,
-    Participant, Peer, Quantization, StripedCommunicator, WireElement,
+    Algorithm, BackendKind, CallOptions, Collective, CommError, CommStats, Communicator,
+    CommunicatorBuilder, Elements, Participant, Peer, Quantization, RingCommunicator, Served,
+    StarOrRing, StripedCommunicator, WireElement,
 };
 use aggbox::wire::abi::Op;
 use pyo3::buffer::PyBuffer;
@@ -300,10 +302,12 @@ fn int_op(what: &str, op: &str) -> PyResult<Op> {
 
 /// The runtime object behind a Python `Communicator`: one job, or each
 /// vector striped over several jobs at once (`from_config(job=[...])`,
-/// [`StripedCommunicator`]).
+/// [`StripedCommunicator`]), or either as the star beside a ring, chosen
+/// per call (`from_config(ring=...)`, [`StarOrRing`]).
 enum Comm {
     One(Communicator),
     Striped(StripedCommunicator),
+    Chosen(Box<StarOrRing<Comm>>),
 }
 
 impl Comm {
@@ -312,6 +316,7 @@ impl Comm {
         match self {
             Comm::One(c) => c,
             Comm::Striped(s) => &s.stripes()[0],
+            Comm::Chosen(s) => s.star().expect("from_config builds the star").first(),
         }
     }
 
@@ -319,6 +324,7 @@ impl Comm {
         match self {
             Comm::One(c) => vec![c.config().job],
             Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
+            Comm::Chosen(s) => s.star().expect("from_config builds the star").jobs(),
         }
     }
 
@@ -327,20 +333,46 @@ impl Comm {
         match self {
             Comm::One(c) => c,
             Comm::Striped(s) => s,
+            Comm::Chosen(s) => s.as_ref(),
         }
     }
 
     /// An allreduce (`all`) or a reduce of `data` with `op`; whether an
     /// element was clamped.
-    fn reduce(&self, data: Elements<'_>, all: bool, op: Op) -> Result<bool, CommError> {
+    fn reduce(&self, data: Elements<'_>, all: bool, op: Op) -> Result<Served, CommError> {
         let (c, opts) = (self.collective(), CallOptions::default());
-        let served = if all { c.allreduce_elements(data, op, opts) } else { c.reduce_elements(data, op, opts) }?;
-        Ok(served.clamped)
+        if all {
+            c.allreduce_elements(data, op, opts)
+        } else {
+            c.reduce_elements(data, op, opts)
+        }
     }
 
     /// A broadcast of int32 or float32 elements (big-endian on the wire).
     fn broadcast<T: WireElement>(&self, buf: &mut [T], root: Participant) -> Result<(), CommError> {
         broadcast_elements(self.collective(), buf, root, CallOptions::default()).map(drop)
+    }
+}
+
+/// The star of a [`StarOrRing`] is a [`Comm`] itself (one job or striped).
+impl Collective for Comm {
+    fn participant(&self) -> Participant {
+        self.collective().participant()
+    }
+    fn workers(&self) -> u16 {
+        self.collective().workers()
+    }
+    fn stats(&self) -> CommStats {
+        self.collective().stats()
+    }
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.collective().allreduce_elements(data, op, opts)
+    }
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.collective().reduce_elements(data, op, opts)
+    }
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        self.collective().broadcast_bytes(buf, root, opts)
     }
 }
 
@@ -365,6 +397,8 @@ struct PyCommunicator {
     // both are taken with the GIL released, so a call finishing never waits
     // for a thread that holds the GIL while it waits for the lock.
     inner: RwLock<Option<Comm>>,
+    /// Reductions served by the star and by the ring (`served` getter).
+    served: [AtomicU64; 2],
 }
 
 impl PyCommunicator {
@@ -375,6 +409,7 @@ impl PyCommunicator {
         let comm = py.allow_threads(build).map_err(|e| to_py_err(py, e))?;
         Ok(PyCommunicator {
             inner: RwLock::new(Some(comm)),
+            served: Default::default(),
         })
     }
 
@@ -406,6 +441,14 @@ impl PyCommunicator {
             .ok_or_else(|| CommClosedError::new_err("communicator closed"))
     }
 
+    /// Counts a reduction by the algorithm that served it; whether an
+    /// element was clamped.
+    fn count(&self, served: Served) -> bool {
+        let i = usize::from(served.algorithm == Algorithm::Ring);
+        self.served[i].fetch_add(1, Ordering::Relaxed);
+        served.clamped
+    }
+
     fn reduce(
         &self,
         py: Python<'_>,
@@ -421,7 +464,7 @@ impl PyCommunicator {
                 // SAFETY: see `Lent`; `b` outlives the call.
                 let out = self.call(py, move |c| c.reduce(Elements::I32(unsafe { lent.slice() }), all, op));
                 b.release(py);
-                out
+                out.map(|s| self.count(s))
             }
             Buffer::F32(b) => {
                 let mean = float_mean(what, op)?;
@@ -430,7 +473,7 @@ impl PyCommunicator {
                 let op = if mean { Op::Avg } else { Op::Sum };
                 let out = self.call(py, move |c| c.reduce(Elements::F32(unsafe { lent.slice() }), all, op));
                 b.release(py);
-                out
+                out.map(|s| self.count(s))
             }
         }
     }
@@ -478,8 +521,14 @@ impl PyCommunicator {
     /// `job` may be a list of jobs: each vector is then striped over them,
     /// a part per job at once (the runtime's StripedCommunicator), and this
     /// participant's data socket of job t is on `data_port + t`.
+    /// `ring`: a `[[ring]]` id of the same workers, served by this host's
+    /// node (its maps pinned under `pin_dir`, e.g. /sys/fs/bpf/aggbox/eth0):
+    /// each allreduce then goes to the star or the ring by its size
+    /// (`algorithm`: "auto" (default), "star" or "ring"; `ring_threshold`:
+    /// the size in elements from which "auto" takes the ring, default by
+    /// MTU and ring size).
     #[staticmethod]
-    #[pyo3(signature = (path, *, job, rank, aggregator, data_port = None, backend = "kernel", deadline = 10.0, quantization = None, mtu = 0))]
+    #[pyo3(signature = (path, *, job, rank, aggregator, data_port = None, backend = "kernel", deadline = 10.0, quantization = None, mtu = 0, ring = None, pin_dir = None, algorithm = "auto", ring_threshold = None))]
     #[allow(clippy::too_many_arguments)]
     fn from_config(
         py: Python<'_>,
@@ -492,7 +541,31 @@ impl PyCommunicator {
         deadline: f64,
         quantization: Option<&Bound<'_, PyAny>>,
         mtu: usize,
+        ring: Option<u16>,
+        pin_dir: Option<PathBuf>,
+        algorithm: &str,
+        ring_threshold: Option<usize>,
     ) -> PyResult<PyCommunicator> {
+        let algorithm = match algorithm {
+            "auto" => Algorithm::Auto,
+            "star" => Algorithm::Star,
+            "ring" => Algorithm::Ring,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "algorithm '{other}': one of auto, star, ring"
+                )))
+            }
+        };
+        let ring = match (ring, pin_dir) {
+            (None, None) => None,
+            (Some(id), Some(dir)) => Some((id, dir)),
+            (Some(id), None) => {
+                return Err(PyValueError::new_err(format!(
+                    "ring {id}: pin_dir is needed too (where this host's `aggbox attach` pinned its maps, e.g. /sys/fs/bpf/aggbox/eth0)"
+                )))
+            }
+            (None, Some(_)) => return Err(PyValueError::new_err("pin_dir without ring")),
+        };
         let config = Config::load(&path).map_err(|e| ConfigError::new_err(e.to_string()))?;
         let aggregator = parse_ipv4("aggregator", aggregator)?;
         let jobs: Vec<u16> = match job.extract::<u16>() {
@@ -511,18 +584,34 @@ impl PyCommunicator {
         let backend = parse_backend(backend)?;
         let tuning = Tuning::new(deadline, quantization, mtu)?;
         let me = participant(rank);
-        if let [job] = jobs[..] {
-            let b = CommunicatorBuilder::from_config(&config, job, aggregator, data_port, me)
-                .map_err(|e| to_py_err(py, e))?
-                .backend(backend);
-            let b = tuning.apply(b);
-            return Self::wrap(py, move || b.build().map(Comm::One));
-        }
+        let single = match jobs[..] {
+            [job] => Some(
+                tuning.apply(
+                    CommunicatorBuilder::from_config(&config, job, aggregator, data_port, me)
+                        .map_err(|e| to_py_err(py, e))?
+                        .backend(backend),
+                ),
+            ),
+            _ => None,
+        };
         Self::wrap(py, move || {
-            StripedCommunicator::from_config(&config, &jobs, aggregator, data_port, me, |b| {
-                tuning.apply(b.backend(backend))
-            })
-            .map(Comm::Striped)
+            let star = match single {
+                Some(b) => b.build().map(Comm::One)?,
+                None => StripedCommunicator::from_config(&config, &jobs, aggregator, data_port, me, |b| {
+                    tuning.apply(b.backend(backend))
+                })
+                .map(Comm::Striped)?,
+            };
+            let Some((id, dir)) = ring else { return Ok(star) };
+            let mut ring = RingCommunicator::open(&config, id, &dir)?;
+            ring.set_deadline(tuning.deadline);
+            ring.set_quantization(tuning.quantization);
+            let mtu = star.first().config().mtu;
+            let mut chosen = StarOrRing::of(Some(star), Some(ring), Some(mtu))?.with_algorithm(algorithm);
+            if let Some(n) = ring_threshold {
+                chosen = chosen.with_ring_threshold(n);
+            }
+            Ok(Comm::Chosen(Box::new(chosen)))
         })
     }
 
@@ -548,6 +637,16 @@ impl PyCommunicator {
     #[getter]
     fn jobs(&self) -> PyResult<Vec<u16>> {
         self.with_comm(Comm::jobs)
+    }
+
+    /// Reductions this communicator made, by the algorithm that served
+    /// them: `{"star": n, "ring": m}` (the ring only with `from_config(ring=...)`).
+    #[getter]
+    fn served(&self) -> std::collections::HashMap<&'static str, u64> {
+        [("star", &self.served[0]), ("ring", &self.served[1])]
+            .into_iter()
+            .map(|(k, v)| (k, v.load(Ordering::Relaxed)))
+            .collect()
     }
 
     /// The path MTU the fragments are sized for.

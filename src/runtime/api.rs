@@ -236,3 +236,26 @@ pub fn broadcast_elements<C: Collective + ?Sized, T: WireElement>(
     T::read_be(&bytes, buf);
     Ok(served)
 }
+
+/// A boxed algorithm is one too (a star of [`StarOrRing`](crate::runtime::StarOrRing)
+/// chosen at run time, say).
+impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn participant(&self) -> Participant {
+        (**self).participant()
+    }
+    fn workers(&self) -> u16 {
+        (**self).workers()
+    }
+    fn stats(&self) -> CommStats {
+        (**self).stats()
+    }
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        (**self).allreduce_elements(data, op, opts)
+    }
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        (**self).reduce_elements(data, op, opts)
+    }
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        (**self).broadcast_bytes(buf, root, opts)
+    }
+}

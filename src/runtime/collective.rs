@@ -64,9 +64,11 @@ pub fn default_ring_threshold(star_mtu: usize, members: u16) -> usize {
 }
 
 /// A star and a ring communicator of the same members, or either alone
-/// (see the module docs).
-pub struct StarOrRing {
-    star: Option<Box<dyn Collective>>,
+/// (see the module docs). The star is any [`Collective`]: a
+/// [`Communicator`] ([`StarOrRing::new`]), a striped one, or a binding's own
+/// wrapper ([`StarOrRing::of`]).
+pub struct StarOrRing<S: Collective = Box<dyn Collective>> {
+    star: Option<S>,
     ring: Option<Mutex<RingPart>>,
     ring_len: usize,
     ring_threshold: usize,
@@ -81,7 +83,7 @@ struct RingPart {
     scratch: Vec<f32>,
 }
 
-impl std::fmt::Debug for StarOrRing {
+impl<S: Collective> std::fmt::Debug for StarOrRing<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StarOrRing")
             .field("star", &self.star.is_some())
@@ -92,23 +94,25 @@ impl std::fmt::Debug for StarOrRing {
     }
 }
 
-impl StarOrRing {
-    /// From a star communicator, a ring communicator, or both.
-    pub fn new(star: Option<Communicator>, ring: Option<RingCommunicator>) -> Result<StarOrRing, CommError> {
-        let threshold = match (&star, &ring) {
-            (Some(s), Some(r)) => default_ring_threshold(s.config().mtu, r.members()),
+impl StarOrRing<Communicator> {
+    /// From a star communicator, a ring communicator, or both; the
+    /// threshold is [`default_ring_threshold`] of the star's MTU and the
+    /// ring's members.
+    pub fn new(star: Option<Communicator>, ring: Option<RingCommunicator>) -> Result<StarOrRing<Communicator>, CommError> {
+        let mtu = star.as_ref().map(|s| s.config().mtu);
+        StarOrRing::of(star, ring, mtu)
+    }
+}
+
+impl<S: Collective> StarOrRing<S> {
+    /// From any star algorithm (a striped one, say), a ring, or both; with
+    /// both, the threshold is [`default_ring_threshold`] of `star_mtu` (the
+    /// MTU the star's datagrams are sized for) and the ring's members.
+    pub fn of(star: Option<S>, ring: Option<RingCommunicator>, star_mtu: Option<usize>) -> Result<StarOrRing<S>, CommError> {
+        let ring_threshold = match (star_mtu, &ring) {
+            (Some(mtu), Some(r)) if star.is_some() => default_ring_threshold(mtu, r.members()),
             _ => DEFAULT_RING_THRESHOLD,
         };
-        StarOrRing::of(star.map(|s| Box::new(s) as Box<dyn Collective>), ring, threshold)
-    }
-
-    /// From any star algorithm (a striped one, say), a ring, or both; calls
-    /// of at least `ring_threshold` elements go to the ring.
-    pub fn of(
-        star: Option<Box<dyn Collective>>,
-        ring: Option<RingCommunicator>,
-        ring_threshold: usize,
-    ) -> Result<StarOrRing, CommError> {
         if star.is_none() && ring.is_none() {
             return Err(CommError::Config("a collective needs a star or a ring communicator".into()));
         }
@@ -124,13 +128,13 @@ impl StarOrRing {
     /// Calls of at least `elements` go to the ring (with [`Algorithm::Auto`]);
     /// the default is [`default_ring_threshold`] of the star's MTU and the
     /// ring's members.
-    pub fn with_ring_threshold(mut self, elements: usize) -> StarOrRing {
+    pub fn with_ring_threshold(mut self, elements: usize) -> StarOrRing<S> {
         self.ring_threshold = elements;
         self
     }
 
     /// Force the star or the ring, or choose by size.
-    pub fn with_algorithm(mut self, algorithm: Algorithm) -> StarOrRing {
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> StarOrRing<S> {
         self.algorithm = algorithm;
         self
     }
@@ -141,8 +145,13 @@ impl StarOrRing {
     }
 
     /// The star, if any.
-    pub fn star(&self) -> Option<&dyn Collective> {
-        self.star.as_deref()
+    pub fn star(&self) -> Option<&S> {
+        self.star.as_ref()
+    }
+
+    /// Whether there is a ring.
+    pub fn has_ring(&self) -> bool {
+        self.ring.is_some()
     }
 
     /// The algorithm a call of `len` elements with `op` takes: the star or
@@ -167,8 +176,8 @@ impl StarOrRing {
     }
 
     /// The star, or why a call that only the star serves cannot be made.
-    fn only_star(&self, what: &str) -> Result<&dyn Collective, CommError> {
-        self.star.as_deref().ok_or_else(|| {
+    fn only_star(&self, what: &str) -> Result<&S, CommError> {
+        self.star.as_ref().ok_or_else(|| {
             CommError::Config(format!("a {what} needs a star communicator: the ring serves allreduce only"))
         })
     }
@@ -218,7 +227,7 @@ impl StarOrRing {
 }
 
 /// Star or ring by [`StarOrRing::choose`]; reduce and broadcast on the star.
-impl Collective for StarOrRing {
+impl<S: Collective> Collective for StarOrRing<S> {
     fn participant(&self) -> Participant {
         match (&self.star, &self.ring) {
             (Some(s), _) => s.participant(),
