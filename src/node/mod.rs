@@ -8,6 +8,7 @@
 //! attached after the attaching process dies, and what `detach` removes.
 
 
+pub mod control;
 pub mod desired;
 pub use desired::xdp_job;
 pub mod metrics;

@@ -24,6 +24,7 @@
 //!   and the slot table both user-space aggregators keep.
 
 pub mod abi;
+pub mod control;
 pub mod frame;
 pub mod map_names;
 pub mod proto;

@@ -1,0 +1,658 @@
+//! The jobs runs bring to the node (docs/INTERFACE.md, "Jobs on demand"),
+//! as a state machine without I/O: [`Registry::handle`] takes one request
+//! frame and answers it (a join may answer every rank of its run at once),
+//! [`Registry::expire`] removes what outlived its lease, and
+//! [`Registry::desired`] is every live job as the config tables a static
+//! job of the same description has, which the node adds to its file's and
+//! applies as the difference of its kernel state (`node::desired`).
+//!
+//! Order of the checks, so that nothing unauthenticated is remembered: the
+//! frame, the tenant, revocation, the MAC, freshness, the nonce (a nonce
+//! is kept only for a request whose MAC verified), then the request.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddrV4;
+
+use crate::config::{
+    Config, GroupConfig, JobConfig, ResultConsumer, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
+    DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_WINDOW, MAX_WORKERS,
+};
+use crate::wire::control::{Envelope, JobGrant, Refusal, Reply, Request, NONCE_BYTES};
+
+use super::keys::Keys;
+
+/// A connection the server holds (whom a reply goes to).
+pub type ConnId = u64;
+
+/// The node-wide bounds of the registry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Live dynamic jobs at once on the node.
+    pub jobs: u32,
+    /// Job ids handed out (never one of the file's).
+    pub job_ids: (u16, u16),
+    /// Contribution ports handed out: job k takes `port` and `port + 1`
+    /// (its RESULT port), so the range holds pairs.
+    pub ports: (u16, u16),
+    /// Result group ids handed out (never one of the file's).
+    pub groups: (u16, u16),
+    /// A job not renewed for this long is removed; a run whose ranks have
+    /// not all joined for this long is dropped.
+    pub lease_ms: u64,
+    /// A request's clock may differ from the node's by this much.
+    pub freshness_ms: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            jobs: 64,
+            job_ids: (0xF000, 0xFFFE),
+            ports: (47000, 47999),
+            groups: (0xF000, 0xFFFE),
+            lease_ms: 10_000,
+            freshness_ms: 30_000,
+        }
+    }
+}
+
+/// A live job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveJob {
+    pub tenant: String,
+    pub run: String,
+    pub grant: JobGrant,
+    pub group: u16,
+    pub vector_len: Option<u32>,
+    /// When it is removed unless renewed (the registry's clock, ms).
+    pub expires_ms: u64,
+    /// When it was created.
+    pub created_ms: u64,
+}
+
+/// A run whose ranks are joining.
+#[derive(Debug, Clone)]
+struct Joining {
+    world: u16,
+    vector_len: Option<u32>,
+    /// Rank → its data socket and the connection waiting for the grant.
+    ranks: BTreeMap<u16, (SocketAddrV4, ConnId)>,
+    started_ms: u64,
+}
+
+/// Counts since the node started, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub created: u64,
+    pub ended: u64,
+    pub expired: u64,
+    pub refused: BTreeMap<Refusal, u64>,
+}
+
+/// The registry (see the module docs).
+#[derive(Debug)]
+pub struct Registry {
+    keys: Keys,
+    limits: Limits,
+    /// What the node's file uses: never handed out.
+    file_ids: BTreeSet<u16>,
+    file_ports: BTreeSet<u16>,
+    file_groups: BTreeSet<u16>,
+    /// Nonces of verified requests, with their clock, oldest first: a
+    /// request older than the freshness window is refused as stale, so
+    /// older nonces need not be kept.
+    nonces: BTreeSet<[u8; NONCE_BYTES]>,
+    nonce_order: VecDeque<(u64, [u8; NONCE_BYTES])>,
+    joining: BTreeMap<(String, String), Joining>,
+    live: BTreeMap<u16, LiveJob>,
+    incarnations: BTreeMap<(String, String), u64>,
+    /// Where the search for the next free job id starts: ids rotate, so a
+    /// removed job's id is the last to be handed out again.
+    next_id: u16,
+    counts: Counts,
+}
+
+fn refuse(reason: Refusal, message: impl Into<String>) -> Reply {
+    Reply::Refused { reason, message: message.into() }
+}
+
+impl Registry {
+    /// A registry of `keys` beside the static jobs of `file`.
+    pub fn new(keys: Keys, limits: Limits, file: &Config) -> Registry {
+        let mut file_ports = BTreeSet::new();
+        for j in &file.jobs {
+            file_ports.insert(j.port);
+            file_ports.insert(j.result_port);
+        }
+        for r in &file.rings {
+            file_ports.insert(r.port);
+        }
+        Registry {
+            keys,
+            next_id: limits.job_ids.0,
+            limits,
+            file_ids: file.jobs.iter().map(|j| j.id).collect(),
+            file_ports,
+            file_groups: file.groups.iter().map(|g| g.id).collect(),
+            nonces: BTreeSet::new(),
+            nonce_order: VecDeque::new(),
+            joining: BTreeMap::new(),
+            live: BTreeMap::new(),
+            incarnations: BTreeMap::new(),
+            counts: Counts::default(),
+        }
+    }
+
+    /// The live jobs by id.
+    pub fn live(&self) -> &BTreeMap<u16, LiveJob> {
+        &self.live
+    }
+
+    pub fn counts(&self) -> &Counts {
+        &self.counts
+    }
+
+    /// Every live job as the `[[job]]` and `[[group]]` a static job of the
+    /// same description has: node-served, its workers' data sockets its
+    /// result group.
+    pub fn desired(&self) -> (Vec<JobConfig>, Vec<GroupConfig>) {
+        self.live
+            .values()
+            .map(|j| {
+                let g = &j.grant;
+                let job = JobConfig {
+                    id: g.job,
+                    port: g.port,
+                    workers: g.workers.iter().map(|w| *w.ip()).collect(),
+                    weights: vec![1; g.workers.len()],
+                    result_port: g.result_port,
+                    result_group: Some(j.group),
+                    vector_len: j.vector_len,
+                    slots: DEFAULT_SLOTS,
+                    parent: None,
+                    userspace_only: false,
+                    window: DEFAULT_WINDOW,
+                    userspace_slots: DEFAULT_USERSPACE_SLOTS,
+                    userspace_slot_bytes: DEFAULT_USERSPACE_SLOT_BYTES_JOB,
+                    consumer: ResultConsumer::Node,
+                    frag_elems: None,
+                };
+                (job, GroupConfig { id: j.group, members: g.workers.clone() })
+            })
+            .unzip()
+    }
+
+    /// One request frame from connection `conn` at `now_ms` (the node's
+    /// clock, ms since the Unix epoch): the replies it causes, each to its
+    /// connection. A join that completes its run answers every rank's
+    /// connection; one that does not answers nobody yet.
+    pub fn handle(&mut self, now_ms: u64, conn: ConnId, frame: &[u8]) -> Vec<(ConnId, Reply)> {
+        let replies = match self.authenticate(now_ms, frame) {
+            Ok((tenant, request)) => self.serve(now_ms, conn, tenant, request),
+            Err(reply) => vec![(conn, reply)],
+        };
+        for (_, r) in &replies {
+            if let Reply::Refused { reason, .. } = r {
+                *self.counts.refused.entry(*reason).or_default() += 1;
+            }
+        }
+        replies
+    }
+
+    /// The envelope checked (see the module docs): its tenant and request.
+    fn authenticate(&mut self, now_ms: u64, frame: &[u8]) -> Result<(String, Request), Reply> {
+        let env: Envelope = serde_json::from_slice(frame)
+            .map_err(|e| refuse(Refusal::Malformed, format!("not an AGC1 envelope: {e}")))?;
+        let tenant = self.keys.tenants.get(&env.tenant).ok_or_else(|| {
+            refuse(Refusal::UnknownTenant, format!("tenant {:?} is not in the node's key file", env.tenant))
+        })?;
+        if tenant.revoked {
+            return Err(refuse(Refusal::Revoked, format!("tenant {}'s credential was revoked", env.tenant)));
+        }
+        if !env.verifies(&tenant.key) {
+            return Err(refuse(Refusal::BadMac, format!("the MAC does not verify under tenant {}'s key", env.tenant)));
+        }
+        let skew = now_ms.abs_diff(env.time_ms);
+        if skew > self.limits.freshness_ms {
+            return Err(refuse(
+                Refusal::Stale,
+                format!("the request's clock is {skew} ms from the node's; at most {} ms", self.limits.freshness_ms),
+            ));
+        }
+        let nonce = env
+            .nonce_bytes()
+            .ok_or_else(|| refuse(Refusal::Malformed, format!("the nonce is not {NONCE_BYTES} bytes of hex")))?;
+        self.forget_nonces(now_ms);
+        if !self.nonces.insert(nonce) {
+            return Err(refuse(Refusal::Replayed, "this nonce was used before: a request is accepted once"));
+        }
+        self.nonce_order.push_back((env.time_ms.max(now_ms), nonce));
+        let request: Request = serde_json::from_str(&env.request)
+            .map_err(|e| refuse(Refusal::Malformed, format!("not an AGC1 request: {e}")))?;
+        Ok((env.tenant, request))
+    }
+
+    /// Drops the nonces that a fresh request can no longer carry.
+    fn forget_nonces(&mut self, now_ms: u64) {
+        while let Some(&(t, n)) = self.nonce_order.front() {
+            if t + self.limits.freshness_ms >= now_ms {
+                break;
+            }
+            self.nonce_order.pop_front();
+            self.nonces.remove(&n);
+        }
+    }
+
+    fn serve(&mut self, now_ms: u64, conn: ConnId, tenant: String, request: Request) -> Vec<(ConnId, Reply)> {
+        match request {
+            Request::Join { run, world, rank, data, vector_len } => {
+                self.join(now_ms, conn, tenant, run, world, rank, data, vector_len)
+            }
+            Request::Renew { job, incarnation } => {
+                let lease = self.limits.lease_ms;
+                let reply = match self.owned(&tenant, job, incarnation) {
+                    Ok(j) => {
+                        j.expires_ms = now_ms + lease;
+                        Reply::Renewed { lease_ms: lease }
+                    }
+                    Err(r) => r,
+                };
+                vec![(conn, reply)]
+            }
+            Request::End { job, incarnation } => {
+                let reply = match self.owned(&tenant, job, incarnation) {
+                    Ok(_) => {
+                        self.live.remove(&job);
+                        self.counts.ended += 1;
+                        Reply::Ended
+                    }
+                    Err(r) => r,
+                };
+                vec![(conn, reply)]
+            }
+        }
+    }
+
+    /// The live job `job` of incarnation `incarnation`, if `tenant` owns it.
+    fn owned(&mut self, tenant: &str, job: u16, incarnation: u64) -> Result<&mut LiveJob, Reply> {
+        match self.live.get_mut(&job) {
+            Some(j) if j.tenant == tenant && j.grant.incarnation == incarnation => Ok(j),
+            _ => Err(refuse(
+                Refusal::UnknownJob,
+                format!("no live job {job} of incarnation {incarnation} for tenant {tenant} (ended, expired, or another's)"),
+            )),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn join(
+        &mut self,
+        now_ms: u64,
+        conn: ConnId,
+        tenant: String,
+        run: String,
+        world: u16,
+        rank: u16,
+        data: SocketAddrV4,
+        vector_len: Option<u32>,
+    ) -> Vec<(ConnId, Reply)> {
+        if world == 0 || world as usize > MAX_WORKERS || rank >= world {
+            return vec![(conn, refuse(Refusal::Conflict, format!("rank {rank} of a world of {world}: 1..={MAX_WORKERS} ranks, rank below world")))];
+        }
+        if let Some((id, _)) = self
+            .live
+            .iter()
+            .find(|(_, j)| !(j.tenant == tenant && j.run == run) && j.grant.workers.contains(&data))
+        {
+            return vec![(conn, refuse(Refusal::Conflict, format!("{data} is a worker of live job {id} of another run")))];
+        }
+        if let Err(r) = self.within_quota(&tenant, &run, world) {
+            return vec![(conn, r)];
+        }
+        let key = (tenant.clone(), run.clone());
+        let joining = self.joining.entry(key.clone()).or_insert_with(|| Joining {
+            world,
+            vector_len,
+            ranks: BTreeMap::new(),
+            started_ms: now_ms,
+        });
+        if joining.world != world || joining.vector_len != vector_len {
+            return vec![(conn, refuse(
+                Refusal::Conflict,
+                format!("run {run} is joining as a world of {} (vector_len {:?}), not {world} ({vector_len:?})", joining.world, joining.vector_len),
+            ))];
+        }
+        if let Some((addr, _)) = joining.ranks.get(&rank) {
+            if *addr != data {
+                return vec![(conn, refuse(Refusal::Conflict, format!("rank {rank} of run {run} joined from {addr}, not {data}")))];
+            }
+        }
+        if let Some((r, _)) = joining.ranks.iter().find(|(r, (a, _))| **r != rank && *a == data) {
+            return vec![(conn, refuse(Refusal::Conflict, format!("{data} is rank {r}'s data socket in run {run}")))];
+        }
+        joining.ranks.insert(rank, (data, conn));
+        if joining.ranks.len() < world as usize {
+            return Vec::new();
+        }
+        let joining = self.joining.remove(&key).expect("present");
+        self.create(now_ms, tenant, run, joining)
+    }
+
+    /// Whether `tenant` may have a job of `world` more workers (a run that
+    /// replaces its own live job counts without it).
+    fn within_quota(&self, tenant: &str, run: &str, world: u16) -> Result<(), Reply> {
+        let t = &self.keys.tenants[tenant];
+        let others = || self.live.values().filter(|j| !(j.tenant == tenant && j.run == run));
+        let jobs = others().filter(|j| j.tenant == tenant).count() as u32;
+        let workers: u32 = others().filter(|j| j.tenant == tenant).map(|j| j.grant.workers.len() as u32).sum();
+        if jobs + 1 > t.jobs {
+            return Err(refuse(Refusal::OverQuota, format!("tenant {tenant} has {jobs} live jobs; its quota is {} (key file: jobs)", t.jobs)));
+        }
+        if workers + u32::from(world) > t.workers {
+            return Err(refuse(
+                Refusal::OverQuota,
+                format!("tenant {tenant} has {workers} workers in live jobs; {world} more exceed its quota of {} (key file: workers)", t.workers),
+            ));
+        }
+        if others().count() as u32 + 1 > self.limits.jobs {
+            return Err(refuse(Refusal::OverQuota, format!("the node serves {} dynamic jobs, its limit", self.limits.jobs)));
+        }
+        Ok(())
+    }
+
+    /// The job of a run whose ranks have all joined (replacing the run's
+    /// live one, a restarted run's): a job id, ports and a group none of
+    /// the file's or the live jobs' use.
+    fn create(&mut self, now_ms: u64, tenant: String, run: String, joining: Joining) -> Vec<(ConnId, Reply)> {
+        let conns: Vec<ConnId> = joining.ranks.values().map(|(_, c)| *c).collect();
+        let all = |reply: Reply| conns.iter().map(|&c| (c, reply.clone())).collect::<Vec<_>>();
+        if let Err(r) = self.within_quota(&tenant, &run, joining.world) {
+            return all(r);
+        }
+        let old = self.live.iter().find(|(_, j)| j.tenant == tenant && j.run == run).map(|(id, _)| *id);
+        let ids = (self.limits.job_ids.0..=self.limits.job_ids.1).count();
+        let id = (0..ids)
+            .map(|k| self.limits.job_ids.0 + ((self.next_id - self.limits.job_ids.0) as usize + k) as u16 % ids as u16)
+            .find(|id| !self.file_ids.contains(id) && !self.live.contains_key(id) && Some(*id) != old);
+        let used_ports: BTreeSet<u16> = self.live.values().flat_map(|j| [j.grant.port, j.grant.result_port]).collect();
+        let port = (self.limits.ports.0..self.limits.ports.1)
+            .step_by(2)
+            .find(|p| [*p, p + 1].iter().all(|q| !self.file_ports.contains(q) && !used_ports.contains(q)));
+        let used_groups: BTreeSet<u16> = self.live.values().map(|j| j.group).collect();
+        let group = (self.limits.groups.0..=self.limits.groups.1)
+            .find(|g| !self.file_groups.contains(g) && !used_groups.contains(g));
+        let (Some(id), Some(port), Some(group)) = (id, port, group) else {
+            return all(refuse(Refusal::Unavailable, "no free job id, port pair or group: end a run first"));
+        };
+        if let Some(old) = old {
+            self.live.remove(&old);
+            self.counts.ended += 1;
+        }
+        self.next_id = if id == self.limits.job_ids.1 { self.limits.job_ids.0 } else { id + 1 };
+        let incarnation = self.incarnations.entry((tenant.clone(), run.clone())).or_default();
+        *incarnation += 1;
+        let grant = JobGrant {
+            job: id,
+            incarnation: *incarnation,
+            port,
+            result_port: port + 1,
+            workers: joining.ranks.values().map(|(a, _)| *a).collect(),
+            lease_ms: self.limits.lease_ms,
+        };
+        self.live.insert(
+            id,
+            LiveJob {
+                tenant,
+                run,
+                grant: grant.clone(),
+                group,
+                vector_len: joining.vector_len,
+                expires_ms: now_ms + self.limits.lease_ms,
+                created_ms: now_ms,
+            },
+        );
+        self.counts.created += 1;
+        all(Reply::Joined(grant))
+    }
+
+    /// Removes every job whose lease ran out and every run whose ranks have
+    /// not all joined within a lease; returns the removed jobs' ids and the
+    /// refusals owed to the connections of the dropped runs.
+    pub fn expire(&mut self, now_ms: u64) -> (Vec<u16>, Vec<(ConnId, Reply)>) {
+        let gone: Vec<u16> = self.live.iter().filter(|(_, j)| j.expires_ms <= now_ms).map(|(id, _)| *id).collect();
+        for id in &gone {
+            self.live.remove(id);
+            self.counts.expired += 1;
+        }
+        let lease = self.limits.lease_ms;
+        let stale: Vec<(String, String)> = self
+            .joining
+            .iter()
+            .filter(|(_, j)| j.started_ms + lease <= now_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut replies = Vec::new();
+        for key in stale {
+            let j = self.joining.remove(&key).expect("present");
+            let missing: Vec<u16> = (0..j.world).filter(|r| !j.ranks.contains_key(r)).collect();
+            let reply = refuse(
+                Refusal::Unavailable,
+                format!("run {}: ranks {missing:?} did not join within {lease} ms", key.1),
+            );
+            replies.extend(j.ranks.values().map(|(_, c)| (*c, reply.clone())));
+        }
+        for (_, r) in &replies {
+            if let Reply::Refused { reason, .. } = r {
+                *self.counts.refused.entry(*reason).or_default() += 1;
+            }
+        }
+        (gone, replies)
+    }
+
+    /// A connection closed: its rank's join is withdrawn.
+    pub fn closed(&mut self, conn: ConnId) {
+        for j in self.joining.values_mut() {
+            j.ranks.retain(|_, (_, c)| *c != conn);
+        }
+        self.joining.retain(|_, j| !j.ranks.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::control::keys::Tenant;
+
+    const T0: u64 = 1_800_000_000_000;
+
+    fn keys() -> Keys {
+        let mut k = Keys::default();
+        for (name, revoked, jobs) in [("alice", false, 2), ("bob", false, 4), ("eve", true, 4)] {
+            k.tenants.insert(
+                name.into(),
+                Tenant { name: name.into(), key: vec![name.len() as u8; 32], revoked, jobs, workers: 16 },
+            );
+        }
+        k
+    }
+
+    fn registry() -> Registry {
+        let file = Config::parse(
+            "[[job]]\nid = 61440\nport = 47000\nworkers = [\"10.0.0.1\"]\nresult_port = 47001\n",
+            "t",
+        )
+        .unwrap();
+        Registry::new(keys(), Limits::default(), &file)
+    }
+
+    struct Client {
+        tenant: &'static str,
+        nonce: u128,
+    }
+
+    impl Client {
+        fn frame(&mut self, time_ms: u64, r: &Request) -> Vec<u8> {
+            self.nonce += 1;
+            let key = vec![self.tenant.len() as u8; 32];
+            serde_json::to_vec(&Envelope::sign(self.tenant, &key, self.nonce.to_be_bytes(), time_ms, r)).unwrap()
+        }
+    }
+
+    fn join(run: &str, world: u16, rank: u16) -> Request {
+        Request::Join {
+            run: run.into(),
+            world,
+            rank,
+            data: SocketAddrV4::new([10, 0, run.as_bytes()[0], rank as u8 + 1].into(), 7700),
+            vector_len: None,
+        }
+    }
+
+    fn reason(replies: &[(ConnId, Reply)]) -> Refusal {
+        match &replies[..] {
+            [(_, Reply::Refused { reason, .. })] => *reason,
+            other => panic!("not one refusal: {other:?}"),
+        }
+    }
+
+    /// Joins every rank of `run`; the grant all got.
+    fn run_of(reg: &mut Registry, c: &mut Client, now: u64, run: &str, world: u16) -> JobGrant {
+        let mut out = Vec::new();
+        for r in 0..world {
+            let f = c.frame(now, &join(run, world, r));
+            out = reg.handle(now, u64::from(r), &f);
+            if r + 1 < world {
+                assert!(out.is_empty(), "rank {r} answered before the run is complete: {out:?}");
+            }
+        }
+        assert_eq!(out.len(), world as usize);
+        let Reply::Joined(g) = &out[0].1 else { panic!("{out:?}") };
+        assert!(out.iter().all(|(_, r)| *r == Reply::Joined(g.clone())), "every rank gets the same grant");
+        g.clone()
+    }
+
+    #[test]
+    fn a_run_gets_a_job_when_every_rank_joined_never_one_of_the_file() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let g = run_of(&mut reg, &mut c, T0, "r", 4);
+        assert_ne!(g.job, 61440, "the file's job id");
+        assert!(![47000, 47001].contains(&g.port) && g.result_port == g.port + 1);
+        assert_eq!(g.workers.len(), 4);
+        assert_eq!(g.incarnation, 1);
+        let (jobs, groups) = reg.desired();
+        assert_eq!(jobs[0].id, g.job);
+        assert_eq!(jobs[0].consumer, ResultConsumer::Node);
+        assert_eq!(groups[0].members, g.workers);
+        assert_eq!(jobs[0].result_group, Some(groups[0].id));
+    }
+
+    #[test]
+    fn refusals_change_nothing_and_are_counted_by_reason() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let f = c.frame(T0, &join("r", 2, 0));
+        let mut e: Envelope = serde_json::from_slice(&f).unwrap();
+        assert_eq!(reason(&reg.handle(T0, 1, b"{not json")), Refusal::Malformed);
+        e.tenant = "mallory".into();
+        assert_eq!(reason(&reg.handle(T0, 1, &serde_json::to_vec(&e).unwrap())), Refusal::UnknownTenant);
+        let mut revoked = Client { tenant: "eve", nonce: 0 };
+        assert_eq!(reason(&reg.handle(T0, 1, &revoked.frame(T0, &join("r", 2, 0)))), Refusal::Revoked);
+        let mut forged: Envelope = serde_json::from_slice(&f).unwrap();
+        forged.request = forged.request.replace("\"world\":2", "\"world\":3");
+        assert_eq!(reason(&reg.handle(T0, 1, &serde_json::to_vec(&forged).unwrap())), Refusal::BadMac);
+        assert_eq!(reason(&reg.handle(T0 + 60_000, 1, &f)), Refusal::Stale);
+        assert!(reg.handle(T0, 1, &f).is_empty(), "the genuine request: rank 0 waits");
+        assert_eq!(reason(&reg.handle(T0, 2, &f)), Refusal::Replayed);
+        assert!(reg.live().is_empty());
+        assert_eq!(reason(&reg.handle(T0, 3, &c.frame(T0, &join("r", 3, 1)))), Refusal::Conflict, "another world size");
+        let counts = &reg.counts().refused;
+        for r in [Refusal::Malformed, Refusal::UnknownTenant, Refusal::Revoked, Refusal::BadMac, Refusal::Stale, Refusal::Replayed, Refusal::Conflict] {
+            assert_eq!(counts.get(&r), Some(&1), "{r:?} in {counts:?}");
+        }
+        // Rank 1 completes the run: the refusals changed nothing.
+        let out = reg.handle(T0, 4, &c.frame(T0, &join("r", 2, 1)));
+        assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn quotas_refuse_the_job_that_would_exceed_them_naming_the_limit() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        run_of(&mut reg, &mut c, T0, "a", 2);
+        run_of(&mut reg, &mut c, T0, "b", 2);
+        let out = reg.handle(T0, 9, &c.frame(T0, &join("c", 2, 0)));
+        assert_eq!(reason(&out), Refusal::OverQuota);
+        assert!(matches!(&out[0].1, Reply::Refused { message, .. } if message.contains("quota is 2")));
+        let mut bob = Client { tenant: "bob", nonce: 100 };
+        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None };
+        assert_eq!(reason(&reg.handle(T0, 9, &bob.frame(T0, &over))), Refusal::OverQuota);
+    }
+
+    #[test]
+    fn another_runs_worker_socket_is_a_conflict() {
+        let mut reg = registry();
+        let mut a = Client { tenant: "alice", nonce: 0 };
+        run_of(&mut reg, &mut a, T0, "a", 2);
+        let mut b = Client { tenant: "bob", nonce: 1000 };
+        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None };
+        assert_eq!(reason(&reg.handle(T0, 7, &b.frame(T0, &taken))), Refusal::Conflict);
+        assert!(reg.handle(T0, 7, &b.frame(T0, &join("b", 2, 0))).is_empty(), "its own sockets: accepted");
+    }
+
+    #[test]
+    fn leases_renew_end_and_expire_and_a_restarted_run_is_a_new_incarnation() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let g = run_of(&mut reg, &mut c, T0, "r", 2);
+        let lease = g.lease_ms;
+        let renew = Request::Renew { job: g.job, incarnation: g.incarnation };
+        assert_eq!(reg.handle(T0 + lease - 1, 0, &c.frame(T0, &renew)), vec![(0, Reply::Renewed { lease_ms: lease })]);
+        assert_eq!(reg.expire(T0 + lease).0, Vec::<u16>::new(), "renewed");
+        let mut other = Client { tenant: "bob", nonce: 500 };
+        assert_eq!(reason(&reg.handle(T0, 0, &other.frame(T0, &renew))), Refusal::UnknownJob, "another tenant's job");
+        // The run restarts (its workers killed): the new incarnation
+        // replaces the job at once, with another id.
+        let g2 = run_of(&mut reg, &mut c, T0 + 10, "r", 2);
+        assert_eq!(g2.incarnation, 2);
+        assert_ne!(g2.job, g.job);
+        assert_eq!(reg.live().len(), 1);
+        assert_eq!(reason(&reg.handle(T0, 0, &c.frame(T0, &renew))), Refusal::UnknownJob, "the old incarnation");
+        // Not renewed: gone after a lease.
+        assert_eq!(reg.expire(T0 + 10 + lease).0, vec![g2.job]);
+        assert!(reg.live().is_empty() && reg.desired().0.is_empty());
+        let g3 = run_of(&mut reg, &mut c, T0 + 20, "r", 2);
+        assert_eq!(reg.handle(T0, 0, &c.frame(T0, &Request::End { job: g3.job, incarnation: 3 })), vec![(0, Reply::Ended)]);
+        assert!(reg.live().is_empty());
+        assert_eq!((reg.counts().created, reg.counts().ended, reg.counts().expired), (3, 2, 1));
+    }
+
+    #[test]
+    fn a_run_whose_ranks_do_not_all_join_is_dropped_after_a_lease() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        assert!(reg.handle(T0, 5, &c.frame(T0, &join("r", 3, 0))).is_empty());
+        let (gone, replies) = reg.expire(T0 + Limits::default().lease_ms);
+        assert!(gone.is_empty());
+        assert!(matches!(&replies[..], [(5, Reply::Refused { reason: Refusal::Unavailable, message })] if message.contains("[1, 2]")));
+        // A closed connection withdraws its rank.
+        assert!(reg.handle(T0, 6, &c.frame(T0, &join("s", 2, 0))).is_empty());
+        reg.closed(6);
+        assert!(reg.handle(T0, 7, &c.frame(T0, &join("s", 2, 1))).is_empty(), "rank 0 withdrew: not complete");
+    }
+
+    #[test]
+    fn a_thousand_create_end_cycles_leave_nothing_behind() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        for k in 0..1000u64 {
+            let now = T0 + k;
+            let g = run_of(&mut reg, &mut c, now, "r", 2);
+            assert_eq!(reg.handle(now, 0, &c.frame(now, &Request::End { job: g.job, incarnation: g.incarnation })), vec![(0, Reply::Ended)]);
+        }
+        assert!(reg.live().is_empty() && reg.joining.is_empty());
+        // The nonces of the last freshness window only.
+        reg.forget_nonces(T0 + 1000 + Limits::default().freshness_ms + 1);
+        assert!(reg.nonces.is_empty() && reg.nonce_order.is_empty());
+    }
+}
