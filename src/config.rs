@@ -195,7 +195,17 @@ pub struct NodeConfig {
     /// `userspace_slot_bytes`: bound on the slot memory of all jobs together
     /// on the user-space path, bytes (>= [`MIN_USERSPACE_SLOT_BYTES`]).
     pub userspace_slot_bytes: u64,
+    /// `control`: where the control endpoint (jobs on demand, AGC1)
+    /// listens; it is served only when `keys` names a key file.
+    pub control: SocketAddr,
+    /// `keys`: the key file of the tenants that may create jobs on demand;
+    /// `None`: no control endpoint.
+    pub keys: Option<std::path::PathBuf>,
 }
+
+/// Where the control endpoint listens when `[node] control` is not given.
+pub const DEFAULT_CONTROL: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 7471);
 
 /// `[node] userspace_path`: what `aggbox attach` does when the user-space
 /// (AF_XDP) path cannot start. Without it, contributions the kernel does not
@@ -233,6 +243,8 @@ impl Default for NodeConfig {
             ack_group: MAX_ACK_GROUP,
             userspace_path: UserspacePathMode::Required,
             userspace_slot_bytes: DEFAULT_USERSPACE_SLOT_BYTES_NODE,
+            control: DEFAULT_CONTROL,
+            keys: None,
         }
     }
 }
@@ -557,7 +569,7 @@ struct ParsedGroup {
     id_at: usize,
 }
 
-const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path", "userspace_slot_bytes"];
+const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path", "userspace_slot_bytes", "control", "keys"];
 
 /// `userspace_slot_bytes` (node or job): an integer of bytes, at least
 /// [`MIN_USERSPACE_SLOT_BYTES`].
@@ -640,6 +652,21 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
     }
     if let Some(v) = t.take("userspace_slot_bytes") {
         node.userspace_slot_bytes = slot_bytes(src, &t.key("userspace_slot_bytes"), &v)?;
+    }
+    if let Some(v) = t.take("control") {
+        let key = t.key("control");
+        let s = expect_str(src, &key, &v)?;
+        node.control = s.parse().map_err(|_| {
+            src.error(v.span().start, Some(key.clone()), format!("{s:?} is not an address IP:PORT"))
+        })?;
+    }
+    if let Some(v) = t.take("keys") {
+        let key = t.key("keys");
+        let s = expect_str(src, &key, &v)?;
+        if s.is_empty() {
+            return Err(src.error(v.span().start, Some(key), "an empty path: name the key file".into()));
+        }
+        node.keys = Some(s.into());
     }
     Ok(node)
 }

@@ -4,7 +4,7 @@
 use std::net::{SocketAddrV4, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -374,18 +374,31 @@ fn attach(
     // Install the signal handlers before attaching so a signal that arrives
     // while attaching still leads to a clean detach (a SIGHUP then waits
     // for the attach to finish).
-    let (events_tx, events) = mpsc::channel::<i32>();
+    let (events_tx, events) = mpsc::channel::<Event>();
     let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP]).context("installing the SIGINT/SIGTERM/SIGHUP handlers")?;
+    let signal_tx = events_tx.clone();
     std::thread::Builder::new()
         .name("aggbox-signals".into())
         .spawn(move || {
             for signal in signals.forever() {
-                if events_tx.send(signal).is_err() {
+                if signal_tx.send(Event::Signal(signal)).is_err() {
                     break;
                 }
             }
         })
         .context("starting the signal thread")?;
+
+    // The control endpoint's key file and port, before the interface is
+    // touched: a bad key file or a port in use fails the attach here.
+    let control = match &config.node.keys {
+        Some(path) => {
+            let keys = node::control::Keys::load(path).map_err(|e| anyhow!("aggbox: [node] keys: {e}"))?;
+            let listener = std::net::TcpListener::bind(config.node.control)
+                .with_context(|| format!("aggbox: [node] control: binding {}", config.node.control))?;
+            Some((keys, listener))
+        }
+        None => None,
+    };
 
     // Bind the metrics port first: a port in use must fail the attach while
     // the interface is still untouched.
@@ -452,12 +465,48 @@ fn attach(
     use std::io::Write;
     std::io::stdout().flush().ok();
 
-    while let Ok(signal) = events.recv() {
-        if signal != SIGHUP {
-            break;
+    // Jobs on demand: the registry beside the file's jobs; its changes
+    // come back here to be applied (docs/INTERFACE.md, "Jobs on demand").
+    let mut file_config = config.clone();
+    let control = match control {
+        Some((keys, listener)) => {
+            let registry = Arc::new(Mutex::new(node::control::Registry::new(keys, node::control::Limits::default(), &config)));
+            let (changes_tx, changes) = mpsc::channel();
+            let server = node::control::server::ControlServer::start(listener, registry.clone(), changes_tx)
+                .context("aggbox: starting the control endpoint")?;
+            let forward = events_tx.clone();
+            std::thread::Builder::new()
+                .name("aggbox-control-events".into())
+                .spawn(move || {
+                    for change in changes {
+                        if forward.send(Event::Control(change)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .context("starting the control event thread")?;
+            eprintln!("aggbox: control endpoint (jobs on demand) at {}", server.local_addr());
+            Some((server, registry))
         }
-        reload(&mut attachment, iface, config_path);
+        None => None,
+    };
+    drop(events_tx);
+    while let Ok(event) = events.recv() {
+        match event {
+            Event::Signal(SIGHUP) => {
+                if let Some(new) = reload(&mut attachment, iface, config_path, control.as_ref().map(|c| &c.1)) {
+                    file_config = new;
+                }
+            }
+            Event::Signal(_) => break,
+            Event::Control(change) => {
+                if let Some((server, registry)) = &control {
+                    apply_control(&mut attachment, &file_config, server, registry, change);
+                }
+            }
+        }
     }
+    drop(control);
     attachment.detach()?;
     // The supervisor may have stopped reading stdout by now: a closed pipe
     // must not turn a clean detach into a panic.
@@ -491,18 +540,47 @@ fn watch_rates(iface: Option<&str>, pin_root: &Path, interval: f64) -> Result<()
     }
 }
 
-/// SIGHUP: read the config file again and apply its jobs and groups; the
-/// outcome goes to stderr and to the attach record (`aggbox reload`).
-fn reload(attachment: &mut node::Attachment, iface: &str, config_path: Option<&Path>) {
+/// What the attach loop waits for.
+enum Event {
+    Signal(i32),
+    /// The control endpoint's live jobs changed.
+    Control(node::control::server::Change),
+}
+
+/// SIGHUP: read the config file again and apply its jobs and groups (with
+/// the live jobs on demand); the outcome goes to stderr and to the attach
+/// record (`aggbox reload`). Returns the file's new configuration once
+/// applied.
+fn reload(
+    attachment: &mut node::Attachment,
+    iface: &str,
+    config_path: Option<&Path>,
+    registry: Option<&Arc<Mutex<node::control::Registry>>>,
+) -> Option<Config> {
     let Some(path) = config_path else {
         eprintln!("aggbox: SIGHUP: {iface} was attached without --config, nothing to reload");
         let _ = attachment.refuse_reload(&anyhow!("attached without --config: there is no file to reload"));
-        return;
+        return None;
     };
-    match Config::load(path) {
-        Ok(new) => match attachment.reload(&new, Some(path)) {
-            Ok(summary) => eprintln!("aggbox: reloaded {}: {summary}", path.display()),
-            Err(e) => eprintln!("aggbox: reload of {} refused: {e:#}", path.display()),
+    let loaded = Config::load(path).map_err(|e| anyhow!("{e}")).and_then(|new| {
+        let Some(registry) = registry else { return Ok((new.clone(), new)) };
+        let registry = registry.lock().unwrap_or_else(|p| p.into_inner());
+        let effective = node::control::with_dynamic_jobs(&new, &registry).map_err(|e| anyhow!("{e}"))?;
+        Ok((new, effective))
+    });
+    match loaded {
+        Ok((new, effective)) => match attachment.reload(&effective, Some(path)) {
+            Ok(summary) => {
+                eprintln!("aggbox: reloaded {}: {summary}", path.display());
+                if let Some(registry) = registry {
+                    registry.lock().unwrap_or_else(|p| p.into_inner()).set_file(&new);
+                }
+                Some(new)
+            }
+            Err(e) => {
+                eprintln!("aggbox: reload of {} refused: {e:#}", path.display());
+                None
+            }
         },
         Err(e) => {
             let e = anyhow!("{e}; nothing was changed");
@@ -510,8 +588,46 @@ fn reload(attachment: &mut node::Attachment, iface: &str, config_path: Option<&P
             if let Err(record) = attachment.refuse_reload(&e) {
                 eprintln!("aggbox: {record:#}");
             }
+            None
         }
     }
+}
+
+/// The live jobs on demand changed: the node's kernel state becomes the
+/// file's and theirs, then the waiting ranks get their replies. A job the
+/// node could not apply is removed again and its ranks are refused.
+fn apply_control(
+    attachment: &mut node::Attachment,
+    file: &Config,
+    server: &node::control::server::ControlServer,
+    registry: &Arc<Mutex<node::control::Registry>>,
+    change: node::control::server::Change,
+) {
+    use aggbox::wire::control::{Refusal, Reply};
+    let mut replies = change.replies;
+    let effective = {
+        let registry = registry.lock().unwrap_or_else(|p| p.into_inner());
+        node::control::with_dynamic_jobs(file, &registry)
+    };
+    let applied = effective
+        .map_err(|e| anyhow!("{e}"))
+        .and_then(|c| attachment.apply_jobs(&c));
+    if let Err(e) = applied {
+        eprintln!("aggbox: control: the node could not apply the jobs on demand: {e:#}");
+        let mut registry = registry.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, reply) in &mut replies {
+            if let Reply::Joined(grant) = reply {
+                registry.remove(grant.job);
+                *reply = Reply::Refused {
+                    reason: Refusal::Unavailable,
+                    message: format!("the node could not serve the job: {e:#}"),
+                };
+            }
+        }
+        // The node is back where the registry now is (the writes of a
+        // failed apply are undone): nothing else to do.
+    }
+    server.deliver(replies);
 }
 
 fn listen(

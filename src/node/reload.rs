@@ -103,12 +103,22 @@ fn node_keys_changed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
     if old.userspace_slot_bytes != new.userspace_slot_bytes {
         keys.push("userspace_slot_bytes");
     }
+    if old.control != new.control {
+        keys.push("control");
+    }
+    if old.keys != new.keys {
+        keys.push("keys");
+    }
     keys
 }
 
-/// Whether `config` needs the TC programs (as `attach` decides).
+/// Whether `config` needs the TC programs (as `attach` decides): a node
+/// with a control endpoint does too, for the result groups of the jobs runs
+/// will bring.
 pub(super) fn needs_tc(config: &Config) -> bool {
-    !config.groups.is_empty() || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some())
+    !config.groups.is_empty()
+        || config.jobs.iter().any(|j| j.result_group.is_some() || j.parent.is_some())
+        || config.node.keys.is_some()
 }
 
 /// The job and group differences between `old` and `new`.
@@ -154,6 +164,17 @@ impl Attachment {
         };
         self.note_reload(result.is_ok(), message)?;
         result
+    }
+
+    /// Applies the jobs on demand: `new` is the file's configuration with
+    /// the control endpoint's live jobs (`node::control::with_dynamic_jobs`),
+    /// applied as a reload applies a file, but neither counted as an
+    /// operator's reload nor changing the recorded file.
+    pub fn apply_jobs(&mut self, new: &Config) -> Result<ReloadSummary> {
+        let summary = self.apply_reload(new)?;
+        self.record.jobs = new.jobs.iter().map(|j| j.id).collect();
+        super::update_record(&self.dir, &self.record)?;
+        Ok(summary)
     }
 
     /// Record a reload that was refused before it reached

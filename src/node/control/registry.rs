@@ -449,6 +449,19 @@ impl Registry {
         (gone, replies)
     }
 
+    /// Removes live job `job` without a reply (the node could not apply
+    /// it); whether it was live.
+    pub fn remove(&mut self, job: u16) -> bool {
+        self.live.remove(&job).is_some()
+    }
+
+    /// The node's file changed (`aggbox reload`): what it uses is never
+    /// handed out from now on.
+    pub fn set_file(&mut self, file: &Config) {
+        let fresh = Registry::new(Keys::default(), self.limits.clone(), file);
+        (self.file_ids, self.file_ports, self.file_groups) = (fresh.file_ids, fresh.file_ports, fresh.file_groups);
+    }
+
     /// A connection closed: its rank's join is withdrawn.
     pub fn closed(&mut self, conn: ConnId) {
         for j in self.joining.values_mut() {

@@ -1,0 +1,187 @@
+//! The control endpoint's I/O: a TCP listener whose connections feed AGC1
+//! frames to the [`Registry`], and a ticker that expires leases. A change
+//! of the live jobs is not answered here: it goes to the node's main loop
+//! as a [`Change`], which applies the new desired state to the kernel
+//! first and then [`ControlServer::deliver`]s the replies, so that a rank
+//! learns of its job only once the node serves it.
+//!
+//! Bounds: a frame of at most `wire::control::MAX_FRAME` bytes; a
+//! connection silent for [`IDLE`] is closed (a rank waits for its run's
+//! other joins at most a lease, far less); at most [`MAX_CONNECTIONS`]
+//! connections at once (more are closed at once).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::wire::control::{read_frame, write_frame, Refusal, Reply};
+
+use super::registry::{ConnId, Registry};
+
+/// A connection that sends nothing for this long is closed.
+pub const IDLE: Duration = Duration::from_secs(60);
+/// Connections served at once.
+pub const MAX_CONNECTIONS: usize = 256;
+/// How often leases are checked.
+const TICK: Duration = Duration::from_millis(250);
+
+/// The live jobs changed: the replies owed once the node applied them.
+#[derive(Debug)]
+pub struct Change {
+    pub replies: Vec<(ConnId, Reply)>,
+}
+
+/// The node's clock for the registry: ms since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The running endpoint; stops when dropped.
+pub struct ControlServer {
+    addr: SocketAddr,
+    conns: Arc<Mutex<HashMap<ConnId, TcpStream>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ControlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlServer").field("addr", &self.addr).finish()
+    }
+}
+
+impl ControlServer {
+    /// Serves `listener` (bound by the caller, so a port in use fails the
+    /// attach before the interface is touched) with `registry`; changes go
+    /// to `changes`.
+    pub fn start(
+        listener: TcpListener,
+        registry: Arc<Mutex<Registry>>,
+        changes: Sender<Change>,
+    ) -> std::io::Result<ControlServer> {
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let conns: Arc<Mutex<HashMap<ConnId, TcpStream>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let next = Arc::new(AtomicU64::new(1));
+        let accept = {
+            let (registry, changes, conns, stop) = (registry.clone(), changes.clone(), conns.clone(), stop.clone());
+            std::thread::Builder::new().name("aggbox-control".into()).spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            if conns.lock().unwrap_or_else(|p| p.into_inner()).len() >= MAX_CONNECTIONS {
+                                continue; // dropped: closed at once
+                            }
+                            let id = next.fetch_add(1, Ordering::Relaxed);
+                            let (registry, changes, conns) = (registry.clone(), changes.clone(), conns.clone());
+                            let _ = std::thread::Builder::new()
+                                .name("aggbox-control-conn".into())
+                                .spawn(move || serve_connection(id, stream, registry, changes, conns));
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })?
+        };
+        let ticker = {
+            let (stop, conns) = (stop.clone(), conns.clone());
+            std::thread::Builder::new().name("aggbox-control-lease".into()).spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(TICK);
+                    let (gone, replies) = registry.lock().unwrap_or_else(|p| p.into_inner()).expire(now_ms());
+                    if !gone.is_empty() {
+                        let _ = changes.send(Change { replies });
+                    } else {
+                        deliver_to(&conns, replies);
+                    }
+                }
+            })?
+        };
+        Ok(ControlServer { addr, conns, stop, threads: vec![accept, ticker] })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends each reply to its connection (one gone meanwhile is skipped).
+    pub fn deliver(&self, replies: Vec<(ConnId, Reply)>) {
+        deliver_to(&self.conns, replies)
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn deliver_to(conns: &Mutex<HashMap<ConnId, TcpStream>>, replies: Vec<(ConnId, Reply)>) {
+    let mut conns = conns.lock().unwrap_or_else(|p| p.into_inner());
+    for (id, reply) in replies {
+        if let Some(stream) = conns.get_mut(&id) {
+            if write_frame(stream, &reply).and_then(|()| Ok(stream.flush()?)).is_err() {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                conns.remove(&id);
+            }
+        }
+    }
+}
+
+/// One connection: frames in, replies out, until it closes or stalls.
+fn serve_connection(
+    id: ConnId,
+    mut stream: TcpStream,
+    registry: Arc<Mutex<Registry>>,
+    changes: Sender<Change>,
+    conns: Arc<Mutex<HashMap<ConnId, TcpStream>>>,
+) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let Ok(writer) = stream.try_clone() else { return };
+    conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, writer);
+    let _ = stream.set_read_timeout(Some(IDLE));
+    loop {
+        let frame = match read_frame(&mut stream) {
+            Ok(f) => f,
+            Err(crate::wire::control::FrameError::TooLong(n)) => {
+                let reply = Reply::Refused { reason: Refusal::Malformed, message: format!("frame of {n} bytes: at most {}", crate::wire::control::MAX_FRAME) };
+                deliver_to(&conns, vec![(id, reply)]);
+                break;
+            }
+            Err(_) => break,
+        };
+        let (before, replies) = {
+            let mut reg = registry.lock().unwrap_or_else(|p| p.into_inner());
+            let before: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
+            let replies = reg.handle(now_ms(), id, &frame);
+            let after: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
+            (before != after, replies)
+        };
+        if before {
+            if changes.send(Change { replies }).is_err() {
+                break;
+            }
+        } else {
+            deliver_to(&conns, replies);
+        }
+    }
+    registry.lock().unwrap_or_else(|p| p.into_inner()).closed(id);
+    if let Some(s) = conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+}
