@@ -257,7 +257,7 @@ impl KernelMaps {
     /// Release every unfinished slot of job `id` whose round is after
     /// `newest` (every one with `None`): what an earlier run of the job
     /// left when its calls failed, before a new run starts after `newest`
-    /// (the node's answer to a position query, src/node/serve.rs). Returns
+    /// (the node's answer to a position query, src/node/serve/service.rs). Returns
     /// how many were released.
     pub fn release_rounds_after(&self, id: u16, newest: Option<Round>) -> usize {
         self.release_open_slots(|job, round| job == id && newest.is_none_or(|n| round.is_after(n)))
