@@ -706,23 +706,12 @@ pub struct CommStats {
     pub float_calls_redone: u64,
 }
 
-/// Counters of several communicators added up (the stripes of a
-/// `StripedCommunicator`, the participants of a job).
-impl std::ops::Add for CommStats {
-    type Output = CommStats;
-    fn add(self, o: CommStats) -> CommStats {
-        CommStats {
-            data_sent: self.data_sent + o.data_sent,
-            retransmitted: self.retransmitted + o.retransmitted,
-            acks_sent: self.acks_sent + o.acks_sent,
-            acks_repeated: self.acks_repeated + o.acks_repeated,
-            data_received: self.data_received + o.data_received,
-            acks_received: self.acks_received + o.acks_received,
-            duplicates_received: self.duplicates_received + o.duplicates_received,
-            bytes_delivered: self.bytes_delivered + o.bytes_delivered,
-            float_calls_one_round: self.float_calls_one_round + o.float_calls_one_round,
-            float_calls_redone: self.float_calls_redone + o.float_calls_redone,
-        }
+crate::fieldwise! {
+    /// Counters of several communicators added up (the stripes of a
+    /// `StripedCommunicator`, the participants of a job).
+    impl Add::add for CommStats {
+        data_sent, retransmitted, acks_sent, acks_repeated, data_received, acks_received,
+        duplicates_received, bytes_delivered, float_calls_one_round, float_calls_redone,
     }
 }
 
@@ -756,22 +745,12 @@ pub struct IoStats {
     pub caller_waits_slept: u64,
 }
 
-/// Batching of several communicators added up.
-impl std::ops::Add for IoStats {
-    type Output = IoStats;
-    fn add(self, o: IoStats) -> IoStats {
-        IoStats {
-            send_batches: self.send_batches + o.send_batches,
-            batched_datagrams: self.batched_datagrams + o.batched_datagrams,
-            recv_batches: self.recv_batches + o.recv_batches,
-            received_datagrams: self.received_datagrams + o.received_datagrams,
-            gso_super_datagrams: self.gso_super_datagrams + o.gso_super_datagrams,
-            gso_segments: self.gso_segments + o.gso_segments,
-            calls_on_caller: self.calls_on_caller + o.calls_on_caller,
-            calls_on_progress_thread: self.calls_on_progress_thread + o.calls_on_progress_thread,
-            caller_waits_polled: self.caller_waits_polled + o.caller_waits_polled,
-            caller_waits_slept: self.caller_waits_slept + o.caller_waits_slept,
-        }
+crate::fieldwise! {
+    /// Batching of several communicators added up.
+    impl Add::add for IoStats {
+        send_batches, batched_datagrams, recv_batches, received_datagrams, gso_super_datagrams,
+        gso_segments, calls_on_caller, calls_on_progress_thread, caller_waits_polled,
+        caller_waits_slept,
     }
 }
 
@@ -797,18 +776,11 @@ pub struct RefusedStats {
     pub early_results_over_limit: u64,
 }
 
-/// Refusals of several communicators added up.
-impl std::ops::Add for RefusedStats {
-    type Output = RefusedStats;
-    fn add(self, o: RefusedStats) -> RefusedStats {
-        RefusedStats {
-            results_from_wrong_source: self.results_from_wrong_source
-                + o.results_from_wrong_source,
-            acks_from_wrong_source: self.acks_from_wrong_source + o.acks_from_wrong_source,
-            broadcasts_from_wrong_source: self.broadcasts_from_wrong_source
-                + o.broadcasts_from_wrong_source,
-            early_results_over_limit: self.early_results_over_limit + o.early_results_over_limit,
-        }
+crate::fieldwise! {
+    /// Refusals of several communicators added up.
+    impl Add::add for RefusedStats {
+        results_from_wrong_source, acks_from_wrong_source, broadcasts_from_wrong_source,
+        early_results_over_limit,
     }
 }
 
