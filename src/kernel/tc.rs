@@ -385,35 +385,20 @@ impl TcPlane {
 
     /// Drop every next-hop cache entry (the next datagrams re-resolve).
     pub fn flush_neigh_cache(&self) -> Result<()> {
-        let map = &self.skel.maps.bcast_neigh;
-        let keys: Vec<Vec<u8>> = map.keys().collect();
-        for k in keys {
-            delete_ignore_missing(map, names::BCAST_NEIGH, &k)?;
-        }
-        Ok(())
+        maps::delete_where::<abi::NeighKey>(&self.skel.maps.bcast_neigh, |_| true).map_err(map_err(names::BCAST_NEIGH))
     }
 
     /// The next-hop cache.
     pub fn neigh_cache(&self) -> Result<Vec<NeighEntry>> {
-        let map = &self.skel.maps.bcast_neigh;
-        let mut out = Vec::new();
-        for k in map.keys() {
-            let Some(key) = abi::from_bytes::<abi::NeighKey>(&k) else {
-                continue;
-            };
-            let Some(raw) = map.lookup(&k, MapFlags::ANY).map_err(map_err(names::BCAST_NEIGH))? else {
-                continue;
-            };
-            let Some(neigh) = abi::from_bytes::<abi::Neigh>(&raw) else {
-                continue;
-            };
-            out.push(NeighEntry {
+        let entries = maps::entries::<abi::NeighKey, abi::Neigh>(&self.skel.maps.bcast_neigh).map_err(map_err(names::BCAST_NEIGH))?;
+        Ok(entries
+            .into_iter()
+            .map(|(key, neigh)| NeighEntry {
                 addr: Ipv4Addr::from(u32::from_be(key.addr)),
                 lookup_ifindex: key.ifindex,
                 neigh,
-            });
-        }
-        Ok(out)
+            })
+            .collect())
     }
 
     /// Attach the egress (root broadcast) and ingress (tree forwarding)
@@ -718,13 +703,7 @@ impl TcPlane {
             (&self.skel.maps.bcast_groups, names::BCAST_GROUPS),
             (&self.skel.maps.bcast_gstats, names::BCAST_GSTATS),
         ] {
-            let keys: Vec<Vec<u8>> = map
-                .keys()
-                .filter(|k| abi::from_bytes::<abi::GroupKey>(k).is_some_and(|k| k.group == id))
-                .collect();
-            for k in keys {
-                delete_ignore_missing(map, name, &k)?;
-            }
+            maps::delete_where::<abi::GroupKey>(map, |k| k.group == id).map_err(map_err(name))?;
         }
         Ok(())
     }

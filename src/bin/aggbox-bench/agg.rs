@@ -49,6 +49,7 @@ use super::{
 };
 use aggbox::wire::abi::{self, Op};
 use aggbox::config::Config;
+use aggbox::kernel::maps;
 use aggbox::kernel::xdp::XdpMode;
 use aggbox::node;
 use aggbox::wire::proto::{self, AggHeader};
@@ -523,20 +524,7 @@ impl Harness {
                         .attach_xdp(ifindex as i32)
                         .context("attaching bench_drop")?;
                     let counts = &skel.maps.bench_counts;
-                    let read = move || -> u64 {
-                        counts
-                            .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
-                            .ok()
-                            .flatten()
-                            .map(|v| {
-                                v.iter()
-                                    .map(|c| {
-                                        u64::from_ne_bytes(c[..8].try_into().unwrap_or([0; 8]))
-                                    })
-                                    .sum()
-                            })
-                            .unwrap_or(0)
-                    };
+                    let read = move || -> u64 { maps::percpu_array_sum::<u64>(counts, 0).unwrap_or(0) };
                     let prog_id = {
                         use std::os::fd::AsFd;
                         prog_id(skel.progs.bench_drop.as_fd())

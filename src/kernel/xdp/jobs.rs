@@ -6,10 +6,10 @@ use std::net::Ipv4Addr;
 
 use libbpf_rs::{MapCore, MapFlags};
 
-use crate::kernel::maps::names;
+use crate::kernel::maps::{self, names};
 use crate::wire::abi;
 
-use super::{delete_ignore_missing, lookup_array, update_array, Reclaim, Result, XdpError, XdpPlane};
+use super::{lookup_array, update_array, Reclaim, Result, XdpError, XdpPlane};
 
 /// One aggregation job as the control plane configures it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -223,15 +223,7 @@ impl XdpPlane {
 
     /// Every configured job as (dense index, job), in dense order.
     pub fn jobs(&self) -> Result<Vec<(u32, abi::Job)>> {
-        let mut out = Vec::new();
-        for dense in 0..abi::MAX_JOBS {
-            if let Some(job) = lookup_array::<abi::Job>(&self.skel.maps.jobs, names::JOBS, dense)? {
-                if job.workers != 0 {
-                    out.push((dense, job));
-                }
-            }
-        }
-        Ok(out)
+        configured_jobs(&self.skel.maps.jobs)
     }
 
     fn write_rank(&self, dense: u32, rank: u16, value: &abi::Rank) -> Result<()> {
@@ -342,13 +334,7 @@ impl XdpPlane {
             (&self.skel.maps.completed, names::COMPLETED),
             (&self.skel.maps.slot_owner, names::SLOT_OWNER),
         ] {
-            let keys: Vec<Vec<u8>> = map
-                .keys()
-                .filter(|k| abi::from_bytes::<abi::SlotKey>(k).is_some_and(|k| k.job == id))
-                .collect();
-            for k in keys {
-                delete_ignore_missing(map, name, &k)?;
-            }
+            maps::delete_where::<abi::SlotKey>(map, |k| k.job == id).map_err(|source| XdpError::Map { map: name, source })?;
         }
         Ok(())
     }
@@ -465,6 +451,11 @@ impl XdpPlane {
 /// index is the key of the job's entries in `ranks` (times
 /// `abi::MAX_RANKS`, plus the rank), `job_state` and `job_stats`.
 pub fn pinned_jobs(jobs: &libbpf_rs::MapHandle) -> Result<Vec<(u32, abi::Job)>> {
+    configured_jobs(jobs)
+}
+
+/// Every configured job of a `jobs` array, as (dense index, job).
+fn configured_jobs(jobs: &impl MapCore) -> Result<Vec<(u32, abi::Job)>> {
     let mut out = Vec::new();
     for dense in 0..abi::MAX_JOBS {
         if let Some(job) = lookup_array::<abi::Job>(jobs, names::JOBS, dense)? {

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 
 use libbpf_rs::MapCore;
 
-use crate::kernel::maps::names;
+use crate::kernel::maps::{self, names};
 use crate::wire::abi::{self, Round};
 
 use super::fast_view::FastSlotView;
@@ -200,28 +200,9 @@ impl KernelMaps {
 
     /// Every key of the kernel's slot pool.
     pub fn slot_keys(&self) -> Vec<abi::SlotKey> {
-        let mut out = Vec::new();
-        let mut key = abi::SlotKey::default();
-        let mut first = true;
-        loop {
-            let mut next = abi::SlotKey::default();
-            let prev: *const std::ffi::c_void = if first {
-                std::ptr::null()
-            } else {
-                (&key as *const abi::SlotKey).cast()
-            };
-            // SAFETY: prev is null or a live key; next is a live key buffer.
-            let rc = unsafe {
-                libbpf_sys::bpf_map_get_next_key(self.slots.as_raw_fd(), prev, (&mut next as *mut abi::SlotKey).cast())
-            };
-            if rc != 0 || out.len() > abi::MAX_SLOTS as usize {
-                break;
-            }
-            first = false;
-            key = next;
-            out.push(key);
-        }
-        out
+        // The bound ends a walk that a concurrent delete sent back to the
+        // first key.
+        maps::raw_keys(self.slots.as_fd(), abi::MAX_SLOTS as usize + 1)
     }
 
     /// Every configured job's round window (`jobs` array; 0: the build
@@ -425,34 +406,10 @@ impl KernelMaps {
 
     /// Every `slot_owner` entry.
     pub fn slot_owners(&self) -> Vec<(abi::SlotKey, u32)> {
-        let mut out = Vec::new();
-        let mut key = abi::SlotKey::default();
-        let mut first = true;
-        loop {
-            let mut next = abi::SlotKey::default();
-            let prev: *const std::ffi::c_void = if first {
-                std::ptr::null()
-            } else {
-                (&key as *const abi::SlotKey).cast()
-            };
-            // SAFETY: prev is null or a live key; next is a live key buffer.
-            let rc = unsafe {
-                libbpf_sys::bpf_map_get_next_key(
-                    self.slot_owner.as_raw_fd(),
-                    prev,
-                    (&mut next as *mut abi::SlotKey).cast(),
-                )
-            };
-            if rc != 0 || out.len() > abi::MAX_OWNERS as usize {
-                break;
-            }
-            first = false;
-            key = next;
-            if let Some(owner) = self.slot_owner(&key) {
-                out.push((key, owner));
-            }
-        }
-        out
+        maps::raw_keys::<abi::SlotKey>(self.slot_owner.as_fd(), abi::MAX_OWNERS as usize + 1)
+            .into_iter()
+            .filter_map(|key| Some((key, self.slot_owner(&key)?)))
+            .collect()
     }
 
     /// Publish a fragment the user-space path completed, in the kernel's
