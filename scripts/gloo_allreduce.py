@@ -14,7 +14,7 @@ call k (k = 0 first, warm-up included) is
 
     x[i] = ((i + 1000 r) mod 2001) - 1000 + k
 
-(the same formula as src/bin/aggbox-bench/large.rs), so the sum over the ranks is known
+(the same formula as src/bin/aggbox-bench/large/mod.rs), so the sum over the ranks is known
 without any communication; as float32 the values and their sums are integers
 below 2^24, so they are exact too. Every call's result is compared element by element
 with that sum (`wrong` counts mismatched elements) and its int64 sum is

@@ -36,3 +36,44 @@ pub mod netif;
 pub mod node;
 pub mod runtime;
 pub mod wire;
+
+/// `impl std::ops::Op for Type` that applies `Op::method` to each field of
+/// two values of a struct of counters (`Add` to sum communicators or
+/// stripes, `Sub` for a delta): the field-wise operator written once. The
+/// fields are listed after the type; the struct literal it builds makes
+/// leaving a field out a compile error.
+///
+/// ```
+/// #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// pub struct Fates {
+///     pub dropped: u64,
+///     pub passed: u64,
+/// }
+/// aggbox::fieldwise! {
+///     /// Two sets of counters added up.
+///     impl Add::add, Sub::sub for Fates { dropped, passed }
+/// }
+/// let a = Fates { dropped: 3, passed: 5 };
+/// assert_eq!(a + a - Fates { dropped: 1, passed: 0 }, Fates { dropped: 5, passed: 10 });
+/// ```
+#[macro_export]
+macro_rules! fieldwise {
+    (
+        $(#[$meta:meta])*
+        impl $($op:ident :: $method:ident),+ for $name:ident { $($field:ident),+ $(,)? }
+    ) => {
+        $crate::fieldwise!(@ops [$(#[$meta])*] $name [$($field)+] $($op $method)+);
+    };
+    (@ops $meta:tt $name:ident $fields:tt $($op:ident $method:ident)+) => {
+        $( $crate::fieldwise!(@op $meta $op $method $name $fields); )+
+    };
+    (@op [$(#[$meta:meta])*] $op:ident $method:ident $name:ident [$($field:ident)+]) => {
+        $(#[$meta])*
+        impl ::std::ops::$op for $name {
+            type Output = $name;
+            fn $method(self, o: $name) -> $name {
+                $name { $( $field: ::std::ops::$op::$method(self.$field, o.$field) ),+ }
+            }
+        }
+    };
+}

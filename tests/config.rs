@@ -85,6 +85,8 @@ fn check_interface_example(c: &Config) {
             ack_group: 1024,
             userspace_path: UserspacePathMode::Required,
             userspace_slot_bytes: aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_NODE,
+            control: aggbox::config::DEFAULT_CONTROL,
+            keys: None,
         }
     );
     assert_eq!(c.jobs.len(), 1);

@@ -88,8 +88,8 @@ struct {
 
 /*
  * progs: the XDP chain's programs indexed by enum aggbox_call. Filled once
- * by the control plane right after load (Dataplane::fill_prog_arrays in
- * src/kernel/xdp.rs); read by bpf_tail_call() only.
+ * by the control plane right after load (XdpPlane::fill_prog_arrays in
+ * src/kernel/xdp/load.rs); read by bpf_tail_call() only.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
@@ -378,7 +378,7 @@ struct {
  * stats: one struct aggbox_stat per outcome and per drop reason, per CPU,
  * indexed by aggbox_outcome_index(). Written only by the XDP programs (one
  * increment per datagram, at its exit); read and summed over CPUs by the
- * control plane (src/kernel/xdp.rs, XdpPlane::stats).
+ * control plane (src/kernel/xdp/stats.rs, XdpPlane::stats).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

@@ -1,7 +1,7 @@
 //! What the programs' maps share on the user-space side, written once: the
 //! names under which `aggbox attach` pins them (so that `aggbox status`, the
 //! metrics endpoint and the tests open them from another process), pinning,
-//! and per-CPU values summed over CPUs.
+//! per-CPU values summed over CPUs, and the walks over a map's entries.
 
 use std::ffi::CString;
 use std::io;
@@ -96,6 +96,67 @@ pub fn lookup_percpu_sum<V: PerCpuSum>(map: &impl MapCore, key: &[u8]) -> libbpf
 /// index is past the array).
 pub fn percpu_array_sum<V: PerCpuSum>(map: &impl MapCore, index: u32) -> libbpf_rs::Result<V> {
     Ok(lookup_percpu_sum(map, &index.to_ne_bytes())?.unwrap_or_default())
+}
+
+/// Every entry of hash map `map` as plain `(key, value)` structs, the one
+/// walk over a map's keys: an entry deleted during the walk, or whose key
+/// or value is too short for `K` / `V` (which a matching map never
+/// returns), is left out.
+pub fn entries<K: Plain + Default, V: Plain + Default>(map: &impl MapCore) -> libbpf_rs::Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for raw in map.keys() {
+        let Some(key) = abi::from_bytes::<K>(&raw) else { continue };
+        if let Some(value) = map.lookup(&raw, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<V>(&v)) {
+            out.push((key, value));
+        }
+    }
+    Ok(out)
+}
+
+/// Every entry of per-CPU hash map `map` as `(key, value summed over
+/// CPUs)`, left out as in [`entries`].
+pub fn percpu_entries<K: Plain + Default, V: PerCpuSum>(map: &impl MapCore) -> libbpf_rs::Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for raw in map.keys() {
+        let Some(key) = abi::from_bytes::<K>(&raw) else { continue };
+        if let Some(value) = lookup_percpu_sum(map, &raw)? {
+            out.push((key, value));
+        }
+    }
+    Ok(out)
+}
+
+/// Delete every entry of hash map `map` whose key (a `K`) `pick` chooses;
+/// one deleted meanwhile is fine ([`delete_if_present`]).
+pub fn delete_where<K: Plain + Default>(map: &impl MapCore, pick: impl Fn(&K) -> bool) -> libbpf_rs::Result<()> {
+    // The keys first: deleting while walking would restart the walk.
+    let keys: Vec<Vec<u8>> = map.keys().filter(|k| abi::from_bytes::<K>(k).is_some_and(|k| pick(&k))).collect();
+    for k in keys {
+        delete_if_present(map, &k)?;
+    }
+    Ok(())
+}
+
+/// Up to `limit` keys of the map behind `fd` (a descriptor without a
+/// libbpf map object: the user-space path's duplicated ones), in the
+/// kernel's order; the walk ends at the last key or at an error.
+pub fn raw_keys<K: Plain + Default>(fd: BorrowedFd<'_>, limit: usize) -> Vec<K> {
+    let mut out: Vec<K> = Vec::new();
+    let mut next = K::default();
+    while out.len() < limit {
+        let prev: *const std::ffi::c_void = match out.last() {
+            None => std::ptr::null(),
+            Some(key) => (key as *const K).cast(),
+        };
+        // SAFETY: prev is null or a live key; next is a live key buffer,
+        // both of the map's key size (K is the map's key struct).
+        let rc = unsafe { libbpf_sys::bpf_map_get_next_key(fd.as_raw_fd(), prev, (&mut next as *mut K).cast()) };
+        if rc != 0 {
+            break;
+        }
+        out.push(std::mem::take(&mut next));
+    }
+    out
 }
 
 /// Open map `name` pinned in the pin directory `dir`.

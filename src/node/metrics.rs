@@ -405,9 +405,7 @@ fn broadcast_families(source: &KernelSource) -> Result<Vec<Family>> {
         let mut g_copies = Family::counter("aggbox_group_copies_total", "Copies sent for a group.");
         let mut g_misses = Family::counter("aggbox_group_neighbour_misses_total", "Copies of a group sent through the neighbour path (next hop unresolved).");
         let mut g_bytes = Family::counter("aggbox_group_payload_bytes_total", "UDP payload bytes broadcast for a group.");
-        for key in gstats.keys() {
-            let Some(k) = abi::from_bytes::<abi::GroupKey>(&key) else { continue };
-            let total: abi::BcastGroupStat = maps::lookup_percpu_sum(&gstats, &key)?.unwrap_or_default();
+        for (k, total) in maps::percpu_entries::<abi::GroupKey, abi::BcastGroupStat>(&gstats)? {
             let (group, port) = (k.group.to_string(), k.port.to_string());
             let labels = [("iface", iface), ("group", group.as_str()), ("port", port.as_str())];
             g_datagrams.push(&labels, total.datagrams as f64);

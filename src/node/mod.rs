@@ -6,7 +6,10 @@
 //! on `lo` when a worker runs on this host (see [`attach`]), and `state` saying
 //! who attached, when and how. The XDP link pins are what keep the program
 //! attached after the attaching process dies, and what `detach` removes.
-
+//!
+//! This file attaches and detaches; `preflight.rs` checks the host first,
+//! `bpffs.rs` provides the bpffs the pins live on, `record.rs` writes and
+//! reads the attach record.
 
 pub mod control;
 pub mod desired;
@@ -20,6 +23,16 @@ mod status;
 pub use status::{format_rates, format_status, status, GroupStatus, JobStatus, MemberStatus, NextHopStatus, NodeStatus};
 pub mod tools;
 mod upkeep;
+mod bpffs;
+pub use bpffs::{ensure_bpffs, hidden_pins_hint, in_private_mount_namespace, private_bpffs_warning};
+mod preflight;
+pub use preflight::{
+    check_kernel_release, check_kernel_version, kernel_version, preflight, FRAGS_CHAIN_FEATURES, KERNEL_FEATURES,
+    MIN_KERNEL, MIN_TESTED_KERNEL,
+};
+mod record;
+pub use record::{attacher_alive, process_start_time, stat_start_time, AttachRecord, STATE_FILE};
+use record::{read_record, record_is_ours, update_record, write_record};
 use upkeep::Upkeep;
 
 use std::collections::BTreeMap;
@@ -32,8 +45,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
-use serde::{Deserialize, Serialize};
+use libbpf_rs::{MapCore, MapFlags};
+use serde::Serialize;
 
 use crate::wire::abi;
 use crate::config::{Config, UserspacePathMode};
@@ -53,222 +66,6 @@ pub const LO_LINK_PIN: &str = "link_xdp_lo";
 const LINK_PINS: [&str; 2] = [XDP_LINK_PIN, LO_LINK_PIN];
 /// The loopback interface.
 const LOOPBACK: &str = "lo";
-/// Pin name of the one-entry array map holding the attach record as JSON
-/// (bpffs holds only BPF objects, so the record lives in a map of its own).
-pub const STATE_FILE: &str = "state";
-/// Room for the JSON attach record.
-const STATE_VALUE_SIZE: u32 = 4096;
-/// `statfs` magic of a bpffs mount.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
-/// What `attach` records next to its pins, read by `status` and `detach`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct AttachRecord {
-    /// Interface name.
-    pub iface: String,
-    /// Interface index at attach time.
-    pub ifindex: u32,
-    /// "native" or "generic".
-    pub xdp_mode: String,
-    /// Build of the XDP chain: "frags" or "linear" (docs/JUMBO.md); empty
-    /// in records written before it existed.
-    #[serde(default)]
-    pub xdp_chain: String,
-    /// Process that attached and serves the node (0 once it has exited cleanly).
-    pub pid: u32,
-    /// Start time of `pid` (field 22 of `/proc/PID/stat`, clock ticks since
-    /// boot): a PID alone may have been reused by an unrelated process after
-    /// a crash, the pair names one process. 0 in records of older versions
-    /// (then only the PID is compared).
-    #[serde(default)]
-    pub pid_start: u64,
-    /// Seconds since the epoch.
-    pub attached_at: u64,
-    /// Config file used, if any.
-    pub config: Option<String>,
-    /// Jobs written into the maps.
-    pub jobs: Vec<u16>,
-    /// Whether the XDP program is also attached to `lo` (generic mode) for
-    /// workers on this host; absent in records of older versions.
-    #[serde(default)]
-    pub lo_xdp: bool,
-    /// Whether the TC broadcast programs are attached (clsact filters).
-    #[serde(default)]
-    pub tc: bool,
-    /// Whether attach created the clsact qdisc (so detach removes it).
-    #[serde(default)]
-    pub tc_created_qdisc: bool,
-    /// Whether the TC ingress program is on `lo` too (a worker on this
-    /// host, `TcPlane::attach_lo_ingress`), and whether attach created lo's
-    /// clsact qdisc.
-    #[serde(default)]
-    pub tc_lo: bool,
-    #[serde(default)]
-    pub tc_lo_created_qdisc: bool,
-    /// Whether the user-space path (AF_XDP) runs in the attach process.
-    #[serde(default)]
-    pub userspace_path: bool,
-    /// Why the user-space path is not running, when attach went on without
-    /// it (`[node] userspace_path = "optional"`, or no job configured).
-    #[serde(default)]
-    pub userspace_path_error: Option<String>,
-    /// Reloads asked for since attach (SIGHUP, `aggbox reload`), applied
-    /// or refused.
-    #[serde(default)]
-    pub reloads: u64,
-    /// The outcome of the last of them.
-    #[serde(default)]
-    pub last_reload: Option<ReloadRecord>,
-}
-
-/// Everything needed before loading anything: fails with one clear line.
-pub fn preflight(iface: &str) -> Result<u32> {
-    if !nix::unistd::Uid::effective().is_root() {
-        bail!("aggbox: must run as root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN are needed)");
-    }
-    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
-        bail!("aggbox: the kernel has no BTF (/sys/kernel/btf/vmlinux is missing); AggBox needs CONFIG_DEBUG_INFO_BTF=y");
-    }
-    let uname = nix::sys::utsname::uname().context("aggbox: reading the kernel release (uname)")?;
-    check_kernel_release(&uname.release().to_string_lossy())?;
-    ifindex(iface)
-}
-
-/// Kernel features AggBox's programs use, with the release that brought
-/// each: the newest of them is the hard floor.
-pub const KERNEL_FEATURES: &[(&str, (u32, u32))] = &[
-    ("bpf_spin_lock in map values", (5, 1)),
-    ("link-based XDP attach", (5, 9)),
-    ("bpf_redirect_neigh", (5, 10)),
-    ("BPF atomics (-mcpu=v3)", (5, 12)),
-    ("bpf_timer", (5, 15)),
-];
-
-/// Features of the frags chain only ([`Chain::Frags`]); a kernel without
-/// them runs the linear chain (datagrams up to [`Chain::max_mtu`]).
-pub const FRAGS_CHAIN_FEATURES: &[(&str, (u32, u32))] = &[
-    ("bpf_loop", (5, 17)),
-    ("XDP multi-buffer (xdp.frags, bpf_xdp_load_bytes)", (5, 18)),
-];
-
-/// The oldest kernel AggBox runs on: the release of the newest of
-/// [`KERNEL_FEATURES`]. README and docs/MATRIX.md state the same number.
-pub const MIN_KERNEL: (u32, u32) = (5, 15);
-
-/// The oldest kernel the kernel-version matrix (`make matrix`) tests.
-pub const MIN_TESTED_KERNEL: (u32, u32) = (6, 1);
-
-// The floor is what the feature table says, not a second number to keep in step.
-const _: () = {
-    let mut i = 0;
-    let mut newest = (0, 0);
-    while i < KERNEL_FEATURES.len() {
-        let since = KERNEL_FEATURES[i].1;
-        if since.0 > newest.0 || (since.0 == newest.0 && since.1 > newest.1) {
-            newest = since;
-        }
-        i += 1;
-    }
-    assert!(newest.0 == MIN_KERNEL.0 && newest.1 == MIN_KERNEL.1, "MIN_KERNEL must be the newest of KERNEL_FEATURES");
-};
-
-/// `major.minor` of a kernel release string such as `6.1.0-57-cloud-amd64`.
-pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
-    let mut parts = release.split(|c: char| !c.is_ascii_digit());
-    let major = parts.next()?.parse().ok()?;
-    let minor = parts.next()?.parse().ok()?;
-    Some((major, minor))
-}
-
-/// Check the running kernel's release string (`uname -r`): see
-/// [`check_kernel_version`]. A release that does not start with
-/// `MAJOR.MINOR` is an error, not a skipped check: the feature test would
-/// otherwise pass silently on any kernel.
-pub fn check_kernel_release(release: &str) -> Result<()> {
-    let Some(version) = kernel_version(release) else {
-        bail!(
-            "aggbox: cannot read the kernel version from the release {release:?} (expected MAJOR.MINOR..., as `uname -r` prints); AggBox needs Linux {}.{} or newer",
-            MIN_KERNEL.0,
-            MIN_KERNEL.1
-        );
-    };
-    check_kernel_version(release, version)
-}
-
-/// Refuse kernels that lack a feature the programs use, naming it; kernels
-/// between that floor and the oldest tested one only get a warning.
-pub fn check_kernel_version(release: &str, version: (u32, u32)) -> Result<()> {
-    let missing: Vec<String> = KERNEL_FEATURES
-        .iter()
-        .filter(|(_, since)| version < *since)
-        .map(|(name, (a, b))| format!("{name} ({a}.{b})"))
-        .collect();
-    if !missing.is_empty() {
-        bail!(
-            "aggbox: kernel {release} is too old: AggBox needs Linux {}.{} or newer (missing: {}; see README, Requirements)",
-            MIN_KERNEL.0,
-            MIN_KERNEL.1,
-            missing.join(", ")
-        );
-    }
-    if version < MIN_TESTED_KERNEL {
-        eprintln!(
-            "aggbox: warning: kernel {release} has every feature AggBox uses but is older than {}.{}, the oldest kernel it is tested on",
-            MIN_TESTED_KERNEL.0, MIN_TESTED_KERNEL.1
-        );
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod kernel_version_tests {
-    use super::*;
-
-    #[test]
-    fn parses_release_strings() {
-        assert_eq!(kernel_version("6.1.0-57-cloud-amd64"), Some((6, 1)));
-        assert_eq!(kernel_version("6.18.44-fc-v509"), Some((6, 18)));
-        assert_eq!(kernel_version("5.15.0"), Some((5, 15)));
-        assert_eq!(kernel_version("garbage"), None);
-    }
-
-    #[test]
-    fn old_kernels_are_refused_with_the_missing_features() {
-        let err = check_kernel_version("5.14.0", (5, 14)).unwrap_err().to_string();
-        assert!(err.contains("bpf_timer (5.15)"), "{err}");
-        assert!(!err.contains("atomics"), "5.14 has BPF atomics: {err}");
-        let err = check_kernel_version("5.10.0", (5, 10)).unwrap_err().to_string();
-        assert!(err.contains("BPF atomics (-mcpu=v3) (5.12)") && err.contains("bpf_timer (5.15)"), "{err}");
-        // Without bpf_loop and multi-buffer XDP the linear chain runs.
-        assert!(check_kernel_version("5.15.0-91-generic", (5, 15)).is_ok());
-        assert!(check_kernel_version("5.18.0", (5, 18)).is_ok());
-        assert!(check_kernel_version("6.18.44", (6, 18)).is_ok());
-    }
-
-    /// The refusal names the floor the check enforces (5.15, as README and
-    /// docs/MATRIX.md say), not the oldest tested kernel.
-    #[test]
-    fn refusal_names_the_enforced_minimum() {
-        let err = check_kernel_release("5.14.21-150400").unwrap_err().to_string();
-        assert_eq!(
-            err,
-            "aggbox: kernel 5.14.21-150400 is too old: AggBox needs Linux 5.15 or newer (missing: bpf_timer (5.15); see README, Requirements)"
-        );
-        assert!(!err.contains("6.1"), "{err}");
-        assert!(check_kernel_release("5.15.0-91-generic").is_ok());
-    }
-
-    #[test]
-    fn unparsable_release_is_an_error() {
-        for release in ["", "garbage", "6", "6.x-rc1", "v6.1.0"] {
-            let err = check_kernel_release(release).unwrap_err().to_string();
-            assert_eq!(
-                err,
-                format!("aggbox: cannot read the kernel version from the release {release:?} (expected MAJOR.MINOR..., as `uname -r` prints); AggBox needs Linux 5.15 or newer")
-            );
-        }
-    }
-}
 
 /// Interface index of `iface` in the current network namespace.
 pub fn ifindex(iface: &str) -> Result<u32> {
@@ -284,81 +81,6 @@ pub fn ifindex(iface: &str) -> Result<u32> {
 /// The directory holding `iface`'s pins.
 pub fn pin_dir(pin_root: &Path, iface: &str) -> PathBuf {
     pin_root.join(iface)
-}
-
-/// Where bpffs is mounted by convention (and where `ensure_bpffs` mounts one).
-const SYS_FS_BPF: &str = "/sys/fs/bpf";
-
-/// Make sure `pin_root` is on a bpffs, mounting one at /sys/fs/bpf when the
-/// root is under it and nothing is mounted there yet (the usual case on a
-/// fresh host and inside `ip netns exec`). Returns whether it mounted one.
-pub fn ensure_bpffs(pin_root: &Path) -> Result<bool> {
-    let sys_fs_bpf = Path::new(SYS_FS_BPF);
-    let mut mounted = false;
-    if pin_root.starts_with(sys_fs_bpf) && !is_bpffs(sys_fs_bpf) {
-        fs::create_dir_all(sys_fs_bpf).ok();
-        nix::mount::mount(Some("bpf"), sys_fs_bpf, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
-            .context("aggbox: mounting bpffs on /sys/fs/bpf")?;
-        mounted = true;
-    }
-    fs::create_dir_all(pin_root).with_context(|| format!("aggbox: creating {}", pin_root.display()))?;
-    if !is_bpffs(pin_root) {
-        bail!("aggbox: {} is not on a bpffs (mount -t bpf bpf DIR)", pin_root.display());
-    }
-    Ok(mounted)
-}
-
-/// Whether this process runs in a mount namespace other than PID 1's, as
-/// every command started by `ip netns exec` does (it unshares the mount
-/// namespace to remount /sys for the network namespace). Where PID 1's
-/// namespace cannot be read (a sandbox or container may hide it), the
-/// parent's is compared instead: `ip netns exec` execs the command, so its
-/// parent is the shell or supervisor that ran `ip`. `None` when neither can
-/// be read.
-pub fn in_private_mount_namespace() -> Option<bool> {
-    let own = fs::read_link("/proc/self/ns/mnt").ok()?;
-    let parent = format!("/proc/{}/ns/mnt", std::os::unix::process::parent_id());
-    ["/proc/1/ns/mnt", parent.as_str()]
-        .iter()
-        .find_map(|other| fs::read_link(other).ok())
-        .map(|other| other != own)
-}
-
-/// The warning `attach` prints after mounting a bpffs on /sys/fs/bpf in a
-/// private mount namespace: that mount, and so every pin under `pin_root`,
-/// exists only in this process's namespace, so other `ip netns exec`
-/// commands (`aggbox status`, `aggbox detach`) see nothing, and the attachment
-/// ends with the process even after `kill -9` (the pins are what outlive it).
-pub fn private_bpffs_warning(pin_root: &Path) -> String {
-    format!(
-        "mounted a bpffs on {SYS_FS_BPF} in this process's own mount namespace (as under `ip netns exec`, which remounts /sys for each command): \
-         the pins under {} are invisible to other processes, so `aggbox status` and `aggbox detach` run by another `ip netns exec` will say \"not attached\", \
-         and the attachment ends with this process; to share the pins, mount a bpffs outside /sys once from the host \
-         (mkdir -p /run/aggbox/bpf && mount -t bpf bpf /run/aggbox/bpf) and give every aggbox command --pin-root /run/aggbox/bpf/NETNS (see README, \"Network namespaces\")",
-        pin_root.display()
-    )
-}
-
-/// A hint for `status` and `detach` when nothing is found under `pin_root`
-/// because no bpffs is mounted where it would be in this mount namespace
-/// (a fresh /sys under `ip netns exec`): the attach may well be running, with
-/// its pins in its own namespace.
-pub fn hidden_pins_hint(pin_root: &Path) -> Option<String> {
-    let sys_fs_bpf = Path::new(SYS_FS_BPF);
-    if !pin_root.starts_with(sys_fs_bpf) || is_bpffs(sys_fs_bpf) {
-        return None;
-    }
-    Some(format!(
-        "no bpffs is mounted on {SYS_FS_BPF} in this mount namespace (as under `ip netns exec`): an `aggbox attach` started the same way keeps its pins in its own namespace, out of sight here; attach, status and detach need a shared --pin-root (see README, \"Network namespaces\")"
-    ))
-}
-
-// `f_type`'s width differs between architectures: the cast is needed on some.
-#[allow(clippy::unnecessary_cast)]
-fn is_bpffs(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path)
-        .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
-        .unwrap_or(false)
 }
 
 /// The error that fails `attach` when the user-space path could not start
@@ -834,78 +556,6 @@ fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     }
     // SAFETY: the kernel returned a fresh fd that we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// The attach record as the state map's value: JSON, NUL-padded.
-fn record_value(record: &AttachRecord) -> Result<Vec<u8>> {
-    let mut json = serde_json::to_vec(record)?;
-    if json.len() >= STATE_VALUE_SIZE as usize {
-        bail!("aggbox: attach record of {} bytes does not fit the state map", json.len());
-    }
-    json.resize(STATE_VALUE_SIZE as usize, 0);
-    Ok(json)
-}
-
-fn write_record(dir: &Path, record: &AttachRecord) -> Result<()> {
-    let json = record_value(record)?;
-    // SAFETY: zeroed opts with sz set are what libbpf expects.
-    let mut opts: libbpf_sys::bpf_map_create_opts = unsafe { std::mem::zeroed() };
-    opts.sz = std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _;
-    let mut map = MapHandle::create(libbpf_rs::MapType::Array, Some("aggbox_state"), 4, STATE_VALUE_SIZE, 1, &opts)
-        .context("aggbox: creating the state map")?;
-    map.update(&0u32.to_ne_bytes(), &json, MapFlags::ANY).context("aggbox: writing the state map")?;
-    let path = dir.join(STATE_FILE);
-    map.pin(&path).with_context(|| format!("aggbox: pinning {}", path.display()))?;
-    Ok(())
-}
-
-/// Rewrite the pinned attach record of `dir` (a reload).
-fn update_record(dir: &Path, record: &AttachRecord) -> Result<()> {
-    let json = record_value(record)?;
-    let path = dir.join(STATE_FILE);
-    let map = MapHandle::from_pinned_path(&path).with_context(|| format!("aggbox: opening {}", path.display()))?;
-    map.update(&0u32.to_ne_bytes(), &json, MapFlags::ANY).context("aggbox: writing the state map")
-}
-
-fn read_record(dir: &Path) -> Option<AttachRecord> {
-    let map = MapHandle::from_pinned_path(dir.join(STATE_FILE)).ok()?;
-    let raw = map.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).ok()??;
-    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
-    serde_json::from_slice(&raw[..end]).ok()
-}
-
-/// Start time of process `pid` in clock ticks since boot (field 22 of
-/// `/proc/PID/stat`), `None` when there is no such process.
-pub fn process_start_time(pid: u32) -> Option<u64> {
-    stat_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
-}
-
-/// Field 22 (`starttime`) of a `/proc/PID/stat` line. The command name
-/// (field 2) is in parentheses and may itself contain spaces and `)`, so the
-/// fields are counted from the last `)`.
-pub fn stat_start_time(stat: &str) -> Option<u64> {
-    let (_, after_comm) = stat.rsplit_once(')')?;
-    // after_comm starts with field 3 (state): field 22 is the 20th.
-    after_comm.split_whitespace().nth(22 - 3)?.parse().ok()
-}
-
-/// Whether the process that wrote `record` still runs: its PID exists and,
-/// when the record has one, with the same start time, so a PID reused by
-/// another process after a crash reads as dead.
-pub fn attacher_alive(record: &AttachRecord) -> bool {
-    if record.pid == 0 {
-        return false;
-    }
-    match process_start_time(record.pid) {
-        None => false,
-        Some(start) => record.pid_start == 0 || start == record.pid_start,
-    }
-}
-
-/// Whether `record` was written by this very process (not only by an
-/// earlier process with the same PID).
-fn record_is_ours(record: &AttachRecord) -> bool {
-    record.pid == std::process::id() && (record.pid_start == 0 || process_start_time(record.pid) == Some(record.pid_start))
 }
 
 /// A group member on this host receives its copy through `lo`, which needs

@@ -143,11 +143,8 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     };
     let mut served = BTreeMap::new();
     if let Ok(map) = maps::open_pinned(dir, serve::STATS_MAP) {
-        for key in map.keys() {
-            let Some(id) = key.get(..4).map(|k| u32::from_ne_bytes(k.try_into().unwrap_or([0; 4]))) else { continue };
-            if let Some(v) = map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<serve::ServiceStats>(&v)) {
-                served.insert(id as u16, v);
-            }
+        for (id, v) in maps::entries::<u32, serve::ServiceStats>(&map)? {
+            served.insert(id as u16, v);
         }
     }
     let groups = if attach.tc { group_statuses(dir)? } else { Vec::new() };
@@ -157,11 +154,8 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         .collect();
     let mut ring_service = BTreeMap::new();
     if let Ok(map) = maps::open_pinned(dir, crate::node::ring::STATS_MAP) {
-        for key in map.keys() {
-            let Some(id) = key.get(..4).map(|k| u32::from_ne_bytes(k.try_into().unwrap_or([0; 4]))) else { continue };
-            if let Some(v) = map.lookup(&key, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<crate::node::ring::RingServiceStats>(&v)) {
-                ring_service.insert(id as u16, v);
-            }
+        for (id, v) in maps::entries::<u32, crate::node::ring::RingServiceStats>(&map)? {
+            ring_service.insert(id as u16, v);
         }
     }
     Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service })
@@ -212,11 +206,8 @@ fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
     let neigh = maps::open_pinned(dir, maps::names::BCAST_NEIGH).ok();
     let mut cache: Vec<(Ipv4Addr, abi::Neigh)> = Vec::new();
     if let Some(map) = &neigh {
-        for k in map.keys() {
-            let Some(key) = abi::from_bytes::<abi::NeighKey>(&k) else { continue };
-            if let Some(n) = map.lookup(&k, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Neigh>(&v)) {
-                cache.push((Ipv4Addr::from(u32::from_be(key.addr)), n));
-            }
+        for (key, n) in maps::entries::<abi::NeighKey, abi::Neigh>(map)? {
+            cache.push((Ipv4Addr::from(u32::from_be(key.addr)), n));
         }
     }
     // bpf_ktime_get_ns is CLOCK_MONOTONIC.
@@ -225,9 +216,7 @@ fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     let now_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
     let mut out = Vec::new();
-    for k in tables.keys() {
-        let Some(key) = abi::from_bytes::<abi::GroupKey>(&k) else { continue };
-        let Some(table) = tables.lookup(&k, MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Group>(&v)) else { continue };
+    for (key, table) in maps::entries::<abi::GroupKey, abi::Group>(&tables)? {
         let members = table
             .dests
             .iter()
@@ -246,7 +235,7 @@ fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
             })
             .collect();
         let counters = match &gstats {
-            Some(map) => maps::lookup_percpu_sum(map, &k)?,
+            Some(map) => maps::lookup_percpu_sum(map, abi::as_bytes(&key))?,
             None => None,
         };
         out.push(GroupStatus { id: key.group, port: key.port, members, counters });

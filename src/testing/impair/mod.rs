@@ -40,26 +40,8 @@ pub struct Counts {
     pub clone_failed: u64,
 }
 
-impl std::ops::Add for Counts {
-    type Output = Counts;
-    fn add(self, b: Counts) -> Counts {
-        Counts {
-            dropped: self.dropped + b.dropped,
-            duplicated: self.duplicated + b.duplicated,
-            clone_failed: self.clone_failed + b.clone_failed,
-        }
-    }
-}
-
-impl std::ops::Sub for Counts {
-    type Output = Counts;
-    fn sub(self, b: Counts) -> Counts {
-        Counts {
-            dropped: self.dropped - b.dropped,
-            duplicated: self.duplicated - b.duplicated,
-            clone_failed: self.clone_failed - b.clone_failed,
-        }
-    }
+aggbox::fieldwise! {
+    impl Add::add, Sub::sub for Counts { dropped, duplicated, clone_failed }
 }
 
 /// The injectors of one testbed. Keeps every counter map it created (a

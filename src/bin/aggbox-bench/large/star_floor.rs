@@ -37,8 +37,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use super::report::{csv_row, report_point};
 use super::{
-    call_deadline, call_times, check_ints, csv_row, fill_input, join_spans, report_point, worker_count, Gate, Point,
+    call_deadline, call_times, check_ints, fill_input, join_spans, worker_count, Gate, Point,
     Spans, JOB_PORT, RESULT_PORT,
 };
 use crate::bcast::{mac_of, BcastFloor, FloorDest};

@@ -15,7 +15,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::{csv_row, report_point, CallTime, Point};
+use super::report::{csv_row, report_point};
+use super::{CallTime, Point};
 use crate::testbed::Testbed;
 use crate::{progress, Csv};
 

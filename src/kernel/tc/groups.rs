@@ -1,0 +1,160 @@
+//! Broadcast groups in the TC maps: group tables (root and forwarding),
+//! their counters, and the next-hop cache.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+use libbpf_rs::{MapCore, MapFlags};
+
+use crate::wire::abi;
+use crate::kernel::maps::{self, names};
+
+use super::{map_err, num_possible_cpus, Result, TcError, TcPlane};
+
+/// One entry of the next-hop cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NeighEntry {
+    /// Destination.
+    pub addr: Ipv4Addr,
+    /// Interface the lookup was made for.
+    pub lookup_ifindex: u32,
+    /// What the FIB said (MACs, egress interface, stale flag, time).
+    pub neigh: abi::Neigh,
+}
+
+impl NeighEntry {
+    /// Marked stale by its timer (re-resolved on next use).
+    pub fn is_stale(&self) -> bool {
+        self.neigh.flags & abi::NEIGH_F_STALE != 0
+    }
+}
+
+impl TcPlane {
+    /// Change the next-hop cache lifetime. Applies to entries resolved from
+    /// now on (an entry's timer is armed when it is resolved).
+    pub fn set_neigh_ttl(&self, ttl: Duration) -> Result<()> {
+        let cfg = abi::BcastConfig {
+            neigh_ttl_ns: u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX),
+        };
+        self.skel
+            .maps
+            .bcast_config
+            .update(&0u32.to_ne_bytes(), abi::as_bytes(&cfg), MapFlags::ANY)
+            .map_err(map_err(names::BCAST_CONFIG))
+    }
+
+    /// Drop every next-hop cache entry (the next datagrams re-resolve).
+    pub fn flush_neigh_cache(&self) -> Result<()> {
+        maps::delete_where::<abi::NeighKey>(&self.skel.maps.bcast_neigh, |_| true).map_err(map_err(names::BCAST_NEIGH))
+    }
+
+    /// The next-hop cache.
+    pub fn neigh_cache(&self) -> Result<Vec<NeighEntry>> {
+        let entries = maps::entries::<abi::NeighKey, abi::Neigh>(&self.skel.maps.bcast_neigh).map_err(map_err(names::BCAST_NEIGH))?;
+        Ok(entries
+            .into_iter()
+            .map(|(key, neigh)| NeighEntry {
+                addr: Ipv4Addr::from(u32::from_be(key.addr)),
+                lookup_ifindex: key.ifindex,
+                neigh,
+            })
+            .collect())
+    }
+
+    /// Write the root table of group `id`: mask bit i goes to `members[i]`
+    /// (1..=32 members). Also the table a tree node uses for FORWARD
+    /// datagrams of `id` arriving on any port.
+    pub fn set_group(&self, id: u16, members: &[SocketAddrV4]) -> Result<()> {
+        self.write_group(id, abi::BCAST_PORT_ANY, members)
+    }
+
+    /// Write a tree node's table: FORWARD datagrams of group `id` arriving
+    /// on UDP port `receive_port` (this node's own member port, non-zero)
+    /// are re-broadcast to `children` with hops + 1.
+    pub fn set_forwarding(&self, id: u16, receive_port: u16, children: &[SocketAddrV4]) -> Result<()> {
+        if receive_port == 0 {
+            return Err(TcError::InvalidGroup {
+                group: id,
+                reason: "forwarding table for port 0: use set_group".into(),
+            });
+        }
+        self.write_group(id, receive_port, children)
+    }
+
+    fn write_group(&self, id: u16, port: u16, members: &[SocketAddrV4]) -> Result<()> {
+        let bad = |reason: String| TcError::InvalidGroup { group: id, reason };
+        if members.is_empty() || members.len() > abi::BCAST_MAX_DESTS as usize {
+            return Err(bad(format!(
+                "{} destinations; a table has 1..={}",
+                members.len(),
+                abi::BCAST_MAX_DESTS
+            )));
+        }
+        if let Some(m) = members.iter().find(|m| m.port() == 0 || m.ip().is_unspecified()) {
+            return Err(bad(format!("destination {m} has no address or port")));
+        }
+        let mut value = abi::Group {
+            count: members.len() as u32,
+            ..Default::default()
+        };
+        for (d, m) in value.dests.iter_mut().zip(members) {
+            d.addr = u32::from_ne_bytes(m.ip().octets());
+            d.port = m.port().to_be();
+        }
+        let key = abi::GroupKey { group: id, port };
+        // counters first, so the programs find them with the table
+        let zeros = vec![vec![0u8; std::mem::size_of::<abi::BcastGroupStat>()]; num_possible_cpus()?];
+        match self
+            .skel
+            .maps
+            .bcast_gstats
+            .update_percpu(abi::as_bytes(&key), &zeros, MapFlags::NO_EXIST)
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(map_err(names::BCAST_GSTATS)(e)),
+        }
+        self.skel
+            .maps
+            .bcast_groups
+            .update(abi::as_bytes(&key), abi::as_bytes(&value), MapFlags::ANY)
+            .map_err(map_err(names::BCAST_GROUPS))
+    }
+
+    /// Remove every table of group `id` (root and forwarding) and its
+    /// counters. No-op if unknown.
+    pub fn remove_group(&self, id: u16) -> Result<()> {
+        for (map, name) in [
+            (&self.skel.maps.bcast_groups, names::BCAST_GROUPS),
+            (&self.skel.maps.bcast_gstats, names::BCAST_GSTATS),
+        ] {
+            maps::delete_where::<abi::GroupKey>(map, |k| k.group == id).map_err(map_err(name))?;
+        }
+        Ok(())
+    }
+
+    /// The table of `(id, port)` as written (port 0 = root table).
+    pub fn group(&self, id: u16, port: u16) -> Result<Option<Vec<SocketAddrV4>>> {
+        let key = abi::GroupKey { group: id, port };
+        let raw = self
+            .skel
+            .maps
+            .bcast_groups
+            .lookup(abi::as_bytes(&key), MapFlags::ANY)
+            .map_err(map_err(names::BCAST_GROUPS))?;
+        Ok(raw.and_then(|b| abi::from_bytes::<abi::Group>(&b)).map(|g| {
+            g.dests
+                .iter()
+                .take(g.count.min(abi::BCAST_MAX_DESTS) as usize)
+                .map(|d| SocketAddrV4::new(Ipv4Addr::from(d.addr.to_ne_bytes()), u16::from_be(d.port)))
+                .collect()
+        }))
+    }
+
+    /// Per-group counters of table `(id, port)`, summed over CPUs.
+    pub fn group_stats(&self, id: u16, port: u16) -> Result<Option<abi::BcastGroupStat>> {
+        let key = abi::GroupKey { group: id, port };
+        maps::lookup_percpu_sum(&self.skel.maps.bcast_gstats, abi::as_bytes(&key)).map_err(map_err(names::BCAST_GSTATS))
+    }
+}
+
