@@ -23,6 +23,7 @@ use std::path::Path;
 const RUNTIME_API: &[&str] = &[
     "mod.rs",
     "comm.rs",
+    "control.rs",
     "calls.rs",
     "driver.rs",
     "striped.rs",

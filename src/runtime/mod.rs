@@ -35,6 +35,7 @@ pub mod backend;
 mod calls;
 pub mod collective;
 pub mod comm;
+pub mod control;
 mod driver;
 mod engine;
 mod error;

@@ -75,8 +75,10 @@ pub enum Request {
         job: u16,
         incarnation: u64,
     },
-    /// The run is over: the job is removed at once.
-    End { job: u16, incarnation: u64 },
+    /// This rank is done: the job is removed at once when every rank of
+    /// the run has ended (a rank still waiting for its last RESULT keeps
+    /// it), or when its lease runs out.
+    End { job: u16, incarnation: u64, rank: u16 },
 }
 
 /// The node's answer to one request.
@@ -88,8 +90,9 @@ pub enum Reply {
     Joined(JobGrant),
     /// The lease was renewed until `lease_ms` from now.
     Renewed { lease_ms: u64 },
-    /// The job was removed.
-    Ended,
+    /// This rank's end is recorded (`remaining` ranks have not ended; the
+    /// job is removed when none remain).
+    Ended { remaining: u16 },
     /// Refused: nothing changed.
     Refused {
         /// Why, as a stable word (counted by it in `/metrics`).
@@ -303,7 +306,7 @@ mod tests {
     fn unknown_fields_are_refused() {
         let e = r#"{"tenant":"a","nonce":"00","time_ms":1,"request":"{}","mac":"00","extra":1}"#;
         assert!(serde_json::from_str::<Envelope>(e).is_err());
-        let r = r#"{"kind":"end","job":1,"incarnation":2,"x":3}"#;
+        let r = r#"{"kind":"end","job":1,"incarnation":2,"rank":0,"x":3}"#;
         assert!(serde_json::from_str::<Request>(r).is_err());
     }
 }

@@ -68,6 +68,8 @@ pub struct LiveJob {
     pub expires_ms: u64,
     /// When it was created.
     pub created_ms: u64,
+    /// Ranks that have ended.
+    pub ended: BTreeSet<u16>,
 }
 
 /// A run whose ranks are joining.
@@ -259,13 +261,18 @@ impl Registry {
                 };
                 vec![(conn, reply)]
             }
-            Request::End { job, incarnation } => {
+            Request::End { job, incarnation, rank } => {
                 let reply = match self.owned(&tenant, job, incarnation) {
-                    Ok(_) => {
-                        self.live.remove(&job);
-                        self.counts.ended += 1;
-                        Reply::Ended
+                    Ok(j) if usize::from(rank) < j.grant.workers.len() => {
+                        j.ended.insert(rank);
+                        let remaining = (j.grant.workers.len() - j.ended.len()) as u16;
+                        if remaining == 0 {
+                            self.live.remove(&job);
+                            self.counts.ended += 1;
+                        }
+                        Reply::Ended { remaining }
                     }
+                    Ok(j) => refuse(Refusal::Conflict, format!("rank {rank} of a job of {} workers", j.grant.workers.len())),
                     Err(r) => r,
                 };
                 vec![(conn, reply)]
@@ -409,6 +416,7 @@ impl Registry {
                 vector_len: joining.vector_len,
                 expires_ms: now_ms + self.limits.lease_ms,
                 created_ms: now_ms,
+                ended: BTreeSet::new(),
             },
         );
         self.counts.created += 1;
@@ -635,7 +643,10 @@ mod tests {
         assert_eq!(reg.expire(T0 + 10 + lease).0, vec![g2.job]);
         assert!(reg.live().is_empty() && reg.desired().0.is_empty());
         let g3 = run_of(&mut reg, &mut c, T0 + 20, "r", 2);
-        assert_eq!(reg.handle(T0, 0, &c.frame(T0, &Request::End { job: g3.job, incarnation: 3 })), vec![(0, Reply::Ended)]);
+        let end = |rank| Request::End { job: g3.job, incarnation: 3, rank };
+        assert_eq!(reg.handle(T0, 0, &c.frame(T0, &end(1))), vec![(0, Reply::Ended { remaining: 1 })]);
+        assert_eq!(reg.live().len(), 1, "rank 0 has not ended: the job stays");
+        assert_eq!(reg.handle(T0, 0, &c.frame(T0, &end(0))), vec![(0, Reply::Ended { remaining: 0 })]);
         assert!(reg.live().is_empty());
         assert_eq!((reg.counts().created, reg.counts().ended, reg.counts().expired), (3, 2, 1));
     }
@@ -661,7 +672,10 @@ mod tests {
         for k in 0..1000u64 {
             let now = T0 + k;
             let g = run_of(&mut reg, &mut c, now, "r", 2);
-            assert_eq!(reg.handle(now, 0, &c.frame(now, &Request::End { job: g.job, incarnation: g.incarnation })), vec![(0, Reply::Ended)]);
+            for rank in 0..2 {
+                let end = Request::End { job: g.job, incarnation: g.incarnation, rank };
+                assert_eq!(reg.handle(now, 0, &c.frame(now, &end)), vec![(0, Reply::Ended { remaining: 1 - rank })]);
+            }
         }
         assert!(reg.live().is_empty() && reg.joining.is_empty());
         // The nonces of the last freshness window only.
