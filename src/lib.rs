@@ -12,7 +12,7 @@
 //! `runtime` never import each other, nor `runtime` the `kernel`: what both
 //! stacks need lives in `wire` (the ring memory, the fragment size).
 //! `netif` imports nothing and the layers above `config` may read it. In
-//! the runtime, the public API (`comm`, `calls`, `driver`, `striped`,
+//! the runtime, the public API (`api`, `comm`, `control`, `calls`, `driver`, `striped`,
 //! `collective`, `ring`, `runtime/mod.rs`) sits on the engine and the
 //! modules it is built from, which never import the API. Unit tests may use
 //! any layer. `tests/layers.rs` checks every import against these rules.
