@@ -4,7 +4,10 @@
 //! credential of the node's key file, get the job, run int32 and float32
 //! allreduces exactly, and end it; the same run key then gets a new
 //! incarnation (another job id). A wrong key and an unknown tenant are
-//! refused with their reasons and create nothing.
+//! refused with their reasons and create nothing. Two runs of two tenants
+//! at once are both exact, and neither may end the other's job; a run
+//! whose workers die (they never renew nor end) loses its job within a
+//! lease.
 
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
@@ -16,6 +19,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use aggbox::runtime::control::{Credential, RunJob};
+use aggbox::wire::control::{read_frame, write_frame, Envelope, Refusal, Reply, Request};
 use aggbox::runtime::Collective;
 use aggbox::wire::abi::Op;
 use live_attach::LiveAttach;
@@ -103,5 +107,107 @@ fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
         jobs.push(results[0].0);
     }
     assert_ne!(jobs[0], jobs[1], "a new incarnation is a new job");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One AGC1 request as a bare client sends it (from the calling thread's
+/// network namespace), and the node's reply.
+fn raw(control: SocketAddr, tenant: &str, key: &str, nonce: u8, request: &Request) -> Reply {
+    let mut s = std::net::TcpStream::connect(control).expect("connect to the control endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let mut n = [0u8; 16];
+    n[0] = nonce;
+    n[1..9].copy_from_slice(&now.to_be_bytes());
+    write_frame(&mut s, &Envelope::sign(tenant, &hex::decode(key).unwrap(), n, now, request)).unwrap();
+    serde_json::from_slice(&read_frame(&mut s).expect("a reply")).expect("a reply frame")
+}
+
+const KEY_B: &str = "b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0";
+
+#[test]
+fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
+    assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
+    let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
+    let dir = std::env::temp_dir().join(format!("aggbox-on-demand2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys.toml");
+    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n\n[[tenant]]\nname = \"other\"\nkey = \"{KEY_B}\"\n")).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let node = LiveAttach::start(&tb.host(0).netns, "on-demand2", &config, &[]);
+    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
+    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+
+    // Two runs of two ranks each, of two tenants, at once.
+    let runs = [("training", KEY, [1usize, 2]), ("other", KEY_B, [3, 4])];
+    let grants: Vec<(u16, u64)> = std::thread::scope(|s| {
+        let hs: Vec<_> = runs
+            .iter()
+            .flat_map(|(tenant, key, hosts)| hosts.iter().enumerate().map(move |(r, &h)| (*tenant, *key, r, h, *hosts)))
+            .map(|(tenant, key, r, h, hosts)| {
+                let tb = &tb;
+                s.spawn(move || {
+                    let cred = Credential { tenant: tenant.into(), key: hex::decode(key).unwrap() };
+                    let (run, comm) = tb
+                        .in_host(h, || {
+                            let run = RunJob::join(control, cred, "run", 2, r as u16, data(h), None, Duration::from_secs(20))
+                                .unwrap_or_else(|e| panic!("{tenant} rank {r}: join: {e}"));
+                            let comm = run.builder().deadline(Duration::from_secs(10)).build().expect("build");
+                            (run, comm)
+                        })
+                        .unwrap();
+                    for k in 0..50 {
+                        let n = 1000 + k;
+                        let mut v = ints(h, n);
+                        let (a, b) = (ints(hosts[0], n), ints(hosts[1], n));
+                        let want: Vec<i32> = (0..n).map(|i| a[i] + b[i]).collect();
+                        comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("{tenant} rank {r}: call {k}: {e}"));
+                        assert_eq!(v, want, "{tenant} rank {r}: call {k}");
+                    }
+                    let g = (run.grant().job, run.grant().incarnation);
+                    // Keep the job until every rank of both runs is done.
+                    std::thread::sleep(Duration::from_millis(200));
+                    drop(comm);
+                    drop(run);
+                    g
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert_eq!(grants[0], grants[1]);
+    assert_eq!(grants[2], grants[3]);
+    assert_ne!(grants[0].0, grants[2].0, "each run its own job");
+
+    // A run whose workers die: joined by bare clients that never renew nor
+    // end. The job is live, another tenant cannot end it, and it is gone
+    // within a lease (10 s) and a lease check.
+    let joined: Vec<Reply> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                let tb = &tb;
+                s.spawn(move || {
+                    tb.in_host(r + 1, || {
+                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None })
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let Reply::Joined(g) = &joined[0] else { panic!("{joined:?}") };
+    assert!(node.status().jobs.iter().any(|j| j.id == g.job), "the dead run's job is served");
+    let other = tb
+        .in_host(3, || raw(control, "other", KEY_B, 9, &Request::End { job: g.job, incarnation: g.incarnation, rank: 0 }))
+        .unwrap();
+    assert!(matches!(other, Reply::Refused { reason: Refusal::UnknownJob, .. }), "{other:?}");
+    let since = std::time::Instant::now();
+    while node.status().jobs.iter().any(|j| j.id == g.job) {
+        assert!(since.elapsed() < Duration::from_millis(g.lease_ms + 2000), "job {} outlived its lease", g.job);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(node.status().jobs.is_empty(), "every job of the runs is gone: {:?}", node.status().jobs);
     let _ = std::fs::remove_dir_all(&dir);
 }
