@@ -217,7 +217,7 @@ fn table() -> Vec<Row> {
         Expect::Drop(DropReason::ReservedFlag),
     ));
     let mut a = valid();
-    a.op = 9;
+    a.op = abi::Op::ALL.len() as u8; // the first number no row has
     rows.push(agg_row(
         "invalid op",
         &a,
@@ -327,6 +327,7 @@ fn table() -> Vec<Row> {
         XDP_PASS,
         Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
+
     let mut a = valid();
     a.job = JOB_US;
     rows.push(agg_row(

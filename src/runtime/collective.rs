@@ -8,8 +8,8 @@
 //! Every member decides alike: the choice depends only on the call's length,
 //! op and the configured threshold, which all members share. A ring job
 //! reduces exactly its `vector_len` elements; a shorter vector is padded
-//! with the op's identity (0 for SUM/AVG/COUNT, `i32::MIN` for MAX,
-//! `i32::MAX` for MIN), so one ring serves every size up to its length.
+//! with the op's identity ([`Op::identity`]: 0 for SUM, `i32::MIN` for MAX,
+//! `i32::MAX` for MIN, ...), so one ring serves every size up to its length.
 //! A ring call whose partial sums saturated (docs/RING.md "Arithmetic") is
 //! redone on the star when there is one, so an automatic choice returns the
 //! star's result bit for bit.
@@ -132,7 +132,7 @@ impl Collective {
     /// The algorithm a call of `len` elements with `op` takes: the star or
     /// the ring (never [`Algorithm::Auto`]), or why neither can.
     pub fn choose(&self, len: usize, op: Op) -> Result<Algorithm, CommError> {
-        let ring_fits = self.ring.as_ref().is_some_and(|r| len <= r.len()) && op.runs_in_kernel();
+        let ring_fits = self.ring.as_ref().is_some_and(|r| len <= r.len()) && op.runs_in_ring();
         match self.algorithm {
             Algorithm::Star if self.star.is_some() => Ok(Algorithm::Star),
             Algorithm::Ring if ring_fits => Ok(Algorithm::Ring),
@@ -158,7 +158,7 @@ impl Collective {
                 let ring = self.ring.as_mut().expect("chosen");
                 let mem = ring.input_mut();
                 mem[..buf.len()].copy_from_slice(buf);
-                mem[buf.len()..].fill(identity(op));
+                mem[buf.len()..].fill(op.identity());
                 let out = ring.allreduce_in_place(op)?;
                 if out.overflow && self.algorithm == Algorithm::Auto {
                     // `buf` still holds the input: the star's exact rule.
@@ -195,15 +195,6 @@ impl Collective {
                 Ok(Algorithm::Star)
             }
         }
-    }
-}
-
-/// The element that leaves `op`'s result unchanged (padding of a ring call).
-fn identity(op: Op) -> i32 {
-    match op {
-        Op::Max => i32::MIN,
-        Op::Min => i32::MAX,
-        _ => 0,
     }
 }
 
