@@ -8,8 +8,8 @@
  * (mpi/src/lib.rs), over the aggbox runtime.
  *
  * Served: MPI_Allreduce and MPI_Reduce of MPI_INT / MPI_INT32_T with
- * MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR, MPI_BXOR (the
- * `mpi` column of include/aggbox/ops.def; and
+ * MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR, MPI_BXOR,
+ * MPI_LAND, MPI_LOR (the `mpi` column of include/aggbox/ops.def; and
  * MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized); MPI_Bcast of
  * fixed-size predefined types; on MPI_COMM_WORLD and on every
  * intracommunicator whose processes are a configured job's workers in its

@@ -107,7 +107,7 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         round: u32,
         /// Operation: a name of the op table (include/aggbox/ops.def): sum,
-        /// count, max, min, avg, prod, band, bor, bxor.
+        /// count, max, min, avg, prod, band, bor, bxor, land, lor.
         #[arg(long, default_value = "sum")]
         op: String,
         /// Vector length (values from the deterministic test pattern of this rank).

@@ -327,7 +327,15 @@ fn table() -> Vec<Row> {
         XDP_PASS,
         Expect::Outcome(Outcome::UserspaceUnavailable),
     ));
-
+    let mut a = valid();
+    a.op = abi::Op::Lor as u8; // the last row, not run in the kernel
+    rows.push(agg_row(
+        "op LOR",
+        &a,
+        src,
+        XDP_PASS,
+        Expect::Outcome(Outcome::UserspaceUnavailable),
+    ));
     let mut a = valid();
     a.job = JOB_US;
     rows.push(agg_row(

@@ -280,8 +280,8 @@ fn counter(line: &str, section: &str, name: &str) -> u64 {
 
 /// The ops collectives.c runs, every one the shim serves on int32: the
 /// rows of include/aggbox/ops.def that name an MPI op (MPI_SUM ...
-/// MPI_BXOR).
-const MPI_OPS: usize = 7;
+/// MPI_BXOR, MPI_LAND, MPI_LOR).
+const MPI_OPS: usize = 9;
 
 #[test]
 fn collectives_c_runs_every_op_the_shim_serves() {

@@ -37,7 +37,7 @@ impl Rng {
     }
 
     /// An element: an edge value a quarter of the time, else small (zeros
-    /// and signs for COUNT) or anywhere in int32.
+    /// and signs for COUNT, LAND, LOR) or anywhere in int32.
     fn element(&mut self) -> i32 {
         const EDGES: [i32; 9] = [i32::MIN, i32::MIN + 1, -2, -1, 0, 1, 2, i32::MAX - 1, i32::MAX];
         match self.below(8) {

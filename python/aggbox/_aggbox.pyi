@@ -14,7 +14,7 @@ Route = Literal["aggbox", "baseline"]
 Policy = Literal["measure", "aggbox", "baseline"]
 # The ops of include/aggbox/ops.def (tests/ops_agree.rs checks this list
 # against the table), and "mean" (avg; on float32, "sum" or "mean" only).
-OpName = Literal["sum", "count", "max", "min", "avg", "prod", "band", "bor", "bxor", "mean"]
+OpName = Literal["sum", "count", "max", "min", "avg", "prod", "band", "bor", "bxor", "land", "lor", "mean"]
 
 OPS: list[str]
 """The op names of the table, in wire-number order (no "mean")."""

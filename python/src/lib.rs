@@ -596,7 +596,7 @@ impl PyCommunicator {
     /// int32 or float32: numpy array, CPU torch.Tensor, any buffer) gets the
     /// reduction over every worker's `buf`; all must have the same length.
     /// int32: `op` is a name of the op table (sum, count, max, min, avg,
-    /// prod, band, bor, bxor; "mean" is avg), exact; returns True
+    /// prod, band, bor, bxor, land, lor; "mean" is avg), exact; returns True
     /// if an element was clamped to int32.
     /// float32: `op` is "sum" or "mean", quantized to int32 on the way
     /// (error bound: float_error_bound); returns False.

@@ -9,7 +9,7 @@
 //! op and the configured threshold, which all members share. A ring job
 //! reduces exactly its `vector_len` elements; a shorter vector is padded
 //! with the op's identity ([`Op::identity`]: 0 for SUM, `i32::MIN` for MAX,
-//! `i32::MAX` for MIN, ...), so one ring serves every size up to its length.
+//! 1 for LAND, ...), so one ring serves every size up to its length.
 //! A ring call whose partial sums saturated (docs/RING.md "Arithmetic") is
 //! redone on the star when there is one, so an automatic choice returns the
 //! star's result bit for bit.

@@ -164,8 +164,8 @@ impl RingCommunicator {
     }
 
     /// Allreduce of `buf` (exactly [`RingCommunicator::len`] elements)
-    /// with `op` (one that [`Op::runs_in_ring`]: SUM, COUNT, MAX, MIN, AVG;
-    /// weights of the configuration),
+    /// with `op` (one that [`Op::runs_in_ring`]: SUM, COUNT, MAX, MIN, AVG,
+    /// LAND, LOR; weights of the configuration),
     /// the result written back into `buf`.
     pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<RingOutput, CommError> {
         self.check_len(buf.len())?;

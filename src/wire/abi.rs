@@ -561,7 +561,7 @@ pub const MAX_OWNERS: u32 = 2 * MAX_SLOTS;
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HandoffReason {
-    /// An op the kernel does not run (5..8, `Op::runs_in_kernel`).
+    /// An op the kernel does not run (5..10, `Op::runs_in_kernel`).
     Op = 0,
     /// FLOAT32 payload.
     Float32 = 1,

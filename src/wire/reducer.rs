@@ -14,14 +14,14 @@
 //! int32 range and [`ReduceResult::overflow`] says whether any was clamped.
 //! Float semantics: SUM, AVG and PROD in f64 rounded once to f32; MAX/MIN
 //! exact (NaN only wins when every contribution is NaN, as `f32::max`);
-//! COUNT is a float; the ops not [`Op::valid_on_floats`] (BAND/BOR/BXOR)
-//! are rejected.
+//! COUNT is a float; the ops not [`Op::valid_on_floats`] (BAND/BOR/BXOR,
+//! LAND/LOR) are rejected.
 //!
 //! Speed: each op has its own tight loop over the elements (no per-element
 //! `match`), written over a generic element source so the same loop serves
 //! host-order slices and big-endian wire bytes and autovectorizes for both.
-//! An int op with no loop of its own (a new row of the table) is the
-//! table's [`Op::combine`] over int32 accumulators seeded with its
+//! An int op with no loop of its own (LAND, LOR: a new row of the table) is
+//! the table's [`Op::combine`] over int32 accumulators seeded with its
 //! [`Op::identity`].
 
 use crate::wire::abi::{self, Op};
@@ -29,7 +29,7 @@ use crate::wire::abi::{self, Op};
 /// Why a reduction could not be done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ReduceError {
-    /// An op not valid on floats (BAND/BOR/BXOR) on float32 data.
+    /// An op not valid on floats (BAND/BOR/BXOR, LAND/LOR) on float32 data.
     #[error("op {} is invalid on FLOAT32 payloads", .0.name())]
     FloatBitwise(Op),
     /// A contribution's length differs from the slot's element count.
@@ -148,8 +148,8 @@ enum State {
     Huge(Vec<i128>),
     /// COUNT (int and float): ranks with a nonzero element.
     Count(Vec<u32>),
-    /// int MAX/MIN/BAND/BOR/BXOR and every other op that keeps int32s:
-    /// starts at the op's identity.
+    /// int MAX/MIN/BAND/BOR/BXOR and every other op that keeps int32s
+    /// (LAND/LOR): starts at the op's identity.
     Narrow(Vec<i32>),
     /// float SUM/AVG/PROD; int PROD (saturating exact integers, see above).
     F64(Vec<f64>),
@@ -408,8 +408,8 @@ impl Accumulator {
                 }
             }
             (State::Narrow(acc), _) => {
-                // An op with no loop of its own: the table's row, whose
-                // int32 accumulators stay int32.
+                // An op with no loop of its own (LAND, LOR): the table's
+                // row, whose int32 accumulators stay int32.
                 for (a, v) in acc.iter_mut().zip(src) {
                     *a = op.combine(i64::from(*a), v, weight) as i32;
                 }
@@ -857,6 +857,16 @@ mod tests {
     }
 
     #[test]
+    fn logical_ops() {
+        let (a, b): (&[i32], &[i32]) = (&[0, 1, -7, 0, MIN], &[0, 0, 3, 5, MAX]);
+        assert_eq!(ints(Op::Land, &[(a, 1), (b, 1)]), (vec![0, 0, 1, 0, 1], false));
+        assert_eq!(ints(Op::Lor, &[(a, 1), (b, 1)]), (vec![0, 1, 1, 1, 1], false));
+        // weights do not scale them
+        assert_eq!(ints(Op::Land, &[(&[2], -3)]), (vec![1], false));
+        assert_eq!(ints(Op::Lor, &[(&[0], 9)]), (vec![0], false));
+    }
+
+    #[test]
     fn errors() {
         for op in Op::ALL.into_iter().filter(|op| !op.valid_on_floats()) {
             assert_eq!(
@@ -990,6 +1000,8 @@ mod tests {
                         Op::Band => col.map(|c| c.0).fold(-1, |a, v| a & v),
                         Op::Bor => col.map(|c| c.0).fold(0, |a, v| a | v),
                         Op::Bxor => col.map(|c| c.0).fold(0, |a, v| a ^ v),
+                        Op::Land => col.fold(1, |a, c| a & (c.0 != 0) as i128),
+                        Op::Lor => col.fold(0, |a, c| a | (c.0 != 0) as i128),
                     };
                     let c = exact.clamp(MIN as i128, MAX as i128);
                     overflow |= c != exact;
@@ -1021,7 +1033,8 @@ mod tests {
         for op in Op::ALL {
             acc.reset(op, 2, false).unwrap();
             acc.add_int(&[6, -6], 1).unwrap();
-            let want = if op == Op::Count { [1, 1] } else { [6, -6] };
+            // one contribution: the table's combine from the identity
+            let want = if matches!(op, Op::Count | Op::Land | Op::Lor) { [1, 1] } else { [6, -6] };
             assert_eq!(
                 acc.finish().unwrap().ints().unwrap(),
                 want,

@@ -581,6 +581,7 @@ mod tests {
         assert_eq!(with(22, Op::Prod as u8), Err(RingError::Op(Op::Prod as u8)));
         let unknown = Op::ALL.len() as u8; // the first number no row has
         assert_eq!(with(22, unknown), Err(RingError::Op(unknown)));
+        assert_eq!(with(22, Op::Lor as u8).map(|h| h.op), Ok(Op::Lor));
         assert_eq!(with(23, 1), Err(RingError::Pad(1)));
         assert_eq!(
             RingHeader::decode(&good[..good.len() - 1]).map(|(h, _)| h),
@@ -687,6 +688,12 @@ mod tests {
         assert_eq!(combine(Op::Max, 3, 4, 1 << 30), (1 << 30, false));
         assert_eq!(combine(Op::Min, 3, 4, -(1 << 30)), (-(1 << 30), false));
         assert_eq!(combine(Op::Min, 1, 4, 9), (4, false));
+        assert_eq!(origin_value(Op::Land, 5, -3), (1, false));
+        assert_eq!(origin_value(Op::Lor, 5, 0), (0, false));
+        assert_eq!(combine(Op::Land, 1, 1, 0), (0, false));
+        assert_eq!(combine(Op::Land, 1, 1, i32::MIN), (1, false));
+        assert_eq!(combine(Op::Lor, 1, 0, 0), (0, false));
+        assert_eq!(combine(Op::Lor, 1, 0, 7), (1, false));
         assert_eq!(complete(Op::Avg, 4, -7), -1);
         assert_eq!(complete(Op::Avg, 4, 7), 1);
         assert_eq!(complete(Op::Sum, 4, 7), 7);
