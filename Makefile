@@ -100,7 +100,7 @@ mpi: deps
 	@for impl in openmpi mpich; do \
 	  command -v mpicc.$$impl >/dev/null || { echo "make mpi: mpicc.$$impl not found (make deps installs it)" >&2; exit 1; }; \
 	  echo "mpicc.$$impl -> $(MPI_DIR)/libaggbox_mpi_$$impl.so"; \
-	  mpicc.$$impl -shared -fPIC -O2 -Wall -Wextra -Werror -o $(MPI_DIR)/libaggbox_mpi_$$impl.so \
+	  mpicc.$$impl -shared -fPIC -O2 -Wall -Wextra -Werror -Iinclude -o $(MPI_DIR)/libaggbox_mpi_$$impl.so \
 	    mpi/aggbox_mpi.c $(MPI_DIR)/libaggbox_mpi.a \
 	    -Wl,--version-script=mpi/exports.map $(MPI_LDLIBS) || exit 1; \
 	done

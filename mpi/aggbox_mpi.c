@@ -8,7 +8,8 @@
  * (mpi/src/lib.rs), over the aggbox runtime.
  *
  * Served: MPI_Allreduce and MPI_Reduce of MPI_INT / MPI_INT32_T with
- * MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR, MPI_BXOR (and
+ * MPI_SUM, MPI_MAX, MPI_MIN, MPI_PROD, MPI_BAND, MPI_BOR, MPI_BXOR,
+ * MPI_LAND, MPI_LOR (the `mpi` column of include/aggbox/ops.def; and
  * MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized); MPI_Bcast of
  * fixed-size predefined types; on MPI_COMM_WORLD and on every
  * intracommunicator whose processes are a configured job's workers in its
@@ -56,17 +57,18 @@ enum { WORLD_SESSION = 0 };
  * same order), MPI_Comm_free drops it with the communicator. */
 static int session_keyval = MPI_KEYVAL_INVALID;
 
-/* aggbox::wire::abi::Op numbers of the MPI ops AggBox computes exactly as
- * MPI does on int32 (SUM and PROD up to overflow, which falls back). */
+/* The AggBox op (its number in include/aggbox/ops.def, whose `mpi` column
+ * names the MPI op each row serves) that computes MPI op `op` exactly as
+ * MPI does on int32 (SUM and PROD up to overflow, which falls back), or
+ * -1. */
 static int aggbox_op(MPI_Op op)
 {
-    if (op == MPI_SUM) return 0;
-    if (op == MPI_MAX) return 2;
-    if (op == MPI_MIN) return 3;
-    if (op == MPI_PROD) return 5;
-    if (op == MPI_BAND) return 6;
-    if (op == MPI_BOR) return 7;
-    if (op == MPI_BXOR) return 8;
+    if (op == MPI_OP_NULL)
+        return -1;
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) \
+    if (op == (mpi)) return number;
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
     return -1;
 }
 

@@ -209,7 +209,7 @@ pub const DEFAULT_CONTROL: SocketAddr =
 
 /// `[node] userspace_path`: what `aggbox attach` does when the user-space
 /// (AF_XDP) path cannot start. Without it, contributions the kernel does not
-/// aggregate (ops 5..8, FLOAT32, a full slot pool, `userspace_only` jobs)
+/// aggregate (ops 5..10, FLOAT32, a full slot pool, `userspace_only` jobs)
 /// reach the stack unaggregated, so running without it is a choice the
 /// operator makes, not a warning scrolled past.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -285,7 +285,7 @@ pub struct JobConfig {
     pub window: u32,
     /// Bound on the slots this job may hold on the user-space path (what
     /// the kernel hands over when its pool is full or overloaded, and every
-    /// slot of ops 5..8 / FLOAT32), so one job cannot take that path's
+    /// slot of ops 5..10 / FLOAT32), so one job cannot take that path's
     /// memory from the others.
     pub userspace_slots: u32,
     /// Bound on the bytes of slot memory this job may hold on the user-space

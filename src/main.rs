@@ -106,7 +106,8 @@ enum Command {
         /// Reduction round.
         #[arg(long, default_value_t = 1)]
         round: u32,
-        /// Operation: sum, count, max, min, avg (kernel) or prod, band, bor, bxor.
+        /// Operation: a name of the op table (include/aggbox/ops.def): sum,
+        /// count, max, min, avg, prod, band, bor, bxor, land, lor.
         #[arg(long, default_value = "sum")]
         op: String,
         /// Vector length (values from the deterministic test pattern of this rank).
@@ -196,7 +197,7 @@ fn parse_mask(text: &str) -> Result<u32, String> {
 
 fn parse_op(name: &str) -> Result<Op> {
     Op::from_name(name).ok_or_else(|| {
-        anyhow!("unknown op {name:?} (sum, count, max, min, avg, prod, band, bor, bxor)")
+        anyhow!("unknown op {name:?} ({})", Op::names_list())
     })
 }
 

@@ -9,6 +9,11 @@ use std::process::Command;
 
 use aggbox::wire::abi::{self, DropReason, Outcome};
 
+/// Bit `op` set for every op that has `property` (abi.h's AGGBOX_OP_*_MASK).
+fn op_mask(property: fn(abi::Op) -> bool) -> i64 {
+    abi::Op::ALL.iter().filter(|&&op| property(op)).map(|&op| 1i64 << op as u8).sum()
+}
+
 /// Constants compared by value: (C expression, Rust value).
 fn constants() -> Vec<(String, i64)> {
     let mut out: Vec<(String, i64)> = vec![
@@ -44,8 +49,15 @@ fn constants() -> Vec<(String, i64)> {
         ("AGGBOX_OUTCOME_COUNT_OK".into(), abi::OUTCOME_COUNT_OK as i64),
         ("AGGBOX_STATS_DROP_BASE".into(), abi::STATS_DROP_BASE as i64),
         ("AGGBOX_STATS_MAX".into(), abi::STATS_MAX as i64),
-        ("AGGBOX_OP_LAST".into(), abi::Op::Bxor as i64),
-        ("AGGBOX_OP_LAST_KERNEL".into(), abi::Op::Avg as i64),
+        ("AGGBOX_OP_LAST".into(), abi::Op::ALL[abi::Op::ALL.len() - 1] as i64),
+        ("AGGBOX_OPS".into(), abi::Op::ALL.len() as i64),
+        (
+            "AGGBOX_OP_LAST_KERNEL".into(),
+            abi::Op::ALL.into_iter().filter(|op| op.runs_in_kernel()).max_by_key(|&op| op as u8).unwrap() as i64,
+        ),
+        ("AGGBOX_OP_FLOATS_MASK".into(), op_mask(abi::Op::valid_on_floats)),
+        ("AGGBOX_OP_KERNEL_MASK".into(), op_mask(abi::Op::runs_in_kernel)),
+        ("AGGBOX_OP_RING_MASK".into(), op_mask(abi::Op::runs_in_ring)),
         ("AGGBOX_MAX_QUEUES".into(), abi::MAX_QUEUES as i64),
         ("AGGBOX_XSK_RX_HEADROOM".into(), abi::XSK_RX_HEADROOM as i64),
         ("AGGBOX_MAX_ELEMS".into(), abi::MAX_ELEMS as i64),

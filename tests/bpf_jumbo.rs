@@ -38,7 +38,7 @@ fn jumbo_and_multibuffer_results_match_the_reducer() {
     // Chunk edges (255/256/257), MTU 1500, the first multi-buffer sizes,
     // MTU 9000 (2237), 2242, an odd size, the largest IPv4 datagram.
     for count in [1usize, 255, 256, 257, 362, 869, 870, mtu9000, 2242, 5000, largest] {
-        for op in KERNEL_OPS {
+        for op in kernel_ops() {
             let vectors: Vec<Vec<i32>> =
                 (0..4u16).map(|r| pattern_vector(r + round as u16, count as u32)).collect();
             reduce_one(&dp, op, &weights, &vectors, round, (round % 7) * 16370);
@@ -67,7 +67,7 @@ fn largest_datagram_clamps_and_averages_in_every_block() {
                 .collect()
         })
         .collect();
-    for (round, op) in KERNEL_OPS.iter().enumerate() {
+    for (round, op) in kernel_ops().iter().enumerate() {
         reduce_one(&dp, *op, &weights, &vectors, round as u32 + 1, 0);
     }
 }
@@ -157,7 +157,7 @@ fn block_pool_is_used_whole_given_back_and_reused_dirty() {
     // must still give the reducer's result (the first adder stores).
     let mut round = 100;
     for pass in 0..3 {
-        for op in KERNEL_OPS {
+        for op in kernel_ops() {
             let vectors: Vec<Vec<i32>> =
                 (0..4u16).map(|r| pattern_vector(r + round as u16 + pass, count)).collect();
             reduce_one(&dp, op, &weights, &vectors, round, 0);

@@ -53,7 +53,7 @@ fn linear_results_match_the_reducer() {
     let mut round = 1;
     // Chunk edges, MTU 1500 (362), the largest one-page frame (4 chunks).
     for count in [1usize, 255, 256, 257, elements_per_datagram(1500), 513, ONE_PAGE_ELEMS] {
-        for op in KERNEL_OPS {
+        for op in kernel_ops() {
             let vectors: Vec<Vec<i32>> = (0..4u16).map(|r| pattern_vector(r + round as u16, count as u32)).collect();
             reduce_one(&dp, op, &weights, &vectors, round, (round % 7) * 4096);
             round += 1;

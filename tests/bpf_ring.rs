@@ -8,203 +8,11 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use aggbox::config::RingConfig;
-use aggbox::kernel::xdp::{Chain, RingSizing, XdpPlane};
 use aggbox::wire::abi::{self, Op, RingStat};
 use aggbox::wire::reducer::Accumulator;
-use bpf_common::{ipv4_checksum, require_root, Frame, XDP_DROP, XDP_PASS};
-use libbpf_rs::{MapCore, MapFlags};
-
-const XDP_REDIRECT: u32 = 4;
-const PORT: u16 = 7400;
-const RING_ID: u16 = 40;
-const FRAG: u32 = 8;
-const ME: usize = 1;
-const NEXT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x22];
-const OWN_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x11];
-
-fn members() -> Vec<Ipv4Addr> {
-    (0..4).map(|i| Ipv4Addr::new(10, 88, 0, 11 + i)).collect()
-}
-
-struct Ring {
-    dp: XdpPlane,
-    cfg: RingConfig,
-    job: abi::RingJob,
-    /// The round made ready last: `data` and `done` read its buffer.
-    round: std::cell::Cell<u32>,
-}
-
-impl Ring {
-    /// A 4-member ring of `vector_len` elements with `weights`, this node
-    /// member 1, round `round` ready with op `op` and input `input`.
-    fn new(vector_len: u32, weights: Vec<i32>) -> Ring {
-        Ring::with_frag(vector_len, weights, FRAG)
-    }
-
-    fn with_frag(vector_len: u32, weights: Vec<i32>, frag: u32) -> Ring {
-        require_root();
-        let cfg = RingConfig {
-            id: RING_ID,
-            port: PORT,
-            members: members(),
-            weights,
-            vector_len,
-            frag_elems: frag,
-        };
-        let (sizing, bases) = RingSizing::of(std::slice::from_ref(&cfg));
-        let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), sizing).expect("load with a ring");
-        let job = abi::RingJob {
-            id: RING_ID,
-            port: PORT,
-            members: 4,
-            me: ME as u16,
-            frag_elems: frag,
-            frags: cfg.frags(),
-            vector_len,
-            base: bases[0],
-            weight_sum: cfg.weight_sum(),
-            weight: cfg.weights[ME],
-            self_addr: u32::from(members()[ME]).to_be(),
-            next_addr: u32::from(members()[ME + 1]).to_be(),
-        };
-        dp.set_ring(0, &job, &cfg.members).expect("set_ring");
-        dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg, job, round: std::cell::Cell::new(0) }
-    }
-
-    fn ready(&self, round: u32, op: Op, input: &[i32]) {
-        self.round.set(round);
-        let [data, _, ctrl] = self.dp.ring_memory_maps().unwrap();
-        let frag = self.cfg.frag_elems;
-        for f in 0..self.cfg.frags() {
-            let mut v = vec![0u8; 4 * frag as usize];
-            for (i, x) in input.iter().skip((f * frag) as usize).take(frag as usize).enumerate() {
-                v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
-            }
-            data.update(&self.index(f).to_ne_bytes(), &v, MapFlags::ANY).unwrap();
-        }
-        let c = abi::RingCtrl {
-            ready_round: round,
-            state: abi::RING_READY,
-            finals: 0,
-            finals_round: round,
-            op: op as u32,
-            round_frags: 0,
-            pad: [0; 10],
-        };
-        ctrl.update(&0u32.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
-    }
-
-    /// Fragment `f`'s entry in the ready round's buffer.
-    fn index(&self, f: u32) -> u32 {
-        self.job.index(abi::Round(self.round.get()), f)
-    }
-
-    fn data(&self, f: u32) -> Vec<i32> {
-        let [data, _, _] = self.dp.ring_memory_maps().unwrap();
-        let v = data.lookup(&self.index(f).to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
-        v.chunks(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
-    }
-
-    fn done(&self, f: u32) -> abi::RingDone {
-        let [_, done, _] = self.dp.ring_memory_maps().unwrap();
-        abi::from_bytes(&done.lookup(&self.index(f).to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
-    }
-
-    fn ctrl(&self) -> abi::RingCtrl {
-        let [_, _, ctrl] = self.dp.ring_memory_maps().unwrap();
-        abi::from_bytes(&ctrl.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
-    }
-
-    fn stat(&self, s: RingStat) -> u64 {
-        self.dp.ring_stats(0).unwrap().count[s as usize]
-    }
-
-    fn count_of(&self, f: u32) -> u32 {
-        (self.cfg.vector_len - f * self.cfg.frag_elems).min(self.cfg.frag_elems)
-    }
-
-    fn run(&self, d: &Datagram) -> (u32, Vec<u8>) {
-        self.dp.test_runner().unwrap().run(&d.frame()).unwrap()
-    }
-}
-
-#[derive(Clone)]
-struct Datagram {
-    kind: u8,
-    flags: u8,
-    round: u32,
-    frag: u32,
-    hops: u16,
-    sender: u16,
-    op: Op,
-    values: Vec<i32>,
-    src: Ipv4Addr,
-    count: Option<u16>,
-}
-
-impl Datagram {
-    fn new(kind: u8, round: u32, frag: u32, hops: u16, op: Op, values: Vec<i32>) -> Datagram {
-        // the sender of transmission `hops` is member origin + hops - 1
-        let sender = ((frag as usize % 4) + hops as usize - 1) % 4;
-        Datagram {
-            kind,
-            flags: 0,
-            round,
-            frag,
-            hops,
-            sender: sender as u16,
-            op,
-            values,
-            src: members()[sender],
-            count: None,
-        }
-    }
-
-    fn frame(&self) -> Vec<u8> {
-        let mut p = Vec::new();
-        p.extend_from_slice(&abi::MAGIC_RING.to_be_bytes());
-        p.extend_from_slice(&RING_ID.to_be_bytes());
-        p.push(self.kind);
-        p.push(self.flags);
-        p.extend_from_slice(&self.round.to_be_bytes());
-        p.extend_from_slice(&self.frag.to_be_bytes());
-        p.extend_from_slice(&self.hops.to_be_bytes());
-        p.extend_from_slice(&self.count.unwrap_or(self.values.len() as u16).to_be_bytes());
-        p.extend_from_slice(&self.sender.to_be_bytes());
-        p.push(self.op as u8);
-        p.push(0);
-        for v in &self.values {
-            p.extend_from_slice(&v.to_be_bytes());
-        }
-        let mut f = Frame::udp(self.src, p);
-        f.dst = members()[ME];
-        f.sport = PORT;
-        f.dport = PORT;
-        f.build()
-    }
-}
-
-/// The payload of a forwarded frame, its header fields checked.
-fn forwarded(out: &[u8], kind: u8, hops: u16) -> (u8, Vec<i32>) {
-    assert_eq!(&out[0..6], &NEXT_MAC, "destination MAC of the next hop");
-    assert_eq!(&out[6..12], &OWN_MAC, "source MAC of the next hop");
-    let ip = &out[14..34];
-    assert_eq!(ipv4_checksum(ip), 0, "IPv4 checksum of the rewritten header");
-    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[12..16]).unwrap()), members()[ME]);
-    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[16..20]).unwrap()), members()[ME + 1]);
-    let udp = &out[34..42];
-    assert_eq!(u16::from_be_bytes([udp[0], udp[1]]), PORT);
-    assert_eq!(u16::from_be_bytes([udp[6], udp[7]]), 0, "UDP checksum cleared");
-    let rh = &out[42..66];
-    assert_eq!(rh[6], kind, "kind");
-    assert_eq!(u16::from_be_bytes([rh[16], rh[17]]), hops, "hops");
-    assert_eq!(u16::from_be_bytes([rh[20], rh[21]]), ME as u16, "sender");
-    let n = u16::from_be_bytes([rh[18], rh[19]]) as usize;
-    let vals = out[66..66 + 4 * n].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
-    (rh[7], vals)
-}
+use aggbox::wire::ring;
+use bpf_common::ring::*;
+use bpf_common::{XDP_DROP, XDP_PASS};
 
 fn input(n: u32, seed: i32) -> Vec<i32> {
     (0..n as i32).map(|i| (i * 7919 + seed * 104_729) % 20_011 - 10_005).collect()
@@ -224,30 +32,20 @@ fn reference(op: Op, values: &[Vec<i32>], weights: &[i32]) -> Vec<i32> {
 fn partial(op: Op, f: u32, hops: u16, all: &[Vec<i32>], weights: &[i32], count: usize) -> Vec<i32> {
     let origin = f as usize % 4;
     let start = (f * FRAG) as usize;
-    let mut out: Vec<i64> = vec![0; count];
+    let mut out: Vec<i32> = vec![op.identity(); count];
     for k in 0..hops as usize {
         let m = (origin + k) % 4;
         for (i, o) in out.iter_mut().enumerate() {
-            let x = all[m][start + i] as i64;
-            let wx = weights[m] as i64 * x;
-            *o = match (op, k) {
-                (Op::Count, 0) => (x != 0) as i64,
-                (Op::Count, _) => *o + (x != 0) as i64,
-                (Op::Max | Op::Min, 0) => x,
-                (Op::Max, _) => (*o).max(x),
-                (Op::Min, _) => (*o).min(x),
-                (_, 0) => wx,
-                _ => *o + wx,
-            };
+            *o = ring::combine(op, weights[m], *o, all[m][start + i]).0;
         }
     }
-    out.into_iter().map(|v| v as i32).collect()
+    out
 }
 
 #[test]
 fn every_op_adds_completes_and_stores_like_the_star() {
     let weights = vec![1, 3, 2, 1];
-    for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
+    for op in Op::ALL.into_iter().filter(|op| op.runs_in_ring()) {
         // 4 fragments: 8, 8, 8, 6 elements
         let ring = Ring::new(30, weights.clone());
         let all: Vec<Vec<i32>> = (0..4).map(|m| input(30, m + 1)).collect();

@@ -217,7 +217,7 @@ fn table() -> Vec<Row> {
         Expect::Drop(DropReason::ReservedFlag),
     ));
     let mut a = valid();
-    a.op = 9;
+    a.op = abi::Op::ALL.len() as u8; // the first number no row has
     rows.push(agg_row(
         "invalid op",
         &a,
@@ -322,6 +322,15 @@ fn table() -> Vec<Row> {
     a.op = abi::Op::Bxor as u8;
     rows.push(agg_row(
         "op BXOR",
+        &a,
+        src,
+        XDP_PASS,
+        Expect::Outcome(Outcome::UserspaceUnavailable),
+    ));
+    let mut a = valid();
+    a.op = abi::Op::Lor as u8; // the last row, not run in the kernel
+    rows.push(agg_row(
+        "op LOR",
         &a,
         src,
         XDP_PASS,

@@ -278,12 +278,29 @@ fn counter(line: &str, section: &str, name: &str) -> u64 {
     rest[at + name.len() + 1..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
 }
 
+/// The ops collectives.c runs, every one the shim serves on int32: the
+/// rows of include/aggbox/ops.def that name an MPI op (MPI_SUM ...
+/// MPI_BXOR, MPI_LAND, MPI_LOR).
+const MPI_OPS: usize = 9;
+
+#[test]
+fn collectives_c_runs_every_op_the_shim_serves() {
+    let served = aggbox::wire::abi::Op::ALL.iter().filter(|op| op.mpi_name().is_some()).count();
+    assert_eq!(served, MPI_OPS);
+    let program = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mpi/collectives.c")).expect("collectives.c");
+    for op in aggbox::wire::abi::Op::ALL {
+        if let Some(name) = op.mpi_name() {
+            assert!(program.contains(&format!("{name}}}")), "collectives.c runs {name}");
+        }
+    }
+}
+
 /// The counters world rank `r` must print after collectives.c's default
 /// program with `served` of its sizes served and `passed` passed through
-/// (AGGBOX_MPI_MIN_BYTES). Per served size: 7 ops × (allreduce + in-place
-/// allreduce) and 7 × 2 reduces served, the SUM that wraps overflowed
-/// (rerun with PMPI), one bcast; per passed size the same 15 allreduces,
-/// 14 reduces and the bcast passed. Then passed_through()'s 2 allreduces
+/// (AGGBOX_MPI_MIN_BYTES). Per served size: MPI_OPS ops × (allreduce +
+/// in-place allreduce) and MPI_OPS × 2 reduces served, the SUM that wraps
+/// overflowed (rerun with PMPI), one bcast; per passed size the same
+/// 2 × MPI_OPS + 1 allreduces, 2 × MPI_OPS reduces and the bcast passed. Then passed_through()'s 2 allreduces
 /// (int64, a user op) pass, and of communicators(): the allreduce on the
 /// duplicate of MPI_COMM_WORLD is served (its job), the reversed half's
 /// allreduce, reduce, bcast and its duplicate's allreduce are served on the
@@ -294,11 +311,11 @@ fn counters(r: usize, served: usize, passed: usize) -> String {
     let odd = 1 - even;
     format!(
         "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; passed through MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; overflowed (rerun with PMPI) MPI_Allreduce={served} MPI_Reduce=0 MPI_Bcast=0",
-        14 * served + 1 + 2 * even,
-        14 * served + even,
+        2 * MPI_OPS * served + 1 + 2 * even,
+        2 * MPI_OPS * served + even,
         served + even,
-        15 * passed + 2 + 1 + 2 * odd,
-        14 * passed + odd,
+        (2 * MPI_OPS + 1) * passed + 2 + 1 + 2 * odd,
+        2 * MPI_OPS * passed + odd,
         passed + odd,
     )
 }
@@ -316,9 +333,9 @@ fn bit_identical(mpi: Mpi, ranks: usize) {
     let plain = bed.mpirun(mpi, ranks, &[], &program, &sizes);
     assert!(plain.status.success(), "plain {} run failed", mpi.name());
     let reference = result_lines(&plain);
-    // Per size 7 ops × 4 calls, the SUM that wraps and the bcast; 2
+    // Per size MPI_OPS ops × 4 calls, the SUM that wraps and the bcast; 2
     // pass-through calls; 6 calls of communicators().
-    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
+    assert_eq!(reference.len(), sizes.len() * (MPI_OPS * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
 
     let before = bed.node().outcomes();
     let served = bed.mpirun(mpi, ranks, &bed.aggbox_env(mpi, &[]), &program, &sizes);
@@ -541,9 +558,9 @@ fn consecutive_runs_on_one_running_node_all_succeed_with_exact_results() {
     let plain = bed.mpirun(Mpi::OpenMpi, 4, &[], &openmpi, &sizes);
     assert!(plain.status.success(), "plain run failed");
     let reference = result_lines(&plain);
-    // Per size 7 ops × 4 calls, the SUM that wraps and the bcast; 2
+    // Per size MPI_OPS ops × 4 calls, the SUM that wraps and the bcast; 2
     // pass-through calls; 6 calls of communicators().
-    assert_eq!(reference.len(), sizes.len() * (7 * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
+    assert_eq!(reference.len(), sizes.len() * (MPI_OPS * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
     let before = bed.node().status();
     let served = |s: &aggbox::node::NodeStatus| s.served.get(&JOB).copied().unwrap_or_default();
     let mut rounds = served(&before).rounds;

@@ -163,7 +163,7 @@ fn ops_rounds(
     let weights = job.effective_weights();
     let ranks = job.workers.len();
     let mut plan: Vec<(Op, Values)> = Vec::new();
-    for op in KERNEL_OPS {
+    for op in kernel_ops() {
         for _ in 0..rounds_per_op {
             plan.push((op, Values::Mixed));
         }

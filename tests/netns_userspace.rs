@@ -296,6 +296,8 @@ fn every_userspace_op_matches_the_reference_reducer() {
         (Op::Band, false),
         (Op::Bor, false),
         (Op::Bxor, false),
+        (Op::Land, false),
+        (Op::Lor, false),
         (Op::Sum, true),
         (Op::Avg, true),
         (Op::Max, true),
@@ -392,7 +394,7 @@ fn every_userspace_op_matches_the_reference_reducer() {
         }
     }
     let h = bed.dp.handoff_stats().unwrap();
-    assert_eq!(h[HandoffReason::Op.label()].packets, 4 * FRAGS as u64 * WORKERS as u64);
+    assert_eq!(h[HandoffReason::Op.label()].packets, 6 * FRAGS as u64 * WORKERS as u64);
     assert_eq!(h[HandoffReason::Float32.label()].packets, 6 * FRAGS as u64 * WORKERS as u64);
     // The worker publishes its counters after it sends: the last RESULTs
     // can be read before their counts (seen on a slow TCG guest).

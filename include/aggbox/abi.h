@@ -25,20 +25,44 @@
 #define AGGBOX_MAGIC_BCAST 0x41474231u /* "AGB1": broadcast data */
 #define AGGBOX_MAGIC_ACK   0x41474B31u /* "AGK1": acknowledgement */
 
-/* AGG1 `op`: 0..4 run in the kernel, 5..8 on the user-space path. */
+/* AGG1 `op`: the rows of ops.def, AGGBOX_OP_SUM = 0 .. AGGBOX_OP_LAST. */
 enum aggbox_op {
-	AGGBOX_OP_SUM   = 0,
-	AGGBOX_OP_COUNT = 1,
-	AGGBOX_OP_MAX   = 2,
-	AGGBOX_OP_MIN   = 3,
-	AGGBOX_OP_AVG   = 4,
-	AGGBOX_OP_PROD  = 5,
-	AGGBOX_OP_BAND  = 6,
-	AGGBOX_OP_BOR   = 7,
-	AGGBOX_OP_BXOR  = 8,
+#define AGGBOX_OP(number, NAME, ...) AGGBOX_OP_##NAME = number,
+#include "ops.def"
+#undef AGGBOX_OP
 };
-#define AGGBOX_OP_LAST_KERNEL AGGBOX_OP_AVG
-#define AGGBOX_OP_LAST        AGGBOX_OP_BXOR
+/* The ops (numbers 0..AGGBOX_OPS - 1), and bit `op` set in a mask when the
+ * op is valid on FLOAT32, aggregated by the XDP program, combined by the
+ * ring program. */
+enum {
+	AGGBOX_OPS = 0
+#define AGGBOX_OP(...) + 1
+#include "ops.def"
+#undef AGGBOX_OP
+	,
+	AGGBOX_OP_FLOATS_MASK = 0
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) | ((floats) << (number))
+#include "ops.def"
+#undef AGGBOX_OP
+	,
+	AGGBOX_OP_KERNEL_MASK = 0
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) | ((kernel) << (number))
+#include "ops.def"
+#undef AGGBOX_OP
+	,
+	AGGBOX_OP_RING_MASK = 0
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) | ((ring) << (number))
+#include "ops.def"
+#undef AGGBOX_OP
+};
+#define AGGBOX_OP_LAST (AGGBOX_OPS - 1)
+_Static_assert(AGGBOX_OPS <= 32, "the op masks are 32-bit");
+/* The kernel's ops are 0..AGGBOX_OP_LAST_KERNEL: one compare tells them,
+ * and it bounds op for the verifier (the fast path's op branches). A row
+ * that breaks the run fails here: give the check a mask test then. */
+#define AGGBOX_OP_LAST_KERNEL (31 - __builtin_clz(AGGBOX_OP_KERNEL_MASK))
+_Static_assert(AGGBOX_OP_KERNEL_MASK == (1u << (AGGBOX_OP_LAST_KERNEL + 1)) - 1,
+	       "the kernel's ops are 0..AGGBOX_OP_LAST_KERNEL");
 
 /* AGG1 `flags` */
 #define AGGBOX_AGG_F_LAST_FRAGMENT 0x01

@@ -762,10 +762,11 @@ fn served(
 }
 
 /// In-place int32 allreduce of `buf[..len]` on session `session` with the
-/// AggBox op `op` (`aggbox::wire::abi::Op` numbering: SUM 0, MAX 2, MIN 3,
-/// PROD 5, BAND 6, BOR 7, BXOR 8). `call` is what the shim counts it as (0
-/// allreduce, 1 reduce: MPI_Reduce is an allreduce whose result only the
-/// root keeps, since a node-served job has no consumer but the workers).
+/// AggBox op `op` (`aggbox::wire::abi::Op` numbering, include/aggbox/ops.def:
+/// one whose row names an MPI op, [`Op::mpi_name`]). `call` is what the
+/// shim counts it as (0 allreduce, 1 reduce: MPI_Reduce is an allreduce
+/// whose result only the root keeps, since a node-served job has no
+/// consumer but the workers).
 ///
 /// # Safety
 /// `buf` points to `len` writable int32 values.
@@ -781,9 +782,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
     let call = call_index(call);
     served(session, call, CALLS[call], |s| {
         let op = match u8::try_from(op).ok().and_then(Op::from_u8) {
-            Some(op @ (Op::Sum | Op::Max | Op::Min | Op::Prod | Op::Band | Op::Bor | Op::Bxor)) => {
-                op
-            }
+            Some(op) if op.mpi_name().is_some() => op,
             _ => {
                 return Err(format!(
                     "op {op} is not one the shim maps (a bug in the shim)"

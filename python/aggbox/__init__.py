@@ -18,6 +18,7 @@ is the reference.
 from ._aggbox import (
     DEFAULT_FIXED_SCALE,
     DEFAULT_TUNER_TRIALS,
+    OPS,
     AggBoxError,
     CommClosedError,
     CommTimeoutError,
@@ -39,4 +40,5 @@ __all__ = [
     "adaptive_quantization_scale",
     "DEFAULT_FIXED_SCALE",
     "DEFAULT_TUNER_TRIALS",
+    "OPS",
 ]

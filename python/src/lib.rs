@@ -295,7 +295,8 @@ fn int_op(what: &str, op: &str) -> PyResult<Op> {
     };
     Op::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "{what}: op '{op}': one of sum, max, min, avg (mean), count, prod, band, bor, bxor"
+            "{what}: op '{op}': one of {} (or mean: avg)",
+            Op::names_list()
         ))
     })
 }
@@ -664,8 +665,9 @@ impl PyCommunicator {
     /// Allreduce in place: every worker's `buf` (C-contiguous, writable,
     /// int32 or float32: numpy array, CPU torch.Tensor, any buffer) gets the
     /// reduction over every worker's `buf`; all must have the same length.
-    /// int32: `op` is sum, max, min, avg (mean), count, prod, band, bor or
-    /// bxor, exact; returns True if an element was clamped to int32.
+    /// int32: `op` is a name of the op table (sum, count, max, min, avg,
+    /// prod, band, bor, bxor, land, lor; "mean" is avg), exact; returns True
+    /// if an element was clamped to int32.
     /// float32: `op` is "sum" or "mean", quantized to int32 on the way
     /// (error bound: float_error_bound); returns False.
     #[pyo3(signature = (buf, op = "sum"))]
@@ -1031,6 +1033,7 @@ fn _aggbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CommClosedError", py.get_type::<CommClosedError>())?;
+    m.add("OPS", Op::NAMES.to_vec())?;
     m.add("DEFAULT_FIXED_SCALE", DEFAULT_SCALE)?;
     m.add("DEFAULT_TUNER_TRIALS", DEFAULT_TRIALS)?;
     Ok(())

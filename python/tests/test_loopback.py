@@ -111,6 +111,21 @@ class Collectives(unittest.TestCase):
                 np.testing.assert_array_equal(b, want, err_msg=f"rank {r} {op}")
             np.testing.assert_array_equal(out, want, err_msg=f"aggregator {op}")
 
+    def test_int32_logical_ops_of_the_op_table(self):
+        n = 1_001
+        self.assertEqual(aggbox.OPS[-2:], ["land", "lor"])
+        for op, ref in [("land", np.all), ("lor", np.any)]:
+            # rank r's element i is 0 where bit r of i is 0: both answers occur
+            bufs = [np.where((np.arange(n) >> r) & 1 == 1, ints(r, n), 0).astype(np.int32) for r in range(WORKERS)]
+            want = ref(np.stack(bufs) != 0, axis=0).astype(np.int32)
+            self.assertTrue(0 < want.sum() < n, op)
+            out = np.zeros(n, dtype=np.int32)
+            clamped = self.allreduce_all(bufs, op, out)
+            self.assertEqual(clamped, [False] * (WORKERS + 1))
+            for r, b in enumerate(bufs):
+                np.testing.assert_array_equal(b, want, err_msg=f"rank {r} {op}")
+            np.testing.assert_array_equal(out, want, err_msg=f"aggregator {op}")
+
     def test_int32_sum_that_overflows_is_clamped_and_says_so(self):
         bufs = [np.full(10, 2**30, dtype=np.int32) for _ in range(WORKERS)]
         clamped = self.allreduce_all(bufs, "sum", np.zeros(10, dtype=np.int32))

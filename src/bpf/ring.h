@@ -19,6 +19,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "aggbox/abi.h"
+#include "ops.h"
 #include "parse.h"
 #include "xdp_maps.h"
 
@@ -66,32 +67,15 @@ static __always_inline __s64 ring_sat(__s64 v, __u32 *saturated)
 	return v;
 }
 
-/* AVG: v / ws truncated toward zero (BPF has only unsigned division). */
-static __always_inline __s64 ring_avg(__s64 v, __u32 ws)
-{
-	__u64 u = v < 0 ? -(__u64)v : (__u64)v;
-
-	u /= ws ? ws : 1;
-	return v < 0 ? -(__s64)u : (__s64)u;
-}
-
 /*
- * One element: partial (from the datagram) combined with this member's x.
- * `op` is a compile-time constant at every call site (one loop per op).
+ * One element: partial (from the datagram) combined with this member's x
+ * by the op table's row, saturated to int32 (what leaves int32 is SUM and
+ * AVG's; docs/RING.md). `op` is a compile-time constant at every call site
+ * (one loop per op), so the switch folds to the row.
  */
 static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64 w, __u32 *saturated)
 {
-	/* weights apply to SUM and AVG only (docs/PROTOCOL.md "Arithmetic") */
-	switch (op) {
-	case AGGBOX_OP_COUNT:
-		return partial + (x != 0);
-	case AGGBOX_OP_MAX:
-		return x > partial ? x : partial;
-	case AGGBOX_OP_MIN:
-		return x < partial ? x : partial;
-	default: /* SUM, AVG */
-		return ring_sat(partial + w * x, saturated);
-	}
+	return ring_sat(aggbox_op_combine(op, partial, x, w), saturated);
 }
 
 /*
@@ -128,8 +112,7 @@ static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64
 				break;                                                          \
 			v = ring_combine(OP, (__s32)bpf_ntohl(*p), mine[i], w, &saturated);     \
 			if (COMPLETE) {                                                         \
-				if (OP == AGGBOX_OP_AVG)                                        \
-					v = ring_avg(v, ws);                                    \
+				v = aggbox_op_finish(OP, v, ws);                                \
 				mine[i] = (__s32)v;                                             \
 			}                                                                       \
 			*p = bpf_htonl((__u32)v);                                               \
@@ -138,32 +121,24 @@ static __always_inline __s64 ring_combine(__u8 op, __s64 partial, __s32 x, __s64
 		return saturated;                                                               \
 	}
 
-RING_ADD_FN(ring_add_sum, AGGBOX_OP_SUM, 0)
-RING_ADD_FN(ring_add_count, AGGBOX_OP_COUNT, 0)
-RING_ADD_FN(ring_add_max, AGGBOX_OP_MAX, 0)
-RING_ADD_FN(ring_add_min, AGGBOX_OP_MIN, 0)
-RING_ADD_FN(ring_add_avg, AGGBOX_OP_AVG, 0)
-RING_ADD_FN(ring_complete_sum, AGGBOX_OP_SUM, 1)
-RING_ADD_FN(ring_complete_count, AGGBOX_OP_COUNT, 1)
-RING_ADD_FN(ring_complete_max, AGGBOX_OP_MAX, 1)
-RING_ADD_FN(ring_complete_min, AGGBOX_OP_MIN, 1)
-RING_ADD_FN(ring_complete_avg, AGGBOX_OP_AVG, 1)
+/* ring_add_<OP> and ring_complete_<OP> for every op the ring runs. */
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) \
+	AGGBOX_OP_IF_##ring(RING_ADD_FN(ring_add_##NAME, number, 0) RING_ADD_FN(ring_complete_##NAME, number, 1))
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
 
+/* `op` passed ring_validate (aggbox_op_runs_in_ring). */
 static __always_inline int ring_add_op(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key, __u8 op, __u32 ridx,
 				       int complete)
 {
 	switch (op) {
-	case AGGBOX_OP_SUM:
-		return complete ? ring_complete_sum(ctx, off, count, key, ridx) : ring_add_sum(ctx, off, count, key, ridx);
-	case AGGBOX_OP_COUNT:
-		return complete ? ring_complete_count(ctx, off, count, key, ridx)
-				: ring_add_count(ctx, off, count, key, ridx);
-	case AGGBOX_OP_MAX:
-		return complete ? ring_complete_max(ctx, off, count, key, ridx) : ring_add_max(ctx, off, count, key, ridx);
-	case AGGBOX_OP_MIN:
-		return complete ? ring_complete_min(ctx, off, count, key, ridx) : ring_add_min(ctx, off, count, key, ridx);
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi)          \
+	AGGBOX_OP_IF_##ring(case number : return complete ? ring_complete_##NAME(ctx, off, count, key, ridx) \
+							 : ring_add_##NAME(ctx, off, count, key, ridx);)
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
 	default:
-		return complete ? ring_complete_avg(ctx, off, count, key, ridx) : ring_add_avg(ctx, off, count, key, ridx);
+		return -1;
 	}
 }
 
@@ -215,7 +190,6 @@ struct {
  * bound). */
 #define ring_barrier_var(var) asm volatile("" : "+r"(var))
 
-/* MODE: 0..4 add (op), 5..9 complete (op - 5), 10 store. */
 #define RING_CHUNK_FN(name, OP, COMPLETE, STORE)                                               \
 	__noinline int name(struct xdp_md *ctx, __u32 off, __u32 start_n, __u32 key, __u32 ridx)  \
 	{                                                                                      \
@@ -250,8 +224,7 @@ struct {
 			v = ring_combine(OP, (__s32)bpf_ntohl(sc->buf[i]), mine[k], rj->weight, \
 					 &saturated);                                          \
 			if (COMPLETE) {                                                        \
-				if (OP == AGGBOX_OP_AVG)                                       \
-					v = ring_avg(v, rj->weight_sum);                       \
+				v = aggbox_op_finish(OP, v, rj->weight_sum);                   \
 				mine[k] = (__s32)v;                                            \
 			}                                                                      \
 			sc->buf[i] = bpf_htonl((__u32)v);                                      \
@@ -261,16 +234,11 @@ struct {
 		return saturated;                                                              \
 	}
 
-RING_CHUNK_FN(ring_chunk_sum, AGGBOX_OP_SUM, 0, 0)
-RING_CHUNK_FN(ring_chunk_count, AGGBOX_OP_COUNT, 0, 0)
-RING_CHUNK_FN(ring_chunk_max, AGGBOX_OP_MAX, 0, 0)
-RING_CHUNK_FN(ring_chunk_min, AGGBOX_OP_MIN, 0, 0)
-RING_CHUNK_FN(ring_chunk_avg, AGGBOX_OP_AVG, 0, 0)
-RING_CHUNK_FN(ring_chunk_complete_sum, AGGBOX_OP_SUM, 1, 0)
-RING_CHUNK_FN(ring_chunk_complete_count, AGGBOX_OP_COUNT, 1, 0)
-RING_CHUNK_FN(ring_chunk_complete_max, AGGBOX_OP_MAX, 1, 0)
-RING_CHUNK_FN(ring_chunk_complete_min, AGGBOX_OP_MIN, 1, 0)
-RING_CHUNK_FN(ring_chunk_complete_avg, AGGBOX_OP_AVG, 1, 0)
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) \
+	AGGBOX_OP_IF_##ring(RING_CHUNK_FN(ring_chunk_##NAME, number, 0, 0)                   \
+				    RING_CHUNK_FN(ring_chunk_complete_##NAME, number, 1, 0))
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
 RING_CHUNK_FN(ring_chunk_store, AGGBOX_OP_SUM, 0, 1)
 
 /* bpf_loop's context for ring_chunks. */
@@ -306,22 +274,22 @@ struct ring_chunks_ctx {
 		return 0;                                                                      \
 	}
 
-RING_CHUNK_CB(ring_cb_sum, ring_chunk_sum)
-RING_CHUNK_CB(ring_cb_count, ring_chunk_count)
-RING_CHUNK_CB(ring_cb_max, ring_chunk_max)
-RING_CHUNK_CB(ring_cb_min, ring_chunk_min)
-RING_CHUNK_CB(ring_cb_avg, ring_chunk_avg)
-RING_CHUNK_CB(ring_cb_complete_sum, ring_chunk_complete_sum)
-RING_CHUNK_CB(ring_cb_complete_count, ring_chunk_complete_count)
-RING_CHUNK_CB(ring_cb_complete_max, ring_chunk_complete_max)
-RING_CHUNK_CB(ring_cb_complete_min, ring_chunk_complete_min)
-RING_CHUNK_CB(ring_cb_complete_avg, ring_chunk_complete_avg)
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) \
+	AGGBOX_OP_IF_##ring(RING_CHUNK_CB(ring_cb_##NAME, ring_chunk_##NAME)                 \
+				    RING_CHUNK_CB(ring_cb_complete_##NAME, ring_chunk_complete_##NAME))
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
 RING_CHUNK_CB(ring_cb_store, ring_chunk_store)
 
+/* ring_chunks' mode: add or complete (op), or store. */
+#define RING_MODE(op, complete) ((op) << 1 | (complete))
+#define RING_MODE_STORE 0xff
+_Static_assert(RING_MODE(AGGBOX_OP_LAST, 1) < RING_MODE_STORE, "modes fit 8 bits");
+
 /*
- * The chunked add, completion or (mode 10) store of a multi-buffer frame's
+ * The chunked add, completion or store of a multi-buffer frame's
  * `count` elements at byte `off`; `ridx_mode`: the dense ring index << 8 |
- * the mode (0..4 add SUM..AVG, 5..9 complete, 10 store). A global function
+ * the mode (RING_MODE_*: op << 1 | complete, or store). A global function
  * (verified once); bpf_loop over the chunks. Returns 1 saturated, 0, -1
  * error.
  */
@@ -333,16 +301,11 @@ __noinline int ring_chunks(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key
 	if (count > AGGBOX_RING_MAX_FRAG_ELEMS)
 		return -1;
 	switch (ridx_mode & 0xff) {
-	case 0: bpf_loop(chunks, ring_cb_sum, &c, 0); break;
-	case 1: bpf_loop(chunks, ring_cb_count, &c, 0); break;
-	case 2: bpf_loop(chunks, ring_cb_max, &c, 0); break;
-	case 3: bpf_loop(chunks, ring_cb_min, &c, 0); break;
-	case 4: bpf_loop(chunks, ring_cb_avg, &c, 0); break;
-	case 5: bpf_loop(chunks, ring_cb_complete_sum, &c, 0); break;
-	case 6: bpf_loop(chunks, ring_cb_complete_count, &c, 0); break;
-	case 7: bpf_loop(chunks, ring_cb_complete_max, &c, 0); break;
-	case 8: bpf_loop(chunks, ring_cb_complete_min, &c, 0); break;
-	case 9: bpf_loop(chunks, ring_cb_complete_avg, &c, 0); break;
+#define AGGBOX_OP(number, NAME, name, identity, combine, finish, floats, kernel, ring, mpi) \
+	AGGBOX_OP_IF_##ring(case RING_MODE(number, 0) : bpf_loop(chunks, ring_cb_##NAME, &c, 0); break;  \
+			    case RING_MODE(number, 1) : bpf_loop(chunks, ring_cb_complete_##NAME, &c, 0); break;)
+#include "aggbox/ops.def"
+#undef AGGBOX_OP
 	default: bpf_loop(chunks, ring_cb_store, &c, 0); break;
 	}
 	if (c.err)
@@ -524,7 +487,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	frag = bpf_ntohl(rh->frag);
 	count = bpf_ntohs(rh->count);
 	hops = bpf_ntohs(rh->hops);
-	if (frag >= rj->frags || rh->op > AGGBOX_OP_LAST_KERNEL)
+	if (frag >= rj->frags || !aggbox_op_runs_in_ring(rh->op))
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	want = rj->vector_len - frag * rj->frag_elems;
 	if (want > rj->frag_elems)
@@ -593,7 +556,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 			return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
 		if (chunked)
 			rc = ring_chunks(ctx, off, count, key,
-					 ridx << 8 | ((op > AGGBOX_OP_AVG ? AGGBOX_OP_AVG : op) + (complete ? 5 : 0)));
+					 ridx << 8 | RING_MODE(op, complete));
 		else
 			rc = ring_add_op(ctx, off, count, key, op, ridx, complete);
 		if (rc < 0)
@@ -612,7 +575,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	/* FINAL */
 	if (!ring_claim(done, round))
 		return ring_end(ridx, AGGBOX_RING_DUPLICATE, XDP_DROP);
-	if ((chunked ? ring_chunks(ctx, off, count, key, ridx << 8 | 10) : ring_store(ctx, off, count, key)) < 0)
+	if ((chunked ? ring_chunks(ctx, off, count, key, ridx << 8 | RING_MODE_STORE) : ring_store(ctx, off, count, key)) < 0)
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	ring_publish(done, ctrl, round, rh_flags & AGGBOX_RING_F_SATURATED);
 	ring_count(ridx, AGGBOX_RING_STORED);

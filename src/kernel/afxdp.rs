@@ -1,5 +1,5 @@
 //! The user-space aggregation path: what the XDP program hands over through
-//! AF_XDP (ops 5..8, FLOAT32 payloads, jobs flagged `userspace_only`, new
+//! AF_XDP (ops 5..10, FLOAT32 payloads, jobs flagged `userspace_only`, new
 //! slots while the kernel's slot pool is full or the job is in overload) is
 //! aggregated here with the same semantics as the kernel (PROTOCOL.md,
 //! "Semantics at the aggregator") and the [`crate::wire::reducer::Accumulator`],

@@ -455,7 +455,7 @@ impl RingService {
     /// The ready round's op, as the runtime wrote it (`ring_ctrl.op`).
     fn round_op(&self) -> Op {
         // The runtime writes only ring ops; SUM stands for anything else.
-        Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_kernel()).unwrap_or(Op::Sum)
+        Op::from_u8(self.memory.ctrl(self.dense).op.load(Ordering::Relaxed) as u8).filter(|o| o.runs_in_ring()).unwrap_or(Op::Sum)
     }
 
     /// The PARTIAL hops 1 of own fragment `f` of round `r`.

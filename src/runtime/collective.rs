@@ -8,8 +8,8 @@
 //! Every member decides alike: the choice depends only on the call's length,
 //! op and the configured threshold, which all members share. A ring job
 //! reduces exactly its `vector_len` elements; a shorter vector is padded
-//! with the op's identity (0 for SUM/AVG/COUNT, `i32::MIN` for MAX,
-//! `i32::MAX` for MIN), so one ring serves every size up to its length.
+//! with the op's identity ([`Op::identity`]: 0 for SUM, `i32::MIN` for MAX,
+//! 1 for LAND, ...), so one ring serves every size up to its length.
 //! A ring call whose partial sums saturated (docs/RING.md "Arithmetic") is
 //! redone on the star when there is one, so an automatic choice returns the
 //! star's result bit for bit.
@@ -157,7 +157,7 @@ impl<S: Collective> StarOrRing<S> {
     /// The algorithm a call of `len` elements with `op` takes: the star or
     /// the ring (never [`Algorithm::Auto`]), or why neither can.
     pub fn choose(&self, len: usize, op: Op) -> Result<Algorithm, CommError> {
-        let ring_fits = self.ring.is_some() && len <= self.ring_len && op.runs_in_kernel();
+        let ring_fits = self.ring.is_some() && len <= self.ring_len && op.runs_in_ring();
         match self.algorithm {
             Algorithm::Star if self.star.is_some() => Ok(Algorithm::Star),
             Algorithm::Ring if ring_fits => Ok(Algorithm::Ring),
@@ -166,9 +166,9 @@ impl<S: Collective> StarOrRing<S> {
             forced => Err(CommError::Config(format!(
                 "no algorithm for {len} elements of {op:?} ({forced:?}): {}",
                 match (&self.star, &self.ring) {
-                    (None, Some(_)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements and there is no star", self.ring_len),
+                    (None, Some(_)) => format!("the ring reduces {} of up to {} elements and there is no star", ring_ops(), self.ring_len),
                     (Some(_), None) => "there is no ring".to_string(),
-                    (Some(_), Some(_)) => format!("the ring reduces SUM/COUNT/MAX/MIN/AVG of up to {} elements", self.ring_len),
+                    (Some(_), Some(_)) => format!("the ring reduces {} of up to {} elements", ring_ops(), self.ring_len),
                     (None, None) => unreachable!("of() refuses it"),
                 }
             ))),
@@ -196,7 +196,7 @@ impl<S: Collective> StarOrRing<S> {
         let ring = &mut part.comm;
         let mem = ring.input_mut();
         mem[..buf.len()].copy_from_slice(buf);
-        mem[buf.len()..].fill(identity(op));
+        mem[buf.len()..].fill(op.identity());
         let out = ring.allreduce_in_place(op)?;
         if out.overflow && self.algorithm == Algorithm::Auto {
             if let Some(star) = &self.star {
@@ -224,6 +224,11 @@ impl<S: Collective> StarOrRing<S> {
         }
         Ok(Served { algorithm: Algorithm::Ring, clamped: false })
     }
+}
+
+/// The ops the ring reduces, by name (the op table's).
+fn ring_ops() -> String {
+    Op::ALL.iter().filter(|o| o.runs_in_ring()).map(|o| o.name()).collect::<Vec<_>>().join("/")
 }
 
 /// Star or ring by [`StarOrRing::choose`]; reduce and broadcast on the star.
@@ -271,15 +276,6 @@ impl<S: Collective> Collective for StarOrRing<S> {
 
     fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
         self.only_star("broadcast")?.broadcast_bytes(buf, root, opts)
-    }
-}
-
-/// The element that leaves `op`'s result unchanged (padding of a ring call).
-fn identity(op: Op) -> i32 {
-    match op {
-        Op::Max => i32::MIN,
-        Op::Min => i32::MAX,
-        _ => 0,
     }
 }
 

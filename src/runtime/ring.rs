@@ -164,7 +164,8 @@ impl RingCommunicator {
     }
 
     /// Allreduce of `buf` (exactly [`RingCommunicator::len`] elements)
-    /// with `op` (SUM, COUNT, MAX, MIN, AVG; weights of the configuration),
+    /// with `op` (one that [`Op::runs_in_ring`]: SUM, COUNT, MAX, MIN, AVG,
+    /// LAND, LOR; weights of the configuration),
     /// the result written back into `buf`.
     pub fn allreduce_i32(&mut self, buf: &mut [i32], op: Op) -> Result<RingOutput, CommError> {
         self.check_len(buf.len())?;
@@ -251,8 +252,9 @@ impl RingCommunicator {
     /// index of fragment 0 in the round's buffer), then the KICK, then the
     /// wait for those fragments' results.
     fn run(&mut self, op: Op, frags: u32, write: impl FnOnce(&RingMemory, u32)) -> Result<RingOutput, CommError> {
-        if !op.runs_in_kernel() {
-            return Err(CommError::Config(format!("op {} is not a ring op (SUM, COUNT, MAX, MIN, AVG)", op.name())));
+        if !op.runs_in_ring() {
+            let ring_ops: Vec<&str> = Op::ALL.iter().filter(|o| o.runs_in_ring()).map(|o| o.name()).collect();
+            return Err(CommError::Config(format!("op {} is not a ring op ({})", op.name(), ring_ops.join(", "))));
         }
         let r = self.round.plus(1);
         let base = self.job.round_base(r);
@@ -396,7 +398,7 @@ mod tests {
         let len = 40;
         let mut l = ring(len as u32);
         let inputs: Vec<Vec<i32>> = (0..3).map(|m| input(m, len)).collect();
-        for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg] {
+        for op in Op::ALL.into_iter().filter(|o| o.runs_in_ring()) {
             let c: Vec<(&[i32], i32)> = inputs.iter().map(Vec::as_slice).zip(WEIGHTS).collect();
             let want = reducer::reduce(op, &c).expect("reference").ints().expect("ints").to_vec();
             let got = each(&mut l, |m, c| {
@@ -413,7 +415,9 @@ mod tests {
             });
             assert!(got.iter().all(|g| *g == want), "{op:?} in place");
         }
-        assert_eq!(l.comms[0].round(), Round(10));
+        // two calls per ring op
+        let ring_ops = Op::ALL.iter().filter(|o| o.runs_in_ring()).count() as u32;
+        assert_eq!(l.comms[0].round(), Round(2 * ring_ops));
         // Wrong length, and an op the ring does not reduce.
         let mut short = vec![0; len - 1];
         assert!(matches!(l.comms[0].allreduce_i32(&mut short, Op::Sum), Err(CommError::Config(_))));

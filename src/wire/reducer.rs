@@ -1,5 +1,6 @@
-//! The reference reducer: all nine AGG1 ops with `PROTOCOL.md`'s exact
-//! semantics, in pure Rust.
+//! The reference reducer: every AGG1 op of the op table
+//! (`include/aggbox/ops.def`) with `PROTOCOL.md`'s exact semantics, in pure
+//! Rust.
 //!
 //! It is the oracle the kernel path is tested against and the arithmetic core
 //! of the user-space path and the socket baseline. Contributions arrive one at
@@ -13,18 +14,22 @@
 //! int32 range and [`ReduceResult::overflow`] says whether any was clamped.
 //! Float semantics: SUM, AVG and PROD in f64 rounded once to f32; MAX/MIN
 //! exact (NaN only wins when every contribution is NaN, as `f32::max`);
-//! COUNT is a float; BAND/BOR/BXOR are rejected.
+//! COUNT is a float; the ops not [`Op::valid_on_floats`] (BAND/BOR/BXOR,
+//! LAND/LOR) are rejected.
 //!
 //! Speed: each op has its own tight loop over the elements (no per-element
 //! `match`), written over a generic element source so the same loop serves
 //! host-order slices and big-endian wire bytes and autovectorizes for both.
+//! An int op with no loop of its own (LAND, LOR: a new row of the table) is
+//! the table's [`Op::combine`] over int32 accumulators seeded with its
+//! [`Op::identity`].
 
 use crate::wire::abi::{self, Op};
 
 /// Why a reduction could not be done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ReduceError {
-    /// BAND/BOR/BXOR requested on float32 data.
+    /// An op not valid on floats (BAND/BOR/BXOR, LAND/LOR) on float32 data.
     #[error("op {} is invalid on FLOAT32 payloads", .0.name())]
     FloatBitwise(Op),
     /// A contribution's length differs from the slot's element count.
@@ -143,7 +148,8 @@ enum State {
     Huge(Vec<i128>),
     /// COUNT (int and float): ranks with a nonzero element.
     Count(Vec<u32>),
-    /// int MAX/MIN/BAND/BOR/BXOR.
+    /// int MAX/MIN/BAND/BOR/BXOR and every other op that keeps int32s
+    /// (LAND/LOR): starts at the op's identity.
     Narrow(Vec<i32>),
     /// float SUM/AVG/PROD; int PROD (saturating exact integers, see above).
     F64(Vec<f64>),
@@ -192,7 +198,7 @@ impl Accumulator {
     /// A fresh accumulator for `count` elements; `float` selects the FLOAT32
     /// semantics. Fails only for a bitwise op on floats.
     pub fn new(op: Op, count: usize, float: bool) -> Result<Accumulator, ReduceError> {
-        if float && crate::wire::proto::is_bitwise(op) {
+        if float && !op.valid_on_floats() {
             return Err(ReduceError::FloatBitwise(op));
         }
         let state = Self::initial_state(op, count, float);
@@ -212,23 +218,22 @@ impl Accumulator {
             (Op::Count, _) => State::Count(vec![0; count]),
             (Op::Sum | Op::Avg, false) => State::Wide(vec![0; count]),
             (Op::Prod, false) => State::F64(vec![1.0; count]),
-            // MAX/MIN take the first contribution as is (see add_*), the
-            // identity here only matters for an empty accumulator.
-            (Op::Max, false) => State::Narrow(vec![i32::MIN; count]),
-            (Op::Min, false) => State::Narrow(vec![i32::MAX; count]),
-            (Op::Band, _) => State::Narrow(vec![-1; count]),
-            (Op::Bor | Op::Bxor, _) => State::Narrow(vec![0; count]),
             (Op::Sum | Op::Avg, true) => State::F64(vec![0.0; count]),
             (Op::Prod, true) => State::F64(vec![1.0; count]),
             (Op::Max, true) => State::F32(vec![f32::NEG_INFINITY; count]),
             (Op::Min, true) => State::F32(vec![f32::INFINITY; count]),
+            // Every other int op keeps int32s. MAX/MIN take the first
+            // contribution as is (see add_*), so their identity only
+            // matters for an empty accumulator. (No other op is valid on
+            // floats: `ops_valid_on_floats_have_float_states` below.)
+            (_, _) => State::Narrow(vec![op.identity(); count]),
         }
     }
 
     /// Starts over for a new slot, keeping the allocation when the shape
     /// (op, count, float) is unchanged.
     pub fn reset(&mut self, op: Op, count: usize, float: bool) -> Result<(), ReduceError> {
-        if float && crate::wire::proto::is_bitwise(op) {
+        if float && !op.valid_on_floats() {
             return Err(ReduceError::FloatBitwise(op));
         }
         let same = op == self.op
@@ -239,8 +244,7 @@ impl Accumulator {
             match (&mut self.state, op) {
                 (State::Count(v), _) => v.fill(0),
                 (State::Wide(v), _) => v.fill(0),
-                (State::Narrow(v), Op::Band) => v.fill(-1),
-                (State::Narrow(v), _) => v.fill(0), // MAX/MIN overwritten by first add
+                (State::Narrow(v), _) => v.fill(op.identity()),
                 (State::F64(v), Op::Prod) => v.fill(1.0),
                 (State::F64(v), _) => v.fill(0.0),
                 (State::F32(_), _) | (State::Huge(_), _) => {}
@@ -398,10 +402,16 @@ impl Accumulator {
                     *a |= v;
                 }
             }
-            (State::Narrow(acc), _) => {
-                // BXOR
+            (State::Narrow(acc), Op::Bxor) => {
                 for (a, v) in acc.iter_mut().zip(src) {
                     *a ^= v;
+                }
+            }
+            (State::Narrow(acc), _) => {
+                // An op with no loop of its own (LAND, LOR): the table's
+                // row, whose int32 accumulators stay int32.
+                for (a, v) in acc.iter_mut().zip(src) {
+                    *a = op.combine(i64::from(*a), v, weight) as i32;
                 }
             }
             // Wide only serves SUM/AVG; F32 never occurs for ints.
@@ -616,7 +626,7 @@ mod tests {
         let b = [i32::MAX, 2, -3, -1, 5];
         let mut out = Vec::with_capacity(64);
         let cap = out.capacity();
-        for op in [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg, Op::Prod, Op::Band, Op::Bor, Op::Bxor] {
+        for op in Op::ALL {
             for (wa, wb) in [(1, 1), (3, -2), (i32::MAX, i32::MAX)] {
                 let mut acc = Accumulator::new(op, a.len(), false).unwrap();
                 acc.add_int(&a, wa).unwrap();
@@ -836,9 +846,29 @@ mod tests {
         assert!(min[3].is_nan());
     }
 
+    /// The float states exist for SUM, AVG, PROD, MAX, MIN and COUNT only:
+    /// a row valid on floats must be one of them.
+    #[test]
+    fn ops_valid_on_floats_have_float_states() {
+        for op in Op::ALL.into_iter().filter(|op| op.valid_on_floats()) {
+            let state = Accumulator::new(op, 1, true).unwrap().state;
+            assert!(!matches!(state, State::Narrow(_) | State::Wide(_) | State::Huge(_)), "{op:?}");
+        }
+    }
+
+    #[test]
+    fn logical_ops() {
+        let (a, b): (&[i32], &[i32]) = (&[0, 1, -7, 0, MIN], &[0, 0, 3, 5, MAX]);
+        assert_eq!(ints(Op::Land, &[(a, 1), (b, 1)]), (vec![0, 0, 1, 0, 1], false));
+        assert_eq!(ints(Op::Lor, &[(a, 1), (b, 1)]), (vec![0, 1, 1, 1, 1], false));
+        // weights do not scale them
+        assert_eq!(ints(Op::Land, &[(&[2], -3)]), (vec![1], false));
+        assert_eq!(ints(Op::Lor, &[(&[0], 9)]), (vec![0], false));
+    }
+
     #[test]
     fn errors() {
-        for op in [Op::Band, Op::Bor, Op::Bxor] {
+        for op in Op::ALL.into_iter().filter(|op| !op.valid_on_floats()) {
             assert_eq!(
                 Accumulator::new(op, 1, true).err(),
                 Some(ReduceError::FloatBitwise(op))
@@ -905,7 +935,7 @@ mod tests {
             .collect();
         for op in Op::ALL {
             for float in [false, true] {
-                if float && crate::wire::proto::is_bitwise(op) {
+                if float && !op.valid_on_floats() {
                     continue;
                 }
                 let mut host = Accumulator::new(op, n, float).unwrap();
@@ -970,6 +1000,8 @@ mod tests {
                         Op::Band => col.map(|c| c.0).fold(-1, |a, v| a & v),
                         Op::Bor => col.map(|c| c.0).fold(0, |a, v| a | v),
                         Op::Bxor => col.map(|c| c.0).fold(0, |a, v| a ^ v),
+                        Op::Land => col.fold(1, |a, c| a & (c.0 != 0) as i128),
+                        Op::Lor => col.fold(0, |a, c| a | (c.0 != 0) as i128),
                     };
                     let c = exact.clamp(MIN as i128, MAX as i128);
                     overflow |= c != exact;
@@ -1001,7 +1033,8 @@ mod tests {
         for op in Op::ALL {
             acc.reset(op, 2, false).unwrap();
             acc.add_int(&[6, -6], 1).unwrap();
-            let want = if op == Op::Count { [1, 1] } else { [6, -6] };
+            // one contribution: the table's combine from the identity
+            let want = if matches!(op, Op::Count | Op::Land | Op::Lor) { [1, 1] } else { [6, -6] };
             assert_eq!(
                 acc.finish().unwrap().ints().unwrap(),
                 want,

@@ -99,8 +99,8 @@ pub enum RingError {
         /// Its flags.
         flags: u8,
     },
-    /// `op` is not SUM, COUNT, MAX, MIN or AVG.
-    #[error("op {0} is not a ring op (SUM, COUNT, MAX, MIN, AVG)")]
+    /// `op` is not one that [`Op::runs_in_ring`].
+    #[error("op {0} is not a ring op")]
     Op(u8),
     /// `pad` is not 0.
     #[error("pad byte {0} is not 0")]
@@ -246,7 +246,7 @@ impl RingHeader {
         if flags & !allowed != 0 {
             return Err(RingError::Flags { kind, flags });
         }
-        let op = Op::from_u8(datagram[22]).filter(|o| o.runs_in_kernel()).ok_or(RingError::Op(datagram[22]))?;
+        let op = Op::from_u8(datagram[22]).filter(|o| o.runs_in_ring()).ok_or(RingError::Op(datagram[22]))?;
         if datagram[23] != 0 {
             return Err(RingError::Pad(datagram[23]));
         }
@@ -413,43 +413,32 @@ fn saturate(v: i64) -> (i32, bool) {
     (c as i32, c != v)
 }
 
-/// What the origin (weight `weight`, element `x`) sends: `w·x` (SUM, AVG),
-/// `x ≠ 0` (COUNT) or `x` (MAX, MIN), and whether it saturated.
+/// What the origin (weight `weight`, element `x`) sends: the op's
+/// identity combined with `x` by the op table's row (`w·x` for SUM and
+/// AVG, `x ≠ 0` for COUNT, `x` for MAX and MIN), saturated to int32, and
+/// whether it saturated.
 #[inline]
 pub fn origin_value(op: Op, weight: i32, x: i32) -> (i32, bool) {
-    match op {
-        Op::Sum | Op::Avg => saturate(i64::from(weight) * i64::from(x)),
-        Op::Count => (i32::from(x != 0), false),
-        _ => (x, false),
-    }
+    combine(op, weight, op.identity(), x)
 }
 
 /// A member's hop: `partial` combined with its element `x` of weight
-/// `weight` (SUM, AVG: `partial + w·x`, saturated; COUNT: `partial + (x ≠
-/// 0)`; MAX, MIN: of `partial` and `x`), and whether it saturated.
-/// Ops other than SUM..AVG never reach a ring (the header check refuses
-/// them) and leave `partial` as it is.
+/// `weight` by the op table's row ([`Op::combine`]: `partial + w·x` for
+/// SUM and AVG, `partial + (x ≠ 0)` for COUNT, ...), saturated to int32,
+/// and whether it saturated. Only ops that [`Op::runs_in_ring`] reach a
+/// ring ([`RingHeader::decode`] refuses the others), but the arithmetic is
+/// the table's for every op, as the ring program's (src/bpf/ring.h).
 #[inline]
 pub fn combine(op: Op, weight: i32, partial: i32, x: i32) -> (i32, bool) {
-    match op {
-        Op::Sum | Op::Avg => saturate(i64::from(partial) + i64::from(weight) * i64::from(x)),
-        Op::Count => saturate(i64::from(partial) + i64::from(x != 0)),
-        Op::Max => (partial.max(x), false),
-        Op::Min => (partial.min(x), false),
-        _ => (partial, false),
-    }
+    saturate(op.combine(i64::from(partial), x, weight))
 }
 
-/// The completing member's last step: AVG divides by the weight sum,
-/// truncating toward zero (the weight sum is positive, the configuration
-/// checks it; 0 leaves `v`); other ops keep `v`.
+/// The completing member's last step, the op table's finish: AVG divides
+/// by the weight sum, truncating toward zero (the weight sum is positive,
+/// the configuration checks it; 0 leaves `v`); the others keep `v`.
 #[inline]
 pub fn complete(op: Op, weight_sum: u32, v: i32) -> i32 {
-    if op == Op::Avg && weight_sum != 0 {
-        (i64::from(v) / i64::from(weight_sum)) as i32
-    } else {
-        v
-    }
+    saturate(op.finish(i64::from(v), i64::from(weight_sum))).0
 }
 
 #[inline]
@@ -485,9 +474,6 @@ pub fn combine_be(op: Op, weight: i32, payload: &mut [u8], input: impl IntoItera
 
 /// [`complete`] over a fragment, in place on the big-endian `payload`.
 pub fn complete_be(op: Op, weight_sum: u32, payload: &mut [u8]) {
-    if op != Op::Avg {
-        return;
-    }
     for chunk in payload.chunks_exact_mut(4) {
         let v = complete(op, weight_sum, i32::from_be_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]));
         chunk.copy_from_slice(&v.to_be_bytes());
@@ -593,7 +579,9 @@ mod tests {
         assert!(matches!(with(7, abi::RING_F_NACK_FINAL), Err(RingError::Flags { .. })));
         assert!(matches!(with(7, 0x80), Err(RingError::Flags { .. })));
         assert_eq!(with(22, Op::Prod as u8), Err(RingError::Op(Op::Prod as u8)));
-        assert_eq!(with(22, 9), Err(RingError::Op(9)));
+        let unknown = Op::ALL.len() as u8; // the first number no row has
+        assert_eq!(with(22, unknown), Err(RingError::Op(unknown)));
+        assert_eq!(with(22, Op::Lor as u8).map(|h| h.op), Ok(Op::Lor));
         assert_eq!(with(23, 1), Err(RingError::Pad(1)));
         assert_eq!(
             RingHeader::decode(&good[..good.len() - 1]).map(|(h, _)| h),
@@ -700,6 +688,12 @@ mod tests {
         assert_eq!(combine(Op::Max, 3, 4, 1 << 30), (1 << 30, false));
         assert_eq!(combine(Op::Min, 3, 4, -(1 << 30)), (-(1 << 30), false));
         assert_eq!(combine(Op::Min, 1, 4, 9), (4, false));
+        assert_eq!(origin_value(Op::Land, 5, -3), (1, false));
+        assert_eq!(origin_value(Op::Lor, 5, 0), (0, false));
+        assert_eq!(combine(Op::Land, 1, 1, 0), (0, false));
+        assert_eq!(combine(Op::Land, 1, 1, i32::MIN), (1, false));
+        assert_eq!(combine(Op::Lor, 1, 0, 0), (0, false));
+        assert_eq!(combine(Op::Lor, 1, 0, 7), (1, false));
         assert_eq!(complete(Op::Avg, 4, -7), -1);
         assert_eq!(complete(Op::Avg, 4, 7), 1);
         assert_eq!(complete(Op::Sum, 4, 7), 7);

@@ -3,6 +3,8 @@
 //! vectors loader and the loaded planes the tests share (`load`).
 #![allow(dead_code)]
 
+pub mod ring;
+
 use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
@@ -458,4 +460,6 @@ pub fn reduce_one(dp: &XdpPlane, op: Op, weights: &[i32], vectors: &[Vec<i32>], 
 }
 
 /// The ops the kernel aggregates.
-pub const KERNEL_OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
+pub fn kernel_ops() -> Vec<Op> {
+    Op::ALL.into_iter().filter(|op| op.runs_in_kernel()).collect()
+}

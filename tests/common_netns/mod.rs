@@ -19,7 +19,9 @@ use aggbox::wire::reducer;
 use crate::testbed::{in_netns, Testbed};
 
 /// Ops the XDP program reduces in the kernel.
-pub const KERNEL_OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
+pub fn kernel_ops() -> Vec<Op> {
+    Op::ALL.into_iter().filter(|op| op.runs_in_kernel()).collect()
+}
 
 /// Elements per datagram at MTU 1500 (the testbed's).
 pub const PER_DATAGRAM: usize = 362;

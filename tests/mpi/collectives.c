@@ -39,6 +39,7 @@ static int rank, size, failures;
 static const struct { const char *name; MPI_Op op; } OPS[] = {
     {"SUM", MPI_SUM}, {"MAX", MPI_MAX}, {"MIN", MPI_MIN}, {"PROD", MPI_PROD},
     {"BAND", MPI_BAND}, {"BOR", MPI_BOR}, {"BXOR", MPI_BXOR},
+    {"LAND", MPI_LAND}, {"LOR", MPI_LOR},
 };
 #define NOPS (int)(sizeof OPS / sizeof OPS[0])
 
@@ -53,6 +54,7 @@ static int32_t input(int r, int i, int k, int big)
     if (big) return (int32_t)(0x7ffffff0u - (x & 7)); /* 4 of these wrap */
     if (OPS[k].op == MPI_PROD) return (int32_t)(x % 5) - 2;
     if (OPS[k].op == MPI_SUM) return (int32_t)(x % 2000001u) - 1000000;
+    if (OPS[k].op == MPI_LAND || OPS[k].op == MPI_LOR) return x % 5 ? (int32_t)x : 0; /* both answers occur */
     return (int32_t)x;
 }
 
@@ -69,6 +71,8 @@ static int32_t expected(int i, int k, int big)
         else if (op == MPI_MIN) acc = (uint32_t)(v < a ? v : a);
         else if (op == MPI_BAND) acc &= (uint32_t)v;
         else if (op == MPI_BOR) acc |= (uint32_t)v;
+        else if (op == MPI_LAND) acc = a && v;
+        else if (op == MPI_LOR) acc = a || v;
         else acc ^= (uint32_t)v;
     }
     return (int32_t)acc;

@@ -67,16 +67,11 @@ impl AggHeader {
         if self.count == 0 {
             return Err(EncodeError::PayloadLength(0));
         }
-        if self.is_float() && is_bitwise(self.op) {
+        if self.is_float() && !self.op.valid_on_floats() {
             return Err(EncodeError::FloatBitwise(self.op));
         }
         Ok(())
     }
-}
-
-/// BAND, BOR, BXOR: the ops that are invalid on FLOAT32 payloads.
-pub fn is_bitwise(op: Op) -> bool {
-    matches!(op, Op::Band | Op::Bor | Op::Bxor)
 }
 
 /// IPv4 (20) + UDP (8) header bytes in front of every AggBox datagram.
@@ -141,7 +136,7 @@ pub fn decode_agg_header(buf: &[u8]) -> Result<AggHeader, ProtoError> {
             len: buf.len(),
         });
     }
-    if flags & abi::AGG_F_FLOAT32 != 0 && is_bitwise(op) {
+    if flags & abi::AGG_F_FLOAT32 != 0 && !op.valid_on_floats() {
         return Err(ProtoError::FloatBitwise(op));
     }
     Ok(AggHeader {

@@ -145,7 +145,8 @@ pub enum ProtoError {
         /// Datagram length in bytes.
         len: usize,
     },
-    /// `AGG1` with FLOAT32 and BAND/BOR/BXOR: bitwise ops are undefined on floats.
+    /// `AGG1` with FLOAT32 and an op not valid on floats ([`Op::valid_on_floats`]:
+    /// the bitwise and logical ops).
     #[error("op {} is invalid on FLOAT32 payloads", .0.name())]
     FloatBitwise(Op),
     /// `AGK1` nbits outside 1..=1024.
@@ -221,7 +222,7 @@ pub enum EncodeError {
     /// FLOAT32 flag does not match the payload type (int vs float).
     #[error("FLOAT32 flag does not match the payload type")]
     FloatFlagMismatch,
-    /// FLOAT32 payload with BAND/BOR/BXOR.
+    /// FLOAT32 payload with an op not valid on floats.
     #[error("op {} is invalid on FLOAT32 payloads", .0.name())]
     FloatBitwise(Op),
 }
@@ -549,10 +550,10 @@ mod tests {
             (
                 {
                     let mut b = good.clone();
-                    b[20] = 9;
+                    b[20] = Op::ALL.len() as u8; // the first number no row has
                     b
                 },
-                ProtoError::InvalidOp(9),
+                ProtoError::InvalidOp(Op::ALL.len() as u8),
                 Some(DropReason::InvalidOp),
             ),
             (

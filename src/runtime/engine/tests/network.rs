@@ -382,7 +382,7 @@ fn reductions_of_lengths_around_a_fragment_with_every_op_equal_the_reference() {
         reduce_everywhere(&mut sim, true, Op::Sum, len);
         reduce_everywhere(&mut sim, false, Op::Sum, len);
     }
-    for op in [Op::Max, Op::Min, Op::Count, Op::Bxor, Op::Band, Op::Bor] {
+    for op in [Op::Max, Op::Min, Op::Count, Op::Bxor, Op::Band, Op::Bor, Op::Land, Op::Lor] {
         reduce_everywhere(&mut sim, true, op, 1000);
     }
     assert_eq!(data_resent(&sim), 0);
