@@ -411,6 +411,10 @@ fn attach(
     };
 
     let mut attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
+    // Jobs on demand: the registry beside the file's jobs (served below).
+    let registry = control.as_ref().map(|(keys, _)| {
+        Arc::new(Mutex::new(node::control::Registry::new(keys.clone(), node::control::Limits::default(), &config)))
+    });
     for warning in &attachment.warnings {
         eprintln!("aggbox: warning: {warning}");
     }
@@ -430,6 +434,12 @@ fn attach(
             let mut source = metrics::source_for(iface, attachment.pin_dir(), programs, userspace);
             source.results = attachment.results.as_ref().map(|r| r.stats_fn());
             source.rings = attachment.rings.as_ref().map(|r| r.stats_fn());
+            source.control = registry.clone().map(|r| -> metrics::ControlStatsFn {
+                Arc::new(move || {
+                    let r = r.lock().unwrap_or_else(|p| p.into_inner());
+                    (r.counts().clone(), r.live().len())
+                })
+            });
             let server = metrics::MetricsServer::start(listener, vec![source])?;
             eprintln!("aggbox: metrics at http://{}/metrics", server.local_addr());
             Some(server)
@@ -469,9 +479,8 @@ fn attach(
     // Jobs on demand: the registry beside the file's jobs; its changes
     // come back here to be applied (docs/INTERFACE.md, "Jobs on demand").
     let mut file_config = config.clone();
-    let control = match control {
-        Some((keys, listener)) => {
-            let registry = Arc::new(Mutex::new(node::control::Registry::new(keys, node::control::Limits::default(), &config)));
+    let control = match (control, registry) {
+        (Some((_, listener)), Some(registry)) => {
             let (changes_tx, changes) = mpsc::channel();
             let server = node::control::server::ControlServer::start(listener, registry.clone(), changes_tx)
                 .context("aggbox: starting the control endpoint")?;
@@ -489,7 +498,7 @@ fn attach(
             eprintln!("aggbox: control endpoint (jobs on demand) at {}", server.local_addr());
             Some((server, registry))
         }
-        None => None,
+        _ => None,
     };
     drop(events_tx);
     while let Ok(event) = events.recv() {

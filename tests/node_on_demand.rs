@@ -134,7 +134,7 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
     let keys = dir.join("keys.toml");
     std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n\n[[tenant]]\nname = \"other\"\nkey = \"{KEY_B}\"\n")).unwrap();
     std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let config = format!("[node]\nmetrics = \"127.0.0.1:9473\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand2", &config, &[]);
     let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
     let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
@@ -209,5 +209,28 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(node.status().jobs.is_empty(), "every job of the runs is gone: {:?}", node.status().jobs);
+    // The operator sees it: created 3 (two runs and the dead one), ended 2,
+    // expired 1, the other tenant's end refused, none live.
+    let metrics = tb.in_host(0, scrape).unwrap();
+    for line in [
+        "aggbox_control_jobs_created_total{iface=\"eth0\"} 3",
+        "aggbox_control_jobs_ended_total{iface=\"eth0\"} 2",
+        "aggbox_control_jobs_expired_total{iface=\"eth0\"} 1",
+        "aggbox_control_refused_total{iface=\"eth0\",reason=\"unknown_job\"} 1",
+        "aggbox_control_refused_total{iface=\"eth0\",reason=\"bad_mac\"} 0",
+        "aggbox_control_live_jobs{iface=\"eth0\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} not in /metrics:\n{}", metrics.lines().filter(|l| l.contains("control")).collect::<Vec<_>>().join("\n"));
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The node's /metrics text (from its namespace).
+fn scrape() -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect("127.0.0.1:9473").expect("connect to /metrics");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }

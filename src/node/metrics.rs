@@ -59,6 +59,36 @@ pub struct KernelSource {
     pub results: Option<ResultStatsFn>,
     /// The ring service of the node's rings, if any.
     pub rings: Option<crate::node::ring::RingStatsFn>,
+    /// The control endpoint's registry (jobs on demand), if served.
+    pub control: Option<ControlStatsFn>,
+}
+
+/// The control endpoint's counts and its live jobs, read at a scrape.
+pub type ControlStatsFn = std::sync::Arc<dyn Fn() -> (crate::node::control::registry::Counts, usize) + Send + Sync>;
+
+/// The control endpoint's families: jobs created, ended, expired, refused
+/// requests by reason (every reason listed, 0 included), live jobs.
+fn control_families(iface: &str, (counts, live): &(crate::node::control::registry::Counts, usize)) -> Vec<Family> {
+    use crate::wire::control::Refusal;
+    let mut out = Vec::new();
+    for (name, help, value) in [
+        ("aggbox_control_jobs_created_total", "Jobs on demand created (every rank of a run joined).", counts.created),
+        ("aggbox_control_jobs_ended_total", "Jobs on demand ended by their runs (or replaced by a restarted run).", counts.ended),
+        ("aggbox_control_jobs_expired_total", "Jobs on demand removed because their lease ran out.", counts.expired),
+    ] {
+        let mut f = Family::counter(name, help);
+        f.push(&[("iface", iface)], value as f64);
+        out.push(f);
+    }
+    let mut refused = Family::counter("aggbox_control_refused_total", "Control requests refused, by reason (docs/PROTOCOL.md, AGC1).");
+    for r in Refusal::ALL {
+        refused.push(&[("iface", iface), ("reason", r.name())], counts.refused.get(&r).copied().unwrap_or(0) as f64);
+    }
+    out.push(refused);
+    let mut f = Family::gauge("aggbox_control_live_jobs", "Jobs on demand the node serves now.");
+    f.push(&[("iface", iface)], *live as f64);
+    out.push(f);
+    out
 }
 
 impl std::fmt::Debug for KernelSource {
@@ -286,6 +316,9 @@ pub fn kernel_families(source: &KernelSource) -> Result<Vec<MetricFamily>> {
     }
     if let Some(results) = &source.results {
         families.extend(result_service_families(iface, &results()));
+    }
+    if let Some(control) = &source.control {
+        families.extend(control_families(iface, &control()));
     }
     families.extend(ring_families(source)?);
     Ok(families.into_iter().map(|f| f.family).filter(|f| !f.get_metric().is_empty()).collect())
@@ -659,5 +692,5 @@ pub fn enable_bpf_stats() -> Result<OwnedFd> {
 
 /// Pin directory helper re-exported for callers building a [`KernelSource`].
 pub fn source_for(iface: &str, pin_dir: &Path, programs: Vec<ProgramRef>, userspace: Option<UserspaceStatsFn>) -> KernelSource {
-    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace, results: None, rings: None }
+    KernelSource { iface: iface.to_string(), pin_dir: pin_dir.to_path_buf(), programs, userspace, results: None, rings: None, control: None }
 }
