@@ -67,7 +67,7 @@ fn layer_of(rel: &str) -> Option<Layer> {
         "lib.rs" => return None,
         "wire" => Layer::Wire,
         "netif.rs" => Layer::Netif,
-        "config.rs" => Layer::Config,
+        "config.rs" | "config" => Layer::Config,
         "kernel" => Layer::Kernel,
         "node" => Layer::Node,
         "runtime" if RUNTIME_API.contains(&rest) => Layer::RuntimeApi,
