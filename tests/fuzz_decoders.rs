@@ -1,5 +1,5 @@
 //! The cargo-fuzz targets of fuzz/ (decode_message, split_agg, ack_bitmap,
-//! config_parse) as a bounded, deterministic random fuzz loop, so that CI
+//! config_parse, control_request) as a bounded, deterministic random fuzz loop, so that CI
 //! (stable toolchain, no libFuzzer) runs the same properties on every
 //! change. Inputs: mutations (bit flips, truncation, extension, byte edits,
 //! splices) of valid seeds. `AGGBOX_SOAK=1` runs 20× longer. No root needed.
@@ -142,4 +142,41 @@ fn config_parse_never_panics_and_errors_are_one_line() {
         }
     }
     eprintln!("config_parse: {parsed} mutants parsed");
+}
+
+/// fuzz/fuzz_targets/control_request.rs: the control endpoint's registry
+/// on mutants of a genuine signed join (one rank of a run of two, so no
+/// run completes) and of garbage: never panics, every reply a refusal,
+/// no job created.
+#[test]
+fn control_request_never_panics_and_changes_nothing() {
+    use aggbox::config::Config;
+    use aggbox::node::control::{Keys, Limits, Registry, Tenant};
+    use aggbox::wire::control::{Envelope, Reply, Request};
+    const NOW: u64 = 1_800_000_000_000;
+    let mut keys = Keys::default();
+    keys.tenants.insert("t".into(), Tenant { name: "t".into(), key: vec![7; 32], revoked: false, jobs: 4, workers: 64 });
+    let mut reg = Registry::new(keys, Limits::default(), &Config::default());
+    let join = Request::Join { run: "r".into(), world: 2, rank: 0, data: "10.0.0.1:7700".parse().unwrap(), vector_len: Some(1000) };
+    let seeds: Vec<Vec<u8>> = vec![
+        serde_json::to_vec(&Envelope::sign("t", &[7; 32], [1; 16], NOW, &join)).unwrap(),
+        serde_json::to_vec(&Envelope::sign("t", &[7; 32], [2; 16], NOW, &Request::Renew { job: 61440, incarnation: 1 })).unwrap(),
+        b"{\"kind\":\"join\"}".to_vec(),
+    ];
+    let mut rng = Rng(45);
+    let (mut refused, mut waiting) = (0, 0);
+    for _ in 0..iterations() / 10 {
+        let data = mutate(&mut rng, &seeds);
+        let replies = reg.handle(NOW, 1, &data);
+        if replies.is_empty() {
+            waiting += 1;
+        }
+        for (_, reply) in replies {
+            assert!(matches!(reply, Reply::Refused { .. }), "{reply:?} for {:?}", String::from_utf8_lossy(&data));
+            refused += 1;
+        }
+        assert!(reg.live().is_empty(), "a job was created from {:?}", String::from_utf8_lossy(&data));
+    }
+    assert!(refused > 0);
+    eprintln!("control_request: {refused} refused, {waiting} joins waiting");
 }
