@@ -38,6 +38,9 @@ const METRICS_PORT: u16 = 9491;
 const PROMETHEUS_PORT: u16 = 9492;
 const ELEMENTS: u32 = 800;
 
+/// Rules (alerting and recording) in deploy/prometheus/aggbox.rules.yml.
+const SHIPPED_RULES: usize = 16;
+
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(path)
 }
@@ -57,7 +60,7 @@ fn promtool(args: &[&str], cwd: &Path) -> String {
 fn shipped_rules_pass_promtool_and_their_unit_tests() {
     let dir = deploy("prometheus");
     let checked = promtool(&["check", "rules", "aggbox.rules.yml"], &dir);
-    assert!(checked.contains("SUCCESS: 16 rules found"), "{checked}");
+    assert!(checked.contains(&format!("SUCCESS: {SHIPPED_RULES} rules found")), "{checked}");
     let tested = promtool(&["test", "rules", "aggbox.rules.test.yml"], &dir);
     assert!(tested.contains("SUCCESS"), "{tested}");
     promtool(&["check", "config", "prometheus.yml"], &dir);
@@ -330,7 +333,7 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
         .iter()
         .flat_map(|g| g["rules"].as_array().expect("rules").iter())
         .collect();
-    assert_eq!(all.len(), 15, "{rules}");
+    assert_eq!(all.len(), SHIPPED_RULES, "{rules}");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (_, body) = http_get(ns, PROMETHEUS_PORT, "/api/v1/rules");
