@@ -163,8 +163,15 @@ struct Node {
     /// where it pinned its maps.
     ring_nodes: Vec<LiveAttach>,
     pin_dirs: Vec<PathBuf>,
+    /// The key file of [`Node::with_control`], removed on drop.
+    keys: Option<PathBuf>,
     tb: Testbed,
 }
+
+/// The credential and port of [`Node::with_control`].
+const TENANT: &str = "python";
+const TENANT_KEY: &str = "a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11c";
+const CONTROL_PORT: u16 = 7471;
 
 /// The ring of [`Node::with_ring`]: its id, length and the size from which
 /// the workers' automatic choice takes it.
@@ -174,16 +181,26 @@ const RING_THRESHOLD: usize = 1000;
 
 impl Node {
     fn up(tag: &str) -> Node {
-        Node::start(tag, false)
+        Node::start(tag, false, None)
+    }
+
+    /// [`Node::up`] with a control endpoint (jobs on demand) whose key
+    /// file holds tenant [`TENANT`] with key [`TENANT_KEY`].
+    fn with_control(tag: &str) -> Node {
+        let keys = std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.keys.toml", std::process::id()));
+        std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{TENANT_KEY}\"\n")).expect("key file");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
+        Node::start(tag, false, Some(keys))
     }
 
     /// [`Node::up`], and the workers' hosts each run `aggbox attach` with
     /// ring [`RING`] of the 4 workers, which the workers' file lists too.
     fn with_ring(tag: &str) -> Node {
-        Node::start(tag, true)
+        Node::start(tag, true, None)
     }
 
-    fn start(tag: &str, ring: bool) -> Node {
+    fn start(tag: &str, ring: bool, keys: Option<PathBuf>) -> Node {
         require_root();
         let tb = Testbed::up(TestbedConfig {
             hosts: WORKERS + 1,
@@ -193,6 +210,9 @@ impl Node {
         .expect("testbed");
         let workers: Vec<String> = (1..=WORKERS).map(|h| tb.host(h).addr.to_string()).collect();
         let mut text = String::from("[node]\nmetrics = \"127.0.0.1:9472\"\n");
+        if let Some(keys) = &keys {
+            text += &format!("keys = \"{}\"\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\n", keys.display());
+        }
         for (i, (&job, &data_port)) in JOBS.iter().zip(&DATA_PORTS).enumerate() {
             let group = 4 + i;
             let port = 7600 + 10 * i;
@@ -222,7 +242,7 @@ impl Node {
         let config =
             std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
         std::fs::write(&config, &text).expect("write the workers' configuration");
-        Node { config, attach, ring_nodes, pin_dirs, tb }
+        Node { config, attach, ring_nodes, pin_dirs, keys, tb }
     }
 
     /// Runs `script` on every worker (rank r on host r+1) with `args(r)`,
@@ -308,7 +328,36 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.config);
+        if let Some(keys) = &self.keys {
+            let _ = std::fs::remove_file(keys);
+        }
         let _ = (&self.attach, &self.ring_nodes);
+    }
+}
+
+/// Jobs on demand from Python: `Communicator.connect` with a credential
+/// and the node's address only (the job is in no file); a wrong key is
+/// refused (bad_mac); int32 and float32 allreduces exact.
+#[test]
+fn python_workers_bring_their_own_job_to_the_node() {
+    let node = Node::with_control("py-demand");
+    let args = |r: usize| {
+        vec![
+            "--control".into(),
+            CONTROL_PORT.to_string(),
+            "--data".into(),
+            format!("{}:7790", node.tb.host(r + 1).addr),
+            "--tenant".into(),
+            TENANT.into(),
+            "--key".into(),
+            TENANT_KEY.into(),
+        ]
+    };
+    let results = node.run_workers("netns_on_demand.py", args, Duration::from_secs(120));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: netns_on_demand.py failed ({status}):\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        assert!(text.contains("ok: a wrong key is refused (bad_mac)"), "rank {r}:\n{text}");
     }
 }
 

@@ -78,6 +78,22 @@ class Communicator:
         algorithm: Literal["auto", "star", "ring"] = "auto",
         ring_threshold: int | None = None,
     ) -> Communicator: ...
+    @staticmethod
+    def connect(
+        node: str,
+        *,
+        run: str,
+        world: int,
+        rank: int,
+        data: str,
+        tenant: str | None = None,
+        key: str | None = None,
+        vector_len: int | None = None,
+        join_deadline: float = 60.0,
+        deadline: float = 10.0,
+        quantization: Quantization | None = None,
+        mtu: int = 0,
+    ) -> Communicator: ...
     @property
     def rank(self) -> int | None: ...
     @property

@@ -23,6 +23,7 @@ use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::api::broadcast_elements;
+use aggbox::runtime::control::{Credential, RunJob};
 use aggbox::runtime::{
     Algorithm, BackendKind, CallOptions, Collective, CommError, CommStats, Communicator,
     CommunicatorBuilder, Elements, Participant, Peer, Quantization, RingCommunicator, Served,
@@ -309,6 +310,14 @@ enum Comm {
     One(Communicator),
     Striped(StripedCommunicator),
     Chosen(Box<StarOrRing<Comm>>),
+    /// A job on demand (`connect`): the communicator, then the run's job,
+    /// ended once the communicator has stopped (field order).
+    OnDemand(Box<OnDemand>),
+}
+
+struct OnDemand {
+    comm: Communicator,
+    run: RunJob,
 }
 
 impl Comm {
@@ -318,6 +327,7 @@ impl Comm {
             Comm::One(c) => c,
             Comm::Striped(s) => &s.stripes()[0],
             Comm::Chosen(s) => s.star().expect("from_config builds the star").first(),
+            Comm::OnDemand(d) => &d.comm,
         }
     }
 
@@ -326,6 +336,7 @@ impl Comm {
             Comm::One(c) => vec![c.config().job],
             Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
             Comm::Chosen(s) => s.star().expect("from_config builds the star").jobs(),
+            Comm::OnDemand(d) => vec![d.run.grant().job],
         }
     }
 
@@ -335,6 +346,7 @@ impl Comm {
             Comm::One(c) => c,
             Comm::Striped(s) => s,
             Comm::Chosen(s) => s.as_ref(),
+            Comm::OnDemand(d) => &d.comm,
         }
     }
 
@@ -613,6 +625,52 @@ impl PyCommunicator {
                 chosen = chosen.with_ring_threshold(n);
             }
             Ok(Comm::Chosen(Box::new(chosen)))
+        })
+    }
+
+    /// Joins rank `rank` of run `run` (a key every rank of the run shares)
+    /// of `world` ranks at the node's control endpoint `node`
+    /// ("IP:PORT"), this rank's data socket `data` ("IP:PORT"); returns once
+    /// every rank has joined and the node serves the run's job (jobs on
+    /// demand: no node file on the workers). The credential is `tenant`
+    /// and `key` (hex), else AGGBOX_TENANT and AGGBOX_KEY. The job is
+    /// renewed while the communicator lives and ended for this rank by
+    /// `close()`. Raises AggBoxError with the node's reason when refused.
+    #[staticmethod]
+    #[pyo3(signature = (node, *, run, world, rank, data, tenant = None, key = None, vector_len = None, join_deadline = 60.0, deadline = 10.0, quantization = None, mtu = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        py: Python<'_>,
+        node: &str,
+        run: String,
+        world: u16,
+        rank: u16,
+        data: &str,
+        tenant: Option<String>,
+        key: Option<String>,
+        vector_len: Option<u32>,
+        join_deadline: f64,
+        deadline: f64,
+        quantization: Option<&Bound<'_, PyAny>>,
+        mtu: usize,
+    ) -> PyResult<PyCommunicator> {
+        let node: std::net::SocketAddr = node
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("node {node:?}: the control endpoint as IP:PORT")))?;
+        let data: SocketAddrV4 = data
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("data {data:?}: this rank's data socket as IP:PORT")))?;
+        let credential = match (tenant, key) {
+            (Some(tenant), Some(key)) => Credential::from_hex(&tenant, &key).map_err(|e| to_py_err(py, e))?,
+            (None, None) => Credential::from_env().map_err(|e| to_py_err(py, e))?,
+            _ => return Err(PyValueError::new_err("give both tenant and key, or neither (AGGBOX_TENANT, AGGBOX_KEY)")),
+        };
+        let join_deadline = self::deadline(join_deadline)?;
+        let tuning = Tuning::new(deadline, quantization, mtu)?;
+        Self::wrap(py, move || {
+            let run = RunJob::join(node, credential, &run, world, rank, data, vector_len, join_deadline)?;
+            let comm = tuning.apply(run.builder()).build()?;
+            Ok(Comm::OnDemand(Box::new(OnDemand { comm, run })))
         })
     }
 

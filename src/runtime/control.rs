@@ -37,14 +37,19 @@ impl std::fmt::Debug for Credential {
 }
 
 impl Credential {
+    /// `tenant` and its key as the key file writes it (hex).
+    pub fn from_hex(tenant: &str, key: &str) -> Result<Credential, CommError> {
+        let key = hex::decode(key.trim()).map_err(|e| CommError::Config(format!("tenant {tenant}'s key: not hex: {e}")))?;
+        Ok(Credential { tenant: tenant.to_string(), key })
+    }
+
     /// `AGGBOX_TENANT` and `AGGBOX_KEY` (hex).
     pub fn from_env() -> Result<Credential, CommError> {
         let tenant = std::env::var(ENV_TENANT)
             .map_err(|_| CommError::Config(format!("{ENV_TENANT} is not set: the tenant of the node's key file")))?;
         let key = std::env::var(ENV_KEY)
             .map_err(|_| CommError::Config(format!("{ENV_KEY} is not set: tenant {tenant}'s key, hex")))?;
-        let key = hex::decode(key.trim()).map_err(|e| CommError::Config(format!("{ENV_KEY}: not hex: {e}")))?;
-        Ok(Credential { tenant, key })
+        Credential::from_hex(&tenant, &key)
     }
 }
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""One worker of tests/python_package.rs's run on demand: the node's file
+names no job for it; the worker brings its own through the node's control
+endpoint with a credential, and needs nothing but the node's address.
+
+    netns_on_demand.py --rank R --world W --config IGNORED --aggregator A \
+        --control PORT --data IP:PORT --tenant T --key HEX
+
+Int32 SUM and float32 mean allreduces equal to the reference, a refused
+join with a wrong key, then "done".
+"""
+
+import argparse
+import faulthandler
+import signal
+
+import numpy as np
+
+import aggbox
+from reference import ints
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name in ["--rank", "--world", "--control"]:
+        ap.add_argument(name, type=int, required=True)
+    for name in ["--config", "--aggregator", "--data", "--tenant", "--key"]:
+        ap.add_argument(name, required=True)
+    a = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    r, w = a.rank, a.world
+    node = f"{a.aggregator}:{a.control}"
+    try:
+        aggbox.Communicator.connect(node, run="py", world=w, rank=r, data=a.data, tenant=a.tenant, key="00" * 32)
+        raise AssertionError("a wrong key was accepted")
+    except aggbox.AggBoxError as e:
+        if "bad_mac" not in str(e):
+            raise
+        print("ok: a wrong key is refused (bad_mac)", flush=True)
+    comm = aggbox.Communicator.connect(node, run="py", world=w, rank=r, data=a.data, tenant=a.tenant, key=a.key)
+    for n in [1, 10_007]:
+        want = np.sum(np.stack([ints(q, n) for q in range(w)]).astype(np.int64), axis=0).astype(np.int32)
+        buf = ints(r, n)
+        comm.allreduce(buf, op="sum")
+        if not np.array_equal(buf, want):
+            raise AssertionError(f"int32 allreduce of {n} differs from the reference")
+        x = np.full(n, float(r + 1), dtype=np.float32)
+        comm.allreduce(x, op="mean")
+        if not np.allclose(x, (w + 1) / 2, rtol=1e-5):
+            raise AssertionError(f"float32 mean of {n}: {x[:2]}")
+        print(f"ok: int32 sum and float32 mean of {n} on job {comm.job}", flush=True)
+    comm.close()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
