@@ -245,3 +245,23 @@ fn tempdir() -> PathBuf {
     fs::create_dir_all(&dir).expect("create temp dir");
     dir
 }
+
+/// The stubs' `OpName` lists the table's names (and "mean"), in order.
+#[test]
+fn the_python_stubs_name_the_table_ops() {
+    let stubs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/python/aggbox/_aggbox.pyi")).expect("stubs");
+    let line = stubs.lines().find(|l| l.starts_with("OpName = Literal[")).expect("an OpName line");
+    let names: Vec<&str> = line
+        .trim_start_matches("OpName = Literal[")
+        .trim_end_matches(']')
+        .split(',')
+        .map(|n| n.trim().trim_matches('"'))
+        .collect();
+    let mut want: Vec<&str> = abi::Op::NAMES.to_vec();
+    want.push("mean");
+    assert_eq!(names, want, "python/aggbox/_aggbox.pyi OpName vs include/aggbox/ops.def");
+    for (op, name) in abi::Op::ALL.into_iter().zip(abi::Op::NAMES) {
+        assert_eq!(abi::Op::from_name(name), Some(op));
+        assert_eq!(abi::Op::from_name(&name.to_ascii_uppercase()), Some(op));
+    }
+}

@@ -6,7 +6,7 @@
  * folds to the one row; called with a run-time op it is a chain of
  * compares, so per-element loops keep one loop per op (the fast slots and
  * blocks of aggbox_xdp.bpf.c, whose MIN is the maximum of negated values),
- * and tests/ops_agree.rs holds those loops to these rows.
+ * and tests/bpf_ops_agree.rs holds those loops to these rows.
  */
 #ifndef AGGBOX_BPF_OPS_H
 #define AGGBOX_BPF_OPS_H

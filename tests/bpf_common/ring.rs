@@ -1,7 +1,7 @@
 //! A member of a 4-member ring under BPF_PROG_TEST_RUN (docs/RING.md
 //! "XDP"): member 1, its round made ready as the runtime does, and the
 //! datagrams its neighbours would send. Shared by tests/bpf_ring.rs and
-//! tests/ops_agree.rs.
+//! tests/bpf_ops_agree.rs.
 
 use std::net::Ipv4Addr;
 
