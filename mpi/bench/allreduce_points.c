@@ -1,7 +1,7 @@
 /*
  * allreduce_points: plain MPI_Allreduce (SUM) of large vectors, the `openmpi`
  * and `openmpi-f32` backends of `aggbox-bench large` (experiment 9,
- * src/bin/aggbox-bench/large.rs), measured and checked as that benchmark
+ * src/bin/aggbox-bench/large/), measured and checked as that benchmark
  * measures and checks Gloo (scripts/gloo_allreduce.py):
  *
  * - The input of rank r in call k (k = 0 first, warm-up included) is

@@ -10,7 +10,7 @@
 #
 # --slots sets the job's `slots`; jumbo MTUs need fewer than the default 4096
 # to keep the job's fragments within the kernel's block pool (910 at MTU
-# 9000: `slots_for_mtu` in src/bin/aggbox-bench/large.rs, docs/JUMBO.md).
+# 9000: `slots_for_mtu` in src/bin/aggbox-bench/large/, docs/JUMBO.md).
 #
 # e.g. `python/examples/ddp_testbed.sh --models resnet18 --steps 10`. Needs
 # root, `make build python` first (AGGBOX_BIN and AGGBOX_PYTHONPATH override

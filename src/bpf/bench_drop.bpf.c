@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
- * Benchmark ceiling: a plain XDP count-and-drop program (src/bin/aggbox-bench/agg.rs).
+ * Benchmark ceiling: a plain XDP count-and-drop program (src/bin/aggbox-bench/agg/).
  *
  * Ethernet / IPv4 / UDP to the port in bench_cfg[0] is counted (packets,
  * bytes) per CPU and dropped; everything else (ARP, other ports) passes. It

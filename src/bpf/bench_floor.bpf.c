@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
  * Benchmark floor: the least any XDP aggregator of the benchmark's traffic
- * can cost on a machine (src/bin/aggbox-bench/agg.rs, mode `floor`;
+ * can cost on a machine (src/bin/aggbox-bench/agg/, mode `floor`;
  * benches/xdp_chain.rs).
  *
  * It does only the unavoidable work for the benchmark's own datagrams: parse
