@@ -583,7 +583,14 @@ fn reload(
             Ok(summary) => {
                 eprintln!("aggbox: reloaded {}: {summary}", path.display());
                 if let Some(registry) = registry {
-                    registry.lock().unwrap_or_else(|p| p.into_inner()).set_file(&new);
+                    let mut registry = registry.lock().unwrap_or_else(|p| p.into_inner());
+                    registry.set_file(&new);
+                    // The key file too: a revoked tenant is refused from now on.
+                    match new.node.keys.as_deref().map(node::control::Keys::load) {
+                        Some(Ok(keys)) => registry.set_keys(keys),
+                        Some(Err(e)) => eprintln!("aggbox: reload: [node] keys: {e}; the tenants stay as they were"),
+                        None => {}
+                    }
                 }
                 Some(new)
             }

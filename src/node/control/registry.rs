@@ -470,6 +470,14 @@ impl Registry {
         (self.file_ids, self.file_ports, self.file_groups) = (fresh.file_ids, fresh.file_ports, fresh.file_groups);
     }
 
+    /// The key file was read again (`aggbox reload`): a revoked or removed
+    /// tenant's requests are refused from now on; its live jobs run until
+    /// their runs end them or their leases run out (a renewal is a request,
+    /// so a revoked tenant's jobs end within a lease).
+    pub fn set_keys(&mut self, keys: Keys) {
+        self.keys = keys;
+    }
+
     /// A connection closed: its rank's join is withdrawn.
     pub fn closed(&mut self, conn: ConnId) {
         for j in self.joining.values_mut() {
@@ -649,6 +657,19 @@ mod tests {
         assert_eq!(reg.handle(T0, 0, &c.frame(T0, &end(0))), vec![(0, Reply::Ended { remaining: 0 })]);
         assert!(reg.live().is_empty());
         assert_eq!((reg.counts().created, reg.counts().ended, reg.counts().expired), (3, 2, 1));
+    }
+
+    #[test]
+    fn a_revoked_tenant_cannot_renew_and_its_job_ends_within_a_lease() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let g = run_of(&mut reg, &mut c, T0, "r", 2);
+        let mut keys = keys();
+        keys.tenants.get_mut("alice").unwrap().revoked = true;
+        reg.set_keys(keys);
+        let renew = Request::Renew { job: g.job, incarnation: g.incarnation };
+        assert_eq!(reason(&reg.handle(T0 + 1, 0, &c.frame(T0 + 1, &renew))), Refusal::Revoked);
+        assert_eq!(reg.expire(T0 + g.lease_ms).0, vec![g.job]);
     }
 
     #[test]
