@@ -104,8 +104,9 @@ impl CommunicatorBuilder {
     /// A worker of a node-served job that is not in any file (a job on
     /// demand, `runtime::control::RunJob`): the workers' data sockets by
     /// rank, the node, its contribution and RESULT ports; RESULTs come
-    /// through the job's result group, as for a node-served `[[job]]` with
-    /// the node's default ACK settings.
+    /// through the job's result group, as for a node-served `[[job]]`,
+    /// acknowledged as the node's `ack_mode` and `ack_group` say.
+    #[allow(clippy::too_many_arguments)]
     pub fn for_node_served_job(
         job_id: u16,
         peers: Vec<SocketAddrV4>,
@@ -113,12 +114,13 @@ impl CommunicatorBuilder {
         job_port: u16,
         result_port: u16,
         me: Participant,
+        ack_mode: AckMode,
+        ack_group: u16,
     ) -> CommunicatorBuilder {
-        let defaults = crate::config::NodeConfig::default();
         let mut b = CommunicatorBuilder::new(job_id, peers, node, job_port, me)
             .result_port(result_port)
-            .ack_mode(defaults.ack_mode)
-            .group_size(u32::from(defaults.ack_group));
+            .ack_mode(ack_mode)
+            .group_size(u32::from(ack_group));
         b.cfg.reliability.window = b.cfg.reliability.window.min(b.cfg.reliability.group_size);
         b.cfg.node_served = true;
         b.cfg.kernel_result_group = true;

@@ -165,6 +165,8 @@ impl RunJob {
             self.grant.port,
             self.grant.result_port,
             Participant::Worker(self.rank),
+            self.grant.ack_mode,
+            self.grant.ack_group,
         )
         .backend(BackendKind::Kernel)
     }

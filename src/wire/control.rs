@@ -17,6 +17,8 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
+use crate::wire::proto::AckMode;
+
 /// Largest frame either side sends or accepts, in bytes: a join of the
 /// largest run (64 workers' addresses) is a few KiB.
 pub const MAX_FRAME: usize = 64 * 1024;
@@ -118,6 +120,11 @@ pub struct JobGrant {
     pub workers: Vec<SocketAddrV4>,
     /// Renew within this many milliseconds, or the job is removed.
     pub lease_ms: u64,
+    /// How the node's result service acknowledges (`[node] ack_mode`):
+    /// the workers acknowledge alike.
+    pub ack_mode: AckMode,
+    /// Sequence numbers per group ACK (`[node] ack_group`).
+    pub ack_group: u16,
 }
 
 /// Why a request was refused (docs/PROTOCOL.md lists them).

@@ -96,6 +96,8 @@ pub struct Counts {
 pub struct Registry {
     keys: Keys,
     limits: Limits,
+    /// The node's ACK settings, which every grant carries.
+    ack: (crate::wire::proto::AckMode, u16),
     /// What the node's file uses: never handed out.
     file_ids: BTreeSet<u16>,
     file_ports: BTreeSet<u16>,
@@ -131,6 +133,7 @@ impl Registry {
         }
         Registry {
             keys,
+            ack: (file.node.ack_mode, file.node.ack_group),
             next_id: limits.job_ids.0,
             limits,
             file_ids: file.jobs.iter().map(|j| j.id).collect(),
@@ -405,6 +408,8 @@ impl Registry {
             result_port: port + 1,
             workers: joining.ranks.values().map(|(a, _)| *a).collect(),
             lease_ms: self.limits.lease_ms,
+            ack_mode: self.ack.0,
+            ack_group: self.ack.1,
         };
         self.live.insert(
             id,
@@ -574,6 +579,14 @@ mod tests {
         assert_eq!(jobs[0].consumer, ResultConsumer::Node);
         assert_eq!(groups[0].members, g.workers);
         assert_eq!(jobs[0].result_group, Some(groups[0].id));
+    }
+
+    #[test]
+    fn a_grant_carries_the_nodes_ack_settings() {
+        let file = Config::parse("[node]\nack_mode = \"packet\"\nack_group = 64\n", "t").unwrap();
+        let mut reg = Registry::new(keys(), Limits::default(), &file);
+        let g = run_of(&mut reg, &mut Client { tenant: "alice", nonce: 0 }, T0, "r", 1);
+        assert_eq!((g.ack_mode, g.ack_group), (crate::wire::proto::AckMode::Packet, 64));
     }
 
     #[test]

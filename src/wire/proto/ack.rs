@@ -10,7 +10,8 @@ const BITMAP_WORDS: usize = abi::ACK_MAX_BITS as usize / 64;
 
 /// How AGK1 acknowledges (PROTOCOL.md, "Acknowledgement AGK1"): one ACK per
 /// datagram, or one per group of sequence numbers (`[node] ack_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AckMode {
     /// `"group"`: one AGK1 per `ack_group` sequence numbers (the default,
     /// far fewer ACKs).
