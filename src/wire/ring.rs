@@ -581,7 +581,8 @@ mod tests {
         assert_eq!(with(22, Op::Prod as u8), Err(RingError::Op(Op::Prod as u8)));
         let unknown = Op::ALL.len() as u8; // the first number no row has
         assert_eq!(with(22, unknown), Err(RingError::Op(unknown)));
-        assert_eq!(with(22, Op::Lor as u8).map(|h| h.op), Ok(Op::Lor));
+        assert_eq!(with(22, Op::Lor as u8), Err(RingError::Op(Op::Lor as u8)), "LOR is a star op");
+        assert_eq!(with(22, Op::Avg as u8).map(|h| h.op), Ok(Op::Avg));
         assert_eq!(with(23, 1), Err(RingError::Pad(1)));
         assert_eq!(
             RingHeader::decode(&good[..good.len() - 1]).map(|(h, _)| h),
