@@ -482,7 +482,19 @@ fn attach(
     let control = match (control, registry) {
         (Some((_, listener)), Some(registry)) => {
             let (changes_tx, changes) = mpsc::channel();
-            let server = node::control::server::ControlServer::start(listener, registry.clone(), changes_tx)
+            let capacity = registry.lock().unwrap_or_else(|p| p.into_inner()).limits().jobs;
+            let mut published = node::control::PublishedJobs::create(attachment.pin_dir(), capacity)?;
+            let mut failing = false;
+            let publish: Box<dyn FnMut(&node::control::Registry) + Send> = Box::new(move |r| match published.publish(r) {
+                // Said once per failing spell, not at every tick.
+                Err(e) if !failing => {
+                    eprintln!("aggbox: control: `aggbox status` may show stale jobs on demand: {e:#}");
+                    failing = true;
+                }
+                Err(_) => {}
+                Ok(()) => failing = false,
+            });
+            let server = node::control::server::ControlServer::start(listener, registry.clone(), changes_tx, Some(publish))
                 .context("aggbox: starting the control endpoint")?;
             let forward = events_tx.clone();
             std::thread::Builder::new()

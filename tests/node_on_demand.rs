@@ -199,6 +199,24 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
     });
     let Reply::Joined(g) = &joined[0] else { panic!("{joined:?}") };
     assert!(node.status().jobs.iter().any(|j| j.id == g.job), "the dead run's job is served");
+    // `aggbox status` names its owner, run, incarnation and lease (published
+    // at the node's next lease tick).
+    let since = std::time::Instant::now();
+    let shown = loop {
+        if let Some(d) = node.status().jobs.iter().find(|j| j.id == g.job).and_then(|j| j.on_demand.clone()) {
+            break d;
+        }
+        assert!(since.elapsed() < Duration::from_secs(3), "status never showed the owner of job {}", g.job);
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!((shown.tenant.as_str(), shown.run.as_str(), shown.incarnation, shown.workers), ("training", "dead", 1, 2), "{shown:?}");
+    assert_eq!(shown.expires_ms - shown.renewed_ms, g.lease_ms, "{shown:?}");
+    let text = aggbox::node::format_status(&node.status());
+    assert!(text.contains("on demand: tenant training run \"dead\" incarnation 1"), "{text}");
+    assert!(
+        node.status().jobs.iter().filter(|j| j.id != g.job).all(|j| j.on_demand.is_none()),
+        "only live jobs on demand are listed as such"
+    );
     let other = tb
         .in_host(3, || raw(control, "other", KEY_B, 9, &Request::End { job: g.job, incarnation: g.incarnation, rank: 0 }))
         .unwrap();

@@ -222,11 +222,17 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
     let agg = bed.host(0);
     let senders = [bed.host(1), bed.host(2)];
     // A node-served job with a result group: the result service's and the
-    // broadcast's families exist too.
+    // broadcast's families exist too; a key file, so the jobs-on-demand
+    // families do.
+    let keys = std::env::temp_dir().join(format!("aggbox-prometheus-keys-{}.toml", std::process::id()));
+    std::fs::write(&keys, "[[tenant]]\nname = \"t\"\nkey = \"00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\"\n").expect("key file");
+    std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("key file mode");
+    let _remove_keys = RemoveOnDrop(keys.clone());
     let config = format!(
-        "[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\n\n[[job]]\nid = {JOB}\nport = {PORT}\nworkers = [\"{a}\", \"{b}\"]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nconsumer = \"node\"\n\n[[group]]\nid = {GROUP}\nmembers = [\"{a}:7700\", \"{b}:7700\"]\n",
+        "[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nkeys = \"{keys}\"\n\n[[job]]\nid = {JOB}\nport = {PORT}\nworkers = [\"{a}\", \"{b}\"]\nresult_port = {RESULT_PORT}\nresult_group = {GROUP}\nconsumer = \"node\"\n\n[[group]]\nid = {GROUP}\nmembers = [\"{a}:7700\", \"{b}:7700\"]\n",
         a = senders[0].addr,
-        b = senders[1].addr
+        b = senders[1].addr,
+        keys = keys.display()
     );
     let attach = LiveAttach::start(&agg.netns, "prometheus", &config, &["--bpf-stats"]);
     let _server = PrometheusServer::start(&agg.netns);
@@ -389,4 +395,13 @@ fn metric_names(expr: &str) -> Vec<String> {
         i = end;
     }
     out
+}
+
+/// Removes a file when dropped (on failure too).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

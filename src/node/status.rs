@@ -25,6 +25,10 @@ pub struct JobStatus {
     /// the pinned map or the job's entry is missing (attached by an older
     /// build).
     pub counters: Option<abi::JobStats>,
+    /// For a job on demand: its owner, incarnation and lease (`None`: a job
+    /// of the node's file).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_demand: Option<crate::node::control::DynamicJobRecord>,
 }
 
 /// Status of one attached interface, read from its pins.
@@ -110,6 +114,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
     let ranks_map = maps::open_pinned(dir, maps::names::RANKS).with_context(|| opening(maps::names::RANKS))?;
     let job_stats_map = maps::open_pinned(dir, maps::names::JOB_STATS).ok();
     let mut jobs = Vec::new();
+    let mut on_demand = crate::node::control::published::read(dir);
     for (dense, job) in crate::kernel::xdp::pinned_jobs(&jobs_map)? {
         let key = dense.to_ne_bytes();
         let mut ranks = Vec::new();
@@ -131,6 +136,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
                 Some(map) => maps::lookup_percpu_sum(map, &key)?,
                 None => None,
             },
+            on_demand: on_demand.remove(&job.id),
         });
     }
     jobs.sort_by_key(|j| j.id);
@@ -357,6 +363,21 @@ pub fn format_status(status: &NodeStatus) -> String {
             if job.vector_len == 0 { "-".to_string() } else { job.vector_len.to_string() },
             job.slots
         );
+        if let Some(d) = &job.on_demand {
+            let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64);
+            let seconds = |ms: u64| ms as f64 / 1000.0;
+            let _ = writeln!(
+                s,
+                "      on demand: tenant {} run {:?} incarnation {}  up {:.1} s  renewed {:.1} s ago, expires in {:.1} s{}",
+                d.tenant,
+                d.run,
+                d.incarnation,
+                seconds(now_ms.saturating_sub(d.created_ms)),
+                seconds(now_ms.saturating_sub(d.renewed_ms)),
+                seconds(d.expires_ms.saturating_sub(now_ms)),
+                if d.ended.is_empty() { String::new() } else { format!("  ended ranks {:?}", d.ended) }
+            );
+        }
         if let Some(c) = &job.counters {
             let _ = writeln!(
                 s,

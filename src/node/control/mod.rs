@@ -7,10 +7,12 @@
 //! registry as a reload does.
 
 pub mod keys;
+pub mod published;
 pub mod registry;
 pub mod server;
 
 pub use keys::{Keys, Tenant};
+pub use published::{DynamicJobRecord, PublishedJobs};
 pub use registry::{Limits, LiveJob, Registry};
 
 use crate::config::Config;

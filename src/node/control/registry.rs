@@ -148,6 +148,11 @@ impl Registry {
         }
     }
 
+    /// The limits it enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
     /// The live jobs by id.
     pub fn live(&self) -> &BTreeMap<u16, LiveJob> {
         &self.live

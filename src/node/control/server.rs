@@ -58,11 +58,13 @@ impl std::fmt::Debug for ControlServer {
 impl ControlServer {
     /// Serves `listener` (bound by the caller, so a port in use fails the
     /// attach before the interface is touched) with `registry`; changes go
-    /// to `changes`.
+    /// to `changes`. `publish` is shown the registry at every lease tick
+    /// (`aggbox status` reads what it writes).
     pub fn start(
         listener: TcpListener,
         registry: Arc<Mutex<Registry>>,
         changes: Sender<Change>,
+        mut publish: Option<Box<dyn FnMut(&Registry) + Send>>,
     ) -> std::io::Result<ControlServer> {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
@@ -95,7 +97,14 @@ impl ControlServer {
             std::thread::Builder::new().name("aggbox-control-lease".into()).spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     std::thread::sleep(TICK);
-                    let (gone, replies) = registry.lock().unwrap_or_else(|p| p.into_inner()).expire(now_ms());
+                    let (gone, replies) = {
+                        let mut registry = registry.lock().unwrap_or_else(|p| p.into_inner());
+                        let expired = registry.expire(now_ms());
+                        if let Some(publish) = publish.as_mut() {
+                            publish(&registry);
+                        }
+                        expired
+                    };
                     if !gone.is_empty() {
                         let _ = changes.send(Change { replies });
                     } else {
