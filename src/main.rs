@@ -413,7 +413,7 @@ fn attach(
     let mut attachment = node::attach(iface, &config, config_path, pin_root, mode)?;
     // Jobs on demand: the registry beside the file's jobs (served below).
     let registry = control.as_ref().map(|(keys, _)| {
-        Arc::new(Mutex::new(node::control::Registry::new(keys.clone(), node::control::Limits::default(), &config)))
+        Arc::new(Mutex::new(node::control::Registry::new(keys.clone(), node::control::Limits::default(), &config).first_id(random_u16())))
     });
     for warning in &attachment.warnings {
         eprintln!("aggbox: warning: {warning}");
@@ -559,6 +559,16 @@ fn watch_rates(iface: Option<&str>, pin_root: &Path, interval: f64) -> Result<()
         }
         println!();
         before = now;
+    }
+}
+
+/// A random u16 (the kernel's entropy; the time when it cannot be read).
+fn random_u16() -> u16 {
+    use std::io::Read;
+    let mut b = [0u8; 2];
+    match std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)) {
+        Ok(()) => u16::from_ne_bytes(b),
+        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() as u16),
     }
 }
 

@@ -252,3 +252,99 @@ fn scrape() -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// The node killed with -9 and started again while a run is live: the new
+/// node knows nothing of the run's job, so every call of the run fails
+/// within its deadline, and once a renewal is refused the calls fail with
+/// `CommError::JobLost` naming the node and telling the rank to join again;
+/// the run joined again gets a job of the new node and is exact.
+#[test]
+fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
+    use aggbox::runtime::CommError;
+    assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
+    let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
+    let dir = std::env::temp_dir().join(format!("aggbox-on-demand3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys.toml");
+    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let mut node = LiveAttach::start(&tb.host(0).netns, "on-demand3", &config, &[]);
+    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
+    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let deadline = Duration::from_secs(2);
+    let join = |r: usize| {
+        tb.in_host(r + 1, || {
+            RunJob::join(control, credential(KEY), "restart", WORKERS as u16, r as u16, data(r + 1), None, Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("rank {r}: join: {e}"))
+                .communicator(|b| b.deadline(deadline))
+                .unwrap_or_else(|e| panic!("rank {r}: build: {e}"))
+        })
+        .unwrap()
+    };
+    let exact = |comm: &aggbox::runtime::control::RunCommunicator, r: usize, what: &str| {
+        let n = 1000;
+        let want: Vec<i32> = (0..n).map(|i| (0..WORKERS).map(|q| ints(q, n)[i]).sum()).collect();
+        let mut v = ints(r, n);
+        comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: {what}: {e}"));
+        assert_eq!(v, want, "rank {r}: {what}");
+    };
+
+    // The run, live: one exact call, then the node dies and comes back.
+    let comms: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS).map(|r| s.spawn(move || join(r))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    let old_job = comms[0].run().grant().job;
+    std::thread::scope(|s| {
+        for (r, c) in comms.iter().enumerate() {
+            s.spawn(move || exact(c, r, "before the restart"));
+        }
+    });
+    node.kill9();
+    node.restart();
+    assert!(node.status().jobs.is_empty(), "the restarted node serves no job of the old one");
+
+    // Every call fails within its deadline; within a renewal period (a
+    // third of the lease) and a deadline the failure names the node.
+    let lease = Duration::from_millis(comms[0].run().grant().lease_ms);
+    std::thread::scope(|s| {
+        for (r, c) in comms.iter().enumerate() {
+            s.spawn(move || {
+                let since = std::time::Instant::now();
+                loop {
+                    let call = std::time::Instant::now();
+                    let mut v = ints(r, 1000);
+                    let err = c.allreduce(&mut v, Op::Sum).expect_err("a call to a job the node no longer serves");
+                    assert!(call.elapsed() < deadline + Duration::from_secs(1), "rank {r}: the call took {:?}", call.elapsed());
+                    if let CommError::JobLost(why) = &err {
+                        assert!(why.contains(&control.to_string()) && why.contains("join the run again"), "rank {r}: {why}");
+                        break;
+                    }
+                    assert!(since.elapsed() < lease / 3 + deadline * 2, "rank {r}: no JobLost after {:?}: {err}", since.elapsed());
+                }
+                // From then on at once.
+                let call = std::time::Instant::now();
+                let mut v = ints(r, 10);
+                assert!(matches!(c.allreduce(&mut v, Op::Sum), Err(CommError::JobLost(_))));
+                assert!(call.elapsed() < Duration::from_millis(100), "rank {r}: a lost job's call fails at once");
+            });
+        }
+    });
+    drop(comms);
+
+    // Joined again: a job of the new node, exact.
+    let comms: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS).map(|r| s.spawn(move || join(r))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert!(node.status().jobs.iter().any(|j| j.id == comms[0].run().grant().job), "the new node serves the new job");
+    std::thread::scope(|s| {
+        for (r, c) in comms.iter().enumerate() {
+            s.spawn(move || exact(c, r, "after joining again"));
+        }
+    });
+    eprintln!("job {old_job} before the restart, {} after", comms[0].run().grant().job);
+    drop(comms);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -23,7 +23,7 @@ use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::api::broadcast_elements;
-use aggbox::runtime::control::{Credential, RunJob};
+use aggbox::runtime::control::{Credential, RunCommunicator, RunJob};
 use aggbox::runtime::{
     Algorithm, BackendKind, CallOptions, Collective, CommError, CommStats, Communicator,
     CommunicatorBuilder, Elements, Participant, Peer, Quantization, RingCommunicator, Served,
@@ -84,7 +84,7 @@ fn to_py_err(py: Python<'_>, e: CommError) -> PyErr {
         CommError::Overflow { .. } => QuantizationOverflowError::new_err(msg),
         CommError::Config(_) => ConfigError::new_err(msg),
         CommError::Closed => CommClosedError::new_err(msg),
-        CommError::Io(_) | CommError::Position(_) => AggBoxError::new_err(msg),
+        CommError::Io(_) | CommError::Position(_) | CommError::JobLost(_) => AggBoxError::new_err(msg),
     }
 }
 
@@ -315,10 +315,7 @@ enum Comm {
     OnDemand(Box<OnDemand>),
 }
 
-struct OnDemand {
-    comm: Communicator,
-    run: RunJob,
-}
+type OnDemand = RunCommunicator;
 
 impl Comm {
     /// The communicator (the first stripe's): participant, workers, options.
@@ -327,7 +324,7 @@ impl Comm {
             Comm::One(c) => c,
             Comm::Striped(s) => &s.stripes()[0],
             Comm::Chosen(s) => s.star().expect("from_config builds the star").first(),
-            Comm::OnDemand(d) => &d.comm,
+            Comm::OnDemand(d) => d.communicator(),
         }
     }
 
@@ -336,7 +333,7 @@ impl Comm {
             Comm::One(c) => vec![c.config().job],
             Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
             Comm::Chosen(s) => s.star().expect("from_config builds the star").jobs(),
-            Comm::OnDemand(d) => vec![d.run.grant().job],
+            Comm::OnDemand(d) => vec![d.run().grant().job],
         }
     }
 
@@ -346,7 +343,7 @@ impl Comm {
             Comm::One(c) => c,
             Comm::Striped(s) => s,
             Comm::Chosen(s) => s.as_ref(),
-            Comm::OnDemand(d) => &d.comm,
+            Comm::OnDemand(d) => d.as_ref(),
         }
     }
 
@@ -669,8 +666,7 @@ impl PyCommunicator {
         let tuning = Tuning::new(deadline, quantization, mtu)?;
         Self::wrap(py, move || {
             let run = RunJob::join(node, credential, &run, world, rank, data, vector_len, join_deadline)?;
-            let comm = tuning.apply(run.builder()).build()?;
-            Ok(Comm::OnDemand(Box::new(OnDemand { comm, run })))
+            Ok(Comm::OnDemand(Box::new(run.communicator(|b| tuning.apply(b))?)))
         })
     }
 

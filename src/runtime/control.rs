@@ -8,13 +8,16 @@
 use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::runtime::comm::{CommunicatorBuilder, Participant};
+use crate::runtime::api::{Collective, Elements, Served};
+use crate::runtime::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant};
+use crate::runtime::transport::CommStats;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::CommError;
+use crate::wire::abi::Op;
 use crate::wire::control::{read_frame, write_frame, Envelope, JobGrant, Reply, Request, NONCE_BYTES};
 
 /// Environment variables of [`Credential::from_env`].
@@ -60,6 +63,9 @@ pub struct RunJob {
     node: SocketAddr,
     rank: u16,
     stop: Arc<AtomicBool>,
+    /// Why the node no longer serves the job, once a renewal says so (see
+    /// [`RunJob::lost`]).
+    lost: Arc<Mutex<Option<String>>>,
     /// Renews until stopped, then ends this rank's part: a thread of the
     /// network namespace the join was made in, so that the renewals and
     /// the end reach the node from there whoever drops the RunJob.
@@ -116,24 +122,53 @@ impl RunJob {
             other => return Err(CommError::Config(format!("node {node}: unexpected reply to a join: {other:?}"))),
         };
         let stop = Arc::new(AtomicBool::new(false));
+        let lost: Arc<Mutex<Option<String>>> = Arc::default();
         let renewer = {
-            let (stop, credential) = (stop.clone(), credential.clone());
+            let (stop, credential, lost) = (stop.clone(), credential.clone(), lost.clone());
             let renew = Request::Renew { job: grant.job, incarnation: grant.incarnation };
             let end = Request::End { job: grant.job, incarnation: grant.incarnation, rank };
             let every = Duration::from_millis((grant.lease_ms / 3).max(100));
-            let job = grant.job;
+            let lease = Duration::from_millis(grant.lease_ms);
+            let (job, incarnation) = (grant.job, grant.incarnation);
             std::thread::Builder::new()
                 .name("aggbox-renew".into())
                 .spawn(move || {
                     let mut next = Instant::now() + every;
+                    let mut renewed = Instant::now();
+                    let mut gone = None;
                     while !stop.load(Ordering::Relaxed) {
                         std::thread::sleep(Duration::from_millis(20));
-                        if Instant::now() >= next {
-                            // A lost renewal is retried at the next tick;
-                            // the lease outlives two of them.
-                            let _ = call(node, &credential, &renew, every);
-                            next = Instant::now() + every;
+                        if gone.is_some() || Instant::now() < next {
+                            continue;
                         }
+                        // A lost renewal is retried at the next tick; the
+                        // lease outlives two of them. A refusal is final: a
+                        // node that restarted, or that expired or revoked
+                        // the job, serves it no more.
+                        gone = match call(node, &credential, &renew, every) {
+                            Ok(Reply::Renewed { .. }) => {
+                                renewed = Instant::now();
+                                None
+                            }
+                            Ok(Reply::Refused { reason, message }) => Some(format!(
+                                "node {node} no longer serves job {job} (incarnation {incarnation}): renewal refused ({}): {message}; \
+                                 it restarted, or the lease ran out: join the run again",
+                                reason.name()
+                            )),
+                            _ if renewed.elapsed() > lease => Some(format!(
+                                "node {node} did not renew job {job} (incarnation {incarnation}) for {:.1} s, more than its lease: \
+                                 the node is down or unreachable from this rank",
+                                renewed.elapsed().as_secs_f64()
+                            )),
+                            _ => None,
+                        };
+                        if let Some(why) = &gone {
+                            *lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
+                        }
+                        next = Instant::now() + every;
+                    }
+                    if gone.is_some() {
+                        return Ok(()); // nothing left to end
                     }
                     match call(node, &credential, &end, Duration::from_secs(5))? {
                         Reply::Ended { .. } => Ok(()),
@@ -142,12 +177,28 @@ impl RunJob {
                 })
                 .map_err(|e| CommError::Config(format!("starting the renewal thread: {e}")))?
         };
-        Ok(RunJob { grant, node, rank, stop, renewer: Some(renewer) })
+        Ok(RunJob { grant, node, rank, stop, lost, renewer: Some(renewer) })
     }
 
     /// What the node granted.
     pub fn grant(&self) -> &JobGrant {
         &self.grant
+    }
+
+    /// Why the node no longer serves the job (its renewal was refused, or
+    /// it could not be renewed for a lease), `None` while it does.
+    pub fn lost(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The communicator of this rank for the job, built by `configure`
+    /// from [`RunJob::builder`], with the run: see [`RunCommunicator`].
+    pub fn communicator(
+        self,
+        configure: impl FnOnce(CommunicatorBuilder) -> CommunicatorBuilder,
+    ) -> Result<RunCommunicator, CommError> {
+        let comm = configure(self.builder()).build()?;
+        Ok(RunCommunicator { comm, run: self })
     }
 
     /// The communicator of this rank for the job: the node's XDP program
@@ -189,5 +240,69 @@ impl RunJob {
 impl Drop for RunJob {
     fn drop(&mut self) {
         let _ = self.finish();
+    }
+}
+
+/// A rank's communicator of a job on demand, with the run that holds the
+/// job: the job is renewed while it lives and ended for this rank when it
+/// is dropped (after the communicator has stopped: field order). A call
+/// made once the node no longer serves the job (it restarted, or the lease
+/// ran out) fails at once with [`CommError::JobLost`], and a call that
+/// failed meanwhile (its deadline passed) fails with it too, naming the
+/// node and why: join the run again for a new job.
+#[derive(Debug)]
+pub struct RunCommunicator {
+    comm: Communicator,
+    run: RunJob,
+}
+
+impl RunCommunicator {
+    /// The job's communicator.
+    pub fn communicator(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The run.
+    pub fn run(&self) -> &RunJob {
+        &self.run
+    }
+
+    /// Ends this rank's part now (also done on drop), after stopping the
+    /// communicator.
+    pub fn end(self) -> Result<(), CommError> {
+        let RunCommunicator { comm, run } = self;
+        drop(comm);
+        run.end()
+    }
+
+    fn served<T>(&self, call: impl FnOnce(&Communicator) -> Result<T, CommError>) -> Result<T, CommError> {
+        if let Some(why) = self.run.lost() {
+            return Err(CommError::JobLost(why));
+        }
+        call(&self.comm).map_err(|e| match self.run.lost() {
+            Some(why) => CommError::JobLost(format!("{why} (the call failed: {e})")),
+            None => e,
+        })
+    }
+}
+
+impl Collective for RunCommunicator {
+    fn participant(&self) -> Participant {
+        self.comm.participant()
+    }
+    fn workers(&self) -> u16 {
+        Collective::workers(&self.comm)
+    }
+    fn stats(&self) -> CommStats {
+        Collective::stats(&self.comm)
+    }
+    fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.served(|c| c.allreduce_elements(data, op, opts))
+    }
+    fn reduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
+        self.served(|c| c.reduce_elements(data, op, opts))
+    }
+    fn broadcast_bytes(&self, buf: &mut [u8], root: Participant, opts: CallOptions) -> Result<Served, CommError> {
+        self.served(|c| c.broadcast_bytes(buf, root, opts))
     }
 }

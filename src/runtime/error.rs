@@ -89,6 +89,10 @@ pub enum CommError {
     /// its run starts (`AGP1`), so it was not built.
     #[error("{0}")]
     Position(#[from] PositionQueryError),
+    /// The node no longer serves this run's job on demand (it restarted,
+    /// or the job's lease ran out): the message names the node and why.
+    #[error("{0}")]
+    JobLost(String),
 }
 
 impl CommError {

@@ -143,6 +143,7 @@ pub fn cause(e: &CommError) -> (&'static str, String) {
         CommError::Io(_) => "io",
         CommError::Closed => "closed",
         CommError::Position(_) => "position",
+        CommError::JobLost(_) => "job_lost",
     };
     (word, clean(&e.to_string()))
 }

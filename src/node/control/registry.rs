@@ -148,6 +148,16 @@ impl Registry {
         }
     }
 
+    /// Starts handing out job ids at `seed` (taken into the id range). A
+    /// node started again after a crash seeds it at random, so it does not
+    /// give a new run the id its predecessor gave a run whose workers may
+    /// still be sending: their datagrams carry the old id and are dropped.
+    pub fn first_id(mut self, seed: u16) -> Registry {
+        let (lo, hi) = self.limits.job_ids;
+        self.next_id = lo + (seed as u32 % (hi as u32 - lo as u32 + 1)) as u16;
+        self
+    }
+
     /// The limits it enforces.
     pub fn limits(&self) -> &Limits {
         &self.limits
