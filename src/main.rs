@@ -507,6 +507,7 @@ fn attach(
                     }
                 })
                 .context("starting the control event thread")?;
+            node::metrics::control_apply_seconds(); // exported from the start, at 0
             eprintln!("aggbox: control endpoint (jobs on demand) at {}", server.local_addr());
             Some((server, registry))
         }
@@ -648,9 +649,11 @@ fn apply_control(
         let registry = registry.lock().unwrap_or_else(|p| p.into_inner());
         node::control::with_dynamic_jobs(file, &registry)
     };
+    let started = std::time::Instant::now();
     let applied = effective
         .map_err(|e| anyhow!("{e}"))
         .and_then(|c| attachment.apply_jobs(&c));
+    node::metrics::control_apply_seconds().observe(started.elapsed().as_secs_f64());
     if let Err(e) = applied {
         eprintln!("aggbox: control: the node could not apply the jobs on demand: {e:#}");
         let mut registry = registry.lock().unwrap_or_else(|p| p.into_inner());

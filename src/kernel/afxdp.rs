@@ -260,6 +260,9 @@ impl UserspaceStats {
 pub struct UserspacePath {
     stop: Arc<AtomicBool>,
     changes: mpsc::Sender<(Config, Vec<u16>, mpsc::Sender<()>)>,
+    /// Wakes the worker from its poll for a change (a reload, a job on
+    /// demand), so it is taken at once rather than at the next tick.
+    waker: std::os::unix::net::UnixDatagram,
     stats: Arc<Mutex<UserspaceStats>>,
     worker: Option<JoinHandle<()>>,
     queues: Vec<u32>,
@@ -678,6 +681,7 @@ struct Worker {
     table: UserspaceAggregator,
     /// A reload's jobs and the ids to reset, with whom to tell when done.
     changes: mpsc::Receiver<(Config, Vec<u16>, mpsc::Sender<()>)>,
+    woken: std::os::unix::net::UnixDatagram,
     maps: Arc<KernelMaps>,
     sockets: Vec<XskSocket>,
     result_sock: UdpSocket,
@@ -770,8 +774,10 @@ impl Worker {
         let mut pfds: Vec<libc::pollfd> = self
             .sockets
             .iter()
-            .map(|s| libc::pollfd {
-                fd: s.fd(),
+            .map(|s| s.fd())
+            .chain([std::os::fd::AsRawFd::as_raw_fd(&self.woken)])
+            .map(|fd| libc::pollfd {
+                fd,
                 events: libc::POLLIN,
                 revents: 0,
             })
@@ -792,6 +798,8 @@ impl Worker {
                 }
             }
             self.sockets = sockets;
+            let mut drained = [0u8; 64];
+            while self.woken.recv(&mut drained).is_ok() {}
             while let Ok((config, reset, done)) = self.changes.try_recv() {
                 for key in self.table.reconfigure(&config, &reset) {
                     self.maps.delete_slot_owner(&key);
@@ -855,9 +863,12 @@ impl UserspacePath {
 
         let stats = Arc::new(Mutex::new(table.stats()));
         let (changes, queued) = mpsc::channel();
+        let (waker, woken) = std::os::unix::net::UnixDatagram::pair().context("user-space path: its wake-up socket")?;
+        woken.set_nonblocking(true).context("user-space path: its wake-up socket")?;
         let worker = Worker {
             table,
             changes: queued,
+            woken,
             maps: Arc::clone(&maps),
             sockets,
             result_sock,
@@ -889,6 +900,7 @@ impl UserspacePath {
         Ok(UserspacePath {
             stop,
             changes,
+            waker,
             stats,
             worker: Some(handle),
             queues,
@@ -906,6 +918,8 @@ impl UserspacePath {
         self.changes
             .send((config.clone(), reset.to_vec(), done))
             .map_err(|_| anyhow!("user-space path: the worker has stopped"))?;
+        // A full socket buffer already holds a wake-up.
+        let _ = self.waker.send(&[1]);
         applied
             .recv_timeout(Duration::from_secs(5))
             .map_err(|_| anyhow!("user-space path: the worker did not take the new jobs within 5 s"))?;

@@ -34,6 +34,24 @@ pub fn registry() -> &'static Registry {
     REGISTRY.get_or_init(Registry::new)
 }
 
+/// Time the node took to apply one change of its jobs on demand (a run
+/// created, ended or expired) to the kernel, as a reload does; in
+/// [`registry`].
+pub fn control_apply_seconds() -> &'static prometheus::Histogram {
+    static HISTOGRAM: OnceLock<prometheus::Histogram> = OnceLock::new();
+    HISTOGRAM.get_or_init(|| {
+        let opts = prometheus::HistogramOpts::new(
+            "aggbox_control_apply_seconds",
+            "Time to apply one change of the jobs on demand (created, ended, expired) to the node's kernel state.",
+        )
+        .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]);
+        let h = prometheus::Histogram::with_opts(opts).expect("a valid histogram");
+        // Registered once (this OnceLock): it cannot be a duplicate.
+        let _ = registry().register(Box::new(h.clone()));
+        h
+    })
+}
+
 /// A BPF program whose run count and run time are exported.
 #[derive(Debug, Clone)]
 pub struct ProgramRef {

@@ -413,14 +413,26 @@ impl XdpPlane {
         Ok((0, 0, 0, job.fast_granule))
     }
 
-    /// Zero fast slots `base..base + n`, lock word included. Only slots
+    /// Reset fast slots `base..base + n` to EMPTY, lock word included
+    /// (everything but the accumulators, see `FastSlotWriter::reset_headers`;
+    /// whole values through the syscall where the map cannot be mapped
+    /// writable). Only slots
     /// of no job are zeroed: a region before a job points at it, and a
     /// removed job's region after its job was unpublished (an XDP run
     /// that saw the job before that holds a slot for well under a
     /// millisecond, and a region is zeroed again before its next job).
     fn zero_fast_slots(&self, base: u32, n: u32) -> Result<()> {
         let map = &self.skel.maps.fast_slots;
-        let zero = vec![0u8; map.value_size() as usize];
+        let size = map.value_size() as usize;
+        // The accumulators are the value's tail (slot.h).
+        let header = size.saturating_sub(8 * abi::FAST_ELEMS as usize);
+        let writer = self
+            .fast_writer
+            .get_or_init(|| super::fast_view::FastSlotWriter::map(std::os::fd::AsFd::as_fd(map), size, abi::FAST_SLOTS));
+        if writer.as_ref().is_some_and(|w| w.reset_headers(header, base, n)) {
+            return Ok(());
+        }
+        let zero = vec![0u8; size];
         for index in base..base + n {
             map.update(&index.to_ne_bytes(), &zero, MapFlags::ANY)
                 .map_err(|source| XdpError::Map {

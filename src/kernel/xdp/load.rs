@@ -123,6 +123,9 @@ impl RingSizing {
 
 /// The loaded AggBox XDP object: programs and maps.
 pub struct XdpPlane {
+    /// `fast_slots` mapped writable, made at the first region reset (None:
+    /// it could not be mapped; regions are then zeroed through the syscall).
+    pub(super) fast_writer: std::sync::OnceLock<Option<super::fast_view::FastSlotWriter>>,
     // Field order matters: the skeleton borrows `_object` and must drop first.
     pub(super) skel: AggboxXdpSkel<'static>,
     _object: Box<MaybeUninit<OpenObject>>,
@@ -199,6 +202,7 @@ impl XdpPlane {
         }
         let skel = open.load().map_err(XdpError::Load)?;
         let dataplane = XdpPlane {
+            fast_writer: std::sync::OnceLock::new(),
             skel,
             _object: object,
             chain,

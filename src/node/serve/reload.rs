@@ -160,12 +160,14 @@ impl ServedChange {
         let stats = Arc::new(Mutex::new(HashMap::new()));
         let (flag, shared) = (stop.clone(), stats.clone());
         let (changes, queued) = mpsc::channel();
+        let (waker, woken) = std::os::unix::net::UnixDatagram::pair()?;
+        woken.set_nonblocking(true)?;
         let mut jobs = Vec::new();
         apply_change(&mut jobs, self, &stats, &map);
         let thread = std::thread::Builder::new()
             .name("aggbox-results".into())
-            .spawn(move || serve(&mut jobs, &queued, &flag, &shared, &map, &maps))?;
-        Ok(ResultServer { stop, thread: Some(thread), stats, changes })
+            .spawn(move || serve(&mut jobs, &queued, &woken, &flag, &shared, &map, &maps))?;
+        Ok(ResultServer { stop, thread: Some(thread), stats, changes, waker })
     }
 }
 

@@ -26,6 +26,10 @@ pub struct ResultServer {
     pub(super) thread: Option<JoinHandle<()>>,
     pub(super) stats: Arc<Mutex<HashMap<u16, ServiceStats>>>,
     pub(super) changes: mpsc::Sender<(ServedChange, mpsc::Sender<()>)>,
+    /// Wakes the serving thread from its poll for a change: a job on
+    /// demand is served as soon as it is created, not at the next idle
+    /// timeout.
+    pub(super) waker: std::os::unix::net::UnixDatagram,
 }
 
 impl std::fmt::Debug for ResultServer {
@@ -55,6 +59,8 @@ impl ResultServer {
     pub fn apply(&self, change: ServedChange) -> Result<()> {
         let (done, applied) = mpsc::channel();
         self.changes.send((change, done)).map_err(|_| anyhow!("the result service has stopped"))?;
+        // A full socket buffer already holds a wake-up.
+        let _ = self.waker.send(&[1]);
         applied
             .recv_timeout(Duration::from_secs(5))
             .map_err(|_| anyhow!("the result service did not take the change within 5 s"))
@@ -90,6 +96,7 @@ pub(super) const IDLE_WAIT: Duration = Duration::from_millis(50);
 pub(super) fn serve(
     jobs: &mut Vec<(UdpSocket, ResultService)>,
     changes: &mpsc::Receiver<(ServedChange, mpsc::Sender<()>)>,
+    woken: &std::os::unix::net::UnixDatagram,
     stop: &AtomicBool,
     stats: &Mutex<HashMap<u16, ServiceStats>>,
     pinned: &libbpf_rs::MapHandle,
@@ -101,6 +108,8 @@ pub(super) fn serve(
     publish(jobs, stats, pinned);
     let mut published = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        let mut drained = [0u8; 64];
+        while woken.recv(&mut drained).is_ok() {}
         while let Ok((change, done)) = changes.try_recv() {
             apply_change(jobs, change, stats, pinned);
             publish(jobs, stats, pinned);
@@ -144,7 +153,9 @@ pub(super) fn serve(
         }
         let mut fds: Vec<libc::pollfd> = jobs
             .iter()
-            .map(|(s, _)| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+            .map(|(s, _)| s.as_raw_fd())
+            .chain([woken.as_raw_fd()])
+            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         let timeout = wake.saturating_duration_since(Instant::now()).as_millis().min(IDLE_WAIT.as_millis()) as libc::c_int;
         // SAFETY: fds is a valid array of pollfd for the duration of the call.
