@@ -501,7 +501,12 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         """An AggBox allreduce of a contiguous int32 or float32 tensor."""
         if t.numel() == 0:
             return
-        if self.communicator.allreduce(t, op=op):
+        try:
+            # 1-D: a view of the same memory (a 0-dim tensor has no buffer).
+            clamped = self.communicator.allreduce(t.reshape(-1), op=op)
+        except (TypeError, ValueError) as e:  # refused before anything was sent
+            raise _NotSent(str(e)) from e
+        if clamped:
             self._engine.clamped += 1
 
     def _allreduce_tensor(self, t: torch.Tensor, op, opts) -> str:
