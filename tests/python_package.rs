@@ -18,6 +18,11 @@
 //!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed,
 //!   routed by measurement (every rank settles the same routes, the
 //!   counters add up), then with the fixed routes "baseline" and "aggbox".
+//! - python/tests/netns_torch_*.py and plain_ddp_script.py: the
+//!   `torch.distributed` backend "aggbox" on 4 ranks and a node serving
+//!   jobs on demand: every collective against numpy with its serving path
+//!   asserted, DDP against Gloo, an unmodified script under the launcher,
+//!   a rank killed with -9 named within the timeout.
 //!
 //! Needs root (namespaces, XDP) and `make python` first; fails (never
 //! skips) otherwise: `make python && cargo test --release --test python_package`.
