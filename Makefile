@@ -158,7 +158,10 @@ bench: deps bench-deps python mpi
 # step and per allreduce of the whole gradient, ResNet-18 (11.7 M parameters)
 # and ResNet-34 (21.8 M), 4 workers, one run; results in
 # $(BENCH_OUT)/python_ddp.{json,log}. MTU 9000 with the job slots that fit the
-# kernel's block pool there (910, docs/JUMBO.md).
+# kernel's block pool there (910, docs/JUMBO.md). Then the backend "aggbox"
+# against Gloo (docs/PYTHON.md "The backend against Gloo"): allreduce of
+# float32 and bfloat16 from 4 B to 100 MB, interleaved, 4 ranks, MTU 1500;
+# $(BENCH_OUT)/python_backend.{json,log}.
 PY_BENCH_STEPS := $(if $(filter --quick,$(BENCH_ARGS)),3,10)
 bench-python: python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
@@ -166,6 +169,9 @@ bench-python: python
 	mkdir -p $(BENCH_OUT)
 	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/ddp_testbed.sh --mtu 9000 --slots 910 --models resnet18,resnet34 \
 	  --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp.json | tee $(BENCH_OUT)/python_ddp.log
+	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/backend_testbed.sh \
+	  --max-bytes $(if $(filter --quick,$(BENCH_ARGS)),4194304,100000000) \
+	  --json $(BENCH_OUT)/python_backend.json | tee $(BENCH_OUT)/python_backend.log
 
 # MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs
 # libaggbox_mpi (docs/MPI.md, "Benchmark"): MPI_BENCH_ARGS="--mpi mpich

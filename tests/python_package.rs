@@ -18,6 +18,11 @@
 //!   Gloo allreduce against `aggbox.torch.allreduce_hook` from one seed,
 //!   routed by measurement (every rank settles the same routes, the
 //!   counters add up), then with the fixed routes "baseline" and "aggbox".
+//! - python/tests/netns_torch_*.py and plain_ddp_script.py: the
+//!   `torch.distributed` backend "aggbox" on 4 ranks and a node serving
+//!   jobs on demand: every collective against numpy with its serving path
+//!   asserted, DDP against Gloo, an unmodified script under the launcher,
+//!   a rank killed with -9 named within the timeout.
 //!
 //! Needs root (namespaces, XDP) and `make python` first; fails (never
 //! skips) otherwise: `make python && cargo test --release --test python_package`.
@@ -188,7 +193,8 @@ impl Node {
     /// file holds tenant [`TENANT`] with key [`TENANT_KEY`].
     fn with_control(tag: &str) -> Node {
         let keys = std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.keys.toml", std::process::id()));
-        std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{TENANT_KEY}\"\n")).expect("key file");
+        // Room for the torch backend's tests: a job per process group.
+        std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{TENANT_KEY}\"\njobs = 16\n")).expect("key file");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
         Node::start(tag, false, Some(keys))
@@ -254,31 +260,40 @@ impl Node {
         args: impl Fn(usize) -> Vec<String>,
         limit: Duration,
     ) -> Vec<(ExitStatus, String)> {
-        let site = python_path();
         let script = repo().join("python/tests").join(script);
+        let argv = |r: usize| {
+            let mut cmd = vec![script.to_string_lossy().into_owned()];
+            cmd.extend(["--rank".into(), r.to_string(), "--world".into(), WORKERS.to_string()]);
+            cmd.extend(["--config".into(), self.config.to_string_lossy().into_owned()]);
+            cmd.extend(["--aggregator".into(), self.tb.host(0).addr.to_string()]);
+            cmd.extend(args(r));
+            cmd
+        };
+        self.run_ranks(argv, &[], limit)
+    }
+
+    /// Runs `/usr/bin/python3 argv(r)...` on every worker (rank r on host
+    /// r+1) with the environment `env` added, as [`Node::run_workers`].
+    fn run_ranks(
+        &self,
+        argv: impl Fn(usize) -> Vec<String>,
+        env: &[(&str, String)],
+        limit: Duration,
+    ) -> Vec<(ExitStatus, String)> {
+        let site = python_path();
         let logs: Vec<PathBuf> = (0..WORKERS)
             .map(|r| self.config.with_extension(format!("rank{r}.log")))
             .collect();
         let mut children: Vec<Child> = (0..WORKERS)
             .map(|r| {
-                let mut cmd = vec![PYTHON.to_string(), script.to_string_lossy().into_owned()];
-                cmd.extend([
-                    "--rank".into(),
-                    r.to_string(),
-                    "--world".into(),
-                    WORKERS.to_string(),
-                ]);
-                cmd.extend([
-                    "--config".into(),
-                    self.config.to_string_lossy().into_owned(),
-                ]);
-                cmd.extend(["--aggregator".into(), self.tb.host(0).addr.to_string()]);
-                cmd.extend(args(r));
+                let mut cmd = vec![PYTHON.to_string()];
+                cmd.extend(argv(r));
                 let argv: Vec<&str> = cmd.iter().map(String::as_str).collect();
                 let log = File::create(&logs[r]).expect("log file");
                 self.tb
                     .command_in(r + 1, &argv)
                     .expect("command")
+                    .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
                     .env("PYTHONPATH", &site)
                     .env("OMP_NUM_THREADS", "1")
                     .env("GLOO_SOCKET_IFNAME", "eth0")
@@ -473,5 +488,109 @@ fn ddp_with_the_aggbox_hook_trains_like_gloo() {
             "rank {r} did not finish:\n{text}"
         );
         assert!(text.contains("parameters differ by"), "rank {r}:\n{text}");
+    }
+}
+
+/// What a rank of the torch backend's tests finds in its environment: the
+/// node's control endpoint and the credential, nothing of the node's file.
+fn backend_env(node: &Node) -> Vec<(&'static str, String)> {
+    vec![
+        ("AGGBOX_NODE", format!("{}:{CONTROL_PORT}", node.tb.host(0).addr)),
+        ("AGGBOX_TENANT", TENANT.into()),
+        ("AGGBOX_KEY", TENANT_KEY.into()),
+    ]
+}
+
+/// `python3 python/tests/SCRIPT --rank R --world W --master-addr A
+/// --master-port P` and `extra`, for [`Node::run_ranks`].
+fn torch_argv(script: &str, master: &str, port: u16, extra: &[&str]) -> impl Fn(usize) -> Vec<String> {
+    let script = repo().join("python/tests").join(script).to_string_lossy().into_owned();
+    let (master, extra): (String, Vec<String>) = (master.into(), extra.iter().map(|s| s.to_string()).collect());
+    move |r| {
+        let mut v = vec![script.clone(), "--rank".into(), r.to_string(), "--world".into(), WORKERS.to_string()];
+        v.extend(["--master-addr".into(), master.clone(), "--master-port".into(), port.to_string()]);
+        v.extend(extra.iter().cloned());
+        v
+    }
+}
+
+/// The backend "aggbox" (aggbox.torch): every collective × dtype × op ×
+/// size of netns_torch_backend.py's table on 4 ranks against numpy, each
+/// call's serving path asserted from the process group's counters; async
+/// works, subgroups, a second init_process_group.
+#[test]
+fn torch_backend_answers_every_collective_like_the_reference() {
+    let node = Node::with_control("py-torch");
+    let master = node.tb.host(1).addr.to_string();
+    let results = node.run_ranks(torch_argv("netns_torch_backend.py", &master, 29610, &[]), &backend_env(&node), Duration::from_secs(400));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: netns_torch_backend.py failed ({status}):\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        assert!(text.contains("ok: allreduce table"), "rank {r}:\n{text}");
+    }
+}
+
+/// DDP of a small CNN with a synchronised BatchNorm, 50 steps, backend
+/// "aggbox" against "gloo" from the same seeds (netns_torch_ddp.py).
+#[test]
+fn torch_backend_trains_ddp_like_gloo() {
+    let node = Node::with_control("py-torch-ddp");
+    let master = node.tb.host(1).addr.to_string();
+    let results = node.run_ranks(torch_argv("netns_torch_ddp.py", &master, 29620, &["--steps", "50"]), &backend_env(&node), Duration::from_secs(400));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: netns_torch_ddp.py failed ({status}):\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        assert!(text.contains("ok: aggbox and gloo agree"), "rank {r}:\n{text}");
+    }
+}
+
+/// A script that knows nothing of AggBox (it imports torch only and takes
+/// `--dist-backend`), run through `python -m aggbox.torch.run` with
+/// `--dist-backend aggbox`: it trains, and its collectives were served by
+/// AggBox (the counters AGGBOX_TORCH_STATS prints at exit).
+#[test]
+fn an_unmodified_script_runs_on_aggbox_through_the_launcher() {
+    let node = Node::with_control("py-torch-run");
+    let master = node.tb.host(1).addr.to_string();
+    let script = repo().join("python/tests/plain_ddp_script.py").to_string_lossy().into_owned();
+    let argv = |r: usize| {
+        vec![
+            "-m".into(), "aggbox.torch.run".into(), script.clone(),
+            "--dist-backend".into(), "aggbox".into(),
+            "--dist-url".into(), format!("tcp://{master}:29630"),
+            "--world-size".into(), WORKERS.to_string(), "--rank".into(), r.to_string(),
+        ]
+    };
+    let mut env = backend_env(&node);
+    env.push(("AGGBOX_TORCH_STATS", "1".into()));
+    let results = node.run_ranks(argv, &env, Duration::from_secs(300));
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: the script under the launcher failed ({status}):\n{text}");
+        assert!(text.contains("final loss"), "rank {r} did not finish:\n{text}");
+        let stats = text.lines().find(|l| l.starts_with("aggbox.torch: served")).unwrap_or_else(|| panic!("rank {r}: no counters:\n{text}"));
+        for served in ["allreduce/aggbox", "broadcast/aggbox", "allgather/aggbox", "barrier/aggbox"] {
+            assert!(stats.contains(served), "rank {r}: {served} missing in {stats}");
+        }
+        assert!(!stats.contains("/gloo"), "rank {r}: a call fell back to Gloo: {stats}");
+    }
+}
+
+/// kill -9 of rank 3 in the middle of a run: every other rank's next
+/// collective raises a RuntimeError naming rank 3 within the process
+/// group's timeout (netns_torch_kill.py), and exits.
+#[test]
+fn a_rank_killed_mid_run_is_named_within_the_timeout() {
+    let node = Node::with_control("py-torch-kill");
+    let master = node.tb.host(1).addr.to_string();
+    let results = node.run_ranks(torch_argv("netns_torch_kill.py", &master, 29640, &["--timeout", "10"]), &backend_env(&node), Duration::from_secs(120));
+    for (r, (status, text)) in results.iter().enumerate() {
+        if r == 3 {
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(status.signal(), Some(9), "rank 3 was to kill itself:\n{text}");
+            continue;
+        }
+        assert!(status.success(), "rank {r}: netns_torch_kill.py failed ({status}):\n{text}");
+        assert!(text.contains("ok: RuntimeError naming rank 3"), "rank {r}:\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
     }
 }

@@ -54,7 +54,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import DEFAULT_TUNER_TRIALS, Communicator, Tuner
+from .. import DEFAULT_TUNER_TRIALS, Communicator, Tuner
 
 __all__ = ["AllreduceState", "allreduce_hook", "served_by_aggbox", "ENV_ROUTE", "ENV_TRIALS"]
 

@@ -1,0 +1,813 @@
+"""The ``torch.distributed`` backend "aggbox": a process group that serves
+collectives through AggBox (a job on demand at the node, docs/PYTHON.md
+"The torch.distributed backend") and everything else through an internal
+Gloo group on the same store.
+
+    import aggbox.torch                      # registers the backend
+    dist.init_process_group("aggbox", ...)   # AGGBOX_NODE, AGGBOX_TENANT, AGGBOX_KEY
+
+One process group is one AggBox communicator (one job on demand, its run key
+made fresh by rank 0 and shared through the store) and one Gloo group. Every
+collective is executed by one thread per process group, in the order the
+ranks issued them (the same on every rank, as both transports need), so a
+call with ``async_op=True`` returns at once and its work object completes
+when that thread has done it. Point-to-point calls (send, recv) go to Gloo
+at once instead, from the caller's thread: they need not be issued in the
+same order everywhere, and a receive waiting on that thread would hold up
+the collectives its sender must first pass.
+
+Which call is served how (``ProcessGroupAggBox.stats()`` counts them by
+``(collective, "aggbox" | "gloo")``) is in the table of docs/PYTHON.md.
+"""
+
+import atexit
+import collections
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import AggBoxError, Communicator
+
+__all__ = ["BACKEND", "Options", "ProcessGroupAggBox", "stats", "process_stats", "register"]
+
+BACKEND = "aggbox"
+
+# Environment variables the backend reads when the Options object does not say.
+ENV_NODE = "AGGBOX_NODE"
+ENV_DATA = "AGGBOX_DATA"
+ENV_DEADLINE = "AGGBOX_TORCH_DEADLINE"
+ENV_STATS = "AGGBOX_TORCH_STATS"
+
+# The node's control port when AGGBOX_NODE names only an address
+# (`[node] control`'s default).
+DEFAULT_CONTROL_PORT = 7471
+
+# How often each rank bumps its counter in the store, and how long a check
+# watches the counters before it calls a rank dead.
+HEARTBEAT_S = 0.5
+LIVENESS_WATCH_S = 1.6
+
+_INT32_MAX = 2**31 - 1
+
+# torch's reduce ops by the op table's names (aggbox.OPS).
+_R = dist.ReduceOp
+_OP_NAMES = [
+    (_R.SUM, "sum"),
+    (_R.AVG, "avg"),
+    (_R.PRODUCT, "prod"),
+    (_R.MIN, "min"),
+    (_R.MAX, "max"),
+    (_R.BAND, "band"),
+    (_R.BOR, "bor"),
+    (_R.BXOR, "bxor"),
+]
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _op_name(op) -> Optional[str]:
+    for o, name in _OP_NAMES:
+        if op == o:
+            return name
+    return None  # PREMUL_SUM and anything newer: Gloo decides
+
+
+@dataclass
+class Options:
+    """What ``init_process_group("aggbox", pg_options=Options(...))`` may say
+    instead of the environment. Each field left None is read from its
+    variable:
+
+    - ``node``: the node's control endpoint, "IP:PORT" or "IP" (port 7471);
+      else AGGBOX_NODE (required one way or the other).
+    - ``tenant``, ``key`` (hex): the credential; else AGGBOX_TENANT and
+      AGGBOX_KEY.
+    - ``data``: this rank's data socket, "IP" or "IP:PORT"; else AGGBOX_DATA;
+      else the local address of the route to the node. The port, when not
+      given, is one the kernel hands out for a socket bound to port 0,
+      released just before the communicator binds it; a given port is used
+      by the first process group of the process that finds it free.
+    - ``deadline``: seconds an AggBox call may take before it fails; else
+      AGGBOX_TORCH_DEADLINE; else the process group's timeout less the
+      liveness check (``LIVENESS_WATCH_S`` + 1 s), at least 1 s.
+    - ``quantization``: how floats travel (``Communicator``'s argument;
+      None: adaptive, which never overflows).
+    - ``join_deadline``: seconds to wait for every rank to join the run at
+      the node; else the process group's timeout.
+    """
+
+    node: Optional[str] = None
+    tenant: Optional[str] = None
+    key: Optional[str] = None
+    data: Optional[str] = None
+    deadline: Optional[float] = None
+    quantization: Optional[object] = None
+    join_deadline: Optional[float] = None
+
+
+# Every call served in this process, by (collective, path), over every
+# process group (AGGBOX_TORCH_STATS=1 prints it at exit).
+_PROCESS_STATS: collections.Counter = collections.Counter()
+_PROCESS_STATS_LOCK = threading.Lock()
+# Data ports this process's communicators were given from AGGBOX_DATA.
+_PORTS_TAKEN: set = set()
+_ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
+
+
+def process_stats() -> Dict[Tuple[str, str], int]:
+    """Every call of every "aggbox" process group of this process so far,
+    by ``(collective, "aggbox" | "gloo")``."""
+    with _PROCESS_STATS_LOCK:
+        return dict(_PROCESS_STATS)
+
+
+def stats(group=None) -> Dict[Tuple[str, str], int]:
+    """``group.stats()`` of an "aggbox" process group (None: the default)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupAggBox):
+        raise TypeError(f"{pg!r} is not an aggbox process group")
+    return pg.stats()
+
+
+class _NotSent(Exception):
+    """A call refused before anything was sent (a bad argument): it fails
+    alone and leaves the process group usable."""
+
+
+class _Work(dist.Work):
+    """One call's work: ``wait()`` raises the call's RuntimeError,
+    ``is_completed()``, ``get_future()`` (a torch.futures.Future completed
+    with the call's output tensors, as Gloo's)."""
+
+    def __init__(self, engine: "_Engine", outputs: List[torch.Tensor]) -> None:
+        super().__init__()
+        self._engine = engine
+        self._outputs = outputs
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._consumed = False
+        engine._keep(self)
+
+    # Called on the engine's thread.
+    def _finish(self, exc: Optional[BaseException] = None) -> None:
+        self._exc = exc
+        if exc is None:
+            self._fut.set_result(self._outputs)
+        else:
+            self._fut.set_exception(exc)
+        self._done.set()
+        self._engine._release(self)
+
+    def wait(self, timeout=None) -> bool:
+        self._consumed = True
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 0)
+        if not self._done.wait(seconds if seconds > 0 else None):
+            raise RuntimeError(f"aggbox: wait() timed out after {seconds} s (the call goes on)")
+        self._engine._release(self)
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        self._consumed = True
+        self._engine._release(self)
+        return self._fut
+
+
+class _Engine:
+    """The process group's state without the process group (so that the
+    process group can be collected, which closes this): the communicator,
+    the Gloo group, the thread that runs the calls in order, the heartbeat,
+    the counters."""
+
+    def __init__(self, comm: Communicator, gloo, store, prefix: str, rank: int, size: int, run: str, node: str):
+        self.comm, self.gloo, self.store, self.prefix = comm, gloo, store, prefix
+        self.rank, self.size, self.run, self.node = rank, size, run, node
+        self.job = comm.job
+        self.stats: collections.Counter = collections.Counter()
+        self.clamped = 0
+        self._lock = threading.Lock()
+        # Works a C++ caller may still reach: torch 1.13 keeps only the C++
+        # half of a Python Work it got from a Python process group, so the
+        # Python half must live until the caller has waited for it or taken
+        # its future, and the call is done.
+        self._live: Dict[int, _Work] = {}
+        self._queue: "queue.Queue" = queue.Queue()
+        self._broken: Optional[str] = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"aggbox-pg-{rank}", daemon=True)
+        self._heart = threading.Thread(target=self._beat, name=f"aggbox-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+        self._heart.start()
+        _ENGINES.add(self)
+
+    # -- works -------------------------------------------------------------
+
+    def _keep(self, work: _Work) -> None:
+        with self._lock:
+            self._live[id(work)] = work
+
+    def _release(self, work: _Work) -> None:
+        if work._consumed and work._done.is_set():
+            with self._lock:
+                self._live.pop(id(work), None)
+
+    def submit(self, name: str, outputs: List[torch.Tensor], run: Callable[[], str]) -> _Work:
+        """Queues `run` (which does the call and returns the path that served
+        it, "aggbox" or "gloo") behind the calls before it."""
+        work = _Work(self, outputs)
+        if self._closed:
+            work._finish(RuntimeError(f"aggbox: {name} on a process group that was destroyed"))
+        else:
+            self._queue.put((name, run, work))
+        return work
+
+    def count(self, name: str, path: str) -> None:
+        with self._lock:
+            self.stats[(name, path)] += 1
+        with _PROCESS_STATS_LOCK:
+            _PROCESS_STATS[(name, path)] += 1
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            name, run, work = item
+            if self._broken is not None:
+                work._finish(RuntimeError(f"aggbox: {name}: the process group failed before: {self._broken}"))
+                continue
+            try:
+                path = run()
+            except _NotSent as e:
+                work._finish(RuntimeError(f"aggbox: {name}: {e.__cause__ or e}"))
+                continue
+            except BaseException as e:  # noqa: BLE001 - it goes to the work
+                self._broken = self._explain(name, e)
+                work._finish(RuntimeError(self._broken))
+                continue
+            self.count(name, path)
+            work._finish()
+
+    # -- liveness ----------------------------------------------------------
+
+    def _beat(self) -> None:
+        key = f"{self.prefix}/alive/{self.rank}"
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone; the check says so
+                return
+
+    def _beats(self) -> List[int]:
+        return [self.store.add(f"{self.prefix}/alive/{r}", 0) for r in range(self.size)]
+
+    def dead_ranks(self) -> Tuple[List[int], Optional[str]]:
+        """The ranks whose heartbeat did not move for LIVENESS_WATCH_S, or
+        why the store could not tell."""
+        try:
+            before = self._beats()
+            time.sleep(LIVENESS_WATCH_S)
+            after = self._beats()
+        except Exception as e:  # noqa: BLE001
+            return [], f"the store is unreachable ({e}): rank 0, or the launcher hosting the store, is dead"
+        return [r for r in range(self.size) if r != self.rank and after[r] == before[r]], None
+
+    def _explain(self, name: str, e: BaseException) -> str:
+        """The RuntimeError of a call that failed in flight: who is dead."""
+        dead, store_gone = self.dead_ranks()
+        if store_gone:
+            who = store_gone
+        elif dead:
+            names = ", ".join(f"rank {r}" for r in dead)
+            who = f"{names} of {self.size} stopped (no heartbeat in the store for {LIVENESS_WATCH_S} s): killed, hung or cut off"
+        else:
+            who = f"every rank is alive (heartbeats in the store): the node {self.node} or the network to it failed"
+        return (
+            f"aggbox: {name} failed on rank {self.rank} (run {self.run}, job {self.job}): {who}; "
+            f"{type(e).__name__}: {e}"
+        )
+
+    # -- the end -----------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        try:
+            self.comm.close()
+        except Exception:  # noqa: BLE001 - closing what may be gone
+            pass
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
+    if os.environ.get(ENV_STATS):
+        import sys
+
+        rows = ", ".join(f"{c}/{p}: {n}" for (c, p), n in sorted(process_stats().items()))
+        print(f"aggbox.torch: served {{{rows}}}", file=sys.stderr, flush=True)
+
+
+def _node_address(opts: Options) -> str:
+    node = opts.node or os.environ.get(ENV_NODE)
+    if not node:
+        raise ValueError(
+            f'backend "aggbox": the node\'s control endpoint is unknown: set {ENV_NODE}=IP:PORT '
+            "(or pass pg_options=aggbox.torch.Options(node=...))"
+        )
+    return node if ":" in node else f"{node}:{DEFAULT_CONTROL_PORT}"
+
+
+def _data_address(opts: Options, node: str) -> str:
+    """This rank's data socket: AGGBOX_DATA's (or the options') address, else
+    the local address of the route to the node; its port, else a free one."""
+    given = opts.data or os.environ.get(ENV_DATA) or ""
+    ip, _, port = given.partition(":")
+    if not ip:
+        host, _, p = node.rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(p)))  # no packet: it only picks the route
+            ip = s.getsockname()[0]
+    if port and int(port) not in _PORTS_TAKEN:
+        _PORTS_TAKEN.add(int(port))
+        return f"{ip}:{port}"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((ip, 0))
+        return f"{ip}:{s.getsockname()[1]}"
+
+
+def _contiguous(t: torch.Tensor, f: Callable[[torch.Tensor], None]) -> None:
+    """`f` on `t` in place, through a contiguous copy if it is not one."""
+    if t.is_contiguous():
+        f(t)
+    else:
+        c = t.contiguous()
+        f(c)
+        t.copy_(c)
+
+
+def _words(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`t` (contiguous) as int32 words: a view of its bytes when they are a
+    whole number of words, else a zero-padded copy and the byte view to copy
+    the result back into."""
+    b = t.reshape(-1).view(torch.uint8)
+    if b.numel() % 4 == 0:
+        return b.view(torch.int32), None
+    pad = torch.zeros((b.numel() + 3) // 4, dtype=torch.int32)
+    pad.view(torch.uint8)[: b.numel()].copy_(b)
+    return pad, b
+
+
+def _order_keys(k: torch.Tensor) -> None:
+    """float32 bits (as int32, in place) to int32 keys in the floats'
+    order, and back (the map is its own inverse): non-negative floats keep
+    their bits, negative ones get the other 31 bits flipped."""
+    k.bitwise_xor_((k >> 31) & 0x7FFFFFFF)
+
+
+class ProcessGroupAggBox(dist.ProcessGroup):
+    """The "aggbox" backend's process group (see the module docs).
+
+    ``stats()`` counts the calls by ``(collective, "aggbox" | "gloo")``;
+    ``run``, ``job``, ``node`` and ``communicator`` say what it joined;
+    ``gloo`` is the internal Gloo group."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, options: Optional[Options] = None):
+        super().__init__(rank, size)
+        opts = options or Options()
+        self._rank, self._size = rank, size
+        node = _node_address(opts)
+        # A fresh run per process group, even on a store used before (a
+        # second init_process_group, subgroups): each group's ranks count
+        # themselves into a generation of the store.
+        gen = (store.add("aggbox/generation", 1) - 1) // size
+        prefix = f"aggbox/{gen}"
+        if rank == 0:
+            run = f"torch-{secrets.token_hex(8)}"
+            store.set(f"{prefix}/run", run)
+        else:
+            run = store.get(f"{prefix}/run").decode()
+        seconds = timeout.total_seconds()
+        deadline = opts.deadline
+        if deadline is None and os.environ.get(ENV_DEADLINE):
+            deadline = float(os.environ[ENV_DEADLINE])
+        if deadline is None:
+            deadline = max(1.0, seconds - LIVENESS_WATCH_S - 1.0)
+        data = _data_address(opts, node)
+        kwargs = {}
+        if opts.quantization is not None:
+            kwargs["quantization"] = opts.quantization
+        comm = Communicator.connect(
+            node,
+            run=run,
+            world=size,
+            rank=rank,
+            data=data,
+            tenant=opts.tenant,
+            key=opts.key,
+            join_deadline=opts.join_deadline or seconds,
+            deadline=deadline,
+            **kwargs,
+        )
+        try:
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
+        except BaseException:
+            comm.close()
+            raise
+        self.communicator = comm
+        self.gloo = gloo
+        self.run, self.job, self.node, self.data = run, comm.job, node, data
+        self.deadline = deadline
+        self._engine = _Engine(comm, gloo, store, prefix, rank, size, run, node)
+        weakref.finalize(self, self._engine.close)
+
+    # -- what it is --------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _get_backend_name(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def stats(self) -> Dict[Tuple[str, str], int]:
+        """Calls completed, by ``(collective, "aggbox" | "gloo")``."""
+        with self._engine._lock:
+            return dict(self._engine.stats)
+
+    @property
+    def clamped(self) -> int:
+        """Served integer reductions whose result was clamped to int32."""
+        return self._engine.clamped
+
+    def float_error_bound(self, max_abs: float, mean: bool = False) -> float:
+        """The quantization's bound for a float SUM (``mean``: AVG) when the
+        largest |x| over the ranks is `max_abs` (``Communicator.float_error_bound``);
+        the result's rounding to its dtype comes on top."""
+        return self.communicator.float_error_bound(max_abs, mean)
+
+    def close(self) -> None:
+        """Ends this rank's part of the job and stops the group's threads
+        (also when the group is collected, and at exit)."""
+        self._engine.close()
+
+    def __repr__(self) -> str:
+        return f"<aggbox.torch.ProcessGroupAggBox rank={self._rank} size={self._size} run={self.run} job={self.job}>"
+
+    # -- the paths ---------------------------------------------------------
+
+    def _gloo(self, method: str, *args) -> None:
+        """A Gloo call from the engine's thread, waited for."""
+        try:
+            work = getattr(self.gloo, method)(*args)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise _NotSent(str(e)) from e
+        work.wait()
+
+    def _agg(self, t: torch.Tensor, op: str) -> None:
+        """An AggBox allreduce of a contiguous int32 or float32 tensor."""
+        if t.numel() == 0:
+            return
+        try:
+            # 1-D: a view of the same memory (a 0-dim tensor has no buffer).
+            clamped = self.communicator.allreduce(t.reshape(-1), op=op)
+        except (TypeError, ValueError) as e:  # refused before anything was sent
+            raise _NotSent(str(e)) from e
+        if clamped:
+            self._engine.clamped += 1
+
+    def _allreduce_tensor(self, t: torch.Tensor, op, opts) -> str:
+        """Allreduce of one tensor in place, on the engine's thread; the
+        path that served it."""
+        name = _op_name(op)
+        dt = t.dtype
+        if t.device.type == "cpu" and name is not None:
+            if dt == torch.int32:
+                _contiguous(t, lambda c: self._agg(c, name))
+                return "aggbox"
+            if dt in _FLOATS and name in ("sum", "avg"):
+                mean = "mean" if name == "avg" else "sum"
+                if dt == torch.float32:
+                    _contiguous(t, lambda c: self._agg(c, mean))
+                else:
+                    w = t.float()
+                    self._agg(w, mean)
+                    t.copy_(w)
+                return "aggbox"
+            if dt in _FLOATS and name in ("max", "min"):
+                k = t.float() if dt != torch.float32 or not t.is_contiguous() else t
+                keys = k.view(torch.int32)
+                _order_keys(keys)
+                self._agg(keys, name)
+                _order_keys(keys)
+                if k is not t:
+                    t.copy_(k)
+                return "aggbox"
+            if dt == torch.int64 and name in ("sum", "avg", "max", "min", "band", "bor", "bxor"):
+                if self._int64_fits(t, name):
+                    w = t.to(torch.int32)
+                    self._agg(w, name)
+                    t.copy_(w)
+                    return "aggbox"
+        self._gloo_allreduce(t, op, opts)
+        return "gloo"
+
+    def _int64_fits(self, t: torch.Tensor, name: str) -> bool:
+        """Whether every rank's int64 tensor can go as int32 (one AggBox MAX
+        of a flag): for a sum every |x| ≤ (2^31−1)/W, so no partial sum
+        overflows; for the others every x in int32."""
+        limit = _INT32_MAX // self._size if name in ("sum", "avg") else _INT32_MAX
+        far = t.numel() > 0 and bool(t.max() > limit or t.min() < -limit)
+        flag = torch.tensor([int(far)], dtype=torch.int32)
+        self._agg(flag, "max")
+        return flag.item() == 0
+
+    def _gloo_allreduce(self, t: torch.Tensor, op, opts) -> None:
+        """Gloo's allreduce, with what Gloo 1.13 lacks made up: AVG as a SUM
+        divided (integers truncated), bfloat16 through float32."""
+        name = _op_name(op)
+        o = dist.AllreduceOptions()
+        o.reduceOp = _R.SUM if name == "avg" else op
+        work = t.float() if t.dtype == torch.bfloat16 else t
+        self._gloo("allreduce", [work], o)
+        if name == "avg":
+            if work.is_floating_point():
+                work.div_(self._size)
+            else:
+                work.div_(self._size, rounding_mode="trunc")
+        if work is not t:
+            t.copy_(work)
+
+    # -- collectives: AggBox where it can ------------------------------------
+
+    @staticmethod
+    def _check_op(what: str, tensors, op) -> None:
+        """Refuses at the call what no path can do (bitwise ops on floats),
+        as Gloo does, before anything is queued: the group goes on."""
+        if _op_name(op) in ("band", "bor", "bxor") and any(t.is_floating_point() for t in tensors):
+            raise RuntimeError(f"aggbox: {what}: bitwise reduce ops need integer tensors, not {tensors[0].dtype}")
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        op = opts.reduceOp
+        self._check_op("allreduce", tensors, op)
+
+        def run() -> str:
+            paths = {self._allreduce_tensor(t, op, opts) for t in tensors}
+            return "gloo" if "gloo" in paths else "aggbox"
+
+        return self._engine.submit("allreduce", tensors, run)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else _R.SUM
+
+        def run() -> str:
+            paths = {self._allreduce_tensor(t, op, opts) for t in tensors}
+            return "gloo" if "gloo" in paths else "aggbox"
+
+        return self._engine.submit("allreduce_coalesced", tensors, run)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        root, op = opts.rootRank, opts.reduceOp
+        t = tensors[opts.rootTensor]
+
+        # Served as an allreduce; ranks other than the root reduce a copy,
+        # so their tensor is left as it was.
+        def run() -> str:
+            target = t if self._rank == root else t.clone()
+            return self._allreduce_tensor(target, op, opts)
+
+        return self._engine.submit("reduce", tensors, run)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        root = opts.rootRank
+
+        def run() -> str:
+            for t in tensors:
+                _contiguous(t, lambda c: self._broadcast_bytes(c, root))
+            return "aggbox"
+
+        return self._engine.submit("broadcast", tensors, run)
+
+    def _broadcast_bytes(self, c: torch.Tensor, root: int) -> None:
+        """Any dtype, bit for bit: its bytes as int32 words."""
+        if c.numel() == 0:
+            return
+        words, back = _words(c)
+        self.communicator.broadcast(words, root=root)
+        if back is not None:
+            back.copy_(words.view(torch.uint8)[: back.numel()])
+
+    def barrier(self, opts=None):
+        def run() -> str:
+            self._agg(torch.zeros(1, dtype=torch.int32), "sum")
+            return "aggbox"
+
+        return self._engine.submit("barrier", [], run)
+
+    def _gather_bytes(self, inp: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+        """Every rank's bytes of `inp`: an AggBox BOR of a zeroed buffer with
+        this rank's bytes in its slot (the others' are zero, so the OR is
+        each slot's owner's bytes, bit for bit). The buffer, the bytes and
+        the words of a slot."""
+        src = inp.contiguous().reshape(-1).view(torch.uint8)
+        nbytes = src.numel()
+        slot = (nbytes + 3) // 4
+        buf = torch.zeros(slot * self._size, dtype=torch.int32)
+        mine = buf[self._rank * slot : (self._rank + 1) * slot].view(torch.uint8)
+        mine[:nbytes].copy_(src)
+        self._agg(buf, "bor")
+        return buf, nbytes, slot
+
+    @staticmethod
+    def _put_bytes(out: torch.Tensor, raw: torch.Tensor) -> None:
+        def put(c: torch.Tensor) -> None:
+            c.reshape(-1).view(torch.uint8).copy_(raw)
+
+        _contiguous(out, put)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        outs = output_tensors[0]
+        inp = input_tensors[0]
+
+        def run() -> str:
+            if len(outs) != self._size or any(o.dtype != inp.dtype or o.numel() != inp.numel() for o in outs):
+                raise _NotSent(f"allgather: {self._size} outputs of the input's dtype and size are needed")
+            buf, nbytes, slot = self._gather_bytes(inp)
+            for r, o in enumerate(outs):
+                self._put_bytes(o, buf[r * slot : (r + 1) * slot].view(torch.uint8)[:nbytes])
+            return "aggbox"
+
+        return self._engine.submit("allgather", output_tensors, run)
+
+    def _allgather_base(self, output, input, opts=None):
+        def run() -> str:
+            if output.dtype != input.dtype or output.numel() != input.numel() * self._size:
+                raise _NotSent("_allgather_base: the output must be world size × the input, of its dtype")
+            buf, nbytes, slot = self._gather_bytes(input)
+            raw = torch.cat([buf[r * slot : (r + 1) * slot].view(torch.uint8)[:nbytes] for r in range(self._size)])
+            self._put_bytes(output, raw)
+            return "aggbox"
+
+        return self._engine.submit("_allgather_base", [output], run)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        op = opts.reduceOp
+        out, ins = output_tensors[0], input_tensors[0]
+
+        # An allreduce of the inputs laid end to end, then this rank's part.
+        def run() -> str:
+            if len(ins) != self._size or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
+                raise _NotSent(f"reduce_scatter: {self._size} inputs of the output's dtype and size are needed")
+            flat = torch.cat([i.reshape(-1) for i in ins])
+            path = self._allreduce_tensor(flat, op, opts)
+            n = out.numel()
+            out.copy_(flat[self._rank * n : (self._rank + 1) * n].view_as(out))
+            return path
+
+        return self._engine.submit("reduce_scatter", output_tensors, run)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        op = opts.reduceOp
+
+        def run() -> str:
+            n = output.numel()
+            if input.numel() != n * self._size or input.dtype != output.dtype:
+                raise _NotSent("_reduce_scatter_base: the input must be world size × the output, of its dtype")
+            flat = input.reshape(-1).clone()
+            path = self._allreduce_tensor(flat, op, opts)
+            output.copy_(flat[self._rank * n : (self._rank + 1) * n].view_as(output))
+            return path
+
+        return self._engine.submit("_reduce_scatter_base", [output], run)
+
+    # -- collectives through Gloo, in the same order ---------------------------
+
+    def _through_gloo(self, name: str, outputs, method: str, *args):
+        def run() -> str:
+            self._gloo(method, *args)
+            return "gloo"
+
+        return self._engine.submit(name, outputs, run)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        return self._through_gloo(
+            "all_to_all", [output], "alltoall_base", output, input, output_split_sizes, input_split_sizes, opts
+        )
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllToAllOptions()
+
+        # Gloo 1.13 has only the one-tensor form: the lists laid end to end.
+        def run() -> str:
+            if len({t.dtype for t in list(output_tensors) + list(input_tensors)}) > 1:
+                raise _NotSent("all_to_all: tensors of one dtype")
+            inp = torch.cat([t.reshape(-1) for t in input_tensors])
+            out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype)
+            self._gloo(
+                "alltoall_base", out, inp, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors], opts
+            )
+            for t, part in zip(output_tensors, out.split([t.numel() for t in output_tensors])):
+                t.copy_(part.view_as(t))
+            return "gloo"
+
+        return self._engine.submit("all_to_all", output_tensors, run)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        outs = output_tensors[0] if output_tensors else []
+        return self._through_gloo("gather", outs, "gather", output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        return self._through_gloo("scatter", output_tensors, "scatter", output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._through_gloo(
+            "allgather_coalesced", [t for ol in output_lists for t in ol], "allgather_coalesced", output_lists, input_list, opts
+        )
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        # Gloo's own (it names the ranks that did not arrive), once the
+        # calls before it are done.
+        def run() -> str:
+            try:
+                self.gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+            except RuntimeError as e:
+                raise _NotSent(str(e)) from e
+            return "gloo"
+
+        self._engine.submit("monitored_barrier", [], run).wait()
+
+    # Point to point: Gloo at once, from the caller's thread (module docs).
+    def send(self, tensors, dst_rank, tag):
+        self._engine.count("send", "gloo")
+        return self.gloo.send(tensors, dst_rank, tag)
+
+    def recv(self, tensors, src_rank, tag):
+        self._engine.count("recv", "gloo")
+        return self.gloo.recv(tensors, src_rank, tag)
+
+    def recv_anysource(self, tensors, tag):
+        self._engine.count("recv", "gloo")
+        return self.gloo.recv_anysource(tensors, tag)
+
+
+def _create(backend_options, pg_options) -> ProcessGroupAggBox:
+    """The creator registered with torch (extended API: pg_options may be an
+    aggbox.torch.Options)."""
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError(f'backend "aggbox": pg_options must be aggbox.torch.Options, not {type(pg_options).__name__}')
+    return ProcessGroupAggBox(
+        backend_options.store,
+        backend_options.group_rank,
+        backend_options.group_size,
+        backend_options.timeout,
+        pg_options,
+    )
+
+
+def register() -> None:
+    """Registers the backend "aggbox" with torch.distributed (once; importing
+    aggbox.torch does it)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True)
