@@ -6,8 +6,10 @@
 //! read the implementation's handles); this crate reads the configuration
 //! (environment variables and the node TOML), builds MPI_COMM_WORLD's
 //! session at `MPI_Init` and another communicator's at its first served
-//! call (the job whose workers are its processes, in its rank order), runs
-//! the calls, and counts what was served and what passed through. The shim
+//! call (the job whose workers are its processes, in its rank order, or,
+//! without the TOML, a job on demand the communicator's ranks join at the
+//! node's control endpoint), runs the calls, and counts what was served
+//! and what passed through. The shim
 //! names a session by the index these functions return. Every call returns
 //! an `AGGBOX_MPI_*` status code; a failure also prints its reason to
 //! stderr, prefixed `aggbox-mpi: rank R:` (R: the MPI_COMM_WORLD rank).
@@ -153,6 +155,8 @@ struct OnDemand {
     /// The run key of MPI_COMM_WORLD's job (rank 0's, broadcast); another
     /// communicator's run key is this one and its processes.
     run: String,
+    /// MPI_COMM_WORLD's size.
+    world: c_int,
     /// This process's data address: AGGBOX_MPI_DATA, else the local
     /// address that routes to the node.
     data_ip: Ipv4Addr,
@@ -306,7 +310,7 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
 /// Reads what `MPI_Init` needs for jobs on demand: the node's control
 /// endpoint, the credential, this process's data address, and the
 /// variables; `run` is MPI_COMM_WORLD's run key (rank 0's).
-fn read_on_demand(rank: c_int, run: &str) -> Result<Settings, String> {
+fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, String> {
     let node = env(ENV_NODE).ok_or_else(|| format!("{ENV_NODE} is not set"))?;
     let control: SocketAddrV4 = match node.parse::<Ipv4Addr>() {
         Ok(ip) => SocketAddrV4::new(ip, aggbox::config::DEFAULT_CONTROL.port()),
@@ -331,6 +335,7 @@ fn read_on_demand(rank: c_int, run: &str) -> Result<Settings, String> {
         control: SocketAddr::V4(control),
         credential,
         run: run.to_string(),
+        world: size,
         data_ip,
         data_port: env_parsed(ENV_DATA_PORT)?,
         join_deadline,
@@ -489,13 +494,20 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
     Ok(Session { comm, job, tuner, joined: None })
 }
 
+/// Whether `members` (world ranks in a communicator's order) are
+/// MPI_COMM_WORLD's processes in its order.
+fn is_world(demand: &OnDemand, members: &[c_int]) -> bool {
+    members.len() == demand.world as usize && members.iter().enumerate().all(|(i, &r)| r == i as c_int)
+}
+
 /// The run key of the communicator whose processes are the world ranks
 /// `members` (in its rank order): MPI_COMM_WORLD's is the world's run key,
 /// another's adds a hash of its processes, so that its ranks name the same
 /// run without a message and two communicators of the same processes in
 /// the same order share a job.
-fn run_key(world_run: &str, members: &[c_int]) -> String {
-    if members.iter().enumerate().all(|(i, &r)| r == i as c_int) {
+fn run_key(demand: &OnDemand, members: &[c_int]) -> String {
+    let world_run = &demand.run;
+    if is_world(demand, members) {
         return world_run.to_string();
     }
     // FNV-1a over the ranks, little-endian.
@@ -513,12 +525,12 @@ fn run_key(world_run: &str, members: &[c_int]) -> String {
 /// job when all of them have joined.
 fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], rank: c_int, tuner: Tuner) -> Result<Session, String> {
     let size = members.len() as c_int;
-    let run = run_key(&demand.run, members);
+    let run = run_key(demand, members);
     let world = u16::try_from(size).map_err(|_| format!("a communicator of {size} ranks"))?;
     // This job's data socket: MPI_COMM_WORLD's on AGGBOX_MPI_DATA_PORT if
     // set, else a free port, held until just before the communicator binds
     // it (a socket per job, as with the file's jobs).
-    let fixed = if run == demand.run { demand.data_port } else { None };
+    let fixed = if is_world(demand, members) { demand.data_port } else { None };
     let (port, probe) = match fixed {
         Some(p) => (p, None),
         None => {
@@ -692,7 +704,7 @@ pub unsafe extern "C" fn aggbox_mpi_join(rank: c_int, size: c_int, run: *const s
         return AGGBOX_MPI_ERROR;
     }
     let run = std::ffi::CStr::from_ptr(run).to_string_lossy().into_owned();
-    let settings = match read_on_demand(rank, &run) {
+    let settings = match read_on_demand(rank, size, &run) {
         Ok(s) => s,
         Err(e) => {
             report(rank, "MPI_Init", e);
@@ -733,7 +745,10 @@ pub extern "C" fn aggbox_mpi_comm_joined(all: c_int) -> c_int {
         report(rank, "a join's agreement", "no join was made (a bug in the shim)");
         return AGGBOX_MPI_ERROR;
     };
-    let world = members.iter().enumerate().all(|(i, &r)| r == i as c_int);
+    let world = match &shim.settings.source {
+        Source::OnDemand(d) => is_world(d, &members),
+        Source::File(_) => false,
+    };
     let (what, comm) = if world {
         ("MPI_Init", "MPI_COMM_WORLD".to_string())
     } else {
