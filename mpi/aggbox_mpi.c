@@ -13,8 +13,9 @@
  * MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized); MPI_Bcast of
  * fixed-size predefined types; on MPI_COMM_WORLD and on every
  * intracommunicator whose processes are a configured job's workers in its
- * rank order (found at the communicator's first such call and cached on it
- * as an attribute). Anything else goes to the PMPI_ function unchanged and
+ * rank order, or, with jobs on demand, on every intracommunicator of at
+ * least 2 processes, each joining a job of its own (found at the
+ * communicator's first such call and cached on it as an attribute). Anything else goes to the PMPI_ function unchanged and
  * is counted. A call AggBox can serve still goes to PMPI where the ranks
  * measured PMPI faster for its kind and size (route_begin / route_end).
  */

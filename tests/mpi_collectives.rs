@@ -719,7 +719,9 @@ fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
 /// XDP program aggregated); MPI_COMM_WORLD's job is the same on every rank,
 /// each half of the world (either order) has its own; all of them end at
 /// MPI_Finalize. A second run on the same node (float32 SUMs, quantized,
-/// within the program's bound) gets a new job of its own.
+/// within the program's bound) gets a new job of its own; a third splits
+/// the world into halves in world order, the lower one (world ranks 0 and
+/// 1) a job of its own, not MPI_COMM_WORLD's.
 #[test]
 fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     const RANKS: usize = 4;
@@ -773,6 +775,27 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
         assert_eq!(rounds, 6, "rank {r}: every float call served adaptively: {line}");
     }
     assert_no_jobs_soon(&bed, "after the second run");
+
+    // A third run: MPI_COMM_WORLD, then its lower half (ranks 0 and 1: the
+    // start of the world's ranks, yet a job of its own) and its upper
+    // half, then MPI_COMM_WORLD again, still on its own job.
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &[]), &program, &["halves", "100"]);
+    assert!(out.status.success(), "the third run (halves) failed");
+    assert_counters(
+        &out,
+        RANKS,
+        |_| "MPI_Allreduce=3 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0".to_string(),
+        "the halves run",
+    );
+    let jobs: Vec<Vec<(u16, String, u64)>> = (0..RANKS).map(|r| on_demand_jobs(&counters_line(&out, r))).collect();
+    for (r, js) in jobs.iter().enumerate() {
+        assert_eq!(js.len(), 2, "rank {r}: MPI_COMM_WORLD's job and its half's: {js:?}");
+        assert_eq!(js[0], jobs[0][0], "rank {r}: MPI_COMM_WORLD's job");
+        assert_eq!(js[1], jobs[r / 2 * 2][1], "rank {r}: its half's job");
+        assert!(js[1].0 != js[0].0 && js[1].1 != js[0].1, "rank {r}: its half's job is not MPI_COMM_WORLD's: {js:?}");
+    }
+    assert_ne!(jobs[0][1].0, jobs[2][1].0, "each half its own job");
+    assert_no_jobs_soon(&bed, "after the third run");
 }
 
 /// A join the node refuses (a wrong key: `bad_mac`) or cannot take (no
