@@ -719,9 +719,10 @@ fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
 /// XDP program aggregated); MPI_COMM_WORLD's job is the same on every rank,
 /// each half of the world (either order) has its own; all of them end at
 /// MPI_Finalize. A second run on the same node (float32 SUMs, quantized,
-/// within the program's bound) gets a new job of its own; a third splits
-/// the world into halves in world order, the lower one (world ranks 0 and
-/// 1) a job of its own, not MPI_COMM_WORLD's.
+/// within the program's bound) gets a new job of its own; a third (MPICH,
+/// AGGBOX_MPI_DATA_PORT set) splits the world into halves in world order,
+/// the lower one (world ranks 0 and 1) a job of its own, not
+/// MPI_COMM_WORLD's.
 #[test]
 fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     const RANKS: usize = 4;
@@ -776,10 +777,13 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     }
     assert_no_jobs_soon(&bed, "after the second run");
 
-    // A third run: MPI_COMM_WORLD, then its lower half (ranks 0 and 1: the
-    // start of the world's ranks, yet a job of its own) and its upper
-    // half, then MPI_COMM_WORLD again, still on its own job.
-    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &[]), &program, &["halves", "100"]);
+    // A third run, of MPICH, MPI_COMM_WORLD's data socket on
+    // AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD, then its lower half (ranks 0
+    // and 1: the start of the world's ranks, yet a job of its own) and its
+    // upper half, then MPI_COMM_WORLD again, still on its own job.
+    let mpich_program = self::program(Mpi::Mpich, &bed.dir);
+    let env = bed.on_demand_env(Mpi::Mpich, KEY, &[("AGGBOX_MPI_DATA_PORT", DATA_PORT.to_string())]);
+    let out = bed.mpirun(Mpi::Mpich, RANKS, &env, &mpich_program, &["halves", "100"]);
     assert!(out.status.success(), "the third run (halves) failed");
     assert_counters(
         &out,
