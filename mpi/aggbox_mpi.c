@@ -15,8 +15,8 @@
  * intracommunicator whose processes are a configured job's workers in its
  * rank order, or, with jobs on demand, on every intracommunicator of at
  * least 2 processes, each joining a job of its own (found at the
- * communicator's first such call and cached on it as an attribute). Anything else goes to the PMPI_ function unchanged and
- * is counted. A call AggBox can serve still goes to PMPI where the ranks
+ * communicator's first such call and cached on it as an attribute).
+ * Anything else goes to the PMPI_ function unchanged and is counted. A call AggBox can serve still goes to PMPI where the ranks
  * measured PMPI faster for its kind and size (route_begin / route_end).
  */
 #include <mpi.h>
