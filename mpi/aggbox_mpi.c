@@ -13,9 +13,10 @@
  * MPI_FLOAT MPI_SUM when AGGBOX_MPI_FLOAT=quantized); MPI_Bcast of
  * fixed-size predefined types; on MPI_COMM_WORLD and on every
  * intracommunicator whose processes are a configured job's workers in its
- * rank order (found at the communicator's first such call and cached on it
- * as an attribute). Anything else goes to the PMPI_ function unchanged and
- * is counted. A call AggBox can serve still goes to PMPI where the ranks
+ * rank order, or, with jobs on demand, on every intracommunicator of at
+ * least 2 processes, each joining a job of its own (found at the
+ * communicator's first such call and cached on it as an attribute).
+ * Anything else goes to the PMPI_ function unchanged and is counted. A call AggBox can serve still goes to PMPI where the ranks
  * measured PMPI faster for its kind and size (route_begin / route_end).
  */
 #include <mpi.h>
@@ -32,12 +33,19 @@ enum {
     AGGBOX_MPI_ERROR = -1,
     AGGBOX_MPI_NOT_SERVED = -2,
     AGGBOX_MPI_PENDING = -3,
+    AGGBOX_MPI_JOINED = -4,
+    AGGBOX_MPI_JOIN_FAILED = -5,
 };
+enum { AGGBOX_MPI_RUN_KEY_BYTES = 128 };
 enum { CALL_ALLREDUCE = 0, CALL_REDUCE = 1, CALL_BCAST = 2 };
 int aggbox_mpi_position(int rank, int size, uint32_t position[2]);
 int aggbox_mpi_start(uint32_t round, uint32_t agg_seq);
 int aggbox_mpi_comm_job(const int *world_ranks, int size, int rank, uint32_t position[2]);
 int aggbox_mpi_comm_start(uint32_t round, uint32_t agg_seq);
+int aggbox_mpi_on_demand(void);
+int aggbox_mpi_run_key(char *out, size_t len);
+int aggbox_mpi_join(int rank, int size, const char *run);
+int aggbox_mpi_comm_joined(int all);
 void aggbox_mpi_finalize(void);
 void aggbox_mpi_count_passed(int call);
 int aggbox_mpi_serves(size_t bytes);
@@ -119,15 +127,47 @@ static void agree(MPI_Comm comm, const uint32_t mine[2], uint32_t agreed[2], con
     agreed[1] = base[1] + (uint32_t)most[1];
 }
 
+/*
+ * Jobs on demand: every rank of `comm` tried to join its job (`joined`:
+ * AGGBOX_MPI_JOINED or AGGBOX_MPI_JOIN_FAILED); the job is used only if
+ * every rank has it (MPI_MIN), else every rank falls back alike (or the
+ * job is aborted, AGGBOX_MPI_FALLBACK=abort). The session's index, or
+ * AGGBOX_MPI_NOT_SERVED, or AGGBOX_MPI_ERROR.
+ */
+static int agree_joined(MPI_Comm comm, int joined, const char *what)
+{
+    int mine = joined == AGGBOX_MPI_JOINED, all = 0;
+    if (PMPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS) fail(what);
+    return aggbox_mpi_comm_joined(all);
+}
+
+/* MPI_COMM_WORLD's job on demand: rank 0's run key, broadcast, names the
+ * run every rank joins. */
+static void start_on_demand(int rank, int size)
+{
+    char run[AGGBOX_MPI_RUN_KEY_BYTES];
+    memset(run, 0, sizeof run);
+    if (rank == 0 && aggbox_mpi_run_key(run, sizeof run) != AGGBOX_MPI_OK) fail("MPI_Init");
+    if (PMPI_Bcast(run, (int)sizeof run, MPI_CHAR, 0, MPI_COMM_WORLD) != MPI_SUCCESS) fail("MPI_Init");
+    run[sizeof run - 1] = 0;
+    int joined = aggbox_mpi_join(rank, size, run);
+    if (joined == AGGBOX_MPI_ERROR) fail("MPI_Init");
+    if (agree_joined(MPI_COMM_WORLD, joined, "MPI_Init") == AGGBOX_MPI_ERROR) fail("MPI_Init");
+}
+
 static int start(void)
 {
     int rank, size;
     uint32_t mine[2] = { 0, 0 }, agreed[2];
     PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
     PMPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (aggbox_mpi_position(rank, size, mine) != AGGBOX_MPI_OK) fail("MPI_Init");
-    agree(MPI_COMM_WORLD, mine, agreed, "MPI_Init");
-    if (aggbox_mpi_start(agreed[0], agreed[1]) != AGGBOX_MPI_OK) fail("MPI_Init");
+    if (aggbox_mpi_on_demand()) {
+        start_on_demand(rank, size);
+    } else {
+        if (aggbox_mpi_position(rank, size, mine) != AGGBOX_MPI_OK) fail("MPI_Init");
+        agree(MPI_COMM_WORLD, mine, agreed, "MPI_Init");
+        if (aggbox_mpi_start(agreed[0], agreed[1]) != AGGBOX_MPI_OK) fail("MPI_Init");
+    }
     if (PMPI_Comm_create_keyval(MPI_COMM_DUP_FN, MPI_COMM_NULL_DELETE_FN, &session_keyval, NULL) != MPI_SUCCESS)
         fail("MPI_Init (an attribute key)");
     return MPI_SUCCESS;
@@ -164,6 +204,8 @@ static int find_session(MPI_Comm comm)
     if (session == AGGBOX_MPI_PENDING) {
         agree(comm, mine, agreed, "a communicator's first call");
         session = aggbox_mpi_comm_start(agreed[0], agreed[1]);
+    } else if (session == AGGBOX_MPI_JOINED || session == AGGBOX_MPI_JOIN_FAILED) {
+        session = agree_joined(comm, session, "a communicator's first call");
     }
     if (session == AGGBOX_MPI_ERROR) fail("a communicator's first call");
     return session;

@@ -17,6 +17,13 @@
 //! deadline rather than hang, and consecutive runs on one running node
 //! each start where the last left off (the position query at MPI_Init).
 //!
+//! Jobs on demand: on a node whose file has no `[[job]]` and serves a key
+//! file's tenant, the same program with only the node's control endpoint
+//! and the credential (no file on the ranks) is bit-identical to plain MPI
+//! and served by AggBox, every communicator by a job of its own, each run
+//! by new jobs that end at MPI_Finalize; a refused or unreachable node
+//! makes the run fall back to PMPI, saying why (or fail, when asked).
+//!
 //! Needs root and `make mpi` (the libraries and mpicc of both
 //! implementations); fails (never skips) otherwise:
 //! `make mpi && sudo -E cargo test --release --test mpi_collectives`.
@@ -47,6 +54,15 @@ const HALF_JOB_PORT: u16 = 7610;
 const HALF_RESULT_PORT: u16 = 7611;
 const HALF_GROUP: u16 = 5;
 const HALF_DATA_PORT: u16 = 7701;
+/// Jobs on demand: the node's control endpoint (on another port than the
+/// default, so that the library's parsing of IP:PORT is what finds it), its
+/// key file's tenant and key, and the tenant's quota of live jobs (a run of
+/// collectives.c holds 5: MPI_COMM_WORLD's, and one for each half of the
+/// world in either order).
+const CONTROL_PORT: u16 = 7481;
+const TENANT: &str = "mpi";
+const KEY: &str = "3a7f0c1d2e4b5a6978877665544332211000ffeeddccbbaa9988776655443322";
+const DEMAND_JOBS: u32 = 8;
 /// Per-call deadline of the ranks' communicators: a failure shows well
 /// within the test's own limit on each run (RUN_LIMIT).
 const DEADLINE_MS: u64 = 10_000;
@@ -114,10 +130,43 @@ struct MpiBed {
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl MpiBed {
+    /// Host 0 serves JOB and HALF_JOB of its file.
     fn up(tag: &str, ranks: usize) -> MpiBed {
+        MpiBed::with_node(tag, ranks, |tb, _dir| MpiBed::jobs_text(tb, ranks))
+    }
+
+    /// Host 0's file has no `[[job]]`: it serves jobs on demand to the
+    /// tenant TENANT (key KEY, at most DEMAND_JOBS live jobs) on
+    /// CONTROL_PORT.
+    fn on_demand(tag: &str, ranks: usize) -> MpiBed {
+        MpiBed::with_node(tag, ranks, |_tb, dir| {
+            let keys = dir.join("keys.toml");
+            std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{KEY}\"\njobs = {DEMAND_JOBS}\n")).expect("write keys");
+            std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod keys");
+            format!("[node]\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\nkeys = \"{}\"\n", keys.display())
+        })
+    }
+
+    fn with_node(tag: &str, ranks: usize, text: impl FnOnce(&Testbed, &Path) -> String) -> MpiBed {
         assert!(nix::unistd::geteuid().is_root(), "tests/mpi_collectives.rs needs root (network namespaces, XDP)");
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let tb = Testbed::up(TestbedConfig { hosts: ranks + 1, ..Default::default() }).expect("testbed");
+        let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test dir");
+        let text = text(&tb, &dir);
+        let config = dir.join("node.toml");
+        std::fs::write(&config, &text).expect("write config");
+        let hostfile = dir.join("hosts");
+        let hosts: String = (1..=ranks).map(|h| format!("{} slots=1\n", tb.host(h).netns)).collect();
+        std::fs::write(&hostfile, hosts).expect("write hostfile");
+        let mut bed =
+            MpiBed { attach: None, tb, tag: tag.to_string(), text, dir, config, hostfile, ranks, _serial: serial };
+        bed.restart_node();
+        bed
+    }
+
+    /// The file of [`MpiBed::up`].
+    fn jobs_text(tb: &Testbed, ranks: usize) -> String {
         let workers: Vec<String> = (1..=ranks).map(|h| tb.host(h).addr.to_string()).collect();
         // World rank r is host r + 1: the even ranks, highest first.
         let half: Vec<String> = workers.iter().step_by(2).rev().cloned().collect();
@@ -128,22 +177,11 @@ impl MpiBed {
                 workers.iter().map(|w| format!("\"{w}:{data_port}\"")).collect::<Vec<_>>().join(", "),
             )
         };
-        let text = format!(
+        format!(
             "{}\n{}",
             job(JOB, JOB_PORT, RESULT_PORT, GROUP, &workers, DATA_PORT),
             job(HALF_JOB, HALF_JOB_PORT, HALF_RESULT_PORT, HALF_GROUP, &half, HALF_DATA_PORT)
-        );
-        let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("test dir");
-        let config = dir.join("node.toml");
-        std::fs::write(&config, &text).expect("write config");
-        let hostfile = dir.join("hosts");
-        let hosts: String = (1..=ranks).map(|h| format!("{} slots=1\n", tb.host(h).netns)).collect();
-        std::fs::write(&hostfile, hosts).expect("write hostfile");
-        let mut bed =
-            MpiBed { attach: None, tb, tag: tag.to_string(), text, dir, config, hostfile, ranks, _serial: serial };
-        bed.restart_node();
-        bed
+        )
     }
 
     /// Starts `aggbox attach` on host 0 afresh (stopping the running one),
@@ -172,6 +210,23 @@ impl MpiBed {
             ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
             // What these tests check is AggBox's serving; the measured
             // choice has its own test.
+            ("AGGBOX_MPI_ROUTE".to_string(), "aggbox".to_string()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        env
+    }
+
+    /// The environment of a run with jobs on demand: the node's control
+    /// endpoint and the credential (tenant TENANT, key `key`), no file, no
+    /// data port; and `extra`.
+    fn on_demand_env(&self, mpi: Mpi, key: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("LD_PRELOAD".to_string(), library(mpi).display().to_string()),
+            ("AGGBOX_MPI_NODE".to_string(), format!("{}:{CONTROL_PORT}", self.tb.host(0).addr)),
+            ("AGGBOX_TENANT".to_string(), TENANT.to_string()),
+            ("AGGBOX_KEY".to_string(), key.to_string()),
+            ("AGGBOX_MPI_DEADLINE_MS".to_string(), DEADLINE_MS.to_string()),
+            ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
             ("AGGBOX_MPI_ROUTE".to_string(), "aggbox".to_string()),
         ];
         env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
@@ -600,4 +655,202 @@ fn no_node_fails_at_mpi_init_naming_the_node() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let node = format!("no answer from the node at {}:{RESULT_PORT}", bed.tb.host(0).addr);
     assert!(stderr.contains("MPI_Init: job 11: ") && stderr.contains(&node), "the reason names the node: {stderr}");
+}
+
+/// Jobs on demand: the counters of collectives.c's default program over
+/// `n` sizes when every communicator got its job: the calls on
+/// MPI_COMM_WORLD as with the file's job (the SUM that wraps overflowed),
+/// and every call of communicators() served (each half, in either order,
+/// gets a job of its own); only passed_through()'s 2 allreduces pass.
+fn on_demand_counters(n: usize) -> String {
+    format!(
+        "MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; passed through MPI_Allreduce=2 MPI_Reduce=0 MPI_Bcast=0; overflowed (rerun with PMPI) MPI_Allreduce={n} MPI_Reduce=0 MPI_Bcast=0",
+        2 * MPI_OPS * n + 4,
+        2 * MPI_OPS * n + 1,
+        n + 1,
+    )
+}
+
+/// The counters of the same program when MPI_COMM_WORLD fell back to PMPI:
+/// nothing served, every call passed through.
+fn fallback_counters(n: usize) -> String {
+    format!(
+        "MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce={} MPI_Reduce={} MPI_Bcast={}; overflowed (rerun with PMPI) MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0",
+        (2 * MPI_OPS + 1) * n + 2 + 4,
+        2 * MPI_OPS * n + 1,
+        n + 1,
+    )
+}
+
+/// The jobs on demand a counters line names, in the order the rank opened
+/// them (MPI_COMM_WORLD's first): `; job J on demand (node N, run R,
+/// incarnation I)` as (J, R, I).
+fn on_demand_jobs(line: &str) -> Vec<(u16, String, u64)> {
+    line.split("; job ")
+        .skip(1)
+        .filter_map(|part| {
+            let (job, rest) = part.split_once(" on demand (node ")?;
+            let run = rest.split(", run ").nth(1)?.split(',').next()?;
+            let incarnation = rest.split("incarnation ").nth(1)?.split(')').next()?;
+            Some((job.parse().ok()?, run.to_string(), incarnation.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Waits until the node serves no job (the counters are published every
+/// 50 ms): a run's jobs end when its ranks' MPI_Finalize ends them, not a
+/// lease (10 s) later.
+fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
+    let since = Instant::now();
+    loop {
+        let jobs = bed.node().status().jobs;
+        if jobs.is_empty() {
+            return;
+        }
+        assert!(since.elapsed() < Duration::from_secs(3), "{what}: the node still serves {jobs:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Jobs on demand (docs/MPI.md, "Jobs on demand"): a node whose file has
+/// no `[[job]]`, the ranks given only its control endpoint and a
+/// credential. An unmodified program's int32 calls are bit-identical to
+/// plain MPI's and every one was served by AggBox (the counters; the node's
+/// XDP program aggregated); MPI_COMM_WORLD's job is the same on every rank,
+/// each half of the world (either order) has its own; all of them end at
+/// MPI_Finalize. A second run on the same node (float32 SUMs, quantized,
+/// within the program's bound) gets a new job of its own; a third (MPICH,
+/// AGGBOX_MPI_DATA_PORT set) splits the world into halves in world order,
+/// the lower one (world ranks 0 and 1) a job of its own, not
+/// MPI_COMM_WORLD's.
+#[test]
+fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
+    const RANKS: usize = 4;
+    let bed = MpiBed::on_demand("demand", RANKS);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let sizes = ["1", "363", "1448"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain run failed");
+    let reference = result_lines(&plain);
+    assert_eq!(reference.len(), sizes.len() * (MPI_OPS * 4 + 2) + 2 + 6, "rank 0's result lines of the plain run");
+
+    let before = bed.node().outcomes();
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &[]), &program, &sizes);
+    assert!(out.status.success(), "run with jobs on demand failed");
+    assert_eq!(result_lines(&out), reference, "results with jobs on demand differ from plain MPI's");
+    assert_counters(&out, RANKS, |_| on_demand_counters(sizes.len()), "jobs on demand");
+    let jobs: Vec<Vec<(u16, String, u64)>> = (0..RANKS).map(|r| on_demand_jobs(&counters_line(&out, r))).collect();
+    let world = jobs[0][0].clone();
+    assert!(world.1.starts_with("mpi-") && world.2 == 1, "a random run key, its first incarnation: {world:?}");
+    for (r, js) in jobs.iter().enumerate() {
+        assert_eq!(js.len(), 3, "rank {r}: MPI_COMM_WORLD's job and one per half it is in: {js:?}");
+        assert_eq!(js[0], world, "rank {r}: MPI_COMM_WORLD's job is every rank's");
+        assert_eq!(js[1..], jobs[r % 2][1..], "rank {r}: the ranks of a half share its jobs");
+    }
+    let mut ids: Vec<u16> = jobs.iter().flatten().map(|j| j.0).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "MPI_COMM_WORLD's job and 4 halves' (2 halves × 2 orders), all distinct: {jobs:?}");
+    let after = bed.node().outcomes();
+    let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+    assert!(grew("accepted") > 0 && grew("result") > 0, "the node's XDP program aggregated the contributions");
+    assert_no_jobs_soon(&bed, "after the first run");
+
+    // A second run on the same running node: float32 SUMs.
+    let env = bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_FLOAT", "quantized".into())]);
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &["float", "1", "363", "10000"]);
+    assert!(out.status.success(), "the second run (float32, quantized) failed");
+    assert_counters(
+        &out,
+        RANKS,
+        |_| "MPI_Allreduce=3 MPI_Reduce=3 MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0".to_string(),
+        "the float run",
+    );
+    for r in 0..RANKS {
+        let line = counters_line(&out, r);
+        let js = on_demand_jobs(&line);
+        assert_eq!(js.len(), 1, "rank {r}: {line}");
+        assert!(js[0].0 != world.0 && js[0].1 != world.1 && js[0].2 == 1, "rank {r}: a new job of a new run: {js:?} after {world:?}");
+        assert_eq!(js, on_demand_jobs(&counters_line(&out, 0)), "rank {r}: the same job as rank 0");
+        let rounds = counter(&line, "datagrams", "float_calls_one_round") + counter(&line, "datagrams", "float_calls_redone");
+        assert_eq!(rounds, 6, "rank {r}: every float call served adaptively: {line}");
+    }
+    assert_no_jobs_soon(&bed, "after the second run");
+
+    // A third run, of MPICH, MPI_COMM_WORLD's data socket on
+    // AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD, then its lower half (ranks 0
+    // and 1: the start of the world's ranks, yet a job of its own) and its
+    // upper half, then MPI_COMM_WORLD again, still on its own job.
+    let mpich_program = self::program(Mpi::Mpich, &bed.dir);
+    let env = bed.on_demand_env(Mpi::Mpich, KEY, &[("AGGBOX_MPI_DATA_PORT", DATA_PORT.to_string())]);
+    let out = bed.mpirun(Mpi::Mpich, RANKS, &env, &mpich_program, &["halves", "100"]);
+    assert!(out.status.success(), "the third run (halves) failed");
+    assert_counters(
+        &out,
+        RANKS,
+        |_| "MPI_Allreduce=3 MPI_Reduce=0 MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0".to_string(),
+        "the halves run",
+    );
+    let jobs: Vec<Vec<(u16, String, u64)>> = (0..RANKS).map(|r| on_demand_jobs(&counters_line(&out, r))).collect();
+    for (r, js) in jobs.iter().enumerate() {
+        assert_eq!(js.len(), 2, "rank {r}: MPI_COMM_WORLD's job and its half's: {js:?}");
+        assert_eq!(js[0], jobs[0][0], "rank {r}: MPI_COMM_WORLD's job");
+        assert_eq!(js[1], jobs[r / 2 * 2][1], "rank {r}: its half's job");
+        assert!(js[1].0 != js[0].0 && js[1].1 != js[0].1, "rank {r}: its half's job is not MPI_COMM_WORLD's: {js:?}");
+    }
+    assert_ne!(jobs[0][1].0, jobs[2][1].0, "each half its own job");
+    assert_no_jobs_soon(&bed, "after the third run");
+}
+
+/// A join the node refuses (a wrong key: `bad_mac`) or cannot take (no
+/// control endpoint at the address): by default every rank says why on
+/// stderr, MPI_COMM_WORLD falls back to PMPI, the program's results are
+/// plain MPI's and the counters show every call passed through, the stats
+/// naming the fallback. With AGGBOX_MPI_FALLBACK=abort the run fails at
+/// MPI_Init with the reason instead.
+#[test]
+fn openmpi_on_demand_refused_falls_back_to_pmpi_or_aborts_when_asked() {
+    const RANKS: usize = 4;
+    let bed = MpiBed::on_demand("refused", RANKS);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let sizes = ["1", "363"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain run failed");
+    let reference = result_lines(&plain);
+    let wrong = format!("ff{}", &KEY[2..]);
+    let unreachable = format!("{}:{}", bed.tb.host(0).addr, CONTROL_PORT + 1);
+    for (what, env, reason) in [
+        ("a wrong key", bed.on_demand_env(Mpi::OpenMpi, &wrong, &[]), "(bad_mac)".to_string()),
+        (
+            "no control endpoint",
+            bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_NODE", unreachable.clone())]),
+            format!("control endpoint {unreachable}: connect"),
+        ),
+    ] {
+        let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &sizes);
+        assert!(out.status.success(), "{what}: the run must fall back to PMPI and succeed");
+        assert_eq!(result_lines(&out), reference, "{what}: results differ from plain MPI's");
+        assert_counters(&out, RANKS, |_| fallback_counters(sizes.len()), what);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for r in 0..RANKS {
+            let head = format!("aggbox-mpi: rank {r}: MPI_Init: ");
+            let said = stderr.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("{what}: rank {r} said nothing:\n{stderr}"));
+            assert!(said.contains(&reason) && said.contains("MPI_COMM_WORLD falls back to PMPI"), "{what}: rank {r}: {said}");
+            let line = counters_line(&out, r);
+            assert!(line.contains("; fell back to PMPI: MPI_COMM_WORLD: ") && on_demand_jobs(&line).is_empty(), "{what}: rank {r}: {line}");
+        }
+        assert_no_jobs_soon(&bed, what);
+    }
+
+    let env = bed.on_demand_env(Mpi::OpenMpi, &wrong, &[("AGGBOX_MPI_FALLBACK", "abort".into())]);
+    let started = Instant::now();
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &["1"]);
+    assert!(!out.status.success(), "AGGBOX_MPI_FALLBACK=abort: a refused join fails the run");
+    assert!(started.elapsed() < Duration::from_secs(60), "at MPI_Init, not after a hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.lines().any(|l| l.contains("MPI_Init: ") && l.contains("(bad_mac)") && l.contains("(AGGBOX_MPI_FALLBACK=abort)")),
+        "the reason is printed: {stderr}"
+    );
+    assert!(!stderr.contains("collectives: rank 0: ok"), "the program did not run on: {stderr}");
 }

@@ -21,6 +21,11 @@
  *                                  turn) and N broadcasts (roots in turn),
  *                                  each checked: enough calls of one size
  *                                  for the library's route trials
+ *        collectives halves N      allreduces of N elements on
+ *                                  MPI_COMM_WORLD, then on its lower and
+ *                                  upper half in world order (the lower
+ *                                  one's ranks are a prefix of the
+ *                                  world's), then on MPI_COMM_WORLD again
  *        collectives kill-rank R   rank R dies (SIGALRM, no handler) after
  *                                  1 s of back-to-back allreduces; the
  *                                  others must fail, not hang: they exit 3
@@ -282,6 +287,36 @@ static void floats(int n)
     free(v); free(out);
 }
 
+/* Op k of input(r, i, k, 0) summed over the world ranks [lo, hi). */
+static int32_t expected_range(int i, int k, int lo, int hi)
+{
+    uint32_t acc = 0;
+    for (int r = lo; r < hi; r++) acc += (uint32_t)input(r, i, k, 0);
+    return (int32_t)acc;
+}
+
+/* SUM allreduce of n elements on `comm`, the world ranks [lo, hi). */
+static void sum_range(MPI_Comm comm, const char *name, int n, int lo, int hi)
+{
+    int32_t *in = malloc((size_t)n * 4), *out = malloc((size_t)n * 4), *want = malloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) { in[i] = input(rank, i, 0, 0); want[i] = expected_range(i, 0, lo, hi); }
+    MPI_Allreduce(in, out, n, MPI_INT, MPI_SUM, comm);
+    check(name, n, out, want, 1);
+    free(in); free(out); free(want);
+}
+
+/* MPI_COMM_WORLD, its halves in world order, MPI_COMM_WORLD again. */
+static void halves(int n)
+{
+    MPI_Comm half;
+    int upper = rank >= size / 2, lo = upper ? size / 2 : 0, hi = upper ? size : size / 2;
+    sum_range(MPI_COMM_WORLD, "halves-world-SUM", n, 0, size);
+    MPI_Comm_split(MPI_COMM_WORLD, upper, rank, &half);
+    sum_range(half, "halves-half-SUM", n, lo, hi);
+    MPI_Comm_free(&half);
+    sum_range(MPI_COMM_WORLD, "halves-world-again-SUM", n, 0, size);
+}
+
 /* Back-to-back allreduces while rank `victim` dies mid-way. */
 static int kill_rank(int victim)
 {
@@ -312,6 +347,12 @@ int main(int argc, char **argv)
         int rc = kill_rank(atoi(argv[2]));
         MPI_Finalize();
         return rc;
+    }
+    if (argc == 3 && strcmp(argv[1], "halves") == 0) {
+        halves(atoi(argv[2]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+        MPI_Finalize();
+        return failures ? 1 : 0;
     }
     static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
     if (argc > 3 && strcmp(argv[1], "repeat") == 0) {
