@@ -29,6 +29,17 @@ pub const IDLE: Duration = Duration::from_secs(60);
 pub const MAX_CONNECTIONS: usize = 256;
 /// How often leases are checked.
 const TICK: Duration = Duration::from_millis(250);
+/// Longest wait for a connection before the accept thread looks at its
+/// stop flag (a connection wakes it at once).
+const ACCEPT_WAIT: Duration = Duration::from_millis(100);
+
+/// Waits until `listener` has a connection to accept, or `most`.
+fn wait_readable(listener: &TcpListener, most: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut fd, 1, most.as_millis() as libc::c_int) };
+}
 
 /// The live jobs changed: the replies owed once the node applied them.
 #[derive(Debug)]
@@ -86,8 +97,10 @@ impl ControlServer {
                                 .name("aggbox-control-conn".into())
                                 .spawn(move || serve_connection(id, stream, registry, changes, conns));
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                        // Nothing to accept: wait for a connection in
+                        // poll(2), at most ACCEPT_WAIT so a stop is seen.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_readable(&listener, ACCEPT_WAIT),
+                        Err(_) => std::thread::sleep(ACCEPT_WAIT),
                     }
                 }
             })?
