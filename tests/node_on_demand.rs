@@ -41,6 +41,12 @@ fn ints(r: usize, n: usize) -> Vec<i32> {
     (0..n).map(|i| ((i * 7 + r * 1_000_003) % 20_001) as i32 - 10_000).collect()
 }
 
+/// The SUM of the inputs `ints(first + q, n)` of ranks q = 0..WORKERS.
+fn sum_of_ranks(first: usize, n: usize) -> Vec<i32> {
+    let inputs: Vec<Vec<i32>> = (0..WORKERS).map(|q| ints(first + q, n)).collect();
+    (0..n).map(|i| inputs.iter().map(|x| x[i]).sum()).collect()
+}
+
 #[test]
 fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
@@ -87,7 +93,7 @@ fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
                             })
                             .unwrap();
                         for n in [1usize, 362, 10_007] {
-                            let want: Vec<i32> = (0..n).map(|i| (0..WORKERS).map(|q| ints(q, n)[i]).sum()).collect();
+                            let want = sum_of_ranks(0, n);
                             let mut v = ints(r, n);
                             comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: int32 SUM of {n}: {e}"));
                             assert_eq!(v, want, "rank {r}: int32 SUM of {n}");
@@ -286,7 +292,7 @@ fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
     };
     let exact = |comm: &aggbox::runtime::control::RunCommunicator, r: usize, what: &str| {
         let n = 1000;
-        let want: Vec<i32> = (0..n).map(|i| (0..WORKERS).map(|q| ints(q, n)[i]).sum()).collect();
+        let want = sum_of_ranks(0, n);
         let mut v = ints(r, n);
         comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: {what}: {e}"));
         assert_eq!(v, want, "rank {r}: {what}");
@@ -397,15 +403,17 @@ fn a_job_on_demand_is_exact_over_500_allreduces_under_loss_and_duplication() {
                         .unwrap();
                     for k in 0..CALLS {
                         let n = sizes[k % sizes.len()];
-                        let input = |q: usize| -> Vec<i32> { ints(q + k, n) };
-                        let want: Vec<i32> = (0..n).map(|i| (0..WORKERS).map(|q| input(q)[i]).sum()).collect();
+                        let inputs: Vec<Vec<i32>> = (0..WORKERS).map(|q| ints(q + k, n)).collect();
+                        let input = |q: usize| -> Vec<i32> { inputs[q].clone() };
+                        let want = sum_of_ranks(k, n);
                         let mut v = input(r);
                         comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: int32 call {k}: {e}"));
                         assert_eq!(v, want, "rank {r}: int32 call {k} of {n}");
                         // |x| <= 1: the adaptive scale's bound is 0.5 * 4 /
                         // scale, some 1e-8; the float32 sum adds half an ulp.
                         let xs = |q: usize| -> Vec<f32> { input(q).iter().map(|&x| x as f32 / 10_000.0).collect() };
-                        let want: Vec<f32> = (0..n).map(|i| (0..WORKERS).map(|q| xs(q)[i]).sum()).collect();
+                        let floats: Vec<Vec<f32>> = (0..WORKERS).map(xs).collect();
+                        let want: Vec<f32> = (0..n).map(|i| floats.iter().map(|x| x[i]).sum()).collect();
                         let mut x = xs(r);
                         comm.allreduce(&mut x, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: float32 call {k}: {e}"));
                         let worst = x.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
@@ -508,5 +516,83 @@ fn five_hundred_runs_created_and_ended_leave_the_node_as_it_was() {
     assert_eq!(after, before, "jobs, groups and published records back where they started");
     assert_eq!(resources_after.1, resources_before.1, "the node's descriptors back where they started");
     assert!(resources_after.0 <= resources_before.0 + 16 * 1024, "the node's memory grew from {} to {} kB", resources_before.0, resources_after.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One run over two aggregator nodes: every rank joins the run at both
+/// (`RunCommunicator::join`), each vector is striped over the two jobs,
+/// and the results are exact under 1 % loss on every link; each node
+/// served its stripe (its XDP program accepted contributions of its job).
+#[test]
+fn a_run_striped_over_two_nodes_is_exact_under_loss() {
+    use aggbox::runtime::control::RunCommunicator;
+    assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
+    let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 2, ..Default::default() }).expect("testbed");
+    let dir = std::env::temp_dir().join(format!("aggbox-on-demand6-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys.toml");
+    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let nodes = [
+        LiveAttach::start(&tb.host(0).netns, "on-demand6a", &config, &[]),
+        LiveAttach::start(&tb.host(1).netns, "on-demand6b", &config, &[]),
+    ];
+    let controls: Vec<SocketAddr> = (0..2).map(|h| SocketAddr::from(SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT))).collect();
+    let injector = impair::Injector::new();
+    let impair = |loss: f64| {
+        for h in 0..WORKERS + 2 {
+            let port = tb.switch_port(h);
+            let injector = &injector;
+            testbed::in_netns(&tb.switch_netns(), move || injector.set(&port, loss, 0.0))
+                .expect("switch netns")
+                .unwrap_or_else(|e| panic!("{e:#}"));
+        }
+    };
+    impair(0.01);
+    let started = std::time::Instant::now();
+    let comms: Vec<RunCommunicator> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (tb, controls) = (&tb, &controls);
+                s.spawn(move || {
+                    let data = SocketAddrV4::new(tb.host(r + 2).addr, DATA_PORT);
+                    let comm = tb
+                        .in_host(r + 2, || {
+                            RunCommunicator::join(controls, credential(KEY), "striped", WORKERS as u16, r as u16, data, None, Duration::from_secs(20), |b| {
+                                b.deadline(Duration::from_secs(20))
+                            })
+                            .unwrap_or_else(|e| panic!("rank {r}: join: {e}"))
+                        })
+                        .unwrap();
+                    for (k, n) in [1usize, 2, 363, 100_003].into_iter().cycle().take(40).enumerate() {
+                        let want = sum_of_ranks(k, n);
+                        let mut v = ints(r + k, n);
+                        comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: call {k} of {n}: {e}"));
+                        assert_eq!(v, want, "rank {r}: call {k} of {n}");
+                    }
+                    comm
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    impair(0.0);
+    eprintln!("40 striped calls a rank in {:?}; injector {:?}", started.elapsed(), injector.counts());
+    let jobs: Vec<Vec<u16>> = comms.iter().map(|c| c.runs().iter().map(|run| run.grant().job).collect()).collect();
+    assert!(jobs.iter().all(|j| *j == jobs[0] && j.len() == 2), "every rank has a job at each node: {jobs:?}");
+    assert!(injector.counts().dropped > 0, "the injector dropped: {:?}", injector.counts());
+    for (node, job) in nodes.iter().zip(&jobs[0]) {
+        let accepted = node
+            .status()
+            .jobs
+            .iter()
+            .find(|j| j.id == *job)
+            .and_then(|j| j.counters)
+            .map_or(0, |c| c.accepted + c.results);
+        assert!(accepted > 0, "node {} aggregated none of job {job}'s stripe", node.pin_root.display());
+    }
+    drop(comms);
+    drop(nodes);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -80,7 +80,7 @@ class Communicator:
     ) -> Communicator: ...
     @staticmethod
     def connect(
-        node: str,
+        node: str | list[str],
         *,
         run: str,
         world: int,

@@ -23,7 +23,7 @@ use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::api::broadcast_elements;
-use aggbox::runtime::control::{Credential, RunCommunicator, RunJob};
+use aggbox::runtime::control::{Credential, RunCommunicator};
 use aggbox::runtime::{
     Algorithm, BackendKind, CallOptions, Collective, CommError, CommStats, Communicator,
     CommunicatorBuilder, Elements, Participant, Peer, Quantization, RingCommunicator, Served,
@@ -333,7 +333,7 @@ impl Comm {
             Comm::One(c) => vec![c.config().job],
             Comm::Striped(s) => s.stripes().iter().map(|c| c.config().job).collect(),
             Comm::Chosen(s) => s.star().expect("from_config builds the star").jobs(),
-            Comm::OnDemand(d) => vec![d.run().grant().job],
+            Comm::OnDemand(d) => d.runs().iter().map(|r| r.grant().job).collect(),
         }
     }
 
@@ -629,7 +629,10 @@ impl PyCommunicator {
     /// of `world` ranks at the node's control endpoint `node`
     /// ("IP:PORT"), this rank's data socket `data` ("IP:PORT"); returns once
     /// every rank has joined and the node serves the run's job (jobs on
-    /// demand: no node file on the workers). The credential is `tenant`
+    /// demand: no node file on the workers). `node` may be a list of
+    /// several nodes' endpoints (the same on every rank, in the same
+    /// order): each vector is then striped over the run's job at each,
+    /// stripe t through the data port plus t. The credential is `tenant`
     /// and `key` (hex), else AGGBOX_TENANT and AGGBOX_KEY. The job is
     /// renewed while the communicator lives and ended for this rank by
     /// `close()`. Raises AggBoxError with the node's reason when refused.
@@ -638,7 +641,7 @@ impl PyCommunicator {
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
-        node: &str,
+        node: &Bound<'_, PyAny>,
         run: String,
         world: u16,
         rank: u16,
@@ -651,9 +654,14 @@ impl PyCommunicator {
         quantization: Option<&Bound<'_, PyAny>>,
         mtu: usize,
     ) -> PyResult<PyCommunicator> {
-        let node: std::net::SocketAddr = node
-            .parse()
-            .map_err(|_| PyValueError::new_err(format!("node {node:?}: the control endpoint as IP:PORT")))?;
+        let nodes: Vec<String> = match node.extract::<String>() {
+            Ok(one) => vec![one],
+            Err(_) => node.extract().map_err(|_| PyValueError::new_err("node: a control endpoint \"IP:PORT\" or a list of them"))?,
+        };
+        let nodes = nodes
+            .iter()
+            .map(|n| n.parse().map_err(|_| PyValueError::new_err(format!("node {n:?}: the control endpoint as IP:PORT"))))
+            .collect::<PyResult<Vec<std::net::SocketAddr>>>()?;
         let data: SocketAddrV4 = data
             .parse()
             .map_err(|_| PyValueError::new_err(format!("data {data:?}: this rank's data socket as IP:PORT")))?;
@@ -665,8 +673,8 @@ impl PyCommunicator {
         let join_deadline = self::deadline(join_deadline)?;
         let tuning = Tuning::new(deadline, quantization, mtu)?;
         Self::wrap(py, move || {
-            let run = RunJob::join(node, credential, &run, world, rank, data, vector_len, join_deadline)?;
-            Ok(Comm::OnDemand(Box::new(run.communicator(|b| tuning.apply(b))?)))
+            let comm = RunCommunicator::join(&nodes, credential, &run, world, rank, data, vector_len, join_deadline, |b| tuning.apply(b))?;
+            Ok(Comm::OnDemand(Box::new(comm)))
         })
     }
 

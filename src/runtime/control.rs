@@ -7,13 +7,13 @@
 
 use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::runtime::api::{Collective, Elements, Served};
 use crate::runtime::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant};
+use crate::runtime::striped::StripedCommunicator;
 use crate::runtime::transport::CommStats;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::CommError;
@@ -62,10 +62,11 @@ pub struct RunJob {
     grant: JobGrant,
     node: SocketAddr,
     rank: u16,
-    stop: Arc<AtomicBool>,
     /// Why the node no longer serves the job, once a renewal says so (see
     /// [`RunJob::lost`]).
     lost: Arc<Mutex<Option<String>>>,
+    /// Dropped to wake the renewer at once when the rank ends.
+    waker: Option<std::sync::mpsc::Sender<()>>,
     /// Renews until stopped, then ends this rank's part: a thread of the
     /// network namespace the join was made in, so that the renewals and
     /// the end reach the node from there whoever drops the RunJob.
@@ -121,10 +122,10 @@ impl RunJob {
             }
             other => return Err(CommError::Config(format!("node {node}: unexpected reply to a join: {other:?}"))),
         };
-        let stop = Arc::new(AtomicBool::new(false));
         let lost: Arc<Mutex<Option<String>>> = Arc::default();
+        let (waker, wake) = std::sync::mpsc::channel::<()>();
         let renewer = {
-            let (stop, credential, lost) = (stop.clone(), credential.clone(), lost.clone());
+            let (credential, lost) = (credential.clone(), lost.clone());
             let renew = Request::Renew { job: grant.job, incarnation: grant.incarnation };
             let end = Request::End { job: grant.job, incarnation: grant.incarnation, rank };
             let every = Duration::from_millis((grant.lease_ms / 3).max(100));
@@ -136,9 +137,15 @@ impl RunJob {
                     let mut next = Instant::now() + every;
                     let mut renewed = Instant::now();
                     let mut gone = None;
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(20));
-                        if gone.is_some() || Instant::now() < next {
+                    loop {
+                        // Woken by end() or drop at once (the sender goes),
+                        // else at the next renewal.
+                        match wake.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                            _ => break,
+                        }
+                        if gone.is_some() {
+                            next = Instant::now() + lease;
                             continue;
                         }
                         // A lost renewal is retried at the next tick; the
@@ -177,7 +184,7 @@ impl RunJob {
                 })
                 .map_err(|e| CommError::Config(format!("starting the renewal thread: {e}")))?
         };
-        Ok(RunJob { grant, node, rank, stop, lost, renewer: Some(renewer) })
+        Ok(RunJob { grant, node, rank, waker: Some(waker), lost, renewer: Some(renewer) })
     }
 
     /// What the node granted.
@@ -195,10 +202,9 @@ impl RunJob {
     /// from [`RunJob::builder`], with the run: see [`RunCommunicator`].
     pub fn communicator(
         self,
-        configure: impl FnOnce(CommunicatorBuilder) -> CommunicatorBuilder,
+        configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
     ) -> Result<RunCommunicator, CommError> {
-        let comm = configure(self.builder()).build()?;
-        Ok(RunCommunicator { comm, run: self })
+        RunCommunicator::of(vec![self], configure)
     }
 
     /// The communicator of this rank for the job: the node's XDP program
@@ -229,7 +235,7 @@ impl RunJob {
     }
 
     fn finish(&mut self) -> Result<(), CommError> {
-        self.stop.store(true, Ordering::Relaxed);
+        drop(self.waker.take());
         match self.renewer.take() {
             Some(t) => t.join().unwrap_or_else(|_| Err(CommError::Config("the renewal thread panicked".into()))),
             None => Ok(()),
@@ -243,43 +249,100 @@ impl Drop for RunJob {
     }
 }
 
-/// A rank's communicator of a job on demand, with the run that holds the
-/// job: the job is renewed while it lives and ended for this rank when it
-/// is dropped (after the communicator has stopped: field order). A call
-/// made once the node no longer serves the job (it restarted, or the lease
-/// ran out) fails at once with [`CommError::JobLost`], and a call that
-/// failed meanwhile (its deadline passed) fails with it too, naming the
-/// node and why: join the run again for a new job.
+/// A rank's communicator of a run's job on demand, or of its jobs at
+/// several nodes, one stripe each ([`RunCommunicator::join`]), with the
+/// runs that hold them: each job is renewed while it lives and ended for
+/// this rank when it is dropped (after the communicators have stopped:
+/// field order). A call made once a node no longer serves its job (it
+/// restarted, or the lease ran out) fails at once with
+/// [`CommError::JobLost`], and a call that failed meanwhile (its deadline
+/// passed) fails with it too, naming the node and why: join the run again
+/// for a new job.
 #[derive(Debug)]
 pub struct RunCommunicator {
-    comm: Communicator,
-    run: RunJob,
+    comm: StripedCommunicator,
+    runs: Vec<RunJob>,
 }
 
 impl RunCommunicator {
-    /// The job's communicator.
+    /// Joins the run at every node of `nodes` (in that order; every rank
+    /// must give the same nodes in the same order) and stripes each vector
+    /// over their jobs, stripe `t` at `nodes[t]` through this rank's data
+    /// socket `data` with its port plus `t` (docs/INTERFACE.md, "Jobs on
+    /// demand"). `configure` sets the rest of each stripe's builder.
+    #[allow(clippy::too_many_arguments)]
+    pub fn join(
+        nodes: &[SocketAddr],
+        credential: Credential,
+        run: &str,
+        world: u16,
+        rank: u16,
+        data: SocketAddrV4,
+        vector_len: Option<u32>,
+        deadline: Duration,
+        configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
+    ) -> Result<RunCommunicator, CommError> {
+        if nodes.is_empty() {
+            return Err(CommError::Config("a run needs the control endpoint of at least one node".into()));
+        }
+        let mut runs = Vec::with_capacity(nodes.len());
+        for (t, node) in nodes.iter().enumerate() {
+            let port = u16::try_from(data.port() as usize + t)
+                .map_err(|_| CommError::Config(format!("data port {} + stripe {t} is past 65535", data.port())))?;
+            let stripe = SocketAddrV4::new(*data.ip(), port);
+            runs.push(RunJob::join(*node, credential.clone(), run, world, rank, stripe, vector_len, deadline)?);
+        }
+        RunCommunicator::of(runs, configure)
+    }
+
+    fn of(runs: Vec<RunJob>, configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Result<RunCommunicator, CommError> {
+        let stripes = runs.iter().map(|r| configure(r.builder()).build()).collect::<Result<Vec<_>, _>>()?;
+        Ok(RunCommunicator { comm: StripedCommunicator::new(stripes)?, runs })
+    }
+
+    /// The first stripe's communicator (the only one of a run at one node).
     pub fn communicator(&self) -> &Communicator {
+        &self.comm.stripes()[0]
+    }
+
+    /// Every stripe's communicator.
+    pub fn striped(&self) -> &StripedCommunicator {
         &self.comm
     }
 
-    /// The run.
+    /// The run at the first node.
     pub fn run(&self) -> &RunJob {
-        &self.run
+        &self.runs[0]
     }
 
-    /// Ends this rank's part now (also done on drop), after stopping the
-    /// communicator.
+    /// The run at each node, in stripe order.
+    pub fn runs(&self) -> &[RunJob] {
+        &self.runs
+    }
+
+    /// Ends this rank's part of every job now (also done on drop), after
+    /// stopping the communicators; the first failure is returned.
     pub fn end(self) -> Result<(), CommError> {
-        let RunCommunicator { comm, run } = self;
+        let RunCommunicator { comm, runs } = self;
         drop(comm);
-        run.end()
+        let mut first = Ok(());
+        for run in runs {
+            if let Err(e) = run.end() {
+                first = first.and(Err(e));
+            }
+        }
+        first
     }
 
-    fn served<T>(&self, call: impl FnOnce(&Communicator) -> Result<T, CommError>) -> Result<T, CommError> {
-        if let Some(why) = self.run.lost() {
+    fn lost(&self) -> Option<String> {
+        self.runs.iter().find_map(|r| r.lost())
+    }
+
+    fn served<T>(&self, call: impl FnOnce(&StripedCommunicator) -> Result<T, CommError>) -> Result<T, CommError> {
+        if let Some(why) = self.lost() {
             return Err(CommError::JobLost(why));
         }
-        call(&self.comm).map_err(|e| match self.run.lost() {
+        call(&self.comm).map_err(|e| match self.lost() {
             Some(why) => CommError::JobLost(format!("{why} (the call failed: {e})")),
             None => e,
         })
@@ -288,7 +351,7 @@ impl RunCommunicator {
 
 impl Collective for RunCommunicator {
     fn participant(&self) -> Participant {
-        self.comm.participant()
+        Collective::participant(&self.comm)
     }
     fn workers(&self) -> u16 {
         Collective::workers(&self.comm)
