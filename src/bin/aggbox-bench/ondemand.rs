@@ -423,16 +423,20 @@ pub struct CreateSummary {
     pub met: bool,
 }
 
+/// A rank of part 1: its join start, join return, communicator built,
+/// allreduce return, and the job granted.
+type RankTimes = (Instant, Instant, Instant, Instant, u16);
+
 /// W ranks join run `run` together, build, allreduce one element, check it,
 /// and end once all are done.
 fn create_trial(tb: &Testbed, control: SocketAddr, credential: &Credential, w: usize, run: &str) -> Result<(u16, f64, f64, f64)> {
     let start = Barrier::new(w);
     let done = Barrier::new(w);
-    let ranks: Vec<Result<(Instant, Instant, Instant, Instant, u16)>> = std::thread::scope(|s| {
+    let ranks: Vec<Result<RankTimes>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..w)
             .map(|r| {
                 let (start, done) = (&start, &done);
-                s.spawn(move || -> Result<(Instant, Instant, Instant, Instant, u16)> {
+                s.spawn(move || -> Result<RankTimes> {
                     let data = SocketAddrV4::new(tb.host(r + 1).addr, RUN_DATA_PORT);
                     tb.in_host(r + 1, || {
                         start.wait();
@@ -466,7 +470,7 @@ fn create_trial(tb: &Testbed, control: SocketAddr, credential: &Credential, w: u
     });
     let ranks: Vec<_> = ranks.into_iter().collect::<Result<_>>().with_context(|| format!("run {run} of {w} ranks"))?;
     let first = ranks.iter().map(|r| r.0).min().context("no rank")?;
-    let ms = |f: fn(&(Instant, Instant, Instant, Instant, u16)) -> Instant| {
+    let ms = |f: fn(&RankTimes) -> Instant| {
         ranks.iter().map(|r| f(r).duration_since(first).as_secs_f64() * 1e3).fold(0.0, f64::max)
     };
     let job = ranks[0].4;
@@ -883,7 +887,7 @@ fn static_vs_dynamic(
             })
             .collect();
         // The coordinator: /metrics around every phase.
-        let phases = (|| -> Result<Vec<Phase>> {
+        let coordinate = || -> Result<Vec<Phase>> {
             sync.wait();
             let mut phases = Vec::new();
             let mut error = None;
@@ -913,7 +917,8 @@ fn static_vs_dynamic(
                 Some(e) => Err(e),
                 None => Ok(phases),
             }
-        })();
+        };
+        let phases = coordinate();
         let ranks = hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a rank panicked")))).collect();
         (ranks, phases)
     });
@@ -1107,7 +1112,7 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let compared = static_vs_dynamic(&tb, control, &credential, &config, plan.calls, plan.block)?;
     for r in &compared.ratios {
         progress(format!(
-            "ondemand: {} elements: dynamic / static latency {:.3}, XDP ns per contribution {:.3}",
+            "ondemand: {}-element calls, dynamic / static latency {:.3}, XDP ns per contribution {:.3}",
             r.elements, r.latency, r.xdp_ns
         ));
     }
@@ -1319,7 +1324,7 @@ fn report(opts: &BenchOptions, r: &OnDemand) -> (String, Vec<String>) {
             if x.within_noise { "yes (met)" } else { "no (missed)" }
         );
         headline.push(format!(
-            "ondemand: {} elements, dynamic / static: latency {:.3} (per block {:.3} [{:.3}–{:.3}]), XDP ns per contribution {:.3} (goal within noise: {})",
+            "ondemand: {}-element calls, dynamic / static: latency {:.3} (per block {:.3} [{:.3}–{:.3}]), XDP ns per contribution {:.3} (goal within noise: {})",
             x.elements,
             x.latency,
             x.latency_per_block.median,
@@ -1359,7 +1364,12 @@ mod tests {
         assert_eq!(bucket_of(&h0, &h1, 0.5), (0.001, 0.002));
         assert_eq!(bucket_of(&h0, &h1, 0.3), (0.0, 0.001));
         assert_eq!(bucket_of(&h0, &h1, 0.99).1, f64::INFINITY);
-        let before = apply_histogram(&SCRAPE.replace("} 3\n", "} 2\n").replace("} 9\n", "} 2\n").replace("} 10\n", "} 2\n"));
+        let before = apply_histogram(
+            "aggbox_control_apply_seconds_bucket{le=\"0.001\"} 2\n\
+             aggbox_control_apply_seconds_bucket{le=\"0.002\"} 2\n\
+             aggbox_control_apply_seconds_bucket{le=\"+Inf\"} 2\n\
+             aggbox_control_apply_seconds_count 2\n",
+        );
         // Of the 8 new observations, 1 ≤ 1 ms and 6 more ≤ 2 ms.
         assert_eq!(bucket_of(&before, &h1, 0.5), (0.001, 0.002));
         assert_eq!(bucket_of(&before, &h1, 0.1), (0.0, 0.001));
