@@ -265,6 +265,63 @@ def edge(d):
     save(fig, d, "edge.png")
 
 
+def ondemand(d):
+    """`aggbox-bench ondemand`: create to first allreduce per world size, the
+    node's time per change (its histogram's buckets), and a job on demand
+    over the static job per block (latency and XDP time per contribution)."""
+    o = load(d, "ondemand.json")
+    if not o:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    ax = axes[0]
+    worlds = sorted(set(t["workers"] for t in o["create_trials"]))
+    data = [[t["total_ms"] for t in o["create_trials"] if t["workers"] == w] for w in worlds]
+    if data and all(data):
+        ax.boxplot(data, whis=(0, 100))
+        ax.set_xticks(range(1, len(worlds) + 1))
+        ax.set_xticklabels([str(w) for w in worlds])
+    ax.axhline(50, color="tab:red", ls="--", lw=0.8, label="goal 50 ms")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Create to first allreduce (min-max)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    cd = o["create_destroy"]
+    b = [(le, n) for le, n in cd["apply_buckets"]]
+    labels = ["+Inf" if le is None or le > 1e9 else f"{le:g}" for le, _ in b]
+    ax.bar(range(len(b)), [n for _, n in b], color="tab:blue")
+    ax.set_xticks(range(len(b)))
+    ax.set_xticklabels(labels, rotation=60, fontsize=7)
+    ax.set_xlabel("bucket upper bound (ms)")
+    ax.set_ylabel("changes")
+    ax.set_title(f"Node: apply one change, {cd['cycles']} runs (mean {cd['apply_mean_ms']:.2f} ms)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax = axes[2]
+    phases = o["static_vs_dynamic"]["phases"]
+    sizes = sorted(set(p["elements"] for p in phases))
+    for i, n in enumerate(sizes):
+        blocks = sorted(set(p["block"] for p in phases if p["elements"] == n))
+        lat, xdp = [], []
+        for blk in blocks:
+            ph = {p["job"]: p for p in phases if p["elements"] == n and p["block"] == blk}
+            if "static" in ph and "dynamic" in ph:
+                lat.append(ph["dynamic"]["median_us"] / ph["static"]["median_us"])
+                xdp.append((ph["dynamic"]["xdp_ns"] / ph["dynamic"]["contributions"])
+                           / (ph["static"]["xdp_ns"] / ph["static"]["contributions"]))
+        ax.scatter([2 * i - 0.15] * len(lat), lat, s=12, color="tab:blue", label="latency" if i == 0 else None)
+        ax.scatter([2 * i + 0.15] * len(xdp), xdp, s=12, color="tab:orange", label="XDP ns / contribution" if i == 0 else None)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks([2 * i for i in range(len(sizes))])
+    ax.set_xticklabels([f"{n:,} elements" for n in sizes])
+    ax.set_ylabel("dynamic / static, per block")
+    ax.set_title("Job on demand vs static job", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    save(fig, d, "ondemand.png")
+
+
 def mpi(d):
     """`scripts/mpi_bench.sh`: latency (log-log) and bandwidth of MPI_Allreduce
     and MPI_Bcast per size, plain MPI against libaggbox_mpi (every call
@@ -396,6 +453,7 @@ def main():
     model(d)
     large(d)
     edge(d)
+    ondemand(d)
     soak(d)
 
 

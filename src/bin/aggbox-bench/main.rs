@@ -19,7 +19,9 @@
 //! usage vs senders, [`apps`] computation cost (GEMM), parameter server, word
 //! count and broadcast applications, [`model`] the analytical scale model,
 //! [`large`] all-reduce of large vectors against Gloo, [`edge`] the runtime's
-//! passes over a vector against memcpy.
+//! passes over a vector against memcpy, [`ondemand`] jobs on demand: create
+//! to first allreduce, the node's create + destroy cost and leaks, and a
+//! dynamic job against the static job of the same description.
 //!
 //! `aggbox-bench soak` ([`soak`], `make soak`) is not an experiment of
 //! `all`: the production-shaped soak, star, node-served and ring jobs at
@@ -35,6 +37,7 @@ pub mod floor;
 pub mod large;
 pub mod model;
 pub mod net;
+pub mod ondemand;
 pub mod soak;
 pub mod soak_worker;
 #[path = "../../testing/testbed.rs"]
@@ -89,7 +92,7 @@ impl BenchOptions {
 }
 
 /// Names of the experiments, in the order `all` runs them.
-pub const EXPERIMENTS: [&str; 10] = [
+pub const EXPERIMENTS: [&str; 11] = [
     "agg",
     "bcast",
     "cpu",
@@ -100,6 +103,7 @@ pub const EXPERIMENTS: [&str; 10] = [
     "model",
     "large",
     "edge",
+    "ondemand",
 ];
 
 static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -357,6 +361,7 @@ pub fn run(which: &[String], opts: &BenchOptions) -> Result<()> {
             "model" => model::run(opts, &mut ctx),
             "large" => large::run(opts, &mut ctx),
             "edge" => edge::run(opts, &mut ctx),
+            "ondemand" => ondemand::run(opts, &mut ctx),
             _ => unreachable!("names are checked above"),
         };
         match r {
@@ -534,7 +539,7 @@ pub fn thousands(x: f64) -> String {
     about = "Run the evaluation benchmarks (docs/BENCHMARKS.md) on a netns testbed and write raw results, plots and REPORT.md (needs root)"
 )]
 struct Cli {
-    /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model, large, edge.
+    /// Experiments: all, agg, bcast, cpu, gemm, ps, wordcount, bcast-apps, model, large, edge, ondemand.
     #[arg(default_value = "all")]
     experiments: Vec<String>,
     /// CI smoke sizes (a few minutes; asserts correctness, never speed).
@@ -577,6 +582,7 @@ fn run_cli() -> Result<()> {
     ctrlc::set_handler(|| {
         eprintln!("aggbox-bench: interrupted; removing this run's testbeds and bpffs mounts");
         soak::kill_started_processes();
+        ondemand::kill_started();
         if let Err(e) = testbed::down_all_of_this_process() {
             eprintln!("aggbox-bench: {e}");
         }
