@@ -32,6 +32,8 @@
 #[allow(dead_code)]
 mod testbed;
 mod live_attach;
+#[path = "../src/testing/impair/mod.rs"]
+mod impair;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -722,7 +724,9 @@ fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
 /// within the program's bound) gets a new job of its own; a third (MPICH,
 /// AGGBOX_MPI_DATA_PORT set) splits the world into halves in world order,
 /// the lower one (world ranks 0 and 1) a job of its own, not
-/// MPI_COMM_WORLD's.
+/// MPI_COMM_WORLD's. A fourth and fifth run under 1 % loss and
+/// duplication on every link: 500 int32 allreduces and broadcasts, and
+/// float32 SUMs, each result checked by the program.
 #[test]
 fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     const RANKS: usize = 4;
@@ -800,6 +804,37 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     }
     assert_ne!(jobs[0][1].0, jobs[2][1].0, "each half its own job");
     assert_no_jobs_soon(&bed, "after the third run");
+
+    // A fourth run under 1 % loss and duplication on every link: 500
+    // int32 allreduces (and as many broadcasts) of 1 to 5,000 elements,
+    // then float32 SUMs (quantized), every result checked by the program.
+    let injector = impair::Injector::new();
+    let impair = |loss: f64, dup: f64| {
+        for h in 0..=RANKS {
+            let port = bed.tb.switch_port(h);
+            let injector = &injector;
+            testbed::in_netns(&bed.tb.switch_netns(), move || injector.set(&port, loss, dup))
+                .expect("switch netns")
+                .unwrap_or_else(|e| panic!("{e:#}"));
+        }
+    };
+    impair(0.01, 0.01);
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &[]), &program, &["repeat", "125", "1", "363", "1448", "5000"]);
+    let floats = bed.mpirun(
+        Mpi::OpenMpi,
+        RANKS,
+        &bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_FLOAT", "quantized".into())]),
+        &program,
+        &["float", "1", "2", "363", "1448", "5000", "10000"],
+    );
+    impair(0.0, 0.0);
+    assert!(out.status.success(), "500 int32 allreduces under loss failed");
+    assert!(floats.status.success(), "float32 SUMs under loss failed");
+    let served = counter(&counters_line(&out, 0), "served", "MPI_Allreduce");
+    assert_eq!(served, 500, "every allreduce of the lossy run served by AggBox: {}", counters_line(&out, 0));
+    let c = injector.counts();
+    assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
+    assert_no_jobs_soon(&bed, "after the lossy runs");
 }
 
 /// A join the node refuses (a wrong key: `bad_mac`) or cannot take (no
