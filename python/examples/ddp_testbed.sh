@@ -37,40 +37,14 @@ done
 [ -x "$BIN" ] || { echo "ddp_testbed.sh: $BIN missing: run make build" >&2; exit 1; }
 [ -f "$SITE/aggbox/__init__.py" ] || { echo "ddp_testbed.sh: no aggbox package in $SITE: run make python" >&2; exit 1; }
 
-TESTBED="$REPO/scripts/testbed.sh"
-PREFIX="ddp$$"
-PREFIX=${PREFIX:0:8}
 JOB=21
 PORT=7800
 GROUP=9
 DATA_PORT=7900
 NODE_ADDR=10.77.0.11
-WORK=$(mktemp -d /tmp/aggbox-ddp.XXXXXX)
-PIN_ROOT="$WORK/bpffs"
-ATTACH_PID=""
-PIDS=()
 
-cleanup() {
-    local rc=$?
-    for pid in "${PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    if [ -n "$ATTACH_PID" ] && kill -0 "$ATTACH_PID" 2>/dev/null; then
-        kill -INT "$ATTACH_PID" 2>/dev/null || true
-        wait "$ATTACH_PID" 2>/dev/null || true
-    fi
-    "$TESTBED" down --prefix "$PREFIX" >/dev/null 2>&1 || true
-    umount "$PIN_ROOT" 2>/dev/null || true
-    rm -rf "$WORK"
-    [ $rc -eq 0 ] || echo "ddp_testbed.sh: FAILED (exit $rc)" >&2
-    exit $rc
-}
-trap cleanup EXIT INT TERM
-
-"$TESTBED" up --prefix "$PREFIX" --hosts $((WORKERS + 1)) --mtu "$MTU" >/dev/null
-mkdir -p "$PIN_ROOT"
-mount -t bpf bpf "$PIN_ROOT"
+. "$REPO/python/examples/testbed_lib.sh"
+testbed_up ddp_testbed.sh ddp
 
 workers="" members=""
 for i in $(seq 1 "$WORKERS"); do
@@ -95,14 +69,7 @@ id = $GROUP
 members = [ ${members%, } ]
 EOF
 
-ip netns exec "${PREFIX}h0" "$BIN" attach eth0 --config "$WORK/node.toml" --pin-root "$PIN_ROOT" >"$WORK/attach.log" 2>&1 &
-ATTACH_PID=$!
-for _ in $(seq 100); do
-    grep -q "aggbox: attached to eth0" "$WORK/attach.log" && break
-    kill -0 "$ATTACH_PID" 2>/dev/null || { cat "$WORK/attach.log" >&2; exit 1; }
-    sleep 0.1
-done
-grep -q "aggbox: attached to eth0" "$WORK/attach.log" || { cat "$WORK/attach.log" >&2; exit 1; }
+node_attach
 echo "node ${PREFIX}h0 ($NODE_ADDR): aggbox attach, job $JOB served by the node; $WORKERS workers, MTU $MTU" >&2
 
 for r in $(seq 0 $((WORKERS - 1))); do
@@ -112,14 +79,4 @@ for r in $(seq 0 $((WORKERS - 1))); do
         >"$WORK/rank$r.log" 2>&1 &
     PIDS+=($!)
 done
-failed=0
-for r in $(seq 0 $((WORKERS - 1))); do
-    if ! wait "${PIDS[$r]}"; then
-        failed=1
-        echo "--- rank $r failed:" >&2
-        cat "$WORK/rank$r.log" >&2
-    fi
-done
-PIDS=()
-cat "$WORK/rank0.log"
-exit $failed
+ranks_wait
