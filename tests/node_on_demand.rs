@@ -197,7 +197,7 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
                 let tb = &tb;
                 s.spawn(move || {
                     tb.in_host(r + 1, || {
-                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None })
+                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None, window: Some(16), frag_elems: Some(362) })
                     })
                     .unwrap()
                 })

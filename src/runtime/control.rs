@@ -18,7 +18,7 @@ use crate::runtime::transport::CommStats;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::CommError;
 use crate::wire::abi::Op;
-use crate::wire::control::{read_frame, write_frame, Envelope, JobGrant, Reply, Request, NONCE_BYTES};
+use crate::wire::control::{read_frame, write_frame, Envelope, JobGrant, JobShape, Reply, Request, NONCE_BYTES};
 
 /// Environment variables of [`Credential::from_env`].
 pub const ENV_TENANT: &str = "AGGBOX_TENANT";
@@ -114,7 +114,24 @@ impl RunJob {
         vector_len: Option<u32>,
         deadline: Duration,
     ) -> Result<RunJob, CommError> {
-        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len };
+        RunJob::join_shaped(node, credential, run, world, rank, data, JobShape { vector_len, ..JobShape::default() }, deadline)
+    }
+
+    /// [`RunJob::join`] asking the node for the job's `shape`: its vector
+    /// length bound, window and fragment size (every rank the same).
+    #[allow(clippy::too_many_arguments)]
+    pub fn join_shaped(
+        node: SocketAddr,
+        credential: Credential,
+        run: &str,
+        world: u16,
+        rank: u16,
+        data: SocketAddrV4,
+        shape: JobShape,
+        deadline: Duration,
+    ) -> Result<RunJob, CommError> {
+        let JobShape { vector_len, window, frag_elems } = shape;
+        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems };
         let grant = match call(node, &credential, &request, deadline)? {
             Reply::Joined(g) => g,
             Reply::Refused { reason, message } => {

@@ -70,6 +70,15 @@ pub enum Request {
         /// slot memory), or none.
         #[serde(default)]
         vector_len: Option<u32>,
+        /// Rounds the node keeps open at once (the job's `window`,
+        /// 1..=2^31-1), or the node's default.
+        #[serde(default)]
+        window: Option<u32>,
+        /// Elements per fragment the ranks send (the job's `frag_elems`,
+        /// 1..=MAX_ELEMS; (MTU - 52) / 4 fills a datagram of the run's
+        /// MTU), or the node's interface MTU's.
+        #[serde(default)]
+        frag_elems: Option<u32>,
     },
     /// Keeps the job alive for another lease.
     Renew {
@@ -125,6 +134,17 @@ pub struct JobGrant {
     pub ack_mode: AckMode,
     /// Sequence numbers per group ACK (`[node] ack_group`).
     pub ack_group: u16,
+}
+
+/// What a run asks of its job besides its ranks: the keys of a `[[job]]`
+/// that are the run's to choose (the fields of [`Request::Join`] of the
+/// same names). None: the node's defaults. Every rank of a run asks the
+/// same.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobShape {
+    pub vector_len: Option<u32>,
+    pub window: Option<u32>,
+    pub frag_elems: Option<u32>,
 }
 
 /// Why a request was refused (docs/PROTOCOL.md lists them).
@@ -276,7 +296,7 @@ mod tests {
     use super::*;
 
     fn join() -> Request {
-        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None }
+        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None, window: None, frag_elems: None }
     }
 
     #[test]

@@ -15,9 +15,10 @@ use std::net::SocketAddrV4;
 
 use crate::config::{
     Config, GroupConfig, JobConfig, ResultConsumer, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
-    DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_WINDOW, MAX_WORKERS,
+    DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_WINDOW, MAX_WINDOW, MAX_WORKERS,
 };
-use crate::wire::control::{Envelope, JobGrant, Refusal, Reply, Request, NONCE_BYTES};
+use crate::wire::abi;
+use crate::wire::control::{Envelope, JobGrant, JobShape, Refusal, Reply, Request, NONCE_BYTES};
 
 use super::keys::Keys;
 
@@ -63,7 +64,7 @@ pub struct LiveJob {
     pub run: String,
     pub grant: JobGrant,
     pub group: u16,
-    pub vector_len: Option<u32>,
+    pub shape: JobShape,
     /// When it is removed unless renewed (the registry's clock, ms).
     pub expires_ms: u64,
     /// When it was created.
@@ -76,7 +77,7 @@ pub struct LiveJob {
 #[derive(Debug, Clone)]
 struct Joining {
     world: u16,
-    vector_len: Option<u32>,
+    shape: JobShape,
     /// Rank → its data socket and the connection waiting for the grant.
     ranks: BTreeMap<u16, (SocketAddrV4, ConnId)>,
     started_ms: u64,
@@ -187,15 +188,15 @@ impl Registry {
                     weights: vec![1; g.workers.len()],
                     result_port: g.result_port,
                     result_group: Some(j.group),
-                    vector_len: j.vector_len,
+                    vector_len: j.shape.vector_len,
                     slots: DEFAULT_SLOTS,
                     parent: None,
                     userspace_only: false,
-                    window: DEFAULT_WINDOW,
+                    window: j.shape.window.unwrap_or(DEFAULT_WINDOW),
                     userspace_slots: DEFAULT_USERSPACE_SLOTS,
                     userspace_slot_bytes: DEFAULT_USERSPACE_SLOT_BYTES_JOB,
                     consumer: ResultConsumer::Node,
-                    frag_elems: None,
+                    frag_elems: j.shape.frag_elems,
                 };
                 (job, GroupConfig { id: j.group, members: g.workers.clone() })
             })
@@ -265,8 +266,8 @@ impl Registry {
 
     fn serve(&mut self, now_ms: u64, conn: ConnId, tenant: String, request: Request) -> Vec<(ConnId, Reply)> {
         match request {
-            Request::Join { run, world, rank, data, vector_len } => {
-                self.join(now_ms, conn, tenant, run, world, rank, data, vector_len)
+            Request::Join { run, world, rank, data, vector_len, window, frag_elems } => {
+                self.join(now_ms, conn, tenant, run, world, rank, data, JobShape { vector_len, window, frag_elems })
             }
             Request::Renew { job, incarnation } => {
                 let lease = self.limits.lease_ms;
@@ -319,10 +320,17 @@ impl Registry {
         world: u16,
         rank: u16,
         data: SocketAddrV4,
-        vector_len: Option<u32>,
+        shape: JobShape,
     ) -> Vec<(ConnId, Reply)> {
         if world == 0 || world as usize > MAX_WORKERS || rank >= world {
             return vec![(conn, refuse(Refusal::Conflict, format!("rank {rank} of a world of {world}: 1..={MAX_WORKERS} ranks, rank below world")))];
+        }
+        // The ranges a `[[job]]` of the file is held to (config/parse.rs).
+        if shape.window.is_some_and(|w| !(1..=MAX_WINDOW).contains(&w)) {
+            return vec![(conn, refuse(Refusal::Malformed, format!("window {:?}: 1..={MAX_WINDOW} rounds", shape.window)))];
+        }
+        if shape.frag_elems.is_some_and(|f| !(1..=abi::MAX_ELEMS).contains(&f)) {
+            return vec![(conn, refuse(Refusal::Malformed, format!("frag_elems {:?}: 1..={} elements, (MTU - 52) / 4 fills a datagram", shape.frag_elems, abi::MAX_ELEMS)))];
         }
         if let Some((id, _)) = self
             .live
@@ -337,14 +345,14 @@ impl Registry {
         let key = (tenant.clone(), run.clone());
         let joining = self.joining.entry(key.clone()).or_insert_with(|| Joining {
             world,
-            vector_len,
+            shape,
             ranks: BTreeMap::new(),
             started_ms: now_ms,
         });
-        if joining.world != world || joining.vector_len != vector_len {
+        if joining.world != world || joining.shape != shape {
             return vec![(conn, refuse(
                 Refusal::Conflict,
-                format!("run {run} is joining as a world of {} (vector_len {:?}), not {world} ({vector_len:?})", joining.world, joining.vector_len),
+                format!("run {run} is joining as a world of {} ({:?}), not {world} ({shape:?})", joining.world, joining.shape),
             ))];
         }
         if let Some((addr, _)) = joining.ranks.get(&rank) {
@@ -433,7 +441,7 @@ impl Registry {
                 run,
                 grant: grant.clone(),
                 group,
-                vector_len: joining.vector_len,
+                shape: joining.shape,
                 expires_ms: now_ms + self.limits.lease_ms,
                 created_ms: now_ms,
                 ended: BTreeSet::new(),
@@ -554,6 +562,8 @@ mod tests {
             rank,
             data: SocketAddrV4::new([10, 0, run.as_bytes()[0], rank as u8 + 1].into(), 7700),
             vector_len: None,
+            window: None,
+            frag_elems: None,
         }
     }
 
@@ -633,6 +643,23 @@ mod tests {
     }
 
     #[test]
+    fn a_runs_window_and_fragment_size_reach_its_job_and_every_rank_asks_the_same() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let shaped = |rank: u16, window: Option<u32>, frag_elems: Option<u32>| match join("s", 2, rank) {
+            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: Some(1000), window, frag_elems },
+            _ => unreachable!(),
+        };
+        assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &shaped(0, Some(0), None)))), Refusal::Malformed, "window 0");
+        assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &shaped(0, None, Some(abi::MAX_ELEMS + 1))))), Refusal::Malformed, "frag_elems too large");
+        assert!(reg.handle(T0, 1, &c.frame(T0, &shaped(0, Some(16), Some(2240)))).is_empty(), "rank 0 waits for rank 1");
+        assert_eq!(reason(&reg.handle(T0, 2, &c.frame(T0, &shaped(1, Some(32), Some(2240))))), Refusal::Conflict, "another window");
+        assert_eq!(reg.handle(T0, 2, &c.frame(T0, &shaped(1, Some(16), Some(2240)))).len(), 2, "both ranks answered");
+        let (jobs, _) = reg.desired();
+        assert_eq!((jobs[0].vector_len, jobs[0].window, jobs[0].frag_elems), (Some(1000), 16, Some(2240)));
+    }
+
+    #[test]
     fn quotas_refuse_the_job_that_would_exceed_them_naming_the_limit() {
         let mut reg = registry();
         let mut c = Client { tenant: "alice", nonce: 0 };
@@ -642,7 +669,7 @@ mod tests {
         assert_eq!(reason(&out), Refusal::OverQuota);
         assert!(matches!(&out[0].1, Reply::Refused { message, .. } if message.contains("quota is 2")));
         let mut bob = Client { tenant: "bob", nonce: 100 };
-        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None };
+        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None, window: None, frag_elems: None };
         assert_eq!(reason(&reg.handle(T0, 9, &bob.frame(T0, &over))), Refusal::OverQuota);
     }
 
@@ -652,7 +679,7 @@ mod tests {
         let mut a = Client { tenant: "alice", nonce: 0 };
         run_of(&mut reg, &mut a, T0, "a", 2);
         let mut b = Client { tenant: "bob", nonce: 1000 };
-        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None };
+        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None };
         assert_eq!(reason(&reg.handle(T0, 7, &b.frame(T0, &taken))), Refusal::Conflict);
         assert!(reg.handle(T0, 7, &b.frame(T0, &join("b", 2, 0))).is_empty(), "its own sockets: accepted");
     }
