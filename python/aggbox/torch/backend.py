@@ -666,6 +666,10 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if not trial:
             return go()
         self._engine.in_trial = True
+        # The ranks start the trial together (the barrier's result reaches
+        # them at once), so it times the call, not how far apart the ranks
+        # came to it.
+        self._agg(torch.zeros(1, dtype=torch.int32), "sum")
         t0 = time.perf_counter()
         path = go()
         took = time.perf_counter() - t0
