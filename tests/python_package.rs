@@ -660,17 +660,23 @@ fn torch_argv(script: &str, master: &str, port: u16, extra: &[&str]) -> impl Fn(
 
 /// The backend "aggbox" (aggbox.torch): every collective × dtype × op ×
 /// size of netns_torch_backend.py's table on 4 ranks against numpy, each
-/// call's serving path asserted from the process group's counters; async
-/// works, subgroups, a second init_process_group.
+/// call's serving path asserted from the process group's counters (with
+/// the route forced to AggBox, AGGBOX_TORCH_ROUTE=aggbox, so that the path
+/// is the one the table names whatever Gloo's speed); the route policies
+/// "gloo" and "measure" on groups of their own; async works, subgroups, a
+/// second init_process_group.
 #[test]
 fn torch_backend_answers_every_collective_like_the_reference() {
     let node = Node::with_control("py-torch");
     let master = node.tb.host(1).addr.to_string();
-    let results = node.run_ranks(torch_argv("netns_torch_backend.py", &master, 29610, &[]), &backend_env(&node), Duration::from_secs(400));
+    let mut env = backend_env(&node);
+    env.push(("AGGBOX_TORCH_ROUTE", "aggbox".into()));
+    let results = node.run_ranks(torch_argv("netns_torch_backend.py", &master, 29610, &[]), &env, Duration::from_secs(400));
     for (r, (status, text)) in results.iter().enumerate() {
         assert!(status.success(), "rank {r}: netns_torch_backend.py failed ({status}):\n{text}");
         assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
         assert!(text.contains("ok: allreduce table"), "rank {r}:\n{text}");
+        assert!(text.contains("ok: route gloo") && text.contains("ok: route measure"), "rank {r}:\n{text}");
     }
 }
 
@@ -690,8 +696,10 @@ fn torch_backend_trains_ddp_like_gloo() {
 
 /// A script that knows nothing of AggBox (it imports torch only and takes
 /// `--dist-backend`), run through `python -m aggbox.torch.run` with
-/// `--dist-backend aggbox`: it trains, and its collectives were served by
-/// AggBox (the counters AGGBOX_TORCH_STATS prints at exit).
+/// `--dist-backend aggbox` and the default route ("measure"): it trains, its
+/// collectives were served by AggBox (each class's first trial is AggBox's)
+/// and none fell back to Gloo (a call the route stepped aside is counted as
+/// "stepped_aside"), by the counters AGGBOX_TORCH_STATS prints at exit.
 #[test]
 fn an_unmodified_script_runs_on_aggbox_through_the_launcher() {
     let node = Node::with_control("py-torch-run");

@@ -5,8 +5,11 @@ bfloat16 vectors from 4 B to --max-bytes on the backend "aggbox" and on
 Gloo, interleaved size by size in the same processes (a Gloo group made
 with dist.new_group beside the "aggbox" default group). bfloat16 on Gloo
 is what a Gloo user does (Gloo 1.13 refuses it): cast to float32, reduce,
-cast back. Prints per dtype and size the median of the timed calls after a
-warm-up, and the ratio; --json writes them (rank 0).
+cast back. The "aggbox" group runs with its route policy (AGGBOX_TORCH_ROUTE,
+default "measure"): before a size is timed its class's trials are run
+(2 · (trials + 1) calls), so the timed calls take the settled route. Prints
+per dtype and size the median of the timed calls after a warm-up, the
+ratio and the route; --json writes them (rank 0).
 
     bench_backend.py --rank R --world W --master-addr A [--max-bytes N] [--json FILE]
 """
@@ -55,6 +58,8 @@ def main():
     dist.init_process_group("aggbox", init_method=f"tcp://{a.master_addr}:{a.master_port}", rank=a.rank,
                             world_size=a.world, timeout=timedelta(seconds=120))
     gloo = dist.new_group(list(range(a.world)), backend="gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    settle = 2 * (pg.trials + 1) if pg.route == "measure" else 0
     rows = []
     for dtype in [torch.float32, torch.bfloat16]:
         for nbytes in sizes(a.max_bytes):
@@ -73,17 +78,26 @@ def main():
                 else:
                     dist.all_reduce(t, group=gloo)
 
+            for _ in range(settle):
+                agg()
             ta, tg = timed(agg, reps), timed(glo, reps)
-            row = {"dtype": str(dtype).replace("torch.", ""), "bytes": n * t.element_size(), "aggbox_s": ta, "gloo_s": tg, "ratio": ta / tg}
+            nb = n * t.element_size()
+            row = {"dtype": str(dtype).replace("torch.", ""), "bytes": nb, "aggbox_s": ta, "gloo_s": tg, "ratio": ta / tg, "route": pg.route}
+            for r in pg.routes():
+                if r["collective"] == "allreduce" and r["dtype"] == row["dtype"] and r["log2_bytes"] == nb.bit_length() - 1:
+                    # The class's settled route and its agreed trial times.
+                    row.update(route=r["route"], trial_aggbox_s=r["aggbox_s"], trial_gloo_s=r["gloo_s"])
             rows.append(row)
             if a.rank == 0:
-                print(f"{row['dtype']:9} {row['bytes']:>11} B  aggbox {ta * 1e3:9.3f} ms  gloo {tg * 1e3:9.3f} ms  aggbox/gloo {ta / tg:6.2f}", flush=True)
-    served = dist.distributed_c10d._get_default_group().stats()
+                trials = f"  (trials {row['trial_aggbox_s'] * 1e3:.3f} vs {row['trial_gloo_s'] * 1e3:.3f} ms)" if "trial_gloo_s" in row else ""
+                print(f"{row['dtype']:9} {nb:>11} B  aggbox {ta * 1e3:9.3f} ms  gloo {tg * 1e3:9.3f} ms  aggbox/gloo {ta / tg:6.2f}  route {row['route']}{trials}", flush=True)
+    served = pg.stats()
     if a.rank == 0:
         print(f"served: {sorted(served.items())}", flush=True)
+        print(f"settled: {[(r['dtype'], r['size'], r['route']) for r in pg.routes()]}", flush=True)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"world": a.world, "rows": rows}, f, indent=1)
+                json.dump({"world": a.world, "route": pg.route, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -6,11 +6,14 @@ collective × dtype × op × size of the table below against numpy, each rank
 knowing every rank's input (seeded by rank and case). Integers exactly,
 floats within the documented bound (docs/PYTHON.md); after each call the
 process group's counters must say the expected path served it ("aggbox" or
-"gloo"), so that a silent fallback fails.
+"gloo"), so that a silent fallback fails. tests/python_package.rs runs it
+with AGGBOX_TORCH_ROUTE=aggbox, so every call AggBox can serve goes to
+AggBox whatever Gloo's speed.
 
     netns_torch_backend.py --rank R --world W --master-addr A --master-port P
 
-Then async works, a subgroup, destroy and a second init_process_group.
+Then async works, the route policies ("gloo" and "measure" groups beside
+the default one), a subgroup, destroy and a second init_process_group.
 """
 
 import argparse
@@ -345,6 +348,72 @@ def others(c, world, rank):
     print("ok: async works and futures", flush=True)
 
 
+def routing(world, rank, pg):
+    """The route policies. The default group takes AGGBOX_TORCH_ROUTE's
+    "aggbox" (no trials); a group with Options(route="gloo") steps aside to
+    Gloo on every call AggBox could serve; one with route "measure" and one
+    trial settles each class after 2 · (1 + 1) trials on the route whose
+    agreed time is lower, the same numbers on every rank, and then takes
+    only that route."""
+    assert pg.route == "aggbox" and pg.trial_stats() == {} and pg.routes() == [], (pg.route, pg.trial_stats(), pg.routes())
+    ranks = list(range(world))
+    bf = torch.bfloat16
+
+    g = dist.new_group(ranks, backend="aggbox", pg_options=at.Options(route="gloo"))
+    assert g.route == "gloo", g.route
+    t = torch.full((100,), float(rank))
+    dist.all_reduce(t, group=g)
+    assert torch.equal(t, torch.full((100,), float(sum(ranks)))), "gloo route: allreduce"
+    b = torch.arange(7, dtype=bf) + rank
+    dist.broadcast(b, src=1, group=g)
+    assert torch.equal(b, torch.arange(7, dtype=bf) + 1), "gloo route: bfloat16 broadcast"
+    outs = [torch.empty(5, dtype=bf) for _ in ranks]
+    dist.all_gather(outs, torch.full((5,), float(rank), dtype=bf), group=g)
+    assert all(torch.equal(o, torch.full((5,), float(q), dtype=bf)) for q, o in enumerate(outs)), "gloo route: all_gather"
+    o = torch.empty(3)
+    dist.reduce_scatter(o, [torch.full((3,), float(rank + q)) for q in ranks], group=g)
+    assert torch.equal(o, torch.full((3,), float(sum(ranks) + world * rank))), "gloo route: reduce_scatter"
+    u = torch.ones(3, dtype=torch.uint8)
+    dist.all_reduce(u, group=g)
+    assert torch.equal(u, torch.full((3,), world, dtype=torch.uint8)), "gloo route: uint8"
+    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+    want[("allreduce", "gloo")] = 1
+    assert g.stats() == want and g.trial_stats() == {} and g.routes() == [], (g.stats(), g.trial_stats(), g.routes())
+    print(f"ok: route gloo: {sorted(g.stats().items())}", flush=True)
+
+    m = dist.new_group(ranks, backend="aggbox", pg_options=at.Options(route="measure", trials=1))
+    assert (m.route, m.trials) == ("measure", 1)
+    calls = 2 * (1 + 1) + 3  # the trials, then 3 on the settled route
+    # 1 KiB and 4 MiB of float32: on the test's VM AggBox is faster at the
+    # first and Gloo at the second, but only the rule is asserted.
+    for n in (256, 1 << 20):
+        t = torch.empty(n)
+        for k in range(calls):
+            t.fill_(float(rank + k))
+            dist.all_reduce(t, group=m)
+            want = float(sum(ranks) + world * k)
+            assert torch.allclose(t, torch.full((n,), want), rtol=1e-5, atol=1e-5), f"measure: {n} elements, call {k}"
+    routes = m.routes()
+    assert [(r["collective"], r["dtype"], r["op"], r["size"]) for r in routes] == [
+        ("allreduce", "float32", "sum", "1 KiB"),
+        ("allreduce", "float32", "sum", "4 MiB"),
+    ], routes
+    for r in routes:
+        assert r["route"] == ("aggbox" if r["aggbox_s"] < r["gloo_s"] else "gloo"), r
+    assert m.trial_stats() == {("allreduce", "aggbox"): 4, ("allreduce", "stepped_aside"): 4}, m.trial_stats()
+    on_aggbox = sum(r["route"] == "aggbox" for r in routes)
+    want = {("allreduce", "aggbox"): 4 + 3 * on_aggbox, ("allreduce", "stepped_aside"): 4 + 3 * (2 - on_aggbox)}
+    assert {k: v for k, v in m.stats().items() if v} == {k: v for k, v in want.items() if v}, (m.stats(), want)
+    # Every rank settled on the same numbers (float64: through Gloo, exact).
+    times = torch.tensor([x for r in routes for x in (r["aggbox_s"], r["gloo_s"])], dtype=torch.float64)
+    hi, lo = times.clone(), times.clone()
+    dist.all_reduce(hi, op=R.MAX)
+    dist.all_reduce(lo, op=R.MIN)
+    assert torch.equal(hi, times) and torch.equal(lo, times), (times, hi, lo)
+    settled = ", ".join(f"{r['size']} {r['route']} ({r['aggbox_s'] * 1e3:.2f} vs {r['gloo_s'] * 1e3:.2f} ms)" for r in routes)
+    print(f"ok: route measure: float32 allreduce settled {settled}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -363,6 +432,7 @@ def main():
     c = Checker(rank, world, pg)
     allreduce_table(c, world, rank)
     others(c, world, rank)
+    routing(world, rank, pg)
 
     # A subgroup has its own job; collectives on it are served by AggBox.
     sub_ranks = [0, 2, 3]

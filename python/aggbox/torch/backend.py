@@ -17,7 +17,15 @@ same order everywhere, and a receive waiting on that thread would hold up
 the collectives its sender must first pass.
 
 Which call is served how (``ProcessGroupAggBox.stats()`` counts them by
-``(collective, "aggbox" | "gloo")``) is in the table of docs/PYTHON.md.
+``(collective, "aggbox" | "stepped_aside" | "gloo")``) is in the table of
+docs/PYTHON.md. A call AggBox can serve goes by the group's route policy
+(``Options.route``, else AGGBOX_TORCH_ROUTE, else "measure"): "measure"
+times AggBox and Gloo on the first calls of each collective, dtype, op and
+size class (``aggbox.Tuner``) and then takes the one the ranks measured
+faster; "aggbox" and "gloo" take that one always. The trials and the ranks'
+agreement (a MAX allreduce of the times on the Gloo group) run on the
+group's thread in call order, so every rank takes the same route for the
+same call and issues the same calls in the same order.
 """
 
 import atexit
@@ -35,10 +43,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed in 1.13
 
-from .. import AggBoxError, Communicator
+from .. import DEFAULT_TUNER_TRIALS, AggBoxError, Communicator, Tuner
+from .hook import ENV_ROUTE, ENV_TRIALS
 
-__all__ = ["BACKEND", "Options", "ProcessGroupAggBox", "stats", "process_stats", "register"]
+__all__ = ["BACKEND", "ROUTES", "Options", "ProcessGroupAggBox", "stats", "process_stats", "register"]
 
 BACKEND = "aggbox"
 
@@ -47,6 +57,14 @@ ENV_NODE = "AGGBOX_NODE"
 ENV_DATA = "AGGBOX_DATA"
 ENV_DEADLINE = "AGGBOX_TORCH_DEADLINE"
 ENV_STATS = "AGGBOX_TORCH_STATS"
+
+# The route policies (Options.route, AGGBOX_TORCH_ROUTE), and the Tuner's
+# name of each; "baseline" is the DDP hook's name of "gloo" (the two share
+# the variable).
+ROUTES = ("measure", "aggbox", "gloo")
+_TUNER_POLICY = {"measure": "measure", "aggbox": "aggbox", "gloo": "baseline", "baseline": "baseline"}
+# A served call's path when the route sent it to Gloo.
+STEPPED_ASIDE = "stepped_aside"
 
 # The node's control port when AGGBOX_NODE names only an address
 # (`[node] control`'s default).
@@ -81,6 +99,11 @@ def _op_name(op) -> Optional[str]:
     return None  # PREMUL_SUM and anything newer: Gloo decides
 
 
+def _dict_op(name: str):
+    """torch's reduce op of an op table name."""
+    return next(o for o, n in _OP_NAMES if n == name)
+
+
 @dataclass
 class Options:
     """What ``init_process_group("aggbox", pg_options=Options(...))`` may say
@@ -103,6 +126,12 @@ class Options:
       None: adaptive, which never overflows).
     - ``join_deadline``: seconds to wait for every rank to join the run at
       the node; else the process group's timeout.
+    - ``route``: which path serves the calls AggBox can serve: "measure"
+      (per collective, dtype, op and size class, the one the ranks measured
+      faster), "aggbox" or "gloo" (always that one; "baseline" is "gloo");
+      else AGGBOX_TORCH_ROUTE; else "measure".
+    - ``trials``: timed trials per path and class with "measure", after one
+      warm-up each; else AGGBOX_TORCH_TRIALS; else 3.
     """
 
     node: Optional[str] = None
@@ -112,6 +141,31 @@ class Options:
     deadline: Optional[float] = None
     quantization: Optional[object] = None
     join_deadline: Optional[float] = None
+    route: Optional[str] = None
+    trials: Optional[int] = None
+
+
+def _route_policy(opts: Options) -> Tuple[str, int]:
+    """The options' (else the environment's) route policy, by its name in
+    ROUTES, and the trials; ValueError naming where a bad one came from."""
+    where = "Options.route"
+    route = opts.route
+    if route is None:
+        route, where = os.environ.get(ENV_ROUTE) or "measure", ENV_ROUTE
+    route = route.strip().lower()
+    if route not in _TUNER_POLICY:
+        raise ValueError(f'backend "aggbox": {where}={route!r}: one of "measure", "aggbox", "gloo"')
+    trials, where = opts.trials, "Options.trials"
+    if trials is None:
+        env = os.environ.get(ENV_TRIALS)
+        where = ENV_TRIALS
+        try:
+            trials = int(env) if env else DEFAULT_TUNER_TRIALS
+        except ValueError:
+            raise ValueError(f"{ENV_TRIALS}={env!r}: a number of trials (at least 1)") from None
+    if trials < 1:
+        raise ValueError(f'backend "aggbox": {where}={trials}: at least 1 trial')
+    return ("gloo" if route == "baseline" else route), trials
 
 
 # Every call served in this process, by (collective, path), over every
@@ -125,7 +179,7 @@ _ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
 
 def process_stats() -> Dict[Tuple[str, str], int]:
     """Every call of every "aggbox" process group of this process so far,
-    by ``(collective, "aggbox" | "gloo")``."""
+    by ``(collective, "aggbox" | "stepped_aside" | "gloo")``."""
     with _PROCESS_STATS_LOCK:
         return dict(_PROCESS_STATS)
 
@@ -208,6 +262,11 @@ class _Engine:
         self.rank, self.size, self.run, self.node = rank, size, run, node
         self.job = comm.job
         self.stats: collections.Counter = collections.Counter()
+        # Of those, the calls that were timed trials of a route.
+        self.trials: collections.Counter = collections.Counter()
+        # Set by a call's run when it was a trial (the calls run one at a
+        # time on this engine's thread).
+        self.in_trial = False
         self.clamped = 0
         self._lock = threading.Lock()
         # Works a C++ caller may still reach: torch 1.13 keeps only the C++
@@ -238,7 +297,7 @@ class _Engine:
 
     def submit(self, name: str, outputs: List[torch.Tensor], run: Callable[[], str]) -> _Work:
         """Queues `run` (which does the call and returns the path that served
-        it, "aggbox" or "gloo") behind the calls before it."""
+        it, "aggbox", "stepped_aside" or "gloo") behind the calls before it."""
         work = _Work(self, outputs)
         if self._closed:
             work._finish(RuntimeError(f"aggbox: {name} on a process group that was destroyed"))
@@ -261,6 +320,7 @@ class _Engine:
             if self._broken is not None:
                 work._finish(RuntimeError(f"aggbox: {name}: the process group failed before: {self._broken}"))
                 continue
+            self.in_trial = False
             try:
                 path = run()
             except _NotSent as e:
@@ -271,6 +331,9 @@ class _Engine:
                 work._finish(RuntimeError(self._broken))
                 continue
             self.count(name, path)
+            if self.in_trial:
+                with self._lock:
+                    self.trials[(name, path)] += 1
             work._finish()
 
     # -- liveness ----------------------------------------------------------
@@ -367,6 +430,16 @@ def _data_address(opts: Options, node: str) -> str:
         return f"{ip}:{s.getsockname()[1]}"
 
 
+def _path_of(paths: List[str]) -> str:
+    """The path of a call of several tensors: "gloo" if one could only go
+    there, else "stepped_aside" if the route sent one there, else
+    "aggbox"."""
+    for p in ("gloo", STEPPED_ASIDE):
+        if p in paths:
+            return p
+    return "aggbox"
+
+
 def _contiguous(t: torch.Tensor, f: Callable[[torch.Tensor], None]) -> None:
     """`f` on `t` in place, through a contiguous copy if it is not one."""
     if t.is_contiguous():
@@ -399,14 +472,23 @@ def _order_keys(k: torch.Tensor) -> None:
 class ProcessGroupAggBox(dist.ProcessGroup):
     """The "aggbox" backend's process group (see the module docs).
 
-    ``stats()`` counts the calls by ``(collective, "aggbox" | "gloo")``;
-    ``run``, ``job``, ``node`` and ``communicator`` say what it joined;
-    ``gloo`` is the internal Gloo group."""
+    ``stats()`` counts the calls by ``(collective, path)``: "aggbox" (served
+    by AggBox), "stepped_aside" (AggBox could serve it; the route sent it to
+    Gloo) or "gloo" (only Gloo serves it); ``trial_stats()`` the timed
+    trials among them; ``route`` is the route policy and ``routes()`` the
+    classes it settled. ``run``, ``job``, ``node`` and ``communicator`` say
+    what it joined; ``gloo`` is the internal Gloo group."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, options: Optional[Options] = None):
         super().__init__(rank, size)
         opts = options or Options()
         self._rank, self._size = rank, size
+        self._route_policy, trials = _route_policy(opts)
+        # Used on the engine's thread only, but read by routes(): under the
+        # engine's lock.
+        self._tuner = Tuner(_TUNER_POLICY[self._route_policy], trials)
+        # The tuner's kinds: (collective, dtype, op) numbered as they come.
+        self._kinds: Dict[Tuple[str, str, str], int] = {}
         node = _node_address(opts)
         # A fresh run per process group, even on a store used before (a
         # second init_process_group, subgroups): each group's ranks count
@@ -464,9 +546,51 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         return BACKEND
 
     def stats(self) -> Dict[Tuple[str, str], int]:
-        """Calls completed, by ``(collective, "aggbox" | "gloo")``."""
+        """Calls completed, by ``(collective, "aggbox" | "stepped_aside" |
+        "gloo")`` (trials included)."""
         with self._engine._lock:
             return dict(self._engine.stats)
+
+    def trial_stats(self) -> Dict[Tuple[str, str], int]:
+        """Of ``stats()``, the calls that were timed trials of a route."""
+        with self._engine._lock:
+            return dict(self._engine.trials)
+
+    @property
+    def route(self) -> str:
+        """The route policy: "measure", "aggbox" or "gloo"."""
+        return self._route_policy
+
+    @property
+    def trials(self) -> int:
+        """Timed trials per route and class (route "measure")."""
+        return self._tuner.trials
+
+    def routes(self) -> List[dict]:
+        """The classes route "measure" settled: dicts with ``collective``
+        ("allreduce", "reduce", "reduce_scatter", "allgather", "broadcast"),
+        ``dtype`` and ``op`` (None where the bytes are all that count),
+        ``size`` (the class's lower bound, "64 KiB": calls of
+        [2^log2_bytes, 2^(log2_bytes+1)) bytes), ``log2_bytes``, ``route``
+        ("aggbox" or "gloo") and the ranks' agreed (slowest rank's) fastest
+        trial of each, ``aggbox_s`` and ``gloo_s``."""
+        with self._engine._lock:
+            choices = self._tuner.choices()
+            names = {k: key for key, k in self._kinds.items()}
+        out = []
+        for c in choices:
+            collective, dtype, op = names[c["kind"]]
+            out.append({
+                "collective": collective,
+                "dtype": dtype,
+                "op": op,
+                "size": c["size"],
+                "log2_bytes": c["log2_bytes"],
+                "route": "aggbox" if c["route"] == "aggbox" else "gloo",
+                "aggbox_s": c["aggbox_s"],
+                "gloo_s": c["baseline_s"],
+            })
+        return out
 
     @property
     def clamped(self) -> int:
@@ -509,17 +633,89 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if clamped:
             self._engine.clamped += 1
 
-    def _allreduce_tensor(self, t: torch.Tensor, op, opts) -> str:
-        """Allreduce of one tensor in place, on the engine's thread; the
+    def _route(
+        self,
+        collective: str,
+        dtype: Optional[torch.dtype],
+        op: Optional[str],
+        nbytes: int,
+        aggbox: Callable[[], str],
+        gloo: Callable[[], None],
+    ) -> str:
+        """A call AggBox can serve, by the route policy, on the engine's
+        thread: `aggbox` (which returns the path that served it: "gloo"
+        where it found it cannot after all) or `gloo`; the path.
+
+        With "measure" the tuner names a trial or the class's settled route
+        (every rank alike: the calls come in the same order with the same
+        collective, dtype, op and size everywhere). A trial is timed here;
+        after the class's last one the ranks reduce each route's fastest
+        trial with MAX on the Gloo group, in this call's place in the
+        order, and the class settles on the agreed numbers."""
+        key = (collective, str(dtype).replace("torch.", "") if dtype is not None else None, op)
+        with self._engine._lock:
+            kind = self._kinds.setdefault(key, len(self._kinds))
+            route, trial = self._tuner.pick(kind, nbytes)
+
+        def go() -> str:
+            if route == "aggbox":
+                return aggbox()
+            gloo()
+            return STEPPED_ASIDE
+
+        if not trial:
+            return go()
+        self._engine.in_trial = True
+        # The ranks start the trial together (the barrier's result reaches
+        # them at once), so it times the call, not how far apart the ranks
+        # came to it.
+        self._agg(torch.zeros(1, dtype=torch.int32), "sum")
+        t0 = time.perf_counter()
+        path = go()
+        took = time.perf_counter() - t0
+        with self._engine._lock:
+            times = self._tuner.record(kind, nbytes, route, took)
+        if times is not None:
+            # A collective is as slow as its slowest rank, and every rank
+            # must settle alike: the MAX of each route's fastest trial.
+            agreed = torch.tensor(times, dtype=torch.float64)
+            o = dist.AllreduceOptions()
+            o.reduceOp = _R.MAX
+            self._gloo("allreduce", [agreed], o)
+            a, b = agreed.tolist()
+            with self._engine._lock:
+                self._tuner.settle(kind, nbytes, (a, b))
+        return path
+
+    def _allreduce_tensor(self, t: torch.Tensor, op, opts, collective: str = "allreduce") -> str:
+        """Allreduce of one tensor in place, on the engine's thread, by the
+        route where AggBox can serve it (`collective` names its class); the
         path that served it."""
         name = _op_name(op)
+        agg = self._aggbox_allreduce(t, name)
+        if agg is None:
+            self._gloo_allreduce(t, op, opts)
+            return "gloo"
+        nbytes = t.numel() * t.element_size()
+        return self._route(collective, t.dtype, name, nbytes, agg, lambda: self._gloo_allreduce(t, op, opts))
+
+    def _aggbox_allreduce(self, t: torch.Tensor, name: Optional[str]) -> Optional[Callable[[], str]]:
+        """AggBox's allreduce of `t` in place with op `name`, to run (it
+        returns the path that served it), or None where AggBox cannot."""
         dt = t.dtype
-        if t.device.type == "cpu" and name is not None:
-            if dt == torch.int32:
+        if t.device.type != "cpu" or name is None:
+            return None
+        if dt == torch.int32:
+
+            def ints() -> str:
                 _contiguous(t, lambda c: self._agg(c, name))
                 return "aggbox"
-            if dt in _FLOATS and name in ("sum", "avg"):
-                mean = "mean" if name == "avg" else "sum"
+
+            return ints
+        if dt in _FLOATS and name in ("sum", "avg"):
+            mean = "mean" if name == "avg" else "sum"
+
+            def floats() -> str:
                 if dt == torch.float32:
                     _contiguous(t, lambda c: self._agg(c, mean))
                 else:
@@ -527,7 +723,11 @@ class ProcessGroupAggBox(dist.ProcessGroup):
                     self._agg(w, mean)
                     t.copy_(w)
                 return "aggbox"
-            if dt in _FLOATS and name in ("max", "min"):
+
+            return floats
+        if dt in _FLOATS and name in ("max", "min"):
+
+            def extremes() -> str:
                 k = t.float() if dt != torch.float32 or not t.is_contiguous() else t
                 keys = k.view(torch.int32)
                 _order_keys(keys)
@@ -536,14 +736,21 @@ class ProcessGroupAggBox(dist.ProcessGroup):
                 if k is not t:
                     t.copy_(k)
                 return "aggbox"
-            if dt == torch.int64 and name in ("sum", "avg", "max", "min", "band", "bor", "bxor"):
-                if self._int64_fits(t, name):
-                    w = t.to(torch.int32)
-                    self._agg(w, name)
-                    t.copy_(w)
-                    return "aggbox"
-        self._gloo_allreduce(t, op, opts)
-        return "gloo"
+
+            return extremes
+        if dt == torch.int64 and name in ("sum", "avg", "max", "min", "band", "bor", "bxor"):
+
+            def longs() -> str:
+                if not self._int64_fits(t, name):
+                    self._gloo_allreduce(t, _dict_op(name), None)
+                    return "gloo"
+                w = t.to(torch.int32)
+                self._agg(w, name)
+                t.copy_(w)
+                return "aggbox"
+
+            return longs
+        return None
 
     def _int64_fits(self, t: torch.Tensor, name: str) -> bool:
         """Whether every rank's int64 tensor can go as int32 (one AggBox MAX
@@ -555,7 +762,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         self._agg(flag, "max")
         return flag.item() == 0
 
-    def _gloo_allreduce(self, t: torch.Tensor, op, opts) -> None:
+    def _gloo_allreduce(self, t: torch.Tensor, op, opts=None) -> None:
         """Gloo's allreduce, with what Gloo 1.13 lacks made up: AVG as a SUM
         divided (integers truncated), bfloat16 through float32."""
         name = _op_name(op)
@@ -586,8 +793,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         self._check_op("allreduce", tensors, op)
 
         def run() -> str:
-            paths = {self._allreduce_tensor(t, op, opts) for t in tensors}
-            return "gloo" if "gloo" in paths else "aggbox"
+            return _path_of([self._allreduce_tensor(t, op, opts) for t in tensors])
 
         return self._engine.submit("allreduce", tensors, run)
 
@@ -595,8 +801,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else _R.SUM
 
         def run() -> str:
-            paths = {self._allreduce_tensor(t, op, opts) for t in tensors}
-            return "gloo" if "gloo" in paths else "aggbox"
+            return _path_of([self._allreduce_tensor(t, op, opts) for t in tensors])
 
         return self._engine.submit("allreduce_coalesced", tensors, run)
 
@@ -609,7 +814,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         # so their tensor is left as it was.
         def run() -> str:
             target = t if self._rank == root else t.clone()
-            return self._allreduce_tensor(target, op, opts)
+            return self._allreduce_tensor(target, op, opts, "reduce")
 
         return self._engine.submit("reduce", tensors, run)
 
@@ -617,10 +822,18 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
 
-        def run() -> str:
-            for t in tensors:
+        def one(t: torch.Tensor) -> str:
+            def aggbox() -> str:
                 _contiguous(t, lambda c: self._broadcast_bytes(c, root))
-            return "aggbox"
+                return "aggbox"
+
+            def gloo() -> None:
+                _contiguous(t, lambda c: self._gloo_broadcast_bytes(c, root))
+
+            return self._route("broadcast", None, None, t.numel() * t.element_size(), aggbox, gloo)
+
+        def run() -> str:
+            return _path_of([one(t) for t in tensors])
 
         return self._engine.submit("broadcast", tensors, run)
 
@@ -633,12 +846,42 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if back is not None:
             back.copy_(words.view(torch.uint8)[: back.numel()])
 
+    def _gloo_broadcast_bytes(self, c: torch.Tensor, root: int) -> None:
+        """Gloo's broadcast of any dtype, bit for bit: its bytes as uint8
+        (Gloo 1.13 has no bfloat16)."""
+        if c.numel() == 0:
+            return
+        o = dist.BroadcastOptions()
+        o.rootRank, o.rootTensor = root, 0
+        self._gloo("broadcast", [c.reshape(-1).view(torch.uint8)], o)
+
     def barrier(self, opts=None):
         def run() -> str:
             self._agg(torch.zeros(1, dtype=torch.int32), "sum")
             return "aggbox"
 
         return self._engine.submit("barrier", [], run)
+
+    def _gathered(self, inp: torch.Tensor) -> Tuple[List[torch.Tensor], str]:
+        """Every rank's bytes of `inp` (uint8, by rank), by the route:
+        AggBox (`_gather_bytes`) or Gloo's allgather of the bytes; the
+        path."""
+        out: List[torch.Tensor] = []
+
+        def aggbox() -> str:
+            buf, nbytes, slot = self._gather_bytes(inp)
+            out[:] = [buf[r * slot : (r + 1) * slot].view(torch.uint8)[:nbytes] for r in range(self._size)]
+            return "aggbox"
+
+        def gloo() -> None:
+            src = inp.contiguous().reshape(-1).view(torch.uint8)
+            parts = [torch.empty_like(src) for _ in range(self._size)]
+            if src.numel() > 0:
+                self._gloo("allgather", [parts], [src], AllgatherOptions())
+            out[:] = parts
+
+        path = self._route("allgather", None, None, inp.numel() * inp.element_size(), aggbox, gloo)
+        return out, path
 
     def _gather_bytes(self, inp: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
         """Every rank's bytes of `inp`: an AggBox BOR of a zeroed buffer with
@@ -668,10 +911,10 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         def run() -> str:
             if len(outs) != self._size or any(o.dtype != inp.dtype or o.numel() != inp.numel() for o in outs):
                 raise _NotSent(f"allgather: {self._size} outputs of the input's dtype and size are needed")
-            buf, nbytes, slot = self._gather_bytes(inp)
-            for r, o in enumerate(outs):
-                self._put_bytes(o, buf[r * slot : (r + 1) * slot].view(torch.uint8)[:nbytes])
-            return "aggbox"
+            parts, path = self._gathered(inp)
+            for o, raw in zip(outs, parts):
+                self._put_bytes(o, raw)
+            return path
 
         return self._engine.submit("allgather", output_tensors, run)
 
@@ -679,10 +922,9 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         def run() -> str:
             if output.dtype != input.dtype or output.numel() != input.numel() * self._size:
                 raise _NotSent("_allgather_base: the output must be world size × the input, of its dtype")
-            buf, nbytes, slot = self._gather_bytes(input)
-            raw = torch.cat([buf[r * slot : (r + 1) * slot].view(torch.uint8)[:nbytes] for r in range(self._size)])
-            self._put_bytes(output, raw)
-            return "aggbox"
+            parts, path = self._gathered(input)
+            self._put_bytes(output, torch.cat(parts))
+            return path
 
         return self._engine.submit("_allgather_base", [output], run)
 
@@ -696,7 +938,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             if len(ins) != self._size or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
                 raise _NotSent(f"reduce_scatter: {self._size} inputs of the output's dtype and size are needed")
             flat = torch.cat([i.reshape(-1) for i in ins])
-            path = self._allreduce_tensor(flat, op, opts)
+            path = self._allreduce_tensor(flat, op, opts, "reduce_scatter")
             n = out.numel()
             out.copy_(flat[self._rank * n : (self._rank + 1) * n].view_as(out))
             return path
@@ -712,7 +954,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             if input.numel() != n * self._size or input.dtype != output.dtype:
                 raise _NotSent("_reduce_scatter_base: the input must be world size × the output, of its dtype")
             flat = input.reshape(-1).clone()
-            path = self._allreduce_tensor(flat, op, opts)
+            path = self._allreduce_tensor(flat, op, opts, "reduce_scatter")
             output.copy_(flat[self._rank * n : (self._rank + 1) * n].view_as(output))
             return path
 
@@ -761,7 +1003,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         return self._through_gloo("scatter", output_tensors, "scatter", output_tensors, input_tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         return self._through_gloo(
             "allgather_coalesced", [t for ol in output_lists for t in ol], "allgather_coalesced", output_lists, input_list, opts
         )

@@ -77,7 +77,7 @@ class AllreduceState:
     """The hook's state: the communicator, the process group of the fallback
     and of the baseline route (None: the default group), the route policy
     ("measure", "aggbox" or "baseline"; None: $AGGBOX_TORCH_ROUTE, else
-    "measure"), the trials per route and size class (None:
+    "measure"; "gloo" is "baseline"), the trials per route and size class (None:
     $AGGBOX_TORCH_TRIALS, else 3), and counters of what went where:
 
     - ``aggbox_buckets``: buckets reduced through AggBox (trials included);
@@ -106,8 +106,10 @@ class AllreduceState:
                 trials = int(env) if env else DEFAULT_TUNER_TRIALS
             except ValueError:
                 raise ValueError(f"{ENV_TRIALS}={env!r}: a number of trials (at least 1)") from None
-        # Raises ValueError for an unknown policy or no trials.
-        self.tuner = Tuner(route, trials)
+        # "gloo": the backend's name of the baseline (the two share
+        # AGGBOX_TORCH_ROUTE). Raises ValueError for an unknown policy or
+        # no trials.
+        self.tuner = Tuner("baseline" if route == "gloo" else route, trials)
         # One thread: AggBox calls must be issued in the same order on every
         # rank, and DDP hands the buckets out in bucket order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggbox-ddp")
