@@ -128,6 +128,18 @@ fn newest_source(python_dir: &Path) -> (PathBuf, SystemTime) {
     newest
 }
 
+/// Every rank of `script` exited 0, its output ends with "done" and holds
+/// each of `markers`.
+fn assert_ranks_done(results: &[(ExitStatus, String)], script: &str, markers: &[&str]) {
+    for (r, (status, text)) in results.iter().enumerate() {
+        assert!(status.success(), "rank {r}: {script} failed ({status}):\n{text}");
+        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
+        for marker in markers {
+            assert!(text.contains(marker), "rank {r}: no {marker:?} in:\n{text}");
+        }
+    }
+}
+
 fn require_root() {
     assert!(
         nix::unistd::geteuid().is_root(),
@@ -397,12 +409,7 @@ fn python_workers_bring_their_own_job_to_the_node() {
     impair(0.01, 0.01);
     let results = node.run_workers("netns_on_demand.py", args, Duration::from_secs(300));
     impair(0.0, 0.0);
-    for (r, (status, text)) in results.iter().enumerate() {
-        assert!(status.success(), "rank {r}: netns_on_demand.py failed ({status}):\n{text}");
-        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
-        assert!(text.contains("ok: a wrong key is refused (bad_mac)"), "rank {r}:\n{text}");
-        assert!(text.contains("ok: 500 allreduces exact"), "rank {r}:\n{text}");
-    }
+    assert_ranks_done(&results, "netns_on_demand.py", &["ok: a wrong key is refused (bad_mac)", "ok: 500 allreduces exact"]);
     let c = injector.counts();
     assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
 }
@@ -542,11 +549,7 @@ fn python_workers_choose_star_or_ring_by_size() {
         ]
     };
     let results = node.run_workers("netns_ring.py", args, Duration::from_secs(120));
-    for (r, (status, text)) in results.iter().enumerate() {
-        assert!(status.success(), "rank {r}: netns_ring.py failed ({status}):\n{text}");
-        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
-        assert!(text.contains("ok: served star 2 ring 5"), "rank {r}:\n{text}");
-    }
+    assert_ranks_done(&results, "netns_ring.py", &["ok: served star 2 ring 5"]);
 }
 
 #[test]
@@ -687,11 +690,7 @@ fn torch_backend_trains_ddp_like_gloo() {
     let node = Node::with_control("py-torch-ddp");
     let master = node.tb.host(1).addr.to_string();
     let results = node.run_ranks(torch_argv("netns_torch_ddp.py", &master, 29620, &["--steps", "50"]), &backend_env(&node), Duration::from_secs(400));
-    for (r, (status, text)) in results.iter().enumerate() {
-        assert!(status.success(), "rank {r}: netns_torch_ddp.py failed ({status}):\n{text}");
-        assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
-        assert!(text.contains("ok: aggbox and gloo agree"), "rank {r}:\n{text}");
-    }
+    assert_ranks_done(&results, "netns_torch_ddp.py", &["ok: aggbox and gloo agree"]);
 }
 
 /// A script that knows nothing of AggBox (it imports torch only and takes

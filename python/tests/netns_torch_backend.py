@@ -16,7 +16,6 @@ Then async works, the route policies ("gloo" and "measure" groups beside
 the default one), a subgroup, destroy and a second init_process_group.
 """
 
-import argparse
 import faulthandler
 import signal
 import time
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import aggbox.torch as at
-from reference import tolerance
+from reference import tolerance, rank_parser
 
 SIZES = [1, 7, 362, 363, 100_000]
 BIG = 1_000_000
@@ -415,11 +414,7 @@ def routing(world, rank, pg):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--master-addr", required=True)
-    ap.add_argument("--master-port", type=int, required=True)
+    ap = rank_parser()
     a = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)

@@ -21,7 +21,6 @@ every loss within 1e-4 relative of Gloo's at the same step, every
 parameter within 1e-4 absolute at the end (measured: printed).
 """
 
-import argparse
 import faulthandler
 import signal
 from datetime import timedelta
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aggbox.torch as at
+from reference import rank_parser
 
 LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
@@ -121,11 +121,7 @@ def train(backend, a, data):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--master-addr", required=True)
-    ap.add_argument("--master-port", type=int, required=True)
+    ap = rank_parser()
     ap.add_argument("--steps", type=int, default=50)
     a = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -9,7 +9,6 @@ process must exit.
     netns_torch_kill.py --rank R --world W --master-addr A --master-port P --timeout S
 """
 
-import argparse
 import faulthandler
 import os
 import signal
@@ -20,14 +19,11 @@ import torch
 import torch.distributed as dist
 
 import aggbox.torch  # noqa: F401 - registers the backend
+from reference import rank_parser
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--master-addr", required=True)
-    ap.add_argument("--master-port", type=int, required=True)
+    ap = rank_parser()
     ap.add_argument("--timeout", type=float, required=True)
     a = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)

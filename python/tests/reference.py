@@ -2,6 +2,8 @@
 knows every other's without communication) and the tolerance of a float32
 result."""
 
+import argparse
+
 import numpy as np
 
 
@@ -22,3 +24,14 @@ def tolerance(bound, exact):
     the result is within `bound` of `exact`), with 2^-20 of slack for
     float64's own rounding of this sum."""
     return (bound + (abs(exact) + bound) * 2.0**-24) * (1 + 2.0**-20)
+
+
+def rank_parser():
+    """The arguments of every torch-backend rank script (tests/python_package.rs
+    passes them): this rank, the world size and the process group's store."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master-addr", required=True)
+    ap.add_argument("--master-port", type=int, required=True)
+    return ap
