@@ -10,8 +10,10 @@ with the node's control endpoint in AGGBOX_NODE and the credential in
 AGGBOX_TENANT and AGGBOX_KEY (or ``pg_options=aggbox.torch.Options(...)``).
 Each process group joins a job on demand at the node (a fresh run key from
 rank 0, through the process group's store) and an internal Gloo group on
-the same store; collectives AggBox serves go through AggBox, the others
-through Gloo, each call counted (``ProcessGroupAggBox.stats()``). An
+the same store; a collective AggBox can serve goes through AggBox or Gloo,
+whichever the ranks measured faster for its kind, dtype and size (the
+route, ``AGGBOX_TORCH_ROUTE``: measure, aggbox or gloo), the others through
+Gloo, each call counted by how it was served (``ProcessGroupAggBox.stats()``). An
 unmodified script that takes a backend name runs on it through the
 launcher, ``python -m aggbox.torch.run script.py --dist-backend aggbox``.
 docs/PYTHON.md, "The torch.distributed backend", is the reference
