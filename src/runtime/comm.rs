@@ -60,6 +60,23 @@ pub struct CommunicatorBuilder {
     cfg: CommConfig,
 }
 
+/// Binds this participant's socket. A node-served worker's was bound a
+/// moment before for its position query and closed: a process forked by
+/// another thread meanwhile holds a copy of the descriptor until its exec
+/// closes it (close-on-exec), and the address is in use until then, so
+/// such a bind is retried for up to 200 ms.
+fn bind_data_socket(me: SocketAddrV4, just_closed: bool) -> io::Result<UdpSocket> {
+    let until = Instant::now() + Duration::from_millis(200);
+    loop {
+        match UdpSocket::bind(me) {
+            Err(e) if just_closed && e.kind() == io::ErrorKind::AddrInUse && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            r => return r,
+        }
+    }
+}
+
 impl CommunicatorBuilder {
     /// A job `job` whose workers listen at `peers` (rank r at `peers[r]`),
     /// with the aggregator at `aggregator:job_port`; this participant is `me`.
@@ -394,7 +411,7 @@ impl CommunicatorBuilder {
         }
         cfg.udp_gso = Some(cfg.tc_group.is_none() && cfg.udp_gso.unwrap_or(cfg.backend == BackendKind::Socket));
         let me = cfg.addr_of(cfg.me.index(cfg.workers()));
-        let sock = UdpSocket::bind(me)
+        let sock = bind_data_socket(me, cfg.node_served)
             .map_err(|e| CommError::Io(io::Error::new(e.kind(), format!("binding {me}: {e}"))))?;
         sock.set_nonblocking(true)?;
         // 8 MiB, more for jumbo datagrams: at least 256 of them. With the
