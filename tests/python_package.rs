@@ -375,6 +375,22 @@ impl Drop for Node {
     }
 }
 
+/// The arguments of a rank script that joins a job on demand at
+/// [`Node::with_control`]'s node: its control port, rank `r`'s data socket
+/// and the credential.
+fn on_demand_args(node: &Node, r: usize) -> Vec<String> {
+    vec![
+        "--control".into(),
+        CONTROL_PORT.to_string(),
+        "--data".into(),
+        format!("{}:7790", node.tb.host(r + 1).addr),
+        "--tenant".into(),
+        TENANT.into(),
+        "--key".into(),
+        TENANT_KEY.into(),
+    ]
+}
+
 /// Jobs on demand from Python: `Communicator.connect` with a credential
 /// and the node's address only (the job is in no file); a wrong key is
 /// refused (bad_mac); under 1 % loss and duplication on every link, 500
@@ -382,18 +398,7 @@ impl Drop for Node {
 #[test]
 fn python_workers_bring_their_own_job_to_the_node() {
     let node = Node::with_control("py-demand");
-    let args = |r: usize| {
-        vec![
-            "--control".into(),
-            CONTROL_PORT.to_string(),
-            "--data".into(),
-            format!("{}:7790", node.tb.host(r + 1).addr),
-            "--tenant".into(),
-            TENANT.into(),
-            "--key".into(),
-            TENANT_KEY.into(),
-        ]
-    };
+    let args = |r: usize| on_demand_args(&node, r);
     // 1 % loss and duplication on every link (the node's and the workers'
     // switch ports): joins, contributions, RESULT copies, ACKs.
     let injector = impair::Injector::new();
@@ -467,15 +472,10 @@ fn a_run_on_demand_killed_with_minus_9_leaves_nothing_and_starts_again() {
                 node.config.to_string_lossy().into_owned(),
                 "--aggregator".into(),
                 node.tb.host(0).addr.to_string(),
-                "--control".into(),
-                CONTROL_PORT.to_string(),
-                "--data".into(),
-                format!("{}:7790", node.tb.host(r + 1).addr),
-                "--tenant".into(),
-                TENANT.into(),
-                "--key".into(),
-                TENANT_KEY.into(),
             ]
+            .into_iter()
+            .chain(on_demand_args(node, r))
+            .collect()
         }
     };
     // A first run of the same key, ended normally: what the node makes
