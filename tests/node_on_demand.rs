@@ -36,6 +36,35 @@ fn credential(key: &str) -> Credential {
     Credential { tenant: "training".into(), key: hex::decode(key).unwrap() }
 }
 
+/// A node's key file of `tenants` (name, hex key), mode 0600, in a
+/// directory of its own that is removed when dropped (on failure too).
+struct KeyFile {
+    dir: std::path::PathBuf,
+}
+
+impl KeyFile {
+    fn new(tag: &str, tenants: &[(&str, &str)]) -> KeyFile {
+        let dir = std::env::temp_dir().join(format!("aggbox-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text: String = tenants.iter().map(|(name, key)| format!("[[tenant]]\nname = \"{name}\"\nkey = \"{key}\"\n\n")).collect();
+        std::fs::write(dir.join("keys.toml"), text).unwrap();
+        std::fs::set_permissions(dir.join("keys.toml"), std::fs::Permissions::from_mode(0o600)).unwrap();
+        KeyFile { dir }
+    }
+
+    /// The `[node]` table of a node that serves jobs on demand with this
+    /// key file, its metrics at `metrics` ("off" or an address).
+    fn node_config(&self, metrics: &str) -> String {
+        format!("[node]\nmetrics = \"{metrics}\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", self.dir.join("keys.toml").display())
+    }
+}
+
+impl Drop for KeyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Rank `r`'s int32 input of `n` elements.
 fn ints(r: usize, n: usize) -> Vec<i32> {
     (0..n).map(|i| ((i * 7 + r * 1_000_003) % 20_001) as i32 - 10_000).collect()
@@ -51,15 +80,8 @@ fn sum_of_ranks(first: usize, n: usize) -> Vec<i32> {
 fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!(
-        "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\nkeys = \"{}\"\n",
-        keys.display()
-    );
+    let keys = KeyFile::new("on-demand", &[("training", KEY)]);
+    let config = keys.node_config("off") + &format!("control = \"0.0.0.0:{CONTROL_PORT}\"\n");
     let _node = LiveAttach::start(&tb.host(0).netns, "on-demand", &config, &[]);
     let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
 
@@ -115,7 +137,6 @@ fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
         jobs.push(results[0].0);
     }
     assert_ne!(jobs[0], jobs[1], "a new incarnation is a new job");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// One AGC1 request as a bare client sends it (from the calling thread's
@@ -137,12 +158,8 @@ const KEY_B: &str = "b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b0b
 fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n\n[[tenant]]\nname = \"other\"\nkey = \"{KEY_B}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"127.0.0.1:9473\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let keys = KeyFile::new("on-demand2", &[("training", KEY), ("other", KEY_B)]);
+    let config = keys.node_config("127.0.0.1:9473");
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand2", &config, &[]);
     let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
     let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
@@ -248,7 +265,6 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
     ] {
         assert!(metrics.lines().any(|l| l == line), "{line} not in /metrics:\n{}", metrics.lines().filter(|l| l.contains("control")).collect::<Vec<_>>().join("\n"));
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The node's /metrics text (from its namespace).
@@ -271,12 +287,8 @@ fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
     use aggbox::runtime::CommError;
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand3-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let keys = KeyFile::new("on-demand3", &[("training", KEY)]);
+    let config = keys.node_config("off");
     let mut node = LiveAttach::start(&tb.host(0).netns, "on-demand3", &config, &[]);
     let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
     let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
@@ -354,7 +366,6 @@ fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
     });
     eprintln!("job {old_job} before the restart, {} after", comms[0].run().grant().job);
     drop(comms);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A job on demand under 1 % loss and 1 % duplication on every link (the
@@ -366,12 +377,8 @@ fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
 fn a_job_on_demand_is_exact_over_500_allreduces_under_loss_and_duplication() {
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 1, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand4-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let keys = KeyFile::new("on-demand4", &[("training", KEY)]);
+    let config = keys.node_config("off");
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand4", &config, &[]);
     let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
     let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
@@ -431,7 +438,6 @@ fn a_job_on_demand_is_exact_over_500_allreduces_under_loss_and_duplication() {
     eprintln!("{} calls a rank: injector {c:?}; workers retransmitted {retransmitted}, the node resent {resent} RESULT copies", 2 * CALLS);
     assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
     assert!(retransmitted + resent > 0, "{} datagrams dropped and nothing was sent again", c.dropped);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The node's resident memory (kB) and open descriptors, from /proc.
@@ -453,12 +459,8 @@ fn node_resources(pid: u32) -> (u64, usize) {
 fn five_hundred_runs_created_and_ended_leave_the_node_as_it_was() {
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: 3, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand5-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"127.0.0.1:9473\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let keys = KeyFile::new("on-demand5", &[("training", KEY)]);
+    let config = keys.node_config("127.0.0.1:9473");
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand5", &config, &[]);
     // The node's pid: `ip netns exec` execs the binary.
     let pid = node.child.id();
@@ -516,7 +518,6 @@ fn five_hundred_runs_created_and_ended_leave_the_node_as_it_was() {
     assert_eq!(after, before, "jobs, groups and published records back where they started");
     assert_eq!(resources_after.1, resources_before.1, "the node's descriptors back where they started");
     assert!(resources_after.0 <= resources_before.0 + 16 * 1024, "the node's memory grew from {} to {} kB", resources_before.0, resources_after.0);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// One run over two aggregator nodes: every rank joins the run at both
@@ -528,12 +529,8 @@ fn a_run_striped_over_two_nodes_is_exact_under_loss() {
     use aggbox::runtime::control::RunCommunicator;
     assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
     let tb = Testbed::up(TestbedConfig { hosts: WORKERS + 2, ..Default::default() }).expect("testbed");
-    let dir = std::env::temp_dir().join(format!("aggbox-on-demand6-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys.toml");
-    std::fs::write(&keys, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", keys.display());
+    let keys = KeyFile::new("on-demand6", &[("training", KEY)]);
+    let config = keys.node_config("off");
     let nodes = [
         LiveAttach::start(&tb.host(0).netns, "on-demand6a", &config, &[]),
         LiveAttach::start(&tb.host(1).netns, "on-demand6b", &config, &[]),
@@ -594,5 +591,4 @@ fn a_run_striped_over_two_nodes_is_exact_under_loss() {
     }
     drop(comms);
     drop(nodes);
-    let _ = std::fs::remove_dir_all(&dir);
 }
