@@ -20,7 +20,7 @@
 #include "stats.h"
 #include "tailcall.h"
 #include "handoff.h"
-#include "ring.h"
+#include "chain.h"
 #include "ops.h"
 
 /* Internal code of a chain stage: more chunks to go (never counted). */
@@ -55,19 +55,6 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
  * progs_linear, xdp_maps.h: a prog array only holds programs of one frags
  * flag, so each set has its own).
  */
-
-/* The two programs of a stage: NAME (frags chain) and NAME_linear. */
-#define CHAIN_PROGRAMS(name, stage)                  \
-	SEC("xdp.frags")                             \
-	int name(struct xdp_md *ctx)                 \
-	{                                            \
-		return stage(ctx, 0);                \
-	}                                            \
-	SEC("xdp")                                   \
-	int name##_linear(struct xdp_md *ctx)        \
-	{                                            \
-		return stage(ctx, 1);                \
-	}
 
 /* Bytes of the whole frame (fragments included). */
 static __always_inline __u32 frame_len(struct xdp_md *ctx, const int linear)
@@ -1875,8 +1862,8 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 
 CHAIN_PROGRAMS(aggbox_xdp, entry_stage)
 
-/* CALL_RING: an AGR1 datagram (ring.h, docs/RING.md). */
-CHAIN_PROGRAMS(aggbox_ring, ring_stage)
+/* CALL_RING (an AGR1 datagram) is the ring program's, in its own object:
+ * aggbox_ring.bpf.c. */
 
 /* ---------------------------------------------------------------------------
  * CALL_SLOT: find or create the slot, reject stale rounds and

@@ -203,13 +203,16 @@ pub fn create_pinned_counters(dir: &Path, name: &str, value_size: u32, max_entri
 }
 
 /// Pin every map of `object` as `dir/<map name>` (`dir` must exist on a
-/// bpffs); the object's internal maps (`.bss`, `.rodata`, `.data`) are
-/// skipped. The XDP and TC objects' names do not collide (TC's are
-/// `bcast_*`), so both pin into one directory.
-pub fn pin_object_maps(object: &Object, dir: &Path) -> Result<(), PinError> {
+/// bpffs); the object's internal maps (`.bss`, `.rodata`, `.data`) and the
+/// maps named in `skip` (another object's, handed to this one at load and
+/// pinned with that one) are skipped. The XDP objects' and the TC
+/// object's names do not collide (TC's are `bcast_*`), so all pin into one
+/// directory.
+pub fn pin_object_maps(object: &Object, dir: &Path, skip: &[&str]) -> Result<(), PinError> {
     for map in object.maps() {
         let name = map.name().to_string_lossy().into_owned();
-        if name.starts_with('.') || name.contains(".bss") || name.contains(".rodata") || name.contains(".data") {
+        let internal = name.starts_with('.') || name.contains(".bss") || name.contains(".rodata") || name.contains(".data");
+        if internal || skip.contains(&name.as_str()) {
             continue;
         }
         pin(map.as_fd(), &dir.join(&name))?;

@@ -427,7 +427,7 @@ pub fn origin_value(op: Op, weight: i32, x: i32) -> (i32, bool) {
 /// SUM and AVG, `partial + (x ≠ 0)` for COUNT, ...), saturated to int32,
 /// and whether it saturated. Only ops that [`Op::runs_in_ring`] reach a
 /// ring ([`RingHeader::decode`] refuses the others), but the arithmetic is
-/// the table's for every op, as the ring program's (src/bpf/ring.h).
+/// the table's for every op, as the ring program's (src/bpf/aggbox_ring.bpf.c).
 #[inline]
 pub fn combine(op: Op, weight: i32, partial: i32, x: i32) -> (i32, bool) {
     saturate(op.combine(i64::from(partial), x, weight))

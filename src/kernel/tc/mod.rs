@@ -285,7 +285,7 @@ impl TcPlane {
     /// names (`bcast_*`) do not collide with the XDP object's.
     pub fn pin_maps(&self, dir: &Path) -> Result<()> {
         use libbpf_rs::skel::Skel;
-        Ok(maps::pin_object_maps(self.skel.object(), dir)?)
+        Ok(maps::pin_object_maps(self.skel.object(), dir, &[])?)
     }
 
     /// File descriptor of one of the programs.

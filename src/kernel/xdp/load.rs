@@ -1,7 +1,8 @@
-//! Loading the XDP object: which build of the tail-call chain runs, how the
-//! ring maps are sized, the plane that owns programs and maps, its reset
+//! Loading the XDP objects: which build of the tail-call chain runs, how the
+//! ring maps are sized, the plane that owns programs and maps (the
+//! aggregation chain's object and the ring program's, `ring.rs`), its reset
 //! to the state at load, the facts the kernel keeps about each program, and
-//! pinning of its maps.
+//! pinning of their maps.
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
@@ -13,6 +14,7 @@ use libbpf_rs::{MapCore, MapFlags, OpenObject};
 use crate::kernel::maps::{self, names};
 use crate::wire::abi;
 
+use super::ring::RingObject;
 use super::skel::{AggboxXdpSkel, AggboxXdpSkelBuilder};
 use super::{delete_ignore_missing, Result, XdpError};
 
@@ -126,6 +128,8 @@ pub struct XdpPlane {
     /// `fast_slots` mapped writable, made at the first region reset (None:
     /// it could not be mapped; regions are then zeroed through the syscall).
     pub(super) fast_writer: std::sync::OnceLock<Option<super::fast_view::FastSlotWriter>>,
+    /// The ring program's object, tail-called at `abi::CALL_RING`.
+    pub(super) ring: RingObject,
     // Field order matters: the skeleton borrows `_object` and must drop first.
     pub(super) skel: AggboxXdpSkel<'static>,
     _object: Box<MaybeUninit<OpenObject>>,
@@ -173,36 +177,14 @@ impl XdpPlane {
             (&mut p.aggbox_slot_linear, !frags),
             (&mut p.aggbox_add_linear, !frags),
             (&mut p.aggbox_result_linear, !frags),
-            (&mut p.aggbox_ring, frags),
-            (&mut p.aggbox_ring_linear, !frags),
         ] {
             prog.set_autoload(load);
         }
-        let ring_map = |source| XdpError::Map {
-            map: names::RING_DATA,
-            source,
-        };
-        open.maps
-            .ring_data
-            .set_value_size(4 * rings.frag_elems)
-            .map_err(ring_map)?;
-        open.maps
-            .ring_data
-            .set_max_entries(rings.fragments.max(1))
-            .map_err(ring_map)?;
-        open.maps
-            .ring_done
-            .set_max_entries(rings.fragments.max(1))
-            .map_err(|source| XdpError::Map {
-                map: names::RING_DONE,
-                source,
-            })?;
-        if let Some(rodata) = open.maps.rodata_data.as_deref_mut() {
-            rodata.ring_frag_elems = rings.frag_elems;
-        }
         let skel = open.load().map_err(XdpError::Load)?;
+        let ring = RingObject::load(chain, rings, skel.maps.ring_ports.as_fd())?;
         let dataplane = XdpPlane {
             fast_writer: std::sync::OnceLock::new(),
+            ring,
             skel,
             _object: object,
             chain,
@@ -222,6 +204,7 @@ impl XdpPlane {
     pub fn reset(&self) -> Result<()> {
         use libbpf_rs::skel::Skel;
         maps::reset_object_maps(self.skel.object())?;
+        maps::reset_object_maps(self.ring.skel.object())?;
         self.fill_prog_arrays()?;
         self.fill_block_pool()
     }
@@ -332,20 +315,21 @@ impl XdpPlane {
     /// [`Chain`] to its programs after load).
     fn chain_program_refs(&self) -> [(&'static str, &libbpf_rs::Program<'static>); 5] {
         let p = &self.skel.progs;
+        let ring = self.ring.program(self.chain);
         match self.chain {
             Chain::Frags => [
                 ("aggbox_xdp", &p.aggbox_xdp),
                 ("aggbox_slot", &p.aggbox_slot),
                 ("aggbox_add", &p.aggbox_add),
                 ("aggbox_result", &p.aggbox_result),
-                ("aggbox_ring", &p.aggbox_ring),
+                ring,
             ],
             Chain::Linear => [
                 ("aggbox_xdp_linear", &p.aggbox_xdp_linear),
                 ("aggbox_slot_linear", &p.aggbox_slot_linear),
                 ("aggbox_add_linear", &p.aggbox_add_linear),
                 ("aggbox_result_linear", &p.aggbox_result_linear),
-                ("aggbox_ring_linear", &p.aggbox_ring_linear),
+                ring,
             ],
         }
     }
@@ -396,10 +380,13 @@ pub struct ProgramFacts {
 // Pinning of the object's maps, used by `node::attach` so that `aggbox status`
 // and `aggbox detach` can reach the maps from another process.
 impl XdpPlane {
-    /// Pin every map of the object as `dir/<map name>` (`dir` must be on a
-    /// bpffs and exist). Internal maps (`.bss`, `.rodata`, ...) are skipped.
+    /// Pin every map of the aggregation chain's and the ring program's
+    /// objects as `dir/<map name>` (`dir` must be on a bpffs and exist).
+    /// Internal maps (`.bss`, `.rodata`, ...) are skipped, and the map the
+    /// two objects share (`ring_ports`) is pinned once.
     pub fn pin_maps(&self, dir: &Path) -> Result<()> {
         use libbpf_rs::skel::Skel;
-        Ok(maps::pin_object_maps(self.skel.object(), dir)?)
+        maps::pin_object_maps(self.skel.object(), dir, &[])?;
+        Ok(maps::pin_object_maps(self.ring.skel.object(), dir, RingObject::SHARED_MAPS)?)
     }
 }

@@ -1,6 +1,7 @@
-//! The dataplane loader: opens and loads the AggBox XDP skeleton, attaches it
-//! to an interface, writes job configuration into its maps and reads its
-//! counters back.
+//! The dataplane loader: opens and loads the AggBox XDP skeletons (the
+//! aggregation chain and the ring program it tail-calls), attaches the
+//! chain's entry program to an interface, writes job configuration into
+//! their maps and reads their counters back.
 //!
 //! Map layout (see `src/bpf/aggbox_xdp.bpf.c` and `docs/DATAPLANE.md`):
 //!
@@ -36,7 +37,8 @@
 //!   ([`XdpPlane`]), its reset, program facts, pinning of its maps;
 //! - `attach.rs`: the BPF link on an interface ([`XdpLink`]);
 //! - `jobs.rs`: writing and removing jobs ([`XdpJob`]), reading them back;
-//! - `ring.rs`: writing rings and reading their counters;
+//! - `ring.rs`: the ring program's object (loaded with the chain's), writing
+//!   rings and reading their counters;
 //! - `stats.rs`: the program's counters ([`Stats`]) and what is in use;
 //! - `test_run.rs`: BPF_PROG_TEST_RUN ([`TestRunner`]);
 //! - `kernel_maps.rs`: the maps the user-space path shares ([`KernelMaps`]);
@@ -67,6 +69,11 @@ pub use test_run::TestRunner;
 #[allow(clippy::all, missing_docs, dead_code)]
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/aggbox_xdp.skel.rs"));
+}
+
+#[allow(clippy::all, missing_docs, dead_code)]
+mod ring_skel {
+    include!(concat!(env!("OUT_DIR"), "/aggbox_ring.skel.rs"));
 }
 
 /// Errors of the dataplane loader.

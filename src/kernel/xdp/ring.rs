@@ -1,12 +1,79 @@
-//! Rings in the XDP maps (docs/RING.md): a ring's members, job entry,
-//! control block and port, its next hop, its memory maps and counters.
+//! The ring program's object (`src/bpf/aggbox_ring.bpf.c`, docs/RING.md):
+//! its load beside the aggregation chain, and rings in its maps: a ring's
+//! members, job entry, control block and port, its next hop, its memory
+//! maps and counters.
 
-use libbpf_rs::{MapCore, MapFlags};
+use std::mem::MaybeUninit;
+use std::os::fd::BorrowedFd;
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, OpenObject};
 
 use crate::kernel::maps::{self, names};
 use crate::wire::abi;
 
-use super::{update_array, Result, XdpError, XdpPlane};
+use super::ring_skel::{AggboxRingSkel, AggboxRingSkelBuilder};
+use super::{update_array, Chain, Result, RingSizing, XdpError, XdpPlane};
+
+/// The loaded ring object: the ring program's two builds (one loaded) and
+/// its maps. The aggregation chain's entry program tail-calls it at
+/// `abi::CALL_RING` ([`XdpPlane`] fills that slot).
+pub(super) struct RingObject {
+    // Field order matters: the skeleton borrows `_object` and must drop first.
+    pub(super) skel: AggboxRingSkel<'static>,
+    _object: Box<MaybeUninit<OpenObject>>,
+}
+
+impl RingObject {
+    /// Maps of the ring object that are the aggregation chain's, handed to
+    /// it at load (`src/bpf/ring_ports.h`): pinned and written with the
+    /// chain's object.
+    pub(super) const SHARED_MAPS: &'static [&'static str] = &[names::RING_PORTS];
+
+    /// Open and load the ring program of `chain`'s build, its maps sized by
+    /// `rings` (a ring's memory is fixed at load), with `ring_ports` (the
+    /// aggregation chain's map) reused, so both programs read one map.
+    pub(super) fn load(chain: Chain, rings: RingSizing, ring_ports: BorrowedFd<'_>) -> Result<Self> {
+        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
+        // SAFETY: as in `XdpPlane::load_chain_with`: the box's allocation
+        // never moves and outlives the skeleton (field order above).
+        let object_ref: &'static mut MaybeUninit<OpenObject> =
+            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let mut open = AggboxRingSkelBuilder::default()
+            .open(object_ref)
+            .map_err(XdpError::Load)?;
+        let frags = chain == Chain::Frags;
+        open.progs.aggbox_ring.set_autoload(frags);
+        open.progs.aggbox_ring_linear.set_autoload(!frags);
+        let map_error = |map: &'static str| move |source| XdpError::Map { map, source };
+        open.maps.ring_ports.reuse_fd(ring_ports).map_err(map_error(names::RING_PORTS))?;
+        open.maps
+            .ring_data
+            .set_value_size(4 * rings.frag_elems)
+            .map_err(map_error(names::RING_DATA))?;
+        open.maps
+            .ring_data
+            .set_max_entries(rings.fragments.max(1))
+            .map_err(map_error(names::RING_DATA))?;
+        open.maps
+            .ring_done
+            .set_max_entries(rings.fragments.max(1))
+            .map_err(map_error(names::RING_DONE))?;
+        if let Some(rodata) = open.maps.rodata_data.as_deref_mut() {
+            rodata.ring_frag_elems = rings.frag_elems;
+        }
+        let skel = open.load().map_err(XdpError::Load)?;
+        Ok(RingObject { skel, _object: object })
+    }
+
+    /// Name and program of the ring stage of `chain`'s build.
+    pub(super) fn program(&self, chain: Chain) -> (&'static str, &libbpf_rs::Program<'static>) {
+        match chain {
+            Chain::Frags => ("aggbox_ring", &self.skel.progs.aggbox_ring),
+            Chain::Linear => ("aggbox_ring_linear", &self.skel.progs.aggbox_ring_linear),
+        }
+    }
+}
 
 impl XdpPlane {
     /// Configure ring `dense` (docs/RING.md): its members' addresses
@@ -26,11 +93,11 @@ impl XdpPlane {
                 addr: u32::from(*addr).to_be(),
                 weight: 0,
             };
-            update_array(&self.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
+            update_array(&self.ring.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
         }
-        update_array(&self.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
-        update_array(&self.skel.maps.ring_ctrl, names::RING_CTRL, dense, &abi::RingCtrl::default())?;
-        update_array(&self.skel.maps.ring_index, names::RING_INDEX, u32::from(job.id), &(dense + 1))?;
+        update_array(&self.ring.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
+        update_array(&self.ring.skel.maps.ring_ctrl, names::RING_CTRL, dense, &abi::RingCtrl::default())?;
+        update_array(&self.ring.skel.maps.ring_index, names::RING_INDEX, u32::from(job.id), &(dense + 1))?;
         update_array(&self.skel.maps.ring_ports, names::RING_PORTS, u32::from(job.port), &(dense + 1))
     }
 
@@ -41,9 +108,9 @@ impl XdpPlane {
             libbpf_rs::MapHandle::try_from(map).map_err(|source| XdpError::Map { map: name, source })
         };
         Ok([
-            handle(&self.skel.maps.ring_data, names::RING_DATA)?,
-            handle(&self.skel.maps.ring_done, names::RING_DONE)?,
-            handle(&self.skel.maps.ring_ctrl, names::RING_CTRL)?,
+            handle(&self.ring.skel.maps.ring_data, names::RING_DATA)?,
+            handle(&self.ring.skel.maps.ring_done, names::RING_DONE)?,
+            handle(&self.ring.skel.maps.ring_ctrl, names::RING_CTRL)?,
         ])
     }
 
@@ -61,7 +128,8 @@ impl XdpPlane {
         value.extend_from_slice(&smac);
         value.extend_from_slice(&ifindex.to_ne_bytes());
         value.extend_from_slice(&now.to_ne_bytes());
-        self.skel
+        self.ring
+            .skel
             .maps
             .ring_nexthop
             .update(&dense.to_ne_bytes(), &value, MapFlags::ANY)
@@ -73,7 +141,7 @@ impl XdpPlane {
 
     /// Ring `dense`'s counters summed over CPUs (`abi::RingStat` indexes).
     pub fn ring_stats(&self, dense: u32) -> Result<abi::RingStats> {
-        Ok(maps::lookup_percpu_sum(&self.skel.maps.ring_stats, &dense.to_ne_bytes())
+        Ok(maps::lookup_percpu_sum(&self.ring.skel.maps.ring_stats, &dense.to_ne_bytes())
             .map_err(|source| XdpError::Map {
                 map: names::RING_STATS,
                 source,

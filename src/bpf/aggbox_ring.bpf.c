@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
  * The ring program (AGGBOX_CALL_RING, docs/RING.md "XDP"): one AGR1
  * datagram of a ring job this node is a member of. A PARTIAL gets this
@@ -10,18 +10,21 @@
  * the node's ring service, which does the same steps in user space
  * (src/node/ring.rs; the arithmetic's reference is src/wire/ring.rs).
  *
- * Included by aggbox_xdp.bpf.c (maps in xdp_maps.h).
+ * Its own object, tail-called by the aggregation chain's entry program
+ * (aggbox_xdp.bpf.c) at AGGBOX_CALL_RING, which the loader fills with this
+ * object's program of the loaded build (chain.h). Its maps are ring_maps.h;
+ * ring_ports is the chain's own map, handed to this object at load.
  */
-#ifndef AGGBOX_RING_H
-#define AGGBOX_RING_H
-
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "aggbox/abi.h"
 #include "ops.h"
 #include "parse.h"
-#include "xdp_maps.h"
+#include "chain.h"
+#include "ring_maps.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 /* Elements of a ring_data value (its value size / 4), set by the loader
  * from the configuration: the verifier reads it as a constant. */
@@ -584,4 +587,5 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	return ring_send_on(ctx, l3, rj, &nh, hops, 0, AGGBOX_RING_FINAL);
 }
 
-#endif /* AGGBOX_RING_H */
+/* CALL_RING of both chains. */
+CHAIN_PROGRAMS(aggbox_ring, ring_stage)
