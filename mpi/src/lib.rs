@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use aggbox::config::Config;
 use aggbox::runtime::{
-    BackendKind, Collective, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
+    BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements, NodePosition,
+    Participant, Quantization,
 };
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner};
 use aggbox::wire::abi::{Op, Round};
@@ -140,14 +141,48 @@ struct FileJobs {
 /// are the job's workers in the same order uses it (MPI_COMM_WORLD and its
 /// duplicates share the first).
 struct Session {
-    comm: Communicator,
+    /// The job (on demand: the first node's), which names the session.
     job: u16,
+    link: Link,
     /// AggBox or PMPI per kind and size of call, measured on this
     /// communicator (a kind is `call * 2 + is_float`).
     tuner: Tuner,
-    /// A job on demand: this rank's part of it, ended (dropped) after the
-    /// communicator above closed.
-    joined: Option<Joined>,
+}
+
+/// What serves a session's calls.
+enum Link {
+    /// A job of the node's file: its communicator.
+    File(Communicator),
+    /// A job on demand: its `RunCommunicator`, which fails every call with
+    /// `JobLost` once the node no longer serves the job, and this rank's
+    /// part of the run, ended after the communicator closed.
+    OnDemand(Joined),
+}
+
+impl Session {
+    /// The communicator that runs the calls.
+    fn collective(&self) -> &dyn Collective {
+        match &self.link {
+            Link::File(comm) => comm,
+            Link::OnDemand(joined) => &joined.comm,
+        }
+    }
+
+    /// The job's communicator, for its counters.
+    fn communicator(&self) -> &Communicator {
+        match &self.link {
+            Link::File(comm) => comm,
+            Link::OnDemand(joined) => joined.comm.communicator(),
+        }
+    }
+
+    /// The job on demand, if the session is one.
+    fn joined(&self) -> Option<&Joined> {
+        match &self.link {
+            Link::File(_) => None,
+            Link::OnDemand(joined) => Some(joined),
+        }
+    }
 }
 
 /// Everything between `MPI_Init` and `MPI_Finalize`. A served call holds
@@ -377,7 +412,7 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
             ))
         }
     }
-    Ok(Session { comm, job, tuner, joined: None })
+    Ok(Session { job, link: Link::File(comm), tuner })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
@@ -528,7 +563,7 @@ pub unsafe extern "C" fn aggbox_mpi_comm_job(
             // The communicator of these processes in this order has its
             // job already, or fell back already; one of a single process
             // has nothing to communicate.
-            if let Some(i) = shim.sessions.iter().position(|s| s.joined.as_ref().is_some_and(|j| j.members == ranks)) {
+            if let Some(i) = shim.sessions.iter().position(|s| s.joined().is_some_and(|j| j.members == ranks)) {
                 return i as c_int;
             }
             if size == 1 || shim.fell_back.iter().any(|(m, _)| m == ranks) {
@@ -599,15 +634,15 @@ pub extern "C" fn aggbox_mpi_finalize() {
                 .sessions
                 .iter()
                 .map(|s| {
-                    let joined = s.joined.as_ref().map_or(String::new(), |j| {
+                    let joined = s.joined().map_or(String::new(), |j| {
                         format!(
                             "; job {} on demand (node {control}, run {}, incarnation {})",
                             s.job,
                             j.run,
-                            j.job.grant().incarnation
+                            j.comm.run().grant().incarnation
                         )
                     });
-                    format!("{joined}; job {} datagrams {}; job {} routes {}", s.job, datagrams_line(&s.comm), s.job, routes_line(&s.tuner))
+                    format!("{joined}; job {} datagrams {}; job {} routes {}", s.job, datagrams_line(s.communicator()), s.job, routes_line(&s.tuner))
                 })
                 .collect();
             let fell_back: String = shim.fell_back.iter().map(|(_, why)| format!("; fell back to PMPI: {why}")).collect();
@@ -617,10 +652,10 @@ pub extern "C" fn aggbox_mpi_finalize() {
         // Each communicator closes, then this rank's part of its job on
         // demand ends: the node removes the job when every rank's has.
         for session in shim.sessions {
-            let Session { comm, job, joined, .. } = session;
-            drop(comm);
-            if let Some(j) = joined {
-                if let Err(e) = j.job.end() {
+            let Session { job, link, .. } = session;
+            if let Link::OnDemand(j) = link {
+                // RunCommunicator::end stops the communicator first.
+                if let Err(e) = j.comm.end() {
                     report(rank, "MPI_Finalize", format!("ending job {job} (run {}): {e}", j.run));
                 }
             }
@@ -827,6 +862,18 @@ pub extern "C" fn aggbox_mpi_serves_float() -> c_int {
     shim().as_ref().is_some_and(|s| s.settings.float) as c_int
 }
 
+/// A served call's error as its line says it. A job on demand that the
+/// node no longer serves (`CommError::JobLost`: the node restarted, or the
+/// lease ran out) fails every call at once, naming the node and saying to
+/// join the run again; for an MPI program that is a new run (the job is
+/// aborted, as after any failed call: docs/MPI.md).
+fn call_error(e: CommError) -> String {
+    match e {
+        CommError::JobLost(why) => format!("{why} (for this MPI program: run it again; its MPI_Init joins new jobs)"),
+        e => e.to_string(),
+    }
+}
+
 /// Runs `f` on session `session`; counts it as served under `call` when it
 /// returns AGGBOX_MPI_OK, as overflowed under AGGBOX_MPI_OVERFLOW.
 fn served(
@@ -892,7 +939,10 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
                 ))
             }
         };
-        s.comm.allreduce(buf, op).map(|served| served.clamped).map_err(|e| e.to_string())
+        s.collective()
+            .allreduce_elements(Elements::I32(buf), op, CallOptions::default())
+            .map(|served| served.clamped)
+            .map_err(call_error)
     })
 }
 
@@ -913,10 +963,10 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(
     let buf = slice_mut(buf, len);
     let call = call_index(call);
     served(session, call, CALLS[call], |s| {
-        s.comm
-            .allreduce(buf, Op::Sum)
+        s.collective()
+            .allreduce_elements(Elements::F32(buf), Op::Sum, CallOptions::default())
             .map(|_| false)
-            .map_err(|e| e.to_string())
+            .map_err(call_error)
     })
 }
 
@@ -931,10 +981,10 @@ pub unsafe extern "C" fn aggbox_mpi_bcast(session: c_int, buf: *mut u8, len: usi
     let buf = slice_mut(buf, len);
     served(session, CALL_BCAST, CALLS[CALL_BCAST], |s| {
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
-        s.comm
-            .broadcast(buf, Participant::Worker(root))
+        s.collective()
+            .broadcast_bytes(buf, Participant::Worker(root), CallOptions::default())
             .map(|_| false)
-            .map_err(|e| e.to_string())
+            .map_err(call_error)
     })
 }
 

@@ -12,13 +12,13 @@ use std::ffi::c_int;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
-use aggbox::runtime::control::{Credential, RunJob};
+use aggbox::runtime::control::{Credential, RunCommunicator, RunJob};
 use aggbox::runtime::tuner::Tuner;
 use aggbox::runtime::{Collective, Quantization};
 use aggbox::wire::abi::Op;
 
 use super::{
-    env, env_parsed, read_common, report, shim, Session, Settings, Shim, Source, AGGBOX_MPI_ERROR, AGGBOX_MPI_JOINED,
+    env, env_parsed, read_common, report, shim, Link, Session, Settings, Shim, Source, AGGBOX_MPI_ERROR, AGGBOX_MPI_JOINED,
     AGGBOX_MPI_JOIN_FAILED, AGGBOX_MPI_NOT_SERVED, AGGBOX_MPI_OK, CALLER_SPIN, ENV_CONFIG, ENV_DATA_PORT, ENV_NODE,
 };
 
@@ -79,7 +79,10 @@ pub(crate) struct Joined {
     /// the communicators of these processes in this order share the job.
     pub(crate) members: Vec<c_int>,
     pub(crate) run: String,
-    pub(crate) job: RunJob,
+    /// The job's communicator with this rank's part of the run: renewed
+    /// while it lives, every call failing with `CommError::JobLost` once
+    /// a renewal is refused (docs/INTERFACE.md, "A node that restarts").
+    pub(crate) comm: RunCommunicator,
 }
 
 /// Reads what `MPI_Init` needs for jobs on demand: the node's control
@@ -165,7 +168,7 @@ fn run_key(demand: &OnDemand, members: &[c_int]) -> String {
 
 /// Jobs on demand: joins the job of the communicator whose processes are
 /// the world ranks `members`, this process its rank `rank`, builds its
-/// communicator and makes a first allreduce (as [`open`]). Every rank of
+/// communicator and makes a first allreduce (as `open` does). Every rank of
 /// the communicator calls it in the same MPI call; the node creates the
 /// job when all of them have joined.
 pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], rank: c_int, tuner: Tuner) -> Result<Session, String> {
@@ -199,13 +202,14 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
     .map_err(plain)?;
     drop(probe);
     let id = job.grant().job;
-    let mut builder = job.builder().quantization(Quantization::Adaptive).caller_spin(CALLER_SPIN);
-    if let Some(d) = settings.deadline {
-        builder = builder.deadline(d);
-    }
-    let comm = builder
-        .build()
-        .map_err(|e| format!("job {id} (run {run}) worker {rank} at {data}: {e}"))?;
+    let comm = RunCommunicator::from_runs(vec![job], |b| {
+        let b = b.quantization(Quantization::Adaptive).caller_spin(CALLER_SPIN);
+        match settings.deadline {
+            Some(d) => b.deadline(d),
+            None => b,
+        }
+    })
+    .map_err(|e| format!("job {id} (run {run}) worker {rank} at {data}: {e}"))?;
     let mut ranks = [1i32];
     match comm.allreduce(&mut ranks, Op::Sum) {
         Ok(_) if ranks[0] == size => {}
@@ -217,12 +221,7 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
             ))
         }
     }
-    Ok(Session {
-        comm,
-        job: id,
-        tuner,
-        joined: Some(Joined { members: members.to_vec(), run, job }),
-    })
+    Ok(Session { job: id, link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner })
 }
 
 /// Whether MPI_COMM_WORLD's job comes on demand (AGGBOX_MPI_NODE without
