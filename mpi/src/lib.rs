@@ -168,12 +168,19 @@ impl Session {
         }
     }
 
-    /// The job's communicator, for its counters.
-    fn communicator(&self) -> &Communicator {
+    /// The communicator of each stripe's job, for their counters: one but
+    /// on demand over several nodes.
+    fn stripes(&self) -> &[Communicator] {
         match &self.link {
-            Link::File(comm) => comm,
-            Link::OnDemand(joined) => joined.comm.communicator(),
+            Link::File(comm) => std::slice::from_ref(comm),
+            Link::OnDemand(joined) => joined.comm.striped().stripes(),
         }
+    }
+
+    /// `job J`, or `jobs J1, J2` for one striped over several nodes.
+    fn name(&self) -> String {
+        let ids: Vec<u16> = self.stripes().iter().map(|c| c.config().job).collect();
+        jobs_name(&ids)
     }
 
     /// The job on demand, if the session is one.
@@ -626,23 +633,27 @@ pub extern "C" fn aggbox_mpi_finalize() {
             // One write, so that mpirun, which forwards every rank's stderr,
             // never splits the line.
             use std::io::Write;
-            let control = match &shim.settings.source {
-                Source::OnDemand(d) => d.control.to_string(),
-                Source::File(_) => String::new(),
-            };
             let jobs: String = shim
                 .sessions
                 .iter()
                 .map(|s| {
-                    let joined = s.joined().map_or(String::new(), |j| {
-                        format!(
-                            "; job {} on demand (node {control}, run {}, incarnation {})",
-                            s.job,
-                            j.run,
-                            j.comm.run().grant().incarnation
-                        )
+                    // Per job on demand its node, per stripe its counters.
+                    let joined: String = s.joined().map_or(String::new(), |j| {
+                        j.comm
+                            .runs()
+                            .iter()
+                            .map(|run| {
+                                let grant = run.grant();
+                                format!("; job {} on demand (node {}, run {}, incarnation {})", grant.job, run.node(), j.run, grant.incarnation)
+                            })
+                            .collect()
                     });
-                    format!("{joined}; job {} datagrams {}; job {} routes {}", s.job, datagrams_line(s.communicator()), s.job, routes_line(&s.tuner))
+                    let datagrams: String = s
+                        .stripes()
+                        .iter()
+                        .map(|c| format!("; job {} datagrams {}", c.config().job, datagrams_line(c)))
+                        .collect();
+                    format!("{joined}{datagrams}; {} routes {}", s.name(), routes_line(&s.tuner))
                 })
                 .collect();
             let fell_back: String = shim.fell_back.iter().map(|(_, why)| format!("; fell back to PMPI: {why}")).collect();
@@ -652,11 +663,11 @@ pub extern "C" fn aggbox_mpi_finalize() {
         // Each communicator closes, then this rank's part of its job on
         // demand ends: the node removes the job when every rank's has.
         for session in shim.sessions {
-            let Session { job, link, .. } = session;
-            if let Link::OnDemand(j) = link {
-                // RunCommunicator::end stops the communicator first.
+            let name = session.name();
+            if let Link::OnDemand(j) = session.link {
+                // RunCommunicator::end stops the communicators first.
                 if let Err(e) = j.comm.end() {
-                    report(rank, "MPI_Finalize", format!("ending job {job} (run {}): {e}", j.run));
+                    report(rank, "MPI_Finalize", format!("ending {name} (run {}): {e}", j.run));
                 }
             }
         }
@@ -862,6 +873,14 @@ pub extern "C" fn aggbox_mpi_serves_float() -> c_int {
     shim().as_ref().is_some_and(|s| s.settings.float) as c_int
 }
 
+/// `job J`, or `jobs J1, J2, ...` in stripe order.
+fn jobs_name(ids: &[u16]) -> String {
+    match ids {
+        [one] => format!("job {one}"),
+        _ => format!("jobs {}", ids.iter().map(u16::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}
+
 /// A served call's error as its line says it. A job on demand that the
 /// node no longer serves (`CommError::JobLost`: the node restarted, or the
 /// lease ran out) fails every call at once, naming the node and saying to
@@ -897,7 +916,7 @@ fn served(
                 Ok(false) => AGGBOX_MPI_OK,
                 Ok(true) => AGGBOX_MPI_OVERFLOW,
                 Err(e) => {
-                    report(shim.settings.world_rank, what, format!("job {}: {e}", s.job));
+                    report(shim.settings.world_rank, what, format!("{}: {e}", s.name()));
                     AGGBOX_MPI_ERROR
                 }
             },

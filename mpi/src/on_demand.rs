@@ -12,13 +12,13 @@ use std::ffi::c_int;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
-use aggbox::runtime::control::{Credential, RunCommunicator, RunJob};
+use aggbox::runtime::control::{stripe_socket, Credential, RunCommunicator, RunJob};
 use aggbox::runtime::tuner::Tuner;
 use aggbox::runtime::{Collective, Quantization};
 use aggbox::wire::abi::Op;
 
 use super::{
-    env, env_parsed, read_common, report, shim, Link, Session, Settings, Shim, Source, AGGBOX_MPI_ERROR, AGGBOX_MPI_JOINED,
+    env, env_parsed, read_common, jobs_name, report, shim, Link, Session, Settings, Shim, Source, AGGBOX_MPI_ERROR, AGGBOX_MPI_JOINED,
     AGGBOX_MPI_JOIN_FAILED, AGGBOX_MPI_NOT_SERVED, AGGBOX_MPI_OK, CALLER_SPIN, ENV_CONFIG, ENV_DATA_PORT, ENV_NODE,
 };
 
@@ -44,8 +44,9 @@ fn on_demand() -> bool {
 
 /// Jobs on demand (docs/INTERFACE.md, "Jobs on demand").
 pub(crate) struct OnDemand {
-    /// The node's control endpoint; its address is also the data plane's.
-    pub(crate) control: SocketAddr,
+    /// The nodes' control endpoints, in stripe order (AGGBOX_MPI_NODE);
+    /// each one's address is also its data plane's.
+    nodes: Vec<SocketAddr>,
     credential: Credential,
     /// The run key of MPI_COMM_WORLD's job (rank 0's, broadcast); another
     /// communicator's run key is this one and its processes.
@@ -53,10 +54,11 @@ pub(crate) struct OnDemand {
     /// MPI_COMM_WORLD's size.
     world: c_int,
     /// This process's data address: AGGBOX_MPI_DATA, else the local
-    /// address that routes to the node.
+    /// address that routes to the first node.
     data_ip: Ipv4Addr,
-    /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port; a free port
-    /// otherwise (and always for the other communicators' jobs).
+    /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port (stripe t's: plus
+    /// t); free ports otherwise (and always for the other communicators'
+    /// jobs).
     data_port: Option<u16>,
     join_deadline: Duration,
     /// AGGBOX_MPI_FALLBACK: what a failed join does.
@@ -85,22 +87,16 @@ pub(crate) struct Joined {
     pub(crate) comm: RunCommunicator,
 }
 
-/// Reads what `MPI_Init` needs for jobs on demand: the node's control
-/// endpoint, the credential, this process's data address, and the
+/// Reads what `MPI_Init` needs for jobs on demand: the nodes' control
+/// endpoints, the credential, this process's data address, and the
 /// variables; `run` is MPI_COMM_WORLD's run key (rank 0's).
 fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, String> {
-    let node = env(ENV_NODE).ok_or_else(|| format!("{ENV_NODE} is not set"))?;
-    let control: SocketAddrV4 = match node.parse::<Ipv4Addr>() {
-        Ok(ip) => SocketAddrV4::new(ip, aggbox::config::DEFAULT_CONTROL.port()),
-        Err(_) => node.parse().map_err(|_| {
-            format!("{ENV_NODE}={node:?}: expected the node's control endpoint as IPv4[:PORT] (port default {})", aggbox::config::DEFAULT_CONTROL.port())
-        })?,
-    };
+    let nodes = parse_nodes(&env(ENV_NODE).ok_or_else(|| format!("{ENV_NODE} is not set"))?)?;
     let credential = Credential::from_env().map_err(plain)?;
     let data_ip = match env_parsed::<Ipv4Addr>(ENV_DATA)? {
         Some(ip) => ip,
-        None => route_to(control).map_err(|e| {
-            format!("no local address routes to the node {control} ({e}): set {ENV_DATA} to this process's IPv4 address")
+        None => route_to(nodes[0]).map_err(|e| {
+            format!("no local address routes to the node {} ({e}): set {ENV_DATA} to this process's IPv4 address", nodes[0])
         })?,
     };
     let fallback = match env(ENV_FALLBACK).as_deref() {
@@ -110,7 +106,7 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
     };
     let join_deadline = Duration::from_millis(env_parsed::<u64>(ENV_JOIN_MS)?.unwrap_or(DEFAULT_JOIN_MS));
     let demand = OnDemand {
-        control: SocketAddr::V4(control),
+        nodes: nodes.into_iter().map(SocketAddr::V4).collect(),
         credential,
         run: run.to_string(),
         world: size,
@@ -120,6 +116,58 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
         fallback,
     };
     read_common(rank, Source::OnDemand(demand))
+}
+
+/// AGGBOX_MPI_NODE's control endpoints: `IPv4[:PORT]` (port default
+/// 7471, `[node] control`'s), comma-separated, each node once, in stripe
+/// order.
+fn parse_nodes(text: &str) -> Result<Vec<SocketAddrV4>, String> {
+    let default_port = aggbox::config::DEFAULT_CONTROL.port();
+    let mut nodes: Vec<SocketAddrV4> = Vec::new();
+    for part in text.split(',').map(str::trim) {
+        let node = match part.parse::<Ipv4Addr>() {
+            Ok(ip) => SocketAddrV4::new(ip, default_port),
+            Err(_) => part.parse().map_err(|_| {
+                format!("{ENV_NODE}={text:?}: expected each node's control endpoint as IPv4[:PORT] (port default {default_port}), comma-separated; {part:?} is not one")
+            })?,
+        };
+        if nodes.contains(&node) {
+            return Err(format!("{ENV_NODE}={text:?}: {node} is named twice; each node serves one stripe"));
+        }
+        nodes.push(node);
+    }
+    Ok(nodes)
+}
+
+/// This rank's data address for a job striped over `stripes` nodes: stripe
+/// t on its port plus t ([`stripe_socket`]), the port `fixed` or the first
+/// of `stripes` consecutive free ports, which the returned sockets hold
+/// (bound) until the communicators bind them.
+fn data_ports(ip: Ipv4Addr, fixed: Option<u16>, stripes: usize) -> Result<(SocketAddrV4, Vec<UdpSocket>), String> {
+    if let Some(port) = fixed {
+        let data = SocketAddrV4::new(ip, port);
+        stripe_socket(data, stripes - 1).map_err(plain)?;
+        return Ok((data, Vec::new()));
+    }
+    const TRIES: usize = 64;
+    for _ in 0..TRIES {
+        let first = UdpSocket::bind((ip, 0)).map_err(|e| format!("a free UDP port on {ip} ({ENV_DATA}): {e}"))?;
+        let data = match first.local_addr().map_err(|e| format!("a free UDP port: {e}"))? {
+            SocketAddr::V4(a) => a,
+            other => return Err(format!("a free UDP port on {ip}: bound to {other}")),
+        };
+        let mut held = vec![first];
+        for t in 1..stripes {
+            match stripe_socket(data, t).ok().and_then(|at| UdpSocket::bind(at).ok()) {
+                Some(socket) => held.push(socket),
+                None => break,
+            }
+        }
+        if held.len() == stripes {
+            return Ok((data, held));
+        }
+    }
+    Err(format!("no {stripes} consecutive free UDP ports on {ip} in {TRIES} tries (one per node)"))
 }
 
 /// A control-path error's message without the runtime's "runtime
@@ -166,62 +214,52 @@ fn run_key(demand: &OnDemand, members: &[c_int]) -> String {
     format!("{world_run}.{hash:016x}")
 }
 
-/// Jobs on demand: joins the job of the communicator whose processes are
-/// the world ranks `members`, this process its rank `rank`, builds its
-/// communicator and makes a first allreduce (as `open` does). Every rank of
-/// the communicator calls it in the same MPI call; the node creates the
-/// job when all of them have joined.
+/// Jobs on demand: joins the run of the communicator whose processes are
+/// the world ranks `members`, this process its rank `rank`, at every node
+/// in order, builds its communicator, striped over the jobs as
+/// `RunCommunicator::join` stripes them (stripe t at node t, through the
+/// data port plus t), and makes a first allreduce (as `open` does). Every
+/// rank of the communicator calls it in the same MPI call; each node
+/// creates its job when all of them have joined there.
 pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], rank: c_int, tuner: Tuner) -> Result<Session, String> {
     let size = members.len() as c_int;
     let run = run_key(demand, members);
     let world = u16::try_from(size).map_err(|_| format!("a communicator of {size} ranks"))?;
-    // This job's data socket: MPI_COMM_WORLD's on AGGBOX_MPI_DATA_PORT if
-    // set, else a free port, held until just before the communicator binds
-    // it (a socket per job, as with the file's jobs).
+    // This job's data sockets: MPI_COMM_WORLD's on AGGBOX_MPI_DATA_PORT
+    // if set, else free ports, held until just before the communicators
+    // bind them (a socket per job, as with the file's jobs).
     let fixed = if is_world(demand, members) { demand.data_port } else { None };
-    let (port, probe) = match fixed {
-        Some(p) => (p, None),
-        None => {
-            let probe = UdpSocket::bind((demand.data_ip, 0))
-                .map_err(|e| format!("a free UDP port on {} ({ENV_DATA}): {e}", demand.data_ip))?;
-            let port = probe.local_addr().map_err(|e| format!("a free UDP port: {e}"))?.port();
-            (port, Some(probe))
-        }
-    };
-    let data = SocketAddrV4::new(demand.data_ip, port);
-    let job = RunJob::join(
-        demand.control,
-        demand.credential.clone(),
-        &run,
-        world,
-        rank as u16,
-        data,
-        None,
-        demand.join_deadline,
-    )
-    .map_err(plain)?;
-    drop(probe);
-    let id = job.grant().job;
-    let comm = RunCommunicator::from_runs(vec![job], |b| {
+    let (data, held) = data_ports(demand.data_ip, fixed, demand.nodes.len())?;
+    let mut runs = Vec::with_capacity(demand.nodes.len());
+    for (t, node) in demand.nodes.iter().enumerate() {
+        let at = stripe_socket(data, t).map_err(plain)?;
+        let credential = demand.credential.clone();
+        runs.push(RunJob::join(*node, credential, &run, world, rank as u16, at, None, demand.join_deadline).map_err(plain)?);
+    }
+    drop(held);
+    let ids: Vec<u16> = runs.iter().map(|r| r.grant().job).collect();
+    let name = jobs_name(&ids);
+    let comm = RunCommunicator::from_runs(runs, |b| {
         let b = b.quantization(Quantization::Adaptive).caller_spin(CALLER_SPIN);
         match settings.deadline {
             Some(d) => b.deadline(d),
             None => b,
         }
     })
-    .map_err(|e| format!("job {id} (run {run}) worker {rank} at {data}: {e}"))?;
+    .map_err(|e| format!("{name} (run {run}) worker {rank} at {data}: {e}"))?;
     let mut ranks = [1i32];
     match comm.allreduce(&mut ranks, Op::Sum) {
         Ok(_) if ranks[0] == size => {}
-        Ok(_) => return Err(format!("job {id}'s first allreduce counted {} ranks, not {size}", ranks[0])),
+        Ok(_) => return Err(format!("{name}'s first allreduce counted {} ranks, not {size}", ranks[0])),
         Err(e) => {
+            let nodes: Vec<String> = demand.nodes.iter().map(|n| n.ip().to_string()).collect();
             return Err(format!(
-                "job {id} (run {run})'s first allreduce failed ({e}): does {data} reach the node {} and back?",
-                demand.control.ip()
-            ))
+                "{name} (run {run})'s first allreduce failed ({e}): does {data} reach the node {} and back?",
+                nodes.join(", ")
+            ));
         }
     }
-    Ok(Session { job: id, link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner })
+    Ok(Session { job: ids[0], link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner })
 }
 
 /// Whether MPI_COMM_WORLD's job comes on demand (AGGBOX_MPI_NODE without
@@ -351,7 +389,7 @@ pub extern "C" fn aggbox_mpi_comm_joined(all: c_int) -> c_int {
             return (shim.sessions.len() - 1) as c_int;
         }
         // Ends this rank's part of the job the others could not use.
-        Ok(session) => format!("job {}: another rank of {comm} could not join its job", session.job),
+        Ok(session) => format!("{}: another rank of {comm} could not join its job", session.name()),
         Err(e) => e,
     };
     let fallback = match &shim.settings.source {
@@ -368,5 +406,34 @@ pub extern "C" fn aggbox_mpi_comm_joined(all: c_int) -> c_int {
             report(rank, what, format!("{reason} ({ENV_FALLBACK}=abort)"));
             AGGBOX_MPI_ERROR
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_are_comma_separated_endpoints_in_stripe_order() {
+        let nodes = parse_nodes("10.77.0.11:7481, 10.77.0.16").unwrap();
+        assert_eq!(nodes, ["10.77.0.11:7481".parse().unwrap(), "10.77.0.16:7471".parse().unwrap()]);
+        assert_eq!(parse_nodes("10.77.0.11").unwrap().len(), 1);
+        for bad in ["", "10.77.0.11,", "10.77.0.11;10.77.0.16", "node:7471", "10.77.0.11:7471,10.77.0.11"] {
+            assert!(parse_nodes(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_rank_holds_one_free_port_per_stripe_consecutive() {
+        let ip = Ipv4Addr::LOCALHOST;
+        let (data, held) = data_ports(ip, None, 3).unwrap();
+        assert_eq!(held.len(), 3);
+        for (t, socket) in held.iter().enumerate() {
+            assert_eq!(socket.local_addr().unwrap(), SocketAddr::V4(stripe_socket(data, t).unwrap()));
+        }
+        // A fixed port is the caller's: nothing held, but it must leave room
+        // for every stripe.
+        assert_eq!(data_ports(ip, Some(7700), 2).unwrap().0.port(), 7700);
+        assert!(data_ports(ip, Some(65535), 2).is_err());
     }
 }
