@@ -36,7 +36,7 @@ mod live_attach;
 mod impair;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use live_attach::LiveAttach;
@@ -253,6 +253,23 @@ impl MpiBed {
         program: &Path,
         args: &[&str],
     ) -> Output {
+        let started = Instant::now();
+        let out = self.command(mpi, np, env, launcher, program, args).output().expect("spawn mpirun");
+        log_run(mpi, np, program, args, &out, started);
+        out
+    }
+
+    /// The command of [`MpiBed::mpirun_with`], for a test that does
+    /// something while the program runs.
+    fn command(
+        &self,
+        mpi: Mpi,
+        np: usize,
+        env: &[(String, String)],
+        launcher: &[&str],
+        program: &Path,
+        args: &[&str],
+    ) -> Command {
         let agent = repo().join("scripts/mpi_netns_agent.sh");
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.tb.host(1).netns, "timeout", "--kill-after=5"])
@@ -281,18 +298,22 @@ impl MpiBed {
                 }
             }
         }
-        let started = Instant::now();
-        let out = cmd.args(launcher).arg(program).args(args).output().expect("spawn mpirun");
-        eprintln!(
-            "{} -np {np} {} {args:?}: {} in {:.1} s\n--- stderr ---\n{}",
-            mpi.name(),
-            program.display(),
-            out.status,
-            started.elapsed().as_secs_f64(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
+        cmd.args(launcher).arg(program).args(args);
+        cmd
     }
+}
+
+/// Logs a run of `program` and its stderr (the test's output shows it on
+/// failure).
+fn log_run(mpi: Mpi, np: usize, program: &Path, args: &[&str], out: &Output, started: Instant) {
+    eprintln!(
+        "{} -np {np} {} {args:?}: {} in {:.1} s\n--- stderr ---\n{}",
+        mpi.name(),
+        program.display(),
+        out.status,
+        started.elapsed().as_secs_f64(),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 impl Drop for MpiBed {
@@ -835,6 +856,150 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     let c = injector.counts();
     assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
     assert_no_jobs_soon(&bed, "after the lossy runs");
+}
+
+/// A run of `collectives pause DIR N` (tests/mpi/collectives.c) held at
+/// its pause: every rank's calls before it completed (DIR/paused), and
+/// every rank waits for DIR/resume, which [`PausedRun::resume`] (or drop)
+/// creates.
+struct PausedRun {
+    child: Option<Child>,
+    dir: PathBuf,
+    mpi: Mpi,
+    np: usize,
+    program: PathBuf,
+    args: Vec<String>,
+    started: Instant,
+}
+
+impl PausedRun {
+    /// Starts the program over `np` ranks with `env` and returns at its
+    /// pause; `n` elements a call.
+    fn start(bed: &MpiBed, mpi: Mpi, np: usize, env: &[(String, String)], program: &Path, n: usize) -> PausedRun {
+        let dir = bed.dir.join("pause");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("pause dir");
+        let args = vec!["pause".to_string(), dir.display().to_string(), n.to_string()];
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let child = bed
+            .command(mpi, np, env, &[], program, &argv)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn mpirun");
+        let mut run = PausedRun { child: Some(child), dir, mpi, np, program: program.to_path_buf(), args, started };
+        while !run.dir.join("paused").exists() {
+            let child = run.child.as_mut().expect("running");
+            if let Some(status) = child.try_wait().expect("mpirun's status") {
+                let out = run.finish();
+                panic!("the run ended ({status}) before its pause:\n{}", String::from_utf8_lossy(&out.stderr));
+            }
+            assert!(started.elapsed() < Duration::from_secs(120), "no pause within 120 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        run
+    }
+
+    /// Lets the ranks go on; the run's output once it ended.
+    fn resume(mut self) -> Output {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Output {
+        std::fs::write(self.dir.join("resume"), b"").expect("create the resume file");
+        let child = self.child.take().expect("a running program");
+        let out = child.wait_with_output().expect("mpirun's output");
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        log_run(self.mpi, self.np, &self.program, &args, &out, self.started);
+        out
+    }
+}
+
+impl Drop for PausedRun {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.finish();
+        }
+    }
+}
+
+/// The `/metrics` text of the node on `host` (its default address,
+/// 127.0.0.1:9435 in its namespace).
+fn scrape(bed: &MpiBed, host: usize) -> String {
+    use std::io::{Read, Write};
+    bed.tb
+        .in_host(host, || {
+            let mut s = std::net::TcpStream::connect(aggbox::config::DEFAULT_METRICS).expect("connect to /metrics");
+            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("request /metrics");
+            let mut out = String::new();
+            s.read_to_string(&mut out).expect("read /metrics");
+            out
+        })
+        .expect("the node's namespace")
+}
+
+/// `aggbox_control_refused_total` of `reason` in a `/metrics` text.
+fn refused(metrics: &str, reason: &str) -> u64 {
+    let label = format!("reason=\"{reason}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("aggbox_control_refused_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Jobs on demand, the node killed (-9) and started again in the middle of
+/// a run (docs/MPI.md, "A node that restarts"). The calls before the
+/// restart are served (through the node's XDP program) and right; the new
+/// node refuses every rank's next renewal (`unknown_job`); then the next
+/// served call fails at once, sending nothing, with the JobLost reason
+/// naming the node and the job and saying to run the program again, and
+/// the job is aborted. The calls' deadline is a minute: a call that had
+/// waited for it would end with "timed out" and "the call failed", which
+/// no rank's line does.
+#[test]
+fn openmpi_on_demand_node_restarted_mid_run_fails_the_next_call_at_once_naming_the_node() {
+    const RANKS: usize = 4;
+    let mut bed = MpiBed::on_demand("restart", RANKS);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let env = bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_DEADLINE_MS", "60000".into())]);
+    let run = PausedRun::start(&bed, Mpi::OpenMpi, RANKS, &env, &program, 363);
+    let jobs = bed.node().status().jobs;
+    assert_eq!(jobs.len(), 1, "MPI_COMM_WORLD's job on demand: {jobs:?}");
+    let job = jobs[0].id;
+    assert!(jobs[0].counters.is_some_and(|c| c.accepted > 0 && c.results > 0), "the node served the calls before the pause: {:?}", jobs[0]);
+
+    let node = bed.attach.as_mut().expect("aggbox attach runs");
+    node.kill9();
+    node.restart();
+    assert!(bed.node().status().jobs.is_empty(), "the restarted node serves no job of the old one");
+    // Every rank's renewal thread gets the new node's refusal (within a
+    // third of the lease), and stores it as soon as it has read it.
+    let since = Instant::now();
+    while refused(&scrape(&bed, 0), "unknown_job") < RANKS as u64 {
+        assert!(since.elapsed() < Duration::from_secs(30), "the node refused fewer than {RANKS} renewals:\n{}", scrape(&bed, 0));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let out = run.resume();
+
+    assert!(!out.status.success(), "the run must fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for r in 0..RANKS {
+        assert!(stderr.contains(&format!("collectives: rank {r}: before the pause: ok")), "rank {r}'s calls before the restart: {stderr}");
+        assert!(!stderr.lines().any(|l| l == format!("collectives: rank {r}: ok")), "rank {r} ran on: {stderr}");
+    }
+    let control = format!("{}:{CONTROL_PORT}", bed.tb.host(0).addr);
+    let reason = format!("MPI_Allreduce: job {job}: node {control} no longer serves job {job} (incarnation 1): renewal refused (unknown_job): ");
+    let failed: Vec<&str> = stderr.lines().filter(|l| l.starts_with("aggbox-mpi: rank ") && l.contains(": MPI_")).collect();
+    assert!(!failed.is_empty(), "a rank's next call failed with its reason: {stderr}");
+    for line in &failed {
+        assert!(line.contains(&reason), "the reason names the node and the job: {line}");
+        assert!(line.ends_with("join the run again (for this MPI program: run it again; its MPI_Init joins new jobs)"), "says what to do: {line}");
+        assert!(!line.contains("the call failed") && !line.contains("timed out"), "failed at once, not at its deadline: {line}");
+    }
+    assert!(stderr.contains("aggbox-mpi: MPI_Allreduce failed; aborting the job"), "the job was aborted: {stderr}");
 }
 
 /// A join the node refuses (a wrong key: `bad_mac`) or cannot take (no

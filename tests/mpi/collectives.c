@@ -30,6 +30,12 @@
  *                                  1 s of back-to-back allreduces; the
  *                                  others must fail, not hang: they exit 3
  *                                  if 60 s of calls went by without it
+ *        collectives pause DIR N   10 allreduces and broadcasts of N
+ *                                  elements (as repeat), then a pause: once
+ *                                  every rank's calls completed, rank 0
+ *                                  creates DIR/paused and every rank waits
+ *                                  for DIR/resume (the test's, 120 s at
+ *                                  most: exit 4), then the same calls again
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -334,6 +340,34 @@ static int kill_rank(int victim)
     return 3;
 }
 
+/* `pause DIR N` (see the usage). Every rank says whether the calls before
+ * the pause were right. */
+static int pause_between_calls(const char *dir, int n)
+{
+    char path[4096];
+    repeated(10, n);
+    fprintf(stderr, "collectives: rank %d: before the pause: %s\n", rank, failures ? "FAILED" : "ok");
+    MPI_Barrier(MPI_COMM_WORLD); /* not intercepted: every rank's calls are done */
+    if (rank == 0) {
+        snprintf(path, sizeof path, "%s/paused", dir);
+        FILE *f = fopen(path, "w");
+        if (!f || fclose(f) != 0) {
+            fprintf(stderr, "collectives: rank 0: cannot create %s\n", path);
+            return 4;
+        }
+    }
+    snprintf(path, sizeof path, "%s/resume", dir);
+    for (int waited_ms = 0; access(path, F_OK) != 0; waited_ms += 10) {
+        if (waited_ms >= 120000) {
+            fprintf(stderr, "collectives: rank %d: no %s within 120 s\n", rank, path);
+            return 4;
+        }
+        usleep(10000);
+    }
+    repeated(10, n);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     /* The float runs enter through MPI_Init_thread, the others MPI_Init:
@@ -345,6 +379,12 @@ int main(int argc, char **argv)
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (argc == 3 && strcmp(argv[1], "kill-rank") == 0) {
         int rc = kill_rank(atoi(argv[2]));
+        MPI_Finalize();
+        return rc;
+    }
+    if (argc == 4 && strcmp(argv[1], "pause") == 0) {
+        int rc = pause_between_calls(argv[2], atoi(argv[3]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, rc ? "FAILED" : "ok");
         MPI_Finalize();
         return rc;
     }
