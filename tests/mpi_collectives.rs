@@ -112,10 +112,13 @@ fn program(mpi: Mpi, dir: &Path) -> PathBuf {
     out
 }
 
-/// A testbed whose host 0 serves the job and hosts 1..=ranks are the ranks.
+/// A testbed whose host 0 serves the job and hosts 1..=ranks are the ranks
+/// (jobs on demand over several nodes: the other nodes are the hosts after
+/// the ranks).
 struct MpiBed {
-    // Field order: the attachment stops before the testbed goes.
+    // Field order: the attachments stop before the testbed goes.
     attach: Option<LiveAttach>,
+    more_nodes: Vec<LiveAttach>,
     tb: Testbed,
     tag: String,
     text: String,
@@ -134,14 +137,20 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 impl MpiBed {
     /// Host 0 serves JOB and HALF_JOB of its file.
     fn up(tag: &str, ranks: usize) -> MpiBed {
-        MpiBed::with_node(tag, ranks, |tb, _dir| MpiBed::jobs_text(tb, ranks))
+        MpiBed::with_nodes(tag, ranks, 1, |tb, _dir| MpiBed::jobs_text(tb, ranks))
     }
 
     /// Host 0's file has no `[[job]]`: it serves jobs on demand to the
     /// tenant TENANT (key KEY, at most DEMAND_JOBS live jobs) on
     /// CONTROL_PORT.
     fn on_demand(tag: &str, ranks: usize) -> MpiBed {
-        MpiBed::with_node(tag, ranks, |_tb, dir| {
+        MpiBed::on_demand_nodes(tag, ranks, 1)
+    }
+
+    /// [`MpiBed::on_demand`] with `nodes` nodes, each serving jobs on
+    /// demand alike: host 0, then hosts ranks+1 ..
+    fn on_demand_nodes(tag: &str, ranks: usize, nodes: usize) -> MpiBed {
+        MpiBed::with_nodes(tag, ranks, nodes, |_tb, dir| {
             let keys = dir.join("keys.toml");
             std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{KEY}\"\njobs = {DEMAND_JOBS}\n")).expect("write keys");
             std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod keys");
@@ -149,10 +158,10 @@ impl MpiBed {
         })
     }
 
-    fn with_node(tag: &str, ranks: usize, text: impl FnOnce(&Testbed, &Path) -> String) -> MpiBed {
+    fn with_nodes(tag: &str, ranks: usize, nodes: usize, text: impl FnOnce(&Testbed, &Path) -> String) -> MpiBed {
         assert!(nix::unistd::geteuid().is_root(), "tests/mpi_collectives.rs needs root (network namespaces, XDP)");
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let tb = Testbed::up(TestbedConfig { hosts: ranks + 1, ..Default::default() }).expect("testbed");
+        let tb = Testbed::up(TestbedConfig { hosts: ranks + nodes, ..Default::default() }).expect("testbed");
         let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test dir");
         let text = text(&tb, &dir);
@@ -161,10 +170,35 @@ impl MpiBed {
         let hostfile = dir.join("hosts");
         let hosts: String = (1..=ranks).map(|h| format!("{} slots=1\n", tb.host(h).netns)).collect();
         std::fs::write(&hostfile, hosts).expect("write hostfile");
-        let mut bed =
-            MpiBed { attach: None, tb, tag: tag.to_string(), text, dir, config, hostfile, ranks, _serial: serial };
+        let more_nodes = (1..nodes)
+            .map(|k| LiveAttach::start(&tb.host(ranks + k).netns, &format!("mpi-{tag}-{k}"), &text, &[]))
+            .collect();
+        let mut bed = MpiBed {
+            attach: None,
+            more_nodes,
+            tb,
+            tag: tag.to_string(),
+            text,
+            dir,
+            config,
+            hostfile,
+            ranks,
+            _serial: serial,
+        };
         bed.restart_node();
         bed
+    }
+
+    /// Every node, host 0's first, and its testbed host.
+    fn nodes(&self) -> Vec<(usize, &LiveAttach)> {
+        let more = self.more_nodes.iter().enumerate().map(|(k, n)| (self.ranks + 1 + k, n));
+        std::iter::once((0, self.node())).chain(more).collect()
+    }
+
+    /// Every node's control endpoint, `IP:PORT`, in the order of
+    /// [`MpiBed::nodes`].
+    fn controls(&self) -> Vec<String> {
+        self.nodes().iter().map(|(h, _)| format!("{}:{CONTROL_PORT}", self.tb.host(*h).addr)).collect()
     }
 
     /// The file of [`MpiBed::up`].
@@ -720,13 +754,19 @@ fn on_demand_jobs(line: &str) -> Vec<(u16, String, u64)> {
         .collect()
 }
 
-/// Waits until the node serves no job (the counters are published every
+/// The nodes of the jobs on demand a counters line names, in the same
+/// order as [`on_demand_jobs`]: `IP:PORT` each.
+fn on_demand_nodes(line: &str) -> Vec<String> {
+    line.split(" on demand (node ").skip(1).filter_map(|rest| Some(rest.split(',').next()?.to_string())).collect()
+}
+
+/// Waits until no node serves a job (the counters are published every
 /// 50 ms): a run's jobs end when its ranks' MPI_Finalize ends them, not a
 /// lease (10 s) later.
 fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
     let since = Instant::now();
     loop {
-        let jobs = bed.node().status().jobs;
+        let jobs: Vec<_> = bed.nodes().iter().flat_map(|(_, n)| n.status().jobs).collect();
         if jobs.is_empty() {
             return;
         }
@@ -856,6 +896,70 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     let c = injector.counts();
     assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
     assert_no_jobs_soon(&bed, "after the lossy runs");
+}
+
+/// Jobs on demand striped over two nodes (docs/MPI.md, "Several nodes"):
+/// AGGBOX_MPI_NODE names both control endpoints, and every communicator
+/// joins its run at each, in that order, and stripes each vector over the
+/// two jobs as `RunCommunicator::join` does. The program is bit-identical
+/// to plain MPI, every call but the 2 pass-through ones served; each rank's
+/// stats line names, per communicator, a job at each node (the first
+/// node's first) of one run, and each of its stripes sent data; each
+/// node's XDP program aggregated, and both end their jobs at MPI_Finalize.
+/// A second run pauses after its calls (363 elements: a stripe at each
+/// node): then each node serves a job of the run, MPI_COMM_WORLD's stripe,
+/// whose counters show it reduced.
+#[test]
+fn openmpi_on_demand_striped_over_two_nodes_is_exact_and_each_node_serves_a_stripe() {
+    const RANKS: usize = 4;
+    let bed = MpiBed::on_demand_nodes("striped", RANKS, 2);
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let sizes = ["1", "363", "1448"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain run failed");
+    let reference = result_lines(&plain);
+    let controls = bed.controls();
+    let env = bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_NODE", controls.join(","))]);
+
+    let before: Vec<_> = bed.nodes().iter().map(|(_, n)| n.outcomes()).collect();
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &env, &program, &sizes);
+    assert!(out.status.success(), "the run striped over two nodes failed");
+    assert_eq!(result_lines(&out), reference, "results striped over two nodes differ from plain MPI's");
+    assert_counters(&out, RANKS, |_| on_demand_counters(sizes.len()), "striped over two nodes");
+    let jobs: Vec<Vec<(u16, String, u64)>> = (0..RANKS).map(|r| on_demand_jobs(&counters_line(&out, r))).collect();
+    for (r, js) in jobs.iter().enumerate() {
+        let line = counters_line(&out, r);
+        assert_eq!(on_demand_nodes(&line), [&controls[..], &controls[..], &controls[..]].concat(), "rank {r}: a job at each node, in order, per communicator: {line}");
+        for pair in js.chunks(2) {
+            assert_eq!(pair[0].1, pair[1].1, "rank {r}: one run at both nodes: {js:?}");
+            assert_eq!(pair[0].2, 1, "rank {r}: {js:?}");
+        }
+        assert_eq!(js[..2], jobs[0][..2], "rank {r}: MPI_COMM_WORLD's jobs are every rank's");
+        for (job, _, _) in js {
+            let sent = counter(&line, &format!("; job {job} datagrams "), "data_sent");
+            assert!(sent > 0, "rank {r}: the stripe of job {job} sent nothing: {line}");
+        }
+    }
+    for (k, ((_, node), before)) in bed.nodes().iter().zip(&before).enumerate() {
+        let after = node.outcomes();
+        let grew = |key: &str| after.get(key).copied().unwrap_or(0) - before.get(key).copied().unwrap_or(0);
+        assert!(grew("accepted") > 0 && grew("result") > 0, "node {k} ({}) aggregated its stripes: {after:?}", controls[k]);
+    }
+    assert_no_jobs_soon(&bed, "after the striped run");
+
+    let run = PausedRun::start(&bed, Mpi::OpenMpi, RANKS, &env, &program, 363);
+    let mut runs = Vec::new();
+    for (k, (_, node)) in bed.nodes().iter().enumerate() {
+        let jobs = node.status().jobs;
+        assert_eq!(jobs.len(), 1, "node {k} serves MPI_COMM_WORLD's stripe {k}: {jobs:?}");
+        let c = jobs[0].counters.expect("the job's XDP counters");
+        assert!(c.accepted > 0 && c.results > 0, "node {k} reduced its stripe: {c:?}");
+        runs.push(jobs[0].on_demand.as_ref().map(|d| d.run.clone()).expect("a job on demand"));
+    }
+    assert_eq!(runs[0], runs[1], "the same run at both nodes");
+    let out = run.resume();
+    assert!(out.status.success(), "the paused run failed after the pause");
+    assert_no_jobs_soon(&bed, "after the paused run");
 }
 
 /// A run of `collectives pause DIR N` (tests/mpi/collectives.c) held at
