@@ -786,11 +786,14 @@ fn assert_no_jobs_soon(bed: &MpiBed, what: &str) {
 /// AGGBOX_MPI_DATA_PORT set) splits the world into halves in world order,
 /// the lower one (world ranks 0 and 1) a job of its own, not
 /// MPI_COMM_WORLD's. A fourth and fifth run under 1 % loss and
-/// duplication on every link: 500 int32 allreduces and broadcasts, and
-/// float32 SUMs, each result checked by the program.
+/// duplication on every link: 500 int32 allreduces and broadcasts, and 252
+/// float32 SUMs (allreduces and reduces, one round or two), each result
+/// checked by the program (int32 exact, float32 within the quantization
+/// bound) and every one served by AggBox.
 #[test]
 fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
     const RANKS: usize = 4;
+    const FLOAT_CALLS_PER_SIZE: u64 = 42;
     let bed = MpiBed::on_demand("demand", RANKS);
     let program = program(Mpi::OpenMpi, &bed.dir);
     let sizes = ["1", "363", "1448"];
@@ -868,7 +871,8 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
 
     // A fourth run under 1 % loss and duplication on every link: 500
     // int32 allreduces (and as many broadcasts) of 1 to 5,000 elements,
-    // then float32 SUMs (quantized), every result checked by the program.
+    // then 252 float32 SUMs (quantized) of 1 to 20,000 elements, every
+    // result checked by the program.
     let injector = impair::Injector::new();
     let impair = |loss: f64, dup: f64| {
         for h in 0..=RANKS {
@@ -886,13 +890,28 @@ fn openmpi_on_demand_runs_exact_each_with_a_new_job_on_a_node_without_jobs() {
         RANKS,
         &bed.on_demand_env(Mpi::OpenMpi, KEY, &[("AGGBOX_MPI_FLOAT", "quantized".into())]),
         &program,
-        &["float", "1", "2", "363", "1448", "5000", "10000"],
+        &["float-repeat", &FLOAT_CALLS_PER_SIZE.to_string(), "1", "2", "363", "1448", "10000", "20000"],
     );
     impair(0.0, 0.0);
     assert!(out.status.success(), "500 int32 allreduces under loss failed");
     assert!(floats.status.success(), "float32 SUMs under loss failed");
     let served = counter(&counters_line(&out, 0), "served", "MPI_Allreduce");
     assert_eq!(served, 500, "every allreduce of the lossy run served by AggBox: {}", counters_line(&out, 0));
+    // Per size FLOAT_CALLS_PER_SIZE calls, allreduces and reduces
+    // alternating; those of at most 16 Ki elements (all but 20,000) take
+    // the one-round path and are counted by it.
+    let half = FLOAT_CALLS_PER_SIZE / 2;
+    assert_counters(
+        &floats,
+        RANKS,
+        |_| format!("MPI_Allreduce={} MPI_Reduce={} MPI_Bcast=0; passed through MPI_Allreduce=0 MPI_Reduce=0 MPI_Bcast=0", 6 * half, 6 * half),
+        "the lossy float run",
+    );
+    for r in 0..RANKS {
+        let line = counters_line(&floats, r);
+        let rounds = counter(&line, "datagrams", "float_calls_one_round") + counter(&line, "datagrams", "float_calls_redone");
+        assert_eq!(rounds, 5 * FLOAT_CALLS_PER_SIZE, "rank {r}: the float calls of up to 16 Ki elements: {line}");
+    }
     let c = injector.counts();
     assert!(c.dropped > 0 && c.duplicated > 0, "the injector dropped and duplicated: {c:?}");
     assert_no_jobs_soon(&bed, "after the lossy runs");
