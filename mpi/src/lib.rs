@@ -152,7 +152,7 @@ struct Session {
 /// What serves a session's calls.
 enum Link {
     /// A job of the node's file: its communicator.
-    File(Communicator),
+    File(Box<Communicator>),
     /// A job on demand: its `RunCommunicator`, which fails every call with
     /// `JobLost` once the node no longer serves the job, and this rank's
     /// part of the run, ended after the communicator closed.
@@ -163,7 +163,7 @@ impl Session {
     /// The communicator that runs the calls.
     fn collective(&self) -> &dyn Collective {
         match &self.link {
-            Link::File(comm) => comm,
+            Link::File(comm) => comm.as_ref(),
             Link::OnDemand(joined) => &joined.comm,
         }
     }
@@ -172,7 +172,7 @@ impl Session {
     /// on demand over several nodes.
     fn stripes(&self) -> &[Communicator] {
         match &self.link {
-            Link::File(comm) => std::slice::from_ref(comm),
+            Link::File(comm) => std::slice::from_ref(comm.as_ref()),
             Link::OnDemand(joined) => joined.comm.striped().stripes(),
         }
     }
@@ -419,7 +419,7 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
             ))
         }
     }
-    Ok(Session { job, link: Link::File(comm), tuner })
+    Ok(Session { job, link: Link::File(Box::new(comm)), tuner })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
