@@ -1,5 +1,7 @@
 //! The Rust half of `libaggbox_mpi_*.so` (docs/MPI.md): a C ABI over one
-//! [`aggbox::runtime::Communicator`] per AggBox job an MPI process uses.
+//! [`aggbox::runtime::Communicator`] per AggBox job of the node's file an
+//! MPI process uses, or one `RunCommunicator` per communicator's run on
+//! demand (its jobs at one node or striped over several: `on_demand`).
 //!
 //! The C shim (`mpi/aggbox_mpi.c`) intercepts the MPI calls through the PMPI
 //! profiling interface and decides which ones AggBox serves (it alone can
