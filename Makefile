@@ -108,7 +108,8 @@ mpi: deps
 # Unit tests need nothing special; the BPF and netns tests need root and a
 # kernel with BTF and fail with a clear message otherwise (never skip).
 # tests/python_package.rs needs the wheel `make python` builds,
-# tests/mpi_collectives.rs the libraries `make mpi` builds.
+# tests/mpi_collectives.rs and tests/mpi_on_demand.rs the libraries `make mpi`
+# builds.
 test: deps python mpi
 	@if [ "$$(id -u)" != 0 ]; then echo "make test: the BPF and netns tests need root (run as root or with sudo)" >&2; exit 1; fi
 	@test -r /sys/kernel/btf/vmlinux || { echo "make test: kernel has no BTF (/sys/kernel/btf/vmlinux missing)" >&2; exit 1; }

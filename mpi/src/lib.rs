@@ -1,5 +1,7 @@
 //! The Rust half of `libaggbox_mpi_*.so` (docs/MPI.md): a C ABI over one
-//! [`aggbox::runtime::Communicator`] per AggBox job an MPI process uses.
+//! [`aggbox::runtime::Communicator`] per AggBox job of the node's file an
+//! MPI process uses, or one `RunCommunicator` per communicator's run on
+//! demand (its jobs at one node or striped over several: `on_demand`).
 //!
 //! The C shim (`mpi/aggbox_mpi.c`) intercepts the MPI calls through the PMPI
 //! profiling interface and decides which ones AggBox serves (it alone can
@@ -15,19 +17,22 @@
 //! stderr, prefixed `aggbox-mpi: rank R:` (R: the MPI_COMM_WORLD rank).
 
 use std::ffi::c_int;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::Ipv4Addr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use aggbox::config::Config;
-use aggbox::runtime::control::{Credential, RunJob};
 use aggbox::runtime::{
-    BackendKind, Collective, Communicator, CommunicatorBuilder, NodePosition, Participant, Quantization,
+    BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements, NodePosition,
+    Participant, Quantization,
 };
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner};
 use aggbox::wire::abi::{Op, Round};
+
+mod on_demand;
+use on_demand::{join, Joined, OnDemand};
 
 /// The call completed; the buffer holds the result.
 pub const AGGBOX_MPI_OK: c_int = 0;
@@ -51,6 +56,8 @@ pub const AGGBOX_MPI_PENDING: c_int = -3;
 /// "joined" over the communicator and call [`aggbox_mpi_comm_joined`].
 pub const AGGBOX_MPI_JOINED: c_int = -4;
 pub const AGGBOX_MPI_JOIN_FAILED: c_int = -5;
+/// The size of the shim's buffer for a run key ([`on_demand::aggbox_mpi_run_key`]).
+pub const AGGBOX_MPI_RUN_KEY_BYTES: usize = 128;
 
 /// Environment variables (docs/MPI.md has the table).
 const ENV_CONFIG: &str = "AGGBOX_MPI_CONFIG";
@@ -63,21 +70,6 @@ const ENV_DEADLINE_MS: &str = "AGGBOX_MPI_DEADLINE_MS";
 const ENV_STATS: &str = "AGGBOX_MPI_STATS";
 const ENV_ROUTE: &str = "AGGBOX_MPI_ROUTE";
 const ENV_TRIALS: &str = "AGGBOX_MPI_TRIALS";
-/// Jobs on demand (docs/MPI.md, "Jobs on demand"); the credential is the
-/// runtime's AGGBOX_TENANT and AGGBOX_KEY.
-const ENV_DATA: &str = "AGGBOX_MPI_DATA";
-const ENV_RUN: &str = "AGGBOX_MPI_RUN";
-const ENV_FALLBACK: &str = "AGGBOX_MPI_FALLBACK";
-const ENV_JOIN_MS: &str = "AGGBOX_MPI_JOIN_MS";
-/// How long a join waits for the node's answer: longer than the node's
-/// lease (10 s), within which it refuses a run whose ranks did not all
-/// join, so that a rank that never came shows as the node's reason.
-const DEFAULT_JOIN_MS: u64 = 30_000;
-/// The longest run key AGGBOX_MPI_RUN may give (another communicator's
-/// run key adds 17 characters; the shim's buffer is RUN_KEY_BYTES).
-const MAX_RUN_KEY: usize = 96;
-pub const AGGBOX_MPI_RUN_KEY_BYTES: usize = 128;
-
 /// [`aggbox_mpi_route`]'s answer: bit 0 set = PMPI (the baseline), clear =
 /// AggBox; bit 1 set = a trial the shim times and reports with
 /// [`aggbox_mpi_trial`].
@@ -147,58 +139,59 @@ struct FileJobs {
     data_port: Option<u16>,
 }
 
-/// Jobs on demand (docs/INTERFACE.md, "Jobs on demand").
-struct OnDemand {
-    /// The node's control endpoint; its address is also the data plane's.
-    control: SocketAddr,
-    credential: Credential,
-    /// The run key of MPI_COMM_WORLD's job (rank 0's, broadcast); another
-    /// communicator's run key is this one and its processes.
-    run: String,
-    /// MPI_COMM_WORLD's size.
-    world: c_int,
-    /// This process's data address: AGGBOX_MPI_DATA, else the local
-    /// address that routes to the node.
-    data_ip: Ipv4Addr,
-    /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port; a free port
-    /// otherwise (and always for the other communicators' jobs).
-    data_port: Option<u16>,
-    join_deadline: Duration,
-    /// AGGBOX_MPI_FALLBACK: what a failed join does.
-    fallback: Fallback,
-}
-
-/// What a communicator whose job could not be had does
-/// (AGGBOX_MPI_FALLBACK).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Fallback {
-    /// Its calls go to PMPI (a line on stderr says why; the stats too).
-    Pmpi,
-    /// The job is aborted, as a failure of the file's job does.
-    Abort,
-}
-
 /// One AggBox job's communicator; every MPI communicator whose processes
 /// are the job's workers in the same order uses it (MPI_COMM_WORLD and its
 /// duplicates share the first).
 struct Session {
-    comm: Communicator,
+    /// The job (on demand: the first node's), which names the session.
     job: u16,
+    link: Link,
     /// AggBox or PMPI per kind and size of call, measured on this
     /// communicator (a kind is `call * 2 + is_float`).
     tuner: Tuner,
-    /// A job on demand: this rank's part of it, ended (dropped) after the
-    /// communicator above closed.
-    joined: Option<Joined>,
 }
 
-/// A session's job on demand.
-struct Joined {
-    /// The MPI_COMM_WORLD ranks of the job's workers in its rank order:
-    /// the communicators of these processes in this order share the job.
-    members: Vec<c_int>,
-    run: String,
-    job: RunJob,
+/// What serves a session's calls.
+enum Link {
+    /// A job of the node's file: its communicator.
+    File(Box<Communicator>),
+    /// A job on demand: its `RunCommunicator`, which fails every call with
+    /// `JobLost` once the node no longer serves the job, and this rank's
+    /// part of the run, ended after the communicator closed.
+    OnDemand(Joined),
+}
+
+impl Session {
+    /// The communicator that runs the calls.
+    fn collective(&self) -> &dyn Collective {
+        match &self.link {
+            Link::File(comm) => comm.as_ref(),
+            Link::OnDemand(joined) => &joined.comm,
+        }
+    }
+
+    /// The communicator of each stripe's job, for their counters: one but
+    /// on demand over several nodes.
+    fn stripes(&self) -> &[Communicator] {
+        match &self.link {
+            Link::File(comm) => std::slice::from_ref(comm.as_ref()),
+            Link::OnDemand(joined) => joined.comm.striped().stripes(),
+        }
+    }
+
+    /// `job J`, or `jobs J1, J2` for one striped over several nodes.
+    fn name(&self) -> String {
+        let ids: Vec<u16> = self.stripes().iter().map(|c| c.config().job).collect();
+        jobs_name(&ids)
+    }
+
+    /// The job on demand, if the session is one.
+    fn joined(&self) -> Option<&Joined> {
+        match &self.link {
+            Link::File(_) => None,
+            Link::OnDemand(joined) => Some(joined),
+        }
+    }
 }
 
 /// Everything between `MPI_Init` and `MPI_Finalize`. A served call holds
@@ -259,12 +252,6 @@ struct Pending {
     data_port: u16,
 }
 
-/// Whether MPI_COMM_WORLD's job comes on demand: AGGBOX_MPI_NODE without
-/// AGGBOX_MPI_CONFIG.
-fn on_demand() -> bool {
-    env(ENV_CONFIG).is_none() && env(ENV_NODE).is_some()
-}
-
 /// Reads what `MPI_Init` needs of the node's file: the configuration,
 /// MPI_COMM_WORLD's job (which must have `size` workers) and the
 /// variables.
@@ -305,63 +292,6 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
         config,
     };
     read_common(rank, Source::File(file))
-}
-
-/// Reads what `MPI_Init` needs for jobs on demand: the node's control
-/// endpoint, the credential, this process's data address, and the
-/// variables; `run` is MPI_COMM_WORLD's run key (rank 0's).
-fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, String> {
-    let node = env(ENV_NODE).ok_or_else(|| format!("{ENV_NODE} is not set"))?;
-    let control: SocketAddrV4 = match node.parse::<Ipv4Addr>() {
-        Ok(ip) => SocketAddrV4::new(ip, aggbox::config::DEFAULT_CONTROL.port()),
-        Err(_) => node.parse().map_err(|_| {
-            format!("{ENV_NODE}={node:?}: expected the node's control endpoint as IPv4[:PORT] (port default {})", aggbox::config::DEFAULT_CONTROL.port())
-        })?,
-    };
-    let credential = Credential::from_env().map_err(plain)?;
-    let data_ip = match env_parsed::<Ipv4Addr>(ENV_DATA)? {
-        Some(ip) => ip,
-        None => route_to(control).map_err(|e| {
-            format!("no local address routes to the node {control} ({e}): set {ENV_DATA} to this process's IPv4 address")
-        })?,
-    };
-    let fallback = match env(ENV_FALLBACK).as_deref() {
-        None | Some("pmpi") => Fallback::Pmpi,
-        Some("abort") => Fallback::Abort,
-        Some(v) => return Err(format!("{ENV_FALLBACK}={v:?}: expected \"pmpi\" (default: a communicator whose job could not be had passes its calls to MPI) or \"abort\"")),
-    };
-    let join_deadline = Duration::from_millis(env_parsed::<u64>(ENV_JOIN_MS)?.unwrap_or(DEFAULT_JOIN_MS));
-    let demand = OnDemand {
-        control: SocketAddr::V4(control),
-        credential,
-        run: run.to_string(),
-        world: size,
-        data_ip,
-        data_port: env_parsed(ENV_DATA_PORT)?,
-        join_deadline,
-        fallback,
-    };
-    read_common(rank, Source::OnDemand(demand))
-}
-
-/// A control-path error's message without the runtime's "runtime
-/// configuration:" prefix (a refusal, a connection: not a configuration).
-fn plain(e: aggbox::runtime::CommError) -> String {
-    match e {
-        aggbox::runtime::CommError::Config(m) => m,
-        e => e.to_string(),
-    }
-}
-
-/// The local IPv4 address from which this process reaches `node`: a
-/// connected UDP socket's (no datagram is sent).
-fn route_to(node: SocketAddrV4) -> std::io::Result<Ipv4Addr> {
-    let probe = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-    probe.connect(node)?;
-    match probe.local_addr()? {
-        SocketAddr::V4(a) if !a.ip().is_unspecified() => Ok(*a.ip()),
-        other => Err(std::io::Error::other(format!("the route's source is {other}"))),
-    }
 }
 
 /// The variables every source reads.
@@ -491,93 +421,7 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
             ))
         }
     }
-    Ok(Session { comm, job, tuner, joined: None })
-}
-
-/// Whether `members` (world ranks in a communicator's order) are
-/// MPI_COMM_WORLD's processes in its order.
-fn is_world(demand: &OnDemand, members: &[c_int]) -> bool {
-    members.len() == demand.world as usize && members.iter().enumerate().all(|(i, &r)| r == i as c_int)
-}
-
-/// The run key of the communicator whose processes are the world ranks
-/// `members` (in its rank order): MPI_COMM_WORLD's is the world's run key,
-/// another's adds a hash of its processes, so that its ranks name the same
-/// run without a message and two communicators of the same processes in
-/// the same order share a job.
-fn run_key(demand: &OnDemand, members: &[c_int]) -> String {
-    let world_run = &demand.run;
-    if is_world(demand, members) {
-        return world_run.to_string();
-    }
-    // FNV-1a over the ranks, little-endian.
-    let hash = members
-        .iter()
-        .flat_map(|r| r.to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    format!("{world_run}.{hash:016x}")
-}
-
-/// Jobs on demand: joins the job of the communicator whose processes are
-/// the world ranks `members`, this process its rank `rank`, builds its
-/// communicator and makes a first allreduce (as [`open`]). Every rank of
-/// the communicator calls it in the same MPI call; the node creates the
-/// job when all of them have joined.
-fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], rank: c_int, tuner: Tuner) -> Result<Session, String> {
-    let size = members.len() as c_int;
-    let run = run_key(demand, members);
-    let world = u16::try_from(size).map_err(|_| format!("a communicator of {size} ranks"))?;
-    // This job's data socket: MPI_COMM_WORLD's on AGGBOX_MPI_DATA_PORT if
-    // set, else a free port, held until just before the communicator binds
-    // it (a socket per job, as with the file's jobs).
-    let fixed = if is_world(demand, members) { demand.data_port } else { None };
-    let (port, probe) = match fixed {
-        Some(p) => (p, None),
-        None => {
-            let probe = UdpSocket::bind((demand.data_ip, 0))
-                .map_err(|e| format!("a free UDP port on {} ({ENV_DATA}): {e}", demand.data_ip))?;
-            let port = probe.local_addr().map_err(|e| format!("a free UDP port: {e}"))?.port();
-            (port, Some(probe))
-        }
-    };
-    let data = SocketAddrV4::new(demand.data_ip, port);
-    let job = RunJob::join(
-        demand.control,
-        demand.credential.clone(),
-        &run,
-        world,
-        rank as u16,
-        data,
-        None,
-        demand.join_deadline,
-    )
-    .map_err(plain)?;
-    drop(probe);
-    let id = job.grant().job;
-    let mut builder = job.builder().quantization(Quantization::Adaptive).caller_spin(CALLER_SPIN);
-    if let Some(d) = settings.deadline {
-        builder = builder.deadline(d);
-    }
-    let comm = builder
-        .build()
-        .map_err(|e| format!("job {id} (run {run}) worker {rank} at {data}: {e}"))?;
-    let mut ranks = [1i32];
-    match comm.allreduce(&mut ranks, Op::Sum) {
-        Ok(_) if ranks[0] == size => {}
-        Ok(_) => return Err(format!("job {id}'s first allreduce counted {} ranks, not {size}", ranks[0])),
-        Err(e) => {
-            return Err(format!(
-                "job {id} (run {run})'s first allreduce failed ({e}): does {data} reach the node {} and back?",
-                demand.control.ip()
-            ))
-        }
-    }
-    Ok(Session {
-        comm,
-        job: id,
-        tuner,
-        joined: Some(Joined { members: members.to_vec(), run, job }),
-    })
+    Ok(Session { job, link: Link::File(Box::new(comm)), tuner })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
@@ -628,153 +472,6 @@ fn start_pending(what: &str, round: u32, agg_seq: u32) -> c_int {
         }
         Err(e) => {
             report(shim.settings.world_rank, what, e);
-            AGGBOX_MPI_ERROR
-        }
-    }
-}
-
-/// Whether MPI_COMM_WORLD's job comes on demand (AGGBOX_MPI_NODE without
-/// AGGBOX_MPI_CONFIG): then the shim's `MPI_Init` broadcasts rank 0's
-/// [`aggbox_mpi_run_key`] and calls [`aggbox_mpi_join`]; otherwise
-/// [`aggbox_mpi_position`].
-#[no_mangle]
-pub extern "C" fn aggbox_mpi_on_demand() -> c_int {
-    on_demand() as c_int
-}
-
-/// Writes MPI_COMM_WORLD's run key to `out` (`len` bytes, NUL-terminated;
-/// AGGBOX_MPI_RUN_KEY_BYTES in the shim), on rank 0: AGGBOX_MPI_RUN, else
-/// `mpi-` and 32 random hex digits, so that every run, concurrent or
-/// consecutive, gets a job of its own. AGGBOX_MPI_ERROR (reason printed)
-/// when AGGBOX_MPI_RUN is too long or the buffer too small.
-///
-/// # Safety
-/// `out` points to `len` writable bytes.
-#[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_run_key(out: *mut std::ffi::c_char, len: usize) -> c_int {
-    let key = match env(ENV_RUN) {
-        Some(k) if k.len() > MAX_RUN_KEY || k.bytes().any(|b| b == 0) => {
-            report(0, "MPI_Init", format!("{ENV_RUN}: a run key of at most {MAX_RUN_KEY} bytes"));
-            return AGGBOX_MPI_ERROR;
-        }
-        Some(k) => k,
-        None => format!("mpi-{}", random_hex()),
-    };
-    if out.is_null() || key.len() >= len {
-        report(0, "MPI_Init", "the run key's buffer is too small (a bug in the shim)");
-        return AGGBOX_MPI_ERROR;
-    }
-    let out = std::slice::from_raw_parts_mut(out as *mut u8, len);
-    out[..key.len()].copy_from_slice(key.as_bytes());
-    out[key.len()] = 0;
-    AGGBOX_MPI_OK
-}
-
-/// 16 random bytes in hex (the clock and the process id where
-/// /dev/urandom cannot be read).
-fn random_hex() -> String {
-    use std::io::Read;
-    let mut bytes = [0u8; 16];
-    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).is_err() {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        bytes[..8].copy_from_slice(&(t as u64).to_le_bytes());
-        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Jobs on demand, called by the shim's `MPI_Init` after `PMPI_Init` and
-/// the broadcast of rank 0's run key `run`: reads the variables, joins
-/// MPI_COMM_WORLD's job at the node's control endpoint, builds its
-/// communicator and makes a first allreduce. AGGBOX_MPI_JOINED, or
-/// AGGBOX_MPI_JOIN_FAILED (a refusal, no node, no data path: the reason
-/// is kept); either way the ranks then agree and call
-/// [`aggbox_mpi_comm_joined`]. AGGBOX_MPI_ERROR (reason printed) when a
-/// variable is missing or wrong: the shim aborts the job.
-///
-/// # Safety
-/// `run` is a NUL-terminated string.
-#[no_mangle]
-pub unsafe extern "C" fn aggbox_mpi_join(rank: c_int, size: c_int, run: *const std::ffi::c_char) -> c_int {
-    if run.is_null() || size <= 0 {
-        report(rank, "MPI_Init", "no run key (a bug in the shim)");
-        return AGGBOX_MPI_ERROR;
-    }
-    let run = std::ffi::CStr::from_ptr(run).to_string_lossy().into_owned();
-    let settings = match read_on_demand(rank, size, &run) {
-        Ok(s) => s,
-        Err(e) => {
-            report(rank, "MPI_Init", e);
-            return AGGBOX_MPI_ERROR;
-        }
-    };
-    let members: Vec<c_int> = (0..size).collect();
-    let Source::OnDemand(demand) = &settings.source else { unreachable!("read_on_demand") };
-    let tuner = Tuner::new(settings.route, settings.trials);
-    let joined = join(&settings, demand, &members, rank, tuner);
-    let status = if joined.is_ok() { AGGBOX_MPI_JOINED } else { AGGBOX_MPI_JOIN_FAILED };
-    *shim() = Some(Shim {
-        settings,
-        sessions: Vec::new(),
-        pending: None,
-        joining: Some((members, joined)),
-        fell_back: Vec::new(),
-    });
-    status
-}
-
-/// Jobs on demand: ends the join that [`aggbox_mpi_join`] or
-/// [`aggbox_mpi_comm_job`] made, with `all` = whether every rank of the
-/// communicator joined (MPI_MIN over it). Then the session's index (0 for
-/// MPI_COMM_WORLD); otherwise this rank's part of the job is ended and,
-/// with AGGBOX_MPI_FALLBACK=pmpi (the default), a line says why and that
-/// the communicator's calls go to PMPI: AGGBOX_MPI_NOT_SERVED; with
-/// `abort`, AGGBOX_MPI_ERROR (reason printed; the shim aborts the job).
-#[no_mangle]
-pub extern "C" fn aggbox_mpi_comm_joined(all: c_int) -> c_int {
-    let mut guard = shim();
-    let Some(shim) = guard.as_mut() else {
-        eprintln!("aggbox-mpi: a join's agreement before MPI_Init or after MPI_Finalize (a bug in the shim)");
-        return AGGBOX_MPI_ERROR;
-    };
-    let rank = shim.settings.world_rank;
-    let Some((members, joined)) = shim.joining.take() else {
-        report(rank, "a join's agreement", "no join was made (a bug in the shim)");
-        return AGGBOX_MPI_ERROR;
-    };
-    let world = match &shim.settings.source {
-        Source::OnDemand(d) => is_world(d, &members),
-        Source::File(_) => false,
-    };
-    let (what, comm) = if world {
-        ("MPI_Init", "MPI_COMM_WORLD".to_string())
-    } else {
-        ("a communicator's first served call", format!("the communicator of world ranks {members:?}"))
-    };
-    let reason = match joined {
-        Ok(session) if all != 0 => {
-            shim.sessions.push(session);
-            return (shim.sessions.len() - 1) as c_int;
-        }
-        // Ends this rank's part of the job the others could not use.
-        Ok(session) => format!("job {}: another rank of {comm} could not join its job", session.job),
-        Err(e) => e,
-    };
-    let fallback = match &shim.settings.source {
-        Source::OnDemand(d) => d.fallback,
-        Source::File(_) => Fallback::Abort,
-    };
-    match fallback {
-        Fallback::Pmpi => {
-            report(rank, what, format!("{reason}; {comm} falls back to PMPI ({ENV_FALLBACK}=pmpi): its calls go to MPI unchanged"));
-            shim.fell_back.push((members, format!("{comm}: {reason}")));
-            AGGBOX_MPI_NOT_SERVED
-        }
-        Fallback::Abort => {
-            report(rank, what, format!("{reason} ({ENV_FALLBACK}=abort)"));
             AGGBOX_MPI_ERROR
         }
     }
@@ -875,7 +572,7 @@ pub unsafe extern "C" fn aggbox_mpi_comm_job(
             // The communicator of these processes in this order has its
             // job already, or fell back already; one of a single process
             // has nothing to communicate.
-            if let Some(i) = shim.sessions.iter().position(|s| s.joined.as_ref().is_some_and(|j| j.members == ranks)) {
+            if let Some(i) = shim.sessions.iter().position(|s| s.joined().is_some_and(|j| j.members == ranks)) {
                 return i as c_int;
             }
             if size == 1 || shim.fell_back.iter().any(|(m, _)| m == ranks) {
@@ -938,23 +635,27 @@ pub extern "C" fn aggbox_mpi_finalize() {
             // One write, so that mpirun, which forwards every rank's stderr,
             // never splits the line.
             use std::io::Write;
-            let control = match &shim.settings.source {
-                Source::OnDemand(d) => d.control.to_string(),
-                Source::File(_) => String::new(),
-            };
             let jobs: String = shim
                 .sessions
                 .iter()
                 .map(|s| {
-                    let joined = s.joined.as_ref().map_or(String::new(), |j| {
-                        format!(
-                            "; job {} on demand (node {control}, run {}, incarnation {})",
-                            s.job,
-                            j.run,
-                            j.job.grant().incarnation
-                        )
+                    // Per job on demand its node, per stripe its counters.
+                    let joined: String = s.joined().map_or(String::new(), |j| {
+                        j.comm
+                            .runs()
+                            .iter()
+                            .map(|run| {
+                                let grant = run.grant();
+                                format!("; job {} on demand (node {}, run {}, incarnation {})", grant.job, run.node(), j.run, grant.incarnation)
+                            })
+                            .collect()
                     });
-                    format!("{joined}; job {} datagrams {}; job {} routes {}", s.job, datagrams_line(&s.comm), s.job, routes_line(&s.tuner))
+                    let datagrams: String = s
+                        .stripes()
+                        .iter()
+                        .map(|c| format!("; job {} datagrams {}", c.config().job, datagrams_line(c)))
+                        .collect();
+                    format!("{joined}{datagrams}; {} routes {}", s.name(), routes_line(&s.tuner))
                 })
                 .collect();
             let fell_back: String = shim.fell_back.iter().map(|(_, why)| format!("; fell back to PMPI: {why}")).collect();
@@ -964,11 +665,11 @@ pub extern "C" fn aggbox_mpi_finalize() {
         // Each communicator closes, then this rank's part of its job on
         // demand ends: the node removes the job when every rank's has.
         for session in shim.sessions {
-            let Session { comm, job, joined, .. } = session;
-            drop(comm);
-            if let Some(j) = joined {
-                if let Err(e) = j.job.end() {
-                    report(rank, "MPI_Finalize", format!("ending job {job} (run {}): {e}", j.run));
+            let name = session.name();
+            if let Link::OnDemand(j) = session.link {
+                // RunCommunicator::end stops the communicators first.
+                if let Err(e) = j.comm.end() {
+                    report(rank, "MPI_Finalize", format!("ending {name} (run {}): {e}", j.run));
                 }
             }
         }
@@ -1174,6 +875,26 @@ pub extern "C" fn aggbox_mpi_serves_float() -> c_int {
     shim().as_ref().is_some_and(|s| s.settings.float) as c_int
 }
 
+/// `job J`, or `jobs J1, J2, ...` in stripe order.
+fn jobs_name(ids: &[u16]) -> String {
+    match ids {
+        [one] => format!("job {one}"),
+        _ => format!("jobs {}", ids.iter().map(u16::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// A served call's error as its line says it. A job on demand that the
+/// node no longer serves (`CommError::JobLost`: the node restarted, or the
+/// lease ran out) fails every call at once, naming the node and saying to
+/// join the run again; for an MPI program that is a new run (the job is
+/// aborted, as after any failed call: docs/MPI.md).
+fn call_error(e: CommError) -> String {
+    match e {
+        CommError::JobLost(why) => format!("{why} (for this MPI program: run it again; its MPI_Init joins new jobs)"),
+        e => e.to_string(),
+    }
+}
+
 /// Runs `f` on session `session`; counts it as served under `call` when it
 /// returns AGGBOX_MPI_OK, as overflowed under AGGBOX_MPI_OVERFLOW.
 fn served(
@@ -1197,7 +918,7 @@ fn served(
                 Ok(false) => AGGBOX_MPI_OK,
                 Ok(true) => AGGBOX_MPI_OVERFLOW,
                 Err(e) => {
-                    report(shim.settings.world_rank, what, format!("job {}: {e}", s.job));
+                    report(shim.settings.world_rank, what, format!("{}: {e}", s.name()));
                     AGGBOX_MPI_ERROR
                 }
             },
@@ -1239,7 +960,10 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
                 ))
             }
         };
-        s.comm.allreduce(buf, op).map(|served| served.clamped).map_err(|e| e.to_string())
+        s.collective()
+            .allreduce_elements(Elements::I32(buf), op, CallOptions::default())
+            .map(|served| served.clamped)
+            .map_err(call_error)
     })
 }
 
@@ -1260,10 +984,10 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(
     let buf = slice_mut(buf, len);
     let call = call_index(call);
     served(session, call, CALLS[call], |s| {
-        s.comm
-            .allreduce(buf, Op::Sum)
+        s.collective()
+            .allreduce_elements(Elements::F32(buf), Op::Sum, CallOptions::default())
             .map(|_| false)
-            .map_err(|e| e.to_string())
+            .map_err(call_error)
     })
 }
 
@@ -1278,10 +1002,10 @@ pub unsafe extern "C" fn aggbox_mpi_bcast(session: c_int, buf: *mut u8, len: usi
     let buf = slice_mut(buf, len);
     served(session, CALL_BCAST, CALLS[CALL_BCAST], |s| {
         let root = u16::try_from(root).map_err(|_| format!("root {root} is not a rank"))?;
-        s.comm
-            .broadcast(buf, Participant::Worker(root))
+        s.collective()
+            .broadcast_bytes(buf, Participant::Worker(root), CallOptions::default())
             .map(|_| false)
-            .map_err(|e| e.to_string())
+            .map_err(call_error)
     })
 }
 

@@ -209,6 +209,11 @@ impl RunJob {
         &self.grant
     }
 
+    /// The control endpoint of the node that serves the job.
+    pub fn node(&self) -> SocketAddr {
+        self.node
+    }
+
     /// Why the node no longer serves the job (its renewal was refused, or
     /// it could not be renewed for a lease), `None` while it does.
     pub fn lost(&self) -> Option<String> {
@@ -221,7 +226,7 @@ impl RunJob {
         self,
         configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
     ) -> Result<RunCommunicator, CommError> {
-        RunCommunicator::of(vec![self], configure)
+        RunCommunicator::from_runs(vec![self], configure)
     }
 
     /// The communicator of this rank for the job: the node's XDP program
@@ -266,6 +271,14 @@ impl Drop for RunJob {
     }
 }
 
+/// The data socket of stripe `t` of a rank whose data socket is `data`:
+/// the same address, its port plus `t` ([`RunCommunicator::join`]).
+pub fn stripe_socket(data: SocketAddrV4, t: usize) -> Result<SocketAddrV4, CommError> {
+    let port = u16::try_from(data.port() as usize + t)
+        .map_err(|_| CommError::Config(format!("data port {} + stripe {t} is past 65535", data.port())))?;
+    Ok(SocketAddrV4::new(*data.ip(), port))
+}
+
 /// A rank's communicator of a run's job on demand, or of its jobs at
 /// several nodes, one stripe each ([`RunCommunicator::join`]), with the
 /// runs that hold them: each job is renewed while it lives and ended for
@@ -304,15 +317,20 @@ impl RunCommunicator {
         }
         let mut runs = Vec::with_capacity(nodes.len());
         for (t, node) in nodes.iter().enumerate() {
-            let port = u16::try_from(data.port() as usize + t)
-                .map_err(|_| CommError::Config(format!("data port {} + stripe {t} is past 65535", data.port())))?;
-            let stripe = SocketAddrV4::new(*data.ip(), port);
+            let stripe = stripe_socket(data, t)?;
             runs.push(RunJob::join(*node, credential.clone(), run, world, rank, stripe, vector_len, deadline)?);
         }
-        RunCommunicator::of(runs, configure)
+        RunCommunicator::from_runs(runs, configure)
     }
 
-    fn of(runs: Vec<RunJob>, configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder) -> Result<RunCommunicator, CommError> {
+    /// The communicator of runs this rank joined already, stripe `t`
+    /// through `runs[t]` (joined with the data socket [`stripe_socket`]`(data,
+    /// t)`, as [`RunCommunicator::join`] joins them): for a caller that
+    /// holds its data ports until the communicators bind them.
+    pub fn from_runs(
+        runs: Vec<RunJob>,
+        configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
+    ) -> Result<RunCommunicator, CommError> {
         let stripes = runs.iter().map(|r| configure(r.builder()).build()).collect::<Result<Vec<_>, _>>()?;
         Ok(RunCommunicator { comm: StripedCommunicator::new(stripes)?, runs })
     }

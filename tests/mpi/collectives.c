@@ -15,8 +15,14 @@
  *
  * Usage: collectives [SIZE...]   (default 1 362 363 1448 10000)
  *        collectives float SIZE...  MPI_FLOAT MPI_SUM allreduce and reduce,
- *                                  within 1e-4 of size·max|x| of the exact
- *                                  sum (quantized when the library serves it)
+ *                                  each element within float_bound() of
+ *                                  the exact sum (quantized when the
+ *                                  library serves it)
+ *        collectives float-repeat N SIZE...  per size, N MPI_FLOAT MPI_SUM
+ *                                  calls, allreduce and reduce (roots in
+ *                                  turn) alternating, the inputs' magnitude
+ *                                  changing from call to call, each checked
+ *                                  as above
  *        collectives repeat N SIZE...  per size, N allreduces (the ops in
  *                                  turn) and N broadcasts (roots in turn),
  *                                  each checked: enough calls of one size
@@ -30,6 +36,12 @@
  *                                  1 s of back-to-back allreduces; the
  *                                  others must fail, not hang: they exit 3
  *                                  if 60 s of calls went by without it
+ *        collectives pause DIR N   10 allreduces and broadcasts of N
+ *                                  elements (as repeat), then a pause: once
+ *                                  every rank's calls completed, rank 0
+ *                                  creates DIR/paused and every rank waits
+ *                                  for DIR/resume (the test's, 120 s at
+ *                                  most: exit 4), then the same calls again
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -261,30 +273,98 @@ static void communicators(int n)
     MPI_Comm_free(&half);
 }
 
-static float finput(int r, int i) { return (float)(input(r, i, 0, 0) % 1000) / 7.0f; }
+/* Rank r's float input element i of float call t: mixed signs, |x| < 143
+ * times 1, 2 or 4 in turn, so that the largest magnitude, and with it the
+ * adaptive scale, changes from call to call. */
+static float finput(int r, int i, int t)
+{
+    return (float)(input(r, i + t, 0, 0) % 1000) / 7.0f * (float)(1 << (t % 3));
+}
 
-static void floats(int n)
+static double absd(double x) { return x < 0 ? -x : x; }
+
+/* The spacing of floats at |x| (one unit in the last place). */
+static double ulp(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    uint32_t exponent = (bits >> 23) & 0xff;
+    if (exponent == 0) exponent = 1;
+    uint32_t pow2_bits = exponent << 23; /* the float 2^(exponent - 127) */
+    float pow2;
+    memcpy(&pow2, &pow2_bits, 4);
+    return (double)pow2 / 8388608.0; /* 2^23 */
+}
+
+/* The adaptive quantization scale of a SUM over `size` ranks whose
+ * largest |x| is m (docs/RUNTIME.md, "Quantization"): the largest power of
+ * two S <= 2^40 with size·(m·S + 0.5) < 2^31. */
+static double adaptive_scale(double m)
+{
+    double s = 1099511627776.0; /* 2^40 */
+    while (s > 1e-30 && size * (m * s + 0.5) >= 2147483648.0) s /= 2;
+    return s;
+}
+
+/* How far a float SUM whose inputs' magnitudes add up to `mag` may be from
+ * the exact sum, at the scale `scale`. AggBox (docs/RUNTIME.md,
+ * "Quantization"): x·S is exact (S a power of two), so each rank's
+ * rounding to 1/S is off by at most 0.5/S, the int32 sum is exact, and the
+ * result's conversion to float adds half an ulp of it. MPI's own float sum
+ * rounds at each of its size - 1 additions, half an ulp of a partial sum
+ * (at most mag) each: within size ulps of mag. */
+static double float_bound(double scale, double mag)
+{
+    return size * 0.5 / scale + size * ulp((float)mag);
+}
+
+/* Float call t (see finput) of n elements: an MPI_Allreduce (root < 0) or
+ * an MPI_Reduce to `root`, each element checked against the exact sum
+ * within float_bound at the adaptive scale of the call's inputs. */
+static void float_call(int n, int t, int root)
 {
     float *v = malloc((size_t)n * 4), *out = malloc((size_t)n * 4);
-    double bound = 1e-4 * size * 1000.0 / 7.0;
-    for (int all = 1; all >= 0; all--) {
-        for (int i = 0; i < n; i++) v[i] = finput(rank, i);
-        int root = size - 1;
-        if (all) MPI_Allreduce(v, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        else MPI_Reduce(v, out, n, MPI_FLOAT, MPI_SUM, root, MPI_COMM_WORLD);
-        if (!all && rank != root) continue;
-        int bad = 0;
+    double m = 0;
+    for (int i = 0; i < n; i++) {
+        v[i] = finput(rank, i, t);
+        for (int r = 0; r < size; r++)
+            if (absd(finput(r, i, t)) > m) m = absd(finput(r, i, t));
+    }
+    double scale = adaptive_scale(m);
+    if (root < 0) MPI_Allreduce(v, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    else MPI_Reduce(v, out, n, MPI_FLOAT, MPI_SUM, root, MPI_COMM_WORLD);
+    if (root < 0 || rank == root) {
+        int bad = 0, first = -1;
+        double first_want = 0, first_bound = 0;
         for (int i = 0; i < n; i++) {
-            double want = 0;
-            for (int r = 0; r < size; r++) want += finput(r, i);
-            if (out[i] - want > bound || want - out[i] > bound) bad++;
+            double want = 0, mag = 0;
+            for (int r = 0; r < size; r++) { want += finput(r, i, t); mag += absd(finput(r, i, t)); }
+            double bound = float_bound(scale, mag);
+            if (absd(out[i] - want) > bound) {
+                if (first < 0) { first = i; first_want = want; first_bound = bound; }
+                bad++;
+            }
         }
         if (bad) {
-            fprintf(stderr, "collectives: rank %d: float %s n=%d: %d beyond %g\n", rank, all ? "allreduce" : "reduce", n, bad, bound);
+            fprintf(stderr, "collectives: rank %d: float %s call %d n=%d: %d beyond the bound, first at %d: got %.9g want %.9g (bound %.3g)\n",
+                    rank, root < 0 ? "allreduce" : "reduce", t, n, bad, first, out[first], first_want, first_bound);
             failures++;
         }
     }
     free(v); free(out);
+}
+
+/* `float SIZE`: an allreduce and a reduce to the last rank. */
+static void floats(int n)
+{
+    float_call(n, 0, -1);
+    float_call(n, 0, size - 1);
+}
+
+/* `float-repeat N SIZE`: N calls, allreduces and reduces alternating. */
+static void floats_repeated(int times, int n)
+{
+    for (int t = 0; t < times; t++) float_call(n, t, t % 2 ? (t / 2) % size : -1);
 }
 
 /* Op k of input(r, i, k, 0) summed over the world ranks [lo, hi). */
@@ -334,17 +414,51 @@ static int kill_rank(int victim)
     return 3;
 }
 
+/* `pause DIR N` (see the usage). Every rank says whether the calls before
+ * the pause were right. */
+static int pause_between_calls(const char *dir, int n)
+{
+    char path[4096];
+    repeated(10, n);
+    fprintf(stderr, "collectives: rank %d: before the pause: %s\n", rank, failures ? "FAILED" : "ok");
+    MPI_Barrier(MPI_COMM_WORLD); /* not intercepted: every rank's calls are done */
+    if (rank == 0) {
+        snprintf(path, sizeof path, "%s/paused", dir);
+        FILE *f = fopen(path, "w");
+        if (!f || fclose(f) != 0) {
+            fprintf(stderr, "collectives: rank 0: cannot create %s\n", path);
+            return 4;
+        }
+    }
+    snprintf(path, sizeof path, "%s/resume", dir);
+    for (int waited_ms = 0; access(path, F_OK) != 0; waited_ms += 10) {
+        if (waited_ms >= 120000) {
+            fprintf(stderr, "collectives: rank %d: no %s within 120 s\n", rank, path);
+            return 4;
+        }
+        usleep(10000);
+    }
+    repeated(10, n);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     /* The float runs enter through MPI_Init_thread, the others MPI_Init:
      * the library intercepts both. */
     int provided;
-    if (argc > 1 && strcmp(argv[1], "float") == 0) MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+    if (argc > 1 && strncmp(argv[1], "float", 5) == 0) MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
     else MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (argc == 3 && strcmp(argv[1], "kill-rank") == 0) {
         int rc = kill_rank(atoi(argv[2]));
+        MPI_Finalize();
+        return rc;
+    }
+    if (argc == 4 && strcmp(argv[1], "pause") == 0) {
+        int rc = pause_between_calls(argv[2], atoi(argv[3]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, rc ? "FAILED" : "ok");
         MPI_Finalize();
         return rc;
     }
@@ -357,6 +471,12 @@ int main(int argc, char **argv)
     static const int DEFAULT_SIZES[] = {1, 362, 363, 1448, 10000};
     if (argc > 3 && strcmp(argv[1], "repeat") == 0) {
         for (int a = 3; a < argc; a++) repeated(atoi(argv[2]), atoi(argv[a]));
+        fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
+        MPI_Finalize();
+        return failures ? 1 : 0;
+    }
+    if (argc > 3 && strcmp(argv[1], "float-repeat") == 0) {
+        for (int a = 3; a < argc; a++) floats_repeated(atoi(argv[2]), atoi(argv[a]));
         fprintf(stderr, "collectives: rank %d: %s\n", rank, failures ? "FAILED" : "ok");
         MPI_Finalize();
         return failures ? 1 : 0;
