@@ -46,7 +46,9 @@ pub struct StripedCommunicator {
 
 impl StripedCommunicator {
     /// Stripes over `stripes` (at least one): communicators of the same
-    /// participant and number of workers, each of its own job.
+    /// participant and number of workers, each of its own job. A job is its
+    /// id at its aggregator: stripes at different nodes may have the same
+    /// id (nodes hand out the ids of jobs on demand independently).
     pub fn new(stripes: Vec<Communicator>) -> Result<StripedCommunicator, CommError> {
         let first = stripes
             .first()
@@ -65,10 +67,11 @@ impl StripedCommunicator {
                     c.workers()
                 )));
             }
-            if !jobs.insert(c.config().job) {
+            if !jobs.insert((c.config().aggregator, c.config().job)) {
                 return Err(CommError::Config(format!(
-                    "job {} is two stripes; each stripe needs a job of its own",
-                    c.config().job
+                    "job {} at {} is two stripes; each stripe needs a job of its own",
+                    c.config().job,
+                    c.config().aggregator
                 )));
             }
         }
