@@ -626,3 +626,34 @@ fn a_stream_of_one_datagram_calls_sends_no_acks_and_the_last_call_is_acknowledge
     assert!(acks >= n as u64 && acks <= n as u64 * most, "{acks} workers' ACKs at the node");
     assert!(behalf <= n as u64 * most, "{behalf} ACKs on the kernel's behalf");
 }
+
+/// An op the kernel does not run (BXOR) is aggregated on the node's
+/// user-space path, whose RESULTs reach the result service through a
+/// socket, past the TC program that copies the kernel's to the workers: the
+/// service must send the copies itself. Without that, every call waited
+/// for a retransmission (a worker's, or the service's resend when its
+/// copy went unacknowledged), the timers backing off further call by call
+/// (1 s a call under the MPI library).
+#[test]
+fn an_op_of_the_userspace_path_reaches_every_worker_without_a_resend() {
+    require_root();
+    const CALLS: u64 = 60;
+    let bed = Bed::up("served-userspace-op", AckMode::Group, 4, Duration::from_secs(30));
+    let handed = |bed: &Bed| {
+        bed.attach.status().jobs.iter().find(|j| j.id == JOB).and_then(|j| j.counters).map_or(0, |c| c.handed_to_userspace)
+    };
+    let before: Vec<_> = bed.workers.iter().map(|c| c.stats()).collect();
+    let (handed0, resent0) = (handed(&bed), bed.service_counter("resent"));
+    for i in 0..CALLS {
+        // One datagram, then three.
+        allreduce(&bed, Op::Bxor, if i % 2 == 0 { 1 } else { 1000 });
+    }
+    let handed = handed(&bed) - handed0;
+    assert!(handed >= CALLS * 4, "the user-space path took every contribution: {handed} handed over for {CALLS} calls");
+    let retransmitted: u64 = bed.workers.iter().zip(&before).map(|(c, b)| c.stats().retransmitted - b.retransmitted).sum();
+    let resent = bed.service_counter("resent") - resent0;
+    eprintln!("{CALLS} BXOR calls: {handed} contributions handed over, {retransmitted} retransmitted by workers, {resent} RESULTs resent");
+    // No loss here: a resend is a timer that fired. A loaded machine may
+    // fire a few; one a call (or more) is the defect.
+    assert!(retransmitted + resent < CALLS / 4, "{retransmitted} contributions retransmitted and {resent} RESULTs resent for {CALLS} calls");
+}

@@ -418,6 +418,16 @@ impl ResultService {
             self.per = Some(u32::from(hdr.count));
         }
         let newer = match self.upstream.as_mut() {
+            // The user-space path's RESULTs (ops the kernel does not run)
+            // reach this socket from the node's own address through the
+            // stack, past the TC program that copies the kernel's RESULTs
+            // to the workers: this service sends their copies. Held
+            // without them, a call of such an op waited for every worker's
+            // retransmission timer, backed off further at every call.
+            None if self.node.contains(from.ip()) => {
+                let workers = self.workers.clone();
+                self.keep(now, &hdr, datagram, &mut |d: usize, b: &[u8]| out.push(Transmit { to: workers[d], datagram: b.to_vec() }))
+            }
             // The kernel sent the workers their copies: nothing to send.
             None => self.keep(now, &hdr, datagram, &mut |_: usize, _: &[u8]| {}),
             Some(up) => {

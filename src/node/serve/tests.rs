@@ -77,6 +77,22 @@ fn a_result_is_acknowledged_to_every_worker_under_its_seq() {
 }
 
 #[test]
+fn a_result_of_the_userspace_path_is_sent_to_every_worker_and_a_kernel_one_is_not() {
+    let mut s = service(AckMode::Packet);
+    let (now, mut out) = (Instant::now(), Vec::new());
+    // The kernel's RESULT: the completing worker's address as its source,
+    // the copies sent by TC.
+    s.handle(now, worker(1), &result(5, 40, 0, false), &mut out);
+    assert!(resends(&out).is_empty(), "the kernel's copies are TC's: {:?}", resends(&out));
+    // The user-space path's: sent from the node's address through a socket.
+    out.clear();
+    s.handle(now, SocketAddrV4::new(NODE, 40000), &result(5, 41, 1, false), &mut out);
+    assert_eq!(resends(&out), (0..3).map(|r| (worker(r), 41)).collect::<Vec<_>>(), "a copy to every worker");
+    assert_eq!(acks_to(&out).len(), 3, "and the ACK on the kernel's behalf as for any RESULT");
+    assert_eq!((s.stats().results, s.held()), (2, 2));
+}
+
+#[test]
 fn only_the_worker_that_misses_a_result_gets_it_again() {
     let mut s = service(AckMode::Packet);
     let (t0, mut out) = (Instant::now(), Vec::new());
