@@ -30,6 +30,7 @@ mod mpi_bed;
 
 use std::time::{Duration, Instant};
 
+use live_attach::LiveAttach;
 use mpi_bed::*;
 
 #[test]
@@ -349,4 +350,67 @@ fn no_node_fails_at_mpi_init_naming_the_node() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let node = format!("no answer from the node at {}:{RESULT_PORT}", bed.tb.host(0).addr);
     assert!(stderr.contains("MPI_Init: job 11: ") && stderr.contains(&node), "the reason names the node: {stderr}");
+}
+
+/// MPI_COMM_WORLD's allreduces through the star or the ring by size
+/// (AGGBOX_MPI_RING, docs/MPI.md "The ring"): each rank's host runs
+/// `aggbox attach` with a `[[ring]]` of the four ranks, pinned where
+/// AGGBOX_MPI_PIN_DIR says (`{rank}` per rank); the program's results stay
+/// bit-identical to plain MPI's, the ring serves the calls from the
+/// threshold on, and a ring without its pin directory fails at MPI_Init
+/// with the variable named.
+#[test]
+fn openmpi_world_reaches_the_ring_by_size_and_results_stay_bit_identical() {
+    const RING: u16 = 21;
+    const RANKS: usize = 4;
+    let bed = MpiBed::with_testbed("ring", RANKS, 1, true, |tb, _| MpiBed::jobs_text(tb, RANKS));
+    let members: Vec<String> = (1..=RANKS).map(|h| format!("\"{}\"", bed.tb.host(h).addr)).collect();
+    let ring = format!("\n[[ring]]\nid = {RING}\nport = 7400\nmembers = [{}]\nvector_len = 16384\nfrag_elems = 362\n", members.join(", "));
+    // Host 0's node has no part in the ring; the ranks' file names it.
+    std::fs::write(&bed.config, format!("{}{ring}", bed.text)).expect("write the ranks' file");
+    let tag = |r: usize| format!("mpi-ring-member-r{r}");
+    let members: Vec<LiveAttach> = (0..RANKS)
+        .map(|r| LiveAttach::start(&bed.tb.host(r + 1).netns, &tag(r), &format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n{ring}"), &[]))
+        .collect();
+    let pattern = aggbox::node::pin_dir(&members[0].pin_root, "eth0").display().to_string().replace("-r0", "-r{rank}");
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let sizes = ["1", "362", "1448", "10000"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain run failed");
+
+    let ring_env = [
+        ("AGGBOX_MPI_RING", RING.to_string()),
+        ("AGGBOX_MPI_PIN_DIR", pattern.clone()),
+        ("AGGBOX_MPI_RING_THRESHOLD", "1000".to_string()),
+    ];
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.aggbox_env(Mpi::OpenMpi, &ring_env), &program, &sizes);
+    assert!(out.status.success(), "run with the ring failed");
+    assert_eq!(result_lines(&out), result_lines(&plain), "results with the ring differ from plain MPI's");
+    assert_counters(&out, RANKS, |r| counters(r, sizes.len(), 0), "counters with the ring");
+    for r in 0..RANKS {
+        let line = counters_line(&out, r);
+        let ring_calls: u64 = line
+            .split(&format!("; job {JOB} ring served "))
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: no ring count in {line}"));
+        // SUM, MAX and MIN (the ring's ops) from the threshold on (1448 and
+        // 10000 elements): two allreduces and two reduces each; and the
+        // program's SUM of 1000 on a duplicate of MPI_COMM_WORLD. The SUM
+        // that leaves int32 saturates on the ring and is redone on the star.
+        assert_eq!(ring_calls, 2 * 3 * 4 + 1, "rank {r}: calls the ring served: {line}");
+    }
+    for (r, m) in members.iter().enumerate() {
+        let rings = m.status().rings;
+        let counted: u64 = rings.get(&RING).map_or(0, |c| c.values().sum());
+        assert!(counted > 0, "rank {r}'s node's ring program saw the ring's datagrams: {rings:?}");
+    }
+
+    // The ring without its pin directory: MPI_Init fails and says why.
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.aggbox_env(Mpi::OpenMpi, &ring_env[..1]), &program, &["1"]);
+    assert!(!out.status.success(), "a ring without AGGBOX_MPI_PIN_DIR must fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs AGGBOX_MPI_PIN_DIR"), "the reason is printed: {stderr}");
+    drop(members);
 }

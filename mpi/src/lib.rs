@@ -25,13 +25,14 @@ use std::time::Duration;
 
 use aggbox::config::Config;
 use aggbox::runtime::{
-    BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements, NodePosition,
-    Participant, Quantization,
+    Algorithm, BackendKind, CallOptions, Collective, CommError, Communicator, CommunicatorBuilder, Elements,
+    NodePosition, Participant, Quantization, Served, StarOrRing,
 };
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner};
 use aggbox::wire::abi::{Op, Round};
 
 mod on_demand;
+mod ring;
 use on_demand::{join, Joined, OnDemand};
 
 /// The call completed; the buffer holds the result.
@@ -137,6 +138,8 @@ struct FileJobs {
     /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port (other jobs take
     /// theirs from their result groups: one socket per job).
     data_port: Option<u16>,
+    /// AGGBOX_MPI_RING: a ring beside MPI_COMM_WORLD's star.
+    ring: Option<ring::RingChoice>,
 }
 
 /// One AggBox job's communicator; every MPI communicator whose processes
@@ -149,12 +152,17 @@ struct Session {
     /// AggBox or PMPI per kind and size of call, measured on this
     /// communicator (a kind is `call * 2 + is_float`).
     tuner: Tuner,
+    /// Calls the ring served (AGGBOX_MPI_RING), for the stats line.
+    ring_calls: AtomicU64,
 }
 
 /// What serves a session's calls.
 enum Link {
     /// A job of the node's file: its communicator.
     File(Box<Communicator>),
+    /// MPI_COMM_WORLD's job of the node's file beside a ring
+    /// (AGGBOX_MPI_RING): each call goes to the star or the ring.
+    Chosen(Box<StarOrRing<Communicator>>),
     /// A job on demand: its `RunCommunicator`, which fails every call with
     /// `JobLost` once the node no longer serves the job, and this rank's
     /// part of the run, ended after the communicator closed.
@@ -166,8 +174,17 @@ impl Session {
     fn collective(&self) -> &dyn Collective {
         match &self.link {
             Link::File(comm) => comm.as_ref(),
+            Link::Chosen(chosen) => chosen.as_ref(),
             Link::OnDemand(joined) => &joined.comm,
         }
+    }
+
+    /// Counts a call the ring served; passes `served` on.
+    fn count(&self, served: Served) -> Served {
+        if served.algorithm == Algorithm::Ring {
+            self.ring_calls.fetch_add(1, Ordering::Relaxed);
+        }
+        served
     }
 
     /// The communicator of each stripe's job, for their counters: one but
@@ -175,6 +192,7 @@ impl Session {
     fn stripes(&self) -> &[Communicator] {
         match &self.link {
             Link::File(comm) => std::slice::from_ref(comm.as_ref()),
+            Link::Chosen(chosen) => chosen.star().map_or(&[], std::slice::from_ref),
             Link::OnDemand(joined) => joined.comm.striped().stripes(),
         }
     }
@@ -188,7 +206,7 @@ impl Session {
     /// The job on demand, if the session is one.
     fn joined(&self) -> Option<&Joined> {
         match &self.link {
-            Link::File(_) => None,
+            Link::File(_) | Link::Chosen(_) => None,
             Link::OnDemand(joined) => Some(joined),
         }
     }
@@ -283,7 +301,9 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
     }
     let node: Ipv4Addr = env_parsed(ENV_NODE)?
         .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
+    let ring = ring::read(rank, &config, &path, &job.workers)?;
     let file = FileJobs {
+        ring,
         world_job: job.id,
         world_workers: job.workers.clone(),
         node,
@@ -395,7 +415,7 @@ fn prepare(settings: &Settings, file: &FileJobs, job: u16, rank: c_int, size: c_
 
 /// Builds the session prepared by [`prepare`], its first call at `round`,
 /// `agg_seq` (agreed by every rank of the communicator).
-fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> Result<Session, String> {
+fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32, ring: Option<(&ring::RingChoice, &Config)>) -> Result<Session, String> {
     let Pending {
         builder,
         job,
@@ -421,7 +441,11 @@ fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32) -> R
             ))
         }
     }
-    Ok(Session { job, link: Link::File(Box::new(comm)), tuner })
+    let link = match ring {
+        Some((choice, config)) => Link::Chosen(Box::new(ring::beside(comm, choice, config)?)),
+        None => Link::File(Box::new(comm)),
+    };
+    Ok(Session { job, link, tuner, ring_calls: AtomicU64::new(0) })
 }
 
 /// Prints `aggbox-mpi: rank R: WHAT: MSG` in one write, so that mpirun,
@@ -458,14 +482,16 @@ fn start_pending(what: &str, round: u32, agg_seq: u32) -> c_int {
         return AGGBOX_MPI_ERROR;
     };
     let tuner = Tuner::new(shim.settings.route, shim.settings.trials);
-    let node = match &shim.settings.source {
-        Source::File(file) => file.node,
+    let (node, ring) = match &shim.settings.source {
+        // The ring's members are MPI_COMM_WORLD's ranks: only its job (and
+        // its duplicates, which share its session) gets the ring.
+        Source::File(file) => (file.node, file.ring.as_ref().filter(|_| pending.job == file.world_job).map(|c| (c, &file.config))),
         Source::OnDemand(_) => {
             report(shim.settings.world_rank, what, "a position for a job on demand (a bug in the shim)");
             return AGGBOX_MPI_ERROR;
         }
     };
-    match open(pending, node, tuner, round, agg_seq) {
+    match open(pending, node, tuner, round, agg_seq, ring) {
         Ok(session) => {
             shim.sessions.push(session);
             (shim.sessions.len() - 1) as c_int
@@ -655,7 +681,11 @@ pub extern "C" fn aggbox_mpi_finalize() {
                         .iter()
                         .map(|c| format!("; job {} datagrams {}", c.config().job, datagrams_line(c)))
                         .collect();
-                    format!("{joined}{datagrams}; {} routes {}", s.name(), routes_line(&s.tuner))
+                    let ring = match &s.link {
+                        Link::Chosen(_) => format!("; {} ring served {}", s.name(), s.ring_calls.load(Ordering::Relaxed)),
+                        _ => String::new(),
+                    };
+                    format!("{joined}{datagrams}{ring}; {} routes {}", s.name(), routes_line(&s.tuner))
                 })
                 .collect();
             let fell_back: String = shim.fell_back.iter().map(|(_, why)| format!("; fell back to PMPI: {why}")).collect();
@@ -962,7 +992,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_i32(
         };
         s.collective()
             .allreduce_elements(Elements::I32(buf), op, CallOptions::default())
-            .map(|served| served.clamped)
+            .map(|served| s.count(served).clamped)
             .map_err(call_error)
     })
 }
@@ -986,7 +1016,7 @@ pub unsafe extern "C" fn aggbox_mpi_allreduce_f32(
     served(session, call, CALLS[call], |s| {
         s.collective()
             .allreduce_elements(Elements::F32(buf), Op::Sum, CallOptions::default())
-            .map(|_| false)
+            .map(|served| s.count(served).clamped)
             .map_err(call_error)
     })
 }

@@ -259,7 +259,7 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
             ));
         }
     }
-    Ok(Session { job: ids[0], link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner })
+    Ok(Session { job: ids[0], link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner, ring_calls: Default::default() })
 }
 
 /// Whether MPI_COMM_WORLD's job comes on demand (AGGBOX_MPI_NODE without

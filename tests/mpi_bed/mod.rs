@@ -134,9 +134,15 @@ impl MpiBed {
     }
 
     pub fn with_nodes(tag: &str, ranks: usize, nodes: usize, text: impl FnOnce(&Testbed, &Path) -> String) -> MpiBed {
+        MpiBed::with_testbed(tag, ranks, nodes, false, text)
+    }
+
+    /// [`MpiBed::with_nodes`] on a testbed whose veths forward XDP_TX
+    /// (`xdp_tx`: a ring's members send on from XDP).
+    pub fn with_testbed(tag: &str, ranks: usize, nodes: usize, xdp_tx: bool, text: impl FnOnce(&Testbed, &Path) -> String) -> MpiBed {
         assert!(nix::unistd::geteuid().is_root(), "tests/mpi_collectives.rs needs root (network namespaces, XDP)");
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let tb = Testbed::up(TestbedConfig { hosts: ranks + nodes, ..Default::default() }).expect("testbed");
+        let tb = Testbed::up(TestbedConfig { hosts: ranks + nodes, xdp_tx, ..Default::default() }).expect("testbed");
         let dir = std::env::temp_dir().join(format!("aggbox-mpi-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test dir");
         let text = text(&tb, &dir);
