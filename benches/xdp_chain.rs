@@ -33,12 +33,12 @@ mod bpf_common;
 
 use std::net::Ipv4Addr;
 
-use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use aggbox::wire::abi::{self, Op};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject};
+use aggbox::kernel::object::ObjectSlot;
+use libbpf_rs::{MapCore, MapFlags};
 use aggbox::kernel::xdp::XdpJob;
 use bpf_common::*;
 
@@ -238,7 +238,7 @@ mod feed_skel {
 /// stream of distinct contributions to the program in its target slot.
 struct Feed {
     skel: feed_skel::BenchFeedSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
 }
 
 /// What one feeder test run sends: `runs` contributions, rank by rank
@@ -257,11 +257,7 @@ const FEED_HDR: usize = 14 + 20 + 8 + 24;
 
 impl Feed {
     fn load() -> Feed {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's allocation never moves and outlives the
-        // skeleton (field order drops the skeleton first).
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let open = feed_skel::BenchFeedSkelBuilder::default().open(object_ref).expect("opening bench_feed");
         let skel = open.load().expect("loading bench_feed");
         Feed { skel, _object: object }

@@ -7,12 +7,14 @@
 //!   next-hop cache, broadcast trees.
 //! - [`maps`]: what the programs' maps share: pinned names, pinning,
 //!   per-CPU sums.
+//! - [`object`]: where a loaded skeleton's object lives.
 //! - [`xsk`]: a receive-only AF_XDP socket, one per RX queue.
 //! - [`afxdp`]: the user-space aggregation path fed by those sockets, for
 //!   what the XDP program hands over.
 
 pub mod afxdp;
 pub mod maps;
+pub mod object;
 // The ring memory moved to the wire layer, which the runtime may use; its
 // old path stays.
 pub use crate::wire::ring_memory;

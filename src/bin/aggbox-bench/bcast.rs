@@ -34,12 +34,12 @@ use std::fmt::Write as _;
 use std::net::{SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
+use aggbox::kernel::object::ObjectSlot;
+use libbpf_rs::{MapCore, MapFlags, TcHook, TC_EGRESS, TC_INGRESS};
 use serde::Serialize;
 
 use super::agg::prog_id;
@@ -94,7 +94,7 @@ pub struct FloorDest {
 /// `bpf_l4_csum_replace`, UDP port where it differs, the clone).
 pub struct BcastFloor {
     skel: floor_skel::BenchBcastFloorSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
 }
 
 // SAFETY: as for `TcPlane`: the skeleton holds a libbpf object (heap
@@ -107,11 +107,7 @@ unsafe impl Sync for BcastFloor {}
 impl BcastFloor {
     /// Load it (nothing configured, nothing attached).
     pub fn load() -> Result<BcastFloor> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's allocation never moves and outlives the
-        // skeleton (field order drops the skeleton first).
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let open = floor_skel::BenchBcastFloorSkelBuilder::default()
             .open(object_ref)
             .context("opening bench_bcast_floor")?;

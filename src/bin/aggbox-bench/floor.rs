@@ -2,11 +2,11 @@
 //! configured: the yardstick of experiment 1 and of `benches/xdp_chain.rs`
 //! (which includes this file).
 
-use std::mem::MaybeUninit;
 
 use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject};
+use aggbox::kernel::object::ObjectSlot;
+use libbpf_rs::{MapCore, MapFlags};
 
 /// Elements of `bench_floor`'s fragments (its `FLOOR_PER`: MTU 1500) and
 /// of `bench_floor_frags`'s chunks.
@@ -29,7 +29,7 @@ mod floor_skel {
 /// configured for `workers` ranks on `port`, RESULTs to `result_port`.
 pub struct Floor {
     skel: floor_skel::BenchFloorSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
     /// port, result port, workers (`floor_cfg`'s first three fields).
     job: [u32; 3],
     /// Elements of a full fragment for `bench_floor_frags` (`floor_cfg.per`).
@@ -40,11 +40,7 @@ impl Floor {
     /// Load and configure it: slot = fragment number mod all of the floor's
     /// slots, the same for every round, until `set_index`.
     pub fn load(port: u16, result_port: u16, workers: u32) -> Result<Floor> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's allocation never moves and outlives the
-        // skeleton (field order drops the skeleton first).
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let open = floor_skel::BenchFloorSkelBuilder::default()
             .open(object_ref)
             .context("opening bench_floor")?;

@@ -28,13 +28,13 @@
 //! RESULT routes, `tree.rs` plans broadcast trees.
 
 use std::collections::BTreeMap;
-use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::Path;
 use std::time::Duration;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, OpenObject};
+use crate::kernel::object::ObjectSlot;
+use libbpf_rs::MapCore;
 
 use crate::wire::abi;
 use crate::kernel::maps::{self, names, Counter};
@@ -221,7 +221,7 @@ pub struct TcPlane {
     attachment: Option<Attachment>,
     // Field order matters: the skeleton borrows `_object` and must drop first.
     skel: AggboxTcSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
 }
 
 // SAFETY: the skeleton holds a libbpf object (heap memory and file
@@ -250,12 +250,7 @@ impl TcPlane {
 
     /// Open and load with `options`.
     pub fn load_with(options: &BroadcastOptions) -> Result<Self> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's heap allocation never moves and lives as long as
-        // `TcPlane`, whose field order drops the skeleton before the
-        // box; no other reference to the allocation is ever created.
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let open = AggboxTcSkelBuilder::default()
             .open(object_ref)
             .map_err(TcError::Load)?;

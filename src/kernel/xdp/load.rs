@@ -4,12 +4,12 @@
 //! to the state at load, the facts the kernel keeps about each program, and
 //! pinning of their maps.
 
-use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::Path;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject};
+use crate::kernel::object::ObjectSlot;
+use libbpf_rs::{MapCore, MapFlags};
 
 use crate::kernel::maps::{self, names};
 use crate::wire::abi;
@@ -132,7 +132,7 @@ pub struct XdpPlane {
     pub(super) ring: RingObject,
     // Field order matters: the skeleton borrows `_object` and must drop first.
     pub(super) skel: AggboxXdpSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
     pub(super) chain: Chain,
 }
 
@@ -157,12 +157,7 @@ impl XdpPlane {
     /// [`XdpPlane::load_chain`] with the ring maps sized for the
     /// configuration's rings (docs/RING.md: their size is fixed at load).
     pub fn load_chain_with(chain: Chain, rings: RingSizing) -> Result<Self> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: the box's heap allocation never moves and lives as long as
-        // `XdpPlane`, whose field order drops the skeleton before the box;
-        // no other reference to the allocation is ever created.
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let mut open = AggboxXdpSkelBuilder::default()
             .open(object_ref)
             .map_err(XdpError::Load)?;

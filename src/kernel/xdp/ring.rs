@@ -3,11 +3,11 @@
 //! members, job entry, control block and port, its next hop, its memory
 //! maps and counters.
 
-use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, OpenObject};
+use crate::kernel::object::ObjectSlot;
+use libbpf_rs::{MapCore, MapFlags};
 
 use crate::kernel::maps::{self, names};
 use crate::wire::abi;
@@ -21,7 +21,7 @@ use super::{update_array, Chain, Result, RingSizing, XdpError, XdpPlane};
 pub(super) struct RingObject {
     // Field order matters: the skeleton borrows `_object` and must drop first.
     pub(super) skel: AggboxRingSkel<'static>,
-    _object: Box<MaybeUninit<OpenObject>>,
+    _object: ObjectSlot,
 }
 
 impl RingObject {
@@ -34,11 +34,7 @@ impl RingObject {
     /// `rings` (a ring's memory is fixed at load), with `ring_ports` (the
     /// aggregation chain's map) reused, so both programs read one map.
     pub(super) fn load(chain: Chain, rings: RingSizing, ring_ports: BorrowedFd<'_>) -> Result<Self> {
-        let mut object: Box<MaybeUninit<OpenObject>> = Box::new(MaybeUninit::uninit());
-        // SAFETY: as in `XdpPlane::load_chain_with`: the box's allocation
-        // never moves and outlives the skeleton (field order above).
-        let object_ref: &'static mut MaybeUninit<OpenObject> =
-            unsafe { &mut *(object.as_mut() as *mut MaybeUninit<OpenObject>) };
+        let (object, object_ref) = ObjectSlot::new();
         let mut open = AggboxRingSkelBuilder::default()
             .open(object_ref)
             .map_err(XdpError::Load)?;
