@@ -180,10 +180,10 @@ def _route_policy(opts: Options) -> Tuple[str, int]:
     return ("gloo" if route == "baseline" else route), trials
 
 
-# Every call served in this process, by (collective, path), over every
-# process group (AGGBOX_TORCH_STATS=1 prints it at exit).
-_PROCESS_STATS: collections.Counter = collections.Counter()
-_PROCESS_STATS_LOCK = threading.Lock()
+# The counters of every process group this process made, with the lock
+# each is counted under (process_stats() sums them; AGGBOX_TORCH_STATS=1
+# prints the sum at exit): a call counts once, in its group's counter.
+_GROUP_STATS: List[Tuple[threading.Lock, collections.Counter]] = []
 # Data ports this process's communicators were given from AGGBOX_DATA.
 _PORTS_TAKEN: set = set()
 _ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
@@ -192,8 +192,11 @@ _ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
 def process_stats() -> Dict[Tuple[str, str], int]:
     """Every call of every "aggbox" process group of this process so far,
     by ``(collective, "aggbox" | "stepped_aside" | "gloo")``."""
-    with _PROCESS_STATS_LOCK:
-        return dict(_PROCESS_STATS)
+    total: collections.Counter = collections.Counter()
+    for lock, counts in list(_GROUP_STATS):
+        with lock:
+            total.update(counts)
+    return dict(total)
 
 
 def stats(group=None) -> Dict[Tuple[str, str], int]:
@@ -295,6 +298,7 @@ class _Engine:
         self._thread.start()
         self._heart.start()
         _ENGINES.add(self)
+        _GROUP_STATS.append((self._lock, self.stats))
 
     # -- works -------------------------------------------------------------
 
@@ -320,8 +324,6 @@ class _Engine:
     def count(self, name: str, path: str) -> None:
         with self._lock:
             self.stats[(name, path)] += 1
-        with _PROCESS_STATS_LOCK:
-            _PROCESS_STATS[(name, path)] += 1
 
     def _loop(self) -> None:
         while True:
