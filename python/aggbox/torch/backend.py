@@ -454,6 +454,22 @@ def _path_of(paths: List[str]) -> str:
     return "aggbox"
 
 
+# Reduce ops AggBox's allreduce serves, by dtype (docs/PYTHON.md, "What is
+# served, what falls back"); the rest goes to Gloo.
+_AGGBOX_OPS = {
+    torch.int32: {"sum", "avg", "prod", "min", "max", "band", "bor", "bxor"},
+    torch.int64: {"sum", "avg", "min", "max", "band", "bor", "bxor"},
+    **{dt: {"sum", "avg", "min", "max"} for dt in _FLOATS},
+}
+_BITWISE = ("band", "bor", "bxor")
+
+
+def _aggbox_serves(t: torch.Tensor, name: Optional[str]) -> bool:
+    """Whether AggBox's allreduce serves `t` with op `name` (the route
+    decides whether it does)."""
+    return t.is_cpu and name in _AGGBOX_OPS.get(t.dtype, ())
+
+
 def _contiguous(t: torch.Tensor, f: Callable[[torch.Tensor], None]) -> None:
     """`f` on `t` in place, through a contiguous copy if it is not one."""
     if t.is_contiguous():
@@ -717,7 +733,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         """AggBox's allreduce of `t` in place with op `name`, to run (it
         returns the path that served it), or None where AggBox cannot."""
         dt = t.dtype
-        if t.device.type != "cpu" or name is None:
+        if not _aggbox_serves(t, name):
             return None
         if dt == torch.int32:
 
@@ -752,19 +768,18 @@ class ProcessGroupAggBox(dist.ProcessGroup):
                 return "aggbox"
 
             return extremes
-        if dt == torch.int64 and name in ("sum", "avg", "max", "min", "band", "bor", "bxor"):
 
-            def longs() -> str:
-                if not self._int64_fits(t, name):
-                    self._gloo_allreduce(t, _dict_op(name), None)
-                    return "gloo"
-                w = t.to(torch.int32)
-                self._agg(w, name)
-                t.copy_(w)
-                return "aggbox"
+        # int64, as int32 where every rank's values fit.
+        def longs() -> str:
+            if not self._int64_fits(t, name):
+                self._gloo_allreduce(t, _dict_op(name), None)
+                return "gloo"
+            w = t.to(torch.int32)
+            self._agg(w, name)
+            t.copy_(w)
+            return "aggbox"
 
-            return longs
-        return None
+        return longs
 
     def _int64_fits(self, t: torch.Tensor, name: str) -> bool:
         """Whether every rank's int64 tensor can go as int32 (one AggBox MAX
@@ -798,7 +813,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
     def _check_op(what: str, tensors, op) -> None:
         """Refuses at the call what no path can do (bitwise ops on floats),
         as Gloo does, before anything is queued: the group goes on."""
-        if _op_name(op) in ("band", "bor", "bxor") and any(t.is_floating_point() for t in tensors):
+        if _op_name(op) in _BITWISE and any(t.is_floating_point() for t in tensors):
             raise RuntimeError(f"aggbox: {what}: bitwise reduce ops need integer tensors, not {tensors[0].dtype}")
 
     def allreduce(self, tensors, opts=None):
