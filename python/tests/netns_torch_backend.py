@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import aggbox.torch as at
-from reference import tolerance, rank_parser
+from reference import float_tolerance, rank_parser
 
 SIZES = [1, 7, 362, 363, 100_000]
 BIG = 1_000_000
@@ -82,10 +82,6 @@ TORCH = {
     "float64": torch.float64,
     "uint8": torch.uint8,
 }
-# Half the distance between neighbours of a dtype's floats relative to the
-# value (its rounding), and its smallest subnormal's half.
-ROUND = {"float32": (2.0**-24, 2.0**-150), "float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
-
 OPS = {"sum": R.SUM, "avg": R.AVG, "prod": R.PRODUCT, "max": R.MAX, "min": R.MIN, "band": R.BAND, "bor": R.BOR, "bxor": R.BXOR}
 
 # (dtype, op, path, input kind); input kinds are below.
@@ -176,25 +172,6 @@ def check_close(what, got, want, tol):
         i = int(np.argmax(bad))
         raise AssertionError(f"{what}: element {i}: {got[i]!r} vs exact {want[i]!r}, error {err[i]:.3g} > bound {np.broadcast_to(tol, err.shape)[i]:.3g}")
     return float(np.max(err / np.maximum(tol, 1e-300))) if err.size else 0.0
-
-
-def float_tolerance(pg, dtype, op, xs, want):
-    """The documented bound: the quantization's (pg.float_error_bound for the
-    ranks' largest |x|), then float32's rounding, then the dtype's."""
-    if op in ("max", "min"):
-        return np.zeros_like(want)
-    if dtype == "float64":
-        return np.abs(want) * 1e-12 + 1e-12  # Gloo, in float64
-    if op == "prod":
-        tol = np.abs(want) * 1e-6  # Gloo's float32 product: W roundings of 2^-24
-    else:
-        max_abs = max(float(np.max(np.abs(x))) for x in xs)
-        bound = pg.float_error_bound(np.float32(max_abs), op == "avg")
-        tol = tolerance(bound, np.abs(want))
-    if dtype != "float32":
-        rel, sub = ROUND[dtype]
-        tol = tol + (np.abs(want) + tol) * rel + sub
-    return tol
 
 
 def allreduce_table(c, world, rank):
