@@ -12,8 +12,10 @@ AggBox whatever Gloo's speed.
 
     netns_torch_backend.py --rank R --world W --master-addr A --master-port P
 
-Then async works, the route policies ("gloo" and "measure" groups beside
-the default one), a subgroup, destroy and a second init_process_group.
+Then async works, calls issued to Gloo at once (Gloo's own work back) in
+order with the calls queued on the group's thread, the route policies
+("gloo" and "measure" groups beside the default one), a subgroup, destroy
+and a second init_process_group.
 """
 
 import faulthandler
@@ -311,6 +313,30 @@ def others(c, world, rank):
     for k, t in enumerate(ts):
         assert torch.allclose(t, torch.full((1000,), float(sum(range(world)) + world * k))), f"async allreduce {k}"
     assert c.pg.stats()[("allreduce", "aggbox")] == before + 3
+
+    # Calls to Gloo are issued at once from the caller's thread while the
+    # group's thread has nothing queued (Gloo's own work comes back), and
+    # in order with the calls queued there: a float32 PRODUCT (only Gloo)
+    # at once, an AggBox SUM of the same tensor queued after it (it must
+    # wait for the product), a PRODUCT again behind the SUM (the thread is
+    # busy, so it must queue too). 2 on every rank: 2^W, then W·2^W, then
+    # (W·2^W)^W; any call not waiting for the one before it reads 4 M
+    # elements another is still writing, and the result differs.
+    n = 1 << 22
+    x = torch.full((n,), 2.0)
+    before = c.pg.stats()
+    w1 = dist.all_reduce(x, op=R.PRODUCT, async_op=True)
+    assert not isinstance(w1, at.backend._Work), f"a PRODUCT with nothing queued was not issued to Gloo at once: {w1!r}"
+    w2 = dist.all_reduce(x, async_op=True)
+    w3 = dist.all_reduce(x, op=R.PRODUCT, async_op=True)
+    for w in (w1, w2, w3):
+        w.wait()
+    want = float(world * 2**world) ** world
+    assert torch.allclose(x, torch.full((n,), want), rtol=1e-5, atol=0), f"calls out of order: {x[:3]} .. {x[-3:]}, not {want}"
+    after = c.pg.stats()
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert moved == {("allreduce", "gloo"): 2, ("allreduce", "aggbox"): 1}, moved
+    print("ok: calls to Gloo issued at once, in order with the queued ones", flush=True)
     # A bad call fails alone: the group goes on.
     bad = torch.ones(3)
     try:
@@ -338,7 +364,9 @@ def routing(world, rank, pg):
     g = dist.new_group(ranks, backend="aggbox", pg_options=at.Options(route="gloo"))
     assert g.route == "gloo", g.route
     t = torch.full((100,), float(rank))
-    dist.all_reduce(t, group=g)
+    w = dist.all_reduce(t, group=g, async_op=True)
+    assert not isinstance(w, at.backend._Work), f"gloo route: not issued to Gloo at once: {w!r}"
+    w.wait()
     assert torch.equal(t, torch.full((100,), float(sum(ranks)))), "gloo route: allreduce"
     b = torch.arange(7, dtype=bf) + rank
     dist.broadcast(b, src=1, group=g)
@@ -352,7 +380,11 @@ def routing(world, rank, pg):
     u = torch.ones(3, dtype=torch.uint8)
     dist.all_reduce(u, group=g)
     assert torch.equal(u, torch.full((3,), world, dtype=torch.uint8)), "gloo route: uint8"
-    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+    # reduce (as an allreduce, the others' tensors untouched), at once too
+    r = torch.full((6,), float(rank + 1))
+    dist.reduce(r, dst=2, group=g)
+    assert torch.equal(r, torch.full((6,), float(world * (world + 1) // 2) if rank == 2 else float(rank + 1))), "gloo route: reduce"
+    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce")}
     want[("allreduce", "gloo")] = 1
     assert g.stats() == want and g.trial_stats() == {} and g.routes() == [], (g.stats(), g.trial_stats(), g.routes())
     print(f"ok: route gloo: {sorted(g.stats().items())}", flush=True)
