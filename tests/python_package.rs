@@ -25,9 +25,9 @@
 //! - python/tests/netns_torch_*.py and plain_ddp_script.py: the
 //!   `torch.distributed` backend "aggbox" on 4 ranks (the table and DDP
 //!   also on 8) and a node serving jobs on demand: every collective against
-//!   numpy with its serving path asserted, DDP against Gloo, an unmodified
-//!   script under the launcher, a rank killed with -9 named within the
-//!   timeout.
+//!   numpy with its serving path asserted, DDP against Gloo, DDP with
+//!   torch's fp16 compression hook against Gloo, an unmodified script under
+//!   the launcher, a rank killed with -9 named within the timeout.
 //!
 //! Needs root (namespaces, XDP) and `make python` first; fails (never
 //! skips) otherwise: `make python && cargo test --release --test python_package`.
@@ -724,6 +724,20 @@ fn torch_backend_trains_ddp_like_gloo() {
 #[test]
 fn torch_backend_trains_ddp_like_gloo_on_8_ranks() {
     torch_ddp("py-torch-ddp-8", 8, Duration::from_secs(900));
+}
+
+/// torch's own fp16 compression hook (`default_hooks.fp16_compress_hook`)
+/// on DDP over "aggbox" (route "aggbox") against the same over "gloo"
+/// (netns_torch_fp16_hook.py): every step's gradients within each path's
+/// float16 bound of the exact sum, the parameters and losses of the two
+/// runs together, every call served by AggBox.
+#[test]
+fn fp16_compress_hook_on_aggbox_trains_like_gloo() {
+    let node = Node::with_control("py-torch-fp16");
+    let master = node.tb.host(1).addr.to_string();
+    let argv = torch_argv("netns_torch_fp16_hook.py", &master, 29660, WORKERS, &["--steps", "6"]);
+    let results = node.run_ranks(argv, &backend_env(&node), Duration::from_secs(300));
+    assert_ranks_done(&results, "netns_torch_fp16_hook.py", &["ok: fp16_compress_hook on aggbox agrees with gloo"]);
 }
 
 /// A script that knows nothing of AggBox (it imports torch only and takes
