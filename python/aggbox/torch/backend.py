@@ -508,10 +508,14 @@ def _allreduce_at_once_path(t: torch.Tensor, name: Optional[str]) -> Optional[st
     return STEPPED_ASIDE if _aggbox_serves(t, name) else "gloo"
 
 
+# The dtypes Gloo 1.13 moves as they are (not bfloat16, not complex).
+_GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32, torch.int64}
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view (Gloo moves every
-    dtype bit for bit that way, bfloat16 included)."""
-    return t.reshape(-1).view(torch.uint8)
+    """A contiguous tensor for Gloo to move bit for bit: itself where Gloo
+    knows its dtype, else its bytes as a flat uint8 view."""
+    return t if t.dtype in _GLOO_DTYPES else t.reshape(-1).view(torch.uint8)
 
 
 def _contiguous(t: torch.Tensor, f: Callable[[torch.Tensor], None]) -> None:
@@ -972,11 +976,9 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         root = opts.rootRank
         if len(tensors) == 1 and tensors[0].numel() > 0 and tensors[0].is_contiguous():
             t = tensors[0]
-            o = dist.BroadcastOptions()
-            o.rootRank, o.rootTensor = root, 0
             work = self._at_once(
                 "broadcast", STEPPED_ASIDE, ("broadcast", None, None), t.numel() * t.element_size(),
-                self.gloo.broadcast, [_as_bytes(t)], o,
+                self.gloo.broadcast, [_as_bytes(t)], opts,
             )
             if work is not None:
                 return work
