@@ -374,6 +374,13 @@ def routing(world, rank, pg):
     outs = [torch.empty(5, dtype=bf) for _ in ranks]
     dist.all_gather(outs, torch.full((5,), float(rank), dtype=bf), group=g)
     assert all(torch.equal(o, torch.full((5,), float(q), dtype=bf)) for q, o in enumerate(outs)), "gloo route: all_gather"
+    # dtypes Gloo knows go as they are, the others (bfloat16 above) as bytes
+    f = torch.arange(9, dtype=torch.float64) * (rank + 1)
+    dist.broadcast(f, src=3, group=g)
+    assert torch.equal(f, torch.arange(9, dtype=torch.float64) * 4), "gloo route: float64 broadcast"
+    whole = torch.empty(3 * world, dtype=torch.int64)
+    dist.all_gather_into_tensor(whole, torch.full((3,), 2**40 + rank, dtype=torch.int64), group=g)
+    assert torch.equal(whole, (2**40 + torch.arange(world, dtype=torch.int64)).repeat_interleave(3)), "gloo route: all_gather_into_tensor"
     o = torch.empty(3)
     dist.reduce_scatter(o, [torch.full((3,), float(rank + q)) for q in ranks], group=g)
     assert torch.equal(o, torch.full((3,), float(sum(ranks) + world * rank))), "gloo route: reduce_scatter"
@@ -384,7 +391,8 @@ def routing(world, rank, pg):
     r = torch.full((6,), float(rank + 1))
     dist.reduce(r, dst=2, group=g)
     assert torch.equal(r, torch.full((6,), float(world * (world + 1) // 2) if rank == 2 else float(rank + 1))), "gloo route: reduce"
-    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce")}
+    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "allgather", "_allgather_base", "reduce_scatter", "reduce")}
+    want[("broadcast", "stepped_aside")] = 2
     want[("allreduce", "gloo")] = 1
     assert g.stats() == want and g.trial_stats() == {} and g.routes() == [], (g.stats(), g.trial_stats(), g.routes())
     print(f"ok: route gloo: {sorted(g.stats().items())}", flush=True)
