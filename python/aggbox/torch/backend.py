@@ -508,6 +508,12 @@ def _allreduce_at_once_path(t: torch.Tensor, name: Optional[str]) -> Optional[st
     return STEPPED_ASIDE if _aggbox_serves(t, name) else "gloo"
 
 
+# Bytes an element of a dtype (a dict costs less than asking the tensor).
+_ELEMENT_SIZE = {
+    dt: torch.empty(0, dtype=dt).element_size()
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+}
+
 # The dtypes Gloo 1.13 moves as they are (not bfloat16, not complex).
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32, torch.int64}
 
@@ -569,8 +575,9 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         # numbered as they come.
         self._kinds: Dict[Tuple[str, Optional[torch.dtype], Optional[str]], int] = {}
         # Whether the route sends a settled kind and size (its bytes'
-        # bit_length) to Gloo (`_at_once`).
+        # bit_length) to Gloo (`_at_once`); with route "gloo", all.
         self._to_gloo: Dict[tuple, bool] = {}
+        self._all_to_gloo = self._route_policy == "gloo"
         node = _node_address(opts)
         # A fresh run per process group, even on a store used before (a
         # second init_process_group, subgroups): each group's ranks count
@@ -715,16 +722,16 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if clamped:
             self._engine.clamped += 1
 
-    def _at_once(self, name: str, path: str, kind: Optional[tuple], nbytes: int, issue: Callable[..., dist.Work], *args):
+    def _at_once(self, name: str, path: str, kind: Optional[tuple], t: Optional[torch.Tensor], issue: Callable[..., dist.Work], *args):
         """Gloo's work of a call issued to Gloo now, from the caller's
         thread, or None when it must be queued for the engine's thread
         instead: when a call before it is still queued or running there
         (the route's trials and agreements issue Gloo calls there, and every
         rank must issue its Gloo calls in one order), when the group failed
         or was closed, or when the route sends the call of `kind`
-        ((collective, dtype, op); None: only Gloo serves it) and `nbytes`
-        to AggBox or times it as a trial, asked in the call's place in the
-        order. `issue(*args)` starts the Gloo call and leaves nothing to do
+        ((collective, dtype, op); None: only Gloo serves it) and the bytes of
+        `t` to AggBox or times it as a trial, asked in the call's place in
+        the order. `issue(*args)` starts the Gloo call and leaves nothing to do
         after it. The call is counted now, as served by `path`.
 
         This is every call's path to Gloo while no AggBox call is in
@@ -743,8 +750,9 @@ class ProcessGroupAggBox(dist.ProcessGroup):
                     # next call and says who stopped.
                     return None
                 done.pop(0)
-            if kind is not None:
+            if kind is not None and not self._all_to_gloo:
                 # A class's route, once settled, is for good: kept here.
+                nbytes = t.numel() * (_ELEMENT_SIZE.get(t.dtype) or t.element_size())
                 key = (kind, nbytes.bit_length())
                 to_gloo = self._to_gloo.get(key)
                 if to_gloo is None:
@@ -927,8 +935,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             path = _allreduce_at_once_path(t, name)
             if path is not None:
                 kind = ("allreduce", t.dtype, name) if path is STEPPED_ASIDE else None
-                nbytes = t.numel() * t.element_size()
-                work = self._at_once("allreduce", path, kind, nbytes, self.gloo.allreduce, tensors, opts)
+                work = self._at_once("allreduce", path, kind, t, self.gloo.allreduce, tensors, opts)
                 if work is not None:
                     return work
 
@@ -957,7 +964,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             kind = ("reduce", t.dtype, name) if path is STEPPED_ASIDE else None
             # As below: the root reduces its tensor, the others a copy.
             work = self._at_once(
-                "reduce", path, kind, t.numel() * t.element_size(),
+                "reduce", path, kind, t,
                 lambda: self.gloo.allreduce([t if self._rank == root else t.clone()], o),
             )
             if work is not None:
@@ -977,7 +984,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if len(tensors) == 1 and tensors[0].numel() > 0 and tensors[0].is_contiguous():
             t = tensors[0]
             work = self._at_once(
-                "broadcast", STEPPED_ASIDE, ("broadcast", None, None), t.numel() * t.element_size(),
+                "broadcast", STEPPED_ASIDE, ("broadcast", None, None), t,
                 self.gloo.broadcast, [_as_bytes(t)], opts,
             )
             if work is not None:
@@ -1072,7 +1079,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if inp.numel() == 0 or not inp.is_contiguous() or not all(o.is_contiguous() for o in outs):
             return None
         return self._at_once(
-            name, STEPPED_ASIDE, ("allgather", None, None), inp.numel() * inp.element_size(),
+            name, STEPPED_ASIDE, ("allgather", None, None), inp,
             self.gloo.allgather, [[_as_bytes(o) for o in outs]], [_as_bytes(inp)], AllgatherOptions(),
         )
 
@@ -1146,7 +1153,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
     # -- collectives through Gloo, in the same order ---------------------------
 
     def _through_gloo(self, name: str, outputs, method: str, *args):
-        work = self._at_once(name, "gloo", None, 0, getattr(self.gloo, method), *args)
+        work = self._at_once(name, "gloo", None, None, getattr(self.gloo, method), *args)
         if work is not None:
             return work
 
