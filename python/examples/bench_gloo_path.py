@@ -103,8 +103,8 @@ def main():
             "pair_ratio_p75": pct(paired, 0.75),
             "ratio_blocks_min": min(blocks),
             "ratio_blocks_max": max(blocks),
-            "aggbox_s": ta,
-            "gloo_s": tg,
+            "aggbox_s": [round(x, 7) for x in ta],
+            "gloo_s": [round(x, 7) for x in tg],
         }
         rows.append(row)
         if a.rank == 0:
@@ -126,7 +126,8 @@ def main():
                     "world": a.world,
                     "torch": torch.__version__,
                     "rows": rows,
-                }, f, indent=1)
+                }, f)
+                f.write("\n")
     dist.destroy_process_group(agg)
     dist.destroy_process_group()
 
