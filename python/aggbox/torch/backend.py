@@ -15,8 +15,8 @@ thread has done it; but a call that goes to Gloo and needs nothing done
 after Gloo's call is issued to Gloo at once from the caller's thread, and
 Gloo's own work returned, while no call is queued on or running on that
 thread (the next call queued there waits for it first): such a call costs
-what it costs on a plain Gloo group. Point-to-point calls (send, recv) go
-to Gloo at once always: they need not be issued in the same order
+Gloo's call and a few microseconds of Python. Point-to-point calls (send,
+recv) go to Gloo at once always: they need not be issued in the same order
 everywhere, and a receive waiting on that thread would hold up the
 collectives its sender must first pass.
 
