@@ -41,7 +41,7 @@ help:
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
-	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34); results/python_ddp.json"
+	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34), the backend against Gloo; results/python_*.json"
 	@echo "make bench-mpi  MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
@@ -162,7 +162,9 @@ bench: deps bench-deps python mpi
 # kernel's block pool there (910, docs/JUMBO.md). Then the backend "aggbox"
 # against Gloo (docs/PYTHON.md "The backend against Gloo"): allreduce of
 # float32 and bfloat16 from 4 B to 100 MB, interleaved, 4 ranks, MTU 1500;
-# $(BENCH_OUT)/python_backend.{json,log}.
+# $(BENCH_OUT)/python_backend.{json,log}. Then the backend's own Gloo path
+# (route "gloo") against a plain Gloo group, float32 4 B to 16 MiB,
+# interleaved call by call; $(BENCH_OUT)/python_gloo_path.{json,log}.
 PY_BENCH_STEPS := $(if $(filter --quick,$(BENCH_ARGS)),3,10)
 bench-python: python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
@@ -173,6 +175,8 @@ bench-python: python
 	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/backend_testbed.sh \
 	  --max-bytes $(if $(filter --quick,$(BENCH_ARGS)),4194304,100000000) \
 	  --json $(BENCH_OUT)/python_backend.json | tee $(BENCH_OUT)/python_backend.log
+	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/backend_testbed.sh --script python/examples/bench_gloo_path.py \
+	  $(if $(filter --quick,$(BENCH_ARGS)),--quick) --json $(BENCH_OUT)/python_gloo_path.json | tee $(BENCH_OUT)/python_gloo_path.log
 
 # MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs
 # libaggbox_mpi (docs/MPI.md, "Benchmark"): MPI_BENCH_ARGS="--mpi mpich

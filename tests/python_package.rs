@@ -23,10 +23,11 @@
 //!   duplication; a run killed with -9 leaves nothing on the node and
 //!   starts again with a new job.
 //! - python/tests/netns_torch_*.py and plain_ddp_script.py: the
-//!   `torch.distributed` backend "aggbox" on 4 ranks and a node serving
-//!   jobs on demand: every collective against numpy with its serving path
-//!   asserted, DDP against Gloo, an unmodified script under the launcher,
-//!   a rank killed with -9 named within the timeout.
+//!   `torch.distributed` backend "aggbox" on 4 ranks (the table and DDP
+//!   also on 8) and a node serving jobs on demand: every collective against
+//!   numpy with its serving path asserted, DDP against Gloo, DDP with
+//!   torch's fp16 compression hook against Gloo, an unmodified script under
+//!   the launcher, a rank killed with -9 named within the timeout.
 //!
 //! Needs root (namespaces, XDP) and `make python` first; fails (never
 //! skips) otherwise: `make python && cargo test --release --test python_package`.
@@ -50,6 +51,8 @@ use testbed::{Testbed, TestbedConfig};
 /// Debian's interpreter, the one python3-torch is installed for (a
 /// `python3` earlier on PATH, pyenv's say, may lack torch).
 const PYTHON: &str = "/usr/bin/python3";
+/// The workers (ranks) of a test, but for the 8-rank runs of the torch
+/// backend's tests.
 const WORKERS: usize = 4;
 
 fn repo() -> PathBuf {
@@ -178,7 +181,8 @@ const DATA_PORTS: [u16; 5] = [7700, 7710, 7720, 7740, 7741];
 const JOBS: [u16; 5] = [11, 12, 13, 14, 15];
 
 /// A node (host 0) that runs only `aggbox attach` with one node-served job
-/// per entry of [`JOBS`], and 4 workers (hosts 1..=4).
+/// per entry of [`JOBS`], and its workers (hosts 1..=workers; [`WORKERS`]
+/// unless made with [`Node::with_control_of`]).
 struct Node {
     config: PathBuf,
     attach: LiveAttach,
@@ -188,6 +192,7 @@ struct Node {
     pin_dirs: Vec<PathBuf>,
     /// The key file of [`Node::with_control`], removed on drop.
     keys: Option<PathBuf>,
+    workers: usize,
     tb: Testbed,
 }
 
@@ -204,35 +209,40 @@ const RING_THRESHOLD: usize = 1000;
 
 impl Node {
     fn up(tag: &str) -> Node {
-        Node::start(tag, false, None)
+        Node::start(tag, false, None, WORKERS)
     }
 
     /// [`Node::up`] with a control endpoint (jobs on demand) whose key
     /// file holds tenant [`TENANT`] with key [`TENANT_KEY`].
     fn with_control(tag: &str) -> Node {
+        Node::with_control_of(tag, WORKERS)
+    }
+
+    /// [`Node::with_control`] with `workers` workers.
+    fn with_control_of(tag: &str, workers: usize) -> Node {
         let keys = std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.keys.toml", std::process::id()));
         // Room for the torch backend's tests: a job per process group.
         std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{TENANT_KEY}\"\njobs = 16\n")).expect("key file");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
-        Node::start(tag, false, Some(keys))
+        Node::start(tag, false, Some(keys), workers)
     }
 
     /// [`Node::up`], and the workers' hosts each run `aggbox attach` with
     /// ring [`RING`] of the 4 workers, which the workers' file lists too.
     fn with_ring(tag: &str) -> Node {
-        Node::start(tag, true, None)
+        Node::start(tag, true, None, WORKERS)
     }
 
-    fn start(tag: &str, ring: bool, keys: Option<PathBuf>) -> Node {
+    fn start(tag: &str, ring: bool, keys: Option<PathBuf>, n: usize) -> Node {
         require_root();
         let tb = Testbed::up(TestbedConfig {
-            hosts: WORKERS + 1,
+            hosts: n + 1,
             xdp_tx: ring,
             ..Default::default()
         })
         .expect("testbed");
-        let workers: Vec<String> = (1..=WORKERS).map(|h| tb.host(h).addr.to_string()).collect();
+        let workers: Vec<String> = (1..=n).map(|h| tb.host(h).addr.to_string()).collect();
         let mut text = String::from("[node]\nmetrics = \"127.0.0.1:9472\"\n");
         if let Some(keys) = &keys {
             text += &format!("keys = \"{}\"\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\n", keys.display());
@@ -254,7 +264,7 @@ impl Node {
                 "\n[[ring]]\nid = {RING}\nport = 7400\nmembers = [{}]\nvector_len = {RING_LEN}\nfrag_elems = 362\n",
                 workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
             );
-            for h in 1..=WORKERS {
+            for h in 1..=n {
                 let node = "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n";
                 let a = LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &format!("{node}{ring}"), &[]);
                 pin_dirs.push(aggbox::node::pin_dir(&a.pin_root, "eth0"));
@@ -266,7 +276,7 @@ impl Node {
         let config =
             std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.toml", std::process::id()));
         std::fs::write(&config, &text).expect("write the workers' configuration");
-        Node { config, attach, ring_nodes, pin_dirs, keys, tb }
+        Node { config, attach, ring_nodes, pin_dirs, keys, workers: n, tb }
     }
 
     /// Runs `script` on every worker (rank r on host r+1) with `args(r)`,
@@ -281,7 +291,7 @@ impl Node {
         let script = repo().join("python/tests").join(script);
         let argv = |r: usize| {
             let mut cmd = vec![script.to_string_lossy().into_owned()];
-            cmd.extend(["--rank".into(), r.to_string(), "--world".into(), WORKERS.to_string()]);
+            cmd.extend(["--rank".into(), r.to_string(), "--world".into(), self.workers.to_string()]);
             cmd.extend(["--config".into(), self.config.to_string_lossy().into_owned()]);
             cmd.extend(["--aggregator".into(), self.tb.host(0).addr.to_string()]);
             cmd.extend(args(r));
@@ -300,7 +310,7 @@ impl Node {
     ) -> Vec<(ExitStatus, String)> {
         let (mut children, logs) = self.spawn_ranks(argv, env);
         let deadline = Instant::now() + limit;
-        let mut statuses: Vec<Option<ExitStatus>> = vec![None; WORKERS];
+        let mut statuses: Vec<Option<ExitStatus>> = vec![None; self.workers];
         while statuses.iter().any(Option::is_none) && Instant::now() < deadline {
             for (s, c) in statuses.iter_mut().zip(&mut children) {
                 if s.is_none() {
@@ -312,7 +322,7 @@ impl Node {
         // A worker past the deadline first dumps every thread's stack into
         // its log (the scripts register faulthandler for SIGUSR1), so that
         // a hang says where it was; then it is killed.
-        let late: Vec<usize> = (0..WORKERS).filter(|&r| statuses[r].is_none()).collect();
+        let late: Vec<usize> = (0..self.workers).filter(|&r| statuses[r].is_none()).collect();
         for &r in &late {
             let pid = nix::unistd::Pid::from_raw(children[r].id() as i32);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR1);
@@ -338,10 +348,10 @@ impl Node {
     /// r+1) with `env` added; each one's output goes to its log file.
     fn spawn_ranks(&self, argv: impl Fn(usize) -> Vec<String>, env: &[(&str, String)]) -> (Vec<Child>, Vec<PathBuf>) {
         let site = python_path();
-        let logs: Vec<PathBuf> = (0..WORKERS)
+        let logs: Vec<PathBuf> = (0..self.workers)
             .map(|r| self.config.with_extension(format!("rank{r}.log")))
             .collect();
-        let children: Vec<Child> = (0..WORKERS)
+        let children: Vec<Child> = (0..self.workers)
             .map(|r| {
                 let mut cmd = vec![PYTHON.to_string()];
                 cmd.extend(argv(r));
@@ -649,32 +659,32 @@ fn backend_env(node: &Node) -> Vec<(&'static str, String)> {
 }
 
 /// `python3 python/tests/SCRIPT --rank R --world W --master-addr A
-/// --master-port P` and `extra`, for [`Node::run_ranks`].
-fn torch_argv(script: &str, master: &str, port: u16, extra: &[&str]) -> impl Fn(usize) -> Vec<String> {
+/// --master-port P` and `extra`, for [`Node::run_ranks`] of `world` ranks.
+fn torch_argv(script: &str, master: &str, port: u16, world: usize, extra: &[&str]) -> impl Fn(usize) -> Vec<String> {
     let script = repo().join("python/tests").join(script).to_string_lossy().into_owned();
     let (master, extra): (String, Vec<String>) = (master.into(), extra.iter().map(|s| s.to_string()).collect());
     move |r| {
-        let mut v = vec![script.clone(), "--rank".into(), r.to_string(), "--world".into(), WORKERS.to_string()];
+        let mut v = vec![script.clone(), "--rank".into(), r.to_string(), "--world".into(), world.to_string()];
         v.extend(["--master-addr".into(), master.clone(), "--master-port".into(), port.to_string()]);
         v.extend(extra.iter().cloned());
         v
     }
 }
 
-/// The backend "aggbox" (aggbox.torch): every collective × dtype × op ×
-/// size of netns_torch_backend.py's table on 4 ranks against numpy, each
-/// call's serving path asserted from the process group's counters (with
-/// the route forced to AggBox, AGGBOX_TORCH_ROUTE=aggbox, so that the path
-/// is the one the table names whatever Gloo's speed); the route policies
-/// "gloo" and "measure" on groups of their own; async works, subgroups, a
-/// second init_process_group.
-#[test]
-fn torch_backend_answers_every_collective_like_the_reference() {
-    let node = Node::with_control("py-torch");
+/// The backend "aggbox" (aggbox.torch) on `workers` ranks: every
+/// collective × dtype × op × size of netns_torch_backend.py's table against
+/// numpy, each call's serving path asserted from the process group's
+/// counters (with the route forced to AggBox, AGGBOX_TORCH_ROUTE=aggbox, so
+/// that the path is the one the table names whatever Gloo's speed); the
+/// route policies "gloo" (calls issued to Gloo at once, in order with the
+/// group's queued calls) and "measure" on groups of their own; async
+/// works, subgroups, a second init_process_group.
+fn torch_backend_table(tag: &str, workers: usize, limit: Duration) {
+    let node = Node::with_control_of(tag, workers);
     let master = node.tb.host(1).addr.to_string();
     let mut env = backend_env(&node);
     env.push(("AGGBOX_TORCH_ROUTE", "aggbox".into()));
-    let results = node.run_ranks(torch_argv("netns_torch_backend.py", &master, 29610, &[]), &env, Duration::from_secs(400));
+    let results = node.run_ranks(torch_argv("netns_torch_backend.py", &master, 29610, workers, &[]), &env, limit);
     for (r, (status, text)) in results.iter().enumerate() {
         assert!(status.success(), "rank {r}: netns_torch_backend.py failed ({status}):\n{text}");
         assert!(text.trim_end().ends_with("done"), "rank {r} did not finish:\n{text}");
@@ -683,14 +693,51 @@ fn torch_backend_answers_every_collective_like_the_reference() {
     }
 }
 
+#[test]
+fn torch_backend_answers_every_collective_like_the_reference() {
+    torch_backend_table("py-torch", WORKERS, Duration::from_secs(400));
+}
+
+/// The same table on 8 ranks (9 namespaces; the 2-vCPU VM runs it in
+/// minutes).
+#[test]
+fn torch_backend_answers_every_collective_like_the_reference_on_8_ranks() {
+    torch_backend_table("py-torch-8", 8, Duration::from_secs(900));
+}
+
 /// DDP of a small CNN with a synchronised BatchNorm, 50 steps, backend
-/// "aggbox" against "gloo" from the same seeds (netns_torch_ddp.py).
+/// "aggbox" against "gloo" from the same seeds (netns_torch_ddp.py), on
+/// `workers` ranks.
+fn torch_ddp(tag: &str, workers: usize, limit: Duration) {
+    let node = Node::with_control_of(tag, workers);
+    let master = node.tb.host(1).addr.to_string();
+    let argv = torch_argv("netns_torch_ddp.py", &master, 29620, workers, &["--steps", "50"]);
+    let results = node.run_ranks(argv, &backend_env(&node), limit);
+    assert_ranks_done(&results, "netns_torch_ddp.py", &["ok: aggbox and gloo agree"]);
+}
+
 #[test]
 fn torch_backend_trains_ddp_like_gloo() {
-    let node = Node::with_control("py-torch-ddp");
+    torch_ddp("py-torch-ddp", WORKERS, Duration::from_secs(400));
+}
+
+#[test]
+fn torch_backend_trains_ddp_like_gloo_on_8_ranks() {
+    torch_ddp("py-torch-ddp-8", 8, Duration::from_secs(900));
+}
+
+/// torch's own fp16 compression hook (`default_hooks.fp16_compress_hook`)
+/// on DDP over "aggbox" (route "aggbox") against the same over "gloo"
+/// (netns_torch_fp16_hook.py): every step's gradients within each path's
+/// float16 bound of the exact sum, the parameters and losses of the two
+/// runs together, every call served by AggBox.
+#[test]
+fn fp16_compress_hook_on_aggbox_trains_like_gloo() {
+    let node = Node::with_control("py-torch-fp16");
     let master = node.tb.host(1).addr.to_string();
-    let results = node.run_ranks(torch_argv("netns_torch_ddp.py", &master, 29620, &["--steps", "50"]), &backend_env(&node), Duration::from_secs(400));
-    assert_ranks_done(&results, "netns_torch_ddp.py", &["ok: aggbox and gloo agree"]);
+    let argv = torch_argv("netns_torch_fp16_hook.py", &master, 29660, WORKERS, &["--steps", "6"]);
+    let results = node.run_ranks(argv, &backend_env(&node), Duration::from_secs(300));
+    assert_ranks_done(&results, "netns_torch_fp16_hook.py", &["ok: fp16_compress_hook on aggbox agrees with gloo"]);
 }
 
 /// A script that knows nothing of AggBox (it imports torch only and takes
@@ -733,7 +780,7 @@ fn an_unmodified_script_runs_on_aggbox_through_the_launcher() {
 fn a_rank_killed_mid_run_is_named_within_the_timeout() {
     let node = Node::with_control("py-torch-kill");
     let master = node.tb.host(1).addr.to_string();
-    let results = node.run_ranks(torch_argv("netns_torch_kill.py", &master, 29640, &["--timeout", "10"]), &backend_env(&node), Duration::from_secs(120));
+    let results = node.run_ranks(torch_argv("netns_torch_kill.py", &master, 29640, WORKERS, &["--timeout", "10"]), &backend_env(&node), Duration::from_secs(120));
     for (r, (status, text)) in results.iter().enumerate() {
         if r == 3 {
             use std::os::unix::process::ExitStatusExt;

@@ -12,8 +12,10 @@ AggBox whatever Gloo's speed.
 
     netns_torch_backend.py --rank R --world W --master-addr A --master-port P
 
-Then async works, the route policies ("gloo" and "measure" groups beside
-the default one), a subgroup, destroy and a second init_process_group.
+Then async works, calls issued to Gloo at once (Gloo's own work back) in
+order with the calls queued on the group's thread, the route policies
+("gloo" and "measure" groups beside the default one), a subgroup, destroy
+and a second init_process_group.
 """
 
 import faulthandler
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import aggbox.torch as at
-from reference import tolerance, rank_parser
+from reference import float_tolerance, rank_parser
 
 SIZES = [1, 7, 362, 363, 100_000]
 BIG = 1_000_000
@@ -82,10 +84,6 @@ TORCH = {
     "float64": torch.float64,
     "uint8": torch.uint8,
 }
-# Half the distance between neighbours of a dtype's floats relative to the
-# value (its rounding), and its smallest subnormal's half.
-ROUND = {"float32": (2.0**-24, 2.0**-150), "float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
-
 OPS = {"sum": R.SUM, "avg": R.AVG, "prod": R.PRODUCT, "max": R.MAX, "min": R.MIN, "band": R.BAND, "bor": R.BOR, "bxor": R.BXOR}
 
 # (dtype, op, path, input kind); input kinds are below.
@@ -138,7 +136,7 @@ def make_input(kind, dtype, rank, case, n):
     elif kind == "wide":
         v = ints(rank, case, n, -(2**40), 2**40)
     elif kind == "byte":
-        v = ints(rank, case, n, 0, 60)
+        v = ints(rank, case, n, 0, 32)  # a uint8 SUM of 8 ranks fits
     elif kind == "near1":
         v = 1.0 + rng(rank, case).uniform(-0.5, 0.5, n)
     else:
@@ -176,25 +174,6 @@ def check_close(what, got, want, tol):
         i = int(np.argmax(bad))
         raise AssertionError(f"{what}: element {i}: {got[i]!r} vs exact {want[i]!r}, error {err[i]:.3g} > bound {np.broadcast_to(tol, err.shape)[i]:.3g}")
     return float(np.max(err / np.maximum(tol, 1e-300))) if err.size else 0.0
-
-
-def float_tolerance(pg, dtype, op, xs, want):
-    """The documented bound: the quantization's (pg.float_error_bound for the
-    ranks' largest |x|), then float32's rounding, then the dtype's."""
-    if op in ("max", "min"):
-        return np.zeros_like(want)
-    if dtype == "float64":
-        return np.abs(want) * 1e-12 + 1e-12  # Gloo, in float64
-    if op == "prod":
-        tol = np.abs(want) * 1e-6  # Gloo's float32 product: W roundings of 2^-24
-    else:
-        max_abs = max(float(np.max(np.abs(x))) for x in xs)
-        bound = pg.float_error_bound(np.float32(max_abs), op == "avg")
-        tol = tolerance(bound, np.abs(want))
-    if dtype != "float32":
-        rel, sub = ROUND[dtype]
-        tol = tol + (np.abs(want) + tol) * rel + sub
-    return tol
 
 
 def allreduce_table(c, world, rank):
@@ -334,6 +313,30 @@ def others(c, world, rank):
     for k, t in enumerate(ts):
         assert torch.allclose(t, torch.full((1000,), float(sum(range(world)) + world * k))), f"async allreduce {k}"
     assert c.pg.stats()[("allreduce", "aggbox")] == before + 3
+
+    # Calls to Gloo are issued at once from the caller's thread while the
+    # group's thread has nothing queued (Gloo's own work comes back), and
+    # in order with the calls queued there: a float32 PRODUCT (only Gloo)
+    # at once, an AggBox SUM of the same tensor queued after it (it must
+    # wait for the product), a PRODUCT again behind the SUM (the thread is
+    # busy, so it must queue too). 2 on every rank: 2^W, then W·2^W, then
+    # (W·2^W)^W; any call not waiting for the one before it reads 4 M
+    # elements another is still writing, and the result differs.
+    n = 1 << 22
+    x = torch.full((n,), 2.0)
+    before = c.pg.stats()
+    w1 = dist.all_reduce(x, op=R.PRODUCT, async_op=True)
+    assert not isinstance(w1, at.backend._Work), f"a PRODUCT with nothing queued was not issued to Gloo at once: {w1!r}"
+    w2 = dist.all_reduce(x, async_op=True)
+    w3 = dist.all_reduce(x, op=R.PRODUCT, async_op=True)
+    for w in (w1, w2, w3):
+        w.wait()
+    want = float(world * 2**world) ** world
+    assert torch.allclose(x, torch.full((n,), want), rtol=1e-5, atol=0), f"calls out of order: {x[:3]} .. {x[-3:]}, not {want}"
+    after = c.pg.stats()
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert moved == {("allreduce", "gloo"): 2, ("allreduce", "aggbox"): 1}, moved
+    print("ok: calls to Gloo issued at once, in order with the queued ones", flush=True)
     # A bad call fails alone: the group goes on.
     bad = torch.ones(3)
     try:
@@ -361,7 +364,9 @@ def routing(world, rank, pg):
     g = dist.new_group(ranks, backend="aggbox", pg_options=at.Options(route="gloo"))
     assert g.route == "gloo", g.route
     t = torch.full((100,), float(rank))
-    dist.all_reduce(t, group=g)
+    w = dist.all_reduce(t, group=g, async_op=True)
+    assert not isinstance(w, at.backend._Work), f"gloo route: not issued to Gloo at once: {w!r}"
+    w.wait()
     assert torch.equal(t, torch.full((100,), float(sum(ranks)))), "gloo route: allreduce"
     b = torch.arange(7, dtype=bf) + rank
     dist.broadcast(b, src=1, group=g)
@@ -369,13 +374,25 @@ def routing(world, rank, pg):
     outs = [torch.empty(5, dtype=bf) for _ in ranks]
     dist.all_gather(outs, torch.full((5,), float(rank), dtype=bf), group=g)
     assert all(torch.equal(o, torch.full((5,), float(q), dtype=bf)) for q, o in enumerate(outs)), "gloo route: all_gather"
+    # dtypes Gloo knows go as they are, the others (bfloat16 above) as bytes
+    f = torch.arange(9, dtype=torch.float64) * (rank + 1)
+    dist.broadcast(f, src=3, group=g)
+    assert torch.equal(f, torch.arange(9, dtype=torch.float64) * 4), "gloo route: float64 broadcast"
+    whole = torch.empty(3 * world, dtype=torch.int64)
+    dist.all_gather_into_tensor(whole, torch.full((3,), 2**40 + rank, dtype=torch.int64), group=g)
+    assert torch.equal(whole, (2**40 + torch.arange(world, dtype=torch.int64)).repeat_interleave(3)), "gloo route: all_gather_into_tensor"
     o = torch.empty(3)
     dist.reduce_scatter(o, [torch.full((3,), float(rank + q)) for q in ranks], group=g)
     assert torch.equal(o, torch.full((3,), float(sum(ranks) + world * rank))), "gloo route: reduce_scatter"
     u = torch.ones(3, dtype=torch.uint8)
     dist.all_reduce(u, group=g)
     assert torch.equal(u, torch.full((3,), world, dtype=torch.uint8)), "gloo route: uint8"
-    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+    # reduce (as an allreduce, the others' tensors untouched), at once too
+    r = torch.full((6,), float(rank + 1))
+    dist.reduce(r, dst=2, group=g)
+    assert torch.equal(r, torch.full((6,), float(world * (world + 1) // 2) if rank == 2 else float(rank + 1))), "gloo route: reduce"
+    want = {(c, "stepped_aside"): 1 for c in ("allreduce", "allgather", "_allgather_base", "reduce_scatter", "reduce")}
+    want[("broadcast", "stepped_aside")] = 2
     want[("allreduce", "gloo")] = 1
     assert g.stats() == want and g.trial_stats() == {} and g.routes() == [], (g.stats(), g.trial_stats(), g.routes())
     print(f"ok: route gloo: {sorted(g.stats().items())}", flush=True)

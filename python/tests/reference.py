@@ -1,6 +1,6 @@
 """What the Python tests compare with: every rank's inputs (so a rank
-knows every other's without communication) and the tolerance of a float32
-result."""
+knows every other's without communication), the tolerance of a float32
+result and the torch backend's documented bounds of a float result."""
 
 import argparse
 
@@ -35,3 +35,27 @@ def rank_parser():
     ap.add_argument("--master-addr", required=True)
     ap.add_argument("--master-port", type=int, required=True)
     return ap
+
+
+# Half the distance between neighbours of a dtype's floats relative to the
+# value (its rounding), and its smallest subnormal's half.
+ROUND = {"float32": (2.0**-24, 2.0**-150), "float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
+
+
+def float_tolerance(pg, dtype, op, xs, want):
+    """The documented bound: the quantization's (pg.float_error_bound for the
+    ranks' largest |x|), then float32's rounding, then the dtype's."""
+    if op in ("max", "min"):
+        return np.zeros_like(want)
+    if dtype == "float64":
+        return np.abs(want) * 1e-12 + 1e-12  # Gloo, in float64
+    if op == "prod":
+        tol = np.abs(want) * 1e-6  # Gloo's float32 product: W roundings of 2^-24
+    else:
+        max_abs = max(float(np.max(np.abs(x))) for x in xs)
+        bound = pg.float_error_bound(np.float32(max_abs), op == "avg")
+        tol = tolerance(bound, np.abs(want))
+    if dtype != "float32":
+        rel, sub = ROUND[dtype]
+        tol = tol + (np.abs(want) + tol) * rel + sub
+    return tol

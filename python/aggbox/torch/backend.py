@@ -7,14 +7,18 @@ Gloo group on the same store.
     dist.init_process_group("aggbox", ...)   # AGGBOX_NODE, AGGBOX_TENANT, AGGBOX_KEY
 
 One process group is one AggBox communicator (one job on demand, its run key
-made fresh by rank 0 and shared through the store) and one Gloo group. Every
-collective is executed by one thread per process group, in the order the
-ranks issued them (the same on every rank, as both transports need), so a
-call with ``async_op=True`` returns at once and its work object completes
-when that thread has done it. Point-to-point calls (send, recv) go to Gloo
-at once instead, from the caller's thread: they need not be issued in the
-same order everywhere, and a receive waiting on that thread would hold up
-the collectives its sender must first pass.
+made fresh by rank 0 and shared through the store) and one Gloo group. The
+collectives run in the order the ranks issued them (the same on every rank,
+as both transports need), on one thread per process group, so a call with
+``async_op=True`` returns at once and its work object completes when that
+thread has done it; but a call that goes to Gloo and needs nothing done
+after Gloo's call is issued to Gloo at once from the caller's thread, and
+Gloo's own work returned, while no call is queued on or running on that
+thread (the next call queued there waits for it first): such a call costs
+Gloo's call and a few microseconds of Python. Point-to-point calls (send,
+recv) go to Gloo at once always: they need not be issued in the same order
+everywhere, and a receive waiting on that thread would hold up the
+collectives its sender must first pass.
 
 Which call is served how (``ProcessGroupAggBox.stats()`` counts them by
 ``(collective, "aggbox" | "stepped_aside" | "gloo")``) is in the table of
@@ -77,6 +81,10 @@ LIVENESS_WATCH_S = 1.6
 
 _INT32_MAX = 2**31 - 1
 
+# Gloo works issued at once that a group holds before it looks which are
+# done (they hold their tensors until then).
+_DIRECT_KEPT = 4
+
 # torch's reduce ops by the op table's names (aggbox.OPS).
 _R = dist.ReduceOp
 _OP_NAMES = [
@@ -92,11 +100,23 @@ _OP_NAMES = [
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# The same by a ReduceOp's hash, which torch 1.13 makes its type's number
+# (the whole op but for PREMUL_SUM's factor): a lookup that costs a tenth
+# of comparing one ReduceOp, and a microsecond counts on the way to Gloo.
+_OP_BY_HASH = {hash(o): name for o, name in _OP_NAMES}
+if len(_OP_BY_HASH) != len(_OP_NAMES) or hash(_R.PREMUL_SUM) in _OP_BY_HASH:  # another torch: compare
+    _OP_BY_HASH = None
+
+
 def _op_name(op) -> Optional[str]:
+    """The op table's name of a torch reduce op; None for PREMUL_SUM and
+    anything newer, which Gloo decides."""
+    if _OP_BY_HASH is not None:
+        return _OP_BY_HASH.get(hash(op))
     for o, name in _OP_NAMES:
         if op == o:
             return name
-    return None  # PREMUL_SUM and anything newer: Gloo decides
+    return None
 
 
 def _dict_op(name: str):
@@ -168,10 +188,10 @@ def _route_policy(opts: Options) -> Tuple[str, int]:
     return ("gloo" if route == "baseline" else route), trials
 
 
-# Every call served in this process, by (collective, path), over every
-# process group (AGGBOX_TORCH_STATS=1 prints it at exit).
-_PROCESS_STATS: collections.Counter = collections.Counter()
-_PROCESS_STATS_LOCK = threading.Lock()
+# The counters of every process group this process made, with the lock
+# each is counted under (process_stats() sums them; AGGBOX_TORCH_STATS=1
+# prints the sum at exit): a call counts once, in its group's counter.
+_GROUP_STATS: List[Tuple[threading.Lock, collections.Counter]] = []
 # Data ports this process's communicators were given from AGGBOX_DATA.
 _PORTS_TAKEN: set = set()
 _ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
@@ -180,8 +200,11 @@ _ENGINES: "weakref.WeakSet[_Engine]" = weakref.WeakSet()
 def process_stats() -> Dict[Tuple[str, str], int]:
     """Every call of every "aggbox" process group of this process so far,
     by ``(collective, "aggbox" | "stepped_aside" | "gloo")``."""
-    with _PROCESS_STATS_LOCK:
-        return dict(_PROCESS_STATS)
+    total: collections.Counter = collections.Counter()
+    for lock, counts in list(_GROUP_STATS):
+        with lock:
+            total.update(counts)
+    return dict(total)
 
 
 def stats(group=None) -> Dict[Tuple[str, str], int]:
@@ -274,6 +297,13 @@ class _Engine:
         # Python half must live until the caller has waited for it or taken
         # its future, and the call is done.
         self._live: Dict[int, _Work] = {}
+        # Calls queued for this engine's thread and not yet done; while
+        # none is, a call the route sends to Gloo is issued to Gloo at once
+        # from the caller's thread (`ProcessGroupAggBox._at_once`).
+        self._pending = 0
+        # The Gloo works issued at once and not yet seen done, oldest
+        # first: the next call queued for the thread waits for them first.
+        self._direct: List[dist.Work] = []
         self._queue: "queue.Queue" = queue.Queue()
         self._broken: Optional[str] = None
         self._closed = False
@@ -283,6 +313,7 @@ class _Engine:
         self._thread.start()
         self._heart.start()
         _ENGINES.add(self)
+        _GROUP_STATS.append((self._lock, self.stats))
 
     # -- works -------------------------------------------------------------
 
@@ -297,44 +328,54 @@ class _Engine:
 
     def submit(self, name: str, outputs: List[torch.Tensor], run: Callable[[], str]) -> _Work:
         """Queues `run` (which does the call and returns the path that served
-        it, "aggbox", "stepped_aside" or "gloo") behind the calls before it."""
+        it, "aggbox", "stepped_aside" or "gloo") behind the calls before it:
+        those queued, and those issued to Gloo at once before it, which the
+        thread waits for first."""
         work = _Work(self, outputs)
         if self._closed:
             work._finish(RuntimeError(f"aggbox: {name} on a process group that was destroyed"))
-        else:
-            self._queue.put((name, run, work))
+            return work
+        with self._lock:
+            self._pending += 1
+            after, self._direct = self._direct, []
+        self._queue.put((name, run, work, after))
         return work
 
     def count(self, name: str, path: str) -> None:
         with self._lock:
             self.stats[(name, path)] += 1
-        with _PROCESS_STATS_LOCK:
-            _PROCESS_STATS[(name, path)] += 1
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            name, run, work = item
-            if self._broken is not None:
-                work._finish(RuntimeError(f"aggbox: {name}: the process group failed before: {self._broken}"))
-                continue
-            self.in_trial = False
-            try:
-                path = run()
-            except _NotSent as e:
-                work._finish(RuntimeError(f"aggbox: {name}: {e.__cause__ or e}"))
-                continue
-            except BaseException as e:  # noqa: BLE001 - it goes to the work
-                self._broken = self._explain(name, e)
-                work._finish(RuntimeError(self._broken))
-                continue
-            self.count(name, path)
-            if self.in_trial:
-                with self._lock:
-                    self.trials[(name, path)] += 1
-            work._finish()
+            name, run, work, after = item
+            exc = self._run(name, run, after)
+            with self._lock:
+                self._pending -= 1
+            work._finish(exc)
+
+    def _run(self, name: str, run: Callable[[], str], after: List[dist.Work]) -> Optional[RuntimeError]:
+        """One queued call, after the Gloo works issued at once before it;
+        counted by its path. Its error, if it failed."""
+        if self._broken is not None:
+            return RuntimeError(f"aggbox: {name}: the process group failed before: {self._broken}")
+        self.in_trial = False
+        try:
+            for w in after:
+                w.wait()
+            path = run()
+        except _NotSent as e:
+            return RuntimeError(f"aggbox: {name}: {e.__cause__ or e}")
+        except BaseException as e:  # noqa: BLE001 - it goes to the work
+            self._broken = self._explain(name, e)
+            return RuntimeError(self._broken)
+        self.count(name, path)
+        if self.in_trial:
+            with self._lock:
+                self.trials[(name, path)] += 1
+        return None
 
     # -- liveness ----------------------------------------------------------
 
@@ -440,6 +481,49 @@ def _path_of(paths: List[str]) -> str:
     return "aggbox"
 
 
+# Reduce ops AggBox's allreduce serves, by dtype (docs/PYTHON.md, "What is
+# served, what falls back"); the rest goes to Gloo.
+_AGGBOX_OPS = {
+    torch.int32: {"sum", "avg", "prod", "min", "max", "band", "bor", "bxor"},
+    torch.int64: {"sum", "avg", "min", "max", "band", "bor", "bxor"},
+    **{dt: {"sum", "avg", "min", "max"} for dt in _FLOATS},
+}
+_BITWISE = ("band", "bor", "bxor")
+
+
+def _aggbox_serves(t: torch.Tensor, name: Optional[str]) -> bool:
+    """Whether AggBox's allreduce serves `t` with op `name` (the route
+    decides whether it does)."""
+    return t.is_cpu and name in _AGGBOX_OPS.get(t.dtype, ())
+
+
+def _allreduce_at_once_path(t: torch.Tensor, name: Optional[str]) -> Optional[str]:
+    """The path of an allreduce of `t` with op `name` that Gloo can do all
+    of, so that it can be issued to Gloo at once: "stepped_aside" where
+    AggBox serves it too (if the route sends it to Gloo), "gloo" where only
+    Gloo does; None where it needs a step after Gloo's call (AVG: a
+    division; bfloat16: through float32) or a contiguous copy."""
+    if name == "avg" or t.dtype == torch.bfloat16 or not t.is_contiguous():
+        return None
+    return STEPPED_ASIDE if _aggbox_serves(t, name) else "gloo"
+
+
+# Bytes an element of a dtype (a dict costs less than asking the tensor).
+_ELEMENT_SIZE = {
+    dt: torch.empty(0, dtype=dt).element_size()
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+}
+
+# The dtypes Gloo 1.13 moves as they are (not bfloat16, not complex).
+_GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32, torch.int64}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor for Gloo to move bit for bit: itself where Gloo
+    knows its dtype, else its bytes as a flat uint8 view."""
+    return t if t.dtype in _GLOO_DTYPES else t.reshape(-1).view(torch.uint8)
+
+
 def _contiguous(t: torch.Tensor, f: Callable[[torch.Tensor], None]) -> None:
     """`f` on `t` in place, through a contiguous copy if it is not one."""
     if t.is_contiguous():
@@ -487,8 +571,13 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         # Used on the engine's thread only, but read by routes(): under the
         # engine's lock.
         self._tuner = Tuner(_TUNER_POLICY[self._route_policy], trials)
-        # The tuner's kinds: (collective, dtype, op) numbered as they come.
-        self._kinds: Dict[Tuple[str, str, str], int] = {}
+        # The tuner's kinds: (collective, torch dtype or None, op name or None)
+        # numbered as they come.
+        self._kinds: Dict[Tuple[str, Optional[torch.dtype], Optional[str]], int] = {}
+        # Whether the route sends a settled kind and size (its bytes'
+        # bit_length) to Gloo (`_at_once`); with route "gloo", all.
+        self._to_gloo: Dict[tuple, bool] = {}
+        self._all_to_gloo = self._route_policy == "gloo"
         node = _node_address(opts)
         # A fresh run per process group, even on a store used before (a
         # second init_process_group, subgroups): each group's ranks count
@@ -582,7 +671,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             collective, dtype, op = names[c["kind"]]
             out.append({
                 "collective": collective,
-                "dtype": dtype,
+                "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
                 "op": op,
                 "size": c["size"],
                 "log2_bytes": c["log2_bytes"],
@@ -633,6 +722,54 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         if clamped:
             self._engine.clamped += 1
 
+    def _at_once(self, name: str, path: str, kind: Optional[tuple], t: Optional[torch.Tensor], issue: Callable[..., dist.Work], *args):
+        """Gloo's work of a call issued to Gloo now, from the caller's
+        thread, or None when it must be queued for the engine's thread
+        instead: when a call before it is still queued or running there
+        (the route's trials and agreements issue Gloo calls there, and every
+        rank must issue its Gloo calls in one order), when the group failed
+        or was closed, or when the route sends the call of `kind`
+        ((collective, dtype, op); None: only Gloo serves it) and the bytes of
+        `t` to AggBox or times it as a trial, asked in the call's place in
+        the order. `issue(*args)` starts the Gloo call and leaves nothing to do
+        after it. The call is counted now, as served by `path`.
+
+        This is every call's path to Gloo while no AggBox call is in
+        flight, so it is kept short: a few microseconds of Python."""
+        engine = self._engine
+        with engine._lock:
+            if engine._pending or engine._broken is not None or engine._closed:
+                return None
+            done = engine._direct
+            # Those done are let go a few at a time (each look costs).
+            while len(done) >= _DIRECT_KEPT and done[0].is_completed():
+                try:
+                    done[0].wait()
+                except RuntimeError:
+                    # It failed: the engine's thread waits for it before the
+                    # next call and says who stopped.
+                    return None
+                done.pop(0)
+            if kind is not None and not self._all_to_gloo:
+                # A class's route, once settled, is for good: kept here.
+                nbytes = t.numel() * (_ELEMENT_SIZE.get(t.dtype) or t.element_size())
+                key = (kind, nbytes.bit_length())
+                to_gloo = self._to_gloo.get(key)
+                if to_gloo is None:
+                    to, trial = self._tuner.pick(self._kinds.setdefault(kind, len(self._kinds)), nbytes)
+                    if trial:
+                        return None
+                    to_gloo = self._to_gloo[key] = to != "aggbox"
+                if not to_gloo:
+                    return None
+            try:
+                work = issue(*args)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise RuntimeError(f"aggbox: {name}: {e}") from e
+            done.append(work)
+            engine.stats[(name, path)] += 1
+        return work
+
     def _route(
         self,
         collective: str,
@@ -652,9 +789,8 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         after the class's last one the ranks reduce each route's fastest
         trial with MAX on the Gloo group, in this call's place in the
         order, and the class settles on the agreed numbers."""
-        key = (collective, str(dtype).replace("torch.", "") if dtype is not None else None, op)
         with self._engine._lock:
-            kind = self._kinds.setdefault(key, len(self._kinds))
+            kind = self._kinds.setdefault((collective, dtype, op), len(self._kinds))
             route, trial = self._tuner.pick(kind, nbytes)
 
         def go() -> str:
@@ -703,7 +839,7 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         """AggBox's allreduce of `t` in place with op `name`, to run (it
         returns the path that served it), or None where AggBox cannot."""
         dt = t.dtype
-        if t.device.type != "cpu" or name is None:
+        if not _aggbox_serves(t, name):
             return None
         if dt == torch.int32:
 
@@ -738,19 +874,18 @@ class ProcessGroupAggBox(dist.ProcessGroup):
                 return "aggbox"
 
             return extremes
-        if dt == torch.int64 and name in ("sum", "avg", "max", "min", "band", "bor", "bxor"):
 
-            def longs() -> str:
-                if not self._int64_fits(t, name):
-                    self._gloo_allreduce(t, _dict_op(name), None)
-                    return "gloo"
-                w = t.to(torch.int32)
-                self._agg(w, name)
-                t.copy_(w)
-                return "aggbox"
+        # int64, as int32 where every rank's values fit.
+        def longs() -> str:
+            if not self._int64_fits(t, name):
+                self._gloo_allreduce(t, _dict_op(name), None)
+                return "gloo"
+            w = t.to(torch.int32)
+            self._agg(w, name)
+            t.copy_(w)
+            return "aggbox"
 
-            return longs
-        return None
+        return longs
 
     def _int64_fits(self, t: torch.Tensor, name: str) -> bool:
         """Whether every rank's int64 tensor can go as int32 (one AggBox MAX
@@ -781,16 +916,28 @@ class ProcessGroupAggBox(dist.ProcessGroup):
     # -- collectives: AggBox where it can ------------------------------------
 
     @staticmethod
-    def _check_op(what: str, tensors, op) -> None:
-        """Refuses at the call what no path can do (bitwise ops on floats),
-        as Gloo does, before anything is queued: the group goes on."""
-        if _op_name(op) in ("band", "bor", "bxor") and any(t.is_floating_point() for t in tensors):
+    def _check_op(what: str, tensors, name: Optional[str]) -> None:
+        """Refuses at the call what no path can do (bitwise ops, by op table
+        name, on floats), as Gloo does, before anything is queued: the group
+        goes on."""
+        if name in _BITWISE and any(t.is_floating_point() for t in tensors):
             raise RuntimeError(f"aggbox: {what}: bitwise reduce ops need integer tensors, not {tensors[0].dtype}")
 
     def allreduce(self, tensors, opts=None):
-        opts = opts or dist.AllreduceOptions()
+        if opts is None:
+            opts = dist.AllreduceOptions()
         op = opts.reduceOp
-        self._check_op("allreduce", tensors, op)
+        name = _op_name(op)
+        if name in _BITWISE:
+            self._check_op("allreduce", tensors, name)
+        if len(tensors) == 1:
+            t = tensors[0]
+            path = _allreduce_at_once_path(t, name)
+            if path is not None:
+                kind = ("allreduce", t.dtype, name) if path is STEPPED_ASIDE else None
+                work = self._at_once("allreduce", path, kind, t, self.gloo.allreduce, tensors, opts)
+                if work is not None:
+                    return work
 
         def run() -> str:
             return _path_of([self._allreduce_tensor(t, op, opts) for t in tensors])
@@ -809,6 +956,19 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         opts = opts or dist.ReduceOptions()
         root, op = opts.rootRank, opts.reduceOp
         t = tensors[opts.rootTensor]
+        name = _op_name(op)
+        path = _allreduce_at_once_path(t, name) if len(tensors) == 1 else None
+        if path is not None:
+            o = dist.AllreduceOptions()
+            o.reduceOp = op
+            kind = ("reduce", t.dtype, name) if path is STEPPED_ASIDE else None
+            # As below: the root reduces its tensor, the others a copy.
+            work = self._at_once(
+                "reduce", path, kind, t,
+                lambda: self.gloo.allreduce([t if self._rank == root else t.clone()], o),
+            )
+            if work is not None:
+                return work
 
         # Served as an allreduce; ranks other than the root reduce a copy,
         # so their tensor is left as it was.
@@ -821,6 +981,14 @@ class ProcessGroupAggBox(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
+        if len(tensors) == 1 and tensors[0].numel() > 0 and tensors[0].is_contiguous():
+            t = tensors[0]
+            work = self._at_once(
+                "broadcast", STEPPED_ASIDE, ("broadcast", None, None), t,
+                self.gloo.broadcast, [_as_bytes(t)], opts,
+            )
+            if work is not None:
+                return work
 
         def one(t: torch.Tensor) -> str:
             def aggbox() -> str:
@@ -904,12 +1072,28 @@ class ProcessGroupAggBox(dist.ProcessGroup):
 
         _contiguous(out, put)
 
+    def _allgather_at_once(self, name: str, outs: List[torch.Tensor], inp: torch.Tensor):
+        """Gloo's work of an allgather of `inp`'s bytes into `outs` (each a
+        contiguous tensor of its size) issued to Gloo at once where the
+        route sends it there (`_at_once`), else None."""
+        if inp.numel() == 0 or not inp.is_contiguous() or not all(o.is_contiguous() for o in outs):
+            return None
+        return self._at_once(
+            name, STEPPED_ASIDE, ("allgather", None, None), inp,
+            self.gloo.allgather, [[_as_bytes(o) for o in outs]], [_as_bytes(inp)], AllgatherOptions(),
+        )
+
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs = output_tensors[0]
         inp = input_tensors[0]
+        valid = len(outs) == self._size and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs)
+        if valid and len(output_tensors) == 1:
+            work = self._allgather_at_once("allgather", outs, inp)
+            if work is not None:
+                return work
 
         def run() -> str:
-            if len(outs) != self._size or any(o.dtype != inp.dtype or o.numel() != inp.numel() for o in outs):
+            if not valid:
                 raise _NotSent(f"allgather: {self._size} outputs of the input's dtype and size are needed")
             parts, path = self._gathered(inp)
             for o, raw in zip(outs, parts):
@@ -919,8 +1103,14 @@ class ProcessGroupAggBox(dist.ProcessGroup):
         return self._engine.submit("allgather", output_tensors, run)
 
     def _allgather_base(self, output, input, opts=None):
+        valid = output.dtype == input.dtype and output.numel() == input.numel() * self._size
+        if valid and output.is_contiguous():
+            work = self._allgather_at_once("_allgather_base", list(output.reshape(-1).chunk(self._size)), input)
+            if work is not None:
+                return work
+
         def run() -> str:
-            if output.dtype != input.dtype or output.numel() != input.numel() * self._size:
+            if not valid:
                 raise _NotSent("_allgather_base: the output must be world size × the input, of its dtype")
             parts, path = self._gathered(input)
             self._put_bytes(output, torch.cat(parts))
@@ -963,6 +1153,10 @@ class ProcessGroupAggBox(dist.ProcessGroup):
     # -- collectives through Gloo, in the same order ---------------------------
 
     def _through_gloo(self, name: str, outputs, method: str, *args):
+        work = self._at_once(name, "gloo", None, None, getattr(self.gloo, method), *args)
+        if work is not None:
+            return work
+
         def run() -> str:
             self._gloo(method, *args)
             return "gloo"
