@@ -167,8 +167,8 @@ pub(super) fn markdown(
          node serves S jobs, the block pool shared out between them); the goal takes the kernel backend's best point. One warm-up call, then {reps} timed calls per point; all participants meet \
          at a barrier before each call; time per call = earliest start → latest return over all participants (AggBox: the aggregator \
          application included). elements/s = elements per vector / time per call; contributed/s = {w} × that. Every call's result is \
-         checked element by element on every participant; `floor` (MTU 1500): the star's floor on this testbed, no runtime: the \
-         floor aggregator in XDP, the minimal TC copier cloning each RESULT to the workers, workers that send pre-encoded \
+         checked element by element on every participant; `floor`: the star's floor on this testbed, no runtime: the \
+         floor aggregator in XDP (`bench_floor` at MTU 1500, `bench_floor_frags` above), the minimal TC copier cloning each RESULT to the workers, workers that send pre-encoded \
          contributions with sendmmsg within a window of fragments and take the RESULTs with recvmmsg into their output vector, no \
          reliability (`large/star_floor.rs`). Sizes: {}. Raw data: `large/large.csv`, `large/large.json`; plot: `large/large.png`.\n",
         match torch {
