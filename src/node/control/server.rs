@@ -70,20 +70,23 @@ impl ControlServer {
     /// Serves `listener` (bound by the caller, so a port in use fails the
     /// attach before the interface is touched) with `registry`; changes go
     /// to `changes`. `publish` is shown the registry at every lease tick
-    /// (`aggbox status` reads what it writes).
+    /// and whenever a request changed its live jobs (`aggbox status` reads
+    /// what it writes, so a job on demand names its owner from the start).
     pub fn start(
         listener: TcpListener,
         registry: Arc<Mutex<Registry>>,
         changes: Sender<Change>,
-        mut publish: Option<Box<dyn FnMut(&Registry) + Send>>,
+        publish: Option<Box<dyn FnMut(&Registry) + Send>>,
     ) -> std::io::Result<ControlServer> {
+        // Taken with the registry's lock held, never the other way round.
+        let publish: Publish = Arc::new(Mutex::new(publish));
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let conns: Arc<Mutex<HashMap<ConnId, TcpStream>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let next = Arc::new(AtomicU64::new(1));
         let accept = {
-            let (registry, changes, conns, stop) = (registry.clone(), changes.clone(), conns.clone(), stop.clone());
+            let (registry, changes, conns, stop, publish) = (registry.clone(), changes.clone(), conns.clone(), stop.clone(), publish.clone());
             std::thread::Builder::new().name("aggbox-control".into()).spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
@@ -92,10 +95,10 @@ impl ControlServer {
                                 continue; // dropped: closed at once
                             }
                             let id = next.fetch_add(1, Ordering::Relaxed);
-                            let (registry, changes, conns) = (registry.clone(), changes.clone(), conns.clone());
+                            let (registry, changes, conns, publish) = (registry.clone(), changes.clone(), conns.clone(), publish.clone());
                             let _ = std::thread::Builder::new()
                                 .name("aggbox-control-conn".into())
-                                .spawn(move || serve_connection(id, stream, registry, changes, conns));
+                                .spawn(move || serve_connection(id, stream, registry, changes, conns, publish));
                         }
                         // Nothing to accept: wait for a connection in
                         // poll(2), at most ACCEPT_WAIT so a stop is seen.
@@ -113,9 +116,7 @@ impl ControlServer {
                     let (gone, replies) = {
                         let mut registry = registry.lock().unwrap_or_else(|p| p.into_inner());
                         let expired = registry.expire(now_ms());
-                        if let Some(publish) = publish.as_mut() {
-                            publish(&registry);
-                        }
+                        publish_to(&publish, &registry);
                         expired
                     };
                     if !gone.is_empty() {
@@ -152,6 +153,17 @@ impl Drop for ControlServer {
     }
 }
 
+/// The publisher of the live jobs (`aggbox status`), shared by the lease
+/// ticker and the connections.
+type Publish = Arc<Mutex<Option<Box<dyn FnMut(&Registry) + Send>>>>;
+
+/// Shows `registry` to the publisher, if there is one.
+fn publish_to(publish: &Publish, registry: &Registry) {
+    if let Some(p) = publish.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+        p(registry);
+    }
+}
+
 fn deliver_to(conns: &Mutex<HashMap<ConnId, TcpStream>>, replies: Vec<(ConnId, Reply)>) {
     let mut conns = conns.lock().unwrap_or_else(|p| p.into_inner());
     for (id, reply) in replies {
@@ -171,6 +183,7 @@ fn serve_connection(
     registry: Arc<Mutex<Registry>>,
     changes: Sender<Change>,
     conns: Arc<Mutex<HashMap<ConnId, TcpStream>>>,
+    publish: Publish,
 ) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
@@ -192,6 +205,9 @@ fn serve_connection(
             let before: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
             let replies = reg.handle(now_ms(), id, &frame);
             let after: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
+            if before != after {
+                publish_to(&publish, &reg);
+            }
             (before != after, replies)
         };
         if before {
