@@ -266,7 +266,8 @@ impl Node {
             );
             for h in 1..=n {
                 let node = "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\n";
-                let a = LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &format!("{node}{ring}"), &[]);
+                // Named by rank: a rank finds its pins by `{rank}`.
+                let a = LiveAttach::start(&tb.host(h).netns, &format!("{tag}-r{}", h - 1), &format!("{node}{ring}"), &[]);
                 pin_dirs.push(aggbox::node::pin_dir(&a.pin_root, "eth0"));
                 ring_nodes.push(a);
             }
@@ -738,6 +739,34 @@ fn fp16_compress_hook_on_aggbox_trains_like_gloo() {
     let argv = torch_argv("netns_torch_fp16_hook.py", &master, 29660, WORKERS, &["--steps", "6"]);
     let results = node.run_ranks(argv, &backend_env(&node), Duration::from_secs(300));
     assert_ranks_done(&results, "netns_torch_fp16_hook.py", &["ok: fp16_compress_hook on aggbox agrees with gloo"]);
+}
+
+/// The backend on a job of the node's file with a ring beside its star
+/// (AGGBOX_TORCH_CONFIG, AGGBOX_TORCH_JOB, AGGBOX_TORCH_RING,
+/// AGGBOX_TORCH_PIN_DIR by `{rank}`, AGGBOX_TORCH_RING_THRESHOLD): every
+/// rank's host serves the ring; int32 and float32 allreduces below and from
+/// the threshold are exact (floats within the bound), four went to the star
+/// and four to the ring (the communicator's `served`), all counted
+/// "aggbox" (netns_torch_ring.py).
+#[test]
+fn torch_backend_reaches_the_ring_of_a_node_files_job() {
+    let node = Node::with_ring("py-torch-ring");
+    let master = node.tb.host(1).addr.to_string();
+    let pattern = node.pin_dirs[0].to_string_lossy().replace("-r0/", "-r{rank}/");
+    assert!(pattern.contains("{rank}"), "the ranks' pin directories differ by rank: {pattern}");
+    let env = vec![
+        ("AGGBOX_NODE", node.tb.host(0).addr.to_string()),
+        ("AGGBOX_TORCH_CONFIG", node.config.to_string_lossy().into_owned()),
+        ("AGGBOX_TORCH_JOB", JOBS[0].to_string()),
+        ("AGGBOX_TORCH_RING", RING.to_string()),
+        ("AGGBOX_TORCH_PIN_DIR", pattern),
+        ("AGGBOX_TORCH_RING_THRESHOLD", RING_THRESHOLD.to_string()),
+        ("AGGBOX_TORCH_ROUTE", "aggbox".into()),
+    ];
+    let extra = ["--ring-len".to_string(), RING_LEN.to_string(), "--threshold".to_string(), RING_THRESHOLD.to_string()];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let results = node.run_ranks(torch_argv("netns_torch_ring.py", &master, 29680, WORKERS, &extra), &env, Duration::from_secs(300));
+    assert_ranks_done(&results, "netns_torch_ring.py", &["ok: served star 4 ring 4"]);
 }
 
 /// A script that knows nothing of AggBox (it imports torch only and takes

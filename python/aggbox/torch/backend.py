@@ -61,6 +61,13 @@ ENV_NODE = "AGGBOX_NODE"
 ENV_DATA = "AGGBOX_DATA"
 ENV_DEADLINE = "AGGBOX_TORCH_DEADLINE"
 ENV_STATS = "AGGBOX_TORCH_STATS"
+# A job of the node's file instead of one on demand, with a ring beside its
+# star (docs/PYTHON.md, "A node file's job and the ring").
+ENV_CONFIG = "AGGBOX_TORCH_CONFIG"
+ENV_JOB = "AGGBOX_TORCH_JOB"
+ENV_RING = "AGGBOX_TORCH_RING"
+ENV_PIN_DIR = "AGGBOX_TORCH_PIN_DIR"
+ENV_RING_THRESHOLD = "AGGBOX_TORCH_RING_THRESHOLD"
 
 # The route policies (Options.route, AGGBOX_TORCH_ROUTE), and the Tuner's
 # name of each; "baseline" is the DDP hook's name of "gloo" (the two share
@@ -152,6 +159,19 @@ class Options:
       else AGGBOX_TORCH_ROUTE; else "measure".
     - ``trials``: timed trials per path and class with "measure", after one
       warm-up each; else AGGBOX_TORCH_TRIALS; else 3.
+    - ``config``, ``job``: a job of the node's file (its TOML, and the job
+      whose workers are the ranks in order) instead of a job on demand;
+      ``node`` is then the node's IPv4 address. Else AGGBOX_TORCH_CONFIG
+      and AGGBOX_TORCH_JOB. One process group of a process uses it (the
+      default group); others need jobs on demand.
+    - ``ring``, ``pin_dir``, ``ring_threshold``: with ``config``, a
+      ``[[ring]]`` of the file whose members are the ranks, where this
+      host's ``aggbox attach`` pinned its maps (``{rank}`` is replaced by
+      the rank), and the elements from which an allreduce takes the ring
+      (default by MTU and ring size); else AGGBOX_TORCH_RING,
+      AGGBOX_TORCH_PIN_DIR and AGGBOX_TORCH_RING_THRESHOLD. Each allreduce
+      then goes to the star or the ring by size (``Communicator.from_config
+      (ring=...)``).
     """
 
     node: Optional[str] = None
@@ -163,6 +183,11 @@ class Options:
     join_deadline: Optional[float] = None
     route: Optional[str] = None
     trials: Optional[int] = None
+    config: Optional[str] = None
+    job: Optional[int] = None
+    ring: Optional[int] = None
+    pin_dir: Optional[str] = None
+    ring_threshold: Optional[int] = None
 
 
 def _route_policy(opts: Options) -> Tuple[str, int]:
@@ -453,6 +478,43 @@ def _node_address(opts: Options) -> str:
     return node if ":" in node else f"{node}:{DEFAULT_CONTROL_PORT}"
 
 
+def _file_job(opts: Options, rank: int) -> Optional[dict]:
+    """``Communicator.from_config``'s arguments for a job of the node's file
+    (Options.config, else AGGBOX_TORCH_CONFIG), None for a job on demand;
+    ValueError naming the variable for what is missing or malformed."""
+    def value(field, env, convert=str):
+        v = getattr(opts, field)
+        if v is not None:
+            return v
+        raw = os.environ.get(env)
+        if raw is None or raw == "":
+            return None
+        try:
+            return convert(raw)
+        except ValueError:
+            raise ValueError(f'backend "aggbox": {env}={raw!r}: not a number') from None
+
+    path = value("config", ENV_CONFIG)
+    ring = value("ring", ENV_RING, int)
+    pin_dir = value("pin_dir", ENV_PIN_DIR)
+    threshold = value("ring_threshold", ENV_RING_THRESHOLD, int)
+    if path is None:
+        if ring is not None or pin_dir is not None:
+            raise ValueError(f'backend "aggbox": a ring ({ENV_RING}) is one of the node file\'s: set {ENV_CONFIG} too')
+        return None
+    job = value("job", ENV_JOB, int)
+    if job is None:
+        raise ValueError(f'backend "aggbox": {ENV_CONFIG}={path}: set {ENV_JOB} to the job whose workers are the ranks')
+    args = {"path": path, "job": job}
+    if ring is not None:
+        if pin_dir is None:
+            raise ValueError(f'backend "aggbox": {ENV_RING}={ring} needs {ENV_PIN_DIR}: where this host\'s `aggbox attach` pinned its maps')
+        args.update(ring=ring, pin_dir=pin_dir.replace("{rank}", str(rank)))
+        if threshold is not None:
+            args["ring_threshold"] = threshold
+    return args
+
+
 def _data_address(opts: Options, node: str) -> str:
     """This rank's data socket: AGGBOX_DATA's (or the options') address, else
     the local address of the route to the node; its port, else a free one."""
@@ -595,22 +657,34 @@ class ProcessGroupAggBox(dist.ProcessGroup):
             deadline = float(os.environ[ENV_DEADLINE])
         if deadline is None:
             deadline = max(1.0, seconds - LIVENESS_WATCH_S - 1.0)
-        data = _data_address(opts, node)
         kwargs = {}
         if opts.quantization is not None:
             kwargs["quantization"] = opts.quantization
-        comm = Communicator.connect(
-            node,
-            run=run,
-            world=size,
-            rank=rank,
-            data=data,
-            tenant=opts.tenant,
-            key=opts.key,
-            join_deadline=opts.join_deadline or seconds,
-            deadline=deadline,
-            **kwargs,
-        )
+        file_job = _file_job(opts, rank)
+        if file_job is not None:
+            if gen != 0:
+                raise ValueError(
+                    f'backend "aggbox": a job of the node\'s file ({ENV_CONFIG}) serves one process group '
+                    "of a process; this one is another (a subgroup or a second init_process_group): "
+                    "use jobs on demand (AGGBOX_NODE with a control port, AGGBOX_TENANT, AGGBOX_KEY)"
+                )
+            node = node.rpartition(":")[0]  # the aggregator: the node's address
+            data = None
+            comm = Communicator.from_config(file_job.pop("path"), rank=rank, aggregator=node, deadline=deadline, **file_job, **kwargs)
+        else:
+            data = _data_address(opts, node)
+            comm = Communicator.connect(
+                node,
+                run=run,
+                world=size,
+                rank=rank,
+                data=data,
+                tenant=opts.tenant,
+                key=opts.key,
+                join_deadline=opts.join_deadline or seconds,
+                deadline=deadline,
+                **kwargs,
+            )
         try:
             gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
         except BaseException:
