@@ -741,8 +741,8 @@ fn fp16_compress_hook_on_aggbox_trains_like_gloo() {
     assert_ranks_done(&results, "netns_torch_fp16_hook.py", &["ok: fp16_compress_hook on aggbox agrees with gloo"]);
 }
 
-/// The backend on a job of the node's file with a ring beside its star
-/// (AGGBOX_TORCH_CONFIG, AGGBOX_TORCH_JOB, AGGBOX_TORCH_RING,
+/// The backend on jobs of the node's file, a star striped over two, with a
+/// ring beside it (AGGBOX_TORCH_CONFIG, AGGBOX_TORCH_JOB=14,15, AGGBOX_TORCH_RING,
 /// AGGBOX_TORCH_PIN_DIR by `{rank}`, AGGBOX_TORCH_RING_THRESHOLD): every
 /// rank's host serves the ring; int32 and float32 allreduces below and from
 /// the threshold are exact (floats within the bound), four went to the star
@@ -757,7 +757,8 @@ fn torch_backend_reaches_the_ring_of_a_node_files_job() {
     let env = vec![
         ("AGGBOX_NODE", node.tb.host(0).addr.to_string()),
         ("AGGBOX_TORCH_CONFIG", node.config.to_string_lossy().into_owned()),
-        ("AGGBOX_TORCH_JOB", JOBS[0].to_string()),
+        // The star striped over two jobs, the ring beside it.
+        ("AGGBOX_TORCH_JOB", format!("{},{}", JOBS[3], JOBS[4])),
         ("AGGBOX_TORCH_RING", RING.to_string()),
         ("AGGBOX_TORCH_PIN_DIR", pattern),
         ("AGGBOX_TORCH_RING_THRESHOLD", RING_THRESHOLD.to_string()),

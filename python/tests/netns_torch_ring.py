@@ -1,6 +1,7 @@
 """One rank of tests/python_package.rs's torch-backend ring test: 4 ranks
-in namespaces run `dist.init_process_group("aggbox")` on a job of the
-node's file with a ring beside it (AGGBOX_TORCH_CONFIG, AGGBOX_TORCH_JOB,
+in namespaces run `dist.init_process_group("aggbox")` on jobs of the
+node's file, the star striped over two of them, with a ring beside it
+(AGGBOX_TORCH_CONFIG, AGGBOX_TORCH_JOB=14,15,
 AGGBOX_TORCH_RING, AGGBOX_TORCH_PIN_DIR with {rank}, a threshold), every
 rank's host serving the ring. Int32 and float32 SUM allreduces below and
 above the threshold must be exact (floats within the documented bound),
@@ -31,6 +32,8 @@ def main():
     )
     pg = dist.distributed_c10d._get_default_group()
     assert isinstance(pg, at.ProcessGroupAggBox), type(pg)
+    jobs = pg.communicator.jobs
+    assert len(jobs) == 2, f"the star striped over the two jobs asked for: {jobs}"
     before = pg.communicator.served
     small, large = max(1, a.threshold // 4), a.ring_len
     calls = 0

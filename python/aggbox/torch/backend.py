@@ -160,7 +160,8 @@ class Options:
     - ``trials``: timed trials per path and class with "measure", after one
       warm-up each; else AGGBOX_TORCH_TRIALS; else 3.
     - ``config``, ``job``: a job of the node's file (its TOML, and the job
-      whose workers are the ranks in order) instead of a job on demand;
+      whose workers are the ranks in order; a list, or "11,12" in the
+      variable, stripes each vector over those jobs) instead of a job on demand;
       ``node`` is then the node's IPv4 address. Else AGGBOX_TORCH_CONFIG
       and AGGBOX_TORCH_JOB. One process group of a process uses it (the
       default group); others need jobs on demand.
@@ -502,7 +503,8 @@ def _file_job(opts: Options, rank: int) -> Optional[dict]:
         if ring is not None or pin_dir is not None:
             raise ValueError(f'backend "aggbox": a ring ({ENV_RING}) is one of the node file\'s: set {ENV_CONFIG} too')
         return None
-    job = value("job", ENV_JOB, int)
+    # One job, or several to stripe each vector over ("11,12").
+    job = value("job", ENV_JOB, lambda v: [int(j) for j in v.split(",")] if "," in v else int(v))
     if job is None:
         raise ValueError(f'backend "aggbox": {ENV_CONFIG}={path}: set {ENV_JOB} to the job whose workers are the ranks')
     args = {"path": path, "job": job}
