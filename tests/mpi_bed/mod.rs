@@ -65,6 +65,21 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// A run with the library `mpi`: where its jobs come from (`source`), then
+/// what every run here sets (a deadline, the counters at MPI_Finalize, every
+/// call AggBox can serve through AggBox: what these tests check is AggBox's
+/// serving; the measured choice has its own test), then `extra`.
+fn library_env(mpi: Mpi, source: &[(&str, String)], extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let mut env = vec![("LD_PRELOAD".to_string(), library(mpi).display().to_string())];
+    let common = [
+        ("AGGBOX_MPI_DEADLINE_MS", DEADLINE_MS.to_string()),
+        ("AGGBOX_MPI_STATS", "1".to_string()),
+        ("AGGBOX_MPI_ROUTE", "aggbox".to_string()),
+    ];
+    env.extend(source.iter().chain(&common).chain(extra).map(|(k, v)| (k.to_string(), v.clone())));
+    env
+}
+
 /// `libaggbox_mpi_IMPL.so` of this test's profile, which `make mpi` builds.
 pub fn library(mpi: Mpi) -> PathBuf {
     let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
@@ -217,37 +232,25 @@ impl MpiBed {
     /// The environment of a run with the library: the node's address, the
     /// job's configuration, and `extra`.
     pub fn aggbox_env(&self, mpi: Mpi, extra: &[(&str, String)]) -> Vec<(String, String)> {
-        let mut env = vec![
-            ("LD_PRELOAD".to_string(), library(mpi).display().to_string()),
-            ("AGGBOX_MPI_CONFIG".to_string(), self.config.display().to_string()),
-            ("AGGBOX_MPI_JOB".to_string(), JOB.to_string()),
-            ("AGGBOX_MPI_NODE".to_string(), self.tb.host(0).addr.to_string()),
-            ("AGGBOX_MPI_DATA_PORT".to_string(), DATA_PORT.to_string()),
-            ("AGGBOX_MPI_DEADLINE_MS".to_string(), DEADLINE_MS.to_string()),
-            ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
-            // What these tests check is AggBox's serving; the measured
-            // choice has its own test.
-            ("AGGBOX_MPI_ROUTE".to_string(), "aggbox".to_string()),
+        let source = [
+            ("AGGBOX_MPI_CONFIG", self.config.display().to_string()),
+            ("AGGBOX_MPI_JOB", JOB.to_string()),
+            ("AGGBOX_MPI_NODE", self.tb.host(0).addr.to_string()),
+            ("AGGBOX_MPI_DATA_PORT", DATA_PORT.to_string()),
         ];
-        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        env
+        library_env(mpi, &source, extra)
     }
 
     /// The environment of a run with jobs on demand: the node's control
     /// endpoint and the credential (tenant TENANT, key `key`), no file, no
     /// data port; and `extra`.
     pub fn on_demand_env(&self, mpi: Mpi, key: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
-        let mut env = vec![
-            ("LD_PRELOAD".to_string(), library(mpi).display().to_string()),
-            ("AGGBOX_MPI_NODE".to_string(), format!("{}:{CONTROL_PORT}", self.tb.host(0).addr)),
-            ("AGGBOX_TENANT".to_string(), TENANT.to_string()),
-            ("AGGBOX_KEY".to_string(), key.to_string()),
-            ("AGGBOX_MPI_DEADLINE_MS".to_string(), DEADLINE_MS.to_string()),
-            ("AGGBOX_MPI_STATS".to_string(), "1".to_string()),
-            ("AGGBOX_MPI_ROUTE".to_string(), "aggbox".to_string()),
+        let source = [
+            ("AGGBOX_MPI_NODE", format!("{}:{CONTROL_PORT}", self.tb.host(0).addr)),
+            ("AGGBOX_TENANT", TENANT.to_string()),
+            ("AGGBOX_KEY", key.to_string()),
         ];
-        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        env
+        library_env(mpi, &source, extra)
     }
 
     /// Runs `program args` as `np` ranks (rank r on host r+1) with `mpirun`
