@@ -214,7 +214,7 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
                 let tb = &tb;
                 s.spawn(move || {
                     tb.in_host(r + 1, || {
-                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None, window: Some(16), frag_elems: Some(362) })
+                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None, window: Some(16), frag_elems: Some(362), parent: None })
                     })
                     .unwrap()
                 })
@@ -591,4 +591,127 @@ fn a_run_striped_over_two_nodes_is_exact_under_loss() {
     }
     drop(comms);
     drop(nodes);
+}
+
+/// Trees on demand (docs/INTERFACE.md, "Trees on demand"): a root node and
+/// two leaf nodes, none with a `[[job]]`, each with the run's tenant in its
+/// key file. Two workers per leaf join their leaf with the tree's root as
+/// `parent`; each leaf joins the root for them, and every worker gets the
+/// SUM over all four (a leaf alone has half of it) and the float mean over
+/// the tree's workers. Ended, the leaves' jobs go and take the root's with
+/// them; a run whose workers die (joined by bare clients that never renew)
+/// leaves nothing on any node within a lease; a root that cannot be reached
+/// refuses every rank at once, naming it, and creates nothing.
+#[test]
+fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
+    use aggbox::runtime::control::{JobShape, TreeParent};
+    assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
+    const LEAVES: usize = 2;
+    const PER_LEAF: usize = WORKERS / LEAVES;
+    let tb = Testbed::up(TestbedConfig { hosts: 1 + LEAVES + WORKERS, ..Default::default() }).expect("testbed");
+    let keys = KeyFile::new("on-demand-tree", &[("training", KEY)]);
+    let config = keys.node_config("off");
+    let nodes: Vec<LiveAttach> = (0..=LEAVES).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("od-tree{h}"), &config, &[])).collect();
+    let control = |h: usize| SocketAddr::from(SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT));
+    let root = SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT);
+    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    // Worker w (global rank) is host 1 + LEAVES + w, rank w % PER_LEAF of leaf w / PER_LEAF.
+    let shape = |leaf: usize, root: SocketAddrV4| JobShape {
+        parent: Some(TreeParent { node: root, leaf: leaf as u16, leaves: LEAVES as u16, tree_workers: WORKERS as u16 }),
+        ..JobShape::default()
+    };
+    let live = |h: usize| nodes[h].status().jobs.len();
+
+    let grants: Vec<(u16, Option<u16>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|w| {
+                let (tb, shape) = (&tb, &shape);
+                s.spawn(move || {
+                    let (leaf, r, h) = (w / PER_LEAF, w % PER_LEAF, 1 + LEAVES + w);
+                    let comm = tb
+                        .in_host(h, || {
+                            RunJob::join_shaped(control(1 + leaf), credential(KEY), "tree", PER_LEAF as u16, r as u16, data(h), shape(leaf, root), Duration::from_secs(20))
+                                .unwrap_or_else(|e| panic!("worker {w}: join: {e}"))
+                                .communicator(|b| b.deadline(Duration::from_secs(10)))
+                                .unwrap_or_else(|e| panic!("worker {w}: build: {e}"))
+                        })
+                        .unwrap();
+                    for n in [1usize, 362, 10_007] {
+                        let want = sum_of_ranks(0, n);
+                        let mut v = ints(w, n);
+                        comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("worker {w}: int32 SUM of {n}: {e}"));
+                        assert_eq!(v, want, "worker {w}: int32 SUM of {n} over the tree");
+                        let mut x = vec![w as f32 + 1.0; n];
+                        comm.allreduce(&mut x, Op::Avg).unwrap_or_else(|e| panic!("worker {w}: float32 AVG of {n}: {e}"));
+                        assert!(x.iter().all(|y| (y - 2.5).abs() < 1e-5), "worker {w}: float32 mean of {n} over the tree's 4 workers: {:?}", &x[..1]);
+                    }
+                    let g = comm.run().grant();
+                    let got = (g.job, g.tree_workers);
+                    std::thread::sleep(Duration::from_millis(200)); // every worker done before any ends
+                    comm.end().unwrap_or_else(|e| panic!("worker {w}: end: {e}"));
+                    got
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("worker")).collect()
+    });
+    assert!(grants.iter().all(|g| g.1 == Some(WORKERS as u16)), "each leaf's grant carries the tree's workers: {grants:?}");
+    let wait_empty = |what: &str, most: Duration| {
+        let since = std::time::Instant::now();
+        while (0..=LEAVES).any(|h| live(h) > 0) {
+            assert!(since.elapsed() < most, "{what}: jobs left after {most:?}: {:?}", (0..=LEAVES).map(|h| nodes[h].status().jobs).collect::<Vec<_>>());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_empty("the run ended", Duration::from_secs(2));
+
+    // Workers that die: bare joins that never renew nor end. The tree is
+    // built (the root's job over the leaves, a job at each leaf), then every
+    // node is empty within a lease and the leaves' last look.
+    let joined: Vec<Reply> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|w| {
+                let tb = &tb;
+                s.spawn(move || {
+                    let (leaf, r, h) = (w / PER_LEAF, w % PER_LEAF, 1 + LEAVES + w);
+                    let parent = Some(TreeParent { node: root, leaf: leaf as u16, leaves: LEAVES as u16, tree_workers: WORKERS as u16 });
+                    tb.in_host(h, || {
+                        raw(control(1 + leaf), "training", KEY, w as u8, &Request::Join { run: "dead".into(), world: PER_LEAF as u16, rank: r as u16, data: data(h), vector_len: None, window: None, frag_elems: None, parent })
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let Reply::Joined(g) = &joined[0] else { panic!("{joined:?}") };
+    let root_jobs = nodes[0].status().jobs;
+    assert_eq!(root_jobs.len(), 1, "the root serves the tree's job: {root_jobs:?}");
+    let leaf_addrs: Vec<std::net::Ipv4Addr> = (1..=LEAVES).map(|h| tb.host(h).addr).collect();
+    assert_eq!(root_jobs[0].ranks, leaf_addrs, "the root's workers are the leaves, in leaf order");
+    assert!((1..=LEAVES).all(|h| live(h) == 1));
+    wait_empty("the dead run", Duration::from_millis(g.lease_ms + 3000));
+
+    // A root nobody serves: every rank refused at once, naming it.
+    let nowhere = SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT + 1);
+    let refused: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..PER_LEAF)
+            .map(|r| {
+                let (tb, shape) = (&tb, &shape);
+                s.spawn(move || {
+                    tb.in_host(1 + LEAVES + r, || {
+                        RunJob::join_shaped(control(1), credential(KEY), "nowhere", PER_LEAF as u16, r as u16, data(1 + LEAVES + r), shape(0, nowhere), Duration::from_secs(20))
+                            .expect_err("a root that cannot be reached")
+                            .to_string()
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &refused {
+        assert!(e.contains("unavailable") && e.contains(&nowhere.to_string()), "{e}");
+    }
+    assert_eq!((0..=LEAVES).map(live).sum::<usize>(), 0, "a refused tree leaves nothing");
 }

@@ -144,6 +144,14 @@ impl CommunicatorBuilder {
         b
     }
 
+    /// The workers of the whole tree when the job is a leaf's of a tree of
+    /// nodes (the divisor of a float mean; [`CommConfig::tree_workers`]);
+    /// None: the job's own workers.
+    pub fn tree_workers(mut self, workers: Option<u16>) -> CommunicatorBuilder {
+        self.cfg.tree_workers = workers;
+        self
+    }
+
     /// From a node configuration: job `job_id` of `config` (workers' addresses,
     /// port, result port, slots, ACK mode and group), each worker's data
     /// socket on `data_port`, the aggregator at `aggregator`. When the job has

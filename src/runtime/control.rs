@@ -5,11 +5,10 @@
 //! when it is dropped. [`RunJob::builder`] gives the communicator of the
 //! job: nothing of the node's file is needed.
 
-use std::io::Read;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::runtime::api::{Collective, Elements, Served};
 use crate::runtime::comm::{CallOptions, Communicator, CommunicatorBuilder, Participant};
@@ -18,7 +17,8 @@ use crate::runtime::transport::CommStats;
 use crate::runtime::backend::BackendKind;
 use crate::runtime::CommError;
 use crate::wire::abi::Op;
-use crate::wire::control::{read_frame, write_frame, Envelope, JobGrant, JobShape, Reply, Request, NONCE_BYTES};
+use crate::wire::control::{exchange, JobGrant, Reply, Request};
+pub use crate::wire::control::{JobShape, TreeParent};
 
 /// Environment variables of [`Credential::from_env`].
 pub const ENV_TENANT: &str = "AGGBOX_TENANT";
@@ -73,30 +73,9 @@ pub struct RunJob {
     renewer: Option<JoinHandle<Result<(), CommError>>>,
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
-
-fn nonce() -> Result<[u8; NONCE_BYTES], CommError> {
-    let mut n = [0u8; NONCE_BYTES];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut n))
-        .map_err(|e| CommError::Config(format!("/dev/urandom: {e}")))?;
-    Ok(n)
-}
-
 /// One request to the node, its reply within `deadline`.
 fn call(node: SocketAddr, credential: &Credential, request: &Request, deadline: Duration) -> Result<Reply, CommError> {
-    let fail = |what: &str, e: &dyn std::fmt::Display| {
-        CommError::Config(format!("control endpoint {node}: {what}: {e}"))
-    };
-    let mut stream = TcpStream::connect_timeout(&node, deadline).map_err(|e| fail("connect", &e))?;
-    let _ = stream.set_nodelay(true);
-    stream.set_read_timeout(Some(deadline)).map_err(|e| fail("socket", &e))?;
-    let envelope = Envelope::sign(&credential.tenant, &credential.key, nonce()?, now_ms(), request);
-    write_frame(&mut stream, &envelope).map_err(|e| fail("send", &e))?;
-    let body = read_frame(&mut stream).map_err(|e| fail("no reply", &e))?;
-    serde_json::from_slice(&body).map_err(|e| fail("reply", &e))
+    exchange(node, &credential.tenant, &credential.key, request, deadline).map_err(CommError::Config)
 }
 
 impl RunJob {
@@ -130,8 +109,8 @@ impl RunJob {
         shape: JobShape,
         deadline: Duration,
     ) -> Result<RunJob, CommError> {
-        let JobShape { vector_len, window, frag_elems } = shape;
-        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems };
+        let JobShape { vector_len, window, frag_elems, parent } = shape;
+        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems, parent };
         let grant = match call(node, &credential, &request, deadline)? {
             Reply::Joined(g) => g,
             Reply::Refused { reason, message } => {
@@ -247,6 +226,7 @@ impl RunJob {
             self.grant.ack_mode,
             self.grant.ack_group,
         )
+        .tree_workers(self.grant.tree_workers)
         .backend(BackendKind::Kernel)
     }
 

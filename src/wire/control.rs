@@ -79,6 +79,12 @@ pub enum Request {
         /// MTU), or the node's interface MTU's.
         #[serde(default)]
         frag_elems: Option<u32>,
+        /// This node is a leaf of a tree of nodes: the run's ranks that
+        /// join here are this leaf's workers, and the node joins the
+        /// tree's root on their behalf ([`TreeParent`]). None: a job of
+        /// this node alone.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<TreeParent>,
     },
     /// Keeps the job alive for another lease.
     Renew {
@@ -134,6 +140,30 @@ pub struct JobGrant {
     pub ack_mode: AckMode,
     /// Sequence numbers per group ACK (`[node] ack_group`).
     pub ack_group: u16,
+    /// A leaf's job of a tree ([`TreeParent`]): the workers of the whole
+    /// tree, the divisor of a float mean. Absent for a job of one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_workers: Option<u16>,
+}
+
+/// Where a leaf node's job sends its partial results: the tree's root node
+/// (docs/INTERFACE.md, "Trees on demand"). The leaf joins the root's
+/// control endpoint itself, under the same tenant and run key, as rank
+/// `leaf` of a run of `leaves` ranks whose data sockets are the leaves'
+/// result sockets; its workers' joins are answered once the root's job
+/// exists, and the leaf's job then sends upstream exactly as a `[[job]]`
+/// with a `parent` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TreeParent {
+    /// The root node's control endpoint.
+    pub node: SocketAddrV4,
+    /// This leaf's rank among the root's workers.
+    pub leaf: u16,
+    /// Leaves of the tree (the root job's workers).
+    pub leaves: u16,
+    /// Workers of the whole tree (at least this leaf's).
+    pub tree_workers: u16,
 }
 
 /// What a run asks of its job besides its ranks: the keys of a `[[job]]`
@@ -145,6 +175,7 @@ pub struct JobShape {
     pub vector_len: Option<u32>,
     pub window: Option<u32>,
     pub frag_elems: Option<u32>,
+    pub parent: Option<TreeParent>,
 }
 
 /// Why a request was refused (docs/PROTOCOL.md lists them).
@@ -291,12 +322,62 @@ pub fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
     Ok(body)
 }
 
+/// A fresh nonce from the kernel's random source.
+pub fn fresh_nonce() -> std::io::Result<[u8; NONCE_BYTES]> {
+    let mut n = [0u8; NONCE_BYTES];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut n)?;
+    Ok(n)
+}
+
+/// The clock a request carries: ms since the Unix epoch.
+pub fn clock_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// One request to the control endpoint `node`, signed as `tenant` with
+/// `key` over a connection of its own, and the node's reply, each step
+/// within `deadline`; an error says which step failed and why. What both
+/// a worker and a leaf node (joining its tree's root) send.
+pub fn exchange(
+    node: std::net::SocketAddr,
+    tenant: &str,
+    key: &[u8],
+    request: &Request,
+    deadline: std::time::Duration,
+) -> Result<Reply, String> {
+    exchange_from(node, tenant, key, |_| Ok(request.clone()), deadline).map(|(reply, _)| reply)
+}
+
+/// [`exchange`] whose request is made once connected, from this end's
+/// address on the connection (a leaf's data socket is on the address its
+/// root is reached from); the reply and that address.
+pub fn exchange_from(
+    node: std::net::SocketAddr,
+    tenant: &str,
+    key: &[u8],
+    request: impl FnOnce(std::net::SocketAddr) -> Result<Request, String>,
+    deadline: std::time::Duration,
+) -> Result<(Reply, std::net::SocketAddr), String> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| format!("control endpoint {node}: {what}: {e}");
+    let mut stream = std::net::TcpStream::connect_timeout(&node, deadline).map_err(|e| fail("connect", &e))?;
+    let _ = stream.set_nodelay(true);
+    stream.set_read_timeout(Some(deadline)).map_err(|e| fail("socket", &e))?;
+    let local = stream.local_addr().map_err(|e| fail("socket", &e))?;
+    let request = request(local)?;
+    let nonce = fresh_nonce().map_err(|e| fail("/dev/urandom", &e))?;
+    let envelope = Envelope::sign(tenant, key, nonce, clock_ms(), &request);
+    write_frame(&mut stream, &envelope).map_err(|e| fail("send", &e))?;
+    let body = read_frame(&mut stream).map_err(|e| fail("no reply", &e))?;
+    let reply = serde_json::from_slice(&body).map_err(|e| fail("reply", &e))?;
+    Ok((reply, local))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn join() -> Request {
-        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None, window: None, frag_elems: None }
+        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None }
     }
 
     #[test]

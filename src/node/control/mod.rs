@@ -10,6 +10,7 @@ pub mod keys;
 pub mod published;
 pub mod registry;
 pub mod server;
+pub mod upstream;
 
 pub use keys::{Keys, Tenant};
 pub use published::{DynamicJobRecord, PublishedJobs};

@@ -11,14 +11,14 @@
 //! is kept only for a request whose MAC verified), then the request.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use crate::config::{
-    Config, GroupConfig, JobConfig, ResultConsumer, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
+    Config, GroupConfig, JobConfig, ParentConfig, ResultConsumer, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
     DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_WINDOW, MAX_WINDOW, MAX_WORKERS,
 };
 use crate::wire::abi;
-use crate::wire::control::{Envelope, JobGrant, JobShape, Refusal, Reply, Request, NONCE_BYTES};
+use crate::wire::control::{Envelope, JobGrant, JobShape, Refusal, Reply, Request, TreeParent, NONCE_BYTES};
 
 use super::keys::Keys;
 
@@ -71,6 +71,65 @@ pub struct LiveJob {
     pub created_ms: u64,
     /// Ranks that have ended.
     pub ended: BTreeSet<u16>,
+    /// A leaf's job of a tree: where its partial results go.
+    pub upstream: Option<Upstream>,
+}
+
+impl LiveJob {
+    /// Whether the node serves it: a leaf's job waits for its root's.
+    pub fn serving(&self) -> bool {
+        self.upstream.as_ref().is_none_or(|u| u.root.is_some())
+    }
+}
+
+/// A leaf's job of a tree of nodes (docs/INTERFACE.md, "Trees on
+/// demand"): the node joins the root on the run's behalf ([`UpstreamStart`])
+/// and answers the leaf's ranks once the root's job exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub parent: TreeParent,
+    /// The root's job, once it was granted: the root node's address and
+    /// the grant it gave this leaf.
+    pub root: Option<(Ipv4Addr, JobGrant)>,
+    /// The ranks' connections waiting for the grant until then.
+    waiting: Vec<ConnId>,
+}
+
+/// What the node must do for a leaf's job just created: join the tree's
+/// root as rank `parent.leaf` of the run `run` under `tenant` (whose key
+/// signs it), its data socket this node's result port on the address it
+/// reaches the root from, the job's shape; then
+/// [`Registry::upstream_joined`] or [`Registry::upstream_failed`].
+#[derive(Clone)]
+pub struct UpstreamStart {
+    pub job: u16,
+    pub incarnation: u64,
+    pub tenant: String,
+    pub key: Vec<u8>,
+    pub run: String,
+    pub parent: TreeParent,
+    pub result_port: u16,
+    pub shape: JobShape,
+    pub lease_ms: u64,
+}
+
+impl std::fmt::Debug for UpstreamStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("UpstreamStart").field("job", &self.job).field("run", &self.run).field("parent", &self.parent).finish()
+    }
+}
+
+/// How a leaf's join at its root ended ([`Registry::upstream_joined`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum UpstreamOutcome {
+    /// The leaf's job is served now: the replies owed to its ranks.
+    Serving(Vec<(ConnId, Reply)>),
+    /// The root's job does not fit this node (refused to the ranks, the
+    /// job removed): end it at the root.
+    Refused(Vec<(ConnId, Reply)>),
+    /// The leaf's job is gone meanwhile: end the root's.
+    Gone,
 }
 
 /// A run whose ranks are joining.
@@ -111,6 +170,8 @@ pub struct Registry {
     joining: BTreeMap<(String, String), Joining>,
     live: BTreeMap<u16, LiveJob>,
     incarnations: BTreeMap<(String, String), u64>,
+    /// Leaves' jobs created and not yet handed to the server.
+    starts: Vec<UpstreamStart>,
     /// Where the search for the next free job id starts: ids rotate, so a
     /// removed job's id is the last to be handed out again.
     next_id: u16,
@@ -145,6 +206,7 @@ impl Registry {
             joining: BTreeMap::new(),
             live: BTreeMap::new(),
             incarnations: BTreeMap::new(),
+            starts: Vec::new(),
             counts: Counts::default(),
         }
     }
@@ -179,8 +241,20 @@ impl Registry {
     pub fn desired(&self) -> (Vec<JobConfig>, Vec<GroupConfig>) {
         self.live
             .values()
+            .filter(|j| j.serving())
             .map(|j| {
                 let g = &j.grant;
+                let parent = j.upstream.as_ref().and_then(|u| {
+                    let (addr, root) = u.root.as_ref()?;
+                    Some(ParentConfig {
+                        addr: *addr,
+                        port: root.port,
+                        job: root.job,
+                        rank: u.parent.leaf,
+                        result_port: Some(root.result_port),
+                        tree_workers: Some(u.parent.tree_workers),
+                    })
+                });
                 let job = JobConfig {
                     id: g.job,
                     port: g.port,
@@ -190,7 +264,7 @@ impl Registry {
                     result_group: Some(j.group),
                     vector_len: j.shape.vector_len,
                     slots: DEFAULT_SLOTS,
-                    parent: None,
+                    parent,
                     userspace_only: false,
                     window: j.shape.window.unwrap_or(DEFAULT_WINDOW),
                     userspace_slots: DEFAULT_USERSPACE_SLOTS,
@@ -266,8 +340,8 @@ impl Registry {
 
     fn serve(&mut self, now_ms: u64, conn: ConnId, tenant: String, request: Request) -> Vec<(ConnId, Reply)> {
         match request {
-            Request::Join { run, world, rank, data, vector_len, window, frag_elems } => {
-                self.join(now_ms, conn, tenant, run, world, rank, data, JobShape { vector_len, window, frag_elems })
+            Request::Join { run, world, rank, data, vector_len, window, frag_elems, parent } => {
+                self.join(now_ms, conn, tenant, run, world, rank, data, JobShape { vector_len, window, frag_elems, parent })
             }
             Request::Renew { job, incarnation } => {
                 let lease = self.limits.lease_ms;
@@ -331,6 +405,14 @@ impl Registry {
         }
         if shape.frag_elems.is_some_and(|f| !(1..=abi::MAX_ELEMS).contains(&f)) {
             return vec![(conn, refuse(Refusal::Malformed, format!("frag_elems {:?}: 1..={} elements, (MTU - 52) / 4 fills a datagram", shape.frag_elems, abi::MAX_ELEMS)))];
+        }
+        if let Some(p) = shape.parent {
+            if p.leaves == 0 || p.leaves as usize > MAX_WORKERS || p.leaf >= p.leaves || p.tree_workers < world {
+                return vec![(conn, refuse(
+                    Refusal::Malformed,
+                    format!("parent: leaf {} of {} leaves (1..={MAX_WORKERS}, leaf below leaves), tree_workers {} (at least this leaf's {world})", p.leaf, p.leaves, p.tree_workers),
+                ))];
+            }
         }
         if let Some((id, _)) = self
             .live
@@ -433,7 +515,24 @@ impl Registry {
             lease_ms: self.limits.lease_ms,
             ack_mode: self.ack.0,
             ack_group: self.ack.1,
+            tree_workers: joining.shape.parent.map(|p| p.tree_workers),
         };
+        // A leaf's job answers its ranks once its root's job exists.
+        let upstream = joining.shape.parent.map(|parent| {
+            self.starts.push(UpstreamStart {
+                job: id,
+                incarnation: grant.incarnation,
+                tenant: tenant.clone(),
+                key: self.keys.tenants[&tenant].key.clone(),
+                run: run.clone(),
+                parent,
+                result_port: grant.result_port,
+                shape: JobShape { parent: None, ..joining.shape },
+                lease_ms: self.limits.lease_ms,
+            });
+            Upstream { parent, root: None, waiting: conns.clone() }
+        });
+        let answer = upstream.is_none();
         self.live.insert(
             id,
             LiveJob {
@@ -445,10 +544,76 @@ impl Registry {
                 expires_ms: now_ms + self.limits.lease_ms,
                 created_ms: now_ms,
                 ended: BTreeSet::new(),
+                upstream,
             },
         );
         self.counts.created += 1;
-        all(Reply::Joined(grant))
+        if answer {
+            all(Reply::Joined(grant))
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The leaves' jobs created since the last call, each for the server
+    /// to join at its root.
+    pub fn take_upstream_starts(&mut self) -> Vec<UpstreamStart> {
+        std::mem::take(&mut self.starts)
+    }
+
+    /// Whether job `job` of incarnation `incarnation` is live.
+    pub fn is_live(&self, job: u16, incarnation: u64) -> bool {
+        self.live.get(&job).is_some_and(|j| j.grant.incarnation == incarnation)
+    }
+
+    /// The root node at `addr` granted leaf job `job` its job `root`: the
+    /// leaf's job is served from now on, with a fresh lease.
+    pub fn upstream_joined(&mut self, now_ms: u64, job: u16, incarnation: u64, addr: Ipv4Addr, root: JobGrant) -> UpstreamOutcome {
+        let ack = self.ack;
+        let lease = self.limits.lease_ms;
+        let Some(j) = self.live.get_mut(&job).filter(|j| j.grant.incarnation == incarnation) else {
+            return UpstreamOutcome::Gone;
+        };
+        let Some(u) = j.upstream.as_mut().filter(|u| u.root.is_none()) else {
+            return UpstreamOutcome::Gone;
+        };
+        if (root.ack_mode, root.ack_group) != ack {
+            let message = format!(
+                "the tree's root node {} acknowledges {:?} every {}, this leaf {:?} every {}: the nodes of a tree need the same [node] ack_mode and ack_group",
+                u.parent.node, root.ack_mode, root.ack_group, ack.0, ack.1
+            );
+            return UpstreamOutcome::Refused(self.upstream_failed(job, incarnation, &message));
+        }
+        u.root = Some((addr, root));
+        let waiting = std::mem::take(&mut u.waiting);
+        j.expires_ms = now_ms + lease;
+        let reply = Reply::Joined(j.grant.clone());
+        UpstreamOutcome::Serving(waiting.into_iter().map(|c| (c, reply.clone())).collect())
+    }
+
+    /// Leaf job `job` could not join its root (`why`): it is removed and
+    /// its ranks are refused.
+    pub fn upstream_failed(&mut self, job: u16, incarnation: u64, why: &str) -> Vec<(ConnId, Reply)> {
+        if !self.is_live(job, incarnation) {
+            return Vec::new();
+        }
+        let j = self.live.remove(&job).expect("live");
+        self.counts.expired += 1;
+        let reply = refuse(Refusal::Unavailable, format!("run {}: {why}", j.run));
+        *self.counts.refused.entry(Refusal::Unavailable).or_default() += 1;
+        j.upstream.map(|u| u.waiting).unwrap_or_default().into_iter().map(|c| (c, reply.clone())).collect()
+    }
+
+    /// Leaf job `job`'s root no longer serves its job (a renewal refused,
+    /// or none for a lease): the leaf's job is removed, so its ranks'
+    /// renewals are refused and their calls fail naming the node.
+    pub fn upstream_lost(&mut self, job: u16, incarnation: u64) -> bool {
+        let gone = self.is_live(job, incarnation);
+        if gone {
+            self.live.remove(&job);
+            self.counts.expired += 1;
+        }
+        gone
     }
 
     /// Removes every job whose lease ran out and every run whose ranks have
@@ -456,18 +621,25 @@ impl Registry {
     /// refusals owed to the connections of the dropped runs.
     pub fn expire(&mut self, now_ms: u64) -> (Vec<u16>, Vec<(ConnId, Reply)>) {
         let gone: Vec<u16> = self.live.iter().filter(|(_, j)| j.expires_ms <= now_ms).map(|(id, _)| *id).collect();
-        for id in &gone {
-            self.live.remove(id);
-            self.counts.expired += 1;
-        }
         let lease = self.limits.lease_ms;
+        let mut replies = Vec::new();
+        for id in &gone {
+            let j = self.live.remove(id).expect("live");
+            self.counts.expired += 1;
+            if let Some(u) = j.upstream.filter(|u| u.root.is_none()) {
+                let reply = refuse(
+                    Refusal::Unavailable,
+                    format!("run {}: the tree's root node {} did not grant its job within {lease} ms", j.run, u.parent.node),
+                );
+                replies.extend(u.waiting.into_iter().map(|c| (c, reply.clone())));
+            }
+        }
         let stale: Vec<(String, String)> = self
             .joining
             .iter()
             .filter(|(_, j)| j.started_ms + lease <= now_ms)
             .map(|(k, _)| k.clone())
             .collect();
-        let mut replies = Vec::new();
         for key in stale {
             let j = self.joining.remove(&key).expect("present");
             let missing: Vec<u16> = (0..j.world).filter(|r| !j.ranks.contains_key(r)).collect();
@@ -564,6 +736,7 @@ mod tests {
             vector_len: None,
             window: None,
             frag_elems: None,
+            parent: None,
         }
     }
 
@@ -647,7 +820,7 @@ mod tests {
         let mut reg = registry();
         let mut c = Client { tenant: "alice", nonce: 0 };
         let shaped = |rank: u16, window: Option<u32>, frag_elems: Option<u32>| match join("s", 2, rank) {
-            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: Some(1000), window, frag_elems },
+            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: Some(1000), window, frag_elems, parent: None },
             _ => unreachable!(),
         };
         assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &shaped(0, Some(0), None)))), Refusal::Malformed, "window 0");
@@ -669,7 +842,7 @@ mod tests {
         assert_eq!(reason(&out), Refusal::OverQuota);
         assert!(matches!(&out[0].1, Reply::Refused { message, .. } if message.contains("quota is 2")));
         let mut bob = Client { tenant: "bob", nonce: 100 };
-        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None, window: None, frag_elems: None };
+        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None };
         assert_eq!(reason(&reg.handle(T0, 9, &bob.frame(T0, &over))), Refusal::OverQuota);
     }
 
@@ -679,7 +852,7 @@ mod tests {
         let mut a = Client { tenant: "alice", nonce: 0 };
         run_of(&mut reg, &mut a, T0, "a", 2);
         let mut b = Client { tenant: "bob", nonce: 1000 };
-        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None };
+        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None, parent: None };
         assert_eq!(reason(&reg.handle(T0, 7, &b.frame(T0, &taken))), Refusal::Conflict);
         assert!(reg.handle(T0, 7, &b.frame(T0, &join("b", 2, 0))).is_empty(), "its own sockets: accepted");
     }
@@ -739,6 +912,89 @@ mod tests {
         assert!(reg.handle(T0, 6, &c.frame(T0, &join("s", 2, 0))).is_empty());
         reg.closed(6);
         assert!(reg.handle(T0, 7, &c.frame(T0, &join("s", 2, 1))).is_empty(), "rank 0 withdrew: not complete");
+    }
+
+    fn leaf_join(run: &str, world: u16, rank: u16, leaf: u16) -> Request {
+        let parent = TreeParent { node: "10.0.9.9:7471".parse().unwrap(), leaf, leaves: 2, tree_workers: 2 * world };
+        match join(run, world, rank) {
+            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent: Some(parent) },
+            _ => unreachable!(),
+        }
+    }
+
+    fn root_grant(job: u16) -> JobGrant {
+        JobGrant {
+            job,
+            incarnation: 1,
+            port: 47100,
+            result_port: 47101,
+            workers: vec!["10.0.1.1:47001".parse().unwrap(), "10.0.1.2:47001".parse().unwrap()],
+            lease_ms: 10_000,
+            ack_mode: crate::wire::proto::AckMode::Group,
+            ack_group: crate::config::MAX_ACK_GROUP,
+            tree_workers: None,
+        }
+    }
+
+    #[test]
+    fn a_leaf_job_is_answered_and_served_only_once_its_root_granted_its_job() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        assert!(reg.handle(T0, 1, &c.frame(T0, &leaf_join("t", 2, 0, 1))).is_empty());
+        assert!(reg.handle(T0, 2, &c.frame(T0, &leaf_join("t", 2, 1, 1))).is_empty(), "complete, but no root job yet");
+        let starts = reg.take_upstream_starts();
+        assert_eq!(starts.len(), 1);
+        let st = &starts[0];
+        assert_eq!((st.run.as_str(), st.tenant.as_str(), st.parent.leaf, st.key.clone()), ("t", "alice", 1, vec![5u8; 32]));
+        assert!(reg.desired().0.is_empty(), "not served before its root's job exists");
+        assert_eq!(reg.live().len(), 1, "its id and ports are held meanwhile");
+        let root_addr: Ipv4Addr = [10, 0, 9, 9].into();
+        let UpstreamOutcome::Serving(replies) = reg.upstream_joined(T0 + 5, st.job, st.incarnation, root_addr, root_grant(61000)) else { panic!() };
+        assert_eq!(replies.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![1, 2]);
+        let Reply::Joined(g) = &replies[0].1 else { panic!("{replies:?}") };
+        assert_eq!(g.tree_workers, Some(4));
+        let (jobs, _) = reg.desired();
+        let parent = jobs[0].parent.expect("a leaf's job has its root as parent");
+        assert_eq!((parent.addr, parent.port, parent.job, parent.rank, parent.result_port, parent.tree_workers), (root_addr, 47100, 61000, 1, Some(47101), Some(4)));
+        assert_eq!(jobs[0].consumer, ResultConsumer::Node);
+        assert_eq!(reg.upstream_joined(T0, st.job, st.incarnation, root_addr, root_grant(61000)), UpstreamOutcome::Gone, "answered once");
+        // The root stops serving it: the leaf's job goes too.
+        assert!(reg.upstream_lost(st.job, st.incarnation));
+        assert!(reg.live().is_empty() && !reg.upstream_lost(st.job, st.incarnation));
+    }
+
+    #[test]
+    fn a_leaf_whose_root_refuses_or_never_answers_refuses_its_ranks_and_keeps_nothing() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let Request::Join { run, world, rank, data, .. } = join("x", 2, 0) else { unreachable!() };
+        let parent = Some(TreeParent { node: "10.0.9.9:1".parse().unwrap(), leaf: 2, leaves: 2, tree_workers: 4 });
+        let bad = Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent };
+        assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &bad))), Refusal::Malformed, "leaf beyond the leaves");
+        for r in 0..2 {
+            reg.handle(T0, 1 + u64::from(r), &c.frame(T0, &leaf_join("t", 2, r, 0)));
+        }
+        let st = reg.take_upstream_starts().remove(0);
+        let replies = reg.upstream_failed(st.job, st.incarnation, "the tree's root node 10.0.9.9:7471 refused");
+        assert_eq!(replies.len(), 2);
+        assert!(matches!(&replies[0].1, Reply::Refused { reason: Refusal::Unavailable, message } if message.contains("10.0.9.9:7471")));
+        assert!(reg.live().is_empty());
+        // Another ack setting at the root: refused, nothing kept.
+        for r in 0..2 {
+            reg.handle(T0, 1 + u64::from(r), &c.frame(T0, &leaf_join("u", 2, r, 0)));
+        }
+        let st = reg.take_upstream_starts().remove(0);
+        let other = JobGrant { ack_mode: crate::wire::proto::AckMode::Packet, ..root_grant(61000) };
+        let UpstreamOutcome::Refused(replies) = reg.upstream_joined(T0, st.job, st.incarnation, [10, 0, 9, 9].into(), other) else { panic!() };
+        assert!(matches!(&replies[0].1, Reply::Refused { message, .. } if message.contains("ack_mode")), "{replies:?}");
+        assert!(reg.live().is_empty());
+        // No grant within a lease: its ranks are refused when it expires.
+        for r in 0..2 {
+            reg.handle(T0, 1 + u64::from(r), &c.frame(T0, &leaf_join("v", 2, r, 0)));
+        }
+        let (gone, replies) = reg.expire(T0 + Limits::default().lease_ms);
+        assert_eq!((gone.len(), replies.len()), (1, 2));
+        assert!(matches!(&replies[0].1, Reply::Refused { reason: Refusal::Unavailable, message } if message.contains("did not grant")));
     }
 
     #[test]

@@ -87,6 +87,7 @@ impl ControlServer {
         let next = Arc::new(AtomicU64::new(1));
         let accept = {
             let (registry, changes, conns, stop, publish) = (registry.clone(), changes.clone(), conns.clone(), stop.clone(), publish.clone());
+            let node_stop = stop.clone();
             std::thread::Builder::new().name("aggbox-control".into()).spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
@@ -95,10 +96,10 @@ impl ControlServer {
                                 continue; // dropped: closed at once
                             }
                             let id = next.fetch_add(1, Ordering::Relaxed);
-                            let (registry, changes, conns, publish) = (registry.clone(), changes.clone(), conns.clone(), publish.clone());
+                            let (registry, changes, conns, publish, stop) = (registry.clone(), changes.clone(), conns.clone(), publish.clone(), node_stop.clone());
                             let _ = std::thread::Builder::new()
                                 .name("aggbox-control-conn".into())
-                                .spawn(move || serve_connection(id, stream, registry, changes, conns, publish));
+                                .spawn(move || serve_connection(id, stream, registry, changes, conns, publish, stop));
                         }
                         // Nothing to accept: wait for a connection in
                         // poll(2), at most ACCEPT_WAIT so a stop is seen.
@@ -184,6 +185,7 @@ fn serve_connection(
     changes: Sender<Change>,
     conns: Arc<Mutex<HashMap<ConnId, TcpStream>>>,
     publish: Publish,
+    stop: Arc<AtomicBool>,
 ) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
@@ -200,7 +202,7 @@ fn serve_connection(
             }
             Err(_) => break,
         };
-        let (before, replies) = {
+        let (before, replies, starts) = {
             let mut reg = registry.lock().unwrap_or_else(|p| p.into_inner());
             let before: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
             let replies = reg.handle(now_ms(), id, &frame);
@@ -208,8 +210,12 @@ fn serve_connection(
             if before != after {
                 publish_to(&publish, &reg);
             }
-            (before != after, replies)
+            (before != after, replies, reg.take_upstream_starts())
         };
+        // Leaves' jobs just created: each joins its tree's root.
+        for start in starts {
+            super::upstream::spawn(start, registry.clone(), changes.clone(), stop.clone());
+        }
         if before {
             if changes.send(Change { replies }).is_err() {
                 break;
