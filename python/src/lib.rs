@@ -23,7 +23,7 @@ use aggbox::config::Config;
 use aggbox::runtime::quantize::{adaptive_scale, DEFAULT_SCALE};
 use aggbox::runtime::tuner::{self, Pick, Policy, Route, Tuner, DEFAULT_TRIALS};
 use aggbox::runtime::api::broadcast_elements;
-use aggbox::runtime::control::{Credential, RunCommunicator};
+use aggbox::runtime::control::{Credential, JobShape, RunCommunicator, RunJob, TreeParent};
 use aggbox::runtime::{
     Algorithm, BackendKind, CallOptions, Collective, CommError, CommStats, Communicator,
     CommunicatorBuilder, Elements, Participant, Peer, Quantization, RingCommunicator, Served,
@@ -489,6 +489,26 @@ impl PyCommunicator {
     }
 }
 
+/// `connect(tree=...)`'s dict as the join's parent.
+fn tree_parent(tree: &Bound<'_, PyDict>) -> PyResult<TreeParent> {
+    let item = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        tree.get_item(k)?.ok_or_else(|| PyValueError::new_err(format!("tree: no {k:?} (give root, leaf, leaves and workers)")))
+    };
+    for k in tree.keys() {
+        let k: String = k.extract()?;
+        if !["root", "leaf", "leaves", "workers"].contains(&k.as_str()) {
+            return Err(PyValueError::new_err(format!("tree: unknown key {k:?} (root, leaf, leaves, workers)")));
+        }
+    }
+    let root: String = item("root")?.extract()?;
+    Ok(TreeParent {
+        node: root.parse().map_err(|_| PyValueError::new_err(format!("tree root {root:?}: the root node's control endpoint as IP:PORT")))?,
+        leaf: item("leaf")?.extract()?,
+        leaves: item("leaves")?.extract()?,
+        tree_workers: item("workers")?.extract()?,
+    })
+}
+
 #[pymethods]
 impl PyCommunicator {
     /// See the class's docs.
@@ -636,8 +656,13 @@ impl PyCommunicator {
     /// and `key` (hex), else AGGBOX_TENANT and AGGBOX_KEY. The job is
     /// renewed while the communicator lives and ended for this rank by
     /// `close()`. Raises AggBoxError with the node's reason when refused.
+    /// `tree` makes `node` (one endpoint) a leaf of a tree of nodes
+    /// (docs/INTERFACE.md, "Trees on demand"): a dict with `root` (the
+    /// root node's control endpoint "IP:PORT"), `leaf` (this leaf's index),
+    /// `leaves` and `workers` (the tree's); `world` and `rank` then count
+    /// this leaf's workers.
     #[staticmethod]
-    #[pyo3(signature = (node, *, run, world, rank, data, tenant = None, key = None, vector_len = None, join_deadline = 60.0, deadline = 10.0, quantization = None, mtu = 0))]
+    #[pyo3(signature = (node, *, run, world, rank, data, tenant = None, key = None, vector_len = None, join_deadline = 60.0, deadline = 10.0, quantization = None, mtu = 0, tree = None))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -653,7 +678,9 @@ impl PyCommunicator {
         deadline: f64,
         quantization: Option<&Bound<'_, PyAny>>,
         mtu: usize,
+        tree: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyCommunicator> {
+        let parent = tree.map(tree_parent).transpose()?;
         let nodes: Vec<String> = match node.extract::<String>() {
             Ok(one) => vec![one],
             Err(_) => node.extract().map_err(|_| PyValueError::new_err("node: a control endpoint \"IP:PORT\" or a list of them"))?,
@@ -672,8 +699,17 @@ impl PyCommunicator {
         };
         let join_deadline = self::deadline(join_deadline)?;
         let tuning = Tuning::new(deadline, quantization, mtu)?;
+        if parent.is_some() && nodes.len() != 1 {
+            return Err(PyValueError::new_err("tree: a leaf joins one node (its own), not a list"));
+        }
         Self::wrap(py, move || {
-            let comm = RunCommunicator::join(&nodes, credential, &run, world, rank, data, vector_len, join_deadline, |b| tuning.apply(b))?;
+            let comm = match parent {
+                None => RunCommunicator::join(&nodes, credential, &run, world, rank, data, vector_len, join_deadline, |b| tuning.apply(b))?,
+                Some(parent) => {
+                    let shape = JobShape { vector_len, parent: Some(parent), ..JobShape::default() };
+                    RunJob::join_shaped(nodes[0], credential, &run, world, rank, data, shape, join_deadline)?.communicator(|b| tuning.apply(b))?
+                }
+            };
             Ok(Comm::OnDemand(Box::new(comm)))
         })
     }

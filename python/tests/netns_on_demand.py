@@ -6,7 +6,8 @@ endpoint with a credential, and needs nothing but the node's address.
     netns_on_demand.py --rank R --world W --config IGNORED --aggregator A \
         --control PORT --data IP:PORT --tenant T --key HEX
 
-A refused join with a wrong key; int32 SUM and float32 mean allreduces
+A refused join with a wrong key; a tree whose root cannot be reached
+refused (and a tree missing a key refused by the binding); int32 SUM and float32 mean allreduces
 equal to the reference; then (the test runs it under 1 % loss and
 duplication on every link) 250 int32 SUMs and 250 float32 SUMs of 1 to
 5,000 elements, each exact (float32 within the documented bound), then
@@ -40,6 +41,23 @@ def main():
         if "bad_mac" not in str(e):
             raise
         print("ok: a wrong key is refused (bad_mac)", flush=True)
+    # A tree whose root nobody serves: this node, the leaf, joins it for
+    # the run and refuses every rank, naming the root.
+    nowhere = f"{a.aggregator}:{a.control + 1}"
+    tree = dict(root=nowhere, leaf=0, leaves=1, workers=w)
+    try:
+        aggbox.Communicator.connect(node, run="py-tree", world=w, rank=r, data=a.data, tenant=a.tenant, key=a.key, tree=tree)
+        raise AssertionError("a tree whose root cannot be reached was served")
+    except aggbox.AggBoxError as e:
+        if "unavailable" not in str(e) or nowhere not in str(e):
+            raise
+        print("ok: a tree whose root cannot be reached is refused", flush=True)
+    try:
+        aggbox.Communicator.connect(node, run="py-tree", world=w, rank=r, data=a.data, tenant=a.tenant, key=a.key, tree=dict(root=nowhere, leaf=0))
+        raise AssertionError("a tree without leaves was accepted")
+    except ValueError as e:
+        if "leaves" not in str(e):
+            raise
     comm = aggbox.Communicator.connect(node, run="py", world=w, rank=r, data=a.data, tenant=a.tenant, key=a.key)
     for n in [1, 10_007]:
         want = np.sum(np.stack([ints(q, n) for q in range(w)]).astype(np.int64), axis=0).astype(np.int32)
