@@ -690,6 +690,14 @@ fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
     let leaf_addrs: Vec<std::net::Ipv4Addr> = (1..=LEAVES).map(|h| tb.host(h).addr).collect();
     assert_eq!(root_jobs[0].ranks, leaf_addrs, "the root's workers are the leaves, in leaf order");
     assert!((1..=LEAVES).all(|h| live(h) == 1));
+    // `aggbox status` shows each leaf's place and its root's job.
+    for l in 0..LEAVES {
+        let status = nodes[1 + l].status();
+        let tree = status.jobs[0].on_demand.as_ref().and_then(|d| d.tree.clone()).expect("a leaf's job shows its tree");
+        assert_eq!((tree.root.as_str(), tree.leaf, tree.leaves, tree.root_job), (root.to_string().as_str(), l as u16, LEAVES as u16, Some(root_jobs[0].id)));
+        let text = aggbox::node::format_status(&status);
+        assert!(text.contains(&format!("tree: leaf {l} of {LEAVES} under root {root} job {}", root_jobs[0].id)), "{text}");
+    }
     wait_empty("the dead run", Duration::from_millis(g.lease_ms + 3000));
 
     // A root nobody serves: every rank refused at once, naming it.

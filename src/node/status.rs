@@ -377,6 +377,16 @@ pub fn format_status(status: &NodeStatus) -> String {
                 seconds(d.expires_ms.saturating_sub(now_ms)),
                 if d.ended.is_empty() { String::new() } else { format!("  ended ranks {:?}", d.ended) }
             );
+            if let Some(t) = &d.tree {
+                let _ = writeln!(
+                    s,
+                    "      tree: leaf {} of {} under root {}{}",
+                    t.leaf,
+                    t.leaves,
+                    t.root,
+                    t.root_job.map_or(" (waiting for its job)".to_string(), |j| format!(" job {j}"))
+                );
+            }
         }
         if let Some(c) = &job.counters {
             let _ = writeln!(

@@ -13,7 +13,7 @@ pub mod server;
 pub mod upstream;
 
 pub use keys::{Keys, Tenant};
-pub use published::{DynamicJobRecord, PublishedJobs};
+pub use published::{DynamicJobRecord, PublishedJobs, TreeRecord};
 pub use registry::{Limits, LiveJob, Registry};
 
 use crate::config::Config;

@@ -38,6 +38,21 @@ pub struct DynamicJobRecord {
     pub renewed_ms: u64,
     /// When it is removed unless renewed, ms since the Unix epoch.
     pub expires_ms: u64,
+    /// A leaf's job of a tree on demand: its place in the tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree: Option<TreeRecord>,
+}
+
+/// Where a leaf's job on demand sends its partial results.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TreeRecord {
+    /// The root node's control endpoint.
+    pub root: String,
+    /// This leaf's rank at the root, of `leaves`.
+    pub leaf: u16,
+    pub leaves: u16,
+    /// The root's job over the leaves; none while the leaf waits for it.
+    pub root_job: Option<u16>,
 }
 
 /// The map, created and pinned by the attach process.
@@ -82,6 +97,12 @@ impl PublishedJobs {
                 created_ms: job.created_ms,
                 renewed_ms: job.expires_ms.saturating_sub(lease).max(job.created_ms),
                 expires_ms: job.expires_ms,
+                tree: job.upstream.as_ref().map(|u| TreeRecord {
+                    root: u.parent.node.to_string(),
+                    leaf: u.parent.leaf,
+                    leaves: u.parent.leaves,
+                    root_job: u.root.as_ref().map(|(_, g)| g.job),
+                }),
             };
             self.map.update(&u32::from(*id).to_ne_bytes(), &value_of(&record)?, MapFlags::ANY).context("aggbox: writing control_jobs")?;
             now.push(*id);

@@ -214,7 +214,9 @@ fn serve_connection(
         };
         // Leaves' jobs just created: each joins its tree's root.
         for start in starts {
-            super::upstream::spawn(start, registry.clone(), changes.clone(), stop.clone());
+            let publish = publish.clone();
+            let shown = Box::new(move |r: &Registry| publish_to(&publish, r));
+            super::upstream::spawn(start, registry.clone(), changes.clone(), stop.clone(), shown);
         }
         if before {
             if changes.send(Change { replies }).is_err() {

@@ -21,12 +21,15 @@ use super::server::{now_ms, Change};
 /// reaches the root within this) and whether the node is stopping.
 const LOOK: Duration = Duration::from_millis(100);
 
+/// Shows the registry to `aggbox status` after the thread changed it.
+pub type Publish = Box<dyn Fn(&Registry) + Send>;
+
 /// Starts the thread of leaf job `start`.
-pub fn spawn(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>) {
+pub fn spawn(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>, publish: Publish) {
     let job = start.job;
     let spawned = std::thread::Builder::new()
         .name("aggbox-upstream".into())
-        .spawn(move || run(start, registry, changes, stop));
+        .spawn(move || run(start, registry, changes, stop, publish));
     if let Err(e) = spawned {
         eprintln!("aggbox: control: cannot start the upstream thread of leaf job {job}: {e}");
     }
@@ -36,7 +39,7 @@ fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
     registry.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>) {
+fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>, publish: Publish) {
     let UpstreamStart { job, incarnation, ref tenant, ref key, ref run, parent, result_port, shape, lease_ms } = start;
     let lease = Duration::from_millis(lease_ms);
     let root = SocketAddr::V4(parent.node);
@@ -70,7 +73,12 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
                 Ok((other, _)) => format!("the tree's root node {root}: unexpected reply to a join: {other:?}"),
                 Err(e) => format!("the tree's root node could not be joined: {e}"),
             };
-            let replies = lock(&registry).upstream_failed(job, incarnation, &why);
+            let replies = {
+                let mut registry = lock(&registry);
+                let replies = registry.upstream_failed(job, incarnation, &why);
+                publish(&registry);
+                replies
+            };
             let _ = changes.send(Change { replies });
             return;
         }
@@ -81,7 +89,12 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
             eprintln!("aggbox: control: leaf job {job} ({why}): ending root job {} at {root}: {e}", grant.job);
         }
     };
-    let outcome = lock(&registry).upstream_joined(now_ms(), job, incarnation, *parent.node.ip(), grant.clone());
+    let outcome = {
+        let mut registry = lock(&registry);
+        let outcome = registry.upstream_joined(now_ms(), job, incarnation, *parent.node.ip(), grant.clone());
+        publish(&registry);
+        outcome
+    };
     match outcome {
         UpstreamOutcome::Serving(replies) => {
             if changes.send(Change { replies }).is_err() {
@@ -123,7 +136,9 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
         };
         if let Some(why) = lost {
             eprintln!("aggbox: control: leaf job {job}: the tree's root node {root} no longer serves root job {}: {why}; the leaf's job is removed", grant.job);
-            if lock(&registry).upstream_lost(job, incarnation) {
+            let mut registry = lock(&registry);
+            if registry.upstream_lost(job, incarnation) {
+                publish(&registry);
                 let _ = changes.send(Change { replies: Vec::new() });
             }
             return;
