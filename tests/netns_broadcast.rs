@@ -815,7 +815,7 @@ fn cold_two_level_tree(mtu: u32, len: impl Fn(u32) -> usize) {
 /// (what `attach` picks on veth).
 #[test]
 fn cold_tree_of_live_nodes_first_datagram_to_a_forwarder_reaches_every_receiver() {
-    cold_tree_of_live_nodes("native");
+    cold_tree_of_live_nodes("native", 0);
 }
 
 /// The same tree with the daemons' XDP in generic mode (what `attach` falls
@@ -825,18 +825,43 @@ fn cold_tree_of_live_nodes_first_datagram_to_a_forwarder_reaches_every_receiver(
 /// (every AGB1 datagram counted `not_aggbox`, the 35 leaves got nothing).
 #[test]
 fn cold_tree_of_live_nodes_with_generic_xdp_reaches_every_receiver() {
-    cold_tree_of_live_nodes("generic");
+    cold_tree_of_live_nodes("generic", 0);
+}
+
+/// Issue #42 item 3, reproduced: the same live tree on a LAN with 60 more
+/// hosts (idle: the bridge has 101 ports). Forwarder 0's 7 leaves miss
+/// datagram 0, every time (with a 1.5 s wait instead of this helper's
+/// 0.8 s, they are the only receivers that miss anything; here a few leaves
+/// of other forwarders whose ARP request was lost in the same overflow get
+/// datagram 0 only after the kernel's re-probe, 1 s later). Forwarder 0 gets datagram 0 first (the kernel resolved it before
+/// the root's egress program ran), so its 7 ARP requests are flooded
+/// together with the root's 4 for the other forwarders: 11 broadcasts x 100
+/// ports overflow the per-CPU receive backlog (netdev_max_backlog 1000;
+/// /proc/net/softnet_stat drops ~2400 per run). The leaves' replies still
+/// come back at once, forwarder 0's neighbour queues release the 7 copies
+/// into that full backlog, and the copies are dropped there, after the
+/// neighbour queue (so the raised unres_qlen_bytes does not help). Its
+/// counters say it: neigh_miss 7 and copy_sent 133 (the leaves resolved
+/// right after datagram 0). Resolving the members' next hops before the
+/// first datagram (`ip neigh replace ADDR dev eth0 use`, or `managed`, for
+/// each node's members after attach) makes it pass. Ignored until attach
+/// does that.
+#[test]
+#[ignore = "issue #42 item 3: fails until attach resolves the members' next hops before the first datagram"]
+fn cold_tree_of_live_nodes_on_a_larger_lan_first_datagram_reaches_forwarder_0s_leaves() {
+    cold_tree_of_live_nodes("native", 60);
 }
 
 /// Root + 5 forwarders x 7 leaves, every node that sends or forwards running
-/// `aggbox attach --xdp-mode MODE`; see the tests above.
-fn cold_tree_of_live_nodes(xdp_mode: &str) {
+/// `aggbox attach --xdp-mode MODE`, on a bridge with `idle` more hosts
+/// that take no part; see the tests above.
+fn cold_tree_of_live_nodes(xdp_mode: &str, idle: usize) {
     require_root();
     const FORWARDERS: usize = 5;
     const LEAVES: usize = 7;
     const DATAGRAMS: u32 = 20;
     let tb = Testbed::up(TestbedConfig {
-        hosts: 1 + FORWARDERS * (1 + LEAVES),
+        hosts: 1 + FORWARDERS * (1 + LEAVES) + idle,
         ..Default::default()
     })
     .expect("testbed");
@@ -857,7 +882,9 @@ fn cold_tree_of_live_nodes(xdp_mode: &str) {
     for (h, node) in &nodes {
         assert_eq!(node.status().attach.xdp_mode, xdp_mode, "host {h}");
     }
-    let receivers = tree_receivers(&tb);
+    // receivers: the tree's 40 hosts (not the idle ones)
+    let mut receivers = tree_receivers(&tb);
+    receivers.truncate(FORWARDERS * (1 + LEAVES));
 
     // cold everywhere: no neighbour entry in any namespace, nothing in the
     // programs' next-hop caches
