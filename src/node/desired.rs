@@ -192,6 +192,20 @@ impl KernelState {
         Ok(())
     }
 
+    /// The addresses the TC programs send copies to: every group member
+    /// and every parent (each once, in order).
+    pub fn next_hops(&self) -> Vec<Ipv4Addr> {
+        let mut out: Vec<Ipv4Addr> = Vec::new();
+        let members = self.groups.values().flatten().map(|m| *m.ip());
+        let parents = self.routes.values().filter_map(|r| r.parent.as_ref().map(|p| p.addr));
+        for a in members.chain(parents) {
+            if !out.contains(&a) {
+                out.push(a);
+            }
+        }
+        out
+    }
+
     /// Whether the TC programs have anything to hold.
     pub fn needs_tc(&self) -> bool {
         !self.groups.is_empty() || !self.routes.is_empty()

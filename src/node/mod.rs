@@ -274,6 +274,9 @@ pub fn attach_chain(
             plane.attach_lo_ingress(lo_index).map_err(|e| anyhow!("aggbox: {e} (a worker of a job is on this host)"))?;
         }
     }
+    if broadcast.is_some() {
+        warnings.extend(warm_neighbours(iface, index, &kernel));
+    }
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
     let tc_lo = broadcast.as_ref().and_then(|b| b.lo_ingress());
 
@@ -724,4 +727,20 @@ mod ring_job_tests {
         let e = ring_jobs(&config, "eth0", &["10.0.0.9".parse().unwrap()]).unwrap_err().to_string();
         assert!(e.contains("ring 40") && e.contains("10.0.0.9") && e.contains("not a member"), "{e}");
     }
+}
+
+/// Has the kernel resolve the link-layer address of every on-link
+/// destination of the TC programs' copies (`KernelState::next_hops`) now,
+/// at attach and reload, instead of at the first datagram. A cold copy
+/// waits in the neighbour queue for its ARP reply; when a node's first
+/// datagram sends the ARP requests of all its members at once on a large
+/// LAN, the flood of those broadcasts fills the receive backlog
+/// (`netdev_max_backlog`) the replies and the released copies then meet,
+/// and the first copies are lost (issue #42 item 3). Resolved before any
+/// datagram, the first copy leaves with its MAC like every later one.
+/// Destinations behind a router are left to the first datagram. A refusal
+/// is a warning: the copies then take the neighbour path as before.
+fn warm_neighbours(iface: &str, index: u32, kernel: &desired::KernelState) -> Option<String> {
+    let warm = crate::netif::on_link(iface, kernel.next_hops()).and_then(|on_link| crate::netif::resolve_neighbours(index, &on_link));
+    warm.err().map(|e| format!("neighbours of the broadcast copies not resolved ahead on {iface}: {e}; the first copies wait for ARP"))
 }

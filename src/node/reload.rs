@@ -255,6 +255,12 @@ impl Attachment {
             }
             return Err(e.context("the kernel refused a write; the node's maps were set back to the old config"));
         }
+        if self.tc.is_some() {
+            let iface = &self.record.iface;
+            if let Some(warning) = crate::kernel::tc::ifindex(iface).ok().and_then(|index| super::warm_neighbours(iface, index, &kernel)) {
+                eprintln!("aggbox: {warning}");
+            }
+        }
         self.kernel = kernel;
         if !served.is_empty() {
             match &self.results {
