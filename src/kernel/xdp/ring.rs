@@ -49,11 +49,11 @@ impl RingObject {
             .map_err(map_error(names::RING_DATA))?;
         open.maps
             .ring_data
-            .set_max_entries(rings.fragments.max(1))
+            .set_max_entries(rings.map_entries())
             .map_err(map_error(names::RING_DATA))?;
         open.maps
             .ring_done
-            .set_max_entries(rings.fragments.max(1))
+            .set_max_entries(rings.map_entries())
             .map_err(map_error(names::RING_DONE))?;
         if let Some(rodata) = open.maps.rodata_data.as_deref_mut() {
             rodata.ring_frag_elems = rings.frag_elems;
