@@ -881,6 +881,26 @@ pub fn pinned_ring_counters(pin_dir: &Path) -> Result<Vec<(u16, abi::RingStats)>
     Ok(out)
 }
 
+/// The ring memory of the node whose maps are pinned in `pin_dir` and the
+/// rings placed in it (`ring_data`'s size, `ring_jobs`' entries); an empty
+/// pool when the ring maps are not pinned.
+pub fn pinned_ring_pool(pin_dir: &Path) -> Result<crate::kernel::xdp::RingPool> {
+    use crate::kernel::maps::{self, names};
+    use crate::kernel::xdp::{RingPlace, RingPool, RingSizing};
+    use libbpf_rs::{MapCore, MapFlags};
+    let (Ok(data), Ok(jobs)) = (maps::open_pinned(pin_dir, names::RING_DATA), maps::open_pinned(pin_dir, names::RING_JOBS)) else {
+        return Ok(RingPool::with_places(crate::config::DEFAULT_RING_FRAG_ELEMS, 0, []));
+    };
+    let mut places = Vec::new();
+    for dense in 0..abi::MAX_RINGS {
+        let Some(job) = jobs.lookup(&dense.to_ne_bytes(), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<RingJob>(&v)) else { continue };
+        if job.members >= 2 {
+            places.push((job.id, RingPlace { dense, base: job.base, entries: job.entries() }));
+        }
+    }
+    Ok(RingPool::with_places(data.value_size() / 4, RingSizing::reserved_in(data.max_entries()), places))
+}
+
 /// Datagrams read from one socket before the others get their turn.
 const RECV_BATCH: usize = 256;
 
