@@ -2,9 +2,15 @@
 //! member (member 1 of 4) of a ring, datagrams built as its neighbours would
 //! send them. Adds, completion, stores, forwarding rewrite, duplicates,
 //! early and stale rounds, forged and malformed datagrams; every completed
-//! value is checked against the star's reference reducer.
+//! value is checked against the star's reference reducer. A ring removed
+//! leaves no entry, and a ring added where it was sees none of its results
+//! (docs/RING.md "Configuration").
 
 mod bpf_common;
+#[path = "../src/testing/bpffs.rs"]
+#[allow(dead_code)]
+mod bpffs;
+mod ring_entries;
 
 use std::net::Ipv4Addr;
 
@@ -13,6 +19,7 @@ use aggbox::wire::reducer::Accumulator;
 use aggbox::wire::ring;
 use bpf_common::ring::*;
 use bpf_common::{XDP_DROP, XDP_PASS};
+use libbpf_rs::{MapCore, MapFlags};
 
 fn input(n: u32, seed: i32) -> Vec<i32> {
     (0..n as i32).map(|i| (i * 7919 + seed * 104_729) % 20_011 - 10_005).collect()
@@ -237,4 +244,68 @@ fn the_ring_program_verifies_at_every_fragment_size() {
             assert!(p.verified_insns < 1_000_000);
         }
     }
+}
+
+#[test]
+fn a_removed_ring_leaves_no_entry_and_a_ring_in_its_region_sees_none_of_its_results() {
+    // Ring 40: 30 elements, 4 fragments of 8, entries 0..8; room for 64
+    // elements (8 fragments, 16 entries) more.
+    let mut ring = Ring::with_pool(30, vec![1, 1, 1, 1], FRAG, 64);
+    assert_eq!(ring.pool.usage().free, 64);
+    let bpffs = bpffs::PrivateBpffs::mount("bpf-ring").expect("mounting a private bpffs");
+    let pins = bpffs.path.join("pins");
+    std::fs::create_dir_all(&pins).expect("pin dir");
+    ring.dp.pin_maps(&pins).expect("pin maps");
+
+    // Round 7 (the odd buffer, from entry 4): fragment 0's FINAL (origin 0,
+    // transmission 5) stored at entry 4 and sent on.
+    ring.ready(7, Op::Sum, &input(30, 1));
+    let final7 = Datagram::new(abi::RING_FINAL, 7, 0, 5, Op::Sum, vec![70; 8]);
+    assert_eq!(ring.run(&final7).0, XDP_REDIRECT);
+    assert_eq!((ring.index(0), ring.done(0).round_plus1), (4, 8));
+    let (dense, id, port) = (ring.dense, RING_ID, PORT);
+    let before = ring_entries::ring_entries(&pins, dense, id, port);
+    assert_eq!(
+        before,
+        ring_entries::RingEntries { port: 1, index: 1, job: 1, members: 4, ctrl: 1, nexthop: 1, stats: 1 },
+        "ring 40's entries"
+    );
+
+    // Ring 40 removed, ring 41 (another id and port, 20 elements: 3
+    // fragments, 6 entries) added as a reload does: first fit puts it in
+    // ring 40's region, at its dense index.
+    ring.replace(41, PORT + 1, 20);
+    assert_eq!((ring.dense, ring.job.base), (dense, 0), "ring 40's index and region, reused");
+    let old = ring_entries::ring_entries(&pins, dense, id, port);
+    assert_eq!((old.port, old.index), (0, 0), "ring 40's port and id point nowhere");
+    assert_eq!(ring_entries::live_rings(&pins), [1, 1, 1], "one ring's port, id and job");
+    assert_eq!(ring.run(&final7).0, XDP_PASS, "ring 40's datagrams are no ring's: to the stack");
+    let [data, done, _] = ring.dp.ring_memory_maps().expect("ring maps");
+    for entry in 0..ring.job.entries() {
+        let zero = |map: &libbpf_rs::MapHandle| map.lookup(&entry.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap().iter().all(|&b| b == 0);
+        assert!(zero(&data) && zero(&done), "entry {entry} of ring 41's region cleared");
+    }
+    let fresh = ring_entries::ring_entries(&pins, ring.dense, 41, PORT + 1);
+    assert_eq!(
+        fresh,
+        ring_entries::RingEntries { port: 1, index: 1, job: 1, members: 4, ctrl: 0, nexthop: 1, stats: 0 },
+        "ring 41 starts with no control block and no counters of ring 40 (its next hop is the test's)"
+    );
+
+    // Ring 41's round 1: fragment 1's FINAL (origin 1, transmission 4) is
+    // stored at entry 3 + 1 = 4, where ring 40 left round 7's mark.
+    ring.ready(1, Op::Sum, &input(20, 2));
+    assert_eq!(ring.index(1), 4);
+    let final1 = Datagram::new(abi::RING_FINAL, 1, 1, 4, Op::Sum, vec![11; 8]).of(&ring);
+    assert_eq!(ring.run(&final1).0, XDP_REDIRECT, "stored and sent on, not taken for a duplicate of round 7");
+    assert_eq!(ring.data(1), vec![11; 8]);
+    assert_eq!(ring.done(1).round_plus1, 2);
+    assert_eq!((ring.ctrl().finals, ring.stat(RingStat::Stored), ring.stat(RingStat::Duplicate)), (1, 1, 0));
+
+    // Removed too: nothing of either ring is left.
+    ring.dp.remove_ring(ring.dense, &ring.job).expect("remove ring 41");
+    assert_eq!(ring_entries::ring_entries(&pins, ring.dense, 41, PORT + 1).total(), 0, "every entry of ring 41 gone");
+    assert_eq!(ring_entries::live_rings(&pins), [0, 0, 0]);
+    let _ = std::fs::remove_dir_all(&pins);
+    drop(bpffs);
 }

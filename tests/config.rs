@@ -87,6 +87,8 @@ fn check_interface_example(c: &Config) {
             userspace_slot_bytes: aggbox::config::DEFAULT_USERSPACE_SLOT_BYTES_NODE,
             control: aggbox::config::DEFAULT_CONTROL,
             keys: None,
+            ring_pool: 0,
+            ring_frag_elems: None,
         }
     );
     assert_eq!(c.jobs.len(), 1);
@@ -991,5 +993,28 @@ fn bad_rings_name_the_line_and_key() {
         9,
         "ring[0].port",
         "job 7",
+    );
+}
+
+#[test]
+fn ring_pool_and_ring_frag_elems_are_read_and_bounded() {
+    let c = parse(RING);
+    assert_eq!((c.node.ring_pool, c.node.ring_frag_elems, c.ring_frag_elems()), (0, None, aggbox::config::DEFAULT_RING_FRAG_ELEMS));
+    let c = parse(&format!("[node]\nring_pool = 1048576\nring_frag_elems = 2242\n\n{RING}"));
+    assert_eq!(c.node.ring_pool, 1 << 20);
+    assert_eq!(c.rings[0].frag_elems, 2242, "a ring's frag_elems defaults to the node's");
+    assert_eq!(c.ring_frag_elems(), 2242);
+    let c = parse("[node]\nring_pool = 268435456\n");
+    assert_eq!((c.node.ring_pool, c.ring_frag_elems()), (aggbox::config::MAX_RING_POOL, aggbox::config::DEFAULT_RING_FRAG_ELEMS));
+    expect_error("[node]\nring_pool = -1\n", 2, "node.ring_pool", "-1 is not a ring pool in elements");
+    expect_error("[node]\n\nring_pool = 268435457\n", 3, "node.ring_pool", "at most 2^28 elements");
+    expect_error("[node]\nring_pool = \"1M\"\n", 2, "node.ring_pool", "an integer");
+    expect_error("[node]\nring_frag_elems = 361\n", 2, "node.ring_frag_elems", "odd");
+    expect_error("[node]\nring_frag_elems = 0\n", 2, "node.ring_frag_elems", "not a fragment size");
+    expect_error(
+        &format!("[node]\nring_frag_elems = 2242\n\n{RING}frag_elems = 362\n"),
+        5,
+        "ring[0].frag_elems",
+        "where [node] ring_frag_elems is 2242",
     );
 }

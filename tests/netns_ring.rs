@@ -12,7 +12,10 @@
 //! every switch port (`src/testing/impair`, this kernel has no netem), the
 //! injector's and the ring services' counters showing it was applied and
 //! repaired. Every result equals the reference reducer
-//! (src/wire/reducer.rs) over the members' inputs and weights.
+//! (src/wire/reducer.rs) over the members' inputs and weights. Rings
+//! added, removed and replaced by `aggbox reload` within the memory
+//! reserved at attach (`[node] ring_pool`), while the file's own ring
+//! runs on.
 //!
 //! Needs root; fails (never skips) otherwise. The testbeds run one at a
 //! time (a lock): `sudo -E cargo test --features bench --test netns_ring`.
@@ -24,7 +27,9 @@ mod testbed;
 #[path = "../src/testing/impair/mod.rs"]
 mod impair;
 mod live_attach;
+mod ring_entries;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -75,15 +80,46 @@ struct Bed {
     rings: Vec<RingSpec>,
     weights: Vec<i32>,
     config: Config,
+    /// The `[node]` keys every member's file has besides metrics and
+    /// userspace_path.
+    node_keys: String,
 }
 
 impl Bed {
     fn up(tag: &str, members: usize, weights: Vec<i32>, rings: Vec<RingSpec>) -> Bed {
+        Bed::up_with(tag, members, weights, rings, "")
+    }
+
+    /// [`Bed::up`] with `node_keys` in every member's `[node]` section.
+    fn up_with(tag: &str, members: usize, weights: Vec<i32>, rings: Vec<RingSpec>, node_keys: &str) -> Bed {
         let tb = Testbed::up(TestbedConfig { hosts: members, xdp_tx: true, ..Default::default() }).expect("testbed");
-        let addrs: Vec<String> = (0..members).map(|h| format!("\"{}\"", tb.host(h).addr)).collect();
-        let ws: Vec<String> = weights.iter().map(i32::to_string).collect();
-        let mut text = format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n\n");
-        for r in &rings {
+        let mut bed = Bed {
+            comms: Vec::new(),
+            injector: impair::Injector::new(),
+            nodes: Vec::new(),
+            tb,
+            rings,
+            weights,
+            config: Config::default(),
+            node_keys: node_keys.to_string(),
+        };
+        let text = bed.config_text(&bed.rings);
+        bed.config = Config::parse(&text, "netns_ring").expect("ring config");
+        let mode = xdp_mode();
+        bed.nodes = (0..members)
+            .map(|h| LiveAttach::start(&bed.tb.host(h).netns, &format!("{tag}-{h}"), &text, &["--xdp-mode", mode.as_str()]))
+            .collect();
+        bed.comms = (0..members).map(|h| bed.rings.iter().map(|r| bed.open(h, &bed.config, r.id)).collect()).collect();
+        bed
+    }
+
+    /// Every member's config file with `rings`.
+    fn config_text(&self, rings: &[RingSpec]) -> String {
+        let addrs: Vec<String> = (0..self.tb.len()).map(|h| format!("\"{}\"", self.tb.host(h).addr)).collect();
+        let ws: Vec<String> = self.weights.iter().map(i32::to_string).collect();
+        let mut text =
+            format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n{}\n\n", self.node_keys);
+        for r in rings {
             text += &format!(
                 "[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nweights = [{}]\nvector_len = {}\nfrag_elems = {FRAG}\n\n",
                 r.id,
@@ -93,30 +129,46 @@ impl Bed {
                 r.len
             );
         }
-        let config = Config::parse(&text, "netns_ring").expect("ring config");
-        let mode = xdp_mode();
-        let nodes: Vec<LiveAttach> = (0..members)
-            .map(|h| LiveAttach::start(&tb.host(h).netns, &format!("{tag}-{h}"), &text, &["--xdp-mode", mode.as_str()]))
-            .collect();
-        let comms = (0..members)
-            .map(|h| {
-                let pin_dir = aggbox::node::pin_dir(&nodes[h].pin_root, "eth0");
-                rings
-                    .iter()
-                    .map(|r| {
-                        let (config, pin_dir) = (&config, &pin_dir);
-                        let mut c = tb
-                            .in_host(h, move || RingCommunicator::open(config, r.id, pin_dir))
-                            .expect("netns")
-                            .unwrap_or_else(|e| panic!("member {h}: opening ring {}: {e}", r.id));
-                        c.set_deadline(Duration::from_secs(60));
-                        assert_eq!(c.member() as usize, h, "member index from the node's addresses");
-                        c
-                    })
-                    .collect()
+        text
+    }
+
+    /// Member `h`'s communicator of ring `id` of `config`, opened in its
+    /// host's namespace over its node's pins.
+    fn open(&self, h: usize, config: &Config, id: u16) -> RingCommunicator {
+        let pin_dir = self.pin_dir(h);
+        let pin_dir = &pin_dir;
+        let mut c = self
+            .tb
+            .in_host(h, move || RingCommunicator::open(config, id, pin_dir))
+            .expect("netns")
+            .unwrap_or_else(|e| panic!("member {h}: opening ring {id}: {e}"));
+        c.set_deadline(Duration::from_secs(60));
+        assert_eq!(c.member() as usize, h, "member index from the node's addresses");
+        c
+    }
+
+    /// Member `h`'s pin directory.
+    fn pin_dir(&self, h: usize) -> std::path::PathBuf {
+        aggbox::node::pin_dir(&self.nodes[h].pin_root, "eth0")
+    }
+
+    /// Every member's file rewritten with `rings` and reloaded (`aggbox
+    /// reload eth0` in its namespace): each member's (success, output).
+    fn reload(&self, rings: &[RingSpec]) -> Vec<(bool, String)> {
+        let text = self.config_text(rings);
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(h, node)| {
+                std::fs::write(node.pin_root.with_extension("toml"), &text).expect("write the config file");
+                let out = std::process::Command::new("ip")
+                    .args(["netns", "exec", &self.tb.host(h).netns, env!("CARGO_BIN_EXE_aggbox"), "reload", "eth0", "--pin-root"])
+                    .arg(&node.pin_root)
+                    .output()
+                    .expect("run aggbox reload");
+                (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
             })
-            .collect();
-        Bed { comms, injector: impair::Injector::new(), nodes, tb, rings, weights, config }
+            .collect()
     }
 
     /// Loss `loss` and duplication `dup` on every switch port.
@@ -186,39 +238,48 @@ impl Bed {
     /// each gets the reference.
     fn allreduce(&mut self, k: usize, op: Op, salt: usize) {
         let spec = self.rings[k];
-        let n = self.comms.len();
-        let inputs: Vec<Vec<i32>> = (0..n).map(|m| input(m, spec.len as usize, salt)).collect();
-        let want = reference(op, &inputs, &self.weights);
-        let started = Instant::now();
-        let results: Vec<(usize, Vec<i32>, bool)> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .comms
-                .iter_mut()
-                .enumerate()
-                .map(|(m, comms)| {
-                    let mut v = inputs[m].clone();
-                    let c = &mut comms[k];
-                    s.spawn(move || match c.allreduce_i32(&mut v, op) {
-                        Ok(out) => Ok((m, v, out.overflow)),
-                        Err(e) => Err(format!("member {m}: ring {} {op:?} of {}: {e}", spec.id, spec.len)),
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("member thread")).collect::<Result<Vec<_>, String>>()
-        })
-        .unwrap_or_else(|e| panic!("{e}\n{}", self.counters(spec.id)));
-        for (m, got, overflow) in results {
-            assert!(!overflow, "member {m}: ring {} {op:?}: OVERFLOW without saturation", spec.id);
-            if got != want {
-                let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
-                panic!(
-                    "member {m}: ring {} {op:?} of {}: element {first} is {} where the reference is {}",
-                    spec.id, spec.len, got[first], want[first]
-                );
-            }
+        let comms: Vec<&mut RingCommunicator> = self.comms.iter_mut().map(|c| &mut c[k]).collect();
+        if let Err(e) = allreduce_members(comms, spec, op, salt, &self.weights) {
+            panic!("{e}\n{}", self.counters(spec.id));
         }
-        eprintln!("ring {} ({n} members, {} elements) {op:?}: {:?}", spec.id, spec.len, started.elapsed());
     }
+}
+
+/// Member m allreduces its input of ring `spec` with `op` on `comms[m]`,
+/// all at once; each must get the reference.
+fn allreduce_members(comms: Vec<&mut RingCommunicator>, spec: RingSpec, op: Op, salt: usize, weights: &[i32]) -> Result<(), String> {
+    let n = comms.len();
+    let inputs: Vec<Vec<i32>> = (0..n).map(|m| input(m, spec.len as usize, salt)).collect();
+    let want = reference(op, &inputs, weights);
+    let started = Instant::now();
+    let results: Vec<(usize, Vec<i32>, bool)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(m, c)| {
+                let mut v = inputs[m].clone();
+                s.spawn(move || match c.allreduce_i32(&mut v, op) {
+                    Ok(out) => Ok((m, v, out.overflow)),
+                    Err(e) => Err(format!("member {m}: ring {} {op:?} of {}: {e}", spec.id, spec.len)),
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("member thread")).collect::<Result<Vec<_>, String>>()
+    })?;
+    for (m, got, overflow) in results {
+        if overflow {
+            return Err(format!("member {m}: ring {} {op:?}: OVERFLOW without saturation", spec.id));
+        }
+        if got != want {
+            let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+            return Err(format!(
+                "member {m}: ring {} {op:?} of {}: element {first} is {} where the reference is {}",
+                spec.id, spec.len, got[first], want[first]
+            ));
+        }
+    }
+    eprintln!("ring {} ({n} members, {} elements) {op:?}: {:?}", spec.id, spec.len, started.elapsed());
+    Ok(())
 }
 
 impl Bed {
@@ -401,4 +462,161 @@ fn sixteen_members_small_vectors() {
         bed.allreduce(k, Op::Sum, 30 + k);
         bed.allreduce(k, Op::Avg, 40 + k);
     }
+}
+
+/// The `(dense index, base)` of ring `id` on member `h`'s node.
+fn place(bed: &Bed, h: usize, id: u16) -> Option<(u32, u32)> {
+    aggbox::wire::ring_memory::pinned_ring_job(&bed.pin_dir(h), id).ok().map(|(dense, job)| (dense, job.base))
+}
+
+#[test]
+fn four_members_reload_rings_within_the_pool_while_the_files_ring_runs() {
+    require_root();
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // The file's ring 40: 8 fragments of 362, entries 0..16. The pool: 4000
+    // elements more, 12 fragments (4344 elements), entries 16..40.
+    let file_ring = RingSpec { id: 40, port: 7400, len: FRAG * 7 + 5 };
+    let added = RingSpec { id: 44, port: 7404, len: 3000 }; // 9 fragments
+    let other = RingSpec { id: 45, port: 7405, len: 1000 }; // 3 fragments
+    let too_big = RingSpec { id: 46, port: 7406, len: 5000 }; // 14 fragments
+    let mut bed = Bed::up_with("rpool", 4, vec![1, 2, 1, 3], vec![file_ring], "ring_pool = 4000");
+    let weights = bed.weights.clone();
+    let frag = u64::from(FRAG);
+    let pool = bed.nodes[0].status().ring_pool;
+    assert_eq!((pool.reserved, pool.used, pool.free), (20 * frag, 8 * frag, 12 * frag), "{pool:?}");
+    let file_place: Vec<Option<(u32, u32)>> = (0..4).map(|h| place(&bed, h, 40)).collect();
+    assert!(file_place.iter().all(|p| *p == Some((0, 0))), "{file_place:?}");
+
+    // Ring 40 runs in a loop from here to the end, every call exact.
+    let mut comms40: Vec<RingCommunicator> = bed.comms.iter_mut().map(|c| c.remove(0)).collect();
+    let stop = AtomicBool::new(false);
+    let calls = AtomicU64::new(0);
+    let bed = &bed;
+    std::thread::scope(|s| {
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop_on_panic = StopOnDrop(&stop);
+        let (stop, calls, weights) = (&stop, &calls, &weights);
+        let loop40 = s.spawn(move || {
+            let mut salt = 1000;
+            while !stop.load(Ordering::Relaxed) {
+                allreduce_members(comms40.iter_mut().collect(), file_ring, OPS[salt % OPS.len()], salt, weights)?;
+                calls.fetch_add(1, Ordering::Relaxed);
+                salt += 1;
+            }
+            Ok::<_, String>(comms40)
+        });
+        // The file's ring made progress since `after` calls, in the same place.
+        let ring40_goes_on = |after: u64, when: &str| {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while calls.load(Ordering::Relaxed) < after + 2 {
+                assert!(!loop40.is_finished(), "{when}: ring 40's loop ended (a call failed)");
+                assert!(Instant::now() < deadline, "{when}: ring 40 made no progress\n{}", bed.counters(40));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            for (h, want) in file_place.iter().enumerate() {
+                assert_eq!(place(bed, h, 40), *want, "{when}: member {h}: ring 40 kept its index and base");
+            }
+        };
+        ring40_goes_on(0, "at attach");
+
+        // 1. Ring 44 added: it takes the pool's first entries, index 1.
+        let before = calls.load(Ordering::Relaxed);
+        for (h, (ok, out)) in bed.reload(&[file_ring, added]).into_iter().enumerate() {
+            assert!(ok && out.contains("rings added: 44;"), "member {h}: adding ring 44: {out}");
+        }
+        let place44: Vec<Option<(u32, u32)>> = (0..4).map(|h| place(bed, h, 44)).collect();
+        assert!(place44.iter().all(|p| *p == Some((1, 16))), "ring 44 after ring 40's 16 entries: {place44:?}");
+        let status = bed.nodes[1].status();
+        let pool = status.ring_pool;
+        assert_eq!((pool.used, pool.free, pool.largest_free), (17 * frag, 3 * frag, 3 * frag), "{pool:?}");
+        let text = aggbox::node::format_status(&status);
+        assert!(text.contains("ring pool: 7240 elements reserved (fragments of 362), 6154 used, 1086 free (largest free region 1086)"), "{text}");
+        let json = serde_json::to_value(&status).expect("status as JSON");
+        assert_eq!((json["ring_pool"]["reserved"].as_u64(), json["ring_pool"]["free"].as_u64()), (Some(7240), Some(1086)), "{json}");
+        let v2 = Config::parse(&bed.config_text(&[file_ring, added]), "v2").expect("v2");
+        let mut comms44: Vec<RingCommunicator> = (0..4).map(|h| bed.open(h, &v2, 44)).collect();
+        for (i, op) in OPS.into_iter().enumerate() {
+            allreduce_members(comms44.iter_mut().collect(), added, op, 10 + i, weights).unwrap_or_else(|e| panic!("{e}\n{}", bed.counters(44)));
+        }
+        // Two more rounds: ring 44's region holds results of rounds up to 7.
+        for salt in [20, 21] {
+            allreduce_members(comms44.iter_mut().collect(), added, Op::Sum, salt, weights).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(comms44[0].round().0, 7);
+        ring40_goes_on(before, "after ring 44 was added");
+        let entries44 = ring_entries::ring_entries(&bed.pin_dir(2), 1, 44, 7404);
+        assert!(entries44.port == 1 && entries44.index == 1 && entries44.job == 1 && entries44.members == 4 && entries44.stats == 1, "{entries44:?}");
+        std::thread::sleep(Duration::from_millis(200)); // the service publishes every 50 ms
+        assert!(bed.nodes[3].status().ring_service.get(&44).is_some_and(|s| s.kicks == 7), "ring 44's service counted its calls");
+
+        // 2. Ring 44 removed: every entry of it goes, on every member.
+        drop(comms44);
+        let before = calls.load(Ordering::Relaxed);
+        for (h, (ok, out)) in bed.reload(&[file_ring]).into_iter().enumerate() {
+            assert!(ok && out.contains("rings added: none; changed: none; removed: 44"), "member {h}: removing ring 44: {out}");
+        }
+        for h in 0..4 {
+            let left = ring_entries::ring_entries(&bed.pin_dir(h), 1, 44, 7404);
+            assert_eq!(left.total(), 0, "member {h}: ring 44's entries left: {left:?}");
+            assert_eq!(ring_entries::live_rings(&bed.pin_dir(h)), [1, 1, 1], "member {h}: ring 40's port, id and job only");
+            let status = bed.nodes[h].status();
+            assert!(!status.rings.contains_key(&44) && !status.ring_service.contains_key(&44), "member {h}: ring 44 in status");
+            assert_eq!(status.ring_pool.used, 8 * frag, "member {h}: ring 44's memory is free again");
+        }
+        ring40_goes_on(before, "after ring 44 was removed");
+
+        // 3. Ring 45, another id, port and size: first fit puts it in ring
+        // 44's region, at its index, where round 1 of ring 45 would find
+        // ring 44's round 6 marks (and take its FINALs for duplicates)
+        // unless the region was cleared.
+        let before = calls.load(Ordering::Relaxed);
+        for (h, (ok, out)) in bed.reload(&[file_ring, other]).into_iter().enumerate() {
+            assert!(ok && out.contains("rings added: 45;"), "member {h}: adding ring 45: {out}");
+        }
+        assert!((0..4).all(|h| place(bed, h, 45) == Some((1, 16))), "ring 45 reuses ring 44's index and region");
+        let v3 = Config::parse(&bed.config_text(&[file_ring, other]), "v3").expect("v3");
+        let mut comms45: Vec<RingCommunicator> = (0..4).map(|h| bed.open(h, &v3, 45)).collect();
+        assert_eq!(comms45[0].round().0, 0, "ring 45 starts at round 1");
+        for (i, op) in [Op::Sum, Op::Max, Op::Avg].into_iter().enumerate() {
+            allreduce_members(comms45.iter_mut().collect(), other, op, 30 + i, weights).unwrap_or_else(|e| panic!("{e}\n{}", bed.counters(45)));
+        }
+        ring40_goes_on(before, "after ring 45 was added");
+
+        // 4. Beyond the pool: refused on every member, naming the file, the
+        // ring and the numbers; nothing changes.
+        let free = bed.nodes[0].status().ring_pool;
+        assert_eq!((free.free, free.largest_free), (9 * frag, 9 * frag), "{free:?}");
+        for (h, (ok, out)) in bed.reload(&[file_ring, other, too_big]).into_iter().enumerate() {
+            let file = bed.nodes[h].pin_root.with_extension("toml").display().to_string();
+            assert!(!ok, "member {h}: a ring beyond the pool must be refused: {out}");
+            assert!(
+                out.contains(&file)
+                    && out.contains("ring 46 (ring[2]) asks 5068 elements (14 fragments of 362)")
+                    && out.contains(&format!("{} free", 9 * frag))
+                    && out.contains("nothing was changed"),
+                "member {h}: {out}"
+            );
+        }
+        for h in 0..4 {
+            assert_eq!(ring_entries::live_rings(&bed.pin_dir(h)), [2, 2, 2], "member {h}: rings 40 and 45, nothing of 46");
+            assert_eq!(place(bed, h, 46), None);
+            let status = bed.nodes[h].status();
+            assert_eq!(status.ring_pool, free, "member {h}: the pool as before");
+            assert!(!status.attach.last_reload.as_ref().expect("last reload").ok);
+        }
+        allreduce_members(comms45.iter_mut().collect(), other, Op::Min, 40, weights).unwrap_or_else(|e| panic!("{e}"));
+        let before = calls.load(Ordering::Relaxed);
+        ring40_goes_on(before, "after the refused reload");
+
+        stop.store(true, Ordering::Relaxed);
+        let comms40 = loop40.join().expect("ring 40's loop").unwrap_or_else(|e| panic!("ring 40: {e}\n{}", bed.counters(40)));
+        let total = calls.load(Ordering::Relaxed);
+        eprintln!("ring 40: {total} calls across the reloads, the last round {}", comms40[0].round().0);
+        assert!(total >= 8, "ring 40's calls ran across the reloads: {total}");
+    });
 }

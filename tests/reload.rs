@@ -8,8 +8,10 @@
 //! 1. B removed, C added: C's allreduce completes exactly; B's result port
 //!    is free again and B's contributions pass the XDP program untouched;
 //! 2. C changed (its round window): C's allreduce completes again;
-//! 3. a `[node]` change and a file that does not parse are refused with the
-//!    key (and line) named, and change nothing.
+//! 3. a `[node]` change, a `[[ring]]` on a node that reserved no ring
+//!    memory (`[node] ring_pool`), and a file that does not parse are
+//!    refused with the key (and line), or the ring and its numbers, named,
+//!    and change nothing.
 //!
 //! Job A's calls went on across every reload, each exact, none failed, and
 //! its kernel counters were never reset.
@@ -267,6 +269,22 @@ fn reloading_jobs_does_not_disturb_another_jobs_calls() {
         let (ok, out) = reload(&tb, &attach);
         assert!(!ok, "a [node] change must be refused: {out}");
         assert!(out.contains("[node] ack_group changed") && out.contains("nothing was changed"), "{out}");
+        // A ring on a node that reserved no ring memory at attach: refused
+        // with the numbers; and the reservation is the attach's.
+        let ring = format!("[[ring]]\nid = 50\nport = 7500\nmembers = [\"{}\", \"{}\"]\nvector_len = 1000\n", tb.host(0).addr, workers[0]);
+        std::fs::write(&config_path, format!("{v3}{ring}")).expect("write v3 with a ring");
+        let (ok, out) = reload(&tb, &attach);
+        assert!(!ok, "a ring beyond the ring memory must be refused: {out}");
+        assert!(
+            out.contains(&config_path.display().to_string())
+                && out.contains("ring 50 (ring[0]) asks 1086 elements (3 fragments of 362) but the ring pool has 0 free")
+                && out.contains("nothing was changed"),
+            "names file, ring and numbers: {out}"
+        );
+        assert!(attach.status().rings.is_empty(), "no ring was written");
+        std::fs::write(&config_path, config_text("ring_pool = 100000", &[(A, 4), (C, 8)], &workers)).expect("write v3 with a pool");
+        let (ok, out) = reload(&tb, &attach);
+        assert!(!ok && out.contains("[node] ring_pool changed") && out.contains("restart `aggbox attach`"), "{out}");
         let v5 = v3.replace("window = 8", "window = \"wide\"");
         std::fs::write(&config_path, &v5).expect("write v5");
         let (ok, out) = reload(&tb, &attach);
@@ -274,7 +292,7 @@ fn reloading_jobs_does_not_disturb_another_jobs_calls() {
         assert!(out.contains("window") && out.contains(&config_path.display().to_string()), "names file and key: {out}");
         assert_eq!(job_ids(&attach), vec![A, C], "a refused reload changes nothing");
         let status = attach.status();
-        assert_eq!(status.attach.reloads, 4);
+        assert_eq!(status.attach.reloads, 6);
         assert!(!status.attach.last_reload.expect("last reload").ok);
         allreduce_all(&c, 5000, 5, "job C after the refused reloads");
         let calls = a_calls.load(Ordering::Relaxed);

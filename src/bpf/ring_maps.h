@@ -45,10 +45,11 @@ struct {
  * ring_data: AGGBOX_RING_INDEX(base, frags, round, fragment) -> the
  * fragment's elements (host order int32) in that round's buffer: the
  * member's input, then the result. The value size is 4 * ring_frag_elems
- * and max_entries twice the fragments of all rings (two buffers a ring),
- * both set by the loader from the configuration (1 entry of the default
- * size when there is no ring). Mapped by the runtime: each buffer of a
- * ring holds its vector contiguously.
+ * and max_entries twice the fragments of the file's rings (two buffers a
+ * ring) plus [node] ring_pool's, both set by the loader from the
+ * configuration (1 entry of the default size when nothing is reserved);
+ * the control plane places each ring in it (RingPool). Mapped by the
+ * runtime: each buffer of a ring holds its vector contiguously.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);

@@ -2,10 +2,13 @@
 //! is attached.
 //!
 //! The schema is the one of `spec/INTERFACE.md` (`[node]`, `[[job]]`,
-//! `[[group]]`) plus four job keys this project adds, `userspace_only`,
-//! `window`, `userspace_slots` and `userspace_slot_bytes`, and two node keys,
-//! `userspace_path` (`"required"`, the default, or `"optional"`: see
-//! [`UserspacePathMode`]) and `userspace_slot_bytes`. `deploy/aggbox.example.toml` is a commented, valid example.
+//! `[[group]]`) plus the keys this project adds, among them job keys such
+//! as `userspace_only`, `window`, `userspace_slots` and
+//! `userspace_slot_bytes`, node keys such as `userspace_path`
+//! (`"required"`, the default, or `"optional"`: see [`UserspacePathMode`]),
+//! `ring_pool` and `ring_frag_elems`, and `[[ring]]` tables (docs/RING.md);
+//! docs/INTERFACE.md lists every key. `deploy/aggbox.example.toml` is a
+//! commented, valid example.
 //!
 //! # Why a hand-written walk instead of `#[derive(Deserialize)]`
 //!
@@ -156,9 +159,9 @@ pub struct RingConfig {
     /// Elements of the reduced vector (>= 1).
     pub vector_len: u32,
     /// Elements per fragment (one datagram), even, 2..=
-    /// [`crate::wire::abi::RING_MAX_FRAG_ELEMS`]; default
-    /// [`DEFAULT_RING_FRAG_ELEMS`] (MTU 1500). Every ring of a node has the
-    /// same (the data map's value size).
+    /// [`crate::wire::abi::RING_MAX_FRAG_ELEMS`]; default `[node]
+    /// ring_frag_elems`, else [`DEFAULT_RING_FRAG_ELEMS`] (MTU 1500). Every
+    /// ring of a node has the same (the data map's value size).
     pub frag_elems: u32,
 }
 
@@ -199,7 +202,21 @@ pub struct NodeConfig {
     /// `keys`: the key file of the tenants that may create jobs on demand;
     /// `None`: no control endpoint.
     pub keys: Option<std::path::PathBuf>,
+    /// `ring_pool`: ring memory reserved at attach beyond the file's
+    /// `[[ring]]`s, in vector elements (docs/RING.md "Configuration"), so
+    /// that a reload (or a run) can add rings without loading the programs
+    /// again; 0 (the default): only the file's rings, sized exactly.
+    pub ring_pool: u32,
+    /// `ring_frag_elems`: the elements per fragment of every ring of the
+    /// node (the ring memory's value size, fixed at attach) and the default
+    /// of `[[ring]] frag_elems`; `None`: the file's rings' or
+    /// [`DEFAULT_RING_FRAG_ELEMS`] ([`Config::ring_frag_elems`]).
+    pub ring_frag_elems: Option<u32>,
 }
+
+/// Largest `[node] ring_pool`: 2^28 elements, 2 GiB of ring memory (two
+/// int32 buffers), below the 4 GiB a BPF array map may hold.
+pub const MAX_RING_POOL: u32 = 1 << 28;
 
 /// Where the control endpoint listens when `[node] control` is not given.
 pub const DEFAULT_CONTROL: SocketAddr =
@@ -243,6 +260,8 @@ impl Default for NodeConfig {
             userspace_slot_bytes: DEFAULT_USERSPACE_SLOT_BYTES_NODE,
             control: DEFAULT_CONTROL,
             keys: None,
+            ring_pool: 0,
+            ring_frag_elems: None,
         }
     }
 }
@@ -467,5 +486,15 @@ impl Config {
     /// The ring with id `id`, if configured.
     pub fn ring(&self, id: u16) -> Option<&RingConfig> {
         self.rings.iter().find(|r| r.id == id)
+    }
+
+    /// The elements per fragment of the node's rings (one for all of them,
+    /// fixed at attach): `[node] ring_frag_elems`, else the rings'
+    /// (validated equal), else [`DEFAULT_RING_FRAG_ELEMS`].
+    pub fn ring_frag_elems(&self) -> u32 {
+        self.node
+            .ring_frag_elems
+            .or_else(|| self.rings.first().map(|r| r.frag_elems))
+            .unwrap_or(DEFAULT_RING_FRAG_ELEMS)
     }
 }

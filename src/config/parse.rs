@@ -76,9 +76,10 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
                         format!("more than {} rings; the kernel's ring_jobs map holds {}", abi::MAX_RINGS, abi::MAX_RINGS),
                     ));
                 }
-                rings.push(parse_ring(&src, path, item)?);
+                let default_frag_elems = node.ring_frag_elems.unwrap_or(DEFAULT_RING_FRAG_ELEMS);
+                rings.push(parse_ring(&src, path, item, default_frag_elems)?);
             }
-            check_rings(&src, &jobs, &rings)?;
+            check_rings(&src, &node, &jobs, &rings)?;
             rings.into_iter().map(|r| r.0).collect()
         }
         None => Vec::new(),
@@ -115,7 +116,17 @@ struct ParsedGroup {
     id_at: usize,
 }
 
-const NODE_KEYS: &[&str] = &["metrics", "ack_mode", "ack_group", "userspace_path", "userspace_slot_bytes", "control", "keys"];
+const NODE_KEYS: &[&str] = &[
+    "metrics",
+    "ack_mode",
+    "ack_group",
+    "userspace_path",
+    "userspace_slot_bytes",
+    "control",
+    "keys",
+    "ring_pool",
+    "ring_frag_elems",
+];
 
 /// `userspace_slot_bytes` (node or job): an integer of bytes, at least
 /// [`MIN_USERSPACE_SLOT_BYTES`].
@@ -214,7 +225,43 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
         }
         node.keys = Some(s.into());
     }
+    if let Some(v) = t.take("ring_pool") {
+        node.ring_pool = int_in(
+            src,
+            &t.key("ring_pool"),
+            &v,
+            0,
+            i64::from(MAX_RING_POOL),
+            "a ring pool in elements",
+            "at most 2^28 elements (2 GiB of ring memory)",
+        )? as u32;
+    }
+    if let Some(v) = t.take("ring_frag_elems") {
+        node.ring_frag_elems = Some(ring_frag_elems(src, &t.key("ring_frag_elems"), &v)?);
+    }
     Ok(node)
+}
+
+/// A ring fragment size (`[node] ring_frag_elems`, `[[ring]] frag_elems`):
+/// even, 2..=[`abi::RING_MAX_FRAG_ELEMS`].
+fn ring_frag_elems(src: &Source<'_>, key: &str, v: &Spanned<Value>) -> Result<u32, ConfigError> {
+    let n = int_in(
+        src,
+        key,
+        v,
+        2,
+        i64::from(abi::RING_MAX_FRAG_ELEMS),
+        "a fragment size in elements",
+        "(MTU - 52) / 4 fills a datagram",
+    )? as u32;
+    if !n.is_multiple_of(2) {
+        return Err(src.error(
+            v.span().start,
+            Some(key.to_string()),
+            format!("{n} is odd: the ring's memory holds fragments of whole 8-byte words"),
+        ));
+    }
+    Ok(n)
 }
 
 const JOB_KEYS: &[&str] = &[
@@ -554,11 +601,13 @@ fn parse_weights(
 
 const RING_KEYS: &[&str] = &["id", "port", "members", "weights", "vector_len", "frag_elems"];
 
-/// A parsed ring, its path, and the offsets of its id and port.
+/// A parsed ring, its path, and the offsets of its id and port;
+/// `frag_elems` defaults to `default_frag_elems` (the node's).
 fn parse_ring(
     src: &Source<'_>,
     path: String,
     v: Spanned<Value>,
+    default_frag_elems: u32,
 ) -> Result<(RingConfig, String, usize, usize), ConfigError> {
     let mut t = Table::from_value(src, path.clone(), v, RING_KEYS)?;
     let id_v = t.require("id")?;
@@ -590,27 +639,8 @@ fn parse_ring(
         "a ring's memory is sized from it",
     )? as u32;
     let frag_elems = match t.take("frag_elems") {
-        Some(v) => {
-            let key = t.key("frag_elems");
-            let n = int_in(
-                src,
-                &key,
-                &v,
-                2,
-                i64::from(abi::RING_MAX_FRAG_ELEMS),
-                "a fragment size in elements",
-                "(MTU - 52) / 4 fills a datagram",
-            )? as u32;
-            if !n.is_multiple_of(2) {
-                return Err(src.error(
-                    v.span().start,
-                    Some(key),
-                    format!("{n} is odd: the ring's memory holds fragments of whole 8-byte words"),
-                ));
-            }
-            n
-        }
-        None => DEFAULT_RING_FRAG_ELEMS,
+        Some(v) => ring_frag_elems(src, &t.key("frag_elems"), &v)?,
+        None => default_frag_elems,
     };
     Ok((
         RingConfig { id, port, members, weights, vector_len, frag_elems },
@@ -621,13 +651,24 @@ fn parse_ring(
 }
 
 /// Ring ids unique among rings, ports unique among jobs and rings, one
-/// fragment size for the node.
+/// fragment size for the node (`[node] ring_frag_elems` when given).
 fn check_rings(
     src: &Source<'_>,
+    node: &NodeConfig,
     jobs: &[ParsedJob],
     rings: &[(RingConfig, String, usize, usize)],
 ) -> Result<(), ConfigError> {
     for (i, (ring, path, id_at, port_at)) in rings.iter().enumerate() {
+        if let Some(node_frag) = node.ring_frag_elems.filter(|&n| n != ring.frag_elems) {
+            return Err(src.error(
+                *id_at,
+                Some(format!("{path}.frag_elems")),
+                format!(
+                    "{} elements per fragment where [node] ring_frag_elems is {node_frag}: the rings of a node share one fragment size",
+                    ring.frag_elems
+                ),
+            ));
+        }
         for (other, opath, oid_at, _) in &rings[..i] {
             if other.id == ring.id {
                 return Err(src.error(

@@ -234,6 +234,9 @@ pub struct ResetError {
 /// Array entries written per `BPF_MAP_UPDATE_BATCH` call: bounds the zeroed
 /// buffer (the largest arrays hold tens of MiB) without one syscall per entry.
 const RESET_BATCH: u32 = 1024;
+/// Bytes of values written per `BPF_MAP_UPDATE_BATCH` call, at most (ring
+/// data values are up to 64 KiB each).
+const RESET_BATCH_BYTES: usize = 4 << 20;
 
 /// Return every map of `object` to its state right after load: hash and LRU
 /// maps emptied, arrays and per-CPU arrays zeroed, stacks and queues drained,
@@ -264,20 +267,10 @@ pub fn reset_object_maps(object: &Object) -> Result<(), ResetError> {
                 }
             }
             MapType::Array => {
-                let (key_size, value_size) = (map.key_size() as usize, map.value_size() as usize);
-                if key_size != 4 {
+                if map.key_size() != 4 {
                     return Err(unsupported("array with a key that is not 4 bytes"));
                 }
-                let entries = map.max_entries();
-                let zeros = vec![0u8; value_size * RESET_BATCH as usize];
-                let mut first = 0;
-                while first < entries {
-                    let count = RESET_BATCH.min(entries - first);
-                    let keys: Vec<u8> = (first..first + count).flat_map(u32::to_ne_bytes).collect();
-                    map.update_batch(&keys, &zeros[..value_size * count as usize], count, MapFlags::ANY, MapFlags::ANY)
-                        .map_err(fail)?;
-                    first += count;
-                }
+                zero_array_range(&map, 0, map.max_entries()).map_err(fail)?;
             }
             MapType::PercpuArray => {
                 let ncpu = libbpf_rs::num_possible_cpus().map_err(fail)?;
@@ -294,6 +287,24 @@ pub fn reset_object_maps(object: &Object) -> Result<(), ResetError> {
             }
             other => return Err(unsupported(&format!("map type {other:?}: no reset known"))),
         }
+    }
+    Ok(())
+}
+
+/// Zero entries `first .. first + count` of an array map (4-byte keys), a
+/// batch of at most [`RESET_BATCH`] entries and [`RESET_BATCH_BYTES`] a
+/// syscall.
+pub fn zero_array_range(map: &impl MapCore, first: u32, count: u32) -> libbpf_rs::Result<()> {
+    let value_size = map.value_size() as usize;
+    let batch = RESET_BATCH.min((RESET_BATCH_BYTES / value_size.max(1)).max(1) as u32).min(count.max(1));
+    let zeros = vec![0u8; value_size * batch as usize];
+    let end = first.saturating_add(count);
+    let mut next = first;
+    while next < end {
+        let n = batch.min(end - next);
+        let keys: Vec<u8> = (next..next + n).flat_map(u32::to_ne_bytes).collect();
+        map.update_batch(&keys, &zeros[..value_size * n as usize], n, MapFlags::ANY, MapFlags::ANY)?;
+        next += n;
     }
     Ok(())
 }

@@ -47,8 +47,9 @@ impl JobRoutes {
 pub struct KernelState {
     /// Aggregation jobs by id (`jobs`, `ranks`, `job_index`, `ports`).
     pub jobs: BTreeMap<u16, XdpJob>,
-    /// Rings by dense index with their members (`ring_jobs`); fixed for
-    /// the life of the loaded program (their memory is sized at load).
+    /// Rings by dense index with their members (`ring_jobs`, `ring_index`,
+    /// `ring_ports`, `ring_members`), each in its region of the ring memory
+    /// reserved at load (`RingJob::base`, placed by `RingPool`).
     pub rings: BTreeMap<u32, (abi::RingJob, Vec<Ipv4Addr>)>,
     /// Broadcast groups' root tables by id (`bcast_groups`).
     pub groups: BTreeMap<u16, Vec<SocketAddrV4>>,
@@ -67,7 +68,10 @@ pub enum Change {
     RemoveJob(u16),
     /// Write a job (in place when it exists: same membership keeps its slots).
     SetJob(XdpJob),
-    /// Write a ring's entry.
+    /// Remove the ring at a dense index, as it was written (its port and id
+    /// unpublished, its entries cleared).
+    RemoveRing(u32, abi::RingJob),
+    /// Write a ring's entry (its region and index cleared first).
     SetRing(u32, abi::RingJob, Vec<Ipv4Addr>),
     /// Write a job's routes.
     SetRoutes(u16, JobRoutes),
@@ -114,16 +118,15 @@ pub fn job_routes(job: &JobConfig) -> JobRoutes {
 
 impl KernelState {
     /// The state `config` asks for on an interface of MTU `iface_mtu`, with
-    /// its rings as `ring_jobs` placed this node in them (same order as
-    /// `config.rings`).
-    pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[abi::RingJob]) -> KernelState {
+    /// its rings as `ring_jobs` placed them (dense index and entry, same
+    /// order as `config.rings`: `node::ring_jobs`).
+    pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[(u32, abi::RingJob)]) -> KernelState {
         KernelState {
             jobs: config.jobs.iter().map(|j| (j.id, xdp_job(j, iface_mtu))).collect(),
             rings: ring_jobs
                 .iter()
                 .zip(&config.rings)
-                .enumerate()
-                .map(|(dense, (job, ring))| (dense as u32, (*job, ring.members.clone())))
+                .map(|((dense, job), ring)| (*dense, (*job, ring.members.clone())))
                 .collect(),
             groups: config.groups.iter().map(|g| (g.id, g.members.clone())).collect(),
             routes: config
@@ -139,7 +142,10 @@ impl KernelState {
     /// `new`, in an order where nothing points at what is missing: groups
     /// before the routes that name them, a job's old routes gone before the
     /// job, routes after their job, removed groups last. A job whose entry
-    /// changes has its routes written afresh too.
+    /// changes has its routes written afresh too. A ring whose entry
+    /// changes (or moves) is removed and written again; removed jobs and
+    /// rings go before new ones are written, so a port that passes from a
+    /// job to a ring (or back) is never both.
     pub fn changes_to(&self, new: &KernelState) -> Vec<Change> {
         let mut out = Vec::new();
         for (id, members) in &new.groups {
@@ -159,13 +165,19 @@ impl KernelState {
                 out.push(Change::RemoveJob(*id));
             }
         }
+        let ring_changed = |a: &KernelState, b: &KernelState, dense: &u32| a.rings.get(dense) != b.rings.get(dense);
+        for (dense, (job, _)) in &self.rings {
+            if ring_changed(self, new, dense) {
+                out.push(Change::RemoveRing(*dense, *job));
+            }
+        }
         for (id, job) in &new.jobs {
             if job_changed(id) {
                 out.push(Change::SetJob(job.clone()));
             }
         }
         for (dense, (job, members)) in &new.rings {
-            if self.rings.get(dense) != Some(&(*job, members.clone())) {
+            if ring_changed(self, new, dense) {
                 out.push(Change::SetRing(*dense, *job, members.clone()));
             }
         }
@@ -183,8 +195,9 @@ impl KernelState {
     }
 
     /// Jobs, groups and routes of `self` whose changes a running node can
-    /// take (its rings are fixed): an error names the first that cannot be
-    /// written (a job the XDP plane refuses), before anything changes.
+    /// take (its rings were placed by `RingPool`, which refuses what does
+    /// not fit): an error names the first that cannot be written (a job
+    /// the XDP plane refuses), before anything changes.
     pub fn check(&self) -> Result<()> {
         for job in self.jobs.values() {
             job.validate().map_err(|e| anyhow!("{e}"))?;
@@ -238,6 +251,7 @@ impl StateTarget for Planes<'_> {
             },
             Change::RemoveJob(id) => self.xdp.remove_job(*id).map_err(|e| anyhow!("removing job {id}: {e}")),
             Change::SetJob(job) => self.xdp.set_job(job.id, job).map_err(|e| anyhow!("job {}: {e}", job.id)),
+            Change::RemoveRing(dense, job) => self.xdp.remove_ring(*dense, job).map_err(|e| anyhow!("removing ring {}: {e}", job.id)),
             Change::SetRing(dense, job, members) => {
                 self.xdp.set_ring(*dense, job, members).map_err(|e| anyhow!("ring {}: {e}", job.id))
             }
@@ -318,7 +332,15 @@ mod tests {
                 Change::SetJob(j) => {
                     s.jobs.insert(j.id, j.clone());
                 }
+                Change::RemoveRing(d, _) => {
+                    s.rings.remove(d);
+                }
                 Change::SetRing(d, j, m) => {
+                    assert!(
+                        !s.rings.iter().any(|(other, (o, _))| other != d && (o.port == j.port || o.id == j.id)),
+                        "ring {} written at {d} while another index holds its id or port",
+                        j.id
+                    );
                     s.rings.insert(*d, (*j, m.clone()));
                 }
                 Change::SetRoutes(id, r) => {
@@ -357,7 +379,15 @@ workers = [\"10.0.0.2\", \"10.0.0.3\"]
 ";
 
     fn state(text: &str) -> KernelState {
-        KernelState::of(&config(text), 1500, &[])
+        let config = config(text);
+        let pool = crate::kernel::xdp::RingPool::reserve(&[], 10, 1000).unwrap().place(&config.rings).expect("rings fit");
+        let rings = crate::node::ring_jobs(&config, "eth0", &["10.0.0.2".parse().unwrap()], &pool).expect("ring jobs");
+        KernelState::of(&config, 1500, &rings)
+    }
+
+    /// Ring `id` on `port` of `len` elements, fragments of 10.
+    fn ring(id: u16, port: u16, len: u32) -> String {
+        format!("[[ring]]\nid = {id}\nport = {port}\nmembers = [\"10.0.0.2\", \"10.0.0.3\"]\nvector_len = {len}\nfrag_elems = 10\n\n")
     }
 
     #[test]
@@ -408,6 +438,26 @@ workers = [\"10.0.0.2\", \"10.0.0.3\"]
         assert_eq!(changes, [Change::RemoveRoutes(1), Change::RemoveJob(1), Change::RemoveGroup(3)]);
     }
 
+    #[test]
+    fn a_changed_ring_is_removed_before_it_is_written_and_a_port_passes_from_a_job_to_a_ring() {
+        let (one, resized) = (state(&format!("{BASE}{}", ring(40, 7400, 20))), state(&format!("{BASE}{}", ring(40, 7400, 40))));
+        let changes = one.changes_to(&resized);
+        assert!(
+            matches!(&changes[..], [Change::RemoveRing(0, old), Change::SetRing(0, new, _)] if old.frags == 2 && new.frags == 4),
+            "{changes:?}"
+        );
+        assert!(one.changes_to(&one).is_empty(), "a ring left alone is not written");
+        // Job 1's port 7000 becomes ring 42's: the job goes before the ring comes.
+        let to_ring = state(&format!("[[job]]\nid = 2\nport = 7100\nresult_port = 7101\nworkers = [\"10.0.0.2\", \"10.0.0.3\"]\n{}", ring(42, 7000, 20)));
+        let changes = state(BASE).changes_to(&to_ring);
+        let at = |want: &dyn Fn(&Change) -> bool| changes.iter().position(want).unwrap_or_else(|| panic!("{changes:?}"));
+        assert!(at(&|c| matches!(c, Change::RemoveJob(1))) < at(&|c| matches!(c, Change::SetRing(_, j, _) if j.port == 7000)));
+        // And back: the ring goes before the job comes.
+        let changes = to_ring.changes_to(&state(BASE));
+        let at = |want: &dyn Fn(&Change) -> bool| changes.iter().position(want).unwrap_or_else(|| panic!("{changes:?}"));
+        assert!(at(&|c| matches!(c, Change::RemoveRing(_, j) if j.port == 7000)) < at(&|c| matches!(c, Change::SetJob(j) if j.id == 1)));
+    }
+
     /// Configs a reload may move between: every pair is tried both ways.
     fn variants() -> Vec<KernelState> {
         let texts = [
@@ -418,6 +468,10 @@ workers = [\"10.0.0.2\", \"10.0.0.3\"]
             "[[job]]\nid = 2\nport = 7100\nresult_port = 7101\nworkers = [\"10.0.0.2\", \"10.0.0.3\"]\n".to_string(),
             "[[group]]\nid = 4\nmembers = [\"10.0.0.5:9000\"]\n\n[[job]]\nid = 9\nport = 7200\nresult_port = 7201\nworkers = [\"10.0.0.2\"]\nresult_group = 4\nparent = { addr = \"10.0.0.9\", port = 7300, job = 5, rank = 1 }\n".to_string(),
             String::new(),
+            format!("{BASE}{}", ring(40, 7400, 20)),
+            format!("{BASE}{}", ring(40, 7400, 40)),
+            format!("{BASE}{}{}", ring(41, 7401, 30), ring(40, 7400, 20)),
+            format!("[[job]]\nid = 2\nport = 7100\nresult_port = 7101\nworkers = [\"10.0.0.2\", \"10.0.0.3\"]\n{}", ring(42, 7000, 20)),
         ];
         texts.iter().map(|t| state(t)).collect()
     }

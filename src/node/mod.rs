@@ -133,6 +133,9 @@ pub struct Attachment {
     config: Config,
     /// What the kernel's maps hold for it (reload moves from this state).
     kernel: desired::KernelState,
+    /// The ring memory reserved at attach and where its rings sit in it
+    /// (reload places the new rings in it).
+    ring_pool: xdp::RingPool,
     dir: PathBuf,
     /// The attach record written to `state.json`.
     pub record: AttachRecord,
@@ -172,7 +175,11 @@ pub fn attach_chain(
     // The result ports of node-served jobs first: one another process holds
     // fails the attach before anything changes.
     let node_addrs = crate::netif::interface_ipv4(iface).with_context(|| format!("aggbox: reading the addresses of {iface}"))?;
-    let rings = ring_jobs(config, iface, &node_addrs)?;
+    // The ring memory: the file's rings and `[node] ring_pool` more, for
+    // rings a reload (or a run) adds later.
+    let ring_pool = xdp::RingPool::reserve(&config.rings, config.ring_frag_elems(), config.node.ring_pool)
+        .map_err(|e| anyhow!("aggbox: {e}"))?;
+    let rings = ring_jobs(config, iface, &node_addrs, &ring_pool)?;
     let served = serve::BoundJobs::bind(config, node_addrs).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     let mounted_bpffs = ensure_bpffs(pin_root)?;
     let dir = pin_dir(pin_root, iface);
@@ -210,12 +217,11 @@ pub fn attach_chain(
             chain.max_mtu()
         ));
     }
-    if !config.rings.is_empty() {
+    if ring_pool.usage().reserved > 0 {
         // the ring program's bpf_fib_lookup needs forwarding on IFACE
         tc::check_ip_forward(index).map_err(|e| anyhow!("aggbox: {e}"))?;
     }
-    let (ring_sizing, _) = xdp::RingSizing::of(&config.rings);
-    let dataplane = XdpPlane::load_chain_with(chain, ring_sizing).map_err(|e| anyhow!("aggbox: {e:#}"))?;
+    let dataplane = XdpPlane::load_chain_with(chain, ring_pool.sizing()).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     // Broadcast: the TC programs are loaded only when something needs them
     // (a [[group]], or a job whose results leave the node), so a node that
     // only aggregates adds nothing to its egress path. bpf_fib_lookup needs
@@ -350,6 +356,7 @@ pub fn attach_chain(
         rings: None,
         config: config.clone(),
         kernel,
+        ring_pool,
         dir: dir.clone(),
         record,
         warnings,
@@ -369,7 +376,7 @@ pub fn attach_chain(
         }
     }
     // The ring service maps the pinned ring memory, so it starts after the pins.
-    match ring::RingServer::start_for(config, &dir) {
+    match ring::RingServer::start_for(&attachment.kernel, &dir, &attachment.ring_pool) {
         Ok(server) => attachment.rings = server,
         Err(e) => {
             attachment.abandon();
@@ -379,13 +386,13 @@ pub fn attach_chain(
     Ok(attachment)
 }
 
-/// Each configured ring's entry of `ring_jobs` (docs/RING.md), in file
-/// order (the dense index): this node's place is the member whose address
-/// is one of `iface`'s.
-pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr]) -> Result<Vec<crate::wire::abi::RingJob>> {
-    let (_, bases) = xdp::RingSizing::of(&config.rings);
+/// Each configured ring's dense index and entry of `ring_jobs`
+/// (docs/RING.md), in file order, at the place `pool` gives it
+/// ([`xdp::RingPool::place`]): this node's place in the ring is the member
+/// whose address is one of `iface`'s.
+pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr], pool: &xdp::RingPool) -> Result<Vec<(u32, abi::RingJob)>> {
     let mut out = Vec::with_capacity(config.rings.len());
-    for (ring, base) in config.rings.iter().zip(bases) {
+    for ring in &config.rings {
         let n = ring.members.len();
         let Some(me) = ring.members.iter().position(|a| node_addrs.contains(a)) else {
             bail!(
@@ -395,7 +402,8 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr]) -> Resul
                 ring.members.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
             );
         };
-        out.push(crate::wire::abi::RingJob {
+        let place = pool.place_of(ring.id).ok_or_else(|| anyhow!("aggbox: ring {}: no place in the ring pool", ring.id))?;
+        let job = abi::RingJob {
             id: ring.id,
             port: ring.port,
             members: n as u16,
@@ -403,12 +411,16 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr]) -> Resul
             frag_elems: ring.frag_elems,
             frags: ring.frags(),
             vector_len: ring.vector_len,
-            base,
+            base: place.base,
             weight_sum: ring.weight_sum(),
             weight: ring.weights[me],
             self_addr: u32::from(ring.members[me]).to_be(),
             next_addr: u32::from(ring.members[(me + 1) % n]).to_be(),
-        });
+        };
+        if job.entries() != place.entries {
+            bail!("aggbox: ring {}: {} entries placed for its {}", ring.id, place.entries, job.entries());
+        }
+        out.push((place.dense, job));
     }
     Ok(out)
 }
@@ -710,21 +722,26 @@ mod ring_job_tests {
 
     const TEXT: &str = "[[ring]]\nid = 40\nport = 7400\nmembers = [\"10.0.0.1\", \"10.0.0.2\", \"10.0.0.3\"]\nweights = [1, 2, 3]\nvector_len = 1000\n\n[[ring]]\nid = 41\nport = 7401\nmembers = [\"10.0.0.3\", \"10.0.0.1\"]\nvector_len = 10\n";
 
+    fn pool(config: &Config) -> xdp::RingPool {
+        xdp::RingPool::reserve(&config.rings, config.ring_frag_elems(), config.node.ring_pool).unwrap()
+    }
+
     #[test]
     fn a_node_takes_its_place_and_its_fragments_by_its_address() {
         let config = Config::parse(TEXT, "rings.toml").unwrap();
-        let jobs = ring_jobs(&config, "eth0", &["192.168.1.1".parse().unwrap(), "10.0.0.3".parse().unwrap()]).unwrap();
-        let (a, b) = (&jobs[0], &jobs[1]);
+        let jobs = ring_jobs(&config, "eth0", &["192.168.1.1".parse().unwrap(), "10.0.0.3".parse().unwrap()], &pool(&config)).unwrap();
+        let ((da, a), (db, b)) = (&jobs[0], &jobs[1]);
         assert_eq!((a.me, a.members, a.weight, a.weight_sum, a.frags, a.base), (2, 3, 3, 6, 3, 0));
         assert_eq!(a.next_addr, u32::from(Ipv4Addr::new(10, 0, 0, 1)).to_be(), "after the last member, the first");
         assert_eq!(a.self_addr, u32::from(Ipv4Addr::new(10, 0, 0, 3)).to_be());
         assert_eq!((b.me, b.frags, b.base), (0, 1, 6), "the second ring's entries follow the first's two buffers");
+        assert_eq!((*da, *db), (0, 1), "dense indices in file order");
     }
 
     #[test]
     fn a_node_that_is_no_member_is_refused_naming_the_ring_and_its_addresses() {
         let config = Config::parse(TEXT, "rings.toml").unwrap();
-        let e = ring_jobs(&config, "eth0", &["10.0.0.9".parse().unwrap()]).unwrap_err().to_string();
+        let e = ring_jobs(&config, "eth0", &["10.0.0.9".parse().unwrap()], &pool(&config)).unwrap_err().to_string();
         assert!(e.contains("ring 40") && e.contains("10.0.0.9") && e.contains("not a member"), "{e}");
     }
 }

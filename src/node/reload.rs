@@ -1,7 +1,8 @@
 //! Reloading a running node's configuration (SIGHUP to `aggbox attach`, or
-//! `aggbox reload IFACE`): the `[[job]]`s and `[[group]]`s of the new file
-//! replace the old ones while the programs stay attached, so that adding,
-//! changing or removing one job does not disturb another job's calls.
+//! `aggbox reload IFACE`): the `[[job]]`s, `[[group]]`s and `[[ring]]`s of
+//! the new file replace the old ones while the programs stay attached, so
+//! that adding, changing or removing one job or ring does not disturb
+//! another's calls.
 //!
 //! - A job whose settings are the same keeps everything: its kernel slots
 //!   and counters, its user-space slots, its routes and, when the node
@@ -12,13 +13,21 @@
 //! - A changed job is rewritten in place (`XdpPlane::set_job` keeps its
 //!   kernel state when the membership is the same); its user-space slots and
 //!   result service start afresh.
+//! - `[[ring]]`s are placed in the ring memory reserved at attach
+//!   (`RingPool::place`, docs/RING.md "Configuration"): a ring whose table
+//!   is the same keeps its place, its entries and its service untouched; a
+//!   removed ring's service stops and its entries go; a new or changed
+//!   ring is written (its region cleared) at the place the pool gives it
+//!   and its service starts.
 //!
 //! Everything that can be refused is checked before anything changes: a
 //! file that does not parse (`Config::load` names file, line and key), a
 //! changed `[node]` section (named key by key: those settings are the
 //! attach's, a restart applies them), a config that needs what this attach
 //! did not set up (TC programs, XDP on `lo`), a result port another process
-//! holds. A refused reload changes nothing; the outcome of every reload is
+//! holds, rings that do not fit the ring memory (named with the elements
+//! asked and free) or have another `frag_elems`, a ring port another
+//! process holds. A refused reload changes nothing; the outcome of every reload is
 //! kept in the attach record, where `aggbox reload` reads it.
 //!
 //! The kernel's side of a reload is the difference between two
@@ -32,7 +41,7 @@ use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::desired::{self, KernelState};
-use super::{check_local_members, local_workers, serve, Attachment, LOOPBACK};
+use super::{check_local_members, local_workers, ring, serve, Attachment, LOOPBACK};
 use crate::config::{Config, NodeConfig};
 
 /// What a reload changed, by job and group id.
@@ -48,6 +57,16 @@ pub struct ReloadSummary {
     pub unchanged: Vec<u16>,
     /// Groups added, changed or removed.
     pub groups: Vec<u16>,
+    /// Rings that are new.
+    #[serde(default)]
+    pub rings_added: Vec<u16>,
+    /// Rings whose table changed (a new place when resized: applications
+    /// open them again).
+    #[serde(default)]
+    pub rings_changed: Vec<u16>,
+    /// Rings that are gone.
+    #[serde(default)]
+    pub rings_removed: Vec<u16>,
 }
 
 impl fmt::Display for ReloadSummary {
@@ -67,7 +86,17 @@ impl fmt::Display for ReloadSummary {
             ids(&self.removed),
             ids(&self.unchanged),
             ids(&self.groups)
-        )
+        )?;
+        if !(self.rings_added.is_empty() && self.rings_changed.is_empty() && self.rings_removed.is_empty()) {
+            write!(
+                f,
+                "; rings added: {}; changed: {}; removed: {}",
+                ids(&self.rings_added),
+                ids(&self.rings_changed),
+                ids(&self.rings_removed)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -109,6 +138,12 @@ fn node_keys_changed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
     if old.keys != new.keys {
         keys.push("keys");
     }
+    if old.ring_pool != new.ring_pool {
+        keys.push("ring_pool");
+    }
+    if old.ring_frag_elems != new.ring_frag_elems {
+        keys.push("ring_frag_elems");
+    }
     keys
 }
 
@@ -138,6 +173,14 @@ fn diff(old: &Config, new: &Config) -> ReloadSummary {
         }
     }
     s.groups.extend(old.groups.iter().map(|g| g.id).filter(|&id| new.group(id).is_none()));
+    for r in &new.rings {
+        match old.ring(r.id) {
+            None => s.rings_added.push(r.id),
+            Some(o) if o != r => s.rings_changed.push(r.id),
+            Some(_) => {}
+        }
+    }
+    s.rings_removed = old.rings.iter().map(|r| r.id).filter(|&id| new.ring(id).is_none()).collect();
     s
 }
 
@@ -153,7 +196,8 @@ impl Attachment {
     /// module docs); `config_path` is where `new` was read. The outcome is
     /// also written to the attach record.
     pub fn reload(&mut self, new: &Config, config_path: Option<&Path>) -> Result<ReloadSummary> {
-        let result = self.apply_reload(new);
+        let origin = config_path.map_or_else(|| "the configuration".to_string(), |p| p.display().to_string());
+        let result = self.apply_reload(new, &origin);
         if result.is_ok() {
             self.record.jobs = new.jobs.iter().map(|j| j.id).collect();
             self.record.config = config_path.map(|p| p.display().to_string());
@@ -169,9 +213,11 @@ impl Attachment {
     /// Applies the jobs on demand: `new` is the file's configuration with
     /// the control endpoint's live jobs (`node::control::with_dynamic_jobs`),
     /// applied as a reload applies a file, but neither counted as an
-    /// operator's reload nor changing the recorded file.
+    /// operator's reload nor changing the recorded file. Its `rings` are
+    /// applied alike: a ring added to `new` is placed in the ring pool
+    /// ([`Attachment::ring_pool`]), written and served.
     pub fn apply_jobs(&mut self, new: &Config) -> Result<ReloadSummary> {
-        let summary = self.apply_reload(new)?;
+        let summary = self.apply_reload(new, "the jobs on demand")?;
         self.record.jobs = new.jobs.iter().map(|j| j.id).collect();
         super::update_record(&self.dir, &self.record)?;
         Ok(summary)
@@ -196,7 +242,16 @@ impl Attachment {
         super::update_record(&self.dir, &self.record)
     }
 
-    fn apply_reload(&mut self, new: &Config) -> Result<ReloadSummary> {
+    /// The ring memory reserved at attach and the rings placed in it (what
+    /// a ring added now would find free: `RingPool::place` answers before
+    /// anything changes).
+    pub fn ring_pool(&self) -> &crate::kernel::xdp::RingPool {
+        &self.ring_pool
+    }
+
+    /// `new` applied (see the module docs); `origin` names where it came
+    /// from in a refusal (the file, or the jobs on demand).
+    fn apply_reload(&mut self, new: &Config, origin: &str) -> Result<ReloadSummary> {
         let old = self.config.clone();
         // Checks: nothing changes until all pass.
         let keys = node_keys_changed(&old.node, &new.node);
@@ -204,11 +259,6 @@ impl Attachment {
             bail!(
                 "[node] {} changed: these are the attach's settings, restart `aggbox attach` to apply them; nothing was changed",
                 keys.join(", ")
-            );
-        }
-        if old.rings != new.rings {
-            bail!(
-                "[[ring]] tables changed: a ring's memory is sized when the program loads (docs/RING.md), restart `aggbox attach` to apply them; nothing was changed"
             );
         }
         let summary = diff(&old, new);
@@ -229,12 +279,18 @@ impl Attachment {
         }
         let iface_mtu = crate::netif::interface_mtu(&self.record.iface)
             .map_err(|e| anyhow!("reading the MTU of {}: {e}; nothing was changed", self.record.iface))?;
-        // A ring's place is fixed at attach (checked above: the rings are the same).
-        let mut kernel = KernelState::of(new, iface_mtu, &[]);
-        kernel.rings = self.kernel.rings.clone();
-        kernel.check().map_err(|e| anyhow!("{e}; nothing was changed"))?;
         let node_addrs = crate::netif::interface_ipv4(&self.record.iface)
             .map_err(|e| anyhow!("reading the addresses of {}: {e}; nothing was changed", self.record.iface))?;
+        // The rings in the memory reserved at attach: those that stay keep
+        // their place, new and resized ones take free regions, or the
+        // reload is refused with the numbers.
+        let ring_pool = self.ring_pool.place(&new.rings).map_err(|e| anyhow!("{origin}: {e}; nothing was changed"))?;
+        let ring_jobs = super::ring_jobs(new, &self.record.iface, &node_addrs, &ring_pool)
+            .map_err(|e| anyhow!("{origin}: {e:#}; nothing was changed"))?;
+        let kernel = KernelState::of(new, iface_mtu, &ring_jobs);
+        kernel.check().map_err(|e| anyhow!("{e}; nothing was changed"))?;
+        let ring_services = ring::RingServiceChange::between(self.rings.as_ref(), &self.kernel, &kernel)
+            .map_err(|e| anyhow!("{e:#}; nothing was changed"))?;
         let served = serve::ServedChange::bind_change(&old, new, node_addrs).map_err(|e| anyhow!("{e:#}; nothing was changed"))?;
 
         // Apply. The kernel's maps move from the state in force to the new
@@ -245,6 +301,10 @@ impl Attachment {
         if let Some(userspace) = &mut self.userspace {
             userspace.reconfigure(new, &reset)?;
         }
+        // The services of the rings that go stop before their entries do
+        // (nothing of theirs may write a region a new ring is given), and
+        // the new rings' start once their entries are written.
+        let stopped = ring_services.stop(self.rings.as_ref());
         let mut planes = desired::Planes {
             xdp: &self.xdp,
             tc: self.tc.as_ref(),
@@ -253,6 +313,7 @@ impl Attachment {
             if let Some(userspace) = &mut self.userspace {
                 let _ = userspace.reconfigure(&old, &reset);
             }
+            let _ = ring::RingServiceChange::undo(self.rings.as_ref(), stopped);
             return Err(e.context("the kernel refused a write; the node's maps were set back to the old config"));
         }
         if self.tc.is_some() {
@@ -262,6 +323,10 @@ impl Attachment {
             }
         }
         self.kernel = kernel;
+        self.ring_pool = ring_pool;
+        // Their sockets were bound above: only a stopped ring's socket that
+        // could not be passed on is bound here, which hardly fails.
+        let rings_started = ring_services.start(self.rings.as_ref(), stopped);
         if !served.is_empty() {
             match &self.results {
                 Some(server) => server.apply(served)?,
@@ -269,6 +334,7 @@ impl Attachment {
             }
         }
         self.config = new.clone();
+        rings_started.map_err(|e| anyhow!("applied, but the new rings' service did not start: {e:#}"))?;
         Ok(summary)
     }
 }

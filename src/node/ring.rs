@@ -28,8 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 
-use crate::config::{Config, RingConfig};
-use crate::wire::ring_memory::{self, RingMemory};
+use crate::wire::ring_memory::RingMemory;
 pub use crate::wire::ring_memory::{RingServiceStats, SERVICE_STATS_MAP as STATS_MAP};
 use crate::wire::abi::{self, Op, Round, RingJob};
 use crate::wire::ring::{self as wire_ring, RingHeader, RingKind, RingLayout, MAX_NACK_INDEXES};
@@ -194,13 +193,6 @@ impl RingService {
             stall: Stall { finals: 0, since: Instant::now(), after: NACK_AFTER },
             stats: RingServiceStats::default(),
         })
-    }
-
-    /// The service of `ring` on the node whose maps are pinned in
-    /// `pin_dir` (its `ring_jobs` entry says where it sits), over `memory`.
-    pub fn from_pinned(ring: &RingConfig, pin_dir: &Path, memory: Arc<RingMemory>) -> Result<RingService> {
-        let (dense, job) = ring_memory::pinned_ring_job(pin_dir, ring.id)?;
-        RingService::new(dense, job, ring.members.clone(), memory)
     }
 
     /// Own fragments not final here, at most (default [`default_window`]).
@@ -613,11 +605,31 @@ pub fn bind_ring_socket(addr: Ipv4Addr, port: u16) -> Result<UdpSocket> {
 /// The counters of every ring's service by ring id, as of the last poll.
 pub type RingStatsFn = Arc<dyn Fn() -> HashMap<u16, RingServiceStats> + Send + Sync>;
 
+/// One served ring: its bound sockets (the first is the one it sends from,
+/// every one is read) and its service.
+pub type ServedRing = (Vec<UdpSocket>, RingService);
+
+/// What the serving thread and the node share: the rings served now, and
+/// the counters last published of each.
+#[derive(Default)]
+struct Served {
+    rings: Vec<ServedRing>,
+    last: HashMap<u16, RingServiceStats>,
+}
+
 /// The thread serving every ring of a node; stopped and joined on drop.
+/// Rings come and go while it runs ([`RingServer::stop_rings`],
+/// [`RingServer::serve_rings`]): a reload that adds or removes one leaves
+/// the others' services (their rounds, held PARTIALs, counters) alone.
 pub struct RingServer {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    served: Arc<Mutex<Served>>,
     stats: Arc<Mutex<HashMap<u16, RingServiceStats>>>,
+    /// The node's mapped ring memory (`None` for servers over memory of
+    /// their own, in tests).
+    memory: Option<Arc<RingMemory>>,
+    pinned: Option<Arc<libbpf_rs::MapHandle>>,
 }
 
 impl std::fmt::Debug for RingServer {
@@ -627,11 +639,16 @@ impl std::fmt::Debug for RingServer {
 }
 
 impl RingServer {
-    /// Serves every `[[ring]]` of `config` on the node whose maps are
-    /// pinned in `pin_dir` (`None` when it has no ring); the counters also
-    /// go to `pin_dir/ring_service` ([`STATS_MAP`]).
-    pub fn start_for(config: &Config, pin_dir: &Path) -> Result<Option<RingServer>> {
-        if config.rings.is_empty() {
+    /// Serves the rings of `kernel` (their dense indices and `ring_jobs`
+    /// entries) on the node whose maps are pinned in `pin_dir`; `None`
+    /// when `pool` reserves no ring memory (no ring can ever be served).
+    /// The counters also go to `pin_dir/ring_service` ([`STATS_MAP`]).
+    pub fn start_for(
+        kernel: &super::desired::KernelState,
+        pin_dir: &Path,
+        pool: &crate::kernel::xdp::RingPool,
+    ) -> Result<Option<RingServer>> {
+        if pool.usage().reserved == 0 {
             return Ok(None);
         }
         let memory = Arc::new(RingMemory::open_pinned(pin_dir)?);
@@ -642,32 +659,68 @@ impl RingServer {
             abi::MAX_RINGS,
         )?);
         let mut rings = Vec::new();
-        for ring in &config.rings {
-            let service = RingService::from_pinned(ring, pin_dir, memory.clone())
-                .map_err(|e| anyhow!("ring {}: {e:#}", ring.id))?;
-            // The member's address, so that what the service sends comes
-            // from the address the other members' XDP programs check
-            // (a node may have several); and loopback for the KICKs.
-            let sockets =
-                vec![bind_ring_socket(service.self_addr(), ring.port)?, bind_ring_socket(Ipv4Addr::LOCALHOST, ring.port)?];
+        for (dense, (job, members)) in &kernel.rings {
+            let service = RingService::new(*dense, *job, members.clone(), memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
+            let sockets = bind_service_sockets(&service)?;
             rings.push((sockets, service));
         }
-        Ok(Some(RingServer::start(rings, Some(pinned))?))
+        let mut server = RingServer::start(rings, Some(pinned))?;
+        server.memory = Some(memory);
+        Ok(Some(server))
     }
 
-    /// Serves `rings` on a thread of its own, each with its bound sockets:
-    /// the first is the one it sends from, every one is read.
-    pub fn start(rings: Vec<(Vec<UdpSocket>, RingService)>, pinned: Option<Arc<libbpf_rs::MapHandle>>) -> Result<RingServer> {
+    /// Serves `rings` on a thread of its own.
+    pub fn start(rings: Vec<ServedRing>, pinned: Option<Arc<libbpf_rs::MapHandle>>) -> Result<RingServer> {
         if rings.iter().any(|(sockets, _)| sockets.is_empty()) {
             return Err(anyhow!("a ring without a socket"));
         }
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Mutex::new(HashMap::new()));
-        let (flag, shared) = (stop.clone(), stats.clone());
+        let served = Arc::new(Mutex::new(Served { rings, last: HashMap::new() }));
+        let (flag, shared, serving, map) = (stop.clone(), stats.clone(), served.clone(), pinned.clone());
         let thread = std::thread::Builder::new()
             .name("aggbox-ring".into())
-            .spawn(move || serve(rings, &flag, &shared, pinned.as_deref()))?;
-        Ok(RingServer { stop, thread: Some(thread), stats })
+            .spawn(move || serve(&serving, &flag, &shared, map.as_deref()))?;
+        Ok(RingServer { stop, thread: Some(thread), served, stats, memory: None, pinned })
+    }
+
+    /// The node's mapped ring memory, over which new rings' services run.
+    pub fn memory(&self) -> Option<&Arc<RingMemory>> {
+        self.memory.as_ref()
+    }
+
+    /// Stops serving the rings `ids` and hands their sockets and services
+    /// back (to serve them again, or to reuse the sockets for the ring's
+    /// next service); their counters leave `/metrics` and `aggbox status`.
+    /// When this returns, the thread no longer touches them.
+    pub fn stop_rings(&self, ids: &[u16]) -> Vec<ServedRing> {
+        let mut served = self.served.lock().unwrap_or_else(|p| p.into_inner());
+        let (taken, kept): (Vec<ServedRing>, Vec<ServedRing>) = served.rings.drain(..).partition(|(_, s)| ids.contains(&s.id()));
+        served.rings = kept;
+        let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        for id in ids {
+            served.last.remove(id);
+            stats.remove(id);
+            if let Some(map) = &self.pinned {
+                let _ = crate::kernel::maps::delete_if_present(map.as_ref(), &u32::from(*id).to_ne_bytes());
+            }
+        }
+        taken
+    }
+
+    /// Serves `rings` too (new rings, or rings [`RingServer::stop_rings`]
+    /// handed back).
+    pub fn serve_rings(&self, rings: Vec<ServedRing>) -> Result<()> {
+        if rings.iter().any(|(sockets, _)| sockets.is_empty()) {
+            return Err(anyhow!("a ring without a socket"));
+        }
+        self.served.lock().unwrap_or_else(|p| p.into_inner()).rings.extend(rings);
+        Ok(())
+    }
+
+    /// The ids of the rings served now.
+    pub fn ring_ids(&self) -> Vec<u16> {
+        self.served.lock().unwrap_or_else(|p| p.into_inner()).rings.iter().map(|(_, s)| s.id()).collect()
     }
 
     /// The counters of every ring, as of the last publish.
@@ -679,6 +732,117 @@ impl RingServer {
     pub fn stats_fn(&self) -> RingStatsFn {
         let stats = self.stats.clone();
         Arc::new(move || stats.lock().map(|s| s.clone()).unwrap_or_default())
+    }
+}
+
+/// A service's sockets: on the member's address, so that what the service
+/// sends comes from the address the other members' XDP programs check (a
+/// node may have several), and on loopback for the KICKs.
+pub fn bind_service_sockets(service: &RingService) -> Result<Vec<UdpSocket>> {
+    Ok(vec![bind_ring_socket(service.self_addr(), service.port())?, bind_ring_socket(Ipv4Addr::LOCALHOST, service.port())?])
+}
+
+/// A change of the rings a [`RingServer`] serves (a reload's): the rings
+/// whose services stop (removed, changed or moved) and the services that
+/// start, made and with their sockets bound before anything changes, so
+/// that a port another process holds refuses the reload; a socket a
+/// stopping ring holds at the same address and port passes to the new
+/// service (a resized ring keeps its port).
+#[derive(Debug, Default)]
+pub struct RingServiceChange {
+    stop: Vec<u16>,
+    /// Each starting service with its sockets: `Ok` bound now, `Err` the
+    /// address a stopped ring's socket is bound to.
+    start: Vec<(Vec<std::result::Result<UdpSocket, SocketAddrV4>>, RingService)>,
+}
+
+impl RingServiceChange {
+    /// The change that moves `server` from the rings of `old` to those of
+    /// `new` (the node's kernel states: a ring whose entry is the same at
+    /// the same dense index goes on untouched).
+    pub fn between(
+        server: Option<&RingServer>,
+        old: &super::desired::KernelState,
+        new: &super::desired::KernelState,
+    ) -> Result<RingServiceChange> {
+        let stopping: Vec<&RingJob> =
+            old.rings.iter().filter(|(dense, entry)| new.rings.get(dense) != Some(entry)).map(|(_, (job, _))| job).collect();
+        let starting: Vec<(u32, &RingJob, &Vec<Ipv4Addr>)> = new
+            .rings
+            .iter()
+            .filter(|(dense, entry)| old.rings.get(dense) != Some(entry))
+            .map(|(dense, (job, members))| (*dense, job, members))
+            .collect();
+        let mut change = RingServiceChange { stop: stopping.iter().map(|j| j.id).collect(), start: Vec::new() };
+        if starting.is_empty() {
+            return Ok(change);
+        }
+        let memory = server
+            .and_then(RingServer::memory)
+            .ok_or_else(|| anyhow!("the ring service is not running (this node reserved no ring memory at attach)"))?;
+        let held: Vec<SocketAddrV4> = stopping
+            .iter()
+            .flat_map(|j| [SocketAddrV4::new(Ipv4Addr::from(u32::from_be(j.self_addr)), j.port), SocketAddrV4::new(Ipv4Addr::LOCALHOST, j.port)])
+            .collect();
+        for (dense, job, members) in starting {
+            let service = RingService::new(dense, *job, members.clone(), memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
+            let mut sockets = Vec::new();
+            for addr in [service.self_addr(), Ipv4Addr::LOCALHOST] {
+                let at = SocketAddrV4::new(addr, job.port);
+                sockets.push(if held.contains(&at) { Err(at) } else { Ok(bind_ring_socket(addr, job.port)?) });
+            }
+            change.start.push((sockets, service));
+        }
+        Ok(change)
+    }
+
+    /// Whether no service stops or starts.
+    pub fn is_empty(&self) -> bool {
+        self.stop.is_empty() && self.start.is_empty()
+    }
+
+    /// Step 1, before the kernel's maps change: the services of the rings
+    /// that go stop (handed back, to [`RingServiceChange::undo`] if the
+    /// maps are set back).
+    pub fn stop(&self, server: Option<&RingServer>) -> Vec<ServedRing> {
+        match server {
+            Some(server) if !self.stop.is_empty() => server.stop_rings(&self.stop),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Step 2, once the maps hold the new rings: their services start, with
+    /// the sockets bound before or taken from `stopped`.
+    pub fn start(self, server: Option<&RingServer>, stopped: Vec<ServedRing>) -> Result<()> {
+        let mut spare: Vec<UdpSocket> = stopped.into_iter().flat_map(|(sockets, _)| sockets).collect();
+        let mut rings = Vec::new();
+        for (sockets, service) in self.start {
+            let mut bound = Vec::new();
+            for socket in sockets {
+                bound.push(match socket {
+                    Ok(socket) => socket,
+                    Err(at) => match spare.iter().position(|s| s.local_addr().ok() == Some(std::net::SocketAddr::V4(at))) {
+                        Some(i) => spare.swap_remove(i),
+                        None => bind_ring_socket(*at.ip(), at.port())?,
+                    },
+                });
+            }
+            rings.push((bound, service));
+        }
+        drop(spare);
+        match server {
+            Some(server) => server.serve_rings(rings),
+            None if rings.is_empty() => Ok(()),
+            None => Err(anyhow!("the ring service is not running")),
+        }
+    }
+
+    /// The maps were set back: the stopped services serve again.
+    pub fn undo(server: Option<&RingServer>, stopped: Vec<ServedRing>) -> Result<()> {
+        match server {
+            Some(server) => server.serve_rings(stopped),
+            None => Ok(()),
+        }
     }
 }
 
@@ -717,51 +881,75 @@ pub fn pinned_ring_counters(pin_dir: &Path) -> Result<Vec<(u16, abi::RingStats)>
     Ok(out)
 }
 
+/// The ring memory of the node whose maps are pinned in `pin_dir` and the
+/// rings placed in it (`ring_data`'s size, `ring_jobs`' entries); an empty
+/// pool when the ring maps are not pinned.
+pub fn pinned_ring_pool(pin_dir: &Path) -> Result<crate::kernel::xdp::RingPool> {
+    use crate::kernel::maps::{self, names};
+    use crate::kernel::xdp::{RingPlace, RingPool, RingSizing};
+    use libbpf_rs::{MapCore, MapFlags};
+    let (Ok(data), Ok(jobs)) = (maps::open_pinned(pin_dir, names::RING_DATA), maps::open_pinned(pin_dir, names::RING_JOBS)) else {
+        return Ok(RingPool::with_places(crate::config::DEFAULT_RING_FRAG_ELEMS, 0, []));
+    };
+    let mut places = Vec::new();
+    for dense in 0..abi::MAX_RINGS {
+        let Some(job) = jobs.lookup(&dense.to_ne_bytes(), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<RingJob>(&v)) else { continue };
+        if job.members >= 2 {
+            places.push((job.id, RingPlace { dense, base: job.base, entries: job.entries() }));
+        }
+    }
+    Ok(RingPool::with_places(data.value_size() / 4, RingSizing::reserved_in(data.max_entries()), places))
+}
+
 /// Datagrams read from one socket before the others get their turn.
 const RECV_BATCH: usize = 256;
 
-fn serve(
-    mut rings: Vec<(Vec<UdpSocket>, RingService)>,
-    stop: &AtomicBool,
-    stats: &Mutex<HashMap<u16, RingServiceStats>>,
-    pinned: Option<&libbpf_rs::MapHandle>,
-) {
+fn serve(served: &Mutex<Served>, stop: &AtomicBool, stats: &Mutex<HashMap<u16, RingServiceStats>>, pinned: Option<&libbpf_rs::MapHandle>) {
     let mut out = Vec::new();
     let mut buf = vec![0u8; 65536];
     let mut published = Instant::now();
-    let mut last: HashMap<u16, RingServiceStats> = HashMap::new();
     while !stop.load(Ordering::Relaxed) {
-        for (sockets, service) in rings.iter_mut() {
-            for socket in sockets.iter() {
-                for _ in 0..RECV_BATCH {
-                    match socket.recv_from(&mut buf) {
-                        Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
-                        Ok(_) => {}
-                        Err(_) => break,
+        // The lock is held for one pass over the rings, never while
+        // waiting: a reload that adds or removes a ring waits one pass.
+        let (mut fds, wait) = {
+            let mut guard = served.lock().unwrap_or_else(|p| p.into_inner());
+            let Served { rings, last } = &mut *guard;
+            for (sockets, service) in rings.iter_mut() {
+                for socket in sockets.iter() {
+                    for _ in 0..RECV_BATCH {
+                        match socket.recv_from(&mut buf) {
+                            Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                        send_all(&sockets[0], &mut out);
                     }
-                    send_all(&sockets[0], &mut out);
                 }
+                service.poll(Instant::now(), &mut out);
+                send_all(&sockets[0], &mut out);
             }
-            service.poll(Instant::now(), &mut out);
-            send_all(&sockets[0], &mut out);
-        }
-        let now = Instant::now();
-        if now >= published + PUBLISH_EVERY {
-            published = now;
-            publish(&rings, stats, pinned, &mut last);
-        }
-        let wake = rings.iter().map(|(_, s)| s.poll_timeout(now)).min().unwrap_or(now + IDLE_TICK);
-        let mut fds: Vec<libc::pollfd> = rings
-            .iter()
-            .flat_map(|(sockets, _)| sockets.iter())
-            .map(|s| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 })
-            .collect();
-        let wait = wake.saturating_duration_since(now).min(IDLE_TICK);
+            let now = Instant::now();
+            if now >= published + PUBLISH_EVERY {
+                published = now;
+                publish(rings, stats, pinned, last);
+            }
+            let wake = rings.iter().map(|(_, s)| s.poll_timeout(now)).min().unwrap_or(now + IDLE_TICK);
+            let fds: Vec<libc::pollfd> = rings
+                .iter()
+                .flat_map(|(sockets, _)| sockets.iter())
+                .map(|s| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+                .collect();
+            (fds, wake.saturating_duration_since(now).min(IDLE_TICK))
+        };
+        // A socket closed meanwhile (its ring stopped) only ends the wait
+        // early: the next pass polls the rings served then.
         let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.as_nanos() as libc::c_long };
         // SAFETY: fds is a valid pollfd array for the call; ts a valid timespec.
         unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
     }
-    publish(&rings, stats, pinned, &mut last);
+    let mut guard = served.lock().unwrap_or_else(|p| p.into_inner());
+    let Served { rings, last } = &mut *guard;
+    publish(rings, stats, pinned, last);
 }
 
 /// Sends what the services queued; a datagram the socket refuses is lost
@@ -773,7 +961,7 @@ fn send_all(socket: &UdpSocket, out: &mut Vec<Transmit>) {
 }
 
 fn publish(
-    rings: &[(Vec<UdpSocket>, RingService)],
+    rings: &[ServedRing],
     stats: &Mutex<HashMap<u16, RingServiceStats>>,
     pinned: Option<&libbpf_rs::MapHandle>,
     last: &mut HashMap<u16, RingServiceStats>,

@@ -59,6 +59,10 @@ pub struct NodeStatus {
     pub rings: BTreeMap<u16, BTreeMap<String, u64>>,
     /// Per ring id: the node's ring service's counters.
     pub ring_service: BTreeMap<u16, crate::node::ring::RingServiceStats>,
+    /// The ring memory reserved at attach (the file's rings and `[node]
+    /// ring_pool`), used by the rings now, and free (docs/RING.md
+    /// "Configuration"); all 0 when none is reserved.
+    pub ring_pool: crate::kernel::xdp::RingPoolUsage,
 }
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
@@ -164,7 +168,8 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
             ring_service.insert(id as u16, v);
         }
     }
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service })
+    let ring_pool = crate::node::ring::pinned_ring_pool(dir)?.usage();
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service, ring_pool })
 }
 
 /// One member of a broadcast table, with its next-hop cache entry.
@@ -468,6 +473,14 @@ pub fn format_status(status: &NodeStatus) -> String {
         ] {
             let _ = writeln!(s, "    {name:<28} {count:>12}");
         }
+    }
+    let pool = &status.ring_pool;
+    if pool.reserved > 0 {
+        let _ = writeln!(
+            s,
+            "  ring pool: {} elements reserved (fragments of {}), {} used, {} free (largest free region {})",
+            pool.reserved, pool.frag_elems, pool.used, pool.free, pool.largest_free
+        );
     }
     for (ring, counts) in &status.rings {
         let _ = writeln!(s, "  ring {ring} (XDP):");

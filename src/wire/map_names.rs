@@ -72,6 +72,8 @@ pub const RING_DONE: &str = "ring_done";
 pub const RING_CTRL: &str = "ring_ctrl";
 /// Per-CPU per-ring counters (`abi::RingStats`).
 pub const RING_STATS: &str = "ring_stats";
+/// Per ring (dense index): the next hop's MACs and interface (BPF-only).
+pub const RING_NEXTHOP: &str = "ring_nexthop";
 /// AF_XDP sockets by RX queue (XSKMAP).
 pub const XSKS: &str = "xsks";
 /// The longest frame redirected to an AF_XDP socket (0: no limit).

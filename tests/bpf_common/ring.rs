@@ -6,7 +6,7 @@
 use std::net::Ipv4Addr;
 
 use aggbox::config::RingConfig;
-use aggbox::kernel::xdp::{Chain, RingSizing, XdpPlane};
+use aggbox::kernel::xdp::{Chain, RingPool, XdpPlane};
 use aggbox::wire::abi::{self, Op, RingStat};
 use libbpf_rs::{MapCore, MapFlags};
 
@@ -28,8 +28,36 @@ pub struct Ring {
     pub dp: XdpPlane,
     pub cfg: RingConfig,
     pub job: abi::RingJob,
+    /// The ring's dense index.
+    pub dense: u32,
+    /// The ring memory and the ring's place in it.
+    pub pool: RingPool,
     /// The round made ready last: `data` and `done` read its buffer.
     pub round: std::cell::Cell<u32>,
+}
+
+fn ring_config(id: u16, port: u16, vector_len: u32, weights: Vec<i32>, frag: u32) -> RingConfig {
+    RingConfig { id, port, members: members(), weights, vector_len, frag_elems: frag }
+}
+
+/// Ring `cfg`'s dense index and entry, member `ME`, at its place in `pool`.
+fn placed_job(cfg: &RingConfig, pool: &RingPool) -> (u32, abi::RingJob) {
+    let place = pool.place_of(cfg.id).expect("placed");
+    let job = abi::RingJob {
+        id: cfg.id,
+        port: cfg.port,
+        members: 4,
+        me: ME as u16,
+        frag_elems: cfg.frag_elems,
+        frags: cfg.frags(),
+        vector_len: cfg.vector_len,
+        base: place.base,
+        weight_sum: cfg.weight_sum(),
+        weight: cfg.weights[ME],
+        self_addr: u32::from(members()[ME]).to_be(),
+        next_addr: u32::from(members()[ME + 1]).to_be(),
+    };
+    (place.dense, job)
 }
 
 impl Ring {
@@ -40,34 +68,34 @@ impl Ring {
     }
 
     pub fn with_frag(vector_len: u32, weights: Vec<i32>, frag: u32) -> Ring {
+        Ring::with_pool(vector_len, weights, frag, 0)
+    }
+
+    /// [`Ring::with_frag`] with `pool_elems` more elements of ring memory
+    /// (`[node] ring_pool`) for rings added later ([`Ring::replace`]).
+    pub fn with_pool(vector_len: u32, weights: Vec<i32>, frag: u32, pool_elems: u32) -> Ring {
         require_root();
-        let cfg = RingConfig {
-            id: RING_ID,
-            port: PORT,
-            members: members(),
-            weights,
-            vector_len,
-            frag_elems: frag,
-        };
-        let (sizing, bases) = RingSizing::of(std::slice::from_ref(&cfg));
-        let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), sizing).expect("load with a ring");
-        let job = abi::RingJob {
-            id: RING_ID,
-            port: PORT,
-            members: 4,
-            me: ME as u16,
-            frag_elems: frag,
-            frags: cfg.frags(),
-            vector_len,
-            base: bases[0],
-            weight_sum: cfg.weight_sum(),
-            weight: cfg.weights[ME],
-            self_addr: u32::from(members()[ME]).to_be(),
-            next_addr: u32::from(members()[ME + 1]).to_be(),
-        };
-        dp.set_ring(0, &job, &cfg.members).expect("set_ring");
-        dp.set_ring_next_hop(0, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg, job, round: std::cell::Cell::new(0) }
+        let cfg = ring_config(RING_ID, PORT, vector_len, weights, frag);
+        let pool = RingPool::reserve(std::slice::from_ref(&cfg), frag, pool_elems).expect("ring memory");
+        let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), pool.sizing()).expect("load with a ring");
+        let (dense, job) = placed_job(&cfg, &pool);
+        dp.set_ring(dense, &job, &cfg.members).expect("set_ring");
+        dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
+        Ring { dp, cfg, job, dense, pool, round: std::cell::Cell::new(0) }
+    }
+
+    /// Remove this ring and put ring `id` on `port` of `vector_len`
+    /// elements (same members, weights and fragments) where the pool
+    /// places it, as a reload does.
+    pub fn replace(&mut self, id: u16, port: u16, vector_len: u32) {
+        self.dp.remove_ring(self.dense, &self.job).expect("remove_ring");
+        let cfg = ring_config(id, port, vector_len, self.cfg.weights.clone(), self.cfg.frag_elems);
+        self.pool = self.pool.place(std::slice::from_ref(&cfg)).expect("the new ring fits");
+        let (dense, job) = placed_job(&cfg, &self.pool);
+        self.dp.set_ring(dense, &job, &cfg.members).expect("set_ring");
+        self.dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop");
+        (self.cfg, self.job, self.dense) = (cfg, job, dense);
+        self.round.set(0);
     }
 
     pub fn ready(&self, round: u32, op: Op, input: &[i32]) {
@@ -90,7 +118,7 @@ impl Ring {
             round_frags: 0,
             pad: [0; 10],
         };
-        ctrl.update(&0u32.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
+        ctrl.update(&self.dense.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
     }
 
     /// Fragment `f`'s entry in the ready round's buffer.
@@ -111,11 +139,11 @@ impl Ring {
 
     pub fn ctrl(&self) -> abi::RingCtrl {
         let [_, _, ctrl] = self.dp.ring_memory_maps().unwrap();
-        abi::from_bytes(&ctrl.lookup(&0u32.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+        abi::from_bytes(&ctrl.lookup(&self.dense.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
     }
 
     pub fn stat(&self, s: RingStat) -> u64 {
-        self.dp.ring_stats(0).unwrap().count[s as usize]
+        self.dp.ring_stats(self.dense).unwrap().count[s as usize]
     }
 
     pub fn count_of(&self, f: u32) -> u32 {
@@ -129,6 +157,9 @@ impl Ring {
 
 #[derive(Clone)]
 pub struct Datagram {
+    /// Ring id and port (default [`RING_ID`], [`PORT`]).
+    pub ring: u16,
+    pub port: u16,
     pub kind: u8,
     pub flags: u8,
     pub round: u32,
@@ -146,6 +177,8 @@ impl Datagram {
         // the sender of transmission `hops` is member origin + hops - 1
         let sender = ((frag as usize % 4) + hops as usize - 1) % 4;
         Datagram {
+            ring: RING_ID,
+            port: PORT,
             kind,
             flags: 0,
             round,
@@ -159,10 +192,15 @@ impl Datagram {
         }
     }
 
+    /// The same datagram of `ring`'s id and port.
+    pub fn of(self, ring: &Ring) -> Datagram {
+        Datagram { ring: ring.cfg.id, port: ring.cfg.port, ..self }
+    }
+
     pub fn frame(&self) -> Vec<u8> {
         let mut p = Vec::new();
         p.extend_from_slice(&abi::MAGIC_RING.to_be_bytes());
-        p.extend_from_slice(&RING_ID.to_be_bytes());
+        p.extend_from_slice(&self.ring.to_be_bytes());
         p.push(self.kind);
         p.push(self.flags);
         p.extend_from_slice(&self.round.to_be_bytes());
@@ -177,8 +215,8 @@ impl Datagram {
         }
         let mut f = Frame::udp(self.src, p);
         f.dst = members()[ME];
-        f.sport = PORT;
-        f.dport = PORT;
+        f.sport = self.port;
+        f.dport = self.port;
         f.build()
     }
 }

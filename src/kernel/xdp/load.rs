@@ -86,40 +86,44 @@ impl Chain {
 }
 
 /// How the ring maps are sized when the object loads (docs/RING.md): the
-/// fragment size of the node's rings and their fragments together.
+/// fragment size of the node's rings and the entries reserved for them
+/// ([`super::RingPool`] places the rings in them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingSizing {
     /// Elements per fragment (`[[ring]] frag_elems`, one for the node).
     pub frag_elems: u32,
-    /// `ring_data` / `ring_done` entries: two buffers of fragments a ring
-    /// (`RingJob::index`), all rings together.
+    /// `ring_data` / `ring_done` entries the rings may use: two buffers of
+    /// fragments a ring (`RingJob::index`), all rings and the pool
+    /// together; 0: none.
     pub fragments: u32,
 }
 
 impl Default for RingSizing {
-    /// No ring: one entry of the default fragment size.
+    /// No ring: nothing reserved, fragments of the default size.
     fn default() -> Self {
         RingSizing {
             frag_elems: crate::config::DEFAULT_RING_FRAG_ELEMS,
-            fragments: 1,
+            fragments: 0,
         }
     }
 }
 
 impl RingSizing {
-    /// The sizes the configuration's rings need, and each ring's `base`
-    /// (index of its fragment 0 in even rounds) in file order.
-    pub fn of(rings: &[crate::config::RingConfig]) -> (RingSizing, Vec<u32>) {
-        let mut sizing = RingSizing::default();
-        let mut bases = Vec::with_capacity(rings.len());
-        let mut next = 0u32;
-        for r in rings {
-            sizing.frag_elems = r.frag_elems;
-            bases.push(next);
-            next = next.saturating_add(r.frags().saturating_mul(2));
+    /// `max_entries` of `ring_data` and `ring_done`: the reserved entries,
+    /// or one unused entry when none are (a map cannot be empty).
+    pub fn map_entries(&self) -> u32 {
+        self.fragments.max(1)
+    }
+
+    /// The entries reserved in a loaded `ring_data` of `max_entries`: the
+    /// inverse of [`RingSizing::map_entries`] (a ring takes at least two,
+    /// so a lone entry is the unused one).
+    pub fn reserved_in(max_entries: u32) -> u32 {
+        if max_entries < 2 {
+            0
+        } else {
+            max_entries
         }
-        sizing.fragments = next.max(1);
-        (sizing, bases)
     }
 }
 

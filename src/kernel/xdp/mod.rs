@@ -38,7 +38,8 @@
 //! - `attach.rs`: the BPF link on an interface ([`XdpLink`]);
 //! - `jobs.rs`: writing and removing jobs ([`XdpJob`]), reading them back;
 //! - `ring.rs`: the ring program's object (loaded with the chain's), writing
-//!   rings and reading their counters;
+//!   and removing rings and reading their counters;
+//! - `ring_pool.rs`: where each ring sits in the ring maps ([`RingPool`]);
 //! - `stats.rs`: the program's counters ([`Stats`]) and what is in use;
 //! - `test_run.rs`: BPF_PROG_TEST_RUN ([`TestRunner`]);
 //! - `kernel_maps.rs`: the maps the user-space path shares ([`KernelMaps`]);
@@ -55,6 +56,7 @@ mod jobs;
 mod kernel_maps;
 mod load;
 mod ring;
+mod ring_pool;
 mod stats;
 mod test_run;
 
@@ -63,6 +65,7 @@ pub use jobs::{fast_granule, pinned_jobs, XdpJob};
 pub use kernel_maps::{KernelMaps, Reclaim};
 use kernel_maps::FAST_DISCARD_TRIES;
 pub use load::{Chain, ProgramFacts, RingSizing, XdpPlane, CHAIN_ENV};
+pub use ring_pool::{RingPlace, RingPool, RingPoolError, RingPoolUsage};
 pub use stats::Stats;
 pub use test_run::TestRunner;
 

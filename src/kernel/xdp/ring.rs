@@ -49,11 +49,11 @@ impl RingObject {
             .map_err(map_error(names::RING_DATA))?;
         open.maps
             .ring_data
-            .set_max_entries(rings.fragments.max(1))
+            .set_max_entries(rings.map_entries())
             .map_err(map_error(names::RING_DATA))?;
         open.maps
             .ring_done
-            .set_max_entries(rings.fragments.max(1))
+            .set_max_entries(rings.map_entries())
             .map_err(map_error(names::RING_DONE))?;
         if let Some(rodata) = open.maps.rodata_data.as_deref_mut() {
             rodata.ring_frag_elems = rings.frag_elems;
@@ -72,18 +72,31 @@ impl RingObject {
 }
 
 impl XdpPlane {
-    /// Configure ring `dense` (docs/RING.md): its members' addresses
-    /// (weights in `job`), its job entry, a zeroed control block, then its
-    /// id and port, so a datagram never finds a port whose entries are not
-    /// the ring's. The ring's fragments `job.base ..` must exist in
-    /// ring_data ([`RingSizing`]).
+    /// Configure ring `dense` (docs/RING.md): its region of `ring_data` /
+    /// `ring_done` (`job.base ..`, which must exist: [`super::RingPool`])
+    /// and its index's control block, next hop, counters and members
+    /// cleared of whatever ring held them before, then its members'
+    /// addresses (weights in `job`), its job entry, and last its id and
+    /// port, so a datagram never finds a port whose entries are not the
+    /// ring's and a ring never sees another ring's results.
     pub fn set_ring(&self, dense: u32, job: &abi::RingJob, members: &[std::net::Ipv4Addr]) -> Result<()> {
+        let invalid = |map| XdpError::Map {
+            map,
+            source: libbpf_rs::Error::from(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
+        };
         if dense >= abi::MAX_RINGS || members.len() != usize::from(job.members) || members.len() > abi::MAX_RANKS as usize {
-            return Err(XdpError::Map {
-                map: names::RING_JOBS,
-                source: libbpf_rs::Error::from(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
-            });
+            return Err(invalid(names::RING_JOBS));
         }
+        let entries = self.ring.skel.maps.ring_data.max_entries();
+        if u64::from(job.base) + u64::from(job.entries()) > u64::from(entries) {
+            return Err(invalid(names::RING_DATA));
+        }
+        let zero = |map: &libbpf_rs::Map<'static>, name: &'static str, first: u32, count: u32| {
+            maps::zero_array_range(map, first, count).map_err(|source| XdpError::Map { map: name, source })
+        };
+        zero(&self.ring.skel.maps.ring_done, names::RING_DONE, job.base, job.entries())?;
+        zero(&self.ring.skel.maps.ring_data, names::RING_DATA, job.base, job.entries())?;
+        self.zero_ring_entries(dense)?;
         for (i, addr) in members.iter().enumerate() {
             let rank = abi::Rank {
                 addr: u32::from(*addr).to_be(),
@@ -92,9 +105,49 @@ impl XdpPlane {
             update_array(&self.ring.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
         }
         update_array(&self.ring.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
-        update_array(&self.ring.skel.maps.ring_ctrl, names::RING_CTRL, dense, &abi::RingCtrl::default())?;
         update_array(&self.ring.skel.maps.ring_index, names::RING_INDEX, u32::from(job.id), &(dense + 1))?;
         update_array(&self.skel.maps.ring_ports, names::RING_PORTS, u32::from(job.port), &(dense + 1))
+    }
+
+    /// Remove ring `dense` (written as `job`): its port and id first (from
+    /// then on its datagrams are no ring's: they pass to the stack), then
+    /// its job entry, members, control block, next hop and counters. Its
+    /// region of `ring_data` / `ring_done` is left as it is until a ring
+    /// is written there ([`XdpPlane::set_ring`] clears it). A port or id
+    /// that points at another index (written since) is left alone, and
+    /// removing what is gone does nothing.
+    pub fn remove_ring(&self, dense: u32, job: &abi::RingJob) -> Result<()> {
+        if dense >= abi::MAX_RINGS {
+            return Ok(());
+        }
+        let ring = &self.ring.skel.maps;
+        for (map, name, key) in
+            [(&self.skel.maps.ring_ports, names::RING_PORTS, u32::from(job.port)), (&ring.ring_index, names::RING_INDEX, u32::from(job.id))]
+        {
+            if super::lookup_array::<u32>(map, name, key)? == Some(dense + 1) {
+                update_array(map, name, key, &0u32)?;
+            }
+        }
+        update_array(&ring.ring_jobs, names::RING_JOBS, dense, &abi::RingJob::default())?;
+        self.zero_ring_entries(dense)
+    }
+
+    /// Zero what ring index `dense` holds besides its job entry: members,
+    /// control block, next hop (a new ring must resolve its own) and
+    /// per-CPU counters.
+    fn zero_ring_entries(&self, dense: u32) -> Result<()> {
+        let ring = &self.ring.skel.maps;
+        let zero = |map: &libbpf_rs::Map<'static>, name: &'static str, first: u32, count: u32| {
+            maps::zero_array_range(map, first, count).map_err(|source| XdpError::Map { map: name, source })
+        };
+        zero(&ring.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS, abi::MAX_RANKS)?;
+        zero(&ring.ring_ctrl, names::RING_CTRL, dense, 1)?;
+        zero(&ring.ring_nexthop, names::RING_NEXTHOP, dense, 1)?;
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|source| XdpError::Map { map: names::RING_STATS, source })?;
+        let zeros = vec![vec![0u8; ring.ring_stats.value_size() as usize]; ncpu];
+        ring.ring_stats
+            .update_percpu(&dense.to_ne_bytes(), &zeros, MapFlags::ANY)
+            .map_err(|source| XdpError::Map { map: names::RING_STATS, source })
     }
 
     /// Handles of the ring memory maps (`ring_data`, `ring_done`,
@@ -130,7 +183,7 @@ impl XdpPlane {
             .ring_nexthop
             .update(&dense.to_ne_bytes(), &value, MapFlags::ANY)
             .map_err(|source| XdpError::Map {
-                map: "ring_nexthop",
+                map: names::RING_NEXTHOP,
                 source,
             })
     }
