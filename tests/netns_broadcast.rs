@@ -889,7 +889,8 @@ fn cold_tree_of_live_nodes(xdp_mode: &str, idle: usize, cold: Cold) {
         format!("[node]\nmetrics = \"off\"\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n", list.join(", "))
     };
     let args = ["--xdp-mode", xdp_mode];
-    let tag = |h: usize| format!("bcast-{xdp_mode}-{h}");
+    // unique per test: the tests of this binary run at once in one process
+    let tag = |h: usize| format!("bcast-{xdp_mode}-{idle}-{h}");
     let mut nodes = vec![(0, LiveAttach::start(&root.netns, &tag(0), &config(&(1..=FORWARDERS).collect::<Vec<_>>()), &args))];
     for j in 0..FORWARDERS {
         let h = 1 + j;
