@@ -28,11 +28,7 @@ pub fn interface_mtu_of(addr: Ipv4Addr) -> io::Result<usize> {
 
 /// The IPv4 addresses of interface `name` (none: an empty list).
 pub fn interface_ipv4(name: &str) -> io::Result<Vec<Ipv4Addr>> {
-    let ifs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
-    Ok(ifs
-        .filter(|i| i.interface_name == name)
-        .filter_map(|i| i.address.as_ref().and_then(|a| a.as_sockaddr_in().map(|s| s.ip())))
-        .collect())
+    Ok(interface_ipv4_nets(name)?.into_iter().map(|(addr, _)| addr).collect())
 }
 
 /// `SIOCGIFMTU` of interface `name`.

@@ -281,7 +281,7 @@ pub fn attach_chain(
         }
     }
     if broadcast.is_some() {
-        warnings.extend(warm_neighbours(iface, index, &kernel));
+        warnings.extend(warm_neighbours(iface, index, kernel.next_hops()));
     }
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
     let tc_lo = broadcast.as_ref().and_then(|b| b.lo_ingress());
@@ -757,7 +757,8 @@ mod ring_job_tests {
 /// datagram, the first copy leaves with its MAC like every later one.
 /// Destinations behind a router are left to the first datagram. A refusal
 /// is a warning: the copies then take the neighbour path as before.
-fn warm_neighbours(iface: &str, index: u32, kernel: &desired::KernelState) -> Option<String> {
-    let warm = crate::netif::on_link(iface, kernel.next_hops()).and_then(|on_link| crate::netif::resolve_neighbours(index, &on_link));
+/// `hops`: the destinations to resolve (at a reload, the new ones).
+fn warm_neighbours(iface: &str, index: u32, hops: Vec<std::net::Ipv4Addr>) -> Option<String> {
+    let warm = crate::netif::on_link(iface, hops).and_then(|on_link| crate::netif::resolve_neighbours(index, &on_link));
     warm.err().map(|e| format!("neighbours of the broadcast copies not resolved ahead on {iface}: {e}; the first copies wait for ARP"))
 }

@@ -316,9 +316,13 @@ impl Attachment {
             let _ = ring::RingServiceChange::undo(self.rings.as_ref(), stopped);
             return Err(e.context("the kernel refused a write; the node's maps were set back to the old config"));
         }
-        if self.tc.is_some() {
+        // Only the destinations this change adds: the others were resolved
+        // when they came, and their entries live on as the traffic uses them.
+        let known = self.kernel.next_hops();
+        let hops: Vec<_> = kernel.next_hops().into_iter().filter(|a| !known.contains(a)).collect();
+        if self.tc.is_some() && !hops.is_empty() {
             let iface = &self.record.iface;
-            if let Some(warning) = crate::kernel::tc::ifindex(iface).ok().and_then(|index| super::warm_neighbours(iface, index, &kernel)) {
+            if let Some(warning) = crate::kernel::tc::ifindex(iface).ok().and_then(|index| super::warm_neighbours(iface, index, hops)) {
                 eprintln!("aggbox: {warning}");
             }
         }
