@@ -664,6 +664,12 @@ fn apply_control(
                     reason: Refusal::Unavailable,
                     message: format!("the node could not serve the job: {e:#}"),
                 };
+            } else if let Reply::RingInstalled { ring, .. } = reply {
+                registry.remove_ring(*ring);
+                *reply = Reply::Refused {
+                    reason: Refusal::Unavailable,
+                    message: format!("the node could not serve the ring: {e:#}"),
+                };
             }
         }
         // The node is back where the registry now is (the writes of a

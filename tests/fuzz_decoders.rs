@@ -157,7 +157,7 @@ fn control_request_never_panics_and_changes_nothing() {
     let mut keys = Keys::default();
     keys.tenants.insert("t".into(), Tenant { name: "t".into(), key: vec![7; 32], revoked: false, jobs: 4, workers: 64 });
     let mut reg = Registry::new(keys, Limits::default(), &Config::default());
-    let join = Request::Join { run: "r".into(), world: 2, rank: 0, data: "10.0.0.1:7700".parse().unwrap(), vector_len: Some(1000), window: Some(16), frag_elems: Some(362), parent: None };
+    let join = Request::Join { run: "r".into(), world: 2, rank: 0, data: "10.0.0.1:7700".parse().unwrap(), vector_len: Some(1000), window: Some(16), frag_elems: Some(362), parent: None, ring: None };
     let seeds: Vec<Vec<u8>> = vec![
         serde_json::to_vec(&Envelope::sign("t", &[7; 32], [1; 16], NOW, &join)).unwrap(),
         serde_json::to_vec(&Envelope::sign("t", &[7; 32], [2; 16], NOW, &Request::Renew { job: 61440, incarnation: 1 })).unwrap(),

@@ -214,7 +214,7 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
                 let tb = &tb;
                 s.spawn(move || {
                     tb.in_host(r + 1, || {
-                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None, window: Some(16), frag_elems: Some(362), parent: None })
+                        raw(control, "training", KEY, r as u8, &Request::Join { run: "dead".into(), world: 2, rank: r as u16, data: data(r + 1), vector_len: None, window: Some(16), frag_elems: Some(362), parent: None, ring: None })
                     })
                     .unwrap()
                 })
@@ -676,7 +676,7 @@ fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
                     let (leaf, r, h) = (w / PER_LEAF, w % PER_LEAF, 1 + LEAVES + w);
                     let parent = Some(TreeParent { node: root, leaf: leaf as u16, leaves: LEAVES as u16, tree_workers: WORKERS as u16 });
                     tb.in_host(h, || {
-                        raw(control(1 + leaf), "training", KEY, w as u8, &Request::Join { run: "dead".into(), world: PER_LEAF as u16, rank: r as u16, data: data(h), vector_len: None, window: None, frag_elems: None, parent })
+                        raw(control(1 + leaf), "training", KEY, w as u8, &Request::Join { run: "dead".into(), world: PER_LEAF as u16, rank: r as u16, data: data(h), vector_len: None, window: None, frag_elems: None, parent, ring: None })
                     })
                     .unwrap()
                 })
@@ -722,4 +722,133 @@ fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
         assert!(e.contains("unavailable") && e.contains(&nowhere.to_string()), "{e}");
     }
     assert_eq!((0..=LEAVES).map(live).sum::<usize>(), 0, "a refused tree leaves nothing");
+}
+
+/// Rings on demand (docs/INTERFACE.md, "Rings on demand"): four workers,
+/// each on a host whose own node serves rings (`[node] ring_pool`), join a
+/// run at a fifth node naming their own nodes. The fifth node installs the
+/// run's ring at the four and grants it with the star's job; each worker
+/// opens the ring on its node's pins and allreduces over the ring and over
+/// the star, exactly. Ended, the ring leaves every member node; a run whose
+/// workers die (bare joins that never renew) leaves nothing on any node
+/// within a lease; a member node that cannot be reached refuses every rank,
+/// naming it, and leaves no ring at the others.
+#[test]
+fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_run() {
+    use aggbox::runtime::control::{JobShape, RunCommunicator};
+    use aggbox::runtime::{Algorithm, CallOptions};
+    assert!(nix::unistd::geteuid().is_root(), "tests/node_on_demand.rs needs root (network namespaces, XDP)");
+    const LEN: u32 = 20_000;
+    let tb = Testbed::up(TestbedConfig { hosts: 1 + WORKERS, xdp_tx: true, ..Default::default() }).expect("testbed");
+    let keys = KeyFile::new("on-demand-ring", &[("training", KEY)]);
+    let star = LiveAttach::start(&tb.host(0).netns, "od-ring0", &keys.node_config("off"), &[]);
+    let member_config = keys.node_config("off") + "ring_pool = 40000\n";
+    let members: Vec<LiveAttach> =
+        (1..=WORKERS).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("od-ring{h}"), &member_config, &["--xdp-mode", "native"])).collect();
+    let control = |h: usize| SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT);
+    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let shape = |r: usize| JobShape { vector_len: Some(LEN), ring: Some(control(r + 1)), ..JobShape::default() };
+    let rings_at = |m: usize| members[m].status().rings.keys().copied().collect::<Vec<u16>>();
+    let pin_dir = |m: usize| aggbox::node::pin_dir(&members[m].pin_root, "eth0");
+
+    let grants: Vec<aggbox::runtime::control::RingGrant> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (tb, shape, pin_dir, rings_at) = (&tb, &shape, &pin_dir, &rings_at);
+                s.spawn(move || {
+                    let comm = tb
+                        .in_host(r + 1, || {
+                            let run = RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "ring", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
+                                .unwrap_or_else(|e| panic!("rank {r}: join: {e}"));
+                            RunCommunicator::from_runs(vec![run], |b| b.deadline(Duration::from_secs(10)))
+                                .unwrap_or_else(|e| panic!("rank {r}: build: {e}"))
+                                .with_ring(&pin_dir(r))
+                                .unwrap_or_else(|e| panic!("rank {r}: opening the run's ring: {e}"))
+                                .with_ring_threshold(1000)
+                        })
+                        .unwrap();
+                    let ring = comm.star().unwrap().run().grant().ring.clone().expect("the grant carries the ring");
+                    assert!(rings_at(r).contains(&ring.id), "rank {r}: its node serves ring {}", ring.id);
+                    // Calls of 1000 elements and more take the ring, smaller ones the star.
+                    for (algorithm, n) in [(Algorithm::Ring, LEN as usize), (Algorithm::Ring, 10_007), (Algorithm::Star, 7), (Algorithm::Star, 1)] {
+                        let want = sum_of_ranks(0, n);
+                        let mut v = ints(r, n);
+                        let served = comm
+                            .allreduce_with(&mut v, Op::Sum, CallOptions::default())
+                            .unwrap_or_else(|e| panic!("rank {r}: int32 SUM of {n}: {e}"));
+                        assert_eq!(v, want, "rank {r}: int32 SUM of {n} ({algorithm:?})");
+                        assert_eq!(served.algorithm, algorithm, "rank {r}: SUM of {n}");
+                    }
+                    let mut x = vec![r as f32 + 1.0; 10_007];
+                    let served = comm.allreduce_with(&mut x, Op::Avg, CallOptions::default()).unwrap_or_else(|e| panic!("rank {r}: float32 AVG on the ring: {e}"));
+                    assert_eq!(served.algorithm, Algorithm::Ring);
+                    assert!(x.iter().all(|y| (y - 2.5).abs() < 1e-3), "rank {r}: float32 AVG on the ring: {:?}", &x[..1]);
+                    std::thread::sleep(Duration::from_millis(200)); // every rank done before any ends
+                    drop(comm);
+                    ring
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert!(grants.iter().all(|g| *g == grants[0]), "every rank got the same ring: {grants:?}");
+    let members_ips: Vec<std::net::Ipv4Addr> = (1..=WORKERS).map(|h| tb.host(h).addr).collect();
+    assert_eq!((grants[0].members.clone(), grants[0].vector_len, grants[0].frag_elems), (members_ips, LEN, 362));
+    let wait_empty = |what: &str, most: Duration| {
+        let since = std::time::Instant::now();
+        while star.status().jobs.len() + (0..WORKERS).map(|m| rings_at(m).len() + members[m].status().jobs.len()).sum::<usize>() > 0 {
+            assert!(since.elapsed() < most, "{what}: left after {most:?}: star jobs {:?}, member rings {:?}", star.status().jobs, (0..WORKERS).map(rings_at).collect::<Vec<_>>());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for m in 0..WORKERS {
+            assert_eq!(members[m].status().ring_pool.used, 0, "{what}: member {m}'s ring memory is free again");
+        }
+    };
+    wait_empty("the run ended", Duration::from_secs(3));
+
+    // Workers that die: bare joins that never renew nor end. The ring is
+    // installed at every member, then every node is empty within a lease.
+    let joined: Vec<Reply> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let tb = &tb;
+                s.spawn(move || {
+                    tb.in_host(r + 1, || {
+                        let request = Request::Join { run: "dead-ring".into(), world: WORKERS as u16, rank: r as u16, data: data(r + 1), vector_len: Some(LEN), window: None, frag_elems: None, parent: None, ring: Some(control(r + 1)) };
+                        raw(SocketAddr::V4(control(0)), "training", KEY, 40 + r as u8, &request)
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let Reply::Joined(g) = &joined[0] else { panic!("{joined:?}") };
+    let ring = g.ring.clone().expect("a ring");
+    assert!((0..WORKERS).all(|m| rings_at(m) == vec![ring.id]), "every member serves the dead run's ring: {:?}", (0..WORKERS).map(rings_at).collect::<Vec<_>>());
+    wait_empty("the dead run", Duration::from_millis(2 * g.lease_ms + 3000));
+
+    // A member node nobody serves: every rank refused, naming it; nothing left.
+    let nowhere = SocketAddrV4::new(tb.host(WORKERS).addr, CONTROL_PORT + 1);
+    let refused: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (tb, shape) = (&tb, &shape);
+                s.spawn(move || {
+                    let shape = if r == WORKERS - 1 { JobShape { ring: Some(nowhere), ..shape(r) } } else { shape(r) };
+                    tb.in_host(r + 1, || {
+                        RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "nowhere", WORKERS as u16, r as u16, data(r + 1), shape, Duration::from_secs(30))
+                            .expect_err("a member node that cannot be reached")
+                            .to_string()
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &refused {
+        assert!(e.contains("unavailable") && e.contains(&nowhere.to_string()), "{e}");
+    }
+    wait_empty("a refused ring", Duration::from_secs(1));
 }

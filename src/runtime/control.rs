@@ -15,10 +15,10 @@ use crate::runtime::comm::{CallOptions, Communicator, CommunicatorBuilder, Parti
 use crate::runtime::striped::StripedCommunicator;
 use crate::runtime::transport::CommStats;
 use crate::runtime::backend::BackendKind;
-use crate::runtime::CommError;
+use crate::runtime::{CommError, RingCommunicator, StarOrRing};
 use crate::wire::abi::Op;
 use crate::wire::control::{exchange, JobGrant, Reply, Request};
-pub use crate::wire::control::{JobShape, TreeParent};
+pub use crate::wire::control::{JobShape, RingGrant, TreeParent};
 
 /// Environment variables of [`Credential::from_env`].
 pub const ENV_TENANT: &str = "AGGBOX_TENANT";
@@ -109,8 +109,8 @@ impl RunJob {
         shape: JobShape,
         deadline: Duration,
     ) -> Result<RunJob, CommError> {
-        let JobShape { vector_len, window, frag_elems, parent } = shape;
-        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems, parent };
+        let JobShape { vector_len, window, frag_elems, parent, ring } = shape;
+        let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems, parent, ring };
         let grant = match call(node, &credential, &request, deadline)? {
             Reply::Joined(g) => g,
             Reply::Refused { reason, message } => {
@@ -197,6 +197,17 @@ impl RunJob {
     /// it could not be renewed for a lease), `None` while it does.
     pub fn lost(&self) -> Option<String> {
         self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// This rank's communicator of the run's ring (the run asked for one:
+    /// [`JobShape::ring`]), on its own node, whose `aggbox attach` pinned
+    /// its maps in `pin_dir` (`node::pin_dir(pin_root, iface)`); open it in
+    /// the node's network namespace. The ring lives as long as the job.
+    pub fn ring(&self, pin_dir: &std::path::Path) -> Result<RingCommunicator, CommError> {
+        let ring = self.grant.ring.as_ref().ok_or_else(|| {
+            CommError::Config(format!("node {}: job {} has no ring: join with JobShape::ring naming this rank's own node", self.node, self.grant.job))
+        })?;
+        RingCommunicator::open_granted(ring, pin_dir)
     }
 
     /// The communicator of this rank for the job, built by `configure`
@@ -313,6 +324,16 @@ impl RunCommunicator {
     ) -> Result<RunCommunicator, CommError> {
         let stripes = runs.iter().map(|r| configure(r.builder()).build()).collect::<Result<Vec<_>, _>>()?;
         Ok(RunCommunicator { comm: StripedCommunicator::new(stripes)?, runs })
+    }
+
+    /// This communicator and the run's ring ([`RunJob::ring`] of the run at
+    /// the first node, on this rank's own node whose pins are in
+    /// `pin_dir`) as one collective that picks the star or the ring by
+    /// size ([`StarOrRing`]); open it in the node's network namespace.
+    pub fn with_ring(self, pin_dir: &std::path::Path) -> Result<StarOrRing<RunCommunicator>, CommError> {
+        let ring = self.runs[0].ring(pin_dir)?;
+        let mtu = self.communicator().config().mtu;
+        StarOrRing::of(Some(self), Some(ring), Some(mtu))
     }
 
     /// The first stripe's communicator (the only one of a run at one node).

@@ -75,6 +75,23 @@ impl RingCommunicator {
         RingCommunicator::over(memory, dense, job, SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))
     }
 
+    /// The communicator of the ring a run on demand was granted
+    /// (`JobGrant::ring`, docs/INTERFACE.md "Rings on demand") on this
+    /// rank's own node, whose `aggbox attach` pinned its maps in `pin_dir`;
+    /// as [`RingCommunicator::open`], in the node's network namespace.
+    pub fn open_granted(ring: &crate::wire::control::RingGrant, pin_dir: &Path) -> Result<RingCommunicator, CommError> {
+        let map_err = |e: ring_memory::RingMemoryError| CommError::Config(format!("ring {}: {e}", ring.id));
+        let (dense, job) = ring_memory::pinned_ring_job(pin_dir, ring.id).map_err(map_err)?;
+        if job.port != ring.port || job.vector_len != ring.vector_len || usize::from(job.members) != ring.members.len() {
+            return Err(CommError::Config(format!(
+                "ring {}: this node's ring (port {}, {} elements, {} members) is not the one granted (port {}, {}, {}): is {} the pin directory of this rank's own node?",
+                ring.id, job.port, job.vector_len, job.members, ring.port, ring.vector_len, ring.members.len(), pin_dir.display()
+            )));
+        }
+        let memory = Arc::new(RingMemory::open_pinned(pin_dir).map_err(map_err)?);
+        RingCommunicator::over(memory, dense, job, SocketAddrV4::new(Ipv4Addr::LOCALHOST, job.port))
+    }
+
     /// The communicator of the ring `job` (dense index `dense`) in
     /// `memory`, KICKing `kick_to` (the ring service; tests over heap
     /// memory give their own).

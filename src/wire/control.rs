@@ -11,7 +11,7 @@
 //! and the MAC. A reply frame is a [`Reply`].
 
 use std::io::{Read, Write};
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -85,6 +85,13 @@ pub enum Request {
         /// this node alone.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         parent: Option<TreeParent>,
+        /// The control endpoint of the node on this rank's own host: the
+        /// run asks for a ring of its ranks' nodes besides the job (every
+        /// rank names its own, or none does). The node this join reaches
+        /// installs the ring at each of them ([`Request::RingInstall`]) and
+        /// grants it with the job ([`JobGrant::ring`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ring: Option<SocketAddrV4>,
     },
     /// Keeps the job alive for another lease.
     Renew {
@@ -96,6 +103,28 @@ pub enum Request {
     /// the run has ended (a rank still waiting for its last RESULT keeps
     /// it), or when its lease runs out.
     End { job: u16, incarnation: u64, rank: u16 },
+    /// A node that serves a run with a ring asks each member's node to
+    /// serve its part of the ring (docs/INTERFACE.md, "Rings on demand"):
+    /// the ring's id and port are the asking node's proposal, refused with
+    /// `conflict` where this node uses them. Answered
+    /// [`Reply::RingInstalled`] once this node serves it; asked again with
+    /// the same ring it renews it. A run's ring replaces the run's
+    /// earlier one on this node.
+    RingInstall {
+        /// The run's key (the ring belongs to the tenant's run).
+        run: String,
+        /// The AGR1 ring id and the ring's UDP port on every member.
+        ring: u16,
+        port: u16,
+        /// The members' addresses in ring order (one of them this node's).
+        members: Vec<Ipv4Addr>,
+        /// Elements of the ring's vector (its memory).
+        vector_len: u32,
+    },
+    /// Keeps ring `ring` of the run alive for another lease.
+    RingRenew { run: String, ring: u16 },
+    /// Removes ring `ring` of the run at once.
+    RingEnd { run: String, ring: u16 },
 }
 
 /// The node's answer to one request.
@@ -110,6 +139,10 @@ pub enum Reply {
     /// This rank's end is recorded (`remaining` ranks have not ended; the
     /// job is removed when none remain).
     Ended { remaining: u16 },
+    /// This node serves its part of the ring ([`Request::RingInstall`]),
+    /// with fragments of `frag_elems` (its `[node] ring_frag_elems`), until
+    /// `lease_ms` from now unless renewed.
+    RingInstalled { ring: u16, frag_elems: u32, lease_ms: u64 },
     /// Refused: nothing changed.
     Refused {
         /// Why, as a stable word (counted by it in `/metrics`).
@@ -144,6 +177,28 @@ pub struct JobGrant {
     /// tree, the divisor of a float mean. Absent for a job of one node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tree_workers: Option<u16>,
+    /// The run's ring, when its ranks asked for one ([`Request::Join`]'s
+    /// `ring`): served by the ranks' own nodes, renewed and ended with the
+    /// job by the node that granted it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ring: Option<RingGrant>,
+}
+
+/// A ring of a run on demand: a `[[ring]]` of these keys at every
+/// member's node (docs/RING.md), weights all 1.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RingGrant {
+    /// The AGR1 ring id.
+    pub id: u16,
+    /// The ring's UDP port on every member.
+    pub port: u16,
+    /// The members in ring order: rank r's data address is member r.
+    pub members: Vec<Ipv4Addr>,
+    /// Elements of the ring's vector.
+    pub vector_len: u32,
+    /// Elements per fragment (the members' `[node] ring_frag_elems`).
+    pub frag_elems: u32,
 }
 
 /// Where a leaf node's job sends its partial results: the tree's root node
@@ -176,6 +231,10 @@ pub struct JobShape {
     pub window: Option<u32>,
     pub frag_elems: Option<u32>,
     pub parent: Option<TreeParent>,
+    /// The control endpoint of this rank's own node, for a run with a
+    /// ring (the one key that differs by rank: every rank names its own
+    /// node, or none does).
+    pub ring: Option<SocketAddrV4>,
 }
 
 /// Why a request was refused (docs/PROTOCOL.md lists them).
@@ -377,7 +436,7 @@ mod tests {
     use super::*;
 
     fn join() -> Request {
-        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None }
+        Request::Join { run: "r1".into(), world: 4, rank: 2, data: "10.0.0.3:7700".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None, ring: None }
     }
 
     #[test]

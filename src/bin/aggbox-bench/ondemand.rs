@@ -545,7 +545,7 @@ fn cycles(tb: &Testbed, control: SocketAddr, credential: &Credential, tag: &str,
                             step.wait();
                             let mut grant = None;
                             if !failed.load(Ordering::Relaxed) {
-                                let join = Request::Join { run: format!("{tag}-{k}"), world: 2, rank: r as u16, data, vector_len: None, window: None, frag_elems: None, parent: None };
+                                let join = Request::Join { run: format!("{tag}-{k}"), world: 2, rank: r as u16, data, vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
                                 let sent = Instant::now();
                                 match request(control, credential, &join) {
                                     Ok((Reply::Joined(g), ms)) => {

@@ -9,6 +9,7 @@
 pub mod keys;
 pub mod published;
 pub mod registry;
+pub mod ring;
 pub mod server;
 pub mod upstream;
 
@@ -18,10 +19,10 @@ pub use registry::{Limits, LiveJob, Registry};
 
 use crate::config::Config;
 
-/// The node's configuration with the registry's live jobs added: what its
-/// kernel state is made from. Refused when the file uses what a live
-/// dynamic job holds (a file reloaded with an id, port or group the
-/// registry handed out).
+/// The node's configuration with the registry's live jobs and the rings it
+/// serves for runs added: what its kernel state is made from. Refused when
+/// the file uses what a live dynamic job or ring holds (a file reloaded
+/// with an id, port or group the registry handed out or accepted).
 pub fn with_dynamic_jobs(file: &Config, registry: &Registry) -> Result<Config, String> {
     let (jobs, groups) = registry.desired();
     let mut config = file.clone();
@@ -36,6 +37,13 @@ pub fn with_dynamic_jobs(file: &Config, registry: &Registry) -> Result<Config, S
             return Err(format!("the file's group {} is live dynamic job's group", g.id));
         }
         config.groups.push(g);
+    }
+    for r in registry.desired_rings() {
+        let ports = file.jobs.iter().flat_map(|j| [j.port, j.result_port]).chain(file.rings.iter().map(|f| f.port));
+        if file.rings.iter().any(|f| f.id == r.id) || ports.into_iter().any(|p| p == r.port) {
+            return Err(format!("the file takes the id or the port of ring {} that a run on demand holds", r.id));
+        }
+        config.rings.push(r);
     }
     Ok(config)
 }

@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use crate::config::{
-    Config, GroupConfig, JobConfig, ParentConfig, ResultConsumer, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
+    Config, GroupConfig, JobConfig, ParentConfig, ResultConsumer, RingConfig, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
     DEFAULT_USERSPACE_SLOT_BYTES_JOB, DEFAULT_WINDOW, MAX_WINDOW, MAX_WORKERS,
 };
 use crate::wire::abi;
-use crate::wire::control::{Envelope, JobGrant, JobShape, Refusal, Reply, Request, TreeParent, NONCE_BYTES};
+use crate::wire::control::{Envelope, JobGrant, JobShape, Refusal, Reply, Request, RingGrant, TreeParent, NONCE_BYTES};
 
 use super::keys::Keys;
 
@@ -37,6 +37,11 @@ pub struct Limits {
     pub ports: (u16, u16),
     /// Result group ids handed out (never one of the file's).
     pub groups: (u16, u16),
+    /// Ring ids a node proposes for its runs' rings (never one of the
+    /// file's; a member node refuses one it uses).
+    pub ring_ids: (u16, u16),
+    /// Ring ports a node proposes for its runs' rings.
+    pub ring_ports: (u16, u16),
     /// A job not renewed for this long is removed; a run whose ranks have
     /// not all joined for this long is dropped.
     pub lease_ms: u64,
@@ -51,6 +56,8 @@ impl Default for Limits {
             job_ids: (0xF000, 0xFFFE),
             ports: (47000, 47999),
             groups: (0xF000, 0xFFFE),
+            ring_ids: (0xF000, 0xFFFE),
+            ring_ports: (48000, 48999),
             lease_ms: 10_000,
             freshness_ms: 30_000,
         }
@@ -73,6 +80,60 @@ pub struct LiveJob {
     pub ended: BTreeSet<u16>,
     /// A leaf's job of a tree: where its partial results go.
     pub upstream: Option<Upstream>,
+    /// A run's ring at its ranks' nodes ([`RingStart`]), until granted.
+    pub ring: Option<PendingRing>,
+}
+
+/// A job whose run asked for a ring: the ranks' nodes, and the ranks'
+/// connections waiting until every member node serves the ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingRing {
+    /// Rank r's own node's control endpoint.
+    pub nodes: Vec<SocketAddrV4>,
+    waiting: Vec<ConnId>,
+}
+
+/// What the node must do for a job whose run asked for a ring: install it
+/// at every rank's node ([`Request::RingInstall`], signed with the
+/// tenant's key from this node's key file), renew it there while the job
+/// lives and end it there after; then [`Registry::ring_ready`] or
+/// [`Registry::ring_failed`].
+#[derive(Clone)]
+pub struct RingStart {
+    pub job: u16,
+    pub incarnation: u64,
+    pub tenant: String,
+    pub key: Vec<u8>,
+    pub run: String,
+    /// The members (the ranks' data addresses) and their nodes, by rank.
+    pub members: Vec<Ipv4Addr>,
+    pub nodes: Vec<SocketAddrV4>,
+    pub vector_len: u32,
+    /// Ring ids and ports to propose, and where to start in them (so that
+    /// two runs of one node do not propose the same first).
+    pub ring_ids: (u16, u16),
+    pub ring_ports: (u16, u16),
+    pub lease_ms: u64,
+}
+
+impl std::fmt::Debug for RingStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("RingStart").field("job", &self.job).field("run", &self.run).field("nodes", &self.nodes).finish()
+    }
+}
+
+/// A ring this node serves for a run of another node's
+/// ([`Request::RingInstall`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveRing {
+    pub tenant: String,
+    pub run: String,
+    /// Its `[[ring]]` table.
+    pub config: RingConfig,
+    pub created_ms: u64,
+    /// When it is removed unless renewed.
+    pub expires_ms: u64,
 }
 
 impl LiveJob {
@@ -136,10 +197,20 @@ pub enum UpstreamOutcome {
 #[derive(Debug, Clone)]
 struct Joining {
     world: u16,
+    /// The run's shape, its `ring` the first rank's (each rank names its
+    /// own node: [`Joining::ring_nodes`]).
     shape: JobShape,
     /// Rank → its data socket and the connection waiting for the grant.
     ranks: BTreeMap<u16, (SocketAddrV4, ConnId)>,
+    /// Rank → its own node, for a run with a ring.
+    ring_nodes: BTreeMap<u16, SocketAddrV4>,
     started_ms: u64,
+}
+
+/// What every rank of a run must ask alike: its shape with the ring's node
+/// (which is each rank's own) reduced to whether it asks one.
+fn run_shape(shape: JobShape) -> JobShape {
+    JobShape { ring: shape.ring.map(|_| SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)), ..shape }
 }
 
 /// Counts since the node started, for `/metrics`.
@@ -162,6 +233,9 @@ pub struct Registry {
     file_ids: BTreeSet<u16>,
     file_ports: BTreeSet<u16>,
     file_groups: BTreeSet<u16>,
+    file_rings: BTreeSet<u16>,
+    /// The fragment size of this node's rings (fixed at attach).
+    ring_frag_elems: u32,
     /// Nonces of verified requests, with their clock, oldest first: a
     /// request older than the freshness window is refused as stale, so
     /// older nonces need not be kept.
@@ -172,6 +246,10 @@ pub struct Registry {
     incarnations: BTreeMap<(String, String), u64>,
     /// Leaves' jobs created and not yet handed to the server.
     starts: Vec<UpstreamStart>,
+    /// Jobs with a ring created and not yet handed to the server.
+    ring_starts: Vec<RingStart>,
+    /// The rings this node serves for other nodes' runs, by id.
+    rings: BTreeMap<u16, LiveRing>,
     /// Where the search for the next free job id starts: ids rotate, so a
     /// removed job's id is the last to be handed out again.
     next_id: u16,
@@ -201,12 +279,16 @@ impl Registry {
             file_ids: file.jobs.iter().map(|j| j.id).collect(),
             file_ports,
             file_groups: file.groups.iter().map(|g| g.id).collect(),
+            file_rings: file.rings.iter().map(|r| r.id).collect(),
+            ring_frag_elems: file.ring_frag_elems(),
             nonces: BTreeSet::new(),
             nonce_order: VecDeque::new(),
             joining: BTreeMap::new(),
             live: BTreeMap::new(),
             incarnations: BTreeMap::new(),
             starts: Vec::new(),
+            ring_starts: Vec::new(),
+            rings: BTreeMap::new(),
             counts: Counts::default(),
         }
     }
@@ -233,6 +315,27 @@ impl Registry {
 
     pub fn counts(&self) -> &Counts {
         &self.counts
+    }
+
+    /// The rings this node serves for other nodes' runs, by id.
+    pub fn rings(&self) -> &BTreeMap<u16, LiveRing> {
+        &self.rings
+    }
+
+    /// What the node's kernel state is made of: the live jobs (each with
+    /// its incarnation and whether it is served) and rings. A request that
+    /// changes it is applied before it is answered.
+    pub fn state(&self) -> (Vec<(u16, u64, bool)>, Vec<(u16, u64)>) {
+        (
+            self.live.values().map(|j| (j.grant.job, j.grant.incarnation, j.serving())).collect(),
+            self.rings.values().map(|r| (r.config.id, r.created_ms)).collect(),
+        )
+    }
+
+    /// Every ring this node serves for a run, as the `[[ring]]` of the
+    /// same description.
+    pub fn desired_rings(&self) -> Vec<RingConfig> {
+        self.rings.values().map(|r| r.config.clone()).collect()
     }
 
     /// Every live job as the `[[job]]` and `[[group]]` a static job of the
@@ -340,8 +443,33 @@ impl Registry {
 
     fn serve(&mut self, now_ms: u64, conn: ConnId, tenant: String, request: Request) -> Vec<(ConnId, Reply)> {
         match request {
-            Request::Join { run, world, rank, data, vector_len, window, frag_elems, parent } => {
-                self.join(now_ms, conn, tenant, run, world, rank, data, JobShape { vector_len, window, frag_elems, parent })
+            Request::Join { run, world, rank, data, vector_len, window, frag_elems, parent, ring } => {
+                self.join(now_ms, conn, tenant, run, world, rank, data, JobShape { vector_len, window, frag_elems, parent, ring })
+            }
+            Request::RingInstall { run, ring, port, members, vector_len } => {
+                vec![(conn, self.install_ring(now_ms, tenant, run, ring, port, members, vector_len))]
+            }
+            Request::RingRenew { run, ring } => {
+                let lease = self.limits.lease_ms;
+                let reply = match self.rings.get_mut(&ring).filter(|r| r.tenant == tenant && r.run == run) {
+                    Some(r) => {
+                        r.expires_ms = now_ms + lease;
+                        Reply::Renewed { lease_ms: lease }
+                    }
+                    None => refuse(Refusal::UnknownJob, format!("no live ring {ring} of run {run} for tenant {tenant} (ended, expired, or another's)")),
+                };
+                vec![(conn, reply)]
+            }
+            Request::RingEnd { run, ring } => {
+                let reply = match self.rings.get(&ring).filter(|r| r.tenant == tenant && r.run == run) {
+                    Some(_) => {
+                        self.rings.remove(&ring);
+                        self.counts.ended += 1;
+                        Reply::Ended { remaining: 0 }
+                    }
+                    None => refuse(Refusal::UnknownJob, format!("no live ring {ring} of run {run} for tenant {tenant} (ended, expired, or another's)")),
+                };
+                vec![(conn, reply)]
             }
             Request::Renew { job, incarnation } => {
                 let lease = self.limits.lease_ms;
@@ -414,6 +542,20 @@ impl Registry {
                 ))];
             }
         }
+        if shape.ring.is_some() {
+            let why = if shape.parent.is_some() {
+                Some("a leaf of a tree cannot also ask for a ring".to_string())
+            } else if world < 2 {
+                Some(format!("a ring needs at least 2 ranks, not {world}"))
+            } else if !shape.vector_len.is_some_and(|n| n >= 1) {
+                Some("a run with a ring names its vector_len (the ring's memory is sized from it)".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return vec![(conn, refuse(Refusal::Malformed, why))];
+            }
+        }
         if let Some((id, _)) = self
             .live
             .iter()
@@ -429,9 +571,10 @@ impl Registry {
             world,
             shape,
             ranks: BTreeMap::new(),
+            ring_nodes: BTreeMap::new(),
             started_ms: now_ms,
         });
-        if joining.world != world || joining.shape != shape {
+        if joining.world != world || run_shape(joining.shape) != run_shape(shape) {
             return vec![(conn, refuse(
                 Refusal::Conflict,
                 format!("run {run} is joining as a world of {} ({:?}), not {world} ({shape:?})", joining.world, joining.shape),
@@ -444,6 +587,12 @@ impl Registry {
         }
         if let Some((r, _)) = joining.ranks.iter().find(|(r, (a, _))| **r != rank && *a == data) {
             return vec![(conn, refuse(Refusal::Conflict, format!("{data} is rank {r}'s data socket in run {run}")))];
+        }
+        if let Some(node) = shape.ring {
+            if let Some((r, _)) = joining.ring_nodes.iter().find(|(r, n)| **r != rank && **n == node) {
+                return vec![(conn, refuse(Refusal::Conflict, format!("ranks {r} and {rank} of run {run} name the same node {node}: a ring's members are one rank a node")))];
+            }
+            joining.ring_nodes.insert(rank, node);
         }
         joining.ranks.insert(rank, (data, conn));
         if joining.ranks.len() < world as usize {
@@ -516,6 +665,7 @@ impl Registry {
             ack_mode: self.ack.0,
             ack_group: self.ack.1,
             tree_workers: joining.shape.parent.map(|p| p.tree_workers),
+            ring: None,
         };
         // A leaf's job answers its ranks once its root's job exists.
         let upstream = joining.shape.parent.map(|parent| {
@@ -532,7 +682,25 @@ impl Registry {
             });
             Upstream { parent, root: None, waiting: conns.clone() }
         });
-        let answer = upstream.is_none();
+        // A run with a ring answers its ranks once every member serves it.
+        let ring = joining.shape.ring.map(|_| {
+            let nodes: Vec<SocketAddrV4> = joining.ring_nodes.values().copied().collect();
+            self.ring_starts.push(RingStart {
+                job: id,
+                incarnation: grant.incarnation,
+                tenant: tenant.clone(),
+                key: self.keys.tenants[&tenant].key.clone(),
+                run: run.clone(),
+                members: grant.workers.iter().map(|w| *w.ip()).collect(),
+                nodes: nodes.clone(),
+                vector_len: joining.shape.vector_len.unwrap_or(1),
+                ring_ids: self.limits.ring_ids,
+                ring_ports: self.limits.ring_ports,
+                lease_ms: self.limits.lease_ms,
+            });
+            PendingRing { nodes, waiting: conns.clone() }
+        });
+        let answer = upstream.is_none() && ring.is_none();
         self.live.insert(
             id,
             LiveJob {
@@ -545,6 +713,7 @@ impl Registry {
                 created_ms: now_ms,
                 ended: BTreeSet::new(),
                 upstream,
+                ring,
             },
         );
         self.counts.created += 1;
@@ -559,6 +728,95 @@ impl Registry {
     /// to join at its root.
     pub fn take_upstream_starts(&mut self) -> Vec<UpstreamStart> {
         std::mem::take(&mut self.starts)
+    }
+
+    /// The jobs with a ring created since the last call, each for the
+    /// server to install at its ranks' nodes.
+    pub fn take_ring_starts(&mut self) -> Vec<RingStart> {
+        std::mem::take(&mut self.ring_starts)
+    }
+
+    /// Every member node of job `job`'s ring serves it as `ring`: the job's
+    /// grant carries it from now on, and its waiting ranks are answered.
+    pub fn ring_ready(&mut self, now_ms: u64, job: u16, incarnation: u64, ring: RingGrant) -> Vec<(ConnId, Reply)> {
+        let lease = self.limits.lease_ms;
+        let Some(j) = self.live.get_mut(&job).filter(|j| j.grant.incarnation == incarnation) else {
+            return Vec::new();
+        };
+        let Some(pending) = j.ring.as_mut() else { return Vec::new() };
+        j.grant.ring = Some(ring);
+        j.expires_ms = now_ms + lease;
+        let reply = Reply::Joined(j.grant.clone());
+        std::mem::take(&mut pending.waiting).into_iter().map(|c| (c, reply.clone())).collect()
+    }
+
+    /// Job `job`'s ring could not be installed (`why`): the job is removed
+    /// and its waiting ranks are refused.
+    pub fn ring_failed(&mut self, job: u16, incarnation: u64, why: &str) -> Vec<(ConnId, Reply)> {
+        if !self.is_live(job, incarnation) {
+            return Vec::new();
+        }
+        let j = self.live.remove(&job).expect("live");
+        self.counts.expired += 1;
+        let reply = refuse(Refusal::Unavailable, format!("run {}: {why}", j.run));
+        let waiting = j.ring.map(|r| r.waiting).unwrap_or_default();
+        *self.counts.refused.entry(Refusal::Unavailable).or_default() += waiting.len() as u64;
+        waiting.into_iter().map(|c| (c, reply.clone())).collect()
+    }
+
+    /// A member node no longer serves job `job`'s ring: the job is removed
+    /// (its ranks' renewals are refused, their calls fail naming this
+    /// node); whether it was live.
+    pub fn ring_lost(&mut self, job: u16, incarnation: u64) -> bool {
+        self.upstream_lost(job, incarnation)
+    }
+
+    /// A run's ring at this node ([`Request::RingInstall`]): served once
+    /// the node applied it (the reply waits for that), renewed when the
+    /// same ring is asked again, replacing the run's other ring.
+    #[allow(clippy::too_many_arguments)]
+    fn install_ring(&mut self, now_ms: u64, tenant: String, run: String, id: u16, port: u16, members: Vec<Ipv4Addr>, vector_len: u32) -> Reply {
+        let lease = self.limits.lease_ms;
+        if members.len() < 2 || members.len() > MAX_WORKERS || vector_len == 0 {
+            return refuse(Refusal::Malformed, format!("a ring of {} members (2..={MAX_WORKERS}) and {vector_len} elements (at least 1)", members.len()));
+        }
+        if members.iter().collect::<BTreeSet<_>>().len() != members.len() {
+            return refuse(Refusal::Malformed, format!("ring members {members:?}: an address appears twice"));
+        }
+        let config = RingConfig { id, port, weights: vec![1; members.len()], members, vector_len, frag_elems: self.ring_frag_elems };
+        if let Some(r) = self.rings.get_mut(&id).filter(|r| r.tenant == tenant && r.run == run) {
+            if r.config == config {
+                r.expires_ms = now_ms + lease;
+                return Reply::RingInstalled { ring: id, frag_elems: config.frag_elems, lease_ms: lease };
+            }
+        }
+        if self.file_rings.contains(&id) || self.rings.get(&id).is_some_and(|r| !(r.tenant == tenant && r.run == run)) {
+            return refuse(Refusal::Conflict, format!("ring id {id} is in use on this node"));
+        }
+        let job_ports = self.live.values().flat_map(|j| [j.grant.port, j.grant.result_port]);
+        let ring_ports = self.rings.values().filter(|r| !(r.tenant == tenant && r.run == run)).map(|r| r.config.port);
+        if self.file_ports.contains(&port) || job_ports.chain(ring_ports).any(|p| p == port) {
+            return refuse(Refusal::Conflict, format!("port {port} is in use on this node"));
+        }
+        let t = &self.keys.tenants[&tenant];
+        let others = self.rings.values().filter(|r| r.tenant == tenant && r.run != run).count() as u32;
+        if others + 1 > t.jobs {
+            return refuse(Refusal::OverQuota, format!("tenant {tenant} has {others} live rings on this node; its quota is {} (key file: jobs)", t.jobs));
+        }
+        if self.rings.len() as u32 >= abi::MAX_RINGS {
+            return refuse(Refusal::OverQuota, format!("the node serves {} rings, its limit", abi::MAX_RINGS));
+        }
+        // The run's other ring (a proposal it replaced, a restarted run's).
+        self.rings.retain(|_, r| !(r.tenant == tenant && r.run == run));
+        self.rings.insert(id, LiveRing { tenant, run, config, created_ms: now_ms, expires_ms: now_ms + lease });
+        self.counts.created += 1;
+        Reply::RingInstalled { ring: id, frag_elems: self.ring_frag_elems, lease_ms: lease }
+    }
+
+    /// Removes ring `ring` without a reply (the node could not apply it);
+    /// whether it was live.
+    pub fn remove_ring(&mut self, ring: u16) -> bool {
+        self.rings.remove(&ring).is_some()
     }
 
     /// Whether job `job` of incarnation `incarnation` is live.
@@ -616,11 +874,11 @@ impl Registry {
         gone
     }
 
-    /// Removes every job whose lease ran out and every run whose ranks have
-    /// not all joined within a lease; returns the removed jobs' ids and the
-    /// refusals owed to the connections of the dropped runs.
+    /// Removes every job and ring whose lease ran out and every run whose
+    /// ranks have not all joined within a lease; returns the removed jobs'
+    /// and rings' ids (jobs first) and the refusals owed to the connections of the dropped runs.
     pub fn expire(&mut self, now_ms: u64) -> (Vec<u16>, Vec<(ConnId, Reply)>) {
-        let gone: Vec<u16> = self.live.iter().filter(|(_, j)| j.expires_ms <= now_ms).map(|(id, _)| *id).collect();
+        let mut gone: Vec<u16> = self.live.iter().filter(|(_, j)| j.expires_ms <= now_ms).map(|(id, _)| *id).collect();
         let lease = self.limits.lease_ms;
         let mut replies = Vec::new();
         for id in &gone {
@@ -633,6 +891,16 @@ impl Registry {
                 );
                 replies.extend(u.waiting.into_iter().map(|c| (c, reply.clone())));
             }
+            if let Some(r) = j.ring.filter(|r| !r.waiting.is_empty()) {
+                let reply = refuse(Refusal::Unavailable, format!("run {}: its ring was not installed at its ranks' nodes within {lease} ms", j.run));
+                replies.extend(r.waiting.into_iter().map(|c| (c, reply.clone())));
+            }
+        }
+        let rings: Vec<u16> = self.rings.iter().filter(|(_, r)| r.expires_ms <= now_ms).map(|(id, _)| *id).collect();
+        for id in rings {
+            self.rings.remove(&id);
+            self.counts.expired += 1;
+            gone.push(id);
         }
         let stale: Vec<(String, String)> = self
             .joining
@@ -737,6 +1005,7 @@ mod tests {
             window: None,
             frag_elems: None,
             parent: None,
+            ring: None,
         }
     }
 
@@ -820,7 +1089,7 @@ mod tests {
         let mut reg = registry();
         let mut c = Client { tenant: "alice", nonce: 0 };
         let shaped = |rank: u16, window: Option<u32>, frag_elems: Option<u32>| match join("s", 2, rank) {
-            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: Some(1000), window, frag_elems, parent: None },
+            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: Some(1000), window, frag_elems, parent: None, ring: None },
             _ => unreachable!(),
         };
         assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &shaped(0, Some(0), None)))), Refusal::Malformed, "window 0");
@@ -842,7 +1111,7 @@ mod tests {
         assert_eq!(reason(&out), Refusal::OverQuota);
         assert!(matches!(&out[0].1, Reply::Refused { message, .. } if message.contains("quota is 2")));
         let mut bob = Client { tenant: "bob", nonce: 100 };
-        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None };
+        let over = Request::Join { run: "big".into(), world: 17, rank: 0, data: "10.0.9.1:1".parse().unwrap(), vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
         assert_eq!(reason(&reg.handle(T0, 9, &bob.frame(T0, &over))), Refusal::OverQuota);
     }
 
@@ -852,7 +1121,7 @@ mod tests {
         let mut a = Client { tenant: "alice", nonce: 0 };
         run_of(&mut reg, &mut a, T0, "a", 2);
         let mut b = Client { tenant: "bob", nonce: 1000 };
-        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None, parent: None };
+        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
         assert_eq!(reason(&reg.handle(T0, 7, &b.frame(T0, &taken))), Refusal::Conflict);
         assert!(reg.handle(T0, 7, &b.frame(T0, &join("b", 2, 0))).is_empty(), "its own sockets: accepted");
     }
@@ -917,7 +1186,7 @@ mod tests {
     fn leaf_join(run: &str, world: u16, rank: u16, leaf: u16) -> Request {
         let parent = TreeParent { node: "10.0.9.9:7471".parse().unwrap(), leaf, leaves: 2, tree_workers: 2 * world };
         match join(run, world, rank) {
-            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent: Some(parent) },
+            Request::Join { run, world, rank, data, .. } => Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent: Some(parent), ring: None },
             _ => unreachable!(),
         }
     }
@@ -933,7 +1202,98 @@ mod tests {
             ack_mode: crate::wire::proto::AckMode::Group,
             ack_group: crate::config::MAX_ACK_GROUP,
             tree_workers: None,
+            ring: None,
         }
+    }
+
+    /// Rank `rank`'s join of a run of `world` with a ring, its own node
+    /// 10.0.8.(rank+1):7471.
+    fn ring_join(run: &str, world: u16, rank: u16, vector_len: Option<u32>) -> Request {
+        let Request::Join { run, world, rank, data, .. } = join(run, world, rank) else { unreachable!() };
+        let ring = Some(SocketAddrV4::new([10, 0, 8, rank as u8 + 1].into(), 7471));
+        Request::Join { run, world, rank, data, vector_len, window: None, frag_elems: None, parent: None, ring }
+    }
+
+    #[test]
+    fn a_run_with_a_ring_is_answered_once_its_ring_is_installed_at_its_ranks_nodes() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        assert_eq!(reason(&reg.handle(T0, 9, &c.frame(T0, &ring_join("m", 2, 0, None)))), Refusal::Malformed, "a ring needs a vector_len");
+        assert_eq!(reason(&reg.handle(T0, 9, &c.frame(T0, &ring_join("m", 1, 0, Some(10))))), Refusal::Malformed, "a ring needs 2 ranks");
+        assert!(reg.handle(T0, 1, &c.frame(T0, &ring_join("r", 2, 0, Some(5000)))).is_empty());
+        // A rank without a ring in a run with one: another shape.
+        let plain = join("r", 2, 1);
+        assert_eq!(reason(&reg.handle(T0, 3, &c.frame(T0, &plain))), Refusal::Conflict);
+        assert!(reg.handle(T0, 2, &c.frame(T0, &ring_join("r", 2, 1, Some(5000)))).is_empty(), "complete, but no ring yet");
+        let starts = reg.take_ring_starts();
+        assert_eq!(starts.len(), 1);
+        let st = &starts[0];
+        assert_eq!(st.nodes, vec!["10.0.8.1:7471".parse().unwrap(), "10.0.8.2:7471".parse::<SocketAddrV4>().unwrap()]);
+        assert_eq!(st.members, vec![Ipv4Addr::new(10, 0, b'r', 1), Ipv4Addr::new(10, 0, b'r', 2)]);
+        assert_eq!((st.vector_len, st.key.clone()), (5000, vec![5u8; 32]));
+        assert_eq!(reg.desired().0.len(), 1, "the star's job is served meanwhile");
+        let ring = RingGrant { id: 61500, port: 48100, members: st.members.clone(), vector_len: 5000, frag_elems: 362 };
+        let replies = reg.ring_ready(T0 + 5, st.job, st.incarnation, ring.clone());
+        assert_eq!(replies.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![1, 2]);
+        let Reply::Joined(g) = &replies[0].1 else { panic!("{replies:?}") };
+        assert_eq!(g.ring, Some(ring.clone()));
+        assert!(reg.ring_ready(T0, st.job, st.incarnation, ring).is_empty(), "answered once");
+        assert!(reg.ring_lost(st.job, st.incarnation) && reg.live().is_empty(), "a member that loses the ring takes the job");
+
+        // A ring that cannot be installed refuses the ranks and keeps nothing.
+        assert!(reg.handle(T0, 4, &c.frame(T0, &ring_join("s", 2, 0, Some(10)))).is_empty());
+        assert!(reg.handle(T0, 5, &c.frame(T0, &ring_join("s", 2, 1, Some(10)))).is_empty());
+        let st = reg.take_ring_starts().remove(0);
+        let replies = reg.ring_failed(st.job, st.incarnation, "rank 1's node 10.0.8.2:7471 refused");
+        assert_eq!(replies.len(), 2);
+        assert!(matches!(&replies[0].1, Reply::Refused { reason: Refusal::Unavailable, message } if message.contains("10.0.8.2:7471")), "{replies:?}");
+        assert!(reg.live().is_empty());
+        // Two ranks naming one node cannot both be its member.
+        assert!(reg.handle(T0, 6, &c.frame(T0, &ring_join("u", 2, 0, Some(10)))).is_empty());
+        let Request::Join { run, world, rank, data, vector_len, .. } = ring_join("u", 2, 1, Some(10)) else { unreachable!() };
+        let same = Request::Join { run, world, rank, data, vector_len, window: None, frag_elems: None, parent: None, ring: Some("10.0.8.1:7471".parse().unwrap()) };
+        assert_eq!(reason(&reg.handle(T0, 7, &c.frame(T0, &same))), Refusal::Conflict);
+    }
+
+    #[test]
+    fn a_member_node_serves_a_runs_ring_renews_replaces_and_ends_it() {
+        let file = Config::parse(
+            "[node]\nring_frag_elems = 100\n[[ring]]\nid = 61450\nport = 48000\nmembers = [\"10.0.0.1\", \"10.0.0.2\"]\nvector_len = 10\n",
+            "t",
+        )
+        .unwrap();
+        let mut reg = Registry::new(keys(), Limits::default(), &file);
+        let mut alice = Client { tenant: "alice", nonce: 0 };
+        let mut bob = Client { tenant: "bob", nonce: 1 << 20 }; // nonces apart from alice's
+        let members: Vec<Ipv4Addr> = vec![[10, 0, 0, 1].into(), [10, 0, 0, 2].into()];
+        let install = |run: &str, ring: u16, port: u16| Request::RingInstall { run: run.into(), ring, port, members: members.clone(), vector_len: 1000 };
+        assert_eq!(reason(&reg.handle(T0, 1, &alice.frame(T0, &install("a", 61450, 48200)))), Refusal::Conflict, "the file's ring id");
+        assert_eq!(reason(&reg.handle(T0, 1, &alice.frame(T0, &install("a", 61451, 48000)))), Refusal::Conflict, "the file's ring port");
+        let ok = reg.handle(T0, 1, &alice.frame(T0, &install("a", 61451, 48201)));
+        assert_eq!(ok, vec![(1, Reply::RingInstalled { ring: 61451, frag_elems: 100, lease_ms: 10_000 })]);
+        let rings = reg.desired_rings();
+        assert_eq!((rings.len(), rings[0].id, rings[0].port, rings[0].frag_elems, rings[0].weights.clone()), (1, 61451, 48201, 100, vec![1, 1]));
+        assert_eq!(reason(&reg.handle(T0, 2, &bob.frame(T0, &install("b", 61451, 48300)))), Refusal::Conflict, "another run's ring id");
+        assert_eq!(reason(&reg.handle(T0, 2, &bob.frame(T0, &install("b", 61452, 48201)))), Refusal::Conflict, "another run's ring port");
+        assert_eq!(reason(&reg.handle(T0, 2, &bob.frame(T0, &Request::RingRenew { run: "a".into(), ring: 61451 }))), Refusal::UnknownJob, "another tenant's");
+        assert_eq!(reason(&reg.handle(T0, 2, &bob.frame(T0, &Request::RingEnd { run: "a".into(), ring: 61451 }))), Refusal::UnknownJob);
+        // Asked again: renewed, the same ring.
+        let state = reg.state();
+        assert!(matches!(reg.handle(T0 + 9_000, 1, &alice.frame(T0 + 9_000, &install("a", 61451, 48201)))[0].1, Reply::RingInstalled { .. }));
+        assert_eq!(reg.state(), state, "a renewal changes nothing of the kernel's");
+        assert!(reg.expire(T0 + 12_000).0.is_empty(), "renewed at +9 s");
+        // The run's other proposal replaces it.
+        assert!(matches!(reg.handle(T0, 1, &alice.frame(T0, &install("a", 61460, 48202)))[0].1, Reply::RingInstalled { ring: 61460, .. }));
+        assert_eq!(reg.rings().keys().copied().collect::<Vec<_>>(), vec![61460]);
+        assert_eq!(reg.handle(T0, 1, &alice.frame(T0, &Request::RingRenew { run: "a".into(), ring: 61460 }))[0].1, Reply::Renewed { lease_ms: 10_000 });
+        assert_eq!(reg.handle(T0, 1, &alice.frame(T0, &Request::RingEnd { run: "a".into(), ring: 61460 }))[0].1, Reply::Ended { remaining: 0 });
+        assert!(reg.rings().is_empty());
+        // Unrenewed, it expires within a lease.
+        assert!(matches!(reg.handle(T0, 1, &alice.frame(T0, &install("c", 61470, 48203)))[0].1, Reply::RingInstalled { .. }));
+        assert_eq!(reg.expire(T0 + 10_000).0, vec![61470]);
+        assert!(reg.rings().is_empty());
+        let bad = Request::RingInstall { run: "d".into(), ring: 61471, port: 48204, members: vec![[10, 0, 0, 1].into(); 2], vector_len: 10 };
+        assert_eq!(reason(&reg.handle(T0, 1, &alice.frame(T0, &bad))), Refusal::Malformed, "a member twice");
     }
 
     #[test]
@@ -969,7 +1329,7 @@ mod tests {
         let mut c = Client { tenant: "alice", nonce: 0 };
         let Request::Join { run, world, rank, data, .. } = join("x", 2, 0) else { unreachable!() };
         let parent = Some(TreeParent { node: "10.0.9.9:1".parse().unwrap(), leaf: 2, leaves: 2, tree_workers: 4 });
-        let bad = Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent };
+        let bad = Request::Join { run, world, rank, data, vector_len: None, window: None, frag_elems: None, parent, ring: None };
         assert_eq!(reason(&reg.handle(T0, 1, &c.frame(T0, &bad))), Refusal::Malformed, "leaf beyond the leaves");
         for r in 0..2 {
             reg.handle(T0, 1 + u64::from(r), &c.frame(T0, &leaf_join("t", 2, r, 0)));

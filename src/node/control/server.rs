@@ -202,21 +202,27 @@ fn serve_connection(
             }
             Err(_) => break,
         };
-        let (before, replies, starts) = {
+        let (before, replies, starts, ring_starts) = {
             let mut reg = registry.lock().unwrap_or_else(|p| p.into_inner());
-            let before: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
+            let before = reg.state();
             let replies = reg.handle(now_ms(), id, &frame);
-            let after: Vec<(u16, u64)> = reg.live().values().map(|j| (j.grant.job, j.grant.incarnation)).collect();
-            if before != after {
+            let changed = reg.state() != before;
+            if changed {
                 publish_to(&publish, &reg);
             }
-            (before != after, replies, reg.take_upstream_starts())
+            (changed, replies, reg.take_upstream_starts(), reg.take_ring_starts())
         };
         // Leaves' jobs just created: each joins its tree's root.
         for start in starts {
             let publish = publish.clone();
             let shown = Box::new(move |r: &Registry| publish_to(&publish, r));
             super::upstream::spawn(start, registry.clone(), changes.clone(), stop.clone(), shown);
+        }
+        // Jobs with a ring just created: each installs it at its members.
+        for start in ring_starts {
+            let publish = publish.clone();
+            let shown = Box::new(move |r: &Registry| publish_to(&publish, r));
+            super::ring::spawn(start, registry.clone(), changes.clone(), stop.clone(), shown);
         }
         if before {
             if changes.send(Change { replies }).is_err() {

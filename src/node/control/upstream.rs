@@ -58,6 +58,7 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
                 window: shape.window,
                 frag_elems: shape.frag_elems,
                 parent: None,
+                ring: None,
             }),
             IpAddr::V6(ip) => Err(format!("this leaf reaches the root from {ip}: IPv6 is not served")),
         },
