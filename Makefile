@@ -14,9 +14,11 @@ BENCH_BIN    := target/$(PROFILE)/aggbox-bench
 # and unit-tested there.
 BENCH_FEATURES := --features bench
 # The Python package (python/, docs/PYTHON.md) is built for and tested with
-# Debian's /usr/bin/python3 beside its torch, numpy and torchvision (the
-# training example); python3-venv holds maturin (from PyPI, pinned).
-PY_APT_PACKAGES := python3 python3-venv python3-numpy python3-torch python3-torchvision
+# Debian's /usr/bin/python3 beside its torch, numpy, torchvision (the
+# training example) and scikit-learn (its digits data set, for the DDP
+# accuracy test); python3-venv holds maturin (from PyPI, pinned).
+PY_APT_PACKAGES := python3 python3-venv python3-numpy python3-torch python3-torchvision \
+                   python3-sklearn
 APT_PACKAGES := clang llvm libelf-dev zlib1g-dev pkg-config make bpftool \
                 iproute2 ethtool iputils-ping tcpdump prometheus gcc procps \
                 openmpi-bin libopenmpi-dev mpich libmpich-dev \
