@@ -198,6 +198,17 @@ struct Node {
     tb: Testbed,
 }
 
+/// What the workers' hosts run besides the workers ([`Node::start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RingNodes {
+    /// Nothing.
+    None,
+    /// `aggbox attach` with ring [`RING`] in its file.
+    File,
+    /// `aggbox attach` with the key file and ring memory, for a ring on demand.
+    OnDemand,
+}
+
 /// The credential and port of [`Node::with_control`].
 const TENANT: &str = "python";
 const TENANT_KEY: &str = "a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11ce5a11c";
@@ -211,7 +222,7 @@ const RING_THRESHOLD: usize = 1000;
 
 impl Node {
     fn up(tag: &str) -> Node {
-        Node::start(tag, false, None, WORKERS)
+        Node::start(tag, RingNodes::None, None, WORKERS)
     }
 
     /// [`Node::up`] with a control endpoint (jobs on demand) whose key
@@ -222,25 +233,37 @@ impl Node {
 
     /// [`Node::with_control`] with `workers` workers.
     fn with_control_of(tag: &str, workers: usize) -> Node {
+        Node::start(tag, RingNodes::None, Some(Node::key_file(tag)), workers)
+    }
+
+    /// The key file of [`Node::with_control`].
+    fn key_file(tag: &str) -> PathBuf {
         let keys = std::env::temp_dir().join(format!("aggbox-python-{}-{tag}.keys.toml", std::process::id()));
         // Room for the torch backend's tests: a job per process group.
         std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{TENANT_KEY}\"\njobs = 16\n")).expect("key file");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
-        Node::start(tag, false, Some(keys), workers)
+        keys
     }
 
     /// [`Node::up`], and the workers' hosts each run `aggbox attach` with
     /// ring [`RING`] of the 4 workers, which the workers' file lists too.
     fn with_ring(tag: &str) -> Node {
-        Node::start(tag, true, None, WORKERS)
+        Node::start(tag, RingNodes::File, None, WORKERS)
     }
 
-    fn start(tag: &str, ring: bool, keys: Option<PathBuf>, n: usize) -> Node {
+    /// [`Node::with_control`], and the workers' hosts each run `aggbox
+    /// attach` with the same key file and ring memory for a ring on demand
+    /// (`[node] ring_pool`), no `[[ring]]`.
+    fn with_control_and_ring_nodes(tag: &str) -> Node {
+        Node::start(tag, RingNodes::OnDemand, Some(Node::key_file(tag)), WORKERS)
+    }
+
+    fn start(tag: &str, ring: RingNodes, keys: Option<PathBuf>, n: usize) -> Node {
         require_root();
         let tb = Testbed::up(TestbedConfig {
             hosts: n + 1,
-            xdp_tx: ring,
+            xdp_tx: ring != RingNodes::None,
             ..Default::default()
         })
         .expect("testbed");
@@ -261,7 +284,20 @@ impl Node {
         }
         let attach = LiveAttach::start(&tb.host(0).netns, tag, &text, &[]);
         let (mut ring_nodes, mut pin_dirs) = (Vec::new(), Vec::new());
-        if ring {
+        if ring == RingNodes::OnDemand {
+            let keys = keys.as_ref().expect("rings on demand need the key file");
+            for h in 1..=n {
+                let text = format!(
+                    "[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\nring_pool = {}\n",
+                    keys.display(),
+                    2 * RING_LEN
+                );
+                let a = LiveAttach::start(&tb.host(h).netns, &format!("{tag}-r{}", h - 1), &text, &[]);
+                pin_dirs.push(aggbox::node::pin_dir(&a.pin_root, "eth0"));
+                ring_nodes.push(a);
+            }
+        }
+        if ring == RingNodes::File {
             let ring = format!(
                 "\n[[ring]]\nid = {RING}\nport = 7400\nmembers = [{}]\nvector_len = {RING_LEN}\nfrag_elems = 362\n",
                 workers.iter().map(|w| format!("\"{w}\"")).collect::<Vec<_>>().join(", "),
@@ -567,6 +603,35 @@ fn python_workers_choose_star_or_ring_by_size() {
     };
     let results = node.run_workers("netns_ring.py", args, Duration::from_secs(120));
     assert_ranks_done(&results, "netns_ring.py", &["ok: served star 2 ring 5"]);
+}
+
+/// A ring on demand from Python: `Communicator.connect(ring=...)` names
+/// the rank's own node (which serves rings, `[node] ring_pool`) and the
+/// node that serves the run installs the ring there; each allreduce is
+/// served by the star or the ring by its size, exactly, and the ring is
+/// gone from every worker's node once the run ends.
+#[test]
+fn python_workers_get_a_ring_on_demand() {
+    let node = Node::with_control_and_ring_nodes("py-ring-od");
+    let args = |r: usize| {
+        let mut a = on_demand_args(&node, r);
+        a.extend([
+            "--pin-dir".into(),
+            node.pin_dirs[r].to_string_lossy().into_owned(),
+            "--ring-len".into(),
+            RING_LEN.to_string(),
+            "--threshold".into(),
+            RING_THRESHOLD.to_string(),
+        ]);
+        a
+    };
+    let results = node.run_workers("netns_ring.py", args, Duration::from_secs(120));
+    assert_ranks_done(&results, "netns_ring.py", &["ok: served star 2 ring 5", "ok: the ring on demand"]);
+    let since = Instant::now();
+    while node.ring_nodes.iter().any(|a| !a.status().rings.is_empty()) {
+        assert!(since.elapsed() < Duration::from_secs(3), "the run's ring is left on the workers' nodes after the run");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

@@ -93,6 +93,8 @@ class Communicator:
         deadline: float = 10.0,
         quantization: Quantization | None = None,
         mtu: int = 0,
+        tree: dict[str, str | int] | None = None,
+        ring: dict[str, str | int] | None = None,
     ) -> Communicator: ...
     @property
     def rank(self) -> int | None: ...

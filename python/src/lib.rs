@@ -509,6 +509,25 @@ fn tree_parent(tree: &Bound<'_, PyDict>) -> PyResult<TreeParent> {
     })
 }
 
+/// `connect(ring=...)`: this rank's own node's control endpoint, its pin
+/// directory and the ring threshold (elements), if given.
+fn ring_member(ring: &Bound<'_, PyDict>) -> PyResult<(SocketAddrV4, PathBuf, Option<usize>)> {
+    for k in ring.keys() {
+        let k: String = k.extract()?;
+        if !["node", "pins", "threshold"].contains(&k.as_str()) {
+            return Err(PyValueError::new_err(format!("ring: unknown key {k:?} (node, pins, threshold)")));
+        }
+    }
+    let item = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        ring.get_item(k)?.ok_or_else(|| PyValueError::new_err(format!("ring: no {k:?} (give node and pins)")))
+    };
+    let node: String = item("node")?.extract()?;
+    let node = node.parse().map_err(|_| PyValueError::new_err(format!("ring node {node:?}: this rank's own node's control endpoint as IP:PORT")))?;
+    let pins: PathBuf = item("pins")?.extract()?;
+    let threshold = ring.get_item("threshold")?.map(|t| t.extract()).transpose()?;
+    Ok((node, pins, threshold))
+}
+
 #[pymethods]
 impl PyCommunicator {
     /// See the class's docs.
@@ -660,9 +679,14 @@ impl PyCommunicator {
     /// (docs/INTERFACE.md, "Trees on demand"): a dict with `root` (the
     /// root node's control endpoint "IP:PORT"), `leaf` (this leaf's index),
     /// `leaves` and `workers` (the tree's); `world` and `rank` then count
-    /// this leaf's workers.
+    /// this leaf's workers. `ring` asks for a ring of the run's ranks at
+    /// their own nodes besides the job (docs/INTERFACE.md, "Rings on
+    /// demand"; `vector_len` required): a dict with `node` (this rank's own
+    /// node's control endpoint "IP:PORT"), `pins` (that node's pin
+    /// directory) and optionally `threshold` (calls of at least this many
+    /// elements take the ring); call it in that node's network namespace.
     #[staticmethod]
-    #[pyo3(signature = (node, *, run, world, rank, data, tenant = None, key = None, vector_len = None, join_deadline = 60.0, deadline = 10.0, quantization = None, mtu = 0, tree = None))]
+    #[pyo3(signature = (node, *, run, world, rank, data, tenant = None, key = None, vector_len = None, join_deadline = 60.0, deadline = 10.0, quantization = None, mtu = 0, tree = None, ring = None))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -679,8 +703,10 @@ impl PyCommunicator {
         quantization: Option<&Bound<'_, PyAny>>,
         mtu: usize,
         tree: Option<&Bound<'_, PyDict>>,
+        ring: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyCommunicator> {
         let parent = tree.map(tree_parent).transpose()?;
+        let ring = ring.map(ring_member).transpose()?;
         let nodes: Vec<String> = match node.extract::<String>() {
             Ok(one) => vec![one],
             Err(_) => node.extract().map_err(|_| PyValueError::new_err("node: a control endpoint \"IP:PORT\" or a list of them"))?,
@@ -702,7 +728,24 @@ impl PyCommunicator {
         if parent.is_some() && nodes.len() != 1 {
             return Err(PyValueError::new_err("tree: a leaf joins one node (its own), not a list"));
         }
+        if ring.is_some() && (nodes.len() != 1 || parent.is_some()) {
+            return Err(PyValueError::new_err("ring: a run with a ring joins one node, not a list, and is not a tree"));
+        }
         Self::wrap(py, move || {
+            if let Some((own, pins, threshold)) = ring {
+                let shape = JobShape { vector_len, ring: Some(own), ..JobShape::default() };
+                let run = RunJob::join_shaped(nodes[0], credential, &run, world, rank, data, shape, join_deadline)?;
+                let mut ring = run.ring(&pins)?;
+                ring.set_deadline(tuning.deadline);
+                ring.set_quantization(tuning.quantization);
+                let comm = RunCommunicator::from_runs(vec![run], |b| tuning.apply(b))?;
+                let mtu = comm.communicator().config().mtu;
+                let mut chosen = StarOrRing::of(Some(Comm::OnDemand(Box::new(comm))), Some(ring), Some(mtu))?;
+                if let Some(n) = threshold {
+                    chosen = chosen.with_ring_threshold(n);
+                }
+                return Ok(Comm::Chosen(Box::new(chosen)));
+            }
             let comm = match parent {
                 None => RunCommunicator::join(&nodes, credential, &run, world, rank, data, vector_len, join_deadline, |b| tuning.apply(b))?,
                 Some(parent) => {

@@ -5,6 +5,13 @@ worker's own host serves, chosen per call by size.
 
     netns_ring.py --rank R --world W --config node.toml --aggregator A \
         --job J --ring ID --pin-dir DIR --ring-len N --threshold T
+    netns_ring.py --rank R --world W --config node.toml --aggregator A \
+        --control PORT --data IP:PORT --tenant T --key K \
+        --pin-dir DIR --ring-len N --threshold T
+
+The second form is a run on demand with a ring (docs/INTERFACE.md, "Rings
+on demand"): `connect(ring=...)` at the aggregator's control endpoint,
+naming this host's own node (its address, the same port) and its pins.
 
 Int32 SUM and MAX allreduces below the threshold (the star) and from it up
 to the ring's length (the ring), a float32 mean on the ring, a forced ring
@@ -24,15 +31,26 @@ from reference import ints
 
 def main():
     ap = argparse.ArgumentParser()
-    for name in ["--rank", "--world", "--job", "--ring", "--ring-len", "--threshold"]:
+    for name in ["--rank", "--world", "--ring-len", "--threshold"]:
         ap.add_argument(name, type=int, required=True)
+    for name in ["--job", "--ring", "--control"]:
+        ap.add_argument(name, type=int)
     for name in ["--config", "--aggregator", "--pin-dir"]:
         ap.add_argument(name, required=True)
+    for name in ["--data", "--tenant", "--key"]:
+        ap.add_argument(name)
     a = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     r, w = a.rank, a.world
-    kw = dict(job=a.job, rank=r, aggregator=a.aggregator, deadline=20.0, ring=a.ring, pin_dir=a.pin_dir)
-    comm = aggbox.Communicator.from_config(a.config, ring_threshold=a.threshold, **kw)
+    if a.control is not None:
+        own = a.data.split(":")[0] + f":{a.control}"
+        comm = aggbox.Communicator.connect(
+            f"{a.aggregator}:{a.control}", run="ring-on-demand", world=w, rank=r, data=a.data,
+            tenant=a.tenant, key=a.key, vector_len=a.ring_len, deadline=20.0,
+            ring=dict(node=own, pins=a.pin_dir, threshold=a.threshold))
+    else:
+        kw = dict(job=a.job, rank=r, aggregator=a.aggregator, deadline=20.0, ring=a.ring, pin_dir=a.pin_dir)
+        comm = aggbox.Communicator.from_config(a.config, ring_threshold=a.threshold, **kw)
     want_star, want_ring = 0, 0
     for n in [a.threshold - 1, a.threshold, a.ring_len]:
         for op, ref in [("sum", np.sum), ("max", np.max)]:
@@ -58,6 +76,10 @@ def main():
         raise AssertionError(f"served {served}, want star {want_star} ring {want_ring}")
     print(f"ok: served star {served['star']} ring {served['ring']}", flush=True)
     comm.close()
+    if a.control is not None:
+        print("ok: the ring on demand", flush=True)
+        print("done", flush=True)
+        return
     forced = aggbox.Communicator.from_config(a.config, algorithm="ring", **kw)
     one = np.array([r + 1], dtype=np.int32)
     forced.allreduce(one, op="sum")
