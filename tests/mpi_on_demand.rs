@@ -410,3 +410,71 @@ fn openmpi_on_demand_refused_falls_back_to_pmpi_or_aborts_when_asked() {
     );
     assert!(!stderr.contains("collectives: rank 0: ok"), "the program did not run on: {stderr}");
 }
+
+/// A ring on demand under MPI (AGGBOX_MPI_RING=demand, docs/MPI.md "Jobs
+/// on demand"): every rank's host runs a node with the tenant's key file
+/// and ring memory, no `[[ring]]`; MPI_Init joins MPI_COMM_WORLD's run at
+/// host 0's node asking for a ring at the ranks' own nodes, which host 0
+/// installs there. The program's results stay bit-identical to plain MPI's,
+/// the ring serves calls from the threshold on, and when the run ends the
+/// ring is gone from every rank's node and the job from host 0's. Without
+/// its length the ring fails MPI_Init, naming the variable.
+#[test]
+fn openmpi_on_demand_world_reaches_a_ring_on_demand_and_results_stay_bit_identical() {
+    const RANKS: usize = 4;
+    let bed = MpiBed::with_testbed("demand-ring", RANKS, 1, true, |_tb, dir| {
+        let keys = dir.join("keys.toml");
+        std::fs::write(&keys, format!("[[tenant]]\nname = \"{TENANT}\"\nkey = \"{KEY}\"\njobs = {DEMAND_JOBS}\n")).expect("write keys");
+        std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod keys");
+        format!("[node]\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\nkeys = \"{}\"\n", keys.display())
+    });
+    let member_text = format!("{}metrics = \"off\"\nuserspace_path = \"optional\"\nring_pool = 32768\n", bed.text);
+    let tag = |r: usize| format!("mpi-demand-ring-member-r{r}");
+    let members: Vec<live_attach::LiveAttach> =
+        (0..RANKS).map(|r| live_attach::LiveAttach::start(&bed.tb.host(r + 1).netns, &tag(r), &member_text, &[])).collect();
+    let pattern = aggbox::node::pin_dir(&members[0].pin_root, "eth0").display().to_string().replace("-r0", "-r{rank}");
+    let program = program(Mpi::OpenMpi, &bed.dir);
+    let sizes = ["1", "362", "1448", "10000"];
+    let plain = bed.mpirun(Mpi::OpenMpi, RANKS, &[], &program, &sizes);
+    assert!(plain.status.success(), "plain run failed");
+
+    let ring_env = [
+        ("AGGBOX_MPI_RING", "demand".to_string()),
+        ("AGGBOX_MPI_PIN_DIR", pattern),
+        ("AGGBOX_MPI_RING_LEN", "16384".to_string()),
+        ("AGGBOX_MPI_RING_THRESHOLD", "1000".to_string()),
+    ];
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &ring_env), &program, &sizes);
+    assert!(out.status.success(), "run with a ring on demand failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(result_lines(&out), result_lines(&plain), "results with the ring on demand differ from plain MPI's");
+    assert_counters(&out, RANKS, |_| on_demand_counters(sizes.len()), "jobs on demand with a ring");
+    for r in 0..RANKS {
+        let line = counters_line(&out, r);
+        let world = on_demand_jobs(&line)[0].0;
+        let ring_calls: u64 = line
+            .split(&format!("; job {world} ring served "))
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: no ring count in {line}"));
+        // SUM, MAX and MIN (the ring's ops) from the threshold on (1448 and
+        // 10000 elements): two allreduces and two reduces each; and the
+        // program's SUM of 1000 on a duplicate of MPI_COMM_WORLD (the same
+        // processes in the same order share its job and ring).
+        assert_eq!(ring_calls, 2 * 3 * 4 + 1, "rank {r}: calls the ring served: {line}");
+    }
+    let since = Instant::now();
+    while members.iter().any(|m| !m.status().rings.is_empty()) {
+        assert!(since.elapsed() < Duration::from_secs(3), "the run's ring is left on the ranks' nodes after MPI_Finalize");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_no_jobs_soon(&bed, "after the run with a ring");
+
+    // A ring on demand without its length: MPI_Init fails and says why.
+    let short: Vec<(&str, String)> = ring_env.iter().filter(|(k, _)| *k != "AGGBOX_MPI_RING_LEN").cloned().collect();
+    let out = bed.mpirun(Mpi::OpenMpi, RANKS, &bed.on_demand_env(Mpi::OpenMpi, KEY, &short), &program, &["1"]);
+    assert!(!out.status.success(), "a ring on demand without AGGBOX_MPI_RING_LEN must fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs AGGBOX_MPI_RING_LEN"), "the reason is printed: {stderr}");
+    drop(members);
+}

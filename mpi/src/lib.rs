@@ -175,7 +175,7 @@ impl Session {
         match &self.link {
             Link::File(comm) => comm.as_ref(),
             Link::Chosen(chosen) => chosen.as_ref(),
-            Link::OnDemand(joined) => &joined.comm,
+            Link::OnDemand(joined) => joined.comm.collective(),
         }
     }
 
@@ -193,7 +193,7 @@ impl Session {
         match &self.link {
             Link::File(comm) => std::slice::from_ref(comm.as_ref()),
             Link::Chosen(chosen) => chosen.star().map_or(&[], std::slice::from_ref),
-            Link::OnDemand(joined) => joined.comm.striped().stripes(),
+            Link::OnDemand(joined) => joined.comm.run_comm().striped().stripes(),
         }
     }
 
@@ -668,6 +668,7 @@ pub extern "C" fn aggbox_mpi_finalize() {
                     // Per job on demand its node, per stripe its counters.
                     let joined: String = s.joined().map_or(String::new(), |j| {
                         j.comm
+                            .run_comm()
                             .runs()
                             .iter()
                             .map(|run| {
@@ -683,6 +684,7 @@ pub extern "C" fn aggbox_mpi_finalize() {
                         .collect();
                     let ring = match &s.link {
                         Link::Chosen(_) => format!("; {} ring served {}", s.name(), s.ring_calls.load(Ordering::Relaxed)),
+                        Link::OnDemand(j) if j.comm.has_ring() => format!("; {} ring served {}", s.name(), s.ring_calls.load(Ordering::Relaxed)),
                         _ => String::new(),
                     };
                     format!("{joined}{datagrams}{ring}; {} routes {}", s.name(), routes_line(&s.tuner))

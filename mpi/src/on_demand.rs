@@ -12,9 +12,9 @@ use std::ffi::c_int;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
-use aggbox::runtime::control::{stripe_socket, Credential, RunCommunicator, RunJob};
+use aggbox::runtime::control::{stripe_socket, Credential, JobShape, RunCommunicator, RunJob};
 use aggbox::runtime::tuner::Tuner;
-use aggbox::runtime::{Collective, Quantization};
+use aggbox::runtime::{CommError, Collective, Quantization, StarOrRing};
 use aggbox::wire::abi::Op;
 
 use super::{
@@ -63,6 +63,8 @@ pub(crate) struct OnDemand {
     join_deadline: Duration,
     /// AGGBOX_MPI_FALLBACK: what a failed join does.
     fallback: Fallback,
+    /// AGGBOX_MPI_RING=demand: MPI_COMM_WORLD's run asks for a ring.
+    ring: Option<super::ring::DemandRing>,
 }
 
 /// What a communicator whose job could not be had does
@@ -84,7 +86,50 @@ pub(crate) struct Joined {
     /// The job's communicator with this rank's part of the run: renewed
     /// while it lives, every call failing with `CommError::JobLost` once
     /// a renewal is refused (docs/INTERFACE.md, "A node that restarts").
-    pub(crate) comm: RunCommunicator,
+    pub(crate) comm: JoinedComm,
+}
+
+/// A job on demand's communicator, beside its ring on demand when the run
+/// asked for one (MPI_COMM_WORLD with AGGBOX_MPI_RING=demand).
+pub(crate) enum JoinedComm {
+    Star(RunCommunicator),
+    WithRing(Box<StarOrRing<RunCommunicator>>),
+}
+
+impl JoinedComm {
+    /// The run's communicator (the star's).
+    pub(crate) fn run_comm(&self) -> &RunCommunicator {
+        match self {
+            JoinedComm::Star(c) => c,
+            JoinedComm::WithRing(s) => s.star().expect("built with its star"),
+        }
+    }
+
+    /// What runs the calls.
+    pub(crate) fn collective(&self) -> &dyn Collective {
+        match self {
+            JoinedComm::Star(c) => c,
+            JoinedComm::WithRing(s) => s.as_ref(),
+        }
+    }
+
+    /// Whether a ring serves calls beside the star.
+    pub(crate) fn has_ring(&self) -> bool {
+        matches!(self, JoinedComm::WithRing(_))
+    }
+
+    /// Stops the communicators, then ends this rank's part of the run (its
+    /// ring ends with the job).
+    pub(crate) fn end(self) -> Result<(), CommError> {
+        match self {
+            JoinedComm::Star(c) => c.end(),
+            JoinedComm::WithRing(s) => {
+                let (star, ring) = s.into_parts();
+                drop(ring);
+                star.map_or(Ok(()), RunCommunicator::end)
+            }
+        }
+    }
 }
 
 /// Reads what `MPI_Init` needs for jobs on demand: the nodes' control
@@ -105,6 +150,10 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
         Some(v) => return Err(format!("{ENV_FALLBACK}={v:?}: expected \"pmpi\" (default: a communicator whose job could not be had passes its calls to MPI) or \"abort\"")),
     };
     let join_deadline = Duration::from_millis(env_parsed::<u64>(ENV_JOIN_MS)?.unwrap_or(DEFAULT_JOIN_MS));
+    let ring = super::ring::read_on_demand(rank)?;
+    if ring.is_some() && nodes.len() != 1 {
+        return Err(format!("AGGBOX_MPI_RING=demand with {} nodes in {ENV_NODE}: a run with a ring joins one node", nodes.len()));
+    }
     let demand = OnDemand {
         nodes: nodes.into_iter().map(SocketAddr::V4).collect(),
         credential,
@@ -114,6 +163,7 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
         data_port: env_parsed(ENV_DATA_PORT)?,
         join_deadline,
         fallback,
+        ring,
     };
     read_common(rank, Source::OnDemand(demand))
 }
@@ -230,11 +280,20 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
     // bind them (a socket per job, as with the file's jobs).
     let fixed = if is_world(demand, members) { demand.data_port } else { None };
     let (data, held) = data_ports(demand.data_ip, fixed, demand.nodes.len())?;
+    // MPI_COMM_WORLD's run asks for its ring at the ranks' own nodes.
+    let ring = demand.ring.as_ref().filter(|_| is_world(demand, members));
     let mut runs = Vec::with_capacity(demand.nodes.len());
     for (t, node) in demand.nodes.iter().enumerate() {
         let at = stripe_socket(data, t).map_err(plain)?;
         let credential = demand.credential.clone();
-        runs.push(RunJob::join(*node, credential, &run, world, rank as u16, at, None, demand.join_deadline).map_err(plain)?);
+        let shape = match ring {
+            Some(r) => {
+                let own = r.node.unwrap_or_else(|| SocketAddrV4::new(demand.data_ip, node.port()));
+                JobShape { vector_len: Some(r.len), ring: Some(own), ..JobShape::default() }
+            }
+            None => JobShape::default(),
+        };
+        runs.push(RunJob::join_shaped(*node, credential, &run, world, rank as u16, at, shape, demand.join_deadline).map_err(plain)?);
     }
     drop(held);
     let ids: Vec<u16> = runs.iter().map(|r| r.grant().job).collect();
@@ -259,6 +318,17 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
             ));
         }
     }
+    let comm = match ring {
+        None => JoinedComm::Star(comm),
+        Some(r) => {
+            let ring = comm
+                .run()
+                .ring(&r.pin_dir)
+                .map_err(|e| format!("{name} (run {run})'s ring on demand (pins at {}): {e}", r.pin_dir.display()))?;
+            let first = comm.communicator().config().clone();
+            JoinedComm::WithRing(Box::new(super::ring::beside_on_demand(comm, &first, ring, r)?))
+        }
+    };
     Ok(Session { job: ids[0], link: Link::OnDemand(Joined { members: members.to_vec(), run, comm }), tuner, ring_calls: Default::default() })
 }
 

@@ -149,6 +149,11 @@ impl<S: Collective> StarOrRing<S> {
         self.star.as_ref()
     }
 
+    /// The star and the ring it was made of.
+    pub fn into_parts(self) -> (Option<S>, Option<RingCommunicator>) {
+        (self.star, self.ring.map(|r| r.into_inner().unwrap_or_else(|p| p.into_inner()).comm))
+    }
+
     /// Whether there is a ring.
     pub fn has_ring(&self) -> bool {
         self.ring.is_some()
