@@ -483,7 +483,8 @@ fn attach(
         (Some((_, listener)), Some(registry)) => {
             let (changes_tx, changes) = mpsc::channel();
             let capacity = registry.lock().unwrap_or_else(|p| p.into_inner()).limits().jobs;
-            let mut published = node::control::PublishedJobs::create(attachment.pin_dir(), capacity)?;
+            // The jobs and the rings served for runs on demand.
+            let mut published = node::control::PublishedJobs::create(attachment.pin_dir(), capacity + aggbox::wire::abi::MAX_RINGS)?;
             let mut failing = false;
             let publish: Box<dyn FnMut(&node::control::Registry) + Send> = Box::new(move |r| match published.publish(r) {
                 // Said once per failing spell, not at every tick.

@@ -754,7 +754,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     let grants: Vec<aggbox::runtime::control::RingGrant> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..WORKERS)
             .map(|r| {
-                let (tb, shape, pin_dir, rings_at) = (&tb, &shape, &pin_dir, &rings_at);
+                let (tb, shape, pin_dir, rings_at, members, star) = (&tb, &shape, &pin_dir, &rings_at, &members, &star);
                 s.spawn(move || {
                     let comm = tb
                         .in_host(r + 1, || {
@@ -769,6 +769,15 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                         .unwrap();
                     let ring = comm.star().unwrap().run().grant().ring.clone().expect("the grant carries the ring");
                     assert!(rings_at(r).contains(&ring.id), "rank {r}: its node serves ring {}", ring.id);
+                    // `aggbox status` names the ring's owner at the member
+                    // and the ring beside the job at the star's node.
+                    let status = members[r].status();
+                    let owner = status.rings_on_demand.get(&ring.id).unwrap_or_else(|| panic!("rank {r}: no ring on demand in {:?}", status.rings_on_demand));
+                    assert_eq!((owner.tenant.as_str(), owner.run.as_str(), owner.members), ("training", "ring", WORKERS as u16));
+                    let text = aggbox::node::format_status(&status);
+                    assert!(text.contains(&format!("ring {} on demand: tenant training run \"ring\"  4 members", ring.id)), "{text}");
+                    let job = star.status().jobs.into_iter().find(|j| j.on_demand.as_ref().is_some_and(|d| d.run == "ring")).expect("the star's job");
+                    assert_eq!(job.on_demand.and_then(|d| d.ring), Some(ring.id));
                     // Calls of 1000 elements and more take the ring, smaller ones the star.
                     for (algorithm, n) in [(Algorithm::Ring, LEN as usize), (Algorithm::Ring, 10_007), (Algorithm::Star, 7), (Algorithm::Star, 1)] {
                         let want = sum_of_ranks(0, n);

@@ -63,6 +63,9 @@ pub struct NodeStatus {
     /// ring_pool`), used by the rings now, and free (docs/RING.md
     /// "Configuration"); all 0 when none is reserved.
     pub ring_pool: crate::kernel::xdp::RingPoolUsage,
+    /// Per ring id: the rings this node serves for runs on demand, with
+    /// their owner and lease (docs/INTERFACE.md, "Rings on demand").
+    pub rings_on_demand: BTreeMap<u16, crate::node::control::RingRecord>,
 }
 
 /// Sum the per-CPU `aggbox_stat` packets of a pinned array map for each
@@ -169,7 +172,8 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         }
     }
     let ring_pool = crate::node::ring::pinned_ring_pool(dir)?.usage();
-    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service, ring_pool })
+    let rings_on_demand = crate::node::control::published::read_rings(dir);
+    Ok(NodeStatus { attach, serving, jobs, outcomes, drops, handoffs, broadcast, served, groups, rings, ring_service, ring_pool, rings_on_demand })
 }
 
 /// One member of a broadcast table, with its next-hop cache entry.
@@ -382,6 +386,9 @@ pub fn format_status(status: &NodeStatus) -> String {
                 seconds(d.expires_ms.saturating_sub(now_ms)),
                 if d.ended.is_empty() { String::new() } else { format!("  ended ranks {:?}", d.ended) }
             );
+            if let Some(r) = d.ring {
+                let _ = writeln!(s, "      ring: {r} at the ranks' own nodes");
+            }
             if let Some(t) = &d.tree {
                 let _ = writeln!(
                     s,
@@ -480,6 +487,20 @@ pub fn format_status(status: &NodeStatus) -> String {
             s,
             "  ring pool: {} elements reserved (fragments of {}), {} used, {} free (largest free region {})",
             pool.reserved, pool.frag_elems, pool.used, pool.free, pool.largest_free
+        );
+    }
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64);
+    for (ring, d) in &status.rings_on_demand {
+        let seconds = |ms: u64| ms as f64 / 1000.0;
+        let _ = writeln!(
+            s,
+            "  ring {ring} on demand: tenant {} run {:?}  {} members  up {:.1} s  renewed {:.1} s ago, expires in {:.1} s",
+            d.tenant,
+            d.run,
+            d.members,
+            seconds(now_ms.saturating_sub(d.created_ms)),
+            seconds(now_ms.saturating_sub(d.renewed_ms)),
+            seconds(d.expires_ms.saturating_sub(now_ms)),
         );
     }
     for (ring, counts) in &status.rings {

@@ -14,7 +14,7 @@ pub mod server;
 pub mod upstream;
 
 pub use keys::{Keys, Tenant};
-pub use published::{DynamicJobRecord, PublishedJobs, TreeRecord};
+pub use published::{DynamicJobRecord, PublishedJobs, RingRecord, TreeRecord};
 pub use registry::{Limits, LiveJob, Registry};
 
 use crate::config::Config;

@@ -2,7 +2,8 @@
 //! process owns the [`Registry`], so it publishes each live job's owner,
 //! incarnation and lease into a pinned hash map (`control_jobs`, beside
 //! the attach record; removed with the other pins on detach) that any
-//! process can read back.
+//! process can read back; the rings it serves for runs on demand too
+//! (keys [`RING_KEYS`] + the ring id).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,6 +16,8 @@ use super::Registry;
 
 /// Pin name of the map.
 pub const PIN: &str = "control_jobs";
+/// Where the keys of the rings on demand start (a job's key is its id).
+pub const RING_KEYS: u32 = 0x1_0000;
 /// Room for one job's JSON record (tenant and run names are bounded by the
 /// AGC1 frame, not here: a longer record is cut to its owner's name).
 const VALUE_SIZE: u32 = 1024;
@@ -41,6 +44,26 @@ pub struct DynamicJobRecord {
     /// A leaf's job of a tree on demand: its place in the tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tree: Option<TreeRecord>,
+    /// The ring granted with the job (a run with a ring on demand), served
+    /// by its ranks' own nodes; none while it is being installed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ring: Option<u16>,
+}
+
+/// A ring this node serves for a run of another node's (docs/INTERFACE.md,
+/// "Rings on demand"), as published.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RingRecord {
+    /// The tenant and run it belongs to.
+    pub tenant: String,
+    pub run: String,
+    /// Members of the ring.
+    pub members: u16,
+    /// Created, last renewed and removed unless renewed, ms since the Unix
+    /// epoch (the node's clock).
+    pub created_ms: u64,
+    pub renewed_ms: u64,
+    pub expires_ms: u64,
 }
 
 /// Where a leaf's job on demand sends its partial results.
@@ -58,7 +81,7 @@ pub struct TreeRecord {
 /// The map, created and pinned by the attach process.
 pub struct PublishedJobs {
     map: MapHandle,
-    published: Vec<u16>,
+    published: Vec<u32>,
 }
 
 impl std::fmt::Debug for PublishedJobs {
@@ -103,12 +126,28 @@ impl PublishedJobs {
                     leaves: u.parent.leaves,
                     root_job: u.root.as_ref().map(|(_, g)| g.job),
                 }),
+                ring: job.grant.ring.as_ref().map(|r| r.id),
             };
             self.map.update(&u32::from(*id).to_ne_bytes(), &value_of(&record)?, MapFlags::ANY).context("aggbox: writing control_jobs")?;
-            now.push(*id);
+            now.push(u32::from(*id));
+        }
+        for (id, ring) in registry.rings() {
+            let record = RingRecord {
+                tenant: ring.tenant.chars().take(64).collect(),
+                run: ring.run.chars().take(256).collect(),
+                members: ring.config.members.len() as u16,
+                created_ms: ring.created_ms,
+                renewed_ms: ring.expires_ms.saturating_sub(lease).max(ring.created_ms),
+                expires_ms: ring.expires_ms,
+            };
+            let mut json = serde_json::to_vec(&record)?;
+            json.resize(VALUE_SIZE as usize, 0);
+            let key = RING_KEYS + u32::from(*id);
+            self.map.update(&key.to_ne_bytes(), &json, MapFlags::ANY).context("aggbox: writing control_jobs")?;
+            now.push(key);
         }
         for gone in self.published.iter().filter(|id| !now.contains(id)) {
-            let _ = self.map.delete(&u32::from(*gone).to_ne_bytes());
+            let _ = self.map.delete(&gone.to_ne_bytes());
         }
         self.published = now;
         Ok(())
@@ -135,15 +174,26 @@ fn value_of(record: &DynamicJobRecord) -> Result<Vec<u8>> {
 /// The published jobs under `dir` by job id; empty when the node serves no
 /// jobs on demand (no pin).
 pub fn read(dir: &Path) -> BTreeMap<u16, DynamicJobRecord> {
+    read_keys(dir, 0)
+}
+
+/// The published rings on demand under `dir` by ring id.
+pub fn read_rings(dir: &Path) -> BTreeMap<u16, RingRecord> {
+    read_keys(dir, RING_KEYS)
+}
+
+/// The records whose keys are `base` + a u16 id.
+fn read_keys<T: serde::de::DeserializeOwned>(dir: &Path, base: u32) -> BTreeMap<u16, T> {
     let mut out = BTreeMap::new();
     let Ok(map) = MapHandle::from_pinned_path(dir.join(PIN)) else {
         return out;
     };
     for key in map.keys() {
         let Ok(Some(raw)) = map.lookup(&key, MapFlags::ANY) else { continue };
-        let Ok(id) = <[u8; 4]>::try_from(key.as_slice()).map(u32::from_ne_bytes) else { continue };
+        let Ok(key) = <[u8; 4]>::try_from(key.as_slice()).map(u32::from_ne_bytes) else { continue };
         let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
-        if let (Ok(id), Ok(record)) = (u16::try_from(id), serde_json::from_slice(&raw[..end])) {
+        let id = key.checked_sub(base).and_then(|id| u16::try_from(id).ok());
+        if let (Some(id), Ok(record)) = (id, serde_json::from_slice(&raw[..end])) {
             out.insert(id, record);
         }
     }
