@@ -437,7 +437,7 @@ fn attach(
             source.control = registry.clone().map(|r| -> metrics::ControlStatsFn {
                 Arc::new(move || {
                     let r = r.lock().unwrap_or_else(|p| p.into_inner());
-                    (r.counts().clone(), r.live().len())
+                    (r.counts().clone(), r.live().len(), r.rings().len())
                 })
             });
             let server = metrics::MetricsServer::start(listener, vec![source])?;

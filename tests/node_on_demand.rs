@@ -742,7 +742,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     let tb = Testbed::up(TestbedConfig { hosts: 1 + WORKERS, xdp_tx: true, ..Default::default() }).expect("testbed");
     let keys = KeyFile::new("on-demand-ring", &[("training", KEY)]);
     let star = LiveAttach::start(&tb.host(0).netns, "od-ring0", &keys.node_config("off"), &[]);
-    let member_config = keys.node_config("off") + "ring_pool = 40000\n";
+    let member_config = keys.node_config("127.0.0.1:9473") + "ring_pool = 40000\n";
     let members: Vec<LiveAttach> =
         (1..=WORKERS).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("od-ring{h}"), &member_config, &["--xdp-mode", "native"])).collect();
     let control = |h: usize| SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT);
@@ -778,6 +778,8 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                     assert!(text.contains(&format!("ring {} on demand: tenant training run \"ring\"  4 members", ring.id)), "{text}");
                     let job = star.status().jobs.into_iter().find(|j| j.on_demand.as_ref().is_some_and(|d| d.run == "ring")).expect("the star's job");
                     assert_eq!(job.on_demand.and_then(|d| d.ring), Some(ring.id));
+                    let metrics = tb.in_host(r + 1, scrape).unwrap();
+                    assert!(metrics.contains("aggbox_control_live_rings{iface=\"eth0\"} 1"), "rank {r}'s node counts the ring:\n{metrics}");
                     // Calls of 1000 elements and more take the ring, smaller ones the star.
                     for (algorithm, n) in [(Algorithm::Ring, LEN as usize), (Algorithm::Ring, 10_007), (Algorithm::Star, 7), (Algorithm::Star, 1)] {
                         let want = sum_of_ranks(0, n);

@@ -85,17 +85,19 @@ pub struct KernelSource {
 }
 
 /// The control endpoint's counts and its live jobs, read at a scrape.
-pub type ControlStatsFn = std::sync::Arc<dyn Fn() -> (crate::node::control::registry::Counts, usize) + Send + Sync>;
+/// The registry's counts, its live jobs and the rings it serves for runs.
+pub type ControlStatsFn = std::sync::Arc<dyn Fn() -> (crate::node::control::registry::Counts, usize, usize) + Send + Sync>;
 
 /// The control endpoint's families: jobs created, ended, expired, refused
-/// requests by reason (every reason listed, 0 included), live jobs.
-fn control_families(iface: &str, (counts, live): &(crate::node::control::registry::Counts, usize)) -> Vec<Family> {
+/// requests by reason (every reason listed, 0 included), live jobs and
+/// rings on demand.
+fn control_families(iface: &str, (counts, live, rings): &(crate::node::control::registry::Counts, usize, usize)) -> Vec<Family> {
     use crate::wire::control::Refusal;
     let mut out = Vec::new();
     for (name, help, value) in [
-        ("aggbox_control_jobs_created_total", "Jobs on demand created (every rank of a run joined).", counts.created),
-        ("aggbox_control_jobs_ended_total", "Jobs on demand ended by their runs (or replaced by a restarted run).", counts.ended),
-        ("aggbox_control_jobs_expired_total", "Jobs on demand removed because their lease ran out.", counts.expired),
+        ("aggbox_control_jobs_created_total", "Jobs on demand created (every rank of a run joined), and rings installed for runs.", counts.created),
+        ("aggbox_control_jobs_ended_total", "Jobs on demand (and rings for runs) ended by their runs (or replaced by a restarted run).", counts.ended),
+        ("aggbox_control_jobs_expired_total", "Jobs on demand (and rings for runs) removed because their lease ran out.", counts.expired),
     ] {
         let mut f = Family::counter(name, help);
         f.push(&[("iface", iface)], value as f64);
@@ -108,6 +110,9 @@ fn control_families(iface: &str, (counts, live): &(crate::node::control::registr
     out.push(refused);
     let mut f = Family::gauge("aggbox_control_live_jobs", "Jobs on demand the node serves now.");
     f.push(&[("iface", iface)], *live as f64);
+    out.push(f);
+    let mut f = Family::gauge("aggbox_control_live_rings", "Rings the node serves now for runs on demand of other nodes.");
+    f.push(&[("iface", iface)], *rings as f64);
     out.push(f);
     out
 }
