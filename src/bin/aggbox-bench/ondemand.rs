@@ -45,7 +45,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 
 use aggbox::config::Config;
-use aggbox::runtime::control::{Credential, RunJob};
+use aggbox::runtime::control::{Credential, JobShape, RunCommunicator, RunJob};
 use aggbox::runtime::{BackendKind, Collective, CommunicatorBuilder, Participant};
 use aggbox::wire::abi::Op;
 use aggbox::wire::control::{read_frame, write_frame, Envelope, Reply, Request, NONCE_BYTES};
@@ -135,11 +135,16 @@ struct NodeProcess {
 
 impl NodeProcess {
     fn start(tb: &Testbed, aggbox: &Path, config: &Path, log: &Path) -> Result<NodeProcess> {
+        NodeProcess::start_in(tb, 0, aggbox, config, log)
+    }
+
+    /// `aggbox attach eth0` in host `host`.
+    fn start_in(tb: &Testbed, host: usize, aggbox: &Path, config: &Path, log: &Path) -> Result<NodeProcess> {
         let pins = PrivateBpffs::mount("ondemand")?;
         let log_file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = tb
             .command_in(
-                0,
+                host,
                 &[
                     &aggbox.to_string_lossy(),
                     "attach",
@@ -1004,6 +1009,134 @@ pub struct OnDemand {
     pub create_trials: Vec<CreateTrial>,
     pub create_destroy: CreateDestroy,
     pub static_vs_dynamic: StaticVsDynamic,
+    pub ring: RingCreate,
+}
+
+// ------------------------------------------------ part 4: rings on demand
+
+/// Elements of part 4's rings: 20 fragments of 362.
+const RING_LEN: u32 = 362 * 20;
+
+/// Part 4: runs of [`WORKERS`] ranks that ask for a ring at their own nodes,
+/// interleaved with the same runs without one, on the same nodes.
+#[derive(Debug, Clone, Serialize)]
+pub struct RingCreate {
+    pub workers: usize,
+    /// Runs of each kind.
+    pub trials: usize,
+    /// Earliest join start → latest rank's join return (the job, and the
+    /// ring installed at every member, granted).
+    pub joined_ms: Summary,
+    /// → the latest rank's first call returned (one element, on the ring).
+    pub total_ms: Summary,
+    /// The same of the runs without a ring (the call on the star).
+    pub plain_joined_ms: Summary,
+    pub plain_total_ms: Summary,
+    /// Per run: trial, with a ring, joined ms, total ms.
+    pub raw: Vec<(usize, bool, f64, f64)>,
+}
+
+/// One run of part 4: W ranks join (with a ring or not), build, make one
+/// checked one-element SUM (forced on the ring when there is one) and end.
+fn ring_trial(tb: &Testbed, control: SocketAddr, credential: &Credential, pins: &[PathBuf], ring: bool, run: &str) -> Result<(f64, f64)> {
+    let w = pins.len();
+    let start = Barrier::new(w);
+    let done = Barrier::new(w);
+    let ranks: Vec<Result<(Instant, Instant, Instant)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..w)
+            .map(|r| {
+                let (start, done) = (&start, &done);
+                s.spawn(move || -> Result<(Instant, Instant, Instant)> {
+                    let data = SocketAddrV4::new(tb.host(r + 1).addr, RUN_DATA_PORT);
+                    let own = SocketAddrV4::new(tb.host(r + 1).addr, CONTROL_PORT);
+                    let shape = JobShape { vector_len: Some(RING_LEN), ring: ring.then_some(own), ..JobShape::default() };
+                    tb.in_host(r + 1, || {
+                        start.wait();
+                        let t0 = Instant::now();
+                        let out = (|| -> Result<_> {
+                            let joined = RunJob::join_shaped(control, credential.clone(), run, w as u16, r as u16, data, shape, Duration::from_secs(20))
+                                .map_err(|e| anyhow!("rank {r}: join: {e}"))?;
+                            let t_joined = Instant::now();
+                            let comm = RunCommunicator::from_runs(vec![joined], |b| b.deadline(DEADLINE)).map_err(|e| anyhow!("rank {r}: build: {e}"))?;
+                            let comm = if ring {
+                                comm.with_ring(&pins[r]).map_err(|e| anyhow!("rank {r}: the ring: {e}"))?.with_algorithm(aggbox::runtime::Algorithm::Ring)
+                            } else {
+                                aggbox::runtime::StarOrRing::of(Some(comm), None, None).map_err(|e| anyhow!("{e}"))?
+                            };
+                            let mut v = [r as i32 + 1];
+                            let served = comm.allreduce_with(&mut v, Op::Sum, Default::default()).map_err(|e| anyhow!("rank {r}: allreduce: {e}"))?;
+                            let t_done = Instant::now();
+                            let want = (w * (w + 1) / 2) as i32;
+                            if v[0] != want || (served.algorithm == aggbox::runtime::Algorithm::Ring) != ring {
+                                bail!("rank {r}: the first allreduce gave {} on {:?}, not {want} on the {}", v[0], served.algorithm, if ring { "ring" } else { "star" });
+                            }
+                            Ok((comm, t_joined, t_done))
+                        })();
+                        done.wait();
+                        let (comm, t_joined, t_done) = out?;
+                        drop(comm);
+                        Ok((t0, t_joined, t_done))
+                    })?
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a rank panicked")))).collect()
+    });
+    let ranks: Vec<_> = ranks.into_iter().collect::<Result<_>>().with_context(|| format!("run {run}"))?;
+    let first = ranks.iter().map(|r| r.0).min().context("no rank")?;
+    let ms = |f: fn(&(Instant, Instant, Instant)) -> Instant| ranks.iter().map(|r| f(r).duration_since(first).as_secs_f64() * 1e3).fold(0.0, f64::max);
+    Ok((ms(|r| r.1), ms(|r| r.2)))
+}
+
+/// Part 4 on a testbed of its own: the star's node in host 0 and a node
+/// with ring memory in each rank's host, all serving the tenant.
+fn ring_create(opts: &BenchOptions, plan: &Plan, aggbox: &Path, dir: &TempDir, keys: &Path, credential: &Credential) -> Result<RingCreate> {
+    let tb = Testbed::up(TestbedConfig { hosts: 1 + WORKERS, xdp_tx: true, ..Default::default() }).context("the ring's testbed")?;
+    let node = format!("[node]\nmetrics = \"off\"\nuserspace_path = \"optional\"\ncontrol = \"0.0.0.0:{CONTROL_PORT}\"\nkeys = \"{}\"\n", keys.display());
+    let (star_path, member_path) = (dir.0.join("ring_star.toml"), dir.0.join("ring_member.toml"));
+    std::fs::write(&star_path, &node)?;
+    std::fs::write(&member_path, format!("{node}ring_pool = {}\n", 2 * RING_LEN))?;
+    let star = NodeProcess::start_in(&tb, 0, aggbox, &star_path, &opts.out_dir.join("ondemand_ring_node0.log"))?;
+    let members = (1..=WORKERS)
+        .map(|h| NodeProcess::start_in(&tb, h, aggbox, &member_path, &opts.out_dir.join(format!("ondemand_ring_node{h}.log"))))
+        .collect::<Result<Vec<_>>>()?;
+    let pins: Vec<PathBuf> = members.iter().map(|m| aggbox::node::pin_dir(&m.pins.path, "eth0")).collect();
+    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
+    for ring in [false, true] {
+        ring_trial(&tb, control, credential, &pins, ring, &format!("ring-warm-{ring}"))?;
+    }
+    let mut raw = Vec::new();
+    for t in 0..plan.trials {
+        for ring in [false, true] {
+            let (joined, total) = ring_trial(&tb, control, credential, &pins, ring, &format!("ring-{t}-{ring}"))?;
+            raw.push((t, ring, joined, total));
+        }
+    }
+    // Every ring leaves its members with its run (within a lease tick).
+    let since = Instant::now();
+    while members.iter().map(|m| m.status().map(|s| s.rings_on_demand.len())).sum::<Result<usize>>()? > 0 {
+        if since.elapsed() > Duration::from_secs(3) {
+            bail!("rings on demand left at the members 3 s after their runs ended");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(members);
+    drop(star);
+    let col = |ring: bool, f: fn(&(usize, bool, f64, f64)) -> f64| summarize(&raw.iter().filter(|r| r.1 == ring).map(f).collect::<Vec<_>>());
+    let r = RingCreate {
+        workers: WORKERS,
+        trials: plan.trials,
+        joined_ms: col(true, |r| r.2),
+        total_ms: col(true, |r| r.3),
+        plain_joined_ms: col(false, |r| r.2),
+        plain_total_ms: col(false, |r| r.3),
+        raw,
+    };
+    progress(format!(
+        "ondemand: {} workers with a ring: joined p50 {:.1} ms (without {:.1}), first ring call p50 {:.1} ms (star {:.1})",
+        r.workers, r.joined_ms.median, r.plain_joined_ms.median, r.total_ms.median, r.plain_total_ms.median
+    ));
+    Ok(r)
 }
 
 fn random_key() -> Result<String> {
@@ -1119,7 +1252,11 @@ pub fn run(opts: &BenchOptions, _ctx: &mut Context_) -> Result<Section> {
     let status = node.status()?;
     drop(node);
     drop(tb);
-    let result = OnDemand { plan, create, create_trials, create_destroy, static_vs_dynamic: compared };
+
+    // 4. Create with a ring → first ring allreduce (a testbed of its own:
+    // the ring needs veths that forward XDP_TX).
+    let ring = ring_create(opts, &plan, &aggbox, &dir, &keys, &credential)?;
+    let result = OnDemand { plan, create, create_trials, create_destroy, static_vs_dynamic: compared, ring };
     write_outputs(opts, &result)?;
     let (markdown, headline) = report(opts, &result);
     if !result.create_destroy.leaks.is_empty() {
@@ -1175,6 +1312,11 @@ fn write_outputs(opts: &BenchOptions, r: &OnDemand) -> Result<()> {
     }
     for (rank, n, kind, call, us) in &sd.calls_us {
         row("call", sd.workers, *call, &rank.to_string(), kind.name(), &n.to_string(), "latency_us", *us);
+    }
+    for &(t, ring, joined, total) in &r.ring.raw {
+        let part = if ring { "ring_create" } else { "ring_create_without" };
+        row(part, r.ring.workers, t, "", "", "1", "joined_ms", joined);
+        row(part, r.ring.workers, t, "", "", "1", "total_ms", total);
     }
     csv.write(&opts.out_dir.join("ondemand.csv"))?;
     super::write_json(&opts.out_dir.join("ondemand.json"), r)
@@ -1334,6 +1476,26 @@ fn report(opts: &BenchOptions, r: &OnDemand) -> (String, Vec<String>) {
             met(x.within_noise)
         ));
     }
+    let g = &r.ring;
+    let _ = writeln!(md, "\n### Create with a ring → first ring call\n");
+    let _ = writeln!(
+        md,
+        "A testbed of its own (veths that forward XDP_TX): the star's node in host 0 and in each of the {} ranks' hosts a node with ring memory, \
+         all serving the tenant. {} runs that ask for a ring at the ranks' own nodes (docs/INTERFACE.md, \"Rings on demand\"; {} elements) \
+         interleaved with {} runs that do not, after one warm-up run of each: earliest join start → latest rank's join return (the job granted, \
+         and with a ring the ring installed at every member) and → latest rank's first one-element SUM (checked; forced on the ring, else on the star). \
+         Every ring is gone from its members once its run ended (checked).\n",
+        g.workers, g.trials, RING_LEN, g.trials
+    );
+    let _ = writeln!(md, "| runs | joined p50 / p90 / p99 ms | first call p50 / p90 / p99 ms |");
+    let _ = writeln!(md, "|---|---:|---:|");
+    for (what, j, t) in [("with a ring", &g.joined_ms, &g.total_ms), ("without", &g.plain_joined_ms, &g.plain_total_ms)] {
+        let _ = writeln!(md, "| {what} | {} / {} / {} | {} / {} / {} |", f1(j.median), f1(j.p90), f1(j.p99), f1(t.median), f1(t.p90), f1(t.p99));
+    }
+    headline.push(format!(
+        "ondemand: {} workers with a ring on demand: joined p50 {:.1} ms (without a ring {:.1}), first ring call p50 {:.1} ms",
+        g.workers, g.joined_ms.median, g.plain_joined_ms.median, g.total_ms.median
+    ));
     let _ = writeln!(md, "\nPlot: `ondemand.png`.\n");
     (md, headline)
 }
