@@ -389,12 +389,7 @@ fn openmpi_world_reaches_the_ring_by_size_and_results_stay_bit_identical() {
     assert_counters(&out, RANKS, |r| counters(r, sizes.len(), 0), "counters with the ring");
     for r in 0..RANKS {
         let line = counters_line(&out, r);
-        let ring_calls: u64 = line
-            .split(&format!("; job {JOB} ring served "))
-            .nth(1)
-            .and_then(|rest| rest.split(';').next())
-            .and_then(|n| n.trim().parse().ok())
-            .unwrap_or_else(|| panic!("rank {r}: no ring count in {line}"));
+        let ring_calls = ring_calls(&line, JOB);
         // SUM, MAX and MIN (the ring's ops) from the threshold on (1448 and
         // 10000 elements): two allreduces and two reduces each; and the
         // program's SUM of 1000 on a duplicate of MPI_COMM_WORLD. The SUM

@@ -450,13 +450,7 @@ fn openmpi_on_demand_world_reaches_a_ring_on_demand_and_results_stay_bit_identic
     assert_counters(&out, RANKS, |_| on_demand_counters(sizes.len()), "jobs on demand with a ring");
     for r in 0..RANKS {
         let line = counters_line(&out, r);
-        let world = on_demand_jobs(&line)[0].0;
-        let ring_calls: u64 = line
-            .split(&format!("; job {world} ring served "))
-            .nth(1)
-            .and_then(|rest| rest.split(';').next())
-            .and_then(|n| n.trim().parse().ok())
-            .unwrap_or_else(|| panic!("rank {r}: no ring count in {line}"));
+        let ring_calls = ring_calls(&line, on_demand_jobs(&line)[0].0);
         // SUM, MAX and MIN (the ring's ops) from the threshold on (1448 and
         // 10000 elements): two allreduces and two reduces each; and the
         // program's SUM of 1000 on a duplicate of MPI_COMM_WORLD (the same

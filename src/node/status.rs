@@ -316,6 +316,19 @@ pub fn format_rates(before: &NodeStatus, now: &NodeStatus, seconds: f64) -> Stri
 }
 
 /// Human-readable status table.
+/// `up S s  renewed S s ago, expires in S s` of something on demand
+/// (times in ms since the Unix epoch).
+fn lease_text(created_ms: u64, renewed_ms: u64, expires_ms: u64) -> String {
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64);
+    let seconds = |ms: u64| ms as f64 / 1000.0;
+    format!(
+        "up {:.1} s  renewed {:.1} s ago, expires in {:.1} s",
+        seconds(now_ms.saturating_sub(created_ms)),
+        seconds(now_ms.saturating_sub(renewed_ms)),
+        seconds(expires_ms.saturating_sub(now_ms))
+    )
+}
+
 pub fn format_status(status: &NodeStatus) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -373,17 +386,13 @@ pub fn format_status(status: &NodeStatus) -> String {
             job.slots
         );
         if let Some(d) = &job.on_demand {
-            let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64);
-            let seconds = |ms: u64| ms as f64 / 1000.0;
             let _ = writeln!(
                 s,
-                "      on demand: tenant {} run {:?} incarnation {}  up {:.1} s  renewed {:.1} s ago, expires in {:.1} s{}",
+                "      on demand: tenant {} run {:?} incarnation {}  {}{}",
                 d.tenant,
                 d.run,
                 d.incarnation,
-                seconds(now_ms.saturating_sub(d.created_ms)),
-                seconds(now_ms.saturating_sub(d.renewed_ms)),
-                seconds(d.expires_ms.saturating_sub(now_ms)),
+                lease_text(d.created_ms, d.renewed_ms, d.expires_ms),
                 if d.ended.is_empty() { String::new() } else { format!("  ended ranks {:?}", d.ended) }
             );
             if let Some(r) = d.ring {
@@ -489,19 +498,9 @@ pub fn format_status(status: &NodeStatus) -> String {
             pool.reserved, pool.frag_elems, pool.used, pool.free, pool.largest_free
         );
     }
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64);
     for (ring, d) in &status.rings_on_demand {
-        let seconds = |ms: u64| ms as f64 / 1000.0;
-        let _ = writeln!(
-            s,
-            "  ring {ring} on demand: tenant {} run {:?}  {} members  up {:.1} s  renewed {:.1} s ago, expires in {:.1} s",
-            d.tenant,
-            d.run,
-            d.members,
-            seconds(now_ms.saturating_sub(d.created_ms)),
-            seconds(now_ms.saturating_sub(d.renewed_ms)),
-            seconds(d.expires_ms.saturating_sub(now_ms)),
-        );
+        let lease = lease_text(d.created_ms, d.renewed_ms, d.expires_ms);
+        let _ = writeln!(s, "  ring {ring} on demand: tenant {} run {:?}  {} members  {lease}", d.tenant, d.run, d.members);
     }
     for (ring, counts) in &status.rings {
         let _ = writeln!(s, "  ring {ring} (XDP):");

@@ -374,6 +374,16 @@ pub fn counter(line: &str, section: &str, name: &str) -> u64 {
     rest[at + name.len() + 1..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
 }
 
+/// The calls of job `job` the ring served, from a counters line's `; job J
+/// ring served N`.
+pub fn ring_calls(line: &str, job: u16) -> u64 {
+    line.split(&format!("; job {job} ring served "))
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no ring count of job {job} in {line}"))
+}
+
 /// The ops collectives.c runs, every one the shim serves on int32: the
 /// rows of include/aggbox/ops.def that name an MPI op (MPI_SUM ...
 /// MPI_BXOR, MPI_LAND, MPI_LOR).
