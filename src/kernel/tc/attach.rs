@@ -72,7 +72,10 @@ impl TcPlane {
     /// handle and priority) is replaced. Raises the interface's
     /// unresolved-neighbour queue to [`UNRES_QLEN_BYTES`] while attached
     /// (restored by detach), so copies to cold next hops survive a lost ARP
-    /// probe.
+    /// probe. Records the interface in `bcast_config` (`egress_ifindex`):
+    /// copies to unresolved next hops are cloned to its egress, whichever
+    /// interface they leave by (docs/BROADCAST.md, "Copies that leave by
+    /// another interface").
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
         if let Some(a) = &self.attachment {
             return Err(TcError::State(format!(
@@ -147,6 +150,17 @@ impl TcPlane {
                 ifindex,
                 source: to_io(e),
             });
+        }
+        let config = self.config().and_then(|mut cfg| {
+            cfg.egress_ifindex = ifindex;
+            self.write_config(&cfg)
+        });
+        if let Err(e) = config {
+            let _ = ingress.detach();
+            let _ = egress.detach();
+            undo_qdisc(created_qdisc);
+            restore_unres_qlen();
+            return Err(e);
         }
         self.attachment = Some(Attachment {
             ifindex,
@@ -291,6 +305,13 @@ impl TcPlane {
             if let Err(e) = restored {
                 first_err.get_or_insert(e);
             }
+        }
+        let config = self.config().and_then(|mut cfg| {
+            cfg.egress_ifindex = 0;
+            self.write_config(&cfg)
+        });
+        if let Err(e) = config {
+            first_err.get_or_insert(e);
         }
         self.attachment = None;
         match first_err {
