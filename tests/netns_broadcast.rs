@@ -970,3 +970,65 @@ fn cold_tree_of_live_nodes(xdp_mode: &str, idle: usize, cold: Cold) {
     }
     assert_eq!(nodes[0].1.broadcast_counts()["broadcast"], u64::from(DATAGRAMS));
 }
+
+/// `ip ARGS` (outside any namespace: the arguments name them), which must
+/// succeed.
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip").args(args).output().expect("run ip (iproute2 is required)");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+}
+
+/// `net.ipv4.neigh.IFACE.unres_qlen_bytes` in host `h`.
+fn unres_qlen_bytes(tb: &Testbed, h: usize, iface: &str) -> u64 {
+    let path = format!("/proc/sys/net/ipv4/neigh/{iface}/unres_qlen_bytes");
+    let text = tb.in_host(h, || std::fs::read_to_string(&path)).expect("enter host").expect("read unres_qlen_bytes");
+    text.trim().parse().expect("a number")
+}
+
+/// `TcPlane::hold_copy_interface`: an interface the copies leave by besides
+/// the attached one gets its unresolved-neighbour queue raised and no
+/// program (docs/BROADCAST.md, "Copies that leave by another interface");
+/// detach puts the queue back with the attached interface's and clears the
+/// attached interface from `bcast_config`. Holding the attached interface,
+/// lo or an interface held already changes nothing.
+#[test]
+fn a_copy_interface_is_held_until_detach_with_no_program_on_it() {
+    require_root();
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 1,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let h0 = tb.host(0);
+    ip(&["-n", &h0.netns, "link", "add", "down0", "type", "veth", "peer", "name", "down1"]);
+    ip(&["-n", &h0.netns, "link", "set", "down0", "up"]);
+    let (down0_before, lo_before) = (unres_qlen_bytes(&tb, 0, "down0"), unres_qlen_bytes(&tb, 0, "lo"));
+    assert!(down0_before < tc::UNRES_QLEN_BYTES, "{down0_before}");
+    let (eth0, down0) = in_netns(&h0.netns, || (tc::ifindex("eth0"), tc::ifindex("down0"))).expect("netns");
+    let (eth0, down0) = (eth0.expect("eth0"), down0.expect("down0"));
+
+    let mut plane = TcPlane::load().expect("load");
+    assert!(matches!(plane.hold_copy_interface(down0), Err(TcError::State(_))), "refused before attach");
+    assert_eq!(plane.config().expect("config").egress_ifindex, 0);
+    in_netns(&h0.netns, || -> Result<(), TcError> {
+        plane.attach(eth0)?;
+        plane.hold_copy_interface(down0)?;
+        plane.hold_copy_interface(down0)?;
+        plane.hold_copy_interface(eth0)?;
+        plane.hold_copy_interface(1)
+    })
+    .expect("netns")
+    .expect("attach and hold");
+    assert_eq!(plane.config().expect("config").egress_ifindex, eth0, "attach records its interface");
+    assert_eq!(plane.copy_interfaces(), vec![down0], "held once; not the attached interface, not lo");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "down0"), tc::UNRES_QLEN_BYTES, "raised");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "lo"), lo_before, "lo untouched");
+    let qdiscs = tb.run_in(0, &["tc", "qdisc", "show", "dev", "down0"]).expect("tc");
+    let qdiscs = String::from_utf8_lossy(&qdiscs.stdout).to_string();
+    assert!(!qdiscs.contains("clsact"), "nothing attached to a copy interface: {qdiscs}");
+
+    in_netns(&h0.netns, || plane.detach()).expect("netns").expect("detach");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "down0"), down0_before, "detach put the queue back");
+    assert_eq!(plane.config().expect("config").egress_ifindex, 0, "detach clears the attached interface");
+    assert!(plane.copy_interfaces().is_empty());
+}
