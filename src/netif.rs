@@ -86,20 +86,6 @@ pub fn interface_ipv4_nets(name: &str) -> io::Result<Vec<(Ipv4Addr, Ipv4Addr)>> 
         .collect())
 }
 
-/// Of `addrs`, those on one of interface `name`'s IPv4 networks (reached
-/// without a router), each once, not the interface's own.
-pub fn on_link(name: &str, addrs: impl IntoIterator<Item = Ipv4Addr>) -> io::Result<Vec<Ipv4Addr>> {
-    let nets = interface_ipv4_nets(name)?;
-    let mut out: Vec<Ipv4Addr> = Vec::new();
-    for a in addrs {
-        let inside = nets.iter().any(|(n, m)| u32::from(a) & u32::from(*m) == u32::from(*n) & u32::from(*m));
-        if inside && !nets.iter().any(|(n, _)| *n == a) && !out.contains(&a) {
-            out.push(a);
-        }
-    }
-    Ok(out)
-}
-
 /// How this host sends a datagram to an address: what the kernel's route
 /// to it says (`ip route get ADDR`).
 #[derive(Debug)]
