@@ -86,16 +86,66 @@ pub fn interface_ipv4_nets(name: &str) -> io::Result<Vec<(Ipv4Addr, Ipv4Addr)>> 
         .collect())
 }
 
-/// Of `addrs`, those on one of interface `name`'s IPv4 networks (reached
-/// without a router), each once, not the interface's own.
-pub fn on_link(name: &str, addrs: impl IntoIterator<Item = Ipv4Addr>) -> io::Result<Vec<Ipv4Addr>> {
-    let nets = interface_ipv4_nets(name)?;
-    let mut out: Vec<Ipv4Addr> = Vec::new();
-    for a in addrs {
-        let inside = nets.iter().any(|(n, m)| u32::from(a) & u32::from(*m) == u32::from(*n) & u32::from(*m));
-        if inside && !nets.iter().any(|(n, _)| *n == a) && !out.contains(&a) {
-            out.push(a);
-        }
+/// How this host sends a datagram to an address: what the kernel's route
+/// to it says (`ip route get ADDR`).
+#[derive(Debug)]
+pub enum Route {
+    /// It leaves by interface `ifindex`, handed to the neighbour `next_hop`
+    /// there: the gateway when a router is on the way, else the address
+    /// itself.
+    Out {
+        /// The egress interface.
+        ifindex: u32,
+        /// The neighbour to resolve on it.
+        next_hop: Ipv4Addr,
+    },
+    /// It does not leave by an interface to a unicast next hop: an address
+    /// of this host (a local route), or a broadcast or multicast one.
+    NotOut,
+    /// There is no route: the kernel's answer (ENETUNREACH, EHOSTUNREACH,
+    /// EACCES for a prohibit route, ...).
+    Unreachable(io::Error),
+}
+
+/// The kernel's route to each of `addrs`, in order (rtnetlink RTM_GETROUTE,
+/// what `ip route get ADDR` asks: the output route of this host). An error
+/// is a failure to ask; a refused address is [`Route::Unreachable`].
+pub fn routes(addrs: &[Ipv4Addr]) -> io::Result<Vec<(Ipv4Addr, Route)>> {
+    use netlink_packet_core::NLM_F_REQUEST;
+    use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteType};
+    use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+
+    let mut out = Vec::with_capacity(addrs.len());
+    if addrs.is_empty() {
+        return Ok(out);
+    }
+    let mut rtnl = Rtnl::open()?;
+    for addr in addrs {
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = AddressFamily::Inet;
+        msg.header.destination_prefix_length = 32;
+        msg.attributes = vec![RouteAttribute::Destination(RouteAddress::Inet(*addr))];
+        let route = match rtnl.request(RouteNetlinkMessage::GetRoute(msg), NLM_F_REQUEST)? {
+            Reply::Error(e) => Route::Unreachable(e),
+            Reply::Message(RouteNetlinkMessage::NewRoute(r)) if r.header.kind == RouteType::Unicast => {
+                let ifindex = r.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Oif(i) => Some(*i),
+                    _ => None,
+                });
+                let gateway = r.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(*g),
+                    _ => None,
+                });
+                match ifindex {
+                    Some(ifindex) => Route::Out { ifindex, next_hop: gateway.unwrap_or(*addr) },
+                    None => return Err(io::Error::other(format!("rtnetlink: the route to {addr} names no interface"))),
+                }
+            }
+            Reply::Message(RouteNetlinkMessage::NewRoute(_)) => Route::NotOut,
+            Reply::Message(m) => return Err(io::Error::other(format!("rtnetlink: unexpected answer to RTM_GETROUTE {addr}: {m:?}"))),
+            Reply::Ack => return Err(io::Error::other(format!("rtnetlink: an acknowledgement for RTM_GETROUTE {addr}"))),
+        };
+        out.push((*addr, route));
     }
     Ok(out)
 }
@@ -106,45 +156,82 @@ pub fn on_link(name: &str, addrs: impl IntoIterator<Item = Ipv4Addr>) -> io::Res
 /// is none and an ARP request goes out; an existing one is left as it is.
 /// Returns at once (the answers come later), the first refusal as an error.
 pub fn resolve_neighbours(ifindex: u32, addrs: &[Ipv4Addr]) -> io::Result<()> {
-    use netlink_packet_core::{
-        NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST,
-    };
+    use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST};
     use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage};
     use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-    use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
     if addrs.is_empty() {
         return Ok(());
     }
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    for (seq, addr) in addrs.iter().enumerate() {
+    let mut rtnl = Rtnl::open()?;
+    for addr in addrs {
         let mut neigh = NeighbourMessage::default();
         neigh.header.family = AddressFamily::Inet;
         neigh.header.ifindex = ifindex;
         neigh.header.flags = NeighbourFlags::Use;
         neigh.attributes = vec![NeighbourAttribute::Destination(NeighbourAddress::Inet(*addr))];
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK;
-        header.sequence_number = seq as u32 + 1;
-        let mut msg = NetlinkMessage::new(header, NetlinkPayload::from(RouteNetlinkMessage::NewNeighbour(neigh)));
-        msg.finalize();
-        let mut buf = vec![0; msg.buffer_len()];
-        msg.serialize(&mut buf);
-        socket.send(&buf, 0)?;
-        let mut reply = vec![0; 4096];
-        let n = socket.recv(&mut &mut reply[..], 0)?;
-        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[..n]) {
-            Ok(m) => {
-                if let NetlinkPayload::Error(e) = m.payload {
-                    if let Some(code) = e.code {
-                        return Err(io::Error::from_raw_os_error(-code.get()));
-                    }
-                }
-            }
-            Err(e) => return Err(io::Error::other(format!("rtnetlink reply: {e}"))),
+        let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK;
+        match rtnl.request(RouteNetlinkMessage::NewNeighbour(neigh), flags)? {
+            Reply::Ack => {}
+            Reply::Error(e) => return Err(e),
+            Reply::Message(m) => return Err(io::Error::other(format!("rtnetlink: unexpected answer to RTM_NEWNEIGH {addr}: {m:?}"))),
         }
     }
     Ok(())
+}
+
+/// The one answer to an rtnetlink request.
+enum Reply {
+    /// An acknowledgement (NLMSG_ERROR with code 0).
+    Ack,
+    /// The kernel refused: its errno.
+    Error(io::Error),
+    /// A message (the answer to a GET request).
+    Message(netlink_packet_route::RouteNetlinkMessage),
+}
+
+/// A NETLINK_ROUTE socket of this network namespace that sends one request
+/// at a time and reads its one answer.
+struct Rtnl {
+    socket: netlink_sys::Socket,
+    seq: u32,
+}
+
+impl Rtnl {
+    fn open() -> io::Result<Rtnl> {
+        use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+
+        let mut socket = Socket::new(NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Rtnl { socket, seq: 0 })
+    }
+
+    fn request(&mut self, message: netlink_packet_route::RouteNetlinkMessage, flags: u16) -> io::Result<Reply> {
+        use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
+        use netlink_packet_route::RouteNetlinkMessage;
+
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = flags;
+        header.sequence_number = self.seq;
+        let mut msg = NetlinkMessage::new(header, NetlinkPayload::from(message));
+        msg.finalize();
+        let mut buf = vec![0; msg.buffer_len()];
+        msg.serialize(&mut buf);
+        self.socket.send(&buf, 0)?;
+        let mut reply = vec![0; 8192];
+        let n = self.socket.recv(&mut &mut reply[..], 0)?;
+        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[..n]) {
+            Ok(m) => match m.payload {
+                NetlinkPayload::Error(e) => Ok(match e.code {
+                    Some(code) => Reply::Error(io::Error::from_raw_os_error(-code.get())),
+                    None => Reply::Ack,
+                }),
+                NetlinkPayload::InnerMessage(inner) => Ok(Reply::Message(inner)),
+                other => Err(io::Error::other(format!("rtnetlink: unexpected reply {other:?}"))),
+            },
+            Err(e) => Err(io::Error::other(format!("rtnetlink reply: {e}"))),
+        }
+    }
 }

@@ -970,3 +970,285 @@ fn cold_tree_of_live_nodes(xdp_mode: &str, idle: usize, cold: Cold) {
     }
     assert_eq!(nodes[0].1.broadcast_counts()["broadcast"], u64::from(DATAGRAMS));
 }
+
+/// `ip ARGS` (outside any namespace: the arguments name them), which must
+/// succeed.
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip").args(args).output().expect("run ip (iproute2 is required)");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+}
+
+/// `net.ipv4.neigh.IFACE.unres_qlen_bytes` in host `h`.
+fn unres_qlen_bytes(tb: &Testbed, h: usize, iface: &str) -> u64 {
+    let path = format!("/proc/sys/net/ipv4/neigh/{iface}/unres_qlen_bytes");
+    let text = tb.in_host(h, || std::fs::read_to_string(&path)).expect("enter host").expect("read unres_qlen_bytes");
+    text.trim().parse().expect("a number")
+}
+
+/// The address of leaf `k` of forwarder `j` in a routed tree: LAN B_j is
+/// 10.(100+j).0.0/24, the forwarder is .1 on it.
+fn routed_leaf_addr(j: usize, k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 100 + j as u8, 0, 10 + k as u8)
+}
+
+/// Forwarder `j`'s address on its own LAN B_j.
+fn routed_gateway(j: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 100 + j as u8, 0, 1)
+}
+
+/// Make the testbed's one LAN a routed two-LAN tree. The bridge stays LAN A,
+/// holding `root` and the forwarders; forwarder j (host `forwarders[j]`)
+/// gets a second interface, `eth1`, [`routed_gateway`]`(j)/24`, on a bridge of
+/// its own in the switch namespace (LAN B_j), and the switch ports of its
+/// leaves (`leaves[j]`) move to that bridge: leaf k gets
+/// [`routed_leaf_addr`]`(j, k)/24` instead of its LAN A address and a default
+/// route via the forwarder. The root routes each LAN B_j via forwarder j
+/// (IPv4 forwarding is on in every testbed host). Everything is made inside
+/// the testbed's namespaces and goes with them.
+fn route_leaves(tb: &Testbed, root: usize, forwarders: &[usize], leaves: &[Vec<usize>]) {
+    let sw = tb.switch_netns();
+    for (j, &f) in forwarders.iter().enumerate() {
+        let fwd = tb.host(f).netns;
+        let (lan, port) = (format!("lanb{j}"), format!("fwd{j}"));
+        ip(&["-n", &sw, "link", "add", &lan, "type", "bridge", "stp_state", "0", "forward_delay", "0"]);
+        ip(&["-n", &sw, "link", "set", &lan, "up"]);
+        ip(&["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth1", "netns", &fwd]);
+        ip(&["-n", &sw, "link", "set", &port, "master", &lan, "up"]);
+        ip(&["-n", &fwd, "addr", "add", &format!("{}/24", routed_gateway(j)), "dev", "eth1"]);
+        ip(&["-n", &fwd, "link", "set", "eth1", "up"]);
+        for (k, &l) in leaves[j].iter().enumerate() {
+            let leaf = tb.host(l).netns;
+            ip(&["-n", &sw, "link", "set", &tb.switch_port(l), "master", &lan]);
+            ip(&["-n", &leaf, "addr", "flush", "dev", "eth0"]);
+            ip(&["-n", &leaf, "addr", "add", &format!("{}/24", routed_leaf_addr(j, k)), "dev", "eth0"]);
+            ip(&["-n", &leaf, "route", "add", "default", "via", &routed_gateway(j).to_string(), "dev", "eth0"]);
+        }
+        let net = format!("10.{}.0.0/24", 100 + j);
+        ip(&["-n", &tb.host(root).netns, "route", "add", &net, "via", &tb.host(f).addr.to_string()]);
+    }
+    // the links report carrier before the first datagram
+    for f in forwarders {
+        let up = wait_for(Duration::from_secs(5), || {
+            let out = tb.run_in(*f, &["ip", "-o", "link", "show", "dev", "eth1"]).expect("ip link show");
+            String::from_utf8_lossy(&out.stdout).contains("state UP")
+        });
+        assert!(up, "host {f}: eth1 is not up 5 s after it was made");
+    }
+}
+
+/// Poll `f` every 10 ms until it returns true or `timeout` passes.
+fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `TcPlane::hold_copy_interface`: an interface the copies leave by besides
+/// the attached one gets its unresolved-neighbour queue raised and no
+/// program (docs/BROADCAST.md, "Copies that leave by another interface");
+/// detach puts the queue back with the attached interface's and clears the
+/// attached interface from `bcast_config`. Holding the attached interface,
+/// lo or an interface held already changes nothing.
+#[test]
+fn a_copy_interface_is_held_until_detach_with_no_program_on_it() {
+    require_root();
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 1,
+        ..Default::default()
+    })
+    .expect("testbed");
+    let h0 = tb.host(0);
+    ip(&["-n", &h0.netns, "link", "add", "down0", "type", "veth", "peer", "name", "down1"]);
+    ip(&["-n", &h0.netns, "link", "set", "down0", "up"]);
+    let (down0_before, lo_before) = (unres_qlen_bytes(&tb, 0, "down0"), unres_qlen_bytes(&tb, 0, "lo"));
+    assert!(down0_before < tc::UNRES_QLEN_BYTES, "{down0_before}");
+    let (eth0, down0) = in_netns(&h0.netns, || (tc::ifindex("eth0"), tc::ifindex("down0"))).expect("netns");
+    let (eth0, down0) = (eth0.expect("eth0"), down0.expect("down0"));
+
+    let mut plane = TcPlane::load().expect("load");
+    assert!(matches!(plane.hold_copy_interface(down0), Err(TcError::State(_))), "refused before attach");
+    assert_eq!(plane.config().expect("config").egress_ifindex, 0);
+    in_netns(&h0.netns, || -> Result<(), TcError> {
+        plane.attach(eth0)?;
+        plane.hold_copy_interface(down0)?;
+        plane.hold_copy_interface(down0)?;
+        plane.hold_copy_interface(eth0)?;
+        plane.hold_copy_interface(1)
+    })
+    .expect("netns")
+    .expect("attach and hold");
+    assert_eq!(plane.config().expect("config").egress_ifindex, eth0, "attach records its interface");
+    assert_eq!(plane.copy_interfaces(), vec![down0], "held once; not the attached interface, not lo");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "down0"), tc::UNRES_QLEN_BYTES, "raised");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "lo"), lo_before, "lo untouched");
+    let qdiscs = tb.run_in(0, &["tc", "qdisc", "show", "dev", "down0"]).expect("tc");
+    let qdiscs = String::from_utf8_lossy(&qdiscs.stdout).to_string();
+    assert!(!qdiscs.contains("clsact"), "nothing attached to a copy interface: {qdiscs}");
+
+    in_netns(&h0.netns, || plane.detach()).expect("netns").expect("detach");
+    assert_eq!(unres_qlen_bytes(&tb, 0, "down0"), down0_before, "detach put the queue back");
+    assert_eq!(plane.config().expect("config").egress_ifindex, 0, "detach clears the attached interface");
+    assert!(plane.copy_interfaces().is_empty());
+}
+
+/// A routed tree, every next hop cold: the root on LAN A sends to its 3
+/// forwarders there; each forwarder runs `aggbox attach eth0` (its upstream
+/// interface on LAN A) with a `[[group]]` of its 4 leaves, which live on a
+/// LAN of its own behind its second interface, `eth1`, so its copies leave
+/// by an interface the node was not attached to. Neighbour tables are
+/// flushed everywhere after attach: every leaf's first copy finds its next
+/// hop unresolved on eth1. Every datagram, the first one included, must
+/// reach all 15 receivers exactly once. Before the fix every copy to the
+/// 12 leaves was lost: the unresolved copies were cloned to eth1's egress
+/// for the egress program there to hand them to `bpf_redirect_neigh`, but
+/// eth1 has none, so they left with an all-zero destination MAC and no ARP
+/// request was ever sent.
+#[test]
+fn routed_tree_of_live_nodes_with_flushed_neighbours_reaches_every_leaf_once() {
+    routed_tree_of_live_nodes(Cold::Flushed);
+}
+
+/// The same routed tree from a fresh testbed (nothing flushed, nothing sent
+/// before): each node resolves its members at attach, the forwarders their
+/// leaves on eth1, the interface their copies leave by (not the one they
+/// were attached to), so the first copies leave with their MACs; and every
+/// datagram reaches all 15 receivers exactly once.
+#[test]
+fn routed_tree_of_live_nodes_resolves_the_leaves_behind_eth1_at_attach() {
+    routed_tree_of_live_nodes(Cold::Fresh);
+}
+
+/// Root + 3 forwarders on LAN A, 4 leaves per forwarder on its own LAN
+/// ([`route_leaves`]), every node running `aggbox attach eth0`; neighbour
+/// tables `cold`. See the tests above.
+fn routed_tree_of_live_nodes(cold: Cold) {
+    require_root();
+    const FORWARDERS: usize = 3;
+    const LEAVES: usize = 4;
+    const DATAGRAMS: u32 = 20;
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 1 + FORWARDERS * (1 + LEAVES),
+        ..Default::default()
+    })
+    .expect("testbed");
+    let root = tb.host(0);
+    let forwarders: Vec<usize> = (1..=FORWARDERS).collect();
+    let leaves: Vec<Vec<usize>> = (0..FORWARDERS).map(|j| (0..LEAVES).map(|k| 1 + FORWARDERS + j * LEAVES + k).collect()).collect();
+    route_leaves(&tb, 0, &forwarders, &leaves);
+    let leaf_addrs: Vec<Vec<Ipv4Addr>> = (0..FORWARDERS).map(|j| (0..LEAVES).map(|k| routed_leaf_addr(j, k)).collect()).collect();
+    let forwarder_addrs: Vec<Ipv4Addr> = forwarders.iter().map(|&f| tb.host(f).addr).collect();
+    let config = |members: &[Ipv4Addr]| {
+        let list: Vec<String> = members.iter().map(|a| format!("\"{}\"", SocketAddrV4::new(*a, PORT))).collect();
+        format!("[node]\nmetrics = \"off\"\n\n[[group]]\nid = {GROUP}\nmembers = [{}]\n", list.join(", "))
+    };
+    let qlen_before: Vec<u64> = forwarders.iter().map(|&f| unres_qlen_bytes(&tb, f, "eth1")).collect();
+    // unique per test: the tests of this binary run at once in one process
+    let mode = if cold == Cold::Flushed { "flushed" } else { "fresh" };
+    let tag = |h: usize| format!("routed-{mode}-{h}");
+    let mut nodes = vec![(0, LiveAttach::start(&root.netns, &tag(0), &config(&forwarder_addrs), &[]))];
+    for (j, &f) in forwarders.iter().enumerate() {
+        nodes.push((f, LiveAttach::start(&tb.host(f).netns, &tag(f), &config(&leaf_addrs[j]), &[])));
+    }
+
+    // receivers: the forwarders (hops 0) at their LAN A address, the leaves
+    // (hops 1) at their LAN B address
+    let mut receivers: Vec<(usize, UdpSocket)> = forwarders.iter().map(|&f| (f, bind_in(&tb.host(f).netns, SocketAddrV4::new(tb.host(f).addr, PORT)))).collect();
+    for (j, ls) in leaves.iter().enumerate() {
+        for (k, &l) in ls.iter().enumerate() {
+            receivers.push((l, bind_in(&tb.host(l).netns, SocketAddrV4::new(routed_leaf_addr(j, k), PORT))));
+        }
+    }
+
+    match cold {
+        Cold::Flushed => {
+            for h in 0..tb.len() {
+                flush_neigh(&tb, h);
+            }
+            for (h, node) in &nodes {
+                let cached: Vec<_> = node.status().groups.iter().flat_map(|g| g.members.clone()).filter(|m| m.next_hop.is_some()).collect();
+                assert!(cached.is_empty(), "host {h}: next hops cached before the first datagram: {cached:?}");
+            }
+        }
+        Cold::Fresh => {
+            for (i, (h, _)) in nodes.iter().enumerate() {
+                let members = if i == 0 { forwarder_addrs.clone() } else { leaf_addrs[i - 1].clone() };
+                let since = Instant::now();
+                while !resolved(&tb, *h, &members) {
+                    let out = tb.run_in(*h, &["ip", "-4", "neigh", "show"]).expect("ip neigh show");
+                    assert!(
+                        since.elapsed() < Duration::from_secs(5),
+                        "host {h}: its members {members:?} are not resolved 5 s after attach; neighbours:\n{}",
+                        String::from_utf8_lossy(&out.stdout)
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    let tx = sender(&tb);
+    let mask = (1u32 << FORWARDERS) - 1;
+    let sent: Vec<Vec<u8>> = (0..DATAGRAMS)
+        .map(|seq| agb1(mask, seq, GROUP, abi::BCAST_F_FORWARD, if seq % 2 == 0 { 200 } else { 1472 }))
+        .collect();
+    for d in &sent {
+        tx.send_to(d, SocketAddrV4::new(forwarder_addrs[0], PORT)).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+
+    let wrong = deliveries(&receivers, &sent, root.addr, FORWARDERS);
+    let counters: Vec<String> = nodes
+        .iter()
+        .map(|(h, n)| {
+            let c = n.broadcast_counts();
+            let pick = ["broadcast", "forwarded", "own_copy", "copy_sent", "neigh_miss", "fib_error", "clone_failed", "rewrite_failed"];
+            format!("host {h}: {:?}", pick.iter().map(|k| (*k, c.get(*k).copied().unwrap_or(0))).collect::<Vec<_>>())
+        })
+        .collect();
+    assert!(
+        !wrong.contains_key(&0),
+        "routed tree ({mode}): the FIRST datagram must reach all {} receivers exactly once; (host, times received): {:?}\nnodes: {counters:#?}",
+        receivers.len(),
+        wrong[&0]
+    );
+    assert!(wrong.is_empty(), "routed tree ({mode}): every datagram exactly once; seq -> (host, times): {wrong:?}\nnodes: {counters:#?}");
+    for (h, node) in &nodes[1..] {
+        let c = node.broadcast_counts();
+        assert_eq!(c["forwarded"], u64::from(DATAGRAMS), "host {h} forwards every datagram once: {c:?}");
+        assert_eq!(c["copy_sent"] + c["neigh_miss"], u64::from(DATAGRAMS) * LEAVES as u64, "host {h}: every copy counted once: {c:?}");
+        if cold == Cold::Flushed {
+            assert!(c["neigh_miss"] >= LEAVES as u64, "host {h}: its first copies took the neighbour path: {c:?}");
+        }
+        assert_eq!(c["fib_error"] + c["clone_failed"] + c["rewrite_failed"], 0, "host {h}: {c:?}");
+        // the next hops the node cached are on eth1
+        let eth1 = tb.in_host(*h, || tc::ifindex("eth1")).expect("enter host").expect("eth1");
+        for m in node.status().groups.iter().flat_map(|g| g.members.clone()) {
+            if let Some(nh) = m.next_hop {
+                assert_eq!(nh.ifindex, eth1, "host {h}: member {} resolved on eth1", m.addr);
+            }
+        }
+    }
+    assert_eq!(nodes[0].1.broadcast_counts()["broadcast"], u64::from(DATAGRAMS));
+
+    // the copies leave by eth1, whose neighbour queue holds them while ARP
+    // resolves them (docs/BROADCAST.md, "Copies that leave by another
+    // interface"); detach puts eth1's queue back as it found it
+    for &f in &forwarders {
+        assert_eq!(unres_qlen_bytes(&tb, f, "eth1"), tc::UNRES_QLEN_BYTES, "host {f}: eth1's unresolved-neighbour queue raised at attach");
+    }
+    for (h, node) in nodes.iter_mut() {
+        node.terminate();
+        if *h != 0 {
+            let j = *h - 1;
+            assert_eq!(unres_qlen_bytes(&tb, *h, "eth1"), qlen_before[j], "host {h}: eth1's unresolved-neighbour queue restored at detach");
+        }
+    }
+}

@@ -557,11 +557,17 @@ struct aggbox_neigh {
 _Static_assert(sizeof(struct aggbox_neigh) == 32, "neigh is 32 bytes");
 #define AGGBOX_NEIGH_F_STALE 0x01 /* set by the bpf_timer: re-resolve on next use */
 
-/* Value of the bcast_config array (one entry, written by the loader). */
+/* Value of the bcast_config array (one entry, written by the loader and
+ * by attach). */
 struct aggbox_bcast_config {
-	__u64 neigh_ttl_ns; /* host order: next-hop cache lifetime; 0 = never stale */
+	__u64 neigh_ttl_ns;   /* host order: next-hop cache lifetime; 0 = never stale */
+	__u32 egress_ifindex; /* host order: the interface whose clsact egress runs
+			       * aggbox_tc_egress (the attached one), where copies
+			       * to unresolved next hops are cloned for the
+			       * neighbour path; 0 = not attached */
+	__u32 pad;            /* zero */
 };
-_Static_assert(sizeof(struct aggbox_bcast_config) == 8, "bcast config is 8 bytes");
+_Static_assert(sizeof(struct aggbox_bcast_config) == 16, "bcast config is 16 bytes");
 
 /*
  * Counters of the TC programs (bcast_stats, per CPU, struct aggbox_stat,

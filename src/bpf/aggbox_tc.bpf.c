@@ -34,9 +34,13 @@
  * egress hook again on the clone. Every copy carries skb->mark =
  * AGGBOX_BCAST_MARK_* (set on the original just before the clone, restored
  * right after), so the egress program passes it (OWN_COPY) instead of copying
- * it again. A copy whose neighbour is unresolved carries MARK_NEIGH: on
- * re-entry it is handed to bpf_redirect_neigh() (marked DONE first, because
- * the neighbour path transmits it through this hook once more).
+ * it again. A copy whose neighbour is unresolved carries MARK_NEIGH and is
+ * cloned to the egress of the interface this program is attached to, not
+ * to the one the FIB names (which may have no AggBox program: a forwarder's
+ * leaves behind another interface): on re-entry it is handed to
+ * bpf_redirect_neigh() towards the interface the FIB names (marked DONE
+ * first, because the neighbour path may transmit it through this hook once
+ * more).
  *
  * Checksums: the UDP checksum is updated with bpf_l4_csum_replace(), which is
  * right in every skb->ip_summed state: CHECKSUM_NONE (full checksum, e.g.
@@ -446,8 +450,12 @@ struct copy_state {
 	__u8   pad;
 	__u32  copies;           /* out: copies sent */
 	__u32  neigh_misses;     /* out: of which through the neighbour path */
+	__u32  neigh_ifindex;    /* where a clone for the neighbour path goes:
+				  * an interface whose egress runs
+				  * aggbox_tc_egress (neigh_path_ifindex());
+				  * 0: the one the FIB names */
 };
-_Static_assert(sizeof(struct copy_state) == 52, "struct copy_state has implicit padding");
+_Static_assert(sizeof(struct copy_state) == 56, "struct copy_state has implicit padding");
 
 /*
  * Prepare the copy for (daddr, dport) and send it. For COPY_CLONE returns 0
@@ -564,6 +572,13 @@ rewritten:
 		return bpf_redirect(nh.ifindex, 0);
 	}
 
+	/* A clone for the neighbour path goes to an egress that runs
+	 * aggbox_tc_egress, which hands it to bpf_redirect_neigh() towards the
+	 * interface the FIB names (neigh_redirect()): that interface itself
+	 * may have none (a forwarder's leaves behind its other interface).
+	 * A resolved copy needs no program where it leaves. */
+	if (res != NH_OK && cs->neigh_ifindex)
+		nh.ifindex = cs->neigh_ifindex;
 	mark = skb->mark;
 	/* keeps clang from storing through a precomputed skb + offset, which
 	 * the verifier rejects ("dereference of modified ctx ptr") */
@@ -644,14 +659,71 @@ static __always_inline void group_count(struct aggbox_group_key *key, __u32 copi
 	gs->bytes += bytes;
 }
 
+/*
+ * The interface whose egress runs aggbox_tc_egress, for copies that take
+ * the neighbour path (copy_state.neigh_ifindex): the hook's own, but for lo
+ * (attach puts only the ingress program there: RESULTs completed through
+ * lo), where it is the attached interface bcast_config names (0 when none:
+ * the interface the FIB names, as before). Global, like send_copy(), so
+ * that its map key does not add to the ingress program's frame, which 6.1
+ * sums with copy_to_member()'s and send_copy()'s against 512 bytes.
+ */
+__noinline __u32 neigh_path_ifindex(struct __sk_buff *skb)
+{
+	struct aggbox_bcast_config *cfg;
+	__u32 ifindex = skb->ifindex;
+	__u32 zero = 0;
+
+	if (ifindex != LOOPBACK_IFINDEX_)
+		return ifindex;
+	cfg = bpf_map_lookup_elem(&bcast_config, &zero);
+	return cfg ? cfg->egress_ifindex : 0;
+}
+
+/*
+ * A copy that came back with MARK_NEIGH: send_copy() cloned it to this
+ * egress hook because its next hop was unresolved. Hand it to
+ * bpf_redirect_neigh() (the stack routes it, creates the neighbour entry,
+ * sends the ARP request and holds it until the reply) on the interface the
+ * FIB names for its destination, which need not be this one: a
+ * forwarder's leaves behind another interface, which has no AggBox program
+ * (and need none). The lookup is made from this interface, like
+ * send_copy()'s; without an answer the copy goes out by this interface.
+ * No MTU check (tot_len 0 checks the skb against the egress device's MTU;
+ * send_copy()'s lookup checked it already). Marked DONE first: the
+ * neighbour path transmits it through an egress hook once more.
+ *
+ * Global, verified once on a frame of its own: its lookup struct does not
+ * add to aggbox_tc_egress's frame, which 6.1 sums with copy_to_member()'s
+ * and send_copy()'s against 512 bytes.
+ */
+__noinline int neigh_redirect(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct iphdr iph;
+	__u32 ifindex = skb->ifindex;
+	int rc;
+
+	skb->mark = AGGBOX_BCAST_MARK_DONE;
+	if (skb->protocol == bpf_htons(ETH_P_IP) &&
+	    !bpf_skb_load_bytes(skb, sizeof(struct ethhdr), &iph, sizeof(iph))) {
+		fib.family = AF_INET_;
+		fib.l4_protocol = iph.protocol;
+		fib.ifindex = ifindex;
+		fib.ipv4_src = iph.saddr;
+		fib.ipv4_dst = iph.daddr;
+		rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+		if ((rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex)
+			ifindex = fib.ifindex;
+	}
+	return bpf_redirect_neigh(ifindex, NULL, 0, 0);
+}
+
 /* A copy of ours coming back through the egress hook. */
 static __always_inline int own_copy_egress(struct __sk_buff *skb, __u32 mark)
 {
-	if (mark == AGGBOX_BCAST_MARK_NEIGH) {
-		/* the neighbour path transmits it through this hook again */
-		skb->mark = AGGBOX_BCAST_MARK_DONE;
-		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, bpf_redirect_neigh(skb->ifindex, NULL, 0, 0));
-	}
+	if (mark == AGGBOX_BCAST_MARK_NEIGH)
+		return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, neigh_redirect(skb));
 	return bcast_exit(AGGBOX_BCAST_OWN_COPY, 0, TC_ACT_OK);
 }
 
@@ -709,6 +781,9 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	 * loop always ends with its verdict) */
 	cs.mask = eff;
 	cs.original_last = 1;
+	/* this hook's egress runs this program: clones for the neighbour path
+	 * come back here */
+	cs.neigh_ifindex = skb->ifindex;
 
 	for (__u32 i = 0; i < AGGBOX_BCAST_MAX_DESTS; i++) {
 		verdict = copy_to_member(skb, &cs, g, i);
@@ -765,6 +840,7 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	cs.ingress = 1;
 	cs.has_local_mac = 0;
 	cs.local_addr = r->daddr;
+	cs.neigh_ifindex = neigh_path_ifindex(skb);
 
 	if (rewrite_src(skb, &cs.st, r->daddr)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
@@ -948,6 +1024,7 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	cs.has_local_mac = 1;
 	__builtin_memcpy(cs.local_mac, p.macs, 6);
 	cs.local_addr = p.daddr;
+	cs.neigh_ifindex = neigh_path_ifindex(skb);
 
 	/* children see hops + 1; every other byte of the AGB1 header unchanged */
 	word = bpf_htons(((__u16)p.flags << 8) | p.hops);

@@ -52,9 +52,12 @@ struct {
 } result_routes SEC(".maps");
 
 /*
- * bcast_config: [0] = struct aggbox_bcast_config (next-hop cache lifetime).
- * Written by the loader (BroadcastPlane::load_with / set_neigh_ttl), read
- * by nh_resolve() (fib.h) when it stores a fresh next hop.
+ * bcast_config: [0] = struct aggbox_bcast_config (next-hop cache lifetime,
+ * the attached interface). Written by the loader (TcPlane::load_with /
+ * set_neigh_ttl) and by TcPlane::attach / detach; read by nh_resolve()
+ * (fib.h) when it stores a fresh next hop, and by the ingress program on lo
+ * for the interface its copies take the neighbour path from
+ * (neigh_path_ifindex()).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);

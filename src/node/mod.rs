@@ -273,15 +273,15 @@ pub fn attach_chain(
 
     // A worker on this host: RESULTs its contributions complete come up lo,
     // where the ingress program must make their group copies too.
+    // The copies' other egress interfaces and next hops: a failure here
+    // drops `broadcast`, which detaches it (and puts back what it raised).
     if let Some(plane) = &mut broadcast {
         plane.attach(index).map_err(|e| anyhow!("aggbox: {e}"))?;
         if lo_link.is_some() {
             let lo_index = ifindex(LOOPBACK)?;
             plane.attach_lo_ingress(lo_index).map_err(|e| anyhow!("aggbox: {e} (a worker of a job is on this host)"))?;
         }
-    }
-    if broadcast.is_some() {
-        warnings.extend(warm_neighbours(iface, index, kernel.next_hops()));
+        warnings.extend(prepare_copy_paths(plane, &kernel.next_hops()).map_err(|e| anyhow!("aggbox: {e:#}"))?);
     }
     let tc_created_qdisc = broadcast.as_ref().and_then(|b| b.attached()).is_some_and(|(_, created)| created);
     let tc_lo = broadcast.as_ref().and_then(|b| b.lo_ingress());
@@ -746,19 +746,64 @@ mod ring_job_tests {
     }
 }
 
-/// Has the kernel resolve the link-layer address of every on-link
-/// destination of the TC programs' copies (`KernelState::next_hops`) now,
-/// at attach and reload, instead of at the first datagram. A cold copy
-/// waits in the neighbour queue for its ARP reply; when a node's first
-/// datagram sends the ARP requests of all its members at once on a large
-/// LAN, the flood of those broadcasts fills the receive backlog
-/// (`netdev_max_backlog`) the replies and the released copies then meet,
-/// and the first copies are lost (issue #42 item 3). Resolved before any
-/// datagram, the first copy leaves with its MAC like every later one.
-/// Destinations behind a router are left to the first datagram. A refusal
-/// is a warning: the copies then take the neighbour path as before.
-/// `hops`: the destinations to resolve (at a reload, the new ones).
-fn warm_neighbours(iface: &str, index: u32, hops: Vec<std::net::Ipv4Addr>) -> Option<String> {
-    let warm = crate::netif::on_link(iface, hops).and_then(|on_link| crate::netif::resolve_neighbours(index, &on_link));
-    warm.err().map(|e| format!("neighbours of the broadcast copies not resolved ahead on {iface}: {e}; the first copies wait for ARP"))
+/// Prepares the paths of the TC programs' copies to `hops` (at attach
+/// `KernelState::next_hops`, at a reload the ones it adds), at attach and
+/// reload rather than at the first datagram. The kernel routes each
+/// destination (`netif::routes`); a copy leaves by the interface its route
+/// names, which is not always the attached one (a forwarder whose leaves
+/// are on another LAN, behind its second interface). Each such interface
+/// is held by the plane (`TcPlane::hold_copy_interface`: its unresolved-
+/// neighbour queue raised as the attached interface's is, put back at
+/// detach), and the next hop of every destination (the destination
+/// itself, or the gateway of a routed one) is resolved now on its
+/// interface (`netif::resolve_neighbours`).
+///
+/// Why resolve ahead: a cold copy waits in the neighbour queue for its ARP
+/// reply; when a node's first datagram sends the ARP requests of all its
+/// members at once on a large LAN, the flood of those broadcasts fills the
+/// receive backlog (`netdev_max_backlog`) the replies and the released
+/// copies then meet, and the first copies are lost (issue #42 item 3).
+/// Resolved before any datagram, the first copy leaves with its MAC like
+/// every later one.
+///
+/// Returns warnings (a destination without a route, whose copies count
+/// `fib_error`; a route lookup or resolution the kernel refused: the copies
+/// then take the neighbour path as before). An interface the plane cannot
+/// hold is an error.
+fn prepare_copy_paths(plane: &mut TcPlane, hops: &[Ipv4Addr]) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let routes = match crate::netif::routes(hops) {
+        Ok(routes) => routes,
+        Err(e) => {
+            warnings.push(format!("routes of the broadcast copies not looked up: {e}; their next hops are resolved at the first copy"));
+            return Ok(warnings);
+        }
+    };
+    // next hops by egress interface, each once, in order
+    let mut by_iface: Vec<(u32, Vec<Ipv4Addr>)> = Vec::new();
+    for (dest, route) in routes {
+        match route {
+            crate::netif::Route::Out { ifindex, next_hop } => {
+                plane
+                    .hold_copy_interface(ifindex)
+                    .map_err(|e| anyhow!("the broadcast copies to {dest} leave by ifindex {ifindex}: {e}"))?;
+                match by_iface.iter_mut().find(|(i, _)| *i == ifindex) {
+                    Some((_, hops)) if hops.contains(&next_hop) => {}
+                    Some((_, hops)) => hops.push(next_hop),
+                    None => by_iface.push((ifindex, vec![next_hop])),
+                }
+            }
+            crate::netif::Route::NotOut => {}
+            crate::netif::Route::Unreachable(e) => {
+                warnings.push(format!("no route to {dest} ({e}): the broadcast copies to it are not sent (fib_error)"));
+            }
+        }
+    }
+    for (ifindex, next_hops) in by_iface {
+        if let Err(e) = crate::netif::resolve_neighbours(ifindex, &next_hops) {
+            let name = tc::ifname(ifindex).unwrap_or_else(|_| format!("ifindex {ifindex}"));
+            warnings.push(format!("neighbours of the broadcast copies not resolved ahead on {name}: {e}; the first copies wait for ARP"));
+        }
+    }
+    Ok(warnings)
 }

@@ -320,10 +320,10 @@ impl Attachment {
         // when they came, and their entries live on as the traffic uses them.
         let known = self.kernel.next_hops();
         let hops: Vec<_> = kernel.next_hops().into_iter().filter(|a| !known.contains(a)).collect();
-        if self.tc.is_some() && !hops.is_empty() {
-            let iface = &self.record.iface;
-            if let Some(warning) = crate::kernel::tc::ifindex(iface).ok().and_then(|index| super::warm_neighbours(iface, index, hops)) {
-                eprintln!("aggbox: {warning}");
+        if let Some(plane) = self.tc.as_mut().filter(|_| !hops.is_empty()) {
+            match super::prepare_copy_paths(plane, &hops) {
+                Ok(warnings) => warnings.iter().for_each(|w| eprintln!("aggbox: {w}")),
+                Err(e) => eprintln!("aggbox: {e:#} (its unresolved-neighbour queue keeps its size)"),
             }
         }
         self.kernel = kernel;

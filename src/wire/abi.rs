@@ -789,8 +789,12 @@ const _: () = assert!(core::mem::size_of::<Neigh>() == 32);
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BcastConfig {
     pub neigh_ttl_ns: u64,
+    /// The interface whose egress runs `aggbox_tc_egress` (the attached
+    /// one), where copies to unresolved next hops are cloned; 0: none.
+    pub egress_ifindex: u32,
+    pub pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<BcastConfig>() == 8);
+const _: () = assert!(core::mem::size_of::<BcastConfig>() == 16);
 
 /// `struct aggbox_bcast_group_stat` (per-CPU value of `bcast_gstats`).
 #[repr(C)]
@@ -911,7 +915,7 @@ fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
     fields!(out, "aggbox_group", Group, [count, flags, dests]);
     fields!(out, "aggbox_neigh_key", NeighKey, [addr, ifindex]);
     fields!(out, "aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
-    fields!(out, "aggbox_bcast_config", BcastConfig, [neigh_ttl_ns]);
+    fields!(out, "aggbox_bcast_config", BcastConfig, [neigh_ttl_ns, egress_ifindex, pad]);
     fields!(out, "aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
     fields!(
         out,

@@ -21,6 +21,16 @@ pub(super) struct Attachment {
     unres_qlen_before: Option<u64>,
     /// The ingress program on `lo` as well ([`TcPlane::attach_lo_ingress`]).
     lo_ingress: Option<LoIngress>,
+    /// Other interfaces the copies leave by ([`TcPlane::hold_copy_interface`]).
+    copy_ifaces: Vec<CopyIface>,
+}
+
+/// An interface the copies leave by besides the attached one, and its
+/// `unres_qlen_bytes` before it was raised (restored by detach), if it was.
+#[derive(Debug)]
+struct CopyIface {
+    ifindex: u32,
+    unres_qlen_before: Option<u64>,
 }
 
 /// The ingress program's filter on `lo`, and whether its attach created
@@ -46,6 +56,12 @@ fn unres_qlen_path(ifindex: u32) -> Result<String> {
     Ok(format!("/proc/sys/net/ipv4/neigh/{}/unres_qlen_bytes", ifname(ifindex)?))
 }
 
+/// Put back the unresolved-neighbour queue [`raise_unres_qlen`] raised.
+fn restore_unres_qlen(ifindex: u32, before: u64) -> Result<()> {
+    let path = unres_qlen_path(ifindex)?;
+    std::fs::write(&path, before.to_string()).map_err(|source| TcError::Io { context: format!("writing {path}"), source })
+}
+
 /// Raise the interface's unresolved-neighbour queue to [`UNRES_QLEN_BYTES`]
 /// when it is smaller; returns the value it had if it was changed.
 fn raise_unres_qlen(ifindex: u32) -> Result<Option<u64>> {
@@ -63,6 +79,9 @@ fn raise_unres_qlen(ifindex: u32) -> Result<Option<u64>> {
     Ok(Some(before))
 }
 
+/// lo is ifindex 1 in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+
 impl TcPlane {
     /// Attach the egress (root broadcast) and ingress (tree forwarding)
     /// programs to `ifindex` in the calling thread's network namespace.
@@ -72,7 +91,10 @@ impl TcPlane {
     /// handle and priority) is replaced. Raises the interface's
     /// unresolved-neighbour queue to [`UNRES_QLEN_BYTES`] while attached
     /// (restored by detach), so copies to cold next hops survive a lost ARP
-    /// probe.
+    /// probe. Records the interface in `bcast_config` (`egress_ifindex`):
+    /// copies to unresolved next hops are cloned to its egress, whichever
+    /// interface they leave by (docs/BROADCAST.md, "Copies that leave by
+    /// another interface").
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
         if let Some(a) = &self.attachment {
             return Err(TcError::State(format!(
@@ -83,9 +105,9 @@ impl TcPlane {
         check_ip_forward(ifindex)?;
         let netns_ino = current_netns_ino()?;
         let unres_qlen_before = raise_unres_qlen(ifindex)?;
-        let restore_unres_qlen = || {
-            if let (Some(before), Ok(path)) = (unres_qlen_before, unres_qlen_path(ifindex)) {
-                let _ = std::fs::write(path, before.to_string());
+        let undo_unres_qlen = || {
+            if let Some(before) = unres_qlen_before {
+                let _ = restore_unres_qlen(ifindex, before);
             }
         };
 
@@ -101,7 +123,7 @@ impl TcPlane {
             0 => true,
             rc if -rc == libc::EEXIST => false,
             rc => {
-                restore_unres_qlen();
+                undo_unres_qlen();
                 return Err(TcError::Attach {
                     what: "clsact qdisc",
                     ifindex,
@@ -131,7 +153,7 @@ impl TcPlane {
         };
         if let Err(e) = egress.attach() {
             undo_qdisc(created_qdisc);
-            restore_unres_qlen();
+            undo_unres_qlen();
             return Err(TcError::Attach {
                 what: "egress program",
                 ifindex,
@@ -141,12 +163,23 @@ impl TcPlane {
         if let Err(e) = ingress.attach() {
             let _ = egress.detach();
             undo_qdisc(created_qdisc);
-            restore_unres_qlen();
+            undo_unres_qlen();
             return Err(TcError::Attach {
                 what: "ingress program",
                 ifindex,
                 source: to_io(e),
             });
+        }
+        let config = self.config().and_then(|mut cfg| {
+            cfg.egress_ifindex = ifindex;
+            self.write_config(&cfg)
+        });
+        if let Err(e) = config {
+            let _ = ingress.detach();
+            let _ = egress.detach();
+            undo_qdisc(created_qdisc);
+            undo_unres_qlen();
+            return Err(e);
         }
         self.attachment = Some(Attachment {
             ifindex,
@@ -156,8 +189,45 @@ impl TcPlane {
             ingress,
             unres_qlen_before,
             lo_ingress: None,
+            copy_ifaces: Vec::new(),
         });
         Ok(())
+    }
+
+    /// Take `ifindex` as an interface the copies leave by besides the
+    /// attached one (a group member or a parent is routed through it):
+    /// raise its unresolved-neighbour queue to [`UNRES_QLEN_BYTES`], as
+    /// [`attach`](Self::attach) does on its own interface, until
+    /// [`detach`](Self::detach) puts it back. No program is put there, and
+    /// none is needed: a resolved copy leaves with its MACs written in, and
+    /// an unresolved one takes the neighbour path from the attached
+    /// interface's egress, which hands it to the stack for `ifindex`
+    /// (docs/BROADCAST.md, "Copies that leave by another interface"); that
+    /// path queues the copy in `ifindex`'s neighbour entry. After
+    /// [`attach`](Self::attach), in its namespace; the attached interface,
+    /// lo and an interface already held are left as they are.
+    pub fn hold_copy_interface(&mut self, ifindex: u32) -> Result<()> {
+        let Some(a) = self.attachment.as_mut() else {
+            return Err(TcError::State("hold_copy_interface before attach".into()));
+        };
+        if ifindex == a.ifindex || ifindex == LOOPBACK_IFINDEX || a.copy_ifaces.iter().any(|c| c.ifindex == ifindex) {
+            return Ok(());
+        }
+        if current_netns_ino()? != a.netns_ino {
+            return Err(TcError::State(format!(
+                "hold_copy_interface must run in the network namespace attach ran in (ifindex {})",
+                a.ifindex
+            )));
+        }
+        let unres_qlen_before = raise_unres_qlen(ifindex)?;
+        a.copy_ifaces.push(CopyIface { ifindex, unres_qlen_before });
+        Ok(())
+    }
+
+    /// The interfaces [`hold_copy_interface`](Self::hold_copy_interface)
+    /// holds, in the order they were taken.
+    pub fn copy_interfaces(&self) -> Vec<u32> {
+        self.attachment.as_ref().map(|a| a.copy_ifaces.iter().map(|c| c.ifindex).collect()).unwrap_or_default()
     }
 
     /// Attach the ingress program to `lo` (`lo_ifindex`) too, after
@@ -235,8 +305,10 @@ impl TcPlane {
     }
 
     /// Remove what [`attach`](Self::attach) created: both filters, and the
-    /// clsact qdisc if attach created it. Must run in the network namespace
-    /// attach ran in. No-op when not attached.
+    /// clsact qdisc if attach created it; put back the unresolved-neighbour
+    /// queues attach and [`hold_copy_interface`](Self::hold_copy_interface)
+    /// raised. Must run in the network namespace attach ran in. No-op when
+    /// not attached.
     pub fn detach(&mut self) -> Result<()> {
         let Some(a) = self.attachment.as_mut() else {
             return Ok(());
@@ -284,13 +356,25 @@ impl TcPlane {
             }
         }
         if let Some(before) = a.unres_qlen_before {
-            let restored = unres_qlen_path(ifindex).and_then(|path| {
-                std::fs::write(&path, before.to_string())
-                    .map_err(|source| TcError::Io { context: format!("writing {path}"), source })
-            });
-            if let Err(e) = restored {
+            if let Err(e) = restore_unres_qlen(ifindex, before) {
                 first_err.get_or_insert(e);
             }
+        }
+        for c in std::mem::take(&mut a.copy_ifaces) {
+            let Some(before) = c.unres_qlen_before else { continue };
+            // an interface that is gone took its setting with it
+            if ifname(c.ifindex).is_ok() {
+                if let Err(e) = restore_unres_qlen(c.ifindex, before) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let config = self.config().and_then(|mut cfg| {
+            cfg.egress_ifindex = 0;
+            self.write_config(&cfg)
+        });
+        if let Err(e) = config {
+            first_err.get_or_insert(e);
         }
         self.attachment = None;
         match first_err {

@@ -33,13 +33,27 @@ impl TcPlane {
     /// Change the next-hop cache lifetime. Applies to entries resolved from
     /// now on (an entry's timer is armed when it is resolved).
     pub fn set_neigh_ttl(&self, ttl: Duration) -> Result<()> {
-        let cfg = abi::BcastConfig {
-            neigh_ttl_ns: u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX),
-        };
+        let mut cfg = self.config()?;
+        cfg.neigh_ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
+        self.write_config(&cfg)
+    }
+
+    /// `bcast_config` as it is now.
+    pub fn config(&self) -> Result<abi::BcastConfig> {
+        let value = self
+            .skel
+            .maps
+            .bcast_config
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
+            .map_err(map_err(names::BCAST_CONFIG))?;
+        Ok(value.and_then(|v| abi::from_bytes(&v)).unwrap_or_default())
+    }
+
+    pub(super) fn write_config(&self, cfg: &abi::BcastConfig) -> Result<()> {
         self.skel
             .maps
             .bcast_config
-            .update(&0u32.to_ne_bytes(), abi::as_bytes(&cfg), MapFlags::ANY)
+            .update(&0u32.to_ne_bytes(), abi::as_bytes(cfg), MapFlags::ANY)
             .map_err(map_err(names::BCAST_CONFIG))
     }
 
