@@ -743,18 +743,21 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     let keys = KeyFile::new("on-demand-ring", &[("training", KEY)]);
     let star = LiveAttach::start(&tb.host(0).netns, "od-ring0", &keys.node_config("off"), &[]);
     let member_config = keys.node_config("127.0.0.1:9473") + "ring_pool = 40000\n";
-    let members: Vec<LiveAttach> =
-        (1..=WORKERS).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("od-ring{h}"), &member_config, &["--xdp-mode", "native"])).collect();
+    // Behind locks: the ranks' threads read their status, one is restarted.
+    let members: Vec<std::sync::Mutex<LiveAttach>> = (1..=WORKERS)
+        .map(|h| std::sync::Mutex::new(LiveAttach::start(&tb.host(h).netns, &format!("od-ring{h}"), &member_config, &["--xdp-mode", "native"])))
+        .collect();
+    let member = |m: usize| members[m].lock().unwrap_or_else(|p| p.into_inner());
     let control = |h: usize| SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT);
     let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
     let shape = |r: usize| JobShape { vector_len: Some(LEN), ring: Some(control(r + 1)), ..JobShape::default() };
-    let rings_at = |m: usize| members[m].status().rings.keys().copied().collect::<Vec<u16>>();
-    let pin_dir = |m: usize| aggbox::node::pin_dir(&members[m].pin_root, "eth0");
+    let rings_at = |m: usize| member(m).status().rings.keys().copied().collect::<Vec<u16>>();
+    let pin_dir = |m: usize| aggbox::node::pin_dir(&member(m).pin_root, "eth0");
 
     let grants: Vec<aggbox::runtime::control::RingGrant> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..WORKERS)
             .map(|r| {
-                let (tb, shape, pin_dir, rings_at, members, star) = (&tb, &shape, &pin_dir, &rings_at, &members, &star);
+                let (tb, shape, pin_dir, rings_at, member, star) = (&tb, &shape, &pin_dir, &rings_at, &member, &star);
                 s.spawn(move || {
                     let comm = tb
                         .in_host(r + 1, || {
@@ -771,7 +774,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                     assert!(rings_at(r).contains(&ring.id), "rank {r}: its node serves ring {}", ring.id);
                     // `aggbox status` names the ring's owner at the member
                     // and the ring beside the job at the star's node.
-                    let status = members[r].status();
+                    let status = member(r).status();
                     let owner = status.rings_on_demand.get(&ring.id).unwrap_or_else(|| panic!("rank {r}: no ring on demand in {:?}", status.rings_on_demand));
                     assert_eq!((owner.tenant.as_str(), owner.run.as_str(), owner.members), ("training", "ring", WORKERS as u16));
                     let text = aggbox::node::format_status(&status);
@@ -807,12 +810,12 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     assert_eq!((grants[0].members.clone(), grants[0].vector_len, grants[0].frag_elems), (members_ips, LEN, 362));
     let wait_empty = |what: &str, most: Duration| {
         let since = std::time::Instant::now();
-        while star.status().jobs.len() + (0..WORKERS).map(|m| rings_at(m).len() + members[m].status().jobs.len()).sum::<usize>() > 0 {
+        while star.status().jobs.len() + (0..WORKERS).map(|m| rings_at(m).len() + member(m).status().jobs.len()).sum::<usize>() > 0 {
             assert!(since.elapsed() < most, "{what}: left after {most:?}: star jobs {:?}, member rings {:?}", star.status().jobs, (0..WORKERS).map(rings_at).collect::<Vec<_>>());
             std::thread::sleep(Duration::from_millis(50));
         }
         for m in 0..WORKERS {
-            assert_eq!(members[m].status().ring_pool.used, 0, "{what}: member {m}'s ring memory is free again");
+            assert_eq!(member(m).status().ring_pool.used, 0, "{what}: member {m}'s ring memory is free again");
         }
     };
     wait_empty("the run ended", Duration::from_secs(3));
@@ -838,6 +841,63 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     let ring = g.ring.clone().expect("a ring");
     assert!((0..WORKERS).all(|m| rings_at(m) == vec![ring.id]), "every member serves the dead run's ring: {:?}", (0..WORKERS).map(rings_at).collect::<Vec<_>>());
     wait_empty("the dead run", Duration::from_millis(2 * g.lease_ms + 3000));
+
+    // A member node restarted mid-run (it knows nothing of the ring): the
+    // node that granted the ring learns it at its next renewal and removes
+    // the job, so every rank's ring calls fail with JobLost, within a
+    // renewal and a call's deadline, not a hang.
+    let comms: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (tb, shape, pin_dir) = (&tb, &shape, &pin_dir);
+                s.spawn(move || {
+                    tb.in_host(r + 1, || {
+                        let run = RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "lost", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
+                            .unwrap_or_else(|e| panic!("rank {r}: join: {e}"));
+                        let comm = RunCommunicator::from_runs(vec![run], |b| b.deadline(Duration::from_secs(5)))
+                            .and_then(|c| c.with_ring(&pin_dir(r)))
+                            .unwrap_or_else(|e| panic!("rank {r}: build: {e}"))
+                            .with_algorithm(Algorithm::Ring);
+                        let mut v = ints(r, 100);
+                        comm.allreduce(&mut v, Op::Sum).unwrap_or_else(|e| panic!("rank {r}: a ring call before the restart: {e}"));
+                        assert_eq!(v, sum_of_ranks(0, 100));
+                        comm
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    {
+        let mut restarted = member(WORKERS - 1);
+        restarted.kill9();
+        restarted.restart();
+    }
+    let since = std::time::Instant::now();
+    let errors: Vec<aggbox::runtime::CommError> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                // Calls fail within their deadline (the member's ring is
+                // gone), then, once the job is lost, with JobLost.
+                s.spawn(move || loop {
+                    let mut v = ints(r, 100);
+                    match comm.allreduce(&mut v, Op::Sum) {
+                        Err(e @ aggbox::runtime::CommError::JobLost(_)) => break e,
+                        other => assert!(since.elapsed() < Duration::from_secs(40), "rank {r}: no JobLost 40 s after a member restarted: {other:?}"),
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(matches!(e, aggbox::runtime::CommError::JobLost(_)), "rank {r}: a ring call after a member restarted fails with JobLost, not {e}");
+    }
+    assert!(since.elapsed() < Duration::from_secs(30), "the ring calls failed {:?} after the restart", since.elapsed());
+    drop(comms);
 
     // A member node nobody serves: every rank refused, naming it; nothing left.
     let nowhere = SocketAddrV4::new(tb.host(WORKERS).addr, CONTROL_PORT + 1);

@@ -375,6 +375,9 @@ impl Collective for Comm {
     fn stats(&self) -> CommStats {
         self.collective().stats()
     }
+    fn lost(&self) -> Option<String> {
+        self.collective().lost()
+    }
     fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
         self.collective().allreduce_elements(data, op, opts)
     }

@@ -158,6 +158,13 @@ pub trait Collective: Send + Sync {
     /// Counters since the communicator was built (all of its parts added).
     fn stats(&self) -> CommStats;
 
+    /// Why the job behind this communicator is no longer served (a job on
+    /// demand whose node refused its renewal), `None` while it is: what a
+    /// part that does not go through it (a run's ring) fails with.
+    fn lost(&self) -> Option<String> {
+        None
+    }
+
     /// Allreduce in place: every participant's buffer receives `op` over
     /// the workers' contributions. On an error the buffer may hold part of
     /// the result.

@@ -257,6 +257,10 @@ impl<S: Collective> Collective for StarOrRing<S> {
         self.star.as_ref().map(|s| s.stats()).unwrap_or_default()
     }
 
+    fn lost(&self) -> Option<String> {
+        self.star.as_ref().and_then(|s| s.lost())
+    }
+
     fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
         let choice_op = match data {
             Elements::I32(_) => op,
@@ -267,10 +271,21 @@ impl<S: Collective> Collective for StarOrRing<S> {
             }
         };
         match self.choose(data.len(), choice_op)? {
-            Algorithm::Ring => match data {
-                Elements::I32(buf) => self.ring_i32(buf, op, opts),
-                Elements::F32(buf) => self.ring_f32(buf, float_mean(op)?),
-            },
+            Algorithm::Ring => {
+                // A run's ring lives as long as its job: once the job is
+                // lost, so is the ring, and its calls say so.
+                if let Some(why) = self.lost() {
+                    return Err(CommError::JobLost(why));
+                }
+                let served = match data {
+                    Elements::I32(buf) => self.ring_i32(buf, op, opts),
+                    Elements::F32(buf) => self.ring_f32(buf, float_mean(op)?),
+                };
+                served.map_err(|e| match self.lost() {
+                    Some(why) => CommError::JobLost(format!("{why} (the ring call failed: {e})")),
+                    None => e,
+                })
+            }
             _ => self.only_star("allreduce")?.allreduce_elements(data, op, opts),
         }
     }

@@ -331,8 +331,11 @@ impl RunCommunicator {
     /// `pin_dir`) as one collective that picks the star or the ring by
     /// size ([`StarOrRing`]); open it in the node's network namespace.
     pub fn with_ring(self, pin_dir: &std::path::Path) -> Result<StarOrRing<RunCommunicator>, CommError> {
-        let ring = self.runs[0].ring(pin_dir)?;
-        let mtu = self.communicator().config().mtu;
+        let mut ring = self.runs[0].ring(pin_dir)?;
+        let config = self.communicator().config();
+        ring.set_deadline(config.deadline);
+        ring.set_quantization(config.quantization);
+        let mtu = config.mtu;
         StarOrRing::of(Some(self), Some(ring), Some(mtu))
     }
 
@@ -370,10 +373,6 @@ impl RunCommunicator {
         first
     }
 
-    fn lost(&self) -> Option<String> {
-        self.runs.iter().find_map(|r| r.lost())
-    }
-
     fn served<T>(&self, call: impl FnOnce(&StripedCommunicator) -> Result<T, CommError>) -> Result<T, CommError> {
         if let Some(why) = self.lost() {
             return Err(CommError::JobLost(why));
@@ -394,6 +393,9 @@ impl Collective for RunCommunicator {
     }
     fn stats(&self) -> CommStats {
         Collective::stats(&self.comm)
+    }
+    fn lost(&self) -> Option<String> {
+        self.runs.iter().find_map(|r| r.lost())
     }
     fn allreduce_elements(&self, data: Elements<'_>, op: Op, opts: CallOptions) -> Result<Served, CommError> {
         self.served(|c| c.allreduce_elements(data, op, opts))
