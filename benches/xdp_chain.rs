@@ -64,7 +64,7 @@ fn main() {
             id: JOB,
             port: JOB_PORT,
             result_port: RESULT_PORT,
-            ranks: (0..WORKERS).map(addr).collect(),
+            ranks: (0..WORKERS).map(|r| addr(r).into()).collect(),
             weights: vec![],
             // A vector length, as the runtime and `aggbox attach` configure
             // it: fast slots index by round and offset (docs/DATAPLANE.md).
@@ -334,7 +334,7 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
                     id: job,
                     port: JOB_PORT,
                     result_port: RESULT_PORT,
-                    ranks: (0..WORKERS).map(addr).collect(),
+                    ranks: (0..WORKERS).map(|r| addr(r).into()).collect(),
                     weights: vec![],
                     vector_len: frags * count,
                     slots: 0,

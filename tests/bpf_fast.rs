@@ -49,7 +49,7 @@ fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
         id: ID,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(addr).collect(),
+        ranks: (0..workers).map(|r| addr(r).into()).collect(),
         weights: vec![],
         vector_len: 0,
         slots,

@@ -31,7 +31,7 @@ fn job(id: u16, slots: u32, flags: u32) -> XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: vec![R0, R1],
+        ranks: vec![R0.into(), R1.into()],
         weights: vec![],
         vector_len: 0,
         slots,

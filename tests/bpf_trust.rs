@@ -36,7 +36,7 @@ fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
         id,
         port,
         result_port,
-        ranks: (0..2).map(|r| addr(id, r)).collect(),
+        ranks: (0..2).map(|r| addr(id, r).into()).collect(),
         weights: vec![],
         vector_len: 64,
         slots: 16,

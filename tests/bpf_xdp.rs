@@ -38,7 +38,7 @@ fn test_job() -> XdpJob {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..4).map(rank_addr).collect(),
+        ranks: (0..4).map(|r| rank_addr(r).into()).collect(),
         weights: vec![],
         vector_len: 1024,
         slots: 64,

@@ -98,7 +98,7 @@ fn jobs() -> Vec<XdpJob> {
             id: 7,
             port: PORT_A,
             result_port: RESULT_PORT,
-            ranks: (0..4).map(|r| rank_addr(7, r)).collect(),
+            ranks: (0..4).map(|r| rank_addr(7, r).into()).collect(),
             weights: vec![1, 1, 2, 1],
             vector_len: 1024,
             slots: 96,
@@ -111,7 +111,7 @@ fn jobs() -> Vec<XdpJob> {
             id: 8,
             port: PORT_A,
             result_port: 7003,
-            ranks: (0..2).map(|r| rank_addr(8, r)).collect(),
+            ranks: (0..2).map(|r| rank_addr(8, r).into()).collect(),
             weights: vec![],
             vector_len: 0,
             slots: 48,
@@ -124,7 +124,7 @@ fn jobs() -> Vec<XdpJob> {
             id: 9,
             port: PORT_B,
             result_port: 7004,
-            ranks: (0..3).map(|r| rank_addr(9, r)).collect(),
+            ranks: (0..3).map(|r| rank_addr(9, r).into()).collect(),
             weights: vec![],
             vector_len: 500,
             slots: 16,
@@ -342,7 +342,7 @@ impl Model {
             return Expect::drop(D::RankOutOfRange, bytes);
         }
         let src = Ipv4Addr::new(f[off + 12], f[off + 13], f[off + 14], f[off + 15]);
-        if cfg.ranks[rank as usize] != src {
+        if cfg.ranks[rank as usize] != std::net::IpAddr::V4(src) {
             return Expect::drop(D::SourceMismatch, bytes);
         }
         if cfg.vector_len != 0 && u64::from(frag_off) + u64::from(count) > u64::from(cfg.vector_len) {
@@ -1038,7 +1038,7 @@ fn tc_fuzz_mutated_datagrams() {
                 dport: rng.pick(&[7200u16, 7999, 7000]),
             };
             let mut f = to_frame(&v);
-            f.dst = rng.pick(&[h1.addr, h0.addr, Ipv4Addr::new(10, 77, 0, 200)]);
+            f.dst = rng.pick(&[h1.addr, h0.addr, Ipv4Addr::new(10, 77, 0, 200)]).into();
             f.payload = d;
             // reuse the XDP mutator's byte-level and structural edits on the frame
             let mut b = f.build();

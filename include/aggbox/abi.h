@@ -203,7 +203,7 @@ enum aggbox_drop_reason {
 	AGGBOX_DROP_COUNT_TOO_SMALL   = -135, /* datagram longer than 24 + 4 * count */
 	AGGBOX_DROP_UNKNOWN_JOB       = -136, /* job not configured on this node */
 	AGGBOX_DROP_RANK_OUT_OF_RANGE = -137, /* rank >= workers */
-	AGGBOX_DROP_SOURCE_MISMATCH   = -138, /* IPv4 source is not the rank's address */
+	AGGBOX_DROP_SOURCE_MISMATCH   = -138, /* source address or IP version is not the rank's */
 	AGGBOX_DROP_BEYOND_VECTOR     = -139, /* frag_off + count > vector_len */
 	AGGBOX_DROP_RETRANSMISSION    = -140, /* rank already contributed to the slot */
 	AGGBOX_DROP_STALE_ROUND       = -141, /* round older than the job's window */
@@ -303,12 +303,27 @@ struct aggbox_rank_key {
 };
 _Static_assert(sizeof(struct aggbox_rank_key) == 4, "rank key is 4 bytes");
 
-/* Value of the ranks map. */
+/* Address family of a rank (struct aggbox_rank.family): the IP version. */
+#define AGGBOX_FAMILY_NONE 0 /* no rank here (a removed or never written entry) */
+#define AGGBOX_FAMILY_IPV4 4
+#define AGGBOX_FAMILY_IPV6 6
+
+/*
+ * Value of the ranks map (and of the ring's ring_members): the source
+ * address a rank sends from, and its weight. A contribution is the rank's
+ * only if its IP version is `family` and its source address is `addr`, all
+ * 16 bytes (an IPv4 source as addr[0] with three zero words), so an IPv4
+ * sender never passes for an IPv6 rank whose address has the same first
+ * bytes, nor the other way round. The control plane writes every rank of a
+ * job with one family (XdpJob::validate).
+ */
 struct aggbox_rank {
-	__be32 addr;  /* big-endian: IPv4 source address this rank sends from */
-	__s32  weight;/* host order: SUM/AVG weight, default 1 */
+	__u8   family;  /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 */
+	__u8   pad[3];  /* zero */
+	__s32  weight;  /* host order: SUM/AVG weight, default 1 */
+	__be32 addr[4]; /* big-endian: the source address; IPv4: addr[0], addr[1..3] zero */
 };
-_Static_assert(sizeof(struct aggbox_rank) == 8, "rank is 8 bytes");
+_Static_assert(sizeof(struct aggbox_rank) == 24, "rank is 24 bytes");
 
 /* ---------------------------------------------------------------------------
  * Ports (written by the control plane, read by XDP)

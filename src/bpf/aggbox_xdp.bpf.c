@@ -1775,7 +1775,8 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 		return AGGBOX_DROP_RANK_OUT_OF_RANGE;
 	rank_key = jidx * AGGBOX_MAX_RANKS + rank_id;
 	rank = bpf_map_lookup_elem(&ranks, &rank_key);
-	if (!rank || rank->addr != iph->saddr)
+	if (!rank || rank->family != AGGBOX_FAMILY_IPV4 || rank->addr[0] != iph->saddr ||
+	    (rank->addr[1] | rank->addr[2] | rank->addr[3]))
 		return AGGBOX_DROP_SOURCE_MISMATCH;
 
 	end = (__u64)bpf_ntohl(agg->frag_off) + count;

@@ -5,7 +5,7 @@
 
 pub mod ring;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Mutex;
 
 use aggbox::kernel::xdp::{Chain, XdpJob, XdpPlane};
@@ -114,8 +114,8 @@ pub fn ipv4_checksum(hdr: &[u8]) -> u16 {
 pub struct Frame {
     pub ethertype: u16,
     pub vlan: Option<u16>,
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub protocol: u8,
     /// IPv4 option bytes (multiple of 4).
     pub ip_options: Vec<u8>,
@@ -132,12 +132,12 @@ pub struct Frame {
 
 impl Frame {
     /// A UDP datagram from `src` to the aggregator's job port.
-    pub fn udp(src: Ipv4Addr, payload: Vec<u8>) -> Frame {
+    pub fn udp(src: impl Into<IpAddr>, payload: Vec<u8>) -> Frame {
         Frame {
             ethertype: 0x0800,
             vlan: None,
-            src,
-            dst: AGG_ADDR,
+            src: src.into(),
+            dst: AGG_ADDR.into(),
             protocol: 17,
             ip_options: Vec::new(),
             frag: 0x4000, // DF
@@ -180,8 +180,11 @@ impl Frame {
         f.push(64);
         f.push(self.protocol);
         f.extend_from_slice(&[0, 0]);
-        f.extend_from_slice(&self.src.octets());
-        f.extend_from_slice(&self.dst.octets());
+        let (IpAddr::V4(src), IpAddr::V4(dst)) = (self.src, self.dst) else {
+            panic!("an IPv4 frame of IPv6 addresses: {self:?}");
+        };
+        f.extend_from_slice(&src.octets());
+        f.extend_from_slice(&dst.octets());
         f.extend_from_slice(&self.ip_options);
         let csum = ipv4_checksum(&f[ip_start..]);
         f[ip_start + 10..ip_start + 12].copy_from_slice(&csum.to_be_bytes());
@@ -302,7 +305,7 @@ pub fn job_from_vector(job: &serde_json::Value) -> XdpJob {
         .map(|v| {
             v.as_str()
                 .expect("rank ip")
-                .parse::<Ipv4Addr>()
+                .parse::<IpAddr>()
                 .expect("rank ip parses")
         })
         .collect::<Vec<_>>();
@@ -380,7 +383,7 @@ pub fn reduce_job(workers: u16, weights: Vec<i32>) -> XdpJob {
         id: REDUCE_JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(reduce_addr).collect(),
+        ranks: (0..workers).map(|r| reduce_addr(r).into()).collect(),
         weights,
         vector_len: 0,
         slots: 0,
