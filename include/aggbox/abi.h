@@ -210,14 +210,18 @@ enum aggbox_drop_reason {
 	AGGBOX_DROP_SLOT_POOL_FULL    = -142, /* no free slot and no user-space path */
 	AGGBOX_DROP_MISSED_TAIL_CALL  = -143, /* prog array slot empty: a bug */
 	AGGBOX_DROP_SLOT_MISMATCH     = -144, /* op/count differ from the slot's first contribution */
-	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 fragment: AggBox forbids IP fragmentation */
+	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 first fragment or IPv6 Fragment header:
+						    * AggBox forbids IP fragmentation */
 	AGGBOX_DROP_TOO_LARGE         = -146, /* count above what this build aggregates in the kernel */
 	AGGBOX_DROP_PORT_MISMATCH     = -147, /* the job is not the job of the port it was sent to */
 	AGGBOX_DROP_FORGED_RESULT     = -148, /* a RESULT from the network to its job's result port */
 	AGGBOX_DROP_SLOT_BUSY         = -149, /* the fragment's fast slot stayed locked past the spin bound */
+	AGGBOX_DROP_IPV6_EXTENSION_HEADER = -150, /* IPv6: an extension header other than Fragment
+						   * before UDP (hop-by-hop, routing, destination options) */
+	AGGBOX_DROP_UDP_ZERO_CHECKSUM = -151, /* IPv6: UDP checksum 0, which RFC 8200 forbids */
 };
 #define AGGBOX_DROP_FIRST AGGBOX_DROP_TRUNCATED_HEADER
-#define AGGBOX_DROP_LAST  AGGBOX_DROP_SLOT_BUSY
+#define AGGBOX_DROP_LAST  AGGBOX_DROP_UDP_ZERO_CHECKSUM
 
 /* Outcomes that are not drops. */
 enum aggbox_outcome {

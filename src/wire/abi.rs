@@ -163,10 +163,12 @@ pub enum DropReason {
     PortMismatch = -147,
     ForgedResult = -148,
     SlotBusy = -149,
+    Ipv6ExtensionHeader = -150,
+    UdpZeroChecksum = -151,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 20] = [
+    pub const ALL: [DropReason; 22] = [
         DropReason::TruncatedHeader,
         DropReason::InvalidOp,
         DropReason::ReservedFlag,
@@ -187,6 +189,8 @@ impl DropReason {
         DropReason::PortMismatch,
         DropReason::ForgedResult,
         DropReason::SlotBusy,
+        DropReason::Ipv6ExtensionHeader,
+        DropReason::UdpZeroChecksum,
     ];
 
     /// Index of this reason in the stats map.
@@ -217,6 +221,8 @@ impl DropReason {
             DropReason::PortMismatch => "port_mismatch",
             DropReason::ForgedResult => "forged_result",
             DropReason::SlotBusy => "slot_busy",
+            DropReason::Ipv6ExtensionHeader => "ipv6_extension_header",
+            DropReason::UdpZeroChecksum => "udp_zero_checksum",
         }
     }
 }
