@@ -1097,8 +1097,9 @@ fn xdp_fuzz_million_mutated_datagrams() {
             continue;
         }
         if matches!(r, DropReason::TooLarge) {
-            // AGGBOX_MAX_ELEMS (16384) is above what any IPv4 datagram can
-            // carry (16370 elements), so no frame can reach it (docs/JUMBO.md).
+            // AGGBOX_MAX_ELEMS (16384) is above what any IPv4 or IPv6
+            // datagram can carry (16370, 16375 elements), so no frame can
+            // reach it (docs/JUMBO.md).
             assert_eq!(by_label.get(r.label()).copied().unwrap_or(0), 0, "too_large is unreachable by a real frame");
             continue;
         }

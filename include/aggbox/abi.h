@@ -362,7 +362,8 @@ _Static_assert(sizeof(struct aggbox_port) == 4, "port is 4 bytes");
  * to AGGBOX_PROG_CHUNKS chunks with bpf_loop.
  */
 #ifndef AGGBOX_MAX_ELEMS
-#define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4 datagram) */
+#define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4
+				* datagram, and >= 16375, the largest IPv6 one without a jumbogram) */
 #endif
 #ifndef AGGBOX_CHUNK_ELEMS
 #define AGGBOX_CHUNK_ELEMS 256 /* elements of one slot block (one lock, one load/store) */

@@ -395,7 +395,8 @@ pub struct Port {
 const _: () = assert!(core::mem::size_of::<Port>() == 4);
 
 /// Largest `count` the kernel aggregates (`AGGBOX_MAX_ELEMS`): every legal
-/// IPv4 datagram (at most 16370 elements) fits.
+/// IPv4 datagram (at most 16370 elements) and IPv6 datagram without a
+/// jumbogram option (16375) fits.
 pub const MAX_ELEMS: u32 = 16384;
 /// Elements of one slot block: one spin-lock acquisition, one
 /// `bpf_xdp_load_bytes` (`AGGBOX_CHUNK_ELEMS`).
