@@ -22,7 +22,9 @@
 //! program is built only with it): `sudo cargo bench --features bench
 //! --bench xdp_chain [-- FRAGMENTS]`. Speed lives here, not in the tests.
 //! With `XDP_CHAIN_PROFILE=1` only the 362-element SUM point and the floor
-//! run (what `scripts/xdp_line_profile.py` samples).
+//! run (what `scripts/xdp_line_profile.py` samples). `XDP_CHAIN_FAMILY=6`
+//! sends the contributions (tables by role, fixed costs) over IPv6 to a job
+//! of IPv6 ranks (default 4: IPv4); the floor and the loops stay IPv4.
 
 #![allow(dead_code)]
 
@@ -52,11 +54,20 @@ fn addr(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 3, rank as u8 + 1)
 }
 
+/// The IP version of the contributions (`XDP_CHAIN_FAMILY`).
+fn family() -> Family {
+    match std::env::var("XDP_CHAIN_FAMILY").as_deref() {
+        Ok("6") => Family::V6,
+        _ => Family::V4,
+    }
+}
+
 fn main() {
     let fragments: u32 = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(200);
+    let fam = family();
     let dp = load();
     dp.set_job(
         JOB,
@@ -64,7 +75,7 @@ fn main() {
             id: JOB,
             port: JOB_PORT,
             result_port: RESULT_PORT,
-            ranks: (0..WORKERS).map(addr).collect(),
+            ranks: (0..WORKERS).map(|r| fam.addr(addr(r))).collect(),
             weights: vec![],
             // A vector length, as the runtime and `aggbox attach` configure
             // it: fast slots index by round and offset (docs/DATAPLANE.md).
@@ -83,6 +94,7 @@ fn main() {
         loops(&dp, 1, fragments.max(1));
         return;
     }
+    println!("contributions over {fam:?}");
     println!("count  op     creating ns (ns/element)   adding ns (ns/element)   completing ns (ns/element)   mean ns/element  mean ns");
     let mut round = 1u32;
     let profile = std::env::var("XDP_CHAIN_PROFILE").is_ok();
@@ -97,17 +109,19 @@ fn main() {
                     let mut a = Agg::new(JOB, rank, op as u8, values.clone());
                     a.round = round;
                     a.flags = abi::AGG_F_LAST_FRAGMENT;
-                    Frame::udp(addr(rank), a.bytes()).build()
+                    Frame::udp(fam.addr(addr(rank)), a.bytes()).build()
                 })
                 .collect();
             let mut by_role = [0u64; 3];
+            let p = fam.payload_off();
             for frag in 0..fragments {
                 for (rank, frame) in frames.iter().enumerate() {
                     // Patch round and frag_off (AGG1 offsets 12 and 16 after
-                    // Ethernet 14 + IPv4 20 + UDP 8) instead of rebuilding.
+                    // Ethernet 14 + IPv4 20 or IPv6 40 + UDP 8) instead of
+                    // rebuilding (the UDP checksum, unverified, goes stale).
                     let mut f = frame.clone();
-                    f[42 + 12..42 + 16].copy_from_slice(&round.to_be_bytes());
-                    f[42 + 16..42 + 20].copy_from_slice(&(frag * count as u32).to_be_bytes());
+                    f[p + 12..p + 16].copy_from_slice(&round.to_be_bytes());
+                    f[p + 16..p + 20].copy_from_slice(&(frag * count as u32).to_be_bytes());
                     let (verdict, _, ns) = runner.run_timed(&f).expect("test run");
                     let role = if rank + 1 == WORKERS as usize {
                         assert_eq!(verdict, XDP_PASS, "RESULT");
@@ -138,7 +152,7 @@ fn main() {
         }
     }
     if !profile {
-        fixed_costs(&runner);
+        fixed_costs(&runner, fam);
     }
     floor(fragments);
     if !profile {
@@ -167,9 +181,10 @@ fn median_ns(runner: &aggbox::kernel::xdp::TestRunner, frame: &[u8], runs: usize
 /// successive steps of the entry program (each step adds the lookups
 /// named), median of 2000 runs each. A frame with no IPv4 is the harness's
 /// own floor (BPF_PROG_TEST_RUN around a parse-and-pass).
-fn fixed_costs(runner: &aggbox::kernel::xdp::TestRunner) {
+fn fixed_costs(runner: &aggbox::kernel::xdp::TestRunner, fam: Family) {
     let values = vec![1, 2, 3, 4];
     let agg = |job: u16, rank: u16| Agg::new(job, rank, Op::Sum as u8, values.clone());
+    let addr = |rank: u16| fam.addr(addr(rank));
     let mut not_ip = Frame::udp(addr(0), agg(JOB, 0).bytes());
     not_ip.ethertype = 0x0806;
     let mut other_port = Frame::udp(addr(0), agg(JOB, 0).bytes());
@@ -334,7 +349,7 @@ fn loops(dp: &aggbox::kernel::xdp::XdpPlane, first_round: u32, times: u32) {
                     id: job,
                     port: JOB_PORT,
                     result_port: RESULT_PORT,
-                    ranks: (0..WORKERS).map(addr).collect(),
+                    ranks: (0..WORKERS).map(|r| addr(r).into()).collect(),
                     weights: vec![],
                     vector_len: frags * count,
                     slots: 0,

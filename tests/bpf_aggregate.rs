@@ -2,7 +2,8 @@
 //! shared/spec/vectors/aggregation.json with each RESULT required at the
 //! datagram that completes its fragment (and nowhere else) and compared
 //! byte for byte, plus retransmission, stale round, slot pool, slot
-//! mismatch, too-large and missed-tail-call rows.
+//! mismatch, too-large and missed-tail-call rows; each over IPv4 and over
+//! IPv6 (jobs of IPv6 ranks, the vectors' payloads in IPv6 frames).
 //!
 //! Needs root: run with `sudo -E cargo test --test bpf_aggregate`.
 
@@ -17,27 +18,15 @@ use bpf_common::*;
 /// A RESULT frame checked for everything but its payload; returns
 /// (frag_off, flags, seq, payload).
 fn check_result_frame(input: &[u8], out: &[u8], job: u16, round: u32) -> (u32, u8, u32, Vec<u8>) {
-    assert_eq!(out.len(), input.len(), "RESULT is rewritten in place");
-    assert_eq!(out[..14], input[..14], "Ethernet header untouched");
-    let ip = &out[14..34];
-    assert_eq!(ip[..10], input[14..24], "IPv4 header untouched");
-    assert_eq!(
-        ip[12..20],
-        input[26..34],
-        "addresses untouched (destination is the aggregator)"
-    );
-    assert_eq!(ipv4_checksum(ip), 0, "valid IPv4 header checksum");
-    let udp = &out[34..42];
-    assert_eq!(udp[..2], input[34..36], "UDP source port kept");
-    assert_eq!(
-        u16::from_be_bytes([udp[2], udp[3]]),
-        RESULT_PORT,
-        "UDP destination = job.result_port"
-    );
-    assert_eq!(udp[4..6], input[38..40], "UDP length kept");
-    assert_eq!(udp[6..8], [0, 0], "UDP checksum 0");
-    let a = &out[PAYLOAD_OFF..];
-    let inp = &input[PAYLOAD_OFF..];
+    let (fam, ip, _) = frame_offsets(input).expect("an IP frame");
+    if fam == Family::V4 {
+        assert_eq!(ipv4_checksum(&out[ip..ip + 20]), 0, "valid IPv4 header checksum");
+    }
+    // Ethernet and IP headers untouched (the destination is the
+    // aggregator), UDP rewritten with a checksum each version accepts.
+    let p = check_result_headers(input, out);
+    let a = &out[p..];
+    let inp = &input[p..];
     assert_eq!(
         u32::from_be_bytes(a[0..4].try_into().unwrap()),
         abi::MAGIC_AGG
@@ -115,6 +104,18 @@ fn results_by_datagram(name: &str, workers: usize, dgrams: &[serde_json::Value],
 
 #[test]
 fn spec_vectors_results_byte_for_byte() {
+    spec_vectors_results_in(Family::V4);
+}
+
+/// The spec vectors' payloads in IPv6 frames from the IPv6 twins of their
+/// sources, to jobs of IPv6 ranks: the same RESULTs byte for byte, each
+/// with a right UDP checksum.
+#[test]
+fn spec_vectors_results_byte_for_byte_over_ipv6() {
+    spec_vectors_results_in(Family::V6);
+}
+
+fn spec_vectors_results_in(fam: Family) {
     let vectors = spec_vectors("aggregation.json");
     let cases = vectors["cases"].as_array().expect("cases");
     let mut total_results = 0;
@@ -122,7 +123,7 @@ fn spec_vectors_results_byte_for_byte() {
         let name = case["name"].as_str().expect("name");
         let round = case["round"].as_u64().expect("round") as u32;
         let dp = load();
-        let job = job_from_vector(&case["job"]);
+        let job = job_from_vector_in(fam, &case["job"]);
         dp.set_job(job.id, &job)
             .unwrap_or_else(|e| panic!("{name}: set_job: {e}"));
         let dgrams = case["datagrams"].as_array().expect("datagrams");
@@ -130,7 +131,7 @@ fn spec_vectors_results_byte_for_byte() {
         let expect = results_by_datagram(name, job.ranks.len(), dgrams, want);
         let mut got = Vec::new();
         for (i, dgram) in dgrams.iter().enumerate() {
-            let src: Ipv4Addr = dgram["src"].as_str().unwrap().parse().unwrap();
+            let src = fam.addr(dgram["src"].as_str().unwrap().parse().unwrap());
             let payload = unhex(dgram["hex"].as_str().unwrap());
             let frame = Frame::udp(src, payload.clone()).build();
             let before = dp.stats().unwrap();
@@ -151,7 +152,7 @@ fn spec_vectors_results_byte_for_byte() {
                 assert_eq!(g.3, w.payload, "{name}[{i}] frag_off {}: payload", w.frag_off);
                 assert_eq!(
                     g.2.to_be_bytes(),
-                    frame[PAYLOAD_OFF + 8..PAYLOAD_OFF + 12],
+                    frame[fam.payload_off() + 8..fam.payload_off() + 12],
                     "{name}[{i}]: the RESULT keeps the completing contribution's seq (no parent)"
                 );
                 got.push(g);
@@ -186,7 +187,7 @@ fn spec_vectors_results_byte_for_byte() {
             .iter()
             .filter(|d| d["accept"].as_bool().unwrap())
         {
-            let src: Ipv4Addr = dgram["src"].as_str().unwrap().parse().unwrap();
+            let src = fam.addr(dgram["src"].as_str().unwrap().parse().unwrap());
             let payload = unhex(dgram["hex"].as_str().unwrap());
             let before = dp.stats().unwrap();
             let (verdict, _) = dp
@@ -216,11 +217,15 @@ fn addr(rank: u16) -> Ipv4Addr {
 }
 
 fn job(workers: u16, slots: u32) -> XdpJob {
+    job_in(Family::V4, workers, slots)
+}
+
+fn job_in(fam: Family, workers: u16, slots: u32) -> XdpJob {
     XdpJob {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(addr).collect(),
+        ranks: (0..workers).map(|r| fam.addr(addr(r))).collect(),
         weights: vec![],
         vector_len: 0,
         slots,
@@ -234,14 +239,22 @@ fn job(workers: u16, slots: u32) -> XdpJob {
 type Deltas = Vec<(&'static str, u64, u64)>;
 
 fn send(dp: &XdpPlane, a: &Agg) -> (u32, Deltas, Vec<u8>) {
+    send_in(dp, Family::V4, a)
+}
+
+/// `a` from its rank's address of IP version `fam`; a RESULT's headers
+/// checked (over IPv6 its UDP checksum).
+fn send_in(dp: &XdpPlane, fam: Family, a: &Agg) -> (u32, Deltas, Vec<u8>) {
     let before = dp.stats().unwrap();
-    let (verdict, out) = dp
-        .test_run(&Frame::udp(addr(a.rank), a.bytes()).build())
-        .unwrap();
-    let d = deltas(&before, &dp.stats().unwrap())
+    let frame = Frame::udp(fam.addr(addr(a.rank)), a.bytes()).build();
+    let (verdict, out) = dp.test_run(&frame).unwrap();
+    let d: Deltas = deltas(&before, &dp.stats().unwrap())
         .into_iter()
         .map(|(l, p, _)| (l, p, 0))
         .collect();
+    if d == one("result") {
+        check_result_headers(&frame, &out);
+    }
     (verdict, d, out)
 }
 
@@ -259,21 +272,30 @@ fn one(label: &'static str) -> Deltas {
 
 #[test]
 fn stale_round_is_dropped_and_never_added() {
+    stale_round_is_dropped_and_never_added_in(Family::V4);
+}
+
+#[test]
+fn stale_round_is_dropped_and_never_added_over_ipv6() {
+    stale_round_is_dropped_and_never_added_in(Family::V6);
+}
+
+fn stale_round_is_dropped_and_never_added_in(fam: Family) {
     let dp = load();
-    dp.set_job(JOB, &job(2, 0)).unwrap();
-    assert_eq!(send(&dp, &contrib(0, 1000, 0, vec![1])).1, one("accepted"));
-    let (v, d, out) = send(&dp, &contrib(1, 1000, 0, vec![2]));
+    dp.set_job(JOB, &job_in(fam, 2, 0)).unwrap();
+    assert_eq!(send_in(&dp, fam, &contrib(0, 1000, 0, vec![1])).1, one("accepted"));
+    let (v, d, out) = send_in(&dp, fam, &contrib(1, 1000, 0, vec![2]));
     assert_eq!((v, d), (XDP_PASS, one("result")));
-    assert_eq!(out[PAYLOAD_OFF + 24..], 3i32.to_be_bytes());
+    assert_eq!(out[fam.payload_off() + 24..], 3i32.to_be_bytes());
     let old = 1000 - abi::ROUND_WINDOW - 1;
     assert_eq!(
-        send(&dp, &contrib(0, old, 0, vec![5])).1,
+        send_in(&dp, fam, &contrib(0, old, 0, vec![5])).1,
         one(DropReason::StaleRound.label())
     );
     assert_eq!(dp.slots_in_use(), 0);
     // inside the window: still aggregated
     assert_eq!(
-        send(&dp, &contrib(0, old + 1, 0, vec![5])).1,
+        send_in(&dp, fam, &contrib(0, old + 1, 0, vec![5])).1,
         one("accepted")
     );
     assert_eq!(dp.job_state(JOB).unwrap().unwrap().newest_round, 1000);
@@ -281,32 +303,50 @@ fn stale_round_is_dropped_and_never_added() {
 
 #[test]
 fn per_job_round_window_from_config() {
+    per_job_round_window_from_config_in(Family::V4);
+}
+
+#[test]
+fn per_job_round_window_from_config_over_ipv6() {
+    per_job_round_window_from_config_in(Family::V6);
+}
+
+fn per_job_round_window_from_config_in(fam: Family) {
     let dp = load();
-    let mut j = job(2, 0);
+    let mut j = job_in(fam, 2, 0);
     j.window = 2;
     dp.set_job(JOB, &j).unwrap();
-    assert_eq!(send(&dp, &contrib(0, 10, 0, vec![1])).1, one("accepted"));
-    assert_eq!(send(&dp, &contrib(1, 10, 0, vec![2])).1, one("result"));
+    assert_eq!(send_in(&dp, fam, &contrib(0, 10, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send_in(&dp, fam, &contrib(1, 10, 0, vec![2])).1, one("result"));
     // 10 - 7 = 3 > window 2: stale; 10 - 8 = 2: still live.
-    assert_eq!(send(&dp, &contrib(0, 7, 0, vec![5])).1, one(DropReason::StaleRound.label()));
-    assert_eq!(send(&dp, &contrib(0, 8, 0, vec![5])).1, one("accepted"));
+    assert_eq!(send_in(&dp, fam, &contrib(0, 7, 0, vec![5])).1, one(DropReason::StaleRound.label()));
+    assert_eq!(send_in(&dp, fam, &contrib(0, 8, 0, vec![5])).1, one("accepted"));
     assert_eq!(dp.job(JOB).unwrap().unwrap().window, 2);
 }
 
 #[test]
 fn slot_pool_bound_per_job() {
+    slot_pool_bound_per_job_in(Family::V4);
+}
+
+#[test]
+fn slot_pool_bound_per_job_over_ipv6() {
+    slot_pool_bound_per_job_in(Family::V6);
+}
+
+fn slot_pool_bound_per_job_in(fam: Family) {
     let dp = load();
-    dp.set_job(JOB, &job(2, 2)).unwrap();
-    assert_eq!(send(&dp, &contrib(0, 1, 0, vec![1])).1, one("accepted"));
-    assert_eq!(send(&dp, &contrib(0, 1, 1, vec![1])).1, one("accepted"));
+    dp.set_job(JOB, &job_in(fam, 2, 2)).unwrap();
+    assert_eq!(send_in(&dp, fam, &contrib(0, 1, 0, vec![1])).1, one("accepted"));
+    assert_eq!(send_in(&dp, fam, &contrib(0, 1, 1, vec![1])).1, one("accepted"));
     assert_eq!(
-        send(&dp, &contrib(0, 1, 2, vec![1])).1,
+        send_in(&dp, fam, &contrib(0, 1, 2, vec![1])).1,
         one(DropReason::SlotPoolFull.label())
     );
     assert_eq!(dp.slots_in_use(), 2);
     // completing one frees its slot
-    assert_eq!(send(&dp, &contrib(1, 1, 0, vec![1])).1, one("result"));
-    assert_eq!(send(&dp, &contrib(0, 1, 2, vec![1])).1, one("accepted"));
+    assert_eq!(send_in(&dp, fam, &contrib(1, 1, 0, vec![1])).1, one("result"));
+    assert_eq!(send_in(&dp, fam, &contrib(0, 1, 2, vec![1])).1, one("accepted"));
     assert_eq!(dp.job_state(JOB).unwrap().unwrap().active_slots, 2);
     dp.remove_job(JOB).unwrap();
     assert_eq!(dp.slots_in_use(), 0, "remove_job frees the job's slots");
@@ -314,34 +354,43 @@ fn slot_pool_bound_per_job() {
 
 #[test]
 fn slot_mismatch_and_retransmission_before_completion() {
+    slot_mismatch_and_retransmission_before_completion_in(Family::V4);
+}
+
+#[test]
+fn slot_mismatch_and_retransmission_before_completion_over_ipv6() {
+    slot_mismatch_and_retransmission_before_completion_in(Family::V6);
+}
+
+fn slot_mismatch_and_retransmission_before_completion_in(fam: Family) {
     let dp = load();
-    dp.set_job(JOB, &job(3, 0)).unwrap();
-    assert_eq!(send(&dp, &contrib(0, 5, 0, vec![1, 2])).1, one("accepted"));
+    dp.set_job(JOB, &job_in(fam, 3, 0)).unwrap();
+    assert_eq!(send_in(&dp, fam, &contrib(0, 5, 0, vec![1, 2])).1, one("accepted"));
     assert_eq!(
-        send(&dp, &contrib(0, 5, 0, vec![1, 2])).1,
+        send_in(&dp, fam, &contrib(0, 5, 0, vec![1, 2])).1,
         one(DropReason::Retransmission.label())
     );
     let mut max = contrib(1, 5, 0, vec![1, 2]);
     max.op = abi::Op::Max as u8;
-    assert_eq!(send(&dp, &max).1, one(DropReason::SlotMismatch.label()));
+    assert_eq!(send_in(&dp, fam, &max).1, one(DropReason::SlotMismatch.label()));
     assert_eq!(
-        send(&dp, &contrib(1, 5, 0, vec![1, 2, 3])).1,
+        send_in(&dp, fam, &contrib(1, 5, 0, vec![1, 2, 3])).1,
         one(DropReason::SlotMismatch.label())
     );
     assert_eq!(
-        send(&dp, &contrib(1, 5, 0, vec![10, 20])).1,
+        send_in(&dp, fam, &contrib(1, 5, 0, vec![10, 20])).1,
         one("accepted")
     );
     let mut last = contrib(2, 5, 0, vec![100, 200]);
     last.flags = abi::AGG_F_LAST_FRAGMENT;
-    let (v, d, out) = send(&dp, &last);
+    let (v, d, out) = send_in(&dp, fam, &last);
     assert_eq!((v, d), (XDP_PASS, one("result")));
     assert_eq!(
-        out[PAYLOAD_OFF + 21],
+        out[fam.payload_off() + 21],
         abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT
     );
     assert_eq!(
-        out[PAYLOAD_OFF + 24..],
+        out[fam.payload_off() + 24..],
         [111i32.to_be_bytes(), 222i32.to_be_bytes()].concat()
     );
 }
@@ -352,8 +401,17 @@ fn slot_mismatch_and_retransmission_before_completion() {
 /// itself fits; a slot without it gets a RESULT without it.
 #[test]
 fn overflow_on_a_contribution_is_carried_into_the_result() {
+    overflow_on_a_contribution_is_carried_into_the_result_in(Family::V4);
+}
+
+#[test]
+fn overflow_on_a_contribution_is_carried_into_the_result_over_ipv6() {
+    overflow_on_a_contribution_is_carried_into_the_result_in(Family::V6);
+}
+
+fn overflow_on_a_contribution_is_carried_into_the_result_in(fam: Family) {
     let dp = load();
-    dp.set_job(JOB, &job(3, 0)).unwrap();
+    dp.set_job(JOB, &job_in(fam, 3, 0)).unwrap();
     for (frag, carrier) in [(0u32, 0u16), (1000, 1), (2000, 2)] {
         // 600 elements: three 256-element blocks, so the early per-block
         // result path and the result stage both run.
@@ -364,43 +422,52 @@ fn overflow_on_a_contribution_is_carried_into_the_result() {
             if r == carrier {
                 a.flags = abi::AGG_F_OVERFLOW;
             }
-            outs.push(send(&dp, &a));
+            outs.push(send_in(&dp, fam, &a));
         }
         let (v, d, out) = outs.pop().unwrap();
         assert_eq!((v, d), (XDP_PASS, one("result")), "carrier {carrier}");
-        assert_eq!(out[PAYLOAD_OFF + 21], abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW, "carrier {carrier}");
-        assert_eq!(out[PAYLOAD_OFF + 24..PAYLOAD_OFF + 28], (i32::MAX - 2).to_be_bytes());
+        assert_eq!(out[fam.payload_off() + 21], abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW, "carrier {carrier}");
+        assert_eq!(out[fam.payload_off() + 24..fam.payload_off() + 28], (i32::MAX - 2).to_be_bytes());
     }
     // The same sums without the flag: no OVERFLOW.
     for r in 0..3u16 {
         let v = if r == 0 { i32::MAX } else { -1 };
-        let (_, _, out) = send(&dp, &contrib(r, 9, 3000, vec![v; 600]));
+        let (_, _, out) = send_in(&dp, fam, &contrib(r, 9, 3000, vec![v; 600]));
         if r == 2 {
-            assert_eq!(out[PAYLOAD_OFF + 21], abi::AGG_F_RESULT);
+            assert_eq!(out[fam.payload_off() + 21], abi::AGG_F_RESULT);
         }
     }
 }
 
 #[test]
 fn weighted_avg_truncates_toward_zero_and_clamps() {
+    weighted_avg_truncates_toward_zero_and_clamps_in(Family::V4);
+}
+
+#[test]
+fn weighted_avg_truncates_toward_zero_and_clamps_over_ipv6() {
+    weighted_avg_truncates_toward_zero_and_clamps_in(Family::V6);
+}
+
+fn weighted_avg_truncates_toward_zero_and_clamps_in(fam: Family) {
     let dp = load();
-    let mut j = job(2, 0);
+    let mut j = job_in(fam, 2, 0);
     j.weights = vec![1, 2];
     dp.set_job(JOB, &j).unwrap();
     let mut a = contrib(0, 1, 0, vec![-7, 7, i32::MAX, i32::MIN]);
     a.op = abi::Op::Avg as u8;
     let mut b = contrib(1, 1, 0, vec![0, 0, i32::MAX, i32::MIN]);
     b.op = abi::Op::Avg as u8;
-    assert_eq!(send(&dp, &a).1, one("accepted"));
-    let (_, d, out) = send(&dp, &b);
+    assert_eq!(send_in(&dp, fam, &a).1, one("accepted"));
+    let (_, d, out) = send_in(&dp, fam, &b);
     assert_eq!(d, one("result"));
     let want: Vec<u8> = [-2i32, 2, i32::MAX, i32::MIN]
         .iter()
         .flat_map(|v| v.to_be_bytes())
         .collect();
-    assert_eq!(out[PAYLOAD_OFF + 24..], want[..]);
+    assert_eq!(out[fam.payload_off() + 24..], want[..]);
     assert_eq!(
-        out[PAYLOAD_OFF + 21] & abi::AGG_F_OVERFLOW,
+        out[fam.payload_off() + 21] & abi::AGG_F_OVERFLOW,
         0,
         "AVG of int32 values never overflows"
     );
@@ -409,33 +476,51 @@ fn weighted_avg_truncates_toward_zero_and_clamps() {
     a.op = abi::Op::Sum as u8;
     let mut b = contrib(1, 2, 0, vec![1, -1]);
     b.op = abi::Op::Sum as u8;
-    send(&dp, &a);
-    let (_, d, out) = send(&dp, &b);
+    send_in(&dp, fam, &a);
+    let (_, d, out) = send_in(&dp, fam, &b);
     assert_eq!(d, one("result"));
     assert_eq!(
-        out[PAYLOAD_OFF + 24..],
+        out[fam.payload_off() + 24..],
         [i32::MAX.to_be_bytes(), i32::MIN.to_be_bytes()].concat()
     );
-    assert_ne!(out[PAYLOAD_OFF + 21] & abi::AGG_F_OVERFLOW, 0);
+    assert_ne!(out[fam.payload_off() + 21] & abi::AGG_F_OVERFLOW, 0);
 }
 
 #[test]
 fn count_above_kernel_limit_is_too_large() {
+    count_above_kernel_limit_is_too_large_in(Family::V4);
+}
+
+#[test]
+fn count_above_kernel_limit_is_too_large_over_ipv6() {
+    count_above_kernel_limit_is_too_large_in(Family::V6);
+}
+
+fn count_above_kernel_limit_is_too_large_in(fam: Family) {
     // AGGBOX_MAX_ELEMS (16384) covers every IPv4 datagram (at most 16370
     // elements); the largest one, a multi-buffer frame, is aggregated.
     let dp = load();
-    dp.set_job(JOB, &job(2, 0)).unwrap();
+    dp.set_job(JOB, &job_in(fam, 2, 0)).unwrap();
     let a = contrib(0, 1, 0, vec![1; 16370]);
-    assert_eq!(send(&dp, &a).1, one("accepted"));
+    assert_eq!(send_in(&dp, fam, &a).1, one("accepted"));
     // A count above the build's limit cannot be a legal datagram: the UDP
     // length cannot hold it, so it is larger than what the datagram holds.
     let mut a = contrib(1, 1, 0, vec![1; 4]);
     a.count = (abi::MAX_ELEMS + 1) as u16;
-    assert_eq!(send(&dp, &a).1, one(DropReason::CountTooLarge.label()));
+    assert_eq!(send_in(&dp, fam, &a).1, one(DropReason::CountTooLarge.label()));
 }
 
 #[test]
 fn missed_tail_call_is_counted() {
+    missed_tail_call_is_counted_in(Family::V4);
+}
+
+#[test]
+fn missed_tail_call_is_counted_over_ipv6() {
+    missed_tail_call_is_counted_in(Family::V6);
+}
+
+fn missed_tail_call_is_counted_in(fam: Family) {
     for (index, sends) in [
         (abi::CALL_SLOT, 1),
         (abi::CALL_ADD, 1),
@@ -444,14 +529,14 @@ fn missed_tail_call_is_counted() {
         let dp = load();
         // The hash-map chain (a fast slot would serve these in the entry
         // program, with no tail call).
-        let mut chain_job = job(2, 0);
+        let mut chain_job = job_in(fam, 2, 0);
         chain_job.flags = abi::JOB_F_NO_FAST;
         dp.set_job(JOB, &chain_job).unwrap();
         dp.unset_tail_call(index).unwrap();
         let values = vec![1; 100];
         let mut last = Vec::new();
         for rank in 0..sends {
-            last = send(&dp, &contrib(rank, 1, 0, values.clone())).1;
+            last = send_in(&dp, fam, &contrib(rank, 1, 0, values.clone())).1;
         }
         assert_eq!(
             last,
@@ -492,7 +577,7 @@ fn per_job_counters_are_exact_and_isolated() {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: vec![addr(0), addr(1)],
+        ranks: vec![addr(0).into(), addr(1).into()],
         weights: vec![],
         vector_len: 8,
         slots: 16,

@@ -108,7 +108,7 @@ fn slots_from_many_cpus(elems: usize) {
         id: JOB,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..WORKERS).map(addr).collect(),
+        ranks: (0..WORKERS).map(|r| addr(r).into()).collect(),
         weights: (0..WORKERS).map(weight).collect(),
         vector_len: 0,
         slots: SLOTS,

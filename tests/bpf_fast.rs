@@ -45,11 +45,15 @@ fn addr(rank: u16) -> Ipv4Addr {
 }
 
 fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
+    job_in(Family::V4, workers, slots, window)
+}
+
+fn job_in(fam: Family, workers: u16, slots: u32, window: u32) -> XdpJob {
     XdpJob {
         id: ID,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(addr).collect(),
+        ranks: (0..workers).map(|r| fam.addr(addr(r))).collect(),
         weights: vec![],
         vector_len: 0,
         slots,
@@ -61,11 +65,15 @@ fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
 }
 
 fn contribution(rank: u16, round: u32, frag_off: u32, values: &[i32]) -> Vec<u8> {
+    contribution_in(Family::V4, rank, round, frag_off, values)
+}
+
+fn contribution_in(fam: Family, rank: u16, round: u32, frag_off: u32, values: &[i32]) -> Vec<u8> {
     let mut a = Agg::new(ID, rank, Op::Sum as u8, values.to_vec());
     a.round = round;
     a.frag_off = frag_off;
     a.seq = round.wrapping_mul(1000).wrapping_add(frag_off);
-    Frame::udp(addr(rank), a.bytes()).build()
+    Frame::udp(fam.addr(addr(rank)), a.bytes()).build()
 }
 
 fn sum_be(parts: &[&[i32]]) -> Vec<u8> {
@@ -94,8 +102,17 @@ fn active(dp: &XdpPlane) -> u32 {
 
 #[test]
 fn free_fast_slots_serve_fragments_without_hash_map_state() {
+    free_fast_slots_serve_fragments_without_hash_map_state_in(Family::V4);
+}
+
+#[test]
+fn free_fast_slots_serve_fragments_without_hash_map_state_over_ipv6() {
+    free_fast_slots_serve_fragments_without_hash_map_state_in(Family::V6);
+}
+
+fn free_fast_slots_serve_fragments_without_hash_map_state_in(fam: Family) {
     let dp = load();
-    dp.set_job(ID, &job(3, 64, 4)).expect("set_job");
+    dp.set_job(ID, &job_in(fam, 3, 64, 4)).expect("set_job");
     let job = dp.job(ID).unwrap().unwrap();
     assert!(job.fast_slots >= 64, "a region for the bound: {job:?}");
     let maps = dp.kernel_maps().unwrap();
@@ -105,13 +122,14 @@ fn free_fast_slots_serve_fragments_without_hash_map_state() {
     for round in 1..=2u32 {
         for f in 0..4u32 {
             for rank in 0..3u16 {
-                let (l, out) = run(&dp, &contribution(rank, round, f * 362, &vals[rank as usize]));
+                let (l, out) = run(&dp, &contribution_in(fam, rank, round, f * 362, &vals[rank as usize]));
                 if rank < 2 {
                     assert_eq!(l, Outcome::Accepted.label());
                     assert_eq!(maps.slot_owner(&key(round, f * 362)), None, "no ownership record on the fast path");
                 } else {
                     assert_eq!(l, Outcome::Result.label(), "round {round} fragment {f}");
-                    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&vals[0], &vals[1], &vals[2]])[..]);
+                    assert_eq!(&out[fam.payload_off() + 24..], &sum_be(&[&vals[0], &vals[1], &vals[2]])[..]);
+                    assert!(fam == Family::V4 || udp6_checksum_ok(&out), "round {round} fragment {f}: UDP checksum");
                 }
             }
         }
@@ -519,8 +537,17 @@ fn removing_a_job_clears_its_region_and_a_new_job_starts_empty() {
 
 #[test]
 fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
+    a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged_in(Family::V4);
+}
+
+#[test]
+fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged_over_ipv6() {
+    a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged_in(Family::V6);
+}
+
+fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged_in(fam: Family) {
     let dp = load();
-    dp.set_job(ID, &job(2, 64, 4)).expect("set_job");
+    dp.set_job(ID, &job_in(fam, 2, 64, 4)).expect("set_job");
     let maps = dp.kernel_maps().unwrap();
     // No vector length: fragment 0 of every round has the region's first slot.
     let index = u32::from(dp.job(ID).unwrap().unwrap().fast_base);
@@ -528,11 +555,11 @@ fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
     // A holder that never lets go (as one whose vCPU stalls would).
     maps.set_fast_slot_lock(index, 1).expect("hold the lock");
     let before = dp.job_stats(ID).unwrap().unwrap();
-    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, DropReason::SlotBusy.label());
+    assert_eq!(run(&dp, &contribution_in(fam, 0, 1, 0, &[1; 8])).0, DropReason::SlotBusy.label());
     // A contribution too large for a fast slot takes the hash-map path,
     // whose handshake with the fragment's fast slot finds it locked too.
     let big: Vec<i32> = vec![2; 400];
-    assert_eq!(run(&dp, &contribution(0, 1, 0, &big)).0, DropReason::SlotBusy.label());
+    assert_eq!(run(&dp, &contribution_in(fam, 0, 1, 0, &big)).0, DropReason::SlotBusy.label());
     let after = dp.job_stats(ID).unwrap().unwrap();
     assert_eq!(after.dropped - before.dropped, 2, "counted under the job");
     assert_eq!((dp.fast_slots_in_use(), dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0, 0), "nothing changed");
@@ -543,11 +570,11 @@ fn a_fast_slot_locked_past_the_bound_drops_the_contribution_unchanged() {
     }
     // Let go: the same contributions (the senders' resends) complete it.
     maps.set_fast_slot_lock(index, 0).expect("release the lock");
-    assert_eq!(run(&dp, &contribution(0, 1, 0, &[1; 8])).0, Outcome::Accepted.label());
-    let (l, out) = run(&dp, &contribution(1, 1, 0, &[5; 8]));
+    assert_eq!(run(&dp, &contribution_in(fam, 0, 1, 0, &[1; 8])).0, Outcome::Accepted.label());
+    let (l, out) = run(&dp, &contribution_in(fam, 1, 1, 0, &[5; 8]));
     assert_eq!(l, Outcome::Result.label());
-    assert_eq!(&out[PAYLOAD_OFF + 24..], &sum_be(&[&[1; 8], &[5; 8]])[..]);
-    assert_eq!(run(&dp, &contribution(1, 1, 0, &[5; 8])).0, DropReason::Retransmission.label());
+    assert_eq!(&out[fam.payload_off() + 24..], &sum_be(&[&[1; 8], &[5; 8]])[..]);
+    assert_eq!(run(&dp, &contribution_in(fam, 1, 1, 0, &[5; 8])).0, DropReason::Retransmission.label());
     assert_eq!(maps.fast_slot_lock(index), Some(0), "every path gave the lock back");
     assert_eq!((dp.fast_slots_in_use(), active(&dp)), (0, 0));
 }

@@ -27,11 +27,15 @@ const R0: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 11);
 const R1: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 12);
 
 fn job(id: u16, slots: u32, flags: u32) -> XdpJob {
+    job_in(Family::V4, id, slots, flags)
+}
+
+fn job_in(fam: Family, id: u16, slots: u32, flags: u32) -> XdpJob {
     XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: vec![R0, R1],
+        ranks: vec![fam.addr(R0), fam.addr(R1)],
         weights: vec![],
         vector_len: 0,
         slots,
@@ -65,7 +69,7 @@ fn with_socket() -> (Testbed, XskSocket) {
     (tb, sock)
 }
 
-fn run(dp: &XdpPlane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<(&'static str, u64, u64)>) {
+fn run(dp: &XdpPlane, src: impl Into<std::net::IpAddr>, a: &Agg) -> (u32, Vec<(&'static str, u64, u64)>) {
     let payload = a.bytes();
     let before = dp.stats().unwrap();
     let (verdict, _) = dp.test_run(&Frame::udp(src, payload).build()).expect("test_run");
@@ -82,10 +86,20 @@ fn handoffs(dp: &XdpPlane, reason: HandoffReason) -> u64 {
 
 #[test]
 fn ops_float_and_userspace_only_are_redirected() {
+    ops_float_and_userspace_only_are_redirected_in(Family::V4);
+}
+
+/// The same hand-off for IPv6 contributions of a job of IPv6 ranks.
+#[test]
+fn ops_float_and_userspace_only_are_redirected_over_ipv6() {
+    ops_float_and_userspace_only_are_redirected_in(Family::V6);
+}
+
+fn ops_float_and_userspace_only_are_redirected_in(fam: Family) {
     let (_tb, sock) = with_socket();
     let dp = load();
-    dp.set_job(1, &job(1, 0, 0)).unwrap();
-    dp.set_job(2, &job(2, 0, abi::JOB_F_USERSPACE_ONLY)).unwrap();
+    dp.set_job(1, &job_in(fam, 1, 0, 0)).unwrap();
+    dp.set_job(2, &job_in(fam, 2, 0, abi::JOB_F_USERSPACE_ONLY)).unwrap();
 
     let prod = Agg::new(1, 0, abi::Op::Prod as u8, vec![1, 2, 3]);
     let mut float = Agg::new(1, 0, abi::Op::Sum as u8, vec![0x3f80_0000]);
@@ -94,7 +108,7 @@ fn ops_float_and_userspace_only_are_redirected() {
 
     // No socket registered: today's behaviour, counted apart.
     for a in [&prod, &float, &us_only] {
-        let (v, d) = run(&dp, R0, a);
+        let (v, d) = run(&dp, fam.addr(R0), a);
         assert_eq!(v, XDP_PASS);
         assert_eq!(d, vec![(Outcome::UserspaceUnavailable.label(), 1, a.bytes().len() as u64)]);
     }
@@ -106,22 +120,22 @@ fn ops_float_and_userspace_only_are_redirected() {
         (&float, HandoffReason::Float32),
         (&us_only, HandoffReason::UserspaceOnly),
     ] {
-        let (v, d) = run(&dp, R0, a);
+        let (v, d) = run(&dp, fam.addr(R0), a);
         assert_eq!(v, XDP_REDIRECT, "{reason:?}");
         assert_eq!(d, to_us(a), "{reason:?}");
         assert_eq!(handoffs(&dp, reason), 1, "{reason:?}");
     }
     // Invalid datagrams are still dropped by the kernel, never handed over.
-    let (v, d) = run(&dp, R1, &prod);
+    let (v, d) = run(&dp, fam.addr(R1), &prod);
     assert_eq!(v, XDP_DROP);
     assert_eq!(d[0].0, DropReason::SourceMismatch.label());
     // A kernel op of a normal job stays in the kernel.
-    let (v, d) = run(&dp, R0, &Agg::new(1, 0, abi::Op::Sum as u8, vec![5]));
+    let (v, d) = run(&dp, fam.addr(R0), &Agg::new(1, 0, abi::Op::Sum as u8, vec![5]));
     assert_eq!(v, XDP_DROP);
     assert_eq!(d[0].0, Outcome::Accepted.label());
 
     dp.unregister_xsk(0).unwrap();
-    let (v, _) = run(&dp, R0, &prod);
+    let (v, _) = run(&dp, fam.addr(R0), &prod);
     assert_eq!(v, XDP_PASS, "socket gone: back to the fallback");
 
     // Per job: only the redirected datagrams count as handed to user space

@@ -47,6 +47,34 @@ fn jumbo_and_multibuffer_results_match_the_reducer() {
     }
 }
 
+/// The same over IPv6 (a job of IPv6 ranks): multi-buffer frames up to the
+/// largest IPv6 datagram without a jumbogram option, 16375 elements
+/// ((65535 - 8 - 24) / 4: the IPv6 payload length covers UDP, no IP
+/// header), each RESULT with a right UDP checksum summed across the
+/// frame's fragments.
+#[test]
+fn jumbo_and_multibuffer_results_match_the_reducer_over_ipv6() {
+    let dp = load();
+    let weights = vec![1, 3, -1, 2];
+    dp.set_job(REDUCE_JOB, &reduce_job_in(Family::V6, 4, weights.clone())).unwrap();
+    // (9000 - 40 - 8 - 24) / 4 at MTU 9000.
+    let mtu9000 = 2232;
+    let largest = (65535 - 8 - 24) / 4;
+    assert!(largest <= abi::MAX_ELEMS as usize);
+    let mut round = 1;
+    // Checksum piece edges (120: 512 bytes of datagram), MTU 1500 (1440 / 4
+    // - 6 = 354 over IPv6), the first sizes past a page,
+    // MTU 9000, an odd size, the largest.
+    for count in [1usize, 120, 121, 248, 257, 354, 864, 865, mtu9000, 5001, largest] {
+        for op in kernel_ops() {
+            let vectors: Vec<Vec<i32>> =
+                (0..4u16).map(|r| pattern_vector(r + round as u16, count as u32)).collect();
+            reduce_one_in(&dp, Family::V6, op, &weights, &vectors, round, (round % 7) * 16375);
+            round += 1;
+        }
+    }
+}
+
 #[test]
 fn largest_datagram_clamps_and_averages_in_every_block() {
     let dp = load();

@@ -68,6 +68,26 @@ fn linear_results_match_the_reducer() {
     }
 }
 
+/// The linear chain over IPv6: the same results, each RESULT's UDP checksum
+/// summed straight from the packet (no bpf_xdp_load_bytes there).
+#[test]
+fn linear_results_match_the_reducer_over_ipv6() {
+    let dp = load_linear();
+    let weights = vec![1, 3, -1, 2];
+    dp.set_job(REDUCE_JOB, &reduce_job_in(Family::V6, 4, weights.clone())).unwrap();
+    // The largest one-page frame over IPv6: 20 bytes more of IP header.
+    let one_page = ONE_PAGE_ELEMS - 5;
+    let mut round = 1;
+    // 120: the datagram is exactly one 512-byte checksum piece (32 + 4 * 120).
+    for count in [1usize, 2, 119, 120, 121, 248, 255, 256, 257, 354, 513, one_page] {
+        for op in kernel_ops() {
+            let vectors: Vec<Vec<i32>> = (0..4u16).map(|r| pattern_vector(r + round as u16, count as u32)).collect();
+            reduce_one_in(&dp, Family::V6, op, &weights, &vectors, round, (round % 7) * 4096);
+            round += 1;
+        }
+    }
+}
+
 #[test]
 fn linear_chain_drops_a_frame_it_sees_only_part_of() {
     // A multi-buffer frame reaching a linear (non-frags) program shows it

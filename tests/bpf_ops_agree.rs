@@ -105,26 +105,37 @@ fn the_reducer_is_the_table() {
     }
 }
 
+/// How the contributions travel: over IP version `fam`, behind the VLAN
+/// tag `vlan` if any.
+#[derive(Debug, Clone, Copy)]
+struct Enc {
+    fam: Family,
+    vlan: Option<u16>,
+}
+
 /// One fragment through the XDP program: every rank's contribution; the
-/// last completes it and becomes the RESULT. Its payload and flags.
-fn xdp_reduce(dp: &XdpPlaneRef, op: Op, vectors: &[Vec<i32>], round: u32) -> (Vec<i32>, u8) {
+/// last completes it and becomes the RESULT (its headers checked). Its
+/// payload and flags.
+fn xdp_reduce(dp: &XdpPlaneRef, enc: Enc, op: Op, vectors: &[Vec<i32>], round: u32) -> (Vec<i32>, u8) {
     let mut out = None;
     for (rank, values) in vectors.iter().enumerate() {
         let mut a = Agg::new(REDUCE_JOB, rank as u16, op as u8, values.clone());
         a.round = round;
         a.seq = round * 10 + rank as u32;
         a.flags = abi::AGG_F_LAST_FRAGMENT;
-        let frame = Frame::udp(reduce_addr(rank as u16), a.bytes()).build();
+        let mut f = Frame::udp(enc.fam.addr(reduce_addr(rank as u16)), a.bytes());
+        f.vlan = enc.vlan;
+        let frame = f.build();
         let (verdict, o) = dp.test_run(&frame).unwrap();
         if rank + 1 < vectors.len() {
             assert_eq!(verdict, XDP_DROP, "{op:?} rank {rank}: absorbed");
         } else {
             assert_eq!(verdict, XDP_PASS, "{op:?}: the RESULT passes");
-            out = Some(o);
+            out = Some((frame, o));
         }
     }
-    let out = out.expect("a last rank");
-    let a = &out[PAYLOAD_OFF..];
+    let (frame, out) = out.expect("a last rank");
+    let a = &out[check_result_headers(&frame, &out)..];
     assert_eq!(u16::from_be_bytes([a[6], a[7]]), abi::RESULT_RANK, "{op:?}: a RESULT");
     let values = a[24..].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
     (values, a[21])
@@ -134,22 +145,35 @@ type XdpPlaneRef = aggbox::kernel::xdp::XdpPlane;
 
 #[test]
 fn the_xdp_program_is_the_table() {
+    xdp_is_the_table(Enc { fam: Family::V4, vlan: None });
+}
+
+/// The same over IPv6, behind a VLAN tag: a job of IPv6 ranks, every
+/// RESULT with a right UDP checksum.
+#[test]
+fn the_xdp_program_is_the_table_over_ipv6() {
+    xdp_is_the_table(Enc { fam: Family::V6, vlan: Some(5) });
+}
+
+fn xdp_is_the_table(enc: Enc) {
     let dp = load();
     let mut rng = Rng(0x0a66_0001);
     let mut round = 1;
     for weights in WEIGHTS {
-        dp.set_job(REDUCE_JOB, &reduce_job(weights.len() as u16, weights.to_vec())).unwrap();
+        dp.set_job(REDUCE_JOB, &reduce_job_in(enc.fam, weights.len() as u16, weights.to_vec())).unwrap();
         // one element, odd and even counts, MTU 1500's 362, the largest
         // fast slot (384) and past it (the blocks), a multi-block count
         for n in [1, 2, 3, 31, 362, 384, 385, 1000] {
             for op in Op::ALL {
                 let vectors: Vec<Vec<i32>> = weights.iter().map(|_| rng.vector(n)).collect();
-                let what = format!("{op:?} weights {weights:?} n {n}");
+                let what = format!("{enc:?} {op:?} weights {weights:?} n {n}");
                 if !op.runs_in_kernel() {
                     // handed to user space (none here): the reducer serves it
                     let before = dp.stats().unwrap();
                     let a = Agg::new(REDUCE_JOB, 0, op as u8, vectors[0].clone());
-                    let (verdict, _) = dp.test_run(&Frame::udp(reduce_addr(0), a.bytes()).build()).unwrap();
+                    let mut f = Frame::udp(enc.fam.addr(reduce_addr(0)), a.bytes());
+                    f.vlan = enc.vlan;
+                    let (verdict, _) = dp.test_run(&f.build()).unwrap();
                     assert_eq!(verdict, XDP_PASS, "{what}: passed on");
                     let after = dp.stats().unwrap();
                     assert_eq!(
@@ -160,7 +184,7 @@ fn the_xdp_program_is_the_table() {
                     continue;
                 }
                 let (want, clamped) = table_reduce(op, &vectors, weights);
-                let (got, flags) = xdp_reduce(&dp, op, &vectors, round);
+                let (got, flags) = xdp_reduce(&dp, enc, op, &vectors, round);
                 round += 1;
                 if got != want {
                     let i = got.iter().zip(&want).position(|(g, w)| g != w).unwrap();

@@ -309,3 +309,30 @@ fn a_removed_ring_leaves_no_entry_and_a_ring_in_its_region_sees_none_of_its_resu
     let _ = std::fs::remove_dir_all(&pins);
     drop(bpffs);
 }
+
+/// Rings are IPv4 (docs/RING.md): an AGR1 datagram over IPv6 to a ring's
+/// port is no ring's. The entry program passes it to the stack untouched
+/// (counted not_aggbox) and the ring program never sees it.
+#[test]
+fn an_ipv6_datagram_to_a_rings_port_passes_untouched() {
+    let ring = Ring::new(16, vec![1, 1, 1, 1]);
+    ring.ready(3, Op::Sum, &[0; 16]);
+    let d = Datagram::new(abi::RING_PARTIAL, 3, 0, 1, Op::Sum, vec![1; 8]);
+    let v4 = d.frame();
+    let mut f = bpf_common::Frame::udp(bpf_common::Family::V6.addr(d.src), v4[bpf_common::PAYLOAD_OFF..].to_vec());
+    f.sport = d.port;
+    f.dport = d.port;
+    let frame = f.build();
+    let before = ring.dp.stats().unwrap();
+    let (verdict, out) = ring.dp.test_runner().unwrap().run(&frame).unwrap();
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(out, frame, "untouched");
+    let after = ring.dp.stats().unwrap();
+    assert_eq!(bpf_common::stat_delta(&before, &after, "not_aggbox"), 1);
+    for s in RingStat::ALL {
+        assert_eq!(ring.stat(s), 0, "{s:?}: the ring program never saw it");
+    }
+    // The same datagram over IPv4 is the ring's.
+    assert_eq!(ring.run(&d).0, XDP_REDIRECT);
+    assert_eq!(ring.stat(RingStat::Added), 1);
+}

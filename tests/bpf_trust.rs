@@ -9,16 +9,21 @@
 //!   to the result group, upstream as this node's contribution), whoever
 //!   sends it; RESULT-shaped datagrams to other ports, or of jobs this node
 //!   does not have, reach the stack untouched; the node's own RESULTs (the
-//!   completing contribution, rewritten in place) still pass.
+//!   completing contribution, rewritten in place) still pass;
+//! - a rank is an IP version and an address: a job of IPv6 ranks takes
+//!   contributions only from those IPv6 addresses (an IPv4 sender whose
+//!   address is the first bytes of a rank's, the IPv4-mapped form, another
+//!   rank's or a stranger's IPv6 address are `source_mismatch` and change
+//!   nothing), and a job of IPv4 ranks takes no IPv6 sender.
 //!
 //! Needs root (BPF): `sudo -E cargo test --test bpf_trust`.
 
 mod bpf_common;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
-use aggbox::kernel::xdp::XdpJob;
+use aggbox::kernel::xdp::{XdpJob, XdpPlane};
 use bpf_common::run_one as run;
 use bpf_common::*;
 
@@ -36,7 +41,7 @@ fn job(id: u16, port: u16, result_port: u16) -> XdpJob {
         id,
         port,
         result_port,
-        ranks: (0..2).map(|r| addr(id, r)).collect(),
+        ranks: (0..2).map(|r| addr(id, r).into()).collect(),
         weights: vec![],
         vector_len: 64,
         slots: 16,
@@ -130,4 +135,81 @@ fn a_result_from_the_network_to_its_jobs_result_port_is_dropped() {
     assert_eq!(label, Outcome::Result.label());
     assert_eq!(u16::from_be_bytes([out[36], out[37]]), RESULT_PORT, "UDP destination: the result port");
     assert_eq!(dp.job_stats(A).unwrap().unwrap().results, 1);
+}
+
+/// An IPv6 address whose first four bytes are `a`'s and the rest zero: the
+/// bits an IPv4 rank entry holds, as an IPv6 one.
+fn same_bits(a: Ipv4Addr) -> Ipv6Addr {
+    let mut b = [0u8; 16];
+    b[..4].copy_from_slice(&a.octets());
+    Ipv6Addr::from(b)
+}
+
+/// A contribution of job `id` rank `rank` from `src` to JOB_PORT; its
+/// label and output frame.
+fn send_from(dp: &XdpPlane, id: u16, rank: u16, src: IpAddr, values: &[i32]) -> (&'static str, Vec<u8>, Vec<u8>) {
+    let mut a = Agg::new(id, rank, Op::Sum as u8, values.to_vec());
+    a.round = 3;
+    let frame = Frame::udp(src, a.bytes()).build();
+    let (label, out) = run(dp, &frame);
+    (label, frame, out)
+}
+
+/// A job of IPv6 ranks aggregates exactly what its ranks send from their
+/// IPv6 addresses, and nothing that comes from anywhere else.
+#[test]
+fn an_ipv6_job_takes_only_its_ranks_ipv6_addresses() {
+    let dp = load();
+    // Rank r's IPv6 address holds the bits of the IPv4 address addr(A, r)
+    // in its first word, as an IPv4 rank's entry would.
+    let rank6 = |r: u16| same_bits(addr(A, r));
+    let mut j = job(A, JOB_PORT, RESULT_PORT);
+    j.ranks = (0..3).map(|r| IpAddr::V6(rank6(r))).collect();
+    dp.set_job(A, &j).expect("a job of IPv6 ranks");
+    let before = dp.job_stats(A).unwrap().unwrap();
+    let mut stranger = rank6(0).octets();
+    stranger[15] ^= 1;
+    let refused: Vec<(&str, IpAddr)> = vec![
+        ("IPv4 sender with rank 0's address bits", IpAddr::V4(addr(A, 0))),
+        ("IPv4-mapped rank 0", IpAddr::V6(addr(A, 0).to_ipv6_mapped())),
+        ("rank 1's IPv6 address as rank 0", IpAddr::V6(rank6(1))),
+        ("an IPv6 stranger one bit off rank 0", IpAddr::V6(Ipv6Addr::from(stranger))),
+    ];
+    for (what, src) in &refused {
+        let (label, frame, out) = send_from(&dp, A, 0, *src, &[1000, 2000]);
+        assert_eq!(label, DropReason::SourceMismatch.label(), "{what}");
+        assert_eq!(out, frame, "{what}: dropped untouched");
+    }
+    assert_eq!((dp.slots_in_use(), dp.fast_slots_in_use()), (0, 0), "no slot from a refused sender");
+    let after = dp.job_stats(A).unwrap().unwrap();
+    assert_eq!(after.dropped - before.dropped, refused.len() as u64);
+    assert_eq!(after.accepted, before.accepted);
+    // The ranks themselves: exact, and the RESULT a receiving IPv6 stack
+    // takes (right UDP checksum).
+    assert_eq!(send_from(&dp, A, 0, IpAddr::V6(rank6(0)), &[1, 5]).0, Outcome::Accepted.label());
+    assert_eq!(send_from(&dp, A, 1, IpAddr::V6(rank6(1)), &[10, 5]).0, Outcome::Accepted.label());
+    let (label, frame, out) = send_from(&dp, A, 2, IpAddr::V6(rank6(2)), &[100, i32::MAX]);
+    assert_eq!(label, Outcome::Result.label());
+    let p = check_result_headers(&frame, &out);
+    let values: Vec<i32> = out[p + 24..].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(values, [111, i32::MAX], "clamped");
+    assert_eq!(out[p + 21], abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW);
+    assert_eq!(dp.job_stats(A).unwrap().unwrap().results, 1);
+}
+
+/// A job of IPv4 ranks takes no IPv6 sender, whatever its address bits.
+#[test]
+fn an_ipv4_job_takes_no_ipv6_sender() {
+    let dp = setup();
+    for (what, src) in [
+        ("rank 0's bits in the first word", IpAddr::V6(same_bits(addr(A, 0)))),
+        ("IPv4-mapped rank 0", IpAddr::V6(addr(A, 0).to_ipv6_mapped())),
+        ("rank 0's IPv6 twin", Family::V6.addr(addr(A, 0))),
+    ] {
+        let (label, frame, out) = send_from(&dp, A, 0, src, &[1]);
+        assert_eq!(label, DropReason::SourceMismatch.label(), "{what}");
+        assert_eq!(out, frame, "{what}");
+    }
+    assert_eq!((dp.slots_in_use(), dp.fast_slots_in_use()), (0, 0));
+    assert_eq!(send_from(&dp, A, 0, IpAddr::V4(addr(A, 0)), &[1]).0, Outcome::Accepted.label());
 }

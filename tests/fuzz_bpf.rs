@@ -5,8 +5,10 @@
 //! extensions, and field edits around every boundary: count 0/1/max/max+1,
 //! frag_off near vector_len, rank workers-1/workers/0xffff, op 4/5/8/9/255,
 //! each flag bit, magic variants, UDP length vs frame length, IPv4 IHL and
-//! fragment bits, VLAN tags, source addresses of other ranks and other jobs)
-//! interleaved with valid rounds of two kernel jobs. Every input is
+//! fragment bits, IPv6 extension headers and zero checksums, VLAN tags,
+//! source addresses of other ranks, other jobs and the other IP version)
+//! interleaved with valid rounds of three kernel jobs (two of IPv4 ranks,
+//! one of IPv6 ranks). Every input is
 //! classified by an independent oracle (a Rust model of PROTOCOL.md's
 //! aggregator that uses `aggbox::wire::proto` for decoding and `aggbox::wire::reducer`
 //! for the arithmetic), and checked:
@@ -39,7 +41,7 @@ mod testbed;
 mod bpf_common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Instant;
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
@@ -85,11 +87,19 @@ impl Rng {
 // Jobs of every fuzzed dataplane.
 // ---------------------------------------------------------------------------
 
-const PORT_A: u16 = JOB_PORT; // 7000: jobs 7 and 8
+const PORT_A: u16 = JOB_PORT; // 7000: jobs 7, 8 and 11
 const PORT_B: u16 = 7002; // job 9 (user-space only)
+/// The job of IPv6 ranks.
+const JOB6: u16 = 11;
 
-fn rank_addr(job: u16, rank: u16) -> Ipv4Addr {
+fn rank_addr4(job: u16, rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, job as u8, 11 + rank as u8)
+}
+
+/// Rank `rank`'s address: IPv4, or for JOB6 the IPv6 twin.
+fn rank_addr(job: u16, rank: u16) -> IpAddr {
+    let fam = if job == JOB6 { Family::V6 } else { Family::V4 };
+    fam.addr(rank_addr4(job, rank))
 }
 
 fn jobs() -> Vec<XdpJob> {
@@ -133,7 +143,30 @@ fn jobs() -> Vec<XdpJob> {
             window: 4,
             frag_elems: 0,
         },
+        XdpJob {
+            id: JOB6,
+            port: PORT_A,
+            result_port: 7005,
+            ranks: (0..3).map(|r| rank_addr(JOB6, r)).collect(),
+            weights: vec![2, 1, -1],
+            vector_len: 0,
+            slots: 48,
+            flags: 0,
+            result_group: None,
+            window: 8,
+            frag_elems: 0,
+        },
     ]
+}
+
+/// Workers of each job of [`jobs`] (1 for a job there is not).
+fn workers_of(job: u16) -> u16 {
+    match job {
+        7 => 4,
+        8 => 2,
+        9 | JOB6 => 3,
+        _ => 1,
+    }
 }
 
 /// Fragments (frag_off, count) of one valid round of a kernel job.
@@ -265,22 +298,72 @@ impl Model {
             proto_ = be16(f, 16);
             off = 18;
         }
-        if proto_ != 0x0800 || f.len() < off + 20 {
-            return na(0);
+        // The IP header(s): the UDP header's offset, the source, and what
+        // a datagram to a job port may not carry (aggbox_parse_l3).
+        let (u, src, fragment, extension, zero_csum);
+        match proto_ {
+            0x0800 => {
+                if f.len() < off + 20 || f[off] >> 4 != 4 {
+                    return na(0);
+                }
+                let ihl = (f[off] & 15) as usize * 4;
+                if ihl < 20 || off + ihl > f.len() || f[off + 9] != 17 {
+                    return na(0);
+                }
+                let frag = be16(f, off + 6);
+                if frag & 0x1fff != 0 {
+                    return na(0);
+                }
+                u = off + ihl;
+                src = IpAddr::V4(Ipv4Addr::new(f[off + 12], f[off + 13], f[off + 14], f[off + 15]));
+                fragment = frag & 0x2000 != 0;
+                extension = false;
+                zero_csum = false;
+            }
+            0x86dd => {
+                if f.len() < off + 40 || f[off] >> 4 != 6 {
+                    return na(0);
+                }
+                let mut next = f[off + 6];
+                let mut h = off + 40;
+                let (mut frag6, mut ext6) = (false, false);
+                for _ in 0..5 {
+                    match next {
+                        IP6_FRAGMENT => {
+                            if h + 8 > f.len() || be16(f, h + 2) & 0xfff8 != 0 {
+                                return na(0);
+                            }
+                            frag6 = true;
+                            next = f[h];
+                            h += 8;
+                        }
+                        IP6_HOPOPTS | IP6_ROUTING | IP6_DSTOPTS => {
+                            if h + 2 > f.len() {
+                                return na(0);
+                            }
+                            ext6 = true;
+                            next = f[h];
+                            h += (f[h + 1] as usize + 1) * 8;
+                        }
+                        _ => break,
+                    }
+                }
+                if next != 17 {
+                    return na(0);
+                }
+                u = h;
+                if u + 8 > f.len() {
+                    return na(0);
+                }
+                let a: [u8; 16] = f[off + 8..off + 24].try_into().unwrap();
+                src = IpAddr::V6(Ipv6Addr::from(a));
+                fragment = frag6;
+                extension = ext6;
+                zero_csum = be16(f, u + 6) == 0;
+            }
+            _ => return na(0),
         }
-        if f[off] >> 4 != 4 {
-            return na(0);
-        }
-        let ihl = (f[off] & 15) as usize * 4;
-        if ihl < 20 || off + ihl > f.len() || f[off + 9] != 17 {
-            return na(0);
-        }
-        let frag = be16(f, off + 6);
-        if frag & 0x1fff != 0 {
-            return na(0);
-        }
-        let u = off + ihl;
-        if u + 8 > f.len() {
+        if u + 8 > f.len() || u > 120 {
             return na(0);
         }
         let ulen = i64::from(be16(f, u + 4)) - 8;
@@ -292,7 +375,7 @@ impl Model {
         if !self.ports.contains(&dport) {
             // A RESULT-shaped AGG1 to its job's result port: forged.
             let p = u + 8;
-            if frag & 0x2000 == 0
+            if !fragment
                 && ulen >= 24
                 && f.len() >= p + 24
                 && be32(f, p) == abi::MAGIC_AGG
@@ -303,8 +386,14 @@ impl Model {
             }
             return na(bytes);
         }
-        if frag & 0x2000 != 0 {
+        if fragment {
             return Expect::drop(D::IpFragment, bytes);
+        }
+        if extension {
+            return Expect::drop(D::Ipv6ExtensionHeader, bytes);
+        }
+        if zero_csum {
+            return Expect::drop(D::UdpZeroChecksum, bytes);
         }
         let p = u + 8;
         let avail = f.len() - p;
@@ -341,7 +430,6 @@ impl Model {
         if rank as usize >= cfg.ranks.len() {
             return Expect::drop(D::RankOutOfRange, bytes);
         }
-        let src = Ipv4Addr::new(f[off + 12], f[off + 13], f[off + 14], f[off + 15]);
         if cfg.ranks[rank as usize] != src {
             return Expect::drop(D::SourceMismatch, bytes);
         }
@@ -458,6 +546,17 @@ impl Model {
         let mut payload = Vec::new();
         res.write_be(&mut payload);
         out[p + 24..p + 24 + payload.len()].copy_from_slice(&payload);
+        // Over IPv6 the RESULT carries its full UDP checksum (0 is not
+        // allowed there); over IPv4, 0.
+        if let Some((Family::V6, ip, _)) = frame_offsets(&out) {
+            let a = |o: usize| -> [u8; 16] { out[ip + o..ip + o + 16].try_into().unwrap() };
+            let ulen = be16(&out, u + 4) as usize;
+            let c = match udp6_checksum(a(8).into(), a(24).into(), &out[u..u + ulen]) {
+                0 => 0xffff,
+                c => c,
+            };
+            out[u + 6..u + 8].copy_from_slice(&c.to_be_bytes());
+        }
         Expect {
             label: Outcome::Result.label(),
             bytes,
@@ -484,7 +583,7 @@ impl Expect {
 #[derive(Clone)]
 struct Valid {
     agg: Agg,
-    src: Ipv4Addr,
+    src: IpAddr,
     dport: u16,
 }
 
@@ -500,7 +599,7 @@ impl Traffic {
     fn new() -> Traffic {
         Traffic {
             pending: Vec::new(),
-            round: [(7, 100), (8, 0xffff_fff0)].into_iter().collect(), // job 8 wraps
+            round: [(7, 100), (8, 0xffff_fff0), (JOB6, 0x7fff_fffe)].into_iter().collect(), // job 8 wraps
             seq: 1,
             recent: Vec::new(),
         }
@@ -519,11 +618,11 @@ impl Traffic {
     }
 
     fn refill(&mut self, rng: &mut Rng) {
-        for job in [7u16, 8] {
+        for job in [7u16, 8, JOB6] {
             let round = self.round[&job];
             self.round.insert(job, round.wrapping_add(1));
             let op = rng.below(5) as u8;
-            let workers = if job == 7 { 4 } else { 2 };
+            let workers = workers_of(job);
             let frags = fragments(job);
             for (i, &(frag_off, count)) in frags.iter().enumerate() {
                 for rank in 0..workers {
@@ -582,11 +681,9 @@ fn seed(rng: &mut Rng, tr: &Traffic) -> Valid {
     if !tr.recent.is_empty() && rng.chance(1, 2) {
         return tr.recent[rng.below(tr.recent.len() as u64) as usize].clone();
     }
-    let job = rng.pick(&[7u16, 7, 8, 8, 9, 10, 0, 0xffff]);
+    let job = rng.pick(&[7u16, 7, 8, 8, 9, 10, JOB6, JOB6, 0, 0xffff]);
     let workers = match job {
-        7 => 4,
-        8 => 2,
-        9 => 3,
+        7 | 8 | 9 | JOB6 => u64::from(workers_of(job)),
         _ => 2,
     };
     let rank = rng.below(workers) as u16;
@@ -596,6 +693,7 @@ fn seed(rng: &mut Rng, tr: &Traffic) -> Valid {
     agg.round = match job {
         7 => tr.round[&7].wrapping_sub(rng.below(10) as u32),
         8 => tr.round[&8].wrapping_sub(rng.below(70) as u32),
+        JOB6 => tr.round[&JOB6].wrapping_sub(rng.below(12) as u32),
         _ => rng.next() as u32,
     };
     agg.frag_off = if rng.chance(1, 2) {
@@ -643,12 +741,7 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
                 ]);
             }
             2 => {
-                let w = match v.agg.job {
-                    7 => 4u16,
-                    8 => 2,
-                    9 => 3,
-                    _ => 1,
-                };
+                let w = workers_of(v.agg.job);
                 v.agg.rank = rng.pick(&[w - 1, w, w + 1, 0xffff, 0, 255, 256]);
             }
             3 => {
@@ -670,7 +763,7 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
                     u32::MAX,
                 ]);
             }
-            7 => v.agg.job = rng.pick(&[7, 8, 9, 10, 0, 0xffff, 0x0700]),
+            7 => v.agg.job = rng.pick(&[7, 8, 9, 10, JOB6, 0, 0xffff, 0x0700]),
             8 => {
                 // payload length differs from count
                 match rng.below(3) {
@@ -684,11 +777,17 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
             9 => frame_edits.push(rng.pick(&[0u8, 1, 2, 3])), // magic variants
             // ---- addresses
             10 => {
-                let job = rng.pick(&[7u16, 8, 9, 42]);
-                v.src = if rng.chance(1, 4) {
-                    Ipv4Addr::from(rng.next() as u32)
-                } else {
-                    rank_addr(job, rng.below(4) as u16)
+                let job = rng.pick(&[7u16, 8, 9, JOB6, 42]);
+                let rank = rng.below(4) as u16;
+                v.src = match rng.below(8) {
+                    0 => IpAddr::V4(Ipv4Addr::from(rng.next() as u32)),
+                    1 => IpAddr::V6(Ipv6Addr::from(u128::from(rng.next()) << 64 | u128::from(rng.next()))),
+                    // the other IP version with the same address bits
+                    2 => IpAddr::V6(same_bits(rank_addr4(job, rank))),
+                    3 => IpAddr::V6(rank_addr4(job, rank).to_ipv6_mapped()),
+                    4 => Family::V6.addr(rank_addr4(job, rank)),
+                    5 => IpAddr::V4(rank_addr4(job, rank)),
+                    _ => rank_addr(job, rank),
                 };
             }
             11 => {
@@ -696,7 +795,7 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
                 v.dport = rng.pick(&[PORT_A, PORT_B, RESULT_PORT, 7003, 53, r]);
             }
             // ---- frame-level structure (applied in build)
-            12..=15 => frame_edits.push(10 + rng.below(8) as u8),
+            12..=15 => frame_edits.push(10 + rng.below(10) as u8),
             // ---- byte-level
             _ => frame_edits.push(20 + rng.below(4) as u8),
         }
@@ -727,8 +826,25 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
                 f.ip_options = (0..words * 4).map(|_| 1u8).collect(); // NOPs
             }
             13 => f.frag = rng.pick(&[0x2000u16, 0x0001, 0x2001, 0x1fff, 0x0000, 0x8000, 0x4000 | 0x2000]),
+            // IPv6 only (an IPv4 frame ignores them): extension headers,
+            // the UDP checksum
+            18 => {
+                let n = rng.pick(&[1usize, 1, 2, 3, 5, 6]);
+                f.ip6_ext = (0..n)
+                    .map(|_| match rng.below(4) {
+                        0 => ip6_ext(IP6_FRAGMENT, 8, rng.pick(&[0u16, 1, 8, 9, 0xfff8, 0xfff9])),
+                        1 => ip6_ext(IP6_HOPOPTS, rng.pick(&[8usize, 16, 64, 80]), 0),
+                        2 => ip6_ext(IP6_ROUTING, 8 * (1 + rng.below(3) as usize), 0),
+                        _ => ip6_ext(IP6_DSTOPTS, 8 * (1 + rng.below(3) as usize), 0),
+                    })
+                    .collect();
+            }
+            19 => {
+                let r = rng.next() as u16;
+                f.udp_csum = Some(rng.pick(&[0u16, 0, 0xffff, r]));
+            }
             14 => f.vlan = Some(rng.next() as u16),
-            15 => f.ethertype = rng.pick(&[0x86dd, 0x0806, 0x8100, 0x88a8, 0x0801]),
+            15 => f.ethertype = rng.pick(&[0x86dd, 0x0800, 0x0806, 0x8100, 0x88a8, 0x0801]),
             16 => f.protocol = rng.pick(&[6u8, 1, 0, 136, 255]),
             17 => bytes_ops.push(99), // IHL edit after build
             _ => bytes_ops.push(e),
@@ -760,7 +876,7 @@ fn mutate(rng: &mut Rng, v: &Valid) -> Vec<u8> {
             21 => {
                 // truncation, biased to header boundaries
                 let cut = if rng.chance(1, 2) {
-                    let bound = rng.pick(&[14usize, 18, 34, 38, 42, 46, 54, 62, 66, 70]);
+                    let bound = rng.pick(&[14usize, 18, 34, 38, 42, 46, 54, 58, 62, 66, 70, 86]);
                     (bound as i64 + rng.below(5) as i64 - 2).max(0) as usize
                 } else {
                     rng.below(len as u64 + 1) as usize
@@ -911,6 +1027,14 @@ fn worker(id: usize, seed_val: u64, inputs: u64) -> Report {
     rep
 }
 
+/// An IPv6 address whose first four bytes are `a`'s, zeros after: what an
+/// IPv4 rank's entry holds.
+fn same_bits(a: Ipv4Addr) -> Ipv6Addr {
+    let mut b = [0u8; 16];
+    b[..4].copy_from_slice(&a.octets());
+    Ipv6Addr::from(b)
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().take(96).map(|x| format!("{x:02x}")).collect()
 }
@@ -973,8 +1097,9 @@ fn xdp_fuzz_million_mutated_datagrams() {
             continue;
         }
         if matches!(r, DropReason::TooLarge) {
-            // AGGBOX_MAX_ELEMS (16384) is above what any IPv4 datagram can
-            // carry (16370 elements), so no frame can reach it (docs/JUMBO.md).
+            // AGGBOX_MAX_ELEMS (16384) is above what any IPv4 or IPv6
+            // datagram can carry (16370, 16375 elements), so no frame can
+            // reach it (docs/JUMBO.md).
             assert_eq!(by_label.get(r.label()).copied().unwrap_or(0), 0, "too_large is unreachable by a real frame");
             continue;
         }
@@ -1034,11 +1159,11 @@ fn tc_fuzz_mutated_datagrams() {
             d.extend((0..rng.pick(&[0usize, 1, 7, 100, 1400])).map(|_| rng.next() as u8));
             let v = Valid {
                 agg: Agg::new(0, 0, 0, vec![]),
-                src: h0.addr,
+                src: h0.addr.into(),
                 dport: rng.pick(&[7200u16, 7999, 7000]),
             };
             let mut f = to_frame(&v);
-            f.dst = rng.pick(&[h1.addr, h0.addr, Ipv4Addr::new(10, 77, 0, 200)]);
+            f.dst = rng.pick(&[h1.addr, h0.addr, Ipv4Addr::new(10, 77, 0, 200)]).into();
             f.payload = d;
             // reuse the XDP mutator's byte-level and structural edits on the frame
             let mut b = f.build();

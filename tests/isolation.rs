@@ -24,7 +24,7 @@ mod bpffs;
 mod testbed;
 mod bpf_common;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aggbox::wire::abi::{self, DropReason, Op, Outcome};
 use aggbox::kernel::xdp::{XdpPlane, XdpJob};
@@ -40,7 +40,7 @@ fn job(id: u16, workers: u16, slots: u32) -> XdpJob {
         id,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(|r| addr(id, r)).collect(),
+        ranks: (0..workers).map(|r| addr(id, r).into()).collect(),
         weights: vec![],
         vector_len: 4096,
         slots,
@@ -76,7 +76,7 @@ fn contribution(job: u16, rank: u16, round: u32, frag_off: u32, values: &[i32]) 
 }
 
 /// Run one frame; returns (verdict, output, single (label, packets) delta).
-fn run(dp: &XdpPlane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
+fn run(dp: &XdpPlane, src: IpAddr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
     let frame = Frame::udp(src, a.bytes()).build();
     let before = dp.stats().expect("stats");
     let (verdict, out) = dp.test_run(&frame).expect("test_run");
@@ -87,7 +87,7 @@ fn run(dp: &XdpPlane, src: Ipv4Addr, a: &Agg) -> (u32, Vec<u8>, &'static str) {
 }
 
 /// A rejected datagram: dropped, counted under `reason`, nothing else changed.
-fn expect_rejected(dp: &XdpPlane, ids: &[u16], src: Ipv4Addr, a: &Agg, reason: DropReason, what: &str) {
+fn expect_rejected(dp: &XdpPlane, ids: &[u16], src: IpAddr, a: &Agg, reason: DropReason, what: &str) {
     let before = snapshot(dp, ids);
     let frame = Frame::udp(src, a.bytes()).build();
     let (verdict, out, label) = run(dp, src, a);
@@ -150,7 +150,7 @@ fn spoofed_foreign_unknown_and_replayed_datagrams_change_nothing() {
     // 1. Source address not its rank's (rank 1's address claiming rank 2,
     //    an outsider claiming rank 1), into the live slot.
     expect_rejected(&dp, &ids, a.ranks[1], &contribution(1, 2, 7, 0, &[9; 8]), DropReason::SourceMismatch, "rank 2 from rank 1's address");
-    expect_rejected(&dp, &ids, Ipv4Addr::new(10, 77, 9, 9), &contribution(1, 1, 7, 0, &[9; 8]), DropReason::SourceMismatch, "outsider as rank 1");
+    expect_rejected(&dp, &ids, Ipv4Addr::new(10, 77, 9, 9).into(), &contribution(1, 1, 7, 0, &[9; 8]), DropReason::SourceMismatch, "outsider as rank 1");
     // 2. Job A's rank address sending as job B (same rank number, B's live slot).
     expect_rejected(&dp, &ids, a.ranks[1], &contribution(2, 1, 1, 0, &[9; 8]), DropReason::SourceMismatch, "job A rank 1 as job B rank 1");
     expect_rejected(&dp, &ids, a.ranks[0], &contribution(2, 0, 1, 0, &[9; 8]), DropReason::SourceMismatch, "job A rank 0 as job B rank 0");
@@ -285,7 +285,7 @@ fn broadcast_for_a_group_not_configured_here_passes_untouched() {
     payload.push(0);
     payload.extend_from_slice(b"not for us");
     let mut f = Frame::udp(h0.addr, payload);
-    f.dst = h1.addr;
+    f.dst = h1.addr.into();
     f.dport = 7200;
     let frame = f.build();
     let results = in_netns(&h0.netns, || {

@@ -38,7 +38,7 @@ fn job(workers: u16, slots: u32, window: u32) -> XdpJob {
         id: 5,
         port: JOB_PORT,
         result_port: RESULT_PORT,
-        ranks: (0..workers).map(addr).collect(),
+        ranks: (0..workers).map(|r| addr(r).into()).collect(),
         weights: vec![],
         vector_len: 0,
         slots,
@@ -269,7 +269,7 @@ fn membership_change_between_rounds_leaks_nothing() {
     // New membership: rank 1 is replaced by .21, rank 2 leaves.
     let mut new = job(2, 16, 4);
     let replaced = Ipv4Addr::new(10, 77, 0, 21);
-    new.ranks = vec![addr(0), replaced];
+    new.ranks = vec![addr(0).into(), replaced.into()];
     dp.set_job(5, &new).expect("set_job new membership");
     assert_eq!((dp.slots_in_use(), dp.slot_owners_in_use(), active(&dp)), (0, 0, 0), "rounds in flight of the old membership released");
     assert_eq!(dp.blocks_in_use().unwrap(), 0, "their blocks back in the pool");

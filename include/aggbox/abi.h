@@ -203,21 +203,25 @@ enum aggbox_drop_reason {
 	AGGBOX_DROP_COUNT_TOO_SMALL   = -135, /* datagram longer than 24 + 4 * count */
 	AGGBOX_DROP_UNKNOWN_JOB       = -136, /* job not configured on this node */
 	AGGBOX_DROP_RANK_OUT_OF_RANGE = -137, /* rank >= workers */
-	AGGBOX_DROP_SOURCE_MISMATCH   = -138, /* IPv4 source is not the rank's address */
+	AGGBOX_DROP_SOURCE_MISMATCH   = -138, /* source address or IP version is not the rank's */
 	AGGBOX_DROP_BEYOND_VECTOR     = -139, /* frag_off + count > vector_len */
 	AGGBOX_DROP_RETRANSMISSION    = -140, /* rank already contributed to the slot */
 	AGGBOX_DROP_STALE_ROUND       = -141, /* round older than the job's window */
 	AGGBOX_DROP_SLOT_POOL_FULL    = -142, /* no free slot and no user-space path */
 	AGGBOX_DROP_MISSED_TAIL_CALL  = -143, /* prog array slot empty: a bug */
 	AGGBOX_DROP_SLOT_MISMATCH     = -144, /* op/count differ from the slot's first contribution */
-	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 fragment: AggBox forbids IP fragmentation */
+	AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT = -145, /* IPv4 first fragment or IPv6 Fragment header:
+						    * AggBox forbids IP fragmentation */
 	AGGBOX_DROP_TOO_LARGE         = -146, /* count above what this build aggregates in the kernel */
 	AGGBOX_DROP_PORT_MISMATCH     = -147, /* the job is not the job of the port it was sent to */
 	AGGBOX_DROP_FORGED_RESULT     = -148, /* a RESULT from the network to its job's result port */
 	AGGBOX_DROP_SLOT_BUSY         = -149, /* the fragment's fast slot stayed locked past the spin bound */
+	AGGBOX_DROP_IPV6_EXTENSION_HEADER = -150, /* IPv6: an extension header other than Fragment
+						   * before UDP (hop-by-hop, routing, destination options) */
+	AGGBOX_DROP_UDP_ZERO_CHECKSUM = -151, /* IPv6: UDP checksum 0, which RFC 8200 forbids */
 };
 #define AGGBOX_DROP_FIRST AGGBOX_DROP_TRUNCATED_HEADER
-#define AGGBOX_DROP_LAST  AGGBOX_DROP_SLOT_BUSY
+#define AGGBOX_DROP_LAST  AGGBOX_DROP_UDP_ZERO_CHECKSUM
 
 /* Outcomes that are not drops. */
 enum aggbox_outcome {
@@ -303,12 +307,27 @@ struct aggbox_rank_key {
 };
 _Static_assert(sizeof(struct aggbox_rank_key) == 4, "rank key is 4 bytes");
 
-/* Value of the ranks map. */
+/* Address family of a rank (struct aggbox_rank.family): the IP version. */
+#define AGGBOX_FAMILY_NONE 0 /* no rank here (a removed or never written entry) */
+#define AGGBOX_FAMILY_IPV4 4
+#define AGGBOX_FAMILY_IPV6 6
+
+/*
+ * Value of the ranks map (and of the ring's ring_members): the source
+ * address a rank sends from, and its weight. A contribution is the rank's
+ * only if its IP version is `family` and its source address is `addr`, all
+ * 16 bytes (an IPv4 source as addr[0] with three zero words), so an IPv4
+ * sender never passes for an IPv6 rank whose address has the same first
+ * bytes, nor the other way round. The control plane writes every rank of a
+ * job with one family (XdpJob::validate).
+ */
 struct aggbox_rank {
-	__be32 addr;  /* big-endian: IPv4 source address this rank sends from */
-	__s32  weight;/* host order: SUM/AVG weight, default 1 */
+	__u8   family;  /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 */
+	__u8   pad[3];  /* zero */
+	__s32  weight;  /* host order: SUM/AVG weight, default 1 */
+	__be32 addr[4]; /* big-endian: the source address; IPv4: addr[0], addr[1..3] zero */
 };
-_Static_assert(sizeof(struct aggbox_rank) == 8, "rank is 8 bytes");
+_Static_assert(sizeof(struct aggbox_rank) == 24, "rank is 24 bytes");
 
 /* ---------------------------------------------------------------------------
  * Ports (written by the control plane, read by XDP)
@@ -343,7 +362,8 @@ _Static_assert(sizeof(struct aggbox_port) == 4, "port is 4 bytes");
  * to AGGBOX_PROG_CHUNKS chunks with bpf_loop.
  */
 #ifndef AGGBOX_MAX_ELEMS
-#define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4 datagram) */
+#define AGGBOX_MAX_ELEMS 16384 /* largest count aggregated in the kernel (>= 16370, a 65535-byte IPv4
+				* datagram, and >= 16375, the largest IPv6 one without a jumbogram) */
 #endif
 #ifndef AGGBOX_CHUNK_ELEMS
 #define AGGBOX_CHUNK_ELEMS 256 /* elements of one slot block (one lock, one load/store) */

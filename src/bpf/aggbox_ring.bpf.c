@@ -481,7 +481,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
 	key = ridx * AGGBOX_MAX_RANKS + sender;
 	member = bpf_map_lookup_elem(&ring_members, &key);
-	if (!member || member->addr != iph->saddr)
+	if (!member || member->family != AGGBOX_FAMILY_IPV4 || member->addr[0] != iph->saddr)
 		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
 	if (rh->kind == AGGBOX_RING_NACK)
 		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);

@@ -3,10 +3,11 @@
  * AggBox XDP aggregator: parse and validate AGG1 contributions (PROTOCOL.md,
  * "Semantics at the aggregator").
  *
- * Ethernet [+ one VLAN tag] / IPv4 (IHL honoured) / UDP to a job port / AGG1.
- * Anything else goes to the stack untouched (outcome NOT_AGGBOX). Every
- * datagram ends in aggbox_exit() (stats.h), which counts the outcome or the
- * drop reason and returns the verdict.
+ * Ethernet [+ one VLAN tag] / IPv4 (IHL honoured) or IPv6 / UDP to a job
+ * port / AGG1 (aggbox_parse_l3: what either IP version may carry). Anything
+ * else goes to the stack untouched (outcome NOT_AGGBOX). Every datagram ends
+ * in aggbox_exit() (stats.h), which counts the outcome or the drop reason
+ * and returns the verdict.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -1628,16 +1629,17 @@ static __always_inline int fast_path(struct xdp_md *ctx, struct aggbox_scratch *
  * them up the stack and never sees them again), and TC ingress routes what
  * arrives there as one (copies to the result group, upstream as this
  * node's contribution): PROTOCOL.md, "only RESULTs this node's own
- * aggregation produced go upstream". IP fragments are left to TC ingress,
- * which never routes one.
+ * aggregation produced go upstream". IP fragments (an IPv4 first fragment,
+ * an IPv6 Fragment header) are left to TC ingress, which never routes one;
+ * other IPv6 extension headers do not make a forged RESULT any less forged.
  */
-static __always_inline int result_from_network(void *pos, void *data_end, int len, __u16 frag, __u32 port)
+static __always_inline int result_from_network(void *pos, void *data_end, int len, int fragment, __u32 port)
 {
 	struct aggbox_agg_hdr *agg = pos;
 	struct aggbox_job *job;
 	__u32 jidx, *index;
 
-	if ((frag & IP_MF) || len < (int)sizeof(*agg) || (void *)(agg + 1) > data_end)
+	if (fragment || len < (int)sizeof(*agg) || (void *)(agg + 1) > data_end)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
 	if (agg->magic != bpf_htonl(AGGBOX_MAGIC_AGG) || !(agg->flags & AGGBOX_AGG_F_RESULT))
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
@@ -1650,6 +1652,100 @@ static __always_inline int result_from_network(void *pos, void *data_end, int le
 	if (!job || !job->workers || job->id != bpf_ntohs(agg->job) || job->result_port != port)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
 	return AGGBOX_DROP_FORGED_RESULT;
+}
+
+/* scratch.l3_flags: what aggbox_parse_l3 found on the way to UDP that a
+ * datagram to a job port may not carry. */
+#define L3_F_FRAGMENT  0x1 /* IPv4 first fragment (MF), or an IPv6 Fragment header */
+#define L3_F_EXTENSION 0x2 /* IPv6 hop-by-hop, routing or destination options */
+#define L3_F_ZERO_CSUM 0x4 /* IPv6 UDP checksum 0 (RFC 8200 forbids it) */
+
+/* The UDP header of a datagram the program reads starts within this many
+ * bytes of the frame, so its AGG1 header starts within 128 (the header
+ * offsets' bound: FAST_BOUNDED_OFF, AGGBOX_LINEAR_MAX_FRAME). IPv4 with
+ * options and a VLAN tag needs 78; IPv6, 58 plus its extension headers. */
+#define AGGBOX_MAX_UDP_OFF 120
+
+/*
+ * The headers up to UDP, for either IP version: Ethernet [+ one VLAN tag],
+ * then IPv4 (IHL honoured, options skipped) or IPv6 (extension headers
+ * skipped: parse_ip6_ext), then the UDP header. Writes into scratch the IP
+ * version (family), the source address as a rank holds it (src: IPv4 in
+ * src[0], zeros after), the IP and UDP header offsets and L3_F_* flags.
+ * Returns 0, or PARSE_TOO_SHORT for a frame that carries no UDP datagram
+ * the program reads (outcome not_aggbox): another EtherType or protocol,
+ * a non-first fragment of either version (no UDP header, its port is
+ * unknown), an extension-header chain parse_ip6_ext does not follow, or a
+ * UDP header past AGGBOX_MAX_UDP_OFF.
+ *
+ * A global function (verified once, for both versions): the entry program
+ * goes on from the offsets in scratch, one verifier state whatever the
+ * version; inline, the two versions' packet pointers would differ and the
+ * verifier would walk the fast path after it once per version.
+ */
+__noinline int aggbox_parse_l3(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct hdr_cursor nh = { .pos = data };
+	struct aggbox_scratch *s;
+	struct udphdr *udph;
+	struct ethhdr *eth;
+	__u32 zero = 0, flags = 0, ext = 0;
+	__u64 off;
+	int proto;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return PARSE_TOO_SHORT;
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	s->ip_off = (__u16)(nh.pos - data);
+	if (proto == ETH_P_IP) {
+		struct iphdr *iph;
+		__u16 frag;
+
+		if (parse_iphdr(&nh, data_end, &iph) != IPPROTO_UDP_)
+			return PARSE_TOO_SHORT;
+		frag = bpf_ntohs(iph->frag_off);
+		/* A non-first fragment carries no UDP header: its port is unknown. */
+		if (frag & IP_OFFSET)
+			return PARSE_TOO_SHORT;
+		if (frag & IP_MF)
+			flags |= L3_F_FRAGMENT;
+		s->family = AGGBOX_FAMILY_IPV4;
+		s->src[0] = iph->saddr;
+		s->src[1] = 0;
+		s->src[2] = 0;
+		s->src[3] = 0;
+	} else if (proto == ETH_P_IPV6) {
+		struct ipv6hdr *ip6h;
+
+		proto = parse_ip6hdr(&nh, data_end, &ip6h);
+		if (proto < 0 || parse_ip6_ext(&nh, data_end, proto, &ext) != IPPROTO_UDP_)
+			return PARSE_TOO_SHORT;
+		if (ext & IP6_EXT_F_FRAGMENT)
+			flags |= L3_F_FRAGMENT;
+		if (ext & IP6_EXT_F_OTHER)
+			flags |= L3_F_EXTENSION;
+		s->family = AGGBOX_FAMILY_IPV6;
+		s->src[0] = ip6h->saddr.in6_u.u6_addr32[0];
+		s->src[1] = ip6h->saddr.in6_u.u6_addr32[1];
+		s->src[2] = ip6h->saddr.in6_u.u6_addr32[2];
+		s->src[3] = ip6h->saddr.in6_u.u6_addr32[3];
+	} else {
+		return PARSE_TOO_SHORT;
+	}
+	udph = nh.pos;
+	if ((void *)(udph + 1) > data_end)
+		return PARSE_TOO_SHORT;
+	off = (void *)udph - data;
+	if (off > AGGBOX_MAX_UDP_OFF)
+		return PARSE_TOO_SHORT;
+	if (s->family == AGGBOX_FAMILY_IPV6 && udph->check == 0)
+		flags |= L3_F_ZERO_CSUM;
+	s->udp_off = (__u16)off;
+	s->l3_flags = flags;
+	return 0;
 }
 
 /* Internal code of aggbox_classify: a datagram to a ring's port, for the
@@ -1672,27 +1768,17 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	struct aggbox_agg_hdr *agg;
 	struct aggbox_rank *rank;
 	struct aggbox_job *job;
-	struct ethhdr *eth;
-	struct iphdr *iph;
 	struct udphdr *udph;
-	__u32 avail, count, plen;
+	__u32 avail, count, plen, udp_off;
 	__u64 end;
-	int proto, len;
-	__u16 frag, l3;
+	int len;
 
-	proto = parse_ethhdr(&nh, data_end, &eth);
-	if (proto != ETH_P_IP)
+	if (aggbox_parse_l3(ctx))
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
-	l3 = proto_is_vlan(bpf_ntohs(eth->h_proto)) ? sizeof(*eth) + sizeof(struct vlan_hdr) : sizeof(*eth);
-	proto = parse_iphdr(&nh, data_end, &iph);
-	if (proto != IPPROTO_UDP_)
-		return AGGBOX_OUTCOME_NOT_AGGBOX;
-
-	frag = bpf_ntohs(iph->frag_off);
-	/* A non-first fragment carries no UDP header: its port is unknown. */
-	if (frag & IP_OFFSET)
-		return AGGBOX_OUTCOME_NOT_AGGBOX;
-
+	/* From here on one path for both IP versions: the UDP header from its
+	 * offset, bounded as the fast path bounds its offsets. */
+	FAST_BOUNDED_OFF(udp_off, s->udp_off);
+	nh.pos = data + udp_off;
 	len = parse_udphdr(&nh, data_end, &udph);
 	if (len < 0)
 		return AGGBOX_OUTCOME_NOT_AGGBOX;
@@ -1701,15 +1787,26 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	port_key = bpf_ntohs(udph->dest);
 	port = bpf_map_lookup_elem(&ports, &port_key);
 	if (!port || !port->jobs) {
-		index = bpf_map_lookup_elem(&ring_ports, &port_key);
+		/* Rings are IPv4 (docs/RING.md): an IPv6 datagram to a ring's
+		 * port is no ring's. */
+		index = s->family == AGGBOX_FAMILY_IPV4 ? bpf_map_lookup_elem(&ring_ports, &port_key) : NULL;
 		if (index && *index)
 			return AGGBOX_RING_CODE;
-		return result_from_network(nh.pos, data_end, len, frag, port_key);
+		return result_from_network(nh.pos, data_end, len, s->l3_flags & L3_F_FRAGMENT, port_key);
 	}
 
-	/* First fragment of a fragmented datagram to a job port. */
-	if (frag & IP_MF)
+	/* A datagram to a job port: first what its IP headers may not carry.
+	 * The first fragment of a fragmented datagram (either version). */
+	if (s->l3_flags & L3_F_FRAGMENT)
 		return AGGBOX_DROP_IP_OPTIONS_OR_FRAGMENT;
+	/* IPv6 extension headers: no AggBox sender puts any there, and the
+	 * RESULT's checksum, the user-space path and TC read UDP right after
+	 * the 40-byte header (docs/PROTOCOL.md, "IPv6"). */
+	if (s->l3_flags & L3_F_EXTENSION)
+		return AGGBOX_DROP_IPV6_EXTENSION_HEADER;
+	/* IPv6 makes the UDP checksum mandatory (RFC 8200 section 8.1). */
+	if (s->l3_flags & L3_F_ZERO_CSUM)
+		return AGGBOX_DROP_UDP_ZERO_CHECKSUM;
 
 	agg = nh.pos;
 	/* Bytes the frame holds past the UDP header, fragments included
@@ -1775,7 +1872,11 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 		return AGGBOX_DROP_RANK_OUT_OF_RANGE;
 	rank_key = jidx * AGGBOX_MAX_RANKS + rank_id;
 	rank = bpf_map_lookup_elem(&ranks, &rank_key);
-	if (!rank || rank->addr != iph->saddr)
+	/* The rank's IP version and all 16 bytes of its address (an IPv4
+	 * source is src[0] and three zero words, as an IPv4 rank's address). */
+	if (!rank || rank->family != s->family ||
+	    ((rank->addr[0] ^ s->src[0]) | (rank->addr[1] ^ s->src[1]) | (rank->addr[2] ^ s->src[2]) |
+	     (rank->addr[3] ^ s->src[3])))
 		return AGGBOX_DROP_SOURCE_MISMATCH;
 
 	end = (__u64)bpf_ntohl(agg->frag_off) + count;
@@ -1795,9 +1896,8 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 		return AGGBOX_OUTCOME_TO_USERSPACE;
 	}
 
-	s->ip_off = l3;
-	s->udp_off = l3 + iph->ihl * 4;
-	s->agg_off = s->udp_off + sizeof(*udph);
+	/* ip_off and udp_off: aggbox_parse_l3 */
+	s->agg_off = udp_off + sizeof(*udph);
 	s->key.job = job_id;
 	s->key.pad = 0;
 	s->key.round = bpf_ntohl(agg->round);
@@ -1822,6 +1922,191 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	s->fast_granule = job->fast_granule; /* >= 1: kernel::xdp::fast_granule */
 	s->has_parent = !!(job->flags & AGGBOX_JOB_F_HAS_PARENT);
 	return AGGBOX_OUTCOME_ACCEPTED;
+}
+
+/* ---------------------------------------------------------------------------
+ * The UDP checksum of an IPv6 RESULT. IPv4 RESULTs carry checksum 0 (no
+ * checksum: the payload was rewritten in place); IPv6 has no such value
+ * (RFC 8200 section 8.1: the receiving stack drops a UDP datagram with
+ * checksum 0), so the completing contribution computes the full checksum of
+ * its rewritten datagram, pseudo-header included, once every other byte of
+ * it is final: a pass over the datagram, for IPv6 RESULTs only.
+ * ------------------------------------------------------------------------- */
+
+/* Bytes one bpf_csum_diff call sums at most (the kernel's scratch buffer). */
+#define CSUM_PIECE 512
+_Static_assert(sizeof(((struct aggbox_scratch *)0)->buf) >= CSUM_PIECE, "a checksum piece fits scratch.buf");
+/* Whole pieces of the longest datagram each chain takes. */
+#define CSUM_PIECES_FRAGS (0x10000 / CSUM_PIECE)
+#define CSUM_PIECES_LINEAR (AGGBOX_LINEAR_MAX_FRAME / CSUM_PIECE + 1)
+
+/*
+ * The one's-complement sum (unfolded, added into scratch.csum) of the
+ * scratch.csum_words 4-byte words from the UDP header on: whole CSUM_PIECE
+ * byte pieces with bpf_csum_diff (the kernel's csum_partial), straight from
+ * the packet in the linear chain, through scratch.buf with
+ * bpf_xdp_load_bytes in the frags chain (a multi-buffer frame's datagram
+ * runs on into its fragments); then the rest, < CSUM_PIECE bytes: the
+ * same way in the frags chain, 8 bytes at a time from the packet in the
+ * linear one. Counts and offsets are read from scratch at each step and
+ * the sum is kept there, so every exit of a loop reaches what follows in
+ * one verifier state. 0, or -1 when the frame is shorter (a validated
+ * length: never).
+ */
+static __always_inline int udp_sum(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
+{
+	const __u32 pieces = linear ? CSUM_PIECES_LINEAR : CSUM_PIECES_FRAGS;
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	__u32 i, off, base, rest, n;
+	void *p;
+	long r;
+
+	FAST_BOUNDED_OFF(base, s->udp_off);
+	s->csum = 0;
+	for (i = 0; i < pieces; i++) {
+		if (i >= *(volatile __u32 *)&s->csum_words / (CSUM_PIECE / 4))
+			break;
+		off = base + i * CSUM_PIECE;
+		if (linear) {
+			p = data + off;
+			if (p + CSUM_PIECE > data_end)
+				return -1;
+			r = bpf_csum_diff(NULL, 0, p, CSUM_PIECE, 0);
+		} else {
+			if (bpf_xdp_load_bytes(ctx, off, s->buf, CSUM_PIECE))
+				return -1;
+			r = bpf_csum_diff(NULL, 0, s->buf, CSUM_PIECE, 0);
+		}
+		if (r < 0)
+			return -1;
+		s->csum += (__u32)r;
+	}
+
+	/* The rest: its offset and length from scratch again. */
+	n = *(volatile __u32 *)&s->csum_words;
+	rest = 4 * (n % (CSUM_PIECE / 4));
+	off = n / (CSUM_PIECE / 4) * CSUM_PIECE;
+	asm volatile("" : "+r"(off));
+	if (off > pieces * CSUM_PIECE)
+		return -1;
+	off += base;
+	if (!rest)
+		return 0;
+	if (!linear) {
+		asm volatile("" : "+r"(rest));
+		if (rest < 4 || rest > CSUM_PIECE - 4)
+			return -1;
+		if (bpf_xdp_load_bytes(ctx, off, s->buf, rest))
+			return -1;
+		r = bpf_csum_diff(NULL, 0, s->buf, rest, 0);
+		if (r < 0)
+			return -1;
+		s->csum += (__u32)r;
+		return 0;
+	}
+	p = data + off;
+	for (i = 0; i < CSUM_PIECE / 8; i++) {
+		if (8 * i + 8 > *(volatile __u32 *)&s->csum_words % (CSUM_PIECE / 4) * 4)
+			break;
+		if (p + 8 > data_end)
+			return -1;
+		s->csum += *(__u32 *)p + (__u64) * (__u32 *)(p + 4);
+		p += 8;
+	}
+	/* An odd word count's last word. */
+	if (*(volatile __u32 *)&s->csum_words & 1) {
+		p = data + off + (rest & ~7u);
+		if (p + 4 > data_end)
+			return -1;
+		s->csum += *(__u32 *)p;
+	}
+	return 0;
+}
+
+/* A one's-complement sum folded to the 16 bits of a checksum field. */
+static __always_inline __u16 csum_fold64(__u64 sum)
+{
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)sum;
+}
+
+/*
+ * Write the UDP checksum of the IPv6 RESULT this packet now is: the
+ * pseudo-header (source, destination, UDP length, next header 17) and the
+ * datagram with its checksum field 0, summed in the packet's byte order
+ * (the fold of a one's-complement sum of native words is the checksum's
+ * bytes as they sit in the packet: RFC 1071 2(B)). A computed 0 is sent
+ * as 0xffff. Returns 0, or -1 when the headers or the datagram are not
+ * where scratch says (never: the contribution was validated).
+ */
+static __always_inline int udp6_result_csum(struct xdp_md *ctx, const int linear)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_scratch *s;
+	struct ipv6hdr *ip6h;
+	struct udphdr *udph;
+	__u32 zero = 0, ip_off, udp_off, ulen, i;
+	__u64 sum;
+	__u16 check;
+
+	s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s)
+		return -1;
+	FAST_BOUNDED_OFF(udp_off, s->udp_off);
+	udph = data + udp_off;
+	if ((void *)(udph + 1) > data_end)
+		return -1;
+	ulen = bpf_ntohs(udph->len);
+	if (ulen < sizeof(*udph) + sizeof(struct aggbox_agg_hdr) || (ulen & 3))
+		return -1;
+	udph->check = 0;
+	s->csum_words = ulen / 4;
+	if (udp_sum(ctx, s, linear))
+		return -1;
+
+	/* The packet pointers again: the calls above may have moved them. */
+	data_end = (void *)(long)ctx->data_end;
+	data = (void *)(long)ctx->data;
+	FAST_BOUNDED_OFF(ip_off, s->ip_off);
+	FAST_BOUNDED_OFF(udp_off, s->udp_off);
+	ip6h = data + ip_off;
+	udph = data + udp_off;
+	if ((void *)(ip6h + 1) > data_end || (void *)(udph + 1) > data_end)
+		return -1;
+	sum = s->csum + (__u64)bpf_htonl(ulen) + bpf_htonl(IPPROTO_UDP_);
+#pragma unroll
+	for (i = 0; i < 4; i++)
+		sum += (__u64)ip6h->saddr.in6_u.u6_addr32[i] + ip6h->daddr.in6_u.u6_addr32[i];
+	check = ~csum_fold64(sum);
+	udph->check = check ? check : 0xffff;
+	return 0;
+}
+
+/* udp6_result_csum of each chain as a global function: verified once, not
+ * once per state in which a stage reaches its RESULT (inline, it tripled
+ * the result stage's verifier walk). */
+__noinline int udp6_result_csum_frags(struct xdp_md *ctx)
+{
+	return udp6_result_csum(ctx, 0);
+}
+
+__noinline int udp6_result_csum_linear(struct xdp_md *ctx)
+{
+	return udp6_result_csum(ctx, 1);
+}
+
+/* The RESULT outcome of a completed IPv6 RESULT once its checksum is
+ * written (MISSED_TAIL_CALL, a bug, if that failed). */
+static __always_inline int udp6_result(struct xdp_md *ctx, const int linear)
+{
+	if (linear ? udp6_result_csum_linear(ctx) : udp6_result_csum_frags(ctx))
+		return AGGBOX_DROP_MISSED_TAIL_CALL;
+	return AGGBOX_OUTCOME_RESULT;
 }
 
 /* CALL_* entry: parse, validate, then hand a kernel-op contribution on.
@@ -1854,6 +2139,8 @@ static __always_inline int entry_stage(struct xdp_md *ctx, const int linear)
 			code = fast_job(s) && fast_fits(s) ? fast_path(ctx, s, linear) : FAST_SLOW;
 			if (code == FAST_SLOW) {
 				code = aggbox_tail_call(ctx, AGGBOX_CALL_SLOT, linear);
+			} else if (code == AGGBOX_OUTCOME_RESULT && s->family == AGGBOX_FAMILY_IPV6) {
+				code = udp6_result(ctx, linear);
 			}
 		}
 	}
@@ -2634,6 +2921,7 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 	struct chain_loop lp = { .ctx = ctx };
 	__u32 zero = 0, todo, total = 0;
 	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
+	int code;
 
 	if (!s)
 		return aggbox_exit(AGGBOX_DROP_MISSED_TAIL_CALL, 0);
@@ -2650,7 +2938,10 @@ static __always_inline int result_stage(struct xdp_md *ctx, const int linear)
 	if (s->chunk < total) {
 		return aggbox_exit(aggbox_tail_call(ctx, AGGBOX_CALL_RESULT, linear), s->bytes);
 	}
-	return aggbox_exit(finish_result(ctx, s, linear), s->bytes);
+	code = finish_result(ctx, s, linear);
+	if (code == AGGBOX_OUTCOME_RESULT && s->family == AGGBOX_FAMILY_IPV6)
+		code = udp6_result(ctx, linear);
+	return aggbox_exit(code, s->bytes);
 }
 
 CHAIN_PROGRAMS(aggbox_result, result_stage)

@@ -33,7 +33,8 @@ struct {
 } ring_jobs SEC(".maps");
 
 /* ring_members: dense ring index * AGGBOX_MAX_RANKS + member -> address
- * (struct aggbox_rank: the member's address and weight). */
+ * (struct aggbox_rank: the member's address, AGGBOX_FAMILY_IPV4 only: rings
+ * are IPv4, and weight). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_RINGS * AGGBOX_MAX_RANKS);

@@ -17,7 +17,7 @@ struct aggbox_scratch {
 	__u32 bytes;       /* UDP payload bytes, for the stats */
 	__u16 agg_off;     /* offset of the AGG1 header from ctx->data */
 	__u16 udp_off;     /* offset of the UDP header from ctx->data */
-	__u16 ip_off;      /* offset of the IPv4 header from ctx->data */
+	__u16 ip_off;      /* offset of the IPv4 or IPv6 header from ctx->data */
 	__u16 count;       /* payload elements */
 	__u8  op;
 	__u8  flags;       /* the contribution's flags */
@@ -63,9 +63,18 @@ struct aggbox_scratch {
 	__u8  fast_fused;     /* fast_join wrote the RESULT payload while adding (fast_sum_result) */
 	__u8  fast_prev_valid;/* fast_join's take-over replaced a DONE fragment: fast_prev */
 	__u8  has_parent;     /* the job's RESULTs go upstream (AGGBOX_JOB_F_HAS_PARENT) */
-	__u8  fast_pad2[5];
+	__u8  family;         /* AGGBOX_FAMILY_IPV4 or _IPV6 (aggbox_parse_l3) */
+	__u8  l3_flags;       /* L3_F_* of aggbox_parse_l3 */
+	__u8  fast_pad2[3];
 	__u64 fast_wide;      /* fast_sum_result: nonzero when some sum left int32 */
 	struct aggbox_slot_key fast_prev;
+	__be32 src[4];        /* source address as a rank's (aggbox_rank.addr):
+			       * IPv4 in src[0], src[1..3] zero */
+	__u64 csum;           /* an IPv6 RESULT's checksum pass: the datagram's
+			       * unfolded one's-complement sum */
+	__u32 csum_words;     /* its UDP length in 4-byte words (read volatile
+			       * in the linear chain's loop) */
+	__u32 csum_pad;
 	__be32 buf[AGGBOX_FAST_ELEMS > AGGBOX_CHUNK_ELEMS ? AGGBOX_FAST_ELEMS : AGGBOX_CHUNK_ELEMS]
 		__attribute__((aligned(8)));
 			   /* one chunk of payload: bpf_xdp_load_bytes /

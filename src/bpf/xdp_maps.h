@@ -71,9 +71,10 @@ struct {
 } jobs SEC(".maps");
 
 /*
- * ranks: dense job index * AGGBOX_MAX_RANKS + rank -> the rank's IPv4 source
- * address and weight. Written by the control plane with the job
- * (Dataplane::set_job), read by the entry program (source check, weight).
+ * ranks: dense job index * AGGBOX_MAX_RANKS + rank -> the rank's IP version,
+ * source address and weight (a job's ranks are all IPv4 or all IPv6).
+ * Written by the control plane with the job (Dataplane::set_job), read by
+ * the entry program (source check, weight).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);

@@ -32,7 +32,7 @@
 //! [`slot_bytes`] for what a slot is charged.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -44,7 +44,7 @@ use crate::wire::abi::{self, DropReason, Round};
 use crate::config::Config;
 use crate::kernel::xdp::{XdpPlane, KernelMaps};
 use crate::wire::abi::Op;
-use crate::wire::frame::{parse_frame, Parsed};
+use crate::wire::frame::parse_frame;
 use crate::wire::proto;
 use crate::wire::slots::{Added, Refused, Slot, SlotKey, SlotTable};
 use crate::kernel::xsk::{self, XskConfig, XskSocket, XskStats};
@@ -698,19 +698,26 @@ impl Worker {
         };
         let payload = &frame[p.payload.clone()];
         self.table.stats.received_bytes += payload.len() as u64;
-        if let Ok(Some(done)) = self.table.contribute(p.saddr, payload, Instant::now()) {
-            self.deliver(&p, &done);
+        // This path's jobs are the config's, whose ranks are IPv4: an IPv6
+        // contribution (the kernel hands those over for jobs of IPv6 ranks,
+        // which only the kernel API makes) is no rank's here.
+        let (IpAddr::V4(saddr), IpAddr::V4(daddr)) = (p.saddr, p.daddr) else {
+            self.table.stats.count_drop(DropReason::SourceMismatch.into());
+            return;
+        };
+        if let Ok(Some(done)) = self.table.contribute(saddr, payload, Instant::now()) {
+            self.deliver(daddr, &done);
         }
     }
 
     /// The kernel's maps first ([`KernelMaps::release_completed`]), then
     /// the RESULT to the contribution's destination.
-    fn deliver(&mut self, p: &Parsed, done: &Completion) {
+    fn deliver(&mut self, daddr: Ipv4Addr, done: &Completion) {
         let recorded = done
             .kernel_owned_record
             .then_some(abi::SlotKey { job: done.job, pad: 0, round: done.round.0, frag_off: done.frag_off });
         self.maps.release_completed(done.job, recorded.as_ref(), done.handoff.as_ref());
-        let dst = SocketAddrV4::new(p.daddr, done.result_port);
+        let dst = SocketAddrV4::new(daddr, done.result_port);
         match self.result_sock.send_to(&done.result, dst) {
             Ok(_) => self.table.stats.results += 1,
             Err(_) => self.table.stats.result_send_errors += 1,

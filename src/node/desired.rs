@@ -94,7 +94,9 @@ pub fn xdp_job(job: &JobConfig, iface_mtu: usize) -> XdpJob {
         id: job.id,
         port: job.port,
         result_port: job.result_port,
-        ranks: job.workers.clone(),
+        // The config's workers are IPv4 (the runtime and TC serve no
+        // other); the kernel API takes either version.
+        ranks: job.workers.iter().map(|&a| std::net::IpAddr::V4(a)).collect(),
         weights: job.weights.clone(),
         vector_len: job.vector_len.unwrap_or(0),
         slots: job.slots,

@@ -20,7 +20,7 @@ pub struct JobStatus {
     /// Slot bound.
     pub slots: u32,
     /// Rank source addresses.
-    pub ranks: Vec<Ipv4Addr>,
+    pub ranks: Vec<IpAddr>,
     /// The job's XDP counters (`job_stats`, summed over CPUs); `None` when
     /// the pinned map or the job's entry is missing (attached by an older
     /// build).
@@ -127,8 +127,12 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
         let mut ranks = Vec::new();
         for rank in 0..u32::from(job.workers) {
             let rkey = dense * abi::MAX_RANKS + rank;
-            if let Some(r) = ranks_map.lookup(&rkey.to_ne_bytes(), MapFlags::ANY)?.and_then(|v| abi::from_bytes::<abi::Rank>(&v)) {
-                ranks.push(Ipv4Addr::from(r.addr.to_ne_bytes()));
+            if let Some(addr) = ranks_map
+                .lookup(&rkey.to_ne_bytes(), MapFlags::ANY)?
+                .and_then(|v| abi::from_bytes::<abi::Rank>(&v))
+                .and_then(|r| r.ip())
+            {
+                ranks.push(addr);
             }
         }
         jobs.push(JobStatus {

@@ -163,10 +163,12 @@ pub enum DropReason {
     PortMismatch = -147,
     ForgedResult = -148,
     SlotBusy = -149,
+    Ipv6ExtensionHeader = -150,
+    UdpZeroChecksum = -151,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 20] = [
+    pub const ALL: [DropReason; 22] = [
         DropReason::TruncatedHeader,
         DropReason::InvalidOp,
         DropReason::ReservedFlag,
@@ -187,6 +189,8 @@ impl DropReason {
         DropReason::PortMismatch,
         DropReason::ForgedResult,
         DropReason::SlotBusy,
+        DropReason::Ipv6ExtensionHeader,
+        DropReason::UdpZeroChecksum,
     ];
 
     /// Index of this reason in the stats map.
@@ -217,6 +221,8 @@ impl DropReason {
             DropReason::PortMismatch => "port_mismatch",
             DropReason::ForgedResult => "forged_result",
             DropReason::SlotBusy => "slot_busy",
+            DropReason::Ipv6ExtensionHeader => "ipv6_extension_header",
+            DropReason::UdpZeroChecksum => "udp_zero_checksum",
         }
     }
 }
@@ -316,14 +322,60 @@ const _: () = assert!(core::mem::size_of::<RankKey>() == 4);
 /// `|weight| <= 2^23`, the sum stays below 2^62 and can never wrap.
 pub const MAX_WEIGHT: i32 = 1 << 23;
 
-/// `struct aggbox_rank`: `addr` big-endian, `weight` host order.
+/// `AGGBOX_FAMILY_NONE`: a ranks entry that holds no rank.
+pub const FAMILY_NONE: u8 = 0;
+/// `AGGBOX_FAMILY_IPV4`: a rank that sends over IPv4.
+pub const FAMILY_IPV4: u8 = 4;
+/// `AGGBOX_FAMILY_IPV6`: a rank that sends over IPv6.
+pub const FAMILY_IPV6: u8 = 6;
+
+/// `struct aggbox_rank`: the IP version (`family`) and source address
+/// (`addr`, network order: an IPv6 address, or an IPv4 one in the first
+/// four bytes and zeros after) a rank sends from, and its weight (host
+/// order). Build it with [`Rank::new`]; the XDP program takes a
+/// contribution as the rank's only when both family and all 16 bytes match.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Rank {
-    pub addr: u32,
+    pub family: u8,
+    pub pad: [u8; 3],
     pub weight: i32,
+    pub addr: [u8; 16],
 }
-const _: () = assert!(core::mem::size_of::<Rank>() == 8);
+const _: () = assert!(core::mem::size_of::<Rank>() == 24);
+
+impl Rank {
+    /// The entry of a rank that sends from `addr` with `weight`.
+    pub fn new(addr: std::net::IpAddr, weight: i32) -> Rank {
+        let (family, bytes) = match addr {
+            std::net::IpAddr::V4(a) => {
+                let mut bytes = [0u8; 16];
+                bytes[..4].copy_from_slice(&a.octets());
+                (FAMILY_IPV4, bytes)
+            }
+            std::net::IpAddr::V6(a) => (FAMILY_IPV6, a.octets()),
+        };
+        Rank {
+            family,
+            pad: [0; 3],
+            weight,
+            addr: bytes,
+        }
+    }
+
+    /// The source address of the entry, `None` for an entry that holds no
+    /// rank (or an unknown family).
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        match self.family {
+            FAMILY_IPV4 => {
+                let a: [u8; 4] = self.addr[..4].try_into().ok()?;
+                Some(std::net::IpAddr::from(a))
+            }
+            FAMILY_IPV6 => Some(std::net::IpAddr::from(self.addr)),
+            _ => None,
+        }
+    }
+}
 
 /// `struct aggbox_port_key` (host order).
 #[repr(C)]
@@ -343,7 +395,8 @@ pub struct Port {
 const _: () = assert!(core::mem::size_of::<Port>() == 4);
 
 /// Largest `count` the kernel aggregates (`AGGBOX_MAX_ELEMS`): every legal
-/// IPv4 datagram (at most 16370 elements) fits.
+/// IPv4 datagram (at most 16370 elements) and IPv6 datagram without a
+/// jumbogram option (16375) fits.
 pub const MAX_ELEMS: u32 = 16384;
 /// Elements of one slot block: one spin-lock acquisition, one
 /// `bpf_xdp_load_bytes` (`AGGBOX_CHUNK_ELEMS`).
@@ -689,7 +742,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize, usize)> {
     fields!(out, "aggbox_job_key", JobKey, [job, pad]);
     fields!(out, "aggbox_job", Job, [port, result_port, workers, result_group, vector_len, slots, flags, weight_sum, window, fast_base, fast_slots, id, fast_granule, fast_stride]);
     fields!(out, "aggbox_rank_key", RankKey, [job, rank]);
-    fields!(out, "aggbox_rank", Rank, [addr, weight]);
+    fields!(out, "aggbox_rank", Rank, [family, pad, weight, addr]);
     fields!(out, "aggbox_port_key", PortKey, [port, pad]);
     fields!(out, "aggbox_port", Port, [jobs]);
     fields!(out, "aggbox_slot_key", SlotKey, [job, pad, round, frag_off]);
@@ -990,6 +1043,24 @@ mod tests {
         assert!(!Round(u32::MAX - 2).is_stale(Some(Round(1)), 4));
         // A window past i32::MAX is as wide as serial order reaches.
         assert!(!Round(1).is_stale(Some(Round(1 << 31)), u32::MAX));
+    }
+
+    #[test]
+    fn a_rank_entry_keeps_its_ip_version_apart_from_the_address_bits() {
+        use super::{Rank, FAMILY_IPV4, FAMILY_IPV6};
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        let v4 = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
+        let r = Rank::new(v4, 3);
+        assert_eq!((r.family, r.weight, r.pad), (FAMILY_IPV4, 3, [0; 3]));
+        assert_eq!(r.addr, [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], "IPv4 in the first word, zeros after");
+        assert_eq!(r.ip(), Some(v4));
+        // The IPv6 address with the same leading bytes is another rank.
+        let v6 = IpAddr::V6(Ipv6Addr::new(0x0a00, 0x0001, 0, 0, 0, 0, 0, 0));
+        let r6 = Rank::new(v6, 3);
+        assert_eq!((r6.family, r6.addr), (FAMILY_IPV6, r.addr));
+        assert_ne!(r6, r);
+        assert_eq!(r6.ip(), Some(v6));
+        assert_eq!(Rank::default().ip(), None, "an empty entry holds no rank");
     }
 }
 

@@ -214,7 +214,7 @@ impl Datagram {
             p.extend_from_slice(&v.to_be_bytes());
         }
         let mut f = Frame::udp(self.src, p);
-        f.dst = members()[ME];
+        f.dst = members()[ME].into();
         f.sport = self.port;
         f.dport = self.port;
         f.build()

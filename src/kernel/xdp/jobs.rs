@@ -2,7 +2,7 @@
 //! job entry, port, fast-slot region) and removing it, and reading the jobs
 //! back, from this process or from pinned maps.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use libbpf_rs::{MapCore, MapFlags};
 
@@ -20,9 +20,12 @@ pub struct XdpJob {
     pub port: u16,
     /// Local UDP port RESULT datagrams are delivered to.
     pub result_port: u16,
-    /// IPv4 source address of each rank; rank i sends from `ranks[i]`.
-    /// Its length is the number of workers (1..=[`abi::MAX_RANKS`]).
-    pub ranks: Vec<Ipv4Addr>,
+    /// Source address of each rank; rank i sends from `ranks[i]`. All
+    /// IPv4 or all IPv6 (a job's contributions come over one IP version);
+    /// a contribution over the other version, or from another address, is
+    /// `source_mismatch`. Its length is the number of workers
+    /// (1..=[`abi::MAX_RANKS`]).
+    pub ranks: Vec<IpAddr>,
     /// Weight of each rank for SUM/AVG; empty means all 1. Each weight must
     /// satisfy `|w| <= abi::MAX_WEIGHT` and the sum must be positive.
     pub weights: Vec<i32>,
@@ -68,6 +71,11 @@ impl XdpJob {
         }
     }
 
+    /// The `ranks` map entries of the job, rank by rank.
+    pub fn rank_entries(&self) -> Vec<abi::Rank> {
+        self.ranks.iter().zip(self.effective_weights()).map(|(&addr, weight)| abi::Rank::new(addr, weight)).collect()
+    }
+
     pub(crate) fn validate(&self) -> Result<abi::Job> {
         let bad = |reason: String| XdpError::InvalidJob {
             job: self.id,
@@ -79,6 +87,9 @@ impl XdpJob {
                 "{workers} ranks; a job has 1..={} ranks",
                 abi::MAX_RANKS
             )));
+        }
+        if self.ranks.iter().any(|a| a.is_ipv4() != self.ranks[0].is_ipv4()) {
+            return Err(bad("ranks of both IPv4 and IPv6; a job's ranks are all of one IP version".to_string()));
         }
         if !self.weights.is_empty() && self.weights.len() != workers {
             return Err(bad(format!(
@@ -158,12 +169,9 @@ impl XdpPlane {
         }
 
         // Ranks first, so that the job never points at missing ranks.
-        for (rank, (addr, weight)) in job.ranks.iter().zip(job.effective_weights()).enumerate() {
-            let rval = abi::Rank {
-                addr: u32::from_ne_bytes(addr.octets()),
-                weight,
-            };
-            self.write_rank(dense, rank as u16, &rval)?;
+        let new_ranks = job.rank_entries();
+        for (rank, rval) in new_ranks.iter().enumerate() {
+            self.write_rank(dense, rank as u16, rval)?;
         }
         update_array(&self.skel.maps.jobs, names::JOBS, dense, &value)?;
         // Published last: a datagram finds the index only once its job,
@@ -182,17 +190,7 @@ impl XdpPlane {
             for rank in value.workers..old.workers {
                 self.write_rank(dense, rank, &abi::Rank::default())?;
             }
-            let new_ranks: Vec<Option<abi::Rank>> = job
-                .ranks
-                .iter()
-                .zip(job.effective_weights())
-                .map(|(addr, weight)| {
-                    Some(abi::Rank {
-                        addr: u32::from_ne_bytes(addr.octets()),
-                        weight,
-                    })
-                })
-                .collect();
+            let new_ranks: Vec<Option<abi::Rank>> = new_ranks.into_iter().map(Some).collect();
             if new_ranks != old_ranks {
                 // Membership changed: the rounds in flight hold contributions
                 // (and rank bits, and a worker count) of the old membership.
@@ -477,4 +475,34 @@ fn configured_jobs(jobs: &impl MapCore) -> Result<Vec<(u32, abi::Job)>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    fn job(ranks: Vec<IpAddr>) -> XdpJob {
+        XdpJob {
+            id: 1,
+            port: 7000,
+            result_port: 7001,
+            ranks,
+            ..XdpJob::default()
+        }
+    }
+
+    #[test]
+    fn a_jobs_ranks_are_of_one_ip_version() {
+        let v4 = |i| IpAddr::V4(Ipv4Addr::new(10, 0, 0, i));
+        let v6 = |i| IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, i));
+        assert!(job(vec![v4(1), v4(2)]).validate().is_ok());
+        assert!(job(vec![v6(1), v6(2)]).validate().is_ok());
+        let err = job(vec![v4(1), v6(2)]).validate().unwrap_err().to_string();
+        assert!(err.contains("IPv4 and IPv6"), "{err}");
+        assert!(job(vec![v6(1), v4(2)]).validate().is_err());
+        let entries = job(vec![v6(1), v6(2)]).rank_entries();
+        assert_eq!(entries.iter().map(|r| (r.family, r.weight)).collect::<Vec<_>>(), [(abi::FAMILY_IPV6, 1); 2]);
+        assert_eq!(entries[1].ip(), Some(v6(2)));
+    }
 }

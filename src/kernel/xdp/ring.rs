@@ -98,10 +98,7 @@ impl XdpPlane {
         zero(&self.ring.skel.maps.ring_data, names::RING_DATA, job.base, job.entries())?;
         self.zero_ring_entries(dense)?;
         for (i, addr) in members.iter().enumerate() {
-            let rank = abi::Rank {
-                addr: u32::from(*addr).to_be(),
-                weight: 0,
-            };
+            let rank = abi::Rank::new(std::net::IpAddr::V4(*addr), 0);
             update_array(&self.ring.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
         }
         update_array(&self.ring.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
