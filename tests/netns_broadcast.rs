@@ -1028,25 +1028,15 @@ fn route_leaves(tb: &Testbed, root: usize, forwarders: &[usize], leaves: &[Vec<u
     }
     // the links report carrier before the first datagram
     for f in forwarders {
-        let up = wait_for(Duration::from_secs(5), || {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
             let out = tb.run_in(*f, &["ip", "-o", "link", "show", "dev", "eth1"]).expect("ip link show");
-            String::from_utf8_lossy(&out.stdout).contains("state UP")
-        });
-        assert!(up, "host {f}: eth1 is not up 5 s after it was made");
-    }
-}
-
-/// Poll `f` every 10 ms until it returns true or `timeout` passes.
-fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
+            if String::from_utf8_lossy(&out.stdout).contains("state UP") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "host {f}: eth1 is not up 5 s after it was made");
+            std::thread::sleep(Duration::from_millis(10));
         }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
