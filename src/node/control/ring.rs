@@ -19,6 +19,7 @@ use crate::wire::control::{exchange, Refusal, Reply, Request, RingGrant};
 
 use super::registry::{Registry, RingStart};
 use super::server::{now_ms, Change};
+use super::upstream::{lock, Publish};
 
 /// How often the thread looks whether the job still lives (the ring's end
 /// reaches its members within this) and whether the node is stopping.
@@ -26,9 +27,6 @@ const LOOK: Duration = Duration::from_millis(100);
 
 /// Proposals of a ring id and port before the run is refused.
 pub const PROPOSALS: u32 = 16;
-
-/// Shows the registry to `aggbox status` after the thread changed it.
-pub type Publish = Box<dyn Fn(&Registry) + Send>;
 
 /// Starts the thread of job `start`'s ring.
 pub fn spawn(start: RingStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>, publish: Publish) {
@@ -39,10 +37,6 @@ pub fn spawn(start: RingStart, registry: Arc<Mutex<Registry>>, changes: Sender<C
     if let Err(e) = spawned {
         eprintln!("aggbox: control: cannot start the ring thread of job {job}: {e}");
     }
-}
-
-fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
-    registry.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Proposal `k` of job `job`'s ring id and port: spread over the ranges by

@@ -35,7 +35,7 @@ pub fn spawn(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Send
     }
 }
 
-fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
+pub(super) fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
     registry.lock().unwrap_or_else(|p| p.into_inner())
 }
 
