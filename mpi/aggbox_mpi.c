@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* mpi/src/lib.rs */
 enum {
@@ -37,6 +38,8 @@ enum {
     AGGBOX_MPI_JOIN_FAILED = -5,
 };
 enum { AGGBOX_MPI_RUN_KEY_BYTES = 128 };
+/* How long a failing rank waits before it aborts the job: see fail(). */
+enum { ABORT_GRACE_US = 250 * 1000 };
 enum { CALL_ALLREDUCE = 0, CALL_REDUCE = 1, CALL_BCAST = 2 };
 int aggbox_mpi_position(int rank, int size, uint32_t position[2]);
 int aggbox_mpi_start(uint32_t round, uint32_t agg_seq);
@@ -102,6 +105,12 @@ static int is_plain(MPI_Datatype t)
 static void fail(const char *what)
 {
     fprintf(stderr, "aggbox-mpi: %s failed; aborting the job\n", what);
+    fflush(stderr);
+    /* The launcher forwards a rank's stderr through its proxy, and an abort
+     * tears the proxies down at once: what the rank wrote just before (the
+     * reason above and the Rust half's) can be lost, leaving the user an
+     * empty stderr. A moment lets the proxy pass it on first. */
+    usleep(ABORT_GRACE_US);
     PMPI_Abort(MPI_COMM_WORLD, 1);
 }
 
