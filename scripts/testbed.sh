@@ -10,7 +10,7 @@
 # Usage:
 #   testbed.sh up     --prefix P --hosts N [--subnet 10.77] [--first 11]
 #                     [--extra-addrs K] [--mtu 1500] [--queues Q]
-#                     [--tx-csum-off] [--static-neigh]
+#                     [--tx-csum-off] [--static-neigh] [--ipv6]
 #   testbed.sh down   --prefix P
 #   testbed.sh status --prefix P
 #   testbed.sh list   --prefix P
@@ -19,6 +19,9 @@
 # Addresses: host i gets BASE.0.(FIRST+i)/16 on eth0 (defaults: host 0 is
 # 10.77.0.11) and, with --extra-addrs K, BASE.(1+k).(FIRST+i)/16 for k in 0..K-1.
 # eth0 of host i has the MAC 02:00:B1:B2:00:(FIRST+i) (hex), BASE = B1.B2.
+# With --ipv6 (dual stack) host i also has fd00:B1:B2::(FIRST+i)/64, each
+# number written in decimal digits and read as hex (10.77, host 0:
+# fd00:10:77::11).
 #
 #   up      Build the testbed. Idempotent: if a testbed with this prefix and the
 #           same options is up and healthy it is left untouched ("unchanged");
@@ -35,6 +38,12 @@
 #                          generated packets carry full checksums
 #           --static-neigh permanent ARP entries for every other host's addresses,
 #                          and the switch's forwarding entry of every host's MAC
+#                          (with --ipv6, permanent neighbour entries of their
+#                          IPv6 addresses too)
+#           --ipv6         IPv6 on in every host, each with its IPv6 address
+#                          (above) beside its IPv4 ones, usable at once (no
+#                          duplicate address detection); without it IPv6 is
+#                          off in every namespace
 #           --xdp-tx       GRO on the switch's end of every veth: a veth takes
 #                          frames a host's XDP program sends back out (a
 #                          redirect: the ring's forwarding) only when its
@@ -98,6 +107,7 @@ QUEUES=""
 TX_CSUM_OFF=0
 STATIC_NEIGH=0
 XDP_TX=0
+IPV6=0
 HOST=""
 EXEC_ARGV=()
 
@@ -117,6 +127,7 @@ while [[ $# -gt 0 ]]; do
         --tx-csum-off) TX_CSUM_OFF=1; shift ;;
         --static-neigh) STATIC_NEIGH=1; shift ;;
         --xdp-tx) XDP_TX=1; shift ;;
+        --ipv6) IPV6=1; shift ;;
         --host) need_value "$@"; HOST=$2; shift 2 ;;
         --)
             shift
@@ -172,6 +183,10 @@ take_lock() {
     mkdir -p "$STATE_DIR"
     exec 9>"$STATE_DIR/lock"
     flock -w "$LOCK_TIMEOUT_S" 9 || die "timed out waiting for $STATE_DIR/lock"
+}
+
+host_addr6() { # host_addr6 I: the IPv6 address of host I (--ipv6)
+    echo "fd00:${SUBNET//./:}::$((FIRST + $1))"
 }
 
 host_addr() { # host_addr I [K]: main address (no K) or extra address K
@@ -254,7 +269,7 @@ normalize_subnet() {
 }
 
 config_line() {
-    echo "hosts=$HOSTS subnet=$SUBNET first=$FIRST extra=$EXTRA mtu=$MTU queues=${QUEUES:-default} tx_csum_off=$TX_CSUM_OFF static_neigh=$STATIC_NEIGH xdp_tx=$XDP_TX"
+    echo "hosts=$HOSTS subnet=$SUBNET first=$FIRST extra=$EXTRA mtu=$MTU queues=${QUEUES:-default} tx_csum_off=$TX_CSUM_OFF static_neigh=$STATIC_NEIGH xdp_tx=$XDP_TX ipv6=$IPV6"
 }
 
 # Loads HOSTS (and the other options) from the state file; fails if absent.
@@ -272,6 +287,7 @@ load_state() {
             tx_csum_off=*) TX_CSUM_OFF=${kv#*=} ;;
             static_neigh=*) STATIC_NEIGH=${kv#*=} ;;
             xdp_tx=*) XDP_TX=${kv#*=} ;;
+            ipv6=*) IPV6=${kv#*=} ;;
         esac
     done
     is_uint "$HOSTS"
@@ -288,12 +304,16 @@ healthy() {
         ip -n "$(host_ns "$i")" -o -4 addr show dev eth0 2>/dev/null |
             grep -qF " $(host_addr "$i")/16 " || return 1
         ip -n "$(host_ns "$i")" -o link show dev eth0 2>/dev/null | grep -q 'state UP' || return 1
+        if ((IPV6)); then
+            ip -n "$(host_ns "$i")" -o -6 addr show dev eth0 2>/dev/null |
+                grep -qF " $(host_addr6 "$i")/64 " || return 1
+        fi
     done
 }
 
 summary() {
     local last=$((HOSTS - 1)) note=$1
-    echo "testbed $PREFIX: up, $HOSTS hosts ${PREFIX}h0..${PREFIX}h$last $(host_addr 0)..$(host_addr "$last")/16 eth0 mtu $MTU, switch ${SW_NS}/br0${note:+ ($note)}"
+    echo "testbed $PREFIX: up, $HOSTS hosts ${PREFIX}h0..${PREFIX}h$last $(host_addr 0)..$(host_addr "$last")/16$( ((IPV6)) && echo " $(host_addr6 0)..$(host_addr6 "$last")/64") eth0 mtu $MTU, switch ${SW_NS}/br0${note:+ ($note)}"
 }
 
 # ---------------------------------------------------------------- commands
@@ -333,7 +353,10 @@ cmd_up() {
     local qopt=() sys_common=(
         net.ipv6.conf.all.disable_ipv6=1
         net.ipv6.conf.default.disable_ipv6=1
-    )
+    ) host_sys=()
+    # The switch only bridges frames: IPv6 stays off there either way.
+    ((IPV6)) && host_sys=(net.ipv6.conf.all.disable_ipv6=0 net.ipv6.conf.default.disable_ipv6=0
+        net.ipv6.conf.all.forwarding=1 net.ipv6.conf.all.accept_dad=0 net.ipv6.conf.default.accept_dad=0)
     [[ -z $QUEUES ]] || qopt=(numtxqueues "$QUEUES" numrxqueues "$QUEUES")
 
     ip netns add "$SW_NS"
@@ -356,7 +379,7 @@ cmd_up() {
         ns=$(host_ns "$i")
         port=$(port_name "$i")
         ip netns add "$ns"
-        nsexec "$ns" sysctl -qw "${sys_common[@]}" \
+        nsexec "$ns" sysctl -qw "${sys_common[@]}" "${host_sys[@]}" \
             net.ipv4.ip_forward=1 \
             net.ipv4.conf.all.send_redirects=0 net.ipv4.conf.default.send_redirects=0 \
             net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
@@ -376,6 +399,9 @@ cmd_up() {
         for ((k = 0; k < EXTRA; k++)); do
             ip -n "$ns" addr add "$(host_addr "$i" "$k")/16" dev eth0
         done
+        if ((IPV6)); then
+            ip -n "$ns" addr add "$(host_addr6 "$i")/64" dev eth0 nodad
+        fi
         if ((TX_CSUM_OFF)); then
             nsexec "$ns" ethtool -K eth0 tx off >/dev/null
         fi
@@ -401,6 +427,9 @@ cmd_up() {
                 for ((k = 0; k < EXTRA; k++)); do
                     ip -n "$ns" neigh replace "$(host_addr "$j" "$k")" lladdr "$(host_mac "$j")" dev eth0 nud permanent
                 done
+                if ((IPV6)); then
+                    ip -n "$ns" neigh replace "$(host_addr6 "$j")" lladdr "$(host_mac "$j")" dev eth0 nud permanent
+                fi
             done
         done
     fi

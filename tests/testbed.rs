@@ -7,7 +7,7 @@
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
 mod testbed;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -96,25 +96,31 @@ fn assert_gone(prefix: &str) {
 /// Sends one UDP datagram from `from` to `to_addr` (an address of host `to`)
 /// using sockets opened inside the hosts' namespaces, and checks it arrives
 /// with the right payload and source.
-fn udp_check(from: &Host, to: &Host, to_addr: Ipv4Addr, port: u16) {
+fn udp_check(from: &Host, to: &Host, to_addr: impl Into<IpAddr>, port: u16) {
+    let to_addr: IpAddr = to_addr.into();
+    let from_addr = match to_addr {
+        IpAddr::V4(_) => IpAddr::V4(from.addr),
+        IpAddr::V6(_) => IpAddr::V6(from.addr6.expect("the sender has an IPv6 address")),
+    };
     let rx = in_netns(&to.netns, || UdpSocket::bind((to_addr, port)))
         .expect("enter receiver netns")
         .unwrap_or_else(|e| panic!("bind {to_addr}:{port} in {}: {e}", to.netns));
     rx.set_read_timeout(Some(Duration::from_millis(200)))
         .expect("timeout");
-    let tx = in_netns(&from.netns, || UdpSocket::bind((from.addr, 0)))
+    let tx = in_netns(&from.netns, || UdpSocket::bind((from_addr, 0)))
         .expect("enter sender netns")
-        .unwrap_or_else(|e| panic!("bind {} in {}: {e}", from.addr, from.netns));
+        .unwrap_or_else(|e| panic!("bind {from_addr} in {}: {e}", from.netns));
     let msg = format!("{} -> {}", from.netns, to_addr);
     let mut buf = [0u8; 256];
-    // The first datagram may wait on ARP; resend a few times before failing.
+    // The first datagram may wait on ARP (or neighbour discovery); resend a
+    // few times before failing.
     for attempt in 0..10 {
         tx.send_to(msg.as_bytes(), (to_addr, port))
             .expect("send_to");
         match rx.recv_from(&mut buf) {
             Ok((n, src)) => {
                 assert_eq!(&buf[..n], msg.as_bytes());
-                assert_eq!(src.ip(), IpAddr::V4(from.addr));
+                assert_eq!(src.ip(), from_addr);
                 return;
             }
             Err(e) if attempt < 9 => eprintln!("{msg}: attempt {attempt}: {e}"),
@@ -160,6 +166,50 @@ fn three_hosts_reach_each_other_over_udp() {
     let prefix = tb.prefix().to_string();
     drop(tb);
     assert_gone(&prefix);
+}
+
+/// `ipv6`: every host also has its `fd00:A:B::N` address, usable at once,
+/// and reaches every other over IPv6 as over IPv4, with and without static
+/// neighbour entries (which then cover the IPv6 addresses too); without the
+/// option a host has no IPv6 address and IPv6 is off.
+#[test]
+fn ipv6_gives_every_host_a_second_family() {
+    require_root();
+    for static_neigh in [false, true] {
+        let tb = Testbed::up(TestbedConfig { hosts: 3, ipv6: true, static_neigh, ..Default::default() })
+            .expect("testbed up");
+        let want: Vec<Ipv6Addr> = ["fd00:10:77::11", "fd00:10:77::12", "fd00:10:77::13"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(tb.hosts().iter().map(|h| h.addr6.unwrap()).collect::<Vec<_>>(), want);
+        let mut port = 41000;
+        for i in 0..3 {
+            for j in 0..3 {
+                if i != j {
+                    udp_check(&tb.host(i), &tb.host(j), tb.host(j).addr6.unwrap(), port);
+                    udp_check(&tb.host(i), &tb.host(j), tb.host(j).addr, port + 1);
+                    port += 2;
+                }
+            }
+        }
+        let h0 = tb.host(0);
+        let neigh = in_netns(&h0.netns, || Command::new("ip").args(["-6", "neigh", "show", "nud", "permanent"]).output())
+            .expect("enter h0")
+            .expect("ip -6 neigh");
+        let permanent = String::from_utf8_lossy(&neigh.stdout).into_owned();
+        assert_eq!(
+            permanent.contains("fd00:10:77::12") && permanent.contains("fd00:10:77::13"),
+            static_neigh,
+            "h0's permanent IPv6 neighbours with static_neigh={static_neigh}: {permanent}"
+        );
+    }
+    let tb = Testbed::up(TestbedConfig { hosts: 2, ..Default::default() }).expect("testbed up");
+    assert_eq!(tb.host(0).addr6, None);
+    let off = in_netns(&tb.host(0).netns, || std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6"))
+        .expect("enter h0")
+        .expect("read disable_ipv6");
+    assert_eq!(off.trim(), "1", "IPv6 is off without the option");
 }
 
 #[test]

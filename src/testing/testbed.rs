@@ -35,7 +35,7 @@
 //! All operations need root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
 
 use std::fs::File;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -144,6 +144,9 @@ pub struct TestbedConfig {
     /// TX and RX queue count of every veth; `None` (default) keeps the kernel's
     /// (one TX queue, as many RX queues as CPUs).
     pub queues: Option<u32>,
+    /// Dual stack: IPv6 on in every host, each with [`Host::addr6`] beside
+    /// its IPv4 addresses. Default false (IPv6 off in every namespace).
+    pub ipv6: bool,
     /// First two octets of every address. Default `[10, 77]`.
     pub subnet: [u8; 2],
     /// Last octet of host 0's address. Default 11.
@@ -160,6 +163,7 @@ impl Default for TestbedConfig {
             tx_csum_off: false,
             static_neigh: false,
             xdp_tx: false,
+            ipv6: false,
             queues: None,
             subnet: [10, 77],
             first: 11,
@@ -198,6 +202,9 @@ impl TestbedConfig {
         if self.xdp_tx {
             args.push("--xdp-tx".into());
         }
+        if self.ipv6 {
+            args.push("--ipv6".into());
+        }
         args
     }
 
@@ -227,6 +234,13 @@ impl TestbedConfig {
     }
 }
 
+/// The IPv6 address `scripts/testbed.sh` gives the host `a.b.0.last`:
+/// `fd00:a:b::last`, each number's decimal digits read as hex.
+pub fn addr6_of(a: u8, b: u8, last: u8) -> Ipv6Addr {
+    let group = |n: u8| u16::from_str_radix(&n.to_string(), 16).expect("decimal digits are hex digits");
+    Ipv6Addr::new(0xfd00, group(a), group(b), 0, 0, 0, 0, group(last))
+}
+
 /// Whether `prefix` is a valid testbed prefix (`[a-z0-9]{1,8}`).
 pub fn valid_prefix(prefix: &str) -> bool {
     (1..=8).contains(&prefix.len())
@@ -248,6 +262,10 @@ pub struct Host {
     /// Its extra addresses, on the same interface (see
     /// [`TestbedConfig::extra_addrs`]).
     pub extra_addrs: Vec<Ipv4Addr>,
+    /// Its IPv6 address (prefix length 64) with [`TestbedConfig::ipv6`]:
+    /// `fd00:A:B::N` for `A.B.0.N`, each number's decimal digits read as
+    /// hex (`10.77.0.11` → `fd00:10:77::11`).
+    pub addr6: Option<Ipv6Addr>,
     /// Its interface towards the switch: always [`HOST_IFNAME`] (`eth0`).
     pub ifname: String,
     /// MAC address of [`Host::ifname`]: `02:00:A:B:00:(first+index)`.
@@ -404,6 +422,7 @@ impl Testbed {
                     extra_addrs: (0..config.extra_addrs)
                         .map(|k| Ipv4Addr::new(a, b, (1 + k) as u8, last))
                         .collect(),
+                    addr6: config.ipv6.then(|| addr6_of(a, b, last)),
                     ifname: HOST_IFNAME.to_string(),
                     mac: [0x02, 0x00, a, b, 0x00, last],
                 }
