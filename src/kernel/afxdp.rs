@@ -32,7 +32,7 @@
 //! [`slot_bytes`] for what a slot is charged.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -282,7 +282,9 @@ impl std::fmt::Debug for UserspacePath {
 /// One configured job as this path needs it.
 #[derive(Debug, Clone)]
 struct JobInfo {
-    ranks: Vec<(u32, i32)>, // (IPv4 address as in the packet, weight)
+    /// (address, weight) per rank: a contribution is its rank's only if its
+    /// IP version and address are the rank's (docs/PROTOCOL.md "IPv6").
+    ranks: Vec<(IpAddr, i32)>,
     /// RESULTs go upstream: numbered by this path's own counter, as the
     /// kernel's (`result_seq_write` in aggbox_xdp.bpf.c).
     has_parent: bool,
@@ -413,7 +415,7 @@ fn job_infos(config: &Config) -> HashMap<u16, JobInfo> {
                     .workers
                     .iter()
                     .zip(&weights)
-                    .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
+                    .map(|(&a, &w)| (IpAddr::from(a), w))
                     .collect(),
                 weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
                 weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),
@@ -522,18 +524,18 @@ impl UserspaceAggregator {
     /// counted in the stats under [`Refusal::label`], nothing changed.
     pub fn contribute(
         &mut self,
-        saddr: Ipv4Addr,
+        saddr: impl Into<IpAddr>,
         dgram: &[u8],
         now: Instant,
     ) -> Result<Option<Completion>, Refusal> {
-        let result = self.add(u32::from_ne_bytes(saddr.octets()), dgram, now);
+        let result = self.add(saddr.into(), dgram, now);
         if let Err(refusal) = result {
             self.stats.count_drop(refusal);
         }
         result
     }
 
-    fn add(&mut self, saddr: u32, dgram: &[u8], now: Instant) -> Result<Option<Completion>, Refusal> {
+    fn add(&mut self, saddr: IpAddr, dgram: &[u8], now: Instant) -> Result<Option<Completion>, Refusal> {
         let (hdr, values) = proto::split_agg(dgram)
             .map_err(|e| e.drop_reason().unwrap_or(DropReason::TruncatedHeader))?;
         let job = self.jobs.get(&hdr.job).ok_or(DropReason::UnknownJob)?;
@@ -685,6 +687,9 @@ struct Worker {
     maps: Arc<KernelMaps>,
     sockets: Vec<XskSocket>,
     result_sock: UdpSocket,
+    /// The IPv6 results' socket; `None` where the node has no IPv6 (its
+    /// RESULTs to IPv6 ranks then count as `result_send_errors`).
+    result_sock6: Option<UdpSocket>,
     stats: Arc<Mutex<UserspaceStats>>,
     opts: UserspaceOptions,
 }
@@ -698,29 +703,26 @@ impl Worker {
         };
         let payload = &frame[p.payload.clone()];
         self.table.stats.received_bytes += payload.len() as u64;
-        // This path's jobs are the config's, whose ranks are IPv4: an IPv6
-        // contribution (the kernel hands those over for jobs of IPv6 ranks,
-        // which only the kernel API makes) is no rank's here.
-        let (IpAddr::V4(saddr), IpAddr::V4(daddr)) = (p.saddr, p.daddr) else {
-            self.table.stats.count_drop(DropReason::SourceMismatch.into());
-            return;
-        };
-        if let Ok(Some(done)) = self.table.contribute(saddr, payload, Instant::now()) {
-            self.deliver(daddr, &done);
+        if let Ok(Some(done)) = self.table.contribute(p.saddr, payload, Instant::now()) {
+            self.deliver(p.daddr, &done);
         }
     }
 
     /// The kernel's maps first ([`KernelMaps::release_completed`]), then
     /// the RESULT to the contribution's destination.
-    fn deliver(&mut self, daddr: Ipv4Addr, done: &Completion) {
+    fn deliver(&mut self, daddr: IpAddr, done: &Completion) {
         let recorded = done
             .kernel_owned_record
             .then_some(abi::SlotKey { job: done.job, pad: 0, round: done.round.0, frag_off: done.frag_off });
         self.maps.release_completed(done.job, recorded.as_ref(), done.handoff.as_ref());
-        let dst = SocketAddrV4::new(daddr, done.result_port);
-        match self.result_sock.send_to(&done.result, dst) {
-            Ok(_) => self.table.stats.results += 1,
-            Err(_) => self.table.stats.result_send_errors += 1,
+        let dst = SocketAddr::new(daddr, done.result_port);
+        let sock = match daddr {
+            IpAddr::V4(_) => Some(&self.result_sock),
+            IpAddr::V6(_) => self.result_sock6.as_ref(),
+        };
+        match sock.map(|s| s.send_to(&done.result, dst)) {
+            Some(Ok(_)) => self.table.stats.results += 1,
+            _ => self.table.stats.result_send_errors += 1,
         }
     }
 
@@ -859,6 +861,8 @@ impl UserspacePath {
             sockets.push(sock);
             queues.push(q);
         }
+        // A node with IPv6 off still serves its IPv4 jobs.
+        let result_sock6 = UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0)).ok();
         let result_sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
             .context("user-space path: result socket")?;
 
@@ -879,6 +883,7 @@ impl UserspacePath {
             maps: Arc::clone(&maps),
             sockets,
             result_sock,
+            result_sock6,
             stats: Arc::clone(&stats),
             opts,
         };
