@@ -43,7 +43,7 @@ help:
 	@echo "make test    deps + build + every test (unit, BPF_PROG_TEST_RUN, netns; needs root)"
 	@echo "make demo    deps + build + netns testbed + attach + traffic, printed"
 	@echo "make bench   deps + build + every benchmark (BENCH_ARGS=--quick for the CI smoke); results/REPORT.md"
-	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34), the backend against Gloo; results/python_*.json"
+	@echo "make bench-python  DDP over AggBox against Gloo (ResNet-18, ResNet-34), the backend and DDP on it against Gloo; results/python_*.json"
 	@echo "make bench-mpi  MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs libaggbox_mpi; results/mpi/"
 	@echo "make fmt     format the Rust sources"
 	@echo "make clean   remove build outputs"
@@ -166,8 +166,14 @@ bench: deps bench-deps python mpi
 # float32 and bfloat16 from 4 B to 100 MB, interleaved, 4 ranks, MTU 1500;
 # $(BENCH_OUT)/python_backend.{json,log}. Then the backend's own Gloo path
 # (route "gloo") against a plain Gloo group, float32 4 B to 16 MiB,
-# interleaved call by call; $(BENCH_OUT)/python_gloo_path.{json,log}.
+# interleaved call by call; $(BENCH_OUT)/python_gloo_path.{json,log}. Last,
+# DDP on the backend (docs/PYTHON.md "DDP on the backend against Gloo"): an
+# unmodified script's DDP on "aggbox" beside DDP on a Gloo group, steps
+# interleaved, ResNet-18, ResNet-34 and a model of many 1 MiB buckets, 4 and
+# 8 workers, MTU 9000; $(BENCH_OUT)/python_ddp_backend_w{4,8}.{json,log}.
 PY_BENCH_STEPS := $(if $(filter --quick,$(BENCH_ARGS)),3,10)
+PY_DDP_BACKEND_MODELS := $(if $(filter --quick,$(BENCH_ARGS)),mlp:b1,resnet18,resnet34,mlp:b1)
+PY_DDP_BACKEND_WORKERS := $(if $(filter --quick,$(BENCH_ARGS)),4,4 8)
 bench-python: python
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-python: needs root (network namespaces, BPF)" >&2; exit 1; fi
 	$(CARGO) build $(CARGO_FLAGS) --bin aggbox
@@ -179,6 +185,11 @@ bench-python: python
 	  --json $(BENCH_OUT)/python_backend.json | tee $(BENCH_OUT)/python_backend.log
 	set -o pipefail; AGGBOX_BIN=$(BIN) python/examples/backend_testbed.sh --script python/examples/bench_gloo_path.py \
 	  $(if $(filter --quick,$(BENCH_ARGS)),--quick) --json $(BENCH_OUT)/python_gloo_path.json | tee $(BENCH_OUT)/python_gloo_path.log
+	set -o pipefail; for w in $(PY_DDP_BACKEND_WORKERS); do \
+	  AGGBOX_BIN=$(BIN) python/examples/backend_testbed.sh --workers $$w --mtu 9000 --script python/examples/bench_ddp_backend.py \
+	    --models $(PY_DDP_BACKEND_MODELS) --steps $(PY_BENCH_STEPS) --json $(BENCH_OUT)/python_ddp_backend_w$$w.json \
+	    | tee $(BENCH_OUT)/python_ddp_backend_w$$w.log || exit 1; \
+	done
 
 # MPI_Allreduce and MPI_Bcast latency and bandwidth, plain MPI vs
 # libaggbox_mpi (docs/MPI.md, "Benchmark"): MPI_BENCH_ARGS="--mpi mpich
