@@ -18,7 +18,7 @@
 //! [`RingServer`] is the I/O loop around all of them.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,7 +68,7 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(50);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transmit {
     /// Destination.
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// AGR1 datagram.
     pub bytes: Vec<u8>,
 }
@@ -123,7 +123,10 @@ pub struct RingService {
     dense: u32,
     job: RingJob,
     layout: RingLayout,
-    members: Vec<Ipv4Addr>,
+    /// The members' addresses in ring order, all of one IP version: what
+    /// the service sends comes from `members[me]`, and a datagram is
+    /// member k's only if it comes from `members[k]`.
+    members: Vec<IpAddr>,
     memory: Arc<RingMemory>,
     window: usize,
     /// The round this service runs (started), if any.
@@ -162,11 +165,15 @@ impl std::fmt::Debug for RingService {
 
 impl RingService {
     /// The service of the ring `job` (dense index `dense`) whose members
-    /// are `members` (ring order), over `memory`.
-    pub fn new(dense: u32, job: RingJob, members: Vec<Ipv4Addr>, memory: Arc<RingMemory>) -> Result<RingService> {
+    /// are `members` (ring order, IPv4 or IPv6 addresses, one version for
+    /// all), over `memory`.
+    pub fn new(dense: u32, job: RingJob, members: Vec<IpAddr>, memory: Arc<RingMemory>) -> Result<RingService> {
         memory.check_job(&job)?;
         if members.len() != usize::from(job.members) || usize::from(job.me) >= members.len() {
             return Err(anyhow!("ring {}: {} member addresses for {} members (me {})", job.id, members.len(), job.members, job.me));
+        }
+        if members.iter().any(|m| m.is_ipv6() != members[0].is_ipv6()) {
+            return Err(anyhow!("ring {}: its members mix IPv4 and IPv6 addresses; a ring's are all of one version", job.id));
         }
         let layout = RingLayout::of_job(&job);
         if layout.frags() != job.frags {
@@ -212,7 +219,7 @@ impl RingService {
     }
 
     /// This member's address.
-    pub fn self_addr(&self) -> Ipv4Addr {
+    pub fn self_addr(&self) -> IpAddr {
         self.members[usize::from(self.job.me)]
     }
 
@@ -221,8 +228,8 @@ impl RingService {
         self.stats
     }
 
-    fn addr(&self, member: u16) -> SocketAddrV4 {
-        SocketAddrV4::new(self.members[usize::from(member)], self.job.port)
+    fn addr(&self, member: u16) -> SocketAddr {
+        SocketAddr::new(self.members[usize::from(member)], self.job.port)
     }
 
     /// Fragment `frag`'s entry in round `r`'s buffer (`RingJob::index`).
@@ -231,7 +238,7 @@ impl RingService {
     }
 
     /// One received datagram from `from`.
-    pub fn handle(&mut self, now: Instant, from: SocketAddrV4, mut datagram: Vec<u8>, out: &mut Vec<Transmit>) {
+    pub fn handle(&mut self, now: Instant, from: SocketAddr, mut datagram: Vec<u8>, out: &mut Vec<Transmit>) {
         let hdr = match RingHeader::decode(&datagram) {
             Ok((hdr, _)) if hdr.ring == self.id && self.layout.check(&hdr).is_ok() => hdr,
             _ => {
@@ -248,7 +255,7 @@ impl RingService {
             self.poll(now, out);
             return;
         }
-        if *from.ip() != self.members[usize::from(hdr.sender)] {
+        if from.ip() != self.members[usize::from(hdr.sender)] {
             self.stats.refused += 1;
             return;
         }
@@ -594,9 +601,9 @@ pub fn default_window(frag_elems: u32) -> usize {
 /// A ring's socket: `addr:port` (the member's address, or loopback for the
 /// KICKs), non-blocking, 8 MiB buffers (a round's datagrams arrive in
 /// bursts of every member's window).
-pub fn bind_ring_socket(addr: Ipv4Addr, port: u16) -> Result<UdpSocket> {
-    let socket = UdpSocket::bind(SocketAddrV4::new(addr, port))
-        .map_err(|e| anyhow!("ring port {addr}:{port}: {e}; another process holds it"))?;
+pub fn bind_ring_socket(addr: IpAddr, port: u16) -> Result<UdpSocket> {
+    let at = SocketAddr::new(addr, port);
+    let socket = UdpSocket::bind(at).map_err(|e| anyhow!("ring port {at}: {e}; another process holds it"))?;
     socket.set_nonblocking(true)?;
     crate::netif::set_socket_buffers(&socket, 8 << 20);
     Ok(socket)
@@ -660,7 +667,8 @@ impl RingServer {
         )?);
         let mut rings = Vec::new();
         for (dense, (job, members)) in &kernel.rings {
-            let service = RingService::new(*dense, *job, members.clone(), memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
+            let members = members.iter().map(|&m| IpAddr::from(m)).collect();
+            let service = RingService::new(*dense, *job, members, memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
             let sockets = bind_service_sockets(&service)?;
             rings.push((sockets, service));
         }
@@ -737,9 +745,16 @@ impl RingServer {
 
 /// A service's sockets: on the member's address, so that what the service
 /// sends comes from the address the other members' XDP programs check (a
-/// node may have several), and on loopback for the KICKs.
+/// node may have several), and on 127.0.0.1 for the KICKs (the runtime
+/// kicks there whatever the ring's IP version).
 pub fn bind_service_sockets(service: &RingService) -> Result<Vec<UdpSocket>> {
-    Ok(vec![bind_ring_socket(service.self_addr(), service.port())?, bind_ring_socket(Ipv4Addr::LOCALHOST, service.port())?])
+    service_addrs(service.self_addr(), service.port()).into_iter().map(|at| bind_ring_socket(at.ip(), at.port())).collect()
+}
+
+/// Where a ring's service listens: `self_addr:port` first (the socket it
+/// sends from), then 127.0.0.1:port.
+fn service_addrs(self_addr: IpAddr, port: u16) -> [SocketAddr; 2] {
+    [SocketAddr::new(self_addr, port), SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)]
 }
 
 /// A change of the rings a [`RingServer`] serves (a reload's): the rings
@@ -753,7 +768,7 @@ pub struct RingServiceChange {
     stop: Vec<u16>,
     /// Each starting service with its sockets: `Ok` bound now, `Err` the
     /// address a stopped ring's socket is bound to.
-    start: Vec<(Vec<std::result::Result<UdpSocket, SocketAddrV4>>, RingService)>,
+    start: Vec<(Vec<std::result::Result<UdpSocket, SocketAddr>>, RingService)>,
 }
 
 impl RingServiceChange {
@@ -765,31 +780,31 @@ impl RingServiceChange {
         old: &super::desired::KernelState,
         new: &super::desired::KernelState,
     ) -> Result<RingServiceChange> {
-        let stopping: Vec<&RingJob> =
-            old.rings.iter().filter(|(dense, entry)| new.rings.get(dense) != Some(entry)).map(|(_, (job, _))| job).collect();
-        let starting: Vec<(u32, &RingJob, &Vec<Ipv4Addr>)> = new
+        let stopping: Vec<(&RingJob, IpAddr)> = old
+            .rings
+            .iter()
+            .filter(|(dense, entry)| new.rings.get(dense) != Some(entry))
+            .map(|(_, (job, members))| (job, IpAddr::from(members[usize::from(job.me)])))
+            .collect();
+        let starting: Vec<(u32, &RingJob, Vec<IpAddr>)> = new
             .rings
             .iter()
             .filter(|(dense, entry)| old.rings.get(dense) != Some(entry))
-            .map(|(dense, (job, members))| (*dense, job, members))
+            .map(|(dense, (job, members))| (*dense, job, members.iter().map(|&m| IpAddr::from(m)).collect()))
             .collect();
-        let mut change = RingServiceChange { stop: stopping.iter().map(|j| j.id).collect(), start: Vec::new() };
+        let mut change = RingServiceChange { stop: stopping.iter().map(|(j, _)| j.id).collect(), start: Vec::new() };
         if starting.is_empty() {
             return Ok(change);
         }
         let memory = server
             .and_then(RingServer::memory)
             .ok_or_else(|| anyhow!("the ring service is not running (this node reserved no ring memory at attach)"))?;
-        let held: Vec<SocketAddrV4> = stopping
-            .iter()
-            .flat_map(|j| [SocketAddrV4::new(Ipv4Addr::from(u32::from_be(j.self_addr)), j.port), SocketAddrV4::new(Ipv4Addr::LOCALHOST, j.port)])
-            .collect();
+        let held: Vec<SocketAddr> = stopping.iter().flat_map(|(j, me)| service_addrs(*me, j.port)).collect();
         for (dense, job, members) in starting {
-            let service = RingService::new(dense, *job, members.clone(), memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
+            let service = RingService::new(dense, *job, members, memory.clone()).map_err(|e| anyhow!("ring {}: {e:#}", job.id))?;
             let mut sockets = Vec::new();
-            for addr in [service.self_addr(), Ipv4Addr::LOCALHOST] {
-                let at = SocketAddrV4::new(addr, job.port);
-                sockets.push(if held.contains(&at) { Err(at) } else { Ok(bind_ring_socket(addr, job.port)?) });
+            for at in service_addrs(service.self_addr(), job.port) {
+                sockets.push(if held.contains(&at) { Err(at) } else { Ok(bind_ring_socket(at.ip(), at.port())?) });
             }
             change.start.push((sockets, service));
         }
@@ -821,9 +836,9 @@ impl RingServiceChange {
             for socket in sockets {
                 bound.push(match socket {
                     Ok(socket) => socket,
-                    Err(at) => match spare.iter().position(|s| s.local_addr().ok() == Some(std::net::SocketAddr::V4(at))) {
+                    Err(at) => match spare.iter().position(|s| s.local_addr().ok() == Some(at)) {
                         Some(i) => spare.swap_remove(i),
-                        None => bind_ring_socket(*at.ip(), at.port())?,
+                        None => bind_ring_socket(at.ip(), at.port())?,
                     },
                 });
             }
@@ -918,8 +933,7 @@ fn serve(served: &Mutex<Served>, stop: &AtomicBool, stats: &Mutex<HashMap<u16, R
                 for socket in sockets.iter() {
                     for _ in 0..RECV_BATCH {
                         match socket.recv_from(&mut buf) {
-                            Ok((n, std::net::SocketAddr::V4(from))) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
-                            Ok(_) => {}
+                            Ok((n, from)) => service.handle(Instant::now(), from, buf[..n].to_vec(), &mut out),
                             Err(_) => break,
                         }
                         send_all(&sockets[0], &mut out);

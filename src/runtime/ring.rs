@@ -368,7 +368,7 @@ mod tests {
     fn ring(len: u32) -> Loop {
         let addrs: Vec<Ipv4Addr> = (0..3).map(|m| Ipv4Addr::new(127, 0, 0, 1 + m)).collect();
         let (port, sockets) = (30000..40000u16)
-            .find_map(|p| addrs.iter().map(|&a| bind_ring_socket(a, p)).collect::<anyhow::Result<Vec<_>>>().ok().map(|s| (p, s)))
+            .find_map(|p| addrs.iter().map(|&a| bind_ring_socket(a.into(), p)).collect::<anyhow::Result<Vec<_>>>().ok().map(|s| (p, s)))
             .expect("a free port");
         let frag_elems = 6;
         let frags = len.div_ceil(frag_elems);
@@ -389,7 +389,7 @@ mod tests {
                 self_addr: 0,
                 next_addr: 0,
             };
-            let service = RingService::new(0, job, addrs.clone(), memory.clone()).expect("service");
+            let service = RingService::new(0, job, addrs.iter().map(|&a| a.into()).collect(), memory.clone()).expect("service");
             servers.push(RingServer::start(vec![(vec![socket], service)], None).expect("server"));
             let mut c = RingCommunicator::over(memory, 0, job, SocketAddrV4::new(addrs[m], port)).expect("communicator");
             c.set_deadline(Duration::from_secs(20));

@@ -19,8 +19,13 @@ const PORT: u16 = 7400;
 const BASE: u32 = 3;
 const DENSE: u32 = 2;
 
-fn member_addr(m: usize) -> Ipv4Addr {
-    Ipv4Addr::new(10, 0, 0, 1 + m as u8)
+fn member_addr(m: usize) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1 + m as u8))
+}
+
+/// Member `m`'s address in a ring of IPv6 members.
+fn member_addr6(m: usize) -> IpAddr {
+    IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1 + m as u16))
 }
 
 struct Sim {
@@ -28,8 +33,10 @@ struct Sim {
     memories: Vec<Arc<RingMemory>>,
     layout: RingLayout,
     now: Instant,
+    /// The members' addresses.
+    addrs: Vec<IpAddr>,
     /// In flight: (receiving member, from, bytes).
-    net: Vec<(usize, SocketAddrV4, Vec<u8>)>,
+    net: Vec<(usize, SocketAddr, Vec<u8>)>,
     rng: Rng,
     loss: f64,
     dup: f64,
@@ -45,10 +52,19 @@ struct Sim {
 
 impl Sim {
     fn new(members: usize, frag_elems: u32, vector_len: u32, weights: Vec<i32>, window: usize) -> Sim {
+        Sim::with_addrs((0..members).map(member_addr).collect(), frag_elems, vector_len, weights, window)
+    }
+
+    /// A ring of the members at `addrs`.
+    fn with_addrs(addrs: Vec<IpAddr>, frag_elems: u32, vector_len: u32, weights: Vec<i32>, window: usize) -> Sim {
+        let members = addrs.len();
         let layout = RingLayout { members: members as u16, me: 0, frag_elems, vector_len };
         let frags = layout.frags();
         let weight_sum: i32 = weights.iter().sum();
-        let addrs: Vec<Ipv4Addr> = (0..members).map(member_addr).collect();
+        let v4 = |a: IpAddr| match a {
+            IpAddr::V4(a) => u32::from(a).to_be(),
+            IpAddr::V6(_) => 0,
+        };
         let mut services = Vec::new();
         let mut memories = Vec::new();
         let mut first_job = None;
@@ -65,8 +81,8 @@ impl Sim {
                 base: BASE,
                 weight_sum: weight_sum as u32,
                 weight: weights[m],
-                self_addr: u32::from(addrs[m]).to_be(),
-                next_addr: u32::from(addrs[(m + 1) % members]).to_be(),
+                self_addr: v4(addrs[m]),
+                next_addr: v4(addrs[(m + 1) % members]),
             };
             services.push(RingService::new(DENSE, job, addrs.clone(), memory.clone()).expect("service").with_window(window));
             memories.push(memory);
@@ -77,6 +93,7 @@ impl Sim {
             memories,
             layout,
             now: Instant::now(),
+            addrs,
             net: Vec::new(),
             rng: Rng(0x1234_5678_9abc_def1),
             loss: 0.0,
@@ -91,16 +108,16 @@ impl Sim {
 
     fn send(&mut self, from: usize, out: Vec<Transmit>) {
         for t in out {
-            let to = (0..self.services.len()).find(|&m| member_addr(m) == *t.to.ip()).expect("to a member");
+            let to = (0..self.services.len()).find(|&m| self.addrs[m] == t.to.ip()).expect("to a member");
             if chance(&mut self.rng, self.loss) {
                 self.dropped += 1;
                 continue;
             }
             if chance(&mut self.rng, self.dup) {
                 self.duplicated += 1;
-                self.net.push((to, SocketAddrV4::new(member_addr(from), PORT), t.bytes.clone()));
+                self.net.push((to, SocketAddr::new(self.addrs[from], PORT), t.bytes.clone()));
             }
-            self.net.push((to, SocketAddrV4::new(member_addr(from), PORT), t.bytes));
+            self.net.push((to, SocketAddr::new(self.addrs[from], PORT), t.bytes));
         }
     }
 
@@ -112,7 +129,7 @@ impl Sim {
         self.last_round = round;
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op };
         let mut out = Vec::new();
-        self.services[m].handle(self.now, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40000), kick.encode().to_vec(), &mut out);
+        self.services[m].handle(self.now, SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 40000), kick.encode().to_vec(), &mut out);
         self.send(m, out);
     }
 
@@ -328,18 +345,72 @@ fn forged_and_foreign_datagrams_are_refused() {
     let mut d = hdr.encode().to_vec();
     d.extend_from_slice(&[0u8; 16]);
     let mut out = Vec::new();
-    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(2), PORT), d.clone(), &mut out);
+    sim.services[1].handle(sim.now, SocketAddr::new(member_addr(2), PORT), d.clone(), &mut out);
     // Another ring's id, and a KICK from the network.
     let mut other = d.clone();
     other[4..6].copy_from_slice(&41u16.to_be_bytes());
-    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), other, &mut out);
+    sim.services[1].handle(sim.now, SocketAddr::new(member_addr(0), PORT), other, &mut out);
     let kick = RingHeader { kind: RingKind::Kick, frag: 0, hops: 0, count: 0, ..hdr };
-    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), kick.encode().to_vec(), &mut out);
+    sim.services[1].handle(sim.now, SocketAddr::new(member_addr(0), PORT), kick.encode().to_vec(), &mut out);
     assert_eq!(sim.services[1].stats().refused, 3);
     // The genuine one is added to and sent on to member 2.
-    sim.services[1].handle(sim.now, SocketAddrV4::new(member_addr(0), PORT), d, &mut out);
+    sim.services[1].handle(sim.now, SocketAddr::new(member_addr(0), PORT), d, &mut out);
     assert_eq!(sim.services[1].stats().user_hops, 1);
-    assert!(out.iter().any(|t| *t.to.ip() == member_addr(2)));
+    assert!(out.iter().any(|t| t.to.ip() == member_addr(2)));
+}
+
+/// A ring of IPv6 members: every op exact under loss and duplication, and
+/// a datagram is a member's only from its IPv6 address: not from the
+/// IPv4-mapped form of an IPv4 address, nor from an IPv4 address.
+#[test]
+fn a_ring_of_ipv6_members_is_exact_under_loss_and_checks_senders_by_address() {
+    let members = 4;
+    let addrs: Vec<IpAddr> = (0..members).map(member_addr6).collect();
+    let mut sim = Sim::with_addrs(addrs.clone(), 5, 37, vec![1; members], DEFAULT_WINDOW);
+    sim.loss = 0.05;
+    sim.dup = 0.02;
+    for (i, op) in [Op::Sum, Op::Max, Op::Min, Op::Count, Op::Avg].into_iter().enumerate() {
+        let round = Round(1 + i as u32);
+        let inputs: Vec<Vec<i32>> = (0..members).map(|m| input(m, 37, round.0)).collect();
+        for (m, v) in inputs.iter().enumerate() {
+            sim.call(m, round, op, v);
+        }
+        assert!(sim.run(round, 200_000), "{op:?} round {round}");
+        for m in 0..members {
+            assert_eq!(sim.result(m), star(op, &inputs, &vec![1; members]), "{op:?} at member {m}");
+        }
+    }
+    assert!(sim.dropped > 0, "the simulated network lost datagrams");
+    assert!(sim.totals().nacks_sent > 0, "losses were repaired by NACKs");
+
+    // Refused: member 0's PARTIAL to member 1 from anything but member 0's
+    // IPv6 address; the genuine one goes on to member 2's IPv6 address.
+    let round = Round(10);
+    sim.loss = 0.0;
+    sim.dup = 0.0;
+    sim.call(1, round, Op::Sum, &[1; 37]);
+    let hdr = RingHeader { ring: RING, kind: RingKind::Partial, flags: 0, round, frag: 0, hops: 1, count: 5, sender: 0, op: Op::Sum };
+    let mut d = hdr.encode().to_vec();
+    d.extend_from_slice(&[0u8; 20]);
+    let before = sim.services[1].stats().refused;
+    let mut out = Vec::new();
+    let mapped = IpAddr::V6(Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
+    for from in [member_addr(0), mapped, member_addr6(2)] {
+        sim.services[1].handle(sim.now, SocketAddr::new(from, PORT), d.clone(), &mut out);
+    }
+    assert_eq!(sim.services[1].stats().refused, before + 3);
+    sim.services[1].handle(sim.now, SocketAddr::new(addrs[0], PORT), d, &mut out);
+    assert!(out.iter().any(|t| t.to == SocketAddr::new(addrs[2], PORT)), "sent on to member 2: {:?}", out.iter().map(|t| t.to).collect::<Vec<_>>());
+}
+
+/// A ring whose members mix IPv4 and IPv6 addresses is refused.
+#[test]
+fn a_ring_mixing_ip_versions_is_refused() {
+    let addrs = vec![member_addr(0), member_addr6(1)];
+    let memory = Arc::new(RingMemory::heap(4, 16));
+    let job = RingJob { id: RING, port: PORT, members: 2, me: 0, frag_elems: 4, frags: 2, vector_len: 8, base: 0, weight_sum: 2, weight: 1, self_addr: 0, next_addr: 0 };
+    let err = RingService::new(0, job, addrs, memory).expect_err("a mixed ring");
+    assert!(format!("{err:#}").contains("mix IPv4 and IPv6"), "{err:#}");
 }
 
 #[test]
@@ -361,7 +432,7 @@ fn a_member_restarting_its_rounds_continues_from_ready_round() {
 #[test]
 fn the_server_loop_runs_a_ring_over_loopback() {
     let members = 3usize;
-    let addrs: Vec<Ipv4Addr> = (0..members).map(|m| Ipv4Addr::new(127, 0, 0, 1 + m as u8)).collect();
+    let addrs: Vec<IpAddr> = (0..members).map(|m| IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + m as u8))).collect();
     // A free port on all three addresses.
     let (port, sockets) = (20000..30000u16)
         .find_map(|p| {
@@ -401,7 +472,7 @@ fn the_server_loop_runs_a_ring_over_loopback() {
         let kick = RingHeader { ring: RING, kind: RingKind::Kick, flags: 0, round, frag: 0, hops: 0, count: 0, sender: 0, op: Op::Sum };
         // The KICK comes from 127.0.0.1 whichever member it is for.
         let s = UdpSocket::bind("127.0.0.1:0").expect("kick socket");
-        s.send_to(&kick.encode(), SocketAddrV4::new(addrs[m], port)).expect("kick");
+        s.send_to(&kick.encode(), SocketAddr::new(addrs[m], port)).expect("kick");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     for (memory, job) in &memories {
