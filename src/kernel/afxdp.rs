@@ -413,7 +413,13 @@ fn job_infos(config: &Config) -> HashMap<u16, JobInfo> {
                     .workers
                     .iter()
                     .zip(&weights)
-                    .map(|(a, &w)| (u32::from_ne_bytes(a.octets()), w))
+                    // This path parses IPv4 only: an IPv6 job's rank gets
+                    // 0.0.0.0, which no contribution comes from, so what
+                    // the kernel hands over of it counts source_mismatch.
+                    .map(|(a, &w)| match a {
+                        std::net::IpAddr::V4(a) => (u32::from_ne_bytes(a.octets()), w),
+                        std::net::IpAddr::V6(_) => (0, w),
+                    })
                     .collect(),
                 weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
                 weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),
