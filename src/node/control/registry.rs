@@ -1045,6 +1045,39 @@ mod tests {
         g.clone()
     }
 
+    /// A run of IPv6 data sockets gets its job (the node refuses its TC
+    /// copies later, at apply: `desired::tc_destination`); a run whose
+    /// ranks are of two families, or that asks for a ring from IPv6, is
+    /// refused at the join.
+    #[test]
+    fn a_run_of_ipv6_ranks_is_granted_and_a_mix_of_families_refused() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let v6 = |run: &str, world: u16, rank: u16| {
+            let mut r = join(run, world, rank);
+            if let Request::Join { data, .. } = &mut r {
+                *data = SocketAddr::new(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, u16::from(run.as_bytes()[0]), rank + 1).into(), 7700);
+            }
+            r
+        };
+        let f = c.frame(T0, &v6("s", 2, 0));
+        assert!(reg.handle(T0, 0, &f).is_empty());
+        let f = c.frame(T0, &v6("s", 2, 1));
+        let out = reg.handle(T0, 1, &f);
+        let Reply::Joined(g) = &out[0].1 else { panic!("{out:?}") };
+        assert_eq!(g.workers[1].to_string(), "[fd00::73:2]:7700");
+        let f = c.frame(T0, &v6("m", 2, 0));
+        assert!(reg.handle(T0, 2, &f).is_empty());
+        let f = c.frame(T0, &join("m", 2, 1));
+        assert_eq!(reason(&reg.handle(T0, 3, &f)), Refusal::Malformed);
+        let mut ring = v6("r", 2, 0);
+        if let Request::Join { ring, .. } = &mut ring {
+            *ring = Some("[fd00::1]:7471".parse().unwrap());
+        }
+        let f = c.frame(T0, &ring);
+        assert_eq!(reason(&reg.handle(T0, 4, &f)), Refusal::Malformed);
+    }
+
     #[test]
     fn a_run_gets_a_job_when_every_rank_joined_never_one_of_the_file() {
         let mut reg = registry();
