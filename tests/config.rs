@@ -1,7 +1,7 @@
 //! The config file: the shipped example and the INTERFACE.md example parse,
 //! defaults are applied, and every validation error names file, line and key.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use aggbox::config::{
@@ -30,11 +30,11 @@ id = 3                       # u16, the AGB1 `group` field
 members = ["10.77.0.11:7200", "10.77.0.12:7200"]   # index i = mask bit i, at most 32
 "#;
 
-fn ip(s: &str) -> Ipv4Addr {
+fn ip(s: &str) -> IpAddr {
     s.parse().expect("test address")
 }
 
-fn sock(s: &str) -> SocketAddrV4 {
+fn sock(s: &str) -> SocketAddr {
     s.parse().expect("test socket address")
 }
 
@@ -303,17 +303,110 @@ fn bad_worker_address_is_named_exactly() {
     let e = expect_error(&text, 10, "job[1].workers[3]", "");
     assert_eq!(
         e.to_string(),
-        r#"config.toml:10: job[1].workers[3]: "10.77.0.300" is not an IPv4 address"#
+        r#"config.toml:10: job[1].workers[3]: "10.77.0.300" is not an IP address (IPv4 A.B.C.D or IPv6)"#
     );
 }
 
-/// The XDP program aggregates over IPv6, but the runtime, TC and rings do
-/// not yet: a config may not ask for a job of IPv6 workers.
+/// IPv6 wherever an address is accepted; one family per job, group, ring
+/// and tree; a dual-stack node holds jobs of both families.
 #[test]
-fn an_ipv6_worker_is_refused() {
-    let text = format!("{JOB7}\n[[job]]\nid = 8\nport = 7100\nworkers = [\"fd00:77::21\"]\nresult_port = 7101\n");
-    let e = expect_error(&text, 10, "job[1].workers[0]", "");
-    assert_eq!(e.to_string(), r#"config.toml:10: job[1].workers[0]: "fd00:77::21" is not an IPv4 address"#);
+fn ipv6_addresses_are_accepted() {
+    let text = r#"[node]
+metrics = "[::1]:9435"
+control = "[::]:7471"
+
+[[job]]
+id = 7
+port = 7000
+workers = ["10.77.0.11", "10.77.0.12"]
+result_port = 7001
+
+[[job]]
+id = 8
+port = 7100
+workers = ["fd00:77::21", "fd00:77::22", "::1"]
+result_port = 7101
+result_group = 4
+parent = { addr = "fd00:77:9::1", port = 7000, job = 7, rank = 2 }
+
+[[group]]
+id = 4
+members = ["[fd00:77::21]:7200", "[fd00:77::22]:7200"]
+
+[[ring]]
+id = 1
+port = 7300
+members = ["fd00:77::21", "fd00:77::22"]
+vector_len = 1000
+"#;
+    let c = parse(text);
+    assert_eq!(c.node.metrics, Some(sock("[::1]:9435")));
+    assert_eq!(c.node.control, sock("[::]:7471"));
+    assert_eq!(c.jobs[0].workers, vec![ip("10.77.0.11"), ip("10.77.0.12")]);
+    assert!(!c.jobs[0].is_ipv6());
+    assert_eq!(c.jobs[1].workers, vec![ip("fd00:77::21"), ip("fd00:77::22"), ip("::1")]);
+    assert!(c.jobs[1].is_ipv6());
+    assert_eq!(c.jobs[1].rank_of(ip("fd00:77::22")), Some(1));
+    assert_eq!(c.jobs[1].parent.expect("parent").addr, ip("fd00:77:9::1"));
+    assert_eq!(c.groups[0].members, vec![sock("[fd00:77::21]:7200"), sock("[fd00:77::22]:7200")]);
+    assert_eq!(c.rings[0].members, vec![ip("fd00:77::21"), ip("fd00:77::22")]);
+}
+
+/// A job's workers, a group's members, a ring's members, a tree's parent
+/// and its workers, and a job's workers and its result group are of one
+/// family: a mix is refused at the first address of the other family.
+#[test]
+fn a_mix_of_families_is_refused_with_file_line_and_key() {
+    let text = JOB7.replace(r#"["10.77.0.11", "10.77.0.12"]"#, r#"["10.77.0.11", "fd00::12"]"#);
+    let e = expect_error(&text, 4, "job[0].workers[1]", "");
+    assert_eq!(
+        e.to_string(),
+        r#"config.toml:4: job[0].workers[1]: "fd00::12" is IPv6 where job[0].workers[0] (10.77.0.11, line 4) is IPv4: a job's workers are all of one family"#
+    );
+    let text = JOB7.replace(r#"["10.77.0.11", "10.77.0.12"]"#, "[\n  \"fd00::11\",\n  \"10.77.0.12\",\n]");
+    expect_error(&text, 6, "job[0].workers[1]", r#""10.77.0.12" is IPv4 where job[0].workers[0] (fd00::11, line 5) is IPv6"#);
+    let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"[fd00::12]:7200\"");
+    expect_error(&text, 3, "group[0].members[1]", "a group's members are all of one family");
+    let ring = "[[ring]]\nid = 1\nport = 7300\nmembers = [\"10.0.0.1\", \"fd00::2\"]\nvector_len = 100\n";
+    expect_error(ring, 4, "ring[0].members[1]", "a ring's members are all of one family");
+    let text = format!("{JOB7}parent = {{ addr = \"fd00::9\", port = 7000, job = 7, rank = 2 }}\n");
+    expect_error(&text, 6, "job[0].parent.addr", "fd00::9 is IPv6 where the job's workers are IPv4 (10.77.0.11): a tree's parent and its workers are of one family");
+    let text = format!("{}result_group = 3\n\n[[group]]\nid = 3\nmembers = [\"[fd00::11]:7200\"]\n", JOB7);
+    expect_error(&text, 6, "job[0].result_group", "group 3 (group[0], line 9) has IPv6 members where this job's workers are IPv4");
+}
+
+/// Socket addresses are `A.B.C.D:PORT` or `[IPv6]:PORT`; the near misses
+/// are named.
+#[test]
+fn bad_bracket_forms_are_named() {
+    for (member, needle) in [
+        ("fd00::12:7200", "an IPv6 address with a port is written in brackets, [ADDR]:PORT"),
+        ("[fd00::12]", "has no port: write [fd00::12]:PORT"),
+        ("[fd00::12:7200", "no closing ]"),
+        ("[10.77.0.12]:7200", "brackets are for IPv6 addresses; write 10.77.0.12:7200"),
+        ("[fe80::1%eth0]:7200", "scope ids"),
+        ("[::ffff:10.77.0.12]:7200", "IPv4-mapped IPv6 address, which travels as IPv4: write 10.77.0.12:7200"),
+        ("[fd00::zz]:7200", "is not an IP address and UDP port (A.B.C.D:PORT or [IPv6]:PORT)"),
+        ("[fd00::12]:0", "0 is not a UDP port"),
+        ("[ff02::1]:7200", "multicast address"),
+    ] {
+        let text = GROUP3.replace("\"10.77.0.12:7200\"", &format!("{member:?}"));
+        let text = text.replace("\"10.77.0.11:7200\"", "\"[fd00::11]:7200\"");
+        expect_error(&text, 3, "group[0].members[1]", needle);
+    }
+    for (worker, needle) in [
+        ("[fd00::12]", "brackets go around an IPv6 address only before a :PORT; write fd00::12 here"),
+        ("[fd00::12]:7000", "without brackets and port here"),
+        ("::ffff:10.77.0.12", "IPv4-mapped IPv6 address, which travels as IPv4: write 10.77.0.12"),
+        ("::", "unspecified address"),
+        ("ff02::1", "multicast address"),
+    ] {
+        let text = JOB7.replace(r#""10.77.0.12""#, &format!("{worker:?}")).replace(r#""10.77.0.11""#, r#""fd00::11""#);
+        expect_error(&text, 4, "job[0].workers[1]", needle);
+    }
+    expect_error("[node]\ncontrol = \"::1:7471\"\n", 2, "node.control", "[ADDR]:PORT");
+    expect_error("[node]\nmetrics = \"[::1]\"\n", 2, "node.metrics", "has no port: write [::1]:PORT");
+    expect_error("[node]\nmetrics = \"[::1]:0\"\n", 2, "node.metrics", "port 0");
 }
 
 #[test]
@@ -331,7 +424,7 @@ result_port = 7001
         text,
         6,
         "job[0].workers[1]",
-        r#""10.77.0.x" is not an IPv4 address"#,
+        r#""10.77.0.x" is not an IP address"#,
     );
 }
 
@@ -632,7 +725,7 @@ fn parent_fields_are_validated() {
         &text,
         6,
         "job[0].parent.addr",
-        "\"10.77.9.256\" is not an IPv4 address",
+        "\"10.77.9.256\" is not an IP address",
     );
     let text =
         format!("{JOB7}parent = {{ addr = \"10.77.9.1\", port = 7000, job = 7, rank = 65535 }}\n");
@@ -729,7 +822,7 @@ fn bad_member_is_rejected() {
         &text,
         3,
         "group[0].members[1]",
-        "\"10.77.0.12\" is not an IPv4 address and UDP port",
+        "\"10.77.0.12\" is not an IP address and UDP port",
     );
     let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"10.77.0.12:0\"");
     expect_error(&text, 3, "group[0].members[1]", "0 is not a UDP port");
@@ -738,7 +831,7 @@ fn bad_member_is_rejected() {
         &text,
         3,
         "group[0].members[1]",
-        "is not an IPv4 address and UDP port",
+        "is not an IP address and UDP port",
     );
     let text = GROUP3.replace("\"10.77.0.12:7200\"", "\"255.255.255.255:7200\"");
     expect_error(&text, 3, "group[0].members[1]", "broadcast address");

@@ -124,7 +124,7 @@ fn job(id: u16, port: u16, workers: usize) -> JobConfig {
     JobConfig {
         id,
         port,
-        workers: (0..workers).map(rank_addr).collect(),
+        workers: (0..workers).map(|r| rank_addr(r).into()).collect(),
         weights: vec![1; workers],
         result_port: port + 1,
         result_group: None,
@@ -230,7 +230,7 @@ fn spec_vectors_userspace_replayed_end_to_end() {
                 .map(|w| w.as_i64().unwrap() as i32)
                 .collect(),
             vector_len: j["vector_len"].as_u64().map(|x| x as u32),
-            workers,
+            workers: workers.into_iter().map(std::net::IpAddr::V4).collect(),
             ..job(j["id"].as_u64().unwrap() as u16, port, 1)
         });
     }

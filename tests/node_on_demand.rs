@@ -16,7 +16,7 @@ mod live_attach;
 #[path = "../src/testing/impair/mod.rs"]
 mod impair;
 
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
@@ -83,10 +83,10 @@ fn a_node_without_jobs_serves_a_run_that_brings_its_own() {
     let keys = KeyFile::new("on-demand", &[("training", KEY)]);
     let config = keys.node_config("off") + &format!("control = \"0.0.0.0:{CONTROL_PORT}\"\n");
     let _node = LiveAttach::start(&tb.host(0).netns, "on-demand", &config, &[]);
-    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
+    let control = SocketAddr::from(SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT));
 
     // Refusals first: they create nothing.
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     let bad = tb
         .in_host(1, || RunJob::join(control, credential(&KEY.replace("5", "6")), "run", 4, 0, data(1), None, Duration::from_secs(5)))
         .unwrap()
@@ -161,8 +161,8 @@ fn two_runs_at_once_stay_apart_and_a_dead_run_loses_its_job_within_a_lease() {
     let keys = KeyFile::new("on-demand2", &[("training", KEY), ("other", KEY_B)]);
     let config = keys.node_config("127.0.0.1:9473");
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand2", &config, &[]);
-    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = SocketAddr::from(SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT));
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
 
     // Two runs of two ranks each, of two tenants, at once.
     let runs = [("training", KEY, [1usize, 2]), ("other", KEY_B, [3, 4])];
@@ -290,8 +290,8 @@ fn a_run_whose_node_restarted_fails_naming_the_node_and_joins_again() {
     let keys = KeyFile::new("on-demand3", &[("training", KEY)]);
     let config = keys.node_config("off");
     let mut node = LiveAttach::start(&tb.host(0).netns, "on-demand3", &config, &[]);
-    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = SocketAddr::from(SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT));
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     let deadline = Duration::from_secs(2);
     let join = |r: usize| {
         tb.in_host(r + 1, || {
@@ -380,8 +380,8 @@ fn a_job_on_demand_is_exact_over_500_allreduces_under_loss_and_duplication() {
     let keys = KeyFile::new("on-demand4", &[("training", KEY)]);
     let config = keys.node_config("off");
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand4", &config, &[]);
-    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = SocketAddr::from(SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT));
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     let injector = impair::Injector::new();
     let impair = |loss: f64, dup: f64| {
         for h in 0..=WORKERS {
@@ -464,8 +464,8 @@ fn five_hundred_runs_created_and_ended_leave_the_node_as_it_was() {
     let node = LiveAttach::start(&tb.host(0).netns, "on-demand5", &config, &[]);
     // The node's pid: `ip netns exec` execs the binary.
     let pid = node.child.id();
-    let control = SocketAddr::from(SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT));
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = SocketAddr::from(SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT));
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     let cycle = |k: usize| {
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..2usize)
@@ -535,7 +535,7 @@ fn a_run_striped_over_two_nodes_is_exact_under_loss() {
         LiveAttach::start(&tb.host(0).netns, "on-demand6a", &config, &[]),
         LiveAttach::start(&tb.host(1).netns, "on-demand6b", &config, &[]),
     ];
-    let controls: Vec<SocketAddr> = (0..2).map(|h| SocketAddr::from(SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT))).collect();
+    let controls: Vec<SocketAddr> = (0..2).map(|h| SocketAddr::from(SocketAddr::new(tb.host(h).addr.into(), CONTROL_PORT))).collect();
     let injector = impair::Injector::new();
     let impair = |loss: f64| {
         for h in 0..WORKERS + 2 {
@@ -553,7 +553,7 @@ fn a_run_striped_over_two_nodes_is_exact_under_loss() {
             .map(|r| {
                 let (tb, controls) = (&tb, &controls);
                 s.spawn(move || {
-                    let data = SocketAddrV4::new(tb.host(r + 2).addr, DATA_PORT);
+                    let data = SocketAddr::new(tb.host(r + 2).addr.into(), DATA_PORT);
                     let comm = tb
                         .in_host(r + 2, || {
                             RunCommunicator::join(controls, credential(KEY), "striped", WORKERS as u16, r as u16, data, None, Duration::from_secs(20), |b| {
@@ -612,11 +612,11 @@ fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
     let keys = KeyFile::new("on-demand-tree", &[("training", KEY)]);
     let config = keys.node_config("off");
     let nodes: Vec<LiveAttach> = (0..=LEAVES).map(|h| LiveAttach::start(&tb.host(h).netns, &format!("od-tree{h}"), &config, &[])).collect();
-    let control = |h: usize| SocketAddr::from(SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT));
-    let root = SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT);
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = |h: usize| SocketAddr::from(SocketAddr::new(tb.host(h).addr.into(), CONTROL_PORT));
+    let root = SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT);
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     // Worker w (global rank) is host 1 + LEAVES + w, rank w % PER_LEAF of leaf w / PER_LEAF.
-    let shape = |leaf: usize, root: SocketAddrV4| JobShape {
+    let shape = |leaf: usize, root: SocketAddr| JobShape {
         parent: Some(TreeParent { node: root, leaf: leaf as u16, leaves: LEAVES as u16, tree_workers: WORKERS as u16 }),
         ..JobShape::default()
     };
@@ -701,7 +701,7 @@ fn a_tree_of_nodes_on_demand_is_exact_and_leaves_nothing_behind() {
     wait_empty("the dead run", Duration::from_millis(g.lease_ms + 3000));
 
     // A root nobody serves: every rank refused at once, naming it.
-    let nowhere = SocketAddrV4::new(tb.host(0).addr, CONTROL_PORT + 1);
+    let nowhere = SocketAddr::new(tb.host(0).addr.into(), CONTROL_PORT + 1);
     let refused: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..PER_LEAF)
             .map(|r| {
@@ -748,8 +748,8 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
         .map(|h| std::sync::Mutex::new(LiveAttach::start(&tb.host(h).netns, &format!("od-ring{h}"), &member_config, &["--xdp-mode", "native"])))
         .collect();
     let member = |m: usize| members[m].lock().unwrap_or_else(|p| p.into_inner());
-    let control = |h: usize| SocketAddrV4::new(tb.host(h).addr, CONTROL_PORT);
-    let data = |h: usize| SocketAddrV4::new(tb.host(h).addr, DATA_PORT);
+    let control = |h: usize| SocketAddr::new(tb.host(h).addr.into(), CONTROL_PORT);
+    let data = |h: usize| SocketAddr::new(tb.host(h).addr.into(), DATA_PORT);
     let shape = |r: usize| JobShape { vector_len: Some(LEN), ring: Some(control(r + 1)), ..JobShape::default() };
     let rings_at = |m: usize| member(m).status().rings.keys().copied().collect::<Vec<u16>>();
     let pin_dir = |m: usize| aggbox::node::pin_dir(&member(m).pin_root, "eth0");
@@ -761,7 +761,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                 s.spawn(move || {
                     let comm = tb
                         .in_host(r + 1, || {
-                            let run = RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "ring", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
+                            let run = RunJob::join_shaped(control(0), credential(KEY), "ring", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
                                 .unwrap_or_else(|e| panic!("rank {r}: join: {e}"));
                             RunCommunicator::from_runs(vec![run], |b| b.deadline(Duration::from_secs(10)))
                                 .unwrap_or_else(|e| panic!("rank {r}: build: {e}"))
@@ -829,7 +829,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                 s.spawn(move || {
                     tb.in_host(r + 1, || {
                         let request = Request::Join { run: "dead-ring".into(), world: WORKERS as u16, rank: r as u16, data: data(r + 1), vector_len: Some(LEN), window: None, frag_elems: None, parent: None, ring: Some(control(r + 1)) };
-                        raw(SocketAddr::V4(control(0)), "training", KEY, 40 + r as u8, &request)
+                        raw(control(0), "training", KEY, 40 + r as u8, &request)
                     })
                     .unwrap()
                 })
@@ -852,7 +852,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                 let (tb, shape, pin_dir) = (&tb, &shape, &pin_dir);
                 s.spawn(move || {
                     tb.in_host(r + 1, || {
-                        let run = RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "lost", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
+                        let run = RunJob::join_shaped(control(0), credential(KEY), "lost", WORKERS as u16, r as u16, data(r + 1), shape(r), Duration::from_secs(20))
                             .unwrap_or_else(|e| panic!("rank {r}: join: {e}"));
                         let comm = RunCommunicator::from_runs(vec![run], |b| b.deadline(Duration::from_secs(5)))
                             .and_then(|c| c.with_ring(&pin_dir(r)))
@@ -900,7 +900,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
     drop(comms);
 
     // A member node nobody serves: every rank refused, naming it; nothing left.
-    let nowhere = SocketAddrV4::new(tb.host(WORKERS).addr, CONTROL_PORT + 1);
+    let nowhere = SocketAddr::new(tb.host(WORKERS).addr.into(), CONTROL_PORT + 1);
     let refused: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..WORKERS)
             .map(|r| {
@@ -908,7 +908,7 @@ fn a_ring_on_demand_is_installed_at_the_ranks_nodes_exact_and_removed_with_its_r
                 s.spawn(move || {
                     let shape = if r == WORKERS - 1 { JobShape { ring: Some(nowhere), ..shape(r) } } else { shape(r) };
                     tb.in_host(r + 1, || {
-                        RunJob::join_shaped(SocketAddr::V4(control(0)), credential(KEY), "nowhere", WORKERS as u16, r as u16, data(r + 1), shape, Duration::from_secs(30))
+                        RunJob::join_shaped(control(0), credential(KEY), "nowhere", WORKERS as u16, r as u16, data(r + 1), shape, Duration::from_secs(30))
                             .expect_err("a member node that cannot be reached")
                             .to_string()
                     })

@@ -38,7 +38,7 @@ workers = [\"10.0.0.2\", \"10.0.0.3\"]
 ";
 
 fn state(text: &str) -> KernelState {
-    KernelState::of(&Config::parse(text, "t.toml").expect("config"), 1500, &[])
+    KernelState::of(&Config::parse(text, "t.toml").expect("config"), 1500, &[]).expect("kernel state")
 }
 
 /// What the planes hold, read back through their own accessors.

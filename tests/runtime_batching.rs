@@ -33,7 +33,7 @@ mod testbed;
 mod common_runtime;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -152,7 +152,7 @@ fn tx_packets(tb: &Testbed, host: usize) -> u64 {
 fn vis_send(
     att: &aggbox::node::Attachment,
     t: &UdpTransport,
-    to: SocketAddrV4,
+    to: SocketAddr,
     path: SendPath,
     round: u32,
     per: usize,
@@ -187,7 +187,7 @@ fn vis_send(
                 }
             }
             SendPath::SendMmsg => {
-                let msgs: Vec<(&[u8], SocketAddrV4)> =
+                let msgs: Vec<(&[u8], SocketAddr)> =
                     chunk.iter().map(|d| (d.as_slice(), to)).collect();
                 assert_eq!(
                     t.send_batch(&msgs),
@@ -245,7 +245,7 @@ fn xdp_sees_each_datagram_of_sendto_sendmmsg_and_udp_gso() {
             vector_len: None,
         }]);
         let sender = UdpTransport::new(common_netns::bind_in(&tb, 1, tb.host(1).addr));
-        let to = SocketAddrV4::new(tb.host(0).addr, VIS_PORT);
+        let to = SocketAddr::new(tb.host(0).addr.into(), VIS_PORT);
         let per = elements_per_fragment(mtu as usize);
         let rows = tb
             .in_host(0, || {
@@ -737,8 +737,8 @@ fn gso_datagram(d: usize, i: usize, len: usize) -> Vec<u8> {
 fn gso_batch_round_trip(t: &UdpTransport) -> aggbox::runtime::transport::GsoSent {
     let lo = Ipv4Addr::LOCALHOST;
     let rx: Vec<std::net::UdpSocket> = (0..2).map(|_| std::net::UdpSocket::bind((lo, 0)).unwrap()).collect();
-    let to: Vec<SocketAddrV4> =
-        rx.iter().map(|s| SocketAddrV4::new(lo, s.local_addr().unwrap().port())).collect();
+    let to: Vec<SocketAddr> =
+        rx.iter().map(|s| SocketAddr::new(lo.into(), s.local_addr().unwrap().port())).collect();
     let mut plan: Vec<(usize, Vec<u8>)> = Vec::new();
     for i in 0..100 {
         plan.push((0, gso_datagram(0, i, 500)));
@@ -748,7 +748,7 @@ fn gso_batch_round_trip(t: &UdpTransport) -> aggbox::runtime::transport::GsoSent
     }
     plan.push((0, gso_datagram(0, 100, 200)));
     plan.push((1, gso_datagram(1, 101, 500)));
-    let msgs: Vec<(&[u8], SocketAddrV4)> = plan.iter().map(|(d, b)| (b.as_slice(), to[*d])).collect();
+    let msgs: Vec<(&[u8], SocketAddr)> = plan.iter().map(|(d, b)| (b.as_slice(), to[*d])).collect();
     // Receivers read while the batch is sent.
     std::thread::scope(|scope| {
         let readers: Vec<_> = rx

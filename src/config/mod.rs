@@ -23,7 +23,7 @@
 //! message. Errors look like
 //!
 //! ```text
-//! config.toml:12: job[1].workers[3]: "10.77.0.300" is not an IPv4 address
+//! config.toml:12: job[1].workers[3]: "10.77.0.300" is not an IP address (IPv4 A.B.C.D or IPv6)
 //! ```
 //!
 //! Array tables are counted from 0 (`job[0]` is the first `[[job]]`), the way
@@ -63,20 +63,28 @@
 //!   be fewer than the job's own workers.
 //! - `result_group = 65535` is rejected: the jobs map uses 0xffff for "no
 //!   group" ([`crate::wire::abi::NO_GROUP`]).
-//! - Worker and parent addresses must be unicast: 0.0.0.0, 255.255.255.255
-//!   and multicast cannot be a datagram's source (workers) or a routed
-//!   next hop (parent, group members).
+//! - Worker and parent addresses must be unicast: 0.0.0.0, 255.255.255.255,
+//!   `::` and multicast cannot be a datagram's source (workers) or a routed
+//!   next hop (parent, group members). An IPv4-mapped IPv6 address
+//!   (`::ffff:a.b.c.d`) is refused too: a datagram from or to it travels as
+//!   IPv4, so the plain IPv4 address is what the file must say.
+//! - Addresses are IPv4 or IPv6 wherever one is accepted; a socket address
+//!   is `A.B.C.D:PORT` or `[IPv6]:PORT` (the brackets only there, scope ids
+//!   refused). The members of one thing are of one family: a job's workers,
+//!   a group's members, a ring's members, a job's parent and its workers,
+//!   and a job's workers and its `result_group`'s members (the RESULT the
+//!   kernel copies to them is a datagram of the workers' family). A mix is
+//!   refused at the first address of the other family. One file may hold
+//!   jobs of both families (a dual-stack node).
 //! - A group may not list the same `IP:PORT` twice: each member is one mask
 //!   bit, and two bits for one destination would deliver every datagram twice.
 //! - `parent.rank` may be any rank but 65535, which marks RESULT datagrams;
 //!   the parent's own limit on ranks is the parent's business.
-//! - `metrics` also accepts an IPv6 `[ADDR]:PORT` (it is a plain TCP
-//!   listener, not data-plane traffic), and rejects port 0: Prometheus must
-//!   know where to scrape.
+//! - `metrics` rejects port 0: Prometheus must know where to scrape.
 //! - At most [`crate::wire::abi::MAX_JOBS`] jobs, the size of the kernel's jobs map.
 
 use std::fmt;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::Path;
 
 use crate::wire::abi;
@@ -152,8 +160,8 @@ pub struct RingConfig {
     /// UDP port of the ring on every member.
     pub port: u16,
     /// The members in ring order: member i sends to member i + 1 (mod n).
-    /// 2..=[`MAX_WORKERS`] distinct addresses.
-    pub members: Vec<Ipv4Addr>,
+    /// 2..=[`MAX_WORKERS`] distinct addresses, all of one family.
+    pub members: Vec<IpAddr>,
     /// Weight of each member (all 1 when the file gives none).
     pub weights: Vec<i32>,
     /// Elements of the reduced vector (>= 1).
@@ -278,8 +286,9 @@ pub struct JobConfig {
     /// UDP port contributions arrive on (never 0).
     pub port: u16,
     /// Source address of each rank: rank i sends from `workers[i]`.
-    /// 1..=[`MAX_WORKERS`] entries, all distinct.
-    pub workers: Vec<Ipv4Addr>,
+    /// 1..=[`MAX_WORKERS`] entries, all distinct and of one family (IPv4
+    /// or IPv6).
+    pub workers: Vec<IpAddr>,
     /// Weight of each rank, same length as `workers` (all 1 when the file
     /// gives none); each is in `0..=`[`crate::wire::abi::MAX_WEIGHT`] and
     /// their sum is positive (and at most 2^31, so it fits `u32`).
@@ -367,9 +376,15 @@ impl JobConfig {
         self.result_group.filter(|_| self.kernel_parent().is_some() || self.parent.is_none())
     }
 
+    /// Whether the job's workers (and so its parent and result group) are
+    /// IPv6; one family per job.
+    pub fn is_ipv6(&self) -> bool {
+        self.workers.first().is_some_and(IpAddr::is_ipv6)
+    }
+
     /// The rank whose configured source address is `addr`, if any: the
     /// source address is what identifies a rank.
-    pub fn rank_of(&self, addr: Ipv4Addr) -> Option<u16> {
+    pub fn rank_of(&self, addr: IpAddr) -> Option<u16> {
         self.workers
             .iter()
             .position(|&w| w == addr)
@@ -381,8 +396,8 @@ impl JobConfig {
 /// aggregator sends its results, as its own contribution to the parent's job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParentConfig {
-    /// The parent aggregator's IPv4 address.
-    pub addr: Ipv4Addr,
+    /// The parent aggregator's address, of the job's workers' family.
+    pub addr: IpAddr,
     /// The parent job's contribution port (never 0).
     pub port: u16,
     /// The job id at the parent.
@@ -406,8 +421,8 @@ pub struct GroupConfig {
     /// The AGB1 `group` field.
     pub id: u16,
     /// Destination of each mask bit: bit i goes to `members[i]`.
-    /// 1..=[`MAX_GROUP_MEMBERS`] distinct entries.
-    pub members: Vec<SocketAddrV4>,
+    /// 1..=[`MAX_GROUP_MEMBERS`] distinct entries, all of one family.
+    pub members: Vec<SocketAddr>,
 }
 
 /// A configuration that could not be read or is invalid.

@@ -4,7 +4,7 @@
 //! `config/mod.rs`.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use toml::Spanned;
@@ -151,12 +151,9 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
         node.metrics = if s == "off" {
             None
         } else {
-            let addr: SocketAddr = s.parse().map_err(|_| {
-                src.error(
-                    v.span().start,
-                    Some(key.clone()),
-                    format!("{s:?} is neither \"off\" nor an address IP:PORT"),
-                )
+            let addr = socket_addr(s).map_err(|why| {
+                let why = why.unwrap_or_else(|| format!("{s:?} is neither \"off\" nor an address A.B.C.D:PORT or [IPv6]:PORT"));
+                src.error(v.span().start, Some(key.clone()), why)
             })?;
             if addr.port() == 0 {
                 return Err(src.error(
@@ -213,8 +210,9 @@ fn parse_node(src: &Source<'_>, v: Spanned<Value>) -> Result<NodeConfig, ConfigE
     if let Some(v) = t.take("control") {
         let key = t.key("control");
         let s = expect_str(src, &key, &v)?;
-        node.control = s.parse().map_err(|_| {
-            src.error(v.span().start, Some(key.clone()), format!("{s:?} is not an address IP:PORT"))
+        node.control = socket_addr(s).map_err(|why| {
+            let why = why.unwrap_or_else(|| format!("{s:?} is not an address A.B.C.D:PORT or [IPv6]:PORT"));
+            src.error(v.span().start, Some(key.clone()), why)
         })?;
     }
     if let Some(v) = t.take("keys") {
@@ -291,7 +289,7 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
     let port = udp_port(src, &t.key("port"), &port_v)?;
 
     let workers_v = t.require("workers")?;
-    let workers = parse_workers(src, &t.key("workers"), workers_v)?;
+    let workers = parse_workers(src, &t.key("workers"), workers_v, "a job's workers")?;
 
     let weights = match t.take("weights") {
         Some(v) => parse_weights(src, &t.key("weights"), v, workers.len())?,
@@ -354,7 +352,20 @@ fn parse_job(src: &Source<'_>, path: String, v: Spanned<Value>) -> Result<Parsed
     let parent = match t.take("parent") {
         Some(v) => {
             parent_at = v.span().start;
-            Some(parse_parent(src, t.key("parent"), v)?)
+            let (parent, addr_at) = parse_parent(src, t.key("parent"), v)?;
+            if let Some(w) = workers.first().filter(|w| w.is_ipv6() != parent.addr.is_ipv6()) {
+                return Err(src.error(
+                    addr_at,
+                    Some(format!("{}.addr", t.key("parent"))),
+                    format!(
+                        "{} is {} where the job's workers are {} ({w}): a tree's parent and its workers are of one family",
+                        parent.addr,
+                        family(parent.addr),
+                        family(*w)
+                    ),
+                ));
+            }
+            Some(parent)
         }
         None => None,
     };
@@ -501,7 +512,8 @@ fn parse_workers(
     src: &Source<'_>,
     key: &str,
     v: Spanned<Value>,
-) -> Result<Vec<Ipv4Addr>, ConfigError> {
+    whose: &str,
+) -> Result<Vec<IpAddr>, ConfigError> {
     let at = v.span().start;
     let items = expect_array(src, key, v)?;
     if items.is_empty() {
@@ -521,18 +533,12 @@ fn parse_workers(
             ),
         ));
     }
-    let mut workers: Vec<Ipv4Addr> = Vec::with_capacity(items.len());
-    let mut seen: HashMap<Ipv4Addr, (usize, usize)> = HashMap::new();
+    let mut workers: Vec<IpAddr> = Vec::with_capacity(items.len());
+    let mut seen: HashMap<IpAddr, (usize, usize)> = HashMap::new();
     for (i, item) in items.iter().enumerate() {
         let ikey = format!("{key}[{i}]");
         let s = expect_str(src, &ikey, item)?;
-        let addr: Ipv4Addr = s.parse().map_err(|_| {
-            src.error(
-                item.span().start,
-                Some(ikey.clone()),
-                format!("{s:?} is not an IPv4 address"),
-            )
-        })?;
+        let addr = ip_addr(src, &ikey, item, s)?;
         if let Some(why) = not_unicast(addr) {
             return Err(src.error(
                 item.span().start,
@@ -550,10 +556,89 @@ fn parse_workers(
                 ),
             ));
         }
+        if let Some(first) = workers.first().filter(|f| f.is_ipv6() != addr.is_ipv6()) {
+            return Err(src.error(
+                item.span().start,
+                Some(ikey),
+                format!(
+                    "{s:?} is {} where {key}[0] ({first}, line {}) is {}: {whose} are all of one family",
+                    family(addr),
+                    src.line(items[0].span().start),
+                    family(*first)
+                ),
+            ));
+        }
         seen.insert(addr, (i, item.span().start));
         workers.push(addr);
     }
     Ok(workers)
+}
+
+/// "IPv4" or "IPv6", for messages.
+fn family(addr: IpAddr) -> &'static str {
+    if addr.is_ipv6() {
+        "IPv6"
+    } else {
+        "IPv4"
+    }
+}
+
+/// An address alone (a worker, a ring member, a parent): IPv4 `A.B.C.D` or
+/// IPv6 without brackets; an IPv4-mapped IPv6 address is refused (it is
+/// IPv4 on the wire: the file must say the IPv4 address).
+fn ip_addr(src: &Source<'_>, key: &str, v: &Spanned<Value>, s: &str) -> Result<IpAddr, ConfigError> {
+    let fail = |m: String| src.error(v.span().start, Some(key.to_string()), m);
+    if let Some(inner) = s.strip_prefix('[') {
+        return Err(fail(match inner.strip_suffix(']').map(str::parse::<std::net::Ipv6Addr>) {
+            Some(Ok(a)) => format!("{s:?}: brackets go around an IPv6 address only before a :PORT; write {a} here"),
+            _ => format!("{s:?} is not an IP address (IPv4 A.B.C.D or IPv6, without brackets and port here)"),
+        }));
+    }
+    let addr: IpAddr = s
+        .parse()
+        .map_err(|_| fail(format!("{s:?} is not an IP address (IPv4 A.B.C.D or IPv6)")))?;
+    if let IpAddr::V6(a) = addr {
+        if let Some(v4) = a.to_ipv4_mapped() {
+            return Err(fail(format!(
+                "{s:?} is an IPv4-mapped IPv6 address, which travels as IPv4: write {v4}"
+            )));
+        }
+    }
+    Ok(addr)
+}
+
+/// A socket address `A.B.C.D:PORT` or `[IPv6]:PORT`. `Err(Some(why))`
+/// names what is wrong with a form that is almost one (an IPv6 address
+/// without brackets, brackets without a port or around an IPv4 address,
+/// an unclosed bracket, a scope id, an IPv4-mapped address); `Err(None)`:
+/// not an address at all (the caller says what it expected).
+fn socket_addr(s: &str) -> Result<SocketAddr, Option<String>> {
+    if let Some(inner) = s.strip_prefix('[') {
+        let Some((host, rest)) = inner.split_once(']') else {
+            return Err(Some(format!("{s:?}: no closing ]; an IPv6 socket address is [ADDR]:PORT")));
+        };
+        if rest.is_empty() {
+            return Err(Some(format!("{s:?} has no port: write [{host}]:PORT")));
+        }
+        if host.parse::<std::net::Ipv4Addr>().is_ok() {
+            return Err(Some(format!("{s:?}: brackets are for IPv6 addresses; write {host}{rest}")));
+        }
+        if host.contains('%') {
+            return Err(Some(format!("{s:?}: scope ids (%IFACE) are not accepted; use a global or unique-local address")));
+        }
+    } else if s.parse::<std::net::Ipv6Addr>().is_ok() || s.matches(':').count() > 1 {
+        return Err(Some(format!("{s:?}: an IPv6 address with a port is written in brackets, [ADDR]:PORT")));
+    }
+    let addr: SocketAddr = s.parse().map_err(|_| None)?;
+    if let SocketAddr::V6(a) = addr {
+        if let Some(v4) = a.ip().to_ipv4_mapped() {
+            return Err(Some(format!(
+                "{s:?} is an IPv4-mapped IPv6 address, which travels as IPv4: write {v4}:{}",
+                a.port()
+            )));
+        }
+    }
+    Ok(addr)
 }
 
 fn parse_weights(
@@ -616,7 +701,7 @@ fn parse_ring(
     let port = udp_port(src, &t.key("port"), &port_v)?;
     let members_v = t.require("members")?;
     let members_at = members_v.span().start;
-    let members = parse_workers(src, &t.key("members"), members_v)?;
+    let members = parse_workers(src, &t.key("members"), members_v, "a ring's members")?;
     if members.len() < 2 {
         return Err(src.error(
             members_at,
@@ -708,22 +793,18 @@ fn check_rings(
 
 const PARENT_KEYS: &[&str] = &["addr", "port", "job", "rank", "result_port", "tree_workers"];
 
+/// The parent and the offset of its `addr` (for the family check against
+/// the job's workers).
 fn parse_parent(
     src: &Source<'_>,
     path: String,
     v: Spanned<Value>,
-) -> Result<ParentConfig, ConfigError> {
+) -> Result<(ParentConfig, usize), ConfigError> {
     let mut t = Table::from_value(src, path, v, PARENT_KEYS)?;
     let addr_v = t.require("addr")?;
     let key = t.key("addr");
     let s = expect_str(src, &key, &addr_v)?;
-    let addr: Ipv4Addr = s.parse().map_err(|_| {
-        src.error(
-            addr_v.span().start,
-            Some(key.clone()),
-            format!("{s:?} is not an IPv4 address"),
-        )
-    })?;
+    let addr = ip_addr(src, &key, &addr_v, s)?;
     if let Some(why) = not_unicast(addr) {
         return Err(src.error(
             addr_v.span().start,
@@ -761,14 +842,17 @@ fn parse_parent(
         )? as u16),
         None => None,
     };
-    Ok(ParentConfig {
-        addr,
-        port,
-        job,
-        rank,
-        result_port,
-        tree_workers,
-    })
+    Ok((
+        ParentConfig {
+            addr,
+            port,
+            job,
+            rank,
+            result_port,
+            tree_workers,
+        },
+        addr_v.span().start,
+    ))
 }
 
 const GROUP_KEYS: &[&str] = &["id", "members"];
@@ -803,17 +887,14 @@ fn parse_group(
             ),
         ));
     }
-    let mut members = Vec::with_capacity(items.len());
-    let mut seen: HashMap<SocketAddrV4, (usize, usize)> = HashMap::new();
+    let mut members: Vec<SocketAddr> = Vec::with_capacity(items.len());
+    let mut seen: HashMap<SocketAddr, (usize, usize)> = HashMap::new();
     for (i, item) in items.iter().enumerate() {
         let ikey = format!("{key}[{i}]");
         let s = expect_str(src, &ikey, item)?;
-        let member: SocketAddrV4 = s.parse().map_err(|_| {
-            src.error(
-                item.span().start,
-                Some(ikey.clone()),
-                format!("{s:?} is not an IPv4 address and UDP port (A.B.C.D:PORT)"),
-            )
+        let member = socket_addr(s).map_err(|why| {
+            let why = why.unwrap_or_else(|| format!("{s:?} is not an IP address and UDP port (A.B.C.D:PORT or [IPv6]:PORT)"));
+            src.error(item.span().start, Some(ikey.clone()), why)
         })?;
         if member.port() == 0 {
             return Err(src.error(
@@ -822,7 +903,7 @@ fn parse_group(
                 format!("{s:?}: 0 is not a UDP port (1..=65535)"),
             ));
         }
-        if let Some(why) = not_unicast(*member.ip()) {
+        if let Some(why) = not_unicast(member.ip()) {
             return Err(src.error(
                 item.span().start,
                 Some(ikey),
@@ -836,6 +917,18 @@ fn parse_group(
                 format!(
                     "{s:?} is also {key}[{j}] (line {}): each destination gets one mask bit",
                     src.line(at)
+                ),
+            ));
+        }
+        if let Some(first) = members.first().filter(|f: &&SocketAddr| f.is_ipv6() != member.is_ipv6()) {
+            return Err(src.error(
+                item.span().start,
+                Some(ikey),
+                format!(
+                    "{s:?} is {} where {key}[0] ({first}, line {}) is {}: a group's members are all of one family",
+                    family(member.ip()),
+                    src.line(items[0].span().start),
+                    family(first.ip())
                 ),
             ));
         }
@@ -948,6 +1041,21 @@ fn check_references(
                     format!("there is no [[group]] with id {g}"),
                 ));
             };
+            if let (Some(w), Some(m)) = (job.config.workers.first(), group.config.members.first()) {
+                if w.is_ipv6() != m.is_ipv6() {
+                    return Err(src.error(
+                        job.result_group_at,
+                        Some(format!("{}.result_group", job.path)),
+                        format!(
+                            "group {g} ({}, line {}) has {} members where this job's workers are {}: the RESULTs the kernel copies to them are datagrams of the workers' family",
+                            group.path,
+                            src.line(group.id_at),
+                            family(m.ip()),
+                            family(*w)
+                        ),
+                    ));
+                }
+            }
             // The node resends a RESULT copy to the member socket of the
             // worker that missed it: every worker needs one.
             if job.config.consumer == ResultConsumer::Node {
@@ -956,7 +1064,7 @@ fn check_references(
                     .workers
                     .iter()
                     .enumerate()
-                    .find(|(_, w)| !group.config.members.iter().any(|m| m.ip() == *w))
+                    .find(|(_, w)| !group.config.members.iter().any(|m| m.ip() == **w))
                 {
                     return Err(src.error(
                         job.consumer_at,
@@ -971,10 +1079,10 @@ fn check_references(
 }
 
 /// Why `addr` cannot be a unicast source or destination, if it cannot.
-fn not_unicast(addr: Ipv4Addr) -> Option<&'static str> {
+fn not_unicast(addr: IpAddr) -> Option<&'static str> {
     if addr.is_unspecified() {
         Some("unspecified address")
-    } else if addr.is_broadcast() {
+    } else if matches!(addr, IpAddr::V4(a) if a.is_broadcast()) {
         Some("broadcast address")
     } else if addr.is_multicast() {
         Some("multicast address")

@@ -415,7 +415,7 @@ fn job_infos(config: &Config) -> HashMap<u16, JobInfo> {
                     .workers
                     .iter()
                     .zip(&weights)
-                    .map(|(&a, &w)| (IpAddr::from(a), w))
+                    .map(|(&a, &w)| (a, w))
                     .collect(),
                 weight_sum: weights.iter().map(|&w| i64::from(w)).sum(),
                 weight_abs_sum: weights.iter().map(|&w| u64::from(w.unsigned_abs())).sum(),

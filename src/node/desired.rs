@@ -18,7 +18,7 @@
 //! the same configs by `attach` and `reload`.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use anyhow::{anyhow, Result};
 
@@ -79,6 +79,22 @@ pub enum Change {
     RemoveGroup(u16),
 }
 
+/// Message of an IPv6 destination the TC plane cannot take.
+pub const TC_IPV6_REFUSED: &str = "TC copies to IPv6 destinations: not in this build";
+
+/// The one place where a configured address becomes the TC plane's IPv4
+/// type (a group member, a parent, a node-served job's worker socket): an
+/// IPv6 destination is refused with [`TC_IPV6_REFUSED`]. Jobs of IPv6
+/// workers are aggregated by the XDP program; their RESULT copies to a
+/// group or a parent wait for a TC plane of IPv6 destinations, which
+/// replaces this function.
+pub fn tc_destination(addr: SocketAddr) -> Result<SocketAddrV4> {
+    match addr {
+        SocketAddr::V4(a) => Ok(a),
+        SocketAddr::V6(_) => Err(anyhow!("{addr}: {TC_IPV6_REFUSED}")),
+    }
+}
+
 /// Convert a configured job to what the data plane stores. `iface_mtu` is
 /// the attached interface's: the job's senders cut full fragments for it
 /// unless the job's `frag_elems` says otherwise.
@@ -94,9 +110,8 @@ pub fn xdp_job(job: &JobConfig, iface_mtu: usize) -> XdpJob {
         id: job.id,
         port: job.port,
         result_port: job.result_port,
-        // The config's workers are IPv4 (the runtime and TC serve no
-        // other); the kernel API takes either version.
-        ranks: job.workers.iter().map(|&a| std::net::IpAddr::V4(a)).collect(),
+        // IPv4 or IPv6 (one family a job), as the kernel API takes them
+        ranks: job.workers.clone(),
         weights: job.weights.clone(),
         vector_len: job.vector_len.unwrap_or(0),
         slots: job.slots,
@@ -105,39 +120,68 @@ pub fn xdp_job(job: &JobConfig, iface_mtu: usize) -> XdpJob {
         window: job.window,
         frag_elems: job
             .frag_elems
-            .unwrap_or_else(|| crate::wire::proto::elements_per_fragment(iface_mtu) as u32),
+            .unwrap_or_else(|| crate::wire::proto::elements_per_fragment_in(iface_mtu, job.is_ipv6()) as u32),
     }
 }
 
 /// The routes the kernel keeps for `job` (not those of a node-served tree
-/// job, whose result service sends its RESULTs on).
-pub fn job_routes(job: &JobConfig) -> JobRoutes {
-    JobRoutes {
-        result_group: job.kernel_result_group().map(|group| (job.result_port, group)),
-        parent: job.kernel_parent().map(|parent| ParentRoute::from_config(job, parent)),
-    }
+/// job, whose result service sends its RESULTs on); an IPv6 parent is
+/// refused ([`tc_destination`]).
+pub fn job_routes(job: &JobConfig) -> Result<JobRoutes> {
+    let parent = match job.kernel_parent() {
+        Some(parent) => {
+            let addr = tc_destination(SocketAddr::new(parent.addr, parent.port))
+                .map_err(|e| anyhow!("job {}: parent {e}", job.id))?;
+            Some(ParentRoute { addr: *addr.ip(), port: parent.port, job: parent.job, rank: parent.rank, result_port: job.result_port })
+        }
+        None => None,
+    };
+    Ok(JobRoutes { result_group: job.kernel_result_group().map(|group| (job.result_port, group)), parent })
 }
 
 impl KernelState {
     /// The state `config` asks for on an interface of MTU `iface_mtu`, with
     /// its rings as `ring_jobs` placed them (dense index and entry, same
     /// order as `config.rings`: `node::ring_jobs`).
-    pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[(u32, abi::RingJob)]) -> KernelState {
-        KernelState {
-            jobs: config.jobs.iter().map(|j| (j.id, xdp_job(j, iface_mtu))).collect(),
-            rings: ring_jobs
+    ///
+    /// # Errors
+    ///
+    /// What the planes cannot hold yet: a group member or a parent of IPv6
+    /// ([`tc_destination`]), a ring of IPv6 members
+    /// ([`crate::node::ring_member`]).
+    pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[(u32, abi::RingJob)]) -> Result<KernelState> {
+        let mut rings = BTreeMap::new();
+        for ((dense, job), ring) in ring_jobs.iter().zip(&config.rings) {
+            let members = ring
+                .members
                 .iter()
-                .zip(&config.rings)
-                .map(|((dense, job), ring)| (*dense, (*job, ring.members.clone())))
-                .collect(),
-            groups: config.groups.iter().map(|g| (g.id, g.members.clone())).collect(),
-            routes: config
-                .jobs
-                .iter()
-                .map(|j| (j.id, job_routes(j)))
-                .filter(|(_, r)| !r.is_empty())
-                .collect(),
+                .map(|&a| crate::node::ring_member(ring.id, a))
+                .collect::<Result<Vec<Ipv4Addr>>>()?;
+            rings.insert(*dense, (*job, members));
         }
+        let mut groups = BTreeMap::new();
+        for g in &config.groups {
+            let members = g
+                .members
+                .iter()
+                .map(|&m| tc_destination(m))
+                .collect::<Result<Vec<SocketAddrV4>>>()
+                .map_err(|e| anyhow!("group {}: member {e}", g.id))?;
+            groups.insert(g.id, members);
+        }
+        let mut routes = BTreeMap::new();
+        for j in &config.jobs {
+            let r = job_routes(j)?;
+            if !r.is_empty() {
+                routes.insert(j.id, r);
+            }
+        }
+        Ok(KernelState {
+            jobs: config.jobs.iter().map(|j| (j.id, xdp_job(j, iface_mtu))).collect(),
+            rings,
+            groups,
+            routes,
+        })
     }
 
     /// The writes that turn the maps holding `self` into maps holding
@@ -384,7 +428,7 @@ workers = [\"10.0.0.2\", \"10.0.0.3\"]
         let config = config(text);
         let pool = crate::kernel::xdp::RingPool::reserve(&[], 10, 1000).unwrap().place(&config.rings).expect("rings fit");
         let rings = crate::node::ring_jobs(&config, "eth0", &["10.0.0.2".parse().unwrap()], &pool).expect("ring jobs");
-        KernelState::of(&config, 1500, &rings)
+        KernelState::of(&config, 1500, &rings).expect("kernel state")
     }
 
     /// Ring `id` on `port` of `len` elements, fragments of 10.

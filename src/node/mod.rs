@@ -235,7 +235,7 @@ pub fn attach_chain(
     };
     // Every map entry the config asks for, written into the empty maps
     // before any program is attached.
-    let kernel = desired::KernelState::of(config, iface_mtu, &rings);
+    let kernel = desired::KernelState::of(config, iface_mtu, &rings).map_err(|e| anyhow!("aggbox: {e:#}"))?;
     let mut planes = desired::Planes {
         xdp: &dataplane,
         tc: broadcast.as_ref(),
@@ -386,6 +386,18 @@ pub fn attach_chain(
     Ok(attachment)
 }
 
+/// Message of a ring member the ring program cannot take.
+pub const RING_IPV6_REFUSED: &str = "rings over IPv6: not in this build (AGR1 is IPv4)";
+
+/// A configured ring member as the ring program's IPv4 address: the ring
+/// data plane (AGR1) is IPv4, so a ring of IPv6 members is refused.
+pub fn ring_member(ring: u16, addr: IpAddr) -> Result<Ipv4Addr> {
+    match addr {
+        IpAddr::V4(a) => Ok(a),
+        IpAddr::V6(_) => Err(anyhow!("aggbox: ring {ring}: member {addr}: {RING_IPV6_REFUSED}")),
+    }
+}
+
 /// Each configured ring's dense index and entry of `ring_jobs`
 /// (docs/RING.md), in file order, at the place `pool` gives it
 /// ([`xdp::RingPool::place`]): this node's place in the ring is the member
@@ -394,7 +406,8 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr], pool: &x
     let mut out = Vec::with_capacity(config.rings.len());
     for ring in &config.rings {
         let n = ring.members.len();
-        let Some(me) = ring.members.iter().position(|a| node_addrs.contains(a)) else {
+        let members = ring.members.iter().map(|&a| ring_member(ring.id, a)).collect::<Result<Vec<Ipv4Addr>>>()?;
+        let Some(me) = members.iter().position(|a| node_addrs.contains(a)) else {
             bail!(
                 "aggbox: ring {}: this node is not a member: none of {iface}'s addresses ({}) is in members ({})",
                 ring.id,
@@ -414,8 +427,8 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr], pool: &x
             base: place.base,
             weight_sum: ring.weight_sum(),
             weight: ring.weights[me],
-            self_addr: u32::from(ring.members[me]).to_be(),
-            next_addr: u32::from(ring.members[(me + 1) % n]).to_be(),
+            self_addr: u32::from(members[me]).to_be(),
+            next_addr: u32::from(members[(me + 1) % n]).to_be(),
         };
         if job.entries() != place.entries {
             bail!("aggbox: ring {}: {} entries placed for its {}", ring.id, place.entries, job.entries());
@@ -550,10 +563,28 @@ pub fn local_ipv4_addrs() -> Result<Vec<Ipv4Addr>> {
     Ok(out)
 }
 
+/// IPv4 and IPv6 addresses on any interface of the current network
+/// namespace.
+pub fn local_addrs() -> Result<Vec<IpAddr>> {
+    let addrs = nix::ifaddrs::getifaddrs().context("aggbox: listing this host's addresses (getifaddrs)")?;
+    let mut out: Vec<IpAddr> = addrs
+        .filter_map(|ifa| {
+            let a = ifa.address?;
+            a.as_sockaddr_in()
+                .map(|sin| IpAddr::V4(sin.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|sin6| IpAddr::V6(sin6.ip())))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
 /// The configured workers `(job, rank, address)` whose address is local to
-/// this network namespace: their datagrams to this node go through `lo`.
-pub fn local_workers(config: &Config) -> Result<Vec<(u16, usize, Ipv4Addr)>> {
-    let local = local_ipv4_addrs()?;
+/// this network namespace (IPv4 or IPv6): their datagrams to this node go
+/// through `lo`.
+pub fn local_workers(config: &Config) -> Result<Vec<(u16, usize, IpAddr)>> {
+    let local = local_addrs()?;
     Ok(config
         .jobs
         .iter()
@@ -576,9 +607,9 @@ fn obj_get(path: &Path) -> io::Result<OwnedFd> {
 /// A group member on this host receives its copy through `lo`, which needs
 /// `accept_local` (the copy carries one of this host's addresses as source).
 fn check_local_members(config: &Config) -> Result<()> {
-    let local = local_ipv4_addrs()?;
+    let local = local_addrs()?;
     for group in &config.groups {
-        if let Some(member) = group.members.iter().find(|m| local.contains(m.ip())) {
+        if let Some(member) = group.members.iter().find(|m| local.contains(&m.ip())) {
             tc::check_local_delivery()
                 .map_err(|e| anyhow!("aggbox: group {} member {member} is on this host: {e}", group.id))?;
         }

@@ -287,7 +287,7 @@ impl Attachment {
         let ring_pool = self.ring_pool.place(&new.rings).map_err(|e| anyhow!("{origin}: {e}; nothing was changed"))?;
         let ring_jobs = super::ring_jobs(new, &self.record.iface, &node_addrs, &ring_pool)
             .map_err(|e| anyhow!("{origin}: {e:#}; nothing was changed"))?;
-        let kernel = KernelState::of(new, iface_mtu, &ring_jobs);
+        let kernel = KernelState::of(new, iface_mtu, &ring_jobs).map_err(|e| anyhow!("{origin}: {e:#}; nothing was changed"))?;
         kernel.check().map_err(|e| anyhow!("{e}; nothing was changed"))?;
         let ring_services = ring::RingServiceChange::between(self.rings.as_ref(), &self.kernel, &kernel)
             .map_err(|e| anyhow!("{e:#}; nothing was changed"))?;

@@ -16,7 +16,7 @@
 //! Everything else (fragmentation, windows, broadcast, retransmission) is the
 //! same code for both, in `runtime::engine`.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use crate::wire::abi::Round;
@@ -60,7 +60,7 @@ pub struct AckIo<'a> {
 
 impl AckIo<'_> {
     /// Queues one aggregation ACK for `rank`'s datagrams to `to`.
-    pub fn send(&mut self, to: SocketAddrV4, rank: u16, bm: &SeqBitmap) {
+    pub fn send(&mut self, to: SocketAddr, rank: u16, bm: &SeqBitmap) {
         self.out.ack(self.job, rank, AckKind::Aggregation, bm, to);
         *self.sent += 1;
     }
@@ -106,7 +106,7 @@ pub trait Backend: Send + std::fmt::Debug {
         &mut self,
         hdr: &AggHeader,
         payload_be: &[u8],
-        from: SocketAddrV4,
+        from: SocketAddr,
         now: Instant,
         io: &mut AckIo,
     );

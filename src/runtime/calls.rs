@@ -431,7 +431,7 @@ impl<D: RoundDriver> Calls for D {}
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
-    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::net::{Ipv4Addr, SocketAddr};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{mpsc, Arc};
     use std::time::{Duration, Instant};
@@ -445,26 +445,26 @@ mod tests {
     use crate::runtime::transport::{CommStats, Counters};
     use crate::runtime::CommError;
 
-    type Inbox = mpsc::Receiver<(SocketAddrV4, Vec<u8>)>;
-    type Postbox = HashMap<SocketAddrV4, mpsc::Sender<(SocketAddrV4, Vec<u8>)>>;
+    type Inbox = mpsc::Receiver<(SocketAddr, Vec<u8>)>;
+    type Postbox = HashMap<SocketAddr, mpsc::Sender<(SocketAddr, Vec<u8>)>>;
 
     struct Channels<'a> {
-        from: SocketAddrV4,
+        from: SocketAddr,
         to: &'a Postbox,
     }
 
     impl Transmit for Channels<'_> {
-        fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
             if let Some(tx) = self.to.get(&to) {
                 let _ = tx.send((self.from, datagram.to_vec()));
             }
         }
 
-        fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+        fn resend(&mut self, to: SocketAddr, datagram: &[u8]) {
             self.send(to, datagram);
         }
 
-        fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], _gso: bool) {
+        fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddr)], _gso: bool) {
             for (b, to) in datagrams {
                 self.send(*to, b);
             }
@@ -473,7 +473,7 @@ mod tests {
 
     struct ChannelDriver {
         engine: Engine,
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         inbox: Inbox,
         postbox: Postbox,
     }
@@ -545,8 +545,8 @@ mod tests {
     ) -> Vec<T> {
         let participants = workers as usize + 1;
         let lo = Ipv4Addr::new(10, 0, 0, 1);
-        let peers: Vec<SocketAddrV4> = (0..workers)
-            .map(|r| SocketAddrV4::new(lo, 5000 + r))
+        let peers: Vec<SocketAddr> = (0..workers)
+            .map(|r| SocketAddr::new(lo.into(), 5000 + r))
             .collect();
         let me_all: Vec<Participant> = (0..workers)
             .map(Participant::Worker)
@@ -563,7 +563,7 @@ mod tests {
                     .clone()
             })
             .collect();
-        let addrs: Vec<SocketAddrV4> = cfgs
+        let addrs: Vec<SocketAddr> = cfgs
             .iter()
             .map(|c| c.addr_of(c.me.index(c.workers())))
             .collect();

@@ -15,7 +15,7 @@
 //! of collective calls; each call is one *round*.
 
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
@@ -33,7 +33,6 @@ use crate::runtime::driver::{self, random_group_base, Core, Driver, Shared};
 // The engine's own types, public here where the builder fills them.
 pub use crate::runtime::engine::{CallOptions, CommConfig, Participant, TcGroup};
 use crate::runtime::engine::{Engine, RawF32, RawI32};
-use crate::runtime::fragment::elements_per_fragment;
 use crate::runtime::position::{query_position, NodePosition, PositionQueryError};
 pub use crate::runtime::kernel::DEFAULT_EARLY_RESULT_BYTES;
 use crate::runtime::quantize::Quantization;
@@ -65,7 +64,7 @@ pub struct CommunicatorBuilder {
 /// another thread meanwhile holds a copy of the descriptor until its exec
 /// closes it (close-on-exec), and the address is in use until then, so
 /// such a bind is retried for up to 200 ms.
-fn bind_data_socket(me: SocketAddrV4, just_closed: bool) -> io::Result<UdpSocket> {
+fn bind_data_socket(me: SocketAddr, just_closed: bool) -> io::Result<UdpSocket> {
     let until = Instant::now() + Duration::from_millis(200);
     loop {
         match UdpSocket::bind(me) {
@@ -80,19 +79,21 @@ fn bind_data_socket(me: SocketAddrV4, just_closed: bool) -> io::Result<UdpSocket
 impl CommunicatorBuilder {
     /// A job `job` whose workers listen at `peers` (rank r at `peers[r]`),
     /// with the aggregator at `aggregator:job_port`; this participant is `me`.
-    pub fn new(
+    /// IPv4 or IPv6 (`SocketAddrV4`s and an `Ipv4Addr` convert), all of one
+    /// family (`build` refuses a mix).
+    pub fn new<P: Into<SocketAddr>>(
         job: u16,
-        peers: Vec<SocketAddrV4>,
-        aggregator: Ipv4Addr,
+        peers: impl IntoIterator<Item = P>,
+        aggregator: impl Into<IpAddr>,
         job_port: u16,
         me: Participant,
     ) -> CommunicatorBuilder {
         CommunicatorBuilder {
             cfg: CommConfig {
                 job,
-                peers,
+                peers: peers.into_iter().map(Into::into).collect(),
                 me,
-                aggregator,
+                aggregator: aggregator.into(),
                 job_port,
                 result_port: 0,
                 backend: BackendKind::Socket,
@@ -124,10 +125,10 @@ impl CommunicatorBuilder {
     /// through the job's result group, as for a node-served `[[job]]`,
     /// acknowledged as the node's `ack_mode` and `ack_group` say.
     #[allow(clippy::too_many_arguments)]
-    pub fn for_node_served_job(
+    pub fn for_node_served_job<P: Into<SocketAddr>>(
         job_id: u16,
-        peers: Vec<SocketAddrV4>,
-        node: Ipv4Addr,
+        peers: impl IntoIterator<Item = P>,
+        node: impl Into<IpAddr>,
         job_port: u16,
         result_port: u16,
         me: Participant,
@@ -162,7 +163,7 @@ impl CommunicatorBuilder {
     pub fn from_config(
         config: &Config,
         job_id: u16,
-        aggregator: Ipv4Addr,
+        aggregator: impl Into<IpAddr>,
         data_port: u16,
         me: Participant,
     ) -> Result<CommunicatorBuilder, CommError> {
@@ -176,10 +177,10 @@ impl CommunicatorBuilder {
                 "job {job_id} is served by the node (consumer = \"node\"): `aggbox attach` takes its RESULTs, so no aggregator application may; its workers need none"
             )));
         }
-        let peers = job
+        let peers: Vec<SocketAddr> = job
             .workers
             .iter()
-            .map(|&a| SocketAddrV4::new(a, data_port))
+            .map(|&a| SocketAddr::new(a, data_port))
             .collect();
         let mut b = CommunicatorBuilder::new(job_id, peers, aggregator, job.port, me)
             .result_port(job.result_port)
@@ -258,7 +259,8 @@ impl CommunicatorBuilder {
     /// Kernel backend: broadcasts from this participant go through its
     /// node's TC program, group `id` with member table `members` (every other
     /// participant's socket address must be a member).
-    pub fn tc_broadcast(mut self, id: u16, members: Vec<SocketAddrV4>) -> Self {
+    pub fn tc_broadcast<M: Into<SocketAddr>>(mut self, id: u16, members: impl IntoIterator<Item = M>) -> Self {
+        let members: Vec<SocketAddr> = members.into_iter().map(Into::into).collect();
         self.cfg.tc_group = Some(TcGroup { id, members });
         self
     }
@@ -335,7 +337,7 @@ impl CommunicatorBuilder {
             cfg.job,
             rank,
             from,
-            SocketAddrV4::new(cfg.aggregator, cfg.result_port),
+            SocketAddr::new(cfg.aggregator, cfg.result_port),
             deadline,
         )
     }
@@ -395,7 +397,13 @@ impl CommunicatorBuilder {
                 "the kernel backend needs the job's result port".into(),
             ));
         }
-        if cfg.mtu < 28 + abi::AGG_HDR_LEN + 4 {
+        if let Some(p) = cfg.peers.iter().find(|p| p.is_ipv6() != cfg.aggregator.is_ipv6()) {
+            return Err(CommError::Config(format!(
+                "worker {p} and aggregator {}: a job's participants are of one family (IPv4 or IPv6)",
+                cfg.aggregator
+            )));
+        }
+        if cfg.mtu < proto::ip_udp_hdr(cfg.is_ipv6()) + abi::AGG_HDR_LEN + 4 {
             return Err(CommError::Config(format!("MTU {} too small", cfg.mtu)));
         }
         if let Some(g) = &cfg.tc_group {
@@ -431,7 +439,7 @@ impl CommunicatorBuilder {
         // whose windows hold up to 910 fragments). The socket backend's
         // aggregator too: 4 workers' windows of 233 datagrams at MTU 9000
         // overflowed its 8 MiB (`RcvbufErrors`, each a timeout).
-        let dgram = proto::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * elements_per_fragment(cfg.mtu);
+        let dgram = proto::ip_udp_hdr(cfg.is_ipv6()) + abi::AGG_HDR_LEN + 4 * cfg.elements_per_fragment();
         let mut rcv = (8usize << 20).max(256 * dgram);
         if cfg.backend == BackendKind::Kernel || cfg.me == Participant::Aggregator {
             rcv = rcv.max(64 << 20);
@@ -490,12 +498,12 @@ impl CommunicatorBuilder {
 fn discover_mtu(cfg: &CommConfig) -> usize {
     let me = match cfg.me {
         Participant::Worker(r) => {
-            Some(*cfg.peers[(r as usize).min(cfg.peers.len().saturating_sub(1))].ip())
+            Some(cfg.peers[(r as usize).min(cfg.peers.len().saturating_sub(1))].ip())
         }
         Participant::Aggregator => None,
     };
     let others = std::iter::once(cfg.aggregator)
-        .chain(cfg.peers.iter().map(|p| *p.ip()))
+        .chain(cfg.peers.iter().map(|p| p.ip()))
         .filter(|a| Some(*a) != me || *a == cfg.aggregator);
     crate::runtime::pmtu::min_path_mtu(others).unwrap_or(1500)
 }
@@ -543,10 +551,10 @@ impl Communicator {
     }
 
     /// Starts a builder; see [`CommunicatorBuilder::new`].
-    pub fn builder(
+    pub fn builder<P: Into<SocketAddr>>(
         job: u16,
-        peers: Vec<SocketAddrV4>,
-        aggregator: Ipv4Addr,
+        peers: impl IntoIterator<Item = P>,
+        aggregator: impl Into<IpAddr>,
         job_port: u16,
         me: Participant,
     ) -> CommunicatorBuilder {

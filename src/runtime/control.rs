@@ -5,7 +5,7 @@
 //! when it is dropped. [`RunJob::builder`] gives the communicator of the
 //! job: nothing of the node's file is needed.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -89,7 +89,7 @@ impl RunJob {
         run: &str,
         world: u16,
         rank: u16,
-        data: SocketAddrV4,
+        data: impl Into<SocketAddr>,
         vector_len: Option<u32>,
         deadline: Duration,
     ) -> Result<RunJob, CommError> {
@@ -105,10 +105,11 @@ impl RunJob {
         run: &str,
         world: u16,
         rank: u16,
-        data: SocketAddrV4,
+        data: impl Into<SocketAddr>,
         shape: JobShape,
         deadline: Duration,
     ) -> Result<RunJob, CommError> {
+        let data = data.into();
         let JobShape { vector_len, window, frag_elems, parent, ring } = shape;
         let request = Request::Join { run: run.to_string(), world, rank, data, vector_len, window, frag_elems, parent, ring };
         let grant = match call(node, &credential, &request, deadline)? {
@@ -223,10 +224,7 @@ impl RunJob {
     /// reduces, its result service delivers the RESULTs through the job's
     /// result group.
     pub fn builder(&self) -> CommunicatorBuilder {
-        let node = match self.node.ip() {
-            std::net::IpAddr::V4(a) => a,
-            std::net::IpAddr::V6(_) => Ipv4Addr::UNSPECIFIED,
-        };
+        let node = self.node.ip();
         CommunicatorBuilder::for_node_served_job(
             self.grant.job,
             self.grant.workers.clone(),
@@ -264,10 +262,10 @@ impl Drop for RunJob {
 
 /// The data socket of stripe `t` of a rank whose data socket is `data`:
 /// the same address, its port plus `t` ([`RunCommunicator::join`]).
-pub fn stripe_socket(data: SocketAddrV4, t: usize) -> Result<SocketAddrV4, CommError> {
+pub fn stripe_socket(data: SocketAddr, t: usize) -> Result<SocketAddr, CommError> {
     let port = u16::try_from(data.port() as usize + t)
         .map_err(|_| CommError::Config(format!("data port {} + stripe {t} is past 65535", data.port())))?;
-    Ok(SocketAddrV4::new(*data.ip(), port))
+    Ok(SocketAddr::new(data.ip(), port))
 }
 
 /// A rank's communicator of a run's job on demand, or of its jobs at
@@ -298,7 +296,7 @@ impl RunCommunicator {
         run: &str,
         world: u16,
         rank: u16,
-        data: SocketAddrV4,
+        data: impl Into<SocketAddr>,
         vector_len: Option<u32>,
         deadline: Duration,
         configure: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
@@ -306,6 +304,7 @@ impl RunCommunicator {
         if nodes.is_empty() {
             return Err(CommError::Config("a run needs the control endpoint of at least one node".into()));
         }
+        let data = data.into();
         let mut runs = Vec::with_capacity(nodes.len());
         for (t, node) in nodes.iter().enumerate() {
             let stripe = stripe_socket(data, t)?;

@@ -338,10 +338,8 @@ impl Driver {
                     drained += n;
                     for (k, m) in self.rxmeta[..n].iter().enumerate() {
                         let d = &self.rxbuf[k * RECV_SLOT..k * RECV_SLOT + m.len];
-                        if let std::net::SocketAddr::V4(from) = m.from {
-                            self.net.c.received(d);
-                            self.engine.handle(Instant::now(), from, d);
-                        }
+                        self.net.c.received(d);
+                        self.engine.handle(Instant::now(), m.from, d);
                     }
                     if n < self.rxmeta.len() {
                         break; // the socket is empty

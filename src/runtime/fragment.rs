@@ -15,7 +15,7 @@
 
 // The fragment size rule is the wire's (the node sizes its jobs' frames by
 // it too); re-exported here, where callers of the runtime look for it.
-pub use crate::wire::proto::{blocks_per_fragment, elements_per_fragment};
+pub use crate::wire::proto::{blocks_per_fragment, elements_per_fragment, elements_per_fragment_in};
 
 /// Packets one window of a kernel-backend job may put in the node's queues:
 /// every worker's contributions and every copy of their RESULTs

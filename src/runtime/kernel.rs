@@ -53,7 +53,7 @@
 //! Everything else is counted and dropped. RESULTs of later rounds are kept
 //! up to a byte bound as well as a count.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use crate::wire::abi::Round;
@@ -73,9 +73,9 @@ struct Done {
 /// The aggregator side of the kernel backend (see the module docs).
 #[derive(Debug)]
 pub struct KernelAggregator {
-    peers: Vec<SocketAddrV4>,
+    peers: Vec<SocketAddr>,
     /// This node's address (the job's aggregator address).
-    node: Ipv4Addr,
+    node: IpAddr,
     per: usize,
     behalf: RecvTracker,
     round: Round,
@@ -95,7 +95,7 @@ pub struct KernelAggregator {
     /// may start the next reduction first, and the kernel sends its RESULT
     /// only once (retransmissions of a completed slot are dropped), so an
     /// early RESULT is kept and taken when its round begins.
-    early: Vec<(AggHeader, Vec<u8>, SocketAddrV4)>,
+    early: Vec<(AggHeader, Vec<u8>, SocketAddr)>,
     /// Memory `early` holds (`early_cost` of each entry).
     early_bytes: usize,
     /// Bound of `early_bytes`.
@@ -113,7 +113,7 @@ pub const DEFAULT_EARLY_RESULT_BYTES: usize = 256 << 20;
 
 /// What one kept early RESULT costs: its payload and the entry holding it.
 fn early_cost(payload_len: usize) -> usize {
-    payload_len + std::mem::size_of::<(AggHeader, Vec<u8>, SocketAddrV4)>()
+    payload_len + std::mem::size_of::<(AggHeader, Vec<u8>, SocketAddr)>()
 }
 
 impl KernelAggregator {
@@ -121,12 +121,12 @@ impl KernelAggregator {
     /// fragment, on the node at `node` (the job's aggregator address);
     /// RESULTs of later rounds are kept up to `early_limit` bytes.
     pub fn new(
-        peers: Vec<SocketAddrV4>,
+        peers: Vec<SocketAddr>,
         per: usize,
         cfg: ReliabilityConfig,
         first_round: Round,
         first_seq: u32,
-        node: Ipv4Addr,
+        node: IpAddr,
         early_limit: usize,
     ) -> KernelAggregator {
         KernelAggregator {
@@ -162,15 +162,15 @@ impl KernelAggregator {
 
     /// Whether `from` is a source the node's paths send this runtime RESULTs
     /// from (see the module docs): a worker's socket, or the node itself.
-    fn may_send_results(&self, from: SocketAddrV4) -> bool {
-        *from.ip() == self.node || self.peers.contains(&from)
+    fn may_send_results(&self, from: SocketAddr) -> bool {
+        from.ip() == self.node || self.peers.contains(&from)
     }
 
     fn recount_early(&mut self) {
         self.early_bytes = self.early.iter().map(|(_, p, _)| early_cost(p.len())).sum();
     }
 
-    fn fan_out(peers: &[SocketAddrV4], io: &mut AckIo, bm: &SeqBitmap) {
+    fn fan_out(peers: &[SocketAddr], io: &mut AckIo, bm: &SeqBitmap) {
         for (r, &to) in peers.iter().enumerate() {
             io.send(to, r as u16, bm);
         }
@@ -315,7 +315,7 @@ impl Backend for KernelAggregator {
         &mut self,
         hdr: &AggHeader,
         payload: &[u8],
-        from: SocketAddrV4,
+        from: SocketAddr,
         now: Instant,
         io: &mut AckIo,
     ) {
@@ -452,8 +452,8 @@ mod tests {
     #[test]
     fn result_of_a_later_round_is_kept_until_that_round() {
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
-        let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9);
-        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), Round(1), 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let peer = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 9);
+        let mut agg = KernelAggregator::new(vec![peer], 4, ReliabilityConfig::default(), Round(1), 100, peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let (hdr, payload) = result(2, 0, &[5, 6, 7, 8]);
         {
@@ -497,26 +497,26 @@ mod tests {
     #[test]
     fn a_result_from_neither_a_worker_socket_nor_the_node_is_refused() {
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
-        let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let worker = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 5000);
         let node = std::net::Ipv4Addr::new(127, 0, 0, 2);
-        let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), Round(1), 100, node, DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(vec![worker], 4, ReliabilityConfig::default(), Round(1), 100, node.into(), DEFAULT_EARLY_RESULT_BYTES);
         let now = Instant::now();
         let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let (hdr, forged) = result(1, 0, &[-1, -1, -1, -1]);
         for from in [
-            SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5001),
-            SocketAddrV4::new(std::net::Ipv4Addr::new(127, 0, 0, 3), 5000),
+            SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 5001),
+            SocketAddr::new(std::net::Ipv4Addr::new(127, 0, 0, 3).into(), 5000),
         ] {
             agg.on_agg(&hdr, &forged, from, now, &mut io);
         }
         let (hdr2, forged2) = result(2, 0, &[-1, -1, -1, -1]);
-        agg.on_agg(&hdr2, &forged2, SocketAddrV4::new(std::net::Ipv4Addr::new(10, 9, 9, 9), 5000), now, &mut io);
+        agg.on_agg(&hdr2, &forged2, SocketAddr::new(std::net::Ipv4Addr::new(10, 9, 9, 9).into(), 5000), now, &mut io);
         assert_eq!(counters.refused_snapshot().results_from_wrong_source, 3);
         assert_eq!(agg.early_bytes(), 0, "a refused later-round RESULT is not kept");
         let (_, genuine) = result(1, 0, &[1, 2, 3, 4]);
         agg.on_agg(&hdr, &genuine, worker, now, &mut io);
         let (hdr4, from_node) = result(1, 4, &[5, 6, 7, 8]);
-        agg.on_agg(&hdr4, &from_node, SocketAddrV4::new(node, 40000), now, &mut io);
+        agg.on_agg(&hdr4, &from_node, SocketAddr::new(node.into(), 40000), now, &mut io);
         let mut got = Vec::new();
         agg.take_completed(Round(1), &mut |c| got.push((c.frag_off, c.values.to_vec())));
         got.sort();
@@ -530,10 +530,10 @@ mod tests {
     #[test]
     fn early_results_stay_within_the_byte_bound() {
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
-        let worker = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let worker = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 5000);
         let per = abi::MAX_ELEMS as usize;
         let limit = 1 << 20;
-        let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), Round(1), 100, *worker.ip(), limit);
+        let mut agg = KernelAggregator::new(vec![worker], per, ReliabilityConfig::default(), Round(1), 100, worker.ip(), limit);
         let now = Instant::now();
         let mut io = AckIo { out: &mut out, counters: &counters, job: 7, sent: &mut sent };
         let values = vec![3i32; per];
@@ -568,13 +568,13 @@ mod tests {
     /// so a single lost copy left a worker waiting until its deadline.
     #[test]
     fn the_last_arrivals_ack_lingers_after_the_round() {
-        let peer = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000);
+        let peer = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 5000);
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let cfg = ReliabilityConfig {
             ack_delay: std::time::Duration::from_secs(3600), // no timer ACK in this test
             ..ReliabilityConfig::default()
         };
-        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, Round(1), 100, *peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(vec![peer], 4, cfg, Round(1), 100, peer.ip(), DEFAULT_EARLY_RESULT_BYTES);
         let t0 = Instant::now();
         // Fragments 0..3 of round 1 (seqs 100..103): the last one (3) first.
         for (k, frag) in [3u32, 0, 1, 2].into_iter().enumerate() {
@@ -642,14 +642,14 @@ mod tests {
     /// a new RESULT starts over. Each repeat covers every fragment taken.
     #[test]
     fn a_waiting_round_repeats_its_acks_backing_off_until_a_result_arrives() {
-        let peers: Vec<SocketAddrV4> =
-            (0..2).map(|p| SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 5000 + p)).collect();
+        let peers: Vec<SocketAddr> =
+            (0..2).map(|p| SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 5000 + p)).collect();
         let (counters, mut out, mut sent) = (Counters::default(), Outbox::new(), 0u64);
         let cfg = ReliabilityConfig {
             ack_delay: Duration::from_secs(3600), // no timer ACK in this test
             ..ReliabilityConfig::default()
         };
-        let mut agg = KernelAggregator::new(peers.clone(), 4, cfg, Round(1), 100, *peers[0].ip(), DEFAULT_EARLY_RESULT_BYTES);
+        let mut agg = KernelAggregator::new(peers.clone(), 4, cfg, Round(1), 100, peers[0].ip(), DEFAULT_EARLY_RESULT_BYTES);
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let take = |agg: &mut KernelAggregator, frag: u32, at: Instant, out: &mut Outbox, sent: &mut u64| {

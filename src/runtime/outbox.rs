@@ -13,7 +13,7 @@
 //! of them costs at most one datagram-sized allocation each, once, and
 //! never regrows (and copies) one buffer holding them all.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use crate::wire::proto::{AckKind, AckMessage, SeqBitmap};
 
@@ -21,12 +21,12 @@ use crate::wire::proto::{AckKind, AckMessage, SeqBitmap};
 /// ([`crate::runtime::transport::Net`]), or a test's list.
 pub trait Transmit {
     /// A first transmission of one datagram (an `AGK1`, or data).
-    fn send(&mut self, to: SocketAddrV4, datagram: &[u8]);
+    fn send(&mut self, to: SocketAddr, datagram: &[u8]);
     /// A retransmission of a data datagram.
-    fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]);
+    fn resend(&mut self, to: SocketAddr, datagram: &[u8]);
     /// First transmissions of data datagrams, in order, as one batch;
     /// `gso`: runs to one destination may go as UDP GSO super-datagrams.
-    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], gso: bool);
+    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddr)], gso: bool);
 }
 
 /// Where a queued datagram's bytes are.
@@ -41,7 +41,7 @@ enum Bytes {
 /// One queued datagram.
 #[derive(Debug, Clone, Copy)]
 struct Queued {
-    to: SocketAddrV4,
+    to: SocketAddr,
     bytes: Bytes,
 }
 
@@ -63,7 +63,7 @@ impl Outbox {
     }
 
     /// Queues a first transmission of `datagram` to `to`.
-    pub fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    pub fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
         let start = self.bytes.len();
         self.bytes.extend_from_slice(datagram);
         self.queued.push(Queued {
@@ -73,7 +73,7 @@ impl Outbox {
     }
 
     /// Queues a retransmission of `datagram` to `to`.
-    pub fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    pub fn resend(&mut self, to: SocketAddr, datagram: &[u8]) {
         let mut b = self.spare.pop().unwrap_or_default();
         b.clear();
         b.extend_from_slice(datagram);
@@ -86,7 +86,7 @@ impl Outbox {
 
     /// Encodes and queues one `AGK1` (`id`: the job or broadcast group,
     /// `rank`: whose datagrams it acknowledges, or the sender's index).
-    pub fn ack(&mut self, id: u16, rank: u16, kind: AckKind, bm: &SeqBitmap, to: SocketAddrV4) {
+    pub fn ack(&mut self, id: u16, rank: u16, kind: AckKind, bm: &SeqBitmap, to: SocketAddr) {
         let msg = AckMessage {
             id,
             rank,
@@ -114,7 +114,7 @@ impl Outbox {
     }
 
     /// The queued datagrams: (destination, bytes, whether a retransmission).
-    pub fn datagrams(&self) -> impl Iterator<Item = (SocketAddrV4, &[u8], bool)> + '_ {
+    pub fn datagrams(&self) -> impl Iterator<Item = (SocketAddr, &[u8], bool)> + '_ {
         self.queued.iter().map(|q| {
             let (b, resend) = self.bytes_of(q);
             (q.to, b, resend)
@@ -154,8 +154,8 @@ impl Outbox {
 mod tests {
     use super::*;
 
-    fn to(port: u16) -> SocketAddrV4 {
-        SocketAddrV4::new([127, 0, 0, 1].into(), port)
+    fn to(port: u16) -> SocketAddr {
+        SocketAddr::new([127, 0, 0, 1].into(), port)
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! socket lives in (the builder calls it from `build`).
 
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 
 /// Largest IPv4 datagram (the total-length field).
@@ -17,30 +17,44 @@ pub const MAX_IPV4_MTU: usize = 65535;
 
 /// MTU of the route to `to` (see the module docs). Errors when there is no
 /// route and no interface owns the would-be source address.
-pub fn path_mtu(to: Ipv4Addr) -> io::Result<usize> {
-    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+pub fn path_mtu(to: IpAddr) -> io::Result<usize> {
+    let any = match to {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let sock = UdpSocket::bind(SocketAddr::new(any, 0))?;
     // Port 9 (discard): connect only selects the route, nothing is sent.
-    sock.connect(SocketAddrV4::new(to, 9))?;
-    if let Some(m) = ip_mtu(&sock) {
+    sock.connect(SocketAddr::new(to, 9))?;
+    if let Some(m) = ip_mtu(&sock, to.is_ipv6()) {
         return Ok(m.min(MAX_IPV4_MTU));
     }
-    let local = match sock.local_addr()? {
-        std::net::SocketAddr::V4(a) => *a.ip(),
-        std::net::SocketAddr::V6(_) => return Err(io::Error::other("IPv6 source address")),
-    };
-    crate::netif::interface_mtu_of(local).map(|m| m.min(MAX_IPV4_MTU))
+    match sock.local_addr()?.ip() {
+        IpAddr::V4(local) => crate::netif::interface_mtu_of(local).map(|m| m.min(MAX_IPV4_MTU)),
+        IpAddr::V6(local) => interface_mtu_of6(local).map(|m| m.min(MAX_IPV4_MTU)),
+    }
 }
 
-/// `getsockopt(IP_MTU)` of a connected socket.
-fn ip_mtu(sock: &UdpSocket) -> Option<usize> {
+/// MTU of the interface that holds IPv6 address `addr`.
+fn interface_mtu_of6(addr: std::net::Ipv6Addr) -> io::Result<usize> {
+    let ifa = nix::ifaddrs::getifaddrs()
+        .map_err(io::Error::from)?
+        .find(|ifa| ifa.address.and_then(|a| a.as_sockaddr_in6().map(|s| s.ip())) == Some(addr))
+        .ok_or_else(|| io::Error::other(format!("no interface holds {addr}")))?;
+    let text = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", ifa.interface_name))?;
+    text.trim().parse().map_err(io::Error::other)
+}
+
+/// `getsockopt(IP_MTU)` (`IPV6_MTU` for IPv6) of a connected socket.
+fn ip_mtu(sock: &UdpSocket, v6: bool) -> Option<usize> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let (level, name) = if v6 { (libc::IPPROTO_IPV6, libc::IPV6_MTU) } else { (libc::IPPROTO_IP, libc::IP_MTU) };
     // SAFETY: valid fd, pointer and length of an int.
     let r = unsafe {
         libc::getsockopt(
             sock.as_raw_fd(),
-            libc::IPPROTO_IP,
-            libc::IP_MTU,
+            level,
+            name,
             &mut v as *mut libc::c_int as *mut libc::c_void,
             &mut len,
         )
@@ -51,8 +65,8 @@ fn ip_mtu(sock: &UdpSocket) -> Option<usize> {
 /// The smallest path MTU to any of `to` (the communicator's other
 /// participants); destinations without a route are skipped; `None` when none
 /// has one.
-pub fn min_path_mtu(to: impl IntoIterator<Item = Ipv4Addr>) -> Option<usize> {
-    let mut seen: Vec<Ipv4Addr> = Vec::new();
+pub fn min_path_mtu(to: impl IntoIterator<Item = IpAddr>) -> Option<usize> {
+    let mut seen: Vec<IpAddr> = Vec::new();
     let mut best: Option<usize> = None;
     for a in to {
         if seen.contains(&a) {
@@ -73,7 +87,7 @@ mod tests {
     #[test]
     fn loopback_route_mtu_is_capped_at_the_ipv4_maximum() {
         // lo has MTU 65536 on Linux; a datagram can be at most 65535 bytes.
-        let m = path_mtu(Ipv4Addr::LOCALHOST).expect("route to 127.0.0.1");
+        let m = path_mtu(Ipv4Addr::LOCALHOST.into()).expect("route to 127.0.0.1");
         assert!((1280..=MAX_IPV4_MTU).contains(&m), "{m}");
         let lo = crate::netif::interface_mtu("lo").expect("SIOCGIFMTU lo");
         assert_eq!(m, lo.min(MAX_IPV4_MTU));
@@ -82,7 +96,7 @@ mod tests {
             lo
         );
         assert_eq!(
-            min_path_mtu([Ipv4Addr::LOCALHOST, Ipv4Addr::LOCALHOST]),
+            min_path_mtu([Ipv4Addr::LOCALHOST.into(), Ipv4Addr::LOCALHOST.into()]),
             Some(m)
         );
     }

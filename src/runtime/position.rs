@@ -13,7 +13,7 @@
 //! sent again, with a growing wait, until the deadline.
 
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use crate::wire::abi::Round;
@@ -41,7 +41,7 @@ pub enum PositionQueryError {
         /// The asking worker.
         rank: u16,
         /// Its socket address.
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         /// The error.
         source: io::Error,
     },
@@ -51,7 +51,7 @@ pub enum PositionQueryError {
         /// Job id.
         job: u16,
         /// The node's result socket.
-        node: SocketAddrV4,
+        node: SocketAddr,
         /// The error.
         source: io::Error,
     },
@@ -68,9 +68,9 @@ pub enum PositionQueryError {
         /// The asking worker.
         rank: u16,
         /// Its socket.
-        from: SocketAddrV4,
+        from: SocketAddr,
         /// The node's result socket asked.
-        node: SocketAddrV4,
+        node: SocketAddr,
         /// Queries sent.
         tries: u32,
         /// Time spent.
@@ -94,8 +94,8 @@ const MAX_WAIT: Duration = Duration::from_millis(500);
 pub fn query_position(
     job: u16,
     rank: u16,
-    from: SocketAddrV4,
-    node: SocketAddrV4,
+    from: SocketAddr,
+    node: SocketAddr,
     deadline: Duration,
 ) -> Result<NodePosition, PositionQueryError> {
     let socket = UdpSocket::bind(from).map_err(|source| PositionQueryError::Bind {
@@ -140,7 +140,7 @@ pub fn query_position(
             }
             socket.set_read_timeout(Some(left)).map_err(io_err)?;
             match socket.recv_from(&mut buf) {
-                Ok((n, SocketAddr::V4(src))) if src == node => {
+                Ok((n, src)) if src == node => {
                     if let Ok(reply) = PositionMessage::decode(&buf[..n]) {
                         if reply.is_reply()
                             && reply.job == job
@@ -173,14 +173,17 @@ pub fn query_position(
 /// A query's nonce: differs between processes and runs (the clock, the
 /// process, the socket), so a late reply to an earlier run's query is not
 /// taken for this one's.
-fn nonce(from: SocketAddrV4) -> u32 {
+fn nonce(from: SocketAddr) -> u32 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     let x = t
         ^ (u64::from(std::process::id()) << 32)
-        ^ u64::from(u32::from(*from.ip()))
+        ^ match from.ip() {
+            IpAddr::V4(a) => u64::from(u32::from(a)),
+            IpAddr::V6(a) => { let b = a.to_bits(); (b ^ (b >> 64)) as u64 }
+        }
         ^ (u64::from(from.port()) << 16);
     // splitmix64's finaliser: every input bit reaches every output bit.
     let x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -191,20 +194,18 @@ fn nonce(from: SocketAddrV4) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::Ipv4Addr;
+    use std::net::IpAddr;
 
-    const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+    const LO: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 
-    fn bound() -> (UdpSocket, SocketAddrV4) {
+    fn bound() -> (UdpSocket, SocketAddr) {
         let s = UdpSocket::bind((LO, 0)).unwrap();
-        let SocketAddr::V4(a) = s.local_addr().unwrap() else {
-            unreachable!()
-        };
+        let a = s.local_addr().unwrap();
         (s, a)
     }
 
     /// A free port on lo (bound and released).
-    fn free() -> SocketAddrV4 {
+    fn free() -> SocketAddr {
         bound().1
     }
 

@@ -16,7 +16,7 @@
 //! Acknowledgements: one [`RecvTracker`] per rank, so contributions are
 //! acknowledged per packet or per group exactly as broadcast data is.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use crate::wire::abi::Round;
@@ -56,7 +56,7 @@ pub struct SocketAggStats {
 #[derive(Debug)]
 pub struct SocketAggregator {
     workers: u16,
-    peers: Vec<SocketAddrV4>,
+    peers: Vec<SocketAddr>,
     trackers: Vec<RecvTracker>,
     slots: SlotTable<Held>,
     /// Complete slots not yet taken by the collecting call.
@@ -70,7 +70,7 @@ impl SocketAggregator {
     /// An aggregator for `peers.len()` ranks (rank r sends from `peers[r]`),
     /// with at most `slots` slots.
     pub fn new(
-        peers: Vec<SocketAddrV4>,
+        peers: Vec<SocketAddr>,
         cfg: ReliabilityConfig,
         slots: usize,
         first_round: Round,
@@ -167,7 +167,7 @@ impl Backend for SocketAggregator {
         &mut self,
         hdr: &AggHeader,
         payload: &[u8],
-        from: SocketAddrV4,
+        from: SocketAddr,
         now: Instant,
         io: &mut AckIo,
     ) {

@@ -17,7 +17,7 @@
 //! split depends only on the vector's length and the stripe count
 //! ([`stripe_bounds`]).
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::mpsc;
 
@@ -85,11 +85,12 @@ impl StripedCommunicator {
     pub fn from_config(
         config: &Config,
         jobs: &[u16],
-        aggregator: Ipv4Addr,
+        aggregator: impl Into<IpAddr>,
         data_port: u16,
         me: Participant,
         tune: impl Fn(CommunicatorBuilder) -> CommunicatorBuilder,
     ) -> Result<StripedCommunicator, CommError> {
+        let aggregator = aggregator.into();
         let stripes = jobs
             .iter()
             .enumerate()

@@ -11,7 +11,7 @@
 //! and the MAC. A reply frame is a [`Reply`].
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -64,8 +64,9 @@ pub enum Request {
         /// This rank.
         rank: u16,
         /// This rank's data socket: where its RESULTs go, and whose address
-        /// its contributions come from.
-        data: SocketAddrV4,
+        /// its contributions come from (IPv4 or IPv6; JSON `"A.B.C.D:PORT"`
+        /// or `"[IPv6]:PORT"`).
+        data: SocketAddr,
         /// Longest vector the run reduces, in elements (bounds the job's
         /// slot memory), or none.
         #[serde(default)]
@@ -91,7 +92,7 @@ pub enum Request {
         /// installs the ring at each of them ([`Request::RingInstall`]) and
         /// grants it with the job ([`JobGrant::ring`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        ring: Option<SocketAddrV4>,
+        ring: Option<SocketAddr>,
     },
     /// Keeps the job alive for another lease.
     Renew {
@@ -164,8 +165,8 @@ pub struct JobGrant {
     pub port: u16,
     /// The node's RESULT port (its result service).
     pub result_port: u16,
-    /// The workers' data sockets by rank.
-    pub workers: Vec<SocketAddrV4>,
+    /// The workers' data sockets by rank (all of one family).
+    pub workers: Vec<SocketAddr>,
     /// Renew within this many milliseconds, or the job is removed.
     pub lease_ms: u64,
     /// How the node's result service acknowledges (`[node] ack_mode`):
@@ -212,7 +213,7 @@ pub struct RingGrant {
 #[serde(deny_unknown_fields)]
 pub struct TreeParent {
     /// The root node's control endpoint.
-    pub node: SocketAddrV4,
+    pub node: SocketAddr,
     /// This leaf's rank among the root's workers.
     pub leaf: u16,
     /// Leaves of the tree (the root job's workers).
@@ -234,7 +235,7 @@ pub struct JobShape {
     /// The control endpoint of this rank's own node, for a run with a
     /// ring (the one key that differs by rank: every rank names its own
     /// node, or none does).
-    pub ring: Option<SocketAddrV4>,
+    pub ring: Option<SocketAddr>,
 }
 
 /// Why a request was refused (docs/PROTOCOL.md lists them).

@@ -37,7 +37,7 @@ pub struct Ring {
 }
 
 fn ring_config(id: u16, port: u16, vector_len: u32, weights: Vec<i32>, frag: u32) -> RingConfig {
-    RingConfig { id, port, members: members(), weights, vector_len, frag_elems: frag }
+    RingConfig { id, port, members: members().into_iter().map(std::net::IpAddr::V4).collect(), weights, vector_len, frag_elems: frag }
 }
 
 /// Ring `cfg`'s dense index and entry, member `ME`, at its place in `pool`.
@@ -79,7 +79,7 @@ impl Ring {
         let pool = RingPool::reserve(std::slice::from_ref(&cfg), frag, pool_elems).expect("ring memory");
         let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), pool.sizing()).expect("load with a ring");
         let (dense, job) = placed_job(&cfg, &pool);
-        dp.set_ring(dense, &job, &cfg.members).expect("set_ring");
+        dp.set_ring(dense, &job, &members()).expect("set_ring");
         dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
         Ring { dp, cfg, job, dense, pool, round: std::cell::Cell::new(0) }
     }
@@ -92,7 +92,7 @@ impl Ring {
         let cfg = ring_config(id, port, vector_len, self.cfg.weights.clone(), self.cfg.frag_elems);
         self.pool = self.pool.place(std::slice::from_ref(&cfg)).expect("the new ring fits");
         let (dense, job) = placed_job(&cfg, &self.pool);
-        self.dp.set_ring(dense, &job, &cfg.members).expect("set_ring");
+        self.dp.set_ring(dense, &job, &members()).expect("set_ring");
         self.dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop");
         (self.cfg, self.job, self.dense) = (cfg, job, dense);
         self.round.set(0);

@@ -550,7 +550,7 @@ fn cycles(tb: &Testbed, control: SocketAddr, credential: &Credential, tag: &str,
                             step.wait();
                             let mut grant = None;
                             if !failed.load(Ordering::Relaxed) {
-                                let join = Request::Join { run: format!("{tag}-{k}"), world: 2, rank: r as u16, data, vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
+                                let join = Request::Join { run: format!("{tag}-{k}"), world: 2, rank: r as u16, data: data.into(), vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
                                 let sent = Instant::now();
                                 match request(control, credential, &join) {
                                     Ok((Reply::Joined(g), ms)) => {
@@ -1049,7 +1049,7 @@ fn ring_trial(tb: &Testbed, control: SocketAddr, credential: &Credential, pins: 
                 s.spawn(move || -> Result<(Instant, Instant, Instant)> {
                     let data = SocketAddrV4::new(tb.host(r + 1).addr, RUN_DATA_PORT);
                     let own = SocketAddrV4::new(tb.host(r + 1).addr, CONTROL_PORT);
-                    let shape = JobShape { vector_len: Some(RING_LEN), ring: ring.then_some(own), ..JobShape::default() };
+                    let shape = JobShape { vector_len: Some(RING_LEN), ring: ring.then_some(own.into()), ..JobShape::default() };
                     tb.in_host(r + 1, || {
                         start.wait();
                         let t0 = Instant::now();

@@ -28,19 +28,6 @@ pub struct ParentRoute {
     pub result_port: u16,
 }
 
-impl ParentRoute {
-    /// The route of a configured job's `parent` (its `result_port` included).
-    pub fn from_config(job: &crate::config::JobConfig, parent: &crate::config::ParentConfig) -> Self {
-        ParentRoute {
-            addr: parent.addr,
-            port: parent.port,
-            job: parent.job,
-            rank: parent.rank,
-            result_port: job.result_port,
-        }
-    }
-}
-
 /// Where the RESULTs of one job go besides the local result port, as
 /// written in `result_routes` (see [`TcPlane::result_route`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

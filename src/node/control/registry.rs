@@ -11,7 +11,7 @@
 //! is kept only for a request whose MAC verified), then the request.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use crate::config::{
     Config, GroupConfig, JobConfig, ParentConfig, ResultConsumer, RingConfig, DEFAULT_SLOTS, DEFAULT_USERSPACE_SLOTS,
@@ -89,7 +89,7 @@ pub struct LiveJob {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingRing {
     /// Rank r's own node's control endpoint.
-    pub nodes: Vec<SocketAddrV4>,
+    pub nodes: Vec<SocketAddr>,
     waiting: Vec<ConnId>,
 }
 
@@ -107,7 +107,7 @@ pub struct RingStart {
     pub run: String,
     /// The members (the ranks' data addresses) and their nodes, by rank.
     pub members: Vec<Ipv4Addr>,
-    pub nodes: Vec<SocketAddrV4>,
+    pub nodes: Vec<SocketAddr>,
     pub vector_len: u32,
     /// Ring ids and ports to propose, and where to start in them (so that
     /// two runs of one node do not propose the same first).
@@ -151,7 +151,7 @@ pub struct Upstream {
     pub parent: TreeParent,
     /// The root's job, once it was granted: the root node's address and
     /// the grant it gave this leaf.
-    pub root: Option<(Ipv4Addr, JobGrant)>,
+    pub root: Option<(IpAddr, JobGrant)>,
     /// The ranks' connections waiting for the grant until then.
     waiting: Vec<ConnId>,
 }
@@ -201,16 +201,16 @@ struct Joining {
     /// own node: [`Joining::ring_nodes`]).
     shape: JobShape,
     /// Rank → its data socket and the connection waiting for the grant.
-    ranks: BTreeMap<u16, (SocketAddrV4, ConnId)>,
+    ranks: BTreeMap<u16, (SocketAddr, ConnId)>,
     /// Rank → its own node, for a run with a ring.
-    ring_nodes: BTreeMap<u16, SocketAddrV4>,
+    ring_nodes: BTreeMap<u16, SocketAddr>,
     started_ms: u64,
 }
 
 /// What every rank of a run must ask alike: its shape with the ring's node
 /// (which is each rank's own) reduced to whether it asks one.
 fn run_shape(shape: JobShape) -> JobShape {
-    JobShape { ring: shape.ring.map(|_| SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)), ..shape }
+    JobShape { ring: shape.ring.map(|_| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), 0)), ..shape }
 }
 
 /// Counts since the node started, for `/metrics`.
@@ -361,7 +361,7 @@ impl Registry {
                 let job = JobConfig {
                     id: g.job,
                     port: g.port,
-                    workers: g.workers.iter().map(|w| *w.ip()).collect(),
+                    workers: g.workers.iter().map(|w| w.ip()).collect(),
                     weights: vec![1; g.workers.len()],
                     result_port: g.result_port,
                     result_group: Some(j.group),
@@ -521,7 +521,7 @@ impl Registry {
         run: String,
         world: u16,
         rank: u16,
-        data: SocketAddrV4,
+        data: SocketAddr,
         shape: JobShape,
     ) -> Vec<(ConnId, Reply)> {
         if world == 0 || world as usize > MAX_WORKERS || rank >= world {
@@ -584,6 +584,15 @@ impl Registry {
             if *addr != data {
                 return vec![(conn, refuse(Refusal::Conflict, format!("rank {rank} of run {run} joined from {addr}, not {data}")))];
             }
+        }
+        if let Some((r, (a, _))) = joining.ranks.iter().find(|(_, (a, _))| a.is_ipv6() != data.is_ipv6()) {
+            return vec![(conn, refuse(
+                Refusal::Malformed,
+                format!("rank {rank} joins from {data} where rank {r} joined from {a}: a run's data sockets are of one family (IPv4 or IPv6)"),
+            ))];
+        }
+        if shape.ring.is_some() && data.is_ipv6() {
+            return vec![(conn, refuse(Refusal::Malformed, format!("rank {rank} asks for a ring from {data}: {}", crate::node::RING_IPV6_REFUSED)))];
         }
         if let Some((r, _)) = joining.ranks.iter().find(|(r, (a, _))| **r != rank && *a == data) {
             return vec![(conn, refuse(Refusal::Conflict, format!("{data} is rank {r}'s data socket in run {run}")))];
@@ -684,14 +693,18 @@ impl Registry {
         });
         // A run with a ring answers its ranks once every member serves it.
         let ring = joining.shape.ring.map(|_| {
-            let nodes: Vec<SocketAddrV4> = joining.ring_nodes.values().copied().collect();
+            let nodes: Vec<SocketAddr> = joining.ring_nodes.values().copied().collect();
             self.ring_starts.push(RingStart {
                 job: id,
                 incarnation: grant.incarnation,
                 tenant: tenant.clone(),
                 key: self.keys.tenants[&tenant].key.clone(),
                 run: run.clone(),
-                members: grant.workers.iter().map(|w| *w.ip()).collect(),
+                // IPv4: a run asking for a ring from IPv6 is refused at its join
+                members: grant.workers.iter().filter_map(|w| match w.ip() {
+                    IpAddr::V4(a) => Some(a),
+                    IpAddr::V6(_) => None,
+                }).collect(),
                 nodes: nodes.clone(),
                 vector_len: joining.shape.vector_len.unwrap_or(1),
                 ring_ids: self.limits.ring_ids,
@@ -783,7 +796,7 @@ impl Registry {
         if members.iter().collect::<BTreeSet<_>>().len() != members.len() {
             return refuse(Refusal::Malformed, format!("ring members {members:?}: an address appears twice"));
         }
-        let config = RingConfig { id, port, weights: vec![1; members.len()], members, vector_len, frag_elems: self.ring_frag_elems };
+        let config = RingConfig { id, port, weights: vec![1; members.len()], members: members.into_iter().map(IpAddr::V4).collect(), vector_len, frag_elems: self.ring_frag_elems };
         if let Some(r) = self.rings.get_mut(&id).filter(|r| r.tenant == tenant && r.run == run) {
             if r.config == config {
                 r.expires_ms = now_ms + lease;
@@ -826,7 +839,7 @@ impl Registry {
 
     /// The root node at `addr` granted leaf job `job` its job `root`: the
     /// leaf's job is served from now on, with a fresh lease.
-    pub fn upstream_joined(&mut self, now_ms: u64, job: u16, incarnation: u64, addr: Ipv4Addr, root: JobGrant) -> UpstreamOutcome {
+    pub fn upstream_joined(&mut self, now_ms: u64, job: u16, incarnation: u64, addr: IpAddr, root: JobGrant) -> UpstreamOutcome {
         let ack = self.ack;
         let lease = self.limits.lease_ms;
         let Some(j) = self.live.get_mut(&job).filter(|j| j.grant.incarnation == incarnation) else {
@@ -1000,7 +1013,7 @@ mod tests {
             run: run.into(),
             world,
             rank,
-            data: SocketAddrV4::new([10, 0, run.as_bytes()[0], rank as u8 + 1].into(), 7700),
+            data: SocketAddr::new(std::net::Ipv4Addr::from([10, 0, run.as_bytes()[0], rank as u8 + 1]).into(), 7700),
             vector_len: None,
             window: None,
             frag_elems: None,
@@ -1030,6 +1043,39 @@ mod tests {
         let Reply::Joined(g) = &out[0].1 else { panic!("{out:?}") };
         assert!(out.iter().all(|(_, r)| *r == Reply::Joined(g.clone())), "every rank gets the same grant");
         g.clone()
+    }
+
+    /// A run of IPv6 data sockets gets its job (the node refuses its TC
+    /// copies later, at apply: `desired::tc_destination`); a run whose
+    /// ranks are of two families, or that asks for a ring from IPv6, is
+    /// refused at the join.
+    #[test]
+    fn a_run_of_ipv6_ranks_is_granted_and_a_mix_of_families_refused() {
+        let mut reg = registry();
+        let mut c = Client { tenant: "alice", nonce: 0 };
+        let v6 = |run: &str, world: u16, rank: u16| {
+            let mut r = join(run, world, rank);
+            if let Request::Join { data, .. } = &mut r {
+                *data = SocketAddr::new(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, u16::from(run.as_bytes()[0]), rank + 1).into(), 7700);
+            }
+            r
+        };
+        let f = c.frame(T0, &v6("s", 2, 0));
+        assert!(reg.handle(T0, 0, &f).is_empty());
+        let f = c.frame(T0, &v6("s", 2, 1));
+        let out = reg.handle(T0, 1, &f);
+        let Reply::Joined(g) = &out[0].1 else { panic!("{out:?}") };
+        assert_eq!(g.workers[1].to_string(), "[fd00::73:2]:7700");
+        let f = c.frame(T0, &v6("m", 2, 0));
+        assert!(reg.handle(T0, 2, &f).is_empty());
+        let f = c.frame(T0, &join("m", 2, 1));
+        assert_eq!(reason(&reg.handle(T0, 3, &f)), Refusal::Malformed);
+        let mut ring = v6("r", 2, 0);
+        if let Request::Join { ring, .. } = &mut ring {
+            *ring = Some("[fd00::1]:7471".parse().unwrap());
+        }
+        let f = c.frame(T0, &ring);
+        assert_eq!(reason(&reg.handle(T0, 4, &f)), Refusal::Malformed);
     }
 
     #[test]
@@ -1121,7 +1167,7 @@ mod tests {
         let mut a = Client { tenant: "alice", nonce: 0 };
         run_of(&mut reg, &mut a, T0, "a", 2);
         let mut b = Client { tenant: "bob", nonce: 1000 };
-        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddrV4::new([10, 0, b'a', 2].into(), 7700), vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
+        let taken = Request::Join { run: "b".into(), world: 2, rank: 0, data: SocketAddr::new(std::net::Ipv4Addr::from([10, 0, b'a', 2]).into(), 7700), vector_len: None, window: None, frag_elems: None, parent: None, ring: None };
         assert_eq!(reason(&reg.handle(T0, 7, &b.frame(T0, &taken))), Refusal::Conflict);
         assert!(reg.handle(T0, 7, &b.frame(T0, &join("b", 2, 0))).is_empty(), "its own sockets: accepted");
     }
@@ -1210,7 +1256,7 @@ mod tests {
     /// 10.0.8.(rank+1):7471.
     fn ring_join(run: &str, world: u16, rank: u16, vector_len: Option<u32>) -> Request {
         let Request::Join { run, world, rank, data, .. } = join(run, world, rank) else { unreachable!() };
-        let ring = Some(SocketAddrV4::new([10, 0, 8, rank as u8 + 1].into(), 7471));
+        let ring = Some(SocketAddr::new(std::net::Ipv4Addr::from([10, 0, 8, rank as u8 + 1]).into(), 7471));
         Request::Join { run, world, rank, data, vector_len, window: None, frag_elems: None, parent: None, ring }
     }
 
@@ -1228,7 +1274,7 @@ mod tests {
         let starts = reg.take_ring_starts();
         assert_eq!(starts.len(), 1);
         let st = &starts[0];
-        assert_eq!(st.nodes, vec!["10.0.8.1:7471".parse().unwrap(), "10.0.8.2:7471".parse::<SocketAddrV4>().unwrap()]);
+        assert_eq!(st.nodes, vec!["10.0.8.1:7471".parse().unwrap(), "10.0.8.2:7471".parse::<SocketAddr>().unwrap()]);
         assert_eq!(st.members, vec![Ipv4Addr::new(10, 0, b'r', 1), Ipv4Addr::new(10, 0, b'r', 2)]);
         assert_eq!((st.vector_len, st.key.clone()), (5000, vec![5u8; 32]));
         assert_eq!(reg.desired().0.len(), 1, "the star's job is served meanwhile");
@@ -1308,7 +1354,7 @@ mod tests {
         assert_eq!((st.run.as_str(), st.tenant.as_str(), st.parent.leaf, st.key.clone()), ("t", "alice", 1, vec![5u8; 32]));
         assert!(reg.desired().0.is_empty(), "not served before its root's job exists");
         assert_eq!(reg.live().len(), 1, "its id and ports are held meanwhile");
-        let root_addr: Ipv4Addr = [10, 0, 9, 9].into();
+        let root_addr: IpAddr = Ipv4Addr::new(10, 0, 9, 9).into();
         let UpstreamOutcome::Serving(replies) = reg.upstream_joined(T0 + 5, st.job, st.incarnation, root_addr, root_grant(61000)) else { panic!() };
         assert_eq!(replies.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![1, 2]);
         let Reply::Joined(g) = &replies[0].1 else { panic!("{replies:?}") };

@@ -82,7 +82,7 @@ fn first_installed(start: &RingStart, wanted: impl Fn() -> bool, mut install: im
 fn run(start: RingStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>, publish: Publish) {
     let RingStart { job, incarnation, ref tenant, ref key, ref run, ref members, ref nodes, vector_len, lease_ms, .. } = start;
     let lease = Duration::from_millis(lease_ms);
-    let nodes: Vec<SocketAddr> = nodes.iter().map(|n| SocketAddr::V4(*n)).collect();
+    let nodes: Vec<SocketAddr> = nodes.clone();
     let end_at = |ring: u16, at: &[SocketAddr], why: &str| {
         for node in at {
             let end = Request::RingEnd { run: run.clone(), ring };

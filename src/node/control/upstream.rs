@@ -6,7 +6,7 @@
 //! (`wire::control::exchange`), signed with the run's tenant's key from
 //! this node's key file (the nodes of a tree share their tenants).
 
-use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -42,25 +42,26 @@ pub(super) fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Regi
 fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Change>, stop: Arc<AtomicBool>, publish: Publish) {
     let UpstreamStart { job, incarnation, ref tenant, ref key, ref run, parent, result_port, shape, lease_ms } = start;
     let lease = Duration::from_millis(lease_ms);
-    let root = SocketAddr::V4(parent.node);
+    let root = parent.node;
     // The other leaves may join the root up to a lease later.
     let joined = exchange_from(
         root,
         tenant,
         key,
         |local| match local.ip() {
-            IpAddr::V4(ip) => Ok(Request::Join {
+            ip @ IpAddr::V4(_) => Ok(Request::Join {
                 run: run.clone(),
                 world: parent.leaves,
                 rank: parent.leaf,
-                data: SocketAddrV4::new(ip, result_port),
+                data: SocketAddr::new(ip, result_port),
                 vector_len: shape.vector_len,
                 window: shape.window,
                 frag_elems: shape.frag_elems,
                 parent: None,
                 ring: None,
             }),
-            IpAddr::V6(ip) => Err(format!("this leaf reaches the root from {ip}: IPv6 is not served")),
+            // the leaf's job sends its RESULTs to the root over TC
+            IpAddr::V6(ip) => Err(format!("this leaf reaches the root from {ip}: {}", crate::node::desired::TC_IPV6_REFUSED)),
         },
         lease,
     );
@@ -92,7 +93,7 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
     };
     let outcome = {
         let mut registry = lock(&registry);
-        let outcome = registry.upstream_joined(now_ms(), job, incarnation, *parent.node.ip(), grant.clone());
+        let outcome = registry.upstream_joined(now_ms(), job, incarnation, parent.node.ip(), grant.clone());
         publish(&registry);
         outcome
     };

@@ -36,12 +36,13 @@ pub(super) fn worker_sockets(config: &Config, job: &JobConfig) -> Result<Vec<Soc
     job.workers
         .iter()
         .map(|w| {
-            group
+            let member = group
                 .members
                 .iter()
-                .find(|m| m.ip() == w)
+                .find(|m| m.ip() == *w)
                 .copied()
-                .ok_or_else(|| anyhow!("job {}: worker {w} is not a member of group {g}", job.id))
+                .ok_or_else(|| anyhow!("job {}: worker {w} is not a member of group {g}", job.id))?;
+            crate::node::desired::tc_destination(member).map_err(|e| anyhow!("job {}: worker {e}", job.id))
         })
         .collect()
 }
@@ -129,7 +130,7 @@ impl ServedChange {
                 let results = parent.result_port.ok_or_else(|| {
                     anyhow!("job {}: consumer = \"node\" with a parent needs parent.result_port", job.id)
                 })?;
-                service = service.with_parent(parent, results, reliability_of(new));
+                service = service.with_parent(parent, results, reliability_of(new))?;
             }
             change.add.push((socket, service));
         }

@@ -259,7 +259,14 @@ impl ResultService {
 
     /// The service of a tree job whose `parent` (its `result_port` at
     /// `parent_results`) takes this node's RESULTs as its contribution.
-    pub fn with_parent(mut self, parent: &ParentConfig, parent_results: u16, cfg: ReliabilityConfig) -> ResultService {
+    ///
+    /// # Errors
+    ///
+    /// An IPv6 parent (the node sends its RESULTs over the TC plane's
+    /// IPv4 types: [`crate::node::desired::tc_destination`]).
+    pub fn with_parent(mut self, parent: &ParentConfig, parent_results: u16, cfg: ReliabilityConfig) -> anyhow::Result<ResultService> {
+        let contributions = crate::node::desired::tc_destination(std::net::SocketAddr::new(parent.addr, parent.port))
+            .map_err(|e| anyhow::anyhow!("job {}: parent {e}", self.job))?;
         let mut sent = SendWindow::new(cfg, 1, 0);
         // The parent acknowledges a fragment once its RESULT completes
         // (on its kernel's behalf), so a hole in its ACKs is as likely
@@ -267,15 +274,15 @@ impl ResultService {
         // runtime's kernel-backend workers).
         sent.set_holes_are_losses(false);
         self.upstream = Some(Upstream {
-            addr: parent.addr,
-            contributions: SocketAddrV4::new(parent.addr, parent.port),
-            acks_to: SocketAddrV4::new(parent.addr, parent_results),
+            addr: *contributions.ip(),
+            contributions,
+            acks_to: SocketAddrV4::new(*contributions.ip(), parent_results),
             job: parent.job,
             rank: parent.rank,
             sent: RoundWindow::new(sent),
             taken: RecvTracker::new(cfg),
         });
-        self
+        Ok(self)
     }
 
     /// The job's counters.

@@ -284,12 +284,12 @@ fn a_job_replaced_by_a_reload_answers_positions_from_where_its_predecessor_was()
 }
 
 const PARENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 1);
-const PARENT: ParentConfig = ParentConfig { addr: PARENT_ADDR, port: 7500, job: 20, rank: 1, result_port: Some(7501), tree_workers: None };
+const PARENT: ParentConfig = ParentConfig { addr: std::net::IpAddr::V4(PARENT_ADDR), port: 7500, job: 20, rank: 1, result_port: Some(7501), tree_workers: None };
 
 /// A leaf of a tree: `service(mode)` whose RESULTs go to [`PARENT`].
 fn leaf(mode: AckMode) -> ResultService {
     let cfg = ReliabilityConfig { ack_mode: mode, ..ReliabilityConfig::default() };
-    service(mode).with_parent(&PARENT, 7501, cfg)
+    service(mode).with_parent(&PARENT, 7501, cfg).expect("an IPv4 parent")
 }
 
 /// `result(..)` as the parent's RESULT (its job id).

@@ -4,7 +4,7 @@
 //! owns them; the public API (`runtime::comm`) re-exports them and its
 //! builder fills a [`CommConfig`].
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use crate::runtime::backend::BackendKind;
@@ -58,11 +58,11 @@ pub struct CommConfig {
     /// Job id (also the broadcast group id).
     pub job: u16,
     /// Worker data addresses, by rank.
-    pub peers: Vec<SocketAddrV4>,
+    pub peers: Vec<SocketAddr>,
     /// This participant.
     pub me: Participant,
     /// The aggregator node's address.
-    pub aggregator: Ipv4Addr,
+    pub aggregator: IpAddr,
     /// The job's contribution port on the aggregator.
     pub job_port: u16,
     /// Kernel backend: the job's result port (the aggregator application's
@@ -160,7 +160,7 @@ pub struct TcGroup {
     /// Group id (the `AGB1` `group`).
     pub id: u16,
     /// Members in table order; every other participant must be one.
-    pub members: Vec<SocketAddrV4>,
+    pub members: Vec<SocketAddr>,
 }
 
 impl CommConfig {
@@ -177,20 +177,33 @@ impl CommConfig {
         self.peers.len() + 1
     }
 
+    /// Whether the job runs over IPv6 (its aggregator's address; the
+    /// builder checks that every peer is of the same family).
+    pub fn is_ipv6(&self) -> bool {
+        self.aggregator.is_ipv6()
+    }
+
+    /// Elements per fragment at [`CommConfig::mtu`] for the job's family:
+    /// an IPv6 header is 20 bytes longer than an IPv4 one, so a datagram
+    /// carries 5 elements fewer ([`crate::wire::proto::elements_per_fragment_in`]).
+    pub fn elements_per_fragment(&self) -> usize {
+        crate::wire::proto::elements_per_fragment_in(self.mtu, self.is_ipv6())
+    }
+
     /// Socket address of participant index `i`.
-    pub(crate) fn addr_of(&self, i: usize) -> SocketAddrV4 {
+    pub(crate) fn addr_of(&self, i: usize) -> SocketAddr {
         if i < self.peers.len() {
             self.peers[i]
         } else {
             match self.backend {
-                BackendKind::Socket => SocketAddrV4::new(self.aggregator, self.job_port),
-                BackendKind::Kernel => SocketAddrV4::new(self.aggregator, self.result_port),
+                BackendKind::Socket => SocketAddr::new(self.aggregator, self.job_port),
+                BackendKind::Kernel => SocketAddr::new(self.aggregator, self.result_port),
             }
         }
     }
 
     /// Where contributions go: the job's port on the aggregator's node.
-    pub(crate) fn contrib_target(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.aggregator, self.job_port)
+    pub(crate) fn contrib_target(&self) -> SocketAddr {
+        SocketAddr::new(self.aggregator, self.job_port)
     }
 }

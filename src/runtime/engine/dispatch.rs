@@ -3,7 +3,7 @@
 //! aggregator's backend or (a worker's RESULTs) to the round; and who may
 //! send what (see `docs/RUNTIME.md`, "Who may send what").
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use super::round::RoundState;
@@ -17,7 +17,7 @@ impl Engine {
     pub(super) fn dispatch(
         &mut self,
         now: Instant,
-        from: SocketAddrV4,
+        from: SocketAddr,
         d: &[u8],
         op: &mut Option<&mut RoundState>,
     ) {
@@ -198,9 +198,9 @@ impl Engine {
     /// The aggregator's runtime resends from `result_port`; the node's TC
     /// copies leave with the node's address and the UDP source port of the
     /// contribution that completed the slot, a worker's data port.
-    fn may_send_results(&self, from: SocketAddrV4) -> bool {
+    fn may_send_results(&self, from: SocketAddr) -> bool {
         self.cfg.backend == BackendKind::Kernel
-            && *from.ip() == self.cfg.aggregator
+            && from.ip() == self.cfg.aggregator
             && (from.port() == self.cfg.result_port
                 || self.cfg.peers.iter().any(|p| p.port() == from.port()))
     }

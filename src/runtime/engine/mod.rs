@@ -45,14 +45,14 @@ mod tc_route;
 mod tests;
 
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::wire::abi::{self, Op, Round};
 use crate::wire::proto::{self, AckKind};
 use crate::runtime::backend::{AckIo, Backend, BackendKind};
-use crate::runtime::fragment::{byte_window, elements_per_fragment, kernel_window, Coverage};
+use crate::runtime::fragment::{byte_window, kernel_window, Coverage};
 use crate::runtime::kernel::KernelAggregator;
 use crate::runtime::outbox::{Outbox, Transmit};
 use crate::runtime::quantize::AgreedScales;
@@ -107,8 +107,8 @@ pub(crate) struct Engine {
     me: usize,
     per: usize,
     chunk: usize,
-    addrs: Vec<SocketAddrV4>,
-    index: HashMap<SocketAddrV4, usize>,
+    addrs: Vec<SocketAddr>,
+    index: HashMap<SocketAddr, usize>,
     /// Worker: its contributions (one destination, the aggregator).
     agg_tx: SendWindow,
     /// The contribution window of a reduce and of an allreduce whose
@@ -149,7 +149,7 @@ pub(crate) struct Engine {
     stash_pool: Vec<Vec<u8>>,
     /// New datagrams registered by `pump`, sent by `flush_tx`: (window, seq,
     /// destination).
-    txq: Vec<(TxWin, u32, SocketAddrV4)>,
+    txq: Vec<(TxWin, u32, SocketAddr)>,
     /// Contribution ACKs the backend queued.
     acks_sent: u64,
     /// The round of the next (or current) call.
@@ -183,11 +183,11 @@ impl Engine {
         now: Instant,
     ) -> Engine {
         let n = cfg.participants();
-        let addrs: Vec<SocketAddrV4> = (0..n).map(|i| cfg.addr_of(i)).collect();
+        let addrs: Vec<SocketAddr> = (0..n).map(|i| cfg.addr_of(i)).collect();
         let index = addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
         let me = cfg.me.index(cfg.workers());
-        let per = elements_per_fragment(cfg.mtu);
-        let datagram = proto::IP_UDP_HDR + abi::AGG_HDR_LEN + 4 * per;
+        let per = cfg.elements_per_fragment();
+        let datagram = proto::ip_udp_hdr(cfg.is_ipv6()) + abi::AGG_HDR_LEN + 4 * per;
         let window = byte_window(cfg.reliability.window as usize, datagram);
         let mut agg_tx = SendWindow::new(cfg.reliability, 1, cfg.first_agg_seq);
         let agg_windows = match cfg.backend {
@@ -346,7 +346,7 @@ impl Engine {
     /// Handles one datagram that arrived at `now` from `from`. What it calls
     /// for (ACKs, retransmissions) goes out at the next
     /// [`Engine::poll_transmit`] or [`Engine::poll_acks`].
-    pub(crate) fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8]) {
+    pub(crate) fn handle(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
         let mut current = self.current.take();
         let mut op = current.as_deref_mut();
         self.dispatch(now, from, datagram, &mut op);

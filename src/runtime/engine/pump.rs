@@ -3,7 +3,7 @@
 //! window's buffer), broadcast fragments and the results the aggregator
 //! forwards, handed to the driver in batches.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Instant;
 
 use super::round::{RoundState, Src};
@@ -166,11 +166,11 @@ impl Engine {
     /// ordered by destination first (stable: each destination keeps its
     /// order), so each destination's datagrams form runs.
     fn flush_tx(&mut self, tx: &mut impl Transmit) {
-        const NONE: (&[u8], SocketAddrV4) = (&[], SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+        const NONE: (&[u8], SocketAddr) = (&[], SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
         let gso = self.cfg.udp_gso == Some(true);
         if gso {
             self.txq
-                .sort_by_key(|&(_, _, to)| (u32::from(*to.ip()), to.port()));
+                .sort_by_key(|&(_, _, to)| (to.ip(), to.port()));
         }
         let mut msgs = [NONE; BATCH_MAX];
         for chunk in self.txq.chunks(BATCH_MAX) {

@@ -2,7 +2,7 @@
 //! one datagram per fragment to the group's first member, with a mask of
 //! who is to get a copy (see `docs/RUNTIME.md`, "Data paths").
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use crate::runtime::outbox::Outbox;
 
@@ -12,7 +12,7 @@ pub(super) struct TcRoute {
     /// The group id (`AGB1` `group`).
     pub(super) id: u16,
     /// Where the one datagram goes.
-    pub(super) first: SocketAddrV4,
+    pub(super) first: SocketAddr,
     /// Per participant index, its bit in the group's member table.
     pub(super) bit_of: Vec<u32>,
     /// The datagram being re-masked.

@@ -5,7 +5,7 @@
 //! reordering, duplication and deadlines are exact and repeatable.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,22 +29,22 @@ mod sources;
 
 const JOB: u16 = 7;
 const WORKERS: u16 = 3;
-const AGG_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
+const AGG_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100));
 const JOB_PORT: u16 = 9000;
 /// One-way delay of every datagram.
 const LATENCY: Duration = Duration::from_micros(100);
 /// MTU 1500: 362 elements per fragment.
 const PER: usize = 362;
-fn worker_addr(r: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
+fn worker_addr(r: u16) -> SocketAddr {
+    SocketAddr::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8).into(), 5000)
 }
 
-fn agg_addr() -> SocketAddrV4 {
-    SocketAddrV4::new(AGG_IP, JOB_PORT)
+fn agg_addr() -> SocketAddr {
+    SocketAddr::new(AGG_IP, JOB_PORT)
 }
 
 fn builder(me: Participant) -> CommunicatorBuilder {
-    let peers = (0..WORKERS).map(worker_addr).collect();
+    let peers: Vec<SocketAddr> = (0..WORKERS).map(worker_addr).collect();
     Communicator::builder(JOB, peers, AGG_IP, JOB_PORT, me)
         .mtu(1500)
         .deadline(Duration::from_secs(2))
@@ -72,8 +72,8 @@ fn kernel_config(me: Participant) -> CommConfig {
 /// One datagram on the simulated wire.
 #[derive(Debug, Clone)]
 struct Datagram {
-    from: SocketAddrV4,
-    to: SocketAddrV4,
+    from: SocketAddr,
+    to: SocketAddr,
     bytes: Vec<u8>,
     /// Sent as a retransmission.
     resend: bool,
@@ -103,21 +103,21 @@ impl Datagram {
 
 /// What one engine hands out in one poll.
 struct Wire<'a> {
-    from: SocketAddrV4,
+    from: SocketAddr,
     at: Instant,
     sent: &'a mut Vec<Datagram>,
 }
 
 impl Transmit for Wire<'_> {
-    fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
         self.push(to, datagram, false);
     }
 
-    fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    fn resend(&mut self, to: SocketAddr, datagram: &[u8]) {
         self.push(to, datagram, true);
     }
 
-    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], _gso: bool) {
+    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddr)], _gso: bool) {
         for (b, to) in datagrams {
             self.push(*to, b, false);
         }
@@ -125,7 +125,7 @@ impl Transmit for Wire<'_> {
 }
 
 impl Wire<'_> {
-    fn push(&mut self, to: SocketAddrV4, bytes: &[u8], resend: bool) {
+    fn push(&mut self, to: SocketAddr, bytes: &[u8], resend: bool) {
         self.sent.push(Datagram {
             from: self.from,
             to,
@@ -161,7 +161,7 @@ enum Ended {
 }
 
 struct Node {
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     engine: Engine,
     counters: Arc<Counters>,
     /// Whether a round is in progress (and of which call).
@@ -198,7 +198,7 @@ struct Sim {
     node: Option<FakeNode>,
     /// A root whose node runs the TC broadcast program, and the group's
     /// members in table order.
-    tc: Option<(SocketAddrV4, Vec<SocketAddrV4>)>,
+    tc: Option<(SocketAddr, Vec<SocketAddr>)>,
 }
 
 /// The node's XDP aggregator and TC result group as the runtime sees them:
@@ -218,9 +218,9 @@ impl FakeNode {
     /// What the node sends for one contribution from `from`.
     fn contribution(
         &mut self,
-        from: SocketAddrV4,
+        from: SocketAddr,
         bytes: &[u8],
-    ) -> Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)> {
+    ) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
         let Ok((h, payload)) = proto::split_agg(bytes) else {
             return Vec::new();
         };
@@ -251,8 +251,8 @@ impl FakeNode {
         let mut result = Vec::new();
         proto::encode_agg_into(&hdr, sum, &mut result).expect("a RESULT");
         self.completed.insert(key);
-        let mut out = vec![(from, SocketAddrV4::new(AGG_IP, RESULT_PORT), result.clone())];
-        let node = SocketAddrV4::new(AGG_IP, from.port());
+        let mut out = vec![(from, SocketAddr::new(AGG_IP, RESULT_PORT), result.clone())];
+        let node = SocketAddr::new(AGG_IP, from.port());
         out.extend((0..WORKERS).map(|r| (node, worker_addr(r), result.clone())));
         out
     }
@@ -342,7 +342,7 @@ impl Sim {
 
     /// Puts a datagram no engine sent (a forgery, a stranger's) on the wire,
     /// to arrive after [`LATENCY`]; not logged, no `fate`.
-    fn inject(&mut self, from: SocketAddrV4, to: SocketAddrV4, bytes: Vec<u8>) {
+    fn inject(&mut self, from: SocketAddr, to: SocketAddr, bytes: Vec<u8>) {
         let d = Datagram {
             from,
             to,
@@ -857,7 +857,7 @@ fn early_broadcast_data_of_the_next_round_is_kept_until_it_starts() {
 fn in_kernel_allreduce_resends_a_lost_result_copy_to_that_worker_alone() {
     let mut sim = Sim::kernel();
     // The node's copy of the second fragment's RESULT to worker 2 is lost.
-    let node_to_2 = SocketAddrV4::new(AGG_IP, 5000);
+    let node_to_2 = SocketAddr::new(AGG_IP, 5000);
     sim.fate = Box::new(move |d| {
         let lost = d.from == node_to_2
             && d.to == worker_addr(2)
@@ -869,7 +869,7 @@ fn in_kernel_allreduce_resends_a_lost_result_copy_to_that_worker_alone() {
     assert_everyone_has_the_sum(&sim, LEN);
     let resends: Vec<&Datagram> = sim.log.iter().filter(|d| d.resend).collect();
     assert!(!resends.is_empty(), "the lost RESULT was resent");
-    let from_agg = SocketAddrV4::new(AGG_IP, RESULT_PORT);
+    let from_agg = SocketAddr::new(AGG_IP, RESULT_PORT);
     for d in &resends {
         assert_eq!((d.from, d.to), (from_agg, worker_addr(2)), "{resends:?}");
         let (h, _) = proto::split_agg(&d.bytes).expect("an AGG1 RESULT");
@@ -896,7 +896,7 @@ fn tc_config(me: Participant) -> CommConfig {
         .result_port(RESULT_PORT);
     match me {
         Participant::Aggregator => {
-            b.tc_broadcast(TC_GROUP, (0..WORKERS).map(worker_addr).collect())
+            b.tc_broadcast(TC_GROUP, (0..WORKERS).map(worker_addr))
         }
         Participant::Worker(_) => b,
     }
@@ -907,7 +907,7 @@ fn tc_config(me: Participant) -> CommConfig {
 #[test]
 fn a_tc_broadcast_copy_lost_to_one_member_is_resent_with_that_members_bit_alone() {
     let mut sim = Sim::with(tc_config);
-    let root = SocketAddrV4::new(AGG_IP, RESULT_PORT);
+    let root = SocketAddr::new(AGG_IP, RESULT_PORT);
     sim.tc = Some((root, (0..WORKERS).map(worker_addr).collect()));
     // The TC copy of the first fragment to worker 1 is lost.
     let mut lost = false;

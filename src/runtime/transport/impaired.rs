@@ -3,7 +3,7 @@
 //! `transport`).
 
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{SocketAddr};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -154,7 +154,7 @@ impl<T: Transport> ImpairedTransport<T> {
 }
 
 impl<T: Transport> Transport for ImpairedTransport<T> {
-    fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize> {
+    fn send_to(&self, buf: &[u8], to: SocketAddr) -> io::Result<usize> {
         self.inner.send_to(buf, to)
     }
 

@@ -20,7 +20,7 @@
 
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -57,7 +57,7 @@ impl Default for RecvMeta {
     fn default() -> Self {
         RecvMeta {
             len: 0,
-            from: SocketAddr::V4(SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)),
+            from: SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), 0),
         }
     }
 }
@@ -69,7 +69,7 @@ impl Default for RecvMeta {
 /// [`UdpTransport`] implements them with `sendmmsg` / `recvmmsg`.
 pub trait Transport: Send + fmt::Debug {
     /// Sends one datagram to `to` (errors count as loss).
-    fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize>;
+    fn send_to(&self, buf: &[u8], to: SocketAddr) -> io::Result<usize>;
     /// Receives one datagram without blocking (`WouldBlock` when none).
     fn recv_from(&mut self, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)>;
     /// The file descriptor to wait on for readability.
@@ -78,7 +78,7 @@ pub trait Transport: Send + fmt::Debug {
     /// Sends every datagram of `msgs` (bytes, destination), in order; returns
     /// how many the socket took (the others count as lost: a full socket
     /// buffer, an ICMP error reported on this send).
-    fn send_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) -> usize {
+    fn send_batch(&self, msgs: &[(&[u8], SocketAddr)]) -> usize {
         msgs.iter()
             .filter(|(b, to)| self.send_to(b, *to).is_ok())
             .count()
@@ -117,7 +117,7 @@ pub trait Transport: Send + fmt::Debug {
     /// receiver: no TC program that parses them on the way (a TC broadcast
     /// group), no generic-mode XDP aggregator. The default (and a socket
     /// whose kernel refuses GSO) sends them one by one.
-    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) -> GsoSent {
+    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddr)]) -> GsoSent {
         GsoSent {
             datagrams: self.send_batch(msgs),
             ..GsoSent::default()
@@ -129,7 +129,7 @@ pub trait Transport: Send + fmt::Debug {
     /// super-datagram (`UDP_SEGMENT`), segmented after the stack. Returns the
     /// bytes sent. Not used on the kernel backend's contribution path (see
     /// `docs/RUNTIME.md`, "Batched I/O and what XDP sees").
-    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddrV4) -> io::Result<usize> {
+    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddr) -> io::Result<usize> {
         let mut sent = 0;
         for c in buf.chunks(segment.max(1)) {
             sent += self.send_to(c, to)?;
@@ -191,36 +191,92 @@ fn refuses_gso(e: &io::Error) -> bool {
     )
 }
 
-fn sockaddr_of(a: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: a.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*a.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
+/// A socket address as the kernel takes it, IPv4 (`sockaddr_in`) or IPv6
+/// (`sockaddr_in6`), in storage that holds either; with its length.
+#[derive(Clone, Copy)]
+#[repr(C)]
+union RawAddr {
+    v4: libc::sockaddr_in,
+    v6: libc::sockaddr_in6,
+}
+
+impl RawAddr {
+    /// All zero (family 0), as `recvmmsg` fills it.
+    fn zeroed() -> RawAddr {
+        // SAFETY: plain C structs, all-zero is valid.
+        unsafe { std::mem::zeroed() }
+    }
+
+    fn ptr(&mut self) -> *mut libc::c_void {
+        self as *mut RawAddr as *mut libc::c_void
+    }
+
+    /// The room `recvmmsg` may fill: either family.
+    const SIZE: libc::socklen_t = std::mem::size_of::<RawAddr>() as libc::socklen_t;
+}
+
+/// `a` as the kernel takes it, and its length.
+fn sockaddr_of(a: SocketAddr) -> (RawAddr, libc::socklen_t) {
+    match a {
+        SocketAddr::V4(a) => (
+            RawAddr {
+                v4: libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: a.port().to_be(),
+                    sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+                    sin_zero: [0; 8],
+                },
+            },
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        ),
+        SocketAddr::V6(a) => (
+            RawAddr {
+                v6: libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                    sin6_port: a.port().to_be(),
+                    sin6_flowinfo: a.flowinfo().to_be(),
+                    sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                    sin6_scope_id: a.scope_id(),
+                },
+            },
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        ),
     }
 }
 
-fn addr_of(sa: &libc::sockaddr_in) -> SocketAddr {
-    SocketAddr::V4(SocketAddrV4::new(
-        u32::from_be(sa.sin_addr.s_addr).into(),
-        u16::from_be(sa.sin_port),
-    ))
+/// The address the kernel wrote (an IPv4-mapped IPv6 source, which a
+/// dual-stack socket reports for IPv4 traffic, as the IPv4 address it is).
+fn addr_of(sa: &RawAddr) -> SocketAddr {
+    // SAFETY: both members start with the family; each is read only when
+    // the family says it is the one written.
+    unsafe {
+        if sa.v6.sin6_family == libc::AF_INET6 as libc::sa_family_t {
+            let ip = std::net::Ipv6Addr::from(sa.v6.sin6_addr.s6_addr);
+            let port = u16::from_be(sa.v6.sin6_port);
+            match ip.to_ipv4_mapped() {
+                Some(v4) => SocketAddr::new(v4.into(), port),
+                None => SocketAddr::V6(std::net::SocketAddrV6::new(ip, port, u32::from_be(sa.v6.sin6_flowinfo), sa.v6.sin6_scope_id)),
+            }
+        } else {
+            SocketAddr::new(std::net::Ipv4Addr::from(u32::from_be(sa.v4.sin_addr.s_addr)).into(), u16::from_be(sa.v4.sin_port))
+        }
+    }
 }
 
 /// `UDP_SEGMENT` (linux/udp.h), the UDP GSO segment size option / cmsg.
 pub const UDP_SEGMENT: libc::c_int = 103;
 
 /// Largest UDP payload of one IPv4 datagram (65535 − 20 − 8), also the
-/// most one UDP GSO send carries.
+/// most one UDP GSO send carries (over IPv6 too: the kernel bounds a GSO
+/// send's payload by the UDP length field, 65535 − 8, and this keeps one
+/// bound for both families).
 pub const UDP_MAX_PAYLOAD: usize = 65507;
 
 /// Most segments of one UDP GSO send (`UDP_MAX_SEGMENTS`).
 pub const UDP_MAX_SEGMENTS: usize = 64;
 
 impl Transport for UdpTransport {
-    fn send_to(&self, buf: &[u8], to: SocketAddrV4) -> io::Result<usize> {
+    fn send_to(&self, buf: &[u8], to: SocketAddr) -> io::Result<usize> {
         self.socket.send_to(buf, to)
     }
     fn recv_from(&mut self, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)> {
@@ -230,11 +286,11 @@ impl Transport for UdpTransport {
         self.socket.as_raw_fd()
     }
 
-    fn send_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) -> usize {
+    fn send_batch(&self, msgs: &[(&[u8], SocketAddr)]) -> usize {
         let mut total = 0;
         for chunk in msgs.chunks(BATCH_MAX) {
             // SAFETY (zeroed): plain C structs, all-zero is valid.
-            let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut addrs: [(RawAddr, libc::socklen_t); BATCH_MAX] = [(RawAddr::zeroed(), 0); BATCH_MAX];
             let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
             let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
             for (k, (b, to)) in chunk.iter().enumerate() {
@@ -245,10 +301,8 @@ impl Transport for UdpTransport {
                 };
             }
             for k in 0..chunk.len() {
-                hdrs[k].msg_hdr.msg_name =
-                    &mut addrs[k] as *mut libc::sockaddr_in as *mut libc::c_void;
-                hdrs[k].msg_hdr.msg_namelen =
-                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                hdrs[k].msg_hdr.msg_name = addrs[k].0.ptr();
+                hdrs[k].msg_hdr.msg_namelen = addrs[k].1;
                 hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
                 hdrs[k].msg_hdr.msg_iovlen = 1;
             }
@@ -280,7 +334,7 @@ impl Transport for UdpTransport {
         total
     }
 
-    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) -> GsoSent {
+    fn send_batch_gso(&self, msgs: &[(&[u8], SocketAddr)]) -> GsoSent {
         let mut out = GsoSent::default();
         let mut i = 0;
         while i < msgs.len() {
@@ -291,7 +345,7 @@ impl Transport for UdpTransport {
             // One sendmmsg: up to BATCH_MAX datagrams in up to BATCH_MAX
             // messages, each a run (GSO when 2 or more).
             // SAFETY (zeroed): plain C structs, all-zero is valid.
-            let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+            let mut addrs: [(RawAddr, libc::socklen_t); BATCH_MAX] = [(RawAddr::zeroed(), 0); BATCH_MAX];
             let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
             let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
             let mut control = [[0u64; 4]; BATCH_MAX]; // 32 bytes each, >= CMSG_SPACE(2)
@@ -319,8 +373,8 @@ impl Transport for UdpTransport {
                 }
                 addrs[nruns] = sockaddr_of(to);
                 let h = &mut hdrs[nruns].msg_hdr;
-                h.msg_name = &mut addrs[nruns] as *mut libc::sockaddr_in as *mut libc::c_void;
-                h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                h.msg_name = addrs[nruns].0.ptr();
+                h.msg_namelen = addrs[nruns].1;
                 h.msg_iov = &mut iovs[ndgrams];
                 h.msg_iovlen = n as _;
                 if n > 1 {
@@ -396,7 +450,7 @@ impl Transport for UdpTransport {
             return Ok(0);
         }
         // SAFETY (zeroed): plain C structs, all-zero is valid.
-        let mut addrs: [libc::sockaddr_in; BATCH_MAX] = unsafe { std::mem::zeroed() };
+        let mut addrs: [RawAddr; BATCH_MAX] = [RawAddr::zeroed(); BATCH_MAX];
         let mut iovs: [libc::iovec; BATCH_MAX] = unsafe { std::mem::zeroed() };
         let mut hdrs: [libc::mmsghdr; BATCH_MAX] = unsafe { std::mem::zeroed() };
         let base = buf.as_mut_ptr();
@@ -408,9 +462,8 @@ impl Transport for UdpTransport {
             };
         }
         for k in 0..n {
-            hdrs[k].msg_hdr.msg_name = &mut addrs[k] as *mut libc::sockaddr_in as *mut libc::c_void;
-            hdrs[k].msg_hdr.msg_namelen =
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            hdrs[k].msg_hdr.msg_name = addrs[k].ptr();
+            hdrs[k].msg_hdr.msg_namelen = RawAddr::SIZE;
             hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
             hdrs[k].msg_hdr.msg_iovlen = 1;
         }
@@ -437,7 +490,7 @@ impl Transport for UdpTransport {
         Ok(r)
     }
 
-    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddrV4) -> io::Result<usize> {
+    fn send_segments(&self, buf: &[u8], segment: usize, to: SocketAddr) -> io::Result<usize> {
         let segment = segment.clamp(1, u16::MAX as usize);
         let mut sent = 0;
         // One super-datagram: at most 64 segments and one IPv4 datagram's
@@ -448,7 +501,7 @@ impl Transport for UdpTransport {
                 sent += self.socket.send_to(chunk, to)?;
                 continue;
             }
-            let mut addr = sockaddr_of(to);
+            let (mut addr, addr_len) = sockaddr_of(to);
             let mut iov = libc::iovec {
                 iov_base: chunk.as_ptr() as *mut libc::c_void,
                 iov_len: chunk.len(),
@@ -458,8 +511,8 @@ impl Transport for UdpTransport {
             let mut control = [0u64; 4]; // 32 bytes, aligned, >= CMSG_SPACE(2)
                                          // SAFETY: zeroed msghdr is valid; fields set below.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_name = &mut addr as *mut libc::sockaddr_in as *mut libc::c_void;
-            msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            msg.msg_name = addr.ptr();
+            msg.msg_namelen = addr_len;
             msg.msg_iov = &mut iov;
             msg.msg_iovlen = 1;
             msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
@@ -501,7 +554,7 @@ pub struct Net {
 impl Net {
     /// Sends a first transmission (data or ACK); a failed send is a lost
     /// datagram, recovered by retransmission.
-    pub fn tx(&self, to: SocketAddrV4, bytes: &[u8]) {
+    pub fn tx(&self, to: SocketAddr, bytes: &[u8]) {
         if is_ack(bytes) {
             self.c.acks_sent.fetch_add(1, Ordering::Relaxed);
         } else {
@@ -512,20 +565,20 @@ impl Net {
 
     /// Sends first transmissions of data datagrams in one batch
     /// ([`Transport::send_batch`]: one `sendmmsg` per 64 on a UDP socket).
-    pub fn tx_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+    pub fn tx_batch(&self, msgs: &[(&[u8], SocketAddr)]) {
         self.count_batch(msgs);
         let _ = self.t.send_batch(msgs);
     }
 
     /// [`Net::tx_batch`] through [`Transport::send_batch_gso`].
-    pub fn tx_batch_gso(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+    pub fn tx_batch_gso(&self, msgs: &[(&[u8], SocketAddr)]) {
         self.count_batch(msgs);
         let sent = self.t.send_batch_gso(msgs);
         self.c.gso_sends.fetch_add(sent.super_datagrams as u64, Ordering::Relaxed);
         self.c.gso_segments.fetch_add(sent.segments as u64, Ordering::Relaxed);
     }
 
-    fn count_batch(&self, msgs: &[(&[u8], SocketAddrV4)]) {
+    fn count_batch(&self, msgs: &[(&[u8], SocketAddr)]) {
         let acks = msgs.iter().filter(|(b, _)| is_ack(b)).count() as u64;
         self.c.acks_sent.fetch_add(acks, Ordering::Relaxed);
         self.c
@@ -538,22 +591,22 @@ impl Net {
     }
 
     /// Sends a retransmission of a data datagram.
-    pub fn retx(&self, to: SocketAddrV4, bytes: &[u8]) {
+    pub fn retx(&self, to: SocketAddr, bytes: &[u8]) {
         self.c.retransmitted.fetch_add(1, Ordering::Relaxed);
         self.tx(to, bytes);
     }
 }
 
 impl crate::runtime::outbox::Transmit for Net {
-    fn send(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
         self.tx(to, datagram);
     }
 
-    fn resend(&mut self, to: SocketAddrV4, datagram: &[u8]) {
+    fn resend(&mut self, to: SocketAddr, datagram: &[u8]) {
         self.retx(to, datagram);
     }
 
-    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddrV4)], gso: bool) {
+    fn send_batch(&mut self, datagrams: &[(&[u8], SocketAddr)], gso: bool) {
         if gso {
             self.tx_batch_gso(datagrams);
         } else {

@@ -93,6 +93,36 @@ pub fn elements_per_fragment(mtu: usize) -> usize {
     elements_per_datagram(mtu).min(crate::wire::abi::MAX_ELEMS as usize)
 }
 
+/// IPv6 (40) + UDP (8) header bytes in front of an AggBox datagram over
+/// IPv6: 20 more than over IPv4, so a datagram at the same MTU carries 5
+/// elements fewer (357 at MTU 1500).
+pub const IP6_UDP_HDR: usize = 48;
+
+/// Most elements of one `AGG1` datagram over IPv6: the UDP length (at most
+/// the IPv6 payload length, 16 bits, without jumbograms) bounds the payload
+/// to 65535 − 8 − 24 bytes, (65535 − 8 − 24) / 4 = 16375 (docs/JUMBO.md).
+pub const MAX_ELEMS_IPV6: usize = 16375;
+
+/// The IP and UDP header bytes of a datagram of the family `ipv6` says.
+pub fn ip_udp_hdr(ipv6: bool) -> usize {
+    if ipv6 {
+        IP6_UDP_HDR
+    } else {
+        IP_UDP_HDR
+    }
+}
+
+/// [`elements_per_fragment`] for a datagram of the family `ipv6` says:
+/// over IPv6 `(mtu - 40 - 8 - 24) / 4` (357 at MTU 1500, 2232 at 9000), at
+/// most [`MAX_ELEMS_IPV6`]; over IPv4 [`elements_per_fragment`] itself.
+pub fn elements_per_fragment_in(mtu: usize, ipv6: bool) -> usize {
+    if ipv6 {
+        (mtu.saturating_sub(IP6_UDP_HDR + abi::AGG_HDR_LEN) / 4).clamp(1, MAX_ELEMS_IPV6)
+    } else {
+        elements_per_fragment(mtu)
+    }
+}
+
 /// Accumulator blocks (`abi::CHUNK_ELEMS` = 256 elements each) one slot of
 /// `per` elements holds in the kernel: `ceil(per / 256)` (2 at MTU 1500, 9 at
 /// 9000, 64 at 65535).

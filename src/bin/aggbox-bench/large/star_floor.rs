@@ -316,7 +316,7 @@ fn one_call(
     let mut seen = vec![false; frags];
     let (mut sent, mut got) = (0usize, 0usize);
     let mut meta = [RecvMeta::default(); BATCH_MAX];
-    let mut batch: Vec<(&[u8], SocketAddrV4)> = Vec::with_capacity(BATCH_MAX);
+    let mut batch: Vec<(&[u8], std::net::SocketAddr)> = Vec::with_capacity(BATCH_MAX);
     // Send when the window has room for a batch (or the call's last
     // datagrams), so that a sendmmsg carries many datagrams, not the one or
     // two each RESULT frees.
@@ -327,7 +327,7 @@ fn one_call(
             batch.clear();
             for f in sent..allowed.min(sent + BATCH_MAX) {
                 let len = if f + 1 == frags { last_len } else { full };
-                batch.push((&wire[f * full..f * full + len], node));
+                batch.push((&wire[f * full..f * full + len], node.into()));
             }
             let took = sock.send_batch(&batch);
             if took < batch.len() {

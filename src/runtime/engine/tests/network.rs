@@ -8,7 +8,7 @@
 //! data datagram the network lost was resent to whoever lost it.
 
 use std::collections::HashMap;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::{builder, input, Datagram, Ended, Sim, LATENCY, PER, WORKERS};
@@ -149,7 +149,7 @@ fn every_collective(sim: &mut Sim) {
 }
 
 /// `(from, to, seq)` of a data datagram (`AGG1` or `AGB1`).
-fn data_key(d: &Datagram) -> Option<(SocketAddrV4, SocketAddrV4, u32)> {
+fn data_key(d: &Datagram) -> Option<(SocketAddr, SocketAddr, u32)> {
     d.seq().map(|s| (d.from, d.to, s))
 }
 
@@ -158,11 +158,11 @@ fn data_key(d: &Datagram) -> Option<(SocketAddrV4, SocketAddrV4, u32)> {
 /// goes to one destination: each send is one copy, lost or delivered);
 /// returns how many sends were lost.
 fn assert_every_lost_datagram_was_resent_until_delivered(sim: &Sim) -> usize {
-    let mut sends: HashMap<(SocketAddrV4, SocketAddrV4, u32), usize> = HashMap::new();
+    let mut sends: HashMap<(SocketAddr, SocketAddr, u32), usize> = HashMap::new();
     for k in sim.log.iter().filter_map(data_key) {
         *sends.entry(k).or_default() += 1;
     }
-    let mut lost: HashMap<(SocketAddrV4, SocketAddrV4, u32), usize> = HashMap::new();
+    let mut lost: HashMap<(SocketAddr, SocketAddr, u32), usize> = HashMap::new();
     for k in sim.lost.iter().filter_map(data_key) {
         *lost.entry(k).or_default() += 1;
     }

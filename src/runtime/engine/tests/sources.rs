@@ -2,7 +2,7 @@
 //! flood of later-round RESULTs, injected into the simulated network next
 //! to a job's own traffic.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use super::{
@@ -18,7 +18,7 @@ use crate::wire::proto::{self, AckKind, AckMessage, AggHeader, MessageKind, SeqB
 const AGG: usize = WORKERS as usize;
 
 /// A host that is in no job.
-const STRANGER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 9);
+const STRANGER: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9));
 
 /// A RESULT of fragment `frag_off` of `round` (contribution seq `seq`).
 fn result(round: u32, seq: u32, frag_off: u32, values: &[i32], last: bool) -> Vec<u8> {
@@ -52,9 +52,9 @@ fn a_forged_result_to_a_worker_is_refused_counted_and_not_the_value() {
         sim.start_reduce(i, true, LEN, CallOptions::default());
     }
     let forgers = [
-        SocketAddrV4::new(AGG_IP, 6000),
-        SocketAddrV4::new(*worker_addr(0).ip(), 6000),
-        SocketAddrV4::new(STRANGER, worker_addr(0).port()),
+        SocketAddr::new(AGG_IP, 6000),
+        SocketAddr::new(worker_addr(0).ip(), 6000),
+        SocketAddr::new(STRANGER, worker_addr(0).port()),
     ];
     let forged = vec![-5; PER];
     for from in forgers {
@@ -112,8 +112,8 @@ fn a_forged_ack_does_not_stop_a_worker_from_resending_its_contribution() {
     let mut forged = Vec::new();
     ack.encode_into(&mut forged).expect("an AGK1");
     for from in [
-        SocketAddrV4::new(AGG_IP, 6000),
-        SocketAddrV4::new(STRANGER, agg_addr().port()),
+        SocketAddr::new(AGG_IP, 6000),
+        SocketAddr::new(STRANGER, agg_addr().port()),
     ] {
         sim.inject(from, worker_addr(0), forged.clone());
     }
@@ -191,7 +191,7 @@ fn a_flood_of_later_round_results_keeps_at_most_the_byte_bound() {
         }
     };
     assert_eq!(call(&mut sim, 1), vec![5], "round 0");
-    let entry = std::mem::size_of::<(AggHeader, Vec<u8>, SocketAddrV4)>();
+    let entry = std::mem::size_of::<(AggHeader, Vec<u8>, SocketAddr)>();
     let kept = (EARLY_LIMIT - (4 + entry)) / (4 * PER + entry);
     assert!(kept >= 20, "round 2 fits: {kept}");
     let refused = sim.nodes[AGG].counters.refused_snapshot();
