@@ -15,7 +15,7 @@
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
 mod testbed;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use aggbox::wire::abi::{self, BcastStat};
 use aggbox::kernel::tc::{self, plan_tree, TcPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
@@ -524,7 +524,8 @@ fn ingress_forwards_with_hops_plus_one_and_delivers_the_original() {
 
 #[test]
 fn plan_tree_shapes() {
-    let members: Vec<SocketAddrV4> = (0..100u16).map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250) as u8 + 1), 7000 + i)).collect();
+    let members: Vec<SocketAddr> =
+        (0..100u16).map(|i| SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250) as u8 + 1), 7000 + i))).collect();
     // up to 32: one level
     let p = plan_tree(&members[..32], 32);
     assert_eq!(p.len(), 1);
@@ -543,7 +544,7 @@ fn plan_tree_shapes() {
     // every member reached exactly once, depth grows logarithmically
     for (n, fanout) in [(1usize, 1usize), (7, 2), (100, 3), (100, 32), (33, 32), (100, 50)] {
         let p = plan_tree(&members[..n], fanout);
-        let mut reached: Vec<SocketAddrV4> = p.iter().flat_map(|x| x.children.clone()).collect();
+        let mut reached: Vec<SocketAddr> = p.iter().flat_map(|x| x.children.clone()).collect();
         reached.sort();
         let mut want = members[..n].to_vec();
         want.sort();
@@ -688,7 +689,7 @@ fn ingress_result_is_copied_to_its_group_and_delivered_unchanged() {
 fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     let fx = Fixture::new();
     let h0 = fx.tb.host(0);
-    let parent = tc::ParentRoute { addr: *fx.h1.ip(), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
+    let parent = tc::ParentRoute { addr: IpAddr::V4(*fx.h1.ip()), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
     fx.plane.set_parent_route(JOB, &parent).expect("set_parent_route");
     assert_eq!(fx.plane.result_route(JOB).expect("read").expect("route").parent, Some(parent));
 
@@ -750,7 +751,7 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     for bad in [
         tc::ParentRoute { port: 0, ..parent },
         tc::ParentRoute { rank: abi::RESULT_RANK, ..parent },
-        tc::ParentRoute { addr: Ipv4Addr::UNSPECIFIED, ..parent },
+        tc::ParentRoute { addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..parent },
         tc::ParentRoute { result_port: 0, ..parent },
     ] {
         assert!(fx.plane.set_parent_route(JOB + 1, &bad).is_err(), "{bad:?}");
@@ -761,14 +762,14 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
 
     // parent with an unresolved neighbour: the neighbour path
     fx.plane.remove_result_route(JOB).expect("remove");
-    let ghost = tc::ParentRoute { addr: Ipv4Addr::new(10, 77, 0, 77), ..parent };
+    let ghost = tc::ParentRoute { addr: IpAddr::V4(Ipv4Addr::new(10, 77, 0, 77)), ..parent };
     fx.plane.set_parent_route(JOB, &ghost).expect("set_parent_route");
     let before = fx.plane.stats().expect("stats");
     let run = fx.run(TcProgram::Ingress, &result_frame(&fx, payload, true).build(), 0);
     assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect_neigh");
     assert_eq!(run.mark, abi::BCAST_MARK_DONE);
     let out = Out(&run.data);
-    assert_eq!((out.src(), out.dst(), out.dmac()), (h0.addr, ghost.addr, [0; 6]));
+    assert_eq!((IpAddr::V4(out.src()), IpAddr::V4(out.dst()), out.dmac()), (IpAddr::V4(h0.addr), ghost.addr, [0; 6]));
     out.check_checksums();
     assert_eq!(fx.delta(&before, BcastStat::NeighMiss), 1);
 }

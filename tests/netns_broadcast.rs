@@ -169,7 +169,7 @@ fn root_broadcast_reaches_every_masked_receiver_exactly_once() {
     let plane = plane_on(&root.netns, &BroadcastOptions::default());
     let members: Vec<SocketAddrV4> = (1..10).map(|i| SocketAddrV4::new(tb.host(i).addr, PORT)).collect();
     plane.set_group(GROUP, &members).expect("set_group");
-    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.clone()));
+    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.iter().map(|&m| m.into()).collect()));
     let receivers: Vec<(SocketAddrV4, UdpSocket)> = members
         .iter()
         .enumerate()
@@ -423,7 +423,8 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
     for plan in &plans {
         let host = match plan.node {
             TreeNode::Root => 0,
-            TreeNode::Member(m) => host_of(&m),
+            TreeNode::Member(std::net::SocketAddr::V4(m)) => host_of(&m),
+            TreeNode::Member(m) => panic!("an IPv4 tree has IPv4 members: {m}"),
         };
         let plane = planes
             .entry(host)
@@ -432,7 +433,7 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
     }
     let receivers: Vec<(SocketAddrV4, UdpSocket)> =
         members.iter().map(|m| (*m, bind_in(&tb.host(host_of(m)).netns, *m))).collect();
-    let level2: Vec<SocketAddrV4> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
+    let level2: Vec<std::net::SocketAddr> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
     let before: Vec<_> = (1..=10).map(|h| udp_snmp(&tb.host(h).netns)).collect();
     // cold start: no neighbour entry anywhere, no traffic before datagram 0
     // (which is checked like every other: exactly once at every member)
@@ -459,7 +460,7 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
         let mut seqs: Vec<u32> = got.iter().map(|(d, _)| seq_of(d)).collect();
         seqs.sort_unstable();
         assert_eq!(seqs, (0..sent.len() as u32).collect::<Vec<_>>(), "member {m}: each datagram exactly once");
-        let hops = u8::from(level2.contains(m));
+        let hops = u8::from(level2.contains(&(*m).into()));
         for (d, from) in &got {
             assert_eq!(from.ip(), std::net::IpAddr::V4(root.addr), "{m}: source stays the root");
             let mut want = sent[seq_of(d) as usize].clone();

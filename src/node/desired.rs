@@ -209,9 +209,9 @@ impl KernelState {
 
     /// The addresses the TC programs send copies to: every group member
     /// and every parent (each once, in order).
-    pub fn next_hops(&self) -> Vec<Ipv4Addr> {
-        let mut out: Vec<Ipv4Addr> = Vec::new();
-        let members = self.groups.values().flatten().map(|m| *m.ip());
+    pub fn next_hops(&self) -> Vec<std::net::IpAddr> {
+        let mut out: Vec<std::net::IpAddr> = Vec::new();
+        let members = self.groups.values().flatten().map(|m| std::net::IpAddr::V4(*m.ip()));
         let parents = self.routes.values().filter_map(|r| r.parent.as_ref().map(|p| p.addr));
         for a in members.chain(parents) {
             if !out.contains(&a) {
