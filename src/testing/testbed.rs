@@ -506,12 +506,17 @@ impl Testbed {
     }
 
     /// Turns IPv6 on in host `host`'s namespace (the testbed has it off)
-    /// and gives its eth0 [`Testbed::ipv6_addr`]`/64` without duplicate
-    /// address detection; `forwarding` also turns IPv6 forwarding on there
-    /// (what `bpf_fib_lookup` with AF_INET6 wants).
+    /// and gives its eth0 [`Testbed::ipv6_addr`]`/64`, without duplicate
+    /// address detection for it and for the link-local address (a
+    /// tentative link-local address cannot send the neighbour solicitations
+    /// of datagrams whose source is another host's, a forwarder's copies',
+    /// for the first seconds); `forwarding` also turns IPv6 forwarding on
+    /// there (what `bpf_fib_lookup` with AF_INET6 wants).
     pub fn enable_ipv6(&self, host: usize, forwarding: bool) -> Result<()> {
         let addr = format!("{}/64", self.ipv6_addr(host));
         let mut cmds: Vec<Vec<&str>> = vec![
+            vec!["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"],
+            vec!["sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"],
             vec!["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=0", "net.ipv6.conf.default.disable_ipv6=0"],
             vec!["sysctl", "-qw", "net.ipv6.conf.eth0.disable_ipv6=0", "net.ipv6.conf.lo.disable_ipv6=0"],
             vec!["ip", "-6", "addr", "replace", addr.as_str(), "dev", "eth0", "nodad"],
