@@ -7,8 +7,9 @@
  *   address whose neighbour resolves on the egress interface; by convention
  *   the group's first member). For every mask bit i whose destination exists
  *   in the group's table, the program rewrites the datagram in place for
- *   destination i (IPv4 daddr + header checksum, UDP dport, UDP checksum
- *   updated incrementally, next-hop MACs) and sends a copy with
+ *   destination i (IPv4 daddr + header checksum, or the IPv6 daddr; UDP
+ *   dport, UDP checksum updated incrementally, next-hop MACs) and sends a
+ *   copy with
  *   bpf_clone_redirect() to the egress interface. The original datagram
  *   itself becomes the copy of the LAST masked destination (no extra clone;
  *   returned with TC_ACT_OK, or redirected). Copies are produced by one
@@ -25,7 +26,7 @@
  *   interface), then its headers are restored and it is delivered locally.
  *   It also routes the AGG1 RESULT datagrams the XDP aggregator passes up
  *   the stack (result_routes): in-kernel allreduce (a copy of each RESULT,
- *   unchanged but for the IPv4 source = this node, to every member of the
+ *   unchanged but for the IP source = this node, to every member of the
  *   job's result group; the original is delivered locally) and trees of
  *   aggregators (the RESULT rewritten into this node's contribution to its
  *   parent's job and redirected out, not delivered locally).
@@ -51,6 +52,16 @@
  * (BPF_F_MARK_MANGLED_0). Writing 0 is NOT an option under CHECKSUM_PARTIAL:
  * BPF cannot reset ip_summed, and the completion would then write a checksum
  * without pseudo-header: a wrong one.
+ *
+ * IPv6 (docs/BROADCAST.md "IPv6"): both programs take IPv6 datagrams with
+ * UDP right after the fixed header; a group table, a parent and the
+ * datagram must be of one family (else FAMILY_MISMATCH, dropped). IPv6
+ * copies go through send_copy6(): the 16-byte address change is one
+ * bpf_csum_diff() and one bpf_l4_csum_replace() with BPF_F_PSEUDO_HDR, so
+ * the checksum rules above hold (never 0 over IPv6: MARK_MANGLED_0 writes a
+ * computed 0 as 0xffff); next hops from bpf_fib_lookup(AF_INET6). The
+ * IPv6 addresses live in the per-CPU bcast_scratch map, not on the stack
+ * (the 512-byte chain on 6.1, struct copy_state).
  *
  * Every packet either program sees ends in bcast_exit(): exactly one
  * datagram counter per packet; copy events are counted on the way.
@@ -172,8 +183,7 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct udp_view *v)
 }
 
 /* The key of bcast_scratch's one entry, read-only data rather than a
- * stack slot: the 512-byte chain of aggbox_tc_ingress has no byte to
- * spare on 6.1 (see copy_state). */
+ * stack slot (the 512-byte chain on 6.1, see copy_state). */
 static const __u32 scratch_key = 0;
 
 static __always_inline struct bcast_scratch *scratch(void)
@@ -571,6 +581,14 @@ enum copy_kind {
  * itself), and the caller's stack must be initialised over all of it. So
  * there is no implicit padding (every hole is a named field), and callers
  * memset it before filling it in.
+ *
+ * The stack: 6.1 refuses a call chain whose frames (each rounded up to 32
+ * bytes) sum to more than 512 bytes, and the deepest is aggbox_tc_ingress
+ * (256, this struct among it) -> copy_to_member (32) -> send_copy (192) =
+ * 480 (send_copy6: 160). What would grow it is kept elsewhere: IPv6
+ * addresses and the RESULT route in bcast_scratch, a new cache entry's
+ * zero value in read-only data (fib.h), the ingress parse and
+ * restore_l2() in global functions of their own.
  */
 struct copy_state {
 	struct rewrite_state st; /* in/out: the headers as they are now */
@@ -638,9 +656,8 @@ static __always_inline int copy_leave(struct __sk_buff *skb, struct copy_state *
 		__u64 lo_flags = BPF_F_INGRESS;
 
 		/* nh->dmac is all-zero: nh_resolve() writes MACs for NH_OK only.
-		 * (Not a zeroed MAC of its own: 6.1 refuses a combined stack
-		 * over 512 bytes across a program, copy_to_member() and
-		 * send_copy(), and aggbox_tc_ingress reaches exactly 512.) */
+		 * (Not a zeroed MAC of its own: the 512-byte chain on 6.1,
+		 * see copy_state.) */
 		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : nh->dmac, 6, 0))
 			return copy_rewrite_failed(kind);
 		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);

@@ -66,8 +66,8 @@ static __always_inline __u64 neigh_ttl_ns(void)
 }
 
 /* A new cache entry's first value: all zero, in the object's read-only
- * data rather than on the stack (send_copy()'s frame is at 6.1's 512-byte
- * chain bound; see aggbox_tc.bpf.c, struct copy_state). */
+ * data rather than on the stack (send_copy()'s frame counts in 6.1's
+ * 512-byte chain; aggbox_tc.bpf.c, struct copy_state). */
 static const __u8 neigh_entry_zero[sizeof(struct neigh_entry)] __attribute__((aligned(8))) = { 0 };
 
 /* Store a fresh resolution and (re)arm its staleness timer. */

@@ -124,7 +124,8 @@ struct {
 /*
  * What a datagram's copies need beyond struct copy_state, kept here rather
  * than on the stack: 6.1 sums the frames of a call chain against 512 bytes,
- * and aggbox_tc_ingress -> copy_to_member -> send_copy is at that bound.
+ * and aggbox_tc_ingress -> copy_to_member -> send_copy is close to it
+ * (aggbox_tc.bpf.c, struct copy_state).
  * The IPv6 addresses of the datagram being copied (as it arrived, as they
  * are now in the skb, the copies' source and this host's address: the
  * IPv6 twins of struct rewrite_state's and struct copy_state's IPv4
