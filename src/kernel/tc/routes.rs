@@ -61,9 +61,11 @@ impl TcPlane {
     /// `result_port`, is also copied to every member of broadcast group
     /// `group` (its root table, written with [`set_group`](Self::set_group);
     /// the mask covers all members): destination address, port and next-hop
-    /// MAC written in, IPv4 source = this host's address (the RESULT's
-    /// destination), AGG1 header and payload unchanged, checksums valid (a
-    /// UDP checksum of 0 stays 0). The RESULT itself is still delivered to
+    /// MAC written in, IP source = this host's address (the RESULT's
+    /// destination), AGG1 header and payload unchanged, checksums valid (an
+    /// IPv4 UDP checksum of 0 stays 0; IPv6's is never 0). The group's
+    /// family is the RESULTs' (else they are dropped, `family_mismatch`).
+    /// The RESULT itself is still delivered to
     /// the local stack unchanged. Keeps a parent route of the job (then the
     /// RESULT goes upstream instead of to the local stack).
     pub fn set_result_route(&self, job: u16, result_port: u16, group: u16) -> Result<()> {
@@ -77,7 +79,7 @@ impl TcPlane {
     /// `parent.result_port` is rewritten into this node's contribution to
     /// the parent's job (job = `parent.job`, rank = `parent.rank`, RESULT
     /// flag cleared, LAST_FRAGMENT and OVERFLOW kept, seq/round/frag_off/op/
-    /// count/payload unchanged; IPv4 source = this host's address,
+    /// count/payload unchanged; IP source = this host's address,
     /// destination = `parent.addr`, UDP port `parent.port`, next-hop MACs from
     /// the FIB) and sent out; it is not delivered locally. A result group
     /// of the job ([`set_result_route`](Self::set_result_route)) still gets
