@@ -2,7 +2,7 @@
 //! the node and the runtime both need: one place, below both.
 
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 
 /// MTU of the interface that holds address `addr`.
@@ -87,7 +87,7 @@ pub fn interface_ipv4_nets(name: &str) -> io::Result<Vec<(Ipv4Addr, Ipv4Addr)>> 
 }
 
 /// How this host sends a datagram to an address: what the kernel's route
-/// to it says (`ip route get ADDR`).
+/// to it says (`ip route get ADDR`, `ip -6 route get ADDR`).
 #[derive(Debug)]
 pub enum Route {
     /// It leaves by interface `ifindex`, handed to the neighbour `next_hop`
@@ -96,8 +96,8 @@ pub enum Route {
     Out {
         /// The egress interface.
         ifindex: u32,
-        /// The neighbour to resolve on it.
-        next_hop: Ipv4Addr,
+        /// The neighbour to resolve on it (of the address's family).
+        next_hop: IpAddr,
     },
     /// It does not leave by an interface to a unicast next hop: an address
     /// of this host (a local route), or a broadcast or multicast one.
@@ -107,10 +107,11 @@ pub enum Route {
     Unreachable(io::Error),
 }
 
-/// The kernel's route to each of `addrs`, in order (rtnetlink RTM_GETROUTE,
-/// what `ip route get ADDR` asks: the output route of this host). An error
-/// is a failure to ask; a refused address is [`Route::Unreachable`].
-pub fn routes(addrs: &[Ipv4Addr]) -> io::Result<Vec<(Ipv4Addr, Route)>> {
+/// The kernel's route to each of `addrs` (IPv4 or IPv6), in order
+/// (rtnetlink RTM_GETROUTE, what `ip route get ADDR` asks: the output route
+/// of this host). An error is a failure to ask; a refused address is
+/// [`Route::Unreachable`].
+pub fn routes<A: Into<IpAddr> + Copy>(addrs: &[A]) -> io::Result<Vec<(IpAddr, Route)>> {
     use netlink_packet_core::NLM_F_REQUEST;
     use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteType};
     use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
@@ -120,11 +121,14 @@ pub fn routes(addrs: &[Ipv4Addr]) -> io::Result<Vec<(Ipv4Addr, Route)>> {
         return Ok(out);
     }
     let mut rtnl = Rtnl::open()?;
-    for addr in addrs {
+    for &addr in addrs {
+        let addr: IpAddr = addr.into();
         let mut msg = RouteMessage::default();
-        msg.header.address_family = AddressFamily::Inet;
-        msg.header.destination_prefix_length = 32;
-        msg.attributes = vec![RouteAttribute::Destination(RouteAddress::Inet(*addr))];
+        (msg.header.address_family, msg.header.destination_prefix_length) = match addr {
+            IpAddr::V4(_) => (AddressFamily::Inet, 32),
+            IpAddr::V6(_) => (AddressFamily::Inet6, 128),
+        };
+        msg.attributes = vec![RouteAttribute::Destination(RouteAddress::from(addr))];
         let route = match rtnl.request(RouteNetlinkMessage::GetRoute(msg), NLM_F_REQUEST)? {
             Reply::Error(e) => Route::Unreachable(e),
             Reply::Message(RouteNetlinkMessage::NewRoute(r)) if r.header.kind == RouteType::Unicast => {
@@ -133,11 +137,12 @@ pub fn routes(addrs: &[Ipv4Addr]) -> io::Result<Vec<(Ipv4Addr, Route)>> {
                     _ => None,
                 });
                 let gateway = r.attributes.iter().find_map(|a| match a {
-                    RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(*g),
+                    RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(IpAddr::V4(*g)),
+                    RouteAttribute::Gateway(RouteAddress::Inet6(g)) => Some(IpAddr::V6(*g)),
                     _ => None,
                 });
                 match ifindex {
-                    Some(ifindex) => Route::Out { ifindex, next_hop: gateway.unwrap_or(*addr) },
+                    Some(ifindex) => Route::Out { ifindex, next_hop: gateway.unwrap_or(addr) },
                     None => return Err(io::Error::other(format!("rtnetlink: the route to {addr} names no interface"))),
                 }
             }
@@ -145,17 +150,18 @@ pub fn routes(addrs: &[Ipv4Addr]) -> io::Result<Vec<(Ipv4Addr, Route)>> {
             Reply::Message(m) => return Err(io::Error::other(format!("rtnetlink: unexpected answer to RTM_GETROUTE {addr}: {m:?}"))),
             Reply::Ack => return Err(io::Error::other(format!("rtnetlink: an acknowledgement for RTM_GETROUTE {addr}"))),
         };
-        out.push((*addr, route));
+        out.push((addr, route));
     }
     Ok(out)
 }
 
 /// Asks the kernel to resolve the link-layer address of each of `addrs`
-/// on interface `ifindex` now (rtnetlink RTM_NEWNEIGH with NTF_USE, what
-/// `ip neigh replace ADDR dev IF use` sends): an entry is created if there
-/// is none and an ARP request goes out; an existing one is left as it is.
-/// Returns at once (the answers come later), the first refusal as an error.
-pub fn resolve_neighbours(ifindex: u32, addrs: &[Ipv4Addr]) -> io::Result<()> {
+/// (IPv4 or IPv6) on interface `ifindex` now (rtnetlink RTM_NEWNEIGH with
+/// NTF_USE, what `ip neigh replace ADDR dev IF use` sends): an entry is
+/// created if there is none and an ARP request, or for IPv6 a neighbour
+/// solicitation, goes out; an existing one is left as it is. Returns at
+/// once (the answers come later), the first refusal as an error.
+pub fn resolve_neighbours<A: Into<IpAddr> + Copy>(ifindex: u32, addrs: &[A]) -> io::Result<()> {
     use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST};
     use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage};
     use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
@@ -164,12 +170,17 @@ pub fn resolve_neighbours(ifindex: u32, addrs: &[Ipv4Addr]) -> io::Result<()> {
         return Ok(());
     }
     let mut rtnl = Rtnl::open()?;
-    for addr in addrs {
+    for &addr in addrs {
+        let addr: IpAddr = addr.into();
         let mut neigh = NeighbourMessage::default();
-        neigh.header.family = AddressFamily::Inet;
+        let (family, destination) = match addr {
+            IpAddr::V4(a) => (AddressFamily::Inet, NeighbourAddress::Inet(a)),
+            IpAddr::V6(a) => (AddressFamily::Inet6, NeighbourAddress::Inet6(a)),
+        };
+        neigh.header.family = family;
         neigh.header.ifindex = ifindex;
         neigh.header.flags = NeighbourFlags::Use;
-        neigh.attributes = vec![NeighbourAttribute::Destination(NeighbourAddress::Inet(*addr))];
+        neigh.attributes = vec![NeighbourAttribute::Destination(destination)];
         let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK;
         match rtnl.request(RouteNetlinkMessage::NewNeighbour(neigh), flags)? {
             Reply::Ack => {}

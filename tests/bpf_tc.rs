@@ -15,7 +15,7 @@
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
 mod testbed;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use aggbox::wire::abi::{self, BcastStat};
 use aggbox::kernel::tc::{self, plan_tree, TcPlane, TcProgram, TreeNode, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
@@ -524,7 +524,8 @@ fn ingress_forwards_with_hops_plus_one_and_delivers_the_original() {
 
 #[test]
 fn plan_tree_shapes() {
-    let members: Vec<SocketAddrV4> = (0..100u16).map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250) as u8 + 1), 7000 + i)).collect();
+    let members: Vec<SocketAddr> =
+        (0..100u16).map(|i| SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250) as u8 + 1), 7000 + i))).collect();
     // up to 32: one level
     let p = plan_tree(&members[..32], 32);
     assert_eq!(p.len(), 1);
@@ -543,7 +544,7 @@ fn plan_tree_shapes() {
     // every member reached exactly once, depth grows logarithmically
     for (n, fanout) in [(1usize, 1usize), (7, 2), (100, 3), (100, 32), (33, 32), (100, 50)] {
         let p = plan_tree(&members[..n], fanout);
-        let mut reached: Vec<SocketAddrV4> = p.iter().flat_map(|x| x.children.clone()).collect();
+        let mut reached: Vec<SocketAddr> = p.iter().flat_map(|x| x.children.clone()).collect();
         reached.sort();
         let mut want = members[..n].to_vec();
         want.sort();
@@ -688,7 +689,7 @@ fn ingress_result_is_copied_to_its_group_and_delivered_unchanged() {
 fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     let fx = Fixture::new();
     let h0 = fx.tb.host(0);
-    let parent = tc::ParentRoute { addr: *fx.h1.ip(), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
+    let parent = tc::ParentRoute { addr: IpAddr::V4(*fx.h1.ip()), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
     fx.plane.set_parent_route(JOB, &parent).expect("set_parent_route");
     assert_eq!(fx.plane.result_route(JOB).expect("read").expect("route").parent, Some(parent));
 
@@ -750,7 +751,7 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
     for bad in [
         tc::ParentRoute { port: 0, ..parent },
         tc::ParentRoute { rank: abi::RESULT_RANK, ..parent },
-        tc::ParentRoute { addr: Ipv4Addr::UNSPECIFIED, ..parent },
+        tc::ParentRoute { addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..parent },
         tc::ParentRoute { result_port: 0, ..parent },
     ] {
         assert!(fx.plane.set_parent_route(JOB + 1, &bad).is_err(), "{bad:?}");
@@ -761,14 +762,516 @@ fn ingress_result_goes_upstream_as_this_nodes_contribution() {
 
     // parent with an unresolved neighbour: the neighbour path
     fx.plane.remove_result_route(JOB).expect("remove");
-    let ghost = tc::ParentRoute { addr: Ipv4Addr::new(10, 77, 0, 77), ..parent };
+    let ghost = tc::ParentRoute { addr: IpAddr::V4(Ipv4Addr::new(10, 77, 0, 77)), ..parent };
     fx.plane.set_parent_route(JOB, &ghost).expect("set_parent_route");
     let before = fx.plane.stats().expect("stats");
     let run = fx.run(TcProgram::Ingress, &result_frame(&fx, payload, true).build(), 0);
     assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect_neigh");
     assert_eq!(run.mark, abi::BCAST_MARK_DONE);
     let out = Out(&run.data);
-    assert_eq!((out.src(), out.dst(), out.dmac()), (h0.addr, ghost.addr, [0; 6]));
+    assert_eq!((IpAddr::V4(out.src()), IpAddr::V4(out.dst()), out.dmac()), (IpAddr::V4(h0.addr), ghost.addr, [0; 6]));
     out.check_checksums();
     assert_eq!(fx.delta(&before, BcastStat::NeighMiss), 1);
+}
+
+// ---------------------------------------------------------------------------
+// IPv6 (docs/BROADCAST.md "IPv6"): the same copies, next hops and RESULT
+// routes over IPv6. Host i of the testbed gets fd00:77::(11 + i) with IPv6
+// forwarding on (bpf_fib_lookup with AF_INET6 wants it), and both hosts a
+// static neighbour entry of the other, so the FIB resolves host 1 at once.
+// ---------------------------------------------------------------------------
+
+use std::net::{Ipv6Addr, SocketAddrV6};
+
+/// RFC 8200 section 8.1 checksum of a UDP datagram (header with its
+/// checksum field as it is + payload) over IPv6: 0 when the stored one is
+/// right.
+fn udp6_verify(src: Ipv6Addr, dst: Ipv6Addr, udp: &[u8]) -> u16 {
+    let len = udp.len() as u32;
+    let mut sum = sum16(&src.octets()) + sum16(&dst.octets()) + (len >> 16) + (len & 0xffff) + 17;
+    sum += sum16(udp);
+    !fold(sum)
+}
+
+#[derive(Clone)]
+struct Frame6 {
+    dmac: [u8; 6],
+    smac: [u8; 6],
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    dport: u16,
+    payload: Vec<u8>,
+    vlan: Option<u16>,
+    /// A Fragment header between the IPv6 and UDP headers (not ours).
+    frag_hdr: bool,
+    hop_limit: u8,
+}
+
+impl Frame6 {
+    fn build(&self) -> Vec<u8> {
+        let mut f = Vec::new();
+        f.extend_from_slice(&self.dmac);
+        f.extend_from_slice(&self.smac);
+        if let Some(tci) = self.vlan {
+            f.extend_from_slice(&0x8100u16.to_be_bytes());
+            f.extend_from_slice(&tci.to_be_bytes());
+        }
+        f.extend_from_slice(&0x86ddu16.to_be_bytes());
+        let mut udp = Vec::new();
+        udp.extend_from_slice(&SPORT.to_be_bytes());
+        udp.extend_from_slice(&self.dport.to_be_bytes());
+        udp.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(&self.payload);
+        let c = match udp6_verify(self.src, self.dst, &udp) {
+            0 => 0xffff,
+            c => c,
+        };
+        udp[6..8].copy_from_slice(&c.to_be_bytes());
+        let ext: &[u8] = if self.frag_hdr { &[17, 0, 0, 0, 0, 0, 0, 42] } else { &[] };
+        f.extend_from_slice(&[0x60, 0x01, 0x23, 0x45]); // version, traffic class, flow label
+        f.extend_from_slice(&((ext.len() + udp.len()) as u16).to_be_bytes());
+        f.push(if self.frag_hdr { 44 } else { 17 });
+        f.push(self.hop_limit);
+        f.extend_from_slice(&self.src.octets());
+        f.extend_from_slice(&self.dst.octets());
+        f.extend_from_slice(ext);
+        f.extend_from_slice(&udp);
+        f
+    }
+}
+
+/// Parsed view of an IPv6 output frame (no VLAN: strip it first).
+struct Out6<'a>(&'a [u8]);
+
+impl Out6<'_> {
+    fn dmac(&self) -> [u8; 6] {
+        self.0[0..6].try_into().unwrap()
+    }
+    fn smac(&self) -> [u8; 6] {
+        self.0[6..12].try_into().unwrap()
+    }
+    fn hop_limit(&self) -> u8 {
+        self.0[21]
+    }
+    fn src(&self) -> Ipv6Addr {
+        Ipv6Addr::from(<[u8; 16]>::try_from(&self.0[22..38]).unwrap())
+    }
+    fn dst(&self) -> Ipv6Addr {
+        Ipv6Addr::from(<[u8; 16]>::try_from(&self.0[38..54]).unwrap())
+    }
+    fn dport(&self) -> u16 {
+        u16::from_be_bytes([self.0[56], self.0[57]])
+    }
+    fn udp_csum(&self) -> u16 {
+        u16::from_be_bytes([self.0[60], self.0[61]])
+    }
+    fn payload(&self) -> &[u8] {
+        &self.0[62..]
+    }
+    /// The UDP checksum is full and right (IPv6 has no "no checksum").
+    fn check_checksum(&self) {
+        assert_ne!(self.udp_csum(), 0, "an IPv6 UDP checksum is never 0");
+        assert_eq!(udp6_verify(self.src(), self.dst(), &self.0[54..]), 0, "UDP checksum over IPv6");
+    }
+}
+
+/// The fixture with IPv6 on both hosts (see above).
+struct Fixture6 {
+    fx: Fixture,
+    h0: Ipv6Addr,
+    h1: Ipv6Addr,
+}
+
+impl Fixture6 {
+    fn new() -> Fixture6 {
+        let fx = Fixture::new();
+        for h in 0..2 {
+            fx.tb.enable_ipv6(h, true).expect("IPv6 on");
+        }
+        let (h0, h1) = (fx.tb.ipv6_addr(0), fx.tb.ipv6_addr(1));
+        for (h, other) in [(0usize, 1usize), (1, 0)] {
+            let mac = fx.tb.host(other).mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+            let addr = fx.tb.ipv6_addr(other).to_string();
+            let out = fx
+                .tb
+                .run_in(h, &["ip", "-6", "neigh", "replace", &addr, "lladdr", &mac, "dev", "eth0", "nud", "permanent"])
+                .expect("ip neigh");
+            assert!(out.status.success(), "static IPv6 neighbour: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Fixture6 { fx, h0, h1 }
+    }
+
+    fn member(&self, port: u16) -> SocketAddr {
+        SocketAddr::V6(SocketAddrV6::new(self.h1, port, 0, 0))
+    }
+
+    /// An IPv6 datagram from host 0 to somewhere else (the application's
+    /// placeholder destination), as it meets TC egress.
+    fn frame(&self, payload: Vec<u8>) -> Frame6 {
+        Frame6 {
+            dmac: [0x02, 0, 0, 0, 0, 0x99],
+            smac: self.fx.h0_mac,
+            src: self.h0,
+            dst: Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x200),
+            dport: 7999,
+            payload,
+            vlan: None,
+            frag_hdr: false,
+            hop_limit: 61,
+        }
+    }
+
+    /// A receiver on host 1.
+    fn bind(&self, port: u16) -> std::net::UdpSocket {
+        let addr = self.member(port);
+        let s = in_netns(&self.fx.tb.host(1).netns, || std::net::UdpSocket::bind(addr)).expect("netns").expect("bind");
+        s.set_read_timeout(Some(std::time::Duration::from_millis(300))).expect("timeout");
+        s
+    }
+}
+
+/// `Udp6InCsumErrors` of host `h`.
+fn udp6_csum_errors(tb: &Testbed, h: usize) -> u64 {
+    let out = tb.run_in(h, &["cat", "/proc/net/snmp6"]).expect("snmp6");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("Udp6InCsumErrors").map(|v| v.trim().parse::<u64>().expect("number")))
+        .expect("Udp6InCsumErrors")
+}
+
+#[test]
+fn egress_ipv6_rewrites_each_copy_with_a_full_checksum_behind_a_vlan_tag_too() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    fx.plane.set_group(GROUP, &[f6.member(7200), f6.member(7300)]).expect("set_group");
+    let mut rows = 0u64;
+    for vlan in [None, Some(0x2005u16)] {
+        for (mask, want_port) in [(0b01u32, 7200u16), (0b10, 7300)] {
+            for body in [0usize, 1, 47, 1400] {
+                for same_port in [false, true] {
+                    let payload = agb1(mask, 5, GROUP, 0, 3, body);
+                    let mut f = f6.frame(payload.clone());
+                    f.vlan = vlan;
+                    if same_port {
+                        f.dport = want_port;
+                    }
+                    let sent = f.build();
+                    let before = fx.plane.stats().expect("stats");
+                    let run = fx.run(TcProgram::Egress, &sent, 0);
+                    let row = format!("vlan {vlan:?} mask {mask:#b} body {body} same port {same_port}");
+                    assert_eq!(run.verdict, TC_ACT_OK, "{row}: the original leaves as the copy");
+                    assert_eq!(run.data.len(), sent.len(), "{row}: length unchanged");
+                    let data = match vlan {
+                        Some(tci) => {
+                            assert_eq!(run.data[12..16], [0x81, 0x00, (tci >> 8) as u8, tci as u8], "{row}: tag kept");
+                            [&run.data[..12], &run.data[16..]].concat()
+                        }
+                        None => run.data.clone(),
+                    };
+                    let out = Out6(&data);
+                    assert_eq!(out.dst(), f6.h1, "{row}: destination");
+                    assert_eq!(out.dport(), want_port, "{row}: port");
+                    assert_eq!(out.src(), f6.h0, "{row}: source untouched");
+                    assert_eq!(out.hop_limit(), 61, "{row}: hop limit untouched (as IPv4's TTL)");
+                    assert_eq!(out.dmac(), fx.h1_mac, "{row}: next-hop MAC from bpf_fib_lookup / cache");
+                    assert_eq!(out.smac(), fx.h0_mac, "{row}");
+                    assert_eq!(out.payload(), &payload[..], "{row}: AGB1 header and payload unchanged");
+                    let off = if vlan.is_some() { 18 } else { 14 };
+                    assert_eq!(data[14..22], sent[off..off + 8], "{row}: version, flow label, length, next header, hop limit");
+                    out.check_checksum();
+                    assert_eq!(fx.delta(&before, BcastStat::Broadcast), 1, "{row}");
+                    assert_eq!(fx.delta(&before, BcastStat::CopySent), 1, "{row}");
+                    assert_eq!(run.mark, 0, "{row}");
+                    rows += 1;
+                }
+            }
+        }
+    }
+    let st = fx.plane.stats().expect("stats");
+    assert_eq!(st.packets(BcastStat::FibLookup), 1, "the first lookup went to the FIB, the rest hit the cache");
+    assert_eq!(st.packets(BcastStat::CacheHit), rows - 1);
+    assert_eq!(st.packets(BcastStat::RewriteFailed) + st.packets(BcastStat::FamilyMismatch), 0);
+    let cache = fx.plane.neigh_cache().expect("cache");
+    assert_eq!(cache.len(), 1);
+    assert_eq!(cache[0].addr, IpAddr::V6(f6.h1), "an IPv6 entry");
+    assert_eq!((cache[0].neigh.dmac, cache[0].neigh.ifindex), (fx.h1_mac, fx.eth0));
+    let gs = fx.plane.group_stats(GROUP, 0).expect("gstats").expect("exists");
+    assert_eq!((gs.datagrams, gs.copies), (rows, rows));
+}
+
+#[test]
+fn egress_ipv6_clones_reach_real_sockets_and_the_original_takes_the_last() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    let ports = [7200u16, 7201, 7202, 7203];
+    let members: Vec<SocketAddr> = ports.iter().map(|&p| f6.member(p)).collect();
+    fx.plane.set_group(GROUP, &members).expect("set_group");
+    assert_eq!(fx.plane.group(GROUP, 0).expect("read"), Some(members.clone()));
+    let rx: Vec<std::net::UdpSocket> = ports.iter().map(|&p| f6.bind(p)).collect();
+    let csum_before = udp6_csum_errors(&fx.tb, 1);
+    for (k, mask) in [0b1111u32, 0b0111, 0b1010].into_iter().enumerate() {
+        let payload = agb1(mask, k as u32, GROUP, 0, 0, 300 + k);
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Egress, &f6.frame(payload.clone()).build(), 0);
+        assert_eq!(run.verdict, TC_ACT_OK);
+        let last = 31 - mask.leading_zeros() as usize;
+        let out = Out6(&run.data);
+        assert_eq!(out.dport(), ports[last], "mask {mask:#b}: the original is the copy of the highest bit");
+        out.check_checksum();
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), u64::from(mask.count_ones()), "mask {mask:#b}");
+        // the clones really went out: host 1's stack delivers them only
+        // with a right checksum
+        for (i, s) in rx.iter().enumerate() {
+            if mask & (1 << i) == 0 || i == last {
+                continue;
+            }
+            let mut buf = vec![0u8; 2048];
+            let (n, from) = s.recv_from(&mut buf).unwrap_or_else(|e| panic!("mask {mask:#b}: member {i} got no clone: {e}"));
+            assert_eq!(&buf[..n], &payload[..], "mask {mask:#b}: member {i}");
+            assert_eq!(from, SocketAddr::V6(SocketAddrV6::new(f6.h0, SPORT, 0, 0)), "mask {mask:#b}: member {i}: source kept");
+        }
+    }
+    for (i, s) in rx.iter().enumerate() {
+        s.set_read_timeout(Some(std::time::Duration::from_millis(50))).expect("timeout");
+        assert!(s.recv_from(&mut [0u8; 64]).is_err(), "member {i}: no copy twice");
+    }
+    assert_eq!(udp6_csum_errors(&fx.tb, 1), csum_before, "Udp6InCsumErrors on the members' host");
+}
+
+#[test]
+fn egress_ipv6_neighbour_path_local_member_no_route_and_other_traffic() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    // on the link, nobody has it: NO_NEIGH, the neighbour path (ND in the stack)
+    let ghost = SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x77)), 7200);
+    fx.plane.set_group(GROUP, &[ghost]).expect("set_group");
+    let payload = agb1(1, 1, GROUP, 0, 0, 100);
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &f6.frame(payload.clone()).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_REDIRECT, "bpf_redirect_neigh");
+    assert_eq!(run.mark, abi::BCAST_MARK_DONE);
+    let out = Out6(&run.data);
+    assert_eq!((IpAddr::V6(out.dst()), out.dport()), (ghost.ip(), 7200));
+    assert_eq!(out.dmac(), [0; 6], "never a stale or multicast MAC");
+    assert_eq!(out.payload(), &payload[..]);
+    out.check_checksum();
+    assert_eq!(fx.delta(&before, BcastStat::NeighMiss), 1);
+    assert!(fx.plane.neigh_cache().expect("cache").is_empty(), "unresolved next hops are not cached");
+
+    // a copy back at egress with MARK_NEIGH: the IPv6 FIB names the
+    // interface, bpf_redirect_neigh, marked DONE
+    let run = fx.run(TcProgram::Egress, &run.data, abi::BCAST_MARK_NEIGH);
+    assert_eq!((run.verdict, run.mark), (TC_ACT_REDIRECT, abi::BCAST_MARK_DONE));
+
+    // this very host (the datagram's own source): looped through lo
+    let here = SocketAddr::new(IpAddr::V6(f6.h0), 7300);
+    fx.plane.set_group(GROUP, &[here]).expect("set_group");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &f6.frame(payload.clone()).build(), 0);
+    assert_eq!((run.verdict, run.mark), (TC_ACT_REDIRECT, abi::BCAST_MARK_COPY), "bpf_redirect(lo)");
+    let out = Out6(&run.data);
+    assert_eq!((out.dst(), out.dport(), out.dmac()), (f6.h0, 7300, [0; 6]));
+    out.check_checksum();
+    assert_eq!(fx.delta(&before, BcastStat::LocalCopy), 1);
+
+    // no route at all: not sent
+    let nowhere = SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1)), 7200);
+    fx.plane.set_group(GROUP, &[nowhere]).expect("set_group");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Egress, &f6.frame(payload).build(), 0);
+    assert_eq!(run.verdict, TC_ACT_SHOT);
+    assert_eq!(fx.delta(&before, BcastStat::FibError), 1);
+
+    // every other datagram outcome over IPv6
+    fx.plane.set_group(GROUP, &[f6.member(7200)]).expect("set_group");
+    let cases: Vec<(&str, Frame6, u32, i32, BcastStat)> = vec![
+        ("plain UDP", f6.frame(b"hello, not aggbox".to_vec()), 0, TC_ACT_OK, BcastStat::NotAggbox),
+        ("a Fragment header", Frame6 { frag_hdr: true, ..f6.frame(agb1(1, 1, GROUP, 0, 0, 8)) }, 0, TC_ACT_OK, BcastStat::NotAggbox),
+        ("unknown group", f6.frame(agb1(1, 1, GROUP + 1, 0, 0, 8)), 0, TC_ACT_OK, BcastStat::UnknownGroup),
+        ("truncated AGB1", f6.frame(agb1(1, 1, GROUP, 0, 0, 0)[..10].to_vec()), 0, TC_ACT_OK, BcastStat::Malformed),
+        ("reserved flag", f6.frame(agb1(1, 1, GROUP, 0x80, 0, 8)), 0, TC_ACT_OK, BcastStat::Malformed),
+        ("empty mask", f6.frame(agb1(0, 1, GROUP, 0, 0, 8)), 0, TC_ACT_SHOT, BcastStat::EmptyMask),
+        ("own copy", f6.frame(agb1(1, 1, GROUP, 0, 0, 8)), abi::BCAST_MARK_COPY, TC_ACT_OK, BcastStat::OwnCopy),
+    ];
+    for (name, frame, mark, verdict, stat) in cases {
+        let bytes = frame.build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Egress, &bytes, mark);
+        assert_eq!(run.verdict, verdict, "{name}: verdict");
+        if verdict == TC_ACT_OK {
+            assert_eq!(run.data, bytes, "{name}: untouched");
+        }
+        assert_eq!(fx.delta(&before, stat), 1, "{name}: counted as {stat:?}");
+        let after = fx.plane.stats().expect("stats");
+        assert_eq!(after.datagrams() - before.datagrams(), 1, "{name}: exactly one outcome");
+    }
+}
+
+#[test]
+fn a_datagram_of_the_other_family_than_its_table_is_dropped_and_counted() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    // a table mixes no families
+    let mixed: [SocketAddr; 2] = [fx.h1.into(), f6.member(7300)];
+    let e = fx.plane.set_group(GROUP, &mixed).expect_err("a mixed table is refused").to_string();
+    assert!(e.contains("mix IPv4 and IPv6"), "{e}");
+    let mapped = SocketAddr::new(IpAddr::V6(fx.h1.ip().to_ipv6_mapped()), 7200);
+    assert!(fx.plane.set_group(GROUP, &[mapped]).is_err(), "an IPv4-mapped address is refused");
+
+    // egress: an IPv6 datagram for an IPv4 table, and the reverse
+    for (table, bytes, name) in [
+        (vec![SocketAddr::V4(fx.h1)], f6.frame(agb1(1, 1, GROUP, 0, 0, 40)).build(), "IPv6 datagram, IPv4 table"),
+        (vec![f6.member(7200)], fx.frame(agb1(1, 1, GROUP, 0, 0, 40)).build(), "IPv4 datagram, IPv6 table"),
+    ] {
+        fx.plane.set_group(GROUP, &table).expect("set_group");
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Egress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_SHOT, "{name}: dropped");
+        assert_eq!(fx.delta(&before, BcastStat::FamilyMismatch), 1, "{name}: family_mismatch");
+        let after = fx.plane.stats().expect("stats");
+        assert_eq!(after.datagrams() - before.datagrams(), 1, "{name}: exactly one outcome");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent) + fx.delta(&before, BcastStat::FibLookup), 0, "{name}: no copy");
+    }
+
+    // ingress: a FORWARD datagram over IPv6 for an IPv4 forwarding table
+    fx.plane.set_forwarding(GROUP, 7400, &[fx.h1]).expect("set_forwarding");
+    let mut f = f6.frame(agb1(1, 1, GROUP, abi::BCAST_F_FORWARD, 0, 40));
+    f.dst = f6.h0;
+    f.dmac = fx.h0_mac;
+    f.dport = 7400;
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &f.build(), 0);
+    assert_eq!(run.verdict, TC_ACT_SHOT);
+    assert_eq!(fx.delta(&before, BcastStat::FamilyMismatch), 1);
+    assert_eq!(BcastStat::FamilyMismatch.label(), "family_mismatch");
+    assert!(BcastStat::FamilyMismatch.is_datagram_outcome());
+}
+
+#[test]
+fn ingress_ipv6_forwards_with_hops_plus_one_and_delivers_the_original() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    let ports = [7200u16, 7201, 7202];
+    let children: Vec<SocketAddr> = ports.iter().map(|&p| f6.member(p)).collect();
+    fx.plane.set_forwarding(GROUP, 7400, &children).expect("set_forwarding");
+    let rx: Vec<std::net::UdpSocket> = ports.iter().map(|&p| f6.bind(p)).collect();
+    let root = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x250);
+    let mk = |flags: u8, hops: u8, vlan: Option<u16>| Frame6 {
+        dmac: fx.h0_mac,
+        smac: [0x02, 0, 0, 0, 0, 0x42],
+        src: root,
+        dst: f6.h0,
+        dport: 7400,
+        payload: agb1(0x3, 7, GROUP, flags, hops, 200),
+        vlan,
+        frag_hdr: false,
+        hop_limit: 64,
+    };
+    let cases = [
+        ("FORWARD", mk(abi::BCAST_F_FORWARD, 0, None), BcastStat::Forwarded, 3u64),
+        ("FORWARD, VLAN-tagged", mk(abi::BCAST_F_FORWARD, 2, Some(0x0007)), BcastStat::Forwarded, 3),
+        ("FORWARD, deep", mk(abi::BCAST_F_FORWARD, abi::BCAST_MAX_HOPS as u8, None), BcastStat::HopsLimit, 0),
+        ("no FORWARD", mk(0, 0, None), BcastStat::LocalOnly, 0),
+        ("other port, no table", Frame6 { dport: 7401, ..mk(abi::BCAST_F_FORWARD, 0, None) }, BcastStat::UnknownGroup, 0),
+    ];
+    for (name, f, stat, copies) in cases {
+        let bytes = f.build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_OK, "{name}: delivered locally");
+        assert_eq!(run.data, bytes, "{name}: the local copy is the datagram as it arrived");
+        assert_eq!(fx.delta(&before, stat), 1, "{name}: {stat:?}");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), copies, "{name}: copies to children");
+        if copies == 0 || f.vlan.is_some() {
+            // (the tagged copies keep their tag: host 1 has no VLAN 7)
+            continue;
+        }
+        // each child got its clone, with hops + 1, from the root's address
+        let mut want = f.payload.clone();
+        want[15] += 1;
+        for (p, s) in ports.iter().zip(&rx) {
+            let mut buf = vec![0u8; 2048];
+            let (n, from) = s.recv_from(&mut buf).unwrap_or_else(|e| panic!("{name}: child {p} got nothing: {e}"));
+            assert_eq!(&buf[..n], &want[..], "{name}: child {p}: hops + 1, the rest unchanged");
+            assert_eq!(from.ip(), IpAddr::V6(root), "{name}: child {p}: source kept");
+        }
+    }
+}
+
+#[test]
+fn ingress_ipv6_result_is_copied_to_its_group_and_goes_upstream() {
+    let f6 = Fixture6::new();
+    let fx = &f6.fx;
+    let contributor = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x250);
+    let result = |payload: Vec<u8>| Frame6 {
+        dmac: fx.h0_mac,
+        smac: [0x02, 0, 0, 0, 0, 0x42],
+        src: contributor,
+        dst: f6.h0,
+        dport: RESULT_PORT,
+        payload,
+        vlan: None,
+        frag_hdr: false,
+        hop_limit: 64,
+    };
+    let ports = [7200u16, 7300];
+    let members: Vec<SocketAddr> = ports.iter().map(|&p| f6.member(p)).collect();
+    fx.plane.set_group(GROUP, &members).expect("set_group");
+    fx.plane.set_result_route(JOB, RESULT_PORT, GROUP).expect("set_result_route");
+    let rx: Vec<std::net::UdpSocket> = ports.iter().map(|&p| f6.bind(p)).collect();
+    let csum_before = udp6_csum_errors(&fx.tb, 1);
+    // 357 elements: 1500 bytes, the MTU, with IPv6's 40-byte header (one
+    // more and the FIB says the copy needs fragmenting: fib_error)
+    for (k, count) in [1u16, 17, 357].into_iter().enumerate() {
+        let payload = agg1(JOB, abi::RESULT_RANK, k as u32, abi::AGG_F_RESULT | abi::AGG_F_LAST_FRAGMENT, count);
+        let bytes = result(payload.clone()).build();
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &bytes, 0);
+        assert_eq!(run.verdict, TC_ACT_OK, "row {k}: the RESULT is delivered locally");
+        assert_eq!(run.data, bytes, "row {k}: exactly as it arrived");
+        assert_eq!(fx.delta(&before, BcastStat::ResultBroadcast), 1, "row {k}");
+        assert_eq!(fx.delta(&before, BcastStat::CopySent), 2, "row {k}: one copy per member");
+        for (p, s) in ports.iter().zip(&rx) {
+            let mut buf = vec![0u8; 4096];
+            let (n, from) = s.recv_from(&mut buf).unwrap_or_else(|e| panic!("row {k}: member {p} got no copy: {e}"));
+            assert_eq!(&buf[..n], &payload[..], "row {k}: member {p}: AGG1 header and payload unchanged");
+            assert_eq!(from, SocketAddr::V6(SocketAddrV6::new(f6.h0, SPORT, 0, 0)), "row {k}: member {p}: source = this node");
+        }
+    }
+    assert_eq!(udp6_csum_errors(&fx.tb, 1), csum_before, "Udp6InCsumErrors on the members' host");
+
+    // an IPv4 RESULT of the job meets an IPv6 group: dropped
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &result_frame(fx, agg1(JOB, abi::RESULT_RANK, 9, abi::AGG_F_RESULT, 4), true).build(), 0);
+    assert_eq!((run.verdict, fx.delta(&before, BcastStat::FamilyMismatch)), (TC_ACT_SHOT, 1));
+
+    // upstream: the RESULT becomes this node's contribution to an IPv6 parent
+    fx.plane.remove_result_route(JOB).expect("remove");
+    let parent = tc::ParentRoute { addr: IpAddr::V6(f6.h1), port: 7000, job: 9, rank: 2, result_port: RESULT_PORT };
+    fx.plane.set_parent_route(JOB, &parent).expect("set_parent_route");
+    assert_eq!(fx.plane.result_route(JOB).expect("read").expect("route").parent, Some(parent));
+    for count in [1u16, 100, 357] {
+        let payload = agg1(JOB, abi::RESULT_RANK, 77, abi::AGG_F_RESULT | abi::AGG_F_OVERFLOW, count);
+        let before = fx.plane.stats().expect("stats");
+        let run = fx.run(TcProgram::Ingress, &result(payload.clone()).build(), 0);
+        assert_eq!(run.verdict, TC_ACT_REDIRECT, "count {count}: out, not delivered locally");
+        assert_eq!(run.mark, abi::BCAST_MARK_COPY);
+        let out = Out6(&run.data);
+        assert_eq!((out.src(), out.dst(), out.dport()), (f6.h0, f6.h1, 7000), "count {count}");
+        assert_eq!((out.dmac(), out.smac()), (fx.h1_mac, fx.h0_mac), "count {count}");
+        let mut want = payload.clone();
+        want[4..6].copy_from_slice(&parent.job.to_be_bytes());
+        want[6..8].copy_from_slice(&parent.rank.to_be_bytes());
+        want[21] = abi::AGG_F_OVERFLOW;
+        assert_eq!(out.payload(), &want[..], "count {count}: job, rank, flags rewritten");
+        out.check_checksum();
+        assert_eq!(fx.delta(&before, BcastStat::ResultUpstream), 1);
+    }
+    // a parent of the other family: dropped, counted
+    let v4_parent = tc::ParentRoute { addr: IpAddr::V4(*fx.h1.ip()), ..parent };
+    fx.plane.set_parent_route(JOB, &v4_parent).expect("set_parent_route");
+    let before = fx.plane.stats().expect("stats");
+    let run = fx.run(TcProgram::Ingress, &result(agg1(JOB, abi::RESULT_RANK, 78, abi::AGG_F_RESULT, 4)).build(), 0);
+    assert_eq!((run.verdict, fx.delta(&before, BcastStat::FamilyMismatch)), (TC_ACT_SHOT, 1));
 }

@@ -121,12 +121,13 @@ struct Sent {
 
 /// Check that receiver i got exactly the datagrams whose mask has bit i,
 /// each once and byte-identical, from the root's address.
-fn check_exactly_once(receivers: &[(SocketAddrV4, UdpSocket)], sent: &[Sent], root: Ipv4Addr) {
+fn check_exactly_once<A: std::fmt::Display>(receivers: &[(A, UdpSocket)], sent: &[Sent], root: impl Into<std::net::IpAddr>) {
+    let root = root.into();
     for (i, (member, sock)) in receivers.iter().enumerate() {
         let got = drain(sock);
         let mut by_seq: BTreeMap<u32, usize> = BTreeMap::new();
         for (d, from) in &got {
-            assert_eq!(from.ip(), std::net::IpAddr::V4(root), "receiver {member}: source address");
+            assert_eq!(from.ip(), root, "receiver {member}: source address");
             let seq = seq_of(d);
             *by_seq.entry(seq).or_default() += 1;
             let s = sent
@@ -169,7 +170,7 @@ fn root_broadcast_reaches_every_masked_receiver_exactly_once() {
     let plane = plane_on(&root.netns, &BroadcastOptions::default());
     let members: Vec<SocketAddrV4> = (1..10).map(|i| SocketAddrV4::new(tb.host(i).addr, PORT)).collect();
     plane.set_group(GROUP, &members).expect("set_group");
-    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.clone()));
+    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.iter().map(|&m| m.into()).collect()));
     let receivers: Vec<(SocketAddrV4, UdpSocket)> = members
         .iter()
         .enumerate()
@@ -423,7 +424,8 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
     for plan in &plans {
         let host = match plan.node {
             TreeNode::Root => 0,
-            TreeNode::Member(m) => host_of(&m),
+            TreeNode::Member(std::net::SocketAddr::V4(m)) => host_of(&m),
+            TreeNode::Member(m) => panic!("an IPv4 tree has IPv4 members: {m}"),
         };
         let plane = planes
             .entry(host)
@@ -432,7 +434,7 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
     }
     let receivers: Vec<(SocketAddrV4, UdpSocket)> =
         members.iter().map(|m| (*m, bind_in(&tb.host(host_of(m)).netns, *m))).collect();
-    let level2: Vec<SocketAddrV4> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
+    let level2: Vec<std::net::SocketAddr> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
     let before: Vec<_> = (1..=10).map(|h| udp_snmp(&tb.host(h).netns)).collect();
     // cold start: no neighbour entry anywhere, no traffic before datagram 0
     // (which is checked like every other: exactly once at every member)
@@ -459,7 +461,7 @@ fn two_level_tree_reaches_forty_receivers_exactly_once() {
         let mut seqs: Vec<u32> = got.iter().map(|(d, _)| seq_of(d)).collect();
         seqs.sort_unstable();
         assert_eq!(seqs, (0..sent.len() as u32).collect::<Vec<_>>(), "member {m}: each datagram exactly once");
-        let hops = u8::from(level2.contains(m));
+        let hops = u8::from(level2.contains(&(*m).into()));
         for (d, from) in &got {
             assert_eq!(from.ip(), std::net::IpAddr::V4(root.addr), "{m}: source stays the root");
             let mut want = sent[seq_of(d) as usize].clone();
@@ -1241,4 +1243,205 @@ fn routed_tree_of_live_nodes(cold: Cold) {
             assert_eq!(unres_qlen_bytes(&tb, *h, "eth1"), qlen_before[j], "host {h}: eth1's unresolved-neighbour queue restored at detach");
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// IPv6 (docs/BROADCAST.md "IPv6"): the same broadcast over IPv6 destinations,
+// every host with fd00:77::(11 + i) (Testbed::enable_ipv6) and IPv6
+// forwarding on where a TC program runs. The receivers are ordinary UDP
+// sockets: the receiving stack drops an IPv6 datagram whose UDP checksum is
+// wrong (IPv6 has no "no checksum"), so every copy received proves its
+// checksum, and Udp6InCsumErrors must stay where it was.
+// ---------------------------------------------------------------------------
+
+fn member6(tb: &Testbed, h: usize, port: u16) -> std::net::SocketAddr {
+    std::net::SocketAddr::V6(std::net::SocketAddrV6::new(tb.ipv6_addr(h), port, 0, 0))
+}
+
+fn bind6_in(tb: &Testbed, h: usize, addr: std::net::SocketAddr) -> UdpSocket {
+    let sock = in_netns(&tb.host(h).netns, || UdpSocket::bind(addr))
+        .expect("enter namespace")
+        .unwrap_or_else(|e| panic!("bind {addr} in host {h}: {e}"));
+    sock.set_read_timeout(Some(Duration::from_millis(30))).expect("timeout");
+    sock
+}
+
+/// `Udp6InCsumErrors` of host `h` (/proc/thread-self/net/snmp6).
+fn udp6_csum_errors(tb: &Testbed, h: usize) -> u64 {
+    let text = in_netns(&tb.host(h).netns, || std::fs::read_to_string("/proc/thread-self/net/snmp6"))
+        .expect("enter namespace")
+        .expect("read snmp6");
+    text.lines()
+        .find_map(|l| l.strip_prefix("Udp6InCsumErrors").map(|v| v.trim().parse::<u64>().expect("number")))
+        .expect("Udp6InCsumErrors")
+}
+
+/// Empties host `h`'s IPv6 neighbour table (and checks that it is empty).
+fn flush_neigh6(tb: &Testbed, h: usize) {
+    let out = tb.run_in(h, &["ip", "-6", "neigh", "flush", "all"]).expect("ip -6 neigh flush");
+    assert!(out.status.success(), "ip -6 neigh flush in host {h}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = tb.run_in(h, &["ip", "-6", "neigh", "show"]).expect("ip -6 neigh show");
+    let left: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.contains("FAILED") && !l.contains("fe80:") && !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "host {h}: IPv6 neighbour table not empty after flush: {left:?}");
+}
+
+#[test]
+fn ipv6_root_broadcast_from_cold_neighbours_reaches_every_member_exactly_once() {
+    require_root();
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 7,
+        ..Default::default()
+    })
+    .expect("testbed");
+    for h in 0..tb.len() {
+        tb.enable_ipv6(h, h == 0).expect("IPv6 on");
+    }
+    let plane = plane_on(&tb.host(0).netns, &BroadcastOptions::default());
+    let members: Vec<std::net::SocketAddr> = (1..7).map(|h| member6(&tb, h, PORT)).collect();
+    plane.set_group(GROUP, &members).expect("set_group");
+    assert_eq!(plane.group(GROUP, 0).expect("read group"), Some(members.clone()));
+    let receivers: Vec<(std::net::SocketAddr, UdpSocket)> =
+        members.iter().enumerate().map(|(i, m)| (*m, bind6_in(&tb, i + 1, *m))).collect();
+    let tx = in_netns(&tb.host(0).netns, || UdpSocket::bind((tb.ipv6_addr(0), 0)))
+        .expect("enter namespace")
+        .expect("bind sender");
+    let before: Vec<u64> = (1..7).map(|h| udp6_csum_errors(&tb, h)).collect();
+
+    // TX checksum offload on (CHECKSUM_PARTIAL: the program updates the
+    // pseudo-header seed), then off (full checksums rewritten in place)
+    let masks: [u32; 8] = [0x3f, 0x01, 0x20, 0x15, 0x3e, 0xffff_ffff, 0x2a, 0x3f];
+    let sizes = [64usize, 1452, 200, 1000, 16, 512, 1451, 64];
+    let mut seq = 0u32;
+    for offload in ["on", "off"] {
+        let out = tb.run_in(0, &["ethtool", "-K", "eth0", "tx", offload]).expect("ethtool");
+        assert!(out.status.success(), "ethtool -K eth0 tx {offload}: {}", String::from_utf8_lossy(&out.stderr));
+        // cold: no neighbour anywhere, nothing in the program's cache
+        for h in 0..tb.len() {
+            flush_neigh6(&tb, h);
+        }
+        plane.flush_neigh_cache().expect("flush cache");
+        let st0 = plane.stats().expect("stats");
+        let sent: Vec<Sent> = masks
+            .iter()
+            .zip(sizes)
+            .map(|(&mask, len)| {
+                seq += 1;
+                Sent { seq, mask, data: agb1(mask, seq, GROUP, 0, len) }
+            })
+            .collect();
+        for s in &sent {
+            tx.send_to(&s.data, members[0]).expect("send");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        check_exactly_once(&receivers, &sent, tb.ipv6_addr(0));
+
+        let st = plane.stats().expect("stats");
+        let d = |s: BcastStat| st.packets(s) - st0.packets(s);
+        let copies: u32 = sent.iter().map(|s| (s.mask & 0x3f).count_ones()).sum();
+        eprintln!("tx offload {offload}: {st:?}");
+        assert_eq!(d(BcastStat::Broadcast), sent.len() as u64, "offload {offload}");
+        assert_eq!(d(BcastStat::CopySent) + d(BcastStat::NeighMiss), u64::from(copies), "offload {offload}: every copy once");
+        assert!(d(BcastStat::NeighMiss) >= 1, "offload {offload}: cold neighbours: the neighbour path (ND) ran");
+        assert_eq!(
+            d(BcastStat::FibError) + d(BcastStat::CloneFailed) + d(BcastStat::RewriteFailed) + d(BcastStat::FamilyMismatch),
+            0,
+            "offload {offload}"
+        );
+    }
+    let cache = plane.neigh_cache().expect("neigh cache");
+    assert!(!cache.is_empty(), "IPv6 next hops are cached");
+    for e in &cache {
+        let host = members.iter().position(|m| m.ip() == e.addr).expect("cached address is a member") + 1;
+        assert_eq!(e.neigh.dmac, tb.host(host).mac, "cached MAC of {}", e.addr);
+    }
+    for (i, b) in before.iter().enumerate() {
+        assert_eq!(udp6_csum_errors(&tb, i + 1), *b, "Udp6InCsumErrors on receiver {}", i + 1);
+    }
+    drop(plane);
+}
+
+#[test]
+fn ipv6_two_level_tree_from_cold_neighbours_reaches_every_member_exactly_once() {
+    require_root();
+    // a root, 2 forwarding members, 4 members below them: fanout 2
+    let tb = Testbed::up(TestbedConfig {
+        hosts: 7,
+        ..Default::default()
+    })
+    .expect("testbed");
+    // IPv6 forwarding where a TC program runs (the root and the forwarders)
+    for h in 0..tb.len() {
+        tb.enable_ipv6(h, h <= 2).expect("IPv6 on");
+    }
+    let members: Vec<std::net::SocketAddr> = (1..7).map(|h| member6(&tb, h, PORT)).collect();
+    let plans = plan_tree(&members, 2);
+    assert_eq!(plans.len(), 3, "root + 2 forwarders: {plans:?}");
+    let host_of = |m: &std::net::SocketAddr| members.iter().position(|x| x == m).expect("member") + 1;
+    let mut planes: BTreeMap<usize, TcPlane> = BTreeMap::new();
+    for plan in &plans {
+        let host = match plan.node {
+            TreeNode::Root => 0,
+            TreeNode::Member(m) => host_of(&m),
+        };
+        let plane = planes
+            .entry(host)
+            .or_insert_with(|| plane_on(&tb.host(host).netns, &BroadcastOptions::default()));
+        plan.apply(plane, GROUP).expect("apply plan");
+    }
+    let receivers: Vec<(std::net::SocketAddr, UdpSocket)> =
+        members.iter().map(|m| (*m, bind6_in(&tb, host_of(m), *m))).collect();
+    let level2: Vec<std::net::SocketAddr> = plans[1..].iter().flat_map(|p| p.children.clone()).collect();
+    let before: Vec<u64> = (1..7).map(|h| udp6_csum_errors(&tb, h)).collect();
+    for h in 0..tb.len() {
+        flush_neigh6(&tb, h);
+    }
+
+    let tx = in_netns(&tb.host(0).netns, || UdpSocket::bind((tb.ipv6_addr(0), 0)))
+        .expect("enter namespace")
+        .expect("bind sender");
+    let mask = plans[0].full_mask();
+    let sent: Vec<Vec<u8>> = [64usize, 1452, 333, 1000, 64]
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| agb1(mask, k as u32, GROUP, abi::BCAST_F_FORWARD, len))
+        .collect();
+    for d in &sent {
+        tx.send_to(d, plans[0].children[0]).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+
+    for (h, p) in &planes {
+        eprintln!("host {h}: {:?}", p.stats().expect("stats"));
+    }
+    for (m, sock) in &receivers {
+        let got = drain(sock);
+        let mut seqs: Vec<u32> = got.iter().map(|(d, _)| seq_of(d)).collect();
+        seqs.sort_unstable();
+        assert_eq!(seqs, (0..sent.len() as u32).collect::<Vec<_>>(), "member {m}: each datagram exactly once");
+        let hops = u8::from(level2.contains(m));
+        for (d, from) in &got {
+            assert_eq!(from.ip(), std::net::IpAddr::V6(tb.ipv6_addr(0)), "{m}: source stays the root");
+            let mut want = sent[seq_of(d) as usize].clone();
+            want[15] = hops;
+            assert_eq!(d, &want, "{m}: datagram identical except hops = {hops}");
+        }
+    }
+    for (i, b) in before.iter().enumerate() {
+        assert_eq!(udp6_csum_errors(&tb, i + 1), *b, "Udp6InCsumErrors on host {}", i + 1);
+    }
+    let stat = |s: BcastStat| -> u64 { planes.values().map(|p| p.stats().expect("stats").packets(s)).sum() };
+    let forwarded: u64 = planes
+        .iter()
+        .filter(|(h, _)| **h != 0)
+        .map(|(_, p)| p.stats().expect("stats").packets(BcastStat::Forwarded))
+        .sum();
+    assert_eq!(forwarded, (sent.len() * (plans.len() - 1)) as u64, "each forwarder forwards each datagram once");
+    assert!(stat(BcastStat::NeighMiss) >= 1, "cold neighbours: the neighbour path (ND) ran");
+    assert_eq!(stat(BcastStat::FibError) + stat(BcastStat::FamilyMismatch), 0);
 }

@@ -94,7 +94,7 @@ fn attach_and_reload_write_the_state_and_a_refused_write_is_undone() {
         JobRoutes {
             result_group: None,
             parent: Some(ParentRoute {
-                addr: Ipv4Addr::new(10, 0, 0, 9),
+                addr: std::net::IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9)),
                 port: 7300,
                 job: 5,
                 rank: 0xffff,

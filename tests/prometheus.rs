@@ -278,8 +278,8 @@ fn a_prometheus_server_scrapes_a_live_node_with_the_shipped_rules_and_dashboard(
     // resolved by the RESULT copies the TC program sent them.
     let status = attach.status();
     let group = status.groups.iter().find(|g| g.id == GROUP && g.port == 0).expect("the group's root table in status");
-    let members: Vec<SocketAddrV4> = group.members.iter().map(|m| m.addr).collect();
-    assert_eq!(members, vec![SocketAddrV4::new(senders[0].addr, 7700), SocketAddrV4::new(senders[1].addr, 7700)]);
+    let members: Vec<std::net::SocketAddr> = group.members.iter().map(|m| m.addr).collect();
+    assert_eq!(members, vec![SocketAddrV4::new(senders[0].addr, 7700).into(), SocketAddrV4::new(senders[1].addr, 7700).into()]);
     for m in &group.members {
         let hop = m.next_hop.as_ref().unwrap_or_else(|| panic!("{}: next hop resolved", m.addr));
         assert!(hop.mac.len() == 17 && hop.mac != "00:00:00:00:00:00", "{}: {hop:?}", m.addr);

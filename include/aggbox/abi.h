@@ -542,13 +542,21 @@ struct aggbox_group_key {
 };
 _Static_assert(sizeof(struct aggbox_group_key) == 4, "group key is 4 bytes");
 
-/* One destination of a group table. */
+/*
+ * One destination of a group table: an IPv4 or IPv6 address (the family
+ * byte says which, as struct aggbox_rank's does) and a UDP port. Every
+ * destination of one table has the same family (the control plane refuses
+ * a mix), and a table copies only datagrams of its family: an AGB1 datagram
+ * or a RESULT of the other IP version is dropped, counted
+ * AGGBOX_BCAST_FAMILY_MISMATCH.
+ */
 struct aggbox_group_dest {
-	__be32 addr; /* big-endian: IPv4 destination address */
-	__be16 port; /* big-endian: UDP destination port */
-	__u16  pad;  /* zero */
+	__u8   family;  /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 */
+	__u8   pad;     /* zero */
+	__be16 port;    /* big-endian: UDP destination port */
+	__be32 addr[4]; /* big-endian: the destination; IPv4: addr[0], addr[1..3] zero */
 };
-_Static_assert(sizeof(struct aggbox_group_dest) == 8, "group dest is 8 bytes");
+_Static_assert(sizeof(struct aggbox_group_dest) == 20, "group dest is 20 bytes");
 
 /* Value of the bcast_groups map: destination i = mask bit i. */
 struct aggbox_group {
@@ -556,14 +564,17 @@ struct aggbox_group {
 	__u32 flags; /* host order: zero (reserved) */
 	struct aggbox_group_dest dests[AGGBOX_BCAST_MAX_DESTS];
 };
-_Static_assert(sizeof(struct aggbox_group) == 8 + 8 * AGGBOX_BCAST_MAX_DESTS, "group is 264 bytes");
+_Static_assert(sizeof(struct aggbox_group) == 8 + 20 * AGGBOX_BCAST_MAX_DESTS, "group is 648 bytes");
 
-/* Key of the bcast_neigh next-hop cache. */
+/* Key of the bcast_neigh next-hop cache: one entry per (family, address,
+ * interface of the lookup). */
 struct aggbox_neigh_key {
-	__be32 addr;    /* big-endian: IPv4 destination */
+	__u8   family;  /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 */
+	__u8   pad[3];  /* zero */
 	__u32  ifindex; /* host order: interface the lookup was made for */
+	__be32 addr[4]; /* big-endian: the destination; IPv4: addr[0], addr[1..3] zero */
 };
-_Static_assert(sizeof(struct aggbox_neigh_key) == 8, "neigh key is 8 bytes");
+_Static_assert(sizeof(struct aggbox_neigh_key) == 24, "neigh key is 24 bytes");
 
 /* User-visible part of a bcast_neigh value (the BPF value adds a bpf_timer). */
 struct aggbox_neigh {
@@ -628,7 +639,9 @@ enum aggbox_bcast_stat {
 	/* datagram outcomes of RESULT routing (ingress; struct aggbox_result_route) */
 	AGGBOX_BCAST_RESULT_BROADCAST = 19, /* RESULT copied to its job's result group, then delivered locally */
 	AGGBOX_BCAST_RESULT_UPSTREAM  = 20, /* RESULT rewritten into a contribution and sent to the parent */
-	AGGBOX_BCAST_STAT_MAX        = 21,
+	/* datagram outcome of both programs */
+	AGGBOX_BCAST_FAMILY_MISMATCH  = 21, /* IP version other than the group table's / the parent's: dropped */
+	AGGBOX_BCAST_STAT_MAX        = 22,
 };
 
 /* Value of the bcast_gstats per-CPU hash (same key as bcast_groups). */
@@ -662,16 +675,17 @@ _Static_assert(sizeof(struct aggbox_bcast_group_stat) == 32, "group stat is 32 b
 
 /* Value of the result_routes map. */
 struct aggbox_result_route {
-	__u16  result_port; /* host order: UDP port the job's RESULTs arrive on (job.result_port) */
-	__u16  group;       /* host order: broadcast group whose root table (port 0) gets copies; F_GROUP */
-	__u32  flags;       /* host order: AGGBOX_ROUTE_F_* */
-	__be32 parent_addr; /* big-endian: IPv4 address of the parent aggregator; F_PARENT */
-	__be16 parent_port; /* big-endian: UDP port of the parent job's contributions; F_PARENT */
-	__u16  parent_job;  /* host order: job id at the parent; F_PARENT */
-	__u16  parent_rank; /* host order: this node's rank in the parent job (never 0xffff); F_PARENT */
-	__u16  pad;         /* zero */
+	__u16  result_port;    /* host order: UDP port the job's RESULTs arrive on (job.result_port) */
+	__u16  group;          /* host order: broadcast group whose root table (port 0) gets copies; F_GROUP */
+	__u32  flags;          /* host order: AGGBOX_ROUTE_F_* */
+	__be16 parent_port;    /* big-endian: UDP port of the parent job's contributions; F_PARENT */
+	__u16  parent_job;     /* host order: job id at the parent; F_PARENT */
+	__u16  parent_rank;    /* host order: this node's rank in the parent job (never 0xffff); F_PARENT */
+	__u8   parent_family;  /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 (the RESULTs' own); F_PARENT */
+	__u8   pad;            /* zero */
+	__be32 parent_addr[4]; /* big-endian: the parent aggregator's address; IPv4: [0], [1..3] zero; F_PARENT */
 };
-_Static_assert(sizeof(struct aggbox_result_route) == 20, "result route is 20 bytes");
+_Static_assert(sizeof(struct aggbox_result_route) == 32, "result route is 32 bytes");
 
 /* ---------------------------------------------------------------------------
  * Hand-off to the user-space path (AF_XDP; src/kernel/xsk.rs, src/kernel/afxdp.rs,

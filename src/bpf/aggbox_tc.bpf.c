@@ -7,8 +7,9 @@
  *   address whose neighbour resolves on the egress interface; by convention
  *   the group's first member). For every mask bit i whose destination exists
  *   in the group's table, the program rewrites the datagram in place for
- *   destination i (IPv4 daddr + header checksum, UDP dport, UDP checksum
- *   updated incrementally, next-hop MACs) and sends a copy with
+ *   destination i (IPv4 daddr + header checksum, or the IPv6 daddr; UDP
+ *   dport, UDP checksum updated incrementally, next-hop MACs) and sends a
+ *   copy with
  *   bpf_clone_redirect() to the egress interface. The original datagram
  *   itself becomes the copy of the LAST masked destination (no extra clone;
  *   returned with TC_ACT_OK, or redirected). Copies are produced by one
@@ -25,7 +26,7 @@
  *   interface), then its headers are restored and it is delivered locally.
  *   It also routes the AGG1 RESULT datagrams the XDP aggregator passes up
  *   the stack (result_routes): in-kernel allreduce (a copy of each RESULT,
- *   unchanged but for the IPv4 source = this node, to every member of the
+ *   unchanged but for the IP source = this node, to every member of the
  *   job's result group; the original is delivered locally) and trees of
  *   aggregators (the RESULT rewritten into this node's contribution to its
  *   parent's job and redirected out, not delivered locally).
@@ -52,6 +53,16 @@
  * BPF cannot reset ip_summed, and the completion would then write a checksum
  * without pseudo-header: a wrong one.
  *
+ * IPv6 (docs/BROADCAST.md "IPv6"): both programs take IPv6 datagrams with
+ * UDP right after the fixed header; a group table, a parent and the
+ * datagram must be of one family (else FAMILY_MISMATCH, dropped). IPv6
+ * copies go through send_copy6(): the 16-byte address change is one
+ * bpf_csum_diff() and one bpf_l4_csum_replace() with BPF_F_PSEUDO_HDR, so
+ * the checksum rules above hold (never 0 over IPv6: MARK_MANGLED_0 writes a
+ * computed 0 as 0xffff); next hops from bpf_fib_lookup(AF_INET6). The
+ * IPv6 addresses live in the per-CPU bcast_scratch map, not on the stack
+ * (the 512-byte chain on 6.1, struct copy_state).
+ *
  * Every packet either program sees ends in bcast_exit(): exactly one
  * datagram counter per packet; copy events are counted on the way.
  */
@@ -77,6 +88,9 @@
 #define IP_CSUM_OFF    __builtin_offsetof(struct iphdr, check)
 #define IP_SADDR_OFF   __builtin_offsetof(struct iphdr, saddr)
 #define IP_DADDR_OFF   __builtin_offsetof(struct iphdr, daddr)
+#define IP6_SADDR_OFF  __builtin_offsetof(struct ipv6hdr, saddr)
+#define IP6_DADDR_OFF  __builtin_offsetof(struct ipv6hdr, daddr)
+#define IP6_HDR_LEN    40 /* the fixed header; no extension headers here */
 #define UDP_DPORT_OFF  __builtin_offsetof(struct udphdr, dest)
 #define UDP_CSUM_OFF   __builtin_offsetof(struct udphdr, check)
 #define AGB1_FLAGS_OFF __builtin_offsetof(struct aggbox_bcast_hdr, flags) /* + hops: one 16-bit word */
@@ -93,8 +107,9 @@ _Static_assert(__builtin_offsetof(struct aggbox_agg_hdr, flags) == AGG1_OP_OFF +
 	       "AGG1 op and flags form one 16-bit word");
 
 /* Linear bytes the parser wants: Ethernet + one VLAN tag + IPv4 with the
- * longest options (IHL 15: 60 bytes) + UDP + the longer of the AGB1 and
- * AGG1 headers. */
+ * longest options (IHL 15: 60 bytes; longer than IPv6's 40) + UDP + the
+ * longer of the AGB1 and AGG1 headers. */
+_Static_assert(IP6_HDR_LEN <= 60, "the pull covers an IPv6 header");
 #define IPV4_MAX_HDR_LEN 60
 #define PARSE_PULL_LEN                                                            \
 	(sizeof(struct ethhdr) + sizeof(struct vlan_hdr) + IPV4_MAX_HDR_LEN +     \
@@ -104,22 +119,25 @@ _Static_assert(__builtin_offsetof(struct aggbox_agg_hdr, flags) == AGG1_OP_OFF +
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* Ethernet [+ VLAN] / IPv4 / UDP as parsed; packet pointers valid until the
- * next helper that may change the packet. */
+/* Ethernet [+ VLAN] / IPv4 or IPv6 / UDP as parsed; packet pointers valid
+ * until the next helper that may change the packet. */
 struct udp_view {
 	void *data;
 	void *data_end;
 	struct ethhdr *eth;
-	struct iphdr *iph;
+	void *l3;    /* struct iphdr (family 4) or struct ipv6hdr (family 6) */
 	struct udphdr *udp;
 	void *payload;
-	int len; /* UDP payload length announced by the UDP header */
+	int len;     /* UDP payload length announced by the UDP header */
+	__u8 family; /* AGGBOX_FAMILY_IPV4 or AGGBOX_FAMILY_IPV6 */
 };
 
 /*
- * Parse Ethernet [+ VLAN] / IPv4 / UDP (xdp-tools cursor style), pulling the
- * headers into the linear area when they are paged. Returns 0 with `v`
- * filled, or -1 when the packet is not IPv4/UDP (or too short).
+ * Parse Ethernet [+ VLAN] / IPv4 or IPv6 / UDP (xdp-tools cursor style),
+ * pulling the headers into the linear area when they are paged. IPv6: the
+ * fixed header with UDP right after it (an extension header, a Fragment
+ * header among them, makes it not ours). Returns 0 with `v` filled, or -1
+ * when the packet is not IPv4/UDP or IPv6/UDP (or too short).
  */
 static __always_inline int parse_udp(struct __sk_buff *skb, struct udp_view *v)
 {
@@ -137,11 +155,23 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct udp_view *v)
 	}
 
 	proto = parse_ethhdr(&nh, data_end, &v->eth);
-	if (proto != ETH_P_IP)
+	if (proto == ETH_P_IP) {
+		struct iphdr *iph;
+
+		if (parse_iphdr(&nh, data_end, &iph) != IPPROTO_UDP_)
+			return -1;
+		v->l3 = iph;
+		v->family = AGGBOX_FAMILY_IPV4;
+	} else if (proto == ETH_P_IPV6) {
+		struct ipv6hdr *ip6h;
+
+		if (parse_ip6hdr(&nh, data_end, &ip6h) != IPPROTO_UDP_)
+			return -1;
+		v->l3 = ip6h;
+		v->family = AGGBOX_FAMILY_IPV6;
+	} else {
 		return -1;
-	proto = parse_iphdr(&nh, data_end, &v->iph);
-	if (proto != IPPROTO_UDP_)
-		return -1;
+	}
 	len = parse_udphdr(&nh, data_end, &v->udp);
 	if (len < 0)
 		return -1;
@@ -152,14 +182,39 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct udp_view *v)
 	return 0;
 }
 
+/* The key of bcast_scratch's one entry, read-only data rather than a
+ * stack slot (the 512-byte chain on 6.1, see copy_state). */
+static const __u32 scratch_key = 0;
+
+static __always_inline struct bcast_scratch *scratch(void)
+{
+	return bpf_map_lookup_elem(&bcast_scratch, &scratch_key);
+}
+
+static __always_inline int addr6_eq(const __be32 *a, const __be32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+/* An IPv6 datagram's addresses (`ip6h` in the packet) into scratch: as
+ * they arrived, and as they are now. */
+static __always_inline void scratch_addrs6(struct bcast_scratch *s, struct ipv6hdr *ip6h)
+{
+	__builtin_memcpy(s->orig_saddr, &ip6h->saddr, 16);
+	__builtin_memcpy(s->orig_daddr, &ip6h->daddr, 16);
+	__builtin_memcpy(s->saddr, &ip6h->saddr, 16);
+	__builtin_memcpy(s->daddr, &ip6h->daddr, 16);
+}
+
 /* A parsed AGB1 datagram: offsets and the header fields the programs need. */
 struct agb1_pkt {
 	__u32  l3_off;
 	__u32  udp_off;
 	__u32  payload_len; /* UDP payload bytes */
-	__u16  tot_len;     /* IPv4 total length, host order */
-	__be32 saddr;
-	__be32 daddr;
+	__u16  tot_len;     /* IPv4 total length / IPv6 40 + payload length, host order */
+	__u8   family;      /* AGGBOX_FAMILY_IPV4 or _IPV6 */
+	__be32 saddr;       /* IPv4 only; IPv6: bcast_scratch.orig_saddr */
+	__be32 daddr;       /* IPv4 only; IPv6: bcast_scratch.orig_daddr */
 	__be16 dport;
 	__u16  group;       /* host order */
 	__u32  mask;        /* host order */
@@ -171,28 +226,43 @@ struct agb1_pkt {
 /*
  * AGB1 on top of a parsed UDP datagram. Returns -1 when the packet is not
  * AGB1 at all, or the stat code of a malformed AGB1 datagram, or 0 with `p`
- * filled.
+ * filled (an IPv6 datagram's addresses in `s`).
  */
 static __always_inline int parse_agb1_view(struct __sk_buff *skb, struct udp_view *v,
-					   struct agb1_pkt *p)
+					   struct agb1_pkt *p, struct bcast_scratch *s)
 {
 	void *data = v->data;
 	void *data_end = v->data_end;
 	struct aggbox_bcast_hdr *b = v->payload;
 	struct ethhdr *eth = v->eth;
-	struct iphdr *iph = v->iph;
 	struct udphdr *udp = v->udp;
 	int len = v->len;
 
-	p->l3_off = (void *)iph - data;
+	p->l3_off = v->l3 - data;
 	p->udp_off = (void *)udp - data;
 	if ((void *)&b->mask > data_end)
 		return -1;
 	if (b->magic != bpf_htonl(AGGBOX_MAGIC_BCAST))
 		return -1;
 	/* From here on it is AGB1: every failure is counted. */
-	if (iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
-		return AGGBOX_BCAST_IP_FRAGMENT;
+	if (v->family == AGGBOX_FAMILY_IPV4) {
+		struct iphdr *iph = v->l3;
+
+		if ((void *)(iph + 1) > data_end)
+			return -1;
+		if (iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+			return AGGBOX_BCAST_IP_FRAGMENT;
+		p->tot_len = bpf_ntohs(iph->tot_len);
+		p->saddr = iph->saddr;
+		p->daddr = iph->daddr;
+	} else {
+		struct ipv6hdr *ip6h = v->l3;
+
+		if ((void *)(ip6h + 1) > data_end || !s)
+			return -1;
+		p->tot_len = IP6_HDR_LEN + bpf_ntohs(ip6h->payload_len);
+		scratch_addrs6(s, ip6h);
+	}
 	if ((void *)(b + 1) > data_end || len < (int)sizeof(*b))
 		return AGGBOX_BCAST_MALFORMED;
 	if (p->udp_off + sizeof(*udp) + (__u32)len > skb->len)
@@ -201,9 +271,7 @@ static __always_inline int parse_agb1_view(struct __sk_buff *skb, struct udp_vie
 		return AGGBOX_BCAST_MALFORMED;
 
 	p->payload_len = len;
-	p->tot_len = bpf_ntohs(iph->tot_len);
-	p->saddr = iph->saddr;
-	p->daddr = iph->daddr;
+	p->family = v->family;
 	p->dport = udp->dest;
 	p->group = bpf_ntohs(b->group);
 	p->mask = bpf_ntohl(b->mask);
@@ -215,13 +283,14 @@ static __always_inline int parse_agb1_view(struct __sk_buff *skb, struct udp_vie
 }
 
 /* Parse Ethernet [+ VLAN] / IPv4 / UDP / AGB1 (see parse_agb1_view). */
-static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p)
+static __always_inline int parse_agb1(struct __sk_buff *skb, struct agb1_pkt *p,
+				      struct bcast_scratch *s)
 {
 	struct udp_view v = {};
 
 	if (parse_udp(skb, &v))
 		return -1;
-	return parse_agb1_view(skb, &v, p);
+	return parse_agb1_view(skb, &v, p, s);
 }
 
 /* A RESULT datagram of the XDP aggregator, as it arrives at TC ingress. */
@@ -229,9 +298,10 @@ struct agg_result {
 	__u32  l3_off;
 	__u32  udp_off;
 	__u32  payload_len; /* UDP payload bytes */
-	__u16  tot_len;     /* IPv4 total length, host order */
-	__be32 saddr;       /* the completing contributor's address */
-	__be32 daddr;       /* this node's address */
+	__u16  tot_len;     /* IPv4 total length / IPv6 40 + payload length, host order */
+	__u8   family;      /* AGGBOX_FAMILY_IPV4 or _IPV6 */
+	__be32 saddr;       /* the completing contributor's address (IPv4; IPv6: scratch) */
+	__be32 daddr;       /* this node's address (IPv4; IPv6: scratch) */
 	__be16 dport;       /* the job's result port */
 	__u16  job;         /* host order */
 	__u32  job_rank;    /* job + rank words as in the packet (memory order) */
@@ -248,7 +318,7 @@ struct agg_result {
  * program validated contributions, the stack gets the rest untouched).
  */
 static __always_inline int parse_agg_result(struct __sk_buff *skb, struct udp_view *v,
-					    struct agg_result *r)
+					    struct agg_result *r, struct bcast_scratch *s)
 {
 	struct aggbox_agg_hdr *h = v->payload;
 
@@ -257,18 +327,32 @@ static __always_inline int parse_agg_result(struct __sk_buff *skb, struct udp_vi
 	if (h->magic != bpf_htonl(AGGBOX_MAGIC_AGG) || h->rank != bpf_htons(AGGBOX_RESULT_RANK) ||
 	    !(h->flags & AGGBOX_AGG_F_RESULT))
 		return -1;
-	if (v->iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
-		return -1;
 	if (v->len < (int)sizeof(*h))
 		return -1;
-	r->l3_off = (void *)v->iph - v->data;
+	r->l3_off = v->l3 - v->data;
 	r->udp_off = (void *)v->udp - v->data;
 	if (r->udp_off + sizeof(struct udphdr) + (__u32)v->len > skb->len)
 		return -1;
+	if (v->family == AGGBOX_FAMILY_IPV4) {
+		struct iphdr *iph = v->l3;
+
+		if ((void *)(iph + 1) > v->data_end)
+			return -1;
+		if (iph->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+			return -1;
+		r->tot_len = bpf_ntohs(iph->tot_len);
+		r->saddr = iph->saddr;
+		r->daddr = iph->daddr;
+	} else {
+		struct ipv6hdr *ip6h = v->l3;
+
+		if ((void *)(ip6h + 1) > v->data_end || !s)
+			return -1;
+		r->tot_len = IP6_HDR_LEN + bpf_ntohs(ip6h->payload_len);
+		scratch_addrs6(s, ip6h);
+	}
+	r->family = v->family;
 	r->payload_len = v->len;
-	r->tot_len = bpf_ntohs(v->iph->tot_len);
-	r->saddr = v->iph->saddr;
-	r->daddr = v->iph->daddr;
 	r->dport = v->udp->dest;
 	r->job = bpf_ntohs(h->job);
 	__builtin_memcpy(&r->job_rank, &h->job, sizeof(r->job_rank));
@@ -280,14 +364,16 @@ static __always_inline int parse_agg_result(struct __sk_buff *skb, struct udp_vi
 	return 0;
 }
 
-/* The headers as they are now in the skb (tracked across rewrites). */
+/* The headers as they are now in the skb (tracked across rewrites). An
+ * IPv6 datagram's addresses are in bcast_scratch (saddr, daddr). */
 struct rewrite_state {
 	__u32  l3_off;
 	__u32  udp_off;
-	__be32 saddr;
-	__be32 daddr;
+	__be32 saddr;  /* IPv4 */
+	__be32 daddr;  /* IPv4 */
 	__be16 dport;
-	__u16  pad;  /* explicit: see struct copy_state */
+	__u8   family; /* AGGBOX_FAMILY_IPV4 or _IPV6 */
+	__u8   pad;    /* explicit: see struct copy_state */
 };
 
 /* Replace the IPv4 source address, fixing the IPv4 and UDP checksums. */
@@ -333,6 +419,71 @@ static __always_inline int rewrite_dest(struct __sk_buff *skb, struct rewrite_st
 		st->dport = dport;
 	}
 	return 0;
+}
+
+/*
+ * Replace the IPv6 address at `addr_off` (now `cur`, kept up to date) by
+ * `to`, both 16 bytes in a map, with the UDP checksum updated over the
+ * whole change (bpf_csum_diff, then bpf_l4_csum_replace with the pseudo-
+ * header flag: right in every ip_summed state, as for IPv4; a computed 0 is
+ * written 0xffff, BPF_F_MARK_MANGLED_0). IPv6 has no header checksum.
+ */
+static __always_inline int rewrite_addr6(struct __sk_buff *skb, __u32 udp_off, __u32 addr_off,
+					 __be32 *cur, const __be32 *to)
+{
+	__s64 diff;
+
+	if (addr6_eq(cur, to))
+		return 0;
+	diff = bpf_csum_diff(cur, 16, (__be32 *)to, 16, 0);
+	if (diff < 0)
+		return -1;
+	if (bpf_l4_csum_replace(skb, udp_off + UDP_CSUM_OFF, 0, diff,
+				BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0))
+		return -1;
+	if (bpf_skb_store_bytes(skb, addr_off, to, 16, 0))
+		return -1;
+	__builtin_memcpy(cur, to, 16);
+	return 0;
+}
+
+/* rewrite_src() for an IPv6 datagram (its current addresses in `s`). */
+static __always_inline int rewrite_src6(struct __sk_buff *skb, struct rewrite_state *st,
+					struct bcast_scratch *s, const __be32 *saddr)
+{
+	return rewrite_addr6(skb, st->udp_off, st->l3_off + IP6_SADDR_OFF, s->saddr, saddr);
+}
+
+/* rewrite_dest() for an IPv6 datagram (its current addresses in `s`). */
+static __always_inline int rewrite_dest6(struct __sk_buff *skb, struct rewrite_state *st,
+					 struct bcast_scratch *s, const __be32 *daddr, __be16 dport)
+{
+	if (rewrite_addr6(skb, st->udp_off, st->l3_off + IP6_DADDR_OFF, s->daddr, daddr))
+		return -1;
+	if (dport != st->dport) {
+		if (bpf_l4_csum_replace(skb, st->udp_off + UDP_CSUM_OFF, st->dport, dport,
+					BPF_F_MARK_MANGLED_0 | sizeof(dport)))
+			return -1;
+		if (bpf_skb_store_bytes(skb, st->udp_off + UDP_DPORT_OFF, &dport, sizeof(dport), 0))
+			return -1;
+		st->dport = dport;
+	}
+	return 0;
+}
+
+/* Back to the destination (and for a RESULT, the source) the datagram
+ * arrived with, either family. */
+static __always_inline int restore_addrs(struct __sk_buff *skb, struct rewrite_state *st,
+					 struct bcast_scratch *s, __be32 saddr, __be32 daddr,
+					 __be16 dport)
+{
+	if (st->family == AGGBOX_FAMILY_IPV6) {
+		if (!s)
+			return -1;
+		return rewrite_dest6(skb, st, s, s->orig_daddr, dport) ||
+		       rewrite_src6(skb, st, s, s->orig_saddr);
+	}
+	return rewrite_dest(skb, st, daddr, dport) || rewrite_src(skb, st, saddr);
 }
 
 /*
@@ -430,13 +581,23 @@ enum copy_kind {
  * itself), and the caller's stack must be initialised over all of it. So
  * there is no implicit padding (every hole is a named field), and callers
  * memset it before filling it in.
+ *
+ * The stack: 6.1 refuses a call chain whose frames (each rounded up to 32
+ * bytes) sum to more than 512 bytes, and the deepest is aggbox_tc_ingress
+ * (256, this struct among it) -> copy_to_member (32) -> send_copy (192) =
+ * 480 (send_copy6: 160). What would grow it is kept elsewhere: IPv6
+ * addresses and the RESULT route in bcast_scratch, a new cache entry's
+ * zero value in read-only data (fib.h), the ingress parse and
+ * restore_l2() in global functions of their own.
  */
 struct copy_state {
 	struct rewrite_state st; /* in/out: the headers as they are now */
-	__be32 saddr;            /* source of the copies (FIB source check) */
-	__be32 local_addr;       /* this host's address on the datagram */
+	__be32 saddr;            /* source of the copies (FIB source check);
+				  * IPv6: bcast_scratch.src */
+	__be32 local_addr;       /* this host's address on the datagram;
+				  * IPv6: bcast_scratch.local */
 	__u32  mask;             /* the destinations (bit i = dests[i]) that get a copy */
-	__u16  tot_len;          /* IPv4 total length (FIB MTU check) */
+	__u16  tot_len;          /* IP datagram length (FIB MTU check) */
 	__u8   ingress;          /* running at TC ingress: the original must be
 				  * redirected to leave (TC_ACT_OK delivers it) */
 	__u8   original_last;    /* 1: the original itself is the copy of the
@@ -456,6 +617,119 @@ struct copy_state {
 				  * 0: the one the FIB names */
 };
 _Static_assert(sizeof(struct copy_state) == 56, "struct copy_state has implicit padding");
+
+/* A copy could not be rewritten: counted, not sent. */
+static __always_inline int copy_rewrite_failed(int kind)
+{
+	bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
+	return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+}
+
+/*
+ * The end of send_copy() and send_copy6(), either family: the copy,
+ * rewritten for its destination (and, when `macs_done`, its next-hop MACs
+ * too), leaves: into an ingress for a member on this host (NH_LOCAL),
+ * cloned or redirected to the egress the FIB named (NH_OK), or towards the
+ * neighbour path (NH_NEIGH). Counts it in cs.
+ */
+static __always_inline int copy_leave(struct __sk_buff *skb, struct copy_state *cs, int res,
+				      struct bcast_nh *nh, int kind, int macs_done)
+{
+	__u32 hook_ifindex = skb->ifindex;
+	__u32 mark;
+	int rc;
+
+	if (res == NH_LOCAL) {
+		/*
+		 * A member on this host: the copy is redirected into an
+		 * interface's INGRESS (dev_forward_skb drops the output route
+		 * the clone still carries; an egress redirect into lo would
+		 * keep it and the stack would discard the packet). At egress
+		 * the datagram's source is our own address, which the stack
+		 * drops as martian when it arrives on eth0 (accept_local=0):
+		 * use lo's ingress, whose MAC is all-zero. At ingress the
+		 * source is the remote root: use our own ingress, addressed
+		 * to our MAC, exactly like the datagram that just arrived.
+		 * Either way the destination MAC makes it PACKET_HOST.
+		 */
+		__u32 lo_ifindex = cs->has_local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
+		__u64 lo_flags = BPF_F_INGRESS;
+
+		/* nh->dmac is all-zero: nh_resolve() writes MACs for NH_OK only.
+		 * (Not a zeroed MAC of its own: the 512-byte chain on 6.1,
+		 * see copy_state.) */
+		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : nh->dmac, 6, 0))
+			return copy_rewrite_failed(kind);
+		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);
+		mark = skb->mark;
+		skb->mark = AGGBOX_BCAST_MARK_COPY;
+		if (kind == COPY_LAST) {
+			cs->copies += 1;
+			return bpf_redirect(lo_ifindex, lo_flags);
+		}
+		rc = bpf_clone_redirect(skb, lo_ifindex, lo_flags);
+		skb->mark = mark;
+		if (rc) {
+			bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
+			return -1;
+		}
+		cs->copies += 1;
+		return 0;
+	}
+	if (!macs_done) {
+		if (res == NH_OK) {
+			if (bpf_skb_store_bytes(skb, 0, nh->dmac, 12, 0))
+				return copy_rewrite_failed(kind);
+		} else {
+			/* the neighbour path writes the real MAC; never leave a
+			 * multicast one (bpf_redirect_neigh drops those) */
+			if (bpf_skb_store_bytes(skb, 0, nh->dmac, 6, 0))	/* all-zero (NH_NEIGH) */
+				return copy_rewrite_failed(kind);
+		}
+	}
+
+	if (kind == COPY_LAST) {
+		cs->copies += 1;
+		if (res == NH_NEIGH) {
+			bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
+			cs->neigh_misses += 1;
+			skb->mark = AGGBOX_BCAST_MARK_DONE;
+			return bpf_redirect_neigh(nh->ifindex, NULL, 0, 0);
+		}
+		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
+		if (nh->ifindex == hook_ifindex && !cs->ingress)
+			return TC_ACT_OK;
+		skb->mark = AGGBOX_BCAST_MARK_COPY;
+		return bpf_redirect(nh->ifindex, 0);
+	}
+
+	/* A clone for the neighbour path goes to an egress that runs
+	 * aggbox_tc_egress, which hands it to bpf_redirect_neigh() towards the
+	 * interface the FIB names (neigh_redirect()): that interface itself
+	 * may have none (a forwarder's leaves behind its other interface).
+	 * A resolved copy needs no program where it leaves. */
+	if (res != NH_OK && cs->neigh_ifindex)
+		nh->ifindex = cs->neigh_ifindex;
+	mark = skb->mark;
+	/* keeps clang from storing through a precomputed skb + offset, which
+	 * the verifier rejects ("dereference of modified ctx ptr") */
+	asm volatile("" : "+r"(skb));
+	skb->mark = res == NH_OK ? AGGBOX_BCAST_MARK_COPY : AGGBOX_BCAST_MARK_NEIGH;
+	rc = bpf_clone_redirect(skb, nh->ifindex, 0);
+	skb->mark = mark;
+	if (rc) {
+		bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
+		return -1;
+	}
+	cs->copies += 1;
+	if (res == NH_OK) {
+		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
+	} else {
+		bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
+		cs->neigh_misses += 1;
+	}
+	return 0;
+}
 
 /*
  * Prepare the copy for (daddr, dport) and send it. For COPY_CLONE returns 0
@@ -479,16 +753,13 @@ __noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 da
 	struct bcast_nh nh = {};
 	struct rewrite_state *st;
 	__be32 local_addr;
-	__u32 hook_ifindex;
-	__u32 mark;
-	int res, rc;
+	int res;
 
 	if (!cs)	/* a global function's pointer argument may be NULL to the verifier */
 		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
 	st = &cs->st;
 	local_addr = cs->local_addr;
-	hook_ifindex = skb->ifindex;
-	res = nh_resolve(skb, hook_ifindex, cs->saddr, daddr, cs->tot_len, &nh);
+	res = nh_resolve(skb, skb->ifindex, cs->saddr, daddr, cs->tot_len, &nh);
 	if (res == NH_LOCAL && daddr != local_addr) {
 		/* NOT_FWDED for an address that is not ours on this datagram:
 		 * no route (or another local address: not supported) */
@@ -501,107 +772,43 @@ __noinline int send_copy(struct __sk_buff *skb, struct copy_state *cs, __be32 da
 	if (res == NH_OK && dport == st->dport) {
 		/* the common copy: Ethernet and IPv4 header in one store */
 		if (rewrite_dest_nh(skb, st, daddr, &nh))
-			goto rewrite_failed;
-		goto rewritten;
+			return copy_rewrite_failed(kind);
+		return copy_leave(skb, cs, res, &nh, kind, 1);
 	}
 	if (rewrite_dest(skb, st, daddr, dport))
-		goto rewrite_failed;
-	if (res == NH_LOCAL) {
-		/*
-		 * A member on this host: the copy is redirected into an
-		 * interface's INGRESS (dev_forward_skb drops the output route
-		 * the clone still carries; an egress redirect into lo would
-		 * keep it and the stack would discard the packet). At egress
-		 * the datagram's source is our own address, which the stack
-		 * drops as martian when it arrives on eth0 (accept_local=0):
-		 * use lo's ingress, whose MAC is all-zero. At ingress the
-		 * source is the remote root: use our own ingress, addressed
-		 * to our MAC, exactly like the datagram that just arrived.
-		 * Either way the destination MAC makes it PACKET_HOST.
-		 */
-		__u32 lo_ifindex = cs->has_local_mac ? hook_ifindex : LOOPBACK_IFINDEX_;
-		__u64 lo_flags = BPF_F_INGRESS;
+		return copy_rewrite_failed(kind);
+	return copy_leave(skb, cs, res, &nh, kind, 0);
+}
 
-		/* nh.dmac is all-zero: nh_resolve() writes MACs for NH_OK only.
-		 * (Not a zeroed MAC of its own: 6.1 refuses a combined stack
-		 * over 512 bytes across a program, copy_to_member() and this
-		 * function, and aggbox_tc_ingress reaches exactly 512 with
-		 * this frame at 224 bytes.) */
-		if (bpf_skb_store_bytes(skb, 0, cs->has_local_mac ? cs->local_mac : nh.dmac, 6, 0))
-			goto rewrite_failed;
-		bcast_count(AGGBOX_BCAST_LOCAL_COPY, 0);
-		mark = skb->mark;
-		skb->mark = AGGBOX_BCAST_MARK_COPY;
-		if (kind == COPY_LAST) {
-			cs->copies += 1;
-			return bpf_redirect(lo_ifindex, lo_flags);
-		}
-		rc = bpf_clone_redirect(skb, lo_ifindex, lo_flags);
-		skb->mark = mark;
-		if (rc) {
-			bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
-			return -1;
-		}
-		cs->copies += 1;
-		return 0;
-	}
-	if (res == NH_OK) {
-		if (bpf_skb_store_bytes(skb, 0, nh.dmac, 6, 0) ||
-		    bpf_skb_store_bytes(skb, 6, nh.smac, 6, 0))
-			goto rewrite_failed;
-	} else {
-		/* the neighbour path writes the real MAC; never leave a
-		 * multicast one (bpf_redirect_neigh drops those) */
-		if (bpf_skb_store_bytes(skb, 0, nh.dmac, 6, 0))	/* all-zero (NH_NEIGH) */
-			goto rewrite_failed;
-	}
+/*
+ * send_copy() to an IPv6 destination `d` (a group table's, or the parent's
+ * in bcast_scratch): the addresses of the datagram, of its copies' source
+ * and of this host are in bcast_scratch; the next hop from
+ * bpf_fib_lookup(AF_INET6) / the cache; the destination address and the
+ * UDP checksum rewritten by rewrite_dest6(); then as send_copy(), the
+ * neighbour path (neighbour discovery in the stack) included. A global
+ * function of its own: the IPv4 copies' send_copy() and its frame stay
+ * as they were, and the verifier checks this one once.
+ */
+__noinline int send_copy6(struct __sk_buff *skb, struct copy_state *cs,
+			  const struct aggbox_group_dest *d, int kind)
+{
+	struct bcast_nh nh = {};
+	struct bcast_scratch *s = scratch();
+	int res;
 
-rewritten:
-	if (kind == COPY_LAST) {
-		cs->copies += 1;
-		if (res == NH_NEIGH) {
-			bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
-			cs->neigh_misses += 1;
-			skb->mark = AGGBOX_BCAST_MARK_DONE;
-			return bpf_redirect_neigh(nh.ifindex, NULL, 0, 0);
-		}
-		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
-		if (nh.ifindex == hook_ifindex && !cs->ingress)
-			return TC_ACT_OK;
-		skb->mark = AGGBOX_BCAST_MARK_COPY;
-		return bpf_redirect(nh.ifindex, 0);
+	if (!cs || !d || !s)
+		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+	res = nh_resolve6(skb, skb->ifindex, s->src, d->addr, cs->tot_len, &nh);
+	if (res == NH_LOCAL && !addr6_eq(d->addr, s->local)) {
+		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
+		res = NH_ERROR;
 	}
-
-	/* A clone for the neighbour path goes to an egress that runs
-	 * aggbox_tc_egress, which hands it to bpf_redirect_neigh() towards the
-	 * interface the FIB names (neigh_redirect()): that interface itself
-	 * may have none (a forwarder's leaves behind its other interface).
-	 * A resolved copy needs no program where it leaves. */
-	if (res != NH_OK && cs->neigh_ifindex)
-		nh.ifindex = cs->neigh_ifindex;
-	mark = skb->mark;
-	/* keeps clang from storing through a precomputed skb + offset, which
-	 * the verifier rejects ("dereference of modified ctx ptr") */
-	asm volatile("" : "+r"(skb));
-	skb->mark = res == NH_OK ? AGGBOX_BCAST_MARK_COPY : AGGBOX_BCAST_MARK_NEIGH;
-	rc = bpf_clone_redirect(skb, nh.ifindex, 0);
-	skb->mark = mark;
-	if (rc) {
-		bcast_count(AGGBOX_BCAST_CLONE_FAILED, 0);
-		return -1;
-	}
-	cs->copies += 1;
-	if (res == NH_OK) {
-		bcast_count(AGGBOX_BCAST_COPY_SENT, 0);
-	} else {
-		bcast_count(AGGBOX_BCAST_NEIGH_MISS, 0);
-		cs->neigh_misses += 1;
-	}
-	return 0;
-
-rewrite_failed:
-	bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
-	return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+	if (res == NH_ERROR)
+		return kind == COPY_LAST ? TC_ACT_SHOT : -1;
+	if (rewrite_dest6(skb, &cs->st, s, d->addr, d->port))
+		return copy_rewrite_failed(kind);
+	return copy_leave(skb, cs, res, &nh, kind, 0);
 }
 
 /* copy_to_member(): go on with the next destination. */
@@ -634,9 +841,15 @@ __noinline int copy_to_member(struct __sk_buff *skb, struct copy_state *cs,
 	if (!(cs->mask & (1u << i)))
 		return COPY_NEXT;
 	rest = i == 31 ? 0 : cs->mask >> (i + 1);
+	if (cs->st.family == AGGBOX_FAMILY_IPV6) {
+		if (!rest && cs->original_last)
+			return send_copy6(skb, cs, &g->dests[i], COPY_LAST);
+		send_copy6(skb, cs, &g->dests[i], COPY_CLONE);
+		return rest ? COPY_NEXT : COPY_END;
+	}
 	if (!rest && cs->original_last)
-		return send_copy(skb, cs, g->dests[i].addr, g->dests[i].port, COPY_LAST);
-	send_copy(skb, cs, g->dests[i].addr, g->dests[i].port, COPY_CLONE);
+		return send_copy(skb, cs, g->dests[i].addr[0], g->dests[i].port, COPY_LAST);
+	send_copy(skb, cs, g->dests[i].addr[0], g->dests[i].port, COPY_CLONE);
 	return rest ? COPY_NEXT : COPY_END;
 }
 
@@ -684,7 +897,8 @@ __noinline __u32 neigh_path_ifindex(struct __sk_buff *skb)
  * A copy that came back with MARK_NEIGH: send_copy() cloned it to this
  * egress hook because its next hop was unresolved. Hand it to
  * bpf_redirect_neigh() (the stack routes it, creates the neighbour entry,
- * sends the ARP request and holds it until the reply) on the interface the
+ * sends the ARP request, or the IPv6 neighbour solicitation, and holds it
+ * until the reply) on the interface the
  * FIB names for its destination, which need not be this one: a
  * forwarder's leaves behind another interface, which has no AggBox program
  * (and need none). The lookup is made from this interface, like
@@ -700,18 +914,30 @@ __noinline __u32 neigh_path_ifindex(struct __sk_buff *skb)
 __noinline int neigh_redirect(struct __sk_buff *skb)
 {
 	struct bpf_fib_lookup fib = {};
-	struct iphdr iph;
+	union {
+		struct iphdr v4;
+		struct ipv6hdr v6;
+	} ip;
 	__u32 ifindex = skb->ifindex;
+	__u32 proto = skb->protocol; /* read once: see copy_leave()'s asm */
 	int rc;
 
 	skb->mark = AGGBOX_BCAST_MARK_DONE;
-	if (skb->protocol == bpf_htons(ETH_P_IP) &&
-	    !bpf_skb_load_bytes(skb, sizeof(struct ethhdr), &iph, sizeof(iph))) {
+	if (proto == bpf_htons(ETH_P_IP) &&
+	    !bpf_skb_load_bytes(skb, sizeof(struct ethhdr), &ip.v4, sizeof(ip.v4))) {
 		fib.family = AF_INET_;
-		fib.l4_protocol = iph.protocol;
+		fib.l4_protocol = ip.v4.protocol;
+		fib.ipv4_src = ip.v4.saddr;
+		fib.ipv4_dst = ip.v4.daddr;
+	} else if (proto == bpf_htons(ETH_P_IPV6) &&
+		   !bpf_skb_load_bytes(skb, sizeof(struct ethhdr), &ip.v6, sizeof(ip.v6))) {
+		fib.family = AF_INET6_;
+		fib.l4_protocol = ip.v6.nexthdr;
+		__builtin_memcpy(fib.ipv6_src, &ip.v6.saddr, sizeof(fib.ipv6_src));
+		__builtin_memcpy(fib.ipv6_dst, &ip.v6.daddr, sizeof(fib.ipv6_dst));
+	}
+	if (fib.family) {
 		fib.ifindex = ifindex;
-		fib.ipv4_src = iph.saddr;
-		fib.ipv4_dst = iph.daddr;
 		rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 		if ((rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex)
 			ifindex = fib.ifindex;
@@ -740,6 +966,7 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	struct copy_state cs;
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
+	struct bcast_scratch *s;
 	__u32 eff, count;
 	int code, verdict = TC_ACT_SHOT;
 	__u32 mark = skb->mark;
@@ -747,7 +974,8 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	if (is_own_mark(mark))
 		return own_copy_egress(skb, mark);
 
-	code = parse_agb1(skb, &p);
+	s = scratch();
+	code = parse_agb1(skb, &p, s);
 	if (code < 0)
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
 	if (code > 0)
@@ -758,6 +986,8 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	g = bpf_map_lookup_elem(&bcast_groups, &key);
 	if (!g)
 		return bcast_exit(AGGBOX_BCAST_UNKNOWN_GROUP, p.payload_len, TC_ACT_OK);
+	if (g->dests[0].family != p.family)
+		return bcast_exit(AGGBOX_BCAST_FAMILY_MISMATCH, p.payload_len, TC_ACT_SHOT);
 
 	count = g->count;
 	if (count > AGGBOX_BCAST_MAX_DESTS)
@@ -773,10 +1003,15 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 	cs.st.saddr = p.saddr;
 	cs.st.daddr = p.daddr;
 	cs.st.dport = p.dport;
+	cs.st.family = p.family;
 	/* egress: copies for this host go through lo (our own source) */
 	cs.saddr = p.saddr;
 	cs.tot_len = p.tot_len;
 	cs.local_addr = p.saddr;
+	if (p.family == AGGBOX_FAMILY_IPV6 && s) {
+		__builtin_memcpy(s->src, s->orig_saddr, 16);
+		__builtin_memcpy(s->local, s->orig_saddr, 16);
+	}
 	/* the original becomes the copy of the highest bit (eff is not 0: the
 	 * loop always ends with its verdict) */
 	cs.mask = eff;
@@ -800,32 +1035,40 @@ int aggbox_tc_egress(struct __sk_buff *skb)
 /*
  * Route one RESULT of the XDP aggregator (see the file comment and
  * docs/BROADCAST.md). The copies and the upstream contribution carry this
- * node's address (the RESULT's destination) as IPv4 source; everything else
+ * node's address (the RESULT's destination) as source; everything else
  * of a copy but destination address, port and MACs is the RESULT as it came.
+ * Either family: an IPv6 RESULT's addresses are in `s` (parse_agg_result),
+ * and its group table and parent must be IPv6 too (else FAMILY_MISMATCH).
+ * The route is read once into `s` (not the stack: see copy_state).
  */
-static __always_inline int route_result(struct __sk_buff *skb, struct agg_result *r)
+static __always_inline int route_result(struct __sk_buff *skb, struct agg_result *r,
+					struct bcast_scratch *s)
 {
 	struct aggbox_job_key jk = { .job = r->job };
 	struct aggbox_group_key gkey = {};
 	struct aggbox_result_route *route;
-	struct aggbox_result_route rt;
 	struct copy_state cs;
 	struct aggbox_group *g = NULL;
-	int verdict;
+	int verdict, six = r->family == AGGBOX_FAMILY_IPV6;
+	__u32 flags;
 
 	route = bpf_map_lookup_elem(&result_routes, &jk);
 	/* only RESULTs for this host, at the job's result port, are routed */
-	if (!route || route->result_port != bpf_ntohs(r->dport) || skb->pkt_type != PACKET_HOST_)
+	if (!route || !s || route->result_port != bpf_ntohs(r->dport) || skb->pkt_type != PACKET_HOST_)
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
-	__builtin_memcpy(&rt, route, sizeof(rt));
-	if (rt.flags & AGGBOX_ROUTE_F_GROUP) {
-		gkey.group = rt.group;
+	__builtin_memcpy(&s->route, route, sizeof(s->route));
+	flags = s->route.flags;
+	if (flags & AGGBOX_ROUTE_F_GROUP) {
+		gkey.group = s->route.group;
 		gkey.port = AGGBOX_BCAST_PORT_ANY;
 		g = bpf_map_lookup_elem(&bcast_groups, &gkey);
 	}
-	if (!g && !(rt.flags & AGGBOX_ROUTE_F_PARENT))
+	if (!g && !(flags & AGGBOX_ROUTE_F_PARENT))
 		/* group table not written (yet): local delivery only */
 		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_OK);
+	if ((g && g->dests[0].family != r->family) ||
+	    ((flags & AGGBOX_ROUTE_F_PARENT) && s->route.parent_family != r->family))
+		return bcast_exit(AGGBOX_BCAST_FAMILY_MISMATCH, r->payload_len, TC_ACT_SHOT);
 
 	/* all of it initialised: send_copy() is a global function (see there) */
 	__builtin_memset(&cs, 0, sizeof(cs));
@@ -834,6 +1077,7 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	cs.st.saddr = r->saddr;
 	cs.st.daddr = r->daddr;
 	cs.st.dport = r->dport;
+	cs.st.family = r->family;
 	/* the source is now our own address: copies for this host go through lo */
 	cs.saddr = r->daddr;
 	cs.tot_len = r->tot_len;
@@ -842,9 +1086,13 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 	cs.local_addr = r->daddr;
 	cs.neigh_ifindex = neigh_path_ifindex(skb);
 
-	if (rewrite_src(skb, &cs.st, r->daddr)) {
+	if (six) {
+		__builtin_memcpy(s->src, s->orig_daddr, 16);
+		__builtin_memcpy(s->local, s->orig_daddr, 16);
+	}
+	if (six ? rewrite_src6(skb, &cs.st, s, s->orig_daddr) : rewrite_src(skb, &cs.st, r->daddr)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
-		return bcast_exit((rt.flags & AGGBOX_ROUTE_F_PARENT) ? AGGBOX_BCAST_RESULT_UPSTREAM
+		return bcast_exit((flags & AGGBOX_ROUTE_F_PARENT) ? AGGBOX_BCAST_RESULT_UPSTREAM
 								  : AGGBOX_BCAST_RESULT_BROADCAST,
 				  r->payload_len, TC_ACT_SHOT);
 	}
@@ -859,7 +1107,7 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 		group_count(&gkey, cs.copies, cs.neigh_misses, r->payload_len);
 	}
 
-	if (rt.flags & AGGBOX_ROUTE_F_PARENT) {
+	if (flags & AGGBOX_ROUTE_F_PARENT) {
 		/*
 		 * Tree of aggregators: the original becomes this node's
 		 * contribution to the parent's job: job, rank, flags without
@@ -867,8 +1115,8 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 		 * frag_off, op, count and payload unchanged. It leaves by the
 		 * interface the FIB names and is not delivered locally.
 		 */
-		__be16 job_be = bpf_htons(rt.parent_job);
-		__be16 rank_be = bpf_htons(rt.parent_rank);
+		__be16 job_be = bpf_htons(s->route.parent_job);
+		__be16 rank_be = bpf_htons(s->route.parent_rank);
 		__u8 op_flags[2] = { r->op, r->flags & (__u8)~AGGBOX_AGG_F_RESULT };
 		__u32 agg_off = cs.st.udp_off + sizeof(struct udphdr);
 		__u32 job_rank;
@@ -887,12 +1135,20 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
 			bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 			return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, TC_ACT_SHOT);
 		}
-		verdict = send_copy(skb, &cs, rt.parent_addr, rt.parent_port, COPY_LAST);
+		if (six) {
+			s->parent.family = AGGBOX_FAMILY_IPV6;
+			s->parent.port = s->route.parent_port;
+			__builtin_memcpy(s->parent.addr, s->route.parent_addr, 16);
+			verdict = send_copy6(skb, &cs, &s->parent, COPY_LAST);
+		} else {
+			verdict = send_copy(skb, &cs, s->route.parent_addr[0], s->route.parent_port,
+					    COPY_LAST);
+		}
 		return bcast_exit(AGGBOX_BCAST_RESULT_UPSTREAM, r->payload_len, verdict);
 	}
 
 	/* back to the RESULT as it arrived, for the local application */
-	if (rewrite_dest(skb, &cs.st, r->daddr, r->dport) || rewrite_src(skb, &cs.st, r->saddr) ||
+	if (restore_addrs(skb, &cs.st, s, r->saddr, r->daddr, r->dport) ||
 	    bpf_skb_store_bytes(skb, 0, r->macs, sizeof(r->macs), 0)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);
 		return bcast_exit(AGGBOX_BCAST_RESULT_BROADCAST, r->payload_len, TC_ACT_SHOT);
@@ -913,51 +1169,73 @@ static __always_inline int route_result(struct __sk_buff *skb, struct agg_result
  * routed), and no copy could leave by an Ethernet device
  * (bpf_clone_redirect wants a MAC header).
  *
- * For an AGB1 datagram or an AGG1 RESULT, the Ethernet header is put back
- * (bpf_skb_change_head, which also sets the MAC header and its length, so
- * the stack's pull after this program leaves the datagram as it was for
- * local delivery): the Ethernet header the skb still records at its MAC
- * header when that is an IPv4 one right before the IPv4 header (the
- * frame's own), else zeros (lo's). Everything else is left alone. Returns
- * 0 when the skb now starts with an Ethernet header (pushed or already
- * there), -1 when it is something else without one.
+ * For an AGB1 datagram or an AGG1 RESULT, over IPv4 or IPv6, the Ethernet
+ * header is put back (bpf_skb_change_head, which also sets the MAC header
+ * and its length, so the stack's pull after this program leaves the
+ * datagram as it was for local delivery): the Ethernet header the skb
+ * still records at its MAC header when that is one of the datagram's IP
+ * version right before its IP header (the frame's own), else zeros (lo's).
+ * Everything else is left alone. Returns 0 when the skb now starts with an
+ * Ethernet header (pushed or already there), -1 when it is something else
+ * without one.
+ *
+ * Global, verified once on a frame of its own: its header buffers do not
+ * add to aggbox_tc_ingress's frame (the 512-byte chain on 6.1).
  */
-static __always_inline int restore_l2(struct __sk_buff *skb)
+__noinline int restore_l2(struct __sk_buff *skb)
 {
+	union {
+		struct iphdr v4;
+		struct ipv6hdr v6;
+	} ip;
 	struct {
-		struct iphdr ip;
 		struct udphdr udp;
 		struct aggbox_agg_hdr agg;
 	} h;
-	struct ethhdr eth = { .h_proto = bpf_htons(ETH_P_IP) };
-	__u32 at_data, at_net;
+	struct ethhdr eth = {};
+	__u32 at_data, at_net, l4_off;
+	__be16 proto;
 
 	/* With its Ethernet header, the skb's first bytes are a destination
-	 * MAC, not the IPv4 header's: the data starts at the network header
+	 * MAC, not the IP header's: the data starts at the network header
 	 * exactly when both read the same. (A unicast MAC never starts with
 	 * 0x45, the first byte of an IPv4 header without options.) */
 	if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof(at_data)) ||
 	    bpf_skb_load_bytes_relative(skb, 0, &at_net, sizeof(at_net), BPF_HDR_START_NET) ||
 	    at_data != at_net)
 		return 0;
-	/* no options: the XDP program takes only those (parse.h); the AGB1
-	 * magic is where the AGG1 magic is */
-	if (bpf_skb_load_bytes(skb, 0, &h, sizeof(h.ip) + sizeof(h.udp) + sizeof(h.agg.magic)))
+	/* IPv4 without options (the XDP program takes only those, parse.h),
+	 * or IPv6 with UDP right after its fixed header */
+	if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip.v4)))
 		return -1;
-	if (h.ip.version != 4 || h.ip.ihl != 5 || h.ip.protocol != IPPROTO_UDP_)
+	if (ip.v4.version == 4) {
+		if (ip.v4.ihl != 5 || ip.v4.protocol != IPPROTO_UDP_)
+			return -1;
+		l4_off = sizeof(ip.v4);
+		proto = bpf_htons(ETH_P_IP);
+	} else if (ip.v4.version == 6) {
+		if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip.v6)) || ip.v6.nexthdr != IPPROTO_UDP_)
+			return -1;
+		l4_off = sizeof(ip.v6);
+		proto = bpf_htons(ETH_P_IPV6);
+	} else {
+		return -1;
+	}
+	/* the AGB1 magic is where the AGG1 magic is */
+	if (bpf_skb_load_bytes(skb, l4_off, &h, sizeof(h.udp) + sizeof(h.agg.magic)))
 		return -1;
 	if (h.agg.magic != bpf_htonl(AGGBOX_MAGIC_BCAST)) {
-		if (h.agg.magic != bpf_htonl(AGGBOX_MAGIC_AGG) || bpf_skb_load_bytes(skb, 0, &h, sizeof(h)) ||
+		if (h.agg.magic != bpf_htonl(AGGBOX_MAGIC_AGG) || bpf_skb_load_bytes(skb, l4_off, &h, sizeof(h)) ||
 		    h.agg.rank != bpf_htons(AGGBOX_RESULT_RANK) || !(h.agg.flags & AGGBOX_AGG_F_RESULT))
 			return -1;
 	}
 	/* the recorded MAC header is an Ethernet header right before the
-	 * IPv4 one (at_data: reused for the bytes after it) */
+	 * IP one (at_data: reused for the bytes after it) */
 	if (bpf_skb_load_bytes_relative(skb, 0, &eth, sizeof(eth), BPF_HDR_START_MAC) ||
 	    bpf_skb_load_bytes_relative(skb, sizeof(eth), &at_data, sizeof(at_data), BPF_HDR_START_MAC) ||
-	    at_data != at_net || eth.h_proto != bpf_htons(ETH_P_IP)) {
+	    at_data != at_net || eth.h_proto != proto) {
 		__builtin_memset(&eth, 0, sizeof(eth));
-		eth.h_proto = bpf_htons(ETH_P_IP);
+		eth.h_proto = proto;
 	}
 	if (bpf_skb_change_head(skb, sizeof(eth), 0) ||
 	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0))
@@ -965,14 +1243,46 @@ static __always_inline int restore_l2(struct __sk_buff *skb)
 	return 0;
 }
 
+/* ingress_parse(): an AGG1 RESULT, `r` filled. */
+#define INGRESS_RESULT 0x100
+
+/*
+ * What aggbox_tc_ingress sees: an AGB1 datagram (0 with `p` filled, or the
+ * stat code of a malformed one, as parse_agb1_view()), an AGG1 RESULT
+ * (INGRESS_RESULT with `r` filled, as parse_agg_result()), or anything else
+ * (-1). An IPv6 datagram's addresses go to bcast_scratch.
+ *
+ * Global, verified once on a frame of its own: the parse keeps many values
+ * alive at once, and their spills do not add to the ingress program's
+ * frame (the 512-byte chain on 6.1, see copy_state). Packet pointers do
+ * not survive it (it may pull the headers into the linear area): the
+ * program uses skb helpers only afterwards.
+ */
+__noinline int ingress_parse(struct __sk_buff *skb, struct agb1_pkt *p, struct agg_result *r)
+{
+	struct bcast_scratch *s = scratch();
+	struct udp_view v = {};
+	int code;
+
+	if (!p || !r || parse_udp(skb, &v))
+		return -1;
+	code = parse_agb1_view(skb, &v, p, s);
+	if (code >= 0)
+		return code;
+	if (parse_agg_result(skb, &v, r, s))
+		return -1;
+	return INGRESS_RESULT;
+}
+
 SEC("tc")
 int aggbox_tc_ingress(struct __sk_buff *skb)
 {
 	struct aggbox_group_key key = {};
 	struct copy_state cs;
-	struct udp_view v = {};
 	struct aggbox_group *g;
 	struct agb1_pkt p = {};
+	struct agg_result r = {};
+	struct bcast_scratch *s;
 	__be16 word, fwd_word;
 	int code;
 
@@ -981,18 +1291,14 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 
 	if (restore_l2(skb))
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
-	if (parse_udp(skb, &v))
+	code = ingress_parse(skb, &p, &r);
+	if (code == INGRESS_RESULT)
+		return route_result(skb, &r, scratch());
+	if (code < 0)
 		return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
-	code = parse_agb1_view(skb, &v, &p);
-	if (code < 0) {
-		struct agg_result r = {};
-
-		if (parse_agg_result(skb, &v, &r))
-			return bcast_exit(AGGBOX_BCAST_NOT_AGGBOX, 0, TC_ACT_OK);
-		return route_result(skb, &r);
-	}
 	if (code > 0)
 		return bcast_exit(code, 0, TC_ACT_OK);
+	s = scratch();
 
 	key.group = p.group;
 	key.port = bpf_ntohs(p.dport);
@@ -1008,6 +1314,8 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 		return bcast_exit(AGGBOX_BCAST_LOCAL_ONLY, p.payload_len, TC_ACT_OK);
 	if (p.hops >= AGGBOX_BCAST_MAX_HOPS)
 		return bcast_exit(AGGBOX_BCAST_HOPS_LIMIT, p.payload_len, TC_ACT_OK);
+	if (g->dests[0].family != p.family)
+		return bcast_exit(AGGBOX_BCAST_FAMILY_MISMATCH, p.payload_len, TC_ACT_SHOT);
 
 	/* all of it initialised: send_copy() is a global function (see there) */
 	__builtin_memset(&cs, 0, sizeof(cs));
@@ -1016,6 +1324,7 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	cs.st.saddr = p.saddr;
 	cs.st.daddr = p.daddr;
 	cs.st.dport = p.dport;
+	cs.st.family = p.family;
 	/* ingress: the arriving frame was addressed to our MAC, its source is
 	 * the remote root: copies for this host go into our own ingress */
 	cs.saddr = p.saddr;
@@ -1025,6 +1334,10 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	__builtin_memcpy(cs.local_mac, p.macs, 6);
 	cs.local_addr = p.daddr;
 	cs.neigh_ifindex = neigh_path_ifindex(skb);
+	if (p.family == AGGBOX_FAMILY_IPV6 && s) {
+		__builtin_memcpy(s->src, s->orig_saddr, 16);
+		__builtin_memcpy(s->local, s->orig_daddr, 16);
+	}
 
 	/* children see hops + 1; every other byte of the AGB1 header unchanged */
 	word = bpf_htons(((__u16)p.flags << 8) | p.hops);
@@ -1042,7 +1355,7 @@ int aggbox_tc_ingress(struct __sk_buff *skb)
 	}
 
 	/* back to the datagram as it arrived, for local delivery */
-	if (rewrite_dest(skb, &cs.st, p.daddr, p.dport) ||
+	if (restore_addrs(skb, &cs.st, s, p.saddr, p.daddr, p.dport) ||
 	    rewrite_flags_hops(skb, &cs.st, fwd_word, word) ||
 	    bpf_skb_store_bytes(skb, 0, p.macs, sizeof(p.macs), 0)) {
 		bcast_count(AGGBOX_BCAST_REWRITE_FAILED, 0);

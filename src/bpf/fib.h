@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Next-hop resolution for the broadcast TC programs: bpf_fib_lookup() with
- * the TC context, results cached in bcast_neigh, each cache entry carrying a
+ * the TC context (AF_INET or AF_INET6), results cached in bcast_neigh, each cache entry carrying a
  * bpf_timer that marks it stale after bcast_config.neigh_ttl_ns (default
  * AGGBOX_BCAST_DEFAULT_NEIGH_TTL_S, set by the loader). A stale or missing
  * entry is re-resolved by the next datagram that needs it: the timer callback
@@ -30,6 +30,7 @@
 #include "tc_stats.h"  /* bcast_count */
 
 #define AF_INET_        2
+#define AF_INET6_       10
 #define CLOCK_MONOTONIC_ 1
 #define NS_PER_SEC      1000000000ull
 
@@ -64,6 +65,11 @@ static __always_inline __u64 neigh_ttl_ns(void)
 	return cfg->neigh_ttl_ns;
 }
 
+/* A new cache entry's first value: all zero, in the object's read-only
+ * data rather than on the stack (send_copy()'s frame counts in 6.1's
+ * 512-byte chain; aggbox_tc.bpf.c, struct copy_state). */
+static const __u8 neigh_entry_zero[sizeof(struct neigh_entry)] __attribute__((aligned(8))) = { 0 };
+
 /* Store a fresh resolution and (re)arm its staleness timer. */
 static __always_inline void neigh_store(struct aggbox_neigh_key *key, struct bcast_nh *nh)
 {
@@ -71,10 +77,8 @@ static __always_inline void neigh_store(struct aggbox_neigh_key *key, struct bca
 	__u64 ttl = neigh_ttl_ns();
 
 	if (!e) {
-		struct neigh_entry fresh = {};
-
 		/* -EEXIST when another CPU inserted it first: use theirs */
-		bpf_map_update_elem(&bcast_neigh, key, &fresh, BPF_NOEXIST);
+		bpf_map_update_elem(&bcast_neigh, key, neigh_entry_zero, BPF_NOEXIST);
 		e = bpf_map_lookup_elem(&bcast_neigh, key);
 		if (!e)
 			return;
@@ -91,49 +95,40 @@ static __always_inline void neigh_store(struct aggbox_neigh_key *key, struct bca
 		bpf_timer_start(&e->timer, ttl, 0);
 }
 
-/*
- * Next hop of `daddr` for a copy leaving a packet seen on `ifindex`
- * (`saddr` and `tot_len` of the datagram feed the FIB's source and MTU
- * checks). Counts CACHE_HIT / FIB_LOOKUP / FWD_DISABLED / FIB_ERROR
- * (bcast_count, tc_stats.h).
- */
-static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be32 saddr,
-				      __be32 daddr, __u16 tot_len, struct bcast_nh *nh)
+/* A fresh cache entry for `key`: its next hop in `nh`. Counts CACHE_HIT. */
+static __always_inline int nh_cached(struct aggbox_neigh_key *key, struct bcast_nh *nh)
 {
-	struct aggbox_neigh_key key = { .addr = daddr, .ifindex = ifindex };
-	struct neigh_entry *e = bpf_map_lookup_elem(&bcast_neigh, &key);
-	struct bpf_fib_lookup fib = {};
-	int rc;
+	struct neigh_entry *e = bpf_map_lookup_elem(&bcast_neigh, key);
 
-	if (e && !(e->n.flags & AGGBOX_NEIGH_F_STALE)) {
-		__builtin_memcpy(nh->dmac, e->n.dmac, 6);
-		__builtin_memcpy(nh->smac, e->n.smac, 6);
-		nh->ifindex = e->n.ifindex;
-		bcast_count(AGGBOX_BCAST_CACHE_HIT, 0);
-		return NH_OK;
-	}
+	if (!e || (e->n.flags & AGGBOX_NEIGH_F_STALE))
+		return 0;
+	__builtin_memcpy(nh->dmac, e->n.dmac, 6);
+	__builtin_memcpy(nh->smac, e->n.smac, 6);
+	nh->ifindex = e->n.ifindex;
+	bcast_count(AGGBOX_BCAST_CACHE_HIT, 0);
+	return 1;
+}
 
-	bcast_count(AGGBOX_BCAST_FIB_LOOKUP, 0);
-	fib.family = AF_INET_;
-	fib.l4_protocol = IPPROTO_UDP_;
-	fib.tot_len = tot_len;
-	fib.ifindex = ifindex;
-	fib.ipv4_src = saddr;
-	fib.ipv4_dst = daddr;
-	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+/* What bpf_fib_lookup()'s answer `rc` (in `fib`) means for the copy, both
+ * families alike; a resolved next hop is cached under `key`. */
+static __always_inline int nh_from_fib(int rc, struct bpf_fib_lookup *fib,
+				       struct aggbox_neigh_key *key, __u32 ifindex,
+				       struct bcast_nh *nh)
+{
 	switch (rc) {
 	case BPF_FIB_LKUP_RET_SUCCESS:
-		__builtin_memcpy(nh->dmac, fib.dmac, 6);
-		__builtin_memcpy(nh->smac, fib.smac, 6);
-		nh->ifindex = fib.ifindex;
-		neigh_store(&key, nh);
+		__builtin_memcpy(nh->dmac, fib->dmac, 6);
+		__builtin_memcpy(nh->smac, fib->smac, 6);
+		nh->ifindex = fib->ifindex;
+		neigh_store(key, nh);
 		return NH_OK;
 	case BPF_FIB_LKUP_RET_NO_NEIGH:
-		nh->ifindex = fib.ifindex ? fib.ifindex : ifindex;
+		nh->ifindex = fib->ifindex ? fib->ifindex : ifindex;
 		return NH_NEIGH;
 	case BPF_FIB_LKUP_RET_FWD_DISABLED:
-		/* the loader refuses to attach in this state; if someone turns
-		 * forwarding off later, copies still leave through the stack */
+		/* the loader refuses to attach in this state (IPv4); if someone
+		 * turns forwarding off later, or never on for IPv6, copies still
+		 * leave through the stack */
 		bcast_count(AGGBOX_BCAST_FWD_DISABLED, 0);
 		nh->ifindex = ifindex;
 		return NH_NEIGH;
@@ -145,6 +140,63 @@ static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be
 		bcast_count(AGGBOX_BCAST_FIB_ERROR, 0);
 		return NH_ERROR;
 	}
+}
+
+/*
+ * Next hop of IPv4 `daddr` for a copy leaving a packet seen on `ifindex`
+ * (`saddr` and `tot_len` of the datagram feed the FIB's source and MTU
+ * checks). Counts CACHE_HIT / FIB_LOOKUP / FWD_DISABLED / FIB_ERROR
+ * (bcast_count, tc_stats.h).
+ */
+static __always_inline int nh_resolve(struct __sk_buff *skb, __u32 ifindex, __be32 saddr,
+				      __be32 daddr, __u16 tot_len, struct bcast_nh *nh)
+{
+	struct aggbox_neigh_key key = { .family = AGGBOX_FAMILY_IPV4, .ifindex = ifindex,
+					.addr = { daddr } };
+	struct bpf_fib_lookup fib = {};
+	int rc;
+
+	if (nh_cached(&key, nh))
+		return NH_OK;
+
+	bcast_count(AGGBOX_BCAST_FIB_LOOKUP, 0);
+	fib.family = AF_INET_;
+	fib.l4_protocol = IPPROTO_UDP_;
+	fib.tot_len = tot_len;
+	fib.ifindex = ifindex;
+	fib.ipv4_src = saddr;
+	fib.ipv4_dst = daddr;
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	return nh_from_fib(rc, &fib, &key, ifindex, nh);
+}
+
+/*
+ * nh_resolve() for IPv6 `daddr` (16 bytes, from `saddr`; `tot_len`: the
+ * IPv6 header's 40 bytes plus its payload length): bpf_fib_lookup() with
+ * AF_INET6, the same cache (key family AGGBOX_FAMILY_IPV6), the same
+ * outcomes and counters. NO_NEIGH: no neighbour entry in NUD_VALID yet
+ * (neighbour discovery not done).
+ */
+static __always_inline int nh_resolve6(struct __sk_buff *skb, __u32 ifindex, const __be32 *saddr,
+				       const __be32 *daddr, __u16 tot_len, struct bcast_nh *nh)
+{
+	struct aggbox_neigh_key key = { .family = AGGBOX_FAMILY_IPV6, .ifindex = ifindex };
+	struct bpf_fib_lookup fib = {};
+	int rc;
+
+	__builtin_memcpy(key.addr, daddr, sizeof(key.addr));
+	if (nh_cached(&key, nh))
+		return NH_OK;
+
+	bcast_count(AGGBOX_BCAST_FIB_LOOKUP, 0);
+	fib.family = AF_INET6_;
+	fib.l4_protocol = IPPROTO_UDP_;
+	fib.tot_len = tot_len;
+	fib.ifindex = ifindex;
+	__builtin_memcpy(fib.ipv6_src, saddr, sizeof(fib.ipv6_src));
+	__builtin_memcpy(fib.ipv6_dst, daddr, sizeof(fib.ipv6_dst));
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	return nh_from_fib(rc, &fib, &key, ifindex, nh);
 }
 
 #endif /* AGGBOX_FIB_H */

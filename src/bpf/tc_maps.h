@@ -77,8 +77,8 @@ struct neigh_entry {
 };
 
 /*
- * bcast_neigh: (destination IPv4, interface) -> next-hop MACs and egress
- * interface, from bpf_fib_lookup(). Written by the TC programs on a miss or a
+ * bcast_neigh: (family, destination address, interface) -> next-hop MACs
+ * and egress interface, from bpf_fib_lookup() (AF_INET or AF_INET6). Written by the TC programs on a miss or a
  * stale entry; entries are marked stale by their own bpf_timer; read (and
  * optionally flushed) by the control plane (BroadcastPlane::neigh_cache).
  */
@@ -116,5 +116,47 @@ struct {
 	__type(key, struct aggbox_group_key);
 	__type(value, struct aggbox_bcast_group_stat);
 } bcast_gstats SEC(".maps");
+
+/* ---------------------------------------------------------------------------
+ * Per-packet state (aggbox_tc.bpf.c).
+ * ------------------------------------------------------------------------- */
+
+/*
+ * What a datagram's copies need beyond struct copy_state, kept here rather
+ * than on the stack: 6.1 sums the frames of a call chain against 512 bytes,
+ * and aggbox_tc_ingress -> copy_to_member -> send_copy is close to it
+ * (aggbox_tc.bpf.c, struct copy_state).
+ * The IPv6 addresses of the datagram being copied (as it arrived, as they
+ * are now in the skb, the copies' source and this host's address: the
+ * IPv6 twins of struct rewrite_state's and struct copy_state's IPv4
+ * fields), and route_result()'s copy of the job's route and its parent as
+ * a destination. BPF-only, not part of the ABI.
+ *
+ * One datagram at a time per CPU: the TC programs run with bottom halves
+ * disabled, and the only program run nested inside another (a clone
+ * re-entering an egress hook) carries an own-copy mark and returns before
+ * it would look here.
+ */
+struct bcast_scratch {
+	__be32 orig_saddr[4]; /* IPv6: the datagram's source as it arrived */
+	__be32 orig_daddr[4]; /* IPv6: its destination as it arrived */
+	__be32 saddr[4];      /* IPv6: the source as it is now in the skb */
+	__be32 daddr[4];      /* IPv6: the destination as it is now in the skb */
+	__be32 src[4];        /* IPv6: the copies' source (FIB source) */
+	__be32 local[4];      /* IPv6: this host's address on the datagram */
+	struct aggbox_group_dest parent;  /* route_result: the parent as a destination */
+	struct aggbox_result_route route; /* route_result: the job's route, read once */
+};
+
+/*
+ * bcast_scratch: [0] = struct bcast_scratch, per CPU. Written and read by
+ * the TC programs only, within one datagram.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct bcast_scratch);
+} bcast_scratch SEC(".maps");
 
 #endif /* AGGBOX_TC_MAPS_H */

@@ -132,7 +132,7 @@ pub fn job_routes(job: &JobConfig) -> Result<JobRoutes> {
         Some(parent) => {
             let addr = tc_destination(SocketAddr::new(parent.addr, parent.port))
                 .map_err(|e| anyhow!("job {}: parent {e}", job.id))?;
-            Some(ParentRoute { addr: *addr.ip(), port: parent.port, job: parent.job, rank: parent.rank, result_port: job.result_port })
+            Some(ParentRoute { addr: std::net::IpAddr::V4(*addr.ip()), port: parent.port, job: parent.job, rank: parent.rank, result_port: job.result_port })
         }
         None => None,
     };
@@ -253,9 +253,9 @@ impl KernelState {
 
     /// The addresses the TC programs send copies to: every group member
     /// and every parent (each once, in order).
-    pub fn next_hops(&self) -> Vec<Ipv4Addr> {
-        let mut out: Vec<Ipv4Addr> = Vec::new();
-        let members = self.groups.values().flatten().map(|m| *m.ip());
+    pub fn next_hops(&self) -> Vec<std::net::IpAddr> {
+        let mut out: Vec<std::net::IpAddr> = Vec::new();
+        let members = self.groups.values().flatten().map(|m| std::net::IpAddr::V4(*m.ip()));
         let parents = self.routes.values().filter_map(|r| r.parent.as_ref().map(|p| p.addr));
         for a in members.chain(parents) {
             if !out.contains(&a) {

@@ -801,7 +801,7 @@ mod ring_job_tests {
 /// `fib_error`; a route lookup or resolution the kernel refused: the copies
 /// then take the neighbour path as before). An interface the plane cannot
 /// hold is an error.
-fn prepare_copy_paths(plane: &mut TcPlane, hops: &[Ipv4Addr]) -> Result<Vec<String>> {
+fn prepare_copy_paths(plane: &mut TcPlane, hops: &[std::net::IpAddr]) -> Result<Vec<String>> {
     let mut warnings = Vec::new();
     let routes = match crate::netif::routes(hops) {
         Ok(routes) => routes,
@@ -811,7 +811,7 @@ fn prepare_copy_paths(plane: &mut TcPlane, hops: &[Ipv4Addr]) -> Result<Vec<Stri
         }
     };
     // next hops by egress interface, each once, in order
-    let mut by_iface: Vec<(u32, Vec<Ipv4Addr>)> = Vec::new();
+    let mut by_iface: Vec<(u32, Vec<std::net::IpAddr>)> = Vec::new();
     for (dest, route) in routes {
         match route {
             crate::netif::Route::Out { ifindex, next_hop } => {

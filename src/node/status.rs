@@ -184,7 +184,7 @@ fn status_of(dir: &Path) -> Result<NodeStatus> {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct MemberStatus {
     /// Destination address and port.
-    pub addr: std::net::SocketAddrV4,
+    pub addr: std::net::SocketAddr,
     /// The cached next hop (`None`: not resolved yet; the next copy asks
     /// the FIB).
     pub next_hop: Option<NextHopStatus>,
@@ -223,10 +223,10 @@ fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
     let tables = maps::open_pinned(dir, maps::names::BCAST_GROUPS)?;
     let gstats = maps::open_pinned(dir, maps::names::BCAST_GSTATS).ok();
     let neigh = maps::open_pinned(dir, maps::names::BCAST_NEIGH).ok();
-    let mut cache: Vec<(Ipv4Addr, abi::Neigh)> = Vec::new();
+    let mut cache: Vec<(std::net::IpAddr, abi::Neigh)> = Vec::new();
     if let Some(map) = &neigh {
         for (key, n) in maps::entries::<abi::NeighKey, abi::Neigh>(map)? {
-            cache.push((Ipv4Addr::from(u32::from_be(key.addr)), n));
+            cache.extend(key.ip().map(|a| (a, n)));
         }
     }
     // bpf_ktime_get_ns is CLOCK_MONOTONIC.
@@ -240,10 +240,11 @@ fn group_statuses(dir: &Path) -> Result<Vec<GroupStatus>> {
             .dests
             .iter()
             .take(table.count.min(abi::BCAST_MAX_DESTS) as usize)
-            .map(|d| {
-                let ip = Ipv4Addr::from(d.addr.to_ne_bytes());
+            .filter_map(|d| d.socket_addr())
+            .map(|addr| {
+                let ip = addr.ip();
                 MemberStatus {
-                    addr: std::net::SocketAddrV4::new(ip, u16::from_be(d.port)),
+                    addr,
                     next_hop: cache.iter().find(|(a, _)| *a == ip).map(|(_, n)| NextHopStatus {
                         mac: n.dmac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"),
                         ifindex: n.ifindex,

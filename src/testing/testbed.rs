@@ -518,6 +518,43 @@ impl Testbed {
             .map_err(io_err(format!("starting {cmd:?} in host {host}")))
     }
 
+    /// The IPv6 address [`Testbed::enable_ipv6`] gives host `host`:
+    /// `fd00:77::(first + host)`.
+    pub fn ipv6_addr(&self, host: usize) -> std::net::Ipv6Addr {
+        std::net::Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, u16::from(self.config().first) + host as u16)
+    }
+
+    /// Turns IPv6 on in host `host`'s namespace (the testbed has it off)
+    /// and gives its eth0 [`Testbed::ipv6_addr`]`/64`, without duplicate
+    /// address detection for it and for the link-local address (a
+    /// tentative link-local address cannot send the neighbour solicitations
+    /// of datagrams whose source is another host's, a forwarder's copies',
+    /// for the first seconds); `forwarding` also turns IPv6 forwarding on
+    /// there (what `bpf_fib_lookup` with AF_INET6 wants).
+    pub fn enable_ipv6(&self, host: usize, forwarding: bool) -> Result<()> {
+        let addr = format!("{}/64", self.ipv6_addr(host));
+        let mut cmds: Vec<Vec<&str>> = vec![
+            vec!["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"],
+            vec!["sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"],
+            vec!["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=0", "net.ipv6.conf.default.disable_ipv6=0"],
+            vec!["sysctl", "-qw", "net.ipv6.conf.eth0.disable_ipv6=0", "net.ipv6.conf.lo.disable_ipv6=0"],
+            vec!["ip", "-6", "addr", "replace", addr.as_str(), "dev", "eth0", "nodad"],
+        ];
+        if forwarding {
+            cmds.push(vec!["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"]);
+        }
+        for cmd in cmds {
+            let out = self.run_in(host, &cmd)?;
+            if !out.status.success() {
+                return Err(TestbedError::InvalidConfig(format!(
+                    "host {host}: {cmd:?}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `f` on a fresh thread inside host `host`'s namespace; see [`in_netns`].
     pub fn in_host<T: Send>(&self, host: usize, f: impl FnOnce() -> T + Send) -> Result<T> {
         in_netns(&self.try_host(host)?.netns, f)

@@ -344,17 +344,37 @@ pub struct Rank {
 }
 const _: () = assert!(core::mem::size_of::<Rank>() == 24);
 
+/// An address as the ABI holds it (`struct aggbox_rank`, `aggbox_group_dest`,
+/// `aggbox_neigh_key`, `aggbox_result_route`): the family byte and 16 bytes
+/// in network order, an IPv4 address in the first four and zeros after.
+pub fn family_addr(addr: std::net::IpAddr) -> (u8, [u8; 16]) {
+    match addr {
+        std::net::IpAddr::V4(a) => {
+            let mut bytes = [0u8; 16];
+            bytes[..4].copy_from_slice(&a.octets());
+            (FAMILY_IPV4, bytes)
+        }
+        std::net::IpAddr::V6(a) => (FAMILY_IPV6, a.octets()),
+    }
+}
+
+/// The address a family byte and 16 ABI bytes hold ([`family_addr`]'s
+/// inverse), `None` for `FAMILY_NONE` or an unknown family.
+pub fn ip_of(family: u8, addr: &[u8; 16]) -> Option<std::net::IpAddr> {
+    match family {
+        FAMILY_IPV4 => {
+            let a: [u8; 4] = addr[..4].try_into().ok()?;
+            Some(std::net::IpAddr::from(a))
+        }
+        FAMILY_IPV6 => Some(std::net::IpAddr::from(*addr)),
+        _ => None,
+    }
+}
+
 impl Rank {
     /// The entry of a rank that sends from `addr` with `weight`.
     pub fn new(addr: std::net::IpAddr, weight: i32) -> Rank {
-        let (family, bytes) = match addr {
-            std::net::IpAddr::V4(a) => {
-                let mut bytes = [0u8; 16];
-                bytes[..4].copy_from_slice(&a.octets());
-                (FAMILY_IPV4, bytes)
-            }
-            std::net::IpAddr::V6(a) => (FAMILY_IPV6, a.octets()),
-        };
+        let (family, bytes) = family_addr(addr);
         Rank {
             family,
             pad: [0; 3],
@@ -366,14 +386,7 @@ impl Rank {
     /// The source address of the entry, `None` for an entry that holds no
     /// rank (or an unknown family).
     pub fn ip(&self) -> Option<std::net::IpAddr> {
-        match self.family {
-            FAMILY_IPV4 => {
-                let a: [u8; 4] = self.addr[..4].try_into().ok()?;
-                Some(std::net::IpAddr::from(a))
-            }
-            FAMILY_IPV6 => Some(std::net::IpAddr::from(self.addr)),
-            _ => None,
-        }
+        ip_of(self.family, &self.addr)
     }
 }
 
@@ -794,15 +807,36 @@ pub struct GroupKey {
 }
 const _: () = assert!(core::mem::size_of::<GroupKey>() == 4);
 
-/// `struct aggbox_group_dest`: `addr` and `port` big-endian (as on the wire).
+/// `struct aggbox_group_dest`: the destination's family ([`FAMILY_IPV4`] /
+/// [`FAMILY_IPV6`]) and address ([`family_addr`]), and its UDP port
+/// big-endian (as on the wire). Build it with [`GroupDest::new`].
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct GroupDest {
-    pub addr: u32,
+    pub family: u8,
+    pub pad: u8,
     pub port: u16,
-    pub pad: u16,
+    pub addr: [u8; 16],
 }
-const _: () = assert!(core::mem::size_of::<GroupDest>() == 8);
+const _: () = assert!(core::mem::size_of::<GroupDest>() == 20);
+
+impl GroupDest {
+    /// The entry of destination `dest`.
+    pub fn new(dest: std::net::SocketAddr) -> GroupDest {
+        let (family, addr) = family_addr(dest.ip());
+        GroupDest {
+            family,
+            pad: 0,
+            port: dest.port().to_be(),
+            addr,
+        }
+    }
+
+    /// The destination of the entry, `None` for an unknown family.
+    pub fn socket_addr(&self) -> Option<std::net::SocketAddr> {
+        Some(std::net::SocketAddr::new(ip_of(self.family, &self.addr)?, u16::from_be(self.port)))
+    }
+}
 
 /// `struct aggbox_group` (host order count/flags).
 #[repr(C)]
@@ -812,16 +846,26 @@ pub struct Group {
     pub flags: u32,
     pub dests: [GroupDest; BCAST_MAX_DESTS as usize],
 }
-const _: () = assert!(core::mem::size_of::<Group>() == 8 + 8 * BCAST_MAX_DESTS as usize);
+const _: () = assert!(core::mem::size_of::<Group>() == 8 + 20 * BCAST_MAX_DESTS as usize);
 
-/// `struct aggbox_neigh_key`: `addr` big-endian, `ifindex` host order.
+/// `struct aggbox_neigh_key`: the destination's family and address
+/// ([`family_addr`]), `ifindex` host order.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct NeighKey {
-    pub addr: u32,
+    pub family: u8,
+    pub pad: [u8; 3],
     pub ifindex: u32,
+    pub addr: [u8; 16],
 }
-const _: () = assert!(core::mem::size_of::<NeighKey>() == 8);
+const _: () = assert!(core::mem::size_of::<NeighKey>() == 24);
+
+impl NeighKey {
+    /// The destination, `None` for an unknown family.
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        ip_of(self.family, &self.addr)
+    }
+}
 
 /// `struct aggbox_neigh`: the user-visible part of a `bcast_neigh` value
 /// (the BPF value appends a 16-byte `struct bpf_timer`).
@@ -885,13 +929,14 @@ pub enum BcastStat {
     LocalCopy = 18,
     ResultBroadcast = 19,
     ResultUpstream = 20,
+    FamilyMismatch = 21,
 }
 
 /// `AGGBOX_BCAST_STAT_MAX`.
-pub const BCAST_STAT_MAX: u32 = 21;
+pub const BCAST_STAT_MAX: u32 = 22;
 
 impl BcastStat {
-    pub const ALL: [BcastStat; 21] = [
+    pub const ALL: [BcastStat; 22] = [
         BcastStat::NotAggbox,
         BcastStat::OwnCopy,
         BcastStat::UnknownGroup,
@@ -913,6 +958,7 @@ impl BcastStat {
         BcastStat::LocalCopy,
         BcastStat::ResultBroadcast,
         BcastStat::ResultUpstream,
+        BcastStat::FamilyMismatch,
     ];
 
     /// Label used in metrics and status (snake case; the C name is
@@ -940,6 +986,7 @@ impl BcastStat {
             BcastStat::LocalCopy => "local_copy",
             BcastStat::ResultBroadcast => "result_broadcast",
             BcastStat::ResultUpstream => "result_upstream",
+            BcastStat::FamilyMismatch => "family_mismatch",
         }
     }
 
@@ -947,7 +994,7 @@ impl BcastStat {
     /// packet the TC programs see) rather than a per-copy event.
     pub fn is_datagram_outcome(self) -> bool {
         (self as u32) < BcastStat::CopySent as u32
-            || matches!(self, BcastStat::ResultBroadcast | BcastStat::ResultUpstream)
+            || matches!(self, BcastStat::ResultBroadcast | BcastStat::ResultUpstream | BcastStat::FamilyMismatch)
     }
 }
 
@@ -964,9 +1011,9 @@ unsafe impl Plain for ResultRoute {}
 /// Field offsets of the broadcast structs (part of [`layout`]).
 fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
     fields!(out, "aggbox_group_key", GroupKey, [group, port]);
-    fields!(out, "aggbox_group_dest", GroupDest, [addr, port, pad]);
+    fields!(out, "aggbox_group_dest", GroupDest, [family, pad, port, addr]);
     fields!(out, "aggbox_group", Group, [count, flags, dests]);
-    fields!(out, "aggbox_neigh_key", NeighKey, [addr, ifindex]);
+    fields!(out, "aggbox_neigh_key", NeighKey, [family, pad, ifindex, addr]);
     fields!(out, "aggbox_neigh", Neigh, [dmac, smac, ifindex, flags, pad, updated_ns]);
     fields!(out, "aggbox_bcast_config", BcastConfig, [neigh_ttl_ns, egress_ifindex, pad]);
     fields!(out, "aggbox_bcast_group_stat", BcastGroupStat, [datagrams, copies, neigh_misses, bytes]);
@@ -974,7 +1021,7 @@ fn bcast_layout(out: &mut Vec<(&'static str, &'static str, usize, usize)>) {
         out,
         "aggbox_result_route",
         ResultRoute,
-        [result_port, group, flags, parent_addr, parent_port, parent_job, parent_rank, pad]
+        [result_port, group, flags, parent_port, parent_job, parent_rank, parent_family, pad, parent_addr]
     );
 }
 
@@ -993,20 +1040,22 @@ pub const ROUTE_F_PARENT: u32 = 0x02;
 pub const ROUTE_F_KNOWN: u32 = 0x03;
 
 /// `struct aggbox_result_route` (value of `result_routes`, key [`JobKey`]):
-/// `parent_addr` and `parent_port` big-endian, the rest host order.
+/// `parent_family` and `parent_addr` as [`family_addr`] gives them,
+/// `parent_port` big-endian, the rest host order.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ResultRoute {
     pub result_port: u16,
     pub group: u16,
     pub flags: u32,
-    pub parent_addr: u32,
     pub parent_port: u16,
     pub parent_job: u16,
     pub parent_rank: u16,
-    pub pad: u16,
+    pub parent_family: u8,
+    pub pad: u8,
+    pub parent_addr: [u8; 16],
 }
-const _: () = assert!(core::mem::size_of::<ResultRoute>() == 20);
+const _: () = assert!(core::mem::size_of::<ResultRoute>() == 32);
 
 #[cfg(test)]
 mod tests {

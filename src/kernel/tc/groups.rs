@@ -1,7 +1,7 @@
 //! Broadcast groups in the TC maps: group tables (root and forwarding),
 //! their counters, and the next-hop cache.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use libbpf_rs::{MapCore, MapFlags};
@@ -14,8 +14,8 @@ use super::{map_err, num_possible_cpus, Result, TcError, TcPlane};
 /// One entry of the next-hop cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NeighEntry {
-    /// Destination.
-    pub addr: Ipv4Addr,
+    /// Destination (IPv4 or IPv6).
+    pub addr: IpAddr,
     /// Interface the lookup was made for.
     pub lookup_ifindex: u32,
     /// What the FIB said (MACs, egress interface, stale flag, time).
@@ -67,25 +67,29 @@ impl TcPlane {
         let entries = maps::entries::<abi::NeighKey, abi::Neigh>(&self.skel.maps.bcast_neigh).map_err(map_err(names::BCAST_NEIGH))?;
         Ok(entries
             .into_iter()
-            .map(|(key, neigh)| NeighEntry {
-                addr: Ipv4Addr::from(u32::from_be(key.addr)),
-                lookup_ifindex: key.ifindex,
-                neigh,
+            .filter_map(|(key, neigh)| {
+                Some(NeighEntry {
+                    addr: key.ip()?,
+                    lookup_ifindex: key.ifindex,
+                    neigh,
+                })
             })
             .collect())
     }
 
     /// Write the root table of group `id`: mask bit i goes to `members[i]`
-    /// (1..=32 members). Also the table a tree node uses for FORWARD
+    /// (1..=32 members, IPv4 or IPv6, all of one family: the table copies
+    /// only datagrams of that family, counting the others
+    /// `family_mismatch`). Also the table a tree node uses for FORWARD
     /// datagrams of `id` arriving on any port.
-    pub fn set_group(&self, id: u16, members: &[SocketAddrV4]) -> Result<()> {
+    pub fn set_group<A: Into<SocketAddr> + Copy>(&self, id: u16, members: &[A]) -> Result<()> {
         self.write_group(id, abi::BCAST_PORT_ANY, members)
     }
 
     /// Write a tree node's table: FORWARD datagrams of group `id` arriving
     /// on UDP port `receive_port` (this node's own member port, non-zero)
     /// are re-broadcast to `children` with hops + 1.
-    pub fn set_forwarding(&self, id: u16, receive_port: u16, children: &[SocketAddrV4]) -> Result<()> {
+    pub fn set_forwarding<A: Into<SocketAddr> + Copy>(&self, id: u16, receive_port: u16, children: &[A]) -> Result<()> {
         if receive_port == 0 {
             return Err(TcError::InvalidGroup {
                 group: id,
@@ -95,7 +99,8 @@ impl TcPlane {
         self.write_group(id, receive_port, children)
     }
 
-    fn write_group(&self, id: u16, port: u16, members: &[SocketAddrV4]) -> Result<()> {
+    fn write_group<A: Into<SocketAddr> + Copy>(&self, id: u16, port: u16, members: &[A]) -> Result<()> {
+        let members: Vec<SocketAddr> = members.iter().map(|&m| m.into()).collect();
         let bad = |reason: String| TcError::InvalidGroup { group: id, reason };
         if members.is_empty() || members.len() > abi::BCAST_MAX_DESTS as usize {
             return Err(bad(format!(
@@ -107,13 +112,21 @@ impl TcPlane {
         if let Some(m) = members.iter().find(|m| m.port() == 0 || m.ip().is_unspecified()) {
             return Err(bad(format!("destination {m} has no address or port")));
         }
+        if let Some(m) = members.iter().find(|m| matches!(m.ip(), IpAddr::V6(a) if a.to_ipv4_mapped().is_some())) {
+            return Err(bad(format!("destination {m} is an IPv4-mapped IPv6 address: give the IPv4 address")));
+        }
+        if let Some(m) = members.iter().find(|m| m.is_ipv4() != members[0].is_ipv4()) {
+            return Err(bad(format!(
+                "destinations {} and {m} mix IPv4 and IPv6: a table's destinations are all of one family",
+                members[0]
+            )));
+        }
         let mut value = abi::Group {
             count: members.len() as u32,
             ..Default::default()
         };
-        for (d, m) in value.dests.iter_mut().zip(members) {
-            d.addr = u32::from_ne_bytes(m.ip().octets());
-            d.port = m.port().to_be();
+        for (d, m) in value.dests.iter_mut().zip(&members) {
+            *d = abi::GroupDest::new(*m);
         }
         let key = abi::GroupKey { group: id, port };
         // counters first, so the programs find them with the table
@@ -148,7 +161,7 @@ impl TcPlane {
     }
 
     /// The table of `(id, port)` as written (port 0 = root table).
-    pub fn group(&self, id: u16, port: u16) -> Result<Option<Vec<SocketAddrV4>>> {
+    pub fn group(&self, id: u16, port: u16) -> Result<Option<Vec<SocketAddr>>> {
         let key = abi::GroupKey { group: id, port };
         let raw = self
             .skel
@@ -160,7 +173,7 @@ impl TcPlane {
             g.dests
                 .iter()
                 .take(g.count.min(abi::BCAST_MAX_DESTS) as usize)
-                .map(|d| SocketAddrV4::new(Ipv4Addr::from(d.addr.to_ne_bytes()), u16::from_be(d.port)))
+                .filter_map(|d| d.socket_addr())
                 .collect()
         }))
     }

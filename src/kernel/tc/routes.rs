@@ -1,7 +1,7 @@
 //! Where a job's RESULTs go (`result_routes`): copies to a broadcast group
 //! and an intermediate aggregator's contribution upstream.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use libbpf_rs::{MapCore, MapFlags};
 
@@ -15,8 +15,10 @@ use super::{delete_ignore_missing, map_err, Result, TcError, TcPlane};
 /// `parent = { addr, port, job, rank }` plus the job's `result_port`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParentRoute {
-    /// The parent aggregator's IPv4 address.
-    pub addr: Ipv4Addr,
+    /// The parent aggregator's address, of the family of the job's
+    /// RESULTs (a RESULT of the other family is dropped, counted
+    /// `family_mismatch`).
+    pub addr: IpAddr,
     /// The parent job's contribution port (non-zero).
     pub port: u16,
     /// The job id at the parent.
@@ -26,6 +28,19 @@ pub struct ParentRoute {
     /// The local job's `result_port`: the UDP port its RESULTs arrive on
     /// (where the XDP aggregator addresses them), non-zero.
     pub result_port: u16,
+}
+
+impl ParentRoute {
+    /// The route of a configured job's `parent` (its `result_port` included).
+    pub fn from_config(job: &crate::config::JobConfig, parent: &crate::config::ParentConfig) -> Self {
+        ParentRoute {
+            addr: parent.addr.into(),
+            port: parent.port,
+            job: parent.job,
+            rank: parent.rank,
+            result_port: job.result_port,
+        }
+    }
 }
 
 /// Where the RESULTs of one job go besides the local result port, as
@@ -46,9 +61,11 @@ impl TcPlane {
     /// `result_port`, is also copied to every member of broadcast group
     /// `group` (its root table, written with [`set_group`](Self::set_group);
     /// the mask covers all members): destination address, port and next-hop
-    /// MAC written in, IPv4 source = this host's address (the RESULT's
-    /// destination), AGG1 header and payload unchanged, checksums valid (a
-    /// UDP checksum of 0 stays 0). The RESULT itself is still delivered to
+    /// MAC written in, IP source = this host's address (the RESULT's
+    /// destination), AGG1 header and payload unchanged, checksums valid (an
+    /// IPv4 UDP checksum of 0 stays 0; IPv6's is never 0). The group's
+    /// family is the RESULTs' (else they are dropped, `family_mismatch`).
+    /// The RESULT itself is still delivered to
     /// the local stack unchanged. Keeps a parent route of the job (then the
     /// RESULT goes upstream instead of to the local stack).
     pub fn set_result_route(&self, job: u16, result_port: u16, group: u16) -> Result<()> {
@@ -62,7 +79,7 @@ impl TcPlane {
     /// `parent.result_port` is rewritten into this node's contribution to
     /// the parent's job (job = `parent.job`, rank = `parent.rank`, RESULT
     /// flag cleared, LAST_FRAGMENT and OVERFLOW kept, seq/round/frag_off/op/
-    /// count/payload unchanged; IPv4 source = this host's address,
+    /// count/payload unchanged; IP source = this host's address,
     /// destination = `parent.addr`, UDP port `parent.port`, next-hop MACs from
     /// the FIB) and sent out; it is not delivered locally. A result group
     /// of the job ([`set_result_route`](Self::set_result_route)) still gets
@@ -75,11 +92,15 @@ impl TcPlane {
         if parent.rank == abi::RESULT_RANK {
             return Err(bad(format!("rank {} is the RESULT rank, not a contributor's", parent.rank)));
         }
-        if parent.addr.is_unspecified() || parent.addr.is_broadcast() || parent.addr.is_multicast() {
+        let unicast = match parent.addr {
+            IpAddr::V4(a) => !(a.is_unspecified() || a.is_broadcast() || a.is_multicast()),
+            IpAddr::V6(a) => !(a.is_unspecified() || a.is_multicast() || a.to_ipv4_mapped().is_some()),
+        };
+        if !unicast {
             return Err(bad(format!("parent address {} is not unicast", parent.addr)));
         }
         let mut route = self.route_for_update(job, parent.result_port)?;
-        route.parent_addr = u32::from_ne_bytes(parent.addr.octets());
+        (route.parent_family, route.parent_addr) = abi::family_addr(parent.addr);
         route.parent_port = parent.port.to_be();
         route.parent_job = parent.job;
         route.parent_rank = parent.rank;
@@ -100,7 +121,8 @@ impl TcPlane {
             return Ok(());
         };
         route.flags &= !abi::ROUTE_F_PARENT;
-        route.parent_addr = 0;
+        route.parent_family = abi::FAMILY_NONE;
+        route.parent_addr = [0; 16];
         route.parent_port = 0;
         route.parent_job = 0;
         route.parent_rank = 0;
@@ -115,13 +137,17 @@ impl TcPlane {
         Ok(self.raw_route(job)?.map(|r| ResultRouteInfo {
             result_port: r.result_port,
             group: (r.flags & abi::ROUTE_F_GROUP != 0).then_some(r.group),
-            parent: (r.flags & abi::ROUTE_F_PARENT != 0).then(|| ParentRoute {
-                addr: Ipv4Addr::from(r.parent_addr.to_ne_bytes()),
-                port: u16::from_be(r.parent_port),
-                job: r.parent_job,
-                rank: r.parent_rank,
-                result_port: r.result_port,
-            }),
+            parent: (r.flags & abi::ROUTE_F_PARENT != 0)
+                .then(|| {
+                    Some(ParentRoute {
+                        addr: abi::ip_of(r.parent_family, &r.parent_addr)?,
+                        port: u16::from_be(r.parent_port),
+                        job: r.parent_job,
+                        rank: r.parent_rank,
+                        result_port: r.result_port,
+                    })
+                })
+                .flatten(),
         }))
     }
 

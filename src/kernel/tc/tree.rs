@@ -1,7 +1,7 @@
 //! The broadcast tree planner: which member forwards to which, for groups
 //! larger than one table.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use crate::wire::abi;
 
@@ -13,7 +13,7 @@ pub enum TreeNode {
     /// The sender: its table is the group's root table (port 0).
     Root,
     /// A member that forwards: its table is keyed by its own port.
-    Member(SocketAddrV4),
+    Member(SocketAddr),
 }
 
 /// What one node of a broadcast tree does.
@@ -24,7 +24,7 @@ pub struct NodePlan {
     /// Depth: 0 for the root, 1 for its children, ...
     pub level: usize,
     /// Who it sends (root) or forwards (member) to: mask bit i = `children[i]`.
-    pub children: Vec<SocketAddrV4>,
+    pub children: Vec<SocketAddr>,
 }
 
 impl NodePlan {
@@ -55,14 +55,17 @@ impl NodePlan {
     }
 }
 
-/// Plan a broadcast tree over `members` with at most `fanout` children per
-/// node (clamped to 1..=32): the root sends to the first `fanout` members,
+/// Plan a broadcast tree over `members` (IPv4 or IPv6, one family: every
+/// table is written with [`TcPlane::set_group`]'s rules) with at most
+/// `fanout` children per node (clamped to 1..=32): the root sends to the
+/// first `fanout` members,
 /// member j forwards to members `fanout + j·fanout ..`, breadth first, so
 /// the depth is the least possible, ⌈log_fanout⌉-ish. Returns the root's
 /// plan first, then every member that has children, in member order.
 /// Leaves need no table. The root sends with FORWARD set when the tree has
 /// more than one level.
-pub fn plan_tree(members: &[SocketAddrV4], fanout: usize) -> Vec<NodePlan> {
+pub fn plan_tree<A: Into<SocketAddr> + Copy>(members: &[A], fanout: usize) -> Vec<NodePlan> {
+    let members: Vec<SocketAddr> = members.iter().map(|&m| m.into()).collect();
     let fanout = fanout.clamp(1, abi::BCAST_MAX_DESTS as usize);
     let n = members.len();
     let mut plans = vec![NodePlan {
