@@ -2,7 +2,7 @@
 //! the node and the runtime both need: one place, below both.
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 
 /// MTU of the interface that holds address `addr`.
@@ -24,6 +24,35 @@ pub fn interface_mtu_of(addr: Ipv4Addr) -> io::Result<usize> {
         io::ErrorKind::NotFound,
         format!("no interface holds {addr}"),
     ))
+}
+
+/// The addresses of interface `name`, IPv4 and IPv6 (none: an empty
+/// list), the IPv6 link-local ones left out: no job, ring or group names
+/// those.
+pub fn interface_addrs(name: &str) -> io::Result<Vec<IpAddr>> {
+    let mut addrs: Vec<IpAddr> = interface_ipv4(name)?.into_iter().map(IpAddr::V4).collect();
+    let ifs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
+    addrs.extend(
+        ifs.filter(|i| i.interface_name == name)
+            .filter_map(|i| Some(i.address.as_ref()?.as_sockaddr_in6()?.ip()))
+            .filter(|a| a.segments()[0] & 0xffc0 != 0xfe80)
+            .map(IpAddr::V6),
+    );
+    Ok(addrs)
+}
+
+/// A UDP socket bound to `at`; an IPv6 one takes IPv6 only
+/// (`IPV6_V6ONLY`), so that it and an IPv4 socket of the same port are
+/// two sockets, one per family (a node serves IPv4 and IPv6 jobs at once).
+pub fn bind_udp(at: SocketAddr) -> io::Result<UdpSocket> {
+    use nix::sys::socket::{bind, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, SockFlag, SockType, SockaddrStorage};
+    let family = if at.is_ipv6() { AddressFamily::Inet6 } else { AddressFamily::Inet };
+    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None).map_err(io::Error::from)?;
+    if at.is_ipv6() {
+        setsockopt(&fd, Ipv6V6Only, &true).map_err(io::Error::from)?;
+    }
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(at)).map_err(io::Error::from)?;
+    Ok(UdpSocket::from(fd))
 }
 
 /// The IPv4 addresses of interface `name` (none: an empty list).

@@ -18,7 +18,7 @@
 //! the same configs by `attach` and `reload`.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::{anyhow, Result};
 
@@ -52,7 +52,7 @@ pub struct KernelState {
     /// reserved at load (`RingJob::base`, placed by `RingPool`).
     pub rings: BTreeMap<u32, (abi::RingJob, Vec<Ipv4Addr>)>,
     /// Broadcast groups' root tables by id (`bcast_groups`).
-    pub groups: BTreeMap<u16, Vec<SocketAddrV4>>,
+    pub groups: BTreeMap<u16, Vec<SocketAddr>>,
     /// Result routes by job id (`result_routes`); only non-empty ones.
     pub routes: BTreeMap<u16, JobRoutes>,
 }
@@ -61,7 +61,7 @@ pub struct KernelState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// Write group `id`'s root table.
-    SetGroup(u16, Vec<SocketAddrV4>),
+    SetGroup(u16, Vec<SocketAddr>),
     /// Remove every route of a job.
     RemoveRoutes(u16),
     /// Remove a job (its slots and counters with it).
@@ -77,22 +77,6 @@ pub enum Change {
     SetRoutes(u16, JobRoutes),
     /// Remove group `id`'s tables.
     RemoveGroup(u16),
-}
-
-/// Message of an IPv6 destination the TC plane cannot take.
-pub const TC_IPV6_REFUSED: &str = "TC copies to IPv6 destinations: not in this build";
-
-/// The one place where a configured address becomes the TC plane's IPv4
-/// type (a group member, a parent, a node-served job's worker socket): an
-/// IPv6 destination is refused with [`TC_IPV6_REFUSED`]. Jobs of IPv6
-/// workers are aggregated by the XDP program; their RESULT copies to a
-/// group or a parent wait for a TC plane of IPv6 destinations, which
-/// replaces this function.
-pub fn tc_destination(addr: SocketAddr) -> Result<SocketAddrV4> {
-    match addr {
-        SocketAddr::V4(a) => Ok(a),
-        SocketAddr::V6(_) => Err(anyhow!("{addr}: {TC_IPV6_REFUSED}")),
-    }
 }
 
 /// Convert a configured job to what the data plane stores. `iface_mtu` is
@@ -125,18 +109,12 @@ pub fn xdp_job(job: &JobConfig, iface_mtu: usize) -> XdpJob {
 }
 
 /// The routes the kernel keeps for `job` (not those of a node-served tree
-/// job, whose result service sends its RESULTs on); an IPv6 parent is
-/// refused ([`tc_destination`]).
-pub fn job_routes(job: &JobConfig) -> Result<JobRoutes> {
-    let parent = match job.kernel_parent() {
-        Some(parent) => {
-            let addr = tc_destination(SocketAddr::new(parent.addr, parent.port))
-                .map_err(|e| anyhow!("job {}: parent {e}", job.id))?;
-            Some(ParentRoute { addr: std::net::IpAddr::V4(*addr.ip()), port: parent.port, job: parent.job, rank: parent.rank, result_port: job.result_port })
-        }
-        None => None,
-    };
-    Ok(JobRoutes { result_group: job.kernel_result_group().map(|group| (job.result_port, group)), parent })
+/// job, whose result service sends its RESULTs on).
+pub fn job_routes(job: &JobConfig) -> JobRoutes {
+    JobRoutes {
+        result_group: job.kernel_result_group().map(|group| (job.result_port, group)),
+        parent: job.kernel_parent().map(|parent| ParentRoute::from_config(job, parent)),
+    }
 }
 
 impl KernelState {
@@ -146,8 +124,7 @@ impl KernelState {
     ///
     /// # Errors
     ///
-    /// What the planes cannot hold yet: a group member or a parent of IPv6
-    /// ([`tc_destination`]), a ring of IPv6 members
+    /// What the planes cannot hold yet: a ring of IPv6 members
     /// ([`crate::node::ring_member`]).
     pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[(u32, abi::RingJob)]) -> Result<KernelState> {
         let mut rings = BTreeMap::new();
@@ -161,17 +138,11 @@ impl KernelState {
         }
         let mut groups = BTreeMap::new();
         for g in &config.groups {
-            let members = g
-                .members
-                .iter()
-                .map(|&m| tc_destination(m))
-                .collect::<Result<Vec<SocketAddrV4>>>()
-                .map_err(|e| anyhow!("group {}: member {e}", g.id))?;
-            groups.insert(g.id, members);
+            groups.insert(g.id, g.members.clone());
         }
         let mut routes = BTreeMap::new();
         for j in &config.jobs {
-            let r = job_routes(j)?;
+            let r = job_routes(j);
             if !r.is_empty() {
                 routes.insert(j.id, r);
             }
@@ -255,7 +226,7 @@ impl KernelState {
     /// and every parent (each once, in order).
     pub fn next_hops(&self) -> Vec<std::net::IpAddr> {
         let mut out: Vec<std::net::IpAddr> = Vec::new();
-        let members = self.groups.values().flatten().map(|m| std::net::IpAddr::V4(*m.ip()));
+        let members = self.groups.values().flatten().map(|m| m.ip());
         let parents = self.routes.values().filter_map(|r| r.parent.as_ref().map(|p| p.addr));
         for a in members.chain(parents) {
             if !out.contains(&a) {

@@ -174,7 +174,7 @@ pub fn attach_chain(
     let index = preflight(iface)?;
     // The result ports of node-served jobs first: one another process holds
     // fails the attach before anything changes.
-    let node_addrs = crate::netif::interface_ipv4(iface).with_context(|| format!("aggbox: reading the addresses of {iface}"))?;
+    let node_addrs = crate::netif::interface_addrs(iface).with_context(|| format!("aggbox: reading the addresses of {iface}"))?;
     // The ring memory: the file's rings and `[node] ring_pool` more, for
     // rings a reload (or a run) adds later.
     let ring_pool = xdp::RingPool::reserve(&config.rings, config.ring_frag_elems(), config.node.ring_pool)
@@ -402,12 +402,12 @@ pub fn ring_member(ring: u16, addr: IpAddr) -> Result<Ipv4Addr> {
 /// (docs/RING.md), in file order, at the place `pool` gives it
 /// ([`xdp::RingPool::place`]): this node's place in the ring is the member
 /// whose address is one of `iface`'s.
-pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[Ipv4Addr], pool: &xdp::RingPool) -> Result<Vec<(u32, abi::RingJob)>> {
+pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[IpAddr], pool: &xdp::RingPool) -> Result<Vec<(u32, abi::RingJob)>> {
     let mut out = Vec::with_capacity(config.rings.len());
     for ring in &config.rings {
         let n = ring.members.len();
         let members = ring.members.iter().map(|&a| ring_member(ring.id, a)).collect::<Result<Vec<Ipv4Addr>>>()?;
-        let Some(me) = members.iter().position(|a| node_addrs.contains(a)) else {
+        let Some(me) = members.iter().position(|&a| node_addrs.contains(&IpAddr::V4(a))) else {
             bail!(
                 "aggbox: ring {}: this node is not a member: none of {iface}'s addresses ({}) is in members ({})",
                 ring.id,

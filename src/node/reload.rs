@@ -279,7 +279,7 @@ impl Attachment {
         }
         let iface_mtu = crate::netif::interface_mtu(&self.record.iface)
             .map_err(|e| anyhow!("reading the MTU of {}: {e}; nothing was changed", self.record.iface))?;
-        let node_addrs = crate::netif::interface_ipv4(&self.record.iface)
+        let node_addrs = crate::netif::interface_addrs(&self.record.iface)
             .map_err(|e| anyhow!("reading the addresses of {}: {e}; nothing was changed", self.record.iface))?;
         // The rings in the memory reserved at attach: those that stay keep
         // their place, new and resized ones take free regions, or the

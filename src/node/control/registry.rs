@@ -1045,10 +1045,9 @@ mod tests {
         g.clone()
     }
 
-    /// A run of IPv6 data sockets gets its job (the node refuses its TC
-    /// copies later, at apply: `desired::tc_destination`); a run whose
-    /// ranks are of two families, or that asks for a ring from IPv6, is
-    /// refused at the join.
+    /// A run of IPv6 data sockets gets its job; a run whose ranks are of
+    /// two families, or that asks for a ring from IPv6, is refused at the
+    /// join.
     #[test]
     fn a_run_of_ipv6_ranks_is_granted_and_a_mix_of_families_refused() {
         let mut reg = registry();

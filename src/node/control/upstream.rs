@@ -6,7 +6,7 @@
 //! (`wire::control::exchange`), signed with the run's tenant's key from
 //! this node's key file (the nodes of a tree share their tenants).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -48,20 +48,18 @@ fn run(start: UpstreamStart, registry: Arc<Mutex<Registry>>, changes: Sender<Cha
         root,
         tenant,
         key,
-        |local| match local.ip() {
-            ip @ IpAddr::V4(_) => Ok(Request::Join {
+        |local| {
+            Ok(Request::Join {
                 run: run.clone(),
                 world: parent.leaves,
                 rank: parent.leaf,
-                data: SocketAddr::new(ip, result_port),
+                data: SocketAddr::new(local.ip(), result_port),
                 vector_len: shape.vector_len,
                 window: shape.window,
                 frag_elems: shape.frag_elems,
                 parent: None,
                 ring: None,
-            }),
-            // the leaf's job sends its RESULTs to the root over TC
-            IpAddr::V6(ip) => Err(format!("this leaf reaches the root from {ip}: {}", crate::node::desired::TC_IPV6_REFUSED)),
+            })
         },
         lease,
     );

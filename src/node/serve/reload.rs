@@ -3,7 +3,7 @@
 //! serving thread's jobs changed in one step.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -30,19 +30,18 @@ fn reliability_of(config: &Config) -> ReliabilityConfig {
 }
 
 /// Worker r's socket of a node-served job: its member of the result group.
-pub(super) fn worker_sockets(config: &Config, job: &JobConfig) -> Result<Vec<SocketAddrV4>> {
+pub(super) fn worker_sockets(config: &Config, job: &JobConfig) -> Result<Vec<SocketAddr>> {
     let g = job.result_group.ok_or_else(|| anyhow!("job {}: consumer = \"node\" without result_group", job.id))?;
     let group = config.group(g).ok_or_else(|| anyhow!("job {}: no [[group]] {g}", job.id))?;
     job.workers
         .iter()
         .map(|w| {
-            let member = group
+            group
                 .members
                 .iter()
                 .find(|m| m.ip() == *w)
                 .copied()
-                .ok_or_else(|| anyhow!("job {}: worker {w} is not a member of group {g}", job.id))?;
-            crate::node::desired::tc_destination(member).map_err(|e| anyhow!("job {}: worker {e}", job.id))
+                .ok_or_else(|| anyhow!("job {}: worker {w} is not a member of group {g}", job.id))
         })
         .collect()
 }
@@ -71,7 +70,8 @@ pub type BoundJobs = ServedChange;
 
 /// A served job's `result_port`, bound for the result service.
 pub(super) fn bind_result_port(job: &JobConfig) -> Result<UdpSocket> {
-    let socket = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, job.result_port)).map_err(|e| {
+    let any = if job.is_ipv6() { IpAddr::V6(Ipv6Addr::UNSPECIFIED) } else { IpAddr::V4(Ipv4Addr::UNSPECIFIED) };
+    let socket = crate::netif::bind_udp(SocketAddr::new(any, job.result_port)).map_err(|e| {
         anyhow!(
             "job {}: result_port {} (consumer = \"node\"): {e}; another process (an aggregator application?) holds it",
             job.id,
@@ -98,9 +98,10 @@ pub(super) fn served_view<'a>(config: &'a Config, job: &'a JobConfig) -> (&'a Jo
 }
 
 impl ServedChange {
-    /// Binds `0.0.0.0:result_port` for every node-served job of `config`
-    /// (none: an empty set), for a node with addresses `node`.
-    pub fn bind(config: &Config, node: Vec<Ipv4Addr>) -> Result<ServedChange> {
+    /// Binds `0.0.0.0:result_port` (`[::]:result_port` for a job of IPv6
+    /// workers) for every node-served job of `config` (none: an empty
+    /// set), for a node with addresses `node`.
+    pub fn bind(config: &Config, node: Vec<IpAddr>) -> Result<ServedChange> {
         Self::bind_change(&Config::default(), config, node)
     }
 
@@ -108,7 +109,7 @@ impl ServedChange {
     /// job whose settings (or result group) differ is removed and added
     /// afresh, one that is unchanged is left alone. New ports are bound
     /// now; a port that a removed job holds passes to its successor.
-    pub fn bind_change(old: &Config, new: &Config, node: Vec<Ipv4Addr>) -> Result<ServedChange> {
+    pub fn bind_change(old: &Config, new: &Config, node: Vec<IpAddr>) -> Result<ServedChange> {
         let kept = |j: &JobConfig| {
             old.job(j.id).is_some_and(|o| is_served(o) && served_view(old, o) == served_view(new, j))
         };
@@ -123,14 +124,14 @@ impl ServedChange {
             let freed = old
                 .jobs
                 .iter()
-                .any(|o| is_served(o) && o.result_port == job.result_port && change.remove.contains(&o.id));
+                .any(|o| is_served(o) && o.result_port == job.result_port && o.is_ipv6() == job.is_ipv6() && change.remove.contains(&o.id));
             let socket = if freed { JobSocket::TakeOver(job.result_port) } else { JobSocket::Bound(bind_result_port(job)?) };
             let mut service = ResultService::new(job.id, node.clone(), workers, reliability_of(new));
             if let Some(parent) = &job.parent {
                 let results = parent.result_port.ok_or_else(|| {
                     anyhow!("job {}: consumer = \"node\" with a parent needs parent.result_port", job.id)
                 })?;
-                service = service.with_parent(parent, results, reliability_of(new))?;
+                service = service.with_parent(parent, results, reliability_of(new));
             }
             change.add.push((socket, service));
         }

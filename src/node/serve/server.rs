@@ -121,15 +121,13 @@ pub(super) fn serve(
         for (socket, service) in jobs.iter_mut() {
             // Everything queued now, then what is due.
             while let Ok((n, from)) = socket.recv_from(&mut buf) {
-                if let std::net::SocketAddr::V4(from) = from {
-                    service.handle(Instant::now(), from, &buf[..n], &mut out);
-                    // Before the reply to a position query is sent.
-                    if let Some(after) = service.take_release() {
-                        let released = maps.release_rounds_after(service.job, after);
-                        service.released(released);
-                    }
-                    taken += 1;
+                service.handle(Instant::now(), from, &buf[..n], &mut out);
+                // Before the reply to a position query is sent.
+                if let Some(after) = service.take_release() {
+                    let released = maps.release_rounds_after(service.job, after);
+                    service.released(released);
                 }
+                taken += 1;
             }
             if let Some(at) = service.poll(Instant::now(), &mut out) {
                 wake = wake.min(at);

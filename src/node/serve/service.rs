@@ -4,7 +4,7 @@
 //! traffic with its parent.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
 
 use anyhow::Result;
@@ -18,7 +18,7 @@ use crate::wire::reliability::{RecvTracker, ReliabilityConfig, SendWindow, Verdi
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transmit {
     /// Destination (a worker's socket).
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// The datagram.
     pub datagram: Vec<u8>,
 }
@@ -99,9 +99,9 @@ pub(super) const EARLY_ACKS_MAX: usize = 4096;
 pub struct ResultService {
     pub(super) job: u16,
     /// Addresses of this node (the user-space path's RESULTs come from one).
-    node: Vec<Ipv4Addr>,
+    node: Vec<IpAddr>,
     /// Worker r's socket: its member socket in the result group.
-    workers: Vec<SocketAddrV4>,
+    workers: Vec<SocketAddr>,
     behalf: RecvTracker,
     /// The RESULTs the workers get (the kernel's copies, or the parent's
     /// RESULTs this service delivers), until each worker acknowledged.
@@ -149,11 +149,11 @@ impl Seen {
 pub(super) struct Upstream {
     /// The parent's address: what comes from it is the parent's (its
     /// RESULTs, TC copies and resends, and its ACKs).
-    addr: Ipv4Addr,
+    addr: IpAddr,
     /// The parent job's contribution port, where this node's RESULTs go.
-    pub(super) contributions: SocketAddrV4,
+    pub(super) contributions: SocketAddr,
     /// The parent job's result port, where its RESULTs are acknowledged.
-    pub(super) acks_to: SocketAddrV4,
+    pub(super) acks_to: SocketAddr,
     /// The job id at the parent.
     pub(super) job: u16,
     /// This node's rank in the parent job.
@@ -237,7 +237,7 @@ impl RoundWindow {
 impl ResultService {
     /// The service of `job` on a node with addresses `node`, whose workers'
     /// sockets are `workers` (rank order; at most 64).
-    pub fn new(job: u16, node: Vec<Ipv4Addr>, workers: Vec<SocketAddrV4>, cfg: ReliabilityConfig) -> ResultService {
+    pub fn new(job: u16, node: Vec<IpAddr>, workers: Vec<SocketAddr>, cfg: ReliabilityConfig) -> ResultService {
         let mut results = SendWindow::new(cfg, workers.len(), 0);
         // Workers keep what arrives: one gone quiet is busy, and is asked
         // with the newest of what it misses (as the runtime's aggregator).
@@ -259,14 +259,8 @@ impl ResultService {
 
     /// The service of a tree job whose `parent` (its `result_port` at
     /// `parent_results`) takes this node's RESULTs as its contribution.
-    ///
-    /// # Errors
-    ///
-    /// An IPv6 parent (the node sends its RESULTs over the TC plane's
-    /// IPv4 types: [`crate::node::desired::tc_destination`]).
-    pub fn with_parent(mut self, parent: &ParentConfig, parent_results: u16, cfg: ReliabilityConfig) -> anyhow::Result<ResultService> {
-        let contributions = crate::node::desired::tc_destination(std::net::SocketAddr::new(parent.addr, parent.port))
-            .map_err(|e| anyhow::anyhow!("job {}: parent {e}", self.job))?;
+    pub fn with_parent(mut self, parent: &ParentConfig, parent_results: u16, cfg: ReliabilityConfig) -> ResultService {
+        let contributions = SocketAddr::new(parent.addr, parent.port);
         let mut sent = SendWindow::new(cfg, 1, 0);
         // The parent acknowledges a fragment once its RESULT completes
         // (on its kernel's behalf), so a hole in its ACKs is as likely
@@ -274,15 +268,15 @@ impl ResultService {
         // runtime's kernel-backend workers).
         sent.set_holes_are_losses(false);
         self.upstream = Some(Upstream {
-            addr: *contributions.ip(),
+            addr: contributions.ip(),
             contributions,
-            acks_to: SocketAddrV4::new(*contributions.ip(), parent_results),
+            acks_to: SocketAddr::new(contributions.ip(), parent_results),
             job: parent.job,
             rank: parent.rank,
             sent: RoundWindow::new(sent),
             taken: RecvTracker::new(cfg),
         });
-        Ok(self)
+        self
     }
 
     /// The job's counters.
@@ -364,12 +358,12 @@ impl ResultService {
 
     /// Takes one datagram that arrived on the job's `result_port` from
     /// `from` at `now`; what it makes the node send goes to `out`.
-    pub fn handle(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+    pub fn handle(&mut self, now: Instant, from: SocketAddr, datagram: &[u8], out: &mut Vec<Transmit>) {
         if PositionMessage::is_position(datagram) {
             self.on_position_query(from, datagram, out);
             return;
         }
-        if self.upstream.as_ref().is_some_and(|u| u.addr == *from.ip()) {
+        if self.upstream.as_ref().is_some_and(|u| u.addr == from.ip()) {
             match proto::classify(datagram) {
                 Some(MessageKind::Agg) => self.on_parent_result(now, datagram, out),
                 Some(MessageKind::Ack) => self.on_parent_ack(now, datagram, out),
@@ -388,7 +382,7 @@ impl ResultService {
     /// asking socket when it is the worker the query names (as for its
     /// ACKs); anything else is counted and changes nothing. The reply is no
     /// larger than the query and goes only to a worker's socket.
-    fn on_position_query(&mut self, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+    fn on_position_query(&mut self, from: SocketAddr, datagram: &[u8], out: &mut Vec<Transmit>) {
         let query = match PositionMessage::decode(datagram) {
             Ok(q) if !q.is_reply() && q.job == self.job && self.workers.get(usize::from(q.rank)) == Some(&from) => q,
             _ => {
@@ -403,7 +397,7 @@ impl ResultService {
         out.push(Transmit { to: from, datagram: reply.encode().to_vec() });
     }
 
-    fn on_result(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+    fn on_result(&mut self, now: Instant, from: SocketAddr, datagram: &[u8], out: &mut Vec<Transmit>) {
         let Ok((hdr, payload)) = proto::split_agg(datagram) else {
             self.stats.other += 1;
             return;
@@ -415,7 +409,7 @@ impl ResultService {
         // The XDP program rewrites the completing contribution in place (a
         // worker's socket is the source); the user-space path sends from
         // the node's address.
-        if !self.node.contains(from.ip()) && !self.workers.contains(&from) {
+        if !self.node.contains(&from.ip()) && !self.workers.contains(&from) {
             self.stats.refused_results += 1;
             return;
         }
@@ -431,7 +425,7 @@ impl ResultService {
             // to the workers: this service sends their copies. Held
             // without them, a call of such an op waited for every worker's
             // retransmission timer, backed off further at every call.
-            None if self.node.contains(from.ip()) => {
+            None if self.node.contains(&from.ip()) => {
                 let workers = self.workers.clone();
                 self.keep(now, &hdr, datagram, &mut |d: usize, b: &[u8]| out.push(Transmit { to: workers[d], datagram: b.to_vec() }))
             }
@@ -558,7 +552,7 @@ impl ResultService {
         });
     }
 
-    fn on_ack(&mut self, now: Instant, from: SocketAddrV4, datagram: &[u8], out: &mut Vec<Transmit>) {
+    fn on_ack(&mut self, now: Instant, from: SocketAddr, datagram: &[u8], out: &mut Vec<Transmit>) {
         let Ok(ack) = AckMessage::decode(datagram) else {
             self.stats.other += 1;
             return;
@@ -617,7 +611,7 @@ impl ResultService {
 }
 
 /// One ACK on the kernel's behalf to every worker (each under its rank).
-pub(super) fn fan_out(job: u16, workers: &[SocketAddrV4], bm: &SeqBitmap, out: &mut Vec<Transmit>, stats: &mut ServiceStats) {
+pub(super) fn fan_out(job: u16, workers: &[SocketAddr], bm: &SeqBitmap, out: &mut Vec<Transmit>, stats: &mut ServiceStats) {
     for (rank, &to) in workers.iter().enumerate() {
         if let Some(datagram) = ack_of(job, rank as u16, bm) {
             stats.acks_sent += 1;

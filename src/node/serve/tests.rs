@@ -1,6 +1,6 @@
 //! Tests of the result service and of served-job changes.
 
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use super::reload::{carry_positions, JobSocket};
@@ -13,13 +13,17 @@ use crate::wire::reliability::ReliabilityConfig;
 const JOB: u16 = 9;
 const NODE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
 
-fn worker(r: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
+fn worker(r: u16) -> SocketAddr {
+    v4(Ipv4Addr::new(10, 0, 0, 1 + r as u8), 5000)
+}
+
+fn v4(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.into(), port)
 }
 
 fn service(mode: AckMode) -> ResultService {
     let cfg = ReliabilityConfig { ack_mode: mode, ..ReliabilityConfig::default() };
-    ResultService::new(JOB, vec![NODE], (0..3).map(worker).collect(), cfg)
+    ResultService::new(JOB, vec![NODE.into()], (0..3).map(worker).collect(), cfg)
 }
 
 /// RESULT of fragment `index` (of `per` elements) of `round`, named by
@@ -50,13 +54,13 @@ fn ack(rank: u16, seqs: &[u32]) -> Vec<u8> {
     out
 }
 
-fn acks_to(out: &[Transmit]) -> Vec<(SocketAddrV4, u16, Vec<u32>)> {
+fn acks_to(out: &[Transmit]) -> Vec<(SocketAddr, u16, Vec<u32>)> {
     out.iter()
         .filter_map(|t| AckMessage::decode(&t.datagram).ok().map(|a| (t.to, a.rank, a.bitmap.received().collect())))
         .collect()
 }
 
-fn resends(out: &[Transmit]) -> Vec<(SocketAddrV4, u32)> {
+fn resends(out: &[Transmit]) -> Vec<(SocketAddr, u32)> {
     out.iter().filter_map(|t| proto::split_agg(&t.datagram).ok().map(|(h, _)| (t.to, h.seq))).collect()
 }
 
@@ -86,7 +90,7 @@ fn a_result_of_the_userspace_path_is_sent_to_every_worker_and_a_kernel_one_is_no
     assert!(resends(&out).is_empty(), "the kernel's copies are TC's: {:?}", resends(&out));
     // The user-space path's: sent from the node's address through a socket.
     out.clear();
-    s.handle(now, SocketAddrV4::new(NODE, 40000), &result(5, 41, 1, false), &mut out);
+    s.handle(now, v4(NODE, 40000), &result(5, 41, 1, false), &mut out);
     assert_eq!(resends(&out), (0..3).map(|r| (worker(r), 41)).collect::<Vec<_>>(), "a copy to every worker");
     assert_eq!(acks_to(&out).len(), 3, "and the ACK on the kernel's behalf as for any RESULT");
     assert_eq!((s.stats().results, s.held()), (2, 2));
@@ -118,16 +122,16 @@ fn only_the_worker_that_misses_a_result_gets_it_again() {
     assert!(resends(&out).is_empty());
 }
 
-const NODE_SOCKET: SocketAddrV4 = SocketAddrV4::new(NODE, 40000);
+const NODE_SOCKET: SocketAddr = SocketAddr::V4(SocketAddrV4::new(NODE, 40000));
 
 #[test]
 fn forged_results_and_acks_are_refused_and_change_nothing() {
     let mut s = service(AckMode::Packet);
     let (t0, mut out) = (Instant::now(), Vec::new());
-    let stranger = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 66), 5000);
+    let stranger = v4(Ipv4Addr::new(10, 0, 0, 66), 5000);
     s.handle(t0, stranger, &result(5, 40, 0, true), &mut out);
     // Worker 1's address on another port is not worker 1's socket.
-    s.handle(t0, SocketAddrV4::new(*worker(1).ip(), 6000), &result(5, 40, 0, true), &mut out);
+    s.handle(t0, v4(worker(1).ip(), 6000), &result(5, 40, 0, true), &mut out);
     assert!(out.is_empty(), "a forged RESULT acknowledges nothing");
     assert_eq!((s.stats().refused_results, s.stats().results), (2, 0));
     s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
@@ -173,7 +177,7 @@ fn query(job: u16, rank: u16, nonce: u32) -> Vec<u8> {
 }
 
 /// The position replies in `out`: (destination, message).
-fn replies(out: &[Transmit]) -> Vec<(SocketAddrV4, PositionMessage)> {
+fn replies(out: &[Transmit]) -> Vec<(SocketAddr, PositionMessage)> {
     out.iter().filter_map(|t| PositionMessage::decode(&t.datagram).ok().map(|m| (t.to, m))).collect()
 }
 
@@ -223,16 +227,16 @@ fn a_position_query_of_a_stranger_or_a_malformed_one_is_refused_counted_and_chan
     s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
     let before = (s.position(), s.held());
     out.clear();
-    let stranger = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 66), 5000);
+    let stranger = v4(Ipv4Addr::new(10, 0, 0, 66), 5000);
     let mut bad_flags = query(JOB, 0, 1);
     bad_flags[20] = 0x80;
     let mut with_position = query(JOB, 0, 1);
     with_position[15] = 9;
     let reply = PositionMessage::reply(&PositionMessage::query(JOB, 0, 1), Round(1), 1, false).encode().to_vec();
-    let refused: Vec<(SocketAddrV4, Vec<u8>)> = vec![
+    let refused: Vec<(SocketAddr, Vec<u8>)> = vec![
         (stranger, query(JOB, 0, 1)),
         // Worker 1's address on another port is not worker 1's socket.
-        (SocketAddrV4::new(*worker(1).ip(), 6000), query(JOB, 1, 1)),
+        (v4(worker(1).ip(), 6000), query(JOB, 1, 1)),
         // Worker 0's socket asking as worker 2.
         (worker(0), query(JOB, 2, 1)),
         (worker(0), query(JOB, 7, 1)),
@@ -263,10 +267,10 @@ fn a_tree_leaf_answers_positions_from_its_own_and_its_parents_results_and_refuse
     let mut s = leaf(AckMode::Packet);
     let (t0, mut out) = (Instant::now(), Vec::new());
     s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
-    s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 33333), &parent_result(6, 41, 0, true), &mut out);
+    s.handle(t0, v4(PARENT_ADDR, 33333), &parent_result(6, 41, 0, true), &mut out);
     assert_eq!(s.position(), (Round(8), 42, false));
     out.clear();
-    s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &query(JOB, 0, 1), &mut out);
+    s.handle(t0, v4(PARENT_ADDR, 7501), &query(JOB, 0, 1), &mut out);
     assert!(out.is_empty());
     assert_eq!(s.stats().refused_queries, 1);
 }
@@ -276,7 +280,7 @@ fn a_job_replaced_by_a_reload_answers_positions_from_where_its_predecessor_was()
     let mut old = service(AckMode::Packet);
     let (t0, mut out) = (Instant::now(), Vec::new());
     old.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
-    let other = ResultService::new(JOB + 1, vec![NODE], vec![worker(0)], ReliabilityConfig::default());
+    let other = ResultService::new(JOB + 1, vec![NODE.into()], vec![worker(0)], ReliabilityConfig::default());
     let mut added = vec![(JobSocket::TakeOver(1), service(AckMode::Packet)), (JobSocket::TakeOver(2), other)];
     carry_positions([&old].into_iter(), &mut added);
     assert_eq!(added[0].1.position(), (Round(7), 41, false), "the same job: its kernel state stayed");
@@ -289,7 +293,7 @@ const PARENT: ParentConfig = ParentConfig { addr: std::net::IpAddr::V4(PARENT_AD
 /// A leaf of a tree: `service(mode)` whose RESULTs go to [`PARENT`].
 fn leaf(mode: AckMode) -> ResultService {
     let cfg = ReliabilityConfig { ack_mode: mode, ..ReliabilityConfig::default() };
-    service(mode).with_parent(&PARENT, 7501, cfg).expect("an IPv4 parent")
+    service(mode).with_parent(&PARENT, 7501, cfg)
 }
 
 /// `result(..)` as the parent's RESULT (its job id).
@@ -306,7 +310,7 @@ fn parent_ack(seqs: &[u32]) -> Vec<u8> {
 }
 
 /// The AGG1 datagrams in `out`: (destination, header).
-fn aggs(out: &[Transmit]) -> Vec<(SocketAddrV4, AggHeader)> {
+fn aggs(out: &[Transmit]) -> Vec<(SocketAddr, AggHeader)> {
     out.iter().filter_map(|t| proto::split_agg(&t.datagram).ok().map(|(h, _)| (t.to, h))).collect()
 }
 
@@ -322,20 +326,20 @@ fn a_leaf_sends_its_result_upstream_as_its_contribution_and_resends_it_until_the
     let up = aggs(&out);
     assert_eq!(up.len(), 1, "{up:?}");
     let (to, h) = up[0];
-    assert_eq!(to, SocketAddrV4::new(PARENT_ADDR, 7500));
+    assert_eq!(to, v4(PARENT_ADDR, 7500));
     assert_eq!((h.job, h.rank, h.seq, h.round, h.flags), (20, 1, 40, Round(5), abi::AGG_F_LAST_FRAGMENT));
     assert_eq!((s.held(), s.stats().upstream_sent, s.stats().upstream_held), (0, 1, 1), "the partial result is not the workers'");
     // Unacknowledged: resent after the RTO, to the parent only.
     out.clear();
     s.poll(t0 + Duration::from_secs(2), &mut out);
-    assert_eq!(aggs(&out).iter().map(|(to, h)| (*to, h.job, h.seq)).collect::<Vec<_>>(), vec![(SocketAddrV4::new(PARENT_ADDR, 7500), 20, 40)]);
+    assert_eq!(aggs(&out).iter().map(|(to, h)| (*to, h.job, h.seq)).collect::<Vec<_>>(), vec![(v4(PARENT_ADDR, 7500), 20, 40)]);
     assert_eq!(s.stats().upstream_resent, 1);
     // Another rank's ACK, or one from elsewhere, stops nothing.
     let mut other = ack(0, &[40]);
     other[4..6].copy_from_slice(&20u16.to_be_bytes());
-    s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &other, &mut out);
+    s.handle(t0, v4(PARENT_ADDR, 7501), &other, &mut out);
     assert_eq!(s.stats().refused_acks, 1);
-    s.handle(t0, SocketAddrV4::new(PARENT_ADDR, 7501), &parent_ack(&[40]), &mut out);
+    s.handle(t0, v4(PARENT_ADDR, 7501), &parent_ack(&[40]), &mut out);
     assert_eq!((s.stats().upstream_acks, s.stats().upstream_held), (1, 0));
     out.clear();
     s.poll(t0 + Duration::from_secs(10), &mut out);
@@ -348,11 +352,11 @@ fn a_leaf_acknowledges_the_parents_result_and_delivers_it_to_every_worker_until_
     let (t0, mut out) = (Instant::now(), Vec::new());
     s.handle(t0, worker(0), &result(5, 40, 0, true), &mut out);
     out.clear();
-    let from_parent = SocketAddrV4::new(PARENT_ADDR, 33333);
+    let from_parent = v4(PARENT_ADDR, 33333);
     s.handle(t0, from_parent, &parent_result(5, 40, 0, true), &mut out);
     // ACK to the parent's result port, under this node's rank in its job.
     let acks: Vec<_> = out.iter().filter_map(|t| AckMessage::decode(&t.datagram).ok().map(|a| (t.to, a.id, a.rank, a.bitmap.received().collect::<Vec<_>>()))).collect();
-    assert_eq!(acks, vec![(SocketAddrV4::new(PARENT_ADDR, 7501), 20, 1, vec![40])]);
+    assert_eq!(acks, vec![(v4(PARENT_ADDR, 7501), 20, 1, vec![40])]);
     // A copy to each worker, under this job's id, seq as it came.
     let copies: Vec<_> = aggs(&out).iter().map(|(to, h)| (*to, h.job, h.seq, h.is_result())).collect();
     assert_eq!(copies, (0..3).map(|r| (worker(r), JOB, 40, true)).collect::<Vec<_>>());
@@ -434,11 +438,11 @@ fn a_result_port_another_process_holds_fails_the_bind_and_names_the_job() {
         if port == 40000 { 40001 } else { 40000 }
     );
     let config = Config::parse(&text, "t.toml").expect("config");
-    let err = BoundJobs::bind(&config, vec![NODE]).expect_err("the port is taken");
+    let err = BoundJobs::bind(&config, vec![NODE.into()]).expect_err("the port is taken");
     let msg = format!("{err:#}");
     assert!(msg.contains("job 12") && msg.contains(&format!("result_port {port}")) && msg.contains("holds it"), "{msg}");
     drop(taken);
-    let bound = BoundJobs::bind(&config, vec![NODE]).expect("free again");
+    let bound = BoundJobs::bind(&config, vec![NODE.into()]).expect("free again");
     assert!(!bound.is_empty());
 }
 
@@ -449,7 +453,7 @@ fn a_served_tree_job_is_bound_with_its_parent() {
         "[[job]]\nid = 12\nport = 7600\nworkers = [\"10.0.0.1\"]\nresult_port = {port}\nresult_group = 1\nconsumer = \"node\"\nparent = {{ addr = \"10.0.9.1\", port = 7500, job = 20, rank = 3, result_port = 7501 }}\n\n{GROUP}"
     );
     let config = Config::parse(&text, "t.toml").expect("config");
-    let bound = BoundJobs::bind(&config, vec![NODE]).expect("bound");
+    let bound = BoundJobs::bind(&config, vec![NODE.into()]).expect("bound");
     let up = bound.add[0].1.upstream.as_ref().expect("the service sends upstream");
     assert_eq!(
         (up.contributions, up.acks_to, up.job, up.rank),
@@ -481,21 +485,21 @@ fn a_change_binds_only_new_ports_and_hands_a_removed_jobs_port_to_its_successor(
     // its socket passed on, nothing bound (the old one still holds q).
     let holder = UdpSocket::bind(("0.0.0.0", q)).unwrap();
     let new = Config::parse(&format!("{}{}{GROUP}", served_job(1, p, 4), served_job(2, q, 8)), "new.toml").unwrap();
-    let change = ServedChange::bind_change(&old, &new, vec![NODE]).expect("q passes on, nothing to bind");
+    let change = ServedChange::bind_change(&old, &new, vec![NODE.into()]).expect("q passes on, nothing to bind");
     assert_eq!(change.jobs(), (vec![2], vec![2]));
     assert!(matches!(change.add[0].0, JobSocket::TakeOver(port) if port == q));
     // Job 2 removed, job 3 takes its port: the same hand-over.
     let new = Config::parse(&format!("{}{}{GROUP}", served_job(1, p, 4), served_job(3, q, 4)), "new.toml").unwrap();
-    let change = ServedChange::bind_change(&old, &new, vec![NODE]).expect("q passes on");
+    let change = ServedChange::bind_change(&old, &new, vec![NODE.into()]).expect("q passes on");
     assert_eq!(change.jobs(), (vec![2], vec![3]));
     // A job on a port nobody of the old config held must bind it.
     drop(holder);
     let holder = UdpSocket::bind(("0.0.0.0", p)).unwrap();
     let new = Config::parse(&format!("{}{GROUP}", served_job(4, p, 4)), "new.toml").unwrap();
     let fresh = Config::default();
-    let err = ServedChange::bind_change(&fresh, &new, vec![NODE]).expect_err("p is held");
+    let err = ServedChange::bind_change(&fresh, &new, vec![NODE.into()]).expect_err("p is held");
     assert!(format!("{err:#}").contains("job 4"), "{err:#}");
     drop(holder);
     // Nothing changed: an empty change.
-    assert!(ServedChange::bind_change(&old, &old, vec![NODE]).unwrap().is_empty());
+    assert!(ServedChange::bind_change(&old, &old, vec![NODE.into()]).unwrap().is_empty());
 }
