@@ -1789,9 +1789,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	port_key = bpf_ntohs(udph->dest);
 	port = bpf_map_lookup_elem(&ports, &port_key);
 	if (!port || !port->jobs) {
-		/* Rings are IPv4 (docs/RING.md): an IPv6 datagram to a ring's
-		 * port is no ring's. */
-		index = s->family == AGGBOX_FAMILY_IPV4 ? bpf_map_lookup_elem(&ring_ports, &port_key) : NULL;
+		/* A ring's port, either IP version: the ring program checks the
+		 * version against the ring's members (docs/RING.md "XDP"). */
+		index = bpf_map_lookup_elem(&ring_ports, &port_key);
 		if (index && *index)
 			return AGGBOX_RING_CODE;
 		return result_from_network(nh.pos, data_end, len, s->l3_flags & L3_F_FRAGMENT, port_key);
