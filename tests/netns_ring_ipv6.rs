@@ -196,10 +196,10 @@ impl Bed {
             .join("\n")
     }
 
-    /// Udp6InCsumErrors of host `h`'s namespace (/proc/net/snmp6).
+    /// Udp6InCsumErrors of host `h`'s namespace (this thread's: /proc/net is the process's).
     fn udp6_csum_errors(&self, h: usize) -> u64 {
         testbed::in_netns(&self.tb.host(h).netns, || {
-            let text = std::fs::read_to_string("/proc/net/snmp6").unwrap_or_default();
+            let text = std::fs::read_to_string("/proc/thread-self/net/snmp6").unwrap_or_default();
             text.lines().find_map(|l| l.strip_prefix("Udp6InCsumErrors").map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0)
         })
         .expect("host namespace")
