@@ -18,8 +18,9 @@
  * Both IP versions (a ring's members are all of one): ring_parse_l3, a
  * global function, leaves the version, the source address and the header
  * offsets in ring_scratch, and everything after it is one path for both
- * (one verifier walk, not one per version) down to ring_set_ip, the global
- * function that writes the addresses and the checksum of the version.
+ * (one verifier walk, not one per version); what differs by version is in
+ * global functions too: ring_resolve (the next hop) and ring_set_ip_*
+ * (the addresses and the checksum of the version).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
