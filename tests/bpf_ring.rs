@@ -1,10 +1,14 @@
 //! The ring program (docs/RING.md "XDP") under BPF_PROG_TEST_RUN: one
 //! member (member 1 of 4) of a ring, datagrams built as its neighbours would
 //! send them. Adds, completion, stores, forwarding rewrite, duplicates,
-//! early and stale rounds, forged and malformed datagrams; every completed
-//! value is checked against the star's reference reducer. A ring removed
-//! leaves no entry, and a ring added where it was sees none of its results
-//! (docs/RING.md "Configuration").
+//! early and stale rounds, forged and malformed datagrams, VLAN tags, the
+//! chunked path of multi-buffer frames; every completed value is checked
+//! against the star's reference reducer. Each of these runs over a ring of
+//! IPv4 members and over one of IPv6 members (`ipv6_*`: the rewritten
+//! addresses and the UDP checksum of every forwarded frame checked, the
+//! checksum computed here). A ring removed leaves no entry, and a ring
+//! added where it was sees none of its results (docs/RING.md
+//! "Configuration").
 
 mod bpf_common;
 #[path = "../src/testing/bpffs.rs"]
@@ -12,13 +16,14 @@ mod bpf_common;
 mod bpffs;
 mod ring_entries;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use aggbox::kernel::xdp::XdpError;
 use aggbox::wire::abi::{self, Op, RingStat};
 use aggbox::wire::reducer::Accumulator;
 use aggbox::wire::ring;
 use bpf_common::ring::*;
-use bpf_common::{XDP_DROP, XDP_PASS};
+use bpf_common::{ip6_ext, Family, IP6_DSTOPTS, IP6_FRAGMENT, IP6_HOPOPTS, IP6_ROUTING, XDP_DROP, XDP_PASS};
 use libbpf_rs::{MapCore, MapFlags};
 
 fn input(n: u32, seed: i32) -> Vec<i32> {
@@ -49,12 +54,26 @@ fn partial(op: Op, f: u32, hops: u16, all: &[Vec<i32>], weights: &[i32], count: 
     out
 }
 
+/// A ring of 4 members of `family`, `vector_len` elements, member ME.
+fn ring_of(family: Family, vector_len: u32, weights: Vec<i32>) -> Ring {
+    Ring::of_family(family, vector_len, weights, FRAG, 0)
+}
+
 #[test]
 fn every_op_adds_completes_and_stores_like_the_star() {
+    every_op_case(Family::V4);
+}
+
+#[test]
+fn ipv6_every_op_adds_completes_and_stores_like_the_star() {
+    every_op_case(Family::V6);
+}
+
+fn every_op_case(family: Family) {
     let weights = vec![1, 3, 2, 1];
     for op in Op::ALL.into_iter().filter(|op| op.runs_in_ring()) {
         // 4 fragments: 8, 8, 8, 6 elements
-        let ring = Ring::new(30, weights.clone());
+        let ring = ring_of(family, 30, weights.clone());
         let all: Vec<Vec<i32>> = (0..4).map(|m| input(30, m + 1)).collect();
         let round = 5;
         ring.ready(round, op, &all[ME]);
@@ -63,7 +82,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let f = 0;
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 1, op, partial(op, f, 1, &all, &weights, n));
-        let (verdict, out) = ring.run(&d);
+        let (verdict, out) = ring.run_own(&d);
         assert_eq!(verdict, XDP_REDIRECT, "{op:?}: an added PARTIAL goes on");
         let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
         assert_eq!(got, partial(op, f, 2, &all, &weights, n), "{op:?}: member 1's elements added");
@@ -73,7 +92,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let f = 2;
         let n = ring.count_of(f) as usize;
         let d = Datagram::new(abi::RING_PARTIAL, round, f, 3, op, partial(op, f, 3, &all, &weights, n));
-        let (verdict, out) = ring.run(&d);
+        let (verdict, out) = ring.run_own(&d);
         assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a completed fragment goes on as FINAL");
         let (flags, got) = forwarded(&out, abi::RING_FINAL, 4);
         let slices: Vec<Vec<i32>> = all.iter().map(|v| v[(f * FRAG) as usize..(f * FRAG) as usize + n].to_vec()).collect();
@@ -84,7 +103,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         assert_eq!(ring.done(f).round_plus1, round + 1);
         assert_eq!(ring.ctrl().finals, 1, "{op:?}: counted for the runtime");
         // the same datagram again: a duplicate, nothing changes
-        let (verdict, _) = ring.run(&d);
+        let (verdict, _) = ring.run_own(&d);
         assert_eq!(verdict, XDP_DROP, "{op:?}: a second completion is a duplicate");
         assert_eq!(ring.ctrl().finals, 1);
         assert_eq!(ring.data(f)[..n], want[..]);
@@ -94,7 +113,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         let n = ring.count_of(f) as usize;
         let result: Vec<i32> = (0..n as i32).map(|i| i * 3 - 7).collect();
         let d = Datagram::new(abi::RING_FINAL, round, f, 4, op, result.clone());
-        let (verdict, out) = ring.run(&d);
+        let (verdict, out) = ring.run_own(&d);
         assert_eq!(verdict, XDP_REDIRECT, "{op:?}: a FINAL that is not the last goes on");
         let (_, got) = forwarded(&out, abi::RING_FINAL, 5);
         assert_eq!(got, result);
@@ -107,7 +126,7 @@ fn every_op_adds_completes_and_stores_like_the_star() {
         assert_eq!(n, 6, "the last fragment is short");
         let result: Vec<i32> = (0..n as i32).map(|i| 100 - i).collect();
         let d = Datagram::new(abi::RING_FINAL, round, f, 6, op, result.clone());
-        let (verdict, _) = ring.run(&d);
+        let (verdict, _) = ring.run_own(&d);
         assert_eq!(verdict, XDP_DROP, "{op:?}: the last FINAL ends here");
         assert_eq!(ring.data(f)[..n], result[..]);
         assert_eq!(ring.ctrl().finals, 3);
@@ -120,11 +139,20 @@ fn every_op_adds_completes_and_stores_like_the_star() {
 
 #[test]
 fn a_partial_sum_that_leaves_int32_saturates_and_says_so() {
-    let ring = Ring::new(8, vec![1, 1, 1, 1]);
+    saturation_case(Family::V4);
+}
+
+#[test]
+fn ipv6_a_partial_sum_that_leaves_int32_saturates_and_says_so() {
+    saturation_case(Family::V6);
+}
+
+fn saturation_case(family: Family) {
+    let ring = ring_of(family, 8, vec![1, 1, 1, 1]);
     let mine = vec![i32::MAX; 8];
     ring.ready(0, Op::Sum, &mine);
     let d = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![10; 8]);
-    let (verdict, out) = ring.run(&d);
+    let (verdict, out) = ring.run_own(&d);
     assert_eq!(verdict, XDP_REDIRECT);
     let (flags, got) = forwarded(&out, abi::RING_PARTIAL, 2);
     assert_eq!(flags & abi::RING_F_SATURATED, abi::RING_F_SATURATED);
@@ -134,34 +162,62 @@ fn a_partial_sum_that_leaves_int32_saturates_and_says_so() {
 
 #[test]
 fn rounds_not_ready_go_to_the_service_and_older_ones_are_dropped() {
-    let ring = Ring::new(16, vec![1, 1, 1, 1]);
+    rounds_case(Family::V4);
+}
+
+#[test]
+fn ipv6_rounds_not_ready_go_to_the_service_and_older_ones_are_dropped() {
+    rounds_case(Family::V6);
+}
+
+fn rounds_case(family: Family) {
+    let ring = ring_of(family, 16, vec![1, 1, 1, 1]);
     let d = Datagram::new(abi::RING_PARTIAL, 3, 0, 1, Op::Sum, vec![1; 8]);
     // nothing ready yet: the service holds it until the runtime's KICK
-    assert_eq!(ring.run(&d).0, XDP_PASS);
+    assert_eq!(ring.run_own(&d).0, XDP_PASS);
     ring.ready(3, Op::Sum, &[0; 16]);
     let early = Datagram { round: 4, ..d.clone() };
-    assert_eq!(ring.run(&early).0, XDP_PASS, "the next round: early");
+    assert_eq!(ring.run_own(&early).0, XDP_PASS, "the next round: early");
     let stale = Datagram { round: 2, ..d.clone() };
-    assert_eq!(ring.run(&stale).0, XDP_DROP, "an older round: stale");
+    assert_eq!(ring.run_own(&stale).0, XDP_DROP, "an older round: stale");
     let final_other = Datagram::new(abi::RING_FINAL, 2, 1, 4, Op::Sum, vec![1; 8]);
-    assert_eq!(ring.run(&final_other).0, XDP_DROP, "a FINAL of a round not ready: dropped");
+    assert_eq!(ring.run_own(&final_other).0, XDP_DROP, "a FINAL of a round not ready: dropped");
     assert_eq!(ring.stat(RingStat::Early), 2);
     assert_eq!(ring.stat(RingStat::Stale), 1);
     assert_eq!(ring.stat(RingStat::Duplicate), 1);
     let other_op = Datagram { op: Op::Max, ..d.clone() };
-    assert_eq!(ring.run(&other_op).0, XDP_DROP, "an op the runtime did not start: malformed");
+    assert_eq!(ring.run_own(&other_op).0, XDP_DROP, "an op the runtime did not start: malformed");
     assert_eq!(ring.ctrl().finals, 0);
 }
 
 #[test]
 fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
-    let ring = Ring::new(16, vec![1, 1, 1, 1]);
+    forged_case(Family::V4);
+}
+
+#[test]
+fn ipv6_forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
+    forged_case(Family::V6);
+}
+
+fn forged_case(family: Family) {
+    let ring = ring_of(family, 16, vec![1, 1, 1, 1]);
     ring.ready(0, Op::Sum, &[5; 16]);
-    let good = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![1; 8]);
-    let cases = [
-        ("a source that is not the member it names", Datagram { src: Ipv4Addr::new(10, 88, 0, 99), ..good.clone() }, RingStat::Forged),
-        ("hops that lead to another member", Datagram::new(abi::RING_PARTIAL, 0, 1, 1, Op::Sum, vec![1; 8]), RingStat::Forged),
-        ("a sender that is not transmission hops' sender", Datagram { sender: 2, src: members()[2], ..good.clone() }, RingStat::Forged),
+    let good = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![1; 8]).over(family);
+    let own = |d: Datagram| d.over(family);
+    // member 0's address in the other IP version, and IPv4-mapped
+    let sender4 = members()[0];
+    let other_version = match family {
+        Family::V4 => Family::V6.addr(sender4),
+        Family::V6 => IpAddr::V4(sender4),
+    };
+    let mapped = IpAddr::V6(sender4.to_ipv6_mapped());
+    let mut cases = vec![
+        ("a source that is not the member it names", own(Datagram { src: Ipv4Addr::new(10, 88, 0, 99).into(), ..good.clone() }), RingStat::Forged),
+        ("hops that lead to another member", own(Datagram::new(abi::RING_PARTIAL, 0, 1, 1, Op::Sum, vec![1; 8])), RingStat::Forged),
+        ("a sender that is not transmission hops' sender", own(Datagram { sender: 2, src: members()[2].into(), ..good.clone() }), RingStat::Forged),
+        ("the member's address in the other IP version", Datagram { src: other_version, ..good.clone() }, RingStat::Forged),
+        ("the member's IPv4 address, IPv4-mapped", Datagram { src: mapped, ..good.clone() }, RingStat::Forged),
         ("a count that is not the fragment's", Datagram { values: vec![1; 7], ..good.clone() }, RingStat::Malformed),
         ("a count field beyond the datagram", Datagram { count: Some(9), ..good.clone() }, RingStat::Malformed),
         ("a fragment beyond the vector", Datagram { frag: 4, ..good.clone() }, RingStat::Malformed),
@@ -169,6 +225,19 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
         ("a PARTIAL with FINAL's hops", Datagram { hops: 5, ..good.clone() }, RingStat::Malformed),
         ("a user-space op", Datagram { op: Op::Prod, ..good.clone() }, RingStat::Malformed),
     ];
+    match family {
+        Family::V4 => cases.push(("a first fragment (MF)", Datagram { ip_frag: Some(0x2000), ..good.clone() }, RingStat::Malformed)),
+        Family::V6 => {
+            // docs/RING.md "XDP": no member sends IPv6 extension headers or
+            // checksum 0; a first fragment goes the way IPv4's does
+            cases.push(("a Fragment header (first fragment)", Datagram { ip6_ext: vec![ip6_ext(IP6_FRAGMENT, 8, 0x0001)], ..good.clone() }, RingStat::Malformed));
+            cases.push(("an atomic Fragment header", Datagram { ip6_ext: vec![ip6_ext(IP6_FRAGMENT, 8, 0)], ..good.clone() }, RingStat::Malformed));
+            cases.push(("hop-by-hop options", Datagram { ip6_ext: vec![ip6_ext(IP6_HOPOPTS, 8, 0)], ..good.clone() }, RingStat::Malformed));
+            cases.push(("a routing header", Datagram { ip6_ext: vec![ip6_ext(IP6_ROUTING, 8, 0)], ..good.clone() }, RingStat::Malformed));
+            cases.push(("destination options", Datagram { ip6_ext: vec![ip6_ext(IP6_DSTOPTS, 16, 0)], ..good.clone() }, RingStat::Malformed));
+            cases.push(("UDP checksum 0", Datagram { udp_csum: Some(0), ..good.clone() }, RingStat::Malformed));
+        }
+    }
     for (what, d, stat) in cases {
         let before = ring.stat(stat);
         assert_eq!(ring.run(&d).0, XDP_DROP, "{what}");
@@ -178,7 +247,58 @@ fn forged_and_malformed_datagrams_are_dropped_and_change_nothing() {
     assert_eq!(ring.ctrl().finals, 0);
     assert_eq!(ring.stat(RingStat::Added), 0);
     // and the good one still goes through
-    assert_eq!(ring.run(&good).0, XDP_REDIRECT);
+    let (verdict, out) = ring.run(&good);
+    assert_eq!(verdict, XDP_REDIRECT);
+    assert_eq!(forwarded(&out, abi::RING_PARTIAL, 2).1, vec![6; 8]);
+}
+
+/// A non-first IPv6 fragment has no UDP header: no ring's, passed to the
+/// stack by the entry program untouched (as an IPv4 one).
+#[test]
+fn ipv6_a_later_fragment_passes_untouched() {
+    let ring = ring_of(Family::V6, 16, vec![1, 1, 1, 1]);
+    ring.ready(0, Op::Sum, &[5; 16]);
+    let d = Datagram { ip6_ext: vec![ip6_ext(IP6_FRAGMENT, 8, 0x0008)], ..Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![1; 8]).over(Family::V6) };
+    let frame = d.frame();
+    let (verdict, out) = ring.dp.test_runner().unwrap().run(&frame).unwrap();
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(out, frame, "untouched");
+    for s in RingStat::ALL {
+        assert_eq!(ring.stat(s), 0, "{s:?}: the ring program never saw it");
+    }
+}
+
+#[test]
+fn a_vlan_tagged_datagram_is_added_and_forwarded_with_its_tag() {
+    vlan_case(Family::V4);
+}
+
+#[test]
+fn ipv6_a_vlan_tagged_datagram_is_added_and_forwarded_with_its_tag() {
+    vlan_case(Family::V6);
+}
+
+fn vlan_case(family: Family) {
+    let weights = vec![1, 1, 1, 1];
+    let ring = ring_of(family, 30, weights.clone());
+    let all: Vec<Vec<i32>> = (0..4).map(|m| input(30, m + 1)).collect();
+    ring.ready(2, Op::Sum, &all[ME]);
+    let n = ring.count_of(0) as usize;
+    let d = Datagram { vlan: Some(0x0064), ..Datagram::new(abi::RING_PARTIAL, 2, 0, 1, Op::Sum, partial(Op::Sum, 0, 1, &all, &weights, n)) };
+    let (verdict, out) = ring.run_own(&d);
+    assert_eq!(verdict, XDP_REDIRECT);
+    assert_eq!(&out[12..16], &[0x81, 0x00, 0x00, 0x64], "the tag stays");
+    let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
+    assert_eq!(got, partial(Op::Sum, 0, 2, &all, &weights, n));
+    // the completer's FINAL, tagged
+    let f = 2;
+    let n = ring.count_of(f) as usize;
+    let d = Datagram { vlan: Some(0x0064), ..Datagram::new(abi::RING_PARTIAL, 2, f, 3, Op::Sum, partial(Op::Sum, f, 3, &all, &weights, n)) };
+    let (verdict, out) = ring.run_own(&d);
+    assert_eq!(verdict, XDP_REDIRECT);
+    let (_, got) = forwarded(&out, abi::RING_FINAL, 4);
+    assert_eq!(got, ring.data(f)[..n]);
+    assert_eq!((ring.stat(RingStat::Added), ring.stat(RingStat::Completed)), (1, 1));
 }
 
 #[test]
@@ -186,13 +306,21 @@ fn a_fragment_in_a_multi_buffer_frame_is_added_and_stored_in_chunks() {
     // The largest fragment, 16370 elements (a 65535-byte IPv4 datagram),
     // then 3000: datagrams of more than a page, so BPF_PROG_TEST_RUN hands
     // the frags chain multi-buffer frames.
-    chunked_case(16_370);
-    chunked_case(3000);
+    chunked_case(Family::V4, 16_370);
+    chunked_case(Family::V4, 3000);
 }
 
-fn chunked_case(big: u32) {
+/// The same over IPv6: the UDP checksum of every forwarded frame covers
+/// the payload in the frame's fragments.
+#[test]
+fn ipv6_a_fragment_in_a_multi_buffer_frame_is_added_and_stored_in_chunks() {
+    chunked_case(Family::V6, 16_370);
+    chunked_case(Family::V6, 3000);
+}
+
+fn chunked_case(family: Family, big: u32) {
     let weights = vec![2, 1, 1, 3];
-    let ring = Ring::with_frag(4 * big, weights.clone(), big);
+    let ring = Ring::of_family(family, 4 * big, weights.clone(), big, 0);
     let all: Vec<Vec<i32>> = (0..4).map(|m| input(4 * big, m + 5)).collect();
     for (round, op) in [Op::Sum, Op::Max, Op::Avg].into_iter().enumerate() {
         let round = round as u32;
@@ -212,13 +340,13 @@ fn chunked_case(big: u32) {
         };
         // an adder (fragment 0, transmission 1)
         let d = Datagram::new(abi::RING_PARTIAL, round, 0, 1, op, partial_of(0, 1));
-        let (verdict, out) = ring.run(&d);
+        let (verdict, out) = ring.run_own(&d);
         assert_eq!(verdict, XDP_REDIRECT, "{op:?}: chunked add goes on");
         let (_, got) = forwarded(&out, abi::RING_PARTIAL, 2);
         assert_eq!(got, partial_of(0, 2), "{op:?}: every chunk added");
         // the completer (fragment 2, transmission 3)
         let d = Datagram::new(abi::RING_PARTIAL, round, 2, 3, op, partial_of(2, 3));
-        let (verdict, out) = ring.run(&d);
+        let (verdict, out) = ring.run_own(&d);
         assert_eq!(verdict, XDP_REDIRECT);
         let (_, got) = forwarded(&out, abi::RING_FINAL, 4);
         let want = reference(op, &slice(2), &weights);
@@ -227,7 +355,7 @@ fn chunked_case(big: u32) {
         // a FINAL (fragment 1, transmission 4)
         let result: Vec<i32> = (0..n as i32).map(|i| i - 1500).collect();
         let d = Datagram::new(abi::RING_FINAL, round, 1, 4, op, result.clone());
-        assert_eq!(ring.run(&d).0, XDP_REDIRECT);
+        assert_eq!(ring.run_own(&d).0, XDP_REDIRECT);
         assert_eq!(ring.data(1), result, "{op:?}: the chunked store");
     }
 }
@@ -310,29 +438,50 @@ fn a_removed_ring_leaves_no_entry_and_a_ring_in_its_region_sees_none_of_its_resu
     drop(bpffs);
 }
 
-/// Rings are IPv4 (docs/RING.md): an AGR1 datagram over IPv6 to a ring's
-/// port is no ring's. The entry program passes it to the stack untouched
-/// (counted not_aggbox) and the ring program never sees it.
+/// A ring's members are of one IP version (docs/RING.md "XDP"): over the
+/// other version the datagram of a member is forged, whichever the ring's
+/// version; over its own it is the ring's.
 #[test]
-fn an_ipv6_datagram_to_a_rings_port_passes_untouched() {
-    let ring = Ring::new(16, vec![1, 1, 1, 1]);
-    ring.ready(3, Op::Sum, &[0; 16]);
-    let d = Datagram::new(abi::RING_PARTIAL, 3, 0, 1, Op::Sum, vec![1; 8]);
-    let v4 = d.frame();
-    let mut f = bpf_common::Frame::udp(bpf_common::Family::V6.addr(d.src), v4[bpf_common::PAYLOAD_OFF..].to_vec());
-    f.sport = d.port;
-    f.dport = d.port;
-    let frame = f.build();
-    let before = ring.dp.stats().unwrap();
-    let (verdict, out) = ring.dp.test_runner().unwrap().run(&frame).unwrap();
-    assert_eq!(verdict, XDP_PASS);
-    assert_eq!(out, frame, "untouched");
-    let after = ring.dp.stats().unwrap();
-    assert_eq!(bpf_common::stat_delta(&before, &after, "not_aggbox"), 1);
-    for s in RingStat::ALL {
-        assert_eq!(ring.stat(s), 0, "{s:?}: the ring program never saw it");
+fn a_datagram_in_the_other_ip_version_is_forged() {
+    for family in Family::ALL {
+        let ring = ring_of(family, 16, vec![1, 1, 1, 1]);
+        ring.ready(3, Op::Sum, &[0; 16]);
+        let d = Datagram::new(abi::RING_PARTIAL, 3, 0, 1, Op::Sum, vec![1; 8]);
+        let other = match family {
+            Family::V4 => d.clone().over(Family::V6),
+            Family::V6 => d.clone(),
+        };
+        let before = ring.dp.stats().unwrap();
+        assert_eq!(ring.run(&other).0, XDP_DROP, "{family:?} ring");
+        let after = ring.dp.stats().unwrap();
+        assert_eq!(bpf_common::stat_delta(&before, &after, "not_aggbox"), 0, "{family:?}: the ring's, not the stack's");
+        assert_eq!(ring.stat(RingStat::Forged), 1, "{family:?}");
+        assert_eq!(ring.run_own(&d).0, XDP_REDIRECT, "{family:?}: over its own version");
+        assert_eq!(ring.stat(RingStat::Added), 1);
     }
-    // The same datagram over IPv4 is the ring's.
-    assert_eq!(ring.run(&d).0, XDP_REDIRECT);
-    assert_eq!(ring.stat(RingStat::Added), 1);
+}
+
+/// `set_ring` takes members of one IP version, none IPv4-mapped; it
+/// refuses others before touching a map (the ring written before runs on).
+#[test]
+fn set_ring_refuses_a_mix_of_ip_versions_and_mapped_addresses() {
+    let ring = ring_of(Family::V6, 16, vec![1, 1, 1, 1]);
+    ring.ready(0, Op::Sum, &[0; 16]);
+    let mut mixed = bpf_common::ring::members_of(Family::V6);
+    mixed[2] = IpAddr::V4(members()[2]);
+    let mut mapped = bpf_common::ring::members_of(Family::V6);
+    mapped[3] = IpAddr::V6(members()[3].to_ipv6_mapped());
+    for (what, members, says) in [("mixed", mixed, "all of one IP version"), ("mapped", mapped, "IPv4-mapped")] {
+        match ring.dp.set_ring(ring.dense, &ring.job, &members) {
+            Err(XdpError::InvalidRing { ring: id, reason }) => {
+                assert_eq!(id, RING_ID);
+                assert!(reason.contains(says), "{what}: {reason}");
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let d = Datagram::new(abi::RING_PARTIAL, 0, 0, 1, Op::Sum, vec![1; 8]);
+    assert_eq!(ring.run_own(&d).0, XDP_REDIRECT, "the ring's entries are as they were");
+    let v6 = Ipv6Addr::from(0xfd00_0077_0000_0000_0000_0000_0a58_000bu128);
+    assert_eq!(bpf_common::ring::members_of(Family::V6)[0], IpAddr::V6(v6));
 }

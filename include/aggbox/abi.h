@@ -819,8 +819,10 @@ struct aggbox_ring_job {
 			    * odd rounds' follow (AGGBOX_RING_INDEX) */
 	__u32  weight_sum; /* host order: sum of the members' weights (AVG divisor) */
 	__s32  weight;     /* host order: this member's weight */
-	__be32 self_addr;  /* big-endian: this member's address (source of what it sends) */
-	__be32 next_addr;  /* big-endian: the next member's address */
+	__be32 self_addr;  /* big-endian: this member's IPv4 address (source of what it sends);
+			    * an IPv6 ring's are its ring_members entries [me] and
+			    * [(me + 1) % members], and these two are not read */
+	__be32 next_addr;  /* big-endian: the next member's IPv4 address */
 };
 _Static_assert(sizeof(struct aggbox_ring_job) == 40, "ring job is 40 bytes");
 

@@ -14,6 +14,13 @@
  * (aggbox_xdp.bpf.c) at AGGBOX_CALL_RING, which the loader fills with this
  * object's program of the loaded build (chain.h). Its maps are ring_maps.h;
  * ring_ports is the chain's own map, handed to this object at load.
+ *
+ * Both IP versions (a ring's members are all of one): ring_parse_l3, a
+ * global function, leaves the version, the source address and the header
+ * offsets in ring_scratch, and everything after it is one path for both
+ * (one verifier walk, not one per version); what differs by version is in
+ * global functions too: ring_resolve (the next hop) and ring_set_ip_*
+ * (the addresses and the checksum of the version).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -23,6 +30,8 @@
 #include "parse.h"
 #include "chain.h"
 #include "ring_maps.h"
+#define UDP_CSUM_SCRATCH struct ring_scratch
+#include "udp_csum.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -35,9 +44,9 @@ const volatile __u32 ring_frag_elems = 362;
  * and payloads that run on into a multi-buffer frame's fragments, take the
  * chunked path (ring_chunks), 128 elements a chunk. */
 #define RING_DIRECT_MAX_ELEMS 384
-#define RING_CHUNK_ELEMS 128
 
 #define RING_AF_INET 2
+#define RING_AF_INET6 10
 #define RING_NS_PER_SEC 1000000000ull
 #define RING_INT32_MAX 2147483647ll
 #define RING_INT32_MIN (-2147483648ll)
@@ -178,15 +187,7 @@ __noinline int ring_store(struct xdp_md *ctx, __u32 off, __u32 count, __u32 key)
  * function per op and COMPLETE handles one chunk (`start_n`: first element
  * << 16 | elements), each verified once; ring_chunks loops over them.
  */
-struct ring_scratch {
-	__be32 buf[RING_CHUNK_ELEMS];
-};
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct ring_scratch);
-} ring_scratch SEC(".maps");
+_Static_assert(sizeof(((struct ring_scratch *)0)->buf) == 4 * RING_CHUNK_ELEMS, "a chunk fits ring_scratch.buf");
 
 /* Keep `var` in one register from its bounds check to its use (else clang
  * may index with the check's parts separately, which the verifier cannot
@@ -342,33 +343,160 @@ static __always_inline void ring_publish(struct aggbox_ring_done *done, struct a
 		__sync_fetch_and_add(&ctrl->finals, 1);
 }
 
-/* The next member's next hop, from the cache or bpf_fib_lookup. 0: known. */
-static __always_inline int ring_next_hop(struct xdp_md *ctx, __u32 ridx, struct aggbox_ring_job *rj, __u16 tot_len,
-					 struct ring_nexthop *out)
+/* ring_scratch.l3_flags: what ring_parse_l3 found on the way to UDP. */
+#define RING_L3_F_FRAGMENT  0x1 /* IPv4 MF or fragment offset, or an IPv6 Fragment header */
+#define RING_L3_F_EXTENSION 0x2 /* IPv6 hop-by-hop, routing or destination options */
+#define RING_L3_F_ZERO_CSUM 0x4 /* IPv6 UDP checksum 0 (RFC 8200 section 8.1 forbids it) */
+#define RING_L3_F_OPTIONS   0x8 /* IPv4 options (the rewrite covers a 20-byte header) */
+/* What no ring member sends: dropped, counted malformed (docs/RING.md). */
+#define RING_L3_F_MALFORMED (RING_L3_F_FRAGMENT | RING_L3_F_EXTENSION | RING_L3_F_ZERO_CSUM)
+
+/* The UDP header of a datagram the program reads starts within this many
+ * bytes of the frame (as the entry program's AGGBOX_MAX_UDP_OFF, which
+ * hands nothing later to it). */
+#define RING_MAX_UDP_OFF 120
+
+/*
+ * The headers up to UDP, for either IP version: Ethernet [+ one VLAN tag],
+ * then IPv4 (IHL honoured, options skipped) or IPv6 (extension headers
+ * skipped: parse_ip6_ext, so a datagram that carries them is still found
+ * by its port, and counted), then the UDP header. Writes into ring_scratch
+ * the IP version, the source address as a member holds it (IPv4 in
+ * src[0], zeros after), the IP packet's length, the IP and UDP header
+ * offsets and RING_L3_F_* flags. Returns 0, or -1 for a frame that carries
+ * no UDP datagram the program reads (passed to the stack).
+ *
+ * A global function (verified once, for both versions): the program goes
+ * on from the offsets in ring_scratch, one verifier state whatever the
+ * version (aggbox_parse_l3's technique, docs/DATAPLANE.md).
+ */
+__noinline int ring_parse_l3(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct hdr_cursor nh = { .pos = data };
+	struct ring_scratch *sc;
+	struct udphdr *udph;
+	struct ethhdr *eth;
+	__u32 zero = 0, flags = 0, ext = 0;
+	__u64 off;
+	int proto;
+
+	sc = bpf_map_lookup_elem(&ring_scratch, &zero);
+	if (!sc)
+		return -1;
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	sc->ip_off = (__u16)(nh.pos - data);
+	if (proto == ETH_P_IP) {
+		struct iphdr *iph;
+
+		if (parse_iphdr(&nh, data_end, &iph) != IPPROTO_UDP_)
+			return -1;
+		if (bpf_ntohs(iph->frag_off) & (IP_MF | IP_OFFSET))
+			flags |= RING_L3_F_FRAGMENT;
+		if (iph->ihl != 5)
+			flags |= RING_L3_F_OPTIONS;
+		sc->family = AGGBOX_FAMILY_IPV4;
+		sc->src[0] = iph->saddr;
+		sc->src[1] = 0;
+		sc->src[2] = 0;
+		sc->src[3] = 0;
+		sc->ip_len = bpf_ntohs(iph->tot_len);
+	} else if (proto == ETH_P_IPV6) {
+		struct ipv6hdr *ip6h;
+
+		proto = parse_ip6hdr(&nh, data_end, &ip6h);
+		if (proto < 0 || parse_ip6_ext(&nh, data_end, proto, &ext) != IPPROTO_UDP_)
+			return -1;
+		if (ext & IP6_EXT_F_FRAGMENT)
+			flags |= RING_L3_F_FRAGMENT;
+		if (ext & IP6_EXT_F_OTHER)
+			flags |= RING_L3_F_EXTENSION;
+		sc->family = AGGBOX_FAMILY_IPV6;
+		sc->src[0] = ip6h->saddr.in6_u.u6_addr32[0];
+		sc->src[1] = ip6h->saddr.in6_u.u6_addr32[1];
+		sc->src[2] = ip6h->saddr.in6_u.u6_addr32[2];
+		sc->src[3] = ip6h->saddr.in6_u.u6_addr32[3];
+		sc->ip_len = sizeof(*ip6h) + bpf_ntohs(ip6h->payload_len);
+	} else {
+		return -1;
+	}
+	udph = nh.pos;
+	if ((void *)(udph + 1) > data_end)
+		return -1;
+	off = (void *)udph - data;
+	if (off > RING_MAX_UDP_OFF)
+		return -1;
+	if (sc->family == AGGBOX_FAMILY_IPV6 && udph->check == 0)
+		flags |= RING_L3_F_ZERO_CSUM;
+	sc->udp_off = (__u16)off;
+	sc->l3_flags = flags;
+	return 0;
+}
+
+/* This member's (`which` 0) or the next member's (1) entry of an IPv6 ring
+ * (ring_members [me], [(me + 1) % members]), NULL when it is not IPv6. */
+static __always_inline struct aggbox_rank *ring_member6(__u32 ridx, struct aggbox_ring_job *rj, __u32 which)
+{
+	struct aggbox_rank *m;
+	__u32 key;
+
+	if (rj->members < 2 || rj->members > AGGBOX_MAX_RANKS)
+		return NULL;
+	key = ridx * AGGBOX_MAX_RANKS + (rj->me + which) % rj->members;
+	m = bpf_map_lookup_elem(&ring_members, &key);
+	return m && m->family == AGGBOX_FAMILY_IPV6 ? m : NULL;
+}
+
+/*
+ * Resolve the next member's next hop into ring_nexthop[ridx], unless it
+ * was resolved less than a second ago: bpf_fib_lookup in the ring's IP
+ * version, from this member's address to the next member's (IPv4:
+ * ring_jobs' self_addr, next_addr; IPv6: ring_member6), with the
+ * datagram's length for the route's MTU. 0: known. A global function:
+ * verified once, whatever the version.
+ */
+__noinline int ring_resolve(struct xdp_md *ctx, __u32 ridx)
 {
 	struct ring_nexthop *nh = bpf_map_lookup_elem(&ring_nexthop, &ridx);
+	struct aggbox_ring_job *rj = bpf_map_lookup_elem(&ring_jobs, &ridx);
 	struct bpf_fib_lookup fib = {};
+	struct aggbox_rank *self, *next;
+	struct ring_scratch *sc;
 	__u64 now = bpf_ktime_get_ns();
+	__u32 zero = 0;
+	int i;
 
-	if (!nh)
+	sc = bpf_map_lookup_elem(&ring_scratch, &zero);
+	if (!nh || !rj || !sc)
 		return -1;
-	if (nh->resolved_ns && now - nh->resolved_ns < RING_NS_PER_SEC) {
-		*out = *nh;
+	if (nh->resolved_ns && now - nh->resolved_ns < RING_NS_PER_SEC)
 		return 0;
-	}
-	fib.family = RING_AF_INET;
 	fib.l4_protocol = IPPROTO_UDP_;
-	fib.tot_len = tot_len;
+	fib.tot_len = sc->ip_len > 0xffff ? 0xffff : sc->ip_len;
 	fib.ifindex = ctx->ingress_ifindex;
-	fib.ipv4_src = rj->self_addr;
-	fib.ipv4_dst = rj->next_addr;
+	if (sc->family == AGGBOX_FAMILY_IPV6) {
+		self = ring_member6(ridx, rj, 0);
+		next = ring_member6(ridx, rj, 1);
+		if (!self || !next)
+			return -1;
+		fib.family = RING_AF_INET6;
+#pragma unroll
+		for (i = 0; i < 4; i++) {
+			fib.ipv6_src[i] = self->addr[i];
+			fib.ipv6_dst[i] = next->addr[i];
+		}
+	} else {
+		fib.family = RING_AF_INET;
+		fib.ipv4_src = rj->self_addr;
+		fib.ipv4_dst = rj->next_addr;
+	}
 	if (bpf_fib_lookup(ctx, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 		return -1;
 	__builtin_memcpy(nh->dmac, fib.dmac, 6);
 	__builtin_memcpy(nh->smac, fib.smac, 6);
 	nh->ifindex = fib.ifindex;
 	nh->resolved_ns = now;
-	*out = *nh;
 	return 0;
 }
 
@@ -389,39 +517,105 @@ static __always_inline __u16 ring_ip_csum(struct iphdr *iph)
 }
 
 /*
- * Send the datagram to the next member, rewriting its headers (at `l3`: the
- * IPv4 header's offset, 20 bytes; re-derived from ctx: the add functions
- * ran in between).
+ * The IP part of sending a datagram on, once the rest of it is final:
+ * source = this member, destination = the next member, and the checksum
+ * of the version. IPv4: ring_jobs' self_addr and next_addr, the header
+ * checksum, UDP checksum 0 (none: the payload was rewritten in place).
+ * IPv6: ring_member6's addresses, hop limit as it came (as IPv4's TTL),
+ * and the UDP checksum over the whole datagram (udp_csum.h; IPv6 has no
+ * "no checksum"), also over a multi-buffer frame's fragments. 0, or -1
+ * when the headers are not where ring_scratch says (never). A global
+ * function per chain (verified once, whatever the version).
  */
-static __always_inline int ring_send_on(struct xdp_md *ctx, __u32 l3, struct aggbox_ring_job *rj,
-					struct ring_nexthop *nh, __u16 hops, __u32 saturated, __u8 kind)
+static __always_inline int ring_set_ip(struct xdp_md *ctx, __u32 ridx, const int linear)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct aggbox_ring_job *rj = bpf_map_lookup_elem(&ring_jobs, &ridx);
+	struct aggbox_rank *self, *next;
+	struct ring_scratch *sc;
+	struct udphdr *udph;
+	struct iphdr *iph;
+	__u32 zero = 0, ip_off, udp_off;
+	int i;
+
+	sc = bpf_map_lookup_elem(&ring_scratch, &zero);
+	if (!rj || !sc)
+		return -1;
+	CSUM_BOUNDED_OFF(ip_off, sc->ip_off);
+	CSUM_BOUNDED_OFF(udp_off, sc->udp_off);
+	if (sc->family == AGGBOX_FAMILY_IPV6) {
+		struct ipv6hdr *ip6h = data + ip_off;
+
+		self = ring_member6(ridx, rj, 0);
+		next = ring_member6(ridx, rj, 1);
+		if (!self || !next || (void *)(ip6h + 1) > data_end)
+			return -1;
+#pragma unroll
+		for (i = 0; i < 4; i++) {
+			ip6h->saddr.in6_u.u6_addr32[i] = self->addr[i];
+			ip6h->daddr.in6_u.u6_addr32[i] = next->addr[i];
+		}
+		return udp6_csum_write(ctx, sc, sizeof(struct udphdr) + sizeof(struct aggbox_ring_hdr), linear);
+	}
+	iph = data + ip_off;
+	udph = data + udp_off;
+	if ((void *)(iph + 1) > data_end || (void *)(udph + 1) > data_end)
+		return -1;
+	iph->saddr = rj->self_addr;
+	iph->daddr = rj->next_addr;
+	iph->check = ring_ip_csum(iph);
+	udph->check = 0;
+	return 0;
+}
+
+__noinline int ring_set_ip_frags(struct xdp_md *ctx, __u32 ridx)
+{
+	return ring_set_ip(ctx, ridx, 0);
+}
+
+__noinline int ring_set_ip_linear(struct xdp_md *ctx, __u32 ridx)
+{
+	return ring_set_ip(ctx, ridx, 1);
+}
+
+/*
+ * Send the datagram to the next member, rewriting its headers (their
+ * offsets from ring_scratch; the packet re-derived from ctx: the add
+ * functions ran in between): MACs of the next hop, UDP source port, the
+ * AGR1 fields, then the IP part (ring_set_ip, last: IPv6's checksum covers
+ * everything else).
+ */
+static __always_inline int ring_send_on(struct xdp_md *ctx, __u32 ridx, struct aggbox_ring_job *rj,
+					struct ring_nexthop *nh, __u16 hops, __u32 saturated, __u8 kind,
+					const int linear)
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	void *data = (void *)(long)ctx->data;
 	struct ethhdr *eth = data;
-	struct iphdr *iph;
-	struct udphdr *udph;
 	struct aggbox_ring_hdr *rh;
+	struct ring_scratch *sc;
+	struct udphdr *udph;
+	__u32 zero = 0, udp_off;
 
-	if (l3 > 18)
+	sc = bpf_map_lookup_elem(&ring_scratch, &zero);
+	if (!sc)
 		return XDP_DROP;
-	iph = data + l3;
-	udph = (void *)(iph + 1);
+	CSUM_BOUNDED_OFF(udp_off, sc->udp_off);
+	udph = data + udp_off;
 	rh = (void *)(udph + 1);
 	if ((void *)(eth + 1) > data_end || (void *)(rh + 1) > data_end)
-		return XDP_DROP;
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	__builtin_memcpy(eth->h_dest, nh->dmac, 6);
 	__builtin_memcpy(eth->h_source, nh->smac, 6);
-	iph->saddr = rj->self_addr;
-	iph->daddr = rj->next_addr;
-	iph->check = ring_ip_csum(iph);
 	udph->source = bpf_htons(rj->port);
-	udph->check = 0;
 	rh->kind = kind;
 	rh->hops = bpf_htons(hops + 1);
 	rh->sender = bpf_htons(rj->me);
 	if (saturated)
 		rh->flags |= AGGBOX_RING_F_SATURATED;
+	if ((linear ? ring_set_ip_linear(ctx, ridx) : ring_set_ip_frags(ctx, ridx)) < 0)
+		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	/* A redirect, also to the interface it came in on: XDP_TX on a veth
 	 * leaves the frame in the peer's ring until something else wakes the
 	 * peer (its NAPI is kicked only when it runs an XDP program), where a
@@ -439,20 +633,23 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	struct aggbox_ring_job *rj;
 	struct aggbox_ring_hdr *rh;
 	struct aggbox_rank *member;
-	struct ring_nexthop nh = {};
-	struct ethhdr *eth;
-	struct iphdr *iph;
+	struct ring_nexthop nh = {}, *cached;
+	struct ring_scratch *sc;
 	struct udphdr *udph;
-	__u32 ridx, *index, key, frag, count, want, round, n, origin, last, l3, off;
+	__u32 ridx, *index, key, frag, count, want, round, n, origin, last, udp_off, off, zero = 0;
 	__u16 hops, sender;
 	__u8 kind, op, rh_flags;
 	__be32 *payload;
 	int len, rc, complete, chunked;
 
-	if (parse_ethhdr(&cur, data_end, &eth) != ETH_P_IP)
+	/* Either IP version; from here on one path (ring_parse_l3). */
+	if (ring_parse_l3(ctx))
 		return XDP_PASS;
-	if (parse_iphdr(&cur, data_end, &iph) != IPPROTO_UDP_)
+	sc = bpf_map_lookup_elem(&ring_scratch, &zero);
+	if (!sc)
 		return XDP_PASS;
+	CSUM_BOUNDED_OFF(udp_off, sc->udp_off);
+	cur.pos = data + udp_off;
 	len = parse_udphdr(&cur, data_end, &udph);
 	if (len < 0)
 		return XDP_PASS;
@@ -468,9 +665,11 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	rh = cur.pos;
 	if ((void *)(rh + 1) > data_end || len < (int)sizeof(*rh))
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
+	/* An IP fragment (either version), IPv6 extension headers, an IPv6
+	 * UDP checksum 0: no member sends those. */
 	if (rh->magic != bpf_htonl(AGGBOX_MAGIC_RING) || bpf_ntohs(rh->ring) != rj->id ||
 	    rh->kind > AGGBOX_RING_KIND_LAST || (rh->flags & ~AGGBOX_RING_F_KNOWN) ||
-	    (bpf_ntohs(iph->frag_off) & (IP_MF | IP_OFFSET)))
+	    (sc->l3_flags & RING_L3_F_MALFORMED))
 		return ring_end(ridx, AGGBOX_RING_MALFORMED, XDP_DROP);
 	/* The service checks a KICK's source itself (it comes from lo). */
 	if (rh->kind == AGGBOX_RING_KICK)
@@ -481,7 +680,11 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
 	key = ridx * AGGBOX_MAX_RANKS + sender;
 	member = bpf_map_lookup_elem(&ring_members, &key);
-	if (!member || member->family != AGGBOX_FAMILY_IPV4 || member->addr[0] != iph->saddr)
+	/* The member's IP version and all 16 bytes of its address (an IPv4
+	 * source is src[0] and three zero words, as an IPv4 member's). */
+	if (!member || member->family != sc->family ||
+	    ((member->addr[0] ^ sc->src[0]) | (member->addr[1] ^ sc->src[1]) | (member->addr[2] ^ sc->src[2]) |
+	     (member->addr[3] ^ sc->src[3])))
 		return ring_end(ridx, AGGBOX_RING_FORGED, XDP_DROP);
 	if (rh->kind == AGGBOX_RING_NACK)
 		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
@@ -511,19 +714,18 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		ring_count(ridx, AGGBOX_RING_SATURATED);
 
 	payload = (__be32 *)(rh + 1);
-	/* The headers must be linear and 20 bytes of IPv4 (the checksum
+	/* The headers must be linear and an IPv4 header 20 bytes (the
 	 * rewrite covers 20). A payload that runs on into the frame's
 	 * fragments (multi-buffer) takes the chunked path on the frags chain;
 	 * the linear chain's kernels have no such frames. */
-	if (iph->ihl != 5)
+	if (sc->l3_flags & RING_L3_F_OPTIONS)
 		return ring_end(ridx, AGGBOX_RING_TO_SERVICE, XDP_PASS);
 	chunked = (void *)(payload + count) > data_end || count > RING_DIRECT_MAX_ELEMS;
 	if (chunked && (linear || bpf_xdp_get_buff_len(ctx) < (__u64)((void *)(payload + count) - data)))
 		return ring_end(ridx, linear ? AGGBOX_RING_TO_SERVICE : AGGBOX_RING_MALFORMED,
 				linear ? XDP_PASS : XDP_DROP);
-	/* offsets as constants the verifier can bound (no pointer difference) */
-	l3 = proto_is_vlan(bpf_ntohs(eth->h_proto)) ? sizeof(*eth) + sizeof(struct vlan_hdr) : sizeof(*eth);
-	off = l3 + sizeof(*iph) + sizeof(*udph) + sizeof(*rh);
+	/* the payload's offset as a bounded value (no pointer difference) */
+	off = udp_off + sizeof(*udph) + sizeof(*rh);
 	kind = rh->kind;
 	op = rh->op;
 	rh_flags = rh->flags;
@@ -549,8 +751,12 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	last = kind == AGGBOX_RING_FINAL && hops == 2 * n - 2;
 	/* Resolve the next hop before the datagram changes: when it is not
 	 * known the service gets the datagram as it arrived. */
-	if (!last && ring_next_hop(ctx, ridx, rj, bpf_ntohs(iph->tot_len), &nh))
-		return ring_end(ridx, AGGBOX_RING_NO_ROUTE, XDP_PASS);
+	if (!last) {
+		cached = ring_resolve(ctx, ridx) ? NULL : bpf_map_lookup_elem(&ring_nexthop, &ridx);
+		if (!cached)
+			return ring_end(ridx, AGGBOX_RING_NO_ROUTE, XDP_PASS);
+		nh = *cached;
+	}
 
 	if (kind == AGGBOX_RING_PARTIAL) {
 		complete = hops == n - 1;
@@ -572,7 +778,8 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 		}
 		if (rc)
 			ring_count(ridx, AGGBOX_RING_SATURATED);
-		return ring_send_on(ctx, l3, rj, &nh, hops, rc, complete ? AGGBOX_RING_FINAL : AGGBOX_RING_PARTIAL);
+		return ring_send_on(ctx, ridx, rj, &nh, hops, rc, complete ? AGGBOX_RING_FINAL : AGGBOX_RING_PARTIAL,
+				    linear);
 	}
 
 	/* FINAL */
@@ -584,7 +791,7 @@ static __always_inline int ring_stage(struct xdp_md *ctx, const int linear)
 	ring_count(ridx, AGGBOX_RING_STORED);
 	if (last)
 		return XDP_DROP;
-	return ring_send_on(ctx, l3, rj, &nh, hops, 0, AGGBOX_RING_FINAL);
+	return ring_send_on(ctx, ridx, rj, &nh, hops, 0, AGGBOX_RING_FINAL, linear);
 }
 
 /* CALL_RING of both chains. */

@@ -23,6 +23,8 @@
 #include "handoff.h"
 #include "chain.h"
 #include "ops.h"
+#define UDP_CSUM_SCRATCH struct aggbox_scratch
+#include "udp_csum.h"
 
 /* Internal code of a chain stage: more chunks to go (never counted). */
 #define AGGBOX_CONTINUE 100
@@ -1787,9 +1789,9 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 	port_key = bpf_ntohs(udph->dest);
 	port = bpf_map_lookup_elem(&ports, &port_key);
 	if (!port || !port->jobs) {
-		/* Rings are IPv4 (docs/RING.md): an IPv6 datagram to a ring's
-		 * port is no ring's. */
-		index = s->family == AGGBOX_FAMILY_IPV4 ? bpf_map_lookup_elem(&ring_ports, &port_key) : NULL;
+		/* A ring's port, either IP version: the ring program checks the
+		 * version against the ring's members (docs/RING.md "XDP"). */
+		index = bpf_map_lookup_elem(&ring_ports, &port_key);
 		if (index && *index)
 			return AGGBOX_RING_CODE;
 		return result_from_network(nh.pos, data_end, len, s->l3_flags & L3_F_FRAGMENT, port_key);
@@ -1925,166 +1927,21 @@ static __always_inline int aggbox_classify(struct xdp_md *ctx, struct aggbox_scr
 }
 
 /* ---------------------------------------------------------------------------
- * The UDP checksum of an IPv6 RESULT. IPv4 RESULTs carry checksum 0 (no
- * checksum: the payload was rewritten in place); IPv6 has no such value
- * (RFC 8200 section 8.1: the receiving stack drops a UDP datagram with
- * checksum 0), so the completing contribution computes the full checksum of
- * its rewritten datagram, pseudo-header included, once every other byte of
- * it is final: a pass over the datagram, for IPv6 RESULTs only.
+ * The UDP checksum of an IPv6 RESULT (udp_csum.h, the rule the ring program
+ * shares): the completing contribution computes the full checksum of its
+ * rewritten datagram once every other byte of it is final.
  * ------------------------------------------------------------------------- */
 
-/* Bytes one bpf_csum_diff call sums at most (the kernel's scratch buffer). */
-#define CSUM_PIECE 512
 _Static_assert(sizeof(((struct aggbox_scratch *)0)->buf) >= CSUM_PIECE, "a checksum piece fits scratch.buf");
-/* Whole pieces of the longest datagram each chain takes. */
-#define CSUM_PIECES_FRAGS (0x10000 / CSUM_PIECE)
-#define CSUM_PIECES_LINEAR (AGGBOX_LINEAR_MAX_FRAME / CSUM_PIECE + 1)
 
-/*
- * The one's-complement sum (unfolded, added into scratch.csum) of the
- * scratch.csum_words 4-byte words from the UDP header on: whole CSUM_PIECE
- * byte pieces with bpf_csum_diff (the kernel's csum_partial), straight from
- * the packet in the linear chain, through scratch.buf with
- * bpf_xdp_load_bytes in the frags chain (a multi-buffer frame's datagram
- * runs on into its fragments); then the rest, < CSUM_PIECE bytes: the
- * same way in the frags chain, 8 bytes at a time from the packet in the
- * linear one. Counts and offsets are read from scratch at each step and
- * the sum is kept there, so every exit of a loop reaches what follows in
- * one verifier state. 0, or -1 when the frame is shorter (a validated
- * length: never).
- */
-static __always_inline int udp_sum(struct xdp_md *ctx, struct aggbox_scratch *s, const int linear)
-{
-	const __u32 pieces = linear ? CSUM_PIECES_LINEAR : CSUM_PIECES_FRAGS;
-	void *data_end = (void *)(long)ctx->data_end;
-	void *data = (void *)(long)ctx->data;
-	__u32 i, off, base, rest, n;
-	void *p;
-	long r;
-
-	FAST_BOUNDED_OFF(base, s->udp_off);
-	s->csum = 0;
-	for (i = 0; i < pieces; i++) {
-		if (i >= *(volatile __u32 *)&s->csum_words / (CSUM_PIECE / 4))
-			break;
-		off = base + i * CSUM_PIECE;
-		if (linear) {
-			p = data + off;
-			if (p + CSUM_PIECE > data_end)
-				return -1;
-			r = bpf_csum_diff(NULL, 0, p, CSUM_PIECE, 0);
-		} else {
-			if (bpf_xdp_load_bytes(ctx, off, s->buf, CSUM_PIECE))
-				return -1;
-			r = bpf_csum_diff(NULL, 0, s->buf, CSUM_PIECE, 0);
-		}
-		if (r < 0)
-			return -1;
-		s->csum += (__u32)r;
-	}
-
-	/* The rest: its offset and length from scratch again. */
-	n = *(volatile __u32 *)&s->csum_words;
-	rest = 4 * (n % (CSUM_PIECE / 4));
-	off = n / (CSUM_PIECE / 4) * CSUM_PIECE;
-	asm volatile("" : "+r"(off));
-	if (off > pieces * CSUM_PIECE)
-		return -1;
-	off += base;
-	if (!rest)
-		return 0;
-	if (!linear) {
-		asm volatile("" : "+r"(rest));
-		if (rest < 4 || rest > CSUM_PIECE - 4)
-			return -1;
-		if (bpf_xdp_load_bytes(ctx, off, s->buf, rest))
-			return -1;
-		r = bpf_csum_diff(NULL, 0, s->buf, rest, 0);
-		if (r < 0)
-			return -1;
-		s->csum += (__u32)r;
-		return 0;
-	}
-	p = data + off;
-	for (i = 0; i < CSUM_PIECE / 8; i++) {
-		if (8 * i + 8 > *(volatile __u32 *)&s->csum_words % (CSUM_PIECE / 4) * 4)
-			break;
-		if (p + 8 > data_end)
-			return -1;
-		s->csum += *(__u32 *)p + (__u64) * (__u32 *)(p + 4);
-		p += 8;
-	}
-	/* An odd word count's last word. */
-	if (*(volatile __u32 *)&s->csum_words & 1) {
-		p = data + off + (rest & ~7u);
-		if (p + 4 > data_end)
-			return -1;
-		s->csum += *(__u32 *)p;
-	}
-	return 0;
-}
-
-/* A one's-complement sum folded to the 16 bits of a checksum field. */
-static __always_inline __u16 csum_fold64(__u64 sum)
-{
-	sum = (sum & 0xffffffff) + (sum >> 32);
-	sum = (sum & 0xffffffff) + (sum >> 32);
-	sum = (sum & 0xffff) + (sum >> 16);
-	sum = (sum & 0xffff) + (sum >> 16);
-	return (__u16)sum;
-}
-
-/*
- * Write the UDP checksum of the IPv6 RESULT this packet now is: the
- * pseudo-header (source, destination, UDP length, next header 17) and the
- * datagram with its checksum field 0, summed in the packet's byte order
- * (the fold of a one's-complement sum of native words is the checksum's
- * bytes as they sit in the packet: RFC 1071 2(B)). A computed 0 is sent
- * as 0xffff. Returns 0, or -1 when the headers or the datagram are not
- * where scratch says (never: the contribution was validated).
- */
 static __always_inline int udp6_result_csum(struct xdp_md *ctx, const int linear)
 {
-	void *data_end = (void *)(long)ctx->data_end;
-	void *data = (void *)(long)ctx->data;
-	struct aggbox_scratch *s;
-	struct ipv6hdr *ip6h;
-	struct udphdr *udph;
-	__u32 zero = 0, ip_off, udp_off, ulen, i;
-	__u64 sum;
-	__u16 check;
+	__u32 zero = 0;
+	struct aggbox_scratch *s = bpf_map_lookup_elem(&scratch, &zero);
 
-	s = bpf_map_lookup_elem(&scratch, &zero);
 	if (!s)
 		return -1;
-	FAST_BOUNDED_OFF(udp_off, s->udp_off);
-	udph = data + udp_off;
-	if ((void *)(udph + 1) > data_end)
-		return -1;
-	ulen = bpf_ntohs(udph->len);
-	if (ulen < sizeof(*udph) + sizeof(struct aggbox_agg_hdr) || (ulen & 3))
-		return -1;
-	udph->check = 0;
-	s->csum_words = ulen / 4;
-	if (udp_sum(ctx, s, linear))
-		return -1;
-
-	/* The packet pointers again: the calls above may have moved them. */
-	data_end = (void *)(long)ctx->data_end;
-	data = (void *)(long)ctx->data;
-	FAST_BOUNDED_OFF(ip_off, s->ip_off);
-	FAST_BOUNDED_OFF(udp_off, s->udp_off);
-	ip6h = data + ip_off;
-	udph = data + udp_off;
-	if ((void *)(ip6h + 1) > data_end || (void *)(udph + 1) > data_end)
-		return -1;
-	sum = s->csum + (__u64)bpf_htonl(ulen) + bpf_htonl(IPPROTO_UDP_);
-#pragma unroll
-	for (i = 0; i < 4; i++)
-		sum += (__u64)ip6h->saddr.in6_u.u6_addr32[i] + ip6h->daddr.in6_u.u6_addr32[i];
-	check = ~csum_fold64(sum);
-	udph->check = check ? check : 0xffff;
-	return 0;
+	return udp6_csum_write(ctx, s, sizeof(struct udphdr) + sizeof(struct aggbox_agg_hdr), linear);
 }
 
 /* udp6_result_csum of each chain as a global function: verified once, not

@@ -33,8 +33,9 @@ struct {
 } ring_jobs SEC(".maps");
 
 /* ring_members: dense ring index * AGGBOX_MAX_RANKS + member -> address
- * (struct aggbox_rank: the member's address, AGGBOX_FAMILY_IPV4 only: rings
- * are IPv4, and weight). */
+ * (struct aggbox_rank: the member's IP version and address, every member
+ * of a ring of one version; weight 0: weights are in ring_jobs). An IPv6
+ * ring sends from its entry [me] to its entry [(me + 1) % members]. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, AGGBOX_MAX_RINGS * AGGBOX_MAX_RANKS);
@@ -103,5 +104,32 @@ struct {
 	__type(key, __u32);
 	__type(value, struct ring_nexthop);
 } ring_nexthop SEC(".maps");
+
+/* ring_scratch: per CPU, what one datagram's run of the ring program keeps
+ * outside its stack (the ring program writes and reads it): the parsed
+ * headers (ring_parse_l3), one chunk of a multi-buffer payload
+ * (ring_chunks), the IPv6 checksum pass (udp_csum.h). */
+#define RING_CHUNK_ELEMS 128 /* elements of one chunk of ring_chunks */
+struct ring_scratch {
+	__be32 buf[RING_CHUNK_ELEMS] __attribute__((aligned(8)));
+			  /* one chunk (ring_chunks), or one piece of the IPv6
+			   * checksum pass (udp_csum.h) */
+	__be32 src[4];    /* the source address as a member's (struct
+			   * aggbox_rank.addr): IPv4 in src[0], zeros after */
+	__u64 csum;       /* the IPv6 checksum pass: the datagram's unfolded sum */
+	__u32 csum_words; /* its UDP length in 4-byte words */
+	__u32 ip_len;     /* the IP packet's length, headers included */
+	__u16 ip_off;     /* offset of the IPv4 or IPv6 header from ctx->data */
+	__u16 udp_off;    /* offset of the UDP header from ctx->data */
+	__u8  family;     /* AGGBOX_FAMILY_IPV4 or _IPV6 (ring_parse_l3) */
+	__u8  l3_flags;   /* RING_L3_F_* (ring_parse_l3) */
+	__u8  pad[2];
+};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct ring_scratch);
+} ring_scratch SEC(".maps");
 
 #endif /* AGGBOX_RING_MAPS_H */

@@ -270,7 +270,8 @@ impl StateTarget for Planes<'_> {
             Change::SetJob(job) => self.xdp.set_job(job.id, job).map_err(|e| anyhow!("job {}: {e}", job.id)),
             Change::RemoveRing(dense, job) => self.xdp.remove_ring(*dense, job).map_err(|e| anyhow!("removing ring {}: {e}", job.id)),
             Change::SetRing(dense, job, members) => {
-                self.xdp.set_ring(*dense, job, members).map_err(|e| anyhow!("ring {}: {e}", job.id))
+                let members: Vec<std::net::IpAddr> = members.iter().map(|&a| std::net::IpAddr::V4(a)).collect();
+                self.xdp.set_ring(*dense, job, &members).map_err(|e| anyhow!("ring {}: {e}", job.id))
             }
             Change::SetRoutes(id, routes) => {
                 let plane = tc("result route")?;

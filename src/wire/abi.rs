@@ -1177,9 +1177,10 @@ pub struct RingJob {
     pub base: u32,
     pub weight_sum: u32,
     pub weight: i32,
-    /// Big-endian (network order) IPv4 address.
+    /// Big-endian (network order) IPv4 address of this member; an IPv6
+    /// ring's addresses are its `ring_members` entries (not read: 0).
     pub self_addr: u32,
-    /// Big-endian (network order) IPv4 address.
+    /// Big-endian (network order) IPv4 address of the next member.
     pub next_addr: u32,
 }
 const _: () = assert!(core::mem::size_of::<RingJob>() == 40);

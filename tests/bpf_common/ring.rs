@@ -1,16 +1,17 @@
 //! A member of a 4-member ring under BPF_PROG_TEST_RUN (docs/RING.md
 //! "XDP"): member 1, its round made ready as the runtime does, and the
-//! datagrams its neighbours would send. Shared by tests/bpf_ring.rs and
-//! tests/bpf_ops_agree.rs.
+//! datagrams its neighbours would send, over IPv4 or IPv6 (the ring's
+//! [`Family`]: members 10.88.0.11.. or their twins fd00:77::a58:b..).
+//! Shared by tests/bpf_ring.rs and tests/bpf_ops_agree.rs.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aggbox::config::RingConfig;
 use aggbox::kernel::xdp::{Chain, RingPool, XdpPlane};
 use aggbox::wire::abi::{self, Op, RingStat};
 use libbpf_rs::{MapCore, MapFlags};
 
-use super::{ipv4_checksum, require_root, Frame};
+use super::{frame_offsets, ipv4_checksum, require_root, udp6_checksum_ok, Family, Frame};
 
 pub const XDP_REDIRECT: u32 = 4;
 pub const PORT: u16 = 7400;
@@ -24,6 +25,11 @@ pub fn members() -> Vec<Ipv4Addr> {
     (0..4).map(|i| Ipv4Addr::new(10, 88, 0, 11 + i)).collect()
 }
 
+/// The members' addresses of a ring of `family`.
+pub fn members_of(family: Family) -> Vec<IpAddr> {
+    members().into_iter().map(|a| family.addr(a)).collect()
+}
+
 pub struct Ring {
     pub dp: XdpPlane,
     pub cfg: RingConfig,
@@ -34,14 +40,19 @@ pub struct Ring {
     pub pool: RingPool,
     /// The round made ready last: `data` and `done` read its buffer.
     pub round: std::cell::Cell<u32>,
+    /// The IP version of the ring's members.
+    pub family: Family,
 }
 
 fn ring_config(id: u16, port: u16, vector_len: u32, weights: Vec<i32>, frag: u32) -> RingConfig {
     RingConfig { id, port, members: members().into_iter().map(std::net::IpAddr::V4).collect(), weights, vector_len, frag_elems: frag }
 }
 
-/// Ring `cfg`'s dense index and entry, member `ME`, at its place in `pool`.
-fn placed_job(cfg: &RingConfig, pool: &RingPool) -> (u32, abi::RingJob) {
+/// Ring `cfg`'s dense index and entry, member `ME`, at its place in `pool`;
+/// an IPv6 ring's `self_addr` and `next_addr` are 0 (the program reads
+/// its members' entries).
+fn placed_job(cfg: &RingConfig, pool: &RingPool, family: Family) -> (u32, abi::RingJob) {
+    let v4 = |a: Ipv4Addr| if family == Family::V4 { u32::from(a).to_be() } else { 0 };
     let place = pool.place_of(cfg.id).expect("placed");
     let job = abi::RingJob {
         id: cfg.id,
@@ -54,8 +65,8 @@ fn placed_job(cfg: &RingConfig, pool: &RingPool) -> (u32, abi::RingJob) {
         base: place.base,
         weight_sum: cfg.weight_sum(),
         weight: cfg.weights[ME],
-        self_addr: u32::from(members()[ME]).to_be(),
-        next_addr: u32::from(members()[ME + 1]).to_be(),
+        self_addr: v4(members()[ME]),
+        next_addr: v4(members()[ME + 1]),
     };
     (place.dense, job)
 }
@@ -74,14 +85,19 @@ impl Ring {
     /// [`Ring::with_frag`] with `pool_elems` more elements of ring memory
     /// (`[node] ring_pool`) for rings added later ([`Ring::replace`]).
     pub fn with_pool(vector_len: u32, weights: Vec<i32>, frag: u32, pool_elems: u32) -> Ring {
+        Ring::of_family(Family::V4, vector_len, weights, frag, pool_elems)
+    }
+
+    /// [`Ring::with_pool`] of members of `family`.
+    pub fn of_family(family: Family, vector_len: u32, weights: Vec<i32>, frag: u32, pool_elems: u32) -> Ring {
         require_root();
         let cfg = ring_config(RING_ID, PORT, vector_len, weights, frag);
         let pool = RingPool::reserve(std::slice::from_ref(&cfg), frag, pool_elems).expect("ring memory");
         let dp = XdpPlane::load_chain_with(Chain::detect().expect("chain"), pool.sizing()).expect("load with a ring");
-        let (dense, job) = placed_job(&cfg, &pool);
-        dp.set_ring(dense, &job, &members()).expect("set_ring");
+        let (dense, job) = placed_job(&cfg, &pool, family);
+        dp.set_ring(dense, &job, &members_of(family)).expect("set_ring");
         dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop"); // lo: the test run's ingress
-        Ring { dp, cfg, job, dense, pool, round: std::cell::Cell::new(0) }
+        Ring { dp, cfg, job, dense, pool, round: std::cell::Cell::new(0), family }
     }
 
     /// Remove this ring and put ring `id` on `port` of `vector_len`
@@ -91,8 +107,8 @@ impl Ring {
         self.dp.remove_ring(self.dense, &self.job).expect("remove_ring");
         let cfg = ring_config(id, port, vector_len, self.cfg.weights.clone(), self.cfg.frag_elems);
         self.pool = self.pool.place(std::slice::from_ref(&cfg)).expect("the new ring fits");
-        let (dense, job) = placed_job(&cfg, &self.pool);
-        self.dp.set_ring(dense, &job, &members()).expect("set_ring");
+        let (dense, job) = placed_job(&cfg, &self.pool, self.family);
+        self.dp.set_ring(dense, &job, &members_of(self.family)).expect("set_ring");
         self.dp.set_ring_next_hop(dense, NEXT_MAC, OWN_MAC, 1).expect("next hop");
         (self.cfg, self.job, self.dense) = (cfg, job, dense);
         self.round.set(0);
@@ -150,8 +166,18 @@ impl Ring {
         (self.cfg.vector_len - f * self.cfg.frag_elems).min(self.cfg.frag_elems)
     }
 
+    /// `d` through the program. The next hop is put into the cache again
+    /// first: it holds for a second, and on an emulated kernel (the
+    /// matrix's TCG guests) more than that can pass between two runs, when
+    /// the program would look the next hop up (no route: to the service).
     pub fn run(&self, d: &Datagram) -> (u32, Vec<u8>) {
+        self.dp.set_ring_next_hop(self.dense, NEXT_MAC, OWN_MAC, 1).expect("next hop");
         self.dp.test_runner().unwrap().run(&d.frame()).unwrap()
+    }
+
+    /// `d` as this ring's neighbours send it: over the ring's IP version.
+    pub fn run_own(&self, d: &Datagram) -> (u32, Vec<u8>) {
+        self.run(&d.clone().over(self.family))
     }
 }
 
@@ -168,8 +194,17 @@ pub struct Datagram {
     pub sender: u16,
     pub op: Op,
     pub values: Vec<i32>,
-    pub src: Ipv4Addr,
+    /// The IP source; the destination is member `ME` of the same version.
+    pub src: IpAddr,
     pub count: Option<u16>,
+    /// An 802.1Q tag (its TCI).
+    pub vlan: Option<u16>,
+    /// IPv6 extension headers before UDP ([`super::ip6_ext`]).
+    pub ip6_ext: Vec<(u8, Vec<u8>)>,
+    /// The UDP checksum field (default: 0 over IPv4, the right one over IPv6).
+    pub udp_csum: Option<u16>,
+    /// The IPv4 flags and fragment offset field (default DF).
+    pub ip_frag: Option<u16>,
 }
 
 impl Datagram {
@@ -187,9 +222,23 @@ impl Datagram {
             sender: sender as u16,
             op,
             values,
-            src: members()[sender],
+            src: members()[sender].into(),
             count: None,
+            vlan: None,
+            ip6_ext: Vec::new(),
+            udp_csum: None,
+            ip_frag: None,
         }
+    }
+
+    /// The same datagram over `family`: its source the IPv6 twin of an
+    /// IPv4 test address (or as it is).
+    pub fn over(self, family: Family) -> Datagram {
+        let src = match (family, self.src) {
+            (Family::V6, IpAddr::V4(a)) => family.addr(a),
+            (_, src) => src,
+        };
+        Datagram { src, ..self }
     }
 
     /// The same datagram of `ring`'s id and port.
@@ -214,30 +263,56 @@ impl Datagram {
             p.extend_from_slice(&v.to_be_bytes());
         }
         let mut f = Frame::udp(self.src, p);
-        f.dst = members()[ME].into();
+        f.dst = if self.src.is_ipv4() { members()[ME].into() } else { Family::V6.addr(members()[ME]) };
         f.sport = self.port;
         f.dport = self.port;
+        f.vlan = self.vlan;
+        f.ip6_ext = self.ip6_ext.clone();
+        f.udp_csum = self.udp_csum;
+        if let Some(frag) = self.ip_frag {
+            f.frag = frag;
+        }
         f.build()
     }
 }
 
-/// The payload of a forwarded frame, its header fields checked.
+/// The payload of a forwarded frame, its header fields checked: MACs of
+/// the next hop, source member `ME` and destination member `ME + 1` of
+/// the frame's IP version, TTL or hop limit as sent (64), ports, the IPv4
+/// header checksum and UDP checksum 0, or over IPv6 the UDP checksum
+/// (computed here over the whole datagram), the AGR1 fields.
 pub fn forwarded(out: &[u8], kind: u8, hops: u16) -> (u8, Vec<i32>) {
     assert_eq!(&out[0..6], &NEXT_MAC, "destination MAC of the next hop");
     assert_eq!(&out[6..12], &OWN_MAC, "source MAC of the next hop");
-    let ip = &out[14..34];
-    assert_eq!(ipv4_checksum(ip), 0, "IPv4 checksum of the rewritten header");
-    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[12..16]).unwrap()), members()[ME]);
-    assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[16..20]).unwrap()), members()[ME + 1]);
-    let udp = &out[34..42];
-    assert_eq!(u16::from_be_bytes([udp[0], udp[1]]), PORT);
-    assert_eq!(u16::from_be_bytes([udp[6], udp[7]]), 0, "UDP checksum cleared");
-    let rh = &out[42..66];
+    let (family, ip_off, udp_off) = frame_offsets(out).expect("an IP frame");
+    match family {
+        Family::V4 => {
+            let ip = &out[ip_off..ip_off + 20];
+            assert_eq!(ipv4_checksum(ip), 0, "IPv4 checksum of the rewritten header");
+            assert_eq!(ip[8], 64, "TTL as sent");
+            assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[12..16]).unwrap()), members()[ME]);
+            assert_eq!(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[16..20]).unwrap()), members()[ME + 1]);
+            assert_eq!(u16::from_be_bytes([out[udp_off + 6], out[udp_off + 7]]), 0, "UDP checksum cleared");
+        }
+        Family::V6 => {
+            let ip = &out[ip_off..ip_off + 40];
+            assert_eq!(ip[7], 64, "hop limit as sent");
+            let addr = |b: &[u8]| IpAddr::from(<[u8; 16]>::try_from(b).unwrap());
+            assert_eq!(addr(&ip[8..24]), members_of(Family::V6)[ME], "source: this member");
+            assert_eq!(addr(&ip[24..40]), members_of(Family::V6)[ME + 1], "destination: the next member");
+            assert!(udp6_checksum_ok(out), "the UDP checksum of the forwarded datagram");
+        }
+    }
+    let udp = &out[udp_off..udp_off + 8];
+    assert_eq!(u16::from_be_bytes([udp[0], udp[1]]), PORT, "source port");
+    assert_eq!(u16::from_be_bytes([udp[2], udp[3]]), PORT, "destination port");
+    let p = udp_off + 8;
+    let rh = &out[p..p + 24];
     assert_eq!(rh[6], kind, "kind");
     assert_eq!(u16::from_be_bytes([rh[16], rh[17]]), hops, "hops");
     assert_eq!(u16::from_be_bytes([rh[20], rh[21]]), ME as u16, "sender");
     let n = u16::from_be_bytes([rh[18], rh[19]]) as usize;
-    let vals = out[66..66 + 4 * n].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
+    let vals = out[p + 24..p + 24 + 4 * n].chunks(4).map(|c| i32::from_be_bytes(c.try_into().unwrap())).collect();
     (rh[7], vals)
 }
 

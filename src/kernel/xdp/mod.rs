@@ -114,6 +114,14 @@ pub enum XdpError {
         /// What is wrong.
         reason: String,
     },
+    /// A ring configuration was rejected before touching any map.
+    #[error("ring {ring}: {reason}")]
+    InvalidRing {
+        /// Ring id.
+        ring: u16,
+        /// What is wrong.
+        reason: String,
+    },
     /// BPF_PROG_TEST_RUN failed.
     #[error("BPF_PROG_TEST_RUN: {0}")]
     TestRun(#[source] libbpf_rs::Error),

@@ -3,6 +3,7 @@
 //! members, job entry, control block and port, its next hop, its memory
 //! maps and counters.
 
+use std::net::IpAddr;
 use std::os::fd::BorrowedFd;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
@@ -71,6 +72,24 @@ impl RingObject {
     }
 }
 
+/// Why `members` cannot be a ring's members in the kernel, or `None`: a
+/// mix of IPv4 and IPv6 (the ring program checks every sender's version
+/// against its member's, and sends in one version), or an IPv4-mapped IPv6
+/// address (no IPv6 datagram comes from one).
+fn ring_members_problem(members: &[IpAddr]) -> Option<String> {
+    if let Some(mapped) = members.iter().find(|a| matches!(a, IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some())) {
+        return Some(format!("member {mapped} is an IPv4-mapped IPv6 address; give an IPv4 ring its IPv4 addresses"));
+    }
+    let v4 = members.iter().filter(|a| a.is_ipv4()).count();
+    if v4 != 0 && v4 != members.len() {
+        return Some(format!(
+            "{v4} IPv4 and {} IPv6 members; a ring's members are all of one IP version",
+            members.len() - v4
+        ));
+    }
+    None
+}
+
 impl XdpPlane {
     /// Configure ring `dense` (docs/RING.md): its region of `ring_data` /
     /// `ring_done` (`job.base ..`, which must exist: [`super::RingPool`])
@@ -79,11 +98,21 @@ impl XdpPlane {
     /// addresses (weights in `job`), its job entry, and last its id and
     /// port, so a datagram never finds a port whose entries are not the
     /// ring's and a ring never sees another ring's results.
-    pub fn set_ring(&self, dense: u32, job: &abi::RingJob, members: &[std::net::Ipv4Addr]) -> Result<()> {
+    ///
+    /// `members` are all IPv4 or all IPv6 (an IPv4-mapped IPv6 address is
+    /// neither: write the IPv4 address), in ring order; a ring of another
+    /// kind is refused before any map is touched. An IPv4 ring sends from
+    /// `job.self_addr` to `job.next_addr`, an IPv6 ring from its member
+    /// `job.me` to member `(job.me + 1) % members` (its `self_addr` and
+    /// `next_addr` are not read).
+    pub fn set_ring(&self, dense: u32, job: &abi::RingJob, members: &[IpAddr]) -> Result<()> {
         let invalid = |map| XdpError::Map {
             map,
             source: libbpf_rs::Error::from(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
         };
+        if let Some(reason) = ring_members_problem(members) {
+            return Err(XdpError::InvalidRing { ring: job.id, reason });
+        }
         if dense >= abi::MAX_RINGS || members.len() != usize::from(job.members) || members.len() > abi::MAX_RANKS as usize {
             return Err(invalid(names::RING_JOBS));
         }
@@ -98,7 +127,7 @@ impl XdpPlane {
         zero(&self.ring.skel.maps.ring_data, names::RING_DATA, job.base, job.entries())?;
         self.zero_ring_entries(dense)?;
         for (i, addr) in members.iter().enumerate() {
-            let rank = abi::Rank::new(std::net::IpAddr::V4(*addr), 0);
+            let rank = abi::Rank::new(*addr, 0);
             update_array(&self.ring.skel.maps.ring_members, names::RING_MEMBERS, dense * abi::MAX_RANKS + i as u32, &rank)?;
         }
         update_array(&self.ring.skel.maps.ring_jobs, names::RING_JOBS, dense, job)?;
