@@ -18,7 +18,7 @@
 //! the same configs by `attach` and `reload`.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{anyhow, Result};
 
@@ -50,7 +50,7 @@ pub struct KernelState {
     /// Rings by dense index with their members (`ring_jobs`, `ring_index`,
     /// `ring_ports`, `ring_members`), each in its region of the ring memory
     /// reserved at load (`RingJob::base`, placed by `RingPool`).
-    pub rings: BTreeMap<u32, (abi::RingJob, Vec<Ipv4Addr>)>,
+    pub rings: BTreeMap<u32, (abi::RingJob, Vec<IpAddr>)>,
     /// Broadcast groups' root tables by id (`bcast_groups`).
     pub groups: BTreeMap<u16, Vec<SocketAddr>>,
     /// Result routes by job id (`result_routes`); only non-empty ones.
@@ -72,7 +72,7 @@ pub enum Change {
     /// unpublished, its entries cleared).
     RemoveRing(u32, abi::RingJob),
     /// Write a ring's entry (its region and index cleared first).
-    SetRing(u32, abi::RingJob, Vec<Ipv4Addr>),
+    SetRing(u32, abi::RingJob, Vec<IpAddr>),
     /// Write a job's routes.
     SetRoutes(u16, JobRoutes),
     /// Remove group `id`'s tables.
@@ -124,17 +124,12 @@ impl KernelState {
     ///
     /// # Errors
     ///
-    /// What the planes cannot hold yet: a ring of IPv6 members
-    /// ([`crate::node::ring_member`]).
+    /// None today: the planes take every configured job, group, route and
+    /// ring (the `Result` is for what a plane may refuse).
     pub fn of(config: &Config, iface_mtu: usize, ring_jobs: &[(u32, abi::RingJob)]) -> Result<KernelState> {
         let mut rings = BTreeMap::new();
         for ((dense, job), ring) in ring_jobs.iter().zip(&config.rings) {
-            let members = ring
-                .members
-                .iter()
-                .map(|&a| crate::node::ring_member(ring.id, a))
-                .collect::<Result<Vec<Ipv4Addr>>>()?;
-            rings.insert(*dense, (*job, members));
+            rings.insert(*dense, (*job, ring.members.clone()));
         }
         let mut groups = BTreeMap::new();
         for g in &config.groups {
@@ -270,8 +265,7 @@ impl StateTarget for Planes<'_> {
             Change::SetJob(job) => self.xdp.set_job(job.id, job).map_err(|e| anyhow!("job {}: {e}", job.id)),
             Change::RemoveRing(dense, job) => self.xdp.remove_ring(*dense, job).map_err(|e| anyhow!("removing ring {}: {e}", job.id)),
             Change::SetRing(dense, job, members) => {
-                let members: Vec<std::net::IpAddr> = members.iter().map(|&a| std::net::IpAddr::V4(a)).collect();
-                self.xdp.set_ring(*dense, job, &members).map_err(|e| anyhow!("ring {}: {e}", job.id))
+                self.xdp.set_ring(*dense, job, members).map_err(|e| anyhow!("ring {}: {e}", job.id))
             }
             Change::SetRoutes(id, routes) => {
                 let plane = tc("result route")?;

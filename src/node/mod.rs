@@ -386,28 +386,41 @@ pub fn attach_chain(
     Ok(attachment)
 }
 
-/// Message of a ring member the ring program cannot take.
-pub const RING_IPV6_REFUSED: &str = "rings over IPv6: not in this build (AGR1 is IPv4)";
-
-/// A configured ring member as the ring program's IPv4 address: the ring
-/// data plane (AGR1) is IPv4, so a ring of IPv6 members is refused.
-pub fn ring_member(ring: u16, addr: IpAddr) -> Result<Ipv4Addr> {
-    match addr {
-        IpAddr::V4(a) => Ok(a),
-        IpAddr::V6(_) => Err(anyhow!("aggbox: ring {ring}: member {addr}: {RING_IPV6_REFUSED}")),
+/// A ring entry's `self_addr` / `next_addr`: an IPv4 member's address
+/// (network order), 0 for an IPv6 one.
+fn ring_addr(a: IpAddr) -> u32 {
+    match a {
+        IpAddr::V4(a) => u32::from(a).to_be(),
+        IpAddr::V6(_) => 0,
     }
 }
 
 /// Each configured ring's dense index and entry of `ring_jobs`
 /// (docs/RING.md), in file order, at the place `pool` gives it
 /// ([`xdp::RingPool::place`]): this node's place in the ring is the member
-/// whose address is one of `iface`'s.
+/// whose address is one of `iface`'s. An IPv6 ring's entry has no
+/// `self_addr` / `next_addr` (0): the ring program reads its members'
+/// `ring_members` entries; its datagrams must fit `iface`'s MTU behind the
+/// 40-byte IPv6 header (at MTU 1500 at most 357 elements, where IPv4's
+/// default is 362).
 pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[IpAddr], pool: &xdp::RingPool) -> Result<Vec<(u32, abi::RingJob)>> {
     let mut out = Vec::with_capacity(config.rings.len());
     for ring in &config.rings {
         let n = ring.members.len();
-        let members = ring.members.iter().map(|&a| ring_member(ring.id, a)).collect::<Result<Vec<Ipv4Addr>>>()?;
-        let Some(me) = members.iter().position(|&a| node_addrs.contains(&IpAddr::V4(a))) else {
+        let members = &ring.members;
+        let v6 = members.first().is_some_and(IpAddr::is_ipv6);
+        if v6 {
+            let mtu = crate::netif::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))?;
+            let largest = crate::wire::proto::elements_per_fragment_in(mtu, true) as u32;
+            if ring.frag_elems > largest {
+                bail!(
+                    "aggbox: ring {}: frag_elems {} does not fit {iface}'s MTU {mtu} over IPv6 (at most {largest}): set frag_elems (or [node] ring_frag_elems) to {largest}",
+                    ring.id,
+                    ring.frag_elems
+                );
+            }
+        }
+        let Some(me) = members.iter().position(|a| node_addrs.contains(a)) else {
             bail!(
                 "aggbox: ring {}: this node is not a member: none of {iface}'s addresses ({}) is in members ({})",
                 ring.id,
@@ -427,8 +440,8 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[IpAddr], pool: &xdp
             base: place.base,
             weight_sum: ring.weight_sum(),
             weight: ring.weights[me],
-            self_addr: u32::from(members[me]).to_be(),
-            next_addr: u32::from(members[(me + 1) % n]).to_be(),
+            self_addr: ring_addr(members[me]),
+            next_addr: ring_addr(members[(me + 1) % n]),
         };
         if job.entries() != place.entries {
             bail!("aggbox: ring {}: {} entries placed for its {}", ring.id, place.entries, job.entries());

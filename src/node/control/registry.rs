@@ -592,7 +592,7 @@ impl Registry {
             ))];
         }
         if shape.ring.is_some() && data.is_ipv6() {
-            return vec![(conn, refuse(Refusal::Malformed, format!("rank {rank} asks for a ring from {data}: {}", crate::node::RING_IPV6_REFUSED)))];
+            return vec![(conn, refuse(Refusal::Malformed, format!("rank {rank} asks for a ring from {data}: rings on demand are IPv4 in this build (a [[ring]] of the nodes' files may be IPv6)")))];
         }
         if let Some((r, _)) = joining.ranks.iter().find(|(r, (a, _))| **r != rank && *a == data) {
             return vec![(conn, refuse(Refusal::Conflict, format!("{data} is rank {r}'s data socket in run {run}")))];
