@@ -13,7 +13,7 @@
 //! Python objects, and other Python threads (a DDP backward pass) go on
 //! meanwhile.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
@@ -114,9 +114,9 @@ fn parse_quantization(q: &Bound<'_, PyAny>) -> PyResult<Quantization> {
     }
 }
 
-fn parse_ipv4(what: &str, s: &str) -> PyResult<Ipv4Addr> {
+fn parse_ip(what: &str, s: &str) -> PyResult<IpAddr> {
     s.parse()
-        .map_err(|_| PyValueError::new_err(format!("{what} '{s}' is not an IPv4 address")))
+        .map_err(|_| PyValueError::new_err(format!("{what} '{s}' is not an IP address (IPv4 A.B.C.D or IPv6)")))
 }
 
 /// `rank` (0..workers) is a worker, `None` the aggregator's application.
@@ -514,7 +514,7 @@ fn tree_parent(tree: &Bound<'_, PyDict>) -> PyResult<TreeParent> {
 
 /// `connect(ring=...)`: this rank's own node's control endpoint, its pin
 /// directory and the ring threshold (elements), if given.
-fn ring_member(ring: &Bound<'_, PyDict>) -> PyResult<(SocketAddrV4, PathBuf, Option<usize>)> {
+fn ring_member(ring: &Bound<'_, PyDict>) -> PyResult<(SocketAddr, PathBuf, Option<usize>)> {
     for k in ring.keys() {
         let k: String = k.extract()?;
         if !["node", "pins", "threshold"].contains(&k.as_str()) {
@@ -553,11 +553,11 @@ impl PyCommunicator {
         let peers = peers
             .iter()
             .map(|p| {
-                p.parse::<SocketAddrV4>()
-                    .map_err(|_| PyValueError::new_err(format!("peer '{p}' is not IPv4:PORT")))
+                p.parse::<SocketAddr>()
+                    .map_err(|_| PyValueError::new_err(format!("peer '{p}' is not IPv4:PORT or [IPv6]:PORT")))
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let aggregator = parse_ipv4("aggregator", aggregator)?;
+        let aggregator = parse_ip("aggregator", aggregator)?;
         let b = Communicator::builder(job, peers, aggregator, port, participant(rank))
             .backend(parse_backend(backend)?)
             .result_port(result_port);
@@ -619,7 +619,7 @@ impl PyCommunicator {
             (None, Some(_)) => return Err(PyValueError::new_err("pin_dir without ring")),
         };
         let config = Config::load(&path).map_err(|e| ConfigError::new_err(e.to_string()))?;
-        let aggregator = parse_ipv4("aggregator", aggregator)?;
+        let aggregator = parse_ip("aggregator", aggregator)?;
         let jobs: Vec<u16> = match job.extract::<u16>() {
             Ok(j) => vec![j],
             Err(_) => job.extract().map_err(|_| {
@@ -718,7 +718,7 @@ impl PyCommunicator {
             .iter()
             .map(|n| n.parse().map_err(|_| PyValueError::new_err(format!("node {n:?}: the control endpoint as IP:PORT"))))
             .collect::<PyResult<Vec<std::net::SocketAddr>>>()?;
-        let data: SocketAddrV4 = data
+        let data: SocketAddr = data
             .parse()
             .map_err(|_| PyValueError::new_err(format!("data {data:?}: this rank's data socket as IP:PORT")))?;
         let credential = match (tenant, key) {
@@ -989,7 +989,7 @@ fn group_data_port(config: &Config, job: u16, rank: Option<u16>) -> PyResult<u16
     group
         .members
         .iter()
-        .find(|m| m.ip() == addr)
+        .find(|m| m.ip() == *addr)
         .map(|m| m.port())
         .ok_or_else(need)
 }

@@ -473,10 +473,11 @@ def _node_address(opts: Options) -> str:
     node = opts.node or os.environ.get(ENV_NODE)
     if not node:
         raise ValueError(
-            f'backend "aggbox": the node\'s control endpoint is unknown: set {ENV_NODE}=IP:PORT '
+            f'backend "aggbox": the node\'s control endpoint is unknown: set {ENV_NODE}=IP:PORT or [IPv6]:PORT '
             "(or pass pg_options=aggbox.torch.Options(node=...))"
         )
-    return node if ":" in node else f"{node}:{DEFAULT_CONTROL_PORT}"
+    host, port = _host_port(node)
+    return _socket_text(host, int(port) if port else DEFAULT_CONTROL_PORT)
 
 
 def _file_job(opts: Options, rank: int) -> Optional[dict]:
@@ -517,22 +518,40 @@ def _file_job(opts: Options, rank: int) -> Optional[dict]:
     return args
 
 
+def _host_port(text: str) -> Tuple[str, str]:
+    """ "A.B.C.D:PORT", "[IPv6]:PORT", "A.B.C.D", "[IPv6]" or a bare IPv6
+    address as (address, port or "")."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else ""
+    if text.count(":") > 1:  # a bare IPv6 address
+        return text, ""
+    host, _, port = text.partition(":")
+    return host, port
+
+
+def _socket_text(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def _data_address(opts: Options, node: str) -> str:
     """This rank's data socket: AGGBOX_DATA's (or the options') address, else
-    the local address of the route to the node; its port, else a free one."""
-    given = opts.data or os.environ.get(ENV_DATA) or ""
-    ip, _, port = given.partition(":")
+    the local address of the route to the node (of the node's IP version);
+    its port, else a free one."""
+    ip, port = _host_port(opts.data or os.environ.get(ENV_DATA) or "")
     if not ip:
-        host, _, p = node.rpartition(":")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        host, p = _host_port(node)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((host, int(p)))  # no packet: it only picks the route
             ip = s.getsockname()[0]
     if port and int(port) not in _PORTS_TAKEN:
         _PORTS_TAKEN.add(int(port))
-        return f"{ip}:{port}"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return _socket_text(ip, int(port))
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.bind((ip, 0))
-        return f"{ip}:{s.getsockname()[1]}"
+        return _socket_text(ip, s.getsockname()[1])
 
 
 def _path_of(paths: List[str]) -> str:
