@@ -17,7 +17,7 @@
 //! stderr, prefixed `aggbox-mpi: rank R:` (R: the MPI_COMM_WORLD rank).
 
 use std::ffi::c_int;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -133,8 +133,8 @@ struct FileJobs {
     /// `world_workers[r]`, which is how another communicator's processes
     /// are matched to a job's workers.
     world_job: u16,
-    world_workers: Vec<Ipv4Addr>,
-    node: Ipv4Addr,
+    world_workers: Vec<IpAddr>,
+    node: IpAddr,
     /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port (other jobs take
     /// theirs from their result groups: one socket per job).
     data_port: Option<u16>,
@@ -299,8 +299,8 @@ fn read_settings(rank: c_int, size: c_int) -> Result<Settings, String> {
             job.workers.len()
         ));
     }
-    let node: Ipv4Addr = env_parsed(ENV_NODE)?
-        .ok_or_else(|| format!("{ENV_NODE} is not set: the IPv4 address of the node that runs `aggbox attach` for job {}", job.id))?;
+    let node: IpAddr = env_parsed(ENV_NODE)?
+        .ok_or_else(|| format!("{ENV_NODE} is not set: the IP address of the node that runs `aggbox attach` for job {}", job.id))?;
     let ring = ring::read(rank, &config, &path, &job.workers)?;
     let file = FileJobs {
         ring,
@@ -373,7 +373,7 @@ fn prepare(settings: &Settings, file: &FileJobs, job: u16, rank: c_int, size: c_
     let group_port = job
         .result_group
         .and_then(|g| file.config.group(g))
-        .and_then(|g| g.members.iter().find(|m| *m.ip() == me))
+        .and_then(|g| g.members.iter().find(|m| m.ip() == me))
         .map(|m| m.port());
     let data_port = if job.id == file.world_job {
         file.data_port.or(group_port).ok_or_else(|| {
@@ -415,7 +415,7 @@ fn prepare(settings: &Settings, file: &FileJobs, job: u16, rank: c_int, size: c_
 
 /// Builds the session prepared by [`prepare`], its first call at `round`,
 /// `agg_seq` (agreed by every rank of the communicator).
-fn open(p: Pending, node: Ipv4Addr, tuner: Tuner, round: u32, agg_seq: u32, ring: Option<(&ring::RingChoice, &Config)>) -> Result<Session, String> {
+fn open(p: Pending, node: IpAddr, tuner: Tuner, round: u32, agg_seq: u32, ring: Option<(&ring::RingChoice, &Config)>) -> Result<Session, String> {
     let Pending {
         builder,
         job,
@@ -614,7 +614,7 @@ pub unsafe extern "C" fn aggbox_mpi_comm_job(
     let Some(addrs) = ranks
         .iter()
         .map(|&r| usize::try_from(r).ok().and_then(|r| file.world_workers.get(r).copied()))
-        .collect::<Option<Vec<Ipv4Addr>>>()
+        .collect::<Option<Vec<IpAddr>>>()
     else {
         return AGGBOX_MPI_NOT_SERVED;
     };

@@ -9,7 +9,7 @@
 //! keeps the session or falls back (AGGBOX_MPI_FALLBACK).
 
 use std::ffi::c_int;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use aggbox::runtime::control::{stripe_socket, Credential, JobShape, RunCommunicator, RunJob};
@@ -55,7 +55,7 @@ pub(crate) struct OnDemand {
     world: c_int,
     /// This process's data address: AGGBOX_MPI_DATA, else the local
     /// address that routes to the first node.
-    data_ip: Ipv4Addr,
+    data_ip: IpAddr,
     /// AGGBOX_MPI_DATA_PORT: MPI_COMM_WORLD's data port (stripe t's: plus
     /// t); free ports otherwise (and always for the other communicators'
     /// jobs).
@@ -138,10 +138,10 @@ impl JoinedComm {
 fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, String> {
     let nodes = parse_nodes(&env(ENV_NODE).ok_or_else(|| format!("{ENV_NODE} is not set"))?)?;
     let credential = Credential::from_env().map_err(plain)?;
-    let data_ip = match env_parsed::<Ipv4Addr>(ENV_DATA)? {
+    let data_ip = match env_parsed::<IpAddr>(ENV_DATA)? {
         Some(ip) => ip,
         None => route_to(nodes[0]).map_err(|e| {
-            format!("no local address routes to the node {} ({e}): set {ENV_DATA} to this process's IPv4 address", nodes[0])
+            format!("no local address routes to the node {} ({e}): set {ENV_DATA} to this process's IP address", nodes[0])
         })?,
     };
     let fallback = match env(ENV_FALLBACK).as_deref() {
@@ -155,7 +155,7 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
         return Err(format!("AGGBOX_MPI_RING=demand with {} nodes in {ENV_NODE}: a run with a ring joins one node", nodes.len()));
     }
     let demand = OnDemand {
-        nodes: nodes.into_iter().map(SocketAddr::V4).collect(),
+        nodes,
         credential,
         run: run.to_string(),
         world: size,
@@ -168,17 +168,18 @@ fn read_on_demand(rank: c_int, size: c_int, run: &str) -> Result<Settings, Strin
     read_common(rank, Source::OnDemand(demand))
 }
 
-/// AGGBOX_MPI_NODE's control endpoints: `IPv4[:PORT]` (port default
-/// 7471, `[node] control`'s), comma-separated, each node once, in stripe
-/// order.
-fn parse_nodes(text: &str) -> Result<Vec<SocketAddrV4>, String> {
+/// AGGBOX_MPI_NODE's control endpoints: `IPv4[:PORT]`, `[IPv6]:PORT` or
+/// a bare IPv6 address (port default 7471, `[node] control`'s),
+/// comma-separated, each node once, in stripe order.
+fn parse_nodes(text: &str) -> Result<Vec<SocketAddr>, String> {
     let default_port = aggbox::config::DEFAULT_CONTROL.port();
-    let mut nodes: Vec<SocketAddrV4> = Vec::new();
+    let mut nodes: Vec<SocketAddr> = Vec::new();
     for part in text.split(',').map(str::trim) {
-        let node = match part.parse::<Ipv4Addr>() {
-            Ok(ip) => SocketAddrV4::new(ip, default_port),
+        let bare = part.strip_prefix('[').and_then(|p| p.strip_suffix(']')).unwrap_or(part);
+        let node = match bare.parse::<IpAddr>() {
+            Ok(ip) => SocketAddr::new(ip, default_port),
             Err(_) => part.parse().map_err(|_| {
-                format!("{ENV_NODE}={text:?}: expected each node's control endpoint as IPv4[:PORT] (port default {default_port}), comma-separated; {part:?} is not one")
+                format!("{ENV_NODE}={text:?}: expected each node's control endpoint as IPv4[:PORT] or [IPv6]:PORT (port default {default_port}), comma-separated; {part:?} is not one")
             })?,
         };
         if nodes.contains(&node) {
@@ -193,19 +194,16 @@ fn parse_nodes(text: &str) -> Result<Vec<SocketAddrV4>, String> {
 /// t on its port plus t ([`stripe_socket`]), the port `fixed` or the first
 /// of `stripes` consecutive free ports, which the returned sockets hold
 /// (bound) until the communicators bind them.
-fn data_ports(ip: Ipv4Addr, fixed: Option<u16>, stripes: usize) -> Result<(SocketAddrV4, Vec<UdpSocket>), String> {
+fn data_ports(ip: IpAddr, fixed: Option<u16>, stripes: usize) -> Result<(SocketAddr, Vec<UdpSocket>), String> {
     if let Some(port) = fixed {
-        let data = SocketAddrV4::new(ip, port);
+        let data = SocketAddr::new(ip, port);
         stripe_socket(data, stripes - 1).map_err(plain)?;
         return Ok((data, Vec::new()));
     }
     const TRIES: usize = 64;
     for _ in 0..TRIES {
         let first = UdpSocket::bind((ip, 0)).map_err(|e| format!("a free UDP port on {ip} ({ENV_DATA}): {e}"))?;
-        let data = match first.local_addr().map_err(|e| format!("a free UDP port: {e}"))? {
-            SocketAddr::V4(a) => a,
-            other => return Err(format!("a free UDP port on {ip}: bound to {other}")),
-        };
+        let data = first.local_addr().map_err(|e| format!("a free UDP port on {ip}: {e}"))?;
         let mut held = vec![first];
         for t in 1..stripes {
             match stripe_socket(data, t).ok().and_then(|at| UdpSocket::bind(at).ok()) {
@@ -229,13 +227,14 @@ fn plain(e: aggbox::runtime::CommError) -> String {
     }
 }
 
-/// The local IPv4 address from which this process reaches `node`: a
-/// connected UDP socket's (no datagram is sent).
-fn route_to(node: SocketAddrV4) -> std::io::Result<Ipv4Addr> {
-    let probe = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+/// The local address (of `node`'s IP version) from which this process
+/// reaches `node`: a connected UDP socket's (no datagram is sent).
+fn route_to(node: SocketAddr) -> std::io::Result<IpAddr> {
+    let any: IpAddr = if node.is_ipv6() { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
+    let probe = UdpSocket::bind((any, 0))?;
     probe.connect(node)?;
     match probe.local_addr()? {
-        SocketAddr::V4(a) if !a.ip().is_unspecified() => Ok(*a.ip()),
+        a if !a.ip().is_unspecified() => Ok(a.ip()),
         other => Err(std::io::Error::other(format!("the route's source is {other}"))),
     }
 }
@@ -288,7 +287,7 @@ pub(crate) fn join(settings: &Settings, demand: &OnDemand, members: &[c_int], ra
         let credential = demand.credential.clone();
         let shape = match ring {
             Some(r) => {
-                let own = r.node.unwrap_or_else(|| SocketAddrV4::new(demand.data_ip, node.port()));
+                let own = r.node.unwrap_or_else(|| SocketAddr::new(demand.data_ip, node.port()));
                 JobShape { vector_len: Some(r.len), ring: Some(own), ..JobShape::default() }
             }
             None => JobShape::default(),
@@ -488,18 +487,23 @@ mod tests {
         let nodes = parse_nodes("10.77.0.11:7481, 10.77.0.16").unwrap();
         assert_eq!(nodes, ["10.77.0.11:7481".parse().unwrap(), "10.77.0.16:7471".parse().unwrap()]);
         assert_eq!(parse_nodes("10.77.0.11").unwrap().len(), 1);
-        for bad in ["", "10.77.0.11,", "10.77.0.11;10.77.0.16", "node:7471", "10.77.0.11:7471,10.77.0.11"] {
+        for bad in ["", "10.77.0.11,", "10.77.0.11;10.77.0.16", "node:7471", "10.77.0.11:7471,10.77.0.11", "fd00::1:7471:x", "[fd00::1"] {
             assert!(parse_nodes(bad).is_err(), "{bad:?}");
         }
+        // IPv6: bracketed with a port, bracketed or bare without one.
+        let nodes = parse_nodes("[fd00:10:77::11]:7481, fd00:10:77::16, [fd00:10:77::17]").unwrap();
+        let want: Vec<SocketAddr> =
+            ["[fd00:10:77::11]:7481", "[fd00:10:77::16]:7471", "[fd00:10:77::17]:7471"].iter().map(|a| a.parse().unwrap()).collect();
+        assert_eq!(nodes, want);
     }
 
     #[test]
     fn a_rank_holds_one_free_port_per_stripe_consecutive() {
-        let ip = Ipv4Addr::LOCALHOST;
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
         let (data, held) = data_ports(ip, None, 3).unwrap();
         assert_eq!(held.len(), 3);
         for (t, socket) in held.iter().enumerate() {
-            assert_eq!(socket.local_addr().unwrap(), SocketAddr::V4(stripe_socket(data, t).unwrap()));
+            assert_eq!(socket.local_addr().unwrap(), stripe_socket(data, t).unwrap());
         }
         // A fixed port is the caller's: nothing held, but it must leave room
         // for every stripe.

@@ -7,7 +7,7 @@
 //! `from_config(ring=...)` and `connect(ring=...)` do.
 
 use std::ffi::c_int;
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use aggbox::config::Config;
@@ -43,7 +43,7 @@ pub(crate) struct RingChoice {
 pub(crate) struct DemandRing {
     /// This rank's own node's control endpoint (AGGBOX_MPI_RING_NODE), or
     /// none: this process's data address on the first node's control port.
-    pub(crate) node: Option<SocketAddrV4>,
+    pub(crate) node: Option<SocketAddr>,
     /// The ring's length in elements (AGGBOX_MPI_RING_LEN): larger calls
     /// take the star.
     pub(crate) len: u32,
@@ -91,7 +91,7 @@ pub(crate) fn read_on_demand(rank: c_int) -> Result<Option<DemandRing>, String> 
             };
             let node = match env(ENV_RING_NODE) {
                 None => None,
-                Some(v) => Some(v.parse().map_err(|_| format!("{ENV_RING_NODE}={v:?}: this rank's own node's control endpoint as IPv4:PORT"))?),
+                Some(v) => Some(v.parse().map_err(|_| format!("{ENV_RING_NODE}={v:?}: this rank's own node's control endpoint as IPv4:PORT or [IPv6]:PORT"))?),
             };
             Ok(Some(DemandRing { node, len, pin_dir, algorithm, threshold }))
         }
@@ -102,7 +102,7 @@ pub(crate) fn read_on_demand(rank: c_int) -> Result<Option<DemandRing>, String> 
 /// The ring variables of world rank `rank`, checked against `config`
 /// (`path`): `None` without AGGBOX_MPI_RING; an error naming the variable
 /// for anything else that is wrong.
-pub(crate) fn read(rank: c_int, config: &Config, path: &str, world: &[std::net::Ipv4Addr]) -> Result<Option<RingChoice>, String> {
+pub(crate) fn read(rank: c_int, config: &Config, path: &str, world: &[IpAddr]) -> Result<Option<RingChoice>, String> {
     let Some(id) = env_parsed::<u16>(ENV_RING)? else {
         none_without_ring()?;
         return Ok(None);
