@@ -641,3 +641,30 @@ class GilReleased(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class OverIPv6(unittest.TestCase):
+    """The same socket-backend job with every address IPv6 (`[::1]:PORT`):
+    exact int32 sums and a mixed-family job refused naming both forms."""
+
+    def test_int32_allreduce_over_ipv6_loopback(self):
+        job_port = fresh_port()
+        peers = [f"[::1]:{fresh_port()}" for _ in range(WORKERS)]
+        kw = dict(backend="socket", deadline=10.0, mtu=1500)
+        agg = aggbox.Communicator(8, peers, "::1", job_port, None, **kw)
+        ranks = [aggbox.Communicator(8, peers, "::1", job_port, r, **kw) for r in range(WORKERS)]
+        try:
+            bufs = [ints(r, 1000) for r in range(WORKERS)]
+            fns = [lambda c=c, b=b: c.allreduce(b, op="sum") for c, b in zip(ranks, bufs)]
+            fns.append(lambda: agg.allreduce(np.zeros(1000, dtype=np.int32), op="sum"))
+            run_all(fns)
+            want = np.sum([ints(r, 1000).astype(np.int64) for r in range(WORKERS)], axis=0)
+            for b in bufs:
+                self.assertTrue(np.array_equal(b.astype(np.int64), want))
+        finally:
+            for c in [agg, *ranks]:
+                c.close()
+
+    def test_a_peer_that_is_not_an_address_names_the_forms(self):
+        with self.assertRaisesRegex(ValueError, r"IPv4:PORT or \[IPv6\]:PORT"):
+            aggbox.Communicator(8, ["::1:5000"], "::1", fresh_port(), 0)
