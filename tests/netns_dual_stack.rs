@@ -27,7 +27,6 @@ mod impair;
 mod live_attach;
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::Duration;
 
@@ -35,7 +34,7 @@ use aggbox::config::Config;
 use aggbox::runtime::control::{Credential, RunCommunicator};
 use aggbox::runtime::{BackendKind, Collective, Communicator, CommunicatorBuilder, Participant};
 use aggbox::wire::abi::Op;
-use live_attach::LiveAttach;
+use live_attach::{KeyFile, LiveAttach};
 use testbed::{Testbed, TestbedConfig};
 
 const WORKERS: usize = 4;
@@ -174,26 +173,6 @@ fn assert_reduced_in_kernel(attach: &LiveAttach, jobs: &[u16]) {
     }
 }
 
-/// A key file of one tenant, mode 0600, removed when dropped.
-struct KeyFile(std::path::PathBuf);
-
-impl KeyFile {
-    fn new(tag: &str) -> KeyFile {
-        let dir = std::env::temp_dir().join(format!("aggbox-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("keys.toml");
-        std::fs::write(&path, format!("[[tenant]]\nname = \"training\"\nkey = \"{KEY}\"\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        KeyFile(dir)
-    }
-}
-
-impl Drop for KeyFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn an_ipv6_only_lan_gets_jobs_on_demand_and_config_jobs_served() {
     require_root();
@@ -205,11 +184,11 @@ fn an_ipv6_only_lan_gets_jobs_on_demand_and_config_jobs_served() {
             .expect("ip addr flush");
         assert!(out.status.success(), "flushing host {h}'s IPv4 addresses: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let keys = KeyFile::new("ipv6-only");
+    let keys = KeyFile::new("ipv6-only", &[("training", KEY)]);
     let w6: Vec<IpAddr> = (1..=WORKERS).map(|h| IpAddr::V6(v6(&tb, h))).collect();
     let text = format!(
         "[node]\nmetrics = \"[::1]:9475\"\nkeys = \"{}\"\ncontrol = \"[::]:{CONTROL_PORT}\"\n\n{}",
-        keys.0.join("keys.toml").display(),
+        keys.dir.join("keys.toml").display(),
         job_text(JOB6, 7610, &w6, 6, DATA_PORT6)
     );
     let attach = LiveAttach::start(&tb.host(0).netns, "ipv6-only", &text, &[]);

@@ -17,14 +17,13 @@ mod live_attach;
 mod impair;
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use aggbox::runtime::control::{Credential, RunJob};
 use aggbox::wire::control::{read_frame, write_frame, Envelope, Refusal, Reply, Request};
 use aggbox::runtime::Collective;
 use aggbox::wire::abi::Op;
-use live_attach::LiveAttach;
+use live_attach::{KeyFile, LiveAttach};
 use testbed::{Testbed, TestbedConfig};
 
 const WORKERS: usize = 4;
@@ -34,35 +33,6 @@ const KEY: &str = "5ee0c0ffee5ee0c0ffee5ee0c0ffee5ee0c0ffee5ee0c0ffee5ee0c0ffee5
 
 fn credential(key: &str) -> Credential {
     Credential { tenant: "training".into(), key: hex::decode(key).unwrap() }
-}
-
-/// A node's key file of `tenants` (name, hex key), mode 0600, in a
-/// directory of its own that is removed when dropped (on failure too).
-struct KeyFile {
-    dir: std::path::PathBuf,
-}
-
-impl KeyFile {
-    fn new(tag: &str, tenants: &[(&str, &str)]) -> KeyFile {
-        let dir = std::env::temp_dir().join(format!("aggbox-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let text: String = tenants.iter().map(|(name, key)| format!("[[tenant]]\nname = \"{name}\"\nkey = \"{key}\"\n\n")).collect();
-        std::fs::write(dir.join("keys.toml"), text).unwrap();
-        std::fs::set_permissions(dir.join("keys.toml"), std::fs::Permissions::from_mode(0o600)).unwrap();
-        KeyFile { dir }
-    }
-
-    /// The `[node]` table of a node that serves jobs on demand with this
-    /// key file, its metrics at `metrics` ("off" or an address).
-    fn node_config(&self, metrics: &str) -> String {
-        format!("[node]\nmetrics = \"{metrics}\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", self.dir.join("keys.toml").display())
-    }
-}
-
-impl Drop for KeyFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// Rank `r`'s int32 input of `n` elements.

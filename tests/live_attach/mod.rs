@@ -127,3 +127,32 @@ impl Drop for LiveAttach {
         let _ = std::fs::remove_file(&self.config);
     }
 }
+
+/// A node's key file of `tenants` (name, hex key), mode 0600, in a
+/// directory of its own that is removed when dropped (on failure too).
+pub struct KeyFile {
+    pub dir: std::path::PathBuf,
+}
+
+impl KeyFile {
+    pub fn new(tag: &str, tenants: &[(&str, &str)]) -> KeyFile {
+        let dir = std::env::temp_dir().join(format!("aggbox-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text: String = tenants.iter().map(|(name, key)| format!("[[tenant]]\nname = \"{name}\"\nkey = \"{key}\"\n\n")).collect();
+        std::fs::write(dir.join("keys.toml"), text).unwrap();
+        std::fs::set_permissions(dir.join("keys.toml"), <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600)).unwrap();
+        KeyFile { dir }
+    }
+
+    /// The `[node]` table of a node that serves jobs on demand with this
+    /// key file, its metrics at `metrics` ("off" or an address).
+    pub fn node_config(&self, metrics: &str) -> String {
+        format!("[node]\nmetrics = \"{metrics}\"\nuserspace_path = \"optional\"\nkeys = \"{}\"\n", self.dir.join("keys.toml").display())
+    }
+}
+
+impl Drop for KeyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
