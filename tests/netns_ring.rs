@@ -45,6 +45,9 @@ use testbed::{Testbed, TestbedConfig};
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const FRAG: u32 = 362;
+/// The largest ring fragment over IPv6 at MTU 1500 (a 40-byte header,
+/// an even count).
+const FRAG6: u32 = 356;
 /// Each member's /metrics, in its own namespace.
 const METRICS_PORT: u16 = 9481;
 const OPS: [Op; 5] = [Op::Sum, Op::Count, Op::Max, Op::Min, Op::Avg];
@@ -83,6 +86,8 @@ struct Bed {
     /// The `[node]` keys every member's file has besides metrics and
     /// userspace_path.
     node_keys: String,
+    /// The members are the hosts' IPv6 addresses (a dual-stack testbed).
+    ipv6: bool,
 }
 
 impl Bed {
@@ -92,7 +97,12 @@ impl Bed {
 
     /// [`Bed::up`] with `node_keys` in every member's `[node]` section.
     fn up_with(tag: &str, members: usize, weights: Vec<i32>, rings: Vec<RingSpec>, node_keys: &str) -> Bed {
-        let tb = Testbed::up(TestbedConfig { hosts: members, xdp_tx: true, ..Default::default() }).expect("testbed");
+        Bed::up_family(tag, members, weights, rings, node_keys, false)
+    }
+
+    /// [`Bed::up_with`], the members' addresses IPv6 ones with `ipv6`.
+    fn up_family(tag: &str, members: usize, weights: Vec<i32>, rings: Vec<RingSpec>, node_keys: &str, ipv6: bool) -> Bed {
+        let tb = Testbed::up(TestbedConfig { hosts: members, xdp_tx: true, ipv6, ..Default::default() }).expect("testbed");
         let mut bed = Bed {
             comms: Vec::new(),
             injector: impair::Injector::new(),
@@ -102,6 +112,7 @@ impl Bed {
             weights,
             config: Config::default(),
             node_keys: node_keys.to_string(),
+            ipv6,
         };
         let text = bed.config_text(&bed.rings);
         bed.config = Config::parse(&text, "netns_ring").expect("ring config");
@@ -115,13 +126,23 @@ impl Bed {
 
     /// Every member's config file with `rings`.
     fn config_text(&self, rings: &[RingSpec]) -> String {
-        let addrs: Vec<String> = (0..self.tb.len()).map(|h| format!("\"{}\"", self.tb.host(h).addr)).collect();
+        let addrs: Vec<String> = (0..self.tb.len())
+            .map(|h| {
+                let host = self.tb.host(h);
+                if self.ipv6 {
+                    format!("\"{}\"", host.addr6.expect("a dual-stack testbed"))
+                } else {
+                    format!("\"{}\"", host.addr)
+                }
+            })
+            .collect();
+        let frag = if self.ipv6 { FRAG6 } else { FRAG };
         let ws: Vec<String> = self.weights.iter().map(i32::to_string).collect();
         let mut text =
             format!("[node]\nmetrics = \"127.0.0.1:{METRICS_PORT}\"\nuserspace_path = \"optional\"\n{}\n\n", self.node_keys);
         for r in rings {
             text += &format!(
-                "[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nweights = [{}]\nvector_len = {}\nfrag_elems = {FRAG}\n\n",
+                "[[ring]]\nid = {}\nport = {}\nmembers = [{}]\nweights = [{}]\nvector_len = {}\nfrag_elems = {frag}\n\n",
                 r.id,
                 r.port,
                 addrs.join(", "),
@@ -415,6 +436,41 @@ fn four_members_every_op_and_size_under_loss() {
         assert!(s.nacks_sent > s0.nacks_sent && s.resends > s0.resends, "the ring services repaired the loss ({s:?})");
         bed.impair(0.0, 0.0);
     }
+}
+
+/// A ring of the hosts' IPv6 addresses (a `[[ring]]` of IPv6 members):
+/// every op exact at 1 element, one fragment and 7 fragments and 5, with
+/// most hops made by the XDP ring program over IPv6, and under 1 % loss
+/// and duplication (injected, repaired by the services' NACKs).
+#[test]
+fn four_members_over_ipv6_every_op_under_loss() {
+    require_root();
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let rings = vec![
+        RingSpec { id: 50, port: 7500, len: 1 },
+        RingSpec { id: 51, port: 7501, len: FRAG6 },
+        RingSpec { id: 52, port: 7502, len: FRAG6 * 7 + 5 },
+    ];
+    let mut bed = Bed::up_family("r6", 4, vec![1, 2, 1, 3], rings, "", true);
+    for k in 0..bed.rings.len() {
+        for (i, op) in OPS.into_iter().enumerate() {
+            bed.allreduce(k, op, i);
+        }
+    }
+    let xdp = bed.xdp_total(52, "added") + bed.xdp_total(52, "stored");
+    assert!(xdp > 0, "the XDP ring program made hops of the IPv6 ring\n{}", bed.counters(52));
+    bed.impair(0.01, 0.01);
+    let before = bed.injector.counts();
+    for k in 0..bed.rings.len() {
+        for (i, op) in [Op::Sum, Op::Max].into_iter().enumerate() {
+            for round in 0..5 {
+                bed.allreduce(k, op, 20 + 2 * round + i);
+            }
+        }
+    }
+    let c = bed.injector.counts() - before;
+    bed.impair(0.0, 0.0);
+    assert!(c.dropped > 0, "the injector dropped ({c:?})");
 }
 
 #[test]

@@ -401,8 +401,8 @@ fn ring_addr(a: IpAddr) -> u32 {
 /// whose address is one of `iface`'s. An IPv6 ring's entry has no
 /// `self_addr` / `next_addr` (0): the ring program reads its members'
 /// `ring_members` entries; its datagrams must fit `iface`'s MTU behind the
-/// 40-byte IPv6 header (at MTU 1500 at most 357 elements, where IPv4's
-/// default is 362).
+/// 40-byte IPv6 header (at MTU 1500 at most 356 elements, a ring
+/// fragment's count being even, where IPv4's default is 362).
 pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[IpAddr], pool: &xdp::RingPool) -> Result<Vec<(u32, abi::RingJob)>> {
     let mut out = Vec::with_capacity(config.rings.len());
     for ring in &config.rings {
@@ -411,7 +411,8 @@ pub fn ring_jobs(config: &Config, iface: &str, node_addrs: &[IpAddr], pool: &xdp
         let v6 = members.first().is_some_and(IpAddr::is_ipv6);
         if v6 {
             let mtu = crate::netif::interface_mtu(iface).with_context(|| format!("aggbox: reading the MTU of {iface}"))?;
-            let largest = crate::wire::proto::elements_per_fragment_in(mtu, true) as u32;
+            // Ring fragments are whole 8-byte words: an even count.
+            let largest = crate::wire::proto::elements_per_fragment_in(mtu, true) as u32 & !1;
             if ring.frag_elems > largest {
                 bail!(
                     "aggbox: ring {}: frag_elems {} does not fit {iface}'s MTU {mtu} over IPv6 (at most {largest}): set frag_elems (or [node] ring_frag_elems) to {largest}",
