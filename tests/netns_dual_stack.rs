@@ -9,6 +9,8 @@
 //!   TC), under 1 % loss on every switch port: every int32 result exact,
 //!   every float32 mean within its bound, on both jobs, with calls of the
 //!   two jobs running at the same time; the loss was injected and repaired.
+//!   BXOR on the IPv6 job goes through the node's AF_XDP user-space path,
+//!   exact.
 //! - IPv6 only: the hosts' IPv4 addresses are removed before the node
 //!   attaches; the node's control endpoint listens on `[::]`, four ranks
 //!   join a run there from their IPv6 addresses and get a job on demand
@@ -161,6 +163,29 @@ fn a_dual_stack_node_serves_an_ipv4_and_an_ipv6_job_at_once_exact_under_loss() {
     // Each job was reduced by the node's XDP program (not only passed
     // through): its counters took contributions and made RESULTs.
     assert_reduced_in_kernel(&attach, &[JOB4, JOB6]);
+
+    // An op the kernel does not run (BXOR) goes to the node's AF_XDP
+    // user-space path, which takes the IPv6 ranks' contributions and sends
+    // the IPv6 job's RESULTs back over IPv6: exact, every contribution
+    // handed over.
+    let handed = |job: u16| {
+        attach.status().jobs.iter().find(|j| j.id == job).and_then(|j| j.counters).map_or(0, |c| c.handed_to_userspace)
+    };
+    let before = handed(JOB6);
+    std::thread::scope(|s| {
+        for (r, c) in comms6.iter().enumerate() {
+            s.spawn(move || {
+                for (k, n) in [1usize, 1000].into_iter().cycle().take(6).enumerate() {
+                    let want: Vec<i32> = (0..n).map(|i| (0..WORKERS).fold(0, |x, q| x ^ ints(q, k, n)[i])).collect();
+                    let mut v = ints(r, k, n);
+                    c.allreduce(&mut v, Op::Bxor).unwrap_or_else(|e| panic!("IPv6 job: rank {r}: BXOR {k} of {n}: {e}"));
+                    assert!(v == want, "IPv6 job: rank {r}: BXOR {k} of {n} differs from the reference");
+                }
+            });
+        }
+    });
+    let handed = handed(JOB6) - before;
+    assert!(handed >= 6 * WORKERS as u64, "the user-space path took the IPv6 job's contributions: {handed} handed over");
 }
 
 /// The node's XDP program accepted contributions of each of `jobs` and
