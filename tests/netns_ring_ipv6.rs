@@ -22,6 +22,7 @@
 #[path = "../src/testing/testbed.rs"]
 #[allow(dead_code)]
 mod testbed;
+mod bpf_common;
 
 use std::fs::File;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6, UdpSocket};
@@ -67,21 +68,11 @@ struct Member {
 
 impl Member {
     fn ready(&self, round: u32, op: Op, input: &[i32]) {
-        let [data, _, ctrl] = self.dp.ring_memory_maps().expect("ring maps");
-        for f in 0..self.job.frags {
-            let mut v = vec![0u8; 4 * FRAG as usize];
-            for (i, x) in input.iter().skip((f * FRAG) as usize).take(FRAG as usize).enumerate() {
-                v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
-            }
-            data.update(&self.job.index(abi::Round(round), f).to_ne_bytes(), &v, MapFlags::ANY).expect("input");
-        }
-        let c = abi::RingCtrl { ready_round: round, state: abi::RING_READY, finals: 0, finals_round: round, op: op as u32, round_frags: 0, pad: [0; 10] };
-        ctrl.update(&self.dense.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).expect("ctrl");
+        bpf_common::ring::make_ready(&self.dp, self.dense, &self.job, round, op, input);
     }
 
     fn ctrl(&self) -> abi::RingCtrl {
-        let [_, _, ctrl] = self.dp.ring_memory_maps().expect("ring maps");
-        abi::from_bytes(&ctrl.lookup(&self.dense.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+        bpf_common::ring::ring_ctrl(&self.dp, self.dense)
     }
 
     /// Fragment `f`'s elements and ring_done entry in round `round`'s buffer.

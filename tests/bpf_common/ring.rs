@@ -21,6 +21,29 @@ pub const ME: usize = 1;
 pub const NEXT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x22];
 pub const OWN_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x11];
 
+/// What a member's runtime does for a call on ring `dense` of `dp`: `input`
+/// into round `round`'s buffer, fragment by fragment, then the round made
+/// ready for `op` in `ring_ctrl`.
+pub fn make_ready(dp: &XdpPlane, dense: u32, job: &abi::RingJob, round: u32, op: Op, input: &[i32]) {
+    let [data, _, ctrl] = dp.ring_memory_maps().expect("ring maps");
+    let frag = job.frag_elems;
+    for f in 0..job.frags {
+        let mut v = vec![0u8; 4 * frag as usize];
+        for (i, x) in input.iter().skip((f * frag) as usize).take(frag as usize).enumerate() {
+            v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+        }
+        data.update(&job.index(abi::Round(round), f).to_ne_bytes(), &v, MapFlags::ANY).expect("ring input");
+    }
+    let c = abi::RingCtrl { ready_round: round, state: abi::RING_READY, finals: 0, finals_round: round, op: op as u32, round_frags: 0, pad: [0; 10] };
+    ctrl.update(&dense.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).expect("ring ctrl");
+}
+
+/// Ring `dense`'s control block in `dp`.
+pub fn ring_ctrl(dp: &XdpPlane, dense: u32) -> abi::RingCtrl {
+    let [_, _, ctrl] = dp.ring_memory_maps().expect("ring maps");
+    abi::from_bytes(&ctrl.lookup(&dense.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+}
+
 pub fn members() -> Vec<Ipv4Addr> {
     (0..4).map(|i| Ipv4Addr::new(10, 88, 0, 11 + i)).collect()
 }
@@ -116,25 +139,7 @@ impl Ring {
 
     pub fn ready(&self, round: u32, op: Op, input: &[i32]) {
         self.round.set(round);
-        let [data, _, ctrl] = self.dp.ring_memory_maps().unwrap();
-        let frag = self.cfg.frag_elems;
-        for f in 0..self.cfg.frags() {
-            let mut v = vec![0u8; 4 * frag as usize];
-            for (i, x) in input.iter().skip((f * frag) as usize).take(frag as usize).enumerate() {
-                v[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
-            }
-            data.update(&self.index(f).to_ne_bytes(), &v, MapFlags::ANY).unwrap();
-        }
-        let c = abi::RingCtrl {
-            ready_round: round,
-            state: abi::RING_READY,
-            finals: 0,
-            finals_round: round,
-            op: op as u32,
-            round_frags: 0,
-            pad: [0; 10],
-        };
-        ctrl.update(&self.dense.to_ne_bytes(), abi::as_bytes(&c), MapFlags::ANY).unwrap();
+        make_ready(&self.dp, self.dense, &self.job, round, op, input);
     }
 
     /// Fragment `f`'s entry in the ready round's buffer.
@@ -154,8 +159,7 @@ impl Ring {
     }
 
     pub fn ctrl(&self) -> abi::RingCtrl {
-        let [_, _, ctrl] = self.dp.ring_memory_maps().unwrap();
-        abi::from_bytes(&ctrl.lookup(&self.dense.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap()).unwrap()
+        ring_ctrl(&self.dp, self.dense)
     }
 
     pub fn stat(&self, s: RingStat) -> u64 {
